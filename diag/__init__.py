@@ -1,0 +1,11 @@
+"""diag: find what starves a GPU during LLM fine-tuning and pre-training, prove it, run the fix.
+
+Experiments are functions `run_*(cfg) -> DataFrame` in one module per noun (`storage`, `models`,
+`loader`, `accum`, `qlora`); `amdahl`, `plots` and `report` consume their frames. Heavy libraries
+(torch, transformers, boto3) are imported inside the functions that need them, so this is fast.
+"""
+
+from diag.timing import StageTimer
+
+__version__ = "0.1.0"
+__all__ = ["StageTimer", "__version__"]

@@ -1,0 +1,165 @@
+"""`python -m diag <experiment> [--key value ...]`: the notebooks' runs, without a notebook.
+
+Each experiment's flags are generated from its config dataclass, so the CLI and the notebooks
+share one set of names and defaults; `--quick` takes the test-sized variant. The result table is
+printed; `--csv FILE` also writes it. User errors (unknown flag, bad value, missing package or
+hardware) print one line and exit 2; set DIAG_DEBUG=1 to see the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from diag import config
+from diag.secrets import redact
+
+
+@dataclass(frozen=True)
+class Experiment:
+    config: type[config.ExperimentConfig]
+    runner: str  # "module:function", imported only when the experiment runs
+    help: str
+
+
+EXPERIMENTS: dict[str, Experiment] = {
+    "info": Experiment(config.InfoConfig, "diag.device:run_info",
+                       "what this machine is: accelerator, dense peak FLOP/s, CPU, RAM, disks"),
+    "toy": Experiment(config.ToyStepConfig, "diag.toy:run_toy_step",
+                      "a timed toy training loop: data_wait, h2d and compute per step"),
+    # -- storage --
+    # -- model-load --
+    "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_all",
+                      "the whole diagnosis on one source: every experiment, then the report"),
+    "report": Experiment(config.ReportConfig, "diag.report:render_config",
+                         "re-render a run folder's figures and report.html from its CSVs"),
+}
+
+
+class UsageError(Exception):
+    """A mistake in the command line: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # argparse's default prints usage + 2 lines
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
+    """argparse kwargs for one dataclass field type."""
+    origin = typing.get_origin(hint)
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _flag_type(args[0])
+    if hint is bool:
+        return bool, {"action": argparse.BooleanOptionalAction}
+    if origin in (list, tuple):
+        item = args[0] if args else str
+        return list, {"type": _list_of(item), "metavar": f"{item.__name__.upper()},..."}
+    if hint in (int, float, str):
+        return hint, {"type": hint, "metavar": hint.__name__.upper()}
+    return str, {"type": str, "metavar": "VALUE"}
+
+
+def _list_of(item: type) -> Any:
+    def parse(text: str) -> list[Any]:
+        try:
+            return [item(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a comma-separated list of {item.__name__}"
+            ) from None
+
+    parse.__name__ = f"list of {item.__name__}"
+    return parse
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+
+
+def build_parser() -> _Parser:
+    parser = _Parser(prog="python -m diag", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", parser_class=_Parser)
+    for name, exp in EXPERIMENTS.items():
+        p = sub.add_parser(name, help=exp.help, description=exp.help)
+        p.add_argument("--quick", action="store_true", help="the test-sized variant (also DIAG_QUICK=1)")
+        p.add_argument("--csv", metavar="FILE", help="also write the result table to FILE")
+        hints = typing.get_type_hints(exp.config)
+        positional = getattr(exp.config, "POSITIONAL", ())
+        for f in dataclasses.fields(exp.config):
+            _, kwargs = _flag_type(hints[f.name])
+            if f.name in positional:
+                p.add_argument(f.name, **kwargs)
+                continue
+            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
+                           help=f"default: {_default(f)!r}", **kwargs)
+    return parser
+
+
+def parse(argv: list[str]) -> tuple[str, config.ExperimentConfig, argparse.Namespace]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.experiment:
+        raise UsageError("python -m diag: name an experiment: " + ", ".join(EXPERIMENTS))
+    exp = EXPERIMENTS[args.experiment]
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(exp.config)
+                 if hasattr(args, f.name)}
+    cfg = exp.config.quick(**overrides) if args.quick else exp.config.default(**overrides)
+    return args.experiment, cfg, args
+
+
+def run(name: str, cfg: config.ExperimentConfig) -> Any:
+    module, function = EXPERIMENTS[name].runner.split(":")
+    return getattr(importlib.import_module(module), function)(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        name, cfg, args = parse(argv)
+        result = run(name, cfg)
+    except (UsageError, ValueError, RuntimeError, FileNotFoundError, PermissionError,
+            ModuleNotFoundError) as err:
+        own_module = isinstance(err, ModuleNotFoundError) and (err.name or "").startswith("diag")
+        if os.environ.get("DIAG_DEBUG") or own_module:  # a broken diag install is a bug, not usage
+            raise
+        print(redact(_one_line(err)), file=sys.stderr)
+        return 2
+    if result is not None:
+        _show(result, getattr(args, "csv", None))
+    return 0
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, UsageError):
+        return str(err)
+    if isinstance(err, ModuleNotFoundError):
+        return (f"diag: this experiment needs the package {err.name!r}, which is not installed; "
+                "install the extras with: pip install -e '.[all]' (or run `make demo`)")
+    text = " ".join(str(err).split()) or type(err).__name__
+    return f"diag: {type(err).__name__}: {text}"
+
+
+def _show(result: Any, csv: str | None) -> None:
+    import pandas as pd
+
+    if isinstance(result, pd.DataFrame):
+        with pd.option_context("display.max_rows", 200, "display.width", 160,
+                               "display.max_colwidth", 80):
+            print(redact(result.to_string(index=False)))
+        if csv:
+            result.to_csv(csv, index=False)
+    else:
+        print(redact(str(result)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Where a run's wall clock goes, and what an upgrade or a fix would buy (Amdahl's law).
+
+Input: StageTimer frames (`stage`, `seconds`, `step`; optional `run` to compare runs). Run-level
+stages count as measured; step-level stages are scaled to the whole run (per-step median x
+steps), so a 50-step measurement answers for a 10,000-step run. A speedup k on a stage divides
+its seconds by k (inf removes it); the other stages set the floor no upgrade can go below.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import pandas as pd
+
+from diag.timing import LOAD_PARTS, RUN_STAGES, STAGES, STEP_STAGES
+
+# Run-level stages that contain the step-level ones (their time is shown split into steps).
+_CONTAINERS = ("train",)
+# Share of step time above which data_wait is flagged, and above which it is noted.
+DATA_WAIT_FLAG = 0.10
+DATA_WAIT_NOTE = 0.02
+
+# One fix per stage: what to do about it. A finding is emitted only with a measured number.
+FIXES = {
+    "fetch_data": "land the dataset on local NVMe once and reuse it (diag.storage.stage)",
+    "load_model": "keep the HF cache on local NVMe (persistent HF_HOME) and set HF_HUB_OFFLINE=1",
+    "preprocess": "tokenize once and cache the result, or tokenize with several processes",
+    "warmup": "warm-up is paid once per start; fewer restarts or a cached compile cut it",
+    "data_wait": "raise DataLoader num_workers, pin_memory=True, prefetch: the GPU waits on data",
+    "h2d": "pin host memory and copy with non_blocking=True to overlap the copy with compute",
+    "checkpoint": "checkpoint less often or asynchronously, to local disk first",
+    "eval": "evaluate less often or on a smaller split",
+    "other": "look at per-step overhead outside data, copy and compute (logging, syncs)",
+    "compute": "a faster GPU, or a higher MFU (larger micro-batch, fused kernels, bf16)",
+}
+
+
+def _check(frame: pd.DataFrame) -> pd.DataFrame:
+    if not isinstance(frame, pd.DataFrame) or frame.empty:
+        raise ValueError("frame is empty: pass a StageTimer frame with stage and seconds rows")
+    missing = {"stage", "seconds"} - set(frame.columns)
+    if missing:
+        raise ValueError(f"frame lacks column(s) {sorted(missing)}: needs stage and seconds")
+    unknown = sorted(set(frame["stage"]) - set(STAGES))
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}: allowed stages are {', '.join(STAGES)}")
+    negative = frame[frame["seconds"] < 0]
+    if not negative.empty:
+        row = negative.iloc[0]
+        raise ValueError(f"negative duration {row['seconds']!r} s for stage {row['stage']!r}: "
+                         "durations must be >= 0")
+    frame = frame.copy()
+    if "run" not in frame.columns:
+        frame["run"] = "run"
+    if "step" not in frame.columns:
+        frame["step"] = pd.NA
+    return frame
+
+
+def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any]]:
+    rows = []
+    steps = frame[frame["stage"].isin(STEP_STAGES)]
+    measured_steps = int(steps["step"].nunique()) if not steps.empty else 0
+    n = total_steps or measured_steps
+    for stage in RUN_STAGES:
+        if stage in _CONTAINERS and measured_steps:
+            continue  # shown as its step-level parts below
+        part = frame[frame["stage"] == stage]
+        seconds = float(part["seconds"].sum())
+        if stage == "load_model" and part.empty:  # parts only: their sum is the load
+            seconds = float(frame[frame["stage"].isin(LOAD_PARTS)]["seconds"].sum())
+            part = frame[frame["stage"].isin(LOAD_PARTS)]
+        if not part.empty:
+            rows.append({"stage": stage, "level": "run", "seconds": seconds,
+                         "basis": f"measured ({len(part)} interval{'s' * (len(part) != 1)})"})
+    if measured_steps:
+        per_step = steps.groupby(["stage", "step"])["seconds"].sum()
+        train = float(frame.loc[frame["stage"] == "train", "seconds"].sum())
+        # Loop time inside train not covered by a step stage is per-step overhead: "other".
+        residual = max(train - float(steps["seconds"].sum()), 0.0) / measured_steps
+        present = set(per_step.index.get_level_values("stage"))
+        for stage in STEP_STAGES:
+            median = float(per_step[stage].median()) if stage in present else 0.0
+            if stage == "other":
+                median += residual
+            if median == 0.0 and stage not in present:
+                continue
+            scaled = "projected" if n != measured_steps else "measured"
+            rows.append({"stage": stage, "level": "step", "seconds": median * n,
+                         "basis": f"{scaled}: median {median:.4g} s/step x {n} steps "
+                                  f"({measured_steps} measured)"})
+    return rows
+
+
+def shares(frame: pd.DataFrame, total_steps: int | None = None) -> pd.DataFrame:
+    """Seconds and share of the whole run per stage (and per `run` when the frame has several).
+
+    total_steps scales step-level stages to a run longer than the one measured.
+    """
+    if total_steps is not None and (isinstance(total_steps, bool) or total_steps <= 0):
+        raise ValueError(f"total_steps={total_steps!r}: must be a whole number > 0")
+    frame = _check(frame)
+    out = []
+    for run, part in frame.groupby("run", sort=False):
+        rows = _one_run(part, total_steps)
+        total = sum(r["seconds"] for r in rows)
+        for r in rows:
+            out.append({"run": run, **r, "share": r["seconds"] / total if total else 0.0})
+    return pd.DataFrame(out, columns=["run", "stage", "level", "seconds", "share", "basis"])
+
+
+def _check_speedup(speedup: Mapping[str, float]) -> None:
+    for stage, k in speedup.items():
+        if stage not in STAGES:
+            raise ValueError(f"speedup for unknown stage {stage!r}: allowed stages are "
+                             f"{', '.join(RUN_STAGES + STEP_STAGES)}")
+        if isinstance(k, bool) or not isinstance(k, (int, float)) or math.isnan(k) or k <= 0:
+            raise ValueError(f"speedup[{stage!r}]={k!r}: must be a number > 0 "
+                             "(float('inf') removes the stage)")
+
+
+def project(frame: pd.DataFrame, speedup: Mapping[str, float],
+            total_steps: int | None = None) -> pd.DataFrame:
+    """Predicted seconds per stage and in total after making stages k times faster.
+
+    Rows per run: each stage (`seconds_before`, `speedup`, `seconds_after`) and a `total` row.
+    """
+    _check_speedup(speedup)
+    table = shares(frame, total_steps)
+    table["speedup"] = table["stage"].map(lambda s: float(speedup.get(s, 1.0)))
+    table["seconds_after"] = table["seconds"] / table["speedup"]  # k = inf gives 0 s
+    table = table.rename(columns={"seconds": "seconds_before"})
+    totals = (table.groupby("run", sort=False)[["seconds_before", "seconds_after"]].sum()
+              .reset_index().assign(stage="total", level="total", share=1.0, basis="sum"))
+    totals["speedup"] = totals["seconds_before"] / totals["seconds_after"].where(
+        totals["seconds_after"] > 0)
+    cols = ["run", "stage", "level", "seconds_before", "speedup", "seconds_after", "share", "basis"]
+    return pd.concat([table[cols], totals[cols]], ignore_index=True)
+
+
+def compute_ratio(from_device: str, to_device: str, dtype: str = "bf16") -> float:
+    """Ratio of the two GPUs' dense peaks from diag.device's table; unknown GPUs are an error."""
+    from diag.device import GPUS, dense_peak_flops, find_gpu
+
+    peaks = {}
+    for name in (from_device, to_device):
+        peak = dense_peak_flops(name, dtype)
+        if peak is None:
+            known = ", ".join(g.name for g in GPUS)
+            what = "unknown GPU" if find_gpu(name) is None else f"no dense {dtype} figure for"
+            raise ValueError(f"{what} {name!r}: allowed devices are {known}")
+        peaks[name] = peak
+    return peaks[to_device] / peaks[from_device]
+
+
+def upgrade(frame: pd.DataFrame, from_device: str, to_device: str, dtype: str = "bf16",
+            total_steps: int | None = None) -> pd.DataFrame:
+    """project() with compute sped up by the ratio of the two devices' dense peaks.
+
+    The assumption (compute scales with dense peak FLOP/s) is stated in the `assumption` column;
+    real speedups are lower when the step is memory-bound or the kernels are small.
+    """
+    ratio = compute_ratio(from_device, to_device, dtype)
+    table = project(frame, {"compute": ratio, "warmup": ratio}, total_steps)
+    table["assumption"] = (f"compute and warmup scale with the dense {dtype} peak ratio "
+                           f"{to_device}/{from_device} = {ratio:.2f}x; the other stages do not "
+                           "change with the GPU")
+    return table
+
+
+def infer_compute_share(t_before: float, t_after: float, compute_speedup: float) -> dict[str, float]:
+    """Inverse Amdahl: split the first run into compute and the rest from two end-to-end times.
+
+    t_before = C + N and t_after = C / k + N give C = (t_before - t_after) / (1 - 1/k).
+    """
+    for name, value in (("t_before", t_before), ("t_after", t_after)):
+        if not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name}={value!r}: must be a duration > 0")
+    if not isinstance(compute_speedup, (int, float)) or not compute_speedup > 1:
+        raise ValueError(f"compute_speedup={compute_speedup!r}: must be > 1 (the new GPU is faster)")
+    if t_after > t_before:
+        raise ValueError(f"t_after={t_after!r} > t_before={t_before!r}: a faster GPU cannot "
+                         "make the run slower under Amdahl's law; check the two times")
+    compute = (t_before - t_after) / (1 - 1 / compute_speedup)
+    if compute > t_before:
+        raise ValueError(f"t_after={t_after!r} is below t_before / compute_speedup = "
+                         f"{t_before / compute_speedup:.4g}: faster than the compute ratio allows")
+    return {"compute": compute, "not_compute": t_before - compute,
+            "compute_share": compute / t_before, "not_compute_share": 1 - compute / t_before,
+            "compute_after": compute / compute_speedup, "t_after": t_after}
+
+
+def findings(frame: pd.DataFrame, extra: pd.DataFrame | None = None,
+             total_steps: int | None = None) -> pd.DataFrame:
+    """Fixes ranked by seconds saved, each resting on measured rows (no finding without a number).
+
+    Stage findings assume the stage removed (its seconds saved, an upper bound) except compute,
+    which is never removed. `extra` adds findings other experiments measured (columns `stage`,
+    `finding`, `seconds_saved`, `evidence`), e.g. the storage tax or a cached model load.
+    """
+    table = shares(frame, total_steps)
+    rows = []
+    for run, part in table.groupby("run", sort=False):
+        step_total = part.loc[part["level"] == "step", "seconds"].sum()
+        for r in part.itertuples():
+            if r.stage == "compute" or r.seconds <= 0:
+                continue
+            severity = "fix"
+            if r.stage == "data_wait":
+                ratio = r.seconds / step_total if step_total else 0.0
+                if ratio <= DATA_WAIT_NOTE:
+                    continue
+                severity = "flag" if ratio > DATA_WAIT_FLAG else "note"
+            rows.append({"run": run, "stage": r.stage, "finding": FIXES[r.stage],
+                         "seconds_saved": r.seconds, "share_of_run": r.share,
+                         "severity": severity, "evidence": f"{r.stage}: {r.seconds:.4g} s, "
+                         f"{r.share:.1%} of the run; {r.basis}"})
+    if extra is not None and not extra.empty:
+        runs = list(table["run"].unique())
+        totals = table.groupby("run")["seconds"].sum()
+        for r in extra.itertuples():
+            run = getattr(r, "run", runs[0]) if "run" in extra.columns else runs[0]
+            total = totals.get(run, float("nan"))
+            rows.append({"run": run, "stage": r.stage, "finding": r.finding,
+                         "seconds_saved": float(r.seconds_saved),
+                         "share_of_run": float(r.seconds_saved) / total if total else float("nan"),
+                         "severity": "fix", "evidence": r.evidence})
+    cols = ["rank", "run", "stage", "finding", "seconds_saved", "share_of_run", "severity",
+            "evidence"]
+    if not rows:
+        return pd.DataFrame(columns=cols)
+    out = pd.DataFrame(rows).sort_values("seconds_saved", ascending=False, kind="stable")
+    out["rank"] = out.groupby("run", sort=False).cumcount() + 1
+    return out[cols].reset_index(drop=True)

@@ -1,0 +1,185 @@
+"""One dataclass per experiment: literal defaults with a comment each, `quick()` for tests.
+
+Every experiment takes its config as its only argument; the CLI builds `--key value` flags from
+the same fields, so notebooks and the command line share one set of names and defaults.
+Validation happens in `__post_init__` and names the field and what is allowed.
+`DIAG_QUICK=1` (read here only) makes `default()` return the `quick()` variant; `DIAG_HOME` is
+where diag keeps what it makes (the embedded dataset, model, hub and caches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+T = TypeVar("T", bound="ExperimentConfig")
+
+
+def quick_mode() -> bool:
+    """True when DIAG_QUICK is set to anything but '', '0', 'false' or 'no'."""
+    return os.environ.get("DIAG_QUICK", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def diag_home() -> Path:
+    """Where diag keeps generated assets and caches: $DIAG_HOME, else ~/.cache/diag."""
+    home = os.environ.get("DIAG_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "diag"
+
+
+@dataclass
+class ExperimentConfig:
+    """Base of every experiment config: validation, quick variant, dict round-trip."""
+
+    # overrides applied by quick(): the test-sized variant of this experiment
+    QUICK: ClassVar[dict[str, Any]] = {}
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field and what is allowed. Subclasses extend."""
+
+    @classmethod
+    def quick(cls: type[T], **overrides: Any) -> T:
+        """The test-sized variant: seconds, not minutes."""
+        return cls(**{**cls.QUICK, **overrides})
+
+    @classmethod
+    def default(cls: type[T], **overrides: Any) -> T:
+        """quick() under DIAG_QUICK=1, else the full defaults."""
+        return cls.quick(**overrides) if quick_mode() else cls(**overrides)
+
+    def replace(self: T, **changes: Any) -> T:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    # -- checks shared by every experiment ------------------------------------------------
+    def _positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{type(self).__name__}.{name}={value!r}: must be a number > 0")
+
+    def _non_negative(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{type(self).__name__}.{name}={value!r}: must be a number >= 0")
+
+    def _choice(self, name: str, allowed: tuple[Any, ...]) -> None:
+        value = getattr(self, name)
+        if value not in allowed:
+            raise ValueError(
+                f"{type(self).__name__}.{name}={value!r}: allowed values are "
+                + ", ".join(repr(a) for a in allowed)
+            )
+
+    def _positive_list(self, name: str) -> None:
+        values = getattr(self, name)
+        if not isinstance(values, (list, tuple)) or not values:
+            raise ValueError(f"{type(self).__name__}.{name}={values!r}: must be a non-empty list")
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(
+                    f"{type(self).__name__}.{name}={values!r}: every value must be a number > 0"
+                )
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+@dataclass
+class InfoConfig(ExperimentConfig):
+    """`diag info`: what this machine is."""
+
+    probe: bool = True  # time a matmul on CPU to report a measured peak (no table entry for CPUs)
+    probe_size: int = 1024  # matrix side of the CPU probe; larger is steadier and slower
+
+    QUICK: ClassVar[dict[str, Any]] = {"probe_size": 256}
+
+    def validate(self) -> None:
+        self._positive("probe_size")
+
+
+@dataclass
+class ToyStepConfig(ExperimentConfig):
+    """A timed toy training loop: the smallest run that exercises every step-level stage."""
+
+    steps: int = 50  # optimizer steps timed (after warmup_steps)
+    warmup_steps: int = 5  # untimed first steps: allocator, kernel selection
+    batch_size: int = 32  # samples per step
+    width: int = 512  # hidden width of the toy MLP; compute grows with width^2
+    prep_ms: float = 0.0  # synthetic per-batch preprocessing cost, to make data_wait visible
+    num_workers: int = 0  # DataLoader workers; more overlap preprocessing with compute
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+
+    QUICK: ClassVar[dict[str, Any]] = {"steps": 10, "warmup_steps": 2, "width": 128}
+
+    def validate(self) -> None:
+        self._positive("steps", "batch_size", "width")
+        self._non_negative("warmup_steps", "prep_ms", "num_workers")
+        self._choice("device", ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class ReportConfig(ExperimentConfig):
+    """`diag report DIR`: re-render a run folder's figures and report.html from its CSVs."""
+
+    folder: str = ""  # the run folder, e.g. runs/20261130T120000Z
+
+    POSITIONAL: ClassVar[tuple[str, ...]] = ("folder",)
+
+    def validate(self) -> None:
+        if not self.folder:
+            raise ValueError("ReportConfig.folder='': name a run folder (e.g. runs/<timestamp>)")
+
+
+# -- storage (diag.storage) ----------------------------------------------------------------------
+
+# -- model load (diag.models) --------------------------------------------------------------------
+
+
+@dataclass
+class DiagnoseConfig(ExperimentConfig):
+    """`diag run`: every experiment on one source, a naive and an optimized run, the report."""
+
+    out: str = ""  # run folder to write; "" makes runs/<UTC timestamp>/
+    steps: int = 60  # timed toy steps per run (naive and optimized)
+    prep_ms: float = 3.0  # host preprocessing per batch: what num_workers has to hide
+    naive_workers: int = 0  # DataLoader workers of the naive run (preprocessing in the loop)
+    optimized_workers: int = 2  # DataLoader workers of the optimized run
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+
+    QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0}
+
+    def validate(self) -> None:
+        self._positive("steps")
+        self._non_negative("prep_ms", "naive_workers", "optimized_workers")
+        self._choice("device", ("auto", "cpu", "cuda"))
+
+
+def as_path(value: str | os.PathLike[str] | None) -> Path | None:
+    return None if value in (None, "") else Path(value).expanduser()
+
+
+__all__ = [
+    "ExperimentConfig",
+    "DiagnoseConfig",
+    "InfoConfig",
+    "ReportConfig",
+    "ToyStepConfig",
+    "diag_home",
+    "quick_mode",
+    "field",
+    "as_path",
+]

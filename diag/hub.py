@@ -1,0 +1,313 @@
+"""A read-only Hugging Face hub endpoint on loopback: the download protocol, nothing more.
+
+`publish_model()` lays a model folder into a hub root (one folder per commit, a manifest of sizes
+and sha256 written once); `serve()` answers what huggingface_hub and transformers ask: model info,
+tree listings, HEAD/GET `resolve/{rev}/{file}` with ETag, X-Repo-Commit and ranges, and the hub's
+404 codes (RepoNotFound, RevisionNotFound, EntryNotFound). Large files act like LFS: their ETag
+is the content's sha256, so a cache blob's name is its checksum. Run: `python -m diag.hub`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+
+_HOST = "127.0.0.1"
+
+
+# -- the hub: layout, publishing, and the HTTP handler -------------------------------------------
+#   root/<org>/<name>/commits/<sha>/...files     one folder per published revision
+#   root/<org>/<name>/commits/<sha>/.diag-manifest.json   sizes, sha256, blob ids (written once)
+#   root/<org>/<name>/refs/<quoted revision>     text: the commit sha a branch/tag points to
+# A plain model folder at root/<org>/<name>/ (no refs/) is served too, as revision "main",
+# its manifest computed once on first request.
+
+_MANIFEST = ".diag-manifest.json"
+_LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".onnx", ".msgpack")
+_SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+def _is_lfs(path: str, size: int) -> bool:
+    return path.endswith(_LFS_SUFFIXES) or size > 10 * 2**20
+
+
+def _git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _file_entry(path: Path, rel: str) -> dict[str, Any]:
+    sha256, git = hashlib.sha256(), None
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if _is_lfs(rel, size):
+            for chunk in iter(lambda: f.read(8 << 20), b""):
+                sha256.update(chunk)
+        else:
+            data = f.read()
+            sha256.update(data)
+            git = _git_blob_sha1(data)
+    entry = {"size": size, "sha256": sha256.hexdigest(), "lfs": git is None}
+    if git is None:  # the git blob of an LFS file is its pointer, as on the real hub
+        pointer = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{entry['sha256']}\n"
+                   f"size {size}\n").encode()
+        entry["blob_id"], entry["pointer_size"] = _git_blob_sha1(pointer), len(pointer)
+    else:
+        entry["blob_id"] = git
+    return entry
+
+
+def _manifest_for(folder: Path, repo_id: str) -> dict[str, Any]:
+    files = {
+        p.relative_to(folder).as_posix(): _file_entry(p, p.relative_to(folder).as_posix())
+        for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".diag-")
+    }
+    digest = hashlib.sha1(repo_id.encode())  # content-addressed: same files, same commit
+    for rel, e in files.items():
+        digest.update(f"\n{rel} {e['sha256']}".encode())
+    return {"repo_id": repo_id, "commit": digest.hexdigest(), "files": files,
+            "last_modified": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())}
+
+
+def publish_model(
+    src_dir: str | os.PathLike[str], hub_root: str | os.PathLike[str], repo_id: str,
+    revision: str = "main",
+) -> str:
+    """Lay `src_dir` into the hub at `repo_id`@`revision` and return its commit sha.
+
+    Files are hardlinked when possible (copied across filesystems). The commit folder appears by
+    one rename and the ref is replaced atomically, so an interrupted publish leaves no half repo.
+    """
+    src, root = Path(src_dir), Path(hub_root)
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise ValueError(f"repo_id={repo_id!r}: must look like 'org/name'")
+    if not src.is_dir():
+        raise ValueError(f"src_dir={str(src)!r}: not a folder")
+    manifest = _manifest_for(src, repo_id)
+    commit = manifest["commit"]
+    repo = root / repo_id
+    final = repo / "commits" / commit
+    if not final.exists():
+        tmp = final.with_name(f".tmp-{commit}-{uuid.uuid4().hex[:8]}")
+        try:
+            for rel in manifest["files"]:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(src / rel, tmp / rel)
+                except OSError:
+                    shutil.copy2(src / rel, tmp / rel)
+            (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1))
+            os.rename(tmp, final)
+        except OSError:
+            if not final.exists():
+                raise
+            # a concurrent publish of the same content won the rename: identical, so fine
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    refs = repo / "refs"
+    refs.mkdir(parents=True, exist_ok=True)
+    tmp_ref = refs / f".tmp-{uuid.uuid4().hex[:8]}"
+    tmp_ref.write_text(commit)
+    os.replace(tmp_ref, refs / quote(revision, safe=""))
+    return commit
+
+
+
+class _HubError(Exception):
+    def __init__(self, code: str, message: str, commit: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.commit = code, commit
+
+
+class _HubIndex:
+    """Resolves repo@revision to (commit folder, manifest); manifests are read or hashed once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._manifests: dict[Path, dict[str, Any]] = {}
+
+    def _manifest(self, folder: Path, repo_id: str, stored: bool) -> dict[str, Any]:
+        if folder not in self._manifests:  # a race only hashes twice: same result
+            self._manifests[folder] = (json.loads((folder / _MANIFEST).read_text()) if stored
+                                       else _manifest_for(folder, repo_id))
+        return self._manifests[folder]
+
+    def resolve(self, repo_id: str, revision: str) -> tuple[Path, dict[str, Any]]:
+        parts = repo_id.split("/")
+        repo = self.root.joinpath(*parts)
+        if len(parts) != 2 or not all(parts) or ".." in parts or parts[0] == "." or not repo.is_dir():
+            raise _HubError("RepoNotFound", f"Repository {repo_id} not found")
+        if not (repo / "refs").is_dir():  # a plain folder: one revision, "main"
+            manifest = self._manifest(repo, repo_id, stored=False)
+            if revision not in ("main", manifest["commit"]):
+                raise _HubError("RevisionNotFound", f"Invalid rev id: {revision}")
+            return repo, manifest
+        commit = revision if _SHA_RE.match(revision) else None
+        if commit is None or not (repo / "commits" / commit).is_dir():
+            ref = repo / "refs" / quote(revision, safe="")
+            if not ref.is_file():
+                raise _HubError("RevisionNotFound", f"Invalid rev id: {revision}")
+            commit = ref.read_text().strip()
+        folder = repo / "commits" / commit
+        return folder, self._manifest(folder, repo_id, stored=True)
+
+
+def _tree(manifest: dict[str, Any], prefix: str, recursive: bool) -> list[dict[str, Any]]:
+    files = manifest["files"]
+    base = prefix.strip("/") + "/" if prefix.strip("/") else ""
+    under = [p for p in files if p.startswith(base)]
+    if base and not under:
+        raise _HubError("EntryNotFound", f"{prefix} does not exist on {manifest['commit']}",
+                        manifest["commit"])
+    dirs = {"/".join(p.split("/")[:i]) for p in under for i in range(1, p.count("/") + 1)}
+    dirs = {d for d in dirs if d.startswith(base) and (recursive or "/" not in d[len(base):])}
+    out: list[dict[str, Any]] = [
+        {"type": "directory", "path": d, "size": 0,
+         "oid": hashlib.sha1(f"{manifest['commit']}:{d}".encode()).hexdigest()} for d in sorted(dirs)
+    ]
+    for p in under:
+        if not recursive and "/" in p[len(base):]:
+            continue
+        e = files[p]
+        entry: dict[str, Any] = {"type": "file", "path": p, "size": e["size"], "oid": e["blob_id"]}
+        if e["lfs"]:
+            entry["lfs"] = {"oid": e["sha256"], "size": e["size"], "pointerSize": e["pointer_size"]}
+        out.append(entry)
+    return out
+
+
+def _model_info(repo_id: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    siblings = []
+    for p, e in manifest["files"].items():
+        sib: dict[str, Any] = {"rfilename": p, "size": e["size"], "blobId": e["blob_id"]}
+        if e["lfs"]:
+            sib["lfs"] = {"sha256": e["sha256"], "size": e["size"], "pointerSize": e["pointer_size"]}
+        siblings.append(sib)
+    stamp = manifest["last_modified"]
+    return {"_id": manifest["commit"][:24], "id": repo_id, "modelId": repo_id,
+            "sha": manifest["commit"], "private": False, "gated": False, "disabled": False,
+            "downloads": 0, "likes": 0, "tags": [], "library_name": "transformers",
+            "createdAt": stamp, "lastModified": stamp, "siblings": siblings}
+
+
+def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
+    """Serve the hub download protocol until killed (the HubServer subprocess runs this)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import parse_qs, unquote, urlsplit
+
+    index = _HubIndex(root)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as the real hub; every reply sets a length
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            if verbose:
+                super().log_message(fmt, *args)
+
+        def do_HEAD(self) -> None:
+            self._route(body=False)
+
+        def do_GET(self) -> None:
+            self._route(body=True)
+
+        def _reply(self, status: int, headers: dict[str, str], payload: bytes, body: bool) -> None:
+            self.send_response(status)
+            for k, v in {**headers, "Content-Length": str(len(payload))}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            if body:
+                self.wfile.write(payload)
+
+        def _json(self, obj: Any, body: bool) -> None:
+            self._reply(200, {"Content-Type": "application/json"}, json.dumps(obj).encode(), body)
+
+        def _route(self, body: bool) -> None:
+            url = urlsplit(self.path)
+            segs = [unquote(s) for s in url.path.split("/")[1:]]
+            query = parse_qs(url.query)
+            try:
+                if segs[:2] == ["api", "models"] and len(segs) >= 4:
+                    repo_id, rest = "/".join(segs[2:4]), segs[4:]
+                    if not rest or (rest[0] == "revision" and len(rest) == 2):
+                        _, manifest = index.resolve(repo_id, rest[1] if rest else "main")
+                        return self._json(_model_info(repo_id, manifest), body)
+                    if rest[0] == "tree" and len(rest) >= 2:
+                        _, manifest = index.resolve(repo_id, rest[1])
+                        recursive = query.get("recursive", ["false"])[0].lower() in ("true", "1")
+                        return self._json(_tree(manifest, "/".join(rest[2:]), recursive), body)
+                elif len(segs) >= 5 and segs[2] == "resolve":
+                    return self._file("/".join(segs[:2]), segs[3], "/".join(segs[4:]), body)
+                elif segs[:1] == ["api"] or (len(segs) >= 3 and "resolve" in segs[:4]):
+                    # datasets, spaces, one-segment ids: not served here, so "not found"
+                    raise _HubError("RepoNotFound", f"Repository for {url.path} not found")
+                self._reply(404, {"Content-Type": "text/plain"}, b"Not Found", body)
+            except _HubError as e:
+                headers = {"X-Error-Code": e.code, "X-Error-Message": str(e),
+                           "Content-Type": "application/json"}
+                if e.commit:
+                    headers["X-Repo-Commit"] = e.commit
+                self._reply(404, headers, json.dumps({"error": str(e)}).encode(), body)
+
+        def _file(self, repo_id: str, revision: str, rel: str, body: bool) -> None:
+            folder, manifest = index.resolve(repo_id, revision)
+            entry = manifest["files"].get(rel)
+            if entry is None:
+                raise _HubError("EntryNotFound", f"{rel} does not exist on {revision}",
+                                manifest["commit"])
+            size = entry["size"]
+            # LFS files: ETag is the content's sha256, so a cache blob is named by its hash
+            etag = entry["sha256"] if entry["lfs"] else entry["blob_id"]
+            headers = {"X-Repo-Commit": manifest["commit"], "ETag": f'"{etag}"',
+                       "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+            if entry["lfs"]:
+                headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(size)})
+            start, end, status = 0, size - 1, 200
+            m = re.fullmatch(r"bytes=(\d*)-(\d*)", self.headers.get("Range", "").strip())
+            if m and (m[1] or m[2]):
+                if m[1]:
+                    start, end = int(m[1]), min(int(m[2]) if m[2] else size - 1, size - 1)
+                else:  # suffix range: the last N bytes
+                    start = max(size - int(m[2]), 0)
+                if start >= size or start > end:
+                    headers["Content-Range"] = f"bytes */{size}"
+                    return self._reply(416, headers, b"", body)
+                status, headers["Content-Range"] = 206, f"bytes {start}-{end}/{size}"
+            self.send_response(status)
+            for k, v in {**headers, "Content-Length": str(end - start + 1)}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            if body and end >= start:
+                with open(folder / rel, "rb") as f:
+                    self.connection.sendfile(f, start, end - start + 1)  # zero-copy
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 128  # parallel downloads open many connections at once
+
+    Server((host, port), Handler).serve_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m diag.hub", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    hub = sub.add_parser("hub", help="serve a hub root over HTTP (the HF_ENDPOINT protocol)")
+    hub.add_argument("--root", required=True, help="folder laid out by publish_model")
+    hub.add_argument("--host", default=_HOST)
+    hub.add_argument("--port", type=int, required=True)
+    hub.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    args = parser.parse_args(argv)
+    serve(Path(args.root), args.host, args.port, verbose=args.verbose)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""Embedded defaults: an S3-compatible server and a Hugging Face hub endpoint on 127.0.0.1.
+
+Both run as subprocesses in their own process group (so they never share the GIL with the client
+being timed, and `stop()` leaves nothing behind) and speak the real protocols: clients use plain
+boto3 with an endpoint URL, and huggingface_hub / transformers with `HF_ENDPOINT`, which
+huggingface_hub reads once, when `huggingface_hub.constants` is first imported (`import
+transformers` does that): set it before, e.g. a subprocess with `env={**os.environ, **hub.env()}`,
+or pass `endpoint=` to huggingface_hub calls. `ensure_assets()` makes the dataset and model once.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from diag.config import diag_home
+from diag.hub import publish_model
+
+_HOST = "127.0.0.1"
+_S = TypeVar("_S", bound="LoopbackServer")
+_PKG_PARENT = str(Path(__file__).resolve().parent.parent)  # so `python -m diag.hub` imports
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR like the servers themselves: a TIME_WAIT leftover is not "in use"
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((_HOST, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((_HOST, 0))
+        return s.getsockname()[1]
+
+
+class LoopbackServer:
+    """A subprocess serving on 127.0.0.1; a context manager that always kills its process group."""
+
+    start_timeout_s = 30.0
+
+    def __init__(self, port: int | None = None) -> None:
+        if port is not None and not (isinstance(port, int) and 0 < port < 65536):
+            raise ValueError(f"port={port!r}: must be an int in 1..65535, or None to pick a free one")
+        self.host = _HOST
+        self._requested_port = port
+        self.port = port or 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self, port: int) -> list[str]:
+        """The argv that serves on `port`. Subclasses define it."""
+        raise NotImplementedError
+
+    def on_ready(self) -> None:
+        """Called once the port accepts connections (e.g. to create a bucket)."""
+
+    def start(self: _S) -> _S:
+        if self.proc is not None:
+            return self
+        if self._requested_port is not None and _port_in_use(self._requested_port):
+            raise RuntimeError(
+                f"port {self._requested_port} on {self.host} is already in use; "
+                "pass port=None to pick a free one"
+            )
+        # a free port can be taken between our probe and the server's bind: retry a fresh one
+        for attempt in range(3):
+            self.port = self._requested_port or _free_port()
+            try:
+                self._spawn()
+                break
+            except RuntimeError as e:
+                lost_race = "Address already in use" in str(e)
+                if not lost_race or self._requested_port is not None or attempt == 2:
+                    raise
+        try:
+            self.on_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (_PKG_PARENT, os.environ.get("PYTHONPATH")) if p)}
+        # stderr to a file, not a pipe: a chatty server would block once a pipe buffer fills
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            self.command(self.port), stdin=subprocess.DEVNULL, stdout=self._log,
+            stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        deadline = time.perf_counter() + self.start_timeout_s
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_tail()
+                self.stop()
+                raise RuntimeError(f"{type(self).__name__} exited during start-up:\n{tail}")
+            try:
+                socket.create_connection((self.host, self.port), timeout=0.5).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        tail = self.log_tail()
+        self.stop()
+        raise RuntimeError(
+            f"{type(self).__name__} did not accept connections on {self.url} within "
+            f"{self.start_timeout_s:.0f} s:\n{tail}"
+        )
+
+    def log_tail(self, n_bytes: int = 4000) -> str:
+        """The last bytes the server wrote to stdout/stderr (for error messages)."""
+        if self._log is None or self._log.closed:
+            return ""
+        self._log.seek(0, os.SEEK_END)
+        self._log.seek(max(0, self._log.tell() - n_bytes))
+        return self._log.read().decode("utf-8", "replace")
+
+    def stop(self) -> None:
+        """Kill the whole process group (server and anything it spawned) and reap it."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(proc.pid, sig)  # pgid == pid thanks to start_new_session
+                except ProcessLookupError:
+                    pass
+                try:
+                    proc.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            # the group leader may exit first; make sure no member of the group survives it
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def __enter__(self: _S) -> _S:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class S3Server(LoopbackServer):
+    """moto's S3-compatible server; clients are plain boto3 with an endpoint URL."""
+
+    access_key = "diag-local-key"
+    secret_key = "diag-local-secret"
+    region = "us-east-1"
+
+    def __init__(self, port: int | None = None, bucket: str = "diag") -> None:
+        super().__init__(port)
+        self.bucket = bucket
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(port)]
+
+    def on_ready(self) -> None:
+        self.client().create_bucket(Bucket=self.bucket)
+
+    @property
+    def endpoint_url(self) -> str:
+        return self.url
+
+    def env(self) -> dict[str, str]:
+        """Standard AWS variables: the default credential chain and boto3 pick these up."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+        }
+
+    def client(self) -> Any:
+        """A boto3 S3 client: the same code path a cloud user runs, pointed at loopback."""
+        import boto3
+
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint_url, aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key, region_name=self.region,
+        )
+
+    def upload(self, path: str | os.PathLike[str], key: str) -> list[str]:
+        """Upload a file to `key`, or a folder's files under prefix `key`; return the keys."""
+        path, client, keys = Path(path), self.client(), []
+        files = [(path, key)] if path.is_file() else [
+            (p, f"{key.rstrip('/')}/{p.relative_to(path).as_posix()}".lstrip("/"))
+            for p in sorted(path.rglob("*")) if p.is_file()
+        ]
+        if not files:
+            raise ValueError(f"path={str(path)!r}: no file to upload there")
+        for p, k in files:
+            client.upload_file(str(p), self.bucket, k)
+            keys.append(k)
+        return keys
+
+
+class HubServer(LoopbackServer):
+    """A read-only Hugging Face hub endpoint over `root` (see publish_model for the layout)."""
+
+    def __init__(self, root: str | os.PathLike[str], port: int | None = None) -> None:
+        super().__init__(port)
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise ValueError(f"root={str(self.root)!r}: not a folder (publish_model creates it)")
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "diag.hub", "hub", "--root", str(self.root),
+                "--host", self.host, "--port", str(port)]
+
+    @property
+    def endpoint(self) -> str:
+        """The HF_ENDPOINT value for clients."""
+        return self.url
+
+    def env(self) -> dict[str, str]:
+        """{"HF_ENDPOINT": ...}: give it to a process before it imports huggingface_hub."""
+        return {"HF_ENDPOINT": self.endpoint}
+
+
+
+# -- embedded assets -----------------------------------------------------------------------------
+
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4},  # ~1.6 MB, about a second
+    "small": {"hidden_size": 1024, "num_layers": 8, "num_heads": 16},  # ~420 MB fp32, ~5 s
+}
+DATASET_MB = 4  # the embedded dataset: big enough to time, small enough to make in a second
+
+
+@dataclass(frozen=True)
+class Assets:
+    dataset: Path  # JSONL of synthetic records
+    model_dir: Path  # the model folder as saved (safetensors + tokenizer)
+    hub_root: Path  # what HubServer serves
+    repo_id: str  # the model's id on that hub
+
+
+def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "tiny") -> Assets:
+    """Make (once) the embedded dataset and model, published into a local hub root.
+
+    A JSON marker written last tells a complete set from one interrupted half-way; the second
+    call only reads the marker.
+    """
+    if model not in MODEL_SIZES:
+        raise ValueError(f"model={model!r}: allowed values are " + ", ".join(map(repr, MODEL_SIZES)))
+    base = (Path(home) if home is not None else diag_home()) / "assets"
+    assets = Assets(
+        dataset=base / f"dataset-{DATASET_MB}mb-seed0.jsonl", model_dir=base / "models" / model,
+        hub_root=base / "hub", repo_id=f"diag-local/{model}-llama",
+    )
+    marker = base / f"{model}.complete.json"
+    if marker.is_file() and assets.dataset.is_file() and (assets.model_dir / "config.json").is_file():
+        return assets
+    from diag.synth import synthetic_dataset, tiny_model
+
+    if not assets.dataset.is_file():
+        synthetic_dataset(assets.dataset, target_mb=DATASET_MB, seed=0)
+    tiny_model(assets.model_dir, dataset=assets.dataset, **MODEL_SIZES[model])
+    commit = publish_model(assets.model_dir, assets.hub_root, assets.repo_id)
+    marker.write_text(json.dumps({"commit": commit, **{k: str(v) for k, v in vars(assets).items()}}))
+    return assets

@@ -1,0 +1,134 @@
+"""Every figure of diag: a DataFrame in, a matplotlib Figure out; nothing here measures.
+
+Each stage has one colour across every figure (STAGE_COLORS), so "data_wait" is the same orange
+in the share chart, the waterfall and the notebooks. Figures are made with the object API
+(no global pyplot state), so they render the same in Jupyter, a script and the report.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from diag.timing import STAGES
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+# Compute is the only share a GPU upgrade shortens: green. Data stages warm colours.
+STAGE_COLORS = {
+    "fetch_data": "#d62728", "load_model": "#9467bd", "preprocess": "#8c564b",
+    "warmup": "#bcbd22", "train": "#7f7f7f", "checkpoint": "#17becf", "eval": "#aec7e8",
+    "data_wait": "#ff7f0e", "h2d": "#e377c2", "compute": "#2ca02c", "other": "#c7c7c7",
+    "download": "#9467bd", "read": "#c5b0d5", "quantize": "#f7b6d2", "to_device": "#dbdb8d",
+    "tokenizer": "#98df8a",
+}
+assert set(STAGE_COLORS) == set(STAGES)
+
+
+def _figure(width: float = 8.0, height: float = 3.5) -> Figure:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    if seconds >= 2 * 3600:
+        return 3600.0, "hours"
+    if seconds >= 120:
+        return 60.0, "minutes"
+    return 1.0, "seconds"
+
+
+def plot_stage_shares(shares: pd.DataFrame, title: str = "Where the run's time goes") -> Figure:
+    """Horizontal stacked bar per run (naive vs optimized side by side) from amdahl.shares()."""
+    if shares.empty:
+        raise ValueError("shares is empty: nothing to plot")
+    runs = list(dict.fromkeys(shares["run"]))
+    scale, unit = _time_unit(shares.groupby("run")["seconds"].sum().max())
+    fig = _figure(9, 1.2 + 0.7 * len(runs))
+    ax = fig.add_subplot()
+    for i, run in enumerate(runs):
+        left = 0.0
+        for r in shares[shares["run"] == run].itertuples():
+            width = r.seconds / scale
+            ax.barh(i, width, left=left, color=STAGE_COLORS[r.stage], edgecolor="white",
+                    label=r.stage)
+            if r.share >= 0.06:
+                ax.text(left + width / 2, i, f"{r.stage}\n{r.share:.0%}", ha="center",
+                        va="center", fontsize=7)
+            left += width
+        ax.text(left, i, f"  {left:.3g} {unit}", va="center", fontsize=8)
+    ax.set_yticks(range(len(runs)), runs)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"wall clock ({unit})")
+    ax.set_title(title)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, ncols=min(len(unique), 6),
+              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(runs) < 3 else -0.2),
+              frameon=False)
+    ax.margins(x=0.12)
+    return fig
+
+
+def plot_amdahl(shares: pd.DataFrame, run: str | None = None, max_speedup: float = 10.0,
+                marks: dict[str, float] | None = None) -> Figure:
+    """End-to-end time vs compute speedup 1..max_speedup x; the floor is the non-compute time.
+
+    marks: {"RTX 4070 (now)": 1.0, "H100 SXM": 17.0} places each GPU on the curve.
+    """
+    run = run if run is not None else shares["run"].iloc[0]
+    part = shares[shares["run"] == run]
+    if part.empty:
+        raise ValueError(f"run={run!r} not in shares: allowed runs are {sorted(set(shares['run']))}")
+    compute = float(part.loc[part["stage"] == "compute", "seconds"].sum())
+    floor = float(part["seconds"].sum()) - compute
+    scale, unit = _time_unit(compute + floor)
+    marks = marks or {}
+    top = max([max_speedup, *marks.values()])
+    ks = [1 + i * (top - 1) / 200 for i in range(201)]
+    fig = _figure(7, 4)
+    ax = fig.add_subplot()
+    ax.plot(ks, [(floor + compute / k) / scale for k in ks], color=STAGE_COLORS["compute"],
+            label="end-to-end time")
+    ax.axhline(floor / scale, color=STAGE_COLORS["data_wait"], linestyle="--",
+               label=f"floor: everything but compute ({floor / scale:.3g} {unit})")
+    for name, k in marks.items():
+        t = (floor + compute / k) / scale
+        ax.plot([k], [t], "o", color="black")
+        ax.annotate(f"{name}\n{t:.3g} {unit} ({(compute + floor) / (floor + compute / k):.2f}x)",
+                    (k, t), textcoords="offset points", xytext=(5, 8), fontsize=8)
+    ax.set_xlabel("compute speedup (x)")
+    ax.set_ylabel(f"run time ({unit})")
+    ax.set_ylim(0, (compute + floor) / scale * 1.15)
+    ax.set_title(f"Amdahl: what a faster GPU buys ({run})")
+    ax.legend(fontsize=8, loc="upper right")
+    return fig
+
+
+def plot_waterfall(findings: pd.DataFrame, total_seconds: float, top: int = 6) -> Figure:
+    """Run time, minus each fix's seconds saved (largest first), down to what is left."""
+    if not math.isfinite(total_seconds) or total_seconds <= 0:
+        raise ValueError(f"total_seconds={total_seconds!r}: must be a duration > 0")
+    rows = findings.sort_values("seconds_saved", ascending=False).head(top)
+    scale, unit = _time_unit(total_seconds)
+    fig = _figure(8, 3.8)
+    ax = fig.add_subplot()
+    level = total_seconds
+    ax.bar(0, level / scale, color="#7f7f7f")
+    labels = ["now"]
+    for i, r in enumerate(rows.itertuples(), start=1):
+        saved = min(r.seconds_saved, level)  # fixes overlap: never below zero
+        level -= saved
+        ax.bar(i, saved / scale, bottom=level / scale, color=STAGE_COLORS.get(r.stage, "#999"))
+        ax.text(i, (level + saved / 2) / scale, f"-{saved / scale:.3g}", ha="center", fontsize=7)
+        labels.append(r.stage)
+    ax.bar(len(labels), level / scale, color="#444444")
+    labels.append("after fixes")
+    ax.set_xticks(range(len(labels)), labels, rotation=20, fontsize=8)
+    ax.set_ylabel(unit)
+    ax.set_title("What each fix would save (upper bounds; fixes can overlap)")
+    return fig

@@ -1,0 +1,218 @@
+"""A run folder a person can open: one CSV per experiment, summary.json, PNG figures, report.html.
+
+`write(frames)` makes `runs/<UTC timestamp>/` (never overwriting a run: it is assembled in a
+hidden `.partial` folder and renamed into place only when complete), then `render()` draws the
+figures and the self-contained HTML page from the CSVs, so `python -m diag report DIR` re-renders
+any folder the same way. `load(DIR)` reads the frames back with their dtypes.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import html
+import json
+import os
+import platform
+import shutil
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from diag import amdahl, plots
+from diag.secrets import redact
+
+STAGE_FRAME = "run"  # the StageTimer frames (with a `run` column) the shares are computed from
+_PACKAGES = ("diag", "torch", "transformers", "peft", "bitsandbytes", "huggingface_hub", "boto3",
+             "pandas", "numpy")
+# Figures other experiments contribute: plots.<function>(frame) -> Figure, when it exists.
+EXPERIMENT_FIGURES = {"storage": "plot_storage", "model_load": "plot_model_load"}
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _new_folder(out: str | os.PathLike[str] | None) -> Path:
+    if out:
+        final = Path(out)
+        if final.exists() and any(final.iterdir()):
+            raise ValueError(f"out={str(final)!r} already holds files; a run is never "
+                             "overwritten: name a new folder")
+        return final
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    final, n = Path("runs") / stamp, 1
+    while final.exists():  # two runs in one second: a new folder each time
+        n += 1
+        final = Path("runs") / f"{stamp}-{n}"
+    return final
+
+
+def write(frames: dict[str, pd.DataFrame], out: str | os.PathLike[str] | None = None, *,
+          config: dict[str, Any] | None = None, info: pd.DataFrame | None = None,
+          extra_findings: pd.DataFrame | None = None) -> Path:
+    """Write the run folder and render it; return its path.
+
+    frames: experiment name -> tidy frame; frames["run"] (StageTimer frames with a `run`
+    column) feeds the stage table, findings and figures. extra_findings: rows other experiments
+    measured (stage, finding, seconds_saved, evidence), ranked with the stage findings.
+    """
+    if not frames:
+        raise ValueError("frames is empty: nothing to report")
+    final = _new_folder(out)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = final.parent / f".{final.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        all_frames = dict(frames)
+        if info is not None:
+            all_frames["info"] = info
+        if extra_findings is not None and not extra_findings.empty:
+            all_frames["advice"] = extra_findings
+        for name, frame in all_frames.items():
+            frame.to_csv(partial / f"{name}.csv", index=False)
+        summary = _summary(all_frames, config or {})
+        (partial / "summary.json").write_text(redact(json.dumps(summary, indent=2, default=str)))
+        render(partial)
+        if final.exists():
+            final.rmdir()  # empty (checked above); rename needs it gone
+        os.rename(partial, final)  # the run appears whole or not at all
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return final
+
+
+def _summary(frames: dict[str, pd.DataFrame], config: dict[str, Any]) -> dict[str, Any]:
+    summary: dict[str, Any] = {
+        "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "experiments": sorted(frames),
+        "dtypes": {n: {c: str(t) for c, t in f.dtypes.items()} for n, f in frames.items()},
+        "versions": versions(),
+        "config": config,
+    }
+    if "info" in frames:
+        summary["device"] = {r.fact: r.value for r in frames["info"].itertuples()}
+    if STAGE_FRAME in frames:
+        stages = amdahl.shares(frames[STAGE_FRAME])
+        found = amdahl.findings(frames[STAGE_FRAME], frames.get("advice"))
+        summary["stages"] = stages.to_dict(orient="records")
+        summary["findings"] = found.to_dict(orient="records")
+        summary["top_finding"] = _top(found)
+    return summary
+
+
+def _top(found: pd.DataFrame) -> str | None:
+    if found.empty:
+        return None
+    r = found.iloc[0]
+    return (f"{r['finding']}: saves {r['seconds_saved']:.3g} s per run "
+            f"({r['share_of_run']:.0%} of the {r['run']} run)")
+
+
+def load(folder: str | os.PathLike[str]) -> dict[str, pd.DataFrame]:
+    """The frames of a run folder, with the dtypes they were written with."""
+    folder = Path(folder)
+    summary = load_summary(folder)
+    frames = {}
+    for name in summary["experiments"]:
+        frame = pd.read_csv(folder / f"{name}.csv", float_precision="round_trip")
+        dtypes = summary["dtypes"].get(name, {})
+        frames[name] = frame.astype({c: t for c, t in dtypes.items() if c in frame.columns})
+    return frames
+
+
+def load_summary(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(folder) / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(folder)!r} is not a diag run folder: no summary.json "
+                                "(runs are written by `python -m diag run`)")
+    return json.loads(path.read_text())
+
+
+def figures(frames: dict[str, pd.DataFrame], marks: dict[str, float] | None = None) -> dict[str, Any]:
+    """Every figure a run folder gets, from its frames: name -> matplotlib Figure."""
+    out = {}
+    if STAGE_FRAME in frames:
+        stages = amdahl.shares(frames[STAGE_FRAME])
+        found = amdahl.findings(frames[STAGE_FRAME], frames.get("advice"))
+        out["stage_shares"] = plots.plot_stage_shares(stages)
+        out["amdahl"] = plots.plot_amdahl(stages, marks=marks)
+        first = stages["run"].iloc[0]
+        total = float(stages.loc[stages["run"] == first, "seconds"].sum())
+        if total > 0:
+            out["waterfall"] = plots.plot_waterfall(found[found["run"] == first], total)
+    for name, function in EXPERIMENT_FIGURES.items():
+        if name in frames and hasattr(plots, function):
+            out[name] = getattr(plots, function)(frames[name])
+    return out
+
+
+def render(folder: str | os.PathLike[str]) -> Path:
+    """(Re)draw the PNG figures and report.html of a run folder from its CSVs."""
+    folder = Path(folder)
+    frames = load(folder)
+    summary = load_summary(folder)
+    images = {}
+    for name, fig in figures(frames).items():
+        path = folder / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        images[name] = base64.b64encode(path.read_bytes()).decode("ascii")
+    page = _html(summary, frames, images)
+    tmp = folder / "report.html.tmp"
+    tmp.write_text(redact(page), encoding="utf-8")
+    os.replace(tmp, folder / "report.html")
+    return folder / "report.html"
+
+
+def render_config(cfg: Any) -> str:
+    """CLI entry: re-render cfg.folder (a ReportConfig); returns what to print."""
+    return f"wrote {render(cfg.folder)}"
+
+
+def _table(frame: pd.DataFrame, max_rows: int = 40) -> str:
+    shown = frame.head(max_rows)
+    more = f"<p class=more>{len(frame) - max_rows} more rows in the CSV</p>" if len(frame) > max_rows else ""
+    return shown.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="", border=0) + more
+
+
+def _html(summary: dict[str, Any], frames: dict[str, pd.DataFrame], images: dict[str, str]) -> str:
+    parts = [f"<h1>diag report</h1><p>created {html.escape(summary['created_utc'])}"]
+    device = summary.get("device", {})
+    if device:
+        parts.append(f" on <b>{html.escape(str(device.get('accelerator', '?')))}</b>, "
+                     f"{html.escape(str(device.get('cpu_model', '')))}")
+    parts.append("</p>")
+    if summary.get("top_finding"):
+        parts.append(f"<p class=top>Top finding: {html.escape(summary['top_finding'])}</p>")
+    if summary.get("stages"):
+        parts.append("<h2>Stage shares</h2>" + _table(pd.DataFrame(summary["stages"])))
+    for name in ("stage_shares", "amdahl", "waterfall"):
+        if name in images:
+            parts.append(f'<img alt="{name}" src="data:image/png;base64,{images[name]}">')
+    if summary.get("findings"):
+        parts.append("<h2>Findings</h2>" + _table(pd.DataFrame(summary["findings"])))
+    for name, frame in frames.items():
+        if name in (STAGE_FRAME, "advice"):
+            continue
+        parts.append(f"<h2>{html.escape(name)}</h2>")
+        if name in images:
+            parts.append(f'<img alt="{name}" src="data:image/png;base64,{images[name]}">')
+        parts.append(_table(frame))
+    parts.append(f"<h2>Versions</h2>{_table(pd.DataFrame([summary.get('versions', {})]))}")
+    style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+             "table{border-collapse:collapse;font-size:13px;margin:.5em 0}"
+             "td,th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:left}"
+             "img{max-width:100%;display:block;margin:1em 0}.top{font-size:1.15em;"
+             "background:#fff3cd;padding:.6em}.more{color:#777;font-size:12px}")
+    return (f"<!doctype html><html><head><meta charset=utf-8><title>diag report</title>"
+            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")

@@ -1,0 +1,169 @@
+"""StageTimer: where the wall clock of a training run goes, in the stage vocabulary.
+
+`with timer.stage("compute"):` (or `@timer.stage("compute")`) records one interval;
+`for batch in timer.watch(loader):` records the time the loop is blocked on each `next()` as
+`data_wait` and numbers the steps. `to_frame()` gives one row per interval: `stage`, `seconds`,
+`step` (<NA> for run-level stages), `rank`. Read it with `diag.amdahl`; a disabled timer
+(`StageTimer(enabled=False)`) keeps the loop's code identical and costs almost nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ContextDecorator
+from typing import Any
+
+# Run-level stages happen once per training run; step-level stages once per optimizer step.
+RUN_STAGES = ("fetch_data", "load_model", "preprocess", "warmup", "train", "checkpoint", "eval")
+STEP_STAGES = ("data_wait", "h2d", "compute", "other")
+# The parts of load_model, reported beside it (they add up to it, they are not extra time).
+LOAD_PARTS = ("download", "read", "quantize", "to_device", "tokenizer")
+STAGES = RUN_STAGES + STEP_STAGES + LOAD_PARTS
+
+
+def check_stage(name: str) -> str:
+    if name not in STAGES:
+        raise ValueError(
+            f"unknown stage {name!r}: allowed stages are run-level {', '.join(RUN_STAGES)}; "
+            f"step-level {', '.join(STEP_STAGES)}; load_model parts {', '.join(LOAD_PARTS)}"
+        )
+    return name
+
+
+def _current_rank() -> int:
+    try:
+        import torch.distributed as dist  # only if torch is already around; never a hard need
+    except ImportError:
+        return int(os.environ.get("RANK", 0))
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+class _Stage(ContextDecorator):
+    """One named interval; reusable, so `timer.stage("x")` can decorate a function."""
+
+    __slots__ = ("_timer", "_name", "_start")
+
+    def __init__(self, timer: StageTimer, name: str) -> None:
+        self._timer = timer
+        self._name = name
+        self._start = 0.0
+
+    def _recreate_cm(self) -> _Stage:
+        # A fresh interval per decorated call, so recursion and threads do not share a start.
+        return _Stage(self._timer, self._name)
+
+    def __enter__(self) -> _Stage:
+        timer = self._timer
+        if timer._sync is not None:
+            timer._sync()  # note: CPU-GPU sync point, so the previous stage's kernels are not billed here
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        timer = self._timer
+        if timer._sync is not None:
+            timer._sync()  # note: CPU-GPU sync point, so this stage's queued kernels are billed to it
+        # Recorded even when the body raised: a failed stage still spent the time.
+        timer._rows.append((self._name, time.perf_counter() - self._start, timer._step_for(self._name)))
+        return False
+
+
+class _NullStage(ContextDecorator):
+    __slots__ = ()
+
+    def __enter__(self) -> _NullStage:
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+
+_NULL_STAGE = _NullStage()
+
+
+class StageTimer:
+    """Accumulates (stage, seconds, step) intervals for one process (one rank).
+
+    device: "cuda"/torch.device makes every stage boundary a device sync, so asynchronous
+    kernels are billed to the stage that queued them; on CPU no sync is needed or done.
+    """
+
+    def __init__(self, enabled: bool = True, device: Any = None, rank: int | None = None) -> None:
+        self.enabled = enabled
+        self.rank = _current_rank() if rank is None else rank
+        self.step: int | None = None  # set by watch(); step-level stages are tagged with it
+        self._rows: list[tuple[str, float, int | None]] = []
+        self._sync: Callable[[], None] | None = None
+        if enabled and device is not None:
+            from diag import device as devices
+
+            if devices.is_async(device):
+                self._sync = lambda: devices.sync(device)
+
+    def stage(self, name: str) -> _Stage | _NullStage:
+        """Context manager and decorator timing one stage of the vocabulary."""
+        if not self.enabled:
+            return _NULL_STAGE
+        return _Stage(self, check_stage(name))
+
+    def record(self, name: str, seconds: float, step: int | None = None) -> None:
+        """Add an interval measured elsewhere (e.g. a worker process, a subprocess)."""
+        if not self.enabled:
+            return
+        if seconds < 0:
+            raise ValueError(f"seconds={seconds!r} for stage {name!r}: durations must be >= 0")
+        check_stage(name)
+        self._rows.append((name, float(seconds), step if step is not None else self._step_for(name)))
+
+    def watch(self, iterable: Iterable[Any], start_step: int = 0) -> Iterator[Any]:
+        """Yield the same items; the time blocked in each `next()` is that step's data_wait."""
+        if not self.enabled:
+            yield from iterable
+            return
+        iterator = iter(iterable)
+        step = start_step
+        while True:
+            self.step = step
+            start = time.perf_counter()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            self._rows.append(("data_wait", time.perf_counter() - start, step))
+            yield item
+            step += 1
+
+    def _step_for(self, name: str) -> int | None:
+        return self.step if name in STEP_STAGES else None
+
+    def total(self, name: str) -> float:
+        return sum(seconds for stage, seconds, _ in self._rows if stage == name)
+
+    def reset(self) -> None:
+        self._rows.clear()
+        self.step = None
+
+    def to_frame(self):  # -> pandas.DataFrame
+        """One row per interval: stage, seconds, step (<NA> for run-level), rank."""
+        import pandas as pd
+
+        frame = pd.DataFrame(self._rows, columns=["stage", "seconds", "step"])
+        frame["step"] = frame["step"].astype("Int64")
+        frame["rank"] = self.rank
+        return frame
+
+    def gather(self):  # -> pandas.DataFrame
+        """All ranks' frames on every rank (torch.distributed, any backend); own frame if alone."""
+        import pandas as pd
+        import torch.distributed as dist
+
+        frame = self.to_frame()
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return frame
+        frames: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(frames, frame)
+        return pd.concat(frames, ignore_index=True)

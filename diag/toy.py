@@ -1,0 +1,81 @@
+"""A timed toy training loop: the smallest run that exercises every step-level stage.
+
+A small MLP trains on synthetic batches served by a real `torch.utils.data.DataLoader`; each
+step is split into `data_wait` (the loop blocked on the next batch, which carries `prep_ms` of
+host preprocessing), `h2d` (host-to-device copy), `compute` (forward + backward + optimizer
+step). With `num_workers=0` the preprocessing sits in the loop; with workers it overlaps compute.
+The result is the StageTimer frame, read by the same share tables and charts as a real run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from diag.config import ToyStepConfig
+from diag.timing import StageTimer
+
+
+class ToyBatches(Dataset):
+    """Batch i of random features; sleeping prep_ms stands in for tokenization or augmentation.
+
+    Lives in this module (not a notebook) so spawned DataLoader workers can import it.
+    """
+
+    def __init__(self, n: int, batch_size: int, width: int, prep_ms: float, seed: int = 0) -> None:
+        self.n, self.batch_size, self.width, self.prep_ms, self.seed = n, batch_size, width, prep_ms, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.prep_ms:
+            time.sleep(self.prep_ms / 1000)
+        x = torch.randn(self.batch_size, self.width, generator=torch.Generator().manual_seed(self.seed + i))
+        return x, x.sum(dim=1, keepdim=True)
+
+
+def run_toy_step(cfg: ToyStepConfig | None = None, timer: StageTimer | None = None):
+    """Train the toy MLP for cfg.warmup_steps + cfg.steps; return the timer's frame."""
+    from diag import device as devices
+
+    cfg = cfg or ToyStepConfig.default()
+    dev = devices.resolve(cfg.device)
+    timer = timer or StageTimer(device=dev)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(cfg.width, cfg.width), torch.nn.GELU(), torch.nn.Linear(cfg.width, 1)
+    ).to(dev)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = DataLoader(
+        ToyBatches(cfg.warmup_steps + cfg.steps, cfg.batch_size, cfg.width, cfg.prep_ms),
+        batch_size=None, num_workers=cfg.num_workers, pin_memory=dev.type == "cuda",
+        prefetch_factor=4 if cfg.num_workers else None, persistent_workers=False,
+    )
+
+    def step(x, y) -> None:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    batches = iter(loader)
+    # warm-up: worker start-up, the first batch, allocator growth and kernel choice are paid
+    # once per run; kept apart so steady-state steps are not billed for them
+    with timer.stage("warmup"):
+        for _ in range(cfg.warmup_steps):
+            x, y = next(batches)
+            step(x.to(dev), y.to(dev))
+    with timer.stage("train"):
+        # islice: never ask for the batch after the last, so the loader's shutdown (joining
+        # its workers) is not billed to the training steps
+        for x, y in timer.watch(itertools.islice(batches, cfg.steps)):
+            with timer.stage("h2d"):
+                x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            with timer.stage("compute"):
+                step(x, y)
+    del batches  # worker shutdown happens here, outside every timed stage
+    return timer.to_frame()

@@ -1,0 +1,73 @@
+import subprocess
+import sys
+
+import pytest
+
+from diag.__main__ import EXPERIMENTS, main, parse
+from diag.config import ToyStepConfig
+
+
+def run_cli(*args, env_extra=None):
+    import os
+
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "diag", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_help_lists_working_experiments():
+    out = run_cli("--help")
+    assert out.returncode == 0
+    for name in EXPERIMENTS:
+        assert name in out.stdout
+
+
+def test_flags_come_from_the_config_dataclass():
+    name, cfg, _ = parse(["toy", "--steps", "7", "--prep-ms", "1.5", "--device", "cpu"])
+    assert name == "toy"
+    assert isinstance(cfg, ToyStepConfig)
+    # DIAG_QUICK=1 in tests: unset fields take the quick defaults
+    assert cfg == ToyStepConfig.quick(steps=7, prep_ms=1.5, device="cpu")
+    _, cfg, _ = parse(["info", "--no-probe"])
+    assert cfg.probe is False
+
+
+def test_info_prints_the_device_table():
+    out = run_cli("info", "--quick")
+    assert out.returncode == 0, out.stderr
+    assert "cpu_model" in out.stdout and "peak_tflops_bf16" in out.stdout
+
+
+def test_toy_runs_and_writes_csv(tmp_path):
+    csv = tmp_path / "toy.csv"
+    assert main(["toy", "--quick", "--steps", "3", "--csv", str(csv)]) == 0
+    text = csv.read_text()
+    assert text.startswith("stage,seconds,step,rank")
+    assert text.count("compute") == 3
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["nope"], "invalid choice: 'nope'"),
+        (["toy", "--stepz", "3"], "unrecognized arguments: --stepz"),
+        (["toy", "--steps", "0"], "ToyStepConfig.steps=0: must be a number > 0"),
+        (["toy", "--steps", "x"], "invalid int value: 'x'"),
+        (["toy", "--device", "tpu"], "allowed values are 'auto', 'cpu', 'cuda'"),
+        ([], "name an experiment"),
+    ],
+)
+def test_user_errors_are_one_line_exit_2(args, message):
+    out = run_cli(*args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert message in lines[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_secrets_never_reach_cli_output(monkeypatch):
+    secret = "sk-very-secret-token-123"
+    out = run_cli("toy", "--device", "tpu", secret, env_extra={"HF_TOKEN": secret})
+    assert out.returncode == 2
+    assert secret not in out.stderr + out.stdout

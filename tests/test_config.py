@@ -1,0 +1,53 @@
+import pytest
+
+from diag.config import ExperimentConfig, InfoConfig, ToyStepConfig, diag_home, quick_mode
+
+
+def test_validation_names_field_and_allowed_values():
+    with pytest.raises(ValueError, match=r"ToyStepConfig.steps=0: must be a number > 0"):
+        ToyStepConfig(steps=0)
+    with pytest.raises(ValueError, match=r"ToyStepConfig.batch_size=-4: must be a number > 0"):
+        ToyStepConfig(batch_size=-4)
+    with pytest.raises(ValueError, match=r"ToyStepConfig.prep_ms=-1.0: must be a number >= 0"):
+        ToyStepConfig(prep_ms=-1.0)
+    with pytest.raises(ValueError, match=r"ToyStepConfig.device='tpu': allowed values are 'auto', 'cpu', 'cuda'"):
+        ToyStepConfig(device="tpu")
+    with pytest.raises(ValueError, match=r"InfoConfig.probe_size=True"):
+        InfoConfig(probe_size=True)  # a bool is not a size
+
+
+def test_quick_is_smaller_and_overridable():
+    full, quick = ToyStepConfig(), ToyStepConfig.quick()
+    assert quick.steps < full.steps and quick.width < full.width
+    assert ToyStepConfig.quick(steps=3).steps == 3
+    with pytest.raises(ValueError):
+        ToyStepConfig.quick(steps=-1)
+
+
+def test_default_follows_diag_quick(monkeypatch):
+    monkeypatch.setenv("DIAG_QUICK", "1")
+    assert quick_mode() and ToyStepConfig.default() == ToyStepConfig.quick()
+    monkeypatch.setenv("DIAG_QUICK", "0")
+    assert not quick_mode() and ToyStepConfig.default() == ToyStepConfig()
+
+
+def test_to_dict_round_trips():
+    cfg = ToyStepConfig.quick(prep_ms=2.0)
+    assert ToyStepConfig(**cfg.to_dict()) == cfg
+
+
+def test_diag_home_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("DIAG_HOME", str(tmp_path))
+    assert diag_home() == tmp_path
+
+
+def test_every_default_field_has_a_comment():
+    # STYLE: literal defaults with a one-line comment each
+    import inspect
+    import re
+
+    for cls in ExperimentConfig.__subclasses__():
+        body = inspect.getsource(cls)
+        for line in body.splitlines():
+            if re.match(r"^    [a-z_]+: .+ = ", line):
+                assert "#" in line, f"{cls.__name__}: default without a comment: {line.strip()}"

@@ -1,0 +1,66 @@
+"""Every notebook runs end to end with a real kernel, in quick mode, within a time limit.
+
+Committed notebooks are thin: outputs stripped, a first code cell tagged `parameters` holding
+literals only, and no `def` or loop (those belong in diag/).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+TIME_LIMIT_S = 300  # per notebook, quick mode
+
+
+def _code_cells(path: Path) -> list[dict]:
+    return [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+
+
+def test_there_are_notebooks():
+    assert any(p.name == "00_tour.ipynb" for p in NOTEBOOKS)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_committed_thin(path: Path):
+    cells = _code_cells(path)
+    assert cells, "no code cells"
+    assert "parameters" in cells[0].get("metadata", {}).get("tags", []), "first code cell must be tagged parameters"
+    params = ast.parse("".join(cells[0]["source"]))
+    for node in params.body:
+        assert isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant), (
+            f"parameters cell holds literals only, found: {ast.unparse(node)}")
+    for cell in cells:
+        assert not cell.get("outputs") and cell.get("execution_count") is None, "strip outputs"
+        tree = ast.parse("".join(cell["source"]))
+        for node in ast.walk(tree):
+            assert not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
+                                         ast.For, ast.While, ast.Lambda)), (
+                f"notebook code belongs in diag/: {ast.unparse(node)[:60]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_executes(path: Path, tmp_path: Path):
+    import papermill
+
+    out = tmp_path / path.name
+    papermill.execute_notebook(
+        str(path), str(out), parameters={"quick": True}, kernel_name="python3",
+        cwd=str(path.parent), execution_timeout=TIME_LIMIT_S, progress_bar=False,
+        # the kernel inherits DIAG_QUICK=1 and the isolated DIAG_HOME from conftest
+    )
+    executed = json.loads(out.read_text())
+    errors = [o for c in executed["cells"] if c["cell_type"] == "code"
+              for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    text = out.read_text()
+    for key in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY"):
+        value = os.environ.get(key)
+        if value:
+            assert value not in text

@@ -1,0 +1,133 @@
+import time
+
+import pandas as pd
+import pytest
+
+from diag.timing import STAGES, StageTimer, check_stage
+
+
+def test_stage_accumulates_and_frame_is_tidy():
+    timer = StageTimer()
+    for _ in range(3):
+        with timer.stage("compute"):
+            time.sleep(0.01)
+    with timer.stage("load_model"):
+        time.sleep(0.02)
+    frame = timer.to_frame()
+    assert list(frame.columns) == ["stage", "seconds", "step", "rank"]
+    assert (frame["stage"] == "compute").sum() == 3
+    assert timer.total("compute") == pytest.approx(0.03, abs=0.015)
+    assert timer.total("load_model") == pytest.approx(0.02, abs=0.015)
+    assert frame["step"].isna().all()  # no watch(): no step numbers
+    assert (frame["rank"] == 0).all()
+
+
+def test_decorator_form_times_each_call():
+    timer = StageTimer()
+
+    @timer.stage("preprocess")
+    def work(n):
+        time.sleep(0.005)
+        return n * 2
+
+    assert [work(i) for i in range(4)] == [0, 2, 4, 6]
+    frame = timer.to_frame()
+    assert len(frame) == 4 and set(frame["stage"]) == {"preprocess"}
+    assert (frame["seconds"] >= 0.004).all()
+
+
+def test_decorator_on_recursive_function_keeps_each_interval():
+    timer = StageTimer()
+
+    @timer.stage("other")
+    def depth(n):
+        time.sleep(0.002)
+        return 0 if n == 0 else 1 + depth(n - 1)
+
+    assert depth(3) == 3
+    seconds = timer.to_frame()["seconds"].tolist()
+    assert len(seconds) == 4
+    assert seconds == sorted(seconds)  # inner calls finish first and are shorter
+
+
+def test_stage_that_raises_is_still_recorded():
+    timer = StageTimer()
+    with pytest.raises(KeyError):
+        with timer.stage("checkpoint"):
+            time.sleep(0.01)
+            raise KeyError("disk full")
+    frame = timer.to_frame()
+    assert frame["stage"].tolist() == ["checkpoint"]
+    assert frame["seconds"].iloc[0] >= 0.009
+
+
+def test_watch_measures_injected_delay_within_10_percent():
+    delay = 0.05
+
+    def slow_loader():
+        for i in range(5):
+            time.sleep(delay)
+            yield i
+
+    timer = StageTimer()
+    seen = []
+    for item in timer.watch(slow_loader()):
+        with timer.stage("compute"):
+            seen.append(item)
+    assert seen == [0, 1, 2, 3, 4]
+    frame = timer.to_frame()
+    waits = frame[frame["stage"] == "data_wait"]
+    assert waits["step"].tolist() == [0, 1, 2, 3, 4]
+    for seconds in waits["seconds"]:
+        assert seconds == pytest.approx(delay, rel=0.10)
+    compute = frame[frame["stage"] == "compute"]
+    assert compute["step"].tolist() == [0, 1, 2, 3, 4]  # step-level stages carry the step
+
+
+def test_watch_excludes_loop_body_time():
+    timer = StageTimer()
+    for _ in timer.watch(range(3)):
+        time.sleep(0.02)  # the body is not data_wait
+    waits = timer.to_frame().query("stage == 'data_wait'")["seconds"]
+    assert (waits < 0.005).all()
+
+
+def test_disabled_timer_records_nothing_and_passes_items_through():
+    timer = StageTimer(enabled=False)
+    with timer.stage("compute"):
+        pass
+
+    @timer.stage("compute")
+    def f():
+        return 7
+
+    assert f() == 7
+    assert list(timer.watch(iter([1, 2]))) == [1, 2]
+    timer.record("compute", 1.0)
+    assert timer.to_frame().empty
+
+
+def test_unknown_stage_names_the_vocabulary():
+    timer = StageTimer()
+    with pytest.raises(ValueError, match="unknown stage 'fetch'.*fetch_data"):
+        timer.stage("fetch")
+    with pytest.raises(ValueError, match="durations must be >= 0"):
+        timer.record("compute", -1.0)
+    assert check_stage("h2d") == "h2d"
+    assert {"fetch_data", "load_model", "data_wait", "h2d", "compute", "download"} <= set(STAGES)
+
+
+def test_record_tags_step_level_stages_with_current_step():
+    timer = StageTimer(rank=3)
+    for _ in timer.watch(range(2)):
+        timer.record("compute", 0.5)
+    timer.record("eval", 1.5)
+    frame = timer.to_frame()
+    assert frame.query("stage == 'compute'")["step"].tolist() == [0, 1]
+    assert pd.isna(frame.query("stage == 'eval'")["step"].iloc[0])
+    assert (frame["rank"] == 3).all()
+
+
+def test_cpu_device_does_not_sync():
+    timer = StageTimer(device="cpu")
+    assert timer._sync is None
