@@ -49,7 +49,7 @@ def _check(frame: pd.DataFrame) -> pd.DataFrame:
     negative = frame[frame["seconds"] < 0]
     if not negative.empty:
         row = negative.iloc[0]
-        raise ValueError(f"negative duration {row['seconds']!r} s for stage {row['stage']!r}: "
+        raise ValueError(f"negative duration {float(row['seconds'])} s for stage {row['stage']!r}: "
                          "durations must be >= 0")
     frame = frame.copy()
     if "run" not in frame.columns:
@@ -193,11 +193,12 @@ def infer_compute_share(t_before: float, t_after: float, compute_speedup: float)
 
 
 def findings(frame: pd.DataFrame, extra: pd.DataFrame | None = None,
-             total_steps: int | None = None) -> pd.DataFrame:
+             total_steps: int | None = None, min_share: float = 0.01) -> pd.DataFrame:
     """Fixes ranked by seconds saved, each resting on measured rows (no finding without a number).
 
     Stage findings assume the stage removed (its seconds saved, an upper bound) except compute,
-    which is never removed. `extra` adds findings other experiments measured (columns `stage`,
+    which is never removed; stages under min_share of their run are left out as noise (data_wait
+    has its own thresholds). `extra` adds findings other experiments measured (columns `stage`,
     `finding`, `seconds_saved`, `evidence`), e.g. the storage tax or a cached model load.
     """
     table = shares(frame, total_steps)
@@ -208,6 +209,8 @@ def findings(frame: pd.DataFrame, extra: pd.DataFrame | None = None,
             if r.stage == "compute" or r.seconds <= 0:
                 continue
             severity = "fix"
+            if r.stage != "data_wait" and r.share < min_share:
+                continue
             if r.stage == "data_wait":
                 ratio = r.seconds / step_total if step_total else 0.0
                 if ratio <= DATA_WAIT_NOTE:
@@ -231,6 +234,9 @@ def findings(frame: pd.DataFrame, extra: pd.DataFrame | None = None,
             "evidence"]
     if not rows:
         return pd.DataFrame(columns=cols)
-    out = pd.DataFrame(rows).sort_values("seconds_saved", ascending=False, kind="stable")
+    out = pd.DataFrame(rows)
+    order = {run: i for i, run in enumerate(dict.fromkeys(table["run"]))}
+    out = out.assign(_run=out["run"].map(order).fillna(len(order)), _neg=-out["seconds_saved"])
+    out = out.sort_values(["_run", "_neg"], kind="stable").drop(columns=["_run", "_neg"])
     out["rank"] = out.groupby("run", sort=False).cumcount() + 1
     return out[cols].reset_index(drop=True)

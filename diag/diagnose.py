@@ -16,7 +16,7 @@ from diag import report
 from diag.config import DiagnoseConfig, InfoConfig, ToyStepConfig
 
 
-def _training_runs(cfg: DiagnoseConfig) -> pd.DataFrame:
+def training_runs(cfg: DiagnoseConfig) -> pd.DataFrame:
     """The naive and the optimized run, each timed stage by stage, in one frame (`run` column)."""
     from diag.toy import run_toy_step
 
@@ -34,7 +34,7 @@ def run_all(cfg: DiagnoseConfig | None = None) -> str:
 
     cfg = cfg or DiagnoseConfig.default()
     steps = [("device facts", lambda: run_info(InfoConfig.default())),
-             ("naive vs optimized run", lambda: _training_runs(cfg))]
+             ("naive vs optimized run", lambda: training_runs(cfg))]
     results = {}
     with tqdm(steps, desc="diag run", unit="experiment") as bar:
         for name, work in bar:

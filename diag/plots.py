@@ -8,6 +8,7 @@ in the share chart, the waterfall and the notebooks. Figures are made with the o
 from __future__ import annotations
 
 import math
+import sys
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -28,9 +29,24 @@ STAGE_COLORS = {
 assert set(STAGE_COLORS) == set(STAGES)
 
 
+def _show_in_notebooks() -> None:
+    """Let Jupyter draw a bare Figure (no pyplot, so no inline backend) as a PNG; once."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None or getattr(_show_in_notebooks, "done", False):
+        return
+    from IPython.core.pylabtools import print_figure
+    from matplotlib.figure import Figure
+
+    shell.display_formatter.formatters["image/png"].for_type(
+        Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight", dpi=100))
+    _show_in_notebooks.done = True  # type: ignore[attr-defined]
+
+
 def _figure(width: float = 8.0, height: float = 3.5) -> Figure:
     from matplotlib.figure import Figure
 
+    _show_in_notebooks()
     return Figure(figsize=(width, height), layout="constrained")
 
 

@@ -89,7 +89,7 @@ def write(frames: dict[str, pd.DataFrame], out: str | os.PathLike[str] | None = 
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return final
+    return final.resolve()
 
 
 def _summary(frames: dict[str, pd.DataFrame], config: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +125,7 @@ def load(folder: str | os.PathLike[str]) -> dict[str, pd.DataFrame]:
     summary = load_summary(folder)
     frames = {}
     for name in summary["experiments"]:
-        frame = pd.read_csv(folder / f"{name}.csv", float_precision="round_trip")
+        frame = pd.read_csv(folder / f"{name}.csv")
         dtypes = summary["dtypes"].get(name, {})
         frames[name] = frame.astype({c: t for c, t in dtypes.items() if c in frame.columns})
     return frames

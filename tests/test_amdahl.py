@@ -1,0 +1,157 @@
+import math
+
+import pandas as pd
+import pytest
+
+from diag import amdahl
+from diag.device import dense_peak_flops
+
+
+def constructed(run="naive", wait=(0.2, 0.3, 0.2), compute=(1.0, 1.2, 1.0), fetch=30.0, load=10.0):
+    """A run with known numbers: 30 s fetch, 10 s load, three steps of data_wait + compute."""
+    rows = [{"stage": "fetch_data", "seconds": fetch, "step": pd.NA},
+            {"stage": "load_model", "seconds": load, "step": pd.NA},
+            {"stage": "train", "seconds": sum(wait) + sum(compute), "step": pd.NA}]
+    for i, (w, c) in enumerate(zip(wait, compute)):
+        rows += [{"stage": "data_wait", "seconds": w, "step": i},
+                 {"stage": "compute", "seconds": c, "step": i}]
+    frame = pd.DataFrame(rows)
+    frame["step"] = frame["step"].astype("Int64")
+    return frame.assign(run=run)
+
+
+def test_shares_match_hand_computed_values_and_add_up_to_one():
+    table = amdahl.shares(constructed()).set_index("stage")
+    # step-level: median per step x 3 steps; train itself is shown as its parts
+    assert table.loc["data_wait", "seconds"] == pytest.approx(0.2 * 3)
+    assert table.loc["compute", "seconds"] == pytest.approx(1.0 * 3)
+    assert "train" not in table.index
+    total = 30 + 10 + 0.6 + 3.0
+    assert table.loc["fetch_data", "share"] == pytest.approx(30 / total)
+    assert table["share"].sum() == pytest.approx(1.0)
+    assert table.loc["fetch_data", "basis"].startswith("measured")
+    assert table.loc["compute", "level"] == "step"
+
+
+def test_total_steps_projects_step_stages_and_says_so():
+    table = amdahl.shares(constructed(), total_steps=1000).set_index("stage")
+    assert table.loc["compute", "seconds"] == pytest.approx(1000.0)
+    assert table.loc["compute", "basis"].startswith("projected: median 1 s/step x 1000 steps")
+    assert table.loc["fetch_data", "seconds"] == 30.0
+    assert table["share"].sum() == pytest.approx(1.0)
+
+
+def test_train_time_outside_step_stages_becomes_other():
+    frame = constructed()
+    frame.loc[frame["stage"] == "train", "seconds"] += 0.3  # 0.1 s per step unaccounted
+    table = amdahl.shares(frame).set_index("stage")
+    assert table.loc["other", "seconds"] == pytest.approx(0.3)
+
+
+def test_runs_are_kept_apart():
+    frame = pd.concat([constructed("naive"), constructed("optimized", fetch=0.5, load=2.0)])
+    table = amdahl.shares(frame)
+    assert list(dict.fromkeys(table["run"])) == ["naive", "optimized"]
+    for _, part in table.groupby("run"):
+        assert part["share"].sum() == pytest.approx(1.0)
+
+
+def test_load_parts_alone_make_the_load_model_stage():
+    frame = pd.DataFrame({"stage": ["download", "read", "quantize"], "seconds": [3.0, 1.0, 0.5]})
+    table = amdahl.shares(frame)
+    assert table["stage"].tolist() == ["load_model"]
+    assert table["seconds"].iloc[0] == pytest.approx(4.5)
+
+
+def test_project_with_inf_removes_a_stage():
+    out = amdahl.project(constructed(), {"fetch_data": math.inf, "compute": 2.0}).set_index("stage")
+    assert out.loc["fetch_data", "seconds_after"] == 0.0
+    assert out.loc["compute", "seconds_after"] == pytest.approx(1.5)
+    assert out.loc["load_model", "seconds_after"] == 10.0
+    assert out.loc["total", "seconds_before"] == pytest.approx(43.6)
+    assert out.loc["total", "seconds_after"] == pytest.approx(10 + 0.6 + 1.5)
+    assert out.loc["total", "speedup"] == pytest.approx(43.6 / 12.1)
+
+
+def test_upgrade_uses_the_dense_peak_ratio():
+    ratio = dense_peak_flops("H100 SXM") / dense_peak_flops("RTX 4070")
+    assert ratio == pytest.approx(989.4 / 58.3)
+    assert amdahl.compute_ratio("RTX 4070", "H100 SXM") == pytest.approx(ratio)
+    out = amdahl.upgrade(constructed(), "RTX 4070", "H100 SXM").set_index("stage")
+    assert out.loc["compute", "speedup"] == pytest.approx(ratio)
+    assert out.loc["fetch_data", "seconds_after"] == 30.0  # the GPU does not touch S3
+    assert "dense bf16 peak ratio" in out.loc["compute", "assumption"]
+
+
+def test_inverse_amdahl_worked_example_from_the_seed_story():
+    # 11 h on an RTX 4070, 9.5 h on an H100 with a 4.5x compute ratio
+    split = amdahl.infer_compute_share(11 * 3600, 9.5 * 3600, 4.5)
+    assert split["compute"] / 3600 == pytest.approx(1.93, abs=0.01)
+    assert split["not_compute_share"] == pytest.approx(0.82, abs=0.01)
+    assert split["compute"] + split["not_compute"] == pytest.approx(11 * 3600)
+    # at either end of a 4-5x ratio, ~80% of the 4070 run was not compute
+    for k in (4.0, 5.0):
+        assert amdahl.infer_compute_share(11, 9.5, k)["not_compute_share"] > 0.79
+
+
+def test_findings_rank_by_seconds_saved_and_rest_on_numbers():
+    found = amdahl.findings(constructed())
+    assert found["stage"].tolist()[:2] == ["fetch_data", "load_model"]
+    assert found["rank"].tolist() == list(range(1, len(found) + 1))
+    assert (found["seconds_saved"].diff().dropna() <= 0).all()
+    assert "compute" not in set(found["stage"])
+    assert found.iloc[0]["evidence"].startswith("fetch_data: 30 s")
+
+
+def test_data_wait_flag_and_note_thresholds():
+    flagged = amdahl.findings(constructed(wait=(0.5, 0.5, 0.5), compute=(1, 1, 1)))
+    assert flagged.set_index("stage").loc["data_wait", "severity"] == "flag"  # 33% of step
+    noted = amdahl.findings(constructed(wait=(0.05, 0.05, 0.05), compute=(1, 1, 1)))
+    assert noted.set_index("stage").loc["data_wait", "severity"] == "note"  # ~4.8%
+    quiet = amdahl.findings(constructed(wait=(0.01, 0.01, 0.01), compute=(1, 1, 1)))
+    assert "data_wait" not in set(quiet["stage"])  # ~1%: below the note threshold
+
+
+def test_extra_findings_are_ranked_with_the_rest():
+    extra = pd.DataFrame([{"stage": "load_model", "finding": "persistent HF_HOME",
+                           "seconds_saved": 100.0, "evidence": "fresh 101 s vs cached 1 s"}])
+    found = amdahl.findings(constructed(), extra=extra)
+    assert found.iloc[0]["finding"] == "persistent HF_HOME"
+    assert found.iloc[0]["rank"] == 1
+
+
+@pytest.mark.parametrize("frame, message", [
+    (pd.DataFrame(), "frame is empty"),
+    (pd.DataFrame({"stage": ["fetch"], "seconds": [1.0]}), r"unknown stage\(s\) \['fetch'\]"),
+    (pd.DataFrame({"stage": ["eval"], "seconds": [-1.0]}), "negative duration -1.0 s for stage 'eval'"),
+    (pd.DataFrame({"stage": ["eval"]}), "lacks column"),
+])
+def test_bad_frames_are_named(frame, message):
+    with pytest.raises(ValueError, match=message):
+        amdahl.shares(frame)
+
+
+def test_bad_speedups_and_devices_are_named():
+    with pytest.raises(ValueError, match=r"speedup\['compute'\]=0: must be a number > 0"):
+        amdahl.project(constructed(), {"compute": 0})
+    with pytest.raises(ValueError, match=r"speedup\['compute'\]=-2"):
+        amdahl.project(constructed(), {"compute": -2})
+    with pytest.raises(ValueError, match="speedup for unknown stage 'gpu'"):
+        amdahl.project(constructed(), {"gpu": 2.0})
+    with pytest.raises(ValueError, match="unknown GPU 'TPU v5'.*allowed devices are.*H100 SXM"):
+        amdahl.upgrade(constructed(), "TPU v5", "H100 SXM")
+    with pytest.raises(ValueError, match="compute_speedup=1: must be > 1"):
+        amdahl.infer_compute_share(11, 9.5, 1)
+    with pytest.raises(ValueError, match="faster than the compute ratio allows"):
+        amdahl.infer_compute_share(11, 2, 4.5)
+
+
+def test_findings_group_by_run_and_skip_noise():
+    frame = pd.concat([constructed("naive"), constructed("optimized", fetch=0.5, load=2.0)])
+    frame = pd.concat([frame, pd.DataFrame([{"stage": "h2d", "seconds": 1e-6, "step": 0,
+                                             "run": "naive"}])])
+    found = amdahl.findings(frame)
+    assert list(dict.fromkeys(found["run"])) == ["naive", "optimized"]
+    naive = found[found["run"] == "naive"]
+    assert naive["rank"].tolist() == list(range(1, len(naive) + 1))
+    assert "h2d" not in set(found["stage"])  # 3e-6 s of a 44 s run: noise, not a finding

@@ -1,0 +1,67 @@
+import math
+
+import pandas as pd
+import pytest
+from matplotlib.colors import to_hex
+from matplotlib.figure import Figure
+
+from diag import amdahl, plots
+from diag.timing import STAGES
+from tests.test_amdahl import constructed
+
+
+def two_runs():
+    return pd.concat([constructed("naive"), constructed("optimized", fetch=0.5, load=2.0)])
+
+
+def test_every_stage_has_one_colour():
+    assert set(plots.STAGE_COLORS) == set(STAGES)
+
+
+def test_stage_shares_draws_one_bar_per_stage_per_run_in_stage_colours():
+    table = amdahl.shares(two_runs())
+    fig = plots.plot_stage_shares(table)
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    assert len(ax.patches) == len(table)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["naive", "optimized"]
+    first = ax.patches[0]
+    assert to_hex(first.get_facecolor()) == plots.STAGE_COLORS[table["stage"].iloc[0]]
+    # bar widths are the stage seconds (in the chosen unit): the naive run sums to its total
+    naive = table[table["run"] == "naive"]
+    widths = [p.get_width() for p in ax.patches[: len(naive)]]
+    assert sum(widths) == pytest.approx(naive["seconds"].sum())
+
+
+def test_amdahl_curve_has_the_non_compute_floor_and_marks():
+    table = amdahl.shares(constructed())
+    fig = plots.plot_amdahl(table, marks={"RTX 4070": 1.0, "H100 SXM": 17.0})
+    ax = fig.axes[0]
+    curve, floor = ax.lines[0], ax.lines[1]
+    compute = table.loc[table["stage"] == "compute", "seconds"].sum()
+    total = table["seconds"].sum()
+    assert curve.get_ydata()[0] == pytest.approx(total)
+    assert floor.get_ydata()[0] == pytest.approx(total - compute)
+    assert curve.get_xdata()[-1] == pytest.approx(17.0)  # the axis reaches the farthest mark
+    assert any("H100 SXM" in t.get_text() for t in ax.texts)
+
+
+def test_waterfall_steps_down_by_each_fix():
+    found = amdahl.findings(constructed())
+    total = amdahl.shares(constructed())["seconds"].sum()
+    fig = plots.plot_waterfall(found, total)
+    bars = fig.axes[0].patches
+    assert bars[0].get_height() == pytest.approx(total)
+    saved = sum(b.get_height() for b in bars[1:-1])
+    assert bars[-1].get_height() == pytest.approx(total - saved)
+    with pytest.raises(ValueError, match="total_seconds=0"):
+        plots.plot_waterfall(found, 0)
+    with pytest.raises(ValueError, match="total_seconds=nan"):
+        plots.plot_waterfall(found, math.nan)
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="shares is empty"):
+        plots.plot_stage_shares(pd.DataFrame(columns=["run", "stage", "seconds", "share"]))
+    with pytest.raises(ValueError, match="run='other' not in shares"):
+        plots.plot_amdahl(amdahl.shares(constructed()), run="other")
