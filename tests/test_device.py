@@ -225,3 +225,19 @@ def test_peak_flops_unknown_gpu_says_pass_it(monkeypatch: pytest.MonkeyPatch) ->
     peak = dev.peak_flops("cuda")
     assert peak.flops is None and not peak.measured
     assert "'NVIDIA Mystery X1'" in peak.label and "explicitly" in peak.label
+
+
+def test_evict_page_cache_makes_a_file_cold_and_says_so(tmp_path) -> None:
+    from diag.device import evict_page_cache, resident_fraction
+
+    path = tmp_path / "blob.bin"
+    path.write_bytes(os.urandom(8 << 20))
+    path.read_bytes()
+    assert resident_fraction(path) > 0.9  # just written and read: in the page cache
+    assert evict_page_cache([path]) == "cold"
+    assert resident_fraction(path) < 0.02
+    path.read_bytes()
+    assert resident_fraction(path) > 0.9
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert resident_fraction(empty) == 0.0
