@@ -35,7 +35,12 @@ EXPERIMENTS: dict[str, Experiment] = {
     "toy": Experiment(config.ToyStepConfig, "diag.toy:run_toy_step",
                       "a timed toy training loop: data_wait, h2d and compute per step"),
     # -- storage --
+    "storage": Experiment(config.StorageConfig, "diag.storage:storage_cli",
+                          "object-store pull vs local NVMe read, the re-pull tax, stage() miss/hit"),
     # -- model-load --
+    "model-load": Experiment(config.ModelLoadConfig, "diag.models:run_model_load",
+                             "fresh vs cached model load: download, read, quantize, to_device, "
+                             "tokenizer"),
     "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_all",
                       "the whole diagnosis on one source: every experiment, then the report"),
     "report": Experiment(config.ReportConfig, "diag.report:render_config",

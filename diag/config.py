@@ -146,7 +146,71 @@ class ReportConfig(ExperimentConfig):
 
 # -- storage (diag.storage) ----------------------------------------------------------------------
 
+@dataclass
+class StorageConfig(ExperimentConfig):
+    """`diag storage`: object-store pull vs local disk read, the re-pull tax, stage() miss/hit."""
+
+    source: str = ""  # s3://bucket/key or s3://bucket/prefix/; "" = embedded S3 server + synthetic data
+    endpoint_url: str = ""  # S3 endpoint; "" = the AWS chain (AWS_ENDPOINT_URL, profile) or embedded
+    local_dir: str = ""  # where data lands (the NVMe / persistent volume); "" = DIAG_HOME/storage
+    size_mb: float = 200.0  # embedded dataset size; larger gives steadier rates and takes longer
+    shards: int = 1  # embedded dataset as this many objects under a prefix (1 = a single object)
+    repeats: int = 3  # measured repeats per method; more gives steadier medians
+    warmup: int = 1  # untimed first rounds (connections, server cache): not reported
+    verify: str = "sha256"  # stage() hit check: "sha256" catches flipped bytes, "size" is near-free
+    retries: int = 4  # retries of a dropped connection (resumed by Range GET); 0 fails fast
+    dataset_gb: float = 0.0  # dataset size for the tax; 0 = the measured size (e.g. 25 for yours)
+    runs_per_week: float = 20.0  # training starts per week that re-pull the dataset
+    usd_per_hour: float = 0.0  # instance price for the tax; 0 = unknown (no money figures)
+    report: bool = False  # also write a run folder (CSVs, figure, report.html) under runs/
+
+    QUICK: ClassVar[dict[str, Any]] = {"size_mb": 8.0, "repeats": 2}
+
+    def validate(self) -> None:
+        self._positive("size_mb", "shards", "repeats")
+        self._non_negative("warmup", "retries", "dataset_gb", "runs_per_week", "usd_per_hour")
+        self._choice("verify", ("sha256", "size"))
+        if self.source and not (self.source.startswith("s3://") and self.source[5:].split("/")[0]):
+            raise ValueError(f"StorageConfig.source={self.source!r}: expected s3://bucket/key, "
+                             "s3://bucket/prefix/ or '' for the embedded server")
+
+
 # -- model load (diag.models) --------------------------------------------------------------------
+MODEL_LOAD_SCENARIOS = ("fresh", "cached", "cached_offline", "cached_cold")
+
+
+@dataclass
+class ModelLoadConfig(ExperimentConfig):
+    """`diag model-load`: fresh vs cached model load, each part (download ... tokenizer) timed."""
+
+    model: str = ""  # "" = the embedded tiny model on a local hub; "org/name" = HF_ENDPOINT or the real hub; a folder = no download
+    revision: str = "main"  # branch, tag or commit of a hub model
+    scenarios: list[str] = field(default_factory=lambda: list(MODEL_LOAD_SCENARIOS))  # fewer run faster; fresh downloads the whole model every repeat
+    repeats: int = 3  # measured loads per scenario after one warm-up; more is steadier, each is a process start
+    quantize: bool = True  # 4-bit nf4 (bitsandbytes) as QLoRA loads its base; False keeps the checkpoint dtype
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    cache_dir: str = ""  # HF hub cache of the cached scenarios; "" = <DIAG_HOME>/hf-cache, never your HF_HOME unless named
+    repair_cache: bool = False  # True re-downloads cached files that fail their checksum; False stops and reports them
+    trust_remote_code: bool = False  # True runs Python code from the model repo; only for repos you trust
+    timeout_s: float = 1800.0  # per load process; a large model over a slow link needs more
+
+    QUICK: ClassVar[dict[str, Any]] = {"repeats": 1}
+
+    def validate(self) -> None:
+        self._positive("repeats", "timeout_s")
+        self._choice("device", ("auto", "cpu", "cuda"))
+        if isinstance(self.scenarios, str):
+            self.scenarios = [s.strip() for s in self.scenarios.split(",") if s.strip()]
+        if not self.scenarios or len(set(self.scenarios)) != len(self.scenarios):
+            raise ValueError(f"ModelLoadConfig.scenarios={self.scenarios!r}: name each scenario "
+                             "once: " + ", ".join(MODEL_LOAD_SCENARIOS))
+        for s in self.scenarios:
+            if s not in MODEL_LOAD_SCENARIOS:
+                raise ValueError(f"ModelLoadConfig.scenarios: {s!r} is not a scenario; allowed "
+                                 "values are " + ", ".join(map(repr, MODEL_LOAD_SCENARIOS)))
+        if not self.revision:
+            raise ValueError("ModelLoadConfig.revision='': name a branch, tag or commit (main)")
+
 
 
 @dataclass

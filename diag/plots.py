@@ -148,3 +148,57 @@ def plot_waterfall(findings: pd.DataFrame, total_seconds: float, top: int = 6) -
     ax.set_ylabel(unit)
     ax.set_title("What each fix would save (upper bounds; fixes can overlap)")
     return fig
+
+
+def plot_storage(frame: pd.DataFrame) -> Figure:
+    """Median MB/s per method and cache state (bars), every measured repeat as a dot (log scale)."""
+    if frame.empty or not {"method", "cache_state", "mb_per_s"} <= set(frame.columns):
+        raise ValueError("frame must be run_storage()'s: method, cache_state, mb_per_s rows")
+    groups = list(dict.fromkeys(zip(frame["method"], frame["cache_state"])))
+    fig = _figure(8, 1.0 + 0.42 * len(groups))
+    ax = fig.add_subplot()
+    for i, (method, state) in enumerate(groups):
+        rates = frame.loc[(frame["method"] == method) & (frame["cache_state"] == state), "mb_per_s"]
+        stage = "read" if method == "local_read" else "fetch_data"
+        median = float(rates.median())
+        ax.barh(i, median, color=STAGE_COLORS[stage], alpha=0.55 if "warm" in state else 0.9)
+        ax.plot(rates, [i] * len(rates), "o", color="black", markersize=3)
+        ax.text(median, i, f"  {median:,.0f} MB/s", va="center", fontsize=8)
+    ax.set_yticks(range(len(groups)), [f"{m} ({s})" for m, s in groups], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("MB/s (log scale; dots are the repeats)")
+    ax.set_title("Object-store pull vs local read")
+    ax.margins(x=0.25)
+    return fig
+
+
+def plot_model_load(frame: pd.DataFrame) -> Figure:
+    """One stacked bar per scenario: median seconds of each load part (diag.models frame)."""
+    from diag.models import medians
+
+    if frame.empty:
+        raise ValueError("frame is empty: nothing to plot")
+    table = medians(frame).drop(columns="load_model", errors="ignore").fillna(0.0)
+    scale, unit = _time_unit(float(table.sum(axis=1).max()))
+    states = frame.groupby("scenario")["cache_state"].first()
+    fig = _figure(8, 1.4 + 0.6 * len(table))
+    ax = fig.add_subplot()
+    for i, scenario in enumerate(table.index):
+        left = 0.0
+        for part, seconds in table.loc[scenario].items():
+            ax.barh(i, seconds / scale, left=left, color=STAGE_COLORS[part], edgecolor="white",
+                    label=part)
+            left += seconds / scale
+        ax.text(left, i, f"  {left:.3g} {unit}", va="center", fontsize=8)
+    labels = [f"{s}\n({states[s]})" if s == "cached_cold" else s for s in table.index]
+    ax.set_yticks(range(len(table)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"median load time ({unit})")
+    ax.set_title("Model load: fresh vs cached, by part")
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, ncols=len(unique), frameon=False,
+              loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(table) > 2 else -0.4))
+    ax.margins(x=0.15)
+    return fig

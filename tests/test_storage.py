@@ -1,0 +1,185 @@
+"""diag.storage on the embedded S3 server: the measurement frame, stage() on prefixes, the tax."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from diag import amdahl, plots
+from diag.__main__ import parse
+from diag.config import StorageConfig
+from diag.landing import MB, file_sha256, local_paths, make_client, parse_url, transfer_plan
+from diag.local import S3Server
+from diag.storage import COLUMNS, medians, run_storage, stage, storage_tax, tax_advice
+from diag.timing import StageTimer
+
+
+@pytest.fixture(scope="module")
+def frame() -> pd.DataFrame:
+    # the real experiment, test-sized: embedded server, synthetic data, every method
+    return run_storage(StorageConfig.quick(size_mb=3.0, repeats=2))
+
+
+def test_run_storage_frame_has_every_method_and_honest_labels(frame):
+    assert list(frame.columns) == COLUMNS
+    methods = set(frame["method"])
+    assert {"boto3_default", "boto3_tuned", "local_read", "stage"} <= methods
+    assert ("s5cmd" in methods) == (shutil.which("s5cmd") is not None)
+    assert set(frame["repeat"]) == {0, 1}  # the warm-up round is not reported
+    pulls = frame[frame["method"].isin(["boto3_default", "boto3_tuned", "s5cmd"])]
+    assert (pulls["cache_state"] == "remote").all()
+    boto = pulls[pulls["method"] != "s5cmd"]
+    assert (boto["ttfb_s"] > 0).all() and (boto["ttfb_s"] < boto["seconds"] * 5).all()
+    assert pulls.loc[pulls["method"] == "s5cmd", "ttfb_s"].isna().all()  # not visible from here
+    size = int(frame["bytes"].iloc[0])
+    assert 2.9e6 < size < 3.2e6 and (frame["bytes"] == size).all()
+    assert (frame["seconds"] > 0).all()
+    assert frame["mb_per_s"].round(6).equals((frame["bytes"] / MB / frame["seconds"]).round(6))
+    reads = frame[frame["method"] == "local_read"]
+    states = set(reads["cache_state"])
+    assert any(s.startswith("cold") for s in states) and any(s.startswith("warm") for s in states)
+    staged = frame[frame["method"] == "stage"]
+    assert sorted(staged["cache_state"]) == ["hit", "hit", "miss", "miss"]
+    table = medians(frame)
+    assert set(table["repeats"]) == {2}
+
+
+def test_transfer_plan_follows_size_and_cores():
+    small = transfer_plan(8 * MB, cores=2)
+    assert 8 * MB < small.single_get_below and small.describe(8 * MB) == "one GET"
+    mid = transfer_plan(200 * MB, cores=2)
+    assert (mid.part_bytes, mid.concurrency) == (50 * MB, 4)
+    big = transfer_plan(25_000 * MB, cores=32)
+    assert (big.part_bytes, big.concurrency) == (256 * MB, 64)
+    assert transfer_plan(40 * MB, cores=64).part_bytes == 8 * MB  # never below 8 MB parts
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with S3Server() as server:
+        client = server.client()
+        for i in range(3):
+            client.put_object(Bucket="diag", Key=f"shards/part-{i}.bin", Body=os.urandom(200_000 + i))
+        client.put_object(Bucket="diag", Key="shards/sub/deep.bin", Body=b"deep")
+        yield server
+
+
+def _client(server):
+    return make_client(server.endpoint_url, credentials={
+        "aws_access_key_id": server.access_key, "aws_secret_access_key": server.secret_key,
+        "region_name": server.region})
+
+
+def test_stage_prefix_lands_once_with_manifest_then_hits(s3, tmp_path):
+    url = "s3://diag/shards/"
+    client = _client(s3)
+    timer = StageTimer()
+    miss = stage(url, tmp_path, client=client, timer=timer)
+    assert miss.hit is False and miss.files == 4 and miss.bytes == miss.fetched_bytes == 600_007
+    local, manifest_path = local_paths(parse_url(url), tmp_path)
+    assert miss.path == local and (local / "sub" / "deep.bin").read_bytes() == b"deep"
+    manifest = json.loads(manifest_path.read_text())
+    assert [e["key"] for e in manifest["objects"]] == sorted(e["key"] for e in manifest["objects"])
+    for e in manifest["objects"]:
+        path = local / e["key"][len("shards/"):]
+        assert path.stat().st_size == e["size"] and file_sha256(path) == e["sha256"]
+    hit = stage(url, tmp_path, client=client, timer=timer)
+    assert hit.hit is True and hit.fetched_bytes == 0
+    stages = timer.to_frame()
+    assert list(stages["stage"]) == ["fetch_data", "fetch_data"]
+    assert stages["seconds"].tolist() == pytest.approx([miss.seconds, hit.seconds], rel=0.5)
+
+    # one shard changes, one disappears: only the changed one is fetched, the gone one removed
+    s3.client().put_object(Bucket="diag", Key="shards/part-1.bin", Body=b"new bytes")
+    s3.client().delete_object(Bucket="diag", Key="shards/part-2.bin")
+    again = stage(url, tmp_path, client=client)
+    assert again.hit is False and again.fetched_bytes == len(b"new bytes") and again.files == 3
+    assert (local / "part-1.bin").read_bytes() == b"new bytes"
+    assert not (local / "part-2.bin").exists()
+    assert stage(url, tmp_path, client=client).hit is True
+
+
+def test_manifest_is_what_makes_a_landing_complete(s3, tmp_path):
+    url = "s3://diag/shards/part-0.bin"
+    client = _client(s3)
+    first = stage(url, tmp_path, client=client)
+    _, manifest_path = local_paths(parse_url(url), tmp_path)
+    manifest_path.unlink()  # e.g. killed after the data rename, before the manifest
+    second = stage(url, tmp_path, client=client)
+    assert second.hit is False and first.path.read_bytes() == second.path.read_bytes()
+
+
+def test_storage_tax_arithmetic_and_advice_rows():
+    rows = [{"method": m, "bytes": 200 * MB, "seconds": 200 / rate, "mb_per_s": rate,
+             "cache_state": "remote", "repeat": r}
+            for m, rates in {"boto3_default": (90, 100, 110), "boto3_tuned": (240, 250, 260)}.items()
+            for r, rate in enumerate(rates)]
+    rows += [{"method": "local_read", "bytes": 200 * MB, "seconds": 0.1, "mb_per_s": 2000.0,
+              "cache_state": "cold", "repeat": r} for r in range(3)]
+    frame = pd.DataFrame(rows)
+    tax = storage_tax(frame, dataset_gb=25, runs_per_week=10, usd_per_hour=3.6).set_index("method")
+    assert tax.loc["boto3_default", "seconds_per_run"] == pytest.approx(250.0)  # 25 GB at 100 MB/s
+    assert tax.loc["boto3_default", "usd_per_run"] == pytest.approx(0.25)
+    assert tax.loc["boto3_default", "hours_per_week"] == pytest.approx(2500 / 3600)
+    assert tax.loc["boto3_tuned", "seconds_per_run"] == pytest.approx(100.0)
+    assert tax.loc["boto3_tuned", "evidence"] == (
+        "25 GB at 250 MB/s (boto3_tuned, median of 3, measured on 200 MB) = 1.7 min per start")
+    unknown = storage_tax(frame).set_index("method")  # measured size, no price
+    assert unknown.loc["boto3_default", "dataset_gb"] == pytest.approx(0.2)
+    assert math.isnan(unknown.loc["boto3_default", "usd_per_week"])
+
+    advice = tax_advice(storage_tax(frame, dataset_gb=25), frame)
+    assert list(advice.columns) == ["stage", "finding", "seconds_saved", "evidence"]
+    assert (advice["stage"] == "fetch_data").all() and len(advice) == 2
+    assert advice["seconds_saved"].tolist() == pytest.approx([250 - 12.5, 150.0])
+    assert "2000 MB/s (cold)" in advice["evidence"].iloc[0]
+    run = pd.DataFrame({"stage": ["fetch_data", "eval"], "seconds": [250.0, 1000.0]})
+    ranked = amdahl.findings(run, extra=advice)
+    assert "diag.storage.stage" in " ".join(ranked["finding"])
+    with pytest.raises(ValueError, match="no pull rows"):
+        storage_tax(frame[frame["method"] == "local_read"])
+
+
+def test_plot_storage_draws_every_method(frame):
+    fig = plots.plot_storage(frame)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert any(label.startswith("boto3_tuned") for label in labels)
+    assert len(labels) == len(medians(frame))
+    with pytest.raises(ValueError):
+        plots.plot_storage(pd.DataFrame())
+
+
+def test_config_and_cli_flags():
+    _, cfg, _ = parse(["storage", "--source", "s3://b/data/", "--local-dir", "/mnt/nvme/x",
+                       "--dataset-gb", "25", "--verify", "size"])
+    assert isinstance(cfg, StorageConfig)
+    assert (cfg.source, cfg.local_dir, cfg.dataset_gb, cfg.verify) == (
+        "s3://b/data/", "/mnt/nvme/x", 25.0, "size")
+    for bad, field in [({"source": "/data/x"}, "source"), ({"verify": "md5"}, "verify"),
+                       ({"repeats": 0}, "repeats"), ({"usd_per_hour": -1.0}, "usd_per_hour")]:
+        with pytest.raises(ValueError, match=f"StorageConfig.{field}"):
+            StorageConfig(**bad)
+
+
+def test_run_storage_on_a_prefix_source(s3, tmp_path):
+    cfg = StorageConfig.quick(source="s3://diag/shards/", endpoint_url=s3.endpoint_url,
+                              local_dir=str(tmp_path), repeats=1, warmup=0)
+    env = {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key,
+           "AWS_DEFAULT_REGION": s3.region}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the standard credential chain, as on a cloud box
+    try:
+        frame = run_storage(cfg)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    listed = s3.client().list_objects_v2(Bucket="diag", Prefix="shards/")["Contents"]
+    assert set(frame["files"]) == {len(listed)} and len(listed) > 1
+    assert (frame["bytes"] == sum(o["Size"] for o in listed)).all()
+    assert list(Path(tmp_path).iterdir()) == []  # the scratch copies are cleaned up
