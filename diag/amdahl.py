@@ -202,11 +202,19 @@ def findings(frame: pd.DataFrame, extra: pd.DataFrame | None = None,
     `finding`, `seconds_saved`, `evidence`), e.g. the storage tax or a cached model load.
     """
     table = shares(frame, total_steps)
+    runs = list(dict.fromkeys(table["run"]))
+    extra = extra if extra is not None else pd.DataFrame(columns=["stage"])
+    if "run" not in extra.columns:
+        extra = extra.assign(run=runs[0])  # what the experiments measured is about the first run
+    # A stage an experiment measured a specific fix for gets that fix, not the generic one.
+    specific = set(zip(extra["run"], extra["stage"]))
     rows = []
     for run, part in table.groupby("run", sort=False):
         step_total = part.loc[part["level"] == "step", "seconds"].sum()
         for r in part.itertuples():
-            if r.stage == "compute" or r.seconds <= 0:
+            if r.stage in ("compute", "train") or r.seconds <= 0:
+                continue  # the work itself: made faster (a GPU, MFU), never removed
+            if (run, r.stage) in specific:
                 continue
             severity = "fix"
             if r.stage != "data_wait" and r.share < min_share:
@@ -220,22 +228,19 @@ def findings(frame: pd.DataFrame, extra: pd.DataFrame | None = None,
                          "seconds_saved": r.seconds, "share_of_run": r.share,
                          "severity": severity, "evidence": f"{r.stage}: {r.seconds:.4g} s, "
                          f"{r.share:.1%} of the run; {r.basis}"})
-    if extra is not None and not extra.empty:
-        runs = list(table["run"].unique())
-        totals = table.groupby("run")["seconds"].sum()
-        for r in extra.itertuples():
-            run = getattr(r, "run", runs[0]) if "run" in extra.columns else runs[0]
-            total = totals.get(run, float("nan"))
-            rows.append({"run": run, "stage": r.stage, "finding": r.finding,
-                         "seconds_saved": float(r.seconds_saved),
-                         "share_of_run": float(r.seconds_saved) / total if total else float("nan"),
-                         "severity": "fix", "evidence": r.evidence})
+    totals = table.groupby("run")["seconds"].sum()
+    for r in extra.itertuples():
+        total = totals.get(r.run, float("nan"))
+        rows.append({"run": r.run, "stage": r.stage, "finding": r.finding,
+                     "seconds_saved": float(r.seconds_saved),
+                     "share_of_run": float(r.seconds_saved) / total if total else float("nan"),
+                     "severity": "fix", "evidence": r.evidence})
     cols = ["rank", "run", "stage", "finding", "seconds_saved", "share_of_run", "severity",
             "evidence"]
     if not rows:
         return pd.DataFrame(columns=cols)
     out = pd.DataFrame(rows)
-    order = {run: i for i, run in enumerate(dict.fromkeys(table["run"]))}
+    order = {run: i for i, run in enumerate(runs)}
     out = out.assign(_run=out["run"].map(order).fillna(len(order)), _neg=-out["seconds_saved"])
     out = out.sort_values(["_run", "_neg"], kind="stable").drop(columns=["_run", "_neg"])
     out["rank"] = out.groupby("run", sort=False).cumcount() + 1

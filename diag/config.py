@@ -218,13 +218,18 @@ class DiagnoseConfig(ExperimentConfig):
     """`diag run`: every experiment on one source, a naive and an optimized run, the report."""
 
     out: str = ""  # run folder to write; "" makes runs/<UTC timestamp>/
+    source: str = ""  # dataset for the storage experiment (s3://...); "" = the embedded S3 server
+    model: str = ""  # model for the model-load experiment (org/name or a folder); "" = embedded
+    storage: bool = True  # run the storage experiment (object store vs local disk)
+    model_load: bool = True  # run the model-load experiment (fresh vs cached)
     steps: int = 60  # timed toy steps per run (naive and optimized)
     prep_ms: float = 3.0  # host preprocessing per batch: what num_workers has to hide
     naive_workers: int = 0  # DataLoader workers of the naive run (preprocessing in the loop)
     optimized_workers: int = 2  # DataLoader workers of the optimized run
     device: str = "auto"  # "auto", "cpu" or "cuda"
+    quick: bool = False  # True runs every experiment in its test-sized variant (seconds)
 
-    QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0}
+    QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0, "quick": True}
 
     def validate(self) -> None:
         self._positive("steps")

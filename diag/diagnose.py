@@ -1,31 +1,88 @@
 """The whole diagnosis on the embedded defaults (or the user's source): `python -m diag run`.
 
-It measures what this machine is, runs every experiment that exists, times a naive and an
-optimized training run with the same StageTimer, and writes the run folder (diag.report). Each
-step prints one progress line; the result is the folder's path and the top finding.
+It measures what this machine is, pulls the dataset from the object store and lands it
+(diag.storage), loads the model fresh and cached (diag.models), then assembles a naive and an
+optimized training run on the same StageTimer: the naive run pays the measured pull and fresh
+download on every start and preprocesses in the loop; the optimized one hits the landed copy
+and the warm cache and feeds the loop from DataLoader workers. Writes the run folder.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 from tqdm.auto import tqdm
 
 from diag import report
 from diag.config import DiagnoseConfig, InfoConfig, ToyStepConfig
+from diag.timing import StageTimer
+
+RUNS = ("naive", "optimized")
 
 
-def training_runs(cfg: DiagnoseConfig) -> pd.DataFrame:
-    """The naive and the optimized run, each timed stage by stage, in one frame (`run` column)."""
+def training_runs(cfg: DiagnoseConfig, run_level: dict[str, dict[str, float]] | None = None
+                  ) -> pd.DataFrame:
+    """The naive and the optimized run in one frame (`run` column).
+
+    run_level: per run, run-level stage seconds measured by the experiments (fetch_data from
+    diag.storage, load_model from diag.models), recorded on the run's timer before its steps.
+    """
     from diag.toy import run_toy_step
 
     frames = []
-    for run, workers in (("naive", cfg.naive_workers), ("optimized", cfg.optimized_workers)):
+    for run, workers in zip(RUNS, (cfg.naive_workers, cfg.optimized_workers)):
+        timer = StageTimer()
+        for stage, seconds in (run_level or {}).get(run, {}).items():
+            timer.record(stage, seconds)
         toy = ToyStepConfig(steps=cfg.steps, prep_ms=cfg.prep_ms, num_workers=workers,
                             device=cfg.device, **({"width": 128} if cfg.steps < 20 else {}))
-        frames.append(run_toy_step(toy).assign(run=run))
+        frames.append(run_toy_step(toy, timer).assign(run=run))
     return pd.concat(frames, ignore_index=True)
+
+
+def _median(frame: pd.DataFrame, **where: str) -> float | None:
+    rows = frame
+    for column, value in where.items():
+        rows = rows[rows[column] == value]
+    return statistics.median(rows["seconds"]) if not rows.empty else None
+
+
+def _storage(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
+    from diag.config import StorageConfig
+    from diag.storage import run_storage, storage_tax, tax_advice
+
+    scfg = (StorageConfig.quick if cfg.quick else StorageConfig.default)(source=cfg.source)
+    frame = run_storage(scfg)
+    tax = storage_tax(frame, scfg.dataset_gb, scfg.runs_per_week, scfg.usd_per_hour)
+    results["frames"].update(storage=frame, storage_tax=tax)
+    results["advice"].append(tax_advice(tax, frame))
+    # a naive start re-pulls with the defaults users get from boto3 / `aws s3 cp`; an optimized
+    # start finds the landed copy (a verified stage() hit)
+    naive = _median(frame, method="boto3_default")
+    hit = _median(frame, method="stage", cache_state="hit")
+    for run, seconds in (("naive", naive), ("optimized", hit)):
+        if seconds is not None:
+            results["run_level"][run]["fetch_data"] = seconds
+
+
+def _model_load(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
+    from diag.config import ModelLoadConfig
+    from diag.models import model_advice, run_model_load
+
+    mcfg = (ModelLoadConfig.quick if cfg.quick else ModelLoadConfig.default)(
+        model=cfg.model, scenarios=["fresh", "cached"])
+    frame = run_model_load(mcfg)
+    results["frames"]["model_load"] = frame
+    results["advice"].append(model_advice(frame))
+    # naive: an empty cache on every start (the full download); optimized: the warm cache
+    for run, scenario in (("naive", "fresh"), ("optimized", "cached")):
+        seconds = _median(frame, scenario=scenario, part="load_model")
+        if seconds is not None:
+            results["run_level"][run]["load_model"] = seconds
 
 
 def run_all(cfg: DiagnoseConfig | None = None) -> str:
@@ -33,15 +90,23 @@ def run_all(cfg: DiagnoseConfig | None = None) -> str:
     from diag.device import run_info
 
     cfg = cfg or DiagnoseConfig.default()
-    steps = [("device facts", lambda: run_info(InfoConfig.default())),
-             ("naive vs optimized run", lambda: training_runs(cfg))]
-    results = {}
-    with tqdm(steps, desc="diag run", unit="experiment") as bar:
+    results: dict[str, Any] = {"frames": {}, "advice": [], "run_level": {r: {} for r in RUNS}}
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("device facts", lambda: results.update(
+            info=run_info(InfoConfig.quick() if cfg.quick else InfoConfig.default())))]
+    if cfg.storage:
+        steps.append(("storage", lambda: _storage(cfg, results)))
+    if cfg.model_load:
+        steps.append(("model load", lambda: _model_load(cfg, results)))
+    steps.append(("naive vs optimized run", lambda: results["frames"].update(
+        run=training_runs(cfg, results["run_level"]))))
+    with tqdm(steps, desc="diag run", unit="step") as bar:
         for name, work in bar:
             bar.set_postfix_str(name)
-            results[name] = work()
-    folder = report.write({"run": results["naive vs optimized run"]}, cfg.out or None,
-                          config=cfg.to_dict(), info=results["device facts"])
-    summary = report.load_summary(folder)
-    top = summary.get("top_finding") or "no finding: nothing measured stands out"
+            work()
+    advice = [a for a in results["advice"] if not a.empty]
+    folder = report.write(results["frames"], cfg.out or None, config=cfg.to_dict(),
+                          info=results["info"],
+                          extra_findings=pd.concat(advice, ignore_index=True) if advice else None)
+    top = report.load_summary(folder).get("top_finding") or "nothing measured stands out"
     return f"wrote {Path(folder) / 'report.html'}\ntop finding: {top}"

@@ -118,6 +118,9 @@ def test_extra_findings_are_ranked_with_the_rest():
     found = amdahl.findings(constructed(), extra=extra)
     assert found.iloc[0]["finding"] == "persistent HF_HOME"
     assert found.iloc[0]["rank"] == 1
+    # the measured, specific fix replaces the generic one for its stage
+    assert found[found["stage"] == "load_model"]["finding"].tolist() == ["persistent HF_HOME"]
+    assert "fetch_data" in set(found["stage"])
 
 
 @pytest.mark.parametrize("frame, message", [
@@ -155,3 +158,11 @@ def test_findings_group_by_run_and_skip_noise():
     naive = found[found["run"] == "naive"]
     assert naive["rank"].tolist() == list(range(1, len(naive) + 1))
     assert "h2d" not in set(found["stage"])  # 3e-6 s of a 44 s run: noise, not a finding
+
+
+def test_train_without_step_stages_is_the_work_not_a_fix():
+    frame = pd.DataFrame({"stage": ["fetch_data", "train"], "seconds": [5.0, 50.0]})
+    table = amdahl.shares(frame).set_index("stage")
+    assert table.loc["train", "share"] == pytest.approx(50 / 55)
+    found = amdahl.findings(frame)
+    assert found["stage"].tolist() == ["fetch_data"]
