@@ -100,8 +100,6 @@ def build_parser() -> _Parser:
         hints = typing.get_type_hints(exp.config)
         positional = getattr(exp.config, "POSITIONAL", ())
         for f in dataclasses.fields(exp.config):
-            if f.name == "quick":
-                continue  # a config's own quick field is set by --quick (and DIAG_QUICK)
             _, kwargs = _flag_type(hints[f.name])
             if f.name in positional:
                 p.add_argument(f.name, **kwargs)
@@ -118,7 +116,7 @@ def parse(argv: list[str]) -> tuple[str, config.ExperimentConfig, argparse.Names
         raise UsageError("python -m diag: name an experiment: " + ", ".join(EXPERIMENTS))
     exp = EXPERIMENTS[args.experiment]
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(exp.config)
-                 if hasattr(args, f.name) and f.name != "quick"}
+                 if hasattr(args, f.name)}
     cfg = exp.config.quick(**overrides) if args.quick else exp.config.default(**overrides)
     return args.experiment, cfg, args
 

@@ -227,9 +227,9 @@ class DiagnoseConfig(ExperimentConfig):
     naive_workers: int = 0  # DataLoader workers of the naive run (preprocessing in the loop)
     optimized_workers: int = 2  # DataLoader workers of the optimized run
     device: str = "auto"  # "auto", "cpu" or "cuda"
-    quick: bool = False  # True runs every experiment in its test-sized variant (seconds)
+    quick_experiments: bool = False  # True runs each experiment in its test-sized variant (seconds)
 
-    QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0, "quick": True}
+    QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0, "quick_experiments": True}
 
     def validate(self) -> None:
         self._positive("steps")

@@ -55,7 +55,7 @@ def _storage(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     from diag.config import StorageConfig
     from diag.storage import run_storage, storage_tax, tax_advice
 
-    scfg = (StorageConfig.quick if cfg.quick else StorageConfig.default)(source=cfg.source)
+    scfg = (StorageConfig.quick if cfg.quick_experiments else StorageConfig.default)(source=cfg.source)
     frame = run_storage(scfg)
     tax = storage_tax(frame, scfg.dataset_gb, scfg.runs_per_week, scfg.usd_per_hour)
     results["frames"].update(storage=frame, storage_tax=tax)
@@ -73,8 +73,9 @@ def _model_load(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     from diag.config import ModelLoadConfig
     from diag.models import model_advice, run_model_load
 
-    mcfg = (ModelLoadConfig.quick if cfg.quick else ModelLoadConfig.default)(
-        model=cfg.model, scenarios=["fresh", "cached"])
+    # quick: the two scenarios the runs need; full: all four, for every advice row
+    mcfg = (ModelLoadConfig.quick(model=cfg.model, scenarios=["fresh", "cached"])
+            if cfg.quick_experiments else ModelLoadConfig.default(model=cfg.model))
     frame = run_model_load(mcfg)
     results["frames"]["model_load"] = frame
     results["advice"].append(model_advice(frame))
@@ -93,7 +94,7 @@ def run_all(cfg: DiagnoseConfig | None = None) -> str:
     results: dict[str, Any] = {"frames": {}, "advice": [], "run_level": {r: {} for r in RUNS}}
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("device facts", lambda: results.update(
-            info=run_info(InfoConfig.quick() if cfg.quick else InfoConfig.default())))]
+            info=run_info(InfoConfig.quick() if cfg.quick_experiments else InfoConfig.default())))]
     if cfg.storage:
         steps.append(("storage", lambda: _storage(cfg, results)))
     if cfg.model_load:

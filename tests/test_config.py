@@ -51,3 +51,12 @@ def test_every_default_field_has_a_comment():
         for line in body.splitlines():
             if re.match(r"^    [a-z_]+: .+ = ", line):
                 assert "#" in line, f"{cls.__name__}: default without a comment: {line.strip()}"
+
+
+def test_no_field_shadows_the_config_api():
+    import dataclasses
+
+    for cls in ExperimentConfig.__subclasses__():
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert not names & {"quick", "default", "validate", "replace", "to_dict"}, cls.__name__
+        assert callable(cls.quick) and callable(cls.default)

@@ -1,0 +1,175 @@
+"""Is the Hugging Face cache on this disk what the hub served? Checksums, not file names.
+
+An HF hub cache (`models--org--name/{blobs,snapshots,refs}`) names each blob by its hub ETag:
+the sha256 of the content for LFS files (weights), the git blob sha1 for small files. huggingface_hub
+only checks that a blob exists, so a flipped bit loads silently; `verify_cache()` re-hashes every
+blob a snapshot links to and returns one row per file (`status`: ok, corrupt, missing, incomplete,
+unverified). `repair=True` deletes what failed and downloads it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SHA1 = re.compile(r"^[0-9a-f]{40}$")
+_PICKLE = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+COLUMNS = ["file", "blob", "bytes", "status", "detail"]
+
+
+def repo_folder(cache_dir: str | os.PathLike[str], repo_id: str) -> Path:
+    """Where huggingface_hub keeps `repo_id` in a hub cache folder."""
+    return Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+
+
+def snapshot_folder(cache_dir: str | os.PathLike[str], repo_id: str, revision: str = "main"
+                    ) -> Path | None:
+    """The cached snapshot of repo_id@revision (a ref or a commit sha), or None."""
+    repo = repo_folder(cache_dir, repo_id)
+    ref = repo / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    folder = repo / "snapshots" / commit
+    return folder if folder.is_dir() else None
+
+
+def blob_files(cache_dir: str | os.PathLike[str], repo_id: str) -> list[Path]:
+    """Every complete blob cached for repo_id (what a page-cache eviction has to cover)."""
+    blobs = repo_folder(cache_dir, repo_id) / "blobs"
+    return sorted(p for p in blobs.glob("*") if p.is_file() and not p.name.endswith(".incomplete"))
+
+
+def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files a causal-LM load reads, as transformers picks them.
+
+    Sharded checkpoints list their shards in model.safetensors.index.json. A folder with only
+    pickle weights (*.bin, *.pt) is refused: unpickling can run code, and diag never does it.
+    """
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(folder.glob("*.safetensors"))
+    if found:
+        return found
+    pickles = sorted(p.name for p in folder.iterdir() if p.name.endswith(_PICKLE))
+    raise ValueError(
+        f"no *.safetensors weights in {folder}" + (f" (only pickle files: {', '.join(pickles)})"
+                                                   if pickles else "")
+        + ": diag loads safetensors only, since pickle weights can run code when loaded; "
+        "convert the checkpoint with save_pretrained(..., safe_serialization=True)")
+
+
+def _hash_file(path: Path, algo: str) -> str:
+    h = hashlib.sha256() if algo == "sha256" else hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_blob(blob: Path) -> tuple[str, str]:
+    if _SHA256.match(blob.name):
+        got, what = _hash_file(blob, "sha256"), "sha256"
+    elif _SHA1.match(blob.name):
+        got, what = _hash_file(blob, "sha1"), "git blob sha1"
+    else:
+        return "unverified", "blob name is not a checksum this hub uses"
+    if got != blob.name:
+        return "corrupt", f"{what} of the content is {got[:12]}..., expected {blob.name[:12]}..."
+    return "ok", what
+
+
+def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str = "main", *,
+                 repair: bool = False, repair_job: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None) -> pd.DataFrame:
+    """One row per cached file of repo_id@revision: `file`, `blob`, `bytes`, `status`, `detail`.
+
+    status: ok (content matches the checksum its name is), corrupt, missing (a dangling link, or
+    a weight shard the index lists that is not there), incomplete (a partial download left by a
+    killed process: never a complete file), unverified (a blob name that is no checksum).
+    repair=True deletes corrupt blobs, dangling links and partial downloads, downloads them
+    again with `repair_job` (a diag.load_worker download job, run in `env`), and re-verifies.
+    """
+    import pandas as pd
+
+    repo = repo_folder(cache_dir, repo_id)
+    rows: list[dict[str, Any]] = []
+    for partial in sorted((repo / "blobs").glob("*.incomplete")):
+        rows.append({"file": "", "blob": partial.name, "bytes": partial.stat().st_size,
+                     "status": "incomplete", "detail": "partial download (killed or cut off)"})
+    folder = snapshot_folder(cache_dir, repo_id, revision)
+    if folder is None:
+        rows.append({"file": "", "blob": "", "bytes": 0, "status": "missing",
+                     "detail": f"no snapshot of {repo_id}@{revision} in {cache_dir}"})
+    else:
+        for link in sorted(p for p in folder.rglob("*") if p.is_symlink() or p.is_file()):
+            rel = link.relative_to(folder).as_posix()
+            blob = link.resolve()
+            if not blob.is_file():
+                rows.append({"file": rel, "blob": blob.name, "bytes": 0, "status": "missing",
+                             "detail": "the link's blob is gone"})
+                continue
+            status, detail = _check_blob(blob)
+            rows.append({"file": rel, "blob": blob.name, "bytes": blob.stat().st_size,
+                         "status": status, "detail": detail})
+        try:
+            listed = {p.relative_to(folder).as_posix() for p in weight_files(folder)}
+        except ValueError as err:
+            rows.append({"file": "", "blob": "", "bytes": 0, "status": "missing",
+                         "detail": str(err)})
+        else:
+            for rel in sorted(listed - {r["file"] for r in rows}):
+                rows.append({"file": rel, "blob": "", "bytes": 0, "status": "missing",
+                             "detail": "listed in the weight index, not in the snapshot"})
+    frame = pd.DataFrame(rows, columns=COLUMNS)
+    if repair and not frame["status"].isin(["ok", "unverified"]).all():
+        if repair_job is None:
+            raise ValueError("repair=True needs repair_job (a load_worker download job) to "
+                             "download the deleted files again")
+        _delete_bad(repo, folder, frame)
+        from diag.load_worker import run_worker
+
+        result = run_worker(repair_job, env or dict(os.environ))
+        if "error" in result:
+            raise RuntimeError(f"re-downloading {repo_id}@{revision} after deleting the corrupt "
+                               f"files failed: {result['message']}")
+        after = verify_cache(repo_id, cache_dir, revision)
+        was = dict(zip(frame["file"], frame["status"]))
+        after["detail"] = [f"re-downloaded (was {was[f]})" if was.get(f, "ok") != "ok" else d
+                           for f, d in zip(after["file"], after["detail"])]
+        return after
+    return frame
+
+
+def _delete_bad(repo: Path, folder: Path | None, frame: pd.DataFrame) -> None:
+    for r in frame.itertuples():
+        if r.status == "incomplete":
+            (repo / "blobs" / r.blob).unlink(missing_ok=True)
+        elif r.status in ("corrupt", "missing") and r.file and folder is not None:
+            # the blob and the snapshot link: huggingface_hub re-fetches a file whose link is gone
+            if r.blob:
+                (repo / "blobs" / r.blob).unlink(missing_ok=True)
+            (folder / r.file).unlink(missing_ok=True)
+
+
+def problems(frame: pd.DataFrame) -> str:
+    """One line per damaged file (for an error message); '' when the snapshot is sound.
+
+    A stale partial download (`incomplete`) is not listed: huggingface_hub never loads one (its
+    name is unique to the killed process), so it only wastes disk until repair deletes it.
+    """
+    bad = frame[frame["status"].isin(["corrupt", "missing"])]
+    return "\n".join(f"  {r.status}: {r.file or r.blob or '-'} ({r.detail})"
+                     for r in bad.itertuples())

@@ -1,0 +1,161 @@
+"""diag.models on the embedded hub: one quick run of every scenario (shared), its parts and advice.
+
+The run goes through the CLI with a fake HF_TOKEN in the environment, so the same run checks that
+the token appears in no output, CSV or report. Fault tests live in test_models_faults.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from diag.config import ModelLoadConfig
+from diag.timing import LOAD_PARTS
+
+FAKE_TOKEN = "hf_diagFAKEtoken0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory):
+    """`python -m diag model-load --quick` in-process, HF_TOKEN set: (frame, stdout+stderr)."""
+    import contextlib
+    import io
+
+    from diag.__main__ import main
+
+    csv = tmp_path_factory.mktemp("model_load") / "model_load.csv"
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_TOKEN", FAKE_TOKEN)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["model-load", "--quick", "--csv", str(csv)])
+    assert code == 0, err.getvalue()
+    return pd.read_csv(csv), out.getvalue() + err.getvalue()
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match=r"ModelLoadConfig.repeats=0: must be a number > 0"):
+        ModelLoadConfig(repeats=0)
+    with pytest.raises(ValueError, match=r"'warm' is not a scenario; allowed values are 'fresh'"):
+        ModelLoadConfig(scenarios=["fresh", "warm"])
+    with pytest.raises(ValueError, match=r"name each scenario once"):
+        ModelLoadConfig(scenarios=["cached", "cached"])
+    assert ModelLoadConfig.quick().repeats < ModelLoadConfig().repeats
+    assert ModelLoadConfig(scenarios="fresh,cached").scenarios == ["fresh", "cached"]
+
+
+def test_every_scenario_and_part_is_measured(quick_run):
+    frame, _ = quick_run
+    assert set(frame["scenario"]) == {"fresh", "cached", "cached_offline", "cached_cold"}
+    assert set(frame["part"]) == set(LOAD_PARTS) | {"load_model"}
+    assert (frame["repeat"] == 0).all()  # quick: one measured repeat, the warm-up not reported
+    assert (frame["seconds"] >= 0).all()
+    assert (frame["device"] == "cpu").all() and frame["model"].eq("diag-local/tiny-llama").all()
+
+
+def test_parts_add_up_to_load_model(quick_run):
+    frame, _ = quick_run
+    for (scenario, repeat), rows in frame.groupby(["scenario", "repeat"]):
+        parts = rows[rows["part"] != "load_model"]["seconds"].sum()
+        total = rows.loc[rows["part"] == "load_model", "seconds"].item()
+        assert total == pytest.approx(parts, rel=1e-9), scenario
+        assert total > 0
+
+
+def test_bytes_match_the_files(quick_run):
+    from diag.local import ensure_assets
+
+    frame, _ = quick_run
+    model_dir = ensure_assets().model_dir
+    weights = (model_dir / "model.safetensors").stat().st_size
+    everything = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
+    get = lambda s, p: frame[(frame.scenario == s) & (frame.part == p)]["bytes"].item()
+    assert get("fresh", "download") == everything  # every file, once
+    for scenario in ("cached", "cached_offline", "cached_cold"):
+        assert get(scenario, "download") == 0  # a revision check downloads nothing
+        assert get(scenario, "read") == weights
+    # 4-bit nf4: the linear layers pass through bitsandbytes, embeddings and norms do not
+    assert 0 < get("cached", "quantize") < weights
+    fresh_rate = frame[(frame.scenario == "fresh") & (frame.part == "download")]["mb_per_s"].item()
+    assert fresh_rate == pytest.approx(everything / get_seconds(frame, "fresh", "download") / 1e6)
+
+
+def get_seconds(frame: pd.DataFrame, scenario: str, part: str) -> float:
+    return frame[(frame.scenario == scenario) & (frame.part == part)]["seconds"].item()
+
+
+def test_cold_is_labelled_by_what_the_eviction_achieved(quick_run):
+    frame, _ = quick_run
+    states = frame.groupby("scenario")["cache_state"].first()
+    assert states["fresh"] == "fresh download"
+    assert states["cached"].startswith(("warm", "partly warm"))
+    # posix_fadvise needs no root: here it works, and the label says so only when verified
+    assert states["cached_cold"] in ("cold", "cold (posix_fadvise DONTNEED, unverified)")
+
+
+def test_advice_rests_on_the_measured_medians(quick_run):
+    from diag.models import medians, model_advice
+
+    frame, _ = quick_run
+    med = medians(frame)
+    advice = model_advice(frame)
+    assert list(advice.columns) == ["stage", "finding", "seconds_saved", "evidence"]
+    assert (advice["stage"] == "load_model").all() and (advice["seconds_saved"] > 0).all()
+    expected = {
+        "HF_HOME": med.loc["fresh", "load_model"] - med.loc["cached", "load_model"],
+        "HF_HUB_OFFLINE": med.loc["cached", "download"] - med.loc["cached_offline", "download"],
+        "page cache": med.loc["cached_cold", "load_model"] - med.loc["cached", "load_model"],
+    }
+    for key, saved in expected.items():
+        rows = advice[advice["finding"].str.contains(key)]
+        if saved > 0:  # no advice row without a positive measured saving
+            assert rows["seconds_saved"].item() == pytest.approx(saved)
+            assert "median" in rows["evidence"].item()
+        else:
+            assert rows.empty
+
+
+def test_advice_from_a_synthetic_frame_is_exact():
+    from diag.models import model_advice
+
+    rows = []
+    for scenario, download, read, state in (("fresh", 10.0, 1.0, "fresh download"),
+                                           ("cached", 0.5, 1.0, "warm"),
+                                           ("cached_offline", 0.1, 1.0, "warm"),
+                                           ("cached_cold", 0.5, 3.0, "cold")):
+        for part, seconds in (("download", download), ("read", read), ("load_model",
+                                                                      download + read)):
+            rows.append({"scenario": scenario, "part": part, "bytes": 100e6, "seconds": seconds,
+                         "mb_per_s": 100.0, "repeat": 0, "cache_state": state,
+                         "cache_disk": "network", "model": "m", "device": "cpu"})
+    advice = model_advice(pd.DataFrame(rows)).set_index("seconds_saved")
+    assert sorted(advice.index) == pytest.approx([0.4, 2.0, 3.0, 9.5])
+    assert "network" in advice.loc[3.0, "finding"]  # the cold read from network storage
+    failed = pd.DataFrame(rows).replace({"cold": "warm (eviction failed: 40% still cached)"})
+    assert not model_advice(failed)["finding"].str.contains("page cache").any()
+
+
+def test_token_never_shows_and_the_report_draws(quick_run, tmp_path: Path, monkeypatch):
+    from diag import report
+    from diag.models import model_advice
+    from diag.plots import plot_model_load
+
+    frame, printed = quick_run
+    assert "load_model" in printed and "cached_cold" in printed  # the table was printed
+    assert FAKE_TOKEN not in printed
+    fig = plot_model_load(frame)
+    assert len(fig.axes[0].patches) == 4 * len(LOAD_PARTS)
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+    folder = report.write({"model_load": frame}, tmp_path / "run",
+                          extra_findings=model_advice(frame), config={"model": ""})
+    files = [p for p in Path(folder).rglob("*") if p.is_file()]
+    assert any(p.name == "model_load.csv" for p in files)
+    assert any(p.suffix == ".png" and "model_load" in p.name for p in files), files
+    for p in files:
+        assert FAKE_TOKEN.encode() not in p.read_bytes(), p
+    assert not math.isnan(frame["seconds"].sum())
+    assert os.environ.get("HF_TOKEN") == FAKE_TOKEN  # the report ran with the token set
