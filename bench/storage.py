@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diag.device import evict_page_cache  # noqa: E402
-from diag.landing import MB, list_remote, make_client, parse_url, stage  # noqa: E402
+from diag.landing import stage  # noqa: E402
+from diag.objectstore import MB, list_remote, make_client, parse_url  # noqa: E402
 from diag.local import S3Server  # noqa: E402
 from diag.storage import embedded_dataset, pull, read_local, s5cmd_path  # noqa: E402
 

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diag.landing import (MB, RemoteObject, S3Url, StagedDataset, check_free, file_sha256,
-                          list_remote, local_paths, make_client, parse_url, remote_error, stage,
-                          transfer_plan)
+from diag.landing import StagedDataset, check_free, local_paths, stage
+from diag.objectstore import (MB, RemoteObject, S3Url, file_sha256, list_remote, make_client,
+                              parse_url, remote_error, transfer_plan)
 from diag.secrets import redact, register
 
 if TYPE_CHECKING:

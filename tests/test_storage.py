@@ -14,7 +14,8 @@ import pytest
 from diag import amdahl, plots
 from diag.__main__ import parse
 from diag.config import StorageConfig
-from diag.landing import MB, file_sha256, local_paths, make_client, parse_url, transfer_plan
+from diag.landing import local_paths
+from diag.objectstore import MB, file_sha256, make_client, parse_url, transfer_plan
 from diag.local import S3Server
 from diag.storage import COLUMNS, medians, run_storage, stage, storage_tax, tax_advice
 from diag.timing import StageTimer

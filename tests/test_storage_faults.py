@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from diag.landing import local_paths, make_client, parse_url, stage
+from diag.landing import local_paths, stage
+from diag.objectstore import make_client, parse_url
 from diag.local import S3Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +137,8 @@ def test_sigkill_mid_download_is_not_taken_for_a_hit(s3, tmp_path):
     final, manifest = local_paths(parse_url(url), tmp_path)
     proxy = Proxy(s3.port, rate=1_000_000)  # ~3 s for the object: time to kill it half-way
     script = textwrap.dedent(f"""
-        from diag.landing import make_client, stage
+        from diag.landing import stage
+        from diag.objectstore import make_client
         client = make_client({proxy.url!r}, credentials={{"aws_access_key_id": {s3.access_key!r},
             "aws_secret_access_key": {s3.secret_key!r}, "region_name": "us-east-1"}})
         stage({url!r}, {str(tmp_path)!r}, client=client)
