@@ -12,6 +12,8 @@ import argparse
 import dataclasses
 import importlib
 import os
+import signal
+import subprocess
 import sys
 import types
 import typing
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diag import config
-from diag.secrets import redact
+from diag.secrets import redact, redact_frame
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class Experiment:
     config: type[config.ExperimentConfig]
     runner: str  # "module:function", imported only when the experiment runs
     help: str
+    table: bool = True  # the runner returns one DataFrame (printed; --csv writes it)
 
 
 EXPERIMENTS: dict[str, Experiment] = {
@@ -36,15 +39,18 @@ EXPERIMENTS: dict[str, Experiment] = {
                       "a timed toy training loop: data_wait, h2d and compute per step"),
     # -- storage --
     "storage": Experiment(config.StorageConfig, "diag.storage:storage_cli",
-                          "object-store pull vs local NVMe read, the re-pull tax, stage() miss/hit"),
+                          "object-store pull vs local NVMe read, the re-pull tax, stage() miss/hit",
+                          table=False),
     # -- model-load --
     "model-load": Experiment(config.ModelLoadConfig, "diag.models:run_model_load",
                              "fresh vs cached model load: download, read, quantize, to_device, "
                              "tokenizer"),
     "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_all",
-                      "the whole diagnosis on one source: every experiment, then the report"),
+                      "the whole diagnosis on one source: every experiment, then the report",
+                      table=False),
     "report": Experiment(config.ReportConfig, "diag.report:render_config",
-                         "re-render a run folder's figures and report.html from its CSVs"),
+                         "re-render a run folder's figures and report.html from its CSVs",
+                         table=False),
 }
 
 
@@ -96,7 +102,8 @@ def build_parser() -> _Parser:
     for name, exp in EXPERIMENTS.items():
         p = sub.add_parser(name, help=exp.help, description=exp.help)
         p.add_argument("--quick", action="store_true", help="the test-sized variant (also DIAG_QUICK=1)")
-        p.add_argument("--csv", metavar="FILE", help="also write the result table to FILE")
+        if exp.table:  # the others write a run folder with every table instead
+            p.add_argument("--csv", metavar="FILE", help="also write the result table to FILE")
         hints = typing.get_type_hints(exp.config)
         positional = getattr(exp.config, "POSITIONAL", ())
         for f in dataclasses.fields(exp.config):
@@ -128,11 +135,15 @@ def run(name: str, cfg: config.ExperimentConfig) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if threading_main():
+        # SIGTERM (a timeout, a scheduler, `kill`) unwinds like Ctrl-C, so every `with` block
+        # runs its exit: local servers stop, partial files are removed
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         name, cfg, args = parse(argv)
         result = run(name, cfg)
-    except (UsageError, ValueError, RuntimeError, FileNotFoundError, PermissionError,
-            ModuleNotFoundError) as err:
+    except (UsageError, ValueError, RuntimeError, OSError, ImportError,
+            subprocess.TimeoutExpired) as err:
         own_module = isinstance(err, ModuleNotFoundError) and (err.name or "").startswith("diag")
         if os.environ.get("DIAG_DEBUG") or own_module:  # a broken diag install is a bug, not usage
             raise
@@ -141,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     if result is not None:
         _show(result, getattr(args, "csv", None))
     return 0
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def _one_line(err: BaseException) -> str:
@@ -161,7 +178,7 @@ def _show(result: Any, csv: str | None) -> None:
                                "display.max_colwidth", 80):
             print(redact(result.to_string(index=False)))
         if csv:
-            result.to_csv(csv, index=False)
+            redact_frame(result).to_csv(csv, index=False)
     else:
         print(redact(str(result)))
 

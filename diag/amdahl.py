@@ -18,6 +18,8 @@ from diag.timing import LOAD_PARTS, RUN_STAGES, STAGES, STEP_STAGES
 
 # Run-level stages that contain the step-level ones (their time is shown split into steps).
 _CONTAINERS = ("train",)
+# Stages a faster GPU shortens (upgrade() and the Amdahl curve agree on this); the rest is floor.
+GPU_BOUND = ("compute", "warmup")
 # Share of step time above which data_wait is flagged, and above which it is noted.
 DATA_WAIT_FLAG = 0.10
 DATA_WAIT_NOTE = 0.02
@@ -61,8 +63,10 @@ def _check(frame: pd.DataFrame) -> pd.DataFrame:
 
 def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any]]:
     rows = []
-    steps = frame[frame["stage"].isin(STEP_STAGES)]
-    measured_steps = int(steps["step"].nunique()) if not steps.empty else 0
+    is_step = frame["stage"].isin(STEP_STAGES)
+    stepped = frame[is_step & frame["step"].notna()]
+    unstepped = frame[is_step & frame["step"].isna()].groupby("stage")["seconds"].sum()
+    measured_steps = int(stepped["step"].nunique())
     n = total_steps or measured_steps
     for stage in RUN_STAGES:
         if stage in _CONTAINERS and measured_steps:
@@ -70,27 +74,33 @@ def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any
         part = frame[frame["stage"] == stage]
         seconds = float(part["seconds"].sum())
         if stage == "load_model" and part.empty:  # parts only: their sum is the load
-            seconds = float(frame[frame["stage"].isin(LOAD_PARTS)]["seconds"].sum())
             part = frame[frame["stage"].isin(LOAD_PARTS)]
+            seconds = float(part["seconds"].sum())
         if not part.empty:
             rows.append({"stage": stage, "level": "run", "seconds": seconds,
                          "basis": f"measured ({len(part)} interval{'s' * (len(part) != 1)})"})
+    # Per stage, the sum over the measured steps (a stall every 4th step counts, which a median
+    # would drop); scaled to total_steps by the mean per step.
+    sums = stepped.groupby("stage")["seconds"].sum()
     if measured_steps:
-        per_step = steps.groupby(["stage", "step"])["seconds"].sum()
         train = float(frame.loc[frame["stage"] == "train", "seconds"].sum())
         # Loop time inside train not covered by a step stage is per-step overhead: "other".
-        residual = max(train - float(steps["seconds"].sum()), 0.0) / measured_steps
-        present = set(per_step.index.get_level_values("stage"))
-        for stage in STEP_STAGES:
-            median = float(per_step[stage].median()) if stage in present else 0.0
-            if stage == "other":
-                median += residual
-            if median == 0.0 and stage not in present:
-                continue
-            scaled = "projected" if n != measured_steps else "measured"
-            rows.append({"stage": stage, "level": "step", "seconds": median * n,
-                         "basis": f"{scaled}: median {median:.4g} s/step x {n} steps "
-                                  f"({measured_steps} measured)"})
+        residual = max(train - float(stepped["seconds"].sum()), 0.0)
+        sums = sums.add(pd.Series({"other": residual}), fill_value=0.0)
+    for stage in STEP_STAGES:
+        if stage not in sums.index and stage not in unstepped.index:
+            continue
+        measured = float(sums.get(stage, 0.0))
+        mean = measured / measured_steps if measured_steps else 0.0
+        if n == measured_steps:
+            seconds, basis = measured, f"measured: {measured_steps} steps, mean {mean:.4g} s/step"
+        else:
+            seconds = mean * n
+            basis = f"projected: mean {mean:.4g} s/step x {n} steps ({measured_steps} measured)"
+        if stage in unstepped.index:  # timed outside watch(): summed as measured, not scaled
+            seconds += float(unstepped[stage])
+            basis += f"; {unstepped[stage]:.4g} s without step numbers, summed"
+        rows.append({"stage": stage, "level": "step", "seconds": seconds, "basis": basis})
     return rows
 
 
@@ -163,8 +173,8 @@ def upgrade(frame: pd.DataFrame, from_device: str, to_device: str, dtype: str = 
     real speedups are lower when the step is memory-bound or the kernels are small.
     """
     ratio = compute_ratio(from_device, to_device, dtype)
-    table = project(frame, {"compute": ratio, "warmup": ratio}, total_steps)
-    table["assumption"] = (f"compute and warmup scale with the dense {dtype} peak ratio "
+    table = project(frame, {stage: ratio for stage in GPU_BOUND}, total_steps)
+    table["assumption"] = (f"{' and '.join(GPU_BOUND)} scale with the dense {dtype} peak ratio "
                            f"{to_device}/{from_device} = {ratio:.2f}x; the other stages do not "
                            "change with the GPU")
     return table
@@ -229,12 +239,17 @@ def findings(frame: pd.DataFrame, extra: pd.DataFrame | None = None,
                          "severity": severity, "evidence": f"{r.stage}: {r.seconds:.4g} s, "
                          f"{r.share:.1%} of the run; {r.basis}"})
     totals = table.groupby("run")["seconds"].sum()
+    measured = table.set_index(["run", "stage"])["seconds"]
     for r in extra.itertuples():
         total = totals.get(r.run, float("nan"))
+        saved, evidence = float(r.seconds_saved), r.evidence
+        cap = measured.get((r.run, r.stage))
+        if cap is not None and saved > cap:  # no fix saves more than the stage took in this run
+            saved, evidence = float(cap), f"{evidence} (capped at the run's {r.stage}: {cap:.4g} s)"
         rows.append({"run": r.run, "stage": r.stage, "finding": r.finding,
-                     "seconds_saved": float(r.seconds_saved),
-                     "share_of_run": float(r.seconds_saved) / total if total else float("nan"),
-                     "severity": "fix", "evidence": r.evidence})
+                     "seconds_saved": saved,
+                     "share_of_run": saved / total if total else float("nan"),
+                     "severity": "fix", "evidence": evidence})
     cols = ["rank", "run", "stage", "finding", "seconds_saved", "share_of_run", "severity",
             "evidence"]
     if not rows:

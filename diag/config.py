@@ -227,6 +227,8 @@ class DiagnoseConfig(ExperimentConfig):
     naive_workers: int = 0  # DataLoader workers of the naive run (preprocessing in the loop)
     optimized_workers: int = 2  # DataLoader workers of the optimized run
     device: str = "auto"  # "auto", "cpu" or "cuda"
+    current_gpu: str = ""  # GPU marked "now" on the Amdahl curve; "" = the detected one
+    target_gpu: str = "H100 SXM"  # GPU you consider renting, marked at its dense-peak ratio
     quick_experiments: bool = False  # True runs each experiment in its test-sized variant (seconds)
 
     QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0, "quick_experiments": True}

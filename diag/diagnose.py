@@ -31,11 +31,13 @@ def training_runs(cfg: DiagnoseConfig, run_level: dict[str, dict[str, float]] | 
     run_level: per run, run-level stage seconds measured by the experiments (fetch_data from
     diag.storage, load_model from diag.models), recorded on the run's timer before its steps.
     """
+    from diag.device import resolve
     from diag.toy import run_toy_step
 
+    device = resolve(cfg.device)
     frames = []
     for run, workers in zip(RUNS, (cfg.naive_workers, cfg.optimized_workers)):
-        timer = StageTimer()
+        timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
         for stage, seconds in (run_level or {}).get(run, {}).items():
             timer.record(stage, seconds)
         toy = ToyStepConfig(steps=cfg.steps, prep_ms=cfg.prep_ms, num_workers=workers,

@@ -50,6 +50,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel sends it SIGTERM when the process that started
+    it dies, so a diag killed by SIGKILL / SIGTERM (no `with` exit runs then) leaves no server."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the context manager is the only guard
+        pass
+
+
 class LoopbackServer:
     """A subprocess serving on 127.0.0.1; a context manager that always kills its process group."""
 
@@ -108,6 +119,7 @@ class LoopbackServer:
         self.proc = subprocess.Popen(
             self.command(self.port), stdin=subprocess.DEVNULL, stdout=self._log,
             stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         deadline = time.perf_counter() + self.start_timeout_s
         while time.perf_counter() < deadline:

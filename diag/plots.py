@@ -92,7 +92,7 @@ def plot_stage_shares(shares: pd.DataFrame, title: str = "Where the run's time g
 
 def plot_amdahl(shares: pd.DataFrame, run: str | None = None, max_speedup: float = 10.0,
                 marks: dict[str, float] | None = None) -> Figure:
-    """End-to-end time vs compute speedup 1..max_speedup x; the floor is the non-compute time.
+    """End-to-end time vs compute speedup 1..max_speedup x; the floor is what no GPU shortens.
 
     marks: {"RTX 4070 (now)": 1.0, "H100 SXM": 17.0} places each GPU on the curve.
     """
@@ -100,7 +100,9 @@ def plot_amdahl(shares: pd.DataFrame, run: str | None = None, max_speedup: float
     part = shares[shares["run"] == run]
     if part.empty:
         raise ValueError(f"run={run!r} not in shares: allowed runs are {sorted(set(shares['run']))}")
-    compute = float(part.loc[part["stage"] == "compute", "seconds"].sum())
+    from diag.amdahl import GPU_BOUND
+
+    compute = float(part.loc[part["stage"].isin(GPU_BOUND), "seconds"].sum())
     floor = float(part["seconds"].sum()) - compute
     scale, unit = _time_unit(compute + floor)
     marks = marks or {}
@@ -111,7 +113,7 @@ def plot_amdahl(shares: pd.DataFrame, run: str | None = None, max_speedup: float
     ax.plot(ks, [(floor + compute / k) / scale for k in ks], color=STAGE_COLORS["compute"],
             label="end-to-end time")
     ax.axhline(floor / scale, color=STAGE_COLORS["data_wait"], linestyle="--",
-               label=f"floor: everything but compute ({floor / scale:.3g} {unit})")
+               label=f"floor: what no GPU shortens ({floor / scale:.3g} {unit})")
     for name, k in marks.items():
         t = (floor + compute / k) / scale
         ax.plot([k], [t], "o", color="black")
@@ -126,10 +128,15 @@ def plot_amdahl(shares: pd.DataFrame, run: str | None = None, max_speedup: float
 
 
 def plot_waterfall(findings: pd.DataFrame, total_seconds: float, top: int = 6) -> Figure:
-    """Run time, minus each fix's seconds saved (largest first), down to what is left."""
+    """Run time, minus the best fix per stage (largest first), down to what is left.
+
+    Fixes of one stage are alternatives (land the data once, or pull it faster): only the
+    largest is drawn, so the bars never count one stage's time twice.
+    """
     if not math.isfinite(total_seconds) or total_seconds <= 0:
         raise ValueError(f"total_seconds={total_seconds!r}: must be a duration > 0")
-    rows = findings.sort_values("seconds_saved", ascending=False).head(top)
+    rows = (findings.sort_values("seconds_saved", ascending=False, kind="stable")
+            .drop_duplicates("stage").head(top))
     scale, unit = _time_unit(total_seconds)
     fig = _figure(8, 3.8)
     ax = fig.add_subplot()
@@ -146,7 +153,7 @@ def plot_waterfall(findings: pd.DataFrame, total_seconds: float, top: int = 6) -
     labels.append("after fixes")
     ax.set_xticks(range(len(labels)), labels, rotation=20, fontsize=8)
     ax.set_ylabel(unit)
-    ax.set_title("What each fix would save (upper bounds; fixes can overlap)")
+    ax.set_title("What the best fix per stage would save (upper bounds)")
     return fig
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import pandas as pd
 
 from diag import amdahl, plots
-from diag.secrets import redact
+from diag.secrets import redact, redact_frame
 
 STAGE_FRAME = "run"  # the StageTimer frames (with a `run` column) the shares are computed from
 _PACKAGES = ("diag", "torch", "transformers", "peft", "bitsandbytes", "huggingface_hub", "boto3",
@@ -79,7 +79,7 @@ def write(frames: dict[str, pd.DataFrame], out: str | os.PathLike[str] | None = 
         if extra_findings is not None and not extra_findings.empty:
             all_frames["advice"] = extra_findings
         for name, frame in all_frames.items():
-            frame.to_csv(partial / f"{name}.csv", index=False)
+            redact_frame(frame).to_csv(partial / f"{name}.csv", index=False)
         summary = _summary(all_frames, config or {})
         (partial / "summary.json").write_text(redact(json.dumps(summary, indent=2, default=str)))
         render(partial)
@@ -157,13 +157,28 @@ def figures(frames: dict[str, pd.DataFrame], marks: dict[str, float] | None = No
     return out
 
 
+def gpu_marks(summary: dict[str, Any]) -> dict[str, float] | None:
+    """Amdahl-curve marks: the current GPU (config, else detected) at 1x, the target at its
+    dense-peak ratio; None when either is not in diag's table (e.g. a CPU-only machine)."""
+    from diag.gpus import find_gpu
+
+    config, device = summary.get("config", {}), summary.get("device", {})
+    current = config.get("current_gpu") or str(device.get("accelerator", ""))
+    target = config.get("target_gpu") or "H100 SXM"
+    try:
+        ratio = amdahl.compute_ratio(current, target)
+    except ValueError:
+        return None
+    return {f"{find_gpu(current).name} (now)": 1.0, find_gpu(target).name: ratio}
+
+
 def render(folder: str | os.PathLike[str]) -> Path:
     """(Re)draw the PNG figures and report.html of a run folder from its CSVs."""
     folder = Path(folder)
     frames = load(folder)
     summary = load_summary(folder)
     images = {}
-    for name, fig in figures(frames).items():
+    for name, fig in figures(frames, gpu_marks(summary)).items():
         path = folder / f"{name}.png"
         fig.savefig(path, dpi=110)
         images[name] = base64.b64encode(path.read_bytes()).decode("ascii")

@@ -32,3 +32,16 @@ def redact(text: str) -> str:
     for value in secret_values():
         text = text.replace(value, "***")
     return text
+
+
+def redact_frame(frame):  # pandas.DataFrame -> pandas.DataFrame
+    """A copy of frame with every text cell redacted (what a CSV or a table may show)."""
+    from pandas.api.types import is_object_dtype, is_string_dtype
+
+    if not secret_values():
+        return frame
+    out = frame.copy()
+    for column in out.columns:
+        if is_object_dtype(out[column]) or is_string_dtype(out[column]):
+            out[column] = out[column].map(lambda v: redact(v) if isinstance(v, str) else v)
+    return out

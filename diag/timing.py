@@ -126,16 +126,19 @@ class StageTimer:
             return
         iterator = iter(iterable)
         step = start_step
-        while True:
-            self.step = step
-            start = time.perf_counter()
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
-            self._rows.append(("data_wait", time.perf_counter() - start, step))
-            yield item
-            step += 1
+        try:
+            while True:
+                self.step = step
+                start = time.perf_counter()
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    return
+                self._rows.append(("data_wait", time.perf_counter() - start, step))
+                yield item
+                step += 1
+        finally:
+            self.step = None  # a stage timed after the loop belongs to no step
 
     def _step_for(self, name: str) -> int | None:
         return self.step if name in STEP_STAGES else None

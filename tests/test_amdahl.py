@@ -22,11 +22,11 @@ def constructed(run="naive", wait=(0.2, 0.3, 0.2), compute=(1.0, 1.2, 1.0), fetc
 
 def test_shares_match_hand_computed_values_and_add_up_to_one():
     table = amdahl.shares(constructed()).set_index("stage")
-    # step-level: median per step x 3 steps; train itself is shown as its parts
-    assert table.loc["data_wait", "seconds"] == pytest.approx(0.2 * 3)
-    assert table.loc["compute", "seconds"] == pytest.approx(1.0 * 3)
+    # step-level: the sum over the 3 measured steps; train itself is shown as its parts
+    assert table.loc["data_wait", "seconds"] == pytest.approx(0.2 + 0.3 + 0.2)
+    assert table.loc["compute", "seconds"] == pytest.approx(1.0 + 1.2 + 1.0)
     assert "train" not in table.index
-    total = 30 + 10 + 0.6 + 3.0
+    total = 30 + 10 + 0.7 + 3.2
     assert table.loc["fetch_data", "share"] == pytest.approx(30 / total)
     assert table["share"].sum() == pytest.approx(1.0)
     assert table.loc["fetch_data", "basis"].startswith("measured")
@@ -35,8 +35,8 @@ def test_shares_match_hand_computed_values_and_add_up_to_one():
 
 def test_total_steps_projects_step_stages_and_says_so():
     table = amdahl.shares(constructed(), total_steps=1000).set_index("stage")
-    assert table.loc["compute", "seconds"] == pytest.approx(1000.0)
-    assert table.loc["compute", "basis"].startswith("projected: median 1 s/step x 1000 steps")
+    assert table.loc["compute", "seconds"] == pytest.approx(3.2 / 3 * 1000)
+    assert table.loc["compute", "basis"].startswith("projected: mean 1.067 s/step x 1000 steps")
     assert table.loc["fetch_data", "seconds"] == 30.0
     assert table["share"].sum() == pytest.approx(1.0)
 
@@ -66,11 +66,11 @@ def test_load_parts_alone_make_the_load_model_stage():
 def test_project_with_inf_removes_a_stage():
     out = amdahl.project(constructed(), {"fetch_data": math.inf, "compute": 2.0}).set_index("stage")
     assert out.loc["fetch_data", "seconds_after"] == 0.0
-    assert out.loc["compute", "seconds_after"] == pytest.approx(1.5)
+    assert out.loc["compute", "seconds_after"] == pytest.approx(1.6)
     assert out.loc["load_model", "seconds_after"] == 10.0
-    assert out.loc["total", "seconds_before"] == pytest.approx(43.6)
-    assert out.loc["total", "seconds_after"] == pytest.approx(10 + 0.6 + 1.5)
-    assert out.loc["total", "speedup"] == pytest.approx(43.6 / 12.1)
+    assert out.loc["total", "seconds_before"] == pytest.approx(43.9)
+    assert out.loc["total", "seconds_after"] == pytest.approx(10 + 0.7 + 1.6)
+    assert out.loc["total", "speedup"] == pytest.approx(43.9 / 12.3)
 
 
 def test_upgrade_uses_the_dense_peak_ratio():
@@ -115,7 +115,7 @@ def test_data_wait_flag_and_note_thresholds():
 def test_extra_findings_are_ranked_with_the_rest():
     extra = pd.DataFrame([{"stage": "load_model", "finding": "persistent HF_HOME",
                            "seconds_saved": 100.0, "evidence": "fresh 101 s vs cached 1 s"}])
-    found = amdahl.findings(constructed(), extra=extra)
+    found = amdahl.findings(constructed(load=120.0), extra=extra)
     assert found.iloc[0]["finding"] == "persistent HF_HOME"
     assert found.iloc[0]["rank"] == 1
     # the measured, specific fix replaces the generic one for its stage
@@ -166,3 +166,22 @@ def test_train_without_step_stages_is_the_work_not_a_fix():
     assert table.loc["train", "share"] == pytest.approx(50 / 55)
     found = amdahl.findings(frame)
     assert found["stage"].tolist() == ["fetch_data"]
+
+
+def test_a_stall_every_fourth_step_is_counted():
+    # a median per step would call data_wait 0.01 s/step and drop 4 s of stalls
+    waits = [2.0 if i % 4 == 3 else 0.01 for i in range(8)]
+    frame = constructed(wait=waits, compute=[1.0] * 8, fetch=0.0, load=0.0)
+    table = amdahl.shares(frame).set_index("stage")
+    assert table.loc["data_wait", "seconds"] == pytest.approx(sum(waits))
+    assert table["seconds"].sum() == pytest.approx(sum(waits) + 8.0)  # = the measured train
+    assert amdahl.findings(frame).iloc[0]["stage"] == "data_wait"
+
+
+def test_step_stages_timed_without_watch_are_summed_not_lost():
+    frame = pd.DataFrame({"stage": ["fetch_data", "compute", "compute", "compute"],
+                          "seconds": [1.0, 5.0, 5.0, 5.0]})
+    table = amdahl.shares(frame).set_index("stage")
+    assert table.loc["compute", "seconds"] == pytest.approx(15.0)
+    assert "without step numbers" in table.loc["compute", "basis"]
+    assert table.loc["fetch_data", "share"] == pytest.approx(1 / 16)

@@ -71,3 +71,31 @@ def test_secrets_never_reach_cli_output(monkeypatch):
     out = run_cli("toy", "--device", "tpu", secret, env_extra={"HF_TOKEN": secret})
     assert out.returncode == 2
     assert secret not in out.stderr + out.stdout
+
+
+def test_csv_only_where_the_result_is_one_table():
+    out = run_cli("run", "--csv", "x.csv")
+    assert out.returncode == 2 and "unrecognized arguments: --csv" in out.stderr
+
+
+def test_sigterm_stops_the_embedded_servers(tmp_path):
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "diag", "storage", "--quick"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline, servers = time.perf_counter() + 60, []
+        while not servers and time.perf_counter() < deadline:
+            servers = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                       if "moto.server" in " ".join(c.cmdline())]
+            time.sleep(0.1)
+        assert servers, "the storage experiment never started its S3 server"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        gone, alive = psutil.wait_procs(servers, timeout=10)
+        assert not alive
+    finally:
+        proc.kill()

@@ -260,3 +260,30 @@ def test_import_is_light() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_server_dies_with_a_killed_parent(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = ("from diag.local import S3Server\nimport time\n"
+              "s = S3Server().start()\nprint(s.pid, flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(parent.stdout.readline())
+        assert psutil.pid_exists(server_pid)
+        parent.send_signal(signal.SIGKILL)  # no `with` exit, no finally: only the kernel can help
+        parent.wait(timeout=10)
+        deadline = time.perf_counter() + 10
+        while psutil.pid_exists(server_pid) and time.perf_counter() < deadline:
+            if psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.1)
+        assert not psutil.pid_exists(server_pid) or (
+            psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE)
+    finally:
+        parent.kill()

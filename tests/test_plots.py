@@ -38,7 +38,7 @@ def test_amdahl_curve_has_the_non_compute_floor_and_marks():
     fig = plots.plot_amdahl(table, marks={"RTX 4070": 1.0, "H100 SXM": 17.0})
     ax = fig.axes[0]
     curve, floor = ax.lines[0], ax.lines[1]
-    compute = table.loc[table["stage"] == "compute", "seconds"].sum()
+    compute = table.loc[table["stage"].isin(amdahl.GPU_BOUND), "seconds"].sum()
     total = table["seconds"].sum()
     assert curve.get_ydata()[0] == pytest.approx(total)
     assert floor.get_ydata()[0] == pytest.approx(total - compute)
@@ -58,6 +58,36 @@ def test_waterfall_steps_down_by_each_fix():
         plots.plot_waterfall(found, 0)
     with pytest.raises(ValueError, match="total_seconds=nan"):
         plots.plot_waterfall(found, math.nan)
+
+
+def test_curve_and_upgrade_projection_agree():
+    frame = constructed()
+    table = amdahl.shares(frame)
+    ratio = amdahl.compute_ratio("RTX 4070", "H100 SXM")
+    fig = plots.plot_amdahl(table, marks={"H100 SXM": ratio})
+    projected = amdahl.upgrade(frame, "RTX 4070", "H100 SXM").set_index("stage")
+    (marked,) = [line for line in fig.axes[0].lines if line.get_marker() == "o"]
+    assert marked.get_ydata()[0] == pytest.approx(projected.loc["total", "seconds_after"])
+
+
+def test_waterfall_draws_one_fix_per_stage():
+    frame = constructed(fetch=10.0, load=4.0)
+    extra = pd.DataFrame([
+        {"stage": "fetch_data", "finding": "land once", "seconds_saved": 9.0, "evidence": "x"},
+        {"stage": "fetch_data", "finding": "tune the pull", "seconds_saved": 6.0, "evidence": "y"}])
+    found = amdahl.findings(frame, extra=extra)
+    total = amdahl.shares(frame)["seconds"].sum()
+    bars = plots.plot_waterfall(found, total).axes[0].patches
+    fetch_bars = [b for b in bars[1:-1] if to_hex(b.get_facecolor()) == plots.STAGE_COLORS["fetch_data"]]
+    assert len(fetch_bars) == 1 and fetch_bars[0].get_height() == pytest.approx(9.0)
+
+
+def test_advice_never_saves_more_than_the_stage_took():
+    extra = pd.DataFrame([{"stage": "load_model", "finding": "page cache", "seconds_saved": 99.0,
+                           "evidence": "cold 100 s vs warm 1 s"}])
+    found = amdahl.findings(constructed(load=10.0), extra=extra).set_index("finding")
+    assert found.loc["page cache", "seconds_saved"] == 10.0
+    assert "capped at the run's load_model" in found.loc["page cache", "evidence"]
 
 
 def test_bad_input_is_named():

@@ -73,7 +73,18 @@ def test_rerender_from_csvs(tmp_path):
 def test_secrets_never_reach_the_report(tmp_path, monkeypatch):
     secret = "hf_FAKEtoken1234567890"
     monkeypatch.setenv("HF_TOKEN", secret)
-    folder = report.write(frames(), tmp_path / "r5", config={"note": f"token was {secret}"})
+    made = frames()
+    made["storage_like"]["method"] = [f"https://user:{secret}@host/x", "b"]  # e.g. an error text
+    folder = report.write(made, tmp_path / "r5", config={"note": f"token was {secret}"})
     for path in folder.iterdir():
         assert secret.encode() not in path.read_bytes(), path.name
     assert "***" in json.loads((folder / "summary.json").read_text())["config"]["note"]
+
+
+def test_amdahl_figure_marks_current_and_target_gpu(tmp_path):
+    folder = report.write(frames(), tmp_path / "r6",
+                          config={"current_gpu": "RTX 4070", "target_gpu": "H100 SXM"})
+    marks = report.gpu_marks(report.load_summary(folder))
+    assert marks == pytest.approx({"RTX 4070 (now)": 1.0, "H100 SXM": 989.4 / 58.3})
+    # a CPU-only box with no GPU named: nothing to mark, no guess
+    assert report.gpu_marks({"config": {}, "device": {"accelerator": "none"}}) is None

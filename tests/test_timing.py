@@ -131,3 +131,25 @@ def test_record_tags_step_level_stages_with_current_step():
 def test_cpu_device_does_not_sync():
     timer = StageTimer(device="cpu")
     assert timer._sync is None
+
+
+def test_stage_after_the_watched_loop_has_no_step():
+    timer = StageTimer()
+    for _ in timer.watch(range(3)):
+        timer.record("compute", 0.1)
+    timer.record("h2d", 0.5)  # e.g. a final copy after the loop
+    frame = timer.to_frame()
+    assert pd.isna(frame.query("stage == 'h2d'")["step"].iloc[0])
+    assert frame.query("stage == 'compute'")["step"].tolist() == [0, 1, 2]
+
+
+@pytest.mark.gpu
+def test_cuda_stage_waits_for_its_kernels():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    timer = StageTimer(device="cuda")
+    torch.zeros(1, device="cuda")  # initialise the context outside the timed stage
+    with timer.stage("compute"):
+        torch.cuda._sleep(200_000_000)  # queued: returns at once, runs ~0.1 s on the GPU
+    assert timer.total("compute") >= 0.05  # without a sync at the boundary this is ~0
