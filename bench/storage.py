@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diag.device import evict_page_cache  # noqa: E402
 from diag.landing import stage  # noqa: E402
-from diag.objectstore import MB, list_remote, make_client, parse_url  # noqa: E402
+from diag.objectstore import MB, list_remote, make_client, parse_url, usable_cores  # noqa: E402
 from diag.local import S3Server  # noqa: E402
 from diag.storage import embedded_dataset, pull, read_local, s5cmd_path  # noqa: E402
 
@@ -53,7 +53,7 @@ def main() -> None:
     data = embedded_dataset(SIZE_MB)
     with S3Server() as s3, tempfile.TemporaryDirectory(dir=data.parent) as scratch:
         s3.upload(data, "bench/data.jsonl")
-        client = make_client(s3.endpoint_url, max_pool=2 * (os.cpu_count() or 1), credentials={
+        client = make_client(s3.endpoint_url, max_pool=2 * usable_cores(), credentials={
             "aws_access_key_id": s3.access_key, "aws_secret_access_key": s3.secret_key,
             "region_name": s3.region})
         env = {**os.environ, **s3.env()}
@@ -87,7 +87,7 @@ def main() -> None:
 
     rate = lambda secs: nbytes / MB / statistics.median(secs)  # noqa: E731
     print(f"object {nbytes / MB:.0f} MB on {s3.url.split(':')[0]}://127.0.0.1 (moto), "
-          f"{os.cpu_count()} cores, {ROUNDS} rounds after 1 warm-up, medians")
+          f"{usable_cores()} cores, {ROUNDS} rounds after 1 warm-up, medians")
     print(f"cold local read: diag {rate(reads['diag']):.0f} MB/s, dd bs=1M {rate(reads['dd']):.0f} MB/s")
     for m in methods:
         print(f"pull {m}: {rate(pulls[m]):.0f} MB/s ({statistics.median(pulls[m]):.3f} s)")

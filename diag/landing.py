@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 
-from diag.objectstore import (S3Url, file_sha256, download, list_remote,
-                              make_client, parse_url, transfer_plan)
+from diag.objectstore import (S3Url, download, file_sha256, list_remote, make_client, parse_url,
+                              transfer_plan, usable_cores)
 
 MANIFEST_SUFFIX = ".diag-manifest.json"
 VERIFY = ("sha256", "size")
@@ -123,15 +123,17 @@ def stage(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, ti
     every local file has its recorded size and, with verify="sha256" (default), its recorded
     sha256, which catches a flipped byte at the cost of reading the copy once (~1-2 GB/s from
     NVMe: ~15 s for 25 GB, against minutes to re-pull); verify="size" skips that read. Objects
-    that fail are fetched again, alone. Timed as the `fetch_data` stage of `timer`.
+    that fail are fetched again, alone. A download whose MD5 differs from a single-part ETag is
+    never landed. Timed as the `fetch_data` stage of `timer`. Without `client`, one is made from
+    the standard AWS chain with a pool of 2 x usable_cores() connections, as transfer_plan asks.
     """
     if verify not in VERIFY:
         raise ValueError(f"verify={verify!r}: allowed values are " + ", ".join(map(repr, VERIFY)))
     u = parse_url(url)
     start = time.perf_counter()
     with timer.stage("fetch_data") if timer is not None else contextlib.nullcontext():
-        hit, total, fetched, files, local = _stage(u, Path(cache_dir), client or make_client(
-            retries=retries), verify, retries)
+        client = client or make_client(retries=retries, max_pool=2 * usable_cores())
+        hit, total, fetched, files, local = _stage(u, Path(cache_dir), client, verify, retries)
     return StagedDataset(local, hit, total, time.perf_counter() - start, files, fetched)
 
 
@@ -159,10 +161,12 @@ def _stage(u: S3Url, cache_dir: Path, client: Any, verify: str,
         total = sum(o.size for o in remote)
         if not todo and set(known) == set(dests):
             return True, total, 0, len(remote), local
+        needed = sum(o.size for o in todo)
+        # Before anything is touched: a refusal leaves a valid landing valid (the next call hits
+        # on whatever still matches instead of re-verifying and re-pulling everything).
+        check_free(local.parent, needed, u)
         # The manifest goes first: from here until the new one is written, no call can hit.
         manifest_path.unlink(missing_ok=True)
-        needed = sum(o.size for o in todo)
-        check_free(local.parent, needed, u)
         for obj in todo:
             dests[obj.key].parent.mkdir(parents=True, exist_ok=True)
             digest = download(client, u.bucket, obj, dests[obj.key],

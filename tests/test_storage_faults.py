@@ -28,13 +28,16 @@ class Proxy:
     """A TCP proxy on loopback between boto3 and the S3 server.
 
     cut_after: a connection that has carried this many response bytes is closed mid-stream, for
-    the first `cuts` connections that get that far; rate: response bytes per second (throttle).
+    the first `cuts` connections that get that far; rate: response bytes per second (throttle);
+    flip_at: the response byte at this offset of a connection has one bit flipped (corruption in
+    transit that TCP let through), for the first `flips` connections that get that far.
     """
 
     def __init__(self, upstream_port: int, cut_after: int | None = None, cuts: int = 0,
-                 rate: float | None = None) -> None:
+                 rate: float | None = None, flip_at: int | None = None, flips: int = 0) -> None:
         self.upstream, self.cut_after, self.cuts_left, self.rate = upstream_port, cut_after, cuts, rate
-        self.cut = 0
+        self.flip_at, self.flips_left = flip_at, flips
+        self.cut = self.flipped = 0
         self.lock = threading.Lock()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
@@ -68,6 +71,14 @@ class Proxy:
                     if cut:
                         dst.sendall(data[: self.cut_after - sent])
                         break
+                if response and self.flip_at is not None and sent <= self.flip_at < sent + len(data):
+                    with self.lock:
+                        flip = self.flips_left > 0
+                        self.flips_left -= flip
+                        self.flipped += flip
+                    if flip:
+                        i = self.flip_at - sent
+                        data = data[:i] + bytes([data[i] ^ 0x10]) + data[i + 1:]
                 dst.sendall(data)
                 sent += len(data)
                 if response and self.rate:
@@ -129,6 +140,43 @@ def test_dropped_connection_leaves_nothing_then_retry_is_byte_identical(s3, tmp_
     assert proxy.cut == 3  # three drops, each resumed with a Range GET from the last byte
     assert got.hit is False and got.path == final
     assert final.read_bytes() == remote_bytes(s3)
+    assert leftovers(tmp_path) == sorted([final.name, manifest.name])
+
+
+@pytest.mark.parametrize("checksum", ["etag-md5", "crc"])
+def test_bytes_corrupted_in_transit_never_land(s3, tmp_path, checksum):
+    # etag-md5: an object stored without an SDK checksum (older tools): only the single-part
+    # ETag (its MD5) can catch a flipped bit; crc: boto3 stored a CRC that botocore checks
+    key = f"data/{checksum}.bin"
+    if checksum == "crc":
+        s3.client().put_object(Bucket="diag", Key=key, Body=remote_bytes(s3))
+    else:
+        import boto3
+        from botocore.config import Config
+
+        plain = boto3.client("s3", endpoint_url=s3.endpoint_url, aws_access_key_id=s3.access_key,
+                             aws_secret_access_key=s3.secret_key, region_name=s3.region,
+                             config=Config(request_checksum_calculation="when_required"))
+        plain.put_object(Bucket="diag", Key=key, Body=remote_bytes(s3))
+        head = plain.head_object(Bucket="diag", Key=key, ChecksumMode="ENABLED")
+        assert not [h for h in head if h.startswith("Checksum")]  # nothing but the ETag
+    url = f"s3://diag/{key}"
+    final, manifest = local_paths(parse_url(url), tmp_path)
+    proxy = Proxy(s3.port, flip_at=SIZE // 2, flips=100)  # every connection: a persistent fault
+    try:
+        with pytest.raises(RuntimeError, match=r"do not match the object .* in 3 downloads") as err:
+            stage(url, tmp_path, client=client_for(s3, proxy.url), retries=4)
+    finally:
+        proxy.close()
+    assert proxy.flipped >= 1 and url in str(err.value) and proxy.url in str(err.value)
+    assert not final.exists() and not manifest.exists() and leftovers(tmp_path) == []
+    proxy = Proxy(s3.port, flip_at=SIZE // 2, flips=1)  # once: fetched again, lands whole
+    try:
+        got = stage(url, tmp_path, client=client_for(s3, proxy.url), retries=4)
+    finally:
+        proxy.close()
+    assert proxy.flipped == 1 and got.hit is False and got.fetched_bytes == SIZE
+    assert final.read_bytes() == remote_bytes(s3, key)
     assert leftovers(tmp_path) == sorted([final.name, manifest.name])
 
 
@@ -226,6 +274,24 @@ def test_not_enough_disk_is_a_clear_error_before_any_download(s3, small_disk):
     assert f"need {SIZE:,} bytes" in text and str(small_disk) in text and "free" in text
     assert gets == []  # refused before a single GET
     assert leftovers(small_disk) == []
+
+
+def test_disk_refusal_keeps_a_valid_landing_valid(s3, small_disk):
+    # the object grew past the free space: refused; the old copy and its manifest still stand,
+    # so once the object is back the next call hits instead of pulling it all again
+    url, key, small = "s3://diag/data/small.bin", "data/small.bin", os.urandom(100_000)
+    s3.client().put_object(Bucket="diag", Key=key, Body=small)
+    client = client_for(s3)
+    assert stage(url, small_disk / "cache", client=client).hit is False
+    _, manifest = local_paths(parse_url(url), small_disk / "cache")
+    s3.client().put_object(Bucket="diag", Key=key, Body=os.urandom(SIZE))
+    with pytest.raises(RuntimeError, match="not enough free disk"):
+        stage(url, small_disk / "cache", client=client)
+    assert manifest.exists()
+    s3.client().put_object(Bucket="diag", Key=key, Body=small)  # same bytes: same ETag
+    gets = []
+    client.meta.events.register("before-call.s3.GetObject", lambda **kw: gets.append(1))
+    assert stage(url, small_disk / "cache", client=client).hit is True and gets == []
 
 
 def test_missing_bucket_key_prefix_and_refused_connection(s3, tmp_path):
