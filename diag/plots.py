@@ -63,7 +63,8 @@ def plot_stage_shares(shares: pd.DataFrame, title: str = "Where the run's time g
     if shares.empty:
         raise ValueError("shares is empty: nothing to plot")
     runs = list(dict.fromkeys(shares["run"]))
-    scale, unit = _time_unit(shares.groupby("run")["seconds"].sum().max())
+    longest = shares.groupby("run")["seconds"].sum().max()
+    scale, unit = _time_unit(longest)
     fig = _figure(9, 1.2 + 0.7 * len(runs))
     ax = fig.add_subplot()
     for i, run in enumerate(runs):
@@ -72,7 +73,7 @@ def plot_stage_shares(shares: pd.DataFrame, title: str = "Where the run's time g
             width = r.seconds / scale
             ax.barh(i, width, left=left, color=STAGE_COLORS[r.stage], edgecolor="white",
                     label=r.stage)
-            if r.share >= 0.06:
+            if r.seconds >= 0.08 * longest:  # room for a label on the drawn bar
                 ax.text(left + width / 2, i, f"{r.stage}\n{r.share:.0%}", ha="center",
                         va="center", fontsize=7)
             left += width
