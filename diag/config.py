@@ -239,18 +239,14 @@ class DiagnoseConfig(ExperimentConfig):
         self._choice("device", ("auto", "cpu", "cuda"))
 
 
-def as_path(value: str | os.PathLike[str] | None) -> Path | None:
-    return None if value in (None, "") else Path(value).expanduser()
-
-
 __all__ = [
     "ExperimentConfig",
     "DiagnoseConfig",
     "InfoConfig",
+    "ModelLoadConfig",
     "ReportConfig",
+    "StorageConfig",
     "ToyStepConfig",
     "diag_home",
     "quick_mode",
-    "field",
-    "as_path",
 ]

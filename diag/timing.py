@@ -146,10 +146,6 @@ class StageTimer:
     def total(self, name: str) -> float:
         return sum(seconds for stage, seconds, _ in self._rows if stage == name)
 
-    def reset(self) -> None:
-        self._rows.clear()
-        self.step = None
-
     def to_frame(self):  # -> pandas.DataFrame
         """One row per interval: stage, seconds, step (<NA> for run-level), rank."""
         import pandas as pd

@@ -153,3 +153,36 @@ def test_cuda_stage_waits_for_its_kernels():
     with timer.stage("compute"):
         torch.cuda._sleep(200_000_000)  # queued: returns at once, runs ~0.1 s on the GPU
     assert timer.total("compute") >= 0.05  # without a sync at the boundary this is ~0
+
+
+def _gather_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        timer = StageTimer()  # rank comes from torch.distributed
+        for _ in timer.watch(range(2 + rank)):
+            timer.record("compute", 0.1 * (rank + 1))
+        frame = timer.gather()
+        if rank == 0:
+            frame.to_csv(out, index=False)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gather_collects_every_rank_over_gloo(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "gathered.csv"
+    mp.spawn(_gather_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    frame = pd.read_csv(out)
+    assert sorted(frame["rank"].unique()) == [0, 1]
+    compute = frame[frame["stage"] == "compute"]
+    assert compute.groupby("rank")["seconds"].sum().round(6).tolist() == [0.2, 0.6]
+    assert frame[frame["stage"] == "data_wait"].groupby("rank").size().tolist() == [2, 3]
