@@ -23,11 +23,11 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from diag import hfcache
+from diag.model_load import hfcache
 from diag.config import ModelLoadConfig, diag_home
-from diag.load_worker import ALLOW_PATTERNS
-from diag.local import HubServer, ensure_assets
-from diag.models import medians, run_model_load
+from diag.model_load.worker import ALLOW_PATTERNS
+from diag.embedded import HubServer, ensure_assets
+from diag.model_load import medians, run_model_load
 
 # Each raw measurement runs in a fresh process like diag's, imports untimed, one JSON line out.
 RAW = r"""

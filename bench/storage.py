@@ -20,11 +20,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from diag.device import evict_page_cache  # noqa: E402
-from diag.landing import stage  # noqa: E402
-from diag.objectstore import MB, list_remote, make_client, parse_url, usable_cores  # noqa: E402
-from diag.local import S3Server  # noqa: E402
-from diag.storage import embedded_dataset, pull, read_local, s5cmd_path  # noqa: E402
+from diag.disks import evict_page_cache  # noqa: E402
+from diag.storage import land  # noqa: E402
+from diag.storage.objectstore import MB, list_remote, make_client, parse_url, usable_cores  # noqa: E402
+from diag.embedded import S3Server, embedded_dataset  # noqa: E402
+from diag.storage import pull, read_local  # noqa: E402
+from diag.storage.experiment import s5cmd_path  # noqa: E402
 
 SIZE_MB = 200.0  # large enough that a pull takes ~0.5-3 s and per-request costs do not dominate
 ROUNDS = 5  # measured rounds per comparison, after one warm-up round
@@ -60,7 +61,7 @@ def main() -> None:
         url = parse_url("s3://diag/bench/data.jsonl")
         objects = list_remote(client, url)
         nbytes = objects[0].size
-        landed = stage(str(url), scratch, client=client).path
+        landed = land(str(url), scratch, client=client).path
 
         # (a) cold local read: diag vs dd, same eviction before each
         reads: dict[str, list[float]] = {"diag": [], "dd": []}

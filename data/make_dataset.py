@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from diag.synth import synthetic_dataset  # noqa: E402
+from diag.embedded.synth import synthetic_dataset  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

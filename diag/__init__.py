@@ -1,8 +1,9 @@
 """diag: find what starves a GPU during LLM fine-tuning and pre-training, prove it, run the fix.
 
-Experiments are functions `run_*(cfg) -> DataFrame` in one module per noun (`storage`, `models`,
-`loader`, `accum`, `qlora`); `amdahl`, `plots` and `report` consume their frames. Heavy libraries
-(torch, transformers, boto3) are imported inside the functions that need them, so this is fast.
+Experiments are functions `run_*(cfg)` that return a DataFrame (or a small dataclass of frames),
+one noun each: `storage`, `model_load`, `loader`, `accum`, `qlora`; `amdahl`, `plots` and `report`
+consume their frames (docs/architecture.md). Heavy libraries (torch, transformers, boto3) are
+imported inside the functions that need them, so `import diag` is fast.
 """
 
 from diag.timing import StageTimer

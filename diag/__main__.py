@@ -1,9 +1,11 @@
 """`python -m diag <experiment> [--key value ...]`: the notebooks' runs, without a notebook.
 
 Each experiment's flags are generated from its config dataclass, so the CLI and the notebooks
-share one set of names and defaults; `--quick` takes the test-sized variant. The result table is
-printed; `--csv FILE` also writes it. User errors (unknown flag, bad value, missing package or
-hardware) print one line and exit 2; set DIAG_DEBUG=1 to see the traceback.
+share one set of names and defaults; `--quick` takes the test-sized variant. Runners return data
+(a DataFrame, or a dataclass of frames) and this module alone shows it, the same way for every
+experiment: the tables are printed (`--json` prints them as JSON instead), `--csv FILE` writes the
+main table, `--report` writes a run folder with the report. User errors (unknown flag, bad value,
+missing package or hardware) print one line and exit 2; set DIAG_DEBUG=1 to see the traceback.
 """
 
 from __future__ import annotations
@@ -29,26 +31,28 @@ class Experiment:
     config: type[config.ExperimentConfig]
     runner: str  # "module:function", imported only when the experiment runs
     help: str
-    table: bool = True  # the runner returns one DataFrame (printed; --csv writes it)
+    table: bool = True  # returns tables (--csv, --json, --report); False: returns a run folder
 
 
 EXPERIMENTS: dict[str, Experiment] = {
     "info": Experiment(config.InfoConfig, "diag.device:run_info",
                        "what this machine is: accelerator, dense peak FLOP/s, CPU, RAM, disks"),
-    "toy": Experiment(config.ToyStepConfig, "diag.toy:run_toy_step",
+    "toy": Experiment(config.ToyConfig, "diag.toy:run_toy",
                       "a timed toy training loop: data_wait, h2d and compute per step"),
     # -- storage --
-    "storage": Experiment(config.StorageConfig, "diag.storage:storage_cli",
-                          "object-store pull vs local NVMe read, the re-pull tax, stage() miss/hit",
-                          table=False),
+    "storage": Experiment(config.StorageConfig, "diag.storage:run_storage",
+                          "object-store pull vs local NVMe read, the re-pull tax, land() miss/hit"),
     # -- model-load --
-    "model-load": Experiment(config.ModelLoadConfig, "diag.models:run_model_load",
+    "model-load": Experiment(config.ModelLoadConfig, "diag.model_load:run_model_load",
                              "fresh vs cached model load: download, read, quantize, to_device, "
                              "tokenizer"),
-    "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_all",
+    # -- workers --
+    # -- accum --
+    # -- qlora --
+    "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_diagnose",
                       "the whole diagnosis on one source: every experiment, then the report",
                       table=False),
-    "report": Experiment(config.ReportConfig, "diag.report:render_config",
+    "report": Experiment(config.ReportConfig, "diag.report:run_report",
                          "re-render a run folder's figures and report.html from its CSVs",
                          table=False),
 }
@@ -103,7 +107,11 @@ def build_parser() -> _Parser:
         p = sub.add_parser(name, help=exp.help, description=exp.help)
         p.add_argument("--quick", action="store_true", help="the test-sized variant (also DIAG_QUICK=1)")
         if exp.table:  # the others write a run folder with every table instead
-            p.add_argument("--csv", metavar="FILE", help="also write the result table to FILE")
+            p.add_argument("--csv", metavar="FILE", help="also write the main result table to FILE")
+            p.add_argument("--json", action="store_true",
+                           help="print the result tables as JSON (for scripts) instead of text")
+            p.add_argument("--report", action="store_true",
+                           help="also write a run folder (CSVs, figures, report.html) under runs/")
         hints = typing.get_type_hints(exp.config)
         positional = getattr(exp.config, "POSITIONAL", ())
         for f in dataclasses.fields(exp.config):
@@ -124,7 +132,7 @@ def parse(argv: list[str]) -> tuple[str, config.ExperimentConfig, argparse.Names
     exp = EXPERIMENTS[args.experiment]
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(exp.config)
                  if hasattr(args, f.name)}
-    cfg = exp.config.quick(**overrides) if args.quick else exp.config.default(**overrides)
+    cfg = exp.config.default(quick=True if args.quick else None, **overrides)
     return args.experiment, cfg, args
 
 
@@ -149,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(redact(_one_line(err)), file=sys.stderr)
         return 2
-    if result is not None:
-        _show(result, getattr(args, "csv", None))
+    _show(name, cfg, result, args)
     return 0
 
 
@@ -170,17 +177,61 @@ def _one_line(err: BaseException) -> str:
     return f"diag: {type(err).__name__}: {text}"
 
 
-def _show(result: Any, csv: str | None) -> None:
+def frames_of(name: str, result: Any) -> dict[str, Any]:
+    """A runner's result as named frames: a DataFrame is the experiment's table; a dataclass of
+    frames gives its first field that name and the others `<name>_<field>` (`advice` kept as is)."""
     import pandas as pd
 
+    key = name.replace("-", "_")
     if isinstance(result, pd.DataFrame):
+        return {key: result}
+    if not dataclasses.is_dataclass(result):
+        raise TypeError(f"{name}: a runner returns a DataFrame or a dataclass of frames, "
+                        f"not {type(result).__name__}")
+    out = {}
+    for i, f in enumerate(dataclasses.fields(result)):
+        value = getattr(result, f.name)
+        if isinstance(value, pd.DataFrame):
+            out[key if i == 0 else f.name if f.name == "advice" else f"{key}_{f.name}"] = value
+    return out
+
+
+def _show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    import pandas as pd
+
+    if isinstance(result, Path):  # a run folder: where it is and what it found
+        from diag import report
+
+        top = report.load_summary(result).get("top_finding") or "nothing measured stands out"
+        print(redact(f"wrote {result / 'report.html'}\ntop finding: {top}"))
+        return
+    frames = frames_of(name, result)
+    if getattr(args, "csv", None):
+        redact_frame(next(iter(frames.values()))).to_csv(args.csv, index=False)
+    if getattr(args, "json", False):
+        print(redact(json.dumps({k: json.loads(f.to_json(orient="records"))
+                                 for k, f in frames.items()}, indent=1)))
+    else:
         with pd.option_context("display.max_rows", 200, "display.width", 160,
                                "display.max_colwidth", 80):
-            print(redact(result.to_string(index=False)))
-        if csv:
-            redact_frame(result).to_csv(csv, index=False)
-    else:
-        print(redact(str(result)))
+            for key, frame in frames.items():
+                if key == "advice":
+                    lines = [f"{a.finding}: saves {a.seconds_saved:.3g} s per start ({a.evidence})"
+                             for a in frame.itertuples()]
+                    print("\n".join(["", "advice:", *lines]) if lines else "")
+                    continue
+                heading = f"\n{key}:\n" if len(frames) > 1 else ""
+                print(redact(heading + frame.to_string(index=False,
+                                                       float_format=lambda v: f"{v:.4g}")))
+    if getattr(args, "report", False):
+        from diag import report
+
+        advice = frames.pop("advice", None)
+        folder = report.write(frames, config=cfg.to_dict(), advice=advice)
+        print(redact(f"wrote {folder / 'report.html'}"), file=sys.stderr if args.json else sys.stdout)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ from typing import Any, ClassVar, TypeVar
 
 T = TypeVar("T", bound="ExperimentConfig")
 
+# Names every layer shares, defined once (the CLI offers them as choices).
+DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" is also accepted where a device is asked for
+MODEL_LOAD_SCENARIOS = ("fresh", "cached", "cached_offline", "cached_cold")
+STORAGE_PULLS = ("boto3_default", "boto3_tuned", "s5cmd")
+VERIFY_MODES = ("sha256", "size")  # how land() checks a landed copy before reusing it
+
 
 def quick_mode() -> bool:
     """True when DIAG_QUICK is set to anything but '', '0', 'false' or 'no'."""
@@ -48,9 +54,10 @@ class ExperimentConfig:
         return cls(**{**cls.QUICK, **overrides})
 
     @classmethod
-    def default(cls: type[T], **overrides: Any) -> T:
-        """quick() under DIAG_QUICK=1, else the full defaults."""
-        return cls.quick(**overrides) if quick_mode() else cls(**overrides)
+    def default(cls: type[T], quick: bool | None = None, **overrides: Any) -> T:
+        """The full defaults, or quick() when `quick` is True (None: DIAG_QUICK decides)."""
+        quick = quick_mode() if quick is None else quick
+        return cls.quick(**overrides) if quick else cls(**overrides)
 
     def replace(self: T, **changes: Any) -> T:
         return dataclasses.replace(self, **changes)
@@ -78,6 +85,13 @@ class ExperimentConfig:
                 f"{type(self).__name__}.{name}={value!r}: allowed values are "
                 + ", ".join(repr(a) for a in allowed)
             )
+
+    def _device(self, name: str = "device") -> None:
+        value = getattr(self, name)
+        head, colon, index = str(value).partition(":")
+        if head not in DEVICES or (colon and (head != "cuda" or not index.isdigit())):
+            raise ValueError(f"{type(self).__name__}.{name}={value!r}: allowed values are "
+                             + ", ".join(map(repr, DEVICES)) + " and 'cuda:N'")
 
     def _positive_list(self, name: str) -> None:
         values = getattr(self, name)
@@ -112,7 +126,7 @@ class InfoConfig(ExperimentConfig):
 
 
 @dataclass
-class ToyStepConfig(ExperimentConfig):
+class ToyConfig(ExperimentConfig):
     """A timed toy training loop: the smallest run that exercises every step-level stage."""
 
     steps: int = 50  # optimizer steps timed (after warmup_steps)
@@ -128,7 +142,7 @@ class ToyStepConfig(ExperimentConfig):
     def validate(self) -> None:
         self._positive("steps", "batch_size", "width")
         self._non_negative("warmup_steps", "prep_ms", "num_workers")
-        self._choice("device", ("auto", "cpu", "cuda"))
+        self._device()
 
 
 @dataclass
@@ -148,7 +162,7 @@ class ReportConfig(ExperimentConfig):
 
 @dataclass
 class StorageConfig(ExperimentConfig):
-    """`diag storage`: object-store pull vs local disk read, the re-pull tax, stage() miss/hit."""
+    """`diag storage`: object-store pull vs local disk read, the re-pull tax, land() miss/hit."""
 
     source: str = ""  # s3://bucket/key or s3://bucket/prefix/; "" = embedded S3 server + synthetic data
     endpoint_url: str = ""  # S3 endpoint; "" = the AWS chain (AWS_ENDPOINT_URL, profile) or embedded
@@ -157,26 +171,24 @@ class StorageConfig(ExperimentConfig):
     shards: int = 1  # embedded dataset as this many objects under a prefix (1 = a single object)
     repeats: int = 3  # measured repeats per method; more gives steadier medians
     warmup: int = 1  # untimed first rounds (connections, server cache): not reported
-    verify: str = "sha256"  # stage() hit check: "sha256" catches flipped bytes, "size" is near-free
+    verify: str = "sha256"  # land() hit check: "sha256" catches flipped bytes, "size" is near-free
     retries: int = 4  # retries of a dropped connection (resumed by Range GET); 0 fails fast
     dataset_gb: float = 0.0  # dataset size for the tax; 0 = the measured size (e.g. 25 for yours)
     runs_per_week: float = 20.0  # training starts per week that re-pull the dataset
     usd_per_hour: float = 0.0  # instance price for the tax; 0 = unknown (no money figures)
-    report: bool = False  # also write a run folder (CSVs, figure, report.html) under runs/
 
     QUICK: ClassVar[dict[str, Any]] = {"size_mb": 8.0, "repeats": 2}
 
     def validate(self) -> None:
         self._positive("size_mb", "shards", "repeats")
         self._non_negative("warmup", "retries", "dataset_gb", "runs_per_week", "usd_per_hour")
-        self._choice("verify", ("sha256", "size"))
+        self._choice("verify", VERIFY_MODES)
         if self.source and not (self.source.startswith("s3://") and self.source[5:].split("/")[0]):
             raise ValueError(f"StorageConfig.source={self.source!r}: expected s3://bucket/key, "
                              "s3://bucket/prefix/ or '' for the embedded server")
 
 
-# -- model load (diag.models) --------------------------------------------------------------------
-MODEL_LOAD_SCENARIOS = ("fresh", "cached", "cached_offline", "cached_cold")
+# -- model load (diag.model_load) ----------------------------------------------------------------
 
 
 @dataclass
@@ -198,7 +210,7 @@ class ModelLoadConfig(ExperimentConfig):
 
     def validate(self) -> None:
         self._positive("repeats", "timeout_s")
-        self._choice("device", ("auto", "cpu", "cuda"))
+        self._device()
         if isinstance(self.scenarios, str):
             self.scenarios = [s.strip() for s in self.scenarios.split(",") if s.strip()]
         if not self.scenarios or len(set(self.scenarios)) != len(self.scenarios):
@@ -212,6 +224,19 @@ class ModelLoadConfig(ExperimentConfig):
             raise ValueError("ModelLoadConfig.revision='': name a branch, tag or commit (main)")
 
 
+# -- loader (diag.loader) ------------------------------------------------------------------------
+# LoaderConfig: the DataLoader num_workers sweep, the stall split, the line profile.
+
+
+# -- accum (diag.accum) --------------------------------------------------------------------------
+# AccumConfig: the gradient-accumulation sweep at constant tokens per step, and MFU.
+
+
+# -- qlora (diag.qlora) --------------------------------------------------------------------------
+# QLoraConfig: the QLoRA job, naive vs optimized plan.
+
+
+# -- the whole diagnosis (diag.diagnose) ---------------------------------------------------------
 
 @dataclass
 class DiagnoseConfig(ExperimentConfig):
@@ -236,7 +261,7 @@ class DiagnoseConfig(ExperimentConfig):
     def validate(self) -> None:
         self._positive("steps")
         self._non_negative("prep_ms", "naive_workers", "optimized_workers")
-        self._choice("device", ("auto", "cpu", "cuda"))
+        self._device()
 
 
 __all__ = [
@@ -246,7 +271,7 @@ __all__ = [
     "ModelLoadConfig",
     "ReportConfig",
     "StorageConfig",
-    "ToyStepConfig",
+    "ToyConfig",
     "diag_home",
     "quick_mode",
 ]

@@ -1,7 +1,7 @@
 """The whole diagnosis on the embedded defaults (or the user's source): `python -m diag run`.
 
 It measures what this machine is, pulls the dataset from the object store and lands it
-(diag.storage), loads the model fresh and cached (diag.models), then assembles a naive and an
+(diag.storage), loads the model fresh and cached (diag.model_load), then assembles a naive and an
 optimized training run on the same StageTimer: the naive run pays the measured pull and fresh
 download on every start and preprocesses in the loop; the optimized one hits the landed copy
 and the warm cache and feeds the loop from DataLoader workers. Writes the run folder.
@@ -18,7 +18,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from diag import report
-from diag.config import DiagnoseConfig, InfoConfig, ToyStepConfig
+from diag.config import DiagnoseConfig, InfoConfig, ToyConfig
 from diag.timing import StageTimer
 
 RUNS = ("naive", "optimized")
@@ -29,10 +29,10 @@ def training_runs(cfg: DiagnoseConfig, run_level: dict[str, dict[str, float]] | 
     """The naive and the optimized run in one frame (`run` column).
 
     run_level: per run, run-level stage seconds measured by the experiments (fetch_data from
-    diag.storage, load_model from diag.models), recorded on the run's timer before its steps.
+    diag.storage, load_model from diag.model_load), recorded on the run's timer before its steps.
     """
     from diag.device import resolve
-    from diag.toy import run_toy_step
+    from diag.toy import run_toy
 
     device = resolve(cfg.device)
     frames = []
@@ -40,9 +40,9 @@ def training_runs(cfg: DiagnoseConfig, run_level: dict[str, dict[str, float]] | 
         timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
         for stage, seconds in (run_level or {}).get(run, {}).items():
             timer.record(stage, seconds)
-        toy = ToyStepConfig(steps=cfg.steps, prep_ms=cfg.prep_ms, num_workers=workers,
+        toy = ToyConfig(steps=cfg.steps, prep_ms=cfg.prep_ms, num_workers=workers,
                             device=cfg.device, **({"width": 128} if cfg.steps < 20 else {}))
-        frames.append(run_toy_step(toy, timer).assign(run=run))
+        frames.append(run_toy(toy, timer).assign(run=run))
     return pd.concat(frames, ignore_index=True)
 
 
@@ -55,17 +55,16 @@ def _median(frame: pd.DataFrame, **where: str) -> float | None:
 
 def _storage(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     from diag.config import StorageConfig
-    from diag.storage import run_storage, storage_tax, tax_advice
+    from diag.storage import run_storage
 
-    scfg = (StorageConfig.quick if cfg.quick_experiments else StorageConfig.default)(source=cfg.source)
-    frame = run_storage(scfg)
-    tax = storage_tax(frame, scfg.dataset_gb, scfg.runs_per_week, scfg.usd_per_hour)
-    results["frames"].update(storage=frame, storage_tax=tax)
-    results["advice"].append(tax_advice(tax, frame))
+    got = run_storage(StorageConfig.default(quick=cfg.quick_experiments or None, source=cfg.source))
+    frame = got.frame
+    results["frames"].update(storage=frame, storage_tax=got.tax)
+    results["advice"].append(got.advice)
     # a naive start re-pulls with the defaults users get from boto3 / `aws s3 cp`; an optimized
-    # start finds the landed copy (a verified stage() hit)
+    # start finds the landed copy (a verified land() hit)
     naive = _median(frame, method="boto3_default")
-    hit = _median(frame, method="stage", cache_state="hit")
+    hit = _median(frame, method="land", cache_state="hit")
     for run, seconds in (("naive", naive), ("optimized", hit)):
         if seconds is not None:
             results["run_level"][run]["fetch_data"] = seconds
@@ -73,14 +72,14 @@ def _storage(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
 
 def _model_load(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     from diag.config import ModelLoadConfig
-    from diag.models import model_advice, run_model_load
+    from diag.model_load import advice, run_model_load
 
     # quick: the two scenarios the runs need; full: all four, for every advice row
-    mcfg = (ModelLoadConfig.quick(model=cfg.model, scenarios=["fresh", "cached"])
-            if cfg.quick_experiments else ModelLoadConfig.default(model=cfg.model))
-    frame = run_model_load(mcfg)
+    quick = {"scenarios": ["fresh", "cached"]} if cfg.quick_experiments else {}
+    frame = run_model_load(ModelLoadConfig.default(quick=cfg.quick_experiments or None,
+                                                   model=cfg.model, **quick))
     results["frames"]["model_load"] = frame
-    results["advice"].append(model_advice(frame))
+    results["advice"].append(advice(frame))
     # naive: an empty cache on every start (the full download); optimized: the warm cache
     for run, scenario in (("naive", "fresh"), ("optimized", "cached")):
         seconds = _median(frame, scenario=scenario, part="load_model")
@@ -88,15 +87,15 @@ def _model_load(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
             results["run_level"][run]["load_model"] = seconds
 
 
-def run_all(cfg: DiagnoseConfig | None = None) -> str:
-    """Run the diagnosis and write the report; returns the summary line the CLI prints."""
+def run_diagnose(cfg: DiagnoseConfig | None = None) -> Path:
+    """Run the diagnosis and write the report; returns the run folder."""
     from diag.device import run_info
 
     cfg = cfg or DiagnoseConfig.default()
     results: dict[str, Any] = {"frames": {}, "advice": [], "run_level": {r: {} for r in RUNS}}
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("device facts", lambda: results.update(
-            info=run_info(InfoConfig.quick() if cfg.quick_experiments else InfoConfig.default())))]
+            info=run_info(InfoConfig.default(quick=cfg.quick_experiments or None))))]
     if cfg.storage:
         steps.append(("storage", lambda: _storage(cfg, results)))
     if cfg.model_load:
@@ -108,8 +107,6 @@ def run_all(cfg: DiagnoseConfig | None = None) -> str:
             bar.set_postfix_str(name)
             work()
     advice = [a for a in results["advice"] if not a.empty]
-    folder = report.write(results["frames"], cfg.out or None, config=cfg.to_dict(),
-                          info=results["info"],
-                          extra_findings=pd.concat(advice, ignore_index=True) if advice else None)
-    top = report.load_summary(folder).get("top_finding") or "nothing measured stands out"
-    return f"wrote {Path(folder) / 'report.html'}\ntop finding: {top}"
+    return report.write(results["frames"], cfg.out or None, config=cfg.to_dict(),
+                        info=results["info"],
+                        advice=pd.concat(advice, ignore_index=True) if advice else None)

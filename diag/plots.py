@@ -161,7 +161,7 @@ def plot_waterfall(findings: pd.DataFrame, total_seconds: float, top: int = 6) -
 def plot_storage(frame: pd.DataFrame) -> Figure:
     """Median MB/s per method and cache state (bars), every measured repeat as a dot (log scale)."""
     if frame.empty or not {"method", "cache_state", "mb_per_s"} <= set(frame.columns):
-        raise ValueError("frame must be run_storage()'s: method, cache_state, mb_per_s rows")
+        raise ValueError("frame must be run_storage().frame: method, cache_state, mb_per_s rows")
     groups = list(dict.fromkeys(zip(frame["method"], frame["cache_state"])))
     fig = _figure(8, 1.0 + 0.42 * len(groups))
     ax = fig.add_subplot()
@@ -182,12 +182,16 @@ def plot_storage(frame: pd.DataFrame) -> Figure:
 
 
 def plot_model_load(frame: pd.DataFrame) -> Figure:
-    """One stacked bar per scenario: median seconds of each load part (diag.models frame)."""
-    from diag.models import medians
+    """One stacked bar per scenario: median seconds of each load part (diag.model_load frame)."""
+    from diag.config import MODEL_LOAD_SCENARIOS
+    from diag.timing import LOAD_PARTS
 
     if frame.empty:
         raise ValueError("frame is empty: nothing to plot")
-    table = medians(frame).drop(columns="load_model", errors="ignore").fillna(0.0)
+    parts = frame[frame["part"].isin(LOAD_PARTS)]
+    table = parts.pivot_table(index="scenario", columns="part", values="seconds", aggfunc="median")
+    table = table.reindex(index=[s for s in MODEL_LOAD_SCENARIOS if s in table.index],
+                          columns=[p for p in LOAD_PARTS if p in table.columns]).fillna(0.0)
     scale, unit = _time_unit(float(table.sum(axis=1).max()))
     states = frame.groupby("scenario")["cache_state"].first()
     fig = _figure(8, 1.4 + 0.6 * len(table))

@@ -58,12 +58,12 @@ def _new_folder(out: str | os.PathLike[str] | None) -> Path:
 
 def write(frames: dict[str, pd.DataFrame], out: str | os.PathLike[str] | None = None, *,
           config: dict[str, Any] | None = None, info: pd.DataFrame | None = None,
-          extra_findings: pd.DataFrame | None = None) -> Path:
+          advice: pd.DataFrame | None = None) -> Path:
     """Write the run folder and render it; return its path.
 
     frames: experiment name -> tidy frame; frames["run"] (StageTimer frames with a `run`
-    column) feeds the stage table, findings and figures. extra_findings: rows other experiments
-    measured (stage, finding, seconds_saved, evidence), ranked with the stage findings.
+    column) feeds the stage table, findings and figures. advice: the rows the experiments
+    contributed (stage, finding, seconds_saved, evidence), ranked with the stage findings.
     """
     if not frames:
         raise ValueError("frames is empty: nothing to report")
@@ -76,8 +76,8 @@ def write(frames: dict[str, pd.DataFrame], out: str | os.PathLike[str] | None = 
         all_frames = dict(frames)
         if info is not None:
             all_frames["info"] = info
-        if extra_findings is not None and not extra_findings.empty:
-            all_frames["advice"] = extra_findings
+        if advice is not None and not advice.empty:
+            all_frames["advice"] = advice
         for name, frame in all_frames.items():
             redact_frame(frame).to_csv(partial / f"{name}.csv", index=False)
         summary = _summary(all_frames, config or {})
@@ -189,9 +189,10 @@ def render(folder: str | os.PathLike[str]) -> Path:
     return folder / "report.html"
 
 
-def render_config(cfg: Any) -> str:
-    """CLI entry: re-render cfg.folder (a ReportConfig); returns what to print."""
-    return f"wrote {render(cfg.folder)}"
+def run_report(cfg: Any) -> Path:
+    """`diag report DIR`: re-render cfg.folder (a ReportConfig); returns the run folder."""
+    render(cfg.folder)
+    return Path(cfg.folder).resolve()
 
 
 def _table(frame: pd.DataFrame, max_rows: int = 40) -> str:

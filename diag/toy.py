@@ -15,7 +15,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from diag.config import ToyStepConfig
+from diag.config import ToyConfig
 from diag.timing import StageTimer
 
 
@@ -38,11 +38,11 @@ class ToyBatches(Dataset):
         return x, x.sum(dim=1, keepdim=True)
 
 
-def run_toy_step(cfg: ToyStepConfig | None = None, timer: StageTimer | None = None):
+def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
     """Train the toy MLP for cfg.warmup_steps + cfg.steps; return the timer's frame."""
     from diag import device as devices
 
-    cfg = cfg or ToyStepConfig.default()
+    cfg = cfg or ToyConfig.default()
     dev = devices.resolve(cfg.device)
     timer = timer or StageTimer(device=dev)
     torch.manual_seed(0)

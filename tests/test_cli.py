@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from diag.__main__ import EXPERIMENTS, main, parse
-from diag.config import ToyStepConfig
+from diag.config import ToyConfig
 
 
 def run_cli(*args, env_extra=None):
@@ -25,9 +25,9 @@ def test_help_lists_working_experiments():
 def test_flags_come_from_the_config_dataclass():
     name, cfg, _ = parse(["toy", "--steps", "7", "--prep-ms", "1.5", "--device", "cpu"])
     assert name == "toy"
-    assert isinstance(cfg, ToyStepConfig)
+    assert isinstance(cfg, ToyConfig)
     # DIAG_QUICK=1 in tests: unset fields take the quick defaults
-    assert cfg == ToyStepConfig.quick(steps=7, prep_ms=1.5, device="cpu")
+    assert cfg == ToyConfig.quick(steps=7, prep_ms=1.5, device="cpu")
     _, cfg, _ = parse(["info", "--no-probe"])
     assert cfg.probe is False
 
@@ -36,6 +36,28 @@ def test_info_prints_the_device_table():
     out = run_cli("info", "--quick")
     assert out.returncode == 0, out.stderr
     assert "cpu_model" in out.stdout and "peak_tflops_bf16" in out.stdout
+
+
+def test_every_table_experiment_takes_the_same_output_flags():
+    for name, exp in EXPERIMENTS.items():
+        _, _, args = parse([name, "--quick"] + (["x"] if name == "report" else []))
+        assert hasattr(args, "csv") == hasattr(args, "json") == hasattr(args, "report") == exp.table
+
+
+def test_json_and_report_come_from_main_for_a_dataclass_result(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.chdir(tmp_path)  # --report writes runs/<id>/ under the working directory
+    out = run_cli("storage", "--quick", "--size-mb", "1", "--repeats", "1", "--json", "--report")
+    assert out.returncode == 0, out.stderr
+    tables = json.loads(out.stdout)  # stdout is JSON only: the folder line goes to stderr
+    assert set(tables) == {"storage", "storage_tax", "advice"}
+    assert {"boto3_default", "land", "local_read"} <= {r["method"] for r in tables["storage"]}
+    assert tables["advice"][0]["stage"] == "fetch_data"
+    folder = next((tmp_path / "runs").iterdir())
+    assert {"storage.csv", "storage_tax.csv", "advice.csv", "report.html"} <= {
+        p.name for p in folder.iterdir()}
+    assert f"wrote {folder / 'report.html'}" in out.stderr
 
 
 def test_toy_runs_and_writes_csv(tmp_path):
@@ -51,7 +73,7 @@ def test_toy_runs_and_writes_csv(tmp_path):
     [
         (["nope"], "invalid choice: 'nope'"),
         (["toy", "--stepz", "3"], "unrecognized arguments: --stepz"),
-        (["toy", "--steps", "0"], "ToyStepConfig.steps=0: must be a number > 0"),
+        (["toy", "--steps", "0"], "ToyConfig.steps=0: must be a number > 0"),
         (["toy", "--steps", "x"], "invalid int value: 'x'"),
         (["toy", "--device", "tpu"], "allowed values are 'auto', 'cpu', 'cuda'"),
         ([], "name an experiment"),
@@ -73,7 +95,7 @@ def test_secrets_never_reach_cli_output(monkeypatch):
     assert secret not in out.stderr + out.stdout
 
 
-def test_csv_only_where_the_result_is_one_table():
+def test_csv_only_where_the_result_is_tables():
     out = run_cli("run", "--csv", "x.csv")
     assert out.returncode == 2 and "unrecognized arguments: --csv" in out.stderr
 

@@ -150,22 +150,6 @@ def test_resolve() -> None:
         dev.resolve("tpu")
 
 
-def test_disk_kind(tmp_path: os.PathLike[str]) -> None:
-    assert dev.disk_kind(tmp_path) in ("nvme", "network", "other")
-    assert dev.disk_kind("/") in ("nvme", "network", "other")
-    assert dev._kind("/dev/nvme0n1p1", "ext4", "rw") == "nvme"
-    assert dev._kind("server:/export", "nfs4", "rw") == "network"
-    assert dev._kind("bucket", "fuse.gcsfuse", "rw") == "network"
-    assert dev._kind("mountpoint-s3", "fuse", "rw") == "network"
-    assert dev._kind("overlay", "overlay", "rw,upperdir=/proc/x") == "other"
-
-
-def test_disks_skip_pseudo_filesystems() -> None:
-    kinds = dev.disks()
-    assert all(d["fstype"] not in ("proc", "sysfs", "tmpfs", "cgroup") for d in kinds)
-    assert all(d["kind"] in ("nvme", "network", "other") for d in kinds)
-
-
 def test_run_info_quick() -> None:
     df = dev.run_info(InfoConfig.quick())
     assert list(df.columns) == ["fact", "value", "detail"]
@@ -225,19 +209,3 @@ def test_peak_flops_unknown_gpu_says_pass_it(monkeypatch: pytest.MonkeyPatch) ->
     peak = dev.peak_flops("cuda")
     assert peak.flops is None and not peak.measured
     assert "'NVIDIA Mystery X1'" in peak.label and "explicitly" in peak.label
-
-
-def test_evict_page_cache_makes_a_file_cold_and_says_so(tmp_path) -> None:
-    from diag.device import evict_page_cache, resident_fraction
-
-    path = tmp_path / "blob.bin"
-    path.write_bytes(os.urandom(8 << 20))
-    path.read_bytes()
-    assert resident_fraction(path) > 0.9  # just written and read: in the page cache
-    assert evict_page_cache([path]) == "cold"
-    assert resident_fraction(path) < 0.02
-    path.read_bytes()
-    assert resident_fraction(path) > 0.9
-    empty = tmp_path / "empty"
-    empty.write_bytes(b"")
-    assert resident_fraction(empty) == 0.0

@@ -41,7 +41,7 @@ def test_runs_carry_the_measured_fetch_and_load(demo):
     storage, models, run = frames["storage"], frames["model_load"], frames["run"]
     fetch = run[run["stage"] == "fetch_data"].set_index("run")["seconds"]
     naive_pull = statistics.median(storage.query("method == 'boto3_default'")["seconds"])
-    hit = statistics.median(storage.query("method == 'stage' and cache_state == 'hit'")["seconds"])
+    hit = statistics.median(storage.query("method == 'land' and cache_state == 'hit'")["seconds"])
     assert fetch["naive"] == pytest.approx(naive_pull)
     assert fetch["optimized"] == pytest.approx(hit)
     load = run[run["stage"] == "load_model"].set_index("run")["seconds"]

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from diag.config import diag_home
-from diag.local import Assets, HubServer, LoopbackServer, S3Server, ensure_assets, publish_model
-from diag.synth import synthetic_dataset, synthetic_records, tiny_model
+from diag.embedded import Assets, HubServer, LoopbackServer, S3Server, ensure_assets, publish_model
+from diag.embedded.synth import synthetic_dataset, synthetic_records, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = "diag-local/tiny-llama"
@@ -256,7 +256,7 @@ def test_ensure_assets_reuses_what_exists(assets: Assets) -> None:
 
 
 def test_import_is_light() -> None:
-    code = "import sys, diag.local; print(sorted({'torch','boto3','transformers','tokenizers'} & set(sys.modules)))"
+    code = "import sys, diag.embedded; print(sorted({'torch','boto3','transformers','tokenizers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          check=True)
     assert out.stdout.strip() == "[]"
@@ -270,7 +270,7 @@ def test_server_dies_with_a_killed_parent(tmp_path: Path) -> None:
 
     import psutil
 
-    script = ("from diag.local import S3Server\nimport time\n"
+    script = ("from diag.embedded import S3Server\nimport time\n"
               "s = S3Server().start()\nprint(s.pid, flush=True)\ntime.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:

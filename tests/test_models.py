@@ -1,4 +1,4 @@
-"""diag.models on the embedded hub: one quick run of every scenario (shared), its parts and advice.
+"""diag.model_load on the embedded hub: one quick run of every scenario (shared), its parts and advice.
 
 The run goes through the CLI with a fake HF_TOKEN in the environment, so the same run checks that
 the token appears in no output, CSV or report. Fault tests live in test_models_faults.py.
@@ -67,7 +67,7 @@ def test_parts_add_up_to_load_model(quick_run):
 
 
 def test_bytes_match_the_files(quick_run):
-    from diag.local import ensure_assets
+    from diag.embedded import ensure_assets
 
     frame, _ = quick_run
     model_dir = ensure_assets().model_dir
@@ -98,20 +98,20 @@ def test_cold_is_labelled_by_what_the_eviction_achieved(quick_run):
 
 
 def test_advice_rests_on_the_measured_medians(quick_run):
-    from diag.models import medians, model_advice
+    from diag.model_load import medians, advice
 
     frame, _ = quick_run
     med = medians(frame)
-    advice = model_advice(frame)
-    assert list(advice.columns) == ["stage", "finding", "seconds_saved", "evidence"]
-    assert (advice["stage"] == "load_model").all() and (advice["seconds_saved"] > 0).all()
+    fix = advice(frame)
+    assert list(fix.columns) == ["stage", "finding", "seconds_saved", "evidence"]
+    assert (fix["stage"] == "load_model").all() and (fix["seconds_saved"] > 0).all()
     expected = {
         "HF_HOME": med.loc["fresh", "load_model"] - med.loc["cached", "load_model"],
         "HF_HUB_OFFLINE": med.loc["cached", "download"] - med.loc["cached_offline", "download"],
         "page cache": med.loc["cached_cold", "load_model"] - med.loc["cached", "load_model"],
     }
     for key, saved in expected.items():
-        rows = advice[advice["finding"].str.contains(key)]
+        rows = fix[fix["finding"].str.contains(key)]
         if saved > 0:  # no advice row without a positive measured saving
             assert rows["seconds_saved"].item() == pytest.approx(saved)
             assert "median" in rows["evidence"].item()
@@ -120,7 +120,7 @@ def test_advice_rests_on_the_measured_medians(quick_run):
 
 
 def test_advice_from_a_synthetic_frame_is_exact():
-    from diag.models import model_advice
+    from diag.model_load import advice
 
     rows = []
     for scenario, download, read, state in (("fresh", 10.0, 1.0, "fresh download"),
@@ -132,16 +132,16 @@ def test_advice_from_a_synthetic_frame_is_exact():
             rows.append({"scenario": scenario, "part": part, "bytes": 100e6, "seconds": seconds,
                          "mb_per_s": 100.0, "repeat": 0, "cache_state": state,
                          "cache_disk": "network", "model": "m", "device": "cpu"})
-    advice = model_advice(pd.DataFrame(rows)).set_index("seconds_saved")
-    assert sorted(advice.index) == pytest.approx([0.4, 2.0, 3.0, 9.5])
-    assert "network" in advice.loc[3.0, "finding"]  # the cold read from network storage
+    fix = advice(pd.DataFrame(rows)).set_index("seconds_saved")
+    assert sorted(fix.index) == pytest.approx([0.4, 2.0, 3.0, 9.5])
+    assert "network" in fix.loc[3.0, "finding"]  # the cold read from network storage
     failed = pd.DataFrame(rows).replace({"cold": "warm (eviction failed: 40% still cached)"})
-    assert not model_advice(failed)["finding"].str.contains("page cache").any()
+    assert not advice(failed)["finding"].str.contains("page cache").any()
 
 
 def test_token_never_shows_and_the_report_draws(quick_run, tmp_path: Path, monkeypatch):
     from diag import report
-    from diag.models import model_advice
+    from diag.model_load import advice
     from diag.plots import plot_model_load
 
     frame, printed = quick_run
@@ -151,7 +151,7 @@ def test_token_never_shows_and_the_report_draws(quick_run, tmp_path: Path, monke
     assert len(fig.axes[0].patches) == 4 * len(LOAD_PARTS)
     monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
     folder = report.write({"model_load": frame}, tmp_path / "run",
-                          extra_findings=model_advice(frame), config={"model": ""})
+                          advice=advice(frame), config={"model": ""})
     files = [p for p in Path(folder).rglob("*") if p.is_file()]
     assert any(p.name == "model_load.csv" for p in files)
     assert any(p.suffix == ".png" and "model_load" in p.name for p in files), files

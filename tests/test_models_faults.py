@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from diag import hfcache
+from diag.model_load import hfcache
 from diag.config import ModelLoadConfig
-from diag.load_worker import run_worker
-from diag.models import run_model_load, verify_model_cache
+from diag.model_load.worker import run_worker
+from diag.model_load import run_model_load, verify_model_cache
 
 REPO = "diag-local/tiny-llama"
 FAKE_TOKEN = "hf_diagFAKEtoken0123456789abcdef"
@@ -31,7 +31,7 @@ FAKE_TOKEN = "hf_diagFAKEtoken0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def hub():
-    from diag.local import HubServer, ensure_assets
+    from diag.embedded import HubServer, ensure_assets
 
     with HubServer(ensure_assets().hub_root) as server:
         yield server
@@ -153,7 +153,7 @@ def test_download_killed_halfway_leaves_nothing_that_looks_complete(at_hub, tmp_
     job = {"mode": "download", "model": REPO, "revision": "main", "cache_dir": str(tmp_path),
            "local_dir": ""}
     env = {**os.environ, "HF_ENDPOINT": proxy.url, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "diag.load_worker", json.dumps(job)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "diag.model_load.worker", json.dumps(job)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     weights_sha = json.loads(next((at_hub.root / REPO / "commits").glob(
         "*/.diag-manifest.json")).read_text())["files"]["model.safetensors"]["sha256"]
@@ -187,7 +187,7 @@ def test_download_killed_halfway_leaves_nothing_that_looks_complete(at_hub, tmp_
 
 
 def test_remote_code_stays_off_unless_asked(tmp_path):
-    from diag.local import ensure_assets
+    from diag.embedded import ensure_assets
 
     folder, marker = tmp_path / "custom", tmp_path / "code-ran"
     shutil.copytree(ensure_assets().model_dir, folder)

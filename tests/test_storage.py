@@ -1,4 +1,4 @@
-"""diag.storage on the embedded S3 server: the measurement frame, stage() on prefixes, the tax."""
+"""diag.storage on the embedded S3 server: the measurement frame, land() on prefixes, the tax."""
 
 from __future__ import annotations
 
@@ -10,28 +10,30 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from diag import amdahl, landing, objectstore, plots
+from diag import amdahl, plots
+from diag.storage import landing, objectstore
 from diag.__main__ import parse
 from diag.config import StorageConfig
-from diag.landing import local_paths
-from diag.objectstore import (MB, file_sha256, list_remote, make_client, parse_url, transfer_plan,
+from diag.storage.landing import local_paths
+from diag.hashing import file_sha256
+from diag.storage.objectstore import (MB, list_remote, make_client, parse_url, transfer_plan,
                               usable_cores)
-from diag.local import S3Server
-from diag.storage import (COLUMNS, medians, pull, run_storage, s5cmd_path, stage, storage_tax,
-                          tax_advice)
+from diag.embedded import S3Server
+from diag.storage import advice, land, medians, pull, run_storage, storage_tax
+from diag.storage.experiment import COLUMNS, s5cmd_path
 from diag.timing import StageTimer
 
 
 @pytest.fixture(scope="module")
 def frame() -> pd.DataFrame:
     # the real experiment, test-sized: embedded server, synthetic data, every method
-    return run_storage(StorageConfig.quick(size_mb=3.0, repeats=2))
+    return run_storage(StorageConfig.quick(size_mb=3.0, repeats=2)).frame
 
 
 def test_run_storage_frame_has_every_method_and_honest_labels(frame):
     assert list(frame.columns) == COLUMNS
     methods = set(frame["method"])
-    assert {"boto3_default", "boto3_tuned", "local_read", "stage"} <= methods
+    assert {"boto3_default", "boto3_tuned", "local_read", "land"} <= methods
     # s5cmd_path() also finds it beside the venv's python (`make test` runs without it on PATH)
     assert ("s5cmd" in methods) == (s5cmd_path() is not None)
     assert set(frame["repeat"]) == {0, 1}  # the warm-up round is not reported
@@ -47,7 +49,7 @@ def test_run_storage_frame_has_every_method_and_honest_labels(frame):
     reads = frame[frame["method"] == "local_read"]
     states = set(reads["cache_state"])
     assert any(s.startswith("cold") for s in states) and any(s.startswith("warm") for s in states)
-    staged = frame[frame["method"] == "stage"]
+    staged = frame[frame["method"] == "land"]
     assert sorted(staged["cache_state"]) == ["hit", "hit", "miss", "miss"]
     # the hit is timed on a copy evicted from RAM (the miss had just written it), and says so
     hits = staged[staged["cache_state"] == "hit"]
@@ -64,7 +66,7 @@ def test_transfer_plan_counts_the_cores_this_process_may_use():
     try:
         os.sched_setaffinity(0, {min(allowed)})
         assert usable_cores() == 1
-        plan = transfer_plan(200 * MB)  # the default stage() and the boto3_tuned row use
+        plan = transfer_plan(200 * MB)  # the default land() and the boto3_tuned row use
         assert (plan.part_bytes, plan.concurrency) == (100 * MB, 2)
     finally:
         os.sched_setaffinity(0, allowed)
@@ -97,11 +99,11 @@ def _client(server):
         "region_name": server.region})
 
 
-def test_stage_prefix_lands_once_with_manifest_then_hits(s3, tmp_path):
+def test_land_prefix_lands_once_with_manifest_then_hits(s3, tmp_path):
     url = "s3://diag/shards/"
     client = _client(s3)
     timer = StageTimer()
-    miss = stage(url, tmp_path, client=client, timer=timer)
+    miss = land(url, tmp_path, client=client, timer=timer)
     assert miss.hit is False and miss.files == 4 and miss.bytes == miss.fetched_bytes == 600_007
     local, manifest_path = local_paths(parse_url(url), tmp_path)
     assert miss.path == local and (local / "sub" / "deep.bin").read_bytes() == b"deep"
@@ -110,7 +112,7 @@ def test_stage_prefix_lands_once_with_manifest_then_hits(s3, tmp_path):
     for e in manifest["objects"]:
         path = local / e["key"][len("shards/"):]
         assert path.stat().st_size == e["size"] and file_sha256(path) == e["sha256"]
-    hit = stage(url, tmp_path, client=client, timer=timer)
+    hit = land(url, tmp_path, client=client, timer=timer)
     assert hit.hit is True and hit.fetched_bytes == 0
     stages = timer.to_frame()
     assert list(stages["stage"]) == ["fetch_data", "fetch_data"]
@@ -119,14 +121,14 @@ def test_stage_prefix_lands_once_with_manifest_then_hits(s3, tmp_path):
     # one shard changes, one disappears: only the changed one is fetched, the gone one removed
     s3.client().put_object(Bucket="diag", Key="shards/part-1.bin", Body=b"new bytes")
     s3.client().delete_object(Bucket="diag", Key="shards/part-2.bin")
-    again = stage(url, tmp_path, client=client)
+    again = land(url, tmp_path, client=client)
     assert again.hit is False and again.fetched_bytes == len(b"new bytes") and again.files == 3
     assert (local / "part-1.bin").read_bytes() == b"new bytes"
     assert not (local / "part-2.bin").exists()
-    assert stage(url, tmp_path, client=client).hit is True
+    assert land(url, tmp_path, client=client).hit is True
 
 
-def test_stage_without_client_pools_the_connections_its_plan_runs(s3, tmp_path, monkeypatch):
+def test_land_without_client_pools_the_connections_its_plan_runs(s3, tmp_path, monkeypatch):
     # the standard AWS chain (env vars), as on a cloud box; 16 cores: the plan runs 32 parts
     for key, value in s3.env().items():
         monkeypatch.setenv(key, value)
@@ -135,7 +137,7 @@ def test_stage_without_client_pools_the_connections_its_plan_runs(s3, tmp_path, 
     made = []
     real = landing.make_client
     monkeypatch.setattr(landing, "make_client", lambda **kw: made.append(real(**kw)) or made[-1])
-    got = stage("s3://diag/shards/part-0.bin", tmp_path)
+    got = land("s3://diag/shards/part-0.bin", tmp_path)
     assert got.hit is False and got.path.stat().st_size == 200_000
     assert transfer_plan(25_000 * MB).concurrency == 32
     assert [c.meta.config.max_pool_connections for c in made] == [32]
@@ -169,10 +171,10 @@ def test_s5cmd_gets_the_endpoint_boto3_found_in_an_aws_profile(s3, tmp_path, mon
 def test_manifest_is_what_makes_a_landing_complete(s3, tmp_path):
     url = "s3://diag/shards/part-0.bin"
     client = _client(s3)
-    first = stage(url, tmp_path, client=client)
+    first = land(url, tmp_path, client=client)
     _, manifest_path = local_paths(parse_url(url), tmp_path)
     manifest_path.unlink()  # e.g. killed after the data rename, before the manifest
-    second = stage(url, tmp_path, client=client)
+    second = land(url, tmp_path, client=client)
     assert second.hit is False and first.path.read_bytes() == second.path.read_bytes()
 
 
@@ -195,33 +197,33 @@ def test_storage_tax_arithmetic_and_advice_rows():
     assert unknown.loc["boto3_default", "dataset_gb"] == pytest.approx(0.2)
     assert math.isnan(unknown.loc["boto3_default", "usd_per_week"])
 
-    advice = tax_advice(storage_tax(frame, dataset_gb=25), frame)
-    assert list(advice.columns) == ["stage", "finding", "seconds_saved", "evidence"]
-    assert (advice["stage"] == "fetch_data").all() and len(advice) == 2
-    assert advice["seconds_saved"].tolist() == pytest.approx([250 - 12.5, 150.0])
-    assert "2000 MB/s (cold)" in advice["evidence"].iloc[0]
+    fix = advice(storage_tax(frame, dataset_gb=25), frame)
+    assert list(fix.columns) == ["stage", "finding", "seconds_saved", "evidence"]
+    assert (fix["stage"] == "fetch_data").all() and len(fix) == 2
+    assert fix["seconds_saved"].tolist() == pytest.approx([250 - 12.5, 150.0])
+    assert "2000 MB/s (cold)" in fix["evidence"].iloc[0]
     run = pd.DataFrame({"stage": ["fetch_data", "eval"], "seconds": [250.0, 1000.0]})
-    assert "diag.storage.stage" in advice["finding"].iloc[0]
-    ranked = amdahl.findings(run, extra=advice)
-    assert "diag.storage.stage" in " ".join(ranked["finding"])
+    assert "diag.storage.land" in fix["finding"].iloc[0]
+    ranked = amdahl.findings(run, extra=fix)
+    assert "diag.storage.land" in " ".join(ranked["finding"])
     with pytest.raises(ValueError, match="no pull rows"):
         storage_tax(frame[frame["method"] == "local_read"])
 
 
-def test_tax_advice_takes_a_hit_from_the_measured_cold_stage_hit():
+def test_advice_takes_a_hit_from_the_measured_cold_land_hit():
     # the figure diagnose uses as the optimized fetch_data: the median cold "hit" row
     rows = [{"method": "boto3_default", "bytes": 200 * MB, "seconds": 2.0, "mb_per_s": 100.0,
              "cache_state": "remote", "repeat": r, "detail": ""} for r in range(3)]
     rows += [{"method": "local_read", "bytes": 200 * MB, "seconds": 0.1, "mb_per_s": 2000.0,
               "cache_state": "cold", "repeat": r, "detail": ""} for r in range(3)]
-    rows += [{"method": "stage", "bytes": 200 * MB, "seconds": s, "mb_per_s": 200 / s,
+    rows += [{"method": "land", "bytes": 200 * MB, "seconds": s, "mb_per_s": 200 / s,
               "cache_state": state, "repeat": r, "detail": "verify=sha256, page cache cold"}
              for r, s, state in [(0, 0.5, "hit"), (1, 0.7, "hit"), (2, 0.6, "hit"),
                                  (0, 0.01, "hit (page cache warm)"), (0, 9.0, "miss")]]
     frame = pd.DataFrame(rows)
-    measured = tax_advice(storage_tax(frame), frame)  # dataset = the measured 200 MB
+    measured = advice(storage_tax(frame), frame)  # dataset = the measured 200 MB
     assert measured["seconds_saved"].iloc[0] == pytest.approx(2.0 - 0.6)
-    scaled = tax_advice(storage_tax(frame, dataset_gb=25), frame)  # 125 x the measured bytes
+    scaled = advice(storage_tax(frame, dataset_gb=25), frame)  # 125 x the measured bytes
     assert scaled["seconds_saved"].iloc[0] == pytest.approx(250.0 - 0.6 * 125)
     assert "measured 0.6 s on 200 MB, median of 3, verify=sha256, page cache cold" in (
         scaled["evidence"].iloc[0])
@@ -256,7 +258,7 @@ def test_run_storage_on_a_prefix_source(s3, tmp_path):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the standard credential chain, as on a cloud box
     try:
-        frame = run_storage(cfg)
+        frame = run_storage(cfg).frame
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -264,3 +266,20 @@ def test_run_storage_on_a_prefix_source(s3, tmp_path):
     assert set(frame["files"]) == {len(listed)} and len(listed) > 1
     assert (frame["bytes"] == sum(o["Size"] for o in listed)).all()
     assert list(Path(tmp_path).iterdir()) == []  # the scratch copies are cleaned up
+
+
+def test_the_old_stage_name_still_lands_and_warns_once(s3, tmp_path):
+    import warnings
+
+    from diag.storage import landing as landing_module
+    from diag.storage import stage
+
+    landing_module._warned.clear()
+    url, client = "s3://diag/shards/part-0.bin", s3.client()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = stage(url, tmp_path, client=client)
+        second = stage(url, tmp_path, client=client)
+    assert (first.hit, second.hit) == (False, True)
+    moved = [w for w in caught if "diag.storage.land()" in str(w.message)]
+    assert len(moved) == 1 and issubclass(moved[0].category, FutureWarning)

@@ -1,4 +1,4 @@
-"""stage() under real faults: a proxy that cuts connections, SIGKILL mid-download, corrupted
+"""land() under real faults: a proxy that cuts connections, SIGKILL mid-download, corrupted
 copies, a full disk, and the errors a user sees (no secret in any of them)."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from diag.landing import local_paths, stage
-from diag.objectstore import make_client, parse_url
-from diag.local import S3Server
+from diag.storage.landing import land, local_paths
+from diag.storage.objectstore import make_client, parse_url
+from diag.embedded import S3Server
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = 3_000_000
@@ -126,7 +126,7 @@ def test_dropped_connection_leaves_nothing_then_retry_is_byte_identical(s3, tmp_
     proxy = Proxy(s3.port, cut_after=SIZE // 3, cuts=100)
     try:
         with pytest.raises(RuntimeError, match=r"connection dropped .* gave up") as err:
-            stage(url, tmp_path, client=client_for(s3, proxy.url), retries=1)
+            land(url, tmp_path, client=client_for(s3, proxy.url), retries=1)
         assert proxy.url in str(err.value) and url in str(err.value)
         assert not final.exists() and not manifest.exists()
         assert leftovers(tmp_path) == []  # no partial file either
@@ -134,7 +134,7 @@ def test_dropped_connection_leaves_nothing_then_retry_is_byte_identical(s3, tmp_
         proxy.close()
     proxy = Proxy(s3.port, cut_after=SIZE // 3, cuts=3)
     try:
-        got = stage(url, tmp_path, client=client_for(s3, proxy.url), retries=4)
+        got = land(url, tmp_path, client=client_for(s3, proxy.url), retries=4)
     finally:
         proxy.close()
     assert proxy.cut == 3  # three drops, each resumed with a Range GET from the last byte
@@ -165,14 +165,14 @@ def test_bytes_corrupted_in_transit_never_land(s3, tmp_path, checksum):
     proxy = Proxy(s3.port, flip_at=SIZE // 2, flips=100)  # every connection: a persistent fault
     try:
         with pytest.raises(RuntimeError, match=r"do not match the object .* in 3 downloads") as err:
-            stage(url, tmp_path, client=client_for(s3, proxy.url), retries=4)
+            land(url, tmp_path, client=client_for(s3, proxy.url), retries=4)
     finally:
         proxy.close()
     assert proxy.flipped >= 1 and url in str(err.value) and proxy.url in str(err.value)
     assert not final.exists() and not manifest.exists() and leftovers(tmp_path) == []
     proxy = Proxy(s3.port, flip_at=SIZE // 2, flips=1)  # once: fetched again, lands whole
     try:
-        got = stage(url, tmp_path, client=client_for(s3, proxy.url), retries=4)
+        got = land(url, tmp_path, client=client_for(s3, proxy.url), retries=4)
     finally:
         proxy.close()
     assert proxy.flipped == 1 and got.hit is False and got.fetched_bytes == SIZE
@@ -185,11 +185,11 @@ def test_sigkill_mid_download_is_not_taken_for_a_hit(s3, tmp_path):
     final, manifest = local_paths(parse_url(url), tmp_path)
     proxy = Proxy(s3.port, rate=1_000_000)  # ~3 s for the object: time to kill it half-way
     script = textwrap.dedent(f"""
-        from diag.landing import stage
-        from diag.objectstore import make_client
+        from diag.storage.landing import land
+        from diag.storage.objectstore import make_client
         client = make_client({proxy.url!r}, credentials={{"aws_access_key_id": {s3.access_key!r},
             "aws_secret_access_key": {s3.secret_key!r}, "region_name": "us-east-1"}})
-        stage({url!r}, {str(tmp_path)!r}, client=client)
+        land({url!r}, {str(tmp_path)!r}, client=client)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
     partial = final.with_name(f"{final.name}.partial-{proc.pid}")
@@ -207,7 +207,7 @@ def test_sigkill_mid_download_is_not_taken_for_a_hit(s3, tmp_path):
         proxy.close()
     assert proc.returncode == -signal.SIGKILL
     assert partial.exists() and not final.exists() and not manifest.exists()
-    got = stage(url, tmp_path, client=client_for(s3))
+    got = land(url, tmp_path, client=client_for(s3))
     assert got.hit is False and final.read_bytes() == remote_bytes(s3)
     assert not partial.exists()  # the dead process's partial was removed, never trusted
 
@@ -218,10 +218,10 @@ def test_corrupted_copy_is_detected_and_fetched_again(s3, tmp_path, damage):
     client = client_for(s3)
     gets = []
     client.meta.events.register("before-call.s3.GetObject", lambda **kw: gets.append(1))
-    first = stage(url, tmp_path, client=client)
+    first = land(url, tmp_path, client=client)
     assert first.hit is False and gets
     gets.clear()
-    assert stage(url, tmp_path, client=client).hit is True and gets == []  # a hit GETs nothing
+    assert land(url, tmp_path, client=client).hit is True and gets == []  # a hit GETs nothing
     with open(first.path, "r+b") as f:
         if damage == "flip":
             f.seek(SIZE // 2)
@@ -230,23 +230,23 @@ def test_corrupted_copy_is_detected_and_fetched_again(s3, tmp_path, damage):
             f.write(bytes([byte[0] ^ 0x01]))
         else:
             f.truncate(SIZE - 1000)
-    again = stage(url, tmp_path, client=client)
+    again = land(url, tmp_path, client=client)
     assert again.hit is False and again.fetched_bytes == SIZE and gets
     assert first.path.read_bytes() == remote_bytes(s3)
-    assert stage(url, tmp_path, client=client).hit is True
+    assert land(url, tmp_path, client=client).hit is True
 
 
 def test_verify_size_is_cheap_but_blind_to_a_flipped_byte(s3, tmp_path):
     # the documented trade-off of verify="size": truncation is caught, a same-size flip is not
     url = "s3://diag/data/obj.bin"
     client = client_for(s3)
-    path = stage(url, tmp_path, client=client).path
+    path = land(url, tmp_path, client=client).path
     with open(path, "r+b") as f:
         f.write(b"\x00")
-    assert stage(url, tmp_path, client=client, verify="size").hit is True
-    assert stage(url, tmp_path, client=client, verify="sha256").hit is False
+    assert land(url, tmp_path, client=client, verify="size").hit is True
+    assert land(url, tmp_path, client=client, verify="sha256").hit is False
     os.truncate(path, 10)
-    assert stage(url, tmp_path, client=client, verify="size").hit is False
+    assert land(url, tmp_path, client=client, verify="size").hit is False
     assert path.read_bytes() == remote_bytes(s3)
 
 
@@ -269,7 +269,7 @@ def test_not_enough_disk_is_a_clear_error_before_any_download(s3, small_disk):
     gets = []
     client.meta.events.register("before-call.s3.GetObject", lambda **kw: gets.append(1))
     with pytest.raises(RuntimeError, match="not enough free disk") as err:
-        stage("s3://diag/data/obj.bin", small_disk / "cache", client=client)
+        land("s3://diag/data/obj.bin", small_disk / "cache", client=client)
     text = str(err.value)
     assert f"need {SIZE:,} bytes" in text and str(small_disk) in text and "free" in text
     assert gets == []  # refused before a single GET
@@ -282,16 +282,16 @@ def test_disk_refusal_keeps_a_valid_landing_valid(s3, small_disk):
     url, key, small = "s3://diag/data/small.bin", "data/small.bin", os.urandom(100_000)
     s3.client().put_object(Bucket="diag", Key=key, Body=small)
     client = client_for(s3)
-    assert stage(url, small_disk / "cache", client=client).hit is False
+    assert land(url, small_disk / "cache", client=client).hit is False
     _, manifest = local_paths(parse_url(url), small_disk / "cache")
     s3.client().put_object(Bucket="diag", Key=key, Body=os.urandom(SIZE))
     with pytest.raises(RuntimeError, match="not enough free disk"):
-        stage(url, small_disk / "cache", client=client)
+        land(url, small_disk / "cache", client=client)
     assert manifest.exists()
     s3.client().put_object(Bucket="diag", Key=key, Body=small)  # same bytes: same ETag
     gets = []
     client.meta.events.register("before-call.s3.GetObject", lambda **kw: gets.append(1))
-    assert stage(url, small_disk / "cache", client=client).hit is True and gets == []
+    assert land(url, small_disk / "cache", client=client).hit is True and gets == []
 
 
 def test_missing_bucket_key_prefix_and_refused_connection(s3, tmp_path):
@@ -301,15 +301,15 @@ def test_missing_bucket_key_prefix_and_refused_connection(s3, tmp_path):
              "s3://diag/nothing-here/": "no objects under this prefix"}
     for url, message in cases.items():
         with pytest.raises(RuntimeError, match=message) as err:
-            stage(url, tmp_path, client=client)
+            land(url, tmp_path, client=client)
         assert url in str(err.value) and s3.endpoint_url in str(err.value)
     with socket.create_server(("127.0.0.1", 0)) as s:
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     with pytest.raises(RuntimeError, match="cannot connect") as err:
-        stage("s3://diag/data/obj.bin", tmp_path, client=client_for(s3, closed, retries=0))
+        land("s3://diag/data/obj.bin", tmp_path, client=client_for(s3, closed, retries=0))
     assert closed in str(err.value)
     with pytest.raises(ValueError, match="s3://bucket/key"):
-        stage("https://example.com/x", tmp_path, client=client)
+        land("https://example.com/x", tmp_path, client=client)
     assert leftovers(tmp_path) == []
 
 

@@ -4,7 +4,7 @@
 and sha256 written once); `serve()` answers what huggingface_hub and transformers ask: model info,
 tree listings, HEAD/GET `resolve/{rev}/{file}` with ETag, X-Repo-Commit and ranges, and the hub's
 404 codes (RepoNotFound, RevisionNotFound, EntryNotFound). Large files act like LFS: their ETag
-is the content's sha256, so a cache blob's name is its checksum. Run: `python -m diag.hub`.
+is the content's sha256, so a cache blob's name is its checksum. Run: `python -m diag.embedded.hub`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
+
+from diag.hashing import file_digests, git_blob_sha1
 
 
 _HOST = "127.0.0.1"
@@ -40,28 +42,17 @@ def _is_lfs(path: str, size: int) -> bool:
     return path.endswith(_LFS_SUFFIXES) or size > 10 * 2**20
 
 
-def _git_blob_sha1(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
 def _file_entry(path: Path, rel: str) -> dict[str, Any]:
-    sha256, git = hashlib.sha256(), None
     size = path.stat().st_size
-    with open(path, "rb") as f:
-        if _is_lfs(rel, size):
-            for chunk in iter(lambda: f.read(8 << 20), b""):
-                sha256.update(chunk)
-        else:
-            data = f.read()
-            sha256.update(data)
-            git = _git_blob_sha1(data)
-    entry = {"size": size, "sha256": sha256.hexdigest(), "lfs": git is None}
-    if git is None:  # the git blob of an LFS file is its pointer, as on the real hub
+    lfs = _is_lfs(rel, size)
+    digests = file_digests(path, "sha256", *(() if lfs else ("git-sha1",)))
+    entry = {"size": size, "sha256": digests["sha256"], "lfs": lfs}
+    if lfs:  # the git blob of an LFS file is its pointer, as on the real hub
         pointer = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{entry['sha256']}\n"
                    f"size {size}\n").encode()
-        entry["blob_id"], entry["pointer_size"] = _git_blob_sha1(pointer), len(pointer)
+        entry["blob_id"], entry["pointer_size"] = git_blob_sha1(pointer), len(pointer)
     else:
-        entry["blob_id"] = git
+        entry["blob_id"] = digests["git-sha1"]
     return entry
 
 
@@ -298,7 +289,7 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m diag.hub", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m diag.embedded.hub", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     hub = sub.add_parser("hub", help="serve a hub root over HTTP (the HF_ENDPOINT protocol)")
     hub.add_argument("--root", required=True, help="folder laid out by publish_model")

@@ -4,7 +4,7 @@
 this process may use; `download()` fetches an object by ranged GETs into a file, resuming a dropped
 connection from the last byte written, refusing an object that changed mid-way (If-Match on its
 ETag) and bytes whose MD5 differs from a single-part ETag. Errors name the URL and the endpoint,
-never a secret. `stage()` in diag.landing builds on these.
+never a secret. `land()` in diag.storage.landing builds on these.
 """
 
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diag.hashing import file_digests
 from diag.secrets import redact
 
 MB = 1_000_000  # decimal megabytes, like network and disk rates
@@ -259,10 +260,14 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
             raise RuntimeError(f"s3://{bucket}/{obj.key}: landed {os.fstat(fd).st_size} bytes, "
                                f"the object has {obj.size}")
         check_md5 = check_md5 and not encrypted
-        hashes = sequential or _hash_file(partial, _Hashes(check_md5))
-        if check_md5 and hashes.md5 is not None and hashes.md5.hexdigest() != obj.etag.lower():
-            raise _Mismatch(f"MD5 {hashes.md5.hexdigest()}, ETag {obj.etag}")
-        digest = hashes.sha256.hexdigest()
+        if sequential is not None:  # hashed on the way in: the bytes are not read again
+            got = {"sha256": sequential.sha256.hexdigest(),
+                   "md5": sequential.md5.hexdigest() if sequential.md5 else ""}
+        else:
+            got = file_digests(partial, "sha256", *(("md5",) if check_md5 else ()))
+        if check_md5 and got["md5"] != obj.etag.lower():
+            raise _Mismatch(f"MD5 {got['md5']}, ETag {obj.etag}")
+        digest = got["sha256"]
         os.replace(partial, dest)
     except OSError as err:
         partial.unlink(missing_ok=True)
@@ -318,16 +323,3 @@ def _fetch_range(client: Any, bucket: str, obj: RemoteObject, fd: int, span: tup
             if isinstance(err, FlexibleChecksumError):  # checked at the end: the range is bad
                 raise _Mismatch(f"the server's checksum: {err}") from None
             raise
-
-
-def _hash_file(path: str | os.PathLike[str], hashes: _Hashes) -> _Hashes:
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(8 * _CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            hashes.update(view[:n])
-    return hashes
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    return _hash_file(path, _Hashes(md5=False)).sha256.hexdigest()

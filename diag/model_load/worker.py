@@ -1,6 +1,6 @@
 """One timed model load in a fresh process: what a training job pays between start and step 1.
 
-`run_worker(job, env)` starts `python -m diag.load_worker JOB` (huggingface_hub reads HF_ENDPOINT
+`run_worker(job, env)` starts `python -m diag.model_load.worker JOB` (huggingface_hub reads HF_ENDPOINT
 and HF_HUB_OFFLINE once, at import, and a real job is a fresh process too) and returns the JSON
 it prints: each part's seconds and bytes, or an error kind the caller turns into a clear message.
 Interpreter start and library imports are not timed: they cost the same whatever the cache holds.
@@ -23,7 +23,7 @@ MARK = "DIAG-LOAD-RESULT "  # prefix of the one stdout line the parent parses
 # What a causal-LM load needs; never pickle weights (*.bin, *.pt, *.pth can run code when loaded)
 ALLOW_PATTERNS = ["*.json", "model*.safetensors", "tokenizer*", "*.model", "*.tiktoken",
                   "*.txt", "*.jinja"]
-_PKG_PARENT = str(Path(__file__).resolve().parent.parent)
+_PKG_PARENT = str(Path(__file__).resolve().parents[2])
 
 
 def run_worker(job: dict[str, Any], env: dict[str, str], timeout_s: float = 1800.0
@@ -32,7 +32,7 @@ def run_worker(job: dict[str, Any], env: dict[str, str], timeout_s: float = 1800
     env = {**env, "PYTHONPATH": os.pathsep.join(
         p for p in (_PKG_PARENT, env.get("PYTHONPATH")) if p)}
     try:
-        done = subprocess.run([sys.executable, "-m", "diag.load_worker", json.dumps(job)],
+        done = subprocess.run([sys.executable, "-m", "diag.model_load.worker", json.dumps(job)],
                               capture_output=True, text=True, env=env, timeout=timeout_s,
                               stdin=subprocess.DEVNULL, check=False)  # no prompt: trust_remote_code
     except subprocess.TimeoutExpired:
@@ -75,7 +75,7 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
               to the device, dispatch. from_pretrained gets the tensors `read` made, so no file
               is read twice; tokenizer: AutoTokenizer.from_pretrained on the snapshot folder.
     """
-    from diag.hfcache import weight_files
+    from diag.model_load.hfcache import weight_files
 
     perf = time.perf_counter
     untimed_s = perf() - job["_started"]

@@ -1,8 +1,8 @@
-"""Land a dataset from an object store on local disk once, verify it, and reuse it: `stage()`.
+"""Land a dataset from an object store on local disk once, verify it, and reuse it: `land()`.
 
 A landing is complete only when its manifest (key, size, ETag and sha256 of every object) is
 written, last, next to the data. A later call whose remote listing (HEAD or LIST: no GET) matches
-the manifest and whose local files pass the check is a hit. Read `StagedDataset.hit` and
+the manifest and whose local files pass the check is a hit. Read `LandedDataset.hit` and
 `.seconds` (also recorded as the `fetch_data` stage of the timer you pass).
 """
 
@@ -19,16 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-from diag.objectstore import (S3Url, download, file_sha256, list_remote, make_client, parse_url,
-                              transfer_plan, usable_cores)
+from diag.config import VERIFY_MODES
+from diag.hashing import file_sha256
+from diag.storage.objectstore import (S3Url, download, list_remote, make_client, parse_url,
+                                      transfer_plan, usable_cores)
 
 MANIFEST_SUFFIX = ".diag-manifest.json"
-VERIFY = ("sha256", "size")
 
 
 @dataclass(frozen=True)
-class StagedDataset:
+class LandedDataset:
     path: Path  # the local file (one object) or folder (a prefix)
     hit: bool  # True: the landed copy was reused, nothing was downloaded
     bytes: int  # size of the whole dataset
@@ -37,7 +37,7 @@ class StagedDataset:
     fetched_bytes: int = 0  # bytes downloaded by this call (0 on a hit)
 
 
-# -- stage(): land once, reuse ---------------------------------------------------------------
+# -- land(): once, then reuse ----------------------------------------------------------------
 
 def local_paths(url: S3Url, cache_dir: str | os.PathLike[str]) -> tuple[Path, Path]:
     """(where the object / prefix lands, its manifest) under cache_dir/<bucket>/<key>."""
@@ -57,7 +57,7 @@ def _dest(url: S3Url, local: Path, key: str) -> Path:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    # Several ranks of one node call stage() at once: one lands, the others wait and then hit.
+    # Several ranks of one node call land() at once: one lands, the others wait and then hit.
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -115,8 +115,8 @@ def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
     return verify == "size" or file_sha256(path) == entry["sha256"]
 
 
-def stage(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, timer: Any = None,
-          verify: str = "sha256", retries: int = 4) -> StagedDataset:
+def land(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, timer: Any = None,
+         verify: str = "sha256", retries: int = 4) -> LandedDataset:
     """Land s3://bucket/key (or every object under s3://bucket/prefix/) in cache_dir once.
 
     Hit: the manifest matches the remote listing (size + ETag per object, HEAD/LIST only) and
@@ -127,17 +127,18 @@ def stage(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, ti
     never landed. Timed as the `fetch_data` stage of `timer`. Without `client`, one is made from
     the standard AWS chain with a pool of 2 x usable_cores() connections, as transfer_plan asks.
     """
-    if verify not in VERIFY:
-        raise ValueError(f"verify={verify!r}: allowed values are " + ", ".join(map(repr, VERIFY)))
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify={verify!r}: allowed values are "
+                         + ", ".join(map(repr, VERIFY_MODES)))
     u = parse_url(url)
     start = time.perf_counter()
     with timer.stage("fetch_data") if timer is not None else contextlib.nullcontext():
         client = client or make_client(retries=retries, max_pool=2 * usable_cores())
-        hit, total, fetched, files, local = _stage(u, Path(cache_dir), client, verify, retries)
-    return StagedDataset(local, hit, total, time.perf_counter() - start, files, fetched)
+        hit, total, fetched, files, local = _land(u, Path(cache_dir), client, verify, retries)
+    return LandedDataset(local, hit, total, time.perf_counter() - start, files, fetched)
 
 
-def _stage(u: S3Url, cache_dir: Path, client: Any, verify: str,
+def _land(u: S3Url, cache_dir: Path, client: Any, verify: str,
            retries: int) -> tuple[bool, int, int, int, Path]:
     local, manifest_path = local_paths(u, cache_dir)
     local.parent.mkdir(parents=True, exist_ok=True)
@@ -185,3 +186,20 @@ def _stage(u: S3Url, cache_dir: Path, client: Any, verify: str,
         os.replace(tmp, manifest_path)
         _fsync_dir(manifest_path.parent)
         return False, total, needed, len(remote), local
+
+
+_warned: set[str] = set()
+
+
+def stage(*args: Any, **kwargs: Any) -> LandedDataset:
+    """Deprecated name of `land()` (kept one release): "stage" now means a timer stage only."""
+    if "stage" not in _warned:
+        import warnings
+
+        _warned.add("stage")
+        warnings.warn("diag.storage.stage() is now diag.storage.land(); the old name goes in the "
+                      "next release", FutureWarning, stacklevel=2)
+    return land(*args, **kwargs)
+
+
+StagedDataset = LandedDataset  # the old name of the result, kept with stage()

@@ -9,12 +9,14 @@ unverified). `repair=True` deletes what failed and downloads it again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from diag.hashing import file_digests
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -71,19 +73,11 @@ def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
         "convert the checkpoint with save_pretrained(..., safe_serialization=True)")
 
 
-def _hash_file(path: Path, algo: str) -> str:
-    h = hashlib.sha256() if algo == "sha256" else hashlib.sha1(b"blob %d\0" % path.stat().st_size)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(8 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_blob(blob: Path) -> tuple[str, str]:
     if _SHA256.match(blob.name):
-        got, what = _hash_file(blob, "sha256"), "sha256"
-    elif _SHA1.match(blob.name):
-        got, what = _hash_file(blob, "sha1"), "git blob sha1"
+        got, what = file_digests(blob, "sha256")["sha256"], "sha256"
+    elif _SHA1.match(blob.name):  # the hub's id of a small file: the git blob sha1 of its bytes
+        got, what = file_digests(blob, "git-sha1")["git-sha1"], "git blob sha1"
     else:
         return "unverified", "blob name is not a checksum this hub uses"
     if got != blob.name:
@@ -92,15 +86,15 @@ def _check_blob(blob: Path) -> tuple[str, str]:
 
 
 def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str = "main", *,
-                 repair: bool = False, repair_job: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None) -> pd.DataFrame:
+                 redownload: Callable[[], None] | None = None) -> pd.DataFrame:
     """One row per cached file of repo_id@revision: `file`, `blob`, `bytes`, `status`, `detail`.
 
     status: ok (content matches the checksum its name is), corrupt, missing (a dangling link, or
     a weight shard the index lists that is not there), incomplete (a partial download left by a
     killed process: never a complete file), unverified (a blob name that is no checksum).
-    repair=True deletes corrupt blobs, dangling links and partial downloads, downloads them
-    again with `repair_job` (a diag.load_worker download job, run in `env`), and re-verifies.
+    With `redownload` (a function that downloads the snapshot again, e.g. in a load process),
+    corrupt blobs, dangling links and partial downloads are deleted, `redownload()` fetches them
+    again, and the result is the re-verified cache.
     """
     import pandas as pd
 
@@ -134,17 +128,9 @@ def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str 
                 rows.append({"file": rel, "blob": "", "bytes": 0, "status": "missing",
                              "detail": "listed in the weight index, not in the snapshot"})
     frame = pd.DataFrame(rows, columns=COLUMNS)
-    if repair and not frame["status"].isin(["ok", "unverified"]).all():
-        if repair_job is None:
-            raise ValueError("repair=True needs repair_job (a load_worker download job) to "
-                             "download the deleted files again")
+    if redownload is not None and not frame["status"].isin(["ok", "unverified"]).all():
         _delete_bad(repo, folder, frame)
-        from diag.load_worker import run_worker
-
-        result = run_worker(repair_job, env or dict(os.environ))
-        if "error" in result:
-            raise RuntimeError(f"re-downloading {repo_id}@{revision} after deleting the corrupt "
-                               f"files failed: {result['message']}")
+        redownload()
         after = verify_cache(repo_id, cache_dir, revision)
         was = dict(zip(frame["file"], frame["status"]))
         after["detail"] = [f"re-downloaded (was {was[f]})" if was.get(f, "ok") != "ok" else d

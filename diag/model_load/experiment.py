@@ -15,20 +15,21 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diag import hfcache
+from diag.config import MODEL_LOAD_SCENARIOS as SCENARIOS
 from diag.config import ModelLoadConfig, diag_home
+from diag.model_load import hfcache
+from diag.model_load.worker import run_worker
 from diag.secrets import redact
 from diag.timing import LOAD_PARTS
 
 if TYPE_CHECKING:
     import pandas as pd
 
-SCENARIOS = ("fresh", "cached", "cached_offline", "cached_cold")
 COLUMNS = ["scenario", "part", "bytes", "seconds", "mb_per_s", "repeat", "cache_state",
            "cache_disk", "model", "device"]
 _TRUE = ("1", "true", "yes", "on")
@@ -56,7 +57,7 @@ def open_source(cfg: ModelLoadConfig) -> Iterator[Source]:
     base = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
             "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
     if not cfg.model:
-        from diag.local import HubServer, ensure_assets
+        from diag.embedded import HubServer, ensure_assets
 
         assets = ensure_assets()
         with HubServer(assets.hub_root) as hub:
@@ -121,26 +122,39 @@ def verify_model_cache(cfg: ModelLoadConfig, repair: bool = False) -> pd.DataFra
         if src.local_dir is not None:
             raise ValueError(f"ModelLoadConfig.model={cfg.model!r} is a local folder: there is "
                              "no HF cache to verify")
-        return hfcache.verify_cache(src.model, cache_dir, src.revision, repair=repair,
-                                    repair_job=_job(src, cfg, cache_dir, mode="download"),
-                                    env=_env(src, cache_dir, offline=False))
+        return hfcache.verify_cache(src.model, cache_dir, src.revision,
+                                    redownload=_redownload(src, cfg, cache_dir) if repair else None)
+
+
+def _redownload(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> Callable[[], None]:
+    """Download src's snapshot into cache_dir again, in a load process (after a repair deleted
+    the damaged files)."""
+
+    def fetch() -> None:
+        result = run_worker(_job(src, cfg, cache_dir, mode="download"),
+                            _env(src, cache_dir, offline=False), cfg.timeout_s)
+        if "error" in result:
+            raise RuntimeError(redact(f"re-downloading {src.model}@{src.revision} after deleting "
+                                      f"the damaged files failed: {result['message']}"))
+
+    return fetch
 
 
 def _check_cache(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> None:
     """Never load a cached blob whose content fails its checksum (or a partial download)."""
     frame = hfcache.verify_cache(
-        src.model, cache_dir, src.revision, repair=cfg.repair_cache,
-        repair_job=_job(src, cfg, cache_dir, mode="download"), env=_env(src, cache_dir, False))
+        src.model, cache_dir, src.revision,
+        redownload=_redownload(src, cfg, cache_dir) if cfg.repair_cache else None)
     bad = hfcache.problems(frame)
     if bad:
         raise RuntimeError(redact(
             f"the HF cache at {cache_dir} holds a damaged copy of {src.model}@{src.revision}:\n"
             f"{bad}\nnothing was loaded from it; re-download the damaged files with "
-            "--repair-cache (diag.models.verify_model_cache(cfg, repair=True))"))
+            "--repair-cache (diag.model_load.verify_model_cache(cfg, repair=True))"))
 
 
 def _page_state(files: list[Path]) -> str:
-    from diag.device import resident_fraction
+    from diag.disks import resident_fraction
 
     fractions = [f for f in (resident_fraction(p) for p in files) if not math.isnan(f)]
     if not fractions:
@@ -175,8 +189,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> pd.DataFrame:
     import pandas as pd
     from tqdm.auto import tqdm
 
-    from diag.device import disk_kind, evict_page_cache
-    from diag.load_worker import run_worker
+    from diag.disks import disk_kind, evict_page_cache
 
     cfg = cfg or ModelLoadConfig.default()
     cache_dir = cache_dir_for(cfg)
@@ -228,7 +241,7 @@ def medians(frame: pd.DataFrame) -> pd.DataFrame:
     return table.reindex(index=[s for s in SCENARIOS if s in table.index], columns=order)
 
 
-def model_advice(frame: pd.DataFrame) -> pd.DataFrame:
+def advice(frame: pd.DataFrame) -> pd.DataFrame:
     """Advice rows (stage, finding, seconds_saved, evidence) for amdahl.findings(extra=...)."""
     import pandas as pd
 

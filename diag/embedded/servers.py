@@ -5,7 +5,7 @@ being timed, and `stop()` leaves nothing behind) and speak the real protocols: c
 boto3 with an endpoint URL, and huggingface_hub / transformers with `HF_ENDPOINT`, which
 huggingface_hub reads once, when `huggingface_hub.constants` is first imported (`import
 transformers` does that): set it before, e.g. a subprocess with `env={**os.environ, **hub.env()}`,
-or pass `endpoint=` to huggingface_hub calls. `ensure_assets()` makes the dataset and model once.
+or pass `endpoint=` to huggingface_hub calls. The assets they serve are made once by `diag.embedded.assets`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from diag.config import diag_home
-from diag.hub import publish_model
 
 _HOST = "127.0.0.1"
 _S = TypeVar("_S", bound="LoopbackServer")
-_PKG_PARENT = str(Path(__file__).resolve().parent.parent)  # so `python -m diag.hub` imports
+_PKG_PARENT = str(Path(__file__).resolve().parents[2])  # so `python -m diag.embedded.hub` imports
 
 
 def _port_in_use(port: int) -> bool:
@@ -245,7 +243,7 @@ class HubServer(LoopbackServer):
             raise ValueError(f"root={str(self.root)!r}: not a folder (publish_model creates it)")
 
     def command(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "diag.hub", "hub", "--root", str(self.root),
+        return [sys.executable, "-m", "diag.embedded.hub", "hub", "--root", str(self.root),
                 "--host", self.host, "--port", str(port)]
 
     @property
@@ -256,47 +254,3 @@ class HubServer(LoopbackServer):
     def env(self) -> dict[str, str]:
         """{"HF_ENDPOINT": ...}: give it to a process before it imports huggingface_hub."""
         return {"HF_ENDPOINT": self.endpoint}
-
-
-
-# -- embedded assets -----------------------------------------------------------------------------
-
-MODEL_SIZES: dict[str, dict[str, int]] = {
-    "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4},  # ~1.6 MB, about a second
-    "small": {"hidden_size": 1024, "num_layers": 8, "num_heads": 16},  # ~420 MB fp32, ~5 s
-}
-DATASET_MB = 4  # the embedded dataset: big enough to time, small enough to make in a second
-
-
-@dataclass(frozen=True)
-class Assets:
-    dataset: Path  # JSONL of synthetic records
-    model_dir: Path  # the model folder as saved (safetensors + tokenizer)
-    hub_root: Path  # what HubServer serves
-    repo_id: str  # the model's id on that hub
-
-
-def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "tiny") -> Assets:
-    """Make (once) the embedded dataset and model, published into a local hub root.
-
-    A JSON marker written last tells a complete set from one interrupted half-way; the second
-    call only reads the marker.
-    """
-    if model not in MODEL_SIZES:
-        raise ValueError(f"model={model!r}: allowed values are " + ", ".join(map(repr, MODEL_SIZES)))
-    base = (Path(home) if home is not None else diag_home()) / "assets"
-    assets = Assets(
-        dataset=base / f"dataset-{DATASET_MB}mb-seed0.jsonl", model_dir=base / "models" / model,
-        hub_root=base / "hub", repo_id=f"diag-local/{model}-llama",
-    )
-    marker = base / f"{model}.complete.json"
-    if marker.is_file() and assets.dataset.is_file() and (assets.model_dir / "config.json").is_file():
-        return assets
-    from diag.synth import synthetic_dataset, tiny_model
-
-    if not assets.dataset.is_file():
-        synthetic_dataset(assets.dataset, target_mb=DATASET_MB, seed=0)
-    tiny_model(assets.model_dir, dataset=assets.dataset, **MODEL_SIZES[model])
-    commit = publish_model(assets.model_dir, assets.hub_root, assets.repo_id)
-    marker.write_text(json.dumps({"commit": commit, **{k: str(v) for k, v in vars(assets).items()}}))
-    return assets

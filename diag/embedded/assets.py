@@ -1,0 +1,80 @@
+"""The embedded assets, made once under DIAG_HOME and reused: one cache for every experiment.
+
+`ensure_assets()` makes the small synthetic instruction dataset and the tiny Llama model and
+publishes the model into a hub root that `HubServer` serves; `embedded_dataset(size_mb, shards)`
+makes a synthetic dataset of any size for the object-store experiment. Each is written under a
+temporary name and renamed, or completed by a marker written last, so an interrupted make is
+never mistaken for a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from diag.config import diag_home
+from diag.embedded.hub import publish_model
+
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4},  # ~1.6 MB, about a second
+    "small": {"hidden_size": 1024, "num_layers": 8, "num_heads": 16},  # ~420 MB fp32, ~5 s
+}
+DATASET_MB = 4  # the embedded dataset: big enough to time, small enough to make in a second
+
+
+@dataclass(frozen=True)
+class Assets:
+    dataset: Path  # JSONL of synthetic records
+    model_dir: Path  # the model folder as saved (safetensors + tokenizer)
+    hub_root: Path  # what HubServer serves
+    repo_id: str  # the model's id on that hub
+
+
+def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "tiny") -> Assets:
+    """Make (once) the embedded dataset and model, published into a local hub root.
+
+    A JSON marker written last tells a complete set from one interrupted half-way; the second
+    call only reads the marker.
+    """
+    if model not in MODEL_SIZES:
+        raise ValueError(f"model={model!r}: allowed values are " + ", ".join(map(repr, MODEL_SIZES)))
+    base = (Path(home) if home is not None else diag_home()) / "assets"
+    assets = Assets(
+        dataset=base / f"dataset-{DATASET_MB}mb-seed0.jsonl", model_dir=base / "models" / model,
+        hub_root=base / "hub", repo_id=f"diag-local/{model}-llama",
+    )
+    marker = base / f"{model}.complete.json"
+    if marker.is_file() and assets.dataset.is_file() and (assets.model_dir / "config.json").is_file():
+        return assets
+    from diag.embedded.synth import synthetic_dataset, tiny_model
+
+    if not assets.dataset.is_file():
+        synthetic_dataset(assets.dataset, target_mb=DATASET_MB, seed=0)
+    tiny_model(assets.model_dir, dataset=assets.dataset, **MODEL_SIZES[model])
+    commit = publish_model(assets.model_dir, assets.hub_root, assets.repo_id)
+    marker.write_text(json.dumps({"commit": commit, **{k: str(v) for k, v in vars(assets).items()}}))
+    return assets
+
+
+def embedded_dataset(size_mb: float, shards: int = 1) -> Path:
+    """A synthetic JSONL dataset of size_mb (one file, or a folder of `shards` files), made once."""
+    from diag.embedded.synth import synthetic_dataset
+
+    base = diag_home() / "storage"
+    name = f"synthetic-{size_mb:g}mb"
+    if shards == 1:
+        path = base / f"{name}.jsonl"
+        return path if path.is_file() else synthetic_dataset(path, target_mb=size_mb, seed=0)
+    folder = base / f"{name}-{shards}shards"
+    if folder.is_dir():
+        return folder
+    tmp = base / f".{folder.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for i in range(shards):
+        synthetic_dataset(tmp / f"shard-{i:05d}.jsonl", target_mb=size_mb / shards, seed=i)
+    os.replace(tmp, folder)
+    return folder

@@ -1,0 +1,15 @@
+"""Object store (S3) vs local disk: what re-pulling a dataset on every start costs, and the fix.
+
+`run_storage(cfg)` measures pulls (boto3 defaults, boto3 tuned, s5cmd), `land()` miss then hit,
+and local reads with a cold and a warm page cache, then prices the re-pull (`tax`) and gives the
+`advice`. `land(url, dir)` lands a dataset on local disk once, verified, and reuses it.
+"""
+
+from diag.storage.experiment import PULLS, StorageResult, measure, pull, read_local, run_storage
+from diag.storage.landing import LandedDataset, StagedDataset, land, stage
+from diag.storage.objectstore import parse_url, transfer_plan, usable_cores
+from diag.storage.tax import advice, medians, storage_tax
+
+__all__ = ["LandedDataset", "PULLS", "StagedDataset", "StorageResult", "advice", "land", "measure",
+           "medians", "parse_url", "pull", "read_local", "run_storage", "stage", "storage_tax",
+           "transfer_plan", "usable_cores"]

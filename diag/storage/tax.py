@@ -1,0 +1,110 @@
+"""The tax of re-pulling a dataset on every start, and the advice that removes it.
+
+`storage_tax(frame, ...)` turns the median pull rate of each method into minutes and money per
+start and per week at the real dataset's size; `advice(tax, frame)` gives the rows
+`amdahl.findings` ranks: land once (saving the pull less what a verified hit still costs), and,
+when it must be pulled, the tuned transfer.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING
+
+from diag.config import STORAGE_PULLS as PULLS
+from diag.storage.objectstore import MB
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+def medians(frame: pd.DataFrame) -> pd.DataFrame:
+    """Median seconds, MB/s and TTFB per method and cache state, with the repeat count."""
+    grouped = frame.groupby(["method", "cache_state"], sort=False)
+    out = grouped.agg(bytes=("bytes", "max"), seconds=("seconds", "median"),
+                      mb_per_s=("mb_per_s", "median"), ttfb_s=("ttfb_s", "median"),
+                      repeats=("repeat", "count")).reset_index()
+    return out
+
+
+def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_week: float = 20.0,
+                usd_per_hour: float | None = None) -> pd.DataFrame:
+    """What re-pulling the dataset on every start costs, per pull method (median rate).
+
+    dataset_gb: the real dataset's size (e.g. 25); None or 0 = the measured bytes. usd_per_hour:
+    the instance price (the GPU idles while it pulls); None or 0 = unknown, money left NaN.
+    """
+    import pandas as pd
+
+    pulls = frame[frame["method"].isin(PULLS)]
+    if pulls.empty:
+        raise ValueError("frame has no pull rows (method in " + ", ".join(PULLS) + "): "
+                         "pass the frame run_storage returned")
+    if runs_per_week < 0 or (usd_per_hour or 0) < 0 or (dataset_gb or 0) < 0:
+        raise ValueError(f"dataset_gb={dataset_gb!r}, runs_per_week={runs_per_week!r}, "
+                         f"usd_per_hour={usd_per_hour!r}: each must be >= 0")
+    measured_gb = float(pulls["bytes"].max()) / 1e9
+    gb = dataset_gb or measured_gb
+    rows = []
+    for method, part in pulls.groupby("method", sort=False):
+        rate = statistics.median(part["mb_per_s"])
+        per_run = gb * 1000 / rate
+        usd = per_run / 3600 * usd_per_hour if usd_per_hour else float("nan")
+        rows.append({
+            "method": method, "mb_per_s": rate, "repeats": len(part), "dataset_gb": gb,
+            "measured_gb": measured_gb, "seconds_per_run": per_run, "runs_per_week": runs_per_week,
+            "hours_per_week": per_run * runs_per_week / 3600, "usd_per_run": usd,
+            "usd_per_week": usd * runs_per_week,
+            "evidence": f"{gb:.3g} GB at {rate:.0f} MB/s ({method}, median of {len(part)}, "
+                        f"measured on {measured_gb * 1000:.0f} MB) = {_duration(per_run)} per start",
+        })
+    return pd.DataFrame(rows)
+
+
+def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Advice rows for amdahl.findings(extra=...): land once (vs boto3 defaults), tune the pull.
+
+    With `frame`, the seconds saved by landing once subtract what a hit still costs: the median
+    measured land() hit (cache_state "hit": page cache cold), the figure diagnose uses as the
+    optimized run's fetch_data, scaled to dataset_gb; without hit rows, reading the landed copy
+    once at the measured cold local rate (what verify="sha256" does).
+    """
+    import pandas as pd
+
+    by = tax.set_index("method")
+    base = by.loc["boto3_default"] if "boto3_default" in by.index else by.iloc[0]
+    base_name = base.name
+    hit_s, hit_note = 0.0, ""
+    if frame is not None:
+        cold = frame[(frame["method"] == "local_read") & frame["cache_state"].str.startswith("cold")]
+        hits = frame[(frame["method"] == "land") & (frame["cache_state"] == "hit")]
+        if not hits.empty:
+            measured = statistics.median(hits["seconds"])
+            hit_s = measured * base["dataset_gb"] * 1e9 / float(hits["bytes"].max())
+            detail = hits["detail"].iloc[0] if "detail" in hits else ""
+            hit_note = (f"; a land() hit still takes {_duration(hit_s)} (measured "
+                        f"{measured:.3g} s on {hits['bytes'].max() / MB:.0f} MB, median of "
+                        f"{len(hits)}{', ' + detail if detail else ''})")
+        elif not cold.empty:
+            rate = statistics.median(cold["mb_per_s"])
+            hit_s = base["dataset_gb"] * 1000 / rate
+            hit_note = f"; a verified hit reads it once from local disk at {rate:.0f} MB/s (cold)"
+    rows = [{"stage": "fetch_data",
+             "finding": "land the dataset on local NVMe once and reuse it (diag.storage.land)",
+             "seconds_saved": max(0.0, base["seconds_per_run"] - hit_s),
+             "evidence": base["evidence"] + hit_note}]
+    if "boto3_tuned" in by.index and base_name != "boto3_tuned":
+        tuned = by.loc["boto3_tuned"]
+        if tuned["seconds_per_run"] < 0.9 * base["seconds_per_run"]:
+            rows.append({"stage": "fetch_data",
+                         "finding": "if it must be pulled: tune the transfer (few large parts, "
+                                    "concurrency from the core count: diag.storage.transfer_plan)",
+                         "seconds_saved": base["seconds_per_run"] - tuned["seconds_per_run"],
+                         "evidence": f"{tuned['evidence']} vs {base['evidence']}"})
+    return pd.DataFrame(rows, columns=["stage", "finding", "seconds_saved", "evidence"])
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 5400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.2g} s"
