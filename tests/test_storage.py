@@ -49,13 +49,33 @@ def test_run_storage_frame_has_every_method_and_honest_labels(frame):
     reads = frame[frame["method"] == "local_read"]
     states = set(reads["cache_state"])
     assert any(s.startswith("cold") for s in states) and any(s.startswith("warm") for s in states)
+    # each label beside what mincore measured just before the timed read
+    cold = reads[reads["cache_state"] == "cold"]
+    assert len(cold) == 2 and (cold["resident_fraction"] <= 0.02).all()
+    assert (reads.loc[reads["cache_state"] == "warm", "resident_fraction"] >= 0.98).all()
     staged = frame[frame["method"] == "land"]
     assert sorted(staged["cache_state"]) == ["hit", "hit", "miss", "miss"]
     # the hit is timed on a copy evicted from RAM (the miss had just written it), and says so
     hits = staged[staged["cache_state"] == "hit"]
     assert (hits["detail"] == "verify=sha256, page cache cold").all()
+    assert (hits["resident_fraction"] <= 0.02).all()
+    # the tuned row is land()'s own engine, checks included
+    tuned = frame.loc[frame["method"] == "boto3_tuned", "detail"]
+    assert tuned.str.startswith("land()'s engine: s3transfer, one GET").all()
     table = medians(frame)
     assert set(table["repeats"]) == {2}
+
+
+def test_a_failed_eviction_is_never_called_cold(monkeypatch):
+    # posix_fadvise doing nothing (as where DONTNEED is ignored): every figure stays warm and
+    # says so, with the resident fraction that shows it
+    monkeypatch.setattr(os, "posix_fadvise", lambda *args: None)
+    frame = run_storage(StorageConfig.quick(size_mb=1.0, repeats=1, warmup=0)).frame
+    local = frame[frame["method"].isin(["local_read", "land"]) & (frame["cache_state"] != "miss")]
+    assert len(local) == 3
+    assert not local["cache_state"].str.startswith("cold").any()
+    assert not (local["cache_state"] == "hit").any()  # the cold hit diagnose would use
+    assert (local["resident_fraction"] > 0.9).all()
 
 
 def test_transfer_plan_counts_the_cores_this_process_may_use():
@@ -202,6 +222,16 @@ def test_storage_tax_arithmetic_and_advice_rows():
     assert (fix["stage"] == "fetch_data").all() and len(fix) == 2
     assert fix["seconds_saved"].tolist() == pytest.approx([250 - 12.5, 150.0])
     assert "2000 MB/s (cold)" in fix["evidence"].iloc[0]
+    # what a user pastes, for the 25 GB object at this machine's cores, and the alternatives
+    plan = transfer_plan(25 * 10**9)
+    tune = fix["finding"].iloc[1]
+    assert (f"`TransferConfig(multipart_threshold=32000000, multipart_chunksize="
+            f"{plan.part_bytes}, max_concurrency={plan.concurrency})`") in tune
+    assert f"`s3 =` / `  max_concurrent_requests = {plan.concurrency}`" in tune
+    assert f"`  multipart_chunksize = {plan.part_bytes // MB}MB`" in tune
+    assert f"`s5cmd --numworkers {plan.concurrency} cp --concurrency {plan.concurrency}" in tune
+    for alternative in ("`s5cmd sync`", "`aws s3 sync`", "Mountpoint for S3", "FSx for Lustre"):
+        assert alternative in fix["finding"].iloc[0]
     run = pd.DataFrame({"stage": ["fetch_data", "eval"], "seconds": [250.0, 1000.0]})
     assert "diag.storage.land" in fix["finding"].iloc[0]
     ranked = amdahl.findings(run, extra=fix)
@@ -244,8 +274,13 @@ def test_config_and_cli_flags():
     assert isinstance(cfg, StorageConfig)
     assert (cfg.source, cfg.local_dir, cfg.dataset_gb, cfg.verify) == (
         "s3://b/data/", "/mnt/nvme/x", 25.0, "size")
+    assert (cfg.retries, cfg.profile, cfg.region, cfg.sign_request) == (None, "", "", True)
+    _, cfg, _ = parse(["storage", "--source", "s3://b/k", "--retries", "0", "--profile", "p",
+                       "--region", "eu-west-1", "--no-sign-request"])
+    assert (cfg.retries, cfg.profile, cfg.region, cfg.sign_request) == (0, "p", "eu-west-1", False)
     for bad, field in [({"source": "/data/x"}, "source"), ({"verify": "md5"}, "verify"),
-                       ({"repeats": 0}, "repeats"), ({"usd_per_hour": -1.0}, "usd_per_hour")]:
+                       ({"repeats": 0}, "repeats"), ({"usd_per_hour": -1.0}, "usd_per_hour"),
+                       ({"retries": -1}, "retries")]:
         with pytest.raises(ValueError, match=f"StorageConfig.{field}"):
             StorageConfig(**bad)
 

@@ -1,5 +1,5 @@
-"""land() under real faults: a proxy that cuts connections, SIGKILL mid-download, corrupted
-copies, a full disk, and the errors a user sees (no secret in any of them)."""
+"""land() under real faults: a proxy that cuts connections or flips bits, SIGKILL mid-download,
+corrupted copies, a full disk, and the errors a user sees (no secret in any of them)."""
 
 from __future__ import annotations
 
@@ -9,93 +9,20 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from diag.storage.landing import land, local_paths
-from diag.storage.objectstore import make_client, parse_url
 from diag.embedded import S3Server
+from diag.storage import transfer
+from diag.storage.landing import land, local_paths
+from diag.storage.objectstore import MB, TransferPlan, make_client, parse_url
+from tests.s3proxy import Proxy
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = 3_000_000
-
-
-class Proxy:
-    """A TCP proxy on loopback between boto3 and the S3 server.
-
-    cut_after: a connection that has carried this many response bytes is closed mid-stream, for
-    the first `cuts` connections that get that far; rate: response bytes per second (throttle);
-    flip_at: the response byte at this offset of a connection has one bit flipped (corruption in
-    transit that TCP let through), for the first `flips` connections that get that far.
-    """
-
-    def __init__(self, upstream_port: int, cut_after: int | None = None, cuts: int = 0,
-                 rate: float | None = None, flip_at: int | None = None, flips: int = 0) -> None:
-        self.upstream, self.cut_after, self.cuts_left, self.rate = upstream_port, cut_after, cuts, rate
-        self.flip_at, self.flips_left = flip_at, flips
-        self.cut = self.flipped = 0
-        self.lock = threading.Lock()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.open: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                down, _ = self.listener.accept()
-            except OSError:
-                return  # listener closed
-            up = socket.create_connection(("127.0.0.1", self.upstream))
-            self.open += [down, up]
-            threading.Thread(target=self._pump, args=(down, up, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, down, True), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, response: bool) -> None:
-        sent, start = 0, time.perf_counter()
-        try:
-            while data := src.recv(65536):
-                if response and self.cut_after is not None and sent + len(data) > self.cut_after:
-                    with self.lock:
-                        cut = self.cuts_left > 0
-                        self.cuts_left -= cut
-                        self.cut += cut
-                    if cut:
-                        dst.sendall(data[: self.cut_after - sent])
-                        break
-                if response and self.flip_at is not None and sent <= self.flip_at < sent + len(data):
-                    with self.lock:
-                        flip = self.flips_left > 0
-                        self.flips_left -= flip
-                        self.flipped += flip
-                    if flip:
-                        i = self.flip_at - sent
-                        data = data[:i] + bytes([data[i] ^ 0x10]) + data[i + 1:]
-                dst.sendall(data)
-                sent += len(data)
-                if response and self.rate:
-                    time.sleep(max(0.0, sent / self.rate - (time.perf_counter() - start)))
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def close(self) -> None:
-        self.listener.close()
-        for s in self.open:
-            s.close()
 
 
 @pytest.fixture(scope="module")
@@ -125,11 +52,11 @@ def test_dropped_connection_leaves_nothing_then_retry_is_byte_identical(s3, tmp_
     final, manifest = local_paths(parse_url(url), tmp_path)
     proxy = Proxy(s3.port, cut_after=SIZE // 3, cuts=100)
     try:
-        with pytest.raises(RuntimeError, match=r"connection dropped .* gave up") as err:
+        with pytest.raises(RuntimeError, match=r"connection dropped 2 times .* gave up") as err:
             land(url, tmp_path, client=client_for(s3, proxy.url), retries=1)
         assert proxy.url in str(err.value) and url in str(err.value)
         assert not final.exists() and not manifest.exists()
-        assert leftovers(tmp_path) == []  # no partial file either
+        assert leftovers(tmp_path) == []  # no partial file either (nor s3transfer's temp file)
     finally:
         proxy.close()
     proxy = Proxy(s3.port, cut_after=SIZE // 3, cuts=3)
@@ -137,10 +64,32 @@ def test_dropped_connection_leaves_nothing_then_retry_is_byte_identical(s3, tmp_
         got = land(url, tmp_path, client=client_for(s3, proxy.url), retries=4)
     finally:
         proxy.close()
-    assert proxy.cut == 3  # three drops, each resumed with a Range GET from the last byte
+    assert proxy.cut == 3  # three drops, each GET again by s3transfer
     assert got.hit is False and got.path == final
     assert final.read_bytes() == remote_bytes(s3)
     assert leftovers(tmp_path) == sorted([final.name, manifest.name])
+
+
+def test_a_dropped_part_is_fetched_again_whole_and_costs_at_most_one_part(s3, tmp_path,
+                                                                          monkeypatch):
+    # What replaced diag's resume-from-the-last-byte: s3transfer GETs a dropped part again from
+    # the part's first byte. A drop then wastes at most one part (<= 256 MB: ~1-3 s at S3
+    # rates), which is why resuming inside a part was not kept.
+    part = MB
+    monkeypatch.setattr(transfer, "transfer_plan", lambda size, cores=None: TransferPlan(part, part, 2))
+    url = "s3://diag/data/obj.bin"
+    proxy = Proxy(s3.port, cut_after=part // 2, cuts=2)  # two part responses cut half-way
+    try:
+        got = land(url, tmp_path, client=client_for(s3, proxy.url), retries=2)
+    finally:
+        proxy.close()
+    assert proxy.cut == 2 and got.path.read_bytes() == remote_bytes(s3)
+    spans = [span for line, span in proxy.requests if line.startswith("GET ") and span]
+    # s3transfer asks for the last part open-ended ("bytes=2000000-")
+    parts = [(s, s + part - 1 if s + part < SIZE else None) for s in range(0, SIZE, part)]
+    assert set(spans) == set(parts)  # every request starts on a part boundary: no resume...
+    assert len(spans) == len(parts) + 2  # ...and the two cut parts were asked for again whole
+    assert SIZE < proxy.served < SIZE + 2 * part  # each drop cost less than one part
 
 
 @pytest.mark.parametrize("checksum", ["etag-md5", "crc"])
@@ -180,6 +129,44 @@ def test_bytes_corrupted_in_transit_never_land(s3, tmp_path, checksum):
     assert leftovers(tmp_path) == sorted([final.name, manifest.name])
 
 
+def test_multipart_object_failing_its_full_object_crc_never_lands(s3, tmp_path, monkeypatch):
+    # A multipart ETag ("...-3") is no MD5 of the bytes: only the CRC32 the store keeps for the
+    # whole object (uploaded with a full-object checksum, ChecksumType FULL_OBJECT) can catch a
+    # bit flipped in a ranged part; botocore checks no checksum on a ranged GET.
+    import base64
+    import json
+    import zlib
+
+    from boto3.s3.transfer import TransferConfig
+
+    part, key = 4 * MB, "data/multipart-crc.bin"  # S3 parts are >= 5 MiB: 3 of them in 11 MB
+    source = tmp_path / "upload.bin"
+    source.write_bytes(os.urandom(11 * MB))
+    crc = base64.b64encode(zlib.crc32(source.read_bytes()).to_bytes(4, "big")).decode()
+    s3.client().upload_file(str(source), "diag", key, ExtraArgs={"ChecksumCRC32": crc},
+                            Config=TransferConfig(multipart_threshold=5 << 20,
+                                                  multipart_chunksize=5 << 20))
+    head = s3.client().head_object(Bucket="diag", Key=key, ChecksumMode="ENABLED")
+    assert head["ETag"].endswith('-3"') and head["ChecksumType"] == "FULL_OBJECT"
+    monkeypatch.setattr(transfer, "transfer_plan", lambda size, cores=None: TransferPlan(part, part, 2))
+    url, cache = f"s3://diag/{key}", tmp_path / "cache"
+    final, manifest = local_paths(parse_url(url), cache)
+    proxy = Proxy(s3.port, flip_at=part // 2, flips=1000)  # every part: a persistent fault
+    try:
+        for _ in range(2):  # the failed landing is no hit on the next run: it fails the same way
+            with pytest.raises(RuntimeError, match=r"full-object CRC32 .* in 3 downloads") as err:
+                land(url, cache, client=client_for(s3, proxy.url))
+            assert url in str(err.value) and not final.exists() and not manifest.exists()
+            assert leftovers(cache) == []
+    finally:
+        proxy.close()
+    assert proxy.flipped >= 6
+    got = land(url, cache, client=client_for(s3))
+    assert got.hit is False and final.read_bytes() == source.read_bytes()
+    entry = json.loads(manifest.read_text())["objects"][0]
+    assert entry["checks"] == "size, full-object CRC32"
+
+
 def test_sigkill_mid_download_is_not_taken_for_a_hit(s3, tmp_path):
     url = "s3://diag/data/obj.bin"
     final, manifest = local_paths(parse_url(url), tmp_path)
@@ -192,10 +179,11 @@ def test_sigkill_mid_download_is_not_taken_for_a_hit(s3, tmp_path):
         land({url!r}, {str(tmp_path)!r}, client=client)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
-    partial = final.with_name(f"{final.name}.partial-{proc.pid}")
+    prefix = f"{final.name}.partial-{proc.pid}"  # s3transfer writes <prefix>.<random> first
+    partials = lambda: [p for p in tmp_path.rglob(prefix + "*")]  # noqa: E731
     try:
         deadline = time.perf_counter() + 30
-        while not (partial.exists() and partial.stat().st_size > SIZE // 10):
+        while not (partials() and partials()[0].stat().st_size > SIZE // 10):
             assert proc.poll() is None, "the download finished before it could be killed"
             assert time.perf_counter() < deadline, "no partial file appeared"
             time.sleep(0.02)
@@ -206,10 +194,10 @@ def test_sigkill_mid_download_is_not_taken_for_a_hit(s3, tmp_path):
             proc.kill()
         proxy.close()
     assert proc.returncode == -signal.SIGKILL
-    assert partial.exists() and not final.exists() and not manifest.exists()
+    assert partials() and not final.exists() and not manifest.exists()
     got = land(url, tmp_path, client=client_for(s3))
     assert got.hit is False and final.read_bytes() == remote_bytes(s3)
-    assert not partial.exists()  # the dead process's partial was removed, never trusted
+    assert not partials()  # the dead process's partial was removed, never trusted
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])

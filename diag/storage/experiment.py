@@ -3,7 +3,8 @@
 `measure(cfg)` times boto3 with its defaults, boto3 tuned from object size and core count,
 s5cmd (when installed), `land()` miss then hit, and a read of the landed copy with a cold and a
 warm page cache: one row per measurement (method, source, cache_state, bytes, seconds, mb_per_s,
-ttfb_s, repeat); warm-up repeats are not reported. `run_storage(cfg)` adds the re-pull tax and the
+ttfb_s, repeat, resident_fraction: the share of the local copy in the page cache when its timed
+read began, measured with mincore, beside the cold/warm label); warm-up repeats are not reported. `run_storage(cfg)` adds the re-pull tax and the
 advice (diag.storage.tax) to that frame.
 """
 
@@ -15,7 +16,6 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,8 +25,9 @@ from diag.config import STORAGE_PULLS as PULLS
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
 from diag.storage.objectstore import (MB, RemoteObject, S3Url, list_remote, make_client, parse_url,
-                                      remote_error, transfer_plan, usable_cores)
+                                      remote_error, usable_cores)
 from diag.storage.tax import advice, storage_tax
+from diag.storage.transfer import describe, download_all
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from diag.config import StorageConfig
 
 COLUMNS = ["method", "source", "cache_state", "bytes", "seconds", "mb_per_s", "ttfb_s", "repeat",
-           "files", "detail"]
+           "files", "detail", "resident_fraction"]
 # 1 MiB reads, like `dd bs=1M`: measured here, 8 MiB buffers fall out of the CPU cache and read
 # ~13% slower from a cold cache; 256 KiB-1 MiB all match dd.
 _READ_CHUNK = 1 << 20
@@ -53,10 +54,13 @@ class StorageResult:
 def open_source(cfg: StorageConfig) -> Iterator[tuple[str, Any, dict[str, str]]]:
     """(url, client, env for s5cmd): the user's source, or the embedded server with a dataset."""
     if cfg.source:
-        client = make_client(cfg.endpoint_url, retries=cfg.retries, max_pool=2 * usable_cores())
-        env = dict(os.environ)
-        if cfg.endpoint_url:
-            env["AWS_ENDPOINT_URL"] = cfg.endpoint_url
+        client = make_client(cfg.endpoint_url, retries=cfg.retries, max_pool=2 * usable_cores(),
+                             profile=cfg.profile, region=cfg.region, unsigned=not cfg.sign_request)
+        env = dict(os.environ)  # s5cmd reads the same settings from the environment
+        for name, value in (("AWS_ENDPOINT_URL", cfg.endpoint_url), ("AWS_PROFILE", cfg.profile),
+                            ("AWS_REGION", cfg.region)):
+            if value:
+                env[name] = value
         yield cfg.source, client, env
         return
     from diag.embedded import S3Server, embedded_dataset
@@ -95,6 +99,7 @@ def pull(method: str, client: Any, url: S3Url, objects: list[RemoteObject], dest
          env: dict[str, str] | None = None) -> str:
     """Download every object into dest with one method; returns a description of its settings."""
     from boto3.s3.transfer import TransferConfig
+    from botocore import UNSIGNED
 
     dest.mkdir(parents=True, exist_ok=True)
     targets = [(o, dest / _rel(url, o.key)) for o in objects]
@@ -104,20 +109,9 @@ def pull(method: str, client: Any, url: S3Url, objects: list[RemoteObject], dest
         for o, path in targets:
             client.download_file(url.bucket, o.key, str(path), Config=TransferConfig())
         return "TransferConfig defaults: 8 MB parts, 10 threads, objects one after another"
-    if method == "boto3_tuned":
-        plans = [transfer_plan(o.size) for o in objects]  # what land() runs, object by object
-        if all(o.size < p.single_get_below for o, p in zip(objects, plans)) and len(objects) > 1:
-            # many small shards: the parallelism is across objects, one GET each
-            one_get = TransferConfig(multipart_threshold=plans[0].single_get_below)
-            with ThreadPoolExecutor(min(2 * usable_cores(), len(objects))) as pool:
-                list(pool.map(lambda t: client.download_file(url.bucket, t[0].key, str(t[1]),
-                                                             Config=one_get), targets))
-            return f"one GET per object, {min(2 * usable_cores(), len(objects))} objects at a time"
-        for (o, path), p in zip(targets, plans):
-            config = TransferConfig(multipart_threshold=p.single_get_below,
-                                    multipart_chunksize=p.part_bytes, max_concurrency=p.concurrency)
-            client.download_file(url.bucket, o.key, str(path), Config=config)
-        return f"{plans[0].describe(objects[0].size)} ({usable_cores()} cores)"
+    if method == "boto3_tuned":  # exactly what land() runs on a miss, checks and fsync included
+        download_all(client, url.bucket, targets)
+        return describe(objects)
     if method == "s5cmd":
         exe = s5cmd_path()
         if exe is None:
@@ -128,7 +122,9 @@ def pull(method: str, client: Any, url: S3Url, objects: list[RemoteObject], dest
         # vars) is passed on unless it is AWS's own, where s5cmd finds the bucket's region itself
         host = urlparse(endpoint).hostname or ""
         aws = host == "amazonaws.com" or host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
-        cmd = [exe, *([] if aws else ["--endpoint-url", endpoint]), "cp", src, f"{dest}/"]
+        unsigned = client.meta.config.signature_version is UNSIGNED
+        cmd = [exe, *([] if aws else ["--endpoint-url", endpoint]),
+               *(["--no-sign-request"] if unsigned else []), "cp", src, f"{dest}/"]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0:
             raise RuntimeError(redact(f"s5cmd failed on {url} (endpoint {endpoint}): "
@@ -168,10 +164,18 @@ def read_local(paths: list[Path]) -> tuple[int, float, float]:
 
 
 def _row(method: str, source: str, state: str, nbytes: int, seconds: float, ttfb_s: float,
-         repeat: int, files: int, detail: str) -> dict[str, Any]:
+         repeat: int, files: int, detail: str, resident: float = float("nan")) -> dict[str, Any]:
     return {"method": method, "source": source, "cache_state": state, "bytes": nbytes,
             "seconds": seconds, "mb_per_s": nbytes / MB / seconds if seconds > 0 else float("nan"),
-            "ttfb_s": ttfb_s, "repeat": repeat, "files": files, "detail": detail}
+            "ttfb_s": ttfb_s, "repeat": repeat, "files": files, "detail": detail,
+            "resident_fraction": resident}
+
+
+def _resident(paths: list[Path]) -> float:
+    """The largest share of any of these files in the page cache (NaN: mincore unavailable)."""
+    from diag.disks import resident_fraction
+
+    return max(resident_fraction(p) for p in paths)
 
 
 def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
@@ -227,6 +231,7 @@ def measure(cfg: StorageConfig) -> pd.DataFrame:
                 # The miss just wrote the copy, so it sits in RAM; a job start on a node that
                 # ran other work since reads it from disk: the hit is timed on an evicted copy.
                 cache = evict_page_cache(_landed_files(url, work / "landed"))
+                resident = _resident(_landed_files(url, work / "landed"))
                 hit = land(source, work / "landed", client=client, verify=cfg.verify,
                             retries=cfg.retries)
                 if r >= 0:
@@ -236,7 +241,7 @@ def measure(cfg: StorageConfig) -> pd.DataFrame:
                     state = "hit" if cache.startswith("cold") else "hit (page cache warm)"
                     rows.append(_row("land", source, state if hit.hit else "miss", hit.bytes,
                                      hit.seconds, float("nan"), r, files,
-                                     f"verify={cfg.verify}, page cache {cache}"))
+                                     f"verify={cfg.verify}, page cache {cache}", resident))
             paths = _landed_files(url, work / "landed")
             landed, _ = local_paths(url, work / "landed")
             kind = disk_kind(landed)
@@ -248,10 +253,11 @@ def measure(cfg: StorageConfig) -> pd.DataFrame:
                         read_local(paths)  # make sure it is cached, whatever came before
                         cached = min(resident_fraction(p) for p in paths)
                         label = "warm" if not cached < 0.98 else f"warm ({cached:.0%} cached)"
+                    resident = _resident(paths)  # measured, beside the label
                     got, seconds, first = read_local(paths)
                     if r >= 0:
                         rows.append(_row("local_read", str(local_dir), label, got, seconds,
-                                         first, r, files, f"disk: {kind}, 1 MiB reads"))
+                                         first, r, files, f"disk: {kind}, 1 MiB reads", resident))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return pd.DataFrame(rows, columns=COLUMNS)

@@ -1,7 +1,7 @@
 """Land a dataset from an object store on local disk once, verify it, and reuse it: `land()`.
 
-A landing is complete only when its manifest (key, size, ETag and sha256 of every object) is
-written, last, next to the data. A later call whose remote listing (HEAD or LIST: no GET) matches
+A landing is complete only when its manifest (key, size, ETag, sha256 and the checks each
+object passed) is written, last, next to the data. A later call whose remote listing (HEAD or LIST: no GET) matches
 the manifest and whose local files pass the check is a hit. Read `LandedDataset.hit` and
 `.seconds` (also recorded as the `fetch_data` stage of the timer you pass).
 """
@@ -21,8 +21,8 @@ from typing import Any
 
 from diag.config import VERIFY_MODES
 from diag.hashing import file_sha256
-from diag.storage.objectstore import (S3Url, download, list_remote, make_client, parse_url,
-                                      transfer_plan, usable_cores)
+from diag.storage.objectstore import S3Url, list_remote, make_client, parse_url, usable_cores
+from diag.storage.transfer import download_all
 
 MANIFEST_SUFFIX = ".diag-manifest.json"
 
@@ -77,12 +77,14 @@ def _alive(pid: int) -> bool:
 
 
 def _remove_stale_partials(folders: set[Path]) -> None:
-    """Partials of processes that died (killed mid-download) are never resumed or trusted."""
+    """Partials of processes that died (killed mid-download) are never resumed or trusted:
+    `<name>.partial-<pid>` and s3transfer's `<name>.partial-<pid>.<random>` it renames from."""
     for folder in folders:
         if not folder.is_dir():
             continue
         for entry in os.scandir(folder):
-            name, _, pid = entry.name.rpartition(".partial-")
+            name, _, rest = entry.name.rpartition(".partial-")
+            pid = rest.split(".")[0]
             if name and pid.isdigit() and not _alive(int(pid)):
                 os.unlink(entry.path)
 
@@ -116,16 +118,18 @@ def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
 
 
 def land(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, timer: Any = None,
-         verify: str = "sha256", retries: int = 4) -> LandedDataset:
+         verify: str = "sha256", retries: int | None = None) -> LandedDataset:
     """Land s3://bucket/key (or every object under s3://bucket/prefix/) in cache_dir once.
 
     Hit: the manifest matches the remote listing (size + ETag per object, HEAD/LIST only) and
     every local file has its recorded size and, with verify="sha256" (default), its recorded
     sha256, which catches a flipped byte at the cost of reading the copy once (~1-2 GB/s from
     NVMe: ~15 s for 25 GB, against minutes to re-pull); verify="size" skips that read. Objects
-    that fail are fetched again, alone. A download whose MD5 differs from a single-part ETag is
-    never landed. Timed as the `fetch_data` stage of `timer`. Without `client`, one is made from
-    the standard AWS chain with a pool of 2 x usable_cores() connections, as transfer_plan asks.
+    that fail are fetched again, alone, by s3transfer (diag.storage.transfer.download): a download
+    whose MD5 differs from a single-part ETag, or whose CRC differs from the store's full-object
+    checksum, is never landed. Timed as the `fetch_data` stage of `timer`. Without `client`, one
+    is made from the user's AWS configuration with a pool of 2 x usable_cores() connections, as
+    transfer_plan asks; `retries` None leaves retries to that configuration.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: allowed values are "
@@ -139,7 +143,7 @@ def land(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, tim
 
 
 def _land(u: S3Url, cache_dir: Path, client: Any, verify: str,
-           retries: int) -> tuple[bool, int, int, int, Path]:
+          retries: int | None) -> tuple[bool, int, int, int, Path]:
     local, manifest_path = local_paths(u, cache_dir)
     local.parent.mkdir(parents=True, exist_ok=True)
     with _locked(manifest_path.with_name(manifest_path.name + ".lock")):
@@ -170,10 +174,10 @@ def _land(u: S3Url, cache_dir: Path, client: Any, verify: str,
         manifest_path.unlink(missing_ok=True)
         for obj in todo:
             dests[obj.key].parent.mkdir(parents=True, exist_ok=True)
-            digest = download(client, u.bucket, obj, dests[obj.key],
-                              plan=transfer_plan(obj.size), retries=retries)
+        got = download_all(client, u.bucket, [(o, dests[o.key]) for o in todo], retries=retries)
+        for obj, (digest, checks) in zip(todo, got):
             entries[obj.key] = {"key": obj.key, "size": obj.size, "etag": obj.etag,
-                                "sha256": digest}
+                                "sha256": digest, "checks": checks}
         for key in set(known) - set(dests):  # shards gone from the prefix: drop our old copies
             _dest(u, local, key).unlink(missing_ok=True)
         tmp = manifest_path.with_name(f"{manifest_path.name}.partial-{os.getpid()}")

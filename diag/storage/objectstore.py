@@ -1,28 +1,20 @@
 """The object-store client side: s3:// URLs, boto3 clients, errors a person can act on, listing.
 
 `transfer_plan()` picks one GET or a few large ranged parts from the object size and the cores
-this process may use; `download()` fetches an object by ranged GETs into a file, resuming a dropped
-connection from the last byte written, refusing an object that changed mid-way (If-Match on its
-ETag) and bytes whose MD5 differs from a single-part ETag. Errors name the URL and the endpoint,
-never a secret. `land()` in diag.storage.landing builds on these.
+this process may use; `make_client()` leaves retries, profile and region to the user's AWS
+configuration unless told otherwise. Errors name the URL, the endpoint and the flag or variable
+that fixes them, never a secret. The download itself (s3transfer, then diag's checks) is in
+diag.storage.transfer; `land()` in diag.storage.landing builds on both.
 """
 
-
-import errno
-import hashlib
 import os
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from diag.hashing import file_digests
-from diag.secrets import redact
+from diag.secrets import redact, register
 
 MB = 1_000_000  # decimal megabytes, like network and disk rates
-_CHUNK = 1 << 20  # read/write unit of a streamed GET and of hashing
 
 
 @dataclass(frozen=True)
@@ -56,6 +48,21 @@ class TransferPlan:
             return "one GET"
         parts = -(-size // self.part_bytes)
         return f"{parts} x {self.part_bytes / MB:.0f} MB parts, {self.concurrency} at a time"
+
+    def transfer_config(self, retries: int | None = None) -> Any:
+        """The boto3 TransferConfig that runs this plan (what land() passes to download_file).
+        retries None leaves s3transfer's own count of re-GETs after a dropped stream (5)."""
+        from boto3.s3.transfer import TransferConfig
+
+        extra = {} if retries is None else {"num_download_attempts": retries + 1}
+        return TransferConfig(multipart_threshold=self.single_get_below,
+                              multipart_chunksize=self.part_bytes,
+                              max_concurrency=self.concurrency, **extra)
+
+    def paste(self) -> str:
+        """The same plan as a line of Python a user pastes into their own boto3 code."""
+        return (f"TransferConfig(multipart_threshold={self.single_get_below}, "
+                f"multipart_chunksize={self.part_bytes}, max_concurrency={self.concurrency})")
 
 
 def usable_cores() -> int:
@@ -93,24 +100,53 @@ def parse_url(url: str) -> S3Url:
     return S3Url(bucket, key)
 
 
-def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = None,
-                retries: int = 4, max_pool: int = 10) -> Any:
-    """A boto3 S3 client: the standard AWS chain (AWS_ENDPOINT_URL, AWS_PROFILE, instance role)
-    unless endpoint_url / credentials are given; botocore retries failed requests itself."""
-    import boto3
-    from botocore.config import Config
+def register_url_secret(url: str | None) -> None:
+    """An endpoint URL may carry `user:password@`: its password is redacted wherever diag writes."""
+    if url:
+        try:
+            register(urlsplit(url).password)
+        except ValueError:  # a malformed URL: botocore will refuse it with its own message
+            pass
 
-    config = Config(retries={"max_attempts": retries + 1, "mode": "standard"},
-                    max_pool_connections=max(10, max_pool), connect_timeout=5, read_timeout=30)
+
+def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = None,
+                retries: int | None = None, max_pool: int = 10, profile: str = "",
+                region: str = "", unsigned: bool = False) -> Any:
+    """A boto3 S3 client from the user's AWS configuration (AWS_PROFILE / --profile, region,
+    AWS_ENDPOINT_URL, AWS_MAX_ATTEMPTS, AWS_RETRY_MODE, ~/.aws/config, instance role), changed
+    only where an argument is given: retries (None = the user's setting, else botocore's
+    standard mode with that many retries), unsigned (public buckets, no credentials needed)."""
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.config import Config
+    from botocore.exceptions import ProfileNotFound
+
+    register_url_secret(endpoint_url)
+    options: dict[str, Any] = {"max_pool_connections": max(10, max_pool), "connect_timeout": 5,
+                               "read_timeout": 30}
+    if retries is not None:  # an explicit Config wins over AWS_MAX_ATTEMPTS and the profile
+        options["retries"] = {"max_attempts": retries + 1, "mode": "standard"}
+    if unsigned:
+        options["signature_version"] = UNSIGNED
     kwargs: dict[str, Any] = dict(credentials or {})
     if endpoint_url:
         kwargs["endpoint_url"] = endpoint_url
-    return boto3.client("s3", config=config, **kwargs)
+    if region:
+        kwargs["region_name"] = region
+    try:
+        session = boto3.Session(profile_name=profile or None)
+    except ProfileNotFound as err:
+        raise RuntimeError(f"{err}: check --profile / AWS_PROFILE against the [profile ...] "
+                           "sections of ~/.aws/config") from None
+    client = session.client("s3", config=Config(**options), **kwargs)
+    register_url_secret(client.meta.endpoint_url)  # AWS_ENDPOINT_URL or the profile's
+    return client
 
 
 def remote_error(err: Exception, url: str | S3Url, client: Any) -> RuntimeError:
-    """One clear message naming the URL and the endpoint, never a credential."""
-    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+    """One clear message naming the URL, the endpoint and what fixes it, never a credential."""
+    from botocore.exceptions import (ClientError, EndpointConnectionError, NoCredentialsError,
+                                     ProfileNotFound)
 
     endpoint = client.meta.endpoint_url
     where = f"{url} (endpoint {endpoint})"
@@ -118,21 +154,28 @@ def remote_error(err: Exception, url: str | S3Url, client: Any) -> RuntimeError:
         code = str(err.response.get("Error", {}).get("Code", ""))
         status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if code in ("NoSuchBucket",):
-            text = f"{where}: the bucket does not exist at this endpoint"
+            text = (f"{where}: the bucket does not exist at this endpoint (check --source, and "
+                    "--endpoint-url / --region if the bucket lives elsewhere)")
         elif code in ("NoSuchKey", "404", "NotFound"):
-            text = f"{where}: no such object (check the key; a prefix ends with '/')"
+            text = f"{where}: no such object (check the key in --source; a prefix ends with '/')"
+        elif code in ("PreconditionFailed", "412"):
+            text = f"{where}: the object changed while it was landing; run again"
         elif code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
                       "InvalidToken", "ExpiredToken", "Forbidden") or status == 403:
             text = (f"{where}: access denied ({code or status}): check the credentials "
-                    "(AWS_PROFILE, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, instance role)")
+                    "(--profile / AWS_PROFILE, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, the "
+                    "instance role); a public bucket needs --no-sign-request")
         else:
             text = f"{where}: the server answered {code or status}"
     elif isinstance(err, EndpointConnectionError):
         text = (f"{where}: cannot connect to the endpoint (refused or unreachable); check "
                 "--endpoint-url / AWS_ENDPOINT_URL and that the server is up")
     elif isinstance(err, NoCredentialsError):
-        text = (f"{where}: no AWS credentials found: set AWS_PROFILE or AWS_ACCESS_KEY_ID and "
+        text = (f"{where}: no AWS credentials found: for a public bucket pass --no-sign-request; "
+                "else set --profile / AWS_PROFILE or AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY, or run on an instance with a role")
+    elif isinstance(err, ProfileNotFound):
+        text = f"{where}: {err}: check --profile / AWS_PROFILE against ~/.aws/config"
     else:
         text = f"{where}: {type(err).__name__}: {err}"
     return RuntimeError(redact(text))
@@ -170,156 +213,13 @@ def list_remote(client: Any, url: S3Url) -> list[RemoteObject]:
     return found
 
 
-def _transient() -> tuple[type[BaseException], ...]:
-    from botocore import exceptions as be
-    from urllib3.exceptions import HTTPError
-
-    return (be.ResponseStreamingError, be.IncompleteReadError, be.ReadTimeoutError,
-            be.ConnectionClosedError, be.EndpointConnectionError, HTTPError, ConnectionError,
-            _ShortBody)
-
-
-class _ShortBody(Exception):
-    """The body ended before the requested range did (a connection closed mid-transfer)."""
 
 
 def md5_checkable(etag: str) -> bool:
     """True when the ETag is the MD5 of the bytes: 32 hex digits, no "-N" part count.
 
     A multipart upload's ETag ("<md5 of the part MD5s>-N") depends on the part size the uploader
-    chose, so it cannot be recomputed from the bytes: those objects are checked by size, plus
-    any full-object checksum (CRC, SHA) the server returns, which botocore itself validates.
+    chose, so it cannot be recomputed from the bytes: those objects are checked by size and by
+    the full-object checksum (CRC) the store keeps, where it keeps one.
     """
     return len(etag) == 32 and all(c in "0123456789abcdefABCDEF" for c in etag)
-
-
-class _Hashes:
-    """sha256 (for the manifest) and, when the ETag allows it, MD5 (against the ETag) in one pass."""
-
-    def __init__(self, md5: bool) -> None:
-        self.sha256 = hashlib.sha256()
-        self.md5 = hashlib.md5(usedforsecurity=False) if md5 else None
-
-    def update(self, data: bytes | memoryview) -> None:
-        self.sha256.update(data)
-        if self.md5 is not None:
-            self.md5.update(data)
-
-
-class _Mismatch(Exception):
-    """The bytes received differ from the object: MD5 vs a single-part ETag, or a checksum the
-    server sent (botocore checks a CRC/SHA stored with the object at the end of its body)."""
-
-
-def download(client: Any, bucket: str, obj: RemoteObject, dest: Path, *, plan: TransferPlan,
-             retries: int = 4) -> str:
-    """Download one object to dest atomically; return its sha256.
-
-    Bytes go to `<dest>.partial-<pid>` (same folder, so the rename is atomic), each part by a
-    ranged GET pinned to the listed ETag (If-Match: a changed object fails instead of mixing);
-    a dropped connection resumes from the last byte written, with backoff, `retries` times. The
-    file is fsynced, its size and hashes checked, then renamed: the final path is whole or absent.
-    A single-part ETag is the MD5 of the bytes (unless SSE-KMS / SSE-C encrypted them), so MD5 is
-    computed in the same pass as sha256 and compared with it: bytes corrupted in transit are
-    discarded and fetched again, at most twice more, then it raises.
-    """
-    attempts = 1 + min(2, retries)
-    for _ in range(attempts):
-        try:
-            return _download_once(client, bucket, obj, dest, plan, retries)
-        except _Mismatch as err:
-            why = str(err)  # a flipped bit in transit is rare: fetch again; twice is a pattern
-    raise RuntimeError(redact(
-        f"s3://{bucket}/{obj.key} (endpoint {client.meta.endpoint_url}): the bytes received do "
-        f"not match the object ({why}) in {attempts} downloads: they were corrupted on the way "
-        "(a proxy or middlebox rewriting data, a faulty NIC or memory); nothing was kept"))
-
-
-def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan: TransferPlan,
-                   retries: int) -> str:
-    partial = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
-    ranges = [(0, obj.size - 1)] if obj.size < plan.single_get_below else [
-        (s, min(s + plan.part_bytes, obj.size) - 1) for s in range(0, obj.size, plan.part_bytes)]
-    check_md5 = md5_checkable(obj.etag)
-    sequential = _Hashes(check_md5) if len(ranges) == 1 else None
-    encrypted: list[str] = []  # SSE-KMS / SSE-C seen in a GET response: the ETag is no MD5
-    stop = threading.Event()  # one part gave up: the others stop instead of finishing for nothing
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        if obj.size:
-            fetch = lambda r: _fetch_range(client, bucket, obj, fd, r, retries, sequential, stop,  # noqa: E731
-                                           encrypted)
-            with ThreadPoolExecutor(max(1, min(plan.concurrency, len(ranges)))) as pool:
-                try:
-                    list(pool.map(fetch, ranges))
-                except BaseException:
-                    stop.set()
-                    raise
-        os.fsync(fd)  # the rename below must never publish bytes still only in memory
-        if os.fstat(fd).st_size != obj.size:
-            raise RuntimeError(f"s3://{bucket}/{obj.key}: landed {os.fstat(fd).st_size} bytes, "
-                               f"the object has {obj.size}")
-        check_md5 = check_md5 and not encrypted
-        if sequential is not None:  # hashed on the way in: the bytes are not read again
-            got = {"sha256": sequential.sha256.hexdigest(),
-                   "md5": sequential.md5.hexdigest() if sequential.md5 else ""}
-        else:
-            got = file_digests(partial, "sha256", *(("md5",) if check_md5 else ()))
-        if check_md5 and got["md5"] != obj.etag.lower():
-            raise _Mismatch(f"MD5 {got['md5']}, ETag {obj.etag}")
-        digest = got["sha256"]
-        os.replace(partial, dest)
-    except OSError as err:
-        partial.unlink(missing_ok=True)
-        if err.errno == errno.ENOSPC:
-            raise RuntimeError(f"s3://{bucket}/{obj.key}: the disk holding {dest.parent} filled "
-                               "up during the download; nothing partial was kept") from None
-        raise
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    finally:
-        os.close(fd)
-    return digest
-
-
-def _fetch_range(client: Any, bucket: str, obj: RemoteObject, fd: int, span: tuple[int, int],
-                 retries: int, hasher: Any, stop: threading.Event, encrypted: list[str]) -> None:
-    pos, end = span
-    failures = 0
-    while pos <= end and not stop.is_set():
-        try:
-            got = client.get_object(Bucket=bucket, Key=obj.key, Range=f"bytes={pos}-{end}",
-                                    IfMatch=f'"{obj.etag}"')
-            sse = got.get("ServerSideEncryption", "")
-            if sse.startswith("aws:kms") or got.get("SSECustomerAlgorithm"):
-                encrypted.append(sse or "SSE-C")
-            body = got["Body"]
-            try:
-                for chunk in body.iter_chunks(_CHUNK):
-                    if stop.is_set():
-                        return
-                    os.pwrite(fd, chunk, pos)
-                    if hasher is not None:
-                        hasher.update(chunk)
-                    pos += len(chunk)
-            finally:
-                body.close()
-            if pos <= end:
-                raise _ShortBody(f"body ended at byte {pos} of {end + 1}")
-        except _transient() as err:
-            failures += 1
-            if failures > retries:
-                raise RuntimeError(redact(
-                    f"s3://{bucket}/{obj.key} (endpoint {client.meta.endpoint_url}): the "
-                    f"connection dropped {failures} times ({type(err).__name__}), gave up at "
-                    f"byte {pos} of {obj.size}; raise retries or check the network")) from None
-            time.sleep(min(5.0, 0.1 * 2 ** (failures - 1)))  # backoff: let a flapping link settle
-        except Exception as err:
-            from botocore.exceptions import ClientError, FlexibleChecksumError
-
-            if isinstance(err, ClientError):
-                raise remote_error(err, f"s3://{bucket}/{obj.key}", client) from None
-            if isinstance(err, FlexibleChecksumError):  # checked at the end: the range is bad
-                raise _Mismatch(f"the server's checksum: {err}") from None
-            raise

@@ -2,8 +2,9 @@
 
 `storage_tax(frame, ...)` turns the median pull rate of each method into minutes and money per
 start and per week at the real dataset's size; `advice(tax, frame)` gives the rows
-`amdahl.findings` ranks: land once (saving the pull less what a verified hit still costs), and,
-when it must be pulled, the tuned transfer.
+`amdahl.findings` ranks: land once (saving the pull less what a verified hit still costs, with
+the tools that do the same), and, when it must be pulled, the tuned transfer as the lines a user
+pastes: a boto3 TransferConfig, an `s3 =` block of ~/.aws/config, s5cmd flags.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from diag.config import STORAGE_PULLS as PULLS
-from diag.storage.objectstore import MB
+from diag.storage.objectstore import MB, transfer_plan
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -90,18 +91,40 @@ def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame
             hit_s = base["dataset_gb"] * 1000 / rate
             hit_note = f"; a verified hit reads it once from local disk at {rate:.0f} MB/s (cold)"
     rows = [{"stage": "fetch_data",
-             "finding": "land the dataset on local NVMe once and reuse it (diag.storage.land)",
+             "finding": "land the dataset on local NVMe once and reuse it (diag.storage.land; or "
+                        "`s5cmd sync` / `aws s3 sync` to local NVMe, Mountpoint for S3 with its "
+                        "local cache `mount-s3 --cache /nvme/cache`, FSx for Lustre linked to the "
+                        "bucket)",
              "seconds_saved": max(0.0, base["seconds_per_run"] - hit_s),
              "evidence": base["evidence"] + hit_note}]
     if "boto3_tuned" in by.index and base_name != "boto3_tuned":
         tuned = by.loc["boto3_tuned"]
         if tuned["seconds_per_run"] < 0.9 * base["seconds_per_run"]:
+            object_bytes = base["dataset_gb"] * 1e9 / max(1, _files(frame))
             rows.append({"stage": "fetch_data",
-                         "finding": "if it must be pulled: tune the transfer (few large parts, "
-                                    "concurrency from the core count: diag.storage.transfer_plan)",
+                         "finding": "if it must be pulled: tune the transfer "
+                                    + paste_settings(int(object_bytes)),
                          "seconds_saved": base["seconds_per_run"] - tuned["seconds_per_run"],
                          "evidence": f"{tuned['evidence']} vs {base['evidence']}"})
     return pd.DataFrame(rows, columns=["stage", "finding", "seconds_saved", "evidence"])
+
+
+def paste_settings(object_bytes: int, cores: int | None = None) -> str:
+    """transfer_plan() for objects of this size as what a user pastes: boto3, the AWS CLI's
+    ~/.aws/config (the CLI reads `s3 =`; boto3 does not), s5cmd (part size in MiB, >= 5)."""
+    plan = transfer_plan(object_bytes, cores)
+    mib = max(5, round(plan.part_bytes / 2**20))
+    return (f"(diag.storage.transfer_plan): boto3 `{plan.paste()}`; aws CLI, in ~/.aws/config "
+            f"under your profile: `s3 =` / `  max_concurrent_requests = {plan.concurrency}` / "
+            f"`  multipart_threshold = {plan.single_get_below // MB}MB` / "
+            f"`  multipart_chunksize = {plan.part_bytes // MB}MB`; s5cmd: `s5cmd --numworkers "
+            f"{plan.concurrency} cp --concurrency {plan.concurrency} --part-size {mib}`")
+
+
+def _files(frame: pd.DataFrame | None) -> int:
+    if frame is None or "files" not in frame or frame["files"].dropna().empty:
+        return 1
+    return int(frame["files"].dropna().max())
 
 
 def _duration(seconds: float) -> str:
