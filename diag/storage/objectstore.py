@@ -125,7 +125,7 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
     options: dict[str, Any] = {"max_pool_connections": max(10, max_pool), "connect_timeout": 5,
                                "read_timeout": 30}
     if retries is not None:  # an explicit Config wins over AWS_MAX_ATTEMPTS and the profile
-        options["retries"] = {"max_attempts": retries + 1, "mode": "standard"}
+        options["retries"] = {"total_max_attempts": retries + 1, "mode": "standard"}
     if unsigned:
         options["signature_version"] = UNSIGNED
     kwargs: dict[str, Any] = dict(credentials or {})
@@ -158,6 +158,9 @@ def remote_error(err: Exception, url: str | S3Url, client: Any) -> RuntimeError:
                     "--endpoint-url / --region if the bucket lives elsewhere)")
         elif code in ("NoSuchKey", "404", "NotFound"):
             text = f"{where}: no such object (check the key in --source; a prefix ends with '/')"
+        elif code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "301"):
+            text = (f"{where}: the bucket is in another region ({code or status}): pass --region "
+                    "or set AWS_REGION to the bucket's region")
         elif code in ("PreconditionFailed", "412"):
             text = f"{where}: the object changed while it was landing; run again"
         elif code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",

@@ -125,6 +125,8 @@ def download(client: Any, bucket: str, obj: RemoteObject, dest: Path, *, plan: T
             return _download_once(client, bucket, obj, dest, plan, retries, expected)
         except _Mismatch as err:
             why = str(err)  # a flipped bit in transit is rare: fetch again; three is a pattern
+        except (ClientError, BotoCoreError) as err:  # the HEAD that explains an MD5 mismatch
+            raise remote_error(err, f"s3://{bucket}/{obj.key}", client) from None
     raise RuntimeError(redact(
         f"{where}: the bytes received do not match the object ({why}) in {_ATTEMPTS} downloads: "
         "they were corrupted on the way (a proxy or middlebox rewriting data, a faulty NIC or "
