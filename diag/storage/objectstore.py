@@ -211,8 +211,8 @@ def list_remote(client: Any, url: S3Url) -> list[RemoteObject]:
     except BotoCoreError as err:
         raise remote_error(err, url, client) from None
     if not found:
-        raise RuntimeError(f"{url} (endpoint {client.meta.endpoint_url}): no objects under this "
-                           "prefix")
+        raise RuntimeError(redact(f"{url} (endpoint {client.meta.endpoint_url}): no objects under "
+                                  "this prefix (check --source; one object has no trailing '/')"))
     return found
 
 
