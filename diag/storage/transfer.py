@@ -13,6 +13,7 @@ import base64
 import errno
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,6 @@ def download_all(client: Any, bucket: str, targets: list[tuple[RemoteObject, Pat
     """download() every (object, destination), each with its transfer_plan(): objects that go in
     one GET run 2 x usable_cores() at a time (the parallelism of many small shards is across
     objects), larger ones one after another, each cut into parts. Results in targets' order."""
-    from concurrent.futures import ThreadPoolExecutor
-
     plans = [transfer_plan(o.size) for o, _ in targets]
     small = [i for i, (o, _) in enumerate(targets) if o.size < plans[i].single_get_below]
     out: dict[int, tuple[str, str]] = {}
@@ -138,16 +137,18 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
     partial = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
     try:
         _transfer(client, bucket, obj, partial, plan, retries)
-        fd = os.open(partial, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the rename below must never publish bytes still only in memory
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
+        size = partial.stat().st_size
         if size != obj.size:
             raise RuntimeError(f"s3://{bucket}/{obj.key}: landed {size} bytes, the object has "
                                f"{obj.size}")
-        digest, checks = _check(client, bucket, obj, partial, expected)
+        # the rename below must never publish bytes still only in memory: fsync waits on the
+        # disk while the checks hash the same bytes from the page cache, so one hides the other
+        with ThreadPoolExecutor(1) as pool:
+            synced = pool.submit(_fsync, partial)
+            try:
+                digest, checks = _check(client, bucket, obj, partial, expected)
+            finally:
+                synced.result()
         os.replace(partial, dest)
     except OSError as err:
         partial.unlink(missing_ok=True)
@@ -159,6 +160,14 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
         partial.unlink(missing_ok=True)
         raise
     return digest, checks
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _transfer(client: Any, bucket: str, obj: RemoteObject, partial: Path, plan: TransferPlan,
