@@ -9,7 +9,6 @@ where diag keeps what it makes (the embedded dataset, model, hub and caches).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -187,8 +186,10 @@ class StorageConfig(ExperimentConfig):
         from diag.secrets import register
         from urllib.parse import urlsplit
 
-        with contextlib.suppress(ValueError):  # a password in the URL is redacted everywhere
+        try:  # a password in the URL is redacted everywhere from here on
             register(urlsplit(self.endpoint_url).password)
+        except ValueError:  # a malformed URL: botocore refuses it with its own message
+            pass
         self._positive("size_mb", "shards", "repeats")
         self._non_negative("warmup", "dataset_gb", "runs_per_week", "usd_per_hour")
         if self.retries is not None:
