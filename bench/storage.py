@@ -6,7 +6,7 @@ same file, both after the same page-cache eviction (dd's own timing, so no proce
 billed to it); (b) diag's tuned pull, which is what land() runs on a miss (s3transfer with
 transfer_plan's TransferConfig, then size, full-object CRC32 and sha256 in one read, fsync,
 rename), vs `s5cmd cp` on the same endpoint and object; and, for information, boto3's defaults
-vs tuned. The object is uploaded multipart with a full-object CRC32, as current SDKs store it.
+vs tuned and s3transfer alone (the same engine without diag's checks: what they cost). The object is uploaded multipart with a full-object CRC32, as current SDKs store it.
 Last two lines: the goals, (b) last.
 """
 
