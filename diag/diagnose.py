@@ -87,6 +87,15 @@ def _model_load(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
             results["run_level"][run]["load_model"] = seconds
 
 
+def _accum(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
+    from diag.accum import run_accum
+    from diag.config import AccumConfig
+
+    got = run_accum(AccumConfig.default(quick=cfg.quick_experiments or None, device=cfg.device))
+    results["frames"].update(accum=got.frame, accum_summary=got.summary, accum_mfu=got.mfu)
+    results["advice"].append(got.advice)
+
+
 def run_diagnose(cfg: DiagnoseConfig | None = None) -> Path:
     """Run the diagnosis and write the report; returns the run folder."""
     from diag.device import run_info
@@ -100,6 +109,8 @@ def run_diagnose(cfg: DiagnoseConfig | None = None) -> Path:
         steps.append(("storage", lambda: _storage(cfg, results)))
     if cfg.model_load:
         steps.append(("model load", lambda: _model_load(cfg, results)))
+    if cfg.accum:
+        steps.append(("grad-accum sweep", lambda: _accum(cfg, results)))
     steps.append(("naive vs optimized run", lambda: results["frames"].update(
         run=training_runs(cfg, results["run_level"]))))
     with tqdm(steps, desc="diag run", unit="step") as bar:
