@@ -239,8 +239,8 @@ ACCUM_DTYPES = ("auto", "bf16", "fp32")  # autocast dtype; auto = bf16 on CUDA, 
 class AccumConfig(ExperimentConfig):
     """`diag accum`: micro_batch x grad_accum at the same tokens per step; tokens/s, MFU, floor."""
 
-    tokens_per_step: int = 16384  # tokens per optimizer step at every point (the seed: 16 x 1024 x 64 = 1M)
-    seq_len: int = 256  # tokens per sequence (nanoGPT's block_size); at most the model's context
+    tokens_per_step: int = 4096  # tokens per optimizer step at every point (the seed: 16 x 1024 x 64 = 1M)
+    seq_len: int = 128  # tokens per sequence (nanoGPT's block_size); at most the model's context
     micro_batches: list[int] = field(default_factory=list)  # sequences per forward; [] = every power of two up to tokens_per_step / seq_len
     steps: int = 3  # timed optimizer steps per point; more is steadier and slower
     warmup_steps: int = 1  # untimed first steps per point (allocator, kernels, compile): reported as warmup_s

@@ -157,10 +157,10 @@ def mfu_from_figures(tokens_per_s: float, shape: ModelShape, device: str, dtype:
     rows = []
     for name, peak, label in peaks:
         mfu, ratio, verdict = judge_mfu(tokens_per_s, fpt, peak, label)
-        if name == "assumed" and table and peak and peak < table and ratio > 1:
-            verdict += (f"; here the peak is: {device} does {table / 1e12:.4g} dense TFLOP/s, "
-                        f"{table / peak:.2f}x the assumed one, so the real MFU is "
-                        f"{tokens_per_s * fpt / table:.1%}")
+        if name == "assumed" and table and peak and not math.isclose(peak, table, rel_tol=1e-3):
+            verdict += (f"; and not this device's peak: {spec.name} does {table / 1e12:.4g} "
+                        f"dense {dtype} TFLOP/s ({table / peak:.2f}x the assumed one), so the "
+                        f"real MFU is {tokens_per_s * fpt / table:.1%}")
         row = {"peak": name, "peak_tflops": peak / 1e12 if peak else math.nan,
                "achieved_tflops": tokens_per_s * fpt / 1e12, "ratio_to_peak": ratio, "mfu": mfu,
                "flops_per_token": fpt, "verdict": verdict}
