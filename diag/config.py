@@ -255,6 +255,9 @@ class AccumConfig(ExperimentConfig):
 
     QUICK: ClassVar[dict[str, Any]] = {"tokens_per_step": 1024, "seq_len": 64,
                                        "micro_batches": [2, 16], "steps": 2}
+    # the lent H200's shape (issue 11): GPT-2 small, block 1024, 131k tokens per step
+    GPU: ClassVar[dict[str, Any]] = {"model": "gpt2-small", "seq_len": 1024,
+                                     "tokens_per_step": 131072, "micro_batches": [8, 16, 32, 64]}
 
     def validate(self) -> None:
         name = type(self).__name__

@@ -91,7 +91,12 @@ def _accum(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     from diag.accum import run_accum
     from diag.config import AccumConfig
 
-    got = run_accum(AccumConfig.default(quick=cfg.quick_experiments or None, device=cfg.device))
+    from diag.device import resolve
+
+    # on a GPU the full sweep trains the GPT-2-small shape; the tiny model would measure overhead
+    gpu = AccumConfig.GPU if resolve(cfg.device).type == "cuda" and not cfg.quick_experiments else {}
+    got = run_accum(AccumConfig.default(quick=cfg.quick_experiments or None, device=cfg.device,
+                                        **gpu))
     results["frames"].update(accum=got.frame, accum_summary=got.summary, accum_mfu=got.mfu)
     results["advice"].append(got.advice)
 
