@@ -266,6 +266,9 @@ class AccumConfig(ExperimentConfig):
         for f in ("tokens_per_step", "seq_len", "steps", "warmup_steps", "steps_per_run"):
             if not isinstance(getattr(self, f), int):
                 raise ValueError(f"{name}.{f}={getattr(self, f)!r}: must be a whole number")
+        if self.compile and self.warmup_steps < 1:
+            raise ValueError(f"{name}.warmup_steps=0: compile=True needs >= 1 warm-up step, where "
+                             "the compile happens (it must not land in the timed steps)")
         self._choice("model", tuple(ACCUM_MODELS))
         self._choice("dtype", ACCUM_DTYPES)
         self._device()

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ({"seq_len": 4096, "tokens_per_step": 4096}, "seq_len=4096: above the context of model 'tiny'"),
     ({"model": "llama-70b"}, "model='llama-70b': allowed values"),
     ({"dtype": "fp8"}, "dtype='fp8'"),
+    ({"compile": True, "warmup_steps": 0}, "warmup_steps=0: compile=True needs"),
 ])
 def test_bad_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match="AccumConfig." + field.replace("(", r"\(")):
