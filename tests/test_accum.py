@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from diag.accum import advice as accum_advice
 from diag.accum import (COLUMNS, NANOGPT_PEAK, BatchLoader, ModelShape, count_flops,
                         ensure_tokens, judge_mfu, mfu_from_figures, pairs, run_accum)
 from diag.config import AccumConfig
@@ -150,6 +151,11 @@ def test_summary_mfu_check_and_advice(result):
     saved = (worst["seconds_per_step"] - best["seconds_per_step"]) * AccumConfig().steps_per_run
     assert row.seconds_saved == pytest.approx(max(0.0, saved))
     assert f"{int(best['micro_batch'])} x {int(best['grad_accum'])}" in row.evidence
+    # priced on another run's compute (what `diag run` ranks): the same fraction of it
+    (scaled,) = accum_advice(summary, 10, compute_s=2.0).itertuples()
+    fraction = 1 - best["seconds_per_step"] / worst["seconds_per_step"]
+    assert scaled.seconds_saved == pytest.approx(max(0.0, 2.0 * fraction))
+    assert "shorter steps applied to the run's compute (2 s)" in scaled.evidence
 
 
 def test_plot_accum_draws_every_point_and_the_floor(result):

@@ -82,8 +82,11 @@ def mfu_check(info: dict[str, Any]) -> pd.DataFrame:
     ])
 
 
-def advice(summary: pd.DataFrame, steps_per_run: int) -> pd.DataFrame:
-    """The fastest point that fits, priced against the most-accumulating one (the seed's shape)."""
+def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = None
+           ) -> pd.DataFrame:
+    """The fastest point that fits, priced against the most-accumulating one (the seed's shape):
+    over `steps_per_run` steps of the swept model, or, given a run's measured `compute_s`, as
+    the same fraction of that compute (what `diag run` ranks beside the other stages)."""
     import pandas as pd
 
     cols = ["stage", "finding", "seconds_saved", "evidence"]
@@ -93,7 +96,12 @@ def advice(summary: pd.DataFrame, steps_per_run: int) -> pd.DataFrame:
     best = ok.loc[ok["tokens_per_s"].idxmax()]
     worst = ok.loc[ok["grad_accum"].idxmax()]
     largest = ok.loc[ok["micro_batch"].idxmax()]
+    fraction = 1.0 - best["seconds_per_step"] / worst["seconds_per_step"]
     saved = (worst["seconds_per_step"] - best["seconds_per_step"]) * steps_per_run
+    over = f"over {steps_per_run:,} steps"
+    if compute_s is not None:
+        saved = compute_s * fraction
+        over = f"{fraction:.0%} shorter steps applied to the run's compute ({compute_s:.3g} s)"
     ooms = summary[summary["status"] == "oom"]
     edge = (f"; micro-batch {int(ooms['micro_batch'].min())} ran out of memory"
             if not ooms.empty else "")
@@ -104,8 +112,8 @@ def advice(summary: pd.DataFrame, steps_per_run: int) -> pd.DataFrame:
                 f"{best['tokens_per_s']:,.0f} tokens/s, {best['seconds_per_step']:.3g} s/step{mfu}"
                 f" vs {int(worst['micro_batch'])} x {int(worst['grad_accum'])}: "
                 f"{worst['tokens_per_s']:,.0f} tokens/s ({best['tokens_per_s'] / worst['tokens_per_s']:.2f}x)"
-                f" at {int(best['tokens_per_step']):,} tokens per step, medians, over "
-                f"{steps_per_run:,} steps{edge}{note}; floor {best['floor_s']:.3g} s/step at 100% MFU")
+                f" at {int(best['tokens_per_step']):,} tokens per step, medians, {over}{edge}"
+                f"{note}; floor {best['floor_s']:.3g} s/step at 100% MFU")
     finding = (f"train with micro-batch {int(best['micro_batch'])} x grad_accum "
                f"{int(best['grad_accum'])}: the same tokens per step, fewer accumulation steps")
     return pd.DataFrame([{"stage": "compute", "finding": finding,
