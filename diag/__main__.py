@@ -48,6 +48,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                              "tokenizer"),
     # -- workers --
     # -- accum --
+    "accum": Experiment(config.AccumConfig, "diag.accum:run_accum",
+                        "grad accumulation at constant tokens per step: tokens/s, memory, "
+                        "MFU (cross-checked), the floor"),
     # -- qlora --
     "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_diagnose",
                       "the whole diagnosis on one source: every experiment, then the report",

@@ -87,6 +87,23 @@ def _model_load(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
             results["run_level"][run]["load_model"] = seconds
 
 
+def _accum(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
+    from diag.accum import advice, run_accum
+    from diag.config import AccumConfig
+    from diag.device import resolve
+
+    # on a GPU the full sweep trains the GPT-2-small shape; the tiny model would measure overhead
+    gpu = AccumConfig.GPU if resolve(cfg.device).type == "cuda" and not cfg.quick_experiments else {}
+    accum_cfg = AccumConfig.default(quick=cfg.quick_experiments or None, device=cfg.device, **gpu)
+    got = run_accum(accum_cfg)
+    results["frames"].update(accum=got.frame, accum_summary=got.summary, accum_mfu=got.mfu)
+    # ranked beside the other stages as the fraction of the naive run's compute the faster
+    # split saves (the sweep's own seconds are for its model, not this run's)
+    run = results["frames"]["run"]
+    compute = float(run.loc[(run["run"] == RUNS[0]) & (run["stage"] == "compute"), "seconds"].sum())
+    results["advice"].append(advice(got.summary, accum_cfg.steps_per_run, compute_s=compute))
+
+
 def run_diagnose(cfg: DiagnoseConfig | None = None) -> Path:
     """Run the diagnosis and write the report; returns the run folder."""
     from diag.device import run_info
@@ -102,6 +119,8 @@ def run_diagnose(cfg: DiagnoseConfig | None = None) -> Path:
         steps.append(("model load", lambda: _model_load(cfg, results)))
     steps.append(("naive vs optimized run", lambda: results["frames"].update(
         run=training_runs(cfg, results["run_level"]))))
+    if cfg.accum:  # after the runs: its advice is priced on their compute
+        steps.append(("grad-accum sweep", lambda: _accum(cfg, results)))
     with tqdm(steps, desc="diag run", unit="step") as bar:
         for name, work in bar:
             bar.set_postfix_str(name)

@@ -214,3 +214,46 @@ def plot_model_load(frame: pd.DataFrame) -> Figure:
               loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(table) > 2 else -0.4))
     ax.margins(x=0.15)
     return fig
+
+
+def plot_accum(frame: pd.DataFrame) -> Figure:
+    """Grad-accum sweep: median tokens/s per micro_batch x grad_accum (MFU on the bar, OOM
+    marked), and median seconds per step beside the floor (the step at 100% of the peak)."""
+    need = {"micro_batch", "grad_accum", "tokens_per_s", "seconds_per_step", "floor_s", "status"}
+    if frame.empty or not need <= set(frame.columns):
+        raise ValueError("frame must be the accum sweep (sweep_grad_accum): " + ", ".join(sorted(need)))
+    points = list(dict.fromkeys(zip(frame["micro_batch"], frame["grad_accum"])))
+    fig = _figure(10, 1.4 + 0.45 * len(points))
+    rate, step = fig.subplots(1, 2, sharey=True)
+    for i, (m, a) in enumerate(points):
+        rows = frame[(frame["micro_batch"] == m) & (frame["grad_accum"] == a)]
+        if (rows["status"] != "ok").all():
+            for ax in (rate, step):
+                ax.text(0, i, f" {rows['status'].iloc[0]}", va="center", fontsize=8,
+                        color=STAGE_COLORS["fetch_data"])
+            continue
+        ok = rows[rows["status"] == "ok"]
+        tps, sps = float(ok["tokens_per_s"].median()), float(ok["seconds_per_step"].median())
+        rate.barh(i, tps, color=STAGE_COLORS["compute"])
+        mfu = ok["mfu"].median() if "mfu" in ok else math.nan
+        rate.text(tps, i, f"  {tps:,.0f}" + (f"  MFU {mfu:.1%}" if mfu == mfu else ""),
+                  va="center", fontsize=8)
+        step.barh(i, sps, color=STAGE_COLORS["compute"], alpha=0.8)
+        floor = float(ok["floor_s"].iloc[0])
+        if floor == floor:
+            step.plot([floor, floor], [i - 0.4, i + 0.4], color="black", linewidth=2,
+                      label="floor: 100% of the peak")
+        step.text(sps, i, f"  {sps:.3g} s", va="center", fontsize=8)
+    rate.set_yticks(range(len(points)), [f"{m} x {a}" for m, a in points], fontsize=8)
+    rate.invert_yaxis()
+    rate.set_ylabel("micro_batch x grad_accum")
+    rate.set_xlabel("tokens/s (median)")
+    step.set_xlabel("seconds per optimizer step (median)")
+    handles, labels = step.get_legend_handles_labels()
+    if handles:
+        step.legend(handles[:1], labels[:1], fontsize=7, loc="lower right")
+    for ax in (rate, step):
+        ax.margins(x=0.35)
+    tokens = int(frame["tokens_per_step"].iloc[0]) if "tokens_per_step" in frame else 0
+    fig.suptitle(f"Gradient accumulation at {tokens:,} tokens per step", fontsize=10)
+    return fig

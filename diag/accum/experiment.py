@@ -1,0 +1,120 @@
+"""`run_accum(cfg)`: the sweep, its per-point summary, the MFU cross-check and the advice.
+
+`summary` has one row per point (medians of the timed steps, `floor_s` beside them, warm-up and
+compile apart, `recommended` on the fastest point that fits). `mfu` compares the FLOPs-per-token
+formula with FlopCounterMode and names the peak the MFU is computed against. `advice` prices the
+recommended point against the most-accumulating one over `steps_per_run` optimizer steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from diag.accum.sweep import measure
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from diag.config import AccumConfig
+
+
+@dataclass(frozen=True)
+class AccumResult:
+    """What `run_accum` returns; the first field is the main table."""
+
+    frame: pd.DataFrame  # one row per timed optimizer step per point (sweep_grad_accum)
+    summary: pd.DataFrame  # one row per point: medians, floor, warm-up, recommended
+    mfu: pd.DataFrame  # formula vs FlopCounterMode, and the peak MFU is computed against
+    advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
+
+
+def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
+    """The sweep at cfg's tokens per step, then its summary, MFU cross-check and advice."""
+    from diag.config import AccumConfig
+
+    cfg = cfg or AccumConfig.default()
+    frame, info = measure(cfg)
+    summary = summarize(frame)
+    return AccumResult(frame, summary, mfu_check(info), advice(summary, cfg.steps_per_run))
+
+
+def summarize(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per point: median step, tokens/s, MFU, memory; the fastest point that fits is marked."""
+    import pandas as pd
+
+    keys = ["micro_batch", "grad_accum", "tokens_per_step", "status"]
+    first = {"floor_s": "first", "peak_mem_gb": "max", "warmup_s": "first", "compile": "first",
+             "detail": "first"}
+    medians = {c: "median" for c in ("seconds_per_step", "tokens_per_s", "data_s", "compute_s",
+                                     "mfu")}
+    out = frame.groupby(keys, sort=False, dropna=False).agg(
+        {**medians, **first, "repeat": "count"}).reset_index().rename(columns={"repeat": "steps"})
+    out.loc[out["status"] != "ok", "steps"] = 0
+    ok = out[out["status"] == "ok"]
+    out["vs_worst"] = out["tokens_per_s"] / ok["tokens_per_s"].min() if not ok.empty else math.nan
+    out["recommended"] = False
+    if not ok.empty:
+        out.loc[ok["tokens_per_s"].idxmax(), "recommended"] = True
+    cols = ["micro_batch", "grad_accum", "tokens_per_step", "status", "seconds_per_step",
+            "floor_s", "tokens_per_s", "vs_worst", "mfu", "peak_mem_gb", "data_s", "compute_s",
+            "warmup_s", "compile", "steps", "recommended", "detail"]
+    return pd.DataFrame(out[cols])
+
+
+def mfu_check(info: dict[str, Any]) -> pd.DataFrame:
+    """The formula's FLOPs per token beside FlopCounterMode's, and the peak used for MFU."""
+    import pandas as pd
+
+    shape, peak = info["shape"], info["peak"]
+    formula = shape.flops_per_token
+    common = {"params": shape.params, "layers": shape.layers, "d_model": shape.d_model,
+              "seq_len": shape.seq_len, "amp": info["amp"], "device": info["device"],
+              "peak_tflops": peak.flops / 1e12 if peak.flops else math.nan,
+              "peak": peak.label + (f" ({peak.source})" if peak.source and not peak.measured
+                                    else "")}
+    return pd.DataFrame([
+        {"method": "formula 6N + 12·L·d·T", "flops_per_token": formula, "vs_formula": 1.0,
+         **common},
+        {"method": "FlopCounterMode, one micro-step", "flops_per_token": info["counted_per_token"],
+         "vs_formula": info["counted_per_token"] / formula, **common},
+    ])
+
+
+def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = None
+           ) -> pd.DataFrame:
+    """The fastest point that fits, priced against the most-accumulating one (the seed's shape):
+    over `steps_per_run` steps of the swept model, or, given a run's measured `compute_s`, as
+    the same fraction of that compute (what `diag run` ranks beside the other stages)."""
+    import pandas as pd
+
+    cols = ["stage", "finding", "seconds_saved", "evidence"]
+    ok = summary[summary["status"] == "ok"]
+    if len(ok) < 2:
+        return pd.DataFrame(columns=cols)
+    best = ok.loc[ok["tokens_per_s"].idxmax()]
+    worst = ok.loc[ok["grad_accum"].idxmax()]
+    largest = ok.loc[ok["micro_batch"].idxmax()]
+    fraction = 1.0 - best["seconds_per_step"] / worst["seconds_per_step"]
+    saved = (worst["seconds_per_step"] - best["seconds_per_step"]) * steps_per_run
+    over = f"over {steps_per_run:,} steps"
+    if compute_s is not None:
+        saved = compute_s * fraction
+        over = f"{fraction:.0%} shorter steps applied to the run's compute ({compute_s:.3g} s)"
+    ooms = summary[summary["status"] == "oom"]
+    edge = (f"; micro-batch {int(ooms['micro_batch'].min())} ran out of memory"
+            if not ooms.empty else "")
+    note = ("" if best["micro_batch"] == largest["micro_batch"] else
+            f"; the largest that fits ({int(largest['micro_batch'])}) was slower here")
+    mfu = f", MFU {best['mfu']:.1%}" if best["mfu"] == best["mfu"] else ""
+    evidence = (f"{int(best['micro_batch'])} x {int(best['grad_accum'])}: "
+                f"{best['tokens_per_s']:,.0f} tokens/s, {best['seconds_per_step']:.3g} s/step{mfu}"
+                f" vs {int(worst['micro_batch'])} x {int(worst['grad_accum'])}: "
+                f"{worst['tokens_per_s']:,.0f} tokens/s ({best['tokens_per_s'] / worst['tokens_per_s']:.2f}x)"
+                f" at {int(best['tokens_per_step']):,} tokens per step, medians, {over}{edge}"
+                f"{note}; floor {best['floor_s']:.3g} s/step at 100% MFU")
+    finding = (f"train with micro-batch {int(best['micro_batch'])} x grad_accum "
+               f"{int(best['grad_accum'])}: the same tokens per step, fewer accumulation steps")
+    return pd.DataFrame([{"stage": "compute", "finding": finding,
+                          "seconds_saved": max(0.0, saved), "evidence": evidence}], columns=cols)

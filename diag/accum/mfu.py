@@ -1,0 +1,171 @@
+"""FLOPs per token, MFU and the floor: what a training step costs at best, and how close it got.
+
+flops_per_token = 6N + 12·L·d·T (PaLM, appendix B): N counts the weights that take part in a
+matmul (every linear layer and the LM head, not an embedding lookup), 12·L·d·T is attention's
+QK^T and AV at sequence length T, forward and backward. `count_flops()` checks the formula with
+torch's FlopCounterMode on a real micro-step. MFU = achieved FLOP/s / the device's dense peak;
+above 100% it is never a result but a flag (wrong peak or over-counted FLOPs), both numbers
+shown. `floor_s` is a step's time at 100% of the peak. `mfu_from_figures()` takes your numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import torch
+
+# nanoGPT's estimate_mfu divides by this whatever the GPU: the A100's dense bf16 peak
+NANOGPT_PEAK = 312e12
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOP formula needs from a model."""
+
+    params: int  # N: weights in matmuls (linear layers + LM head; not embedding lookups)
+    layers: int  # L: transformer blocks
+    d_model: int  # d: attention width, heads x head_dim
+    seq_len: int  # T: tokens per sequence
+    name: str = ""
+
+    @property
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6N (matmuls, fwd + bwd) + 12·L·d·T (attention)."""
+        return 6.0 * self.params + 12.0 * self.layers * self.d_model * self.seq_len
+
+    @classmethod
+    def from_model(cls, model: Any, seq_len: int, name: str = "") -> ModelShape:
+        """From a transformers causal LM; a tied input embedding counts once, as the LM head."""
+        import torch
+
+        out = model.get_output_embeddings()
+        head = out.weight if out is not None else None
+        lookups = {id(m.weight) for m in model.modules()
+                   if isinstance(m, torch.nn.Embedding) and m.weight is not head}
+        seen: set[int] = set()
+        params = 0
+        for p in model.parameters():  # parameters() yields a tied tensor once
+            if id(p) not in lookups and id(p) not in seen:
+                seen.add(id(p))
+                params += p.numel()
+        c = model.config
+        layers = getattr(c, "num_hidden_layers", None) or c.n_layer
+        heads = getattr(c, "num_attention_heads", None) or c.n_head
+        hidden = getattr(c, "hidden_size", None) or c.n_embd
+        head_dim = getattr(c, "head_dim", None) or hidden // heads
+        return cls(params, layers, heads * head_dim, seq_len, name or type(model).__name__)
+
+    @classmethod
+    def named(cls, name: str, seq_len: int = 1024) -> ModelShape:
+        """A known shape, counted on the meta device (no memory): 'gpt2-small' (124M)."""
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        shapes = {"gpt2-small": GPT2Config(n_layer=12, n_head=12, n_embd=768),
+                  "gpt2-medium": GPT2Config(n_layer=24, n_head=16, n_embd=1024)}
+        if name not in shapes:
+            raise ValueError(f"name={name!r}: allowed values are " + ", ".join(map(repr, shapes)))
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(shapes[name])
+        return cls.from_model(model, seq_len, name)
+
+
+def loss_of(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of one micro-batch (x and y: the same windows shifted by one)."""
+    import torch.nn.functional as F
+
+    logits = model(input_ids=x).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def count_flops(model: Any, x: torch.Tensor, y: torch.Tensor, autocast: Any = None) -> int:
+    """FLOPs FlopCounterMode sees in one forward + backward of (x, y); gradients are cleared."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    # On CPU the fused SDPA kernel has no FLOP formula (it would count 0): force the math path,
+    # which is plain matmuls. On CUDA the flash / efficient kernels have formulas of their own.
+    backend = sdpa_kernel(SDPBackend.MATH) if x.device.type == "cpu" else contextlib.nullcontext()
+    counter = FlopCounterMode(display=False)
+    with backend, counter:
+        with autocast or contextlib.nullcontext():
+            loss = loss_of(model, x, y)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    del loss
+    assert isinstance(counter.get_total_flops(), int)
+    return int(counter.get_total_flops())
+
+
+def floor_seconds(flops_per_token: float, tokens: float, peak_flops: float | None) -> float:
+    """Seconds `tokens` take at 100% of the peak: no run of this model is faster."""
+    if not peak_flops or not math.isfinite(peak_flops):
+        return math.nan
+    return flops_per_token * tokens / peak_flops
+
+
+def judge_mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None,
+              peak_label: str) -> tuple[float, float, str]:
+    """(mfu, computed ratio, note): mfu is NaN when the peak is unknown or the ratio exceeds 1."""
+    if peak_flops is None or not peak_flops > 0:
+        return math.nan, math.nan, f"no MFU: {peak_label}"
+    ratio = tokens_per_s * flops_per_token / peak_flops
+    if ratio > 1.0:
+        return math.nan, ratio, (
+            f"not an MFU: {ratio:.0%} of the peak is impossible; the peak "
+            f"({peak_flops / 1e12:.4g} TFLOP/s, {peak_label}) is wrong for this device, or "
+            f"{flops_per_token:.4g} FLOPs per token is over-counted (achieved "
+            f"{tokens_per_s * flops_per_token / 1e12:.4g} TFLOP/s)")
+    return ratio, ratio, f"against {peak_label}"
+
+
+def mfu_from_figures(tokens_per_s: float, shape: ModelShape, device: str, dtype: str = "bf16",
+                     assumed_peak: float | None = NANOGPT_PEAK,
+                     tokens_per_step: int | None = None) -> pd.DataFrame:
+    """MFU of your own run from its figures: diag's dense peak for `device`, and `assumed_peak`.
+
+    One row per peak (`peak`, `peak_tflops`, `achieved_tflops`, `ratio_to_peak`, `mfu`,
+    `verdict`, plus `seconds_per_step` and `floor_s` when tokens_per_step is given). `mfu` is
+    empty where the ratio is above 1 or the device is not in diag's table; `verdict` says why.
+    """
+    import pandas as pd
+
+    from diag.gpus import dense_peak_flops, find_gpu
+
+    if not tokens_per_s > 0:
+        raise ValueError(f"tokens_per_s={tokens_per_s!r}: must be > 0")
+    spec = find_gpu(device)
+    table = dense_peak_flops(device, dtype)
+    if spec is None:
+        table_label = (f"unknown device {device!r}: diag has no dense {dtype} peak for it; give "
+                       "the datasheet's dense (not 2:4-sparse) figure as assumed_peak")
+    elif table is None:
+        table_label = f"{spec.name} has no {dtype} tensor-core figure in diag's table"
+    else:
+        table_label = f"diag table: {spec.name} dense {dtype} ({spec.source})"
+    peaks = [("diag table", table, table_label)]
+    if assumed_peak:
+        note = " (nanoGPT's hard-coded A100 bf16)" if assumed_peak == NANOGPT_PEAK else ""
+        peaks.append(("assumed", assumed_peak, f"assumed {assumed_peak / 1e12:.4g} TFLOP/s{note}"))
+    fpt = shape.flops_per_token
+    rows = []
+    for name, peak, label in peaks:
+        mfu, ratio, verdict = judge_mfu(tokens_per_s, fpt, peak, label)
+        if name == "assumed" and table and peak and not math.isclose(peak, table, rel_tol=1e-3):
+            verdict += (f"; and not this device's peak: {spec.name} does {table / 1e12:.4g} "
+                        f"dense {dtype} TFLOP/s ({table / peak:.2f}x the assumed one), so the "
+                        f"real MFU is {tokens_per_s * fpt / table:.1%}")
+        row = {"peak": name, "peak_tflops": peak / 1e12 if peak else math.nan,
+               "achieved_tflops": tokens_per_s * fpt / 1e12, "ratio_to_peak": ratio, "mfu": mfu,
+               "flops_per_token": fpt, "verdict": verdict}
+        if tokens_per_step:
+            row["seconds_per_step"] = tokens_per_step / tokens_per_s
+            row["floor_s"] = floor_seconds(fpt, tokens_per_step, peak)
+        rows.append(row)
+    return pd.DataFrame(rows)

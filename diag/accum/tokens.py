@@ -1,0 +1,228 @@
+"""Token data the nanoGPT way: one flat memory-mapped file of token ids, and a batch loader.
+
+`ensure_tokens()` tokenizes the synthetic dataset once into `train.bin` (uint16 when the
+vocabulary fits, else uint32) plus `meta.json`, in a folder keyed by the digests of the tokenizer
+and the data, so a changed tokenizer or dataset makes a new file. `BatchLoader` keeps the map
+open, gathers `batch` random windows of `seq_len + 1` ids in one indexing op, pins the host copy
+on CUDA, copies with non_blocking and prepares the next batch in a thread while the step runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+_FORMAT = 1  # bump when the file layout changes, so old folders are not reused
+_LINES_PER_CHUNK = 4096  # records tokenized per encode_batch call: big enough to amortize, small in RAM
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    """A flat file of token ids and what made it."""
+
+    path: Path  # train.bin: the ids of every document, each followed by the EOS id
+    dtype: str  # "uint16" or "uint32" (numpy name), from the vocabulary size
+    vocab_size: int  # ids are 0 .. vocab_size - 1 (0 when unknown: a user's file without meta)
+    tokens: int  # ids in the file
+
+    def open(self) -> np.memmap:
+        return np.memmap(self.path, dtype=self.dtype, mode="r")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype holding every id: uint16 up to 65,536 ids (GPT-2's 50,257)."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size={vocab_size}: must be > 0")
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def _key(tokenizer_dir: Path, dataset: Path) -> str:
+    from diag.hashing import file_sha256
+
+    parts = [f"format={_FORMAT}", f"data={file_sha256(dataset)}"]
+    for name in sorted(os.listdir(tokenizer_dir)):  # tokenizer.json + its special-token config
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            parts.append(f"{name}={file_sha256(tokenizer_dir / name)}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _texts(dataset: Path) -> Any:
+    with open(dataset, encoding="utf-8") as f:
+        chunk = []
+        for line in f:
+            rec = json.loads(line)
+            chunk.append(f"{rec['instruction']}\n{rec['input']}\n{rec['output']}")
+            if len(chunk) == _LINES_PER_CHUNK:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+
+
+def ensure_tokens(tokenizer_dir: str | os.PathLike[str] | None = None,
+                  dataset: str | os.PathLike[str] | None = None,
+                  home: str | os.PathLike[str] | None = None) -> TokenFile:
+    """The dataset's tokens as `train.bin`, made once per (tokenizer, dataset) and reused.
+
+    Defaults: the embedded tiny model's tokenizer and the embedded dataset. The folder is built
+    under a temporary name and renamed whole, so an interrupted build is never reused.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    from diag.config import diag_home
+
+    if tokenizer_dir is None or dataset is None:
+        from diag.embedded import ensure_assets
+
+        assets = ensure_assets(home)
+        tokenizer_dir = tokenizer_dir or assets.model_dir
+        dataset = dataset or assets.dataset
+    tokenizer_dir, dataset = Path(tokenizer_dir), Path(dataset)
+    base = (Path(home) if home is not None else diag_home()) / "accum"
+    folder = base / f"tokens-{_key(tokenizer_dir, dataset)}"
+    if (folder / "meta.json").is_file():
+        return read_meta(folder)
+    tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    vocab, eos = len(tok), tok.eos_token_id
+    if eos is None:
+        raise ValueError(f"tokenizer {str(tokenizer_dir)!r} has no EOS token: documents in "
+                         "train.bin are separated by it (set eos_token)")
+    dtype = token_dtype(vocab)
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = base / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        count = 0
+        with open(tmp / "train.bin", "wb") as f:
+            for chunk in _texts(dataset):
+                encoded = tok.backend_tokenizer.encode_batch(chunk, add_special_tokens=False)
+                ids = np.fromiter((i for e in encoded for i in (*e.ids, eos)), dtype=dtype)
+                ids.tofile(f)
+                count += ids.size
+            f.flush()
+            os.fsync(f.fileno())
+        meta = {"dtype": dtype.name, "vocab_size": vocab, "tokens": count, "eos": eos,
+                "tokenizer": str(tokenizer_dir), "dataset": str(dataset), "format": _FORMAT}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks it whole
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process finished the same folder first: use theirs
+            if not (folder / "meta.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return read_meta(folder)
+
+
+def read_meta(folder: str | os.PathLike[str]) -> TokenFile:
+    meta = json.loads((Path(folder) / "meta.json").read_text())
+    return TokenFile(Path(folder) / "train.bin", meta["dtype"], int(meta["vocab_size"]),
+                     int(meta["tokens"]))
+
+
+def token_file(path: str | os.PathLike[str], dtype: str = "uint16") -> TokenFile:
+    """A user's train.bin: its meta.json beside it when there is one, else nanoGPT's uint16."""
+    path = Path(path)
+    if (path.parent / "meta.json").is_file():
+        return read_meta(path.parent)
+    if not path.is_file():
+        raise ValueError(f"AccumConfig.token_file={str(path)!r}: no such file")
+    size = np.dtype(dtype).itemsize
+    if path.stat().st_size % size:
+        raise ValueError(f"AccumConfig.token_file={str(path)!r}: {path.stat().st_size} bytes is "
+                         f"not a whole number of {dtype} ids")
+    return TokenFile(path, np.dtype(dtype).name, 0, path.stat().st_size // size)
+
+
+def check_tokens(tokens: TokenFile, vocab_size: int, who: str = "the model") -> int:
+    """Raise ValueError before training if any id is outside 0..vocab_size-1; returns the top id.
+
+    An id past the embedding table would fail deep inside a kernel (or on CUDA, a device-side
+    assert); here it names the file, the id and the vocabulary it does not fit.
+    """
+    data = tokens.open()
+    if data.size < 2:
+        raise ValueError(f"{tokens.path}: holds {data.size} token(s); a training window needs more")
+    top = int(data.max())  # one pass over the map: ~1 ms per million ids
+    limits = [(vocab_size, who)]
+    if tokens.vocab_size:
+        limits.append((tokens.vocab_size, "the tokenizer that made it"))
+    for limit, name in limits:
+        if top >= limit:
+            raise ValueError(f"{tokens.path}: holds token id {top}, but {name} has {limit} ids "
+                             f"(0..{limit - 1}): the file was made with another tokenizer; "
+                             "delete its folder to rebuild it, or name the matching model")
+    return top
+
+
+class BatchLoader:
+    """Random (x, y) windows from a token file, on `device`, the next one prepared in a thread.
+
+    Like nanoGPT's get_batch, but the map is opened once (not per call), the windows are one
+    fancy-indexing gather of seq_len + 1 ids (x and y are views of it, not two copies), and the
+    host tensor is pinned on CUDA so `non_blocking` copies really are asynchronous.
+    """
+
+    def __init__(self, tokens: TokenFile, batch: int, seq_len: int, device: Any = "cpu",
+                 seed: int = 0, prefetch: bool = True) -> None:
+        import torch
+
+        self._data = tokens.open()  # kept open: pages stay mapped, no reopen per batch
+        if self._data.size < seq_len + 2:
+            raise ValueError(f"{tokens.path}: {self._data.size} tokens is too few for windows of "
+                             f"seq_len={seq_len} (+1 for the targets)")
+        self.batch, self.seq_len = batch, seq_len
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self._rng = np.random.default_rng(seed)  # used by the one worker thread only
+        self._offsets = np.arange(seq_len + 1)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="diag-batches") if prefetch else None
+        self._next: Future | None = self._pool.submit(self._host_batch) if self._pool else None
+
+    def _host_batch(self) -> torch.Tensor:
+        import torch
+
+        starts = self._rng.integers(0, self._data.size - self.seq_len - 1, size=self.batch)
+        windows = self._data[starts[:, None] + self._offsets].astype(np.int64)  # one gather
+        host = torch.from_numpy(windows)
+        return host.pin_memory() if self._pin else host
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prepared batch on the device; the one after it starts preparing at once."""
+        if self._pool is not None:
+            host = self._next.result()  # type: ignore[union-attr]
+            self._next = self._pool.submit(self._host_batch)  # immediately prefetch the next
+        else:
+            host = self._host_batch()
+        # from pinned memory this copy is queued and returns at once: it overlaps the step
+        both = host.to(self.device, non_blocking=self._pin)
+        return both[:, :-1], both[:, 1:]
+
+    def __iter__(self) -> BatchLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.next()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> BatchLoader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
