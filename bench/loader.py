@@ -34,7 +34,7 @@ from diag.loader.tokens import tokenize
 
 
 def alone(cfg: LoaderConfig, data: str, tok: str, rounds: int) -> dict[str, dict[str, float]]:
-    """Each pipeline's own rate at num_workers=0 with no step: what the loop would pay per sample."""
+    """Each pipeline's own rate at num_workers=0 with no step: what the loop pays per sample."""
     sets = {p: make_dataset(p, cfg, data, tok)[0] for p in ("naive", "packed")}
     got: dict[str, dict[str, list[float]]] = {p: {"samples": [], "tokens": []} for p in sets}
     for r in range(rounds):
@@ -61,7 +61,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         built = build_token_cache(data, tok, cache_dir=tmp)
         hit = build_token_cache(data, tok, cache_dir=tmp)
-    print(f"token cache: {built.records} records, {built.tokens} tokens: build {built.seconds:.2f} s"
+    print(f"token cache: {built.records} records, {built.tokens} tokens: "
+          f"build {built.seconds:.2f} s"
           f" ({built.status}), reuse {hit.seconds * 1e3:.1f} ms ({hit.status})")
     for n in (1, 2):
         times = []

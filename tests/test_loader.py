@@ -1,4 +1,4 @@
-"""The loader experiment: the sweep finds a known per-sample cost, the faults, run_loader's frames."""
+"""The loader experiment: the sweep finds a known per-sample cost; faults; run_loader's frames."""
 
 from __future__ import annotations
 
