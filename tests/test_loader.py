@@ -157,3 +157,12 @@ def test_cli_workers_prints_every_table_as_json(capsys):
     assert [r["num_workers"] for r in tables["workers"]] == [0, 1]
     assert main(["workers", "--quick", "--workers", "0,-1"]) == 2  # one line, names the field
     assert "LoaderConfig.workers=[0, -1]" in capsys.readouterr().err
+
+
+def test_sweep_with_the_real_model_step_as_consumer():
+    cfg = LoaderConfig.quick(consumer="model", pipelines=["packed"], workers=[0], batch_size=2,
+                             seq_len=32, steps=1, device="cpu")
+    sweep = sweep_workers(cfg)
+    row = sweep.iloc[0]
+    assert row["error"] == "" and row["consumer"] == "model" and row["step_s"] > 0
+    assert row["step_source"].startswith("the model in ")  # no emulated duration was used
