@@ -47,6 +47,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                              "fresh vs cached model load: download, read, quantize, to_device, "
                              "tokenizer"),
     # -- workers --
+    "workers": Experiment(config.LoaderConfig, "diag.loader:run_loader",
+                          "DataLoader num_workers sweep against a training step, fetch vs prep "
+                          "stalls, the hot lines of the naive preprocessing"),
     # -- accum --
     "accum": Experiment(config.AccumConfig, "diag.accum:run_accum",
                         "grad accumulation at constant tokens per step: tokens/s, memory, "

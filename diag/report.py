@@ -29,7 +29,8 @@ _PACKAGES = ("diag", "torch", "transformers", "peft", "bitsandbytes", "huggingfa
              "pandas", "numpy")
 # Figures other experiments contribute: plots.<function>(frame) -> Figure, when it exists.
 EXPERIMENT_FIGURES = {"storage": "plot_storage", "model_load": "plot_model_load",
-                      "accum": "plot_accum"}
+                      "accum": "plot_accum",
+                      "loader": "plot_loader", "workers": "plot_loader"}  # diag run / diag workers
 
 
 def versions() -> dict[str, str]:

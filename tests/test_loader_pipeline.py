@@ -1,0 +1,165 @@
+"""The text pipeline: prompt template, JSONL checks, naive vs packed labels, the token cache."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from diag.embedded import ensure_assets, synthetic_records
+from diag.loader.pipeline import (IGNORE_INDEX, NaiveTextDataset, PackedDataset, encode_batch,
+                                  format_prompt, load_tokenizer, read_records)
+from diag.loader.tokens import build_token_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tok_dir() -> str:
+    return str(ensure_assets().model_dir)
+
+
+def test_format_prompt_with_and_without_input():
+    prompt, response = format_prompt({"instruction": "Sort.", "input": "b a", "output": "a b"})
+    assert prompt == "### Instruction:\nSort.\n\n### Input:\nb a\n\n### Response:\n"
+    assert response == "a b"
+    prompt, _ = format_prompt({"instruction": "What is 1 + 1?", "input": "", "output": "2"})
+    assert "### Input" not in prompt and prompt.endswith("### Response:\n")
+
+
+def _bad_jsonl(path: Path) -> Path:
+    good = json.dumps({"instruction": "Say hi.", "input": "", "output": "hi"})
+    lines = [good.encode(), b'{"instruction": "x", "input": "", "output": ',  # 2: invalid JSON
+             json.dumps({"instruction": "x", "output": "y"}).encode(),  # 3: no input
+             b"", json.dumps({"instruction": "x", "input": "", "output": "  "}).encode(),  # 5
+             b'{"instruction": "caf\xe9", "input": "", "output": "y"}',  # 6: latin-1 byte
+             b"[1, 2]", good.encode()]  # 7: not an object, 8: good
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_read_records_lists_every_bad_line_with_its_number(tmp_path: Path):
+    records, problems = read_records(_bad_jsonl(tmp_path / "bad.jsonl"), on_error="skip")
+    assert len(records) == 2
+    assert problems[["line", "problem"]].values.tolist() == [
+        [2, "invalid_json"], [3, "missing_field"], [5, "empty_text"], [6, "invalid_utf8"],
+        [7, "not_an_object"]]
+    assert "input" in problems.loc[1, "detail"] and "output" in problems.loc[2, "detail"]
+
+
+def test_read_records_raise_names_the_line(tmp_path: Path):
+    with pytest.raises(ValueError, match=r"line 2: invalid_json.*on_error='skip'"):
+        read_records(_bad_jsonl(tmp_path / "bad.jsonl"))
+    with pytest.raises(ValueError, match="on_error='ignore': allowed values are 'raise', 'skip'"):
+        read_records(tmp_path / "bad.jsonl", on_error="ignore")
+
+
+def test_sample_jsonl_reads_clean():
+    records, problems = read_records(ROOT / "data" / "sample.jsonl")
+    assert records and problems.empty
+
+
+def test_naive_labels_mask_prompt_and_padding(tok_dir: str):
+    records = list(synthetic_records(20, seed=3))
+    ds = NaiveTextDataset(records, tok_dir, seq_len=128)
+    tok = load_tokenizer(tok_dir)
+    ids, prompt_lens = encode_batch(tok, records)
+    for i in range(len(records)):
+        item = ds[i]
+        assert {k: v.shape for k, v in item.items()} == {k: (128,) for k in item}
+        n = int(item["attention_mask"].sum())
+        assert item["input_ids"][:n].tolist() == ids[i][:128]  # one-at-a-time == batched
+        assert (item["input_ids"][n:] == tok.pad_token_id).all()
+        labels = item["labels"]
+        assert (labels[: prompt_lens[i]] == IGNORE_INDEX).all()
+        assert (labels[n:] == IGNORE_INDEX).all()
+        assert labels[prompt_lens[i]:n].tolist() == ids[i][prompt_lens[i]:n]
+        assert labels[n - 1] == tok.eos_token_id  # the model learns to stop
+    short = NaiveTextDataset(records, tok_dir, seq_len=8)[0]  # truncated, no pad
+    assert short["attention_mask"].tolist() == [1] * 8
+
+
+def test_packed_windows_carry_every_records_labels(tok_dir: str, tmp_path: Path):
+    records = list(synthetic_records(60, seed=1))
+    cache = build_token_cache(records, tok_dir, cache_dir=tmp_path)
+    ds = PackedDataset(cache.folder, seq_len=48)
+    ids, prompt_lens = encode_batch(load_tokenizer(tok_dir), records)
+    stream = [t for seq in ids for t in seq]
+    want = [IGNORE_INDEX if j < n else t for seq, n in zip(ids, prompt_lens)
+            for j, t in enumerate(seq)]
+    assert cache.tokens == len(stream) and len(ds) == -(-len(stream) // 48)
+    items = [ds[w] for w in range(len(ds))]
+    got_ids = torch.cat([it["input_ids"] for it in items])
+    got_labels = torch.cat([it["labels"] for it in items])
+    got_mask = torch.cat([it["attention_mask"] for it in items])
+    n = len(stream)
+    assert got_ids[:n].tolist() == stream and got_labels[:n].tolist() == want
+    assert got_mask[:n].all() and not got_mask[n:].any() and (got_labels[n:] == IGNORE_INDEX).all()
+    # a record that spans two windows keeps its labels in both
+    assert any(len(set(range(s, s + len(seq))) & {48 * k for k in range(1, len(ds))})
+               for s, seq in zip([sum(map(len, ids[:i])) for i in range(len(ids))], ids))
+    clone = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker gets
+    assert torch.equal(clone[1]["labels"], items[1]["labels"])
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+
+
+def test_packed_dataset_in_dataloader_workers(tok_dir: str, tmp_path: Path):
+    cache = build_token_cache(list(synthetic_records(40)), tok_dir, cache_dir=tmp_path)
+    ds = PackedDataset(cache.folder, seq_len=32)
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2)
+    batches = list(loader)
+    assert sum(len(b["input_ids"]) for b in batches) == len(ds)
+    assert torch.equal(batches[0]["labels"][1], ds[1]["labels"])
+
+
+def test_token_cache_hit_then_stale_data_and_tokenizer(tok_dir: str, tmp_path: Path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_records(50)))
+    first = build_token_cache(data, tok_dir, cache_dir=tmp_path / "c")
+    assert first.status == "built" and first.records == 50
+    hit = build_token_cache(data, tok_dir, cache_dir=tmp_path / "c")
+    assert hit.status == "hit" and hit.key == first.key and hit.folder == first.folder
+    # the data changed: same path, a different key, rebuilt with the new records' tokens
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_records(30, seed=9)))
+    stale = build_token_cache(data, tok_dir, cache_dir=tmp_path / "c")
+    assert stale.status == "rebuilt: data changed" and stale.records == 30
+    assert stale.key != first.key and stale.tokens != first.tokens
+    # the tokenizer changed (a token added): rebuilt, never reused
+    other = tmp_path / "tok"
+    shutil.copytree(tok_dir, other)
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(other)  # not the cached object
+    tok.add_tokens(["<extra_token>"])
+    tok.save_pretrained(other)
+    changed = build_token_cache(data, other, cache_dir=tmp_path / "c")
+    assert changed.status == "rebuilt: tokenizer changed"
+    # a torn cache (meta.json lost) is rebuilt, not read; no temporary folder is left behind
+    (changed.folder / "meta.json").unlink()
+    torn = build_token_cache(data, other, cache_dir=tmp_path / "c")
+    assert torn.status == "rebuilt: the old cache was incomplete" and torn.tokens == changed.tokens
+    assert [p.name for p in (tmp_path / "c").iterdir()] == [torn.folder.name]
+
+
+def test_token_cache_skips_malformed_rows(tok_dir: str, tmp_path: Path):
+    cache = build_token_cache(_bad_jsonl(tmp_path / "bad.jsonl"), tok_dir, cache_dir=tmp_path)
+    assert cache.records == 2 and cache.problems["line"].tolist() == [2, 3, 5, 6, 7]
+    assert build_token_cache(tmp_path / "bad.jsonl", tok_dir, cache_dir=tmp_path).problems[
+        "line"].tolist() == [2, 3, 5, 6, 7]  # a hit reports them too
+    with pytest.raises(ValueError, match="line 2"):
+        build_token_cache(tmp_path / "bad.jsonl", tok_dir, cache_dir=tmp_path / "r",
+                          on_error="raise")
+
+
+def test_bad_sizes_name_the_field(tok_dir: str, tmp_path: Path):
+    with pytest.raises(ValueError, match="seq_len=0"):
+        NaiveTextDataset([], tok_dir, seq_len=0)
+    with pytest.raises(ValueError, match="num_proc=0"):
+        build_token_cache([], tok_dir, cache_dir=tmp_path, num_proc=0)
+    with pytest.raises(ValueError, match="tokenizer_dir"):
+        NaiveTextDataset([], tmp_path, seq_len=16)
