@@ -161,3 +161,10 @@ def test_version(capsys):
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.startswith(f"diag {diag.__version__} (python ")
+
+
+def test_a_password_in_a_url_never_reaches_the_error_line(capsys):
+    # the value lands in the one-line error (it names what was given): its userinfo must not
+    assert main(["toy", "--device", "http://admin:pa55word-xyz@10.0.0.1:9000"]) == 2
+    err = capsys.readouterr().err
+    assert "pa55word-xyz" not in err and "http://***@10.0.0.1:9000" in err
