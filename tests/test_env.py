@@ -81,3 +81,19 @@ def test_torch_is_pinned_exactly_without_a_local_build_tag():
     # torch==2.13.0 takes the CPU file here and the CUDA build on a GPU box; "+cpu" would not.
     assert _constraints()["torch"] == "2.13.0"
     assert _environment_pins()["torch"] == "2.13.0"
+
+
+def test_missing_embedded_extra_is_named(monkeypatch):
+    import importlib.util
+
+    import pytest
+
+    from diag.embedded.servers import S3Server
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flask_cors" else real(name, *a))
+    server = S3Server()
+    with pytest.raises(RuntimeError, match=r"needs flask_cors: .*pip install 'diag\[embedded\]'"):
+        server.start()
+    assert server.proc is None  # nothing was started
