@@ -1,7 +1,7 @@
 # Two commands on a fresh machine, each doing its own set-up:
 #   make demo   the whole diagnosis on the embedded defaults; writes a report under runs/
 #   make test   every test, notebooks included (what .ci/run calls)
-#   make lab    JupyterLab on the notebooks, same environment
+#   make lab    JupyterLab (the lab extra, installed on first use) on the notebooks, same environment
 # The virtual environment is made once; installs re-run only when pyproject.toml or
 # constraints.txt change (the stamp file below).
 
@@ -25,6 +25,7 @@ test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
 lab: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[lab]'
 	$(VENV)/bin/jupyter lab notebooks/
 
 bench: $(STAMP)

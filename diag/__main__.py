@@ -73,30 +73,40 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
-    """argparse kwargs for one dataclass field type."""
+def _flag_type(hint: Any) -> dict[str, Any]:
+    """argparse kwargs for one dataclass field type; a Literal gives the flag its choices."""
     origin = typing.get_origin(hint)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if origin in (typing.Union, types.UnionType) and len(args) == 1:
         return _flag_type(args[0])
+    if origin is typing.Literal:
+        return {"type": type(args[0]), "choices": args, "metavar": "{" + ",".join(args) + "}"}
     if hint is bool:
-        return bool, {"action": argparse.BooleanOptionalAction}
+        return {"action": argparse.BooleanOptionalAction}
     if origin in (list, tuple):
         item = args[0] if args else str
-        return list, {"type": _list_of(item), "metavar": f"{item.__name__.upper()},..."}
+        choices = typing.get_args(item) if typing.get_origin(item) is typing.Literal else ()
+        name = "{" + ",".join(choices) + "}" if choices else item.__name__.upper()
+        return {"type": _list_of(type(choices[0]) if choices else item, choices),
+                "metavar": f"{name},..."}
     if hint in (int, float, str):
-        return hint, {"type": hint, "metavar": hint.__name__.upper()}
-    return str, {"type": str, "metavar": "VALUE"}
+        return {"type": hint, "metavar": hint.__name__.upper()}
+    return {"type": str, "metavar": "VALUE"}
 
 
-def _list_of(item: type) -> Any:
+def _list_of(item: type, choices: tuple[Any, ...] = ()) -> Any:
     def parse(text: str) -> list[Any]:
         try:
-            return [item(part) for part in text.split(",") if part.strip()]
+            values = [item(part.strip()) for part in text.split(",") if part.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not a comma-separated list of {item.__name__}"
             ) from None
+        wrong = [v for v in values if choices and v not in choices]
+        if wrong:
+            raise argparse.ArgumentTypeError(f"{wrong[0]!r} is not one of "
+                                             + ", ".join(map(str, choices)))
+        return values
 
     parse.__name__ = f"list of {item.__name__}"
     return parse
@@ -106,8 +116,52 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """Each dataclass field's trailing comment: the config's one-line docs, read from source.
+
+    Comments, not field(metadata=...): the configs stay one readable line per field (literal
+    default, then why), and the help can never drift from the comment a reader sees.
+    """
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    docs: dict[str, str] = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for klass in reversed(cls.__mro__):  # a subclass's comment wins over its base's
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):  # no source (a frozen app, a class made at run time)
+            continue
+        comments = {t.start[0]: t.string.lstrip("#").strip()
+                    for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                    if t.type == tokenize.COMMENT}
+        for node in ast.parse(source).body[0].body:  # type: ignore[attr-defined]
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                    and node.target.id in names:
+                text = comments.get(node.end_lineno or node.lineno) or comments.get(node.lineno)
+                if text:
+                    docs[node.target.id] = text
+    return docs
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import diag
+
+    try:
+        installed = version("diag")
+    except PackageNotFoundError:
+        installed = diag.__version__
+    return f"diag {installed} (python {sys.version.split()[0]})"
+
+
 def build_parser() -> _Parser:
     parser = _Parser(prog="python -m diag", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", parser_class=_Parser)
     for name, exp in EXPERIMENTS.items():
         p = sub.add_parser(name, help=exp.help, description=exp.help)
@@ -119,14 +173,19 @@ def build_parser() -> _Parser:
             p.add_argument("--report", action="store_true",
                            help="also write a run folder (CSVs, figures, report.html) under runs/")
         hints = typing.get_type_hints(exp.config)
+        docs = field_docs(exp.config)
         positional = getattr(exp.config, "POSITIONAL", ())
         for f in dataclasses.fields(exp.config):
-            _, kwargs = _flag_type(hints[f.name])
+            kwargs = _flag_type(hints[f.name])
+            doc = docs.get(f.name, "")
             if f.name in positional:
-                p.add_argument(f.name, **kwargs)
+                p.add_argument(f.name, help=doc.replace("%", "%%"), **kwargs)
                 continue
+            default = _default(f)
+            shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+            text = f"{doc} (default: {shown!r})" if doc else f"default: {shown!r}"
             p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
-                           help=f"default: {_default(f)!r}", **kwargs)
+                           help=text.replace("%", "%%"), **kwargs)  # argparse %-formats help
     return parser
 
 

@@ -4,7 +4,8 @@ Every experiment takes its config as its only argument; the CLI builds `--key va
 the same fields, so notebooks and the command line share one set of names and defaults.
 Validation happens in `__post_init__` and names the field and what is allowed.
 `DIAG_QUICK=1` (read here only) makes `default()` return the `quick()` variant; `DIAG_HOME` is
-where diag keeps what it makes (the embedded dataset, model, hub and caches).
+where diag keeps what it makes (the embedded dataset, model, hub and caches). The comment after
+each field is its `--help` text; a `Literal` type gives the flag its choices.
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 T = TypeVar("T", bound="ExperimentConfig")
 
 # Names every layer shares, defined once (the CLI offers them as choices).
 DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" is also accepted where a device is asked for
-MODEL_LOAD_SCENARIOS = ("fresh", "cached", "cached_offline", "cached_cold")
+Scenario = Literal["fresh", "cached", "cached_offline", "cached_cold"]
+MODEL_LOAD_SCENARIOS: tuple[str, ...] = get_args(Scenario)
 STORAGE_PULLS = ("boto3_default", "boto3_tuned", "s5cmd")
-VERIFY_MODES = ("sha256", "size")  # how land() checks a landed copy before reusing it
+Verify = Literal["sha256", "size"]
+VERIFY_MODES: tuple[str, ...] = get_args(Verify)  # how land() checks a landed copy before reuse
 
 
 def quick_mode() -> bool:
@@ -30,9 +33,13 @@ def quick_mode() -> bool:
 
 
 def diag_home() -> Path:
-    """Where diag keeps generated assets and caches: $DIAG_HOME, else ~/.cache/diag."""
+    """Where diag keeps generated assets and caches: $DIAG_HOME, else $XDG_CACHE_HOME/diag
+    (~/.cache/diag when XDG_CACHE_HOME is unset or not absolute, as the XDG spec says)."""
     home = os.environ.get("DIAG_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "diag"
+    if home:
+        return Path(home).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "diag"
 
 
 @dataclass
@@ -135,7 +142,7 @@ class ToyConfig(ExperimentConfig):
     width: int = 512  # hidden width of the toy MLP; compute grows with width^2
     prep_ms: float = 0.0  # synthetic per-batch preprocessing cost, to make data_wait visible
     num_workers: int = 0  # DataLoader workers; more overlap preprocessing with compute
-    device: str = "auto"  # "auto", "cpu" or "cuda"
+    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
 
     QUICK: ClassVar[dict[str, Any]] = {"steps": 10, "warmup_steps": 2, "width": 128}
 
@@ -174,7 +181,7 @@ class StorageConfig(ExperimentConfig):
     shards: int = 1  # embedded dataset as this many objects under a prefix (1 = a single object)
     repeats: int = 3  # measured repeats per method; more gives steadier medians
     warmup: int = 1  # untimed first rounds (connections, server cache): not reported
-    verify: str = "sha256"  # land() hit check: "sha256" catches flipped bytes, "size" is near-free
+    verify: Verify = "sha256"  # land() hit check: "sha256" catches flipped bytes, "size" is near-free
     retries: int | None = None  # request retries and re-GETs of a dropped part; None = your AWS config (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE), 0 fails fast
     dataset_gb: float = 0.0  # dataset size for the tax; 0 = the measured size (e.g. 25 for yours)
     runs_per_week: float = 20.0  # training starts per week that re-pull the dataset
@@ -217,10 +224,10 @@ class ModelLoadConfig(ExperimentConfig):
 
     model: str = ""  # "" = the embedded tiny model on a local hub; "org/name" = HF_ENDPOINT or the real hub; a folder = no download
     revision: str = "main"  # branch, tag or commit of a hub model
-    scenarios: list[str] = field(default_factory=lambda: list(MODEL_LOAD_SCENARIOS))  # fewer run faster; fresh downloads the whole model every repeat
+    scenarios: list[Scenario] = field(default_factory=lambda: list(MODEL_LOAD_SCENARIOS))  # fewer run faster; fresh downloads the whole model every repeat
     repeats: int = 3  # measured loads per scenario after one warm-up; more is steadier, each is a process start
     quantize: bool = True  # 4-bit nf4 (bitsandbytes) as QLoRA loads its base; False keeps the checkpoint dtype
-    device: str = "auto"  # "auto", "cpu" or "cuda"
+    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
     cache_dir: str = ""  # HF hub cache of the cached scenarios; "" = <DIAG_HOME>/hf-cache, never your HF_HOME unless named
     repair_cache: bool = False  # True re-downloads cached files that fail their checksum; False stops and reports them
     trust_remote_code: bool = False  # True runs Python code from the model repo; only for repos you trust
@@ -399,7 +406,7 @@ class DiagnoseConfig(ExperimentConfig):
     prep_ms: float = 3.0  # host preprocessing per batch: what num_workers has to hide
     naive_workers: int = 0  # DataLoader workers of the naive run (preprocessing in the loop)
     optimized_workers: int = 2  # DataLoader workers of the optimized run
-    device: str = "auto"  # "auto", "cpu" or "cuda"
+    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
     current_gpu: str = ""  # GPU marked "now" on the Amdahl curve; "" = the detected one
     target_gpu: str = "H100 SXM"  # GPU you consider renting, marked at its dense-peak ratio
     quick_experiments: bool = False  # True runs each experiment in its test-sized variant (seconds)

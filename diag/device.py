@@ -177,6 +177,6 @@ def run_info(cfg: InfoConfig) -> pd.DataFrame:
     tflops = None if peak.flops is None else round(peak.flops / 1e12, 3)
     rows.append({"fact": "peak_tflops_bf16", "value": tflops, "detail": peak.label + source})
     for d in f["disks"]:
-        detail = f"{d['fstype']} on {d['device']}" + (f" ({d['media']})" if d["media"] else "")
-        rows.append({"fact": f"disk:{d['mountpoint']}", "value": d["kind"], "detail": detail})
+        rows.append({"fact": f"disk:{d.mountpoint}", "value": d.kind,
+                     "detail": f"{d.fstype} on {d.device}: {d.evidence}"})
     return pd.DataFrame(rows, columns=["fact", "value", "detail"])

@@ -1,28 +1,78 @@
 """Disks and the page cache: what kind of storage a path is on, and whether its pages are in RAM.
 
-`disks()` lists the real mounted filesystems with their kind; `disk_kind(path)` answers for the
-filesystem holding a path. `resident_fraction(path)` asks the kernel (mincore) how much of a file
-is in the page cache; `evict_page_cache(paths)` drops files from it and says whether that worked,
-so a measurement is never labelled "cold" when it was not.
+`disks()` lists the mounted filesystems with their kind and the evidence for it; `disk_kind(path)`
+answers for the filesystem holding a path (`is_network(kind)`: EBS, PD, NFS, FUSE...). Cloud block
+devices are told apart by the model string the hypervisor reports in sysfs, since an EBS volume is
+an `nvme*` device like an instance-store disk. `resident_fraction(path)` asks the kernel (mincore)
+how much of a file is in the page cache; `evict_page_cache(paths)` drops files and says if it worked.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import dataclass
 
+# The kinds, fastest-to-reuse first. "network_*" names are what is_network() looks for.
+KINDS = ("local_nvme", "local_ssd", "local_hdd", "network_block", "network_file", "virtual", "other")
 _PSEUDO = {"proc", "sysfs", "devtmpfs", "devpts", "tmpfs", "cgroup", "cgroup2", "mqueue",
            "debugfs", "securityfs", "pstore", "bpf", "tracefs", "configfs", "fusectl", "ramfs",
            "hugetlbfs", "autofs", "binfmt_misc", "rpc_pipefs", "nsfs", "squashfs", "efivarfs",
            "selinuxfs", "nfsd"}
-_NETWORK = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph",
-            "glusterfs", "wekafs", "juicefs", "s3fs", "gcsfuse", "goofys", "mountpoint-s3",
-            "rclone", "sshfs", "blobfuse2", "geesefs", "alluxio-fuse"}
+_NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph",
+               "glusterfs", "wekafs", "juicefs", "s3fs", "gcsfuse", "goofys", "mountpoint-s3",
+               "rclone", "sshfs", "blobfuse2", "geesefs", "alluxio-fuse"}
+_HOST_SHARE_FS = {"virtiofs", "9p"}  # a folder shared by the hypervisor: backing unknown
+# Model strings the clouds' hypervisors report (/sys/block/<dev>/device/model), first match wins:
+# "nvme_card-pd" must come before GCP's local-SSD "nvme_card<N>".
+_MODELS = (
+    (r"Amazon Elastic Block Store", "network_block", "AWS EBS volume"),
+    (r"Amazon EC2 NVMe Instance Storage", "local_nvme", "AWS instance store"),
+    (r"PersistentDisk", "network_block", "GCP Persistent Disk (SCSI)"),
+    (r"nvme_card-pd", "network_block", "GCP Persistent Disk / Hyperdisk (NVMe)"),
+    (r"nvme_card\d*$", "local_nvme", "GCP Local SSD (NVMe)"),
+    (r"EphemeralDisk", "local_ssd", "GCP Local SSD (SCSI interface)"),
+    (r"MSFT NVMe Accelerator", "network_block", "Azure managed disk (NVMe)"),
+    (r"Microsoft NVMe Direct Disk", "local_nvme", "Azure local NVMe"),
+    (r"QEMU|Virtual Disk|VMware Virtual|VBOX", "virtual", "emulated disk"),
+)
+_VIRTUAL_DRIVERS = {"virtio_blk": "virtio block device", "vbd": "Xen virtual block device",
+                    "xen_blkfront": "Xen virtual block device"}
+_NETWORK_BLOCK_NAMES = (("nbd", "network block device (nbd)"), ("rbd", "Ceph RBD"))
 
 
-def _mounts() -> list[tuple[str, str, str, str]]:
-    """(device, mountpoint, fstype, options) from /proc/mounts; empty where there is none."""
+@dataclass(frozen=True)
+class Disk:
+    """One mounted filesystem, its kind (one of KINDS) and what that rests on."""
+
+    mountpoint: str
+    device: str
+    fstype: str
+    kind: str
+    evidence: str
+
+
+def is_network(kind: str) -> bool:
+    """True for storage reached over the network (EBS, PD, NFS, EFS, Lustre, FUSE object stores)."""
+    return kind.startswith("network")
+
+
+def _sysfs(sysfs: str | None) -> str:
+    # DIAG_SYSFS / DIAG_MOUNTS replay another machine's layout (tests, a user's bug report)
+    return sysfs or os.environ.get("DIAG_SYSFS") or "/sys"
+
+
+def _mounts(mounts: str | None = None) -> list[tuple[str, str, str, str]]:
+    """(device, mountpoint, fstype, options): psutil's table (it resolves /dev/root), or a file
+    in /proc/mounts format."""
+    mounts = mounts or os.environ.get("DIAG_MOUNTS")
+    if mounts is None:
+        import psutil
+
+        return [(p.device, p.mountpoint, p.fstype, p.opts)
+                for p in psutil.disk_partitions(all=True)]
     try:
-        with open("/proc/mounts") as f:
+        with open(mounts) as f:
             lines = f.read().splitlines()
     except OSError:
         return []
@@ -31,64 +81,123 @@ def _mounts() -> list[tuple[str, str, str, str]]:
             if len(p) >= 4]
 
 
-def _block_is_nvme(name: str, depth: int = 0) -> bool:
-    """nvme by name, or an LVM / md device whose underlying devices are all nvme."""
-    if name.startswith("nvme"):
-        return True
-    slaves = f"/sys/class/block/{name}/slaves"
-    kids = os.listdir(slaves) if depth < 4 and os.path.isdir(slaves) else []
-    return bool(kids) and all(_block_is_nvme(k, depth + 1) for k in kids)
-
-
-def _kind(device: str, fstype: str, options: str, depth: int = 0) -> str:
-    sub = fstype.split(".", 1)[1] if fstype.startswith("fuse.") else ""
-    if fstype in _NETWORK or sub in _NETWORK or (fstype == "fuse" and device in _NETWORK):
-        return "network"
-    if fstype == "overlay" and depth == 0:
-        upper = [o[9:] for o in options.split(",") if o.startswith("upperdir=")]
-        return _path_kind(upper[0], 1) if upper else "other"
-    if device.startswith("/dev/"):
-        return "nvme" if _block_is_nvme(os.path.basename(os.path.realpath(device))) else "other"
-    return "other"
-
-
-def _media(device: str) -> str:
-    """'rotational' / 'non-rotational' from sysfs (a partition asks its parent disk)."""
-    sys_dir = os.path.realpath(f"/sys/class/block/{os.path.basename(os.path.realpath(device))}")
-    if os.path.exists(os.path.join(sys_dir, "partition")):
-        sys_dir = os.path.dirname(sys_dir)
+def _read(path: str) -> str:
     try:
-        with open(os.path.join(sys_dir, "queue", "rotational")) as f:
-            return "rotational" if f.read().strip() == "1" else "non-rotational"
+        with open(path) as f:
+            return f.read().strip()
     except OSError:
         return ""
 
 
-def disks() -> list[dict[str, str]]:
-    """Each real mounted filesystem: mountpoint, device, fstype, kind (nvme/network/other)."""
-    out = []
-    for device, mountpoint, fstype, options in _mounts():
-        if fstype in _PSEUDO or mountpoint.startswith(("/proc", "/sys", "/dev/")):
-            continue
-        out.append({"mountpoint": mountpoint, "device": device, "fstype": fstype,
-                    "kind": _kind(device, fstype, options),
-                    "media": _media(device) if device.startswith("/dev/") else ""})
-    return out
+def _root_device(mountpoint: str, sysfs: str) -> str:
+    """/dev/root's real name: the block device whose major:minor is the mount's st_dev."""
+    try:
+        dev = os.stat(mountpoint).st_dev
+    except OSError:
+        return ""
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    base = os.path.join(sysfs, "class", "block")
+    names = sorted(os.listdir(base)) if os.path.isdir(base) else []
+    return next((n for n in names if _read(os.path.join(base, n, "dev")) == want), "")
 
 
-def disk_kind(path: str | os.PathLike[str]) -> str:
-    """'nvme', 'network' or 'other' for the filesystem holding path (its longest mount prefix)."""
-    return _path_kind(path, 0)
+def _block(name: str, sysfs: str, depth: int = 0) -> tuple[str, str]:
+    """(kind, evidence) of a block device: model string, then driver, then its members."""
+    node = os.path.join(sysfs, "class", "block", name)
+    if os.path.exists(os.path.join(node, "partition")):  # a partition: ask its disk
+        disk = os.path.basename(os.path.dirname(os.path.realpath(node)))
+        kind, evidence = _block(disk, sysfs, depth)
+        return kind, f"{name} is a partition of {evidence}"
+    slaves = os.path.join(node, "slaves")
+    members = sorted(os.listdir(slaves)) if depth < 4 and os.path.isdir(slaves) else []
+    if members:  # LVM / dm-crypt / md RAID: the kind of what it is built on
+        parts = [_block(m, sysfs, depth + 1) for m in members]
+        kinds = {k for k, _ in parts}
+        kind = kinds.pop() if len(kinds) == 1 else "other"
+        return kind, f"{name} over " + "; ".join(e for _, e in parts)
+    model = _read(os.path.join(node, "device", "model"))
+    for pattern, kind, what in _MODELS:
+        if model and re.match(pattern, model):
+            return kind, f"{name}: {what} (model {model!r})"
+    driver = os.path.basename(os.path.realpath(os.path.join(node, "device", "driver")))
+    if driver in _VIRTUAL_DRIVERS or name.startswith(("vd", "xvd")):
+        what = _VIRTUAL_DRIVERS.get(driver, "virtual block device")
+        return "virtual", f"{name}: {what}, its backing storage is not visible from the guest"
+    for prefix, what in _NETWORK_BLOCK_NAMES:
+        if name.startswith(prefix):
+            return "network_block", f"{name}: {what}"
+    label = f" (model {model!r})" if model else ""
+    if name.startswith("nvme"):
+        return "local_nvme", f"{name}: NVMe device{label}, no cloud network-disk model"
+    if name.startswith(("loop", "zram", "ram")):
+        return "other", f"{name}: {name.rstrip('0123456789')} device (memory or file backed)"
+    rotational = _read(os.path.join(node, "queue", "rotational"))
+    if rotational in ("0", "1"):
+        kind = "local_hdd" if rotational == "1" else "local_ssd"
+        return kind, f"{name}{label}: queue/rotational={rotational}"
+    return "other", f"{name}{label}: not found in sysfs"
 
 
-def _path_kind(path: str | os.PathLike[str], depth: int) -> str:
+def _classify(device: str, mountpoint: str, fstype: str, options: str, sysfs: str,
+              mounts: str | None, depth: int = 0) -> tuple[str, str]:
+    sub = fstype.split(".", 1)[1] if fstype.startswith("fuse.") else ""
+    if fstype in _NETWORK_FS or sub in _NETWORK_FS or (fstype == "fuse" and device in _NETWORK_FS):
+        what = ("AWS EFS" if ".efs." in device else "FSx for Lustre" if ".fsx." in device
+                else "a network filesystem" if not fstype.startswith("fuse") else "a FUSE mount")
+        return "network_file", f"{fstype} mount of {device}: {what}"
+    if fstype in ("tmpfs", "ramfs"):
+        return "other", f"{fstype}: in RAM, gone at reboot"
+    if fstype in _HOST_SHARE_FS:
+        return "virtual", f"{fstype}: a folder shared by the hypervisor, backing unknown"
+    if fstype == "overlay":
+        upper = [o[9:] for o in options.split(",") if o.startswith("upperdir=")]
+        if depth == 0 and upper and os.path.exists(upper[0]):
+            kind, evidence = _path(upper[0], sysfs, mounts, 1)
+            return kind, f"overlay, upper layer {upper[0]} on {evidence}"
+        return "other", "overlay (a container's root): its upper layer is not visible here"
+    if device in ("/dev/root", "rootfs"):
+        real = _root_device(mountpoint, sysfs)
+        if not real:
+            return "other", f"{device}: no block device in sysfs matches {mountpoint}'s st_dev"
+        kind, evidence = _block(real, sysfs)
+        return kind, f"{device} is {real}; {evidence}"
+    if device.startswith("/dev/"):
+        return _block(os.path.basename(os.path.realpath(device)), sysfs)
+    return "other", f"{fstype} on {device}"
+
+
+def _path(path: str | os.PathLike[str], sysfs: str, mounts: str | None,
+          depth: int) -> tuple[str, str]:
     real = os.path.realpath(path)
-    hits = [(len(m[1]), i, m) for i, m in enumerate(_mounts())
+    table = _mounts(mounts)
+    hits = [(len(m[1]), i, m) for i, m in enumerate(table)
             if m[1] == "/" or real == m[1] or real.startswith(m[1].rstrip("/") + "/")]
     if not hits:
-        return "other"
-    device, _, fstype, options = max(hits)[2]  # ties: the later mount hides the earlier one
-    return _kind(device, fstype, options, depth)
+        return "other", f"{real}: no mount holds it"
+    device, mountpoint, fstype, options = max(hits)[2]  # ties: the later mount hides the earlier
+    kind, evidence = _classify(device, mountpoint, fstype, options, sysfs, mounts, depth)
+    return kind, f"{mountpoint}: {evidence}"
+
+
+def disks(sysfs: str | None = None, mounts: str | None = None) -> list[Disk]:
+    """Each real mounted filesystem (no /proc, /sys, tmpfs...) with its kind and evidence."""
+    root = _sysfs(sysfs)
+    return [Disk(mountpoint, device, fstype,
+                 *_classify(device, mountpoint, fstype, options, root, mounts))
+            for device, mountpoint, fstype, options in _mounts(mounts)
+            if fstype not in _PSEUDO and not mountpoint.startswith(("/proc", "/sys", "/dev/"))]
+
+
+def describe(path: str | os.PathLike[str], sysfs: str | None = None,
+             mounts: str | None = None) -> tuple[str, str]:
+    """(kind, evidence) for the filesystem holding path (its longest mount prefix)."""
+    return _path(path, _sysfs(sysfs), mounts, 0)
+
+
+def disk_kind(path: str | os.PathLike[str], sysfs: str | None = None,
+              mounts: str | None = None) -> str:
+    """One of KINDS for the filesystem holding path; is_network(kind) for EBS/PD/NFS/FUSE."""
+    return describe(path, sysfs, mounts)[0]
 
 
 # -- page cache ---------------------------------------------------------------------------------

@@ -30,17 +30,30 @@ assert set(STAGE_COLORS) == set(STAGES)
 
 
 def _show_in_notebooks() -> None:
-    """Let Jupyter draw a bare Figure (no pyplot, so no inline backend) as a PNG; once."""
+    """Let Jupyter draw a bare Figure (no pyplot, so no inline backend yet) in the user's format.
+
+    A formatter already there (pyplot's inline backend set it up) is left alone; otherwise the
+    user's `%config InlineBackend.figure_formats` (png by default) is applied, as pyplot would.
+    """
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is None or getattr(_show_in_notebooks, "done", False):
         return
-    from IPython.core.pylabtools import print_figure
+    from IPython.core.pylabtools import print_figure, select_figure_formats
     from matplotlib.figure import Figure
 
-    shell.display_formatter.formatters["image/png"].for_type(
-        Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight", dpi=100))
     _show_in_notebooks.done = True  # type: ignore[attr-defined]
+    formatters = shell.display_formatter.formatters
+    if any(Figure in f.type_printers for f in formatters.values()):
+        return
+    try:
+        from matplotlib_inline.backend_inline import InlineBackend
+    except ImportError:  # no inline backend installed: PNG, as it would default to
+        formatters["image/png"].for_type(
+            Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight", dpi=100))
+        return
+    cfg = InlineBackend.instance(parent=shell)
+    select_figure_formats(shell, cfg.figure_formats, **cfg.print_figure_kwargs)
 
 
 def _figure(width: float = 8.0, height: float = 3.5) -> Figure:

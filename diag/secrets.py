@@ -1,19 +1,33 @@
 """Keep secrets out of everything a user sees: errors, tables, reports, notebooks.
 
-`redact(text)` replaces the value of every secret-looking environment variable (keys, tokens,
-passwords) and every value registered with `register()` by `***`. Reports and the CLI pass their
-text through it, so a credential in an endpoint URL or an exception message never leaks.
+`redact(text)` replaces by `***`: the value of every secret-looking environment variable (keys,
+tokens, passwords), every value given to `register()`, the HF token that `hf auth login` wrote to
+its token file, the AWS credentials boto3 resolved (profile, SSO, instance role: none of them sets
+an environment variable), and anything shaped like one (`hf_...`, `AKIA...`/`ASIA...`, presigned
+`X-Amz-Signature=` / `X-Amz-Credential=`, `user:pass@` in a URL). Reports and the CLI pass their
+text through it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
+from typing import Any
 
 _SECRET_NAME = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|SESSION)", re.I)
 _registered: set[str] = set()
 # Minimum length of a value worth redacting: shorter ones ("1", "true") would mangle text.
 _MIN_LEN = 6
+# Shapes a credential has wherever it came from; each keeps its label, loses its value.
+_SHAPES = re.compile(
+    r"(?P<hf>(?<![A-Za-z0-9])hf_[A-Za-z0-9]{30,})"
+    r"|(?P<aws>(?<![A-Za-z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Za-z0-9]))"
+    r"|(?P<amz>X-Amz-(?:Signature|Credential|Security-Token)=)[^&\s\"'<>]+"
+    r"|(?P<url>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@\"'<>]+@"
+)
+# What was resolved from files and boto3, per input that could change it (see _resolved).
+_cache: dict[tuple[Any, ...], tuple[frozenset[str], Any]] = {}
 
 
 def register(*values: str | None) -> None:
@@ -21,27 +35,93 @@ def register(*values: str | None) -> None:
     _registered.update(v for v in values if v and len(v) >= _MIN_LEN)
 
 
+def _hf_token_files() -> set[str]:
+    """Where huggingface_hub keeps tokens: HF_TOKEN_PATH, else <HF_HOME>/token, + stored_tokens."""
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    paths = {os.path.expanduser(os.environ.get("HF_TOKEN_PATH") or os.path.join(home, "token"))}
+    hub = sys.modules.get("huggingface_hub.constants")  # already imported: its own answer too
+    if hub is not None:
+        paths.add(hub.HF_TOKEN_PATH)
+    return paths | {os.path.join(os.path.dirname(p), "stored_tokens") for p in paths}
+
+
+def _read_hf_tokens(path: str) -> set[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):
+        return set()
+    if os.path.basename(path) == "stored_tokens":  # INI: [name] hf_token = ...
+        return {line.split("=", 1)[1].strip() for line in text.splitlines()
+                if line.split("=", 1)[0].strip() == "hf_token" and "=" in line}
+    return {text.strip()}
+
+
+def _aws_credentials() -> Any:
+    """boto3's resolved credentials object (refreshable ones renew themselves), or None."""
+    # Only in a process that already uses boto3: importing it, or a first credential lookup
+    # (which may ask the instance metadata service), would make every redact() slow.
+    if "boto3" not in sys.modules:
+        return None
+    import boto3
+
+    try:
+        return boto3.Session().get_credentials()
+    except Exception:  # a broken profile is reported where it is used, not while redacting
+        return None
+
+
+def _resolved() -> set[str]:
+    """Secrets from the HF token files and boto3, resolved once per state of what feeds them."""
+    stamps = []
+    for path in sorted(_hf_token_files()):
+        try:
+            st = os.stat(path)
+            stamps.append((path, st.st_mtime_ns, st.st_size))
+        except OSError:
+            stamps.append((path, None, None))
+    aws_env = tuple(os.environ.get(k) for k in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE",
+                                                 "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"))
+    key = (tuple(stamps), aws_env, "boto3" in sys.modules)
+    if key not in _cache:
+        tokens = set().union(*(_read_hf_tokens(p) for p, mtime, _ in stamps if mtime is not None))
+        _cache[key] = (frozenset(tokens), _aws_credentials())
+    tokens, creds = _cache[key]
+    values = set(tokens)
+    if creds is not None:
+        try:
+            frozen = creds.get_frozen_credentials()  # cheap unless an expiring role renews
+            values |= {frozen.access_key or "", frozen.secret_key or "", frozen.token or ""}
+        except Exception:  # a renewal that fails is the caller's error to report, not ours
+            pass
+    return {v for v in values if len(v) >= _MIN_LEN}
+
+
 def secret_values() -> list[str]:
+    """Every known secret value, longest first (so one containing another is replaced whole)."""
     found = {v for k, v in os.environ.items() if _SECRET_NAME.search(k) and len(v) >= _MIN_LEN}
-    # Longest first, so a secret that contains another is replaced whole.
-    return sorted(found | _registered, key=len, reverse=True)
+    return sorted(found | _registered | _resolved(), key=len, reverse=True)
 
 
-def redact(text: str) -> str:
-    """text with every known secret value replaced by ***."""
-    for value in secret_values():
+def _shape(match: re.Match[str]) -> str:
+    prefix = match.group("amz") or match.group("url")
+    return (prefix + "***@" if match.group("url") else prefix + "***") if prefix else "***"
+
+
+def redact(text: str, values: list[str] | None = None) -> str:
+    """text with every known secret value, and anything shaped like a credential, as ***."""
+    for value in secret_values() if values is None else values:
         text = text.replace(value, "***")
-    return text
+    return _SHAPES.sub(_shape, text)
 
 
 def redact_frame(frame):  # pandas.DataFrame -> pandas.DataFrame
     """A copy of frame with every text cell redacted (what a CSV or a table may show)."""
     from pandas.api.types import is_object_dtype, is_string_dtype
 
-    if not secret_values():
-        return frame
-    out = frame.copy()
+    out, values = frame.copy(), secret_values()
     for column in out.columns:
         if is_object_dtype(out[column]) or is_string_dtype(out[column]):
-            out[column] = out[column].map(lambda v: redact(v) if isinstance(v, str) else v)
+            out[column] = out[column].map(lambda v: redact(v, values) if isinstance(v, str) else v)
     return out

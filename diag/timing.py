@@ -5,11 +5,14 @@
 `data_wait` and numbers the steps. `to_frame()` gives one row per interval: `stage`, `seconds`,
 `step` (<NA> for run-level stages), `rank`. Read it with `diag.amdahl`; a disabled timer
 (`StageTimer(enabled=False)`) keeps the loop's code identical and costs almost nothing.
+Each stage is also a named range in the traces users already read: a torch.profiler range while
+a profiler records (Perfetto, HTA) and, on CUDA, an NVTX range (Nsight); `trace=False` turns both off.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ContextDecorator
@@ -45,12 +48,13 @@ def _current_rank() -> int:
 class _Stage(ContextDecorator):
     """One named interval; reusable, so `timer.stage("x")` can decorate a function."""
 
-    __slots__ = ("_timer", "_name", "_start")
+    __slots__ = ("_timer", "_name", "_start", "_range")
 
     def __init__(self, timer: StageTimer, name: str) -> None:
         self._timer = timer
         self._name = name
         self._start = 0.0
+        self._range: Any = None
 
     def _recreate_cm(self) -> _Stage:
         # A fresh interval per decorated call, so recursion and threads do not share a start.
@@ -60,6 +64,8 @@ class _Stage(ContextDecorator):
         timer = self._timer
         if timer._sync is not None:
             timer._sync()  # note: CPU-GPU sync point, so the previous stage's kernels are not billed here
+        if timer.trace:  # opened before the clock starts: its cost is not billed to the stage
+            self._range = timer._open_range(self._name)
         self._start = time.perf_counter()
         return self
 
@@ -69,6 +75,8 @@ class _Stage(ContextDecorator):
             timer._sync()  # note: CPU-GPU sync point, so this stage's queued kernels are billed to it
         # Recorded even when the body raised: a failed stage still spent the time.
         timer._rows.append((self._name, time.perf_counter() - self._start, timer._step_for(self._name)))
+        if timer.trace:
+            timer._close_range(self._range)
         return False
 
 
@@ -90,10 +98,15 @@ class StageTimer:
 
     device: "cuda"/torch.device makes every stage boundary a device sync, so asynchronous
     kernels are billed to the stage that queued them; on CPU no sync is needed or done.
+    trace: also mark each stage as a torch.profiler range (only while a profiler records, so
+    it costs a flag check otherwise) and, on CUDA, an NVTX range.
     """
 
-    def __init__(self, enabled: bool = True, device: Any = None, rank: int | None = None) -> None:
+    def __init__(self, enabled: bool = True, device: Any = None, rank: int | None = None,
+                 trace: bool = True) -> None:
         self.enabled = enabled
+        self.trace = enabled and trace
+        self._nvtx: Any = None
         self.rank = _current_rank() if rank is None else rank
         self.step: int | None = None  # set by watch(); step-level stages are tagged with it
         self._rows: list[tuple[str, float, int | None]] = []
@@ -103,6 +116,29 @@ class StageTimer:
 
             if devices.is_async(device):
                 self._sync = lambda: devices.sync(device)
+                if self.trace:
+                    import torch
+
+                    self._nvtx = torch.cuda.nvtx  # Nsight attaches from outside: always push
+
+    def _open_range(self, name: str) -> Any:
+        """Open the trace ranges of one stage; returns what _close_range needs."""
+        torch = sys.modules.get("torch")  # no torch in this process: no profiler to show it
+        if torch is None:
+            return None
+        if self._nvtx is not None:
+            self._nvtx.range_push(name)
+        if not torch.autograd._profiler_enabled():  # record_function costs ~20 us even unseen
+            return None
+        rf = torch.profiler.record_function(name)
+        rf.__enter__()
+        return rf
+
+    def _close_range(self, rf: Any) -> None:
+        if rf is not None:
+            rf.__exit__(None, None, None)
+        if self._nvtx is not None:
+            self._nvtx.range_pop()
 
     def stage(self, name: str) -> _Stage | _NullStage:
         """Context manager and decorator timing one stage of the vocabulary."""
@@ -129,12 +165,17 @@ class StageTimer:
         try:
             while True:
                 self.step = step
+                span = self._open_range("data_wait") if self.trace else None
                 start = time.perf_counter()
                 try:
                     item = next(iterator)
                 except StopIteration:
                     return
-                self._rows.append(("data_wait", time.perf_counter() - start, step))
+                finally:
+                    seconds = time.perf_counter() - start
+                    if self.trace:
+                        self._close_range(span)
+                self._rows.append(("data_wait", seconds, step))
                 yield item
                 step += 1
         finally:

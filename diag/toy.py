@@ -4,7 +4,8 @@ A small MLP trains on synthetic batches served by a real `torch.utils.data.DataL
 step is split into `data_wait` (the loop blocked on the next batch, which carries `prep_ms` of
 host preprocessing), `h2d` (host-to-device copy), `compute` (forward + backward + optimizer
 step). With `num_workers=0` the preprocessing sits in the loop; with workers it overlaps compute.
-The result is the StageTimer frame, read by the same share tables and charts as a real run.
+The result is the StageTimer frame, read by the same share tables and charts as a real run; its
+data_wait rows also carry the GPU utilisation sampled over `train` (diag.gpu_util).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from diag.config import ToyConfig
+from diag.gpu_util import GpuSampler
 from diag.timing import StageTimer
 
 
@@ -69,7 +71,7 @@ def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
         for _ in range(cfg.warmup_steps):
             x, y = next(batches)
             step(x.to(dev), y.to(dev))
-    with timer.stage("train"):
+    with GpuSampler(dev) as util, timer.stage("train"):
         # islice: never ask for the batch after the last, so the loader's shutdown (joining
         # its workers) is not billed to the training steps
         for x, y in timer.watch(itertools.islice(batches, cfg.steps)):
@@ -78,4 +80,9 @@ def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
             with timer.stage("compute"):
                 step(x, y)
     del batches  # worker shutdown happens here, outside every timed stage
-    return timer.to_frame()
+    frame = timer.to_frame()
+    waits = frame["stage"] == "data_wait"
+    frame["gpu_util_pct"], frame["gpu_util_note"] = float("nan"), ""
+    for column, value in util.columns().items():  # beside data_wait: was the GPU idle then?
+        frame.loc[waits, column] = value
+    return frame

@@ -1,10 +1,11 @@
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
-from diag.__main__ import EXPERIMENTS, main, parse
-from diag.config import ToyConfig
+from diag.__main__ import EXPERIMENTS, field_docs, main, parse
+from diag.config import ModelLoadConfig, StorageConfig, ToyConfig
 
 
 def run_cli(*args, env_extra=None):
@@ -76,6 +77,8 @@ def test_toy_runs_and_writes_csv(tmp_path):
         (["toy", "--steps", "0"], "ToyConfig.steps=0: must be a number > 0"),
         (["toy", "--steps", "x"], "invalid int value: 'x'"),
         (["toy", "--device", "tpu"], "allowed values are 'auto', 'cpu', 'cuda'"),
+        (["storage", "--verify", "md5"], "invalid choice: 'md5' (choose from 'sha256', 'size')"),
+        (["model-load", "--scenarios", "cached,warm"], "'warm' is not one of fresh, cached"),
         ([], "name an experiment"),
     ],
 )
@@ -121,3 +124,47 @@ def test_sigterm_stops_the_embedded_servers(tmp_path):
         assert not alive
     finally:
         proc.kill()
+
+
+def test_help_shows_each_fields_comment_and_its_choices(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["storage", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--verify {sha256,size} land() hit check: \"sha256\" catches flipped bytes" in text
+    assert "(default: 'sha256')" in text
+    with pytest.raises(SystemExit):
+        main(["model-load", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--scenarios {fresh,cached,cached_offline,cached_cold},..." in text
+
+
+def test_every_config_field_has_a_comment_for_help():
+    for name, exp in EXPERIMENTS.items():
+        docs = field_docs(exp.config)
+        missing = [f.name for f in dataclasses.fields(exp.config) if not docs.get(f.name)]
+        assert not missing, f"{name}: fields without a trailing comment: {missing}"
+    assert field_docs(StorageConfig)["retries"].startswith("retries of a dropped connection")
+
+
+def test_literal_fields_parse_to_their_allowed_values():
+    _, cfg, _ = parse(["model-load", "--scenarios", "cached, cached_cold", "--device", "cuda:1"])
+    assert cfg == ModelLoadConfig.quick(scenarios=["cached", "cached_cold"], device="cuda:1")
+    _, cfg, _ = parse(["storage", "--verify", "size"])
+    assert cfg.verify == "size"
+
+
+def test_version(capsys):
+    import diag
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"diag {diag.__version__} (python ")
+
+
+def test_a_password_in_a_url_never_reaches_the_error_line(capsys):
+    # the value lands in the one-line error (it names what was given): its userinfo must not
+    assert main(["toy", "--device", "http://admin:pa55word-xyz@10.0.0.1:9000"]) == 2
+    err = capsys.readouterr().err
+    assert "pa55word-xyz" not in err and "http://***@10.0.0.1:9000" in err

@@ -1,26 +1,154 @@
-"""diag.disks: the kind of the filesystem under a path, and the page cache (mincore, eviction)."""
+"""diag.disks: the kind of the filesystem under a path, and the page cache (mincore, eviction).
+
+Each cloud layout is a fake sysfs + mount table built the way the kernel lays them out (class/block
+links into devices/, partitions inside their disk, NVMe model strings under device/), so the same
+code that reads /sys on an EC2 or GCE box reads these.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from diag import disks
 
-
-def test_disk_kind(tmp_path: os.PathLike[str]) -> None:
-    assert disks.disk_kind(tmp_path) in ("nvme", "network", "other")
-    assert disks.disk_kind("/") in ("nvme", "network", "other")
-    assert disks._kind("/dev/nvme0n1p1", "ext4", "rw") == "nvme"
-    assert disks._kind("server:/export", "nfs4", "rw") == "network"
-    assert disks._kind("bucket", "fuse.gcsfuse", "rw") == "network"
-    assert disks._kind("mountpoint-s3", "fuse", "rw") == "network"
-    assert disks._kind("overlay", "overlay", "rw,upperdir=/proc/x") == "other"
+ROOT_DEV = os.stat("/").st_dev  # /dev/root is found by the st_dev of its mountpoint
 
 
-def test_disks_skip_pseudo_filesystems() -> None:
-    kinds = disks.disks()
-    assert all(d["fstype"] not in ("proc", "sysfs", "tmpfs", "cgroup") for d in kinds)
-    assert all(d["kind"] in ("nvme", "network", "other") for d in kinds)
+def fake_machine(tmp: Path, devices: dict[str, dict], mounts: list[str]) -> tuple[str, str]:
+    """A sysfs tree and a /proc/mounts file; devices: name -> model, driver, rotational, parts,
+    slaves, dev (major:minor)."""
+    sysfs = tmp / "sys"
+    (sysfs / "class" / "block").mkdir(parents=True)
+    for name, spec in devices.items():
+        disk = sysfs / "devices" / name
+        (disk / "queue").mkdir(parents=True)
+        (disk / "queue" / "rotational").write_text(f"{spec.get('rotational', 0)}\n")
+        (disk / "device").mkdir()
+        if "model" in spec:
+            (disk / "device" / "model").write_text(spec["model"] + "  \n")  # sysfs pads models
+        if "driver" in spec:
+            driver = sysfs / "bus" / "drivers" / spec["driver"]
+            driver.mkdir(parents=True, exist_ok=True)
+            (disk / "device" / "driver").symlink_to(driver)
+        if "dev" in spec:
+            (disk / "dev").write_text(spec["dev"] + "\n")
+        for member in spec.get("slaves", ()):
+            (disk / "slaves").mkdir(exist_ok=True)
+            (disk / "slaves" / member).symlink_to(sysfs / "devices" / member)
+        (sysfs / "class" / "block" / name).symlink_to(disk)
+        for part, dev in spec.get("parts", {}).items():
+            (disk / part).mkdir()
+            (disk / part / "partition").write_text("1\n")
+            (disk / part / "dev").write_text(dev + "\n")
+            (sysfs / "class" / "block" / part).symlink_to(disk / part)
+    table = tmp / "mounts"
+    table.write_text("".join(f"{line} 0 0\n" for line in mounts))
+    return str(sysfs), str(table)
+
+
+ROOT = f"{os.major(ROOT_DEV)}:{os.minor(ROOT_DEV)}"
+LAYOUTS = {
+    # Ubuntu on EC2 Nitro: / is /dev/root (an EBS nvme), instance store on /opt/dlami/nvme
+    "aws": ({"nvme0n1": {"model": "Amazon Elastic Block Store", "parts": {"nvme0n1p1": ROOT}},
+             "nvme1n1": {"model": "Amazon EC2 NVMe Instance Storage"}},
+            ["/dev/root / ext4 rw", "/dev/nvme1n1 /opt/dlami/nvme xfs rw",
+             "tmpfs /run tmpfs rw", "proc /proc proc rw"],
+            {"/": "network_block", "/opt/dlami/nvme": "local_nvme"}),
+    # instance stores striped into one md RAID0, and an LVM volume on EBS
+    "aws-raid": ({"nvme1n1": {"model": "Amazon EC2 NVMe Instance Storage"},
+                  "nvme2n1": {"model": "Amazon EC2 NVMe Instance Storage"},
+                  "md0": {"slaves": ["nvme1n1", "nvme2n1"]},
+                  "nvme0n1": {"model": "Amazon Elastic Block Store"},
+                  "dm-0": {"slaves": ["nvme0n1"]},
+                  "dm-1": {"slaves": ["nvme0n1", "nvme1n1"]}},
+                 ["/dev/md0 /scratch ext4 rw", "/dev/dm-0 /data xfs rw", "/dev/dm-1 /mixed xfs rw"],
+                 {"/scratch": "local_nvme", "/data": "network_block", "/mixed": "other"}),
+    "gcp-scsi": ({"sda": {"model": "PersistentDisk", "rotational": 1, "parts": {"sda1": "8:1"}},
+                  "sdb": {"model": "EphemeralDisk", "rotational": 1}},
+                 ["/dev/sda1 / ext4 rw", "/dev/sdb /mnt/disks/ssd0 ext4 rw"],
+                 {"/": "network_block", "/mnt/disks/ssd0": "local_ssd"}),
+    "gcp-nvme": ({"nvme0n1": {"model": "nvme_card-pd", "parts": {"nvme0n1p1": "259:1"}},
+                  "nvme1n1": {"model": "nvme_card0"}},
+                 ["/dev/nvme0n1p1 / ext4 rw", "/dev/nvme1n1 /mnt/localssd ext4 rw"],
+                 {"/": "network_block", "/mnt/localssd": "local_nvme"}),
+    "network-files": ({},
+                      ["fs-12ab.efs.us-east-1.amazonaws.com:/ /efs nfs4 rw",
+                       "10.0.0.5@tcp:/abcd /fsx lustre rw",
+                       "mountpoint-s3 /mnt/s3 fuse rw", "s3fs /mnt/s3fs fuse.s3fs rw",
+                       "bucket /mnt/gcs fuse.gcsfuse rw"],
+                      {"/efs": "network_file", "/fsx": "network_file", "/mnt/s3": "network_file",
+                       "/mnt/s3fs": "network_file", "/mnt/gcs": "network_file"}),
+    "virtual": ({"vda": {"driver": "virtio_blk", "rotational": 1, "parts": {"vda1": "252:1"}}},
+                ["/dev/vda1 / ext4 rw", "share /host virtiofs rw"],
+                {"/": "virtual", "/host": "virtual"}),
+    "bare-metal": ({"nvme0n1": {"model": "SAMSUNG MZQL23T8HCLS-00A07"},
+                    "sda": {"model": "Samsung SSD 870", "rotational": 0},
+                    "sdb": {"model": "ST8000NM000A", "rotational": 1},
+                    "loop0": {}},
+                   ["/dev/nvme0n1 / ext4 rw", "/dev/sda /ssd ext4 rw", "/dev/sdb /hdd ext4 rw",
+                    "/dev/loop0 /snap/core squashfs ro", "/dev/loop0 /img ext4 rw",
+                    "overlay /ctr overlay rw,upperdir=/nonexistent/upper"],
+                   {"/": "local_nvme", "/ssd": "local_ssd", "/hdd": "local_hdd", "/img": "other",
+                    "/ctr": "other"}),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_each_cloud_layout_gets_its_kind_with_evidence(tmp_path: Path, layout: str) -> None:
+    devices, mounts, want = LAYOUTS[layout]
+    sysfs, table = fake_machine(tmp_path, devices, mounts)
+    found = {d.mountpoint: d for d in disks.disks(sysfs, table)}
+    assert {m: d.kind for m, d in found.items()} == want  # pseudo filesystems and squashfs left out
+    for d in found.values():
+        assert d.evidence and d.kind in disks.KINDS
+    for mountpoint, kind in want.items():  # a path below a mount answers for that mount
+        assert disks.disk_kind(mountpoint + "/x/y", sysfs, table) == kind
+        assert disks.is_network(kind) == kind.startswith("network")
+
+
+def test_evidence_names_the_model_and_resolves_dev_root(tmp_path: Path) -> None:
+    sysfs, table = fake_machine(tmp_path, *LAYOUTS["aws"][:2])
+    kind, evidence = disks.describe("/home/ubuntu", sysfs, table)
+    assert kind == "network_block" and disks.is_network(kind)
+    assert "/dev/root is nvme0n1p1" in evidence and "AWS EBS" in evidence
+    assert "partition of nvme0n1" in evidence and "Amazon Elastic Block Store" in evidence
+    assert "AWS instance store" in disks.describe("/opt/dlami/nvme", sysfs, table)[1]
+    sysfs, table = fake_machine(tmp_path / "efs", *LAYOUTS["network-files"][:2])
+    assert "AWS EFS" in disks.describe("/efs/data", sysfs, table)[1]
+    sysfs, table = fake_machine(tmp_path / "raid", *LAYOUTS["aws-raid"][:2])
+    evidence = disks.describe("/scratch", sysfs, table)[1]
+    assert "md0 over nvme1n1" in evidence and "nvme2n1" in evidence
+
+
+def test_dev_root_with_no_matching_device_is_other_and_says_why(tmp_path: Path) -> None:
+    sysfs, table = fake_machine(tmp_path, {"nvme0n1": {"model": "Amazon Elastic Block Store",
+                                                       "parts": {"nvme0n1p1": "1:99999"}}},
+                                ["/dev/root / ext4 rw"])
+    kind, evidence = disks.describe("/", sysfs, table)
+    assert kind == "other" and "st_dev" in evidence
+
+
+def test_this_machine_through_psutil(tmp_path: Path) -> None:
+    assert disks.disk_kind(tmp_path) in disks.KINDS
+    assert all(d.fstype not in ("proc", "sysfs", "tmpfs", "cgroup") for d in disks.disks())
+    assert all(d.kind in disks.KINDS and d.evidence for d in disks.disks())
+
+
+def test_info_reports_a_fake_layout(tmp_path: Path) -> None:
+    sysfs, table = fake_machine(tmp_path, *LAYOUTS["aws"][:2])
+    out = subprocess.run([sys.executable, "-m", "diag", "info", "--no-probe"], text=True,
+                         capture_output=True, timeout=120,
+                         env={**os.environ, "DIAG_SYSFS": sysfs, "DIAG_MOUNTS": table})
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines()
+            if line.strip().startswith("disk:")}
+    assert set(rows) == {"disk:/", "disk:/opt/dlami/nvme"}
+    assert "network_block" in rows["disk:/"] and "local_nvme" in rows["disk:/opt/dlami/nvme"]
 
 
 def test_evict_page_cache_makes_a_file_cold_and_says_so(tmp_path) -> None:

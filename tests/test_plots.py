@@ -95,3 +95,26 @@ def test_bad_input_is_named():
         plots.plot_stage_shares(pd.DataFrame(columns=["run", "stage", "seconds", "share"]))
     with pytest.raises(ValueError, match="run='other' not in shares"):
         plots.plot_amdahl(amdahl.shares(constructed()), run="other")
+
+
+def test_notebook_figures_keep_the_users_inline_format(monkeypatch):
+    from IPython.core.interactiveshell import InteractiveShell
+    from matplotlib.figure import Figure
+    from matplotlib_inline.backend_inline import InlineBackend
+
+    shell = InteractiveShell.instance()
+    try:
+        monkeypatch.setattr(plots._show_in_notebooks, "done", False, raising=False)
+        InlineBackend.instance(parent=shell).figure_formats = {"svg"}  # %config ... = {'svg'}
+        for formatter in shell.display_formatter.formatters.values():
+            formatter.pop(Figure, None)  # as before pyplot is imported: nothing set up yet
+        fig = plots._figure()
+        fig.add_subplot().plot([0, 1])
+        data, _ = shell.display_formatter.format(fig)
+        assert "image/svg+xml" in data and "image/png" not in data
+        monkeypatch.setattr(plots._show_in_notebooks, "done", False)
+        plots._figure()  # a formatter that is already there (pyplot's) is left alone
+        assert "image/svg+xml" in shell.display_formatter.format(fig)[0]
+    finally:
+        InlineBackend.clear_instance()
+        InteractiveShell.clear_instance()

@@ -186,3 +186,51 @@ def test_gather_collects_every_rank_over_gloo(tmp_path):
     compute = frame[frame["stage"] == "compute"]
     assert compute.groupby("rank")["seconds"].sum().round(6).tolist() == [0.2, 0.6]
     assert frame[frame["stage"] == "data_wait"].groupby("rank").size().tolist() == [2, 3]
+
+
+def test_stage_names_show_in_a_torch_profiler_trace(tmp_path):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def loop(timer):
+        with timer.stage("train"):
+            for x in timer.watch([torch.ones(4)] * 2):
+                with timer.stage("compute"):
+                    (x @ x).item()
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loop(StageTimer())
+    names = [e.name for e in prof.events()]
+    assert names.count("compute") == 2 and names.count("data_wait") == 3  # 2 items + the end
+    assert names.count("train") == 1
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))  # what Perfetto and HTA read
+    assert '"name": "compute"' in (tmp_path / "trace.json").read_text()
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loop(StageTimer(trace=False))
+    assert not {"compute", "data_wait", "train"} & {e.name for e in prof.events()}
+
+
+def test_ranges_cost_nothing_without_a_profiler(monkeypatch):
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.profiler, "record_function", lambda name: calls.append(name))
+    timer = StageTimer()
+    with timer.stage("compute"):
+        pass
+    assert calls == [] and len(timer.to_frame()) == 1  # no profiler recording: no range made
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_stages_push_and_pop_nvtx_ranges(monkeypatch):
+    import torch
+
+    pushed = []
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: pushed.append(name))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: pushed.append("pop"))
+    timer = StageTimer(device="cuda")
+    with timer.stage("compute"):
+        torch.ones(8, device="cuda").sum()
+    assert pushed == ["compute", "pop"]

@@ -193,6 +193,16 @@ class S3Server(LoopbackServer):
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(port)]
 
+    def start(self) -> S3Server:
+        import importlib.util
+
+        # the server is a subprocess: without this its ImportError would be a log tail
+        missing = [m for m in ("moto", "flask", "flask_cors") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise RuntimeError(f"the embedded S3 server needs {', '.join(missing)}: install the "
+                               "extra with pip install 'diag[embedded]' (or -e '.[embedded]')")
+        return super().start()
+
     def on_ready(self) -> None:
         self.client().create_bucket(Bucket=self.bucket)
 

@@ -1,0 +1,89 @@
+"""GPU utilisation during a timed run, sampled through NVML (nvidia-ml-py, the `gpu` extra).
+
+`with GpuSampler(device) as util:` reads NVML's utilisation counter (the share of the last sample
+period in which a kernel ran) every `interval_s` on a background thread while the block runs.
+`util.columns()` gives `gpu_util_pct` (the mean; NaN when not measured) and `gpu_util_note` (""
+when measured, else why not). Read it beside data_wait: a large data_wait share with low
+utilisation is a GPU waiting for its input; a high utilisation means compute is the bottleneck.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class GpuSampler:
+    """Samples one CUDA device's utilisation while its `with` block runs; says why when it can't."""
+
+    def __init__(self, device: Any = None, interval_s: float = 0.1) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s={interval_s!r}: must be a number > 0")
+        self.device = device
+        self.interval_s = interval_s
+        self.samples: list[float] = []
+        self.reason = ""  # why nothing is sampled; "" while sampling works
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nvml: Any = None
+
+    def _handle(self) -> tuple[Any, str]:
+        """(the NVML handle of the device, found by UUID since NVML and CUDA number GPUs
+        differently under CUDA_VISIBLE_DEVICES; or None, the reason there is none)."""
+        import torch
+
+        dev = torch.device("cuda" if self.device in (None, "auto") else self.device)
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            return None, f"not a CUDA run (device {dev.type}): no GPU to sample"
+        try:
+            import pynvml
+        except ImportError:
+            return None, "nvidia-ml-py is not installed: pip install 'diag[gpu]'"
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as err:
+            return None, f"NVML did not start: {err}"
+        self._nvml = pynvml
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        try:
+            return pynvml.nvmlDeviceGetHandleByUUID("GPU-" + uuid.removeprefix("GPU-")), ""
+        except pynvml.NVMLError:
+            pass
+        try:  # no UUID match: assume both number the GPUs alike
+            return pynvml.nvmlDeviceGetHandleByIndex(index), ""
+        except pynvml.NVMLError as err:
+            return None, f"NVML does not know CUDA device {index}: {err}"
+
+    def _run(self, handle: Any) -> None:
+        nvml = self._nvml
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.samples.append(float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+            except nvml.NVMLError as err:  # e.g. the GPU fell off the bus: keep what we have
+                self.reason = f"NVML stopped answering: {err}"
+                return
+
+    def __enter__(self) -> GpuSampler:
+        handle, self.reason = self._handle()
+        if handle is None:
+            return self
+        self._thread = threading.Thread(target=self._run, args=(handle,), daemon=True,
+                                        name="diag-gpu-sampler")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = None
+
+    def columns(self) -> dict[str, Any]:
+        """gpu_util_pct (mean of the samples, NaN if none) and gpu_util_note (why none)."""
+        if not self.samples:
+            note = self.reason or f"no sample: the run was shorter than {self.interval_s} s"
+            return {"gpu_util_pct": float("nan"), "gpu_util_note": note}
+        return {"gpu_util_pct": sum(self.samples) / len(self.samples), "gpu_util_note": ""}
