@@ -11,7 +11,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.diag-installed
 ARGS   ?=
 
-.PHONY: demo test lab bench clean-venv
+.PHONY: demo test lab bench mutate clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,14 @@ lab: $(STAMP)
 
 bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# Mutation testing (mutmut, config in pyproject.toml [tool.mutmut]): slow, so not in make test or
+# CI. Of landing, only its hit check of a landed file (_local_ok) is mutated.
+MUTANTS ?= diag.amdahl.* diag.secrets.* diag.timing.* diag.gpus.* diag.config.* \
+	diag.storage.landing.x__local_ok__*
+mutate: $(STAMP)
+	$(VENV)/bin/mutmut run --max-children $$(nproc) $(foreach m,$(MUTANTS),'$(m)')
+	$(PY) tools/mutation_score.py $(foreach m,$(MUTANTS),'$(m)')
 
 clean-venv:
 	rm -rf $(VENV)

@@ -46,6 +46,13 @@ def test_train_time_outside_step_stages_becomes_other():
     frame.loc[frame["stage"] == "train", "seconds"] += 0.3  # 0.1 s per step unaccounted
     table = amdahl.shares(frame).set_index("stage")
     assert table.loc["other", "seconds"] == pytest.approx(0.3)
+    # other is part of the run: the shares still add up to one, other's included
+    total = 30 + 10 + 0.7 + 3.2 + 0.3
+    assert table["seconds"].sum() == pytest.approx(total)
+    assert table.loc["other", "share"] == pytest.approx(0.3 / total)
+    assert table["share"].sum() == pytest.approx(1.0, abs=1e-12)
+    projected = amdahl.shares(frame, total_steps=300)
+    assert projected["share"].sum() == pytest.approx(1.0, abs=1e-12)
 
 
 def test_runs_are_kept_apart():
@@ -89,6 +96,16 @@ def test_inverse_amdahl_worked_example_from_the_seed_story():
     assert split["compute"] / 3600 == pytest.approx(1.93, abs=0.01)
     assert split["not_compute_share"] == pytest.approx(0.82, abs=0.01)
     assert split["compute"] + split["not_compute"] == pytest.approx(11 * 3600)
+    # the notebook's call, in hours: C = 1.5 / (1 - 1/4.5) = 27/14 h; every field by hand
+    hours = amdahl.infer_compute_share(t_before=11.0, t_after=9.5, compute_speedup=4.5)
+    assert hours == pytest.approx({"compute": 27 / 14, "not_compute": 11 - 27 / 14,
+                                   "compute_share": 27 / 154, "not_compute_share": 1 - 27 / 154,
+                                   "compute_after": 3 / 7, "t_after": 9.5}, rel=1e-12)
+    # the second run is its compute at k times the speed plus the unchanged rest
+    for k, after in ((2.0, 10.0), (4.5, 9.5), (8.0, 6.0)):
+        got = amdahl.infer_compute_share(11.0, after, k)
+        assert got["compute_after"] + got["not_compute"] == pytest.approx(after, rel=1e-12)
+        assert got["compute_after"] == pytest.approx(got["compute"] / k, rel=1e-12)
     # at either end of a 4-5x ratio, ~80% of the 4070 run was not compute
     for k in (4.0, 5.0):
         assert amdahl.infer_compute_share(11, 9.5, k)["not_compute_share"] > 0.79

@@ -56,6 +56,36 @@ def test_table_structure() -> None:
         assert p.get("bf16", 0) <= 2.25e15 * 1.001, spec.name
 
 
+def test_dense_tensor_peaks_keep_their_ratios_across_the_whole_table() -> None:
+    # bf16 tensor math runs at twice the tf32 rate on every generation here (Ampere to Blackwell);
+    # a 2:4-sparse figure slipped into either column breaks the ratio by 2x. fp16 == bf16 on all.
+    # The lower bound is 1.97, not 1.98: the L40S datasheet prints 362.05 bf16 / 183 tf32 (1.978).
+    both = [s for s in dev.GPUS if {"bf16", "tf32"} <= set(s.peaks)]
+    assert len(both) >= 25, [s.name for s in both]
+    for spec in both:
+        ratio = spec.peaks["bf16"] / spec.peaks["tf32"]
+        assert 1.97 <= ratio <= 2.05, (spec.name, ratio)
+    for spec in dev.GPUS:
+        if "bf16" in spec.peaks and "fp16" in spec.peaks:
+            assert spec.peaks["fp16"] == spec.peaks["bf16"], spec.name
+        if "fp8" in spec.peaks:  # fp8 is twice bf16 where the card has both
+            assert 1.98 <= spec.peaks["fp8"] / spec.peaks["bf16"] <= 2.05, spec.name
+
+
+def test_entries_are_built_from_tflops_with_fp16_defaulting_to_bf16() -> None:
+    from diag.gpus import GpuSpec, _g
+
+    spec = _g("X1", ("x1", "x 1"), 24.0, "a datasheet", fp32=10, bf16=40, tf32=20, fp8=80)
+    assert isinstance(spec, GpuSpec)
+    assert (spec.name, spec.patterns, spec.memory_gb, spec.source) == (
+        "X1", ("x1", "x 1"), 24.0, "a datasheet")
+    assert spec.peaks == {"bf16": 40 * T, "fp16": 40 * T, "tf32": 20 * T, "fp32": 10 * T,
+                          "fp8": 80 * T}
+    # a card without bf16 keeps its own fp16; dtypes it lacks are absent, not zero
+    assert _g("X2", ("x2",), 16, "s", fp32=8, fp16=65).peaks == {"fp16": 65 * T, "fp32": 8 * T}
+    assert _g("X3", ("x3",), 16, "s", fp32=8, bf16=30, fp16=31).peaks["fp16"] == 31 * T
+
+
 def test_every_pattern_finds_its_own_entry() -> None:
     for spec in dev.GPUS:
         for pattern in spec.patterns:
@@ -93,6 +123,15 @@ def test_every_pattern_finds_its_own_entry() -> None:
     ],
 )
 def test_device_name_matching(device_name: str, entry: str) -> None:
+    spec = dev.find_gpu(device_name)
+    assert spec is not None and spec.name == entry
+
+
+@pytest.mark.parametrize("device_name, entry", [
+    ("nvidia_h100_pcie", "H100 PCIe"), ("NVIDIA A100/80GB", "A100 80GB"),
+    ("nvidia-l40s", "L40S"), ("TESLA T4", "T4"),
+])
+def test_names_match_whatever_separates_or_cases_their_words(device_name: str, entry: str) -> None:
     spec = dev.find_gpu(device_name)
     assert spec is not None and spec.name == entry
 

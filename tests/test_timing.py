@@ -62,10 +62,12 @@ def test_stage_that_raises_is_still_recorded():
 
 
 def test_watch_measures_injected_delay_within_10_percent():
-    delay = 0.05
+    # 0.25 s per item: a busy 2-core box oversleeps by a few ms (4 ms seen), well inside the 10%
+    # (25 ms) this allows; at 50 ms per item the same noise was 8% of the delay.
+    delay = 0.25
 
     def slow_loader():
-        for i in range(5):
+        for i in range(3):
             time.sleep(delay)
             yield i
 
@@ -74,14 +76,14 @@ def test_watch_measures_injected_delay_within_10_percent():
     for item in timer.watch(slow_loader()):
         with timer.stage("compute"):
             seen.append(item)
-    assert seen == [0, 1, 2, 3, 4]
+    assert seen == [0, 1, 2]
     frame = timer.to_frame()
     waits = frame[frame["stage"] == "data_wait"]
-    assert waits["step"].tolist() == [0, 1, 2, 3, 4]
+    assert waits["step"].tolist() == [0, 1, 2]
     for seconds in waits["seconds"]:
         assert seconds == pytest.approx(delay, rel=0.10)
     compute = frame[frame["stage"] == "compute"]
-    assert compute["step"].tolist() == [0, 1, 2, 3, 4]  # step-level stages carry the step
+    assert compute["step"].tolist() == [0, 1, 2]  # step-level stages carry the step
 
 
 def test_watch_excludes_loop_body_time():
@@ -181,6 +183,7 @@ def test_gather_collects_every_rank_over_gloo(tmp_path):
         port = s.getsockname()[1]
     out = tmp_path / "gathered.csv"
     mp.spawn(_gather_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    assert StageTimer().gather().empty  # no process group here: a timer's own (empty) frame
     frame = pd.read_csv(out)
     assert sorted(frame["rank"].unique()) == [0, 1]
     compute = frame[frame["stage"] == "compute"]

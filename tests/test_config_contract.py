@@ -1,0 +1,136 @@
+"""diag.config's validators at their edges: every message in full, every boundary value.
+
+Written against the mutants `make mutate` found untested (docs/mutation.md). Each config is built
+directly, so these run in milliseconds and need no experiment.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from diag.config import (DiagnoseConfig, ExperimentConfig, InfoConfig, ModelLoadConfig,
+                         ReportConfig, StorageConfig, ToyConfig, diag_home, quick_mode)
+
+
+@dataclass
+class _Sizes(ExperimentConfig):
+    """A config with a list field, as the sweeps have (loader: num_workers; accum: steps)."""
+
+    sizes: Any = field(default_factory=lambda: [1, 2])  # values of the sweep; each > 0
+    folder: Path = Path("/tmp")  # a path field: to_dict() writes it as text
+
+    def validate(self) -> None:
+        self._positive_list("sizes")
+
+
+def _raises(message: str, build: Any, **kwargs: Any) -> None:
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        build(**kwargs)
+
+
+def test_positive_list_accepts_lists_and_tuples_of_positive_numbers() -> None:
+    assert _Sizes(sizes=[1, 2.5]).sizes == [1, 2.5]
+    assert _Sizes(sizes=(0.001,)).sizes == (0.001,)
+    assert _Sizes(sizes=(1,)).to_dict() == {"sizes": [1], "folder": "/tmp"}
+
+
+@pytest.mark.parametrize("bad, why", [
+    ([], "must be a non-empty list"), ((), "must be a non-empty list"),
+    ("1,2", "must be a non-empty list"), (3, "must be a non-empty list"),
+    ([1, 0], "every value must be a number > 0"), ([1, -2.0], "every value must be a number > 0"),
+    ([True], "every value must be a number > 0"), ([1, "2"], "every value must be a number > 0"),
+])
+def test_positive_list_names_the_field_and_the_rule(bad: Any, why: str) -> None:
+    _raises(f"_Sizes.sizes={bad!r}: {why}", _Sizes, sizes=bad)
+
+
+def test_replace_validates_the_new_values() -> None:
+    cfg = ToyConfig.quick()
+    assert cfg.replace(steps=7).steps == 7 and cfg.replace(steps=7).width == cfg.width
+    _raises("ToyConfig.steps=0: must be a number > 0", cfg.replace, steps=0)
+
+
+def test_report_config_needs_a_folder() -> None:
+    assert ReportConfig(folder="runs/x").folder == "runs/x"
+    _raises("ReportConfig.folder='': name a run folder (e.g. runs/<timestamp>)", ReportConfig)
+
+
+def test_model_load_config_scenarios() -> None:
+    assert ModelLoadConfig().scenarios == ["fresh", "cached", "cached_offline", "cached_cold"]
+    assert ModelLoadConfig(scenarios=" cached , fresh,").scenarios == ["cached", "fresh"]
+    assert ModelLoadConfig(scenarios=["cached_cold"]).scenarios == ["cached_cold"]
+    once = ("ModelLoadConfig.scenarios={!r}: name each scenario once: fresh, cached, "
+            "cached_offline, cached_cold")
+    _raises(once.format([]), ModelLoadConfig, scenarios=[])
+    _raises(once.format([]), ModelLoadConfig, scenarios=" , ")
+    _raises(once.format(["fresh", "fresh"]), ModelLoadConfig, scenarios="fresh,fresh")
+    _raises("ModelLoadConfig.scenarios: 'warm' is not a scenario; allowed values are 'fresh', "
+            "'cached', 'cached_offline', 'cached_cold'", ModelLoadConfig, scenarios=["fresh", "warm"])
+    _raises("ModelLoadConfig.revision='': name a branch, tag or commit (main)", ModelLoadConfig,
+            revision="")
+
+
+@pytest.mark.parametrize("name, bad, rule", [
+    ("repeats", 0, "must be a number > 0"), ("timeout_s", -1.0, "must be a number > 0"),
+    ("device", "tpu", "allowed values are 'auto', 'cpu', 'cuda' and 'cuda:N'"),
+])
+def test_model_load_config_numbers_and_device(name: str, bad: Any, rule: str) -> None:
+    _raises(f"ModelLoadConfig.{name}={bad!r}: {rule}", ModelLoadConfig, **{name: bad})
+
+
+@pytest.mark.parametrize("name, bad, rule", [
+    ("steps", 0, "must be a number > 0"), ("prep_ms", -0.5, "must be a number >= 0"),
+    ("naive_workers", -1, "must be a number >= 0"),
+    ("optimized_workers", -2, "must be a number >= 0"),
+    ("device", "cuda:x", "allowed values are 'auto', 'cpu', 'cuda' and 'cuda:N'"),
+])
+def test_diagnose_config_rules(name: str, bad: Any, rule: str) -> None:
+    _raises(f"DiagnoseConfig.{name}={bad!r}: {rule}", DiagnoseConfig, **{name: bad})
+
+
+def test_zero_is_allowed_where_the_rule_is_non_negative() -> None:
+    cfg = DiagnoseConfig(prep_ms=0.0, naive_workers=0, optimized_workers=0, device="cuda:0")
+    assert (cfg.prep_ms, cfg.optimized_workers, cfg.device) == (0.0, 0, "cuda:0")
+    assert StorageConfig(warmup=0, retries=0, usd_per_hour=0.0).retries == 0
+
+
+@pytest.mark.parametrize("name, bad, rule", [
+    ("size_mb", 0.0, "must be a number > 0"), ("shards", False, "must be a number > 0"),
+    ("repeats", "3", "must be a number > 0"), ("warmup", -1, "must be a number >= 0"),
+    ("retries", True, "must be a number >= 0"), ("dataset_gb", "1", "must be a number >= 0"),
+    ("verify", "md5", "allowed values are 'sha256', 'size'"),
+    ("source", "s3:///key", "expected s3://bucket/key, s3://bucket/prefix/ or '' for the "
+                            "embedded server"),
+    ("source", "gs://b/k", "expected s3://bucket/key, s3://bucket/prefix/ or '' for the "
+                           "embedded server"),
+])
+def test_storage_config_rules(name: str, bad: Any, rule: str) -> None:
+    _raises(f"StorageConfig.{name}={bad!r}: {rule}", StorageConfig, **{name: bad})
+
+
+def test_info_and_toy_edges() -> None:
+    assert InfoConfig(probe_size=1).probe_size == 1
+    assert ToyConfig(steps=1, warmup_steps=0, prep_ms=0.0, num_workers=0).steps == 1
+    _raises("InfoConfig.probe_size=0.0: must be a number > 0", InfoConfig, probe_size=0.0)
+    assert StorageConfig(source="s3://b/k").source == "s3://b/k"
+
+
+@pytest.mark.parametrize("value, quick", [("", False), ("0", False), ("false", False),
+                                          (" No ", False), ("1", True), ("yes", True)])
+def test_quick_mode_values(monkeypatch: pytest.MonkeyPatch, value: str, quick: bool) -> None:
+    monkeypatch.setenv("DIAG_QUICK", value)
+    assert quick_mode() is quick
+
+
+def test_quick_mode_unset_and_diag_home_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DIAG_QUICK", raising=False)
+    assert quick_mode() is False
+    monkeypatch.delenv("DIAG_HOME", raising=False)
+    assert diag_home() == Path.home() / ".cache" / "diag"
+    monkeypatch.setenv("DIAG_HOME", "~/elsewhere")
+    assert diag_home() == Path.home() / "elsewhere"

@@ -1,0 +1,45 @@
+"""Score of the last `mutmut run`, per module: killed / mutants tried, and the survivors.
+
+Reads mutmut's results under mutants/ (run from the repository root after `make mutate`).
+Arguments are the mutant-name patterns that were run (as given to `mutmut run`); mutants outside
+them are not counted. A survivor named in docs/mutation.md is listed as explained there (an
+equivalent mutant); any other survivor is a test to write. Exit 1 if a module is under the goal.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+GOAL = 0.90
+KILLED = {1, 3, 24, -24, 36, 37, 152, 255}  # mutmut's codes: test failed, timed out, type error
+
+
+def main(patterns: list[str]) -> int:
+    explained = Path("docs/mutation.md").read_text() if Path("docs/mutation.md").exists() else ""
+    worst = 1.0
+    for meta in sorted(Path("mutants").rglob("*.py.meta")):
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        tried = {k: v for k, v in codes.items()
+                 if v is not None and any(fnmatch.fnmatch(k, p) for p in patterns)}
+        if not tried:
+            continue
+        module = meta.relative_to("mutants").as_posix().removesuffix(".py.meta").replace("/", ".")
+        killed = sum(v in KILLED for v in tried.values())
+        survivors = sorted(k for k, v in tried.items() if v not in KILLED)
+        score = killed / len(tried)
+        worst = min(worst, score)
+        counts = Counter("killed" if v in KILLED else "survived" if v == 0 else
+                         "no tests" if v in (5, 33) else f"exit {v}" for v in tried.values())
+        print(f"{module}: {score:.1%} killed ({killed}/{len(tried)}; {dict(counts)}) "
+              f"(goal >= {GOAL:.0%})")
+        for name in survivors:
+            print(f"    {name}{'  (equivalent: docs/mutation.md)' if name in explained else ''}")
+    return 0 if worst >= GOAL else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:] or ["*"]))
