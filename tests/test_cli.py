@@ -144,7 +144,7 @@ def test_every_config_field_has_a_comment_for_help():
         docs = field_docs(exp.config)
         missing = [f.name for f in dataclasses.fields(exp.config) if not docs.get(f.name)]
         assert not missing, f"{name}: fields without a trailing comment: {missing}"
-    assert field_docs(StorageConfig)["retries"].startswith("retries of a dropped connection")
+    assert field_docs(StorageConfig)["retries"].startswith("request retries and re-GETs")
 
 
 def test_literal_fields_parse_to_their_allowed_values():

@@ -132,10 +132,12 @@ def test_retries_and_region_come_from_the_users_aws_config_unless_given(s3, tmp_
 def test_storage_config_registers_the_url_password_before_anything_runs():
     from diag.secrets import redact
 
-    text = "GET http://u:another-Secret-77@h:9000/b/k"
+    # URL userinfo is always redacted; the config also registers the password, so it is hidden
+    # where it appears alone (a server's error message that echoes it, say)
+    text = "auth failed for another-Secret-77 at h:9000"
     assert "another-Secret-77" in redact(text)  # not a secret until the config names it
     StorageConfig(source="s3://b/k", endpoint_url="http://u:another-Secret-77@h:9000")
-    assert "another-Secret-77" not in redact(text) and "h:9000/b/k" in redact(text)
+    assert "another-Secret-77" not in redact(text) and "h:9000" in redact(text)
 
 
 FAKE_ID, FAKE_SECRET = "AKIAFAKEDIAGTEST0001", "fake/Secret+Key/diag-test-0123456789abcd"

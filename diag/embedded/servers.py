@@ -11,7 +11,6 @@ or pass `endpoint=` to huggingface_hub calls. The assets they serve are made onc
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import socket
@@ -19,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 

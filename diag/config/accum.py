@@ -1,0 +1,71 @@
+"""`diag accum`: the grad-accum experiment's config (diag.accum)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from diag.config.base import ExperimentConfig
+
+
+# AccumConfig: the gradient-accumulation sweep at constant tokens per step, and MFU.
+
+ACCUM_MODELS = {"tiny": 2048, "gpt2-small": 1024}  # model -> context (positions) it accepts
+ACCUM_DTYPES = ("auto", "bf16", "fp32")  # autocast dtype; auto = bf16 on CUDA, fp32 on CPU
+
+
+@dataclass
+class AccumConfig(ExperimentConfig):
+    """`diag accum`: micro_batch x grad_accum at the same tokens per step; tokens/s, MFU, floor."""
+
+    tokens_per_step: int = 4096  # tokens per optimizer step at every point (the seed: 16 x 1024 x 64 = 1M)
+    seq_len: int = 128  # tokens per sequence (nanoGPT's block_size); at most the model's context
+    micro_batches: list[int] = field(default_factory=list)  # sequences per forward; [] = every power of two up to tokens_per_step / seq_len
+    steps: int = 3  # timed optimizer steps per point; more is steadier and slower
+    warmup_steps: int = 1  # untimed first steps per point (allocator, kernels, compile): reported as warmup_s
+    model: str = "tiny"  # "tiny": the embedded Llama (CPU-sized); "gpt2-small": GPT-2 124M shape, random init (a GPU)
+    compile: bool = False  # torch.compile each point: faster steps, compile time lands in warmup_s
+    dtype: str = "auto"  # autocast dtype: "auto" = bf16 on CUDA, fp32 on CPU
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    token_file: str = ""  # a nanoGPT-style train.bin (uint16 ids); "" = the synthetic dataset, tokenized once
+    peak_tflops: float = 0.0  # dense peak for MFU; 0 = diag's table (CUDA) or a measured matmul probe (CPU)
+    steps_per_run: int = 5000  # optimizer steps in your run: prices the advice (seconds saved per run)
+    seed: int = 0  # window sampling and the gpt2-small init
+
+    QUICK: ClassVar[dict[str, Any]] = {"tokens_per_step": 1024, "seq_len": 64,
+                                       "micro_batches": [2, 16], "steps": 2}
+    # the lent H200's shape (issue 11): GPT-2 small, block 1024, 131k tokens per step
+    GPU: ClassVar[dict[str, Any]] = {"model": "gpt2-small", "seq_len": 1024,
+                                     "tokens_per_step": 131072, "micro_batches": [8, 16, 32, 64]}
+
+    def validate(self) -> None:
+        name = type(self).__name__
+        self._positive("tokens_per_step", "seq_len", "steps", "steps_per_run")
+        self._non_negative("warmup_steps", "peak_tflops", "seed")
+        for f in ("tokens_per_step", "seq_len", "steps", "warmup_steps", "steps_per_run"):
+            if not isinstance(getattr(self, f), int):
+                raise ValueError(f"{name}.{f}={getattr(self, f)!r}: must be a whole number")
+        if self.compile and self.warmup_steps < 1:
+            raise ValueError(f"{name}.warmup_steps=0: compile=True needs >= 1 warm-up step, where "
+                             "the compile happens (it must not land in the timed steps)")
+        self._choice("model", tuple(ACCUM_MODELS))
+        self._choice("dtype", ACCUM_DTYPES)
+        self._device()
+        context = ACCUM_MODELS[self.model]
+        if self.seq_len > context:
+            raise ValueError(f"{name}.seq_len={self.seq_len}: above the context of model "
+                             f"{self.model!r} ({context} positions); allowed 1..{context}")
+        if self.tokens_per_step % self.seq_len:
+            raise ValueError(f"{name}.tokens_per_step={self.tokens_per_step}: not divisible by "
+                             f"seq_len={self.seq_len}; allowed: a multiple of it, e.g. "
+                             f"{max(1, round(self.tokens_per_step / self.seq_len)) * self.seq_len}")
+        sequences = self.tokens_per_step // self.seq_len
+        if isinstance(self.micro_batches, str):  # "4,8" from a notebook parameter
+            self.micro_batches = [int(v) for v in self.micro_batches.split(",") if v.strip()]
+        allowed = [m for m in range(1, sequences + 1) if sequences % m == 0]
+        for m in self.micro_batches:
+            if isinstance(m, bool) or not isinstance(m, int) or m not in allowed:
+                raise ValueError(
+                    f"{name}.micro_batches: {m!r} x seq_len={self.seq_len} does not divide "
+                    f"tokens_per_step={self.tokens_per_step}; allowed micro-batches: "
+                    + ", ".join(map(str, allowed)))

@@ -1,0 +1,83 @@
+"""`diag info`, `diag toy`, `diag report` and `diag run`: the configs that are not one experiment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from diag.config.base import ExperimentConfig
+
+
+@dataclass
+class InfoConfig(ExperimentConfig):
+    """`diag info`: what this machine is."""
+
+    probe: bool = True  # time a matmul on CPU to report a measured peak (no table entry for CPUs)
+    probe_size: int = 1024  # matrix side of the CPU probe; larger is steadier and slower
+
+    QUICK: ClassVar[dict[str, Any]] = {"probe_size": 256}
+
+    def validate(self) -> None:
+        self._positive("probe_size")
+
+
+@dataclass
+class ToyConfig(ExperimentConfig):
+    """A timed toy training loop: the smallest run that exercises every step-level stage."""
+
+    steps: int = 50  # optimizer steps timed (after warmup_steps)
+    warmup_steps: int = 5  # untimed first steps: allocator, kernel selection
+    batch_size: int = 32  # samples per step
+    width: int = 512  # hidden width of the toy MLP; compute grows with width^2
+    prep_ms: float = 0.0  # synthetic per-batch preprocessing cost, to make data_wait visible
+    num_workers: int = 0  # DataLoader workers; more overlap preprocessing with compute
+    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
+
+    QUICK: ClassVar[dict[str, Any]] = {"steps": 10, "warmup_steps": 2, "width": 128}
+
+    def validate(self) -> None:
+        self._positive("steps", "batch_size", "width")
+        self._non_negative("warmup_steps", "prep_ms", "num_workers")
+        self._device()
+
+
+@dataclass
+class ReportConfig(ExperimentConfig):
+    """`diag report DIR`: re-render a run folder's figures and report.html from its CSVs."""
+
+    folder: str = ""  # the run folder, e.g. runs/20261130T120000Z
+
+    POSITIONAL: ClassVar[tuple[str, ...]] = ("folder",)
+
+    def validate(self) -> None:
+        if not self.folder:
+            raise ValueError("ReportConfig.folder='': name a run folder (e.g. runs/<timestamp>)")
+
+
+
+@dataclass
+class DiagnoseConfig(ExperimentConfig):
+    """`diag run`: every experiment on one source, a naive and an optimized run, the report."""
+
+    out: str = ""  # run folder to write; "" makes runs/<UTC timestamp>/
+    source: str = ""  # dataset for the storage experiment (s3://...); "" = the embedded S3 server
+    model: str = ""  # model for the model-load experiment (org/name or a folder); "" = embedded
+    storage: bool = True  # run the storage experiment (object store vs local disk)
+    model_load: bool = True  # run the model-load experiment (fresh vs cached)
+    accum: bool = True  # run the grad-accum sweep and MFU (diag.accum)
+    loader: bool = True  # run the data-loader experiment (num_workers sweep, stall split)
+    steps: int = 60  # timed toy steps per run (naive and optimized)
+    prep_ms: float = 3.0  # host preprocessing per batch: what num_workers has to hide
+    naive_workers: int = 0  # DataLoader workers of the naive run (preprocessing in the loop)
+    optimized_workers: int = 2  # DataLoader workers of the optimized run
+    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
+    current_gpu: str = ""  # GPU marked "now" on the Amdahl curve; "" = the detected one
+    target_gpu: str = "H100 SXM"  # GPU you consider renting, marked at its dense-peak ratio
+    quick_experiments: bool = False  # True runs each experiment in its test-sized variant (seconds)
+
+    QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0, "quick_experiments": True}
+
+    def validate(self) -> None:
+        self._positive("steps")
+        self._non_negative("prep_ms", "naive_workers", "optimized_workers")
+        self._device()

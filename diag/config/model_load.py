@@ -1,0 +1,41 @@
+"""`diag model-load`: the model-load experiment's config (diag.model_load)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from diag.config.base import ExperimentConfig, Scenario, MODEL_LOAD_SCENARIOS
+
+
+@dataclass
+class ModelLoadConfig(ExperimentConfig):
+    """`diag model-load`: fresh vs cached model load, each part (download ... tokenizer) timed."""
+
+    model: str = ""  # "" = the embedded tiny model on a local hub; "org/name" = HF_ENDPOINT or the real hub; a folder = no download
+    revision: str = "main"  # branch, tag or commit of a hub model
+    scenarios: list[Scenario] = field(default_factory=lambda: list(MODEL_LOAD_SCENARIOS))  # fewer run faster; fresh downloads the whole model every repeat
+    repeats: int = 3  # measured loads per scenario after one warm-up; more is steadier, each is a process start
+    quantize: bool = True  # 4-bit nf4 (bitsandbytes) as QLoRA loads its base; False keeps the checkpoint dtype
+    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
+    cache_dir: str = ""  # HF hub cache of the cached scenarios; "" = <DIAG_HOME>/hf-cache, never your HF_HOME unless named
+    repair_cache: bool = False  # True re-downloads cached files that fail their checksum; False stops and reports them
+    trust_remote_code: bool = False  # True runs Python code from the model repo; only for repos you trust
+    timeout_s: float = 1800.0  # per load process; a large model over a slow link needs more
+
+    QUICK: ClassVar[dict[str, Any]] = {"repeats": 1}
+
+    def validate(self) -> None:
+        self._positive("repeats", "timeout_s")
+        self._device()
+        if isinstance(self.scenarios, str):
+            self.scenarios = [s.strip() for s in self.scenarios.split(",") if s.strip()]
+        if not self.scenarios or len(set(self.scenarios)) != len(self.scenarios):
+            raise ValueError(f"ModelLoadConfig.scenarios={self.scenarios!r}: name each scenario "
+                             "once: " + ", ".join(MODEL_LOAD_SCENARIOS))
+        for s in self.scenarios:
+            if s not in MODEL_LOAD_SCENARIOS:
+                raise ValueError(f"ModelLoadConfig.scenarios: {s!r} is not a scenario; allowed "
+                                 "values are " + ", ".join(map(repr, MODEL_LOAD_SCENARIOS)))
+        if not self.revision:
+            raise ValueError("ModelLoadConfig.revision='': name a branch, tag or commit (main)")
