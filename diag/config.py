@@ -20,6 +20,7 @@ T = TypeVar("T", bound="ExperimentConfig")
 # Names every layer shares, defined once (the CLI offers them as choices).
 DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" is also accepted where a device is asked for
 MODEL_LOAD_SCENARIOS = ("fresh", "cached", "cached_offline", "cached_cold")
+MODEL_LOAD_PROCESSES = ("fork", "exec")  # how each measured load gets its clean process
 STORAGE_PULLS = ("boto3_default", "boto3_tuned", "s5cmd")
 VERIFY_MODES = ("sha256", "size")  # how land() checks a landed copy before reusing it
 
@@ -201,8 +202,9 @@ class ModelLoadConfig(ExperimentConfig):
     repeats: int = 3  # measured loads per scenario after one warm-up; more is steadier, each is a process start
     quantize: bool = True  # 4-bit nf4 (bitsandbytes) as QLoRA loads its base; False keeps the checkpoint dtype
     device: str = "auto"  # "auto", "cpu" or "cuda"
-    cache_dir: str = ""  # HF hub cache of the cached scenarios; "" = <DIAG_HOME>/hf-cache, never your HF_HOME unless named
-    repair_cache: bool = False  # True re-downloads cached files that fail their checksum; False stops and reports them
+    cache_dir: str = ""  # HF hub cache of the cached scenarios; "" = your HF_HUB_CACHE for a hub id (read only), <DIAG_HOME>/hf-cache for the embedded model
+    repair_cache: bool = False  # True re-downloads cached files that fail their checksum (and may write to your HF cache); False stops and reports them
+    process: str = "fork"  # "fork": imports paid once, a clean forked child per load; "exec": a fresh interpreter per load (slower, same figures)
     trust_remote_code: bool = False  # True runs Python code from the model repo; only for repos you trust
     timeout_s: float = 1800.0  # per load process; a large model over a slow link needs more
 
@@ -211,6 +213,7 @@ class ModelLoadConfig(ExperimentConfig):
     def validate(self) -> None:
         self._positive("repeats", "timeout_s")
         self._device()
+        self._choice("process", MODEL_LOAD_PROCESSES)
         if isinstance(self.scenarios, str):
             self.scenarios = [s.strip() for s in self.scenarios.split(",") if s.strip()]
         if not self.scenarios or len(set(self.scenarios)) != len(self.scenarios):
