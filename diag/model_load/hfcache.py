@@ -109,9 +109,9 @@ def _online_rows(repo_id: str, cache_dir: str | os.PathLike[str], revision: str,
         # the offline check standing, and is said in a row, never hidden
         return [{"file": "", "blob": "", "bytes": 0, "status": "unverified",
                  "detail": f"online check against {endpoint} skipped: {type(err).__name__}"}]
-    rows = [{"file": m.path, "blob": "", "bytes": 0, "status": "corrupt",
-             "detail": f"the hub's {m.algorithm} is {m.expected[:12]}..., the cached file's "
-                       f"{m.actual[:12]}..."} for m in got.mismatches]
+    rows = [{"file": m["path"], "blob": "", "bytes": 0, "status": "corrupt",  # TypedDicts
+             "detail": f"the hub's {m['algorithm']} is {m['expected'][:12]}..., the cached "
+                       f"file's {m['actual'][:12]}..."} for m in got.mismatches]
     # the hub lists every file of the repo; a load fetches only ALLOW_PATTERNS
     rows += [{"file": p, "blob": "", "bytes": 0, "status": "missing",
               "detail": "on the hub, not in the cache"} for p in got.missing_paths
