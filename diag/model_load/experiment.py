@@ -114,9 +114,10 @@ def _plan(cfg: ModelLoadConfig, src: Source) -> list[tuple[int, str]]:
 def run_model_load(cfg: ModelLoadConfig | None = None) -> pd.DataFrame:
     """Load cfg.model in each scenario, cfg.repeats times after one warm-up; the tidy frame.
 
-    Scenarios run interleaved per repeat, so drift hits each alike. The warm-up (not reported)
-    fills the persistent cache, which is verified by checksum before and after it; the user's
-    own cache is only read (the warm-up runs offline there) unless cfg.repair_cache.
+    Scenarios run interleaved per repeat, so drift hits each alike. A download step fills the
+    persistent cache, verified by checksum before and after it, then one warm-up load (not
+    reported) runs; the user's own cache is only read (the warm-up runs offline there) unless
+    cfg.repair_cache.
     """
     import pandas as pd
     from tqdm.auto import tqdm
@@ -143,6 +144,15 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> pd.DataFrame:
         disk = disk_kind(src.local_dir or cache_dir)
         scratch = diag_home() if src.user_cache else cache_dir.parent
         scratch.mkdir(parents=True, exist_ok=True)
+        if any(s != "fresh" for _, s in plan) and not local and not read_only:
+            # fill the cache first in a process that imports huggingface_hub only (~1 s): a
+            # wrong id, revision or endpoint is reported before anyone pays the big imports
+            got = run_worker(job(src, cfg, cache_dir, mode="download"),
+                             {**src.env, **overrides(cache_dir, offline_env())}, cfg.timeout_s)
+            if "error" in got:
+                raise failure(got, src, cache_dir, cfg.timeout_s)
+            if got["parts"]["download"]["bytes"]:
+                _check_cache(src, cfg, cache_dir)  # it just downloaded: check what it wrote
         with LoadProcesses(src.env, cfg.process, cfg.timeout_s) as procs:
 
             def run(job_cache: Path, offline: bool = False, mode: str = "load") -> dict[str, Any]:
@@ -153,9 +163,9 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> pd.DataFrame:
                 return result
 
             if any(s != "fresh" for _, s in plan):
-                warm = run(cache_dir, offline=read_only)
-                if not local and warm["parts"]["download"]["bytes"]:
-                    _check_cache(src, cfg, cache_dir)  # the warm-up just downloaded it
+                # a forked child changes nothing in the zygote: this warms only what the machine
+                # keeps (the page cache of the model and of lazily read library files)
+                run(cache_dir, offline=read_only)
             files = (sorted(p for p in src.local_dir.rglob("*") if p.is_file()) if local
                      else hfcache.blob_files(cache_dir, src.model))
             for repeat, scenario in tqdm(plan, desc="model load", unit="load", leave=False):

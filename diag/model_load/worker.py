@@ -200,6 +200,17 @@ def _plain(job: dict[str, Any]) -> dict[str, Any]:
     return {"device": device, "seconds": time.perf_counter() - start}
 
 
+def _raw_read(job: dict[str, Any]) -> dict[str, Any]:
+    """safetensors' own read of the files, copied into host memory as `read` does (the bench's
+    yardstick for diag's read part)."""
+    import safetensors.torch
+
+    start = time.perf_counter()
+    for path in job["files"]:
+        {k: v.clone() for k, v in safetensors.torch.load_file(path, device="cpu").items()}
+    return {"seconds": time.perf_counter() - start}
+
+
 def _model_class(config: Any, folder: Path, trust: bool) -> Any:
     """The class AutoModelForCausalLM picks for this config (public mapping, or the repo's code)."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -241,7 +252,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             folder, downloaded = _download(job)
             return {"snapshot": str(folder), "parts": {"download": {
                 "seconds": time.perf_counter() - t0, "bytes": downloaded}}}
-        return _plain(job) if job["mode"] == "plain" else _load(job)
+        return {"plain": _plain, "raw_read": _raw_read}.get(job["mode"], _load)(job)
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as err:
         # the parent owns the message the user sees
         return {"error": _error_kind(err), "type": type(err).__name__,
