@@ -52,8 +52,9 @@ def _redownload(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> Callable[
     a fresh interpreter that imports huggingface_hub only."""
 
     def fetch() -> None:
-        result = run_worker(job(src, cfg, cache_dir, mode="download"),
-                            {**src.env, **overrides(cache_dir, offline=False)}, cfg.timeout_s)
+        result = run_worker(job(src, cfg, cache_dir, mode="download"), {
+            **src.env, **overrides(cache_dir, offline=False, own_xet=not src.user_cache)},
+            cfg.timeout_s)
         if "error" in result:
             raise RuntimeError(redact(f"re-downloading {src.model}@{src.revision} after deleting "
                                       f"the damaged files failed: {result['message']}"))
@@ -143,12 +144,14 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> pd.DataFrame:
             cache_dir.mkdir(parents=True, exist_ok=True)
         disk = disk_kind(src.local_dir or cache_dir)
         scratch = diag_home() if src.user_cache else cache_dir.parent
+        users = cache_dir if src.user_cache else None
         scratch.mkdir(parents=True, exist_ok=True)
         if any(s != "fresh" for _, s in plan) and not local and not read_only:
             # fill the cache first in a process that imports huggingface_hub only (~1 s): a
             # wrong id, revision or endpoint is reported before anyone pays the big imports
             got = run_worker(job(src, cfg, cache_dir, mode="download"),
-                             {**src.env, **overrides(cache_dir, offline_env())}, cfg.timeout_s)
+                             {**src.env, **overrides(cache_dir, offline_env(),
+                                                     own_xet=not src.user_cache)}, cfg.timeout_s)
             if "error" in got:
                 raise failure(got, src, cache_dir, cfg.timeout_s)
             if got["parts"]["download"]["bytes"]:
@@ -156,8 +159,8 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> pd.DataFrame:
         with LoadProcesses(src.env, cfg.process, cfg.timeout_s) as procs:
 
             def run(job_cache: Path, offline: bool = False, mode: str = "load") -> dict[str, Any]:
-                result = procs.run(job(src, cfg, job_cache, mode),
-                                   overrides(job_cache, offline or offline_env()))
+                result = procs.run(job(src, cfg, job_cache, mode), overrides(
+                    job_cache, offline or offline_env(), own_xet=job_cache != users))
                 if "error" in result:
                     raise failure(result, src, job_cache, cfg.timeout_s)
                 return result

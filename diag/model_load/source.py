@@ -89,11 +89,12 @@ def job(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load") 
             "trust_remote_code": cfg.trust_remote_code}
 
 
-def overrides(cache_dir: Path, offline: bool) -> dict[str, str]:
+def overrides(cache_dir: Path, offline: bool, own_xet: bool = True) -> dict[str, str]:
     """The environment one load adds to the experiment's (the only keys that vary per load)."""
-    # xet's chunk cache would make a "fresh" download partly local, and lives in HF_HOME:
-    # keep it beside the scenario's cache, so fresh is fresh and HF_HOME is left alone
-    env = {"HF_XET_CACHE": str(cache_dir / ".xet")}
+    # xet's chunk cache would make a "fresh" download partly local, and lives in HF_HOME: keep
+    # it beside the scenario's cache, so fresh is fresh; a load from the user's own cache uses
+    # the user's own xet cache (own_xet=False), as their jobs do, and writes nothing new there
+    env = {"HF_XET_CACHE": str(cache_dir / ".xet")} if own_xet else {}
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     return env
