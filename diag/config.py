@@ -199,7 +199,8 @@ class ModelLoadConfig(ExperimentConfig):
     model: str = ""  # "" = the embedded tiny model on a local hub; "org/name" = HF_ENDPOINT or the real hub; a folder = no download
     revision: str = "main"  # branch, tag or commit of a hub model
     scenarios: list[str] = field(default_factory=lambda: list(MODEL_LOAD_SCENARIOS))  # fewer run faster; fresh downloads the whole model every repeat
-    repeats: int = 3  # measured loads per scenario after one warm-up; more is steadier, each is a process start
+    repeats: int = 3  # measured loads per scenario after the warm-up; more is steadier
+    warmup: int = 1  # untimed loads first (page cache of the model and of lazily read library files); 0 when both are warm
     quantize: bool = True  # 4-bit nf4 (bitsandbytes) as QLoRA loads its base; False keeps the checkpoint dtype
     device: str = "auto"  # "auto", "cpu" or "cuda"
     cache_dir: str = ""  # HF hub cache of the cached scenarios; "" = your HF_HUB_CACHE for a hub id (read only), <DIAG_HOME>/hf-cache for the embedded model
@@ -212,6 +213,7 @@ class ModelLoadConfig(ExperimentConfig):
 
     def validate(self) -> None:
         self._positive("repeats", "timeout_s")
+        self._non_negative("warmup")
         self._device()
         self._choice("process", MODEL_LOAD_PROCESSES)
         if isinstance(self.scenarios, str):

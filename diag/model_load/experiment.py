@@ -116,8 +116,8 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> pd.DataFrame:
     """Load cfg.model in each scenario, cfg.repeats times after one warm-up; the tidy frame.
 
     Scenarios run interleaved per repeat, so drift hits each alike. A download step fills the
-    persistent cache, verified by checksum before and after it, then one warm-up load (not
-    reported) runs; the user's own cache is only read (the warm-up runs offline there) unless
+    persistent cache, verified by checksum before and after it, then cfg.warmup loads (not
+    reported) run; the user's own cache is only read (the warm-up runs offline there) unless
     cfg.repair_cache.
     """
     import pandas as pd
@@ -165,7 +165,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> pd.DataFrame:
                     raise failure(result, src, job_cache, cfg.timeout_s)
                 return result
 
-            if any(s != "fresh" for _, s in plan):
+            for _ in range(cfg.warmup if any(s != "fresh" for _, s in plan) else 0):
                 # a forked child changes nothing in the zygote: this warms only what the machine
                 # keeps (the page cache of the model and of lazily read library files)
                 run(cache_dir, offline=read_only)
