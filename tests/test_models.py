@@ -44,6 +44,11 @@ def test_config_validation_names_the_field():
         ModelLoadConfig(scenarios=["fresh", "warm"])
     with pytest.raises(ValueError, match=r"name each scenario once"):
         ModelLoadConfig(scenarios=["cached", "cached"])
+    with pytest.raises(ValueError, match=r"ModelLoadConfig.process='spawn': allowed values are "
+                                         r"'fork', 'exec'"):
+        ModelLoadConfig(process="spawn")
+    with pytest.raises(ValueError, match=r"ModelLoadConfig.warmup=-1"):
+        ModelLoadConfig(warmup=-1)
     assert ModelLoadConfig.quick().repeats < ModelLoadConfig().repeats
     assert ModelLoadConfig(scenarios="fresh,cached").scenarios == ["fresh", "cached"]
 
