@@ -24,7 +24,7 @@ STAGE_COLORS = {
     "warmup": "#bcbd22", "train": "#7f7f7f", "checkpoint": "#17becf", "eval": "#aec7e8",
     "data_wait": "#ff7f0e", "h2d": "#e377c2", "compute": "#2ca02c", "other": "#c7c7c7",
     "download": "#9467bd", "read": "#c5b0d5", "quantize": "#f7b6d2", "to_device": "#dbdb8d",
-    "tokenizer": "#98df8a",
+    "tokenizer": "#98df8a", "import": "#e7ba52",
 }
 assert set(STAGE_COLORS) == set(STAGES)
 

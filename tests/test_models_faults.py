@@ -219,3 +219,89 @@ def test_pickle_weights_are_never_loaded(tmp_path):
     assert not marker.exists()
     with pytest.raises(ValueError, match=r"no such folder, and not a hub id"):
         run_model_load(ModelLoadConfig.quick(model=str(tmp_path / "absent")))
+
+
+def bert_folder(folder: Path) -> Path:
+    """A BERT encoder checkpoint as sentence-transformers ships one (BertModel, with a pooler),
+    random weights. Written with numpy: the names and shapes are transformers 5.24's BertModel
+    state_dict for this config (checked), without paying torch's import in the test process."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from diag.embedded import ensure_assets
+
+    folder.mkdir()
+    h, ff, vocab = 32, 64, 512
+    shapes = {"embeddings.word_embeddings.weight": (vocab, h),
+              "embeddings.position_embeddings.weight": (64, h),
+              "embeddings.token_type_embeddings.weight": (2, h), "pooler.dense.weight": (h, h)}
+    layer = "encoder.layer.0."
+    for name in ("attention.self.query", "attention.self.key", "attention.self.value",
+                 "attention.output.dense"):
+        shapes[layer + name + ".weight"] = (h, h)
+    shapes.update({layer + "intermediate.dense.weight": (ff, h),
+                   layer + "output.dense.weight": (h, ff)})
+    for weight, shape in list(shapes.items()):
+        if not weight.endswith("embeddings.weight"):
+            shapes[weight.replace(".weight", ".bias")] = (shape[0],)
+    for norm in ("embeddings.LayerNorm", layer + "attention.output.LayerNorm",
+                 layer + "output.LayerNorm"):
+        shapes.update({norm + ".weight": (h,), norm + ".bias": (h,)})
+    rng = np.random.default_rng(0)
+    save_file({k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()},
+              str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "bert", "architectures": ["BertModel"], "vocab_size": vocab,
+        "hidden_size": h, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": ff, "max_position_embeddings": 64, "type_vocab_size": 2}))
+    for tok in ensure_assets().model_dir.glob("tokenizer*"):
+        shutil.copy(tok, folder / tok.name)
+    return folder
+
+
+def test_an_encoder_is_named_and_its_dropped_weights_are_a_warning(tmp_path):
+    folder = bert_folder(tmp_path / "bert")
+    with pytest.warns(RuntimeWarning, match=r"the checkpoint is BertModel .*not a causal LM; "
+                                            r"AutoModelForCausalLM loaded it as BertLMHeadModel"):
+        frame = run_model_load(ModelLoadConfig.quick(model=str(folder), scenarios=["cached"]))
+    text = frame.loc[frame["part"] == "load_model", "warning"].item()
+    assert "weights in the checkpoint, not used (dropped): pooler.dense.bias" in text
+    assert "weights not in the checkpoint, initialised at random: cls.predictions" in text
+    assert (frame.loc[frame["part"] != "load_model", "warning"].fillna("") == "").all()
+
+
+def test_zygote_children_get_their_own_offline_setting(at_hub, tmp_path):
+    from diag.model_load.processes import LoadProcesses
+
+    job = {"mode": "download", "model": REPO, "revision": "main", "cache_dir": str(tmp_path),
+           "local_dir": ""}
+    with LoadProcesses({**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}) as procs:
+        # huggingface_hub read HF_HUB_OFFLINE at import, in the zygote, where it was unset
+        assert procs.run(job, {"HF_HUB_OFFLINE": "1"})["error"] == "offline_not_cached"
+        got = procs.run(job)  # the previous child's setting did not leak into this one
+        assert "error" not in got and got["parts"]["download"]["bytes"] > 1_000_000
+        assert "error" not in procs.run(job, {"HF_HUB_OFFLINE": "1"})  # now cached: offline ok
+        assert procs.import_s > 0.5 and got["import_s"] >= procs.import_s
+
+
+def test_a_read_only_user_cache_is_reported_and_left_alone(at_hub, tmp_path, monkeypatch):
+    user = tmp_path / "user-hub-cache"
+    monkeypatch.setenv("HF_HUB_CACHE", str(user))
+    plain = ModelLoadConfig.quick(model=REPO, scenarios=["cached"])  # no --cache-dir: the user's
+    with pytest.raises(RuntimeError, match=r"not in your HF cache at .*user-hub-cache "
+                                           r"\(HF_HUB_CACHE\).*writes nothing to it"):
+        run_model_load(plain)
+    assert not user.exists()
+    assert "error" not in download(user, at_hub.endpoint)
+    blob = (hfcache.snapshot_folder(user, REPO) / "model.safetensors").resolve()
+    with open(blob, "r+b") as f:
+        f.seek(1000)
+        f.write(b"\x00" * 16)
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in user.rglob("*") if p.is_file()}
+    with pytest.raises(RuntimeError, match=r"(?s)your HF cache \(left as it is\) at .*damaged.*"
+                                           r"corrupt: model.safetensors.*--repair-cache"):
+        run_model_load(plain)
+    after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in user.rglob("*") if p.is_file()}
+    assert after == before  # not a byte, not a timestamp
+    fixed = verify_model_cache(plain.replace(repair_cache=True), repair=True)
+    assert (fixed["status"] == "ok").all() and "re-downloaded (was corrupt)" in set(fixed["detail"])

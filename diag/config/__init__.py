@@ -7,8 +7,9 @@ Build one with `XConfig.default(quick=None, **overrides)` (None: `DIAG_QUICK` de
 """
 
 from diag.config.accum import ACCUM_DTYPES, ACCUM_MODELS, AccumConfig
-from diag.config.base import (DEVICES, MODEL_LOAD_SCENARIOS, STORAGE_PULLS, VERIFY_MODES,
-                              ExperimentConfig, Scenario, Verify, diag_home, quick_mode)
+from diag.config.base import (DEVICES, MODEL_LOAD_PROCESSES, MODEL_LOAD_SCENARIOS, STORAGE_PULLS,
+                              VERIFY_MODES, ExperimentConfig, LoadProcess, Scenario, Verify,
+                              diag_home, quick_mode)
 from diag.config.general import DiagnoseConfig, InfoConfig, ReportConfig, ToyConfig
 from diag.config.loader import LOADER_CONSUMERS, LOADER_PIPELINES, ON_ERROR, LoaderConfig
 from diag.config.model_load import ModelLoadConfig
@@ -16,7 +17,7 @@ from diag.config.storage import StorageConfig
 
 __all__ = [
     "ACCUM_DTYPES", "ACCUM_MODELS", "AccumConfig", "DEVICES", "DiagnoseConfig", "ExperimentConfig",
-    "InfoConfig", "LOADER_CONSUMERS", "LOADER_PIPELINES", "LoaderConfig", "MODEL_LOAD_SCENARIOS",
+    "InfoConfig", "LOADER_CONSUMERS", "LoadProcess", "MODEL_LOAD_PROCESSES", "LOADER_PIPELINES", "LoaderConfig", "MODEL_LOAD_SCENARIOS",
     "ModelLoadConfig", "ON_ERROR", "ReportConfig", "STORAGE_PULLS", "Scenario", "StorageConfig",
     "ToyConfig", "VERIFY_MODES", "Verify", "diag_home", "quick_mode",
 ]

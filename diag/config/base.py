@@ -19,6 +19,8 @@ T = TypeVar("T", bound="ExperimentConfig")
 DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" is also accepted where a device is asked for
 Scenario = Literal["fresh", "cached", "cached_offline", "cached_cold"]
 MODEL_LOAD_SCENARIOS: tuple[str, ...] = get_args(Scenario)
+LoadProcess = Literal["fork", "exec"]  # how each measured load gets its clean process
+MODEL_LOAD_PROCESSES: tuple[str, ...] = get_args(LoadProcess)
 STORAGE_PULLS = ("boto3_default", "boto3_tuned", "s5cmd")
 Verify = Literal["sha256", "size"]
 VERIFY_MODES: tuple[str, ...] = get_args(Verify)  # how land() checks a landed copy before reuse

@@ -5,6 +5,8 @@ and sha256 written once); `serve()` answers what huggingface_hub and transformer
 tree listings, HEAD/GET `resolve/{rev}/{file}` with ETag, X-Repo-Commit and ranges, and the hub's
 404 codes (RepoNotFound, RevisionNotFound, EntryNotFound). Large files act like LFS: their ETag
 is the content's sha256, so a cache blob's name is its checksum. Run: `python -m diag.embedded.hub`.
+Not emulated: Xet storage (files come as plain HTTP bodies, so hf_xet and HF_XET_HIGH_PERFORMANCE
+play no part), CDN redirects (no 302 to a signed URL), auth (tokens are accepted, never checked).
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
 """Fresh vs cached model load: what a job pays to get its base model onto the device.
 
 `run_model_load(cfg)` loads the model in a clean process per scenario and repeat (fresh download,
-cached, cached offline, cached with a cold page cache), every part timed (download, read,
+cached, cached offline, cached with a cold page cache), forked from one process that paid the
+imports once (`import`, reported: every job start pays it), every part timed (download, read,
 quantize, to_device, tokenizer); `advice(frame)` says what a persistent cache, offline mode and a
 warm page cache save per start. `verify_model_cache(cfg)` checks a cached copy by checksum.
 """
 
-from diag.model_load.experiment import (SCENARIOS, advice, cache_dir_for, medians,
-                                        run_model_load, verify_model_cache)
+from diag.model_load.advice import SCENARIOS, advice, medians
+from diag.model_load.experiment import run_model_load, verify_model_cache
 from diag.model_load.hfcache import blob_files, problems, snapshot_folder, verify_cache, weight_files
+from diag.model_load.source import cache_dir_for
 
 __all__ = ["SCENARIOS", "advice", "blob_files", "cache_dir_for", "medians", "problems",
            "run_model_load", "snapshot_folder", "verify_cache", "verify_model_cache",

@@ -4,7 +4,9 @@ An HF hub cache (`models--org--name/{blobs,snapshots,refs}`) names each blob by 
 the sha256 of the content for LFS files (weights), the git blob sha1 for small files. huggingface_hub
 only checks that a blob exists, so a flipped bit loads silently; `verify_cache()` re-hashes every
 blob a snapshot links to and returns one row per file (`status`: ok, corrupt, missing, incomplete,
-unverified). `repair=True` deletes what failed and downloads it again.
+unverified); offline this rests on the blob names, online it also asks the hub for each file's
+checksum (huggingface_hub's `HfApi.verify_repo_checksums`, what `hf cache verify` runs).
+A `redownload` function deletes what failed and downloads it again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SHA1 = re.compile(r"^[0-9a-f]{40}$")
 _PICKLE = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 COLUMNS = ["file", "blob", "bytes", "status", "detail"]
+# What a causal-LM load needs; never pickle weights (*.bin, *.pt, *.pth can run code when loaded)
+ALLOW_PATTERNS = ["*.json", "model*.safetensors", "tokenizer*", "*.model", "*.tiktoken",
+                  "*.txt", "*.jinja"]
 
 
 def repo_folder(cache_dir: str | os.PathLike[str], repo_id: str) -> Path:
@@ -85,14 +90,46 @@ def _check_blob(blob: Path) -> tuple[str, str]:
     return "ok", what
 
 
+def _online_rows(repo_id: str, cache_dir: str | os.PathLike[str], revision: str, endpoint: str
+                 ) -> list[dict[str, Any]]:
+    """The hub's own checksums of the cached files (HfApi.verify_repo_checksums), as rows."""
+    import socket
+    from fnmatch import fnmatch
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import HfApi
+
+    url = urlsplit(endpoint)
+    try:  # huggingface_hub retries an unreachable host for ~20 s: ask the socket first
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https"
+                                                             else 80)), timeout=3).close()
+        got = HfApi(endpoint=endpoint).verify_repo_checksums(repo_id, revision=revision,
+                                                             cache_dir=cache_dir)
+    except Exception as err:  # noqa: BLE001  any failure (network, auth, an old hub) leaves
+        # the offline check standing, and is said in a row, never hidden
+        return [{"file": "", "blob": "", "bytes": 0, "status": "unverified",
+                 "detail": f"online check against {endpoint} skipped: {type(err).__name__}"}]
+    rows = [{"file": m["path"], "blob": "", "bytes": 0, "status": "corrupt",  # TypedDicts
+             "detail": f"the hub's {m['algorithm']} is {m['expected'][:12]}..., the cached "
+                       f"file's {m['actual'][:12]}..."} for m in got.mismatches]
+    # the hub lists every file of the repo; a load fetches only ALLOW_PATTERNS
+    rows += [{"file": p, "blob": "", "bytes": 0, "status": "missing",
+              "detail": "on the hub, not in the cache"} for p in got.missing_paths
+             if any(fnmatch(p.rsplit("/", 1)[-1], pat) for pat in ALLOW_PATTERNS)]
+    return rows
+
+
 def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str = "main", *,
-                 redownload: Callable[[], None] | None = None) -> pd.DataFrame:
+                 redownload: Callable[[], None] | None = None, endpoint: str = ""
+                 ) -> pd.DataFrame:
     """One row per cached file of repo_id@revision: `file`, `blob`, `bytes`, `status`, `detail`.
 
     status: ok (content matches the checksum its name is), corrupt, missing (a dangling link, or
     a weight shard the index lists that is not there), incomplete (a partial download left by a
     killed process: never a complete file), unverified (a blob name that is no checksum).
-    With `redownload` (a function that downloads the snapshot again, e.g. in a load process),
+    With `endpoint` (and HF_HUB_OFFLINE unset) the hub's checksums are checked as well; a file
+    they fail replaces its offline row. With `redownload` (a function that downloads the snapshot
+    again, e.g. in a load process),
     corrupt blobs, dangling links and partial downloads are deleted, `redownload()` fetches them
     again, and the result is the re-verified cache.
     """
@@ -127,11 +164,20 @@ def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str 
             for rel in sorted(listed - {r["file"] for r in rows}):
                 rows.append({"file": rel, "blob": "", "bytes": 0, "status": "missing",
                              "detail": "listed in the weight index, not in the snapshot"})
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+    if endpoint and folder is not None and not offline:
+        online = _online_rows(repo_id, cache_dir, revision, endpoint)
+        failed = {r["file"] for r in online if r["file"]}
+        for row in rows:
+            if row["file"] in failed:
+                online = [{**o, "blob": row["blob"], "bytes": row["bytes"]} if o["file"] ==
+                          row["file"] else o for o in online]
+        rows = [r for r in rows if r["file"] not in failed] + online
     frame = pd.DataFrame(rows, columns=COLUMNS)
     if redownload is not None and not frame["status"].isin(["ok", "unverified"]).all():
         _delete_bad(repo, folder, frame)
         redownload()
-        after = verify_cache(repo_id, cache_dir, revision)
+        after = verify_cache(repo_id, cache_dir, revision, endpoint=endpoint)
         was = dict(zip(frame["file"], frame["status"]))
         after["detail"] = [f"re-downloaded (was {was[f]})" if was.get(f, "ok") != "ok" else d
                            for f, d in zip(after["file"], after["detail"])]

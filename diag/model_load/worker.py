@@ -1,10 +1,10 @@
-"""One timed model load in a fresh process: what a training job pays between start and step 1.
+"""One timed model load, as a training job does it between its start and step 1.
 
-`run_worker(job, env)` starts `python -m diag.model_load.worker JOB` (huggingface_hub reads HF_ENDPOINT
-and HF_HUB_OFFLINE once, at import, and a real job is a fresh process too) and returns the JSON
-it prints: each part's seconds and bytes, or an error kind the caller turns into a clear message.
-Interpreter start and library imports are not timed: they cost the same whatever the cache holds.
-The parts run back to back, so they add up to the load: see `_load` for what each one is.
+`run_job(job)` runs in a clean child process (forked from the experiment's zygote, or a fresh
+interpreter: see processes.py) and returns a dict: each part's seconds and bytes, the worker's own
+end-to-end clock around the whole load (`load_s`, so a test can check that the parts add up to a
+figure they were not summed into), and what was loaded; or an error kind the parent turns into a
+clear message. `python -m diag.model_load.worker JOB` runs one job in this interpreter (exec mode).
 """
 
 from __future__ import annotations
@@ -17,13 +17,31 @@ import time
 from pathlib import Path
 from typing import Any
 
+from diag.model_load.hfcache import ALLOW_PATTERNS, weight_files
 from diag.secrets import redact
 
 MARK = "DIAG-LOAD-RESULT "  # prefix of the one stdout line the parent parses
-# What a causal-LM load needs; never pickle weights (*.bin, *.pt, *.pth can run code when loaded)
-ALLOW_PATTERNS = ["*.json", "model*.safetensors", "tokenizer*", "*.model", "*.tiktoken",
-                  "*.txt", "*.jinja"]
 _PKG_PARENT = str(Path(__file__).resolve().parents[2])
+
+
+def import_libraries(with_cuda_libraries: bool = True) -> None:
+    """What every job start imports before it can load a model (the `import` part).
+
+    bitsandbytes asks the CUDA runtime for device capabilities at import, which initialises
+    CUDA; a zygote that forks must not have done that, so it passes False when CUDA is there
+    and each child imports bitsandbytes itself (timed into its own `import`).
+    """
+    import huggingface_hub  # noqa: F401
+    import safetensors.torch  # noqa: F401
+    import torch
+    from huggingface_hub import snapshot_download  # noqa: F401
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,  # noqa: F401
+                              BitsAndBytesConfig)
+    from transformers import modeling_utils  # noqa: F401  the load machinery, imported lazily
+
+    # PYTORCH_NVML_BASED_CUDA_CHECK=1 (set by the parent) makes this question fork-safe
+    if with_cuda_libraries or not torch.cuda.is_available():
+        import bitsandbytes.functional  # noqa: F401
 
 
 def run_worker(job: dict[str, Any], env: dict[str, str], timeout_s: float = 1800.0
@@ -31,23 +49,21 @@ def run_worker(job: dict[str, Any], env: dict[str, str], timeout_s: float = 1800
     """Run one job in a fresh interpreter; return its result dict (it may hold "error")."""
     env = {**env, "PYTHONPATH": os.pathsep.join(
         p for p in (_PKG_PARENT, env.get("PYTHONPATH")) if p)}
+    job = {**job, "spawned_at": time.perf_counter()}  # CLOCK_MONOTONIC: one clock machine-wide
     try:
         done = subprocess.run([sys.executable, "-m", "diag.model_load.worker", json.dumps(job)],
                               capture_output=True, text=True, env=env, timeout=timeout_s,
                               stdin=subprocess.DEVNULL, check=False)  # no prompt: trust_remote_code
     except subprocess.TimeoutExpired:
-        raise RuntimeError(f"loading {job.get('model')!r} took longer than timeout_s="
-                           f"{timeout_s:g} s; raise --timeout-s for a large model on a slow link"
-                           ) from None
+        return {"error": "timeout", "type": "TimeoutExpired", "message": ""}
     for line in reversed(done.stdout.splitlines()):
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
-    tail = redact((done.stderr or done.stdout)[-3000:])
-    raise RuntimeError(f"the model-load process exited with code {done.returncode} and no "
-                       f"result; its last output:\n{tail}")
+    return {"error": "crashed", "type": f"exit code {done.returncode}",
+            "message": redact((done.stderr or done.stdout)[-3000:])}
 
 
-# -- inside the worker process ------------------------------------------------------------------
+# -- inside the load process --------------------------------------------------------------------
 def _blob_bytes(cache_dir: str) -> int:
     return sum(p.stat().st_size for p in Path(cache_dir).glob("models--*/blobs/*")
                if not p.name.endswith(".incomplete"))
@@ -57,12 +73,27 @@ def _download(job: dict[str, Any]) -> tuple[Path, int]:
     """The snapshot folder, and the bytes this call wrote into the cache."""
     if job.get("local_dir"):
         return Path(job["local_dir"]), 0
-    from huggingface_hub import snapshot_download  # imported untimed by main() already
+    from huggingface_hub import snapshot_download
 
     before = _blob_bytes(job["cache_dir"])
     folder = snapshot_download(job["model"], revision=job["revision"],
                                cache_dir=job["cache_dir"], allow_patterns=ALLOW_PATTERNS)
     return Path(folder), _blob_bytes(job["cache_dir"]) - before
+
+
+def _load_kwargs(job: dict[str, Any], device: str) -> dict[str, Any]:
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    kwargs: dict[str, Any] = {"device_map": {"": device},
+                              "trust_remote_code": bool(job["trust_remote_code"])}
+    if job["quantize"]:
+        compute = torch.bfloat16 if device == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
+    else:
+        kwargs["dtype"] = "auto"
+    return kwargs
 
 
 def _load(job: dict[str, Any]) -> dict[str, Any]:
@@ -71,36 +102,20 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
     download  snapshot_download into the job's cache (a revision check when already cached);
     read      safetensors.torch.load_file of the weight files, copied into host memory;
     quantize  time inside bitsandbytes' quantize_4bit during from_pretrained (device-synced);
-    to_device the rest of from_pretrained(state_dict=...): model skeleton, dtype casts, copies
-              to the device, dispatch. from_pretrained gets the tensors `read` made, so no file
-              is read twice; tokenizer: AutoTokenizer.from_pretrained on the snapshot folder.
+    to_device the rest of AutoModelForCausalLM's work: the config, the model class (its module
+              imported), the skeleton, dtype casts, copies to the device, dispatch.
+              from_pretrained gets the tensors `read` made, so no file is read twice;
+    tokenizer AutoTokenizer.from_pretrained on the snapshot folder.
+    `load_s` is one clock around all of it, kept apart from the parts' own clocks.
     """
-    from diag.model_load.hfcache import weight_files
-
-    perf = time.perf_counter
-    untimed_s = perf() - job["_started"]
-    t0 = perf()
-    folder, downloaded = _download(job)
-    download_s = perf() - t0
-    weights = weight_files(folder)  # raises if there are only pickle weights: never loaded
-
-    # untimed: the library imports a job pays once per process whatever the cache state
-    u0 = perf()
     import safetensors.torch
-    import torch
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        BitsAndBytesConfig,
-    )
+    from transformers import AutoConfig, AutoTokenizer
 
     from diag.device import resolve, sync
 
+    perf = time.perf_counter
     device = str(resolve(job["device"]))
     trust = bool(job["trust_remote_code"])
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust)
-    model_class = _model_class(AutoModelForCausalLM, config, folder, trust)
     quantized = {"seconds": 0.0, "bytes": 0}
     if job["quantize"]:
         import bitsandbytes.functional as bnb_functional
@@ -118,8 +133,12 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
 
         # Params4bit._quantize looks the function up on the module at each call
         bnb_functional.quantize_4bit = timed_quantize
-    untimed_s += perf() - u0
+    kwargs = _load_kwargs(job, device)
 
+    start = perf()  # the independent end-to-end clock
+    t0 = perf()
+    folder, downloaded = _download(job)
+    weights = weight_files(folder)  # raises if there are only pickle weights: never loaded
     t1 = perf()
     state = {}
     for path in weights:
@@ -128,26 +147,23 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
         state.update((k, v.clone()) for k, v in
                      safetensors.torch.load_file(path, device="cpu").items())
     t2 = perf()
-    kwargs: dict[str, Any] = {"device_map": {"": device}, "trust_remote_code": trust}
-    if job["quantize"]:
-        compute = torch.bfloat16 if device == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
-    else:
-        kwargs["dtype"] = "auto"
-    model = model_class.from_pretrained(None, config=config, state_dict=state, **kwargs)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust)
+    model_class = _model_class(config, folder, trust)
+    model, info = model_class.from_pretrained(None, config=config, state_dict=state,
+                                              output_loading_info=True, **kwargs)
     sync(device)  # note: CPU-GPU sync point, so queued copies are billed to to_device
     t3 = perf()
     AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
     t4 = perf()
+    load_s = perf() - start
     del state
     weight_bytes = sum(p.stat().st_size for p in weights)
     token_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("tokenizer"))
     return {
-        "snapshot": str(folder), "device": device, "untimed_s": untimed_s,
-        "quantized": bool(job["quantize"]),
+        "snapshot": str(folder), "device": device, "load_s": load_s,
+        "quantized": bool(job["quantize"]), "loaded": _what_loaded(config, model, info),
         "parts": {
-            "download": {"seconds": download_s, "bytes": downloaded},
+            "download": {"seconds": t1 - t0, "bytes": downloaded},
             "read": {"seconds": t2 - t1, "bytes": weight_bytes},
             "quantize": {"seconds": quantized["seconds"], "bytes": quantized["bytes"]},
             "to_device": {"seconds": (t3 - t2) - quantized["seconds"],
@@ -157,18 +173,57 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _model_class(auto: Any, config: Any, folder: Path, trust: bool) -> Any:
-    """The class AutoModelForCausalLM would pick (importing its module here, untimed)."""
-    try:
-        return auto._model_mapping[type(config)]
-    except KeyError:
-        ref = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
-        if not (trust and ref):
-            raise ValueError(f"{type(config).__name__} has no causal-LM class in transformers; "
-                             "a model with its own code needs trust_remote_code=True") from None
-        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+def _what_loaded(config: Any, model: Any, info: dict[str, Any]) -> dict[str, Any]:
+    """What the checkpoint says it is, the class loaded, and the weights that did not fit."""
+    return {"architectures": list(getattr(config, "architectures", None) or []),
+            "model_type": getattr(config, "model_type", ""), "class": type(model).__name__,
+            "missing": sorted(info.get("missing_keys") or []),
+            "unexpected": sorted(info.get("unexpected_keys") or []),
+            "mismatched": sorted(str(k[0]) if isinstance(k, tuple) else str(k)
+                                 for k in info.get("mismatched_keys") or [])}
 
-        return get_class_from_dynamic_module(ref, str(folder))
+
+def _plain(job: dict[str, Any]) -> dict[str, Any]:
+    """The one call users write: from_pretrained(repo or folder, quantization_config, device_map)."""
+    from transformers import AutoModelForCausalLM
+
+    from diag.device import resolve, sync
+
+    device = str(resolve(job["device"]))
+    kwargs = _load_kwargs(job, device)
+    where = job.get("local_dir") or job["model"]
+    if not job.get("local_dir"):
+        kwargs.update(revision=job["revision"], cache_dir=job["cache_dir"])
+    start = time.perf_counter()
+    AutoModelForCausalLM.from_pretrained(where, use_safetensors=True, **kwargs)
+    sync(device)  # note: CPU-GPU sync point, so queued copies are billed to the call
+    return {"device": device, "seconds": time.perf_counter() - start}
+
+
+def _raw_read(job: dict[str, Any]) -> dict[str, Any]:
+    """safetensors' own read of the files, copied into host memory as `read` does (the bench's
+    yardstick for diag's read part)."""
+    import safetensors.torch
+
+    start = time.perf_counter()
+    for path in job["files"]:
+        {k: v.clone() for k, v in safetensors.torch.load_file(path, device="cpu").items()}
+    return {"seconds": time.perf_counter() - start}
+
+
+def _model_class(config: Any, folder: Path, trust: bool) -> Any:
+    """The class AutoModelForCausalLM picks for this config (public mapping, or the repo's code)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    ref = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if not (trust and ref):
+        raise ValueError(f"{type(config).__name__} has no causal-LM class in transformers; "
+                         "a model with its own code needs trust_remote_code=True")
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    return get_class_from_dynamic_module(ref, str(folder))
 
 
 def _error_kind(err: BaseException) -> str:
@@ -184,26 +239,33 @@ def _error_kind(err: BaseException) -> str:
         return "offline_not_cached" if constants.HF_HUB_OFFLINE else "unreachable_not_cached"
     if "trust_remote_code" in str(err):
         return "remote_code"
+    if isinstance(err, ValueError) and "safetensors" in str(err):
+        return "no_safetensors"
     return "other"
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """One job in this process (its libraries already imported); failures come back as data."""
+    try:
+        if job["mode"] == "download":
+            t0 = time.perf_counter()
+            folder, downloaded = _download(job)
+            return {"snapshot": str(folder), "parts": {"download": {
+                "seconds": time.perf_counter() - t0, "bytes": downloaded}}}
+        return {"plain": _plain, "raw_read": _raw_read}.get(job["mode"], _load)(job)
+    except (OSError, ValueError, RuntimeError, KeyError, ImportError) as err:
+        # the parent owns the message the user sees
+        return {"error": _error_kind(err), "type": type(err).__name__,
+                "message": redact(str(err))[-2000:]}
 
 
 def main(argv: list[str]) -> int:
     job = json.loads(argv[0])
-    job["_started"] = time.perf_counter()
-    try:
-        from huggingface_hub import snapshot_download  # noqa: F401  untimed: process start cost
-        if job["mode"] == "download":
-            t0 = time.perf_counter()
-            folder, downloaded = _download(job)
-            result = {"snapshot": str(folder), "parts": {"download": {
-                "seconds": time.perf_counter() - t0, "bytes": downloaded}}}
-        else:
-            result = _load(job)
-    except (OSError, ValueError, RuntimeError, KeyError, ImportError) as err:
-        # every failure is reported as data: the parent owns the message the user sees
-        kind = "no_safetensors" if isinstance(err, ValueError) and "safetensors" in str(err) \
-            else _error_kind(err)
-        result = {"error": kind, "type": type(err).__name__, "message": redact(str(err))[-2000:]}
+    spawned = job.get("spawned_at", time.perf_counter())
+    if job["mode"] != "download":  # a bare download (a repair) needs huggingface_hub only
+        import_libraries()
+    import_s = time.perf_counter() - spawned  # interpreter start + imports: every job pays them
+    result = {**run_job(job), "import_s": import_s}
     print(MARK + json.dumps(result), flush=True)
     return 0
 

@@ -1,0 +1,74 @@
+"""What the model-load frame says a job should change: medians per scenario and part, and advice.
+
+`medians(frame)` is the table to read (scenarios as rows, parts as columns, `load_model` and the
+`from_pretrained` cross-check last); `advice(frame)` gives the findings rows (stage, finding,
+seconds_saved, evidence) that a persistent cache, offline mode and a warm page cache buy per start.
+The `import` part is the same in every scenario of a fork-mode run, so it cancels in each saving.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from diag.config import MODEL_LOAD_SCENARIOS as SCENARIOS
+from diag.timing import LOAD_PARTS
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+def medians(frame: pd.DataFrame) -> pd.DataFrame:
+    """Median seconds per scenario (rows) and part (columns), load_model last."""
+    table = frame.pivot_table(index="scenario", columns="part", values="seconds", aggfunc="median")
+    order = [p for p in (*LOAD_PARTS, "load_model", "from_pretrained") if p in table.columns]
+    return table.reindex(index=[s for s in SCENARIOS if s in table.index], columns=order)
+
+
+def advice(frame: pd.DataFrame) -> pd.DataFrame:
+    """Advice rows (stage, finding, seconds_saved, evidence) for amdahl.findings(extra=...)."""
+    import pandas as pd
+
+    cols = ["stage", "finding", "seconds_saved", "evidence"]
+    if frame.empty:
+        return pd.DataFrame(columns=cols)
+    med, rows = medians(frame), []
+    runs = frame.groupby("scenario")["repeat"].nunique()
+
+    def load(s: str) -> str:
+        return f"{s} load_model median {med.loc[s, 'load_model']:.3g} s over {runs[s]} runs"
+
+    def add(finding: str, saved: float, evidence: str) -> None:
+        if saved > 0:
+            rows.append({"stage": "load_model", "finding": finding, "seconds_saved": saved,
+                         "evidence": f"model_load: {evidence}"})
+
+    if {"fresh", "cached"} <= set(med.index):
+        got = frame[(frame.scenario == "fresh") & (frame.part == "download")]
+        add("Keep the HF cache (HF_HUB_CACHE, default HF_HOME/hub) on a persistent local NVMe "
+            "volume, so each run loads the model from disk instead of downloading it; where a "
+            "download can't be avoided, HF_XET_HIGH_PERFORMANCE=1 lets hf_xet use every core and "
+            "more bandwidth for Xet-stored repos (the embedded hub serves no Xet: not measured)",
+            med.loc["fresh", "load_model"] - med.loc["cached", "load_model"],
+            f"{load('fresh')} (download {got['bytes'].median() / 1e6:.4g} MB at "
+            f"{got['mb_per_s'].median():.4g} MB/s) vs {load('cached')}")
+    if {"cached", "cached_offline"} <= set(med.index):
+        add("Set HF_HUB_OFFLINE=1 once the model is cached: no revision check against the hub",
+            med.loc["cached", "download"] - med.loc["cached_offline", "download"],
+            f"cached download (revision check) median {med.loc['cached', 'download']:.3g} s "
+            f"vs cached_offline {med.loc['cached_offline', 'download']:.3g} s")
+    cold = frame[frame.scenario == "cached_cold"]
+    if "cached" in med.index and not cold.empty and cold["cache_state"].str.startswith("cold").all():
+        add("Keep the model in the page cache between runs (same machine, enough free RAM): "
+            "a cold read comes from the disk",
+            med.loc["cached_cold", "load_model"] - med.loc["cached", "load_model"],
+            f"{load('cached_cold')} (read {med.loc['cached_cold', 'read']:.3g} s) vs "
+            f"{load('cached')} (read {med.loc['cached', 'read']:.3g} s)")
+        if (frame["cache_disk"] == "network").any():
+            read = cold[cold.part == "read"]
+            rows.append({"stage": "load_model", "seconds_saved": float(read["seconds"].median()),
+                         "finding": "The HF cache is on network storage: every cold load reads "
+                         "it at network speed; put HF_HUB_CACHE on local NVMe (an upper bound)",
+                         "evidence": f"model_load: cached_cold read median "
+                         f"{read['seconds'].median():.3g} s at {read['mb_per_s'].median():.4g} "
+                         "MB/s from a network filesystem"})
+    return pd.DataFrame(rows, columns=cols)

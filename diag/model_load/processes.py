@@ -1,0 +1,215 @@
+"""Clean load processes that don't pay the imports per load: one zygote per experiment.
+
+`LoadProcesses(env, "fork")` starts one interpreter with the experiment's environment (HF_ENDPOINT
+...), which imports torch, transformers and bitsandbytes once, timed from its spawn (`import_s`:
+every real job start pays it, so it is reported), then forks one child per job. Each child runs
+its job from a copy of that just-imported state and sends its JSON back over a pipe; nothing one
+load does reaches the next. `"exec"` runs each job in a fresh interpreter instead (its own import).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import IO, Any
+
+from diag.config import MODEL_LOAD_PROCESSES as PROCESSES
+from diag.model_load.worker import _PKG_PARENT, import_libraries, run_job, run_worker
+from diag.secrets import redact
+
+# What may differ between a job and the zygote's environment. huggingface_hub reads both once,
+# at import, into huggingface_hub.constants; _apply() sets them again in the child (see there).
+OVERRIDABLE = ("HF_HUB_OFFLINE", "HF_XET_CACHE")
+
+
+class LoadProcesses:
+    """Run load jobs in clean processes: forked from a zygote (default) or exec'd fresh."""
+
+    def __init__(self, env: dict[str, str], process: str = "fork", timeout_s: float = 1800.0
+                 ) -> None:
+        if process not in PROCESSES:
+            raise ValueError(f"process={process!r}: allowed values are 'fork', 'exec'")
+        # NVML answers torch.cuda.is_available() without initialising CUDA, which a process that
+        # forks must not have done (a forked child cannot use an inherited CUDA context)
+        self.env = {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONPATH": os.pathsep.join(
+            p for p in (_PKG_PARENT, env.get("PYTHONPATH")) if p)}
+        self.process, self.timeout_s = process, timeout_s
+        self.import_s: float | None = None  # fork: the zygote's interpreter start + imports
+        self._proc: subprocess.Popen[str] | None = None
+        self._log: IO[bytes] | None = None
+
+    def __enter__(self) -> LoadProcesses:
+        if self.process == "fork":
+            self._log = tempfile.TemporaryFile()
+            spawned = time.perf_counter()  # CLOCK_MONOTONIC: the same clock in every process
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "diag.model_load.processes", repr(spawned)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=self.env,
+                text=True)
+            ready = self._reply(self.timeout_s)
+            if "error" in ready:
+                self.close()
+                raise RuntimeError(f"the model-load zygote could not start ({ready['type']}): "
+                                   f"{ready['message']}; --process exec runs each load in a "
+                                   "fresh interpreter instead")
+            self.import_s = ready["import_s"]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.stdin.close()  # EOF: the zygote exits
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc.stdout.close()
+            self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def run(self, job: dict[str, Any], overrides: dict[str, str] | None = None) -> dict[str, Any]:
+        """One job; its result dict (it may hold "error"), with `import_s` in every mode."""
+        overrides = overrides or {}
+        assert set(overrides) <= set(OVERRIDABLE), f"cannot vary {set(overrides)} per job"
+        if self.process == "exec":
+            return run_worker(job, {**self.env, **overrides}, self.timeout_s)
+        assert self._proc is not None, "use LoadProcesses as a context manager"
+        self._proc.stdin.write(json.dumps({"job": job, "env": overrides,
+                                           "timeout_s": self.timeout_s}) + "\n")
+        self._proc.stdin.flush()
+        return self._reply(self.timeout_s + 60)  # the zygote enforces timeout_s per child
+
+    def _reply(self, wait_s: float) -> dict[str, Any]:
+        assert self._proc is not None and self._log is not None
+        line = ""
+        if select.select([self._proc.stdout], [], [], wait_s)[0]:
+            line = self._proc.stdout.readline()
+        if line:
+            return json.loads(line)
+        self._log.seek(0)
+        tail = self._log.read().decode(errors="replace")[-3000:]
+        return {"error": "crashed", "type": f"zygote exit code {self._proc.poll()}",
+                "message": redact(tail)}
+
+
+# -- inside the zygote --------------------------------------------------------------------------
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _apply(overrides: dict[str, str]) -> None:
+    """Give this child the environment a fresh interpreter of this job would have had.
+
+    huggingface_hub 2.x reads HF_HUB_OFFLINE into constants.HF_HUB_OFFLINE at import. Every
+    reader in huggingface_hub 2.4 (_http's request hook, file_download, snapshot_download) and in
+    transformers 5.x (utils/hub, modeling_utils, tokenization_utils_base, ...) asks
+    `constants.is_offline_mode()` or `constants.HF_HUB_OFFLINE` at call time (none binds the
+    value with `from constants import`), so setting the constant here takes effect everywhere.
+    HF_XET_CACHE is read by hf_xet from the environment when it first runs, after this.
+    """
+    from huggingface_hub import constants
+
+    os.environ.update(overrides)
+    constants.HF_HUB_OFFLINE = constants._is_true(
+        os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE"))
+    constants.HF_XET_CACHE = os.environ.get("HF_XET_CACHE", constants.HF_XET_CACHE)
+
+
+def _child(request: dict[str, Any], import_s: float, out: int, log: int) -> None:
+    """In the forked child: run the job, write its JSON to `out`, never return."""
+    code = 1
+    try:
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # no prompt may read the protocol pipe
+        started = time.perf_counter()
+        _apply(request["env"])
+        import_libraries()  # bitsandbytes when the zygote left it out for CUDA's sake; else free
+        imported = time.perf_counter() - started
+        result = {**run_job(request["job"]), "import_s": import_s + imported}
+        with os.fdopen(out, "wb") as pipe:
+            pipe.write(json.dumps(result).encode())
+        code = 0
+    except BaseException:  # noqa: BLE001  anything at all: the zygote reports the log's tail
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)  # no atexit, no flush of the zygote's buffers
+
+
+def _fork_one(request: dict[str, Any], import_s: float) -> dict[str, Any]:
+    read_end, write_end = os.pipe()
+    with tempfile.TemporaryFile() as log:
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_end)
+            _child(request, import_s, write_end, log.fileno())
+        os.close(write_end)
+        chunks, deadline = [], time.perf_counter() + request["timeout_s"]
+        while True:
+            left = deadline - time.perf_counter()
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                os.close(read_end)
+                return {"error": "timeout", "type": "timeout", "message": ""}
+            chunk = os.read(read_end, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(read_end)
+        _, status = os.waitpid(pid, 0)
+        if chunks:
+            return json.loads(b"".join(chunks))
+        log.seek(0)
+        return {"error": "crashed", "type": f"wait status {status}",
+                "message": redact(log.read().decode(errors="replace")[-3000:])}
+
+
+def zygote(spawned_at: float) -> int:
+    """Import once, check that forking is safe, then fork one child per request line on stdin."""
+    protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # a library's print goes to the log, never into the protocol
+    try:
+        import numpy  # noqa: F401  its OpenBLAS pool starts here: the one thread allowed
+        baseline = _threads()
+        import_libraries(with_cuda_libraries=False)
+        import_s = time.perf_counter() - spawned_at
+        import torch
+
+        # Why forking here is safe: CUDA is not initialised (bitsandbytes, which would, is left
+        # to the children on a CUDA machine); no torch op has run, so the intra-op (OpenMP) pool
+        # does not exist yet and each child makes its own; no HTTP client or hf_xet runtime has
+        # started; the only extra thread is OpenBLAS's, which registers pthread_atfork handlers
+        # that stop its pool before fork and restart it after. Anything else is refused here.
+        if torch.cuda.is_initialized() or _threads() != baseline:
+            raise RuntimeError(f"unsafe to fork: CUDA initialised={torch.cuda.is_initialized()}, "
+                               f"threads {_threads()} (numpy alone: {baseline})")
+    except (ImportError, RuntimeError) as err:
+        protocol.write(json.dumps({"error": "zygote", "type": type(err).__name__,
+                                   "message": str(err)}) + "\n")
+        protocol.flush()
+        return 1
+    # no gc.freeze(): a fresh job's collections scan the imported objects too, so the children's do
+    protocol.write(json.dumps({"import_s": import_s}) + "\n")
+    protocol.flush()
+    for line in sys.stdin:
+        protocol.write(json.dumps(_fork_one(json.loads(line), import_s)) + "\n")
+        protocol.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(zygote(float(sys.argv[1])))

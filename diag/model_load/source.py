@@ -1,0 +1,154 @@
+"""Where the model comes from, which HF cache the cached scenarios read, and the errors users read.
+
+The embedded model (no --model) runs on a local hub endpoint and a cache under DIAG_HOME. A hub
+id reads the user's own cache (HF_HUB_CACHE, as huggingface_hub resolves it) unless --cache-dir
+names another; diag then never writes to it unless --repair-cache. A folder is loaded as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diag.config import ModelLoadConfig, diag_home
+from diag.model_load import hfcache
+from diag.secrets import redact
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the model comes from and what a load process needs to reach it."""
+
+    model: str  # the repo id, or the local folder
+    revision: str
+    endpoint: str  # "" for a local folder
+    local_dir: Path | None
+    env: dict[str, str]
+    user_cache: bool = False  # the cached scenarios read the user's own HF cache
+
+
+def offline_env() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def user_hub_cache() -> Path:
+    """The user's HF hub cache as huggingface_hub finds it: HF_HUB_CACHE, HF_HOME/hub, default."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def cache_dir_for(cfg: ModelLoadConfig) -> Path:
+    """The HF hub cache of the cached scenarios: --cache-dir; else a hub id's user cache; else
+    (the embedded model, a folder) <DIAG_HOME>/hf-cache."""
+    if cfg.cache_dir:
+        return Path(cfg.cache_dir).expanduser()
+    if cfg.model and not Path(cfg.model).expanduser().is_dir():
+        return user_hub_cache()
+    return diag_home() / "hf-cache"
+
+
+@contextlib.contextmanager
+def open_source(cfg: ModelLoadConfig) -> Iterator[Source]:
+    """The embedded hub (started here, stopped after), a hub id, or a local folder."""
+    base = {**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+            "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    if not cfg.model:
+        from diag.embedded import HubServer, ensure_assets
+
+        assets = ensure_assets()
+        with HubServer(assets.hub_root) as hub:
+            yield Source(assets.repo_id, cfg.revision, hub.endpoint, None,
+                         {**base, **hub.env()})
+        return
+    folder = Path(cfg.model).expanduser()
+    if folder.is_dir():
+        hfcache.weight_files(folder)  # refuse pickle-only folders before any process starts
+        yield Source(str(folder.resolve()), "", "", folder.resolve(), base)
+        return
+    if cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") > 1:
+        raise ValueError(f"ModelLoadConfig.model={cfg.model!r}: no such folder, and not a hub "
+                         "id ('org/name'); allowed: '' (embedded model), a hub id, a folder")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    yield Source(cfg.model, cfg.revision, endpoint, None, base, user_cache=not cfg.cache_dir)
+
+
+def job(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load") -> dict[str, Any]:
+    """What a load process is asked to do (JSON)."""
+    return {"mode": mode, "model": src.model, "revision": src.revision or "main",
+            "cache_dir": str(cache_dir), "local_dir": str(src.local_dir or ""),
+            "quantize": cfg.quantize, "device": cfg.device,
+            "trust_remote_code": cfg.trust_remote_code}
+
+
+def overrides(cache_dir: Path, offline: bool, own_xet: bool = True) -> dict[str, str]:
+    """The environment one load adds to the experiment's (the only keys that vary per load)."""
+    # xet's chunk cache would make a "fresh" download partly local, and lives in HF_HOME: keep
+    # it beside the scenario's cache, so fresh is fresh; a load from the user's own cache uses
+    # the user's own xet cache (own_xet=False), as their jobs do, and writes nothing new there
+    env = {"HF_XET_CACHE": str(cache_dir / ".xet")} if own_xet else {}
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def failure(result: dict[str, Any], src: Source, cache_dir: Path, timeout_s: float
+            ) -> RuntimeError:
+    """The error a user reads: what failed, where, and what to do."""
+    kind, what = result["error"], f"{src.model}@{src.revision or 'main'}"
+    warm = (f"warm the cache once with network access: hf download {src.model} --cache-dir "
+            f"{cache_dir} (or python -m diag model-load --model {src.model} --cache-dir "
+            f"{cache_dir} --scenarios cached), then run offline")
+    texts = {
+        "repo_not_found": f"model {src.model!r} not found at {src.endpoint}: check the id; a "
+                          "private or gated model needs HF_TOKEN with access to it",
+        "revision_not_found": f"revision {src.revision!r} of model {src.model!r} not found at "
+                              f"{src.endpoint}: name a branch, tag or commit that exists",
+        "offline_not_cached": f"HF_HUB_OFFLINE=1 is set and {what} is not in the HF cache at "
+                              f"{cache_dir}: nothing to load offline; {warm}",
+        "unreachable_not_cached": f"the hub at {src.endpoint} cannot be reached and {what} is "
+                                  f"not in the HF cache at {cache_dir}; {warm}",
+        "remote_code": f"{src.model} needs trust_remote_code=True, which runs Python code from "
+                       "the model repo on this machine; pass --trust-remote-code only for a "
+                       f"repo you trust ({result['message'][:300]})",
+        "timeout": f"loading {src.model!r} took longer than timeout_s={timeout_s:g} s; raise "
+                   "--timeout-s for a large model on a slow link",
+        "crashed": f"the model-load process for {what} ended with no result "
+                   f"({result['type']}); its last output:\n{result['message']}",
+    }
+    text = texts.get(kind, f"loading {what} failed: {result['type']}: {result['message']}")
+    return RuntimeError(redact(text))
+
+
+def not_in_user_cache(src: Source, cache_dir: Path) -> RuntimeError:
+    return RuntimeError(redact(
+        f"{src.model}@{src.revision} is not in your HF cache at {cache_dir} (HF_HUB_CACHE); "
+        "diag reads your cache and writes nothing to it unless you pass --repair-cache: fill "
+        f"it with `hf download {src.model}`, or pass --repair-cache to let diag download into "
+        "it, or --cache-dir DIR for a cache of diag's own"))
+
+
+def load_warning(loaded: dict[str, Any]) -> str:
+    """'' when the checkpoint is the causal LM that was loaded with every weight used; else why."""
+    notes = []
+    archs = loaded.get("architectures") or []
+    if archs and loaded["class"] not in archs:
+        notes.append(f"the checkpoint is {'/'.join(archs)} (model_type {loaded['model_type']!r}, "
+                     f"from its config.json), not a causal LM; AutoModelForCausalLM loaded it "
+                     f"as {loaded['class']}")
+    for key, what in (("missing", "not in the checkpoint, initialised at random"),
+                      ("unexpected", "in the checkpoint, not used (dropped)"),
+                      ("mismatched", "of the wrong shape, initialised at random")):
+        names = loaded.get(key) or []
+        if names:
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            notes.append(f"{len(names)} weights {what}: {shown}")
+    return "; ".join(notes)
