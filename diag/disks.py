@@ -142,8 +142,9 @@ def _classify(device: str, mountpoint: str, fstype: str, options: str, sysfs: st
               mounts: str | None, depth: int = 0) -> tuple[str, str]:
     sub = fstype.split(".", 1)[1] if fstype.startswith("fuse.") else ""
     if fstype in _NETWORK_FS or sub in _NETWORK_FS or (fstype == "fuse" and device in _NETWORK_FS):
-        what = ("AWS EFS" if ".efs." in device else "FSx for Lustre" if ".fsx." in device
-                else "a network filesystem" if not fstype.startswith("fuse") else "a FUSE mount")
+        what = ("AWS EFS" if ".efs." in device else "Lustre (FSx for Lustre on AWS)"
+                if fstype == "lustre" else "a FUSE mount" if fstype.startswith("fuse")
+                else "a network filesystem")
         return "network_file", f"{fstype} mount of {device}: {what}"
     if fstype in ("tmpfs", "ramfs"):
         return "other", f"{fstype}: in RAM, gone at reboot"
