@@ -155,7 +155,7 @@ def test_advice_from_a_synthetic_frame_is_exact():
                                                                       download + read)):
             rows.append({"scenario": scenario, "part": part, "bytes": 100e6, "seconds": seconds,
                          "mb_per_s": 100.0, "repeat": 0, "cache_state": state,
-                         "cache_disk": "network", "model": "m", "device": "cpu"})
+                         "cache_disk": "network_block", "model": "m", "device": "cpu"})
     fix = advice(pd.DataFrame(rows)).set_index("seconds_saved")
     assert sorted(fix.index) == pytest.approx([0.4, 2.0, 3.0, 9.5])
     assert "network" in fix.loc[3.0, "finding"]  # the cold read from network storage

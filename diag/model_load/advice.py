@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from diag.config import MODEL_LOAD_SCENARIOS as SCENARIOS
+from diag.disks import is_network
 from diag.timing import LOAD_PARTS
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def advice(frame: pd.DataFrame) -> pd.DataFrame:
             med.loc["cached_cold", "load_model"] - med.loc["cached", "load_model"],
             f"{load('cached_cold')} (read {med.loc['cached_cold', 'read']:.3g} s) vs "
             f"{load('cached')} (read {med.loc['cached', 'read']:.3g} s)")
-        if (frame["cache_disk"] == "network").any():
+        if frame["cache_disk"].map(is_network).any():
             read = cold[cold.part == "read"]
             rows.append({"stage": "load_model", "seconds_saved": float(read["seconds"].median()),
                          "finding": "The HF cache is on network storage: every cold load reads "
