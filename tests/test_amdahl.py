@@ -138,6 +138,7 @@ def test_extra_findings_are_ranked_with_the_rest():
     # the measured, specific fix replaces the generic one for its stage
     assert found[found["stage"] == "load_model"]["finding"].tolist() == ["persistent HF_HOME"]
     assert "fetch_data" in set(found["stage"])
+    assert "data_wait" in set(found["stage"])  # the stages after the replaced one still count
 
 
 @pytest.mark.parametrize("frame, message", [

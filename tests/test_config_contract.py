@@ -103,6 +103,7 @@ def test_zero_is_allowed_where_the_rule_is_non_negative() -> None:
     ("size_mb", 0.0, "must be a number > 0"), ("shards", False, "must be a number > 0"),
     ("repeats", "3", "must be a number > 0"), ("warmup", -1, "must be a number >= 0"),
     ("retries", True, "must be a number >= 0"), ("dataset_gb", "1", "must be a number >= 0"),
+    ("runs_per_week", -1.0, "must be a number >= 0"), ("usd_per_hour", -0.5, "must be a number >= 0"),
     ("verify", "md5", "allowed values are 'sha256', 'size'"),
     ("source", "s3:///key", "expected s3://bucket/key, s3://bucket/prefix/ or '' for the "
                             "embedded server"),
@@ -111,6 +112,15 @@ def test_zero_is_allowed_where_the_rule_is_non_negative() -> None:
 ])
 def test_storage_config_rules(name: str, bad: Any, rule: str) -> None:
     _raises(f"StorageConfig.{name}={bad!r}: {rule}", StorageConfig, **{name: bad})
+
+
+@pytest.mark.parametrize("name, bad, rule", [
+    ("steps", 0, "must be a number > 0"), ("batch_size", 0, "must be a number > 0"),
+    ("width", -8, "must be a number > 0"), ("warmup_steps", -1, "must be a number >= 0"),
+    ("prep_ms", -1.0, "must be a number >= 0"), ("num_workers", -2, "must be a number >= 0"),
+])
+def test_toy_config_rules(name: str, bad: Any, rule: str) -> None:
+    _raises(f"ToyConfig.{name}={bad!r}: {rule}", ToyConfig, **{name: bad})
 
 
 def test_info_and_toy_edges() -> None:

@@ -167,6 +167,7 @@ def _gather_worker(rank: int, world: int, port: int, out: str) -> None:
         for _ in timer.watch(range(2 + rank)):
             timer.record("compute", 0.1 * (rank + 1))
         frame = timer.gather()
+        assert frame.index.tolist() == list(range(len(frame)))  # one table, not two stacked
         if rank == 0:
             frame.to_csv(out, index=False)
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -18,8 +19,26 @@ GOAL = 0.90
 KILLED = {1, 3, 24, -24, 36, 37, 152, 255}  # mutmut's codes: test failed, timed out, type error
 
 
+def _explained(doc: Path) -> set[tuple[str, int]]:
+    """(function, number) pairs of the bullets in doc, e.g. "- `amdahl.findings` #37, #39: why"."""
+    pairs: set[tuple[str, int]] = set()
+    text = doc.read_text() if doc.exists() else ""
+    for bullet in re.split(r"\n(?=- )", text):
+        names = re.findall(r"`([A-Za-z_][\w.]*)`", bullet.split(":")[0])
+        pairs |= {(n, int(k)) for n in names for k in re.findall(r"#(\d+)", bullet.split(":")[0])}
+    return pairs
+
+
+def _short(mutant: str) -> tuple[str, int]:
+    """diag.amdahl.x_findings__mutmut_37 -> ("amdahl.findings", 37); methods as Class.method."""
+    path, _, number = mutant.rpartition("__mutmut_")
+    module, _, func = path.removeprefix("diag.").rpartition(".")
+    func = func.removeprefix("x_").replace("xǁ", "").replace("ǁ", ".")
+    return f"{module.rpartition('.')[2]}.{func}", int(number)
+
+
 def main(patterns: list[str]) -> int:
-    explained = Path("docs/mutation.md").read_text() if Path("docs/mutation.md").exists() else ""
+    explained = _explained(Path("docs/mutation.md"))
     worst = 1.0
     for meta in sorted(Path("mutants").rglob("*.py.meta")):
         codes = json.loads(meta.read_text())["exit_code_by_key"]
@@ -37,7 +56,7 @@ def main(patterns: list[str]) -> int:
         print(f"{module}: {score:.1%} killed ({killed}/{len(tried)}; {dict(counts)}) "
               f"(goal >= {GOAL:.0%})")
         for name in survivors:
-            print(f"    {name}{'  (equivalent: docs/mutation.md)' if name in explained else ''}")
+            print(f"    {name}{'  (equivalent: docs/mutation.md)' if _short(name) in explained else ''}")
     return 0 if worst >= GOAL else 1
 
 
