@@ -49,6 +49,9 @@ EXPERIMENTS: dict[str, Experiment] = {
     # -- workers --
     # -- accum --
     # -- qlora --
+    "qlora": Experiment(config.QLoraConfig, "diag.qlora:run_qlora",
+                        "the QLoRA fine-tune (nf4 + LoRA, Trainer), naive vs optimized plan: "
+                        "stages, loss curves, predicted vs measured saving per fix"),
     "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_diagnose",
                       "the whole diagnosis on one source: every experiment, then the report",
                       table=False),
