@@ -260,7 +260,7 @@ class QLoraConfig(ExperimentConfig):
     device: str = "auto"  # "auto", "cpu" or "cuda"; CUDA-only settings on CPU fall back, with a note
     results: str = ""  # run folder whose experiment CSVs the optimized plan reads; "" = defaults
 
-    QUICK: ClassVar[dict[str, Any]] = {"records": 24, "steps": 3, "seq_len": 96, "lora_r": 8,
+    QUICK: ClassVar[dict[str, Any]] = {"records": 12, "steps": 3, "seq_len": 96, "lora_r": 8,
                                        "lora_alpha": 16}
 
     def validate(self) -> None:

@@ -39,6 +39,7 @@ class TimingCallback(TrainerCallback):
         self._wait = 0.0
         self._steady_start: float | None = None
         self._side = 0.0  # checkpoint + eval seconds inside the steady loop (not train's)
+        self._first = 0
         self.steps = 0
 
     # -- clock ------------------------------------------------------------------------------
@@ -54,6 +55,7 @@ class TimingCallback(TrainerCallback):
         if device is not None and devices.is_async(device):
             self._sync = lambda: devices.sync(device)
         self._mark = self._now()  # the first step's wait includes the loader's start-up
+        self._first = state.global_step  # a resumed run warms up again from where it resumed
         self._steady_start = self._mark if self.warmup_steps == 0 else None
         self._side = 0.0
 
@@ -65,9 +67,9 @@ class TimingCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now = self._now()
         step = state.global_step - 1  # the Trainer counted this step before calling us
-        if step < self.warmup_steps:
+        if step - self._first < self.warmup_steps:
             self.timer.record("warmup", self._wait + now - self._begin)
-            if step == self.warmup_steps - 1:
+            if step - self._first == self.warmup_steps - 1:
                 self._steady_start = now
         else:
             self.timer.record("data_wait", self._wait, step=step)

@@ -112,7 +112,8 @@ def load_model(cfg: QLoraConfig, plan: Plan, folder: Path, device: Any) -> Any:
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant,
                                                  device_map={"": str(device)})
     model = prepare_model_for_kbit_training(
-        model, use_gradient_checkpointing=plan.gradient_checkpointing)
+        model, use_gradient_checkpointing=plan.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False})  # what torch recommends
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation in both plans
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
@@ -182,6 +183,8 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
         callback = TimingCallback(timer, warmup_steps=cfg.warmup_steps, device=device)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data.dataset,
                                        callbacks=[callback])
+        # the Trainer prints every log line with tqdm off; a function in diag prints nothing
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         resume = last_checkpoint(out_dir) if cfg.resume else None
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
         losses = pd.DataFrame([{"step": h["step"], "loss": h["loss"],
