@@ -20,7 +20,7 @@ STEPS = 6
 
 
 def _command(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "diag", "qlora", "--quick", "--plan", "naive", "--records", "12",
+    return [sys.executable, "-m", "diag", "qlora", "--quick", "--plan", "optimized", "--records", "12",
             "--steps", str(STEPS), "--checkpoint-every", "1", "--out-dir", str(out), *extra]
 
 
@@ -37,8 +37,8 @@ def test_sigkill_mid_run_then_resume_finishes_the_same_steps(tmp_path):
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        while last_checkpoint(out / "naive") is None or \
-                int(last_checkpoint(out / "naive").name.split("-")[1]) < 2:
+        while last_checkpoint(out / "optimized") is None or \
+                int(last_checkpoint(out / "optimized").name.split("-")[1]) < 2:
             assert proc.poll() is None, "the run ended before it could be killed"
             assert time.monotonic() < deadline, "no checkpoint within 240 s"
             time.sleep(0.05)
@@ -47,7 +47,7 @@ def test_sigkill_mid_run_then_resume_finishes_the_same_steps(tmp_path):
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
-    killed_at = int(last_checkpoint(out / "naive").name.split("-")[1])
+    killed_at = int(last_checkpoint(out / "optimized").name.split("-")[1])
     assert 2 <= killed_at < STEPS
     done = subprocess.run(_command(out, "--resume", "--json"), env=_env(), capture_output=True,
                           text=True, timeout=300)
@@ -61,5 +61,5 @@ def test_sigkill_mid_run_then_resume_finishes_the_same_steps(tmp_path):
     assert losses == list(range(1, STEPS + 1))
     steady = {r["step"] for r in result["qlora_stages"] if r["step"] is not None}
     assert min(steady) >= row["resumed_from_step"]
-    state = json.loads((last_checkpoint(out / "naive") / "trainer_state.json").read_text())
+    state = json.loads((last_checkpoint(out / "optimized") / "trainer_state.json").read_text())
     assert state["global_step"] == STEPS

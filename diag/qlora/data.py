@@ -92,6 +92,7 @@ def build_dataset(cfg: QLoraConfig, plan: Plan, recs: Records, tokenizer_dir: Pa
         rows_per_step = len(dataset) // cfg.steps
         real = sum(min(n, seq) for n in recs.lengths)
         loss = sum(max(min(n, seq) - p, 0) for n, p in zip(recs.lengths, recs.prompt_lengths))
+        left_out = sum(max(n - seq, 0) for n in recs.lengths)  # truncated at seq_len
         detail = "tokenized per sample in __getitem__, padded to seq_len"
     else:
         from diag.loader.tokens import build_token_cache
@@ -107,11 +108,13 @@ def build_dataset(cfg: QLoraConfig, plan: Plan, recs: Records, tokenizer_dir: Pa
         real = min(cache.tokens, used * seq)
         mask = np.load(Path(cache.folder) / "loss_mask.npy", mmap_mode="r")
         loss = int(np.asarray(mask[:real]).sum())
+        left_out = cache.tokens - real  # the tail rows that make no whole step
         detail = f"token cache {cache.status}, packed"
     micro, accum = _split(rows_per_step, plan.micro_batch)
     slots = rows_per_step * cfg.steps * seq
     stats = {"records": len(recs.records), "skipped_records": recs.skipped,
              "rows": rows_per_step * cfg.steps, "token_slots": slots, "real_tokens": int(real),
+             "left_out_tokens": int(left_out),
              "loss_tokens": int(loss), "padding_share": 1 - real / slots if slots else 0.0,
              "data": detail}
     return Data(dataset, micro, accum, stats)
