@@ -295,6 +295,7 @@ class DiagnoseConfig(ExperimentConfig):
     model_load: bool = True  # run the model-load experiment (fresh vs cached)
     steps: int = 60  # timed toy steps per run (naive and optimized)
     prep_ms: float = 3.0  # host preprocessing per batch: what num_workers has to hide
+    qlora: bool = True  # naive vs optimized runs are the QLoRA job (diag.qlora); False = the toy loop
     naive_workers: int = 0  # DataLoader workers of the naive run (preprocessing in the loop)
     optimized_workers: int = 2  # DataLoader workers of the optimized run
     device: str = "auto"  # "auto", "cpu" or "cuda"

@@ -87,6 +87,22 @@ def _model_load(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
             results["run_level"][run]["load_model"] = seconds
 
 
+# -- qlora ---------------------------------------------------------------------------------------
+def _qlora(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
+    """The QLoRA job under both plans; the optimized one reads the frames measured above."""
+    from diag.config import QLoraConfig
+    from diag.qlora import run_qlora
+
+    frames = results["frames"]
+    measured = {k: frames[k] for k in ("storage", "model_load", "accum") if k in frames}
+    if "workers" in frames:
+        measured["loader"] = frames["workers"]
+    got = run_qlora(QLoraConfig.default(quick=cfg.quick_experiments or None, model=cfg.model,
+                                        device=cfg.device), results=measured)
+    frames.update(run=got.stages, qlora=got.frame, qlora_losses=got.losses,
+                  qlora_plans=got.plans, qlora_savings=got.savings)
+
+
 def run_diagnose(cfg: DiagnoseConfig | None = None) -> Path:
     """Run the diagnosis and write the report; returns the run folder."""
     from diag.device import run_info
@@ -100,8 +116,11 @@ def run_diagnose(cfg: DiagnoseConfig | None = None) -> Path:
         steps.append(("storage", lambda: _storage(cfg, results)))
     if cfg.model_load:
         steps.append(("model load", lambda: _model_load(cfg, results)))
-    steps.append(("naive vs optimized run", lambda: results["frames"].update(
-        run=training_runs(cfg, results["run_level"]))))
+    if cfg.qlora:
+        steps.append(("naive vs optimized QLoRA", lambda: _qlora(cfg, results)))
+    else:
+        steps.append(("naive vs optimized run", lambda: results["frames"].update(
+            run=training_runs(cfg, results["run_level"]))))
     with tqdm(steps, desc="diag run", unit="step") as bar:
         for name, work in bar:
             bar.set_postfix_str(name)
