@@ -94,9 +94,7 @@ def _qlora(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     from diag.qlora import run_qlora
 
     frames = results["frames"]
-    measured = {k: frames[k] for k in ("storage", "model_load", "accum") if k in frames}
-    if "workers" in frames:
-        measured["loader"] = frames["workers"]
+    measured = {k: frames[k] for k in ("storage", "model_load", "loader", "accum") if k in frames}
     got = run_qlora(QLoraConfig.default(quick=cfg.quick_experiments or None, model=cfg.model,
                                         device=cfg.device), results=measured)
     frames.update(run=got.stages, qlora=got.frame, qlora_losses=got.losses,

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 PREDICTION_TOLERANCE = 0.25  # |measured - predicted| above this share of predicted is flagged
 # Result frames the optimized plan reads from a run folder, by the CSV names report.write gives.
 RESULT_FILES = {"storage": ("storage",), "model_load": ("model_load",),
-                "loader": ("workers", "loader"), "accum": ("accum",)}
+                "loader": ("loader", "workers"), "accum": ("accum",)}
 FIXES = {
     "fetch_data": "land the dataset once (diag.storage.land) instead of pulling it every start",
     "load_model": "load the base from a persistent HF cache instead of downloading it",
