@@ -47,6 +47,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                              "fresh vs cached model load: download, read, quantize, to_device, "
                              "tokenizer"),
     # -- workers --
+    "workers": Experiment(config.LoaderConfig, "diag.loader:run_loader",
+                          "DataLoader num_workers sweep against a training step, fetch vs prep "
+                          "stalls, the hot lines of the naive preprocessing"),
     # -- accum --
     # -- qlora --
     "qlora": Experiment(config.QLoraConfig, "diag.qlora:run_qlora",

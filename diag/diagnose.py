@@ -1,7 +1,8 @@
 """The whole diagnosis on the embedded defaults (or the user's source): `python -m diag run`.
 
 It measures what this machine is, pulls the dataset from the object store and lands it
-(diag.storage), loads the model fresh and cached (diag.model_load), then assembles a naive and an
+(diag.storage), loads the model fresh and cached (diag.model_load), sweeps the DataLoader against
+a training step (diag.loader), then assembles a naive and an
 optimized training run on the same StageTimer: the naive run pays the measured pull and fresh
 download on every start and preprocesses in the loop; the optimized one hits the landed copy
 and the warm cache and feeds the loop from DataLoader workers. Writes the run folder.
@@ -87,6 +88,18 @@ def _model_load(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
             results["run_level"][run]["load_model"] = seconds
 
 
+def _loader(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
+    from diag.config import LoaderConfig
+    from diag.loader import run_loader
+
+    # the advice is priced for this diagnosis' runs, so findings compare like with like
+    got = run_loader(LoaderConfig.default(quick=cfg.quick_experiments or None, device=cfg.device,
+                                          run_steps=cfg.steps))
+    results["frames"].update(loader=got.sweep, loader_stalls=got.stalls, loader_lines=got.lines,
+                             loader_recommendation=got.recommendation)
+    results["advice"].append(got.advice)
+
+
 # -- qlora ---------------------------------------------------------------------------------------
 def _qlora(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     """The QLoRA job under both plans; the optimized one reads the frames measured above."""
@@ -114,6 +127,8 @@ def run_diagnose(cfg: DiagnoseConfig | None = None) -> Path:
         steps.append(("storage", lambda: _storage(cfg, results)))
     if cfg.model_load:
         steps.append(("model load", lambda: _model_load(cfg, results)))
+    if cfg.loader:
+        steps.append(("data loader", lambda: _loader(cfg, results)))
     if cfg.qlora:
         steps.append(("naive vs optimized QLoRA", lambda: _qlora(cfg, results)))
     else:

@@ -214,3 +214,33 @@ def plot_model_load(frame: pd.DataFrame) -> Figure:
               loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(table) > 2 else -0.4))
     ax.margins(x=0.15)
     return fig
+
+
+def plot_loader(frame: pd.DataFrame, target_share: float = 0.02) -> Figure:
+    """data_wait share of the step per num_workers, one line per pipeline (diag.loader sweep).
+
+    Lines join the medians, dots are the repeats; the dashed line is the target share the
+    recommendation must stay under. Failed settings are left out (their error is in the table).
+    """
+    need = {"pipeline", "num_workers", "data_wait_share"}
+    if frame.empty or not need <= set(frame.columns):
+        raise ValueError("frame must be diag.loader.sweep_workers(): pipeline, num_workers, "
+                         "data_wait_share rows")
+    ok = frame[frame["data_wait_share"].notna()]
+    fig = _figure(8, 3.5)
+    ax = fig.add_subplot()
+    for pipeline, part in ok.groupby("pipeline", sort=False):
+        medians = part.groupby("num_workers")["data_wait_share"].median() * 100
+        line, = ax.plot(medians.index, medians.values, "o-", label=pipeline)
+        ax.plot(part["num_workers"], part["data_wait_share"] * 100, ".", color=line.get_color(),
+                alpha=0.5)
+    ax.axhline(target_share * 100, color=STAGE_COLORS["data_wait"], linestyle="--", linewidth=1,
+               label=f"target {target_share:.0%}")
+    ax.set_xticks(sorted(frame["num_workers"].unique()))
+    ax.set_xlabel("DataLoader num_workers")
+    ax.set_ylabel("data_wait, % of the step")
+    step = frame["step_s"].median() if "step_s" in frame else float("nan")
+    ax.set_title(f"Does the loader keep up with a {step * 1e3:.3g} ms step?")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, frameon=False)
+    return fig

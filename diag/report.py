@@ -28,7 +28,8 @@ STAGE_FRAME = "run"  # the StageTimer frames (with a `run` column) the shares ar
 _PACKAGES = ("diag", "torch", "transformers", "peft", "bitsandbytes", "huggingface_hub", "boto3",
              "pandas", "numpy")
 # Figures other experiments contribute: plots.<function>(frame) -> Figure, when it exists.
-EXPERIMENT_FIGURES = {"storage": "plot_storage", "model_load": "plot_model_load"}
+EXPERIMENT_FIGURES = {"storage": "plot_storage", "model_load": "plot_model_load",
+                      "loader": "plot_loader", "workers": "plot_loader"}  # diag run / diag workers
 
 
 def versions() -> dict[str, str]:

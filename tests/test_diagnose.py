@@ -29,9 +29,10 @@ def test_demo_writes_every_experiment_and_prints_path_and_top_finding(demo):
     assert {"run.csv", "info.csv", "storage.csv", "storage_tax.csv", "model_load.csv",
             "qlora.csv", "qlora_losses.csv", "qlora_plans.csv", "qlora_savings.csv",
             "advice.csv", "summary.json", "report.html", "stage_shares.png", "amdahl.png",
-            "waterfall.png", "storage.png", "model_load.png"} <= names
+            "waterfall.png", "storage.png", "model_load.png", "loader.csv", "loader_stalls.csv",
+            "loader_lines.csv", "loader_recommendation.csv", "loader.png"} <= names
     page = (out / "report.html").read_text()
-    assert page.count('src="data:image/png;base64,') == 5
+    assert page.count('src="data:image/png;base64,') == 6
 
 
 @pytest.mark.slow

@@ -19,12 +19,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from diag.config import ON_ERROR
+
 # Alpaca-style template: what most instruction-tuning recipes use; the input block is left out
 # when a record has no input, so the prompt carries no empty section.
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 PROMPT_TEMPLATE_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 FIELDS = ("instruction", "input", "output")
-ON_ERROR = ("raise", "skip")
 IGNORE_INDEX = -100  # the label PyTorch's cross-entropy (and HF models) leave out of the loss
 PROBLEM_COLUMNS = ["line", "problem", "detail"]
 

@@ -11,6 +11,7 @@ whole, meta.json last, so an interrupted build is never taken for a finished one
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -71,7 +72,7 @@ def _encode_chunk(args: tuple[str, str, list[dict[str, str]]]
     tokenizer_dir, version, records = args
     ids, prompt_lens = encode_batch(load_tokenizer(tokenizer_dir, version), records)
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter((t for seq in ids for t in seq), dtype=np.int32, count=int(lengths.sum()))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
     mask = np.ones(len(flat), dtype=np.uint8)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     for start, n in zip(starts, prompt_lens):  # prompt tokens carry no loss

@@ -1,0 +1,143 @@
+"""From the sweep to a decision: the smallest setting that keeps up, or what it would take.
+
+`recommend(sweep)` gives one row per pipeline: the smallest num_workers whose median data_wait
+stays under the target share of the step, or, when none does, the per-sample preprocessing cost
+(from the num_workers=0 rows, where every sample is made in the loop) and the workers (cores)
+that cost needs at this step. `advice(sweep, recommendation)` turns it into findings rows for
+diag.amdahl.findings, priced for a run of `run_steps` steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+COLUMNS = ["pipeline", "recommended_workers", "data_wait_share", "baseline_workers",
+           "baseline_share", "per_sample_ms", "per_batch_ms", "step_ms", "workers_needed",
+           "cores", "samples_per_s", "tokens_per_s", "failed_workers", "verdict"]
+ADVICE_COLUMNS = ["stage", "finding", "seconds_saved", "evidence"]
+
+
+def _medians(part: pd.DataFrame) -> pd.DataFrame:
+    good = part[part["error"].fillna("") == ""]
+    return good.groupby("num_workers", sort=False)[
+        ["data_wait_share", "data_wait_s", "step_s", "samples_per_s", "tokens_per_s"]].median()
+
+
+def recommend(sweep: pd.DataFrame, target_share: float = 0.02) -> pd.DataFrame:
+    """One row per pipeline: the recommended num_workers, or the cost and the cores it needs."""
+    rows = []
+    for pipeline, part in sweep.groupby("pipeline", sort=False):
+        by = _medians(part)
+        order = list(dict.fromkeys(part["num_workers"]))
+        failed = [w for w in order if w not in by.index]
+        batch = int(part["batch_size"].iloc[0])
+        cores = int(part["cores"].iloc[0]) if "cores" in part else 0
+        if by.empty:
+            rows.append({"pipeline": pipeline, "failed_workers": failed, "cores": cores,
+                         "verdict": "every setting failed: " + part["error"].iloc[0]})
+            continue
+        meets = [w for w in sorted(by.index) if by.loc[w, "data_wait_share"] < target_share]
+        rec = meets[0] if meets else None
+        base = order[0] if order[0] in by.index else by.index[0]
+        step = float(by["step_s"].median())
+        # with no workers every sample is fetched and prepared in the loop: the wait is its cost
+        per_batch = float(by.loc[0, "data_wait_s"]) if 0 in by.index else float("nan")
+        if math.isnan(per_batch):
+            needed: Any = None
+        elif per_batch / (per_batch + step) < target_share:
+            needed = 0
+        else:  # each worker makes a batch in per_batch seconds; together one per step
+            needed = math.ceil(per_batch / step)
+        shown = rec if rec is not None else by["data_wait_share"].idxmin()
+        if rec is not None:
+            verdict = (f"num_workers={rec} keeps data_wait at {by.loc[rec, 'data_wait_share']:.1%} "
+                       f"of the step (target < {target_share:.0%})")
+        else:
+            verdict = (f"no setting keeps data_wait under {target_share:.0%} (best: "
+                       f"num_workers={shown} at {by.loc[shown, 'data_wait_share']:.1%})")
+            cost = (f"preprocessing costs {per_batch / batch * 1e3:.3g} ms per sample "
+                    f"({per_batch * 1e3:.3g} ms per batch of {batch}) against a "
+                    f"{step * 1e3:.3g} ms step")
+            tried = [w for w in by.index if needed is not None and w >= max(needed, 1)]
+            if tried:  # enough workers ran and still waited: the hand-off, not the work
+                handoff = float(by.loc[tried, "data_wait_s"].min())
+                verdict += (f": {cost}, which {needed or 1} worker(s) would hide, yet with "
+                            f"workers the loop still waits {handoff * 1e3:.3g} ms per batch: "
+                            "that is the hand-off from worker processes and the loop's own "
+                            "overhead, which only a longer step (a larger batch) amortizes")
+            elif needed:
+                verdict += (f": {cost}, so it needs {needed} workers on {needed} free cores "
+                            f"(this machine has {cores}), or the token cache (packed)")
+        rows.append({"pipeline": pipeline, "recommended_workers": rec,
+                     "data_wait_share": by.loc[shown, "data_wait_share"],
+                     "baseline_workers": base, "baseline_share": by.loc[base, "data_wait_share"],
+                     "per_sample_ms": per_batch / batch * 1e3, "per_batch_ms": per_batch * 1e3,
+                     "step_ms": step * 1e3, "workers_needed": needed, "cores": cores,
+                     "samples_per_s": by.loc[shown, "samples_per_s"],
+                     "tokens_per_s": by.loc[shown, "tokens_per_s"], "failed_workers": failed,
+                     "verdict": verdict})
+    out = pd.DataFrame(rows, columns=COLUMNS)
+    for col in ("recommended_workers", "workers_needed", "baseline_workers"):
+        out[col] = out[col].astype("Int64")
+    out["failed_workers"] = out["failed_workers"].map(lambda ws: ",".join(map(str, ws or [])))
+    return out
+
+
+def advice(sweep: pd.DataFrame, recommendation: pd.DataFrame, run_steps: int = 1000,
+           target_share: float = 0.02) -> pd.DataFrame:
+    """Findings rows (stage, finding, seconds_saved, evidence), priced for run_steps steps."""
+    rows = []
+    waits = {p: _medians(part) for p, part in sweep.groupby("pipeline", sort=False)}
+    for r in recommendation.itertuples():
+        by = waits[r.pipeline]
+        if by.empty or pd.isna(r.baseline_workers) or r.baseline_share < target_share:
+            continue  # the baseline keeps up: nothing to fix
+        base_wait = float(by.loc[r.baseline_workers, "data_wait_s"])
+        best = int(r.recommended_workers) if not pd.isna(r.recommended_workers) else int(
+            by["data_wait_share"].idxmin())
+        saved = (base_wait - float(by.loc[best, "data_wait_s"])) * run_steps
+        evidence = (f"{r.pipeline} pipeline: data_wait {r.baseline_share:.1%} of the step at "
+                    f"num_workers={r.baseline_workers}, {by.loc[best, 'data_wait_share']:.1%} at "
+                    f"num_workers={best} ({r.step_ms:.3g} ms step; {run_steps} steps)")
+        if not pd.isna(r.recommended_workers):
+            finding = (f"DataLoader(num_workers={best}, persistent_workers=True, "
+                       f"pin_memory=True) keeps the {r.pipeline} pipeline ahead of the step")
+        else:
+            finding = (f"the {r.pipeline} pipeline cannot keep up here: cache the tokens "
+                       "(diag.loader.build_token_cache + PackedDataset) or give the loader "
+                       f"{r.workers_needed} cores")
+            evidence += f"; {r.verdict}"
+        if saved > 0:
+            rows.append({"stage": "data_wait", "finding": finding, "seconds_saved": saved,
+                         "evidence": evidence})
+    if {"naive", "packed"} <= set(waits) and not waits["naive"].empty and not waits["packed"].empty:
+        rows += _packing(sweep, waits, recommendation, run_steps, target_share)
+    return pd.DataFrame(rows, columns=ADVICE_COLUMNS)
+
+
+def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], recommendation: pd.DataFrame,
+             run_steps: int, target_share: float) -> list[dict[str, Any]]:
+    """Tokenize once and pack: what the naive loop's wait and padding cost, where measured."""
+    naive, packed = waits["naive"], waits["packed"]
+    common = [w for w in naive.index if w in packed.index]
+    if not common:
+        return []
+    w = common[0]
+    if naive.loc[w, "data_wait_share"] < target_share:
+        return []
+    saved = (naive.loc[w, "data_wait_s"] - packed.loc[w, "data_wait_s"]) * run_steps
+    rows = sweep[(sweep["pipeline"] == "naive") & (sweep["error"].fillna("") == "")]
+    fill = float(rows["tokens_per_s"].median() / rows["samples_per_s"].median()) / float(
+        sweep["seq_len"].iloc[0]) if "seq_len" in sweep else float("nan")
+    ratio = packed.loc[w, "tokens_per_s"] / naive.loc[w, "tokens_per_s"]
+    evidence = (f"at num_workers={w}: data_wait {naive.loc[w, 'data_wait_share']:.1%} (naive) vs "
+                f"{packed.loc[w, 'data_wait_share']:.1%} (packed) of the step; packed serves "
+                f"{ratio:.2f}x the tokens per second")
+    if fill == fill:
+        evidence += f"; naive batches are {1 - fill:.0%} padding, compute a packed step does not waste"
+    return [{"stage": "data_wait", "finding": "tokenize once into a token cache and serve packed "
+             "windows (diag.loader.build_token_cache + PackedDataset)",
+             "seconds_saved": max(float(saved), 0.0), "evidence": evidence}] if saved > 0 else []

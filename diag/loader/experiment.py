@@ -1,0 +1,52 @@
+"""`run_loader(cfg)`: the sweep, the recommendation, the stall split and the hot lines, at once.
+
+The step the loader must keep up with is made once and shared by the sweep and the stall split
+(an emulated step measures the tiny model's step here unless given a time or a GPU). The stall
+split runs at the first swept num_workers (the baseline, 0 by default: everything in the loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from diag.loader.advice import advice, recommend
+from diag.loader.pipeline import NaiveTextDataset, read_records
+from diag.loader.profile import profile_lines
+from diag.loader.stalls import stall_split
+from diag.loader.sweep import sources, sweep_workers
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from diag.config import LoaderConfig
+
+
+@dataclass(frozen=True)
+class LoaderResult:
+    """What `run_loader` returns; the CLI shows each frame, diagnose stores them as loader_*."""
+
+    sweep: pd.DataFrame  # one row per pipeline x num_workers x repeat (diag.loader.sweep.COLUMNS)
+    stalls: pd.DataFrame  # per pipeline: synthetic / warm / cold waits, prep and fetch stalls
+    lines: pd.DataFrame  # line profile of NaiveTextDataset.__getitem__: where a sample's time goes
+    recommendation: pd.DataFrame  # per pipeline: the smallest setting that keeps up, or the cost
+    advice: pd.DataFrame  # stage, finding, seconds_saved, evidence (for amdahl.findings)
+
+
+def run_loader(cfg: LoaderConfig | None = None) -> LoaderResult:
+    """Sweep, recommend, split the stalls, profile the naive preprocessing; return the frames."""
+    from diag.config import LoaderConfig
+    from diag.device import resolve
+    from diag.loader.steps import consumer
+
+    cfg = cfg or LoaderConfig.default()
+    data, tokenizer_dir = sources(cfg)
+    step = consumer(cfg, tokenizer_dir, resolve(cfg.device))
+    sweep = sweep_workers(cfg, step)
+    recommendation = recommend(sweep, cfg.target_share)
+    stalls = stall_split(cfg, cfg.workers[0], step[0])
+    records, _ = read_records(data, on_error=cfg.on_error)
+    naive = NaiveTextDataset(records[: cfg.profile_samples], tokenizer_dir, cfg.seq_len)
+    lines = profile_lines(naive.__getitem__, range(len(naive)))
+    return LoaderResult(sweep, stalls, lines, recommendation,
+                        advice(sweep, recommendation, cfg.run_steps, cfg.target_share))

@@ -1,0 +1,112 @@
+"""What consumes the batches: an emulated accelerator step of fixed duration, or a real one.
+
+`EmulatedStep(seconds)` holds the loop for a fixed time, as MLPerf Storage / DLIO emulate an
+accelerator, so a CPU machine can answer "would this loader keep up with a GPU whose step takes
+X ms?". `ModelStep` trains the tiny model (forward + backward + AdamW). `step_seconds(cfg)`
+picks the emulated step: the user's, a GPU estimate from the dense-peak table, or measured here.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from diag.config import LoaderConfig
+
+
+class EmulatedStep:
+    """A step that takes `seconds` and leaves the CPU free, as an accelerator's step would."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> None:
+        # sleep, not a busy loop: while a GPU computes, the host's cores are free for workers
+        end = time.perf_counter() + self.seconds
+        while (left := end - time.perf_counter()) > 0:
+            time.sleep(left)
+
+
+class ModelStep:
+    """One training step of a causal LM from `model_dir` on `device`: forward, backward, AdamW."""
+
+    def __init__(self, model_dir: str | Path, device: torch.device) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from diag.device import sync
+
+        self.device, self._sync = device, sync
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def __call__(self, batch: dict[str, torch.Tensor]) -> None:
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        loss = self.model(**batch).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sync(self.device)  # note: sync point, so the step's kernels are billed to the step
+
+
+def measure_model_step(model_dir: str | Path, device: torch.device, batch_size: int, seq_len: int,
+                       warmup: int = 2, repeats: int = 3) -> float:
+    """Median seconds of the model's training step on full batch_size x seq_len batches."""
+    step = ModelStep(model_dir, device)
+    vocab = step.model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, vocab, (batch_size, seq_len), generator=gen)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    times = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        step(batch)
+        if i >= warmup:  # the first steps pay allocator growth and kernel choice
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def gpu_step_seconds(gpu: str, params_b: float, tokens: int, mfu: float) -> float:
+    """A training step's seconds on `gpu`: 6 x params x tokens FLOPs at mfu x its dense bf16 peak.
+
+    6 N T is the forward + backward FLOPs of a dense transformer; QLoRA's frozen 4-bit base does a
+    little less (no weight gradients) and dequantizes, so treat the figure as an estimate.
+    """
+    from diag.gpus import GPUS, dense_peak_flops
+
+    peak = dense_peak_flops(gpu, "bf16")
+    if peak is None:
+        raise ValueError(f"LoaderConfig.gpu={gpu!r}: not in diag's table; allowed values are "
+                         + ", ".join(g.name for g in GPUS))
+    return 6 * params_b * 1e9 * tokens / (peak * mfu)
+
+
+def step_seconds(cfg: LoaderConfig, model_dir: str | Path, device: torch.device
+                 ) -> tuple[float, str]:
+    """(seconds, where it came from) of the step the loader has to keep up with."""
+    if cfg.step_ms > 0:
+        return cfg.step_ms / 1000, f"given: {cfg.step_ms:g} ms"
+    if cfg.gpu:
+        tokens = cfg.batch_size * cfg.seq_len
+        seconds = gpu_step_seconds(cfg.gpu, cfg.model_params_b, tokens, cfg.mfu)
+        return seconds, (f"estimated for {cfg.gpu}: 6 x {cfg.model_params_b:g}B params x {tokens} "
+                         f"tokens at {cfg.mfu:.0%} MFU")
+    seconds = measure_model_step(model_dir, device, cfg.batch_size, cfg.seq_len)
+    return seconds, (f"measured: the tiny model's training step on {device.type}, "
+                     f"{cfg.batch_size} x {cfg.seq_len} tokens")
+
+
+def consumer(cfg: LoaderConfig, model_dir: str | Path, device: torch.device
+             ) -> tuple[Any, float, str]:
+    """(step callable, nominal seconds, where they came from) for cfg.consumer."""
+    if cfg.consumer == "model":
+        return ModelStep(model_dir, device), float("nan"), f"the model in {model_dir}, {device.type}"
+    seconds, source = step_seconds(cfg, model_dir, device)
+    return EmulatedStep(seconds), seconds, source

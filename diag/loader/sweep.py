@@ -1,0 +1,218 @@
+"""The DataLoader sweep: how long the loop waits for each batch, per num_workers and pipeline.
+
+`measure_setting` runs one DataLoader against a step (emulated or real): the first batch
+(worker start-up) is timed apart, the batches the workers prefetched during start-up are let
+through untimed, then `steps` steady-state steps give data_wait per step and its share of the
+step. A sample that raises fails its setting with the sample index and the original message
+(the row's `error`); the sweep goes on. `sweep_workers(cfg)` runs every pipeline x num_workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from diag.config import LoaderConfig
+
+COLUMNS = ["pipeline", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor",
+           "samples_per_s", "tokens_per_s", "data_wait_s", "step_s", "data_wait_share",
+           "first_batch_s", "repeat", "batch_size", "steps", "consumer", "warning", "error"]
+
+
+class SampleError(RuntimeError):
+    """A sample's preprocessing raised; the message names the sample index and the cause."""
+
+
+class Guarded(Dataset):
+    """Wraps a dataset: `extra_s` of added per-sample cost (a sleep: CPU-free, like I/O) and,
+    for the fault tests, a sample index that raises; any error names the sample it came from."""
+
+    def __init__(self, base: Dataset, extra_s: float = 0.0, fail_at: int | None = None) -> None:
+        self.base, self.extra_s, self.fail_at = base, extra_s, fail_at
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> Any:
+        try:
+            if self.extra_s:
+                time.sleep(self.extra_s)
+            if i == self.fail_at:
+                raise ValueError(f"injected fault at sample {i}")
+            return self.base[i]
+        except Exception as err:
+            raise SampleError(f"sample {i}: {type(err).__name__}: {err}") from err
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity), which is what workers share."""
+    return max(1, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One DataLoader configuration."""
+
+    num_workers: int
+    pin_memory: bool = False
+    persistent_workers: bool = True
+    prefetch_factor: int = 2
+
+
+def _cause(err: BaseException) -> str:
+    """One line: the sample and the original message, without DataLoader's traceback dump."""
+    if isinstance(err, SampleError) and "Original Traceback" not in str(err):
+        return f"SampleError: {err}"
+    # from a worker, DataLoader re-raises with the worker's traceback as the message
+    for line in reversed(str(err).splitlines()):
+        if "SampleError: " in line:
+            return "SampleError: " + line.split("SampleError: ", 1)[1].strip()
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def measure_setting(dataset: Dataset, setting: Setting, step: Any, *, pipeline: str,
+                    batch_size: int, steps: int, repeats: int = 1, timeout_s: float = 120.0,
+                    device: torch.device | None = None, consumer: str = "emulated"
+                    ) -> list[dict[str, Any]]:
+    """One row per repeat (an epoch of the same DataLoader): the steady-state figures."""
+    with warnings.catch_warnings():
+        # torch warns of workers above its suggested count; the row's `warning` says it instead
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        return _measure(dataset, setting, step, pipeline, batch_size, steps, repeats, timeout_s,
+                        device or torch.device("cpu"), consumer)
+
+
+def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch_size: int,
+             steps: int, repeats: int, timeout_s: float, device: torch.device, consumer: str
+             ) -> list[dict[str, Any]]:
+    from diag.device import sync
+
+    w = setting.num_workers
+    ahead = w * setting.prefetch_factor  # ready or in flight when the first batch arrives
+    n_batches = 1 + ahead + steps
+    n = len(dataset)  # type: ignore[arg-type]
+    indices = [i % n for i in range(n_batches * batch_size)]  # a small dataset is cycled
+    loader = DataLoader(
+        dataset, batch_size=batch_size, sampler=indices, num_workers=w,
+        pin_memory=setting.pin_memory and device.type == "cuda",
+        persistent_workers=setting.persistent_workers and w > 0,
+        prefetch_factor=setting.prefetch_factor if w else None,
+        timeout=timeout_s if w else 0,  # a hung worker fails the setting instead of the sweep
+    )
+    cores = usable_cores()
+    warning = (f"num_workers={w} > {cores} usable cores: workers share cores, and the step's "
+               "own host work competes with them" if w > cores else "")
+    rows = []
+    base = {"pipeline": pipeline, "num_workers": w, "pin_memory": setting.pin_memory,
+            "persistent_workers": setting.persistent_workers,
+            "prefetch_factor": setting.prefetch_factor if w else None, "batch_size": batch_size,
+            "steps": steps, "consumer": consumer, "warning": warning}
+    nan = float("nan")
+    for repeat in range(repeats):
+        waits, computes, tokens = [], [], 0
+        first = nan
+        try:
+            start = time.perf_counter()
+            batches = iter(loader)  # worker start-up (or, persistent, their reuse) starts here
+            for k, batch in enumerate(itertools.islice(batches, n_batches)):
+                got = time.perf_counter()
+                if k == 0:
+                    first = got - start
+                if device.type == "cuda":
+                    batch = {key: v.to(device, non_blocking=True) for key, v in batch.items()}
+                    sync(device)  # note: sync point, so the copy is billed to the wait side
+                step(batch)
+                done = time.perf_counter()
+                if k > ahead:  # steady state: start-up and the prefetched batches are past
+                    waits.append(got - start)
+                    computes.append(done - got)
+                    tokens += int(batch["attention_mask"].sum())
+                start = time.perf_counter()
+            del batches
+        except Exception as err:  # a worker's error arrives re-raised in this process
+            rows.append({**base, **dict.fromkeys(COLUMNS[5:10], nan), "first_batch_s": first,
+                         "repeat": repeat, "error": _cause(err)})
+            break
+        total = sum(waits) + sum(computes)
+        rows.append({**base, "samples_per_s": len(waits) * batch_size / total,
+                     "tokens_per_s": tokens / total, "data_wait_s": sum(waits) / len(waits),
+                     "step_s": sum(computes) / len(computes),
+                     "data_wait_share": sum(waits) / total, "first_batch_s": first,
+                     "repeat": repeat, "error": ""})
+    del loader  # persistent workers stop here, outside every timed interval
+    return rows
+
+
+def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
+                 ) -> tuple[Dataset, dict[str, Any]]:
+    """The pipeline's dataset for cfg, and facts about how it was had (token cache status)."""
+    from diag.loader.pipeline import NaiveTextDataset, PackedDataset, read_records
+    from diag.loader.tokens import build_token_cache
+
+    if pipeline == "naive":
+        records, problems = read_records(data, on_error=cfg.on_error)
+        dataset: Dataset = NaiveTextDataset(records, tokenizer_dir, cfg.seq_len)
+        facts = {"records": len(records), "bad_rows": len(problems)}
+    else:
+        cache = build_token_cache(data, tokenizer_dir, num_proc=cfg.num_proc, on_error=cfg.on_error)
+        dataset = PackedDataset(cache.folder, cfg.seq_len)
+        facts = {"records": cache.records, "bad_rows": len(cache.problems),
+                 "cache": cache.status, "cache_s": cache.seconds, "cache_folder": str(cache.folder)}
+    return Guarded(dataset, cfg.extra_prep_ms / 1000), facts
+
+
+def sources(cfg: LoaderConfig) -> tuple[str, str]:
+    """(data JSONL, tokenizer folder): the user's, or the embedded dataset and tiny model."""
+    if cfg.data and cfg.tokenizer:
+        return cfg.data, cfg.tokenizer
+    from diag.embedded import ensure_assets
+
+    assets = ensure_assets()
+    return cfg.data or str(assets.dataset), cfg.tokenizer or str(assets.model_dir)
+
+
+def sweep_workers(cfg: LoaderConfig | None = None, step: tuple[Any, float, str] | None = None
+                  ) -> pd.DataFrame:
+    """Every pipeline x num_workers against the step: one row per repeat (see COLUMNS).
+
+    step: (callable, nominal seconds, where they came from), as diag.loader.steps.consumer
+    gives; None makes it from cfg (an emulated step may first measure the tiny model's).
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    from diag.config import LoaderConfig
+    from diag.device import resolve
+    from diag.loader.steps import consumer
+
+    cfg = cfg or LoaderConfig.default()
+    data, tokenizer_dir = sources(cfg)
+    device = resolve(cfg.device)
+    run_step, step_s, step_source = step or consumer(cfg, tokenizer_dir, device)
+    datasets = {p: make_dataset(p, cfg, data, tokenizer_dir) for p in cfg.pipelines}
+    extra = {"seq_len": cfg.seq_len, "step_target_s": step_s, "step_source": step_source,
+             "cores": usable_cores()}
+    rows = []
+    grid = [(p, w) for p in cfg.pipelines for w in cfg.workers]
+    for pipeline, w in tqdm(grid, desc="loader sweep", unit="setting", leave=False):
+        dataset, facts = datasets[pipeline]
+        setting = Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)
+        for row in measure_setting(dataset, setting, run_step, pipeline=pipeline,
+                                   batch_size=cfg.batch_size, steps=cfg.steps,
+                                   repeats=cfg.repeats, timeout_s=cfg.timeout_s, device=device,
+                                   consumer=cfg.consumer):
+            rows.append({**row, **extra, "records": facts["records"],
+                         "bad_rows": facts["bad_rows"], "token_cache": facts.get("cache", "")})
+    return pd.DataFrame(rows, columns=COLUMNS + [*extra, "records", "bad_rows", "token_cache"])
