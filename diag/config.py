@@ -310,9 +310,9 @@ class QLoraConfig(ExperimentConfig):
     model: str = ""  # "" = the embedded tiny Llama on the local hub; "org/name" = HF_ENDPOINT / the hub
     source: str = ""  # dataset s3://bucket/key (JSONL); "" = the embedded S3 server + embedded dataset
     endpoint_url: str = ""  # S3 endpoint for source; "" = the AWS chain
-    records: int = 1024  # instruction records trained on, once, by both plans (same training tokens)
-    steps: int = 16  # optimizer steps both plans take over those records (same LR schedule)
-    seq_len: int = 256  # token slots per row: naive pads each record to it, optimized packs into it
+    records: int = 128  # records both plans train on once (same tokens); demo-sized for a 2-core CPU
+    steps: int = 8  # optimizer steps both plans take over those records (same LR schedule)
+    seq_len: int = 128  # token slots per row: naive pads each record to it, optimized packs into it
     on_error: str = "raise"  # a bad row or a prompt filling seq_len: "raise" stops, "skip" counts it
     warmup_steps: int = 1  # first optimizer steps timed as `warmup`, apart from steady state
     lr: float = 2e-4  # peak learning rate (linear warm-up over 10% of steps, linear decay)
@@ -331,7 +331,7 @@ class QLoraConfig(ExperimentConfig):
 
     def validate(self) -> None:
         self._choice("plan", QLORA_PLANS)
-        self._choice("on_error", ("raise", "skip"))
+        self._choice("on_error", ON_ERROR)
         self._positive("records", "steps", "seq_len", "lr", "lora_r", "lora_alpha")
         self._non_negative("warmup_steps", "lora_dropout", "checkpoint_every", "seed")
         self._device()
