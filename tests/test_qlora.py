@@ -125,3 +125,20 @@ def test_naive_plan_is_the_newcomer_defaults():
 def test_bad_config_names_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         QLoraConfig.quick(**{field: value})
+
+
+def test_every_prediction_is_checked_and_a_miss_is_flagged(both):
+    from diag.qlora import savings
+
+    rows = both.frame.set_index("plan")
+    micro = int(rows.at["optimized", "micro_batch"])
+    naive = both.shares[both.shares["run"] == "naive"].set_index("stage")["seconds"]
+    storage = pd.DataFrame({"method": ["boto3_default", "land"], "cache_state": ["cold", "hit"],
+                            "seconds": [naive["fetch_data"] + 100.0, 0.0]})  # a wild prediction
+    accum = pd.DataFrame({"micro_batch": [1, micro], "tokens_per_s": [100.0, 300.0],
+                          "status": ["ok", "ok"]})
+    table = savings(both.shares, {"storage": storage, "accum": accum}, both.frame).set_index("stage")
+    assert table.at["fetch_data", "predicted_s"] == pytest.approx(100.0 + naive["fetch_data"])
+    assert bool(table.at["fetch_data", "flagged"])  # measured is far below: flagged, not hidden
+    assert "accum sweep" in table.at["train", "evidence"] and "3x" in table.at["train", "evidence"]
+    assert table["measured_s"].notna().all()
