@@ -93,6 +93,7 @@ def main() -> None:
     rows = result.frame.set_index("plan")
     print(rows[["seconds", "once_s", "micro_batch", "grad_accum", "num_workers", "pipeline",
                 "token_slots", "real_tokens", "padding_share", "final_loss"]].to_string())
+    print(result.shares[["run", "stage", "seconds", "share"]].to_string(index=False))
     print(result.savings[["stage", "predicted_s", "measured_s", "flagged"]].to_string())
     opt = result.stages[result.stages["run"] == "optimized"]
     total = float(rows.at["optimized", "seconds"])
