@@ -245,7 +245,7 @@ class LoaderConfig(ExperimentConfig):
     gpu: str = ""  # estimate the step for this GPU (dense peak, 6 x params x tokens at `mfu`); "" = measure
     model_params_b: float = 1.1  # model size for the GPU estimate, billions of parameters
     mfu: float = 0.4  # model FLOPs utilization assumed by the GPU estimate; lower means a longer step
-    steps: int = 30  # steady-state steps timed per setting, after the first batch and the prefetch
+    steps: int = 20  # steady-state steps timed per setting, after the first batch and the prefetch; more is steadier
     repeats: int = 2  # epochs per setting on one DataLoader; persistent_workers keeps workers across them
     pin_memory: bool = True  # page-locked batches for a faster h2d copy (CUDA only)
     persistent_workers: bool = True  # keep workers across epochs instead of restarting them

@@ -2,10 +2,10 @@
 
 It measures what this machine is, pulls the dataset from the object store and lands it
 (diag.storage), loads the model fresh and cached (diag.model_load), sweeps the DataLoader against
-a training step (diag.loader), then assembles a naive and an
-optimized training run on the same StageTimer: the naive run pays the measured pull and fresh
-download on every start and preprocesses in the loop; the optimized one hits the landed copy
-and the warm cache and feeds the loop from DataLoader workers. Writes the run folder.
+a training step (diag.loader), then assembles a naive and an optimized training run on the same
+StageTimer: the naive run pays the measured pull and fresh download on every start and
+preprocesses in the loop; the optimized one hits the landed copy and the warm cache and feeds the
+loop from DataLoader workers. Writes the run folder.
 """
 
 from __future__ import annotations

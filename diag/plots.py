@@ -234,7 +234,7 @@ def plot_loader(frame: pd.DataFrame, target_share: float = 0.02) -> Figure:
         line, = ax.plot(medians.index, medians.values, "o-", label=pipeline)
         ax.plot(part["num_workers"], part["data_wait_share"] * 100, ".", color=line.get_color(),
                 alpha=0.5)
-    ax.axhline(target_share * 100, color=STAGE_COLORS["data_wait"], linestyle="--", linewidth=1,
+    ax.axhline(target_share * 100, color="black", linestyle="--", linewidth=1,
                label=f"target {target_share:.0%}")
     ax.set_xticks(sorted(frame["num_workers"].unique()))
     ax.set_xlabel("DataLoader num_workers")

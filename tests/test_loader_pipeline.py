@@ -75,7 +75,8 @@ def test_naive_labels_mask_prompt_and_padding(tok_dir: str):
         assert item["input_ids"][:n].tolist() == ids[i][:128]  # one-at-a-time == batched
         assert (item["input_ids"][n:] == tok.pad_token_id).all()
         labels = item["labels"]
-        assert (labels[: prompt_lens[i]] == IGNORE_INDEX).all() and (labels[n:] == IGNORE_INDEX).all()
+        assert (labels[: prompt_lens[i]] == IGNORE_INDEX).all()
+        assert (labels[n:] == IGNORE_INDEX).all()
         assert labels[prompt_lens[i]:n].tolist() == ids[i][prompt_lens[i]:n]
         assert labels[n - 1] == tok.eos_token_id  # the model learns to stop
     short = NaiveTextDataset(records, tok_dir, seq_len=8)[0]  # truncated, no pad

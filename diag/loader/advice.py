@@ -137,7 +137,8 @@ def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], recommendation
                 f"{packed.loc[w, 'data_wait_share']:.1%} (packed) of the step; packed serves "
                 f"{ratio:.2f}x the tokens per second")
     if fill == fill:
-        evidence += f"; naive batches are {1 - fill:.0%} padding, compute a packed step does not waste"
+        evidence += (f"; naive batches are {1 - fill:.0%} padding, compute a packed step "
+                     "does not waste")
     return [{"stage": "data_wait", "finding": "tokenize once into a token cache and serve packed "
              "windows (diag.loader.build_token_cache + PackedDataset)",
              "seconds_saved": max(float(saved), 0.0), "evidence": evidence}] if saved > 0 else []

@@ -122,7 +122,8 @@ def encode_batch(tokenizer: Any, records: list[dict[str, str]]
     # the Rust tokenizer under the HF wrapper: the wrapper's batch call builds a BatchEncoding
     # per row and measured 2.4x slower here (8,000 prompts: 1.05 s vs 0.44 s), same ids
     rust = tokenizer.backend_tokenizer
-    prompts = [e.ids for e in rust.encode_batch_fast([p for p, _ in pairs], add_special_tokens=True)]
+    prompts = [e.ids for e in rust.encode_batch_fast([p for p, _ in pairs],
+                                                     add_special_tokens=True)]
     responses = [e.ids for e in rust.encode_batch_fast([r for _, r in pairs],
                                                        add_special_tokens=False)]
     eos = tokenizer.eos_token_id

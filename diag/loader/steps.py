@@ -107,6 +107,7 @@ def consumer(cfg: LoaderConfig, model_dir: str | Path, device: torch.device
              ) -> tuple[Any, float, str]:
     """(step callable, nominal seconds, where they came from) for cfg.consumer."""
     if cfg.consumer == "model":
-        return ModelStep(model_dir, device), float("nan"), f"the model in {model_dir}, {device.type}"
+        step = ModelStep(model_dir, device)
+        return step, float("nan"), f"the model in {model_dir}, {device.type}"
     seconds, source = step_seconds(cfg, model_dir, device)
     return EmulatedStep(seconds), seconds, source

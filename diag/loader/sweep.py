@@ -9,8 +9,8 @@ step. A sample that raises fails its setting with the sample index and the origi
 
 from __future__ import annotations
 
+import gc
 import itertools
-import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from diag.storage.objectstore import usable_cores  # affinity-aware: what workers share
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -52,12 +54,6 @@ class Guarded(Dataset):
             return self.base[i]
         except Exception as err:
             raise SampleError(f"sample {i}: {type(err).__name__}: {err}") from err
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity), which is what workers share."""
-    return max(1, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -151,7 +147,11 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
                      "step_s": sum(computes) / len(computes),
                      "data_wait_share": sum(waits) / total, "first_batch_s": first,
                      "repeat": repeat, "error": ""})
-    del loader  # persistent workers stop here, outside every timed interval
+    # persistent workers stop here, outside every timed interval; the loader and its iterator
+    # refer to each other, so only the collector frees them, and a DataLoader forked while they
+    # live would copy them into its workers (which then try to stop workers not theirs)
+    del loader
+    gc.collect()
     return rows
 
 

@@ -80,6 +80,11 @@ def _encode_chunk(args: tuple[str, str, list[dict[str, str]]]
     return flat, mask, lengths
 
 
+# Not Hugging Face `datasets`: its map(batched=True) with the same tokenizer, measured here on the
+# embedded 30,318 records (2 loaded cores, medians of 3), took 8.8 s (num_proc=1) and 8.9 s
+# (num_proc=2) against 5.6 s and 4.8 s for tokenize() below; its fingerprint-cache hit (0.02 s)
+# matches this cache's; it adds pyarrow and a 3.2 s import. The arrays below are what it would
+# store, without the Arrow layer between them and the DataLoader.
 def tokenize(records: list[dict[str, str]], tokenizer_dir: str, num_proc: int = 1,
              version: str = "") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ids, loss_mask, offsets) of every record, in order; num_proc > 1 forks that many."""
