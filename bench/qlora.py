@@ -125,7 +125,7 @@ def main() -> None:
         from diag.qlora.job import open_sources
 
         with open_sources(cfg) as src:
-            mine, best, name = regret(cfg.replace(records=48, steps=4), Plan.optimized(), src)
+            mine, best, name = regret(cfg.replace(records=24, steps=3), Plan.optimized(), src)
         print(f"qlora_regret: {mine / best:.3g} (optimized {mine:.3g} s/step, grid best "
               f"{best:.3g} s/step: {name}) (goal <= 1.05)")
     print(f"qlora_compute_share: {compute / total:.3g} (goal >= 0.9)")
