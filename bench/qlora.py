@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import transformers  # noqa: E402,F401  imported before the clock, like a job's interpreter start
+import transformers  # noqa: E402,F401  # imported before the clock, as a job's start
 
 from diag.config import QLoraConfig  # noqa: E402
 from diag.qlora import Plan, run_qlora  # noqa: E402

@@ -137,7 +137,8 @@ def test_every_prediction_is_checked_and_a_miss_is_flagged(both):
                             "seconds": [naive["fetch_data"] + 100.0, 0.0]})  # a wild prediction
     accum = pd.DataFrame({"micro_batch": [1, micro], "tokens_per_s": [100.0, 300.0],
                           "status": ["ok", "ok"]})
-    table = savings(both.shares, {"storage": storage, "accum": accum}, both.frame).set_index("stage")
+    table = savings(both.shares, {"storage": storage, "accum": accum}, both.frame)
+    table = table.set_index("stage")
     assert table.at["fetch_data", "predicted_s"] == pytest.approx(100.0 + naive["fetch_data"])
     assert bool(table.at["fetch_data", "flagged"])  # measured is far below: flagged, not hidden
     assert "accum sweep" in table.at["train", "evidence"] and "3x" in table.at["train", "evidence"]

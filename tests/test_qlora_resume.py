@@ -20,8 +20,9 @@ STEPS = 6
 
 
 def _command(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "diag", "qlora", "--quick", "--plan", "optimized", "--records", "12",
-            "--steps", str(STEPS), "--checkpoint-every", "1", "--out-dir", str(out), *extra]
+    return [sys.executable, "-m", "diag", "qlora", "--quick", "--plan", "optimized",
+            "--records", "12", "--steps", str(STEPS), "--checkpoint-every", "1",
+            "--out-dir", str(out), *extra]
 
 
 def _env() -> dict[str, str]:

@@ -36,7 +36,7 @@ class Data:
 
 
 def read(cfg: QLoraConfig, path: Path) -> tuple[list[dict[str, str]], int]:
-    """The first cfg.records good records of the JSONL file, and how many bad lines were left out."""
+    """The first cfg.records good records of the JSONL file, and the count of bad lines."""
     from diag.loader.pipeline import read_records
 
     records, problems = read_records(path, on_error=cfg.on_error)

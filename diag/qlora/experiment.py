@@ -48,7 +48,7 @@ class QLoraResult:
 
 
 def load_results(folder: str | Path) -> dict[str, Any]:
-    """The experiment frames a run folder holds (CSV per frame), by the keys Plan.optimized reads."""
+    """The experiment frames a run folder holds (CSV per frame), keyed as Plan.optimized reads."""
     import pandas as pd
 
     if not folder:

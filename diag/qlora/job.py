@@ -224,5 +224,5 @@ def _training_args(cfg: QLoraConfig, plan: Plan, data: Any, out_dir: Path, devic
         dataloader_pin_memory=plan.pin_memory,
         dataloader_persistent_workers=plan.persistent_workers and workers > 0,
         dataloader_prefetch_factor=plan.prefetch_factor if workers > 0 else None,
-        remove_unused_columns=False,  # checkpointing stays as prepare_model_for_kbit_training set it
+        remove_unused_columns=False,  # checkpointing: as prepare_model_for_kbit_training set it
     )

@@ -157,7 +157,8 @@ def _choose_loader(loader: Any, evidence: list) -> dict[str, Any]:
     prefetch = row.get("prefetch_factor")
     prefetch = None if workers == 0 or prefetch is None or _nan(prefetch) else int(prefetch)
     evidence.append(("num_workers", f"measured: {rule}: {workers} workers, data_wait "
-                                    f"{row['data_wait_share']:.1%} of the step; {pipeline} pipeline"))
+                                    f"{row['data_wait_share']:.1%} of the step; {pipeline} "
+                                    "pipeline"))
     return {"pipeline": pipeline, "num_workers": workers, "pin_memory": bool(row["pin_memory"]),
             "persistent_workers": bool(row["persistent_workers"]) and workers > 0,
             "prefetch_factor": prefetch}
@@ -202,6 +203,6 @@ def _choose_checkpointing(peak_gb: float | None, device: str, evidence: list) ->
                                                    "default"))
         return True
     on = peak_gb > CHECKPOINTING_HEADROOM * total
-    evidence.append(("gradient_checkpointing",
-                     f"measured peak {peak_gb:.3g} GB of {total:.3g} GB -> {'on' if on else 'off'}"))
+    evidence.append(("gradient_checkpointing", f"measured peak {peak_gb:.3g} GB of "
+                                               f"{total:.3g} GB -> {'on' if on else 'off'}"))
     return on
