@@ -69,7 +69,7 @@ def recommend(sweep: pd.DataFrame, target_share: float = 0.02) -> pd.DataFrame:
                             "that is the hand-off from worker processes and the loop's own "
                             "overhead, which only a longer step (a larger batch) amortizes")
             elif needed:
-                verdict += (f": {cost}, so it needs {needed} workers on {needed} free cores "
+                verdict += (f": {cost}, so it needs {needed} workers on as many free cores "
                             f"(this machine has {cores}), or the token cache (packed)")
         rows.append({"pipeline": pipeline, "recommended_workers": rec,
                      "data_wait_share": by.loc[shown, "data_wait_share"],
@@ -106,9 +106,9 @@ def advice(sweep: pd.DataFrame, recommendation: pd.DataFrame, run_steps: int = 1
             finding = (f"DataLoader(num_workers={best}, persistent_workers=True, "
                        f"pin_memory=True) keeps the {r.pipeline} pipeline ahead of the step")
         else:
-            finding = (f"the {r.pipeline} pipeline cannot keep up here: cache the tokens "
-                       "(diag.loader.build_token_cache + PackedDataset) or give the loader "
-                       f"{r.workers_needed} cores")
+            finding = (f"workers alone leave the {r.pipeline} pipeline at "
+                       f"{by.loc[best, 'data_wait_share']:.1%} of the step: cache the tokens "
+                       "(diag.loader.build_token_cache + PackedDataset)")
             evidence += f"; {r.verdict}"
         if saved > 0:
             rows.append({"stage": "data_wait", "finding": finding, "seconds_saved": saved,
