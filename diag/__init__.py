@@ -6,7 +6,19 @@ consume their frames (docs/architecture.md). Heavy libraries (torch, transformer
 imported inside the functions that need them, so `import diag` is fast.
 """
 
+from typing import Any
+
 from diag.timing import StageTimer
 
 __version__ = "0.1.0"
-__all__ = ["StageTimer", "__version__"]
+__all__ = ["StageTimer", "TimingCallback", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # diag.TimingCallback: a transformers TrainerCallback, so transformers is imported only
+    # when it is asked for and `import diag` stays fast
+    if name == "TimingCallback":
+        from diag.qlora.callback import TimingCallback
+
+        return TimingCallback
+    raise AttributeError(f"module 'diag' has no attribute {name!r}")

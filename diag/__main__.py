@@ -55,6 +55,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                         "grad accumulation at constant tokens per step: tokens/s, memory, "
                         "MFU (cross-checked), the floor"),
     # -- qlora --
+    "qlora": Experiment(config.QLoraConfig, "diag.qlora:run_qlora",
+                        "the QLoRA fine-tune (nf4 + LoRA, Trainer), naive vs optimized plan: "
+                        "stages, loss curves, predicted vs measured saving per fix"),
     "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_diagnose",
                       "the whole diagnosis on one source: every experiment, then the report",
                       table=False),
@@ -270,8 +273,12 @@ def _show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.N
     if isinstance(result, Path):  # a run folder: where it is and what it found
         from diag import report
 
-        top = report.load_summary(result).get("top_finding") or "nothing measured stands out"
+        summary = report.load_summary(result)
+        top = summary.get("top_finding") or "nothing measured stands out"
         print(redact(f"wrote {result / 'report.html'}\ntop finding: {top}"))
+        line = naive_vs_optimized(summary.get("stages") or [])
+        if line:
+            print(line)
         return
     frames = frames_of(name, result)
     if getattr(args, "csv", None):
@@ -297,6 +304,19 @@ def _show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.N
         advice = frames.pop("advice", None)
         folder = report.write(frames, config=cfg.to_dict(), advice=advice)
         print(redact(f"wrote {folder / 'report.html'}"), file=sys.stderr if args.json else sys.stdout)
+
+
+def naive_vs_optimized(stages: list[dict[str, Any]]) -> str | None:
+    """'naive X s -> optimized Y s (Z x); the largest stage was ...' from a summary's stages."""
+    totals: dict[str, float] = {}
+    for row in stages:
+        totals[row["run"]] = totals.get(row["run"], 0.0) + float(row["seconds"])
+    if not {"naive", "optimized"} <= set(totals) or not totals["optimized"] > 0:
+        return None
+    big = max((r for r in stages if r["run"] == "naive"), key=lambda r: float(r["seconds"]))
+    return (f"naive {totals['naive']:.3g} s -> optimized {totals['optimized']:.3g} s "
+            f"({totals['naive'] / totals['optimized']:.3g}x); the largest stage was "
+            f"{big['stage']} ({float(big['share']):.0%} of the naive run)")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,10 @@
 
 It measures what this machine is, pulls the dataset from the object store and lands it
 (diag.storage), loads the model fresh and cached (diag.model_load), sweeps the DataLoader against
-a training step (diag.loader), then assembles a naive and an optimized training run on the same
-StageTimer: the naive run pays the measured pull and fresh download on every start and
-preprocesses in the loop; the optimized one hits the landed copy and the warm cache and feeds the
-loop from DataLoader workers. Writes the run folder.
+a training step (diag.loader), sweeps micro-batch x grad-accum (diag.accum), then runs the QLoRA
+job twice (diag.qlora): the naive plan as a newcomer runs it, the optimized plan built from the
+frames measured above. (`qlora=False` runs the toy loop instead, with the measured fetch and
+load costs on its timer.) Writes the run folder.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _model_load(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
 
 
 def _accum(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
-    from diag.accum import advice, run_accum
+    from diag.accum import run_accum
     from diag.config import AccumConfig
     from diag.device import resolve
 
@@ -98,11 +98,18 @@ def _accum(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     accum_cfg = AccumConfig.default(quick=cfg.quick_experiments or None, device=cfg.device, **gpu)
     got = run_accum(accum_cfg)
     results["frames"].update(accum=got.frame, accum_summary=got.summary, accum_mfu=got.mfu)
-    # ranked beside the other stages as the fraction of the naive run's compute the faster
-    # split saves (the sweep's own seconds are for its model, not this run's)
+    results["accum_steps_per_run"] = accum_cfg.steps_per_run
+
+
+def _accum_advice(results: dict[str, Any]) -> None:
+    """Ranked beside the other stages as the fraction of the naive run's compute the faster
+    split saves (the sweep's own seconds are for its model, not this run's)."""
+    from diag.accum import advice
+
     run = results["frames"]["run"]
     compute = float(run.loc[(run["run"] == RUNS[0]) & (run["stage"] == "compute"), "seconds"].sum())
-    results["advice"].append(advice(got.summary, accum_cfg.steps_per_run, compute_s=compute))
+    results["advice"].append(advice(results["frames"]["accum_summary"],
+                                    results["accum_steps_per_run"], compute_s=compute))
 
 
 def _loader(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
@@ -115,6 +122,20 @@ def _loader(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     results["frames"].update(loader=got.sweep, loader_stalls=got.stalls, loader_lines=got.lines,
                              loader_recommendation=got.recommendation)
     results["advice"].append(got.advice)
+
+
+# -- qlora ---------------------------------------------------------------------------------------
+def _qlora(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
+    """The QLoRA job under both plans; the optimized one reads the frames measured above."""
+    from diag.config import QLoraConfig
+    from diag.qlora import run_qlora
+
+    frames = results["frames"]
+    measured = {k: frames[k] for k in ("storage", "model_load", "loader", "accum") if k in frames}
+    got = run_qlora(QLoraConfig.default(quick=cfg.quick_experiments or None, model=cfg.model,
+                                        device=cfg.device), results=measured)
+    frames.update(run=got.stages, qlora=got.frame, qlora_losses=got.losses,
+                  qlora_plans=got.plans, qlora_savings=got.savings)
 
 
 def run_diagnose(cfg: DiagnoseConfig | None = None) -> Path:
@@ -132,10 +153,15 @@ def run_diagnose(cfg: DiagnoseConfig | None = None) -> Path:
         steps.append(("model load", lambda: _model_load(cfg, results)))
     if cfg.loader:
         steps.append(("data loader", lambda: _loader(cfg, results)))
-    steps.append(("naive vs optimized run", lambda: results["frames"].update(
-        run=training_runs(cfg, results["run_level"]))))
-    if cfg.accum:  # after the runs: its advice is priced on their compute
+    if cfg.accum:  # before the runs: the optimized plan takes its micro-batch from the sweep
         steps.append(("grad-accum sweep", lambda: _accum(cfg, results)))
+    if cfg.qlora:
+        steps.append(("naive vs optimized QLoRA", lambda: _qlora(cfg, results)))
+    else:
+        steps.append(("naive vs optimized run", lambda: results["frames"].update(
+            run=training_runs(cfg, results["run_level"]))))
+    if cfg.accum:  # after the runs: its advice is priced on their compute
+        steps.append(("grad-accum advice", lambda: _accum_advice(results)))
     with tqdm(steps, desc="diag run", unit="step") as bar:
         for name, work in bar:
             bar.set_postfix_str(name)

@@ -68,6 +68,7 @@ class DiagnoseConfig(ExperimentConfig):
     loader: bool = True  # run the data-loader experiment (num_workers sweep, stall split)
     steps: int = 60  # timed toy steps per run (naive and optimized)
     prep_ms: float = 3.0  # host preprocessing per batch: what num_workers has to hide
+    qlora: bool = True  # naive vs optimized runs are the QLoRA job (diag.qlora); False = the toy loop
     naive_workers: int = 0  # DataLoader workers of the naive run (preprocessing in the loop)
     optimized_workers: int = 2  # DataLoader workers of the optimized run
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"

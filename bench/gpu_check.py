@@ -1,0 +1,126 @@
+"""The optimized QLoRA plan on a CUDA device, bounded: tokens/s, MFU, pinned H2D GB/s, shares.
+
+Prepared for a lent GPU (CI does not run it; on a CPU it says so and exits 0). A Llama model with
+random weights is made locally (default the "small" shape, ~100M parameters; --hidden 2048
+--layers 22 --heads 32 --intermediate 5632 for TinyLlama's 1.1B shape) and served by the
+embedded hub; the dataset by the embedded S3. MFU uses the formula for a frozen 4-bit base with
+LoRA: ~4 N FLOPs per token (forward 2N, input gradients 2N; no base weight gradients), plus 2N
+with activation checkpointing (the forward again), against diag.device's dense bf16 peak.
+Runs in under 5 minutes on an H100/H200 at the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def pinned_h2d_gb_s(mb: int = 512, repeats: int = 5) -> float:
+    import torch
+
+    host = torch.empty(mb << 20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()  # note: sync point, warm-up copy done
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()  # note: sync point, the copies are queued, not done
+    return repeats * host.numel() / (time.perf_counter() - start) / 1e9
+
+
+def base_parameters(folder: Path) -> int:
+    """N: the base model's parameters without embeddings (counted on the meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embed = model.get_input_embeddings().weight.numel()
+    return sum(p.numel() for p in model.parameters()) - embed
+
+
+@contextlib.contextmanager
+def sources(args: argparse.Namespace):
+    from diag.embedded import HubServer, S3Server, publish_model, synthetic_dataset, tiny_model
+    from diag.config import diag_home
+    from diag.qlora.job import Sources
+
+    home = diag_home() / "gpu_check"
+    data = synthetic_dataset(home / "data.jsonl", records=args.records, seed=0)
+    shape = f"h{args.hidden}-l{args.layers}"
+    folder = home / "models" / shape
+    if not (folder / "config.json").is_file():
+        tiny_model(folder, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                   intermediate_size=args.intermediate or None, vocab_size=32000, dataset=data)
+    repo = f"diag-local/{shape}"
+    publish_model(folder, home / "hub", repo)
+    with S3Server() as s3, HubServer(home / "hub") as hub:
+        s3.upload(data, "gpu_check/data.jsonl")
+        yield Sources(f"s3://{s3.bucket}/gpu_check/data.jsonl", s3.client(), repo, hub.endpoint)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--intermediate", type=int, default=0)
+    parser.add_argument("--records", type=int, default=20000)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--micro-batch", type=int, default=16)
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; run it on a GPU machine (nothing measured)")
+        return 0
+    from diag.amdahl import shares
+    from diag.config import QLoraConfig
+    from diag.device import peak_flops
+    from diag.qlora import Plan
+    from diag.qlora.job import prime, run_plan
+
+    start = time.perf_counter()
+    print(f"device: {torch.cuda.get_device_name()}")
+    print(f"pinned_h2d_gb_s: {pinned_h2d_gb_s():.1f}")
+    cfg = QLoraConfig(records=args.records, steps=args.steps, seq_len=args.seq_len,
+                      device="cuda", warmup_steps=2)
+    with sources(args) as src:
+        plan = dataclasses.replace(Plan.optimized(device="cuda"), micro_batch=args.micro_batch)
+        prime(cfg, plan, src)
+        got = run_plan(cfg, plan, src)
+    summary, stages = got["summary"], got["stages"]
+    steps = stages[stages["step"].notna()]
+    per_step = float(steps.groupby("step")["seconds"].sum().median())
+    tokens_per_step = summary["real_tokens"] / summary["steps"]
+    tokens_per_s = tokens_per_step / per_step
+    from diag.config import diag_home
+
+    n = base_parameters(diag_home() / "gpu_check" / "models" / f"h{args.hidden}-l{args.layers}")
+    per_token = (6 if summary["gradient_checkpointing"] else 4) * n
+    peak = peak_flops("cuda", "bf16")
+    print(f"plan: micro {summary['micro_batch']} x accum {summary['grad_accum']}, workers "
+          f"{summary['num_workers']}, checkpointing {summary['gradient_checkpointing']}, "
+          f"{summary['pipeline']}, padding {summary['padding_share']:.1%}")
+    print(f"step_s: {per_step:.3f}; tokens_per_s: {tokens_per_s:,.0f}; base N = {n / 1e6:.1f}M")
+    if peak.flops:
+        print(f"mfu: {tokens_per_s * per_token / peak.flops:.1%} ({per_token / n:.0f} N per "
+              f"token against {peak.label})")
+    else:
+        print(f"mfu: unknown ({peak.label})")
+    print(shares(stages).to_string(index=False))
+    print(f"gpu_check_seconds: {time.perf_counter() - start:.0f} (goal < 300)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

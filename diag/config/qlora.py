@@ -1,0 +1,58 @@
+"""`diag qlora`: the QLoRA job's config (diag.qlora)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, get_args
+
+from diag.config.base import ExperimentConfig
+from diag.config.loader import ON_ERROR
+
+QLoraPlan = Literal["naive", "optimized", "both"]
+QLORA_PLANS: tuple[str, ...] = get_args(QLoraPlan)
+
+
+@dataclass
+class QLoraConfig(ExperimentConfig):
+    """`diag qlora`: the QLoRA fine-tune (nf4 base + LoRA, transformers.Trainer), naive vs optimized."""
+
+    plan: QLoraPlan = "both"  # "naive" (a newcomer's defaults), "optimized" (the measured fixes) or both
+    model: str = ""  # "" = the embedded tiny Llama on the local hub; "org/name" = HF_ENDPOINT / the hub
+    source: str = ""  # dataset s3://bucket/key (JSONL); "" = the embedded S3 server + embedded dataset
+    endpoint_url: str = ""  # S3 endpoint for source; "" = the AWS chain
+    records: int = 128  # records both plans train on once (same tokens); demo-sized for a 2-core CPU
+    steps: int = 8  # optimizer steps both plans take over those records (same LR schedule)
+    seq_len: int = 128  # token slots per row: naive pads each record to it, optimized packs into it
+    on_error: str = "raise"  # a bad row or a prompt filling seq_len: "raise" stops, "skip" counts it
+    warmup_steps: int = 1  # first optimizer steps timed as `warmup`, apart from steady state
+    lr: float = 2e-4  # peak learning rate (linear warm-up over 10% of steps, linear decay)
+    seed: int = 0  # same seed in both plans, so the loss curves are comparable
+    lora_r: int = 16  # LoRA rank; higher adapts more and trains slower
+    lora_alpha: int = 32  # LoRA scale numerator (scale = alpha / r)
+    lora_dropout: float = 0.05  # dropout on the LoRA input
+    checkpoint_every: int = 0  # save adapter + optimizer + data position every N steps; 0 = at the end only
+    resume: bool = False  # continue from the last checkpoint in out_dir, if there is one
+    out_dir: str = ""  # checkpoints; "" = a fresh temporary folder per run
+    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"; CUDA-only settings on CPU fall back, with a note
+    results: str = ""  # run folder whose experiment CSVs the optimized plan reads; "" = defaults
+
+    QUICK: ClassVar[dict[str, Any]] = {"records": 12, "steps": 3, "seq_len": 96, "lora_r": 8,
+                                       "lora_alpha": 16}
+
+    def validate(self) -> None:
+        self._choice("plan", QLORA_PLANS)
+        self._choice("on_error", ON_ERROR)
+        self._positive("records", "steps", "seq_len", "lr", "lora_r", "lora_alpha")
+        self._non_negative("warmup_steps", "lora_dropout", "checkpoint_every", "seed")
+        self._device()
+        if not self.lora_dropout < 1:
+            raise ValueError(f"QLoraConfig.lora_dropout={self.lora_dropout!r}: must be in [0, 1)")
+        if self.steps > self.records:
+            raise ValueError(f"QLoraConfig.steps={self.steps}: at most records={self.records} "
+                             "(each optimizer step needs at least one record)")
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"QLoraConfig.warmup_steps={self.warmup_steps}: must be below "
+                             f"steps={self.steps}, so some steps are measured in steady state")
+        if self.source and not (self.source.startswith("s3://") and self.source[5:].split("/")[0]):
+            raise ValueError(f"QLoraConfig.source={self.source!r}: expected s3://bucket/key.jsonl "
+                             "or '' for the embedded server")

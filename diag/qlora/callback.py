@@ -1,0 +1,110 @@
+"""TimingCallback: drop into any transformers Trainer to see where its wall clock goes.
+
+`Trainer(..., callbacks=[diag.TimingCallback()])`, then `callback.frame()` is a StageTimer frame
+(`stage`, `seconds`, `step`, `rank`) that `diag.amdahl.shares` reads: per optimizer step
+`data_wait` (from one step's end to the next step's begin, where the Trainer pulls that step's
+batches) and `compute` (forward, backward, optimizer); run-level `warmup` (the first steps,
+start-up included), `checkpoint`, `eval` and `train` (the steady-state loop around the steps).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from transformers import TrainerCallback
+
+from diag.timing import StageTimer
+
+
+class TimingCallback(TrainerCallback):
+    """Times each Trainer step from its hooks; costs two clock reads per step (on CUDA two syncs).
+
+    warmup_steps: the first optimizer steps (data loader start-up, allocator, kernel selection)
+    are billed to the run-level `warmup` stage, apart from steady state. device: "cuda" makes
+    each step boundary a sync point, so queued kernels are billed to the step that queued them;
+    None uses the Trainer's device.
+    """
+
+    def __init__(self, timer: StageTimer | None = None, warmup_steps: int = 1,
+                 device: Any = None) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps!r}: must be a whole number >= 0")
+        self.timer = timer if timer is not None else StageTimer()
+        self.warmup_steps = warmup_steps
+        self.device = device
+        self._sync: Any = None
+        self._mark: float | None = None  # end of the last timed thing: a step, a save, an eval
+        self._begin = 0.0
+        self._wait = 0.0
+        self._steady_start: float | None = None
+        self._side = 0.0  # checkpoint + eval seconds inside the steady loop (not train's)
+        self._first = 0
+        self.steps = 0
+
+    # -- clock ------------------------------------------------------------------------------
+    def _now(self) -> float:
+        if self._sync is not None:
+            self._sync()  # note: CPU-GPU sync point, so a step's queued kernels are billed to it
+        return time.perf_counter()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from diag import device as devices
+
+        device = self.device if self.device is not None else getattr(args, "device", None)
+        if device is not None and devices.is_async(device):
+            self._sync = lambda: devices.sync(device)
+        self._mark = self._now()  # the first step's wait includes the loader's start-up
+        self._first = state.global_step  # a resumed run warms up again from where it resumed
+        self._steady_start = self._mark if self.warmup_steps == 0 else None
+        self._side = 0.0
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        now = self._now()
+        self._wait = now - (self._mark if self._mark is not None else now)
+        self._begin = now
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        now = self._now()
+        step = state.global_step - 1  # the Trainer counted this step before calling us
+        if step - self._first < self.warmup_steps:
+            self.timer.record("warmup", self._wait + now - self._begin)
+            if step - self._first == self.warmup_steps - 1:
+                self._steady_start = now
+        else:
+            self.timer.record("data_wait", self._wait, step=step)
+            self.timer.record("compute", now - self._begin, step=step)
+        self.steps += 1
+        self._mark = now
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None,
+               **kwargs: Any) -> None:
+        # logging is per-step overhead: the gap it leaves shows as `other` inside `train`; an
+        # evaluation logs its metrics before on_evaluate, so it must not move the mark
+        if not any(str(k).startswith("eval_") for k in (logs or {})):
+            self._mark = self._now()
+
+    def _side_stage(self, name: str) -> None:
+        now = self._now()
+        if self._mark is not None:
+            seconds = now - self._mark
+            self.timer.record(name, seconds)
+            if self._steady_start is not None:
+                self._side += seconds
+        self._mark = now
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._side_stage("eval")
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._side_stage("checkpoint")
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._steady_start is None:  # every step was a warm-up step
+            return
+        end = self._mark if self._mark is not None else self._now()
+        self.timer.record("train", max(end - self._steady_start - self._side, 0.0))
+
+    def frame(self):  # -> pandas.DataFrame
+        """The StageTimer frame: stage, seconds, step (<NA> for run-level), rank."""
+        return self.timer.to_frame()

@@ -1,0 +1,120 @@
+"""The QLoRA job's data, from diag.loader's pipeline: the same records for both plans.
+
+`check_records` drops (or refuses) records whose prompt leaves no response token inside
+seq_len and counts token slots, real tokens and loss tokens; `build_dataset` makes the plan's
+Dataset (per-sample tokenized and padded, or the packed token cache) and splits each optimizer
+step into micro-batch x accumulation so both plans take the same steps over the same records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from diag.config import QLoraConfig
+    from diag.qlora.plans import Plan
+
+
+@dataclass(frozen=True)
+class Records:
+    """The records both plans train on, and what tokenizing them gives."""
+
+    records: list[dict[str, str]]
+    lengths: list[int]  # tokens per record (BOS + prompt + response + EOS)
+    prompt_lengths: list[int]
+    skipped: int  # records left out: prompt too long for seq_len, or a malformed line
+
+
+@dataclass(frozen=True)
+class Data:
+    dataset: Any  # a torch Dataset of {"input_ids", "attention_mask", "labels"} rows
+    micro_batch: int
+    grad_accum: int
+    stats: dict[str, Any]  # rows, token_slots, real_tokens, loss_tokens, padding_share, ...
+
+
+def read(cfg: QLoraConfig, path: Path) -> tuple[list[dict[str, str]], int]:
+    """The first cfg.records good records of the JSONL file, and the count of bad lines."""
+    from diag.loader.pipeline import read_records
+
+    records, problems = read_records(path, on_error=cfg.on_error)
+    if not records:
+        raise ValueError(f"the dataset at {path} holds no usable records ({len(problems)} "
+                         "malformed lines): nothing to train on")
+    return records[: cfg.records], len(problems)
+
+
+def check_records(cfg: QLoraConfig, records: list[dict[str, str]], tokenizer_dir: Path,
+                  bad_lines: int = 0) -> Records:
+    """Records whose prompt fills seq_len train on nothing (every label is -100): refused with
+    on_error="raise", counted and left out with "skip"."""
+    from diag.loader.pipeline import encode_batch, load_tokenizer
+
+    ids, prompts = encode_batch(load_tokenizer(str(tokenizer_dir)), records)
+    keep, skipped = [], 0
+    for i, (tokens, prompt) in enumerate(zip(ids, prompts)):
+        if prompt < cfg.seq_len:
+            keep.append(i)
+            continue
+        if cfg.on_error == "raise":
+            raise ValueError(f"record {i}: its prompt is {prompt} tokens and "
+                             f"QLoraConfig.seq_len={cfg.seq_len} leaves no response token to "
+                             "train on; raise seq_len, or pass on_error='skip' to leave such "
+                             "records out (counted)")
+        skipped += 1
+    usable = len(keep) - len(keep) % cfg.steps  # the same whole records per step in both plans
+    if usable < cfg.steps:
+        raise ValueError(f"{len(keep)} usable records for QLoraConfig.steps={cfg.steps}: each "
+                         "step needs at least one; raise records or lower steps")
+    keep = keep[:usable]
+    return Records([records[i] for i in keep], [len(ids[i]) for i in keep],
+                   [prompts[i] for i in keep], skipped + bad_lines)
+
+
+def _split(rows_per_step: int, micro: int) -> tuple[int, int]:
+    """(micro_batch, grad_accum) with micro_batch x grad_accum == rows_per_step exactly."""
+    micro = max(d for d in range(1, min(micro, rows_per_step) + 1) if rows_per_step % d == 0)
+    return micro, rows_per_step // micro
+
+
+def build_dataset(cfg: QLoraConfig, plan: Plan, recs: Records, tokenizer_dir: Path) -> Data:
+    import numpy as np
+    from torch.utils.data import Subset
+
+    from diag.config import diag_home
+    from diag.loader.pipeline import NaiveTextDataset, PackedDataset
+
+    seq = cfg.seq_len
+    if plan.pipeline == "naive":
+        dataset = NaiveTextDataset(recs.records, tokenizer_dir, seq)
+        rows_per_step = len(dataset) // cfg.steps
+        real = sum(min(n, seq) for n in recs.lengths)
+        loss = sum(max(min(n, seq) - p, 0) for n, p in zip(recs.lengths, recs.prompt_lengths))
+        left_out = sum(max(n - seq, 0) for n in recs.lengths)  # truncated at seq_len
+        detail = "tokenized per sample in __getitem__, padded to seq_len"
+    else:
+        from diag.loader.tokens import build_token_cache
+
+        cache = build_token_cache(recs.records, tokenizer_dir, cache_dir=diag_home() / "tokens")
+        packed = PackedDataset(cache.folder, seq)
+        rows_per_step = len(packed) // cfg.steps
+        if rows_per_step < 1:
+            raise ValueError(f"{cache.tokens} tokens pack into {len(packed)} rows of "
+                             f"seq_len={seq}, fewer than QLoraConfig.steps={cfg.steps}")
+        used = rows_per_step * cfg.steps
+        dataset = Subset(packed, range(used))  # whole steps only; the tail rows are left out
+        real = min(cache.tokens, used * seq)
+        mask = np.load(Path(cache.folder) / "loss_mask.npy", mmap_mode="r")
+        loss = int(np.asarray(mask[:real]).sum())
+        left_out = cache.tokens - real  # the tail rows that make no whole step
+        detail = f"token cache {cache.status}, packed"
+    micro, accum = _split(rows_per_step, plan.micro_batch)
+    slots = rows_per_step * cfg.steps * seq
+    stats = {"records": len(recs.records), "skipped_records": recs.skipped,
+             "rows": rows_per_step * cfg.steps, "token_slots": slots, "real_tokens": int(real),
+             "left_out_tokens": int(left_out),
+             "loss_tokens": int(loss), "padding_share": 1 - real / slots if slots else 0.0,
+             "data": detail}
+    return Data(dataset, micro, accum, stats)

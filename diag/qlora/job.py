@@ -1,0 +1,228 @@
+"""One QLoRA run under one plan: fetch the data, load the 4-bit base, tokenize, train, checkpoint.
+
+`run_plan(cfg, plan, sources)` times each run-level stage on one StageTimer (fetch_data,
+load_model, preprocess; warmup, train, checkpoint from TimingCallback inside the Trainer) and
+returns the stage frame, the loss per step and one summary row. The base is loaded in nf4 with
+double quantization, `prepare_model_for_kbit_training`, LoRA on every attention and MLP
+projection; training goes through transformers.Trainer, which checkpoints adapter, optimizer,
+scheduler, RNG and step (the data position) every `checkpoint_every` steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from diag.config import diag_home
+from diag.qlora.plans import Plan
+from diag.secrets import register
+from diag.timing import StageTimer
+
+if TYPE_CHECKING:
+    from diag.config import QLoraConfig
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where the dataset and the model come from (the embedded servers or the user's)."""
+
+    url: str  # s3://bucket/key of the JSONL dataset
+    client: Any  # boto3 S3 client for url
+    model: str  # hub repo id
+    endpoint: str | None  # hub endpoint; None = HF_ENDPOINT or the real hub
+
+
+@contextlib.contextmanager
+def open_sources(cfg: QLoraConfig) -> Iterator[Sources]:
+    """The user's bucket and model, or the embedded S3 server and hub (started, then stopped)."""
+    from diag.storage.objectstore import make_client
+
+    with contextlib.ExitStack() as stack:
+        if cfg.source:
+            url, client = cfg.source, make_client(cfg.endpoint_url)
+        else:
+            from diag.embedded import S3Server, ensure_assets
+
+            s3 = stack.enter_context(S3Server())
+            register(s3.secret_key)
+            s3.upload(ensure_assets().dataset, "qlora/dataset.jsonl")
+            url, client = f"s3://{s3.bucket}/qlora/dataset.jsonl", s3.client()
+        if cfg.model:
+            model, endpoint = cfg.model, None
+        else:
+            from diag.embedded import HubServer, ensure_assets
+
+            assets = ensure_assets()
+            hub = stack.enter_context(HubServer(assets.hub_root))
+            model, endpoint = assets.repo_id, hub.endpoint
+        yield Sources(url, client, model, endpoint)
+
+
+def fetch_data(plan: Plan, src: Sources, work: Path) -> Path:
+    """The dataset file: pulled into this run's temp folder, or landed once and reused."""
+    from diag.storage.experiment import pull
+    from diag.storage.landing import land
+    from diag.storage.objectstore import list_remote, parse_url
+
+    url = parse_url(src.url)
+    if plan.fetch == "land":
+        return land(src.url, diag_home() / "qlora" / "landed", client=src.client).path
+    pull("boto3_default", src.client, url, list_remote(src.client, url), work / "data")
+    return work / "data" / Path(url.key).name
+
+
+def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
+    """The snapshot folder: downloaded into an empty cache, or read from the persistent one."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from diag.model_load.worker import ALLOW_PATTERNS
+
+    kwargs = {"allow_patterns": ALLOW_PATTERNS, "endpoint": src.endpoint}
+    if plan.model_cache == "empty":
+        return Path(snapshot_download(src.model, cache_dir=work / "hf-cache", **kwargs))
+    cache = diag_home() / "hf-cache"  # the one diag.model_load's cached scenarios fill
+    try:
+        return Path(snapshot_download(src.model, cache_dir=cache, local_files_only=True,
+                                      **kwargs))
+    except LocalEntryNotFoundError:  # the first start fills it; every later one reads it
+        return Path(snapshot_download(src.model, cache_dir=cache, **kwargs))
+
+
+def load_model(cfg: QLoraConfig, plan: Plan, folder: Path, device: Any) -> Any:
+    """The nf4 base (double quantization) with LoRA adapters on every projection."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    # bf16 compute on CPU too: bitsandbytes' CPU 4-bit kernels take it, and it matches the GPU
+    compute = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() \
+        else torch.float16
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant,
+                                                 device_map={"": str(device)})
+    model = prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=plan.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False})  # what torch recommends
+    torch.manual_seed(cfg.seed)  # the same LoRA initialisation in both plans
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def last_checkpoint(out_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint: trainer_state.json is written last, so a folder whose
+    state is missing or unreadable (killed mid-save) is never resumed from."""
+    found = []
+    for folder in Path(out_dir).glob("checkpoint-*"):
+        try:
+            step = int(folder.name.split("-")[1])
+            state = json.loads((folder / "trainer_state.json").read_text())
+        except (ValueError, OSError):
+            continue
+        if state.get("global_step") == step:
+            found.append((step, folder))
+    return max(found)[1] if found else None
+
+
+def prime(cfg: QLoraConfig, plan: Plan, src: Sources) -> float:
+    """Land the data, fill the model cache and the token cache once (a first start's cost);
+    returns its seconds. Later starts of the plan hit all three."""
+    import time
+
+    from diag.qlora.data import build_dataset, check_records, read
+
+    start = time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="diag-qlora-prime-"))
+    try:
+        path, folder = fetch_data(plan, src, work), model_folder(plan, src, work)
+        records, bad = read(cfg, path)
+        build_dataset(cfg, plan, check_records(cfg, records, folder, bad), folder)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return time.perf_counter() - start
+
+
+def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
+    """One timed run: {"stages": frame, "losses": frame, "summary": dict}."""
+    import pandas as pd
+    import transformers
+
+    from diag.device import resolve
+    from diag.qlora.callback import TimingCallback
+    from diag.qlora.data import build_dataset, check_records, read
+
+    device = resolve(cfg.device)
+    plan = plan.for_device(str(device))
+    timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
+    work = Path(tempfile.mkdtemp(prefix=f"diag-qlora-{plan.name}-"))
+    out_dir = Path(cfg.out_dir) / plan.name if cfg.out_dir else work / "out"
+    transformers.logging.set_verbosity_error()
+    try:
+        with timer.stage("fetch_data"):
+            data_path = fetch_data(plan, src, work)
+        with timer.stage("load_model"):
+            folder = model_folder(plan, src, work)
+            model = load_model(cfg, plan, folder, device)
+        with timer.stage("preprocess"):
+            records, bad_lines = read(cfg, data_path)
+        recs = check_records(cfg, records, folder, bad_lines)  # untimed: the same in both plans
+        with timer.stage("preprocess"):
+            data = build_dataset(cfg, plan, recs, folder)
+        args = _training_args(cfg, plan, data, out_dir, device)
+        callback = TimingCallback(timer, warmup_steps=cfg.warmup_steps, device=device)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data.dataset,
+                                       callbacks=[callback])
+        # the Trainer prints every log line with tqdm off; a function in diag prints nothing
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+        resume = last_checkpoint(out_dir) if cfg.resume else None
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        losses = pd.DataFrame([{"step": h["step"], "loss": h["loss"],
+                                "learning_rate": h.get("learning_rate")}
+                               for h in trainer.state.log_history if "loss" in h])
+        frame = timer.to_frame()
+        # end to end: the run-level stages (train holds the steady steps, apart from warmup
+        # and checkpoint, so nothing is counted twice)
+        seconds = float(frame.loc[frame["step"].isna(), "seconds"].sum())
+        summary = {**data.stats, "plan": plan.name, "seconds": seconds,
+                   "steps": trainer.state.global_step,
+                   "resumed_from_step": int(resume.name.split("-")[1]) if resume else 0,
+                   "micro_batch": args.per_device_train_batch_size,
+                   "grad_accum": args.gradient_accumulation_steps,
+                   "num_workers": plan.num_workers, "pin_memory": plan.pin_memory,
+                   "pipeline": plan.pipeline,
+                   "gradient_checkpointing": plan.gradient_checkpointing,
+                   "final_loss": float(losses["loss"].iloc[-1]) if not losses.empty else None,
+                   "notes": " ".join(plan.notes)}
+        return {"stages": frame.assign(run=plan.name),
+                "losses": losses.assign(run=plan.name), "summary": summary}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _training_args(cfg: QLoraConfig, plan: Plan, data: Any, out_dir: Path, device: Any) -> Any:
+    from transformers import TrainingArguments
+
+    workers = plan.num_workers
+    return TrainingArguments(
+        output_dir=str(out_dir), max_steps=cfg.steps, per_device_train_batch_size=data.micro_batch,
+        gradient_accumulation_steps=data.grad_accum, learning_rate=cfg.lr,
+        lr_scheduler_type="linear", warmup_steps=max(1, round(0.1 * cfg.steps)),
+        seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, report_to=[], disable_tqdm=True,
+        save_strategy="steps", save_steps=cfg.checkpoint_every or cfg.steps, save_total_limit=2,
+        use_cpu=device.type == "cpu", dataloader_num_workers=workers,
+        dataloader_pin_memory=plan.pin_memory,
+        dataloader_persistent_workers=plan.persistent_workers and workers > 0,
+        dataloader_prefetch_factor=plan.prefetch_factor if workers > 0 else None,
+        remove_unused_columns=False,  # checkpointing: as prepare_model_for_kbit_training set it
+    )

@@ -1,0 +1,145 @@
+"""The QLoRA job end to end on CPU (tiny nf4 Llama, embedded S3 and hub), and its plans."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from diag.config import QLoraConfig
+from diag.qlora import Plan
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def both():
+    from diag.qlora import run_qlora
+
+    return run_qlora(QLoraConfig.quick())
+
+
+def test_both_plans_train_the_same_records(both):
+    rows = both.frame.set_index("plan")
+    assert list(rows.index) == ["naive", "optimized"]
+    assert (rows["steps"] == 3).all() and (rows["records"] == 12).all()
+    assert rows.at["naive", "micro_batch"] == 1 and rows.at["naive", "grad_accum"] == 4
+    assert rows.at["optimized", "grad_accum"] * rows.at["optimized", "micro_batch"] > 1
+    # the same tokens in both plans: what one trains plus what it leaves out (naive truncates
+    # at seq_len, packed drops the tail rows that make no whole step, under steps rows)
+    total = rows["real_tokens"] + rows["left_out_tokens"]
+    assert total["naive"] == total["optimized"]
+    assert rows.at["optimized", "left_out_tokens"] < 3 * 96
+    assert rows.at["naive", "padding_share"] > 0.2
+    assert rows.at["optimized", "padding_share"] < rows.at["naive", "padding_share"]
+    assert rows.at["optimized", "token_slots"] < rows.at["naive", "token_slots"]
+    assert rows["final_loss"].map(math.isfinite).all()
+    assert "token cache hit" in rows.at["optimized", "data"]
+    assert rows.at["optimized", "once_s"] > 0 and rows.at["naive", "once_s"] == 0
+    assert bool(rows.at["naive", "gradient_checkpointing"])
+    assert not bool(rows.at["optimized", "gradient_checkpointing"])
+    assert "pin_memory" in rows.at["optimized", "notes"]  # CUDA-only setting asked on CPU
+
+
+def test_stages_losses_and_shares(both):
+    stages = both.stages
+    for run in ("naive", "optimized"):
+        got = set(stages.loc[stages["run"] == run, "stage"])
+        assert {"fetch_data", "load_model", "preprocess", "warmup", "train", "checkpoint",
+                "data_wait", "compute"} <= got
+    losses = both.losses
+    assert losses.groupby("run")["step"].apply(list).to_dict() == {
+        "naive": [1, 2, 3], "optimized": [1, 2, 3]}
+    # same seed and schedule: the learning rate step by step is identical
+    lr = losses.pivot(index="step", columns="run", values="learning_rate")
+    assert (lr["naive"] == lr["optimized"]).all()
+    shares = both.shares
+    assert shares.groupby("run")["share"].sum().round(6).eq(1.0).all()
+    total = both.frame.set_index("plan")["seconds"]
+    from_shares = shares.groupby("run")["seconds"].sum()
+    assert from_shares["naive"] == pytest.approx(total["naive"], rel=1e-6)
+
+
+def test_savings_and_advice(both):
+    saved = both.savings.set_index("stage")
+    assert {"fetch_data", "load_model", "preprocess", "train"} <= set(saved.index)
+    # packing's prediction is stated from the token slots; fetch/load have no frame here
+    assert saved.at["train", "predicted_s"] > 0
+    assert math.isnan(saved.at["fetch_data", "predicted_s"])
+    assert "no experiment frame" in saved.at["fetch_data", "evidence"]
+    assert list(both.advice.columns) == ["stage", "finding", "seconds_saved", "evidence"]
+    plans = both.plans
+    evidence = plans.loc[plans["run"] == "optimized"].set_index("setting")["evidence"]
+    assert "absent" in evidence["num_workers"] and "absent" in evidence["micro_batch"]
+
+
+def test_nothing_leaks_a_secret(both):
+    from diag.secrets import secret_values
+
+    text = "".join(f.to_csv() for f in (both.frame, both.stages, both.plans, both.savings))
+    for secret in secret_values():
+        assert secret not in text
+
+
+def test_optimized_plan_follows_the_measured_frames():
+    storage = pd.DataFrame({"method": ["boto3_default", "land", "land"],
+                            "cache_state": ["cold", "miss", "hit"], "seconds": [9.0, 9.5, 0.3]})
+    model_load = pd.DataFrame({"scenario": ["fresh", "cached"], "part": ["load_model"] * 2,
+                               "seconds": [30.0, 3.0]})
+    loader = pd.DataFrame({"num_workers": [0, 1, 2, 4], "pin_memory": [False, True, True, True],
+                           "persistent_workers": [False, True, True, True],
+                           "prefetch_factor": [None, 2, 2, 2], "pipeline": ["optimized"] * 4,
+                           "samples_per_s": [10, 20, 30, 31],
+                           "data_wait_share": [0.4, 0.05, 0.01, 0.005]})
+    accum = pd.DataFrame({"micro_batch": [1, 4, 16, 64], "grad_accum": [64, 16, 4, 1],
+                          "tokens_per_s": [100, 300, 500, None], "peak_mem_gb": [1, 2, 6, None],
+                          "status": ["ok", "ok", "ok", "oom"]})
+    plan = Plan.optimized({"storage": storage, "model_load": model_load, "loader": loader,
+                           "accum": accum})
+    assert (plan.fetch, plan.model_cache, plan.pipeline) == ("land", "persistent", "packed")
+    assert plan.num_workers == 2  # the fewest under 2% data_wait, not the most
+    assert plan.micro_batch == 16  # the fastest point that ran; the oom row never wins
+    assert not plan.pin_memory and "CPU" in plan.notes[0]
+    why = dict(plan.evidence)
+    assert "measured" in why["fetch"] and "0.3" in why["fetch"]
+    assert "measured" in why["micro_batch"] and "16" in why["micro_batch"]
+    # the object store faster than the landed copy: the measurement, not a rule, decides
+    slow_disk = storage.assign(seconds=[0.2, 9.5, 0.9])
+    assert Plan.optimized({"storage": slow_disk}).fetch == "pull"
+
+
+def test_naive_plan_is_the_newcomer_defaults():
+    plan = Plan.naive()
+    assert (plan.fetch, plan.model_cache, plan.pipeline, plan.num_workers, plan.micro_batch) == (
+        "pull", "empty", "naive", 0, 1)
+    assert plan.gradient_checkpointing
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("plan", "fast", "plan"), ("records", 0, "records"), ("steps", 50, "steps"),
+    ("warmup_steps", 3, "warmup_steps"), ("lora_dropout", 1.0, "lora_dropout"),
+    ("on_error", "ignore", "on_error"), ("source", "gs://b/k", "source"),
+])
+def test_bad_config_names_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        QLoraConfig.quick(**{field: value})
+
+
+def test_every_prediction_is_checked_and_a_miss_is_flagged(both):
+    from diag.qlora import savings
+
+    rows = both.frame.set_index("plan")
+    micro = int(rows.at["optimized", "micro_batch"])
+    naive = both.shares[both.shares["run"] == "naive"].set_index("stage")["seconds"]
+    storage = pd.DataFrame({"method": ["boto3_default", "land"], "cache_state": ["cold", "hit"],
+                            "seconds": [naive["fetch_data"] + 100.0, 0.0]})  # a wild prediction
+    accum = pd.DataFrame({"micro_batch": [1, micro], "tokens_per_s": [100.0, 300.0],
+                          "status": ["ok", "ok"]})
+    table = savings(both.shares, {"storage": storage, "accum": accum}, both.frame)
+    table = table.set_index("stage")
+    assert table.at["fetch_data", "predicted_s"] == pytest.approx(100.0 + naive["fetch_data"])
+    assert bool(table.at["fetch_data", "flagged"])  # measured is far below: flagged, not hidden
+    assert "accum sweep" in table.at["train", "evidence"] and "3x" in table.at["train", "evidence"]
+    assert table["measured_s"].notna().all()
