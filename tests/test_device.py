@@ -150,6 +150,9 @@ def test_dtype_without_tensor_support_is_none() -> None:
 def test_bad_dtype_names_it_and_the_allowed_ones() -> None:
     with pytest.raises(ValueError, match="int3.*bf16.*fp8"):
         dev.dense_peak_flops("NVIDIA H100 PCIe", "int3")
+    with pytest.raises(ValueError) as err:
+        dev.dense_peak_flops("NVIDIA H100 PCIe", "int3")
+    assert str(err.value) == "dtype='int3': allowed values are bf16, fp16, tf32, fp32, fp8"
     with pytest.raises(ValueError, match="int3"):
         dev.peak_flops("cpu", "int3")
     assert dev.dense_peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == pytest.approx(756.5 * T)
