@@ -116,9 +116,17 @@ def _loader(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     from diag.config import LoaderConfig
     from diag.loader import run_loader
 
-    # the advice is priced for this diagnosis' runs, so findings compare like with like
+    from diag.device import resolve
+
+    # On a CPU box the question is whether this loader would keep up with the GPU being
+    # considered: an emulated step of that GPU's estimated duration (measuring the tiny model's
+    # step on a CPU takes seconds per step and answers a question nobody asked). On a GPU the
+    # measured step is the real one. The advice is priced for this diagnosis' runs.
+    full = {} if cfg.quick_experiments else {"steps": 10, "repeats": 1}
+    if resolve(cfg.device).type == "cpu" and not cfg.quick_experiments:
+        full["gpu"] = cfg.target_gpu
     got = run_loader(LoaderConfig.default(quick=cfg.quick_experiments or None, device=cfg.device,
-                                          run_steps=cfg.steps))
+                                          run_steps=cfg.steps, **full))
     results["frames"].update(loader=got.sweep, loader_stalls=got.stalls, loader_lines=got.lines,
                              loader_recommendation=got.recommendation)
     results["advice"].append(got.advice)

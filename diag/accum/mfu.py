@@ -85,7 +85,6 @@ def loss_of(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def count_flops(model: Any, x: torch.Tensor, y: torch.Tensor, autocast: Any = None) -> int:
     """FLOPs FlopCounterMode sees in one forward + backward of (x, y); gradients are cleared."""
-    import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
