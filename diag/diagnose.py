@@ -95,6 +95,10 @@ def _accum(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
 
     # on a GPU the full sweep trains the GPT-2-small shape; the tiny model would measure overhead
     gpu = AccumConfig.GPU if resolve(cfg.device).type == "cuda" and not cfg.quick_experiments else {}
+    if not gpu and not cfg.quick_experiments:
+        # on a CPU three points span the trade-off (the seed's many small micro-batches, the
+        # middle, one large one); every power of two costs minutes here and adds no finding
+        gpu = {"micro_batches": [2, 8, 32], "steps": 2}
     accum_cfg = AccumConfig.default(quick=cfg.quick_experiments or None, device=cfg.device, **gpu)
     got = run_accum(accum_cfg)
     results["frames"].update(accum=got.frame, accum_summary=got.summary, accum_mfu=got.mfu)
