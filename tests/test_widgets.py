@@ -61,7 +61,7 @@ def test_a_failing_run_is_shown_redacted_and_the_button_comes_back(tmp_path):
     p = widgets.panel(source=f"s3://no-such-bucket/{FAKE_HF_TOKEN}.jsonl", quick=True,
                       out=str(tmp_path / "run"), **(FAST | {"storage": True}))
     p.run.click()
-    assert p.status.value.startswith("failed: "), p.status.value
+    assert p.status.value.startswith("failed: ") and "***" in p.status.value, p.status.value
     assert p.log.outputs and "Traceback" in p.log.outputs[0]["text"]
     assert FAKE_HF_TOKEN not in _texts(p)
     assert not p.run.disabled
