@@ -7,6 +7,7 @@ import json
 import pytest
 
 from diag import widgets
+from diag.config import DiagnoseConfig
 from tests.conftest import FAKE_HF_TOKEN
 
 # a quick click runs device facts and the toy runs (seconds); every experiment's view is drawn
@@ -38,6 +39,10 @@ def test_bad_fields_name_the_field():
         widgets.panel(plan="fast")
     with pytest.raises(ValueError, match=r"DiagnoseConfig.workers=\[-1\]"):
         widgets.panel(workers="-1")
+    with pytest.raises(ValueError, match=r"DiagnoseConfig.micro_batches=\[0\]"):
+        widgets.panel(micro_batches="0")
+    with pytest.raises(ValueError, match="DiagnoseConfig.plan='fast'"):
+        DiagnoseConfig(plan="fast")
 
 
 def test_click_run_draws_each_step_as_it_arrives(tmp_path):
@@ -65,3 +70,9 @@ def test_a_failing_run_is_shown_redacted_and_the_button_comes_back(tmp_path):
     assert p.log.outputs and "Traceback" in p.log.outputs[0]["text"]
     assert FAKE_HF_TOKEN not in _texts(p)
     assert not p.run.disabled
+
+
+def test_nothing_imports_widgets():
+    from tests.test_layers import graph
+
+    assert not [src for src, targets in graph().items() if "diag.widgets" in targets]

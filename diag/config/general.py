@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from diag.config.base import ExperimentConfig
+from diag.config.qlora import QLORA_PLANS, QLoraPlan
 
 
 @dataclass
@@ -78,7 +79,7 @@ class DiagnoseConfig(ExperimentConfig):
     # -- widgets (diag.widgets): the panel's sweep ranges and plan, passed to the experiments --
     workers: list[int] = field(default_factory=list)  # num_workers the loader sweeps; [] = its default
     micro_batches: list[int] = field(default_factory=list)  # micro-batches accum sweeps; [] = its default
-    plan: str = "both"  # QLoRA plans run: "naive", "optimized" or "both"
+    plan: QLoraPlan = "both"  # QLoRA plans run: "naive", "optimized" or "both"
 
     QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0, "quick_experiments": True}
 
@@ -86,7 +87,7 @@ class DiagnoseConfig(ExperimentConfig):
         self._positive("steps")
         self._non_negative("prep_ms", "naive_workers", "optimized_workers")
         self._device()
-        self._choice("plan", ("naive", "optimized", "both"))
+        self._choice("plan", QLORA_PLANS)
         for name, low in (("workers", 0), ("micro_batches", 1)):  # checked here, not mid-run
             values = getattr(self, name)
             if not isinstance(values, (list, tuple)) or any(
