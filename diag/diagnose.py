@@ -99,7 +99,8 @@ def _accum(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
         # on a CPU three points span the trade-off (the seed's many small micro-batches, the
         # middle, one large one); every power of two costs minutes here and adds no finding
         gpu = {"micro_batches": [2, 8, 32], "steps": 2}
-    accum_cfg = AccumConfig.default(quick=cfg.quick_experiments or None, device=cfg.device, **gpu)
+    sweep = gpu | ({"micro_batches": list(cfg.micro_batches)} if cfg.micro_batches else {})
+    accum_cfg = AccumConfig.default(quick=cfg.quick_experiments or None, device=cfg.device, **sweep)
     got = run_accum(accum_cfg)
     results["frames"].update(accum=got.frame, accum_summary=got.summary, accum_mfu=got.mfu)
     results["accum_steps_per_run"] = accum_cfg.steps_per_run
@@ -126,11 +127,13 @@ def _loader(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     # considered: an emulated step of that GPU's estimated duration (measuring the tiny model's
     # step on a CPU takes seconds per step and answers a question nobody asked). On a GPU the
     # measured step is the real one. The advice is priced for this diagnosis' runs.
-    full = {} if cfg.quick_experiments else {"steps": 10, "repeats": 1}
+    sweep = {} if cfg.quick_experiments else {"steps": 10, "repeats": 1}
     if resolve(cfg.device).type == "cpu" and not cfg.quick_experiments:
-        full["gpu"] = cfg.target_gpu
+        sweep["gpu"] = cfg.target_gpu
+    if cfg.workers:
+        sweep["workers"] = list(cfg.workers)
     got = run_loader(LoaderConfig.default(quick=cfg.quick_experiments or None, device=cfg.device,
-                                          run_steps=cfg.steps, **full))
+                                          run_steps=cfg.steps, **sweep))
     results["frames"].update(loader=got.sweep, loader_stalls=got.stalls, loader_lines=got.lines,
                              loader_recommendation=got.recommendation)
     results["advice"].append(got.advice)
@@ -145,13 +148,20 @@ def _qlora(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     frames = results["frames"]
     measured = {k: frames[k] for k in ("storage", "model_load", "loader", "accum") if k in frames}
     got = run_qlora(QLoraConfig.default(quick=cfg.quick_experiments or None, model=cfg.model,
-                                        device=cfg.device), results=measured)
+                                        device=cfg.device, plan=cfg.plan), results=measured)
     frames.update(run=got.stages, qlora=got.frame, qlora_losses=got.losses,
                   qlora_plans=got.plans, qlora_savings=got.savings)
 
 
-def run_diagnose(cfg: DiagnoseConfig | None = None) -> Path:
-    """Run the diagnosis and write the report; returns the run folder."""
+OnResult = Callable[[str, dict[str, pd.DataFrame]], None]
+
+
+def run_diagnose(cfg: DiagnoseConfig | None = None, on_result: OnResult | None = None) -> Path:
+    """Run the diagnosis and write the report; returns the run folder.
+
+    on_result(step name, frames measured so far) is called after each step, so a panel
+    (diag.widgets) can draw each experiment's figure as it arrives; the CLI passes none.
+    """
     from diag.device import run_info
 
     cfg = cfg or DiagnoseConfig.default()
@@ -178,6 +188,8 @@ def run_diagnose(cfg: DiagnoseConfig | None = None) -> Path:
         for name, work in bar:
             bar.set_postfix_str(name)
             work()
+            if on_result is not None:
+                on_result(name, dict(results["frames"], info=results["info"]))
     advice = [a for a in results["advice"] if not a.empty]
     return report.write(results["frames"], cfg.out or None, config=cfg.to_dict(),
                         info=results["info"],

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from diag.config.base import ExperimentConfig
+from diag.config.qlora import QLORA_PLANS, QLoraPlan
 
 
 @dataclass
@@ -75,6 +76,10 @@ class DiagnoseConfig(ExperimentConfig):
     current_gpu: str = ""  # GPU marked "now" on the Amdahl curve; "" = the detected one
     target_gpu: str = "H100 SXM"  # GPU you consider renting, marked at its dense-peak ratio
     quick_experiments: bool = False  # True runs each experiment in its test-sized variant (seconds)
+    # -- widgets (diag.widgets): the panel's sweep ranges and plan, passed to the experiments --
+    workers: list[int] = field(default_factory=list)  # num_workers the loader sweeps; [] = its default
+    micro_batches: list[int] = field(default_factory=list)  # micro-batches accum sweeps; [] = its default
+    plan: QLoraPlan = "both"  # QLoRA plans run: "naive", "optimized" or "both"
 
     QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0, "quick_experiments": True}
 
@@ -82,3 +87,10 @@ class DiagnoseConfig(ExperimentConfig):
         self._positive("steps")
         self._non_negative("prep_ms", "naive_workers", "optimized_workers")
         self._device()
+        self._choice("plan", QLORA_PLANS)
+        for name, low in (("workers", 0), ("micro_batches", 1)):  # checked here, not mid-run
+            values = getattr(self, name)
+            if not isinstance(values, (list, tuple)) or any(
+                    isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
+                raise ValueError(f"DiagnoseConfig.{name}={values!r}: must be a list of whole "
+                                 f"numbers >= {low} ([] = the experiment's default)")

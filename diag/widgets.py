@@ -1,0 +1,192 @@
+"""The notebook panel: pick the data source, model, sweep ranges and plan, press Run, and watch
+each experiment's table and figure appear as diag.diagnose measures it.
+
+`panel()` returns the widget tree (no browser needed: a test calls `panel().run.click()`); the
+Run button calls diag.diagnose.run_diagnose with an `on_result` hook that draws the step's view
+into its own Output widget. Every table and text shown is redacted (diag.secrets).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from diag import amdahl, plots
+from diag.config import DiagnoseConfig
+from diag.secrets import redact, redact_frame
+
+PLANS = ("both", "naive", "optimized")
+View = Callable[[dict[str, pd.DataFrame]], list[Any]]
+
+
+def _storage(frames: dict[str, pd.DataFrame]) -> list[Any]:
+    from diag.storage import medians
+
+    return [medians(frames["storage"]), frames["storage_tax"], plots.plot_storage(frames["storage"])]
+
+
+def _model_load(frames: dict[str, pd.DataFrame]) -> list[Any]:
+    from diag.model_load import medians
+
+    return [medians(frames["model_load"]), plots.plot_model_load(frames["model_load"])]
+
+
+def _runs(frames: dict[str, pd.DataFrame]) -> list[Any]:
+    table = amdahl.shares(frames["run"])
+    return [frames["qlora"] if "qlora" in frames else table, plots.plot_stage_shares(table)]
+
+
+def _amdahl(frames: dict[str, pd.DataFrame]) -> list[Any]:
+    table = amdahl.shares(frames["run"])
+    return [amdahl.findings(frames["run"]), plots.plot_amdahl(table)]
+
+
+# step name (as diag.diagnose names it) -> what the panel shows once that step has measured
+VIEWS: dict[str, View] = {
+    "device facts": lambda f: [f["info"]],
+    "storage": _storage,
+    "model load": _model_load,
+    "data loader": lambda f: [f["loader_recommendation"], plots.plot_loader(f["loader"])],
+    "grad-accum sweep": lambda f: [f["accum_summary"], plots.plot_accum(f["accum"])],
+    "naive vs optimized QLoRA": _runs,
+    "naive vs optimized run": _runs,
+    "grad-accum advice": _amdahl,
+}
+
+
+def parse_ints(text: str, name: str) -> list[int]:
+    """'0, 1, 2' -> [0, 1, 2]; '' -> [] (the experiment's default)."""
+    try:
+        return [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: must be whole numbers separated by commas") from None
+
+
+def _mime(item: Any) -> dict[str, Any]:
+    """One output (a frame or a matplotlib Figure) as a redacted Jupyter display_data dict."""
+    if isinstance(item, pd.DataFrame):
+        shown = redact_frame(item)
+        data = {"text/html": redact(shown.to_html(max_rows=40)),
+                "text/plain": redact(shown.to_string(max_rows=40))}
+    elif hasattr(item, "savefig"):
+        import matplotlib.pyplot as plt
+
+        buffer = io.BytesIO()
+        item.savefig(buffer, format="png", dpi=90)
+        plt.close(item)
+        data = {"image/png": base64.b64encode(buffer.getvalue()).decode("ascii"),
+                "text/plain": "<Figure>"}
+    else:
+        data = {"text/plain": redact(str(item))}
+    return {"output_type": "display_data", "data": data, "metadata": {}}
+
+
+@dataclass
+class Panel:
+    """The widget tree and what the last Run produced."""
+
+    box: Any  # the ipywidgets.VBox to display
+    source: Any
+    model: Any
+    workers: Any
+    micro_batches: Any
+    plan: Any
+    quick: Any
+    run: Any  # the Run button
+    progress: Any  # IntProgress over the diagnosis' steps
+    status: Any  # Label: the step running, then the run folder or the error
+    log: Any  # Output: tqdm's per-experiment bars and any error
+    outputs: dict[str, Any] = field(default_factory=dict)  # step name -> its Output widget
+    folder: str = ""  # the run folder the last Run wrote
+    settings: dict[str, Any] = field(default_factory=dict)  # other DiagnoseConfig fields, as given
+
+    def _ipython_display_(self) -> None:  # `panel()` as a cell's last line shows the panel
+        from IPython.display import display
+
+        display(self.box)
+
+    def draw(self, name: str, frames: dict[str, pd.DataFrame]) -> None:
+        """run_diagnose's on_result hook: count the step, draw its view into its Output."""
+        self.progress.value = min(self.progress.value + 1, self.progress.max)
+        self.status.value = f"done: {name}"
+        view = VIEWS.get(name)
+        if view is not None and name in self.outputs:
+            self.outputs[name].outputs = tuple(_mime(item) for item in view(frames))
+
+    def clear(self, cfg: DiagnoseConfig) -> None:
+        """Empty every output and size the progress bar for cfg's steps."""
+        for widget in [self.log, *self.outputs.values()]:
+            widget.outputs = ()
+        self.progress.value, self.progress.max = 0, _step_count(cfg)
+
+
+def config_from(p: Panel) -> DiagnoseConfig:
+    """The DiagnoseConfig the panel's fields describe (ValueError names a bad field)."""
+    return DiagnoseConfig.default(
+        quick=p.quick.value or None, **p.settings, source=p.source.value.strip(),
+        model=p.model.value.strip(), plan=p.plan.value,
+        workers=parse_ints(p.workers.value, "num_workers"),
+        micro_batches=parse_ints(p.micro_batches.value, "micro-batches"))
+
+
+def _step_count(cfg: DiagnoseConfig) -> int:
+    # device facts + the enabled experiments + the runs (+ accum's advice after them)
+    return 2 + cfg.storage + cfg.model_load + cfg.loader + 2 * cfg.accum
+
+
+def run_panel(p: Panel) -> None:
+    """What Run does: the diagnosis, each step's view drawn into its Output as it arrives."""
+    from diag.diagnose import run_diagnose
+
+    p.run.disabled = True
+    try:
+        cfg = config_from(p)
+        p.clear(cfg)
+        with p.log:  # in a kernel, tqdm.auto's bars land in the log widget
+            p.folder = str(run_diagnose(cfg, on_result=p.draw))
+        p.status.value = f"wrote {p.folder}"
+    except Exception as error:  # shown in the panel, not raised into a button callback
+        p.status.value = redact(f"failed: {type(error).__name__}: {error}")
+        p.log.outputs = (*p.log.outputs, {"output_type": "stream", "name": "stderr",
+                                          "text": redact(traceback.format_exc())})
+    finally:
+        p.run.disabled = False
+
+
+def panel(source: str = "", model: str = "", workers: str = "", micro_batches: str = "",
+          plan: str = "both", quick: bool = False, **settings: Any) -> Panel:
+    """Build the panel (nothing runs until Run is clicked). source: s3://bucket/key or "" for the
+    embedded S3 server; model: org/name, a folder, or "" for the embedded tiny model; workers,
+    micro_batches: comma-separated sweep values, "" for each experiment's default; settings:
+    any other DiagnoseConfig field (out=, storage=False, ...), checked now."""
+    import ipywidgets as w
+
+    if plan not in PLANS:
+        raise ValueError(f"plan={plan!r}: allowed values are " + ", ".join(map(repr, PLANS)))
+    wide = w.Layout(width="60%")
+    p = Panel(
+        box=None,
+        source=w.Text(source, description="data", placeholder="s3://bucket/key ('' = embedded)",
+                      layout=wide),
+        model=w.Text(model, description="model", placeholder="org/name or folder ('' = embedded)",
+                     layout=wide),
+        workers=w.Text(workers, description="num_workers", placeholder="e.g. 0,1,2,4"),
+        micro_batches=w.Text(micro_batches, description="micro-batch", placeholder="e.g. 2,8,16"),
+        plan=w.ToggleButtons(options=PLANS, value=plan, description="plan"),
+        quick=w.Checkbox(quick, description="quick (test-sized)"),
+        run=w.Button(description="Run", button_style="primary", icon="play"),
+        progress=w.IntProgress(value=0, min=0, max=1, description="steps"),
+        status=w.Label(""), log=w.Output(), settings=settings)
+    p.progress.max = _step_count(config_from(p))  # a bad setting fails here, not on a click
+    p.outputs = {name: w.Output() for name in VIEWS}
+    p.run.on_click(lambda _button: run_panel(p))
+    sections = [w.VBox([w.HTML(f"<b>{name}</b>"), output]) for name, output in p.outputs.items()]
+    p.box = w.VBox([p.source, p.model, w.HBox([p.workers, p.micro_batches]), p.plan, p.quick,
+                    w.HBox([p.run, p.progress, p.status]), p.log, *sections])
+    return p
