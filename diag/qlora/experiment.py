@@ -143,8 +143,22 @@ def _predictions(results: dict[str, Any], naive: dict[str, float],
                    f"{speed:.3g}x the tokens/s of {int(rows.at['naive', 'micro_batch'])}"
         else:
             why += ", the same cost per slot assumed (no accum frame)"
+        ckpt = _checkpointing_factor(results.get("checkpointing"),
+                                     bool(rows.at["naive", "gradient_checkpointing"]),
+                                     bool(rows.at["optimized", "gradient_checkpointing"]))
+        if ckpt is not None:
+            ratio *= ckpt
+            why += f"; checkpointing measured: optimized's setting {ckpt:.3g}x naive's per step"
         out["train"] = (naive["train"] * (1 - ratio), why)
     return out
+
+
+def _checkpointing_factor(frame: Any, naive_on: bool, opt_on: bool) -> float | None:
+    """Step seconds at the optimized plan's checkpointing over the naive's (None if unmeasured)."""
+    on, off = (_median(frame, gradient_checkpointing=v) for v in (True, False))
+    if on is None or off is None:
+        return None
+    return (on if opt_on else off) / (on if naive_on else off)
 
 
 def _micro_speedup(accum: Any, naive_micro: int, micro: int) -> float | None:
