@@ -78,24 +78,25 @@ def measure_results(cfg: QLoraConfig, micro_batches: list[int] | None = None,
 
 def _checkpointing(cfg: QLoraConfig, model_dir: Any, device: Any, micro: int,
                    steps: int = 3) -> pd.DataFrame:
-    """Seconds per QLoRA step with gradient checkpointing on and off, after one warm-up step."""
+    """Seconds per QLoRA step with gradient checkpointing on and off, after one warm-up step
+    each; the two alternate step by step, so a load change on a shared machine hits both."""
     import time
 
     import pandas as pd
     import torch
 
     gen = torch.Generator().manual_seed(cfg.seed)
+    runs = {on: QLoraStep(cfg, model_dir, device, gradient_checkpointing=on)
+            for on in (True, False)}
+    vocab = runs[True].model.config.vocab_size
+    ids = torch.randint(4, vocab, (micro, cfg.seq_len), generator=gen)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     rows = []
-    for on in (True, False):
-        step = QLoraStep(cfg, model_dir, device, gradient_checkpointing=on)
-        vocab = step.model.config.vocab_size
-        ids = torch.randint(4, vocab, (micro, cfg.seq_len), generator=gen)
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-        for i in range(steps + 1):
+    for i in range(steps + 1):
+        for on, step in runs.items():
             start = time.perf_counter()
             step(batch)
             if i:  # the first step pays allocator growth and kernel choice
                 rows.append({"gradient_checkpointing": on, "micro_batch": micro,
                              "seconds": time.perf_counter() - start})
-        del step
     return pd.DataFrame(rows)
