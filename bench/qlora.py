@@ -121,6 +121,21 @@ def per_fix(optimized: Plan, grid: dict, summary: dict, results: dict) -> list[d
     return rows
 
 
+def print_regret(cfg: QLoraConfig, optimized: Plan, results: dict) -> None:
+    from diag.qlora.job import open_sources
+
+    with open_sources(cfg) as src:
+        mine, grid, summary = regret(cfg.replace(records=32, steps=4), optimized, src)
+    import pandas as pd
+
+    print(pd.Series(grid, name="s_per_step").sort_values().to_string())
+    print("per fix, each undone alone in the grid (seconds per step):")
+    print(pd.DataFrame(per_fix(optimized, grid, summary, results)).to_string(index=False))
+    name = min(grid, key=grid.get)
+    print(f"qlora_regret: {mine / grid[name]:.3g} (optimized {mine:.3g} s/step, grid best "
+          f"{grid[name]:.3g} s/step: {name}) (goal <= 1.05)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--records", type=int, default=128)
@@ -130,6 +145,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--fetch-heavy", action="store_true")
     parser.add_argument("--regret", action="store_true")
+    parser.add_argument("--regret-only", action="store_true",
+                        help="measure the frames, then only the regret grid (no job runs)")
     args = parser.parse_args()
     cfg = QLoraConfig(records=args.records, steps=args.steps, seq_len=args.seq_len,
                       lora_r=8, lora_alpha=16)
@@ -139,6 +156,8 @@ def main() -> None:
     print(f"measured frames in {time.perf_counter() - start:.3g} s; the optimized plan:")
     for setting, why in optimized.evidence:
         print(f"  {setting}: {why}")
+    if args.regret_only:
+        return print_regret(cfg, optimized, results)
     result = run_qlora(cfg, results)
     rows = result.frame.set_index("plan")
     print(rows[["seconds", "once_s", "micro_batch", "grad_accum", "num_workers", "pipeline",
@@ -180,18 +199,7 @@ def main() -> None:
               f"(naive {naive['summary']['seconds']:.3g} s, optimized "
               f"{fast['summary']['seconds']:.3g} s)")
     if args.regret:
-        from diag.qlora.job import open_sources
-
-        with open_sources(cfg) as src:
-            mine, grid, summary = regret(cfg.replace(records=32, steps=4), optimized, src)
-        import pandas as pd
-
-        print(pd.Series(grid, name="s_per_step").sort_values().to_string())
-        print("per fix, each undone alone in the grid (seconds per step):")
-        print(pd.DataFrame(per_fix(optimized, grid, summary, results)).to_string(index=False))
-        name = min(grid, key=grid.get)
-        print(f"qlora_regret: {mine / grid[name]:.3g} (optimized {mine:.3g} s/step, grid best "
-              f"{grid[name]:.3g} s/step: {name}) (goal <= 1.05)")
+        print_regret(cfg, optimized, results)
     print(f"qlora_compute_share: {compute / total:.3g} (goal >= 0.9; optimized, "
           f"{args.long_steps} steps, {total:.3g} s end to end)")
 

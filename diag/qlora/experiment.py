@@ -8,6 +8,7 @@ measured saving (a prediction off by more than 25% is flagged, not hidden).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -150,6 +151,9 @@ def _predictions(results: dict[str, Any], naive: dict[str, float],
             ratio *= ckpt
             why += f"; checkpointing measured: optimized's setting {ckpt:.3g}x naive's per step"
         out["train"] = (naive["train"] * (1 - ratio), why)
+        if "warmup" in naive:  # the warm-up steps are steps too: the same fixes shrink them
+            out["warmup"] = (naive["warmup"] * (1 - ratio),
+                             f"the warm-up steps scale as the steady ones: {why}")
     return out
 
 
@@ -168,9 +172,14 @@ def _micro_speedup(accum: Any, naive_micro: int, micro: int) -> float | None:
         return None
     ok = accum[accum["status"] == "ok"] if "status" in accum.columns else accum
     speed = ok.groupby("micro_batch")["tokens_per_s"].median()
-    if naive_micro not in speed.index or micro not in speed.index:
+    if speed.empty:
         return None
-    return float(speed[micro] / speed[naive_micro])
+    # the job's micro-batch divides its rows per step, so it may fall between the sweep's
+    # points: the nearest measured point (in ratio) stands for it
+    def near(m: int) -> Any:
+        return min(speed.index, key=lambda p: abs(math.log(p / m)))
+
+    return float(speed[near(micro)] / speed[near(naive_micro)])
 
 
 def savings(table: pd.DataFrame, results: dict[str, Any], summary: pd.DataFrame) -> pd.DataFrame:
