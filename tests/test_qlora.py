@@ -143,3 +143,72 @@ def test_every_prediction_is_checked_and_a_miss_is_flagged(both):
     assert bool(table.at["fetch_data", "flagged"])  # measured is far below: flagged, not hidden
     assert "accum sweep" in table.at["train", "evidence"] and "3x" in table.at["train", "evidence"]
     assert table["measured_s"].notna().all()
+
+
+def test_loader_choice_reads_tokens_not_samples_and_prefers_the_fewest_workers():
+    # the naive pipeline delivers more rows/s, but a packed row holds several records: the
+    # real tokens/s decide; and on this machine 0 workers already stay under 2% data_wait
+    loader = pd.DataFrame({"pipeline": ["naive", "naive", "packed", "packed"],
+                           "num_workers": [0, 2, 0, 2], "pin_memory": [True] * 4,
+                           "persistent_workers": [True] * 4, "prefetch_factor": [2] * 4,
+                           "samples_per_s": [6.0, 3.5, 3.3, 2.6],
+                           "tokens_per_s": [300.0, 180.0, 420.0, 330.0],
+                           "data_wait_share": [0.004, 0.025, 0.0002, 0.017]})
+    plan = Plan.optimized({"loader": loader})
+    assert (plan.pipeline, plan.num_workers, plan.persistent_workers) == ("packed", 0, False)
+    assert plan.prefetch_factor is None
+
+
+def test_default_workers_leave_two_cores_to_the_step(monkeypatch):
+    from diag.qlora import plans
+
+    monkeypatch.setattr(plans, "_cores", lambda: 2)
+    plan = Plan.optimized()
+    assert plan.num_workers == 0 and plan.prefetch_factor is None
+    assert "2 usable" in dict(plan.evidence)["num_workers"]
+    monkeypatch.setattr(plans, "_cores", lambda: 16)
+    assert Plan.optimized().num_workers == plans.DEFAULT_WORKERS
+
+
+def test_checkpointing_follows_measured_headroom_and_says_its_cost(monkeypatch):
+    from diag.qlora import plans
+
+    monkeypatch.setattr(plans, "_memory_gb", lambda device: (10.0, "available host memory"))
+    ckpt = pd.DataFrame({"gradient_checkpointing": [True, True, False, False],
+                         "seconds": [1.3, 1.3, 1.0, 1.0]})
+    accum = pd.DataFrame({"micro_batch": [1, 8], "tokens_per_s": [100.0, 300.0],
+                          "peak_mem_gb": [0.5, 2.0], "status": ["ok", "ok"]})
+    plan = Plan.optimized({"accum": accum, "checkpointing": ckpt})
+    why = dict(plan.evidence)["gradient_checkpointing"]
+    assert not plan.gradient_checkpointing and "2 GB of 10 GB" in why and "1.3x" in why
+    tight = accum.assign(peak_mem_gb=[0.5, 6.0])  # over half the memory: recompute instead
+    assert Plan.optimized({"accum": tight, "checkpointing": ckpt}).gradient_checkpointing
+
+
+def test_train_prediction_prices_the_measured_checkpointing(both):
+    from diag.qlora import savings
+
+    rows = both.frame.set_index("plan")
+    assert rows.at["naive", "gradient_checkpointing"]
+    assert not rows.at["optimized", "gradient_checkpointing"]
+    ckpt = pd.DataFrame({"gradient_checkpointing": [True, False], "seconds": [2.0, 1.0]})
+    plain = savings(both.shares, {}, both.frame).set_index("stage")
+    priced = savings(both.shares, {"checkpointing": ckpt}, both.frame).set_index("stage")
+    assert "checkpointing measured: optimized's setting 0.5x" in priced.at["train", "evidence"]
+    naive_train = plain.at["train", "predicted_s"] / (1 - float(
+        plain.at["train", "evidence"].split("token slots x")[1].split(" ")[0]))
+    # half the step cost on top of packing: the predicted saving grows accordingly
+    assert priced.at["train", "predicted_s"] > plain.at["train", "predicted_s"]
+    assert naive_train > priced.at["train", "predicted_s"]
+
+
+def test_qlora_step_times_checkpointing_on_and_off():
+    import torch
+
+    from diag.embedded import ensure_assets
+    from diag.qlora.measure import _checkpointing
+
+    frame = _checkpointing(QLoraConfig.quick(), ensure_assets().model_dir, torch.device("cpu"),
+                           micro=2, steps=1)
+    assert list(frame["gradient_checkpointing"]) == [True, False]  # alternated
+    assert (frame["seconds"] > 0).all() and (frame["micro_batch"] == 2).all()

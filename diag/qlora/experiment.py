@@ -8,6 +8,7 @@ measured saving (a prediction off by more than 25% is flagged, not hidden).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,8 +144,25 @@ def _predictions(results: dict[str, Any], naive: dict[str, float],
                    f"{speed:.3g}x the tokens/s of {int(rows.at['naive', 'micro_batch'])}"
         else:
             why += ", the same cost per slot assumed (no accum frame)"
+        ckpt = _checkpointing_factor(results.get("checkpointing"),
+                                     bool(rows.at["naive", "gradient_checkpointing"]),
+                                     bool(rows.at["optimized", "gradient_checkpointing"]))
+        if ckpt is not None:
+            ratio *= ckpt
+            why += f"; checkpointing measured: optimized's setting {ckpt:.3g}x naive's per step"
         out["train"] = (naive["train"] * (1 - ratio), why)
+        if "warmup" in naive:  # the warm-up steps are steps too: the same fixes shrink them
+            out["warmup"] = (naive["warmup"] * (1 - ratio),
+                             f"the warm-up steps scale as the steady ones: {why}")
     return out
+
+
+def _checkpointing_factor(frame: Any, naive_on: bool, opt_on: bool) -> float | None:
+    """Step seconds at the optimized plan's checkpointing over the naive's (None if unmeasured)."""
+    on, off = (_median(frame, gradient_checkpointing=v) for v in (True, False))
+    if on is None or off is None:
+        return None
+    return (on if opt_on else off) / (on if naive_on else off)
 
 
 def _micro_speedup(accum: Any, naive_micro: int, micro: int) -> float | None:
@@ -154,9 +172,14 @@ def _micro_speedup(accum: Any, naive_micro: int, micro: int) -> float | None:
         return None
     ok = accum[accum["status"] == "ok"] if "status" in accum.columns else accum
     speed = ok.groupby("micro_batch")["tokens_per_s"].median()
-    if naive_micro not in speed.index or micro not in speed.index:
+    if speed.empty:
         return None
-    return float(speed[micro] / speed[naive_micro])
+    # the job's micro-batch divides its rows per step, so it may fall between the sweep's
+    # points: the nearest measured point (in ratio) stands for it
+    def near(m: int) -> Any:
+        return min(speed.index, key=lambda p: abs(math.log(p / m)))
+
+    return float(speed[near(micro)] / speed[near(naive_micro)])
 
 
 def savings(table: pd.DataFrame, results: dict[str, Any], summary: pd.DataFrame) -> pd.DataFrame:

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Documented defaults when an experiment's frame is absent (each is said in the evidence).
-DEFAULT_WORKERS = 2  # enough to overlap the pre-tokenized windows' reads with a step
+DEFAULT_WORKERS = 2  # enough to overlap the pre-tokenized windows' reads with a step, given
+#                     cores to spare: measured on 2 cores, 2 workers cost 1.4x per step against 0
+#                     (they compete with the step's own threads), so default_workers() spares two
 DEFAULT_MICRO_BATCH = 8  # a micro-batch that fits the tiny and the 1B model on any 16 GB GPU
 DATA_WAIT_GOAL = 0.02  # the smallest loader setting under this share of the step wins
 CHECKPOINTING_HEADROOM = 0.5  # recompute activations only when the measured peak exceeds this
@@ -58,12 +60,13 @@ class Plan:
         """Settings from the measured frames in `results` (keys storage, model_load, loader,
         accum; a frame or an object with `.frame`); a missing frame gives the default, said so."""
         results = {k: _frame(v) for k, v in (results or {}).items()}
+        ckpt_frame = results.get("checkpointing")
         evidence: list[tuple[str, str]] = []
         fetch = _choose_fetch(results.get("storage"), evidence)
         cache = _choose_cache(results.get("model_load"), evidence)
         loader = _choose_loader(results.get("loader"), evidence)
         micro, peak = _choose_micro(results.get("accum"), evidence)
-        ckpt = _choose_checkpointing(peak, device, evidence)
+        ckpt = _choose_checkpointing(peak, device, evidence, ckpt_frame)
         plan = cls("optimized", fetch=fetch, model_cache=cache, micro_batch=micro,
                    gradient_checkpointing=ckpt, evidence=tuple(evidence), **loader)
         return plan.for_device(device)
@@ -134,14 +137,19 @@ def _choose_cache(model_load: Any, evidence: list) -> str:
 def _choose_loader(loader: Any, evidence: list) -> dict[str, Any]:
     cols = ("num_workers", "pin_memory", "persistent_workers", "data_wait_share")
     if _absent(loader, *cols):
-        evidence.append(("num_workers", f"loader frame absent: default {DEFAULT_WORKERS} "
-                                        "workers, pinned, persistent, packed token cache"))
-        return {"pipeline": "packed", "num_workers": DEFAULT_WORKERS, "pin_memory": True,
-                "persistent_workers": True, "prefetch_factor": 2}
+        workers = default_workers()
+        evidence.append(("num_workers", f"loader frame absent: default {workers} workers "
+                                        f"({DEFAULT_WORKERS}, two cores left to the step; "
+                                        f"{_cores()} usable), pinned, persistent, packed "
+                                        "token cache"))
+        return {"pipeline": "packed", "num_workers": workers, "pin_memory": True,
+                "persistent_workers": workers > 0, "prefetch_factor": 2 if workers else None}
     frame = loader
     pipeline = "packed"
-    if "pipeline" in frame.columns and "samples_per_s" in frame.columns:
-        rates = frame.groupby("pipeline")["samples_per_s"].median()
+    # real tokens/s, not samples/s: a packed row holds several records, a naive row one
+    rate = "tokens_per_s" if "tokens_per_s" in frame.columns else "samples_per_s"
+    if "pipeline" in frame.columns and rate in frame.columns:
+        rates = frame.groupby("pipeline")[rate].median()
         fast = [p for p in rates.index if p != "naive"]
         if "naive" in rates.index and fast and rates["naive"] > rates[fast].max():
             pipeline = "naive"
@@ -162,6 +170,17 @@ def _choose_loader(loader: Any, evidence: list) -> dict[str, Any]:
     return {"pipeline": pipeline, "num_workers": workers, "pin_memory": bool(row["pin_memory"]),
             "persistent_workers": bool(row["persistent_workers"]) and workers > 0,
             "prefetch_factor": prefetch}
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_workers() -> int:
+    """DEFAULT_WORKERS where two cores stay free for the step's own threads, else fewer."""
+    return max(0, min(DEFAULT_WORKERS, _cores() - 2))
 
 
 def _nan(value: Any) -> bool:
@@ -190,19 +209,40 @@ def _choose_micro(accum: Any, evidence: list) -> tuple[int, float | None]:
     return micro, peak
 
 
-def _choose_checkpointing(peak_gb: float | None, device: str, evidence: list) -> bool:
-    if not str(device).startswith("cuda"):
-        evidence.append(("gradient_checkpointing", "off: on CPU activations live in host RAM, "
-                                                   "recomputing them only costs time"))
-        return False
-    import torch
+def _memory_gb(device: str) -> tuple[float, str]:
+    """Memory the step's activations live in: the device's, or on CPU the host's available."""
+    if str(device).startswith("cuda"):
+        import torch
 
-    total = torch.cuda.get_device_properties(torch.device(device)).total_memory / 1e9
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory / 1e9
+        return total, "device memory"
+    with open("/proc/meminfo") as f:  # MemAvailable: what this process can still grow into
+        info = {line.split(":")[0]: line.split()[1] for line in f}
+    return int(info["MemAvailable"]) / 1e6, "available host memory"
+
+
+def _checkpointing_cost(frame: Any) -> str:
+    """What checkpointing cost per step in the measured frame (on vs off), '' if absent."""
+    if _absent(frame, "gradient_checkpointing", "seconds"):
+        return ""
+    on = _median(frame, gradient_checkpointing=True)
+    off = _median(frame, gradient_checkpointing=False)
+    if on is None or off is None:
+        return ""
+    return f"; it costs {on / off:.3g}x per step here (on {on:.3g} s, off {off:.3g} s)"
+
+
+def _choose_checkpointing(peak_gb: float | None, device: str, evidence: list,
+                          frame: Any = None) -> bool:
+    cost = _checkpointing_cost(frame)
     if peak_gb is None or _nan(peak_gb):
-        evidence.append(("gradient_checkpointing", "accum peak memory absent: on, the safe "
-                                                   "default"))
-        return True
+        on = str(device).startswith("cuda")  # on CPU activations only grow host RAM
+        why = ("accum peak memory absent: on, the safe default" if on else
+               "accum peak memory absent: off, on CPU activations live in host RAM")
+        evidence.append(("gradient_checkpointing", why + cost))
+        return on
+    total, where = _memory_gb(device)
     on = peak_gb > CHECKPOINTING_HEADROOM * total
-    evidence.append(("gradient_checkpointing", f"measured peak {peak_gb:.3g} GB of "
-                                               f"{total:.3g} GB -> {'on' if on else 'off'}"))
+    evidence.append(("gradient_checkpointing", f"measured peak {peak_gb:.3g} GB of {total:.3g} "
+                                               f"GB {where} -> {'on' if on else 'off'}{cost}"))
     return on
