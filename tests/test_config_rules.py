@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from diag import secrets
-from diag.config import AccumConfig, LoaderConfig, StorageConfig, diag_home
+from diag.config import ACCUM_MODELS, AccumConfig, LoaderConfig, StorageConfig, diag_home
 
 
 def _raises(message: str, build: Any, **kwargs: Any) -> None:
@@ -107,8 +107,8 @@ def test_accum_config_rules(overrides: dict[str, Any], message: str) -> None:
 def test_accum_context_and_allowed_edges() -> None:
     cfg = AccumConfig(micro_batches=" 1, 32,", compile=True, warmup_steps=1, peak_tflops=0.0)
     assert cfg.micro_batches == [1, 32]
-    context = AccumConfig(model="tiny", seq_len=8, tokens_per_step=8).seq_len
-    assert context == 8
+    context = ACCUM_MODELS["tiny"]  # a sequence may fill the whole context, not more
+    assert AccumConfig(model="tiny", seq_len=context, tokens_per_step=context).seq_len == context
     too_long = 1 << 20
     with pytest.raises(ValueError, match=r"^AccumConfig\.seq_len=1048576: above the context of "
                        r"model 'tiny' \(\d+ positions\); allowed 1\.\.\d+$"):
