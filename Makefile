@@ -38,7 +38,8 @@ bench: $(STAMP)
 MUTANTS ?= diag.amdahl.* diag.secrets.* diag.timing.* diag.gpus.* diag.config.* \
 	diag.storage.landing.x__local_ok__*
 mutate: $(STAMP)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[mutate]'
+	@test -x $(VENV)/bin/mutmut || \
+	  $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[mutate]'
 	$(VENV)/bin/mutmut run --max-children $$(nproc) $(foreach m,$(MUTANTS),'$(m)')
 	$(PY) tools/mutation_score.py $(foreach m,$(MUTANTS),'$(m)')
 

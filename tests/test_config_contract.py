@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from diag.config import (DiagnoseConfig, ExperimentConfig, InfoConfig, ModelLoadConfig,
-                         ReportConfig, StorageConfig, ToyConfig, diag_home, quick_mode)
+                         QLoraConfig, ReportConfig, StorageConfig, ToyConfig, diag_home,
+                         quick_mode)
 
 
 @dataclass
@@ -144,3 +145,30 @@ def test_quick_mode_unset_and_diag_home_default(monkeypatch: pytest.MonkeyPatch)
     assert diag_home() == Path.home() / ".cache" / "diag"
     monkeypatch.setenv("DIAG_HOME", "~/elsewhere")
     assert diag_home() == Path.home() / "elsewhere"
+
+
+@pytest.mark.parametrize("name, bad, rule", [
+    ("plan", "fast", "allowed values are 'naive', 'optimized', 'both'"),
+    ("on_error", "ignore", "allowed values are 'raise', 'skip'"),
+    ("records", 0, "must be a number > 0"), ("steps", 0, "must be a number > 0"),
+    ("seq_len", 0, "must be a number > 0"), ("lr", 0.0, "must be a number > 0"),
+    ("lora_r", 0, "must be a number > 0"), ("lora_alpha", -1, "must be a number > 0"),
+    ("warmup_steps", -1, "must be a number >= 0"), ("lora_dropout", -0.1, "must be a number >= 0"),
+    ("checkpoint_every", -1, "must be a number >= 0"), ("seed", -1, "must be a number >= 0"),
+    ("device", "tpu", "allowed values are 'auto', 'cpu', 'cuda' and 'cuda:N'"),
+    ("lora_dropout", 1.0, "must be in [0, 1)"),
+    ("steps", 129, "at most records=128 (each optimizer step needs at least one record)"),
+    ("warmup_steps", 8, "must be below steps=8, so some steps are measured in steady state"),
+    ("source", "s3:///k.jsonl", "expected s3://bucket/key.jsonl or '' for the embedded server"),
+    ("source", "data/k.jsonl", "expected s3://bucket/key.jsonl or '' for the embedded server"),
+])
+def test_qlora_config_rules(name: str, bad: Any, rule: str) -> None:
+    shown = bad if name in ("steps", "warmup_steps") and "steps=" in rule else repr(bad)
+    _raises(f"QLoraConfig.{name}={shown}: {rule}", QLoraConfig, **{name: bad})
+
+
+def test_qlora_config_edges_that_are_allowed() -> None:
+    cfg = QLoraConfig(records=4, steps=4, warmup_steps=3, lora_dropout=0.0, seed=0,
+                      checkpoint_every=0, source="s3://b/data.jsonl", device="cuda:1")
+    assert (cfg.steps, cfg.warmup_steps, cfg.source) == (4, 3, "s3://b/data.jsonl")
+    assert QLoraConfig(lora_dropout=0.99).lora_dropout == 0.99

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -119,3 +123,126 @@ def test_redact_frame_redacts_text_cells_only():
     assert list(out["method"]) == ["http://***@h/x", "*** here", "plain"]
     assert list(out["seconds"]) == [1.0, 2.0, 3.0]
     assert frame.loc[1, "method"] == "frame-secret-123 here"  # the input is not changed
+
+
+def test_six_characters_is_long_enough_from_every_source(monkeypatch, tmp_path):
+    register("reg6ch", "reg5c")
+    monkeypatch.setenv("MY_TOKEN", "env6ch")
+    monkeypatch.setenv("OTHER_TOKEN", "env5c")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "token").write_text("fil6ch\n")
+    (tmp_path / "hf" / "stored_tokens").write_text("[short]\nhf_token = fil5c\n")
+    assert redact("reg6ch env6ch fil6ch") == "*** *** ***"
+    assert redact("reg5c env5c fil5c") == "reg5c env5c fil5c"  # 5: too short to be worth it
+
+
+def test_a_secret_inside_a_longer_one_does_not_leave_pieces():
+    register("token-42", "a-token-42-long")  # the longer one sorts first by length, not by text
+    assert redact("x a-token-42-long y") == "x *** y"
+
+
+def test_explicit_values_are_the_ones_redacted():
+    assert redact("x given-value-2 y", ["given-value-2"]) == "x *** y"
+
+
+def test_hf_token_under_xdg_cache_home_or_home_cache(monkeypatch, tmp_path):
+    """No HF_HOME: hf keeps its token in $XDG_CACHE_HOME/huggingface, else ~/.cache/huggingface."""
+    monkeypatch.delenv("HF_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "xdg" / "huggingface").mkdir(parents=True)
+    (tmp_path / "xdg" / "huggingface" / "token").write_text("token-under-xdg-1\n")
+    (tmp_path / "home" / ".cache" / "huggingface").mkdir(parents=True)
+    (tmp_path / "home" / ".cache" / "huggingface" / "token").write_text("token-in-home-2\n")
+    assert redact("token-under-xdg-1 token-in-home-2") == "*** token-in-home-2"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert redact("token-under-xdg-1 token-in-home-2") == "token-under-xdg-1 ***"
+
+
+def test_hf_token_where_an_imported_huggingface_hub_looks(monkeypatch, tmp_path):
+    """huggingface_hub fixes its token path at import (staging mode moves it): redact that too."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "staging" / "token"))
+    (tmp_path / "staging").mkdir()
+    (tmp_path / "staging" / "token").write_text("token-hub-knows-3\n")
+    (tmp_path / "staging" / "stored_tokens").write_text("[ci]\nhf_token = stored-by-hub-4\n")
+    assert redact("token-hub-knows-3 stored-by-hub-4") == "*** ***"
+
+
+def test_stored_tokens_keep_equals_signs_and_only_hf_token_lines(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "stored_tokens").write_text(
+        "[padded]\nhf_token = tok=en=value==\nnote = ordinary words here\n")
+    assert redact("tok=en=value== ordinary words here") == "*** ordinary words here"
+
+
+def test_token_file_is_utf8_under_an_ascii_locale(tmp_path):
+    """A token named with an accent must not hide the file from a process whose locale is ASCII."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "stored_tokens").write_text("[équipe]\nhf_token = team-token-5\n",
+                                                  encoding="utf-8")
+    assert redact("team-token-5") == "***"  # this process (UTF-8 locale or mode)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG"))}
+    env.update(LC_ALL="C", PYTHONUTF8="0", PYTHONCOERCECLOCALE="0",
+               PYTHONPATH=str(Path(secrets.__file__).parents[1]))
+    code = ("import codecs, locale; from diag.secrets import redact; "
+            "print(codecs.lookup(locale.getpreferredencoding(False)).name, redact('team-token-5'))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, check=True)
+    encoding, shown = run.stdout.split()
+    if codecs.lookup(encoding).name == "utf-8":
+        pytest.skip("this platform's C locale is UTF-8: the ASCII case cannot be shown")
+    assert shown == "***"
+
+
+def _aws_section(name: str, n: int) -> str:
+    return (f"[{name}]\naws_access_key_id = TESTKEYID{n}000000\n"
+            f"aws_secret_access_key = secret/{n}/wJalrXUtnFEMIK7MDENG\n")
+
+
+@pytest.mark.parametrize("variable", ["AWS_DEFAULT_PROFILE", "AWS_SHARED_CREDENTIALS_FILE",
+                                      "AWS_CONFIG_FILE"])
+def test_switching_what_boto3_reads_redacts_the_new_credentials(monkeypatch, tmp_path, variable):
+    import boto3  # noqa: F401
+
+    (tmp_path / "profiles").write_text(_aws_section("p1", 1) + _aws_section("p2", 2))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "profiles"))
+    for n in (1, 2):
+        (tmp_path / f"file{n}").write_text(_aws_section("default", n))
+        value = f"p{n}" if variable == "AWS_DEFAULT_PROFILE" else str(tmp_path / f"file{n}")
+        monkeypatch.setenv(variable, value)
+        assert redact(f"TESTKEYID{n}000000 secret/{n}/wJalrXUtnFEMIK7MDENG") == "*** ***", n
+
+
+def test_boto3_imported_after_a_first_redact_is_resolved_then(monkeypatch, tmp_path):
+    import boto3
+
+    (tmp_path / "creds").write_text(_aws_section("default", 7))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "creds"))
+    monkeypatch.delitem(sys.modules, "boto3")
+    assert redact("secret/7/wJalrXUtnFEMIK7MDENG") == "secret/7/wJalrXUtnFEMIK7MDENG"
+    monkeypatch.setitem(sys.modules, "boto3", boto3)  # the process starts using boto3
+    assert redact("secret/7/wJalrXUtnFEMIK7MDENG") == "***"
+
+
+def test_aws_credentials_add_to_the_hf_token(monkeypatch, tmp_path):
+    import boto3  # noqa: F401
+
+    (tmp_path / "creds").write_text(_aws_section("default", 8))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "creds"))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "token").write_text("hf-file-token-8\n")
+    assert redact("hf-file-token-8 secret/8/wJalrXUtnFEMIK7MDENG") == "*** ***"
+
+
+def test_redact_frame_mixed_cells_and_one_lookup(monkeypatch):
+    register("frame-secret-123")
+    lookups = []
+    known = secrets.secret_values
+    monkeypatch.setattr(secrets, "secret_values", lambda: lookups.append(1) or known())
+    frame = pd.DataFrame({"note": ["frame-secret-123 x", 7, None] * 20})  # object, not all str
+    out = redact_frame(frame)
+    assert list(out["note"][:3]) == ["*** x", 7, None]
+    # each lookup stats the token files: once per cell would crawl on a big table
+    assert len(lookups) == 1

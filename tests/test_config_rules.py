@@ -1,0 +1,142 @@
+"""The loader, accum and storage configs' rules at their edges, and diag_home's XDG fallback.
+
+Written against the mutants `make mutate` found untested after diag/config became a package
+(docs/mutation.md). Each config is built directly: milliseconds, no experiment runs.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from diag import secrets
+from diag.config import ACCUM_MODELS, AccumConfig, LoaderConfig, StorageConfig, diag_home
+
+
+def _raises(message: str, build: Any, **kwargs: Any) -> None:
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        build(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["batch_size", "steps", "repeats", "prefetch_factor",
+                                  "run_steps", "profile_samples", "num_proc", "model_params_b",
+                                  "mfu", "timeout_s", "target_share"])
+def test_loader_positive_fields(name: str) -> None:
+    _raises(f"LoaderConfig.{name}=0: must be a number > 0", LoaderConfig, **{name: 0})
+
+
+@pytest.mark.parametrize("name", ["batch_size", "steps", "repeats", "prefetch_factor",
+                                  "run_steps", "profile_samples", "num_proc"])
+def test_loader_whole_number_fields(name: str) -> None:
+    _raises(f"LoaderConfig.{name}=2.5: must be a whole number > 0", LoaderConfig, **{name: 2.5})
+
+
+@pytest.mark.parametrize("name, bad, rule", [
+    ("step_ms", -1.0, "must be a number >= 0"), ("extra_prep_ms", -0.5, "must be a number >= 0"),
+    ("consumer", "gpu", "allowed values are 'emulated', 'model'"),
+    ("on_error", "warn", "allowed values are 'raise', 'skip'"),
+    ("device", "tpu", "allowed values are 'auto', 'cpu', 'cuda' and 'cuda:N'"),
+    ("seq_len", 1, "must be a whole number >= 2"), ("seq_len", 64.0, "must be a whole number >= 2"),
+    ("seq_len", True, "must be a whole number >= 2"),
+    ("mfu", 1.0, "must be < 1"), ("target_share", 1.5, "must be < 1"),
+    ("workers", [], "must be a list of different whole numbers >= 0 (num_workers values)"),
+    ("workers", "0,1", "must be a list of different whole numbers >= 0 (num_workers values)"),
+    ("workers", [0, 0], "must be a list of different whole numbers >= 0 (num_workers values)"),
+    ("workers", [0, -1], "must be a list of different whole numbers >= 0 (num_workers values)"),
+    ("workers", [0, 1.0], "must be a list of different whole numbers >= 0 (num_workers values)"),
+    ("workers", [False, 1], "must be a list of different whole numbers >= 0 (num_workers values)"),
+])
+def test_loader_config_rules(name: str, bad: Any, rule: str) -> None:
+    _raises(f"LoaderConfig.{name}={bad!r}: {rule}", LoaderConfig, **{name: bad})
+
+
+def test_loader_pipelines_parsed_and_checked() -> None:
+    every = LoaderConfig().pipelines
+    assert LoaderConfig(pipelines=f" {every[0]} ,, {every[-1]} ").pipelines == [every[0], every[-1]]
+    allowed = ", ".join(map(repr, every))
+    _raises(f"LoaderConfig.pipelines=[]: name one or more of {allowed}", LoaderConfig,
+            pipelines=" , ")
+    _raises(f"LoaderConfig.pipelines=['{every[0]}', 'fast']: name one or more of {allowed}",
+            LoaderConfig, pipelines=[every[0], "fast"])
+
+
+def test_loader_edges_that_are_allowed() -> None:
+    cfg = LoaderConfig(seq_len=2, workers=(0, 3), step_ms=0.0, extra_prep_ms=0.0, mfu=0.99,
+                       target_share=0.5, device="cuda:0")
+    assert (cfg.seq_len, cfg.workers, cfg.mfu) == (2, (0, 3), 0.99)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"tokens_per_step": 0}, "AccumConfig.tokens_per_step=0: must be a number > 0"),
+    ({"seq_len": 0}, "AccumConfig.seq_len=0: must be a number > 0"),
+    ({"steps": 0}, "AccumConfig.steps=0: must be a number > 0"),
+    ({"steps_per_run": 0}, "AccumConfig.steps_per_run=0: must be a number > 0"),
+    ({"warmup_steps": -1}, "AccumConfig.warmup_steps=-1: must be a number >= 0"),
+    ({"peak_tflops": -1.0}, "AccumConfig.peak_tflops=-1.0: must be a number >= 0"),
+    ({"seed": -1}, "AccumConfig.seed=-1: must be a number >= 0"),
+    ({"tokens_per_step": 4096.0}, "AccumConfig.tokens_per_step=4096.0: must be a whole number"),
+    ({"seq_len": 128.0}, "AccumConfig.seq_len=128.0: must be a whole number"),
+    ({"steps": 3.0}, "AccumConfig.steps=3.0: must be a whole number"),
+    ({"warmup_steps": 1.0}, "AccumConfig.warmup_steps=1.0: must be a whole number"),
+    ({"steps_per_run": 9.5}, "AccumConfig.steps_per_run=9.5: must be a whole number"),
+    ({"compile": True, "warmup_steps": 0}, "AccumConfig.warmup_steps=0: compile=True needs >= 1 "
+     "warm-up step, where the compile happens (it must not land in the timed steps)"),
+    ({"model": "gpt3"}, "AccumConfig.model='gpt3': allowed values are 'tiny', 'gpt2-small'"),
+    ({"dtype": "fp8"}, "AccumConfig.dtype='fp8': allowed values are 'auto', 'bf16', "
+     "'fp32'"),
+    ({"device": "tpu"}, "AccumConfig.device='tpu': allowed values are 'auto', 'cpu', 'cuda' and "
+     "'cuda:N'"),
+    ({"tokens_per_step": 4000}, "AccumConfig.tokens_per_step=4000: not divisible by seq_len=128; "
+     "allowed: a multiple of it, e.g. 3968"),
+    ({"tokens_per_step": 100}, "AccumConfig.tokens_per_step=100: not divisible by seq_len=128; "
+     "allowed: a multiple of it, e.g. 128"),
+    ({"micro_batches": [3]}, "AccumConfig.micro_batches: 3 x seq_len=128 does not divide "
+     "tokens_per_step=4096; allowed micro-batches: 1, 2, 4, 8, 16, 32"),
+    ({"micro_batches": [True]}, "AccumConfig.micro_batches: True x seq_len=128 does not divide "
+     "tokens_per_step=4096; allowed micro-batches: 1, 2, 4, 8, 16, 32"),
+    ({"micro_batches": [64]}, "AccumConfig.micro_batches: 64 x seq_len=128 does not divide "
+     "tokens_per_step=4096; allowed micro-batches: 1, 2, 4, 8, 16, 32"),
+])
+def test_accum_config_rules(overrides: dict[str, Any], message: str) -> None:
+    _raises(message, AccumConfig, **overrides)
+
+
+def test_accum_context_and_allowed_edges() -> None:
+    cfg = AccumConfig(micro_batches=" 1, 32,", compile=True, warmup_steps=1, peak_tflops=0.0)
+    assert cfg.micro_batches == [1, 32]
+    context = ACCUM_MODELS["tiny"]  # a sequence may fill the whole context, not more
+    assert AccumConfig(model="tiny", seq_len=context, tokens_per_step=context).seq_len == context
+    too_long = 1 << 20
+    with pytest.raises(ValueError, match=r"^AccumConfig\.seq_len=1048576: above the context of "
+                       r"model 'tiny' \(\d+ positions\); allowed 1\.\.\d+$"):
+        AccumConfig(seq_len=too_long, tokens_per_step=too_long)
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    ({"endpoint_url": "http://minio:9000"}, "--endpoint-url"), ({"profile": "team"}, "--profile"),
+    ({"region": "eu-west-1"}, "--region"), ({"sign_request": False}, "--no-sign-request"),
+])
+def test_storage_source_flags_need_a_source(overrides: dict[str, Any], flag: str) -> None:
+    _raises(f"StorageConfig.source is empty but {flag} is given: the run would use the embedded "
+            f"server and ignore {flag}; name your object with --source s3://bucket/key (or drop "
+            f"{flag})", StorageConfig, **overrides)
+    assert StorageConfig(source="s3://b/k", **overrides).source == "s3://b/k"
+
+
+def test_storage_endpoint_password_is_redacted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(secrets, "_registered", set())
+    StorageConfig(source="s3://b/k", endpoint_url="http://user:pw-in-url-9@minio:9000")
+    assert secrets.redact("auth failed for pw-in-url-9") == "auth failed for ***"
+
+
+def test_diag_home_follows_an_absolute_xdg_cache_home(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    monkeypatch.delenv("DIAG_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert diag_home() == tmp_path / "xdg" / "diag"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # not absolute: the spec says ignore
+    assert diag_home() == tmp_path / "home" / ".cache" / "diag"
