@@ -1,14 +1,18 @@
-"""File digests in one pass over the bytes: the one place diag hashes a file.
+"""File digests in one pass over the bytes, and the durable swap of a finished file or folder.
 
 sha256 is what a landing manifest and a hub LFS ETag record; MD5 is what a single-part S3 ETag is;
 the git blob sha1 is what the hub calls a small file. `hashlib.file_digest` reads with a buffer
 of its own (no Python loop per chunk), so hashing runs at the speed of the hash, not of Python.
+`fsync_path` and `swap_in` are how every cache diag writes becomes whole or absent.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import uuid
+from pathlib import Path
 from typing import Any
 
 ALGORITHMS = ("sha256", "md5", "sha1", "git-sha1")
@@ -52,3 +56,25 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
 def git_blob_sha1(data: bytes) -> str:
     """The id git (and the HF hub, for non-LFS files) gives these bytes: sha1 of a blob header + data."""
     return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Make a file's bytes, or a folder's entries (a rename into it), durable on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def swap_in(tmp: str | os.PathLike[str], folder: str | os.PathLike[str]) -> None:
+    """Replace `folder` by the finished `tmp` beside it: the old one is renamed aside first, so a
+    reader sees the old folder or the new one, never a mix of the two."""
+    tmp, folder = Path(tmp), Path(folder)
+    old = None
+    if folder.exists():
+        old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(folder, old)
+    os.rename(tmp, folder)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

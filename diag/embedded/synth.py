@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from diag.hashing import swap_in
+
 _ADJECTIVES = (
     "quick lazy bright quiet heavy small large ancient modern red blue green yellow silver golden "
     "happy sleepy brave clever gentle noisy calm shiny rough smooth"
@@ -190,17 +192,6 @@ def _atomic_dir(out_dir: Path) -> Path:
     return out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def _commit_dir(tmp: Path, out_dir: Path) -> None:
-    """Swap a finished tmp folder into place; an existing folder is replaced, never merged."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def tiny_model(
     out_dir: str | os.PathLike[str],
     *,
@@ -271,7 +262,7 @@ def tiny_model(
             torch.manual_seed(seed)
             model = LlamaForCausalLM(config)
         model.save_pretrained(tmp, safe_serialization=True)
-        _commit_dir(tmp, out_dir)
+        swap_in(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

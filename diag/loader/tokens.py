@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from diag.hashing import swap_in
 from diag.loader.pipeline import (PROMPT_TEMPLATE, PROMPT_TEMPLATE_NO_INPUT, encode_batch,
                                   load_tokenizer, read_records)
 
@@ -124,17 +125,6 @@ def _read_meta(folder: Path) -> dict[str, Any] | None:
     return meta
 
 
-def _swap_in(tmp: Path, folder: Path) -> None:
-    """Replace folder by tmp: rename the old one aside first, so no reader sees a mix."""
-    old = None
-    if folder.exists():
-        old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(folder, old)
-    os.rename(tmp, folder)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def build_token_cache(source: str | os.PathLike[str] | list[dict[str, str]],
                       tokenizer_dir: str | os.PathLike[str], *,
                       cache_dir: str | os.PathLike[str] | None = None, num_proc: int = 1,
@@ -190,7 +180,7 @@ def build_token_cache(source: str | os.PathLike[str] | list[dict[str, str]],
                 "problems": problems.to_dict("records")}
         # written last: a folder without it (or with a mismatched one) is never read as a cache
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        _swap_in(tmp, folder)
+        swap_in(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return TokenCache(folder, key, len(records), int(len(ids)), status,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from diag.config import VERIFY_MODES
-from diag.hashing import file_sha256
+from diag.hashing import file_sha256, fsync_path
 from diag.storage.objectstore import S3Url, list_remote, make_client, parse_url, usable_cores
 from diag.storage.transfer import download_all
 
@@ -87,14 +87,6 @@ def _remove_stale_partials(folders: set[Path]) -> None:
             pid = rest.split(".")[0]
             if name and pid.isdigit() and not _alive(int(pid)):
                 os.unlink(entry.path)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_free(folder: Path, needed: int, url: S3Url) -> None:
@@ -186,9 +178,9 @@ def _land(u: S3Url, cache_dir: Path, client: Any, verify: str,
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         for folder in {d.parent for d in dests.values()}:
-            _fsync_dir(folder)  # the renamed data files are durable before the manifest is
+            fsync_path(folder)  # the renamed data files are durable before the manifest is
         os.replace(tmp, manifest_path)
-        _fsync_dir(manifest_path.parent)
+        fsync_path(manifest_path.parent)
         return False, total, needed, len(remote), local
 
 

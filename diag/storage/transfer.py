@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from diag.hashing import file_digests
+from diag.hashing import file_digests, fsync_path
 from diag.secrets import redact
 from diag.storage.objectstore import (RemoteObject, TransferPlan, md5_checkable, remote_error,
                                       transfer_plan, usable_cores)
@@ -135,7 +135,7 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
         # the rename below must never publish bytes still only in memory: fsync waits on the
         # disk while the checks hash the same bytes from the page cache, so one hides the other
         with ThreadPoolExecutor(1) as pool:
-            synced = pool.submit(_fsync, partial)
+            synced = pool.submit(fsync_path, partial)
             try:
                 digest, checks = _check(client, bucket, obj, partial, expected)
             finally:
@@ -151,14 +151,6 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
         partial.unlink(missing_ok=True)
         raise
     return digest, checks
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _transfer(client: Any, bucket: str, obj: RemoteObject, partial: Path, plan: TransferPlan,
