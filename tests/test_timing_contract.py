@@ -89,3 +89,54 @@ def test_an_async_device_is_synced_at_every_stage_boundary(
     with timer.stage("compute"):
         assert synced == ["cuda:1"]  # before the start: earlier kernels are not billed here
     assert synced == ["cuda:1", "cuda:1"]  # before the stop: this stage's kernels are
+
+
+class _Ranges:
+    """Stands in for torch.cuda.nvtx and torch.profiler.record_function: logs every push/pop."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str | None]] = []
+
+    def range_push(self, name: str | None) -> None:
+        self.log.append(("push", name))
+
+    def range_pop(self) -> None:
+        self.log.append(("pop", None))
+
+    def record_function(self, name: str) -> object:
+        ranges = self
+
+        class _Range:
+            def __enter__(self) -> None:
+                ranges.log.append(("enter", name))
+
+            def __exit__(self, *exc: object) -> None:
+                ranges.log.append(("exit", name))
+
+        return _Range()
+
+
+def test_every_stage_opens_and_closes_its_named_trace_ranges(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # NVTX needs a CUDA build, and a record_function left open still shows in a CPU trace; the
+    # pairing is what Nsight and Perfetto read, so it is checked on stand-ins that log it
+    import torch
+
+    from diag import device as devices
+
+    ranges = _Ranges()
+    monkeypatch.setattr(devices, "is_async", lambda device: True)
+    monkeypatch.setattr(devices, "sync", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "nvtx", ranges)
+    monkeypatch.setattr(torch.profiler, "record_function", ranges.record_function)
+    monkeypatch.setattr(torch.autograd, "_profiler_enabled", lambda: True)
+    timer = StageTimer(device="cuda", trace=True)
+    for _ in timer.watch(range(1)):
+        with timer.stage("compute"):
+            pass
+    assert ranges.log == [
+        ("push", "data_wait"), ("enter", "data_wait"), ("exit", "data_wait"), ("pop", None),
+        ("push", "compute"), ("enter", "compute"), ("exit", "compute"), ("pop", None),
+        ("push", "data_wait"), ("enter", "data_wait"), ("exit", "data_wait"), ("pop", None),
+    ]
+    assert StageTimer(device="cuda", trace=False)._nvtx is None  # trace=False opens nothing
