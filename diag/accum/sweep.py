@@ -138,7 +138,9 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, dict[str, Any]]:
     tokens = _tokens(cfg)
     model = build_model(cfg, dev)
     check_tokens(tokens, model.config.vocab_size)  # before any step: a bad id fails here, named
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # the reset copy lives in host memory: on the device it would count in every point's peak
+    # memory (a model's worth too much, enough to call a point that fits "oom")
+    initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     amp, amp_dtype = _autocast(cfg, dev)
     shape = ModelShape.from_model(model, cfg.seq_len, cfg.model)
     fpt = shape.flops_per_token

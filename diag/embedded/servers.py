@@ -46,7 +46,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child before exec: the kernel sends it SIGTERM when the process that started
     it dies, so a diag killed by SIGKILL / SIGTERM (no `with` exit runs then) leaves no server."""
     import ctypes
@@ -115,7 +115,7 @@ class LoopbackServer:
         self.proc = subprocess.Popen(
             self.command(self.port), stdin=subprocess.DEVNULL, stdout=self._log,
             stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         deadline = time.perf_counter() + self.start_timeout_s
         while time.perf_counter() < deadline:

@@ -128,7 +128,7 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
                     first = got - start
                 if device.type == "cuda":
                     batch = {key: v.to(device, non_blocking=True) for key, v in batch.items()}
-                    sync(device)  # note: sync point, so the copy is billed to the wait side
+                    sync(device)  # note: sync point, so the copy is billed to the step, not the wait
                 step(batch)
                 done = time.perf_counter()
                 if k > ahead:  # steady state: start-up and the prefetched batches are past

@@ -20,6 +20,7 @@ import time
 from typing import IO, Any
 
 from diag.config import MODEL_LOAD_PROCESSES as PROCESSES
+from diag.embedded.servers import die_with_parent
 from diag.model_load.worker import _PKG_PARENT, import_libraries, run_job, run_worker
 from diag.secrets import redact
 
@@ -51,7 +52,9 @@ class LoadProcesses:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "diag.model_load.processes", repr(spawned)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=self.env,
-                text=True)
+                text=True, start_new_session=True, preexec_fn=die_with_parent)
+            # its own process group: close() kills the zygote and any load child it forked
+            # together, and the kernel ends the zygote if this process dies without a close()
             ready = self._reply(self.timeout_s)
             if "error" in ready:
                 self.close()
@@ -70,7 +73,8 @@ class LoadProcesses:
             try:
                 self._proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
+                # a load child still running (a parent that gave up mid-job) dies with it
+                os.killpg(self._proc.pid, signal.SIGKILL)
                 self._proc.wait()
             self._proc.stdout.close()
             self._proc = None
@@ -130,6 +134,7 @@ def _child(request: dict[str, Any], import_s: float, out: int, log: int) -> None
     """In the forked child: run the job, write its JSON to `out`, never return."""
     code = 1
     try:
+        die_with_parent()  # a zygote killed mid-load leaves no orphan loading on
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # no prompt may read the protocol pipe
