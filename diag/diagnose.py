@@ -10,7 +10,6 @@ load costs on its timer.) Writes the run folder.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from tqdm.auto import tqdm
 
 from diag import report
 from diag.config import DiagnoseConfig, InfoConfig, ToyConfig
-from diag.timing import StageTimer
+from diag.timing import StageTimer, median_seconds
 
 RUNS = ("naive", "optimized")
 
@@ -47,13 +46,6 @@ def training_runs(cfg: DiagnoseConfig, run_level: dict[str, dict[str, float]] | 
     return pd.concat(frames, ignore_index=True)
 
 
-def _median(frame: pd.DataFrame, **where: str) -> float | None:
-    rows = frame
-    for column, value in where.items():
-        rows = rows[rows[column] == value]
-    return statistics.median(rows["seconds"]) if not rows.empty else None
-
-
 def _storage(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     from diag.config import StorageConfig
     from diag.storage import run_storage
@@ -64,8 +56,8 @@ def _storage(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     results["advice"].append(got.advice)
     # a naive start re-pulls with the defaults users get from boto3 / `aws s3 cp`; an optimized
     # start finds the landed copy (a verified land() hit)
-    naive = _median(frame, method="boto3_default")
-    hit = _median(frame, method="land", cache_state="hit")
+    naive = median_seconds(frame, method="boto3_default")
+    hit = median_seconds(frame, method="land", cache_state="hit")
     for run, seconds in (("naive", naive), ("optimized", hit)):
         if seconds is not None:
             results["run_level"][run]["fetch_data"] = seconds
@@ -83,7 +75,7 @@ def _model_load(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
     results["advice"].append(advice(frame))
     # naive: an empty cache on every start (the full download); optimized: the warm cache
     for run, scenario in (("naive", "fresh"), ("optimized", "cached")):
-        seconds = _median(frame, scenario=scenario, part="load_model")
+        seconds = median_seconds(frame, scenario=scenario, part="load_model")
         if seconds is not None:
             results["run_level"][run]["load_model"] = seconds
 

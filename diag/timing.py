@@ -208,3 +208,15 @@ class StageTimer:
         frames: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(frames, frame)
         return pd.concat(frames, ignore_index=True)
+
+
+def median_seconds(frame: Any, **where: Any) -> float | None:
+    """Median `seconds` of the rows where each column equals its value (e.g. method="land",
+    cache_state="hit"); None when there is no frame, no such column or no such row."""
+    if frame is None or getattr(frame, "empty", True):
+        return None
+    for column, value in where.items():
+        if column not in frame.columns:
+            return None
+        frame = frame[frame[column] == value]
+    return float(frame["seconds"].median()) if not frame.empty else None

@@ -140,3 +140,19 @@ def test_every_stage_opens_and_closes_its_named_trace_ranges(
         ("push", "data_wait"), ("enter", "data_wait"), ("exit", "data_wait"), ("pop", None),
     ]
     assert StageTimer(device="cuda", trace=False)._nvtx is None  # trace=False opens nothing
+
+
+def test_median_seconds_filters_every_column_and_says_none_when_nothing_matches() -> None:
+    import pandas as pd
+
+    from diag.timing import median_seconds
+
+    frame = pd.DataFrame({"method": ["land", "land", "land", "pull"],
+                          "cache_state": ["hit", "hit", "miss", "remote"],
+                          "seconds": [1.0, 3.0, 50.0, 9.0]})
+    assert median_seconds(frame, method="land", cache_state="hit") == 2.0
+    assert median_seconds(frame, method="land") == 3.0
+    assert median_seconds(frame, method="s5cmd") is None
+    assert median_seconds(frame, scenario="fresh") is None  # no such column
+    assert median_seconds(None, method="land") is None
+    assert median_seconds(frame.iloc[:0], method="land") is None

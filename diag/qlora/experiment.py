@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag.qlora.plans import Plan
+from diag.timing import median_seconds
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -106,27 +107,16 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
     return QLoraResult(frame, stages, losses, table, plan_rows, saved, advice)
 
 
-def _median(frame: Any, **where: Any) -> float | None:
-    if frame is None or getattr(frame, "empty", True):
-        return None
-    frame = getattr(frame, "frame", frame)
-    for column, value in where.items():
-        if column not in frame.columns:
-            return None
-        frame = frame[frame[column] == value]
-    return float(frame["seconds"].median()) if not frame.empty else None
-
-
 def _predictions(results: dict[str, Any], naive: dict[str, float],
                  summary: pd.DataFrame) -> dict[str, tuple[float, str]]:
     """Seconds each fix should save, stated from the experiments before the run's numbers."""
     out = {}
-    pull = _median(results.get("storage"), method="boto3_default")
-    hit = _median(results.get("storage"), method="land", cache_state="hit")
+    pull = median_seconds(results.get("storage"), method="boto3_default")
+    hit = median_seconds(results.get("storage"), method="land", cache_state="hit")
     if pull is not None and hit is not None:
         out["fetch_data"] = (pull - hit, f"storage: pull {pull:.3g} s - land hit {hit:.3g} s")
-    fresh = _median(results.get("model_load"), scenario="fresh", part="load_model")
-    cached = _median(results.get("model_load"), scenario="cached", part="load_model")
+    fresh = median_seconds(results.get("model_load"), scenario="fresh", part="load_model")
+    cached = median_seconds(results.get("model_load"), scenario="cached", part="load_model")
     if fresh is not None and cached is not None:
         out["load_model"] = (fresh - cached,
                              f"model_load: fresh {fresh:.3g} s - cached {cached:.3g} s")
@@ -159,7 +149,7 @@ def _predictions(results: dict[str, Any], naive: dict[str, float],
 
 def _checkpointing_factor(frame: Any, naive_on: bool, opt_on: bool) -> float | None:
     """Step seconds at the optimized plan's checkpointing over the naive's (None if unmeasured)."""
-    on, off = (_median(frame, gradient_checkpointing=v) for v in (True, False))
+    on, off = (median_seconds(frame, gradient_checkpointing=v) for v in (True, False))
     if on is None or off is None:
         return None
     return (on if opt_on else off) / (on if naive_on else off)

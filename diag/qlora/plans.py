@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from diag.timing import median_seconds
+
 # Documented defaults when an experiment's frame is absent (each is said in the evidence).
 DEFAULT_WORKERS = 2  # enough to overlap the pre-tokenized windows' reads with a step, given
 #                     cores to spare: measured on 2 cores, 2 workers cost 1.4x per step against 0
@@ -93,20 +95,11 @@ def _absent(frame: Any, *columns: str) -> bool:
     return frame is None or getattr(frame, "empty", True) or not set(columns) <= set(frame.columns)
 
 
-def _median(frame: Any, **where: Any) -> float | None:
-    rows = frame
-    for column, value in where.items():
-        if column not in rows.columns:
-            return None
-        rows = rows[rows[column] == value]
-    return float(rows["seconds"].median()) if not rows.empty else None
-
-
 def _choose_fetch(storage: Any, evidence: list) -> str:
     if _absent(storage, "method", "seconds"):
         evidence.append(("fetch", "storage frame absent: default land() once, reuse the copy"))
         return "land"
-    pull, hit = _median(storage, method="boto3_default"), _median(storage, method="land",
+    pull, hit = median_seconds(storage, method="boto3_default"), median_seconds(storage, method="land",
                                                                    cache_state="hit")
     if pull is None or hit is None:
         evidence.append(("fetch", "storage frame lacks a boto3_default or land hit row: default "
@@ -122,8 +115,8 @@ def _choose_cache(model_load: Any, evidence: list) -> str:
     if _absent(model_load, "scenario", "part", "seconds"):
         evidence.append(("model_cache", "model_load frame absent: default persistent HF cache"))
         return "persistent"
-    fresh = _median(model_load, scenario="fresh", part="load_model")
-    cached = _median(model_load, scenario="cached", part="load_model")
+    fresh = median_seconds(model_load, scenario="fresh", part="load_model")
+    cached = median_seconds(model_load, scenario="cached", part="load_model")
     if fresh is None or cached is None:
         evidence.append(("model_cache", "model_load frame lacks fresh or cached: default "
                                         "persistent HF cache"))
@@ -225,8 +218,8 @@ def _checkpointing_cost(frame: Any) -> str:
     """What checkpointing cost per step in the measured frame (on vs off), '' if absent."""
     if _absent(frame, "gradient_checkpointing", "seconds"):
         return ""
-    on = _median(frame, gradient_checkpointing=True)
-    off = _median(frame, gradient_checkpointing=False)
+    on = median_seconds(frame, gradient_checkpointing=True)
+    off = median_seconds(frame, gradient_checkpointing=False)
     if on is None or off is None:
         return ""
     return f"; it costs {on / off:.3g}x per step here (on {on:.3g} s, off {off:.3g} s)"
