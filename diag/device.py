@@ -8,6 +8,7 @@ labelled as measured. `run_info(cfg)` returns one row per fact (`fact`, `value`,
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -33,6 +34,14 @@ class Peak:
     label: str
     source: str
     measured: bool
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (taskset, a container's cpuset, a Slurm
+    allocation), not the machine's count, which over-subscribes a job given a slice of a node."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def cpu_matmul_probe(size: int = 1024, repeats: int = 5) -> float:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from diag.storage.objectstore import usable_cores  # affinity-aware: what workers share
+from diag.device import usable_cores  # affinity-aware: what workers share
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -7,11 +7,11 @@ that fixes them, never a secret. The download itself (s3transfer, then diag's ch
 diag.storage.transfer; `land()` in diag.storage.landing builds on both.
 """
 
-import os
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from diag.device import usable_cores  # noqa: F401  transfer_plan's cores; re-exported
 from diag.secrets import redact, register
 
 MB = 1_000_000  # decimal megabytes, like network and disk rates
@@ -63,14 +63,6 @@ class TransferPlan:
         """The same plan as a line of Python a user pastes into their own boto3 code."""
         return (f"TransferConfig(multipart_threshold={self.single_get_below}, "
                 f"multipart_chunksize={self.part_bytes}, max_concurrency={self.concurrency})")
-
-
-def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity (taskset, a container's cpuset, a Slurm
-    allocation), not the machine's count, which over-subscribes a job given a slice of a node."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
 
 
 def transfer_plan(size: int, cores: int | None = None) -> TransferPlan:
