@@ -1,0 +1,113 @@
+"""Decisions: what an experiment concluded, carried to the plan as data.
+
+An experiment measures (tidy frames) and then decides: one `Decision` per setting it can speak
+for (`num_workers`, `micro_batch`, ...). A decision names its value, the rows it rests on, what was
+measured (model, precision, seq_len, the step consumed, device) and its basis: `measured` (chosen
+from the rows), `capped` (measured, then limited by what the job can run), `projected` (measured
+here against another device's estimated step) or `default` (no usable frame; a documented value).
+`Plan.optimized(decisions)` only collects them; nothing downstream re-reads raw columns.
+
+The thresholds every decision and check is judged by are defined here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pandas as pd
+
+DATA_WAIT_GOAL = 0.02  # a loader setting keeps up when data_wait stays under this share of the step
+DATA_WAIT_NEAR_BEST = 0.10  # no setting reaches the goal: the smallest within this share of the
+DATA_WAIT_NEAR_BEST_S = 0.001  # best achievable data_wait (or this many seconds per step) wins
+PREDICTION_TOLERANCE = 0.25  # |measured - predicted| above this share of predicted is flagged
+MFU_DISAGREEMENT = 0.10  # formula vs FlopCounterMode FLOPs further apart than this are flagged
+
+Basis = Literal["measured", "capped", "projected", "default"]
+BASES: tuple[str, ...] = ("measured", "capped", "projected", "default")
+
+
+@dataclass(frozen=True)
+class MeasuredOn:
+    """What a decision's rows were measured on; empty fields are unknown or not applicable."""
+
+    model: str = ""  # the model the step ran: "tiny (nf4 + LoRA)", "gpt2-small (bf16)"
+    precision: str = ""  # "nf4", "bf16", "fp32"
+    seq_len: int | None = None
+    step: str = ""  # the step consumed: "the QLoRA step (measured)", "H100 SXM estimate (projected)"
+    device: str = ""  # "cpu", "cuda:0 (NVIDIA H200)"
+
+    def label(self) -> str:
+        parts = [self.model, self.precision and f"{self.precision}",
+                 self.seq_len and f"seq_len {self.seq_len}", self.step, self.device]
+        return ", ".join(str(p) for p in parts if p)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One setting an experiment chose, with its evidence (never re-derived by a consumer)."""
+
+    setting: str  # a Plan field: fetch, model_cache, pipeline, num_workers, micro_batch, ...
+    value: Any
+    basis: Basis
+    why: str  # one line with the figures it rests on: "2 workers: data_wait 0.8% of a 47 ms step"
+    source: str = ""  # the experiment that decided: storage, model_load, loader, accum, checkpointing
+    measured_on: MeasuredOn = field(default_factory=MeasuredOn)
+    rows: tuple[Mapping[str, Any], ...] = ()  # the measured rows it rests on, as records
+
+    def __post_init__(self) -> None:
+        if self.basis not in BASES:
+            raise ValueError(f"Decision.basis={self.basis!r}: allowed values are {BASES}")
+        if self.basis != "default" and not self.rows:
+            raise ValueError(f"Decision({self.setting!r}).rows: a {self.basis} decision names "
+                             "the rows it rests on; use Decision.default(...) when there are none")
+
+    @classmethod
+    def default(cls, setting: str, value: Any, why: str, source: str = "") -> Decision:
+        """No usable measurement: a documented default, and why (absent frame, every point failed)."""
+        return cls(setting, value, "default", why, source=source)
+
+    @classmethod
+    def from_rows(cls, setting: str, value: Any, why: str, rows: pd.DataFrame | Iterable[Mapping],
+                  *, source: str, measured_on: MeasuredOn | None = None,
+                  basis: Basis = "measured") -> Decision:
+        records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
+        return cls(setting, value, basis, why, source=source,
+                   measured_on=measured_on or MeasuredOn(), rows=tuple(records))
+
+    def capped(self, value: Any, why: str) -> Decision:
+        """The same evidence, with the value limited by what the job can run (said in `why`)."""
+        if value == self.value:
+            return self
+        basis: Basis = "default" if self.basis == "default" else "capped"
+        return dataclasses.replace(self, value=value, basis=basis,
+                                   why=f"{self.why}; capped to {value}: {why}")
+
+    def evidence(self) -> str:
+        """The one line a plan, a report and a notebook print for this setting."""
+        on = self.measured_on.label()
+        return f"{self.basis}{f' on {on}' if on else ''}: {self.why}"
+
+    def record(self) -> dict[str, Any]:
+        return {"setting": self.setting, "value": self.value, "basis": self.basis,
+                "source": self.source, "measured_on": self.measured_on.label(), "why": self.why,
+                "rows": len(self.rows)}
+
+
+def frame(decisions: Iterable[Decision]) -> pd.DataFrame:
+    """One row per decision: setting, value, basis, source, measured_on, why, rows."""
+    columns = ["setting", "value", "basis", "source", "measured_on", "why", "rows"]
+    return pd.DataFrame([d.record() for d in decisions], columns=columns)
+
+
+def by_setting(decisions: Iterable[Decision]) -> dict[str, Decision]:
+    """Decisions keyed by setting; two experiments deciding one setting is a bug, said so."""
+    out: dict[str, Decision] = {}
+    for d in decisions:
+        if d.setting in out:
+            raise ValueError(f"two decisions for {d.setting!r}: {out[d.setting].source or '?'} "
+                             f"and {d.source or '?'}; one experiment owns each setting")
+        out[d.setting] = d
+    return out
