@@ -56,6 +56,14 @@ class Decision:
     source: str = ""  # the experiment that decided: storage, model_load, loader, accum, checkpointing
     measured_on: MeasuredOn = field(default_factory=MeasuredOn)
     rows: tuple[Mapping[str, Any], ...] = ()  # the measured rows it rests on, as records
+    # What the choice is worth, for predictions made before the run (None: not measured). The
+    # naive plan's value and the seconds per `per` ("start" or "step") each value costs in
+    # `stage` (fetch_data, load_model, preprocess, data_wait, compute, ...), from the same rows.
+    baseline: Any = None
+    stage: str = ""
+    per: str = ""
+    baseline_s: float | None = None
+    chosen_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.basis not in BASES:
@@ -72,10 +80,17 @@ class Decision:
     @classmethod
     def from_rows(cls, setting: str, value: Any, why: str, rows: pd.DataFrame | Iterable[Mapping],
                   *, source: str, measured_on: MeasuredOn | None = None,
-                  basis: Basis = "measured") -> Decision:
+                  basis: Basis = "measured", **worth: Any) -> Decision:
+        """A measured decision; `worth` takes baseline, stage, per, baseline_s, chosen_s."""
         records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
         return cls(setting, value, basis, why, source=source,
-                   measured_on=measured_on or MeasuredOn(), rows=tuple(records))
+                   measured_on=measured_on or MeasuredOn(), rows=tuple(records), **worth)
+
+    def saving_s(self, count: float = 1.0) -> float | None:
+        """Seconds the chosen value saves over the baseline, `count` times (starts or steps)."""
+        if self.baseline_s is None or self.chosen_s is None:
+            return None
+        return (self.baseline_s - self.chosen_s) * count
 
     def capped(self, value: Any, why: str) -> Decision:
         """The same evidence, with the value limited by what the job can run (said in `why`)."""
@@ -93,12 +108,14 @@ class Decision:
     def record(self) -> dict[str, Any]:
         return {"setting": self.setting, "value": self.value, "basis": self.basis,
                 "source": self.source, "measured_on": self.measured_on.label(), "why": self.why,
-                "rows": len(self.rows)}
+                "rows": len(self.rows), "baseline": self.baseline, "stage": self.stage,
+                "per": self.per, "baseline_s": self.baseline_s, "chosen_s": self.chosen_s}
 
 
 def frame(decisions: Iterable[Decision]) -> pd.DataFrame:
     """One row per decision: setting, value, basis, source, measured_on, why, rows."""
-    columns = ["setting", "value", "basis", "source", "measured_on", "why", "rows"]
+    columns = ["setting", "value", "basis", "source", "measured_on", "why", "rows", "baseline",
+               "stage", "per", "baseline_s", "chosen_s"]
     return pd.DataFrame([d.record() for d in decisions], columns=columns)
 
 
