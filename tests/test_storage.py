@@ -320,20 +320,19 @@ def test_the_old_stage_name_still_lands_and_warns_once(s3, tmp_path):
     assert len(moved) == 1 and issubclass(moved[0].category, FutureWarning)
 
 
-def test_a_crc_this_python_cannot_compute_is_recorded_as_not_checked(tmp_path):
-    # CRC32C / CRC64NVME need awscrt (what botocore uses for them); without it the manifest says
-    # the stored checksum was not checked, instead of claiming a check that never ran
-    try:
-        import awscrt  # noqa: F401
-        pytest.skip("awscrt is installed: CRC64NVME is computed, not skipped")
-    except ImportError:
-        pass
-    from diag.storage import transfer
-    from diag.storage.objectstore import RemoteObject
+def test_a_crc_this_python_cannot_compute_is_recorded_as_not_checked(tmp_path, monkeypatch):
+    # CRC32C / CRC64NVME need awscrt (in the storage extra; what botocore uses for them): an
+    # install without it gets a manifest that says the stored checksum was not checked, instead
+    # of one claiming a check that never ran
+    import hashlib
+    import sys
 
-    path = tmp_path / "x.bin"
-    path.write_bytes(b"diag" * 1000)
-    obj = RemoteObject("x.bin", 4000, "0123456789abcdef0123456789abcdef-2")
-    digest, checks = transfer._check(None, "b", obj, path, ("crc64nvme", "AAAAAAAAAAA="))
-    assert digest == file_sha256(path)
-    assert checks == "size (crc64nvme stored, not checked: pip install awscrt)"
+    from diag.storage import checks
+
+    monkeypatch.setitem(sys.modules, "awscrt", None)  # import awscrt raises ImportError
+    stream = checks.Stream(os.open(tmp_path / "x.bin", os.O_RDWR | os.O_CREAT), checks.Expected(
+        crc=("crc64nvme", "AAAAAAAAAAA=")))
+    stream.sink.write(b"diag" * 1000)
+    digest, checked = stream.finish().verdict()
+    assert digest == hashlib.sha256(b"diag" * 1000).hexdigest()
+    assert checked == "size (crc64nvme stored, not checked: pip install awscrt)"
