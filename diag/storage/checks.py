@@ -98,9 +98,10 @@ def expected(client: Any, bucket: str, key: str, size: int, etag: str, md5_etag:
         return Expected(md5=md5, encrypted=kms)
     kind = got.get("ChecksumType") or ""
     name, value = stored
-    # a multipart object's checksum is COMPOSITE unless the store says FULL_OBJECT (a store that
-    # omits the type, like moto, keeps composite CRCs for SDK multipart uploads)
-    if kind == "COMPOSITE" or "-" in value or (not kind and "-" in etag):
+    # a multipart object's CRC32 / CRC32C is COMPOSITE unless the store says FULL_OBJECT (a store
+    # that omits the type, like moto, keeps composite ones for SDK multipart uploads); CRC64NVME
+    # is full-object only
+    if kind == "COMPOSITE" or "-" in value or (not kind and "-" in etag and name != "crc64nvme"):
         return Expected(md5=md5, composite=(name, value, part_sizes(client, bucket, key, size)),
                         encrypted=kms)
     return Expected(md5=md5, crc=stored, encrypted=kms)

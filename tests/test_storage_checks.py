@@ -1,0 +1,177 @@
+"""The checksums real S3 stores, checked while the bytes stream: composite multipart CRCs part by
+part, CRC32C and CRC64NVME (awscrt), the landed size against the listed size, and the streamed
+hashes against the file when parts land out of order or are written twice."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import random
+import zlib
+
+import pytest
+
+from diag.embedded import S3Server
+from diag.storage import checks, landing, transfer
+from diag.storage.landing import land, local_paths
+from diag.storage.objectstore import MB, RemoteObject, TransferPlan, make_client, parse_url
+from tests.s3proxy import Proxy
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with S3Server() as server:
+        yield server
+
+
+def client_for(server: S3Server, endpoint: str | None = None):
+    return make_client(endpoint or server.endpoint_url, retries=1, credentials={
+        "aws_access_key_id": server.access_key, "aws_secret_access_key": server.secret_key,
+        "region_name": server.region})
+
+
+def leftovers(folder):
+    return sorted(p.name for p in folder.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
+
+
+def upload(server: S3Server, tmp_path, key: str, data: bytes, **extra) -> bytes:
+    """boto3's own multipart upload (5 MiB parts): what a user's bucket holds."""
+    from boto3.s3.transfer import TransferConfig
+
+    source = tmp_path / f"{key.replace('/', '_')}.src"
+    source.write_bytes(data)
+    server.client().upload_file(str(source), "diag", key, ExtraArgs=extra or None,
+                                Config=TransferConfig(multipart_threshold=5 * MiB,
+                                                      multipart_chunksize=5 * MiB))
+    return data
+
+
+@pytest.mark.parametrize("how", ["ranged", "one GET"])
+def test_composite_crc_multipart_object_with_one_flipped_byte_never_lands(s3, tmp_path,
+                                                                          monkeypatch, how):
+    # boto3's default multipart upload stores a COMPOSITE CRC32 (a CRC of the 3 part CRCs) and
+    # a "-3" ETag: no MD5, no full-object CRC. botocore validates no composite checksum, on a
+    # whole GET or a ranged one: diag cuts the bytes at the uploader's part bounds (5 MiB) and
+    # checks the composite, also when its own download parts (4 MB) cut elsewhere.
+    key = f"data/composite-{how.replace(' ', '')}.bin"
+    data = upload(s3, tmp_path, key, os.urandom(12 * MiB))
+    head = s3.client().head_object(Bucket="diag", Key=key, ChecksumMode="ENABLED")
+    assert head["ETag"].endswith('-3"') and head.get("ChecksumType") != "FULL_OBJECT"
+    if how == "ranged":
+        monkeypatch.setattr(transfer, "transfer_plan",
+                            lambda size, cores=None: TransferPlan(4 * MB, 4 * MB, 2))
+    url, cache = f"s3://diag/{key}", tmp_path / "cache"
+    final, manifest = local_paths(parse_url(url), cache)
+    proxy = Proxy(s3.port, flip_at=3 * MB, flips=1000)  # one byte of every response
+    try:
+        with pytest.raises(RuntimeError, match=r"composite CRC32 of 3 parts .* in 3 downloads"):
+            land(url, cache, client=client_for(s3, proxy.url))
+    finally:
+        proxy.close()
+    assert proxy.flipped >= 3
+    assert not final.exists() and not manifest.exists() and leftovers(cache) == []
+    proxy = Proxy(s3.port, flip_at=3 * MB, flips=1)  # once: fetched again, lands whole
+    try:
+        got = land(url, cache, client=client_for(s3, proxy.url))
+    finally:
+        proxy.close()
+    assert proxy.flipped == 1 and got.hit is False and final.read_bytes() == data
+    entry = json.loads(manifest.read_text())["objects"][0]
+    assert entry["checks"] == "size, CRC32 of each of 3 parts (composite)"
+    assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("algorithm", ["CRC32C", "CRC64NVME"])
+def test_crc32c_and_crc64nvme_are_computed_and_checked(s3, tmp_path, monkeypatch, algorithm):
+    # awscrt is in the storage extra: the checksums current SDKs store are checked, not skipped.
+    # CRC64NVME (the default of new uploads) is full-object by S3's rule, here multipart;
+    # CRC32C here single-part, fetched in ranged parts (moto computes a multipart CRC32C with
+    # CRC32, unlike S3)
+    key, data = f"data/{algorithm.lower()}.bin", os.urandom(11 * MiB)
+    if algorithm == "CRC64NVME":
+        upload(s3, tmp_path, key, data, ChecksumAlgorithm=algorithm)
+    else:
+        s3.client().put_object(Bucket="diag", Key=key, Body=data, ChecksumAlgorithm=algorithm)
+    monkeypatch.setattr(transfer, "transfer_plan",
+                        lambda size, cores=None: TransferPlan(4 * MB, 4 * MB, 2))
+    url, cache = f"s3://diag/{key}", tmp_path / "cache"
+    proxy = Proxy(s3.port, flip_at=2 * MB, flips=1000)
+    try:
+        with pytest.raises(RuntimeError, match=rf"{algorithm} .* in 3 downloads"):
+            land(url, cache, client=client_for(s3, proxy.url))
+    finally:
+        proxy.close()
+    got = land(url, cache, client=client_for(s3))
+    assert got.path.read_bytes() == data
+    _, manifest = local_paths(parse_url(url), cache)
+    assert json.loads(manifest.read_text())["objects"][0]["checks"] == (
+        f"size, full-object {algorithm}" if algorithm == "CRC64NVME"
+        else f"size, MD5 = ETag, full-object {algorithm}")
+
+
+def test_a_short_object_never_lands_under_a_manifest_claiming_the_listed_size(s3, tmp_path,
+                                                                              monkeypatch):
+    # the listing said 1000 bytes more than the GET brought (an object replaced by a shorter one
+    # between LIST and GET, a store that cut the body short): nothing lands, no manifest
+    s3.client().put_object(Bucket="diag", Key="data/short.bin", Body=os.urandom(500_000))
+    real = landing.list_remote
+
+    def longer(client, url):
+        return [RemoteObject(o.key, o.size + 1000, o.etag) for o in real(client, url)]
+
+    monkeypatch.setattr(landing, "list_remote", longer)
+    url = "s3://diag/data/short.bin"
+    final, manifest = local_paths(parse_url(url), tmp_path)
+    with pytest.raises(RuntimeError, match=r"landed 500000 bytes, the listing says 501000"):
+        land(url, tmp_path, client=client_for(s3))
+    assert not final.exists() and not manifest.exists() and leftovers(tmp_path) == []
+
+
+def _stream_of(tmp_path, data: bytes, writes, want: checks.Expected):
+    fd = os.open(tmp_path / "s.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    stream = checks.Stream(fd, want)
+    for start, end in writes:
+        stream.sink.seek(start)
+        stream.sink.write(data[start:end])
+    try:
+        return stream.finish()
+    finally:
+        os.close(fd)
+
+
+def test_streamed_hashes_equal_the_file_with_parts_out_of_order_and_rewritten(tmp_path):
+    data = os.urandom(40 * MiB + 123)
+    crc = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    want = checks.Expected(md5=hashlib.md5(data).hexdigest(), crc=("crc32", crc))
+    bounds = list(range(0, len(data), 3 * MiB)) + [len(data)]
+    parts = list(zip(bounds, bounds[1:]))
+    random.Random(7).shuffle(parts)  # ranged parts land in any order
+    chunks = [(s + k, min(s + k + 256 * 1024, e)) for s, e in parts for k in range(0, e - s,
+                                                                                    256 * 1024)]
+    for writes in (chunks, chunks + chunks[:40]):  # the second: a re-GET rewrites a part
+        got = _stream_of(tmp_path, data, writes, want)
+        assert got.pos == len(data) and got.md5.hexdigest() == want.md5
+        assert got.verdict() == (hashlib.sha256(data).hexdigest(), "size, full-object CRC32")
+    bad = bytearray(data)
+    bad[len(data) // 2] ^= 1
+    with pytest.raises(checks.Mismatch, match="full-object CRC32"):
+        _stream_of(tmp_path, bytes(bad), chunks, want).verdict()
+
+
+def test_composite_of_uneven_parts_uses_the_part_sizes_given(tmp_path):
+    sizes = (5 * MiB, 5 * MiB, 1234)
+    data = os.urandom(sum(sizes))
+    cuts = [0, sizes[0], sizes[0] + sizes[1], len(data)]
+    part_crcs = b"".join(zlib.crc32(data[a:b]).to_bytes(4, "big") for a, b in zip(cuts, cuts[1:]))
+    stored = base64.b64encode(zlib.crc32(part_crcs).to_bytes(4, "big")).decode() + "-3"
+    want = checks.Expected(composite=("crc32", stored, sizes))
+    writes = [(s, min(s + 1_000_000, len(data))) for s in range(0, len(data), 1_000_000)]
+    assert _stream_of(tmp_path, data, writes, want).verdict()[1] == (
+        "size, CRC32 of each of 3 parts (composite)")
+    shifted = checks.Expected(composite=("crc32", stored, (4 * MiB, 6 * MiB, 1234)))
+    with pytest.raises(checks.Mismatch, match="composite CRC32"):
+        _stream_of(tmp_path, data, writes, shifted).verdict()
