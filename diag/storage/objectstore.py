@@ -12,7 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from diag.device import usable_cores  # noqa: F401  transfer_plan's cores; re-exported
-from diag.secrets import redact, register
+from diag.secrets import aws_client_made, redact, register
 
 MB = 1_000_000  # decimal megabytes, like network and disk rates
 
@@ -132,6 +132,11 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
     except ProfileNotFound as err:
         raise RuntimeError(f"{err}: check --profile / AWS_PROFILE against the [profile ...] "
                            "sections of ~/.aws/config") from None
+    given = bool(credentials and credentials.get("aws_secret_access_key"))
+    if given:
+        register(*(credentials.get(k) for k in ("aws_access_key_id", "aws_secret_access_key",
+                                                "aws_session_token")))
+    aws_client_made(given or unsigned)  # given keys: redaction walks no chain (no IMDS)
     client = session.client("s3", config=Config(**options), **kwargs)
     register_url_secret(client.meta.endpoint_url)  # AWS_ENDPOINT_URL or the profile's
     return client
