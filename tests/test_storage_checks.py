@@ -175,3 +175,33 @@ def test_composite_of_uneven_parts_uses_the_part_sizes_given(tmp_path):
     shifted = checks.Expected(composite=("crc32", stored, (4 * MiB, 6 * MiB, 1234)))
     with pytest.raises(checks.Mismatch, match="composite CRC32"):
         _stream_of(tmp_path, data, writes, shifted).verdict()
+
+
+def test_aws_endpoint_url_is_honoured_for_a_source_and_noted_without_one(s3, tmp_path,
+                                                                          monkeypatch):
+    from diag.config import StorageConfig
+    from diag.storage.experiment import open_source
+
+    s3.client().put_object(Bucket="diag", Key="data/env.bin", Body=b"x" * 1000)
+    for name, value in (("AWS_ENDPOINT_URL", s3.endpoint_url), ("AWS_ACCESS_KEY_ID", s3.access_key),
+                        ("AWS_SECRET_ACCESS_KEY", s3.secret_key), ("AWS_DEFAULT_REGION", s3.region)):
+        monkeypatch.setenv(name, value)
+    cfg = StorageConfig.quick(source="s3://diag/data/env.bin", local_dir=str(tmp_path))
+    with open_source(cfg) as (_, client, env):  # no --endpoint-url: boto3 reads the variable
+        assert client.meta.endpoint_url == s3.endpoint_url
+        assert land(cfg.source, tmp_path, client=client).bytes == 1000
+    with pytest.warns(RuntimeWarning, match=r"AWS_ENDPOINT_URL=http://127\.0\.0\.1:\d+ is set, "
+                                            r"but no --source was given"):
+        with open_source(StorageConfig.quick(size_mb=1.0)) as (url, client, _):
+            assert client.meta.endpoint_url != s3.endpoint_url  # the embedded one, as said
+
+
+def test_hf_endpoint_without_a_model_is_noted(monkeypatch):
+    from diag.config import ModelLoadConfig
+    from diag.model_load.source import open_source
+
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.internal")
+    with pytest.warns(RuntimeWarning, match=r"HF_ENDPOINT=https://hub\.example\.internal is set, "
+                                            r"but no --model was given"):
+        with open_source(ModelLoadConfig.quick()) as src:
+            assert src.endpoint.startswith("http://127.0.0.1:")

@@ -76,6 +76,13 @@ def open_source(cfg: ModelLoadConfig) -> Iterator[Source]:
     if not cfg.model:
         from diag.embedded import HubServer, ensure_assets
 
+        if os.environ.get("HF_ENDPOINT"):  # a hub id (--model) is loaded from it; here none is
+            import warnings
+
+            warnings.warn(redact(f"HF_ENDPOINT={os.environ['HF_ENDPOINT']} is set, but no --model "
+                                 "was given: diag loads its embedded model from its own hub; "
+                                 "pass --model org/name to load yours from HF_ENDPOINT"),
+                          RuntimeWarning, stacklevel=3)
         assets = ensure_assets()
         with HubServer(assets.hub_root) as hub:
             yield Source(assets.repo_id, cfg.revision, hub.endpoint, None,

@@ -67,6 +67,15 @@ def open_source(cfg: StorageConfig) -> Iterator[tuple[str, Any, dict[str, str]]]
         return
     from diag.embedded import S3Server, embedded_dataset
 
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(name):  # boto3 would honour it for a --source; here there is none
+            import warnings
+
+            warnings.warn(redact(f"{name}={os.environ[name]} is set, but no --source was given: "
+                                 "diag measures its embedded S3 server; pass --source "
+                                 f"s3://bucket/key to measure your store at {name}"),
+                          RuntimeWarning, stacklevel=3)
+            break
     data = embedded_dataset(cfg.size_mb, cfg.shards)
     with S3Server() as s3:
         register(s3.secret_key)
