@@ -273,10 +273,9 @@ def measure(cfg: StorageConfig) -> pd.DataFrame:
                                          first, r, files, f"disk: {kind}, 1 MiB reads", resident))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    frame = pd.DataFrame(rows, columns=COLUMNS)
-    # what the landing folder is on (EBS, PD, NFS... are network: tax.advice says so)
-    frame["local_disk"] = frame["local_disk"].fillna(kind if rows else "")
-    return frame
+    for row in rows:  # what the landing folder is on (EBS, PD, NFS...: tax.advice says so)
+        row.setdefault("local_disk", kind)
+    return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def _nvme_reads(paths: list[Path], rounds: range, files: int) -> list[dict[str, Any]]:
