@@ -118,8 +118,8 @@ def land(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, tim
     sha256, which catches a flipped byte at the cost of reading the copy once (~1-2 GB/s from
     NVMe: ~15 s for 25 GB, against minutes to re-pull); verify="size" skips that read. Objects
     that fail are fetched again, alone, by s3transfer (diag.storage.transfer.download): a download
-    whose MD5 differs from a single-part ETag, or whose CRC differs from the store's full-object
-    checksum, is never landed. Timed as the `fetch_data` stage of `timer`. Without `client`, one
+    whose size differs from the listing, whose MD5 differs from a single-part ETag, or whose CRC
+    differs from the store's full-object or composite (multipart) checksum is never landed. Timed as the `fetch_data` stage of `timer`. Without `client`, one
     is made from the user's AWS configuration with a pool of 2 x usable_cores() connections, as
     transfer_plan asks; `retries` None leaves retries to that configuration.
     """
