@@ -205,3 +205,25 @@ def test_hf_endpoint_without_a_model_is_noted(monkeypatch):
                                             r"but no --model was given"):
         with open_source(ModelLoadConfig.quick()) as src:
             assert src.endpoint.startswith("http://127.0.0.1:")
+
+
+def test_a_composite_of_unequal_parts_is_checked_at_the_uploaders_bounds(s3, tmp_path):
+    # an uploader that cut unequal parts (5 MiB, 6 MiB, 1 MiB): part 1's size does not tell the
+    # rest, so a first mismatch asks for every part's size and checks again at those bounds
+    client = s3.client()
+    data = os.urandom(12 * MiB)
+    cuts = [0, 5 * MiB, 11 * MiB, 12 * MiB]
+    up = client.create_multipart_upload(Bucket="diag", Key="data/uneven.bin",
+                                        ChecksumAlgorithm="CRC32")
+    parts = []
+    for n, (a, b) in enumerate(zip(cuts, cuts[1:]), start=1):
+        got = client.upload_part(Bucket="diag", Key="data/uneven.bin", PartNumber=n,
+                                 UploadId=up["UploadId"], Body=data[a:b], ChecksumAlgorithm="CRC32")
+        parts.append({"PartNumber": n, "ETag": got["ETag"], "ChecksumCRC32": got["ChecksumCRC32"]})
+    client.complete_multipart_upload(Bucket="diag", Key="data/uneven.bin", UploadId=up["UploadId"],
+                                     MultipartUpload={"Parts": parts})
+    got = land("s3://diag/data/uneven.bin", tmp_path, client=client_for(s3))
+    assert got.path.read_bytes() == data
+    _, manifest = local_paths(parse_url("s3://diag/data/uneven.bin"), tmp_path)
+    assert json.loads(manifest.read_text())["objects"][0]["checks"] == (
+        "size, CRC32 of each of 3 parts (composite)")
