@@ -11,46 +11,21 @@ check is done when the last byte lands instead of costing a second pass over the
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-# The checksums S3 keeps (x-amz-checksum-*), and the name of each function that computes it
-CRCS = {"ChecksumCRC32": "crc32", "ChecksumCRC32C": "crc32c", "ChecksumCRC64NVME": "crc64nvme"}
+from diag.storage.crc import CRCS, Crc, Runs
+
 _CHUNK = 8 << 20  # bytes hashed per read-back: large enough that hashing runs without the GIL
+_SYNC = 64 << 20  # bytes written between early write-backs (fdatasync) during a download
 
 
 class Mismatch(Exception):
     """The bytes received differ from the object (MD5 vs ETag, a stored CRC, or a checksum
     botocore validated on a whole-object GET)."""
-
-
-class Crc:
-    """A CRC with hashlib's update(): zlib for CRC32; awscrt (what botocore itself uses for these
-    algorithms) for CRC32C and CRC64NVME. ImportError when awscrt is missing."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.value = name, 0
-        if name == "crc32":
-            import zlib
-
-            self._fn, self.width = zlib.crc32, 4
-        else:
-            from awscrt import checksums
-
-            self._fn, self.width = getattr(checksums, name), 4 if name == "crc32c" else 8
-
-    def update(self, data: bytes | memoryview) -> None:
-        self.value = self._fn(data, self.value)
-
-    def digest(self) -> bytes:
-        return self.value.to_bytes(self.width, "big")
-
-    def b64(self) -> str:
-        return base64.b64encode(self.digest()).decode()
 
 
 @dataclass(frozen=True)
@@ -124,8 +99,9 @@ def part_sizes(client: Any, bucket: str, key: str, size: int, every: bool = Fals
 class _Hashes:
     """sha256 (the manifest's), and what `want` asks for, fed the bytes in file order."""
 
-    def __init__(self, want: Expected) -> None:
-        self.want, self.pos, self.note = want, 0, ""
+    def __init__(self, want: Expected, crcs: bool = True) -> None:
+        # crcs False: the writer computes the CRCs as the bytes arrive (crc.Runs), not this
+        self.want, self.pos, self.note, self.crcs = want, 0, "", crcs
         self.sha256 = hashlib.sha256()
         self.md5 = hashlib.md5(usedforsecurity=False) if want.md5 else None
         self.crc = self.parts = None
@@ -139,10 +115,11 @@ class _Hashes:
 
     def update(self, view: memoryview) -> None:
         self.sha256.update(view)
-        for h in (self.md5, self.crc):
-            if h is not None:
-                h.update(view)
-        if self.parts is not None:
+        if self.md5 is not None:
+            self.md5.update(view)
+        if self.crc is not None and self.crcs:
+            self.crc.update(view)
+        if self.parts is not None and self.crcs:
             self._cut(view)
         self.pos += len(view)
 
@@ -158,6 +135,13 @@ class _Hashes:
                 self.part = Crc(self.part.name)
                 if len(self.parts) < len(sizes):
                     self.part_end += sizes[len(self.parts)]
+
+    def set_crcs(self, segments: list[int]) -> None:
+        """The CRCs the writer computed: the full-object one, or one per uploader part."""
+        if self.crc is not None:
+            self.crc.value = segments[0]
+        elif self.parts is not None:
+            self.parts = [v.to_bytes(self.part.width, "big") for v in segments]
 
     def composite(self) -> str:
         """The composite value of the part CRCs: the CRC of their concatenation, "-N"."""
@@ -194,10 +178,19 @@ class Stream:
     and returns the hashes. A write over bytes already written (s3transfer re-GETs a dropped part
     from its start) voids the streamed hashes: finish() then hashes the file again, whole."""
 
-    def __init__(self, fd: int, want: Expected) -> None:
+    def __init__(self, fd: int, want: Expected, size: int = 0) -> None:
         self.fd, self.want = fd, want
-        self.hashes = _Hashes(want)
+        self._inline: Runs | None = None
+        name = (want.crc or want.composite or ("",))[0]
+        if name and size:
+            sizes = want.composite[2] if want.composite else (size,)
+            try:
+                self._inline = Runs(name, [sum(sizes[: i + 1]) for i in range(len(sizes))])
+            except ImportError:  # no awscrt: the follower computes them (CRC32 via zlib)
+                pass
+        self.hashes = _Hashes(want, crcs=self._inline is None)
         self._spans: list[list[int]] = []  # written [start, end), disjoint, sorted
+        self._written = self._synced = 0
         self._cond = threading.Condition()
         self._closed = self._overlap = False
         self._error: BaseException | None = None
@@ -205,8 +198,11 @@ class Stream:
         self._thread.start()
         self.sink = _Sink(self)
 
-    def wrote(self, start: int, end: int) -> None:
+    def wrote(self, start: int, end: int, data: memoryview | None = None) -> None:
+        if self._inline is not None and data is not None:
+            self._inline.add(start, data)  # in the writer's thread, on the bytes in hand
         with self._cond:
+            self._written += end - start
             spans = self._spans
             i = next((k for k, s in enumerate(spans) if s[0] >= start), len(spans))
             if (i > 0 and spans[i - 1][1] > start) or (i < len(spans) and spans[i][0] < end):
@@ -230,10 +226,16 @@ class Stream:
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._closed or self._overlap
-                                        or self._prefix() - self.hashes.pos >= _CHUNK)
+                                        or self._prefix() - self.hashes.pos >= _CHUNK
+                                        or self._written - self._synced >= _SYNC)
                     if self._overlap or self._closed:
                         return  # finish() hashes the rest (or, after an overlap, all) itself
-                    upto = self._prefix()
+                    upto, written = self._prefix(), self._written
+                if written - self._synced >= _SYNC:
+                    # write back what has landed so far, so the fsync before the rename has
+                    # little left to wait for (s3transfer keeps writing meanwhile)
+                    os.fdatasync(self.fd)
+                    self._synced = written
                 self._read(buf, upto)
         except BaseException as err:  # noqa: BLE001  raised again by finish()
             self._error = err
@@ -255,9 +257,13 @@ class Stream:
         self._thread.join()
         if self._error is not None:
             raise self._error
-        if self._overlap:
-            self.hashes = _Hashes(self.want)
+        segments = None if self._overlap or self._inline is None else self._inline.segments()
+        if self._overlap or (self._inline is not None and segments is None):
+            self.hashes = _Hashes(self.want)  # one pass over the file as it is: every hash
+            segments = None
         self._read(bytearray(_CHUNK), os.fstat(self.fd).st_size)
+        if segments is not None:
+            self.hashes.set_crcs(segments)
         return self.hashes
 
     def abandon(self) -> None:
@@ -287,6 +293,6 @@ class _Sink:
         view, done = memoryview(data), 0
         while done < len(view):  # pwrite may write less than asked
             done += os.pwrite(self._stream.fd, view[done:], self._pos + done)
-        self._stream.wrote(self._pos, self._pos + done)
+        self._stream.wrote(self._pos, self._pos + done, view)
         self._pos += done
         return done

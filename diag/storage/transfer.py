@@ -88,7 +88,7 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
                    retries: int | None, expected: checks.Expected) -> tuple[str, str]:
     partial = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
     fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    stream = checks.Stream(fd, expected)
+    stream = checks.Stream(fd, expected, obj.size)
     try:
         try:
             _transfer(client, bucket, obj, stream.sink, plan, retries)
