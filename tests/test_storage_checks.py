@@ -233,3 +233,26 @@ def test_a_composite_of_unequal_parts_is_checked_at_the_uploaders_bounds(s3, tmp
     _, manifest = local_paths(parse_url("s3://diag/data/uneven.bin"), tmp_path)
     assert json.loads(manifest.read_text())["objects"][0]["checks"] == (
         "size, CRC32 of each of 3 parts (composite)")
+
+
+def test_an_sse_kms_object_whose_etag_is_no_md5_is_checked_by_its_stored_crc(s3, tmp_path):
+    # S3 gives an SSE-KMS object an ETag that is no MD5 of its bytes (moto keeps the MD5, so the
+    # expectation is given a foreign one here): diag then asks the store for its checksum
+    # (ChecksumMode=ENABLED) and checks the bytes against that, instead of a size check only
+    data = os.urandom(300_000)
+    s3.client().put_object(Bucket="diag", Key="data/kms.bin", Body=data,
+                           ServerSideEncryption="aws:kms", ChecksumAlgorithm="CRC32")
+    client = client_for(s3)
+    etag = client.head_object(Bucket="diag", Key="data/kms.bin")["ETag"].strip('"')
+    obj = RemoteObject("data/kms.bin", len(data), etag)
+    want = checks.Expected(md5="0" * 32)  # what a one-GET object expects: its ETag as an MD5
+    for body, ok in ((data, True), (data[:1000] + b"\x00" + data[1001:], False)):
+        (tmp_path / "s.bin").unlink(missing_ok=True)
+        got = _stream_of(tmp_path, body, [(0, len(body))], want, inline=False)
+        if ok:
+            assert transfer._verdict(client, "diag", obj, tmp_path / "s.bin", got) == (
+                hashlib.sha256(data).hexdigest(),
+                "size, full-object CRC32 (SSE-KMS/SSE-C: the ETag is no MD5)")
+        else:
+            with pytest.raises(checks.Mismatch, match="full-object CRC32"):
+                transfer._verdict(client, "diag", obj, tmp_path / "s.bin", got)
