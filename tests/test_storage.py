@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
+import zlib
 from pathlib import Path
 
 import pandas as pd
@@ -15,7 +17,6 @@ from diag.storage import landing, objectstore
 from diag.__main__ import parse
 from diag.config import StorageConfig
 from diag.storage.landing import local_paths
-from diag.hashing import file_sha256
 from diag.storage.objectstore import (MB, list_remote, make_client, parse_url, transfer_plan,
                               usable_cores)
 from diag.embedded import S3Server
@@ -131,7 +132,9 @@ def test_land_prefix_lands_once_with_manifest_then_hits(s3, tmp_path):
     assert [e["key"] for e in manifest["objects"]] == sorted(e["key"] for e in manifest["objects"])
     for e in manifest["objects"]:
         path = local / e["key"][len("shards/"):]
-        assert path.stat().st_size == e["size"] and file_sha256(path) == e["sha256"]
+        # the whole file's CRC32, computed while it landed, is what a hit re-checks
+        crc = base64.b64encode(zlib.crc32(path.read_bytes()).to_bytes(4, "big")).decode()
+        assert path.stat().st_size == e["size"] and e["digest"] == f"crc32:{crc}"
     hit = land(url, tmp_path, client=client, timer=timer)
     assert hit.hit is True and hit.fetched_bytes == 0
     stages = timer.to_frame()
@@ -324,7 +327,6 @@ def test_a_crc_this_python_cannot_compute_is_recorded_as_not_checked(tmp_path, m
     # CRC32C / CRC64NVME need awscrt (in the storage extra; what botocore uses for them): an
     # install without it gets a manifest that says the stored checksum was not checked, instead
     # of one claiming a check that never ran
-    import hashlib
     import sys
 
     from diag.storage import checks
@@ -334,5 +336,6 @@ def test_a_crc_this_python_cannot_compute_is_recorded_as_not_checked(tmp_path, m
         crc=("crc64nvme", "AAAAAAAAAAA=")))
     stream.sink.write(b"diag" * 1000)
     digest, checked = stream.finish().verdict()
-    assert digest == hashlib.sha256(b"diag" * 1000).hexdigest()
+    crc = base64.b64encode(zlib.crc32(b"diag" * 1000).to_bytes(4, "big")).decode()
+    assert digest == f"crc32:{crc}"  # the manifest's digest falls back to CRC32 (zlib)
     assert checked == "size (crc64nvme stored, not checked: pip install awscrt)"

@@ -4,9 +4,10 @@
 only where the ETag alone cannot check it): the MD5 a single-part ETag is, a full-object CRC
 (CRC32, CRC32C, CRC64NVME), or a composite CRC of a multipart upload (a CRC of the part CRCs,
 "<b64>-N", the default of boto3's own multipart uploads) with the uploader's part sizes.
-`Stream` hashes the bytes in file order while s3transfer writes them (ranged parts arrive out of
-order: it follows the contiguous written prefix, reading it back from the page cache), so the
-check is done when the last byte lands instead of costing a second pass over the file.
+`Stream` checks the bytes while s3transfer writes them: the CRCs on the bytes in hand, in any
+order (ranged parts arrive out of order; crc.Runs), an MD5 by following the contiguous written
+prefix from the page cache. The check is done when the last byte lands, not a second pass over
+the file; the whole file's CRC is what the manifest records for later hits.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from diag.storage.crc import CRCS, Crc, Runs
+from diag.storage.crc import CRCS, Crc, Runs, file_crc  # noqa: F401  file_crc: re-exported
 
 _CHUNK = 8 << 20  # bytes hashed per read-back: large enough that hashing runs without the GIL
 _SYNC = 64 << 20  # bytes written between early write-backs (fdatasync) during a download
@@ -96,31 +97,37 @@ def part_sizes(client: Any, bucket: str, key: str, size: int, every: bool = Fals
                               ["ContentLength"]) for n in range(2, count + 1)])
 
 
+def whole_name(want: Expected) -> str:
+    """The CRC the manifest records for the whole file (what a hit re-checks): the store's own
+    algorithm where it keeps one (computed for the check anyway), else CRC32."""
+    return (want.crc or want.composite or ("crc32",))[0]
+
+
 class _Hashes:
-    """sha256 (the manifest's), and what `want` asks for, fed the bytes in file order."""
+    """What `want` asks for, fed the bytes in file order, and the whole file's CRC (the
+    manifest's digest; for a full-object checksum, the same CRC)."""
 
     def __init__(self, want: Expected, crcs: bool = True) -> None:
         # crcs False: the writer computes the CRCs as the bytes arrive (crc.Runs), not this
         self.want, self.pos, self.note, self.crcs = want, 0, "", crcs
-        self.sha256 = hashlib.sha256()
         self.md5 = hashlib.md5(usedforsecurity=False) if want.md5 else None
         self.crc = self.parts = None
-        name = (want.crc or want.composite or ("",))[0]
+        name = whole_name(want)
         try:
-            self.crc = Crc(name) if want.crc else None
+            self.whole = Crc(name)
+            self.crc = self.whole if want.crc else None
             if want.composite:
                 self.parts, self.part, self.part_end = [], Crc(name), want.composite[2][0]
-        except ImportError:
-            self.note = f"{name} stored, not checked: pip install awscrt"
+        except ImportError:  # CRC32C / CRC64NVME without awscrt: recorded as not checked
+            self.note, self.whole = f"{name} stored, not checked: pip install awscrt", Crc("crc32")
 
     def update(self, view: memoryview) -> None:
-        self.sha256.update(view)
         if self.md5 is not None:
             self.md5.update(view)
-        if self.crc is not None and self.crcs:
-            self.crc.update(view)
-        if self.parts is not None and self.crcs:
-            self._cut(view)
+        if self.crcs:
+            self.whole.update(view)
+            if self.parts is not None:
+                self._cut(view)
         self.pos += len(view)
 
     def _cut(self, view: memoryview) -> None:
@@ -136,12 +143,18 @@ class _Hashes:
                 if len(self.parts) < len(sizes):
                     self.part_end += sizes[len(self.parts)]
 
-    def set_crcs(self, segments: list[int]) -> None:
-        """The CRCs the writer computed: the full-object one, or one per uploader part."""
-        if self.crc is not None:
-            self.crc.value = segments[0]
-        elif self.parts is not None:
+    def set_crcs(self, runs: Runs) -> None:
+        """The CRCs the writer computed: the whole file's, and one per uploader part."""
+        segments = runs.segments()
+        if self.parts is not None:
             self.parts = [v.to_bytes(self.part.width, "big") for v in segments]
+        self.whole.value, prev = segments[0], runs.bounds[0]
+        for value, end in zip(segments[1:], runs.bounds[1:]):
+            self.whole.value, prev = runs.combine(self.whole.value, value, end - prev), end
+
+    def digest(self) -> str:
+        """The manifest's record of the file: '<crc name>:<base64>'."""
+        return f"{self.whole.name}:{self.whole.b64()}"
 
     def composite(self) -> str:
         """The composite value of the part CRCs: the CRC of their concatenation, "-N"."""
@@ -150,7 +163,7 @@ class _Hashes:
         return f"{crc.b64()}-{len(self.parts)}"
 
     def verdict(self) -> tuple[str, str]:
-        """(sha256, what was checked); Mismatch if a stored checksum fails. MD5 is left to the
+        """(digest, what was checked); Mismatch if a stored checksum fails. MD5 is left to the
         caller (an MD5-shaped ETag of an encrypted object is no MD5)."""
         checks = "size"
         if self.crc is not None:
@@ -168,24 +181,25 @@ class _Hashes:
             checks += f", {name.upper()} of each of {len(sizes)} parts (composite)"
         elif self.note:
             checks += f" ({self.note})"
-        return self.sha256.hexdigest(), checks
+        return self.digest(), checks
 
 
 class Stream:
     """The check of one download, run while s3transfer writes it: `sink` is the file object
     s3transfer writes into (positioned writes, as it does for a seekable target); a thread hashes
-    the contiguous written prefix from the page cache as it grows. `finish()` hashes what is left
+    the contiguous written prefix from the page cache as it grows (MD5 needs the bytes in order),
+while the writer computes the CRCs on the bytes it writes (crc.Runs, with awscrt). `finish()` hashes what is left
     and returns the hashes. A write over bytes already written (s3transfer re-GETs a dropped part
     from its start) voids the streamed hashes: finish() then hashes the file again, whole."""
 
     def __init__(self, fd: int, want: Expected, size: int = 0) -> None:
         self.fd, self.want = fd, want
         self._inline: Runs | None = None
-        name = (want.crc or want.composite or ("",))[0]
-        if name and size:
+        if size:
             sizes = want.composite[2] if want.composite else (size,)
             try:
-                self._inline = Runs(name, [sum(sizes[: i + 1]) for i in range(len(sizes))])
+                self._inline = Runs(whole_name(want),
+                                    [sum(sizes[: i + 1]) for i in range(len(sizes))])
             except ImportError:  # no awscrt: the follower computes them (CRC32 via zlib)
                 pass
         self.hashes = _Hashes(want, crcs=self._inline is None)
@@ -241,6 +255,9 @@ class Stream:
             self._error = err
 
     def _read(self, buf: bytearray, upto: int) -> None:
+        if self.hashes.md5 is None and not self.hashes.crcs:  # the writer computed every CRC
+            self.hashes.pos = max(self.hashes.pos, upto)
+            return
         view = memoryview(buf)
         while self.hashes.pos < upto:
             n = os.preadv(self.fd, [view[: min(_CHUNK, upto - self.hashes.pos)]],
@@ -263,7 +280,7 @@ class Stream:
             segments = None
         self._read(bytearray(_CHUNK), os.fstat(self.fd).st_size)
         if segments is not None:
-            self.hashes.set_crcs(segments)
+            self.hashes.set_crcs(self._inline)
         return self.hashes
 
     def abandon(self) -> None:

@@ -4,6 +4,7 @@ any order (`Runs`: one running CRC per contiguous run, joined with awscrt's CRC 
 from __future__ import annotations
 
 import base64
+import os
 
 # The checksums S3 keeps, and the name of each function that computes it
 CRCS = {"ChecksumCRC32": "crc32", "ChecksumCRC32C": "crc32c", "ChecksumCRC64NVME": "crc64nvme"}
@@ -32,6 +33,15 @@ class Crc:
 
     def b64(self) -> str:
         return base64.b64encode(self.digest()).decode()
+
+
+def file_crc(path: str | os.PathLike[str], name: str) -> str:
+    """The base64 CRC (`name`) of a whole file, read once (a landed copy's hit check)."""
+    crc, buf = Crc(name), bytearray(8 << 20)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc.update(memoryview(buf)[:n])
+    return crc.b64()
 
 
 class Runs:

@@ -2,10 +2,10 @@
 
 `download()` runs boto3's `download_fileobj` with the TransferConfig of `transfer_plan()` into a
 partial file beside the destination while diag.storage.checks hashes the bytes as they land (the
-manifest's sha256 and the MD5 of a single-part ETag, the full-object CRC or the composite
-multipart CRC the store keeps), then checks the size against the listing and the hashes, fsyncs
-and renames: the final path is whole or absent. It returns the sha256 and a line
-saying what was checked, which land() writes into the manifest.
+MD5 of a single-part ETag, the full-object CRC or the composite multipart CRC the store keeps,
+and the whole file's CRC the manifest records), then checks the size against the listing and
+the hashes, fsyncs and renames: the final path is whole or absent. It returns the file's digest
+('<crc>:<base64>') and a line saying what was checked, which land() writes into the manifest.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def describe(objects: list[RemoteObject]) -> str:
 
 def download(client: Any, bucket: str, obj: RemoteObject, dest: Path, *, plan: TransferPlan,
              retries: int | None = None) -> tuple[str, str]:
-    """Download one object to dest atomically; return (sha256, what was checked).
+    """Download one object to dest atomically; return (digest, what was checked).
 
     s3transfer fetches the object (one GET, or ranged parts `plan.concurrency` at a time; a
     dropped stream is fetched again from the start of its part, `retries` + 1 times, default 5).
@@ -157,10 +157,10 @@ def _transfer(client: Any, bucket: str, obj: RemoteObject, sink: Any, plan: Tran
 
 def _verdict(client: Any, bucket: str, obj: RemoteObject, partial: Path,
              got: Any) -> tuple[str, str]:
-    """(sha256, what was checked) from the streamed hashes; _Mismatch if the bytes differ."""
+    """(digest, what was checked) from the streamed hashes; _Mismatch if the bytes differ."""
     want = got.want
     try:
-        sha256, checked = got.verdict()  # a stored CRC (full-object or composite) that fails
+        digest, checked = got.verdict()  # a stored CRC (full-object or composite) that fails
     except _Mismatch:
         if want.composite is None:
             raise
@@ -173,18 +173,18 @@ def _verdict(client: Any, bucket: str, obj: RemoteObject, partial: Path,
         fd = os.open(partial, os.O_RDONLY)
         try:  # a Stream with no writes hashes the file as it is, whole
             again = checks.Stream(fd, dataclasses.replace(want, composite=(name, stored, exact)))
-            sha256, checked = again.finish().verdict()
+            digest, checked = again.finish().verdict()
         finally:
             os.close(fd)
     if want.composite is not None:  # a multipart object: its ETag is no MD5
-        return sha256, checked
+        return digest, checked
     if not want.md5:
         if want.encrypted and checked == "size":
             checked = "size (SSE-KMS/SSE-C: the ETag is no MD5, no checksum stored)"
-        return sha256, checked
+        return digest, checked
     md5 = got.md5.hexdigest()
     if md5 == want.md5:
-        return sha256, checked.replace("size", "size, MD5 = ETag", 1)
+        return digest, checked.replace("size", "size, MD5 = ETag", 1)
     # no HEAD was made before a one-GET object: ask now whether its ETag is an MD5 at all
     head = checks.head(client, bucket, obj.key, obj.etag)
     if not checks.encrypted(head):
@@ -192,14 +192,14 @@ def _verdict(client: Any, bucket: str, obj: RemoteObject, partial: Path,
     # SSE-KMS / SSE-C: the ETag is no MD5; the stored checksum, if any, decides
     stored = next(((name, str(head[f])) for f, name in checks.CRCS.items() if head.get(f)), None)
     if stored is None or "-" in stored[1]:
-        return sha256, "size (SSE-KMS/SSE-C: the ETag is no MD5, no checksum stored)"
-    try:
-        crc = checks.Crc(stored[0])
-    except ImportError:
-        return sha256, f"size (SSE-KMS/SSE-C; {stored[0]} stored, not checked: pip install awscrt)"
-    with open(partial, "rb", buffering=0) as f:  # a one-GET object: < 32 MB, page cache
-        while chunk := f.read(8 << 20):
-            crc.update(chunk)
-    if crc.b64() != stored[1]:
-        raise _Mismatch(f"full-object {stored[0].upper()} {crc.b64()}, the store has {stored[1]}")
-    return sha256, f"size, full-object {stored[0].upper()} (SSE-KMS/SSE-C: the ETag is no MD5)"
+        return digest, "size (SSE-KMS/SSE-C: the ETag is no MD5, no checksum stored)"
+    name, value = digest.split(":", 1)
+    if name != stored[0]:  # the file's CRC was computed with another algorithm: this one too
+        try:
+            value = checks.file_crc(partial, stored[0])  # a one-GET object: < 32 MB, in RAM
+        except ImportError:
+            return digest, (f"size (SSE-KMS/SSE-C; {stored[0]} stored, not checked: pip "
+                            "install awscrt)")
+    if value != stored[1]:
+        raise _Mismatch(f"full-object {stored[0].upper()} {value}, the store has {stored[1]}")
+    return digest, f"size, full-object {stored[0].upper()} (SSE-KMS/SSE-C: the ETag is no MD5)"
