@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from diag.config.base import ExperimentConfig
+from diag.decision import DATA_WAIT_GOAL
 
 
 LOADER_PIPELINES = ("naive", "packed")  # tokenize per sample in the loop; or read the token cache
@@ -34,7 +35,7 @@ class LoaderConfig(ExperimentConfig):
     persistent_workers: bool = True  # keep workers across epochs instead of restarting them
     prefetch_factor: int = 2  # batches each worker prepares ahead; more absorbs jitter, costs memory
     extra_prep_ms: float = 0.0  # per-sample cost added to the pipeline: "what if preprocessing were heavier"
-    target_share: float = 0.02  # data_wait share of the step the recommended setting stays under
+    target_share: float = DATA_WAIT_GOAL  # data_wait share of the step the recommended setting stays under
     run_steps: int = 1000  # steps of the training run the advice prices its savings for
     profile_samples: int = 200  # samples run through the line profiler; more is steadier
     num_proc: int = 1  # processes tokenizing the token cache (measured: extra processes cost on 2 cores)
