@@ -1,4 +1,4 @@
-"""`diag workers`: the data-loader experiment's config (diag.loader)."""
+"""`diag loader`: the data-loader experiment's config (diag.loader)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ON_ERROR = ("raise", "skip")  # what a reader does with a malformed row: stop, o
 
 @dataclass
 class LoaderConfig(ExperimentConfig):
-    """`diag workers`: DataLoader settings against a training step, the stall split, hot lines."""
+    """`diag loader`: DataLoader settings against a training step, the stall split, hot lines."""
 
     data: str = ""  # instruction JSONL; "" = the embedded synthetic dataset
     tokenizer: str = ""  # folder with tokenizer.json; "" = the embedded tiny model's
@@ -47,6 +47,8 @@ class LoaderConfig(ExperimentConfig):
     QUICK: ClassVar[dict[str, Any]] = {"workers": [0, 1, 2], "batch_size": 4, "seq_len": 128,
                                        "steps": 6, "repeats": 1, "profile_samples": 30,
                                        "step_ms": 20.0}
+    # `diag run --no-qlora`: one pass of 10 steps per setting, against the target GPU's step
+    RUN: ClassVar[dict[str, Any]] = {"steps": 10, "repeats": 1}
 
     def validate(self) -> None:
         self._positive("batch_size", "steps", "repeats", "prefetch_factor", "run_steps",
