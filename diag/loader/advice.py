@@ -188,6 +188,7 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
         why = ("loader frame absent" if sweep is None or sweep.empty
                else "every loader sweep point failed: " + str(sweep["error"].iloc[0]))
         return _defaults(why, workers=None)
+    ok = ok.reset_index(drop=True)  # sweeps concatenated by a caller repeat index labels
     on = measured_on or MeasuredOn(step=str(ok["consumer"].iloc[0]) if "consumer" in ok else "",
                                    seq_len=int(ok["seq_len"].iloc[0]) if "seq_len" in ok else None)
     rates = ok.groupby("pipeline")["tokens_per_s"].median()
@@ -214,11 +215,13 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
     chosen = mine[mine["num_workers"] == workers]
     for setting, default in _knobs(workers).items():
         values = mine[setting].dropna().unique() if setting in mine else []
-        if len(values) > 1:  # varied: the chosen worker count's best row speaks for it
+        # varied: more than one value at the same num_workers (persistent_workers and
+        # prefetch_factor follow the worker count itself, which is no evidence for them)
+        if setting in mine and mine.groupby("num_workers")[setting].nunique().max() > 1:
             best = chosen.loc[chosen["data_wait_s"].idxmin()]
             value = None if workers == 0 and setting == "prefetch_factor" else (
                 int(best[setting]) if setting == "prefetch_factor" else bool(best[setting]))
-            out.append(Decision.from_rows(setting, value, f"varied in the sweep; the lowest "
+            out.append(Decision.from_rows(setting, value, "varied in the sweep; the lowest "
                                           f"data_wait at {workers} workers", chosen, **common))
         else:
             ran = f" (every point ran {values[0]})" if len(values) else ""

@@ -82,7 +82,7 @@ class JobInputs:
 
 
 def job_label(cfg: QLoraConfig) -> str:
-    return f"{cfg.model or 'the embedded tiny Llama'} (nf4 + LoRA r={cfg.lora_r})"
+    return f"{cfg.model or 'the embedded tiny Llama'} + LoRA r={cfg.lora_r}"
 
 
 def job_inputs(cfg: QLoraConfig) -> JobInputs:
@@ -107,7 +107,7 @@ def job_inputs(cfg: QLoraConfig) -> JobInputs:
         data = build_dataset(cfg, plan, check_records(cfg, records, folder, bad), folder)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return JobInputs(data.micro * data.accum, folder, path, resolve(cfg.device))
+    return JobInputs(data.micro_batch * data.grad_accum, folder, path, resolve(cfg.device))
 
 
 def micro_candidates(rows_per_step: int, most: int = 4) -> list[int]:
@@ -258,10 +258,11 @@ def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | Mapping[str,
     (checked against this job), else measured on the job; fitted to the job's rows per step."""
     from diag.qlora.plans import Plan
 
+    if decisions is None and cfg.results:  # checked before anything is measured or run
+        decisions = load_results(cfg.results, cfg)
     job = job_inputs(cfg)
     if decisions is None:
-        decisions = (load_results(cfg.results, cfg) if cfg.results
-                     else decisions_from_job(cfg, job))
+        decisions = decisions_from_job(cfg, job)
     return Plan.optimized(decisions, device=str(job.device)).fit(job.rows_per_step)
 
 
