@@ -145,18 +145,22 @@ def test_run_loader_quick_gives_every_frame():
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["naive", "packed", "target 2%"]
 
 
-def test_cli_workers_prints_every_table_as_json(capsys):
+def test_cli_loader_prints_every_table_as_json_and_workers_is_an_alias(capsys):
     from diag.__main__ import main
 
-    code = main(["workers", "--quick", "--pipelines", "packed", "--workers", "0,1", "--steps", "2",
+    code = main(["loader", "--quick", "--pipelines", "packed", "--workers", "0,1", "--steps", "2",
                  "--step-ms", "2", "--profile-samples", "3", "--json"])
     assert code == 0
     tables = json.loads(capsys.readouterr().out)
-    assert set(tables) == {"workers", "workers_stalls", "workers_lines", "workers_recommendation",
-                           "advice"}
-    assert [r["num_workers"] for r in tables["workers"]] == [0, 1]
+    assert set(tables) == {"loader", "loader_stalls", "loader_lines", "loader_recommendation",
+                           "advice", "decisions"}
+    assert [r["num_workers"] for r in tables["loader"]] == [0, 1]
+    decided = {r["setting"]: r for r in tables["decisions"]}
+    assert decided["num_workers"]["basis"] == "measured"
+    assert decided["prefetch_factor"]["basis"] == "default"  # the sweep never varied it
     assert main(["workers", "--quick", "--workers", "0,-1"]) == 2  # one line, names the field
-    assert "LoaderConfig.workers=[0, -1]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "LoaderConfig.workers=[0, -1]" in err and "`workers` is now `loader`" in err
 
 
 def test_sweep_with_the_real_model_step_as_consumer():

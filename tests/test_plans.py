@@ -154,6 +154,18 @@ def test_a_decision_from_an_absent_frame_is_labelled_default():
                         Decision.default("fetch", "pull", "b")])
 
 
+def test_default_workers_leave_two_cores_to_the_step(monkeypatch):
+    from diag import device
+    from diag.loader.advice import DEFAULT_WORKERS
+
+    monkeypatch.setattr(device, "usable_cores", lambda: 2)
+    plan = Plan.optimized()
+    assert plan.num_workers == 0 and plan.prefetch_factor is None
+    assert "two cores left to the step" in dict(plan.evidence)["num_workers"]
+    monkeypatch.setattr(device, "usable_cores", lambda: 16)
+    assert Plan.optimized().num_workers == DEFAULT_WORKERS == 2
+
+
 def test_the_plan_fits_the_micro_batch_to_the_job_out_loud():
     micro = Decision.from_rows("micro_batch", 16, "fastest", [{"micro_batch": 16}],
                                source="accum")
