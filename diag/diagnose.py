@@ -50,8 +50,9 @@ def job_config(cfg: DiagnoseConfig) -> QLoraConfig:
     """The QLoRA job the diagnosis measures and runs; the panel's sweep values go to its sweeps."""
     sweeps = {k: v for k, v in (("sweep_workers", list(cfg.workers)),
                                 ("sweep_micro_batches", list(cfg.micro_batches))) if v}
+    preset = {} if cfg.quick_experiments else QLoraConfig.RUN
     return QLoraConfig.default(quick=_quick(cfg), model=cfg.model, device=cfg.device,
-                               plan=cfg.plan, **sweeps)
+                               plan=cfg.plan, **(preset | sweeps))
 
 
 def _info(cfg: DiagnoseConfig, got: Products) -> pd.DataFrame:

@@ -43,6 +43,9 @@ class QLoraConfig(ExperimentConfig):
     QUICK: ClassVar[dict[str, Any]] = {"records": 12, "steps": 3, "seq_len": 96, "lora_r": 8,
                                        "lora_alpha": 16, "sweep_workers": [0, 2],
                                        "sweep_steps": 1}
+    # `diag run`: the sweeps on the job quick-sized (one timed step per point), so the demo
+    # stays a demo; `diag qlora` runs the defaults above
+    RUN: ClassVar[dict[str, Any]] = {"sweep_workers": [0, 2], "sweep_steps": 1}
 
     def validate(self) -> None:
         self._choice("plan", QLORA_PLANS)

@@ -193,7 +193,7 @@ def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> LoaderResult:
     loader_cfg = LoaderConfig.default(
         quick=True, device=cfg.device, consumer="model", data=str(job.data_path),
         tokenizer=str(job.model_dir), batch_size=micro, seq_len=cfg.seq_len,
-        workers=list(cfg.sweep_workers), steps=max(4, cfg.sweep_steps * 2), repeats=1,
+        workers=list(cfg.sweep_workers), steps=max(2, cfg.sweep_steps * 2), repeats=1,
         run_steps=cfg.steps)
     on = MeasuredOn(model=job_label(cfg), precision="nf4", seq_len=cfg.seq_len, step=label,
                     device=str(job.device))
