@@ -23,7 +23,7 @@ import pandas as pd
 
 from diag import amdahl, plots
 from diag.secrets import redact, redact_frame
-from diag.timing import STAGE_FRAME  # noqa: F401 - the StageTimer frames the shares come from
+from diag.timing import STAGE_FRAME  # the key of the StageTimer frames the shares come from
 
 _PACKAGES = ("diag", "torch", "transformers", "peft", "bitsandbytes", "huggingface_hub", "boto3",
              "pandas", "numpy")

@@ -10,8 +10,9 @@ CHECKPOINTING_HEADROOM of the memory it lives in (else on); the on/off seconds p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from diag.decision import CHECKPOINTING_HEADROOM, Decision, MeasuredOn
 
@@ -62,7 +63,7 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
     # recomputing activations never makes a step faster, it only saves memory: off wherever
     # the step's peak without it fits; the timings are what that is worth (noisy on a shared
     # machine, so they price the choice and do not make it). An unreadable peak: no evidence.
-    choice = not (peak == peak and peak <= CHECKPOINTING_HEADROOM * total)
+    choice = not (not math.isnan(peak) and peak <= CHECKPOINTING_HEADROOM * total)
     why = (f"on {on_s:.3g} s vs off {off_s:.3g} s per step; the step's peak without it "
            f"{peak:.3g} GB of {total:.3g} GB {where} (limit {CHECKPOINTING_HEADROOM:.0%}) -> "
            f"{'on' if choice else 'off'}")

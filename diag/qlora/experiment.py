@@ -76,13 +76,11 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
 
     from diag.amdahl import shares
     from diag.config import QLoraConfig
-    from diag.device import resolve
     from diag.qlora.job import open_sources, prime, run_plan
     from diag.qlora.measure import plan_from_job
 
     cfg = cfg or QLoraConfig.default()
     given, results = results, results if results is not None else load_results(cfg.results)
-    device = str(resolve(cfg.device))
     plans = []
     if cfg.plan in ("naive", "both"):
         plans.append(Plan.naive())
