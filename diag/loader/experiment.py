@@ -36,11 +36,14 @@ class LoaderResult:
 
 
 def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
-               measured_on: MeasuredOn | None = None) -> LoaderResult:
+               measured_on: MeasuredOn | None = None, emulate_stalls: bool = False
+               ) -> LoaderResult:
     """Sweep, recommend, split the stalls, profile the naive preprocessing; return the frames.
 
     step: the consumer (callable, nominal seconds, label) as diag.loader.steps.consumer gives,
-    e.g. the QLoRA job's own step (diag.qlora.measure); None makes it from cfg."""
+    e.g. the QLoRA job's own step (diag.qlora.measure); None makes it from cfg.
+    emulate_stalls: the stall split waits as long as the step the sweep measured instead of
+    running it (a real step of seconds, run 3 x pipelines more times, buys no decision)."""
     from diag.config import LoaderConfig
     from diag.device import resolve
     from diag.loader.steps import consumer
@@ -50,7 +53,12 @@ def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
     step = step or consumer(cfg, tokenizer_dir, resolve(cfg.device))
     sweep = sweep_workers(cfg, step)
     recommendation = recommend(sweep, cfg.target_share)
-    stalls = stall_split(cfg, cfg.workers[0], step[0])
+    stall_step = step[0]
+    if emulate_stalls:
+        from diag.loader.steps import EmulatedStep
+
+        stall_step = EmulatedStep(float(sweep["step_s"].median()))
+    stalls = stall_split(cfg, cfg.workers[0], stall_step)
     records, _ = read_records(data, on_error=cfg.on_error)
     naive = NaiveTextDataset(records[: cfg.profile_samples], tokenizer_dir, cfg.seq_len)
     lines = profile_lines(naive.__getitem__, range(len(naive)))

@@ -123,7 +123,8 @@ def micro_candidates(rows_per_step: int, most: int = 4) -> list[int]:
 def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | None = None
                  ) -> AccumResult:
     """micro_batch x grad_accum == the job's rows per step, on the job's model (checkpointing
-    off: its own measurement prices it), one warm-up step then cfg.sweep_steps timed; one row
+    off: its own measurement prices it), a one-micro-batch warm-up then cfg.sweep_steps timed
+    optimizer steps; one row
     per timed step in diag.accum's columns, summarized and decided by diag.accum."""
     import time
 
@@ -153,17 +154,19 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
                 "floor_s": math.nan, "flops_per_token": math.nan, "mfu": math.nan,
                 "compile": False, "detail": job_label(cfg)}
         try:
-            warm = 0.0
-            for i in range(cfg.sweep_steps + 1):
+            # warm-up: one micro-batch and an update (allocator and kernels for this shape);
+            # the timed steps accumulate the job's whole step
+            start = time.perf_counter()
+            step.backward(batch, 1.0 / accum)
+            step.update()
+            warm = time.perf_counter() - start
+            for i in range(1, cfg.sweep_steps + 1):
                 memory.reset()
                 start = time.perf_counter()
                 for _ in range(accum):
                     step.backward(batch, 1.0 / accum)
                 step.update()
                 seconds = time.perf_counter() - start
-                if not i:
-                    warm = seconds
-                    continue
                 rows.append({**base, "seconds_per_step": seconds, "tokens_per_s": tokens / seconds,
                              "data_s": 0.0, "compute_s": seconds,
                              "peak_mem_gb": memory.growth_gb(), "status": "ok", "repeat": i - 1,
@@ -183,8 +186,9 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
 
 
 def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> LoaderResult:
-    """diag.loader's sweep, stall split and profile with the job's step as the consumer: its
-    data, its tokenizer, its seq_len, the chosen micro-batch, cfg.sweep_workers."""
+    """diag.loader's sweep with the job's step as the consumer (its data, its tokenizer, its
+    seq_len, the chosen micro-batch, cfg.sweep_workers); the stall split waits as long as that
+    step measured, the profile is the naive pipeline's."""
     from diag.config import LoaderConfig
     from diag.loader import run_loader
 
@@ -197,7 +201,8 @@ def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> LoaderResult:
         run_steps=cfg.steps)
     on = MeasuredOn(model=job_label(cfg), precision="nf4", seq_len=cfg.seq_len, step=label,
                     device=str(job.device))
-    return run_loader(loader_cfg, step=(step, float("nan"), label), measured_on=on)
+    return run_loader(loader_cfg, step=(step, float("nan"), label), measured_on=on,
+                      emulate_stalls=True)
 
 
 def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> CheckpointingResult:
