@@ -169,6 +169,12 @@ def _accum_advice(cfg: DiagnoseConfig, got: Products) -> pd.DataFrame:
     return advice(got["accum"].summary, int(steps), compute_s=compute)
 
 
+def _on_cpu(cfg: DiagnoseConfig) -> bool:
+    from diag.device import resolve
+
+    return resolve(cfg.device).type == "cpu"
+
+
 def _qlora_on(cfg: DiagnoseConfig) -> bool:
     return cfg.qlora
 
@@ -183,6 +189,9 @@ STEPS: tuple[Step, ...] = (
     Step("checkpointing", "checkpointing", _checkpointing, _qlora_on),
     Step("data loader", "loader", _loader_on_job, lambda c: c.qlora and c.loader),
     Step("naive vs optimized QLoRA", "qlora", _qlora, _qlora_on),
+    # on a CPU box, also: would this loader keep up with the GPU being considered (projected)
+    Step("data loader against target_gpu (projected)", "loader_projected", _loader_toy,
+         lambda c: c.qlora and c.loader and not c.quick_experiments and _on_cpu(c)),
     Step("data loader (projected)", "loader", _loader_toy, lambda c: not c.qlora and c.loader),
     Step("grad-accum sweep (tiny model)", "accum", _accum_toy,
          lambda c: not c.qlora and c.accum),

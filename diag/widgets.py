@@ -53,6 +53,8 @@ VIEWS: dict[str, View] = {
     "storage": _storage,
     "model_load": _model_load,
     "loader": lambda f: [f["loader_recommendation"], plots.plot_loader(f["loader"])],
+    "loader_projected": lambda f: [f["loader_projected_recommendation"],
+                                   plots.plot_loader(f["loader_projected"])],
     "accum": lambda f: [f["accum_summary"], plots.plot_accum(f["accum"])],
     "checkpointing": lambda f: [f["checkpointing"]],
     "qlora": _runs,

@@ -6,12 +6,13 @@ import json
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
 from diag.config import LoaderConfig
 from diag.embedded import ensure_assets, synthetic_records
-from diag.loader.advice import advice, recommend
+from diag.loader.advice import advice, decide, recommend
 from diag.loader.pipeline import PackedDataset
 from diag.loader.profile import profile_lines
 from diag.loader.steps import EmulatedStep, gpu_step_seconds, measure_model_step
@@ -40,12 +41,17 @@ def test_sweep_recovers_an_injected_per_sample_cost_and_recommends_the_workers_i
     rec = recommend(sweep, cfg.target_share).iloc[0]
     assert rec["per_sample_ms"] == pytest.approx(200.0, rel=0.10)
     assert rec["workers_needed"] == 2
-    assert rec["recommended_workers"] == 2, sweep[["num_workers", "data_wait_share"]]
+    # the plan's decision: 2 under the 2% goal, or (a loaded machine's late wake-ups leave the
+    # hand-off above it) the smallest within 10% / 1 ms of the best: 2 either way
+    decided = {d.setting: d for d in decide(sweep)}["num_workers"]
+    assert decided.value == 2, (decided.why, sweep[["num_workers", "data_wait_share"]])
+    kept_up = not pd.isna(rec["recommended_workers"])
+    assert not kept_up or rec["recommended_workers"] == 2, sweep[["num_workers", "data_wait_share"]]
     by = sweep.set_index("num_workers")
     assert by.loc[1, "data_wait_share"] > 0.3  # (400 - 240) / 400 of each step is a wait
     assert by.loc[3, "warning"].startswith("num_workers=3 >") == (3 > usable_cores())
     found = advice(sweep, recommend(sweep), run_steps=100)
-    assert found["finding"].str.contains("num_workers=2").any()
+    assert found["finding"].str.contains("num_workers=2" if kept_up else "workers alone leave").any()
     row = found.iloc[0]
     saved = (by.loc[0, "data_wait_s"] - by.loc[2, "data_wait_s"]) * 100
     assert row["stage"] == "data_wait" and row["seconds_saved"] == pytest.approx(saved)

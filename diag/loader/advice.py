@@ -102,8 +102,9 @@ def advice(sweep: pd.DataFrame, recommendation: pd.DataFrame, run_steps: int = 1
         if by.empty or pd.isna(r.baseline_workers) or r.baseline_share < target_share:
             continue  # the baseline keeps up: nothing to fix
         base_wait = float(by.loc[r.baseline_workers, "data_wait_s"])
-        best = int(r.recommended_workers) if not pd.isna(r.recommended_workers) else int(
-            by["data_wait_share"].idxmin())
+        # none keeps up: the one rule the plan decides by (the smallest near the best wait)
+        best = int(r.recommended_workers) if not pd.isna(r.recommended_workers) else \
+            choose_workers(by, target_share)[0]
         saved = (base_wait - float(by.loc[best, "data_wait_s"])) * run_steps
         evidence = (f"{r.pipeline} pipeline: data_wait {r.baseline_share:.1%} of the step at "
                     f"num_workers={r.baseline_workers}, {by.loc[best, 'data_wait_share']:.1%} at "

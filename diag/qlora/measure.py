@@ -293,7 +293,7 @@ def load_results(folder: str | Path, cfg: QLoraConfig | None = None) -> tuple[De
 
 
 def _check_job(table: pd.DataFrame, folder: Path, cfg: QLoraConfig) -> None:
-    measured = table[table["basis"] != "default"]
+    measured = table[~table["basis"].isin(["default", "projected"])]  # what was measured here
     for column, want in (("model", job_label(cfg)), ("seq_len", cfg.seq_len)):
         if column not in measured.columns:
             continue
