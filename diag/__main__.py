@@ -223,10 +223,22 @@ def main(argv: list[str] | None = None) -> int:
         own_module = isinstance(err, ModuleNotFoundError) and (err.name or "").startswith("diag")
         if os.environ.get("DIAG_DEBUG") or own_module:  # a broken diag install is a bug, not usage
             raise
-        print(redact(_one_line(err)), file=sys.stderr)
+        if _this_rank_speaks(err):  # under a launcher: once, not one copy per rank
+            print(redact(_one_line(err)), file=sys.stderr)
         return 2
-    _show(name, cfg, result, args)
+    if _this_rank_speaks(None):  # only rank 0 prints and writes the run folder
+        _show(name, cfg, result, args)
     return 0
+
+
+def _this_rank_speaks(err: BaseException | None) -> bool:
+    """Rank 0 reports; another rank only reports what is its own (its rendezvous failed)."""
+    from diag.distributed import RendezvousError, place
+
+    try:
+        return place().is_root or isinstance(err, RendezvousError)
+    except ValueError:  # a garbled RANK: better every rank's line than none
+        return True
 
 
 def threading_main() -> bool:
