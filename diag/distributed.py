@@ -10,11 +10,13 @@ all-reduce that backward does not hide, so a rank that arrives late shows up as 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,3 +253,41 @@ def read_spills(folder: Any) -> Any:  # -> pandas.DataFrame
     out = pd.concat(frames, ignore_index=True)
     out["step"] = out["step"].astype("Int64")
     return out
+
+
+def spill_ranks(timer: Any, seat: Place | None = None) -> None:
+    """Under a launcher: the timer appends each finished step to
+    <DIAG_HOME>/ranks/<job>/rank-<r>.partial.csv, so a killed job keeps them (read_spills)."""
+    from diag.config import diag_home
+
+    seat = seat or place()
+    if seat.distributed and timer.enabled:
+        folder = job_folder(diag_home() / "ranks")
+        timer.spill_to(folder / f"rank-{seat.rank}.partial.csv")
+
+
+def gathered_frame(timer: Any) -> Any:  # -> pandas.DataFrame
+    """Every rank's frame on rank 0 (this rank's own elsewhere), gathered once at the end; the
+    spilled copy is removed only after that, when the complete frame is safe."""
+    frame = timer.gather(dst=ROOT) if place().distributed else timer.to_frame()
+    if frame is None:
+        frame = timer.to_frame()
+    path = timer.spill_path
+    timer.close_spill()
+    if path is not None:
+        with contextlib.suppress(OSError):  # the last rank on each node removes the folder
+            path.parent.rmdir()
+    return frame
+
+
+@contextlib.contextmanager
+def root_first() -> Iterator[None]:
+    """Rank 0 runs the block first (fills shared caches on its node), then the others: two
+    barriers around start-up work, never inside a step."""
+    dist = _dist()
+    up = dist is not None and dist.is_initialized() and dist.get_world_size() > 1
+    if up and dist.get_rank() != ROOT:
+        dist.barrier()
+    yield
+    if up and dist.get_rank() == ROOT:
+        dist.barrier()

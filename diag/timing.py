@@ -187,6 +187,12 @@ class StageTimer:
                                   f"{self.node}\n" for s, sec, st in new))
         self._spill.flush()  # one write(2) of whole lines: a kill never splits a row
 
+    @property
+    def spill_path(self) -> Any:  # -> pathlib.Path | None
+        from pathlib import Path
+
+        return Path(self._spill.name) if self._spill is not None else None
+
     def close_spill(self, remove: bool = True) -> None:
         """Stop spilling; remove the file once the complete frame is safe elsewhere."""
         if self._spill is not None:

@@ -12,7 +12,6 @@ steps (diag.distributed), `comm_wait` is split out of compute, and rank 0 gather
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 
@@ -20,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from diag import distributed
-from diag.config import ToyConfig, diag_home
+from diag.config import ToyConfig
 from diag.gpu_util import GpuSampler
 from diag.timing import StageTimer
 
@@ -58,12 +57,10 @@ def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
     model = torch.nn.Sequential(
         torch.nn.Linear(cfg.width, cfg.width), torch.nn.GELU(), torch.nn.Linear(cfg.width, 1)
     ).to(dev)
-    folder = None
     if seat.distributed:
         model = torch.nn.parallel.DistributedDataParallel(model)
         timer.watch_comm(model)
-        folder = distributed.job_folder(diag_home() / "ranks")
-        timer.spill_to(folder / f"rank-{seat.rank}.partial.csv")
+        distributed.spill_ranks(timer, seat)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prep = cfg.prep_ms + (cfg.slow_ms if seat.rank == cfg.slow_rank else 0.0)
     loader = DataLoader(  # each rank its own batches: seeds apart by the step count
@@ -96,13 +93,7 @@ def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
                 step(x, y)
             timer.flush()  # a no-op on one process: the finished step survives a kill
     del batches  # worker shutdown happens here, outside every timed stage
-    frame = timer.gather(dst=0) if seat.distributed else timer.to_frame()
-    if frame is None:  # not rank 0: rank 0 holds every rank's rows
-        frame = timer.to_frame()
-    timer.close_spill()
-    if folder is not None:
-        with contextlib.suppress(OSError):  # the last rank on each node removes it
-            folder.rmdir()
+    frame = distributed.gathered_frame(timer)  # every rank's rows on rank 0
     waits = (frame["stage"] == "data_wait") & (frame["rank"] == timer.rank)  # this rank's GPU
     frame["gpu_util_pct"], frame["gpu_util_note"] = float("nan"), ""
     for column, value in util.columns().items():  # beside data_wait: was the GPU idle then?
