@@ -109,3 +109,27 @@ def test_spilled_rows_survive_and_a_cut_line_is_dropped(tmp_path):
     assert rows["step"].tolist() == [0, 0, 1, 1, 2, 2] and (rows["rank"] == 1).all()
     timer.close_spill()
     assert not list(tmp_path.iterdir())  # the complete frame is elsewhere: the spill goes
+
+
+def test_shares_of_a_ddp_run_are_one_ranks_wall_clock():
+    from diag import amdahl
+
+    one = _frame({0: {"data_wait": 0.01, "compute": 0.02}})
+    two = _frame({0: {"data_wait": 0.01, "compute": 0.02}, 1: {"data_wait": 0.01, "compute": 0.02}})
+    pd.testing.assert_series_equal(amdahl.shares(one)["seconds"], amdahl.shares(two)["seconds"])
+
+
+def test_the_report_has_a_bar_per_rank_and_the_per_rank_table(tmp_path):
+    from diag import plots, report
+
+    stages = _frame({0: {"data_wait": 0.001, "compute": 0.010, "comm_wait": 0.040},
+                     1: {"data_wait": 0.041, "compute": 0.010, "comm_wait": 0.001}})
+    fig = plots.plot_ranks(stragglers.per_rank(stages))
+    assert len(fig.axes[0].patches) == 2 * 5  # one bar of five stages per rank
+    folder = report.write({"qlora_stages": stages}, tmp_path / "run")
+    page = (folder / "report.html").read_text()
+    assert "<h2>Per rank</h2>" in page and 'alt="ranks"' in page
+    assert "loader is starved" in page  # rank 1 named in the straggler table
+    assert (folder / "ranks.png").is_file()
+    summary = report.load_summary(folder)
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
