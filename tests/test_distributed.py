@@ -41,6 +41,16 @@ def _toy(*extra: str) -> list[str]:
             *extra]
 
 
+LAUNCHERS = {
+    "torchrun": [*TORCHRUN, "--nproc_per_node", "2", "--master_port"],
+    # on CPU accelerate's own path is one process (several need MPI); --multi_gpu takes the
+    # torchrun path it uses on GPUs, and the ranks pick gloo for a CPU device
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                   "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                   "--dynamo_backend", "no", "--main_process_port"],
+}
+
+
 def _check_straggler(frame: pd.DataFrame) -> pd.Series:
     found = stragglers.findings(frame)
     assert len(found) == 1, found
@@ -128,3 +138,23 @@ def test_a_rank_killed_mid_run_fails_the_launcher_and_keeps_the_finished_steps(t
         assert mine["step"].max() >= 5
         # every kept step is a finished one: its data_wait, h2d, compute and comm_wait rows
         assert (mine.groupby("step").size() == 4).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_qlora_runs_as_ddp_and_rank_0_alone_writes_the_run_folder(tmp_path, launcher):
+    run = subprocess.run(
+        [*LAUNCHERS[launcher], str(_port()), "-m", "diag", "qlora", "--quick", "--device", "cpu",
+         "--plan", "optimized", "--report"],
+        cwd=tmp_path, env=_env(tmp_path / "home"), capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (folder,) = (tmp_path / "runs").iterdir()  # one run folder, from rank 0
+    stages = pd.read_csv(folder / "qlora_stages.csv")
+    assert sorted(stages["rank"].unique()) == [0, 1]
+    # the Trainer's DDP all-reduce went through diag's hook on both ranks, every timed step
+    waits = stages[stages["stage"] == "comm_wait"]
+    assert waits.groupby("rank")["step"].nunique().tolist() == [2, 2]  # 3 steps, 1 warm-up
+    assert pd.read_csv(folder / "qlora.csv")["ranks"].tolist() == [2]
+    page = (folder / "report.html").read_text()
+    assert "<h2>Per rank</h2>" in page and (folder / "ranks.png").is_file()
+    assert run.stdout.count("wrote ") == 1

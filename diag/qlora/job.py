@@ -44,8 +44,14 @@ class Sources:
 @contextlib.contextmanager
 def open_sources(cfg: QLoraConfig) -> Iterator[Sources]:
     """The user's bucket and model, or the embedded S3 server and hub (started, then stopped)."""
+    from diag.distributed import root_first
     from diag.storage.objectstore import make_client
 
+    if not (cfg.source and cfg.model):
+        from diag.embedded import ensure_assets
+
+        with root_first():  # under DDP rank 0 makes the embedded assets, the others find them
+            ensure_assets()
     with contextlib.ExitStack() as stack:
         if cfg.source:
             url, client = cfg.source, make_client(cfg.endpoint_url)
@@ -232,5 +238,6 @@ def _training_args(cfg: QLoraConfig, plan: Plan, data: Any, out_dir: Path, devic
         dataloader_pin_memory=plan.pin_memory,
         dataloader_persistent_workers=plan.persistent_workers and workers > 0,
         dataloader_prefetch_factor=plan.prefetch_factor if workers > 0 else None,
+        ddp_find_unused_parameters=False,  # under DDP every LoRA weight gets a gradient: no graph walk
         remove_unused_columns=False,  # checkpointing: as prepare_model_for_kbit_training set it
     )
