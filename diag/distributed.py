@@ -83,7 +83,10 @@ def launched() -> bool:
     return _env_int("WORLD_SIZE", 1) > 1
 
 
-def init_group(device_type: str = "cpu", timeout_s: float = 120.0) -> Place:
+RENDEZVOUS_TIMEOUT_S = 300.0  # how long a rank dials MASTER_ADDR:MASTER_PORT (env DIAG_RENDEZVOUS_TIMEOUT_S)
+
+
+def init_group(device_type: str = "cpu", timeout_s: float | None = None) -> Place:
     """Join the launcher's process group (nccl on CUDA, gloo on CPU) unless one is up.
 
     A rank that cannot reach the rendezvous raises one RendezvousError naming its rank and the
@@ -94,12 +97,16 @@ def init_group(device_type: str = "cpu", timeout_s: float = 120.0) -> Place:
     here = place()
     if not here.distributed or dist.is_initialized():
         return here
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("DIAG_RENDEZVOUS_TIMEOUT_S") or RENDEZVOUS_TIMEOUT_S)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         import torch
 
         torch.cuda.set_device(here.local_rank)  # one GPU per rank, before NCCL picks one
     try:
+        if here.rank != ROOT or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            _dial(here.address, timeout_s)  # a client of the store: is anyone there at all?
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError, OSError) as err:  # DistStoreError is a RuntimeError
         why = " ".join(str(err).split())[:200]
@@ -107,6 +114,26 @@ def init_group(device_type: str = "cpu", timeout_s: float = 120.0) -> Place:
                            f"rendezvous at {here.address or 'MASTER_ADDR:MASTER_PORT unset'} "
                            f"over {backend}: {why}") from None
     return place()
+
+
+def _dial(address: str, timeout_s: float) -> None:
+    """Wait until the rendezvous address accepts a connection; OSError naming it otherwise.
+
+    torch's store client would retry too, but logs a C++ stack per attempt on every rank."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return  # nothing to dial: init_process_group names what is missing
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(timeout_s, 5.0)):
+                return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise OSError(f"nothing answered there for {timeout_s:g} s ({err})") from None
+            time.sleep(0.5)
 
 
 def check_divides(tokens_per_step: int, seq_len: int, micro_batch: int, world_size: int,

@@ -158,3 +158,34 @@ def test_qlora_runs_as_ddp_and_rank_0_alone_writes_the_run_folder(tmp_path, laun
     page = (folder / "report.html").read_text()
     assert "<h2>Per rank</h2>" in page and (folder / "ranks.png").is_file()
     assert run.stdout.count("wrote ") == 1
+
+
+def test_a_rank_that_cannot_reach_the_rendezvous_says_so_in_one_line(tmp_path):
+    # what a rank started by the environment alone (srun, a scheduler's env) does when the
+    # address it dials answers nothing; torchrun's own agent waits for its rendezvous before
+    # starting any rank, and its error is then the launcher's alone (docs/distributed.md)
+    port = _port()
+    env = {**_env(tmp_path), "RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "DIAG_RENDEZVOUS_TIMEOUT_S": "3"}
+    run = subprocess.run([sys.executable, *_toy("--steps", "2")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in run.stderr
+    assert lines[0].startswith(f"diag: RendezvousError: rank 1 (node 1) could not reach the "
+                               f"rendezvous at 127.0.0.1:{port} over gloo")
+
+
+def test_a_world_the_sweep_cannot_split_exits_2_on_every_rank_with_one_line(tmp_path):
+    run = subprocess.run(
+        [*TORCHRUN, "--nproc_per_node", "3", "--master_port", str(_port()), "-m", "diag",
+         "accum", "--quick", "--device", "cpu", "--micro-batches", "2,4"],
+        env=_env(tmp_path), capture_output=True, text=True, timeout=180)
+    assert run.returncode != 0
+    assert run.stderr.count("exitcode  : 2") == 3  # every rank, as the launcher reports them
+    ours = [line for line in run.stderr.splitlines() if line.startswith("diag: ")]
+    assert ours == ["diag: ValueError: AccumConfig.tokens_per_step=1024 (16 sequences of 64) is "
+                    "not divisible by world size 3 x micro-batch 2 = 6; micro-batches that "
+                    "divide it at this world size: none (make AccumConfig.tokens_per_step a "
+                    "multiple of 192)"]
