@@ -73,8 +73,10 @@ def _dist() -> Any:
     """torch.distributed if torch is already imported; never a reason to import torch."""
     if "torch" not in sys.modules:
         return None
-    import torch.distributed as dist
-
+    try:
+        import torch.distributed as dist
+    except ImportError:  # a torch build without it
+        return None
     return dist if dist.is_available() else None
 
 
