@@ -111,6 +111,7 @@ class StageTimer:
         seat = place()  # the launcher's environment, or the process group when it is up
         self.rank = seat.rank if rank is None else rank
         self.node = seat.node
+        self.local_rank, self.world_size = seat.local_rank, seat.world_size
         self.comm: CommWait | None = None  # set by watch_comm under DDP
         self._spill: Any = None  # open file the finished steps' rows go to (spill_to)
         self._spilled = 0

@@ -83,6 +83,7 @@ def test_place_reads_the_launchers_environment(monkeypatch):
     with timer.stage("compute"):
         pass
     assert timer.to_frame()[["rank", "node"]].values.tolist() == [[5, 1]]
+    assert (timer.local_rank, timer.world_size) == (1, 8)
     monkeypatch.setenv("RANK", "two")
     with pytest.raises(ValueError, match="RANK='two'"):
         place()

@@ -5,6 +5,8 @@
 `data_wait` (from one step's end to the next step's begin, where the Trainer pulls that step's
 batches) and `compute` (forward, backward, optimizer); run-level `warmup` (the first steps,
 start-up included), `checkpoint`, `eval` and `train` (the steady-state loop around the steps).
+Under torchrun / accelerate (DDP) each rank's rows carry its rank and node, and with
+`callback.trainer = trainer` the all-reduce wait backward leaves exposed is `comm_wait`.
 """
 
 from __future__ import annotations
