@@ -142,6 +142,7 @@ def test_quick_mode_unset_and_diag_home_default(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("DIAG_QUICK", raising=False)
     assert quick_mode() is False
     monkeypatch.delenv("DIAG_HOME", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)  # conftest points it into a temp folder
     assert diag_home() == Path.home() / ".cache" / "diag"
     monkeypatch.setenv("DIAG_HOME", "~/elsewhere")
     assert diag_home() == Path.home() / "elsewhere"

@@ -78,7 +78,7 @@ def test_the_users_cache_is_byte_identical_after_every_scenario_and_a_moved_ref(
     cfg = ModelLoadConfig.quick(model=REPO, scenarios=ALL, warmup=1)  # no --cache-dir: theirs
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # nothing to say: the ref is where it was
-        frame = run_model_load(cfg)
+        frame = run_model_load(cfg).frame
     assert set(frame["scenario"]) == set(ALL) and "from_pretrained" in set(frame["part"])
     assert tree(user) == before
 
@@ -91,7 +91,7 @@ def test_the_users_cache_is_byte_identical_after_every_scenario_and_a_moved_ref(
     with pytest.warns(RuntimeWarning, match=rf"{REPO}@main moved: your HF cache holds commit "
                                             rf"{cached_commit[:12]}, the hub's is "
                                             rf"{new_commit[:12]}; diag loaded the cached commit"):
-        frame = run_model_load(cfg.replace(scenarios=["cached", "cached_offline"]))
+        frame = run_model_load(cfg.replace(scenarios=["cached", "cached_offline"])).frame
     assert tree(user) == before  # not downloaded, no ref moved, no .no_exist marker
     snapshot = hfcache.snapshot_folder(user, REPO)
     assert snapshot is not None and snapshot.name == cached_commit
