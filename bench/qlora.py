@@ -110,7 +110,7 @@ def regret(cfg: QLoraConfig, optimized: Plan, src: Sources, rounds: int = 3
 def per_fix(optimized: Plan, grid: dict, summary: dict, results: dict) -> list[dict]:
     """Each fix undone alone (back to the naive setting) in the grid: its measured saving per
     step against the saving the experiments' frames predicted for it, flagged past 25%."""
-    from diag.qlora.experiment import (PREDICTION_TOLERANCE, _checkpointing_factor,
+    from diag.qlora.predict import (PREDICTION_TOLERANCE, _checkpointing_factor,
                                        _micro_speedup)
 
     o = optimized
