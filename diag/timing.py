@@ -19,7 +19,7 @@ from contextlib import ContextDecorator
 from typing import Any
 
 # Run-level stages happen once per training run; step-level stages once per optimizer step.
-RUN_STAGES = ("fetch_data", "load_model", "preprocess", "warmup", "train", "checkpoint", "eval")
+RUN_STAGES = ("fetch_data", "load_model", "preprocess", "setup", "warmup", "train", "checkpoint", "eval")
 STEP_STAGES = ("data_wait", "h2d", "compute", "other")
 # The parts of load_model, reported beside it (they add up to it, they are not extra time).
 # `import` (interpreter start + torch/transformers/bitsandbytes) is in it: every job start pays it.

@@ -34,6 +34,7 @@ class QLoraConfig(ExperimentConfig):
     resume: bool = False  # continue from the last checkpoint in out_dir, if there is one
     out_dir: str = ""  # checkpoints; "" = a fresh temporary folder per run
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"; CUDA-only settings on CPU fall back, with a note
+    rounds: int = 3  # plans run interleaved this many times (order alternating); medians + spread
     results: str = ""  # run folder whose experiment CSVs the optimized plan reads; "" = defaults
 
     QUICK: ClassVar[dict[str, Any]] = {"records": 12, "steps": 3, "seq_len": 96, "lora_r": 8,
@@ -42,7 +43,9 @@ class QLoraConfig(ExperimentConfig):
     def validate(self) -> None:
         self._choice("plan", QLORA_PLANS)
         self._choice("on_error", ON_ERROR)
-        self._positive("records", "steps", "seq_len", "lr", "lora_r", "lora_alpha")
+        self._positive("records", "steps", "seq_len", "lr", "lora_r", "lora_alpha", "rounds")
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int):
+            raise ValueError(f"QLoraConfig.rounds={self.rounds!r}: must be a whole number >= 1")
         self._non_negative("warmup_steps", "lora_dropout", "checkpoint_every", "seed")
         self._device()
         if not self.lora_dropout < 1:

@@ -37,6 +37,12 @@ class QLoraResult:
     plans: pd.DataFrame  # run, setting, value, evidence
     savings: pd.DataFrame  # stage, predicted_s, measured_s, error_share, flagged, evidence
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
+    rounds: pd.DataFrame | None = None  # every plan x round summary (interleaved order)
+
+    @property
+    def headline(self) -> str:
+        """naive vs optimized per trained token, with the spread; '' unless both plans ran."""
+        return headline(self.frame) if set(self.frame["plan"]) >= {"naive", "optimized"} else ""
 
 
 def load_results(folder: str | Path) -> dict[str, Any]:
@@ -59,8 +65,9 @@ def load_results(folder: str | Path) -> dict[str, Any]:
 
 def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = None
               ) -> QLoraResult:
-    """Run cfg.plan ("naive", "optimized" or "both"); `results` (frames by experiment) or
-    cfg.results (a run folder) feed Plan.optimized."""
+    """Run cfg.plan ("naive", "optimized" or "both") cfg.rounds times, interleaved (the order
+    alternates per round, so drift on a shared machine hits both alike); `results` (frames by
+    experiment) or cfg.results (a run folder) feed Plan.optimized."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -68,6 +75,7 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
     from diag.config import QLoraConfig
     from diag.device import resolve
     from diag.qlora.job import open_sources, prime, run_plan
+    from diag.qlora.predict import Counts, predict
 
     cfg = cfg or QLoraConfig.default()
     results = results if results is not None else load_results(cfg.results)
@@ -77,21 +85,79 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
         plans.append(Plan.naive())
     if cfg.plan in ("optimized", "both"):
         plans.append(Plan.optimized(results, device=device))
-    runs = []
+    runs: list[dict[str, Any]] = []
+    once: dict[str, float] = {}
     with open_sources(cfg) as src:
-        for plan in tqdm(plans, desc="qlora plans", leave=False):
-            # an optimized start finds the landed data, cached model and tokens: the first
-            # start pays them once, untimed here and reported as once_s
-            once = prime(cfg, plan, src) if plan.name == "optimized" else 0.0
-            runs.append(run_plan(cfg, plan, src) | {"once_s": once})
-    frame = pd.DataFrame([r["summary"] | {"once_s": r["once_s"]} for r in runs])
-    stages = pd.concat([r["stages"] for r in runs], ignore_index=True)
-    losses = pd.concat([r["losses"] for r in runs], ignore_index=True)
+        # an optimized start finds the landed data, cached model and tokens: the first start
+        # pays them once, apart from the per-start figure and shown beside it as once_s
+        once = {p.name: prime(cfg, p, src) if p.name == "optimized" else 0.0 for p in plans}
+        order = [(r, p) for r in range(cfg.rounds) for p in (plans if r % 2 == 0 else plans[::-1])]
+        for r, plan in tqdm(order, desc="qlora plans x rounds", leave=False):
+            got = run_plan(cfg, plan, src)
+            got["summary"]["round"] = r
+            runs.append(got)
+    every = pd.DataFrame([r["summary"] for r in runs])
+    frame = _per_plan(every, once)
+    # the stage breakdown of each plan's median round (a real run, not a blend of rounds)
+    keep = set(zip(frame["plan"], frame["median_round"]))
+    kept = [r for r in runs if (r["summary"]["plan"], r["summary"]["round"]) in keep]
+    stages = pd.concat([r["stages"] for r in kept], ignore_index=True)
+    losses = pd.concat([r["losses"] for r in kept], ignore_index=True)
     table = shares(stages)
     plan_rows = pd.DataFrame([{"run": p.name, "setting": k, "value": str(v),
                                "evidence": dict(p.evidence).get(k, "")}
                               for p in plans for k, v in p.settings().items() if k != "name"])
-    saved = savings(table, results, frame)
+    saved = pd.DataFrame(columns=["stage", "finding", "predicted_s", "measured_s",
+                                  "error_share", "flagged", "evidence"])
+    if len(plans) == 2:
+        slots = frame.set_index("plan")["token_slots"].astype(int).to_dict()
+        counts = Counts(cfg.steps, cfg.warmup_steps, slots)  # counted, not timed
+        saved = savings(_median_stages(runs, shares), predict(plans[0], plans[1], counts))
     advice = saved.rename(columns={"measured_s": "seconds_saved"})[
         ["stage", "finding", "seconds_saved", "evidence"]]
-    return QLoraResult(frame, stages, losses, table, plan_rows, saved, advice)
+    return QLoraResult(frame, stages, losses, table, plan_rows, saved, advice, every)
+
+
+def _per_plan(every: pd.DataFrame, once: dict[str, float]) -> pd.DataFrame:
+    """One row per plan: the median round's summary, with the spread over rounds beside it."""
+    import pandas as pd
+
+    rows = []
+    for plan, runs in every.groupby("plan", sort=False):
+        ranked = runs.sort_values("seconds", kind="stable")
+        mid = ranked.iloc[(len(ranked) - 1) // 2]  # the lower median: a round that ran
+        rows.append(mid.to_dict() | {
+            "seconds": float(runs["seconds"].median()), "seconds_min": float(runs["seconds"].min()),
+            "seconds_max": float(runs["seconds"].max()), "rounds": len(runs),
+            "median_round": int(mid["round"]), "once_s": once.get(plan, 0.0),
+            "trained_tokens_per_s": float(mid["real_tokens"] / runs["seconds"].median())})
+    return pd.DataFrame(rows).drop(columns=["round"])
+
+
+def _median_stages(runs: list[dict[str, Any]], shares: Any) -> pd.DataFrame:
+    """Each plan's run-level seconds per stage, the median over rounds (measured side of the
+    prediction check; one noisy round cannot swing it)."""
+    import pandas as pd
+
+    tables = [shares(r["stages"]).assign(round=r["summary"]["round"]) for r in runs]
+    both = pd.concat(tables, ignore_index=True)
+    both["stage"] = both["stage"].where(both["level"] == "run", "train")
+    per = both.groupby(["run", "round", "stage"])["seconds"].sum().reset_index()
+    med = per.groupby(["run", "stage"])["seconds"].median().reset_index()
+    return med.assign(level="run")
+
+
+def headline(frame: pd.DataFrame) -> str:
+    """naive / optimized per trained token, median and the spread's ends, with both counts."""
+    rows = frame.set_index("plan")
+    n, o = rows.loc["naive"], rows.loc["optimized"]
+    per = {p: r["seconds"] / r["real_tokens"] for p, r in (("naive", n), ("optimized", o))}
+    low = (n["seconds_min"] / n["real_tokens"]) / (o["seconds_max"] / o["real_tokens"])
+    high = (n["seconds_max"] / n["real_tokens"]) / (o["seconds_min"] / o["real_tokens"])
+    resolved = n["seconds_min"] / n["real_tokens"] > o["seconds_max"] / o["real_tokens"]
+    return (f"optimized {per['naive'] / per['optimized']:.3g}x faster per trained token "
+            f"(range {low:.3g}x-{high:.3g}x over {int(n['rounds'])} interleaved rounds"
+            f"{'' if resolved else ', spreads overlap: not resolved'}); trained tokens naive "
+            f"{int(n['real_tokens'])}, optimized {int(o['real_tokens'])}; optimized once "
+            f"{o['once_s']:.3g} s (land, cache, token cache) + check_records {o['check_s']:.3g} s "
+            f"beside {o['seconds']:.3g} s per start")

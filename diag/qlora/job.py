@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,17 +177,21 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
             model = load_model(cfg, plan, folder, device)
         with timer.stage("preprocess"):
             records, bad_lines = read(cfg, data_path)
-        recs = check_records(cfg, records, folder, bad_lines)  # untimed: the same in both plans
+        check = time.perf_counter()  # untimed as a stage (the same in both plans), but shown
+        recs = check_records(cfg, records, folder, bad_lines)
+        check_s = time.perf_counter() - check
         with timer.stage("preprocess"):
             data = build_dataset(cfg, plan, recs, folder)
         args = _training_args(cfg, plan, data, out_dir, device)
         callback = TimingCallback(timer, warmup_steps=cfg.warmup_steps, device=device)
+        callback.setup_from = wall = time.perf_counter()  # the Trainer's set-up is `setup`
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data.dataset,
                                        callbacks=[callback])
         # the Trainer prints every log line with tqdm off; a function in diag prints nothing
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         resume = last_checkpoint(out_dir) if cfg.resume else None
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        wall = time.perf_counter() - wall  # Trainer(...) + train(): what its stages must add to
         losses = pd.DataFrame([{"step": h["step"], "loss": h["loss"],
                                 "learning_rate": h.get("learning_rate")}
                                for h in trainer.state.log_history if "loss" in h])
@@ -195,7 +200,9 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
         # and checkpoint, so nothing is counted twice)
         seconds = float(frame.loc[frame["step"].isna(), "seconds"].sum())
         summary = {**data.stats, "plan": plan.name, "seconds": seconds,
-                   "steps": trainer.state.global_step,
+                   "steps": trainer.state.global_step, "trainer_wall_s": wall,
+                   "check_s": check_s,
+                   "trained_tokens_per_s": data.stats["real_tokens"] / seconds if seconds else None,
                    "resumed_from_step": int(resume.name.split("-")[1]) if resume else 0,
                    "micro_batch": args.per_device_train_batch_size,
                    "grad_accum": args.gradient_accumulation_steps,

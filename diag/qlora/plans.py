@@ -41,6 +41,7 @@ class Plan:
     gradient_checkpointing: bool  # prepare_model_for_kbit_training's default is on
     evidence: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # (setting, why)
     notes: tuple[str, ...] = field(default_factory=tuple)  # device fallbacks, said out loud
+    decisions: tuple[Any, ...] = ()  # diag.decision.Decision per setting (the "plan" helper's)
 
     @classmethod
     def naive(cls) -> Plan:
@@ -84,7 +85,7 @@ class Plan:
 
     def settings(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("evidence", "notes")}
+                if f.name not in ("evidence", "notes", "decisions")}
 
 
 def _frame(value: Any) -> Any:
