@@ -119,6 +119,10 @@ def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
             rows += _step_rows("pipeline", a["pipeline"], b["pipeline"], step - new, counts,
                                f"packing: token slots {slots[1]} / {slots[0]} x the step "
                                f"{step:.3g} s -> {new:.3g} s")
+            step = new
+        else:
+            rows += _step_rows("pipeline", a["pipeline"], b["pipeline"], None, counts,
+                               _unpriced(None, "no measured step or token slots to scale"))
         d = decided.get("pipeline")
         start = d is not None and d.per == "start"
         if _seconds(d) is not None and start:
