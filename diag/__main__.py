@@ -46,10 +46,10 @@ EXPERIMENTS: dict[str, Experiment] = {
     "model-load": Experiment(config.ModelLoadConfig, "diag.model_load:run_model_load",
                              "fresh vs cached model load: download, read, quantize, to_device, "
                              "tokenizer"),
-    # -- workers --
-    "workers": Experiment(config.LoaderConfig, "diag.loader:run_loader",
-                          "DataLoader num_workers sweep against a training step, fetch vs prep "
-                          "stalls, the hot lines of the naive preprocessing"),
+    # -- loader --
+    "loader": Experiment(config.LoaderConfig, "diag.loader:run_loader",
+                         "DataLoader num_workers sweep against a training step, fetch vs prep "
+                         "stalls, the hot lines of the naive preprocessing"),
     # -- accum --
     "accum": Experiment(config.AccumConfig, "diag.accum:run_accum",
                         "grad accumulation at constant tokens per step: tokens/s, memory, "
@@ -162,12 +162,21 @@ def _version() -> str:
     return f"diag {installed} (python {sys.version.split()[0]})"
 
 
+def _presets(cls: type) -> str:
+    """The sweep presets a config defines (QUICK is --quick; GPU, CPU, RUN: what `diag run`
+    applies), shown in --help so what runs is visible before it runs."""
+    found = {k: v for k, v in vars(cls).items() if k.isupper() and isinstance(v, dict) and v}
+    return "".join(f"; preset {k}{' (--quick)' if k == 'QUICK' else ''}: "
+                   + ", ".join(f"{f}={v}" for f, v in preset.items())
+                   for k, preset in found.items()).replace("%", "%%")
+
+
 def build_parser() -> _Parser:
     parser = _Parser(prog="python -m diag", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", parser_class=_Parser)
     for name, exp in EXPERIMENTS.items():
-        p = sub.add_parser(name, help=exp.help, description=exp.help)
+        p = sub.add_parser(name, help=exp.help, description=exp.help + _presets(exp.config))
         p.add_argument("--quick", action="store_true", help="the test-sized variant (also DIAG_QUICK=1)")
         if exp.table:  # the others write a run folder with every table instead
             p.add_argument("--csv", metavar="FILE", help="also write the main result table to FILE")
@@ -192,8 +201,15 @@ def build_parser() -> _Parser:
     return parser
 
 
+ALIASES = {"workers": "loader"}  # old command -> its name now; kept one release, with a warning
+
+
 def parse(argv: list[str]) -> tuple[str, config.ExperimentConfig, argparse.Namespace]:
     parser = build_parser()
+    if argv and argv[0] in ALIASES:
+        print(f"diag: `{argv[0]}` is now `{ALIASES[argv[0]]}`; the old name goes in the next "
+              "release", file=sys.stderr)
+        argv = [ALIASES[argv[0]], *argv[1:]]
     args = parser.parse_args(argv)
     if not args.experiment:
         raise UsageError("python -m diag: name an experiment: " + ", ".join(EXPERIMENTS))
@@ -250,17 +266,27 @@ def frames_of(name: str, result: Any) -> dict[str, Any]:
     frames gives its first field that name and the others `<name>_<field>` (`advice` kept as is)."""
     import pandas as pd
 
+    from diag.decision import Decision, frame
+    from diag.timing import STAGE_FRAME, is_stage_frame
+
     key = name.replace("-", "_")
     if isinstance(result, pd.DataFrame):
-        return {key: result}
-    if not dataclasses.is_dataclass(result):
+        result = types.SimpleNamespace(frame=result)
+    elif not dataclasses.is_dataclass(result):
         raise TypeError(f"{name}: a runner returns a DataFrame or a dataclass of frames, "
                         f"not {type(result).__name__}")
     out = {}
-    for i, f in enumerate(dataclasses.fields(result)):
-        value = getattr(result, f.name)
-        if isinstance(value, pd.DataFrame):
-            out[key if i == 0 else f.name if f.name == "advice" else f"{key}_{f.name}"] = value
+    for i, (field, value) in enumerate(vars(result).items() if isinstance(
+            result, types.SimpleNamespace) else ((f.name, getattr(result, f.name))
+                                                 for f in dataclasses.fields(result))):
+        if isinstance(value, tuple) and value and all(isinstance(d, Decision) for d in value):
+            out["decisions"] = frame(value)  # one key whichever experiment decided
+        elif isinstance(value, pd.DataFrame) and is_stage_frame(value):
+            # the stage frame under one key, whichever command wrote it: the report's shares,
+            # findings and Amdahl curve read it there (`run` names the run, e.g. `toy`)
+            out[STAGE_FRAME] = value if "run" in value.columns else value.assign(run=key)
+        elif isinstance(value, pd.DataFrame):
+            out[key if i == 0 else field if field == "advice" else f"{key}_{field}"] = value
     return out
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd
 
+from diag.decision import DATA_WAIT_GOAL
 from diag.timing import LOAD_PARTS, RUN_STAGES, STAGES, STEP_STAGES
 
 # Run-level stages that contain the step-level ones (their time is shown split into steps).
@@ -22,11 +23,11 @@ _CONTAINERS = ("train",)
 GPU_BOUND = ("compute", "warmup")
 # Share of step time above which data_wait is flagged, and above which it is noted.
 DATA_WAIT_FLAG = 0.10
-DATA_WAIT_NOTE = 0.02
+DATA_WAIT_NOTE = DATA_WAIT_GOAL  # under the loader's goal it is no finding
 
 # One fix per stage: what to do about it. A finding is emitted only with a measured number.
 FIXES = {
-    "fetch_data": "land the dataset on local NVMe once and reuse it (diag.storage.stage)",
+    "fetch_data": "land the dataset on local NVMe once and reuse it (diag.storage.land)",
     "load_model": "keep the HF cache on local NVMe (persistent HF_HOME) and set HF_HUB_OFFLINE=1",
     "preprocess": "tokenize once and cache the result, or tokenize with several processes",
     "setup": "the Trainer's own set-up (wrap, optimizer, data loader) is paid once per start",
@@ -203,15 +204,18 @@ def infer_compute_share(t_before: float, t_after: float, compute_speedup: float)
             "compute_after": compute / compute_speedup, "t_after": t_after}
 
 
-def findings(frame: pd.DataFrame, extra: pd.DataFrame | None = None,
-             total_steps: int | None = None, min_share: float = 0.01) -> pd.DataFrame:
+def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
+             total_steps: int | None = None, min_share: float = 0.01,
+             extra: pd.DataFrame | None = None) -> pd.DataFrame:
     """Fixes ranked by seconds saved, each resting on measured rows (no finding without a number).
 
     Stage findings assume the stage removed (its seconds saved, an upper bound) except compute,
     which is never removed; stages under min_share of their run are left out as noise (data_wait
-    has its own thresholds). `extra` adds findings other experiments measured (columns `stage`,
-    `finding`, `seconds_saved`, `evidence`), e.g. the storage tax or a cached model load.
+    has its own thresholds). `advice` adds findings other experiments measured (columns `stage`,
+    `finding`, `seconds_saved`, `evidence`: every experiment's `.advice`), e.g. the storage tax
+    or a cached model load; `extra` is its former name.
     """
+    extra = advice if advice is not None else extra
     table = shares(frame, total_steps)
     runs = list(dict.fromkeys(table["run"]))
     extra = extra if extra is not None else pd.DataFrame(columns=["stage"])

@@ -15,15 +15,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import pandas as pd
+if TYPE_CHECKING:  # configs import the thresholds: no pandas on that path
+    import pandas as pd
 
 DATA_WAIT_GOAL = 0.02  # a loader setting keeps up when data_wait stays under this share of the step
 DATA_WAIT_NEAR_BEST = 0.10  # no setting reaches the goal: the smallest within this share of the
 DATA_WAIT_NEAR_BEST_S = 0.001  # best achievable data_wait (or this many seconds per step) wins
 PREDICTION_TOLERANCE = 0.25  # |measured - predicted| above this share of predicted is flagged
 MFU_DISAGREEMENT = 0.10  # formula vs FlopCounterMode FLOPs further apart than this are flagged
+CHECKPOINTING_HEADROOM = 0.5  # checkpointing stays on when the step's peak without it exceeds
+#                               this share of the memory it lives in (turning it off grows it)
 
 Basis = Literal["measured", "capped", "projected", "default"]
 BASES: tuple[str, ...] = ("measured", "capped", "projected", "default")
@@ -82,7 +85,7 @@ class Decision:
                   *, source: str, measured_on: MeasuredOn | None = None,
                   basis: Basis = "measured", **worth: Any) -> Decision:
         """A measured decision; `worth` takes baseline, stage, per, baseline_s, chosen_s."""
-        records = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else list(rows)
+        records = rows.to_dict("records") if hasattr(rows, "to_dict") else list(rows)
         return cls(setting, value, basis, why, source=source,
                    measured_on=measured_on or MeasuredOn(), rows=tuple(records), **worth)
 
@@ -108,13 +111,17 @@ class Decision:
     def record(self) -> dict[str, Any]:
         return {"setting": self.setting, "value": self.value, "basis": self.basis,
                 "source": self.source, "measured_on": self.measured_on.label(), "why": self.why,
+                "model": self.measured_on.model, "seq_len": self.measured_on.seq_len,
                 "rows": len(self.rows), "baseline": self.baseline, "stage": self.stage,
                 "per": self.per, "baseline_s": self.baseline_s, "chosen_s": self.chosen_s}
 
 
 def frame(decisions: Iterable[Decision]) -> pd.DataFrame:
     """One row per decision: setting, value, basis, source, measured_on, why, rows."""
-    columns = ["setting", "value", "basis", "source", "measured_on", "why", "rows", "baseline",
+    import pandas as pd
+
+    columns = ["setting", "value", "basis", "source", "measured_on", "why", "model", "seq_len",
+               "rows", "baseline",
                "stage", "per", "baseline_s", "chosen_s"]
     return pd.DataFrame([d.record() for d in decisions], columns=columns)
 

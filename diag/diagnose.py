@@ -1,16 +1,22 @@
 """The whole diagnosis on the embedded defaults (or the user's source): `python -m diag run`.
 
 It measures what this machine is, pulls the dataset from the object store and lands it
-(diag.storage), loads the model fresh and cached (diag.model_load), sweeps the DataLoader against
-a training step (diag.loader), sweeps micro-batch x grad-accum (diag.accum), then runs the QLoRA
-job twice (diag.qlora): the naive plan as a newcomer runs it, the optimized plan built from the
-frames measured above. (`qlora=False` runs the toy loop instead, with the measured fetch and
-load costs on its timer.) Writes the run folder.
+(diag.storage), loads the model fresh and cached (diag.model_load), then measures the QLoRA job's
+own step (diag.qlora.measure): micro-batch x grad-accum of the nf4 + LoRA model, checkpointing on
+vs off, and the DataLoader sweep consuming that step; then runs the job twice (diag.qlora): the
+naive plan as a newcomer runs it, the optimized plan collected from the decisions above.
+(`qlora=False` runs the toy loop instead, the loader against the GPU being considered, with the
+measured fetch and load costs on its timer.) Writes the run folder.
+
+`STEPS` is the one list of steps: run_diagnose runs the enabled ones in order, each returning its
+product (an experiment's result), and the widget panel (diag.widgets) reads the same list.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,171 +24,269 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from diag import report
-from diag.config import DiagnoseConfig, InfoConfig, ToyConfig
-from diag.timing import StageTimer, median_seconds
+from diag.config import DiagnoseConfig, InfoConfig, QLoraConfig, ToyConfig
+from diag.timing import STAGE_FRAME, StageTimer, is_stage_frame, median_seconds
 
 RUNS = ("naive", "optimized")
+Products = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the diagnosis: `run(cfg, products so far)` returns its product, kept under
+    `key` (its frames are stored as key, key_<field>)."""
+
+    name: str  # what the progress bar and the panel show
+    key: str
+    run: Callable[[DiagnoseConfig, Products], Any]
+    enabled: Callable[[DiagnoseConfig], bool] = lambda cfg: True
+
+
+def _quick(cfg: DiagnoseConfig) -> bool | None:
+    return cfg.quick_experiments or None
+
+
+def job_config(cfg: DiagnoseConfig) -> QLoraConfig:
+    """The QLoRA job the diagnosis measures and runs; the panel's sweep values go to its sweeps."""
+    sweeps = {k: v for k, v in (("sweep_workers", list(cfg.workers)),
+                                ("sweep_micro_batches", list(cfg.micro_batches))) if v}
+    preset = {} if cfg.quick_experiments else QLoraConfig.RUN
+    return QLoraConfig.default(quick=_quick(cfg), model=cfg.model, device=cfg.device,
+                               plan=cfg.plan, **(preset | sweeps))
+
+
+def _info(cfg: DiagnoseConfig, got: Products) -> pd.DataFrame:
+    from diag.device import run_info
+
+    return run_info(InfoConfig.default(quick=_quick(cfg)))
+
+
+def _storage(cfg: DiagnoseConfig, got: Products) -> Any:
+    from diag.config import StorageConfig
+    from diag.storage import run_storage
+
+    return run_storage(StorageConfig.default(quick=_quick(cfg), source=cfg.source))
+
+
+def _model_load(cfg: DiagnoseConfig, got: Products) -> Any:
+    from diag.config import ModelLoadConfig
+    from diag.model_load import run_model_load
+
+    # quick: the two scenarios the runs need; full: all four, for every advice row
+    quick = {"scenarios": ["fresh", "cached"]} if cfg.quick_experiments else {}
+    return run_model_load(ModelLoadConfig.default(quick=_quick(cfg), model=cfg.model, **quick))
+
+
+# -- measured on the QLoRA job ------------------------------------------------------------------
+def _job(cfg: DiagnoseConfig, got: Products) -> Any:
+    from diag.qlora.measure import job_inputs
+
+    return job_inputs(job_config(cfg))
+
+
+def _accum_on_job(cfg: DiagnoseConfig, got: Products) -> Any:
+    from diag.qlora.measure import accum_on_job
+
+    return accum_on_job(job_config(cfg), got["job"])
+
+
+def _micro(got: Products) -> int:
+    from diag.decision import by_setting
+    from diag.qlora.plans import Plan
+
+    if "accum" in got:
+        return int(by_setting(got["accum"].decisions)["micro_batch"].value)
+    return Plan.optimized(device=str(got["job"].device)).fit(got["job"].rows_per_step).micro_batch
+
+
+def _checkpointing(cfg: DiagnoseConfig, got: Products) -> Any:
+    from diag.qlora.measure import checkpointing_on_job
+
+    return checkpointing_on_job(job_config(cfg), got["job"], _micro(got))
+
+
+def _loader_on_job(cfg: DiagnoseConfig, got: Products) -> Any:
+    from diag.qlora.measure import loader_on_job
+
+    return loader_on_job(job_config(cfg), got["job"], _micro(got))
+
+
+def _qlora(cfg: DiagnoseConfig, got: Products) -> Any:
+    """The QLoRA job under both plans; the optimized one collects the decisions above."""
+    from diag.qlora import run_qlora
+
+    measured = {k: got[k] for k in ("loader", "accum", "checkpointing") if k in got}
+    # storage and model_load as frames: the run's predictions read their rows too
+    measured |= {k: got[k].frame for k in ("storage", "model_load") if k in got}
+    return run_qlora(job_config(cfg), results=measured)
+
+
+# -- the toy loop (qlora=False) -------------------------------------------------------------------
+def _loader_toy(cfg: DiagnoseConfig, got: Products) -> Any:
+    from diag.config import LoaderConfig
+    from diag.device import resolve
+    from diag.loader import run_loader
+
+    # On a CPU box the question is whether this loader would keep up with the GPU being
+    # considered: an emulated step of that GPU's estimated duration, a projection
+    sweep = {} if cfg.quick_experiments else dict(LoaderConfig.RUN)
+    if resolve(cfg.device).type == "cpu" and not cfg.quick_experiments:
+        sweep["gpu"] = cfg.target_gpu
+    if cfg.workers:
+        sweep["workers"] = list(cfg.workers)
+    got_ = run_loader(LoaderConfig.default(quick=_quick(cfg), device=cfg.device,
+                                           run_steps=cfg.steps, **sweep))
+    if "gpu" not in sweep:
+        return got_
+    projected = tuple(d if d.basis == "default" else dataclasses.replace(d, basis="projected")
+                      for d in got_.decisions)
+    return dataclasses.replace(got_, decisions=projected)
+
+
+def _accum_toy(cfg: DiagnoseConfig, got: Products) -> Any:
+    from diag.accum import run_accum
+    from diag.config import AccumConfig
+    from diag.device import resolve
+
+    cuda = resolve(cfg.device).type == "cuda"
+    preset = {} if cfg.quick_experiments else AccumConfig.GPU if cuda else AccumConfig.CPU
+    sweep = preset | ({"micro_batches": list(cfg.micro_batches)} if cfg.micro_batches else {})
+    return run_accum(AccumConfig.default(quick=_quick(cfg), device=cfg.device, **sweep))
+
+
+def _toy_runs(cfg: DiagnoseConfig, got: Products) -> pd.DataFrame:
+    return training_runs(cfg, run_level(got))
+
+
+def _accum_advice(cfg: DiagnoseConfig, got: Products) -> pd.DataFrame:
+    """Ranked beside the other stages as the fraction of the naive run's compute the faster
+    split saves (the sweep's own seconds are for its model, not this run's)."""
+    from diag.accum import advice
+
+    run = frames(got)[STAGE_FRAME]
+    compute = float(run.loc[(run["run"] == RUNS[0]) & (run["stage"] == "compute"), "seconds"].sum())
+    steps = got["qlora"].frame["steps"].max() if "qlora" in got else cfg.steps
+    return advice(got["accum"].summary, int(steps), compute_s=compute)
+
+
+def _on_cpu(cfg: DiagnoseConfig) -> bool:
+    from diag.device import resolve
+
+    return resolve(cfg.device).type == "cpu"
+
+
+def _qlora_on(cfg: DiagnoseConfig) -> bool:
+    return cfg.qlora
+
+
+STEPS: tuple[Step, ...] = (
+    Step("device facts", "info", _info),
+    Step("storage", "storage", _storage, lambda c: c.storage),
+    Step("model load", "model_load", _model_load, lambda c: c.model_load),
+    Step("the job's inputs", "job", _job, _qlora_on),
+    # before the runs: the optimized plan collects these decisions, measured on the job
+    Step("grad-accum sweep", "accum", _accum_on_job, lambda c: c.qlora and c.accum),
+    Step("checkpointing", "checkpointing", _checkpointing, _qlora_on),
+    Step("data loader", "loader", _loader_on_job, lambda c: c.qlora and c.loader),
+    Step("naive vs optimized QLoRA", "qlora", _qlora, _qlora_on),
+    # on a CPU box, also: would this loader keep up with the GPU being considered (projected)
+    Step("data loader against target_gpu (projected)", "loader_projected", _loader_toy,
+         lambda c: c.qlora and c.loader and not c.quick_experiments and _on_cpu(c)),
+    Step("data loader (projected)", "loader", _loader_toy, lambda c: not c.qlora and c.loader),
+    Step("grad-accum sweep (tiny model)", "accum", _accum_toy,
+         lambda c: not c.qlora and c.accum),
+    Step("naive vs optimized run", "runs", _toy_runs, lambda c: not c.qlora),
+    # after the runs: its advice is priced on their compute
+    Step("grad-accum advice", "accum_advice", _accum_advice, lambda c: c.accum),
+)
+
+
+def steps(cfg: DiagnoseConfig) -> list[Step]:
+    """The steps cfg enables, in order."""
+    return [s for s in STEPS if s.enabled(cfg)]
+
+
+def run_level(got: Products) -> dict[str, dict[str, float]]:
+    """Per toy run, the run-level stage seconds the experiments measured: a naive start re-pulls
+    with boto3's defaults and downloads the model; an optimized one finds the landed copy (a
+    verified land() hit) and the warm cache."""
+    out: dict[str, dict[str, float]] = {r: {} for r in RUNS}
+    storage, load = (getattr(got.get(k), "frame", None) for k in ("storage", "model_load"))
+    for run, fetch, scenario in (("naive", {"method": "boto3_default"}, "fresh"),
+                                 ("optimized", {"method": "land", "cache_state": "hit"},
+                                  "cached")):
+        for stage, seconds in (("fetch_data", median_seconds(storage, **fetch)),
+                               ("load_model", median_seconds(load, scenario=scenario,
+                                                             part="load_model"))):
+            if seconds is not None:
+                out[run][stage] = seconds
+    return out
 
 
 def training_runs(cfg: DiagnoseConfig, run_level: dict[str, dict[str, float]] | None = None
                   ) -> pd.DataFrame:
-    """The naive and the optimized run in one frame (`run` column).
-
-    run_level: per run, run-level stage seconds measured by the experiments (fetch_data from
-    diag.storage, load_model from diag.model_load), recorded on the run's timer before its steps.
-    """
+    """The naive and the optimized toy run in one frame (`run` column); run_level seconds are
+    recorded on each run's timer before its steps."""
     from diag.device import resolve
     from diag.toy import run_toy
 
     device = resolve(cfg.device)
-    frames = []
+    out = []
     for run, workers in zip(RUNS, (cfg.naive_workers, cfg.optimized_workers)):
         timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
         for stage, seconds in (run_level or {}).get(run, {}).items():
             timer.record(stage, seconds)
         toy = ToyConfig(steps=cfg.steps, prep_ms=cfg.prep_ms, num_workers=workers,
-                            device=cfg.device, **({"width": 128} if cfg.steps < 20 else {}))
-        frames.append(run_toy(toy, timer).assign(run=run))
-    return pd.concat(frames, ignore_index=True)
+                        device=cfg.device, **({"width": 128} if cfg.steps < 20 else {}))
+        out.append(run_toy(toy, timer).assign(run=run))
+    return pd.concat(out, ignore_index=True)
 
 
-def _storage(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
-    from diag.config import StorageConfig
-    from diag.storage import run_storage
+def frames(got: Products) -> dict[str, pd.DataFrame]:
+    """The products as the run folder's frames: a result's first frame under its key, the others
+    as key_<field>, a StageTimer frame under the one stage key, every decision in `decisions`."""
+    from diag.decision import frame
 
-    got = run_storage(StorageConfig.default(quick=cfg.quick_experiments or None, source=cfg.source))
-    frame = got.frame
-    results["frames"].update(storage=frame, storage_tax=got.tax)
-    results["advice"].append(got.advice)
-    # a naive start re-pulls with the defaults users get from boto3 / `aws s3 cp`; an optimized
-    # start finds the landed copy (a verified land() hit)
-    naive = median_seconds(frame, method="boto3_default")
-    hit = median_seconds(frame, method="land", cache_state="hit")
-    for run, seconds in (("naive", naive), ("optimized", hit)):
-        if seconds is not None:
-            results["run_level"][run]["fetch_data"] = seconds
-
-
-def _model_load(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
-    from diag.config import ModelLoadConfig
-    from diag.model_load import advice, run_model_load
-
-    # quick: the two scenarios the runs need; full: all four, for every advice row
-    quick = {"scenarios": ["fresh", "cached"]} if cfg.quick_experiments else {}
-    frame = run_model_load(ModelLoadConfig.default(quick=cfg.quick_experiments or None,
-                                                   model=cfg.model, **quick))
-    results["frames"]["model_load"] = frame
-    results["advice"].append(advice(frame))
-    # naive: an empty cache on every start (the full download); optimized: the warm cache
-    for run, scenario in (("naive", "fresh"), ("optimized", "cached")):
-        seconds = median_seconds(frame, scenario=scenario, part="load_model")
-        if seconds is not None:
-            results["run_level"][run]["load_model"] = seconds
+    out: dict[str, pd.DataFrame] = {}
+    for key, product in got.items():
+        if key in ("info", "accum_advice") or not (
+                isinstance(product, pd.DataFrame) or dataclasses.is_dataclass(product)):
+            continue
+        fields = ([("frame", product)] if isinstance(product, pd.DataFrame) else
+                  [(f.name, getattr(product, f.name)) for f in dataclasses.fields(product)])
+        for i, (name, value) in enumerate(fields):
+            if not isinstance(value, pd.DataFrame) or name == "advice" or value.empty:
+                continue
+            out[STAGE_FRAME if is_stage_frame(value) else key if i == 0 else f"{key}_{name}"] = value
+    decisions = [d for p in got.values() for d in getattr(p, "decisions", ())]
+    if decisions:
+        out["decisions"] = frame(decisions)
+    return out
 
 
-def _accum(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
-    from diag.accum import run_accum
-    from diag.config import AccumConfig
-    from diag.device import resolve
-
-    # on a GPU the full sweep trains the GPT-2-small shape; the tiny model would measure overhead
-    gpu = AccumConfig.GPU if resolve(cfg.device).type == "cuda" and not cfg.quick_experiments else {}
-    if not gpu and not cfg.quick_experiments:
-        # on a CPU three points span the trade-off (the seed's many small micro-batches, the
-        # middle, one large one); every power of two costs minutes here and adds no finding
-        gpu = {"micro_batches": [2, 8, 32], "steps": 2}
-    sweep = gpu | ({"micro_batches": list(cfg.micro_batches)} if cfg.micro_batches else {})
-    accum_cfg = AccumConfig.default(quick=cfg.quick_experiments or None, device=cfg.device, **sweep)
-    got = run_accum(accum_cfg)
-    results["frames"].update(accum=got.frame, accum_summary=got.summary, accum_mfu=got.mfu)
-    results["accum_steps_per_run"] = accum_cfg.steps_per_run
+def advice(got: Products) -> pd.DataFrame | None:
+    rows = [got[k].advice for k in ("storage", "model_load", "loader") if k in got]
+    rows += [got["accum_advice"]] if "accum_advice" in got else []
+    rows = [a for a in rows if not a.empty]
+    return pd.concat(rows, ignore_index=True) if rows else None
 
 
-def _accum_advice(results: dict[str, Any]) -> None:
-    """Ranked beside the other stages as the fraction of the naive run's compute the faster
-    split saves (the sweep's own seconds are for its model, not this run's)."""
-    from diag.accum import advice
-
-    run = results["frames"]["run"]
-    compute = float(run.loc[(run["run"] == RUNS[0]) & (run["stage"] == "compute"), "seconds"].sum())
-    results["advice"].append(advice(results["frames"]["accum_summary"],
-                                    results["accum_steps_per_run"], compute_s=compute))
-
-
-def _loader(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
-    from diag.config import LoaderConfig
-    from diag.loader import run_loader
-
-    from diag.device import resolve
-
-    # On a CPU box the question is whether this loader would keep up with the GPU being
-    # considered: an emulated step of that GPU's estimated duration (measuring the tiny model's
-    # step on a CPU takes seconds per step and answers a question nobody asked). On a GPU the
-    # measured step is the real one. The advice is priced for this diagnosis' runs.
-    sweep = {} if cfg.quick_experiments else {"steps": 10, "repeats": 1}
-    if resolve(cfg.device).type == "cpu" and not cfg.quick_experiments:
-        sweep["gpu"] = cfg.target_gpu
-    if cfg.workers:
-        sweep["workers"] = list(cfg.workers)
-    got = run_loader(LoaderConfig.default(quick=cfg.quick_experiments or None, device=cfg.device,
-                                          run_steps=cfg.steps, **sweep))
-    results["frames"].update(loader=got.sweep, loader_stalls=got.stalls, loader_lines=got.lines,
-                             loader_recommendation=got.recommendation)
-    results["advice"].append(got.advice)
-
-
-# -- qlora ---------------------------------------------------------------------------------------
-def _qlora(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
-    """The QLoRA job under both plans; the optimized one reads the frames measured above."""
-    from diag.config import QLoraConfig
-    from diag.qlora import run_qlora
-
-    frames = results["frames"]
-    measured = {k: frames[k] for k in ("storage", "model_load", "loader", "accum") if k in frames}
-    got = run_qlora(QLoraConfig.default(quick=cfg.quick_experiments or None, model=cfg.model,
-                                        device=cfg.device, plan=cfg.plan), results=measured)
-    frames.update(run=got.stages, qlora=got.frame, qlora_losses=got.losses,
-                  qlora_plans=got.plans, qlora_savings=got.savings)
-
-
-OnResult = Callable[[str, dict[str, pd.DataFrame]], None]
+OnResult = Callable[[Step, dict[str, pd.DataFrame]], None]
 
 
 def run_diagnose(cfg: DiagnoseConfig | None = None, on_result: OnResult | None = None) -> Path:
     """Run the diagnosis and write the report; returns the run folder.
 
-    on_result(step name, frames measured so far) is called after each step, so a panel
+    on_result(step, frames measured so far) is called after each step, so a panel
     (diag.widgets) can draw each experiment's figure as it arrives; the CLI passes none.
     """
-    from diag.device import run_info
-
     cfg = cfg or DiagnoseConfig.default()
-    results: dict[str, Any] = {"frames": {}, "advice": [], "run_level": {r: {} for r in RUNS}}
-    steps: list[tuple[str, Callable[[], Any]]] = [
-        ("device facts", lambda: results.update(
-            info=run_info(InfoConfig.default(quick=cfg.quick_experiments or None))))]
-    if cfg.storage:
-        steps.append(("storage", lambda: _storage(cfg, results)))
-    if cfg.model_load:
-        steps.append(("model load", lambda: _model_load(cfg, results)))
-    if cfg.loader:
-        steps.append(("data loader", lambda: _loader(cfg, results)))
-    if cfg.accum:  # before the runs: the optimized plan takes its micro-batch from the sweep
-        steps.append(("grad-accum sweep", lambda: _accum(cfg, results)))
-    if cfg.qlora:
-        steps.append(("naive vs optimized QLoRA", lambda: _qlora(cfg, results)))
-    else:
-        steps.append(("naive vs optimized run", lambda: results["frames"].update(
-            run=training_runs(cfg, results["run_level"]))))
-    if cfg.accum:  # after the runs: its advice is priced on their compute
-        steps.append(("grad-accum advice", lambda: _accum_advice(results)))
-    with tqdm(steps, desc="diag run", unit="step") as bar:
-        for name, work in bar:
-            bar.set_postfix_str(name)
-            work()
+    got: Products = {}
+    with tqdm(steps(cfg), desc="diag run", unit="step") as bar:
+        for step in bar:
+            bar.set_postfix_str(step.name)
+            got[step.key] = step.run(cfg, got)
             if on_result is not None:
-                on_result(name, dict(results["frames"], info=results["info"]))
-    advice = [a for a in results["advice"] if not a.empty]
-    return report.write(results["frames"], cfg.out or None, config=cfg.to_dict(),
-                        info=results["info"],
-                        advice=pd.concat(advice, ignore_index=True) if advice else None)
+                on_result(step, dict(frames(got), info=got["info"]))
+    return report.write(frames(got), cfg.out or None, config=cfg.to_dict(), info=got["info"],
+                        advice=advice(got))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from diag.decision import DATA_WAIT_GOAL
 from diag.timing import STAGES
 
 if TYPE_CHECKING:
@@ -272,7 +273,7 @@ def plot_accum(frame: pd.DataFrame) -> Figure:
     return fig
 
 
-def plot_loader(frame: pd.DataFrame, target_share: float = 0.02) -> Figure:
+def plot_loader(frame: pd.DataFrame, target_share: float = DATA_WAIT_GOAL) -> Figure:
     """data_wait share of the step per num_workers, one line per pipeline (diag.loader sweep).
 
     Lines join the medians, dots are the repeats; the dashed line is the target share the

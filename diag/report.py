@@ -23,14 +23,14 @@ import pandas as pd
 
 from diag import amdahl, plots
 from diag.secrets import redact, redact_frame
+from diag.timing import STAGE_FRAME  # the key of the StageTimer frames the shares come from
 
-STAGE_FRAME = "run"  # the StageTimer frames (with a `run` column) the shares are computed from
 _PACKAGES = ("diag", "torch", "transformers", "peft", "bitsandbytes", "huggingface_hub", "boto3",
              "pandas", "numpy")
 # Figures other experiments contribute: plots.<function>(frame) -> Figure, when it exists.
 EXPERIMENT_FIGURES = {"storage": "plot_storage", "model_load": "plot_model_load",
                       "accum": "plot_accum",
-                      "loader": "plot_loader", "workers": "plot_loader"}  # diag run / diag workers
+                      "loader": "plot_loader", "workers": "plot_loader"}  # diag loader (workers: old runs)
 
 
 def versions() -> dict[str, str]:

@@ -210,6 +210,15 @@ class StageTimer:
         return pd.concat(frames, ignore_index=True)
 
 
+STAGE_FRAME = "run"  # the key a StageTimer frame (with a `run` column) is stored under, always
+STAGE_COLUMNS = ("stage", "seconds", "step")  # what StageTimer.to_frame() gives
+
+
+def is_stage_frame(frame: Any) -> bool:
+    """A StageTimer frame (diag.toy, diag.qlora's stages, diag run's runs)?"""
+    return set(STAGE_COLUMNS) <= set(getattr(frame, "columns", ()))
+
+
 def median_seconds(frame: Any, **where: Any) -> float | None:
     """Median `seconds` of the rows where each column equals its value (e.g. method="land",
     cache_state="hit"); None when there is no frame, no such column or no such row."""

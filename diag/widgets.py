@@ -47,16 +47,19 @@ def _amdahl(frames: dict[str, pd.DataFrame]) -> list[Any]:
     return [amdahl.findings(frames["run"]), plots.plot_amdahl(table)]
 
 
-# step name (as diag.diagnose names it) -> what the panel shows once that step has measured
+# product key (diag.diagnose.Step.key) -> what the panel shows once that step has measured
 VIEWS: dict[str, View] = {
-    "device facts": lambda f: [f["info"]],
+    "info": lambda f: [f["info"]],
     "storage": _storage,
-    "model load": _model_load,
-    "data loader": lambda f: [f["loader_recommendation"], plots.plot_loader(f["loader"])],
-    "grad-accum sweep": lambda f: [f["accum_summary"], plots.plot_accum(f["accum"])],
-    "naive vs optimized QLoRA": _runs,
-    "naive vs optimized run": _runs,
-    "grad-accum advice": _amdahl,
+    "model_load": _model_load,
+    "loader": lambda f: [f["loader_recommendation"], plots.plot_loader(f["loader"])],
+    "loader_projected": lambda f: [f["loader_projected_recommendation"],
+                                   plots.plot_loader(f["loader_projected"])],
+    "accum": lambda f: [f["accum_summary"], plots.plot_accum(f["accum"])],
+    "checkpointing": lambda f: [f["checkpointing"]],
+    "qlora": _runs,
+    "runs": _runs,
+    "accum_advice": _amdahl,
 }
 
 
@@ -111,13 +114,13 @@ class Panel:
 
         display(self.box)
 
-    def draw(self, name: str, frames: dict[str, pd.DataFrame]) -> None:
+    def draw(self, step: Any, frames: dict[str, pd.DataFrame]) -> None:
         """run_diagnose's on_result hook: count the step, draw its view into its Output."""
         self.progress.value = min(self.progress.value + 1, self.progress.max)
-        self.status.value = f"done: {name}"
-        view = VIEWS.get(name)
-        if view is not None and name in self.outputs:
-            self.outputs[name].outputs = tuple(_mime(item) for item in view(frames))
+        self.status.value = f"done: {step.name}"
+        view = VIEWS.get(step.key)
+        if view is not None and step.name in self.outputs:
+            self.outputs[step.name].outputs = tuple(_mime(item) for item in view(frames))
 
     def clear(self, cfg: DiagnoseConfig) -> None:
         """Empty every output and size the progress bar for cfg's steps."""
@@ -136,8 +139,9 @@ def config_from(p: Panel) -> DiagnoseConfig:
 
 
 def _step_count(cfg: DiagnoseConfig) -> int:
-    # device facts + the enabled experiments + the runs (+ accum's advice after them)
-    return 2 + cfg.storage + cfg.model_load + cfg.loader + 2 * cfg.accum
+    from diag.diagnose import steps
+
+    return len(steps(cfg))
 
 
 def run_panel(p: Panel) -> None:
@@ -184,7 +188,9 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
         progress=w.IntProgress(value=0, min=0, max=1, description="steps"),
         status=w.Label(""), log=w.Output(), settings=settings)
     p.progress.max = _step_count(config_from(p))  # a bad setting fails here, not on a click
-    p.outputs = {name: w.Output() for name in VIEWS}
+    from diag.diagnose import STEPS
+
+    p.outputs = {s.name: w.Output() for s in STEPS}  # one section per step diag.diagnose runs
     p.run.on_click(lambda _button: run_panel(p))
     sections = [w.VBox([w.HTML(f"<b>{name}</b>"), output]) for name, output in p.outputs.items()]
     p.box = w.VBox([p.source, p.model, w.HBox([p.workers, p.micro_batches]), p.plan, p.quick,

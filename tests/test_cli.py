@@ -52,13 +52,22 @@ def test_json_and_report_come_from_main_for_a_dataclass_result(tmp_path, monkeyp
     out = run_cli("storage", "--quick", "--size-mb", "1", "--repeats", "1", "--json", "--report")
     assert out.returncode == 0, out.stderr
     tables = json.loads(out.stdout)  # stdout is JSON only: the folder line goes to stderr
-    assert set(tables) == {"storage", "storage_tax", "advice"}
+    assert set(tables) == {"storage", "storage_tax", "advice", "decisions"}
+    assert tables["decisions"][0]["setting"] == "fetch"
     assert {"boto3_default", "land", "local_read"} <= {r["method"] for r in tables["storage"]}
     assert tables["advice"][0]["stage"] == "fetch_data"
     folder = next((tmp_path / "runs").iterdir())
     assert {"storage.csv", "storage_tax.csv", "advice.csv", "report.html"} <= {
         p.name for p in folder.iterdir()}
     assert f"wrote {folder / 'report.html'}" in out.stderr
+
+
+def test_toy_report_finds_the_stage_frame_under_the_one_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["toy", "--quick", "--steps", "3", "--report"]) == 0
+    folder = next((tmp_path / "runs").iterdir())
+    names = {p.name for p in folder.iterdir()}
+    assert {"run.csv", "stage_shares.png", "amdahl.png"} <= names, names
 
 
 def test_toy_runs_and_writes_csv(tmp_path):

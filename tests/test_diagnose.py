@@ -30,7 +30,7 @@ def test_demo_writes_every_experiment_and_prints_path_and_top_finding(demo):
             "qlora.csv", "qlora_losses.csv", "qlora_plans.csv", "qlora_savings.csv",
             "advice.csv", "summary.json", "report.html", "stage_shares.png", "amdahl.png",
             "waterfall.png", "storage.png", "model_load.png", "accum.csv", "accum_summary.csv",
-            "accum_mfu.csv", "accum.png", "loader.csv", "loader_stalls.csv",
+            "accum.png", "checkpointing.csv", "decisions.csv", "loader.csv", "loader_stalls.csv",
             "loader_lines.csv", "loader_recommendation.csv", "loader.png"} <= names
     page = (out / "report.html").read_text()
     assert page.count('src="data:image/png;base64,') == 7
@@ -48,6 +48,14 @@ def test_runs_are_the_qlora_plans_fed_by_the_measured_frames(demo):
     evidence = plans[plans["run"] == "optimized"].set_index("setting")["evidence"]
     assert evidence["fetch"].startswith("measured") and "land() hit" in evidence["fetch"]
     assert evidence["model_cache"].startswith("measured")
+    # decided on the job's own step: what was measured is named, and it is the QLoRA step
+    decided = frames["decisions"].set_index("setting")
+    for setting in ("micro_batch", "gradient_checkpointing", "num_workers", "pipeline"):
+        assert decided.at[setting, "basis"] == "measured", setting
+        assert "the QLoRA step" in decided.at[setting, "measured_on"], setting
+        assert "LoRA" in decided.at[setting, "measured_on"], setting
+    assert plans.set_index(["run", "setting"]).at[("optimized", "micro_batch"), "value"] == str(
+        frames["qlora"].set_index("plan").at["optimized", "micro_batch"])  # shown == run
     saved = frames["qlora_savings"].set_index("stage")
     assert saved.loc[["fetch_data", "load_model"], "predicted_s"].notna().all()
     assert done.stdout.strip().splitlines()[2].startswith("naive ")

@@ -6,12 +6,13 @@ import json
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
 from diag.config import LoaderConfig
 from diag.embedded import ensure_assets, synthetic_records
-from diag.loader.advice import advice, recommend
+from diag.loader.advice import advice, decide, recommend
 from diag.loader.pipeline import PackedDataset
 from diag.loader.profile import profile_lines
 from diag.loader.steps import EmulatedStep, gpu_step_seconds, measure_model_step
@@ -40,12 +41,17 @@ def test_sweep_recovers_an_injected_per_sample_cost_and_recommends_the_workers_i
     rec = recommend(sweep, cfg.target_share).iloc[0]
     assert rec["per_sample_ms"] == pytest.approx(200.0, rel=0.10)
     assert rec["workers_needed"] == 2
-    assert rec["recommended_workers"] == 2, sweep[["num_workers", "data_wait_share"]]
+    # the plan's decision: 2 under the 2% goal, or (a loaded machine's late wake-ups leave the
+    # hand-off above it) the smallest within 10% / 1 ms of the best: 2 either way
+    decided = {d.setting: d for d in decide(sweep)}["num_workers"]
+    assert decided.value == 2, (decided.why, sweep[["num_workers", "data_wait_share"]])
+    kept_up = not pd.isna(rec["recommended_workers"])
+    assert not kept_up or rec["recommended_workers"] == 2, sweep[["num_workers", "data_wait_share"]]
     by = sweep.set_index("num_workers")
     assert by.loc[1, "data_wait_share"] > 0.3  # (400 - 240) / 400 of each step is a wait
     assert by.loc[3, "warning"].startswith("num_workers=3 >") == (3 > usable_cores())
     found = advice(sweep, recommend(sweep), run_steps=100)
-    assert found["finding"].str.contains("num_workers=2").any()
+    assert found["finding"].str.contains("num_workers=2" if kept_up else "workers alone leave").any()
     row = found.iloc[0]
     saved = (by.loc[0, "data_wait_s"] - by.loc[2, "data_wait_s"]) * 100
     assert row["stage"] == "data_wait" and row["seconds_saved"] == pytest.approx(saved)
@@ -145,18 +151,22 @@ def test_run_loader_quick_gives_every_frame():
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["naive", "packed", "target 2%"]
 
 
-def test_cli_workers_prints_every_table_as_json(capsys):
+def test_cli_loader_prints_every_table_as_json_and_workers_is_an_alias(capsys):
     from diag.__main__ import main
 
-    code = main(["workers", "--quick", "--pipelines", "packed", "--workers", "0,1", "--steps", "2",
+    code = main(["loader", "--quick", "--pipelines", "packed", "--workers", "0,1", "--steps", "2",
                  "--step-ms", "2", "--profile-samples", "3", "--json"])
     assert code == 0
     tables = json.loads(capsys.readouterr().out)
-    assert set(tables) == {"workers", "workers_stalls", "workers_lines", "workers_recommendation",
-                           "advice"}
-    assert [r["num_workers"] for r in tables["workers"]] == [0, 1]
+    assert set(tables) == {"loader", "loader_stalls", "loader_lines", "loader_recommendation",
+                           "advice", "decisions"}
+    assert [r["num_workers"] for r in tables["loader"]] == [0, 1]
+    decided = {r["setting"]: r for r in tables["decisions"]}
+    assert decided["num_workers"]["basis"] == "measured"
+    assert decided["prefetch_factor"]["basis"] == "default"  # the sweep never varied it
     assert main(["workers", "--quick", "--workers", "0,-1"]) == 2  # one line, names the field
-    assert "LoaderConfig.workers=[0, -1]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "LoaderConfig.workers=[0, -1]" in err and "`workers` is now `loader`" in err
 
 
 def test_sweep_with_the_real_model_step_as_consumer():

@@ -263,7 +263,7 @@ def test_an_encoder_is_named_and_its_dropped_weights_are_a_warning(tmp_path):
     folder = bert_folder(tmp_path / "bert")
     with pytest.warns(RuntimeWarning, match=r"the checkpoint is BertModel .*not a causal LM; "
                                             r"AutoModelForCausalLM loaded it as BertLMHeadModel"):
-        frame = run_model_load(ModelLoadConfig.quick(model=str(folder), scenarios=["cached"]))
+        frame = run_model_load(ModelLoadConfig.quick(model=str(folder), scenarios=["cached"])).frame
     text = frame.loc[frame["part"] == "load_model", "warning"].item()
     assert "weights in the checkpoint, not used (dropped): pooler.dense.bias" in text
     assert "weights not in the checkpoint, initialised at random: cls.predictions" in text

@@ -39,7 +39,10 @@ def test_both_plans_train_the_same_records(both):
     assert "token cache hit" in rows.at["optimized", "data"]
     assert rows.at["optimized", "once_s"] > 0 and rows.at["naive", "once_s"] == 0
     assert bool(rows.at["naive", "gradient_checkpointing"])
-    assert not bool(rows.at["optimized", "gradient_checkpointing"])
+    # the optimized plan's checkpointing is what the on/off timing on the job decided
+    ckpt = both.plans.set_index(["run", "setting"]).loc[("optimized", "gradient_checkpointing")]
+    assert ckpt["basis"] == "measured"
+    assert ckpt["value"] == str(bool(rows.at["optimized", "gradient_checkpointing"]))
     assert "pin_memory" in rows.at["optimized", "notes"]  # CUDA-only setting asked on CPU
 
 
@@ -88,16 +91,21 @@ def test_setup_is_its_own_stage_and_the_stages_add_to_the_trainer_wall(both):
 
 def test_savings_and_advice(both):
     saved = both.savings.set_index("stage")
-    # the plans differ in fetch, cache, pipeline, workers, micro-batch, checkpointing: every
-    # run-level stage they touch is listed; without measured decisions none is invented
+    # the plans differ in fetch, cache, pipeline, micro-batch...: every run-level stage they
+    # touch is listed; fetch and cache were never measured here (defaults): nothing invented,
+    # while the step fixes are priced from the decisions measured on the job
     assert {"fetch_data", "load_model", "preprocess", "train"} <= set(saved.index)
-    assert saved["predicted_s"].isna().all()
+    assert pd.isna(saved.at["fetch_data", "predicted_s"])
     assert "not predicted" in saved.at["fetch_data", "evidence"]
     assert "fetch pull -> land" in saved.at["fetch_data", "finding"]
+    assert pd.notna(saved.at["train", "predicted_s"])
+    assert "micro_batch 1 -> " in saved.at["train", "finding"]
     assert list(both.advice.columns) == ["stage", "finding", "seconds_saved", "evidence"]
     plans = both.plans
     evidence = plans.loc[plans["run"] == "optimized"].set_index("setting")["evidence"]
-    assert "absent" in evidence["num_workers"] and "absent" in evidence["micro_batch"]
+    # diag qlora measures on the job; storage and model_load ran nowhere: labelled defaults
+    assert evidence["fetch"].startswith("default") and "absent" in evidence["fetch"]
+    assert evidence["micro_batch"].startswith("measured on")
 
 
 def test_nothing_leaks_a_secret(both):
@@ -108,31 +116,19 @@ def test_nothing_leaks_a_secret(both):
         assert secret not in text
 
 
-def test_optimized_plan_follows_the_measured_frames():
-    storage = pd.DataFrame({"method": ["boto3_default", "land", "land"],
-                            "cache_state": ["cold", "miss", "hit"], "seconds": [9.0, 9.5, 0.3]})
-    model_load = pd.DataFrame({"scenario": ["fresh", "cached"], "part": ["load_model"] * 2,
-                               "seconds": [30.0, 3.0]})
-    loader = pd.DataFrame({"num_workers": [0, 1, 2, 4], "pin_memory": [False, True, True, True],
-                           "persistent_workers": [False, True, True, True],
-                           "prefetch_factor": [None, 2, 2, 2], "pipeline": ["optimized"] * 4,
-                           "samples_per_s": [10, 20, 30, 31],
-                           "data_wait_share": [0.4, 0.05, 0.01, 0.005]})
-    accum = pd.DataFrame({"micro_batch": [1, 4, 16, 64], "grad_accum": [64, 16, 4, 1],
-                          "tokens_per_s": [100, 300, 500, None], "peak_mem_gb": [1, 2, 6, None],
-                          "status": ["ok", "ok", "ok", "oom"]})
-    plan = Plan.optimized({"storage": storage, "model_load": model_load, "loader": loader,
-                           "accum": accum})
-    assert (plan.fetch, plan.model_cache, plan.pipeline) == ("land", "persistent", "packed")
-    assert plan.num_workers == 2  # the fewest under 2% data_wait, not the most
-    assert plan.micro_batch == 16  # the fastest point that ran; the oom row never wins
-    assert not plan.pin_memory and "CPU" in plan.notes[0]
-    why = dict(plan.evidence)
-    assert "measured" in why["fetch"] and "0.3" in why["fetch"]
-    assert "measured" in why["micro_batch"] and "16" in why["micro_batch"]
-    # the object store faster than the landed copy: the measurement, not a rule, decides
-    slow_disk = storage.assign(seconds=[0.2, 9.5, 0.9])
-    assert Plan.optimized({"storage": slow_disk}).fetch == "pull"
+def test_the_plan_shown_is_the_plan_run(both):
+    # qlora_plans (what is printed) against the run's own summary (what the Trainer got)
+    shown = both.plans.pivot(index="setting", columns="run", values="value")
+    ran = both.frame.set_index("plan")
+    for run in ("naive", "optimized"):
+        for setting in ("micro_batch", "num_workers", "pin_memory", "pipeline",
+                        "gradient_checkpointing"):
+            assert shown.at[setting, run] == str(ran.at[run, setting]), (run, setting)
+    basis = both.plans[both.plans.run == "optimized"].set_index("setting")["basis"]
+    # measured on the job itself (diag qlora without --results)
+    assert (basis[["micro_batch", "num_workers", "gradient_checkpointing"]] != "default").all()
+    assert "the QLoRA step" in both.plans.set_index(["run", "setting"]).at[
+        ("optimized", "micro_batch"), "evidence"]
 
 
 def test_naive_plan_is_the_newcomer_defaults():
@@ -176,53 +172,24 @@ def test_every_prediction_is_checked_and_a_miss_is_flagged(both):
     assert table["measured_s"].notna().all()
 
 
-def test_loader_choice_reads_tokens_not_samples_and_prefers_the_fewest_workers():
-    # the naive pipeline delivers more rows/s, but a packed row holds several records: the
-    # real tokens/s decide; and on this machine 0 workers already stay under 2% data_wait
-    loader = pd.DataFrame({"pipeline": ["naive", "naive", "packed", "packed"],
-                           "num_workers": [0, 2, 0, 2], "pin_memory": [True] * 4,
-                           "persistent_workers": [True] * 4, "prefetch_factor": [2] * 4,
-                           "samples_per_s": [6.0, 3.5, 3.3, 2.6],
-                           "tokens_per_s": [300.0, 180.0, 420.0, 330.0],
-                           "data_wait_share": [0.004, 0.025, 0.0002, 0.017]})
-    plan = Plan.optimized({"loader": loader})
-    assert (plan.pipeline, plan.num_workers, plan.persistent_workers) == ("packed", 0, False)
-    assert plan.prefetch_factor is None
-
-
-def test_default_workers_leave_two_cores_to_the_step(monkeypatch):
-    from diag.qlora import plans
-
-    monkeypatch.setattr(plans, "_cores", lambda: 2)
-    plan = Plan.optimized()
-    assert plan.num_workers == 0 and plan.prefetch_factor is None
-    assert "2 usable" in dict(plan.evidence)["num_workers"]
-    monkeypatch.setattr(plans, "_cores", lambda: 16)
-    assert Plan.optimized().num_workers == plans.DEFAULT_WORKERS
-
-
-def test_checkpointing_follows_measured_headroom_and_says_its_cost(monkeypatch):
-    from diag.qlora import plans
-
-    monkeypatch.setattr(plans, "_memory_gb", lambda device: (10.0, "available host memory"))
-    ckpt = pd.DataFrame({"gradient_checkpointing": [True, True, False, False],
-                         "seconds": [1.3, 1.3, 1.0, 1.0]})
-    accum = pd.DataFrame({"micro_batch": [1, 8], "tokens_per_s": [100.0, 300.0],
-                          "peak_mem_gb": [0.5, 2.0], "status": ["ok", "ok"]})
-    plan = Plan.optimized({"accum": accum, "checkpointing": ckpt})
-    why = dict(plan.evidence)["gradient_checkpointing"]
-    assert not plan.gradient_checkpointing and "2 GB of 10 GB" in why and "1.3x" in why
-    tight = accum.assign(peak_mem_gb=[0.5, 6.0])  # over half the memory: recompute instead
-    assert Plan.optimized({"accum": tight, "checkpointing": ckpt}).gradient_checkpointing
 
 
 def test_qlora_step_times_checkpointing_on_and_off():
     import torch
 
+    from diag.accum.sweep import PeakMemory
     from diag.embedded import ensure_assets
-    from diag.qlora.measure import _checkpointing
+    from diag.qlora.measure import JobInputs, checkpointing_on_job
 
-    frame = _checkpointing(QLoraConfig.quick(), ensure_assets().model_dir, torch.device("cpu"),
-                           micro=2, steps=1)
+    assets = ensure_assets()
+    job = JobInputs(2, assets.model_dir, assets.dataset, torch.device("cpu"))
+    got = checkpointing_on_job(QLoraConfig.quick(sweep_steps=1), job, micro=2)
+    frame = got.frame
     assert list(frame["gradient_checkpointing"]) == [True, False]  # alternated
     assert (frame["seconds"] > 0).all() and (frame["micro_batch"] == 2).all()
+    # the step's own peak (growth during it), far below the interpreter's resident set
+    rss = PeakMemory._status_gb("VmRSS:")
+    assert (frame["peak_mem_gb"] >= 0).all() and frame["peak_mem_gb"].max() < rss / 4
+    (decision,) = got.decisions
+    assert decision.setting == "gradient_checkpointing" and decision.basis == "measured"
+    assert decision.measured_on.seq_len == 96 and "LoRA" in decision.measured_on.model

@@ -6,13 +6,13 @@ causal LM (`sweep_grad_accum`), reports tokens/s, seconds per step beside the fl
 `mfu_from_figures()` checks your own run's MFU; `ensure_tokens` / `BatchLoader` are the data.
 """
 
-from diag.accum.experiment import AccumResult, advice, mfu_check, run_accum, summarize
+from diag.accum.experiment import AccumResult, advice, decide, mfu_check, run_accum, summarize
 from diag.accum.mfu import (NANOGPT_PEAK, ModelShape, count_flops, floor_seconds, judge_mfu,
                             mfu_from_figures)
 from diag.accum.sweep import COLUMNS, is_oom, measure, pairs, sweep_grad_accum
 from diag.accum.tokens import BatchLoader, TokenFile, check_tokens, ensure_tokens, token_file
 
 __all__ = ["AccumResult", "BatchLoader", "COLUMNS", "ModelShape", "NANOGPT_PEAK", "TokenFile",
-           "advice", "check_tokens", "count_flops", "ensure_tokens", "floor_seconds", "is_oom",
+           "advice", "check_tokens", "count_flops", "decide", "ensure_tokens", "floor_seconds", "is_oom",
            "judge_mfu", "measure", "mfu_check", "mfu_from_figures", "pairs", "run_accum",
            "summarize", "sweep_grad_accum", "token_file"]

@@ -13,11 +13,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diag.accum.sweep import measure
+from diag.decision import Decision, MeasuredOn
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from diag.config import AccumConfig
+
+DEFAULT_MICRO_BATCH = 8  # no sweep ran: a micro-batch that fits the tiny and the 1B model on any
+#                          16 GB GPU
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class AccumResult:
     summary: pd.DataFrame  # one row per point: medians, floor, warm-up, recommended
     mfu: pd.DataFrame  # formula vs FlopCounterMode, and the peak MFU is computed against
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
+    decisions: tuple[Decision, ...] = ()  # micro_batch: the point summarize marked recommended
 
 
 def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
@@ -37,7 +42,37 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
     cfg = cfg or AccumConfig.default()
     frame, info = measure(cfg)
     summary = summarize(frame)
-    return AccumResult(frame, summary, mfu_check(info), advice(summary, cfg.steps_per_run))
+    shape = info["shape"]
+    on = MeasuredOn(model=f"{cfg.model} ({shape.params / 1e6:.3g}M params)",
+                    precision=str(info["amp"]), seq_len=cfg.seq_len,
+                    step=f"{cfg.tokens_per_step:,} tokens per optimizer step",
+                    device=str(info["device"]))
+    return AccumResult(frame, summary, mfu_check(info), advice(summary, cfg.steps_per_run),
+                       decide(summary, on))
+
+
+def decide(summary: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
+           baseline: int = 1) -> tuple[Decision, ...]:
+    """`micro_batch`: the point summarize marked recommended (not re-picked here), priced per
+    step against micro-batch `baseline` (the naive plan's) where that point ran; no point that
+    ran: the documented default, said so."""
+    ok = summary[summary["status"] == "ok"] if summary is not None and not summary.empty else None
+    if ok is None or ok.empty or not ok["recommended"].any():
+        why = ("accum frame absent" if summary is None or summary.empty else
+               "no accum point ran (" + ", ".join(sorted(set(summary["status"]))) + ")")
+        return (Decision.default("micro_batch", DEFAULT_MICRO_BATCH, f"{why}: micro-batch "
+                                 f"{DEFAULT_MICRO_BATCH}", source="accum"),)
+    best = ok[ok["recommended"].astype(bool)].iloc[0]
+    micro = int(best["micro_batch"])
+    base = ok[ok["micro_batch"] == baseline]
+    rows = ok[ok["micro_batch"].isin([micro, baseline])]
+    return (Decision.from_rows(
+        "micro_batch", micro, f"micro-batch {micro} x {int(best['grad_accum'])}: the most "
+        f"tokens/s ({best['tokens_per_s']:,.4g}) of {len(ok)} points that ran, "
+        f"{best['seconds_per_step']:.3g} s per step", rows, source="accum",
+        measured_on=measured_on, baseline=baseline, stage="compute", per="step",
+        baseline_s=float(base["seconds_per_step"].iloc[0]) if not base.empty else None,
+        chosen_s=float(best["seconds_per_step"])),)
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:

@@ -55,28 +55,40 @@ class PeakMemory:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.before_gb = math.nan
 
     def reset(self) -> None:
         import torch
 
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.before_gb = torch.cuda.memory_allocated(self.device) / 1e9
             return
         with contextlib.suppress(OSError):
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # "5" resets the peak RSS, nothing else
+        self.before_gb = self._status_gb("VmRSS:")
+
+    def growth_gb(self) -> float:
+        """What the work since reset() added at its peak: the step's own memory, not the
+        interpreter's (CUDA: max allocated over allocated before; CPU: peak RSS over RSS)."""
+        return self.gb() - self.before_gb
+
+    @staticmethod
+    def _status_gb(key: str) -> float:
+        try:
+            with open("/proc/self/status") as f:
+                kb = next(int(line.split()[1]) for line in f if line.startswith(key))
+        except (OSError, StopIteration):
+            return math.nan
+        return kb * 1024 / 1e9
 
     def gb(self) -> float:
         import torch
 
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 1e9
-        try:
-            with open("/proc/self/status") as f:
-                kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-        except (OSError, StopIteration):
-            return math.nan
-        return kb * 1024 / 1e9
+        return self._status_gb("VmHWM:")
 
 
 def build_model(cfg: AccumConfig, device: torch.device) -> Any:

@@ -37,6 +37,9 @@ class AccumConfig(ExperimentConfig):
     # the lent H200's shape (issue 11): GPT-2 small, block 1024, 131k tokens per step
     GPU: ClassVar[dict[str, Any]] = {"model": "gpt2-small", "seq_len": 1024,
                                      "tokens_per_step": 131072, "micro_batches": [8, 16, 32, 64]}
+    # `diag run --no-qlora` on a CPU: three points span the trade-off (the seed's many small
+    # micro-batches, the middle, one large one); every power of two costs minutes, no finding
+    CPU: ClassVar[dict[str, Any]] = {"micro_batches": [2, 8, 32], "steps": 2}
 
     def validate(self) -> None:
         name = type(self).__name__

@@ -65,8 +65,8 @@ class DiagnoseConfig(ExperimentConfig):
     model: str = ""  # model for the model-load experiment (org/name or a folder); "" = embedded
     storage: bool = True  # run the storage experiment (object store vs local disk)
     model_load: bool = True  # run the model-load experiment (fresh vs cached)
-    accum: bool = True  # run the grad-accum sweep and MFU (diag.accum)
-    loader: bool = True  # run the data-loader experiment (num_workers sweep, stall split)
+    accum: bool = True  # micro-batch x grad-accum sweep: on the QLoRA job's step (the tiny model with --no-qlora)
+    loader: bool = True  # data-loader sweep + stall split: against the QLoRA job's step (--no-qlora: target_gpu's, projected)
     steps: int = 60  # timed toy steps per run (naive and optimized)
     prep_ms: float = 3.0  # host preprocessing per batch: what num_workers has to hide
     qlora: bool = True  # naive vs optimized runs are the QLoRA job (diag.qlora); False = the toy loop
@@ -77,8 +77,8 @@ class DiagnoseConfig(ExperimentConfig):
     target_gpu: str = "H100 SXM"  # GPU you consider renting, marked at its dense-peak ratio
     quick_experiments: bool = False  # True runs each experiment in its test-sized variant (seconds)
     # -- widgets (diag.widgets): the panel's sweep ranges and plan, passed to the experiments --
-    workers: list[int] = field(default_factory=list)  # num_workers the loader sweeps; [] = its default
-    micro_batches: list[int] = field(default_factory=list)  # micro-batches accum sweeps; [] = its default
+    workers: list[int] = field(default_factory=list)  # num_workers the loader sweeps; [] = its default (QLoraConfig.RUN)
+    micro_batches: list[int] = field(default_factory=list)  # micro-batches accum sweeps (divisors of the job's rows per step); [] = its default
     plan: QLoraPlan = "both"  # QLoRA plans run: "naive", "optimized" or "both"
 
     QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0, "quick_experiments": True}

@@ -1,4 +1,4 @@
-"""`diag workers`: the data-loader experiment's config (diag.loader)."""
+"""`diag loader`: the data-loader experiment's config (diag.loader)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from diag.config.base import ExperimentConfig
+from diag.decision import DATA_WAIT_GOAL
 
 
 LOADER_PIPELINES = ("naive", "packed")  # tokenize per sample in the loop; or read the token cache
@@ -15,7 +16,7 @@ ON_ERROR = ("raise", "skip")  # what a reader does with a malformed row: stop, o
 
 @dataclass
 class LoaderConfig(ExperimentConfig):
-    """`diag workers`: DataLoader settings against a training step, the stall split, hot lines."""
+    """`diag loader`: DataLoader settings against a training step, the stall split, hot lines."""
 
     data: str = ""  # instruction JSONL; "" = the embedded synthetic dataset
     tokenizer: str = ""  # folder with tokenizer.json; "" = the embedded tiny model's
@@ -34,7 +35,7 @@ class LoaderConfig(ExperimentConfig):
     persistent_workers: bool = True  # keep workers across epochs instead of restarting them
     prefetch_factor: int = 2  # batches each worker prepares ahead; more absorbs jitter, costs memory
     extra_prep_ms: float = 0.0  # per-sample cost added to the pipeline: "what if preprocessing were heavier"
-    target_share: float = 0.02  # data_wait share of the step the recommended setting stays under
+    target_share: float = DATA_WAIT_GOAL  # data_wait share of the step the recommended setting stays under
     run_steps: int = 1000  # steps of the training run the advice prices its savings for
     profile_samples: int = 200  # samples run through the line profiler; more is steadier
     num_proc: int = 1  # processes tokenizing the token cache (measured: extra processes cost on 2 cores)
@@ -46,6 +47,8 @@ class LoaderConfig(ExperimentConfig):
     QUICK: ClassVar[dict[str, Any]] = {"workers": [0, 1, 2], "batch_size": 4, "seq_len": 128,
                                        "steps": 6, "repeats": 1, "profile_samples": 30,
                                        "step_ms": 20.0}
+    # `diag run --no-qlora`: one pass of 10 steps per setting, against the target GPU's step
+    RUN: ClassVar[dict[str, Any]] = {"steps": 10, "repeats": 1}
 
     def validate(self) -> None:
         self._positive("batch_size", "steps", "repeats", "prefetch_factor", "run_steps",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_args
 
 from diag.config.base import ExperimentConfig
@@ -35,17 +35,37 @@ class QLoraConfig(ExperimentConfig):
     out_dir: str = ""  # checkpoints; "" = a fresh temporary folder per run
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"; CUDA-only settings on CPU fall back, with a note
     rounds: int = 3  # plans run interleaved this many times (order alternating); medians + spread
-    results: str = ""  # run folder whose experiment CSVs the optimized plan reads; "" = defaults
+    results: str = ""  # run folder whose experiment CSVs the optimized plan reads; "" = measure on this job
+    # -- the sweeps on the job's own step that decide the optimized plan (diag.qlora.measure) --
+    sweep_micro_batches: list[int] = field(default_factory=list)  # [] = up to 4 divisors of the job's rows per step, 1 and the largest among them
+    sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # num_workers the loader sweep tries against the job's step
+    sweep_steps: int = 2  # timed steps per sweep point on the job (after one warm-up)
 
     QUICK: ClassVar[dict[str, Any]] = {"records": 12, "steps": 3, "seq_len": 96, "lora_r": 8,
-                                       "lora_alpha": 16}
+                                       "lora_alpha": 16, "sweep_workers": [0, 2],
+                                       "sweep_steps": 1}
+    # `diag run`: the sweeps on the job quick-sized (one timed step per point), so the demo
+    # stays a demo; `diag qlora` runs the defaults above
+    RUN: ClassVar[dict[str, Any]] = {"sweep_workers": [0, 2], "sweep_steps": 1}
 
     def validate(self) -> None:
         self._choice("plan", QLORA_PLANS)
         self._choice("on_error", ON_ERROR)
-        self._positive("records", "steps", "seq_len", "lr", "lora_r", "lora_alpha", "rounds")
+        self._positive("records", "steps", "seq_len", "lr", "lora_r", "lora_alpha", "sweep_steps",
+                       "rounds")
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int):
             raise ValueError(f"QLoraConfig.rounds={self.rounds!r}: must be a whole number >= 1")
+        for name, low in (("sweep_workers", 0), ("sweep_micro_batches", 1)):
+            values = getattr(self, name)
+            if isinstance(values, str):  # "0,2" from a notebook parameter
+                values = [int(v) for v in values.split(",") if v.strip()]
+                setattr(self, name, values)
+            if not isinstance(values, (list, tuple)) or any(
+                    isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
+                raise ValueError(f"QLoraConfig.{name}={values!r}: must be a list of whole "
+                                 f"numbers >= {low}")
+        if not self.sweep_workers:
+            raise ValueError("QLoraConfig.sweep_workers=[]: name at least one num_workers")
         self._non_negative("warmup_steps", "lora_dropout", "checkpoint_every", "seed")
         self._device()
         if not self.lora_dropout < 1:

@@ -7,7 +7,7 @@ of the naive preprocessing (`profile_lines`). The pipeline itself (`NaiveTextDat
 `build_token_cache` + `PackedDataset`) is what a training job imports to feed its model.
 """
 
-from diag.loader.advice import advice, recommend
+from diag.loader.advice import advice, choose_workers, decide, recommend
 from diag.loader.experiment import LoaderResult, run_loader
 from diag.loader.pipeline import (IGNORE_INDEX, PROMPT_TEMPLATE, NaiveTextDataset, PackedDataset,
                                   encode_batch, format_prompt, load_tokenizer, read_records)
@@ -19,6 +19,6 @@ from diag.loader.tokens import TokenCache, build_token_cache
 
 __all__ = ["EmulatedStep", "Guarded", "IGNORE_INDEX", "LoaderResult", "ModelStep",
            "NaiveTextDataset", "PROMPT_TEMPLATE", "PackedDataset", "SampleError", "Setting",
-           "TokenCache", "advice", "build_token_cache", "encode_batch", "format_prompt",
+           "TokenCache", "advice", "build_token_cache", "choose_workers", "decide", "encode_batch", "format_prompt",
            "gpu_step_seconds", "load_tokenizer", "measure_setting", "profile_lines",
            "read_records", "recommend", "run_loader", "stall_split", "sweep_workers"]

@@ -14,10 +14,16 @@ from typing import Any
 
 import pandas as pd
 
+from diag.decision import (DATA_WAIT_GOAL, DATA_WAIT_NEAR_BEST, DATA_WAIT_NEAR_BEST_S, Decision,
+                           MeasuredOn)
+
 COLUMNS = ["pipeline", "recommended_workers", "data_wait_share", "baseline_workers",
            "baseline_share", "per_sample_ms", "per_batch_ms", "step_ms", "workers_needed",
            "cores", "samples_per_s", "tokens_per_s", "failed_workers", "verdict"]
 ADVICE_COLUMNS = ["stage", "finding", "seconds_saved", "evidence"]
+DEFAULT_WORKERS = 2  # no sweep: enough to overlap the token cache's reads with a step, given
+#                     cores to spare: measured on 2 cores, 2 workers cost 1.4x per step against 0
+#                     (they compete with the step's own threads), so default_workers() spares two
 
 
 def _medians(part: pd.DataFrame) -> pd.DataFrame:
@@ -26,7 +32,7 @@ def _medians(part: pd.DataFrame) -> pd.DataFrame:
         ["data_wait_share", "data_wait_s", "step_s", "samples_per_s", "tokens_per_s"]].median()
 
 
-def recommend(sweep: pd.DataFrame, target_share: float = 0.02) -> pd.DataFrame:
+def recommend(sweep: pd.DataFrame, target_share: float = DATA_WAIT_GOAL) -> pd.DataFrame:
     """One row per pipeline: the recommended num_workers, or the cost and the cores it needs."""
     rows = []
     for pipeline, part in sweep.groupby("pipeline", sort=False):
@@ -87,7 +93,7 @@ def recommend(sweep: pd.DataFrame, target_share: float = 0.02) -> pd.DataFrame:
 
 
 def advice(sweep: pd.DataFrame, recommendation: pd.DataFrame, run_steps: int = 1000,
-           target_share: float = 0.02) -> pd.DataFrame:
+           target_share: float = DATA_WAIT_GOAL) -> pd.DataFrame:
     """Findings rows (stage, finding, seconds_saved, evidence), priced for run_steps steps."""
     rows = []
     waits = {p: _medians(part) for p, part in sweep.groupby("pipeline", sort=False)}
@@ -96,8 +102,9 @@ def advice(sweep: pd.DataFrame, recommendation: pd.DataFrame, run_steps: int = 1
         if by.empty or pd.isna(r.baseline_workers) or r.baseline_share < target_share:
             continue  # the baseline keeps up: nothing to fix
         base_wait = float(by.loc[r.baseline_workers, "data_wait_s"])
-        best = int(r.recommended_workers) if not pd.isna(r.recommended_workers) else int(
-            by["data_wait_share"].idxmin())
+        # none keeps up: the one rule the plan decides by (the smallest near the best wait)
+        best = int(r.recommended_workers) if not pd.isna(r.recommended_workers) else \
+            choose_workers(by, target_share)[0]
         saved = (base_wait - float(by.loc[best, "data_wait_s"])) * run_steps
         evidence = (f"{r.pipeline} pipeline: data_wait {r.baseline_share:.1%} of the step at "
                     f"num_workers={r.baseline_workers}, {by.loc[best, 'data_wait_share']:.1%} at "
@@ -142,3 +149,106 @@ def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], recommendation
     return [{"stage": "data_wait", "finding": "tokenize once into a token cache and serve packed "
              "windows (diag.loader.build_token_cache + PackedDataset)",
              "seconds_saved": max(float(saved), 0.0), "evidence": evidence}] if saved > 0 else []
+
+
+def choose_workers(by: pd.DataFrame, goal: float = DATA_WAIT_GOAL) -> tuple[int, str]:
+    """(num_workers, why) from medians indexed by num_workers (data_wait_share, data_wait_s):
+    the fewest under `goal`; when none is, the fewest within DATA_WAIT_NEAR_BEST (or
+    DATA_WAIT_NEAR_BEST_S per step) of the best wait, the residual named: more workers buy
+    nothing once each batch is ready before the step ends, what stays is the hand-off."""
+    under = [w for w in sorted(by.index) if by.loc[w, "data_wait_share"] < goal]
+    if under:
+        w = under[0]
+        return int(w), (f"the fewest workers under {goal:.0%} data_wait: {w} at "
+                        f"{by.loc[w, 'data_wait_share']:.1%} of the step")
+    best = float(by["data_wait_s"].min())
+    near = [w for w in sorted(by.index)
+            if by.loc[w, "data_wait_s"] <= max(best * (1 + DATA_WAIT_NEAR_BEST),
+                                               best + DATA_WAIT_NEAR_BEST_S)]
+    w, at = near[0], int(by["data_wait_s"].idxmin())
+    return int(w), (f"no setting under {goal:.0%} data_wait; {w} workers is the fewest within "
+                    f"{DATA_WAIT_NEAR_BEST:.0%} (or {DATA_WAIT_NEAR_BEST_S * 1e3:.3g} ms) of the "
+                    f"best, {best * 1e3:.3g} ms per step at {at} workers "
+                    f"({by.loc[w, 'data_wait_share']:.1%} of the step); the "
+                    f"{by.loc[w, 'data_wait_s'] * 1e3:.3g} ms left is the worker hand-off "
+                    "(collate, pass the batch between processes), which more workers do not "
+                    "remove")
+
+
+def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
+           measured_on: MeasuredOn | None = None) -> tuple[Decision, ...]:
+    """pipeline, num_workers, pin_memory, persistent_workers, prefetch_factor from the sweep.
+
+    The pipeline serving more real tokens/s (packed unless naive is faster), then
+    choose_workers within it. A setting the sweep never varied is a labelled default (the
+    value it ran with is no evidence for it); a sweep where every point failed gives defaults.
+    """
+    ok = (sweep[sweep["error"].fillna("") == ""] if sweep is not None and not sweep.empty
+          and "error" in sweep.columns else sweep)
+    if ok is None or ok.empty:
+        why = ("loader frame absent" if sweep is None or sweep.empty
+               else "every loader sweep point failed: " + str(sweep["error"].iloc[0]))
+        return _defaults(why, workers=None)
+    ok = ok.reset_index(drop=True)  # sweeps concatenated by a caller repeat index labels
+    on = measured_on or MeasuredOn(step=str(ok["consumer"].iloc[0]) if "consumer" in ok else "",
+                                   seq_len=int(ok["seq_len"].iloc[0]) if "seq_len" in ok else None)
+    rates = ok.groupby("pipeline")["tokens_per_s"].median()
+    fast = [p for p in rates.index if p != "naive"]
+    keeps = fast and ("naive" not in rates.index or rates[fast].max() >= rates["naive"])
+    pipeline = str(rates[fast].idxmax()) if keeps else "naive"
+    mine = ok[ok["pipeline"] == pipeline]
+    by = _medians(mine)
+    workers, why = choose_workers(by, goal)
+    base_w = 0 if 0 in by.index else int(min(by.index))
+    common = {"source": "loader", "measured_on": on, "stage": "data_wait", "per": "step"}
+    out = [Decision.from_rows("num_workers", workers, f"{pipeline} pipeline: {why}", mine,
+                              baseline=0, baseline_s=float(by.loc[base_w, "data_wait_s"]) if
+                              base_w == 0 else None, chosen_s=float(by.loc[workers, "data_wait_s"]),
+                              **common)]
+    naive = _medians(ok[ok["pipeline"] == "naive"]) if "naive" in rates else None
+    pipe_rows = ok[ok["num_workers"] == workers]
+    out.append(Decision.from_rows(
+        "pipeline", pipeline, "real tokens/s per pipeline (medians): " + ", ".join(
+            f"{p} {r:,.0f}" for p, r in rates.items()), pipe_rows, baseline="naive",
+        baseline_s=float(naive.loc[workers, "data_wait_s"]) if naive is not None
+        and workers in naive.index else None, chosen_s=float(by.loc[workers, "data_wait_s"]),
+        **common))
+    chosen = mine[mine["num_workers"] == workers]
+    for setting, default in _knobs(workers).items():
+        values = mine[setting].dropna().unique() if setting in mine else []
+        # varied: more than one value at the same num_workers (persistent_workers and
+        # prefetch_factor follow the worker count itself, which is no evidence for them)
+        if setting in mine and mine.groupby("num_workers")[setting].nunique().max() > 1:
+            best = chosen.loc[chosen["data_wait_s"].idxmin()]
+            value = None if workers == 0 and setting == "prefetch_factor" else (
+                int(best[setting]) if setting == "prefetch_factor" else bool(best[setting]))
+            out.append(Decision.from_rows(setting, value, "varied in the sweep; the lowest "
+                                          f"data_wait at {workers} workers", chosen, **common))
+        else:
+            ran = f" (every point ran {values[0]})" if len(values) else ""
+            out.append(Decision.default(setting, default, f"not varied by the sweep{ran}: the "
+                                        "documented default", source="loader"))
+    return tuple(out)
+
+
+def _knobs(workers: int) -> dict[str, Any]:
+    """The documented defaults for the settings a worker sweep does not vary."""
+    return {"pin_memory": True, "persistent_workers": workers > 0,
+            "prefetch_factor": 2 if workers else None}
+
+
+def default_workers() -> int:
+    """DEFAULT_WORKERS where two cores stay free for the step's own threads, else fewer."""
+    from diag.device import usable_cores
+
+    return max(0, min(DEFAULT_WORKERS, usable_cores() - 2))
+
+
+def _defaults(why: str, workers: int | None) -> tuple[Decision, ...]:
+    n = default_workers() if workers is None else workers
+    out = [Decision.default("pipeline", "packed", f"{why}: the packed token cache",
+                            source="loader"),
+           Decision.default("num_workers", n, f"{why}: {n} workers (two cores left to the "
+                            "step)", source="loader")]
+    return tuple(out + [Decision.default(k, v, f"{why}: the documented default", source="loader")
+                        for k, v in _knobs(n).items()])

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from diag.loader.advice import advice, recommend
+from diag.decision import Decision, MeasuredOn
+from diag.loader.advice import advice, decide, recommend
 from diag.loader.pipeline import NaiveTextDataset, read_records
 from diag.loader.profile import profile_lines
 from diag.loader.stalls import stall_split
@@ -31,22 +32,38 @@ class LoaderResult:
     lines: pd.DataFrame  # line profile of NaiveTextDataset.__getitem__: where a sample's time goes
     recommendation: pd.DataFrame  # per pipeline: the smallest setting that keeps up, or the cost
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence (for amdahl.findings)
+    decisions: tuple[Decision, ...] = ()  # pipeline, num_workers and the knobs (advice.decide)
 
 
-def run_loader(cfg: LoaderConfig | None = None) -> LoaderResult:
-    """Sweep, recommend, split the stalls, profile the naive preprocessing; return the frames."""
+def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
+               measured_on: MeasuredOn | None = None, emulate_stalls: bool = False
+               ) -> LoaderResult:
+    """Sweep, recommend, split the stalls, profile the naive preprocessing; return the frames.
+
+    step: the consumer (callable, nominal seconds, label) as diag.loader.steps.consumer gives,
+    e.g. the QLoRA job's own step (diag.qlora.measure); None makes it from cfg.
+    emulate_stalls: the stall split waits as long as the step the sweep measured instead of
+    running it (a real step of seconds, run 3 x pipelines more times, buys no decision)."""
     from diag.config import LoaderConfig
     from diag.device import resolve
     from diag.loader.steps import consumer
 
     cfg = cfg or LoaderConfig.default()
     data, tokenizer_dir = sources(cfg)
-    step = consumer(cfg, tokenizer_dir, resolve(cfg.device))
+    step = step or consumer(cfg, tokenizer_dir, resolve(cfg.device))
     sweep = sweep_workers(cfg, step)
     recommendation = recommend(sweep, cfg.target_share)
-    stalls = stall_split(cfg, cfg.workers[0], step[0])
+    stall_step = step[0]
+    if emulate_stalls:
+        from diag.loader.steps import EmulatedStep
+
+        stall_step = EmulatedStep(float(sweep["step_s"].median()))
+    stalls = stall_split(cfg, cfg.workers[0], stall_step)
     records, _ = read_records(data, on_error=cfg.on_error)
     naive = NaiveTextDataset(records[: cfg.profile_samples], tokenizer_dir, cfg.seq_len)
     lines = profile_lines(naive.__getitem__, range(len(naive)))
+    on = measured_on or MeasuredOn(seq_len=cfg.seq_len, step=step[2],
+                                   device=str(resolve(cfg.device)))
     return LoaderResult(sweep, stalls, lines, recommendation,
-                        advice(sweep, recommendation, cfg.run_steps, cfg.target_share))
+                        advice(sweep, recommendation, cfg.run_steps, cfg.target_share),
+                        decide(sweep, cfg.target_share, on))

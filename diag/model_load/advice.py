@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from diag.config import MODEL_LOAD_SCENARIOS as SCENARIOS
+from diag.decision import Decision, MeasuredOn
 from diag.disks import is_network
-from diag.timing import LOAD_PARTS
+from diag.timing import LOAD_PARTS, median_seconds
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -26,7 +27,7 @@ def medians(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def advice(frame: pd.DataFrame) -> pd.DataFrame:
-    """Advice rows (stage, finding, seconds_saved, evidence) for amdahl.findings(extra=...)."""
+    """Advice rows (stage, finding, seconds_saved, evidence) for amdahl.findings(advice=...)."""
     import pandas as pd
 
     cols = ["stage", "finding", "seconds_saved", "evidence"]
@@ -73,3 +74,26 @@ def advice(frame: pd.DataFrame) -> pd.DataFrame:
                          f"{read['seconds'].median():.3g} s at {read['mb_per_s'].median():.4g} "
                          "MB/s from a network filesystem"})
     return pd.DataFrame(rows, columns=cols)
+
+
+def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
+    """`model_cache`: "persistent" when the cached load beats the fresh download per start, from
+    the load_model medians; the documented default ("persistent") when either is absent."""
+    fresh = median_seconds(frame, scenario="fresh", part="load_model")
+    cached = median_seconds(frame, scenario="cached", part="load_model")
+    if fresh is None or cached is None:
+        why = ("model_load frame absent" if frame is None or frame.empty else
+               "no fresh or cached load_model row ran")
+        return (Decision.default("model_cache", "persistent",
+                                 f"{why}: keep a persistent HF cache", source="model_load"),)
+    rows = frame[frame["scenario"].isin(["fresh", "cached"]) & (frame["part"] == "load_model")]
+    choice = "persistent" if cached < fresh else "empty"
+    model = str(frame["model"].iloc[0]) if "model" in frame.columns else ""
+    device = str(frame["device"].dropna().iloc[0]) if frame["device"].notna().any() else ""
+    return (Decision.from_rows(
+        "model_cache", choice, f"cached load {cached:.3g} s vs fresh {fresh:.3g} s per start "
+        f"-> {choice}", rows, source="model_load",
+        measured_on=MeasuredOn(model=model, precision="nf4", step="the job's model load",
+                               device=device),
+        baseline="empty", stage="load_model", per="start", baseline_s=fresh,
+        chosen_s=cached if choice == "persistent" else fresh),)

@@ -16,11 +16,14 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag.config import ModelLoadConfig, diag_home
+from diag.decision import Decision
 from diag.model_load import hfcache
+from diag.model_load.advice import advice, decide
 from diag.model_load.processes import LoadProcesses
 from diag.model_load.source import (Source, cache_dir_for, failure, job, load_warning,
                                     not_in_user_cache, offline_env, open_source, overrides)
@@ -33,6 +36,15 @@ if TYPE_CHECKING:
 
 COLUMNS = ["scenario", "part", "bytes", "seconds", "mb_per_s", "repeat", "cache_state",
            "resident", "cache_disk", "model", "device", "process", "warning"]
+
+
+@dataclass(frozen=True)
+class ModelLoadResult:
+    """What `run_model_load` returns (first field: the main table), like the other experiments."""
+
+    frame: pd.DataFrame  # one row per scenario x part x repeat (COLUMNS)
+    advice: pd.DataFrame  # stage, finding, seconds_saved, evidence (for amdahl.findings)
+    decisions: tuple[Decision, ...] = ()  # model_cache: persistent or empty (advice.decide)
 
 
 def verify_model_cache(cfg: ModelLoadConfig, repair: bool = False) -> pd.DataFrame:
@@ -112,8 +124,9 @@ def _plan(cfg: ModelLoadConfig, src: Source) -> list[tuple[int, str]]:
     return [(r, s) for r in range(cfg.repeats) for s in scenarios]
 
 
-def run_model_load(cfg: ModelLoadConfig | None = None) -> pd.DataFrame:
-    """Load cfg.model in each scenario, cfg.repeats times after one warm-up; the tidy frame.
+def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
+    """Load cfg.model in each scenario, cfg.repeats times after one warm-up; the tidy frame, its
+    advice and the model_cache decision.
 
     Scenarios run interleaved per repeat, so drift hits each alike. A download step fills the
     persistent cache, verified by checksum before and after it, then cfg.warmup loads (not
@@ -198,4 +211,4 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> pd.DataFrame:
     frame["warning"] = frame["warning"].fillna("")
     for text in sorted(set(frame["warning"]) - {""}):
         warnings.warn(f"model-load: {src.model}: {text}", RuntimeWarning, stacklevel=2)
-    return frame
+    return ModelLoadResult(frame, advice(frame), decide(frame))

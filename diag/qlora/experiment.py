@@ -73,18 +73,17 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
 
     from diag.amdahl import shares
     from diag.config import QLoraConfig
-    from diag.device import resolve
     from diag.qlora.job import open_sources, prime, run_plan
+    from diag.qlora.measure import plan_from_job
     from diag.qlora.predict import Counts, predict
 
     cfg = cfg or QLoraConfig.default()
-    results = results if results is not None else load_results(cfg.results)
-    device = str(resolve(cfg.device))
+    given, results = results, results if results is not None else load_results(cfg.results)
     plans = []
     if cfg.plan in ("naive", "both"):
         plans.append(Plan.naive())
     if cfg.plan in ("optimized", "both"):
-        plans.append(Plan.optimized(results, device=device))
+        plans.append(plan_from_job(cfg, given))  # measured on the job unless given
     runs: list[dict[str, Any]] = []
     once: dict[str, float] = {}
     with open_sources(cfg) as src:
@@ -104,9 +103,7 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
     stages = pd.concat([r["stages"] for r in kept], ignore_index=True)
     losses = pd.concat([r["losses"] for r in kept], ignore_index=True)
     table = shares(stages)
-    plan_rows = pd.DataFrame([{"run": p.name, "setting": k, "value": str(v),
-                               "evidence": dict(p.evidence).get(k, "")}
-                              for p in plans for k, v in p.settings().items() if k != "name"])
+    plan_rows = pd.concat([p.frame() for p in plans], ignore_index=True)  # what ran
     saved = pd.DataFrame(columns=["stage", "finding", "predicted_s", "measured_s",
                                   "error_share", "flagged", "evidence"])
     if len(plans) == 2:

@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from diag.config import STORAGE_PULLS as PULLS
+from diag.decision import Decision, MeasuredOn
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
 from diag.storage.objectstore import (MB, RemoteObject, S3Url, list_remote, make_client, parse_url,
                                       remote_error, usable_cores)
 from diag.storage.tax import advice, storage_tax
 from diag.storage.transfer import describe, download_all
+from diag.timing import median_seconds
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -48,6 +50,28 @@ class StorageResult:
     frame: pd.DataFrame  # one row per timed repeat (see the module docstring)
     tax: pd.DataFrame  # per pull method: seconds, hours and money per start and per week
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence (for amdahl.findings)
+    decisions: tuple[Decision, ...] = ()  # fetch: land() once or pull per start (decide)
+
+
+def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
+    """`fetch`: "land" when a verified land() hit beats the boto3-default pull per start, from
+    the medians of those rows; the documented default ("land") when the frame lacks either."""
+    pull_s = median_seconds(frame, method="boto3_default")
+    hit_s = median_seconds(frame, method="land", cache_state="hit")
+    if pull_s is None or hit_s is None:
+        why = ("storage frame absent" if frame is None or frame.empty else
+               "no boto3_default pull or land() hit row ran")
+        return (Decision.default("fetch", "land", f"{why}: land() once, reuse the copy",
+                                 source="storage"),)
+    rows = frame[(frame["method"] == "boto3_default")
+                 | ((frame["method"] == "land") & (frame["cache_state"] == "hit"))]
+    choice = "land" if hit_s < pull_s else "pull"
+    return (Decision.from_rows(
+        "fetch", choice, f"land() hit {hit_s:.3g} s vs boto3 default pull {pull_s:.3g} s per "
+        f"start -> {choice}", rows, source="storage",
+        measured_on=MeasuredOn(step="a training start's dataset fetch", device="this machine"),
+        baseline="pull", stage="fetch_data", per="start", baseline_s=pull_s,
+        chosen_s=hit_s if choice == "land" else pull_s),)
 
 
 @contextlib.contextmanager
@@ -185,7 +209,7 @@ def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
     cfg = cfg or StorageConfig.default()
     frame = measure(cfg)
     tax = storage_tax(frame, cfg.dataset_gb, cfg.runs_per_week, cfg.usd_per_hour)
-    return StorageResult(frame, tax, advice(tax, frame))
+    return StorageResult(frame, tax, advice(tax, frame), decide(frame))
 
 
 def measure(cfg: StorageConfig) -> pd.DataFrame:

@@ -63,7 +63,7 @@ def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_w
 
 
 def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Advice rows for amdahl.findings(extra=...): land once (vs boto3 defaults), tune the pull.
+    """Advice rows for amdahl.findings(advice=...): land once (vs boto3 defaults), tune the pull.
 
     With `frame`, the seconds saved by landing once subtract what a hit still costs: the median
     measured land() hit (cache_state "hit": page cache cold), the figure diagnose uses as the

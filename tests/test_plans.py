@@ -1,0 +1,209 @@
+"""Each decision rule on constructed frames, and the plan that only collects decisions."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from diag.decision import DATA_WAIT_GOAL, Decision, MeasuredOn
+from diag.qlora.plans import SETTINGS, Plan
+
+
+def sweep(waits_ms: dict[int, float], step_ms: float = 20.0, pipeline: str = "packed",
+          tokens_per_s: float = 400.0, **columns) -> pd.DataFrame:
+    """A loader sweep: one row per num_workers with the given data_wait per step."""
+    rows = []
+    for w, wait in waits_ms.items():
+        wait_s, step_s = wait / 1e3, step_ms / 1e3
+        rows.append({"pipeline": pipeline, "num_workers": w, "pin_memory": True,
+                     "persistent_workers": w > 0, "prefetch_factor": 2 if w else None,
+                     "samples_per_s": 8 / (wait_s + step_s), "tokens_per_s": tokens_per_s,
+                     "data_wait_s": wait_s, "step_s": step_s,
+                     "data_wait_share": wait_s / (wait_s + step_s), "batch_size": 8,
+                     "consumer": "the QLoRA step", "error": ""} | columns)
+    return pd.DataFrame(rows)
+
+
+def test_storage_decides_fetch_from_its_rows_with_what_it_is_worth():
+    from diag.storage.experiment import decide
+
+    frame = pd.DataFrame({"method": ["boto3_default", "land", "land"],
+                          "cache_state": ["cold", "miss", "hit"], "seconds": [9.0, 9.5, 0.3]})
+    (d,) = decide(frame)
+    assert (d.setting, d.value, d.basis, d.stage, d.per) == ("fetch", "land", "measured",
+                                                             "fetch_data", "start")
+    assert (d.baseline, d.baseline_s, d.chosen_s) == ("pull", 9.0, 0.3) and len(d.rows) == 2
+    (slow,) = decide(frame.assign(seconds=[0.2, 9.5, 0.9]))  # the measurement decides, no rule
+    assert slow.value == "pull" and slow.saving_s() == 0
+    (absent,) = decide(None)
+    assert absent.basis == "default" and absent.value == "land" and "absent" in absent.why
+
+
+def test_model_load_decides_the_cache():
+    from diag.model_load import decide
+
+    frame = pd.DataFrame({"scenario": ["fresh", "cached"], "part": ["load_model"] * 2,
+                          "seconds": [30.0, 3.0], "model": ["m"] * 2, "device": ["cpu"] * 2})
+    (d,) = decide(frame)
+    assert (d.value, d.basis, d.baseline_s, d.chosen_s) == ("persistent", "measured", 30.0, 3.0)
+    assert d.measured_on.model == "m" and d.stage == "load_model"
+    assert decide(frame[frame.scenario == "fresh"])[0].basis == "default"
+
+
+def test_loader_takes_the_fewest_workers_under_the_goal_and_the_goal_is_pinned():
+    from diag.loader import decide
+
+    assert DATA_WAIT_GOAL == 0.02
+    step = 20.0
+    just = step * 0.02 / 0.98  # data_wait exactly 2% of the step: not under the goal
+    got = {d.setting: d for d in decide(sweep({0: 30.0, 1: just, 2: just * 0.99}, step))}
+    assert got["num_workers"].value == 2 and got["num_workers"].basis == "measured"
+    assert "under 2% data_wait" in got["num_workers"].why
+    assert got["num_workers"].baseline == 0 and got["num_workers"].baseline_s == 0.030
+    assert got["num_workers"].stage == "data_wait" and got["num_workers"].per == "step"
+
+
+def test_loader_without_a_setting_under_the_goal_takes_the_smallest_near_the_best():
+    from diag.loader import choose_workers, decide
+
+    # a known delay: d = 5 ms per sample, B = 8, step s = 20 ms -> ceil(B*d/s) = 2 workers hide
+    # the work; what stays (0.8 ms, 3.8% of the step) is the hand-off, which 4 workers keep
+    d, batch, step, handoff = 5.0, 8, 20.0, 0.8
+    waits = {w: (batch * d if w == 0 else max(0.0, batch * d / w - step)) + handoff
+             for w in (0, 1, 2, 4)}
+    waits[4] -= 0.05  # the best, by less than 10%
+    got = {x.setting: x for x in decide(sweep(waits, step))}
+    workers = got["num_workers"]
+    assert workers.value == math.ceil(batch * d / step) == 2
+    assert "hand-off" in workers.why and "within 10%" in workers.why
+    # within 1 ms per step counts as near too, when 10% of a tiny wait is less
+    by = pd.DataFrame({"data_wait_share": [0.5, 0.04, 0.03], "data_wait_s": [0.02, 0.0017, 0.001]},
+                      index=[0, 1, 2])
+    assert choose_workers(by)[0] == 1
+    assert choose_workers(by.assign(data_wait_s=[0.02, 0.0021, 0.001]))[0] == 2
+
+
+def test_loader_reads_tokens_not_samples_and_unvaried_knobs_are_defaults():
+    from diag.loader import decide
+
+    both = pd.concat([sweep({0: 0.05, 2: 0.5}, pipeline="naive", tokens_per_s=300.0),
+                      sweep({0: 0.004, 2: 0.3}, pipeline="packed", tokens_per_s=420.0)])
+    both.loc[both.pipeline == "naive", "samples_per_s"] *= 3  # more rows/s, fewer tokens
+    got = {d.setting: d for d in decide(both)}
+    assert (got["pipeline"].value, got["num_workers"].value) == ("packed", 0)
+    for knob in ("pin_memory", "persistent_workers", "prefetch_factor"):
+        assert got[knob].basis == "default" and "not varied" in got[knob].why
+    varied = pd.concat([sweep({2: 1.0}), sweep({2: 0.5}).assign(pin_memory=False)])
+    pinned = {d.setting: d for d in decide(varied)}["pin_memory"]
+    assert (pinned.basis, pinned.value) == ("measured", False)  # the lower wait at 2 workers
+
+
+def test_a_failed_frame_falls_back_to_labelled_defaults_and_the_plan_still_builds():
+    from diag.loader import decide
+
+    failed = sweep({0: 1.0, 2: 1.0}).assign(error="SampleError: sample 3: boom",
+                                             data_wait_s=float("nan"))
+    got = decide(failed)
+    assert {d.basis for d in got} == {"default"}
+    assert all("every loader sweep point failed: SampleError" in d.why for d in got)
+    plan = Plan.optimized({"loader": failed})
+    assert plan.pipeline == "packed" and plan.decision("num_workers").basis == "default"
+
+
+def test_accum_takes_the_point_summarize_recommended_without_re_picking():
+    from diag.accum import decide
+
+    summary = pd.DataFrame({"micro_batch": [1, 4, 16], "grad_accum": [16, 4, 1],
+                            "status": ["ok", "ok", "ok"], "tokens_per_s": [100.0, 300.0, 290.0],
+                            "seconds_per_step": [4.0, 1.3, 1.4],
+                            "recommended": [False, False, True]})  # the mark, not the max
+    on = MeasuredOn(model="tiny (nf4 + LoRA)", precision="nf4", seq_len=96)
+    (d,) = decide(summary, on)
+    assert (d.value, d.basis, d.baseline, d.baseline_s, d.chosen_s) == (16, "measured", 1, 4.0,
+                                                                        1.4)
+    assert d.measured_on.seq_len == 96 and "nf4" in d.evidence()
+    oom = summary.assign(status="oom", recommended=False)
+    (none,) = decide(oom)
+    assert none.basis == "default" and "no accum point ran (oom)" in none.why
+
+
+def test_checkpointing_follows_the_steps_own_peak_and_says_its_cost():
+    from diag.qlora.checkpointing import decide
+
+    frame = pd.DataFrame({"gradient_checkpointing": [True, True, False, False],
+                          "seconds": [1.3, 1.3, 1.0, 1.0], "peak_mem_gb": [0.5, 0.5, 2.0, 2.0]})
+    (d,) = decide(frame, "cpu", memory=(10.0, "available host memory"))
+    assert d.value is False and d.basis == "measured" and "2 GB of 10 GB" in d.why
+    assert (d.baseline, d.baseline_s, d.chosen_s) == (True, 1.3, 1.0)
+    (tight,) = decide(frame, "cpu", memory=(3.0, "device memory"))  # over half: recompute
+    assert tight.value is True and tight.chosen_s == 1.3
+    assert decide(None, "cuda")[0].value is True and decide(None, "cpu")[0].value is False
+
+
+def test_a_decision_from_an_absent_frame_is_labelled_default():
+    plan = Plan.optimized()
+    assert [d.setting for d in plan.decisions] == list(SETTINGS)
+    assert {d.basis for d in plan.decisions} == {"default"}
+    assert all(why.startswith("default") for _, why in plan.evidence)
+    with pytest.raises(ValueError, match="no decision for micro_batch"):
+        Plan.collect("x", [d for d in Plan.naive().decisions if d.setting != "micro_batch"])
+    with pytest.raises(ValueError, match="two decisions for 'fetch'"):
+        Plan.optimized([Decision.default("fetch", "land", "a"),
+                        Decision.default("fetch", "pull", "b")])
+
+
+def test_default_workers_leave_two_cores_to_the_step(monkeypatch):
+    from diag import device
+    from diag.loader.advice import DEFAULT_WORKERS
+
+    monkeypatch.setattr(device, "usable_cores", lambda: 2)
+    plan = Plan.optimized()
+    assert plan.num_workers == 0 and plan.prefetch_factor is None
+    assert "two cores left to the step" in dict(plan.evidence)["num_workers"]
+    monkeypatch.setattr(device, "usable_cores", lambda: 16)
+    assert Plan.optimized().num_workers == DEFAULT_WORKERS == 2
+
+
+def test_the_plan_fits_the_micro_batch_to_the_job_out_loud():
+    micro = Decision.from_rows("micro_batch", 16, "fastest", [{"micro_batch": 16}],
+                               source="accum")
+    plan = Plan.optimized([micro]).fit(12)
+    assert plan.micro_batch == 12 and plan.decision("micro_batch").basis == "capped"
+    assert "12 rows per optimizer step" in plan.decision("micro_batch").why
+    assert Plan.optimized([micro]).fit(32).decision("micro_batch").basis == "measured"
+    shown = plan.frame().set_index("setting")["value"].to_dict()
+    assert shown == {k: str(v) for k, v in plan.settings().items() if k != "name"}
+
+
+def test_results_from_another_job_build_no_plan(tmp_path):
+    from diag.__main__ import main
+    from diag.config import QLoraConfig
+    from diag.decision import frame
+    from diag.qlora.measure import load_results
+
+    other = Decision.from_rows("micro_batch", 4, "x", [{"micro_batch": 4}], source="accum",
+                               measured_on=MeasuredOn(model="org/other-7b", seq_len=512))
+    frame([other]).to_csv(tmp_path / "decisions.csv", index=False)
+    with pytest.raises(ValueError, match=r"model org/other-7b.*this job runs the embedded"):
+        load_results(tmp_path, QLoraConfig.quick())
+    same = MeasuredOn(model="the embedded tiny Llama + LoRA r=8", seq_len=512)
+    frame([Decision.from_rows("micro_batch", 4, "x", [{}], source="accum", measured_on=same)]
+          ).to_csv(tmp_path / "decisions.csv", index=False)
+    with pytest.raises(ValueError, match="seq_len 512, this job runs 96"):
+        load_results(tmp_path, QLoraConfig.quick())
+    assert main(["qlora", "--quick", "--results", str(tmp_path)]) == 2
+
+
+def test_a_known_delay_gets_the_theory_or_the_next_swept_value():
+    """A real sleep per sample (d = 10 ms, B = 4) against a 20 ms emulated step: the work
+    needs ceil(B*d/s) = 2 workers; the decision is 2 or the next swept value."""
+    from diag.config import LoaderConfig
+    from diag.loader import decide
+    from diag.loader.sweep import sweep_workers
+
+    cfg = LoaderConfig.quick(pipelines=["packed"], workers=[0, 1, 2, 4], extra_prep_ms=10.0,
+                             batch_size=4, step_ms=20.0, steps=8, device="cpu")
+    got = {d.setting: d for d in decide(sweep_workers(cfg))}
+    assert got["num_workers"].value in (2, 4), got["num_workers"].why
