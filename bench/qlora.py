@@ -30,13 +30,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import transformers  # noqa: E402,F401  # imported before the clock, as a job's start
+import transformers  # imported before the clock, as a job's start
 
-from diag.config import QLoraConfig  # noqa: E402
-from diag.qlora import Plan, run_qlora  # noqa: E402
-from diag.qlora import callback as callback_module  # noqa: E402
-from diag.qlora.job import Sources, run_plan  # noqa: E402
-from diag.qlora.measure import plan_from_job  # noqa: E402
+from diag.config import QLoraConfig
+from diag.qlora import Plan, run_qlora
+from diag.qlora import callback as callback_module
+from diag.qlora.job import Sources, run_plan
+from diag.qlora.measure import plan_from_job
 
 
 def step_seconds(stages) -> float:
@@ -143,8 +143,8 @@ def trl_tokens_per_s(cfg: QLoraConfig, optimized: Plan) -> tuple[float, int, flo
     from diag.device import resolve
     from diag.embedded import ensure_assets
     from diag.loader.pipeline import format_prompt, read_records
-    from diag.qlora.job import load_model
     from diag.qlora.data import check_records
+    from diag.qlora.job import load_model
 
     device = resolve(cfg.device)
     assets = ensure_assets()

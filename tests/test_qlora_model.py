@@ -10,11 +10,11 @@ import pytest
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
-import torch  # noqa: E402
+import torch
 
-from diag.config import QLoraConfig  # noqa: E402
-from diag.decision import MFU_DISAGREEMENT  # noqa: E402
-from diag.qlora.plans import Plan  # noqa: E402
+from diag.config import QLoraConfig
+from diag.decision import MFU_DISAGREEMENT
+from diag.qlora.plans import Plan
 
 SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -95,8 +95,8 @@ def mfu_check(qshape: QLoraShape, counted_per_token: float) -> pd.DataFrame:
     f = "8N + 16·L·d·T" if qshape.checkpointing else "6N + 12·L·d·T"
     rows = [("formula " + f, qshape.flops_per_token, False, "model FLOPs, the MFU convention"),
             ("executed (formula - 2 N_frozen)", executed, False,
-             f"the frozen base computes no weight gradient: {2 * qshape.frozen:.4g} FLOPs per "
-             "token less"),
+             (f"the frozen base computes no weight gradient: {2 * qshape.frozen:.4g} FLOPs "
+              "per token less")),
             ("FlopCounterMode, one step", counted_per_token, flagged, note)]
     return pd.DataFrame([{"method": m, "flops_per_token": v,
                           "vs_formula": v / qshape.flops_per_token, "flagged": flag, "note": n,
