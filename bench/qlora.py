@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import transformers  # imported before the clock, as a job's start
+import transformers  # noqa: F401  # imported before the clock, as a job's start
 
 from diag.config import QLoraConfig
 from diag.qlora import Plan, run_qlora
@@ -131,7 +131,8 @@ def print_regret(cfg: QLoraConfig, optimized: Plan) -> None:
           "interleaved rounds) (goal <= 1.05)")
 
 
-def trl_tokens_per_s(cfg: QLoraConfig, optimized: Plan) -> tuple[float, int, float]:
+def trl_tokens_per_s(cfg: QLoraConfig, optimized: Plan, model_dir=None, dataset=None
+                     ) -> tuple[float, int, float]:
     """TRL's SFTTrainer(packing=True) on the same nf4 model (diag's load_model), records, LoRA
     config, seq_len and steps: (trained tokens/s, trained tokens, seconds) from model load to
     the end of train(), as diag's per-start figure counts its own load, preprocess and train."""
@@ -147,12 +148,14 @@ def trl_tokens_per_s(cfg: QLoraConfig, optimized: Plan) -> tuple[float, int, flo
     from diag.qlora.job import load_model
 
     device = resolve(cfg.device)
-    assets = ensure_assets()
-    records, _ = read_records(assets.dataset, on_error="skip")
-    recs = check_records(cfg, records[: cfg.records], assets.model_dir)
+    if model_dir is None or dataset is None:
+        assets = ensure_assets()
+        model_dir, dataset = assets.model_dir, assets.dataset
+    records, _ = read_records(dataset, on_error="skip")
+    recs = check_records(cfg, records[: cfg.records], model_dir)
     pairs = [format_prompt(r) for r in recs.records]
     start = time.perf_counter()
-    model = load_model(cfg, optimized, assets.model_dir, device)
+    model = load_model(cfg, optimized, model_dir, device)
     data = Dataset.from_list([{"prompt": p, "completion": c} for p, c in pairs])
     with tempfile.TemporaryDirectory(prefix="diag-trl-") as out:
         args = SFTConfig(output_dir=out, max_steps=cfg.steps, packing=True,
@@ -163,7 +166,7 @@ def trl_tokens_per_s(cfg: QLoraConfig, optimized: Plan) -> tuple[float, int, flo
                          gradient_checkpointing=optimized.gradient_checkpointing)
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(assets.model_dir)
+        tok = AutoTokenizer.from_pretrained(model_dir)
         trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
         # the token budget: TRL packs every record; its batches per step are sized so the
         # same steps cover them (diag trains each record once over cfg.steps steps)
