@@ -128,3 +128,19 @@ def test_flagged_iff_the_error_exceeds_the_tolerance_both_ways(measured, flagged
 def test_bad_counts_are_refused():
     with pytest.raises(ValueError, match="warmup_steps"):
         Counts(steps=2, warmup_steps=3)
+
+
+def test_the_naive_step_is_scaled_from_the_timed_step_to_its_own_token_slots():
+    naive, opt = _plans()
+    decisions = tuple(
+        _measured("micro_batch", 4, baseline=1, stage="compute", per="step", baseline_s=2.0,
+                  chosen_s=1.0, source="accum") if d.setting != "micro_batch" else
+        Decision.from_rows("micro_batch", 4, "accum", [{"tokens_per_step": 50}], source="accum",
+                           baseline=1, stage="compute", per="step", baseline_s=2.0,
+                           chosen_s=1.0)
+        for d in opt.decisions if d.setting in ("micro_batch",))
+    opt = dataclasses.replace(opt, decisions=decisions)
+    # timed at 50 slots per step; the naive plan carries 1000 / 10 = 100: its step is 2x
+    row = predict(naive, opt, COUNTS).set_index(["setting", "stage"]).loc[("micro_batch",
+                                                                         "train")]
+    assert row["per_step_s"] == pytest.approx(4.0 - 2.0)

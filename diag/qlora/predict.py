@@ -98,7 +98,7 @@ def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
     rows: list[dict[str, Any]] = []
     # the compute chain: the naive step, then each fix's ratio in turn
     anchor = _seconds(decided.get("micro_batch"))
-    step = anchor[0] if anchor else None
+    step = anchor[0] * _slots_scale(decided["micro_batch"], naive, counts) if anchor else None
     for setting in COMPUTE_ORDER:
         if setting not in changed:
             continue
@@ -151,6 +151,16 @@ def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
             rows.append(_row(setting, a[setting], b[setting], stage, None, None,
                              _unpriced(d)))
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _slots_scale(d: Any, naive: Plan, counts: Counts) -> float:
+    """The naive step's token slots over those of the step the decision timed (its rows name
+    `tokens_per_step`): the accum sweep runs the job's packed step, the naive plan pads."""
+    measured = [r.get("tokens_per_step") for r in d.rows if r.get("tokens_per_step")]
+    slots = counts.token_slots.get(naive.name)
+    if not measured or not slots:
+        return 1.0
+    return slots / counts.steps / float(measured[0])
 
 
 def _unpriced(d: Any, extra: str = "") -> str:
