@@ -142,6 +142,7 @@ def test_naive_plan_is_the_newcomer_defaults():
     ("plan", "fast", "plan"), ("records", 0, "records"), ("steps", 50, "steps"),
     ("warmup_steps", 3, "warmup_steps"), ("lora_dropout", 1.0, "lora_dropout"),
     ("on_error", "ignore", "on_error"), ("source", "gs://b/k", "source"),
+    ("rounds", 0, "rounds"), ("rounds", 2.5, "rounds"),
 ])
 def test_bad_config_names_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
