@@ -123,11 +123,13 @@ def _per_plan(every: pd.DataFrame, once: dict[str, float]) -> pd.DataFrame:
     for plan, runs in every.groupby("plan", sort=False):
         ranked = runs.sort_values("seconds", kind="stable")
         mid = ranked.iloc[(len(ranked) - 1) // 2]  # the lower median: a round that ran
+        # `seconds` is the median round's own (for an even count the lower median), so the
+        # stage breakdown shown adds up to it
         rows.append(mid.to_dict() | {
-            "seconds": float(runs["seconds"].median()), "seconds_min": float(runs["seconds"].min()),
+            "seconds": float(mid["seconds"]), "seconds_min": float(runs["seconds"].min()),
             "seconds_max": float(runs["seconds"].max()), "rounds": len(runs),
             "median_round": int(mid["round"]), "once_s": once.get(plan, 0.0),
-            "trained_tokens_per_s": float(mid["real_tokens"] / runs["seconds"].median())})
+            "trained_tokens_per_s": float(mid["real_tokens"] / mid["seconds"])})
     return pd.DataFrame(rows).drop(columns=["round"])
 
 
