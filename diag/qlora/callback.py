@@ -3,9 +3,9 @@
 `Trainer(..., callbacks=[diag.TimingCallback()])`, then `callback.frame()` is a StageTimer frame
 (`stage`, `seconds`, `step`, `rank`) that `diag.amdahl.shares` reads: per optimizer step
 `data_wait` (from one step's end to the next step's begin, where the Trainer pulls that step's
-batches) and `compute` (forward, backward, optimizer); run-level `setup` (from `setup_from`, when set, to
-on_train_begin: the Trainer's own set-up), `warmup` (the first steps,
-start-up included), `checkpoint`, `eval` and `train` (the steady-state loop around the steps).
+batches) and `compute` (forward, backward, optimizer); run-level `setup` (from `setup_from`,
+when set, to on_train_begin: the Trainer's own set-up), `warmup` (the first steps, start-up
+included), `checkpoint`, `eval` and `train` (the steady-state loop around the steps).
 """
 
 from __future__ import annotations
