@@ -204,7 +204,7 @@ def savings(table: pd.DataFrame, predicted: pd.DataFrame) -> pd.DataFrame:
         priced = fixes["predicted_s"].dropna()
         pred = float(priced.sum()) if not priced.empty else None
         measured = naive.get(stage, 0.0) - opt.get(stage, 0.0)
-        rows.append(check(stage, "; ".join(fixes["change"]), pred, measured,
+        rows.append(check(stage, "; ".join(dict.fromkeys(fixes["change"])), pred, measured,
                           f"naive {naive.get(stage, 0.0):.3g} s -> optimized "
                           f"{opt.get(stage, 0.0):.3g} s; predicted from "
                           + " | ".join(fixes["evidence"])))
