@@ -179,6 +179,25 @@ def trl_tokens_per_s(cfg: QLoraConfig, optimized: Plan, model_dir=None, dataset=
     return tokens / seconds, tokens, seconds
 
 
+def vs_trl(cfg: QLoraConfig, optimized: Plan, rounds: int = 3) -> tuple[float, float, int]:
+    """Trained tokens/s of diag's optimized start and of TRL's, interleaved over `rounds`
+    (order alternating, so the shared machine's load hits both): (diag, TRL) medians, tokens."""
+    from diag.qlora.job import open_sources, prime
+
+    mine, theirs, tokens = [], [], 0
+    with open_sources(cfg) as src:
+        prime(cfg, optimized, src)
+        for r in range(rounds):
+            for who in (("diag", "trl") if r % 2 == 0 else ("trl", "diag")):
+                if who == "diag":
+                    got = run_plan(cfg, optimized, src)["summary"]
+                    mine.append(got["real_tokens"] / got["seconds"])
+                else:
+                    rate, tokens, _ = trl_tokens_per_s(cfg, optimized)
+                    theirs.append(rate)
+    return statistics.median(mine), statistics.median(theirs), tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--records", type=int, default=64)
@@ -247,11 +266,10 @@ def main() -> None:
           f"({cost * 1e6:.2f} us per step, {CostedCallback.calls} real Trainer steps) "
           "(goal < 1%)")
     if args.trl:
-        mine = o["real_tokens"] / o["seconds"]
-        theirs, tokens, seconds = trl_tokens_per_s(cfg, optimized)
+        mine, theirs, tokens = vs_trl(cfg, optimized, rounds=args.rounds)
         print(f"qlora_vs_trl: {mine / theirs:.3g} (diag optimized {mine:,.0f} trained tokens/s "
-              f"per start, TRL SFTTrainer packing=True {theirs:,.0f}: {tokens} tokens in "
-              f"{seconds:.3g} s) (goal >= 1.0)")
+              f"per start, TRL SFTTrainer packing=True {theirs:,.0f} ({tokens} tokens); medians "
+              f"of {args.rounds} interleaved rounds) (goal >= 1.0)")
     if args.fetch_heavy:
         from diag.qlora.job import prime
 
