@@ -324,8 +324,6 @@ def _show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.N
                 heading = f"\n{key}:\n" if len(frames) > 1 else ""
                 print(redact(heading + frame.to_string(index=False,
                                                        float_format=lambda v: f"{v:.4g}")))
-        if getattr(result, "headline", ""):  # diag qlora: the comparison in one line
-            print(redact("\n" + result.headline))
     if getattr(args, "report", False):
         from diag import report
 

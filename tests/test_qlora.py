@@ -78,6 +78,10 @@ def test_rounds_interleaved_with_median_and_spread(both):
     assert "per trained token" in line and "2 interleaved rounds" in line
     assert f"naive {int(rows.at['naive', 'real_tokens'])}" in line and "once" in line
     assert rows.at["optimized", "check_s"] > 0  # the one-time costs shown, never dropped
+    table = both.comparison.iloc[0]  # what the CLI prints as qlora_comparison
+    assert table["low"] <= table["naive_over_optimized_per_token"] <= table["high"]
+    assert table["naive_trained_tokens"] == table["optimized_trained_tokens"]
+    assert table["optimized_once_s"] == rows.at["optimized", "once_s"]
 
 
 def test_setup_is_its_own_stage_and_the_stages_add_to_the_trainer_wall(both):

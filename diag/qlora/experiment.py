@@ -38,6 +38,7 @@ class QLoraResult:
     savings: pd.DataFrame  # stage, predicted_s, measured_s, error_share, flagged, evidence
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
     rounds: pd.DataFrame | None = None  # every plan x round summary (interleaved order)
+    comparison: pd.DataFrame | None = None  # one row: per trained token, the spread, once_s
 
     @property
     def headline(self) -> str:
@@ -112,7 +113,9 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
         saved = savings(_median_stages(runs, shares), predict(plans[0], plans[1], counts))
     advice = saved.rename(columns={"measured_s": "seconds_saved"})[
         ["stage", "finding", "seconds_saved", "evidence"]]
-    return QLoraResult(frame, stages, losses, table, plan_rows, saved, advice, every)
+    both = {"naive", "optimized"} <= set(frame["plan"])
+    return QLoraResult(frame, stages, losses, table, plan_rows, saved, advice, every,
+                       compare(frame) if both else None)
 
 
 def _per_plan(every: pd.DataFrame, once: dict[str, float]) -> pd.DataFrame:
@@ -144,6 +147,25 @@ def _median_stages(runs: list[dict[str, Any]], shares: Any) -> pd.DataFrame:
     per = both.groupby(["run", "round", "stage"])["seconds"].sum().reset_index()
     med = per.groupby(["run", "stage"])["seconds"].median().reset_index()
     return med.assign(level="run")
+
+
+def compare(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row: naive over optimized seconds per trained token (median round, and the range
+    the rounds' spreads allow), both trained-token counts, the optimized one-time cost."""
+    import pandas as pd
+
+    rows = frame.set_index("plan")
+    n, o = rows.loc["naive"], rows.loc["optimized"]
+    per = {k: {p: r[k] / r["real_tokens"] for p, r in (("naive", n), ("optimized", o))}
+           for k in ("seconds", "seconds_min", "seconds_max")}
+    return pd.DataFrame([{
+        "naive_over_optimized_per_token": per["seconds"]["naive"] / per["seconds"]["optimized"],
+        "low": per["seconds_min"]["naive"] / per["seconds_max"]["optimized"],
+        "high": per["seconds_max"]["naive"] / per["seconds_min"]["optimized"],
+        "resolved": bool(per["seconds_min"]["naive"] > per["seconds_max"]["optimized"]),
+        "rounds": int(n["rounds"]), "naive_trained_tokens": int(n["real_tokens"]),
+        "optimized_trained_tokens": int(o["real_tokens"]), "optimized_per_start_s": o["seconds"],
+        "optimized_once_s": o["once_s"], "optimized_check_s": o["check_s"]}])
 
 
 def headline(frame: pd.DataFrame) -> str:
