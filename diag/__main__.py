@@ -239,10 +239,18 @@ def main(argv: list[str] | None = None) -> int:
         own_module = isinstance(err, ModuleNotFoundError) and (err.name or "").startswith("diag")
         if os.environ.get("DIAG_DEBUG") or own_module:  # a broken diag install is a bug, not usage
             raise
-        print(redact(_one_line(err)), file=sys.stderr)
+        if _this_rank_speaks(err):  # under a launcher: once, not one copy per rank
+            print(redact(_one_line(err)), file=sys.stderr)
         return 2
-    _show(name, cfg, result, args)
+    if _this_rank_speaks(None):  # only rank 0 prints and writes the run folder
+        _show(name, cfg, result, args)
     return 0
+
+
+def _this_rank_speaks(err: BaseException | None) -> bool:
+    from diag.distributed import speaks
+
+    return speaks(err)
 
 
 def threading_main() -> bool:

@@ -36,6 +36,8 @@ FIXES = {
     "h2d": "pin host memory and copy with non_blocking=True to overlap the copy with compute",
     "checkpoint": "checkpoint less often or asynchronously, to local disk first",
     "eval": "evaluate less often or on a smaller split",
+    "comm_wait": "ranks wait at the gradient all-reduce for a late rank: fix the straggler's "
+                 "stage (diag.stragglers), or overlap more of it (DDP bucket_cap_mb)",
     "other": "look at per-step overhead outside data, copy and compute (logging, syncs)",
     "compute": "a faster GPU, or a higher MFU (larger micro-batch, fused kernels, bf16)",
 }
@@ -117,6 +119,10 @@ def shares(frame: pd.DataFrame, total_steps: int | None = None) -> pd.DataFrame:
     out = []
     for run, part in frame.groupby("run", sort=False):
         rows = _one_run(part, total_steps)
+        ranks = part["rank"].nunique() if "rank" in part.columns else 1
+        if ranks > 1:  # DDP ranks run side by side: the job's wall clock is one rank's (mean)
+            rows = [{**r, "seconds": r["seconds"] / ranks,
+                     "basis": f"{r['basis']}; mean of {ranks} ranks"} for r in rows]
         total = sum(r["seconds"] for r in rows)
         for r in rows:
             out.append({"run": run, **r, "share": r["seconds"] / total if total else 0.0})

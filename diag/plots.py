@@ -24,6 +24,7 @@ STAGE_COLORS = {
     "fetch_data": "#d62728", "load_model": "#9467bd", "preprocess": "#8c564b",
     "setup": "#dbdb8d", "warmup": "#bcbd22", "train": "#7f7f7f", "checkpoint": "#17becf", "eval": "#aec7e8",
     "data_wait": "#ff7f0e", "h2d": "#e377c2", "compute": "#2ca02c", "other": "#c7c7c7",
+    "comm_wait": "#1f77b4",
     "download": "#9467bd", "read": "#c5b0d5", "quantize": "#f7b6d2", "to_device": "#dbdb8d",
     "tokenizer": "#98df8a", "import": "#e7ba52",
 }
@@ -300,4 +301,35 @@ def plot_loader(frame: pd.DataFrame, target_share: float = DATA_WAIT_GOAL) -> Fi
     ax.set_title(f"Does the loader keep up with a {step * 1e3:.3g} ms step?")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8, frameon=False)
+    return fig
+
+
+def plot_ranks(per_rank: pd.DataFrame, title: str = "Per rank: where a step's time goes") -> Figure:
+    """One stacked bar per rank (per run): seconds per step in data_wait, h2d, compute,
+    comm_wait, other, from diag.stragglers.per_rank(); the straggler is the longest bar
+    without comm_wait, the ranks that wait for it carry it as comm_wait."""
+    if per_rank.empty:
+        raise ValueError("per_rank is empty: nothing to plot")
+    stages = ("data_wait", "h2d", "compute", "comm_wait", "other")
+    labels = [f"{r.run} rank {r.rank} (node {r.node})" if r.run else f"rank {r.rank} (node {r.node})"
+              for r in per_rank.itertuples()]
+    fig = _figure(9, 1.2 + 0.45 * len(per_rank))
+    ax = fig.add_subplot()
+    for i, row in enumerate(per_rank.itertuples()):
+        left = 0.0
+        for stage in stages:
+            width = float(getattr(row, f"{stage}_s")) * 1000
+            ax.barh(i, width, left=left, color=STAGE_COLORS[stage], edgecolor="white",
+                    label=stage)
+            left += width
+        ax.text(left, i, f"  {left:.3g} ms", va="center", fontsize=8)
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("milliseconds per step (mean)")
+    ax.set_title(title)
+    handles, names = ax.get_legend_handles_labels()
+    unique = dict(zip(names, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=7, ncols=len(unique), frameon=False,
+              loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    ax.margins(x=0.12)
     return fig

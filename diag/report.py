@@ -21,7 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from diag import amdahl, plots
+from diag import amdahl, plots, stragglers
 from diag.secrets import redact, redact_frame
 from diag.timing import STAGE_FRAME  # the key of the StageTimer frames the shares come from
 
@@ -110,7 +110,22 @@ def _summary(frames: dict[str, pd.DataFrame], config: dict[str, Any]) -> dict[st
         summary["stages"] = stages.to_dict(orient="records")
         summary["findings"] = found.to_dict(orient="records")
         summary["top_finding"] = _top(found)
+    ranked = _ranked(frames)
+    if ranked is not None:  # a DDP run: each rank, and the one the others waited for
+        summary["ranks"] = stragglers.per_rank(ranked).to_dict(orient="records")
+        summary["stragglers"] = stragglers.findings(ranked).to_dict(orient="records")
     return summary
+
+
+def _ranked(frames: dict[str, pd.DataFrame]) -> pd.DataFrame | None:
+    """The StageTimer frame of a run on several ranks (the `run` frame, or an experiment's
+    `*_stages`), None on one process."""
+    for name in (STAGE_FRAME, *sorted(n for n in frames if n.endswith("_stages"))):
+        frame = frames.get(name)
+        if frame is not None and {"stage", "step", "rank"} <= set(frame.columns) \
+                and frame["rank"].nunique() > 1:
+            return frame
+    return None
 
 
 def _top(found: pd.DataFrame) -> str | None:
@@ -153,6 +168,9 @@ def figures(frames: dict[str, pd.DataFrame], marks: dict[str, float] | None = No
         total = float(stages.loc[stages["run"] == first, "seconds"].sum())
         if total > 0:
             out["waterfall"] = plots.plot_waterfall(found[found["run"] == first], total)
+    ranked = _ranked(frames)
+    if ranked is not None:
+        out["ranks"] = plots.plot_ranks(stragglers.per_rank(ranked))
     for name, function in EXPERIMENT_FIGURES.items():
         if name in frames and hasattr(plots, function):
             out[name] = getattr(plots, function)(frames[name])
@@ -219,6 +237,12 @@ def _html(summary: dict[str, Any], frames: dict[str, pd.DataFrame], images: dict
             parts.append(f'<img alt="{name}" src="data:image/png;base64,{images[name]}">')
     if summary.get("findings"):
         parts.append("<h2>Findings</h2>" + _table(pd.DataFrame(summary["findings"])))
+    if summary.get("ranks"):
+        parts.append("<h2>Per rank</h2>" + _table(pd.DataFrame(summary["ranks"])))
+        if "ranks" in images:
+            parts.append(f'<img alt="ranks" src="data:image/png;base64,{images["ranks"]}">')
+        if summary.get("stragglers"):
+            parts.append(_table(pd.DataFrame(summary["stragglers"])))
     for name, frame in frames.items():
         if name in (STAGE_FRAME, "advice"):
             continue

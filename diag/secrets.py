@@ -3,7 +3,8 @@
 `redact(text)` replaces by `***`: the value of every secret-looking environment variable (keys,
 tokens, passwords), every value given to `register()`, the HF token that `hf auth login` wrote to
 its token file, the AWS credentials boto3 resolved (profile, SSO, instance role: none of them sets
-an environment variable), and anything shaped like one (`hf_...`, `AKIA...`/`ASIA...`, presigned
+an environment variable; not walked when every client diag made was given its keys, and never as
+far as the instance metadata service when AWS_EC2_METADATA_DISABLED is set), and anything shaped like one (`hf_...`, `AKIA...`/`ASIA...`, presigned
 `X-Amz-Signature=` / `X-Amz-Credential=`, `user:pass@` in a URL). Reports and the CLI pass their
 text through it.
 """
@@ -58,16 +59,36 @@ def _read_hf_tokens(path: str) -> set[str]:
     return {text.strip()}
 
 
+# How the S3 clients diag made got their credentials: None (none made), "given" (every one was
+# given its keys, or was unsigned) or "chain" (one resolved the user's credential chain).
+_aws_clients: str | None = None
+_TRUE = ("1", "true", "yes", "on")
+
+
+def aws_client_made(given: bool) -> None:
+    """Say how a client got its credentials: given keys (registered by the caller) or the
+    credential chain. While every client had given keys, redaction walks no chain, so it never
+    asks the instance metadata service."""
+    global _aws_clients
+    _aws_clients = "chain" if not given or _aws_clients == "chain" else "given"
+
+
 def _aws_credentials() -> Any:
-    """boto3's resolved credentials object (refreshable ones renew themselves), or None."""
+    """botocore's resolved credentials object (refreshable ones renew themselves), or None."""
     # Only in a process that already uses boto3: importing it, or a first credential lookup
-    # (which may ask the instance metadata service), would make every redact() slow.
-    if "boto3" not in sys.modules:
+    # (which may ask the instance metadata service), would make every redact() slow. Not when
+    # the keys were given: the chain is not what diag uses, and it may end at the metadata
+    # service. AWS_EC2_METADATA_DISABLED (any true value; botocore reads "true" only) keeps the
+    # chain off the metadata service.
+    if "boto3" not in sys.modules or _aws_clients == "given":
         return None
-    import boto3
+    import botocore.session
 
     try:
-        return boto3.Session().get_credentials()
+        session = botocore.session.Session()
+        if os.environ.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() in _TRUE:
+            session.get_component("credential_provider").remove("iam-role")
+        return session.get_credentials()
     except Exception:  # a broken profile is reported where it is used, not while redacting
         return None
 
@@ -82,8 +103,9 @@ def _resolved() -> set[str]:
         except OSError:
             stamps.append((path, None, None))
     aws_env = tuple(os.environ.get(k) for k in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE",
-                                                 "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"))
-    key = (tuple(stamps), aws_env, "boto3" in sys.modules)
+                                                 "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE",
+                                                 "AWS_EC2_METADATA_DISABLED"))
+    key = (tuple(stamps), aws_env, "boto3" in sys.modules, _aws_clients)
     if key not in _cache:
         tokens = set().union(*(_read_hf_tokens(p) for p, mtime, _ in stamps if mtime is not None))
         _cache[key] = (frozenset(tokens), _aws_credentials())

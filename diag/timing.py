@@ -3,7 +3,8 @@
 `with timer.stage("compute"):` (or `@timer.stage("compute")`) records one interval;
 `for batch in timer.watch(loader):` records the time the loop is blocked on each `next()` as
 `data_wait` and numbers the steps. `to_frame()` gives one row per interval: `stage`, `seconds`,
-`step` (<NA> for run-level stages), `rank`. Read it with `diag.amdahl`; a disabled timer
+`step` (<NA> for run-level stages), `rank`, `node`; under DDP `timer.watch_comm(ddp_model)` splits
+each `compute` into compute and `comm_wait`, and `gather(dst=0)` collects every rank once at the end. Read it with `diag.amdahl`; a disabled timer
 (`StageTimer(enabled=False)`) keeps the loop's code identical and costs almost nothing.
 Each stage is also a named range in the traces users already read: a torch.profiler range while
 a profiler records (Perfetto, HTA) and, on CUDA, an NVTX range (Nsight); `trace=False` turns both off.
@@ -18,9 +19,13 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import ContextDecorator
 from typing import Any
 
+from diag.distributed import CommWait, gather_to_root, place
+
 # Run-level stages happen once per training run; step-level stages once per optimizer step.
-RUN_STAGES = ("fetch_data", "load_model", "preprocess", "setup", "warmup", "train", "checkpoint", "eval")
-STEP_STAGES = ("data_wait", "h2d", "compute", "other")
+RUN_STAGES = ("fetch_data", "load_model", "preprocess", "setup", "warmup", "train", "checkpoint",
+              "eval")
+# comm_wait: under DDP, the gradient all-reduce that backward does not hide (diag.distributed).
+STEP_STAGES = ("data_wait", "h2d", "compute", "comm_wait", "other")
 # The parts of load_model, reported beside it (they add up to it, they are not extra time).
 # `import` (interpreter start + torch/transformers/bitsandbytes) is in it: every job start pays it.
 LOAD_PARTS = ("import", "download", "read", "quantize", "to_device", "tokenizer")
@@ -34,16 +39,6 @@ def check_stage(name: str) -> str:
             f"step-level {', '.join(STEP_STAGES)}; load_model parts {', '.join(LOAD_PARTS)}"
         )
     return name
-
-
-def _current_rank() -> int:
-    try:
-        import torch.distributed as dist  # only if torch is already around; never a hard need
-    except ImportError:
-        return int(os.environ.get("RANK", 0))
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", 0))
 
 
 class _Stage(ContextDecorator):
@@ -75,7 +70,13 @@ class _Stage(ContextDecorator):
         if timer._sync is not None:
             timer._sync()  # note: CPU-GPU sync point, so this stage's queued kernels are billed to it
         # Recorded even when the body raised: a failed stage still spent the time.
-        timer._rows.append((self._name, time.perf_counter() - self._start, timer._step_for(self._name)))
+        seconds, step = time.perf_counter() - self._start, timer._step_for(self._name)
+        if timer.comm is not None and self._name == "compute":
+            # the all-reduce wait inside backward is not compute: billed apart, summing to it
+            wait = min(timer.comm.take(), seconds)
+            timer._rows.append(("comm_wait", wait, step))
+            seconds -= wait
+        timer._rows.append((self._name, seconds, step))
         if timer.trace:
             timer._close_range(self._range)
         return False
@@ -108,7 +109,13 @@ class StageTimer:
         self.enabled = enabled
         self.trace = enabled and trace
         self._nvtx: Any = None
-        self.rank = _current_rank() if rank is None else rank
+        seat = place()  # the launcher's environment, or the process group when it is up
+        self.rank = seat.rank if rank is None else rank
+        self.node = seat.node
+        self.local_rank, self.world_size = seat.local_rank, seat.world_size
+        self.comm: CommWait | None = None  # set by watch_comm under DDP
+        self._spill: Any = None  # open file the finished steps' rows go to (spill_to)
+        self._spilled = 0
         self.step: int | None = None  # set by watch(); step-level stages are tagged with it
         self._rows: list[tuple[str, float, int | None]] = []
         self._sync: Callable[[], None] | None = None
@@ -156,6 +163,46 @@ class StageTimer:
         check_stage(name)
         self._rows.append((name, float(seconds), step if step is not None else self._step_for(name)))
 
+    def watch_comm(self, ddp_model: Any) -> None:
+        """Measure comm_wait through ddp_model's communication hook (register before the first
+        backward); every `compute` stage after this is split into compute + comm_wait."""
+        if self.enabled:
+            self.comm = CommWait(ddp_model)
+
+    def spill_to(self, path: Any) -> None:
+        """Append the rows to path (CSV, named *.partial.csv: it is never a complete run) at
+        each `flush()`, so a killed process leaves the frames of the steps it finished."""
+        if not self.enabled:
+            return
+        self._spill = open(path, "a", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115
+        self._spill.write("stage,seconds,step,rank,node\n")
+        self._spill.flush()
+
+    def flush(self) -> None:
+        """Write the rows recorded since the last flush to the spill file (one write, no sync
+        with any other rank); a no-op without spill_to."""
+        if self._spill is None:
+            return
+        new = self._rows[self._spilled:]
+        self._spilled += len(new)
+        self._spill.write("".join(f"{s},{sec!r},{'' if st is None else st},{self.rank},"
+                                  f"{self.node}\n" for s, sec, st in new))
+        self._spill.flush()  # one write(2) of whole lines: a kill never splits a row
+
+    @property
+    def spill_path(self) -> Any:  # -> pathlib.Path | None
+        from pathlib import Path
+
+        return Path(self._spill.name) if self._spill is not None else None
+
+    def close_spill(self, remove: bool = True) -> None:
+        """Stop spilling; remove the file once the complete frame is safe elsewhere."""
+        if self._spill is not None:
+            self._spill.close()
+            if remove:
+                os.unlink(self._spill.name)
+            self._spill = None
+
     def watch(self, iterable: Iterable[Any], start_step: int = 0) -> Iterator[Any]:
         """Yield the same items; the time blocked in each `next()` is that step's data_wait."""
         if not self.enabled:
@@ -189,25 +236,33 @@ class StageTimer:
         return sum(seconds for stage, seconds, _ in self._rows if stage == name)
 
     def to_frame(self):  # -> pandas.DataFrame
-        """One row per interval: stage, seconds, step (<NA> for run-level), rank."""
+        """One row per interval: stage, seconds, step (<NA> for run-level), rank, node."""
         import pandas as pd
 
         frame = pd.DataFrame(self._rows, columns=["stage", "seconds", "step"])
         frame["step"] = frame["step"].astype("Int64")
         frame["rank"] = self.rank
+        frame["node"] = self.node
         return frame
 
-    def gather(self):  # -> pandas.DataFrame
-        """All ranks' frames on every rank (torch.distributed, any backend); own frame if alone."""
+    def gather(self, dst: int | None = None):  # -> pandas.DataFrame | None
+        """All ranks' frames in one (torch.distributed, any backend); own frame if alone.
+
+        dst=None: on every rank (all_gather); dst=0: on rank 0 only, None on the others. Call
+        it once at the end of a run: it is a collective every rank must reach."""
         import pandas as pd
         import torch.distributed as dist
 
         frame = self.to_frame()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return frame
-        frames: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(frames, frame)
-        return pd.concat(frames, ignore_index=True)
+        if dst is not None:
+            assert dst == 0, "frames gather on rank 0, the rank that writes the run folder"
+            frames = gather_to_root(frame)
+            return None if frames is None else pd.concat(frames, ignore_index=True)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, frame)
+        return pd.concat(everyone, ignore_index=True)
 
 
 STAGE_FRAME = "run"  # the key a StageTimer frame (with a `run` column) is stored under, always

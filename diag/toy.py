@@ -5,7 +5,9 @@ step is split into `data_wait` (the loop blocked on the next batch, which carrie
 host preprocessing), `h2d` (host-to-device copy), `compute` (forward + backward + optimizer
 step). With `num_workers=0` the preprocessing sits in the loop; with workers it overlaps compute.
 The result is the StageTimer frame, read by the same share tables and charts as a real run; its
-data_wait rows also carry the GPU utilisation sampled over `train` (diag.gpu_util).
+data_wait rows also carry the GPU utilisation sampled over `train` (diag.gpu_util). Under
+`torchrun --nproc_per_node N -m diag toy` the MLP trains as DDP: each rank spills its finished
+steps (diag.distributed), `comm_wait` is split out of compute, and rank 0 gathers every rank.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from diag import distributed
 from diag.config import ToyConfig
 from diag.gpu_util import GpuSampler
 from diag.timing import StageTimer
@@ -46,14 +49,23 @@ def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
 
     cfg = cfg or ToyConfig.default()
     dev = devices.resolve(cfg.device)
+    seat = distributed.init_group(dev.type)  # a no-op on one process
+    if seat.distributed and dev.type == "cuda":
+        dev = torch.device("cuda", seat.local_rank)  # one GPU per rank
     timer = timer or StageTimer(device=dev)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
     model = torch.nn.Sequential(
         torch.nn.Linear(cfg.width, cfg.width), torch.nn.GELU(), torch.nn.Linear(cfg.width, 1)
     ).to(dev)
+    if seat.distributed:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        timer.watch_comm(model)
+        distributed.spill_ranks(timer, seat)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = DataLoader(
-        ToyBatches(cfg.warmup_steps + cfg.steps, cfg.batch_size, cfg.width, cfg.prep_ms),
+    prep = cfg.prep_ms + (cfg.slow_ms if seat.rank == cfg.slow_rank else 0.0)
+    loader = DataLoader(  # each rank its own batches: seeds apart by the step count
+        ToyBatches(cfg.warmup_steps + cfg.steps, cfg.batch_size, cfg.width, prep,
+                   seed=seat.rank * (cfg.warmup_steps + cfg.steps)),
         batch_size=None, num_workers=cfg.num_workers, pin_memory=dev.type == "cuda",
         prefetch_factor=4 if cfg.num_workers else None, persistent_workers=False,
     )
@@ -79,9 +91,10 @@ def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
                 x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             with timer.stage("compute"):
                 step(x, y)
+            timer.flush()  # a no-op on one process: the finished step survives a kill
     del batches  # worker shutdown happens here, outside every timed stage
-    frame = timer.to_frame()
-    waits = frame["stage"] == "data_wait"
+    frame = distributed.gathered_frame(timer)  # every rank's rows on rank 0
+    waits = (frame["stage"] == "data_wait") & (frame["rank"] == timer.rank)  # this rank's GPU
     frame["gpu_util_pct"], frame["gpu_util_note"] = float("nan"), ""
     for column, value in util.columns().items():  # beside data_wait: was the GPU idle then?
         frame.loc[waits, column] = value

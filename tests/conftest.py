@@ -3,12 +3,47 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_HF_TOKEN = "hf_diagTestFakeToken0123456789"
+
+
+# Tools the tests drive keep caches in the home folder (huggingface_hub's cache, matplotlib's font
+# cache, IPython's profile, Jupyter's runtime files): each test process points them into one
+# temporary folder of its own, set before any test module imports them (transformers reads
+# HF_HOME at import), and removed when the process ends. A user's ~/.cache is never touched.
+_TOOL_HOMES = {"HF_HOME": "hf", "MPLCONFIGDIR": "mpl", "IPYTHONDIR": "ipython",
+               "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config", "XDG_DATA_HOME": "data",
+               "JUPYTER_RUNTIME_DIR": "jupyter-runtime"}
+_tool_root: str | None = None
+_tool_old: dict[str, str | None] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _tool_root
+    _tool_root = tempfile.mkdtemp(prefix="diag-test-tools-")
+    for key, sub in _TOOL_HOMES.items():
+        _tool_old[key] = os.environ.get(key)
+        os.environ[key] = os.path.join(_tool_root, sub)
+        os.makedirs(os.environ[key], exist_ok=True)
+    # the token files of the user's real HF home must not leak into a test either
+    _tool_old.setdefault("HF_HUB_CACHE", os.environ.pop("HF_HUB_CACHE", None))
+    _tool_old.setdefault("HUGGINGFACE_HUB_CACHE", os.environ.pop("HUGGINGFACE_HUB_CACHE", None))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for key, value in _tool_old.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if _tool_root:
+        shutil.rmtree(_tool_root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "diag"
 EXPERIMENTS = {"storage", "model_load", "loader", "accum", "qlora", "toy"}
-ANALYSIS = {"amdahl", "plots"}
+ANALYSIS = {"amdahl", "plots", "stragglers"}
 ABOVE_EXPERIMENTS = {"report", "plots", "diagnose", "widgets", "__main__"}
 
 

@@ -54,8 +54,9 @@ def test_notebook_executes(path: Path, tmp_path: Path):
     out = tmp_path / path.name
     papermill.execute_notebook(
         str(path), str(out), parameters={"quick": True}, kernel_name="python3",
-        cwd=str(path.parent), execution_timeout=TIME_LIMIT_S, progress_bar=False,
-        # the kernel inherits DIAG_QUICK=1 and the isolated DIAG_HOME from conftest
+        cwd=str(tmp_path), execution_timeout=TIME_LIMIT_S, progress_bar=False,
+        # the kernel inherits DIAG_QUICK=1 and the isolated DIAG_HOME from conftest; its cwd is
+        # the test's folder, so a run folder it writes (runs/<UTC>) never lands in the checkout
     )
     executed = json.loads(out.read_text())
     errors = [o for c in executed["cells"] if c["cell_type"] == "code"

@@ -25,8 +25,11 @@ def _command(out: Path, *extra: str) -> list[str]:
             "--out-dir", str(out), *extra]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+def _env(tmp: Path) -> dict[str, str]:
+    # TMPDIR inside the test's folder: a SIGKILLed run cannot remove its work folder, and the
+    # test must leave nothing behind outside tmp_path
+    (tmp / "tmp").mkdir(exist_ok=True)
+    return {**os.environ, "TMPDIR": str(tmp / "tmp"), "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
 
 
@@ -34,7 +37,7 @@ def test_sigkill_mid_run_then_resume_finishes_the_same_steps(tmp_path):
     from diag.qlora.job import last_checkpoint
 
     out = tmp_path / "out"
-    proc = subprocess.Popen(_command(out), env=_env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_command(out), env=_env(tmp_path), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
@@ -50,8 +53,8 @@ def test_sigkill_mid_run_then_resume_finishes_the_same_steps(tmp_path):
             os.kill(proc.pid, signal.SIGKILL)
     killed_at = int(last_checkpoint(out / "optimized").name.split("-")[1])
     assert 2 <= killed_at < STEPS
-    done = subprocess.run(_command(out, "--resume", "--json"), env=_env(), capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(_command(out, "--resume", "--json"), env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     row = result["qlora"][0]

@@ -246,3 +246,50 @@ def test_redact_frame_mixed_cells_and_one_lookup(monkeypatch):
     assert list(out["note"][:3]) == ["*** x", 7, None]
     # each lookup stats the token files: once per cell would crawl on a big table
     assert len(lookups) == 1
+
+
+@pytest.fixture
+def imds(monkeypatch):
+    """A loopback instance metadata service that counts the requests it gets (and has no role)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            seen.append(f"{self.command} {self.path}")
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_PUT = _answer
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    monkeypatch.delenv("AWS_EC2_METADATA_DISABLED", raising=False)
+    monkeypatch.setattr(secrets, "_aws_clients", None)
+    yield seen
+    server.shutdown()
+
+
+def test_redaction_asks_the_metadata_service_only_when_the_chain_may_end_there(imds, monkeypatch):
+    import boto3  # noqa: F401  a process that uses boto3
+
+    from diag.storage.objectstore import make_client
+
+    redact("x")  # nothing given, nothing disabled: the chain ends at the instance role
+    assert imds, "the control: the credential chain did reach the loopback metadata service"
+    imds.clear()
+    monkeypatch.setattr(secrets, "_cache", {})
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "1")  # botocore alone reads "true" only
+    assert redact("x") == "x" and imds == []
+    monkeypatch.delenv("AWS_EC2_METADATA_DISABLED")
+    monkeypatch.setattr(secrets, "_cache", {})
+    make_client("http://127.0.0.1:9", credentials={"aws_access_key_id": "AKIDGIVEN0000001",
+                                                   "aws_secret_access_key": "given/secret/42"})
+    assert redact("a given/secret/42 b") == "a *** b" and imds == []  # keys given: no chain

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import os
+import zlib
 from pathlib import Path
 
 import pandas as pd
@@ -15,7 +17,6 @@ from diag.storage import landing, objectstore
 from diag.__main__ import parse
 from diag.config import StorageConfig
 from diag.storage.landing import local_paths
-from diag.hashing import file_sha256
 from diag.storage.objectstore import (MB, list_remote, make_client, parse_url, transfer_plan,
                               usable_cores)
 from diag.embedded import S3Server
@@ -131,7 +132,9 @@ def test_land_prefix_lands_once_with_manifest_then_hits(s3, tmp_path):
     assert [e["key"] for e in manifest["objects"]] == sorted(e["key"] for e in manifest["objects"])
     for e in manifest["objects"]:
         path = local / e["key"][len("shards/"):]
-        assert path.stat().st_size == e["size"] and file_sha256(path) == e["sha256"]
+        # the whole file's CRC32, computed while it landed, is what a hit re-checks
+        crc = base64.b64encode(zlib.crc32(path.read_bytes()).to_bytes(4, "big")).decode()
+        assert path.stat().st_size == e["size"] and e["digest"] == f"crc32:{crc}"
     hit = land(url, tmp_path, client=client, timer=timer)
     assert hit.hit is True and hit.fetched_bytes == 0
     stages = timer.to_frame()
@@ -320,20 +323,19 @@ def test_the_old_stage_name_still_lands_and_warns_once(s3, tmp_path):
     assert len(moved) == 1 and issubclass(moved[0].category, FutureWarning)
 
 
-def test_a_crc_this_python_cannot_compute_is_recorded_as_not_checked(tmp_path):
-    # CRC32C / CRC64NVME need awscrt (what botocore uses for them); without it the manifest says
-    # the stored checksum was not checked, instead of claiming a check that never ran
-    try:
-        import awscrt  # noqa: F401
-        pytest.skip("awscrt is installed: CRC64NVME is computed, not skipped")
-    except ImportError:
-        pass
-    from diag.storage import transfer
-    from diag.storage.objectstore import RemoteObject
+def test_a_crc_this_python_cannot_compute_is_recorded_as_not_checked(tmp_path, monkeypatch):
+    # CRC32C / CRC64NVME need awscrt (in the storage extra; what botocore uses for them): an
+    # install without it gets a manifest that says the stored checksum was not checked, instead
+    # of one claiming a check that never ran
+    import sys
 
-    path = tmp_path / "x.bin"
-    path.write_bytes(b"diag" * 1000)
-    obj = RemoteObject("x.bin", 4000, "0123456789abcdef0123456789abcdef-2")
-    digest, checks = transfer._check(None, "b", obj, path, ("crc64nvme", "AAAAAAAAAAA="))
-    assert digest == file_sha256(path)
-    assert checks == "size (crc64nvme stored, not checked: pip install awscrt)"
+    from diag.storage import checks
+
+    monkeypatch.setitem(sys.modules, "awscrt", None)  # import awscrt raises ImportError
+    stream = checks.Stream(os.open(tmp_path / "x.bin", os.O_RDWR | os.O_CREAT), checks.Expected(
+        crc=("crc64nvme", "AAAAAAAAAAA=")))
+    stream.sink.write(b"diag" * 1000)
+    digest, checked = stream.finish().verdict()
+    crc = base64.b64encode(zlib.crc32(b"diag" * 1000).to_bytes(4, "big")).decode()
+    assert digest == f"crc32:{crc}"  # the manifest's digest falls back to CRC32 (zlib)
+    assert checked == "size (crc64nvme stored, not checked: pip install awscrt)"

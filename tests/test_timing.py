@@ -14,7 +14,7 @@ def test_stage_accumulates_and_frame_is_tidy():
     with timer.stage("load_model"):
         time.sleep(0.02)
     frame = timer.to_frame()
-    assert list(frame.columns) == ["stage", "seconds", "step", "rank"]
+    assert list(frame.columns) == ["stage", "seconds", "step", "rank", "node"]
     assert (frame["stage"] == "compute").sum() == 3
     assert timer.total("compute") == pytest.approx(0.03, abs=0.015)
     assert timer.total("load_model") == pytest.approx(0.02, abs=0.015)

@@ -29,13 +29,20 @@ COLUMNS = ["micro_batch", "grad_accum", "tokens_per_step", "seconds_per_step", "
            "status", "repeat", "warmup_s", "compile", "detail"]
 
 
-def pairs(cfg: AccumConfig) -> list[tuple[int, int]]:
-    """(micro_batch, grad_accum) points, each making tokens_per_step: cfg.micro_batches in their
-    order, else every power of two that divides the step, most accumulation first."""
+def pairs(cfg: AccumConfig, world_size: int = 1) -> list[tuple[int, int]]:
+    """(micro_batch, grad_accum) points, each making tokens_per_step over world_size DDP ranks:
+    cfg.micro_batches in their order, else every power of two that divides the step, most
+    accumulation first. A micro-batch the world cannot split the step by is a ValueError."""
+    from diag.distributed import check_divides
+
     sequences = cfg.tokens_per_step // cfg.seq_len
-    micro = cfg.micro_batches or [1 << i for i in range(sequences.bit_length())
-                                  if sequences % (1 << i) == 0]
-    return [(m, sequences // m) for m in dict.fromkeys(micro)]
+    per_rank = sequences // world_size
+    micro = cfg.micro_batches or [1 << i for i in range(per_rank.bit_length())
+                                  if sequences % (world_size << i) == 0]
+    for m in micro:
+        check_divides(cfg.tokens_per_step, cfg.seq_len, m, world_size,
+                      field="AccumConfig.tokens_per_step")
+    return [(m, per_rank // m) for m in dict.fromkeys(micro)]
 
 
 def is_oom(err: BaseException) -> bool:
@@ -146,8 +153,15 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, dict[str, Any]]:
 
     from diag import device as devices
 
+    from diag.distributed import init_group, root_first
+
     dev = devices.resolve(cfg.device)
-    tokens = _tokens(cfg)
+    seat = init_group(dev.type)  # under torchrun / accelerate: one DDP rank of the sweep
+    if seat.distributed and dev.type == "cuda":
+        dev = torch.device("cuda", seat.local_rank)
+    points = pairs(cfg, seat.world_size)  # before any work: a world that cannot split the step
+    with root_first():  # rank 0 tokenizes the synthetic set once; the others read its file
+        tokens = _tokens(cfg)
     model = build_model(cfg, dev)
     check_tokens(tokens, model.config.vocab_size)  # before any step: a bad id fails here, named
     # the reset copy lives in host memory: on the device it would count in every point's peak
@@ -161,7 +175,9 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, dict[str, Any]]:
                             "(AccumConfig.peak_tflops)", "config", False)
     else:
         peak = devices.peak_flops(dev, "bf16" if amp_dtype == "bf16" else "fp32")
-    points = pairs(cfg)
+    if seat.distributed and peak.flops:  # the step is spread over the ranks: their peaks add up
+        peak = devices.Peak(peak.flops * seat.world_size,
+                            f"{seat.world_size} x {peak.label}", peak.source, peak.measured)
     # the formula checked against what torch counts, on one micro-step of the smallest point
     smallest = min(m for m, _ in points)
     with BatchLoader(tokens, smallest, cfg.seq_len, dev, seed=cfg.seed, prefetch=False) as bl:
@@ -174,7 +190,10 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, dict[str, Any]]:
             counted = math.nan  # even one micro-step does not fit: every point will say so
             model.zero_grad(set_to_none=True)
     info = {"shape": shape, "peak": peak, "counted_per_token": counted,
-            "amp": amp_dtype, "device": str(dev)}
+            "amp": amp_dtype, "device": str(dev), "world_size": seat.world_size}
+    step_model = model
+    if seat.distributed:  # gradients all-reduced once per optimizer step, as a DDP job does
+        step_model = torch.nn.parallel.DistributedDataParallel(model)
     memory = PeakMemory(dev)
     rows: list[dict[str, Any]] = []
     for micro, accum in tqdm(points, desc="accum sweep", unit="point", leave=False):
@@ -184,7 +203,8 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, dict[str, Any]]:
                 "flops_per_token": fpt, "compile": cfg.compile}
         memory.reset()
         try:
-            warmup_s, timed = _train_point(cfg, model, tokens, micro, accum, dev, amp)
+            warmup_s, timed = _train_point(cfg, step_model, tokens, micro, accum, dev, amp,
+                                           seed=cfg.seed + seat.rank)
         except (RuntimeError, MemoryError) as err:
             if not is_oom(err):
                 raise
@@ -209,7 +229,8 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, dict[str, Any]]:
 
 
 def _train_point(cfg: AccumConfig, model: Any, tokens: Any, micro: int, accum: int,
-                 dev: torch.device, amp: Any) -> tuple[float, list[tuple[float, float]]]:
+                 dev: torch.device, amp: Any, seed: int = 0
+                 ) -> tuple[float, list[tuple[float, float]]]:
     """(warm-up seconds, [(step seconds, data seconds)] of the timed steps) for one point."""
     import torch
 
@@ -222,7 +243,7 @@ def _train_point(cfg: AccumConfig, model: Any, tokens: Any, micro: int, accum: i
         torch._dynamo.reset()  # a fresh compile per point, so warmup_s holds its own compile
         step_model = torch.compile(model, dynamic=False)
     timed: list[tuple[float, float]] = []
-    with BatchLoader(tokens, micro, cfg.seq_len, dev, seed=cfg.seed) as loader:
+    with BatchLoader(tokens, micro, cfg.seq_len, dev, seed=seed) as loader:  # a rank's own
         sync(dev)  # note: sync point: the clock starts on an idle device
         start = time.perf_counter()
         for _ in range(cfg.warmup_steps):
@@ -245,13 +266,17 @@ def _step(model: Any, optimizer: Any, loader: BatchLoader, accum: int, amp: Any)
     and the prefetched batch's copy is queued behind them (`data_s` is host time spent waiting).
     """
     data_s = 0.0
-    for _ in range(accum):
+    for i in range(accum):
         t = time.perf_counter()
         x, y = loader.next()
         data_s += time.perf_counter() - t
-        with amp:
-            loss = loss_of(model, x, y) / accum  # the mean over the whole step's tokens
-        loss.backward()
+        # DDP: only the last micro-step all-reduces; the others accumulate locally
+        quiet = model.no_sync() if i < accum - 1 and hasattr(model, "no_sync") \
+            else contextlib.nullcontext()
+        with quiet:
+            with amp:
+                loss = loss_of(model, x, y) / accum  # the mean over the whole step's tokens
+            loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return data_s

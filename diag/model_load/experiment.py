@@ -26,7 +26,8 @@ from diag.model_load import hfcache
 from diag.model_load.advice import advice, decide
 from diag.model_load.processes import LoadProcesses
 from diag.model_load.source import (Source, cache_dir_for, failure, job, load_warning,
-                                    not_in_user_cache, offline_env, open_source, overrides)
+                                    not_in_user_cache, offline_env, open_source, overrides,
+                                    pin_to_cache)
 from diag.model_load.worker import run_worker
 from diag.secrets import redact
 from diag.timing import LOAD_PARTS
@@ -55,6 +56,10 @@ def verify_model_cache(cfg: ModelLoadConfig, repair: bool = False) -> pd.DataFra
         if src.local_dir is not None:
             raise ValueError(f"ModelLoadConfig.model={cfg.model!r} is a local folder: there is "
                              "no HF cache to verify")
+        if src.user_cache and not cfg.repair_cache:  # against the hub's copy of the cached commit
+            src, note = pin_to_cache(src, cache_dir)
+            if note:
+                warnings.warn(f"model-load: {note}", RuntimeWarning, stacklevel=2)
         return hfcache.verify_cache(src.model, cache_dir, src.revision, endpoint=src.endpoint,
                                     redownload=_redownload(src, cfg, cache_dir) if repair else None)
 
@@ -151,6 +156,9 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
         read_only = src.user_cache and not cfg.repair_cache
         if read_only and not cached and any(s != "fresh" for _, s in plan):
             raise not_in_user_cache(src, cache_dir)
+        moved = ""
+        if read_only and cached:  # every load reads the cached commit; a moved ref is said
+            src, moved = pin_to_cache(src, cache_dir)
         if cached:
             _check_cache(src, cfg, cache_dir)  # before any process starts
         if not read_only:
@@ -201,7 +209,9 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
                     result = run(cache_dir, offline=scenario == "cached_offline")
                 rows += _rows(result, scenario, repeat, state, resident)
                 if scenario == "cached":  # the one call users write, page cache warm as here
-                    plain = run(cache_dir, mode="plain")
+                    # offline: a read of the cache, as it is (online, transformers' 404s on
+                    # optional files would leave .no_exist markers in the user's cache)
+                    plain = run(cache_dir, offline=read_only, mode="plain")
                     rows.append({"scenario": "cached", "part": "from_pretrained", "bytes": 0,
                                  "seconds": plain["seconds"], "repeat": repeat,
                                  "cache_state": state, "resident": resident,
@@ -209,6 +219,10 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     frame = pd.DataFrame(rows, columns=COLUMNS).assign(
         cache_disk=disk, model=src.model, process=cfg.process)
     frame["warning"] = frame["warning"].fillna("")
+    if moved:
+        frame.loc[frame["part"] == "load_model", "warning"] = [
+            "; ".join(t for t in (moved, w) if t)
+            for w in frame.loc[frame["part"] == "load_model", "warning"]]
     for text in sorted(set(frame["warning"]) - {""}):
         warnings.warn(f"model-load: {src.model}: {text}", RuntimeWarning, stacklevel=2)
     return ModelLoadResult(frame, advice(frame), decide(frame))

@@ -8,6 +8,7 @@ names another; diag then never writes to it unless --repair-cache. A folder is l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,19 +32,30 @@ class Source:
     local_dir: Path | None
     env: dict[str, str]
     user_cache: bool = False  # the cached scenarios read the user's own HF cache
+    files: tuple[str, ...] = ()  # pinned to a cached commit: the only files a load may ask for
 
 
 def offline_env() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
 
 
+def hub_constants() -> Any:
+    """huggingface_hub's own `constants` module, run afresh against the environment as it is now
+    (the imported module froze the environment of its import): HF_HUB_CACHE, HF_HOME,
+    HUGGINGFACE_HUB_CACHE resolved by huggingface_hub's code, not a copy of its rules."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("huggingface_hub.constants")
+    if spec is None or spec.loader is None:
+        raise ImportError("huggingface_hub is not installed: pip install 'diag[qlora]'")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not put in sys.modules: nothing else sees this copy
+    return module
+
+
 def user_hub_cache() -> Path:
-    """The user's HF hub cache as huggingface_hub finds it: HF_HUB_CACHE, HF_HOME/hub, default."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
-    return Path(home).expanduser() / "hub"
+    """The user's HF hub cache, where huggingface_hub itself would look for it now."""
+    return Path(hub_constants().HF_HUB_CACHE)
 
 
 def cache_dir_for(cfg: ModelLoadConfig) -> Path:
@@ -64,6 +76,13 @@ def open_source(cfg: ModelLoadConfig) -> Iterator[Source]:
     if not cfg.model:
         from diag.embedded import HubServer, ensure_assets
 
+        if os.environ.get("HF_ENDPOINT"):  # a hub id (--model) is loaded from it; here none is
+            import warnings
+
+            warnings.warn(redact(f"HF_ENDPOINT={os.environ['HF_ENDPOINT']} is set, but no --model "
+                                 "was given: diag loads its embedded model from its own hub; "
+                                 "pass --model org/name to load yours from HF_ENDPOINT"),
+                          RuntimeWarning, stacklevel=3)
         assets = ensure_assets()
         with HubServer(assets.hub_root) as hub:
             yield Source(assets.repo_id, cfg.revision, hub.endpoint, None,
@@ -81,10 +100,49 @@ def open_source(cfg: ModelLoadConfig) -> Iterator[Source]:
     yield Source(cfg.model, cfg.revision, endpoint, None, base, user_cache=not cfg.cache_dir)
 
 
+def hub_commit(src: Source) -> tuple[str, str]:
+    """(the commit the hub's src.revision points to, '') or ('', why it is not known)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if offline_env():
+        return "", "HF_HUB_OFFLINE=1"
+    url = urlsplit(src.endpoint)
+    try:  # huggingface_hub retries an unreachable host for ~20 s: ask the socket first
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https"
+                                                             else 80)), timeout=3).close()
+        from huggingface_hub import HfApi
+
+        return HfApi(endpoint=src.endpoint).model_info(src.model, revision=src.revision).sha, ""
+    except Exception as err:  # noqa: BLE001  the loads report their own failures
+        return "", f"{type(err).__name__}"
+
+
+def pin_to_cache(src: Source, cache_dir: Path) -> tuple[Source, str]:
+    """The user's cache, read only: every load reads the commit the cache holds for
+    src.revision, and asks for no file that commit's snapshot lacks (so nothing is downloaded
+    into it, and no `.no_exist` marker written). Returns the pinned source and one line when
+    the hub's revision has moved past the cached commit ('' otherwise)."""
+    folder = hfcache.snapshot_folder(cache_dir, src.model, src.revision)
+    if folder is None:
+        raise not_in_user_cache(src, cache_dir)
+    files = tuple(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                         if p.is_file() or p.is_symlink()))
+    commit, why = hub_commit(src)
+    pinned = dataclasses.replace(src, revision=folder.name, files=files)
+    if not commit or commit == folder.name:
+        return pinned, ""
+    return pinned, (f"{src.model}@{src.revision} moved: your HF cache holds commit "
+                    f"{folder.name[:12]}, the hub's is {commit[:12]}; diag loaded the cached "
+                    "commit and downloaded nothing into your cache (--repair-cache, or `hf "
+                    f"download {src.model}`, updates it)")
+
+
 def job(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load") -> dict[str, Any]:
     """What a load process is asked to do (JSON)."""
     return {"mode": mode, "model": src.model, "revision": src.revision or "main",
             "cache_dir": str(cache_dir), "local_dir": str(src.local_dir or ""),
+            "only": list(src.files),
             "quantize": cfg.quantize, "device": cfg.device,
             "trust_remote_code": cfg.trust_remote_code}
 

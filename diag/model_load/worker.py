@@ -9,6 +9,7 @@ clear message. `python -m diag.model_load.worker JOB` runs one job in this inter
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -76,8 +77,11 @@ def _download(job: dict[str, Any]) -> tuple[Path, int]:
     from huggingface_hub import snapshot_download
 
     before = _blob_bytes(job["cache_dir"])
+    # pinned to a commit of the user's cache: exactly the files its snapshot holds (names, not
+    # patterns), so nothing is fetched into it
+    only = [glob.escape(f) for f in job.get("only") or ()]
     folder = snapshot_download(job["model"], revision=job["revision"],
-                               cache_dir=job["cache_dir"], allow_patterns=ALLOW_PATTERNS)
+                               cache_dir=job["cache_dir"], allow_patterns=only or ALLOW_PATTERNS)
     return Path(folder), _blob_bytes(job["cache_dir"]) - before
 
 

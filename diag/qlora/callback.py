@@ -6,6 +6,8 @@
 batches) and `compute` (forward, backward, optimizer); run-level `setup` (from `setup_from`,
 when set, to on_train_begin: the Trainer's own set-up), `warmup` (the first steps, start-up
 included), `checkpoint`, `eval` and `train` (the steady-state loop around the steps).
+Under torchrun / accelerate (DDP) each rank's rows carry its rank and node, and with
+`callback.trainer = trainer` the all-reduce wait backward leaves exposed is `comm_wait`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class TimingCallback(TrainerCallback):
         # set to time.perf_counter() before building the Trainer: on_train_begin bills the
         # Trainer's own set-up (wrap, optimizer, data loader) from there to the `setup` stage
         self.setup_from: float | None = None
+        self.trainer: Any = None  # set to the Trainer under DDP: its wrapped model gets the comm hook
 
     # -- clock ------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -58,6 +61,11 @@ class TimingCallback(TrainerCallback):
         device = self.device if self.device is not None else getattr(args, "device", None)
         if device is not None and devices.is_async(device):
             self._sync = lambda: devices.sync(device)
+        from diag.distributed import find_ddp
+
+        ddp = find_ddp(getattr(self.trainer, "model_wrapped", None), kwargs.get("model"))
+        if ddp is not None and self.timer.comm is None:  # before the first backward
+            self.timer.watch_comm(ddp)
         self._mark = self._now()  # the first step's wait includes the loader's start-up
         if self.setup_from is not None:
             self.timer.record("setup", max(self._mark - self.setup_from, 0.0))
@@ -79,8 +87,15 @@ class TimingCallback(TrainerCallback):
             if step - self._first == self.warmup_steps - 1:
                 self._steady_start = now
         else:
+            # under DDP the all-reduce wait backward left exposed is comm_wait, not compute
+            wait = min(self.timer.comm.take(), now - self._begin) if self.timer.comm else None
             self.timer.record("data_wait", self._wait, step=step)
-            self.timer.record("compute", now - self._begin, step=step)
+            if wait is not None:
+                self.timer.record("comm_wait", wait, step=step)
+            self.timer.record("compute", now - self._begin - (wait or 0.0), step=step)
+        if self.timer.comm is not None and step - self._first < self.warmup_steps:
+            self.timer.comm.take()  # a warm-up step's wait stays in warmup
+        self.timer.flush()  # under a launcher: the finished step survives a kill
         self.steps += 1
         self._mark = now
 

@@ -74,12 +74,15 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
 
     from diag.amdahl import shares
     from diag.config import QLoraConfig
+    from diag.device import resolve
+    from diag.distributed import init_group, root_first
     from diag.qlora.job import open_sources, prime, run_plan
     from diag.qlora.measure import plan_from_job
     from diag.qlora.predict import Counts, predict
 
     cfg = cfg or QLoraConfig.default()
     given, results = results, results if results is not None else load_results(cfg.results)
+    init_group(resolve(cfg.device).type)  # under a launcher: join before the first barrier
     plans = []
     if cfg.plan in ("naive", "both"):
         plans.append(Plan.naive())
@@ -90,7 +93,10 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
     with open_sources(cfg) as src:
         # an optimized start finds the landed data, cached model and tokens: the first start
         # pays them once, apart from the per-start figure and shown beside it as once_s
-        once = {p.name: prime(cfg, p, src) if p.name == "optimized" else 0.0 for p in plans}
+        once = {}
+        for p in plans:
+            with root_first():  # under DDP rank 0 fills the node's caches, then the others hit
+                once[p.name] = prime(cfg, p, src) if p.name == "optimized" else 0.0
         order = [(r, p) for r in range(cfg.rounds) for p in (plans if r % 2 == 0 else plans[::-1])]
         for r, plan in tqdm(order, desc="qlora plans x rounds", leave=False):
             got = run_plan(cfg, plan, src)

@@ -45,8 +45,14 @@ class Sources:
 @contextlib.contextmanager
 def open_sources(cfg: QLoraConfig) -> Iterator[Sources]:
     """The user's bucket and model, or the embedded S3 server and hub (started, then stopped)."""
+    from diag.distributed import root_first
     from diag.storage.objectstore import make_client
 
+    if not (cfg.source and cfg.model):
+        from diag.embedded import ensure_assets
+
+        with root_first():  # under DDP rank 0 makes the embedded assets, the others find them
+            ensure_assets()
     with contextlib.ExitStack() as stack:
         if cfg.source:
             url, client = cfg.source, make_client(cfg.endpoint_url)
@@ -157,15 +163,21 @@ def prime(cfg: QLoraConfig, plan: Plan, src: Sources) -> float:
 def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
     """One timed run: {"stages": frame, "losses": frame, "summary": dict}."""
     import pandas as pd
+    import torch
     import transformers
 
+    from diag import distributed
     from diag.device import resolve
     from diag.qlora.callback import TimingCallback
     from diag.qlora.data import build_dataset, check_records, read
 
     device = resolve(cfg.device)
+    seat = distributed.init_group(device.type)  # torchrun / accelerate: a DDP rank; else a no-op
+    if seat.distributed and device.type == "cuda":
+        device = torch.device("cuda", seat.local_rank)  # each rank's base on its own GPU
     plan = plan.for_device(str(device))
     timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
+    distributed.spill_ranks(timer, seat)
     work = Path(tempfile.mkdtemp(prefix=f"diag-qlora-{plan.name}-"))
     out_dir = Path(cfg.out_dir) / plan.name if cfg.out_dir else work / "out"
     transformers.logging.set_verbosity_error()
@@ -187,6 +199,7 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
         callback.setup_from = wall = time.perf_counter()  # the Trainer's set-up is `setup`
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data.dataset,
                                        callbacks=[callback])
+        callback.trainer = trainer  # under DDP the callback hooks the wrapped model's all-reduce
         # the Trainer prints every log line with tqdm off; a function in diag prints nothing
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         resume = last_checkpoint(out_dir) if cfg.resume else None
@@ -195,11 +208,12 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
         losses = pd.DataFrame([{"step": h["step"], "loss": h["loss"],
                                 "learning_rate": h.get("learning_rate")}
                                for h in trainer.state.log_history if "loss" in h])
-        frame = timer.to_frame()
+        frame = distributed.gathered_frame(timer)  # every rank's rows on rank 0
         # end to end: the run-level stages (train holds the steady steps, apart from warmup
         # and checkpoint, so nothing is counted twice)
         seconds = float(frame.loc[frame["step"].isna(), "seconds"].sum())
-        summary = {**data.stats, "plan": plan.name, "seconds": seconds,
+        seconds /= max(frame["rank"].nunique(), 1)  # ranks run side by side: one rank's
+        summary = {**data.stats, "plan": plan.name, "seconds": seconds, "ranks": seat.world_size,
                    "steps": trainer.state.global_step, "trainer_wall_s": wall,
                    "check_s": check_s,
                    "trained_tokens_per_s": data.stats["real_tokens"] / seconds if seconds else None,
@@ -231,5 +245,6 @@ def _training_args(cfg: QLoraConfig, plan: Plan, data: Any, out_dir: Path, devic
         dataloader_pin_memory=plan.pin_memory,
         dataloader_persistent_workers=plan.persistent_workers and workers > 0,
         dataloader_prefetch_factor=plan.prefetch_factor if workers > 0 else None,
+        ddp_find_unused_parameters=False,  # under DDP every LoRA weight gets a gradient: no graph walk
         remove_unused_columns=False,  # checkpointing: as prepare_model_for_kbit_training set it
     )

@@ -1,7 +1,7 @@
 """Land a dataset from an object store on local disk once, verify it, and reuse it: `land()`.
 
-A landing is complete only when its manifest (key, size, ETag, sha256 and the checks each
-object passed) is written, last, next to the data. A later call whose remote listing (HEAD or LIST: no GET) matches
+A landing is complete only when its manifest (key, size, ETag, the file's CRC and the checks
+each object passed) is written, last, next to the data. A later call whose remote listing (HEAD or LIST: no GET) matches
 the manifest and whose local files pass the check is a hit. Read `LandedDataset.hit` and
 `.seconds` (also recorded as the `fetch_data` stage of the timer you pass).
 """
@@ -21,6 +21,7 @@ from typing import Any
 
 from diag.config import VERIFY_MODES
 from diag.hashing import file_sha256, fsync_path
+from diag.storage.crc import file_crc
 from diag.storage.objectstore import S3Url, list_remote, make_client, parse_url, usable_cores
 from diag.storage.transfer import download_all
 
@@ -106,7 +107,15 @@ def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
             return False  # truncated or grown: cheap, always checked
     except FileNotFoundError:
         return False
-    return verify == "size" or file_sha256(path) == entry["sha256"]
+    if verify == "size":
+        return True
+    if "digest" not in entry:  # a manifest of an older diag
+        return file_sha256(path) == entry["sha256"]
+    name, value = entry["digest"].split(":", 1)
+    try:
+        return file_crc(path, name) == value
+    except ImportError:  # recorded with awscrt, which this Python lacks: land it again
+        return False
 
 
 def land(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, timer: Any = None,
@@ -114,12 +123,14 @@ def land(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, tim
     """Land s3://bucket/key (or every object under s3://bucket/prefix/) in cache_dir once.
 
     Hit: the manifest matches the remote listing (size + ETag per object, HEAD/LIST only) and
-    every local file has its recorded size and, with verify="sha256" (default), its recorded
-    sha256, which catches a flipped byte at the cost of reading the copy once (~1-2 GB/s from
-    NVMe: ~15 s for 25 GB, against minutes to re-pull); verify="size" skips that read. Objects
+    every local file has its recorded size and, with verify="sha256" (default; the name of
+    older manifests' digest), its recorded digest: the whole file's CRC computed while it
+    landed (the store's own algorithm, else CRC32), which catches a flipped byte at the cost of
+    reading the copy once (~15 s for 25 GB from NVMe, against minutes to re-pull);
+    verify="size" skips that read. Objects
     that fail are fetched again, alone, by s3transfer (diag.storage.transfer.download): a download
-    whose MD5 differs from a single-part ETag, or whose CRC differs from the store's full-object
-    checksum, is never landed. Timed as the `fetch_data` stage of `timer`. Without `client`, one
+    whose size differs from the listing, whose MD5 differs from a single-part ETag, or whose CRC
+    differs from the store's full-object or composite (multipart) checksum is never landed. Timed as the `fetch_data` stage of `timer`. Without `client`, one
     is made from the user's AWS configuration with a pool of 2 x usable_cores() connections, as
     transfer_plan asks; `retries` None leaves retries to that configuration.
     """
@@ -169,7 +180,7 @@ def _land(u: S3Url, cache_dir: Path, client: Any, verify: str,
         got = download_all(client, u.bucket, [(o, dests[o.key]) for o in todo], retries=retries)
         for obj, (digest, checks) in zip(todo, got):
             entries[obj.key] = {"key": obj.key, "size": obj.size, "etag": obj.etag,
-                                "sha256": digest, "checks": checks}
+                                "digest": digest, "checks": checks}
         for key in set(known) - set(dests):  # shards gone from the prefix: drop our old copies
             _dest(u, local, key).unlink(missing_ok=True)
         tmp = manifest_path.with_name(f"{manifest_path.name}.partial-{os.getpid()}")

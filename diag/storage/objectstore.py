@@ -12,7 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from diag.device import usable_cores  # noqa: F401  transfer_plan's cores; re-exported
-from diag.secrets import redact, register
+from diag.secrets import aws_client_made, redact, register
 
 MB = 1_000_000  # decimal megabytes, like network and disk rates
 
@@ -55,7 +55,9 @@ class TransferPlan:
         from boto3.s3.transfer import TransferConfig
 
         extra = {} if retries is None else {"num_download_attempts": retries + 1}
-        return TransferConfig(multipart_threshold=self.single_get_below,
+        # "classic": s3transfer, the engine diag checks while it streams; with awscrt installed,
+        # "auto" would switch to the CRT client on some EC2 instance types
+        return TransferConfig(preferred_transfer_client="classic", multipart_threshold=self.single_get_below,
                               multipart_chunksize=self.part_bytes,
                               max_concurrency=self.concurrency, **extra)
 
@@ -130,6 +132,11 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
     except ProfileNotFound as err:
         raise RuntimeError(f"{err}: check --profile / AWS_PROFILE against the [profile ...] "
                            "sections of ~/.aws/config") from None
+    given = bool(credentials and credentials.get("aws_secret_access_key"))
+    if given:
+        register(*(credentials.get(k) for k in ("aws_access_key_id", "aws_secret_access_key",
+                                                "aws_session_token")))
+    aws_client_made(given or unsigned)  # given keys: redaction walks no chain (no IMDS)
     client = session.client("s3", config=Config(**options), **kwargs)
     register_url_secret(client.meta.endpoint_url)  # AWS_ENDPOINT_URL or the profile's
     return client

@@ -97,6 +97,8 @@ def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame
                         "bucket)",
              "seconds_saved": max(0.0, base["seconds_per_run"] - hit_s),
              "evidence": base["evidence"] + hit_note}]
+    if frame is not None:
+        rows += landing_disk_advice(frame, base["dataset_gb"])
     if "boto3_tuned" in by.index and base_name != "boto3_tuned":
         tuned = by.loc["boto3_tuned"]
         if tuned["seconds_per_run"] < 0.9 * base["seconds_per_run"]:
@@ -107,6 +109,42 @@ def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame
                          "seconds_saved": base["seconds_per_run"] - tuned["seconds_per_run"],
                          "evidence": f"{tuned['evidence']} vs {base['evidence']}"})
     return pd.DataFrame(rows, columns=["stage", "finding", "seconds_saved", "evidence"])
+
+
+_NETWORK_KINDS = {"network_block": "network block storage (EBS, PD, ...)",
+                  "network_file": "a network filesystem (NFS, EFS, Filestore, Lustre, FUSE, ...)"}
+
+
+def landing_disk_advice(frame: pd.DataFrame, dataset_gb: float) -> list[dict[str, object]]:
+    """A row when the landing folder is on network storage: a landed copy is then read over the
+    network at every start, at the cold rate measured there, beside a local NVMe's when the
+    box has one (its cold read of the same bytes, measured in the same run)."""
+    if "local_disk" not in frame:
+        return []
+    reads = frame[frame["method"] == "local_read"]
+    here = reads[reads["local_disk"].isin(list(_NETWORK_KINDS))
+                 & reads["cache_state"].str.startswith("cold")]
+    if here.empty:
+        return []
+    kind, folder = here["local_disk"].iloc[0], here["source"].iloc[0]
+    rate = statistics.median(here["mb_per_s"])
+    per_start = dataset_gb * 1000 / rate
+    evidence = (f"local_read cold from {folder} ({kind}): {rate:.0f} MB/s, median of {len(here)}"
+                f" = {_duration(per_start)} to read {dataset_gb:.3g} GB once")
+    nvme = reads[(reads["local_disk"] == "local_nvme") & reads["cache_state"].str.endswith("cold")]
+    if nvme.empty:
+        saved = per_start  # no local disk measured: the network read itself, an upper bound
+        where = "local NVMe (instance store / local SSD; none was found on this machine)"
+    else:
+        fast = statistics.median(nvme["mb_per_s"])
+        saved = max(0.0, per_start - dataset_gb * 1000 / fast)
+        where = f"the local NVMe at {nvme['source'].iloc[0]}"
+        evidence += (f"; the same bytes from {nvme['source'].iloc[0]} (local_nvme): {fast:.0f} "
+                     f"MB/s cold, median of {len(nvme)}")
+    return [{"stage": "fetch_data", "seconds_saved": saved, "evidence": evidence,
+             "finding": f"the landing folder {folder} is on {_NETWORK_KINDS[kind]}, not local "
+                        f"disk: each cold start reads the landed copy over the network; land "
+                        f"it on {where} (--local-dir)"}]
 
 
 def paste_settings(object_bytes: int, cores: int | None = None) -> str:

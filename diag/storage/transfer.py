@@ -1,68 +1,29 @@
 """Download one object with the engine the benchmark times (s3transfer), then diag's own checks.
 
-`download()` runs boto3's `download_file` with the TransferConfig of `transfer_plan()` into a
-partial file beside the destination, then checks its size, the MD5 of a single-part ETag or the
-full-object CRC the store keeps for a multipart object (hashed beside the manifest's sha256),
-fsyncs and renames: the final path is whole or absent. It returns the sha256 and a line
-saying what was checked, which land() writes into the manifest.
+`download()` runs boto3's `download_fileobj` with the TransferConfig of `transfer_plan()` into a
+partial file beside the destination while diag.storage.checks hashes the bytes as they land (the
+MD5 of a single-part ETag, the full-object CRC or the composite multipart CRC the store keeps,
+and the whole file's CRC the manifest records), then checks the size against the listing and
+the hashes, fsyncs and renames: the final path is whole or absent. It returns the file's digest
+('<crc>:<base64>') and a line saying what was checked, which land() writes into the manifest.
 """
 
 from __future__ import annotations
 
-import base64
+import dataclasses
 import errno
-import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from diag.hashing import file_digests, fsync_path
+from diag.storage import checks
 from diag.secrets import redact
 from diag.storage.objectstore import (RemoteObject, TransferPlan, md5_checkable, remote_error,
                                       transfer_plan, usable_cores)
 
-# The full-object checksums S3 keeps (ChecksumType FULL_OBJECT), and how to compute each. A
-# COMPOSITE checksum ("...-N", the default of multipart uploads by older SDKs) is a checksum of
-# the part checksums: like a multipart ETag it depends on the uploader's part size.
-FULL_OBJECT_CRCS = {"ChecksumCRC32": "crc32", "ChecksumCRC32C": "crc32c",
-                    "ChecksumCRC64NVME": "crc64nvme"}
 _ATTEMPTS = 3  # downloads before bytes that keep failing a check are called corrupted on the way
-
-
-class _Mismatch(Exception):
-    """The bytes received differ from the object (MD5 vs ETag, the full-object CRC, or a
-    checksum botocore validated on a whole-object GET)."""
-
-
-class _Crc:
-    """A CRC with hashlib's update(): zlib for CRC32; awscrt (what botocore itself uses for these
-    algorithms) for CRC32C and CRC64NVME."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.value = name, 0
-        if name == "crc32":
-            import zlib
-
-            self._fn, self._width = zlib.crc32, 4
-        else:
-            from awscrt import checksums  # ImportError: the caller reports the check as skipped
-
-            self._fn, self._width = getattr(checksums, name), 4 if name == "crc32c" else 8
-
-    def update(self, data: bytes | memoryview) -> None:
-        self.value = self._fn(data, self.value)
-
-    def b64(self) -> str:
-        return base64.b64encode(self.value.to_bytes(self._width, "big")).decode()
-
-
-def full_object_checksum(client: Any, bucket: str, key: str) -> tuple[str, str] | None:
-    """(algorithm, base64 value) of the object's full-object CRC, or None if it has none."""
-    head = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
-    if head.get("ChecksumType") != "FULL_OBJECT":
-        return None
-    return next(((name, head[f]) for f, name in FULL_OBJECT_CRCS.items() if head.get(f)), None)
+_Mismatch = checks.Mismatch
 
 
 def download_all(client: Any, bucket: str, targets: list[tuple[RemoteObject, Path]], *,
@@ -96,7 +57,7 @@ def describe(objects: list[RemoteObject]) -> str:
 
 def download(client: Any, bucket: str, obj: RemoteObject, dest: Path, *, plan: TransferPlan,
              retries: int | None = None) -> tuple[str, str]:
-    """Download one object to dest atomically; return (sha256, what was checked).
+    """Download one object to dest atomically; return (digest, what was checked).
 
     s3transfer fetches the object (one GET, or ranged parts `plan.concurrency` at a time; a
     dropped stream is fetched again from the start of its part, `retries` + 1 times, default 5).
@@ -106,8 +67,8 @@ def download(client: Any, bucket: str, obj: RemoteObject, dest: Path, *, plan: T
 
     where = f"s3://{bucket}/{obj.key} (endpoint {client.meta.endpoint_url})"
     try:
-        expected = None if md5_checkable(obj.etag) else full_object_checksum(client, bucket,
-                                                                             obj.key)
+        expected = checks.expected(client, bucket, obj.key, obj.size, obj.etag,
+                                   md5_checkable(obj.etag), obj.size >= plan.single_get_below)
     except (ClientError, BotoCoreError) as err:
         raise remote_error(err, f"s3://{bucket}/{obj.key}", client) from None
     for _ in range(_ATTEMPTS):
@@ -124,22 +85,33 @@ def download(client: Any, bucket: str, obj: RemoteObject, dest: Path, *, plan: T
 
 
 def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan: TransferPlan,
-                   retries: int | None, expected: tuple[str, str] | None) -> tuple[str, str]:
+                   retries: int | None, expected: checks.Expected) -> tuple[str, str]:
     partial = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    stream = checks.Stream(fd, expected, obj.size)
     try:
-        _transfer(client, bucket, obj, partial, plan, retries)
-        size = partial.stat().st_size
+        try:
+            _transfer(client, bucket, obj, stream.sink, plan, retries)
+        except BaseException:
+            stream.abandon()
+            raise
+        size = os.fstat(fd).st_size
         if size != obj.size:
-            raise RuntimeError(f"s3://{bucket}/{obj.key}: landed {size} bytes, the object has "
-                               f"{obj.size}")
+            stream.abandon()
+            raise RuntimeError(redact(
+                f"s3://{bucket}/{obj.key} (endpoint {client.meta.endpoint_url}): landed {size} "
+                f"bytes, the listing says {obj.size}: nothing was kept; run again (an object "
+                "replaced since it was listed is listed again)"))
         # the rename below must never publish bytes still only in memory: fsync waits on the
-        # disk while the checks hash the same bytes from the page cache, so one hides the other
+        # disk while the tail of the check hashes the last bytes from the page cache
         with ThreadPoolExecutor(1) as pool:
-            synced = pool.submit(fsync_path, partial)
+            synced = pool.submit(os.fsync, fd)
             try:
-                digest, checks = _check(client, bucket, obj, partial, expected)
+                digest, checked = _verdict(client, bucket, obj, partial, stream.finish())
             finally:
                 synced.result()
+        os.close(fd)
+        fd = -1
         os.replace(partial, dest)
     except OSError as err:
         partial.unlink(missing_ok=True)
@@ -150,23 +122,27 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    return digest, checks
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return digest, checked
 
 
-def _transfer(client: Any, bucket: str, obj: RemoteObject, partial: Path, plan: TransferPlan,
+def _transfer(client: Any, bucket: str, obj: RemoteObject, sink: Any, plan: TransferPlan,
               retries: int | None) -> None:
-    """boto3's download_file (s3transfer writes `<partial>.<random>` and renames it), its
+    """boto3's download_fileobj into `sink` (positioned writes, seen by the check), its
     failures turned into one line naming the object, the endpoint and what to do."""
     from boto3.exceptions import RetriesExceededError
     from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
+    from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceeded
     from s3transfer.exceptions import S3DownloadFailedError
 
     url = f"s3://{bucket}/{obj.key}"
     try:
-        client.download_file(bucket, obj.key, str(partial), Config=plan.transfer_config(retries))
+        client.download_fileobj(bucket, obj.key, sink, Config=plan.transfer_config(retries))
     except FlexibleChecksumError as err:  # botocore checked a whole-object GET's stored CRC
         raise _Mismatch(f"the store's checksum: {err}") from None
-    except RetriesExceededError as err:
+    except (RetriesExceededError, TransferRetriesExceeded) as err:  # download_file's, _fileobj's
         attempts = plan.transfer_config(retries).num_download_attempts
         raise RuntimeError(redact(
             f"{url} (endpoint {client.meta.endpoint_url}): the connection dropped {attempts} "
@@ -179,46 +155,51 @@ def _transfer(client: Any, bucket: str, obj: RemoteObject, partial: Path, plan: 
         raise remote_error(err, url, client) from None
 
 
-def _check(client: Any, bucket: str, obj: RemoteObject, partial: Path,
-           expected: tuple[str, str] | None) -> tuple[str, str]:
-    """(sha256, what was checked) in one read of the landed bytes; _Mismatch if they differ."""
-    if md5_checkable(obj.etag):
-        got = file_digests(partial, "sha256", "md5")
-        if got["md5"] == obj.etag.lower():
-            return got["sha256"], "size, MD5 = ETag"
-        if _encrypted(client, bucket, obj):  # SSE-KMS / SSE-C: that ETag is no MD5
-            return got["sha256"], "size (SSE-KMS/SSE-C: the ETag is no MD5)"
-        raise _Mismatch(f"MD5 {got['md5']}, ETag {obj.etag}")
-    if expected is None:
-        return file_digests(partial, "sha256")["sha256"], "size (no full-object checksum stored)"
-    name, value = expected
+def _verdict(client: Any, bucket: str, obj: RemoteObject, partial: Path,
+             got: Any) -> tuple[str, str]:
+    """(digest, what was checked) from the streamed hashes; _Mismatch if the bytes differ."""
+    want = got.want
     try:
-        crc = _Crc(name)
-    except ImportError:
-        return (file_digests(partial, "sha256")["sha256"],
-                f"size ({name} stored, not checked: pip install awscrt)")
-    # two threads, two reads from the page cache: both hashes release the GIL, so the CRC costs
-    # no wall time where a core is free (on 2 busy cores it costs what one read would)
-    with ThreadPoolExecutor(1) as pool:
-        crc_done = pool.submit(_digest_into, partial, crc)
-        sha256 = file_digests(partial, "sha256")["sha256"]
-        crc_done.result()
-    if crc.b64() != value:
-        raise _Mismatch(f"full-object {name.upper()} {crc.b64()}, the store has {value}")
-    return sha256, f"size, full-object {name.upper()}"
-
-
-def _digest_into(path: Path, h: Any) -> None:
-    with open(path, "rb", buffering=0) as f:
-        hashlib.file_digest(f, lambda: h)
-
-
-def _encrypted(client: Any, bucket: str, obj: RemoteObject) -> bool:
-    """Whether the object's ETag is no MD5 because of its encryption; an object that changed
-    since it was listed is an error of its own (no number of downloads would match)."""
-    head = client.head_object(Bucket=bucket, Key=obj.key)
-    if head["ETag"].strip('"') != obj.etag:
-        raise RuntimeError(redact(f"s3://{bucket}/{obj.key} (endpoint {client.meta.endpoint_url})"
-                                  ": the object changed while it was landing; run again"))
-    return (str(head.get("ServerSideEncryption", "")).startswith("aws:kms")
-            or bool(head.get("SSECustomerAlgorithm")))
+        digest, checked = got.verdict()  # a stored CRC (full-object or composite) that fails
+    except _Mismatch:
+        if want.composite is None:
+            raise
+        # the part sizes were inferred from part 1 (SDKs cut equal parts): ask for each one,
+        # and if the uploader cut otherwise, check again at its real bounds (a rare second pass)
+        name, stored, sizes = want.composite
+        exact = checks.part_sizes(client, bucket, obj.key, obj.size, every=True)
+        if exact == sizes:
+            raise
+        fd = os.open(partial, os.O_RDONLY)
+        try:  # a Stream with no writes hashes the file as it is, whole
+            again = checks.Stream(fd, dataclasses.replace(want, composite=(name, stored, exact)))
+            digest, checked = again.finish().verdict()
+        finally:
+            os.close(fd)
+    if want.composite is not None:  # a multipart object: its ETag is no MD5
+        return digest, checked
+    if not want.md5:
+        if want.encrypted and checked == "size":
+            checked = "size (SSE-KMS/SSE-C: the ETag is no MD5, no checksum stored)"
+        return digest, checked
+    md5 = got.md5.hexdigest()
+    if md5 == want.md5:
+        return digest, checked.replace("size", "size, MD5 = ETag", 1)
+    # no HEAD was made before a one-GET object: ask now whether its ETag is an MD5 at all
+    head = checks.head(client, bucket, obj.key, obj.etag)
+    if not checks.encrypted(head):
+        raise _Mismatch(f"MD5 {md5}, ETag {obj.etag}")
+    # SSE-KMS / SSE-C: the ETag is no MD5; the stored checksum, if any, decides
+    stored = next(((name, str(head[f])) for f, name in checks.CRCS.items() if head.get(f)), None)
+    if stored is None or "-" in stored[1]:
+        return digest, "size (SSE-KMS/SSE-C: the ETag is no MD5, no checksum stored)"
+    name, value = digest.split(":", 1)
+    if name != stored[0]:  # the file's CRC was computed with another algorithm: this one too
+        try:
+            value = checks.file_crc(partial, stored[0])  # a one-GET object: < 32 MB, in RAM
+        except ImportError:
+            return digest, (f"size (SSE-KMS/SSE-C; {stored[0]} stored, not checked: pip "
+                            "install awscrt)")
+    if value != stored[1]:
+        raise _Mismatch(f"full-object {stored[0].upper()} {value}, the store has {stored[1]}")
+    return digest, f"size, full-object {stored[0].upper()} (SSE-KMS/SSE-C: the ETag is no MD5)"

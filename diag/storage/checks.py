@@ -1,0 +1,315 @@
+"""What a download is checked against, and the check that runs while its bytes stream in.
+
+`expected()` asks the store what it keeps for one object (one HEAD with ChecksumMode=ENABLED,
+only where the ETag alone cannot check it): the MD5 a single-part ETag is, a full-object CRC
+(CRC32, CRC32C, CRC64NVME), or a composite CRC of a multipart upload (a CRC of the part CRCs,
+"<b64>-N", the default of boto3's own multipart uploads) with the uploader's part sizes.
+`Stream` checks the bytes while s3transfer writes them: the CRCs on the bytes in hand, in any
+order (ranged parts arrive out of order; crc.Runs), an MD5 by following the contiguous written
+prefix from the page cache. The check is done when the last byte lands, not a second pass over
+the file; the whole file's CRC is what the manifest records for later hits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from diag.storage.crc import CRCS, Crc, Runs, file_crc  # noqa: F401  file_crc: re-exported
+
+_CHUNK = 8 << 20  # bytes hashed per read-back: large enough that hashing runs without the GIL
+_SYNC = 64 << 20  # bytes written between early write-backs (fdatasync) during a download
+
+
+class Mismatch(Exception):
+    """The bytes received differ from the object (MD5 vs ETag, a stored CRC, or a checksum
+    botocore validated on a whole-object GET)."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the landed bytes must match (besides the listed size)."""
+
+    md5: str = ""  # the ETag, when it is the MD5 of the bytes
+    crc: tuple[str, str] | None = None  # full-object (algorithm, base64)
+    composite: tuple[str, str, tuple[int, ...]] | None = None  # (algorithm, stored, part sizes)
+    encrypted: bool = False  # SSE-KMS / SSE-C: a single-part ETag is no MD5
+
+
+def _changed(client: Any, bucket: str, key: str) -> RuntimeError:
+    from diag.secrets import redact
+
+    return RuntimeError(redact(f"s3://{bucket}/{key} (endpoint {client.meta.endpoint_url}): the "
+                               "object changed while it was landing; run again"))
+
+
+def head(client: Any, bucket: str, key: str, etag: str) -> dict[str, Any]:
+    """HEAD with the stored checksum; an object whose ETag moved since the listing is an error
+    of its own (no number of downloads would match)."""
+    got = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    if got["ETag"].strip('"') != etag:
+        raise _changed(client, bucket, key)
+    return got
+
+
+def encrypted(got: dict[str, Any]) -> bool:
+    return (str(got.get("ServerSideEncryption", "")).startswith("aws:kms")
+            or bool(got.get("SSECustomerAlgorithm")))
+
+
+def expected(client: Any, bucket: str, key: str, size: int, etag: str, md5_etag: bool,
+             ranged: bool) -> Expected:
+    """What to check one object against. A single-GET object whose ETag is an MD5 needs no HEAD
+    (botocore validates a stored CRC on a whole-object GET; the ETag covers the rest)."""
+    if md5_etag and not ranged:
+        return Expected(md5=etag.lower())
+    got = head(client, bucket, key, etag)
+    kms = encrypted(got)
+    md5 = etag.lower() if md5_etag and not kms else ""
+    stored = next(((name, str(got[f])) for f, name in CRCS.items() if got.get(f)), None)
+    if stored is None:
+        return Expected(md5=md5, encrypted=kms)
+    kind = got.get("ChecksumType") or ""
+    name, value = stored
+    # a multipart object's CRC32 / CRC32C is COMPOSITE unless the store says FULL_OBJECT (a store
+    # that omits the type, like moto, keeps composite ones for SDK multipart uploads); CRC64NVME
+    # is full-object only
+    if kind == "COMPOSITE" or "-" in value or (not kind and "-" in etag and name != "crc64nvme"):
+        return Expected(md5=md5, composite=(name, value, part_sizes(client, bucket, key, size)),
+                        encrypted=kms)
+    return Expected(md5=md5, crc=stored, encrypted=kms)
+
+
+def part_sizes(client: Any, bucket: str, key: str, size: int, every: bool = False
+               ) -> tuple[int, ...]:
+    """The uploader's part sizes: HEAD of part 1 (its size, the part count); SDKs cut equal parts
+    and a short last one, so the rest follows, unless that does not add up (or `every`): then
+    one HEAD per part."""
+    first = client.head_object(Bucket=bucket, Key=key, PartNumber=1)
+    count, one = int(first.get("PartsCount") or 1), int(first["ContentLength"])
+    last = size - (count - 1) * one
+    if not every and 0 < last <= one:
+        return (one,) * (count - 1) + (last,)
+    return tuple([one] + [int(client.head_object(Bucket=bucket, Key=key, PartNumber=n)
+                              ["ContentLength"]) for n in range(2, count + 1)])
+
+
+def whole_name(want: Expected) -> str:
+    """The CRC the manifest records for the whole file (what a hit re-checks): the store's own
+    algorithm where it keeps one (computed for the check anyway), else CRC32."""
+    return (want.crc or want.composite or ("crc32",))[0]
+
+
+class _Hashes:
+    """What `want` asks for, fed the bytes in file order, and the whole file's CRC (the
+    manifest's digest; for a full-object checksum, the same CRC)."""
+
+    def __init__(self, want: Expected, crcs: bool = True) -> None:
+        # crcs False: the writer computes the CRCs as the bytes arrive (crc.Runs), not this
+        self.want, self.pos, self.note, self.crcs = want, 0, "", crcs
+        self.md5 = hashlib.md5(usedforsecurity=False) if want.md5 else None
+        self.crc = self.parts = None
+        name = whole_name(want)
+        try:
+            self.whole = Crc(name)
+            self.crc = self.whole if want.crc else None
+            if want.composite:
+                self.parts, self.part, self.part_end = [], Crc(name), want.composite[2][0]
+        except ImportError:  # CRC32C / CRC64NVME without awscrt: recorded as not checked
+            self.note, self.whole = f"{name} stored, not checked: pip install awscrt", Crc("crc32")
+
+    def update(self, view: memoryview) -> None:
+        if self.md5 is not None:
+            self.md5.update(view)
+        if self.crcs:
+            self.whole.update(view)
+            if self.parts is not None:
+                self._cut(view)
+        self.pos += len(view)
+
+    def _cut(self, view: memoryview) -> None:
+        """Composite: one CRC per uploader part, each cut at its part's bounds."""
+        sizes, at = self.want.composite[2], self.pos
+        while len(view) and len(self.parts) < len(sizes):  # bytes past the last part: the
+            take = view[: self.part_end - at]               # size check has refused them
+            self.part.update(take)
+            at, view = at + len(take), view[len(take):]
+            if at == self.part_end:
+                self.parts.append(self.part.digest())
+                self.part = Crc(self.part.name)
+                if len(self.parts) < len(sizes):
+                    self.part_end += sizes[len(self.parts)]
+
+    def set_crcs(self, runs: Runs) -> None:
+        """The CRCs the writer computed: the whole file's, and one per uploader part."""
+        segments = runs.segments()
+        if self.parts is not None:
+            self.parts = [v.to_bytes(self.part.width, "big") for v in segments]
+        self.whole.value, prev = segments[0], runs.bounds[0]
+        for value, end in zip(segments[1:], runs.bounds[1:]):
+            self.whole.value, prev = runs.combine(self.whole.value, value, end - prev), end
+
+    def digest(self) -> str:
+        """The manifest's record of the file: '<crc name>:<base64>'."""
+        return f"{self.whole.name}:{self.whole.b64()}"
+
+    def composite(self) -> str:
+        """The composite value of the part CRCs: the CRC of their concatenation, "-N"."""
+        crc = Crc(self.part.name)
+        crc.update(b"".join(self.parts))
+        return f"{crc.b64()}-{len(self.parts)}"
+
+    def verdict(self) -> tuple[str, str]:
+        """(digest, what was checked); Mismatch if a stored checksum fails. MD5 is left to the
+        caller (an MD5-shaped ETag of an encrypted object is no MD5)."""
+        checks = "size"
+        if self.crc is not None:
+            if self.crc.b64() != self.want.crc[1]:
+                raise Mismatch(f"full-object {self.crc.name.upper()} {self.crc.b64()}, the "
+                               f"store has {self.want.crc[1]}")
+            checks += f", full-object {self.crc.name.upper()}"
+        elif self.parts is not None:
+            name, stored, sizes = self.want.composite
+            got = self.composite()
+            # a store may give the value without its "-N" (moto): compare what it gives
+            if got != stored and got.split("-")[0] != stored:
+                raise Mismatch(f"composite {name.upper()} of {len(sizes)} parts {got}, the store "
+                               f"has {stored}")
+            checks += f", {name.upper()} of each of {len(sizes)} parts (composite)"
+        elif self.note:
+            checks += f" ({self.note})"
+        return self.digest(), checks
+
+
+class Stream:
+    """The check of one download, run while s3transfer writes it: `sink` is the file object
+    s3transfer writes into (positioned writes, as it does for a seekable target); a thread hashes
+    the contiguous written prefix from the page cache as it grows (MD5 needs the bytes in order),
+while the writer computes the CRCs on the bytes it writes (crc.Runs, with awscrt). `finish()` hashes what is left
+    and returns the hashes. A write over bytes already written (s3transfer re-GETs a dropped part
+    from its start) voids the streamed hashes: finish() then hashes the file again, whole."""
+
+    def __init__(self, fd: int, want: Expected, size: int = 0) -> None:
+        self.fd, self.want = fd, want
+        self._inline: Runs | None = None
+        if size:
+            sizes = want.composite[2] if want.composite else (size,)
+            try:
+                self._inline = Runs(whole_name(want),
+                                    [sum(sizes[: i + 1]) for i in range(len(sizes))])
+            except ImportError:  # no awscrt: the follower computes them (CRC32 via zlib)
+                pass
+        self.hashes = _Hashes(want, crcs=self._inline is None)
+        self._spans: list[list[int]] = []  # written [start, end), disjoint, sorted
+        self._written = self._synced = 0
+        self._cond = threading.Condition()
+        self._closed = self._overlap = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+        self._thread.start()
+        self.sink = _Sink(self)
+
+    def wrote(self, start: int, end: int, data: memoryview | None = None) -> None:
+        if self._inline is not None and data is not None:
+            self._inline.add(start, data)  # in the writer's thread, on the bytes in hand
+        with self._cond:
+            self._written += end - start
+            spans = self._spans
+            i = next((k for k, s in enumerate(spans) if s[0] >= start), len(spans))
+            if (i > 0 and spans[i - 1][1] > start) or (i < len(spans) and spans[i][0] < end):
+                self._overlap = True  # rewritten bytes: the streamed hashes may be stale
+            if i > 0 and spans[i - 1][1] >= start:
+                spans[i - 1][1] = max(spans[i - 1][1], end)
+                i -= 1
+            else:
+                spans.insert(i, [start, end])
+            while i + 1 < len(spans) and spans[i + 1][0] <= spans[i][1]:
+                spans[i][1] = max(spans[i][1], spans.pop(i + 1)[1])
+            if spans[0][0] == 0:  # the prefix may have grown
+                self._cond.notify()
+
+    def _prefix(self) -> int:
+        return self._spans[0][1] if self._spans and self._spans[0][0] == 0 else 0
+
+    def _follow(self) -> None:
+        buf = bytearray(_CHUNK)
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._closed or self._overlap
+                                        or self._prefix() - self.hashes.pos >= _CHUNK
+                                        or self._written - self._synced >= _SYNC)
+                    if self._overlap or self._closed:
+                        return  # finish() hashes the rest (or, after an overlap, all) itself
+                    upto, written = self._prefix(), self._written
+                if written - self._synced >= _SYNC:
+                    # write back what has landed so far, so the fsync before the rename has
+                    # little left to wait for (s3transfer keeps writing meanwhile)
+                    os.fdatasync(self.fd)
+                    self._synced = written
+                self._read(buf, upto)
+        except BaseException as err:  # noqa: BLE001  raised again by finish()
+            self._error = err
+
+    def _read(self, buf: bytearray, upto: int) -> None:
+        if self.hashes.md5 is None and not self.hashes.crcs:  # the writer computed every CRC
+            self.hashes.pos = max(self.hashes.pos, upto)
+            return
+        view = memoryview(buf)
+        while self.hashes.pos < upto:
+            n = os.preadv(self.fd, [view[: min(_CHUNK, upto - self.hashes.pos)]],
+                          self.hashes.pos)
+            if n <= 0:
+                break
+            self.hashes.update(view[:n])
+
+    def finish(self) -> _Hashes:
+        """Hash what the thread has not (the tail, or the whole file after a rewrite)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        segments = None if self._overlap or self._inline is None else self._inline.segments()
+        if self._overlap or (self._inline is not None and segments is None):
+            self.hashes = _Hashes(self.want)  # one pass over the file as it is: every hash
+            segments = None
+        self._read(bytearray(_CHUNK), os.fstat(self.fd).st_size)
+        if segments is not None:
+            self.hashes.set_crcs(self._inline)
+        return self.hashes
+
+    def abandon(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+
+class _Sink:
+    """The file object s3transfer writes into: seek() then write(), from its one IO thread."""
+
+    def __init__(self, stream: Stream) -> None:
+        self._stream, self._pos = stream, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = offset if whence == 0 else self._pos + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, data: bytes) -> int:
+        view, done = memoryview(data), 0
+        while done < len(view):  # pwrite may write less than asked
+            done += os.pwrite(self._stream.fd, view[done:], self._pos + done)
+        self._stream.wrote(self._pos, self._pos + done, view)
+        self._pos += done
+        return done

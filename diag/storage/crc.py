@@ -1,0 +1,92 @@
+"""The CRCs S3 stores (x-amz-checksum-*): computed in order (`Crc`), or on bytes that arrive in
+any order (`Runs`: one running CRC per contiguous run, joined with awscrt's CRC combination)."""
+
+from __future__ import annotations
+
+import base64
+import os
+
+# The checksums S3 keeps, and the name of each function that computes it
+CRCS = {"ChecksumCRC32": "crc32", "ChecksumCRC32C": "crc32c", "ChecksumCRC64NVME": "crc64nvme"}
+
+
+class Crc:
+    """A CRC with hashlib's update(): zlib for CRC32; awscrt (what botocore itself uses for these
+    algorithms) for CRC32C and CRC64NVME. ImportError when awscrt is missing."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.value = name, 0
+        if name == "crc32":
+            import zlib
+
+            self._fn, self.width = zlib.crc32, 4
+        else:
+            from awscrt import checksums
+
+            self._fn, self.width = getattr(checksums, name), 4 if name == "crc32c" else 8
+
+    def update(self, data: bytes | memoryview) -> None:
+        self.value = self._fn(data, self.value)
+
+    def digest(self) -> bytes:
+        return self.value.to_bytes(self.width, "big")
+
+    def b64(self) -> str:
+        return base64.b64encode(self.digest()).decode()
+
+
+def file_crc(path: str | os.PathLike[str], name: str) -> str:
+    """The base64 CRC (`name`) of a whole file, read once (a landed copy's hit check)."""
+    crc, buf = Crc(name), bytearray(8 << 20)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc.update(memoryview(buf)[:n])
+    return crc.b64()
+
+
+class Runs:
+    """CRCs computed by the writer on the bytes it writes, in any order: one running CRC per
+    contiguous run, runs cut at segment bounds (the whole object, or each uploader part), then
+    joined with awscrt's CRC combination. No byte is read back for them."""
+
+    def __init__(self, name: str, bounds: list[int]) -> None:
+        import zlib
+
+        from awscrt import checksums  # ImportError: the follower computes the CRCs instead
+
+        self.fn = zlib.crc32 if name == "crc32" else getattr(checksums, name)
+        self.combine = getattr(checksums, f"combine_{name}")
+        self.bounds = bounds  # each segment's end offset, ascending
+        self.runs: dict[int, list[int]] = {}  # start -> [end, crc]
+        self.ends: dict[int, int] = {}  # end -> start
+
+    def add(self, start: int, view: memoryview) -> None:
+        import bisect
+
+        while len(view):
+            i = bisect.bisect_right(self.bounds, start)
+            if i == len(self.bounds):
+                return  # bytes past the object's size: the size check refuses them
+            take = view[: self.bounds[i] - start]
+            begun = self.ends.pop(start, None)
+            if begun is None:
+                begun = start
+                self.runs[start] = [start, 0]
+            run = self.runs[begun]
+            run[0], run[1] = start + len(take), self.fn(take, run[1])
+            self.ends[run[0]] = begun
+            start, view = start + len(take), view[len(take):]
+
+    def segments(self) -> list[int] | None:
+        """Each segment's CRC; None unless the runs tile every segment exactly."""
+        out, pos = [], 0
+        for end in self.bounds:
+            crc = None
+            while pos < end:
+                run = self.runs.get(pos)
+                if run is None or run[0] > end:
+                    return None
+                crc = run[1] if crc is None else self.combine(crc, run[1], run[0] - pos)
+                pos = run[0]
+            out.append(crc or 0)
+        return out
