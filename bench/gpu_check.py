@@ -3,9 +3,11 @@
 Prepared for a lent GPU (CI does not run it; on a CPU it says so and exits 0). A Llama model with
 random weights is made locally (default the "small" shape, ~100M parameters; --hidden 2048
 --layers 22 --heads 32 --intermediate 5632 for TinyLlama's 1.1B shape) and served by the
-embedded hub; the dataset by the embedded S3. MFU uses the formula for a frozen 4-bit base with
-LoRA: ~4 N FLOPs per token (forward 2N, input gradients 2N; no base weight gradients), plus 2N
-with activation checkpointing (the forward again), against diag.device's dense bf16 peak.
+embedded hub; the dataset by the embedded S3. The QLoRA MFU is diag.qlora.mfu's: 6N + 12·L·d·T
+per trained token (8N + 16·L·d·T with activation checkpointing) against diag.device's dense bf16
+peak, cross-checked by FlopCounterMode on one step (executed FLOPs: no frozen weight gradients;
+a gap over MFU_DISAGREEMENT flagged and explained). `qlora_vs_trl`: trained tokens/s of the
+optimized start against TRL's SFTTrainer(packing=True) on the same model, records and steps.
 Runs in under 5 minutes on an H100/H200 at the defaults.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -35,22 +38,16 @@ def pinned_h2d_gb_s(mb: int = 512, repeats: int = 5) -> float:
     return repeats * host.numel() / (time.perf_counter() - start) / 1e9
 
 
-def base_parameters(folder: Path) -> int:
-    """N: the base model's parameters without embeddings (counted on the meta device)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    embed = model.get_input_embeddings().weight.numel()
-    return sum(p.numel() for p in model.parameters()) - embed
-
-
 @contextlib.contextmanager
 def sources(args: argparse.Namespace):
-    from diag.embedded import HubServer, S3Server, publish_model, synthetic_dataset, tiny_model
     from diag.config import diag_home
+    from diag.embedded import (
+        HubServer,
+        S3Server,
+        publish_model,
+        synthetic_dataset,
+        tiny_model,
+    )
     from diag.qlora.job import Sources
 
     home = diag_home() / "gpu_check"
@@ -104,19 +101,38 @@ def main() -> int:
     tokens_per_step = summary["real_tokens"] / summary["steps"]
     tokens_per_s = tokens_per_step / per_step
     from diag.config import diag_home
+    from diag.qlora.job import load_model
+    from diag.qlora.mfu import count_step, mfu_check, qlora_mfu, qlora_shape
 
-    n = base_parameters(diag_home() / "gpu_check" / "models" / f"h{args.hidden}-l{args.layers}")
-    per_token = (6 if summary["gradient_checkpointing"] else 4) * n
+    home = diag_home() / "gpu_check"
+    folder, data_path = home / "models" / f"h{args.hidden}-l{args.layers}", home / "data.jsonl"
+    model = load_model(cfg, plan, folder, torch.device("cuda"))
+    model.train()
+    qshape = qlora_shape(model, args.seq_len, bool(summary["gradient_checkpointing"]))
+    check = mfu_check(qshape, count_step(model, summary["micro_batch"], args.seq_len))
+    del model
+    torch.cuda.empty_cache()
     peak = peak_flops("cuda", "bf16")
     print(f"plan: micro {summary['micro_batch']} x accum {summary['grad_accum']}, workers "
           f"{summary['num_workers']}, checkpointing {summary['gradient_checkpointing']}, "
           f"{summary['pipeline']}, padding {summary['padding_share']:.1%}")
-    print(f"step_s: {per_step:.3f}; tokens_per_s: {tokens_per_s:,.0f}; base N = {n / 1e6:.1f}M")
-    if peak.flops:
-        print(f"mfu: {tokens_per_s * per_token / peak.flops:.1%} ({per_token / n:.0f} N per "
-              f"token against {peak.label})")
-    else:
-        print(f"mfu: unknown ({peak.label})")
+    print(f"step_s: {per_step:.3f}; tokens_per_s: {tokens_per_s:,.0f}; N = "
+          f"{qshape.shape.params / 1e6:.1f}M ({qshape.adapters / 1e6:.2f}M LoRA)")
+    print(check[["method", "flops_per_token", "vs_formula", "flagged", "note"]].to_string(
+        index=False))
+    mfu, note = qlora_mfu(tokens_per_s, qshape, peak.flops, peak.label)
+    print(f"qlora_mfu: {mfu:.1%} ({note})" if not math.isnan(mfu) else f"qlora_mfu: n/a ({note})")
+    flagged = bool(check["flagged"].any())
+    print(f"qlora_mfu_counter_check: {'FLAGGED' if flagged else 'ok'} "
+          f"({check.iloc[-1]['note']})")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from qlora import trl_tokens_per_s
+
+    mine = summary["real_tokens"] / summary["seconds"]
+    theirs, tokens, seconds = trl_tokens_per_s(cfg, plan, folder, data_path)
+    print(f"qlora_vs_trl: {mine / theirs:.3g} (diag optimized {mine:,.0f} trained tokens/s per "
+          f"start, TRL SFTTrainer packing=True {theirs:,.0f}: {tokens} tokens in {seconds:.3g} s) "
+          "(goal >= 1.0)")
     print(shares(stages).to_string(index=False))
     print(f"gpu_check_seconds: {time.perf_counter() - start:.0f} (goal < 300)")
     return 0

@@ -30,6 +30,7 @@ FIXES = {
     "fetch_data": "land the dataset on local NVMe once and reuse it (diag.storage.land)",
     "load_model": "keep the HF cache on local NVMe (persistent HF_HOME) and set HF_HUB_OFFLINE=1",
     "preprocess": "tokenize once and cache the result, or tokenize with several processes",
+    "setup": "the Trainer's own set-up (wrap, optimizer, data loader) is paid once per start",
     "warmup": "warm-up is paid once per start; fewer restarts or a cached compile cut it",
     "data_wait": "raise DataLoader num_workers, pin_memory=True, prefetch: the GPU waits on data",
     "h2d": "pin host memory and copy with non_blocking=True to overlap the copy with compute",

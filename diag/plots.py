@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # Compute is the only share a GPU upgrade shortens: green. Data stages warm colours.
 STAGE_COLORS = {
     "fetch_data": "#d62728", "load_model": "#9467bd", "preprocess": "#8c564b",
-    "warmup": "#bcbd22", "train": "#7f7f7f", "checkpoint": "#17becf", "eval": "#aec7e8",
+    "setup": "#dbdb8d", "warmup": "#bcbd22", "train": "#7f7f7f", "checkpoint": "#17becf", "eval": "#aec7e8",
     "data_wait": "#ff7f0e", "h2d": "#e377c2", "compute": "#2ca02c", "other": "#c7c7c7",
     "comm_wait": "#1f77b4",
     "download": "#9467bd", "read": "#c5b0d5", "quantize": "#f7b6d2", "to_device": "#dbdb8d",

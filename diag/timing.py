@@ -22,7 +22,8 @@ from typing import Any
 from diag.distributed import CommWait, gather_to_root, place
 
 # Run-level stages happen once per training run; step-level stages once per optimizer step.
-RUN_STAGES = ("fetch_data", "load_model", "preprocess", "warmup", "train", "checkpoint", "eval")
+RUN_STAGES = ("fetch_data", "load_model", "preprocess", "setup", "warmup", "train", "checkpoint",
+              "eval")
 # comm_wait: under DDP, the gradient all-reduce that backward does not hide (diag.distributed).
 STEP_STAGES = ("data_wait", "h2d", "compute", "comm_wait", "other")
 # The parts of load_model, reported beside it (they add up to it, they are not extra time).

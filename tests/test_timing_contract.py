@@ -63,7 +63,8 @@ def test_unknown_stage_message_lists_every_group() -> None:
         check_stage("fetch")
     assert str(err.value) == (
         "unknown stage 'fetch': allowed stages are run-level fetch_data, load_model, preprocess, "
-        "warmup, train, checkpoint, eval; step-level data_wait, h2d, compute, comm_wait, other; "
+        "setup, warmup, train, checkpoint, eval; step-level data_wait, h2d, compute, comm_wait, "
+        "other; "
         "load_model parts import, download, read, quantize, to_device, tokenizer")
 
 

@@ -92,8 +92,13 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     out["recommended"] = False
     if not ok.empty:
         out.loc[ok["tokens_per_s"].idxmax(), "recommended"] = True
+    from diag.accum.mfu import floor_impossible
+
+    # a floor above the measured step is impossible: flagged (wrong peak or over-counted FLOPs)
+    out["floor_flagged"] = [floor_impossible(f, s) for f, s in
+                            zip(out["floor_s"], out["seconds_per_step"])]
     cols = ["micro_batch", "grad_accum", "tokens_per_step", "status", "seconds_per_step",
-            "floor_s", "tokens_per_s", "vs_worst", "mfu", "peak_mem_gb", "data_s", "compute_s",
+            "floor_s", "floor_flagged", "tokens_per_s", "vs_worst", "mfu", "peak_mem_gb", "data_s", "compute_s",
             "warmup_s", "compile", "steps", "recommended", "detail"]
     return pd.DataFrame(out[cols])
 
@@ -109,11 +114,17 @@ def mfu_check(info: dict[str, Any]) -> pd.DataFrame:
               "peak_tflops": peak.flops / 1e12 if peak.flops else math.nan,
               "peak": peak.label + (f" ({peak.source})" if peak.source and not peak.measured
                                     else "")}
+    from diag.accum.mfu import disagreement
+
+    flagged, note = disagreement(formula, info["counted_per_token"],
+                                 "check N (tied or untied head), the attention term, and kernels "
+                                 "the counter has no formula for")
     return pd.DataFrame([
         {"method": "formula 6N + 12·L·d·T", "flops_per_token": formula, "vs_formula": 1.0,
-         **common},
+         "flagged": False, "note": "", **common},
         {"method": "FlopCounterMode, one micro-step", "flops_per_token": info["counted_per_token"],
-         "vs_formula": info["counted_per_token"] / formula, **common},
+         "vs_formula": info["counted_per_token"] / formula, "flagged": flagged, "note": note,
+         **common},
     ])
 
 

@@ -2,8 +2,10 @@
 
 flops_per_token = 6N + 12·L·d·T (PaLM, appendix B): N counts the weights that take part in a
 matmul (every linear layer and the LM head, not an embedding lookup), 12·L·d·T is attention's
-QK^T and AV at sequence length T, forward and backward. `count_flops()` checks the formula with
-torch's FlopCounterMode on a real micro-step. MFU = achieved FLOP/s / the device's dense peak;
+QK^T and AV at sequence length T, forward and backward; 8N + 16·L·d·T with activation
+checkpointing (`training_flops(recompute=True)`). `count_flops()` checks the formula with
+torch's FlopCounterMode on a real micro-step; `disagreement()` flags a gap over MFU_DISAGREEMENT
+and `floor_impossible()` a floor above the measured step. MFU = achieved FLOP/s / the device's dense peak;
 above 100% it is never a result but a flag (wrong peak or over-counted FLOPs), both numbers
 shown. `floor_s` is a step's time at 100% of the peak. `mfu_from_figures()` takes your numbers.
 """
@@ -36,7 +38,13 @@ class ModelShape:
     @property
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N (matmuls, fwd + bwd) + 12·L·d·T (attention)."""
-        return 6.0 * self.params + 12.0 * self.layers * self.d_model * self.seq_len
+        return self.training_flops(recompute=False)
+
+    def training_flops(self, recompute: bool = False) -> float:
+        """FLOPs per trained token; with activation checkpointing the forward runs twice:
+        8N + 16·L·d·T (the forward's 2N + 4·L·d·T again)."""
+        matmul, attention = (8.0, 16.0) if recompute else (6.0, 12.0)
+        return matmul * self.params + attention * self.layers * self.d_model * self.seq_len
 
     @classmethod
     def from_model(cls, model: Any, seq_len: int, name: str = "") -> ModelShape:
@@ -100,6 +108,28 @@ def count_flops(model: Any, x: torch.Tensor, y: torch.Tensor, autocast: Any = No
     del loss
     assert isinstance(counter.get_total_flops(), int)
     return int(counter.get_total_flops())
+
+
+def disagreement(formula: float, counted: float, explained: str = "",
+                 against: str = "the formula") -> tuple[bool, str]:
+    """(flagged, note): the counter's FLOPs against the formula's, flagged past MFU_DISAGREEMENT
+    (a wrong N, a missed attention term, or matmuls the counter cannot see)."""
+    from diag.decision import MFU_DISAGREEMENT
+
+    if not (formula > 0 and math.isfinite(counted)):
+        return True, f"no comparison: formula {formula:.4g}, counter {counted:.4g} FLOPs"
+    ratio = counted / formula
+    off = abs(ratio - 1.0) > MFU_DISAGREEMENT
+    note = (f"counter {ratio:.3g}x {against} ({'over' if off else 'within'} "
+            f"{MFU_DISAGREEMENT:.0%})")
+    return off, note + (f": {explained}" if off and explained else "")
+
+
+def floor_impossible(floor_s: float, seconds_per_step: float) -> bool:
+    """A floor (the step at 100% of the peak) above the measured step cannot be: the peak is
+    too low for this device or the FLOPs are over-counted; flagged, never shown as a bound."""
+    return bool(math.isfinite(floor_s) and math.isfinite(seconds_per_step)
+                and floor_s > seconds_per_step)
 
 
 def floor_seconds(flops_per_token: float, tokens: float, peak_flops: float | None) -> float:

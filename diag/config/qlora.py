@@ -34,6 +34,7 @@ class QLoraConfig(ExperimentConfig):
     resume: bool = False  # continue from the last checkpoint in out_dir, if there is one
     out_dir: str = ""  # checkpoints; "" = a fresh temporary folder per run
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"; CUDA-only settings on CPU fall back, with a note
+    rounds: int = 3  # plans run interleaved this many times (order alternating); medians + spread
     results: str = ""  # run folder whose experiment CSVs the optimized plan reads; "" = measure on this job
     # -- the sweeps on the job's own step that decide the optimized plan (diag.qlora.measure) --
     sweep_micro_batches: list[int] = field(default_factory=list)  # [] = up to 4 divisors of the job's rows per step, 1 and the largest among them
@@ -44,13 +45,18 @@ class QLoraConfig(ExperimentConfig):
                                        "lora_alpha": 16, "sweep_workers": [0, 2],
                                        "sweep_steps": 1}
     # `diag run`: the sweeps on the job quick-sized (one timed step per point), so the demo
-    # stays a demo; `diag qlora` runs the defaults above
-    RUN: ClassVar[dict[str, Any]] = {"sweep_workers": [0, 2], "sweep_steps": 1}
+    # stays a demo; `diag qlora` runs the defaults above. Smaller rounds (48 records, 4 steps),
+    # never fewer of them: the headline's spread over 3 rounds says whether the gap resolved
+    RUN: ClassVar[dict[str, Any]] = {"sweep_workers": [0, 2], "sweep_steps": 1, "records": 48,
+                                     "steps": 4, "rounds": 3}
 
     def validate(self) -> None:
         self._choice("plan", QLORA_PLANS)
         self._choice("on_error", ON_ERROR)
-        self._positive("records", "steps", "seq_len", "lr", "lora_r", "lora_alpha", "sweep_steps")
+        self._positive("records", "steps", "seq_len", "lr", "lora_r", "lora_alpha", "sweep_steps",
+                       "rounds")
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int):
+            raise ValueError(f"QLoraConfig.rounds={self.rounds!r}: must be a whole number >= 1")
         for name, low in (("sweep_workers", 0), ("sweep_micro_batches", 1)):
             values = getattr(self, name)
             if isinstance(values, str):  # "0,2" from a notebook parameter

@@ -3,8 +3,9 @@
 `Trainer(..., callbacks=[diag.TimingCallback()])`, then `callback.frame()` is a StageTimer frame
 (`stage`, `seconds`, `step`, `rank`) that `diag.amdahl.shares` reads: per optimizer step
 `data_wait` (from one step's end to the next step's begin, where the Trainer pulls that step's
-batches) and `compute` (forward, backward, optimizer); run-level `warmup` (the first steps,
-start-up included), `checkpoint`, `eval` and `train` (the steady-state loop around the steps).
+batches) and `compute` (forward, backward, optimizer); run-level `setup` (from `setup_from`,
+when set, to on_train_begin: the Trainer's own set-up), `warmup` (the first steps, start-up
+included), `checkpoint`, `eval` and `train` (the steady-state loop around the steps).
 Under torchrun / accelerate (DDP) each rank's rows carry its rank and node, and with
 `callback.trainer = trainer` the all-reduce wait backward leaves exposed is `comm_wait`.
 """
@@ -43,6 +44,9 @@ class TimingCallback(TrainerCallback):
         self._side = 0.0  # checkpoint + eval seconds inside the steady loop (not train's)
         self._first = 0
         self.steps = 0
+        # set to time.perf_counter() before building the Trainer: on_train_begin bills the
+        # Trainer's own set-up (wrap, optimizer, data loader) from there to the `setup` stage
+        self.setup_from: float | None = None
         self.trainer: Any = None  # set to the Trainer under DDP: its wrapped model gets the comm hook
 
     # -- clock ------------------------------------------------------------------------------
@@ -63,6 +67,9 @@ class TimingCallback(TrainerCallback):
         if ddp is not None and self.timer.comm is None:  # before the first backward
             self.timer.watch_comm(ddp)
         self._mark = self._now()  # the first step's wait includes the loader's start-up
+        if self.setup_from is not None:
+            self.timer.record("setup", max(self._mark - self.setup_from, 0.0))
+            self.setup_from = None  # a second train() call sets it again
         self._first = state.global_step  # a resumed run warms up again from where it resumed
         self._steady_start = self._mark if self.warmup_steps == 0 else None
         self._side = 0.0

@@ -79,9 +79,34 @@ def _split(rows_per_step: int, micro: int) -> tuple[int, int]:
     return micro, rows_per_step // micro
 
 
+class WholeSteps:
+    """The packed windows padded up to whole optimizer steps, so no tail token is left out.
+
+    A pad row is all pad tokens with every label -100: it trains nothing. It attends to itself
+    (mask 1): a row with no visible token would give NaN attention weights in some kernels.
+    """
+
+    def __init__(self, packed: Any, rows: int) -> None:
+        self.packed, self.rows = packed, rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
+        if not 0 <= i < self.rows:
+            raise IndexError(f"row {i} of {self.rows}")
+        if i < len(self.packed):
+            return self.packed[i]
+        seq = self.packed.seq_len
+        return {"input_ids": torch.full((seq,), self.packed.pad_token_id, dtype=torch.int64),
+                "attention_mask": torch.ones(seq, dtype=torch.int64),
+                "labels": torch.full((seq,), -100, dtype=torch.int64)}
+
+
 def build_dataset(cfg: QLoraConfig, plan: Plan, recs: Records, tokenizer_dir: Path) -> Data:
     import numpy as np
-    from torch.utils.data import Subset
 
     from diag.config import diag_home
     from diag.loader.pipeline import NaiveTextDataset, PackedDataset
@@ -99,17 +124,16 @@ def build_dataset(cfg: QLoraConfig, plan: Plan, recs: Records, tokenizer_dir: Pa
 
         cache = build_token_cache(recs.records, tokenizer_dir, cache_dir=diag_home() / "tokens")
         packed = PackedDataset(cache.folder, seq)
-        rows_per_step = len(packed) // cfg.steps
-        if rows_per_step < 1:
-            raise ValueError(f"{cache.tokens} tokens pack into {len(packed)} rows of "
-                             f"seq_len={seq}, fewer than QLoraConfig.steps={cfg.steps}")
+        # every token trains: the tail is padded up to whole steps (fewer than steps pad rows),
+        # so both plans train the same records' tokens (naive loses only what seq_len cuts)
+        rows_per_step = -(-len(packed) // cfg.steps)
         used = rows_per_step * cfg.steps
-        dataset = Subset(packed, range(used))  # whole steps only; the tail rows are left out
-        real = min(cache.tokens, used * seq)
+        dataset = WholeSteps(packed, used)
+        real = cache.tokens
         mask = np.load(Path(cache.folder) / "loss_mask.npy", mmap_mode="r")
         loss = int(np.asarray(mask[:real]).sum())
-        left_out = cache.tokens - real  # the tail rows that make no whole step
-        detail = f"token cache {cache.status}, packed"
+        left_out = 0
+        detail = f"token cache {cache.status}, packed, {used - len(packed)} pad rows"
     micro, accum = _split(rows_per_step, plan.micro_batch)
     slots = rows_per_step * cfg.steps * seq
     stats = {"records": len(recs.records), "skipped_records": recs.skipped,

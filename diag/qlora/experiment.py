@@ -8,32 +8,22 @@ measured saving (a prediction off by more than 25% is flagged, not hidden).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from diag.decision import PREDICTION_TOLERANCE  # noqa: F401  # re-exported for callers
 from diag.qlora.plans import Plan
-from diag.timing import median_seconds
+from diag.qlora.predict import FIXES, savings  # noqa: F401
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from diag.config import QLoraConfig
 
-PREDICTION_TOLERANCE = 0.25  # |measured - predicted| above this share of predicted is flagged
 # Result frames the optimized plan reads from a run folder, by the CSV names report.write gives.
 RESULT_FILES = {"storage": ("storage",), "model_load": ("model_load",),
                 "loader": ("loader", "workers"), "accum": ("accum",)}
-FIXES = {
-    "fetch_data": "land the dataset once (diag.storage.land) instead of pulling it every start",
-    "load_model": "load the base from a persistent HF cache instead of downloading it",
-    "preprocess": "tokenize once into a cached, packed token file",
-    "warmup": "fewer, larger steps start faster (micro-batch, workers started once)",
-    "train": "larger micro-batch, packed rows (no padding), checkpointing off with headroom, "
-             "DataLoader workers",
-    "checkpoint": "fewer, smaller checkpoints (the LoRA adapter only is small)",
-}
 
 
 @dataclass(frozen=True)
@@ -47,6 +37,13 @@ class QLoraResult:
     plans: pd.DataFrame  # run, setting, value, evidence
     savings: pd.DataFrame  # stage, predicted_s, measured_s, error_share, flagged, evidence
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
+    rounds: pd.DataFrame | None = None  # every plan x round summary (interleaved order)
+    comparison: pd.DataFrame | None = None  # one row: per trained token, the spread, once_s
+
+    @property
+    def headline(self) -> str:
+        """naive vs optimized per trained token, with the spread; '' unless both plans ran."""
+        return headline(self.frame) if set(self.frame["plan"]) >= {"naive", "optimized"} else ""
 
 
 def load_results(folder: str | Path) -> dict[str, Any]:
@@ -69,8 +66,9 @@ def load_results(folder: str | Path) -> dict[str, Any]:
 
 def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = None
               ) -> QLoraResult:
-    """Run cfg.plan ("naive", "optimized" or "both"); `results` (frames by experiment) or
-    cfg.results (a run folder) feed Plan.optimized."""
+    """Run cfg.plan ("naive", "optimized" or "both") cfg.rounds times, interleaved (the order
+    alternates per round, so drift on a shared machine hits both alike); `results` (frames by
+    experiment) or cfg.results (a run folder) feed Plan.optimized."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -80,6 +78,7 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
     from diag.distributed import init_group, root_first
     from diag.qlora.job import open_sources, prime, run_plan
     from diag.qlora.measure import plan_from_job
+    from diag.qlora.predict import Counts, predict
 
     cfg = cfg or QLoraConfig.default()
     given, results = results, results if results is not None else load_results(cfg.results)
@@ -89,113 +88,103 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
         plans.append(Plan.naive())
     if cfg.plan in ("optimized", "both"):
         plans.append(plan_from_job(cfg, given))  # measured on the job unless given
-    runs = []
+    runs: list[dict[str, Any]] = []
+    once: dict[str, float] = {}
     with open_sources(cfg) as src:
-        for plan in tqdm(plans, desc="qlora plans", leave=False):
-            # an optimized start finds the landed data, cached model and tokens: the first
-            # start pays them once, untimed here and reported as once_s
+        # an optimized start finds the landed data, cached model and tokens: the first start
+        # pays them once, apart from the per-start figure and shown beside it as once_s
+        once = {}
+        for p in plans:
             with root_first():  # under DDP rank 0 fills the node's caches, then the others hit
-                once = prime(cfg, plan, src) if plan.name == "optimized" else 0.0
-            runs.append(run_plan(cfg, plan, src) | {"once_s": once})
-    frame = pd.DataFrame([r["summary"] | {"once_s": r["once_s"]} for r in runs])
-    stages = pd.concat([r["stages"] for r in runs], ignore_index=True)
-    losses = pd.concat([r["losses"] for r in runs], ignore_index=True)
+                once[p.name] = prime(cfg, p, src) if p.name == "optimized" else 0.0
+        order = [(r, p) for r in range(cfg.rounds) for p in (plans if r % 2 == 0 else plans[::-1])]
+        for r, plan in tqdm(order, desc="qlora plans x rounds", leave=False):
+            got = run_plan(cfg, plan, src)
+            got["summary"]["round"] = r
+            runs.append(got)
+    every = pd.DataFrame([r["summary"] for r in runs])
+    frame = _per_plan(every, once)
+    # the stage breakdown of each plan's median round (a real run, not a blend of rounds)
+    keep = set(zip(frame["plan"], frame["median_round"]))
+    kept = [r for r in runs if (r["summary"]["plan"], r["summary"]["round"]) in keep]
+    stages = pd.concat([r["stages"] for r in kept], ignore_index=True)
+    losses = pd.concat([r["losses"] for r in kept], ignore_index=True)
     table = shares(stages)
     plan_rows = pd.concat([p.frame() for p in plans], ignore_index=True)  # what ran
-    saved = savings(table, results, frame)
+    saved = pd.DataFrame(columns=["stage", "finding", "predicted_s", "measured_s",
+                                  "error_share", "flagged", "evidence"])
+    if len(plans) == 2:
+        slots = frame.set_index("plan")["token_slots"].astype(int).to_dict()
+        counts = Counts(cfg.steps, cfg.warmup_steps, slots)  # counted, not timed
+        saved = savings(_median_stages(runs, shares), predict(plans[0], plans[1], counts))
     advice = saved.rename(columns={"measured_s": "seconds_saved"})[
         ["stage", "finding", "seconds_saved", "evidence"]]
-    return QLoraResult(frame, stages, losses, table, plan_rows, saved, advice)
+    both = {"naive", "optimized"} <= set(frame["plan"])
+    return QLoraResult(frame, stages, losses, table, plan_rows, saved, advice, every,
+                       compare(frame) if both else None)
 
 
-def _predictions(results: dict[str, Any], naive: dict[str, float],
-                 summary: pd.DataFrame) -> dict[str, tuple[float, str]]:
-    """Seconds each fix should save, stated from the experiments before the run's numbers."""
-    out = {}
-    pull = median_seconds(results.get("storage"), method="boto3_default")
-    hit = median_seconds(results.get("storage"), method="land", cache_state="hit")
-    if pull is not None and hit is not None:
-        out["fetch_data"] = (pull - hit, f"storage: pull {pull:.3g} s - land hit {hit:.3g} s")
-    fresh = median_seconds(results.get("model_load"), scenario="fresh", part="load_model")
-    cached = median_seconds(results.get("model_load"), scenario="cached", part="load_model")
-    if fresh is not None and cached is not None:
-        out["load_model"] = (fresh - cached,
-                             f"model_load: fresh {fresh:.3g} s - cached {cached:.3g} s")
-    rows = summary.set_index("plan")
-    if {"naive", "optimized"} <= set(rows.index) and "train" in naive:
-        # packing alone: the steady steps shrink with the token slots they carry
-        ratio = rows.at["optimized", "token_slots"] / rows.at["naive", "token_slots"]
-        why = (f"packing: token slots x{ratio:.3g} of naive (padding "
-               f"{rows.at['naive', 'padding_share']:.0%})")
-        speed = _micro_speedup(results.get("accum"), int(rows.at["naive", "micro_batch"]),
-                               int(rows.at["optimized", "micro_batch"]))
-        if speed is not None:
-            ratio /= speed
-            why += f"; accum sweep: micro-batch {int(rows.at['optimized', 'micro_batch'])} " \
-                   f"{speed:.3g}x the tokens/s of {int(rows.at['naive', 'micro_batch'])}"
-        else:
-            why += ", the same cost per slot assumed (no accum frame)"
-        ckpt = _checkpointing_factor(results.get("checkpointing"),
-                                     bool(rows.at["naive", "gradient_checkpointing"]),
-                                     bool(rows.at["optimized", "gradient_checkpointing"]))
-        if ckpt is not None:
-            ratio *= ckpt
-            why += f"; checkpointing measured: optimized's setting {ckpt:.3g}x naive's per step"
-        out["train"] = (naive["train"] * (1 - ratio), why)
-        if "warmup" in naive:  # the warm-up steps are steps too: the same fixes shrink them
-            out["warmup"] = (naive["warmup"] * (1 - ratio),
-                             f"the warm-up steps scale as the steady ones: {why}")
-    return out
-
-
-def _checkpointing_factor(frame: Any, naive_on: bool, opt_on: bool) -> float | None:
-    """Step seconds at the optimized plan's checkpointing over the naive's (None if unmeasured)."""
-    on, off = (median_seconds(frame, gradient_checkpointing=v) for v in (True, False))
-    if on is None or off is None:
-        return None
-    return (on if opt_on else off) / (on if naive_on else off)
-
-
-def _micro_speedup(accum: Any, naive_micro: int, micro: int) -> float | None:
-    """tokens/s at micro over tokens/s at naive_micro, from the accum sweep (None if absent)."""
-    accum = getattr(accum, "frame", accum)
-    if accum is None or getattr(accum, "empty", True) or "tokens_per_s" not in accum.columns:
-        return None
-    ok = accum[accum["status"] == "ok"] if "status" in accum.columns else accum
-    speed = ok.groupby("micro_batch")["tokens_per_s"].median()
-    if speed.empty:
-        return None
-    # the job's micro-batch divides its rows per step, so it may fall between the sweep's
-    # points: the nearest measured point (in ratio) stands for it
-    def near(m: int) -> Any:
-        return min(speed.index, key=lambda p: abs(math.log(p / m)))
-
-    return float(speed[near(micro)] / speed[near(naive_micro)])
-
-
-def savings(table: pd.DataFrame, results: dict[str, Any], summary: pd.DataFrame) -> pd.DataFrame:
-    """Per run-level stage: predicted vs measured saving of optimized over naive."""
+def _per_plan(every: pd.DataFrame, once: dict[str, float]) -> pd.DataFrame:
+    """One row per plan: the median round's summary, with the spread over rounds beside it."""
     import pandas as pd
 
-    cols = ["stage", "finding", "predicted_s", "measured_s", "error_share", "flagged", "evidence"]
-    runs = set(table["run"])
-    if not {"naive", "optimized"} <= runs:
-        return pd.DataFrame(columns=cols)
-    run_level = table.assign(stage=table["stage"].where(table["level"] == "run", "train"))
-    per = run_level.groupby(["run", "stage"])["seconds"].sum()
-    naive, opt = per["naive"].to_dict(), per["optimized"].to_dict()
-    predicted = _predictions(results, naive, summary)
     rows = []
-    for stage in FIXES:
-        if stage not in naive and stage not in opt:
-            continue
-        measured = naive.get(stage, 0.0) - opt.get(stage, 0.0)
-        pred, why = predicted.get(stage, (None, "no experiment frame predicts this stage"))
-        err = abs(measured - pred) / abs(pred) if pred else None
-        rows.append({"stage": stage, "finding": FIXES[stage], "predicted_s": pred,
-                     "measured_s": measured, "error_share": err,
-                     "flagged": bool(err is not None and err > PREDICTION_TOLERANCE),
-                     "evidence": f"naive {naive.get(stage, 0.0):.3g} s -> optimized "
-                                 f"{opt.get(stage, 0.0):.3g} s; predicted from {why}"})
-    out = pd.DataFrame(rows, columns=cols)
-    return out.sort_values("measured_s", ascending=False, ignore_index=True)
+    for plan, runs in every.groupby("plan", sort=False):
+        ranked = runs.sort_values("seconds", kind="stable")
+        mid = ranked.iloc[(len(ranked) - 1) // 2]  # the lower median: a round that ran
+        # `seconds` is the median round's own (for an even count the lower median), so the
+        # stage breakdown shown adds up to it
+        rows.append(mid.to_dict() | {
+            "seconds": float(mid["seconds"]), "seconds_min": float(runs["seconds"].min()),
+            "seconds_max": float(runs["seconds"].max()), "rounds": len(runs),
+            "median_round": int(mid["round"]), "once_s": once.get(plan, 0.0),
+            "trained_tokens_per_s": float(mid["real_tokens"] / mid["seconds"])})
+    return pd.DataFrame(rows).drop(columns=["round"])
+
+
+def _median_stages(runs: list[dict[str, Any]], shares: Any) -> pd.DataFrame:
+    """Each plan's run-level seconds per stage, the median over rounds (measured side of the
+    prediction check; one noisy round cannot swing it)."""
+    import pandas as pd
+
+    tables = [shares(r["stages"]).assign(round=r["summary"]["round"]) for r in runs]
+    both = pd.concat(tables, ignore_index=True)
+    both["stage"] = both["stage"].where(both["level"] == "run", "train")
+    per = both.groupby(["run", "round", "stage"])["seconds"].sum().reset_index()
+    med = per.groupby(["run", "stage"])["seconds"].median().reset_index()
+    return med.assign(level="run")
+
+
+def compare(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row: naive over optimized seconds per trained token (median round, and the range
+    the rounds' spreads allow), both trained-token counts, the optimized one-time cost."""
+    import pandas as pd
+
+    rows = frame.set_index("plan")
+    n, o = rows.loc["naive"], rows.loc["optimized"]
+    per = {k: {p: r[k] / r["real_tokens"] for p, r in (("naive", n), ("optimized", o))}
+           for k in ("seconds", "seconds_min", "seconds_max")}
+    return pd.DataFrame([{
+        "naive_over_optimized_per_token": per["seconds"]["naive"] / per["seconds"]["optimized"],
+        "low": per["seconds_min"]["naive"] / per["seconds_max"]["optimized"],
+        "high": per["seconds_max"]["naive"] / per["seconds_min"]["optimized"],
+        "resolved": bool(per["seconds_min"]["naive"] > per["seconds_max"]["optimized"]),
+        "rounds": int(n["rounds"]), "naive_trained_tokens": int(n["real_tokens"]),
+        "optimized_trained_tokens": int(o["real_tokens"]), "optimized_per_start_s": o["seconds"],
+        "optimized_once_s": o["once_s"], "optimized_check_s": o["check_s"]}])
+
+
+def headline(frame: pd.DataFrame) -> str:
+    """naive / optimized per trained token, median and the spread's ends, with both counts."""
+    rows = frame.set_index("plan")
+    n, o = rows.loc["naive"], rows.loc["optimized"]
+    per = {p: r["seconds"] / r["real_tokens"] for p, r in (("naive", n), ("optimized", o))}
+    low = (n["seconds_min"] / n["real_tokens"]) / (o["seconds_max"] / o["real_tokens"])
+    high = (n["seconds_max"] / n["real_tokens"]) / (o["seconds_min"] / o["real_tokens"])
+    resolved = n["seconds_min"] / n["real_tokens"] > o["seconds_max"] / o["real_tokens"]
+    return (f"optimized {per['naive'] / per['optimized']:.3g}x faster per trained token "
+            f"(range {low:.3g}x-{high:.3g}x over {int(n['rounds'])} interleaved rounds"
+            f"{'' if resolved else ', spreads overlap: not resolved'}); trained tokens naive "
+            f"{int(n['real_tokens'])}, optimized {int(o['real_tokens'])}; optimized once "
+            f"{o['once_s']:.3g} s (land, cache, token cache) + check_records {o['check_s']:.3g} s "
+            f"beside {o['seconds']:.3g} s per start")

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,11 +189,14 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
             model = load_model(cfg, plan, folder, device)
         with timer.stage("preprocess"):
             records, bad_lines = read(cfg, data_path)
-        recs = check_records(cfg, records, folder, bad_lines)  # untimed: the same in both plans
+        check = time.perf_counter()  # untimed as a stage (the same in both plans), but shown
+        recs = check_records(cfg, records, folder, bad_lines)
+        check_s = time.perf_counter() - check
         with timer.stage("preprocess"):
             data = build_dataset(cfg, plan, recs, folder)
         args = _training_args(cfg, plan, data, out_dir, device)
         callback = TimingCallback(timer, warmup_steps=cfg.warmup_steps, device=device)
+        callback.setup_from = wall = time.perf_counter()  # the Trainer's set-up is `setup`
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data.dataset,
                                        callbacks=[callback])
         callback.trainer = trainer  # under DDP the callback hooks the wrapped model's all-reduce
@@ -200,6 +204,7 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         resume = last_checkpoint(out_dir) if cfg.resume else None
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        wall = time.perf_counter() - wall  # Trainer(...) + train(): what its stages must add to
         losses = pd.DataFrame([{"step": h["step"], "loss": h["loss"],
                                 "learning_rate": h.get("learning_rate")}
                                for h in trainer.state.log_history if "loss" in h])
@@ -209,7 +214,9 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
         seconds = float(frame.loc[frame["step"].isna(), "seconds"].sum())
         seconds /= max(frame["rank"].nunique(), 1)  # ranks run side by side: one rank's
         summary = {**data.stats, "plan": plan.name, "seconds": seconds, "ranks": seat.world_size,
-                   "steps": trainer.state.global_step,
+                   "steps": trainer.state.global_step, "trainer_wall_s": wall,
+                   "check_s": check_s,
+                   "trained_tokens_per_s": data.stats["real_tokens"] / seconds if seconds else None,
                    "resumed_from_step": int(resume.name.split("-")[1]) if resume else 0,
                    "micro_batch": args.per_device_train_batch_size,
                    "grad_accum": args.gradient_accumulation_steps,

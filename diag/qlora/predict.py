@@ -1,0 +1,221 @@
+"""What each fix should save, stated before the run from the plans' decisions, then checked.
+
+`predict(naive, optimized, counts)` is a pure function of the two plans, their decisions
+(diag.decision: `baseline_s` / `chosen_s` per "start" or per "step" in a stage) and the job's
+counts (steps, warm-up steps, token slots per plan): no frame of the run is read, so measured
+seconds cannot leak into a prediction. A fix is listed only where the plans differ in its
+setting, its text built from what changed ("num_workers 0 -> 2"). `savings(table, predicted)`
+sets each run-level stage's predicted saving beside the measured one (naive minus optimized);
+a miss over PREDICTION_TOLERANCE of the prediction is flagged, both ways.
+
+Step fixes are chained in step space so they add up: the naive step (the accum decision's
+baseline, measured at the job's tokens per step) is scaled by each compute fix's chosen/baseline
+ratio in turn (micro-batch, checkpointing, packing's token slots); the data_wait fixes save their
+measured seconds per step. Per-step savings count once per steady step (`train`) and once per
+warm-up step (`warmup`); per-start savings once (`fetch_data`, `load_model`, `preprocess`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from diag.decision import PREDICTION_TOLERANCE, by_setting
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from diag.qlora.plans import Plan
+
+# What each setting's fix does, by setting; the change itself ("a -> b") is built per run.
+FIXES = {
+    "fetch": "land the dataset once (diag.storage.land), not a pull every start",
+    "model_cache": "load the base from a persistent HF cache instead of downloading it",
+    "pipeline": "tokenize once into a cached token file, packed rows (no padding)",
+    "num_workers": "DataLoader workers prepare the next batches during the step",
+    "pin_memory": "page-locked host batches for async host-to-device copies",
+    "persistent_workers": "workers started once, kept across epochs",
+    "prefetch_factor": "batches each worker prepares ahead",
+    "micro_batch": "larger micro-batch, fewer accumulation passes per step",
+    "gradient_checkpointing": "activations kept, not recomputed in the backward pass",
+}
+RUN_STAGES = ("fetch_data", "load_model", "preprocess", "warmup", "train", "checkpoint")
+COMPUTE_ORDER = ("micro_batch", "gradient_checkpointing")  # the chain's order (then packing)
+COLUMNS = ["setting", "change", "finding", "stage", "predicted_s", "per_step_s", "evidence"]
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What the job does, counted before it runs (no seconds): steps and token slots."""
+
+    steps: int
+    warmup_steps: int = 1
+    token_slots: Mapping[str, int] = field(default_factory=dict)  # by plan name
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"Counts(steps={self.steps}, warmup_steps={self.warmup_steps}): "
+                             "need steps >= 1 and 0 <= warmup_steps <= steps")
+
+
+def _seconds(d: Any) -> tuple[float, float] | None:
+    if d is None or d.baseline_s is None or d.chosen_s is None:
+        return None
+    if not (math.isfinite(d.baseline_s) and math.isfinite(d.chosen_s)):
+        return None
+    return float(d.baseline_s), float(d.chosen_s)
+
+
+def _row(setting: str, naive: Any, opt: Any, stage: str, predicted: float | None,
+         per_step: float | None, why: str) -> dict[str, Any]:
+    return {"setting": setting, "change": f"{setting} {naive} -> {opt}",
+            "finding": FIXES.get(setting, setting), "stage": stage, "predicted_s": predicted,
+            "per_step_s": per_step, "evidence": why}
+
+
+def _step_rows(setting: str, a: Any, b: Any, per_step: float | None, counts: Counts,
+               why: str) -> list[dict[str, Any]]:
+    """One row per step stage the fix touches: the steady steps (train) and the warm-up ones."""
+    steady = counts.steps - counts.warmup_steps
+    rows = []
+    for stage, n in (("train", steady), ("warmup", counts.warmup_steps)):
+        if n:
+            total = per_step * n if per_step is not None else None
+            rows.append(_row(setting, a, b, stage, total, per_step, f"{why}; x {n} steps"))
+    return rows
+
+
+def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
+    """Each fix the plans differ in: its run-level stage and predicted seconds saved (None where
+    no decision prices it, said in `evidence`), from the decisions and counts only."""
+    import pandas as pd
+
+    decided = by_setting(optimized.decisions)
+    a, b = naive.settings(), optimized.settings()
+    changed = [s for s in FIXES if s in a and a[s] != b[s]]
+    rows: list[dict[str, Any]] = []
+    # the compute chain: the naive step, then each fix's ratio in turn
+    anchor = _seconds(decided.get("micro_batch"))
+    step = anchor[0] * _slots_scale(decided["micro_batch"], naive, counts) if anchor else None
+    for setting in COMPUTE_ORDER:
+        if setting not in changed:
+            continue
+        d, got = decided.get(setting), _seconds(decided.get(setting))
+        if got is None or step is None or got[0] <= 0:
+            rows += _step_rows(setting, a[setting], b[setting], None, counts,
+                               _unpriced(d, "no measured naive step to scale" if got else ""))
+            continue
+        new = step * got[1] / got[0]
+        rows += _step_rows(setting, a[setting], b[setting], step - new, counts,
+                           f"{d.source}: {got[1]:.3g} s / {got[0]:.3g} s per step measured "
+                           f"({d.basis}) x the step {step:.3g} s -> {new:.3g} s")
+        step = new
+    if "pipeline" in changed:
+        slots = [counts.token_slots.get(p.name) for p in (naive, optimized)]
+        if step is not None and all(slots):
+            new = step * slots[1] / slots[0]
+            rows += _step_rows("pipeline", a["pipeline"], b["pipeline"], step - new, counts,
+                               f"packing: token slots {slots[1]} / {slots[0]} x the step "
+                               f"{step:.3g} s -> {new:.3g} s")
+            step = new
+        else:
+            rows += _step_rows("pipeline", a["pipeline"], b["pipeline"], None, counts,
+                               _unpriced(None, "no measured step or token slots to scale"))
+        d = decided.get("pipeline")
+        start = d is not None and d.per == "start"
+        if _seconds(d) is not None and start:
+            rows.append(_start_row(d, a, b))
+        else:  # the token cache's start-up cost: said unpredicted, never left out
+            rows.append(_row("pipeline", a["pipeline"], b["pipeline"], "preprocess", None, None,
+                             _unpriced(d, "no decision prices the preprocess start")))
+        if _seconds(d) is not None and not start:
+            saved = _seconds(d)[0] - _seconds(d)[1]
+            rows += _step_rows("pipeline", a["pipeline"], b["pipeline"], saved, counts,
+                               f"{d.source}: {d.stage} {_seconds(d)[0]:.3g} -> "
+                               f"{_seconds(d)[1]:.3g} s per step")
+    for setting in changed:
+        if setting in COMPUTE_ORDER or setting == "pipeline":
+            continue
+        d = decided.get(setting)
+        if d is not None and d.per == "start":
+            rows.append(_start_row(d, a, b))
+        elif _seconds(d) is not None:
+            base, chosen = _seconds(d)
+            rows += _step_rows(setting, a[setting], b[setting], base - chosen, counts,
+                               f"{d.source}: {d.stage} {base:.3g} -> {chosen:.3g} s per step "
+                               f"({d.basis})")
+        else:
+            stage = {"fetch": "fetch_data", "model_cache": "load_model"}.get(setting, "train")
+            rows.append(_row(setting, a[setting], b[setting], stage, None, None,
+                             _unpriced(d)))
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _slots_scale(d: Any, naive: Plan, counts: Counts) -> float:
+    """The naive step's token slots over those of the step the decision timed (its rows name
+    `tokens_per_step`): the accum sweep runs the job's packed step, the naive plan pads."""
+    measured = [r.get("tokens_per_step") for r in d.rows if r.get("tokens_per_step")]
+    slots = counts.token_slots.get(naive.name)
+    if not measured or not slots:
+        return 1.0
+    return slots / counts.steps / float(measured[0])
+
+
+def _unpriced(d: Any, extra: str = "") -> str:
+    where = f"{d.setting} is {d.basis}: {d.why}" if d is not None else "no decision"
+    return f"not predicted ({extra or 'no measured seconds'}); {where}"
+
+
+def _start_row(d: Any, a: dict, b: dict) -> dict[str, Any]:
+    got = _seconds(d)
+    stage = d.stage if d.stage in RUN_STAGES else "preprocess"
+    if got is None:
+        return _row(d.setting, a[d.setting], b[d.setting], stage, None, None, _unpriced(d))
+    return _row(d.setting, a[d.setting], b[d.setting], stage, got[0] - got[1], None,
+                f"{d.source}: {d.stage} {got[0]:.3g} s -> {got[1]:.3g} s per start "
+                f"({d.basis}{' on ' + d.measured_on.label() if d.measured_on.label() else ''})")
+
+
+def measured_by_stage(table: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """Run-level seconds per plan: {run: {stage: seconds}} from a shares/stage frame."""
+    if "level" in table.columns:  # a shares frame: the step-level parts are inside `train`
+        runs = table.assign(stage=table["stage"].where(table["level"] == "run", "train"))
+    else:
+        runs = table[table["step"].isna()]
+    per = runs.groupby(["run", "stage"])["seconds"].sum()
+    return {run: per[run].to_dict() for run in per.index.get_level_values(0).unique()}
+
+
+def savings(table: pd.DataFrame, predicted: pd.DataFrame) -> pd.DataFrame:
+    """Per run-level stage a fix touches: predicted vs measured saving (naive - optimized);
+    flagged when |measured - predicted| > PREDICTION_TOLERANCE x |predicted|."""
+    import pandas as pd
+
+    cols = ["stage", "finding", "predicted_s", "measured_s", "error_share", "flagged",
+            "evidence"]
+    per = measured_by_stage(table)
+    if not {"naive", "optimized"} <= set(per) or predicted.empty:
+        return pd.DataFrame(columns=cols)
+    naive, opt = per["naive"], per["optimized"]
+    rows = []
+    for stage, fixes in predicted.groupby("stage", sort=False):
+        priced = fixes["predicted_s"].dropna()
+        pred = float(priced.sum()) if not priced.empty else None
+        measured = naive.get(stage, 0.0) - opt.get(stage, 0.0)
+        rows.append(check(stage, "; ".join(dict.fromkeys(fixes["change"])), pred, measured,
+                          f"naive {naive.get(stage, 0.0):.3g} s -> optimized "
+                          f"{opt.get(stage, 0.0):.3g} s; predicted from "
+                          + " | ".join(fixes["evidence"])))
+    out = pd.DataFrame(rows, columns=cols)
+    return out.sort_values("measured_s", ascending=False, ignore_index=True)
+
+
+def check(stage: str, finding: str, predicted: float | None, measured: float,
+          evidence: str = "") -> dict[str, Any]:
+    """One checked prediction: the error as a share of the prediction, flagged past tolerance."""
+    err = abs(measured - predicted) / abs(predicted) if predicted else None
+    return {"stage": stage, "finding": finding, "predicted_s": predicted, "measured_s": measured,
+            "error_share": err,
+            "flagged": bool(err is not None and err > PREDICTION_TOLERANCE), "evidence": evidence}

@@ -1,0 +1,146 @@
+"""diag.qlora.predict: predictions from the plans' decisions only, a fix listed only where the
+plans differ, text from what changed, and the tolerance check both ways (constructed plans)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pandas as pd
+import pytest
+
+from diag.decision import PREDICTION_TOLERANCE, Decision
+from diag.qlora.plans import Plan
+from diag.qlora.predict import Counts, check, predict, savings
+
+
+def _measured(setting, value, **worth):
+    return Decision.from_rows(setting, value, f"{setting} measured", [{"x": 1}],
+                              source=worth.pop("source", "test"), **worth)
+
+
+def _plans(**overrides):
+    """A naive plan and an optimized one whose decisions price every changed setting."""
+    naive = Plan.naive()
+    decisions = (
+        _measured("fetch", "land", baseline="pull", stage="fetch_data", per="start",
+                  baseline_s=5.0, chosen_s=0.5, source="storage"),
+        _measured("model_cache", "persistent", baseline="empty", stage="load_model",
+                  per="start", baseline_s=3.0, chosen_s=1.0, source="model_load"),
+        _measured("num_workers", 2, baseline=0, stage="data_wait", per="step",
+                  baseline_s=0.2, chosen_s=0.01, source="loader"),
+        _measured("micro_batch", 4, baseline=1, stage="compute", per="step",
+                  baseline_s=2.0, chosen_s=1.0, source="accum"),
+        _measured("gradient_checkpointing", False, baseline=True, stage="compute",
+                  per="step", baseline_s=1.5, chosen_s=1.0, source="checkpointing"),
+    )
+    values = {"fetch": "land", "model_cache": "persistent", "pipeline": "packed",
+              "num_workers": 2, "micro_batch": 4, "gradient_checkpointing": False}
+    values.update(overrides)
+    opt = dataclasses.replace(naive, name="optimized", decisions=decisions, **values)
+    return naive, opt
+
+
+COUNTS = Counts(steps=10, warmup_steps=2, token_slots={"naive": 1000, "optimized": 500})
+
+
+def test_a_fix_is_listed_only_when_the_plans_differ_with_text_from_the_change():
+    naive, opt = _plans()
+    table = predict(naive, opt, COUNTS)
+    assert set(table["setting"]) == {"fetch", "model_cache", "pipeline", "num_workers",
+                                     "micro_batch", "gradient_checkpointing"}
+    assert "num_workers 0 -> 2" in set(table["change"])
+    assert "gradient_checkpointing True -> False" in set(table["change"])
+    # the same setting in both plans: no fix, whatever its decision says it is worth
+    same = predict(*_plans(num_workers=0, gradient_checkpointing=True), COUNTS)
+    assert "num_workers" not in set(same["setting"])
+    assert "gradient_checkpointing" not in set(same["setting"])
+    assert "num_workers 0 -> 3" in set(predict(*_plans(num_workers=3), COUNTS)["change"])
+
+
+def test_every_stage_is_predicted_from_the_decisions_and_counts():
+    naive, opt = _plans()
+    table = predict(naive, opt, COUNTS)
+    by = table.groupby(["setting", "stage"])["predicted_s"].sum()
+    assert by["fetch", "fetch_data"] == pytest.approx(4.5)
+    assert by["model_cache", "load_model"] == pytest.approx(2.0)
+    # 8 steady + 2 warm-up steps; the compute chain: 2.0 s -> micro 1.0 s -> ckpt off
+    # 1.0 * 1/1.5 -> packing x 500/1000
+    assert by["micro_batch", "train"] == pytest.approx(1.0 * 8)
+    assert by["micro_batch", "warmup"] == pytest.approx(1.0 * 2)
+    assert by["gradient_checkpointing", "train"] == pytest.approx((1.0 - 1 / 1.5) * 8)
+    assert by["pipeline", "train"] == pytest.approx((1 / 1.5) * 0.5 * 8)
+    assert by["num_workers", "train"] == pytest.approx(0.19 * 8)
+    # preprocess and checkpointing are listed: preprocess unpriced (no decision prices it),
+    # said in its evidence rather than left out
+    pre = table[table["stage"] == "preprocess"].iloc[0]
+    assert pd.isna(pre["predicted_s"]) and "not predicted" in pre["evidence"]
+
+
+def test_an_unmeasured_decision_is_listed_unpriced_never_invented():
+    naive, opt = _plans()
+    opt = dataclasses.replace(opt, decisions=tuple(
+        Decision.default("num_workers", 2, "loader frame absent", source="loader")
+        if d.setting == "num_workers" else d for d in opt.decisions))
+    row = predict(naive, opt, COUNTS).set_index("setting").loc["num_workers"]
+    assert pd.isna(row["predicted_s"]) and "default" in row["evidence"]
+
+
+def test_measured_seconds_cannot_leak_into_a_prediction():
+    # the signature takes plans and counts only: no frame of the run
+    params = list(inspect.signature(predict).parameters)
+    assert params == ["naive", "optimized", "counts"]
+    naive, opt = _plans()
+    predicted = predict(naive, opt, COUNTS)
+    fast = _table({"fetch_data": (5.0, 0.5), "train": (30.0, 10.0)})
+    slow = _table({"fetch_data": (50.0, 0.5), "train": (300.0, 1.0)})
+    a = savings(fast, predicted).set_index("stage")["predicted_s"]
+    b = savings(slow, predicted).set_index("stage")["predicted_s"]
+    pd.testing.assert_series_equal(a.sort_index(), b.sort_index())
+    assert savings(slow, predicted).set_index("stage").at["train", "measured_s"] == 299.0
+
+
+def _table(stages):
+    rows = []
+    for stage, (n, o) in stages.items():
+        rows += [{"run": "naive", "stage": stage, "level": "run", "seconds": n},
+                 {"run": "optimized", "stage": stage, "level": "run", "seconds": o}]
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("measured, flagged", [
+    (4.5, False),  # on the dot
+    (4.5 * (1 + PREDICTION_TOLERANCE) - 0.01, False),  # just inside, above
+    (4.5 * (1 + PREDICTION_TOLERANCE) + 0.01, True),  # just outside, above
+    (4.5 * (1 - PREDICTION_TOLERANCE) + 0.01, False),  # just inside, below
+    (4.5 * (1 - PREDICTION_TOLERANCE) - 0.01, True),  # just outside, below
+    (-1.0, True),  # the fix made it slower
+])
+def test_flagged_iff_the_error_exceeds_the_tolerance_both_ways(measured, flagged):
+    naive, opt = _plans()
+    got = savings(_table({"fetch_data": (measured, 0.0)}), predict(naive, opt, COUNTS))
+    row = got.set_index("stage").loc["fetch_data"]
+    assert row["predicted_s"] == pytest.approx(4.5)
+    assert bool(row["flagged"]) is flagged
+    assert check("x", "", 2.0, 2.0 * (1 + PREDICTION_TOLERANCE) + 1e-9)["flagged"]
+
+
+def test_bad_counts_are_refused():
+    with pytest.raises(ValueError, match="warmup_steps"):
+        Counts(steps=2, warmup_steps=3)
+
+
+def test_the_naive_step_is_scaled_from_the_timed_step_to_its_own_token_slots():
+    naive, opt = _plans()
+    decisions = tuple(
+        _measured("micro_batch", 4, baseline=1, stage="compute", per="step", baseline_s=2.0,
+                  chosen_s=1.0, source="accum") if d.setting != "micro_batch" else
+        Decision.from_rows("micro_batch", 4, "accum", [{"tokens_per_step": 50}], source="accum",
+                           baseline=1, stage="compute", per="step", baseline_s=2.0,
+                           chosen_s=1.0)
+        for d in opt.decisions if d.setting in ("micro_batch",))
+    opt = dataclasses.replace(opt, decisions=decisions)
+    # timed at 50 slots per step; the naive plan carries 1000 / 10 = 100: its step is 2x
+    row = predict(naive, opt, COUNTS).set_index(["setting", "stage"]).loc[("micro_batch",
+                                                                         "train")]
+    assert row["per_step_s"] == pytest.approx(4.0 - 2.0)

@@ -1,0 +1,138 @@
+"""The QLoRA job's model as each plan loads it: an nf4 Linear4bit base with LoRA on all seven
+projections, checkpointing really on or off; and its MFU check (formula vs FlopCounterMode)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+import torch
+
+from diag.config import QLoraConfig
+from diag.decision import MFU_DISAGREEMENT
+from diag.qlora.plans import Plan
+
+SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _load(checkpointing: bool):
+    from diag.embedded import ensure_assets
+    from diag.qlora.job import load_model
+
+    plan = dataclasses.replace(Plan.naive(), gradient_checkpointing=checkpointing)
+    model = load_model(QLoraConfig.quick(), plan, ensure_assets().model_dir, torch.device("cpu"))
+    model.train()
+    return model
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {on: _load(on) for on in (True, False)}
+
+
+def test_the_base_is_nf4_linear4bit_with_lora_on_all_seven_projections(models):
+    import bitsandbytes as bnb
+    from peft.tuners.lora import LoraLayer
+
+    model = models[False]
+    layers = model.base_model.model.model.layers
+    assert len(layers) >= 1
+    for layer in layers:
+        for name in SEVEN:
+            parent = layer.self_attn if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) \
+                else layer.mlp
+            module = getattr(parent, name)
+            assert isinstance(module, LoraLayer), name
+            base = module.base_layer
+            assert isinstance(base, bnb.nn.Linear4bit), name
+            assert base.weight.quant_type == "nf4" and base.weight.quant_state is not None
+            assert not base.weight.requires_grad
+            assert module.lora_A["default"].weight.requires_grad
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def _layer_forwards(model) -> int:
+    """Calls of the first decoder layer's MLP forward over one forward + backward (inside the
+    checkpointed layer: the recomputation calls it again; module hooks are not re-fired by
+    torch's non-reentrant checkpoint, so the forward itself is wrapped)."""
+    mlp = model.base_model.model.model.layers[0].mlp
+    calls, forward = [], mlp.forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    mlp.forward = counted
+    try:
+        ids = torch.randint(4, model.config.vocab_size, (2, 32),
+                            generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        del mlp.forward  # back to the class's method
+        model.zero_grad(set_to_none=True)
+    return len(calls)
+
+
+def test_checkpointing_is_really_on_or_off(models):
+    # recomputation runs the layer's forward again in the backward pass: twice vs once
+    assert _layer_forwards(models[True]) == 2
+    assert _layer_forwards(models[False]) == 1
+
+
+def test_mfu_formula_has_the_attention_term_and_8n_with_checkpointing(models):
+    from diag.qlora.mfu import qlora_shape
+
+    on, off = qlora_shape(models[True], 96), qlora_shape(models[False], 96)
+    assert on.checkpointing and not off.checkpointing
+    s = off.shape
+    attention = s.layers * s.d_model * s.seq_len
+    assert off.flops_per_token == pytest.approx(6 * s.params + 12 * attention)
+    assert on.flops_per_token == pytest.approx(8 * s.params + 16 * attention)
+    # the 4-bit base counted at in x out, not at its packed storage (two weights per byte)
+    config = models[False].config
+    q = config.hidden_size * config.num_attention_heads * (
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    assert off.frozen >= config.num_hidden_layers * q
+    assert off.adapters > 0 and s.params == off.frozen + off.adapters
+    assert off.executed_per_token == pytest.approx(off.flops_per_token - 2 * off.frozen)
+
+
+def test_counter_cross_check_on_one_real_step(models):
+    from diag.qlora.mfu import mfu_of_model
+
+    table = mfu_of_model(models[False], 96, batch_size=2).set_index("method")
+    counted = table.loc[table.index.str.startswith("FlopCounterMode")].iloc[0]
+    executed = table.loc[table.index.str.startswith("executed")].iloc[0]
+    assert counted["flops_per_token"] > 0  # the math SDPA backend forced: attention counted
+    gap = abs(counted["flops_per_token"] / executed["flops_per_token"] - 1)
+    assert bool(counted["flagged"]) is bool(gap > MFU_DISAGREEMENT)
+    if counted["flagged"]:
+        assert "bitsandbytes" in counted["note"]
+
+
+@pytest.mark.parametrize("ratio, flagged", [(1.0, False), (1 + MFU_DISAGREEMENT - 0.01, False),
+                                            (1 + MFU_DISAGREEMENT + 0.01, True),
+                                            (1 - MFU_DISAGREEMENT + 0.01, False),
+                                            (1 - MFU_DISAGREEMENT - 0.01, True)])
+def test_disagreement_flagged_iff_over_the_threshold(ratio, flagged):
+    from diag.accum.mfu import ModelShape
+    from diag.qlora.mfu import QLoraShape, mfu_check
+
+    q = QLoraShape(ModelShape(1000, 2, 64, 32), frozen=900, adapters=100, checkpointing=False)
+    table = mfu_check(q, q.executed_per_token * ratio)
+    assert list(table["flagged"]) == [False, False, flagged]
+
+
+def test_accum_flags_the_counter_gap_and_an_impossible_floor():
+    from diag.accum.mfu import disagreement, floor_impossible
+
+    assert disagreement(100.0, 85.0)[0] and not disagreement(100.0, 95.0)[0]
+    assert "over 10%" in disagreement(100.0, 120.0, "cause")[1]
+    assert disagreement(100.0, math.nan)[0]
+    assert floor_impossible(2.0, 1.0) and not floor_impossible(0.5, 1.0)
+    assert not floor_impossible(math.nan, 1.0)
