@@ -1,0 +1,198 @@
+"""What the browser tests need: Debian's chromium found (or why not), a JupyterLab server started
+on a free loopback port and always stopped, and a Playwright page that reaches nothing but
+loopback and files.
+
+Every wait has a timeout; every failure is one line naming its cause (LabError).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MIN_CHROMIUM = 120  # Playwright 1.65 speaks the DevTools protocol of recent Chromium releases
+CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+ENABLE = ("install it to run them: apt-get install -y chromium (and pip install -c constraints.txt "
+          "-e '.[browser]'; make test does that)")
+
+
+class LabError(RuntimeError):
+    """The lab or the browser could not be used; the message is one line naming the cause."""
+
+
+def chromium() -> tuple[str | None, str]:
+    """(path of a usable chromium, "") or (None, why not: one line)."""
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        return None, f"browser tests skipped: Playwright is not installed; {ENABLE}"
+    path = os.environ.get("DIAG_CHROMIUM") or shutil.which("chromium") or shutil.which(
+        "chromium-browser")
+    if not path:
+        return None, f"browser tests skipped: no chromium on PATH; {ENABLE}"
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return None, f"browser tests skipped: {path} --version failed ({error}); {ENABLE}"
+    found = re.search(r"(\d+)\.\d+\.\d+", out)
+    if not found:
+        return None, f"browser tests skipped: {path} --version printed no version ({out.strip()!r})"
+    if int(found.group(1)) < MIN_CHROMIUM:
+        return None, (f"browser tests skipped: chromium {found.group(0)} is too old (need "
+                      f">= {MIN_CHROMIUM}); {ENABLE}")
+    return path, ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Lab:
+    url: str  # http://127.0.0.1:PORT
+    token: str
+    root: Path  # the server's root_dir
+    proc: subprocess.Popen
+    log: Path
+
+    def page_url(self, notebook: str) -> str:
+        return f"{self.url}/lab/tree/{notebook}?token={self.token}&reset"
+
+
+def _last_line(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "rror" in ln or "already in use" in ln]
+    return (errors or lines or ["(no output)"])[-1][:300]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """The lab and its kernels end: SIGTERM to the process group, SIGKILL if it lingers."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextmanager
+def lab(root: Path, jupyter: str, env: dict[str, str], port: int | None = None,
+        start_timeout_s: float = 90) -> Iterator[Lab]:
+    """`jupyter lab` on 127.0.0.1 (token auth, no browser, no update checks), served from root;
+    stopped on exit, whatever happened. jupyter: the executable of the environment the lab runs
+    from (the kernels it offers are the ones registered there and in env's JUPYTER_PATH)."""
+    port = port or free_port()
+    token = secrets.token_hex(16)
+    state = root.parent / f"jupyter-state-{port}"
+    for sub in ("config", "data", "runtime", "workspaces", "settings"):
+        (state / sub).mkdir(parents=True, exist_ok=True)
+    env = dict(env, JUPYTER_CONFIG_DIR=str(state / "config"), JUPYTER_RUNTIME_DIR=str(state / "runtime"),
+               JUPYTERLAB_WORKSPACES_DIR=str(state / "workspaces"),
+               JUPYTERLAB_SETTINGS_DIR=str(state / "settings"), JUPYTER_PLATFORM_DIRS="1")
+    log = state / "lab.log"
+    cmd = [jupyter, "lab", "--no-browser", "--ServerApp.open_browser=False", "--ip=127.0.0.1",
+           f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+           f"--ServerApp.root_dir={root}", "--LabApp.news_url=", 
+           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+           "--ServerApp.disable_check_xsrf=False"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise LabError(f"jupyter lab exited (code {proc.returncode}) before serving on "
+                               f"port {port}: {_last_line(log)}")
+            try:
+                with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise LabError(f"jupyter lab did not answer on {url} within {start_timeout_s:.0f} s: "
+                               f"{_last_line(log)}")
+            time.sleep(0.5)
+        yield Lab(url=url, token=token, root=root, proc=proc, log=log)
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def browser(executable: str, *, allow: tuple[str, ...] = ()) -> Iterator[Any]:
+    """A Playwright page in headless chromium (a fresh profile). Requests go only to the origins
+    in allow (prefix match), data: and file: URLs; every other one is aborted and recorded in
+    page.blocked, console errors in page.console_errors."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        try:
+            engine = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS,
+                                        timeout=60_000)
+        except Exception as error:  # one line: the cause, not Playwright's call log
+            raise LabError(f"chromium at {executable} did not start: "
+                           f"{str(error).splitlines()[0][:300]}") from None
+        try:
+            context = engine.new_context(viewport={"width": 1280, "height": 1600})
+            page = context.new_page()
+            page.set_default_timeout(60_000)
+            page.blocked, page.console_errors = [], []
+
+            def route(r: Any) -> None:
+                url = r.request.url
+                if url.startswith(("data:", "file:", "blob:", *allow)):
+                    r.continue_()
+                else:
+                    page.blocked.append(url)
+                    r.abort()
+
+            context.route("**/*", route)
+            page.on("console", lambda m: m.type == "error" and page.console_errors.append(m.text))
+            page.on("pageerror", lambda e: page.console_errors.append(str(e)))
+            yield page
+        finally:
+            engine.close()
+
+
+def copy_notebooks(src: Path, dst: Path, names: list[str]) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copy2(src / name, dst / name)
+
+
+def python_env(root: Path) -> dict[str, str]:
+    """The server's environment: this process' (DIAG_QUICK, DIAG_HOME and the fake HF_TOKEN from
+    conftest) with this checkout importable by the kernels."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+    env.pop("JUPYTER_PATH", None)
+    return env
+
+
+def venv_jupyter() -> str:
+    return str(Path(sys.executable).parent / "jupyter")
