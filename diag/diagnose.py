@@ -10,6 +10,7 @@ load costs on its timer.) Writes the run folder.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -146,13 +147,22 @@ def _qlora(cfg: DiagnoseConfig, results: dict[str, Any]) -> None:
 
 
 OnResult = Callable[[str, dict[str, pd.DataFrame]], None]
+OnError = Callable[[str, Exception], None]
 
 
-def run_diagnose(cfg: DiagnoseConfig | None = None, on_result: OnResult | None = None) -> Path:
+class Stopped(BaseException):
+    """The diagnosis was stopped (the panel's Stop); a BaseException so that no step's error
+    handling swallows it. Nothing is written: a run folder appears whole or not at all."""
+
+
+def run_diagnose(cfg: DiagnoseConfig | None = None, on_result: OnResult | None = None,
+                 stop: threading.Event | None = None, on_error: OnError | None = None) -> Path:
     """Run the diagnosis and write the report; returns the run folder.
 
     on_result(step name, frames measured so far) is called after each step, so a panel
     (diag.widgets) can draw each experiment's figure as it arrives; the CLI passes none.
+    stop: checked before each step; once set, raises Stopped. on_error(step name, error): a step
+    that raises is handed to it and the other steps go on (without it the error propagates).
     """
     from diag.device import run_info
 
@@ -178,11 +188,21 @@ def run_diagnose(cfg: DiagnoseConfig | None = None, on_result: OnResult | None =
         steps.append(("grad-accum advice", lambda: _accum_advice(results)))
     with tqdm(steps, desc="diag run", unit="step") as bar:
         for name, work in bar:
+            if stop is not None and stop.is_set():
+                raise Stopped(f"stopped before {name}")
             bar.set_postfix_str(name)
-            work()
+            try:
+                work()
+            except Exception as error:
+                if on_error is None:
+                    raise
+                on_error(name, error)
+                continue
             if on_result is not None:
-                on_result(name, dict(results["frames"], info=results["info"]))
+                # (device facts' info is absent only when that step failed under on_error)
+                on_result(name, dict(results["frames"], **(
+                    {"info": results["info"]} if "info" in results else {})))
     advice = [a for a in results["advice"] if not a.empty]
     return report.write(results["frames"], cfg.out or None, config=cfg.to_dict(),
-                        info=results["info"],
+                        info=results.get("info"),
                         advice=pd.concat(advice, ignore_index=True) if advice else None)
