@@ -106,18 +106,24 @@ def lab(root: Path, jupyter: str, env: dict[str, str], port: int | None = None,
     from (the kernels it offers are the ones registered there and in env's JUPYTER_PATH)."""
     port = port or free_port()
     token = secrets.token_hex(16)
+    root.mkdir(parents=True, exist_ok=True)
     state = root.parent / f"jupyter-state-{port}"
     for sub in ("config", "data", "runtime", "workspaces", "settings"):
         (state / sub).mkdir(parents=True, exist_ok=True)
-    env = dict(env, JUPYTER_CONFIG_DIR=str(state / "config"), JUPYTER_RUNTIME_DIR=str(state / "runtime"),
+    # no "get notified about Jupyter news?" toast over the page (and no fetch for it)
+    news = state / "settings" / "@jupyterlab" / "apputils-extension"
+    news.mkdir(parents=True, exist_ok=True)
+    (news / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+    env = dict(env, JUPYTER_CONFIG_DIR=str(state / "config"), JUPYTER_DATA_DIR=str(state / "data"),
+               JUPYTER_RUNTIME_DIR=str(state / "runtime"),
                JUPYTERLAB_WORKSPACES_DIR=str(state / "workspaces"),
                JUPYTERLAB_SETTINGS_DIR=str(state / "settings"), JUPYTER_PLATFORM_DIRS="1")
     log = state / "lab.log"
     cmd = [jupyter, "lab", "--no-browser", "--ServerApp.open_browser=False", "--ip=127.0.0.1",
            f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={root}", "--LabApp.news_url=", 
+           f"--ServerApp.root_dir={root}", "--LabApp.news_url=",
            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-           "--ServerApp.disable_check_xsrf=False"]
+           *(["--allow-root"] if os.geteuid() == 0 else [])]  # CI containers run as root
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -196,3 +202,69 @@ def python_env(root: Path) -> dict[str, str]:
 
 def venv_jupyter() -> str:
     return str(Path(sys.executable).parent / "jupyter")
+
+
+# -- driving a notebook in JupyterLab ------------------------------------------------------------
+PROMPTS = "() => Array.from(document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt'))" \
+          ".map(e => e.textContent.trim())"
+
+
+def open_notebook(page: Any, lab: Lab, name: str, kernel: str, timeout_s: float = 120) -> None:
+    """Open name and wait until its kernel (display name starting with kernel) is idle."""
+    page.goto(lab.page_url(name))
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=timeout_s * 1000)
+    try:
+        page.wait_for_function(
+            "(k) => { const n = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) "
+            ".jp-KernelName, .jp-NotebookPanel .jp-Toolbar-kernelName');"
+            " const i = document.querySelector('.jp-Notebook-ExecutionIndicator');"
+            " return n && n.textContent.trim().startsWith(k) && i && i.dataset.status === 'idle'; }",
+            arg=kernel, timeout=timeout_s * 1000)
+    except Exception:
+        raise LabError(f"{name}: kernel {kernel!r} did not start within {timeout_s:.0f} s "
+                       f"(the page shows kernel {_kernel_name(page)!r}); lab log: "
+                       f"{_last_line(lab.log)}") from None
+
+
+def _kernel_name(page: Any) -> str:
+    return page.evaluate("() => (document.querySelector('.jp-KernelName, .jp-Toolbar-kernelName')"
+                         " || {textContent: ''}).textContent.trim()")
+
+
+def run_cells(page: Any, count: int) -> None:
+    """Shift+Enter on `count` cells from the selected one (the first, after open_notebook)."""
+    page.locator(".jp-Notebook").first.focus()
+    page.keyboard.press("Escape")  # command mode
+    for _ in range(count):
+        page.keyboard.press("Shift+Enter")
+
+
+def run_menu(page: Any, item: str) -> None:
+    """An item of the Run menu, e.g. 'Run All Cells', 'Run Selected Cell and All Below'."""
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text=item).first.click()
+
+
+def wait_executed(page: Any, name: str, timeout_s: float) -> None:
+    """Every code cell shows an execution count ([n]); a cell still running shows [*]."""
+    try:
+        page.wait_for_function(f"() => {{ const p = ({PROMPTS})(); return p.length > 0 && "
+                               "p.every(t => /\\[\\d+\\]/.test(t)); }",
+                               timeout=timeout_s * 1000, polling=500)
+    except Exception:
+        prompts = page.evaluate(PROMPTS)
+        stuck = [i for i, t in enumerate(prompts) if not re.search(r"\[\d+\]", t)]
+        raise LabError(f"{name}: code cells {stuck} not executed within {timeout_s:.0f} s "
+                       f"(prompts {[prompts[i] for i in stuck][:5]})") from None
+
+
+def images(page: Any, within: str = "body") -> list[dict[str, Any]]:
+    """Every <img> under the selector: its alt, whether it loaded, its natural size."""
+    return page.evaluate(
+        "(sel) => Array.from(document.querySelectorAll(sel + ' img')).map(i => ({alt: i.alt,"
+        " complete: i.complete, width: i.naturalWidth, height: i.naturalHeight}))", within)
+
+
+def save(page: Any) -> None:
+    page.keyboard.press("Control+s")
+    page.wait_for_function("() => !document.querySelector('.jp-mod-dirty')", timeout=30_000)
