@@ -99,11 +99,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def lab(root: Path, jupyter: str, env: dict[str, str], port: int | None = None,
+def lab(root: Path, launch: list[str], env: dict[str, str], port: int | None = None,
         start_timeout_s: float = 90) -> Iterator[Lab]:
-    """`jupyter lab` on 127.0.0.1 (token auth, no browser, no update checks), served from root;
-    stopped on exit, whatever happened. jupyter: the executable of the environment the lab runs
-    from (the kernels it offers are the ones registered there and in env's JUPYTER_PATH)."""
+    """JupyterLab on 127.0.0.1 (token auth, no browser, no update checks), served from root;
+    stopped on exit, whatever happened. launch: the command that starts it in the environment
+    the lab runs from (venv_lab() or second_env()); it offers the kernels registered there."""
     port = port or free_port()
     token = secrets.token_hex(16)
     root.mkdir(parents=True, exist_ok=True)
@@ -119,7 +119,7 @@ def lab(root: Path, jupyter: str, env: dict[str, str], port: int | None = None,
                JUPYTERLAB_WORKSPACES_DIR=str(state / "workspaces"),
                JUPYTERLAB_SETTINGS_DIR=str(state / "settings"), JUPYTER_PLATFORM_DIRS="1")
     log = state / "lab.log"
-    cmd = [jupyter, "lab", "--no-browser", "--ServerApp.open_browser=False", "--ip=127.0.0.1",
+    cmd = [*launch, "--no-browser", "--ServerApp.open_browser=False", "--ip=127.0.0.1",
            f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
            f"--ServerApp.root_dir={root}", "--LabApp.news_url=",
            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
@@ -200,8 +200,45 @@ def python_env(root: Path) -> dict[str, str]:
     return env
 
 
-def venv_jupyter() -> str:
-    return str(Path(sys.executable).parent / "jupyter")
+def venv_lab() -> list[str]:
+    """JupyterLab from the project's environment (what `make lab` runs)."""
+    return [str(Path(sys.executable).parent / "jupyter"), "lab"]
+
+
+def second_env(folder: Path, *, widgets: bool) -> list[str]:
+    """A lab the user already runs, in an environment of its own: only the `diag` kernel is
+    registered there (`python -m ipykernel install --prefix ... --name diag`, run by the project's
+    python as the README says). The environment is a venv whose JupyterLab comes from the
+    project's site-packages through a .pth (a pip install of jupyterlab takes minutes here); what
+    decides what the lab's front end can draw is its own share/jupyter, which holds the lab's
+    assets and, only when widgets=True, the widgets extension (what `pip install
+    jupyterlab_widgets` puts there). Returns the command that starts that lab."""
+    import sysconfig
+
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(folder)], check=True, timeout=120)
+    site = next(folder.glob("lib/python*/site-packages"))
+    (site / "project-site.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    share, ours = folder / "share" / "jupyter", Path(sys.prefix) / "share" / "jupyter"
+    share.mkdir(parents=True, exist_ok=True)
+    (share / "lab").symlink_to(ours / "lab")  # JupyterLab's built app and themes
+    if widgets:
+        (share / "labextensions").mkdir()
+        (share / "labextensions" / "@jupyter-widgets").symlink_to(
+            ours / "labextensions" / "@jupyter-widgets")
+    subprocess.run([sys.executable, "-m", "ipykernel", "install", "--prefix", str(folder),
+                    "--name", "diag", "--display-name", "diag"], check=True, timeout=120,
+                   capture_output=True)
+    return [str(folder / "bin" / "python"), "-m", "jupyterlab"]
+
+
+def set_kernel(path: Path, name: str, display: str) -> None:
+    """The notebook asks for kernel `name` (as one saved after picking that kernel would)."""
+    import json
+
+    nb = json.loads(path.read_text())
+    nb["metadata"]["kernelspec"] = {"name": name, "display_name": display, "language": "python"}
+    path.write_text(json.dumps(nb, indent=1))
 
 
 # -- driving a notebook in JupyterLab ------------------------------------------------------------
@@ -268,3 +305,14 @@ def images(page: Any, within: str = "body") -> list[dict[str, Any]]:
 def save(page: Any) -> None:
     page.keyboard.press("Control+s")
     page.wait_for_function("() => !document.querySelector('.jp-mod-dirty')", timeout=30_000)
+
+
+def wait_executed_first(page: Any, count: int, timeout_s: float) -> None:
+    """The first `count` code cells show an execution count."""
+    try:
+        page.wait_for_function(f"() => {{ const p = ({PROMPTS})().slice(0, {count}); return "
+                               f"p.length === {count} && p.every(t => /\\[\\d+\\]/.test(t)); }}",
+                               timeout=timeout_s * 1000, polling=500)
+    except Exception:
+        raise LabError(f"the first {count} code cells did not run within {timeout_s:.0f} s "
+                       f"(prompts {page.evaluate(PROMPTS)[:count]})") from None

@@ -59,7 +59,7 @@ def _shot(page, tmp_path: Path, name: str, locator=None) -> Path:
 def lab(tmp_path: Path):
     root = tmp_path / "lab"
     b.copy_notebooks(ROOT / "notebooks", root, ["00_tour.ipynb", "03_num_workers.ipynb"])
-    with b.lab(root, b.venv_jupyter(), b.python_env(ROOT)) as server:
+    with b.lab(root, b.venv_lab(), b.python_env(ROOT)) as server:
         yield server
 
 
@@ -146,7 +146,7 @@ def test_a_taken_port_is_one_line_and_nothing_hangs(tmp_path: Path):
         port = held.getsockname()[1]
         started = time.monotonic()
         with pytest.raises(b.LabError, match=rf"jupyter lab exited .* port {port}: .*") as got:
-            with b.lab(tmp_path / "root", b.venv_jupyter(), b.python_env(ROOT), port=port):
+            with b.lab(tmp_path / "root", b.venv_lab(), b.python_env(ROOT), port=port):
                 pass
     assert "\n" not in str(got.value) and time.monotonic() - started < 90
     assert "already in use" in str(got.value) or "Address" in str(got.value), str(got.value)
@@ -164,3 +164,28 @@ def test_a_missing_or_old_chromium_is_one_line(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     path, why = b.chromium()
     assert path is None and why.startswith("browser tests skipped: no chromium on PATH")
+
+
+@pytest.mark.parametrize("widgets", [False, True], ids=["lab-without-widgets", "lab-with-widgets"])
+def test_a_lab_from_another_environment_with_the_diag_kernel(tmp_path: Path, widgets: bool):
+    root = tmp_path / "lab"
+    b.copy_notebooks(ROOT / "notebooks", root, ["00_tour.ipynb"])
+    b.set_kernel(root / "00_tour.ipynb", "diag", "diag")
+    started = time.monotonic()
+    launch = b.second_env(tmp_path / "labenv", widgets=widgets)
+    print(f"second environment made in {time.monotonic() - started:.1f} s")
+    with b.lab(root, launch, b.python_env(ROOT)) as server:
+        with b.browser(CHROMIUM, allow=(server.url,)) as page:
+            b.open_notebook(page, server, "00_tour.ipynb", kernel="diag")
+            b.run_cells(page, 4)  # up to the panel
+            b.wait_executed_first(page, 2, timeout_s=90)
+            body = page.inner_text("body")
+            assert "VBox(children" not in body  # never the text repr
+            if widgets:
+                page.locator(".widget-button", has_text="Run").first.wait_for(timeout=60_000)
+                assert "needs the Jupyter widgets front end" not in body
+            else:  # the notice names what the lab's environment lacks
+                assert "needs the Jupyter widgets front end" in body, body[-2000:]
+                assert "pip install jupyterlab_widgets" in body
+                assert page.locator(".widget-button").count() == 0
+            _shot(page, tmp_path, f"second_env_{'with' if widgets else 'without'}_widgets")
