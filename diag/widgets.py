@@ -11,10 +11,12 @@ and the other steps go on. Every table and text shown is redacted (diag.secrets)
 from __future__ import annotations
 
 import base64
+import contextlib
+import contextvars
 import ctypes
 import io
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,7 +192,7 @@ def run_panel(p: Panel) -> None:
     try:
         cfg = config_from(p)
         p.clear(cfg)
-        with p.log:  # in a kernel, tqdm.auto's bars land in the log widget
+        with _bars_into(p.log):  # in a kernel, tqdm.auto's bars land in the log widget
             with p.lock:
                 p.interruptible = True
             try:
@@ -211,12 +213,35 @@ def run_panel(p: Panel) -> None:
         p.stop_event.clear()
 
 
+@contextlib.contextmanager
+def _bars_into(log: Any) -> Iterator[None]:
+    """tqdm.notebook's bars shown in the log widget. They cannot be captured by `with log:` from
+    the run's thread: the front end keeps a capture hook only until the click's message is done,
+    so output that arrives later is dropped. Appending them to the widget's outputs works from
+    any thread (while it runs, a bar started elsewhere in this kernel lands there too)."""
+    try:
+        import tqdm.notebook as notebook
+    except ImportError:  # no IPython: plain tqdm on stderr
+        yield
+        return
+    shown = notebook.display
+    notebook.display = lambda obj, *args, **kwargs: log.append_display_data(obj)
+    try:
+        yield
+    finally:
+        notebook.display = shown
+
+
 def start(p: Panel) -> None:
     """The Run button: run_panel in a thread, so the kernel still handles Stop meanwhile."""
     if p.thread is not None and p.thread.is_alive():
         return
     p.stop_event.clear()
-    p.thread = threading.Thread(target=run_panel, args=(p,), name="diag-panel", daemon=True)
+    # in the click's context: the kernel routes the thread's output (tqdm's bars into the log
+    # widget) by the parent message kept in context variables; a bare thread's would be dropped
+    context = contextvars.copy_context()
+    p.thread = threading.Thread(target=context.run, args=(run_panel, p), name="diag-panel",
+                                daemon=True)
     p.thread.start()
 
 

@@ -94,6 +94,7 @@ def test_tour_panel_run_in_jupyterlab_and_its_report(lab, tmp_path: Path):
         assert len(panel_images) >= 6, panel_images  # storage, load, loader, accum, shares, amdahl
         assert all(i["width"] > 0 and i["height"] > 0 for i in panel_images), panel_images
         assert "failed" not in status.first.inner_text()
+        assert "diag run: 100%" in panel.inner_text()  # tqdm's bar reached the panel's log
         _shot(page, tmp_path, "tour_panel_after_run", panel)
 
         # clicking Run selected the panel's cell: select the one after it, run it and the rest
