@@ -224,12 +224,23 @@ def _bars_into(log: Any) -> Iterator[None]:
     except ImportError:  # no IPython: plain tqdm on stderr
         yield
         return
-    shown = notebook.display
-    notebook.display = lambda obj, *args, **kwargs: log.append_display_data(obj)
+    from ipywidgets.widgets.widget import _instances as alive  # model_id -> open widget
+
+    def live() -> tuple[dict[str, Any], ...]:
+        # a bar with leave=False closes its widget; its entry would read "model not found"
+        return tuple(o for o in log.outputs if o.get("data", {}).get(
+            "application/vnd.jupyter.widget-view+json", {}).get("model_id", "") in alive)
+
+    def append(obj: Any, *args: Any, **kwargs: Any) -> None:
+        log.outputs = live()
+        log.append_display_data(obj)
+
+    shown, notebook.display = notebook.display, append
     try:
         yield
     finally:
         notebook.display = shown
+        log.outputs = live()
 
 
 def start(p: Panel) -> None:
