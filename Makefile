@@ -1,6 +1,7 @@
 # Two commands on a fresh machine, each doing its own set-up:
 #   make demo   the whole diagnosis on the embedded defaults; writes a report under runs/
-#   make test   every test, notebooks included (what .ci/run calls)
+#   make test   every test, notebooks included, and the browser tests of the lab and the report
+#               when chromium is installed (what .ci/run calls; it installs chromium first)
 #   make lab    JupyterLab (the lab extra, installed on first use) on the notebooks, same environment
 # The virtual environment is made once; installs re-run only when pyproject.toml or
 # constraints.txt change (the stamp file below).
@@ -9,6 +10,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.diag-installed
+BROWSER_STAMP := $(VENV)/.diag-browser-installed
 ARGS   ?=
 
 .PHONY: demo test lab bench mutate clean-venv
@@ -18,14 +20,21 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[all]'
 	@touch $@
 
+# The browser tests' Python side (Playwright, JupyterLab): the `browser` extra, for make test.
+$(BROWSER_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[browser]'
+	@touch $@
+
 demo: $(STAMP)
 	$(PY) -m diag run $(ARGS)
 
 # Tests run in as many workers as cores (pytest-xdist); TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= auto
-test: $(STAMP)
+test: $(BROWSER_STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) $(ARGS)
 
+# The lab and its kernel run from this venv (jupyter_client starts the `python3` kernel with
+# the lab's own interpreter), so the notebooks' kernel imports diag.
 lab: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[lab]'
 	$(VENV)/bin/jupyter lab notebooks/

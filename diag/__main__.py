@@ -310,9 +310,9 @@ def _show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.N
         summary = report.load_summary(result)
         top = summary.get("top_finding") or "nothing measured stands out"
         print(redact(f"wrote {result / 'report.html'}\ntop finding: {top}"))
-        line = naive_vs_optimized(summary.get("stages") or [])
-        if line:
-            print(line)
+        head = summary.get("headline") or report.headline(summary.get("stages") or [])
+        if head:
+            print(head["text"])
         return
     frames = frames_of(name, result)
     if getattr(args, "csv", None):
@@ -338,19 +338,6 @@ def _show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.N
         advice = frames.pop("advice", None)
         folder = report.write(frames, config=cfg.to_dict(), advice=advice)
         print(redact(f"wrote {folder / 'report.html'}"), file=sys.stderr if args.json else sys.stdout)
-
-
-def naive_vs_optimized(stages: list[dict[str, Any]]) -> str | None:
-    """'naive X s -> optimized Y s (Z x); the largest stage was ...' from a summary's stages."""
-    totals: dict[str, float] = {}
-    for row in stages:
-        totals[row["run"]] = totals.get(row["run"], 0.0) + float(row["seconds"])
-    if not {"naive", "optimized"} <= set(totals) or not totals["optimized"] > 0:
-        return None
-    big = max((r for r in stages if r["run"] == "naive"), key=lambda r: float(r["seconds"]))
-    return (f"naive {totals['naive']:.3g} s -> optimized {totals['optimized']:.3g} s "
-            f"({totals['naive'] / totals['optimized']:.3g}x); the largest stage was "
-            f"{big['stage']} ({float(big['share']):.0%} of the naive run)")
 
 
 if __name__ == "__main__":

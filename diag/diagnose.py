@@ -15,6 +15,7 @@ product (an experiment's result), and the widget panel (diag.widgets) reads the 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,21 +273,40 @@ def advice(got: Products) -> pd.DataFrame | None:
 
 
 OnResult = Callable[[Step, dict[str, pd.DataFrame]], None]
+OnError = Callable[[Step, Exception], None]
 
 
-def run_diagnose(cfg: DiagnoseConfig | None = None, on_result: OnResult | None = None) -> Path:
+class Stopped(BaseException):
+    """The diagnosis was stopped (the panel's Stop); a BaseException so that no step's error
+    handling swallows it. Nothing is written: a run folder appears whole or not at all."""
+
+
+def run_diagnose(cfg: DiagnoseConfig | None = None, on_result: OnResult | None = None,
+                 stop: threading.Event | None = None, on_error: OnError | None = None) -> Path:
     """Run the diagnosis and write the report; returns the run folder.
 
     on_result(step, frames measured so far) is called after each step, so a panel
     (diag.widgets) can draw each experiment's figure as it arrives; the CLI passes none.
+    stop: checked before each step; once set, raises Stopped. on_error(step name, error): a step
+    that raises is handed to it and the other steps go on (without it the error propagates).
     """
     cfg = cfg or DiagnoseConfig.default()
     got: Products = {}
     with tqdm(steps(cfg), desc="diag run", unit="step") as bar:
         for step in bar:
+            if stop is not None and stop.is_set():
+                raise Stopped(f"stopped before {step.name}")
             bar.set_postfix_str(step.name)
-            got[step.key] = step.run(cfg, got)
+            try:
+                got[step.key] = step.run(cfg, got)
+            except Exception as error:
+                if on_error is None:
+                    raise
+                on_error(step, error)
+                continue
             if on_result is not None:
-                on_result(step, dict(frames(got), info=got["info"]))
-    return report.write(frames(got), cfg.out or None, config=cfg.to_dict(), info=got["info"],
+                # (info is absent only when the device-facts step failed under on_error)
+                on_result(step, dict(frames(got), **({"info": got["info"]} if "info" in got
+                                                      else {})))
+    return report.write(frames(got), cfg.out or None, config=cfg.to_dict(), info=got.get("info"),
                         advice=advice(got))

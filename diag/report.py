@@ -110,6 +110,7 @@ def _summary(frames: dict[str, pd.DataFrame], config: dict[str, Any]) -> dict[st
         summary["stages"] = stages.to_dict(orient="records")
         summary["findings"] = found.to_dict(orient="records")
         summary["top_finding"] = _top(found)
+        summary["headline"] = headline(summary["stages"], summary["findings"])
     ranked = _ranked(frames)
     if ranked is not None:  # a DDP run: each rank, and the one the others waited for
         summary["ranks"] = stragglers.per_rank(ranked).to_dict(orient="records")
@@ -126,6 +127,29 @@ def _ranked(frames: dict[str, pd.DataFrame]) -> pd.DataFrame | None:
                 and frame["rank"].nunique() > 1:
             return frame
     return None
+
+
+def headline(stages: list[dict[str, Any]], findings: list[dict[str, Any]] | None = None
+             ) -> dict[str, Any] | None:
+    """What a reader wants first: naive -> optimized seconds and their ratio, the naive run's
+    largest stage, the top fix; None without both runs (a single-run folder has no comparison).
+    `text` is the one line the CLI prints and the report leads with."""
+    totals: dict[str, float] = {}
+    for row in stages:
+        totals[row["run"]] = totals.get(row["run"], 0.0) + float(row["seconds"])
+    if not {"naive", "optimized"} <= set(totals) or not totals["optimized"] > 0:
+        return None
+    big = max((r for r in stages if r["run"] == "naive"), key=lambda r: float(r["seconds"]))
+    top = (findings or [None])[0]
+    out = {"naive_s": totals["naive"], "optimized_s": totals["optimized"],
+           "speedup": totals["naive"] / totals["optimized"], "largest_stage": big["stage"],
+           "largest_stage_share": float(big["share"]),
+           "top_fix": top["finding"] if top else None,
+           "top_fix_saves_s": float(top["seconds_saved"]) if top else None}
+    out["text"] = (f"naive {out['naive_s']:.3g} s -> optimized {out['optimized_s']:.3g} s "
+                   f"({out['speedup']:.3g}x); the largest stage was {big['stage']} "
+                   f"({out['largest_stage_share']:.0%} of the naive run)")
+    return out
 
 
 def _top(found: pd.DataFrame) -> str | None:
@@ -222,14 +246,25 @@ def _table(frame: pd.DataFrame, max_rows: int = 40) -> str:
 
 
 def _html(summary: dict[str, Any], frames: dict[str, pd.DataFrame], images: dict[str, str]) -> str:
-    parts = [f"<h1>diag report</h1><p>created {html.escape(summary['created_utc'])}"]
+    head = summary.get("headline") or headline(summary.get("stages") or [],
+                                               summary.get("findings"))
+    parts = []
+    if head:  # the top of the page: the comparison, the largest stage, the top fix; then details
+        parts.append(f"<h1>naive {head['naive_s']:.3g} s &rarr; optimized "
+                     f"{head['optimized_s']:.3g} s ({head['speedup']:.3g}x faster)</h1>"
+                     f"<p class=head>Largest stage of the naive run: "
+                     f"<b>{html.escape(head['largest_stage'])}</b> "
+                     f"({head['largest_stage_share']:.0%} of it)</p>")
+    if summary.get("top_finding"):
+        label = "Top fix" if head else "Top finding"
+        parts.append(f"<p class=top>{label}: {html.escape(summary['top_finding'])}</p>")
+    parts.append(f"<{'h2' if head else 'h1'}>diag report</{'h2' if head else 'h1'}>"
+                 f"<p>created {html.escape(summary['created_utc'])}")
     device = summary.get("device", {})
     if device:
         parts.append(f" on <b>{html.escape(str(device.get('accelerator', '?')))}</b>, "
                      f"{html.escape(str(device.get('cpu_model', '')))}")
     parts.append("</p>")
-    if summary.get("top_finding"):
-        parts.append(f"<p class=top>Top finding: {html.escape(summary['top_finding'])}</p>")
     if summary.get("stages"):
         parts.append("<h2>Stage shares</h2>" + _table(pd.DataFrame(summary["stages"])))
     for name in ("stage_shares", "amdahl", "waterfall"):

@@ -1,17 +1,22 @@
 """The notebook panel: pick the data source, model, sweep ranges and plan, press Run, and watch
 each experiment's table and figure appear as diag.diagnose measures it.
 
-`panel()` returns the widget tree (no browser needed: a test calls `panel().run.click()`); the
-Run button calls diag.diagnose.run_diagnose with an `on_result` hook that draws the step's view
-into its own Output widget. Every table and text shown is redacted (diag.secrets).
+`panel()` returns the widget tree (no browser needed: a test calls `panel().run.click()` then
+`.wait()`); Run starts diag.diagnose.run_diagnose in a thread (so the kernel still hears Stop)
+with an `on_result` hook that draws the step's view into its own Output widget. Stop ends the
+step running now (the finished steps' views stay); a step that fails shows one line in its view
+and the other steps go on. Every table and text shown is redacted (diag.secrets).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import contextvars
+import ctypes
 import io
-import traceback
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +27,12 @@ from diag.config import DiagnoseConfig
 from diag.secrets import redact, redact_frame
 
 PLANS = ("both", "naive", "optimized")
+# What a front end without the widgets extension shows instead of `VBox(children=...)`: the
+# widget view is preferred wherever it can be drawn, so only such a front end picks this.
+NO_WIDGETS = ("The diag panel needs the Jupyter widgets front end in the environment JupyterLab "
+              "runs from (not only in this kernel's): pip install jupyterlab_widgets (or "
+              "ipywidgets) there, restart JupyterLab and reload the page. The cells below run "
+              "without it.")
 View = Callable[[dict[str, pd.DataFrame]], list[Any]]
 
 
@@ -102,17 +113,32 @@ class Panel:
     plan: Any
     quick: Any
     run: Any  # the Run button
+    stop: Any  # the Stop button: ends the step running now
     progress: Any  # IntProgress over the diagnosis' steps
     status: Any  # Label: the step running, then the run folder or the error
-    log: Any  # Output: tqdm's per-experiment bars and any error
+    log: Any  # Output: tqdm's per-experiment bars
     outputs: dict[str, Any] = field(default_factory=dict)  # step name -> its Output widget
     folder: str = ""  # the run folder the last Run wrote
     settings: dict[str, Any] = field(default_factory=dict)  # other DiagnoseConfig fields, as given
+    failed: dict[str, str] = field(default_factory=dict)  # step name -> its one-line error
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    interruptible: bool = False  # a step may be ended now (guarded by lock)
 
-    def _ipython_display_(self) -> None:  # `panel()` as a cell's last line shows the panel
-        from IPython.display import display
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        # `panel()` as a cell's last line: the widget view, and for a front end that cannot
+        # draw widgets a notice saying what its environment lacks (not a text repr)
+        bundle = dict(self.box._repr_mimebundle_(**kwargs) or {})
+        bundle["text/plain"] = NO_WIDGETS
+        bundle["text/html"] = f"<p class=diag-no-widgets><b>diag</b>: {NO_WIDGETS}</p>"
+        return bundle
 
-        display(self.box)
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the Run in progress (if any) ends; the run folder it wrote, or ""."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+        return self.folder
 
     def draw(self, step: Any, frames: dict[str, pd.DataFrame]) -> None:
         """run_diagnose's on_result hook: count the step, draw its view into its Output."""
@@ -122,11 +148,29 @@ class Panel:
         if view is not None and step.name in self.outputs:
             self.outputs[step.name].outputs = tuple(_mime(item) for item in view(frames))
 
+    def fail(self, step: Any, error: Exception) -> None:
+        """run_diagnose's on_error hook: one redacted line in the step's view; the run goes on."""
+        name = getattr(step, "name", step)
+        self.progress.value = min(self.progress.value + 1, self.progress.max)
+        line = redact(f"{name} failed: {type(error).__name__}: {error}".splitlines()[0][:300])
+        self.failed[name] = line
+        if name in self.outputs:
+            self.outputs[name].outputs = (
+                {"output_type": "display_data", "metadata": {},
+                 "data": {"text/plain": line, "text/html": f"<p class=diag-failed>{_esc(line)}</p>"}},)
+
     def clear(self, cfg: DiagnoseConfig) -> None:
         """Empty every output and size the progress bar for cfg's steps."""
         for widget in [self.log, *self.outputs.values()]:
             widget.outputs = ()
         self.progress.value, self.progress.max = 0, _step_count(cfg)
+        self.failed, self.folder = {}, ""
+
+
+def _esc(text: str) -> str:
+    import html
+
+    return html.escape(text)
 
 
 def config_from(p: Panel) -> DiagnoseConfig:
@@ -145,22 +189,88 @@ def _step_count(cfg: DiagnoseConfig) -> int:
 
 
 def run_panel(p: Panel) -> None:
-    """What Run does: the diagnosis, each step's view drawn into its Output as it arrives."""
-    from diag.diagnose import run_diagnose
+    """What Run does (in the calling thread): the diagnosis, each step's view drawn into its
+    Output as it arrives; a failed step gets one line and the others go on; Stop ends it."""
+    from diag.diagnose import Stopped, run_diagnose
 
-    p.run.disabled = True
+    p.run.disabled, p.stop.disabled = True, False
     try:
         cfg = config_from(p)
         p.clear(cfg)
-        with p.log:  # in a kernel, tqdm.auto's bars land in the log widget
-            p.folder = str(run_diagnose(cfg, on_result=p.draw))
-        p.status.value = f"wrote {p.folder}"
-    except Exception as error:  # shown in the panel, not raised into a button callback
-        p.status.value = redact(f"failed: {type(error).__name__}: {error}")
-        p.log.outputs = (*p.log.outputs, {"output_type": "stream", "name": "stderr",
-                                          "text": redact(traceback.format_exc())})
+        with _bars_into(p.log):  # in a kernel, tqdm.auto's bars land in the log widget
+            with p.lock:
+                p.interruptible = True
+            try:
+                p.folder = str(run_diagnose(cfg, on_result=p.draw, stop=p.stop_event,
+                                            on_error=p.fail))
+            finally:
+                with p.lock:
+                    p.interruptible = False
+        failed = f"; {len(p.failed)} step(s) failed: {', '.join(p.failed)}" if p.failed else ""
+        p.status.value = redact(f"wrote {p.folder}{failed}")
+    except Stopped:  # raised before a step, or into the step that was running
+        p.status.value = (f"stopped after {p.progress.value} of {p.progress.max} steps; "
+                          "the finished steps' views are kept, no run folder written")
+    except Exception as error:  # one line in the panel, not raised into a button callback
+        p.status.value = redact(f"failed: {type(error).__name__}: {error}".splitlines()[0][:300])
     finally:
-        p.run.disabled = False
+        p.run.disabled, p.stop.disabled = False, True
+        p.stop_event.clear()
+
+
+@contextlib.contextmanager
+def _bars_into(log: Any) -> Iterator[None]:
+    """tqdm.notebook's bars shown in the log widget. They cannot be captured by `with log:` from
+    the run's thread: the front end keeps a capture hook only until the click's message is done,
+    so output that arrives later is dropped. Appending them to the widget's outputs works from
+    any thread (while it runs, a bar started elsewhere in this kernel lands there too)."""
+    try:
+        import tqdm.notebook as notebook
+    except ImportError:  # no IPython: plain tqdm on stderr
+        yield
+        return
+    from ipywidgets.widgets.widget import _instances as alive  # model_id -> open widget
+
+    def live() -> tuple[dict[str, Any], ...]:
+        # a bar with leave=False closes its widget; its entry would read "model not found"
+        return tuple(o for o in log.outputs if o.get("data", {}).get(
+            "application/vnd.jupyter.widget-view+json", {}).get("model_id", "") in alive)
+
+    def append(obj: Any, *args: Any, **kwargs: Any) -> None:
+        log.outputs = live()
+        log.append_display_data(obj)
+
+    shown, notebook.display = notebook.display, append
+    try:
+        yield
+    finally:
+        notebook.display = shown
+        log.outputs = live()
+
+
+def start(p: Panel) -> None:
+    """The Run button: run_panel in a thread, so the kernel still handles Stop meanwhile."""
+    if p.thread is not None and p.thread.is_alive():
+        return
+    p.stop_event.clear()
+    # in the click's context: the kernel routes the thread's output (tqdm's bars into the log
+    # widget) by the parent message kept in context variables; a bare thread's would be dropped
+    context = contextvars.copy_context()
+    p.thread = threading.Thread(target=context.run, args=(run_panel, p), name="diag-panel",
+                                daemon=True)
+    p.thread.start()
+
+
+def request_stop(p: Panel) -> None:
+    """The Stop button: no further step starts, and the running one ends at its next Python
+    line (an asynchronous Stopped in the run's thread; its `finally` blocks clean up)."""
+    from diag.diagnose import Stopped
+
+    p.stop_event.set()
+    with p.lock:
+        if p.interruptible and p.thread is not None and p.thread.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(p.thread.ident),
+                                                       ctypes.py_object(Stopped))
 
 
 def panel(source: str = "", model: str = "", workers: str = "", micro_batches: str = "",
@@ -185,14 +295,16 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
         plan=w.ToggleButtons(options=PLANS, value=plan, description="plan"),
         quick=w.Checkbox(quick, description="quick (test-sized)"),
         run=w.Button(description="Run", button_style="primary", icon="play"),
+        stop=w.Button(description="Stop", button_style="warning", icon="stop", disabled=True),
         progress=w.IntProgress(value=0, min=0, max=1, description="steps"),
         status=w.Label(""), log=w.Output(), settings=settings)
     p.progress.max = _step_count(config_from(p))  # a bad setting fails here, not on a click
     from diag.diagnose import STEPS
 
     p.outputs = {s.name: w.Output() for s in STEPS}  # one section per step diag.diagnose runs
-    p.run.on_click(lambda _button: run_panel(p))
+    p.run.on_click(lambda _button: start(p))
+    p.stop.on_click(lambda _button: request_stop(p))
     sections = [w.VBox([w.HTML(f"<b>{name}</b>"), output]) for name, output in p.outputs.items()]
     p.box = w.VBox([p.source, p.model, w.HBox([p.workers, p.micro_batches]), p.plan, p.quick,
-                    w.HBox([p.run, p.progress, p.status]), p.log, *sections])
+                    w.HBox([p.run, p.stop, p.progress, p.status]), p.log, *sections])
     return p

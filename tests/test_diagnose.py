@@ -25,6 +25,8 @@ def test_demo_writes_every_experiment_and_prints_path_and_top_finding(demo):
     lines = done.stdout.strip().splitlines()
     assert lines[0] == f"wrote {out / 'report.html'}"
     assert lines[1].startswith("top finding: ")
+    head = report.load_summary(out)["headline"]  # the line the report's page leads with
+    assert lines[2] == head["text"] and head["text"].startswith("naive ")
     names = {p.name for p in out.iterdir()}
     assert {"run.csv", "info.csv", "storage.csv", "storage_tax.csv", "model_load.csv",
             "qlora.csv", "qlora_losses.csv", "qlora_plans.csv", "qlora_savings.csv",

@@ -50,7 +50,8 @@ def test_every_direct_dependency_is_pinned_in_both():
     names, env, pins = _direct(), _environment_pins(), _constraints()
     assert names - set(pins) == set(), f"not pinned in constraints.txt: {names - set(pins)}"
     # the conda route registers a kernel with the user's own JupyterLab: no `lab` extra there
-    missing = _direct("lab") - set(env)
+    # (nor the browser tests: they are for make test and CI)
+    missing = _direct("lab", "browser") - set(env)
     assert missing == set(), f"not in environment.yml: {missing}"
 
 

@@ -43,6 +43,37 @@ def test_html_is_self_contained_with_every_figure_and_the_stage_table(tmp_path):
     assert "src=\"http" not in page and "href=" not in page  # opens from disk, nothing fetched
 
 
+def test_the_page_leads_with_the_headline_and_summary_json_carries_it(tmp_path):
+    folder = report.write(frames(), tmp_path / "rh")
+    summary = report.load_summary(folder)
+    head = summary["headline"]
+    stages = pd.DataFrame(summary["stages"])
+    totals = stages.groupby("run")["seconds"].sum()
+    assert head["naive_s"] == pytest.approx(totals["naive"])
+    assert head["optimized_s"] == pytest.approx(totals["optimized"])
+    assert head["speedup"] == pytest.approx(totals["naive"] / totals["optimized"])
+    naive = stages[stages["run"] == "naive"]
+    assert head["largest_stage"] == naive.loc[naive["seconds"].idxmax(), "stage"]
+    assert head["top_fix"] == summary["findings"][0]["finding"]
+    page = (folder / "report.html").read_text()
+    body = page[page.index("<body>"):]
+    # the headline first (comparison, largest stage, top fix), then the details
+    order = [body.index(f"optimized {head['optimized_s']:.3g} s"),
+             body.index(f"<b>{head['largest_stage']}</b>"),
+             body.index("Top fix: " + summary["top_finding"].split(":")[0]),
+             body.index("<h2>Stage shares</h2>")]
+    assert order == sorted(order) and body.startswith("<body><h1>naive ")
+
+
+def test_a_single_run_has_no_headline_and_keeps_its_top_finding(tmp_path):
+    one = frames()
+    one["run"] = one["run"][one["run"]["run"] == "naive"]
+    folder = report.write(one, tmp_path / "r1run")
+    assert report.load_summary(folder).get("headline") is None
+    page = (folder / "report.html").read_text()
+    assert "<h1>diag report</h1>" in page and "Top finding: " in page and "&rarr;" not in page
+
+
 def test_a_run_is_never_overwritten(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     first = report.write(frames())

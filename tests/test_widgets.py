@@ -49,7 +49,8 @@ def test_click_run_draws_each_step_as_it_arrives(tmp_path):
     p = widgets.panel(quick=True, micro_batches="2,16", out=str(tmp_path / "run"), **FAST)
     seen = []
     p.progress.observe(lambda change: seen.append(change["new"]), names="value")
-    p.run.click()
+    p.run.click()  # the run goes on in a thread: the kernel still hears Stop meanwhile
+    assert p.wait(timeout=120) == str(tmp_path / "run")
     assert p.status.value == f"wrote {tmp_path / 'run'}", _texts(p)
     assert (tmp_path / "run" / "report.html").exists()
     assert p.progress.max == 2 and seen[-2:] == [1, 2]  # one tick per step, as each arrives
@@ -61,15 +62,87 @@ def test_click_run_draws_each_step_as_it_arrives(tmp_path):
     assert FAKE_HF_TOKEN not in _texts(p)
 
 
-def test_a_failing_run_is_shown_redacted_and_the_button_comes_back(tmp_path):
+def test_a_failing_step_is_one_redacted_line_and_the_other_steps_go_on(tmp_path):
     # a source that names the secret: the error message would carry it
     p = widgets.panel(source=f"s3://no-such-bucket/{FAKE_HF_TOKEN}.jsonl", quick=True,
                       out=str(tmp_path / "run"), **(FAST | {"storage": True}))
     p.run.click()
-    assert p.status.value.startswith("failed: ") and "***" in p.status.value, p.status.value
-    assert p.log.outputs and "Traceback" in p.log.outputs[0]["text"]
+    p.wait(timeout=120)
+    (line,) = p.outputs["storage"].outputs
+    text = line["data"]["text/plain"]
+    assert text.startswith("storage failed: ") and "***" in text and "\n" not in text, text
+    assert list(p.failed) == ["storage"]
+    # the steps after it ran and drew their views; the run folder was written
+    assert "image/png" in p.outputs["naive vs optimized run"].outputs[1]["data"]
+    assert p.status.value == f"wrote {tmp_path / 'run'}; 1 step(s) failed: storage"
+    assert (tmp_path / "run" / "report.html").exists() and p.progress.value == p.progress.max
+    assert "Traceback" not in _texts(p) and not p.log.outputs
     assert FAKE_HF_TOKEN not in _texts(p)
+    assert not p.run.disabled and p.stop.disabled
+
+
+def test_a_bad_field_at_run_time_is_one_line_and_the_button_comes_back():
+    p = widgets.panel(quick=True, **FAST)
+    p.workers.value = "1,two"
+    p.run.click()
+    p.wait(timeout=60)
+    assert p.status.value == "failed: ValueError: num_workers='1,two': must be whole numbers " \
+                             "separated by commas"
     assert not p.run.disabled
+
+
+def test_stop_ends_the_running_step_and_keeps_the_finished_views(tmp_path, monkeypatch):
+    import threading
+
+    from diag import diagnose
+
+    started, ended = threading.Event(), threading.Event()
+
+    def endless_runs(*args, **kwargs):  # a step that would never end by itself
+        started.set()
+        try:
+            while True:
+                threading.Event().wait(0.01)
+        finally:
+            ended.set()  # the step's own clean-up runs
+
+    monkeypatch.setattr(diagnose, "training_runs", endless_runs)
+    p = widgets.panel(quick=True, out=str(tmp_path / "run"), **FAST)
+    p.run.click()
+    assert started.wait(60) and not p.stop.disabled
+    p.stop.click()
+    p.wait(timeout=30)
+    assert not p.thread.is_alive() and ended.is_set()
+    assert p.status.value.startswith("stopped after 1 of 2 steps"), p.status.value
+    assert p.outputs["device facts"].outputs  # the finished step's view stays
+    assert not p.outputs["naive vs optimized run"].outputs
+    assert not (tmp_path / "run").exists()  # a stopped run leaves no folder that looks complete
+    assert not p.run.disabled and p.stop.disabled
+    # and the panel runs again after a Stop
+    monkeypatch.undo()
+    p.settings["out"] = str(tmp_path / "again")
+    p.run.click()
+    assert p.wait(timeout=120) == str(tmp_path / "again")
+
+
+def test_stop_before_a_step_raises_stopped_and_writes_nothing(tmp_path):
+    import threading
+
+    from diag.diagnose import Stopped, run_diagnose
+
+    stop, seen = threading.Event(), []
+    cfg = DiagnoseConfig.default(quick=True, out=str(tmp_path / "run"), **FAST)
+    with pytest.raises(Stopped):
+        run_diagnose(cfg, on_result=lambda name, frames: (seen.append(name), stop.set()),
+                     stop=stop)
+    assert seen == ["device facts"] and not (tmp_path / "run").exists()
+
+
+def test_the_panel_tells_a_front_end_without_widgets_what_it_lacks():
+    p = widgets.panel(quick=True)
+    bundle = p._repr_mimebundle_()
+    assert bundle["application/vnd.jupyter.widget-view+json"]["model_id"] == p.box.model_id
+    assert "jupyterlab_widgets" in bundle["text/html"] and "VBox(" not in bundle["text/plain"]
 
 
 def test_nothing_imports_widgets():
