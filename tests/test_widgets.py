@@ -133,7 +133,7 @@ def test_stop_before_a_step_raises_stopped_and_writes_nothing(tmp_path):
     stop, seen = threading.Event(), []
     cfg = DiagnoseConfig.default(quick=True, out=str(tmp_path / "run"), **FAST)
     with pytest.raises(Stopped):
-        run_diagnose(cfg, on_result=lambda name, frames: (seen.append(name), stop.set()),
+        run_diagnose(cfg, on_result=lambda step, frames: (seen.append(step.name), stop.set()),
                      stop=stop)
     assert seen == ["device facts"] and not (tmp_path / "run").exists()
 
