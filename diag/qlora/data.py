@@ -36,13 +36,14 @@ class Data:
 
 
 def read(cfg: QLoraConfig, path: Path) -> tuple[list[dict[str, str]], int]:
-    """The first cfg.records good records of the JSONL file, and the count of bad lines."""
-    from diag.loader.pipeline import read_records
+    """The first cfg.records good records of the data at path (a JSONL or Parquet file, or a
+    folder of shards: diag.data), read with cfg's fields, and the count of bad rows."""
+    from diag.data import read_source
 
-    records, problems = read_records(path, on_error=cfg.on_error)
+    records, problems = read_source(path, cfg.fields(), on_error=cfg.on_error, limit=cfg.records)
     if not records:
-        raise ValueError(f"the dataset at {path} holds no usable records ({len(problems)} "
-                         "malformed lines): nothing to train on")
+        raise ValueError(f"--source: the data at {path.name} holds no usable records "
+                         f"({len(problems)} that do not fit): nothing to train on")
     return records[: cfg.records], len(problems)
 
 

@@ -77,9 +77,11 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
     from diag.amdahl import shares
     from diag.config import QLoraConfig
     from diag.qlora.job import open_sources, prime, run_plan
+    from diag.preflight import preflight
     from diag.qlora.measure import plan_from_job
 
     cfg = cfg or QLoraConfig.default()
+    preflight(cfg)  # the source flags checked with one listing, before any model loads
     given, results = results, results if results is not None else load_results(cfg.results)
     plans = []
     if cfg.plan in ("naive", "both"):
