@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def check_source(cfg: SourceConfig, data: bool = True) -> int:
     """List --source with every source flag; returns the objects found. data=True (the job
     trains on them) also asks for at least one JSONL / Parquet object."""
-    from diag.storage.objectstore import list_remote, make_client, parse_url
+    from diag.storage.objectstore import S3Url, list_remote, make_client, parse_url
 
     url = parse_url(cfg.source)
     client = make_client(cfg.endpoint_url, retries=cfg.retries, profile=cfg.profile,
@@ -35,6 +35,8 @@ def check_source(cfg: SourceConfig, data: bool = True) -> int:
             raise ValueError(f"--source={cfg.source!r}: no readable shard "
                              f"({', '.join(Path(o.key).name for o in objects[:3])}); allowed: "
                              + ", ".join(f"*{s}" for s in DATA_SUFFIXES))
+        if url.is_prefix:  # a store may let anyone LIST and still refuse the objects: HEAD one
+            list_remote(client, S3Url(url.bucket, usable[0].key))
     return len(objects)
 
 
