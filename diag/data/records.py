@@ -85,7 +85,8 @@ def normalise(row: Any, fields: dict[str, str]) -> tuple[str, str] | dict[str, s
     if not fields:
         from diag.loader.pipeline import record_problem
 
-        return record_problem(row)
+        problem, got = record_problem(row)
+        return got if problem is None else (problem, got)
     missing = [f for f in fields.values() if f not in row or row[f] is None]
     if missing:
         return "missing_field", f"no {', '.join(missing)}"
@@ -126,7 +127,8 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
                 if limit is not None and len(records) >= limit:
                     return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
             elif on_error == "raise":
-                raise ValueError(f"--source: {where}: row {number}: {got[0]} ({got[1]}); pass "
+                word = "row" if file.suffix == ".parquet" else "line"
+                raise ValueError(f"--source: {where}: {word} {number}: {got[0]} ({got[1]}); pass "
                                  "--on-error skip to leave such records out and count them")
             else:
                 problems.append({"line": number if len(files) == 1 else f"{where}:{number}",
