@@ -186,3 +186,22 @@ def test_the_job_trains_on_a_parquet_prefix(s3, tmp_path, monkeypatch):
     row = run_qlora(cfg).frame.set_index("plan").loc["naive"]
     assert row["records"] == 16 and row["steps"] == 4  # every row of both shards, trained
     assert row["skipped_records"] == 0
+
+
+def test_revision_and_cache_dir_reach_the_jobs_download(tmp_path):
+    pytest.importorskip("huggingface_hub")
+    import dataclasses
+
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    from diag.qlora import Plan
+    from diag.qlora.job import model_folder, open_sources
+
+    persistent = dataclasses.replace(Plan.naive(), model_cache="persistent")
+    cache = tmp_path / "my-hf-cache"
+    with open_sources(QLoraConfig.quick(cache_dir=str(cache))) as src:
+        folder = model_folder(persistent, src, tmp_path / "work")
+        assert cache in folder.parents and any(folder.glob("*.safetensors"))
+        with pytest.raises(RevisionNotFoundError):
+            model_folder(Plan.naive(), dataclasses.replace(src, revision="no-such-branch"),
+                         tmp_path / "work2")
