@@ -94,6 +94,10 @@ def check_model(model: str, owner: str = "SourceConfig") -> None:
     path = Path(model).expanduser()
     looks_local = path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
     if looks_local:
+        if not path.exists():
+            raise ValueError(f"{owner}.model={model!r} (--model): no such folder, and not a hub "
+                             "id ('org/name'); allowed: '' (embedded model), a hub id, a folder "
+                             "with config.json and weights")
         if not path.is_dir() or not (path / "config.json").is_file() or not any(
                 next(path.glob(p), None) for p in WEIGHT_FILES):
             raise ValueError(f"{owner}.model={model!r} (--model): a local model must be a "
