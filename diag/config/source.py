@@ -32,8 +32,8 @@ class SourceConfig(ExperimentConfig):
     retries: int | None = None  # request retries and re-GETs of a dropped part; None = your AWS config (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE), 0 fails fast
     model: str = ""  # your model: "org/name" on HF_ENDPOINT or the hub, or a local folder with weights; "" = the embedded tiny Llama
     revision: str = "main"  # branch, tag or commit of a hub --model
-    cache_dir: str = ""  # HF hub cache for --model; "" = your HF_HUB_CACHE for a hub id (read only), <DIAG_HOME>/hf-cache for the embedded model
-    repair_cache: bool = False  # True re-downloads cached files that fail their checksum (and may write to your HF cache); False stops and reports them
+    cache_dir: str = ""  # HF hub cache for --model; "": model-load reads your HF_HUB_CACHE for a hub id (read only), the QLoRA job and the embedded model use <DIAG_HOME>/hf-cache
+    repair_cache: bool = False  # model-load: True re-downloads cached files that fail their checksum (and may write to your HF cache); False stops and reports them
     text_field: str = ""  # --source records' field holding the whole text (loss on all of it); "" = prompt/response fields, or instruction/input/output
     prompt_field: str = ""  # --source records' prompt field (with --response-field; loss on the response only); "" = instruction/input/output (Alpaca)
     response_field: str = ""  # --source records' response field (with --prompt-field)
