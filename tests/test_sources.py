@@ -205,3 +205,29 @@ def test_revision_and_cache_dir_reach_the_jobs_download(tmp_path):
         with pytest.raises(RevisionNotFoundError):
             model_folder(Plan.naive(), dataclasses.replace(src, revision="no-such-branch"),
                          tmp_path / "work2")
+
+
+def test_a_chat_messages_field_is_rendered_with_the_models_template(tmp_path):
+    from diag.data import render_chat
+    from diag.embedded import ensure_assets
+    from diag.loader.pipeline import load_tokenizer
+
+    chat = [{"role": "user", "content": "Sort: pear apple"},
+            {"role": "assistant", "content": "apple pear"}]
+    _parquet(tmp_path / "c.parquet", [{"conv": chat}, {"conv": chat[:1]}])
+    with pytest.raises(ValueError, match=r"row 2: no_answer"):
+        read_source(tmp_path, {"messages": "conv"})
+    records, problems = read_source(tmp_path, {"messages": "conv"}, on_error="skip")
+    assert records == [{"messages": chat}] and list(problems["problem"]) == ["no_answer"]
+    tokenizer = load_tokenizer(str(ensure_assets().model_dir))
+    if not tokenizer.chat_template:
+        with pytest.raises(ValueError, match="^--messages-field: the tokenizer of --model has "
+                                             "no chat template"):
+            render_chat(records, tokenizer)
+    tokenizer = type(tokenizer).from_pretrained(ensure_assets().model_dir)  # a copy to change
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n"
+                               "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert render_chat(records, tokenizer) == [
+        {"prompt": "<user>Sort: pear apple\n<assistant>", "response": "apple pear"}]
+    with pytest.raises(ValueError, match="--messages-field alone"):
+        QLoraConfig(messages_field="conv", text_field="t")

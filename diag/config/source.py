@@ -37,6 +37,7 @@ class SourceConfig(ExperimentConfig):
     text_field: str = ""  # --source records' field holding the whole text (loss on all of it); "" = prompt/response fields, or instruction/input/output
     prompt_field: str = ""  # --source records' prompt field (with --response-field; loss on the response only); "" = instruction/input/output (Alpaca)
     response_field: str = ""  # --source records' response field (with --prompt-field)
+    messages_field: str = ""  # --source records' chat field (a list of {role, content}, the last from the assistant), rendered with --model's chat template; loss on the last message
 
     def validate(self) -> None:
         super().validate()
@@ -68,12 +69,13 @@ class SourceConfig(ExperimentConfig):
         if not self.revision:
             raise ValueError(f"{name}.revision='': name a branch, tag or commit (main)")
         check_model(self.model, name)
-        if bool(self.prompt_field) != bool(self.response_field) or (
-                self.text_field and self.prompt_field):
-            raise ValueError(f"{name}: give --text-field alone, or --prompt-field with "
-                             f"--response-field (got text_field={self.text_field!r}, "
-                             f"prompt_field={self.prompt_field!r}, "
-                             f"response_field={self.response_field!r})")
+        if bool(self.prompt_field) != bool(self.response_field) or sum(
+                map(bool, (self.text_field, self.prompt_field, self.messages_field))) > 1:
+            raise ValueError(f"{name}: give --text-field alone, --messages-field alone, or "
+                             f"--prompt-field with --response-field (got text_field="
+                             f"{self.text_field!r}, prompt_field={self.prompt_field!r}, "
+                             f"response_field={self.response_field!r}, "
+                             f"messages_field={self.messages_field!r})")
 
     def source_kwargs(self) -> dict[str, object]:
         """These fields' values, to hand the same source to another experiment's config."""
@@ -84,7 +86,8 @@ class SourceConfig(ExperimentConfig):
     def fields(self) -> dict[str, str]:
         """The record fields to read (diag.data.records.normalise's `fields`)."""
         return {k: v for k, v in (("text", self.text_field), ("prompt", self.prompt_field),
-                                  ("response", self.response_field)) if v}
+                                  ("response", self.response_field),
+                                  ("messages", self.messages_field)) if v}
 
 
 def check_model(model: str, owner: str = "SourceConfig") -> None:

@@ -5,6 +5,6 @@ folder (a landed s3 prefix), and maps each record to what the text pipeline toke
 instruction/input/output (the default), a prompt/response pair, or one text field.
 """
 
-from diag.data.records import DATA_SUFFIXES, read_source, shard_files
+from diag.data.records import DATA_SUFFIXES, read_source, render_chat, shard_files
 
-__all__ = ["DATA_SUFFIXES", "read_source", "shard_files"]
+__all__ = ["DATA_SUFFIXES", "read_source", "render_chat", "shard_files"]

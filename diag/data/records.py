@@ -87,6 +87,16 @@ def normalise(row: Any, fields: dict[str, str]) -> tuple[str, str] | dict[str, s
 
         problem, got = record_problem(row)
         return got if problem is None else (problem, got)
+    if "messages" in fields:
+        msgs = row[fields["messages"]] if fields["messages"] in row else None
+        ok = isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in msgs)
+        if not ok:
+            return "not_chat", f"{fields['messages']} must be a list of {{role, content}} strings"
+        if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
+            return "no_answer", f"the last of {fields['messages']} is not an assistant's answer"
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
     missing = [f for f in fields.values() if f not in row or row[f] is None]
     if missing:
         return "missing_field", f"no {', '.join(missing)}"
@@ -134,3 +144,17 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
                 problems.append({"line": number if len(files) == 1 else f"{where}:{number}",
                                  "problem": got[0], "detail": got[1]})
     return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
+
+
+def render_chat(records: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
+    """Chat records as {"prompt", "response"}: the prompt is every message but the last through
+    the tokenizer's chat template (with its generation prompt), the response the last message."""
+    if not any("messages" in r for r in records):
+        return records
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--messages-field: the tokenizer of --model has no chat template; "
+                         "name --prompt-field/--response-field (or --text-field) instead")
+    return [{"prompt": tokenizer.apply_chat_template(r["messages"][:-1], tokenize=False,
+                                                     add_generation_prompt=True),
+             "response": r["messages"][-1]["content"]} if "messages" in r else r
+            for r in records]

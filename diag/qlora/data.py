@@ -51,9 +51,12 @@ def check_records(cfg: QLoraConfig, records: list[dict[str, str]], tokenizer_dir
                   bad_lines: int = 0) -> Records:
     """Records whose prompt fills seq_len train on nothing (every label is -100): refused with
     on_error="raise", counted and left out with "skip"."""
+    from diag.data import render_chat
     from diag.loader.pipeline import encode_batch, load_tokenizer
 
-    ids, prompts = encode_batch(load_tokenizer(str(tokenizer_dir)), records)
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    records = render_chat(records, tokenizer)  # --messages-field: the model's chat template
+    ids, prompts = encode_batch(tokenizer, records)
     keep, skipped = [], 0
     for i, (tokens, prompt) in enumerate(zip(ids, prompts)):
         if prompt < cfg.seq_len:
