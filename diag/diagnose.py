@@ -52,8 +52,11 @@ def job_config(cfg: DiagnoseConfig) -> QLoraConfig:
     sweeps = {k: v for k, v in (("sweep_workers", list(cfg.workers)),
                                 ("sweep_micro_batches", list(cfg.micro_batches))) if v}
     preset = {} if cfg.quick_experiments else QLoraConfig.RUN
-    return QLoraConfig.default(quick=_quick(cfg), model=cfg.model, device=cfg.device,
-                               plan=cfg.plan, **(preset | sweeps))
+    sized = {k: v for k, v in (("records", cfg.records), ("steps", cfg.job_steps),
+                                ("seq_len", cfg.seq_len)) if v}
+    return QLoraConfig.default(quick=_quick(cfg), device=cfg.device, plan=cfg.plan,
+                               on_error=cfg.on_error, **cfg.source_kwargs(),
+                               **(preset | sweeps | sized))
 
 
 def _info(cfg: DiagnoseConfig, got: Products) -> pd.DataFrame:
@@ -66,7 +69,7 @@ def _storage(cfg: DiagnoseConfig, got: Products) -> Any:
     from diag.config import StorageConfig
     from diag.storage import run_storage
 
-    return run_storage(StorageConfig.default(quick=_quick(cfg), source=cfg.source))
+    return run_storage(StorageConfig.default(quick=_quick(cfg), **cfg.source_kwargs()))
 
 
 def _model_load(cfg: DiagnoseConfig, got: Products) -> Any:
@@ -75,7 +78,8 @@ def _model_load(cfg: DiagnoseConfig, got: Products) -> Any:
 
     # quick: the two scenarios the runs need; full: all four, for every advice row
     quick = {"scenarios": ["fresh", "cached"]} if cfg.quick_experiments else {}
-    return run_model_load(ModelLoadConfig.default(quick=_quick(cfg), model=cfg.model, **quick))
+    return run_model_load(ModelLoadConfig.default(quick=_quick(cfg), **cfg.source_kwargs(),
+                                                  **quick))
 
 
 # -- measured on the QLoRA job ------------------------------------------------------------------
@@ -290,7 +294,10 @@ def run_diagnose(cfg: DiagnoseConfig | None = None, on_result: OnResult | None =
     stop: checked before each step; once set, raises Stopped. on_error(step name, error): a step
     that raises is handed to it and the other steps go on (without it the error propagates).
     """
+    from diag.preflight import preflight
+
     cfg = cfg or DiagnoseConfig.default()
+    preflight(cfg, out=cfg.out, data=cfg.qlora)  # flags checked before the first experiment
     got: Products = {}
     with tqdm(steps(cfg), desc="diag run", unit="step") as bar:
         for step in bar:

@@ -125,6 +125,7 @@ class Panel:
     thread: threading.Thread | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     interruptible: bool = False  # a step may be ended now (guarded by lock)
+    sources: dict[str, Any] = field(default_factory=dict)  # other source flags (SourceConfig)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         # `panel()` as a cell's last line: the widget view, and for a front end that cannot
@@ -177,9 +178,44 @@ def config_from(p: Panel) -> DiagnoseConfig:
     """The DiagnoseConfig the panel's fields describe (ValueError names a bad field)."""
     return DiagnoseConfig.default(
         quick=p.quick.value or None, **p.settings, source=p.source.value.strip(),
-        model=p.model.value.strip(), plan=p.plan.value,
+        model=p.model.value.strip(), plan=p.plan.value, **source_values(p.sources),
         workers=parse_ints(p.workers.value, "num_workers"),
         micro_batches=parse_ints(p.micro_batches.value, "micro-batches"))
+
+
+def source_widgets(given: dict[str, Any]) -> dict[str, Any]:
+    """One widget per SourceConfig field but source and model (those lead the panel): the same
+    names, defaults and help as the CLI's flags; a value in `given` (panel(profile=...)) seeds it."""
+    import dataclasses
+
+    import ipywidgets as w
+
+    from diag.config import SourceConfig
+
+    out = {}
+    for f in dataclasses.fields(SourceConfig):
+        if f.name in ("source", "model"):
+            continue
+        value = given.pop(f.name, f.default)
+        label = f.name.replace("_", " ")
+        out[f.name] = (w.Checkbox(bool(value), description=label) if isinstance(f.default, bool)
+                       else w.Text("" if value is None else str(value), description=label))
+    return out
+
+
+def source_values(widgets: dict[str, Any]) -> dict[str, Any]:
+    """The widgets' values as SourceConfig fields ('' retries = your AWS config's)."""
+    values = {}
+    for name, widget in widgets.items():
+        value = widget.value if isinstance(widget.value, bool) else widget.value.strip()
+        if name == "retries":
+            try:
+                value = int(value) if value else None
+            except ValueError:
+                raise ValueError(f"retries={value!r}: a whole number >= 0, or '' for your "
+                                 "AWS config's") from None
+        values[name] = value
+    return values
 
 
 def _step_count(cfg: DiagnoseConfig) -> int:
@@ -297,7 +333,7 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
         run=w.Button(description="Run", button_style="primary", icon="play"),
         stop=w.Button(description="Stop", button_style="warning", icon="stop", disabled=True),
         progress=w.IntProgress(value=0, min=0, max=1, description="steps"),
-        status=w.Label(""), log=w.Output(), settings=settings)
+        status=w.Label(""), log=w.Output(), sources=source_widgets(settings), settings=settings)
     p.progress.max = _step_count(config_from(p))  # a bad setting fails here, not on a click
     from diag.diagnose import STEPS
 
@@ -305,6 +341,8 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
     p.run.on_click(lambda _button: start(p))
     p.stop.on_click(lambda _button: request_stop(p))
     sections = [w.VBox([w.HTML(f"<b>{name}</b>"), output]) for name, output in p.outputs.items()]
-    p.box = w.VBox([p.source, p.model, w.HBox([p.workers, p.micro_batches]), p.plan, p.quick,
+    p.box = w.VBox([p.source, p.model, w.Accordion([w.VBox(list(p.sources.values()))],
+                                                   titles=("source options",)),
+                    w.HBox([p.workers, p.micro_batches]), p.plan, p.quick,
                     w.HBox([p.run, p.stop, p.progress, p.status]), p.log, *sections])
     return p

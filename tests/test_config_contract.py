@@ -160,8 +160,10 @@ def test_quick_mode_unset_and_diag_home_default(monkeypatch: pytest.MonkeyPatch)
     ("lora_dropout", 1.0, "must be in [0, 1)"),
     ("steps", 129, "at most records=128 (each optimizer step needs at least one record)"),
     ("warmup_steps", 8, "must be below steps=8, so some steps are measured in steady state"),
-    ("source", "s3:///k.jsonl", "expected s3://bucket/key.jsonl or '' for the embedded server"),
-    ("source", "data/k.jsonl", "expected s3://bucket/key.jsonl or '' for the embedded server"),
+    ("source", "s3:///k.jsonl", "expected s3://bucket/key, s3://bucket/prefix/ or '' for the "
+                                "embedded server"),
+    ("source", "data/k.jsonl", "expected s3://bucket/key, s3://bucket/prefix/ or '' for the "
+                               "embedded server"),
 ])
 def test_qlora_config_rules(name: str, bad: Any, rule: str) -> None:
     shown = bad if name in ("steps", "warmup_steps") and "steps=" in rule else repr(bad)

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from diag.config.base import ExperimentConfig
 from diag.config.qlora import QLORA_PLANS, QLoraPlan
+from diag.config.source import SourceConfig, check_out
 
 
 @dataclass
@@ -63,21 +64,25 @@ class ReportConfig(ExperimentConfig):
 
 
 @dataclass
-class DiagnoseConfig(ExperimentConfig):
-    """`diag run`: every experiment on one source, a naive and an optimized run, the report."""
+class DiagnoseConfig(SourceConfig):
+    """`diag run`: every experiment on one source, a naive and an optimized run, the report.
+    The source flags (SourceConfig) reach every experiment: storage pulls --source, model-load
+    loads --model, and the QLoRA job pulls, loads and trains on exactly those."""
 
     out: str = ""  # run folder to write; "" makes runs/<UTC timestamp>/
-    source: str = ""  # dataset for the storage experiment (s3://...); "" = the embedded S3 server
-    model: str = ""  # model for the model-load experiment (org/name or a folder); "" = embedded
     storage: bool = True  # run the storage experiment (object store vs local disk)
     model_load: bool = True  # run the model-load experiment (fresh vs cached)
     accum: bool = True  # micro-batch x grad-accum sweep: on the QLoRA job's step (the tiny model with --no-qlora)
     loader: bool = True  # data-loader sweep + stall split: against the QLoRA job's step (--no-qlora: target_gpu's, projected)
-    steps: int = 60  # timed toy steps per run (naive and optimized)
-    prep_ms: float = 3.0  # host preprocessing per batch: what num_workers has to hide
+    records: int = 0  # records the QLoRA job trains on; 0 = QLoraConfig's default
+    job_steps: int = 0  # optimizer steps of the QLoRA job (naive and optimized); 0 = QLoraConfig's default
+    seq_len: int = 0  # token slots per row of the QLoRA job; 0 = QLoraConfig's default
+    on_error: str = "raise"  # a record of --source that does not fit: "raise" stops, "skip" counts it and leaves it out
+    steps: int = 60  # --no-qlora only: timed steps of the toy loop per run (naive and optimized)
+    prep_ms: float = 3.0  # --no-qlora only: the toy loop's host preprocessing per batch
     qlora: bool = True  # naive vs optimized runs are the QLoRA job (diag.qlora); False = the toy loop
-    naive_workers: int = 0  # DataLoader workers of the naive run (preprocessing in the loop)
-    optimized_workers: int = 2  # DataLoader workers of the optimized run
+    naive_workers: int = 0  # --no-qlora only: the toy loop's DataLoader workers in the naive run
+    optimized_workers: int = 2  # --no-qlora only: the toy loop's DataLoader workers in the optimized run
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
     current_gpu: str = ""  # GPU marked "now" on the Amdahl curve; "" = the detected one
     target_gpu: str = "H100 SXM"  # GPU you consider renting, marked at its dense-peak ratio
@@ -90,8 +95,12 @@ class DiagnoseConfig(ExperimentConfig):
     QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0, "quick_experiments": True}
 
     def validate(self) -> None:
+        super().validate()  # the source flags (SourceConfig)
+        check_out(self.out)  # before anything runs: a full folder fails in a second, not at the end
         self._positive("steps")
-        self._non_negative("prep_ms", "naive_workers", "optimized_workers")
+        self._non_negative("prep_ms", "naive_workers", "optimized_workers", "records",
+                           "job_steps", "seq_len")
+        self._choice("on_error", ("raise", "skip"))
         self._device()
         self._choice("plan", QLORA_PLANS)
         for name, low in (("workers", 0), ("micro_batches", 1)):  # checked here, not mid-run

@@ -5,23 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from diag.config.base import (MODEL_LOAD_PROCESSES, MODEL_LOAD_SCENARIOS, ExperimentConfig,
-                              LoadProcess, Scenario)
+from diag.config.base import MODEL_LOAD_PROCESSES, MODEL_LOAD_SCENARIOS, LoadProcess, Scenario
+from diag.config.source import SourceConfig
 
 
 @dataclass
-class ModelLoadConfig(ExperimentConfig):
+class ModelLoadConfig(SourceConfig):
     """`diag model-load`: fresh vs cached model load, each part (download ... tokenizer) timed."""
 
-    model: str = ""  # "" = the embedded tiny model on a local hub; "org/name" = HF_ENDPOINT or the real hub; a folder = no download
-    revision: str = "main"  # branch, tag or commit of a hub model
     scenarios: list[Scenario] = field(default_factory=lambda: list(MODEL_LOAD_SCENARIOS))  # fewer run faster; fresh downloads the whole model every repeat
     repeats: int = 3  # measured loads per scenario after the warm-up; more is steadier
     warmup: int = 1  # untimed loads first (page cache of the model and of lazily read library files); 0 when both are warm
     quantize: bool = True  # 4-bit nf4 (bitsandbytes) as QLoRA loads its base; False keeps the checkpoint dtype
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
-    cache_dir: str = ""  # HF hub cache of the cached scenarios; "" = your HF_HUB_CACHE for a hub id (read only), <DIAG_HOME>/hf-cache for the embedded model
-    repair_cache: bool = False  # True re-downloads cached files that fail their checksum (and may write to your HF cache); False stops and reports them
     process: LoadProcess = "fork"  # "fork": imports paid once, a clean forked child per load; "exec": a fresh interpreter per load (slower, same figures)
     trust_remote_code: bool = False  # True runs Python code from the model repo; only for repos you trust
     timeout_s: float = 1800.0  # per load process; a large model over a slow link needs more
@@ -29,6 +25,7 @@ class ModelLoadConfig(ExperimentConfig):
     QUICK: ClassVar[dict[str, Any]] = {"repeats": 1}
 
     def validate(self) -> None:
+        super().validate()  # the source flags (SourceConfig): --model, --revision, --cache-dir, ...
         self._positive("repeats", "timeout_s")
         self._non_negative("warmup")
         self._device()
@@ -42,5 +39,3 @@ class ModelLoadConfig(ExperimentConfig):
             if s not in MODEL_LOAD_SCENARIOS:
                 raise ValueError(f"ModelLoadConfig.scenarios: {s!r} is not a scenario; allowed "
                                  "values are " + ", ".join(map(repr, MODEL_LOAD_SCENARIOS)))
-        if not self.revision:
-            raise ValueError("ModelLoadConfig.revision='': name a branch, tag or commit (main)")

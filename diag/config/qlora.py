@@ -5,21 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_args
 
-from diag.config.base import ExperimentConfig
 from diag.config.loader import ON_ERROR
+from diag.config.source import SourceConfig
 
 QLoraPlan = Literal["naive", "optimized", "both"]
 QLORA_PLANS: tuple[str, ...] = get_args(QLoraPlan)
 
 
 @dataclass
-class QLoraConfig(ExperimentConfig):
+class QLoraConfig(SourceConfig):
     """`diag qlora`: the QLoRA fine-tune (nf4 base + LoRA, transformers.Trainer), naive vs optimized."""
 
     plan: QLoraPlan = "both"  # "naive" (a newcomer's defaults), "optimized" (the measured fixes) or both
-    model: str = ""  # "" = the embedded tiny Llama on the local hub; "org/name" = HF_ENDPOINT / the hub
-    source: str = ""  # dataset s3://bucket/key (JSONL); "" = the embedded S3 server + embedded dataset
-    endpoint_url: str = ""  # S3 endpoint for source; "" = the AWS chain
     records: int = 128  # records both plans train on once (same tokens); demo-sized for a 2-core CPU
     steps: int = 8  # optimizer steps both plans take over those records (same LR schedule)
     seq_len: int = 128  # token slots per row: naive pads each record to it, optimized packs into it
@@ -51,6 +48,7 @@ class QLoraConfig(ExperimentConfig):
                                      "steps": 4, "rounds": 3}
 
     def validate(self) -> None:
+        super().validate()  # the source flags (SourceConfig): what the job pulls, loads and trains on
         self._choice("plan", QLORA_PLANS)
         self._choice("on_error", ON_ERROR)
         self._positive("records", "steps", "seq_len", "lr", "lora_r", "lora_alpha", "sweep_steps",
@@ -78,6 +76,3 @@ class QLoraConfig(ExperimentConfig):
         if self.warmup_steps >= self.steps:
             raise ValueError(f"QLoraConfig.warmup_steps={self.warmup_steps}: must be below "
                              f"steps={self.steps}, so some steps are measured in steady state")
-        if self.source and not (self.source.startswith("s3://") and self.source[5:].split("/")[0]):
-            raise ValueError(f"QLoraConfig.source={self.source!r}: expected s3://bucket/key.jsonl "
-                             "or '' for the embedded server")

@@ -31,7 +31,10 @@ PROBLEM_COLUMNS = ["line", "problem", "detail"]
 
 
 def format_prompt(record: dict[str, Any]) -> tuple[str, str]:
-    """(prompt_text, response_text) of one {"instruction", "input", "output"} record."""
+    """(prompt_text, response_text) of one {"instruction", "input", "output"} record, or of a
+    {"prompt", "response"} one (the user's own fields, diag.data: used as they are)."""
+    if "prompt" in record:
+        return record["prompt"], record["response"]
     template = PROMPT_TEMPLATE if record.get("input") else PROMPT_TEMPLATE_NO_INPUT
     return (template.format(instruction=record["instruction"], input=record.get("input", "")),
             record["output"])
@@ -49,6 +52,11 @@ def _problem(raw: bytes) -> tuple[str, str] | tuple[None, dict[str, str]]:
         return "invalid_json", f"column {err.colno}: {err.msg}"
     if not isinstance(record, dict):
         return "not_an_object", f"a JSON {type(record).__name__}, expected an object"
+    return record_problem(record)
+
+
+def record_problem(record: dict[str, Any]) -> tuple[str, str] | tuple[None, dict[str, str]]:
+    """(problem, detail) for an Alpaca record that does not fit, or (None, its fields)."""
     missing = [f for f in FIELDS if f not in record]
     if missing:
         return "missing_field", f"no {', '.join(missing)}"

@@ -78,21 +78,50 @@ def _cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
+def batch_tokens(batch: Any) -> int | None:
+    """Real tokens in a batch: its attention_mask's sum, else input_ids' size; None (count
+    samples only) for a batch without them, e.g. an (x, y) tuple."""
+    if isinstance(batch, dict):
+        for key, count in (("attention_mask", lambda t: t.sum()), ("input_ids", lambda t: t.numel())):
+            if key in batch and isinstance(batch[key], torch.Tensor):
+                return int(count(batch[key]))
+    return None
+
+
+def check_batch(batch: Any) -> None:
+    """One clear error before the sweep, not a row per setting: diag moves and counts tensors."""
+    parts = list(batch.values()) if isinstance(batch, dict) else list(batch) \
+        if isinstance(batch, (tuple, list)) else [batch]
+    wrong = [type(p).__name__ for p in parts if not isinstance(p, torch.Tensor)]
+    if wrong or not parts:
+        raise ValueError(f"dataset/collate_fn: a batch is a {type(batch).__name__} holding "
+                         f"{', '.join(wrong) or 'nothing'}; allowed: a tensor, a tuple/list of "
+                         "tensors ((x, y)) or a dict of tensors; pass a collate_fn that makes one")
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, dict):
+        return {key: v.to(device, non_blocking=True) for key, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(v.to(device, non_blocking=True) for v in batch)
+    return batch.to(device, non_blocking=True)
+
+
 def measure_setting(dataset: Dataset, setting: Setting, step: Any, *, pipeline: str,
                     batch_size: int, steps: int, repeats: int = 1, timeout_s: float = 120.0,
-                    device: torch.device | None = None, consumer: str = "emulated"
-                    ) -> list[dict[str, Any]]:
+                    device: torch.device | None = None, consumer: str = "emulated",
+                    collate_fn: Any = None) -> list[dict[str, Any]]:
     """One row per repeat (an epoch of the same DataLoader): the steady-state figures."""
     with warnings.catch_warnings():
         # torch warns of workers above its suggested count; the row's `warning` says it instead
         warnings.filterwarnings("ignore", message="This DataLoader will create")
         return _measure(dataset, setting, step, pipeline, batch_size, steps, repeats, timeout_s,
-                        device or torch.device("cpu"), consumer)
+                        device or torch.device("cpu"), consumer, collate_fn)
 
 
 def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch_size: int,
-             steps: int, repeats: int, timeout_s: float, device: torch.device, consumer: str
-             ) -> list[dict[str, Any]]:
+             steps: int, repeats: int, timeout_s: float, device: torch.device, consumer: str,
+             collate_fn: Any = None) -> list[dict[str, Any]]:
     from diag.device import sync
 
     w = setting.num_workers
@@ -101,7 +130,7 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
     n = len(dataset)  # type: ignore[arg-type]
     indices = [i % n for i in range(n_batches * batch_size)]  # a small dataset is cycled
     loader = DataLoader(
-        dataset, batch_size=batch_size, sampler=indices, num_workers=w,
+        dataset, batch_size=batch_size, sampler=indices, num_workers=w, collate_fn=collate_fn,
         pin_memory=setting.pin_memory and device.type == "cuda",
         persistent_workers=setting.persistent_workers and w > 0,
         prefetch_factor=setting.prefetch_factor if w else None,
@@ -127,14 +156,15 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
                 if k == 0:
                     first = got - start
                 if device.type == "cuda":
-                    batch = {key: v.to(device, non_blocking=True) for key, v in batch.items()}
+                    batch = _to(batch, device)
                     sync(device)  # note: sync point, so the copy is billed to the step, not the wait
                 step(batch)
                 done = time.perf_counter()
                 if k > ahead:  # steady state: start-up and the prefetched batches are past
                     waits.append(got - start)
                     computes.append(done - got)
-                    tokens += int(batch["attention_mask"].sum())
+                    counted = batch_tokens(batch)
+                    tokens = None if counted is None or tokens is None else tokens + counted
                 start = time.perf_counter()
             del batches
         except Exception as err:  # a worker's error arrives re-raised in this process
@@ -143,7 +173,7 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
             break
         total = sum(waits) + sum(computes)
         rows.append({**base, "samples_per_s": len(waits) * batch_size / total,
-                     "tokens_per_s": tokens / total, "data_wait_s": sum(waits) / len(waits),
+                     "tokens_per_s": nan if tokens is None else tokens / total, "data_wait_s": sum(waits) / len(waits),
                      "step_s": sum(computes) / len(computes),
                      "data_wait_share": sum(waits) / total, "first_batch_s": first,
                      "repeat": repeat, "error": ""})
@@ -183,12 +213,15 @@ def sources(cfg: LoaderConfig) -> tuple[str, str]:
     return cfg.data or str(assets.dataset), cfg.tokenizer or str(assets.model_dir)
 
 
-def sweep_workers(cfg: LoaderConfig | None = None, step: tuple[Any, float, str] | None = None
-                  ) -> pd.DataFrame:
+def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
+                  dataset: Dataset | None = None, collate_fn: Any = None) -> pd.DataFrame:
     """Every pipeline x num_workers against the step: one row per repeat (see COLUMNS).
 
     step: (callable, nominal seconds, where they came from), as diag.loader.steps.consumer
-    gives; None makes it from cfg (an emulated step may first measure the tiny model's).
+    gives, or just your callable(batch); None makes it from cfg (an emulated step may first
+    measure the tiny model's). dataset: your own map-style Dataset (with collate_fn), swept
+    as pipeline "yours" instead of cfg's pipelines; tokens are counted when a batch has
+    attention_mask or input_ids, samples always.
     """
     import pandas as pd
     from tqdm.auto import tqdm
@@ -198,21 +231,31 @@ def sweep_workers(cfg: LoaderConfig | None = None, step: tuple[Any, float, str] 
     from diag.loader.steps import consumer
 
     cfg = cfg or LoaderConfig.default()
-    data, tokenizer_dir = sources(cfg)
     device = resolve(cfg.device)
-    run_step, step_s, step_source = step or consumer(cfg, tokenizer_dir, device)
-    datasets = {p: make_dataset(p, cfg, data, tokenizer_dir) for p in cfg.pipelines}
+    if callable(step):
+        step = (step, float("nan"), "yours")
+    if dataset is not None:
+        if step is None:
+            raise ValueError("sweep_workers(dataset=...): pass step=your_step(batch) too")
+        check_batch(next(iter(torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size,
+                                                          collate_fn=collate_fn))))
+        datasets = {"yours": (dataset, {"records": len(dataset), "bad_rows": 0})}
+    else:
+        data, tokenizer_dir = sources(cfg)
+        step = step or consumer(cfg, tokenizer_dir, device)
+        datasets = {p: make_dataset(p, cfg, data, tokenizer_dir) for p in cfg.pipelines}
+    run_step, step_s, step_source = step
     extra = {"seq_len": cfg.seq_len, "step_target_s": step_s, "step_source": step_source,
              "cores": usable_cores()}
     rows = []
-    grid = [(p, w) for p in cfg.pipelines for w in cfg.workers]
+    grid = [(p, w) for p in datasets for w in cfg.workers]
     for pipeline, w in tqdm(grid, desc="loader sweep", unit="setting", leave=False):
         dataset, facts = datasets[pipeline]
         setting = Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)
         for row in measure_setting(dataset, setting, run_step, pipeline=pipeline,
                                    batch_size=cfg.batch_size, steps=cfg.steps,
                                    repeats=cfg.repeats, timeout_s=cfg.timeout_s, device=device,
-                                   consumer=cfg.consumer):
+                                   consumer=cfg.consumer, collate_fn=collate_fn):
             rows.append({**row, **extra, "records": facts["records"],
                          "bad_rows": facts["bad_rows"], "token_cache": facts.get("cache", "")})
     return pd.DataFrame(rows, columns=COLUMNS + [*extra, "records", "bad_rows", "token_cache"])

@@ -36,13 +36,14 @@ class Data:
 
 
 def read(cfg: QLoraConfig, path: Path) -> tuple[list[dict[str, str]], int]:
-    """The first cfg.records good records of the JSONL file, and the count of bad lines."""
-    from diag.loader.pipeline import read_records
+    """The first cfg.records good records of the data at path (a JSONL or Parquet file, or a
+    folder of shards: diag.data), read with cfg's fields, and the count of bad rows."""
+    from diag.data import read_source
 
-    records, problems = read_records(path, on_error=cfg.on_error)
+    records, problems = read_source(path, cfg.fields(), on_error=cfg.on_error, limit=cfg.records)
     if not records:
-        raise ValueError(f"the dataset at {path} holds no usable records ({len(problems)} "
-                         "malformed lines): nothing to train on")
+        raise ValueError(f"--source: the data at {path.name} holds no usable records "
+                         f"({len(problems)} that do not fit): nothing to train on")
     return records[: cfg.records], len(problems)
 
 
@@ -50,9 +51,12 @@ def check_records(cfg: QLoraConfig, records: list[dict[str, str]], tokenizer_dir
                   bad_lines: int = 0) -> Records:
     """Records whose prompt fills seq_len train on nothing (every label is -100): refused with
     on_error="raise", counted and left out with "skip"."""
+    from diag.data import render_chat
     from diag.loader.pipeline import encode_batch, load_tokenizer
 
-    ids, prompts = encode_batch(load_tokenizer(str(tokenizer_dir)), records)
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    records = render_chat(records, tokenizer)  # --messages-field: the model's chat template
+    ids, prompts = encode_batch(tokenizer, records)
     keep, skipped = [], 0
     for i, (tokens, prompt) in enumerate(zip(ids, prompts)):
         if prompt < cfg.seq_len:

@@ -77,10 +77,12 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
     from diag.device import resolve
     from diag.distributed import init_group, root_first
     from diag.qlora.job import open_sources, prime, run_plan
+    from diag.preflight import preflight
     from diag.qlora.measure import plan_from_job
     from diag.qlora.predict import Counts, predict
 
     cfg = cfg or QLoraConfig.default()
+    preflight(cfg)  # the source flags checked with one listing, before any model loads
     given, results = results, results if results is not None else load_results(cfg.results)
     init_group(resolve(cfg.device).type)  # under a launcher: join before the first barrier
     plans = []

@@ -36,10 +36,12 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class Sources:
     """Where the dataset and the model come from (the embedded servers or the user's)."""
 
-    url: str  # s3://bucket/key of the JSONL dataset
+    url: str  # s3://bucket/key (JSONL or Parquet) or s3://bucket/prefix/ of shards
     client: Any  # boto3 S3 client for url
-    model: str  # hub repo id
+    model: str  # hub repo id, or a local folder (nothing to download)
     endpoint: str | None  # hub endpoint; None = HF_ENDPOINT or the real hub
+    revision: str = "main"  # of a hub model
+    cache_dir: str = ""  # the persistent HF cache the optimized plan reads; "" = DIAG_HOME's
 
 
 @contextlib.contextmanager
@@ -54,8 +56,10 @@ def open_sources(cfg: QLoraConfig) -> Iterator[Sources]:
         with root_first():  # under DDP rank 0 makes the embedded assets, the others find them
             ensure_assets()
     with contextlib.ExitStack() as stack:
-        if cfg.source:
-            url, client = cfg.source, make_client(cfg.endpoint_url)
+        if cfg.source:  # every source flag reaches the client (SourceConfig)
+            url, client = cfg.source, make_client(
+                cfg.endpoint_url, retries=cfg.retries, profile=cfg.profile, region=cfg.region,
+                unsigned=not cfg.sign_request)
         else:
             from diag.embedded import S3Server, ensure_assets
 
@@ -65,17 +69,20 @@ def open_sources(cfg: QLoraConfig) -> Iterator[Sources]:
             url, client = f"s3://{s3.bucket}/qlora/dataset.jsonl", s3.client()
         if cfg.model:
             model, endpoint = cfg.model, None
+            if Path(cfg.model).expanduser().is_dir():  # checked for weights by SourceConfig
+                model = str(Path(cfg.model).expanduser().resolve())
         else:
             from diag.embedded import HubServer, ensure_assets
 
             assets = ensure_assets()
             hub = stack.enter_context(HubServer(assets.hub_root))
             model, endpoint = assets.repo_id, hub.endpoint
-        yield Sources(url, client, model, endpoint)
+        yield Sources(url, client, model, endpoint, cfg.revision, cfg.cache_dir)
 
 
 def fetch_data(plan: Plan, src: Sources, work: Path) -> Path:
-    """The dataset file: pulled into this run's temp folder, or landed once and reused."""
+    """The dataset file (or folder of shards, for a prefix): pulled into this run's temp folder,
+    or landed once and reused."""
     from diag.storage.experiment import pull
     from diag.storage.landing import land
     from diag.storage.objectstore import list_remote, parse_url
@@ -84,7 +91,7 @@ def fetch_data(plan: Plan, src: Sources, work: Path) -> Path:
     if plan.fetch == "land":
         return land(src.url, diag_home() / "qlora" / "landed", client=src.client).path
     pull("boto3_default", src.client, url, list_remote(src.client, url), work / "data")
-    return work / "data" / Path(url.key).name
+    return work / "data" if url.is_prefix else work / "data" / Path(url.key).name
 
 
 def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
@@ -94,10 +101,14 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
 
     from diag.model_load.worker import ALLOW_PATTERNS
 
-    kwargs = {"allow_patterns": ALLOW_PATTERNS, "endpoint": src.endpoint}
+    if Path(src.model).is_dir():  # a local model: read where it is, in both plans
+        return Path(src.model)
+    kwargs = {"allow_patterns": ALLOW_PATTERNS, "endpoint": src.endpoint,
+              "revision": src.revision}
     if plan.model_cache == "empty":
         return Path(snapshot_download(src.model, cache_dir=work / "hf-cache", **kwargs))
-    cache = diag_home() / "hf-cache"  # the one diag.model_load's cached scenarios fill
+    # --cache-dir, else the one diag.model_load's cached scenarios fill
+    cache = Path(src.cache_dir).expanduser() if src.cache_dir else diag_home() / "hf-cache"
     try:
         return Path(snapshot_download(src.model, cache_dir=cache, local_files_only=True,
                                       **kwargs))

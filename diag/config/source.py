@@ -1,0 +1,139 @@
+"""Where a run's data and model come from: one set of fields, the flags of every command.
+
+`SourceConfig` is the base of the configs of `storage`, `model-load`, `qlora` and `run` (and
+of the panel's fields, diag.widgets): each field below becomes the same `--flag` with the same
+help everywhere, so a bucket, profile or model named once means the same thing in each command.
+Its checks need no network: the URL's shape, the model id's shape, that a local model folder
+holds weights (diag.preflight checks the rest, profile, credentials, bucket and shards, with one
+listing before the first experiment).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from diag.config.base import ExperimentConfig
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # record files diag reads (a prefix: its shards)
+WEIGHT_FILES = ("*.safetensors", "*.bin")
+
+
+@dataclass
+class SourceConfig(ExperimentConfig):
+    """The user's bucket and model, or (all empty) the embedded S3 server and hub."""
+
+    source: str = ""  # your data: s3://bucket/key.{jsonl,parquet} or s3://bucket/prefix/ of shards; "" = the embedded S3 server + embedded data
+    endpoint_url: str = ""  # S3 endpoint of --source (MinIO, R2, GCS interop); "" = your AWS config (AWS_ENDPOINT_URL, profile)
+    profile: str = ""  # AWS profile for --source; "" = AWS_PROFILE or the default chain (env, ~/.aws, instance role)
+    region: str = ""  # region for --source; "" = your AWS config (AWS_REGION, profile)
+    sign_request: bool = True  # False (--no-sign-request) reads a public bucket with no credentials
+    retries: int | None = None  # request retries and re-GETs of a dropped part; None = your AWS config (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE), 0 fails fast
+    model: str = ""  # your model: "org/name" on HF_ENDPOINT or the hub, or a local folder with weights; "" = the embedded tiny Llama
+    revision: str = "main"  # branch, tag or commit of a hub --model
+    cache_dir: str = ""  # HF hub cache for --model; "": model-load reads your HF_HUB_CACHE for a hub id (read only), the QLoRA job and the embedded model use <DIAG_HOME>/hf-cache
+    repair_cache: bool = False  # model-load: True re-downloads cached files that fail their checksum (and may write to your HF cache); False stops and reports them
+    text_field: str = ""  # --source records' field holding the whole text (loss on all of it); "" = prompt/response fields, or instruction/input/output
+    prompt_field: str = ""  # --source records' prompt field (with --response-field; loss on the response only); "" = instruction/input/output (Alpaca)
+    response_field: str = ""  # --source records' response field (with --prompt-field)
+    messages_field: str = ""  # --source records' chat field (a list of {role, content}, the last from the assistant), rendered with --model's chat template; loss on the last message
+
+    def validate(self) -> None:
+        super().validate()
+        self.validate_source()
+
+    def validate_source(self) -> None:
+        from urllib.parse import urlsplit
+
+        from diag.secrets import register
+
+        name = type(self).__name__
+        try:  # a password in the URL is redacted everywhere from here on
+            register(urlsplit(self.endpoint_url).password)
+        except ValueError:  # a malformed URL: botocore refuses it with its own message
+            pass
+        if self.retries is not None:
+            self._non_negative("retries")
+        if self.source and not (self.source.startswith("s3://") and self.source[5:].split("/")[0]):
+            raise ValueError(f"{name}.source={self.source!r}: expected s3://bucket/key, "
+                             "s3://bucket/prefix/ or '' for the embedded server")
+        # Without a source the run uses the embedded server, which these would not reach: refuse
+        # rather than measure something else and exit 0 (diag never uploads into a user's store)
+        stray = [f"--{f.replace('_', '-')}" for f in ("endpoint_url", "profile", "region")
+                 if getattr(self, f)] + ([] if self.sign_request else ["--no-sign-request"])
+        if stray and not self.source:
+            raise ValueError(f"{name}.source is empty but {stray[0]} is given: the run "
+                             f"would use the embedded server and ignore {stray[0]}; name your "
+                             f"object with --source s3://bucket/key (or drop {stray[0]})")
+        if not self.revision:
+            raise ValueError(f"{name}.revision='': name a branch, tag or commit (main)")
+        check_model(self.model, name)
+        if bool(self.prompt_field) != bool(self.response_field) or sum(
+                map(bool, (self.text_field, self.prompt_field, self.messages_field))) > 1:
+            raise ValueError(f"{name}: give --text-field alone, --messages-field alone, or "
+                             f"--prompt-field with --response-field (got text_field="
+                             f"{self.text_field!r}, prompt_field={self.prompt_field!r}, "
+                             f"response_field={self.response_field!r}, "
+                             f"messages_field={self.messages_field!r})")
+
+    def source_kwargs(self) -> dict[str, object]:
+        """These fields' values, to hand the same source to another experiment's config."""
+        import dataclasses
+
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SourceConfig)}
+
+    def fields(self) -> dict[str, str]:
+        """The record fields to read (diag.data.records.normalise's `fields`)."""
+        return {k: v for k, v in (("text", self.text_field), ("prompt", self.prompt_field),
+                                  ("response", self.response_field),
+                                  ("messages", self.messages_field)) if v}
+
+
+def check_model(model: str, owner: str = "SourceConfig") -> None:
+    """'' (embedded), a local folder with a config and weights, or a hub id org/name."""
+    if not model:
+        return
+    path = Path(model).expanduser()
+    looks_local = path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
+    if looks_local:
+        if not path.exists():
+            raise ValueError(f"{owner}.model={model!r} (--model): no such folder, and not a hub "
+                             "id ('org/name'); allowed: '' (embedded model), a hub id, a folder "
+                             "with config.json and weights")
+        if not path.is_dir() or not (path / "config.json").is_file() or not any(
+                next(path.glob(p), None) for p in WEIGHT_FILES):
+            raise ValueError(f"{owner}.model={model!r} (--model): a local model must be a "
+                             "folder with config.json and *.safetensors or *.bin weights; or "
+                             "name a hub id org/name")
+        return
+    org, slash, repo = model.partition("/")
+    allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+    if not repo and slash or not set(model.replace("/", "")) <= allowed or ".." in model \
+            or not (org if slash else model):
+        raise ValueError(f"{owner}.model={model!r} (--model): expected a hub id org/name "
+                         "(letters, digits, - _ .), a local folder with weights, or '' for the "
+                         "embedded model")
+
+
+def check_out(out: str, flag: str = "--out") -> None:
+    """A run folder must be new or empty: diag never mixes its files into an older run's."""
+    if not out:
+        return
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag}={out!r}: is a file; name a new or empty folder")
+    if path.is_dir() and any(path.iterdir()):
+        raise ValueError(f"{flag}={out!r}: the folder is not empty; name a new or empty folder "
+                         "(diag does not mix its files into another run's)")
+
+
+def check_cache_dir(cache_dir: str) -> None:
+    if not cache_dir:
+        return
+    path = Path(cache_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--cache-dir={cache_dir!r}: is a file; name a folder (an HF hub cache)")
+    parent = next((p for p in (path, *path.parents) if p.exists()), None)
+    if parent is None or not os.access(parent, os.R_OK | os.X_OK):
+        raise ValueError(f"--cache-dir={cache_dir!r}: cannot be read or made here")

@@ -1,0 +1,160 @@
+"""The user's records as they are: JSONL and Parquet, one file or a folder of shards.
+
+Each record becomes one dict the text pipeline (diag.loader.pipeline.format_prompt) renders:
+{"instruction", "input", "output"} (Alpaca, the default: the embedded dataset's form), or
+{"prompt", "response"} from --prompt-field/--response-field (loss on the response only), or
+{"prompt": "", "response": text} from --text-field (loss on every token). A record that does
+not fit (a missing or non-text field, bad JSON or UTF-8) follows on_error: "raise" stops at the
+first with its file and row, "skip" leaves it out and lists it in the problems frame.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from diag.config.source import DATA_SUFFIXES
+
+PROBLEM_COLUMNS = ["line", "problem", "detail"]  # the same frame diag.loader's reader returns
+
+
+def shard_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The record files at path: the file itself, or a folder's *.jsonl / *.json / *.parquet
+    (sorted, recursively: a landed s3 prefix keeps its sub-folders)."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
+    if not files:
+        others = sorted(p.name for p in path.rglob("*") if p.is_file())[:3]
+        raise ValueError(f"--source: no readable shard under {path} (found "
+                         f"{', '.join(others) or 'no files'}); allowed: "
+                         + ", ".join(f"*{s}" for s in DATA_SUFFIXES))
+    return files
+
+
+def _rows(path: Path, fields: dict[str, str]) -> Any:
+    """(row number, record dict or (problem, detail)) of one file, 1-based."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as err:  # noqa: BLE001  pyarrow's errors have no common base
+            raise ValueError(f"--source: {path.name} is not a readable Parquet file "
+                             f"({type(err).__name__}: {err})") from None
+        wanted = list(fields.values()) or ["instruction", "input", "output"]
+        missing = [f for f in wanted if f not in pf.schema_arrow.names
+                   and not (f == "input" and not fields)]
+        if missing:
+            flag = {v: k for k, v in fields.items()}.get(missing[0])
+            head = (f"--{flag}-field={missing[0]!r}: no such column in {path.name}" if flag else
+                    f"--source: {path.name} has no column {missing[0]!r} (name yours with "
+                    "--text-field or --prompt-field/--response-field)")
+            raise ValueError(f"{head}; its columns: {', '.join(pf.schema_arrow.names)}")
+        columns = [c for c in wanted if c in pf.schema_arrow.names]
+        pad = {} if fields or "input" in columns else {"input": ""}  # Alpaca's optional input
+        number = 0
+        for batch in pf.iter_batches(columns=columns):
+            for row in batch.to_pylist():
+                number += 1
+                yield number, {**pad, **row}
+        return
+    import json
+
+    with open(path, "rb") as f:  # bytes: a bad UTF-8 line is one problem, not a crashed read
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                got = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                got = ("invalid_utf8", f"byte {err.start}: {err.reason}")
+            except json.JSONDecodeError as err:
+                got = ("invalid_json", f"column {err.colno}: {err.msg}")
+            yield number, got
+
+
+def normalise(row: Any, fields: dict[str, str]) -> tuple[str, str] | dict[str, str]:
+    """The record the pipeline renders, or (problem, detail)."""
+    if isinstance(row, tuple):
+        return row
+    if not isinstance(row, dict):
+        return "not_an_object", f"a JSON {type(row).__name__}, expected an object"
+    if not fields:
+        from diag.loader.pipeline import record_problem
+
+        problem, got = record_problem(row)
+        return got if problem is None else (problem, got)
+    if "messages" in fields:
+        msgs = row[fields["messages"]] if fields["messages"] in row else None
+        ok = isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in msgs)
+        if not ok:
+            return "not_chat", f"{fields['messages']} must be a list of {{role, content}} strings"
+        if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
+            return "no_answer", f"the last of {fields['messages']} is not an assistant's answer"
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
+    missing = [f for f in fields.values() if f not in row or row[f] is None]
+    if missing:
+        return "missing_field", f"no {', '.join(missing)}"
+    wrong = [f for f in fields.values() if not isinstance(row[f], str)]
+    if wrong:
+        return "not_text", f"{', '.join(wrong)} must be strings"
+    if "text" in fields:
+        text = row[fields["text"]]
+        return ("empty_text", f"{fields['text']} is empty") if not text.strip() \
+            else {"prompt": "", "response": text}
+    if not row[fields["response"]].strip():
+        return "empty_text", f"{fields['response']} is empty"
+    return {"prompt": row[fields["prompt"]], "response": row[fields["response"]]}
+
+
+def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
+                on_error: str = "raise", limit: int | None = None
+                ) -> tuple[list[dict[str, str]], Any]:
+    """(records, problems frame with line, problem, detail) of a file or folder of shards.
+
+    fields: {"text": name} or {"prompt": name, "response": name}; {} or None = Alpaca
+    instruction/input/output. limit stops reading once that many good records are in hand.
+    """
+    import pandas as pd
+
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error={on_error!r}: allowed values are 'raise', 'skip'")
+    fields = dict(fields or {})
+    files = shard_files(path)
+    records: list[dict[str, str]] = []
+    problems = []
+    for file in files:
+        where = file.name if len(files) == 1 else str(file.relative_to(path))
+        for number, row in _rows(file, fields):
+            got = normalise(row, fields)
+            if isinstance(got, dict):
+                records.append(got)
+                if limit is not None and len(records) >= limit:
+                    return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
+            elif on_error == "raise":
+                word = "row" if file.suffix == ".parquet" else "line"
+                raise ValueError(f"--source: {where}: {word} {number}: {got[0]} ({got[1]}); pass "
+                                 "--on-error skip to leave such records out and count them")
+            else:
+                problems.append({"line": number if len(files) == 1 else f"{where}:{number}",
+                                 "problem": got[0], "detail": got[1]})
+    return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
+
+
+def render_chat(records: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
+    """Chat records as {"prompt", "response"}: the prompt is every message but the last through
+    the tokenizer's chat template (with its generation prompt), the response the last message."""
+    if not any("messages" in r for r in records):
+        return records
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--messages-field: the tokenizer of --model has no chat template; "
+                         "name --prompt-field/--response-field (or --text-field) instead")
+    return [{"prompt": tokenizer.apply_chat_template(r["messages"][:-1], tokenize=False,
+                                                     add_generation_prompt=True),
+             "response": r["messages"][-1]["content"]} if "messages" in r else r
+            for r in records]

@@ -1,0 +1,67 @@
+"""The loader sweep on the user's own Dataset and step: (x, y) tuples, dicts without masks, and
+a batch diag cannot read (one error before the sweep)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from diag.config import LoaderConfig
+from diag.loader.sweep import sweep_workers
+
+
+class Pairs(Dataset):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int):
+        return torch.full((4,), float(i)), torch.tensor(i % 2)
+
+
+class Ids(Dataset):  # a dict without attention_mask: tokens are input_ids' size
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int):
+        return {"input_ids": torch.arange(6) + i}
+
+
+class Words(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        return {"text": f"record {i}"}
+
+
+CFG = LoaderConfig.quick(workers=[0, 1], batch_size=4, steps=3, repeats=1)
+seen: list[int] = []
+
+
+def test_tuple_batches_sweep_counting_samples():
+    seen.clear()
+    frame = sweep_workers(CFG, step=lambda batch: seen.append(batch[0].shape[0]), dataset=Pairs())
+    assert list(frame["num_workers"]) == [0, 1] and set(frame["pipeline"]) == {"yours"}
+    assert (frame["error"] == "").all() and (frame["samples_per_s"] > 0).all()
+    assert frame["tokens_per_s"].map(math.isnan).all()  # no tokens in (x, y): not invented
+    assert seen and set(seen) == {4}
+
+
+def test_dicts_without_masks_count_input_ids():
+    frame = sweep_workers(CFG, step=lambda batch: batch["input_ids"].sum(), dataset=Ids())
+    assert (frame["error"] == "").all()
+    ratio = frame["tokens_per_s"] / frame["samples_per_s"]
+    assert ratio.round(6).eq(6.0).all()  # 6 ids per sample
+
+
+def test_a_batch_diag_cannot_read_is_one_error_before_the_sweep():
+    calls = []
+    with pytest.raises(ValueError, match=r"^dataset/collate_fn: a batch is a dict holding "
+                                         r"list; allowed: a tensor"):
+        sweep_workers(CFG, step=calls.append, dataset=Words())
+    assert calls == []
+    with pytest.raises(ValueError, match="pass step="):
+        sweep_workers(CFG, dataset=Pairs())

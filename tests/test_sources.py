@@ -1,0 +1,233 @@
+"""The user's own source: one set of flags (SourceConfig) reaching the job's client, JSONL and
+Parquet records (a file or a prefix of shards), and the checks made before anything runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from diag.__main__ import main
+from diag.config import DiagnoseConfig, ModelLoadConfig, QLoraConfig, SourceConfig, StorageConfig
+from diag.data import read_source
+from tests.s3proxy import Proxy
+from tests.test_storage_cli import NO_AWS
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = [{"q": f"Sort: pear apple {i}", "a": f"apple pear {i}"} for i in range(16)]
+
+
+def _parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def s3():
+    from diag.embedded import S3Server
+
+    with S3Server() as server:
+        yield server
+
+
+def test_every_source_flag_is_a_flag_of_every_command():
+    from diag.__main__ import build_parser
+
+    import dataclasses
+
+    flags = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(SourceConfig)}
+    sub = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    for name, cls in (("storage", StorageConfig), ("model-load", ModelLoadConfig),
+                      ("qlora", QLoraConfig), ("run", DiagnoseConfig)):
+        assert issubclass(cls, SourceConfig)
+        got = {o for a in sub[name]._actions for o in a.option_strings}
+        assert flags - {"--sign-request"} <= got and "--no-sign-request" in got, name
+    cfg = DiagnoseConfig(source="s3://b/p/", model="org/name", revision="v1", retries=0,
+                         prompt_field="q", response_field="a", records=16, job_steps=4)
+    from diag.diagnose import job_config
+
+    job = job_config(cfg)
+    assert (job.source, job.model, job.revision, job.retries, job.fields(), job.records,
+            job.steps) == ("s3://b/p/", "org/name", "v1", 0, {"prompt": "q", "response": "a"},
+                           16, 4)
+
+
+def test_jsonl_and_parquet_read_alike_with_the_named_fields(tmp_path):
+    _parquet(tmp_path / "part-0.parquet", ROWS[:8])
+    (tmp_path / "part-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[8:]))
+    got, problems = read_source(tmp_path, {"prompt": "q", "response": "a"})
+    assert got == [{"prompt": r["q"], "response": r["a"]} for r in ROWS] and problems.empty
+    text, _ = read_source(tmp_path / "part-0.parquet", {"text": "a"})
+    assert text[0] == {"prompt": "", "response": "apple pear 0"}
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    _parquet(bad / "x.parquet", [{"q": "hi", "a": None}, {"q": "yo", "a": "ok"}])
+    with pytest.raises(ValueError, match=r"x.parquet: row 1: missing_field"):
+        read_source(bad, {"prompt": "q", "response": "a"})
+    kept, problems = read_source(bad, {"prompt": "q", "response": "a"}, on_error="skip")
+    assert len(kept) == 1 and list(problems["problem"]) == ["missing_field"]
+
+
+def test_bad_data_names_the_flag(tmp_path):
+    _parquet(tmp_path / "d.parquet", ROWS)
+    with pytest.raises(ValueError, match=r"^--prompt-field='prompt': no such column in "
+                                         r"d.parquet; its columns: q, a$"):
+        read_source(tmp_path / "d.parquet", {"prompt": "prompt", "response": "a"})
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"^--source: no readable shard under .*notes.txt"):
+        read_source(empty)
+    with pytest.raises(ValueError, match="give --text-field alone"):
+        QLoraConfig(prompt_field="q")
+
+
+def _cli(args: list[str], env: dict, cwd: Path) -> tuple[int, str, float]:
+    full = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for k, v in env.items():
+        full.pop(k, None) if v is None else full.__setitem__(k, v)
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "diag", *args], capture_output=True, text=True,
+                          env=full, cwd=cwd, timeout=120)
+    return done.returncode, done.stdout + done.stderr, time.perf_counter() - start
+
+
+def test_run_out_on_a_full_folder_fails_fast(tmp_path):
+    out = tmp_path / "old-run"
+    out.mkdir()
+    (out / "report.html").write_text("older run")
+    code, text, seconds = _cli(["run", "--out", str(out)], {}, tmp_path)
+    assert code == 2 and len(text.strip().splitlines()) == 1 and "not empty" in text
+    assert seconds < 2, seconds  # parse time only: nothing imported beyond the configs
+    assert sorted(p.name for p in out.iterdir()) == ["report.html"]
+
+
+def test_a_local_model_folder_without_weights_is_refused(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    code, text, _ = _cli(["qlora", "--model", str(folder)], {}, tmp_path)
+    assert code == 2 and len(text.strip().splitlines()) == 1
+    assert "--model" in text and "*.safetensors" in text
+    assert list(tmp_path.iterdir()) == [folder]
+
+
+def test_profile_and_unsigned_private_bucket_fail_before_anything_runs(s3, tmp_path, monkeypatch,
+                                                                      capsys):
+    for k, v in NO_AWS.items():
+        monkeypatch.delenv(k, raising=False) if v is None else monkeypatch.setenv(k, v)
+    s3.client().put_object(Bucket=s3.bucket, Key="private/d.jsonl", Body=b"{}\n")
+    out = tmp_path / "run"
+    base = ["run", "--quick", "--out", str(out), "--source", f"s3://{s3.bucket}/private/",
+            "--endpoint-url", s3.endpoint_url]
+    assert main([*base, "--profile", "no-such-profile"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--profile" in err and "no-such-profile" in err
+    assert main([*base, "--no-sign-request"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "access denied" in err and "private/" in err
+    assert not out.exists()
+
+
+def test_every_client_flag_reaches_the_jobs_client(s3, tmp_path, monkeypatch):
+    from diag.qlora.job import open_sources
+
+    for k, v in NO_AWS.items():
+        monkeypatch.delenv(k, raising=False) if v is None else monkeypatch.setenv(k, v)
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[team]\naws_access_key_id = {s3.access_key}\n"
+                     f"aws_secret_access_key = {s3.secret_key}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    proxy = Proxy(s3.port, cut_after=0, cuts=1000)  # every request fails: botocore counts tries
+    try:
+        for retries in (0, 2):
+            cfg = QLoraConfig.quick(source=f"s3://{s3.bucket}/k.jsonl", endpoint_url=proxy.url,
+                                    profile="team", region="ap-south-1", retries=retries)
+            with open_sources(cfg) as src:
+                before = len(proxy.requests)
+                with pytest.raises(Exception):
+                    src.client.head_object(Bucket=s3.bucket, Key="k.jsonl")
+                assert len(proxy.requests) - before == retries + 1
+                assert src.client.meta.region_name == "ap-south-1"
+                assert src.client.meta.endpoint_url == proxy.url
+                got = src.client._request_signer._credentials.access_key  # the profile's
+                assert got == s3.access_key
+        cfg = cfg.replace(sign_request=False, retries=0)
+        with open_sources(cfg) as src:
+            from botocore import UNSIGNED
+
+            assert src.client.meta.config.signature_version is UNSIGNED
+    finally:
+        proxy.close()
+
+
+@pytest.mark.timeout(600)
+def test_the_job_trains_on_a_parquet_prefix(s3, tmp_path, monkeypatch):
+    pytest.importorskip("bitsandbytes")
+    from diag.qlora import run_qlora
+
+    for key, value in s3.env().items():
+        monkeypatch.setenv(key, value)
+    client = s3.client()
+    for i in range(2):
+        local = _parquet(tmp_path / f"part-{i}.parquet", ROWS[8 * i: 8 * i + 8])
+        client.upload_file(str(local), s3.bucket, f"user/data/part-{i}.parquet")
+    cfg = QLoraConfig.quick(plan="naive", source=f"s3://{s3.bucket}/user/data/",
+                            endpoint_url=s3.endpoint_url, prompt_field="q", response_field="a",
+                            records=16, steps=4, warmup_steps=1, seq_len=32)
+    row = run_qlora(cfg).frame.set_index("plan").loc["naive"]
+    assert row["records"] == 16 and row["steps"] == 4  # every row of both shards, trained
+    assert row["skipped_records"] == 0
+
+
+def test_revision_and_cache_dir_reach_the_jobs_download(tmp_path):
+    pytest.importorskip("huggingface_hub")
+    import dataclasses
+
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    from diag.qlora import Plan
+    from diag.qlora.job import model_folder, open_sources
+
+    persistent = dataclasses.replace(Plan.naive(), model_cache="persistent")
+    cache = tmp_path / "my-hf-cache"
+    with open_sources(QLoraConfig.quick(cache_dir=str(cache))) as src:
+        folder = model_folder(persistent, src, tmp_path / "work")
+        assert cache in folder.parents and any(folder.glob("*.safetensors"))
+        with pytest.raises(RevisionNotFoundError):
+            model_folder(Plan.naive(), dataclasses.replace(src, revision="no-such-branch"),
+                         tmp_path / "work2")
+
+
+def test_a_chat_messages_field_is_rendered_with_the_models_template(tmp_path):
+    from diag.data import render_chat
+    from diag.embedded import ensure_assets
+    from diag.loader.pipeline import load_tokenizer
+
+    chat = [{"role": "user", "content": "Sort: pear apple"},
+            {"role": "assistant", "content": "apple pear"}]
+    _parquet(tmp_path / "c.parquet", [{"conv": chat}, {"conv": chat[:1]}])
+    with pytest.raises(ValueError, match=r"row 2: no_answer"):
+        read_source(tmp_path, {"messages": "conv"})
+    records, problems = read_source(tmp_path, {"messages": "conv"}, on_error="skip")
+    assert records == [{"messages": chat}] and list(problems["problem"]) == ["no_answer"]
+    tokenizer = load_tokenizer(str(ensure_assets().model_dir))
+    if not tokenizer.chat_template:
+        with pytest.raises(ValueError, match="^--messages-field: the tokenizer of --model has "
+                                             "no chat template"):
+            render_chat(records, tokenizer)
+    tokenizer = type(tokenizer).from_pretrained(ensure_assets().model_dir)  # a copy to change
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n"
+                               "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert render_chat(records, tokenizer) == [
+        {"prompt": "<user>Sort: pear apple\n<assistant>", "response": "apple pear"}]
+    with pytest.raises(ValueError, match="--messages-field alone"):
+        QLoraConfig(messages_field="conv", text_field="t")
