@@ -62,10 +62,19 @@ def test_click_run_draws_each_step_as_it_arrives(tmp_path):
     assert FAKE_HF_TOKEN not in _texts(p)
 
 
-def test_a_failing_step_is_one_redacted_line_and_the_other_steps_go_on(tmp_path):
-    # a source that names the secret: the error message would carry it
-    p = widgets.panel(source=f"s3://no-such-bucket/{FAKE_HF_TOKEN}.jsonl", quick=True,
-                      out=str(tmp_path / "run"), **(FAST | {"storage": True}))
+def test_a_failing_step_is_one_redacted_line_and_the_other_steps_go_on(tmp_path, monkeypatch):
+    import dataclasses
+
+    from diag import diagnose
+
+    # a step fails mid-run (a bad source is refused before any step, by the preflight checks),
+    # with the secret in its message and a second line that must not reach the panel
+    def boom(cfg, got):
+        raise RuntimeError(f"cannot read s3://bucket/{FAKE_HF_TOKEN}.jsonl\nsecond line")
+
+    monkeypatch.setattr(diagnose, "STEPS", tuple(
+        dataclasses.replace(s, run=boom) if s.key == "storage" else s for s in diagnose.STEPS))
+    p = widgets.panel(quick=True, out=str(tmp_path / "run"), **(FAST | {"storage": True}))
     p.run.click()
     p.wait(timeout=120)
     (line,) = p.outputs["storage"].outputs
