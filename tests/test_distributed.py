@@ -149,7 +149,7 @@ def test_qlora_runs_as_ddp_and_rank_0_alone_writes_the_run_folder(tmp_path, laun
         cwd=tmp_path, env=_env(tmp_path / "home"), capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     (folder,) = (tmp_path / "runs").iterdir()  # one run folder, from rank 0
-    stages = pd.read_csv(folder / "qlora_stages.csv")
+    stages = pd.read_csv(folder / "run.csv")  # the stage frame, under its one key
     assert sorted(stages["rank"].unique()) == [0, 1]
     # the Trainer's DDP all-reduce went through diag's hook on both ranks, every timed step
     waits = stages[stages["stage"] == "comm_wait"]
