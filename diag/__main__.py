@@ -123,7 +123,9 @@ def field_docs(cls: type) -> dict[str, str]:
     """Each dataclass field's trailing comment: the config's one-line docs, read from source.
 
     Comments, not field(metadata=...): the configs stay one readable line per field (literal
-    default, then why), and the help can never drift from the comment a reader sees.
+    default, then why), and the help can never drift from the comment a reader sees. A comment
+    too long for one line goes on in comment-only lines right below the field, indented deeper
+    than the field; they are joined with single spaces.
     """
     import ast
     import inspect
@@ -138,15 +140,26 @@ def field_docs(cls: type) -> dict[str, str]:
             source = textwrap.dedent(inspect.getsource(klass))
         except (OSError, TypeError):  # no source (a frozen app, a class made at run time)
             continue
+        lines = source.splitlines()
         comments = {t.start[0]: t.string.lstrip("#").strip()
                     for t in tokenize.generate_tokens(io.StringIO(source).readline)
                     if t.type == tokenize.COMMENT}
         for node in ast.parse(source).body[0].body:  # type: ignore[attr-defined]
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
                     and node.target.id in names:
-                text = comments.get(node.end_lineno or node.lineno) or comments.get(node.lineno)
-                if text:
-                    docs[node.target.id] = text
+                end = node.end_lineno or node.lineno
+                text = comments.get(end) or comments.get(node.lineno)
+                if not text:
+                    continue
+                parts = [text]
+                # continuation lines: comment only, indented deeper than the field
+                for number in range(end + 1, len(lines) + 1):
+                    line = lines[number - 1]
+                    indent = len(line) - len(line.lstrip())
+                    if not line.lstrip().startswith("#") or indent <= node.col_offset:
+                        break
+                    parts.append(comments[number])
+                docs[node.target.id] = " ".join(p for p in parts if p)
     return docs
 
 
