@@ -5,8 +5,10 @@ order each round, medians of the per-round ratios: (a) diag's cold local read vs
 same file, both after the same page-cache eviction (dd's own timing, so no process start-up is
 billed to it); (b) diag's tuned pull, which is what land() runs on a miss (s3transfer with
 transfer_plan's TransferConfig, the full-object CRC32 computed on the bytes as they are written
-(also the manifest's digest), size, fsync, rename), vs `s5cmd cp` on the same endpoint and object; and, for information, boto3's defaults
-vs tuned and s3transfer alone (the same engine without diag's checks: what they cost). The object is uploaded multipart with a full-object CRC32, as current SDKs store it.
+(also the manifest's digest), size, fsync, rename), vs `s5cmd cp` on the same endpoint and object;
+and, for information, boto3's defaults vs tuned and s3transfer alone (the same engine without diag's
+checks: what they cost). The object is uploaded multipart with a full-object CRC32, as current SDKs
+store it.
 Last two lines: the goals, (b) last.
 """
 

@@ -30,7 +30,8 @@ _PACKAGES = ("diag", "torch", "transformers", "peft", "bitsandbytes", "huggingfa
 # Figures other experiments contribute: plots.<function>(frame) -> Figure, when it exists.
 EXPERIMENT_FIGURES = {"storage": "plot_storage", "model_load": "plot_model_load",
                       "accum": "plot_accum",
-                      "loader": "plot_loader", "workers": "plot_loader"}  # diag loader (workers: old runs)
+                      "loader": "plot_loader",  # diag loader
+                      "workers": "plot_loader"}  # old runs
 
 
 def versions() -> dict[str, str]:

@@ -185,7 +185,8 @@ def config_from(p: Panel) -> DiagnoseConfig:
 
 def source_widgets(given: dict[str, Any]) -> dict[str, Any]:
     """One widget per SourceConfig field but source and model (those lead the panel): the same
-    names, defaults and help as the CLI's flags; a value in `given` (panel(profile=...)) seeds it."""
+    names, defaults and help as the CLI's flags; a value in `given` (panel(profile=...)) seeds
+    it."""
     import dataclasses
 
     import ipywidgets as w

@@ -1,4 +1,5 @@
-"""diag.device: the dense peak table, name matching, the CPU probe, sync/resolve and machine facts."""
+"""diag.device: the dense peak table, name matching, the CPU probe, sync/resolve and machine
+facts."""
 
 from __future__ import annotations
 

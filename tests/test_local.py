@@ -1,4 +1,5 @@
-"""The embedded defaults: real loopback servers, real clients (boto3, huggingface_hub, transformers)."""
+"""The embedded defaults: real loopback servers, real clients (boto3, huggingface_hub,
+transformers)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""diag.model_load on the embedded hub: one quick run of every scenario (shared), its parts and advice.
+"""diag.model_load on the embedded hub: one quick run of every scenario (shared), its parts and
+advice.
 
 The run goes through the CLI with a fake HF_TOKEN in the environment, so the same run checks that
 the token appears in no output, CSV or report. Fault tests live in test_models_faults.py.

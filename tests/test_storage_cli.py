@@ -92,7 +92,8 @@ def test_public_bucket_needs_no_sign_request_and_works_with_it(s3, tmp_path, no_
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no AWS credentials" in err
     assert "for a public bucket pass --no-sign-request" in err
-    assert main([*args, "--no-sign-request"]) == 0  # unsigned: moto, like a public bucket, serves it
+    assert main([*args, "--no-sign-request"]) == 0  # unsigned: moto, like a
+                                                    # public bucket, serves it
     out = capsys.readouterr().out
     assert "boto3_tuned" in out and "land()'s engine" in out
 

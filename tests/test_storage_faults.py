@@ -1,6 +1,6 @@
 """land() under real faults: a proxy that cuts connections or flips bits, SIGKILL mid-download,
-corrupted copies, a full disk, missing objects and unreachable endpoints (tests/test_storage_cli.py has
-the errors a user sees from the command line, with no secret in any of them)."""
+corrupted copies, a full disk, missing objects and unreachable endpoints (tests/test_storage_cli.py
+has the errors a user sees from the command line, with no secret in any of them)."""
 
 from __future__ import annotations
 

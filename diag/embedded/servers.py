@@ -5,7 +5,8 @@ being timed, and `stop()` leaves nothing behind) and speak the real protocols: c
 boto3 with an endpoint URL, and huggingface_hub / transformers with `HF_ENDPOINT`, which
 huggingface_hub reads once, when `huggingface_hub.constants` is first imported (`import
 transformers` does that): set it before, e.g. a subprocess with `env={**os.environ, **hub.env()}`,
-or pass `endpoint=` to huggingface_hub calls. The assets they serve are made once by `diag.embedded.assets`.
+or pass `endpoint=` to huggingface_hub calls. The assets they serve are made once by
+`diag.embedded.assets`.
 """
 
 from __future__ import annotations

@@ -157,7 +157,8 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
                     first = got - start
                 if device.type == "cuda":
                     batch = _to(batch, device)
-                    sync(device)  # note: sync point, so the copy is billed to the step, not the wait
+                    sync(device)  # note: sync point, so the copy is
+                                  # billed to the step, not the wait
                 step(batch)
                 done = time.perf_counter()
                 if k > ahead:  # steady state: start-up and the prefetched batches are past

@@ -188,7 +188,8 @@ def _what_loaded(config: Any, model: Any, info: dict[str, Any]) -> dict[str, Any
 
 
 def _plain(job: dict[str, Any]) -> dict[str, Any]:
-    """The one call users write: from_pretrained(repo or folder, quantization_config, device_map)."""
+    """The one call users write: from_pretrained(repo or folder, quantization_config,
+    device_map)."""
     from transformers import AutoModelForCausalLM
 
     from diag.device import resolve, sync
