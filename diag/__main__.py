@@ -190,7 +190,8 @@ def build_parser() -> _Parser:
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", parser_class=_Parser)
     for name, exp in EXPERIMENTS.items():
         p = sub.add_parser(name, help=exp.help, description=exp.help + _presets(exp.config))
-        p.add_argument("--quick", action="store_true", help="the test-sized variant (also DIAG_QUICK=1)")
+        p.add_argument("--quick", action="store_true",
+                       help="the test-sized variant (also DIAG_QUICK=1)")
         if exp.table:  # the others write a run folder with every table instead
             p.add_argument("--csv", metavar="FILE", help="also write the main result table to FILE")
             p.add_argument("--json", action="store_true",
@@ -350,7 +351,8 @@ def _show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.N
 
         advice = frames.pop("advice", None)
         folder = report.write(frames, config=cfg.to_dict(), advice=advice)
-        print(redact(f"wrote {folder / 'report.html'}"), file=sys.stderr if args.json else sys.stdout)
+        print(redact(f"wrote {folder / 'report.html'}"),
+              file=sys.stderr if args.json else sys.stdout)
 
 
 if __name__ == "__main__":

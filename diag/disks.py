@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass
 
 # The kinds, fastest-to-reuse first. "network_*" names are what is_network() looks for.
-KINDS = ("local_nvme", "local_ssd", "local_hdd", "network_block", "network_file", "virtual", "other")
+KINDS = ("local_nvme", "local_ssd", "local_hdd", "network_block", "network_file", "virtual",
+         "other")
 _PSEUDO = {"proc", "sysfs", "devtmpfs", "devpts", "tmpfs", "cgroup", "cgroup2", "mqueue",
            "debugfs", "securityfs", "pstore", "bpf", "tracefs", "configfs", "fusectl", "ramfs",
            "hugetlbfs", "autofs", "binfmt_misc", "rpc_pipefs", "nsfs", "squashfs", "efivarfs",

@@ -164,7 +164,8 @@ class StageTimer:
         if seconds < 0:
             raise ValueError(f"seconds={seconds!r} for stage {name!r}: durations must be >= 0")
         check_stage(name)
-        self._rows.append((name, float(seconds), step if step is not None else self._step_for(name)))
+        self._rows.append((name, float(seconds),
+                           step if step is not None else self._step_for(name)))
 
     def watch_comm(self, ddp_model: Any) -> None:
         """Measure comm_wait through ddp_model's communication hook (register before the first

@@ -65,7 +65,8 @@ class LoopbackServer:
 
     def __init__(self, port: int | None = None) -> None:
         if port is not None and not (isinstance(port, int) and 0 < port < 65536):
-            raise ValueError(f"port={port!r}: must be an int in 1..65535, or None to pick a free one")
+            raise ValueError(
+                f"port={port!r}: must be an int in 1..65535, or None to pick a free one")
         self.host = _HOST
         self._requested_port = port
         self.port = port or 0
@@ -196,7 +197,8 @@ class S3Server(LoopbackServer):
         import importlib.util
 
         # the server is a subprocess: without this its ImportError would be a log tail
-        missing = [m for m in ("moto", "flask", "flask_cors") if importlib.util.find_spec(m) is None]
+        missing = [m for m in ("moto", "flask", "flask_cors")
+                   if importlib.util.find_spec(m) is None]
         if missing:
             raise RuntimeError(f"the embedded S3 server needs {', '.join(missing)}: install the "
                                "extra with pip install 'diag[embedded]' (or -e '.[embedded]')")
