@@ -3,8 +3,6 @@ facts."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 

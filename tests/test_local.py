@@ -188,7 +188,8 @@ def test_synthetic_dataset_deterministic_and_sized(tmp_path: Path) -> None:
     assert a.read_bytes() == b.read_bytes() != c.read_bytes()
     lines = a.read_text().splitlines()
     assert len(lines) == 500
-    assert {tuple(sorted(json.loads(l))) for l in lines} == {("input", "instruction", "output")}
+    assert ({tuple(sorted(json.loads(line))) for line in lines}
+            == {("input", "instruction", "output")})
     assert json.loads(lines[0]) == next(synthetic_records(1, seed=1))
 
     sized = synthetic_dataset(tmp_path / "s.jsonl", target_mb=0.5)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from botocore.exceptions import ConnectionClosedError
 
 from diag.__main__ import main
 from diag.config import StorageConfig
@@ -112,7 +113,7 @@ def test_retries_and_region_come_from_the_users_aws_config_unless_given(s3, tmp_
     try:
         def requests_made(client) -> int:
             before = len(proxy.requests)
-            with pytest.raises(Exception):
+            with pytest.raises(ConnectionClosedError):
                 client.head_object(Bucket="diag", Key="data/obj.bin")
             return len(proxy.requests) - before
 
