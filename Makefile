@@ -31,6 +31,7 @@ demo: $(STAMP)
 # Tests run in as many workers as cores (pytest-xdist); TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= auto
 test: $(BROWSER_STAMP)
+	$(VENV)/bin/ruff check diag tests bench tools data
 	$(PY) -m pytest -n $(TEST_WORKERS) $(ARGS)
 
 # The lab and its kernel run from this venv (jupyter_client starts the `python3` kernel with

@@ -70,8 +70,9 @@ def main() -> None:
     ok = sweep[sweep["status"] == "ok"]
     best, worst = ok.loc[ok["tokens_per_s"].idxmax()], ok.loc[ok["tokens_per_s"].idxmin()]
 
-    print(f"token file {tokens.tokens:,} ids ({tokens.dtype}), batch {BATCH} x {BLOCK} on {device}, "
-          f"{torch.get_num_threads()} threads, {ROUNDS} rounds of {BATCHES} batches after 1 warm-up")
+    print(f"token file {tokens.tokens:,} ids ({tokens.dtype}), batch {BATCH} x {BLOCK} "
+          f"on {device}, {torch.get_num_threads()} threads, {ROUNDS} rounds of {BATCHES} "
+          "batches after 1 warm-up")
     for who in rates:
         print(f"{who} loader: {statistics.median(rates[who]):,.0f} batches/s (median)")
     for row in sweep.itertuples():

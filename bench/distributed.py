@@ -1,4 +1,5 @@
-"""What does per-rank timing cost a DDP step, and does comm_wait find a straggler? CPU, gloo, 2 ranks.
+"""What does per-rank timing cost a DDP step, and does comm_wait find a straggler? CPU, gloo, 2
+ranks.
 
 `python bench/distributed.py` launches itself under torchrun (2 processes on this machine).
 Overhead: two copies of the same DDP loop (a small MLP, a real DataLoader), one untimed and one

@@ -79,7 +79,8 @@ def bench(size: str, rounds: int, procs: LoadProcesses, scenarios: list[str]) ->
 def fork_vs_exec(cfg: ModelLoadConfig, fork: pd.Series) -> float:
     """cached_offline load_model forked (from bench()'s run) vs exec'd: relative difference."""
     # the fork run just warmed the page cache and the files: no warm-up needed here
-    frame = run_model_load(cfg.replace(process="exec", scenarios=["cached_offline"], warmup=0)).frame
+    frame = run_model_load(cfg.replace(process="exec", scenarios=["cached_offline"],
+                                       warmup=0)).frame
     got = {"fork": fork, "exec": medians(frame).loc["cached_offline"]}
     for process, med in got.items():
         print(f"[fork vs exec] {process}: load_model {med['load_model']:.3f} s = import "

@@ -5,8 +5,10 @@ order each round, medians of the per-round ratios: (a) diag's cold local read vs
 same file, both after the same page-cache eviction (dd's own timing, so no process start-up is
 billed to it); (b) diag's tuned pull, which is what land() runs on a miss (s3transfer with
 transfer_plan's TransferConfig, the full-object CRC32 computed on the bytes as they are written
-(also the manifest's digest), size, fsync, rename), vs `s5cmd cp` on the same endpoint and object; and, for information, boto3's defaults
-vs tuned and s3transfer alone (the same engine without diag's checks: what they cost). The object is uploaded multipart with a full-object CRC32, as current SDKs store it.
+(also the manifest's digest), size, fsync, rename), vs `s5cmd cp` on the same endpoint and object;
+and, for information, boto3's defaults vs tuned and s3transfer alone (the same engine without diag's
+checks: what they cost). The object is uploaded multipart with a full-object CRC32, as current SDKs
+store it.
 Last two lines: the goals, (b) last.
 """
 
@@ -106,12 +108,15 @@ def main() -> None:
     rate = lambda secs: nbytes / MB / statistics.median(secs)  # noqa: E731
     print(f"object {nbytes / MB:.0f} MB on {s3.url.split(':')[0]}://127.0.0.1 (moto), "
           f"{usable_cores()} cores, {ROUNDS} rounds after 1 warm-up, medians")
-    print(f"cold local read: diag {rate(reads['diag']):.0f} MB/s, dd bs=1M {rate(reads['dd']):.0f} MB/s")
+    print(f"cold local read: diag {rate(reads['diag']):.0f} MB/s, "
+          f"dd bs=1M {rate(reads['dd']):.0f} MB/s")
     for m in methods:
         print(f"pull {m}: {rate(pulls[m]):.0f} MB/s ({statistics.median(pulls[m]):.3f} s)")
     print(f"boto3 default vs tuned: tuned is {default_ratio:.2f}x faster")
-    alone = statistics.median(a / t for a, t in zip(pulls["s3transfer_alone"], pulls["boto3_tuned"]))
-    print(f"land()'s checks + fsync cost: s3transfer alone takes {alone:.2f}x the tuned pull's time")
+    alone = statistics.median(a / t for a, t in zip(pulls["s3transfer_alone"],
+                                                     pulls["boto3_tuned"]))
+    print(f"land()'s checks + fsync cost: s3transfer alone takes {alone:.2f}x "
+          "the tuned pull's time")
     print(f"land()'s checks on this object: {checks}")
     print(f"storage_cold_read_vs_dd: {read_ratio:.3f} (goal >= 0.85)")
     print(f"storage_tuned_pull_vs_s5cmd: {pull_ratio:.3f} (goal >= 0.9)")

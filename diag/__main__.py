@@ -123,7 +123,9 @@ def field_docs(cls: type) -> dict[str, str]:
     """Each dataclass field's trailing comment: the config's one-line docs, read from source.
 
     Comments, not field(metadata=...): the configs stay one readable line per field (literal
-    default, then why), and the help can never drift from the comment a reader sees.
+    default, then why), and the help can never drift from the comment a reader sees. A comment
+    too long for one line goes on in comment-only lines right below the field, indented deeper
+    than the field; they are joined with single spaces.
     """
     import ast
     import inspect
@@ -138,15 +140,26 @@ def field_docs(cls: type) -> dict[str, str]:
             source = textwrap.dedent(inspect.getsource(klass))
         except (OSError, TypeError):  # no source (a frozen app, a class made at run time)
             continue
+        lines = source.splitlines()
         comments = {t.start[0]: t.string.lstrip("#").strip()
                     for t in tokenize.generate_tokens(io.StringIO(source).readline)
                     if t.type == tokenize.COMMENT}
         for node in ast.parse(source).body[0].body:  # type: ignore[attr-defined]
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
                     and node.target.id in names:
-                text = comments.get(node.end_lineno or node.lineno) or comments.get(node.lineno)
-                if text:
-                    docs[node.target.id] = text
+                end = node.end_lineno or node.lineno
+                text = comments.get(end) or comments.get(node.lineno)
+                if not text:
+                    continue
+                parts = [text]
+                # continuation lines: comment only, indented deeper than the field
+                for number in range(end + 1, len(lines) + 1):
+                    line = lines[number - 1]
+                    indent = len(line) - len(line.lstrip())
+                    if not line.lstrip().startswith("#") or indent <= node.col_offset:
+                        break
+                    parts.append(comments[number])
+                docs[node.target.id] = " ".join(p for p in parts if p)
     return docs
 
 
@@ -177,7 +190,8 @@ def build_parser() -> _Parser:
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", parser_class=_Parser)
     for name, exp in EXPERIMENTS.items():
         p = sub.add_parser(name, help=exp.help, description=exp.help + _presets(exp.config))
-        p.add_argument("--quick", action="store_true", help="the test-sized variant (also DIAG_QUICK=1)")
+        p.add_argument("--quick", action="store_true",
+                       help="the test-sized variant (also DIAG_QUICK=1)")
         if exp.table:  # the others write a run folder with every table instead
             p.add_argument("--csv", metavar="FILE", help="also write the main result table to FILE")
             p.add_argument("--json", action="store_true",
@@ -337,7 +351,8 @@ def _show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.N
 
         advice = frames.pop("advice", None)
         folder = report.write(frames, config=cfg.to_dict(), advice=advice)
-        print(redact(f"wrote {folder / 'report.html'}"), file=sys.stderr if args.json else sys.stdout)
+        print(redact(f"wrote {folder / 'report.html'}"),
+              file=sys.stderr if args.json else sys.stdout)
 
 
 if __name__ == "__main__":

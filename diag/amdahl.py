@@ -188,7 +188,8 @@ def upgrade(frame: pd.DataFrame, from_device: str, to_device: str, dtype: str = 
     return table
 
 
-def infer_compute_share(t_before: float, t_after: float, compute_speedup: float) -> dict[str, float]:
+def infer_compute_share(t_before: float, t_after: float,
+                        compute_speedup: float) -> dict[str, float]:
     """Inverse Amdahl: split the first run into compute and the rest from two end-to-end times.
 
     t_before = C + N and t_after = C / k + N give C = (t_before - t_after) / (1 - 1/k).
@@ -197,7 +198,8 @@ def infer_compute_share(t_before: float, t_after: float, compute_speedup: float)
         if not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name}={value!r}: must be a duration > 0")
     if not isinstance(compute_speedup, (int, float)) or not compute_speedup > 1:
-        raise ValueError(f"compute_speedup={compute_speedup!r}: must be > 1 (the new GPU is faster)")
+        raise ValueError(
+            f"compute_speedup={compute_speedup!r}: must be > 1 (the new GPU is faster)")
     if t_after > t_before:
         raise ValueError(f"t_after={t_after!r} > t_before={t_before!r}: a faster GPU cannot "
                          "make the run slower under Amdahl's law; check the two times")

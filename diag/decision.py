@@ -39,7 +39,8 @@ class MeasuredOn:
     model: str = ""  # the model the step ran: "tiny (nf4 + LoRA)", "gpt2-small (bf16)"
     precision: str = ""  # "nf4", "bf16", "fp32"
     seq_len: int | None = None
-    step: str = ""  # the step consumed: "the QLoRA step (measured)", "H100 SXM estimate (projected)"
+    step: str = ""  # the step consumed: "the QLoRA step (measured)",
+                    # "H100 SXM estimate (projected)"
     device: str = ""  # "cpu", "cuda:0 (NVIDIA H200)"
 
     def label(self) -> str:
@@ -56,7 +57,8 @@ class Decision:
     value: Any
     basis: Basis
     why: str  # one line with the figures it rests on: "2 workers: data_wait 0.8% of a 47 ms step"
-    source: str = ""  # the experiment that decided: storage, model_load, loader, accum, checkpointing
+    source: str = ""  # the experiment that decided: storage, model_load, loader, accum,
+                      # checkpointing
     measured_on: MeasuredOn = field(default_factory=MeasuredOn)
     rows: tuple[Mapping[str, Any], ...] = ()  # the measured rows it rests on, as records
     # What the choice is worth, for predictions made before the run (None: not measured). The
@@ -77,7 +79,8 @@ class Decision:
 
     @classmethod
     def default(cls, setting: str, value: Any, why: str, source: str = "") -> Decision:
-        """No usable measurement: a documented default, and why (absent frame, every point failed)."""
+        """No usable measurement: a documented default, and why (absent frame, every point
+        failed)."""
         return cls(setting, value, "default", why, source=source)
 
     @classmethod

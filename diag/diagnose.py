@@ -262,7 +262,8 @@ def frames(got: Products) -> dict[str, pd.DataFrame]:
         for i, (name, value) in enumerate(fields):
             if not isinstance(value, pd.DataFrame) or name == "advice" or value.empty:
                 continue
-            out[STAGE_FRAME if is_stage_frame(value) else key if i == 0 else f"{key}_{name}"] = value
+            label = STAGE_FRAME if is_stage_frame(value) else key if i == 0 else f"{key}_{name}"
+            out[label] = value
     decisions = [d for p in got.values() for d in getattr(p, "decisions", ())]
     if decisions:
         out["decisions"] = frame(decisions)

@@ -4,7 +4,8 @@
 answers for the filesystem holding a path (`is_network(kind)`: EBS, PD, NFS, FUSE...). Cloud block
 devices are told apart by the model string the hypervisor reports in sysfs, since an EBS volume is
 an `nvme*` device like an instance-store disk. `resident_fraction(path)` asks the kernel (mincore)
-how much of a file is in the page cache; `evict_page_cache(paths)` drops files and says if it worked.
+how much of a file is in the page cache; `evict_page_cache(paths)` drops files and says if it
+worked.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import re
 from dataclasses import dataclass
 
 # The kinds, fastest-to-reuse first. "network_*" names are what is_network() looks for.
-KINDS = ("local_nvme", "local_ssd", "local_hdd", "network_block", "network_file", "virtual", "other")
+KINDS = ("local_nvme", "local_ssd", "local_hdd", "network_block", "network_file", "virtual",
+         "other")
 _PSEUDO = {"proc", "sysfs", "devtmpfs", "devpts", "tmpfs", "cgroup", "cgroup2", "mqueue",
            "debugfs", "securityfs", "pstore", "bpf", "tracefs", "configfs", "fusectl", "ramfs",
            "hugetlbfs", "autofs", "binfmt_misc", "rpc_pipefs", "nsfs", "squashfs", "efivarfs",
@@ -203,7 +205,8 @@ def disk_kind(path: str | os.PathLike[str], sysfs: str | None = None,
 
 # -- page cache ---------------------------------------------------------------------------------
 def resident_fraction(path: str | os.PathLike[str]) -> float:
-    """Share of a file's pages in the page cache (mincore on a read-only mapping); NaN if unknown."""
+    """Share of a file's pages in the page cache (mincore on a read-only mapping); NaN if
+    unknown."""
     import ctypes
     import mmap
 

@@ -85,7 +85,8 @@ def launched() -> bool:
     return _env_int("WORLD_SIZE", 1) > 1
 
 
-RENDEZVOUS_TIMEOUT_S = 300.0  # how long a rank dials MASTER_ADDR:MASTER_PORT (env DIAG_RENDEZVOUS_TIMEOUT_S)
+RENDEZVOUS_TIMEOUT_S = 300.0  # how long a rank dials MASTER_ADDR:MASTER_PORT
+                              # (env DIAG_RENDEZVOUS_TIMEOUT_S)
 
 
 def init_group(device_type: str = "cpu", timeout_s: float | None = None) -> Place:

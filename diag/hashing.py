@@ -54,7 +54,8 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
 
 
 def git_blob_sha1(data: bytes) -> str:
-    """The id git (and the HF hub, for non-LFS files) gives these bytes: sha1 of a blob header + data."""
+    """The id git (and the HF hub, for non-LFS files) gives these bytes: sha1 of a blob header +
+    data."""
     return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
 
 

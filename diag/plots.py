@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 # Compute is the only share a GPU upgrade shortens: green. Data stages warm colours.
 STAGE_COLORS = {
     "fetch_data": "#d62728", "load_model": "#9467bd", "preprocess": "#8c564b",
-    "setup": "#dbdb8d", "warmup": "#bcbd22", "train": "#7f7f7f", "checkpoint": "#17becf", "eval": "#aec7e8",
+    "setup": "#dbdb8d", "warmup": "#bcbd22", "train": "#7f7f7f", "checkpoint": "#17becf",
+    "eval": "#aec7e8",
     "data_wait": "#ff7f0e", "h2d": "#e377c2", "compute": "#2ca02c", "other": "#c7c7c7",
     "comm_wait": "#1f77b4",
     "download": "#9467bd", "read": "#c5b0d5", "quantize": "#f7b6d2", "to_device": "#dbdb8d",
@@ -115,7 +116,8 @@ def plot_amdahl(shares: pd.DataFrame, run: str | None = None, max_speedup: float
     run = run if run is not None else shares["run"].iloc[0]
     part = shares[shares["run"] == run]
     if part.empty:
-        raise ValueError(f"run={run!r} not in shares: allowed runs are {sorted(set(shares['run']))}")
+        raise ValueError(
+            f"run={run!r} not in shares: allowed runs are {sorted(set(shares['run']))}")
     from diag.amdahl import GPU_BOUND
 
     compute = float(part.loc[part["stage"].isin(GPU_BOUND), "seconds"].sum())
@@ -236,7 +238,8 @@ def plot_accum(frame: pd.DataFrame) -> Figure:
     marked), and median seconds per step beside the floor (the step at 100% of the peak)."""
     need = {"micro_batch", "grad_accum", "tokens_per_s", "seconds_per_step", "floor_s", "status"}
     if frame.empty or not need <= set(frame.columns):
-        raise ValueError("frame must be the accum sweep (sweep_grad_accum): " + ", ".join(sorted(need)))
+        raise ValueError("frame must be the accum sweep (sweep_grad_accum): "
+                         + ", ".join(sorted(need)))
     points = list(dict.fromkeys(zip(frame["micro_batch"], frame["grad_accum"])))
     fig = _figure(10, 1.4 + 0.45 * len(points))
     rate, step = fig.subplots(1, 2, sharey=True)
@@ -311,7 +314,8 @@ def plot_ranks(per_rank: pd.DataFrame, title: str = "Per rank: where a step's ti
     if per_rank.empty:
         raise ValueError("per_rank is empty: nothing to plot")
     stages = ("data_wait", "h2d", "compute", "comm_wait", "other")
-    labels = [f"{r.run} rank {r.rank} (node {r.node})" if r.run else f"rank {r.rank} (node {r.node})"
+    labels = [f"{r.run} rank {r.rank} (node {r.node})" if r.run
+              else f"rank {r.rank} (node {r.node})"
               for r in per_rank.itertuples()]
     fig = _figure(9, 1.2 + 0.45 * len(per_rank))
     ax = fig.add_subplot()

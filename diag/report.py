@@ -30,7 +30,8 @@ _PACKAGES = ("diag", "torch", "transformers", "peft", "bitsandbytes", "huggingfa
 # Figures other experiments contribute: plots.<function>(frame) -> Figure, when it exists.
 EXPERIMENT_FIGURES = {"storage": "plot_storage", "model_load": "plot_model_load",
                       "accum": "plot_accum",
-                      "loader": "plot_loader", "workers": "plot_loader"}  # diag loader (workers: old runs)
+                      "loader": "plot_loader",  # diag loader
+                      "workers": "plot_loader"}  # old runs
 
 
 def versions() -> dict[str, str]:
@@ -180,7 +181,8 @@ def load_summary(folder: str | os.PathLike[str]) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def figures(frames: dict[str, pd.DataFrame], marks: dict[str, float] | None = None) -> dict[str, Any]:
+def figures(frames: dict[str, pd.DataFrame],
+            marks: dict[str, float] | None = None) -> dict[str, Any]:
     """Every figure a run folder gets, from its frames: name -> matplotlib Figure."""
     out = {}
     if STAGE_FRAME in frames:
@@ -241,7 +243,8 @@ def run_report(cfg: Any) -> Path:
 
 def _table(frame: pd.DataFrame, max_rows: int = 40) -> str:
     shown = frame.head(max_rows)
-    more = f"<p class=more>{len(frame) - max_rows} more rows in the CSV</p>" if len(frame) > max_rows else ""
+    more = (f"<p class=more>{len(frame) - max_rows} more rows in the CSV</p>"
+            if len(frame) > max_rows else "")
     return shown.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="", border=0) + more
 
 

@@ -4,9 +4,9 @@
 tokens, passwords), every value given to `register()`, the HF token that `hf auth login` wrote to
 its token file, the AWS credentials boto3 resolved (profile, SSO, instance role: none of them sets
 an environment variable; not walked when every client diag made was given its keys, and never as
-far as the instance metadata service when AWS_EC2_METADATA_DISABLED is set), and anything shaped like one (`hf_...`, `AKIA...`/`ASIA...`, presigned
-`X-Amz-Signature=` / `X-Amz-Credential=`, `user:pass@` in a URL). Reports and the CLI pass their
-text through it.
+far as the instance metadata service when AWS_EC2_METADATA_DISABLED is set), and anything shaped
+like one (`hf_...`, `AKIA...`/`ASIA...`, presigned `X-Amz-Signature=` / `X-Amz-Credential=`,
+`user:pass@` in a URL). Reports and the CLI pass their text through it.
 """
 
 from __future__ import annotations

@@ -13,8 +13,10 @@ from __future__ import annotations
 import pandas as pd
 
 STRAGGLER_SHARE = 0.10  # a rank whose own work per step exceeds the others' median by this is named
-DATA_CAUSE_SHARE = 0.5  # the straggler's extra data_wait at least this share of its extra work: its loader
-WORK_STAGES = ("data_wait", "h2d", "compute", "other")  # a rank's own time; comm_wait is waiting for others
+DATA_CAUSE_SHARE = 0.5  # the straggler's extra data_wait at least
+                        # this share of its extra work: its loader
+WORK_STAGES = ("data_wait", "h2d", "compute", "other")  # a rank's own time; comm_wait
+                                                        # is waiting for others
 COLUMNS = ["run", "rank", "node", "steps", "data_wait_s", "h2d_s", "compute_s", "comm_wait_s",
            "other_s", "work_s", "relative", "individual"]
 FINDING_COLUMNS = ["run", "rank", "node", "finding", "wait_per_step_s", "seconds_waited",

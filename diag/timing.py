@@ -4,10 +4,11 @@
 `for batch in timer.watch(loader):` records the time the loop is blocked on each `next()` as
 `data_wait` and numbers the steps. `to_frame()` gives one row per interval: `stage`, `seconds`,
 `step` (<NA> for run-level stages), `rank`, `node`; under DDP `timer.watch_comm(ddp_model)` splits
-each `compute` into compute and `comm_wait`, and `gather(dst=0)` collects every rank once at the end. Read it with `diag.amdahl`; a disabled timer
-(`StageTimer(enabled=False)`) keeps the loop's code identical and costs almost nothing.
-Each stage is also a named range in the traces users already read: a torch.profiler range while
-a profiler records (Perfetto, HTA) and, on CUDA, an NVTX range (Nsight); `trace=False` turns both off.
+each `compute` into compute and `comm_wait`, and `gather(dst=0)` collects every rank once at the
+end. Read it with `diag.amdahl`; a disabled timer (`StageTimer(enabled=False)`) keeps the loop's
+code identical and costs almost nothing. Each stage is also a named range in the traces users
+already read: a torch.profiler range while a profiler records (Perfetto, HTA) and, on CUDA, an NVTX
+range (Nsight); `trace=False` turns both off.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class _Stage(ContextDecorator):
     def __enter__(self) -> _Stage:
         timer = self._timer
         if timer._sync is not None:
-            timer._sync()  # note: CPU-GPU sync point, so the previous stage's kernels are not billed here
+            timer._sync()  # note: CPU-GPU sync point, so the previous
+                           # stage's kernels are not billed here
         if timer.trace:  # opened before the clock starts: its cost is not billed to the stage
             self._range = timer._open_range(self._name)
         self._start = time.perf_counter()
@@ -68,7 +70,8 @@ class _Stage(ContextDecorator):
     def __exit__(self, *exc: Any) -> bool:
         timer = self._timer
         if timer._sync is not None:
-            timer._sync()  # note: CPU-GPU sync point, so this stage's queued kernels are billed to it
+            timer._sync()  # note: CPU-GPU sync point, so this
+                           # stage's queued kernels are billed to it
         # Recorded even when the body raised: a failed stage still spent the time.
         seconds, step = time.perf_counter() - self._start, timer._step_for(self._name)
         if timer.comm is not None and self._name == "compute":
@@ -161,7 +164,8 @@ class StageTimer:
         if seconds < 0:
             raise ValueError(f"seconds={seconds!r} for stage {name!r}: durations must be >= 0")
         check_stage(name)
-        self._rows.append((name, float(seconds), step if step is not None else self._step_for(name)))
+        self._rows.append((name, float(seconds),
+                           step if step is not None else self._step_for(name)))
 
     def watch_comm(self, ddp_model: Any) -> None:
         """Measure comm_wait through ddp_model's communication hook (register before the first

@@ -31,7 +31,8 @@ class ToyBatches(Dataset):
     """
 
     def __init__(self, n: int, batch_size: int, width: int, prep_ms: float, seed: int = 0) -> None:
-        self.n, self.batch_size, self.width, self.prep_ms, self.seed = n, batch_size, width, prep_ms, seed
+        self.n, self.batch_size, self.width = n, batch_size, width
+        self.prep_ms, self.seed = prep_ms, seed
 
     def __len__(self) -> int:
         return self.n
@@ -39,7 +40,8 @@ class ToyBatches(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.prep_ms:
             time.sleep(self.prep_ms / 1000)
-        x = torch.randn(self.batch_size, self.width, generator=torch.Generator().manual_seed(self.seed + i))
+        x = torch.randn(self.batch_size, self.width,
+                        generator=torch.Generator().manual_seed(self.seed + i))
         return x, x.sum(dim=1, keepdim=True)
 
 

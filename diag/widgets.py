@@ -39,7 +39,8 @@ View = Callable[[dict[str, pd.DataFrame]], list[Any]]
 def _storage(frames: dict[str, pd.DataFrame]) -> list[Any]:
     from diag.storage import medians
 
-    return [medians(frames["storage"]), frames["storage_tax"], plots.plot_storage(frames["storage"])]
+    return [medians(frames["storage"]), frames["storage_tax"],
+            plots.plot_storage(frames["storage"])]
 
 
 def _model_load(frames: dict[str, pd.DataFrame]) -> list[Any]:
@@ -158,7 +159,8 @@ class Panel:
         if name in self.outputs:
             self.outputs[name].outputs = (
                 {"output_type": "display_data", "metadata": {},
-                 "data": {"text/plain": line, "text/html": f"<p class=diag-failed>{_esc(line)}</p>"}},)
+                 "data": {"text/plain": line,
+                          "text/html": f"<p class=diag-failed>{_esc(line)}</p>"}},)
 
     def clear(self, cfg: DiagnoseConfig) -> None:
         """Empty every output and size the progress bar for cfg's steps."""
@@ -185,7 +187,8 @@ def config_from(p: Panel) -> DiagnoseConfig:
 
 def source_widgets(given: dict[str, Any]) -> dict[str, Any]:
     """One widget per SourceConfig field but source and model (those lead the panel): the same
-    names, defaults and help as the CLI's flags; a value in `given` (panel(profile=...)) seeds it."""
+    names, defaults and help as the CLI's flags; a value in `given` (panel(profile=...)) seeds
+    it."""
     import dataclasses
 
     import ipywidgets as w

@@ -141,8 +141,8 @@ def lab(root: Path, launch: list[str], env: dict[str, str], port: int | None = N
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise LabError(f"jupyter lab did not answer on {url} within {start_timeout_s:.0f} s: "
-                               f"{_last_line(log)}")
+                raise LabError(f"jupyter lab did not answer on {url} within "
+                               f"{start_timeout_s:.0f} s: {_last_line(log)}")
             time.sleep(0.5)
         yield Lab(url=url, token=token, root=root, proc=proc, log=log)
     finally:
@@ -242,7 +242,8 @@ def set_kernel(path: Path, name: str, display: str) -> None:
 
 
 # -- driving a notebook in JupyterLab ------------------------------------------------------------
-PROMPTS = "() => Array.from(document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt'))" \
+PROMPTS = "() => Array.from(document.querySelectorAll(" \
+          "'.jp-Notebook .jp-CodeCell .jp-InputPrompt'))" \
           ".map(e => e.textContent.trim())"
 
 
@@ -255,7 +256,8 @@ def open_notebook(page: Any, lab: Lab, name: str, kernel: str, timeout_s: float 
             "(k) => { const n = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) "
             ".jp-KernelName, .jp-NotebookPanel .jp-Toolbar-kernelName');"
             " const i = document.querySelector('.jp-Notebook-ExecutionIndicator');"
-            " return n && n.textContent.trim().startsWith(k) && i && i.dataset.status === 'idle'; }",
+            " return n && n.textContent.trim().startsWith(k)"
+            " && i && i.dataset.status === 'idle'; }",
             arg=kernel, timeout=timeout_s * 1000)
     except Exception:
         raise LabError(f"{name}: kernel {kernel!r} did not start within {timeout_s:.0f} s "

@@ -24,7 +24,8 @@ class Proxy:
 
     def __init__(self, upstream_port: int, cut_after: int | None = None, cuts: int = 0,
                  rate: float | None = None, flip_at: int | None = None, flips: int = 0) -> None:
-        self.upstream, self.cut_after, self.cuts_left, self.rate = upstream_port, cut_after, cuts, rate
+        self.upstream, self.cut_after = upstream_port, cut_after
+        self.cuts_left, self.rate = cuts, rate
         self.flip_at, self.flips_left = flip_at, flips
         self.cut = self.flipped = self.served = 0
         self.requests: list[tuple[str, tuple[int, int | None] | None]] = []

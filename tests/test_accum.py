@@ -74,7 +74,8 @@ def test_unknown_device_gets_no_mfu_and_a_reason():
     assert math.isnan(row["mfu"]) and math.isnan(row["peak_tflops"])
     assert "unknown device 'Acme Tensor 9000'" in row["verdict"]
     mfu, ratio, note = judge_mfu(1e6, 1e6, None, "unknown GPU 'X': no dense bf16 peak")
-    assert math.isnan(mfu) and math.isnan(ratio) and note == "no MFU: unknown GPU 'X': no dense bf16 peak"
+    assert math.isnan(mfu) and math.isnan(ratio)
+    assert note == "no MFU: unknown GPU 'X': no dense bf16 peak"
 
 
 def test_token_file_is_made_once_keyed_and_decodes_to_the_dataset(tmp_path):
@@ -95,7 +96,8 @@ def test_token_file_is_made_once_keyed_and_decodes_to_the_dataset(tmp_path):
     ids = np.memmap(first.path, dtype=first.dtype, mode="r")
     end = int(np.argmax(ids == tok.eos_token_id))
     rec = json.loads(assets.dataset.read_text().splitlines()[0])
-    assert tok.decode(ids[:end].tolist()) == f"{rec['instruction']}\n{rec['input']}\n{rec['output']}"
+    assert (tok.decode(ids[:end].tolist())
+            == f"{rec['instruction']}\n{rec['input']}\n{rec['output']}")
     other = ensure_tokens(assets.model_dir, synthetic_dataset(tmp_path / "d.jsonl", records=50))
     assert other.path.parent != first.path.parent  # other data: another key, another file
 

@@ -144,7 +144,8 @@ def test_extra_findings_are_ranked_with_the_rest():
 @pytest.mark.parametrize("frame, message", [
     (pd.DataFrame(), "frame is empty"),
     (pd.DataFrame({"stage": ["fetch"], "seconds": [1.0]}), r"unknown stage\(s\) \['fetch'\]"),
-    (pd.DataFrame({"stage": ["eval"], "seconds": [-1.0]}), "negative duration -1.0 s for stage 'eval'"),
+    (pd.DataFrame({"stage": ["eval"], "seconds": [-1.0]}),
+     "negative duration -1.0 s for stage 'eval'"),
     (pd.DataFrame({"stage": ["eval"]}), "lacks column"),
 ])
 def test_bad_frames_are_named(frame, message):

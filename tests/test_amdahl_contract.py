@@ -115,7 +115,8 @@ def test_runs_keep_their_order_of_appearance_everywhere() -> None:
     assert out.loc[out["stage"] == "total", "run"].tolist() == ["zeta", "alpha"]
     found = amdahl.findings(f)
     assert list(dict.fromkeys(found["run"])) == ["zeta", "alpha"]  # alpha saves more, comes second
-    assert list(found.columns) == FINDING_COLUMNS and found.index.tolist() == list(range(len(found)))
+    assert list(found.columns) == FINDING_COLUMNS
+    assert found.index.tolist() == list(range(len(found)))
 
 
 def test_a_run_of_zero_seconds_has_zero_shares() -> None:

@@ -82,10 +82,11 @@ def test_tour_panel_run_in_jupyterlab_and_its_report(lab, tmp_path: Path):
         status = page.locator(".widget-label", has_text="wrote ")
         try:
             status.first.wait_for(timeout=DIAGNOSE_S * 1000)
-        except Exception:
+        except Exception as err:
             _shot(page, tmp_path, "tour_panel_timeout", panel)
             labels = page.locator(".widget-label").all_inner_texts()
-            raise b.LabError(f"the panel's Run did not finish within {DIAGNOSE_S} s: {labels}")
+            raise b.LabError(
+                f"the panel's Run did not finish within {DIAGNOSE_S} s: {labels}") from err
         _shot(page, tmp_path, "tour_panel_after_run", panel)
         folder = Path(status.first.inner_text().removeprefix("wrote ").split(";")[0])
         # every step's view arrived: the panel's progress full, a figure for each experiment

@@ -156,6 +156,19 @@ def test_every_config_field_has_a_comment_for_help():
     assert field_docs(StorageConfig)["retries"].startswith("request retries and re-GETs")
 
 
+def test_a_wrapped_field_comment_is_one_help_text():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Wrapped:
+        first: int = 1  # starts here,
+                        # goes on here
+        # about the next field (at the field's indent): not part of first's help
+        second: int = 2  # alone
+
+    assert field_docs(Wrapped) == {"first": "starts here, goes on here", "second": "alone"}
+
+
 def test_literal_fields_parse_to_their_allowed_values():
     _, cfg, _ = parse(["model-load", "--scenarios", "cached, cached_cold", "--device", "cuda:1"])
     assert cfg == ModelLoadConfig.quick(scenarios=["cached", "cached_cold"], device="cuda:1")

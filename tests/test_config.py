@@ -10,7 +10,8 @@ def test_validation_names_field_and_allowed_values():
         ToyConfig(batch_size=-4)
     with pytest.raises(ValueError, match=r"ToyConfig.prep_ms=-1.0: must be a number >= 0"):
         ToyConfig(prep_ms=-1.0)
-    with pytest.raises(ValueError, match=r"ToyConfig.device='tpu': allowed values are 'auto', 'cpu', 'cuda'"):
+    with pytest.raises(ValueError,
+                       match=r"ToyConfig.device='tpu': allowed values are 'auto', 'cpu', 'cuda'"):
         ToyConfig(device="tpu")
     with pytest.raises(ValueError, match=r"InfoConfig.probe_size=True"):
         InfoConfig(probe_size=True)  # a bool is not a size
@@ -39,7 +40,8 @@ def test_default_follows_diag_quick(monkeypatch):
 def test_device_accepts_cuda_n_and_names_what_is_allowed():
     assert ToyConfig(device="cuda:1").device == "cuda:1"
     for bad in ("tpu", "cuda:x", "cpu:0", "cuda:"):
-        with pytest.raises(ValueError, match=r"ToyConfig.device=.*'auto', 'cpu', 'cuda' and 'cuda:N'"):
+        with pytest.raises(ValueError,
+                           match=r"ToyConfig.device=.*'auto', 'cpu', 'cuda' and 'cuda:N'"):
             ToyConfig(device=bad)
 
 

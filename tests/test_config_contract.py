@@ -71,7 +71,8 @@ def test_model_load_config_scenarios() -> None:
     _raises(once.format([]), ModelLoadConfig, scenarios=" , ")
     _raises(once.format(["fresh", "fresh"]), ModelLoadConfig, scenarios="fresh,fresh")
     _raises("ModelLoadConfig.scenarios: 'warm' is not a scenario; allowed values are 'fresh', "
-            "'cached', 'cached_offline', 'cached_cold'", ModelLoadConfig, scenarios=["fresh", "warm"])
+            "'cached', 'cached_offline', 'cached_cold'", ModelLoadConfig,
+            scenarios=["fresh", "warm"])
     _raises("ModelLoadConfig.revision='': name a branch, tag or commit (main)", ModelLoadConfig,
             revision="")
 
@@ -104,7 +105,8 @@ def test_zero_is_allowed_where_the_rule_is_non_negative() -> None:
     ("size_mb", 0.0, "must be a number > 0"), ("shards", False, "must be a number > 0"),
     ("repeats", "3", "must be a number > 0"), ("warmup", -1, "must be a number >= 0"),
     ("retries", True, "must be a number >= 0"), ("dataset_gb", "1", "must be a number >= 0"),
-    ("runs_per_week", -1.0, "must be a number >= 0"), ("usd_per_hour", -0.5, "must be a number >= 0"),
+    ("runs_per_week", -1.0, "must be a number >= 0"),
+    ("usd_per_hour", -0.5, "must be a number >= 0"),
     ("verify", "md5", "allowed values are 'sha256', 'size'"),
     ("source", "s3:///key", "expected s3://bucket/key, s3://bucket/prefix/ or '' for the "
                             "embedded server"),

@@ -1,8 +1,7 @@
-"""diag.device: the dense peak table, name matching, the CPU probe, sync/resolve and machine facts."""
+"""diag.device: the dense peak table, name matching, the CPU probe, sync/resolve and machine
+facts."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch

@@ -170,7 +170,6 @@ def test_evict_page_cache_makes_a_file_cold_and_says_so(disk_tmp_path) -> None:
 import shutil  # noqa: E402  (kept with the tests below, so the top of the file stays as it was)
 import tempfile  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 

@@ -52,7 +52,8 @@ def test_sweep_recovers_an_injected_per_sample_cost_and_recommends_the_workers_i
     assert by.loc[1, "data_wait_share"] > 0.15  # (500 - 375) / 500 of each step is a wait
     assert by.loc[3, "warning"].startswith("num_workers=3 >") == (3 > usable_cores())
     found = advice(sweep, recommend(sweep), run_steps=100)
-    assert found["finding"].str.contains("num_workers=2" if kept_up else "workers alone leave").any()
+    assert found["finding"].str.contains(
+        "num_workers=2" if kept_up else "workers alone leave").any()
     row = found.iloc[0]
     saved = (by.loc[0, "data_wait_s"] - by.loc[2, "data_wait_s"]) * 100
     assert row["stage"] == "data_wait" and row["seconds_saved"] == pytest.approx(saved)

@@ -1,4 +1,5 @@
-"""The embedded defaults: real loopback servers, real clients (boto3, huggingface_hub, transformers)."""
+"""The embedded defaults: real loopback servers, real clients (boto3, huggingface_hub,
+transformers)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def test_port_in_use_is_a_clear_error(assets: Assets) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(RuntimeError, match=f"port {port} on 127.0.0.1 is already in use.*port=None"):
+        with pytest.raises(RuntimeError,
+                           match=f"port {port} on 127.0.0.1 is already in use.*port=None"):
             HubServer(assets.hub_root, port=port).start()
     with pytest.raises(ValueError, match="port="):
         S3Server(port=70000)
@@ -88,7 +90,8 @@ def test_port_in_use_is_a_clear_error(assets: Assets) -> None:
 def test_start_failure_shows_the_servers_output() -> None:
     class Broken(LoopbackServer):
         def command(self, port: int) -> list[str]:
-            return [sys.executable, "-c", "import sys; sys.stderr.write('no such flag'); sys.exit(3)"]
+            return [sys.executable, "-c",
+                    "import sys; sys.stderr.write('no such flag'); sys.exit(3)"]
 
     server = Broken()
     with pytest.raises(RuntimeError, match="exited during start-up(.|\n)*no such flag"):
@@ -152,10 +155,12 @@ def test_transformers_loads_through_hf_endpoint(assets: Assets, tmp_path: Path) 
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["shape"] == [1, result["n"], result["vocab"]]
-    assert any((tmp_path / "hub").glob("models--diag-local--tiny-llama/snapshots/*/model.safetensors"))
+    assert any((tmp_path / "hub").glob(
+        "models--diag-local--tiny-llama/snapshots/*/model.safetensors"))
 
 
-def test_hub_serves_a_plain_folder_and_publish_is_idempotent(assets: Assets, tmp_path: Path) -> None:
+def test_hub_serves_a_plain_folder_and_publish_is_idempotent(assets: Assets,
+                                                             tmp_path: Path) -> None:
     from huggingface_hub import snapshot_download
 
     root = tmp_path / "hub"
@@ -183,7 +188,8 @@ def test_synthetic_dataset_deterministic_and_sized(tmp_path: Path) -> None:
     assert a.read_bytes() == b.read_bytes() != c.read_bytes()
     lines = a.read_text().splitlines()
     assert len(lines) == 500
-    assert {tuple(sorted(json.loads(l))) for l in lines} == {("input", "instruction", "output")}
+    assert ({tuple(sorted(json.loads(line))) for line in lines}
+            == {("input", "instruction", "output")})
     assert json.loads(lines[0]) == next(synthetic_records(1, seed=1))
 
     sized = synthetic_dataset(tmp_path / "s.jsonl", target_mb=0.5)
@@ -209,7 +215,8 @@ def test_synthetic_answers_are_correct() -> None:
 
 @pytest.mark.parametrize("kwargs, name", [
     ({"records": 0}, "records"), ({"records": -3}, "records"), ({"target_mb": 0}, "target_mb"),
-    ({"target_mb": -1.5}, "target_mb"), ({}, "records"), ({"records": 5, "target_mb": 1}, "target_mb"),
+    ({"target_mb": -1.5}, "target_mb"), ({}, "records"),
+    ({"records": 5, "target_mb": 1}, "target_mb"),
 ])
 def test_synthetic_dataset_bad_sizes(tmp_path: Path, kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
@@ -239,7 +246,8 @@ def test_tiny_model_loads_in_4bit_on_cpu(assets: Assets) -> None:
     n4 = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
     assert n4 == 7 * model.config.num_hidden_layers  # q k v o gate up down per layer
     tok = AutoTokenizer.from_pretrained(assets.model_dir)
-    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == ("<s>", "</s>", "<pad>", "<unk>")
+    assert ((tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token)
+            == ("<s>", "</s>", "<pad>", "<unk>"))
     batch = tok(["Sort these numbers: 3, 1, 2", "hi"], return_tensors="pt", padding=True)
     with torch.no_grad():
         logits = model(**batch).logits
@@ -256,7 +264,8 @@ def test_ensure_assets_reuses_what_exists(assets: Assets) -> None:
 
 
 def test_import_is_light() -> None:
-    code = "import sys, diag.embedded; print(sorted({'torch','boto3','transformers','tokenizers'} & set(sys.modules)))"
+    code = ("import sys, diag.embedded; "
+            "print(sorted({'torch','boto3','transformers','tokenizers'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          check=True)
     assert out.stdout.strip() == "[]"

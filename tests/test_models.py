@@ -1,4 +1,5 @@
-"""diag.model_load on the embedded hub: one quick run of every scenario (shared), its parts and advice.
+"""diag.model_load on the embedded hub: one quick run of every scenario (shared), its parts and
+advice.
 
 The run goes through the CLI with a fake HF_TOKEN in the environment, so the same run checks that
 the token appears in no output, CSV or report. Fault tests live in test_models_faults.py.
@@ -67,7 +68,7 @@ def test_parts_add_up_to_the_load_processes_own_clock(quick_run):
     """load_model is import + one clock the load process keeps around the whole load, never
     the parts' sum: a part timed twice (or left out) shows here."""
     frame, _ = quick_run
-    for (scenario, repeat), rows in frame.groupby(["scenario", "repeat"]):
+    for (scenario, _repeat), rows in frame.groupby(["scenario", "repeat"]):
         seconds = rows.set_index("part")["seconds"]
         parts = seconds[list(LOAD_PARTS)].sum()
         # the tolerance stays under half of quantize (the smallest part a bug could bill twice
@@ -95,7 +96,10 @@ def test_bytes_match_the_files(quick_run):
     model_dir = ensure_assets().model_dir
     weights = (model_dir / "model.safetensors").stat().st_size
     everything = sum(p.stat().st_size for p in model_dir.iterdir() if p.is_file())
-    get = lambda s, p: frame[(frame.scenario == s) & (frame.part == p)]["bytes"].item()
+
+    def get(s: str, p: str) -> int:
+        return frame[(frame.scenario == s) & (frame.part == p)]["bytes"].item()
+
     assert get("fresh", "download") == everything  # every file, once
     for scenario in ("cached", "cached_offline", "cached_cold"):
         assert get(scenario, "download") == 0  # a revision check downloads nothing

@@ -153,7 +153,8 @@ def test_download_killed_halfway_leaves_nothing_that_looks_complete(at_hub, tmp_
     job = {"mode": "download", "model": REPO, "revision": "main", "cache_dir": str(tmp_path),
            "local_dir": ""}
     env = {**os.environ, "HF_ENDPOINT": proxy.url, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "diag.model_load.worker", json.dumps(job)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "diag.model_load.worker", json.dumps(job)],
+                            env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     weights_sha = json.loads(next((at_hub.root / REPO / "commits").glob(
         "*/.diag-manifest.json")).read_text())["files"]["model.safetensors"]["sha256"]

@@ -32,7 +32,8 @@ def test_there_are_notebooks():
 def test_notebook_is_committed_thin(path: Path):
     cells = _code_cells(path)
     assert cells, "no code cells"
-    assert "parameters" in cells[0].get("metadata", {}).get("tags", []), "first code cell must be tagged parameters"
+    assert "parameters" in cells[0].get("metadata", {}).get("tags", []), \
+        "first code cell must be tagged parameters"
     params = ast.parse("".join(cells[0]["source"]))
     for node in params.body:
         assert isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant), (

@@ -78,7 +78,8 @@ def test_waterfall_draws_one_fix_per_stage():
     found = amdahl.findings(frame, extra=extra)
     total = amdahl.shares(frame)["seconds"].sum()
     bars = plots.plot_waterfall(found, total).axes[0].patches
-    fetch_bars = [b for b in bars[1:-1] if to_hex(b.get_facecolor()) == plots.STAGE_COLORS["fetch_data"]]
+    fetch_bars = [b for b in bars[1:-1]
+                  if to_hex(b.get_facecolor()) == plots.STAGE_COLORS["fetch_data"]]
     assert len(fetch_bars) == 1 and fetch_bars[0].get_height() == pytest.approx(9.0)
 
 

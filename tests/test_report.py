@@ -38,7 +38,8 @@ def test_html_is_self_contained_with_every_figure_and_the_stage_table(tmp_path):
     pngs = sorted(p.stem for p in folder.glob("*.png"))
     assert pngs == ["amdahl", "stage_shares", "waterfall"]
     for name in pngs:
-        assert re.search(rf'<img alt="{name}" src="data:image/png;base64,[A-Za-z0-9+/=]{{1000,}}"', page)
+        assert re.search(
+            rf'<img alt="{name}" src="data:image/png;base64,[A-Za-z0-9+/=]{{1000,}}"', page)
     assert "<h2>Stage shares</h2>" in page and "fetch_data" in page and "data_wait" in page
     assert "src=\"http" not in page and "href=" not in page  # opens from disk, nothing fetched
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from botocore.exceptions import ConnectionClosedError
 
 from diag.__main__ import main
 from diag.config import DiagnoseConfig, ModelLoadConfig, QLoraConfig, SourceConfig, StorageConfig
@@ -153,7 +154,7 @@ def test_every_client_flag_reaches_the_jobs_client(s3, tmp_path, monkeypatch):
                                     profile="team", region="ap-south-1", retries=retries)
             with open_sources(cfg) as src:
                 before = len(proxy.requests)
-                with pytest.raises(Exception):
+                with pytest.raises(ConnectionClosedError):
                     src.client.head_object(Bucket=s3.bucket, Key="k.jsonl")
                 assert len(proxy.requests) - before == retries + 1
                 assert src.client.meta.region_name == "ap-south-1"

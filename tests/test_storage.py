@@ -109,7 +109,8 @@ def s3():
     with S3Server() as server:
         client = server.client()
         for i in range(3):
-            client.put_object(Bucket="diag", Key=f"shards/part-{i}.bin", Body=os.urandom(200_000 + i))
+            client.put_object(Bucket="diag", Key=f"shards/part-{i}.bin",
+                              Body=os.urandom(200_000 + i))
         client.put_object(Bucket="diag", Key="shards/sub/deep.bin", Body=b"deep")
         yield server
 
@@ -204,7 +205,8 @@ def test_manifest_is_what_makes_a_landing_complete(s3, tmp_path):
 def test_storage_tax_arithmetic_and_advice_rows():
     rows = [{"method": m, "bytes": 200 * MB, "seconds": 200 / rate, "mb_per_s": rate,
              "cache_state": "remote", "repeat": r}
-            for m, rates in {"boto3_default": (90, 100, 110), "boto3_tuned": (240, 250, 260)}.items()
+            for m, rates in {"boto3_default": (90, 100, 110),
+                             "boto3_tuned": (240, 250, 260)}.items()
             for r, rate in enumerate(rates)]
     rows += [{"method": "local_read", "bytes": 200 * MB, "seconds": 0.1, "mb_per_s": 2000.0,
               "cache_state": "cold", "repeat": r} for r in range(3)]

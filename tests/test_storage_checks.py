@@ -193,8 +193,10 @@ def test_aws_endpoint_url_is_honoured_for_a_source_and_noted_without_one(s3, tmp
     from diag.storage.experiment import open_source
 
     s3.client().put_object(Bucket="diag", Key="data/env.bin", Body=b"x" * 1000)
-    for name, value in (("AWS_ENDPOINT_URL", s3.endpoint_url), ("AWS_ACCESS_KEY_ID", s3.access_key),
-                        ("AWS_SECRET_ACCESS_KEY", s3.secret_key), ("AWS_DEFAULT_REGION", s3.region)):
+    for name, value in (("AWS_ENDPOINT_URL", s3.endpoint_url),
+                        ("AWS_ACCESS_KEY_ID", s3.access_key),
+                        ("AWS_SECRET_ACCESS_KEY", s3.secret_key),
+                        ("AWS_DEFAULT_REGION", s3.region)):
         monkeypatch.setenv(name, value)
     cfg = StorageConfig.quick(source="s3://diag/data/env.bin", local_dir=str(tmp_path))
     with open_source(cfg) as (_, client, env):  # no --endpoint-url: boto3 reads the variable

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from botocore.exceptions import ConnectionClosedError
 
 from diag.__main__ import main
 from diag.config import StorageConfig
@@ -92,7 +93,8 @@ def test_public_bucket_needs_no_sign_request_and_works_with_it(s3, tmp_path, no_
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no AWS credentials" in err
     assert "for a public bucket pass --no-sign-request" in err
-    assert main([*args, "--no-sign-request"]) == 0  # unsigned: moto, like a public bucket, serves it
+    assert main([*args, "--no-sign-request"]) == 0  # unsigned: moto, like a
+                                                    # public bucket, serves it
     out = capsys.readouterr().out
     assert "boto3_tuned" in out and "land()'s engine" in out
 
@@ -111,7 +113,7 @@ def test_retries_and_region_come_from_the_users_aws_config_unless_given(s3, tmp_
     try:
         def requests_made(client) -> int:
             before = len(proxy.requests)
-            with pytest.raises(Exception):
+            with pytest.raises(ConnectionClosedError):
                 client.head_object(Bucket="diag", Key="data/obj.bin")
             return len(proxy.requests) - before
 

@@ -1,6 +1,6 @@
 """land() under real faults: a proxy that cuts connections or flips bits, SIGKILL mid-download,
-corrupted copies, a full disk, missing objects and unreachable endpoints (tests/test_storage_cli.py has
-the errors a user sees from the command line, with no secret in any of them)."""
+corrupted copies, a full disk, missing objects and unreachable endpoints (tests/test_storage_cli.py
+has the errors a user sees from the command line, with no secret in any of them)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def test_a_dropped_part_is_fetched_again_whole_and_costs_at_most_one_part(s3, tm
     # the part's first byte. A drop then wastes at most one part (<= 256 MB: ~1-3 s at S3
     # rates), which is why resuming inside a part was not kept.
     part = MB
-    monkeypatch.setattr(transfer, "transfer_plan", lambda size, cores=None: TransferPlan(part, part, 2))
+    monkeypatch.setattr(transfer, "transfer_plan",
+                        lambda size, cores=None: TransferPlan(part, part, 2))
     url = "s3://diag/data/obj.bin"
     proxy = Proxy(s3.port, cut_after=part // 2, cuts=2)  # two part responses cut half-way
     try:
@@ -148,7 +149,8 @@ def test_multipart_object_failing_its_full_object_crc_never_lands(s3, tmp_path, 
                                                   multipart_chunksize=5 << 20))
     head = s3.client().head_object(Bucket="diag", Key=key, ChecksumMode="ENABLED")
     assert head["ETag"].endswith('-3"') and head["ChecksumType"] == "FULL_OBJECT"
-    monkeypatch.setattr(transfer, "transfer_plan", lambda size, cores=None: TransferPlan(part, part, 2))
+    monkeypatch.setattr(transfer, "transfer_plan",
+                        lambda size, cores=None: TransferPlan(part, part, 2))
     url, cache = f"s3://diag/{key}", tmp_path / "cache"
     final, manifest = local_paths(parse_url(url), cache)
     proxy = Proxy(s3.port, flip_at=part // 2, flips=1000)  # every part: a persistent fault
@@ -293,7 +295,8 @@ def test_missing_bucket_key_prefix_and_refused_connection(s3, tmp_path):
         assert url in str(err.value) and s3.endpoint_url in str(err.value)
     with socket.create_server(("127.0.0.1", 0)) as s:
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
-    with pytest.raises(RuntimeError, match="cannot connect .*--endpoint-url / AWS_ENDPOINT_URL") as err:
+    with pytest.raises(RuntimeError,
+                       match="cannot connect .*--endpoint-url / AWS_ENDPOINT_URL") as err:
         land("s3://diag/data/obj.bin", tmp_path, client=client_for(s3, closed, retries=0))
     assert closed in str(err.value)
     with pytest.raises(ValueError, match="s3://bucket/key"):

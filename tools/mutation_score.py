@@ -56,7 +56,8 @@ def main(patterns: list[str]) -> int:
         print(f"{module}: {score:.1%} killed ({killed}/{len(tried)}; {dict(counts)}) "
               f"(goal >= {GOAL:.0%})")
         for name in survivors:
-            print(f"    {name}{'  (equivalent: docs/mutation.md)' if _short(name) in explained else ''}")
+            note = "  (equivalent: docs/mutation.md)" if _short(name) in explained else ""
+            print(f"    {name}{note}")
     return 0 if worst >= GOAL else 1
 
 

@@ -13,6 +13,7 @@ from diag.accum.sweep import COLUMNS, is_oom, measure, pairs, sweep_grad_accum
 from diag.accum.tokens import BatchLoader, TokenFile, check_tokens, ensure_tokens, token_file
 
 __all__ = ["AccumResult", "BatchLoader", "COLUMNS", "ModelShape", "NANOGPT_PEAK", "TokenFile",
-           "advice", "check_tokens", "count_flops", "decide", "ensure_tokens", "floor_seconds", "is_oom",
+           "advice", "check_tokens", "count_flops", "decide", "ensure_tokens", "floor_seconds",
+           "is_oom",
            "judge_mfu", "measure", "mfu_check", "mfu_from_figures", "pairs", "run_accum",
            "summarize", "sweep_grad_accum", "token_file"]

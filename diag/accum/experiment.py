@@ -98,7 +98,8 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     out["floor_flagged"] = [floor_impossible(f, s) for f, s in
                             zip(out["floor_s"], out["seconds_per_step"])]
     cols = ["micro_batch", "grad_accum", "tokens_per_step", "status", "seconds_per_step",
-            "floor_s", "floor_flagged", "tokens_per_s", "vs_worst", "mfu", "peak_mem_gb", "data_s", "compute_s",
+            "floor_s", "floor_flagged", "tokens_per_s", "vs_worst", "mfu", "peak_mem_gb", "data_s",
+            "compute_s",
             "warmup_s", "compile", "steps", "recommended", "detail"]
     return pd.DataFrame(out[cols])
 
@@ -157,7 +158,8 @@ def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = 
     evidence = (f"{int(best['micro_batch'])} x {int(best['grad_accum'])}: "
                 f"{best['tokens_per_s']:,.0f} tokens/s, {best['seconds_per_step']:.3g} s/step{mfu}"
                 f" vs {int(worst['micro_batch'])} x {int(worst['grad_accum'])}: "
-                f"{worst['tokens_per_s']:,.0f} tokens/s ({best['tokens_per_s'] / worst['tokens_per_s']:.2f}x)"
+                f"{worst['tokens_per_s']:,.0f} tokens/s "
+                f"({best['tokens_per_s'] / worst['tokens_per_s']:.2f}x)"
                 f" at {int(best['tokens_per_step']):,} tokens per step, medians, {over}{edge}"
                 f"{note}; floor {best['floor_s']:.3g} s/step at 100% MFU")
     finding = (f"train with micro-batch {int(best['micro_batch'])} x grad_accum "

@@ -5,8 +5,8 @@ matmul (every linear layer and the LM head, not an embedding lookup), 12·L·d·
 QK^T and AV at sequence length T, forward and backward; 8N + 16·L·d·T with activation
 checkpointing (`training_flops(recompute=True)`). `count_flops()` checks the formula with
 torch's FlopCounterMode on a real micro-step; `disagreement()` flags a gap over MFU_DISAGREEMENT
-and `floor_impossible()` a floor above the measured step. MFU = achieved FLOP/s / the device's dense peak;
-above 100% it is never a result but a flag (wrong peak or over-counted FLOPs), both numbers
+and `floor_impossible()` a floor above the measured step. MFU = achieved FLOP/s / the device's dense
+peak; above 100% it is never a result but a flag (wrong peak or over-counted FLOPs), both numbers
 shown. `floor_s` is a step's time at 100% of the peak. `mfu_from_figures()` takes your numbers.
 """
 

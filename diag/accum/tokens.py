@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     import torch
 
 _FORMAT = 1  # bump when the file layout changes, so old folders are not reused
-_LINES_PER_CHUNK = 4096  # records tokenized per encode_batch call: big enough to amortize, small in RAM
+_LINES_PER_CHUNK = 4096  # records tokenized per encode_batch call:
+                         # big enough to amortize, small in RAM
 
 
 @dataclass(frozen=True)

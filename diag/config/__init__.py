@@ -19,7 +19,8 @@ from diag.config.storage import StorageConfig
 
 __all__ = [
     "ACCUM_DTYPES", "ACCUM_MODELS", "AccumConfig", "DEVICES", "DiagnoseConfig", "ExperimentConfig",
-    "InfoConfig", "LOADER_CONSUMERS", "LoadProcess", "MODEL_LOAD_PROCESSES", "LOADER_PIPELINES", "LoaderConfig", "MODEL_LOAD_SCENARIOS",
-    "ModelLoadConfig", "ON_ERROR", "QLORA_PLANS", "QLoraConfig", "ReportConfig", "STORAGE_PULLS", "Scenario", "SourceConfig", "StorageConfig",
+    "InfoConfig", "LOADER_CONSUMERS", "LoadProcess", "MODEL_LOAD_PROCESSES", "LOADER_PIPELINES",
+    "LoaderConfig", "MODEL_LOAD_SCENARIOS", "ModelLoadConfig", "ON_ERROR", "QLORA_PLANS",
+    "QLoraConfig", "ReportConfig", "STORAGE_PULLS", "Scenario", "SourceConfig", "StorageConfig",
     "ToyConfig", "VERIFY_MODES", "Verify", "diag_home", "quick_mode",
 ]

@@ -18,18 +18,26 @@ ACCUM_DTYPES = ("auto", "bf16", "fp32")  # autocast dtype; auto = bf16 on CUDA, 
 class AccumConfig(ExperimentConfig):
     """`diag accum`: micro_batch x grad_accum at the same tokens per step; tokens/s, MFU, floor."""
 
-    tokens_per_step: int = 4096  # tokens per optimizer step at every point (the seed: 16 x 1024 x 64 = 1M)
+    tokens_per_step: int = 4096  # tokens per optimizer step at every
+                                 # point (the seed: 16 x 1024 x 64 = 1M)
     seq_len: int = 128  # tokens per sequence (nanoGPT's block_size); at most the model's context
-    micro_batches: list[int] = field(default_factory=list)  # sequences per forward; [] = every power of two up to tokens_per_step / seq_len
+    micro_batches: list[int] = field(default_factory=list)  # sequences per forward; []
+                                                            # = every power of two up to
+                                                            # tokens_per_step / seq_len
     steps: int = 3  # timed optimizer steps per point; more is steadier and slower
-    warmup_steps: int = 1  # untimed first steps per point (allocator, kernels, compile): reported as warmup_s
-    model: str = "tiny"  # "tiny": the embedded Llama (CPU-sized); "gpt2-small": GPT-2 124M shape, random init (a GPU)
+    warmup_steps: int = 1  # untimed first steps per point (allocator,
+                           # kernels, compile): reported as warmup_s
+    model: str = "tiny"  # "tiny": the embedded Llama (CPU-sized);
+                         # "gpt2-small": GPT-2 124M shape, random init (a GPU)
     compile: bool = False  # torch.compile each point: faster steps, compile time lands in warmup_s
     dtype: str = "auto"  # autocast dtype: "auto" = bf16 on CUDA, fp32 on CPU
     device: str = "auto"  # "auto", "cpu" or "cuda"
-    token_file: str = ""  # a nanoGPT-style train.bin (uint16 ids); "" = the synthetic dataset, tokenized once
-    peak_tflops: float = 0.0  # dense peak for MFU; 0 = diag's table (CUDA) or a measured matmul probe (CPU)
-    steps_per_run: int = 5000  # optimizer steps in your run: prices the advice (seconds saved per run)
+    token_file: str = ""  # a nanoGPT-style train.bin (uint16 ids); ""
+                          # = the synthetic dataset, tokenized once
+    peak_tflops: float = 0.0  # dense peak for MFU; 0 = diag's table
+                              # (CUDA) or a measured matmul probe (CPU)
+    steps_per_run: int = 5000  # optimizer steps in your run: prices
+                               # the advice (seconds saved per run)
     seed: int = 0  # window sampling and the gpt2-small init
 
     QUICK: ClassVar[dict[str, Any]] = {"tokens_per_step": 1024, "seq_len": 64,

@@ -1,4 +1,5 @@
-"""`diag info`, `diag toy`, `diag report` and `diag run`: the configs that are not one experiment."""
+"""`diag info`, `diag toy`, `diag report` and `diag run`: the configs that are not one
+experiment."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class ToyConfig(ExperimentConfig):
     prep_ms: float = 0.0  # synthetic per-batch preprocessing cost, to make data_wait visible
     num_workers: int = 0  # DataLoader workers; more overlap preprocessing with compute
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
-    slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms more per batch (a straggler on purpose); -1 = none
+    slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms
+                         # more per batch (a straggler on purpose); -1 = none
     slow_ms: float = 0.0  # the extra per-batch sleep of slow_rank, in milliseconds
 
     QUICK: ClassVar[dict[str, Any]] = {"steps": 10, "warmup_steps": 2, "width": 128}
@@ -72,24 +74,33 @@ class DiagnoseConfig(SourceConfig):
     out: str = ""  # run folder to write; "" makes runs/<UTC timestamp>/
     storage: bool = True  # run the storage experiment (object store vs local disk)
     model_load: bool = True  # run the model-load experiment (fresh vs cached)
-    accum: bool = True  # micro-batch x grad-accum sweep: on the QLoRA job's step (the tiny model with --no-qlora)
-    loader: bool = True  # data-loader sweep + stall split: against the QLoRA job's step (--no-qlora: target_gpu's, projected)
+    accum: bool = True  # micro-batch x grad-accum sweep: on the QLoRA
+                        # job's step (the tiny model with --no-qlora)
+    loader: bool = True  # data-loader sweep + stall split: against the QLoRA
+                         # job's step (--no-qlora: target_gpu's, projected)
     records: int = 0  # records the QLoRA job trains on; 0 = QLoraConfig's default
-    job_steps: int = 0  # optimizer steps of the QLoRA job (naive and optimized); 0 = QLoraConfig's default
+    job_steps: int = 0  # optimizer steps of the QLoRA job (naive
+                        # and optimized); 0 = QLoraConfig's default
     seq_len: int = 0  # token slots per row of the QLoRA job; 0 = QLoraConfig's default
-    on_error: str = "raise"  # a record of --source that does not fit: "raise" stops, "skip" counts it and leaves it out
+    on_error: str = "raise"  # a record of --source that does not fit: "raise"
+                             # stops, "skip" counts it and leaves it out
     steps: int = 60  # --no-qlora only: timed steps of the toy loop per run (naive and optimized)
     prep_ms: float = 3.0  # --no-qlora only: the toy loop's host preprocessing per batch
-    qlora: bool = True  # naive vs optimized runs are the QLoRA job (diag.qlora); False = the toy loop
+    qlora: bool = True  # naive vs optimized runs are the QLoRA
+                        # job (diag.qlora); False = the toy loop
     naive_workers: int = 0  # --no-qlora only: the toy loop's DataLoader workers in the naive run
-    optimized_workers: int = 2  # --no-qlora only: the toy loop's DataLoader workers in the optimized run
+    optimized_workers: int = 2  # --no-qlora only: the toy loop's
+                                # DataLoader workers in the optimized run
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
     current_gpu: str = ""  # GPU marked "now" on the Amdahl curve; "" = the detected one
     target_gpu: str = "H100 SXM"  # GPU you consider renting, marked at its dense-peak ratio
     quick_experiments: bool = False  # True runs each experiment in its test-sized variant (seconds)
     # -- widgets (diag.widgets): the panel's sweep ranges and plan, passed to the experiments --
-    workers: list[int] = field(default_factory=list)  # num_workers the loader sweeps; [] = its default (QLoraConfig.RUN)
-    micro_batches: list[int] = field(default_factory=list)  # micro-batches accum sweeps (divisors of the job's rows per step); [] = its default
+    workers: list[int] = field(default_factory=list)  # num_workers the loader sweeps; []
+                                                      # = its default (QLoraConfig.RUN)
+    micro_batches: list[int] = field(default_factory=list)  # micro-batches accum sweeps
+                                                            # (divisors of the job's rows
+                                                            # per step); [] = its default
     plan: QLoraPlan = "both"  # QLoRA plans run: "naive", "optimized" or "both"
 
     QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0, "quick_experiments": True}

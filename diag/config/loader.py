@@ -21,24 +21,35 @@ class LoaderConfig(ExperimentConfig):
     data: str = ""  # instruction JSONL; "" = the embedded synthetic dataset
     tokenizer: str = ""  # folder with tokenizer.json; "" = the embedded tiny model's
     pipelines: list[str] = field(default_factory=lambda: list(LOADER_PIPELINES))  # forms swept
-    workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])  # num_workers swept; the first is the baseline the advice compares with
+    workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])  # num_workers
+        # swept; the first is the baseline the advice compares with
     batch_size: int = 16  # sequences per step (the seed user's 16 x 512 tokens)
     seq_len: int = 512  # tokens per sequence; longer means more tokenizing per sample
-    consumer: str = "emulated"  # "emulated" waits step_ms per step (any GPU, on CPU); "model" trains the tiny model
-    step_ms: float = 0.0  # emulated step; 0 = estimated for `gpu`, else the tiny model's step measured here
-    gpu: str = ""  # estimate the step for this GPU (dense peak, 6 x params x tokens at `mfu`); "" = measure
+    consumer: str = "emulated"  # "emulated" waits step_ms per step (any GPU,
+                                # on CPU); "model" trains the tiny model
+    step_ms: float = 0.0  # emulated step; 0 = estimated for `gpu`,
+                          # else the tiny model's step measured here
+    gpu: str = ""  # estimate the step for this GPU (dense peak,
+                   # 6 x params x tokens at `mfu`); "" = measure
     model_params_b: float = 1.1  # model size for the GPU estimate, billions of parameters
-    mfu: float = 0.4  # model FLOPs utilization assumed by the GPU estimate; lower means a longer step
-    steps: int = 20  # steady-state steps timed per setting, after the first batch and the prefetch; more is steadier
-    repeats: int = 2  # epochs per setting on one DataLoader; persistent_workers keeps workers across them
+    mfu: float = 0.4  # model FLOPs utilization assumed by the
+                      # GPU estimate; lower means a longer step
+    steps: int = 20  # steady-state steps timed per setting, after the
+                     # first batch and the prefetch; more is steadier
+    repeats: int = 2  # epochs per setting on one DataLoader;
+                      # persistent_workers keeps workers across them
     pin_memory: bool = True  # page-locked batches for a faster h2d copy (CUDA only)
     persistent_workers: bool = True  # keep workers across epochs instead of restarting them
-    prefetch_factor: int = 2  # batches each worker prepares ahead; more absorbs jitter, costs memory
-    extra_prep_ms: float = 0.0  # per-sample cost added to the pipeline: "what if preprocessing were heavier"
-    target_share: float = DATA_WAIT_GOAL  # data_wait share of the step the recommended setting stays under
+    prefetch_factor: int = 2  # batches each worker prepares ahead;
+                              # more absorbs jitter, costs memory
+    extra_prep_ms: float = 0.0  # per-sample cost added to the pipeline:
+                                # "what if preprocessing were heavier"
+    target_share: float = DATA_WAIT_GOAL  # data_wait share of the step the
+                                          # recommended setting stays under
     run_steps: int = 1000  # steps of the training run the advice prices its savings for
     profile_samples: int = 200  # samples run through the line profiler; more is steadier
-    num_proc: int = 1  # processes tokenizing the token cache (measured: extra processes cost on 2 cores)
+    num_proc: int = 1  # processes tokenizing the token cache
+                       # (measured: extra processes cost on 2 cores)
     on_error: str = "skip"  # malformed JSONL rows: "skip" counts and lists them, "raise" stops
     timeout_s: float = 120.0  # a batch not delivered in this time fails the setting (a hung worker)
     device: str = "auto"  # "auto", "cpu" or "cuda": where batches are copied and the model steps
@@ -64,7 +75,8 @@ class LoaderConfig(ExperimentConfig):
         self._choice("on_error", ON_ERROR)
         self._device()
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2:
-            raise ValueError(f"LoaderConfig.seq_len={self.seq_len!r}: must be a whole number >= 2")
+            raise ValueError(
+                f"LoaderConfig.seq_len={self.seq_len!r}: must be a whole number >= 2")
         for name in ("mfu", "target_share"):
             if not getattr(self, name) < 1:
                 raise ValueError(f"LoaderConfig.{name}={getattr(self, name)!r}: must be < 1")
@@ -74,7 +86,8 @@ class LoaderConfig(ExperimentConfig):
             raise ValueError(f"LoaderConfig.pipelines={self.pipelines!r}: name one or more of "
                              + ", ".join(map(repr, LOADER_PIPELINES)))
         workers = self.workers
-        if (not isinstance(workers, (list, tuple)) or not workers or len(set(workers)) != len(workers)
+        if (not isinstance(workers, (list, tuple)) or not workers
+                or len(set(workers)) != len(workers)
                 or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in workers)):
             raise ValueError(f"LoaderConfig.workers={workers!r}: must be a list of different "
                              "whole numbers >= 0 (num_workers values)")

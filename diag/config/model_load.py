@@ -13,13 +13,19 @@ from diag.config.source import SourceConfig
 class ModelLoadConfig(SourceConfig):
     """`diag model-load`: fresh vs cached model load, each part (download ... tokenizer) timed."""
 
-    scenarios: list[Scenario] = field(default_factory=lambda: list(MODEL_LOAD_SCENARIOS))  # fewer run faster; fresh downloads the whole model every repeat
+    scenarios: list[Scenario] = field(
+        default_factory=lambda: list(MODEL_LOAD_SCENARIOS))  # fewer run faster; fresh downloads
+                                                            # the whole model every repeat
     repeats: int = 3  # measured loads per scenario after the warm-up; more is steadier
-    warmup: int = 1  # untimed loads first (page cache of the model and of lazily read library files); 0 when both are warm
-    quantize: bool = True  # 4-bit nf4 (bitsandbytes) as QLoRA loads its base; False keeps the checkpoint dtype
+    warmup: int = 1  # untimed loads first (page cache of the model and of
+                     # lazily read library files); 0 when both are warm
+    quantize: bool = True  # 4-bit nf4 (bitsandbytes) as QLoRA loads
+                           # its base; False keeps the checkpoint dtype
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
-    process: LoadProcess = "fork"  # "fork": imports paid once, a clean forked child per load; "exec": a fresh interpreter per load (slower, same figures)
-    trust_remote_code: bool = False  # True runs Python code from the model repo; only for repos you trust
+    process: LoadProcess = "fork"  # "fork": imports paid once, a clean forked child per load;
+                                   # "exec": a fresh interpreter per load (slower, same figures)
+    trust_remote_code: bool = False  # True runs Python code from the model
+                                     # repo; only for repos you trust
     timeout_s: float = 1800.0  # per load process; a large model over a slow link needs more
 
     QUICK: ClassVar[dict[str, Any]] = {"repeats": 1}

@@ -14,28 +14,37 @@ QLORA_PLANS: tuple[str, ...] = get_args(QLoraPlan)
 
 @dataclass
 class QLoraConfig(SourceConfig):
-    """`diag qlora`: the QLoRA fine-tune (nf4 base + LoRA, transformers.Trainer), naive vs optimized."""
+    """`diag qlora`: the QLoRA fine-tune (nf4 base + LoRA, transformers.Trainer), naive vs
+    optimized."""
 
-    plan: QLoraPlan = "both"  # "naive" (a newcomer's defaults), "optimized" (the measured fixes) or both
-    records: int = 128  # records both plans train on once (same tokens); demo-sized for a 2-core CPU
+    plan: QLoraPlan = "both"  # "naive" (a newcomer's defaults),
+                              # "optimized" (the measured fixes) or both
+    records: int = 128  # records both plans train on once (same
+                        # tokens); demo-sized for a 2-core CPU
     steps: int = 8  # optimizer steps both plans take over those records (same LR schedule)
     seq_len: int = 128  # token slots per row: naive pads each record to it, optimized packs into it
-    on_error: str = "raise"  # a bad row or a prompt filling seq_len: "raise" stops, "skip" counts it
+    on_error: str = "raise"  # a bad row or a prompt filling seq_len:
+                             # "raise" stops, "skip" counts it
     warmup_steps: int = 1  # first optimizer steps timed as `warmup`, apart from steady state
     lr: float = 2e-4  # peak learning rate (linear warm-up over 10% of steps, linear decay)
     seed: int = 0  # same seed in both plans, so the loss curves are comparable
     lora_r: int = 16  # LoRA rank; higher adapts more and trains slower
     lora_alpha: int = 32  # LoRA scale numerator (scale = alpha / r)
     lora_dropout: float = 0.05  # dropout on the LoRA input
-    checkpoint_every: int = 0  # save adapter + optimizer + data position every N steps; 0 = at the end only
+    checkpoint_every: int = 0  # save adapter + optimizer + data position
+                               # every N steps; 0 = at the end only
     resume: bool = False  # continue from the last checkpoint in out_dir, if there is one
     out_dir: str = ""  # checkpoints; "" = a fresh temporary folder per run
-    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"; CUDA-only settings on CPU fall back, with a note
+    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"; CUDA-only
+                          # settings on CPU fall back, with a note
     rounds: int = 3  # plans run interleaved this many times (order alternating); medians + spread
-    results: str = ""  # run folder whose experiment CSVs the optimized plan reads; "" = measure on this job
+    results: str = ""  # run folder whose experiment CSVs the optimized
+                       # plan reads; "" = measure on this job
     # -- the sweeps on the job's own step that decide the optimized plan (diag.qlora.measure) --
-    sweep_micro_batches: list[int] = field(default_factory=list)  # [] = up to 4 divisors of the job's rows per step, 1 and the largest among them
-    sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # num_workers the loader sweep tries against the job's step
+    sweep_micro_batches: list[int] = field(default_factory=list)  # [] = up to
+        # 4 divisors of the job's rows per step, 1 and the largest among them
+    sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # num_workers
+        # the loader sweep tries against the job's step
     sweep_steps: int = 2  # timed steps per sweep point on the job (after one warm-up)
 
     QUICK: ClassVar[dict[str, Any]] = {"records": 12, "steps": 3, "seq_len": 96, "lora_r": 8,
@@ -48,7 +57,8 @@ class QLoraConfig(SourceConfig):
                                      "steps": 4, "rounds": 3}
 
     def validate(self) -> None:
-        super().validate()  # the source flags (SourceConfig): what the job pulls, loads and trains on
+        super().validate()  # the source flags (SourceConfig): what
+                            # the job pulls, loads and trains on
         self._choice("plan", QLORA_PLANS)
         self._choice("on_error", ON_ERROR)
         self._positive("records", "steps", "seq_len", "lr", "lora_r", "lora_alpha", "sweep_steps",

@@ -24,20 +24,33 @@ WEIGHT_FILES = ("*.safetensors", "*.bin")
 class SourceConfig(ExperimentConfig):
     """The user's bucket and model, or (all empty) the embedded S3 server and hub."""
 
-    source: str = ""  # your data: s3://bucket/key.{jsonl,parquet} or s3://bucket/prefix/ of shards; "" = the embedded S3 server + embedded data
-    endpoint_url: str = ""  # S3 endpoint of --source (MinIO, R2, GCS interop); "" = your AWS config (AWS_ENDPOINT_URL, profile)
-    profile: str = ""  # AWS profile for --source; "" = AWS_PROFILE or the default chain (env, ~/.aws, instance role)
+    source: str = ""  # your data: s3://bucket/key.{jsonl,parquet} or s3://bucket/prefix/
+                      # of shards; "" = the embedded S3 server + embedded data
+    endpoint_url: str = ""  # S3 endpoint of --source (MinIO, R2, GCS interop);
+                            # "" = your AWS config (AWS_ENDPOINT_URL, profile)
+    profile: str = ""  # AWS profile for --source; "" = AWS_PROFILE or
+                       # the default chain (env, ~/.aws, instance role)
     region: str = ""  # region for --source; "" = your AWS config (AWS_REGION, profile)
     sign_request: bool = True  # False (--no-sign-request) reads a public bucket with no credentials
-    retries: int | None = None  # request retries and re-GETs of a dropped part; None = your AWS config (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE), 0 fails fast
-    model: str = ""  # your model: "org/name" on HF_ENDPOINT or the hub, or a local folder with weights; "" = the embedded tiny Llama
+    retries: int | None = None  # request retries and re-GETs of a dropped part; None = your
+                                # AWS config (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE), 0 fails fast
+    model: str = ""  # your model: "org/name" on HF_ENDPOINT or the hub, or a
+                     # local folder with weights; "" = the embedded tiny Llama
     revision: str = "main"  # branch, tag or commit of a hub --model
-    cache_dir: str = ""  # HF hub cache for --model; "": model-load reads your HF_HUB_CACHE for a hub id (read only), the QLoRA job and the embedded model use <DIAG_HOME>/hf-cache
-    repair_cache: bool = False  # model-load: True re-downloads cached files that fail their checksum (and may write to your HF cache); False stops and reports them
-    text_field: str = ""  # --source records' field holding the whole text (loss on all of it); "" = prompt/response fields, or instruction/input/output
-    prompt_field: str = ""  # --source records' prompt field (with --response-field; loss on the response only); "" = instruction/input/output (Alpaca)
+    cache_dir: str = ""  # HF hub cache for --model; "": model-load reads your
+                         # HF_HUB_CACHE for a hub id (read only), the QLoRA
+                         # job and the embedded model use <DIAG_HOME>/hf-cache
+    repair_cache: bool = False  # model-load: True re-downloads cached files
+                                # that fail their checksum (and may write to
+                                # your HF cache); False stops and reports them
+    text_field: str = ""  # --source records' field holding the whole text (loss on all of
+                          # it); "" = prompt/response fields, or instruction/input/output
+    prompt_field: str = ""  # --source records' prompt field (with --response-field; loss
+                            # on the response only); "" = instruction/input/output (Alpaca)
     response_field: str = ""  # --source records' response field (with --prompt-field)
-    messages_field: str = ""  # --source records' chat field (a list of {role, content}, the last from the assistant), rendered with --model's chat template; loss on the last message
+    messages_field: str = ""  # --source records' chat field (a list of {role,
+                              # content}, the last from the assistant), rendered with
+                              # --model's chat template; loss on the last message
 
     def validate(self) -> None:
         super().validate()

@@ -19,7 +19,8 @@ class StorageConfig(SourceConfig):
     shards: int = 1  # embedded dataset as this many objects under a prefix (1 = a single object)
     repeats: int = 3  # measured repeats per method; more gives steadier medians
     warmup: int = 1  # untimed first rounds (connections, server cache): not reported
-    verify: Verify = "sha256"  # land() hit check: "sha256" catches flipped bytes, "size" is near-free
+    verify: Verify = "sha256"  # land() hit check: "sha256" catches
+                               # flipped bytes, "size" is near-free
     dataset_gb: float = 0.0  # dataset size for the tax; 0 = the measured size (e.g. 25 for yours)
     runs_per_week: float = 20.0  # training starts per week that re-pull the dataset
     usd_per_hour: float = 0.0  # instance price for the tax; 0 = unknown (no money figures)

@@ -40,14 +40,16 @@ def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "t
     call only reads the marker.
     """
     if model not in MODEL_SIZES:
-        raise ValueError(f"model={model!r}: allowed values are " + ", ".join(map(repr, MODEL_SIZES)))
+        raise ValueError(f"model={model!r}: allowed values are "
+                         + ", ".join(map(repr, MODEL_SIZES)))
     base = (Path(home) if home is not None else diag_home()) / "assets"
     assets = Assets(
         dataset=base / f"dataset-{DATASET_MB}mb-seed0.jsonl", model_dir=base / "models" / model,
         hub_root=base / "hub", repo_id=f"diag-local/{model}-llama",
     )
     marker = base / f"{model}.complete.json"
-    if marker.is_file() and assets.dataset.is_file() and (assets.model_dir / "config.json").is_file():
+    if (marker.is_file() and assets.dataset.is_file()
+            and (assets.model_dir / "config.json").is_file()):
         return assets
     from diag.embedded.synth import synthetic_dataset, tiny_model
 
@@ -55,7 +57,8 @@ def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "t
         synthetic_dataset(assets.dataset, target_mb=DATASET_MB, seed=0)
     tiny_model(assets.model_dir, dataset=assets.dataset, **MODEL_SIZES[model])
     commit = publish_model(assets.model_dir, assets.hub_root, assets.repo_id)
-    marker.write_text(json.dumps({"commit": commit, **{k: str(v) for k, v in vars(assets).items()}}))
+    marker.write_text(json.dumps({"commit": commit,
+                                  **{k: str(v) for k, v in vars(assets).items()}}))
     return assets
 
 

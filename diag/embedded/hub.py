@@ -136,7 +136,8 @@ class _HubIndex:
     def resolve(self, repo_id: str, revision: str) -> tuple[Path, dict[str, Any]]:
         parts = repo_id.split("/")
         repo = self.root.joinpath(*parts)
-        if len(parts) != 2 or not all(parts) or ".." in parts or parts[0] == "." or not repo.is_dir():
+        if (len(parts) != 2 or not all(parts) or ".." in parts or parts[0] == "."
+                or not repo.is_dir()):
             raise _HubError("RepoNotFound", f"Repository {repo_id} not found")
         if not (repo / "refs").is_dir():  # a plain folder: one revision, "main"
             manifest = self._manifest(repo, repo_id, stored=False)
@@ -164,7 +165,8 @@ def _tree(manifest: dict[str, Any], prefix: str, recursive: bool) -> list[dict[s
     dirs = {d for d in dirs if d.startswith(base) and (recursive or "/" not in d[len(base):])}
     out: list[dict[str, Any]] = [
         {"type": "directory", "path": d, "size": 0,
-         "oid": hashlib.sha1(f"{manifest['commit']}:{d}".encode()).hexdigest()} for d in sorted(dirs)
+         "oid": hashlib.sha1(f"{manifest['commit']}:{d}".encode()).hexdigest()}
+        for d in sorted(dirs)
     ]
     for p in under:
         if not recursive and "/" in p[len(base):]:
@@ -182,7 +184,8 @@ def _model_info(repo_id: str, manifest: dict[str, Any]) -> dict[str, Any]:
     for p, e in manifest["files"].items():
         sib: dict[str, Any] = {"rfilename": p, "size": e["size"], "blobId": e["blob_id"]}
         if e["lfs"]:
-            sib["lfs"] = {"sha256": e["sha256"], "size": e["size"], "pointerSize": e["pointer_size"]}
+            sib["lfs"] = {"sha256": e["sha256"], "size": e["size"],
+                          "pointerSize": e["pointer_size"]}
         siblings.append(sib)
     stamp = manifest["last_modified"]
     return {"_id": manifest["commit"][:24], "id": repo_id, "modelId": repo_id,
@@ -291,7 +294,8 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m diag.embedded.hub", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m diag.embedded.hub",
+                                     description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     hub = sub.add_parser("hub", help="serve a hub root over HTTP (the HF_ENDPOINT protocol)")
     hub.add_argument("--root", required=True, help="folder laid out by publish_model")

@@ -5,7 +5,8 @@ being timed, and `stop()` leaves nothing behind) and speak the real protocols: c
 boto3 with an endpoint URL, and huggingface_hub / transformers with `HF_ENDPOINT`, which
 huggingface_hub reads once, when `huggingface_hub.constants` is first imported (`import
 transformers` does that): set it before, e.g. a subprocess with `env={**os.environ, **hub.env()}`,
-or pass `endpoint=` to huggingface_hub calls. The assets they serve are made once by `diag.embedded.assets`.
+or pass `endpoint=` to huggingface_hub calls. The assets they serve are made once by
+`diag.embedded.assets`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class LoopbackServer:
 
     def __init__(self, port: int | None = None) -> None:
         if port is not None and not (isinstance(port, int) and 0 < port < 65536):
-            raise ValueError(f"port={port!r}: must be an int in 1..65535, or None to pick a free one")
+            raise ValueError(
+                f"port={port!r}: must be an int in 1..65535, or None to pick a free one")
         self.host = _HOST
         self._requested_port = port
         self.port = port or 0
@@ -195,7 +197,8 @@ class S3Server(LoopbackServer):
         import importlib.util
 
         # the server is a subprocess: without this its ImportError would be a log tail
-        missing = [m for m in ("moto", "flask", "flask_cors") if importlib.util.find_spec(m) is None]
+        missing = [m for m in ("moto", "flask", "flask_cors")
+                   if importlib.util.find_spec(m) is None]
         if missing:
             raise RuntimeError(f"the embedded S3 server needs {', '.join(missing)}: install the "
                                "extra with pip install 'diag[embedded]' (or -e '.[embedded]')")

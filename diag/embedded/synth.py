@@ -217,7 +217,8 @@ def tiny_model(
     _check_positive("intermediate_size", intermediate_size)
     for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
         if value % 64:
-            raise ValueError(f"{name}={value}: must be a multiple of 64 (bitsandbytes 4-bit blocks)")
+            raise ValueError(
+                f"{name}={value}: must be a multiple of 64 (bitsandbytes 4-bit blocks)")
     if hidden_size % num_heads:
         raise ValueError(f"num_heads={num_heads}: must divide hidden_size={hidden_size}")
     if vocab_size < 512:

@@ -19,6 +19,7 @@ from diag.loader.tokens import TokenCache, build_token_cache
 
 __all__ = ["EmulatedStep", "Guarded", "IGNORE_INDEX", "LoaderResult", "ModelStep",
            "NaiveTextDataset", "PROMPT_TEMPLATE", "PackedDataset", "SampleError", "Setting",
-           "TokenCache", "advice", "build_token_cache", "choose_workers", "decide", "encode_batch", "format_prompt",
+           "TokenCache", "advice", "build_token_cache", "choose_workers", "decide", "encode_batch",
+           "format_prompt",
            "gpu_step_seconds", "load_tokenizer", "measure_setting", "profile_lines",
            "read_records", "recommend", "run_loader", "stall_split", "sweep_workers"]

@@ -82,7 +82,8 @@ def batch_tokens(batch: Any) -> int | None:
     """Real tokens in a batch: its attention_mask's sum, else input_ids' size; None (count
     samples only) for a batch without them, e.g. an (x, y) tuple."""
     if isinstance(batch, dict):
-        for key, count in (("attention_mask", lambda t: t.sum()), ("input_ids", lambda t: t.numel())):
+        for key, count in (("attention_mask", lambda t: t.sum()),
+                           ("input_ids", lambda t: t.numel())):
             if key in batch and isinstance(batch[key], torch.Tensor):
                 return int(count(batch[key]))
     return None
@@ -157,7 +158,8 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
                     first = got - start
                 if device.type == "cuda":
                     batch = _to(batch, device)
-                    sync(device)  # note: sync point, so the copy is billed to the step, not the wait
+                    sync(device)  # note: sync point, so the copy is
+                                  # billed to the step, not the wait
                 step(batch)
                 done = time.perf_counter()
                 if k > ahead:  # steady state: start-up and the prefetched batches are past
@@ -173,7 +175,8 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
             break
         total = sum(waits) + sum(computes)
         rows.append({**base, "samples_per_s": len(waits) * batch_size / total,
-                     "tokens_per_s": nan if tokens is None else tokens / total, "data_wait_s": sum(waits) / len(waits),
+                     "tokens_per_s": nan if tokens is None else tokens / total,
+                     "data_wait_s": sum(waits) / len(waits),
                      "step_s": sum(computes) / len(computes),
                      "data_wait_share": sum(waits) / total, "first_batch_s": first,
                      "repeat": repeat, "error": ""})

@@ -9,7 +9,8 @@ warm page cache save per start. `verify_model_cache(cfg)` checks a cached copy b
 
 from diag.model_load.advice import SCENARIOS, advice, decide, medians
 from diag.model_load.experiment import ModelLoadResult, run_model_load, verify_model_cache
-from diag.model_load.hfcache import blob_files, problems, snapshot_folder, verify_cache, weight_files
+from diag.model_load.hfcache import (blob_files, problems, snapshot_folder, verify_cache,
+                                     weight_files)
 from diag.model_load.source import cache_dir_for
 
 __all__ = ["ModelLoadResult", "SCENARIOS", "advice", "blob_files", "cache_dir_for", "decide",

@@ -59,7 +59,8 @@ def advice(frame: pd.DataFrame) -> pd.DataFrame:
             f"cached download (revision check) median {med.loc['cached', 'download']:.3g} s "
             f"vs cached_offline {med.loc['cached_offline', 'download']:.3g} s")
     cold = frame[frame.scenario == "cached_cold"]
-    if "cached" in med.index and not cold.empty and cold["cache_state"].str.startswith("cold").all():
+    if ("cached" in med.index and not cold.empty
+            and cold["cache_state"].str.startswith("cold").all()):
         add("Keep the model in the page cache between runs (same machine, enough free RAM): "
             "a cold read comes from the disk",
             med.loc["cached_cold", "load_model"] - med.loc["cached", "load_model"],

@@ -1,4 +1,5 @@
-"""Fresh vs cached model load, every part timed: what a job pays to get its base model on the device.
+"""Fresh vs cached model load, every part timed: what a job pays to get its base model on the
+device.
 
 `run_model_load(cfg)` loads the model in a clean process per scenario and repeat: `fresh` (an
 empty temporary HF cache: the full download), `cached` (the persistent cache, page cache warm),

@@ -1,12 +1,12 @@
 """Is the Hugging Face cache on this disk what the hub served? Checksums, not file names.
 
 An HF hub cache (`models--org--name/{blobs,snapshots,refs}`) names each blob by its hub ETag:
-the sha256 of the content for LFS files (weights), the git blob sha1 for small files. huggingface_hub
-only checks that a blob exists, so a flipped bit loads silently; `verify_cache()` re-hashes every
-blob a snapshot links to and returns one row per file (`status`: ok, corrupt, missing, incomplete,
-unverified); offline this rests on the blob names, online it also asks the hub for each file's
-checksum (huggingface_hub's `HfApi.verify_repo_checksums`, what `hf cache verify` runs).
-A `redownload` function deletes what failed and downloads it again.
+the sha256 of the content for LFS files (weights), the git blob sha1 for small files.
+huggingface_hub only checks that a blob exists, so a flipped bit loads silently; `verify_cache()`
+re-hashes every blob a snapshot links to and returns one row per file (`status`: ok, corrupt,
+missing, incomplete, unverified); offline this rests on the blob names, online it also asks the hub
+for each file's checksum (huggingface_hub's `HfApi.verify_repo_checksums`, what `hf cache verify`
+runs). A `redownload` function deletes what failed and downloads it again.
 """
 
 from __future__ import annotations

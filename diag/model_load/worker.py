@@ -92,7 +92,8 @@ def _load_kwargs(job: dict[str, Any], device: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"device_map": {"": device},
                               "trust_remote_code": bool(job["trust_remote_code"])}
     if job["quantize"]:
-        compute = torch.bfloat16 if device == "cpu" or torch.cuda.is_bf16_supported() else torch.float16
+        compute = (torch.bfloat16 if device == "cpu" or torch.cuda.is_bf16_supported()
+                   else torch.float16)
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
     else:
@@ -188,7 +189,8 @@ def _what_loaded(config: Any, model: Any, info: dict[str, Any]) -> dict[str, Any
 
 
 def _plain(job: dict[str, Any]) -> dict[str, Any]:
-    """The one call users write: from_pretrained(repo or folder, quantization_config, device_map)."""
+    """The one call users write: from_pretrained(repo or folder, quantization_config,
+    device_map)."""
     from transformers import AutoModelForCausalLM
 
     from diag.device import resolve, sync

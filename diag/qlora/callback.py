@@ -47,7 +47,8 @@ class TimingCallback(TrainerCallback):
         # set to time.perf_counter() before building the Trainer: on_train_begin bills the
         # Trainer's own set-up (wrap, optimizer, data loader) from there to the `setup` stage
         self.setup_from: float | None = None
-        self.trainer: Any = None  # set to the Trainer under DDP: its wrapped model gets the comm hook
+        self.trainer: Any = None  # set to the Trainer under DDP: its
+                                  # wrapped model gets the comm hook
 
     # -- clock ------------------------------------------------------------------------------
     def _now(self) -> float:

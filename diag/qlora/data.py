@@ -58,7 +58,7 @@ def check_records(cfg: QLoraConfig, records: list[dict[str, str]], tokenizer_dir
     records = render_chat(records, tokenizer)  # --messages-field: the model's chat template
     ids, prompts = encode_batch(tokenizer, records)
     keep, skipped = [], 0
-    for i, (tokens, prompt) in enumerate(zip(ids, prompts)):
+    for i, prompt in enumerate(prompts):
         if prompt < cfg.seq_len:
             keep.append(i)
             continue

@@ -256,6 +256,7 @@ def _training_args(cfg: QLoraConfig, plan: Plan, data: Any, out_dir: Path, devic
         dataloader_pin_memory=plan.pin_memory,
         dataloader_persistent_workers=plan.persistent_workers and workers > 0,
         dataloader_prefetch_factor=plan.prefetch_factor if workers > 0 else None,
-        ddp_find_unused_parameters=False,  # under DDP every LoRA weight gets a gradient: no graph walk
+        ddp_find_unused_parameters=False,  # under DDP every LoRA weight
+                                           # gets a gradient: no graph walk
         remove_unused_columns=False,  # checkpointing: as prepare_model_for_kbit_training set it
     )

@@ -188,9 +188,10 @@ class Stream:
     """The check of one download, run while s3transfer writes it: `sink` is the file object
     s3transfer writes into (positioned writes, as it does for a seekable target); a thread hashes
     the contiguous written prefix from the page cache as it grows (MD5 needs the bytes in order),
-while the writer computes the CRCs on the bytes it writes (crc.Runs, with awscrt). `finish()` hashes what is left
-    and returns the hashes. A write over bytes already written (s3transfer re-GETs a dropped part
-    from its start) voids the streamed hashes: finish() then hashes the file again, whole."""
+    while the writer computes the CRCs on the bytes it writes (crc.Runs, with awscrt). `finish()`
+    hashes what is left and returns the hashes. A write over bytes already written (s3transfer
+    re-GETs a dropped part from its start) voids the streamed hashes: finish() then hashes the file
+    again, whole."""
 
     def __init__(self, fd: int, want: Expected, size: int = 0) -> None:
         self.fd, self.want = fd, want

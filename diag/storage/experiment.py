@@ -4,8 +4,8 @@
 s5cmd (when installed), `land()` miss then hit, and a read of the landed copy with a cold and a
 warm page cache: one row per measurement (method, source, cache_state, bytes, seconds, mb_per_s,
 ttfb_s, repeat, resident_fraction: the share of the local copy in the page cache when its timed
-read began, measured with mincore, beside the cold/warm label); warm-up repeats are not reported. `run_storage(cfg)` adds the re-pull tax and the
-advice (diag.storage.tax) to that frame.
+read began, measured with mincore, beside the cold/warm label); warm-up repeats are not reported.
+`run_storage(cfg)` adds the re-pull tax and the advice (diag.storage.tax) to that frame.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Land a dataset from an object store on local disk once, verify it, and reuse it: `land()`.
 
 A landing is complete only when its manifest (key, size, ETag, the file's CRC and the checks
-each object passed) is written, last, next to the data. A later call whose remote listing (HEAD or LIST: no GET) matches
-the manifest and whose local files pass the check is a hit. Read `LandedDataset.hit` and
-`.seconds` (also recorded as the `fetch_data` stage of the timer you pass).
+each object passed) is written, last, next to the data. A later call whose remote listing (HEAD or
+LIST: no GET) matches the manifest and whose local files pass the check is a hit. Read
+`LandedDataset.hit` and `.seconds` (also recorded as the `fetch_data` stage of the timer you pass).
 """
 
 from __future__ import annotations
@@ -130,9 +130,10 @@ def land(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, tim
     verify="size" skips that read. Objects
     that fail are fetched again, alone, by s3transfer (diag.storage.transfer.download): a download
     whose size differs from the listing, whose MD5 differs from a single-part ETag, or whose CRC
-    differs from the store's full-object or composite (multipart) checksum is never landed. Timed as the `fetch_data` stage of `timer`. Without `client`, one
-    is made from the user's AWS configuration with a pool of 2 x usable_cores() connections, as
-    transfer_plan asks; `retries` None leaves retries to that configuration.
+    differs from the store's full-object or composite (multipart) checksum is never landed. Timed as
+    the `fetch_data` stage of `timer`. Without `client`, one is made from the user's AWS
+    configuration with a pool of 2 x usable_cores() connections, as transfer_plan asks; `retries`
+    None leaves retries to that configuration.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: allowed values are "

@@ -57,7 +57,8 @@ class TransferPlan:
         extra = {} if retries is None else {"num_download_attempts": retries + 1}
         # "classic": s3transfer, the engine diag checks while it streams; with awscrt installed,
         # "auto" would switch to the CRT client on some EC2 instance types
-        return TransferConfig(preferred_transfer_client="classic", multipart_threshold=self.single_get_below,
+        return TransferConfig(preferred_transfer_client="classic",
+                              multipart_threshold=self.single_get_below,
                               multipart_chunksize=self.part_bytes,
                               max_concurrency=self.concurrency, **extra)
 

@@ -57,7 +57,8 @@ def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_w
             "hours_per_week": per_run * runs_per_week / 3600, "usd_per_run": usd,
             "usd_per_week": usd * runs_per_week,
             "evidence": f"{gb:.3g} GB at {rate:.0f} MB/s ({method}, median of {len(part)}, "
-                        f"measured on {measured_gb * 1000:.0f} MB) = {_duration(per_run)} per start",
+                        f"measured on {measured_gb * 1000:.0f} MB) = {_duration(per_run)} "
+                        "per start",
         })
     return pd.DataFrame(rows)
 
@@ -77,7 +78,8 @@ def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame
     base_name = base.name
     hit_s, hit_note = 0.0, ""
     if frame is not None:
-        cold = frame[(frame["method"] == "local_read") & frame["cache_state"].str.startswith("cold")]
+        cold = frame[(frame["method"] == "local_read")
+                     & frame["cache_state"].str.startswith("cold")]
         hits = frame[(frame["method"] == "land") & (frame["cache_state"] == "hit")]
         if not hits.empty:
             measured = statistics.median(hits["seconds"])
