@@ -59,7 +59,13 @@ def test_runs_are_the_qlora_plans_fed_by_the_measured_frames(demo):
     assert plans.set_index(["run", "setting"]).at[("optimized", "micro_batch"), "value"] == str(
         frames["qlora"].set_index("plan").at["optimized", "micro_batch"])  # shown == run
     saved = frames["qlora_savings"].set_index("stage")
-    assert saved.loc[["fetch_data", "load_model"], "predicted_s"].notna().all()
+    shown = plans.set_index(["run", "setting"])["value"]
+    for setting, stage in (("fetch", "fetch_data"), ("model_cache", "load_model")):
+        # a per-start fix is predicted exactly when the measurements made the plans differ in
+        # it (on a loaded box a tiny model's cached load can measure no faster than a fresh one)
+        differ = shown[("naive", setting)] != shown[("optimized", setting)]
+        listed = stage in saved.index and bool(saved.loc[[stage], "predicted_s"].notna().all())
+        assert listed == differ, (setting, shown[("naive", setting)], shown[("optimized", setting)])
     assert done.stdout.strip().splitlines()[2].startswith("naive ")
     summary = json.loads((out / "summary.json").read_text())
     stages = {(s["run"], s["stage"]) for s in summary["stages"]}

@@ -7,6 +7,7 @@ Each torchrun spawn imports torch in every process (seconds each on 2 cores): fe
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -183,7 +184,10 @@ def test_a_world_the_sweep_cannot_split_exits_2_on_every_rank_with_one_line(tmp_
          "accum", "--quick", "--device", "cpu", "--micro-batches", "2,4"],
         env=_env(tmp_path), capture_output=True, text=True, timeout=180)
     assert run.returncode != 0
-    assert run.stderr.count("exitcode  : 2") == 3  # every rank, as the launcher reports them
+    # every rank exits 2; the launcher reports those that ended before it stopped the others
+    # (a rank it had to terminate first shows as -15: which ones is a race)
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", run.stderr)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, codes
     ours = [line for line in run.stderr.splitlines() if line.startswith("diag: ")]
     assert ours == ["diag: ValueError: AccumConfig.tokens_per_step=1024 (16 sequences of 64) is "
                     "not divisible by world size 3 x micro-batch 2 = 6; micro-batches that "
