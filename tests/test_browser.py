@@ -183,7 +183,7 @@ def test_a_lab_from_another_environment_with_the_diag_kernel(tmp_path: Path, wid
         with b.browser(CHROMIUM, allow=(server.url,)) as page:
             b.open_notebook(page, server, "00_tour.ipynb", kernel="diag")
             b.run_cells(page, 4)  # up to the panel
-            b.wait_executed_first(page, 2, timeout_s=240)  # a kernel that imports diag on 2 busy cores
+            b.wait_executed_first(page, 2, timeout_s=240)  # kernel start: slow on busy cores
             body = page.inner_text("body")
             assert "VBox(children" not in body  # never the text repr
             if widgets:
