@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from diag.accum.mfu import ModelShape, count_flops, floor_seconds, judge_mfu, loss_of
-from diag.accum.tokens import BatchLoader, check_tokens, ensure_tokens, token_file
+from diag.data import BatchLoader, check_tokens, ensure_tokens, token_file
 
 if TYPE_CHECKING:
     import pandas as pd

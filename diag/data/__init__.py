@@ -1,10 +1,19 @@
-"""The data layer under the experiments: the user's record files as diag's records.
+"""The data layer under the experiments: records, the text pipeline, the one token cache.
 
-`read_source(path, fields, on_error)` reads one JSONL or Parquet file, or every such shard in a
-folder (a landed s3 prefix), and maps each record to what the text pipeline tokenizes: Alpaca
-instruction/input/output (the default), a prompt/response pair, or one text field.
+`read_source(path, fields, on_error)` reads JSONL or Parquet (a file or a folder of shards) into
+records; `NaiveTextDataset` tokenizes them per sample, `build_token_cache` once into
+DIAG_HOME/tokens/<key>/ (data + tokenizer + settings), which `PackedDataset` (the loader sweep,
+the QLoRA job) and `ensure_tokens` / `BatchLoader` (the accum sweep, nanoGPT's flat file) read.
 """
 
-from diag.data.records import DATA_SUFFIXES, read_source, render_chat, shard_files
+from diag.data.batches import BatchLoader, TokenFile, check_tokens, ensure_tokens, token_file
+from diag.data.records import (DATA_SUFFIXES, PROBLEM_COLUMNS, read_source, render_chat,
+                               shard_files)
+from diag.data.text import (IGNORE_INDEX, PROMPT_TEMPLATE, NaiveTextDataset, PackedDataset,
+                            encode_batch, format_prompt, load_tokenizer)
+from diag.data.tokens import TokenCache, build_token_cache, tokenize
 
-__all__ = ["DATA_SUFFIXES", "read_source", "render_chat", "shard_files"]
+__all__ = ["BatchLoader", "DATA_SUFFIXES", "IGNORE_INDEX", "NaiveTextDataset", "PROBLEM_COLUMNS",
+           "PROMPT_TEMPLATE", "PackedDataset", "TokenCache", "TokenFile", "build_token_cache",
+           "check_tokens", "encode_batch", "ensure_tokens", "format_prompt", "load_tokenizer",
+           "read_source", "render_chat", "shard_files", "token_file", "tokenize"]

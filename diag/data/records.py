@@ -1,6 +1,8 @@
 """The user's records as they are: JSONL and Parquet, one file or a folder of shards.
 
-Each record becomes one dict the text pipeline (diag.loader.pipeline.format_prompt) renders:
+The one reader of record files in diag: the loader sweep, the token cache and the QLoRA job all
+read through `read_source`. Each record becomes one dict the text pipeline
+(diag.data.text.format_prompt) renders:
 {"instruction", "input", "output"} (Alpaca, the default: the embedded dataset's form), or
 {"prompt", "response"} from --prompt-field/--response-field (loss on the response only), or
 {"prompt": "", "response": text} from --text-field (loss on every token). A record that does
@@ -14,9 +16,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from diag.config.loader import ON_ERROR
 from diag.config.source import DATA_SUFFIXES
 
-PROBLEM_COLUMNS = ["line", "problem", "detail"]  # the same frame diag.loader's reader returns
+PROBLEM_COLUMNS = ["line", "problem", "detail"]  # one row per record left out
+ALPACA_FIELDS = ("instruction", "input", "output")
 
 
 def shard_files(path: str | os.PathLike[str]) -> list[Path]:
@@ -76,6 +80,20 @@ def _rows(path: Path, fields: dict[str, str]) -> Any:
             yield number, got
 
 
+def _alpaca(row: dict[str, Any]) -> tuple[str, str] | dict[str, str]:
+    """The instruction/input/output record, or (problem, detail) when it does not fit."""
+    missing = [f for f in ALPACA_FIELDS if f not in row]
+    if missing:
+        return "missing_field", f"no {', '.join(missing)}"
+    wrong = [f for f in ALPACA_FIELDS if not isinstance(row[f], str)]
+    if wrong:
+        return "not_text", f"{', '.join(wrong)} must be strings"
+    empty = [f for f in ("instruction", "output") if not row[f].strip()]
+    if empty:
+        return "empty_text", f"{', '.join(empty)} is empty"
+    return {f: row[f] for f in ALPACA_FIELDS}
+
+
 def normalise(row: Any, fields: dict[str, str]) -> tuple[str, str] | dict[str, str]:
     """The record the pipeline renders, or (problem, detail)."""
     if isinstance(row, tuple):
@@ -83,10 +101,7 @@ def normalise(row: Any, fields: dict[str, str]) -> tuple[str, str] | dict[str, s
     if not isinstance(row, dict):
         return "not_an_object", f"a JSON {type(row).__name__}, expected an object"
     if not fields:
-        from diag.loader.pipeline import record_problem
-
-        problem, got = record_problem(row)
-        return got if problem is None else (problem, got)
+        return _alpaca(row)
     if "messages" in fields:
         msgs = row[fields["messages"]] if fields["messages"] in row else None
         ok = isinstance(msgs, list) and msgs and all(
@@ -122,8 +137,9 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
     """
     import pandas as pd
 
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error={on_error!r}: allowed values are 'raise', 'skip'")
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error={on_error!r}: allowed values are "
+                         + ", ".join(map(repr, ON_ERROR)))
     fields = dict(fields or {})
     files = shard_files(path)
     records: list[dict[str, str]] = []
@@ -137,13 +153,20 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
                 if limit is not None and len(records) >= limit:
                     return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
             elif on_error == "raise":
-                word = "row" if file.suffix == ".parquet" else "line"
-                raise ValueError(f"--source: {where}: {word} {number}: {got[0]} ({got[1]}); pass "
-                                 "--on-error skip to leave such records out and count them")
+                raise refusal(where, number, got[0], got[1], file.suffix == ".parquet")
             else:
                 problems.append({"line": number if len(files) == 1 else f"{where}:{number}",
                                  "problem": got[0], "detail": got[1]})
     return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
+
+
+def refusal(where: str, number: int | str, problem: str, detail: str,
+            parquet: bool = False) -> ValueError:
+    """The error on_error="raise" stops with: the file, the row, what is wrong, the way out."""
+    word = "row" if parquet else "line"
+    return ValueError(f"--source: {where}: {word} {number}: {problem} ({detail}); pass "
+                      "on_error='skip' (--on-error skip) to leave such records out and count "
+                      "them")
 
 
 def render_chat(records: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from diag.data import NaiveTextDataset, read_source
 from diag.decision import Decision, MeasuredOn
 from diag.loader.advice import advice, decide, recommend
-from diag.loader.pipeline import NaiveTextDataset, read_records
 from diag.loader.profile import profile_lines
 from diag.loader.stalls import stall_split
 from diag.loader.sweep import sources, sweep_workers
@@ -59,7 +59,7 @@ def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
 
         stall_step = EmulatedStep(float(sweep["step_s"].median()))
     stalls = stall_split(cfg, cfg.workers[0], stall_step)
-    records, _ = read_records(data, on_error=cfg.on_error)
+    records, _ = read_source(data, on_error=cfg.on_error)
     naive = NaiveTextDataset(records[: cfg.profile_samples], tokenizer_dir, cfg.seq_len)
     lines = profile_lines(naive.__getitem__, range(len(naive)))
     on = measured_on or MeasuredOn(seq_len=cfg.seq_len, step=step[2],

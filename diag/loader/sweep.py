@@ -191,11 +191,10 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
 def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
                  ) -> tuple[Dataset, dict[str, Any]]:
     """The pipeline's dataset for cfg, and facts about how it was had (token cache status)."""
-    from diag.loader.pipeline import NaiveTextDataset, PackedDataset, read_records
-    from diag.loader.tokens import build_token_cache
+    from diag.data import NaiveTextDataset, PackedDataset, build_token_cache, read_source
 
     if pipeline == "naive":
-        records, problems = read_records(data, on_error=cfg.on_error)
+        records, problems = read_source(data, on_error=cfg.on_error)
         dataset: Dataset = NaiveTextDataset(records, tokenizer_dir, cfg.seq_len)
         facts = {"records": len(records), "bad_rows": len(problems)}
     else:

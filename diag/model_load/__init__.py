@@ -9,11 +9,10 @@ warm page cache save per start. `verify_model_cache(cfg)` checks a cached copy b
 
 from diag.model_load.advice import SCENARIOS, advice, decide, medians
 from diag.model_load.experiment import ModelLoadResult, run_model_load, verify_model_cache
-from diag.model_load.hfcache import (blob_files, problems, snapshot_folder, verify_cache,
-                                     weight_files)
+from diag.model_load.hfcache import (ALLOW_PATTERNS, blob_files, problems, snapshot_folder,
+                                     verify_cache, weight_files)
 from diag.model_load.source import cache_dir_for
 
-__all__ = ["ModelLoadResult", "SCENARIOS", "advice", "blob_files", "cache_dir_for", "decide",
-           "medians", "problems",
-           "run_model_load", "snapshot_folder", "verify_cache", "verify_model_cache",
-           "weight_files"]
+__all__ = ["ALLOW_PATTERNS", "ModelLoadResult", "SCENARIOS", "advice", "blob_files",
+           "cache_dir_for", "decide", "medians", "problems", "run_model_load", "snapshot_folder",
+           "verify_cache", "verify_model_cache", "weight_files"]

@@ -1,9 +1,10 @@
-"""The QLoRA job's data, from diag.loader's pipeline: the same records for both plans.
+"""The QLoRA job's data, from diag.data's pipeline: the same records for both plans.
 
 `check_records` drops (or refuses) records whose prompt leaves no response token inside
 seq_len and counts token slots, real tokens and loss tokens; `build_dataset` makes the plan's
-Dataset (per-sample tokenized and padded, or the packed token cache) and splits each optimizer
-step into micro-batch x accumulation so both plans take the same steps over the same records.
+Dataset (per-sample tokenized and padded, or packed from the one token cache of the source, the
+folder the loader and accum sweeps read) and splits each optimizer step into micro-batch x
+accumulation so both plans take the same steps over the same records.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Records:
     """The records both plans train on, and what tokenizing them gives."""
 
     records: list[dict[str, str]]
+    indices: list[int]  # each record's place among the source's good records (the token cache's)
     lengths: list[int]  # tokens per record (BOS + prompt + response + EOS)
     prompt_lengths: list[int]
     skipped: int  # records left out: prompt too long for seq_len, or a malformed line
@@ -51,8 +53,7 @@ def check_records(cfg: QLoraConfig, records: list[dict[str, str]], tokenizer_dir
                   bad_lines: int = 0) -> Records:
     """Records whose prompt fills seq_len train on nothing (every label is -100): refused with
     on_error="raise", counted and left out with "skip"."""
-    from diag.data import render_chat
-    from diag.loader.pipeline import encode_batch, load_tokenizer
+    from diag.data import encode_batch, load_tokenizer, render_chat
 
     tokenizer = load_tokenizer(str(tokenizer_dir))
     records = render_chat(records, tokenizer)  # --messages-field: the model's chat template
@@ -73,7 +74,7 @@ def check_records(cfg: QLoraConfig, records: list[dict[str, str]], tokenizer_dir
         raise ValueError(f"{len(keep)} usable records for QLoraConfig.steps={cfg.steps}: each "
                          "step needs at least one; raise records or lower steps")
     keep = keep[:usable]
-    return Records([records[i] for i in keep], [len(ids[i]) for i in keep],
+    return Records([records[i] for i in keep], keep, [len(ids[i]) for i in keep],
                    [prompts[i] for i in keep], skipped + bad_lines)
 
 
@@ -109,11 +110,12 @@ class WholeSteps:
                 "labels": torch.full((seq,), -100, dtype=torch.int64)}
 
 
-def build_dataset(cfg: QLoraConfig, plan: Plan, recs: Records, tokenizer_dir: Path) -> Data:
+def build_dataset(cfg: QLoraConfig, plan: Plan, recs: Records, tokenizer_dir: Path,
+                  source: Path) -> Data:
+    """The plan's Dataset over recs; source: the data they were read from (read's path)."""
     import numpy as np
 
-    from diag.config import diag_home
-    from diag.loader.pipeline import NaiveTextDataset, PackedDataset
+    from diag.data import NaiveTextDataset, PackedDataset
 
     seq = cfg.seq_len
     if plan.pipeline == "naive":
@@ -124,18 +126,21 @@ def build_dataset(cfg: QLoraConfig, plan: Plan, recs: Records, tokenizer_dir: Pa
         left_out = sum(max(n - seq, 0) for n in recs.lengths)  # truncated at seq_len
         detail = "tokenized per sample in __getitem__, padded to seq_len"
     else:
-        from diag.loader.tokens import build_token_cache
+        from diag.data import build_token_cache
 
-        cache = build_token_cache(recs.records, tokenizer_dir, cache_dir=diag_home() / "tokens")
-        packed = PackedDataset(cache.folder, seq)
+        # the whole source, as the loader and accum sweeps tokenize it (one key: a hit after
+        # them or a first start); "skip": read() already refused a bad row among these records
+        cache = build_token_cache(source, tokenizer_dir, fields=cfg.fields(), on_error="skip")
+        lengths = np.diff(np.load(cache.folder / "offsets.npy"))[recs.indices]
+        assert lengths.tolist() == recs.lengths, "the token cache's records are not read()'s"
+        packed = PackedDataset(cache.folder, seq, records=recs.indices)
         # every token trains: the tail is padded up to whole steps (fewer than steps pad rows),
         # so both plans train the same records' tokens (naive loses only what seq_len cuts)
         rows_per_step = -(-len(packed) // cfg.steps)
         used = rows_per_step * cfg.steps
         dataset = WholeSteps(packed, used)
-        real = cache.tokens
-        mask = np.load(Path(cache.folder) / "loss_mask.npy", mmap_mode="r")
-        loss = int(np.asarray(mask[:real]).sum())
+        real = packed.tokens
+        loss = packed.loss_tokens()
         left_out = 0
         detail = f"token cache {cache.status}, packed, {used - len(packed)} pad rows"
     micro, accum = _split(rows_per_step, plan.micro_batch)

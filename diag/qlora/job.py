@@ -48,7 +48,7 @@ class Sources:
 def open_sources(cfg: QLoraConfig) -> Iterator[Sources]:
     """The user's bucket and model, or the embedded S3 server and hub (started, then stopped)."""
     from diag.distributed import root_first
-    from diag.storage.objectstore import make_client
+    from diag.storage import make_client
 
     if not (cfg.source and cfg.model):
         from diag.embedded import ensure_assets
@@ -83,9 +83,7 @@ def open_sources(cfg: QLoraConfig) -> Iterator[Sources]:
 def fetch_data(plan: Plan, src: Sources, work: Path) -> Path:
     """The dataset file (or folder of shards, for a prefix): pulled into this run's temp folder,
     or landed once and reused."""
-    from diag.storage.experiment import pull
-    from diag.storage.landing import land
-    from diag.storage.objectstore import list_remote, parse_url
+    from diag.storage import land, list_remote, parse_url, pull
 
     url = parse_url(src.url)
     if plan.fetch == "land":
@@ -99,7 +97,7 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from diag.model_load.worker import ALLOW_PATTERNS
+    from diag.model_load import ALLOW_PATTERNS
 
     if Path(src.model).is_dir():  # a local model: read where it is, in both plans
         return Path(src.model)
@@ -165,7 +163,7 @@ def prime(cfg: QLoraConfig, plan: Plan, src: Sources) -> float:
     try:
         path, folder = fetch_data(plan, src, work), model_folder(plan, src, work)
         records, bad = read(cfg, path)
-        build_dataset(cfg, plan, check_records(cfg, records, folder, bad), folder)
+        build_dataset(cfg, plan, check_records(cfg, records, folder, bad), folder, path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return time.perf_counter() - start
@@ -204,7 +202,7 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
         recs = check_records(cfg, records, folder, bad_lines)
         check_s = time.perf_counter() - check
         with timer.stage("preprocess"):
-            data = build_dataset(cfg, plan, recs, folder)
+            data = build_dataset(cfg, plan, recs, folder, data_path)
         args = _training_args(cfg, plan, data, out_dir, device)
         callback = TimingCallback(timer, warmup_steps=cfg.warmup_steps, device=device)
         callback.setup_from = wall = time.perf_counter()  # the Trainer's set-up is `setup`

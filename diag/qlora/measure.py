@@ -104,7 +104,7 @@ def job_inputs(cfg: QLoraConfig) -> JobInputs:
         with open_sources(cfg) as src:
             path, folder = fetch_data(plan, src, work), model_folder(plan, src, work)
         records, bad = read(cfg, path)
-        data = build_dataset(cfg, plan, check_records(cfg, records, folder, bad), folder)
+        data = build_dataset(cfg, plan, check_records(cfg, records, folder, bad), folder, path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return JobInputs(data.micro_batch * data.grad_accum, folder, path, resolve(cfg.device))
@@ -131,8 +131,7 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
     import pandas as pd
     import torch
 
-    from diag.accum import AccumResult, advice, decide, is_oom, summarize
-    from diag.accum.sweep import COLUMNS, PeakMemory
+    from diag.accum import COLUMNS, AccumResult, PeakMemory, advice, decide, is_oom, summarize
 
     rows_per_step, seq = job.rows_per_step, cfg.seq_len
     micro_batches = micro_batches or cfg.sweep_micro_batches or micro_candidates(rows_per_step)
@@ -213,7 +212,7 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> Checkp
     import pandas as pd
     import torch
 
-    from diag.accum.sweep import PeakMemory
+    from diag.accum import PeakMemory
     from diag.qlora.checkpointing import COLUMNS, CheckpointingResult, decide
 
     device, steps = job.device, cfg.sweep_steps

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from diag.accum.mfu import ModelShape, count_flops, disagreement, judge_mfu
+from diag.accum import ModelShape, count_flops, disagreement, judge_mfu
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -140,12 +140,12 @@ def decide_frames(frames: Mapping[str, Any], device: str = "cpu") -> tuple[Decis
     Keys: storage, model_load (frames), loader (the sweep), accum (the summary, or the sweep
     frame, summarized first), checkpointing (on/off step rows); a result object is read for
     its `.decisions` when it has them."""
-    from diag.accum.experiment import decide as accum_decide
-    from diag.accum.experiment import summarize
-    from diag.loader.advice import decide as loader_decide
-    from diag.model_load.advice import decide as load_decide
+    from diag.accum import decide as accum_decide
+    from diag.accum import summarize
+    from diag.loader import decide as loader_decide
+    from diag.model_load import decide as load_decide
     from diag.qlora.checkpointing import decide as ckpt_decide
-    from diag.storage.experiment import decide as storage_decide
+    from diag.storage import decide as storage_decide
 
     def frame(key: str) -> Any:
         got = frames.get(key)

@@ -5,11 +5,13 @@ and local reads with a cold and a warm page cache, then prices the re-pull (`tax
 `advice`. `land(url, dir)` lands a dataset on local disk once, verified, and reuses it.
 """
 
-from diag.storage.experiment import PULLS, StorageResult, measure, pull, read_local, run_storage
+from diag.storage.experiment import (PULLS, StorageResult, decide, measure, pull, read_local,
+                                     run_storage)
 from diag.storage.landing import LandedDataset, StagedDataset, land, stage
-from diag.storage.objectstore import parse_url, transfer_plan, usable_cores
+from diag.storage.objectstore import (list_remote, make_client, parse_url, transfer_plan,
+                                      usable_cores)
 from diag.storage.tax import advice, medians, storage_tax
 
-__all__ = ["LandedDataset", "PULLS", "StagedDataset", "StorageResult", "advice", "land", "measure",
-           "medians", "parse_url", "pull", "read_local", "run_storage", "stage", "storage_tax",
-           "transfer_plan", "usable_cores"]
+__all__ = ["LandedDataset", "PULLS", "StagedDataset", "StorageResult", "advice", "decide", "land",
+           "list_remote", "make_client", "measure", "medians", "parse_url", "pull", "read_local",
+           "run_storage", "stage", "storage_tax", "transfer_plan", "usable_cores"]

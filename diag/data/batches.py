@@ -1,19 +1,16 @@
-"""Token data the nanoGPT way: one flat memory-mapped file of token ids, and a batch loader.
+"""The token cache as nanoGPT reads it: one flat memory-mapped file of ids, and a batch loader.
 
-`ensure_tokens()` tokenizes the synthetic dataset once into `train.bin` (uint16 when the
-vocabulary fits, else uint32) plus `meta.json`, in a folder keyed by the digests of the tokenizer
-and the data, so a changed tokenizer or dataset makes a new file. `BatchLoader` keeps the map
-open, gathers `batch` random windows of `seq_len + 1` ids in one indexing op, pins the host copy
-on CUDA, copies with non_blocking and prepares the next batch in a thread while the step runs.
+`ensure_tokens()` is the accum sweep's view of the one token cache (diag.data.tokens): its
+train.bin holds every record's ids end to end, EOS closing each, uint16 when the vocabulary fits;
+`token_file()` takes a user's own train.bin instead. `BatchLoader` keeps the map open, gathers
+`batch` random windows of `seq_len + 1` ids in one indexing op, pins the host copy on CUDA, copies
+with non_blocking and prepares the next batch in a thread while the step runs.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +20,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     import torch
-
-_FORMAT = 1  # bump when the file layout changes, so old folders are not reused
-_LINES_PER_CHUNK = 4096  # records tokenized per encode_batch call:
-                         # big enough to amortize, small in RAM
 
 
 @dataclass(frozen=True)
@@ -42,47 +35,24 @@ class TokenFile:
         return np.memmap(self.path, dtype=self.dtype, mode="r")
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype holding every id: uint16 up to 65,536 ids (GPT-2's 50,257)."""
-    if vocab_size <= 0:
-        raise ValueError(f"vocab_size={vocab_size}: must be > 0")
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-
-
-def _key(tokenizer_dir: Path, dataset: Path) -> str:
-    from diag.hashing import file_sha256
-
-    parts = [f"format={_FORMAT}", f"data={file_sha256(dataset)}"]
-    for name in sorted(os.listdir(tokenizer_dir)):  # tokenizer.json + its special-token config
-        if name.startswith("tokenizer") or name == "special_tokens_map.json":
-            parts.append(f"{name}={file_sha256(tokenizer_dir / name)}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
-def _texts(dataset: Path) -> Any:
-    with open(dataset, encoding="utf-8") as f:
-        chunk = []
-        for line in f:
-            rec = json.loads(line)
-            chunk.append(f"{rec['instruction']}\n{rec['input']}\n{rec['output']}")
-            if len(chunk) == _LINES_PER_CHUNK:
-                yield chunk
-                chunk = []
-        if chunk:
-            yield chunk
+def _beside(folder: str | os.PathLike[str]) -> TokenFile:
+    """The train.bin of a folder whose meta.json names its dtype, vocabulary and length."""
+    meta = json.loads((Path(folder) / "meta.json").read_text())
+    return TokenFile(Path(folder) / "train.bin", meta["dtype"], int(meta["vocab_size"]),
+                     int(meta["tokens"]))
 
 
 def ensure_tokens(tokenizer_dir: str | os.PathLike[str] | None = None,
                   dataset: str | os.PathLike[str] | None = None,
                   home: str | os.PathLike[str] | None = None) -> TokenFile:
-    """The dataset's tokens as `train.bin`, made once per (tokenizer, dataset) and reused.
+    """The dataset's tokens as the token cache's `train.bin`: built once per (data, tokenizer),
+    in the same folder the loader sweep and the QLoRA job read, and reused.
 
-    Defaults: the embedded tiny model's tokenizer and the embedded dataset. The folder is built
-    under a temporary name and renamed whole, so an interrupted build is never reused.
+    Defaults: the embedded tiny model's tokenizer and the embedded dataset; home: the DIAG_HOME
+    whose tokens/ holds the cache.
     """
-    from transformers import PreTrainedTokenizerFast
-
     from diag.config import diag_home
+    from diag.data.tokens import build_token_cache
 
     if tokenizer_dir is None or dataset is None:
         from diag.embedded import ensure_assets
@@ -90,54 +60,16 @@ def ensure_tokens(tokenizer_dir: str | os.PathLike[str] | None = None,
         assets = ensure_assets(home)
         tokenizer_dir = tokenizer_dir or assets.model_dir
         dataset = dataset or assets.dataset
-    tokenizer_dir, dataset = Path(tokenizer_dir), Path(dataset)
-    base = (Path(home) if home is not None else diag_home()) / "accum"
-    folder = base / f"tokens-{_key(tokenizer_dir, dataset)}"
-    if (folder / "meta.json").is_file():
-        return read_meta(folder)
-    tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
-    vocab, eos = len(tok), tok.eos_token_id
-    if eos is None:
-        raise ValueError(f"tokenizer {str(tokenizer_dir)!r} has no EOS token: documents in "
-                         "train.bin are separated by it (set eos_token)")
-    dtype = token_dtype(vocab)
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = base / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        count = 0
-        with open(tmp / "train.bin", "wb") as f:
-            for chunk in _texts(dataset):
-                encoded = tok.backend_tokenizer.encode_batch(chunk, add_special_tokens=False)
-                ids = np.fromiter((i for e in encoded for i in (*e.ids, eos)), dtype=dtype)
-                ids.tofile(f)
-                count += ids.size
-            f.flush()
-            os.fsync(f.fileno())
-        meta = {"dtype": dtype.name, "vocab_size": vocab, "tokens": count, "eos": eos,
-                "tokenizer": str(tokenizer_dir), "dataset": str(dataset), "format": _FORMAT}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))  # written last: marks it whole
-        try:
-            os.rename(tmp, folder)
-        except OSError:  # another process finished the same folder first: use theirs
-            if not (folder / "meta.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return read_meta(folder)
-
-
-def read_meta(folder: str | os.PathLike[str]) -> TokenFile:
-    meta = json.loads((Path(folder) / "meta.json").read_text())
-    return TokenFile(Path(folder) / "train.bin", meta["dtype"], int(meta["vocab_size"]),
-                     int(meta["tokens"]))
+    root = (Path(home) if home is not None else diag_home()) / "tokens"
+    cache = build_token_cache(dataset, tokenizer_dir, cache_dir=root)
+    return _beside(cache.folder)
 
 
 def token_file(path: str | os.PathLike[str], dtype: str = "uint16") -> TokenFile:
     """A user's train.bin: its meta.json beside it when there is one, else nanoGPT's uint16."""
     path = Path(path)
     if (path.parent / "meta.json").is_file():
-        return read_meta(path.parent)
+        return _beside(path.parent)
     if not path.is_file():
         raise ValueError(f"AccumConfig.token_file={str(path)!r}: no such file")
     size = np.dtype(dtype).itemsize

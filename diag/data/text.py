@@ -1,8 +1,8 @@
-"""The text pipeline a fine-tuning job feeds its model: instruction JSONL -> prompt -> tokens.
+"""The text pipeline a fine-tuning job feeds its model: records -> prompt -> tokens.
 
 Two forms serve the same labels (loss on response tokens only, -100 on prompt and padding):
 `NaiveTextDataset` tokenizes one record per `__getitem__` and pads it to seq_len, as a newcomer
-writes it; `PackedDataset` reads a token cache made once (`build_token_cache`, diag.loader.tokens)
+writes it; `PackedDataset` reads the token cache made once (`build_token_cache`, diag.data.tokens)
 and serves fixed-length windows packed across records, so no step is spent on padding.
 Both classes live in an importable module: DataLoader workers pickle them.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -19,15 +20,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from diag.config import ON_ERROR
-
 # Alpaca-style template: what most instruction-tuning recipes use; the input block is left out
 # when a record has no input, so the prompt carries no empty section.
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 PROMPT_TEMPLATE_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
-FIELDS = ("instruction", "input", "output")
 IGNORE_INDEX = -100  # the label PyTorch's cross-entropy (and HF models) leave out of the loss
-PROBLEM_COLUMNS = ["line", "problem", "detail"]
 
 
 def format_prompt(record: dict[str, Any]) -> tuple[str, str]:
@@ -38,64 +35,6 @@ def format_prompt(record: dict[str, Any]) -> tuple[str, str]:
     template = PROMPT_TEMPLATE if record.get("input") else PROMPT_TEMPLATE_NO_INPUT
     return (template.format(instruction=record["instruction"], input=record.get("input", "")),
             record["output"])
-
-
-def _problem(raw: bytes) -> tuple[str, str] | tuple[None, dict[str, str]]:
-    """(problem, detail) for a bad line, or (None, record) for a good one."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        return "invalid_utf8", f"byte {err.start}: {err.reason}"
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as err:
-        return "invalid_json", f"column {err.colno}: {err.msg}"
-    if not isinstance(record, dict):
-        return "not_an_object", f"a JSON {type(record).__name__}, expected an object"
-    return record_problem(record)
-
-
-def record_problem(record: dict[str, Any]) -> tuple[str, str] | tuple[None, dict[str, str]]:
-    """(problem, detail) for an Alpaca record that does not fit, or (None, its fields)."""
-    missing = [f for f in FIELDS if f not in record]
-    if missing:
-        return "missing_field", f"no {', '.join(missing)}"
-    wrong = [f for f in FIELDS if not isinstance(record[f], str)]
-    if wrong:
-        return "not_text", f"{', '.join(wrong)} must be strings"
-    empty = [f for f in ("instruction", "output") if not record[f].strip()]
-    if empty:
-        return "empty_text", f"{', '.join(empty)} is empty"
-    return None, {f: record[f] for f in FIELDS}
-
-
-def read_records(path: str | os.PathLike[str], on_error: str = "raise"
-                 ) -> tuple[list[dict[str, str]], Any]:
-    """Read instruction JSONL: (records, problems frame with line, problem, detail).
-
-    on_error="raise" stops at the first bad line with a ValueError naming the file and line;
-    "skip" leaves bad lines out and lists every one (1-based line numbers). Blank lines are
-    not records and not problems.
-    """
-    import pandas as pd
-
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error={on_error!r}: allowed values are "
-                         + ", ".join(map(repr, ON_ERROR)))
-    records, problems = [], []
-    with open(path, "rb") as f:  # bytes: a bad UTF-8 line is one problem, not a crashed read
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            problem, got = _problem(raw.rstrip(b"\r\n"))
-            if problem is None:
-                records.append(got)
-            elif on_error == "raise":
-                raise ValueError(f"{path}: line {number}: {problem} ({got}); pass "
-                                 "on_error='skip' to leave bad lines out and list them")
-            else:
-                problems.append({"line": number, "problem": problem, "detail": got})
-    return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
 
 
 def tokenizer_version(tokenizer_dir: str | os.PathLike[str]) -> str:
@@ -154,7 +93,9 @@ class NaiveTextDataset(Dataset):
                  tokenizer_dir: str | os.PathLike[str], seq_len: int) -> None:
         check_seq_len(seq_len)
         if isinstance(path_or_records, (str, os.PathLike)):
-            path_or_records, _ = read_records(path_or_records, on_error="raise")
+            from diag.data.records import read_source
+
+            path_or_records, _ = read_source(path_or_records, on_error="raise")
         self.records = list(path_or_records)
         self.tokenizer_dir, self.seq_len = str(tokenizer_dir), seq_len
         if not Path(self.tokenizer_dir, "tokenizer.json").is_file():
@@ -187,16 +128,31 @@ class PackedDataset(Dataset):
     each token keeps its own label (its id where it is a response token, -100 on prompts), so
     the labels are right across record boundaries. The last window is padded (mask 0, label
     -100). Attention crosses record boundaries inside a window, as TRL's packing=True does.
-    The arrays are memory-mapped per process: a worker reads only the pages it serves.
+    records: the cache's records to pack, in that order (None = all of them; the QLoRA job packs
+    the ones it trains on). The arrays are memory-mapped per process: a worker reads only the
+    pages it serves.
     """
 
     def __init__(self, cache_folder: str | os.PathLike[str], seq_len: int,
-                 pad_token_id: int | None = None) -> None:
+                 pad_token_id: int | None = None, records: Sequence[int] | None = None) -> None:
         check_seq_len(seq_len)
         self.folder, self.seq_len = Path(cache_folder), seq_len
         meta = json.loads((self.folder / "meta.json").read_text())
-        self.tokens = int(meta["tokens"])
+        self.dtype = meta["dtype"]
         self.pad_token_id = int(meta["pad_token_id"] if pad_token_id is None else pad_token_id)
+        self._positions: np.ndarray | None = None  # stream position -> cache position
+        self.tokens = int(meta["tokens"])
+        if records is not None:
+            offsets = np.load(self.folder / "offsets.npy")
+            picked = np.asarray(records, dtype=np.int64)
+            if picked.size and not 0 <= picked.min() <= picked.max() < len(offsets) - 1:
+                raise IndexError(f"records: the cache holds {len(offsets) - 1} records")
+            if np.array_equal(picked, np.arange(len(picked))):  # a prefix: no index needed
+                self.tokens = int(offsets[len(picked)])
+            else:
+                self._positions = np.concatenate(
+                    [np.arange(offsets[i], offsets[i + 1]) for i in picked] or [np.zeros(0, int)])
+                self.tokens = len(self._positions)
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -204,9 +160,21 @@ class PackedDataset(Dataset):
 
     def _maps(self) -> tuple[np.ndarray, np.ndarray]:
         if self._arrays is None:
-            self._arrays = (np.load(self.folder / "ids.npy", mmap_mode="r"),
+            self._arrays = (np.memmap(self.folder / "train.bin", dtype=self.dtype, mode="r"),
                             np.load(self.folder / "loss_mask.npy", mmap_mode="r"))
         return self._arrays
+
+    def _span(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, loss mask) of stream tokens [start, stop)."""
+        ids, mask = self._maps()
+        where: Any = slice(start, min(stop, self.tokens))
+        if self._positions is not None:
+            where = self._positions[where]
+        return np.asarray(ids[where], dtype=np.int64), np.asarray(mask[where], dtype=bool)
+
+    def loss_tokens(self) -> int:
+        """Tokens that carry a loss (response tokens and EOS) in the packed stream."""
+        return int(self._span(0, self.tokens)[1].sum())
 
     def __len__(self) -> int:
         return -(-self.tokens // self.seq_len)
@@ -214,10 +182,7 @@ class PackedDataset(Dataset):
     def __getitem__(self, w: int) -> dict[str, torch.Tensor]:
         if not 0 <= w < len(self):
             raise IndexError(f"window {w} of {len(self)}")
-        ids, mask = self._maps()
-        start = w * self.seq_len
-        chunk = np.asarray(ids[start:start + self.seq_len], dtype=np.int64)
-        loss = np.asarray(mask[start:start + self.seq_len], dtype=bool)
+        chunk, loss = self._span(w * self.seq_len, (w + 1) * self.seq_len)
         n, pad = len(chunk), self.seq_len - len(chunk)
         input_ids = torch.full((self.seq_len,), self.pad_token_id, dtype=torch.int64)
         input_ids[:n] = torch.from_numpy(chunk)
