@@ -11,9 +11,9 @@ from diag.data.records import (DATA_SUFFIXES, PROBLEM_COLUMNS, read_source, rend
                                shard_files)
 from diag.data.text import (IGNORE_INDEX, PROMPT_TEMPLATE, NaiveTextDataset, PackedDataset,
                             encode_batch, format_prompt, load_tokenizer)
-from diag.data.tokens import TokenCache, build_token_cache, tokenize
+from diag.data.tokens import ARRAYS, TokenCache, build_token_cache, tokenize
 
-__all__ = ["BatchLoader", "DATA_SUFFIXES", "IGNORE_INDEX", "NaiveTextDataset", "PROBLEM_COLUMNS",
-           "PROMPT_TEMPLATE", "PackedDataset", "TokenCache", "TokenFile", "build_token_cache",
-           "check_tokens", "encode_batch", "ensure_tokens", "format_prompt", "load_tokenizer",
-           "read_source", "render_chat", "shard_files", "token_file", "tokenize"]
+__all__ = ["ARRAYS", "BatchLoader", "DATA_SUFFIXES", "IGNORE_INDEX", "NaiveTextDataset",
+           "PROBLEM_COLUMNS", "PROMPT_TEMPLATE", "PackedDataset", "TokenCache", "TokenFile",
+           "build_token_cache", "check_tokens", "encode_batch", "ensure_tokens", "format_prompt",
+           "load_tokenizer", "read_source", "render_chat", "shard_files", "token_file", "tokenize"]

@@ -31,6 +31,7 @@ from diag.hashing import file_sha256, swap_in
 FORMAT = 2  # bump when the arrays' layout or the encoding changes: every old cache goes stale
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _CHUNK = 1000  # records per batched tokenizer call: large enough to amortize the Python wrapper
+ARRAYS = ("train.bin", "loss_mask.npy", "offsets.npy")  # a cache's data files, beside meta.json
 
 Source = str | os.PathLike[str] | list[dict[str, Any]]
 

@@ -47,7 +47,9 @@ def _files(pipeline: str, data: str, dataset: Dataset) -> list[Path]:
     files = [Path(data)]
     base = dataset.base if isinstance(dataset, Guarded) else dataset
     if pipeline == "packed":
-        files += [base.folder / f for f in ("ids.npy", "loss_mask.npy", "offsets.npy")]
+        from diag.data import ARRAYS
+
+        files += [base.folder / f for f in ARRAYS]
     return files
 
 
