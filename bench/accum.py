@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from diag.accum import BatchLoader, ensure_tokens, run_accum  # noqa: E402
+from diag.accum import run_accum  # noqa: E402
 from diag.config import AccumConfig  # noqa: E402
+from diag.data import BatchLoader, ensure_tokens  # noqa: E402
 from diag.device import resolve, sync  # noqa: E402
 
 BATCH, BLOCK = 16, 1024  # the seed's micro-batch: 16 x 1024 tokens

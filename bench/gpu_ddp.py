@@ -29,8 +29,8 @@ def worker(args: argparse.Namespace) -> None:
     from diag import stragglers
     from diag.accum.mfu import loss_of
     from diag.accum.sweep import _autocast, build_model
-    from diag.accum.tokens import BatchLoader, ensure_tokens
     from diag.config import AccumConfig
+    from diag.data import BatchLoader, ensure_tokens
     from diag.distributed import gathered_frame, init_group, root_first
     from diag.timing import StageTimer
 

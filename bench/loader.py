@@ -24,13 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from diag.config import LoaderConfig
+from diag.data import build_token_cache, read_source, tokenize
 from diag.embedded import ensure_assets
-from diag.loader import (EmulatedStep, Setting, build_token_cache, measure_setting, recommend,
-                         sweep_workers)
-from diag.loader.pipeline import read_records
+from diag.loader import EmulatedStep, Setting, measure_setting, recommend, sweep_workers
 from diag.loader.steps import measure_model_step
 from diag.loader.sweep import make_dataset
-from diag.loader.tokens import tokenize
 
 
 def alone(cfg: LoaderConfig, data: str, tok: str, rounds: int) -> dict[str, dict[str, float]]:
@@ -57,7 +55,7 @@ def main() -> int:
     data, tok = str(assets.dataset), str(assets.model_dir)
     print(f"cores: {len(os.sched_getaffinity(0))}, load average: {os.getloadavg()[0]:.1f}")
 
-    records, _ = read_records(data)
+    records, _ = read_source(data)
     with tempfile.TemporaryDirectory() as tmp:
         built = build_token_cache(data, tok, cache_dir=tmp)
         hit = build_token_cache(data, tok, cache_dir=tmp)

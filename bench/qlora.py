@@ -143,7 +143,7 @@ def trl_tokens_per_s(cfg: QLoraConfig, optimized: Plan, model_dir=None, dataset=
 
     from diag.device import resolve
     from diag.embedded import ensure_assets
-    from diag.loader.pipeline import format_prompt, read_records
+    from diag.data import format_prompt, read_source
     from diag.qlora.data import check_records
     from diag.qlora.job import load_model
 
@@ -151,7 +151,7 @@ def trl_tokens_per_s(cfg: QLoraConfig, optimized: Plan, model_dir=None, dataset=
     if model_dir is None or dataset is None:
         assets = ensure_assets()
         model_dir, dataset = assets.model_dir, assets.dataset
-    records, _ = read_records(dataset, on_error="skip")
+    records, _ = read_source(dataset, on_error="skip")
     recs = check_records(cfg, records[: cfg.records], model_dir)
     pairs = [format_prompt(r) for r in recs.records]
     start = time.perf_counter()

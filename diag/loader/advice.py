@@ -115,7 +115,7 @@ def advice(sweep: pd.DataFrame, recommendation: pd.DataFrame, run_steps: int = 1
         else:
             finding = (f"workers alone leave the {r.pipeline} pipeline at "
                        f"{by.loc[best, 'data_wait_share']:.1%} of the step: cache the tokens "
-                       "(diag.loader.build_token_cache + PackedDataset)")
+                       "(diag.data.build_token_cache + PackedDataset)")
             evidence += f"; {r.verdict}"
         if saved > 0:
             rows.append({"stage": "data_wait", "finding": finding, "seconds_saved": saved,
@@ -147,7 +147,7 @@ def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], recommendation
         evidence += (f"; naive batches are {1 - fill:.0%} padding, compute a packed step "
                      "does not waste")
     return [{"stage": "data_wait", "finding": "tokenize once into a token cache and serve packed "
-             "windows (diag.loader.build_token_cache + PackedDataset)",
+             "windows (diag.data.build_token_cache + PackedDataset)",
              "seconds_saved": max(float(saved), 0.0), "evidence": evidence}] if saved > 0 else []
 
 
