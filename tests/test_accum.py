@@ -1,4 +1,5 @@
-"""diag.accum: the token file, the batch loader, FLOPs/MFU/floor, and one quick sweep on CPU."""
+"""diag.accum: its token file (the token cache's train.bin), the batch loader, FLOPs/MFU/floor,
+and one quick sweep on CPU."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pandas as pd
 import pytest
 
 from diag.accum import advice as accum_advice
-from diag.accum import (COLUMNS, NANOGPT_PEAK, BatchLoader, ModelShape, count_flops,
-                        ensure_tokens, judge_mfu, mfu_from_figures, pairs, run_accum)
+from diag.accum import (COLUMNS, NANOGPT_PEAK, ModelShape, count_flops, judge_mfu,
+                        mfu_from_figures, pairs, run_accum)
 from diag.config import AccumConfig
+from diag.data import BatchLoader, ensure_tokens
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +85,7 @@ def test_token_file_is_made_once_keyed_and_decodes_to_the_dataset(tmp_path):
 
     from transformers import PreTrainedTokenizerFast
 
+    from diag.data import format_prompt
     from diag.embedded import ensure_assets, synthetic_dataset
 
     first = ensure_tokens()
@@ -96,8 +99,8 @@ def test_token_file_is_made_once_keyed_and_decodes_to_the_dataset(tmp_path):
     ids = np.memmap(first.path, dtype=first.dtype, mode="r")
     end = int(np.argmax(ids == tok.eos_token_id))
     rec = json.loads(assets.dataset.read_text().splitlines()[0])
-    assert (tok.decode(ids[:end].tolist())
-            == f"{rec['instruction']}\n{rec['input']}\n{rec['output']}")
+    prompt, response = format_prompt(rec)  # the token cache's encoding: BOS, prompt, response
+    assert tok.decode(ids[:end].tolist(), skip_special_tokens=True) == prompt + response
     other = ensure_tokens(assets.model_dir, synthetic_dataset(tmp_path / "d.jsonl", records=50))
     assert other.path.parent != first.path.parent  # other data: another key, another file
 

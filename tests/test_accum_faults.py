@@ -77,8 +77,9 @@ def test_mfu_above_100_percent_is_flagged_not_printed():
 
 OOM_SCRIPT = textwrap.dedent("""
     import resource, sys
-    from diag.accum import ensure_tokens, sweep, sweep_grad_accum
+    from diag.accum import sweep, sweep_grad_accum
     from diag.config import AccumConfig
+    from diag.data import ensure_tokens
 
     ensure_tokens()
     headroom = int(float(sys.argv[1]) * 1e9)

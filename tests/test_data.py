@@ -1,4 +1,4 @@
-"""The text pipeline: prompt template, JSONL checks, naive vs packed labels, the token cache."""
+"""diag.data: prompt template, JSONL checks, naive vs packed labels, the token cache."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from diag.data import (IGNORE_INDEX, NaiveTextDataset, PackedDataset, build_token_cache,
+                       encode_batch, format_prompt, load_tokenizer, read_source)
 from diag.embedded import ensure_assets, synthetic_records
-from diag.loader.pipeline import (IGNORE_INDEX, NaiveTextDataset, PackedDataset, encode_batch,
-                                  format_prompt, load_tokenizer, read_records)
-from diag.loader.tokens import build_token_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,8 +41,8 @@ def _bad_jsonl(path: Path) -> Path:
     return path
 
 
-def test_read_records_lists_every_bad_line_with_its_number(tmp_path: Path):
-    records, problems = read_records(_bad_jsonl(tmp_path / "bad.jsonl"), on_error="skip")
+def test_read_source_lists_every_bad_line_with_its_number(tmp_path: Path):
+    records, problems = read_source(_bad_jsonl(tmp_path / "bad.jsonl"), on_error="skip")
     assert len(records) == 2
     assert problems[["line", "problem"]].values.tolist() == [
         [2, "invalid_json"], [3, "missing_field"], [5, "empty_text"], [6, "invalid_utf8"],
@@ -51,15 +50,15 @@ def test_read_records_lists_every_bad_line_with_its_number(tmp_path: Path):
     assert "input" in problems.loc[1, "detail"] and "output" in problems.loc[2, "detail"]
 
 
-def test_read_records_raise_names_the_line(tmp_path: Path):
+def test_read_source_raise_names_the_line(tmp_path: Path):
     with pytest.raises(ValueError, match=r"line 2: invalid_json.*on_error='skip'"):
-        read_records(_bad_jsonl(tmp_path / "bad.jsonl"))
+        read_source(_bad_jsonl(tmp_path / "bad.jsonl"))
     with pytest.raises(ValueError, match="on_error='ignore': allowed values are 'raise', 'skip'"):
-        read_records(tmp_path / "bad.jsonl", on_error="ignore")
+        read_source(tmp_path / "bad.jsonl", on_error="ignore")
 
 
 def test_sample_jsonl_reads_clean():
-    records, problems = read_records(ROOT / "data" / "sample.jsonl")
+    records, problems = read_source(ROOT / "data" / "sample.jsonl")
     assert records and problems.empty
 
 

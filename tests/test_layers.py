@@ -114,6 +114,20 @@ def test_arrows_point_down():
     assert not wrong, "\n".join(sorted(wrong))
 
 
+def test_the_data_layer_is_under_the_experiments_and_the_recipe_imports_faces():
+    # STYLE.md: shared data pieces live under the experiments; the QLoRA recipe on top imports
+    # the experiments' faces (diag.accum), never their modules (diag.accum.sweep)
+    wrong = []
+    for src, targets in graph().items():
+        for t in targets:
+            if _noun(src) == "data" and _noun(t) in EXPERIMENTS:
+                wrong.append(f"{src} (data layer) imports experiment {t}")
+            if _noun(src) == "qlora" and _noun(t) in EXPERIMENTS - {"qlora"} \
+                    and t.count(".") > 1:
+                wrong.append(f"{src} imports {t}, not its face {t.rsplit('.', 1)[0]}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
 def test_sub_package_modules_do_not_import_their_face():
     wrong = []
     for path in ROOT.rglob("*.py"):

@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from diag.config import LoaderConfig
+from diag.data import PackedDataset, build_token_cache
 from diag.embedded import ensure_assets, synthetic_records
 from diag.loader.advice import advice, decide, recommend
-from diag.loader.pipeline import PackedDataset
 from diag.loader.profile import profile_lines
 from diag.loader.steps import EmulatedStep, gpu_step_seconds, measure_model_step
 from diag.loader.sweep import Guarded, Setting, measure_setting, sweep_workers, usable_cores
-from diag.loader.tokens import build_token_cache
 
 
 @pytest.fixture(scope="module")

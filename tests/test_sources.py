@@ -209,9 +209,8 @@ def test_revision_and_cache_dir_reach_the_jobs_download(tmp_path):
 
 
 def test_a_chat_messages_field_is_rendered_with_the_models_template(tmp_path):
-    from diag.data import render_chat
+    from diag.data import load_tokenizer, render_chat
     from diag.embedded import ensure_assets
-    from diag.loader.pipeline import load_tokenizer
 
     chat = [{"role": "user", "content": "Sort: pear apple"},
             {"role": "assistant", "content": "apple pear"}]
