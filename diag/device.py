@@ -8,12 +8,15 @@ labelled as measured. `run_info(cfg)` returns one row per fact (`fact`, `value`,
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 # The table lives in diag.gpus; these names are part of what this module answers.
 from diag.disks import disks
@@ -42,6 +45,58 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1
+
+
+CPU_THREADS_ENV = "DIAG_CPU_THREADS"  # torch intra-op threads for diag's steps on a CPU
+CPU_THREADS_DEFAULT = 1
+
+
+def cpu_thread_count() -> int:
+    """DIAG_CPU_THREADS, else 1: the intra-op threads diag's timed steps use on a CPU."""
+    raw = os.environ.get(CPU_THREADS_ENV, "").strip()
+    if not raw:
+        return CPU_THREADS_DEFAULT
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{CPU_THREADS_ENV}={raw!r}: must be a whole number >= 1")
+    return int(raw)
+
+
+@contextlib.contextmanager
+def cpu_threads(device: Any = "auto") -> Iterator[None]:
+    """On a CPU, run the block with cpu_thread_count() torch intra-op threads, then restore.
+
+    Why one by default: diag's CPU steps are a demo-sized model, whose ops take microseconds; an
+    OpenMP pool of 2 threads on 2 cores that are also running DataLoader workers (or another
+    process) waits at every op's barrier for a descheduled thread. Measured here (2 cores, load
+    ~3): a 96x64 @ 64x192 linear took 15.8 ms with 2 threads and 50 us with 1; the QLoRA step of
+    the embedded model 1.26 s vs 0.064 s. One thread is also what a GPU box's host gives a
+    step's launches, leaving the other cores to the workers. A CUDA device is left alone.
+    """
+    import torch
+
+    if resolve(device).type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(cpu_thread_count())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+Run = TypeVar("Run", bound=Callable[..., Any])
+
+
+def on_cpu_threads(run: Run) -> Run:
+    """run(cfg, ...) under cpu_threads(cfg.device): every experiment's entry point."""
+
+    @functools.wraps(run)
+    def wrapper(cfg: Any = None, *args: Any, **kwargs: Any) -> Any:
+        with cpu_threads(getattr(cfg, "device", "auto")):
+            return run(cfg, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def cpu_matmul_probe(size: int = 1024, repeats: int = 5) -> float:
@@ -175,6 +230,7 @@ def facts(probe: bool = True, probe_size: int = 1024) -> dict[str, Any]:
     }
 
 
+@on_cpu_threads
 def run_info(cfg: InfoConfig) -> pd.DataFrame:
     """`diag info` as a tidy frame: one row per fact (`fact`, `value`, `detail`)."""
     import pandas as pd
@@ -185,6 +241,13 @@ def run_info(cfg: InfoConfig) -> pd.DataFrame:
     source = f"; source: {peak.source}" if peak.source and not peak.measured else ""
     tflops = None if peak.flops is None else round(peak.flops / 1e12, 3)
     rows.append({"fact": "peak_tflops_bf16", "value": tflops, "detail": peak.label + source})
+    if resolve("auto").type == "cpu":
+        import torch
+
+        rows.append({"fact": "cpu_threads", "value": torch.get_num_threads(),
+                     "detail": f"torch intra-op threads of diag's CPU steps ({CPU_THREADS_ENV}, "
+                               f"default {CPU_THREADS_DEFAULT}: tiny ops on a shared pool wait "
+                               "at its barriers)"})
     for d in f["disks"]:
         rows.append({"fact": f"disk:{d.mountpoint}", "value": d.kind,
                      "detail": f"{d.fstype} on {d.device}: {d.evidence}"})

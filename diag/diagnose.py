@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from diag import report
 from diag.config import DiagnoseConfig, InfoConfig, QLoraConfig, ToyConfig
+from diag.device import on_cpu_threads
 from diag.timing import STAGE_FRAME, StageTimer, is_stage_frame, median_seconds
 
 RUNS = ("naive", "optimized")
@@ -286,6 +287,7 @@ class Stopped(BaseException):
     handling swallows it. Nothing is written: a run folder appears whole or not at all."""
 
 
+@on_cpu_threads
 def run_diagnose(cfg: DiagnoseConfig | None = None, on_result: OnResult | None = None,
                  stop: threading.Event | None = None, on_error: OnError | None = None) -> Path:
     """Run the diagnosis and write the report; returns the run folder.

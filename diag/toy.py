@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from diag import distributed
 from diag.config import ToyConfig
+from diag.device import on_cpu_threads
 from diag.gpu_util import GpuSampler
 from diag.timing import StageTimer
 
@@ -45,6 +46,7 @@ class ToyBatches(Dataset):
         return x, x.sum(dim=1, keepdim=True)
 
 
+@on_cpu_threads
 def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
     """Train the toy MLP for cfg.warmup_steps + cfg.steps; return the timer's frame."""
     from diag import device as devices

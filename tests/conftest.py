@@ -31,6 +31,12 @@ def pytest_configure(config: pytest.Config) -> None:
         _tool_old[key] = os.environ.get(key)
         os.environ[key] = os.path.join(_tool_root, sub)
         os.makedirs(os.environ[key], exist_ok=True)
+    # Two xdist workers on two cores: each process's OpenMP pool gets one thread (inherited by
+    # the kernels, CLIs and launchers the tests start), or every tiny op waits at a barrier for
+    # a thread the other worker has descheduled (diag.device.cpu_threads measures why)
+    for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        _tool_old[key] = os.environ.get(key)
+        os.environ[key] = "1"
     # the token files of the user's real HF home must not leak into a test either
     _tool_old.setdefault("HF_HUB_CACHE", os.environ.pop("HF_HUB_CACHE", None))
     _tool_old.setdefault("HUGGINGFACE_HUB_CACHE", os.environ.pop("HUGGINGFACE_HUB_CACHE", None))

@@ -250,3 +250,37 @@ def test_peak_flops_unknown_gpu_says_pass_it(monkeypatch: pytest.MonkeyPatch) ->
     peak = dev.peak_flops("cuda")
     assert peak.flops is None and not peak.measured
     assert "'NVIDIA Mystery X1'" in peak.label and "explicitly" in peak.label
+
+
+def test_cpu_threads_sets_diags_count_on_a_cpu_and_restores_the_callers(monkeypatch) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.delenv(dev.CPU_THREADS_ENV, raising=False)
+        with dev.cpu_threads("cpu"):
+            assert torch.get_num_threads() == dev.CPU_THREADS_DEFAULT == 1
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv(dev.CPU_THREADS_ENV, "2")
+        torch.set_num_threads(1)
+        with dev.cpu_threads("cpu"):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
+        seen = []
+        wrapped = dev.on_cpu_threads(lambda cfg, x: seen.append((torch.get_num_threads(), x)))
+        monkeypatch.setenv(dev.CPU_THREADS_ENV, "1")
+        torch.set_num_threads(2)
+        wrapped(InfoConfig(), x=3)
+        assert seen == [(1, 3)] and torch.get_num_threads() == 2
+        for bad in ("0", "two", "-1"):
+            monkeypatch.setenv(dev.CPU_THREADS_ENV, bad)
+            with pytest.raises(ValueError, match=rf"DIAG_CPU_THREADS='{bad}': must be a whole"):
+                dev.cpu_thread_count()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_info_names_the_cpu_threads_of_diags_steps(monkeypatch) -> None:
+    monkeypatch.setenv(dev.CPU_THREADS_ENV, "1")
+    frame = dev.run_info(InfoConfig(probe=False)).set_index("fact")
+    assert frame.at["cpu_threads", "value"] == 1
+    assert "DIAG_CPU_THREADS" in frame.at["cpu_threads", "detail"]

@@ -177,3 +177,30 @@ def test_sweep_with_the_real_model_step_as_consumer():
     row = sweep.iloc[0]
     assert row["error"] == "" and row["consumer"] == "model" and row["step_s"] > 0
     assert row["step_source"].startswith("the model in ")  # no emulated duration was used
+
+
+class _Counted(EmulatedStep):
+    """An emulated step that counts the calls that held the loop."""
+
+    held = 0
+
+    def __call__(self, batch):
+        type(self).held += self.hold
+        return super().__call__(batch)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_stall_split_accounts_an_emulated_step_it_cannot_overlap(workers):
+    # num_workers=0 makes each batch between steps in this process: a step's length cannot
+    # change the wait, so the split accounts the emulated step at its seconds without sleeping
+    # it; with a worker the batch is made while the step runs, so the step is really held
+    from diag.loader.stalls import stall_split
+
+    _Counted.held = 0
+    cfg = LoaderConfig.quick(pipelines=["packed"], workers=[workers], steps=2, seq_len=64)
+    got = stall_split(cfg, step=_Counted(0.05)).iloc[0]
+    assert got["num_workers"] == workers and got["error"] == ""
+    if workers == 0:
+        assert _Counted.held == 0 and got["step_s"] == 0.05
+    else:
+        assert _Counted.held > 0 and got["step_s"] >= 0.05

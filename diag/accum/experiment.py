@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from diag.accum.sweep import measure
 from diag.decision import Decision, MeasuredOn
+from diag.device import on_cpu_threads
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -35,6 +36,7 @@ class AccumResult:
     decisions: tuple[Decision, ...] = ()  # micro_batch: the point summarize marked recommended
 
 
+@on_cpu_threads
 def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
     """The sweep at cfg's tokens per step, then its summary, MFU cross-check and advice."""
     from diag.config import AccumConfig

@@ -47,9 +47,10 @@ class QLoraConfig(SourceConfig):
         # the loader sweep tries against the job's step
     sweep_steps: int = 2  # timed steps per sweep point on the job (after one warm-up)
 
+    # --quick (tests, a smoke run): one round of each plan, a quick look with no spread
     QUICK: ClassVar[dict[str, Any]] = {"records": 12, "steps": 3, "seq_len": 96, "lora_r": 8,
                                        "lora_alpha": 16, "sweep_workers": [0, 2],
-                                       "sweep_steps": 1}
+                                       "sweep_steps": 1, "rounds": 1}
     # `diag run`: the sweeps on the job quick-sized (one timed step per point), so the demo
     # stays a demo; `diag qlora` runs the defaults above. Smaller rounds (48 records, 4 steps),
     # never fewer of them: the headline's spread over 3 rounds says whether the gap resolved

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from diag.data import NaiveTextDataset, read_source
 from diag.decision import Decision, MeasuredOn
+from diag.device import on_cpu_threads
 from diag.loader.advice import advice, decide, recommend
 from diag.loader.profile import profile_lines
 from diag.loader.stalls import stall_split
@@ -35,6 +36,7 @@ class LoaderResult:
     decisions: tuple[Decision, ...] = ()  # pipeline, num_workers and the knobs (advice.decide)
 
 
+@on_cpu_threads
 def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
                measured_on: MeasuredOn | None = None, emulate_stalls: bool = False
                ) -> LoaderResult:

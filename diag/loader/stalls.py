@@ -10,6 +10,7 @@ reads its whole JSONL there, a packed one checks its token cache's key).
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,7 +69,7 @@ def stall_split(cfg: LoaderConfig | None = None, num_workers: int | None = None,
     from diag.config import LoaderConfig
     from diag.device import resolve
     from diag.disks import evict_page_cache
-    from diag.loader.steps import consumer
+    from diag.loader.steps import EmulatedStep, consumer
 
     cfg = cfg or LoaderConfig.default()
     data, tokenizer_dir = sources(cfg)
@@ -76,6 +77,12 @@ def stall_split(cfg: LoaderConfig | None = None, num_workers: int | None = None,
     if step is None:
         step, _, _ = consumer(cfg, tokenizer_dir, device)
     w = cfg.workers[0] if num_workers is None else num_workers
+    nominal = None
+    if w == 0 and isinstance(step, EmulatedStep):
+        # no workers: each batch is made in this process between steps, so the step's length
+        # cannot change the wait; the step is accounted at its seconds instead of slept
+        nominal, step = step.seconds, copy.copy(step)
+        step.hold = False
     setting = Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)
     common = {"batch_size": cfg.batch_size, "steps": cfg.steps, "timeout_s": cfg.timeout_s,
               "device": device, "consumer": cfg.consumer}
@@ -103,7 +110,7 @@ def stall_split(cfg: LoaderConfig | None = None, num_workers: int | None = None,
             steps_s.append(got["step_s"])
             if got["error"]:
                 errors.append(f"{state}: {got['error']}")
-        step_s = float(pd.Series(steps_s).median())
+        step_s = float(pd.Series(steps_s).median()) if nominal is None else nominal
         prep = max(waits["warm"] - waits["synthetic"], 0.0)
         fetch = max(waits["cold"] - waits["warm"], 0.0)
         per_step = step_s + waits["cold"]

@@ -22,10 +22,14 @@ if TYPE_CHECKING:
 class EmulatedStep:
     """A step that takes `seconds` and leaves the CPU free, as an accelerator's step would."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, hold: bool = True) -> None:
         self.seconds = seconds
+        self.hold = hold  # False: the step is accounted at `seconds`, not waited out (where
+                          # nothing runs beside it, as with num_workers=0, waiting buys nothing)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> None:
+        if not self.hold:
+            return
         # sleep, not a busy loop: while a GPU computes, the host's cores are free for workers
         end = time.perf_counter() + self.seconds
         while (left := end - time.perf_counter()) > 0:
