@@ -29,10 +29,11 @@ demo: $(STAMP)
 	$(PY) -m diag run $(ARGS)
 
 # Tests run in as many workers as cores (pytest-xdist); TEST_WORKERS=0 runs them in one process.
+# loadgroup: tests sharing one expensive fixture (an xdist_group) run on one worker, made once.
 TEST_WORKERS ?= auto
 test: $(BROWSER_STAMP)
 	$(VENV)/bin/ruff check diag tests bench tools data
-	$(PY) -m pytest -n $(TEST_WORKERS) $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 # The lab and its kernel run from this venv (jupyter_client starts the `python3` kernel with
 # the lab's own interpreter), so the notebooks' kernel imports diag.

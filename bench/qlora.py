@@ -290,4 +290,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from diag.device import cpu_threads
+
+    with cpu_threads():  # as every diag run_*: on a CPU, DIAG_CPU_THREADS (default 1)
+        main()

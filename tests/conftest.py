@@ -65,3 +65,22 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+# One `diag run --quick` (what `make demo` runs, test-sized) shared by the tests that read a
+# whole run folder: test_diagnose and the tour notebook. They share the xdist group QUICK_RUN
+# (make test runs `--dist loadgroup`), so one worker makes it once; a test run by itself makes
+# its own. The notebook that measures in its kernel is the browser test's panel Run.
+QUICK_RUN = "quick_run"
+
+
+@pytest.fixture(scope="session")
+def quick_run(tmp_path_factory: pytest.TempPathFactory, _isolated_home):
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("demo") / "run"
+    done = subprocess.run([sys.executable, "-m", "diag", "run", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done

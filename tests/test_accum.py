@@ -16,6 +16,10 @@ from diag.config import AccumConfig
 from diag.data import BatchLoader, ensure_tokens
 
 
+# its module fixture is made once: the file's tests share one xdist worker (make test)
+pytestmark = pytest.mark.xdist_group("test_accum")
+
+
 @pytest.fixture(scope="module")
 def result():
     return run_accum(AccumConfig.quick(device="cpu"))

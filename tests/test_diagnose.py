@@ -1,22 +1,19 @@
 """`python -m diag run` (what `make demo` runs), end to end on the embedded defaults, quick."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from diag import report
-from tests.conftest import FAKE_HF_TOKEN
+from tests.conftest import FAKE_HF_TOKEN, QUICK_RUN
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo") / "run"
-    done = subprocess.run([sys.executable, "-m", "diag", "run", "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out, done
+pytestmark = pytest.mark.xdist_group(QUICK_RUN)
+
+
+@pytest.fixture()
+def demo(quick_run):
+    return quick_run
 
 
 @pytest.mark.slow

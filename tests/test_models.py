@@ -20,6 +20,10 @@ from diag.timing import LOAD_PARTS
 FAKE_TOKEN = "hf_diagFAKEtoken0123456789abcdef"
 
 
+# its module fixture is made once: the file's tests share one xdist worker (make test)
+pytestmark = pytest.mark.xdist_group("test_models")
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory):
     """`python -m diag model-load --quick` in-process, HF_TOKEN set: (frame, stdout+stderr)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAKE_HF_TOKEN
+from tests.conftest import FAKE_HF_TOKEN, QUICK_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -47,14 +47,24 @@ def test_notebook_is_committed_thin(path: Path):
                 f"notebook code belongs in diag/: {ast.unparse(node)[:60]}")
 
 
+# the tour reads the shared quick run's folder (its `results` parameter) instead of measuring
+# the whole diagnosis again in its kernel; the browser test's panel Run measures in a kernel
+TOUR = "00_tour.ipynb"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_executes(path: Path, tmp_path: Path):
+@pytest.mark.parametrize("path", [
+    pytest.param(p, marks=pytest.mark.xdist_group(QUICK_RUN)) if p.name == TOUR else p
+    for p in NOTEBOOKS], ids=lambda p: p.name)
+def test_notebook_executes(path: Path, tmp_path: Path, request):
     import papermill
 
     out = tmp_path / path.name
+    parameters = {"quick": True}
+    if path.name == TOUR:
+        parameters["results"] = str(request.getfixturevalue("quick_run")[0])
     papermill.execute_notebook(
-        str(path), str(out), parameters={"quick": True}, kernel_name="python3",
+        str(path), str(out), parameters=parameters, kernel_name="python3",
         cwd=str(tmp_path), execution_timeout=TIME_LIMIT_S, progress_bar=False,
         # the kernel inherits DIAG_QUICK=1 and the isolated DIAG_HOME from conftest; its cwd is
         # the test's folder, so a run folder it writes (runs/<UTC>) never lands in the checkout

@@ -14,6 +14,10 @@ pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
 
+# its module fixture is made once: the file's tests share one xdist worker (make test)
+pytestmark = pytest.mark.xdist_group("test_qlora")
+
+
 @pytest.fixture(scope="module")
 def both():
     from diag.qlora import run_qlora

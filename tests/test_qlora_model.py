@@ -29,6 +29,10 @@ def _load(checkpointing: bool):
     return model
 
 
+# its module fixture is made once: the file's tests share one xdist worker (make test)
+pytestmark = pytest.mark.xdist_group("test_qlora_model")
+
+
 @pytest.fixture(scope="module")
 def models():
     return {on: _load(on) for on in (True, False)}

@@ -25,6 +25,10 @@ from diag.storage.experiment import COLUMNS, s5cmd_path
 from diag.timing import StageTimer
 
 
+# its module fixture is made once: the file's tests share one xdist worker (make test)
+pytestmark = pytest.mark.xdist_group("test_storage")
+
+
 @pytest.fixture(scope="module")
 def frame() -> pd.DataFrame:
     # the real experiment, test-sized: embedded server, synthetic data, every method
