@@ -26,8 +26,10 @@ def test_a_basis_outside_the_four_is_refused_naming_the_field():
 
 @pytest.mark.parametrize("basis", ["measured", "capped", "projected"])
 def test_a_measured_basis_without_rows_is_refused(basis):
-    with pytest.raises(ValueError, match=rf"Decision\('fetch'\).rows: a {basis} decision names"):
+    with pytest.raises(ValueError) as err:
         Decision("fetch", "land", basis, "why")
+    assert str(err.value) == (f"Decision('fetch').rows: a {basis} decision names the rows it "
+                              "rests on; use Decision.default(...) when there are none")
     assert Decision("fetch", "land", basis, "why", rows=({"x": 1},)).basis == basis
 
 

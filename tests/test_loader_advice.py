@@ -244,6 +244,7 @@ def test_decide_takes_the_rule_with_the_wait_it_saves_and_the_rows():
     assert (w.value, w.basis, w.source, w.stage, w.per) == (2, "measured", "loader", "data_wait",
                                                             "step")
     assert (w.baseline, w.baseline_s, w.chosen_s) == (0, 0.04, 0.0003) and len(w.rows) == 8
+    assert list(w.rows[0]) == list(frame.columns)  # the sweep's own columns, no index
     assert w.why.startswith("packed pipeline: the fewest workers under 2%")
     assert w.measured_on == MeasuredOn(step="the QLoRA step", seq_len=64)
     p = got["pipeline"]

@@ -77,7 +77,7 @@ def test_the_shape_reads_gpt2_and_llama_config_names():
     gpt2 = TinyLM(num_hidden_layers=None, num_attention_heads=None, hidden_size=None, n_layer=5,
                   n_head=4, n_embd=32)
     s = ModelShape.from_model(gpt2, T)
-    assert (s.layers, s.d_model) == (5, 32)
+    assert (s.layers, s.d_model) == (5, 32) and isinstance(s.d_model, int)  # 32 // 4 heads
     llama = ModelShape.from_model(TinyLM(num_hidden_layers=3, num_attention_heads=4,
                                          hidden_size=64, head_dim=32), T)
     assert (llama.layers, llama.d_model) == (3, 128)  # heads x head_dim, not hidden_size
@@ -125,6 +125,7 @@ def test_disagreement_is_flagged_past_ten_percent_either_way():
     assert disagreement(100.0, 85.0) == (True, "counter 0.85x the formula (over 10%)")
     assert disagreement(100.0, 91.0)[0] is False and disagreement(100.0, 111.0)[0] is True
     assert disagreement(0.0, 5.0) == (True, "no comparison: formula 0, counter 5 FLOPs")
+    assert disagreement(0.5, 0.5) == (False, "counter 1x the formula (within 10%)")
     assert disagreement(-1.0, 5.0)[0] is True
     assert disagreement(10.0, math.nan) == (True, "no comparison: formula 10, counter nan FLOPs")
     assert disagreement(10.0, math.inf)[0] is True
@@ -153,6 +154,7 @@ def test_mfu_is_the_ratio_to_the_peak_never_above_one():
     assert note == ("not an MFU: 300% of the peak is impossible; the peak (1 TFLOP/s, the table) "
                     "is wrong for this device, or 3 FLOPs per token is over-counted (achieved 3 "
                     "TFLOP/s)")
+    assert judge_mfu(0.5, 1.0, 0.5, "a small peak") == (1.0, 1.0, "against a small peak")
     for peak in (None, 0.0, -1.0):
         mfu, ratio, note = judge_mfu(10.0, 4.0, peak, "unknown device")
         assert math.isnan(mfu) and math.isnan(ratio) and note == "no MFU: unknown device"
@@ -196,6 +198,9 @@ def test_mfu_from_figures_on_a_device_the_table_lacks_or_lacks_the_dtype_of():
     fp32 = mfu_from_figures(1000.0, shape, "NVIDIA A100-SXM4-80GB", dtype="fp32",
                             assumed_peak=NANOGPT_PEAK)
     assert fp32["peak_tflops"].iloc[0] == pytest.approx(19.5)
+    assert mfu_from_figures(0.5, shape, "cpu")["achieved_tflops"].iloc[0] == 3e-6  # any rate > 0
+    near = mfu_from_figures(1000.0, shape, "NVIDIA H100 80GB HBM3", assumed_peak=989e12)
+    assert near["verdict"].iloc[1] == "against assumed 989 TFLOP/s"  # within 0.1%: the same peak
     for bad in (0.0, -1.0, math.nan):
         with pytest.raises(ValueError, match="tokens_per_s=.*: must be > 0"):
             mfu_from_figures(bad, shape, "cpu")
@@ -230,6 +235,7 @@ def test_a_qlora_shape_counts_the_frozen_base_and_the_adapters_apart():
     assert qmfu.qlora_shape(model, T).checkpointing is True
     assert qmfu.qlora_shape(model, T, checkpointing=False).checkpointing is False
     assert qmfu.qlora_shape(TinyQLora(head_dim=8), T).shape.d_model == 16
+    assert isinstance(q.shape.d_model, int)  # hidden_size // heads
 
 
 def test_qlora_flops_executed_drop_the_frozen_weight_gradients():
@@ -282,6 +288,8 @@ def test_one_counted_step_of_a_model_per_token():
     # proj 64 (wrapper's own weight; the children are not called) + head 128, and attention
     assert per_token == 6 * (64 + 128) + 12 * D * T
     assert qmfu.count_step(model, 1, T, seed=1) == per_token
+    # the ids go where the model is: on the meta device (no memory, no compute) as on a GPU
+    assert qmfu.count_step(TinyQLora().to("meta"), 2, T) == per_token
     f = qmfu.mfu_of_model(model, seq_len=T, batch_size=2)
     assert f["flops_per_token"].iloc[2] == per_token
     assert f["frozen"].iloc[0] == 64 + 128 and f["adapters"].iloc[0] == 32

@@ -34,9 +34,17 @@ def test_the_naive_plan_is_every_library_default_labelled():
                                "micro_batch": 1, "gradient_checkpointing": True}
     assert [d.setting for d in plan.decisions] == list(SETTINGS)
     assert {(d.basis, d.source) for d in plan.decisions} == {("default", "naive")}
-    why = dict(plan.evidence)
-    assert why["num_workers"] == "default: the default a first run gets: DataLoader num_workers=0"
-    assert why["gradient_checkpointing"] == "default: prepare_model_for_kbit_training turns it on"
+    first = "default: the default a first run gets: "
+    assert dict(plan.evidence) == {
+        "fetch": first + "the dataset copied from the object store per run",
+        "model_cache": first + "a fresh container, an empty HF cache",
+        "pipeline": first + "tokenize in __getitem__, pad to seq_len",
+        "num_workers": first + "DataLoader num_workers=0",
+        "pin_memory": first + "DataLoader pin_memory=False",
+        "persistent_workers": first + "DataLoader persistent_workers=False",
+        "prefetch_factor": first + "no workers, nothing prefetched",
+        "micro_batch": first + "micro-batch 1, many accumulation steps",
+        "gradient_checkpointing": "default: prepare_model_for_kbit_training turns it on"}
     assert plan.notes == ()
 
 
@@ -60,6 +68,8 @@ def test_no_workers_caps_persistent_workers_and_prefetch_out_loud():
         d = plan.decision(s)
         assert d.basis == "capped" and d.why.endswith("num_workers=0 (no worker to keep or "
                                                       "prefetch)")
+    assert plan.decision("persistent_workers").value is False
+    assert plan.decision("prefetch_factor").value is None
     assert plan.decision("pin_memory").basis == "measured"  # not a worker setting
     already = Plan.collect("p", _all(num_workers=0, persistent_workers=False,
                                      prefetch_factor=None))
@@ -85,6 +95,8 @@ def test_optimized_decides_a_mapping_of_frames_by_each_rule():
     plan = Plan.optimized({"storage": storage}, device="cuda")
     assert plan.decision("fetch").basis == "measured" and plan.fetch == "land"
     assert plan.decision("model_cache").basis == "default"
+    assert plan.gradient_checkpointing is True  # the device reaches the rules: CUDA's default
+    assert Plan.optimized({"storage": storage}).gradient_checkpointing is False  # CPU's
 
 
 def test_pin_memory_on_a_cpu_is_capped_with_a_note():
@@ -93,7 +105,9 @@ def test_pin_memory_on_a_cpu_is_capped_with_a_note():
     cpu = Plan.optimized(_all(), device="cpu")
     assert cpu.pin_memory is False and cpu.decision("pin_memory").basis == "capped"
     assert cpu.decision("pin_memory").why.endswith("capped to False: no CUDA device")
-    assert len(cpu.notes) == 1 and cpu.notes[0].startswith("pin_memory=True needs CUDA")
+    assert cpu.notes == ("pin_memory=True needs CUDA (page-locked memory for async "
+                         "host-to-device copies); on CPU the batch already is in host memory, "
+                         "so pin_memory=False is the equivalent",)
     assert cpu.for_device("cpu") is cpu  # nothing left to cap
     assert cpu.num_workers == 2 and cpu.decision("num_workers").basis == "measured"
 
@@ -144,6 +158,18 @@ def test_decide_frames_reads_results_frames_sweeps_summaries_and_their_decisions
     assert got["gradient_checkpointing"] is own[0]
     assert got["fetch"].basis == got["model_cache"].basis == "default"
     assert set(got) == set(SETTINGS)
+    load = pd.DataFrame({"scenario": ["fresh", "cached"], "part": ["load_model"] * 2,
+                         "seconds": [30.0, 3.0], "model": ["m"] * 2, "device": ["cpu"] * 2})
+    ckpt = pd.DataFrame({"gradient_checkpointing": [True, False], "seconds": [1.3, 1.0],
+                         "peak_mem_gb": [1e-6, 2e-6]})  # fits anywhere: off, measured
+    accum_own = (_measured("micro_batch", 8, "accum"),)
+    got = {d.setting: d for d in decide_frames({"model_load": load, "checkpointing": ckpt,
+                                                "accum": SimpleNamespace(decisions=accum_own,
+                                                                         summary=None)})}
+    assert (got["model_cache"].basis, got["model_cache"].baseline_s) == ("measured", 30.0)
+    assert got["micro_batch"] is accum_own[0]
+    assert (got["gradient_checkpointing"].value,
+            got["gradient_checkpointing"].basis) == (False, "measured")
     summary = SimpleNamespace(summary=pd.DataFrame({
         "micro_batch": [2], "grad_accum": [2], "status": ["ok"], "tokens_per_s": [9.0],
         "seconds_per_step": [1.0], "recommended": [True]}))

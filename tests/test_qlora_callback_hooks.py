@@ -56,6 +56,17 @@ class Run:
         self.at(end).call("on_step_end")
 
 
+class Comm:
+    """timer.comm under DDP: the all-reduce wait backward left exposed since the last take()."""
+
+    def __init__(self, waits):
+        self.waits, self.taken = list(waits), 0
+
+    def take(self) -> float:
+        self.taken += 1
+        return self.waits.pop(0)
+
+
 def rows(cb: TimingCallback) -> list[tuple]:
     return list(cb.timer._rows)
 
@@ -98,6 +109,7 @@ def test_without_warm_up_every_step_is_timed_from_train_begin(clock):
 
 def test_a_resumed_run_warms_up_again_from_where_it_resumed(clock):
     cb = TimingCallback(warmup_steps=2)
+    cb.timer.comm = Comm([7.0, 8.0, 0.25])  # the warm-up steps' all-reduce waits are dropped
     run = Run(cb, clock, global_step=5)
     run.at(0.0).call("on_train_begin")
     run.step(1.0, 2.0)  # step 5
@@ -106,7 +118,8 @@ def test_a_resumed_run_warms_up_again_from_where_it_resumed(clock):
     run.step(4.5, 5.0)  # step 7
     run.at(9.0).call("on_train_end")
     assert rows(cb) == [("warmup", 2.0, None), ("checkpoint", 0.5, None), ("warmup", 1.5, None),
-                        ("data_wait", 0.5, 7), ("compute", 0.5, 7), ("train", 1.0, None)]
+                        ("data_wait", 0.5, 7), ("comm_wait", 0.25, 7), ("compute", 0.25, 7),
+                        ("train", 1.0, None)]
 
 
 def test_only_warm_up_steps_leave_no_train_row(clock):
@@ -161,17 +174,6 @@ def test_a_second_train_call_resets_setup_and_the_side_seconds(clock):
     assert rows(cb) == [("setup", 1.0, None), ("checkpoint", 1.0, None),
                         ("checkpoint", 1.0, None), ("data_wait", 0.5, 0), ("compute", 1.0, 0),
                         ("train", 5.5 - 3.0 - 1.0, None)]
-
-
-class Comm:
-    """timer.comm under DDP: the all-reduce wait backward left exposed since the last take()."""
-
-    def __init__(self, waits):
-        self.waits, self.taken = list(waits), 0
-
-    def take(self) -> float:
-        self.taken += 1
-        return self.waits.pop(0)
 
 
 def test_under_ddp_the_exposed_all_reduce_is_comm_wait_not_compute(clock):

@@ -368,7 +368,7 @@ def test_parts_written_up_to_and_across_their_bounds_are_not_read_back(tmp_path,
     got = _stream(tmp_path, data, writes, want)
     assert got.verdict() == (f"crc32:{crc32_b64(data)}", "size, CRC32 of each of 3 parts "
                              "(composite)")
-    assert reads == []
+    assert reads == [] and got.pos == len(data)
 
 
 def test_a_gap_left_by_the_writer_is_hashed_from_the_file(tmp_path):
