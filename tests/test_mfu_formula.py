@@ -74,8 +74,8 @@ def test_n_counts_matmul_weights_a_tied_embedding_once_as_the_head():
 
 
 def test_the_shape_reads_gpt2_and_llama_config_names():
-    gpt2 = TinyLM(num_hidden_layers=None, num_attention_heads=None, hidden_size=None, n_layer=5,
-                  n_head=4, n_embd=32)
+    gpt2 = TinyLM()
+    gpt2.config = SimpleNamespace(n_layer=5, n_head=4, n_embd=32)  # GPT-2's names only
     s = ModelShape.from_model(gpt2, T)
     assert (s.layers, s.d_model) == (5, 32) and isinstance(s.d_model, int)  # 32 // 4 heads
     llama = ModelShape.from_model(TinyLM(num_hidden_layers=3, num_attention_heads=4,
@@ -87,8 +87,9 @@ def test_a_named_shape_is_gpt2_small_at_124m_less_its_position_table():
     s = ModelShape.named("gpt2-small", seq_len=256)
     assert (s.params, s.layers, s.d_model, s.seq_len, s.name) == (124_439_808 - 1024 * 768, 12,
                                                                    768, 256, "gpt2-small")
-    assert ModelShape.named("gpt2-medium").seq_len == 1024
-    assert ModelShape.named("gpt2-medium").layers == 24
+    medium = ModelShape.named("gpt2-medium")  # 354.8M less its 1024 x 1024 position table
+    assert (medium.params, medium.layers, medium.d_model, medium.seq_len) == (
+        354_823_168 - 1024 * 1024, 24, 1024, 1024)
     with pytest.raises(ValueError, match=r"name='gpt2-xl': allowed values are 'gpt2-small', "
                                          r"'gpt2-medium'"):
         ModelShape.named("gpt2-xl")
