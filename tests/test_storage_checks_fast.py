@@ -166,6 +166,9 @@ def test_a_full_object_crc_is_checked_whole():
     assert checks.expected(single, "b", "k", 5, "ab", False, True).crc == ("crc32", "MzI=")
     assert checks.expected(Store({"ETag": "ab", "ChecksumCRC32": ""}), "b", "k", 5, "ab", False,
                            True) == Expected()
+    kms = Store({"ETag": "ab", "ChecksumCRC32": "MzI=", "ServerSideEncryption": "aws:kms"})
+    assert checks.expected(kms, "b", "k", 5, "ab", True, True) == Expected(
+        crc=("crc32", "MzI="), encrypted=True)
 
 
 @pytest.mark.parametrize("answer, etag", [
@@ -180,6 +183,8 @@ def test_a_composite_crc_is_checked_per_uploader_part(answer, etag):
     assert got == Expected(composite=("crc32", answer["ChecksumCRC32"], (4, 4, 2)),
                            encrypted=True)
     assert store.calls[1] == {"Bucket": "b", "Key": "k", "PartNumber": 1}
+    plain = Store({"ETag": "ab"} | answer, parts)  # not encrypted: the MD5 is checked too
+    assert checks.expected(plain, "b", "k", 10, "ab", True, True).md5 == "ab"
 
 
 def test_part_sizes_follow_from_part_one_unless_they_do_not_add_up():
@@ -189,7 +194,8 @@ def test_part_sizes_follow_from_part_one_unless_they_do_not_add_up():
     assert checks.part_sizes(Store({}, parts), "b", "k", 12) == (4, 4, 4)  # last == one
     store = Store({}, parts)
     assert checks.part_sizes(store, "b", "k", 10, every=True) == (4, 5, 1)
-    assert [c.get("PartNumber") for c in store.calls] == [1, 2, 3]
+    assert store.calls == [{"Bucket": "b", "Key": "k", "PartNumber": n} for n in (1, 2, 3)]
+    assert checks.part_sizes(Store({}, parts), "b", "k", 9) == (4, 4, 1)  # a 1-byte last part
     assert checks.part_sizes(Store({}, parts), "b", "k", 13) == (4, 5, 1)  # 5 > 4: asked
     assert checks.part_sizes(Store({}, parts), "b", "k", 8) == (4, 5, 1)  # 0 left: asked
     assert checks.part_sizes(Store({}, {1: {"ContentLength": 7}}), "b", "k", 7) == (7,)
@@ -409,6 +415,9 @@ def test_spans_merge_and_a_rewrite_is_noticed(tmp_path):
         t.wrote(0, 30)  # over everything
         assert t._spans == [[0, 30]]
         t.abandon()
+        idle = checks.Stream(fd, Expected())
+        idle.abandon()  # nothing written, nothing overlapping: the follower still stops
+        assert not idle._thread.is_alive()
         u = checks.Stream(fd, Expected())
         u.wrote(0, 10)
         u.wrote(20, 30)
