@@ -27,7 +27,8 @@ DEFAULT_WORKERS = 2  # no sweep: enough to overlap the token cache's reads with 
 
 
 def _medians(part: pd.DataFrame) -> pd.DataFrame:
-    good = part[part["error"].fillna("") == ""]
+    # a frame without an error column (a sweep of your own) has no failed point; decide() allows it
+    good = part[part["error"].fillna("") == ""] if "error" in part else part
     return good.groupby("num_workers", sort=False)[
         ["data_wait_share", "data_wait_s", "step_s", "samples_per_s", "tokens_per_s"]].median()
 

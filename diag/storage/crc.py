@@ -69,7 +69,9 @@ class Runs:
                 return  # bytes past the object's size: the size check refuses them
             take = view[: self.bounds[i] - start]
             begun = self.ends.pop(start, None)
-            if begun is None:
+            # a segment's first byte starts a run of its own: continuing the run that ended at
+            # the bound would span two segments, and segments() could not cut it
+            if begun is None or (i and self.bounds[i - 1] == start):
                 begun = start
                 self.runs[start] = [start, 0]
             run = self.runs[begun]
