@@ -142,7 +142,7 @@ def test_no_setting_under_the_goal_is_priced_at_the_near_best_with_the_cache_nam
     (row,) = findings(frame, rec, run_steps=10).to_dict("records")
     assert row["seconds_saved"] == pytest.approx((0.040 - 0.0008) * 10)  # 2, not the best 4
     assert row["finding"] == ("workers alone leave the packed pipeline at 3.8% of the step: "
-                              "cache the tokens (diag.loader.build_token_cache + PackedDataset)")
+                              "cache the tokens (diag.data.build_token_cache + PackedDataset)")
     assert row["evidence"].endswith("; " + rec["verdict"].iloc[0])
     assert "at num_workers=2 (20 ms step; 10 steps)" in row["evidence"]
 
@@ -177,7 +177,7 @@ def test_packing_is_priced_at_the_first_common_setting_with_its_padding():
     (row,) = _packing_rows(frame, run_steps=100)
     assert row["seconds_saved"] == pytest.approx((0.040 - 0.002) * 100)
     assert row["finding"] == ("tokenize once into a token cache and serve packed windows "
-                              "(diag.loader.build_token_cache + PackedDataset)")
+                              "(diag.data.build_token_cache + PackedDataset)")
     assert row["evidence"] == ("at num_workers=0: data_wait 66.7% (naive) vs 9.1% (packed) of "
                                "the step; packed serves 2.00x the tokens per second; naive "
                                "batches are 50% padding, compute a packed step does not waste")
