@@ -70,7 +70,8 @@ def _storage(cfg: DiagnoseConfig, got: Products) -> Any:
     from diag.config import StorageConfig
     from diag.storage import run_storage
 
-    return run_storage(StorageConfig.default(quick=_quick(cfg), **cfg.source_kwargs()))
+    preset = {} if cfg.quick_experiments else StorageConfig.RUN  # the embedded dataset's size
+    return run_storage(StorageConfig.default(quick=_quick(cfg), **cfg.source_kwargs(), **preset))
 
 
 def _model_load(cfg: DiagnoseConfig, got: Products) -> Any:

@@ -52,9 +52,9 @@ class QLoraConfig(SourceConfig):
                                        "lora_alpha": 16, "sweep_workers": [0, 2],
                                        "sweep_steps": 1, "rounds": 1}
     # `diag run`: the sweeps on the job quick-sized (one timed step per point), so the demo
-    # stays a demo; `diag qlora` runs the defaults above. Smaller rounds (48 records, 4 steps),
+    # stays a demo; `diag qlora` runs the defaults above. Smaller rounds (32 records, 4 steps),
     # never fewer of them: the headline's spread over 3 rounds says whether the gap resolved
-    RUN: ClassVar[dict[str, Any]] = {"sweep_workers": [0, 2], "sweep_steps": 1, "records": 48,
+    RUN: ClassVar[dict[str, Any]] = {"sweep_workers": [0, 2], "sweep_steps": 1, "records": 32,
                                      "steps": 4, "rounds": 3}
 
     def validate(self) -> None:
