@@ -144,3 +144,29 @@ def test_the_naive_step_is_scaled_from_the_timed_step_to_its_own_token_slots():
     row = predict(naive, opt, COUNTS).set_index(["setting", "stage"]).loc[("micro_batch",
                                                                          "train")]
     assert row["per_step_s"] == pytest.approx(4.0 - 2.0)
+
+
+def test_a_checkpointing_naive_step_pays_the_on_off_ratio_its_rows_measured():
+    # the micro-batch sweep times its steps with checkpointing off; the naive plan checkpoints,
+    # so its step is the sweep's 2.0 s x the on/off ratio of the checkpointing rows (1.8 / 1.2)
+    naive, opt = _plans()
+    rows = [{"gradient_checkpointing": on, "seconds": s, "micro_batch": 4}
+            for on, s in ((True, 1.8), (False, 1.2), ("True", 1.8), ("False", 1.2))]
+    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", rows,
+                              source="checkpointing", baseline=True, stage="compute",
+                              per="step", baseline_s=1.8, chosen_s=1.2)
+    decisions = tuple(ckpt if d.setting == "gradient_checkpointing" else d for d in opt.decisions)
+    table = predict(naive, dataclasses.replace(opt, decisions=decisions), COUNTS)
+    by = table.groupby(["setting", "stage"])["predicted_s"].sum()
+    naive_step = 2.0 * 1.8 / 1.2  # 3.0 s: micro 1 with checkpointing on
+    assert by["micro_batch", "train"] == pytest.approx((naive_step - naive_step / 2) * 8)
+    assert by["gradient_checkpointing", "train"] == pytest.approx((1.5 - 1.5 / 1.5) * 8)
+    # kept on in both plans: no checkpointing fix, but the naive step still carries its ratio
+    same = dataclasses.replace(opt, decisions=decisions, gradient_checkpointing=True)
+    kept = predict(naive, same, COUNTS).groupby(["setting", "stage"])["predicted_s"].sum()
+    assert kept["micro_batch", "train"] == pytest.approx((naive_step - naive_step / 2) * 8)
+    # a naive plan that does not checkpoint: the sweep's step as it was measured
+    plain = dataclasses.replace(naive, gradient_checkpointing=False)
+    off = predict(plain, dataclasses.replace(opt, decisions=decisions), COUNTS)
+    assert off.groupby(["setting", "stage"])["predicted_s"].sum()[
+        "micro_batch", "train"] == pytest.approx((2.0 - 1.0) * 8)

@@ -18,6 +18,7 @@ warm-up step (`warmup`); per-start savings once (`fetch_data`, `load_model`, `pr
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -99,6 +100,10 @@ def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
     # the compute chain: the naive step, then each fix's ratio in turn
     anchor = _seconds(decided.get("micro_batch"))
     step = anchor[0] * _slots_scale(decided["micro_batch"], naive, counts) if anchor else None
+    if step is not None and a.get("gradient_checkpointing"):
+        # the micro-batch sweep times its steps with checkpointing off (its own measurement
+        # prices it): a naive step that checkpoints pays the on/off ratio measured on the job
+        step *= _checkpointing_ratio(decided.get("gradient_checkpointing")) or 1.0
     for setting in COMPUTE_ORDER:
         if setting not in changed:
             continue
@@ -161,6 +166,23 @@ def _slots_scale(d: Any, naive: Plan, counts: Counts) -> float:
     if not measured or not slots:
         return 1.0
     return slots / counts.steps / float(measured[0])
+
+
+def _checkpointing_ratio(d: Any) -> float | None:
+    """Step seconds with checkpointing on over off, the medians of the decision's rows (its
+    chosen_s is the on figure when it keeps checkpointing on)."""
+    if d is None:
+        return None
+    by: dict[bool, list[float]] = {True: [], False: []}
+    for r in d.rows:
+        flag = str(r.get("gradient_checkpointing")).strip().lower() in ("true", "1", "1.0")
+        seconds = r.get("seconds")
+        if seconds is not None and math.isfinite(float(seconds)):
+            by[flag].append(float(seconds))
+    if not (by[True] and by[False]):
+        return None
+    on, off = statistics.median(by[True]), statistics.median(by[False])
+    return on / off if off > 0 else None
 
 
 def _unpriced(d: Any, extra: str = "") -> str:
