@@ -203,7 +203,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--long-steps", type=int, default=24,
+    parser.add_argument("--long-steps", type=int, default=48,
                         help="steps of the optimized-only run the shares are taken from")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--fetch-heavy", action="store_true")

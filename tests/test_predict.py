@@ -170,3 +170,21 @@ def test_a_checkpointing_naive_step_pays_the_on_off_ratio_its_rows_measured():
     off = predict(plain, dataclasses.replace(opt, decisions=decisions), COUNTS)
     assert off.groupby(["setting", "stage"])["predicted_s"].sum()[
         "micro_batch", "train"] == pytest.approx((2.0 - 1.0) * 8)
+
+
+def test_the_naive_micro_batchs_own_ratio_lands_the_chain_on_the_sweeps_chosen_step():
+    # on/off 2.0 at the naive micro-batch 1, 1.5 at the plan's 4: the naive step is 2.0 s x 2.0;
+    # micro 1 -> 4 halves it, checkpointing off divides the naive ratio out: the sweep's 1.0 s
+    naive, opt = _plans()
+    rows = [{"gradient_checkpointing": on, "seconds": s, "micro_batch": m}
+            for m, on, s in ((1, True, 4.0), (1, False, 2.0), (4, True, 1.5), (4, False, 1.0))]
+    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", rows,
+                              source="checkpointing", baseline=True, stage="compute",
+                              per="step", baseline_s=1.5, chosen_s=1.0)
+    decisions = tuple(ckpt if d.setting == "gradient_checkpointing" else d for d in opt.decisions)
+    table = predict(naive, dataclasses.replace(opt, decisions=decisions),
+                    Counts(steps=10, warmup_steps=2))
+    steady = table[table["stage"] == "train"].set_index("setting")["per_step_s"]
+    assert steady["micro_batch"] == pytest.approx(4.0 - 2.0)
+    assert steady["gradient_checkpointing"] == pytest.approx(2.0 - 1.0)
+    assert steady["micro_batch"] + steady["gradient_checkpointing"] == pytest.approx(4.0 - 1.0)

@@ -194,11 +194,14 @@ def test_qlora_step_times_checkpointing_on_and_off():
     job = JobInputs(2, assets.model_dir, assets.dataset, torch.device("cpu"))
     got = checkpointing_on_job(QLoraConfig.quick(sweep_steps=1), job, micro=2)
     frame = got.frame
-    assert list(frame["gradient_checkpointing"]) == [True, False]  # alternated
-    assert (frame["seconds"] > 0).all() and (frame["micro_batch"] == 2).all()
+    assert list(frame["gradient_checkpointing"]) == [True, False] * 2  # alternated
+    # at the naive plan's micro-batch (its step's own on/off ratio) and at the plan's
+    assert list(frame["micro_batch"]) == [1, 1, 2, 2] and (frame["seconds"] > 0).all()
     # the step's own peak (growth during it), far below the interpreter's resident set
     rss = PeakMemory._status_gb("VmRSS:")
     assert (frame["peak_mem_gb"] >= 0).all() and frame["peak_mem_gb"].max() < rss / 4
     (decision,) = got.decisions
     assert decision.setting == "gradient_checkpointing" and decision.basis == "measured"
     assert decision.measured_on.seq_len == 96 and "LoRA" in decision.measured_on.model
+    at_two = frame[frame["micro_batch"] == 2].set_index("gradient_checkpointing")["seconds"]
+    assert (decision.baseline_s, decision.chosen_s) == (at_two[True], at_two[False])

@@ -58,7 +58,8 @@ class LoaderConfig(ExperimentConfig):
     QUICK: ClassVar[dict[str, Any]] = {"workers": [0, 1, 2], "batch_size": 4, "seq_len": 128,
                                        "steps": 6, "repeats": 1, "profile_samples": 30,
                                        "step_ms": 20.0}
-    # `diag run --no-qlora`: one pass of 6 steady steps per setting (after the prefetch), against the target GPU's step
+    # `diag run --no-qlora`: one pass of 6 steady steps per setting (after the prefetch),
+    # against the target GPU's step
     RUN: ClassVar[dict[str, Any]] = {"steps": 6, "repeats": 1}
 
     def validate(self) -> None:

@@ -56,9 +56,13 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
                                  f"{why}: " + ("on, the safe default on CUDA" if cuda else
                                                "off, on CPU activations live in host RAM"),
                                  source="checkpointing"),)
-    flag = frame["gradient_checkpointing"].astype(bool)
-    on_s, off_s = (float(frame.loc[flag == v, "seconds"].median()) for v in (True, False))
-    peak = float(frame.loc[~flag, "peak_mem_gb"].max())
+    # decided at the plan's micro-batch, the largest timed; the naive micro-batch's rows (kept
+    # in the decision) price the naive step's checkpointing (diag.qlora.predict)
+    top = frame[frame["micro_batch"] == frame["micro_batch"].max()] if (
+        "micro_batch" in frame.columns) else frame
+    flag = top["gradient_checkpointing"].astype(bool)
+    on_s, off_s = (float(top.loc[flag == v, "seconds"].median()) for v in (True, False))
+    peak = float(top.loc[~flag, "peak_mem_gb"].max())
     total, where = memory or memory_gb(device)
     # recomputing activations never makes a step faster, it only saves memory: off wherever
     # the step's peak without it fits; the timings are what that is worth (noisy on a shared

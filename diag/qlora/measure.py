@@ -221,19 +221,24 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> Checkp
     runs = {on: QLoraStep(cfg, job.model_dir, device, gradient_checkpointing=on)
             for on in (True, False)}
     vocab = runs[True].model.config.vocab_size
-    ids = torch.randint(4, vocab, (micro, cfg.seq_len), generator=gen)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     memory, rows = PeakMemory(device), []
-    for i in range(steps + 1):
-        for on, step in runs.items():
-            memory.reset()
-            start = time.perf_counter()
-            step(batch)
-            seconds = time.perf_counter() - start
-            if i:  # the first step pays allocator growth and kernel choice
-                rows.append({"gradient_checkpointing": on, "micro_batch": micro,
-                             "seq_len": cfg.seq_len, "seconds": seconds,
-                             "peak_mem_gb": memory.growth_gb(), "repeat": i - 1})
+    # at the plan's micro-batch (the decision), and at the naive plan's: the naive step's own
+    # on/off ratio (recomputing activations costs a different share at another micro-batch)
+    from diag.qlora.plans import Plan
+
+    for m in sorted({Plan.naive().micro_batch, micro}):
+        ids = torch.randint(4, vocab, (m, cfg.seq_len), generator=gen)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+        for i in range(steps + 1):
+            for on, step in runs.items():
+                memory.reset()
+                start = time.perf_counter()
+                step(batch)
+                seconds = time.perf_counter() - start
+                if i:  # the first step pays allocator growth and kernel choice
+                    rows.append({"gradient_checkpointing": on, "micro_batch": m,
+                                 "seq_len": cfg.seq_len, "seconds": seconds,
+                                 "peak_mem_gb": memory.growth_gb(), "repeat": i - 1})
     frame = pd.DataFrame(rows, columns=COLUMNS)
     on = MeasuredOn(model=job_label(cfg), precision="nf4", seq_len=cfg.seq_len,
                     step=f"the QLoRA step, micro-batch {micro}", device=str(device))

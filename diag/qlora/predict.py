@@ -100,10 +100,14 @@ def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
     # the compute chain: the naive step, then each fix's ratio in turn
     anchor = _seconds(decided.get("micro_batch"))
     step = anchor[0] * _slots_scale(decided["micro_batch"], naive, counts) if anchor else None
-    if step is not None and a.get("gradient_checkpointing"):
-        # the micro-batch sweep times its steps with checkpointing off (its own measurement
-        # prices it): a naive step that checkpoints pays the on/off ratio measured on the job
-        step *= _checkpointing_ratio(decided.get("gradient_checkpointing")) or 1.0
+    # the micro-batch sweep times its steps with checkpointing off (its own measurement prices
+    # it): a naive step that checkpoints pays the on/off ratio measured on the job at the naive
+    # micro-batch, and turning it off divides it out again, so the chain ends exactly at the
+    # sweep's chosen point whatever order the fixes are taken in
+    ratio = (_checkpointing_ratio(decided.get("gradient_checkpointing"), naive.micro_batch)
+             if a.get("gradient_checkpointing") else None)
+    if step is not None and ratio:
+        step *= ratio
     for setting in COMPUTE_ORDER:
         if setting not in changed:
             continue
@@ -112,10 +116,15 @@ def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
             rows += _step_rows(setting, a[setting], b[setting], None, counts,
                                _unpriced(d, "no measured naive step to scale" if got else ""))
             continue
-        new = step * got[1] / got[0]
-        rows += _step_rows(setting, a[setting], b[setting], step - new, counts,
-                           f"{d.source}: {got[1]:.3g} s / {got[0]:.3g} s per step measured "
-                           f"({d.basis}) x the step {step:.3g} s -> {new:.3g} s")
+        if setting == "gradient_checkpointing" and ratio:
+            new = step / ratio
+            why = (f"{d.source}: on/off {ratio:.3g} measured at the naive micro-batch "
+                   f"{naive.micro_batch} ({d.basis}); the step {step:.3g} s -> {new:.3g} s")
+        else:
+            new = step * got[1] / got[0]
+            why = (f"{d.source}: {got[1]:.3g} s / {got[0]:.3g} s per step measured "
+                   f"({d.basis}) x the step {step:.3g} s -> {new:.3g} s")
+        rows += _step_rows(setting, a[setting], b[setting], step - new, counts, why)
         step = new
     if "pipeline" in changed:
         slots = [counts.token_slots.get(p.name) for p in (naive, optimized)]
@@ -168,13 +177,14 @@ def _slots_scale(d: Any, naive: Plan, counts: Counts) -> float:
     return slots / counts.steps / float(measured[0])
 
 
-def _checkpointing_ratio(d: Any) -> float | None:
-    """Step seconds with checkpointing on over off, the medians of the decision's rows (its
-    chosen_s is the on figure when it keeps checkpointing on)."""
+def _checkpointing_ratio(d: Any, micro_batch: int) -> float | None:
+    """Step seconds with checkpointing on over off: the medians of the decision's rows at
+    micro_batch, else of all its rows (its chosen_s is the on figure when it keeps it on)."""
     if d is None:
         return None
+    at = [r for r in d.rows if _number(r.get("micro_batch")) == micro_batch]
     by: dict[bool, list[float]] = {True: [], False: []}
-    for r in d.rows:
+    for r in at or d.rows:
         flag = str(r.get("gradient_checkpointing")).strip().lower() in ("true", "1", "1.0")
         seconds = r.get("seconds")
         if seconds is not None and math.isfinite(float(seconds)):
@@ -183,6 +193,13 @@ def _checkpointing_ratio(d: Any) -> float | None:
         return None
     on, off = statistics.median(by[True]), statistics.median(by[False])
     return on / off if off > 0 else None
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _unpriced(d: Any, extra: str = "") -> str:
