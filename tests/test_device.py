@@ -280,7 +280,9 @@ def test_cpu_threads_sets_diags_count_on_a_cpu_and_restores_the_callers(monkeypa
 
 
 def test_info_names_the_cpu_threads_of_diags_steps(monkeypatch) -> None:
-    monkeypatch.setenv(dev.CPU_THREADS_ENV, "1")
+    # 2, not the tests' own 1 (conftest's OMP_NUM_THREADS): the row shows what run_info set
+    monkeypatch.setenv(dev.CPU_THREADS_ENV, "2")
+    before = torch.get_num_threads()
     frame = dev.run_info(InfoConfig(probe=False)).set_index("fact")
-    assert frame.at["cpu_threads", "value"] == 1
+    assert frame.at["cpu_threads", "value"] == 2 and torch.get_num_threads() == before
     assert "DIAG_CPU_THREADS" in frame.at["cpu_threads", "detail"]

@@ -214,6 +214,7 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> Checkp
 
     from diag.accum import PeakMemory
     from diag.qlora.checkpointing import COLUMNS, CheckpointingResult, decide
+    from diag.qlora.plans import Plan
 
     device, steps = job.device, cfg.sweep_steps
 
@@ -224,8 +225,6 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> Checkp
     memory, rows = PeakMemory(device), []
     # at the plan's micro-batch (the decision), and at the naive plan's: the naive step's own
     # on/off ratio (recomputing activations costs a different share at another micro-batch)
-    from diag.qlora.plans import Plan
-
     for m in sorted({Plan.naive().micro_batch, micro}):
         ids = torch.randint(4, vocab, (m, cfg.seq_len), generator=gen)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
