@@ -271,11 +271,22 @@ def _kernel_name(page: Any) -> str:
 
 
 def run_cells(page: Any, count: int) -> None:
-    """Shift+Enter on `count` cells from the selected one (the first, after open_notebook)."""
-    page.locator(".jp-Notebook").first.focus()
-    page.keyboard.press("Escape")  # command mode
-    for _ in range(count):
-        page.keyboard.press("Shift+Enter")
+    """Shift+Enter on `count` cells from the first, as a person does: click the first cell's
+    prompt (selects it and gives the notebook the keyboard), Escape, then the keys. Keys sent
+    before the notebook held the focus were seen lost once on a fresh clone (every prompt still
+    `[ ]:` 240 s later): until the first cell is queued or run, the sequence is sent again."""
+    first = page.locator(".jp-Notebook .jp-Cell").first
+    for _ in range(3):
+        first.locator(".jp-InputPrompt").click()
+        page.keyboard.press("Escape")  # command mode
+        for _ in range(count):
+            page.keyboard.press("Shift+Enter")
+        try:
+            page.wait_for_function(f"() => {{ const p = ({PROMPTS})(); return p.length > 0 && "
+                                   "p[0] !== '[ ]:'; }", timeout=10_000, polling=250)
+            return
+        except Exception:
+            continue
 
 
 def run_menu(page: Any, item: str) -> None:
