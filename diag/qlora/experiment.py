@@ -88,13 +88,13 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
     given, results = results, results if results is not None else load_results(cfg.results)
     init_group(resolve(cfg.device).type)  # under a launcher: join before the first barrier
     plans = []
-    if cfg.plan in ("naive", "both"):
-        plans.append(Plan.naive())
-    if cfg.plan in ("optimized", "both"):
-        plans.append(plan_from_job(cfg, given))  # measured on the job unless given
     runs: list[dict[str, Any]] = []
     once: dict[str, float] = {}
-    with open_sources(cfg) as src:
+    with open_sources(cfg) as src:  # one start of the embedded servers, measurement and runs
+        if cfg.plan in ("naive", "both"):
+            plans.append(Plan.naive())
+        if cfg.plan in ("optimized", "both"):
+            plans.append(plan_from_job(cfg, given, src))  # measured on the job unless given
         # an optimized start finds the landed data, cached model and tokens: the first start
         # pays them once, apart from the per-start figure and shown beside it as once_s
         once = {}

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from diag.config import QLoraConfig
     from diag.loader import LoaderResult
     from diag.qlora.checkpointing import CheckpointingResult
+    from diag.qlora.job import Sources
     from diag.qlora.plans import Plan
 
 # Result frames a run folder holds, by the CSV names report.write gives them.
@@ -85,9 +86,11 @@ def job_label(cfg: QLoraConfig) -> str:
     return f"{cfg.model or 'the embedded tiny Llama'} + LoRA r={cfg.lora_r}"
 
 
-def job_inputs(cfg: QLoraConfig) -> JobInputs:
+def job_inputs(cfg: QLoraConfig, src: Sources | None = None) -> JobInputs:
     """Land the data, fill the persistent model cache, build the packed dataset once (the token
-    cache every optimized start reuses) and read its rows per step off it."""
+    cache every optimized start reuses) and read its rows per step off it. src: sources already
+    open (run_qlora's, which its runs then use); else they are opened and closed here."""
+    import contextlib
     import dataclasses
     import shutil
     import tempfile
@@ -101,7 +104,7 @@ def job_inputs(cfg: QLoraConfig) -> JobInputs:
                                pipeline="packed")
     work = Path(tempfile.mkdtemp(prefix="diag-qlora-measure-"))
     try:
-        with open_sources(cfg) as src:
+        with contextlib.nullcontext(src) if src else open_sources(cfg) as src:
             path, folder = fetch_data(plan, src, work), model_folder(plan, src, work)
         records, bad = read(cfg, path)
         data = build_dataset(cfg, plan, check_records(cfg, records, folder, bad), folder, path)
@@ -261,14 +264,15 @@ def decisions_from_job(cfg: QLoraConfig, job: JobInputs | None = None) -> tuple[
 
 
 def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | Mapping[str, Any] | None
-                  = None) -> Plan:
+                  = None, src: Sources | None = None) -> Plan:
     """The optimized plan run_qlora runs: the given decisions (or frames), else cfg.results'
-    (checked against this job), else measured on the job; fitted to the job's rows per step."""
+    (checked against this job), else measured on the job; fitted to the job's rows per step.
+    src: open sources to read the job's inputs from (job_inputs)."""
     from diag.qlora.plans import Plan
 
     if decisions is None and cfg.results:  # checked before anything is measured or run
         decisions = load_results(cfg.results, cfg)
-    job = job_inputs(cfg)
+    job = job_inputs(cfg, src)
     if decisions is None:
         decisions = decisions_from_job(cfg, job)
     return Plan.optimized(decisions, device=str(job.device)).fit(job.rows_per_step)
