@@ -115,6 +115,24 @@ def test_accum_context_and_allowed_edges() -> None:
         AccumConfig(seq_len=too_long, tokens_per_step=too_long)
 
 
+def test_accum_micro_batches_are_checked_against_the_launchers_world(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 4096 / 128 = 32 sequences: at WORLD_SIZE=4 micro-batch 8 fills a rank (4 x 8 = 32), 16
+    # would need 64; every rank checks this before it imports torch or dials the rendezvous
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert AccumConfig(micro_batches=[1, 8]).micro_batches == [1, 8]
+    _raises("AccumConfig.tokens_per_step=4096 (32 sequences of 128) is not divisible by world "
+            "size 4 x micro-batch 16 = 64; micro-batches that divide it at this world size: 1, "
+            "2, 4, 8", AccumConfig, micro_batches=[8, 16])
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    _raises("AccumConfig.tokens_per_step=4096 (32 sequences of 128) is not divisible by world "
+            "size 3 x micro-batch 1 = 3; micro-batches that divide it at this world size: none "
+            "(make AccumConfig.tokens_per_step a multiple of 384)", AccumConfig,
+            micro_batches=[1])
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: every divisor of the step is allowed
+    assert AccumConfig(micro_batches=[32]).micro_batches == [32]
+
+
 @pytest.mark.parametrize("overrides, flag", [
     ({"endpoint_url": "http://minio:9000"}, "--endpoint-url"), ({"profile": "team"}, "--profile"),
     ({"region": "eu-west-1"}, "--region"), ({"sign_request": False}, "--no-sign-request"),

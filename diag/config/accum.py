@@ -80,3 +80,12 @@ class AccumConfig(ExperimentConfig):
                     f"{name}.micro_batches: {m!r} x seq_len={self.seq_len} does not divide "
                     f"tokens_per_step={self.tokens_per_step}; allowed micro-batches: "
                     + ", ".join(map(str, allowed)))
+        # under a launcher (torchrun / accelerate set WORLD_SIZE): checked here, before a rank
+        # imports torch or dials the rendezvous, so each rank of a world that cannot split the
+        # step exits at once with the same line (diag.accum.sweep.pairs checks it again)
+        from diag.distributed import check_divides, place
+
+        world = place().world_size
+        for m in self.micro_batches if world > 1 else []:
+            check_divides(self.tokens_per_step, self.seq_len, m, world,
+                          field=f"{name}.tokens_per_step")
