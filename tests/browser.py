@@ -149,6 +149,21 @@ def lab(root: Path, launch: list[str], env: dict[str, str], port: int | None = N
         stop(proc)
 
 
+def shutdown_kernels(lab: Lab, timeout_s: float = 30) -> None:
+    """End every kernel the lab runs (its REST API), as closing a notebook's kernel does."""
+    import json
+
+    base = f"{lab.url}/api/kernels"
+    auth = {"Authorization": f"token {lab.token}"}
+    with urllib.request.urlopen(urllib.request.Request(base, headers=auth),
+                                timeout=timeout_s) as r:
+        kernels = json.loads(r.read())
+    for kernel in kernels:
+        request = urllib.request.Request(f"{base}/{kernel['id']}", headers=auth, method="DELETE")
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            pass
+
+
 @contextmanager
 def browser(executable: str, *, allow: tuple[str, ...] = ()) -> Iterator[Any]:
     """A Playwright page in headless chromium (a fresh profile). Requests go only to the origins

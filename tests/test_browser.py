@@ -56,15 +56,28 @@ def _shot(page, tmp_path: Path, name: str, locator=None) -> Path:
     return path
 
 
-@pytest.fixture()
-def lab(tmp_path: Path):
-    root = tmp_path / "lab"
+# One lab from the project's environment serves the tour and the experiment notebook (their
+# xdist group puts both on one worker); each test ends the kernels it started
+VENV_LAB = "venv_lab"
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("venv-lab") / "lab"
     b.copy_notebooks(ROOT / "notebooks", root, ["00_tour.ipynb", "03_num_workers.ipynb"])
     with b.lab(root, b.venv_lab(), b.python_env(ROOT)) as server:
         yield server
 
 
-def test_tour_panel_run_in_jupyterlab_and_its_report(lab, tmp_path: Path):
+@pytest.fixture()
+def lab_kernels(lab):
+    yield lab
+    b.shutdown_kernels(lab)
+
+
+@pytest.mark.xdist_group(VENV_LAB)
+def test_tour_panel_run_in_jupyterlab_and_its_report(lab_kernels, tmp_path: Path):
+    lab = lab_kernels
     with b.browser(CHROMIUM, allow=(lab.url,)) as page:
         b.open_notebook(page, lab, "00_tour.ipynb", kernel="Python 3")
         b.run_cells(page, 4)  # title, parameters, the panel's words, the panel
@@ -133,7 +146,9 @@ def _check_report(report: Path, tmp_path: Path) -> None:
         _shot(page, tmp_path, "report_top")
 
 
-def test_num_workers_notebook_in_jupyterlab(lab, tmp_path: Path):
+@pytest.mark.xdist_group(VENV_LAB)
+def test_num_workers_notebook_in_jupyterlab(lab_kernels, tmp_path: Path):
+    lab = lab_kernels
     with b.browser(CHROMIUM, allow=(lab.url,)) as page:
         b.open_notebook(page, lab, "03_num_workers.ipynb", kernel="Python 3")
         b.run_menu(page, "Run All Cells")

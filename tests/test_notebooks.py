@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.browser import chromium
 from tests.conftest import FAKE_HF_TOKEN, QUICK_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,12 +51,22 @@ def test_notebook_is_committed_thin(path: Path):
 # the tour reads the shared quick run's folder (its `results` parameter) instead of measuring
 # the whole diagnosis again in its kernel; the browser test's panel Run measures in a kernel
 TOUR = "00_tour.ipynb"
+# Run in JupyterLab by tests/test_browser.py (every cell in a real kernel, then the same checks:
+# no error output, no secret in the saved notebook): papermill runs them only where those tests
+# cannot run, so that no notebook goes untested
+IN_BROWSER = {TOUR, "03_num_workers.ipynb"}
+BROWSER_SKIP = pytest.mark.skip(reason="run in JupyterLab in chromium by tests/test_browser.py")
+
+
+def _marks(path: Path) -> list[pytest.MarkDecorator]:
+    if path.name in IN_BROWSER and chromium()[0] is not None:
+        return [BROWSER_SKIP]
+    return [pytest.mark.xdist_group(QUICK_RUN)] if path.name == TOUR else []
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.xdist_group(QUICK_RUN)) if p.name == TOUR else p
-    for p in NOTEBOOKS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=_marks(p)) for p in NOTEBOOKS],
+                         ids=lambda p: p.name)
 def test_notebook_executes(path: Path, tmp_path: Path, request):
     import papermill
 
