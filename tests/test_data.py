@@ -57,6 +57,32 @@ def test_read_source_raise_names_the_line(tmp_path: Path):
         read_source(tmp_path / "bad.jsonl", on_error="ignore")
 
 
+def test_a_file_read_again_is_parsed_once_until_it_changes(tmp_path: Path, monkeypatch):
+    from diag.data import records as module
+
+    path = _bad_jsonl(tmp_path / "bad.jsonl")
+    parsed = []
+    real = module._read
+    monkeypatch.setattr(module, "_read", lambda *a: parsed.append(a[0]) or real(*a))
+    first, problems = read_source(path, on_error="skip")
+    first.append({"prompt": "", "response": "a caller's own list"})
+    problems.loc[0, "problem"] = "a caller's own frame"
+    again, problems_again = read_source(path, on_error="skip")
+    assert len(parsed) == 1 and len(again) == 2  # the cache kept neither change
+    assert problems_again.loc[0, "problem"] == "invalid_json"
+    read_source(path, on_error="skip", limit=1)  # another question is another read
+    assert len(parsed) == 2
+    good = json.dumps({"instruction": "Say bye.", "input": "", "output": "bye"})
+    path.write_text(good + "\n")  # a new size: read again
+    changed, problems = read_source(path, on_error="skip")
+    assert len(parsed) == 3 and len(changed) == 1 and problems.empty
+    for limit in range(100, 100 + module._READ_KEEP + 2):  # bounded: the oldest go first
+        read_source(path, on_error="skip", limit=limit)
+    assert len(module._READ) == module._READ_KEEP
+    read_source(path, on_error="skip", limit=100)  # the oldest was dropped: read again
+    assert len(parsed) == 3 + module._READ_KEEP + 2 + 1
+
+
 def test_sample_jsonl_reads_clean():
     records, problems = read_source(ROOT / "data" / "sample.jsonl")
     assert records and problems.empty

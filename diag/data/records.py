@@ -135,13 +135,34 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
     fields: {"text": name} or {"prompt": name, "response": name}; {} or None = Alpaca
     instruction/input/output. limit stops reading once that many good records are in hand.
     """
-    import pandas as pd
-
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r}: allowed values are "
                          + ", ".join(map(repr, ON_ERROR)))
     fields = dict(fields or {})
     files = shard_files(path)
+    # the same files read again in this process (the loader sweep makes a pipeline's dataset per
+    # sweep, stall split and job: 19 reads of one file in a `diag run`) are parsed once; a file
+    # whose size or mtime changed is read again. The records are shared: never mutated in diag
+    key = (tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files),
+           tuple(sorted(fields.items())), on_error, limit)
+    if key in _READ:
+        records, problems = _READ[key]
+        return list(records), problems.copy()
+    records, problems = _read(path, files, fields, on_error, limit)
+    _READ[key] = records, problems
+    while len(_READ) > _READ_KEEP:
+        del _READ[next(iter(_READ))]
+    return list(records), problems.copy()
+
+
+_READ: dict[tuple[Any, ...], tuple[list[dict[str, str]], Any]] = {}
+_READ_KEEP = 4  # the last files read (oldest dropped first)
+
+
+def _read(path: str | os.PathLike[str], files: list[Path], fields: dict[str, str],
+          on_error: str, limit: int | None) -> tuple[list[dict[str, str]], Any]:
+    import pandas as pd
+
     records: list[dict[str, str]] = []
     problems = []
     for file in files:
