@@ -139,21 +139,6 @@ def _dial(address: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
-def check_divides(tokens_per_step: int, seq_len: int, micro_batch: int, world_size: int,
-                  field: str = "tokens_per_step") -> None:
-    """Raise a ValueError naming the numbers when the world cannot split a step evenly."""
-    sequences = tokens_per_step // seq_len
-    if sequences % (world_size * micro_batch):
-        fits = [m for m in range(1, sequences // world_size + 1)
-                if sequences % (world_size * m) == 0]
-        raise ValueError(
-            f"{field}={tokens_per_step} ({sequences} sequences of {seq_len}) is not divisible "
-            f"by world size {world_size} x micro-batch {micro_batch} = "
-            f"{world_size * micro_batch}; micro-batches that divide it at this world size: "
-            + (", ".join(map(str, fits)) or f"none (make {field} a multiple of "
-               f"{world_size * seq_len})"))
-
-
 class CommWait:
     """A DDP communication hook that all-reduces (averages) each gradient bucket like DDP's
     default and clocks the wait backward leaves exposed.

@@ -131,6 +131,8 @@ def test_accum_micro_batches_are_checked_against_the_launchers_world(
             micro_batches=[1])
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process: every divisor of the step is allowed
     assert AccumConfig(micro_batches=[32]).micro_batches == [32]
+    monkeypatch.setenv("WORLD_SIZE", "two")  # diag.distributed names it when the rank joins
+    assert AccumConfig(micro_batches=[32]).micro_batches == [32]
 
 
 @pytest.mark.parametrize("overrides, flag", [

@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 
 from diag import stragglers
-from diag.distributed import check_divides, place, read_spills
+from diag.config.accum import check_divides
+from diag.distributed import place, read_spills
 from diag.timing import StageTimer
 
 

@@ -33,7 +33,7 @@ def pairs(cfg: AccumConfig, world_size: int = 1) -> list[tuple[int, int]]:
     """(micro_batch, grad_accum) points, each making tokens_per_step over world_size DDP ranks:
     cfg.micro_batches in their order, else every power of two that divides the step, most
     accumulation first. A micro-batch the world cannot split the step by is a ValueError."""
-    from diag.distributed import check_divides
+    from diag.config.accum import check_divides
 
     sequences = cfg.tokens_per_step // cfg.seq_len
     per_rank = sequences // world_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -82,10 +83,24 @@ class AccumConfig(ExperimentConfig):
                     + ", ".join(map(str, allowed)))
         # under a launcher (torchrun / accelerate set WORLD_SIZE): checked here, before a rank
         # imports torch or dials the rendezvous, so each rank of a world that cannot split the
-        # step exits at once with the same line (diag.accum.sweep.pairs checks it again)
-        from diag.distributed import check_divides, place
-
-        world = place().world_size
-        for m in self.micro_batches if world > 1 else []:
-            check_divides(self.tokens_per_step, self.seq_len, m, world,
+        # step exits at once with the same line (diag.accum.sweep.pairs checks it again; a
+        # malformed WORLD_SIZE is named by diag.distributed when the rank joins)
+        world = os.environ.get("WORLD_SIZE", "1").strip()
+        for m in self.micro_batches if world.isdigit() and int(world) > 1 else []:
+            check_divides(self.tokens_per_step, self.seq_len, m, int(world),
                           field=f"{name}.tokens_per_step")
+
+
+def check_divides(tokens_per_step: int, seq_len: int, micro_batch: int, world_size: int,
+                  field: str = "tokens_per_step") -> None:
+    """Raise a ValueError naming the numbers when the world cannot split a step evenly."""
+    sequences = tokens_per_step // seq_len
+    if sequences % (world_size * micro_batch):
+        fits = [m for m in range(1, sequences // world_size + 1)
+                if sequences % (world_size * m) == 0]
+        raise ValueError(
+            f"{field}={tokens_per_step} ({sequences} sequences of {seq_len}) is not divisible "
+            f"by world size {world_size} x micro-batch {micro_batch} = "
+            f"{world_size * micro_batch}; micro-batches that divide it at this world size: "
+            + (", ".join(map(str, fits)) or f"none (make {field} a multiple of "
+               f"{world_size * seq_len})"))
