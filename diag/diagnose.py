@@ -14,6 +14,7 @@ product (an experiment's result), and the widget panel (diag.widgets) reads the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable
@@ -85,10 +86,29 @@ def _model_load(cfg: DiagnoseConfig, got: Products) -> Any:
 
 
 # -- measured on the QLoRA job ------------------------------------------------------------------
+class JobSources:
+    """The job's sources (the embedded S3 server and hub, or the user's bucket and model), opened
+    by the first step that reads them and closed when the diagnosis ends: the job's inputs and
+    its runs read the same ones (one start of the embedded servers)."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack, self._src = stack, None
+
+    def __call__(self, cfg: DiagnoseConfig) -> Any:
+        if self._src is None:
+            from diag.qlora.job import open_sources
+
+            self._src = self._stack.enter_context(open_sources(job_config(cfg)))
+        return self._src
+
+
+SOURCES = "sources"  # their key among the products (no frames: the run folder never has it)
+
+
 def _job(cfg: DiagnoseConfig, got: Products) -> Any:
     from diag.qlora.measure import job_inputs
 
-    return job_inputs(job_config(cfg))
+    return job_inputs(job_config(cfg), got[SOURCES](cfg) if SOURCES in got else None)
 
 
 def _accum_on_job(cfg: DiagnoseConfig, got: Products) -> Any:
@@ -125,7 +145,8 @@ def _qlora(cfg: DiagnoseConfig, got: Products) -> Any:
     measured = {k: got[k] for k in ("loader", "accum", "checkpointing") if k in got}
     # storage and model_load as frames: the run's predictions read their rows too
     measured |= {k: got[k].frame for k in ("storage", "model_load") if k in got}
-    return run_qlora(job_config(cfg), results=measured)
+    return run_qlora(job_config(cfg), results=measured,
+                     src=got[SOURCES](cfg) if SOURCES in got else None)
 
 
 # -- the toy loop (qlora=False) -------------------------------------------------------------------
@@ -302,7 +323,16 @@ def run_diagnose(cfg: DiagnoseConfig | None = None, on_result: OnResult | None =
 
     cfg = cfg or DiagnoseConfig.default()
     preflight(cfg, out=cfg.out, data=cfg.qlora)  # flags checked before the first experiment
-    got: Products = {}
+    with contextlib.ExitStack() as stack:
+        got: Products = {SOURCES: JobSources(stack)}
+        _run_steps(cfg, got, on_result, stop, on_error)
+    del got[SOURCES]
+    return report.write(frames(got), cfg.out or None, config=cfg.to_dict(), info=got.get("info"),
+                        advice=advice(got))
+
+
+def _run_steps(cfg: DiagnoseConfig, got: Products, on_result: OnResult | None,
+               stop: threading.Event | None, on_error: OnError | None) -> None:
     with tqdm(steps(cfg), desc="diag run", unit="step") as bar:
         for step in bar:
             if stop is not None and stop.is_set():
@@ -319,5 +349,3 @@ def run_diagnose(cfg: DiagnoseConfig | None = None, on_result: OnResult | None =
                 # (info is absent only when the device-facts step failed under on_error)
                 on_result(step, dict(frames(got), **({"info": got["info"]} if "info" in got
                                                       else {})))
-    return report.write(frames(got), cfg.out or None, config=cfg.to_dict(), info=got.get("info"),
-                        advice=advice(got))

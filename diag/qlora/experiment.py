@@ -8,6 +8,7 @@ measured saving (a prediction off by more than 25% is flagged, not hidden).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from diag.config import QLoraConfig
+    from diag.qlora.job import Sources
 
 # Result frames the optimized plan reads from a run folder, by the CSV names report.write gives.
 RESULT_FILES = {"storage": ("storage",), "model_load": ("model_load",),
@@ -66,11 +68,12 @@ def load_results(folder: str | Path) -> dict[str, Any]:
 
 
 @on_cpu_threads
-def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = None
-              ) -> QLoraResult:
+def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = None,
+              src: Sources | None = None) -> QLoraResult:
     """Run cfg.plan ("naive", "optimized" or "both") cfg.rounds times, interleaved (the order
     alternates per round, so drift on a shared machine hits both alike); `results` (frames by
-    experiment) or cfg.results (a run folder) feed Plan.optimized."""
+    experiment) or cfg.results (a run folder) feed Plan.optimized. src: the job's sources, open
+    (diag.qlora.job.open_sources); else they are opened here and closed at the end."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -90,7 +93,8 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
     plans = []
     runs: list[dict[str, Any]] = []
     once: dict[str, float] = {}
-    with open_sources(cfg) as src:  # one start of the embedded servers, measurement and runs
+    # one start of the embedded servers for the measurement and the runs
+    with contextlib.nullcontext(src) if src else open_sources(cfg) as src:
         if cfg.plan in ("naive", "both"):
             plans.append(Plan.naive())
         if cfg.plan in ("optimized", "both"):
