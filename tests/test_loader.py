@@ -58,6 +58,33 @@ def test_sweep_recovers_an_injected_per_sample_cost_and_recommends_the_workers_i
     assert row["stage"] == "data_wait" and row["seconds_saved"] == pytest.approx(saved)
 
 
+def test_a_setting_stops_its_persistent_workers_and_leaves_the_collector_as_it_found_it(packed):
+    import gc
+    import multiprocessing
+
+    def run() -> None:
+        rows = measure_setting(Guarded(packed), Setting(2, persistent_workers=True),
+                               EmulatedStep(0.001), pipeline="packed", batch_size=4, steps=3,
+                               repeats=2)
+        assert [r["error"] for r in rows] == ["", ""]
+        # the persistent workers are stopped before the next setting forks its own, with no
+        # automatic collection to help (disabled below)
+        assert multiprocessing.active_children() == []
+
+    assert gc.get_freeze_count() == 0
+    gc.disable()  # no automatic pass may free them first
+    try:
+        run()
+        assert gc.get_freeze_count() == 0  # given back
+        gc.freeze()  # a caller's own freeze is left alone
+        frozen = gc.get_freeze_count()
+        run()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_raising_sample_fails_its_setting_with_index_and_message(packed, workers):
     start = time.perf_counter()
