@@ -335,3 +335,80 @@ def test_an_absent_or_failed_sweep_gives_labelled_defaults(monkeypatch):
     got = _got(None)
     assert (got["num_workers"].value, got["persistent_workers"].value,
             got["prefetch_factor"].value) == (0, False, None)
+
+
+# -- what the mutants showed: each pipeline priced, the recommendation followed, packing's parts --
+
+def test_each_waiting_pipeline_is_priced_after_one_that_keeps_up_and_packing_is_added():
+    # naive keeps up, packed waits: the pipeline after one that keeps up is still priced
+    frame = pd.concat([sweep({0: 0.1}, pipeline="naive"), sweep({0: 40.0, 2: 0.3})],
+                      ignore_index=True)
+    (row,) = findings(frame, recommend(frame)).to_dict("records")
+    assert "the packed pipeline" in row["finding"]
+    # both wait, and packing saves at num_workers=0: three findings, packing's last
+    both = _both({0: 40.0, 2: 5.0}, {0: 2.0, 2: 0.1})
+    out = findings(both, recommend(both), run_steps=100)
+    assert len(out) == 3 and out["finding"].iloc[2].startswith("tokenize once")
+    assert out["seconds_saved"].tolist() == pytest.approx(
+        [(0.040 - 0.005) * 100, (0.002 - 0.0001) * 100, (0.040 - 0.002) * 100])
+
+
+def test_a_baseline_under_the_goal_is_no_finding_even_where_another_setting_waits_less():
+    # the baseline (first in the sweep) waits 0.3 ms of a 30 ms step (1.0%); no workers wait
+    # 0.2 ms of a 12 ms step (1.6%): fewer seconds, yet the baseline already keeps up
+    frame = sweep({2: (0.3, 30.0), 0: (0.2, 12.0)})
+    rec = recommend(frame)
+    assert (rec["baseline_workers"].iloc[0], rec["recommended_workers"].iloc[0]) == (2, 0)
+    assert findings(frame, rec).empty
+
+
+def test_the_recommendation_given_is_the_setting_priced():
+    # recommended against a 5% target, priced with the default 2%: the finding is the setting
+    # the recommendation names (1 worker), not one chosen again against 2% (2 workers)
+    frame = sweep({0: 40.0, 1: 0.8, 2: 0.3})
+    (row,) = findings(frame, recommend(frame, 0.05), run_steps=100).to_dict("records")
+    assert row["finding"].startswith("DataLoader(num_workers=1,")
+    assert row["seconds_saved"] == pytest.approx((0.040 - 0.0008) * 100)
+
+
+def test_none_under_the_target_is_priced_at_the_near_best_rule_of_that_target():
+    # 200 ms step, target 1%: none under it. Near the best (2.1 ms, within 1 ms): 4 workers;
+    # 1 worker (3.9 ms, 1.9%) would be the pick under the default 2% goal
+    frame = sweep({0: 100.0, 1: 3.9, 4: 2.1}, step_ms=200.0)
+    rec = recommend(frame, 0.01)
+    assert pd.isna(rec["recommended_workers"].iloc[0])
+    (row,) = findings(frame, rec, run_steps=10, target_share=0.01).to_dict("records")
+    assert row["seconds_saved"] == pytest.approx((0.100 - 0.0021) * 10)
+    assert "at num_workers=4 (200 ms step; 10 steps)" in row["evidence"]
+
+
+def test_a_fix_chosen_at_the_baselines_own_wait_saves_nothing_and_is_no_finding():
+    frame = sweep({0: 40.0, 2: 40.0})  # no setting helps: the fewest near the best is 0 itself
+    assert findings(frame, recommend(frame)).empty
+
+
+def test_packings_padding_is_the_naive_rows_and_its_price_under_a_second():
+    # packed rows carry 64 tokens per sample (no padding), naive ones 32 of 64: 50% padding
+    frame = pd.concat([sweep({0: 40.0}, pipeline="naive", tokens_per_s=320.0, samples_per_s=10.0),
+                       sweep({0: 2.0}, tokens_per_s=640.0, samples_per_s=10.0)],
+                      ignore_index=True)
+    (row,) = _packing_rows(frame, run_steps=10)
+    assert row["evidence"].endswith("; naive batches are 50% padding, compute a packed step "
+                                    "does not waste")
+    assert row["stage"] == "data_wait"
+    assert row["seconds_saved"] == pytest.approx((0.040 - 0.002) * 10)  # 0.38 s, kept as is
+    # rows whose error is missing (None) are good rows: their padding is still counted
+    (unset,) = _packing_rows(_both({0: 40.0}, {0: 2.0}, error=None))
+    assert "naive batches are 50% padding" in unset["evidence"]
+    assert _packing_rows(_both({0: 40.0}, {0: 40.0})) == []  # the same wait: nothing saved
+
+
+def test_a_sweep_without_an_error_column_is_advised_like_one_without_errors():
+    both = _both({0: 40.0, 2: 5.0}, {0: 2.0, 2: 0.1})
+    bare = both.drop(columns="error")
+    pd.testing.assert_frame_equal(findings(bare, recommend(bare)), findings(both, recommend(both)))
+
+
+def test_decide_counts_rows_whose_error_is_missing_as_good():
+    got = _got(sweep({0: 40.0, 2: 0.3}, error=None))
+    assert (got["num_workers"].value, got["num_workers"].basis) == (2, "measured")
