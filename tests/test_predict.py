@@ -11,7 +11,7 @@ import pytest
 
 from diag.decision import PREDICTION_TOLERANCE, Decision
 from diag.qlora.plans import Plan
-from diag.qlora.predict import Counts, check, predict, savings
+from diag.qlora.predict import FIXES, Counts, check, predict, savings
 
 
 def _measured(setting, value, **worth):
@@ -188,3 +188,42 @@ def test_the_naive_micro_batchs_own_ratio_lands_the_chain_on_the_sweeps_chosen_s
     assert steady["micro_batch"] == pytest.approx(4.0 - 2.0)
     assert steady["gradient_checkpointing"] == pytest.approx(2.0 - 1.0)
     assert steady["micro_batch"] + steady["gradient_checkpointing"] == pytest.approx(4.0 - 1.0)
+
+
+def test_the_whole_table_row_by_row_as_a_reader_sees_it():
+    # every row of the priced plans: the chain's order, stages, texts and seconds
+    table = predict(*_plans(), COUNTS)
+    text = table[["setting", "change", "stage", "evidence"]].values.tolist()
+    micro = "accum: 1 s / 2 s per step measured (measured) x the step 2 s -> 1 s"
+    ckpt = "checkpointing: 1 s / 1.5 s per step measured (measured) x the step 1 s -> 0.667 s"
+    pack = "packing: token slots 500 / 1000 x the step 0.667 s -> 0.333 s"
+    loader = "loader: data_wait 0.2 -> 0.01 s per step (measured)"
+    assert text == [
+        ["micro_batch", "micro_batch 1 -> 4", "train", f"{micro}; x 8 steps"],
+        ["micro_batch", "micro_batch 1 -> 4", "warmup", f"{micro}; x 2 steps"],
+        ["gradient_checkpointing", "gradient_checkpointing True -> False", "train",
+         f"{ckpt}; x 8 steps"],
+        ["gradient_checkpointing", "gradient_checkpointing True -> False", "warmup",
+         f"{ckpt}; x 2 steps"],
+        ["pipeline", "pipeline naive -> packed", "train", f"{pack}; x 8 steps"],
+        ["pipeline", "pipeline naive -> packed", "warmup", f"{pack}; x 2 steps"],
+        ["pipeline", "pipeline naive -> packed", "preprocess",
+         "not predicted (no decision prices the preprocess start); no decision"],
+        ["fetch", "fetch pull -> land", "fetch_data",
+         "storage: fetch_data 5 s -> 0.5 s per start (measured)"],
+        ["model_cache", "model_cache empty -> persistent", "load_model",
+         "model_load: load_model 3 s -> 1 s per start (measured)"],
+        ["num_workers", "num_workers 0 -> 2", "train", f"{loader}; x 8 steps"],
+        ["num_workers", "num_workers 0 -> 2", "warmup", f"{loader}; x 2 steps"],
+    ]
+    assert list(table.columns) == ["setting", "change", "finding", "stage", "predicted_s",
+                                   "per_step_s", "evidence"]
+    assert table["finding"].tolist() == [FIXES[s] for s in table["setting"]]
+    third = 1 / 3
+    assert table["per_step_s"].tolist()[:6] == pytest.approx([1.0, 1.0, third, third, third,
+                                                              third])
+    assert table["per_step_s"].tolist()[9:] == pytest.approx([0.19, 0.19])
+    assert table["per_step_s"].iloc[6:9].isna().all()
+    assert table["predicted_s"].tolist() == pytest.approx(
+        [8.0, 2.0, 8 * third, 2 * third, 8 * third, 2 * third, float("nan"), 4.5, 2.0, 1.52,
+         0.38], nan_ok=True)
