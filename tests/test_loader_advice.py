@@ -412,3 +412,30 @@ def test_a_sweep_without_an_error_column_is_advised_like_one_without_errors():
 def test_decide_counts_rows_whose_error_is_missing_as_good():
     got = _got(sweep({0: 40.0, 2: 0.3}, error=None))
     assert (got["num_workers"].value, got["num_workers"].basis) == (2, "measured")
+
+
+def test_pipelines_are_recommended_in_the_sweeps_order_not_by_name():
+    frame = pd.concat([sweep({0: 0.2}), sweep({0: 0.1}, pipeline="naive")], ignore_index=True)
+    assert recommend(frame)["pipeline"].tolist() == ["packed", "naive"]
+
+
+def test_decide_chooses_the_workers_at_its_own_goal():
+    frame = sweep({0: 40.0, 1: 0.8, 2: 0.3})  # 1 worker waits 3.8% of the step
+    assert _got(frame)["num_workers"].value == 2
+    assert _got(frame, goal=0.05)["num_workers"].value == 1
+
+
+def test_decide_with_one_and_more_workers_but_no_zero_row():
+    got = _got(sweep({1: 30.0, 2: 0.3}))
+    assert (got["num_workers"].value, got["num_workers"].baseline_s) == (2, None)
+
+
+def test_one_worker_is_kept_persistent(monkeypatch):
+    from diag import device
+
+    monkeypatch.setattr(device, "usable_cores", lambda: 3)  # one core to spare: 1 worker
+    got = _got(None)
+    assert (got["num_workers"].value, got["persistent_workers"].value,
+            got["prefetch_factor"].value) == (1, True, 2)
+    measured = _got(sweep({0: 40.0, 1: 0.3}))
+    assert (measured["num_workers"].value, measured["persistent_workers"].value) == (1, True)
