@@ -439,3 +439,41 @@ def test_one_worker_is_kept_persistent(monkeypatch):
             got["prefetch_factor"].value) == (1, True, 2)
     measured = _got(sweep({0: 40.0, 1: 0.3}))
     assert (measured["num_workers"].value, measured["persistent_workers"].value) == (1, True)
+
+
+def test_the_verdicts_figures_are_the_measured_milliseconds_to_three_digits():
+    # 9.876 ms per batch of 8 = 1.2345 ms per sample, a 12.35 ms step: shown as 1.23 and 12.3
+    # (a figure off by a thousandth of itself would show 1.24 and 12.4)
+    row = _one(sweep({0: 9.876, 2: 0.8}, step_ms=12.35))
+    assert "preprocessing costs 1.23 ms per sample (9.88 ms per batch of 8) against a 12.3 ms " \
+           "step, which 1 worker(s) would hide" in row["verdict"]
+
+
+def test_the_hand_off_is_named_when_exactly_the_workers_needed_ran():
+    assert "which 2 worker(s) would hide, yet with workers the loop still waits 0.8 ms" in _one(
+        sweep({0: 40.0, 2: 0.8}))["verdict"]
+    assert "which 1 worker(s) would hide, yet with workers the loop still waits 0.8 ms" in _one(
+        sweep({0: 15.0, 1: 0.8}))["verdict"]
+    # no worker needed at the settings' median step (40 ms), yet 0 workers wait 2.9% of their
+    # own 10 ms step: "1 worker(s)", never 0
+    row = _one(sweep({0: (0.3, 10.0), 1: (1.0, 40.0), 2: (1.0, 40.0)}))
+    assert row["workers_needed"] == 0
+    assert "which 1 worker(s) would hide, yet with workers the loop still waits 1 ms" in \
+        row["verdict"]
+
+
+def test_the_baseline_is_the_sweeps_first_setting_even_when_its_first_repeat_failed():
+    frame = sweep({0: 40.0, 2: 0.3})
+    frame = pd.concat([frame.iloc[[0]].assign(error="boom"), frame.iloc[[1]], frame.iloc[[0]]],
+                      ignore_index=True)
+    row = _one(frame)
+    assert (row["baseline_workers"], row["baseline_share"]) == (0, pytest.approx(40 / 60))
+
+
+def test_a_pipeline_after_one_where_every_setting_failed_is_still_recommended():
+    frame = pd.concat([sweep({0: 1.0}, pipeline="naive", error="boom"), sweep({0: 40.0, 2: 0.3})],
+                      ignore_index=True)
+    out = recommend(frame)
+    assert out["pipeline"].tolist() == ["naive", "packed"]
+    assert out["verdict"].iloc[0] == "every setting failed: boom"
+    assert out["recommended_workers"].iloc[1] == 2
