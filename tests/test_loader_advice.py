@@ -477,3 +477,8 @@ def test_a_pipeline_after_one_where_every_setting_failed_is_still_recommended():
     assert out["pipeline"].tolist() == ["naive", "packed"]
     assert out["verdict"].iloc[0] == "every setting failed: boom"
     assert out["recommended_workers"].iloc[1] == 2
+
+
+def test_choose_workers_counts_a_share_exactly_at_the_goal_as_not_under_it():
+    # 1 s of a 3 s step is exactly 25%: 0 workers are not under 25%, 2 workers (14%) are
+    assert choose_workers(_by({0: 1.0, 2: 0.5}, step_s=3.0), goal=0.25)[0] == 2
