@@ -9,9 +9,9 @@ import inspect
 import pandas as pd
 import pytest
 
-from diag.decision import PREDICTION_TOLERANCE, Decision
+from diag.decision import PREDICTION_TOLERANCE, Decision, MeasuredOn
 from diag.qlora.plans import Plan
-from diag.qlora.predict import FIXES, Counts, check, predict, savings
+from diag.qlora.predict import FIXES, Counts, check, measured_by_stage, predict, savings
 
 
 def _measured(setting, value, **worth):
@@ -227,3 +227,101 @@ def test_the_whole_table_row_by_row_as_a_reader_sees_it():
     assert table["predicted_s"].tolist() == pytest.approx(
         [8.0, 2.0, 8 * third, 2 * third, 8 * third, 2 * third, float("nan"), 4.5, 2.0, 1.52,
          0.38], nan_ok=True)
+
+
+def test_counts_accept_their_bounds_and_name_them_when_refused():
+    assert Counts(steps=1, warmup_steps=1).steps == 1
+    assert Counts(steps=1, warmup_steps=0).warmup_steps == 0
+    assert Counts(steps=3, warmup_steps=3).warmup_steps == 3
+    for steps, warmup in ((0, 0), (2, -1), (2, 3)):
+        with pytest.raises(ValueError) as err:
+            Counts(steps=steps, warmup_steps=warmup)
+        assert str(err.value) == (f"Counts(steps={steps}, warmup_steps={warmup}): need steps >= 1 "
+                                  "and 0 <= warmup_steps <= steps")
+
+
+def _with(opt, **by_setting):
+    return dataclasses.replace(opt, decisions=tuple(by_setting.get(d.setting, d)
+                                                    for d in opt.decisions))
+
+
+def test_a_start_fix_outside_the_run_stages_is_preprocess_and_says_where_it_was_measured():
+    naive, opt = _plans()
+    fetch = _measured("fetch", "land", baseline="pull", stage="download", per="start",
+                      baseline_s=5.0, chosen_s=0.5, source="storage",
+                      measured_on=MeasuredOn(model="m", seq_len=64))
+    row = predict(naive, _with(opt, fetch=fetch), COUNTS).set_index("setting").loc["fetch"]
+    assert (row["stage"], row["predicted_s"]) == ("preprocess", 4.5)
+    assert row["evidence"] == ("storage: download 5 s -> 0.5 s per start (measured on m, "
+                               "seq_len 64)")
+
+
+def test_a_start_fix_without_seconds_is_listed_unpriced_in_its_own_stage():
+    naive, opt = _plans()
+    cache = _measured("model_cache", "persistent", baseline="empty", stage="load_model",
+                      per="start", source="model_load")
+    table = predict(naive, _with(opt, model_cache=cache), COUNTS)
+    (row,) = table[table["setting"] == "model_cache"].to_dict("records")
+    assert (row["change"], row["stage"]) == ("model_cache empty -> persistent", "load_model")
+    assert pd.isna(row["predicted_s"]) and pd.isna(row["per_step_s"])
+    assert row["evidence"] == ("not predicted (no measured seconds); model_cache is measured: "
+                               "model_cache measured")
+
+
+def test_measured_by_stage_puts_step_level_parts_in_train_and_skips_step_rows():
+    shares = pd.DataFrame({"run": ["naive"] * 3, "stage": ["fetch_data", "data_wait", "compute"],
+                           "level": ["run", "step", "step"], "seconds": [2.0, 3.0, 4.0]})
+    assert measured_by_stage(shares) == {"naive": {"fetch_data": 2.0, "train": 7.0}}
+    stages = pd.DataFrame({"run": ["naive", "naive", "optimized"],
+                           "stage": ["train", "data_wait", "train"],
+                           "step": [None, 1.0, None], "seconds": [10.0, 99.0, 4.0]})
+    assert measured_by_stage(stages) == {"naive": {"train": 10.0}, "optimized": {"train": 4.0}}
+
+
+SAVINGS_COLUMNS = ["stage", "finding", "predicted_s", "measured_s", "error_share", "flagged",
+                   "evidence"]
+
+
+def test_savings_row_by_row_largest_measured_first():
+    predicted = predict(*_plans(), COUNTS)
+    got = savings(_table({"fetch_data": (5.0, 1.0), "train": (30.0, 10.0),
+                          "warmup": (4.0, 3.0)}), predicted)
+    assert list(got.columns) == SAVINGS_COLUMNS and got.index.tolist() == list(range(5))
+    # measured savings largest first; the tie (0 s, stages the run does not have) in the
+    # prediction's order
+    assert got["stage"].tolist() == ["train", "fetch_data", "warmup", "preprocess", "load_model"]
+    assert got["measured_s"].tolist() == [20.0, 4.0, 1.0, 0.0, 0.0]
+    steps = "micro_batch 1 -> 4; gradient_checkpointing True -> False; pipeline naive -> packed; " \
+        "num_workers 0 -> 2"
+    assert got["finding"].tolist() == [steps, "fetch pull -> land", steps,
+                                       "pipeline naive -> packed",
+                                       "model_cache empty -> persistent"]
+    train = " | ".join(predicted.loc[predicted["stage"] == "train", "evidence"])
+    assert got["evidence"].tolist()[:2] == [
+        f"naive 30 s -> optimized 10 s; predicted from {train}",
+        "naive 5 s -> optimized 1 s; predicted from storage: fetch_data 5 s -> 0.5 s per start "
+        "(measured)"]
+    assert got["evidence"].iloc[4] == ("naive 0 s -> optimized 0 s; predicted from model_load: "
+                                       "load_model 3 s -> 1 s per start (measured)")
+    # preprocess: no fix priced it, so no prediction (not a 0 s one) and no error
+    pre = got.iloc[3]
+    assert pd.isna(pre["predicted_s"]) and pd.isna(pre["error_share"]) and not pre["flagged"]
+    assert got["predicted_s"].iloc[1] == 4.5 and got["error_share"].iloc[1] == pytest.approx(1 / 9)
+    assert got["flagged"].tolist() == [True, False, True, False, True]
+
+
+def test_savings_without_both_runs_or_without_predictions_is_an_empty_table():
+    predicted = predict(*_plans(), COUNTS)
+    only_naive = _table({"train": (30.0, 10.0)}).query("run == 'naive'")
+    for table, pred in ((only_naive, predicted), (_table({"train": (3.0, 1.0)}), predicted[:0])):
+        got = savings(table, pred)
+        assert got.empty and list(got.columns) == SAVINGS_COLUMNS
+
+
+def test_check_is_one_row_flagged_only_past_the_tolerance():
+    assert check("train", "a -> b", 4.0, 5.0) == {
+        "stage": "train", "finding": "a -> b", "predicted_s": 4.0, "measured_s": 5.0,
+        "error_share": 0.25, "flagged": False, "evidence": ""}  # exactly the tolerance: not past
+    assert PREDICTION_TOLERANCE == 0.25
+    assert check("train", "", 4.0, 3.0, "why")["evidence"] == "why"
+    assert check("train", "", None, 3.0)["error_share"] is None
