@@ -325,3 +325,121 @@ def test_check_is_one_row_flagged_only_past_the_tolerance():
     assert PREDICTION_TOLERANCE == 0.25
     assert check("train", "", 4.0, 3.0, "why")["evidence"] == "why"
     assert check("train", "", None, 3.0)["error_share"] is None
+
+
+def _rows(table):
+    return table[["setting", "stage", "predicted_s", "evidence"]].values.tolist()
+
+
+def test_without_a_timed_naive_step_the_compute_and_packing_fixes_are_listed_unpriced():
+    naive, opt = _plans()
+    micro = _measured("micro_batch", 4, baseline=1, stage="compute", per="step", source="accum")
+    table = predict(naive, _with(opt, micro_batch=micro), COUNTS)
+    got = [r for r in _rows(table) if r[0] != "pipeline" or r[1] != "preprocess"][:6]
+    assert [r[:2] for r in got] == [["micro_batch", "train"], ["micro_batch", "warmup"],
+                                    ["gradient_checkpointing", "train"],
+                                    ["gradient_checkpointing", "warmup"],
+                                    ["pipeline", "train"], ["pipeline", "warmup"]]
+    assert all(pd.isna(r[2]) for r in got)
+    assert table["change"].tolist()[:6] == ["micro_batch 1 -> 4"] * 2 + [
+        "gradient_checkpointing True -> False"] * 2 + ["pipeline naive -> packed"] * 2
+    assert [r[3] for r in got] == [
+        "not predicted (no measured seconds); micro_batch is measured: micro_batch measured; "
+        "x 8 steps",
+        "not predicted (no measured seconds); micro_batch is measured: micro_batch measured; "
+        "x 2 steps",
+        "not predicted (no measured naive step to scale); gradient_checkpointing is measured: "
+        "gradient_checkpointing measured; x 8 steps",
+        "not predicted (no measured naive step to scale); gradient_checkpointing is measured: "
+        "gradient_checkpointing measured; x 2 steps",
+        "not predicted (no measured step or token slots to scale); no decision; x 8 steps",
+        "not predicted (no measured step or token slots to scale); no decision; x 2 steps"]
+    # no micro-batch decision at all: the same, said as no decision
+    bare = dataclasses.replace(opt, decisions=tuple(d for d in opt.decisions
+                                                    if d.setting != "micro_batch"))
+    first = predict(naive, bare, COUNTS).iloc[0]
+    assert first["change"] == "micro_batch 1 -> 4" and pd.isna(first["predicted_s"])
+    assert first["evidence"] == "not predicted (no measured seconds); no decision; x 8 steps"
+
+
+def test_seconds_that_are_missing_or_not_finite_price_nothing():
+    naive, opt = _plans()
+    for base, chosen in ((0.2, None), (None, 0.01), (float("inf"), 0.01), (0.2, float("nan"))):
+        workers = _measured("num_workers", 2, baseline=0, stage="data_wait", per="step",
+                            baseline_s=base, chosen_s=chosen, source="loader")
+        row = predict(naive, _with(opt, num_workers=workers), COUNTS).set_index(
+            ["setting", "stage"]).loc[("num_workers", "train")]
+        assert pd.isna(row["predicted_s"]), (base, chosen)
+        assert row["evidence"].startswith("not predicted (no measured seconds); num_workers is ")
+
+
+def test_a_naive_step_under_a_second_is_scaled_and_a_zero_one_is_not_divided_by():
+    naive, opt = _plans()
+    counts = Counts(steps=4, warmup_steps=0)
+    micro = _measured("micro_batch", 4, baseline=1, stage="compute", per="step",
+                      baseline_s=0.5, chosen_s=0.25, source="accum")
+    table = predict(naive, _with(opt, micro_batch=micro), counts)
+    assert table["stage"].tolist()[:2] == ["train", "train"]  # no warm-up steps: no such rows
+    assert table["per_step_s"].tolist()[:2] == pytest.approx([0.25, 0.25 - 0.25 / 1.5])
+    assert table["evidence"].iloc[0] == ("accum: 0.25 s / 0.5 s per step measured (measured) x "
+                                         "the step 0.5 s -> 0.25 s; x 4 steps")
+    # a step timed at 0 s chosen: the whole naive step saved
+    zero = _measured("micro_batch", 4, baseline=1, stage="compute", per="step",
+                     baseline_s=2.0, chosen_s=0.0, source="accum")
+    assert predict(naive, _with(opt, micro_batch=zero), counts)["per_step_s"].iloc[0] == 2.0
+    # a naive step of 0 s scales nothing: unpriced, never a division by zero
+    none = _measured("micro_batch", 4, baseline=1, stage="compute", per="step",
+                     baseline_s=0.0, chosen_s=0.0, source="accum")
+    table = predict(naive, _with(opt, micro_batch=none), counts)
+    assert table["setting"].iloc[0] == "micro_batch" and pd.isna(table["per_step_s"].iloc[0])
+    assert table["evidence"].iloc[0].startswith("not predicted (no measured naive step to scale)")
+
+
+def test_checkpointing_is_priced_after_an_unchanged_micro_batch():
+    naive, opt = _plans()
+    same = dataclasses.replace(opt, micro_batch=naive.micro_batch)
+    table = predict(naive, same, COUNTS)
+    assert "micro_batch" not in set(table["setting"])
+    row = table.set_index(["setting", "stage"]).loc[("gradient_checkpointing", "train")]
+    assert row["per_step_s"] == pytest.approx(2.0 - 2.0 / 1.5)
+
+
+def test_the_pipelines_own_decision_prices_its_start_or_its_step():
+    naive, opt = _plans()
+    start = _measured("pipeline", "packed", baseline="naive", stage="preprocess", per="start",
+                      baseline_s=0.0, chosen_s=30.0, source="data")
+    table = predict(naive, dataclasses.replace(opt, decisions=opt.decisions + (start,)), COUNTS)
+    pre = table[table["stage"] == "preprocess"].to_dict("records")
+    assert [(r["setting"], r["predicted_s"], r["evidence"]) for r in pre] == [
+        ("pipeline", -30.0, "data: preprocess 0 s -> 30 s per start (measured)")]
+    assert pre[0]["change"] == "pipeline naive -> packed"
+    unpriced = _measured("pipeline", "packed", baseline="naive", stage="preprocess",
+                         per="start", source="data")
+    table = predict(naive, dataclasses.replace(opt, decisions=opt.decisions + (unpriced,)),
+                    COUNTS)
+    (pre,) = table[table["stage"] == "preprocess"].to_dict("records")
+    assert pd.isna(pre["predicted_s"]) and pre["evidence"] == (
+        "not predicted (no decision prices the preprocess start); pipeline is measured: "
+        "pipeline measured")
+    step = _measured("pipeline", "packed", baseline="naive", stage="data_wait", per="step",
+                     baseline_s=0.3, chosen_s=0.1, source="loader")
+    table = predict(naive, dataclasses.replace(opt, decisions=opt.decisions + (step,)), COUNTS)
+    pipe = table[table["setting"] == "pipeline"]
+    assert pipe["stage"].tolist() == ["train", "warmup", "preprocess", "train", "warmup"]
+    assert pipe["per_step_s"].tolist()[3:] == pytest.approx([0.2, 0.2])
+    assert pipe["evidence"].tolist()[3:] == ["loader: data_wait 0.3 -> 0.1 s per step; x 8 steps",
+                                             "loader: data_wait 0.3 -> 0.1 s per step; x 2 steps"]
+    assert pd.isna(pipe["predicted_s"].iloc[2])
+
+
+def test_the_checkpointing_fix_says_the_ratio_it_divides_out():
+    naive, opt = _plans()
+    rows = [{"gradient_checkpointing": on, "seconds": s, "micro_batch": m}
+            for m, on, s in ((1, True, 4.0), (1, False, 2.0), (4, True, 1.5), (4, False, 1.0))]
+    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", rows,
+                              source="checkpointing", baseline=True, stage="compute",
+                              per="step", baseline_s=1.5, chosen_s=1.0)
+    table = predict(naive, _with(opt, gradient_checkpointing=ckpt), COUNTS)
+    row = table.set_index(["setting", "stage"]).loc[("gradient_checkpointing", "train")]
+    assert row["evidence"] == ("checkpointing: on/off 2 measured at the naive micro-batch 1 "
+                               "(measured); the step 2 s -> 1 s; x 8 steps")
