@@ -443,3 +443,19 @@ def test_the_checkpointing_fix_says_the_ratio_it_divides_out():
     row = table.set_index(["setting", "stage"]).loc[("gradient_checkpointing", "train")]
     assert row["evidence"] == ("checkpointing: on/off 2 measured at the naive micro-batch 1 "
                                "(measured); the step 2 s -> 1 s; x 8 steps")
+
+
+def test_a_fix_no_decision_prices_is_listed_in_its_stage_and_no_fix_is_an_empty_table():
+    naive, opt = _plans()
+    bare = dataclasses.replace(opt, pin_memory=not naive.pin_memory, decisions=tuple(
+        d for d in opt.decisions if d.setting not in ("fetch", "model_cache")))
+    table = predict(naive, bare, COUNTS)
+    rows = table[table["setting"].isin(["fetch", "model_cache", "pin_memory"])]
+    assert rows[["change", "stage"]].values.tolist() == [
+        ["fetch pull -> land", "fetch_data"], ["model_cache empty -> persistent", "load_model"],
+        [f"pin_memory {naive.pin_memory} -> {not naive.pin_memory}", "train"]]
+    assert rows["predicted_s"].isna().all()
+    assert set(rows["evidence"]) == {"not predicted (no measured seconds); no decision"}
+    same = predict(naive, dataclasses.replace(naive, name="optimized"), COUNTS)
+    assert same.empty and list(same.columns) == ["setting", "change", "finding", "stage",
+                                                 "predicted_s", "per_step_s", "evidence"]
