@@ -465,3 +465,26 @@ def test_a_fix_no_decision_prices_is_listed_in_its_stage_and_no_fix_is_an_empty_
     same = predict(naive, dataclasses.replace(naive, name="optimized"), COUNTS)
     assert same.empty and list(same.columns) == ["setting", "change", "finding", "stage",
                                                  "predicted_s", "per_step_s", "evidence"]
+
+
+def _naive_step(rows):
+    """The naive step the chain starts from, given the checkpointing decision's rows: the
+    micro-batch fix halves it (1 s / 2 s), so it is twice that fix's saving per step."""
+    naive, opt = _plans()
+    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", rows,
+                              source="checkpointing", baseline=True, stage="compute",
+                              per="step", baseline_s=1.5, chosen_s=1.0)
+    table = predict(naive, _with(opt, gradient_checkpointing=ckpt), COUNTS)
+    return 2 * table.set_index(["setting", "stage"]).at[("micro_batch", "train"), "per_step_s"]
+
+
+def test_the_on_off_ratio_reads_flags_as_a_frame_gives_them_and_needs_both_sides():
+    for on, off in ((1, 0), (1.0, 0.0), (" TRUE ", "false")):  # from a CSV: numbers, text
+        rows = [{"gradient_checkpointing": on, "seconds": 0.9},
+                {"gradient_checkpointing": off, "seconds": 0.6}]
+        assert _naive_step(rows) == pytest.approx(2.0 * 1.5), (on, off)  # 0.9 / 0.6 s
+    only_on = [{"gradient_checkpointing": True, "seconds": 0.9}]
+    only_off = [{"gradient_checkpointing": False, "seconds": 0.6}]
+    zero_off = only_on + [{"gradient_checkpointing": False, "seconds": 0.0}]
+    for rows in (only_on, only_off, zero_off):  # no ratio: the sweep's step as measured
+        assert _naive_step(rows) == pytest.approx(2.0)
