@@ -335,3 +335,150 @@ def test_an_absent_or_failed_sweep_gives_labelled_defaults(monkeypatch):
     got = _got(None)
     assert (got["num_workers"].value, got["persistent_workers"].value,
             got["prefetch_factor"].value) == (0, False, None)
+
+
+# -- what the mutants showed: each pipeline priced, the recommendation followed, packing's parts --
+
+def test_each_waiting_pipeline_is_priced_after_one_that_keeps_up_and_packing_is_added():
+    # naive keeps up, packed waits: the pipeline after one that keeps up is still priced
+    frame = pd.concat([sweep({0: 0.1}, pipeline="naive"), sweep({0: 40.0, 2: 0.3})],
+                      ignore_index=True)
+    (row,) = findings(frame, recommend(frame)).to_dict("records")
+    assert "the packed pipeline" in row["finding"]
+    # both wait, and packing saves at num_workers=0: three findings, packing's last
+    both = _both({0: 40.0, 2: 5.0}, {0: 2.0, 2: 0.1})
+    out = findings(both, recommend(both), run_steps=100)
+    assert len(out) == 3 and out["finding"].iloc[2].startswith("tokenize once")
+    assert out["seconds_saved"].tolist() == pytest.approx(
+        [(0.040 - 0.005) * 100, (0.002 - 0.0001) * 100, (0.040 - 0.002) * 100])
+
+
+def test_a_baseline_under_the_goal_is_no_finding_even_where_another_setting_waits_less():
+    # the baseline (first in the sweep) waits 0.3 ms of a 30 ms step (1.0%); no workers wait
+    # 0.2 ms of a 12 ms step (1.6%): fewer seconds, yet the baseline already keeps up
+    frame = sweep({2: (0.3, 30.0), 0: (0.2, 12.0)})
+    rec = recommend(frame)
+    assert (rec["baseline_workers"].iloc[0], rec["recommended_workers"].iloc[0]) == (2, 0)
+    assert findings(frame, rec).empty
+
+
+def test_the_recommendation_given_is_the_setting_priced():
+    # recommended against a 5% target, priced with the default 2%: the finding is the setting
+    # the recommendation names (1 worker), not one chosen again against 2% (2 workers)
+    frame = sweep({0: 40.0, 1: 0.8, 2: 0.3})
+    (row,) = findings(frame, recommend(frame, 0.05), run_steps=100).to_dict("records")
+    assert row["finding"].startswith("DataLoader(num_workers=1,")
+    assert row["seconds_saved"] == pytest.approx((0.040 - 0.0008) * 100)
+
+
+def test_none_under_the_target_is_priced_at_the_near_best_rule_of_that_target():
+    # 200 ms step, target 1%: none under it. Near the best (2.1 ms, within 1 ms): 4 workers;
+    # 1 worker (3.9 ms, 1.9%) would be the pick under the default 2% goal
+    frame = sweep({0: 100.0, 1: 3.9, 4: 2.1}, step_ms=200.0)
+    rec = recommend(frame, 0.01)
+    assert pd.isna(rec["recommended_workers"].iloc[0])
+    (row,) = findings(frame, rec, run_steps=10, target_share=0.01).to_dict("records")
+    assert row["seconds_saved"] == pytest.approx((0.100 - 0.0021) * 10)
+    assert "at num_workers=4 (200 ms step; 10 steps)" in row["evidence"]
+
+
+def test_a_fix_chosen_at_the_baselines_own_wait_saves_nothing_and_is_no_finding():
+    frame = sweep({0: 40.0, 2: 40.0})  # no setting helps: the fewest near the best is 0 itself
+    assert findings(frame, recommend(frame)).empty
+
+
+def test_packings_padding_is_the_naive_rows_and_its_price_under_a_second():
+    # packed rows carry 64 tokens per sample (no padding), naive ones 32 of 64: 50% padding
+    frame = pd.concat([sweep({0: 40.0}, pipeline="naive", tokens_per_s=320.0, samples_per_s=10.0),
+                       sweep({0: 2.0}, tokens_per_s=640.0, samples_per_s=10.0)],
+                      ignore_index=True)
+    (row,) = _packing_rows(frame, run_steps=10)
+    assert row["evidence"].endswith("; naive batches are 50% padding, compute a packed step "
+                                    "does not waste")
+    assert row["stage"] == "data_wait"
+    assert row["seconds_saved"] == pytest.approx((0.040 - 0.002) * 10)  # 0.38 s, kept as is
+    # rows whose error is missing (None) are good rows: their padding is still counted
+    (unset,) = _packing_rows(_both({0: 40.0}, {0: 2.0}, error=None))
+    assert "naive batches are 50% padding" in unset["evidence"]
+    assert _packing_rows(_both({0: 40.0}, {0: 40.0})) == []  # the same wait: nothing saved
+
+
+def test_a_sweep_without_an_error_column_is_advised_like_one_without_errors():
+    both = _both({0: 40.0, 2: 5.0}, {0: 2.0, 2: 0.1})
+    bare = both.drop(columns="error")
+    pd.testing.assert_frame_equal(findings(bare, recommend(bare)), findings(both, recommend(both)))
+
+
+def test_decide_counts_rows_whose_error_is_missing_as_good():
+    got = _got(sweep({0: 40.0, 2: 0.3}, error=None))
+    assert (got["num_workers"].value, got["num_workers"].basis) == (2, "measured")
+
+
+def test_pipelines_are_recommended_in_the_sweeps_order_not_by_name():
+    frame = pd.concat([sweep({0: 0.2}), sweep({0: 0.1}, pipeline="naive")], ignore_index=True)
+    assert recommend(frame)["pipeline"].tolist() == ["packed", "naive"]
+
+
+def test_decide_chooses_the_workers_at_its_own_goal():
+    frame = sweep({0: 40.0, 1: 0.8, 2: 0.3})  # 1 worker waits 3.8% of the step
+    assert _got(frame)["num_workers"].value == 2
+    assert _got(frame, goal=0.05)["num_workers"].value == 1
+
+
+def test_decide_with_one_and_more_workers_but_no_zero_row():
+    got = _got(sweep({1: 30.0, 2: 0.3}))
+    assert (got["num_workers"].value, got["num_workers"].baseline_s) == (2, None)
+
+
+def test_one_worker_is_kept_persistent(monkeypatch):
+    from diag import device
+
+    monkeypatch.setattr(device, "usable_cores", lambda: 3)  # one core to spare: 1 worker
+    got = _got(None)
+    assert (got["num_workers"].value, got["persistent_workers"].value,
+            got["prefetch_factor"].value) == (1, True, 2)
+    measured = _got(sweep({0: 40.0, 1: 0.3}))
+    assert (measured["num_workers"].value, measured["persistent_workers"].value) == (1, True)
+
+
+def test_the_verdicts_figures_are_the_measured_milliseconds_to_three_digits():
+    # 9.876 ms per batch of 8 = 1.2345 ms per sample, a 12.35 ms step: shown as 1.23 and 12.3
+    # (a figure off by a thousandth of itself would show 1.24 and 12.4)
+    row = _one(sweep({0: 9.876, 2: 0.8}, step_ms=12.35))
+    assert "preprocessing costs 1.23 ms per sample (9.88 ms per batch of 8) against a 12.3 ms " \
+           "step, which 1 worker(s) would hide" in row["verdict"]
+
+
+def test_the_hand_off_is_named_when_exactly_the_workers_needed_ran():
+    assert "which 2 worker(s) would hide, yet with workers the loop still waits 0.8 ms" in _one(
+        sweep({0: 40.0, 2: 0.8}))["verdict"]
+    assert "which 1 worker(s) would hide, yet with workers the loop still waits 0.8 ms" in _one(
+        sweep({0: 15.0, 1: 0.8}))["verdict"]
+    # no worker needed at the settings' median step (40 ms), yet 0 workers wait 2.9% of their
+    # own 10 ms step: "1 worker(s)", never 0
+    row = _one(sweep({0: (0.3, 10.0), 1: (1.0, 40.0), 2: (1.0, 40.0)}))
+    assert row["workers_needed"] == 0
+    assert "which 1 worker(s) would hide, yet with workers the loop still waits 1 ms" in \
+        row["verdict"]
+
+
+def test_the_baseline_is_the_sweeps_first_setting_even_when_its_first_repeat_failed():
+    frame = sweep({0: 40.0, 2: 0.3})
+    frame = pd.concat([frame.iloc[[0]].assign(error="boom"), frame.iloc[[1]], frame.iloc[[0]]],
+                      ignore_index=True)
+    row = _one(frame)
+    assert (row["baseline_workers"], row["baseline_share"]) == (0, pytest.approx(40 / 60))
+
+
+def test_a_pipeline_after_one_where_every_setting_failed_is_still_recommended():
+    frame = pd.concat([sweep({0: 1.0}, pipeline="naive", error="boom"), sweep({0: 40.0, 2: 0.3})],
+                      ignore_index=True)
+    out = recommend(frame)
+    assert out["pipeline"].tolist() == ["naive", "packed"]
+    assert out["verdict"].iloc[0] == "every setting failed: boom"
+    assert out["recommended_workers"].iloc[1] == 2
+
+
+def test_choose_workers_counts_a_share_exactly_at_the_goal_as_not_under_it():
+    # 1 s of a 3 s step is exactly 25%: 0 workers are not under 25%, 2 workers (14%) are
+    assert choose_workers(_by({0: 1.0, 2: 0.5}, step_s=3.0), goal=0.25)[0] == 2

@@ -9,9 +9,9 @@ import inspect
 import pandas as pd
 import pytest
 
-from diag.decision import PREDICTION_TOLERANCE, Decision
+from diag.decision import PREDICTION_TOLERANCE, Decision, MeasuredOn
 from diag.qlora.plans import Plan
-from diag.qlora.predict import Counts, check, predict, savings
+from diag.qlora.predict import FIXES, Counts, check, measured_by_stage, predict, savings
 
 
 def _measured(setting, value, **worth):
@@ -188,3 +188,303 @@ def test_the_naive_micro_batchs_own_ratio_lands_the_chain_on_the_sweeps_chosen_s
     assert steady["micro_batch"] == pytest.approx(4.0 - 2.0)
     assert steady["gradient_checkpointing"] == pytest.approx(2.0 - 1.0)
     assert steady["micro_batch"] + steady["gradient_checkpointing"] == pytest.approx(4.0 - 1.0)
+
+
+def test_the_whole_table_row_by_row_as_a_reader_sees_it():
+    # every row of the priced plans: the chain's order, stages, texts and seconds
+    table = predict(*_plans(), COUNTS)
+    text = table[["setting", "change", "stage", "evidence"]].values.tolist()
+    micro = "accum: 1 s / 2 s per step measured (measured) x the step 2 s -> 1 s"
+    ckpt = "checkpointing: 1 s / 1.5 s per step measured (measured) x the step 1 s -> 0.667 s"
+    pack = "packing: token slots 500 / 1000 x the step 0.667 s -> 0.333 s"
+    loader = "loader: data_wait 0.2 -> 0.01 s per step (measured)"
+    assert text == [
+        ["micro_batch", "micro_batch 1 -> 4", "train", f"{micro}; x 8 steps"],
+        ["micro_batch", "micro_batch 1 -> 4", "warmup", f"{micro}; x 2 steps"],
+        ["gradient_checkpointing", "gradient_checkpointing True -> False", "train",
+         f"{ckpt}; x 8 steps"],
+        ["gradient_checkpointing", "gradient_checkpointing True -> False", "warmup",
+         f"{ckpt}; x 2 steps"],
+        ["pipeline", "pipeline naive -> packed", "train", f"{pack}; x 8 steps"],
+        ["pipeline", "pipeline naive -> packed", "warmup", f"{pack}; x 2 steps"],
+        ["pipeline", "pipeline naive -> packed", "preprocess",
+         "not predicted (no decision prices the preprocess start); no decision"],
+        ["fetch", "fetch pull -> land", "fetch_data",
+         "storage: fetch_data 5 s -> 0.5 s per start (measured)"],
+        ["model_cache", "model_cache empty -> persistent", "load_model",
+         "model_load: load_model 3 s -> 1 s per start (measured)"],
+        ["num_workers", "num_workers 0 -> 2", "train", f"{loader}; x 8 steps"],
+        ["num_workers", "num_workers 0 -> 2", "warmup", f"{loader}; x 2 steps"],
+    ]
+    assert list(table.columns) == ["setting", "change", "finding", "stage", "predicted_s",
+                                   "per_step_s", "evidence"]
+    assert table["finding"].tolist() == [FIXES[s] for s in table["setting"]]
+    third = 1 / 3
+    assert table["per_step_s"].tolist()[:6] == pytest.approx([1.0, 1.0, third, third, third,
+                                                              third])
+    assert table["per_step_s"].tolist()[9:] == pytest.approx([0.19, 0.19])
+    assert table["per_step_s"].iloc[6:9].isna().all()
+    assert table["predicted_s"].tolist() == pytest.approx(
+        [8.0, 2.0, 8 * third, 2 * third, 8 * third, 2 * third, float("nan"), 4.5, 2.0, 1.52,
+         0.38], nan_ok=True)
+
+
+def test_counts_accept_their_bounds_and_name_them_when_refused():
+    assert Counts(steps=1, warmup_steps=1).steps == 1
+    assert Counts(steps=1, warmup_steps=0).warmup_steps == 0
+    assert Counts(steps=3, warmup_steps=3).warmup_steps == 3
+    for steps, warmup in ((0, 0), (2, -1), (2, 3)):
+        with pytest.raises(ValueError) as err:
+            Counts(steps=steps, warmup_steps=warmup)
+        assert str(err.value) == (f"Counts(steps={steps}, warmup_steps={warmup}): need steps >= 1 "
+                                  "and 0 <= warmup_steps <= steps")
+
+
+def _with(opt, **by_setting):
+    return dataclasses.replace(opt, decisions=tuple(by_setting.get(d.setting, d)
+                                                    for d in opt.decisions))
+
+
+def test_a_start_fix_outside_the_run_stages_is_preprocess_and_says_where_it_was_measured():
+    naive, opt = _plans()
+    fetch = _measured("fetch", "land", baseline="pull", stage="download", per="start",
+                      baseline_s=5.0, chosen_s=0.5, source="storage",
+                      measured_on=MeasuredOn(model="m", seq_len=64))
+    row = predict(naive, _with(opt, fetch=fetch), COUNTS).set_index("setting").loc["fetch"]
+    assert (row["stage"], row["predicted_s"]) == ("preprocess", 4.5)
+    assert row["evidence"] == ("storage: download 5 s -> 0.5 s per start (measured on m, "
+                               "seq_len 64)")
+
+
+def test_a_start_fix_without_seconds_is_listed_unpriced_in_its_own_stage():
+    naive, opt = _plans()
+    cache = _measured("model_cache", "persistent", baseline="empty", stage="load_model",
+                      per="start", source="model_load")
+    table = predict(naive, _with(opt, model_cache=cache), COUNTS)
+    (row,) = table[table["setting"] == "model_cache"].to_dict("records")
+    assert (row["change"], row["stage"]) == ("model_cache empty -> persistent", "load_model")
+    assert pd.isna(row["predicted_s"]) and pd.isna(row["per_step_s"])
+    assert row["evidence"] == ("not predicted (no measured seconds); model_cache is measured: "
+                               "model_cache measured")
+
+
+def test_measured_by_stage_puts_step_level_parts_in_train_and_skips_step_rows():
+    shares = pd.DataFrame({"run": ["naive"] * 3, "stage": ["fetch_data", "data_wait", "compute"],
+                           "level": ["run", "step", "step"], "seconds": [2.0, 3.0, 4.0]})
+    assert measured_by_stage(shares) == {"naive": {"fetch_data": 2.0, "train": 7.0}}
+    stages = pd.DataFrame({"run": ["naive", "naive", "optimized"],
+                           "stage": ["train", "data_wait", "train"],
+                           "step": [None, 1.0, None], "seconds": [10.0, 99.0, 4.0]})
+    assert measured_by_stage(stages) == {"naive": {"train": 10.0}, "optimized": {"train": 4.0}}
+
+
+SAVINGS_COLUMNS = ["stage", "finding", "predicted_s", "measured_s", "error_share", "flagged",
+                   "evidence"]
+
+
+def test_savings_row_by_row_largest_measured_first():
+    predicted = predict(*_plans(), COUNTS)
+    got = savings(_table({"fetch_data": (5.0, 1.0), "train": (30.0, 10.0),
+                          "warmup": (4.0, 3.0)}), predicted)
+    assert list(got.columns) == SAVINGS_COLUMNS and got.index.tolist() == list(range(5))
+    # measured savings largest first; the two stages the run does not have tie at 0 s (their
+    # order is the sort's, not defined)
+    assert got["stage"].tolist()[:3] == ["train", "fetch_data", "warmup"]
+    assert set(got["stage"].iloc[3:]) == {"preprocess", "load_model"}
+    assert got["measured_s"].tolist() == [20.0, 4.0, 1.0, 0.0, 0.0]
+    by = got.set_index("stage")
+    steps = "micro_batch 1 -> 4; gradient_checkpointing True -> False; pipeline naive -> packed; " \
+        "num_workers 0 -> 2"
+    assert by["finding"].to_dict() == {
+        "train": steps, "fetch_data": "fetch pull -> land", "warmup": steps,
+        "preprocess": "pipeline naive -> packed", "load_model": "model_cache empty -> persistent"}
+    train = " | ".join(predicted.loc[predicted["stage"] == "train", "evidence"])
+    assert by.at["train", "evidence"] == f"naive 30 s -> optimized 10 s; predicted from {train}"
+    assert by.at["fetch_data", "evidence"] == (
+        "naive 5 s -> optimized 1 s; predicted from storage: fetch_data 5 s -> 0.5 s per start "
+        "(measured)")
+    assert by.at["load_model", "evidence"] == (
+        "naive 0 s -> optimized 0 s; predicted from model_load: load_model 3 s -> 1 s per start "
+        "(measured)")
+    # preprocess: no fix priced it, so no prediction (not a 0 s one) and no error
+    pre = by.loc["preprocess"]
+    assert pd.isna(pre["predicted_s"]) and pd.isna(pre["error_share"]) and not pre["flagged"]
+    assert by.at["fetch_data", "predicted_s"] == 4.5
+    assert by.at["fetch_data", "error_share"] == pytest.approx(1 / 9)
+    assert by["flagged"].to_dict() == {"train": True, "fetch_data": False, "warmup": True,
+                                       "preprocess": False, "load_model": True}
+
+
+def test_savings_without_both_runs_or_without_predictions_is_an_empty_table():
+    predicted = predict(*_plans(), COUNTS)
+    only_naive = _table({"train": (30.0, 10.0)}).query("run == 'naive'")
+    for table, pred in ((only_naive, predicted), (_table({"train": (3.0, 1.0)}), predicted[:0])):
+        got = savings(table, pred)
+        assert got.empty and list(got.columns) == SAVINGS_COLUMNS
+
+
+def test_check_is_one_row_flagged_only_past_the_tolerance():
+    assert check("train", "a -> b", 4.0, 5.0) == {
+        "stage": "train", "finding": "a -> b", "predicted_s": 4.0, "measured_s": 5.0,
+        "error_share": 0.25, "flagged": False, "evidence": ""}  # exactly the tolerance: not past
+    assert PREDICTION_TOLERANCE == 0.25
+    assert check("train", "", 4.0, 3.0, "why")["evidence"] == "why"
+    assert check("train", "", None, 3.0)["error_share"] is None
+
+
+def _rows(table):
+    return table[["setting", "stage", "predicted_s", "evidence"]].values.tolist()
+
+
+def test_without_a_timed_naive_step_the_compute_and_packing_fixes_are_listed_unpriced():
+    naive, opt = _plans()
+    micro = _measured("micro_batch", 4, baseline=1, stage="compute", per="step", source="accum")
+    table = predict(naive, _with(opt, micro_batch=micro), COUNTS)
+    got = [r for r in _rows(table) if r[0] != "pipeline" or r[1] != "preprocess"][:6]
+    assert [r[:2] for r in got] == [["micro_batch", "train"], ["micro_batch", "warmup"],
+                                    ["gradient_checkpointing", "train"],
+                                    ["gradient_checkpointing", "warmup"],
+                                    ["pipeline", "train"], ["pipeline", "warmup"]]
+    assert all(pd.isna(r[2]) for r in got)
+    assert table["change"].tolist()[:6] == ["micro_batch 1 -> 4"] * 2 + [
+        "gradient_checkpointing True -> False"] * 2 + ["pipeline naive -> packed"] * 2
+    assert [r[3] for r in got] == [
+        "not predicted (no measured seconds); micro_batch is measured: micro_batch measured; "
+        "x 8 steps",
+        "not predicted (no measured seconds); micro_batch is measured: micro_batch measured; "
+        "x 2 steps",
+        "not predicted (no measured naive step to scale); gradient_checkpointing is measured: "
+        "gradient_checkpointing measured; x 8 steps",
+        "not predicted (no measured naive step to scale); gradient_checkpointing is measured: "
+        "gradient_checkpointing measured; x 2 steps",
+        "not predicted (no measured step or token slots to scale); no decision; x 8 steps",
+        "not predicted (no measured step or token slots to scale); no decision; x 2 steps"]
+    # no micro-batch decision at all: the same, said as no decision
+    bare = dataclasses.replace(opt, decisions=tuple(d for d in opt.decisions
+                                                    if d.setting != "micro_batch"))
+    first = predict(naive, bare, COUNTS).iloc[0]
+    assert first["change"] == "micro_batch 1 -> 4" and pd.isna(first["predicted_s"])
+    assert first["evidence"] == "not predicted (no measured seconds); no decision; x 8 steps"
+
+
+def test_seconds_that_are_missing_or_not_finite_price_nothing():
+    naive, opt = _plans()
+    for base, chosen in ((0.2, None), (None, 0.01), (float("inf"), 0.01), (0.2, float("nan"))):
+        workers = _measured("num_workers", 2, baseline=0, stage="data_wait", per="step",
+                            baseline_s=base, chosen_s=chosen, source="loader")
+        row = predict(naive, _with(opt, num_workers=workers), COUNTS).set_index(
+            ["setting", "stage"]).loc[("num_workers", "train")]
+        assert pd.isna(row["predicted_s"]), (base, chosen)
+        assert row["evidence"].startswith("not predicted (no measured seconds); num_workers is ")
+
+
+def test_a_naive_step_under_a_second_is_scaled_and_a_zero_one_is_not_divided_by():
+    naive, opt = _plans()
+    counts = Counts(steps=4, warmup_steps=0)
+    micro = _measured("micro_batch", 4, baseline=1, stage="compute", per="step",
+                      baseline_s=0.5, chosen_s=0.25, source="accum")
+    table = predict(naive, _with(opt, micro_batch=micro), counts)
+    assert table["stage"].tolist()[:2] == ["train", "train"]  # no warm-up steps: no such rows
+    assert table["per_step_s"].tolist()[:2] == pytest.approx([0.25, 0.25 - 0.25 / 1.5])
+    assert table["evidence"].iloc[0] == ("accum: 0.25 s / 0.5 s per step measured (measured) x "
+                                         "the step 0.5 s -> 0.25 s; x 4 steps")
+    # a step timed at 0 s chosen: the whole naive step saved
+    zero = _measured("micro_batch", 4, baseline=1, stage="compute", per="step",
+                     baseline_s=2.0, chosen_s=0.0, source="accum")
+    assert predict(naive, _with(opt, micro_batch=zero), counts)["per_step_s"].iloc[0] == 2.0
+    # a naive step of 0 s scales nothing: unpriced, never a division by zero
+    none = _measured("micro_batch", 4, baseline=1, stage="compute", per="step",
+                     baseline_s=0.0, chosen_s=0.0, source="accum")
+    table = predict(naive, _with(opt, micro_batch=none), counts)
+    assert table["setting"].iloc[0] == "micro_batch" and pd.isna(table["per_step_s"].iloc[0])
+    assert table["evidence"].iloc[0].startswith("not predicted (no measured naive step to scale)")
+
+
+def test_checkpointing_is_priced_after_an_unchanged_micro_batch():
+    naive, opt = _plans()
+    same = dataclasses.replace(opt, micro_batch=naive.micro_batch)
+    table = predict(naive, same, COUNTS)
+    assert "micro_batch" not in set(table["setting"])
+    row = table.set_index(["setting", "stage"]).loc[("gradient_checkpointing", "train")]
+    assert row["per_step_s"] == pytest.approx(2.0 - 2.0 / 1.5)
+
+
+def test_the_pipelines_own_decision_prices_its_start_or_its_step():
+    naive, opt = _plans()
+    start = _measured("pipeline", "packed", baseline="naive", stage="preprocess", per="start",
+                      baseline_s=0.0, chosen_s=30.0, source="data")
+    table = predict(naive, dataclasses.replace(opt, decisions=opt.decisions + (start,)), COUNTS)
+    pre = table[table["stage"] == "preprocess"].to_dict("records")
+    assert [(r["setting"], r["predicted_s"], r["evidence"]) for r in pre] == [
+        ("pipeline", -30.0, "data: preprocess 0 s -> 30 s per start (measured)")]
+    assert pre[0]["change"] == "pipeline naive -> packed"
+    unpriced = _measured("pipeline", "packed", baseline="naive", stage="preprocess",
+                         per="start", source="data")
+    table = predict(naive, dataclasses.replace(opt, decisions=opt.decisions + (unpriced,)),
+                    COUNTS)
+    (pre,) = table[table["stage"] == "preprocess"].to_dict("records")
+    assert pd.isna(pre["predicted_s"]) and pre["evidence"] == (
+        "not predicted (no decision prices the preprocess start); pipeline is measured: "
+        "pipeline measured")
+    step = _measured("pipeline", "packed", baseline="naive", stage="data_wait", per="step",
+                     baseline_s=0.3, chosen_s=0.1, source="loader")
+    table = predict(naive, dataclasses.replace(opt, decisions=opt.decisions + (step,)), COUNTS)
+    pipe = table[table["setting"] == "pipeline"]
+    assert pipe["stage"].tolist() == ["train", "warmup", "preprocess", "train", "warmup"]
+    assert pipe["per_step_s"].tolist()[3:] == pytest.approx([0.2, 0.2])
+    assert set(pipe["change"]) == {"pipeline naive -> packed"}
+    assert pipe["evidence"].tolist()[3:] == ["loader: data_wait 0.3 -> 0.1 s per step; x 8 steps",
+                                             "loader: data_wait 0.3 -> 0.1 s per step; x 2 steps"]
+    assert pd.isna(pipe["predicted_s"].iloc[2])
+
+
+def test_the_checkpointing_fix_says_the_ratio_it_divides_out():
+    naive, opt = _plans()
+    rows = [{"gradient_checkpointing": on, "seconds": s, "micro_batch": m}
+            for m, on, s in ((1, True, 4.0), (1, False, 2.0), (4, True, 1.5), (4, False, 1.0))]
+    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", rows,
+                              source="checkpointing", baseline=True, stage="compute",
+                              per="step", baseline_s=1.5, chosen_s=1.0)
+    table = predict(naive, _with(opt, gradient_checkpointing=ckpt), COUNTS)
+    row = table.set_index(["setting", "stage"]).loc[("gradient_checkpointing", "train")]
+    assert row["evidence"] == ("checkpointing: on/off 2 measured at the naive micro-batch 1 "
+                               "(measured); the step 2 s -> 1 s; x 8 steps")
+
+
+def test_a_fix_no_decision_prices_is_listed_in_its_stage_and_no_fix_is_an_empty_table():
+    naive, opt = _plans()
+    bare = dataclasses.replace(opt, pin_memory=not naive.pin_memory, decisions=tuple(
+        d for d in opt.decisions if d.setting not in ("fetch", "model_cache")))
+    table = predict(naive, bare, COUNTS)
+    rows = table[table["setting"].isin(["fetch", "model_cache", "pin_memory"])]
+    assert rows[["change", "stage"]].values.tolist() == [
+        ["fetch pull -> land", "fetch_data"], ["model_cache empty -> persistent", "load_model"],
+        [f"pin_memory {naive.pin_memory} -> {not naive.pin_memory}", "train"]]
+    assert rows["predicted_s"].isna().all()
+    assert set(rows["evidence"]) == {"not predicted (no measured seconds); no decision"}
+    same = predict(naive, dataclasses.replace(naive, name="optimized"), COUNTS)
+    assert same.empty and list(same.columns) == ["setting", "change", "finding", "stage",
+                                                 "predicted_s", "per_step_s", "evidence"]
+
+
+def _naive_step(rows):
+    """The naive step the chain starts from, given the checkpointing decision's rows: the
+    micro-batch fix halves it (1 s / 2 s), so it is twice that fix's saving per step."""
+    naive, opt = _plans()
+    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", rows,
+                              source="checkpointing", baseline=True, stage="compute",
+                              per="step", baseline_s=1.5, chosen_s=1.0)
+    table = predict(naive, _with(opt, gradient_checkpointing=ckpt), COUNTS)
+    return 2 * table.set_index(["setting", "stage"]).at[("micro_batch", "train"), "per_step_s"]
+
+
+def test_the_on_off_ratio_reads_flags_as_a_frame_gives_them_and_needs_both_sides():
+    for on, off in ((1, 0), (1.0, 0.0), (" TRUE ", "false")):  # from a CSV: numbers, text
+        rows = [{"gradient_checkpointing": on, "seconds": 0.9},
+                {"gradient_checkpointing": off, "seconds": 0.6}]
+        assert _naive_step(rows) == pytest.approx(2.0 * 1.5), (on, off)  # 0.9 / 0.6 s
+    only_on = [{"gradient_checkpointing": True, "seconds": 0.9}]
+    only_off = [{"gradient_checkpointing": False, "seconds": 0.6}]
+    zero_off = only_on + [{"gradient_checkpointing": False, "seconds": 0.0}]
+    for rows in (only_on, only_off, zero_off):  # no ratio: the sweep's step as measured
+        assert _naive_step(rows) == pytest.approx(2.0)

@@ -26,10 +26,13 @@ DEFAULT_WORKERS = 2  # no sweep: enough to overlap the token cache's reads with 
 #                     (they compete with the step's own threads), so default_workers() spares two
 
 
-def _medians(part: pd.DataFrame) -> pd.DataFrame:
+def _good(part: pd.DataFrame) -> pd.DataFrame:
     # a frame without an error column (a sweep of your own) has no failed point; decide() allows it
-    good = part[part["error"].fillna("") == ""] if "error" in part else part
-    return good.groupby("num_workers", sort=False)[
+    return part[part["error"].fillna("") == ""] if "error" in part else part
+
+
+def _medians(part: pd.DataFrame) -> pd.DataFrame:
+    return _good(part).groupby("num_workers", sort=False)[
         ["data_wait_share", "data_wait_s", "step_s", "samples_per_s", "tokens_per_s"]].median()
 
 
@@ -137,7 +140,7 @@ def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], recommendation
     if naive.loc[w, "data_wait_share"] < target_share:
         return []
     saved = (naive.loc[w, "data_wait_s"] - packed.loc[w, "data_wait_s"]) * run_steps
-    rows = sweep[(sweep["pipeline"] == "naive") & (sweep["error"].fillna("") == "")]
+    rows = _good(sweep[sweep["pipeline"] == "naive"])
     fill = float(rows["tokens_per_s"].median() / rows["samples_per_s"].median()) / float(
         sweep["seq_len"].iloc[0]) if "seq_len" in sweep else float("nan")
     ratio = packed.loc[w, "tokens_per_s"] / naive.loc[w, "tokens_per_s"]
