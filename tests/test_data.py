@@ -81,6 +81,11 @@ def test_a_file_read_again_is_parsed_once_until_it_changes(tmp_path: Path, monke
     assert len(module._READ) == module._READ_KEEP
     read_source(path, on_error="skip", limit=100)  # the oldest was dropped: read again
     assert len(parsed) == 3 + module._READ_KEEP + 2 + 1
+    monkeypatch.setattr(module, "_READ_MAX_BYTES", path.stat().st_size - 1)
+    module._READ.clear()
+    read_source(path, on_error="skip")
+    read_source(path, on_error="skip")  # above the size kept: read each time, never held
+    assert len(parsed) == 3 + module._READ_KEEP + 2 + 1 + 2 and not module._READ
 
 
 def test_sample_jsonl_reads_clean():

@@ -142,21 +142,26 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
     files = shard_files(path)
     # the same files read again in this process (the loader sweep makes a pipeline's dataset per
     # sweep, stall split and job: 19 reads of one file in a `diag run`) are parsed once; a file
-    # whose size or mtime changed is read again. The records are shared: never mutated in diag
-    key = (tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files),
+    # whose size or mtime changed is read again. The records are shared: never mutated in diag.
+    # Files above _READ_MAX_BYTES together are not kept (a big dataset is read each time rather
+    # than held in memory after its reader is done with it)
+    stats = [f.stat() for f in files]
+    key = (tuple((str(f), st.st_size, st.st_mtime_ns) for f, st in zip(files, stats)),
            tuple(sorted(fields.items())), on_error, limit)
     if key in _READ:
         records, problems = _READ[key]
         return list(records), problems.copy()
     records, problems = _read(path, files, fields, on_error, limit)
-    _READ[key] = records, problems
-    while len(_READ) > _READ_KEEP:
-        del _READ[next(iter(_READ))]
+    if sum(st.st_size for st in stats) <= _READ_MAX_BYTES:
+        _READ[key] = records, problems
+        while len(_READ) > _READ_KEEP:
+            del _READ[next(iter(_READ))]
     return list(records), problems.copy()
 
 
 _READ: dict[tuple[Any, ...], tuple[list[dict[str, str]], Any]] = {}
 _READ_KEEP = 4  # the last files read (oldest dropped first)
+_READ_MAX_BYTES = 256 << 20  # larger record files are read again, not kept
 
 
 def _read(path: str | os.PathLike[str], files: list[Path], fields: dict[str, str],
