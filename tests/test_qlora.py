@@ -107,7 +107,10 @@ def test_savings_and_advice(both):
     assert "not predicted" in saved.at["fetch_data", "evidence"]
     assert "fetch pull -> land" in saved.at["fetch_data", "finding"]
     assert pd.notna(saved.at["train", "predicted_s"])
-    assert "micro_batch 1 -> " in saved.at["train", "finding"]
+    # the micro-batch is measured on the job: on 2 busy cores 1 and 3 rows can come out near a
+    # tie either way, so the finding names it exactly when the plan changed it
+    micro = both.frame.set_index("plan").at["optimized", "micro_batch"]
+    assert ("micro_batch 1 -> " in saved.at["train", "finding"]) == (micro != 1), micro
     assert list(both.advice.columns) == ["stage", "finding", "seconds_saved", "evidence"]
     plans = both.plans
     evidence = plans.loc[plans["run"] == "optimized"].set_index("setting")["evidence"]
