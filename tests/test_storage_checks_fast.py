@@ -473,3 +473,66 @@ def test_the_follower_writes_back_early_and_its_error_reaches_finish(tmp_path, m
             s.finish()
     finally:
         os.close(fd)
+
+
+# -- found by the mutants: the follower's reads, short writes, the default size ----------------
+
+def test_the_follower_is_a_daemon_so_an_abandoned_download_never_blocks_exit(tmp_path):
+    fd = os.open(tmp_path / "d.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        s = checks.Stream(fd, Expected())
+        assert s._thread.daemon is True
+        s.abandon()
+    finally:
+        os.close(fd)
+
+
+def test_read_hashes_the_prefix_exactly_up_to_its_end(tmp_path, monkeypatch):
+    monkeypatch.setattr(checks, "_CHUNK", 256)
+    data = random.Random(9).randbytes(1000)
+    fd = os.open(tmp_path / "r.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.pwrite(fd, data[:300], 0)
+        os.pwrite(fd, data[600:], 600)  # a hole at 300..600: not yet written
+        s = checks.Stream(fd, Expected(md5="x"))
+        s.abandon()  # the follower stopped: _read is driven here alone
+        buf = bytearray(256)
+        s._read(buf, 300)  # 256 bytes, then the 44 up to the prefix's end, none past it
+        assert s.hashes.pos == 300
+        assert s.hashes.md5.hexdigest() == hashlib.md5(data[:300]).hexdigest()
+        os.pwrite(fd, data[300:600], 300)
+        s._read(buf, 1000)
+        s._read(buf, 1001)  # one byte past the end of the file: stops there
+        assert s.hashes.pos == 1000
+        assert s.hashes.md5.hexdigest() == hashlib.md5(data).hexdigest()
+        t = checks.Stream(fd, Expected(md5="x"))
+        t.abandon()
+        t._read(buf, 257)  # a last read of one byte is hashed too
+        assert t.hashes.pos == 257
+        assert t.hashes.md5.hexdigest() == hashlib.md5(data[:257]).hexdigest()
+    finally:
+        os.close(fd)
+
+
+def test_the_sink_finishes_a_short_write_at_the_right_offset(tmp_path, monkeypatch):
+    real = os.pwrite
+    monkeypatch.setattr(checks.os, "pwrite", lambda fd, view, at: real(fd, view[:300], at))
+    data = random.Random(10).randbytes(1000)
+    want = Expected(md5=hashlib.md5(data).hexdigest(), crc=("crc32", crc32_b64(data)))
+    got = _stream(tmp_path, data, [(0, 1000)], want)
+    assert (tmp_path / "s.bin").read_bytes() == data
+    assert got.verdict()[1] == "size, full-object CRC32" and got.md5.hexdigest() == want.md5
+
+
+def test_a_stream_without_a_size_computes_every_hash_itself(tmp_path):
+    data = random.Random(11).randbytes(1000)
+    want = Expected(crc=("crc32", crc32_b64(data)))
+    fd = os.open(tmp_path / "n.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        s = checks.Stream(fd, want)
+        assert s._inline is None and s.hashes.crcs
+        s.sink.seek(0)
+        s.sink.write(data)
+        assert s.finish().verdict() == (f"crc32:{crc32_b64(data)}", "size, full-object CRC32")
+    finally:
+        os.close(fd)
