@@ -536,3 +536,17 @@ def test_a_stream_without_a_size_computes_every_hash_itself(tmp_path):
         assert s.finish().verdict() == (f"crc32:{crc32_b64(data)}", "size, full-object CRC32")
     finally:
         os.close(fd)
+
+
+def test_an_empty_write_at_a_spans_start_is_no_rewrite(tmp_path):
+    # s3transfer may hand the sink an empty chunk: no bytes rewritten, no second pass needed
+    fd = os.open(tmp_path / "e.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        s = checks.Stream(fd, Expected())
+        s.wrote(0, 5)
+        s.wrote(10, 20)
+        s.wrote(10, 10)
+        assert not s._overlap and s._spans == [[0, 5], [10, 20]]
+        s.abandon()
+    finally:
+        os.close(fd)
