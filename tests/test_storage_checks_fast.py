@@ -539,7 +539,7 @@ def test_a_stream_without_a_size_computes_every_hash_itself(tmp_path):
 
 
 def test_an_empty_write_at_a_spans_start_is_no_rewrite(tmp_path):
-    # s3transfer may hand the sink an empty chunk: no bytes rewritten, no second pass needed
+    # a zero-byte write rewrites nothing: no reason for finish() to hash the file again
     fd = os.open(tmp_path / "e.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
     try:
         s = checks.Stream(fd, Expected())
