@@ -550,3 +550,85 @@ def test_an_empty_write_at_a_spans_start_is_no_rewrite(tmp_path):
         s.abandon()
     finally:
         os.close(fd)
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Looks:
+    """A Condition stand-in for driving Stream._follow in this thread: each wait_for records
+    what the follower's wake-up rule says, lets it go on `passes` times, then stops it."""
+
+    def __init__(self, passes: int = 0) -> None:
+        self.said, self.passes = [], passes
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_for(self, predicate):
+        self.said.append(bool(predicate()))
+        if len(self.said) > self.passes:
+            raise _Stop
+        return True
+
+
+def _driven(tmp_path, monkeypatch, passes=0, spans=(), pos=0, written=0, synced=0,
+            **flags):
+    monkeypatch.setattr(checks, "_CHUNK", 256)
+    monkeypatch.setattr(checks, "_SYNC", 100)
+    fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        s = checks.Stream(fd, Expected(md5="x"))
+        s.abandon()  # its own follower stopped: _follow runs here, under _Looks
+        s._closed = False
+        s._cond, s._spans, s.hashes.pos = _Looks(passes), [list(x) for x in spans], pos
+        s._written, s._synced = written, synced
+        for name, value in flags.items():
+            setattr(s, name, value)
+        s._follow()
+        assert isinstance(s._error, _Stop)
+        return s
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("state, wakes", [
+    ({}, False),
+    ({"_overlap": True}, True),  # a rewrite: stop following now
+    ({"_closed": True}, True),
+    ({"spans": [(0, 300)], "pos": 256}, False),  # 44 bytes past what is hashed: not a chunk
+    ({"spans": [(0, 512)], "pos": 256}, True),  # exactly a chunk
+    ({"written": 60, "synced": 50}, False),  # 10 bytes since the last write-back
+    ({"written": 150, "synced": 50}, True),  # exactly _SYNC since it
+])
+def test_the_follower_wakes_for_a_whole_chunk_a_due_write_back_or_the_end(
+        tmp_path, monkeypatch, state, wakes):
+    assert _driven(tmp_path, monkeypatch, **state)._cond.said == [wakes]
+
+
+def test_the_follower_writes_back_when_due_and_counts_from_there(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(checks.os, "fdatasync", synced.append)
+    s = _driven(tmp_path, monkeypatch, passes=1, written=150, synced=50)
+    assert len(synced) == 1 and s._synced == 150
+    synced.clear()
+    s = _driven(tmp_path, monkeypatch, passes=1, written=60, synced=50)  # not due
+    assert synced == [] and s._synced == 50
+
+
+def test_md5_is_asked_for_as_a_non_security_use(monkeypatch):
+    # a FIPS-restricted OpenSSL refuses MD5 unless it is flagged usedforsecurity=False
+    real = hashlib.md5
+
+    def fips_md5(*args, usedforsecurity=True):
+        if usedforsecurity is not False:
+            raise ValueError("[digital envelope routines] unsupported")
+        return real(*args, usedforsecurity=False)
+
+    monkeypatch.setattr(checks.hashlib, "md5", fips_md5)
+    data = b"abc" * 10
+    assert _hashed(Expected(md5="x"), data).md5.hexdigest() == real(data).hexdigest()
