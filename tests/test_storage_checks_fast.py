@@ -473,3 +473,162 @@ def test_the_follower_writes_back_early_and_its_error_reaches_finish(tmp_path, m
             s.finish()
     finally:
         os.close(fd)
+
+
+# -- found by the mutants: the follower's reads, short writes, the default size ----------------
+
+def test_the_follower_is_a_daemon_so_an_abandoned_download_never_blocks_exit(tmp_path):
+    fd = os.open(tmp_path / "d.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        s = checks.Stream(fd, Expected())
+        assert s._thread.daemon is True
+        s.abandon()
+    finally:
+        os.close(fd)
+
+
+def test_read_hashes_the_prefix_exactly_up_to_its_end(tmp_path, monkeypatch):
+    monkeypatch.setattr(checks, "_CHUNK", 256)
+    data = random.Random(9).randbytes(1000)
+    fd = os.open(tmp_path / "r.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.pwrite(fd, data[:300], 0)
+        os.pwrite(fd, data[600:], 600)  # a hole at 300..600: not yet written
+        s = checks.Stream(fd, Expected(md5="x"))
+        s.abandon()  # the follower stopped: _read is driven here alone
+        buf = bytearray(256)
+        s._read(buf, 300)  # 256 bytes, then the 44 up to the prefix's end, none past it
+        assert s.hashes.pos == 300
+        assert s.hashes.md5.hexdigest() == hashlib.md5(data[:300]).hexdigest()
+        os.pwrite(fd, data[300:600], 300)
+        s._read(buf, 1000)
+        s._read(buf, 1001)  # one byte past the end of the file: stops there
+        assert s.hashes.pos == 1000
+        assert s.hashes.md5.hexdigest() == hashlib.md5(data).hexdigest()
+        t = checks.Stream(fd, Expected(md5="x"))
+        t.abandon()
+        t._read(buf, 257)  # a last read of one byte is hashed too
+        assert t.hashes.pos == 257
+        assert t.hashes.md5.hexdigest() == hashlib.md5(data[:257]).hexdigest()
+    finally:
+        os.close(fd)
+
+
+def test_the_sink_finishes_a_short_write_at_the_right_offset(tmp_path, monkeypatch):
+    real = os.pwrite
+    monkeypatch.setattr(checks.os, "pwrite", lambda fd, view, at: real(fd, view[:300], at))
+    data = random.Random(10).randbytes(1000)
+    want = Expected(md5=hashlib.md5(data).hexdigest(), crc=("crc32", crc32_b64(data)))
+    got = _stream(tmp_path, data, [(0, 1000)], want)
+    assert (tmp_path / "s.bin").read_bytes() == data
+    assert got.verdict()[1] == "size, full-object CRC32" and got.md5.hexdigest() == want.md5
+
+
+def test_a_stream_without_a_size_computes_every_hash_itself(tmp_path):
+    data = random.Random(11).randbytes(1000)
+    want = Expected(crc=("crc32", crc32_b64(data)))
+    fd = os.open(tmp_path / "n.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        s = checks.Stream(fd, want)
+        assert s._inline is None and s.hashes.crcs
+        s.sink.seek(0)
+        s.sink.write(data)
+        assert s.finish().verdict() == (f"crc32:{crc32_b64(data)}", "size, full-object CRC32")
+    finally:
+        os.close(fd)
+
+
+def test_an_empty_write_at_a_spans_start_is_no_rewrite(tmp_path):
+    # a zero-byte write rewrites nothing: no reason for finish() to hash the file again
+    fd = os.open(tmp_path / "e.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        s = checks.Stream(fd, Expected())
+        s.wrote(0, 5)
+        s.wrote(10, 20)
+        s.wrote(10, 10)
+        assert not s._overlap and s._spans == [[0, 5], [10, 20]]
+        s.abandon()
+    finally:
+        os.close(fd)
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Looks:
+    """A Condition stand-in for driving Stream._follow in this thread: each wait_for records
+    what the follower's wake-up rule says, lets it go on `passes` times, then stops it."""
+
+    def __init__(self, passes: int = 0) -> None:
+        self.said, self.passes = [], passes
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_for(self, predicate):
+        self.said.append(bool(predicate()))
+        if len(self.said) > self.passes:
+            raise _Stop
+        return True
+
+
+def _driven(tmp_path, monkeypatch, passes=0, spans=(), pos=0, written=0, synced=0,
+            **flags):
+    monkeypatch.setattr(checks, "_CHUNK", 256)
+    monkeypatch.setattr(checks, "_SYNC", 100)
+    fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        s = checks.Stream(fd, Expected(md5="x"))
+        s.abandon()  # its own follower stopped: _follow runs here, under _Looks
+        s._closed = False
+        s._cond, s._spans, s.hashes.pos = _Looks(passes), [list(x) for x in spans], pos
+        s._written, s._synced = written, synced
+        for name, value in flags.items():
+            setattr(s, name, value)
+        s._follow()
+        assert isinstance(s._error, _Stop)
+        return s
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("state, wakes", [
+    ({}, False),
+    ({"_overlap": True}, True),  # a rewrite: stop following now
+    ({"_closed": True}, True),
+    ({"spans": [(0, 300)], "pos": 256}, False),  # 44 bytes past what is hashed: not a chunk
+    ({"spans": [(0, 512)], "pos": 256}, True),  # exactly a chunk
+    ({"written": 60, "synced": 50}, False),  # 10 bytes since the last write-back
+    ({"written": 150, "synced": 50}, True),  # exactly _SYNC since it
+])
+def test_the_follower_wakes_for_a_whole_chunk_a_due_write_back_or_the_end(
+        tmp_path, monkeypatch, state, wakes):
+    assert _driven(tmp_path, monkeypatch, **state)._cond.said == [wakes]
+
+
+def test_the_follower_writes_back_when_due_and_counts_from_there(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(checks.os, "fdatasync", synced.append)
+    s = _driven(tmp_path, monkeypatch, passes=1, written=150, synced=50)
+    assert len(synced) == 1 and s._synced == 150
+    synced.clear()
+    s = _driven(tmp_path, monkeypatch, passes=1, written=60, synced=50)  # not due
+    assert synced == [] and s._synced == 50
+
+
+def test_md5_is_asked_for_as_a_non_security_use(monkeypatch):
+    # a FIPS-restricted OpenSSL refuses MD5 unless it is flagged usedforsecurity=False
+    real = hashlib.md5
+
+    def fips_md5(*args, usedforsecurity=True):
+        if usedforsecurity is not False:
+            raise ValueError("[digital envelope routines] unsupported")
+        return real(*args, usedforsecurity=False)
+
+    monkeypatch.setattr(checks.hashlib, "md5", fips_md5)
+    data = b"abc" * 10
+    assert _hashed(Expected(md5="x"), data).md5.hexdigest() == real(data).hexdigest()
