@@ -14,6 +14,7 @@ import pytest
 
 from diag import secrets
 from diag.config import ACCUM_MODELS, AccumConfig, LoaderConfig, StorageConfig, diag_home
+from diag.config.accum import check_divides
 
 
 def _raises(message: str, build: Any, **kwargs: Any) -> None:
@@ -129,10 +130,21 @@ def test_accum_micro_batches_are_checked_against_the_launchers_world(
             "size 3 x micro-batch 1 = 3; micro-batches that divide it at this world size: none "
             "(make AccumConfig.tokens_per_step a multiple of 384)", AccumConfig,
             micro_batches=[1])
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the smallest world that splits a step
+    _raises("AccumConfig.tokens_per_step=4096 (32 sequences of 128) is not divisible by world "
+            "size 2 x micro-batch 32 = 64; micro-batches that divide it at this world size: 1, "
+            "2, 4, 8, 16", AccumConfig, micro_batches=[32])
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process: every divisor of the step is allowed
     assert AccumConfig(micro_batches=[32]).micro_batches == [32]
     monkeypatch.setenv("WORLD_SIZE", "two")  # diag.distributed names it when the rank joins
     assert AccumConfig(micro_batches=[32]).micro_batches == [32]
+
+
+def test_check_divides_names_tokens_per_step_unless_told_another_field() -> None:
+    _raises("tokens_per_step=4096 (32 sequences of 128) is not divisible by world size 3 x "
+            "micro-batch 2 = 6; micro-batches that divide it at this world size: none (make "
+            "tokens_per_step a multiple of 384)", check_divides, tokens_per_step=4096,
+            seq_len=128, micro_batch=2, world_size=3)
 
 
 @pytest.mark.parametrize("overrides, flag", [
