@@ -172,15 +172,21 @@ def test_a_checkpointing_naive_step_pays_the_on_off_ratio_its_rows_measured():
         "micro_batch", "train"] == pytest.approx((2.0 - 1.0) * 8)
 
 
+def _checkpointing_at_both_micro_batches() -> Decision:
+    """Checkpointing measured on/off at the naive micro-batch 1 (4.0 / 2.0 s: ratio 2.0) and at
+    the plan's 4 (1.5 / 1.0 s: ratio 1.5), decided off."""
+    rows = [{"gradient_checkpointing": on, "seconds": s, "micro_batch": m}
+            for m, on, s in ((1, True, 4.0), (1, False, 2.0), (4, True, 1.5), (4, False, 1.0))]
+    return Decision.from_rows("gradient_checkpointing", False, "measured", rows,
+                              source="checkpointing", baseline=True, stage="compute",
+                              per="step", baseline_s=1.5, chosen_s=1.0)
+
+
 def test_the_naive_micro_batchs_own_ratio_lands_the_chain_on_the_sweeps_chosen_step():
     # on/off 2.0 at the naive micro-batch 1, 1.5 at the plan's 4: the naive step is 2.0 s x 2.0;
     # micro 1 -> 4 halves it, checkpointing off divides the naive ratio out: the sweep's 1.0 s
     naive, opt = _plans()
-    rows = [{"gradient_checkpointing": on, "seconds": s, "micro_batch": m}
-            for m, on, s in ((1, True, 4.0), (1, False, 2.0), (4, True, 1.5), (4, False, 1.0))]
-    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", rows,
-                              source="checkpointing", baseline=True, stage="compute",
-                              per="step", baseline_s=1.5, chosen_s=1.0)
+    ckpt = _checkpointing_at_both_micro_batches()
     decisions = tuple(ckpt if d.setting == "gradient_checkpointing" else d for d in opt.decisions)
     table = predict(naive, dataclasses.replace(opt, decisions=decisions),
                     Counts(steps=10, warmup_steps=2))
@@ -440,11 +446,7 @@ def test_the_pipelines_own_decision_prices_its_start_or_its_step():
 
 def test_the_checkpointing_fix_says_the_ratio_it_divides_out():
     naive, opt = _plans()
-    rows = [{"gradient_checkpointing": on, "seconds": s, "micro_batch": m}
-            for m, on, s in ((1, True, 4.0), (1, False, 2.0), (4, True, 1.5), (4, False, 1.0))]
-    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", rows,
-                              source="checkpointing", baseline=True, stage="compute",
-                              per="step", baseline_s=1.5, chosen_s=1.0)
+    ckpt = _checkpointing_at_both_micro_batches()
     table = predict(naive, _with(opt, gradient_checkpointing=ckpt), COUNTS)
     row = table.set_index(["setting", "stage"]).loc[("gradient_checkpointing", "train")]
     assert row["evidence"] == ("checkpointing: on/off 2 measured at the naive micro-batch 1 "
