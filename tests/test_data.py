@@ -64,27 +64,30 @@ def test_a_file_read_again_is_parsed_once_until_it_changes(tmp_path: Path, monke
     parsed = []
     real = module._read
     monkeypatch.setattr(module, "_read", lambda *a: parsed.append(a[0]) or real(*a))
-    first, problems = read_source(path, on_error="skip")
+    first, problems = read_source(path, on_error="skip", cached=True)
     first.append({"prompt": "", "response": "a caller's own list"})
     problems.loc[0, "problem"] = "a caller's own frame"
-    again, problems_again = read_source(path, on_error="skip")
+    again, problems_again = read_source(path, on_error="skip", cached=True)
     assert len(parsed) == 1 and len(again) == 2  # the cache kept neither change
     assert problems_again.loc[0, "problem"] == "invalid_json"
-    read_source(path, on_error="skip", limit=1)  # another question is another read
+    read_source(path, on_error="skip")  # uncached, as a timed job start reads: parsed again
+    assert len(parsed) == 2
+    parsed.pop()
+    read_source(path, on_error="skip", cached=True, limit=1)  # another question is another read
     assert len(parsed) == 2
     good = json.dumps({"instruction": "Say bye.", "input": "", "output": "bye"})
     path.write_text(good + "\n")  # a new size: read again
-    changed, problems = read_source(path, on_error="skip")
+    changed, problems = read_source(path, on_error="skip", cached=True)
     assert len(parsed) == 3 and len(changed) == 1 and problems.empty
     for limit in range(100, 100 + module._READ_KEEP + 2):  # bounded: the oldest go first
-        read_source(path, on_error="skip", limit=limit)
+        read_source(path, on_error="skip", cached=True, limit=limit)
     assert len(module._READ) == module._READ_KEEP
-    read_source(path, on_error="skip", limit=100)  # the oldest was dropped: read again
+    read_source(path, on_error="skip", cached=True, limit=100)  # the oldest was dropped: read again
     assert len(parsed) == 3 + module._READ_KEEP + 2 + 1
     monkeypatch.setattr(module, "_READ_MAX_BYTES", path.stat().st_size - 1)
     module._READ.clear()
-    read_source(path, on_error="skip")
-    read_source(path, on_error="skip")  # above the size kept: read each time, never held
+    read_source(path, on_error="skip", cached=True)
+    read_source(path, on_error="skip", cached=True)  # above the size kept: read each time
     assert len(parsed) == 3 + module._READ_KEEP + 2 + 1 + 2 and not module._READ
 
 

@@ -61,7 +61,7 @@ def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
 
         stall_step = EmulatedStep(float(sweep["step_s"].median()))
     stalls = stall_split(cfg, cfg.workers[0], stall_step)
-    records, _ = read_source(data, on_error=cfg.on_error)
+    records, _ = read_source(data, on_error=cfg.on_error, cached=True)
     naive = NaiveTextDataset(records[: cfg.profile_samples], tokenizer_dir, cfg.seq_len)
     lines = profile_lines(naive.__getitem__, range(len(naive)))
     on = measured_on or MeasuredOn(seq_len=cfg.seq_len, step=step[2],

@@ -212,7 +212,7 @@ def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
     from diag.data import NaiveTextDataset, PackedDataset, build_token_cache, read_source
 
     if pipeline == "naive":
-        records, problems = read_source(data, on_error=cfg.on_error)
+        records, problems = read_source(data, on_error=cfg.on_error, cached=True)
         dataset: Dataset = NaiveTextDataset(records, tokenizer_dir, cfg.seq_len)
         facts = {"records": len(records), "bad_rows": len(problems)}
     else:
