@@ -24,6 +24,7 @@ from typing import Any
 
 from diag import config
 from diag.secrets import redact, redact_frame
+from diag.shutdown import exit_now
 
 
 @dataclass(frozen=True)
@@ -356,4 +357,4 @@ def _show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.N
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -190,3 +190,29 @@ def test_a_password_in_a_url_never_reaches_the_error_line(capsys):
     assert main(["toy", "--device", "http://admin:pa55word-xyz@10.0.0.1:9000"]) == 2
     err = capsys.readouterr().err
     assert "pa55word-xyz" not in err and "http://***@10.0.0.1:9000" in err
+
+
+def test_a_finished_run_exits_without_teardown_but_with_everything_a_normal_exit_does(tmp_path):
+    import os
+
+    # exit_now skips the interpreter's teardown; what a normal exit still does must happen:
+    # a thread that is not a daemon finishes, atexit handlers run, Python's and C's buffered
+    # output reach a pipe, and the exit code is kept
+    script = (
+        "import atexit, ctypes, threading, time\n"
+        "from diag.shutdown import exit_now\n"
+        "def late():\n"
+        "    time.sleep(0.3)\n"
+        "    print('thread', flush=True)\n"
+        "threading.Thread(target=late).start()\n"
+        "atexit.register(lambda: print('atexit'))\n"
+        "ctypes.CDLL(None).printf(b'c-buffer\\n')\n"
+        "print('python-buffer')\n"
+        "exit_now(3)\n")
+    # buffered, as a CLI's output to a pipe is (PYTHONUNBUFFERED would unbuffer C's stdout too)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 3, out.stderr
+    assert sorted(out.stdout.split()) == ["atexit", "c-buffer", "python-buffer", "thread"]
+    assert out.stdout.index("thread") < out.stdout.index("atexit")  # joined before the handlers

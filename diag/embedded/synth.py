@@ -158,10 +158,11 @@ def synthetic_dataset(
     try:
         # a large buffer: this is the hot loop when making a multi-GB file
         with open(tmp, "w", encoding="utf-8", buffering=4 << 20) as f:
+            encode = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps's output, once
             for rec in synthetic_records(records, seed):
-                line = json.dumps(rec, ensure_ascii=False) + "\n"
+                line = encode(rec) + "\n"
                 f.write(line)
-                written += len(line.encode("utf-8"))
+                written += len(line) if line.isascii() else len(line.encode("utf-8"))
                 if limit is not None and written >= limit:
                     break
             f.flush()
