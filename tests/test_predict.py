@@ -453,6 +453,21 @@ def test_the_checkpointing_fix_says_the_ratio_it_divides_out():
                                "(measured); the step 2 s -> 1 s; x 8 steps")
 
 
+def test_a_ratio_measured_at_other_micro_batches_says_so():
+    # no row at the naive micro-batch 1: the ratio falls back to all rows (medians 1.5 / 1.0)
+    naive, opt = _plans()
+    rows = [{"gradient_checkpointing": on, "seconds": s, "micro_batch": m}
+            for m, on, s in ((2, True, 2.0), (2, False, 1.0), (4, True, 1.5), (4, False, 1.0))]
+    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", rows,
+                              source="checkpointing", baseline=True, stage="compute",
+                              per="step", baseline_s=1.5, chosen_s=1.0)
+    table = predict(naive, _with(opt, gradient_checkpointing=ckpt), COUNTS)
+    row = table.set_index(["setting", "stage"]).loc[("gradient_checkpointing", "train")]
+    assert row["evidence"].startswith(
+        "checkpointing: on/off 1.75 measured over all its rows (none at the naive micro-batch "
+        "1) (measured); the step ")
+
+
 def test_a_fix_no_decision_prices_is_listed_in_its_stage_and_no_fix_is_an_empty_table():
     naive, opt = _plans()
     bare = dataclasses.replace(opt, pin_memory=not naive.pin_memory, decisions=tuple(

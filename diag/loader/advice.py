@@ -125,12 +125,12 @@ def advice(sweep: pd.DataFrame, recommendation: pd.DataFrame, run_steps: int = 1
             rows.append({"stage": "data_wait", "finding": finding, "seconds_saved": saved,
                          "evidence": evidence})
     if {"naive", "packed"} <= set(waits) and not waits["naive"].empty and not waits["packed"].empty:
-        rows += _packing(sweep, waits, recommendation, run_steps, target_share)
+        rows += _packing(sweep, waits, run_steps, target_share)
     return pd.DataFrame(rows, columns=ADVICE_COLUMNS)
 
 
-def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], recommendation: pd.DataFrame,
-             run_steps: int, target_share: float) -> list[dict[str, Any]]:
+def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], run_steps: int,
+             target_share: float) -> list[dict[str, Any]]:
     """Tokenize once and pack: what the naive loop's wait and padding cost, where measured."""
     naive, packed = waits["naive"], waits["packed"]
     common = [w for w in naive.index if w in packed.index]
@@ -187,8 +187,7 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
     choose_workers within it. A setting the sweep never varied is a labelled default (the
     value it ran with is no evidence for it); a sweep where every point failed gives defaults.
     """
-    ok = (sweep[sweep["error"].fillna("") == ""] if sweep is not None and not sweep.empty
-          and "error" in sweep.columns else sweep)
+    ok = _good(sweep) if sweep is not None else None
     if ok is None or ok.empty:
         why = ("loader frame absent" if sweep is None or sweep.empty
                else "every loader sweep point failed: " + str(sweep["error"].iloc[0]))

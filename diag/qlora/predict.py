@@ -104,8 +104,9 @@ def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
     # it): a naive step that checkpoints pays the on/off ratio measured on the job at the naive
     # micro-batch, and turning it off divides it out again, so the chain ends exactly at the
     # sweep's chosen point whatever order the fixes are taken in
-    ratio = (_checkpointing_ratio(decided.get("gradient_checkpointing"), naive.micro_batch)
-             if a.get("gradient_checkpointing") else None)
+    ratio, measured_at = (_checkpointing_ratio(decided.get("gradient_checkpointing"),
+                                               naive.micro_batch)
+                          if a.get("gradient_checkpointing") else (None, ""))
     if step is not None and ratio:
         step *= ratio
     for setting in COMPUTE_ORDER:
@@ -118,8 +119,8 @@ def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
             continue
         if setting == "gradient_checkpointing" and ratio:
             new = step / ratio
-            why = (f"{d.source}: on/off {ratio:.3g} measured at the naive micro-batch "
-                   f"{naive.micro_batch} ({d.basis}); the step {step:.3g} s -> {new:.3g} s")
+            why = (f"{d.source}: on/off {ratio:.3g} measured {measured_at} ({d.basis}); "
+                   f"the step {step:.3g} s -> {new:.3g} s")
         else:
             new = step * got[1] / got[0]
             why = (f"{d.source}: {got[1]:.3g} s / {got[0]:.3g} s per step measured "
@@ -177,12 +178,15 @@ def _slots_scale(d: Any, naive: Plan, counts: Counts) -> float:
     return slots / counts.steps / float(measured[0])
 
 
-def _checkpointing_ratio(d: Any, micro_batch: int) -> float | None:
-    """Step seconds with checkpointing on over off: the medians of the decision's rows at
-    micro_batch, else of all its rows (its chosen_s is the on figure when it keeps it on)."""
+def _checkpointing_ratio(d: Any, micro_batch: int) -> tuple[float | None, str]:
+    """Step seconds with checkpointing on over off, and where they were measured: the medians of
+    the decision's rows at micro_batch, else of all its rows (its chosen_s is the on figure
+    when it keeps it on)."""
     if d is None:
-        return None
+        return None, ""
     at = [r for r in d.rows if _number(r.get("micro_batch")) == micro_batch]
+    where = (f"at the naive micro-batch {micro_batch}" if at else
+             f"over all its rows (none at the naive micro-batch {micro_batch})")
     by: dict[bool, list[float]] = {True: [], False: []}
     for r in at or d.rows:
         flag = str(r.get("gradient_checkpointing")).strip().lower() in ("true", "1", "1.0")
@@ -190,9 +194,9 @@ def _checkpointing_ratio(d: Any, micro_batch: int) -> float | None:
         if seconds is not None and math.isfinite(float(seconds)):
             by[flag].append(float(seconds))
     if not (by[True] and by[False]):
-        return None
+        return None, where
     on, off = statistics.median(by[True]), statistics.median(by[False])
-    return on / off if off > 0 else None
+    return (on / off if off > 0 else None), where
 
 
 def _number(value: Any) -> float | None:
