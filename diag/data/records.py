@@ -147,11 +147,11 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
     # whose size or mtime changed is read again. The records are shared: never mutated in diag.
     # Files above _READ_MAX_BYTES together are not kept (a big dataset is read each time rather
     # than held in memory after its reader is done with it)
+    if not cached:
+        return _read(path, files, fields, on_error, limit)
     stats = [f.stat() for f in files]
     key = (tuple((str(f), st.st_size, st.st_mtime_ns) for f, st in zip(files, stats)),
            tuple(sorted(fields.items())), on_error, limit)
-    if not cached:
-        return _read(path, files, fields, on_error, limit)
     if key in _READ:
         records, problems = _READ[key]
         return list(records), problems.copy()
