@@ -312,6 +312,14 @@ def test_the_writers_crcs_make_the_whole_files_and_each_parts():
 
 # -- the stream: positioned writes, out of order, rewritten ------------------------------------
 
+@pytest.fixture
+def fd(tmp_path):
+    """A file open for reading and writing, as land() opens its partial file; closed after."""
+    fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    yield fd
+    os.close(fd)
+
+
 def _stream(tmp_path, data: bytes, writes, want: Expected, inline: bool = True):
     fd = os.open(tmp_path / "s.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
     stream = checks.Stream(fd, want, len(data) if inline else 0)
@@ -377,55 +385,47 @@ def test_parts_written_up_to_and_across_their_bounds_are_not_read_back(tmp_path,
     assert reads == [] and got.pos == len(data)
 
 
-def test_a_gap_left_by_the_writer_is_hashed_from_the_file(tmp_path):
+def test_a_gap_left_by_the_writer_is_hashed_from_the_file(fd):
     data = bytes(range(200)) * 5
     want = Expected(crc=("crc32", crc32_b64(data)))
-    fd = os.open(tmp_path / "g.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-    try:
-        os.pwrite(fd, data[:100], 0)  # written outside the sink: the runs do not tile
-        stream = checks.Stream(fd, want, len(data))
-        stream.sink.seek(100)
-        stream.sink.write(data[100:])
-        assert stream.finish().verdict()[1] == "size, full-object CRC32"
-    finally:
-        os.close(fd)
+    os.pwrite(fd, data[:100], 0)  # written outside the sink: the runs do not tile
+    stream = checks.Stream(fd, want, len(data))
+    stream.sink.seek(100)
+    stream.sink.write(data[100:])
+    assert stream.finish().verdict()[1] == "size, full-object CRC32"
 
 
-def test_spans_merge_and_a_rewrite_is_noticed(tmp_path):
-    fd = os.open(tmp_path / "w.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-    try:
-        s = checks.Stream(fd, Expected())
-        for start, end in ((10, 20), (30, 40), (0, 5)):
-            s.wrote(start, end)
-        assert s._spans == [[0, 5], [10, 20], [30, 40]] and s._prefix() == 5
-        s.wrote(5, 10)  # touching on both sides: one span, no overlap
-        assert s._spans == [[0, 20], [30, 40]] and not s._overlap and s._prefix() == 20
-        s.wrote(20, 30)
-        assert s._spans == [[0, 40]] and not s._overlap and s._written == 40
-        s.wrote(50, 60)
-        s.wrote(45, 50)
-        assert s._spans == [[0, 40], [45, 60]] and not s._overlap
-        s.wrote(35, 41)  # over the end of a span
-        assert s._overlap and s._spans == [[0, 41], [45, 60]]
-        s.abandon()
-        t = checks.Stream(fd, Expected())
-        t.wrote(10, 20)
-        t.wrote(5, 11)  # over the start of the next span
-        assert t._overlap and t._spans == [[5, 20]] and t._prefix() == 0
-        t.wrote(0, 30)  # over everything
-        assert t._spans == [[0, 30]]
-        t.abandon()
-        idle = checks.Stream(fd, Expected())
-        idle.abandon()  # nothing written, nothing overlapping: the follower still stops
-        assert not idle._thread.is_alive()
-        u = checks.Stream(fd, Expected())
-        u.wrote(0, 10)
-        u.wrote(20, 30)
-        u.wrote(12, 40)
-        assert u._overlap and u._spans == [[0, 10], [12, 40]]
-        u.abandon()
-    finally:
-        os.close(fd)
+def test_spans_merge_and_a_rewrite_is_noticed(fd):
+    s = checks.Stream(fd, Expected())
+    for start, end in ((10, 20), (30, 40), (0, 5)):
+        s.wrote(start, end)
+    assert s._spans == [[0, 5], [10, 20], [30, 40]] and s._prefix() == 5
+    s.wrote(5, 10)  # touching on both sides: one span, no overlap
+    assert s._spans == [[0, 20], [30, 40]] and not s._overlap and s._prefix() == 20
+    s.wrote(20, 30)
+    assert s._spans == [[0, 40]] and not s._overlap and s._written == 40
+    s.wrote(50, 60)
+    s.wrote(45, 50)
+    assert s._spans == [[0, 40], [45, 60]] and not s._overlap
+    s.wrote(35, 41)  # over the end of a span
+    assert s._overlap and s._spans == [[0, 41], [45, 60]]
+    s.abandon()
+    t = checks.Stream(fd, Expected())
+    t.wrote(10, 20)
+    t.wrote(5, 11)  # over the start of the next span
+    assert t._overlap and t._spans == [[5, 20]] and t._prefix() == 0
+    t.wrote(0, 30)  # over everything
+    assert t._spans == [[0, 30]]
+    t.abandon()
+    idle = checks.Stream(fd, Expected())
+    idle.abandon()  # nothing written, nothing overlapping: the follower still stops
+    assert not idle._thread.is_alive()
+    u = checks.Stream(fd, Expected())
+    u.wrote(0, 10)
+    u.wrote(20, 30)
+    u.wrote(12, 40)
+    assert u._overlap and u._spans == [[0, 10], [12, 40]]
+    u.abandon()
 
 
 def test_the_follower_writes_back_early_and_its_error_reaches_finish(tmp_path, monkeypatch):
@@ -477,41 +477,33 @@ def test_the_follower_writes_back_early_and_its_error_reaches_finish(tmp_path, m
 
 # -- found by the mutants: the follower's reads, short writes, the default size ----------------
 
-def test_the_follower_is_a_daemon_so_an_abandoned_download_never_blocks_exit(tmp_path):
-    fd = os.open(tmp_path / "d.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-    try:
-        s = checks.Stream(fd, Expected())
-        assert s._thread.daemon is True
-        s.abandon()
-    finally:
-        os.close(fd)
+def test_the_follower_is_a_daemon_so_an_abandoned_download_never_blocks_exit(fd):
+    s = checks.Stream(fd, Expected())
+    assert s._thread.daemon is True
+    s.abandon()
 
 
-def test_read_hashes_the_prefix_exactly_up_to_its_end(tmp_path, monkeypatch):
+def test_read_hashes_the_prefix_exactly_up_to_its_end(fd, monkeypatch):
     monkeypatch.setattr(checks, "_CHUNK", 256)
     data = random.Random(9).randbytes(1000)
-    fd = os.open(tmp_path / "r.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-    try:
-        os.pwrite(fd, data[:300], 0)
-        os.pwrite(fd, data[600:], 600)  # a hole at 300..600: not yet written
-        s = checks.Stream(fd, Expected(md5="x"))
-        s.abandon()  # the follower stopped: _read is driven here alone
-        buf = bytearray(256)
-        s._read(buf, 300)  # 256 bytes, then the 44 up to the prefix's end, none past it
-        assert s.hashes.pos == 300
-        assert s.hashes.md5.hexdigest() == hashlib.md5(data[:300]).hexdigest()
-        os.pwrite(fd, data[300:600], 300)
-        s._read(buf, 1000)
-        s._read(buf, 1001)  # one byte past the end of the file: stops there
-        assert s.hashes.pos == 1000
-        assert s.hashes.md5.hexdigest() == hashlib.md5(data).hexdigest()
-        t = checks.Stream(fd, Expected(md5="x"))
-        t.abandon()
-        t._read(buf, 257)  # a last read of one byte is hashed too
-        assert t.hashes.pos == 257
-        assert t.hashes.md5.hexdigest() == hashlib.md5(data[:257]).hexdigest()
-    finally:
-        os.close(fd)
+    os.pwrite(fd, data[:300], 0)
+    os.pwrite(fd, data[600:], 600)  # a hole at 300..600: not yet written
+    s = checks.Stream(fd, Expected(md5="x"))
+    s.abandon()  # the follower stopped: _read is driven here alone
+    buf = bytearray(256)
+    s._read(buf, 300)  # 256 bytes, then the 44 up to the prefix's end, none past it
+    assert s.hashes.pos == 300
+    assert s.hashes.md5.hexdigest() == hashlib.md5(data[:300]).hexdigest()
+    os.pwrite(fd, data[300:600], 300)
+    s._read(buf, 1000)
+    s._read(buf, 1001)  # one byte past the end of the file: stops there
+    assert s.hashes.pos == 1000
+    assert s.hashes.md5.hexdigest() == hashlib.md5(data).hexdigest()
+    t = checks.Stream(fd, Expected(md5="x"))
+    t.abandon()
+    t._read(buf, 257)  # a last read of one byte is hashed too
+    assert t.hashes.pos == 257
+    assert t.hashes.md5.hexdigest() == hashlib.md5(data[:257]).hexdigest()
 
 
 def test_the_sink_finishes_a_short_write_at_the_right_offset(tmp_path, monkeypatch):
@@ -524,32 +516,24 @@ def test_the_sink_finishes_a_short_write_at_the_right_offset(tmp_path, monkeypat
     assert got.verdict()[1] == "size, full-object CRC32" and got.md5.hexdigest() == want.md5
 
 
-def test_a_stream_without_a_size_computes_every_hash_itself(tmp_path):
+def test_a_stream_without_a_size_computes_every_hash_itself(fd):
     data = random.Random(11).randbytes(1000)
     want = Expected(crc=("crc32", crc32_b64(data)))
-    fd = os.open(tmp_path / "n.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-    try:
-        s = checks.Stream(fd, want)
-        assert s._inline is None and s.hashes.crcs
-        s.sink.seek(0)
-        s.sink.write(data)
-        assert s.finish().verdict() == (f"crc32:{crc32_b64(data)}", "size, full-object CRC32")
-    finally:
-        os.close(fd)
+    s = checks.Stream(fd, want)
+    assert s._inline is None and s.hashes.crcs
+    s.sink.seek(0)
+    s.sink.write(data)
+    assert s.finish().verdict() == (f"crc32:{crc32_b64(data)}", "size, full-object CRC32")
 
 
-def test_an_empty_write_at_a_spans_start_is_no_rewrite(tmp_path):
+def test_an_empty_write_at_a_spans_start_is_no_rewrite(fd):
     # a zero-byte write rewrites nothing: no reason for finish() to hash the file again
-    fd = os.open(tmp_path / "e.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-    try:
-        s = checks.Stream(fd, Expected())
-        s.wrote(0, 5)
-        s.wrote(10, 20)
-        s.wrote(10, 10)
-        assert not s._overlap and s._spans == [[0, 5], [10, 20]]
-        s.abandon()
-    finally:
-        os.close(fd)
+    s = checks.Stream(fd, Expected())
+    s.wrote(0, 5)
+    s.wrote(10, 20)
+    s.wrote(10, 10)
+    assert not s._overlap and s._spans == [[0, 5], [10, 20]]
+    s.abandon()
 
 
 class _Stop(Exception):
