@@ -17,8 +17,13 @@ def exit_now(code: int) -> typing.NoReturn:
     SIGTERM's SystemExit) never gets here and exits the usual way."""
     import atexit
     import ctypes
+    import signal
     import threading
 
+    if threading.current_thread() is threading.main_thread():
+        # the run is over and its code chosen: a SIGTERM now (a launcher stopping the ranks
+        # that are left) must not raise SystemExit inside an atexit handler as a traceback
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize does first
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
