@@ -46,10 +46,10 @@ bench: $(STAMP)
 
 # Mutation testing (mutmut, config in pyproject.toml [tool.mutmut]): slow, so not in make test or
 # CI. Of landing, only its hit check of a landed file (_local_ok) is mutated.
-MUTANTS ?= diag.amdahl.* diag.secrets.* diag.timing.* diag.gpus.* diag.config.* \
+MUTANTS ?= diag.amdahl.* diag.secrets.* diag.timing.timer.* diag.machine.gpus.* diag.config.* \
 	diag.storage.landing.x__local_ok__* \
 	diag.decision.* diag.qlora.plans.* diag.loader.advice.* diag.accum.mfu.* diag.qlora.mfu.* \
-	diag.storage.checks.* diag.storage.crc.* diag.qlora.callback.* diag.qlora.predict.*
+	diag.storage.checks.* diag.storage.crc.* diag.timing.callback.* diag.qlora.predict.*
 mutate: $(STAMP)
 	@test -x $(VENV)/bin/mutmut || \
 	  $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[mutate]'

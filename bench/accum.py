@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diag.accum import run_accum  # noqa: E402
 from diag.config import AccumConfig  # noqa: E402
 from diag.data import BatchLoader, ensure_tokens  # noqa: E402
-from diag.device import resolve, sync  # noqa: E402
+from diag.machine.device import resolve, sync  # noqa: E402
 
 BATCH, BLOCK = 16, 1024  # the seed's micro-batch: 16 x 1024 tokens
 BATCHES = 200  # per round and loader; enough that a round takes ~0.1-1 s

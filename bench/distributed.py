@@ -10,8 +10,8 @@ side-by-side figure swings +-5% (two untimed copies read 0.97-1.03), wider than 
 goal line uses the direct figure, as bench/timer_overhead.py does: diag's bookkeeping per step
 (empty timed steps minus a bare loop, minimum over repeats) plus what the hook adds to a backward
 (fastest backward with it minus without), over the untimed step's median.
-Straggler: rank 1's loader sleeps DELAY_MS more per batch; diag.stragglers must name rank 1 and
-the other rank's comm_wait must recover the delay within 20%. Last lines:
+Straggler: rank 1's loader sleeps DELAY_MS more per batch; diag.timing.stragglers must name rank 1
+and the other rank's comm_wait must recover the delay within 20%. Last lines:
 `distributed_overhead: <ratio> (goal <= 1.02)` and `straggler_recovered: <ratio> (goal 0.8-1.2)`.
 """
 
@@ -121,8 +121,8 @@ def worker() -> None:
     import torch
     import torch.distributed as dist
 
-    from diag import stragglers
-    from diag.distributed import init_group
+    from diag.timing import stragglers
+    from diag.timing.distributed import init_group
     from diag.timing import StageTimer
 
     seat = init_group("cpu")

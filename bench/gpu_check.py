@@ -4,8 +4,9 @@ Prepared for a lent GPU (CI does not run it; on a CPU it says so and exits 0). A
 random weights is made locally (default the "small" shape, ~100M parameters; --hidden 2048
 --layers 22 --heads 32 --intermediate 5632 for TinyLlama's 1.1B shape) and served by the
 embedded hub; the dataset by the embedded S3. The QLoRA MFU is diag.qlora.mfu's: 6N + 12·L·d·T
-per trained token (8N + 16·L·d·T with activation checkpointing) against diag.device's dense bf16
-peak, cross-checked by FlopCounterMode on one step (executed FLOPs: no frozen weight gradients;
+per trained token (8N + 16·L·d·T with activation checkpointing) against
+diag.machine.device's dense bf16 peak, cross-checked by FlopCounterMode on one step (executed
+FLOPs: no frozen weight gradients;
 a gap over MFU_DISAGREEMENT flagged and explained). `qlora_vs_trl`: trained tokens/s of the
 optimized start against TRL's SFTTrainer(packing=True) on the same model, records and steps.
 Runs in under 5 minutes on an H100/H200 at the defaults.
@@ -82,7 +83,7 @@ def main() -> int:
         return 0
     from diag.amdahl import shares
     from diag.config import QLoraConfig
-    from diag.device import peak_flops
+    from diag.machine.device import peak_flops
     from diag.qlora import Plan
     from diag.qlora.job import prime, run_plan
 

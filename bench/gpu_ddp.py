@@ -26,12 +26,12 @@ sys.path.insert(0, str(ROOT))
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from diag import stragglers
+    from diag.timing import stragglers
     from diag.accum.mfu import loss_of
     from diag.accum.sweep import _autocast, build_model
     from diag.config import AccumConfig
     from diag.data import BatchLoader, ensure_tokens
-    from diag.distributed import gathered_frame, init_group, root_first
+    from diag.timing.distributed import gathered_frame, init_group, root_first
     from diag.timing import StageTimer
 
     seat = init_group(args.device)

@@ -34,7 +34,7 @@ import transformers  # noqa: F401  # imported before the clock, as a job's start
 
 from diag.config import QLoraConfig
 from diag.qlora import Plan, run_qlora
-from diag.qlora import callback as callback_module
+from diag.timing import callback as callback_module
 from diag.qlora.job import Sources, run_plan
 from diag.qlora.measure import plan_from_job
 
@@ -141,7 +141,7 @@ def trl_tokens_per_s(cfg: QLoraConfig, optimized: Plan, model_dir=None, dataset=
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from diag.device import resolve
+    from diag.machine.device import resolve
     from diag.embedded import ensure_assets
     from diag.data import format_prompt, read_source
     from diag.qlora.data import check_records
@@ -290,7 +290,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from diag.device import cpu_threads
+    from diag.machine.device import cpu_threads
 
     with cpu_threads():  # as every diag run_*: on a CPU, DIAG_CPU_THREADS (default 1)
         main()

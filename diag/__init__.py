@@ -18,7 +18,7 @@ def __getattr__(name: str) -> Any:
     # diag.TimingCallback: a transformers TrainerCallback, so transformers is imported only
     # when it is asked for and `import diag` stays fast
     if name == "TimingCallback":
-        from diag.qlora.callback import TimingCallback
+        from diag.timing.callback import TimingCallback
 
         return TimingCallback
     raise AttributeError(f"module 'diag' has no attribute {name!r}")

@@ -37,7 +37,7 @@ FIXES = {
     "checkpoint": "checkpoint less often or asynchronously, to local disk first",
     "eval": "evaluate less often or on a smaller split",
     "comm_wait": "ranks wait at the gradient all-reduce for a late rank: fix the straggler's "
-                 "stage (diag.stragglers), or overlap more of it (DDP bucket_cap_mb)",
+                 "stage (diag.timing.stragglers), or overlap more of it (DDP bucket_cap_mb)",
     "other": "look at per-step overhead outside data, copy and compute (logging, syncs)",
     "compute": "a faster GPU, or a higher MFU (larger micro-batch, fused kernels, bf16)",
 }
@@ -159,8 +159,9 @@ def project(frame: pd.DataFrame, speedup: Mapping[str, float],
 
 
 def compute_ratio(from_device: str, to_device: str, dtype: str = "bf16") -> float:
-    """Ratio of the two GPUs' dense peaks from diag.device's table; unknown GPUs are an error."""
-    from diag.gpus import GPUS, dense_peak_flops, find_gpu
+    """Ratio of the two GPUs' dense peaks from diag.machine.gpus' table; unknown GPUs are an
+    error."""
+    from diag.machine.gpus import GPUS, dense_peak_flops, find_gpu
 
     peaks = {}
     for name in (from_device, to_device):
@@ -213,20 +214,18 @@ def infer_compute_share(t_before: float, t_after: float,
 
 
 def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
-             total_steps: int | None = None, min_share: float = 0.01,
-             extra: pd.DataFrame | None = None) -> pd.DataFrame:
+             total_steps: int | None = None, min_share: float = 0.01) -> pd.DataFrame:
     """Fixes ranked by seconds saved, each resting on measured rows (no finding without a number).
 
     Stage findings assume the stage removed (its seconds saved, an upper bound) except compute,
     which is never removed; stages under min_share of their run are left out as noise (data_wait
     has its own thresholds). `advice` adds findings other experiments measured (columns `stage`,
     `finding`, `seconds_saved`, `evidence`: every experiment's `.advice`), e.g. the storage tax
-    or a cached model load; `extra` is its former name.
+    or a cached model load.
     """
-    extra = advice if advice is not None else extra
     table = shares(frame, total_steps)
     runs = list(dict.fromkeys(table["run"]))
-    extra = extra if extra is not None else pd.DataFrame(columns=["stage"])
+    extra = advice if advice is not None else pd.DataFrame(columns=["stage"])
     if "run" not in extra.columns:
         extra = extra.assign(run=runs[0])  # what the experiments measured is about the first run
     # A stage an experiment measured a specific fix for gets that fix, not the generic one.

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from diag import report
 from diag.config import DiagnoseConfig, InfoConfig, QLoraConfig, ToyConfig
-from diag.device import on_cpu_threads
+from diag.machine.device import on_cpu_threads
 from diag.timing import STAGE_FRAME, StageTimer, is_stage_frame, median_seconds
 
 RUNS = ("naive", "optimized")
@@ -62,7 +62,7 @@ def job_config(cfg: DiagnoseConfig) -> QLoraConfig:
 
 
 def _info(cfg: DiagnoseConfig, got: Products) -> pd.DataFrame:
-    from diag.device import run_info
+    from diag.machine.device import run_info
 
     return run_info(InfoConfig.default(quick=_quick(cfg)))
 
@@ -152,7 +152,7 @@ def _qlora(cfg: DiagnoseConfig, got: Products) -> Any:
 # -- the toy loop (qlora=False) -------------------------------------------------------------------
 def _loader_toy(cfg: DiagnoseConfig, got: Products) -> Any:
     from diag.config import LoaderConfig
-    from diag.device import resolve
+    from diag.machine.device import resolve
     from diag.loader import run_loader
 
     # On a CPU box the question is whether this loader would keep up with the GPU being
@@ -174,7 +174,7 @@ def _loader_toy(cfg: DiagnoseConfig, got: Products) -> Any:
 def _accum_toy(cfg: DiagnoseConfig, got: Products) -> Any:
     from diag.accum import run_accum
     from diag.config import AccumConfig
-    from diag.device import resolve
+    from diag.machine.device import resolve
 
     cuda = resolve(cfg.device).type == "cuda"
     preset = {} if cfg.quick_experiments else AccumConfig.GPU if cuda else AccumConfig.CPU
@@ -198,7 +198,7 @@ def _accum_advice(cfg: DiagnoseConfig, got: Products) -> pd.DataFrame:
 
 
 def _on_cpu(cfg: DiagnoseConfig) -> bool:
-    from diag.device import resolve
+    from diag.machine.device import resolve
 
     return resolve(cfg.device).type == "cpu"
 
@@ -255,7 +255,7 @@ def training_runs(cfg: DiagnoseConfig, run_level: dict[str, dict[str, float]] | 
                   ) -> pd.DataFrame:
     """The naive and the optimized toy run in one frame (`run` column); run_level seconds are
     recorded on each run's timer before its steps."""
-    from diag.device import resolve
+    from diag.machine.device import resolve
     from diag.toy import run_toy
 
     device = resolve(cfg.device)

@@ -309,7 +309,7 @@ def plot_loader(frame: pd.DataFrame, target_share: float = DATA_WAIT_GOAL) -> Fi
 
 def plot_ranks(per_rank: pd.DataFrame, title: str = "Per rank: where a step's time goes") -> Figure:
     """One stacked bar per rank (per run): seconds per step in data_wait, h2d, compute,
-    comm_wait, other, from diag.stragglers.per_rank(); the straggler is the longest bar
+    comm_wait, other, from diag.timing.stragglers.per_rank(); the straggler is the longest bar
     without comm_wait, the ranks that wait for it carry it as comm_wait."""
     if per_rank.empty:
         raise ValueError("per_rank is empty: nothing to plot")

@@ -21,7 +21,8 @@ from typing import Any
 
 import pandas as pd
 
-from diag import amdahl, plots, stragglers
+from diag import amdahl, plots
+from diag.timing import stragglers
 from diag.secrets import redact, redact_frame
 from diag.timing import STAGE_FRAME  # the key of the StageTimer frames the shares come from
 
@@ -30,8 +31,7 @@ _PACKAGES = ("diag", "torch", "transformers", "peft", "bitsandbytes", "huggingfa
 # Figures other experiments contribute: plots.<function>(frame) -> Figure, when it exists.
 EXPERIMENT_FIGURES = {"storage": "plot_storage", "model_load": "plot_model_load",
                       "accum": "plot_accum",
-                      "loader": "plot_loader",  # diag loader
-                      "workers": "plot_loader"}  # old runs
+                      "loader": "plot_loader"}
 
 
 def versions() -> dict[str, str]:
@@ -206,7 +206,7 @@ def figures(frames: dict[str, pd.DataFrame],
 def gpu_marks(summary: dict[str, Any]) -> dict[str, float] | None:
     """Amdahl-curve marks: the current GPU (config, else detected) at 1x, the target at its
     dense-peak ratio; None when either is not in diag's table (e.g. a CPU-only machine)."""
-    from diag.gpus import find_gpu
+    from diag.machine.gpus import find_gpu
 
     config, device = summary.get("config", {}), summary.get("device", {})
     current = config.get("current_gpu") or str(device.get("accelerator", ""))

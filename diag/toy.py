@@ -5,9 +5,9 @@ step is split into `data_wait` (the loop blocked on the next batch, which carrie
 host preprocessing), `h2d` (host-to-device copy), `compute` (forward + backward + optimizer
 step). With `num_workers=0` the preprocessing sits in the loop; with workers it overlaps compute.
 The result is the StageTimer frame, read by the same share tables and charts as a real run; its
-data_wait rows also carry the GPU utilisation sampled over `train` (diag.gpu_util). Under
+data_wait rows also carry the GPU utilisation sampled over `train` (diag.machine.gpu_util). Under
 `torchrun --nproc_per_node N -m diag toy` the MLP trains as DDP: each rank spills its finished
-steps (diag.distributed), `comm_wait` is split out of compute, and rank 0 gathers every rank.
+steps (diag.timing.distributed), `comm_wait` is split out of compute, and rank 0 gathers every rank.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from diag import distributed
+from diag.timing import distributed
 from diag.config import ToyConfig
-from diag.device import on_cpu_threads
-from diag.gpu_util import GpuSampler
+from diag.machine.device import on_cpu_threads
+from diag.machine.gpu_util import GpuSampler
 from diag.timing import StageTimer
 
 
@@ -49,7 +49,7 @@ class ToyBatches(Dataset):
 @on_cpu_threads
 def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
     """Train the toy MLP for cfg.warmup_steps + cfg.steps; return the timer's frame."""
-    from diag import device as devices
+    from diag.machine import device as devices
 
     cfg = cfg or ToyConfig.default()
     dev = devices.resolve(cfg.device)

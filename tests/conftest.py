@@ -33,7 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.makedirs(os.environ[key], exist_ok=True)
     # Two xdist workers on two cores: each process's OpenMP pool gets one thread (inherited by
     # the kernels, CLIs and launchers the tests start), or every tiny op waits at a barrier for
-    # a thread the other worker has descheduled (diag.device.cpu_threads measures why)
+    # a thread the other worker has descheduled (diag.machine.device.cpu_threads measures why)
     for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         _tool_old[key] = os.environ.get(key)
         os.environ[key] = "1"

@@ -125,7 +125,7 @@ def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
 
 
 def test_unknown_gpu_in_the_sweep_leaves_mfu_and_floor_empty_with_the_reason(monkeypatch):
-    from diag import device
+    from diag.machine import device
     from diag.accum import mfu_check
 
     # what peak_flops answers on a GPU diag's table does not know (see test_device)

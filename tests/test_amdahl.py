@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from diag import amdahl
-from diag.device import dense_peak_flops
+from diag.machine.device import dense_peak_flops
 
 
 def constructed(run="naive", wait=(0.2, 0.3, 0.2), compute=(1.0, 1.2, 1.0), fetch=30.0, load=10.0):
@@ -132,7 +132,7 @@ def test_data_wait_flag_and_note_thresholds():
 def test_extra_findings_are_ranked_with_the_rest():
     extra = pd.DataFrame([{"stage": "load_model", "finding": "persistent HF_HOME",
                            "seconds_saved": 100.0, "evidence": "fresh 101 s vs cached 1 s"}])
-    found = amdahl.findings(constructed(load=120.0), extra=extra)
+    found = amdahl.findings(constructed(load=120.0), advice=extra)
     assert found.iloc[0]["finding"] == "persistent HF_HOME"
     assert found.iloc[0]["rank"] == 1
     # the measured, specific fix replaces the generic one for its stage

@@ -181,7 +181,7 @@ def test_extra_findings_share_cap_and_evidence() -> None:
         {"stage": "load_model", "finding": "cache", "seconds_saved": 25.0, "evidence": "e1"},
         {"stage": "fetch_data", "finding": "land", "seconds_saved": 30.0, "evidence": "e2"},
         {"stage": "eval", "finding": "smaller split", "seconds_saved": 2.0, "evidence": "e3"}])
-    found = amdahl.findings(f, extra=extra).set_index("finding")
+    found = amdahl.findings(f, advice=extra).set_index("finding")
     capped = found.loc["cache"]
     assert capped["seconds_saved"] == 10.0
     assert capped["evidence"] == "e1 (capped at the run's load_model: 10 s)"
@@ -200,14 +200,14 @@ def test_extra_findings_for_another_run_or_no_run() -> None:
                            "seconds_saved": 4.0, "evidence": "e"},
                           {"run": "elsewhere", "stage": "eval", "finding": "x",
                            "seconds_saved": 1.0, "evidence": "e"}])
-    found = amdahl.findings(f, extra=extra)
+    found = amdahl.findings(f, advice=extra)
     tuned = found[found["run"] == "tuned"].set_index("stage")
     assert tuned.loc["load_model", "finding"] == "cache"  # the run column is kept, not overwritten
     naive = found[found["run"] == "naive"].set_index("stage")
     assert naive.loc["load_model", "finding"] == amdahl.FIXES["load_model"]
     other = found[found["run"] == "elsewhere"].iloc[0]
     assert math.isnan(other["share_of_run"]) and found["run"].iloc[-1] == "elsewhere"
-    zero = amdahl.findings(frame(fetch_data=0.0), extra=extra.iloc[:1].assign(run="run"))
+    zero = amdahl.findings(frame(fetch_data=0.0), advice=extra.iloc[:1].assign(run="run"))
     assert math.isnan(zero.iloc[0]["share_of_run"])  # a run of 0 s has no share to give
 
 

@@ -136,7 +136,7 @@ def test_accum_micro_batches_are_checked_against_the_launchers_world(
             "2, 4, 8, 16", AccumConfig, micro_batches=[32])
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process: every divisor of the step is allowed
     assert AccumConfig(micro_batches=[32]).micro_batches == [32]
-    monkeypatch.setenv("WORLD_SIZE", "two")  # diag.distributed names it when the rank joins
+    monkeypatch.setenv("WORLD_SIZE", "two")  # diag.timing.distributed names it when the rank joins
     assert AccumConfig(micro_batches=[32]).micro_batches == [32]
 
 

@@ -1,4 +1,5 @@
-"""diag.disks: the kind of the filesystem under a path, and the page cache (mincore, eviction).
+"""diag.machine.disks: the kind of the filesystem under a path, and the page cache (mincore,
+eviction).
 
 Each cloud layout is a fake sysfs + mount table built the way the kernel lays them out (class/block
 links into devices/, partitions inside their disk, NVMe model strings under device/), so the same
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from diag import disks
+from diag.machine import disks
 
 ROOT_DEV = os.stat("/").st_dev  # /dev/root is found by the st_dev of its mountpoint
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from diag import stragglers
-from diag.distributed import read_spills
+from diag.timing import stragglers
+from diag.timing.spill import read_spills
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

@@ -13,8 +13,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "diag"
 EXPERIMENTS = {"storage", "model_load", "loader", "accum", "qlora", "toy"}
-ANALYSIS = {"amdahl", "plots", "stragglers"}
-ABOVE_EXPERIMENTS = {"report", "plots", "diagnose", "widgets", "__main__"}
+ANALYSIS = {"amdahl", "plots"}
+ABOVE_EXPERIMENTS = {"report", "plots", "diagnose", "widgets", "cli", "__main__"}
+# the rooms every experiment stands on: they import no experiment and nothing above them
+UNDER_EXPERIMENTS = {"timing", "machine", "data", "config", "embedded", "files", "secrets",
+                     "decision"}
 
 
 def _module(path: Path) -> str:
@@ -111,6 +114,8 @@ def test_arrows_point_down():
                 wrong.append(f"{src} (analysis) imports experiment {t}")
             if s in EXPERIMENTS and n in ABOVE_EXPERIMENTS:
                 wrong.append(f"experiment {src} imports {t}")
+            if s in UNDER_EXPERIMENTS and n in EXPERIMENTS | ABOVE_EXPERIMENTS | ANALYSIS:
+                wrong.append(f"{src} (under the experiments) imports {t}")
     assert not wrong, "\n".join(sorted(wrong))
 
 

@@ -313,7 +313,7 @@ def test_a_varied_knob_takes_the_lowest_wait_at_the_chosen_workers():
 
 
 def test_an_absent_or_failed_sweep_gives_labelled_defaults(monkeypatch):
-    from diag import device
+    from diag.machine import device
 
     monkeypatch.setattr(device, "usable_cores", lambda: 16)
     for frame in (None, pd.DataFrame()):
@@ -431,7 +431,7 @@ def test_decide_with_one_and_more_workers_but_no_zero_row():
 
 
 def test_one_worker_is_kept_persistent(monkeypatch):
-    from diag import device
+    from diag.machine import device
 
     monkeypatch.setattr(device, "usable_cores", lambda: 3)  # one core to spare: 1 worker
     got = _got(None)

@@ -30,7 +30,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory):
     import contextlib
     import io
 
-    from diag.__main__ import main
+    from diag.cli import main
 
     csv = tmp_path_factory.mktemp("model_load") / "model_load.csv"
     out, err = io.StringIO(), io.StringIO()

@@ -155,7 +155,7 @@ def test_a_decision_from_an_absent_frame_is_labelled_default():
 
 
 def test_default_workers_leave_two_cores_to_the_step(monkeypatch):
-    from diag import device
+    from diag.machine import device
     from diag.loader.advice import DEFAULT_WORKERS
 
     monkeypatch.setattr(device, "usable_cores", lambda: 2)
@@ -178,7 +178,7 @@ def test_the_plan_fits_the_micro_batch_to_the_job_out_loud():
 
 
 def test_results_from_another_job_build_no_plan(tmp_path):
-    from diag.__main__ import main
+    from diag.cli import main
     from diag.config import QLoraConfig
     from diag.decision import frame
     from diag.qlora.measure import load_results

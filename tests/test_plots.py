@@ -75,7 +75,7 @@ def test_waterfall_draws_one_fix_per_stage():
     extra = pd.DataFrame([
         {"stage": "fetch_data", "finding": "land once", "seconds_saved": 9.0, "evidence": "x"},
         {"stage": "fetch_data", "finding": "tune the pull", "seconds_saved": 6.0, "evidence": "y"}])
-    found = amdahl.findings(frame, extra=extra)
+    found = amdahl.findings(frame, advice=extra)
     total = amdahl.shares(frame)["seconds"].sum()
     bars = plots.plot_waterfall(found, total).axes[0].patches
     fetch_bars = [b for b in bars[1:-1]
@@ -86,7 +86,7 @@ def test_waterfall_draws_one_fix_per_stage():
 def test_advice_never_saves_more_than_the_stage_took():
     extra = pd.DataFrame([{"stage": "load_model", "finding": "page cache", "seconds_saved": 99.0,
                            "evidence": "cold 100 s vs warm 1 s"}])
-    found = amdahl.findings(constructed(load=10.0), extra=extra).set_index("finding")
+    found = amdahl.findings(constructed(load=10.0), advice=extra).set_index("finding")
     assert found.loc["page cache", "seconds_saved"] == 10.0
     assert "capped at the run's load_model" in found.loc["page cache", "evidence"]
 

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from diag import report
-from diag.__main__ import main
+from diag.cli import main
 from tests.test_amdahl import constructed
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ConnectionClosedError
 
-from diag.__main__ import main
+from diag.cli import main
 from diag.config import DiagnoseConfig, ModelLoadConfig, QLoraConfig, SourceConfig, StorageConfig
 from diag.data import read_source
 from tests.s3proxy import Proxy
@@ -40,12 +40,12 @@ def s3():
 
 
 def test_every_source_flag_is_a_flag_of_every_command():
-    from diag.__main__ import build_parser
+    from diag.cli import parser
 
     import dataclasses
 
     flags = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(SourceConfig)}
-    sub = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    sub = parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     for name, cls in (("storage", StorageConfig), ("model-load", ModelLoadConfig),
                       ("qlora", QLoraConfig), ("run", DiagnoseConfig)):
         assert issubclass(cls, SourceConfig)

@@ -14,7 +14,7 @@ import pytest
 
 from diag import amdahl, plots
 from diag.storage import landing, objectstore
-from diag.__main__ import parse
+from diag.cli import parse
 from diag.config import StorageConfig
 from diag.storage.landing import local_paths
 from diag.storage.objectstore import (MB, list_remote, make_client, parse_url, transfer_plan,
@@ -243,7 +243,7 @@ def test_storage_tax_arithmetic_and_advice_rows():
         assert alternative in fix["finding"].iloc[0]
     run = pd.DataFrame({"stage": ["fetch_data", "eval"], "seconds": [250.0, 1000.0]})
     assert "diag.storage.land" in fix["finding"].iloc[0]
-    ranked = amdahl.findings(run, extra=fix)
+    ranked = amdahl.findings(run, advice=fix)
     assert "diag.storage.land" in " ".join(ranked["finding"])
     with pytest.raises(ValueError, match="no pull rows"):
         storage_tax(frame[frame["method"] == "local_read"])
@@ -310,23 +310,6 @@ def test_run_storage_on_a_prefix_source(s3, tmp_path):
     assert set(frame["files"]) == {len(listed)} and len(listed) > 1
     assert (frame["bytes"] == sum(o["Size"] for o in listed)).all()
     assert list(Path(tmp_path).iterdir()) == []  # the scratch copies are cleaned up
-
-
-def test_the_old_stage_name_still_lands_and_warns_once(s3, tmp_path):
-    import warnings
-
-    from diag.storage import landing as landing_module
-    from diag.storage import stage
-
-    landing_module._warned.clear()
-    url, client = "s3://diag/shards/part-0.bin", s3.client()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        first = stage(url, tmp_path, client=client)
-        second = stage(url, tmp_path, client=client)
-    assert (first.hit, second.hit) == (False, True)
-    moved = [w for w in caught if "diag.storage.land()" in str(w.message)]
-    assert len(moved) == 1 and issubclass(moved[0].category, FutureWarning)
 
 
 def test_a_crc_this_python_cannot_compute_is_recorded_as_not_checked(tmp_path, monkeypatch):

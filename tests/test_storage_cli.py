@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ConnectionClosedError
 
-from diag.__main__ import main
+from diag.cli import main
 from diag.config import StorageConfig
 from diag.embedded import S3Server
 from diag.storage.objectstore import make_client

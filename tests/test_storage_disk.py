@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from diag.config import StorageConfig
-from diag.disks import Disk
+from diag.machine.disks import Disk
 from diag.storage import experiment, run_storage
 from diag.storage.experiment import NVME_COLD
 from diag.storage.tax import landing_disk_advice
@@ -50,9 +50,9 @@ def test_measure_reads_a_local_nvme_beside_a_network_landing_folder(tmp_path, mo
     nvme.mkdir()
     landing = tmp_path / "landing"
     # this machine's disks are what they are: the landing folder is given as EBS, and a folder
-    # of this disk as a local NVMe mount (diag.disks' classification is tested in test_disks)
-    monkeypatch.setattr("diag.disks.disk_kind", lambda path, *a, **k: "network_block")
-    monkeypatch.setattr("diag.disks.disks", lambda *a, **k: [
+    # of this disk as a local NVMe mount (diag.machine.disks' classification: test_disks)
+    monkeypatch.setattr("diag.machine.disks.disk_kind", lambda path, *a, **k: "network_block")
+    monkeypatch.setattr("diag.machine.disks.disks", lambda *a, **k: [
         Disk(str(nvme), "/dev/nvme1n1", "ext4", "local_nvme", "nvme1n1: instance store")])
     cfg = StorageConfig.quick(local_dir=str(landing), repeats=1, warmup=0, size_mb=4.0)
     result = run_storage(cfg)

@@ -1,14 +1,16 @@
 """Straggler findings and per-rank tables from constructed frames; the pieces of
-diag.distributed that need no second process (seat from the environment, spills, divisibility)."""
+diag.timing.distributed that need no second process (seat from the environment, spills,
+divisibility)."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from diag import stragglers
+from diag.timing import stragglers
 from diag.config.accum import check_divides
-from diag.distributed import place, read_spills
+from diag.timing.distributed import place
+from diag.timing.spill import read_spills
 from diag.timing import StageTimer
 
 

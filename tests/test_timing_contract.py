@@ -80,7 +80,7 @@ def test_rank_comes_from_the_environment_without_a_process_group(
 
 def test_an_async_device_is_synced_at_every_stage_boundary(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from diag import device as devices
+    from diag.machine import device as devices
 
     synced: list[object] = []
     monkeypatch.setattr(devices, "is_async", lambda device: True)
@@ -123,7 +123,7 @@ def test_every_stage_opens_and_closes_its_named_trace_ranges(
     # pairing is what Nsight and Perfetto read, so it is checked on stand-ins that log it
     import torch
 
-    from diag import device as devices
+    from diag.machine import device as devices
 
     ranges = _Ranges()
     monkeypatch.setattr(devices, "is_async", lambda device: True)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from diag.accum.sweep import measure
 from diag.decision import Decision, MeasuredOn
-from diag.device import on_cpu_threads
+from diag.machine.device import on_cpu_threads
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -146,14 +146,14 @@ def sweep_grad_accum(cfg: AccumConfig | None = None) -> pd.DataFrame:
 
 def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, dict[str, Any]]:
     """The sweep frame, and what it was measured with: `shape` (ModelShape), `peak`
-    (diag.device.Peak), `counted_per_token` (FlopCounterMode on one micro-step), `amp`."""
+    (diag.machine.device.Peak), `counted_per_token` (FlopCounterMode on one micro-step), `amp`."""
     import pandas as pd
     import torch
     from tqdm.auto import tqdm
 
-    from diag import device as devices
+    from diag.machine import device as devices
 
-    from diag.distributed import init_group, root_first
+    from diag.timing.distributed import init_group, root_first
 
     dev = devices.resolve(cfg.device)
     seat = init_group(dev.type)  # under torchrun / accelerate: one DDP rank of the sweep
@@ -234,7 +234,7 @@ def _train_point(cfg: AccumConfig, model: Any, tokens: Any, micro: int, accum: i
     """(warm-up seconds, [(step seconds, data seconds)] of the timed steps) for one point."""
     import torch
 
-    from diag.device import sync
+    from diag.machine.device import sync
 
     fused = {"fused": True} if dev.type == "cuda" else {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, **fused)

@@ -84,7 +84,7 @@ class AccumConfig(ExperimentConfig):
         # under a launcher (torchrun / accelerate set WORLD_SIZE): checked here, before a rank
         # imports torch or dials the rendezvous, so each rank of a world that cannot split the
         # step exits at once with the same line (diag.accum.sweep.pairs checks it again; a
-        # malformed WORLD_SIZE is named by diag.distributed when the rank joins)
+        # malformed WORLD_SIZE is named by diag.timing.distributed when the rank joins)
         world = os.environ.get("WORLD_SIZE", "1").strip()
         for m in self.micro_batches if world.isdigit() and int(world) > 1 else []:
             check_divides(self.tokens_per_step, self.seq_len, m, int(world),

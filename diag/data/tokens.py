@@ -26,7 +26,7 @@ import numpy as np
 
 from diag.data.records import PROBLEM_COLUMNS, read_source, refusal, render_chat, shard_files
 from diag.data.text import PROMPT_TEMPLATE, PROMPT_TEMPLATE_NO_INPUT, encode_batch, load_tokenizer
-from diag.hashing import file_sha256, swap_in
+from diag.files import file_sha256, swap_in
 
 FORMAT = 2  # bump when the arrays' layout or the encoding changes: every old cache goes stale
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from diag.hashing import file_digests, git_blob_sha1
+from diag.files import file_digests, git_blob_sha1
 
 
 _HOST = "127.0.0.1"

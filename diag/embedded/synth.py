@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from diag.hashing import swap_in
+from diag.files import swap_in
 
 _ADJECTIVES = (
     "quick lazy bright quiet heavy small large ancient modern red blue green yellow silver golden "

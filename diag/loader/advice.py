@@ -242,7 +242,7 @@ def _knobs(workers: int) -> dict[str, Any]:
 
 def default_workers() -> int:
     """DEFAULT_WORKERS where two cores stay free for the step's own threads, else fewer."""
-    from diag.device import usable_cores
+    from diag.machine.device import usable_cores
 
     return max(0, min(DEFAULT_WORKERS, usable_cores() - 2))
 

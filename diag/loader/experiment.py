@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from diag.data import NaiveTextDataset, read_source
 from diag.decision import Decision, MeasuredOn
-from diag.device import on_cpu_threads
+from diag.machine.device import on_cpu_threads
 from diag.loader.advice import advice, decide, recommend
 from diag.loader.profile import profile_lines
 from diag.loader.stalls import stall_split
@@ -47,7 +47,7 @@ def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
     emulate_stalls: the stall split waits as long as the step the sweep measured instead of
     running it (a real step of seconds, run 3 x pipelines more times, buys no decision)."""
     from diag.config import LoaderConfig
-    from diag.device import resolve
+    from diag.machine.device import resolve
     from diag.loader.steps import consumer
 
     cfg = cfg or LoaderConfig.default()

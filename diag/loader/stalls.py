@@ -67,8 +67,8 @@ def stall_split(cfg: LoaderConfig | None = None, num_workers: int | None = None,
     import pandas as pd
 
     from diag.config import LoaderConfig
-    from diag.device import resolve
-    from diag.disks import evict_page_cache
+    from diag.machine.device import resolve
+    from diag.machine.disks import evict_page_cache
     from diag.loader.steps import EmulatedStep, consumer
 
     cfg = cfg or LoaderConfig.default()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from diag.device import usable_cores  # affinity-aware: what workers share
+from diag.machine.device import usable_cores  # affinity-aware: what workers share
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -141,7 +141,7 @@ def _heap_frozen() -> Iterator[None]:
 def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch_size: int,
              steps: int, repeats: int, timeout_s: float, device: torch.device, consumer: str,
              collate_fn: Any = None) -> list[dict[str, Any]]:
-    from diag.device import sync
+    from diag.machine.device import sync
 
     w = setting.num_workers
     ahead = w * setting.prefetch_factor  # ready or in flight when the first batch arrives
@@ -247,7 +247,7 @@ def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
     from tqdm.auto import tqdm
 
     from diag.config import LoaderConfig
-    from diag.device import resolve
+    from diag.machine.device import resolve
     from diag.loader.steps import consumer
 
     cfg = cfg or LoaderConfig.default()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from diag.config import MODEL_LOAD_SCENARIOS as SCENARIOS
 from diag.decision import Decision, MeasuredOn
-from diag.disks import is_network
+from diag.machine.disks import is_network
 from diag.timing import LOAD_PARTS, median_seconds
 
 if TYPE_CHECKING:

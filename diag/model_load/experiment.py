@@ -96,7 +96,7 @@ def _check_cache(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> None:
 
 def _resident(files: list[Path]) -> float:
     """Bytes-weighted share of the files' pages in the page cache (mincore); NaN if unknown."""
-    from diag.disks import resident_fraction
+    from diag.machine.disks import resident_fraction
 
     sizes = [p.stat().st_size for p in files]
     shares = [resident_fraction(p) for p in files]
@@ -142,7 +142,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     import pandas as pd
     from tqdm.auto import tqdm
 
-    from diag.disks import disk_kind, evict_page_cache
+    from diag.machine.disks import disk_kind, evict_page_cache
 
     cfg = cfg or ModelLoadConfig.default()
     cache_dir = cache_dir_for(cfg)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diag.hashing import file_digests
+from diag.files import file_digests
 
 if TYPE_CHECKING:
     import pandas as pd

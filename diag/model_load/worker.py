@@ -116,7 +116,7 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
     import safetensors.torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from diag.device import resolve, sync
+    from diag.machine.device import resolve, sync
 
     perf = time.perf_counter
     device = str(resolve(job["device"]))
@@ -193,7 +193,7 @@ def _plain(job: dict[str, Any]) -> dict[str, Any]:
     device_map)."""
     from transformers import AutoModelForCausalLM
 
-    from diag.device import resolve, sync
+    from diag.machine.device import resolve, sync
 
     device = str(resolve(job["device"]))
     kwargs = _load_kwargs(job, device)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag.decision import PREDICTION_TOLERANCE  # noqa: F401  # re-exported for callers
-from diag.device import on_cpu_threads
+from diag.machine.device import on_cpu_threads
 from diag.qlora.plans import Plan
 from diag.qlora.predict import FIXES, savings  # noqa: F401
 
@@ -79,8 +79,8 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
 
     from diag.amdahl import shares
     from diag.config import QLoraConfig
-    from diag.device import resolve
-    from diag.distributed import init_group, root_first
+    from diag.machine.device import resolve
+    from diag.timing.distributed import init_group, root_first
     from diag.preflight import preflight
     from diag.qlora.job import open_sources, prime, run_plan
     from diag.qlora.measure import plan_from_job

@@ -47,7 +47,7 @@ class Sources:
 @contextlib.contextmanager
 def open_sources(cfg: QLoraConfig) -> Iterator[Sources]:
     """The user's bucket and model, or the embedded S3 server and hub (started, then stopped)."""
-    from diag.distributed import root_first
+    from diag.timing.distributed import root_first
     from diag.storage import make_client
 
     if not (cfg.source and cfg.model):
@@ -175,9 +175,9 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
     import torch
     import transformers
 
-    from diag import distributed
-    from diag.device import resolve
-    from diag.qlora.callback import TimingCallback
+    from diag.timing import distributed
+    from diag.machine.device import resolve
+    from diag.timing.callback import TimingCallback
     from diag.qlora.data import build_dataset, check_records, read
 
     device = resolve(cfg.device)

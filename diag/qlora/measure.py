@@ -45,7 +45,7 @@ class QLoraStep:
 
         import torch
 
-        from diag.device import sync
+        from diag.machine.device import sync
         from diag.qlora.job import load_model
         from diag.qlora.plans import Plan
 
@@ -95,7 +95,7 @@ def job_inputs(cfg: QLoraConfig, src: Sources | None = None) -> JobInputs:
     import shutil
     import tempfile
 
-    from diag.device import resolve
+    from diag.machine.device import resolve
     from diag.qlora.data import build_dataset, check_records, read
     from diag.qlora.job import fetch_data, model_folder, open_sources
     from diag.qlora.plans import Plan
@@ -293,7 +293,7 @@ def load_results(folder: str | Path, cfg: QLoraConfig | None = None) -> tuple[De
         name = next((n for n in names if (folder / f"{n}.csv").is_file()), None)
         if name is not None:
             found[key] = pd.read_csv(folder / f"{name}.csv")
-    from diag.device import resolve
+    from diag.machine.device import resolve
     from diag.qlora.plans import decide_frames
 
     return decide_frames(found, str(resolve(cfg.device)) if cfg else "cpu")

@@ -208,7 +208,7 @@ def _row(method: str, source: str, state: str, nbytes: int, seconds: float, ttfb
 
 def _resident(paths: list[Path]) -> float:
     """The largest share of any of these files in the page cache (NaN: mincore unavailable)."""
-    from diag.disks import resident_fraction
+    from diag.machine.disks import resident_fraction
 
     return max(resident_fraction(p) for p in paths)
 
@@ -229,7 +229,7 @@ def measure(cfg: StorageConfig) -> pd.DataFrame:
     from tqdm.auto import tqdm
 
     from diag.config import diag_home
-    from diag.disks import disk_kind, evict_page_cache, is_network, resident_fraction
+    from diag.machine.disks import disk_kind, evict_page_cache, is_network, resident_fraction
 
     local_dir = Path(cfg.local_dir).expanduser() if cfg.local_dir else diag_home() / "storage"
     work = local_dir / f"diag-storage-{os.getpid()}"
@@ -307,7 +307,7 @@ def _nvme_reads(paths: list[Path], rounds: range, files: int) -> list[dict[str, 
     (instance store, local SSD): the figure beside a network landing folder's. [] if none."""
     import tempfile
 
-    from diag.disks import disks, evict_page_cache
+    from diag.machine.disks import disks, evict_page_cache
 
     nbytes = sum(p.stat().st_size for p in paths)
     for disk in (d for d in disks() if d.kind == "local_nvme"):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from diag.config import VERIFY_MODES
-from diag.hashing import file_sha256, fsync_path
+from diag.files import file_sha256, fsync_path
 from diag.storage.crc import file_crc
 from diag.storage.objectstore import S3Url, list_remote, make_client, parse_url, usable_cores
 from diag.storage.transfer import download_all
@@ -194,20 +194,3 @@ def _land(u: S3Url, cache_dir: Path, client: Any, verify: str,
         os.replace(tmp, manifest_path)
         fsync_path(manifest_path.parent)
         return False, total, needed, len(remote), local
-
-
-_warned: set[str] = set()
-
-
-def stage(*args: Any, **kwargs: Any) -> LandedDataset:
-    """Deprecated name of `land()` (kept one release): "stage" now means a timer stage only."""
-    if "stage" not in _warned:
-        import warnings
-
-        _warned.add("stage")
-        warnings.warn("diag.storage.stage() is now diag.storage.land(); the old name goes in the "
-                      "next release", FutureWarning, stacklevel=2)
-    return land(*args, **kwargs)
-
-
-StagedDataset = LandedDataset  # the old name of the result, kept with stage()

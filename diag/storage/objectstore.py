@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from diag.device import usable_cores  # noqa: F401  transfer_plan's cores; re-exported
+from diag.machine.device import usable_cores  # noqa: F401  transfer_plan's cores; re-exported
 from diag.secrets import aws_client_made, redact, register
 
 MB = 1_000_000  # decimal megabytes, like network and disk rates

@@ -3,8 +3,6 @@
 `place()` is this rank's seat (rank, local rank, world, node, rendezvous address), read from
 torch.distributed when a group is up, else from the launcher's environment (torchrun and
 `accelerate launch` both set RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK).
-`CommWait` is a DDP communication hook that measures `comm_wait`: the part of the gradient
-all-reduce that backward does not hide, so a rank that arrives late shows up as the others' wait.
 `gather_to_root` collects each rank's frame on rank 0 once, at the end (never inside a step).
 """
 
@@ -12,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import io
 import os
 import sys
 import time
@@ -139,85 +136,6 @@ def _dial(address: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
-class CommWait:
-    """A DDP communication hook that all-reduces (averages) each gradient bucket like DDP's
-    default and clocks the wait backward leaves exposed.
-
-    Per step that wait is the last bucket's all-reduce end minus the moment the last bucket was
-    handed over (backward's end): the all-reduces that finished while backward still ran cost
-    nothing. On CPU (gloo) both are host clocks; on CUDA they are events on the streams, read
-    at the next `take()` (after the timer's sync point), so nothing here syncs inside a step.
-    """
-
-    def __init__(self, model: Any) -> None:
-        import torch
-        import torch.distributed as dist
-
-        self._dist = dist
-        self._cuda = next(model.parameters()).is_cuda
-        self._events = torch.cuda.Event if self._cuda else None
-        self._reset()
-
-        def hook(state: Any, bucket: Any) -> Any:
-            return self._hook(state, bucket)
-
-        # DDP checks the hook's annotations, which `from __future__ import annotations` made text
-        hook.__annotations__ = {"state": object, "bucket": dist.GradBucket,
-                                "return": torch.futures.Future[torch.Tensor]}
-        model.register_comm_hook(None, hook)
-
-    def _reset(self) -> None:
-        self._handed: Any = None  # time (or event) the last bucket was handed to all-reduce
-        self._done: Any = None  # time (or event) the last all-reduce finished
-
-    def _stamp(self) -> Any:
-        if self._events is None:
-            return time.perf_counter()
-        event = self._events(enable_timing=True)
-        event.record()
-        return event
-
-    def _hook(self, state: Any, bucket: Any) -> Any:
-        buffer = bucket.buffer()
-        buffer.div_(self._dist.get_world_size())
-        self._handed = self._stamp()
-        work = self._dist.all_reduce(buffer, async_op=True)
-
-        def finished(fut: Any) -> Any:
-            # runs when the all-reduce completes (gloo: its thread; CUDA: on a stream that
-            # waits for it), so its stamp is the end of this bucket's communication
-            stamp = self._stamp()
-            if self._events is not None or self._done is None or stamp > self._done:
-                self._done = stamp
-            return fut.value()[0]
-
-        return work.get_future().then(finished)
-
-    def take(self) -> float:
-        """Seconds of exposed all-reduce wait since the last take (0.0 when none ran)."""
-        handed, done = self._handed, self._done
-        self._reset()
-        if handed is None or done is None:
-            return 0.0
-        if self._events is not None:
-            done.synchronize()
-            return max(handed.elapsed_time(done) / 1000.0, 0.0)
-        return max(done - handed, 0.0)
-
-
-def find_ddp(*candidates: Any) -> Any:
-    """The first DistributedDataParallel among candidates (a Trainer's model_wrapped), or None."""
-    dist = _dist()
-    if dist is None:
-        return None
-    from torch.nn.parallel import DistributedDataParallel
-
-    for model in candidates:
-        if isinstance(model, DistributedDataParallel):
-            return model
-    return None
-
-
 def gather_to_root(obj: Any) -> list[Any] | None:
     """Every rank's obj on rank 0 (in rank order), None on the others; [obj] when alone.
 
@@ -247,27 +165,6 @@ def job_folder(base: Any) -> Any:
     folder = Path(base) / name[0]
     folder.mkdir(parents=True, exist_ok=True)
     return folder
-
-
-def read_spills(folder: Any) -> Any:  # -> pandas.DataFrame
-    """The rows the ranks spilled (StageTimer.spill_to) before a run stopped, all ranks in one
-    frame; a line cut short by a kill is dropped, never read as a number."""
-    from pathlib import Path
-
-    import pandas as pd
-
-    frames = []
-    for path in sorted(Path(folder).glob("rank-*.partial.csv")):
-        text = path.read_text(encoding="utf-8")
-        lines = text.splitlines(keepends=True)
-        whole = [line for line in lines if line.endswith("\n") and line.count(",") == 4]
-        if len(whole) > 1:
-            frames.append(pd.read_csv(io.StringIO("".join(whole))))
-    if not frames:
-        return pd.DataFrame(columns=["stage", "seconds", "step", "rank", "node"])
-    out = pd.concat(frames, ignore_index=True)
-    out["step"] = out["step"].astype("Int64")
-    return out
 
 
 def spill_ranks(timer: Any, seat: Place | None = None) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from diag.timing import StageTimer
+from diag.timing.timer import StageTimer
 
 
 class TimingCallback(TrainerCallback):
@@ -57,12 +57,12 @@ class TimingCallback(TrainerCallback):
         return time.perf_counter()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from diag import device as devices
+        from diag.machine import device as devices
 
         device = self.device if self.device is not None else getattr(args, "device", None)
         if device is not None and devices.is_async(device):
             self._sync = lambda: devices.sync(device)
-        from diag.distributed import find_ddp
+        from diag.timing.comm import find_ddp
 
         ddp = find_ddp(getattr(self.trainer, "model_wrapped", None), kwargs.get("model"))
         if ddp is not None and self.timer.comm is None:  # before the first backward

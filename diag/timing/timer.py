@@ -13,19 +13,20 @@ range (Nsight); `trace=False` turns both off.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ContextDecorator
 from typing import Any
 
-from diag.distributed import CommWait, gather_to_root, place
+from diag.timing.comm import CommWait
+from diag.timing.distributed import gather_to_root, place
+from diag.timing.spill import Spill
 
 # Run-level stages happen once per training run; step-level stages once per optimizer step.
 RUN_STAGES = ("fetch_data", "load_model", "preprocess", "setup", "warmup", "train", "checkpoint",
               "eval")
-# comm_wait: under DDP, the gradient all-reduce that backward does not hide (diag.distributed).
+# comm_wait: under DDP, the gradient all-reduce that backward does not hide (diag.timing.comm).
 STEP_STAGES = ("data_wait", "h2d", "compute", "comm_wait", "other")
 # The parts of load_model, reported beside it (they add up to it, they are not extra time).
 # `import` (interpreter start + torch/transformers/bitsandbytes) is in it: every job start pays it.
@@ -117,13 +118,13 @@ class StageTimer:
         self.node = seat.node
         self.local_rank, self.world_size = seat.local_rank, seat.world_size
         self.comm: CommWait | None = None  # set by watch_comm under DDP
-        self._spill: Any = None  # open file the finished steps' rows go to (spill_to)
+        self._spill: Spill | None = None  # where finished steps' rows go (spill_to)
         self._spilled = 0
         self.step: int | None = None  # set by watch(); step-level stages are tagged with it
         self._rows: list[tuple[str, float, int | None]] = []
         self._sync: Callable[[], None] | None = None
         if enabled and device is not None:
-            from diag import device as devices
+            from diag.machine import device as devices
 
             if devices.is_async(device):
                 self._sync = lambda: devices.sync(device)
@@ -174,13 +175,10 @@ class StageTimer:
             self.comm = CommWait(ddp_model)
 
     def spill_to(self, path: Any) -> None:
-        """Append the rows to path (CSV, named *.partial.csv: it is never a complete run) at
-        each `flush()`, so a killed process leaves the frames of the steps it finished."""
-        if not self.enabled:
-            return
-        self._spill = open(path, "a", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115
-        self._spill.write("stage,seconds,step,rank,node\n")
-        self._spill.flush()
+        """Append the rows to path (diag.timing.spill) at each `flush()`, so a killed process
+        leaves the frames of the steps it finished."""
+        if self.enabled:
+            self._spill = Spill(path, self.rank, self.node)
 
     def flush(self) -> None:
         """Write the rows recorded since the last flush to the spill file (one write, no sync
@@ -189,22 +187,16 @@ class StageTimer:
             return
         new = self._rows[self._spilled:]
         self._spilled += len(new)
-        self._spill.write("".join(f"{s},{sec!r},{'' if st is None else st},{self.rank},"
-                                  f"{self.node}\n" for s, sec, st in new))
-        self._spill.flush()  # one write(2) of whole lines: a kill never splits a row
+        self._spill.write(new)
 
     @property
     def spill_path(self) -> Any:  # -> pathlib.Path | None
-        from pathlib import Path
-
-        return Path(self._spill.name) if self._spill is not None else None
+        return self._spill.path if self._spill is not None else None
 
     def close_spill(self, remove: bool = True) -> None:
         """Stop spilling; remove the file once the complete frame is safe elsewhere."""
         if self._spill is not None:
-            self._spill.close()
-            if remove:
-                os.unlink(self._spill.name)
+            self._spill.close(remove)
             self._spill = None
 
     def watch(self, iterable: Iterable[Any], start_step: int = 0) -> Iterator[Any]:

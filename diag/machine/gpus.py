@@ -3,7 +3,7 @@
 Datasheets print 2:4-sparse tensor figures; every such figure is halved here, so MFU computed
 against this table is never flattered by a sparse peak. `find_gpu()` matches the names
 `torch.cuda.get_device_name()` returns (longest pattern wins); an unknown GPU gives None, never
-a guess. `dense_peak_flops(name, dtype)` is what `diag.device` and `diag.amdahl` ask.
+a guess. `dense_peak_flops(name, dtype)` is what `diag.machine.device` and `diag.amdahl` ask.
 """
 
 from __future__ import annotations

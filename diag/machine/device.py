@@ -1,4 +1,4 @@
-"""What machine this is: accelerator, its dense peak FLOP/s, CPU, RAM and its disks (diag.disks).
+"""What machine this is: accelerator, its dense peak FLOP/s, CPU, RAM and its disks (disks.py).
 
 Peaks come from a table of vendor figures, always dense (2:4-sparse datasheet figures halved);
 an unknown GPU gets no peak rather than a guess. On CPU the peak is a measured fp32 matmul probe,
@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-# The table lives in diag.gpus; these names are part of what this module answers.
-from diag.disks import disks
-from diag.gpus import DTYPES, GPUS, GpuSpec, _dtype, dense_peak_flops, find_gpu  # noqa: F401
+# The table lives in diag.machine.gpus; these names are part of what this module answers.
+from diag.machine.disks import disks
+from diag.machine.gpus import DTYPES, GPUS, GpuSpec, _dtype, dense_peak_flops, find_gpu  # noqa: F401
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("transformers")
 from transformers import TrainerControl, TrainerState  # noqa: E402
 
-from diag.qlora import callback as module  # noqa: E402
-from diag.qlora.callback import TimingCallback  # noqa: E402
+from diag.timing import callback as module  # noqa: E402
+from diag.timing.callback import TimingCallback  # noqa: E402
 from diag.timing import StageTimer  # noqa: E402
 
 ARGS = SimpleNamespace(device="cpu")
@@ -191,7 +191,7 @@ def test_under_ddp_the_exposed_all_reduce_is_comm_wait_not_compute(clock):
 
 
 def test_the_comm_hook_is_put_on_the_trainers_ddp_model_once(clock, monkeypatch):
-    import diag.distributed
+    import diag.timing.comm
 
     ddp, seen, watched = object(), [], []
 
@@ -199,7 +199,7 @@ def test_the_comm_hook_is_put_on_the_trainers_ddp_model_once(clock, monkeypatch)
         seen.append(candidates)
         return ddp
 
-    monkeypatch.setattr(diag.distributed, "find_ddp", find)
+    monkeypatch.setattr(diag.timing.comm, "find_ddp", find)
     cb = TimingCallback()
     monkeypatch.setattr(cb.timer, "watch_comm", watched.append)
     cb.trainer = SimpleNamespace(model_wrapped="wrapped")
@@ -208,7 +208,7 @@ def test_the_comm_hook_is_put_on_the_trainers_ddp_model_once(clock, monkeypatch)
     cb.timer.comm = Comm([])
     Run(cb, clock).call("on_train_begin")
     assert seen[1] == ("wrapped", None) and watched == [ddp]  # already watched
-    monkeypatch.setattr(diag.distributed, "find_ddp", lambda *c: None)
+    monkeypatch.setattr(diag.timing.comm, "find_ddp", lambda *c: None)
     other = TimingCallback()
     monkeypatch.setattr(other.timer, "watch_comm", watched.append)
     Run(other, clock).call("on_train_begin")
@@ -216,7 +216,7 @@ def test_the_comm_hook_is_put_on_the_trainers_ddp_model_once(clock, monkeypatch)
 
 
 def test_on_cuda_each_boundary_is_a_sync_point(clock, monkeypatch):
-    from diag import device as devices
+    from diag.machine import device as devices
 
     synced = []
     monkeypatch.setattr(devices, "sync", synced.append)

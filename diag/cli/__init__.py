@@ -1,0 +1,129 @@
+"""`python -m diag <experiment> [--key value ...]`: the notebooks' runs, without a notebook.
+
+Each experiment's flags are generated from its config dataclass, so the CLI and the notebooks
+share one set of names and defaults; `--quick` takes the test-sized variant. Runners return data
+(a DataFrame, or a dataclass of frames) and this module alone shows it, the same way for every
+experiment: the tables are printed (`--json` prints them as JSON instead), `--csv FILE` writes the
+main table, `--report` writes a run folder with the report. User errors (unknown flag, bad value,
+missing package or hardware) print one line and exit 2; set DIAG_DEBUG=1 to see the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from diag import config
+from diag.cli.flags import UsageError, build_parser
+from diag.cli.shutdown import exit_now
+from diag.cli.show import one_line, show
+from diag.secrets import redact
+
+
+@dataclass(frozen=True)
+class Experiment:
+    config: type[config.ExperimentConfig]
+    runner: str  # "module:function", imported only when the experiment runs
+    help: str
+    table: bool = True  # returns tables (--csv, --json, --report); False: returns a run folder
+
+
+EXPERIMENTS: dict[str, Experiment] = {
+    "info": Experiment(config.InfoConfig, "diag.machine.device:run_info",
+                       "what this machine is: accelerator, dense peak FLOP/s, CPU, RAM, disks"),
+    "toy": Experiment(config.ToyConfig, "diag.toy:run_toy",
+                      "a timed toy training loop: data_wait, h2d and compute per step"),
+    # -- storage --
+    "storage": Experiment(config.StorageConfig, "diag.storage:run_storage",
+                          "object-store pull vs local NVMe read, the re-pull tax, land() miss/hit"),
+    # -- model-load --
+    "model-load": Experiment(config.ModelLoadConfig, "diag.model_load:run_model_load",
+                             "fresh vs cached model load: download, read, quantize, to_device, "
+                             "tokenizer"),
+    # -- loader --
+    "loader": Experiment(config.LoaderConfig, "diag.loader:run_loader",
+                         "DataLoader num_workers sweep against a training step, fetch vs prep "
+                         "stalls, the hot lines of the naive preprocessing"),
+    # -- accum --
+    "accum": Experiment(config.AccumConfig, "diag.accum:run_accum",
+                        "grad accumulation at constant tokens per step: tokens/s, memory, "
+                        "MFU (cross-checked), the floor"),
+    # -- qlora --
+    "qlora": Experiment(config.QLoraConfig, "diag.qlora:run_qlora",
+                        "the QLoRA fine-tune (nf4 + LoRA, Trainer), naive vs optimized plan: "
+                        "stages, loss curves, predicted vs measured saving per fix"),
+    "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_diagnose",
+                      "the whole diagnosis on one source: every experiment, then the report",
+                      table=False),
+    "report": Experiment(config.ReportConfig, "diag.report:run_report",
+                         "re-render a run folder's figures and report.html from its CSVs",
+                         table=False),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    """Every experiment's sub-command, its flags made from its config."""
+    return build_parser(EXPERIMENTS, __doc__.split("\n")[0])
+
+
+def parse(argv: list[str]) -> tuple[str, config.ExperimentConfig, argparse.Namespace]:
+    args = parser().parse_args(argv)
+    if not args.experiment:
+        raise UsageError("python -m diag: name an experiment: " + ", ".join(EXPERIMENTS))
+    exp = EXPERIMENTS[args.experiment]
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(exp.config)
+                 if hasattr(args, f.name)}
+    cfg = exp.config.default(quick=True if args.quick else None, **overrides)
+    return args.experiment, cfg, args
+
+
+def run(name: str, cfg: config.ExperimentConfig) -> Any:
+    module, function = EXPERIMENTS[name].runner.split(":")
+    return getattr(importlib.import_module(module), function)(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if threading_main():
+        # SIGTERM (a timeout, a scheduler, `kill`) unwinds like Ctrl-C, so every `with` block
+        # runs its exit: local servers stop, partial files are removed
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        name, cfg, args = parse(argv)
+        result = run(name, cfg)
+    except (UsageError, ValueError, RuntimeError, OSError, ImportError,
+            subprocess.TimeoutExpired) as err:
+        own_module = isinstance(err, ModuleNotFoundError) and (err.name or "").startswith("diag")
+        if os.environ.get("DIAG_DEBUG") or own_module:  # a broken diag install is a bug, not usage
+            raise
+        if _this_rank_speaks(err):  # under a launcher: once, not one copy per rank
+            print(redact(one_line(err)), file=sys.stderr)
+        return 2
+    if _this_rank_speaks(None):  # only rank 0 prints and writes the run folder
+        show(name, cfg, result, args)
+    return 0
+
+
+def _this_rank_speaks(err: BaseException | None) -> bool:
+    from diag.timing.distributed import speaks
+
+    return speaks(err)
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def entry() -> typing.NoReturn:
+    """`python -m diag` and the `diag` script: main(), then an exit without teardown."""
+    exit_now(main())

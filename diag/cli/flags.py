@@ -1,0 +1,161 @@
+"""The command line's flags, generated from the config dataclasses: one `--flag` per field, its
+help the field's trailing comment, a `Literal` its choices, a list a comma-separated value."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from typing import Any
+
+
+class UsageError(Exception):
+    """A mistake in the command line: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # argparse's default prints usage + 2 lines
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _flag_type(hint: Any) -> dict[str, Any]:
+    """argparse kwargs for one dataclass field type; a Literal gives the flag its choices."""
+    origin = typing.get_origin(hint)
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _flag_type(args[0])
+    if origin is typing.Literal:
+        return {"type": type(args[0]), "choices": args, "metavar": "{" + ",".join(args) + "}"}
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if origin in (list, tuple):
+        item = args[0] if args else str
+        choices = typing.get_args(item) if typing.get_origin(item) is typing.Literal else ()
+        name = "{" + ",".join(choices) + "}" if choices else item.__name__.upper()
+        return {"type": _list_of(type(choices[0]) if choices else item, choices),
+                "metavar": f"{name},..."}
+    if hint in (int, float, str):
+        return {"type": hint, "metavar": hint.__name__.upper()}
+    return {"type": str, "metavar": "VALUE"}
+
+
+def _list_of(item: type, choices: tuple[Any, ...] = ()) -> Any:
+    def parse(text: str) -> list[Any]:
+        try:
+            values = [item(part.strip()) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a comma-separated list of {item.__name__}"
+            ) from None
+        wrong = [v for v in values if choices and v not in choices]
+        if wrong:
+            raise argparse.ArgumentTypeError(f"{wrong[0]!r} is not one of "
+                                             + ", ".join(map(str, choices)))
+        return values
+
+    parse.__name__ = f"list of {item.__name__}"
+    return parse
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each dataclass field's trailing comment: the config's one-line docs, read from source.
+
+    Comments, not field(metadata=...): the configs stay one readable line per field (literal
+    default, then why), and the help can never drift from the comment a reader sees. A comment
+    too long for one line goes on in comment-only lines right below the field, indented deeper
+    than the field; they are joined with single spaces.
+    """
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    docs: dict[str, str] = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for klass in reversed(cls.__mro__):  # a subclass's comment wins over its base's
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):  # no source (a frozen app, a class made at run time)
+            continue
+        lines = source.splitlines()
+        comments = {t.start[0]: t.string.lstrip("#").strip()
+                    for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                    if t.type == tokenize.COMMENT}
+        for node in ast.parse(source).body[0].body:  # type: ignore[attr-defined]
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                    and node.target.id in names:
+                end = node.end_lineno or node.lineno
+                text = comments.get(end) or comments.get(node.lineno)
+                if not text:
+                    continue
+                parts = [text]
+                # continuation lines: comment only, indented deeper than the field
+                for number in range(end + 1, len(lines) + 1):
+                    line = lines[number - 1]
+                    indent = len(line) - len(line.lstrip())
+                    if not line.lstrip().startswith("#") or indent <= node.col_offset:
+                        break
+                    parts.append(comments[number])
+                docs[node.target.id] = " ".join(p for p in parts if p)
+    return docs
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import diag
+
+    try:
+        installed = version("diag")
+    except PackageNotFoundError:
+        installed = diag.__version__
+    return f"diag {installed} (python {sys.version.split()[0]})"
+
+
+def _presets(cls: type) -> str:
+    """The sweep presets a config defines (QUICK is --quick; GPU, CPU, RUN: what `diag run`
+    applies), shown in --help so what runs is visible before it runs."""
+    found = {k: v for k, v in vars(cls).items() if k.isupper() and isinstance(v, dict) and v}
+    return "".join(f"; preset {k}{' (--quick)' if k == 'QUICK' else ''}: "
+                   + ", ".join(f"{f}={v}" for f, v in preset.items())
+                   for k, preset in found.items()).replace("%", "%%")
+
+
+def build_parser(experiments: dict[str, Any], description: str) -> _Parser:
+    """The parser of every experiment in `experiments` (name -> Experiment): one flag per config
+    field, with the field's comment as its help."""
+    parser = _Parser(prog="python -m diag", description=description)
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", parser_class=_Parser)
+    for name, exp in experiments.items():
+        p = sub.add_parser(name, help=exp.help, description=exp.help + _presets(exp.config))
+        p.add_argument("--quick", action="store_true",
+                       help="the test-sized variant (also DIAG_QUICK=1)")
+        if exp.table:  # the others write a run folder with every table instead
+            p.add_argument("--csv", metavar="FILE", help="also write the main result table to FILE")
+            p.add_argument("--json", action="store_true",
+                           help="print the result tables as JSON (for scripts) instead of text")
+            p.add_argument("--report", action="store_true",
+                           help="also write a run folder (CSVs, figures, report.html) under runs/")
+        hints = typing.get_type_hints(exp.config)
+        docs = field_docs(exp.config)
+        positional = getattr(exp.config, "POSITIONAL", ())
+        for f in dataclasses.fields(exp.config):
+            kwargs = _flag_type(hints[f.name])
+            doc = docs.get(f.name, "")
+            if f.name in positional:
+                p.add_argument(f.name, help=doc.replace("%", "%%"), **kwargs)
+                continue
+            default = _default(f)
+            shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+            text = f"{doc} (default: {shown!r})" if doc else f"default: {shown!r}"
+            p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
+                           help=text.replace("%", "%%"), **kwargs)  # argparse %-formats help
+    return parser

@@ -1,0 +1,96 @@
+"""What a finished command shows: its tables (or JSON), the main table as CSV, a run folder;
+an error as one line. The only place that prints a result."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+from typing import Any
+
+from diag import config
+from diag.cli.flags import UsageError
+from diag.secrets import redact, redact_frame
+
+
+def one_line(err: BaseException) -> str:
+    if isinstance(err, UsageError):
+        return str(err)
+    if isinstance(err, ModuleNotFoundError):
+        return (f"diag: this experiment needs the package {err.name!r}, which is not installed; "
+                "install the extras with: pip install -e '.[all]' (or run `make demo`)")
+    text = " ".join(str(err).split()) or type(err).__name__
+    return f"diag: {type(err).__name__}: {text}"
+
+
+def frames_of(name: str, result: Any) -> dict[str, Any]:
+    """A runner's result as named frames: a DataFrame is the experiment's table; a dataclass of
+    frames gives its first field that name and the others `<name>_<field>` (`advice` kept as is)."""
+    import pandas as pd
+
+    from diag.decision import Decision, frame
+    from diag.timing import STAGE_FRAME, is_stage_frame
+
+    key = name.replace("-", "_")
+    if isinstance(result, pd.DataFrame):
+        result = types.SimpleNamespace(frame=result)
+    elif not dataclasses.is_dataclass(result):
+        raise TypeError(f"{name}: a runner returns a DataFrame or a dataclass of frames, "
+                        f"not {type(result).__name__}")
+    out = {}
+    for i, (field, value) in enumerate(vars(result).items() if isinstance(
+            result, types.SimpleNamespace) else ((f.name, getattr(result, f.name))
+                                                 for f in dataclasses.fields(result))):
+        if isinstance(value, tuple) and value and all(isinstance(d, Decision) for d in value):
+            out["decisions"] = frame(value)  # one key whichever experiment decided
+        elif isinstance(value, pd.DataFrame) and is_stage_frame(value):
+            # the stage frame under one key, whichever command wrote it: the report's shares,
+            # findings and Amdahl curve read it there (`run` names the run, e.g. `toy`)
+            out[STAGE_FRAME] = value if "run" in value.columns else value.assign(run=key)
+        elif isinstance(value, pd.DataFrame):
+            out[key if i == 0 else field if field == "advice" else f"{key}_{field}"] = value
+    return out
+
+
+def show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    import pandas as pd
+
+    if isinstance(result, Path):  # a run folder: where it is and what it found
+        from diag import report
+
+        summary = report.load_summary(result)
+        top = summary.get("top_finding") or "nothing measured stands out"
+        print(redact(f"wrote {result / 'report.html'}\ntop finding: {top}"))
+        head = summary.get("headline") or report.headline(summary.get("stages") or [])
+        if head:
+            print(head["text"])
+        return
+    frames = frames_of(name, result)
+    if getattr(args, "csv", None):
+        redact_frame(next(iter(frames.values()))).to_csv(args.csv, index=False)
+    if getattr(args, "json", False):
+        print(redact(json.dumps({k: json.loads(f.to_json(orient="records"))
+                                 for k, f in frames.items()}, indent=1)))
+    else:
+        with pd.option_context("display.max_rows", 200, "display.width", 160,
+                               "display.max_colwidth", 80):
+            for key, frame in frames.items():
+                if key == "advice":
+                    lines = [f"{a.finding}: saves {a.seconds_saved:.3g} s per start ({a.evidence})"
+                             for a in frame.itertuples()]
+                    print("\n".join(["", "advice:", *lines]) if lines else "")
+                    continue
+                heading = f"\n{key}:\n" if len(frames) > 1 else ""
+                print(redact(heading + frame.to_string(index=False,
+                                                       float_format=lambda v: f"{v:.4g}")))
+    if getattr(args, "report", False):
+        from diag import report
+
+        advice = frames.pop("advice", None)
+        folder = report.write(frames, config=cfg.to_dict(), advice=advice)
+        print(redact(f"wrote {folder / 'report.html'}"),
+              file=sys.stderr if args.json else sys.stdout)

@@ -1,0 +1,2 @@
+"""What the machine is: the accelerator and its dense peak (device.py, gpus.py' table), GPU
+utilisation sampled during timed runs (gpu_util.py), the kind of every disk (disks.py)."""
