@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from diag.decision import DATA_WAIT_GOAL
+from diag.decision import DATA_WAIT_GOAL, FIXES
 from diag.timing import LOAD_PARTS, RUN_STAGES, STAGES, STEP_STAGES
 
 # Run-level stages that contain the step-level ones (their time is shown split into steps).
@@ -24,23 +24,6 @@ GPU_BOUND = ("compute", "warmup")
 # Share of step time above which data_wait is flagged, and above which it is noted.
 DATA_WAIT_FLAG = 0.10
 DATA_WAIT_NOTE = DATA_WAIT_GOAL  # under the loader's goal it is no finding
-
-# One fix per stage: what to do about it. A finding is emitted only with a measured number.
-FIXES = {
-    "fetch_data": "land the dataset on local NVMe once and reuse it (diag.storage.land)",
-    "load_model": "keep the HF cache on local NVMe (persistent HF_HOME) and set HF_HUB_OFFLINE=1",
-    "preprocess": "tokenize once and cache the result, or tokenize with several processes",
-    "setup": "the Trainer's own set-up (wrap, optimizer, data loader) is paid once per start",
-    "warmup": "warm-up is paid once per start; fewer restarts or a cached compile cut it",
-    "data_wait": "raise DataLoader num_workers, pin_memory=True, prefetch: the GPU waits on data",
-    "h2d": "pin host memory and copy with non_blocking=True to overlap the copy with compute",
-    "checkpoint": "checkpoint less often or asynchronously, to local disk first",
-    "eval": "evaluate less often or on a smaller split",
-    "comm_wait": "ranks wait at the gradient all-reduce for a late rank: fix the straggler's "
-                 "stage (diag.timing.stragglers), or overlap more of it (DDP bucket_cap_mb)",
-    "other": "look at per-step overhead outside data, copy and compute (logging, syncs)",
-    "compute": "a faster GPU, or a higher MFU (larger micro-batch, fused kernels, bf16)",
-}
 
 
 def _check(frame: pd.DataFrame) -> pd.DataFrame:

@@ -7,7 +7,8 @@ from the rows), `capped` (measured, then limited by what the job can run), `proj
 here against another device's estimated step) or `default` (no usable frame; a documented value).
 `Plan.optimized(decisions)` only collects them; nothing downstream re-reads raw columns.
 
-The thresholds every decision and check is judged by are defined here, once.
+The thresholds every decision and check is judged by are defined here, once, and so is the
+text of each fix (`FIXES`, by timer stage and by plan setting).
 """
 
 from __future__ import annotations
@@ -27,6 +28,39 @@ PREDICTION_TOLERANCE = 0.25  # |measured - predicted| above this share of predic
 MFU_DISAGREEMENT = 0.10  # formula vs FlopCounterMode FLOPs further apart than this are flagged
 CHECKPOINTING_HEADROOM = 0.5  # checkpointing stays on when the step's peak without it exceeds
 #                               this share of the memory it lives in (turning it off grows it)
+
+# What to do about a timer stage's share (amdahl's findings) and what changing a Plan setting
+# does (qlora.predict's rows; the change "a -> b" is built per run): one table, each text once
+# (a setting that is a stage's whole fix shares its text; loader and storage advice read it too).
+_LAND = "land the dataset on local NVMe once and reuse it (diag.storage.land)"
+_CACHE = "load the base from a persistent HF cache instead of downloading it"
+_TOKENS = ("tokenize once into a token cache and serve packed windows "
+           "(diag.data.build_token_cache + PackedDataset)")
+FIXES = {
+    "fetch_data": _LAND,
+    "load_model": f"{_CACHE}, on local NVMe (HF_HOME), with HF_HUB_OFFLINE=1",
+    "preprocess": "tokenize once and cache the result, or tokenize with several processes",
+    "setup": "the Trainer's own set-up (wrap, optimizer, data loader) is paid once per start",
+    "warmup": "warm-up is paid once per start; fewer restarts or a cached compile cut it",
+    "data_wait": "raise DataLoader num_workers, pin_memory=True, prefetch: the GPU waits on data",
+    "h2d": "pin host memory and copy with non_blocking=True to overlap the copy with compute",
+    "checkpoint": "checkpoint less often or asynchronously, to local disk first",
+    "eval": "evaluate less often or on a smaller split",
+    "comm_wait": "ranks wait at the gradient all-reduce for a late rank: fix the straggler's "
+                 "stage (diag.timing.stragglers), or overlap more of it (DDP bucket_cap_mb)",
+    "other": "look at per-step overhead outside data, copy and compute (logging, syncs)",
+    "compute": "a faster GPU, or a higher MFU (larger micro-batch, fused kernels, bf16)",
+    # Plan settings, in the order predict lists them
+    "fetch": _LAND,
+    "model_cache": _CACHE,
+    "pipeline": _TOKENS,
+    "num_workers": "DataLoader workers prepare the next batches during the step",
+    "pin_memory": "page-locked host batches for async host-to-device copies",
+    "persistent_workers": "workers started once, kept across epochs",
+    "prefetch_factor": "batches each worker prepares ahead",
+    "micro_batch": "larger micro-batch, fewer accumulation passes per step",
+    "gradient_checkpointing": "activations kept, not recomputed in the backward pass",
+}
 
 Basis = Literal["measured", "capped", "projected", "default"]
 BASES: tuple[str, ...] = ("measured", "capped", "projected", "default")

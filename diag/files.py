@@ -1,21 +1,27 @@
-"""File digests in one pass over the bytes, and the durable swap of a finished file or folder.
+"""File digests in one pass over the bytes, and the one way diag writes a file or folder whole.
 
 sha256 is what a landing manifest and a hub LFS ETag record; MD5 is what a single-part S3 ETag is;
 the git blob sha1 is what the hub calls a small file. `hashlib.file_digest` reads with a buffer
 of its own (no Python loop per chunk), so hashing runs at the speed of the hash, not of Python.
-`fsync_path` and `swap_in` are how every cache diag writes becomes whole or absent.
+`atomic_file` / `atomic_folder` write under one temporary name (`.<name>.tmp-<pid>-<8 hex>`),
+fsync and swap in, so a target is old or whole, never part; `sweep_orphans` removes the
+temporaries of writers that were killed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 ALGORITHMS = ("sha256", "md5", "sha1", "git-sha1")
+_TEMP = re.compile(r"\..+\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")  # temp_path's names
 
 
 class _Several:
@@ -68,14 +74,95 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def temp_path(target: str | os.PathLike[str]) -> Path:
+    """`.<name>.tmp-<pid>-<8 hex>` beside target: hidden from a listing of finished files,
+    unique per writer, and its pid tells `sweep_orphans` whether the writer still runs."""
+    target = Path(target)
+    return target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """`with atomic_file(path) as tmp:` write tmp (any way: open, np.save, os.open); on a clean
+    exit it is fsynced and renamed over path, on an error removed. path is the old file or the
+    whole new one, never a part. The rename itself is made durable by fsync_path(path.parent),
+    where a caller needs that order (land(): data files before their manifest)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        yield tmp
+        fsync_path(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike[str], *, replace: bool = True) -> Iterator[Path]:
+    """`with atomic_folder(path) as tmp:` fill the new empty folder tmp; on a clean exit every
+    file in it is fsynced and it is swapped in (swap_in), on an error removed. replace=False
+    keeps a folder already at path and drops this one: content-addressed folders, where a
+    concurrent writer of the same content won."""
+    path = Path(path)
+    tmp = temp_path(path)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        for folder, _, names in os.walk(tmp):  # the bytes are on disk before the name is
+            for name in names:
+                fsync_path(os.path.join(folder, name))
+            fsync_path(folder)
+        if replace:
+            swap_in(tmp, path)
+        else:
+            try:
+                os.rename(tmp, path)
+            except OSError:
+                if not path.is_dir():
+                    raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def swap_in(tmp: str | os.PathLike[str], folder: str | os.PathLike[str]) -> None:
-    """Replace `folder` by the finished `tmp` beside it: the old one is renamed aside first, so a
-    reader sees the old folder or the new one, never a mix of the two."""
+    """Replace `folder` by the finished `tmp` beside it: the old one is renamed aside first (a
+    temp_path, swept if this process dies before removing it), so a reader sees the old folder
+    or the new one, never a mix of the two."""
     tmp, folder = Path(tmp), Path(folder)
     old = None
     if folder.exists():
-        old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:8]}")
+        old = temp_path(folder)
         os.rename(folder, old)
     os.rename(tmp, folder)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def sweep_orphans(folder: str | os.PathLike[str]) -> None:
+    """Remove the temporaries (temp_path's names) in folder whose writer no longer runs: a
+    process killed mid-write. A live writer's are kept. Pids are this machine's: a folder that
+    writers on several machines share needs a lock around its writes (land() holds one)."""
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        found = _TEMP.fullmatch(entry.name)
+        if found is None or _alive(int(found["pid"])):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):  # another sweep got there first
+                os.unlink(entry.path)

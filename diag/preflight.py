@@ -20,11 +20,10 @@ if TYPE_CHECKING:
 def check_source(cfg: SourceConfig, data: bool = True) -> int:
     """List --source with every source flag; returns the objects found. data=True (the job
     trains on them) also asks for at least one JSONL / Parquet object."""
-    from diag.storage.objectstore import S3Url, list_remote, make_client, parse_url
+    from diag.storage.objectstore import S3Url, list_remote, parse_url, source_client
 
     url = parse_url(cfg.source)
-    client = make_client(cfg.endpoint_url, retries=cfg.retries, profile=cfg.profile,
-                         region=cfg.region, unsigned=not cfg.sign_request)
+    client = source_client(cfg)
     objects = list_remote(client, url)
     if url.is_prefix and not objects:
         raise ValueError(f"--source={cfg.source!r}: nothing under this prefix; name a prefix "

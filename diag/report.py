@@ -1,7 +1,7 @@
 """A run folder a person can open: one CSV per experiment, summary.json, PNG figures, report.html.
 
 `write(frames)` makes `runs/<UTC timestamp>/` (never overwriting a run: it is assembled in a
-hidden `.partial` folder and renamed into place only when complete), then `render()` draws the
+hidden temporary folder and renamed into place only when complete), then `render()` draws the
 figures and the self-contained HTML page from the CSVs, so `python -m diag report DIR` re-renders
 any folder the same way. `load(DIR)` reads the frames back with their dtypes.
 """
@@ -14,7 +14,6 @@ import html
 import json
 import os
 import platform
-import shutil
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import pandas as pd
 
 from diag import amdahl, plots
+from diag.files import atomic_file, atomic_folder
 from diag.timing import stragglers
 from diag.secrets import redact, redact_frame
 from diag.timing import STAGE_FRAME  # the key of the StageTimer frames the shares come from
@@ -71,11 +71,7 @@ def write(frames: dict[str, pd.DataFrame], out: str | os.PathLike[str] | None = 
     if not frames:
         raise ValueError("frames is empty: nothing to report")
     final = _new_folder(out)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    partial = final.parent / f".{final.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    try:
+    with atomic_folder(final) as partial:  # the run appears whole or not at all
         all_frames = dict(frames)
         if info is not None:
             all_frames["info"] = info
@@ -86,12 +82,6 @@ def write(frames: dict[str, pd.DataFrame], out: str | os.PathLike[str] | None = 
         summary = _summary(all_frames, config or {})
         (partial / "summary.json").write_text(redact(json.dumps(summary, indent=2, default=str)))
         render(partial)
-        if final.exists():
-            final.rmdir()  # empty (checked above); rename needs it gone
-        os.rename(partial, final)  # the run appears whole or not at all
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return final.resolve()
 
 
@@ -229,9 +219,8 @@ def render(folder: str | os.PathLike[str]) -> Path:
         fig.savefig(path, dpi=110)
         images[name] = base64.b64encode(path.read_bytes()).decode("ascii")
     page = _html(summary, frames, images)
-    tmp = folder / "report.html.tmp"
-    tmp.write_text(redact(page), encoding="utf-8")
-    os.replace(tmp, folder / "report.html")
+    with atomic_file(folder / "report.html") as tmp:
+        tmp.write_text(redact(page), encoding="utf-8")
     return folder / "report.html"
 
 

@@ -101,3 +101,33 @@ def test_the_users_cache_is_byte_identical_after_every_scenario_and_a_moved_ref(
     # with --repair-cache the user lets diag write: the cache then follows the hub
     run_model_load(cfg.replace(scenarios=["cached"], repair_cache=True))
     assert hfcache.snapshot_folder(user, REPO).name == new_commit
+
+
+def test_the_jobs_persistent_cache_is_the_one_model_load_reads(hub, tmp_path, monkeypatch):
+    import dataclasses
+
+    from diag.config import QLoraConfig
+    from diag.qlora import Plan
+    from diag.qlora.job import model_folder, open_sources
+
+    server, _, _ = hub
+    user = tmp_path / "user-cache"
+    monkeypatch.setenv("HF_HUB_CACHE", str(user))
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    cfg = QLoraConfig.quick(model=REPO, source="s3://diag/data.jsonl")  # no --cache-dir: theirs
+    with pytest.raises(RuntimeError, match=rf"^{REPO}@main is not in your HF cache at {user} ") \
+            as err:
+        with open_sources(cfg):
+            pass
+    assert "\n" not in str(err.value) and not user.exists()  # refused before anything, one line
+    with open_sources(cfg.replace(plan="naive")):  # the naive plan never reads it
+        pass
+    got = run_worker({"mode": "download", "model": REPO, "revision": "main",
+                      "cache_dir": str(user), "local_dir": ""}, {**os.environ})
+    assert "error" not in got  # the user's `hf download`, before diag
+    before = tree(user)
+    persistent = dataclasses.replace(Plan.naive(), model_cache="persistent")
+    with open_sources(cfg) as src:
+        assert src.cache_dir == cache_dir_for(cfg) == user and src.read_only
+        folder = model_folder(persistent, src, tmp_path / "work")
+    assert folder == hfcache.snapshot_folder(user, REPO) and tree(user) == before

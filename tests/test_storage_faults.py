@@ -56,7 +56,7 @@ def test_dropped_connection_leaves_nothing_then_retry_is_byte_identical(s3, tmp_
             land(url, tmp_path, client=client_for(s3, proxy.url), retries=1)
         assert proxy.url in str(err.value) and url in str(err.value)
         assert not final.exists() and not manifest.exists()
-        assert leftovers(tmp_path) == []  # no partial file either (nor s3transfer's temp file)
+        assert leftovers(tmp_path) == []  # no partial file either
     finally:
         proxy.close()
     proxy = Proxy(s3.port, cut_after=SIZE // 3, cuts=3)
@@ -181,7 +181,7 @@ def test_sigkill_mid_download_is_not_taken_for_a_hit(s3, tmp_path):
         land({url!r}, {str(tmp_path)!r}, client=client)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
-    prefix = f"{final.name}.partial-{proc.pid}"  # s3transfer writes <prefix>.<random> first
+    prefix = f".{final.name}.tmp-{proc.pid}-"  # diag.files.temp_path's name for it
     partials = lambda: [p for p in tmp_path.rglob(prefix + "*")]  # noqa: E731
     try:
         deadline = time.perf_counter() + 30

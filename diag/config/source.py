@@ -37,9 +37,9 @@ class SourceConfig(ExperimentConfig):
     model: str = ""  # your model: "org/name" on HF_ENDPOINT or the hub, or a
                      # local folder with weights; "" = the embedded tiny Llama
     revision: str = "main"  # branch, tag or commit of a hub --model
-    cache_dir: str = ""  # HF hub cache for --model; "": model-load reads your
-                         # HF_HUB_CACHE for a hub id (read only), the QLoRA
-                         # job and the embedded model use <DIAG_HOME>/hf-cache
+    cache_dir: str = ""  # HF hub cache for --model, what model-load measures and
+                         # the QLoRA job reads; "": a hub id's is your HF_HUB_CACHE
+                         # (read only), the embedded model's <DIAG_HOME>/hf-cache
     repair_cache: bool = False  # model-load: True re-downloads cached files
                                 # that fail their checksum (and may write to
                                 # your HF cache); False stops and reports them

@@ -3,20 +3,20 @@
 `ensure_assets()` makes the small synthetic instruction dataset and the tiny Llama model and
 publishes the model into a hub root that `HubServer` serves; `embedded_dataset(size_mb, shards)`
 makes a synthetic dataset of any size for the object-store experiment. Each is written under a
-temporary name and renamed, or completed by a marker written last, so an interrupted make is
-never mistaken for a finished one.
+temporary name and renamed (diag.files), or completed by a marker written last, so an interrupted
+make is never mistaken for a finished one, and what a killed one left is swept before the next.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from diag.config import diag_home
 from diag.embedded.hub import publish_model
+from diag.files import atomic_file, atomic_folder, sweep_orphans
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4},  # ~1.6 MB, about a second
@@ -53,12 +53,15 @@ def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "t
         return assets
     from diag.embedded.synth import synthetic_dataset, tiny_model
 
+    for folder in (base, base / "models"):  # what a killed make left half-written
+        sweep_orphans(folder)
     if not assets.dataset.is_file():
         synthetic_dataset(assets.dataset, target_mb=DATASET_MB, seed=0)
     tiny_model(assets.model_dir, dataset=assets.dataset, **MODEL_SIZES[model])
     commit = publish_model(assets.model_dir, assets.hub_root, assets.repo_id)
-    marker.write_text(json.dumps({"commit": commit,
-                                  **{k: str(v) for k, v in vars(assets).items()}}))
+    with atomic_file(marker) as tmp:
+        tmp.write_text(json.dumps({"commit": commit,
+                                   **{k: str(v) for k, v in vars(assets).items()}}))
     return assets
 
 
@@ -68,16 +71,13 @@ def embedded_dataset(size_mb: float, shards: int = 1) -> Path:
 
     base = diag_home() / "storage"
     name = f"synthetic-{size_mb:g}mb"
+    path = base / (f"{name}.jsonl" if shards == 1 else f"{name}-{shards}shards")
+    if path.exists():
+        return path
+    sweep_orphans(base)  # what a killed make left half-written
     if shards == 1:
-        path = base / f"{name}.jsonl"
-        return path if path.is_file() else synthetic_dataset(path, target_mb=size_mb, seed=0)
-    folder = base / f"{name}-{shards}shards"
-    if folder.is_dir():
-        return folder
-    tmp = base / f".{folder.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for i in range(shards):
-        synthetic_dataset(tmp / f"shard-{i:05d}.jsonl", target_mb=size_mb / shards, seed=i)
-    os.replace(tmp, folder)
-    return folder
+        return synthetic_dataset(path, target_mb=size_mb, seed=0)
+    with atomic_folder(path, replace=False) as tmp:  # seeded: a concurrent make's is the same
+        for i in range(shards):
+            synthetic_dataset(tmp / f"shard-{i:05d}.jsonl", target_mb=size_mb / shards, seed=i)
+    return path

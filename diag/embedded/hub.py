@@ -17,12 +17,11 @@ import os
 import re
 import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from diag.files import file_digests, git_blob_sha1
+from diag.files import atomic_file, atomic_folder, file_digests, git_blob_sha1
 
 
 _HOST = "127.0.0.1"
@@ -89,8 +88,8 @@ def publish_model(
     repo = root / repo_id
     final = repo / "commits" / commit
     if not final.exists():
-        tmp = final.with_name(f".tmp-{commit}-{uuid.uuid4().hex[:8]}")
-        try:
+        # content-addressed: a concurrent publish of the same content that won is identical
+        with atomic_folder(final, replace=False) as tmp:
             for rel in manifest["files"]:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 try:
@@ -98,18 +97,8 @@ def publish_model(
                 except OSError:
                     shutil.copy2(src / rel, tmp / rel)
             (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1))
-            os.rename(tmp, final)
-        except OSError:
-            if not final.exists():
-                raise
-            # a concurrent publish of the same content won the rename: identical, so fine
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    refs = repo / "refs"
-    refs.mkdir(parents=True, exist_ok=True)
-    tmp_ref = refs / f".tmp-{uuid.uuid4().hex[:8]}"
-    tmp_ref.write_text(commit)
-    os.replace(tmp_ref, refs / quote(revision, safe=""))
+    with atomic_file(repo / "refs" / quote(revision, safe="")) as tmp_ref:
+        tmp_ref.write_text(commit)
     return commit
 
 

@@ -13,13 +13,11 @@ import itertools
 import json
 import os
 import random
-import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from diag.files import swap_in
+from diag.files import atomic_file, atomic_folder
 
 _ADJECTIVES = (
     "quick lazy bright quiet heavy small large ancient modern red blue green yellow silver golden "
@@ -139,8 +137,8 @@ def synthetic_dataset(
 ) -> Path:
     """Write JSONL with exactly `records` lines, or the first lines reaching `target_mb` (10^6 B).
 
-    Atomic: written to a temporary file beside `path`, fsynced, then renamed, so a reader never
-    sees a partial file and an interrupted run leaves only a `.tmp-*` file behind.
+    Atomic (diag.files.atomic_file): written beside `path` under a temporary name, fsynced, then
+    renamed, so a reader never sees a partial file.
     """
     if (records is None) == (target_mb is None):
         raise ValueError("give exactly one of records=<lines> or target_mb=<megabytes>")
@@ -151,25 +149,17 @@ def synthetic_dataset(
     if target_mb is not None:
         _check_positive("target_mb", target_mb)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     limit = None if target_mb is None else int(target_mb * _MB)
     written = 0
-    try:
-        # a large buffer: this is the hot loop when making a multi-GB file
-        with open(tmp, "w", encoding="utf-8", buffering=4 << 20) as f:
-            encode = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps's output, once
-            for rec in synthetic_records(records, seed):
-                line = encode(rec) + "\n"
-                f.write(line)
-                written += len(line) if line.isascii() else len(line.encode("utf-8"))
-                if limit is not None and written >= limit:
-                    break
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # a large buffer: this is the hot loop when making a multi-GB file
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8", buffering=4 << 20) as f:
+        encode = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps's output, once
+        for rec in synthetic_records(records, seed):
+            line = encode(rec) + "\n"
+            f.write(line)
+            written += len(line) if line.isascii() else len(line.encode("utf-8"))
+            if limit is not None and written >= limit:
+                break
     return path
 
 
@@ -186,11 +176,6 @@ def _training_texts(dataset: str | os.PathLike[str] | None, limit: int, seed: in
         for line in itertools.islice(f, limit):
             rec = json.loads(line)
             yield f"{rec['instruction']}\n{rec['input']}\n{rec['output']}"
-
-
-def _atomic_dir(out_dir: Path) -> Path:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    return out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def tiny_model(
@@ -230,8 +215,7 @@ def tiny_model(
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     out_dir = Path(out_dir)
-    tmp = _atomic_dir(out_dir)
-    try:
+    with atomic_folder(out_dir) as tmp:
         specials = ["<unk>", "<s>", "</s>", "<pad>"]
         tok = Tokenizer(models.BPE(unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -264,8 +248,4 @@ def tiny_model(
             torch.manual_seed(seed)
             model = LlamaForCausalLM(config)
         model.save_pretrained(tmp, safe_serialization=True)
-        swap_in(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

@@ -14,8 +14,8 @@ from typing import Any
 
 import pandas as pd
 
-from diag.decision import (DATA_WAIT_GOAL, DATA_WAIT_NEAR_BEST, DATA_WAIT_NEAR_BEST_S, Decision,
-                           MeasuredOn)
+from diag.decision import (DATA_WAIT_GOAL, DATA_WAIT_NEAR_BEST, DATA_WAIT_NEAR_BEST_S, FIXES,
+                           Decision, MeasuredOn)
 
 COLUMNS = ["pipeline", "recommended_workers", "data_wait_share", "baseline_workers",
            "baseline_share", "per_sample_ms", "per_batch_ms", "step_ms", "workers_needed",
@@ -150,8 +150,7 @@ def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], run_steps: int
     if fill == fill:
         evidence += (f"; naive batches are {1 - fill:.0%} padding, compute a packed step "
                      "does not waste")
-    return [{"stage": "data_wait", "finding": "tokenize once into a token cache and serve packed "
-             "windows (diag.data.build_token_cache + PackedDataset)",
+    return [{"stage": "data_wait", "finding": FIXES["pipeline"],
              "seconds_saved": max(float(saved), 0.0), "evidence": evidence}] if saved > 0 else []
 
 

@@ -156,7 +156,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
         cached = not local and hfcache.snapshot_folder(cache_dir, src.model, src.revision)
         read_only = src.user_cache and not cfg.repair_cache
         if read_only and not cached and any(s != "fresh" for _, s in plan):
-            raise not_in_user_cache(src, cache_dir)
+            raise not_in_user_cache(src.model, src.revision, cache_dir)
         moved = ""
         if read_only and cached:  # every load reads the cached commit; a moved ref is said
             src, moved = pin_to_cache(src, cache_dir)

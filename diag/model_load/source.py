@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diag.config import ModelLoadConfig, diag_home
+from diag.config import ModelLoadConfig, SourceConfig, diag_home
 from diag.model_load import hfcache
 from diag.secrets import redact
 
@@ -58,14 +58,19 @@ def user_hub_cache() -> Path:
     return Path(hub_constants().HF_HUB_CACHE)
 
 
-def cache_dir_for(cfg: ModelLoadConfig) -> Path:
-    """The HF hub cache of the cached scenarios: --cache-dir; else a hub id's user cache; else
-    (the embedded model, a folder) <DIAG_HOME>/hf-cache."""
-    if cfg.cache_dir:
+def user_cache(cfg: SourceConfig) -> bool:
+    """cache_dir_for(cfg) is the user's own HF cache (a hub id, no --cache-dir): diag reads it
+    and writes nothing to it unless --repair-cache."""
+    return not cfg.cache_dir and bool(cfg.model) and not Path(cfg.model).expanduser().is_dir()
+
+
+def cache_dir_for(cfg: SourceConfig | None = None) -> Path:
+    """The persistent HF hub cache: what the cached scenarios read, and the QLoRA job's
+    persistent plan. --cache-dir; else a hub id's: the user's cache; else (the embedded model,
+    cfg None, a folder) <DIAG_HOME>/hf-cache."""
+    if cfg is not None and cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
-    if cfg.model and not Path(cfg.model).expanduser().is_dir():
-        return user_hub_cache()
-    return diag_home() / "hf-cache"
+    return user_hub_cache() if cfg is not None and user_cache(cfg) else diag_home() / "hf-cache"
 
 
 @contextlib.contextmanager
@@ -125,7 +130,7 @@ def pin_to_cache(src: Source, cache_dir: Path) -> tuple[Source, str]:
     the hub's revision has moved past the cached commit ('' otherwise)."""
     folder = hfcache.snapshot_folder(cache_dir, src.model, src.revision)
     if folder is None:
-        raise not_in_user_cache(src, cache_dir)
+        raise not_in_user_cache(src.model, src.revision, cache_dir)
     files = tuple(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
                          if p.is_file() or p.is_symlink()))
     commit, why = hub_commit(src)
@@ -186,11 +191,11 @@ def failure(result: dict[str, Any], src: Source, cache_dir: Path, timeout_s: flo
     return RuntimeError(redact(text))
 
 
-def not_in_user_cache(src: Source, cache_dir: Path) -> RuntimeError:
+def not_in_user_cache(model: str, revision: str, cache_dir: Path) -> RuntimeError:
     return RuntimeError(redact(
-        f"{src.model}@{src.revision} is not in your HF cache at {cache_dir} (HF_HUB_CACHE); "
+        f"{model}@{revision} is not in your HF cache at {cache_dir} (HF_HUB_CACHE); "
         "diag reads your cache and writes nothing to it unless you pass --repair-cache: fill "
-        f"it with `hf download {src.model}`, or pass --repair-cache to let diag download into "
+        f"it with `hf download {model}`, or pass --repair-cache to let diag download into "
         "it, or --cache-dir DIR for a cache of diag's own"))
 
 

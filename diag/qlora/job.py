@@ -41,15 +41,23 @@ class Sources:
     model: str  # hub repo id, or a local folder (nothing to download)
     endpoint: str | None  # hub endpoint; None = HF_ENDPOINT or the real hub
     revision: str = "main"  # of a hub model
-    cache_dir: str = ""  # the persistent HF cache the optimized plan reads; "" = DIAG_HOME's
+    cache_dir: Path | None = None  # the persistent HF cache the optimized plan reads
+                                   # (diag.model_load.cache_dir_for); None = the embedded model's
+    read_only: bool = False  # cache_dir is your own HF cache: read, never written
 
 
 @contextlib.contextmanager
 def open_sources(cfg: QLoraConfig) -> Iterator[Sources]:
-    """The user's bucket and model, or the embedded S3 server and hub (started, then stopped)."""
+    """The user's bucket and model, or the embedded S3 server and hub (started, then stopped).
+    A hub id the optimized plan would read from your own HF cache, which lacks it, is refused
+    here, before anything starts (as model-load refuses it)."""
+    from diag.model_load import cache_dir_for, not_in_user_cache, snapshot_folder, user_cache
+    from diag.storage import source_client
     from diag.timing.distributed import root_first
-    from diag.storage import make_client
 
+    cache, read_only = cache_dir_for(cfg), user_cache(cfg) and not cfg.repair_cache
+    if read_only and cfg.plan != "naive" and not snapshot_folder(cache, cfg.model, cfg.revision):
+        raise not_in_user_cache(cfg.model, cfg.revision, cache)
     if not (cfg.source and cfg.model):
         from diag.embedded import ensure_assets
 
@@ -57,16 +65,14 @@ def open_sources(cfg: QLoraConfig) -> Iterator[Sources]:
             ensure_assets()
     with contextlib.ExitStack() as stack:
         if cfg.source:  # every source flag reaches the client (SourceConfig)
-            url, client = cfg.source, make_client(
-                cfg.endpoint_url, retries=cfg.retries, profile=cfg.profile, region=cfg.region,
-                unsigned=not cfg.sign_request)
+            url, client = cfg.source, source_client(cfg)
         else:
             from diag.embedded import S3Server, ensure_assets
 
             s3 = stack.enter_context(S3Server())
             register(s3.secret_key)
             s3.upload(ensure_assets().dataset, "qlora/dataset.jsonl")
-            url, client = f"s3://{s3.bucket}/qlora/dataset.jsonl", s3.client()
+            url, client = f"s3://{s3.bucket}/qlora/dataset.jsonl", source_client(cfg, s3)
         if cfg.model:
             model, endpoint = cfg.model, None
             if Path(cfg.model).expanduser().is_dir():  # checked for weights by SourceConfig
@@ -77,7 +83,7 @@ def open_sources(cfg: QLoraConfig) -> Iterator[Sources]:
             assets = ensure_assets()
             hub = stack.enter_context(HubServer(assets.hub_root))
             model, endpoint = assets.repo_id, hub.endpoint
-        yield Sources(url, client, model, endpoint, cfg.revision, cfg.cache_dir)
+        yield Sources(url, client, model, endpoint, cfg.revision, cache, read_only)
 
 
 def fetch_data(plan: Plan, src: Sources, work: Path) -> Path:
@@ -97,7 +103,7 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from diag.model_load import ALLOW_PATTERNS
+    from diag.model_load import ALLOW_PATTERNS, cache_dir_for, not_in_user_cache
 
     if Path(src.model).is_dir():  # a local model: read where it is, in both plans
         return Path(src.model)
@@ -105,12 +111,14 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
               "revision": src.revision}
     if plan.model_cache == "empty":
         return Path(snapshot_download(src.model, cache_dir=work / "hf-cache", **kwargs))
-    # --cache-dir, else the one diag.model_load's cached scenarios fill
-    cache = Path(src.cache_dir).expanduser() if src.cache_dir else diag_home() / "hf-cache"
+    cache = src.cache_dir or cache_dir_for()  # the one diag.model_load's cached scenarios read
     try:
         return Path(snapshot_download(src.model, cache_dir=cache, local_files_only=True,
                                       **kwargs))
-    except LocalEntryNotFoundError:  # the first start fills it; every later one reads it
+    except LocalEntryNotFoundError:
+        if src.read_only:
+            raise not_in_user_cache(src.model, src.revision, cache) from None
+        # diag's own cache: the first start fills it; every later one reads it
         return Path(snapshot_download(src.model, cache_dir=cache, **kwargs))
 
 

@@ -23,25 +23,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from diag.decision import PREDICTION_TOLERANCE, by_setting
+from diag.decision import FIXES, PREDICTION_TOLERANCE, by_setting
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from diag.qlora.plans import Plan
 
-# What each setting's fix does, by setting; the change itself ("a -> b") is built per run.
-FIXES = {
-    "fetch": "land the dataset once (diag.storage.land), not a pull every start",
-    "model_cache": "load the base from a persistent HF cache instead of downloading it",
-    "pipeline": "tokenize once into a cached token file, packed rows (no padding)",
-    "num_workers": "DataLoader workers prepare the next batches during the step",
-    "pin_memory": "page-locked host batches for async host-to-device copies",
-    "persistent_workers": "workers started once, kept across epochs",
-    "prefetch_factor": "batches each worker prepares ahead",
-    "micro_batch": "larger micro-batch, fewer accumulation passes per step",
-    "gradient_checkpointing": "activations kept, not recomputed in the backward pass",
-}
 RUN_STAGES = ("fetch_data", "load_model", "preprocess", "warmup", "train", "checkpoint")
 COMPUTE_ORDER = ("micro_batch", "gradient_checkpointing")  # the chain's order (then packing)
 COLUMNS = ["setting", "change", "finding", "stage", "predicted_s", "per_step_s", "evidence"]

@@ -25,8 +25,8 @@ from diag.config import STORAGE_PULLS as PULLS
 from diag.decision import Decision, MeasuredOn
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
-from diag.storage.objectstore import (MB, RemoteObject, S3Url, list_remote, make_client, parse_url,
-                                      remote_error, usable_cores)
+from diag.storage.objectstore import (MB, RemoteObject, S3Url, list_remote, parse_url,
+                                      remote_error, source_client)
 from diag.storage.tax import advice, storage_tax
 from diag.storage.transfer import describe, download_all
 from diag.timing import median_seconds
@@ -80,8 +80,7 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
 def open_source(cfg: StorageConfig) -> Iterator[tuple[str, Any, dict[str, str]]]:
     """(url, client, env for s5cmd): the user's source, or the embedded server with a dataset."""
     if cfg.source:
-        client = make_client(cfg.endpoint_url, retries=cfg.retries, max_pool=2 * usable_cores(),
-                             profile=cfg.profile, region=cfg.region, unsigned=not cfg.sign_request)
+        client = source_client(cfg)
         env = dict(os.environ)  # s5cmd reads the same settings from the environment
         for name, value in (("AWS_ENDPOINT_URL", cfg.endpoint_url), ("AWS_PROFILE", cfg.profile),
                             ("AWS_REGION", cfg.region)):
@@ -105,11 +104,7 @@ def open_source(cfg: StorageConfig) -> Iterator[tuple[str, Any, dict[str, str]]]
         register(s3.secret_key)
         key = f"storage/{data.name}" + ("/" if data.is_dir() else "")
         s3.upload(data, key)
-        client = make_client(s3.endpoint_url, retries=cfg.retries, max_pool=2 * usable_cores(),
-                             credentials={"aws_access_key_id": s3.access_key,
-                                          "aws_secret_access_key": s3.secret_key,
-                                          "region_name": s3.region})
-        yield f"s3://{s3.bucket}/{key}", client, {**os.environ, **s3.env()}
+        yield f"s3://{s3.bucket}/{key}", source_client(cfg, s3), {**os.environ, **s3.env()}
 
 
 def s5cmd_path() -> str | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from diag.config import VERIFY_MODES
-from diag.files import file_sha256, fsync_path
+from diag.files import atomic_file, file_sha256, fsync_path, sweep_orphans
 from diag.storage.crc import file_crc
 from diag.storage.objectstore import S3Url, list_remote, make_client, parse_url, usable_cores
 from diag.storage.transfer import download_all
@@ -65,29 +65,6 @@ def _locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_stale_partials(folders: set[Path]) -> None:
-    """Partials of processes that died (killed mid-download) are never resumed or trusted:
-    `<name>.partial-<pid>` and s3transfer's `<name>.partial-<pid>.<random>` it renames from."""
-    for folder in folders:
-        if not folder.is_dir():
-            continue
-        for entry in os.scandir(folder):
-            name, _, rest = entry.name.rpartition(".partial-")
-            pid = rest.split(".")[0]
-            if name and pid.isdigit() and not _alive(int(pid)):
-                os.unlink(entry.path)
 
 
 def check_free(folder: Path, needed: int, url: S3Url) -> None:
@@ -153,7 +130,8 @@ def _land(u: S3Url, cache_dir: Path, client: Any, verify: str,
     with _locked(manifest_path.with_name(manifest_path.name + ".lock")):
         remote = list_remote(client, u)
         dests = {o.key: _dest(u, local, o.key) for o in remote}
-        _remove_stale_partials({d.parent for d in dests.values()} | {manifest_path.parent})
+        for folder in {d.parent for d in dests.values()} | {manifest_path.parent}:
+            sweep_orphans(folder)  # a killed landing's partial files are never resumed or trusted
         try:
             old = json.loads(manifest_path.read_text())
             known = {e["key"]: e for e in old["objects"]} if old.get("url") == str(u) else {}
@@ -184,13 +162,10 @@ def _land(u: S3Url, cache_dir: Path, client: Any, verify: str,
                                 "digest": digest, "checks": checks}
         for key in set(known) - set(dests):  # shards gone from the prefix: drop our old copies
             _dest(u, local, key).unlink(missing_ok=True)
-        tmp = manifest_path.with_name(f"{manifest_path.name}.partial-{os.getpid()}")
-        tmp.write_text(json.dumps({"url": str(u), "bytes": total,
-                                   "objects": [entries[o.key] for o in remote]}, indent=1))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
         for folder in {d.parent for d in dests.values()}:
             fsync_path(folder)  # the renamed data files are durable before the manifest is
-        os.replace(tmp, manifest_path)
+        with atomic_file(manifest_path) as tmp:
+            tmp.write_text(json.dumps({"url": str(u), "bytes": total,
+                                       "objects": [entries[o.key] for o in remote]}, indent=1))
         fsync_path(manifest_path.parent)
         return False, total, needed, len(remote), local

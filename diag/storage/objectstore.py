@@ -2,17 +2,23 @@
 
 `transfer_plan()` picks one GET or a few large ranged parts from the object size and the cores
 this process may use; `make_client()` leaves retries, profile and region to the user's AWS
-configuration unless told otherwise. Errors name the URL, the endpoint and the flag or variable
+configuration unless told otherwise, and `source_client(cfg)` builds it from a SourceConfig's
+flags. Errors name the URL, the endpoint and the flag or variable
 that fixes them, never a secret. The download itself (s3transfer, then diag's checks) is in
 diag.storage.transfer; `land()` in diag.storage.landing builds on both.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from diag.machine.device import usable_cores  # noqa: F401  transfer_plan's cores; re-exported
 from diag.secrets import aws_client_made, redact, register
+
+if TYPE_CHECKING:
+    from diag.config import SourceConfig
 
 MB = 1_000_000  # decimal megabytes, like network and disk rates
 
@@ -141,6 +147,20 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
     client = session.client("s3", config=Config(**options), **kwargs)
     register_url_secret(client.meta.endpoint_url)  # AWS_ENDPOINT_URL or the profile's
     return client
+
+
+def source_client(cfg: SourceConfig, server: Any = None) -> Any:
+    """The client of cfg.source with every source flag (--endpoint-url, --profile, --region,
+    --no-sign-request, --retries), pooled for land()'s 2 x usable_cores() connections; with
+    `server` (the embedded S3Server standing in for an empty --source), its endpoint and keys
+    with the same retries and pool. The one place a client is built from a config."""
+    pool = 2 * usable_cores()
+    if server is not None:
+        return make_client(server.endpoint_url, retries=cfg.retries, max_pool=pool, credentials={
+            "aws_access_key_id": server.access_key, "aws_secret_access_key": server.secret_key,
+            "region_name": server.region})
+    return make_client(cfg.endpoint_url, retries=cfg.retries, max_pool=pool, profile=cfg.profile,
+                       region=cfg.region, unsigned=not cfg.sign_request)
 
 
 def remote_error(err: Exception, url: str | S3Url, client: Any) -> RuntimeError:

@@ -13,6 +13,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from diag.config import STORAGE_PULLS as PULLS
+from diag.decision import FIXES
 from diag.storage.objectstore import MB, transfer_plan
 
 if TYPE_CHECKING:
@@ -93,10 +94,9 @@ def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame
             hit_s = base["dataset_gb"] * 1000 / rate
             hit_note = f"; a verified hit reads it once from local disk at {rate:.0f} MB/s (cold)"
     rows = [{"stage": "fetch_data",
-             "finding": "land the dataset on local NVMe once and reuse it (diag.storage.land; or "
-                        "`s5cmd sync` / `aws s3 sync` to local NVMe, Mountpoint for S3 with its "
-                        "local cache `mount-s3 --cache /nvme/cache`, FSx for Lustre linked to the "
-                        "bucket)",
+             "finding": f"{FIXES['fetch_data']}; or with `s5cmd sync` / `aws s3 sync` to "
+                        "local NVMe, Mountpoint for S3 with its local cache `mount-s3 --cache "
+                        "/nvme/cache`, FSx for Lustre linked to the bucket",
              "seconds_saved": max(0.0, base["seconds_per_run"] - hit_s),
              "evidence": base["evidence"] + hit_note}]
     if frame is not None:

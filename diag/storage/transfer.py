@@ -1,11 +1,12 @@
 """Download one object with the engine the benchmark times (s3transfer), then diag's own checks.
 
 `download()` runs boto3's `download_fileobj` with the TransferConfig of `transfer_plan()` into a
-partial file beside the destination while diag.storage.checks hashes the bytes as they land (the
-MD5 of a single-part ETag, the full-object CRC or the composite multipart CRC the store keeps,
-and the whole file's CRC the manifest records), then checks the size against the listing and
-the hashes, fsyncs and renames: the final path is whole or absent. It returns the file's digest
-('<crc>:<base64>') and a line saying what was checked, which land() writes into the manifest.
+temporary file beside the destination while diag.storage.checks hashes the bytes as they land
+(the MD5 of a single-part ETag, the full-object CRC or the composite multipart CRC the store
+keeps, and the whole file's CRC the manifest records), then checks the size against the listing
+and the hashes; diag.files.atomic_file fsyncs and renames: the final path is whole or absent.
+It returns the file's digest ('<crc>:<base64>') and a line saying what was checked, which land()
+writes into the manifest.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from diag.files import atomic_file
 from diag.storage import checks
 from diag.secrets import redact
 from diag.storage.objectstore import (RemoteObject, TransferPlan, md5_checkable, remote_error,
@@ -86,46 +88,46 @@ def download(client: Any, bucket: str, obj: RemoteObject, dest: Path, *, plan: T
 
 def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan: TransferPlan,
                    retries: int | None, expected: checks.Expected) -> tuple[str, str]:
-    partial = dest.with_name(f"{dest.name}.partial-{os.getpid()}")
-    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    stream = checks.Stream(fd, expected, obj.size)
     try:
-        try:
-            _transfer(client, bucket, obj, stream.sink, plan, retries)
-        except BaseException:
-            stream.abandon()
-            raise
-        size = os.fstat(fd).st_size
-        if size != obj.size:
-            stream.abandon()
-            raise RuntimeError(redact(
-                f"s3://{bucket}/{obj.key} (endpoint {client.meta.endpoint_url}): landed {size} "
-                f"bytes, the listing says {obj.size}: nothing was kept; run again (an object "
-                "replaced since it was listed is listed again)"))
-        # the rename below must never publish bytes still only in memory: fsync waits on the
-        # disk while the tail of the check hashes the last bytes from the page cache
-        with ThreadPoolExecutor(1) as pool:
-            synced = pool.submit(os.fsync, fd)
+        # s3transfer writes into this file (download_fileobj, not download_file), so it makes
+        # no temporary file of its own: the one temporary name is atomic_file's
+        with atomic_file(dest) as partial:
+            fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                digest, checked = _verdict(client, bucket, obj, partial, stream.finish())
+                return _fill(client, bucket, obj, fd, partial, plan, retries, expected)
             finally:
-                synced.result()
-        os.close(fd)
-        fd = -1
-        os.replace(partial, dest)
+                os.close(fd)
     except OSError as err:
-        partial.unlink(missing_ok=True)
         if err.errno == errno.ENOSPC:
             raise RuntimeError(f"s3://{bucket}/{obj.key}: the disk holding {dest.parent} filled "
                                "up during the download; nothing partial was kept") from None
         raise
+
+
+def _fill(client: Any, bucket: str, obj: RemoteObject, fd: int, partial: Path,
+          plan: TransferPlan, retries: int | None, expected: checks.Expected) -> tuple[str, str]:
+    """s3transfer writes the object into fd while checks.Stream hashes it; (digest, checked)."""
+    stream = checks.Stream(fd, expected, obj.size)
+    try:
+        _transfer(client, bucket, obj, stream.sink, plan, retries)
     except BaseException:
-        partial.unlink(missing_ok=True)
+        stream.abandon()
         raise
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    return digest, checked
+    size = os.fstat(fd).st_size
+    if size != obj.size:
+        stream.abandon()
+        raise RuntimeError(redact(
+            f"s3://{bucket}/{obj.key} (endpoint {client.meta.endpoint_url}): landed {size} "
+            f"bytes, the listing says {obj.size}: nothing was kept; run again (an object "
+            "replaced since it was listed is listed again)"))
+    # fsync waits on the disk while the tail of the check hashes the last bytes from the page
+    # cache (atomic_file's own fsync before the rename then finds nothing left to write)
+    with ThreadPoolExecutor(1) as pool:
+        synced = pool.submit(os.fsync, fd)
+        try:
+            return _verdict(client, bucket, obj, partial, stream.finish())
+        finally:
+            synced.result()
 
 
 def _transfer(client: Any, bucket: str, obj: RemoteObject, sink: Any, plan: TransferPlan,
