@@ -24,6 +24,7 @@ import pandas as pd
 
 from diag import amdahl, plots
 from diag.config import DiagnoseConfig
+from diag.runner import Stopped
 from diag.secrets import redact, redact_frame
 
 PLANS = ("both", "naive", "optimized")
@@ -231,7 +232,6 @@ def run_panel(p: Panel) -> None:
     """What Run does (in the calling thread): the diagnosis, each step's view drawn into its
     Output as it arrives; a failed step gets one line and the others go on; Stop ends it."""
     from diag.diagnose import run_diagnose
-    from diag.runner import Stopped
 
     p.run.disabled, p.stop.disabled = True, False
     try:
@@ -304,8 +304,6 @@ def start(p: Panel) -> None:
 def request_stop(p: Panel) -> None:
     """The Stop button: no further step starts, and the running one ends at its next Python
     line (an asynchronous Stopped in the run's thread; its `finally` blocks clean up)."""
-    from diag.runner import Stopped
-
     p.stop_event.set()
     with p.lock:
         if p.interruptible and p.thread is not None and p.thread.is_alive():
