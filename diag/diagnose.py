@@ -1,48 +1,147 @@
 """The whole diagnosis on the embedded defaults (or the user's source): `python -m diag run`.
 
-It measures what this machine is, pulls the dataset from the object store and lands it
-(diag.storage), loads the model fresh and cached (diag.model_load), then measures the QLoRA job's
-own step (diag.qlora.measure): micro-batch x grad-accum of the nf4 + LoRA model, checkpointing on
-vs off, and the DataLoader sweep consuming that step; then runs the job twice (diag.qlora): the
-naive plan as a newcomer runs it, the optimized plan collected from the decisions above.
-(`qlora=False` runs the toy loop instead, the loader against the GPU being considered, with the
-measured fetch and load costs on its timer.) Writes the run folder.
-
-`STEPS` is the one list of steps: run_diagnose runs the enabled ones in order, each returning its
-product (an experiment's result), and the widget panel (diag.widgets) reads the same list.
+The machine, the data's and the model's starts (diag.storage, diag.model_load), the QLoRA job's
+own step measured (diag.qlora.measure), then the job run naive and optimized (diag.qlora);
+`qlora=False`: the toy loop instead. `_recipe` reads top to bottom, each step's product assigned
+into one frozen `Diagnosis` (diag.runner: progress, Stop, on_error); `STEPS` names each step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pandas as pd
 from tqdm.auto import tqdm
 
 from diag import report
-from diag.config import DiagnoseConfig, InfoConfig, QLoraConfig, ToyConfig
-from diag.machine.device import on_cpu_threads
-from diag.timing import STAGE_FRAME, StageTimer, is_stage_frame, median_seconds
+from diag.config import (AccumConfig, DiagnoseConfig, InfoConfig, LoaderConfig, ModelLoadConfig,
+                         QLoraConfig, StorageConfig, ToyConfig)
+from diag.decision import by_setting
+from diag.frames import folder_frames
+from diag.machine.device import on_cpu_threads, resolve, run_info
+from diag.runner import Runner, Step
+from diag.timing import StageTimer, median_seconds
+
+if TYPE_CHECKING:
+    from diag.accum import AccumResult
+    from diag.loader import LoaderResult
+    from diag.model_load import ModelLoadResult
+    from diag.qlora import QLoraResult
+    from diag.qlora.checkpointing import CheckpointingResult
+    from diag.qlora.measure import JobInputs
+    from diag.storage import StorageResult
 
 RUNS = ("naive", "optimized")
-Products = dict[str, Any]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Step:
-    """One step of the diagnosis: `run(cfg, products so far)` returns its product, kept under
-    `key` (its frames are stored as key, key_<field>)."""
+class Diagnosis:
+    """Each step's product, in the order the steps run; None: not run, or failed (on_error)."""
 
-    name: str  # what the progress bar and the panel show
-    key: str
-    run: Callable[[DiagnoseConfig, Products], Any]
-    enabled: Callable[[DiagnoseConfig], bool] = lambda cfg: True
+    info: pd.DataFrame | None = None  # what the machine is
+    storage: StorageResult | None = None
+    model_load: ModelLoadResult | None = None
+    job: JobInputs | None = None  # the QLoRA job's landed data, cached model, rows per step
+    accum: AccumResult | None = None  # on the job's step (qlora=False: the tiny model's)
+    checkpointing: CheckpointingResult | None = None
+    loader: LoaderResult | None = None  # on the job's step (qlora=False: projected)
+    qlora: QLoraResult | None = None  # the job under both plans
+    loader_projected: LoaderResult | None = None  # on a CPU box: against target_gpu's step
+    runs: pd.DataFrame | None = None  # qlora=False: the toy loop's two runs (StageTimer rows)
+    accum_advice: pd.DataFrame | None = None  # the faster split, priced on the runs' compute
+
+
+INFO = Step("device facts", "info")
+STORAGE = Step("storage", "storage")
+MODEL_LOAD = Step("model load", "model_load")
+JOB = Step("the job's inputs", "job")
+ACCUM = Step("grad-accum sweep", "accum")
+CHECKPOINTING = Step("checkpointing", "checkpointing")
+LOADER = Step("data loader", "loader")
+QLORA = Step("naive vs optimized QLoRA", "qlora")
+LOADER_PROJECTED = Step("data loader against target_gpu (projected)", "loader_projected")
+LOADER_TOY = Step("data loader (projected)", "loader")
+ACCUM_TOY = Step("grad-accum sweep (tiny model)", "accum")
+TOY_RUNS = Step("naive vs optimized run", "runs")
+ACCUM_ADVICE = Step("grad-accum advice", "accum_advice")
+STEPS = (INFO, STORAGE, MODEL_LOAD, JOB, ACCUM, CHECKPOINTING, LOADER, QLORA, LOADER_PROJECTED,
+         LOADER_TOY, ACCUM_TOY, TOY_RUNS, ACCUM_ADVICE)  # every step, in the panel's order
+
+# run(diagnosis, step, make): make() is the step's product, assigned into step.field (Runner)
+Run = Callable[[Diagnosis, Step, Callable[[], Any]], Diagnosis]
+
+
+def _recipe(cfg: DiagnoseConfig, run: Run) -> Diagnosis:
+    """The diagnosis, top to bottom: the machine, the data's and the model's starts, the job's
+    own measurements and its runs (or the toy loop), then the grad-accum advice."""
+    d = run(Diagnosis(), INFO, lambda: run_info(InfoConfig.default(quick=_quick(cfg))))
+    if cfg.storage:
+        d = run(d, STORAGE, lambda: _storage(cfg))
+    if cfg.model_load:
+        d = run(d, MODEL_LOAD, lambda: _model_load(cfg))
+    d = _on_job(cfg, run, d) if cfg.qlora else _toy(cfg, run, d)
+    if cfg.accum:  # after the runs: its advice is priced on their compute
+        d = run(d, ACCUM_ADVICE, lambda: _accum_advice(cfg, d))
+    return d
+
+
+def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis) -> Diagnosis:
+    """The QLoRA job's own measurements, then its runs. Its sources (the embedded S3 server and
+    hub, or the user's bucket and model) are opened by the first step that reads them and closed
+    when the runs end, on Stop or an error too: one start of the embedded servers."""
+    from diag.qlora.job import open_sources
+    from diag.qlora.measure import accum_on_job, checkpointing_on_job, job_inputs, loader_on_job
+
+    job = job_config(cfg)  # once: every step below measures or runs this job
+    with contextlib.ExitStack() as stack:
+        # opened once, by the first step that calls src() (a failed open: the next one retries)
+        src = functools.cache(lambda: stack.enter_context(open_sources(job)))
+        d = run(d, JOB, lambda: job_inputs(job, src()))
+        # before the runs: the optimized plan collects these decisions, measured on the job
+        if cfg.accum:
+            d = run(d, ACCUM, lambda: accum_on_job(job, _need(d.job, JOB)))
+        d = run(d, CHECKPOINTING,
+                lambda: checkpointing_on_job(job, _need(d.job, JOB), _micro(d)))
+        if cfg.loader:
+            d = run(d, LOADER, lambda: loader_on_job(job, _need(d.job, JOB), _micro(d)))
+        d = run(d, QLORA, lambda: _qlora(job, d, src()))
+    # on a CPU box, also: would this loader keep up with the GPU being considered (projected)
+    if cfg.loader and not cfg.quick_experiments and resolve(cfg.device).type == "cpu":
+        d = run(d, LOADER_PROJECTED, lambda: _loader_toy(cfg))
+    return d
+
+
+def _toy(cfg: DiagnoseConfig, run: Run, d: Diagnosis) -> Diagnosis:
+    """qlora=False: the loader against the GPU being considered, the tiny model's grad-accum
+    sweep, and the toy loop's two runs with the measured fetch and load costs on their timers."""
+    if cfg.loader:
+        d = run(d, LOADER_TOY, lambda: _loader_toy(cfg))
+    if cfg.accum:
+        d = run(d, ACCUM_TOY, lambda: _accum_toy(cfg))
+    return run(d, TOY_RUNS, lambda: training_runs(cfg, run_level(d.storage, d.model_load)))
+
+
+def steps(cfg: DiagnoseConfig) -> list[Step]:
+    """The steps cfg enables, in order: the recipe walked by a runner that runs none of them, so
+    which steps run and in what order is written once, in the recipe."""
+    walked: list[Step] = []
+    _recipe(cfg, lambda d, step, make: walked.append(step) or d)
+    return walked
+
+
+def _need(product: T | None, step: Step) -> T:
+    """An earlier step's product a step reads; that step failed (its error shown) or did not run."""
+    if product is None:
+        raise RuntimeError(f"needs {step.name!r}, which did not finish")
+    return product
 
 
 def _quick(cfg: DiagnoseConfig) -> bool | None:
@@ -51,32 +150,22 @@ def _quick(cfg: DiagnoseConfig) -> bool | None:
 
 def job_config(cfg: DiagnoseConfig) -> QLoraConfig:
     """The QLoRA job the diagnosis measures and runs; the panel's sweep values go to its sweeps."""
-    sweeps = {k: v for k, v in (("sweep_workers", list(cfg.workers)),
-                                ("sweep_micro_batches", list(cfg.micro_batches))) if v}
+    given = {"sweep_workers": list(cfg.workers), "sweep_micro_batches": list(cfg.micro_batches),
+             "records": cfg.records, "steps": cfg.job_steps, "seq_len": cfg.seq_len}
     preset = {} if cfg.quick_experiments else QLoraConfig.RUN
-    sized = {k: v for k, v in (("records", cfg.records), ("steps", cfg.job_steps),
-                                ("seq_len", cfg.seq_len)) if v}
     return QLoraConfig.default(quick=_quick(cfg), device=cfg.device, plan=cfg.plan,
                                on_error=cfg.on_error, **cfg.source_kwargs(),
-                               **(preset | sweeps | sized))
+                               **(preset | {k: v for k, v in given.items() if v}))
 
 
-def _info(cfg: DiagnoseConfig, got: Products) -> pd.DataFrame:
-    from diag.machine.device import run_info
-
-    return run_info(InfoConfig.default(quick=_quick(cfg)))
-
-
-def _storage(cfg: DiagnoseConfig, got: Products) -> Any:
-    from diag.config import StorageConfig
+def _storage(cfg: DiagnoseConfig) -> StorageResult:
     from diag.storage import run_storage
 
     preset = {} if cfg.quick_experiments else StorageConfig.RUN  # the embedded dataset's size
     return run_storage(StorageConfig.default(quick=_quick(cfg), **cfg.source_kwargs(), **preset))
 
 
-def _model_load(cfg: DiagnoseConfig, got: Products) -> Any:
-    from diag.config import ModelLoadConfig
+def _model_load(cfg: DiagnoseConfig) -> ModelLoadResult:
     from diag.model_load import run_model_load
 
     # quick: the two scenarios the runs need; full: all four, for every advice row
@@ -85,74 +174,28 @@ def _model_load(cfg: DiagnoseConfig, got: Products) -> Any:
                                                   **quick))
 
 
-# -- measured on the QLoRA job ------------------------------------------------------------------
-class JobSources:
-    """The job's sources (the embedded S3 server and hub, or the user's bucket and model), opened
-    by the first step that reads them and closed when the diagnosis ends: the job's inputs and
-    its runs read the same ones (one start of the embedded servers)."""
-
-    def __init__(self, stack: contextlib.ExitStack) -> None:
-        self._stack, self._src = stack, None
-
-    def __call__(self, cfg: DiagnoseConfig) -> Any:
-        if self._src is None:
-            from diag.qlora.job import open_sources
-
-            self._src = self._stack.enter_context(open_sources(job_config(cfg)))
-        return self._src
-
-
-SOURCES = "sources"  # their key among the products (no frames: the run folder never has it)
-
-
-def _job(cfg: DiagnoseConfig, got: Products) -> Any:
-    from diag.qlora.measure import job_inputs
-
-    return job_inputs(job_config(cfg), got[SOURCES](cfg) if SOURCES in got else None)
-
-
-def _accum_on_job(cfg: DiagnoseConfig, got: Products) -> Any:
-    from diag.qlora.measure import accum_on_job
-
-    return accum_on_job(job_config(cfg), got["job"])
-
-
-def _micro(got: Products) -> int:
-    from diag.decision import by_setting
+def _micro(d: Diagnosis) -> int:
+    """The micro-batch the job's measurements run at: the sweep's choice, else the plan's fit."""
     from diag.qlora.plans import Plan
 
-    if "accum" in got:
-        return int(by_setting(got["accum"].decisions)["micro_batch"].value)
-    return Plan.optimized(device=str(got["job"].device)).fit(got["job"].rows_per_step).micro_batch
+    if d.accum is not None:
+        return int(by_setting(d.accum.decisions)["micro_batch"].value)
+    job = _need(d.job, JOB)
+    return Plan.optimized(device=str(job.device)).fit(job.rows_per_step).micro_batch
 
 
-def _checkpointing(cfg: DiagnoseConfig, got: Products) -> Any:
-    from diag.qlora.measure import checkpointing_on_job
-
-    return checkpointing_on_job(job_config(cfg), got["job"], _micro(got))
-
-
-def _loader_on_job(cfg: DiagnoseConfig, got: Products) -> Any:
-    from diag.qlora.measure import loader_on_job
-
-    return loader_on_job(job_config(cfg), got["job"], _micro(got))
-
-
-def _qlora(cfg: DiagnoseConfig, got: Products) -> Any:
+def _qlora(job: QLoraConfig, d: Diagnosis, src: Any) -> QLoraResult:
     """The QLoRA job under both plans; the optimized one collects the decisions above."""
     from diag.qlora import run_qlora
 
-    measured = {k: got[k] for k in ("loader", "accum", "checkpointing") if k in got}
+    measured = {"loader": d.loader, "accum": d.accum, "checkpointing": d.checkpointing,
+                "storage": d.storage, "model_load": d.model_load}
     # storage and model_load as frames: the run's predictions read their rows too
-    measured |= {k: got[k].frame for k in ("storage", "model_load") if k in got}
-    return run_qlora(job_config(cfg), results=measured,
-                     src=got[SOURCES](cfg) if SOURCES in got else None)
+    return run_qlora(job, results={k: r.frame if k in ("storage", "model_load") else r
+                                   for k, r in measured.items() if r is not None}, src=src)
 
 
-# -- the toy loop (qlora=False) -------------------------------------------------------------------
-def _loader_toy(cfg: DiagnoseConfig, got: Products) -> Any:
-    from diag.config import LoaderConfig
-    from diag.machine.device import resolve
+def _loader_toy(cfg: DiagnoseConfig) -> LoaderResult:
     from diag.loader import run_loader
 
     # On a CPU box the question is whether this loader would keep up with the GPU being
@@ -162,19 +205,17 @@ def _loader_toy(cfg: DiagnoseConfig, got: Products) -> Any:
         sweep["gpu"] = cfg.target_gpu
     if cfg.workers:
         sweep["workers"] = list(cfg.workers)
-    got_ = run_loader(LoaderConfig.default(quick=_quick(cfg), device=cfg.device,
-                                           run_steps=cfg.steps, **sweep))
+    got = run_loader(LoaderConfig.default(quick=_quick(cfg), device=cfg.device,
+                                          run_steps=cfg.steps, **sweep))
     if "gpu" not in sweep:
-        return got_
+        return got
     projected = tuple(d if d.basis == "default" else dataclasses.replace(d, basis="projected")
-                      for d in got_.decisions)
-    return dataclasses.replace(got_, decisions=projected)
+                      for d in got.decisions)
+    return dataclasses.replace(got, decisions=projected)
 
 
-def _accum_toy(cfg: DiagnoseConfig, got: Products) -> Any:
+def _accum_toy(cfg: DiagnoseConfig) -> AccumResult:
     from diag.accum import run_accum
-    from diag.config import AccumConfig
-    from diag.machine.device import resolve
 
     cuda = resolve(cfg.device).type == "cuda"
     preset = {} if cfg.quick_experiments else AccumConfig.GPU if cuda else AccumConfig.CPU
@@ -182,80 +223,37 @@ def _accum_toy(cfg: DiagnoseConfig, got: Products) -> Any:
     return run_accum(AccumConfig.default(quick=_quick(cfg), device=cfg.device, **sweep))
 
 
-def _toy_runs(cfg: DiagnoseConfig, got: Products) -> pd.DataFrame:
-    return training_runs(cfg, run_level(got))
-
-
-def _accum_advice(cfg: DiagnoseConfig, got: Products) -> pd.DataFrame:
+def _accum_advice(cfg: DiagnoseConfig, d: Diagnosis) -> pd.DataFrame:
     """Ranked beside the other stages as the fraction of the naive run's compute the faster
     split saves (the sweep's own seconds are for its model, not this run's)."""
     from diag.accum import advice
 
-    run = frames(got)[STAGE_FRAME]
-    compute = float(run.loc[(run["run"] == RUNS[0]) & (run["stage"] == "compute"), "seconds"].sum())
-    steps = got["qlora"].frame["steps"].max() if "qlora" in got else cfg.steps
-    return advice(got["accum"].summary, int(steps), compute_s=compute)
+    ran = _need(d.qlora, QLORA).stages if cfg.qlora else _need(d.runs, TOY_RUNS)
+    compute = float(ran.loc[(ran["run"] == RUNS[0]) & (ran["stage"] == "compute"), "seconds"].sum())
+    steps = d.qlora.frame["steps"].max() if d.qlora is not None else cfg.steps
+    accum = _need(d.accum, ACCUM if cfg.qlora else ACCUM_TOY)
+    return advice(accum.summary, int(steps), compute_s=compute)
 
 
-def _on_cpu(cfg: DiagnoseConfig) -> bool:
-    from diag.machine.device import resolve
-
-    return resolve(cfg.device).type == "cpu"
-
-
-def _qlora_on(cfg: DiagnoseConfig) -> bool:
-    return cfg.qlora
-
-
-STEPS: tuple[Step, ...] = (
-    Step("device facts", "info", _info),
-    Step("storage", "storage", _storage, lambda c: c.storage),
-    Step("model load", "model_load", _model_load, lambda c: c.model_load),
-    Step("the job's inputs", "job", _job, _qlora_on),
-    # before the runs: the optimized plan collects these decisions, measured on the job
-    Step("grad-accum sweep", "accum", _accum_on_job, lambda c: c.qlora and c.accum),
-    Step("checkpointing", "checkpointing", _checkpointing, _qlora_on),
-    Step("data loader", "loader", _loader_on_job, lambda c: c.qlora and c.loader),
-    Step("naive vs optimized QLoRA", "qlora", _qlora, _qlora_on),
-    # on a CPU box, also: would this loader keep up with the GPU being considered (projected)
-    Step("data loader against target_gpu (projected)", "loader_projected", _loader_toy,
-         lambda c: c.qlora and c.loader and not c.quick_experiments and _on_cpu(c)),
-    Step("data loader (projected)", "loader", _loader_toy, lambda c: not c.qlora and c.loader),
-    Step("grad-accum sweep (tiny model)", "accum", _accum_toy,
-         lambda c: not c.qlora and c.accum),
-    Step("naive vs optimized run", "runs", _toy_runs, lambda c: not c.qlora),
-    # after the runs: its advice is priced on their compute
-    Step("grad-accum advice", "accum_advice", _accum_advice, lambda c: c.accum),
-)
-
-
-def steps(cfg: DiagnoseConfig) -> list[Step]:
-    """The steps cfg enables, in order."""
-    return [s for s in STEPS if s.enabled(cfg)]
-
-
-def run_level(got: Products) -> dict[str, dict[str, float]]:
+def run_level(storage: StorageResult | None, model_load: ModelLoadResult | None
+              ) -> dict[str, dict[str, float]]:
     """Per toy run, the run-level stage seconds the experiments measured: a naive start re-pulls
     with boto3's defaults and downloads the model; an optimized one finds the landed copy (a
     verified land() hit) and the warm cache."""
-    out: dict[str, dict[str, float]] = {r: {} for r in RUNS}
-    storage, load = (getattr(got.get(k), "frame", None) for k in ("storage", "model_load"))
-    for run, fetch, scenario in (("naive", {"method": "boto3_default"}, "fresh"),
-                                 ("optimized", {"method": "land", "cache_state": "hit"},
-                                  "cached")):
-        for stage, seconds in (("fetch_data", median_seconds(storage, **fetch)),
-                               ("load_model", median_seconds(load, scenario=scenario,
-                                                             part="load_model"))):
-            if seconds is not None:
-                out[run][stage] = seconds
-    return out
+    pulled, loaded = getattr(storage, "frame", None), getattr(model_load, "frame", None)
+    measured = {
+        "naive": {"fetch_data": median_seconds(pulled, method="boto3_default"),
+                  "load_model": median_seconds(loaded, scenario="fresh", part="load_model")},
+        "optimized": {"fetch_data": median_seconds(pulled, method="land", cache_state="hit"),
+                      "load_model": median_seconds(loaded, scenario="cached", part="load_model")}}
+    return {run: {stage: s for stage, s in seconds.items() if s is not None}
+            for run, seconds in measured.items()}
 
 
 def training_runs(cfg: DiagnoseConfig, run_level: dict[str, dict[str, float]] | None = None
                   ) -> pd.DataFrame:
     """The naive and the optimized toy run in one frame (`run` column); run_level seconds are
     recorded on each run's timer before its steps."""
-    from diag.machine.device import resolve
     from diag.toy import run_toy
 
     device = resolve(cfg.device)
@@ -270,82 +268,42 @@ def training_runs(cfg: DiagnoseConfig, run_level: dict[str, dict[str, float]] | 
     return pd.concat(out, ignore_index=True)
 
 
-def frames(got: Products) -> dict[str, pd.DataFrame]:
-    """The products as the run folder's frames: a result's first frame under its key, the others
-    as key_<field>, a StageTimer frame under the one stage key, every decision in `decisions`."""
-    from diag.decision import frame
-
-    out: dict[str, pd.DataFrame] = {}
-    for key, product in got.items():
-        if key in ("info", "accum_advice") or not (
-                isinstance(product, pd.DataFrame) or dataclasses.is_dataclass(product)):
-            continue
-        fields = ([("frame", product)] if isinstance(product, pd.DataFrame) else
-                  [(f.name, getattr(product, f.name)) for f in dataclasses.fields(product)])
-        for i, (name, value) in enumerate(fields):
-            if not isinstance(value, pd.DataFrame) or name == "advice" or value.empty:
-                continue
-            label = STAGE_FRAME if is_stage_frame(value) else key if i == 0 else f"{key}_{name}"
-            out[label] = value
-    decisions = [d for p in got.values() for d in getattr(p, "decisions", ())]
-    if decisions:
-        out["decisions"] = frame(decisions)
-    return out
+def frames(d: Diagnosis, order: list[Step]) -> dict[str, pd.DataFrame]:
+    """The run folder's frames (diag.frames), in the order the steps ran; the device facts and
+    the advice rows are report.write's own arguments."""
+    return folder_frames((s.field, getattr(d, s.field)) for s in order
+                         if s not in (INFO, ACCUM_ADVICE) and getattr(d, s.field) is not None)
 
 
-def advice(got: Products) -> pd.DataFrame | None:
-    rows = [got[k].advice for k in ("storage", "model_load", "loader") if k in got]
-    rows += [got["accum_advice"]] if "accum_advice" in got else []
-    rows = [a for a in rows if not a.empty]
+def advice(d: Diagnosis) -> pd.DataFrame | None:
+    rows = [r.advice for r in (d.storage, d.model_load, d.loader) if r is not None]
+    rows = [a for a in [*rows, d.accum_advice] if a is not None and not a.empty]
     return pd.concat(rows, ignore_index=True) if rows else None
 
 
-OnResult = Callable[[Step, dict[str, pd.DataFrame]], None]
-OnError = Callable[[Step, Exception], None]
-
-
-class Stopped(BaseException):
-    """The diagnosis was stopped (the panel's Stop); a BaseException so that no step's error
-    handling swallows it. Nothing is written: a run folder appears whole or not at all."""
-
-
 @on_cpu_threads
-def run_diagnose(cfg: DiagnoseConfig | None = None, on_result: OnResult | None = None,
-                 stop: threading.Event | None = None, on_error: OnError | None = None) -> Path:
+def run_diagnose(cfg: DiagnoseConfig | None = None,
+                 on_result: Callable[[Step, dict[str, pd.DataFrame]], None] | None = None,
+                 stop: threading.Event | None = None,
+                 on_error: Callable[[Step, Exception], None] | None = None) -> Path:
     """Run the diagnosis and write the report; returns the run folder.
 
     on_result(step, frames measured so far) is called after each step, so a panel
     (diag.widgets) can draw each experiment's figure as it arrives; the CLI passes none.
-    stop: checked before each step; once set, raises Stopped. on_error(step name, error): a step
-    that raises is handed to it and the other steps go on (without it the error propagates).
+    stop: checked before each step; once set, raises diag.runner.Stopped. on_error(step, error):
+    a step that raises is handed to it and the other steps go on (without it, it propagates).
     """
     from diag.preflight import preflight
 
     cfg = cfg or DiagnoseConfig.default()
     preflight(cfg, out=cfg.out, data=cfg.qlora)  # flags checked before the first experiment
-    with contextlib.ExitStack() as stack:
-        got: Products = {SOURCES: JobSources(stack)}
-        _run_steps(cfg, got, on_result, stop, on_error)
-    del got[SOURCES]
-    return report.write(frames(got), cfg.out or None, config=cfg.to_dict(), info=got.get("info"),
-                        advice=advice(got))
+    order = steps(cfg)  # the job's config too: a bad one is refused before the first step
 
+    def measured(step: Step, d: Diagnosis) -> None:
+        # (info is absent only when the device-facts step failed under on_error)
+        on_result(step, frames(d, order) | ({"info": d.info} if d.info is not None else {}))
 
-def _run_steps(cfg: DiagnoseConfig, got: Products, on_result: OnResult | None,
-               stop: threading.Event | None, on_error: OnError | None) -> None:
-    with tqdm(steps(cfg), desc="diag run", unit="step") as bar:
-        for step in bar:
-            if stop is not None and stop.is_set():
-                raise Stopped(f"stopped before {step.name}")
-            bar.set_postfix_str(step.name)
-            try:
-                got[step.key] = step.run(cfg, got)
-            except Exception as error:
-                if on_error is None:
-                    raise
-                on_error(step, error)
-                continue
-            if on_result is not None:
-                # (info is absent only when the device-facts step failed under on_error)
-                on_result(step, dict(frames(got), **({"info": got["info"]} if "info" in got
-                                                      else {})))
+    with tqdm(total=len(order), desc="diag run", unit="step") as bar:
+        d = _recipe(cfg, Runner(bar, measured if on_result else None, stop, on_error))
+    return report.write(frames(d, order), cfg.out or None, config=cfg.to_dict(), info=d.info,
+                        advice=advice(d))

@@ -24,6 +24,7 @@ import pandas as pd
 
 from diag import amdahl, plots
 from diag.config import DiagnoseConfig
+from diag.runner import Stopped
 from diag.secrets import redact, redact_frame
 
 PLANS = ("both", "naive", "optimized")
@@ -59,7 +60,7 @@ def _amdahl(frames: dict[str, pd.DataFrame]) -> list[Any]:
     return [amdahl.findings(frames["run"]), plots.plot_amdahl(table)]
 
 
-# product key (diag.diagnose.Step.key) -> what the panel shows once that step has measured
+# Diagnosis field (diag.diagnose.STEPS) -> what the panel shows once its step has measured
 VIEWS: dict[str, View] = {
     "info": lambda f: [f["info"]],
     "storage": _storage,
@@ -146,7 +147,7 @@ class Panel:
         """run_diagnose's on_result hook: count the step, draw its view into its Output."""
         self.progress.value = min(self.progress.value + 1, self.progress.max)
         self.status.value = f"done: {step.name}"
-        view = VIEWS.get(step.key)
+        view = VIEWS.get(step.field)
         if view is not None and step.name in self.outputs:
             self.outputs[step.name].outputs = tuple(_mime(item) for item in view(frames))
 
@@ -230,7 +231,7 @@ def _step_count(cfg: DiagnoseConfig) -> int:
 def run_panel(p: Panel) -> None:
     """What Run does (in the calling thread): the diagnosis, each step's view drawn into its
     Output as it arrives; a failed step gets one line and the others go on; Stop ends it."""
-    from diag.diagnose import Stopped, run_diagnose
+    from diag.diagnose import run_diagnose
 
     p.run.disabled, p.stop.disabled = True, False
     try:
@@ -303,8 +304,6 @@ def start(p: Panel) -> None:
 def request_stop(p: Panel) -> None:
     """The Stop button: no further step starts, and the running one ends at its next Python
     line (an asynchronous Stopped in the run's thread; its `finally` blocks clean up)."""
-    from diag.diagnose import Stopped
-
     p.stop_event.set()
     with p.lock:
         if p.interruptible and p.thread is not None and p.thread.is_alive():

@@ -63,17 +63,14 @@ def test_click_run_draws_each_step_as_it_arrives(tmp_path):
 
 
 def test_a_failing_step_is_one_redacted_line_and_the_other_steps_go_on(tmp_path, monkeypatch):
-    import dataclasses
-
-    from diag import diagnose
+    from diag import storage
 
     # a step fails mid-run (a bad source is refused before any step, by the preflight checks),
     # with the secret in its message and a second line that must not reach the panel
-    def boom(cfg, got):
+    def boom(cfg):
         raise RuntimeError(f"cannot read s3://bucket/{FAKE_HF_TOKEN}.jsonl\nsecond line")
 
-    monkeypatch.setattr(diagnose, "STEPS", tuple(
-        dataclasses.replace(s, run=boom) if s.key == "storage" else s for s in diagnose.STEPS))
+    monkeypatch.setattr(storage, "run_storage", boom)
     p = widgets.panel(quick=True, out=str(tmp_path / "run"), **(FAST | {"storage": True}))
     p.run.click()
     p.wait(timeout=120)
@@ -137,7 +134,8 @@ def test_stop_ends_the_running_step_and_keeps_the_finished_views(tmp_path, monke
 def test_stop_before_a_step_raises_stopped_and_writes_nothing(tmp_path):
     import threading
 
-    from diag.diagnose import Stopped, run_diagnose
+    from diag.diagnose import run_diagnose
+    from diag.runner import Stopped
 
     stop, seen = threading.Event(), []
     cfg = DiagnoseConfig.default(quick=True, out=str(tmp_path / "run"), **FAST)

@@ -4,9 +4,7 @@ an error as one line. The only place that prints a result."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import types
 from typing import Any
 
 from diag import config
@@ -24,40 +22,13 @@ def one_line(err: BaseException) -> str:
     return f"diag: {type(err).__name__}: {text}"
 
 
-def frames_of(name: str, result: Any) -> dict[str, Any]:
-    """A runner's result as named frames: a DataFrame is the experiment's table; a dataclass of
-    frames gives its first field that name and the others `<name>_<field>` (`advice` kept as is)."""
-    import pandas as pd
-
-    from diag.decision import Decision, frame
-    from diag.timing import STAGE_FRAME, is_stage_frame
-
-    key = name.replace("-", "_")
-    if isinstance(result, pd.DataFrame):
-        result = types.SimpleNamespace(frame=result)
-    elif not dataclasses.is_dataclass(result):
-        raise TypeError(f"{name}: a runner returns a DataFrame or a dataclass of frames, "
-                        f"not {type(result).__name__}")
-    out = {}
-    for i, (field, value) in enumerate(vars(result).items() if isinstance(
-            result, types.SimpleNamespace) else ((f.name, getattr(result, f.name))
-                                                 for f in dataclasses.fields(result))):
-        if isinstance(value, tuple) and value and all(isinstance(d, Decision) for d in value):
-            out["decisions"] = frame(value)  # one key whichever experiment decided
-        elif isinstance(value, pd.DataFrame) and is_stage_frame(value):
-            # the stage frame under one key, whichever command wrote it: the report's shares,
-            # findings and Amdahl curve read it there (`run` names the run, e.g. `toy`)
-            out[STAGE_FRAME] = value if "run" in value.columns else value.assign(run=key)
-        elif isinstance(value, pd.DataFrame):
-            out[key if i == 0 else field if field == "advice" else f"{key}_{field}"] = value
-    return out
-
-
 def show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.Namespace) -> None:
     import json
     from pathlib import Path
 
     import pandas as pd
+
+    from diag.frames import frames_of
 
     if isinstance(result, Path):  # a run folder: where it is and what it found
         from diag import report

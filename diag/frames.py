@@ -1,0 +1,56 @@
+"""A runner's result as named frames: the tables the CLI shows and the CSVs a run folder holds.
+
+`frames_of(name, result)`: a DataFrame is the experiment's table under `name`; a dataclass of
+frames gives its first field that name and the others `<name>_<field>` (`advice` kept as is);
+a StageTimer frame goes under the one key `run`, decisions under `decisions`. The CLI shows one
+result this way (diag.cli.show); `folder_frames` gathers a diagnosis' results (diag.diagnose).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import pandas as pd
+
+from diag.decision import Decision, frame
+from diag.timing import STAGE_FRAME, is_stage_frame
+
+
+def frames_of(name: str, result: Any) -> dict[str, pd.DataFrame]:
+    """result's frames by name, in its fields' order (None fields and non-frames left out)."""
+    key = name.replace("-", "_")
+    if isinstance(result, pd.DataFrame):
+        fields = [("frame", result)]
+    elif dataclasses.is_dataclass(result):
+        fields = [(f.name, getattr(result, f.name)) for f in dataclasses.fields(result)]
+    else:
+        raise TypeError(f"{name}: a runner returns a DataFrame or a dataclass of frames, "
+                        f"not {type(result).__name__}")
+    out = {}
+    for i, (field, value) in enumerate(fields):
+        if isinstance(value, tuple) and value and all(isinstance(d, Decision) for d in value):
+            out["decisions"] = frame(value)  # one key whichever experiment decided
+        elif isinstance(value, pd.DataFrame) and is_stage_frame(value):
+            # the stage frame under one key, whichever command wrote it: the report's shares,
+            # findings and Amdahl curve read it there (`run` names the run, e.g. `toy`)
+            out[STAGE_FRAME] = value if "run" in value.columns else value.assign(run=key)
+        elif isinstance(value, pd.DataFrame):
+            out[key if i == 0 else field if field == "advice" else f"{key}_{field}"] = value
+    return out
+
+
+def folder_frames(results: Iterable[tuple[str, Any]]) -> dict[str, pd.DataFrame]:
+    """Several named results as one run folder holds them: each one's frames in turn (empty ones
+    and its advice left out: the report ranks advice rows on their own), every decision in one
+    `decisions` frame."""
+    out: dict[str, pd.DataFrame] = {}
+    decided: list[Decision] = []
+    for name, result in results:
+        decided += getattr(result, "decisions", ())
+        out |= {k: f for k, f in frames_of(name, result).items()
+                if k not in ("advice", "decisions") and not f.empty}
+    if decided:
+        out["decisions"] = frame(decided)
+    return out
