@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import io
+
 import pandas as pd
 import pytest
 
-from diag.decision import Decision, MeasuredOn, by_setting, frame
+from diag.decision import Decision, MeasuredOn, by_setting, frame, read
 
 ON = MeasuredOn(model="tiny (nf4 + LoRA)", precision="nf4", seq_len=96, step="the QLoRA step",
                 device="cpu")
@@ -94,16 +96,32 @@ def test_the_frame_has_one_row_per_decision_with_its_record():
                            chosen_s=0.01)
     f = frame([d, Decision.default("fetch", "land", "absent")])
     assert list(f.columns) == ["setting", "value", "basis", "source", "measured_on", "why",
-                               "model", "seq_len", "rows", "baseline", "stage", "per",
-                               "baseline_s", "chosen_s"]
-    assert f.iloc[0].to_dict() == {
+                               "model", "precision", "seq_len", "step", "device",
+                               "tokens_per_step", "rows", "baseline", "stage", "per",
+                               "baseline_s", "chosen_s", "naive_ratio", "json"]
+    assert f.iloc[0].drop("json").to_dict() == {
         "setting": "num_workers", "value": 2, "basis": "measured", "source": "loader",
-        "measured_on": ON.label(), "why": "w", "model": "tiny (nf4 + LoRA)", "seq_len": 96,
+        "measured_on": ON.label(), "why": "w", "model": "tiny (nf4 + LoRA)", "precision": "nf4",
+        "seq_len": 96, "step": "the QLoRA step", "device": "cpu", "tokens_per_step": None,
         "rows": 2, "baseline": 0, "stage": "data_wait", "per": "step", "baseline_s": 0.2,
-        "chosen_s": 0.01}
+        "chosen_s": 0.01, "naive_ratio": None}
     assert (f.iloc[1]["setting"], f.iloc[1]["rows"], f.iloc[1]["basis"]) == ("fetch", 0,
                                                                              "default")
     assert list(frame([]).columns) == list(f.columns) and frame([]).empty
+
+
+def test_read_gives_back_the_decisions_a_frame_holds_with_their_types():
+    rows = pd.DataFrame({"prefetch_factor": [2.0, None], "n": [1, 2]})  # None: NaN in a frame
+    d = Decision.from_rows("prefetch_factor", None, "w", rows, source="loader", measured_on=ON,
+                           baseline=2, baseline_s=float("nan"))
+    assert d.rows == ({"prefetch_factor": 2.0, "n": 1}, {"prefetch_factor": None, "n": 2})
+    assert d.baseline_s is None  # NaN: not measured, as it reads back
+    table = frame([d, Decision.default("pin_memory", True, "absent")])
+    got = read(pd.read_csv(io.StringIO(table.to_csv(index=False))))
+    assert got == (d, Decision.default("pin_memory", True, "absent"))
+    assert got[0].value is None and got[1].value is True and got[0].baseline == 2
+    with pytest.raises(ValueError, match="without its json column"):
+        read(table.drop(columns="json"))
 
 
 def test_by_setting_keys_decisions_and_refuses_two_owners():
