@@ -158,14 +158,14 @@ class Decision:
 
     def record(self) -> dict[str, Any]:
         """One row of decisions.csv: the fields to read, and `json`, the whole decision typed
-        (what `read` gives back)."""
+        (what `read` gives back; a numpy scalar from a frame as its Python number)."""
         on = dataclasses.asdict(self.measured_on)
         return {"setting": self.setting, "value": self.value, "basis": self.basis,
                 "source": self.source, "measured_on": self.measured_on.label(), "why": self.why,
                 **on, "rows": len(self.rows), "baseline": self.baseline, "stage": self.stage,
                 "per": self.per, "baseline_s": self.baseline_s, "chosen_s": self.chosen_s,
                 "naive_ratio": self.naive_ratio,
-                "json": json.dumps(dataclasses.asdict(self), default=_plain)}
+                "json": json.dumps(dataclasses.asdict(self), default=lambda v: v.item())}
 
 
 COLUMNS = ["setting", "value", "basis", "source", "measured_on", "why",
@@ -195,13 +195,6 @@ def read(table: pd.DataFrame) -> tuple[Decision, ...]:
 
 def _missing(value: Any) -> bool:
     return isinstance(value, float) and value != value
-
-
-def _plain(value: Any) -> Any:
-    """numpy scalars as Python's, for JSON (an int64 from a frame is still the same number)."""
-    if hasattr(value, "item"):
-        return value.item()
-    raise TypeError(f"a decision holds a {type(value).__name__}: not JSON")
 
 
 def by_setting(decisions: Iterable[Decision]) -> dict[str, Decision]:

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import io
-
 import pandas as pd
 import pytest
 
-from diag.decision import Decision, MeasuredOn, by_setting, frame, read
+from diag.decision import Decision, MeasuredOn, by_setting, frame
 
 ON = MeasuredOn(model="tiny (nf4 + LoRA)", precision="nf4", seq_len=96, step="the QLoRA step",
                 device="cpu")
@@ -108,20 +106,6 @@ def test_the_frame_has_one_row_per_decision_with_its_record():
     assert (f.iloc[1]["setting"], f.iloc[1]["rows"], f.iloc[1]["basis"]) == ("fetch", 0,
                                                                              "default")
     assert list(frame([]).columns) == list(f.columns) and frame([]).empty
-
-
-def test_read_gives_back_the_decisions_a_frame_holds_with_their_types():
-    rows = pd.DataFrame({"prefetch_factor": [2.0, None], "n": [1, 2]})  # None: NaN in a frame
-    d = Decision.from_rows("prefetch_factor", None, "w", rows, source="loader", measured_on=ON,
-                           baseline=2, baseline_s=float("nan"))
-    assert d.rows == ({"prefetch_factor": 2.0, "n": 1}, {"prefetch_factor": None, "n": 2})
-    assert d.baseline_s is None  # NaN: not measured, as it reads back
-    table = frame([d, Decision.default("pin_memory", True, "absent")])
-    got = read(pd.read_csv(io.StringIO(table.to_csv(index=False))))
-    assert got == (d, Decision.default("pin_memory", True, "absent"))
-    assert got[0].value is None and got[1].value is True and got[0].baseline == 2
-    with pytest.raises(ValueError, match="without its json column"):
-        read(table.drop(columns="json"))
 
 
 def test_by_setting_keys_decisions_and_refuses_two_owners():

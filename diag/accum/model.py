@@ -1,11 +1,8 @@
-"""diag accum's model as an AccumStep, and what its sweep is measured with.
+"""diag accum's model as an AccumStep (`LMStep`), and what its sweep is measured with (`Setup`).
 
-`LMStep` trains the embedded tiny Llama or a GPT-2-small shape (random init) on random windows of
-the token file (diag.data's BatchLoader) under autocast, DDP-wrapped under a launcher; every
-point starts from the same weights with a fresh AdamW (and a fresh torch.compile when asked).
-`setup(cfg)` builds it, and the `Setup` the MFU check reads: the shape, the peak, the FLOPs
-FlopCounterMode counts on one micro-step, the autocast dtype, the device and the world size.
-`sweep_grad_accum(cfg)` runs diag.accum.sweep's harness on it: one row per timed step.
+`setup(cfg)` builds the embedded tiny Llama or a GPT-2-small shape on random windows of the token
+file, DDP-wrapped under a launcher, and counts one micro-step's FLOPs; `sweep_grad_accum(cfg)`
+runs diag.accum.sweep's harness on it: one row per timed optimizer step per point.
 """
 
 from __future__ import annotations

@@ -33,29 +33,15 @@ TIMED = ["step", "micro_batch", "grad_accum", "status", "repeat", "seconds_per_s
 
 
 class AccumStep(Protocol):
-    """What train_points drives: one model trained a micro-batch at a time."""
+    """What train_points drives: one model, trained a micro-batch at a time."""
 
     device: torch.device
 
-    def batches(self, micro_batch: int) -> AbstractContextManager[Iterator[Any]]:
-        """A point's batches of micro_batch sequences."""
-        ...
-
-    def reset(self) -> None:
-        """Back to the starting weights with no gradients and a fresh optimizer."""
-        ...
-
-    def backward(self, batch: Any, scale: float) -> None:
-        """Forward and backward of one micro-batch, its loss times scale (gradients add up)."""
-        ...
-
-    def no_sync(self) -> AbstractContextManager[Any]:
-        """Around a micro-step that must not all-reduce (DDP's no_sync; else nothing)."""
-        ...
-
-    def update(self) -> None:
-        """The optimizer step, then zero_grad."""
-        ...
+    def batches(self, micro_batch: int) -> AbstractContextManager[Iterator[Any]]: ...  # a point's
+    def reset(self) -> None: ...  # the starting weights, no gradients, a fresh optimizer
+    def backward(self, batch: Any, scale: float) -> None: ...  # loss x scale; gradients add up
+    def no_sync(self) -> AbstractContextManager[Any]: ...  # DDP's, around all but the last
+    def update(self) -> None: ...  # the optimizer step, then zero_grad
 
 
 def pairs(cfg: AccumConfig, world_size: int = 1) -> list[tuple[int, int]]:

@@ -13,10 +13,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from diag.decision import PREDICTION_TOLERANCE  # noqa: F401  # re-exported for callers
 from diag.machine.device import on_cpu_threads
 from diag.qlora.plans import Plan
-from diag.qlora.predict import FIXES, savings  # noqa: F401
+from diag.qlora.predict import savings
 
 if TYPE_CHECKING:
     import pandas as pd

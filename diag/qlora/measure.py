@@ -1,13 +1,10 @@
 """The decisions of the optimized plan, measured on the QLoRA job's own step on this machine.
 
-`plan_from_job(cfg, decisions)` is what run_qlora calls: the job's inputs (`job_inputs`: the
-landed data, the cached model, its rows per optimizer step), then, unless decisions are given,
-the three measurements on the job (`measure_on_job`): `accum_on_job` (micro-batch x grad-accum of
-the nf4 + LoRA step at the job's seq_len and rows per step, the candidates the divisors the job
-can run), `checkpointing_on_job` (on vs off at the chosen micro-batch) and `loader_on_job`
-(diag.loader's sweep consuming `QLoraStep`); the first two run diag.accum's harness. The plan
-collects their decisions, then fits the micro-batch to the job. `read_results(cfg)` gives back
-the decisions a run folder kept, refused when measured on another model or seq_len.
+`plan_from_job(cfg, decisions)`: the job's inputs (`job_inputs`: landed data, cached model, rows
+per optimizer step), then unless decisions are given `measure_on_job`: micro-batch x grad-accum
+(`accum_on_job`) and checkpointing on vs off (`checkpointing_on_job`) through diag.accum's
+harness, the loader sweep (`loader_on_job`), all consuming `QLoraStep`; the plan collects their
+decisions, fitted to the job. `read_results(cfg)` gives back those a run folder kept.
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ class QLoraStep:
         import dataclasses
 
         import torch
+        from peft import get_peft_model_state_dict
 
         from diag.qlora.job import load_model
         from diag.qlora.plans import Plan
@@ -48,8 +46,8 @@ class QLoraStep:
         self.device, self._lr, self._seq_len = device, cfg.lr, cfg.seq_len
         self.model = load_model(cfg, plan, model_dir, device)
         self.model.train()
-        self._initial = {n: p.detach().to("cpu", copy=True)
-                         for n, p in self.model.named_parameters() if p.requires_grad}
+        self._initial = {k: v.to("cpu", copy=True)  # the adapters' starting weights
+                         for k, v in get_peft_model_state_dict(self.model).items()}
         self._gen = torch.Generator().manual_seed(cfg.seed)  # each step: the same batches
         self.reset()
 
@@ -63,16 +61,14 @@ class QLoraStep:
         return contextlib.nullcontext(itertools.repeat(batch))
 
     def reset(self) -> None:
-        """The adapters' starting weights, no gradients, a fresh AdamW."""
         import torch
+        from peft import set_peft_model_state_dict
 
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, initial in self._initial.items():
-                params[name].copy_(initial)
+        set_peft_model_state_dict(self.model, self._initial)
         self.model.zero_grad(set_to_none=True)
         self.optimizer = None  # the last point's state goes before this point allocates
-        self.optimizer = torch.optim.AdamW([params[n] for n in self._initial], lr=self._lr)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=self._lr)
 
     def backward(self, batch: dict[str, Any], scale: float = 1.0) -> None:
         """One micro-batch: forward and backward (gradients accumulate until update)."""
@@ -119,24 +115,15 @@ def job_inputs(cfg: QLoraConfig, src: Sources | None = None) -> JobInputs:
     cache every optimized start reuses) and read its rows per step off it. src: sources already
     open (run_qlora's, which its runs then use); else they are opened and closed here."""
     import dataclasses
-    import shutil
-    import tempfile
 
     from diag.machine.device import resolve
-    from diag.qlora.data import build_dataset, check_records, read
-    from diag.qlora.job import fetch_data, model_folder, open_sources
+    from diag.qlora.job import open_sources, prepare
     from diag.qlora.plans import Plan
 
     plan = dataclasses.replace(Plan.naive(), fetch="land", model_cache="persistent",
                                pipeline="packed")
-    work = Path(tempfile.mkdtemp(prefix="diag-qlora-measure-"))
-    try:
-        with contextlib.nullcontext(src) if src else open_sources(cfg) as src:
-            path, folder = fetch_data(plan, src, work), model_folder(plan, src, work)
-        records, bad = read(cfg, path)
-        data = build_dataset(cfg, plan, check_records(cfg, records, folder, bad), folder, path)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with contextlib.nullcontext(src) if src else open_sources(cfg) as src:
+        path, folder, data = prepare(cfg, plan, src)
     return JobInputs(data.micro_batch * data.grad_accum, folder, path, resolve(cfg.device))
 
 
