@@ -223,6 +223,7 @@ def test_decisions_read_back_from_a_run_folder_equal_those_written(tmp_path):
     from diag.config import QLoraConfig
     from diag.decision import frame, read
     from diag.loader import decide as loader_decide
+    from diag.model_load import decide as load_decide
     from diag.qlora.checkpointing import decide as ckpt_decide
     from diag.qlora.measure import read_results
     from diag.storage.experiment import decide as storage_decide
@@ -237,7 +238,11 @@ def test_decisions_read_back_from_a_run_folder_equal_those_written(tmp_path):
                          "seconds": [0.2, 0.1, 0.5, 0.4], "peak_mem_gb": [0.0, 0.1, 0.0, 0.2]})
     storage = pd.DataFrame({"method": ["boto3_default", "land"], "cache_state": ["cold", "hit"],
                             "seconds": [9.0, 0.3]})
-    written = (*storage_decide(storage), *loader_decide(sweep({0: 30.0, 2: 0.1}), measured_on=on),
+    load = pd.DataFrame({"scenario": ["fresh", "cached"], "part": ["load_model"] * 2,
+                         "seconds": [30.0, 3.0], "model": ["diag-local/tiny-llama"] * 2,
+                         "device": ["cpu"] * 2})  # the model by its hub id: no step, no seq_len
+    written = (*storage_decide(storage), *load_decide(load),
+               *loader_decide(sweep({0: 30.0, 2: 0.1}), measured_on=on),
                *accum_decide(summary, on), *ckpt_decide(ckpt, "cpu", on, naive_micro_batch=1))
     assert any(v is None for d in written for r in d.rows for v in r.values())  # a NaN kept
     folder = report.write({"decisions": frame(written)}, tmp_path / "run")

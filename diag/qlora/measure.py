@@ -244,7 +244,10 @@ def read_results(cfg: QLoraConfig) -> tuple[Decision, ...]:
         raise ValueError(f"QLoraConfig.results={cfg.results!r}: no run folder with a "
                          "decisions.csv there")
     decisions = read(pd.read_csv(table))
-    measured = [d.measured_on for d in decisions if d.basis not in ("default", "projected")]
+    # what was measured on the job's step names its seq_len (a model load or a fetch does not,
+    # and names the model by its own id): those must be this job's
+    measured = [d.measured_on for d in decisions if d.basis not in ("default", "projected")
+                and d.measured_on.seq_len]
     for name, want in (("model", job_label(cfg)), ("seq_len", cfg.seq_len)):
         other = sorted({str(v) for on in measured if (v := getattr(on, name)) not in ("", None)
                         and v != want})
