@@ -28,7 +28,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from diag.timing import stragglers
     from diag.accum.mfu import loss_of
-    from diag.accum.sweep import _autocast, build_model
+    from diag.accum.model import _autocast, build_model
     from diag.config import AccumConfig
     from diag.data import BatchLoader, ensure_tokens
     from diag.timing.distributed import gathered_frame, init_group, root_first

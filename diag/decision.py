@@ -6,14 +6,15 @@ measured (model, precision, seq_len, the step consumed, device) and its basis: `
 from the rows), `capped` (measured, then limited by what the job can run), `projected` (measured
 here against another device's estimated step) or `default` (no usable frame; a documented value).
 `Plan.optimized(decisions)` only collects them; nothing downstream re-reads raw columns.
-
-The thresholds every decision and check is judged by are defined here, once, and so is the
-text of each fix (`FIXES`, by timer stage and by plan setting).
+`frame(decisions)` is the table a run folder keeps (decisions.csv); `read(table)` gives them back
+equal. The thresholds every decision and check is judged by are defined here, once, and so is
+the text of each fix (`FIXES`, by timer stage and by plan setting).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -76,6 +77,7 @@ class MeasuredOn:
     step: str = ""  # the step consumed: "the QLoRA step (measured)",
                     # "H100 SXM estimate (projected)"
     device: str = ""  # "cpu", "cuda:0 (NVIDIA H200)"
+    tokens_per_step: int | None = None  # token slots one timed optimizer step held
 
     def label(self) -> str:
         parts = [self.model, self.precision and f"{self.precision}",
@@ -103,8 +105,14 @@ class Decision:
     per: str = ""
     baseline_s: float | None = None
     chosen_s: float | None = None
+    # seconds per step with the baseline value over with the other, timed at the naive plan's
+    # micro-batch (checkpointing: the on/off ratio a naive step pays; None: not timed there)
+    naive_ratio: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("baseline_s", "chosen_s", "naive_ratio"):  # NaN: not measured, as None
+            if _missing(getattr(self, name)):
+                object.__setattr__(self, name, None)
         if self.basis not in BASES:
             raise ValueError(f"Decision.basis={self.basis!r}: allowed values are {BASES}")
         if self.basis != "default" and not self.rows:
@@ -121,8 +129,11 @@ class Decision:
     def from_rows(cls, setting: str, value: Any, why: str, rows: pd.DataFrame | Iterable[Mapping],
                   *, source: str, measured_on: MeasuredOn | None = None,
                   basis: Basis = "measured", **worth: Any) -> Decision:
-        """A measured decision; `worth` takes baseline, stage, per, baseline_s, chosen_s."""
+        """A measured decision; `worth` takes baseline, stage, per, baseline_s, chosen_s,
+        naive_ratio."""
         records = rows.to_dict("records") if hasattr(rows, "to_dict") else list(rows)
+        # a figure a row lacks (NaN) is kept as None, as it reads back from decisions.csv
+        records = [{k: None if _missing(v) else v for k, v in r.items()} for r in records]
         return cls(setting, value, basis, why, source=source,
                    measured_on=measured_on or MeasuredOn(), rows=tuple(records), **worth)
 
@@ -146,21 +157,44 @@ class Decision:
         return f"{self.basis}{f' on {on}' if on else ''}: {self.why}"
 
     def record(self) -> dict[str, Any]:
+        """One row of decisions.csv: the fields to read, and `json`, the whole decision typed
+        (what `read` gives back; a numpy scalar from a frame as its Python number)."""
+        on = dataclasses.asdict(self.measured_on)
         return {"setting": self.setting, "value": self.value, "basis": self.basis,
                 "source": self.source, "measured_on": self.measured_on.label(), "why": self.why,
-                "model": self.measured_on.model, "seq_len": self.measured_on.seq_len,
-                "rows": len(self.rows), "baseline": self.baseline, "stage": self.stage,
-                "per": self.per, "baseline_s": self.baseline_s, "chosen_s": self.chosen_s}
+                **on, "rows": len(self.rows), "baseline": self.baseline, "stage": self.stage,
+                "per": self.per, "baseline_s": self.baseline_s, "chosen_s": self.chosen_s,
+                "naive_ratio": self.naive_ratio,
+                "json": json.dumps(dataclasses.asdict(self), default=lambda v: v.item())}
+
+
+COLUMNS = ["setting", "value", "basis", "source", "measured_on", "why",
+           *(f.name for f in dataclasses.fields(MeasuredOn)), "rows", "baseline", "stage", "per",
+           "baseline_s", "chosen_s", "naive_ratio", "json"]
 
 
 def frame(decisions: Iterable[Decision]) -> pd.DataFrame:
-    """One row per decision: setting, value, basis, source, measured_on, why, rows."""
+    """One row per decision (COLUMNS): what it chose, on what, why, and its `json`."""
     import pandas as pd
 
-    columns = ["setting", "value", "basis", "source", "measured_on", "why", "model", "seq_len",
-               "rows", "baseline",
-               "stage", "per", "baseline_s", "chosen_s"]
-    return pd.DataFrame([d.record() for d in decisions], columns=columns)
+    return pd.DataFrame([d.record() for d in decisions], columns=COLUMNS)
+
+
+def read(table: pd.DataFrame) -> tuple[Decision, ...]:
+    """The decisions a `frame` holds (a run folder's decisions.csv), equal to those written."""
+    if "json" not in table.columns:
+        raise ValueError("a decisions table without its json column: written by another diag "
+                         "version; measure again")
+    out = []
+    for text in table["json"]:
+        got = json.loads(text)
+        out.append(Decision(**got | {"measured_on": MeasuredOn(**got["measured_on"]),
+                                     "rows": tuple(got["rows"])}))
+    return tuple(out)
+
+
+def _missing(value: Any) -> bool:
+    return isinstance(value, float) and value != value
 
 
 def by_setting(decisions: Iterable[Decision]) -> dict[str, Decision]:

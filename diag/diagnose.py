@@ -188,11 +188,8 @@ def _qlora(job: QLoraConfig, d: Diagnosis, src: Any) -> QLoraResult:
     """The QLoRA job under both plans; the optimized one collects the decisions above."""
     from diag.qlora import run_qlora
 
-    measured = {"loader": d.loader, "accum": d.accum, "checkpointing": d.checkpointing,
-                "storage": d.storage, "model_load": d.model_load}
-    # storage and model_load as frames: the run's predictions read their rows too
-    return run_qlora(job, results={k: r.frame if k in ("storage", "model_load") else r
-                                   for k, r in measured.items() if r is not None}, src=src)
+    measured = (d.storage, d.model_load, d.loader, d.accum, d.checkpointing)
+    return run_qlora(job, [x for r in measured if r is not None for x in r.decisions], src=src)
 
 
 def _loader_toy(cfg: DiagnoseConfig) -> LoaderResult:

@@ -276,7 +276,8 @@ def _html(summary: dict[str, Any], frames: dict[str, pd.DataFrame], images: dict
         parts.append(f"<h2>{html.escape(name)}</h2>")
         if name in images:
             parts.append(f'<img alt="{name}" src="data:image/png;base64,{images[name]}">')
-        parts.append(_table(frame))
+        # decisions' `json` (each decision whole, for --results) is for the CSV, not the page
+        parts.append(_table(frame.drop(columns="json", errors="ignore")))
     parts.append(f"<h2>Versions</h2>{_table(pd.DataFrame([summary.get('versions', {})]))}")
     style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
              "table{border-collapse:collapse;font-size:13px;margin:.5em 0}"

@@ -126,14 +126,14 @@ def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
 
 def test_unknown_gpu_in_the_sweep_leaves_mfu_and_floor_empty_with_the_reason(monkeypatch):
     from diag.machine import device
-    from diag.accum import mfu_check
+    from diag.accum import measure, mfu_check
 
     # what peak_flops answers on a GPU diag's table does not know (see test_device)
     unknown = device.Peak(None, "unknown GPU 'Acme Tensor 9000': diag has no dense bf16 peak "
                           "for it; pass the peak FLOP/s explicitly", "", False)
     monkeypatch.setattr(device, "peak_flops", lambda *a, **k: unknown)
     cfg = AccumConfig.quick(device="cpu", micro_batches=[16], steps=1, warmup_steps=0)
-    frame, info = sweep.measure(cfg)
+    frame, info = measure(cfg)
     assert (frame["status"] == "ok").all() and (frame["tokens_per_s"] > 0).all()
     assert frame["mfu"].isna().all() and frame["floor_s"].isna().all()
     assert (frame["detail"] == "no MFU: " + unknown.label).all()

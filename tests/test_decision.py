@@ -94,13 +94,15 @@ def test_the_frame_has_one_row_per_decision_with_its_record():
                            chosen_s=0.01)
     f = frame([d, Decision.default("fetch", "land", "absent")])
     assert list(f.columns) == ["setting", "value", "basis", "source", "measured_on", "why",
-                               "model", "seq_len", "rows", "baseline", "stage", "per",
-                               "baseline_s", "chosen_s"]
-    assert f.iloc[0].to_dict() == {
+                               "model", "precision", "seq_len", "step", "device",
+                               "tokens_per_step", "rows", "baseline", "stage", "per",
+                               "baseline_s", "chosen_s", "naive_ratio", "json"]
+    assert f.iloc[0].drop("json").to_dict() == {
         "setting": "num_workers", "value": 2, "basis": "measured", "source": "loader",
-        "measured_on": ON.label(), "why": "w", "model": "tiny (nf4 + LoRA)", "seq_len": 96,
+        "measured_on": ON.label(), "why": "w", "model": "tiny (nf4 + LoRA)", "precision": "nf4",
+        "seq_len": 96, "step": "the QLoRA step", "device": "cpu", "tokens_per_step": None,
         "rows": 2, "baseline": 0, "stage": "data_wait", "per": "step", "baseline_s": 0.2,
-        "chosen_s": 0.01}
+        "chosen_s": 0.01, "naive_ratio": None}
     assert (f.iloc[1]["setting"], f.iloc[1]["rows"], f.iloc[1]["basis"]) == ("fetch", 0,
                                                                              "default")
     assert list(frame([]).columns) == list(f.columns) and frame([]).empty

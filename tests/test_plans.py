@@ -108,7 +108,7 @@ def test_a_failed_frame_falls_back_to_labelled_defaults_and_the_plan_still_build
     got = decide(failed)
     assert {d.basis for d in got} == {"default"}
     assert all("every loader sweep point failed: SampleError" in d.why for d in got)
-    plan = Plan.optimized({"loader": failed})
+    plan = Plan.optimized(got)
     assert plan.pipeline == "packed" and plan.decision("num_workers").basis == "default"
 
 
@@ -140,6 +140,24 @@ def test_checkpointing_follows_the_steps_own_peak_and_says_its_cost():
     (tight,) = decide(frame, "cpu", memory=(3.0, "device memory"))  # over half: recompute
     assert tight.value is True and tight.chosen_s == 1.3
     assert decide(None, "cuda")[0].value is True and decide(None, "cpu")[0].value is False
+
+
+def test_checkpointing_prices_the_naive_step_with_its_own_on_off_ratio():
+    from diag.qlora.checkpointing import decide
+
+    rows = [(1, True, 4.0), (1, False, 2.0), (4, True, 1.5), (4, False, 1.0), (4, False, 1.0)]
+    frame = pd.DataFrame(rows, columns=["micro_batch", "gradient_checkpointing", "seconds"]
+                         ).assign(peak_mem_gb=0.1)
+    (d,) = decide(frame, "cpu", memory=(10.0, "x"), naive_micro_batch=1)
+    assert (d.baseline_s, d.chosen_s, d.naive_ratio) == (1.5, 1.0, 2.0)  # priced at 4, ratio at 1
+    # needs both sides at the naive micro-batch, and an off step that took time
+    for naive, ratio in ((4, 1.5), (2, None), (None, None)):
+        assert decide(frame, "cpu", memory=(10.0, "x"), naive_micro_batch=naive)[0].naive_ratio \
+            == ratio
+    only_on = frame[(frame.micro_batch == 4) | frame.gradient_checkpointing]
+    assert decide(only_on, "cpu", memory=(10.0, "x"), naive_micro_batch=1)[0].naive_ratio is None
+    zero = frame.assign(seconds=[4.0, 0.0, 1.5, 1.0, 1.0])
+    assert decide(zero, "cpu", memory=(10.0, "x"), naive_micro_batch=1)[0].naive_ratio is None
 
 
 def test_a_decision_from_an_absent_frame_is_labelled_default():
@@ -181,19 +199,60 @@ def test_results_from_another_job_build_no_plan(tmp_path):
     from diag.cli import main
     from diag.config import QLoraConfig
     from diag.decision import frame
-    from diag.qlora.measure import load_results
+    from diag.qlora.measure import read_results
 
+    cfg = QLoraConfig.quick(results=str(tmp_path))
     other = Decision.from_rows("micro_batch", 4, "x", [{"micro_batch": 4}], source="accum",
                                measured_on=MeasuredOn(model="org/other-7b", seq_len=512))
     frame([other]).to_csv(tmp_path / "decisions.csv", index=False)
     with pytest.raises(ValueError, match=r"model org/other-7b.*this job runs the embedded"):
-        load_results(tmp_path, QLoraConfig.quick())
+        read_results(cfg)
     same = MeasuredOn(model="the embedded tiny Llama + LoRA r=8", seq_len=512)
     frame([Decision.from_rows("micro_batch", 4, "x", [{}], source="accum", measured_on=same)]
           ).to_csv(tmp_path / "decisions.csv", index=False)
     with pytest.raises(ValueError, match="seq_len 512, this job runs 96"):
-        load_results(tmp_path, QLoraConfig.quick())
+        read_results(cfg)
     assert main(["qlora", "--quick", "--results", str(tmp_path)]) == 2
+
+
+def test_decisions_read_back_from_a_run_folder_equal_those_written(tmp_path):
+    """report.write keeps decisions.csv; --results reads it back: the same decisions (typed
+    values, rows with missing figures, what they were measured on), the same plan."""
+    from diag import report
+    from diag.accum import decide as accum_decide
+    from diag.config import QLoraConfig
+    from diag.decision import frame, read
+    from diag.loader import decide as loader_decide
+    from diag.model_load import decide as load_decide
+    from diag.qlora.checkpointing import decide as ckpt_decide
+    from diag.qlora.measure import read_results
+    from diag.storage.experiment import decide as storage_decide
+
+    cfg = QLoraConfig.quick()
+    on = MeasuredOn(model="the embedded tiny Llama + LoRA r=8", precision="nf4", seq_len=96,
+                    step="the QLoRA step", device="cpu", tokens_per_step=288)
+    summary = pd.DataFrame({"micro_batch": [1, 3], "grad_accum": [3, 1], "status": ["ok"] * 2,
+                            "tokens_per_s": [100.0, 300.0], "seconds_per_step": [2.88, 0.96],
+                            "recommended": [False, True]})
+    ckpt = pd.DataFrame({"gradient_checkpointing": [True, False] * 2, "micro_batch": [1, 1, 3, 3],
+                         "seconds": [0.2, 0.1, 0.5, 0.4], "peak_mem_gb": [0.0, 0.1, 0.0, 0.2]})
+    storage = pd.DataFrame({"method": ["boto3_default", "land"], "cache_state": ["cold", "hit"],
+                            "seconds": [9.0, 0.3]})
+    load = pd.DataFrame({"scenario": ["fresh", "cached"], "part": ["load_model"] * 2,
+                         "seconds": [30.0, 3.0], "model": ["diag-local/tiny-llama"] * 2,
+                         "device": ["cpu"] * 2})  # the model by its hub id: no step, no seq_len
+    written = (*storage_decide(storage), *load_decide(load),
+               *loader_decide(sweep({0: 30.0, 2: 0.1}), measured_on=on),
+               *accum_decide(summary, on), *ckpt_decide(ckpt, "cpu", on, naive_micro_batch=1))
+    assert any(v is None for d in written for r in d.rows for v in r.values())  # a NaN kept
+    folder = report.write({"decisions": frame(written)}, tmp_path / "run")
+    got = read_results(cfg.replace(results=str(folder)))
+    assert got == written and [type(d.value) for d in got] == [type(d.value) for d in written]
+    assert got[-1].naive_ratio == 2.0 and got[-2].measured_on.tokens_per_step == 288
+    with pytest.raises(ValueError, match="without its json column"):  # another diag's table
+        read(frame(written).drop(columns="json"))
+    plan = Plan.optimized(written, device="cuda").fit(3)
+    assert Plan.optimized(got, device="cuda").fit(3) == plan and plan.micro_batch == 3
 
 
 def test_a_known_delay_gets_the_theory_or_the_next_swept_value():

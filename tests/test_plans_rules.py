@@ -1,16 +1,14 @@
-"""diag.qlora.plans, one rule per test: the naive plan, collecting decisions, the workers=0 caps,
-the CPU fallback for pin_memory, fitting the micro-batch, and which frame feeds which rule
-(constructed decisions and frames; no experiment runs)."""
+"""diag.qlora.plans, one rule per test: the naive plan, collecting decisions, the owners'
+defaults, the workers=0 caps, the CPU fallback for pin_memory, fitting the micro-batch
+(constructed decisions; no experiment runs)."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
 from diag.decision import Decision
-from diag.qlora.plans import SETTINGS, Plan, decide_frames, fit_micro_batch
+from diag.qlora.plans import SETTINGS, Plan, fit_micro_batch
 
 
 def _measured(setting, value, source="test"):
@@ -89,14 +87,16 @@ def test_optimized_fills_what_nobody_decided_with_the_owners_default():
     assert full.decisions == tuple(_all()) and full.notes == ()
 
 
-def test_optimized_decides_a_mapping_of_frames_by_each_rule():
+def test_optimized_takes_an_experiments_decisions_and_the_owners_defaults_for_the_device():
+    from diag.storage import decide
+
     storage = pd.DataFrame({"method": ["boto3_default", "land"], "cache_state": ["cold", "hit"],
                             "seconds": [9.0, 0.3]})
-    plan = Plan.optimized({"storage": storage}, device="cuda")
+    plan = Plan.optimized(decide(storage), device="cuda")
     assert plan.decision("fetch").basis == "measured" and plan.fetch == "land"
     assert plan.decision("model_cache").basis == "default"
-    assert plan.gradient_checkpointing is True  # the device reaches the rules: CUDA's default
-    assert Plan.optimized({"storage": storage}).gradient_checkpointing is False  # CPU's
+    assert plan.gradient_checkpointing is True  # the device reaches the owners: CUDA's default
+    assert Plan.optimized(decide(storage)).gradient_checkpointing is False  # CPU's
 
 
 def test_pin_memory_on_a_cpu_is_capped_with_a_note():
@@ -134,49 +134,3 @@ def test_the_frame_shows_each_setting_its_basis_and_evidence():
     assert (row["value"], row["basis"]) == ("False", "capped")
     assert row["evidence"] == plan.decision("pin_memory").evidence()
     assert plan.evidence[0] == ("fetch", "measured: fetch measured")
-
-
-def test_decide_frames_reads_results_frames_sweeps_summaries_and_their_decisions():
-    loader = pd.DataFrame([{"pipeline": "packed", "num_workers": w, "pin_memory": True,
-                            "persistent_workers": w > 0, "prefetch_factor": 2 if w else None,
-                            "samples_per_s": 100.0, "tokens_per_s": 400.0, "data_wait_s": wait,
-                            "step_s": 0.02, "data_wait_share": wait / (wait + 0.02),
-                            "batch_size": 8, "error": ""} for w, wait in ((0, 0.03), (1, 0.0))])
-    accum = pd.DataFrame({"micro_batch": [1, 4, 4], "grad_accum": [4, 1, 1],
-                          "tokens_per_step": [64] * 3, "status": ["ok"] * 3,
-                          "seconds_per_step": [2.0, 1.0, 1.0], "tokens_per_s": [32.0, 64.0, 64.0],
-                          "data_s": [0.0] * 3, "compute_s": [1.0] * 3, "mfu": [0.1] * 3,
-                          "floor_s": [0.1] * 3, "peak_mem_gb": [1.0] * 3, "warmup_s": [0.0] * 3,
-                          "compile": [False] * 3, "detail": [""] * 3, "repeat": [0, 0, 1]})
-    own = (_measured("gradient_checkpointing", False, "checkpointing"),)
-    got = {d.setting: d for d in decide_frames({
-        "loader": SimpleNamespace(sweep=loader),  # a result object: its sweep
-        "accum": accum,  # the sweep frame: summarized first
-        "checkpointing": SimpleNamespace(decisions=own, frame=None)}, device="cuda")}
-    assert (got["num_workers"].value, got["num_workers"].basis) == (1, "measured")
-    assert (got["micro_batch"].value, got["micro_batch"].basis) == (4, "measured")
-    assert got["gradient_checkpointing"] is own[0]
-    assert got["fetch"].basis == got["model_cache"].basis == "default"
-    assert set(got) == set(SETTINGS)
-    load = pd.DataFrame({"scenario": ["fresh", "cached"], "part": ["load_model"] * 2,
-                         "seconds": [30.0, 3.0], "model": ["m"] * 2, "device": ["cpu"] * 2})
-    ckpt = pd.DataFrame({"gradient_checkpointing": [True, False], "seconds": [1.3, 1.0],
-                         "peak_mem_gb": [1e-6, 2e-6]})  # fits anywhere: off, measured
-    accum_own = (_measured("micro_batch", 8, "accum"),)
-    got = {d.setting: d for d in decide_frames({"model_load": load, "checkpointing": ckpt,
-                                                "accum": SimpleNamespace(decisions=accum_own,
-                                                                         summary=None)})}
-    assert (got["model_cache"].basis, got["model_cache"].baseline_s) == ("measured", 30.0)
-    assert got["micro_batch"] is accum_own[0]
-    assert (got["gradient_checkpointing"].value,
-            got["gradient_checkpointing"].basis) == (False, "measured")
-    summary = SimpleNamespace(summary=pd.DataFrame({
-        "micro_batch": [2], "grad_accum": [2], "status": ["ok"], "tokens_per_s": [9.0],
-        "seconds_per_step": [1.0], "recommended": [True]}))
-    loader_own = (_measured("num_workers", 3, "loader"),)
-    got = {d.setting: d for d in decide_frames({"accum": summary,
-                                                "loader": SimpleNamespace(decisions=loader_own),
-                                                "storage": SimpleNamespace(frame=None)})}
-    assert got["micro_batch"].value == 2 and got["num_workers"] is loader_own[0]
-    assert got["gradient_checkpointing"].value is False  # CPU's default: off
-    assert got["fetch"].basis == "default"

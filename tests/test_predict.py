@@ -135,9 +135,9 @@ def test_the_naive_step_is_scaled_from_the_timed_step_to_its_own_token_slots():
     decisions = tuple(
         _measured("micro_batch", 4, baseline=1, stage="compute", per="step", baseline_s=2.0,
                   chosen_s=1.0, source="accum") if d.setting != "micro_batch" else
-        Decision.from_rows("micro_batch", 4, "accum", [{"tokens_per_step": 50}], source="accum",
-                           baseline=1, stage="compute", per="step", baseline_s=2.0,
-                           chosen_s=1.0)
+        Decision.from_rows("micro_batch", 4, "accum", [{"x": 1}], source="accum",
+                           measured_on=MeasuredOn(tokens_per_step=50), baseline=1,
+                           stage="compute", per="step", baseline_s=2.0, chosen_s=1.0)
         for d in opt.decisions if d.setting in ("micro_batch",))
     opt = dataclasses.replace(opt, decisions=decisions)
     # timed at 50 slots per step; the naive plan carries 1000 / 10 = 100: its step is 2x
@@ -146,15 +146,13 @@ def test_the_naive_step_is_scaled_from_the_timed_step_to_its_own_token_slots():
     assert row["per_step_s"] == pytest.approx(4.0 - 2.0)
 
 
-def test_a_checkpointing_naive_step_pays_the_on_off_ratio_its_rows_measured():
+def test_a_checkpointing_naive_step_pays_the_on_off_ratio_its_decision_measured():
     # the micro-batch sweep times its steps with checkpointing off; the naive plan checkpoints,
-    # so its step is the sweep's 2.0 s x the on/off ratio of the checkpointing rows (1.8 / 1.2)
+    # so its step is the sweep's 2.0 s x the decision's on/off ratio (1.8 / 1.2)
     naive, opt = _plans()
-    rows = [{"gradient_checkpointing": on, "seconds": s, "micro_batch": 4}
-            for on, s in ((True, 1.8), (False, 1.2), ("True", 1.8), ("False", 1.2))]
-    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", rows,
+    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", [{"x": 1}],
                               source="checkpointing", baseline=True, stage="compute",
-                              per="step", baseline_s=1.8, chosen_s=1.2)
+                              per="step", baseline_s=1.8, chosen_s=1.2, naive_ratio=1.8 / 1.2)
     decisions = tuple(ckpt if d.setting == "gradient_checkpointing" else d for d in opt.decisions)
     table = predict(naive, dataclasses.replace(opt, decisions=decisions), COUNTS)
     by = table.groupby(["setting", "stage"])["predicted_s"].sum()
@@ -173,13 +171,11 @@ def test_a_checkpointing_naive_step_pays_the_on_off_ratio_its_rows_measured():
 
 
 def _checkpointing_at_both_micro_batches() -> Decision:
-    """Checkpointing measured on/off at the naive micro-batch 1 (4.0 / 2.0 s: ratio 2.0) and at
-    the plan's 4 (1.5 / 1.0 s: ratio 1.5), decided off."""
-    rows = [{"gradient_checkpointing": on, "seconds": s, "micro_batch": m}
-            for m, on, s in ((1, True, 4.0), (1, False, 2.0), (4, True, 1.5), (4, False, 1.0))]
-    return Decision.from_rows("gradient_checkpointing", False, "measured", rows,
+    """Checkpointing measured on/off at the naive micro-batch 1 (ratio 2.0) and at the plan's 4
+    (1.5 / 1.0 s: ratio 1.5), decided off."""
+    return Decision.from_rows("gradient_checkpointing", False, "measured", [{"x": 1}],
                               source="checkpointing", baseline=True, stage="compute",
-                              per="step", baseline_s=1.5, chosen_s=1.0)
+                              per="step", baseline_s=1.5, chosen_s=1.0, naive_ratio=2.0)
 
 
 def test_the_naive_micro_batchs_own_ratio_lands_the_chain_on_the_sweeps_chosen_step():
@@ -453,21 +449,6 @@ def test_the_checkpointing_fix_says_the_ratio_it_divides_out():
                                "(measured); the step 2 s -> 1 s; x 8 steps")
 
 
-def test_a_ratio_measured_at_other_micro_batches_says_so():
-    # no row at the naive micro-batch 1: the ratio falls back to all rows (medians 1.5 / 1.0)
-    naive, opt = _plans()
-    rows = [{"gradient_checkpointing": on, "seconds": s, "micro_batch": m}
-            for m, on, s in ((2, True, 2.0), (2, False, 1.0), (4, True, 1.5), (4, False, 1.0))]
-    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", rows,
-                              source="checkpointing", baseline=True, stage="compute",
-                              per="step", baseline_s=1.5, chosen_s=1.0)
-    table = predict(naive, _with(opt, gradient_checkpointing=ckpt), COUNTS)
-    row = table.set_index(["setting", "stage"]).loc[("gradient_checkpointing", "train")]
-    assert row["evidence"].startswith(
-        "checkpointing: on/off 1.75 measured over all its rows (none at the naive micro-batch "
-        "1) (measured); the step ")
-
-
 def test_a_fix_no_decision_prices_is_listed_in_its_stage_and_no_fix_is_an_empty_table():
     naive, opt = _plans()
     bare = dataclasses.replace(opt, pin_memory=not naive.pin_memory, decisions=tuple(
@@ -484,24 +465,18 @@ def test_a_fix_no_decision_prices_is_listed_in_its_stage_and_no_fix_is_an_empty_
                                                  "predicted_s", "per_step_s", "evidence"]
 
 
-def _naive_step(rows):
-    """The naive step the chain starts from, given the checkpointing decision's rows: the
-    micro-batch fix halves it (1 s / 2 s), so it is twice that fix's saving per step."""
+def _naive_step(ratio):
+    """The naive step the chain starts from, given the checkpointing decision's naive_ratio:
+    the micro-batch fix halves it (1 s / 2 s), so it is twice that fix's saving per step."""
     naive, opt = _plans()
-    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", rows,
+    ckpt = Decision.from_rows("gradient_checkpointing", False, "measured", [{"x": 1}],
                               source="checkpointing", baseline=True, stage="compute",
-                              per="step", baseline_s=1.5, chosen_s=1.0)
+                              per="step", baseline_s=1.5, chosen_s=1.0, naive_ratio=ratio)
     table = predict(naive, _with(opt, gradient_checkpointing=ckpt), COUNTS)
     return 2 * table.set_index(["setting", "stage"]).at[("micro_batch", "train"), "per_step_s"]
 
 
-def test_the_on_off_ratio_reads_flags_as_a_frame_gives_them_and_needs_both_sides():
-    for on, off in ((1, 0), (1.0, 0.0), (" TRUE ", "false")):  # from a CSV: numbers, text
-        rows = [{"gradient_checkpointing": on, "seconds": 0.9},
-                {"gradient_checkpointing": off, "seconds": 0.6}]
-        assert _naive_step(rows) == pytest.approx(2.0 * 1.5), (on, off)  # 0.9 / 0.6 s
-    only_on = [{"gradient_checkpointing": True, "seconds": 0.9}]
-    only_off = [{"gradient_checkpointing": False, "seconds": 0.6}]
-    zero_off = only_on + [{"gradient_checkpointing": False, "seconds": 0.0}]
-    for rows in (only_on, only_off, zero_off):  # no ratio: the sweep's step as measured
-        assert _naive_step(rows) == pytest.approx(2.0)
+def test_the_naive_step_pays_the_decisions_naive_ratio_and_none_leaves_it_as_timed():
+    assert _naive_step(1.5) == pytest.approx(2.0 * 1.5)
+    for ratio in (None, float("nan")):  # not timed at the naive micro-batch: the sweep's step
+        assert _naive_step(ratio) == pytest.approx(2.0)

@@ -3,6 +3,7 @@
 `run_accum(cfg)` sweeps micro_batch x grad_accum at the same tokens per optimizer step on a real
 causal LM (`sweep_grad_accum`), reports tokens/s, seconds per step beside the floor (the step at
 100% of the dense peak), memory, MFU cross-checked with FlopCounterMode, and the advice.
+`train_points` is the one sweep harness: any `AccumStep` (this model's, the QLoRA job's).
 `mfu_from_figures()` checks your own run's MFU; its data is diag.data's `ensure_tokens` /
 `BatchLoader` (the token cache's flat file).
 """
@@ -10,9 +11,11 @@ causal LM (`sweep_grad_accum`), reports tokens/s, seconds per step beside the fl
 from diag.accum.experiment import AccumResult, advice, decide, mfu_check, run_accum, summarize
 from diag.accum.mfu import (NANOGPT_PEAK, ModelShape, count_flops, disagreement, floor_seconds,
                             judge_mfu, mfu_from_figures)
-from diag.accum.sweep import COLUMNS, PeakMemory, is_oom, measure, pairs, sweep_grad_accum
+from diag.accum.model import Setup, measure, sweep_grad_accum
+from diag.accum.sweep import (COLUMNS, AccumStep, PeakMemory, accum_frame, is_oom, pairs,
+                              train_points)
 
-__all__ = ["AccumResult", "COLUMNS", "ModelShape", "NANOGPT_PEAK", "PeakMemory", "advice",
-           "count_flops", "decide", "disagreement", "floor_seconds", "is_oom", "judge_mfu",
-           "measure", "mfu_check", "mfu_from_figures", "pairs", "run_accum", "summarize",
-           "sweep_grad_accum"]
+__all__ = ["AccumResult", "AccumStep", "COLUMNS", "ModelShape", "NANOGPT_PEAK", "PeakMemory",
+           "Setup", "accum_frame", "advice", "count_flops", "decide", "disagreement",
+           "floor_seconds", "is_oom", "judge_mfu", "measure", "mfu_check", "mfu_from_figures",
+           "pairs", "run_accum", "summarize", "sweep_grad_accum", "train_points"]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from diag.accum.sweep import measure
+from diag.accum.model import Setup, measure
 from diag.decision import Decision, MeasuredOn
 from diag.machine.device import on_cpu_threads
 
@@ -42,14 +42,13 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
     from diag.config import AccumConfig
 
     cfg = cfg or AccumConfig.default()
-    frame, info = measure(cfg)
+    frame, setup = measure(cfg)
     summary = summarize(frame)
-    shape = info["shape"]
-    on = MeasuredOn(model=f"{cfg.model} ({shape.params / 1e6:.3g}M params)",
-                    precision=str(info["amp"]), seq_len=cfg.seq_len,
+    on = MeasuredOn(model=f"{cfg.model} ({setup.shape.params / 1e6:.3g}M params)",
+                    precision=setup.amp, seq_len=cfg.seq_len,
                     step=f"{cfg.tokens_per_step:,} tokens per optimizer step",
-                    device=str(info["device"]))
-    return AccumResult(frame, summary, mfu_check(info), advice(summary, cfg.steps_per_run),
+                    device=setup.device, tokens_per_step=cfg.tokens_per_step)
+    return AccumResult(frame, summary, mfu_check(setup), advice(summary, cfg.steps_per_run),
                        decide(summary, on))
 
 
@@ -106,28 +105,27 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out[cols])
 
 
-def mfu_check(info: dict[str, Any]) -> pd.DataFrame:
+def mfu_check(setup: Setup) -> pd.DataFrame:
     """The formula's FLOPs per token beside FlopCounterMode's, and the peak used for MFU."""
     import pandas as pd
 
-    shape, peak = info["shape"], info["peak"]
+    shape, peak, counted = setup.shape, setup.peak, setup.counted_per_token
     formula = shape.flops_per_token
     common = {"params": shape.params, "layers": shape.layers, "d_model": shape.d_model,
-              "seq_len": shape.seq_len, "amp": info["amp"], "device": info["device"],
+              "seq_len": shape.seq_len, "amp": setup.amp, "device": setup.device,
               "peak_tflops": peak.flops / 1e12 if peak.flops else math.nan,
               "peak": peak.label + (f" ({peak.source})" if peak.source and not peak.measured
                                     else "")}
     from diag.accum.mfu import disagreement
 
-    flagged, note = disagreement(formula, info["counted_per_token"],
+    flagged, note = disagreement(formula, counted,
                                  "check N (tied or untied head), the attention term, and kernels "
                                  "the counter has no formula for")
     return pd.DataFrame([
         {"method": "formula 6N + 12·L·d·T", "flops_per_token": formula, "vs_formula": 1.0,
          "flagged": False, "note": "", **common},
-        {"method": "FlopCounterMode, one micro-step", "flops_per_token": info["counted_per_token"],
-         "vs_formula": info["counted_per_token"] / formula, "flagged": flagged, "note": note,
-         **common},
+        {"method": "FlopCounterMode, one micro-step", "flops_per_token": counted,
+         "vs_formula": counted / formula, "flagged": flagged, "note": note, **common},
     ])
 
 

@@ -38,8 +38,8 @@ class QLoraConfig(SourceConfig):
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"; CUDA-only
                           # settings on CPU fall back, with a note
     rounds: int = 3  # plans run interleaved this many times (order alternating); medians + spread
-    results: str = ""  # run folder whose experiment CSVs the optimized
-                       # plan reads; "" = measure on this job
+    results: str = ""  # run folder whose decisions.csv the optimized
+                       # plan collects; "" = measure on this job
     # -- the sweeps on the job's own step that decide the optimized plan (diag.qlora.measure) --
     sweep_micro_batches: list[int] = field(default_factory=list)  # [] = up to
         # 4 divisors of the job's rows per step, 1 and the largest among them

@@ -5,7 +5,8 @@
 returns where each run's time went. (Time your own Trainer with `diag.TimingCallback`.)
 """
 
-from diag.qlora.experiment import QLoraResult, load_results, run_qlora, savings
+from diag.qlora.experiment import QLoraResult, run_qlora
 from diag.qlora.plans import Plan
+from diag.qlora.predict import savings
 
-__all__ = ["Plan", "QLoraResult", "load_results", "run_qlora", "savings"]
+__all__ = ["Plan", "QLoraResult", "run_qlora", "savings"]

@@ -43,9 +43,11 @@ def memory_gb(device: str) -> tuple[float, str]:
 
 
 def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: MeasuredOn | None = None,
-           memory: tuple[float, str] | None = None) -> tuple[Decision, ...]:
+           memory: tuple[float, str] | None = None, naive_micro_batch: int | None = None
+           ) -> tuple[Decision, ...]:
     """`gradient_checkpointing` from the on/off rows; absent or failed: on for CUDA (the safe
-    default), off on CPU (activations only grow host RAM), labelled default."""
+    default), off on CPU (activations only grow host RAM), labelled default. The rows at
+    `naive_micro_batch` give its `naive_ratio` (on/off seconds a naive step pays)."""
     cuda = str(device).startswith("cuda")
     usable = frame is not None and not frame.empty and {True, False} <= set(
         frame["gradient_checkpointing"].astype(bool))
@@ -56,13 +58,14 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
                                  f"{why}: " + ("on, the safe default on CUDA" if cuda else
                                                "off, on CPU activations live in host RAM"),
                                  source="checkpointing"),)
-    # decided at the plan's micro-batch, the largest timed; the naive micro-batch's rows (kept
-    # in the decision) price the naive step's checkpointing (diag.qlora.predict)
-    top = frame[frame["micro_batch"] == frame["micro_batch"].max()] if (
-        "micro_batch" in frame.columns) else frame
-    flag = top["gradient_checkpointing"].astype(bool)
-    on_s, off_s = (float(top.loc[flag == v, "seconds"].median()) for v in (True, False))
-    peak = float(top.loc[~flag, "peak_mem_gb"].max())
+    # decided at the plan's micro-batch, the largest timed; the naive micro-batch's on/off
+    # ratio prices the naive step's checkpointing (diag.qlora.predict)
+    sized = "micro_batch" in frame.columns
+    top = frame[frame["micro_batch"] == frame["micro_batch"].max()] if sized else frame
+    on_s, off_s = _medians(top)
+    naive_on, naive_off = _medians(frame[frame["micro_batch"] == naive_micro_batch] if sized
+                                   else frame.iloc[:0])
+    peak = float(top.loc[~top["gradient_checkpointing"].astype(bool), "peak_mem_gb"].max())
     total, where = memory or memory_gb(device)
     # recomputing activations never makes a step faster, it only saves memory: off wherever
     # the step's peak without it fits; the timings are what that is worth (noisy on a shared
@@ -74,4 +77,11 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
     return (Decision.from_rows("gradient_checkpointing", choice, why, frame,
                                source="checkpointing", measured_on=measured_on, baseline=True,
                                stage="compute", per="step", baseline_s=on_s,
-                               chosen_s=on_s if choice else off_s),)
+                               chosen_s=on_s if choice else off_s,
+                               naive_ratio=naive_on / naive_off if naive_off > 0 else None),)
+
+
+def _medians(rows: pd.DataFrame) -> tuple[float, float]:
+    """Median step seconds with checkpointing on and off (NaN where a side has no row)."""
+    flag = rows["gradient_checkpointing"].astype(bool)
+    return tuple(float(rows.loc[flag == v, "seconds"].median()) for v in (True, False))

@@ -9,24 +9,20 @@ measured saving (a prediction off by more than 25% is flagged, not hidden).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diag.decision import PREDICTION_TOLERANCE  # noqa: F401  # re-exported for callers
 from diag.machine.device import on_cpu_threads
 from diag.qlora.plans import Plan
-from diag.qlora.predict import FIXES, savings  # noqa: F401
+from diag.qlora.predict import savings
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from diag.config import QLoraConfig
+    from diag.decision import Decision
     from diag.qlora.job import Sources
-
-# Result frames the optimized plan reads from a run folder, by the CSV names report.write gives.
-RESULT_FILES = {"storage": ("storage",), "model_load": ("model_load",),
-                "loader": ("loader", "workers"), "accum": ("accum",)}
 
 
 @dataclass(frozen=True)
@@ -49,31 +45,14 @@ class QLoraResult:
         return headline(self.frame) if set(self.frame["plan"]) >= {"naive", "optimized"} else ""
 
 
-def load_results(folder: str | Path) -> dict[str, Any]:
-    """The experiment frames a run folder holds (CSV per frame), keyed as Plan.optimized reads."""
-    import pandas as pd
-
-    if not folder:
-        return {}
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ValueError(f"QLoraConfig.results={str(folder)!r}: no such run folder")
-    found = {}
-    for key, names in RESULT_FILES.items():
-        for name in names:
-            if (folder / f"{name}.csv").is_file():
-                found[key] = pd.read_csv(folder / f"{name}.csv")
-                break
-    return found
-
-
 @on_cpu_threads
-def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = None,
+def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | None = None,
               src: Sources | None = None) -> QLoraResult:
     """Run cfg.plan ("naive", "optimized" or "both") cfg.rounds times, interleaved (the order
-    alternates per round, so drift on a shared machine hits both alike); `results` (frames by
-    experiment) or cfg.results (a run folder) feed Plan.optimized. src: the job's sources, open
-    (diag.qlora.job.open_sources); else they are opened here and closed at the end."""
+    alternates per round, so drift on a shared machine hits both alike). The optimized plan
+    collects `decisions`; None: those cfg.results (a run folder) kept, else measured on the job
+    (diag.qlora.measure). src: the job's sources, open (diag.qlora.job.open_sources); else
+    they are opened here and closed at the end."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -83,12 +62,13 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
     from diag.timing.distributed import init_group, root_first
     from diag.preflight import preflight
     from diag.qlora.job import open_sources, prime, run_plan
-    from diag.qlora.measure import plan_from_job
+    from diag.qlora.measure import plan_from_job, read_results
     from diag.qlora.predict import Counts, predict
 
     cfg = cfg or QLoraConfig.default()
+    if decisions is None and cfg.results:  # checked before anything is measured or run
+        decisions = read_results(cfg)
     preflight(cfg)  # the source flags checked with one listing, before any model loads
-    given, results = results, results if results is not None else load_results(cfg.results)
     init_group(resolve(cfg.device).type)  # under a launcher: join before the first barrier
     plans = []
     runs: list[dict[str, Any]] = []
@@ -98,7 +78,7 @@ def run_qlora(cfg: QLoraConfig | None = None, results: dict[str, Any] | None = N
         if cfg.plan in ("naive", "both"):
             plans.append(Plan.naive())
         if cfg.plan in ("optimized", "both"):
-            plans.append(plan_from_job(cfg, given, src))  # measured on the job unless given
+            plans.append(plan_from_job(cfg, decisions, src))  # measured on the job unless given
         # an optimized start finds the landed data, cached model and tokens: the first start
         # pays them once, apart from the per-start figure and shown beside it as once_s
         once = {}

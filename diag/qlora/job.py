@@ -162,19 +162,24 @@ def last_checkpoint(out_dir: str | os.PathLike[str]) -> Path | None:
 def prime(cfg: QLoraConfig, plan: Plan, src: Sources) -> float:
     """Land the data, fill the model cache and the token cache once (a first start's cost);
     returns its seconds. Later starts of the plan hit all three."""
-    import time
+    start = time.perf_counter()
+    prepare(cfg, plan, src)
+    return time.perf_counter() - start
 
+
+def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any]:
+    """A start's inputs under plan, untimed: the data path, the model folder, the built dataset
+    (a copy pulled into the start's temporary folder is gone when it returns)."""
     from diag.qlora.data import build_dataset, check_records, read
 
-    start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="diag-qlora-prime-"))
     try:
         path, folder = fetch_data(plan, src, work), model_folder(plan, src, work)
         records, bad = read(cfg, path)
-        build_dataset(cfg, plan, check_records(cfg, records, folder, bad), folder, path)
+        return path, folder, build_dataset(cfg, plan, check_records(cfg, records, folder, bad),
+                                           folder, path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return time.perf_counter() - start
 
 
 def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:

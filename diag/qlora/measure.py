@@ -1,18 +1,17 @@
 """The decisions of the optimized plan, measured on the QLoRA job's own step on this machine.
 
-`plan_from_job(cfg)` is what run_qlora calls: the job's inputs (`job_inputs`: the landed data,
-the cached model, its rows per optimizer step), then, unless decisions are given or cfg.results
-names a run folder, the three measurements on the job: `accum_on_job` (micro-batch x grad-accum
-of the nf4 + LoRA model at the job's seq_len and rows per step, the candidates the divisors the
-job can run), `diag.qlora.checkpointing.measure` (on vs off at the chosen micro-batch) and
-`loader_on_job` (diag.loader's sweep consuming `QLoraStep`). Each returns its experiment's
-result with its decisions; the plan only collects them, then fits the micro-batch to the job.
+`plan_from_job(cfg, decisions)`: the job's inputs (`job_inputs`: landed data, cached model, rows
+per optimizer step), then unless decisions are given `measure_on_job`: micro-batch x grad-accum
+(`accum_on_job`) and checkpointing on vs off (`checkpointing_on_job`) through diag.accum's
+harness, the loader sweep (`loader_on_job`), all consuming `QLoraStep`; the plan collects their
+decisions, fitted to the job. `read_results(cfg)` gives back those a run folder kept.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
+import contextlib
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,8 +19,6 @@ from typing import TYPE_CHECKING, Any
 from diag.decision import Decision, MeasuredOn
 
 if TYPE_CHECKING:
-    import pandas as pd
-
     from diag.accum import AccumResult
     from diag.config import QLoraConfig
     from diag.loader import LoaderResult
@@ -29,46 +26,68 @@ if TYPE_CHECKING:
     from diag.qlora.job import Sources
     from diag.qlora.plans import Plan
 
-# Result frames a run folder holds, by the CSV names report.write gives them.
-RESULT_FILES = {"storage": ("storage",), "model_load": ("model_load",),
-                "loader": ("loader", "workers"), "accum": ("accum_summary", "accum"),
-                "checkpointing": ("checkpointing",)}
-
 
 class QLoraStep:
     """One optimizer step of the job's model (nf4 base, LoRA adapters), as the Trainer takes it:
-    forward, backward, AdamW on the adapters; a loader sweep's consumer."""
+    forward, backward, AdamW on the adapters. A diag.accum harness step, and (called with a
+    batch: one whole step) a loader sweep's consumer."""
 
     def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any,
                  gradient_checkpointing: bool = False) -> None:
         import dataclasses
 
         import torch
+        from peft import get_peft_model_state_dict
 
-        from diag.machine.device import sync
         from diag.qlora.job import load_model
         from diag.qlora.plans import Plan
 
         plan = dataclasses.replace(Plan.naive(), gradient_checkpointing=gradient_checkpointing)
-        self.device, self._sync = device, sync
+        self.device, self._lr, self._seq_len = device, cfg.lr, cfg.seq_len
         self.model = load_model(cfg, plan, model_dir, device)
         self.model.train()
+        self._initial = {k: v.to("cpu", copy=True)  # the adapters' starting weights
+                         for k, v in get_peft_model_state_dict(self.model).items()}
+        self._gen = torch.Generator().manual_seed(cfg.seed)  # each step: the same batches
+        self.reset()
+
+    def batches(self, micro_batch: int) -> contextlib.AbstractContextManager[Iterator[Any]]:
+        """One random batch of the job's shape, repeated: the sweeps time the step, not data."""
+        import torch
+
+        ids = torch.randint(4, self.model.config.vocab_size, (micro_batch, self._seq_len),
+                            generator=self._gen)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+        return contextlib.nullcontext(itertools.repeat(batch))
+
+    def reset(self) -> None:
+        import torch
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(self.model, self._initial)
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer = None  # the last point's state goes before this point allocates
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr)
+        self.optimizer = torch.optim.AdamW(params, lr=self._lr)
 
     def backward(self, batch: dict[str, Any], scale: float = 1.0) -> None:
         """One micro-batch: forward and backward (gradients accumulate until update)."""
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         (self.model(**batch).loss * scale).backward()
 
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # one process: nothing to all-reduce
+
     def update(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._sync(self.device)  # note: sync point, so the step's kernels are billed to the step
 
     def __call__(self, batch: dict[str, Any]) -> None:
+        from diag.machine.device import sync
+
         self.backward(batch)
         self.update()
+        sync(self.device)  # note: sync point, so the step's kernels are billed to the step
 
 
 @dataclass(frozen=True)
@@ -86,30 +105,25 @@ def job_label(cfg: QLoraConfig) -> str:
     return f"{cfg.model or 'the embedded tiny Llama'} + LoRA r={cfg.lora_r}"
 
 
+def _on(cfg: QLoraConfig, job: JobInputs, step: str, **more: Any) -> MeasuredOn:
+    return MeasuredOn(model=job_label(cfg), precision="nf4", seq_len=cfg.seq_len, step=step,
+                      device=str(job.device), **more)
+
+
 def job_inputs(cfg: QLoraConfig, src: Sources | None = None) -> JobInputs:
     """Land the data, fill the persistent model cache, build the packed dataset once (the token
     cache every optimized start reuses) and read its rows per step off it. src: sources already
     open (run_qlora's, which its runs then use); else they are opened and closed here."""
-    import contextlib
     import dataclasses
-    import shutil
-    import tempfile
 
     from diag.machine.device import resolve
-    from diag.qlora.data import build_dataset, check_records, read
-    from diag.qlora.job import fetch_data, model_folder, open_sources
+    from diag.qlora.job import open_sources, prepare
     from diag.qlora.plans import Plan
 
     plan = dataclasses.replace(Plan.naive(), fetch="land", model_cache="persistent",
                                pipeline="packed")
-    work = Path(tempfile.mkdtemp(prefix="diag-qlora-measure-"))
-    try:
-        with contextlib.nullcontext(src) if src else open_sources(cfg) as src:
-            path, folder = fetch_data(plan, src, work), model_folder(plan, src, work)
-        records, bad = read(cfg, path)
-        data = build_dataset(cfg, plan, check_records(cfg, records, folder, bad), folder, path)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with contextlib.nullcontext(src) if src else open_sources(cfg) as src:
+        path, folder, data = prepare(cfg, plan, src)
     return JobInputs(data.micro_batch * data.grad_accum, folder, path, resolve(cfg.device))
 
 
@@ -125,66 +139,57 @@ def micro_candidates(rows_per_step: int, most: int = 4) -> list[int]:
 
 def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | None = None
                  ) -> AccumResult:
-    """micro_batch x grad_accum == the job's rows per step, on the job's model (checkpointing
-    off: its own measurement prices it), a one-micro-batch warm-up then cfg.sweep_steps timed
-    optimizer steps; one row
-    per timed step in diag.accum's columns, summarized and decided by diag.accum."""
-    import time
-
+    """micro_batch x grad_accum == the job's rows per step on the job's step (checkpointing
+    off: its own measurement prices it), through diag.accum's harness (one warm-up step, then
+    cfg.sweep_steps timed ones per point); summarized and decided by diag.accum."""
     import pandas as pd
-    import torch
 
-    from diag.accum import COLUMNS, AccumResult, PeakMemory, advice, decide, is_oom, summarize
+    from diag.accum import AccumResult, accum_frame, advice, decide, summarize, train_points
 
-    rows_per_step, seq = job.rows_per_step, cfg.seq_len
+    rows_per_step = job.rows_per_step
     micro_batches = micro_batches or cfg.sweep_micro_batches or micro_candidates(rows_per_step)
     bad = [m for m in micro_batches if rows_per_step % m]
     if bad:
         raise ValueError(f"QLoraConfig.sweep_micro_batches={bad}: must divide the job's "
                          f"{rows_per_step} rows per step; allowed: "
                          + ", ".join(map(str, micro_candidates(rows_per_step, rows_per_step))))
-    step = QLoraStep(cfg, job.model_dir, job.device)
-    vocab = step.model.config.vocab_size
-    gen = torch.Generator().manual_seed(cfg.seed)
-    memory, rows = PeakMemory(job.device), []
-    tokens = rows_per_step * seq
-    for micro in micro_batches:
-        accum = rows_per_step // micro
-        ids = torch.randint(4, vocab, (micro, seq), generator=gen)
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-        base = {"micro_batch": micro, "grad_accum": accum, "tokens_per_step": tokens,
-                "floor_s": math.nan, "flops_per_token": math.nan, "mfu": math.nan,
-                "compile": False, "detail": job_label(cfg)}
-        try:
-            # warm-up: one micro-batch and an update (allocator and kernels for this shape);
-            # the timed steps accumulate the job's whole step
-            start = time.perf_counter()
-            step.backward(batch, 1.0 / accum)
-            step.update()
-            warm = time.perf_counter() - start
-            for i in range(1, cfg.sweep_steps + 1):
-                memory.reset()
-                start = time.perf_counter()
-                for _ in range(accum):
-                    step.backward(batch, 1.0 / accum)
-                step.update()
-                seconds = time.perf_counter() - start
-                rows.append({**base, "seconds_per_step": seconds, "tokens_per_s": tokens / seconds,
-                             "data_s": 0.0, "compute_s": seconds,
-                             "peak_mem_gb": memory.growth_gb(), "status": "ok", "repeat": i - 1,
-                             "warmup_s": warm})
-        except Exception as err:  # an OOM is a measured point, anything else raises
-            if not is_oom(err):
-                raise
-            step.optimizer.zero_grad(set_to_none=True)
-            rows.append({**base, "status": "oom", "repeat": 0, "peak_mem_gb": memory.gb()})
-    frame = pd.DataFrame(rows, columns=COLUMNS)
+    timed = train_points([QLoraStep(cfg, job.model_dir, job.device)],
+                         [(m, rows_per_step // m) for m in micro_batches],
+                         repeats=cfg.sweep_steps, warmup_steps=1, desc="accum sweep on the job")
+    tokens = rows_per_step * cfg.seq_len
+    # no floor or MFU here: the QLoRA step's FLOPs are diag.qlora.mfu's own
+    frame = accum_frame(timed, tokens, detail=job_label(cfg))
     summary = summarize(frame)
-    on = MeasuredOn(model=job_label(cfg), precision="nf4", seq_len=seq,
-                    step=f"the QLoRA step, {rows_per_step} rows per optimizer step "
-                         "(checkpointing off)", device=str(job.device))
-    mfu = pd.DataFrame()  # the QLoRA MFU is diag.qlora's own (formula vs FlopCounterMode)
-    return AccumResult(frame, summary, mfu, advice(summary, cfg.steps), decide(summary, on))
+    on = _on(cfg, job, f"the QLoRA step, {rows_per_step} rows per optimizer step "
+                       "(checkpointing off)", tokens_per_step=tokens)
+    return AccumResult(frame, summary, pd.DataFrame(), advice(summary, cfg.steps),
+                       decide(summary, on))
+
+
+def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> CheckpointingResult:
+    """Checkpointing on vs off on the job's step (diag.qlora.checkpointing) at `micro` and at
+    the naive plan's micro-batch (the naive step's own on/off ratio: recomputing costs another
+    share there), through diag.accum's harness: the two alternate step by step, so a load
+    change on a shared machine hits both. A point that ran out of memory leaves no row."""
+    import pandas as pd
+
+    from diag.accum import train_points
+    from diag.qlora.checkpointing import COLUMNS, CheckpointingResult, decide
+    from diag.qlora.plans import Plan
+
+    naive = Plan.naive().micro_batch
+    steps = [QLoraStep(cfg, job.model_dir, job.device, gradient_checkpointing=on)
+             for on in (True, False)]
+    timed = train_points(steps, [(m, 1) for m in sorted({naive, micro})],
+                         repeats=cfg.sweep_steps, warmup_steps=1, desc="checkpointing on/off")
+    ok = timed[timed["status"] == "ok"]
+    frame = pd.DataFrame({"gradient_checkpointing": ok["step"] == 0,
+                          "micro_batch": ok["micro_batch"], "seq_len": cfg.seq_len,
+                          "seconds": ok["seconds_per_step"], "peak_mem_gb": ok["growth_gb"],
+                          "repeat": ok["repeat"]}, columns=COLUMNS).reset_index(drop=True)
+    on = _on(cfg, job, f"the QLoRA step, micro-batch {micro}")
+    return CheckpointingResult(frame, decide(frame, str(job.device), on,
+                                             naive_micro_batch=naive))
 
 
 def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> LoaderResult:
@@ -201,115 +206,52 @@ def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> LoaderResult:
         tokenizer=str(job.model_dir), batch_size=micro, seq_len=cfg.seq_len,
         workers=list(cfg.sweep_workers), steps=max(2, cfg.sweep_steps * 2), repeats=1,
         run_steps=cfg.steps)
-    on = MeasuredOn(model=job_label(cfg), precision="nf4", seq_len=cfg.seq_len, step=label,
-                    device=str(job.device))
-    return run_loader(loader_cfg, step=(step, float("nan"), label), measured_on=on,
-                      emulate_stalls=True)
+    return run_loader(loader_cfg, step=(step, float("nan"), label),
+                      measured_on=_on(cfg, job, label), emulate_stalls=True)
 
 
-def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> CheckpointingResult:
-    """Checkpointing on vs off on the job's step at `micro` (diag.qlora.checkpointing): they
-    alternate step by step, so a load change on a shared machine hits both."""
-    import time
-
-    import pandas as pd
-    import torch
-
-    from diag.accum import PeakMemory
-    from diag.qlora.checkpointing import COLUMNS, CheckpointingResult, decide
-    from diag.qlora.plans import Plan
-
-    device, steps = job.device, cfg.sweep_steps
-
-    gen = torch.Generator().manual_seed(cfg.seed)
-    runs = {on: QLoraStep(cfg, job.model_dir, device, gradient_checkpointing=on)
-            for on in (True, False)}
-    vocab = runs[True].model.config.vocab_size
-    memory, rows = PeakMemory(device), []
-    # at the plan's micro-batch (the decision), and at the naive plan's: the naive step's own
-    # on/off ratio (recomputing activations costs a different share at another micro-batch)
-    for m in sorted({Plan.naive().micro_batch, micro}):
-        ids = torch.randint(4, vocab, (m, cfg.seq_len), generator=gen)
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-        for i in range(steps + 1):
-            for on, step in runs.items():
-                memory.reset()
-                start = time.perf_counter()
-                step(batch)
-                seconds = time.perf_counter() - start
-                if i:  # the first step pays allocator growth and kernel choice
-                    rows.append({"gradient_checkpointing": on, "micro_batch": m,
-                                 "seq_len": cfg.seq_len, "seconds": seconds,
-                                 "peak_mem_gb": memory.growth_gb(), "repeat": i - 1})
-    frame = pd.DataFrame(rows, columns=COLUMNS)
-    on = MeasuredOn(model=job_label(cfg), precision="nf4", seq_len=cfg.seq_len,
-                    step=f"the QLoRA step, micro-batch {micro}", device=str(device))
-    return CheckpointingResult(frame, decide(frame, str(device), on))
-
-
-def measure_on_job(cfg: QLoraConfig, job: JobInputs | None = None) -> dict[str, Any]:
-    """The three measurements in order (accum picks the micro-batch the others run at): results
-    by experiment (accum, checkpointing, loader), each with its decisions."""
-    from diag.decision import by_setting
-
-    job = job or job_inputs(cfg)
+def measure_on_job(cfg: QLoraConfig, job: JobInputs) -> tuple[Decision, ...]:
+    """The three measurements in order (accum picks the micro-batch the others run at), and
+    their decisions."""
     accum = accum_on_job(cfg, job)
-    micro = by_setting(accum.decisions)["micro_batch"].value
+    (micro,) = (d.value for d in accum.decisions)  # diag.accum decides micro_batch alone
     ckpt = checkpointing_on_job(cfg, job, micro)
-    return {"accum": accum, "checkpointing": ckpt, "loader": loader_on_job(cfg, job, micro)}
+    return (*accum.decisions, *ckpt.decisions, *loader_on_job(cfg, job, micro).decisions)
 
 
-def decisions_from_job(cfg: QLoraConfig, job: JobInputs | None = None) -> tuple[Decision, ...]:
-    return tuple(d for r in measure_on_job(cfg, job).values() for d in r.decisions)
-
-
-def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | Mapping[str, Any] | None
-                  = None, src: Sources | None = None) -> Plan:
-    """The optimized plan run_qlora runs: the given decisions (or frames), else cfg.results'
-    (checked against this job), else measured on the job; fitted to the job's rows per step.
-    src: open sources to read the job's inputs from (job_inputs)."""
+def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
+                  src: Sources | None = None) -> Plan:
+    """The optimized plan run_qlora runs: the given decisions, else measured on the job; fitted
+    to the job's rows per step. src: open sources to read the job's inputs from (job_inputs)."""
     from diag.qlora.plans import Plan
 
-    if decisions is None and cfg.results:  # checked before anything is measured or run
-        decisions = load_results(cfg.results, cfg)
     job = job_inputs(cfg, src)
     if decisions is None:
-        decisions = decisions_from_job(cfg, job)
+        decisions = measure_on_job(cfg, job)
     return Plan.optimized(decisions, device=str(job.device)).fit(job.rows_per_step)
 
 
-def load_results(folder: str | Path, cfg: QLoraConfig | None = None) -> tuple[Decision, ...]:
-    """The decisions a run folder's CSVs give, by each experiment's own rule. Its decisions.csv
-    must name this job's model and seq_len (else ValueError, one line naming both)."""
+def read_results(cfg: QLoraConfig) -> tuple[Decision, ...]:
+    """The decisions cfg.results (a run folder) kept in its decisions.csv, read back whole
+    (diag.decision.read); what was measured there must be this job's model and seq_len (else
+    ValueError, one line naming both)."""
     import pandas as pd
 
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ValueError(f"QLoraConfig.results={str(folder)!r}: no such run folder")
-    if cfg is not None and (folder / "decisions.csv").is_file():
-        _check_job(pd.read_csv(folder / "decisions.csv"), folder, cfg)
-    found: dict[str, pd.DataFrame] = {}
-    for key, names in RESULT_FILES.items():
-        name = next((n for n in names if (folder / f"{n}.csv").is_file()), None)
-        if name is not None:
-            found[key] = pd.read_csv(folder / f"{name}.csv")
-    from diag.machine.device import resolve
-    from diag.qlora.plans import decide_frames
+    from diag.decision import read
 
-    return decide_frames(found, str(resolve(cfg.device)) if cfg else "cpu")
-
-
-def _check_job(table: pd.DataFrame, folder: Path, cfg: QLoraConfig) -> None:
-    measured = table[~table["basis"].isin(["default", "projected"])]  # what was measured here
-    for column, want in (("model", job_label(cfg)), ("seq_len", cfg.seq_len)):
-        if column not in measured.columns:
-            continue
-        got = {v for v in measured[column].dropna() if str(v) not in ("", "nan")}
-        other = sorted(str(v) for v in got if str(v) != str(want) and
-                       not (column == "seq_len" and float(v) == float(want)))
+    table = Path(cfg.results) / "decisions.csv"
+    if not table.is_file():
+        raise ValueError(f"QLoraConfig.results={cfg.results!r}: no run folder with a "
+                         "decisions.csv there")
+    decisions = read(pd.read_csv(table))
+    # what was measured on the job's step names its seq_len (a model load or a fetch does not,
+    # and names the model by its own id): those must be this job's
+    measured = [d.measured_on for d in decisions if d.basis not in ("default", "projected")
+                and d.measured_on.seq_len]
+    for name, want in (("model", job_label(cfg)), ("seq_len", cfg.seq_len)):
+        other = sorted({str(v) for on in measured if (v := getattr(on, name)) not in ("", None)
+                        and v != want})
         if other:
-            raise ValueError(f"QLoraConfig.results={str(folder)!r} was measured on {column} "
+            raise ValueError(f"QLoraConfig.results={cfg.results!r} was measured on {name} "
                              f"{', '.join(other)}, this job runs {want}: no plan is built from it")
-
-
-measure_results = measure_on_job  # the former name (bench/qlora.py), kept while callers move
+    return decisions

@@ -11,7 +11,7 @@ gradient_checkpointing); a setting nobody decided takes its owner's labelled def
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,19 +56,14 @@ class Plan:
                                      for k, (v, w) in values.items()])
 
     @classmethod
-    def optimized(cls, decisions: Iterable[Decision] | Mapping[str, Any] = (),
-                  device: str = "cpu") -> Plan:
+    def optimized(cls, decisions: Iterable[Decision] = (), device: str = "cpu") -> Plan:
         """The experiments' decisions, collected; a setting none decided takes its owner's
-        labelled default. A mapping of measured frames (keys storage, model_load, loader,
-        accum, checkpointing) is first decided by each experiment's own rule."""
-        if isinstance(decisions, Mapping):
-            decisions = decide_frames(decisions, device)
-        got = by_setting(decisions)
-        missing = [s for s in SETTINGS if s not in got]
-        if missing:
-            defaults = by_setting(decide_frames({}, device))
-            got.update({s: defaults[s] for s in missing})
-        return cls.collect("optimized", [got[s] for s in SETTINGS]).for_device(device)
+        labelled default (`defaults`)."""
+        decisions = tuple(decisions)
+        decided = {d.setting for d in decisions}
+        if not decided >= set(SETTINGS):
+            decisions += tuple(d for d in defaults(device) if d.setting not in decided)
+        return cls.collect("optimized", decisions).for_device(device)
 
     @classmethod
     def collect(cls, name: str, decisions: Iterable[Decision]) -> Plan:
@@ -135,32 +130,14 @@ def fit_micro_batch(rows_per_step: int, micro: int) -> int:
     return max(d for d in range(1, max(1, min(micro, rows_per_step)) + 1) if rows_per_step % d == 0)
 
 
-def decide_frames(frames: Mapping[str, Any], device: str = "cpu") -> tuple[Decision, ...]:
-    """Each experiment's own decision rule over its frame (absent: its labelled default).
-    Keys: storage, model_load (frames), loader (the sweep), accum (the summary, or the sweep
-    frame, summarized first), checkpointing (on/off step rows); a result object is read for
-    its `.decisions` when it has them."""
+def defaults(device: str = "cpu") -> tuple[Decision, ...]:
+    """Each owner's decision without a measurement (its rule given no frame): labelled
+    defaults, the device's where the safe value depends on it (checkpointing)."""
     from diag.accum import decide as accum_decide
-    from diag.accum import summarize
     from diag.loader import decide as loader_decide
     from diag.model_load import decide as load_decide
     from diag.qlora.checkpointing import decide as ckpt_decide
     from diag.storage import decide as storage_decide
 
-    def frame(key: str) -> Any:
-        got = frames.get(key)
-        return getattr(got, "frame", getattr(got, "sweep", got))
-
-    accum = frames.get("accum")
-    accum = getattr(accum, "summary", accum)
-    if accum is not None and not accum.empty and "recommended" not in accum.columns:
-        accum = summarize(accum)
-    out: list[Decision] = []
-    for key, rule in (("storage", storage_decide), ("model_load", load_decide),
-                      ("loader", loader_decide)):
-        got = getattr(frames.get(key), "decisions", None)
-        out += got if got else rule(frame(key))
-    out += getattr(frames.get("accum"), "decisions", None) or accum_decide(accum)
-    out += getattr(frames.get("checkpointing"), "decisions", None) or ckpt_decide(
-        frame("checkpointing"), device)
-    return tuple(out)
+    return (*storage_decide(None), *load_decide(None), *loader_decide(None), *accum_decide(None),
+            *ckpt_decide(None, device))

@@ -9,16 +9,17 @@ sets each run-level stage's predicted saving beside the measured one (naive minu
 a miss over PREDICTION_TOLERANCE of the prediction is flagged, both ways.
 
 Step fixes are chained in step space so they add up: the naive step (the accum decision's
-baseline, measured at the job's tokens per step) is scaled by each compute fix's chosen/baseline
-ratio in turn (micro-batch, checkpointing, packing's token slots); the data_wait fixes save their
-measured seconds per step. Per-step savings count once per steady step (`train`) and once per
-warm-up step (`warmup`); per-start savings once (`fetch_data`, `load_model`, `preprocess`).
+baseline, scaled from the tokens per step it was timed at, `MeasuredOn.tokens_per_step`, to the
+naive plan's, and by the checkpointing decision's `naive_ratio` when the naive plan checkpoints)
+is scaled by each compute fix's chosen/baseline ratio in turn (micro-batch, checkpointing,
+packing's token slots); the data_wait fixes save their measured seconds per step. Per-step
+savings count once per steady step (`train`) and once per warm-up step (`warmup`); per-start
+savings once (`fetch_data`, `load_model`, `preprocess`).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -92,9 +93,8 @@ def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
     # it): a naive step that checkpoints pays the on/off ratio measured on the job at the naive
     # micro-batch, and turning it off divides it out again, so the chain ends exactly at the
     # sweep's chosen point whatever order the fixes are taken in
-    ratio, measured_at = (_checkpointing_ratio(decided.get("gradient_checkpointing"),
-                                               naive.micro_batch)
-                          if a.get("gradient_checkpointing") else (None, ""))
+    ckpt = decided.get("gradient_checkpointing")
+    ratio = ckpt.naive_ratio if ckpt is not None and a.get("gradient_checkpointing") else None
     if step is not None and ratio:
         step *= ratio
     for setting in COMPUTE_ORDER:
@@ -107,8 +107,8 @@ def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
             continue
         if setting == "gradient_checkpointing" and ratio:
             new = step / ratio
-            why = (f"{d.source}: on/off {ratio:.3g} measured {measured_at} ({d.basis}); "
-                   f"the step {step:.3g} s -> {new:.3g} s")
+            why = (f"{d.source}: on/off {ratio:.3g} measured at the naive micro-batch "
+                   f"{naive.micro_batch} ({d.basis}); the step {step:.3g} s -> {new:.3g} s")
         else:
             new = step * got[1] / got[0]
             why = (f"{d.source}: {got[1]:.3g} s / {got[0]:.3g} s per step measured "
@@ -157,41 +157,12 @@ def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
 
 
 def _slots_scale(d: Any, naive: Plan, counts: Counts) -> float:
-    """The naive step's token slots over those of the step the decision timed (its rows name
-    `tokens_per_step`): the accum sweep runs the job's packed step, the naive plan pads."""
-    measured = [r.get("tokens_per_step") for r in d.rows if r.get("tokens_per_step")]
-    slots = counts.token_slots.get(naive.name)
+    """The naive step's token slots over those of the step the decision timed: the accum sweep
+    runs the job's packed step, the naive plan pads."""
+    measured, slots = d.measured_on.tokens_per_step, counts.token_slots.get(naive.name)
     if not measured or not slots:
         return 1.0
-    return slots / counts.steps / float(measured[0])
-
-
-def _checkpointing_ratio(d: Any, micro_batch: int) -> tuple[float | None, str]:
-    """Step seconds with checkpointing on over off, and where they were measured: the medians of
-    the decision's rows at micro_batch, else of all its rows (its chosen_s is the on figure
-    when it keeps it on)."""
-    if d is None:
-        return None, ""
-    at = [r for r in d.rows if _number(r.get("micro_batch")) == micro_batch]
-    where = (f"at the naive micro-batch {micro_batch}" if at else
-             f"over all its rows (none at the naive micro-batch {micro_batch})")
-    by: dict[bool, list[float]] = {True: [], False: []}
-    for r in at or d.rows:
-        flag = str(r.get("gradient_checkpointing")).strip().lower() in ("true", "1", "1.0")
-        seconds = r.get("seconds")
-        if seconds is not None and math.isfinite(float(seconds)):
-            by[flag].append(float(seconds))
-    if not (by[True] and by[False]):
-        return None, where
-    on, off = statistics.median(by[True]), statistics.median(by[False])
-    return (on / off if off > 0 else None), where
-
-
-def _number(value: Any) -> float | None:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
+    return slots / counts.steps / float(measured)
 
 
 def _unpriced(d: Any, extra: str = "") -> str:

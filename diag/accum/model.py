@@ -1,0 +1,183 @@
+"""diag accum's model as an AccumStep (`LMStep`), and what its sweep is measured with (`Setup`).
+
+`setup(cfg)` builds the embedded tiny Llama or a GPT-2-small shape on random windows of the token
+file, DDP-wrapped under a launcher, and counts one micro-step's FLOPs; `sweep_grad_accum(cfg)`
+runs diag.accum.sweep's harness on it: one row per timed optimizer step per point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from diag.accum.mfu import ModelShape, count_flops, floor_seconds, judge_mfu, loss_of
+from diag.accum.sweep import accum_frame, is_oom, pairs, train_points
+from diag.data import BatchLoader, check_tokens, ensure_tokens, token_file
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import torch
+
+    from diag.config import AccumConfig
+    from diag.machine.device import Peak
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the sweep was measured with (diag.accum.mfu_check reads it)."""
+
+    shape: ModelShape
+    peak: Peak  # the dense peak MFU is computed against, and where it came from
+    counted_per_token: float  # FlopCounterMode on one micro-step of the smallest point
+    amp: str  # autocast dtype: "bf16" or "fp32"
+    device: str
+    world_size: int  # DDP ranks the step is spread over
+
+
+class LMStep:
+    """diag accum's causal LM, trained a micro-step at a time (diag.accum.sweep.AccumStep)."""
+
+    def __init__(self, cfg: AccumConfig, model: Any, tokens: Any, device: torch.device,
+                 amp: Any, rank: int = 0, distributed: bool = False) -> None:
+        import torch
+
+        self.model, self.device, self.amp = model, device, amp
+        self._cfg, self._tokens, self._seed = cfg, tokens, cfg.seed + rank  # a rank's own windows
+        # the reset copy lives in host memory: on the device it would count in every point's
+        # peak memory (a model's worth too much, enough to call a point that fits "oom")
+        self._initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        # under DDP gradients are all-reduced once per optimizer step, as a DDP job does
+        self._ddp = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+        self._run, self.optimizer = self._ddp, None
+
+    def batches(self, micro_batch: int) -> BatchLoader:
+        return BatchLoader(self._tokens, micro_batch, self._cfg.seq_len, self.device,
+                           seed=self._seed)
+
+    def reset(self) -> None:
+        import torch
+
+        self.model.load_state_dict(self._initial)
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer = None  # the last point's state goes before this point allocates
+        fused = {"fused": True} if self.device.type == "cuda" else {}
+        self.optimizer = torch.optim.AdamW(self._ddp.parameters(), lr=3e-4, **fused)
+        if self._cfg.compile:
+            torch._dynamo.reset()  # a fresh compile per point, so warmup_s holds its own compile
+            self._run = torch.compile(self._ddp, dynamic=False)
+
+    def backward(self, batch: tuple[torch.Tensor, torch.Tensor], scale: float) -> None:
+        x, y = batch
+        with self.amp:
+            loss = loss_of(self._run, x, y) * scale
+        loss.backward()
+
+    def no_sync(self) -> Any:
+        return self._ddp.no_sync() if hasattr(self._ddp, "no_sync") else contextlib.nullcontext()
+
+    def update(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def build_model(cfg: AccumConfig, device: torch.device) -> Any:
+    """The embedded tiny Llama, or a GPT-2-small shape (nanoGPT's padded vocab), random init."""
+    import torch
+
+    if cfg.model == "tiny":
+        from transformers import LlamaForCausalLM
+
+        from diag.embedded import ensure_assets
+
+        model = LlamaForCausalLM.from_pretrained(ensure_assets().model_dir,
+                                                 attn_implementation="sdpa", dtype=torch.float32)
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=50304, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                            attn_implementation="sdpa")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = GPT2LMHeadModel(config)
+    context = getattr(model.config, "max_position_embeddings", None) or model.config.n_positions
+    if cfg.seq_len > context:
+        raise ValueError(f"AccumConfig.seq_len={cfg.seq_len}: above the context of model "
+                         f"{cfg.model!r} ({context} positions); allowed 1..{context}")
+    return model.to(device).train()
+
+
+def _autocast(cfg: AccumConfig, device: torch.device) -> Any:
+    import torch
+
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    if dtype == "fp32":
+        return contextlib.nullcontext(), "fp32"
+    return torch.autocast(device.type, dtype=torch.bfloat16), "bf16"
+
+
+def _tokens(cfg: AccumConfig) -> Any:
+    return token_file(cfg.token_file) if cfg.token_file else ensure_tokens()
+
+
+def setup(cfg: AccumConfig) -> tuple[LMStep, Setup, list[tuple[int, int]]]:
+    """cfg's model as a step on this rank, what it is measured with, and the points to sweep."""
+    import torch
+
+    from diag.machine import device as devices
+    from diag.timing.distributed import init_group, root_first
+
+    dev = devices.resolve(cfg.device)
+    seat = init_group(dev.type)  # under torchrun / accelerate: one DDP rank of the sweep
+    if seat.distributed and dev.type == "cuda":
+        dev = torch.device("cuda", seat.local_rank)
+    points = pairs(cfg, seat.world_size)  # before any work: a world that cannot split the step
+    with root_first():  # rank 0 tokenizes the synthetic set once; the others read its file
+        tokens = _tokens(cfg)
+    model = build_model(cfg, dev)
+    check_tokens(tokens, model.config.vocab_size)  # before any step: a bad id fails here, named
+    amp, amp_dtype = _autocast(cfg, dev)
+    if cfg.peak_tflops:
+        peak = devices.Peak(cfg.peak_tflops * 1e12, f"given: {cfg.peak_tflops:g} TFLOP/s "
+                            "(AccumConfig.peak_tflops)", "config", False)
+    else:
+        peak = devices.peak_flops(dev, "bf16" if amp_dtype == "bf16" else "fp32")
+    if seat.distributed and peak.flops:  # the step is spread over the ranks: their peaks add up
+        peak = devices.Peak(peak.flops * seat.world_size,
+                            f"{seat.world_size} x {peak.label}", peak.source, peak.measured)
+    # the formula checked against what torch counts, on one micro-step of the smallest point
+    smallest = min(m for m, _ in points)
+    with BatchLoader(tokens, smallest, cfg.seq_len, dev, seed=cfg.seed, prefetch=False) as bl:
+        x, y = bl.next()
+        try:
+            counted = count_flops(model, x, y, amp) / x.numel()
+        except (RuntimeError, MemoryError) as err:
+            if not is_oom(err):
+                raise
+            counted = math.nan  # even one micro-step does not fit: every point will say so
+            model.zero_grad(set_to_none=True)
+    shape = ModelShape.from_model(model, cfg.seq_len, cfg.model)
+    step = LMStep(cfg, model, tokens, dev, amp, seat.rank, seat.distributed)  # DDP after the count
+    return step, Setup(shape, peak, counted, amp_dtype, str(dev), seat.world_size), points
+
+
+def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup]:
+    """The sweep frame (diag.accum.sweep.COLUMNS), and what it was measured with."""
+    step, got, points = setup(cfg)
+    timed = train_points([step], points, repeats=cfg.steps, warmup_steps=cfg.warmup_steps)
+    fpt, peak = got.shape.flops_per_token, got.peak
+    frame = accum_frame(timed, cfg.tokens_per_step, compile=cfg.compile, flops_per_token=fpt,
+                        floor_s=floor_seconds(fpt, cfg.tokens_per_step, peak.flops))
+    for i in frame.index[frame["status"] == "ok"]:
+        mfu, _, note = judge_mfu(frame.at[i, "tokens_per_s"], fpt, peak.flops, peak.label)
+        # the peak is named once, in the mfu frame; a row says why it has no MFU
+        frame.loc[i, ["mfu", "detail"]] = mfu, "" if mfu == mfu else note
+    return frame, got
+
+
+def sweep_grad_accum(cfg: AccumConfig | None = None) -> pd.DataFrame:
+    """One row per timed optimizer step per point (an OOM point: one row); see COLUMNS."""
+    from diag.config import AccumConfig
+
+    return measure(cfg or AccumConfig.default())[0]
