@@ -1,5 +1,6 @@
 import json
 import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -65,13 +66,17 @@ INFO = pd.DataFrame({"fact": ["accelerator", "cpu_model", "cpu_cores_logical", "
                      "value": ["none", "AMD EPYC", "2", "25.3"]})
 
 
+def write_run(out: Path) -> Path:
+    """A constructed `diag run` folder (the browser test reads it too)."""
+    return report.write(folder_frames(), out, info=INFO, advice=pd.DataFrame(
+        [{"stage": "fetch_data", "finding": "land it once", "seconds_saved": 20.0,
+          "evidence": "0.8 s per start"}]))
+
+
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     """One constructed `diag run` folder, written once for the page's tests."""
-    out = tmp_path_factory.mktemp("report") / "run"
-    folder = report.write(folder_frames(), out, info=INFO, advice=pd.DataFrame(
-        [{"stage": "fetch_data", "finding": "land it once", "seconds_saved": 20.0,
-          "evidence": "0.8 s per start"}]))
+    folder = write_run(tmp_path_factory.mktemp("report") / "run")
     return folder, (folder / "report.html").read_text()
 
 
