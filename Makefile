@@ -15,7 +15,7 @@ STAMP  := $(VENV)/.diag-installed
 BROWSER_STAMP := $(VENV)/.diag-browser-installed
 ARGS   ?=
 
-.PHONY: demo test check lab bench mutate clean-venv
+.PHONY: demo test check lab bench mutate clean-venv readme-figure
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ check: $(STAMP)
 lab: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[lab]'
 	$(VENV)/bin/jupyter lab notebooks/
+
+# The README's figure, docs/demo-stage-shares.png: from a new demo run, or RUN=runs/<id> re-drawn
+RUN ?=
+readme-figure: $(STAMP)
+	$(PY) tools/readme_figure.py $(RUN)
 
 bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

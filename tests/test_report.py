@@ -1,5 +1,6 @@
 import json
 import re
+import runpy
 from pathlib import Path
 
 import pandas as pd
@@ -173,6 +174,17 @@ def test_raw_tables_are_folded_linked_and_show_units(written):
     decisions = text[text.index('<a href="decisions.csv">'):]
     assert "<th>why</th>" in decisions.split("</table>")[0]
     assert '{"setting"' not in text  # a decision's whole json is for the CSV, not the page
+
+
+def test_the_readme_figure_is_the_headline_over_the_stage_shares(written):
+    folder, _ = written
+    tool = runpy.run_path(str(Path(__file__).parents[1] / "tools" / "readme_figure.py"))
+    summary = report.load_summary(folder)
+    ax = tool["figure"](folder).axes[0]
+    words = " ".join(ax.get_title().split())
+    assert words.startswith(summary["headline"]["text"] + " top fix: land it once")
+    assert words.endswith("measured on CPU only (no accelerator), AMD EPYC, 2 cores, 25.3 GB RAM")
+    assert len(ax.patches) == len(summary["stages"])  # one bar per stage of each run
 
 
 @pytest.mark.parametrize("column, value, shown", [
