@@ -216,6 +216,7 @@ def test_a_single_experiment_folder_reads_as_well(tmp_path):
     assert "<h2>Fixes</h2><ol><li><b>land it once</b>: saves 700\u00a0ms per start" in text
     assert section(text, "storage").count("<details>") == 2  # storage.csv, storage_tax.csv
     assert "$1.50" in text and "<b>fetch = land</b>" in text
+    assert "CPU only" not in text  # no info.csv: the page claims no machine
 
 
 def test_a_single_run_names_itself_and_keeps_its_top_finding(tmp_path):

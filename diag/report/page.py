@@ -64,8 +64,10 @@ def page(summary: dict[str, Any], frames: dict[str, pd.DataFrame], images: dict[
         parts.append(_section("Per rank", "ranks", _esc(said), [
             _img("ranks", images["ranks"])] if "ranks" in images else [], tables))
     versions = ", ".join(f"{k} {v}" for k, v in summary.get("versions", {}).items())
+    machine = device_line(summary)
     parts.append(_section("The machine and the software", "machine",
-                          f"Measured on {device_line(summary)}.", [],
+                          f"Measured on {machine}." if machine else
+                          "The command recorded no device facts; the software it ran:", [],
                           [f"<p class=ev>{_esc(versions)}</p>",
                            *([_table("info", frames["info"])] if "info" in frames else [])]))
     return (f"<!doctype html><html><head><meta charset=utf-8><title>diag report</title>"
@@ -180,13 +182,17 @@ def _opening(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
         if summary.get("top_finding"):
             out += f"<p class=top>Top finding: {_esc(summary['top_finding'])}</p>"
     when = summary["created_utc"].replace("T", " ")[:16] + " UTC"
-    return f"<header>{out}<p class=device>Run of {when} on {device_line(summary)}.</p></header>"
+    machine = device_line(summary)
+    return (f"<header>{out}<p class=device>Run of {when}{f' on {machine}' if machine else ''}."
+            "</p></header>")
 
 
 def device_line(summary: dict[str, Any]) -> str:
     """The machine a run folder was measured on, in words: "CPU only (no accelerator), AMD EPYC,
-    2 cores, 25.3 GB RAM"; HTML-escaped."""
-    device = summary.get("device") or {}
+    2 cores, 25.3 GB RAM"; HTML-escaped; "" when the folder holds no device facts (info.csv)."""
+    device = summary.get("device")
+    if not device:
+        return ""
     accelerator = str(device.get("accelerator") or "none")
     if accelerator in ("none", "nan"):
         where = "CPU only (no accelerator)"
