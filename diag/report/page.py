@@ -2,8 +2,8 @@
 
 `page(summary, frames, images)` lays out what a run folder holds and decides nothing: the
 headline and the ranked fixes (summary.json; the QLoRA runs' predicted vs measured savings), then
-one section per experiment opening with its conclusion (its decisions from decisions.csv: the
-setting, what it was measured on, the figure that decided it), its figure, and its CSVs folded
+one section per experiment opening with its conclusion (its decisions read back from
+decisions.csv, each in the words of Decision.evidence()), its figure, and its CSVs folded
 (`<details>`) and linked. Numbers carry their units (`units.cell`).
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import pandas as pd
 
+from diag.decision import Decision, read
 from diag.report.units import cell, seconds, share, sig
 from diag.timing import STAGE_FRAME
 
@@ -94,21 +95,17 @@ def sections(frames: dict[str, pd.DataFrame]) -> dict[str, list[str]]:
                                                    else len(order), kv[0])))
 
 
-def _decisions_of(key: str, frames: dict[str, pd.DataFrame]) -> pd.DataFrame | None:
-    """The decisions a section speaks for: by source; a projected one goes to the source's
-    projected section where the folder has one."""
-    decisions = frames.get("decisions")
-    if decisions is None or decisions.empty:
-        return None
-    projected = decisions["basis"].eq("projected") & (decisions["source"] + "_projected").isin(
-        frames)
-    home = decisions["source"].where(~projected, decisions["source"] + "_projected")
-    mine = decisions[home == key]
-    return mine if not mine.empty else None
+def _decisions_of(key: str, frames: dict[str, pd.DataFrame]) -> list[Decision]:
+    """The decisions a section speaks for (decisions.csv read back): by source; a projected one
+    goes to the source's projected section where the folder has one."""
+    table = frames.get("decisions")
+    decided = read(table) if table is not None else ()
+    return [d for d in decided if (f"{d.source}_projected" if d.basis == "projected"
+                                   and f"{d.source}_projected" in frames else d.source) == key]
 
 
 def _value(value: Any) -> str:
-    return "none" if value is None or value != value else str(value)
+    return "none" if value is None else str(value)
 
 
 def _conclusion(key: str, names: list[str], summary: dict[str, Any],
@@ -116,16 +113,17 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
     """The section's first line: what was decided, on what, from which figure (its decisions);
     for the runs, where their time went; for the QLoRA job, how the plans compared."""
     decided = _decisions_of(key, frames)
-    if decided is not None:
-        chosen = decided[decided["basis"] != "default"]
+    if decided:
+        chosen = [d for d in decided if d.basis != "default"]
         # the same default may come from two sweeps (the job's loader and the projected one)
-        kept = decided[decided["basis"] == "default"].drop_duplicates(["setting", "value"])
-        out = "; ".join(_decided(r) for r in (chosen if not chosen.empty else kept)
-                        .itertuples()) + "."
-        if not chosen.empty and not kept.empty:
+        kept = list({(d.setting, _value(d.value)): d for d in decided
+                     if d.basis == "default"}.values())
+        out = "; ".join(f"<b>{_esc(d.setting)} = {_esc(_value(d.value))}</b>, "
+                        f"{_esc(d.evidence())}" for d in chosen or kept) + "."
+        if chosen and kept:
             out += ("<br><span class=defaults>Defaults kept: " + ", ".join(
-                f"{_esc(r.setting)} {_esc(_value(r.value))}"
-                for r in kept.itertuples()) + " (their reasons in decisions.csv).</span>")
+                f"{_esc(d.setting)} {_esc(_value(d.value))}" for d in kept)
+                + " (their reasons in decisions.csv).</span>")
         return out
     if key == STAGE_FRAME and summary.get("stages"):
         return _shares(summary["stages"])
@@ -133,14 +131,6 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
         return _comparison(frames["qlora_comparison"].iloc[0])
     rows = sum(len(frames[n]) for n in names)
     return f"Measured {rows:,} rows; no setting was decided from them."
-
-
-def _decided(r: Any) -> str:
-    """One decision as the page says it: the setting and value, then its evidence (basis, what
-    it was measured on, why), as Decision.evidence() words it."""
-    on = f" on {r.measured_on}" if isinstance(r.measured_on, str) and r.measured_on else ""
-    return (f"<b>{_esc(r.setting)} = {_esc(_value(r.value))}</b>, "
-            f"{_esc(f'{r.basis}{on}: {r.why}')}")
 
 
 def _shares(stages: list[dict[str, Any]]) -> str:
