@@ -2,6 +2,8 @@
 #   make demo   the whole diagnosis on the embedded defaults; writes a report under runs/
 #   make test   every test, notebooks included, and the browser tests of the lab and the report
 #               when chromium is installed (what .ci/run calls; it installs chromium first)
+#   make check  the fast tier for the inner loop: every test not marked slow (no launchers,
+#               Jupyter kernels, browsers or processes that import torch; pyproject.toml)
 #   make lab    JupyterLab (the lab extra, installed on first use) on the notebooks, same environment
 # The virtual environment is made once; installs re-run only when pyproject.toml or
 # constraints.txt change (the stamp file below).
@@ -13,7 +15,7 @@ STAMP  := $(VENV)/.diag-installed
 BROWSER_STAMP := $(VENV)/.diag-browser-installed
 ARGS   ?=
 
-.PHONY: demo test lab bench mutate clean-venv
+.PHONY: demo test check lab bench mutate clean-venv readme-figure
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,11 +37,20 @@ test: $(BROWSER_STAMP)
 	$(VENV)/bin/ruff check diag tests bench tools data
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
+check: $(STAMP)
+	$(VENV)/bin/ruff check diag tests bench tools data
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(ARGS)
+
 # The lab and its kernel run from this venv (jupyter_client starts the `python3` kernel with
 # the lab's own interpreter), so the notebooks' kernel imports diag.
 lab: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[lab]'
 	$(VENV)/bin/jupyter lab notebooks/
+
+# The README's figure, docs/demo-stage-shares.png: from a new demo run, or RUN=runs/<id> re-drawn
+RUN ?=
+readme-figure: $(STAMP)
+	$(PY) tools/readme_figure.py $(RUN)
 
 bench: $(STAMP)
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -107,6 +107,7 @@ OOM_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
     import pandas as pd

@@ -34,6 +34,7 @@ def test_flags_come_from_the_config_dataclass():
     assert cfg.probe is False
 
 
+@pytest.mark.slow
 def test_info_prints_the_device_table():
     out = run_cli("info", "--quick")
     assert out.returncode == 0, out.stderr
@@ -46,6 +47,7 @@ def test_every_table_experiment_takes_the_same_output_flags():
         assert hasattr(args, "csv") == hasattr(args, "json") == hasattr(args, "report") == exp.table
 
 
+@pytest.mark.slow
 def test_json_and_report_come_from_main_for_a_dataclass_result(tmp_path, monkeypatch):
     import json
 
@@ -113,6 +115,7 @@ def test_csv_only_where_the_result_is_tables():
     assert out.returncode == 2 and "unrecognized arguments: --csv" in out.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_embedded_servers(tmp_path):
     import signal
     import time

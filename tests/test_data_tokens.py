@@ -70,6 +70,7 @@ tokens.build_token_cache(sys.argv[1], sys.argv[2], cache_dir=sys.argv[3])
 """
 
 
+@pytest.mark.slow
 def test_a_build_killed_before_its_meta_is_rebuilt_not_taken(tok_dir, tmp_path):
     data = synthetic_dataset(tmp_path / "d.jsonl", records=30)
     cache_dir = tmp_path / "tokens"

@@ -140,6 +140,7 @@ def test_this_machine_through_psutil(tmp_path: Path) -> None:
     assert all(d.kind in disks.KINDS and d.evidence for d in disks.disks())
 
 
+@pytest.mark.slow
 def test_info_reports_a_fake_layout(tmp_path: Path) -> None:
     sysfs, table = fake_machine(tmp_path, *LAYOUTS["aws"][:2])
     out = subprocess.run([sys.executable, "-m", "diag", "info", "--no-probe"], text=True,

@@ -21,6 +21,7 @@ import pytest
 from diag.timing import stragglers
 from diag.timing.spill import read_spills
 
+pytestmark = pytest.mark.slow  # every test starts a launcher's ranks or `python -m diag toy`
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 SLOW_MS = 40.0  # rank 1's extra sleep per batch: the delay the others' comm_wait must recover
@@ -146,7 +147,6 @@ def test_a_rank_killed_mid_run_fails_the_launcher_and_keeps_the_finished_steps(t
         assert (mine.groupby("step").size() == 4).all()
 
 
-@pytest.mark.slow
 # under torchrun the optimized plan, measured on the job on both ranks first; under accelerate
 # (whose launcher only sets the ranks' environment differently) the naive plan alone
 @pytest.mark.parametrize("launcher, plan", [("torchrun", "optimized"), ("accelerate", "naive")])

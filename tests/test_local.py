@@ -136,6 +136,7 @@ def test_snapshot_download_is_byte_identical(assets: Assets, tmp_path: Path) -> 
     assert _group_gone(pid)
 
 
+@pytest.mark.slow
 def test_transformers_loads_through_hf_endpoint(assets: Assets, tmp_path: Path) -> None:
     # HF_ENDPOINT is read when huggingface_hub is imported, and from_pretrained has no endpoint
     # argument: a fresh process with the variable set is the path a user's training script takes

@@ -21,7 +21,7 @@ FAKE_TOKEN = "hf_diagFAKEtoken0123456789abcdef"
 
 
 # its module fixture is made once: the file's tests share one xdist worker (make test)
-pytestmark = pytest.mark.xdist_group("test_models")
+pytestmark = [pytest.mark.xdist_group("test_models"), pytest.mark.slow]  # model-load workers
 
 
 @pytest.fixture(scope="module")

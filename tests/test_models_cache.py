@@ -62,6 +62,7 @@ def test_the_cache_is_where_huggingface_hub_looks(tmp_path, monkeypatch):
     assert user_hub_cache() == tmp_path / "new"
 
 
+@pytest.mark.slow
 def test_the_users_cache_is_byte_identical_after_every_scenario_and_a_moved_ref(
         hub, tmp_path, monkeypatch):
     server, root, model_dir = hub

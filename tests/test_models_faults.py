@@ -148,6 +148,7 @@ class ThrottledProxy:
         self.sock.close()
 
 
+@pytest.mark.slow
 def test_download_killed_halfway_leaves_nothing_that_looks_complete(at_hub, tmp_path):
     proxy = ThrottledProxy((at_hub.host, at_hub.port), rate=400_000)
     job = {"mode": "download", "model": REPO, "revision": "main", "cache_dir": str(tmp_path),
@@ -187,6 +188,7 @@ def test_download_killed_halfway_leaves_nothing_that_looks_complete(at_hub, tmp_
     assert (fixed["status"] == "ok").all() and not list(blobs.glob("*.incomplete"))
 
 
+@pytest.mark.slow
 def test_remote_code_stays_off_unless_asked(tmp_path):
     from diag.embedded import ensure_assets
 
@@ -260,6 +262,7 @@ def bert_folder(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_an_encoder_is_named_and_its_dropped_weights_are_a_warning(tmp_path):
     folder = bert_folder(tmp_path / "bert")
     with pytest.warns(RuntimeWarning, match=r"the checkpoint is BertModel .*not a causal LM; "
@@ -271,6 +274,7 @@ def test_an_encoder_is_named_and_its_dropped_weights_are_a_warning(tmp_path):
     assert (frame.loc[frame["part"] != "load_model", "warning"].fillna("") == "").all()
 
 
+@pytest.mark.slow
 def test_zygote_children_get_their_own_offline_setting(at_hub, tmp_path):
     from diag.model_load.processes import LoadProcesses
 

@@ -15,7 +15,7 @@ pytest.importorskip("peft")
 
 
 # its module fixture is made once: the file's tests share one xdist worker (make test)
-pytestmark = pytest.mark.xdist_group("test_qlora")
+pytestmark = [pytest.mark.xdist_group("test_qlora"), pytest.mark.slow]  # trains the job: ~30 s
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import ROOT
 
 pytest.importorskip("bitsandbytes")
+pytestmark = pytest.mark.slow  # `python -m diag qlora` processes, one killed mid-run
 STEPS = 6
 
 

@@ -1,11 +1,16 @@
 import json
 import re
+import runpy
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from diag import report
+from diag import decision, report, storage
 from diag.cli import main
+from diag.decision import Decision, MeasuredOn
+from diag.report import page
+from diag.report.units import cell
 from tests.test_amdahl import constructed
 
 
@@ -15,6 +20,71 @@ def frames():
     run["rank"] = 0
     other = pd.DataFrame({"method": ["a", "b"], "mb_per_s": [410.5, 1.0 / 3], "repeat": [0, 1]})
     return {"run": run, "storage_like": other}
+
+
+def storage_frame() -> pd.DataFrame:
+    rows = [{"method": method, "source": "s3://bucket/k.jsonl", "cache_state": state,
+             "bytes": 64_000_000, "seconds": 64 / rate, "mb_per_s": rate, "repeat": r}
+            for method, state, rate in (("boto3_default", "remote", 80.0), ("land", "miss", 150.0),
+                                        ("land", "hit", 1000.0), ("local_read", "cold", 2600.0))
+            for r in range(2)]
+    return pd.DataFrame(rows)
+
+
+LOADER_ON = MeasuredOn(model="tiny Llama + LoRA", precision="nf4", seq_len=128,
+                       step="the QLoRA step", device="cpu")
+
+
+def folder_frames() -> dict[str, pd.DataFrame]:
+    """What a `diag run` folder holds, constructed: both runs, a storage sweep and its real
+    decision, a loader sweep 30 columns wide with a measured, a projected and a default
+    decision, the QLoRA runs' predicted vs measured savings."""
+    workers = [0, 2, 0, 2]
+    loader = pd.DataFrame({"pipeline": ["naive", "naive", "packed", "packed"],
+                           "num_workers": workers, "data_wait_share": [0.3, 0.01, 0.05, 0.004],
+                           "step_s": 0.0472, "tokens_per_s": [1583.4, 9000.0, 2500.0, 12000.0]})
+    for i in range(26):  # wide as the real sweep: the table scrolls in its own box
+        loader[f"extra_column_{i}_s"] = 0.01804 * (i + 1)
+    rows = loader.head(2).to_dict("records")
+    decided = [*storage.decide(storage_frame()),
+               Decision.from_rows("num_workers", 2, "2 workers: data_wait 1.0% of a 47.2 ms step",
+                                  rows, source="loader", measured_on=LOADER_ON),
+               Decision.from_rows("num_workers", 4, "4 workers keep up with a 3 ms step", rows,
+                                  source="loader", basis="projected",
+                                  measured_on=MeasuredOn(step="H100 SXM estimate")),
+               Decision.default("pin_memory", True, "not varied by the sweep", source="loader")]
+    savings = pd.DataFrame([
+        {"stage": "fetch_data", "finding": "fetch pull -> land", "predicted_s": 29.2,
+         "measured_s": 28.9, "error_share": 0.01, "flagged": False, "evidence": "from storage"},
+        {"stage": "preprocess", "finding": "pipeline naive -> packed", "predicted_s": None,
+         "measured_s": 0.004, "error_share": None, "flagged": False, "evidence": "no decision"}])
+    return {**frames(), "storage": storage_frame(), "loader": loader,
+            "loader_projected": loader.head(2), "qlora_savings": savings,
+            "decisions": decision.frame(decided)}
+
+
+INFO = pd.DataFrame({"fact": ["accelerator", "cpu_model", "cpu_cores_logical", "ram_gb"],
+                     "value": ["none", "AMD EPYC", "2", "25.3"]})
+
+
+def write_run(out: Path) -> Path:
+    """A constructed `diag run` folder (the browser test reads it too)."""
+    return report.write(folder_frames(), out, info=INFO, advice=pd.DataFrame(
+        [{"stage": "fetch_data", "finding": "land it once", "seconds_saved": 20.0,
+          "evidence": "0.8 s per start"}]))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """One constructed `diag run` folder, written once for the page's tests."""
+    folder = write_run(tmp_path_factory.mktemp("report") / "run")
+    return folder, (folder / "report.html").read_text()
+
+
+def section(page_text: str, key: str) -> str:
+    found = re.search(rf"<section class=experiment id={key}>(.*?)</section>", page_text, re.S)
+    assert found, f"no section {key}"
+    return found.group(1)
 
 
 def test_round_trip_write_then_load_gives_equal_frames(tmp_path):
@@ -32,47 +102,141 @@ def test_round_trip_write_then_load_gives_equal_frames(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial left
 
 
-def test_html_is_self_contained_with_every_figure_and_the_stage_table(tmp_path):
-    folder = report.write(frames(), tmp_path / "r2")
-    page = (folder / "report.html").read_text()
+def test_the_page_is_self_contained_and_links_only_its_own_csvs(written):
+    folder, text = written
     pngs = sorted(p.stem for p in folder.glob("*.png"))
-    assert pngs == ["amdahl", "stage_shares", "waterfall"]
+    assert pngs == ["amdahl", "loader", "stage_shares", "storage", "waterfall"]
     for name in pngs:
         assert re.search(
-            rf'<img alt="{name}" src="data:image/png;base64,[A-Za-z0-9+/=]{{1000,}}"', page)
-    assert "<h2>Stage shares</h2>" in page and "fetch_data" in page and "data_wait" in page
-    assert "src=\"http" not in page and "href=" not in page  # opens from disk, nothing fetched
+            rf'<img alt="{name}" src="data:image/png;base64,[A-Za-z0-9+/=]{{1000,}}"', text)
+    assert "src=\"http" not in text
+    links = re.findall(r'href="([^"]*)"', text)  # opens from disk, links into its own folder
+    assert set(links) == {p.name for p in folder.glob("*.csv")}
 
 
-def test_the_page_leads_with_the_headline_and_summary_json_carries_it(tmp_path):
-    folder = report.write(frames(), tmp_path / "rh")
+def test_the_page_leads_with_the_headline_then_the_ranked_fixes(written):
+    folder, text = written
     summary = report.load_summary(folder)
     head = summary["headline"]
-    stages = pd.DataFrame(summary["stages"])
-    totals = stages.groupby("run")["seconds"].sum()
-    assert head["naive_s"] == pytest.approx(totals["naive"])
-    assert head["optimized_s"] == pytest.approx(totals["optimized"])
-    assert head["speedup"] == pytest.approx(totals["naive"] / totals["optimized"])
-    naive = stages[stages["run"] == "naive"]
-    assert head["largest_stage"] == naive.loc[naive["seconds"].idxmax(), "stage"]
-    assert head["top_fix"] == summary["findings"][0]["finding"]
-    page = (folder / "report.html").read_text()
-    body = page[page.index("<body>"):]
-    # the headline first (comparison, largest stage, top fix), then the details
-    order = [body.index(f"optimized {head['optimized_s']:.3g} s"),
-             body.index(f"<b>{head['largest_stage']}</b>"),
-             body.index("Top fix: " + summary["top_finding"].split(":")[0]),
-             body.index("<h2>Stage shares</h2>")]
-    assert order == sorted(order) and body.startswith("<body><h1>naive ")
+    body = text[text.index("<body>"):]
+    # 43.9 s -> 6.4 s: 3 significant figures with the unit; the largest stage's share as %
+    assert body.startswith("<body><header><h1>naive 43.9\u00a0s &rarr; optimized 6.40\u00a0s "
+                           f"({head['speedup']:#.3g}x faster)</h1>")
+    assert head["top_fix"] == summary["findings"][0]["finding"] == "land it once"  # the advice's
+    order = [body.index("<b>fetch_data</b> (68.3% of it)"),
+             body.index("Top fix: land it once: saves 20.0\u00a0s per run"),
+             body.index("CPU only (no accelerator), AMD EPYC, 2 cores, 25.3\u00a0GB RAM"),
+             body.index("<h2>Fixes for the naive run, largest saving first</h2>"),
+             body.index("<section class=experiment")]
+    assert order == sorted(order)
+    fixes = body[order[3]:order[4]]
+    # every finding of the first run, in summary's order, each with its evidence
+    first = [f for f in summary["findings"] if f["run"] == "naive"]
+    places = [fixes.index(f"<b>{f['finding']}</b>") for f in first]
+    assert places == sorted(places) and all(f["evidence"] in fixes for f in first)
+    assert "<details><summary>Fixes for the optimized run" in fixes  # the other run folded
+    assert ("<b>fetch pull -&gt; land</b> (fetch_data): predicted 29.2\u00a0s, measured "
+            "28.9\u00a0s") in fixes
+    assert "<b>pipeline naive -&gt; packed</b> (preprocess): not predicted" in fixes
 
 
-def test_a_single_run_has_no_headline_and_keeps_its_top_finding(tmp_path):
-    one = frames()
+def test_each_section_opens_with_its_decisions_evidence_then_its_figure(written):
+    _, text = written
+    fetch = section(text, "storage")
+    said = re.match(r"<h2>Storage: object store vs local disk</h2><p class=conclusion>(.*?)</p>"
+                    r'<img alt="storage"', fetch)
+    assert said and said.group(1).startswith("<b>fetch = land</b>, measured on a training "
+                                             "start's dataset fetch, this machine: land() hit ")
+    loader = section(text, "loader")
+    assert ("<b>num_workers = 2</b>, measured on tiny Llama + LoRA, nf4, seq_len 128, the QLoRA "
+            "step, cpu: 2 workers: data_wait 1.0% of a 47.2 ms step") in loader
+    assert "Defaults kept: pin_memory True" in loader and "4 workers" not in loader
+    projected = section(text, "loader_projected")  # the projected decision speaks here
+    assert projected.index("<b>num_workers = 4</b>, projected on H100 SXM estimate") < \
+        projected.index("<details>")
+    shares = section(text, "run")
+    assert re.match(r"<h2>Where the run's time goes</h2><p class=conclusion>The naive run took "
+                    r"43.9\u00a0s, fetch_data its largest stage \(68.3%\); the optimized run took "
+                    r'6.40\u00a0s, compute its largest stage \(50.0%\).</p><img alt="stage_shares"',
+                    shares)
+    for key in re.findall(r"<section class=experiment id=(\w+)>", text):
+        said = re.match(r"<h2>[^<]+</h2><p class=conclusion>(.*?)</p>", section(text, key))
+        assert said and re.sub("<[^>]+>", "", said.group(1)).strip(), key
+
+
+def test_raw_tables_are_folded_linked_and_show_units(written):
+    _, text = written
+    loader = section(text, "loader")
+    assert ('<details><summary><a href="loader.csv">loader.csv</a>: 4 rows, 31 columns'
+            '</summary><div class=scroll>') in loader
+    assert "<td>18.0\u00a0ms</td>" in loader and "<td>1.58k\u00a0tokens/s</td>" in loader
+    assert "<td>30.0%</td>" in loader and "0.01804" not in loader
+    decisions = text[text.index('<a href="decisions.csv">'):]
+    assert "<th>why</th>" in decisions.split("</table>")[0]
+    assert '{"setting"' not in text  # a decision's whole json is for the CSV, not the page
+
+
+def test_the_readme_figure_is_the_headline_over_the_stage_shares(written):
+    folder, _ = written
+    tool = runpy.run_path(str(Path(__file__).parents[1] / "tools" / "readme_figure.py"))
+    summary = report.load_summary(folder)
+    ax = tool["figure"](folder).axes[0]
+    words = " ".join(ax.get_title().split())
+    assert words.startswith(summary["headline"]["text"] + " top fix: land it once")
+    assert words.endswith("measured on CPU only (no accelerator), AMD EPYC, 2 cores, 25.3 GB RAM")
+    assert len(ax.patches) == len(summary["stages"])  # one bar per stage of each run
+
+
+@pytest.mark.parametrize("column, value, shown", [
+    ("step_s", 0.01804, "18.0 ms"), ("seconds", 3.686e-05, "36.9 µs"),
+    ("seconds_saved", 0.9997, "1.00 s"), ("seconds", 7500.0, "2.08 h"), ("data_s", 0.0, "0 s"),
+    ("per_sample_ms", 0.3997, "400 µs"), ("hours_per_week", 0.5, "30.0 min"),
+    ("data_wait_share", 0.0064, "0.640%"), ("share_of_run", 1.0, "100%"), ("mfu", 0.412, "41.2%"),
+    ("peak_mem_gb", 0.00634, "6.34 MB"), ("bytes", 64_000_013, "64.0 MB"),
+    ("tokens_per_s", 1583.4, "1.58k tokens/s"), ("mb_per_s", 2034.0, "2.03 GB/s"),
+    ("usd_per_week", 2.5, "$2.50"), ("micro_batch", 4, "4"), ("real_tokens", 1809.0, "1,809"),
+    ("low", 1.8274, "1.83"), ("status", "ok", "ok"), ("flagged", True, "True"),
+    ("measured_s", float("nan"), "")])
+def test_numbers_carry_the_unit_their_column_names(column, value, shown):
+    assert cell(column, value).replace("\u00a0", " ") == shown
+
+
+def test_a_single_experiment_folder_reads_as_well(tmp_path):
+    # what `diag storage --report` writes: its tables, advice and decision, no runs to compare
+    tax = pd.DataFrame({"method": ["boto3_default"], "seconds_per_run": [0.8],
+                        "usd_per_week": [1.5]})
+    advice = pd.DataFrame([{"stage": "fetch_data", "finding": "land it once", "seconds_saved": 0.7,
+                            "evidence": "0.8 s per start"}])
+    folder = report.write({"storage": storage_frame(), "storage_tax": tax,
+                           "decisions": decision.frame(storage.decide(storage_frame()))},
+                          tmp_path / "one", advice=advice)
+    text = (folder / "report.html").read_text()
+    assert report.load_summary(folder).get("headline") is None and "&rarr;" not in text
+    assert "<h1>diag report: storage</h1>" in text
+    assert "<h2>Fixes</h2><ol><li><b>land it once</b>: saves 700\u00a0ms per start" in text
+    assert section(text, "storage").count("<details>") == 2  # storage.csv, storage_tax.csv
+    assert "$1.50" in text and "<b>fetch = land</b>" in text
+    assert "CPU only" not in text  # no info.csv: the page claims no machine
+
+
+def test_a_single_run_names_itself_and_keeps_its_top_finding(tmp_path):
+    one = frames()  # what `diag toy --report` writes: one run's stages
     one["run"] = one["run"][one["run"]["run"] == "naive"]
     folder = report.write(one, tmp_path / "r1run")
-    assert report.load_summary(folder).get("headline") is None
-    page = (folder / "report.html").read_text()
-    assert "<h1>diag report</h1>" in page and "Top finding: " in page and "&rarr;" not in page
+    text = (folder / "report.html").read_text()
+    assert "<h1>diag report: naive, storage</h1>" in text
+    assert "<p class=top>Top finding: land the dataset" in text and "&rarr;" not in text
+
+
+def test_sections_follow_the_page_order_and_unknown_experiments_keep_their_frames():
+    names = ["loader_projected_lines", "qlora_rounds", "zeta", "zeta_extra", "storage_tax",
+             "loader", "run", "decisions", "storage", "loader_projected"]
+    made = {n: pd.DataFrame({"x": [1]}) for n in names}
+    made["decisions"] = decision.frame([Decision.default("fetch", "land", "no rows", "storage")])
+    got = page.sections(made)
+    assert list(got) == ["run", "qlora", "storage", "loader", "loader_projected", "zeta"]
+    assert got["loader_projected"] == ["loader_projected_lines", "loader_projected"]
+    assert got["zeta"] == ["zeta", "zeta_extra"] and got["storage"] == ["storage_tax", "storage"]
 
 
 def test_a_run_is_never_overwritten(tmp_path, monkeypatch):

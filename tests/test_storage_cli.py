@@ -57,6 +57,7 @@ def diag_cli(args: list[str], env: dict[str, str | None], cwd: Path) -> tuple[in
     return done.returncode, done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_a_password_in_an_endpoint_url_is_never_printed(tmp_path):
     # the one-line connection error names the endpoint: with its userinfo, but never the password
     endpoint = f"http://diaguser:{URL_PASSWORD}@127.0.0.1:{closed_port()}"
@@ -150,6 +151,7 @@ def with_password(endpoint: str, password: str) -> str:
     return endpoint.replace("http://", f"http://diaguser:{password}@")
 
 
+@pytest.mark.slow
 def test_wrong_credentials_name_the_url_never_the_secret(tmp_path):
     # the endpoint (with a password in its userinfo) is in the error line: only redaction keeps
     # the password out, so this fails if redaction is off
@@ -172,6 +174,7 @@ def test_wrong_credentials_name_the_url_never_the_secret(tmp_path):
     assert FAKE_SECRET not in out and URL_SECRET not in out and "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_cli_report_with_fake_keys_contains_no_secret(s3, tmp_path):
     # endpoint_url goes into summary.json's config: with a password in it, only redaction keeps
     # it out of the report (and of the tables printed)

@@ -174,6 +174,7 @@ def _gather_worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_gather_collects_every_rank_over_gloo(tmp_path):
     import socket
 

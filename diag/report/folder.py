@@ -1,4 +1,4 @@
-"""A run folder a person can open: one CSV per experiment, summary.json, PNG figures, report.html.
+"""The run folder: one CSV per experiment, summary.json, PNG figures, report.html.
 
 `write(frames)` makes `runs/<UTC timestamp>/` (never overwriting a run: it is assembled in a
 hidden temporary folder and renamed into place only when complete), then `render()` draws the
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import html
 import json
 import os
 import platform
@@ -22,6 +21,7 @@ import pandas as pd
 
 from diag import amdahl, plots
 from diag.files import atomic_file, atomic_folder
+from diag.report.page import page
 from diag.timing import stragglers
 from diag.secrets import redact, redact_frame
 from diag.timing import STAGE_FRAME  # the key of the StageTimer frames the shares come from
@@ -218,9 +218,8 @@ def render(folder: str | os.PathLike[str]) -> Path:
         path = folder / f"{name}.png"
         fig.savefig(path, dpi=110)
         images[name] = base64.b64encode(path.read_bytes()).decode("ascii")
-    page = _html(summary, frames, images)
     with atomic_file(folder / "report.html") as tmp:
-        tmp.write_text(redact(page), encoding="utf-8")
+        tmp.write_text(redact(page(summary, frames, images)), encoding="utf-8")
     return folder / "report.html"
 
 
@@ -228,61 +227,3 @@ def run_report(cfg: Any) -> Path:
     """`diag report DIR`: re-render cfg.folder (a ReportConfig); returns the run folder."""
     render(cfg.folder)
     return Path(cfg.folder).resolve()
-
-
-def _table(frame: pd.DataFrame, max_rows: int = 40) -> str:
-    shown = frame.head(max_rows)
-    more = (f"<p class=more>{len(frame) - max_rows} more rows in the CSV</p>"
-            if len(frame) > max_rows else "")
-    return shown.to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="", border=0) + more
-
-
-def _html(summary: dict[str, Any], frames: dict[str, pd.DataFrame], images: dict[str, str]) -> str:
-    head = summary.get("headline") or headline(summary.get("stages") or [],
-                                               summary.get("findings"))
-    parts = []
-    if head:  # the top of the page: the comparison, the largest stage, the top fix; then details
-        parts.append(f"<h1>naive {head['naive_s']:.3g} s &rarr; optimized "
-                     f"{head['optimized_s']:.3g} s ({head['speedup']:.3g}x faster)</h1>"
-                     f"<p class=head>Largest stage of the naive run: "
-                     f"<b>{html.escape(head['largest_stage'])}</b> "
-                     f"({head['largest_stage_share']:.0%} of it)</p>")
-    if summary.get("top_finding"):
-        label = "Top fix" if head else "Top finding"
-        parts.append(f"<p class=top>{label}: {html.escape(summary['top_finding'])}</p>")
-    parts.append(f"<{'h2' if head else 'h1'}>diag report</{'h2' if head else 'h1'}>"
-                 f"<p>created {html.escape(summary['created_utc'])}")
-    device = summary.get("device", {})
-    if device:
-        parts.append(f" on <b>{html.escape(str(device.get('accelerator', '?')))}</b>, "
-                     f"{html.escape(str(device.get('cpu_model', '')))}")
-    parts.append("</p>")
-    if summary.get("stages"):
-        parts.append("<h2>Stage shares</h2>" + _table(pd.DataFrame(summary["stages"])))
-    for name in ("stage_shares", "amdahl", "waterfall"):
-        if name in images:
-            parts.append(f'<img alt="{name}" src="data:image/png;base64,{images[name]}">')
-    if summary.get("findings"):
-        parts.append("<h2>Findings</h2>" + _table(pd.DataFrame(summary["findings"])))
-    if summary.get("ranks"):
-        parts.append("<h2>Per rank</h2>" + _table(pd.DataFrame(summary["ranks"])))
-        if "ranks" in images:
-            parts.append(f'<img alt="ranks" src="data:image/png;base64,{images["ranks"]}">')
-        if summary.get("stragglers"):
-            parts.append(_table(pd.DataFrame(summary["stragglers"])))
-    for name, frame in frames.items():
-        if name in (STAGE_FRAME, "advice"):
-            continue
-        parts.append(f"<h2>{html.escape(name)}</h2>")
-        if name in images:
-            parts.append(f'<img alt="{name}" src="data:image/png;base64,{images[name]}">')
-        # decisions' `json` (each decision whole, for --results) is for the CSV, not the page
-        parts.append(_table(frame.drop(columns="json", errors="ignore")))
-    parts.append(f"<h2>Versions</h2>{_table(pd.DataFrame([summary.get('versions', {})]))}")
-    style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
-             "table{border-collapse:collapse;font-size:13px;margin:.5em 0}"
-             "td,th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:left}"
-             "img{max-width:100%;display:block;margin:1em 0}.top{font-size:1.15em;"
-             "background:#fff3cd;padding:.6em}.more{color:#777;font-size:12px}")
-    return (f"<!doctype html><html><head><meta charset=utf-8><title>diag report</title>"
-            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")

@@ -1,0 +1,252 @@
+"""report.html: the conclusion first, then the figure, then the tables folded away.
+
+`page(summary, frames, images)` lays out what a run folder holds and decides nothing: the
+headline and the ranked fixes (summary.json; the QLoRA runs' predicted vs measured savings), then
+one section per experiment opening with its conclusion (its decisions read back from
+decisions.csv, each in the words of Decision.evidence()), its figure, and its CSVs folded
+(`<details>`) and linked. Numbers carry their units (`units.cell`).
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+from typing import Any
+
+import pandas as pd
+
+from diag.decision import Decision, read
+from diag.report.units import cell, seconds, share, sig
+from diag.timing import STAGE_FRAME
+
+_esc = functools.partial(html.escape, quote=False)  # text between tags: an apostrophe stays one
+
+# Section key -> title, in page order; a frame belongs to the longest key its name starts with
+SECTIONS = {
+    STAGE_FRAME: "Where the run's time goes",
+    "qlora": "The QLoRA job: naive vs optimized plan",
+    "storage": "Storage: object store vs local disk",
+    "model_load": "Model load: fresh vs cached",
+    "accum": "Micro-batch x gradient accumulation",
+    "checkpointing": "Activation checkpointing",
+    "loader": "Data loader: pipeline and num_workers",
+    "loader_projected": "Data loader against the target GPU's step (projected)",
+}
+FIGURES = {STAGE_FRAME: ("stage_shares", "amdahl", "waterfall")}  # others: the section's key
+_OWN = ("decisions", "advice", "info")  # frames the page reads for its own parts
+MAX_ROWS = 40
+STYLE = (
+    "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;"
+    "line-height:1.4}h1{font-size:1.7em;margin:0 0 .2em}p,li{overflow-wrap:anywhere}"
+    ".head{margin:.2em 0}.device{color:#555;font-size:.9em;margin:.2em 0 1em}"
+    ".top{font-size:1.1em;background:#fff3cd;padding:.6em}"
+    "section{border-top:1px solid #ccc;margin-top:1.8em}.conclusion{font-size:1.05em}"
+    ".ev,.defaults{color:#555;font-size:.85em}ol li{margin:.45em 0}"
+    "details{margin:.3em 0}summary{cursor:pointer}.scroll{overflow-x:auto;max-width:100%}"
+    "table{border-collapse:collapse;font-size:12px;margin:.4em 0}"
+    "td,th{padding:2px 8px;border-bottom:1px solid #e4e4e4;text-align:left;vertical-align:top;"
+    "max-width:32em;overflow-wrap:break-word}.flag{color:#b00}"
+    "img{max-width:100%;height:auto;display:block;margin:1em 0}.more{color:#777;font-size:12px}")
+
+
+def page(summary: dict[str, Any], frames: dict[str, pd.DataFrame], images: dict[str, str]) -> str:
+    """The whole self-contained page (figures inlined as base64 PNG)."""
+    parts = [_opening(summary, frames), _fixes(summary, frames)]
+    for key, names in sections(frames).items():
+        figures = [_img(f, images[f]) for f in FIGURES.get(key, (key,)) if f in images]
+        parts.append(_section(SECTIONS.get(key, key.replace("_", " ")), key,
+                              _conclusion(key, names, summary, frames), figures,
+                              [_table(n, frames[n]) for n in names]))
+    if summary.get("ranks"):  # several ranks: each one's step, and the one the others waited for
+        found = summary.get("stragglers") or []
+        said = found[0]["finding"] if found else "no rank held the others back"
+        tables = [_table("per rank", pd.DataFrame(summary["ranks"]), csv=False)]
+        tables += [_table("stragglers", pd.DataFrame(found), csv=False)] if found else []
+        parts.append(_section("Per rank", "ranks", _esc(said), [
+            _img("ranks", images["ranks"])] if "ranks" in images else [], tables))
+    versions = ", ".join(f"{k} {v}" for k, v in summary.get("versions", {}).items())
+    machine = device_line(summary)
+    parts.append(_section("The machine and the software", "machine",
+                          f"Measured on {machine}." if machine else
+                          "The command recorded no device facts; the software it ran:", [],
+                          [f"<p class=ev>{_esc(versions)}</p>",
+                           *([_table("info", frames["info"])] if "info" in frames else [])]))
+    return (f"<!doctype html><html><head><meta charset=utf-8><title>diag report</title>"
+            f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>")
+
+
+def sections(frames: dict[str, pd.DataFrame]) -> dict[str, list[str]]:
+    """Section key -> its frames' names, in page order (known sections first, then by name).
+    A frame goes to the longest known key its name extends (`loader_projected_lines`: the
+    projected loader), else to the shortest frame name it extends (an unknown experiment's)."""
+    known = sorted(SECTIONS, key=len, reverse=True)
+    names = sorted((n for n in frames if n not in _OWN), key=len)
+    out: dict[str, list[str]] = {}
+    for name in frames:
+        if name in _OWN:
+            continue
+        key = next((k for k in [*known, *names] if name == k or name.startswith(f"{k}_")))
+        out.setdefault(key, []).append(name)
+    decisions = frames.get("decisions")
+    for key in (() if decisions is None else decisions["source"].dropna()):
+        out.setdefault(key, [])  # a decision whose experiment left no table still gets its say
+    order = list(SECTIONS)
+    return dict(sorted(out.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order
+                                                   else len(order), kv[0])))
+
+
+def _decisions_of(key: str, frames: dict[str, pd.DataFrame]) -> list[Decision]:
+    """The decisions a section speaks for (decisions.csv read back): by source; a projected one
+    goes to the source's projected section where the folder has one."""
+    table = frames.get("decisions")
+    decided = read(table) if table is not None else ()
+    return [d for d in decided if (f"{d.source}_projected" if d.basis == "projected"
+                                   and f"{d.source}_projected" in frames else d.source) == key]
+
+
+def _value(value: Any) -> str:
+    return "none" if value is None else str(value)
+
+
+def _conclusion(key: str, names: list[str], summary: dict[str, Any],
+                frames: dict[str, pd.DataFrame]) -> str:
+    """The section's first line: what was decided, on what, from which figure (its decisions);
+    for the runs, where their time went; for the QLoRA job, how the plans compared."""
+    decided = _decisions_of(key, frames)
+    if decided:
+        chosen = [d for d in decided if d.basis != "default"]
+        # the same default may come from two sweeps (the job's loader and the projected one)
+        kept = list({(d.setting, _value(d.value)): d for d in decided
+                     if d.basis == "default"}.values())
+        out = "; ".join(f"<b>{_esc(d.setting)} = {_esc(_value(d.value))}</b>, "
+                        f"{_esc(d.evidence())}" for d in chosen or kept) + "."
+        if chosen and kept:
+            out += ("<br><span class=defaults>Defaults kept: " + ", ".join(
+                f"{_esc(d.setting)} {_esc(_value(d.value))}" for d in kept)
+                + " (their reasons in decisions.csv).</span>")
+        return out
+    if key == STAGE_FRAME and summary.get("stages"):
+        return _shares(summary["stages"])
+    if key == "qlora" and "qlora_comparison" in frames:
+        return _comparison(frames["qlora_comparison"].iloc[0])
+    rows = sum(len(frames[n]) for n in names)
+    return f"Measured {rows:,} rows; no setting was decided from them."
+
+
+def _shares(stages: list[dict[str, Any]]) -> str:
+    table = pd.DataFrame(stages)
+    said = []
+    for run, part in table.groupby("run", sort=False):
+        big = part.loc[part["seconds"].idxmax()]
+        said.append(f"the {_esc(str(run))} run took {seconds(part['seconds'].sum())}, "
+                    f"{_esc(big['stage'])} its largest stage ({share(big['share'])})")
+    text = "; ".join(said)
+    return text[0].upper() + text[1:] + "."
+
+
+def _comparison(r: pd.Series) -> str:
+    noise = "resolved" if str(r["resolved"]) == "True" else "within noise"
+    return (f"Per trained token the naive plan took <b>{sig(r['naive_over_optimized_per_token'])}x"
+            f"</b> the optimized plan's time ({sig(r['low'])}x to {sig(r['high'])}x over "
+            f"{int(r['rounds'])} interleaved rounds: {noise}); both trained the same "
+            f"{cell('tokens', r['naive_trained_tokens'])} tokens.")
+
+
+def _opening(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
+    """The headline (naive -> optimized, the largest stage, the top fix) and the device line;
+    a single-run folder names what it measured and its top finding."""
+    head = summary.get("headline")
+    if head:
+        out = (f"<h1>naive {seconds(head['naive_s'])} &rarr; optimized "
+               f"{seconds(head['optimized_s'])} ({sig(head['speedup'])}x faster)</h1>"
+               f"<p class=head>Largest stage of the naive run: <b>"
+               f"{_esc(head['largest_stage'])}</b> ({share(head['largest_stage_share'])}"
+               " of it)</p>")
+        if head.get("top_fix"):
+            out += (f"<p class=top>Top fix: {_esc(head['top_fix'])}: saves "
+                    f"{seconds(head['top_fix_saves_s'])} per run</p>")
+    else:
+        names = [k if k != STAGE_FRAME else " and ".join(dict.fromkeys(
+            str(s["run"]) for s in summary.get("stages", []))) or k for k in sections(frames)]
+        out = f"<h1>diag report: {_esc(', '.join(names) or 'the machine')}</h1>"
+        if summary.get("top_finding"):
+            out += f"<p class=top>Top finding: {_esc(summary['top_finding'])}</p>"
+    when = summary["created_utc"].replace("T", " ")[:16] + " UTC"
+    machine = device_line(summary)
+    return (f"<header>{out}<p class=device>Run of {when}{f' on {machine}' if machine else ''}."
+            "</p></header>")
+
+
+def device_line(summary: dict[str, Any]) -> str:
+    """The machine a run folder was measured on, in words: "CPU only (no accelerator), AMD EPYC,
+    2 cores, 25.3 GB RAM"; HTML-escaped; "" when the folder holds no device facts (info.csv)."""
+    device = summary.get("device")
+    if not device:
+        return ""
+    accelerator = str(device.get("accelerator") or "none")
+    if accelerator in ("none", "nan"):
+        where = "CPU only (no accelerator)"
+    else:
+        count = int(float(device.get("accelerator_count") or 1))
+        where = accelerator + (f" x {count}" if count > 1 else "")
+    facts = [str(device.get("cpu_model") or ""),
+             device.get("cpu_cores_logical") and f"{device['cpu_cores_logical']} cores",
+             device.get("ram_gb") and f"{cell('ram_gb', float(device['ram_gb']))} RAM"]
+    return _esc(", ".join([where, *(f for f in facts if f)]))
+
+
+def _fixes(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
+    """The ranked fixes, each with its saving and evidence (the first run's open, the others
+    folded), the optimized plan's predicted vs measured savings, and their raw tables."""
+    found, per, ranked = summary.get("findings") or [], "per run", ", largest saving first"
+    if not found and "advice" in frames:  # a single experiment: its advice is its fixes
+        found, per, ranked = frames["advice"].to_dict("records"), "per start", ""
+    out = []
+    for i, run in enumerate(dict.fromkeys(f.get("run", "") for f in found)):
+        items = "".join(
+            f"<li><b>{_esc(f['finding'])}</b>: saves {seconds(f['seconds_saved'])} {per}"
+            + (f" ({share(f['share_of_run'])} of the {_esc(run)} run)"
+               if f.get("share_of_run") is not None and f["share_of_run"] == f["share_of_run"]
+               else "") + f"<div class=ev>{_esc(str(f['evidence']))}</div></li>"
+            for f in found if f.get("run", "") == run)
+        title = f"Fixes{f' for the {_esc(run)} run' if run else ''}{ranked}"
+        block = f"<ol>{items}</ol>"
+        out.append(f"<h2>{title}</h2>{block}" if i == 0 else
+                   f"<details><summary>{title}</summary>{block}</details>")
+    savings = frames.get("qlora_savings")
+    if savings is not None and not savings.empty:
+        items = "".join(
+            f"<li><b>{_esc(r.finding)}</b> ({_esc(r.stage)}): "
+            + (f"predicted {seconds(r.predicted_s)}, " if r.predicted_s == r.predicted_s else
+               "not predicted, ") + f"measured {seconds(r.measured_s)}"
+            + (f" <span class=flag>(off by {share(r.error_share)})</span>"
+               if str(r.flagged) == "True" else "")
+            + f"<div class=ev>{_esc(r.evidence)}</div></li>" for r in savings.itertuples())
+        out.append("<h3>The optimized plan's changes: saving predicted before the runs vs "
+                   f"measured in them</h3><ol>{items}</ol>")
+    out += [_table(n, frames[n]) for n in ("advice", "decisions") if n in frames]
+    return f"<section class=fixes>{''.join(out)}</section>" if out else ""
+
+
+def _section(title: str, key: str, conclusion: str, figures: list[str],
+             tables: list[str]) -> str:
+    return (f"<section class=experiment id={key}><h2>{_esc(title)}</h2>"
+            f"<p class=conclusion>{conclusion}</p>{''.join(figures)}{''.join(tables)}</section>")
+
+
+def _img(name: str, data: str) -> str:
+    return f'<img alt="{name}" src="data:image/png;base64,{data}">'
+
+
+def _table(name: str, frame: pd.DataFrame, csv: bool = True) -> str:
+    """A table folded under its name, linked to its CSV in the folder (csv), numbers with their
+    units; the first MAX_ROWS rows."""
+    frame = frame.drop(columns="json", errors="ignore")  # each decision whole: for the CSV only
+    shown = frame.head(MAX_ROWS)
+    more = (f"<p class=more>{len(frame) - MAX_ROWS} more rows in the CSV</p>"
+            if len(frame) > MAX_ROWS else "")
+    body = shown.to_html(index=False, border=0, na_rep="", formatters={
+        c: (lambda v, c=c: cell(str(c), v)) for c in shown.columns})
+    label = f'<a href="{_esc(name)}.csv">{_esc(name)}.csv</a>' if csv else _esc(name)
+    return (f"<details><summary>{label}: {len(frame):,} rows, {len(frame.columns)} columns"
+            f"</summary><div class=scroll>{body}</div>{more}</details>")
