@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag.config import diag_home
+from diag.files import scratch_folder
 from diag.qlora.plans import Plan
 from diag.secrets import register
 from diag.timing import StageTimer
@@ -166,7 +166,7 @@ def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any
     (a copy pulled into the start's temporary folder is gone when it returns)."""
     from diag.qlora.data import build_dataset, check_records, read
 
-    work = Path(tempfile.mkdtemp(prefix="diag-qlora-prime-"))
+    work = scratch_folder("diag-qlora-prime")  # a killed rank's is swept next time
     try:
         path, folder = fetch_data(plan, src, work), model_folder(plan, src, work)
         records, bad = read(cfg, path)
@@ -194,7 +194,7 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
     plan = plan.for_device(str(device))
     timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
     distributed.spill_ranks(timer, seat)
-    work = Path(tempfile.mkdtemp(prefix=f"diag-qlora-{plan.name}-"))
+    work = scratch_folder(f"diag-qlora-{plan.name}")  # a killed rank's is swept next time
     out_dir = Path(cfg.out_dir) / plan.name if cfg.out_dir else work / "out"
     transformers.logging.set_verbosity_error()
     try:
