@@ -13,7 +13,8 @@ CPU, gloo, 2 ranks: `python bench/distributed.py` launches itself under torchrun
   DDP model and on the QLoRA Trainer path. Goal 0.
 - hook_grad_equal: gradients bitwise equal with and without diag's hook (a sub-group, fp16
   compression, PowerSGD, a hook registered before diag's). Goal 1. Beside it, comm_wait_vs_ddp:
-  diag's exposed all-reduce over DDP's own logging data. `--only hooks` runs these two alone.
+  diag's exposed all-reduce over DDP's own logging data. `--only hooks` runs these two alone,
+  `--only overhead` the overhead and these.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def overhead(torch, rank: int, spill: Path) -> dict[str, list[float]]:
     copies = {"timed": _stepper(torch, rank, timer), "untimed": _stepper(torch, rank),
               "a": _stepper(torch, rank), "b": _stepper(torch, rank)}
     names = list(copies)
-    ratios: dict[str, list[float]] = {"timed": [], "control": []}
+    ratios: dict[str, list[float]] = {"timed": [], "control": [], "step_s": []}
     for r in range(ROUNDS + 1):  # + a burn-in round: buckets built, allocator warm
         spent = dict.fromkeys(names, 0.0)
         for i in range(STEPS):  # the order rotates each step: drift hits every copy alike
@@ -112,6 +113,7 @@ def overhead(torch, rank: int, spill: Path) -> dict[str, list[float]]:
         if r:
             ratios["timed"].append(spent["timed"] / spent["untimed"])
             ratios["control"].append(spent["a"] / spent["b"])
+            ratios["step_s"].append(spent["untimed"] / STEPS)
     timer.close_spill()
     return ratios
 
@@ -238,23 +240,25 @@ def worker(only: str) -> None:
     spill = Path(tempfile.mkdtemp(prefix="diag-bench-dist-"))
     ratios = overhead(torch, seat.rank, spill)
     spill.rmdir()
-    toy = toys(seat.rank)
-    job = qlora()
+    toy, job = (toys(seat.rank), qlora()) if only == "all" else (None, None)
     if seat.is_root:
         timed, control = median_interval(ratios["timed"]), median_interval(ratios["control"])
-        print(f"per round over {ROUNDS} rounds of {STEPS} steps: timed/untimed median "
-              f"{timed[0]:.4f} (95% interval {timed[1]:.4f}-{timed[2]:.4f}, range "
+        print(f"per round over {ROUNDS} rounds of {STEPS} steps of "
+              f"{statistics.median(ratios['step_s']) * 1e3:.3g} ms (untimed): timed/untimed "
+              f"median {timed[0]:.4f} (95% interval {timed[1]:.4f}-{timed[2]:.4f}, range "
               f"{min(ratios['timed']):.3f}-{max(ratios['timed']):.3f}); A/A control median "
               f"{control[0]:.4f} ({control[1]:.4f}-{control[2]:.4f})")
-        print(f"BatchNorm model: {toy[1]}")
-        print(f"QLoRA Trainer path: {job[1]}")
+        if toy and job:
+            print(f"BatchNorm model: {toy[1]}")
+            print(f"QLoRA Trainer path: {job[1]}")
         print(f"distributed_overhead: {timed[0]:.4f} (goal <= 1.02; interval {timed[1]:.4f}-"
               f"{timed[2]:.4f}, A/A {control[0]:.4f})")
-        print(f"straggler_delay_recovered: qlora {job[0]:.3f}, batchnorm {toy[0]:.3f} "
-              f"(goal 0.8-1.2 each; rank 1 slower by {QLORA_DELAY_MS:g} and {DELAY_MS:g} ms "
-              "per batch)")
-        print(f"straggler_false_alarms: small model {toy[2]} of {RUNS}, qlora {job[2]} of {RUNS} "
-              "(goal 0)")
+        if toy and job:
+            print(f"straggler_delay_recovered: qlora {job[0]:.3f}, batchnorm {toy[0]:.3f} "
+                  f"(goal 0.8-1.2 each; rank 1 slower by {QLORA_DELAY_MS:g} and {DELAY_MS:g} "
+                  "ms per batch)")
+            print(f"straggler_false_alarms: small model {toy[2]} of {RUNS}, qlora {job[2]} of "
+                  f"{RUNS} (goal 0)")
         print(checks)
     dist.destroy_process_group()
 

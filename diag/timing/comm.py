@@ -41,7 +41,8 @@ class CommWait:
         self._events = torch.cuda.Event if next(ddp.parameters()).is_cuda else None
         self._spans: list[tuple[Any, Any]] = []  # (start, end) of each broadcast since take()
         self._started: Any = None
-        self.all_reduce_s: list[float] = []  # each backward's exposed wait, for ddp_exposed_s
+        self.all_reduce_s: list[float] = []  # the first backwards' exposed waits: the ones
+                                             # DDP's logging data samples (ddp_exposed_s)
         self._handed: Any = None  # time (or event) the last bucket was handed to all-reduce
         self._done: Any = None  # time (or event) the last all-reduce finished
         if ddp.will_sync_module_buffers():
@@ -122,8 +123,10 @@ class CommWait:
         self._spans, self._handed, self._done = [], None, None
         seconds = sum(self._seconds(start, end) for start, end in spans)
         if handed is not None and done is not None:
-            self.all_reduce_s.append(self._seconds(handed, done))
-            seconds += self.all_reduce_s[-1]
+            exposed = self._seconds(handed, done)
+            if len(self.all_reduce_s) < 10:
+                self.all_reduce_s.append(exposed)
+            seconds += exposed
         return seconds
 
 

@@ -266,12 +266,14 @@ def root_first() -> Iterator[None]:
             _store.wait([key], datetime.timedelta(seconds=timeout_s("fill")))
         else:
             dist.barrier()
-    yield
-    if up and dist.get_rank() == ROOT:
-        if _store is not None:
-            _store.set(key, "done")
-        else:
-            dist.barrier()
+    try:
+        yield
+    finally:  # a block that raised on rank 0 still lets the others go (and say their own error)
+        if up and dist.get_rank() == ROOT:
+            if _store is not None:
+                _store.set(key, "done")
+            else:
+                dist.barrier()
 
 
 def who() -> str:
