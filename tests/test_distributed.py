@@ -1,8 +1,8 @@
 """DDP under the real launcher on CPU (gloo): torchrun on one node and on two "nodes" on 127.0.0.1
 (docs/distributed.md's command as written), ranks started by their environment alone (srun's
-way), a straggler made on purpose (at the buffer
-broadcast, the all-reduce, the Trainer's token-count gather), a rank killed mid-run, a rendezvous
-nobody answers, ranks given different arguments, gradients with and without diag's comm hook.
+way), a straggler made on purpose (at the buffer broadcast, the all-reduce, the Trainer's
+token-count gather), a rank killed mid-run, a rendezvous nobody answers, ranks given different
+arguments, gradients with and without diag's comm hook.
 
 Each spawn imports torch in every process (seconds each on 2 cores): few, small runs.
 """
