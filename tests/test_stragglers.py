@@ -1,6 +1,6 @@
 """Straggler findings and per-rank tables from constructed frames; the pieces of
 diag.timing.distributed that need no second process (seat from the environment, spills,
-divisibility)."""
+divisibility, the timeouts and the fill's wait)."""
 
 from __future__ import annotations
 
@@ -178,3 +178,24 @@ def test_the_report_has_a_bar_per_rank_and_the_per_rank_table(tmp_path):
     assert (folder / "ranks.png").is_file()
     summary = report.load_summary(folder)
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+
+
+def test_each_wait_has_its_own_bound_and_a_fill_wait_says_which(tmp_path, monkeypatch):
+    import fcntl
+
+    from diag.embedded import ensure_assets
+    from diag.timing.distributed import TIMEOUTS_S, timeout_s
+
+    assert TIMEOUTS_S == {"rendezvous": 300.0, "collective": 600.0, "fill": 1800.0}
+    monkeypatch.setenv("DIAG_COLLECTIVE_TIMEOUT_S", "90")
+    monkeypatch.setenv("DIAG_FILL_TIMEOUT_S", "0.3")
+    assert (timeout_s("rendezvous"), timeout_s("collective"), timeout_s("fill")) == (300, 90, 0.3)
+    (tmp_path / "assets").mkdir()
+    with open(tmp_path / "assets" / ".fill.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another rank of this node is making them
+        with pytest.raises(TimeoutError, match=r"waited 0.3 s for another process to make the "
+                                               r"embedded assets in .*DIAG_FILL_TIMEOUT_S"):
+            ensure_assets(tmp_path)
+    monkeypatch.setenv("DIAG_RENDEZVOUS_TIMEOUT_S", "5min")
+    with pytest.raises(ValueError, match="DIAG_RENDEZVOUS_TIMEOUT_S='5min': a number of seconds"):
+        timeout_s("rendezvous")

@@ -64,9 +64,9 @@ def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "t
     if complete():
         return assets
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_rank():
         # transformers 5 writes a model's weights on global rank 0 only once a process group is
-        # up: the ranks of another node make them in a process without one
+        # up: another rank (another node's) makes them in a process without one
         code = "import sys; from diag.embedded import ensure_assets; " \
                "ensure_assets(sys.argv[1], model=sys.argv[2])"
         run = subprocess.run([sys.executable, "-c", code, str(base.parent), model],
