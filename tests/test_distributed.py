@@ -300,6 +300,6 @@ def test_a_world_the_sweep_cannot_split_exits_2_on_every_rank_with_one_line(tmp_
     why = ("ValueError: AccumConfig.tokens_per_step=1024 (16 sequences of 64) is not divisible "
            "by world size 3 x micro-batch 2 = 6; micro-batches that divide it at this world "
            "size: none (make AccumConfig.tokens_per_step a multiple of 192)")
-    ours = [line for line in run.stderr.splitlines() if line.startswith("diag: ")]
-    assert ours and all(re.fullmatch(rf"diag: rank [012] \(node 0\): {re.escape(why)}", line)
-                        for line in ours), ours
+    # (the ranks share the launcher's stderr: two lines may land on one, so count, not split)
+    ours = re.findall(rf"diag: rank ([012]) \(node 0\): {re.escape(why)}", run.stderr)
+    assert ours and run.stderr.count("diag: ") == len(ours) == len(set(ours)), run.stderr[-3000:]

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # under a launcher every rank's own line, named: another rank's error is not rank 0's
         line = one_line(err).replace("diag: ", f"diag: {distributed.who()}", 1)
-        print(redact(line), file=sys.stderr)
+        sys.stderr.write(redact(line) + "\n")  # one write: the ranks share the launcher's stderr
         _spills_left()
         return 2
     except SystemExit:  # SIGTERM: the launcher stops this rank because another one failed
@@ -145,8 +145,9 @@ def _spills_left() -> None:
 
     folder = spilled()
     if folder is not None:
-        print(f"diag: {who()}stopped before the end of the run; the steps it finished are in "
-              f"{folder} (`diag report {folder}` reads every rank's)", file=sys.stderr)
+        sys.stderr.write(f"diag: {who()}stopped before the end of the run; the steps it "
+                         f"finished are in {folder} (`diag report {folder}` reads every "
+                         "rank's)\n")
 
 
 def threading_main() -> bool:

@@ -218,7 +218,7 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
             dataset = _Slowed(dataset, cfg.slow_ms / 1000 / data.micro_batch)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset,
                                        callbacks=[callback])
-        callback.trainer = trainer  # under DDP the callback hooks the wrapped model's all-reduce
+        callback.trainer = trainer  # under DDP: its wrapped model and its batch fetch are clocked
         # the Trainer prints every log line with tqdm off; a function in diag prints nothing
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         resume = last_checkpoint(out_dir) if cfg.resume else None
