@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -103,10 +104,11 @@ def overhead(torch, rank: int, spill: Path) -> dict[str, list[float]]:
               "a": _stepper(torch, rank), "b": _stepper(torch, rank)}
     names = list(copies)
     ratios: dict[str, list[float]] = {"timed": [], "control": [], "step_s": []}
+    order = random.Random(0)  # the same shuffles on both ranks: their collectives pair up
     for r in range(ROUNDS + 1):  # + a burn-in round: buckets built, allocator warm
         spent = dict.fromkeys(names, 0.0)
-        for i in range(STEPS):  # the order rotates each step: drift hits every copy alike
-            for name in names[i % 4:] + names[:i % 4]:
+        for _ in range(STEPS):  # a new order each step: drift and neighbours hit every copy alike
+            for name in order.sample(names, len(names)):
                 start = time.perf_counter()
                 copies[name]()
                 spent[name] += time.perf_counter() - start
