@@ -49,6 +49,11 @@ def _check(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any]]:
+    """Seconds per stage of one rank's wall clock: DDP ranks run side by side, so a frame of
+    several ranks gives their mean (every sum over them divided by their number)."""
+    ranks = int(frame["rank"].nunique()) if "rank" in frame.columns else 1
+    if ranks > 1:
+        frame = frame.assign(seconds=frame["seconds"] / ranks)
     rows = []
     is_step = frame["stage"].isin(STEP_STAGES)
     stepped = frame[is_step & frame["step"].notna()]
@@ -88,6 +93,8 @@ def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any
             seconds += float(unstepped[stage])
             basis += f"; {unstepped[stage]:.4g} s without step numbers, summed"
         rows.append({"stage": stage, "level": "step", "seconds": seconds, "basis": basis})
+    if ranks > 1:
+        rows = [{**r, "basis": f"{r['basis']}; mean of {ranks} ranks"} for r in rows]
     return rows
 
 
@@ -102,10 +109,6 @@ def shares(frame: pd.DataFrame, total_steps: int | None = None) -> pd.DataFrame:
     out = []
     for run, part in frame.groupby("run", sort=False):
         rows = _one_run(part, total_steps)
-        ranks = part["rank"].nunique() if "rank" in part.columns else 1
-        if ranks > 1:  # DDP ranks run side by side: the job's wall clock is one rank's (mean)
-            rows = [{**r, "seconds": r["seconds"] / ranks,
-                     "basis": f"{r['basis']}; mean of {ranks} ranks"} for r in rows]
         total = sum(r["seconds"] for r in rows)
         for r in rows:
             out.append({"run": run, **r, "share": r["seconds"] / total if total else 0.0})

@@ -5,7 +5,7 @@ the git blob sha1 is what the hub calls a small file. `hashlib.file_digest` read
 of its own (no Python loop per chunk), so hashing runs at the speed of the hash, not of Python.
 `atomic_file` / `atomic_folder` write under one temporary name (`.<name>.tmp-<pid>-<8 hex>`),
 fsync and swap in, so a target is old or whole, never part; `sweep_orphans` removes the
-temporaries of writers that were killed.
+temporaries of writers that were killed; `scratch_folder` is a run's scratch under the same name.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import hashlib
 import os
 import re
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,3 +167,14 @@ def sweep_orphans(folder: str | os.PathLike[str]) -> None:
         else:
             with contextlib.suppress(FileNotFoundError):  # another sweep got there first
                 os.unlink(entry.path)
+
+
+def scratch_folder(name: str) -> Path:
+    """A new empty folder for one run's scratch (data, a model copy) in the system's temporary
+    directory, under temp_path's name: what a run killed before its cleanup left there (a DDP
+    rank's SIGKILL) is swept by the next start."""
+    base = Path(tempfile.gettempdir())
+    sweep_orphans(base)
+    folder = temp_path(base / name)
+    folder.mkdir()
+    return folder

@@ -329,7 +329,7 @@ def plot_ranks(per_rank: pd.DataFrame, title: str = "Per rank: where a step's ti
         ax.text(left, i, f"  {left:.3g} ms", va="center", fontsize=8)
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
-    ax.set_xlabel("milliseconds per step (mean)")
+    ax.set_xlabel("milliseconds per step (median of each stage)")
     ax.set_title(title)
     handles, names = ax.get_legend_handles_labels()
     unique = dict(zip(names, handles))

@@ -7,7 +7,9 @@ step). With `num_workers=0` the preprocessing sits in the loop; with workers it 
 The result is the StageTimer frame, read by the same share tables and charts as a real run; its
 data_wait rows also carry the GPU utilisation sampled over `train` (diag.machine.gpu_util). Under
 `torchrun --nproc_per_node N -m diag toy` the MLP trains as DDP: each rank spills its finished
-steps (diag.timing.distributed), `comm_wait` is split out of compute, and rank 0 gathers every rank.
+steps (diag.timing.distributed), its waits on the other ranks (`comm_wait`: at the gradient
+all-reduce, or with `batch_norm` at the buffer broadcast of each forward) are split out of compute,
+and rank 0 gathers every rank.
 """
 
 from __future__ import annotations
@@ -58,9 +60,10 @@ def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
         dev = torch.device("cuda", seat.local_rank)  # one GPU per rank
     timer = timer or StageTimer(device=dev)
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
+    norm = [torch.nn.BatchNorm1d(cfg.width)] if cfg.batch_norm else []  # buffers DDP broadcasts
     model = torch.nn.Sequential(
-        torch.nn.Linear(cfg.width, cfg.width), torch.nn.GELU(), torch.nn.Linear(cfg.width, 1)
-    ).to(dev)
+        torch.nn.Linear(cfg.width, cfg.width), *norm, torch.nn.GELU(),
+        torch.nn.Linear(cfg.width, 1)).to(dev)
     if seat.distributed:
         model = torch.nn.parallel.DistributedDataParallel(model)
         timer.watch_comm(model)

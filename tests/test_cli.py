@@ -103,6 +103,20 @@ def test_user_errors_are_one_line_exit_2(args, message):
     assert "Traceback" not in out.stderr
 
 
+def test_under_a_launcher_a_one_process_command_is_refused_in_one_line_naming_the_rank(
+        monkeypatch, capsys):
+    # what `torchrun --nproc_per_node 2 -m diag run` gives rank 1: its own line, no work done
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
+                       "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["run", "--no-storage"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("diag: rank 1 (node 0): `diag run` runs in one process, not under a "
+                           "launcher (WORLD_SIZE=2): run it alone on one GPU, then launch the job")
+    assert "torchrun --nproc_per_node N -m diag qlora --report" in line
+    assert [name for name, e in EXPERIMENTS.items() if e.ddp] == ["toy", "accum", "qlora"]
+
+
 def test_secrets_never_reach_cli_output(monkeypatch):
     secret = "sk-very-secret-token-123"
     out = run_cli("toy", "--device", "tpu", secret, env_extra={"HF_TOKEN": secret})

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from diag.files import atomic_file, atomic_folder, sweep_orphans, temp_path
+from diag.files import atomic_file, atomic_folder, scratch_folder, sweep_orphans, temp_path
 
 
 def names(folder):
@@ -75,3 +75,15 @@ def test_a_killed_writer_leaves_only_temporaries_which_are_swept(tmp_path):
     sweep_orphans(tmp_path)
     assert names(tmp_path) == sorted([live.name, ".notes.tmp-1-x"])
     sweep_orphans(tmp_path / "absent")  # a folder not made yet: nothing to sweep
+
+
+def test_a_runs_scratch_folder_left_by_a_killed_process_goes_at_the_next_start(tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    left = tmp_path / f".diag-qlora-naive.tmp-{dead}-0123abcd"  # a killed rank's data + model
+    (left / "data").mkdir(parents=True)
+    mine = scratch_folder("diag-qlora-naive")
+    assert mine.is_dir() and not any(mine.iterdir()) and not left.exists()
+    assert scratch_folder("diag-qlora-naive") != mine and mine.is_dir()  # a live run's kept

@@ -109,7 +109,8 @@ def test_without_warm_up_every_step_is_timed_from_train_begin(clock):
 
 def test_a_resumed_run_warms_up_again_from_where_it_resumed(clock):
     cb = TimingCallback(warmup_steps=2)
-    cb.timer.comm = Comm([7.0, 8.0, 0.25])  # the warm-up steps' all-reduce waits are dropped
+    # taken at each step's begin (the warm-up steps' waits: dropped) and at a timed step's end
+    cb.timer.comm = Comm([7.0, 8.0, 9.0, 0.25])
     run = Run(cb, clock, global_step=5)
     run.at(0.0).call("on_train_begin")
     run.step(1.0, 2.0)  # step 5
@@ -176,17 +177,53 @@ def test_a_second_train_call_resets_setup_and_the_side_seconds(clock):
                         ("train", 5.5 - 3.0 - 1.0, None)]
 
 
-def test_under_ddp_the_exposed_all_reduce_is_comm_wait_not_compute(clock):
+class DdpTrainer:
+    """The Trainer's side of a DDP step: get_batch_samples fetches the step's batches (fetch_s
+    each), then gathers every rank's token count (gather_s: waiting on the slowest loader)."""
+
+    model_wrapped = "ddp"
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock, self.fetch_s, self.gather_s = clock, 0.0, 0.0
+
+    def batches(self):
+        while True:
+            self.clock.now += self.fetch_s
+            yield {"input_ids": None}
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        samples = [next(epoch_iterator) for _ in range(num_batches)]
+        self.clock.now += self.gather_s
+        return samples, None
+
+
+def test_under_ddp_the_count_gather_broadcast_and_all_reduce_are_comm_wait(clock, monkeypatch):
+    import diag.timing.comm
+
+    monkeypatch.setattr(diag.timing.comm, "find_ddp", lambda *candidates: "ddp")
     cb = TimingCallback(warmup_steps=1)
-    cb.timer.comm = Comm([9.0, 0.25, 7.0])
+    # the waits inside each step (broadcast + exposed all-reduce), taken at its end; those taken
+    # at a step's begin (an eval's forward, a warm-up step's) are dropped
+    comm = Comm([9.0, 9.0, 0.25, 9.0, 7.0])
+    monkeypatch.setattr(cb.timer, "watch_comm", lambda ddp: setattr(cb.timer, "comm", comm))
+    trainer = cb.trainer = DdpTrainer(clock)
+    batches = trainer.batches()
     run = Run(cb, clock)
     run.at(0.0).call("on_train_begin")
-    run.step(1.0, 2.0)  # warm-up: its wait (9 s) is taken and dropped
-    run.step(3.0, 4.0)
-    run.step(5.0, 6.0)  # more wait than the step: capped at the step
-    assert cb.timer.comm.taken == 3
-    assert rows(cb) == [("warmup", 2.0, None), ("data_wait", 1.0, 1), ("comm_wait", 0.25, 1),
-                        ("compute", 0.75, 1), ("data_wait", 1.0, 2), ("comm_wait", 1.0, 2),
+
+    def step(fetch: float, gather: float, compute: float) -> None:
+        trainer.fetch_s, trainer.gather_s = fetch, gather
+        trainer.get_batch_samples(batches, 2, "cpu")  # the Trainer's call, through the callback
+        run.call("on_step_begin")
+        run.state.global_step += 1
+        run.at(clock.now + compute).call("on_step_end")
+
+    step(0.5, 3.0, 1.0)  # warm-up: its waits stay in warmup
+    step(0.25, 2.0, 1.0)  # this rank fetched in 0.5 s, then waited 2 s for the slow loader
+    step(0.25, 0.0, 1.0)  # more wait inside than the step: capped at the step
+    assert comm.taken == 5
+    assert rows(cb) == [("warmup", 5.0, None), ("data_wait", 0.5, 1), ("comm_wait", 2.25, 1),
+                        ("compute", 0.75, 1), ("data_wait", 0.5, 2), ("comm_wait", 1.0, 2),
                         ("compute", 0.0, 2)]
 
 

@@ -34,13 +34,14 @@ class Experiment:
     runner: str  # "module:function", imported only when the experiment runs
     help: str
     table: bool = True  # returns tables (--csv, --json, --report); False: returns a run folder
+    ddp: bool = False  # runs as one DDP rank under torchrun / accelerate launch
 
 
 EXPERIMENTS: dict[str, Experiment] = {
     "info": Experiment(config.InfoConfig, "diag.machine.device:run_info",
                        "what this machine is: accelerator, dense peak FLOP/s, CPU, RAM, disks"),
     "toy": Experiment(config.ToyConfig, "diag.toy:run_toy",
-                      "a timed toy training loop: data_wait, h2d and compute per step"),
+                      "a timed toy training loop: data_wait, h2d and compute per step", ddp=True),
     # -- storage --
     "storage": Experiment(config.StorageConfig, "diag.storage:run_storage",
                           "object-store pull vs local NVMe read, the re-pull tax, land() miss/hit"),
@@ -55,11 +56,11 @@ EXPERIMENTS: dict[str, Experiment] = {
     # -- accum --
     "accum": Experiment(config.AccumConfig, "diag.accum:run_accum",
                         "grad accumulation at constant tokens per step: tokens/s, memory, "
-                        "MFU (cross-checked), the floor"),
+                        "MFU (cross-checked), the floor", ddp=True),
     # -- qlora --
     "qlora": Experiment(config.QLoraConfig, "diag.qlora:run_qlora",
                         "the QLoRA fine-tune (nf4 + LoRA, Trainer), naive vs optimized plan: "
-                        "stages, loss curves, predicted vs measured saving per fix"),
+                        "stages, loss curves, predicted vs measured saving per fix", ddp=True),
     "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_diagnose",
                       "the whole diagnosis on one source: every experiment, then the report",
                       table=False),
@@ -90,32 +91,63 @@ def run(name: str, cfg: config.ExperimentConfig) -> Any:
     return getattr(importlib.import_module(module), function)(cfg)
 
 
+def join(name: str, cfg: config.ExperimentConfig) -> None:
+    """Under torchrun / accelerate launch: refuse a one-process command, else join the group
+    and check that every rank was given the same arguments, before any work."""
+    from diag.timing import distributed
+
+    if not EXPERIMENTS[name].ddp:
+        raise UsageError(
+            f"diag: `diag {name}` runs in one process, not under a launcher (WORLD_SIZE="
+            f"{distributed.place().world_size}): run it alone on one GPU, then launch the job "
+            "itself, e.g. `torchrun --nproc_per_node N -m diag qlora --report` "
+            "(also toy, accum; docs/distributed.md)")
+    from diag.machine.device import resolve
+
+    distributed.init_group(resolve(getattr(cfg, "device", "cpu")).type)
+    distributed.agree(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if threading_main():
         # SIGTERM (a timeout, a scheduler, `kill`) unwinds like Ctrl-C, so every `with` block
         # runs its exit: local servers stop, partial files are removed
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    from diag.timing import distributed
+
     try:
         name, cfg, args = parse(argv)
+        if distributed.launched():
+            join(name, cfg)
         result = run(name, cfg)
     except (UsageError, ValueError, RuntimeError, OSError, ImportError,
             subprocess.TimeoutExpired) as err:
         own_module = isinstance(err, ModuleNotFoundError) and (err.name or "").startswith("diag")
         if os.environ.get("DIAG_DEBUG") or own_module:  # a broken diag install is a bug, not usage
             raise
-        if _this_rank_speaks(err):  # under a launcher: once, not one copy per rank
-            print(redact(one_line(err)), file=sys.stderr)
+        # under a launcher every rank's own line, named: another rank's error is not rank 0's
+        line = one_line(err).replace("diag: ", f"diag: {distributed.who()}", 1)
+        sys.stderr.write(redact(line) + "\n")  # one write: the ranks share the launcher's stderr
+        _spills_left()
         return 2
-    if _this_rank_speaks(None):  # only rank 0 prints and writes the run folder
+    except SystemExit:  # SIGTERM: the launcher stops this rank because another one failed
+        _spills_left()
+        raise
+    if not distributed.who() or distributed.place().is_root:  # rank 0 alone prints and writes
         show(name, cfg, result, args)
     return 0
 
 
-def _this_rank_speaks(err: BaseException | None) -> bool:
-    from diag.timing.distributed import speaks
+def _spills_left() -> None:
+    """A run that stopped before its end says where this rank's finished steps are."""
+    from diag.timing.distributed import spilled, who
 
-    return speaks(err)
+    folder = spilled()
+    if folder is not None:
+        sys.stderr.write(f"diag: {who()}stopped before the end of the run; the steps it "
+                         f"finished are in {folder} (`diag report {folder}` reads every "
+                         "rank's)\n")
 
 
 def threading_main() -> bool:

@@ -99,6 +99,15 @@ class ExperimentConfig:
             raise ValueError(f"{type(self).__name__}.{name}={value!r}: allowed values are "
                              + ", ".join(map(repr, DEVICES)) + " and 'cuda:N'")
 
+    def _straggler(self) -> None:
+        """slow_rank / slow_ms: a rank made slow on purpose (its loader sleeps slow_ms more per
+        batch), to see what the others' comm_wait recovers."""
+        if isinstance(self.slow_rank, bool) or not isinstance(self.slow_rank, int) \
+                or self.slow_rank < -1:
+            raise ValueError(f"{type(self).__name__}.slow_rank={self.slow_rank!r}: a rank (0, 1, "
+                             "...) or -1 for none")
+        self._non_negative("slow_ms")
+
     def _positive_list(self, name: str) -> None:
         values = getattr(self, name)
         if not isinstance(values, (list, tuple)) or not values:

@@ -35,6 +35,8 @@ class ToyConfig(ExperimentConfig):
     prep_ms: float = 0.0  # synthetic per-batch preprocessing cost, to make data_wait visible
     num_workers: int = 0  # DataLoader workers; more overlap preprocessing with compute
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
+    batch_norm: bool = False  # a BatchNorm layer: under DDP its statistics
+                              # are broadcast at the start of every forward
     slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms
                          # more per batch (a straggler on purpose); -1 = none
     slow_ms: float = 0.0  # the extra per-batch sleep of slow_rank, in milliseconds
@@ -43,11 +45,8 @@ class ToyConfig(ExperimentConfig):
 
     def validate(self) -> None:
         self._positive("steps", "batch_size", "width")
-        self._non_negative("warmup_steps", "prep_ms", "num_workers", "slow_ms")
-        if isinstance(self.slow_rank, bool) or not isinstance(self.slow_rank, int) \
-                or self.slow_rank < -1:
-            raise ValueError(f"ToyConfig.slow_rank={self.slow_rank!r}: a rank (0, 1, ...) or -1 "
-                             "for none")
+        self._non_negative("warmup_steps", "prep_ms", "num_workers")
+        self._straggler()
         self._device()
 
 

@@ -46,6 +46,9 @@ class QLoraConfig(SourceConfig):
     sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # num_workers
         # the loader sweep tries against the job's step
     sweep_steps: int = 2  # timed steps per sweep point on the job (after one warm-up)
+    slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms
+                         # more per batch (a straggler on purpose); -1 = none
+    slow_ms: float = 0.0  # the extra per-batch sleep of slow_rank, in milliseconds
 
     # --quick (tests, a smoke run): one round of each plan, a quick look with no spread
     QUICK: ClassVar[dict[str, Any]] = {"records": 12, "steps": 3, "seq_len": 96, "lora_r": 8,
@@ -78,6 +81,7 @@ class QLoraConfig(SourceConfig):
         if not self.sweep_workers:
             raise ValueError("QLoraConfig.sweep_workers=[]: name at least one num_workers")
         self._non_negative("warmup_steps", "lora_dropout", "checkpoint_every", "seed")
+        self._straggler()
         self._device()
         if not self.lora_dropout < 1:
             raise ValueError(f"QLoraConfig.lora_dropout={self.lora_dropout!r}: must be in [0, 1)")

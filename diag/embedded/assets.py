@@ -5,18 +5,26 @@ publishes the model into a hub root that `HubServer` serves; `embedded_dataset(s
 makes a synthetic dataset of any size for the object-store experiment. Each is written under a
 temporary name and renamed (diag.files), or completed by a marker written last, so an interrupted
 make is never mistaken for a finished one, and what a killed one left is swept before the next.
+One process per DIAG_HOME makes them (under torchrun, a rank of each node), the others wait for
+it on a file lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from diag.config import diag_home
 from diag.embedded.hub import publish_model
 from diag.files import atomic_file, atomic_folder, sweep_orphans
+from diag.timing.distributed import timeout_s
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4},  # ~1.6 MB, about a second
@@ -48,12 +56,35 @@ def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "t
         hub_root=base / "hub", repo_id=f"diag-local/{model}-llama",
     )
     marker = base / f"{model}.complete.json"
-    if (marker.is_file() and assets.dataset.is_file()
-            and (assets.model_dir / "config.json").is_file()):
+
+    def complete() -> bool:
+        return (marker.is_file() and assets.dataset.is_file()
+                and (assets.model_dir / "model.safetensors").is_file())
+
+    if complete():
         return assets
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_rank():
+        # transformers 5 writes a model's weights on global rank 0 only once a process group is
+        # up: another rank (another node's) makes them in a process without one
+        code = "import sys; from diag.embedded import ensure_assets; " \
+               "ensure_assets(sys.argv[1], model=sys.argv[2])"
+        run = subprocess.run([sys.executable, "-c", code, str(base.parent), model],
+                             capture_output=True, text=True)
+        if run.returncode or not complete():
+            last = (run.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"making the embedded assets in {base} failed: {last}")
+        return assets
+    with _filling(base):  # the first process of this DIAG_HOME makes them; the others wait
+        if not complete():
+            _make(assets, marker, model)
+    return assets
+
+
+def _make(assets: Assets, marker: Path, model: str) -> None:
     from diag.embedded.synth import synthetic_dataset, tiny_model
 
-    for folder in (base, base / "models"):  # what a killed make left half-written
+    for folder in (marker.parent, marker.parent / "models"):  # what a killed make left
         sweep_orphans(folder)
     if not assets.dataset.is_file():
         synthetic_dataset(assets.dataset, target_mb=DATASET_MB, seed=0)
@@ -62,7 +93,28 @@ def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "t
     with atomic_file(marker) as tmp:
         tmp.write_text(json.dumps({"commit": commit,
                                    **{k: str(v) for k, v in vars(assets).items()}}))
-    return assets
+
+
+@contextlib.contextmanager
+def _filling(base: Path) -> Iterator[None]:
+    """Hold base/.fill.lock (flock: released by the kernel if the holder dies)."""
+    import fcntl
+
+    base.mkdir(parents=True, exist_ok=True)
+    timeout = timeout_s("fill")  # a first make's wait, apart from the collectives' bound
+    deadline = time.monotonic() + timeout
+    with open(base / ".fill.lock", "w") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"waited {timeout:g} s for another process to make the "
+                                       f"embedded assets in {base}; raise DIAG_FILL_TIMEOUT_S "
+                                       "if a first make takes longer here") from None
+                time.sleep(0.2)
+        yield
 
 
 def embedded_dataset(size_mb: float, shards: int = 1) -> Path:

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag.config import diag_home
+from diag.files import scratch_folder
 from diag.qlora.plans import Plan
 from diag.secrets import register
 from diag.timing import StageTimer
@@ -53,16 +53,10 @@ def open_sources(cfg: QLoraConfig) -> Iterator[Sources]:
     here, before anything starts (as model-load refuses it)."""
     from diag.model_load import cache_dir_for, not_in_user_cache, snapshot_folder, user_cache
     from diag.storage import source_client
-    from diag.timing.distributed import root_first
 
     cache, read_only = cache_dir_for(cfg), user_cache(cfg) and not cfg.repair_cache
     if read_only and cfg.plan != "naive" and not snapshot_folder(cache, cfg.model, cfg.revision):
         raise not_in_user_cache(cfg.model, cfg.revision, cache)
-    if not (cfg.source and cfg.model):
-        from diag.embedded import ensure_assets
-
-        with root_first():  # under DDP rank 0 makes the embedded assets, the others find them
-            ensure_assets()
     with contextlib.ExitStack() as stack:
         if cfg.source:  # every source flag reaches the client (SourceConfig)
             url, client = cfg.source, source_client(cfg)
@@ -172,7 +166,7 @@ def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any
     (a copy pulled into the start's temporary folder is gone when it returns)."""
     from diag.qlora.data import build_dataset, check_records, read
 
-    work = Path(tempfile.mkdtemp(prefix="diag-qlora-prime-"))
+    work = scratch_folder("diag-qlora-prime")  # a killed rank's is swept next time
     try:
         path, folder = fetch_data(plan, src, work), model_folder(plan, src, work)
         records, bad = read(cfg, path)
@@ -200,7 +194,7 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
     plan = plan.for_device(str(device))
     timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
     distributed.spill_ranks(timer, seat)
-    work = Path(tempfile.mkdtemp(prefix=f"diag-qlora-{plan.name}-"))
+    work = scratch_folder(f"diag-qlora-{plan.name}")  # a killed rank's is swept next time
     out_dir = Path(cfg.out_dir) / plan.name if cfg.out_dir else work / "out"
     transformers.logging.set_verbosity_error()
     try:
@@ -219,9 +213,12 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
         args = _training_args(cfg, plan, data, out_dir, device)
         callback = TimingCallback(timer, warmup_steps=cfg.warmup_steps, device=device)
         callback.setup_from = wall = time.perf_counter()  # the Trainer's set-up is `setup`
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=data.dataset,
+        dataset = data.dataset
+        if seat.rank == cfg.slow_rank:  # a straggler on purpose: slow_ms more per batch
+            dataset = _Slowed(dataset, cfg.slow_ms / 1000 / data.micro_batch)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset,
                                        callbacks=[callback])
-        callback.trainer = trainer  # under DDP the callback hooks the wrapped model's all-reduce
+        callback.trainer = trainer  # under DDP: its wrapped model and its batch fetch are clocked
         # the Trainer prints every log line with tqdm off; a function in diag prints nothing
         trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
         resume = last_checkpoint(out_dir) if cfg.resume else None
@@ -251,6 +248,20 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
                 "losses": losses.assign(run=plan.name), "summary": summary}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+class _Slowed:
+    """The dataset, each row `seconds` later: a rank's loader made slow on purpose."""
+
+    def __init__(self, dataset: Any, seconds: float) -> None:
+        self.dataset, self.seconds = dataset, seconds
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        time.sleep(self.seconds)
+        return self.dataset[i]
 
 
 def _training_args(cfg: QLoraConfig, plan: Plan, data: Any, out_dir: Path, device: Any) -> Any:

@@ -224,6 +224,14 @@ def render(folder: str | os.PathLike[str]) -> Path:
 
 
 def run_report(cfg: Any) -> Path:
-    """`diag report DIR`: re-render cfg.folder (a ReportConfig); returns the run folder."""
-    render(cfg.folder)
-    return Path(cfg.folder).resolve()
+    """`diag report DIR`: re-render cfg.folder (a ReportConfig); returns the run folder. A
+    folder of a stopped DDP job's spills (<DIAG_HOME>/ranks/<job>) becomes a new run folder of
+    the steps its ranks finished."""
+    folder = Path(cfg.folder)
+    if not (folder / "summary.json").is_file() and any(folder.glob("rank-*.partial.csv")):
+        from diag.timing.spill import read_spills
+
+        return write({STAGE_FRAME: read_spills(folder).assign(run="spilled")},
+                     config={"spills": str(folder.resolve())})
+    render(folder)
+    return folder.resolve()

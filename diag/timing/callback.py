@@ -7,7 +7,8 @@ batches) and `compute` (forward, backward, optimizer); run-level `setup` (from `
 when set, to on_train_begin: the Trainer's own set-up), `warmup` (the first steps, start-up
 included), `checkpoint`, `eval` and `train` (the steady-state loop around the steps).
 Under torchrun / accelerate (DDP) each rank's rows carry its rank and node, and with
-`callback.trainer = trainer` the all-reduce wait backward leaves exposed is `comm_wait`.
+`callback.trainer = trainer` its waits on the other ranks are `comm_wait`: the Trainer's token-count
+gather after the step's batches are fetched, DDP's buffer broadcast and the gradient all-reduce.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class TimingCallback(TrainerCallback):
         self._mark: float | None = None  # end of the last timed thing: a step, a save, an eval
         self._begin = 0.0
         self._wait = 0.0
+        self._gather = 0.0  # of this step: the token-count gather's wait (under DDP)
         self._steady_start: float | None = None
         self._side = 0.0  # checkpoint + eval seconds inside the steady loop (not train's)
         self._first = 0
@@ -47,8 +49,9 @@ class TimingCallback(TrainerCallback):
         # set to time.perf_counter() before building the Trainer: on_train_begin bills the
         # Trainer's own set-up (wrap, optimizer, data loader) from there to the `setup` stage
         self.setup_from: float | None = None
-        self.trainer: Any = None  # set to the Trainer under DDP: its
-                                  # wrapped model gets the comm hook
+        self.trainer: Any = None  # set to the Trainer under DDP: its wrapped model
+                                  # gets the comm hook, its batch fetch is clocked
+        self._fetched: float | None = None  # when this step's last batch arrived (under DDP)
 
     # -- clock ------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -65,8 +68,9 @@ class TimingCallback(TrainerCallback):
         from diag.timing.comm import find_ddp
 
         ddp = find_ddp(getattr(self.trainer, "model_wrapped", None), kwargs.get("model"))
-        if ddp is not None and self.timer.comm is None:  # before the first backward
+        if ddp is not None and self.timer.comm is None:  # before the first forward
             self.timer.watch_comm(ddp)
+            self._clock_fetch(self.trainer)
         self._mark = self._now()  # the first step's wait includes the loader's start-up
         if self.setup_from is not None:
             self.timer.record("setup", max(self._mark - self.setup_from, 0.0))
@@ -75,27 +79,51 @@ class TimingCallback(TrainerCallback):
         self._steady_start = self._mark if self.warmup_steps == 0 else None
         self._side = 0.0
 
+    def _clock_fetch(self, trainer: Any) -> None:
+        """Note when the Trainer has a step's batches in hand: between then and on_step_begin it
+        gathers every rank's token count, a collective that waits for the slowest loader."""
+        fetch = getattr(trainer, "get_batch_samples", None)
+        if fetch is None or getattr(fetch, "diag_clocked", False):
+            return
+
+        def clocked(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+            return fetch(self._arrivals(epoch_iterator), num_batches, device)
+
+        clocked.diag_clocked = True  # type: ignore[attr-defined]  # a second train() keeps one
+        trainer.get_batch_samples = clocked
+
+    def _arrivals(self, batches: Any) -> Any:
+        for batch in batches:
+            self._fetched = time.perf_counter()
+            yield batch
+
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now = self._now()
-        self._wait = now - (self._mark if self._mark is not None else now)
+        mark = self._mark if self._mark is not None else now
+        self._gather = 0.0
+        if self.timer.comm is not None:
+            self.timer.comm.take()  # waits before this step (an eval's forward) are not its own
+            if self._fetched is not None and mark <= self._fetched <= now:
+                self._gather = now - self._fetched  # the count gather: waiting on other ranks
+        self._fetched = None
+        self._wait = now - mark - self._gather
         self._begin = now
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now = self._now()
         step = state.global_step - 1  # the Trainer counted this step before calling us
         if step - self._first < self.warmup_steps:
-            self.timer.record("warmup", self._wait + now - self._begin)
+            self.timer.record("warmup", self._wait + self._gather + now - self._begin)
             if step - self._first == self.warmup_steps - 1:
                 self._steady_start = now
         else:
-            # under DDP the all-reduce wait backward left exposed is comm_wait, not compute
-            wait = min(self.timer.comm.take(), now - self._begin) if self.timer.comm else None
+            # under DDP the waits on other ranks (the count gather before the step, the buffer
+            # broadcast and the exposed all-reduce inside it) are comm_wait, not compute
+            inside = min(self.timer.comm.take(), now - self._begin) if self.timer.comm else None
             self.timer.record("data_wait", self._wait, step=step)
-            if wait is not None:
-                self.timer.record("comm_wait", wait, step=step)
-            self.timer.record("compute", now - self._begin - (wait or 0.0), step=step)
-        if self.timer.comm is not None and step - self._first < self.warmup_steps:
-            self.timer.comm.take()  # a warm-up step's wait stays in warmup
+            if inside is not None:
+                self.timer.record("comm_wait", self._gather + inside, step=step)
+            self.timer.record("compute", now - self._begin - (inside or 0.0), step=step)
         self.timer.flush()  # under a launcher: the finished step survives a kill
         self.steps += 1
         self._mark = now

@@ -82,38 +82,84 @@ def launched() -> bool:
     return _env_int("WORLD_SIZE", 1) > 1
 
 
-RENDEZVOUS_TIMEOUT_S = 300.0  # how long a rank dials MASTER_ADDR:MASTER_PORT
-                              # (env DIAG_RENDEZVOUS_TIMEOUT_S)
+# How long a rank waits, each bound apart (env DIAG_<NAME>_TIMEOUT_S overrides):
+TIMEOUTS_S = {"rendezvous": 300.0,  # to reach MASTER_ADDR:MASTER_PORT and the other ranks
+              "collective": 600.0,  # in one collective of the job (a gather, an all-reduce)
+              "fill": 1800.0}  # for another rank or process to fill a cache (a first download)
+_store: Any = None  # the rendezvous store of the group init_group made (root_first waits on it)
 
 
-def init_group(device_type: str = "cpu", timeout_s: float | None = None) -> Place:
+def timeout_s(name: str) -> float:
+    """The named wait's bound in seconds (TIMEOUTS_S, or env DIAG_<NAME>_TIMEOUT_S)."""
+    text = os.environ.get(f"DIAG_{name.upper()}_TIMEOUT_S", "")
+    try:
+        return float(text) if text else TIMEOUTS_S[name]
+    except ValueError:
+        raise ValueError(f"environment DIAG_{name.upper()}_TIMEOUT_S={text!r}: a number of "
+                         "seconds") from None
+
+
+def init_group(device_type: str = "cpu") -> Place:
     """Join the launcher's process group (nccl on CUDA, gloo on CPU) unless one is up.
 
-    A rank that cannot reach the rendezvous raises one RendezvousError naming its rank and the
-    address it dialled (the CLI prints it as one line, exit 2), not a traceback per rank.
+    The rendezvous is bound by timeout_s("rendezvous"), every collective after it by
+    timeout_s("collective"). A rank that cannot reach the rendezvous raises one
+    RendezvousError naming the address it dialled (the CLI prints it as one line, exit 2).
     """
     import torch.distributed as dist
 
+    global _store
     here = place()
     if not here.distributed or dist.is_initialized():
         return here
-    if timeout_s is None:
-        timeout_s = float(os.environ.get("DIAG_RENDEZVOUS_TIMEOUT_S") or RENDEZVOUS_TIMEOUT_S)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         import torch
 
         torch.cuda.set_device(here.local_rank)  # one GPU per rank, before NCCL picks one
+    rendezvous = datetime.timedelta(seconds=timeout_s("rendezvous"))
+    collective = datetime.timedelta(seconds=timeout_s("collective"))
     try:
         if here.rank != ROOT or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            _dial(here.address, timeout_s)  # a client of the store: is anyone there at all?
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            _dial(here.address, rendezvous.total_seconds())  # a store client: anyone there?
+        # torch's own env:// rendezvous (the launcher's agent store under torchrun), then the
+        # group on that store: init_process_group alone bounds both by one timeout
+        store, rank, world = next(dist.rendezvous("env://", timeout=rendezvous))
+        store.set_timeout(collective)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=collective)
     except (RuntimeError, ValueError, OSError) as err:  # DistStoreError is a RuntimeError
         why = " ".join(str(err).split())[:200]
-        raise RendezvousError(f"rank {here.rank} (node {here.node}) could not reach the "
-                           f"rendezvous at {here.address or 'MASTER_ADDR:MASTER_PORT unset'} "
-                           f"over {backend}: {why}") from None
+        raise RendezvousError(f"could not reach the rendezvous at "
+                              f"{here.address or 'MASTER_ADDR:MASTER_PORT unset'} over "
+                              f"{backend}: {why}") from None
+    _store = store
     return place()
+
+
+def agree(cfg: Any) -> None:
+    """Every rank runs the same config (one collective at start-up): a rank launched with other
+    arguments would wait in a collective the others never reach until the timeout. ValueError
+    naming the ranks and the fields that differ from rank 0's."""
+    dist = _dist()
+    if dist is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    if dist.get_backend() == "nccl":  # all_gather_object sends through this rank's device
+        import torch
+
+        torch.cuda.set_device(place().local_rank)
+    mine = {"command": type(cfg).__name__, **cfg.to_dict()}
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    root, differ = every[ROOT], []
+    for rank, theirs in enumerate(every):
+        fields = [f"{k}={theirs.get(k)!r} (rank 0: {root.get(k)!r})"
+                  for k in sorted(set(theirs) | set(root)) if theirs.get(k) != root.get(k)]
+        if fields:
+            differ.append(f"rank {rank}: " + ", ".join(fields))
+    if differ:
+        raise ValueError("the ranks were launched with different arguments: " + "; ".join(differ)
+                         + "; give every rank the same command")
 
 
 def _dial(address: str, timeout_s: float) -> None:
@@ -167,24 +213,34 @@ def job_folder(base: Any) -> Any:
     return folder
 
 
+_spilling: Any = None  # the folder this rank spills into until its frame is gathered
+
+
 def spill_ranks(timer: Any, seat: Place | None = None) -> None:
     """Under a launcher: the timer appends each finished step to
     <DIAG_HOME>/ranks/<job>/rank-<r>.partial.csv, so a killed job keeps them (read_spills)."""
     from diag.config import diag_home
 
+    global _spilling
     seat = seat or place()
     if seat.distributed and timer.enabled:
-        folder = job_folder(diag_home() / "ranks")
-        timer.spill_to(folder / f"rank-{seat.rank}.partial.csv")
+        _spilling = job_folder(diag_home() / "ranks")
+        timer.spill_to(_spilling / f"rank-{seat.rank}.partial.csv")
+
+
+def spilled() -> Any:  # -> pathlib.Path | None
+    """The folder of this rank's spill of a run that has not ended (stopped or failed)."""
+    return _spilling
 
 
 def gathered_frame(timer: Any) -> Any:  # -> pandas.DataFrame
     """Every rank's frame on rank 0 (this rank's own elsewhere), gathered once at the end; the
     spilled copy is removed only after that, when the complete frame is safe."""
+    global _spilling
     frame = timer.gather(dst=ROOT) if place().distributed else timer.to_frame()
     if frame is None:
         frame = timer.to_frame()
-    path = timer.spill_path
+    path, _spilling = timer.spill_path, None
     timer.close_spill()
     if path is not None:
         with contextlib.suppress(OSError):  # the last rank on each node removes the folder
@@ -192,22 +248,38 @@ def gathered_frame(timer: Any) -> Any:  # -> pandas.DataFrame
     return frame
 
 
+_firsts = 0  # root_first blocks entered so far: the same count on every rank
+
+
 @contextlib.contextmanager
 def root_first() -> Iterator[None]:
-    """Rank 0 runs the block first (fills shared caches on its node), then the others: two
-    barriers around start-up work, never inside a step."""
+    """Rank 0 runs the block first (fills shared caches on its node), then the others: start-up
+    work, never inside a step. The others wait up to timeout_s("fill") on the rendezvous store
+    (a first download outlasts a collective's bound), or in a barrier on a group made elsewhere."""
+    global _firsts
     dist = _dist()
     up = dist is not None and dist.is_initialized() and dist.get_world_size() > 1
+    _firsts += 1
+    key = f"diag/root_first/{_firsts}"
     if up and dist.get_rank() != ROOT:
-        dist.barrier()
-    yield
-    if up and dist.get_rank() == ROOT:
-        dist.barrier()
-
-
-def speaks(err: BaseException | None = None) -> bool:
-    """Rank 0 reports; another rank only reports what is its own (its rendezvous failed)."""
+        if _store is not None:
+            _store.wait([key], datetime.timedelta(seconds=timeout_s("fill")))
+        else:
+            dist.barrier()
     try:
-        return place().is_root or isinstance(err, RendezvousError)
-    except ValueError:  # a garbled RANK: better every rank's line than none
-        return True
+        yield
+    finally:  # a block that raised on rank 0 still lets the others go (and say their own error)
+        if up and dist.get_rank() == ROOT:
+            if _store is not None:
+                _store.set(key, "done")
+            else:
+                dist.barrier()
+
+
+def who() -> str:
+    """What starts a rank's own line under a launcher ("rank 1 (node 0): "); "" on one process."""
+    try:
+        seat = place()
+    except ValueError:  # a garbled RANK: the line still reaches the user, unnamed
+        return ""
+    return f"rank {seat.rank} (node {seat.node}): " if seat.distributed else ""

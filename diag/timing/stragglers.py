@@ -1,26 +1,48 @@
-"""Which rank the others wait for, and why: per-rank stages of a DDP run, read like amdahl's.
+"""Which ranks the others wait for, and why: per-rank stages of a DDP run, read like amdahl's.
 
 `per_rank(frame)` turns gathered StageTimer rows (`stage`, `seconds`, `step`, `rank`, `node`,
-optionally `run`) into one row per rank: steps, data_wait, compute, comm_wait (seconds per step),
-each rank's own work per step against the fastest rank's (`relative`, NVIDIA resiliency's relative
-score) and its median step against its own best (`individual`). `findings(frame)` names the
-straggler, the seconds the others spent waiting for it, the cause its numbers point at and the fix.
-Imports no experiment.
+optionally `run`) into one row per rank: steps and each stage's median seconds per optimizer
+step, with nvidia-resiliency-ext's two scores (0-1, 1 best): `relative` (the fastest rank's own
+work per step over this rank's) and `individual` (this rank's best step over its median one).
+`findings(frame)` names a straggler only when it is one (`Rule`): slower than the others in most
+steps, by more than a floor and a share; several on one node are named as the node; with the
+seconds the others waited for it, the cause its numbers point at and the fix. Imports no
+experiment.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pandas as pd
 
-STRAGGLER_SHARE = 0.10  # a rank whose own work per step exceeds the others' median by this is named
 DATA_CAUSE_SHARE = 0.5  # the straggler's extra data_wait at least
                         # this share of its extra work: its loader
 WORK_STAGES = ("data_wait", "h2d", "compute", "other")  # a rank's own time; comm_wait
                                                         # is waiting for others
 COLUMNS = ["run", "rank", "node", "steps", "data_wait_s", "h2d_s", "compute_s", "comm_wait_s",
            "other_s", "work_s", "relative", "individual"]
-FINDING_COLUMNS = ["run", "rank", "node", "finding", "wait_per_step_s", "seconds_waited",
-                   "evidence"]
+FINDING_COLUMNS = ["run", "ranks", "node", "finding", "wait_per_step_s", "seconds_waited",
+                   "evidence"]  # ranks: "1", or "4,5,6" when a node is named
+
+
+@dataclass(frozen=True)
+class Rule:
+    """When a rank is a straggler: in a step, its own work exceeds the other ranks' median by
+    more than `share` of that median and more than `floor_s`; named when that holds in at least
+    `most` of its steps (a rank slow now and then is noise, or a rank that moves)."""
+
+    share: float = 0.10  # slower than the others' median by this share of it ...
+    floor_s: float = 0.005  # ... and by at least this (clock and scheduling noise on a 2-6 ms step)
+    most: float = 0.75  # ... in at least this share of the optimizer steps
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("share", 0.0, float("inf")), ("floor_s", 0.0, float("inf")),
+                                ("most", 0.5, 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not low <= value <= high:
+                raise ValueError(f"Rule.{name}={value!r}: must be a number in [{low:g}, {high:g}]")
 
 
 def _steps(frame: pd.DataFrame) -> pd.DataFrame:
@@ -42,70 +64,89 @@ def _steps(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def per_rank(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per (run, rank): stage seconds per step (means), relative and individual scores."""
+    """One row per (run, rank): median seconds per step of each stage, and the two scores."""
     wide = _steps(frame)
     if wide.empty:
         return pd.DataFrame(columns=COLUMNS)
     wide = wide.assign(step_total=wide["work"] + wide["comm_wait"])
-    keys = ["run", "rank", "node"]
-    out = wide.groupby(level=keys).agg(
-        steps=("work", "size"), data_wait_s=("data_wait", "mean"), h2d_s=("h2d", "mean"),
-        compute_s=("compute", "mean"), comm_wait_s=("comm_wait", "mean"),
-        other_s=("other", "mean"), work_s=("work", "mean"),
+    out = wide.groupby(level=["run", "rank", "node"]).agg(
+        steps=("work", "size"), data_wait_s=("data_wait", "median"), h2d_s=("h2d", "median"),
+        compute_s=("compute", "median"), comm_wait_s=("comm_wait", "median"),
+        other_s=("other", "median"), work_s=("work", "median"),
         median_step=("step_total", "median"), best_step=("step_total", "min")).reset_index()
     fastest = out.groupby("run")["work_s"].transform("min")
-    out["relative"] = out["work_s"] / fastest.where(fastest > 0)
-    out["individual"] = out["median_step"] / out["best_step"].where(out["best_step"] > 0)
+    out["relative"] = fastest / out["work_s"].where(out["work_s"] > 0)
+    out["individual"] = out["best_step"] / out["median_step"].where(out["median_step"] > 0)
     return out[COLUMNS].sort_values(["run", "rank"], ignore_index=True)
 
 
+def _slow(work: pd.DataFrame, rule: Rule) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per step (rows) and rank (columns): own work beyond the other ranks' median, and
+    whether that step counts as slow under the rule."""
+    base = pd.DataFrame({r: work.drop(columns=r).median(axis=1) for r in work.columns})
+    extra = work - base
+    return extra, extra.gt(base * rule.share) & extra.gt(rule.floor_s)
+
+
 def findings(frame: pd.DataFrame, cores_per_node: int | None = None,
-             workers_per_rank: int | None = None) -> pd.DataFrame:
-    """The straggler of each run (if any): who, what the others waited, the cause, the fix."""
-    table = per_rank(frame)
-    wide = _steps(frame) if not table.empty else None
+             workers_per_rank: int | None = None, rule: Rule | None = None) -> pd.DataFrame:
+    """The stragglers of each run (if any): who, what the others waited, the cause, the fix."""
+    rule = rule or Rule()
+    wide = _steps(frame)
     rows = []
-    for run, ranks in table.groupby("run", sort=False):
-        if len(ranks) < 2:
+    for run, part in wide.groupby(level="run", sort=False):
+        part = part.droplevel("run")
+        nodes = part.index.to_frame(index=False).groupby("rank")["node"].first()
+        if len(nodes) < 2:
             continue
-        slow = ranks.loc[ranks["work_s"].idxmax()]
-        others = ranks[ranks["rank"] != slow["rank"]]
-        base = others["work_s"].median()
-        extra = slow["work_s"] - base
-        if base <= 0 or extra / base < STRAGGLER_SHARE:
-            continue
-        steps = int(slow["steps"])
-        # what the others waited for it: their comm_wait beyond the straggler's own (the
-        # all-reduce's cost every rank pays), per step medians: one preempted step moves no rank
-        waits = wide.loc[run]["comm_wait"].groupby(level="rank").median()
-        per_wait = max(float(waits.drop(slow["rank"]).median() - waits[slow["rank"]]), 0.0)
-        waited = per_wait * float(others["steps"].sum())
-        extra_data = slow["data_wait_s"] - others["data_wait_s"].median()
-        per_step = wide.loc[run]["work"].unstack("step").idxmax()  # slowest rank per step
-        moved = per_step.map(lambda key: key[0]).value_counts()
-        where = (f"rank {int(slow['rank'])} was the slowest in {int(moved.get(slow['rank'], 0))} "
-                 f"of {len(per_step)} steps")
-        evidence = (f"rank {int(slow['rank'])} (node {int(slow['node'])}): data_wait "
-                    f"{slow['data_wait_s']:.3g} s, compute {slow['compute_s']:.3g} s per step; "
-                    f"other ranks median data_wait {others['data_wait_s'].median():.3g} s, "
-                    f"compute {others['compute_s'].median():.3g} s per step; the others waited "
-                    f"{per_wait:.3g} s per step for it (median comm_wait beyond its own "
-                    f"{waits[slow['rank']]:.3g} s); {where}")
-        if extra_data >= DATA_CAUSE_SHARE * extra:
-            fix = "workers per rank = cores per rank, not per node"
-            if cores_per_node:
-                local = max(int((table["node"] == slow["node"]).sum()), 1)
-                fix += (f" ({cores_per_node} cores / {local} ranks on node "
-                        f"{int(slow['node'])} = {max(cores_per_node // local, 1)} per rank")
-                fix += f", now {workers_per_rank})" if workers_per_rank is not None else ")"
-            finding = (f"rank {int(slow['rank'])}'s loader is starved: it waits "
-                       f"{extra_data:.3g} s per step more than the others for data and every "
-                       f"rank waits for it at the all-reduce; fix: {fix}")
-        else:
-            finding = (f"rank {int(slow['rank'])} computes {extra:.3g} s per step longer than "
-                       "the others; fix: check that rank's device (clocks, throttling, a shared "
-                       "GPU) and that batches are even (pack or bucket by length)")
-        rows.append({"run": run, "rank": int(slow["rank"]), "node": int(slow["node"]),
-                     "finding": finding, "wait_per_step_s": per_wait, "seconds_waited": waited,
-                     "evidence": f"{evidence}; over {steps} steps"})
+        work = part["work"].droplevel("node").unstack("rank").dropna()
+        extra, slow = _slow(work, rule)
+        named = [r for r in work.columns if slow[r].mean() >= rule.most]
+        # several slow ranks on one node: the node is the straggler (its disk, its CPUs)
+        for _, ranks in pd.Series(named, dtype=int).groupby(nodes.reindex(named).to_numpy()):
+            rows.append(_finding(run, part, nodes, list(ranks), extra, slow, cores_per_node,
+                                 workers_per_rank))
     return pd.DataFrame(rows, columns=FINDING_COLUMNS)
+
+
+def _finding(run: str, part: pd.DataFrame, nodes: pd.Series, slow_ranks: list[int],
+             extra: pd.DataFrame, slow: pd.DataFrame, cores_per_node: int | None,
+             workers_per_rank: int | None) -> dict:
+    wide = part.droplevel("node")
+    comm = wide["comm_wait"].unstack("rank").reindex(extra.index)
+    data = wide["data_wait"].unstack("rank").reindex(extra.index)
+    others = [r for r in extra.columns if r not in slow_ranks]
+    node = int(nodes[slow_ranks[0]])
+    who = (f"rank {slow_ranks[0]}" if len(slow_ranks) == 1 else
+           f"node {node} (ranks {', '.join(map(str, slow_ranks))})")
+    # what the others waited for it, per optimizer step: their comm_wait beyond the stragglers'
+    # own (the collectives' cost every rank pays); medians over steps, sums for the total
+    paid = comm[slow_ranks].median(axis=1)
+    beyond = comm[others].sub(paid, axis=0).clip(lower=0.0)
+    per_wait = float(beyond.median(axis=1).median())
+    waited = float(beyond.to_numpy().sum())
+    more = float(extra[slow_ranks].median(axis=1).median())
+    more_data = float((data[slow_ranks].median(axis=1) - data[others].median(axis=1)).median())
+    often = int(slow[slow_ranks].all(axis=1).sum())
+    evidence = (f"{who}: own work {more:.3g} s per step above the other ranks' median, slower "
+                f"in {often} of {len(extra)} steps (median data_wait "
+                f"{data[slow_ranks].median().median():.3g} s vs "
+                f"{data[others].median().median():.3g} s); the others waited {per_wait:.3g} s "
+                f"per step for it (median comm_wait beyond its own {paid.median():.3g} s), "
+                f"{waited:.3g} s in all")
+    if more_data >= DATA_CAUSE_SHARE * more:
+        fix = "workers per rank = cores per rank, not per node"
+        if cores_per_node:
+            local = max(int((nodes == node).sum()), 1)
+            fix += (f" ({cores_per_node} cores / {local} ranks on node {node} = "
+                    f"{max(cores_per_node // local, 1)} per rank")
+            fix += f", now {workers_per_rank})" if workers_per_rank is not None else ")"
+        finding = (f"{who}'s loader is starved: it waits {more_data:.3g} s per step more than "
+                   "the others for data and every rank waits for it at the next collective; "
+                   f"fix: {fix}")
+    else:
+        finding = (f"{who} computes {more:.3g} s per step longer than the others; fix: check "
+                   "that device (clocks, throttling, a shared GPU) and that batches are even "
+                   "(pack or bucket by length)")
+    return {"run": run, "ranks": ",".join(map(str, slow_ranks)), "node": node, "finding": finding,
+            "wait_per_step_s": per_wait, "seconds_waited": waited, "evidence": evidence}

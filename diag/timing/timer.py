@@ -4,11 +4,11 @@
 `for batch in timer.watch(loader):` records the time the loop is blocked on each `next()` as
 `data_wait` and numbers the steps. `to_frame()` gives one row per interval: `stage`, `seconds`,
 `step` (<NA> for run-level stages), `rank`, `node`; under DDP `timer.watch_comm(ddp_model)` splits
-each `compute` into compute and `comm_wait`, and `gather(dst=0)` collects every rank once at the
-end. Read it with `diag.amdahl`; a disabled timer (`StageTimer(enabled=False)`) keeps the loop's
-code identical and costs almost nothing. Each stage is also a named range in the traces users
-already read: a torch.profiler range while a profiler records (Perfetto, HTA) and, on CUDA, an NVTX
-range (Nsight); `trace=False` turns both off.
+each `compute` into compute and `comm_wait` (its waits on the other ranks), and `gather(dst=0)`
+collects every rank once at the end. Read it with `diag.amdahl`; a disabled timer
+(`StageTimer(enabled=False)`) keeps the loop's code identical and costs almost nothing. Each stage
+is also a named range in the traces users already read: a torch.profiler range while a profiler
+records (Perfetto, HTA) and, on CUDA, an NVTX range (Nsight); `trace=False` turns both off.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from diag.timing.spill import Spill
 # Run-level stages happen once per training run; step-level stages once per optimizer step.
 RUN_STAGES = ("fetch_data", "load_model", "preprocess", "setup", "warmup", "train", "checkpoint",
               "eval")
-# comm_wait: under DDP, the gradient all-reduce that backward does not hide (diag.timing.comm).
+# comm_wait: under DDP, the time a rank waits on the others in a collective (diag.timing.comm).
 STEP_STAGES = ("data_wait", "h2d", "compute", "comm_wait", "other")
 # The parts of load_model, reported beside it (they add up to it, they are not extra time).
 # `import` (interpreter start + torch/transformers/bitsandbytes) is in it: every job start pays it.
@@ -76,7 +76,8 @@ class _Stage(ContextDecorator):
         # Recorded even when the body raised: a failed stage still spent the time.
         seconds, step = time.perf_counter() - self._start, timer._step_for(self._name)
         if timer.comm is not None and self._name == "compute":
-            # the all-reduce wait inside backward is not compute: billed apart, summing to it
+            # the waits on other ranks inside forward and backward are not compute: billed
+            # apart, summing to it
             wait = min(timer.comm.take(), seconds)
             timer._rows.append(("comm_wait", wait, step))
             seconds -= wait
@@ -168,11 +169,13 @@ class StageTimer:
         self._rows.append((name, float(seconds),
                            step if step is not None else self._step_for(name)))
 
-    def watch_comm(self, ddp_model: Any) -> None:
-        """Measure comm_wait through ddp_model's communication hook (register before the first
-        backward); every `compute` stage after this is split into compute + comm_wait."""
+    def watch_comm(self, ddp_model: Any, hook: Any = None, state: Any = None) -> None:
+        """Measure comm_wait on ddp_model (before its first forward): its buffer broadcast and
+        its gradient all-reduce, through a communication hook that wraps DDP's own reduction, or
+        `hook` with `state` (yours: fp16 compression, PowerSGD; registered here, not by you).
+        Every `compute` stage after this is split into compute + comm_wait."""
         if self.enabled:
-            self.comm = CommWait(ddp_model)
+            self.comm = CommWait(ddp_model, hook, state)
 
     def spill_to(self, path: Any) -> None:
         """Append the rows to path (diag.timing.spill) at each `flush()`, so a killed process
