@@ -157,6 +157,20 @@ def test_packed_windows_hold_whole_records_each_on_its_own_positions(tok_dir: st
     assert len(alone) == len(records) and alone.tokens == ds.tokens
 
 
+def test_no_loss_crosses_a_record_boundary(tmp_path: Path):
+    # records whose every token carries loss (a text field, a tokenizer without BOS): in a window
+    # the first token of a record would be predicted from the record before it
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "pad_token_id": 0}))
+    np.array([5, 6, 7, 8, 9], np.uint16).tofile(tmp_path / "train.bin")
+    np.save(tmp_path / "loss_mask.npy", np.ones(5, np.uint8))
+    np.save(tmp_path / "offsets.npy", np.array([0, 3, 5], np.int64))
+    item = PackedDataset(tmp_path, seq_len=6)[0]
+    assert item["input_ids"].tolist() == [5, 6, 7, 8, 9, 0]
+    assert item["labels"].tolist() == [IGNORE_INDEX, 6, 7, IGNORE_INDEX, 9, IGNORE_INDEX]
+    assert item["position_ids"].tolist() == [0, 1, 2, 0, 1, 0]
+    assert PackedDataset(tmp_path, seq_len=6).loss_tokens() == 3
+
+
 @pytest.mark.parametrize("lengths, capacity, chunk, windows", [
     ([5, 4, 3, 3, 2, 1], 8, 1000, [[0, 2], [1, 3, 5], [4]]),  # longest first, tightest fit
     ([5, 4, 3, 3, 2, 1], 8, 3, [[0, 2], [1], [3, 4, 5]]),  # a window never spans two chunks
