@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diag.data import (IGNORE_INDEX, NaiveTextDataset, PackedDataset, best_fit_decreasing,
-                       build_token_cache, encode_batch, format_prompt, load_tokenizer,
+                       build_token_cache, encode_pairs, format_prompt, load_tokenizer,
                        read_source)
 from diag.data.identity import MEMO
 from diag.embedded import ensure_assets, synthetic_records
@@ -99,11 +99,18 @@ def test_sample_jsonl_reads_clean():
     assert records and problems.empty
 
 
+def _encoded(tokenizer, records):
+    """Each record's ids (BOS + prompt + response + EOS), batched, and its prompt length."""
+    prompts, responses = encode_pairs(tokenizer, records)
+    return ([p + r + [tokenizer.eos_token_id] for p, r in zip(prompts, responses)],
+            [len(p) for p in prompts])
+
+
 def test_naive_labels_mask_prompt_and_padding(tok_dir: str):
     records = list(synthetic_records(20, seed=3))
     ds = NaiveTextDataset(records, tok_dir, seq_len=128)
     tok = load_tokenizer(tok_dir)
-    ids, prompt_lens = encode_batch(tok, records)
+    ids, prompt_lens = _encoded(tok, records)
     for i in range(len(records)):
         item = ds[i]
         assert {k: v.shape for k, v in item.items()} == {k: (128,) for k in item}
@@ -125,7 +132,7 @@ def test_packed_windows_hold_whole_records_each_on_its_own_positions(tok_dir: st
                {"instruction": "Repeat.", "input": "", "output": "la " * 80}]
     cache = build_token_cache(records, tok_dir, cache_dir=tmp_path)
     ds = PackedDataset(cache.folder, seq_len=96)
-    ids, prompt_lens = encode_batch(load_tokenizer(tok_dir), records)
+    ids, prompt_lens = _encoded(load_tokenizer(tok_dir), records)
     want = sorted(tuple(seq[:96]) for seq in ids)  # a record past seq_len is cut there
     assert len(ids[-1]) > 96 and len(ds) < len(records)
     assert ds.left_out == len(ids[-1]) - 96

@@ -1,8 +1,8 @@
 """The user's records as they are: JSONL and Parquet, one file or a folder of shards.
 
-The one reader of record files in diag: the loader sweep, the token cache and the QLoRA job all
-read through `read_source`. Each record becomes one dict the text pipeline
-(diag.data.text.format_prompt) renders:
+The one reader of record files in diag, chunk by chunk (`plan_chunks`, `read_chunk`: whole
+JSONL lines by byte range, Parquet row groups), which the token cache's processes read apart
+and `read_source` reads in order. Each record becomes one dict diag.data.text renders:
 {"instruction", "input", "output"} (Alpaca, the default: the embedded dataset's form), or
 {"prompt", "response"} from --prompt-field/--response-field (loss on the response only), or
 {"prompt": "", "response": text} from --text-field (loss on every token). A record that does
@@ -144,24 +144,42 @@ def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
         return count, ((n, normalise(row, fields)) for n, row in enumerate(rows, start=1))
     with open(chunk.path, "rb") as f:  # bytes: a bad UTF-8 line is one problem, not a crash
         f.seek(chunk.start)
-        lines = f.read(chunk.stop - chunk.start).split(b"\n")
-    if lines[-1] == b"":
+        data = f.read(chunk.stop - chunk.start)
+    try:  # the chunk decoded at once: it fails only where a line is not UTF-8
+        lines: list[Any] = data.decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        lines = data.split(b"\n")  # each line decoded alone: the bad one is named
+    if not lines[-1]:
         lines.pop()  # the chunk's last newline ends its last line
     return len(lines), ((n, normalise(_json(raw), fields))
                         for n, raw in enumerate(lines, start=1) if raw.strip())
 
 
-def _json(raw: bytes) -> Any:
+_SCAN = json.JSONDecoder().scan_once  # the C scanner under json.loads, without its wrappers
+
+
+def _json(raw: str | bytes) -> Any:
     try:
-        return json.loads(raw.decode("utf-8"))
+        text = raw if isinstance(raw, str) else raw.decode("utf-8")
     except UnicodeDecodeError as err:
         return "invalid_utf8", f"byte {err.start}: {err.reason}"
+    try:
+        got, end = _SCAN(text, 0)
+        if end == len(text) or not text[end:].strip():
+            return got
+    except (StopIteration, json.JSONDecodeError):
+        pass  # json.loads says what is wrong (or takes leading whitespace)
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as err:
         return "invalid_json", f"column {err.colno}: {err.msg}"
 
 
 def _alpaca(row: dict[str, Any]) -> tuple[str, str] | dict[str, str]:
     """The instruction/input/output record, or (problem, detail) when it does not fit."""
+    got = [row.get(f) for f in ALPACA_FIELDS]
+    if all(type(v) is str for v in got) and got[0].strip() and got[2].strip():
+        return dict(zip(ALPACA_FIELDS, got))  # the common case, checked at once
     missing = [f for f in ALPACA_FIELDS if f not in row]
     if missing:
         return "missing_field", f"no {', '.join(missing)}"
@@ -284,17 +302,3 @@ def refusal(where: str, number: int | str, problem: str, detail: str,
     return ValueError(f"--source: {where}: {word} {number}: {problem} ({detail}); pass "
                       "on_error='skip' (--on-error skip) to leave such records out and count "
                       "them")
-
-
-def render_chat(records: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
-    """Chat records as {"prompt", "response"}: the prompt is every message but the last through
-    the tokenizer's chat template (with its generation prompt), the response the last message."""
-    if not any("messages" in r for r in records):
-        return records
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("--messages-field: the tokenizer of --model has no chat template; "
-                         "name --prompt-field/--response-field (or --text-field) instead")
-    return [{"prompt": tokenizer.apply_chat_template(r["messages"][:-1], tokenize=False,
-                                                     add_generation_prompt=True),
-             "response": r["messages"][-1]["content"]} if "messages" in r else r
-            for r in records]

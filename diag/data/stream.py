@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from diag.data.records import Chunk, read_chunk, render_chat
-from diag.data.text import encode_batch, load_tokenizer
+from diag.data.records import Chunk, read_chunk
+from diag.data.text import encode_pairs, load_tokenizer, render_chat
 
 ENCODE_BATCH = 1000  # records per tokenizer call: amortizes the call, bounds a worker's objects
 ARRAYS = ("train.bin", "loss_mask.npy", "offsets.npy")  # a cache's data files, beside meta.json
@@ -55,13 +55,23 @@ class Encoded:
 
 def _arrays(tokenizer: Any, records: list[dict[str, Any]], dtype: str
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    ids, prompts = encode_batch(tokenizer, render_chat(records, tokenizer))
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
-    # each token's place in its record; prompt tokens carry no loss
-    place = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    mask = (place >= np.repeat(np.asarray(prompts, dtype=np.int64), lengths)).astype(np.uint8)
-    return flat, mask, lengths
+    """(ids, loss mask, lengths) of records: each BOS + prompt (no loss), response + EOS (loss).
+    The two id lists go to numpy flat and are placed by index arithmetic: no list per record."""
+    prompts, responses = encode_pairs(tokenizer, render_chat(records, tokenizer))
+    p = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
+    r = np.fromiter(map(len, responses), dtype=np.int64, count=len(responses))
+    lengths = p + r + 1
+    starts = np.cumsum(lengths) - lengths
+    ids = np.empty(int(lengths.sum()), dtype=dtype)
+    mask = np.ones(len(ids), dtype=np.uint8)
+    for part, n, at in ((prompts, p, starts), (responses, r, starts + p)):
+        flat = np.fromiter(itertools.chain.from_iterable(part), dtype=dtype, count=int(n.sum()))
+        where = np.repeat(at - (np.cumsum(n) - n), n) + np.arange(len(flat))  # each id's place
+        ids[where] = flat
+        if part is prompts:
+            mask[where] = 0
+    ids[starts + lengths - 1] = tokenizer.eos_token_id
+    return ids, mask, lengths
 
 
 def encode_chunk(args: tuple[Job, Chunk, int | None]) -> Encoded:
