@@ -110,5 +110,6 @@ def _save(path: Path, memo: dict[str, list[Any]]) -> None:
     the loser's files one more hash."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(memo))
+    # files gone (a run's temporary copy of the data) are forgotten: the memo stays small
+    tmp.write_text(json.dumps({k: v for k, v in memo.items() if os.path.exists(k)}))
     os.replace(tmp, path)
