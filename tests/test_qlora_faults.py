@@ -40,6 +40,8 @@ def test_row_without_a_response_raises_or_is_counted(tmp_path, tokenizer_dir):
     whole = job_records(cfg.replace(records=12), path, tokenizer_dir)
     assert len(whole.indices) == 4 and whole.skipped == 3
     assert job_records(cfg, path, tokenizer_dir).skipped == 2  # served by the whole cache
+    first = job_records(cfg.replace(records=1, on_error="raise"), path, tokenizer_dir)
+    assert first.indices == [0] and first.skipped == 0  # its read ends before line 2
 
 
 def test_empty_dataset_is_a_clear_error(tmp_path, tokenizer_dir):

@@ -51,7 +51,7 @@ class TokenCache:
     status: str  # "hit", "built", or "rebuilt: <what changed>"
     seconds: float  # to check (hit) or to build it
     problems: Any  # the records left out (read_source's frame; the first PROBLEMS_KEPT)
-    skipped: int = 0  # records left out, all of them
+    skipped: int = 0  # records left out (all of them, or those among the first `limit`)
     complete: bool = True  # False: the first records only (a `limit` build)
 
 
@@ -103,27 +103,24 @@ def _drop_orphans(root: Path) -> None:
             continue  # not ours to judge: another user's live process, or a foreign name
 
 
-def _hit(found: tuple[Path, dict[str, Any]], on_error: str, start: float) -> TokenCache:
+def _hit(found: tuple[Path, dict[str, Any]], on_error: str, start: float,
+         limit: int | None) -> TokenCache:
+    """The cache as asked for: with a limit, the problems a read of the first `limit` records
+    meets (each listed problem says how many good records came before it)."""
     import pandas as pd
 
     folder, meta = found
-    problems = pd.DataFrame(meta["problems"], columns=PROBLEM_COLUMNS)
+    whole = limit is None or limit >= meta["records"]  # such a read goes to the source's end
+    rows = [p for p in meta["problems"] if whole or p["record"] < limit]
+    problems = pd.DataFrame(rows, columns=PROBLEM_COLUMNS)
     if on_error == "raise" and not problems.empty:
         first = problems.iloc[0]
         where, _, number = str(first["line"]).rpartition(":")
         raise refusal(where or Path(meta["source"]).name, number, first["problem"],
                       first["detail"], where.endswith(".parquet"))
     return TokenCache(folder, meta["key"], meta["records"], meta["tokens"], "hit",
-                      time.perf_counter() - start, problems, meta["skipped"], meta["complete"])
-
-
-def skipped_within(cache: TokenCache, records: int) -> int:
-    """The records left out that a read of the first `records` good ones passes: all of them
-    where the source holds fewer (the problems meta.json lists say where each one fell)."""
-    if records >= cache.records:
-        return cache.skipped
-    meta = json.loads((cache.folder / "meta.json").read_text())
-    return sum(p["record"] < records for p in meta["problems"])
+                      time.perf_counter() - start, problems,
+                      meta["skipped"] if whole else len(rows), meta["complete"])
 
 
 def _check(num_proc: Any, on_error: str, limit: Any, chunk_bytes: Any) -> None:
@@ -162,7 +159,7 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
     caches = _finished(root)
     serving = [(f, m) for f, m in caches if m["parts"] == parts and _serves(m, limit)]
     if serving and not rebuild:
-        return _hit(serving[0], on_error, start)
+        return _hit(serving[0], on_error, start, limit)
     key = sha256(json.dumps({**parts, "limit": limit}, sort_keys=True).encode())
     folder = root / key[:16]  # by content, not path: a landed copy hits the original's cache
     path = str(Path(source).resolve()) if isinstance(source, (str, os.PathLike)) else None
@@ -179,7 +176,7 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
         if old in stale or (m["parts"] == parts and old != folder
                             and _serves(meta, None if m["complete"] else m["records"])):
             shutil.rmtree(old, ignore_errors=True)
-    return dataclasses.replace(_hit((folder, meta), "skip", start), status=status)
+    return dataclasses.replace(_hit((folder, meta), "skip", start, limit), status=status)
 
 
 def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk_bytes: int,

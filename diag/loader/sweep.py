@@ -218,8 +218,7 @@ def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
                  ) -> tuple[Dataset, dict[str, Any]]:
     """The pipeline's dataset for cfg over the source's first records_needed(cfg) records, and
     facts about how it was had (token cache status)."""
-    from diag.data import (NaiveTextDataset, PackedDataset, build_token_cache, read_source,
-                           skipped_within)
+    from diag.data import NaiveTextDataset, PackedDataset, build_token_cache, read_source
 
     needed = records_needed(cfg)
     if pipeline == "naive":
@@ -231,7 +230,7 @@ def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
                                   limit=needed)
         records = min(needed, cache.records)
         dataset = PackedDataset(cache.folder, cfg.seq_len, records=range(records))
-        facts = {"records": records, "bad_rows": skipped_within(cache, needed),
+        facts = {"records": records, "bad_rows": cache.skipped,
                  "cache": cache.status, "cache_s": cache.seconds, "cache_folder": str(cache.folder)}
     return Guarded(dataset, cfg.extra_prep_ms / 1000), facts
 

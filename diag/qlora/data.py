@@ -61,7 +61,7 @@ def job_records(cfg: QLoraConfig, source: Path, tokenizer_dir: Path) -> Records:
     "skip"; then whole steps: the same number of records in each of cfg.steps."""
     import numpy as np
 
-    from diag.data import loss_counts, skipped_within
+    from diag.data import loss_counts
 
     cache = _cache(cfg, source, tokenizer_dir)
     n = min(cfg.records, cache.records)
@@ -81,7 +81,7 @@ def job_records(cfg: QLoraConfig, source: Path, tokenizer_dir: Path) -> Records:
                          "step needs at least one; raise records or lower steps")
     keep = keep[:usable]
     return Records(cache, keep.tolist(), lengths[keep].tolist(), loss[keep].tolist(),
-                   len(empty) + skipped_within(cache, cfg.records))
+                   len(empty) + cache.skipped)
 
 
 def _split(rows_per_step: int, micro: int) -> tuple[int, int]:
