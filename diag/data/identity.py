@@ -12,14 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
 from diag.config.source import MANIFEST_SUFFIX
 from diag.data.records import shard_files
 from diag.data.text import PROMPT_TEMPLATE, PROMPT_TEMPLATE_NO_INPUT
-from diag.files import file_sha256
+from diag.files import atomic_file, file_sha256
 
 FORMAT = 3  # bump when the arrays' layout or the encoding changes: every old cache goes stale
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -106,10 +105,8 @@ def _load(path: Path | None) -> dict[str, list[Any]]:
 
 
 def _save(path: Path, memo: dict[str, list[Any]]) -> None:
-    """Written whole and renamed: a reader sees the old memo or the new; a lost race only costs
-    the loser's files one more hash."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    # files gone (a run's temporary copy of the data) are forgotten: the memo stays small
-    tmp.write_text(json.dumps({k: v for k, v in memo.items() if os.path.exists(k)}))
-    os.replace(tmp, path)
+    """Written whole (atomic_file): a reader sees the old memo or the new; a lost race only
+    costs the loser's files one more hash."""
+    with atomic_file(path) as tmp:
+        # files gone (a run's temporary copy of the data) are forgotten: the memo stays small
+        tmp.write_text(json.dumps({k: v for k, v in memo.items() if os.path.exists(k)}))

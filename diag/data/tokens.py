@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from diag.data.identity import FORMAT, key_parts, sha256
 from diag.data.records import PROBLEM_COLUMNS, Chunk, plan_chunks, problem, refusal, shard_files
 from diag.data.stream import Arrays, Job, encoded
 from diag.data.text import load_tokenizer
-from diag.files import swap_in
+from diag.files import atomic_folder, sweep_orphans
 
 CHUNK_BYTES = 1 << 20  # JSONL bytes a worker reads and tokenizes at once (~25 MB of its memory)
 MEMORY_CHUNK = 1000  # records per chunk of a source given as a list
@@ -89,18 +88,6 @@ def _finished(root: Path) -> list[tuple[Path, dict[str, Any]]]:
 def _serves(meta: dict[str, Any], records: int | None) -> bool:
     """A cache holds every record asked for: all of them, or at least the first `records`."""
     return meta["complete"] or (records is not None and meta["records"] >= records)
-
-
-def _drop_orphans(root: Path) -> None:
-    """Remove what builds whose process is gone left behind (killed mid-build)."""
-    for tmp in root.glob(".*.tmp-*"):
-        pid = tmp.name.rsplit(".tmp-", 1)[1].split("-")[0]
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-        except (ValueError, PermissionError):
-            continue  # not ours to judge: another user's live process, or a foreign name
 
 
 def _hit(found: tuple[Path, dict[str, Any]], on_error: str, start: float,
@@ -181,8 +168,8 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
 
 def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk_bytes: int,
            on_error: str, start: float) -> dict[str, Any]:
-    """Stream source's tokens into a temporary folder beside `folder`, then swap it in whole;
-    meta.json (head + what was built + how fast) is written last. Returns that meta."""
+    """Stream source's tokens into a temporary folder beside `folder` (diag.files.atomic_folder),
+    meta.json (head + what was built + how fast) last. Returns that meta."""
     path, limit, root = head["source"], head["limit"], folder.parent
     tok = load_tokenizer(head["tokenizer_dir"], head["parts"]["tokenizer"])
     job = Job(head["tokenizer_dir"], head["parts"]["tokenizer"], token_dtype(len(tok)).name,
@@ -191,36 +178,32 @@ def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk
         [Chunk("records", None, rows=tuple(source[i:i + MEMORY_CHUNK]))
          for i in range(0, len(source), MEMORY_CHUNK)])
     root.mkdir(parents=True, exist_ok=True)
-    _drop_orphans(root)
+    sweep_orphans(root)  # what builds killed mid-way left behind
     before = _stamps(source) if path else None
     if limit is None and before is not None:
         _check_disk(root, before, np.dtype(job.dtype).itemsize)
-    tmp = root / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
-        built = _write(tmp, chunks, job, procs, limit, on_error)
-        name = Path(path).name if path else "records"
-        if not built["records"]:
-            raise ValueError(f"--source: {name} holds no usable records ({built['skipped']} "
-                             "that do not fit): nothing to tokenize")
-        changed = _changed(before) if before is not None else ""
-        if changed:
-            raise ValueError(f"--source: {changed} while its token cache was built; nothing "
-                             "was kept: build again once it is written")
-        seconds = time.perf_counter() - start
-        meta = {**head, **built, "vocab_size": len(tok), "eos": tok.eos_token_id,
-                "pad_token_id": tok.pad_token_id}
-        meta["build"].update(seconds=seconds, tokens_per_s=built["tokens"] / seconds,
-                             mb_per_s=built["build"]["bytes"] / seconds / 1e6)
-        write_meta(tmp, meta)
-        swap_in(tmp, folder)
+        with atomic_folder(folder) as tmp:  # swapped in whole, after every byte is on disk
+            built = _write(tmp, chunks, job, procs, limit, on_error)
+            name = Path(path).name if path else "records"
+            if not built["records"]:
+                raise ValueError(f"--source: {name} holds no usable records "
+                                 f"({built['skipped']} that do not fit): nothing to tokenize")
+            changed = _changed(before) if before is not None else ""
+            if changed:
+                raise ValueError(f"--source: {changed} while its token cache was built; "
+                                 "nothing was kept: build again once it is written")
+            seconds = time.perf_counter() - start
+            meta = {**head, **built, "vocab_size": len(tok), "eos": tok.eos_token_id,
+                    "pad_token_id": tok.pad_token_id}
+            meta["build"].update(seconds=seconds, tokens_per_s=built["tokens"] / seconds,
+                                 mb_per_s=built["build"]["bytes"] / seconds / 1e6)
+            write_meta(tmp, meta)
     except OSError as err:
         refused = _refusal_of(err, root, path)
         if refused is None:
             raise
         raise refused from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return meta
 
 
