@@ -96,8 +96,9 @@ def sha(folder: Path) -> str:
 
 def kills(source: Path, tok: str, procs: int, n: int, work: Path) -> int:
     """n builds killed (their process group: the workers too) at a random point once they have
-    started writing, each followed by a build: how many were never taken and rebuilt identical.
-    A build that finished before its kill landed is run again: it was not killed mid-build."""
+    started writing, each followed by a build: how many left no cache and were rebuilt
+    identical. A kill that lands after the build swapped its cache in (it finished) is no
+    mid-build kill: that cache must be whole and identical, and the kill is drawn again."""
     whole = build_token_cache(source, tok, cache_dir=work / "whole", num_proc=procs)
     want, length, good, killed = sha(whole.folder), whole.seconds, 0, 0
     rng = random.Random(0)
@@ -107,17 +108,21 @@ def kills(source: Path, tok: str, procs: int, n: int, work: Path) -> int:
         child = subprocess.Popen([sys.executable, "-c", BUILD, str(source), tok, str(root),
                                   str(procs)], cwd=ROOT, start_new_session=True,
                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
-        while child.poll() is None and not list(root.glob(".*.tmp-*")):
+        while child.poll() is None and not [p for p in root.glob(".*.tmp-*") if p.is_dir()]:
             time.sleep(0.02)  # until its temporary folder exists: the build has begun
         time.sleep(rng.uniform(0.0, 0.9) * length)
-        if child.poll() is not None:
-            continue
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
-        killed += 1
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
         taken = [f for f in root.iterdir() if read_meta(f) is not None]
+        if taken:  # finished before the kill landed: whole, or a half cache was taken
+            if sha(taken[0]) != want:
+                print(f"kill {killed}: a cache that differs from the whole build was taken")
+                killed += 1
+            continue
+        killed += 1
         again = build_token_cache(source, tok, cache_dir=root, num_proc=procs)
-        good += not taken and again.status == "built" and sha(again.folder) == want
+        good += again.status == "built" and sha(again.folder) == want
     return good
 
 
