@@ -144,16 +144,16 @@ def trl_tokens_per_s(cfg: QLoraConfig, optimized: Plan, model_dir=None, dataset=
     from diag.machine.device import resolve
     from diag.embedded import ensure_assets
     from diag.data import format_prompt, read_source
-    from diag.qlora.data import check_records
+    from diag.qlora.data import job_records
     from diag.qlora.job import load_model
 
     device = resolve(cfg.device)
     if model_dir is None or dataset is None:
         assets = ensure_assets()
         model_dir, dataset = assets.model_dir, assets.dataset
-    records, _ = read_source(dataset, on_error="skip")
-    recs = check_records(cfg, records[: cfg.records], model_dir)
-    pairs = [format_prompt(r) for r in recs.records]
+    records, _ = read_source(dataset, cfg.fields(), on_error="skip", limit=cfg.records)
+    recs = job_records(cfg.replace(on_error="skip"), dataset, model_dir)
+    pairs = [format_prompt(records[i]) for i in recs.indices]
     start = time.perf_counter()
     model = load_model(cfg, optimized, model_dir, device)
     data = Dataset.from_list([{"prompt": p, "completion": c} for p, c in pairs])

@@ -7,11 +7,14 @@ import pickle
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from diag.data import (IGNORE_INDEX, NaiveTextDataset, PackedDataset, build_token_cache,
-                       encode_batch, format_prompt, load_tokenizer, read_source)
+from diag.data import (IGNORE_INDEX, NaiveTextDataset, PackedDataset, best_fit_decreasing,
+                       build_token_cache, encode_pairs, format_prompt, load_tokenizer,
+                       read_source)
+from diag.data.identity import MEMO
 from diag.embedded import ensure_assets, synthetic_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,11 +99,18 @@ def test_sample_jsonl_reads_clean():
     assert records and problems.empty
 
 
+def _encoded(tokenizer, records):
+    """Each record's ids (BOS + prompt + response + EOS), batched, and its prompt length."""
+    prompts, responses = encode_pairs(tokenizer, records)
+    return ([p + r + [tokenizer.eos_token_id] for p, r in zip(prompts, responses)],
+            [len(p) for p in prompts])
+
+
 def test_naive_labels_mask_prompt_and_padding(tok_dir: str):
     records = list(synthetic_records(20, seed=3))
     ds = NaiveTextDataset(records, tok_dir, seq_len=128)
     tok = load_tokenizer(tok_dir)
-    ids, prompt_lens = encode_batch(tok, records)
+    ids, prompt_lens = _encoded(tok, records)
     for i in range(len(records)):
         item = ds[i]
         assert {k: v.shape for k, v in item.items()} == {k: (128,) for k in item}
@@ -116,29 +126,67 @@ def test_naive_labels_mask_prompt_and_padding(tok_dir: str):
     assert short["attention_mask"].tolist() == [1] * 8
 
 
-def test_packed_windows_carry_every_records_labels(tok_dir: str, tmp_path: Path):
-    records = list(synthetic_records(60, seed=1))
+def test_packed_windows_hold_whole_records_each_on_its_own_positions(tok_dir: str,
+                                                                     tmp_path: Path):
+    records = [*synthetic_records(60, seed=1),
+               {"instruction": "Repeat.", "input": "", "output": "la " * 80}]
     cache = build_token_cache(records, tok_dir, cache_dir=tmp_path)
-    ds = PackedDataset(cache.folder, seq_len=48)
-    ids, prompt_lens = encode_batch(load_tokenizer(tok_dir), records)
-    stream = [t for seq in ids for t in seq]
-    want = [IGNORE_INDEX if j < n else t for seq, n in zip(ids, prompt_lens)
-            for j, t in enumerate(seq)]
-    assert cache.tokens == len(stream) and len(ds) == -(-len(stream) // 48)
-    items = [ds[w] for w in range(len(ds))]
-    got_ids = torch.cat([it["input_ids"] for it in items])
-    got_labels = torch.cat([it["labels"] for it in items])
-    got_mask = torch.cat([it["attention_mask"] for it in items])
-    n = len(stream)
-    assert got_ids[:n].tolist() == stream and got_labels[:n].tolist() == want
-    assert got_mask[:n].all() and not got_mask[n:].any() and (got_labels[n:] == IGNORE_INDEX).all()
-    # a record that spans two windows keeps its labels in both
-    assert any(len(set(range(s, s + len(seq))) & {48 * k for k in range(1, len(ds))})
-               for s, seq in zip([sum(map(len, ids[:i])) for i in range(len(ids))], ids))
+    ds = PackedDataset(cache.folder, seq_len=96)
+    ids, prompt_lens = _encoded(load_tokenizer(tok_dir), records)
+    want = sorted(tuple(seq[:96]) for seq in ids)  # a record past seq_len is cut there
+    assert len(ids[-1]) > 96 and len(ds) < len(records)
+    assert ds.left_out == len(ids[-1]) - 96
+    got, labels_of, loss = [], {}, 0
+    for w in range(len(ds)):
+        item = ds[w]
+        assert set(item) == {"input_ids", "labels", "position_ids"}  # no mask: see packing.py
+        starts = (item["position_ids"] == 0).nonzero().flatten().tolist() + [96]
+        for lo, hi in zip(starts, starts[1:]):
+            piece = tuple(item["input_ids"][lo:hi].tolist())
+            if (item["labels"][lo:hi] == IGNORE_INDEX).all():  # the tail: padding only
+                assert hi == 96 and set(piece) == {ds.pad_token_id}
+                continue
+            assert item["position_ids"][lo:hi].tolist() == list(range(hi - lo))
+            got.append(piece)
+            labels_of[piece] = item["labels"][lo:hi].tolist()
+            loss += int((item["labels"][lo:hi] != IGNORE_INDEX).sum())
+    assert sorted(got) == want and ds.tokens == sum(map(len, want))
+    for seq, n in zip(ids, prompt_lens):  # loss on the response and EOS, never the 1st token
+        kept = seq[:96]
+        assert labels_of[tuple(kept)] == [IGNORE_INDEX if j < max(n, 1) else t
+                                          for j, t in enumerate(kept)]
+    assert ds.loss_tokens() == loss
     clone = pickle.loads(pickle.dumps(ds))  # what a DataLoader worker gets
-    assert torch.equal(clone[1]["labels"], items[1]["labels"])
+    assert torch.equal(clone[1]["labels"], ds[1]["labels"])
     with pytest.raises(IndexError):
         ds[len(ds)]
+    alone = PackedDataset(cache.folder, seq_len=96, pack=False)  # the fallback
+    assert len(alone) == len(records) and alone.tokens == ds.tokens
+
+
+def test_no_loss_crosses_a_record_boundary(tmp_path: Path):
+    # records whose every token carries loss (a text field, a tokenizer without BOS): in a window
+    # the first token of a record would be predicted from the record before it
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "pad_token_id": 0}))
+    np.array([5, 6, 7, 8, 9], np.uint16).tofile(tmp_path / "train.bin")
+    np.save(tmp_path / "loss_mask.npy", np.ones(5, np.uint8))
+    np.save(tmp_path / "offsets.npy", np.array([0, 3, 5], np.int64))
+    item = PackedDataset(tmp_path, seq_len=6)[0]
+    assert item["input_ids"].tolist() == [5, 6, 7, 8, 9, 0]
+    assert item["labels"].tolist() == [IGNORE_INDEX, 6, 7, IGNORE_INDEX, 9, IGNORE_INDEX]
+    assert item["position_ids"].tolist() == [0, 1, 2, 0, 1, 0]
+    assert PackedDataset(tmp_path, seq_len=6).loss_tokens() == 3
+
+
+@pytest.mark.parametrize("lengths, capacity, chunk, windows", [
+    ([5, 4, 3, 3, 2, 1], 8, 1000, [[0, 2], [1, 3, 5], [4]]),  # longest first, tightest fit
+    ([5, 4, 3, 3, 2, 1], 8, 3, [[0, 2], [1], [3, 4, 5]]),  # a window never spans two chunks
+    ([8, 8], 8, 1000, [[0], [1]]),
+])
+def test_best_fit_decreasing(lengths, capacity, chunk, windows):
+    order, bounds = best_fit_decreasing(np.array(lengths), capacity, chunk)
+    got = [order[a:b].tolist() for a, b in zip(bounds, bounds[1:])]
+    assert got == windows
 
 
 def test_packed_dataset_in_dataloader_workers(tok_dir: str, tmp_path: Path):
@@ -176,7 +224,7 @@ def test_token_cache_hit_then_stale_data_and_tokenizer(tok_dir: str, tmp_path: P
     (changed.folder / "meta.json").unlink()
     torn = build_token_cache(data, other, cache_dir=tmp_path / "c")
     assert torn.status == "rebuilt: the old cache was incomplete" and torn.tokens == changed.tokens
-    assert [p.name for p in (tmp_path / "c").iterdir()] == [torn.folder.name]
+    assert [p.name for p in (tmp_path / "c").iterdir() if p.name != MEMO] == [torn.folder.name]
 
 
 def test_token_cache_skips_malformed_rows(tok_dir: str, tmp_path: Path):
@@ -192,7 +240,8 @@ def test_token_cache_skips_malformed_rows(tok_dir: str, tmp_path: Path):
 def test_bad_sizes_name_the_field(tok_dir: str, tmp_path: Path):
     with pytest.raises(ValueError, match="seq_len=0"):
         NaiveTextDataset([], tok_dir, seq_len=0)
-    with pytest.raises(ValueError, match="num_proc=0"):
-        build_token_cache([], tok_dir, cache_dir=tmp_path, num_proc=0)
+    for name in ("num_proc", "limit", "chunk_bytes"):
+        with pytest.raises(ValueError, match=f"{name}=0: must be a whole number >= 1"):
+            build_token_cache([], tok_dir, cache_dir=tmp_path, **{name: 0})
     with pytest.raises(ValueError, match="tokenizer_dir"):
         NaiveTextDataset([], tmp_path, seq_len=16)

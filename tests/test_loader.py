@@ -16,7 +16,8 @@ from diag.embedded import ensure_assets, synthetic_records
 from diag.loader.advice import advice, decide, recommend
 from diag.loader.profile import profile_lines
 from diag.loader.steps import EmulatedStep, gpu_step_seconds, measure_model_step
-from diag.loader.sweep import Guarded, Setting, measure_setting, sweep_workers, usable_cores
+from diag.loader.sweep import (Guarded, Setting, measure_setting, records_needed, sweep_workers,
+                               usable_cores)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,10 @@ def test_malformed_jsonl_is_counted_or_stops_as_configured(tmp_path: Path):
     cfg = LoaderConfig.quick(data=str(data), tokenizer=str(ensure_assets().model_dir),
                              workers=[0], steps=2, step_ms=1.0)
     sweep = sweep_workers(cfg)
-    assert set(sweep["bad_rows"]) == {2} and set(sweep["records"]) == {40}
+    # each pipeline reads the records the sweep draws (30, the line profile's), and the bad
+    # rows among them
+    assert set(sweep["bad_rows"]) == {2} and set(sweep["records"]) == {records_needed(cfg)} \
+        == {30}
     with pytest.raises(ValueError, match="line 11: invalid_json"):
         sweep_workers(cfg.replace(on_error="raise"))
 

@@ -27,41 +27,46 @@ GOOD = {"instruction": "Sort these words.", "input": "pear apple", "output": "ap
 
 
 def test_row_without_a_response_raises_or_is_counted(tmp_path, tokenizer_dir):
-    from diag.qlora.data import check_records, read
+    from diag.qlora.data import job_records, read
 
     path = _jsonl(tmp_path / "d.jsonl", [GOOD, {"instruction": "Say hi.", "input": ""}, GOOD,
-                                         "{not json", GOOD])
+                                         "{not json", GOOD, GOOD, "{not json either"])
     with pytest.raises(ValueError, match="line 2"):
-        read(QLoraConfig.quick(steps=1, warmup_steps=0), path)
-    cfg = QLoraConfig.quick(steps=1, warmup_steps=0, on_error="skip")
-    records, bad = read(cfg, path)
-    assert len(records) == 3 and bad == 2
-    assert check_records(cfg, records, tokenizer_dir, bad).skipped == 2
+        job_records(QLoraConfig.quick(steps=1, warmup_steps=0), path, tokenizer_dir)
+    cfg = QLoraConfig.quick(records=3, steps=1, warmup_steps=0, on_error="skip")
+    assert len(read(cfg, path)) == 3
+    recs = job_records(cfg, path, tokenizer_dir)
+    assert recs.indices == [0, 1, 2] and recs.skipped == 2  # not line 7: past the 3rd record
+    whole = job_records(cfg.replace(records=12), path, tokenizer_dir)
+    assert len(whole.indices) == 4 and whole.skipped == 3
+    assert job_records(cfg, path, tokenizer_dir).skipped == 2  # served by the whole cache
+    first = job_records(cfg.replace(records=1, on_error="raise"), path, tokenizer_dir)
+    assert first.indices == [0] and first.skipped == 0  # its read ends before line 2
 
 
 def test_empty_dataset_is_a_clear_error(tmp_path, tokenizer_dir):
-    from diag.qlora.data import read
+    from diag.qlora.data import job_records
 
     path = _jsonl(tmp_path / "empty.jsonl", [])
     with pytest.raises(ValueError, match="no usable records"):
-        read(QLoraConfig.quick(on_error="skip"), path)
+        job_records(QLoraConfig.quick(on_error="skip"), path, tokenizer_dir)
 
 
 def test_seq_len_below_the_prompt(tmp_path, tokenizer_dir):
-    from diag.qlora.data import check_records
+    from diag.qlora.data import job_records
 
     long = {**GOOD, "input": " ".join(["banana"] * 80)}
-    records = [GOOD, long, GOOD, GOOD]
+    path = _jsonl(tmp_path / "d.jsonl", [GOOD, long, GOOD, GOOD])
     cfg = QLoraConfig.quick(seq_len=80, steps=1, warmup_steps=0)
     with pytest.raises(ValueError, match=r"record 1: .*seq_len=80"):
-        check_records(cfg, records, tokenizer_dir)
-    kept = check_records(cfg.replace(on_error="skip"), records, tokenizer_dir)
-    assert kept.skipped == 1 and len(kept.records) == 3
-    assert all(p < 80 for p in kept.prompt_lengths)
+        job_records(cfg, path, tokenizer_dir)
+    kept = job_records(cfg.replace(on_error="skip"), path, tokenizer_dir)
+    assert kept.skipped == 1 and kept.indices == [0, 2, 3] and min(kept.loss) > 0
 
 
-def test_too_few_records_for_the_steps(tokenizer_dir):
-    from diag.qlora.data import check_records
+def test_too_few_records_for_the_steps(tmp_path, tokenizer_dir):
+    from diag.qlora.data import job_records
 
     with pytest.raises(ValueError, match="steps=3"):
-        check_records(QLoraConfig.quick(steps=3), [GOOD, GOOD], tokenizer_dir)
+        job_records(QLoraConfig.quick(steps=3), _jsonl(tmp_path / "d.jsonl", [GOOD, GOOD]),
+                    tokenizer_dir)

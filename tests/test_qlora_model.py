@@ -58,6 +58,46 @@ def test_the_base_is_nf4_linear4bit_with_lora_on_all_seven_projections(models):
             assert module.lora_A["default"].weight.requires_grad
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
+    # with a cache transformers builds no packed-sequence mask: packed records would mix (the
+    # Trainer switches it off too; the sweeps' QLoraStep has no Trainer)
+    assert model.config.use_cache is False
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_records_train_as_each_would_alone(attention, tmp_path):
+    """The job's packed rows, through its Trainer's own data loader and collator: each record's
+    logits in a window equal its logits run alone (fp32), and the loss is the records' own."""
+    import transformers
+
+    from diag.embedded import ensure_assets, synthetic_dataset
+    from diag.qlora.data import build_dataset, job_records
+    from diag.qlora.job import _training_args
+
+    model_dir = ensure_assets().model_dir
+    data = synthetic_dataset(tmp_path / "d.jsonl", records=12)
+    cfg = QLoraConfig.quick(seq_len=256, steps=1, warmup_steps=0)
+    plan = dataclasses.replace(Plan.naive(), pipeline="packed", micro_batch=4)
+    job = build_dataset(cfg, plan, job_records(cfg, data, model_dir), model_dir, data, attention)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=attention)
+    args = _training_args(cfg, plan, job, tmp_path / "out", torch.device("cpu"))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=job.dataset)
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert "attention_mask" not in batch
+    worst, weighted, counted, most = 0.0, 0.0, 0, 0
+    with torch.no_grad():
+        packed = model(**batch)
+        for r, (positions, labels) in enumerate(zip(batch["position_ids"], batch["labels"])):
+            starts = (positions == 0).nonzero().flatten().tolist() + [cfg.seq_len]
+            records = [(a, b) for a, b in zip(starts, starts[1:]) if (labels[a:b] != -100).any()]
+            most = max(most, len(records))
+            for a, b in records:
+                alone = model(input_ids=batch["input_ids"][r:r + 1, a:b], labels=labels[None, a:b])
+                worst = max(worst, float((alone.logits[0] - packed.logits[r, a:b]).abs().max()))
+                n = int((labels[a + 1:b] != -100).sum())
+                weighted, counted = weighted + float(alone.loss) * n, counted + n
+    assert most >= 3 and worst <= 1e-4
+    assert float(packed.loss) == pytest.approx(weighted / counted, rel=1e-5)
 
 
 def _layer_forwards(model) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 from diag.config.base import ExperimentConfig
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # record files diag reads (a prefix: its shards)
+MANIFEST_SUFFIX = ".diag-manifest.json"  # beside what diag.storage.land landed: its ETags, CRCs
 WEIGHT_FILES = ("*.safetensors", "*.bin")
 
 

@@ -1,8 +1,8 @@
 """The user's records as they are: JSONL and Parquet, one file or a folder of shards.
 
-The one reader of record files in diag: the loader sweep, the token cache and the QLoRA job all
-read through `read_source`. Each record becomes one dict the text pipeline
-(diag.data.text.format_prompt) renders:
+The one reader of record files in diag, chunk by chunk (`plan_chunks`, `read_chunk`: whole
+JSONL lines by byte range, Parquet row groups), which the token cache's processes read apart
+and `read_source` reads in order. Each record becomes one dict diag.data.text renders:
 {"instruction", "input", "output"} (Alpaca, the default: the embedded dataset's form), or
 {"prompt", "response"} from --prompt-field/--response-field (loss on the response only), or
 {"prompt": "", "response": text} from --text-field (loss on every token). A record that does
@@ -12,7 +12,10 @@ first with its file and row, "skip" leaves it out and lists it in the problems f
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,50 +41,145 @@ def shard_files(path: str | os.PathLike[str]) -> list[Path]:
     return files
 
 
-def _rows(path: Path, fields: dict[str, str]) -> Any:
-    """(row number, record dict or (problem, detail)) of one file, 1-based."""
-    if path.suffix == ".parquet":
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of a source that one process reads alone, in order with the others: whole lines
+    of a JSONL file (bytes start..stop), one row group of a Parquet file (start), or records
+    already in memory (rows)."""
+
+    where: str  # how a problem names the file: its name, or its path under the source folder
+    path: Path | None
+    start: int = 0
+    stop: int = 0
+    shard: bool = False  # one of a folder's files: problems are numbered "<where>:<line>"
+    rows: tuple[dict[str, Any], ...] = ()
+    size: int = 0  # bytes of the source it covers (a row group: its share of the file)
+
+    @property
+    def parquet(self) -> bool:
+        return self.path is not None and self.path.suffix == ".parquet"
+
+
+def plan_chunks(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
+                chunk_bytes: int = 1 << 20, first_bytes: int = 64 << 10) -> Iterator[Chunk]:
+    """The chunks of a file or folder of shards, in reading order. Parquet shards are checked
+    first (readable, the columns present, one type per column across shards), before any record
+    is read. JSONL chunks grow from first_bytes to chunk_bytes: a read that stops after a few
+    records reads little."""
+    files = shard_files(path)
+    wheres = {f: str(f.relative_to(path)) if len(files) > 1 else f.name for f in files}
+    groups: dict[Path, list[int]] = {}  # a Parquet shard's bytes per row group
+    types: dict[str, tuple[Any, Path]] = {}  # column: (its type, the shard that first had it)
+    for file in (f for f in files if f.suffix == ".parquet"):
+        groups[file], schema = _parquet_columns(file, wheres[file], dict(fields or {}))
+        for column, got in schema.items():
+            want, first = types.setdefault(column, (got, file))
+            if got != want:
+                raise ValueError(f"--source: {wheres[file]}: column {column!r} is {got}, "
+                                 f"{wheres[first]}'s is {want}: the shards' schemas differ; "
+                                 "write them with one schema")
+    return _chunks(files, wheres, groups, chunk_bytes, first_bytes)
+
+
+def _chunks(files: list[Path], wheres: dict[Path, str], groups: dict[Path, list[int]],
+            chunk_bytes: int, first_bytes: int) -> Iterator[Chunk]:
+    shard = len(files) > 1
+    for file in files:
+        if file in groups:
+            yield from (Chunk(wheres[file], file, g, g + 1, shard, size=size)
+                        for g, size in enumerate(groups[file]))
+            continue
+        size, pos, step = file.stat().st_size, 0, min(first_bytes, chunk_bytes)
+        with open(file, "rb") as f:
+            while pos < size:
+                f.seek(min(pos + step, size))
+                f.readline()  # to the end of the line the cut falls in: chunks hold whole lines
+                yield Chunk(wheres[file], file, pos, f.tell(), shard, size=f.tell() - pos)
+                pos, step = f.tell(), min(step * 2, chunk_bytes)
+
+
+def _parquet_columns(file: Path, name: str, fields: dict[str, str]
+                     ) -> tuple[list[int], dict[str, Any]]:
+    """(bytes per row group, {column read: its type}) of one shard, from its footer; ValueError
+    naming a missing column or an unreadable file."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(file)
+    except Exception as err:  # noqa: BLE001  pyarrow's errors have no common base
+        raise ValueError(f"--source: {name} is not a readable Parquet file "
+                         f"({type(err).__name__}: {err})") from None
+    schema = meta.schema.to_arrow_schema()
+    wanted = list(fields.values()) or list(ALPACA_FIELDS)
+    missing = [c for c in wanted if c not in schema.names and not (c == "input" and not fields)]
+    if missing:
+        flag = {v: k for k, v in fields.items()}.get(missing[0])
+        head = (f"--{flag}-field={missing[0]!r}: no such column in {name}" if flag else
+                f"--source: {name} has no column {missing[0]!r} (name yours with "
+                "--text-field or --prompt-field/--response-field)")
+        raise ValueError(f"{head}; its columns: {', '.join(schema.names)}")
+    size, rows = file.stat().st_size, max(meta.num_rows, 1)
+    return ([size * meta.row_group(g).num_rows // rows for g in range(meta.num_row_groups)],
+            {c: schema.field(c).type for c in wanted if c in schema.names})
+
+
+def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
+               ) -> tuple[int, Iterator[tuple[int, dict[str, Any] | tuple[str, str]]]]:
+    """(lines or rows in the chunk, its (number within the chunk, record or (problem, detail))
+    in order), numbered from 1; blank JSONL lines are counted and skipped."""
+    fields = dict(fields or {})
+    if chunk.path is None:
+        return len(chunk.rows), enumerate(chunk.rows, start=1)
+    if chunk.parquet:
         import pyarrow.parquet as pq
 
-        try:
-            pf = pq.ParquetFile(path)
-        except Exception as err:  # noqa: BLE001  pyarrow's errors have no common base
-            raise ValueError(f"--source: {path.name} is not a readable Parquet file "
-                             f"({type(err).__name__}: {err})") from None
-        wanted = list(fields.values()) or ["instruction", "input", "output"]
-        missing = [f for f in wanted if f not in pf.schema_arrow.names
-                   and not (f == "input" and not fields)]
-        if missing:
-            flag = {v: k for k, v in fields.items()}.get(missing[0])
-            head = (f"--{flag}-field={missing[0]!r}: no such column in {path.name}" if flag else
-                    f"--source: {path.name} has no column {missing[0]!r} (name yours with "
-                    "--text-field or --prompt-field/--response-field)")
-            raise ValueError(f"{head}; its columns: {', '.join(pf.schema_arrow.names)}")
-        columns = [c for c in wanted if c in pf.schema_arrow.names]
+        pf = pq.ParquetFile(chunk.path)
+        columns = [c for c in list(fields.values()) or list(ALPACA_FIELDS)
+                   if c in pf.schema_arrow.names]
         pad = {} if fields or "input" in columns else {"input": ""}  # Alpaca's optional input
-        number = 0
-        for batch in pf.iter_batches(columns=columns):
-            for row in batch.to_pylist():
-                number += 1
-                yield number, {**pad, **row}
-        return
-    import json
+        rows = (({**pad, **row}) for batch in pf.iter_batches(
+            batch_size=1024, row_groups=[chunk.start], columns=columns)
+            for row in batch.to_pylist())
+        count = pf.metadata.row_group(chunk.start).num_rows
+        return count, ((n, normalise(row, fields)) for n, row in enumerate(rows, start=1))
+    with open(chunk.path, "rb") as f:  # bytes: a bad UTF-8 line is one problem, not a crash
+        f.seek(chunk.start)
+        data = f.read(chunk.stop - chunk.start)
+    try:  # the chunk decoded at once: it fails only where a line is not UTF-8
+        lines: list[Any] = data.decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        lines = data.split(b"\n")  # each line decoded alone: the bad one is named
+    if not lines[-1]:
+        lines.pop()  # the chunk's last newline ends its last line
+    return len(lines), ((n, normalise(_json(raw), fields))
+                        for n, raw in enumerate(lines, start=1) if raw.strip())
 
-    with open(path, "rb") as f:  # bytes: a bad UTF-8 line is one problem, not a crashed read
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                got = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as err:
-                got = ("invalid_utf8", f"byte {err.start}: {err.reason}")
-            except json.JSONDecodeError as err:
-                got = ("invalid_json", f"column {err.colno}: {err.msg}")
-            yield number, got
+
+_SCAN = json.JSONDecoder().scan_once  # the C scanner under json.loads, without its wrappers
+
+
+def _json(raw: str | bytes) -> Any:
+    try:
+        text = raw if isinstance(raw, str) else raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return "invalid_utf8", f"byte {err.start}: {err.reason}"
+    try:
+        got, end = _SCAN(text, 0)
+        if end == len(text) or not text[end:].strip():
+            return got
+    except (StopIteration, json.JSONDecodeError):
+        pass  # json.loads says what is wrong (or takes leading whitespace)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        return "invalid_json", f"column {err.colno}: {err.msg}"
 
 
 def _alpaca(row: dict[str, Any]) -> tuple[str, str] | dict[str, str]:
     """The instruction/input/output record, or (problem, detail) when it does not fit."""
+    got = [row.get(f) for f in ALPACA_FIELDS]
+    if all(type(v) is str for v in got) and got[0].strip() and got[2].strip():
+        return dict(zip(ALPACA_FIELDS, got))  # the common case, checked at once
     missing = [f for f in ALPACA_FIELDS if f not in row]
     if missing:
         return "missing_field", f"no {', '.join(missing)}"
@@ -141,21 +239,21 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
         raise ValueError(f"on_error={on_error!r}: allowed values are "
                          + ", ".join(map(repr, ON_ERROR)))
     fields = dict(fields or {})
-    files = shard_files(path)
     # the same files read again in this process (the loader sweep makes a pipeline's dataset per
     # sweep, stall split and job: 19 reads of one file in a `diag run`) are parsed once; a file
     # whose size or mtime changed is read again. The records are shared: never mutated in diag.
     # Files above _READ_MAX_BYTES together are not kept (a big dataset is read each time rather
     # than held in memory after its reader is done with it)
     if not cached:
-        return _read(path, files, fields, on_error, limit)
+        return _read(path, fields, on_error, limit)
+    files = shard_files(path)
     stats = [f.stat() for f in files]
     key = (tuple((str(f), st.st_size, st.st_mtime_ns) for f, st in zip(files, stats)),
            tuple(sorted(fields.items())), on_error, limit)
     if key in _READ:
         records, problems = _READ[key]
         return list(records), problems.copy()
-    records, problems = _read(path, files, fields, on_error, limit)
+    records, problems = _read(path, fields, on_error, limit)
     if sum(st.st_size for st in stats) <= _READ_MAX_BYTES:
         _READ[key] = records, problems
         while len(_READ) > _READ_KEEP:
@@ -168,26 +266,33 @@ _READ_KEEP = 4  # the last files read (oldest dropped first)
 _READ_MAX_BYTES = 256 << 20  # larger record files are read again, not kept
 
 
-def _read(path: str | os.PathLike[str], files: list[Path], fields: dict[str, str],
-          on_error: str, limit: int | None) -> tuple[list[dict[str, str]], Any]:
+def _read(path: str | os.PathLike[str], fields: dict[str, str], on_error: str,
+          limit: int | None) -> tuple[list[dict[str, str]], Any]:
     import pandas as pd
 
     records: list[dict[str, str]] = []
-    problems = []
-    for file in files:
-        where = file.name if len(files) == 1 else str(file.relative_to(path))
-        for number, row in _rows(file, fields):
-            got = normalise(row, fields)
-            if isinstance(got, dict):
-                records.append(got)
-                if limit is not None and len(records) >= limit:
-                    return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
-            elif on_error == "raise":
-                raise refusal(where, number, got[0], got[1], file.suffix == ".parquet")
-            else:
-                problems.append({"line": number if len(files) == 1 else f"{where}:{number}",
-                                 "problem": got[0], "detail": got[1]})
+    problems: list[dict[str, Any]] = []
+    lines: dict[str, int] = {}  # lines of each file read so far: chunks number from 1
+    for chunk in plan_chunks(path, fields):
+        count, rows = read_chunk(chunk, fields)
+        base = lines.get(chunk.where, 0)
+        for number, got in rows:
+            if isinstance(got, tuple):
+                problems.append(problem(chunk, base + number, got, on_error))
+                continue
+            records.append(got)
+            if limit is not None and len(records) >= limit:
+                return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
+        lines[chunk.where] = base + count
     return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
+
+
+def problem(chunk: Chunk, number: int, got: tuple[str, str], on_error: str) -> dict[str, Any]:
+    """The problems frame's row for a record that does not fit; on_error="raise": its refusal."""
+    if on_error == "raise":
+        raise refusal(chunk.where, number, got[0], got[1], chunk.parquet)
+    return {"line": f"{chunk.where}:{number}" if chunk.shard else number, "problem": got[0],
+            "detail": got[1]}
 
 
 def refusal(where: str, number: int | str, problem: str, detail: str,
@@ -197,17 +302,3 @@ def refusal(where: str, number: int | str, problem: str, detail: str,
     return ValueError(f"--source: {where}: {word} {number}: {problem} ({detail}); pass "
                       "on_error='skip' (--on-error skip) to leave such records out and count "
                       "them")
-
-
-def render_chat(records: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
-    """Chat records as {"prompt", "response"}: the prompt is every message but the last through
-    the tokenizer's chat template (with its generation prompt), the response the last message."""
-    if not any("messages" in r for r in records):
-        return records
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("--messages-field: the tokenizer of --model has no chat template; "
-                         "name --prompt-field/--response-field (or --text-field) instead")
-    return [{"prompt": tokenizer.apply_chat_template(r["messages"][:-1], tokenize=False,
-                                                     add_generation_prompt=True),
-             "response": r["messages"][-1]["content"]} if "messages" in r else r
-            for r in records]

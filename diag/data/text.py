@@ -1,22 +1,18 @@
 """The text pipeline a fine-tuning job feeds its model: records -> prompt -> tokens.
 
-Two forms serve the same labels (loss on response tokens only, -100 on prompt and padding):
-`NaiveTextDataset` tokenizes one record per `__getitem__` and pads it to seq_len, as a newcomer
-writes it; `PackedDataset` reads the token cache made once (`build_token_cache`, diag.data.tokens)
-and serves fixed-length windows packed across records, so no step is spent on padding.
-Both classes live in an importable module: DataLoader workers pickle them.
+`format_prompt` renders a record, `encode_pairs` tokenizes many at once (the token cache's
+way), and `NaiveTextDataset` tokenizes one record per `__getitem__` and pads it to seq_len, as
+a newcomer writes it (loss on response tokens only, -100 on prompt and padding); the packed
+form of the same labels is diag.data.packing's. An importable module: workers pickle it.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -58,9 +54,10 @@ def load_tokenizer(tokenizer_dir: str, version: str = "") -> Any:
     return tok
 
 
-def encode_batch(tokenizer: Any, records: list[dict[str, str]]
-                 ) -> tuple[list[list[int]], list[int]]:
-    """Token ids of each record (BOS + prompt + response + EOS) and its prompt length.
+def encode_pairs(tokenizer: Any, records: list[dict[str, str]]
+                 ) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, response ids) of each record: BOS + prompt, and the response; a record's
+    tokens are the two end to end, then EOS.
 
     Prompt and response are tokenized apart, so the prompt/response boundary is a token
     boundary and the loss mask is exact; NaiveTextDataset makes the same ids one at a time.
@@ -69,12 +66,23 @@ def encode_batch(tokenizer: Any, records: list[dict[str, str]]
     # the Rust tokenizer under the HF wrapper: the wrapper's batch call builds a BatchEncoding
     # per row and measured 2.4x slower here (8,000 prompts: 1.05 s vs 0.44 s), same ids
     rust = tokenizer.backend_tokenizer
-    prompts = [e.ids for e in rust.encode_batch_fast([p for p, _ in pairs],
-                                                     add_special_tokens=True)]
-    responses = [e.ids for e in rust.encode_batch_fast([r for _, r in pairs],
-                                                       add_special_tokens=False)]
-    eos = tokenizer.eos_token_id
-    return [p + r + [eos] for p, r in zip(prompts, responses)], [len(p) for p in prompts]
+    prompts = rust.encode_batch_fast([p for p, _ in pairs], add_special_tokens=True)
+    responses = rust.encode_batch_fast([r for _, r in pairs], add_special_tokens=False)
+    return [e.ids for e in prompts], [e.ids for e in responses]
+
+
+def render_chat(records: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
+    """Chat records as {"prompt", "response"}: the prompt is every message but the last through
+    the tokenizer's chat template (with its generation prompt), the response the last message."""
+    if not any("messages" in r for r in records):
+        return records
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--messages-field: the tokenizer of --model has no chat template; "
+                         "name --prompt-field/--response-field (or --text-field) instead")
+    return [{"prompt": tokenizer.apply_chat_template(r["messages"][:-1], tokenize=False,
+                                                     add_generation_prompt=True),
+             "response": r["messages"][-1]["content"]} if "messages" in r else r
+            for r in records]
 
 
 def check_seq_len(seq_len: int) -> None:
@@ -118,76 +126,4 @@ class NaiveTextDataset(Dataset):
         input_ids = torch.tensor(ids + [tokenizer.pad_token_id] * pad)
         attention_mask = torch.tensor([1] * len(ids) + [0] * pad)
         labels = torch.tensor(labels + [IGNORE_INDEX] * pad)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-
-class PackedDataset(Dataset):
-    """Fixed-length windows cut from the token cache's stream of records, end to end.
-
-    Window w holds stream tokens [w*seq_len, (w+1)*seq_len); a record may span two windows, and
-    each token keeps its own label (its id where it is a response token, -100 on prompts), so
-    the labels are right across record boundaries. The last window is padded (mask 0, label
-    -100). Attention crosses record boundaries inside a window, as TRL's packing=True does.
-    records: the cache's records to pack, in that order (None = all of them; the QLoRA job packs
-    the ones it trains on). The arrays are memory-mapped per process: a worker reads only the
-    pages it serves.
-    """
-
-    def __init__(self, cache_folder: str | os.PathLike[str], seq_len: int,
-                 pad_token_id: int | None = None, records: Sequence[int] | None = None) -> None:
-        check_seq_len(seq_len)
-        self.folder, self.seq_len = Path(cache_folder), seq_len
-        meta = json.loads((self.folder / "meta.json").read_text())
-        self.dtype = meta["dtype"]
-        self.pad_token_id = int(meta["pad_token_id"] if pad_token_id is None else pad_token_id)
-        self._positions: np.ndarray | None = None  # stream position -> cache position
-        self.tokens = int(meta["tokens"])
-        if records is not None:
-            offsets = np.load(self.folder / "offsets.npy")
-            picked = np.asarray(records, dtype=np.int64)
-            if picked.size and not 0 <= picked.min() <= picked.max() < len(offsets) - 1:
-                raise IndexError(f"records: the cache holds {len(offsets) - 1} records")
-            if np.array_equal(picked, np.arange(len(picked))):  # a prefix: no index needed
-                self.tokens = int(offsets[len(picked)])
-            else:
-                self._positions = np.concatenate(
-                    [np.arange(offsets[i], offsets[i + 1]) for i in picked] or [np.zeros(0, int)])
-                self.tokens = len(self._positions)
-        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_arrays": None}  # a worker maps the files itself
-
-    def _maps(self) -> tuple[np.ndarray, np.ndarray]:
-        if self._arrays is None:
-            self._arrays = (np.memmap(self.folder / "train.bin", dtype=self.dtype, mode="r"),
-                            np.load(self.folder / "loss_mask.npy", mmap_mode="r"))
-        return self._arrays
-
-    def _span(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, loss mask) of stream tokens [start, stop)."""
-        ids, mask = self._maps()
-        where: Any = slice(start, min(stop, self.tokens))
-        if self._positions is not None:
-            where = self._positions[where]
-        return np.asarray(ids[where], dtype=np.int64), np.asarray(mask[where], dtype=bool)
-
-    def loss_tokens(self) -> int:
-        """Tokens that carry a loss (response tokens and EOS) in the packed stream."""
-        return int(self._span(0, self.tokens)[1].sum())
-
-    def __len__(self) -> int:
-        return -(-self.tokens // self.seq_len)
-
-    def __getitem__(self, w: int) -> dict[str, torch.Tensor]:
-        if not 0 <= w < len(self):
-            raise IndexError(f"window {w} of {len(self)}")
-        chunk, loss = self._span(w * self.seq_len, (w + 1) * self.seq_len)
-        n, pad = len(chunk), self.seq_len - len(chunk)
-        input_ids = torch.full((self.seq_len,), self.pad_token_id, dtype=torch.int64)
-        input_ids[:n] = torch.from_numpy(chunk)
-        labels = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.int64)
-        labels[:n] = torch.from_numpy(np.where(loss, chunk, IGNORE_INDEX))
-        attention_mask = torch.zeros(self.seq_len, dtype=torch.int64)
-        attention_mask[: self.seq_len - pad] = 1
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

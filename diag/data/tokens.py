@@ -1,38 +1,41 @@
 """The one token cache: tokenize once, keep the tokens on disk, reuse them while nothing changed.
 
-`build_token_cache(source, tokenizer_dir)` reads the records (diag.data.records), tokenizes them
-(batched, in `num_proc` forked processes when asked) and keeps three arrays under
-DIAG_HOME/tokens/<key>/: train.bin (every record's ids end to end, EOS closing each: nanoGPT's flat
-file, uint16 when the vocabulary fits), loss_mask.npy and offsets.npy. The key digests the data,
-the tokenizer files and the settings (FORMAT, templates, fields), not the path: the loader sweep,
-the accum sweep and the QLoRA job share one folder for the same data and tokenizer. A build is
-written beside it and swapped in whole, meta.json last: an interrupted build is never taken.
+`build_token_cache(source, tokenizer_dir)` streams the records (diag.data.stream: chunks read and
+tokenized by a pool of processes, appended in order) into DIAG_HOME/tokens/<key>/: train.bin
+(every record's ids end to end, EOS closing each: nanoGPT's flat file, uint16 when the
+vocabulary fits), loss_mask.npy and offsets.npy; meta.json says what it holds and how fast it was
+built. The key (diag.data.identity) is by content: the loader sweep, the accum sweep and the
+QLoRA job share one folder. A build is written beside it and swapped in whole, meta.json last:
+an interrupted build is never taken. `limit` builds only the first records (a diagnosis's
+measurements), which a complete cache, or a longer prefix, serves too.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
+import contextlib
+import dataclasses
+import errno
 import json
 import os
 import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from diag.data.records import PROBLEM_COLUMNS, read_source, refusal, render_chat, shard_files
-from diag.data.text import PROMPT_TEMPLATE, PROMPT_TEMPLATE_NO_INPUT, encode_batch, load_tokenizer
-from diag.files import file_sha256, swap_in
+from diag.data.identity import FORMAT, key_parts, sha256
+from diag.data.records import PROBLEM_COLUMNS, Chunk, plan_chunks, problem, refusal, shard_files
+from diag.data.stream import Arrays, Job, encoded
+from diag.data.text import load_tokenizer
+from diag.files import atomic_folder, sweep_orphans
 
-FORMAT = 2  # bump when the arrays' layout or the encoding changes: every old cache goes stale
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-_CHUNK = 1000  # records per batched tokenizer call: large enough to amortize the Python wrapper
-ARRAYS = ("train.bin", "loss_mask.npy", "offsets.npy")  # a cache's data files, beside meta.json
-
+CHUNK_BYTES = 1 << 20  # JSONL bytes a worker reads and tokenizes at once (~25 MB of its memory)
+MEMORY_CHUNK = 1000  # records per chunk of a source given as a list
+PROBLEMS_KEPT = 1000  # records left out that meta.json lists (all of them are counted)
+TOKENS_PER_BYTE = 0.5  # the free-disk estimate's guess (0.44 measured on the embedded data
+                       # with its template; English text with a 32k+ vocabulary is below)
 Source = str | os.PathLike[str] | list[dict[str, Any]]
 
 
@@ -46,7 +49,9 @@ class TokenCache:
     tokens: int
     status: str  # "hit", "built", or "rebuilt: <what changed>"
     seconds: float  # to check (hit) or to build it
-    problems: Any  # the records left out (read_source's problems frame)
+    problems: Any  # the records left out (read_source's frame; the first PROBLEMS_KEPT)
+    skipped: int = 0  # records left out (all of them, or those among the first `limit`)
+    complete: bool = True  # False: the first records only (a `limit` build)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -54,71 +59,6 @@ def token_dtype(vocab_size: int) -> np.dtype:
     if vocab_size <= 0:
         raise ValueError(f"vocab_size={vocab_size}: must be > 0")
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def key_parts(source: Source, tokenizer_dir: str | os.PathLike[str],
-              fields: dict[str, str] | None = None) -> dict[str, str]:
-    """The three things the tokens depend on, each as a digest: data, tokenizer, settings."""
-    if isinstance(source, (str, os.PathLike)):
-        files = shard_files(source)
-        if Path(source).is_file():
-            data = file_sha256(source)
-        else:  # a folder of shards: each shard's name and bytes, in reading order
-            data = _sha256("\n".join(f"{f.relative_to(source)}={file_sha256(f)}"
-                                     for f in files).encode())
-    else:
-        data = _sha256(json.dumps(list(source), sort_keys=True).encode())
-    tok = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        path = Path(tokenizer_dir, name)
-        if path.is_file():
-            tok.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    settings = json.dumps({"format": FORMAT, "template": PROMPT_TEMPLATE,
-                           "template_no_input": PROMPT_TEMPLATE_NO_INPUT,
-                           "fields": dict(sorted((fields or {}).items()))})
-    return {"data": data, "tokenizer": tok.hexdigest(), "settings": _sha256(settings.encode())}
-
-
-def _encode_chunk(args: tuple[str, str, list[dict[str, str]]]
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    tokenizer_dir, version, records = args
-    ids, prompt_lens = encode_batch(load_tokenizer(tokenizer_dir, version), records)
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
-    mask = np.ones(len(flat), dtype=np.uint8)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    for start, n in zip(starts, prompt_lens):  # prompt tokens carry no loss
-        mask[start:start + n] = 0
-    return flat, mask, lengths
-
-
-# Not Hugging Face `datasets`: its map(batched=True) with the same tokenizer, measured here on the
-# embedded 30,318 records (2 loaded cores, medians of 3), took 8.8 s (num_proc=1) and 8.9 s
-# (num_proc=2) against 5.6 s and 4.8 s for tokenize() below; its fingerprint-cache hit (0.02 s)
-# matches this cache's; it adds pyarrow and a 3.2 s import. The arrays below are what it would
-# store, without the Arrow layer between them and the DataLoader.
-def tokenize(records: list[dict[str, str]], tokenizer_dir: str, num_proc: int = 1,
-             version: str = "") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ids, loss_mask, offsets) of every record, in order; num_proc > 1 forks that many."""
-    chunks = [(tokenizer_dir, version, records[i:i + _CHUNK])
-              for i in range(0, len(records), _CHUNK)]
-    if num_proc > 1 and len(chunks) > 1:
-        import multiprocessing
-
-        # fork: the children inherit the records instead of receiving them pickled
-        with multiprocessing.get_context("fork").Pool(min(num_proc, len(chunks))) as pool:
-            parts = pool.map(_encode_chunk, chunks)
-    else:
-        parts = [_encode_chunk(c) for c in chunks]
-    if not parts:
-        return np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64)
-    lengths = np.concatenate([p[2] for p in parts])
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), offsets)
 
 
 def read_meta(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -138,116 +78,206 @@ def read_meta(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     return meta
 
 
-def _earlier(root: Path, source: Source, parts: dict[str, str], key: str
-             ) -> tuple[list[Path], str]:
-    """Finished caches of the same source path under another key, and what changed since."""
-    if not isinstance(source, (str, os.PathLike)) or not root.is_dir():
-        return [], ""
-    path, found, changed = str(Path(source).resolve()), [], set()
-    for folder in root.iterdir():
-        meta = read_meta(folder) if not folder.name.startswith(".") else None
-        if meta is not None and meta.get("source") == path and meta.get("key") != key:
-            found.append(folder)
-            changed |= {k for k, v in parts.items() if meta["parts"].get(k) != v}
-    return found, " and ".join(k for k in parts if k in changed)
+def _finished(root: Path) -> list[tuple[Path, dict[str, Any]]]:
+    if not root.is_dir():
+        return []
+    return [(f, m) for f in root.iterdir() if not f.name.startswith(".")
+            and (m := read_meta(f)) is not None]
 
 
-def _drop_orphans(root: Path) -> None:
-    """Remove the temporary folders of builds whose process is gone (killed mid-build)."""
-    for tmp in root.glob(".*.tmp-*"):
-        pid = tmp.name.rsplit(".tmp-", 1)[1].split("-")[0]
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        except (ValueError, PermissionError):
-            continue  # not ours to judge: another user's live process, or a foreign name
+def _serves(meta: dict[str, Any], records: int | None) -> bool:
+    """A cache holds every record asked for: all of them, or at least the first `records`."""
+    return meta["complete"] or (records is not None and meta["records"] >= records)
 
 
-def _refuse(source: Source, problems: Any) -> ValueError:
-    """on_error="raise" on data with problems: the first one, as read_source names it."""
-    first = problems.iloc[0]
-    where, _, number = str(first["line"]).rpartition(":")
-    where = where or Path(source).name  # type: ignore[arg-type]  # only a path has problems
-    return refusal(where, number, first["problem"], first["detail"], where.endswith(".parquet"))
+def _hit(found: tuple[Path, dict[str, Any]], on_error: str, start: float,
+         limit: int | None) -> TokenCache:
+    """The cache as asked for: with a limit, the problems a read of the first `limit` records
+    meets (each listed problem says how many good records came before it)."""
+    import pandas as pd
+
+    folder, meta = found
+    whole = limit is None or limit >= meta["records"]  # such a read goes to the source's end
+    rows = [p for p in meta["problems"] if whole or p["record"] < limit]
+    problems = pd.DataFrame(rows, columns=PROBLEM_COLUMNS)
+    if on_error == "raise" and not problems.empty:
+        first = problems.iloc[0]
+        where, _, number = str(first["line"]).rpartition(":")
+        raise refusal(where or Path(meta["source"]).name, number, first["problem"],
+                      first["detail"], where.endswith(".parquet"))
+    return TokenCache(folder, meta["key"], meta["records"], meta["tokens"], "hit",
+                      time.perf_counter() - start, problems,
+                      meta["skipped"] if whole else len(rows), meta["complete"])
+
+
+def _check(num_proc: Any, on_error: str, limit: Any, chunk_bytes: Any) -> None:
+    from diag.config import ON_ERROR
+
+    for name, value in (("num_proc", num_proc), ("limit", limit), ("chunk_bytes", chunk_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"{name}={value!r}: must be a whole number >= 1 (or None)")
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error={on_error!r}: allowed values are "
+                         + ", ".join(map(repr, ON_ERROR)))
 
 
 def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
                       fields: dict[str, str] | None = None,
-                      cache_dir: str | os.PathLike[str] | None = None, num_proc: int = 1,
-                      on_error: str = "skip", rebuild: bool = False) -> TokenCache:
+                      cache_dir: str | os.PathLike[str] | None = None,
+                      num_proc: int | None = None, on_error: str = "skip",
+                      rebuild: bool = False, limit: int | None = None,
+                      chunk_bytes: int = CHUNK_BYTES) -> TokenCache:
     """The token cache of source (a JSONL/Parquet file, a folder of shards, or a list of
     records), reused when its key matches.
 
     fields: the record fields (diag.data.read_source's; None = Alpaca). on_error: "skip" leaves
-    records that do not fit out (listed in `problems`; the cache always holds the rest), "raise"
-    refuses data with any. rebuild=True ignores a matching cache. num_proc: tokenizing processes.
+    records that do not fit out (listed in `problems`; the cache holds the rest), "raise"
+    refuses data with any. rebuild=True ignores a matching cache. num_proc: tokenizing
+    processes (None: the usable cores). limit: the first `limit` good records only.
     """
-    import pandas as pd
+    from diag.config import diag_home
+    from diag.machine.device import usable_cores
 
-    from diag.config import ON_ERROR, diag_home
-
-    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
-        raise ValueError(f"num_proc={num_proc!r}: must be a whole number >= 1")
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error={on_error!r}: allowed values are "
-                         + ", ".join(map(repr, ON_ERROR)))
+    _check(num_proc, on_error, limit, chunk_bytes)
     start = time.perf_counter()
-    tokenizer_dir = str(tokenizer_dir)
-    parts = key_parts(source, tokenizer_dir, fields)
-    key = _sha256(json.dumps(parts, sort_keys=True).encode())
     root = Path(cache_dir) if cache_dir else diag_home() / "tokens"
+    parts = key_parts(source, tokenizer_dir, fields, root)
+    caches = _finished(root)
+    serving = [(f, m) for f, m in caches if m["parts"] == parts and _serves(m, limit)]
+    if serving and not rebuild:
+        return _hit(serving[0], on_error, start, limit)
+    key = sha256(json.dumps({**parts, "limit": limit}, sort_keys=True).encode())
     folder = root / key[:16]  # by content, not path: a landed copy hits the original's cache
-    meta = read_meta(folder)
-    if meta is not None and meta.get("key") == key and not rebuild:
-        problems = pd.DataFrame(meta["problems"], columns=PROBLEM_COLUMNS)
-        if on_error == "raise" and not problems.empty:
-            raise _refuse(source, problems)
-        return TokenCache(folder, key, meta["records"], meta["tokens"], "hit",
-                          time.perf_counter() - start, problems)
-    earlier, changed = _earlier(root, source, parts, key)
-    if folder.exists():
-        status = "rebuilt: asked to" if meta is not None else \
-            "rebuilt: the old cache was incomplete"
-    else:
-        status = f"rebuilt: {changed} changed" if changed else "built"
-    if isinstance(source, (str, os.PathLike)):
-        records, problems = read_source(source, fields, on_error="skip")
-        if on_error == "raise" and not problems.empty:
-            raise _refuse(source, problems)
-    else:
-        records, problems = list(source), pd.DataFrame(columns=PROBLEM_COLUMNS)
-    version = parts["tokenizer"]  # a tokenizer saved again since this process loaded it is reloaded
-    tok = load_tokenizer(tokenizer_dir, version)
-    records = render_chat(records, tok)  # chat records: through the tokenizer's chat template
-    ids, mask, offsets = tokenize(records, tokenizer_dir, num_proc, version)
-    dtype = token_dtype(len(tok))
+    path = str(Path(source).resolve()) if isinstance(source, (str, os.PathLike)) else None
+    stale = [f for f, m in caches if path and m["source"] == path and m["parts"] != parts]
+    changed = " and ".join(k for k in parts if any(
+        m["parts"][k] != parts[k] for f, m in caches if f in stale))
+    status = ("rebuilt: asked to" if serving else "rebuilt: the old cache was incomplete"
+              if folder.exists() else f"rebuilt: {changed} changed" if changed else "built")
+    head = {"format": FORMAT, "key": key, "parts": parts, "limit": limit, "source": path,
+            "tokenizer_dir": str(tokenizer_dir), "fields": dict(fields or {})}
+    meta = _build(source, folder, head, num_proc or usable_cores(), chunk_bytes, on_error,
+                  start)
+    for old, m in caches:  # replaced, or served by this one from now on: not kept
+        if old in stale or (m["parts"] == parts and old != folder
+                            and _serves(meta, None if m["complete"] else m["records"])):
+            shutil.rmtree(old, ignore_errors=True)
+    return dataclasses.replace(_hit((folder, meta), "skip", start, limit), status=status)
+
+
+def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk_bytes: int,
+           on_error: str, start: float) -> dict[str, Any]:
+    """Stream source's tokens into a temporary folder beside `folder` (diag.files.atomic_folder),
+    meta.json (head + what was built + how fast) last. Returns that meta."""
+    path, limit, root = head["source"], head["limit"], folder.parent
+    tok = load_tokenizer(head["tokenizer_dir"], head["parts"]["tokenizer"])
+    job = Job(head["tokenizer_dir"], head["parts"]["tokenizer"], token_dtype(len(tok)).name,
+              head["fields"])
+    chunks = plan_chunks(source, head["fields"], chunk_bytes) if path else iter(
+        [Chunk("records", None, rows=tuple(source[i:i + MEMORY_CHUNK]))
+         for i in range(0, len(source), MEMORY_CHUNK)])
     root.mkdir(parents=True, exist_ok=True)
-    _drop_orphans(root)
-    tmp = root / f".{folder.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    sweep_orphans(root)  # what builds killed mid-way left behind
+    before = _stamps(source) if path else None
+    if limit is None and before is not None:
+        _check_disk(root, before, np.dtype(job.dtype).itemsize)
     try:
-        for name, write in (("train.bin", ids.astype(dtype).tofile),
-                            ("loss_mask.npy", lambda f: np.save(f, mask)),
-                            ("offsets.npy", lambda f: np.save(f, offsets))):
-            with open(tmp / name, "wb") as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-        meta = {"format": FORMAT, "key": key, "parts": parts, "records": len(records),
-                "tokens": int(len(ids)), "dtype": dtype.name, "vocab_size": len(tok),
-                "eos": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
-                "tokenizer_dir": tokenizer_dir, "fields": fields or {},
-                "source": str(Path(source).resolve()) if isinstance(source, (str, os.PathLike))
-                else None, "problems": problems.to_dict("records")}
-        write_meta(tmp, meta)
-        swap_in(tmp, folder)
+        with atomic_folder(folder) as tmp:  # swapped in whole, after every byte is on disk
+            built = _write(tmp, chunks, job, procs, limit, on_error)
+            name = Path(path).name if path else "records"
+            if not built["records"]:
+                raise ValueError(f"--source: {name} holds no usable records "
+                                 f"({built['skipped']} that do not fit): nothing to tokenize")
+            changed = _changed(before) if before is not None else ""
+            if changed:
+                raise ValueError(f"--source: {changed} while its token cache was built; "
+                                 "nothing was kept: build again once it is written")
+            seconds = time.perf_counter() - start
+            meta = {**head, **built, "vocab_size": len(tok), "eos": tok.eos_token_id,
+                    "pad_token_id": tok.pad_token_id}
+            meta["build"].update(seconds=seconds, tokens_per_s=built["tokens"] / seconds,
+                                 mb_per_s=built["build"]["bytes"] / seconds / 1e6)
+            write_meta(tmp, meta)
+    except OSError as err:
+        refused = _refusal_of(err, root, path)
+        if refused is None:
+            raise
+        raise refused from None
+    return meta
+
+
+def _write(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None,
+           on_error: str) -> dict[str, Any]:
+    """Stream every chunk's arrays into tmp, in order; what meta.json says of them."""
+    arrays = Arrays(tmp, job.dtype)
+    problems: list[dict[str, Any]] = []
+    skipped = read = 0
+    lines: dict[str, int] = {}  # lines of each file so far: a chunk numbers its own from 1
+    full = False
+    try:
+        remaining = (lambda: None) if limit is None else (lambda: limit - arrays.records)
+        with contextlib.closing(encoded(chunks, job, procs, remaining)) as parts:
+            for chunk, part in parts:  # closed on the way out: a pool's workers stop at once
+                if limit is not None and arrays.records + len(part.lengths) >= limit:
+                    part, full = part.first(limit - arrays.records), True
+                base = lines.get(chunk.where, 0)
+                for before, number, *got in part.problems:
+                    row = problem(chunk, base + number, tuple(got), on_error)  # "raise": refused
+                    skipped += 1
+                    if len(problems) < PROBLEMS_KEPT:  # and the good records read before it
+                        problems.append({**row, "record": arrays.records + before})
+                lines[chunk.where] = base + part.lines
+                arrays.append(part)
+                read += chunk.size
+                if full:
+                    break
+        arrays.finish()
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    for old in earlier:  # the same source's stale caches: replaced, not kept beside it
-        shutil.rmtree(old, ignore_errors=True)
-    return TokenCache(folder, key, len(records), int(len(ids)), status,
-                      time.perf_counter() - start, problems)
+        arrays.close()
+    return {"records": arrays.records, "tokens": arrays.tokens, "dtype": job.dtype,
+            "complete": not full, "problems": problems, "skipped": skipped,
+            "build": {"bytes": read, "processes": procs}}
+
+
+def _stamps(source: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
+    return [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in shard_files(source)]
+
+
+def _changed(before: list[tuple[str, int, int]]) -> str:
+    """What happened to the source's files since `before`: "" where nothing did."""
+    for name, size, mtime in before:
+        try:
+            st = os.stat(name)
+        except FileNotFoundError:
+            return f"{name} disappeared"
+        if (st.st_size, st.st_mtime_ns) != (size, mtime):
+            return f"{name} changed"
+    return ""
+
+
+def _check_disk(root: Path, stamps: list[tuple[str, int, int]], itemsize: int) -> None:
+    """Refuse, before any work, a build the free disk cannot hold (estimated from the source)."""
+    size = sum(s[1] for s in stamps)
+    need = int(size * TOKENS_PER_BYTE * (itemsize + 1))  # ids + the loss mask's byte per token
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise RuntimeError(f"token cache: {size / 1e9:.3g} GB of records needs about "
+                           f"{need / 1e9:.3g} GB at {root}, {free / 1e9:.3g} GB is free; free "
+                           "space or point DIAG_HOME at a larger disk")
+
+
+def _refusal_of(err: OSError, root: Path, path: str | None) -> Exception | None:
+    """One line for a build that ran out of room, or lost its source; None for other errors."""
+    if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return RuntimeError(f"token cache: writing under {root} failed ({err.strerror}); nothing "
+                            "was kept: free space (or raise the file-size limit) or point "
+                            "DIAG_HOME at a larger disk")
+    if isinstance(err, FileNotFoundError) and path and err.filename \
+            and str(Path(err.filename).resolve()).startswith(path):
+        return ValueError(f"--source: {err.filename} disappeared while its token cache was "
+                          "built; nothing was kept: build again once it is written")
+    return None
 
 
 def write_meta(tmp: Path, meta: dict[str, Any]) -> None:

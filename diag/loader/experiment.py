@@ -16,7 +16,7 @@ from diag.machine.device import on_cpu_threads
 from diag.loader.advice import advice, decide, recommend
 from diag.loader.profile import profile_lines
 from diag.loader.stalls import stall_split
-from diag.loader.sweep import sources, sweep_workers
+from diag.loader.sweep import records_needed, sources, sweep_workers
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -61,7 +61,8 @@ def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
 
         stall_step = EmulatedStep(float(sweep["step_s"].median()))
     stalls = stall_split(cfg, cfg.workers[0], stall_step)
-    records, _ = read_source(data, on_error=cfg.on_error, cached=True)
+    # the naive dataset's own read (the parse is shared): profile_samples of its records
+    records, _ = read_source(data, on_error=cfg.on_error, limit=records_needed(cfg), cached=True)
     naive = NaiveTextDataset(records[: cfg.profile_samples], tokenizer_dir, cfg.seq_len)
     lines = profile_lines(naive.__getitem__, range(len(naive)))
     on = measured_on or MeasuredOn(seq_len=cfg.seq_len, step=step[2],

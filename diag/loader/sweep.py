@@ -206,19 +206,31 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
     return rows
 
 
+def records_needed(cfg: LoaderConfig) -> int:
+    """Records the sweep's largest setting draws (its start-up, prefetched and timed batches)
+    and the line profile reads: a pipeline's dataset holds no more (the sweep cycles a smaller
+    one), so a measurement on a large source reads and tokenizes only these."""
+    ahead = max(cfg.workers) * cfg.prefetch_factor
+    return max(cfg.batch_size * (1 + ahead + cfg.steps), cfg.profile_samples)
+
+
 def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
                  ) -> tuple[Dataset, dict[str, Any]]:
-    """The pipeline's dataset for cfg, and facts about how it was had (token cache status)."""
+    """The pipeline's dataset for cfg over the source's first records_needed(cfg) records, and
+    facts about how it was had (token cache status)."""
     from diag.data import NaiveTextDataset, PackedDataset, build_token_cache, read_source
 
+    needed = records_needed(cfg)
     if pipeline == "naive":
-        records, problems = read_source(data, on_error=cfg.on_error, cached=True)
+        records, problems = read_source(data, on_error=cfg.on_error, limit=needed, cached=True)
         dataset: Dataset = NaiveTextDataset(records, tokenizer_dir, cfg.seq_len)
         facts = {"records": len(records), "bad_rows": len(problems)}
     else:
-        cache = build_token_cache(data, tokenizer_dir, num_proc=cfg.num_proc, on_error=cfg.on_error)
-        dataset = PackedDataset(cache.folder, cfg.seq_len)
-        facts = {"records": cache.records, "bad_rows": len(cache.problems),
+        cache = build_token_cache(data, tokenizer_dir, num_proc=cfg.num_proc, on_error=cfg.on_error,
+                                  limit=needed)
+        records = min(needed, cache.records)
+        dataset = PackedDataset(cache.folder, cfg.seq_len, records=range(records))
+        facts = {"records": records, "bad_rows": cache.skipped,
                  "cache": cache.status, "cache_s": cache.seconds, "cache_folder": str(cache.folder)}
     return Guarded(dataset, cfg.extra_prep_ms / 1000), facts
 

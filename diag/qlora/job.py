@@ -129,6 +129,7 @@ def load_model(cfg: QLoraConfig, plan: Plan, folder: Path, device: Any) -> Any:
                                bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant,
                                                  device_map={"": str(device)})
+    model.config.use_cache = False  # with a cache transformers skips the packed-sequence mask
     model = prepare_model_for_kbit_training(
         model, use_gradient_checkpointing=plan.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False})  # what torch recommends
@@ -164,14 +165,13 @@ def prime(cfg: QLoraConfig, plan: Plan, src: Sources) -> float:
 def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any]:
     """A start's inputs under plan, untimed: the data path, the model folder, the built dataset
     (a copy pulled into the start's temporary folder is gone when it returns)."""
-    from diag.qlora.data import build_dataset, check_records, read
+    from diag.qlora.data import build_dataset, job_records
 
     work = scratch_folder("diag-qlora-prime")  # a killed rank's is swept next time
     try:
         path, folder = fetch_data(plan, src, work), model_folder(plan, src, work)
-        records, bad = read(cfg, path)
-        return path, folder, build_dataset(cfg, plan, check_records(cfg, records, folder, bad),
-                                           folder, path)
+        return path, folder, build_dataset(cfg, plan, job_records(cfg, path, folder), folder,
+                                           path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -185,7 +185,7 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
     from diag.timing import distributed
     from diag.machine.device import resolve
     from diag.timing.callback import TimingCallback
-    from diag.qlora.data import build_dataset, check_records, read
+    from diag.qlora.data import build_dataset, job_records
 
     device = resolve(cfg.device)
     seat = distributed.init_group(device.type)  # torchrun / accelerate: a DDP rank; else a no-op
@@ -203,13 +203,12 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
         with timer.stage("load_model"):
             folder = model_folder(plan, src, work)
             model = load_model(cfg, plan, folder, device)
-        with timer.stage("preprocess"):
-            records, bad_lines = read(cfg, data_path)
         check = time.perf_counter()  # untimed as a stage (the same in both plans), but shown
-        recs = check_records(cfg, records, folder, bad_lines)
+        recs = job_records(cfg, data_path, folder)
         check_s = time.perf_counter() - check
         with timer.stage("preprocess"):
-            data = build_dataset(cfg, plan, recs, folder, data_path)
+            data = build_dataset(cfg, plan, recs, folder, data_path,
+                                 model.config._attn_implementation)
         args = _training_args(cfg, plan, data, out_dir, device)
         callback = TimingCallback(timer, warmup_steps=cfg.warmup_steps, device=device)
         callback.setup_from = wall = time.perf_counter()  # the Trainer's set-up is `setup`

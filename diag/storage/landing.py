@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from diag.config import VERIFY_MODES
+from diag.config.source import MANIFEST_SUFFIX
 from diag.files import atomic_file, file_sha256, fsync_path, sweep_orphans
 from diag.storage.crc import file_crc
 from diag.storage.objectstore import S3Url, list_remote, make_client, parse_url, usable_cores
 from diag.storage.transfer import download_all
-
-MANIFEST_SUFFIX = ".diag-manifest.json"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,149 @@
+"""Packing that keeps records apart: whole records placed into seq_len windows, each on its own.
+
+`best_fit_decreasing` bins records by length, chunk by chunk of records (as TRL bins per map
+batch), so binning stays bounded on any dataset. `PackedDataset` serves the windows from the
+token cache: each record's `position_ids` restart at 0 and no `attention_mask` is given, which
+makes transformers build its packed-sequence mask (sdpa, eager, flex; flash-attention's
+variable-length path), so a record attends to itself only and trains as it would alone.
+`packing_refused(attention)` says where an attention implementation cannot keep them apart.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from diag.data.text import IGNORE_INDEX, check_seq_len
+
+PACK_CHUNK = 1000  # records binned together: more fill windows better, binning costs n log n
+
+
+def best_fit_decreasing(lengths: np.ndarray, capacity: int, chunk: int = PACK_CHUNK
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """(order, bounds): the records (indices into lengths) window by window, window w holding
+    order[bounds[w]:bounds[w + 1]]. Longest first, each into the fullest window it fits."""
+    order: list[int] = []
+    sizes: list[int] = []
+    for lo in range(0, len(lengths), chunk):
+        part = np.asarray(lengths[lo:lo + chunk])
+        bins: list[list[int]] = []
+        room: list[tuple[int, int]] = []  # (tokens left, window), ascending
+        for i in np.argsort(-part, kind="stable").tolist():
+            n = int(part[i])
+            k = bisect.bisect_left(room, (n, -1))  # the tightest window with room for it
+            if k == len(room):
+                bins.append([])
+                left, b = capacity, len(bins) - 1
+            else:
+                left, b = room.pop(k)
+            bins[b].append(lo + i)
+            if left - n > 0:
+                bisect.insort(room, (left - n, b))
+        for b in bins:
+            order += b
+            sizes.append(len(b))
+    return np.asarray(order, np.int64), np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+
+
+def loss_counts(mask: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                block: int = 8192) -> np.ndarray:
+    """Tokens that carry a loss in each record's first `lengths` tokens, its first token left
+    out: nothing before it in its record predicts it (a causal LM's labels are shifted by one)."""
+    out = np.zeros(len(starts), np.int64)
+    for lo in range(0, len(starts), block):
+        s, n = starts[lo:lo + block], lengths[lo:lo + block]
+        if not len(s):
+            continue
+        base = int(s.min())
+        span = np.concatenate([[0], np.cumsum(mask[base:int((s + n).max())], dtype=np.int64)])
+        first = s - base + np.minimum(n, 1)
+        out[lo:lo + block] = span[s - base + n] - span[first]
+    return out
+
+
+def packing_refused(attention: str | None) -> str:
+    """Why records packed into one window would see each other under this attention
+    implementation; "" where transformers keeps them apart from position_ids."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if (attention or "sdpa") in ALL_MASK_ATTENTION_FUNCTIONS:
+        return ""
+    return (f"attention {attention!r} gets no packed-sequence mask from transformers: records "
+            "sharing a window would attend to each other, so each record has a window to itself")
+
+
+class PackedDataset(Dataset):
+    """Windows of seq_len tokens holding whole records, placed by best-fit decreasing.
+
+    An item is {"input_ids", "labels", "position_ids"}: labels -100 on prompts, on each record's
+    first token and on the padding after the last record; no attention_mask (see the module).
+    A record longer than seq_len is cut to seq_len (the naive pipeline cuts it there too):
+    `left_out` counts what is cut. records: the cache's records to use (None = all); pack=False
+    gives each record a window of its own (for an attention that ignores position_ids). The
+    arrays are memory-mapped per process: a worker reads only the pages it serves.
+    """
+
+    def __init__(self, cache_folder: str | os.PathLike[str], seq_len: int,
+                 pad_token_id: int | None = None, records: Sequence[int] | None = None,
+                 pack: bool = True) -> None:
+        check_seq_len(seq_len)
+        self.folder, self.seq_len = Path(cache_folder), seq_len
+        meta = json.loads((self.folder / "meta.json").read_text())
+        self.dtype = meta["dtype"]
+        self.pad_token_id = int(meta["pad_token_id"] if pad_token_id is None else pad_token_id)
+        offsets = np.load(self.folder / "offsets.npy", mmap_mode="r")
+        picked = np.arange(len(offsets) - 1) if records is None \
+            else np.asarray(records, dtype=np.int64)
+        if picked.size and not 0 <= picked.min() <= picked.max() < len(offsets) - 1:
+            raise IndexError(f"records: the cache holds {len(offsets) - 1} records")
+        starts, ends = np.asarray(offsets[picked]), np.asarray(offsets[picked + 1])
+        lengths = np.minimum(ends - starts, seq_len)
+        self.tokens, self.left_out = int(lengths.sum()), int((ends - starts - lengths).sum())
+        order, self._bounds = best_fit_decreasing(lengths, seq_len) if pack else \
+            (np.arange(len(picked)), np.arange(len(picked) + 1))
+        self._starts, self._lengths = starts[order], lengths[order]
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_arrays": None}  # a worker maps the files itself
+
+    def _maps(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._arrays is None:
+            self._arrays = (np.memmap(self.folder / "train.bin", dtype=self.dtype, mode="r"),
+                            np.load(self.folder / "loss_mask.npy", mmap_mode="r"))
+        return self._arrays
+
+    def loss_tokens(self) -> int:
+        """Tokens that carry a loss in the windows (response tokens and EOS, as kept)."""
+        return int(loss_counts(self._maps()[1], self._starts, self._lengths).sum())
+
+    def __len__(self) -> int:
+        return len(self._bounds) - 1
+
+    def __getitem__(self, w: int) -> dict[str, torch.Tensor]:
+        if not 0 <= w < len(self):
+            raise IndexError(f"window {w} of {len(self)}")
+        ids, mask = self._maps()
+        input_ids = torch.full((self.seq_len,), self.pad_token_id, dtype=torch.int64)
+        labels = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.int64)
+        positions = torch.zeros(self.seq_len, dtype=torch.int64)
+        at = 0
+        for j in range(self._bounds[w], self._bounds[w + 1]):
+            s, n = int(self._starts[j]), int(self._lengths[j])
+            chunk = torch.from_numpy(np.asarray(ids[s:s + n], dtype=np.int64))
+            input_ids[at:at + n] = chunk
+            labels[at:at + n] = torch.where(torch.from_numpy(mask[s:s + n] == 1), chunk,
+                                            IGNORE_INDEX)
+            labels[at] = IGNORE_INDEX  # predicted by the record before it: no loss across
+            positions[at:at + n] = torch.arange(n)
+            at += n
+        positions[at:] = torch.arange(self.seq_len - at)  # the padding: a sequence of its own
+        return {"input_ids": input_ids, "labels": labels, "position_ids": positions}

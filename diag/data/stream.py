@@ -1,0 +1,184 @@
+"""The token cache's build: chunks of records tokenized by a pool of processes, appended in order.
+
+`encode_chunk` reads one chunk (diag.data.records) and tokenizes it ENCODE_BATCH records at a
+time; `encoded` runs the chunks in `procs` forked processes, at most two per process in flight,
+and yields them in source order, so memory is bounded by procs x chunk, not by the data;
+`Arrays` appends each to train.bin, loss_mask.npy and offsets.npy as it arrives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from diag.data.records import Chunk, read_chunk
+from diag.data.text import encode_pairs, load_tokenizer, render_chat
+
+ENCODE_BATCH = 1000  # records per tokenizer call: amortizes the call, bounds a worker's objects
+ARRAYS = ("train.bin", "loss_mask.npy", "offsets.npy")  # a cache's data files, beside meta.json
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every chunk's tokenizing needs (pickled to each worker with its chunk)."""
+
+    tokenizer_dir: str
+    version: str  # the tokenizer's digest: a tokenizer saved again is loaded again
+    dtype: str  # of the ids: the cache's (uint16 when the vocabulary fits)
+    fields: dict[str, str]
+
+
+@dataclass
+class Encoded:
+    """One chunk's good records as arrays, and the records of it that did not fit."""
+
+    ids: np.ndarray  # every record's ids end to end, EOS closing each
+    mask: np.ndarray  # uint8: 1 where the token carries loss (response and EOS)
+    lengths: np.ndarray  # int64 tokens per record
+    problems: list[tuple[int, int, str, str]]  # (good records before it, line, problem, detail)
+    lines: int  # lines (rows) of the chunk: the next chunk of the file numbers after them
+
+    def first(self, n: int) -> Encoded:
+        """The chunk cut after its first n good records (a prefix build's last chunk)."""
+        tokens = int(self.lengths[:n].sum())
+        return Encoded(self.ids[:tokens], self.mask[:tokens], self.lengths[:n],
+                       [p for p in self.problems if p[0] < n], self.lines)
+
+
+def _arrays(tokenizer: Any, records: list[dict[str, Any]], dtype: str
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, loss mask, lengths) of records: each BOS + prompt (no loss), response + EOS (loss).
+    The two id lists go to numpy flat and are placed by index arithmetic: no list per record."""
+    prompts, responses = encode_pairs(tokenizer, render_chat(records, tokenizer))
+    p = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
+    r = np.fromiter(map(len, responses), dtype=np.int64, count=len(responses))
+    lengths = p + r + 1
+    starts = np.cumsum(lengths) - lengths
+    ids = np.empty(int(lengths.sum()), dtype=dtype)
+    mask = np.ones(len(ids), dtype=np.uint8)
+    for part, n, at in ((prompts, p, starts), (responses, r, starts + p)):
+        flat = np.fromiter(itertools.chain.from_iterable(part), dtype=dtype, count=int(n.sum()))
+        where = np.repeat(at - (np.cumsum(n) - n), n) + np.arange(len(flat))  # each id's place
+        ids[where] = flat
+        if part is prompts:
+            mask[where] = 0
+    ids[starts + lengths - 1] = tokenizer.eos_token_id
+    return ids, mask, lengths
+
+
+def encode_chunk(args: tuple[Job, Chunk, int | None]) -> Encoded:
+    """Read and tokenize one chunk, stopping after `stop_after` good records (None: all)."""
+    job, chunk, stop_after = args
+    tokenizer = load_tokenizer(job.tokenizer_dir, job.version)
+    lines, rows = read_chunk(chunk, job.fields)
+    parts, problems, batch, good = [], [], [], 0
+    for number, got in rows:
+        if isinstance(got, tuple):
+            problems.append((good, number, *got))
+            continue
+        batch.append(got)
+        good += 1
+        if len(batch) == ENCODE_BATCH or good == stop_after:
+            parts.append(_arrays(tokenizer, batch, job.dtype))
+            batch = []
+        if good == stop_after:
+            break
+    if batch:
+        parts.append(_arrays(tokenizer, batch, job.dtype))
+    if not parts:
+        parts = [(np.zeros(0, job.dtype), np.zeros(0, np.uint8), np.zeros(0, np.int64))]
+    return Encoded(*(np.concatenate(p) for p in zip(*parts)), problems, lines)
+
+
+def encoded(chunks: Iterator[Chunk], job: Job, procs: int,
+            stop_after: Callable[[], int | None]) -> Iterator[tuple[Chunk, Encoded]]:
+    """(chunk, its arrays) in source order; stop_after() is asked as each chunk is handed out.
+    One process (or one chunk) runs here; more fork a pool that stops when the caller does."""
+    head = list(itertools.islice(chunks, 2))
+    chunks = itertools.chain(head, chunks)
+    if procs == 1 or len(head) < 2:
+        for chunk in chunks:
+            yield chunk, encode_chunk((job, chunk, stop_after()))
+        return
+    with _pool(procs) as pool:
+        window: deque[tuple[Chunk, Any]] = deque()
+        for chunk in chunks:
+            window.append((chunk, pool.apply_async(encode_chunk, ((job, chunk, stop_after()),))))
+            if len(window) >= 2 * procs:  # the oldest is written before more are handed out
+                chunk, result = window.popleft()
+                yield chunk, result.get()
+        while window:
+            chunk, result = window.popleft()
+            yield chunk, result.get()
+
+
+@contextlib.contextmanager
+def _pool(procs: int) -> Iterator[Any]:
+    import multiprocessing
+
+    # one tokenizer thread per process: the processes are the parallelism. Set while the pool
+    # forks, so the children start with it (tokenizers reads it at the fork) and this process
+    # keeps its own setting
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = multiprocessing.get_context("fork").Pool(procs)  # the tokenizer is inherited
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+    with pool:  # leaving it terminates the workers: a refusal or a full prefix stops them
+        yield pool
+
+
+class Arrays:
+    """The arrays of a cache being built in `folder`, appended chunk by chunk. The .npy headers
+    are written first with length 0 and rewritten in place at the end (numpy pads a header so
+    its length field can grow without moving the data)."""
+
+    def __init__(self, folder: Path, dtype: str) -> None:
+        self.files = {name: open(folder / name, "wb") for name in ARRAYS}
+        self.records = self.tokens = 0
+        self._room = {name: self._header(name, dtype, 0)
+                      for name, dtype in (("loss_mask.npy", np.uint8), ("offsets.npy", np.int64))}
+        self.files["offsets.npy"].write(np.zeros(1, np.int64).tobytes())
+
+    def _header(self, name: str, dtype: Any, length: int) -> int:
+        np.lib.format.write_array_header_1_0(self.files[name], {
+            "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+            "shape": (length,)})
+        return self.files[name].tell()
+
+    def append(self, part: Encoded) -> None:
+        self.files["train.bin"].write(part.ids.tobytes())
+        self.files["loss_mask.npy"].write(part.mask.tobytes())
+        ends = self.tokens + np.cumsum(part.lengths, dtype=np.int64)
+        self.files["offsets.npy"].write(ends.tobytes())
+        self.records += len(part.lengths)
+        self.tokens += len(part.ids)
+
+    def finish(self) -> None:
+        """Headers with the final lengths, every byte handed to the OS (atomic_folder fsyncs)."""
+        for name, dtype, length in (("loss_mask.npy", np.uint8, self.tokens),
+                                    ("offsets.npy", np.int64, self.records + 1)):
+            f = self.files[name]
+            f.flush()
+            end = f.tell()
+            f.seek(0)
+            assert self._header(name, dtype, length) == self._room[name], "header outgrew room"
+            f.seek(end)
+        for f in self.files.values():
+            f.flush()  # a full disk says so here, inside the build, not at close
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
