@@ -143,11 +143,13 @@ def pin_to_cache(src: Source, cache_dir: Path) -> tuple[Source, str]:
                     f"download {src.model}`, updates it)")
 
 
-def job(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load") -> dict[str, Any]:
-    """What a load process is asked to do (JSON)."""
+def job(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load",
+        read_only: bool = False) -> dict[str, Any]:
+    """What a load process is asked to do (JSON). read_only: cache_dir is the user's, pinned
+    (pin_to_cache): read where it is, nothing written into it."""
     return {"mode": mode, "model": src.model, "revision": src.revision or "main",
             "cache_dir": str(cache_dir), "local_dir": str(src.local_dir or ""),
-            "only": list(src.files),
+            "only": list(src.files), "read_only": read_only,
             "quantize": cfg.quantize, "device": cfg.device,
             "trust_remote_code": cfg.trust_remote_code}
 
