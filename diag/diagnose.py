@@ -162,7 +162,8 @@ def _storage(cfg: DiagnoseConfig) -> StorageResult:
     from diag.storage import run_storage
 
     preset = {} if cfg.quick_experiments else StorageConfig.RUN  # the embedded dataset's size
-    return run_storage(StorageConfig.default(quick=_quick(cfg), **cfg.source_kwargs(), **preset))
+    return run_storage(StorageConfig.default(quick=_quick(cfg), **cfg.source_kwargs(StorageConfig),
+                                             **preset))
 
 
 def _model_load(cfg: DiagnoseConfig) -> ModelLoadResult:
@@ -170,8 +171,8 @@ def _model_load(cfg: DiagnoseConfig) -> ModelLoadResult:
 
     # quick: the two scenarios the runs need; full: all four, for every advice row
     quick = {"scenarios": ["fresh", "cached"]} if cfg.quick_experiments else {}
-    return run_model_load(ModelLoadConfig.default(quick=_quick(cfg), **cfg.source_kwargs(),
-                                                  **quick))
+    return run_model_load(ModelLoadConfig.default(quick=_quick(cfg),
+                                                  **cfg.source_kwargs(ModelLoadConfig), **quick))
 
 
 def _micro(d: Diagnosis) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diag import config
-from diag.cli.flags import UsageError, build_parser
+from diag.cli.flags import UsageError, build_parser, unrecognized
 from diag.cli.shutdown import exit_now
 from diag.cli.show import one_line, show
 from diag.secrets import redact
@@ -76,10 +76,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str]) -> tuple[str, config.ExperimentConfig, argparse.Namespace]:
-    args = parser().parse_args(argv)
+    args, extra = parser().parse_known_args(argv)
     if not args.experiment:
         raise UsageError("python -m diag: name an experiment: " + ", ".join(EXPERIMENTS))
     exp = EXPERIMENTS[args.experiment]
+    if extra:
+        raise unrecognized(args.experiment, exp.config, extra)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(exp.config)
                  if hasattr(args, f.name)}
     cfg = exp.config.default(quick=True if args.quick else None, **overrides)

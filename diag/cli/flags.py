@@ -128,6 +128,22 @@ def _presets(cls: type) -> str:
                    for k, preset in found.items()).replace("%", "%%")
 
 
+def unrecognized(name: str, config: type, extra: list[str]) -> UsageError:
+    """The line for arguments the command does not take; a source flag another command reads
+    says which of them this one reads."""
+    import dataclasses
+
+    text = f"python -m diag {name}: unrecognized arguments: {' '.join(extra)}"
+    source = getattr(config, "SOURCE", ())
+    given = {a.split("=", 1)[0].removeprefix("--no-").removeprefix("--").replace("-", "_")
+             for a in extra if a.startswith("--")}
+    fields = {f.name for f in dataclasses.fields(config)}
+    if source and given & fields:  # a field of the config, not offered: a source flag
+        flags = ", ".join("--" + f.replace("_", "-") for f in source)
+        return UsageError(f"{text} ({name} reads only these source flags: {flags})")
+    return UsageError(f"{text} (see python -m diag {name} --help)")
+
+
 def build_parser(experiments: dict[str, Any], description: str) -> _Parser:
     """The parser of every experiment in `experiments` (name -> Experiment): one flag per config
     field, with the field's comment as its help."""
@@ -147,7 +163,11 @@ def build_parser(experiments: dict[str, Any], description: str) -> _Parser:
         hints = typing.get_type_hints(exp.config)
         docs = field_docs(exp.config)
         positional = getattr(exp.config, "POSITIONAL", ())
+        # a source field the command does not read is no flag of it (unrecognized, one line)
+        used = set(exp.config.used_fields())
         for f in dataclasses.fields(exp.config):
+            if f.name not in used:
+                continue
             kwargs = _flag_type(hints[f.name])
             doc = docs.get(f.name, "")
             if f.name in positional:

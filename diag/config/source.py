@@ -3,6 +3,8 @@
 `SourceConfig` is the base of the configs of `storage`, `model-load`, `qlora` and `run` (and
 of the panel's fields, diag.widgets): each field below becomes the same `--flag` with the same
 help everywhere, so a bucket, profile or model named once means the same thing in each command.
+A config names the fields it reads (`SOURCE`: storage the bucket's, model-load the model's);
+its command offers only those, and a value given to another is refused.
 Its checks need no network: the URL's shape, the model id's shape, that a local model folder
 holds weights (diag.preflight checks the rest, profile, credentials, bucket and shards, with one
 listing before the first experiment).
@@ -13,12 +15,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from diag.config.base import ExperimentConfig
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # record files diag reads (a prefix: its shards)
 MANIFEST_SUFFIX = ".diag-manifest.json"  # beside what diag.storage.land landed: its ETags, CRCs
 WEIGHT_FILES = ("*.safetensors", "*.bin")
+# The source fields by what they name: a config's SOURCE is the groups it reads
+BUCKET = ("source", "endpoint_url", "profile", "region", "sign_request", "retries")
+RECORDS = ("text_field", "prompt_field", "response_field", "messages_field")
+MODEL = ("model", "revision", "cache_dir", "repair_cache")
 
 
 @dataclass
@@ -53,16 +60,30 @@ class SourceConfig(ExperimentConfig):
                               # content}, the last from the assistant), rendered with
                               # --model's chat template; loss on the last message
 
+    SOURCE: ClassVar[tuple[str, ...]] = BUCKET + RECORDS + MODEL  # the fields this config reads
+
     def validate(self) -> None:
         super().validate()
         self.validate_source()
+
+    @classmethod
+    def used_fields(cls) -> list[str]:
+        """Its own fields and the source fields it reads (SOURCE)."""
+        source = set(BUCKET + RECORDS + MODEL) - set(cls.SOURCE)
+        return [name for name in super().used_fields() if name not in source]
 
     def validate_source(self) -> None:
         from urllib.parse import urlsplit
 
         from diag.secrets import register
 
+        import dataclasses
+
         name = type(self).__name__
+        for f in dataclasses.fields(SourceConfig):  # what this config would silently ignore
+            if f.name not in self.SOURCE and getattr(self, f.name) != f.default:
+                raise ValueError(f"{name}.{f.name}={getattr(self, f.name)!r}: not read here; "
+                                 f"{name} reads " + ", ".join(self.SOURCE))
         try:  # a password in the URL is redacted everywhere from here on
             register(urlsplit(self.endpoint_url).password)
         except ValueError:  # a malformed URL: botocore refuses it with its own message
@@ -91,11 +112,10 @@ class SourceConfig(ExperimentConfig):
                              f"response_field={self.response_field!r}, "
                              f"messages_field={self.messages_field!r})")
 
-    def source_kwargs(self) -> dict[str, object]:
-        """These fields' values, to hand the same source to another experiment's config."""
-        import dataclasses
-
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SourceConfig)}
+    def source_kwargs(self, into: type[SourceConfig] | None = None) -> dict[str, object]:
+        """The source fields' values, to hand the same source to another experiment's config:
+        those `into` reads (its SOURCE), or every one."""
+        return {name: getattr(self, name) for name in (into or SourceConfig).SOURCE}
 
     def fields(self) -> dict[str, str]:
         """The record fields to read (diag.data.records.normalise's `fields`)."""
