@@ -291,17 +291,18 @@ def run_diagnose(cfg: DiagnoseConfig | None = None,
     stop: checked before each step; once set, raises diag.runner.Stopped. on_error(step, error):
     a step that raises is handed to it and the other steps go on (without it, it propagates).
     """
-    from diag.preflight import preflight
+    from diag.preflight import covered, preflight
 
     cfg = cfg or DiagnoseConfig.default()
-    preflight(cfg, out=cfg.out, data=cfg.qlora)  # flags checked before the first experiment
-    order = steps(cfg)  # the job's config too: a bad one is refused before the first step
+    # everything checkable before the first experiment (the job's config first: its size)
+    preflight(cfg, job_config(cfg) if cfg.qlora else None)
+    order = steps(cfg)
 
     def measured(step: Step, d: Diagnosis) -> None:
         # (info is absent only when the device-facts step failed under on_error)
         on_result(step, frames(d, order) | ({"info": d.info} if d.info is not None else {}))
 
-    with tqdm(total=len(order), desc="diag run", unit="step") as bar:
+    with covered(), tqdm(total=len(order), desc="diag run", unit="step") as bar:
         d = _recipe(cfg, Runner(bar, measured if on_result else None, stop, on_error))
     return report.write(frames(d, order), cfg.out or None, config=cfg.to_dict(), info=d.info,
                         advice=advice(d))

@@ -304,7 +304,7 @@ def test_a_world_the_sweep_cannot_split_exits_2_on_every_rank_with_one_line(tmp_
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", run.stderr)
     assert "2" in codes and set(codes) <= {"2", "-15", "143"}, codes
     # each rank's own line, named (those the launcher stopped first say nothing)
-    why = ("ValueError: AccumConfig.tokens_per_step=1024 (16 sequences of 64) is not divisible "
+    why = ("AccumConfig.tokens_per_step=1024 (16 sequences of 64) is not divisible "
            "by world size 3 x micro-batch 2 = 6; micro-batches that divide it at this world "
            "size: none (make AccumConfig.tokens_per_step a multiple of 192)")
     # (the ranks share the launcher's stderr: two lines may land on one, so count, not split)

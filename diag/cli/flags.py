@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import types
 import typing
@@ -63,6 +64,7 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
 
 
+@functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
     """Each dataclass field's trailing comment: the config's one-line docs, read from source.
 
@@ -144,9 +146,11 @@ def unrecognized(name: str, config: type, extra: list[str]) -> UsageError:
     return UsageError(f"{text} (see python -m diag {name} --help)")
 
 
-def build_parser(experiments: dict[str, Any], description: str) -> _Parser:
+def build_parser(experiments: dict[str, Any], description: str, only: str | None = None
+                 ) -> _Parser:
     """The parser of every experiment in `experiments` (name -> Experiment): one flag per config
-    field, with the field's comment as its help."""
+    field, with the field's comment as its help; `only`: that experiment's flags, the others'
+    names and help alone."""
     parser = _Parser(prog="python -m diag", description=description)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", parser_class=_Parser)
@@ -160,6 +164,8 @@ def build_parser(experiments: dict[str, Any], description: str) -> _Parser:
                            help="print the result tables as JSON (for scripts) instead of text")
             p.add_argument("--report", action="store_true",
                            help="also write a run folder (CSVs, figures, report.html) under runs/")
+        if only not in (None, name):
+            continue
         hints = typing.get_type_hints(exp.config)
         docs = field_docs(exp.config)
         positional = getattr(exp.config, "POSITIONAL", ())

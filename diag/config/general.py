@@ -111,6 +111,9 @@ class DiagnoseConfig(SourceConfig):
         self._positive("steps")
         self._non_negative("prep_ms", "naive_workers", "optimized_workers", "records",
                            "job_steps", "seq_len")
+        if self.records and self.job_steps > self.records:
+            raise ValueError(f"--job-steps={self.job_steps}: at most --records={self.records} "
+                             "(each optimizer step needs at least one record)")
         self._choice("on_error", ("raise", "skip"))
         self._device()
         self._choice("plan", QLORA_PLANS)

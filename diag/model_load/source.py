@@ -105,22 +105,61 @@ def open_source(cfg: ModelLoadConfig) -> Iterator[Source]:
     yield Source(cfg.model, cfg.revision, endpoint, None, base, user_cache=not cfg.cache_dir)
 
 
-def hub_commit(src: Source) -> tuple[str, str]:
-    """(the commit the hub's src.revision points to, '') or ('', why it is not known)."""
+def reachable(endpoint: str) -> None:
+    """Raise OSError unless the endpoint's host takes a connection within 3 s (huggingface_hub
+    retries an unreachable host for ~20 s: the socket is asked first)."""
     import socket
     from urllib.parse import urlsplit
 
+    url = urlsplit(endpoint)
+    socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                             timeout=3).close()
+
+
+def hub_commit(src: Source) -> tuple[str, str]:
+    """(the commit the hub's src.revision points to, '') or ('', why it is not known)."""
     if offline_env():
         return "", "HF_HUB_OFFLINE=1"
-    url = urlsplit(src.endpoint)
-    try:  # huggingface_hub retries an unreachable host for ~20 s: ask the socket first
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https"
-                                                             else 80)), timeout=3).close()
+    try:
+        reachable(src.endpoint)
         from huggingface_hub import HfApi
 
         return HfApi(endpoint=src.endpoint).model_info(src.model, revision=src.revision).sha, ""
     except Exception as err:  # noqa: BLE001  the loads report their own failures
         return "", f"{type(err).__name__}"
+
+
+def check_on_hub(cfg: SourceConfig) -> None:
+    """A hub --model its cache lacks: one HEAD of its config.json at --revision, what
+    from_pretrained asks first; a model or revision the hub does not have is refused in one
+    line. Offline or unreachable, nothing is said here (the load says what it finds)."""
+    if not cfg.model or Path(cfg.model).expanduser().is_dir() or offline_env() \
+            or hfcache.snapshot_folder(cache_dir_for(cfg), cfg.model, cfg.revision):
+        return
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    what = f"--model={cfg.model!r}"
+    try:
+        reachable(endpoint)
+        get_hf_file_metadata(hf_hub_url(cfg.model, "config.json", revision=cfg.revision,
+                                        endpoint=endpoint), timeout=10)
+    except GatedRepoError:
+        raise ValueError(redact(f"{what}: gated at {endpoint}; accept its terms on the hub and "
+                                "set HF_TOKEN to a token with access")) from None
+    except RepositoryNotFoundError:
+        raise ValueError(redact(f"{what}: no such model at {endpoint}; check the id (a private "
+                                "one needs HF_TOKEN with access to it)")) from None
+    except RevisionNotFoundError:
+        raise ValueError(redact(f"--revision={cfg.revision!r}: {cfg.model} at {endpoint} has no "
+                                "such branch, tag or commit; name one it has")) from None
+    except EntryNotFoundError:
+        raise ValueError(redact(f"{what}: no config.json at {endpoint}@{cfg.revision}: not a "
+                                "transformers model; name a causal LM's repo")) from None
+    except Exception:  # noqa: BLE001  the network, not the id: the load reports what it meets
+        return
 
 
 def pin_to_cache(src: Source, cache_dir: Path) -> tuple[Source, str]:
