@@ -244,4 +244,5 @@ def test_a_bad_input_is_one_line_naming_it_exit_2_before_any_work(refusals, case
     assert line.startswith(("diag", "python -m diag")) and token in line, line
     assert FAKE_HF_TOKEN not in line and PASSWORD not in line and "Traceback" not in line
     assert NOT_SAID.get(case, "\0") not in line, line
-    assert not got["torch"] or case in TOKENIZES, f"{case}: torch imported ({got['seconds']:.2f} s)"
+    first = next((c[0] for c in CASES if refusals[c[0]]["torch"]), None)  # imported, and kept
+    assert not got["torch"] or case in TOKENIZES, f"torch imported, first by {first}"
