@@ -101,8 +101,12 @@ def open_source(cfg: ModelLoadConfig) -> Iterator[Source]:
     if cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") > 1:
         raise ValueError(f"ModelLoadConfig.model={cfg.model!r}: no such folder, and not a hub "
                          "id ('org/name'); allowed: '' (embedded model), a hub id, a folder")
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    yield Source(cfg.model, cfg.revision, endpoint, None, base, user_cache=not cfg.cache_dir)
+    yield Source(cfg.model, cfg.revision, hub_endpoint(), None, base, user_cache=not cfg.cache_dir)
+
+
+def hub_endpoint() -> str:
+    """Where a hub id is fetched from: HF_ENDPOINT, else the Hugging Face hub."""
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
 def reachable(endpoint: str) -> None:
@@ -140,8 +144,7 @@ def check_on_hub(cfg: SourceConfig) -> None:
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    what = f"--model={cfg.model!r}"
+    endpoint, what = hub_endpoint(), f"--model={cfg.model!r}"
     try:
         reachable(endpoint)
         get_hf_file_metadata(hf_hub_url(cfg.model, "config.json", revision=cfg.revision,
