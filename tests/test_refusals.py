@@ -2,11 +2,11 @@
 that names the flag or variable, exit 2, before any experiment starts (nothing on stdout, no
 progress bar; torch not imported, but where the job's records are tokenized).
 
-The table runs in one worker process, case after case through diag.cli.main: one interpreter
+Each table runs in one worker process, case after case through diag.cli.main: one interpreter
 start for all of it, torch's import seen per case (the tokenizing cases run last), and the
 permission cases real as root too (the worker runs without CAP_DAC_OVERRIDE and
-CAP_DAC_READ_SEARCH, so a 0o555 folder is read-only and a 0o000 one unreadable). The embedded S3
-server and hub run in this process.
+CAP_DAC_READ_SEARCH, so a 0o555 folder is read-only and a 0o000 one unreadable). HERE needs no
+server (make check runs it); SERVED runs against the embedded S3 server and hub (slow tier).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PASSWORD = "Pw-in-url-42"  # in an endpoint URL: never in the line
 E = "--endpoint-url={s3}"
 # id, argv (--quick added to a command), environment (None unsets), what the line must name
-CASES = [
+HERE = [
     ("unknown-command", ["nope"], {}, "'nope'"),
     ("unknown-flag", ["run", "--stepz", "3"], {}, "--stepz"),
     ("not-a-number", ["run", "--records", "x"], {}, "--records"),
@@ -50,12 +50,13 @@ CASES = [
     ("revision-empty", ["model-load", "--revision", ""], {}, "revision=''"),
     ("source-not-s3", ["run", "--source", "http://b/k"], {}, "source='http://b/k'"),
     ("source-no-bucket", ["run", "--source", "s3://"], {}, "source='s3://'"),
-    ("endpoint-without-source", ["run", E], {}, "--endpoint-url"),
+    ("endpoint-without-source", ["run", "--endpoint-url", "http://127.0.0.1:9"], {},
+     "--endpoint-url"),
     ("profile-without-source", ["storage", "--profile", "team"], {}, "--profile"),
     ("unsigned-without-source", ["run", "--no-sign-request"], {}, "--no-sign-request"),
     ("endpoint-not-a-url", ["run", "--source", "s3://diag/d.jsonl", "--endpoint-url",
                             "not-a-url"], {}, "--endpoint-url='not-a-url'"),
-    ("region-with-a-space", ["run", "--source", "s3://diag/d.jsonl", E, "--region", "eu west"],
+    ("region-with-a-space", ["run", "--source", "s3://diag/d.jsonl", "--region", "eu west"],
      {}, "--region='eu west'"),
     ("prompt-without-response", ["run", "--prompt-field", "q"], {}, "--prompt-field"),
     ("two-kinds-of-field", ["qlora", "--text-field", "t", "--messages-field", "m"], {},
@@ -65,10 +66,6 @@ CASES = [
     ("model-without-weights", ["model-load", "--model", "{no_weights}"], {}, "--model"),
     ("model-pickle-weights", ["model-load", "--model", "{pickles}"], {}, "--model"),
     ("model-unreadable", ["model-load", "--model", "{unreadable}"], {}, "--model"),
-    ("model-not-on-the-hub", ["model-load", "--model", "diag-local/no-such-model"], {},
-     "--model='diag-local/no-such-model': no such model"),
-    ("revision-not-on-the-hub", ["qlora", "--model", "{repo}", "--revision", "no-such-branch"],
-     {}, "--revision='no-such-branch'"),
     ("offline-fresh", ["model-load", "--scenarios", "fresh"], {"HF_HUB_OFFLINE": "1"},
      "HF_HUB_OFFLINE"),
     ("home-a-file", ["run"], {"DIAG_HOME": "{file}"}, "DIAG_HOME"),
@@ -85,6 +82,13 @@ CASES = [
     ("out-a-file", ["run", "--out", "{file}"], {}, "--out"),
     ("out-under-a-file", ["run", "--out", "{file}/run"], {}, "--out"),
     ("out-read-only", ["run", "--out", "{read_only}/run"], {}, "--out"),
+]
+# these need the embedded S3 server or hub, or tokenize records: the slow tier
+SERVED = [
+    ("model-not-on-the-hub", ["model-load", "--model", "diag-local/no-such-model"], {},
+     "--model='diag-local/no-such-model': no such model"),
+    ("revision-not-on-the-hub", ["qlora", "--model", "{repo}", "--revision", "no-such-branch"],
+     {}, "--revision='no-such-branch'"),
     ("no-such-bucket", ["run", "--source", "s3://no-such-bucket/d.jsonl", E], {}, "--source"),
     ("empty-prefix", ["run", "--source", "s3://diag/nothing/", E], {}, "--source"),
     ("no-readable-shard", ["run", "--source", "s3://diag/notes/", E], {}, "--source"),
@@ -135,15 +139,14 @@ def _bucket(s3, folder: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def refusals(tmp_path_factory):
-    """Every case's outcome: {id: {rc, err, out, seconds, torch}}."""
-    from diag.embedded import HubServer, S3Server, ensure_assets
-
+def places(tmp_path_factory) -> dict[str, Path]:
+    """A folder of bad places: a file, a full run folder, a read-only and an unreadable folder
+    (made so by the worker's lack of override, as root), model folders without safetensors."""
     tmp = tmp_path_factory.mktemp("refusals")
     tmp.chmod(0o755)
-    places = {"file": tmp / "a-file", "full": tmp / "full", "read_only": tmp / "read-only",
-              "unreadable": tmp / "unreadable", "no_weights": tmp / "no-weights",
-              "pickles": tmp / "pickles"}
+    places = {"tmp": tmp, "file": tmp / "a-file", "full": tmp / "full",
+              "read_only": tmp / "read-only", "unreadable": tmp / "unreadable",
+              "no_weights": tmp / "no-weights", "pickles": tmp / "pickles"}
     places["file"].write_text("x")
     for name in ("full", "read_only", "unreadable", "no_weights", "pickles"):
         places[name].mkdir()
@@ -151,36 +154,58 @@ def refusals(tmp_path_factory):
     for folder in (places["no_weights"], places["pickles"]):
         (folder / "config.json").write_text("{}")
     (places["pickles"] / "pytorch_model.bin").write_bytes(b"pickle")
+    places["read_only"].chmod(0o555)
+    places["unreadable"].chmod(0o000)
+    yield places
+    places["read_only"].chmod(0o755)
+    places["unreadable"].chmod(0o755)
+
+
+@pytest.fixture(scope="module")
+def refused_here(places):
+    """The outcome of each HERE case: {id: {rc, err, out, seconds, torch}}."""
+    return _table(HERE, places, {"HF_ENDPOINT": "http://127.0.0.1:9"})
+
+
+@pytest.fixture(scope="module")
+def refused_served(places):
+    """The outcome of each SERVED case, against the embedded S3 server and hub."""
+    from diag.embedded import HubServer, S3Server, ensure_assets
+
     assets = ensure_assets()
     with S3Server() as s3, HubServer(assets.hub_root) as hub:
-        _bucket(s3, tmp)
-        places["read_only"].chmod(0o555)
-        places["unreadable"].chmod(0o000)
-        values = {**{k: str(v) for k, v in places.items()}, "s3": s3.endpoint_url,
-                  "repo": assets.repo_id}
-        table = [{"id": i, "argv": [a.format(**values) for a in argv]
-                  + (["--quick"] if argv[0] != "nope" else []),
-                  "env": {k: v if v is None else v.format(**values) for k, v in env.items()}}
-                 for i, argv, env, _ in CASES]
-        (tmp / "table.json").write_text(json.dumps(table))
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_ENDPOINT": hub.endpoint,
-               "HF_HUB_CACHE": str(tmp / "empty-hf-cache"), "AWS_ACCESS_KEY_ID": s3.access_key,
-               "AWS_SECRET_ACCESS_KEY": s3.secret_key}
-        for k, v in NO_AWS.items():
-            if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-                env.pop(k, None) if v is None else env.__setitem__(k, v)
-        env.pop("DIAG_DEBUG", None)
-        try:
-            done = subprocess.run(
-                [sys.executable, "-c", "import sys; from tests.test_refusals import work; "
-                 "work(*sys.argv[1:])", str(tmp / "table.json"), str(tmp / "got.json"),
-                 str(tmp)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-                preexec_fn=_without_root_override if os.geteuid() == 0 else None)
-        finally:
-            places["read_only"].chmod(0o755)
-            places["unreadable"].chmod(0o755)
+        _bucket(s3, places["tmp"])
+        return _table(SERVED, places, {"HF_ENDPOINT": hub.endpoint, "s3": s3.endpoint_url,
+                                       "repo": assets.repo_id})
+
+
+def _table(cases: list, places: dict[str, Path], more: dict[str, str]) -> dict[str, dict]:
+    """Each case run by the worker (one process; as root, without the file overrides)."""
+    from diag.embedded import S3Server
+
+    tmp = places["tmp"]
+    values = {**{k: str(v) for k, v in places.items()}, **more}
+    table = [{"id": i, "argv": [a.format(**values) for a in argv]
+              + (["--quick"] if argv[0] != "nope" else []),
+              "env": {k: v if v is None else v.format(**values) for k, v in env.items()}}
+             for i, argv, env, _ in cases]
+    name = "served" if cases is SERVED else "here"
+    (tmp / f"{name}.json").write_text(json.dumps(table))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_ENDPOINT": more["HF_ENDPOINT"],
+           "HF_HUB_CACHE": str(tmp / "empty-hf-cache"), "AWS_ACCESS_KEY_ID": S3Server.access_key,
+           "AWS_SECRET_ACCESS_KEY": S3Server.secret_key}
+    for k, v in NO_AWS.items():
+        if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            env.pop(k, None) if v is None else env.__setitem__(k, v)
+    env.pop("DIAG_DEBUG", None)
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from tests.test_refusals import work; "
+         "work(*sys.argv[1:])", str(tmp / f"{name}.json"), str(tmp / f"{name}-got.json"),
+         str(tmp)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        preexec_fn=_without_root_override if os.geteuid() == 0 else None)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads((tmp / "got.json").read_text())
+    return json.loads((tmp / f"{name}-got.json").read_text())
 
 
 def _without_root_override() -> None:
@@ -234,15 +259,31 @@ def work(table: str, out: str, cwd: str) -> None:
     Path(out).write_text(json.dumps(got))
 
 
-@pytest.mark.xdist_group("refusals")
-@pytest.mark.parametrize("case, token", [(c[0], c[3]) for c in CASES], ids=[c[0] for c in CASES])
-def test_a_bad_input_is_one_line_naming_it_exit_2_before_any_work(refusals, case, token):
-    got = refusals[case]
+def _one_line_naming(token: str, case: str, got: dict, first_torch: str | None) -> None:
     lines = got["err"].strip().splitlines()
     assert got["rc"] == 2 and got["out"] == "" and len(lines) == 1, got
     line = lines[0]
     assert line.startswith(("diag", "python -m diag")) and token in line, line
     assert FAKE_HF_TOKEN not in line and PASSWORD not in line and "Traceback" not in line
     assert NOT_SAID.get(case, "\0") not in line, line
-    first = next((c[0] for c in CASES if refusals[c[0]]["torch"]), None)  # imported, and kept
-    assert not got["torch"] or case in TOKENIZES, f"torch imported, first by {first}"
+    assert not got["torch"] or case in TOKENIZES, f"torch imported, first by {first_torch}"
+
+
+def _first_torch(cases: list, got: dict[str, dict]) -> str | None:
+    """The case after which torch was imported (and stayed: every later case has it too)."""
+    return next((c[0] for c in cases if got[c[0]]["torch"]), None)
+
+
+@pytest.mark.xdist_group("refusals")
+@pytest.mark.parametrize("case, token", [(c[0], c[3]) for c in HERE], ids=[c[0] for c in HERE])
+def test_a_bad_setting_is_one_line_naming_it_exit_2_before_any_work(refused_here, case, token):
+    _one_line_naming(token, case, refused_here[case], _first_torch(HERE, refused_here))
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("refusals")
+@pytest.mark.parametrize("case, token", [(c[0], c[3]) for c in SERVED],
+                         ids=[c[0] for c in SERVED])
+def test_a_bad_source_or_model_is_one_line_naming_it_exit_2_before_any_work(refused_served, case,
+                                                                            token):
+    _one_line_naming(token, case, refused_served[case], _first_torch(SERVED, refused_served))
