@@ -124,10 +124,11 @@ def check_source(cfg: SourceConfig, data: bool = True) -> list[Any]:
 
 
 def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> None:
-    """The first records of the first shard, read and checked by the job's own rules
-    (diag.qlora.data: its fields, each prompt against --seq-len with the model's tokenizer when
-    it is at hand, and, when they are the whole source, its steps against their count)."""
-    from diag.qlora.data import check_records as job_rules
+    """The first records of the first shard, read as the job reads them (diag.qlora.data.read:
+    its fields, its on_error) and held to its rules: a record whose prompt fills --seq-len trains
+    on nothing (with the model's tokenizer, when it is on this machine), and, when the sample is
+    the whole source, each step needs a record."""
+    from diag.config import DiagnoseConfig
     from diag.qlora.data import read
     from diag.storage import parse_url, source_client
 
@@ -136,13 +137,30 @@ def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> No
                               Path(tmp))
         if sample is None:
             return
-        path, whole = sample
-        if not (whole and len(objects) == 1):  # a part: each record's rules, not their count
-            job = job.replace(steps=1, warmup_steps=0)
-        records, bad = read(job, path)
-        tokenizer = _tokenizer_dir(cfg)
-        if tokenizer is not None:
-            job_rules(job, records, tokenizer, bad)
+        records = read(job, sample[0])
+    tokenizer = _tokenizer_dir(cfg)
+    filled = _prompts_filling(job, records, tokenizer) if tokenizer is not None else []
+    if filled and job.on_error == "raise":
+        i, tokens = filled[0]
+        raise ValueError(f"--seq-len={job.seq_len}: record {i + 1} of {cfg.source}: its prompt is "
+                         f"{tokens} tokens and leaves no response token to train on; raise "
+                         "--seq-len, or pass --on-error skip to leave such records out (counted)")
+    usable = len(records) - len(filled)
+    if sample[1] and len(objects) == 1 and usable < job.steps:  # the whole source: its count
+        steps = "--job-steps" if isinstance(cfg, DiagnoseConfig) else "--steps"
+        raise ValueError(f"{steps}={job.steps}: {cfg.source} holds {usable} usable records; "
+                         f"each optimizer step needs at least one: lower {steps} or add records")
+
+
+def _prompts_filling(job: QLoraConfig, records: list[dict[str, Any]], tokenizer_dir: Path
+                     ) -> list[tuple[int, int]]:
+    """(index, prompt tokens) of each record whose prompt (BOS included) fills job.seq_len, by
+    the text pipeline the job tokenizes with (a chat record through the model's template)."""
+    from diag.data import encode_pairs, load_tokenizer, render_chat
+
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    prompts, _ = encode_pairs(tokenizer, render_chat(records, tokenizer))
+    return [(i, len(p)) for i, p in enumerate(prompts) if len(p) >= job.seq_len]
 
 
 def sample_shard(client: Any, bucket: str, obj: Any, folder: Path) -> tuple[Path, bool] | None:

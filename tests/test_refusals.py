@@ -107,7 +107,7 @@ SERVED = [
     ("not-parquet", ["run", "--source", "s3://diag/fake/", E], {}, "--source"),
     ("bad-json-line", ["qlora", "--source", "s3://diag/bad-line.jsonl", E], {}, "--source"),
     ("seq-len-no-record-fits", ["run", "--source", "s3://diag/long.jsonl", E, "--seq-len", "16"],
-     {}, "seq_len=16"),
+     {}, "--seq-len=16"),
     ("fewer-records-than-steps", ["run", "--source", "s3://diag/three.jsonl", E, "--records",
                                   "8", "--job-steps", "5"], {}, "steps=5"),
 ]
