@@ -33,7 +33,7 @@ CHECKPOINTING_HEADROOM = 0.5  # checkpointing stays on when the step's peak with
 # What to do about a timer stage's share (amdahl's findings) and what changing a Plan setting
 # does (qlora.predict's rows; the change "a -> b" is built per run): one table, each text once
 # (a setting that is a stage's whole fix shares its text; loader and storage advice read it too).
-_LAND = "land the dataset on local NVMe once and reuse it (diag.storage.land)"
+_LAND = "land the dataset once on the training machine's disk and reuse it (diag.storage.land)"
 _CACHE = "load the base from a persistent HF cache instead of downloading it"
 _TOKENS = ("tokenize once into a token cache and serve packed windows "
            "(diag.data.build_token_cache + PackedDataset)")

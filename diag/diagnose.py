@@ -162,7 +162,8 @@ def _storage(cfg: DiagnoseConfig) -> StorageResult:
     from diag.storage import run_storage
 
     preset = {} if cfg.quick_experiments else StorageConfig.RUN  # the embedded dataset's size
-    return run_storage(StorageConfig.default(quick=_quick(cfg), **cfg.source_kwargs(), **preset))
+    return run_storage(StorageConfig.default(quick=_quick(cfg), **cfg.source_kwargs(StorageConfig),
+                                             **preset))
 
 
 def _model_load(cfg: DiagnoseConfig) -> ModelLoadResult:
@@ -170,8 +171,8 @@ def _model_load(cfg: DiagnoseConfig) -> ModelLoadResult:
 
     # quick: the two scenarios the runs need; full: all four, for every advice row
     quick = {"scenarios": ["fresh", "cached"]} if cfg.quick_experiments else {}
-    return run_model_load(ModelLoadConfig.default(quick=_quick(cfg), **cfg.source_kwargs(),
-                                                  **quick))
+    return run_model_load(ModelLoadConfig.default(quick=_quick(cfg),
+                                                  **cfg.source_kwargs(ModelLoadConfig), **quick))
 
 
 def _micro(d: Diagnosis) -> int:
@@ -290,17 +291,18 @@ def run_diagnose(cfg: DiagnoseConfig | None = None,
     stop: checked before each step; once set, raises diag.runner.Stopped. on_error(step, error):
     a step that raises is handed to it and the other steps go on (without it, it propagates).
     """
-    from diag.preflight import preflight
+    from diag.preflight import covered, preflight
 
     cfg = cfg or DiagnoseConfig.default()
-    preflight(cfg, out=cfg.out, data=cfg.qlora)  # flags checked before the first experiment
-    order = steps(cfg)  # the job's config too: a bad one is refused before the first step
+    # everything checkable before the first experiment (the job's config first: its size)
+    preflight(cfg, job_config(cfg) if cfg.qlora else None)
+    order = steps(cfg)
 
     def measured(step: Step, d: Diagnosis) -> None:
         # (info is absent only when the device-facts step failed under on_error)
         on_result(step, frames(d, order) | ({"info": d.info} if d.info is not None else {}))
 
-    with tqdm(total=len(order), desc="diag run", unit="step") as bar:
+    with covered(), tqdm(total=len(order), desc="diag run", unit="step") as bar:
         d = _recipe(cfg, Runner(bar, measured if on_result else None, stop, on_error))
     return report.write(frames(d, order), cfg.out or None, config=cfg.to_dict(), info=d.info,
                         advice=advice(d))

@@ -1,33 +1,116 @@
-"""What can be checked before the first experiment, without measuring: seconds, not minutes.
+"""What can be refused before the first experiment: seconds, not minutes, and nothing left behind.
 
-`preflight(cfg, out=..., data=True)` refuses, with one line naming the flag and what is allowed,
-an output folder that is not empty, a cache folder that cannot be made, and (with --source) a
-profile that does not exist, missing credentials, an unreachable or private bucket, and a prefix
-with no shard diag can read. It lists the source (HEAD or LIST: no GET) and writes nothing.
+`preflight(cfg, job)` checks what cfg's command uses, in the order a run meets it: the folders it
+writes (DIAG_HOME, --out, --local-dir, --cache-dir: a probe file made and removed), the model (a
+local folder's safetensors; a hub id its cache lacks: one HEAD), the source (one listing with
+every source flag, a HEAD of a shard) and, for `job` (the QLoRA job that trains on it), the first
+records of the first shard read and tokenized as the job does: its fields, --seq-len, its steps
+against the records. A refusal is one line naming the flag or variable (ValueError/RuntimeError).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import tempfile
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from diag.config.source import DATA_SUFFIXES, check_cache_dir, check_out
+from diag.config import diag_home
+from diag.config.source import DATA_SUFFIXES, check_out
 
 if TYPE_CHECKING:
-    from diag.config import SourceConfig
+    from diag.config import QLoraConfig, SourceConfig
+
+SAMPLE_BYTES = 1 << 20  # a JSONL shard's first MiB (whole lines) is read for the record checks
+SAMPLE_ROWS = 1024  # a Parquet shard's first rows (ranged GETs of its footer and first pages)
+_COVERED: ContextVar[bool] = ContextVar("diag_preflight_covered", default=False)
 
 
-def check_source(cfg: SourceConfig, data: bool = True) -> int:
+def preflight(cfg: SourceConfig, job: QLoraConfig | None = None) -> None:
+    """Every check that applies to cfg (and to job's records); a no-op inside `covered()`, where
+    a recipe's own preflight has checked its steps' configs."""
+    if _COVERED.get():
+        return
+    check_folders(cfg)
+    if "model" in cfg.SOURCE:
+        from diag.model_load import check_on_hub, weight_files
+
+        folder = Path(cfg.model).expanduser()
+        if cfg.model and folder.is_dir():
+            try:  # a folder of pickle weights only is refused before any process starts
+                weight_files(folder)
+            except ValueError as err:
+                raise ValueError(f"--model={cfg.model!r}: {err}") from None
+        check_on_hub(cfg)
+    if cfg.source:
+        objects = check_source(cfg, data=job is not None)
+        if job is not None:
+            check_records(cfg, job, objects)
+
+
+@contextlib.contextmanager
+def covered() -> Iterator[None]:
+    """Steps run inside are covered by the recipe's preflight: theirs is not made again."""
+    token = _COVERED.set(True)
+    try:
+        yield
+    finally:
+        _COVERED.reset(token)
+
+
+def check_folders(cfg: SourceConfig) -> None:
+    """The folders cfg's command writes into: each must be (or be makeable as) a folder diag
+    can read and write."""
+    home = diag_home()
+    check_writable(home, "DIAG_HOME" + ("" if os.environ.get("DIAG_HOME") else " (unset)"),
+                   "diag may keep its caches and assets in")
+    out = getattr(cfg, "out", None)
+    if out is not None:  # new or empty now, not only when the config was made
+        check_out(out)
+        check_writable(Path(out or "runs").expanduser(), "--out", "you can write")
+    for flag, value in (("--local-dir", getattr(cfg, "local_dir", "")),
+                        ("--out-dir", getattr(cfg, "out_dir", "")), ("--cache-dir", cfg.cache_dir)):
+        if value:  # else a folder under DIAG_HOME
+            check_writable(Path(value).expanduser(), flag, "you can write (diag fills it)")
+
+
+def check_writable(path: Path, setting: str, allowed: str) -> None:
+    """Refuse a folder diag would write into (made if absent) that is a file, lies under a file,
+    cannot be read or cannot be written: a probe file is made in it, or in the nearest folder
+    above it that exists, and removed."""
+    where = f"{setting}={str(path)!r}"
+    try:
+        found = next(p for p in (path, *path.parents) if p.exists())
+        if not found.is_dir():
+            what = "is a file" if found == path else f"lies under a file ({found})"
+            raise ValueError(f"{where}: {what}; name a folder {allowed}")
+        os.listdir(found)
+    except PermissionError as err:
+        raise ValueError(f"{where}: cannot be read ({err.strerror}: {err.filename}); name a "
+                         f"folder {allowed}") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".diag-probe-", dir=found)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        made = "" if found == path else f" (it would be made in {found})"
+        raise ValueError(f"{where}: cannot be written{made}: {err.strerror}; name a folder "
+                         f"{allowed}") from None
+
+
+def check_source(cfg: SourceConfig, data: bool = True) -> list[Any]:
     """List --source with every source flag; returns the objects found. data=True (the job
-    trains on them) also asks for at least one JSONL / Parquet object."""
-    from diag.storage.objectstore import S3Url, list_remote, parse_url, source_client
+    trains on them) also asks for at least one JSONL / Parquet object, and HEADs the first."""
+    from diag.storage import list_remote, parse_url, source_client
+    from diag.storage.objectstore import S3Url
 
     url = parse_url(cfg.source)
     client = source_client(cfg)
-    objects = list_remote(client, url)
-    if url.is_prefix and not objects:
-        raise ValueError(f"--source={cfg.source!r}: nothing under this prefix; name a prefix "
-                         "that holds *.jsonl or *.parquet shards")
+    objects = list_remote(client, url)  # an empty prefix is refused there
     if data:
         usable = [o for o in objects if Path(o.key).suffix in DATA_SUFFIXES]
         if not usable:
@@ -36,14 +119,120 @@ def check_source(cfg: SourceConfig, data: bool = True) -> int:
                              + ", ".join(f"*{s}" for s in DATA_SUFFIXES))
         if url.is_prefix:  # a store may let anyone LIST and still refuse the objects: HEAD one
             list_remote(client, S3Url(url.bucket, usable[0].key))
-    return len(objects)
+        return usable
+    return objects
 
 
-def preflight(cfg: SourceConfig, out: str = "", data: bool = True) -> None:
-    """Every check that applies to cfg; raises ValueError / RuntimeError (exit 2): a missing
-    profile, missing credentials or a private bucket under --no-sign-request fail the listing
-    with diag.storage's one-line message naming the flag."""
-    check_out(out)
-    check_cache_dir(cfg.cache_dir)
-    if cfg.source:
-        check_source(cfg, data=data)
+def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> None:
+    """The first records of the first shard, read as the job reads them (diag.qlora.data.read:
+    its fields, its on_error) and held to its rules: a record whose prompt fills --seq-len trains
+    on nothing (with the model's tokenizer, when it is on this machine), and, when the sample is
+    the whole source, each step needs a record."""
+    from diag.config import DiagnoseConfig
+    from diag.qlora.data import read
+    from diag.storage import parse_url, source_client
+
+    with tempfile.TemporaryDirectory(prefix="diag-preflight-") as tmp:
+        sample = sample_shard(source_client(cfg), parse_url(cfg.source).bucket, objects[0],
+                              Path(tmp))
+        if sample is None:
+            return
+        records = read(job, sample[0])
+    tokenizer = _tokenizer_dir(cfg)
+    filled = _prompts_filling(job, records, tokenizer) if tokenizer is not None else []
+    if filled and job.on_error == "raise":
+        i, tokens = filled[0]
+        raise ValueError(f"--seq-len={job.seq_len}: record {i + 1} of {cfg.source}: its prompt is "
+                         f"{tokens} tokens and leaves no response token to train on; raise "
+                         "--seq-len, or pass --on-error skip to leave such records out (counted)")
+    usable = len(records) - len(filled)
+    if sample[1] and len(objects) == 1 and usable < job.steps:  # the whole source: its count
+        steps = "--job-steps" if isinstance(cfg, DiagnoseConfig) else "--steps"
+        raise ValueError(f"{steps}={job.steps}: {cfg.source} holds {usable} usable records; "
+                         f"each optimizer step needs at least one: lower {steps} or add records")
+
+
+def _prompts_filling(job: QLoraConfig, records: list[dict[str, Any]], tokenizer_dir: Path
+                     ) -> list[tuple[int, int]]:
+    """(index, prompt tokens) of each record whose prompt (BOS included) fills job.seq_len, by
+    the text pipeline the job tokenizes with (a chat record through the model's template)."""
+    from diag.data import encode_pairs, load_tokenizer, render_chat
+
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    prompts, _ = encode_pairs(tokenizer, render_chat(records, tokenizer))
+    return [(i, len(p)) for i, p in enumerate(prompts) if len(p) >= job.seq_len]
+
+
+def sample_shard(client: Any, bucket: str, obj: Any, folder: Path) -> tuple[Path, bool] | None:
+    """The shard's first records as a file of its name in folder, and whether that is all of it
+    (None: one record longer than the sample, nothing to check)."""
+    path = folder / Path(obj.key).name
+    if path.suffix != ".parquet":
+        body = client.get_object(Bucket=bucket, Key=obj.key,
+                                 Range=f"bytes=0-{SAMPLE_BYTES - 1}")["Body"].read()
+        whole = len(body) >= obj.size
+        body = body if whole else body[:body.rfind(b"\n") + 1]
+        if not body:
+            return None
+        path.write_bytes(body)
+        return path, whole
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shard = io.BufferedReader(_Ranges(client, bucket, obj.key, obj.size), SAMPLE_BYTES)
+    try:
+        parquet = pq.ParquetFile(shard)
+    except Exception:  # noqa: BLE001  not Parquet: its first bytes, refused by the job's reader
+        shard.seek(0)
+        path.write_bytes(shard.read(SAMPLE_BYTES))
+        return path, True
+    first = next(parquet.iter_batches(batch_size=SAMPLE_ROWS), None)
+    table = pa.Table.from_batches([first] if first is not None else [], parquet.schema_arrow)
+    pq.write_table(table, path)
+    return path, table.num_rows == parquet.metadata.num_rows
+
+
+class _Ranges(io.RawIOBase):
+    """An S3 object as a seekable file of ranged GETs: pyarrow reads a Parquet file's footer and
+    the pages it asks for, nothing else."""
+
+    def __init__(self, client: Any, bucket: str, key: str, size: int) -> None:
+        self.client, self.bucket, self.key, self.size, self.pos = client, bucket, key, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self.size - self.pos)
+        if n <= 0:
+            return 0
+        data = self.client.get_object(Bucket=self.bucket, Key=self.key,
+                                      Range=f"bytes={self.pos}-{self.pos + n - 1}")["Body"].read()
+        buffer[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _tokenizer_dir(cfg: SourceConfig) -> Path | None:
+    """The model's tokenizer folder when it is on this machine: the embedded model's, a local
+    folder, or a hub id's cached snapshot (None: not yet downloaded; the job checks it then)."""
+    if not cfg.model:
+        from diag.embedded import ensure_assets
+
+        return ensure_assets().model_dir
+    folder = Path(cfg.model).expanduser()
+    if folder.is_dir():
+        return folder
+    from diag.model_load import cache_dir_for, snapshot_folder
+
+    return snapshot_folder(cache_dir_for(cfg), cfg.model, cfg.revision)

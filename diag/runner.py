@@ -3,14 +3,18 @@
 A recipe (diag.diagnose) hands each step to the runner as `run(result, step, make)`: make() is
 the step's product, assigned into the result's `step.field`. The runner owns what every step
 shares: the progress bar, Stop (an Event checked before each step) and on_error (a step that
-raises is handed to it and the recipe goes on without that product).
+raises is handed to it and the recipe goes on without that product). Inside a step the
+libraries' own bars (transformers' "Loading weights", huggingface_hub's "Fetching N files") are
+off, by their own switches: diag's bar is the one a person watches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -45,7 +49,8 @@ class Runner:
             raise Stopped(f"stopped before {step.name}")
         self.bar.set_postfix_str(step.name)
         try:
-            result = dataclasses.replace(result, **{step.field: make()})
+            with library_bars_off():
+                result = dataclasses.replace(result, **{step.field: make()})
         except Exception as error:
             if self.on_error is None:
                 raise
@@ -56,3 +61,30 @@ class Runner:
         if self.on_result is not None:
             self.on_result(step, result)
         return result
+
+
+@contextlib.contextmanager
+def library_bars_off() -> Iterator[None]:
+    """transformers' and huggingface_hub's progress bars off for the block, as each was after.
+
+    huggingface_hub's switch is process-wide, and transformers, imported inside the block,
+    starts with its bars as huggingface_hub's are then: both are put back as they were before.
+    """
+    try:
+        from huggingface_hub import utils as hub
+    except ImportError:  # not installed: no bars of theirs to silence
+        yield
+        return
+    hub_off = hub.are_progress_bars_disabled()
+    before = sys.modules.get("transformers.utils.logging")
+    transformers_on = before.is_progress_bar_enabled() if before else not hub_off
+    if before is not None:
+        before.disable_progress_bar()
+    hub.disable_progress_bars()
+    try:
+        yield
+    finally:
+        after = sys.modules.get("transformers.utils.logging")
+        if after is not None:  # its enable/disable sets huggingface_hub's too: that goes last
+            (after.enable_progress_bar if transformers_on else after.disable_progress_bar)()
+        (hub.disable_progress_bars if hub_off else hub.enable_progress_bars)()

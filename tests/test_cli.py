@@ -38,7 +38,7 @@ def test_flags_come_from_the_config_dataclass():
 def test_info_prints_the_device_table():
     out = run_cli("info", "--quick")
     assert out.returncode == 0, out.stderr
-    assert "cpu_model" in out.stdout and "peak_tflops_bf16" in out.stdout
+    assert "cpu_model" in out.stdout and "peak_tflops_" in out.stdout
 
 
 def test_every_table_experiment_takes_the_same_output_flags():

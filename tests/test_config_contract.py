@@ -95,6 +95,15 @@ def test_diagnose_config_rules(name: str, bad: Any, rule: str) -> None:
     _raises(f"DiagnoseConfig.{name}={bad!r}: {rule}", DiagnoseConfig, **{name: bad})
 
 
+def test_gpus_are_ones_the_amdahl_curve_can_mark() -> None:
+    assert DiagnoseConfig(target_gpu="NVIDIA H200", current_gpu="").target_gpu == "NVIDIA H200"
+    for flag, bad in (("target_gpu", "GTX 9999"), ("current_gpu", "Tesla T4")):  # T4: no bf16
+        with pytest.raises(ValueError, match=rf"^--{flag.replace('_', '-')}={bad!r}: not a GPU "
+                                             r"with a dense bf16 peak in diag's table; allowed: "
+                                             r"B200, H200 SXM"):
+            DiagnoseConfig(**{flag: bad})
+
+
 def test_zero_is_allowed_where_the_rule_is_non_negative() -> None:
     cfg = DiagnoseConfig(prep_ms=0.0, naive_workers=0, optimized_workers=0, device="cuda:0")
     assert (cfg.prep_ms, cfg.optimized_workers, cfg.device) == (0.0, 0, "cuda:0")

@@ -195,15 +195,18 @@ def test_run_info_quick() -> None:
     df = dev.run_info(InfoConfig.quick())
     assert list(df.columns) == ["fact", "value", "detail"]
     facts = dict(zip(df["fact"], df["value"]))
-    for key in ("accelerator", "cpu_model", "cpu_cores_logical", "ram_gb", "peak_tflops_bf16"):
+    # named for what it holds: the table's dense bf16 on a GPU, the fp32 probe's on a CPU
+    peak = "peak_tflops_bf16" if torch.cuda.is_available() else "peak_tflops_fp32"
+    for key in ("accelerator", "cpu_model", "cpu_cores_logical", "ram_gb", peak):
         assert key in facts
     assert facts["cpu_cores_logical"] >= 1 and facts["ram_gb"] > 0
     assert df["fact"].is_unique
     assert all(d.startswith("disk:/") for d in df["fact"] if d.startswith("disk:"))
-    detail = df.set_index("fact").loc["peak_tflops_bf16", "detail"]
+    assert not any(f.startswith("peak_tflops_") and f != peak for f in facts)
+    detail = df.set_index("fact").loc[peak, "detail"]
     if not torch.cuda.is_available():
         assert facts["accelerator"] == "none"
-        assert facts["peak_tflops_bf16"] > 0 and detail.startswith("measured: CPU fp32")
+        assert facts[peak] > 0 and detail.startswith("measured: CPU fp32")
         assert "256x256" in detail
 
 
@@ -211,8 +214,8 @@ def test_run_info_without_probe_says_so() -> None:
     if torch.cuda.is_available():
         pytest.skip("the probe switch only matters on CPU")
     df = dev.run_info(InfoConfig.quick(probe=False)).set_index("fact")
-    assert df.loc["peak_tflops_bf16", "value"] is None
-    assert "probe" in df.loc["peak_tflops_bf16", "detail"]
+    assert df.loc["peak_tflops_fp32", "value"] is None
+    assert "probe" in df.loc["peak_tflops_fp32", "detail"]
 
 
 @pytest.mark.gpu

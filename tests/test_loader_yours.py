@@ -65,3 +65,28 @@ def test_a_batch_diag_cannot_read_is_one_error_before_the_sweep():
     assert calls == []
     with pytest.raises(ValueError, match="pass step="):
         sweep_workers(CFG, dataset=Pairs())
+
+
+def test_hf_collators_batch_encodings_are_swept_with_their_tokens():
+    # DataCollatorWithPadding, ...ForLanguageModeling and ...ForSeq2Seq return a BatchEncoding:
+    # a Mapping of tensors, not a dict
+    from transformers import (DataCollatorForLanguageModeling, DataCollatorForSeq2Seq,
+                              DataCollatorWithPadding)
+
+    from diag.data import load_tokenizer
+    from diag.embedded import ensure_assets
+
+    tokenizer = load_tokenizer(str(ensure_assets().model_dir))
+    # every batch of 4 holds the same lengths, padded to the longest: tokens are the mask's sum
+    rows = [tokenizer(f"record {i} " + "word " * (i % 4)) for i in range(16)]
+    seq2seq = [{**r, "labels": r["input_ids"]} for r in rows]
+    cfg = CFG.replace(workers=[0])
+    for collate, data in ((DataCollatorWithPadding(tokenizer), rows),
+                          (DataCollatorForLanguageModeling(tokenizer, mlm=False), rows),
+                          (DataCollatorForSeq2Seq(tokenizer), seq2seq)):
+        frame = sweep_workers(cfg, step=lambda batch: batch["input_ids"].sum(), dataset=data,
+                              collate_fn=collate)
+        assert (frame["error"] == "").all(), type(collate).__name__
+        per_sample = frame["tokens_per_s"] / frame["samples_per_s"]
+        real = sum(len(r["input_ids"]) for r in rows[:4]) / 4
+        assert per_sample.round(6).eq(round(real, 6)).all(), type(collate).__name__

@@ -1,7 +1,9 @@
 """The user's own HF cache is read, never written: byte for byte, path for path (refs, snapshots,
-blobs, .no_exist, .locks) after every scenario, and after the hub's `main` moved past the cached
-commit, which is said in one line. Against the embedded hub on loopback, in a hub root of this
-test's own (so a ref can move), with real load processes."""
+blobs, trees, .no_exist, .locks) after every scenario, and after the hub's `main` moved past the
+cached commit, which is said in one line; a cache holding part of the repo (what from_pretrained
+or snapshot_download(allow_patterns) leaves) is sound. Against the embedded hub on loopback, in
+a hub root of this test's own (so a ref can move; its repo has a LICENSE and a README beside
+the model, as the hub's do), with real load processes."""
 
 from __future__ import annotations
 
@@ -15,9 +17,8 @@ import pytest
 from diag.config import ModelLoadConfig
 from diag.embedded import HubServer, ensure_assets
 from diag.embedded.hub import publish_model
-from diag.model_load import hfcache, run_model_load
+from diag.model_load import hfcache, run_model_load, verify_model_cache
 from diag.model_load.source import cache_dir_for, user_hub_cache
-from diag.model_load.worker import run_worker
 
 REPO = "diag-test/tiny-llama"
 ALL = ["fresh", "cached", "cached_offline", "cached_cold"]
@@ -41,11 +42,33 @@ def tree(root: Path) -> dict[str, object]:
 
 @pytest.fixture
 def hub(tmp_path):
-    assets = ensure_assets()
+    model = tmp_path / "repo"
+    shutil.copytree(ensure_assets().model_dir, model)
+    (model / "LICENSE.txt").write_text("a license no load fetches\n")
+    (model / "README.md").write_text("# a model card\n")
     root = tmp_path / "hub"
-    publish_model(assets.model_dir, root, REPO)
+    publish_model(model, root, REPO)
     with HubServer(root) as server:
-        yield server, root, assets.model_dir
+        yield server, root, model
+
+
+def like_from_pretrained(server, cache: Path) -> None:
+    """The cache `from_pretrained(REPO)` leaves: the files a load asks for, one hf_hub_download
+    each (no trees/ listing), never the LICENSE or the README."""
+    from huggingface_hub import hf_hub_download
+
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json"):
+        hf_hub_download(REPO, name, cache_dir=cache, endpoint=server.endpoint)
+
+
+def part_of_the_repo(server, cache: Path) -> None:
+    """`hf download REPO --include '*.json' '*.safetensors'`: a snapshot of part of the repo,
+    with the tree listing huggingface_hub keeps beside it."""
+    from huggingface_hub import snapshot_download
+
+    snapshot_download(REPO, cache_dir=cache, endpoint=server.endpoint,
+                      allow_patterns=["*.json", "*.safetensors"])
 
 
 def test_the_cache_is_where_huggingface_hub_looks(tmp_path, monkeypatch):
@@ -71,11 +94,10 @@ def test_the_users_cache_is_byte_identical_after_every_scenario_and_a_moved_ref(
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", str(user))  # the legacy variable, alone
     monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
-    got = run_worker({"mode": "download", "model": REPO, "revision": "main",
-                      "cache_dir": str(user), "local_dir": ""}, {**os.environ})
-    assert "error" not in got  # the user's `hf download`, before diag
+    like_from_pretrained(server, user)  # the user's own load, before diag
     cached_commit = (user / f"models--{REPO.replace('/', '--')}" / "refs" / "main").read_text()
     before = tree(user)
+    assert not any(p.startswith(f"models--{REPO.replace('/', '--')}/trees") for p in before)
     cfg = ModelLoadConfig.quick(model=REPO, scenarios=ALL, warmup=1)  # no --cache-dir: theirs
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # nothing to say: the ref is where it was
@@ -85,7 +107,7 @@ def test_the_users_cache_is_byte_identical_after_every_scenario_and_a_moved_ref(
 
     # the hub's main moves: a new commit with one more file a load would fetch (*.txt)
     moved = tmp_path / "moved-model"
-    shutil.copytree(model_dir, moved)
+    shutil.copytree(model_dir, moved)  # with the LICENSE and README the cache never held
     (moved / "notes.txt").write_text("a file the cached commit does not have\n")
     new_commit = publish_model(moved, root, REPO)
     assert new_commit != cached_commit
@@ -123,12 +145,23 @@ def test_the_jobs_persistent_cache_is_the_one_model_load_reads(hub, tmp_path, mo
     assert "\n" not in str(err.value) and not user.exists()  # refused before anything, one line
     with open_sources(cfg.replace(plan="naive")):  # the naive plan never reads it
         pass
-    got = run_worker({"mode": "download", "model": REPO, "revision": "main",
-                      "cache_dir": str(user), "local_dir": ""}, {**os.environ})
-    assert "error" not in got  # the user's `hf download`, before diag
+    part_of_the_repo(server, user)  # the user's `hf download --include`, before diag
     before = tree(user)
     persistent = dataclasses.replace(Plan.naive(), model_cache="persistent")
     with open_sources(cfg) as src:
         assert src.cache_dir == cache_dir_for(cfg) == user and src.read_only
         folder = model_folder(persistent, src, tmp_path / "work")
     assert folder == hfcache.snapshot_folder(user, REPO) and tree(user) == before
+
+
+def test_a_snapshot_of_part_of_the_repo_is_sound_and_left_as_it_is(hub, tmp_path, monkeypatch):
+    server, _, _ = hub
+    user = tmp_path / "user-cache"
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(user))
+    monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+    part_of_the_repo(server, user)
+    before = tree(user)
+    frame = verify_model_cache(ModelLoadConfig.quick(model=REPO))  # the hub's checksums too
+    assert set(frame["status"]) == {"ok"}, frame.to_string()  # no LICENSE.txt, no README: sound
+    assert "model.safetensors" in set(frame["file"]) and tree(user) == before

@@ -98,7 +98,7 @@ def test_round_trip_write_then_load_gives_equal_frames(tmp_path):
     assert {"python", "pandas"} <= set(summary["versions"])
     shares = pd.DataFrame(summary["stages"])
     assert shares.groupby("run")["share"].sum().round(9).eq(1.0).all()
-    assert summary["top_finding"].startswith("land the dataset on local NVMe")
+    assert summary["top_finding"].startswith("land the dataset once")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no partial left
 
 

@@ -39,18 +39,32 @@ def s3():
         yield server
 
 
-def test_every_source_flag_is_a_flag_of_every_command():
+def test_each_command_offers_the_source_flags_it_reads_and_refuses_the_others(capsys):
     from diag.cli import parser
+    from diag.config.source import BUCKET, MODEL, RECORDS
 
-    import dataclasses
+    def flags(names):
+        return {f"--{n.replace('_', '-')}" for n in names} | (
+            {"--no-sign-request"} if "sign_request" in names else set())
 
-    flags = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(SourceConfig)}
+    every = BUCKET + RECORDS + MODEL
     sub = parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    for name, cls in (("storage", StorageConfig), ("model-load", ModelLoadConfig),
-                      ("qlora", QLoraConfig), ("run", DiagnoseConfig)):
+    for name, cls, reads in (("storage", StorageConfig, BUCKET),
+                             ("model-load", ModelLoadConfig, MODEL),
+                             ("qlora", QLoraConfig, every), ("run", DiagnoseConfig, every)):
         assert issubclass(cls, SourceConfig)
-        got = {o for a in sub[name]._actions for o in a.option_strings}
-        assert flags - {"--sign-request"} <= got and "--no-sign-request" in got, name
+        got = {o for a in sub[name]._actions for o in a.option_strings} & flags(every)
+        assert got == flags(reads), name
+    for argv, flag in ((["model-load", "--source", "s3://b/k"], "--source"),
+                       (["storage", "--model", "org/name"], "--model"),
+                       (["storage", "--prompt-field", "q"], "--prompt-field")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"unrecognized arguments: {flag}" in err, err
+        assert "reads only these source flags" in err
+    with pytest.raises(ValueError, match=r"^ModelLoadConfig.source='s3://b/k': not read here"):
+        ModelLoadConfig(source="s3://b/k")  # a notebook's config: refused, not ignored
+    assert set(DiagnoseConfig(model="org/name").source_kwargs(StorageConfig)) == set(BUCKET)
     cfg = DiagnoseConfig(source="s3://b/p/", model="org/name", revision="v1", retries=0,
                          prompt_field="q", response_field="a", records=16, job_steps=4)
     from diag.diagnose import job_config

@@ -188,7 +188,8 @@ def test_cli_report_with_fake_keys_contains_no_secret(s3, tmp_path):
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
-    assert "boto3_tuned" in out and "land the dataset on local NVMe once" in out
+    assert "boto3_tuned" in out and "land the dataset once" in out
+    assert f"measured into {tmp_path / 'nvme'}, on " in out  # the disk it measured, named
     files = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
     names = {p.name for p in files}
     assert {"storage.csv", "storage_tax.csv", "advice.csv", "storage.png", "report.html",

@@ -12,7 +12,7 @@ from diag.config import StorageConfig
 from diag.machine.disks import Disk
 from diag.storage import experiment, run_storage
 from diag.storage.experiment import NVME_COLD
-from diag.storage.tax import landing_disk_advice
+from diag.storage.tax import advice, landing_disk_advice, storage_tax
 
 
 def reads(kind: str, rates: list[float], nvme: list[float]) -> pd.DataFrame:
@@ -43,6 +43,19 @@ def test_a_network_filesystem_without_local_nvme_gets_the_upper_bound():
 @pytest.mark.parametrize("kind", ["local_nvme", "local_ssd", "other"])
 def test_a_local_landing_folder_gets_no_such_row(kind):
     assert landing_disk_advice(reads(kind, [2000.0], []), dataset_gb=8.0) == []
+
+
+@pytest.mark.parametrize("kind, named", [
+    ("virtual", "on a virtual disk (its backing is not visible"), ("local_nvme", "on local NVMe"),
+    ("network_block", "on network block storage")])
+def test_the_landing_advice_names_the_disk_it_measured(kind, named):
+    pulls = pd.DataFrame([{"method": "boto3_default", "source": "s3://b/k", "cache_state": "remote",
+                           "bytes": 10**8, "mb_per_s": 50.0, "repeat": 0, "local_disk": kind}])
+    frame = pd.concat([pulls, reads(kind, [900.0], [])], ignore_index=True)
+    row = advice(storage_tax(pulls), frame).iloc[0]
+    assert row["stage"] == "fetch_data" and row["finding"].startswith("land the dataset once")
+    assert f"measured into /data/landing, {named}" in row["finding"]
+    assert ("NVMe" in row["finding"]) == (kind == "local_nvme")  # never advised blind to the disk
 
 
 def test_measure_reads_a_local_nvme_beside_a_network_landing_folder(tmp_path, monkeypatch):

@@ -145,7 +145,8 @@ def setup(cfg: AccumConfig) -> tuple[LMStep, Setup, list[tuple[int, int]]]:
         peak = devices.peak_flops(dev, "bf16" if amp_dtype == "bf16" else "fp32")
     if seat.distributed and peak.flops:  # the step is spread over the ranks: their peaks add up
         peak = devices.Peak(peak.flops * seat.world_size,
-                            f"{seat.world_size} x {peak.label}", peak.source, peak.measured)
+                            f"{seat.world_size} x {peak.label}", peak.source, peak.measured,
+                            peak.dtype)
     # the formula checked against what torch counts, on one micro-step of the smallest point
     smallest = min(m for m, _ in points)
     with BatchLoader(tokens, smallest, cfg.seq_len, dev, seed=cfg.seed, prefetch=False) as bl:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diag import config
-from diag.cli.flags import UsageError, build_parser
+from diag.cli.flags import UsageError, build_parser, unrecognized
 from diag.cli.shutdown import exit_now
 from diag.cli.show import one_line, show
 from diag.secrets import redact
@@ -44,7 +44,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                       "a timed toy training loop: data_wait, h2d and compute per step", ddp=True),
     # -- storage --
     "storage": Experiment(config.StorageConfig, "diag.storage:run_storage",
-                          "object-store pull vs local NVMe read, the re-pull tax, land() miss/hit"),
+                          "object-store pull vs local disk read, the re-pull tax, land() miss/hit"),
     # -- model-load --
     "model-load": Experiment(config.ModelLoadConfig, "diag.model_load:run_model_load",
                              "fresh vs cached model load: download, read, quantize, to_device, "
@@ -70,16 +70,20 @@ EXPERIMENTS: dict[str, Experiment] = {
 }
 
 
-def parser() -> argparse.ArgumentParser:
-    """Every experiment's sub-command, its flags made from its config."""
-    return build_parser(EXPERIMENTS, __doc__.split("\n")[0])
+def parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every experiment's sub-command, its flags made from its config (only: that command's)."""
+    return build_parser(EXPERIMENTS, __doc__.split("\n")[0], only)
 
 
 def parse(argv: list[str]) -> tuple[str, config.ExperimentConfig, argparse.Namespace]:
-    args = parser().parse_args(argv)
+    # the named command's flags only: reading every config's comments costs a third of a second
+    named = next((a for a in argv[:1] if a in EXPERIMENTS), None)
+    args, extra = parser(named).parse_known_args(argv)
     if not args.experiment:
         raise UsageError("python -m diag: name an experiment: " + ", ".join(EXPERIMENTS))
     exp = EXPERIMENTS[args.experiment]
+    if extra:
+        raise unrecognized(args.experiment, exp.config, extra)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(exp.config)
                  if hasattr(args, f.name)}
     cfg = exp.config.default(quick=True if args.quick else None, **overrides)
@@ -88,7 +92,27 @@ def parse(argv: list[str]) -> tuple[str, config.ExperimentConfig, argparse.Names
 
 def run(name: str, cfg: config.ExperimentConfig) -> Any:
     module, function = EXPERIMENTS[name].runner.split(":")
-    return getattr(importlib.import_module(module), function)(cfg)
+    runner = getattr(importlib.import_module(module), function)
+    if not isinstance(cfg, config.SourceConfig):
+        return runner(cfg)
+    from diag.preflight import covered, preflight
+
+    # every check that can run before the first experiment, once, before torch is imported
+    # (run_qlora and run_diagnose make their own when called from Python; here they are covered)
+    preflight(cfg, _job(cfg))
+    with covered():
+        return runner(cfg)
+
+
+def _job(cfg: config.SourceConfig) -> config.QLoraConfig | None:
+    """The QLoRA job that trains on cfg's source: its records are checked before the work."""
+    if isinstance(cfg, config.QLoraConfig):
+        return cfg
+    if isinstance(cfg, config.DiagnoseConfig) and cfg.qlora:
+        from diag.diagnose import job_config
+
+        return job_config(cfg)
+    return None
 
 
 def join(name: str, cfg: config.ExperimentConfig) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import types
 import typing
@@ -63,6 +64,7 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
 
 
+@functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
     """Each dataclass field's trailing comment: the config's one-line docs, read from source.
 
@@ -128,9 +130,27 @@ def _presets(cls: type) -> str:
                    for k, preset in found.items()).replace("%", "%%")
 
 
-def build_parser(experiments: dict[str, Any], description: str) -> _Parser:
+def unrecognized(name: str, config: type, extra: list[str]) -> UsageError:
+    """The line for arguments the command does not take; a source flag another command reads
+    says which of them this one reads."""
+    import dataclasses
+
+    text = f"python -m diag {name}: unrecognized arguments: {' '.join(extra)}"
+    source = getattr(config, "SOURCE", ())
+    given = {a.split("=", 1)[0].removeprefix("--no-").removeprefix("--").replace("-", "_")
+             for a in extra if a.startswith("--")}
+    fields = {f.name for f in dataclasses.fields(config)}
+    if source and given & fields:  # a field of the config, not offered: a source flag
+        flags = ", ".join("--" + f.replace("_", "-") for f in source)
+        return UsageError(f"{text} ({name} reads only these source flags: {flags})")
+    return UsageError(f"{text} (see python -m diag {name} --help)")
+
+
+def build_parser(experiments: dict[str, Any], description: str, only: str | None = None
+                 ) -> _Parser:
     """The parser of every experiment in `experiments` (name -> Experiment): one flag per config
-    field, with the field's comment as its help."""
+    field, with the field's comment as its help; `only`: that experiment's flags, the others'
+    names and help alone."""
     parser = _Parser(prog="python -m diag", description=description)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", parser_class=_Parser)
@@ -144,10 +164,16 @@ def build_parser(experiments: dict[str, Any], description: str) -> _Parser:
                            help="print the result tables as JSON (for scripts) instead of text")
             p.add_argument("--report", action="store_true",
                            help="also write a run folder (CSVs, figures, report.html) under runs/")
+        if only not in (None, name):
+            continue
         hints = typing.get_type_hints(exp.config)
         docs = field_docs(exp.config)
         positional = getattr(exp.config, "POSITIONAL", ())
+        # a source field the command does not read is no flag of it (unrecognized, one line)
+        used = set(exp.config.used_fields())
         for f in dataclasses.fields(exp.config):
+            if f.name not in used:
+                continue
             kwargs = _flag_type(hints[f.name])
             doc = docs.get(f.name, "")
             if f.name in positional:

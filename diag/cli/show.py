@@ -19,6 +19,8 @@ def one_line(err: BaseException) -> str:
         return (f"diag: this experiment needs the package {err.name!r}, which is not installed; "
                 "install the extras with: pip install -e '.[all]' (or run `make demo`)")
     text = " ".join(str(err).split()) or type(err).__name__
+    if type(err) is ValueError:  # diag's refusal of a setting: "diag: --flag=value: why; fix"
+        return f"diag: {text}"
     return f"diag: {type(err).__name__}: {text}"
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from diag.config.base import ExperimentConfig
+from diag.machine.gpus import GPUS, dense_peak_flops
 from diag.config.qlora import QLORA_PLANS, QLoraPlan
 from diag.config.source import SourceConfig, check_out
 
@@ -110,12 +111,25 @@ class DiagnoseConfig(SourceConfig):
         self._positive("steps")
         self._non_negative("prep_ms", "naive_workers", "optimized_workers", "records",
                            "job_steps", "seq_len")
+        if self.records and self.job_steps > self.records:
+            raise ValueError(f"--job-steps={self.job_steps}: at most --records={self.records} "
+                             "(each optimizer step needs at least one record)")
         self._choice("on_error", ("raise", "skip"))
         self._device()
         self._choice("plan", QLORA_PLANS)
+        for name in ("current_gpu", "target_gpu"):  # an unknown one would draw no mark, silently
+            check_gpu(getattr(self, name), f"--{name.replace('_', '-')}")
         for name, low in (("workers", 0), ("micro_batches", 1)):  # checked here, not mid-run
             values = getattr(self, name)
             if not isinstance(values, (list, tuple)) or any(
                     isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
                 raise ValueError(f"DiagnoseConfig.{name}={values!r}: must be a list of whole "
                                  f"numbers >= {low} ([] = the experiment's default)")
+
+
+def check_gpu(name: str, flag: str) -> None:
+    """'' or a GPU diag's table has a dense bf16 peak for (what the Amdahl projection divides)."""
+    if name and dense_peak_flops(name, "bf16") is None:
+        known = ", ".join(g.name for g in GPUS if "bf16" in g.peaks)
+        raise ValueError(f"{flag}={name!r}: not a GPU with a dense bf16 peak in diag's table; "
+                         f"allowed: {known}")

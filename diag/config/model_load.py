@@ -6,12 +6,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from diag.config.base import MODEL_LOAD_PROCESSES, MODEL_LOAD_SCENARIOS, LoadProcess, Scenario
-from diag.config.source import SourceConfig
+from diag.config.source import MODEL, SourceConfig
 
 
 @dataclass
 class ModelLoadConfig(SourceConfig):
     """`diag model-load`: fresh vs cached model load, each part (download ... tokenizer) timed."""
+
+    SOURCE: ClassVar[tuple[str, ...]] = MODEL  # the model's flags; no bucket, no records
 
     scenarios: list[Scenario] = field(
         default_factory=lambda: list(MODEL_LOAD_SCENARIOS))  # fewer run faster; fresh downloads

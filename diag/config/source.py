@@ -3,22 +3,28 @@
 `SourceConfig` is the base of the configs of `storage`, `model-load`, `qlora` and `run` (and
 of the panel's fields, diag.widgets): each field below becomes the same `--flag` with the same
 help everywhere, so a bucket, profile or model named once means the same thing in each command.
-Its checks need no network: the URL's shape, the model id's shape, that a local model folder
-holds weights (diag.preflight checks the rest, profile, credentials, bucket and shards, with one
-listing before the first experiment).
+A config names the fields it reads (`SOURCE`: storage the bucket's, model-load the model's);
+its command offers only those, and a value given to another is refused.
+Its checks need no network: the URLs' shape, the model id's shape, that a local model folder
+holds weights (diag.preflight checks the rest before the first experiment: the folders written,
+the model on the hub, profile, credentials, bucket, shards and the first records).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from diag.config.base import ExperimentConfig
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # record files diag reads (a prefix: its shards)
 MANIFEST_SUFFIX = ".diag-manifest.json"  # beside what diag.storage.land landed: its ETags, CRCs
 WEIGHT_FILES = ("*.safetensors", "*.bin")
+# The source fields by what they name: a config's SOURCE is the groups it reads
+BUCKET = ("source", "endpoint_url", "profile", "region", "sign_request", "retries")
+RECORDS = ("text_field", "prompt_field", "response_field", "messages_field")
+MODEL = ("model", "revision", "cache_dir", "repair_cache")
 
 
 @dataclass
@@ -53,20 +59,38 @@ class SourceConfig(ExperimentConfig):
                               # content}, the last from the assistant), rendered with
                               # --model's chat template; loss on the last message
 
+    SOURCE: ClassVar[tuple[str, ...]] = BUCKET + RECORDS + MODEL  # the fields this config reads
+
     def validate(self) -> None:
         super().validate()
         self.validate_source()
 
+    @classmethod
+    def used_fields(cls) -> list[str]:
+        """Its own fields and the source fields it reads (SOURCE)."""
+        source = set(BUCKET + RECORDS + MODEL) - set(cls.SOURCE)
+        return [name for name in super().used_fields() if name not in source]
+
     def validate_source(self) -> None:
         from urllib.parse import urlsplit
 
-        from diag.secrets import register
+        from diag.secrets import redact, register
+
+        import dataclasses
 
         name = type(self).__name__
+        for f in dataclasses.fields(SourceConfig):  # what this config would silently ignore
+            if f.name not in self.SOURCE and getattr(self, f.name) != f.default:
+                raise ValueError(f"{name}.{f.name}={getattr(self, f.name)!r}: not read here; "
+                                 f"{name} reads " + ", ".join(self.SOURCE))
         try:  # a password in the URL is redacted everywhere from here on
-            register(urlsplit(self.endpoint_url).password)
-        except ValueError:  # a malformed URL: botocore refuses it with its own message
-            pass
+            url = urlsplit(self.endpoint_url)
+            register(url.password)
+        except ValueError:  # a malformed URL: refused below
+            url = urlsplit("")
+        if self.endpoint_url and not (url.scheme in ("http", "https") and url.hostname):
+            raise ValueError(redact(f"--endpoint-url={self.endpoint_url!r}: not a URL; expected "
+                                    "http(s)://host[:port] of an S3-compatible store"))
         if self.retries is not None:
             self._non_negative("retries")
         if self.source and not (self.source.startswith("s3://") and self.source[5:].split("/")[0]):
@@ -91,11 +115,10 @@ class SourceConfig(ExperimentConfig):
                              f"response_field={self.response_field!r}, "
                              f"messages_field={self.messages_field!r})")
 
-    def source_kwargs(self) -> dict[str, object]:
-        """These fields' values, to hand the same source to another experiment's config."""
-        import dataclasses
-
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SourceConfig)}
+    def source_kwargs(self, into: type[SourceConfig] | None = None) -> dict[str, object]:
+        """The source fields' values, to hand the same source to another experiment's config:
+        those `into` reads (its SOURCE), or every one."""
+        return {name: getattr(self, name) for name in (into or SourceConfig).SOURCE}
 
     def fields(self) -> dict[str, str]:
         """The record fields to read (diag.data.records.normalise's `fields`)."""
@@ -109,18 +132,14 @@ def check_model(model: str, owner: str = "SourceConfig") -> None:
     if not model:
         return
     path = Path(model).expanduser()
-    looks_local = path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1
-    if looks_local:
-        if not path.exists():
-            raise ValueError(f"{owner}.model={model!r} (--model): no such folder, and not a hub "
-                             "id ('org/name'); allowed: '' (embedded model), a hub id, a folder "
-                             "with config.json and weights")
-        if not path.is_dir() or not (path / "config.json").is_file() or not any(
-                next(path.glob(p), None) for p in WEIGHT_FILES):
-            raise ValueError(f"{owner}.model={model!r} (--model): a local model must be a "
-                             "folder with config.json and *.safetensors or *.bin weights; or "
-                             "name a hub id org/name")
-        return
+    try:
+        if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+            _check_folder(model, path, owner)
+            return
+    except PermissionError as err:
+        raise ValueError(f"{owner}.model={model!r} (--model): cannot be read ({err.strerror}: "
+                         f"{err.filename}); give diag read access to it, or name another "
+                         "folder") from None
     org, slash, repo = model.partition("/")
     allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
     if not repo and slash or not set(model.replace("/", "")) <= allowed or ".." in model \
@@ -130,24 +149,30 @@ def check_model(model: str, owner: str = "SourceConfig") -> None:
                          "embedded model")
 
 
+def _check_folder(model: str, path: Path, owner: str) -> None:
+    if not path.exists():
+        raise ValueError(f"{owner}.model={model!r} (--model): no such folder, and not a hub "
+                         "id ('org/name'); allowed: '' (embedded model), a hub id, a folder "
+                         "with config.json and weights")
+    if not path.is_dir() or not (path / "config.json").is_file() or not any(
+            next(path.glob(p), None) for p in WEIGHT_FILES):
+        raise ValueError(f"{owner}.model={model!r} (--model): a local model must be a "
+                         "folder with config.json and *.safetensors or *.bin weights; or "
+                         "name a hub id org/name")
+
+
 def check_out(out: str, flag: str = "--out") -> None:
     """A run folder must be new or empty: diag never mixes its files into an older run's."""
     if not out:
         return
     path = Path(out).expanduser()
+    try:
+        full = path.is_dir() and any(path.iterdir())
+    except PermissionError as err:
+        raise ValueError(f"{flag}={out!r}: cannot be read ({err.strerror}); name a new or empty "
+                         "folder you can write") from None
     if path.exists() and not path.is_dir():
         raise ValueError(f"{flag}={out!r}: is a file; name a new or empty folder")
-    if path.is_dir() and any(path.iterdir()):
+    if full:
         raise ValueError(f"{flag}={out!r}: the folder is not empty; name a new or empty folder "
                          "(diag does not mix its files into another run's)")
-
-
-def check_cache_dir(cache_dir: str) -> None:
-    if not cache_dir:
-        return
-    path = Path(cache_dir).expanduser()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"--cache-dir={cache_dir!r}: is a file; name a folder (an HF hub cache)")
-    parent = next((p for p in (path, *path.parents) if p.exists()), None)
-    if parent is None or not os.access(parent, os.R_OK | os.X_OK):
-        raise ValueError(f"--cache-dir={cache_dir!r}: cannot be read or made here")

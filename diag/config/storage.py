@@ -6,13 +6,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from diag.config.base import Verify, VERIFY_MODES
-from diag.config.source import SourceConfig
+from diag.config.source import BUCKET, SourceConfig
 
 
 @dataclass
 class StorageConfig(SourceConfig):
     """`diag storage`: object-store pull vs local disk read, the re-pull tax, land() miss/hit.
-    The source flags (--source, --endpoint-url, --profile, ...) are SourceConfig's."""
+    The bucket's flags (--source, --endpoint-url, --profile, ...) are SourceConfig's."""
+
+    SOURCE: ClassVar[tuple[str, ...]] = BUCKET  # it measures pulling objects: no model, no fields
 
     local_dir: str = ""  # where data lands (the NVMe / persistent volume); "" = DIAG_HOME/storage
     size_mb: float = 200.0  # embedded dataset size; larger gives steadier rates and takes longer

@@ -14,7 +14,7 @@ import gc
 import itertools
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,7 +83,7 @@ def _cause(err: BaseException) -> str:
 def batch_tokens(batch: Any) -> int | None:
     """Real tokens in a batch: its attention_mask's sum, else input_ids' size; None (count
     samples only) for a batch without them, e.g. an (x, y) tuple."""
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a dict, or HF collators' BatchEncoding (a Mapping)
         for key, count in (("attention_mask", lambda t: t.sum()),
                            ("input_ids", lambda t: t.numel())):
             if key in batch and isinstance(batch[key], torch.Tensor):
@@ -93,17 +93,18 @@ def batch_tokens(batch: Any) -> int | None:
 
 def check_batch(batch: Any) -> None:
     """One clear error before the sweep, not a row per setting: diag moves and counts tensors."""
-    parts = list(batch.values()) if isinstance(batch, dict) else list(batch) \
+    parts = list(batch.values()) if isinstance(batch, Mapping) else list(batch) \
         if isinstance(batch, (tuple, list)) else [batch]
     wrong = [type(p).__name__ for p in parts if not isinstance(p, torch.Tensor)]
     if wrong or not parts:
         raise ValueError(f"dataset/collate_fn: a batch is a {type(batch).__name__} holding "
                          f"{', '.join(wrong) or 'nothing'}; allowed: a tensor, a tuple/list of "
-                         "tensors ((x, y)) or a dict of tensors; pass a collate_fn that makes one")
+                         "tensors ((x, y)) or a dict (any Mapping: HF collators' BatchEncoding) of "
+                         "tensors; pass a collate_fn that makes one")
 
 
 def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return {key: v.to(device, non_blocking=True) for key, v in batch.items()}
     if isinstance(batch, (tuple, list)):
         return type(batch)(v.to(device, non_blocking=True) for v in batch)

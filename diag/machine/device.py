@@ -2,8 +2,9 @@
 
 Peaks come from a table of vendor figures, always dense (2:4-sparse datasheet figures halved);
 an unknown GPU gets no peak rather than a guess. On CPU the peak is a measured fp32 matmul probe,
-labelled as measured. `run_info(cfg)` returns one row per fact (`fact`, `value`, `detail`).
-`sync()` is the one place diag waits for an async device.
+labelled as measured, its row named for that precision (`peak_tflops_fp32`). `run_info(cfg)`
+returns one row per fact (`fact`, `value`, `detail`). `sync()` is the one place diag waits for an
+async device.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Peak:
     label: str
     source: str
     measured: bool
+    dtype: str = "bf16"  # the precision the figure is for (the CPU probe times fp32)
 
 
 def usable_cores() -> int:
@@ -170,7 +172,7 @@ def peak_flops(device: Any = None, dtype: str = "bf16", *, probe_size: int = 102
         flops = cpu_matmul_probe(probe_size)
         label = (f"measured: CPU fp32 matmul probe ({probe_size}x{probe_size}, "
                  f"{torch.get_num_threads()} threads)")
-        return Peak(flops, label, "cpu_matmul_probe", measured=True)
+        return Peak(flops, label, "cpu_matmul_probe", measured=True, dtype="fp32")
     name = torch.cuda.get_device_name(dev)
     spec = find_gpu(name)
     if spec is None:
@@ -213,7 +215,7 @@ def facts(probe: bool = True, probe_size: int = 1024) -> dict[str, Any]:
     if cuda or probe:
         peak = peak_flops(None, "bf16", probe_size=probe_size)
     else:
-        peak = Peak(None, "not measured: CPU probe disabled (probe=False)", "", False)
+        peak = Peak(None, "not measured: CPU probe disabled (probe=False)", "", False, "fp32")
     return {
         "accelerator": torch.cuda.get_device_name(0) if cuda else "none",
         "accelerator_count": torch.cuda.device_count() if cuda else 0,
@@ -240,7 +242,8 @@ def run_info(cfg: InfoConfig) -> pd.DataFrame:
     rows = [{"fact": k, "value": v, "detail": ""} for k, v in f.items() if k != "disks"]
     source = f"; source: {peak.source}" if peak.source and not peak.measured else ""
     tflops = None if peak.flops is None else round(peak.flops / 1e12, 3)
-    rows.append({"fact": "peak_tflops_bf16", "value": tflops, "detail": peak.label + source})
+    rows.append({"fact": f"peak_tflops_{peak.dtype}", "value": tflops,
+                 "detail": peak.label + source})
     if resolve("auto").type == "cpu":
         import torch
 

@@ -11,8 +11,9 @@ from diag.model_load.advice import SCENARIOS, advice, decide, medians
 from diag.model_load.experiment import ModelLoadResult, run_model_load, verify_model_cache
 from diag.model_load.hfcache import (ALLOW_PATTERNS, blob_files, problems, snapshot_folder,
                                      verify_cache, weight_files)
-from diag.model_load.source import cache_dir_for, not_in_user_cache, user_cache
+from diag.model_load.source import cache_dir_for, check_on_hub, not_in_user_cache, user_cache
 
 __all__ = ["ALLOW_PATTERNS", "ModelLoadResult", "SCENARIOS", "advice", "blob_files",
-           "cache_dir_for", "decide", "medians", "not_in_user_cache", "problems", "run_model_load",
-           "snapshot_folder", "user_cache", "verify_cache", "verify_model_cache", "weight_files"]
+           "cache_dir_for", "check_on_hub", "decide", "medians", "not_in_user_cache", "problems",
+           "run_model_load", "snapshot_folder", "user_cache", "verify_cache", "verify_model_cache",
+           "weight_files"]

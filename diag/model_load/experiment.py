@@ -181,7 +181,8 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
         with LoadProcesses(src.env, cfg.process, cfg.timeout_s) as procs:
 
             def run(job_cache: Path, offline: bool = False, mode: str = "load") -> dict[str, Any]:
-                result = procs.run(job(src, cfg, job_cache, mode), overrides(
+                pinned = bool(src.files) and job_cache == cache_dir  # the user's, read only
+                result = procs.run(job(src, cfg, job_cache, mode, pinned), overrides(
                     job_cache, offline or offline_env(), own_xet=job_cache != users))
                 if "error" in result:
                     raise failure(result, src, job_cache, cfg.timeout_s)

@@ -5,8 +5,9 @@ the sha256 of the content for LFS files (weights), the git blob sha1 for small f
 huggingface_hub only checks that a blob exists, so a flipped bit loads silently; `verify_cache()`
 re-hashes every blob a snapshot links to and returns one row per file (`status`: ok, corrupt,
 missing, incomplete, unverified); offline this rests on the blob names, online it also asks the hub
-for each file's checksum (huggingface_hub's `HfApi.verify_repo_checksums`, what `hf cache verify`
-runs). A `redownload` function deletes what failed and downloads it again.
+for each cached file's checksum (huggingface_hub's `HfApi.verify_repo_checksums`, what `hf cache
+verify` runs). A snapshot that holds part of the repo (a LICENSE or README never fetched) is
+sound. A `redownload` function deletes what failed and downloads it again.
 """
 
 from __future__ import annotations
@@ -92,9 +93,11 @@ def _check_blob(blob: Path) -> tuple[str, str]:
 
 def _online_rows(repo_id: str, cache_dir: str | os.PathLike[str], revision: str, endpoint: str
                  ) -> list[dict[str, Any]]:
-    """The hub's own checksums of the cached files (HfApi.verify_repo_checksums), as rows."""
+    """The hub's own checksums of the cached files (HfApi.verify_repo_checksums), as rows: a
+    file that differs. A file the snapshot does not hold is no damage: a load fetches part of a
+    repo (from_pretrained never asks for its LICENSE.txt), and snapshot_download(allow_patterns)
+    a chosen part."""
     import socket
-    from fnmatch import fnmatch
     from urllib.parse import urlsplit
 
     from huggingface_hub import HfApi
@@ -109,14 +112,9 @@ def _online_rows(repo_id: str, cache_dir: str | os.PathLike[str], revision: str,
         # the offline check standing, and is said in a row, never hidden
         return [{"file": "", "blob": "", "bytes": 0, "status": "unverified",
                  "detail": f"online check against {endpoint} skipped: {type(err).__name__}"}]
-    rows = [{"file": m["path"], "blob": "", "bytes": 0, "status": "corrupt",  # TypedDicts
+    return [{"file": m["path"], "blob": "", "bytes": 0, "status": "corrupt",  # TypedDicts
              "detail": f"the hub's {m['algorithm']} is {m['expected'][:12]}..., the cached "
                        f"file's {m['actual'][:12]}..."} for m in got.mismatches]
-    # the hub lists every file of the repo; a load fetches only ALLOW_PATTERNS
-    rows += [{"file": p, "blob": "", "bytes": 0, "status": "missing",
-              "detail": "on the hub, not in the cache"} for p in got.missing_paths
-             if any(fnmatch(p.rsplit("/", 1)[-1], pat) for pat in ALLOW_PATTERNS)]
-    return rows
 
 
 def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str = "main", *,

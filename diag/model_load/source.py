@@ -101,26 +101,68 @@ def open_source(cfg: ModelLoadConfig) -> Iterator[Source]:
     if cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") > 1:
         raise ValueError(f"ModelLoadConfig.model={cfg.model!r}: no such folder, and not a hub "
                          "id ('org/name'); allowed: '' (embedded model), a hub id, a folder")
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    yield Source(cfg.model, cfg.revision, endpoint, None, base, user_cache=not cfg.cache_dir)
+    yield Source(cfg.model, cfg.revision, hub_endpoint(), None, base, user_cache=not cfg.cache_dir)
+
+
+def hub_endpoint() -> str:
+    """Where a hub id is fetched from: HF_ENDPOINT, else the Hugging Face hub."""
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def reachable(endpoint: str) -> None:
+    """Raise OSError unless the endpoint's host takes a connection within 3 s (huggingface_hub
+    retries an unreachable host for ~20 s: the socket is asked first)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(endpoint)
+    socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                             timeout=3).close()
 
 
 def hub_commit(src: Source) -> tuple[str, str]:
     """(the commit the hub's src.revision points to, '') or ('', why it is not known)."""
-    import socket
-    from urllib.parse import urlsplit
-
     if offline_env():
         return "", "HF_HUB_OFFLINE=1"
-    url = urlsplit(src.endpoint)
-    try:  # huggingface_hub retries an unreachable host for ~20 s: ask the socket first
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https"
-                                                             else 80)), timeout=3).close()
+    try:
+        reachable(src.endpoint)
         from huggingface_hub import HfApi
 
         return HfApi(endpoint=src.endpoint).model_info(src.model, revision=src.revision).sha, ""
     except Exception as err:  # noqa: BLE001  the loads report their own failures
         return "", f"{type(err).__name__}"
+
+
+def check_on_hub(cfg: SourceConfig) -> None:
+    """A hub --model its cache lacks: one HEAD of its config.json at --revision, what
+    from_pretrained asks first; a model or revision the hub does not have is refused in one
+    line. Offline or unreachable, nothing is said here (the load says what it finds)."""
+    if not cfg.model or Path(cfg.model).expanduser().is_dir() or offline_env() \
+            or hfcache.snapshot_folder(cache_dir_for(cfg), cfg.model, cfg.revision):
+        return
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    endpoint, what = hub_endpoint(), f"--model={cfg.model!r}"
+    try:
+        reachable(endpoint)
+        get_hf_file_metadata(hf_hub_url(cfg.model, "config.json", revision=cfg.revision,
+                                        endpoint=endpoint), timeout=10)
+    except GatedRepoError:
+        raise ValueError(redact(f"{what}: gated at {endpoint}; accept its terms on the hub and "
+                                "set HF_TOKEN to a token with access")) from None
+    except RepositoryNotFoundError:
+        raise ValueError(redact(f"{what}: no such model at {endpoint}; check the id (a private "
+                                "one needs HF_TOKEN with access to it)")) from None
+    except RevisionNotFoundError:
+        raise ValueError(redact(f"--revision={cfg.revision!r}: {cfg.model} at {endpoint} has no "
+                                "such branch, tag or commit; name one it has")) from None
+    except EntryNotFoundError:
+        raise ValueError(redact(f"{what}: no config.json at {endpoint}@{cfg.revision}: not a "
+                                "transformers model; name a causal LM's repo")) from None
+    except Exception:  # noqa: BLE001  the network, not the id: the load reports what it meets
+        return
 
 
 def pin_to_cache(src: Source, cache_dir: Path) -> tuple[Source, str]:
@@ -143,11 +185,13 @@ def pin_to_cache(src: Source, cache_dir: Path) -> tuple[Source, str]:
                     f"download {src.model}`, updates it)")
 
 
-def job(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load") -> dict[str, Any]:
-    """What a load process is asked to do (JSON)."""
+def job(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load",
+        read_only: bool = False) -> dict[str, Any]:
+    """What a load process is asked to do (JSON). read_only: cache_dir is the user's, pinned
+    (pin_to_cache): read where it is, nothing written into it."""
     return {"mode": mode, "model": src.model, "revision": src.revision or "main",
             "cache_dir": str(cache_dir), "local_dir": str(src.local_dir or ""),
-            "only": list(src.files),
+            "only": list(src.files), "read_only": read_only,
             "quantize": cfg.quantize, "device": cfg.device,
             "trust_remote_code": cfg.trust_remote_code}
 

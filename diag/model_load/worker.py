@@ -9,6 +9,7 @@ clear message. `python -m diag.model_load.worker JOB` runs one job in this inter
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -76,13 +77,30 @@ def _download(job: dict[str, Any]) -> tuple[Path, int]:
         return Path(job["local_dir"]), 0
     from huggingface_hub import snapshot_download
 
+    if job.get("read_only"):
+        return _read_pinned(job), 0
     before = _blob_bytes(job["cache_dir"])
-    # pinned to a commit of the user's cache: exactly the files its snapshot holds (names, not
-    # patterns), so nothing is fetched into it
+    # pinned (the fresh scenario beside the user's cache): exactly the files its snapshot holds
     only = [glob.escape(f) for f in job.get("only") or ()]
     folder = snapshot_download(job["model"], revision=job["revision"],
                                cache_dir=job["cache_dir"], allow_patterns=only or ALLOW_PATTERNS)
     return Path(folder), _blob_bytes(job["cache_dir"]) - before
+
+
+def _read_pinned(job: dict[str, Any]) -> Path:
+    """The user's cache, pinned to the commit it holds, read and never written. Online, the hub
+    is asked what a job's start asks (the commit's file list) by a dry run, which writes
+    nothing, where a real snapshot_download writes trees/<commit>.json into the cache; then the
+    snapshot is read where it is, exactly the files it holds (names, not patterns)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import DryRunError
+
+    kwargs = {"revision": job["revision"], "cache_dir": job["cache_dir"],
+              "allow_patterns": [glob.escape(f) for f in job["only"]]}
+    if not constants.is_offline_mode():
+        with contextlib.suppress(DryRunError):  # the hub unreachable: a job reads its cache
+            snapshot_download(job["model"], dry_run=True, **kwargs)
+    return Path(snapshot_download(job["model"], local_files_only=True, **kwargs))
 
 
 def _load_kwargs(job: dict[str, Any], device: str) -> dict[str, Any]:

@@ -68,7 +68,7 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
     cfg = cfg or QLoraConfig.default()
     if decisions is None and cfg.results:  # checked before anything is measured or run
         decisions = read_results(cfg)
-    preflight(cfg)  # the source flags checked with one listing, before any model loads
+    preflight(cfg, job=cfg)  # folders, model, source and its first records: before any work
     init_group(resolve(cfg.device).type)  # under a launcher: join before the first barrier
     plans = []
     runs: list[dict[str, Any]] = []

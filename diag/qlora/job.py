@@ -97,7 +97,7 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from diag.model_load import ALLOW_PATTERNS, cache_dir_for, not_in_user_cache
+    from diag.model_load import ALLOW_PATTERNS, cache_dir_for, not_in_user_cache, snapshot_folder
 
     if Path(src.model).is_dir():  # a local model: read where it is, in both plans
         return Path(src.model)
@@ -106,13 +106,15 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
     if plan.model_cache == "empty":
         return Path(snapshot_download(src.model, cache_dir=work / "hf-cache", **kwargs))
     cache = src.cache_dir or cache_dir_for()  # the one diag.model_load's cached scenarios read
+    if src.read_only:  # your cache's snapshot as it is (part of a repo is fine), never written
+        folder = snapshot_folder(cache, src.model, src.revision)
+        if folder is None:
+            raise not_in_user_cache(src.model, src.revision, cache)
+        return folder
     try:
         return Path(snapshot_download(src.model, cache_dir=cache, local_files_only=True,
                                       **kwargs))
-    except LocalEntryNotFoundError:
-        if src.read_only:
-            raise not_in_user_cache(src.model, src.revision, cache) from None
-        # diag's own cache: the first start fills it; every later one reads it
+    except LocalEntryNotFoundError:  # diag's own cache: the first start fills it
         return Path(snapshot_download(src.model, cache_dir=cache, **kwargs))
 
 

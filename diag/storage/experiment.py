@@ -27,7 +27,7 @@ from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
 from diag.storage.objectstore import (MB, RemoteObject, S3Url, list_remote, parse_url,
                                       remote_error, source_client)
-from diag.storage.tax import advice, storage_tax
+from diag.storage.tax import NVME_COLD, advice, storage_tax
 from diag.storage.transfer import describe, download_all
 from diag.timing import median_seconds
 
@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 
 COLUMNS = ["method", "source", "cache_state", "bytes", "seconds", "mb_per_s", "ttfb_s", "repeat",
            "files", "detail", "resident_fraction", "local_disk"]
-# The cold read of a local NVMe beside a landing folder on network storage (EBS, PD, NFS)
-NVME_COLD = "local NVMe, cold"
 # 1 MiB reads, like `dd bs=1M`: measured here, 8 MiB buffers fall out of the CPU cache and read
 # ~13% slower from a cold cache; 256 KiB-1 MiB all match dd.
 _READ_CHUNK = 1 << 20

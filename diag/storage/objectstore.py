@@ -120,7 +120,7 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
     import boto3
     from botocore import UNSIGNED
     from botocore.config import Config
-    from botocore.exceptions import ProfileNotFound
+    from botocore.exceptions import InvalidRegionError, ProfileNotFound
 
     register_url_secret(endpoint_url)
     options: dict[str, Any] = {"max_pool_connections": max(10, max_pool), "connect_timeout": 5,
@@ -144,7 +144,13 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
         register(*(credentials.get(k) for k in ("aws_access_key_id", "aws_secret_access_key",
                                                 "aws_session_token")))
     aws_client_made(given or unsigned)  # given keys: redaction walks no chain (no IMDS)
-    client = session.client("s3", config=Config(**options), **kwargs)
+    try:
+        client = session.client("s3", config=Config(**options), **kwargs)
+    except InvalidRegionError:
+        where = f"--region={region!r}" if region else f"the region of your AWS config " \
+            f"({session.region_name!r}: AWS_REGION, AWS_DEFAULT_REGION or the profile's)"
+        raise ValueError(f"{where}: not a region name; allowed: letters, digits and '-' (as "
+                         "us-east-1, or auto for R2)") from None
     register_url_secret(client.meta.endpoint_url)  # AWS_ENDPOINT_URL or the profile's
     return client
 
@@ -165,6 +171,7 @@ def source_client(cfg: SourceConfig, server: Any = None) -> Any:
 
 def remote_error(err: Exception, url: str | S3Url, client: Any) -> RuntimeError:
     """One clear message naming the URL, the endpoint and what fixes it, never a credential."""
+    from botocore import UNSIGNED
     from botocore.exceptions import (ClientError, EndpointConnectionError, NoCredentialsError,
                                      ProfileNotFound)
 
@@ -185,9 +192,14 @@ def remote_error(err: Exception, url: str | S3Url, client: Any) -> RuntimeError:
             text = f"{where}: the object changed while it was landing; run again"
         elif code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
                       "InvalidToken", "ExpiredToken", "Forbidden") or status == 403:
-            text = (f"{where}: access denied ({code or status}): check the credentials "
-                    "(--profile / AWS_PROFILE, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, the "
-                    "instance role); a public bucket needs --no-sign-request")
+            creds = ("(--profile / AWS_PROFILE, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, the "
+                     "instance role)")
+            text = (f"{where}: access denied ({code or status}) to an unsigned request "
+                    f"(--no-sign-request): the bucket is not public; drop --no-sign-request and "
+                    f"give credentials {creds}"
+                    if client.meta.config.signature_version is UNSIGNED else
+                    f"{where}: access denied ({code or status}): check the credentials {creds}; "
+                    "a public bucket needs --no-sign-request")
         else:
             text = f"{where}: the server answered {code or status}"
     elif isinstance(err, EndpointConnectionError):

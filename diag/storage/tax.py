@@ -16,6 +16,8 @@ from diag.config import STORAGE_PULLS as PULLS
 from diag.decision import FIXES
 from diag.storage.objectstore import MB, transfer_plan
 
+NVME_COLD = "local NVMe, cold"  # the cold read of a local NVMe beside a network landing folder
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -94,9 +96,9 @@ def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame
             hit_s = base["dataset_gb"] * 1000 / rate
             hit_note = f"; a verified hit reads it once from local disk at {rate:.0f} MB/s (cold)"
     rows = [{"stage": "fetch_data",
-             "finding": f"{FIXES['fetch_data']}; or with `s5cmd sync` / `aws s3 sync` to "
-                        "local NVMe, Mountpoint for S3 with its local cache `mount-s3 --cache "
-                        "/nvme/cache`, FSx for Lustre linked to the bucket",
+             "finding": f"{FIXES['fetch_data']}{_measured_disk(frame)}; or with `s5cmd sync` / "
+                        "`aws s3 sync` to that disk, Mountpoint for S3 with its local cache "
+                        "`mount-s3 --cache DIR`, FSx for Lustre linked to the bucket",
              "seconds_saved": max(0.0, base["seconds_per_run"] - hit_s),
              "evidence": base["evidence"] + hit_note}]
     if frame is not None:
@@ -115,6 +117,21 @@ def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame
 
 _NETWORK_KINDS = {"network_block": "network block storage (EBS, PD, ...)",
                   "network_file": "a network filesystem (NFS, EFS, Filestore, Lustre, FUSE, ...)"}
+# what each disk kind (diag.machine.disks, as `diag info` names it) is called in the advice
+_DISK_WORDS = {"local_nvme": "local NVMe", "local_ssd": "a local SSD", "local_hdd": "a local HDD",
+               "virtual": "a virtual disk (its backing is not visible from the guest: diag "
+                          "info's disk rows)", "other": "a disk of unknown kind", **_NETWORK_KINDS}
+
+
+def _measured_disk(frame: pd.DataFrame | None) -> str:
+    """': measured into <the landing folder>, on <its kind>' ('' without the local reads)."""
+    if frame is None or "local_disk" not in frame:
+        return ""
+    reads = frame[(frame["method"] == "local_read") & ~frame["cache_state"].eq(NVME_COLD)]
+    if reads.empty:
+        return ""
+    kind = str(reads["local_disk"].iloc[0])
+    return f": measured into {reads['source'].iloc[0]}, on {_DISK_WORDS.get(kind, kind)}"
 
 
 def landing_disk_advice(frame: pd.DataFrame, dataset_gb: float) -> list[dict[str, object]]:
