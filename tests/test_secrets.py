@@ -20,6 +20,9 @@ def clean(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """No real token file, AWS profile or earlier registration leaks into a test."""
     monkeypatch.setattr(secrets, "_registered", set())
     monkeypatch.setattr(secrets, "_cache", {})
+    # as in a process that made no S3 client yet (an earlier test in this worker may have made
+    # one with given keys, after which redaction rightly walks no credential chain)
+    monkeypatch.setattr(secrets, "_aws_clients", None)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_TOKEN_PATH", raising=False)
     for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ACCESS_KEY_ID",
