@@ -92,6 +92,19 @@ class TrainConfig(JobConfig):
         """Optimizer steps of the run: max_steps, else epochs (unset: 1) x steps_per_epoch."""
         return self.max_steps or (self.epochs or 1) * steps_per_epoch
 
+    @staticmethod
+    def cadence(every: int, steps: int) -> int:
+        """Steps between evals, saves or progress lines: `every`, or (0) ten over the run."""
+        return every or max(1, steps // 10)
+
+    @classmethod
+    def of_job(cls, job: JobConfig, quick: bool | None = False, **more: Any) -> TrainConfig:
+        """The whole-dataset run of the job `diag qlora` / `diag run` measured (its model, data,
+        rows and adapters), with `more` (epochs, ...); quick: QUICK's records and batch."""
+        shared = {f.name: getattr(job, f.name) for f in fields(JobConfig)}
+        return cls.default(quick, **shared | {"checkpoint_every": 0, "out_dir": "",
+                                                "resume": False} | more)
+
     def job(self) -> QLoraConfig:
         """The QLoRA job measured on this machine to decide the plan (diag.qlora.measure): these
         settings over MEASURED_STEPS steps of batch_size records."""

@@ -212,6 +212,26 @@ def train_records(cfg: TrainConfig, source: Path, tokenizer_dir: Path) -> Split:
                  len(rest) - steps * cfg.batch_size)
 
 
+def count_records(source: Path) -> int:
+    """About the records at source, without reading them: a Parquet shard's rows (its footer),
+    a JSONL file's lines (counted, not parsed: a blank or bad line counts too)."""
+    import pyarrow.parquet as pq
+
+    from diag.data import shard_files
+
+    total = 0
+    for path in shard_files(source):
+        if path.suffix == ".parquet":
+            total += pq.read_metadata(path).num_rows
+            continue
+        with open(path, "rb") as f:
+            last = b"\n"
+            while block := f.read(16 << 20):
+                total, last = total + block.count(b"\n"), block[-1:]
+        total += last != b"\n"  # a last line without its newline
+    return total
+
+
 class ArrowRecords(Sequence):
     """The source's good records in an Arrow file on disk, each item read through a memory map
     (as datasets.load_dataset keeps a dataset): a whole dataset read by the naive plan without

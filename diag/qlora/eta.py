@@ -12,7 +12,9 @@ PREDICTION_TOLERANCE). Eval is priced as a third of a trained token (forward onl
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag.decision import by_setting
@@ -80,6 +82,22 @@ def from_runs(frame: pd.DataFrame, stages: pd.DataFrame, build: Mapping[str, Any
         rows.append(_row(r.plan, "checkpoint", "save", spent.get("checkpoint", 0.0) / saves
                          if saves else None, f"{said}: {saves} save(s)"))
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def costs_in(folder: str | os.PathLike[str], plan: str) -> pd.DataFrame | None:
+    """The costs a run folder measured for plan: its whole-job projection's (`diag run`), else
+    its QLoRA comparison's (`diag qlora --report`); None where it holds neither."""
+    import pandas as pd
+
+    folder = Path(folder)
+    if (folder / "qlora_projection_costs.csv").is_file():
+        costs = pd.read_csv(folder / "qlora_projection_costs.csv")
+    elif (folder / "qlora.csv").is_file() and (folder / "run.csv").is_file():
+        costs = from_runs(pd.read_csv(folder / "qlora.csv"), pd.read_csv(folder / "run.csv"))
+    else:
+        return None
+    mine = costs[costs["plan"] == plan]
+    return mine.assign(evidence=f"{folder}: " + mine["evidence"]) if not mine.empty else None
 
 
 def _build_row(plan: str, build: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -150,6 +168,23 @@ def project(costs: pd.DataFrame, counts: Mapping[str, float]) -> pd.DataFrame:
     order = {s: i for i, s in enumerate(ORDER)}
     return out.sort_values(["plan", "stage"], key=lambda c: c.map(order) if c.name == "stage"
                            else c, kind="stable", ignore_index=True)
+
+
+def job_counts(steps: int, warmup: int, tokens_per_step: float, slots_per_step: float,
+               every_eval: int, every_save: int, eval_slots: float, done: int = 0,
+               built_bytes: float = 0, records: int = 0) -> dict[str, float]:
+    """A run's counts in project's units: the steps after `done` (a resume's) and their tokens
+    and slots, warm-up apart; the evals (one before the first step of a fresh run, one every
+    every_eval steps, one at the end) of eval_slots each; the saves (every every_save, at the
+    end, and the output); the bytes a cache build reads; the records the naive plan reads."""
+    left, warm = steps - done, min(warmup, steps - done)
+    evals = (0 if done else 1) + steps // every_eval - done // every_eval + bool(
+        steps % every_eval)
+    saves = steps // every_save - done // every_save + bool(steps % every_save) + 1
+    return {"start": 1, "byte": built_bytes, "record": records,
+            "warmup_token": warm * tokens_per_step, "token": (left - warm) * tokens_per_step,
+            "warmup_slot": warm * slots_per_step, "slot": (left - warm) * slots_per_step,
+            "save": saves, "eval_slot": evals * eval_slots}
 
 
 def check_eta(projected: pd.DataFrame, stages: pd.DataFrame) -> pd.DataFrame:

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from diag.machine.device import on_cpu_threads
 from diag.qlora.checkpoints import claim, last_checkpoint, merged, publish, record
-from diag.qlora.eta import after_line, before_line, check_eta, from_decisions, project
+from diag.qlora.eta import (after_line, before_line, check_eta, costs_in, from_decisions,
+                            job_counts, project)
 from diag.qlora.plans import Plan
 
 if TYPE_CHECKING:
@@ -42,16 +43,16 @@ class TrainResult:
     stages: pd.DataFrame  # StageTimer rows (`run` = the plan)
     losses: pd.DataFrame  # run, split (train / eval), step, trained_tokens, loss, learning_rate
     eta: pd.DataFrame  # stage, predicted_s (before the run), measured_s, error_share, flagged
-    plans: pd.DataFrame  # the plan that ran: setting, value, basis, evidence
-    decisions: tuple[Decision, ...] = ()  # the plan's, as a run folder keeps them
+    plans: pd.DataFrame  # the plan that ran: setting, value, basis, evidence (its decisions)
 
 
 @on_cpu_threads
 def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | None = None,
-              src: Sources | None = None) -> TrainResult:
+              src: Sources | None = None, costs: pd.DataFrame | None = None) -> TrainResult:
     """Train cfg.plan on the whole dataset (or its first cfg.records) and leave the adapter in
     cfg.out_dir. decisions: the optimized plan's (None: cfg.results', else measured on the
-    job); src: the job's sources, open (else opened here and closed at the end)."""
+    job); src: the job's sources, open (else opened here and closed at the end); costs: what
+    the ETA prices each unit at (diag.qlora.eta; None: cfg.results', else the decisions')."""
     from diag.config import TrainConfig
     from diag.preflight import preflight
     from diag.qlora.job import open_sources
@@ -63,7 +64,8 @@ def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | No
     stored = claim(out, cfg.identity(), cfg.resume)  # before any work: another run's refused
     if decisions is None and cfg.results and not stored:
         decisions = read_results(cfg.job())
-    folder_costs = _folder_costs(cfg) if cfg.results else None
+    if costs is None and cfg.results:
+        costs = costs_in(cfg.results, cfg.plan)
     preflight(cfg)  # the source flags checked with one listing, before any model loads
     with contextlib.nullcontext(src) if src else open_sources(cfg.job()) as src:
         start = time.perf_counter()
@@ -71,7 +73,8 @@ def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | No
         plan_s = time.perf_counter() - start  # deciding it: the sweeps on the job, if measured
         if not stored:
             record(out, {"plan": plan.name, "decisions": [d.record()["json"] for d in decided]})
-        costs = folder_costs if folder_costs is not None else from_decisions(plan, decided, build)
+        if costs is None:
+            costs = from_decisions(plan, decided, build)
         return _run(cfg, plan, src, out, costs, stored or {}, plan_s)
 
 
@@ -106,24 +109,6 @@ def _collect(name: str, decided: tuple[Decision, ...]) -> Plan:
     return Plan.naive() if name == "naive" else Plan.optimized(decided)
 
 
-def _folder_costs(cfg: TrainConfig) -> pd.DataFrame | None:
-    """The costs the run folder cfg.results measured for cfg.plan: its projection's (diag run),
-    else its QLoRA comparison's; None where it holds neither."""
-    import pandas as pd
-
-    from diag.qlora.eta import from_runs
-
-    folder = Path(cfg.results)
-    if (folder / "qlora_projection_costs.csv").is_file():
-        costs = pd.read_csv(folder / "qlora_projection_costs.csv")
-    elif (folder / "qlora.csv").is_file() and (folder / "run.csv").is_file():
-        costs = from_runs(pd.read_csv(folder / "qlora.csv"), pd.read_csv(folder / "run.csv"))
-    else:
-        return None
-    mine = costs[costs["plan"] == cfg.plan]
-    return mine.assign(evidence=f"{cfg.results}: " + mine["evidence"]) if not mine.empty else None
-
-
 def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFrame,
          stored: dict[str, Any], plan_s: float) -> TrainResult:
     """The timed run: its stages, the ETA before the first step, the adapter at the end."""
@@ -155,13 +140,13 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
         with timer.stage("checkpoint"):  # the output: adapter + tokenizer, whole
             files = publish(out, lambda tmp: _save_output(got["trainer"], folder, tmp))
             made = merged(folder, out, out / "merged") if cfg.merge else None
-        stages = timer.to_frame().assign(run=plan.name)
+        stages = timer.to_frame().assign(run=f"train ({plan.name})")  # beside a comparison's
         eta = check_eta(projected, stages)
         losses = _losses(got, job.tokens_per_step).assign(run=plan.name)
         frame = pd.DataFrame([_summary(cfg, plan, job, got, stages, eta, losses, out, files,
                                        made) | {"plan_s": plan_s}])
         _say(f"diag train: {after_line(eta)}; the adapter is in {out}")
-        return TrainResult(frame, stages, losses, eta, plan.frame(), plan.decisions)
+        return TrainResult(frame, stages, losses, eta, plan.frame())
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -179,10 +164,6 @@ class _Job:
     def tokens_per_step(self) -> float:
         """Trained tokens per optimizer step: an epoch's, spread evenly over its steps."""
         return self.data.stats["real_tokens"] / self.split.steps_per_epoch
-
-    def every(self, n: int) -> int:
-        """n steps, or (0) ten times over the run."""
-        return n or max(1, self.steps // 10)
 
 
 def _job(cfg: TrainConfig, plan: Plan, path: Path, folder: Path, work: Path,
@@ -222,15 +203,17 @@ def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, devic
     from diag.qlora.progress import Progress
     from diag.qlora.trainer import fit, trainer_for
 
-    progress = Progress(timer, job.tokens_per_step, job.every(cfg.progress_every),
+    every = {k: cfg.cadence(getattr(cfg, k), job.steps)
+             for k in ("eval_every", "checkpoint_every", "progress_every")}
+    progress = Progress(timer, job.tokens_per_step, every["progress_every"],
                         f"diag train ({plan.name})")
     trainer, callback = trainer_for(
         cfg, plan, model, job.data, out, device, timer, keep=cfg.keep_checkpoints,
         callbacks=(progress,), eval_dataset=job.evals, max_steps=job.steps,
         lr_scheduler_type=SCHEDULES[cfg.lr_schedule],
         warmup_steps=round(cfg.lr_warmup * job.steps), eval_strategy="steps",
-        eval_steps=job.every(cfg.eval_every), per_device_eval_batch_size=cfg.eval_batch,
-        prediction_loss_only=True, save_steps=job.every(cfg.checkpoint_every))
+        eval_steps=every["eval_every"], per_device_eval_batch_size=cfg.eval_batch,
+        prediction_loss_only=True, save_steps=every["checkpoint_every"])
     resume = last_checkpoint(out) if cfg.resume else None
     first = stored.get("eval_loss_0")
     if resume is None:
@@ -268,27 +251,20 @@ def _losses(got: dict[str, Any], tokens_per_step: float) -> pd.DataFrame:
 
 
 def _counts(cfg: TrainConfig, job: _Job, out: Path) -> dict[str, float]:
-    """What the run does, counted before its first step (eta.project's units): the steps left
-    (a resume trains from its checkpoint), the tokens and slots they train, the evals and
-    saves on the way, the bytes the cache build read (none on a hit), the records the naive
+    """What the run does, counted before its first step (eta.job_counts): from the checkpoint a
+    resume starts at, the bytes the cache build read (none on a hit), the records the naive
     plan reads."""
     from diag.data import read_meta
 
     done = int(last.name.split("-")[1]) if cfg.resume and (last := last_checkpoint(out)) else 0
-    left, warm = job.steps - done, min(cfg.warmup_steps, job.steps - done)
-    slots = job.data.stats["token_slots"] / job.split.steps_per_epoch
-    every_eval, every_save = job.every(cfg.eval_every), job.every(cfg.checkpoint_every)
-    evals = (0 if done else 1) + job.steps // every_eval - done // every_eval + bool(
-        job.steps % every_eval)
-    saves = job.steps // every_save - done // every_save + bool(job.steps % every_save) + 1
     cache = job.split.train.cache
-    built = 0 if cache.status == "hit" else read_meta(cache.folder)["build"]["bytes"]
-    return {"start": 1, "byte": built,
-            "record": max(job.split.train.indices, default=-1) + 1,
-            "warmup_token": warm * job.tokens_per_step,
-            "token": (left - warm) * job.tokens_per_step, "warmup_slot": warm * slots,
-            "slot": (left - warm) * slots, "save": saves,
-            "eval_slot": evals * len(job.split.eval.indices) * cfg.seq_len}
+    return job_counts(
+        job.steps, cfg.warmup_steps, job.tokens_per_step,
+        job.data.stats["token_slots"] / job.split.steps_per_epoch,
+        cfg.cadence(cfg.eval_every, job.steps), cfg.cadence(cfg.checkpoint_every, job.steps),
+        len(job.split.eval.indices) * cfg.seq_len, done,
+        0 if cache.status == "hit" else read_meta(cache.folder)["build"]["bytes"],
+        max(job.split.train.indices, default=-1) + 1)
 
 
 def _head(cfg: TrainConfig, plan: Plan, job: _Job) -> str:
