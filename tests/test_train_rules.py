@@ -163,9 +163,9 @@ def test_costs_from_a_comparison_price_a_token_a_slot_and_a_start():
     frame, stages = _comparison()
     costs = eta.from_runs(frame, stages, build={"bytes": 4e6, "seconds": 2.0, "processes": 2})
     got = costs.set_index(["plan", "stage", "per"])["seconds"]
-    # 3 steady steps of 200 trained tokens (250 slots optimized, 400 naive)
-    assert got["optimized", "train", "token"] == pytest.approx(1.5 / 600)
-    assert got["naive", "train", "token"] == pytest.approx(6.0 / 600)
+    # 3 steady steps of 250 token slots (optimized) and 400 (naive)
+    assert got["optimized", "train", "slot"] == pytest.approx(1.5 / 750)
+    assert got["naive", "train", "slot"] == pytest.approx(6.0 / 1200)
     assert got["optimized", "eval", "eval_slot"] == pytest.approx(1.5 / 750 / 3)
     assert got["optimized", "warmup", "start"] == pytest.approx(1.0)  # beyond the steady step
     assert got["naive", "preprocess", "record"] == pytest.approx(0.8 / 32)
@@ -178,16 +178,18 @@ def test_costs_from_a_comparison_price_a_token_a_slot_and_a_start():
 def test_the_projection_sums_cost_times_count_and_says_what_it_cannot_price():
     frame, stages = _comparison()
     costs = eta.from_runs(frame, stages)  # no cache build recorded: bytes unpriced
-    counts = {"start": 1, "token": 60_000, "warmup_token": 200, "save": 11, "byte": 1e6,
-              "eval_slot": 9_000, "record": 1000}
+    counts = eta.job_counts(steps=241, warmup=1, tokens_per_step=250, slots_per_step=250,
+                            every_eval=24, every_save=24, eval_slots=900)
+    assert (counts["slot"], counts["warmup_slot"], counts["save"]) == (60_000, 250, 12)
+    assert counts["eval_slot"] == (1 + 10 + 1) * 900  # before, every 24 steps, at the end
     mine = eta.project(costs[costs["plan"] == "optimized"], counts).set_index("stage")
     assert list(mine.index) == list(eta.ORDER)
-    assert mine.at["train", "predicted_s"] == pytest.approx(60_000 * 1.5 / 600)
-    assert mine.at["warmup", "predicted_s"] == pytest.approx(1.0 + 200 * 1.5 / 600)
+    assert mine.at["train", "predicted_s"] == pytest.approx(60_000 * 1.5 / 750)
+    assert mine.at["warmup", "predicted_s"] == pytest.approx(1.0 + 250 * 1.5 / 750)
     assert mine.at["preprocess", "predicted_s"] == pytest.approx(0.8)  # the byte row unpriced
     assert "no token cache build recorded" in mine.at["preprocess", "evidence"]
     line = eta.before_line("head", mine.reset_index())
-    assert line.startswith("head; ETA 2.8 min, ") and "train 89%, eval 4%" in line
+    assert line.startswith("head; ETA 2.3 min, ") and "train 86%, eval 5%" in line
 
 
 def test_the_check_flags_a_stage_past_the_tolerance_and_totals_the_run():
@@ -225,3 +227,22 @@ def test_costs_from_decisions_scale_the_timed_step_by_its_slots_and_checkpointin
     assert ("train", "token") not in slot["o"].index
     assert math.isnan(slot["o"]["setup", "start"])  # nothing measured it: said, not invented
     assert eta.duration(9000) == "2 h 30 min" and eta.duration(4.2) == "4.2 s"
+
+
+def test_the_naive_plan_reads_a_whole_dataset_from_disk_item_by_item(tmp_path):
+    """ArrowRecords serves the source's good records as read_source reads them (chunks of
+    several sizes, a bad line skipped alike), from a file, not from memory."""
+    from diag.data import read_source
+    from diag.embedded import synthetic_dataset
+    from diag.qlora.data import ArrowRecords
+
+    data = synthetic_dataset(tmp_path / "d.jsonl", records=3000)
+    lines = data.read_text().splitlines()
+    data.write_text("\n".join(lines[:1500] + ["{not json"] + lines[1500:]) + "\n")
+    records, problems = read_source(data, on_error="skip")
+    assert len(problems) == 1 and len(records) == 3000
+    picked = [0, 1499, 1500, 2999, 7]
+    got = ArrowRecords(data, {}, tmp_path, picked)
+    assert len(got) == 5 and [got[i] for i in range(5)] == [records[i] for i in picked]
+    assert got[1:3] == [records[1499], records[1500]]
+    assert (tmp_path / "records.arrow").stat().st_size > 0 and got.__getstate__()["_table"] is None

@@ -245,7 +245,7 @@ class ArrowRecords(Sequence):
         from diag.data.records import plan_chunks, read_chunk
 
         self.path, self.indices = folder / "records.arrow", list(indices)
-        last, seen, writer = max(self.indices, default=-1) + 1, 0, None
+        last, seen, writer, schema = max(self.indices, default=-1) + 1, 0, None, None
         try:
             for chunk in plan_chunks(source, fields):
                 if seen >= last:
@@ -253,8 +253,10 @@ class ArrowRecords(Sequence):
                 good = [r for _, r in read_chunk(chunk, fields)[1] if isinstance(r, dict)]
                 good = good[:last - seen]
                 if good:
-                    batch = pa.RecordBatch.from_pylist(good, schema=writer and writer.schema)
-                    writer = writer or pa.ipc.new_file(str(self.path), batch.schema)
+                    batch = pa.RecordBatch.from_pylist(good, schema=schema)  # one schema
+                    if writer is None:
+                        schema = batch.schema
+                        writer = pa.ipc.new_file(str(self.path), schema)
                     writer.write_batch(batch)
                 seen += len(good)
         finally:

@@ -1,13 +1,14 @@
 """What a QLoRA job will take, said before it runs from earlier measurements only, then checked.
 
-A plan's costs are rows (COLUMNS): a stage, what it scales with (`per`: a start, a trained token,
-a token slot, a byte of source tokenized into the cache, a record, a checkpoint save, an eval
-token) and the seconds each costs, with the figures they rest on. `from_runs` reads them off a
+A plan's costs are rows (COLUMNS): a stage, what it scales with (`per`: a start, a token slot
+trained (warm-up or steady) or evaluated, a byte of source tokenized into the cache, a record, a
+checkpoint save, a trained token tokenized in the loop) and the seconds each costs, with the
+figures they rest on. `from_runs` reads them off a
 QLoRA comparison (what `diag run` measured: the Trainer's own steps); `from_decisions` off the
 decisions measured on the job's step and the token cache's recorded build rate (what `diag train`
 knows before its first step). `project(costs, counts)` prices each stage of a job; `check_eta`
 sets each prediction beside what the run measured (diag.qlora.predict.check, flagged past
-PREDICTION_TOLERANCE). Eval is priced as a third of a trained token (forward only).
+PREDICTION_TOLERANCE). An evaluated token slot costs a third of a trained one (forward only).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from diag.qlora.plans import Plan
 
 COLUMNS = ["plan", "stage", "per", "seconds", "evidence"]
-FORWARD_SHARE = 1 / 3  # an eval token's cost over a trained one's: forward, no backward
+FORWARD_SHARE = 1 / 3  # an evaluated slot's cost over a trained one's: forward, no backward
 ORDER = ("fetch_data", "load_model", "preprocess", "setup", "warmup", "train", "checkpoint",
          "eval")
 
@@ -36,13 +37,11 @@ def _row(plan: str, stage: str, per: str, seconds: float | None, why: str) -> di
     return {"plan": plan, "stage": stage, "per": per, "seconds": seconds, "evidence": why}
 
 
-def _step_rows(plan: str, seconds: float | None, per: str, slot: float | None, why: str
-               ) -> list[dict[str, Any]]:
-    """A trained unit's cost as the warm-up and the steady steps pay it, and a token slot's
-    as the evals do (one record a row: they pay its padding)."""
+def _step_rows(plan: str, slot: float | None, why: str) -> list[dict[str, Any]]:
+    """A token slot's cost as the warm-up and the steady steps train it, and as the evals pay
+    it forward only (one record a row: they pay its padding too)."""
     fwd = slot * FORWARD_SHARE if slot is not None else None
-    return [_row(plan, "warmup", f"warmup_{per}", seconds, why),
-            _row(plan, "train", per, seconds, why),
+    return [_row(plan, "warmup", "warmup_slot", slot, why), _row(plan, "train", "slot", slot, why),
             _row(plan, "eval", "eval_slot", fwd, f"{FORWARD_SHARE:.2g} of a trained slot "
                                                  f"(forward only): {why}")]
 
@@ -61,9 +60,8 @@ def from_runs(frame: pd.DataFrame, stages: pd.DataFrame, build: Mapping[str, Any
         spent = mine.groupby("stage")["seconds"].sum()
         saves = int((mine["stage"] == "checkpoint").sum())
         warm = int((mine["stage"] == "warmup").sum())  # one row per warm-up step
-        per_step, steady = r.real_tokens / r.steps, r.steps - warm
-        token = spent.get("train", 0.0) / (per_step * steady) if steady else None
-        slot = spent.get("train", 0.0) / (r.token_slots / r.steps * steady) if steady else None
+        per_step, steady = r.token_slots / r.steps, r.steps - warm
+        slot = spent.get("train", 0.0) / (per_step * steady) if steady else None
         said = f"the {r.plan} run of {int(r.records)} records, {int(r.steps)} steps"
         for stage in ("fetch_data", "load_model", "setup"):
             rows.append(_row(r.plan, stage, "start", spent.get(stage), f"{said}: per start"))
@@ -74,11 +72,11 @@ def from_runs(frame: pd.DataFrame, stages: pd.DataFrame, build: Mapping[str, Any
             rows.append(_row(r.plan, "preprocess", "start", spent.get("preprocess"),
                              f"{said}: the token cache's check (a hit)"))
         rows.append(_build_row(r.plan, build))
-        start = spent.get("warmup", 0.0) - (token or 0.0) * per_step * warm
+        start = spent.get("warmup", 0.0) - (slot or 0.0) * per_step * warm
         rows.append(_row(r.plan, "warmup", "start", max(start, 0.0),
                          f"{said}: its {warm} warm-up step(s) beyond the steady rate"))
-        rows += _step_rows(r.plan, token, "token", slot, f"{said}: {spent.get('train', 0.0):.3g}"
-                                                          " s over its steady steps")
+        rows += _step_rows(r.plan, slot, f"{said}: {spent.get('train', 0.0):.3g} s over its "
+                                         "steady steps' token slots")
         rows.append(_row(r.plan, "checkpoint", "save", spent.get("checkpoint", 0.0) / saves
                          if saves else None, f"{said}: {saves} save(s)"))
     return pd.DataFrame(rows, columns=COLUMNS)
@@ -141,8 +139,7 @@ def from_decisions(plan: Plan, decisions: Iterable[Decision],
         ratio = ckpt.naive_ratio if ckpt is not None else None
         step = step * ratio if ratio else None
         why += f"; x {ratio:.3g}: checkpointing on/off" if ratio else "; no checkpointing ratio"
-    slot = step / slots if step and slots else None
-    rows += _step_rows(name, slot, "slot", slot, why)
+    rows += _step_rows(name, step / slots if step and slots else None, why)
     if plan.pipeline == "naive" and build and build.get("tokens_per_s"):
         token = build.get("processes", 1) / build["tokens_per_s"]
         rows += [_row(name, "train", "token", token, "tokenized per sample in the loop: the "
@@ -173,16 +170,16 @@ def project(costs: pd.DataFrame, counts: Mapping[str, float]) -> pd.DataFrame:
 def job_counts(steps: int, warmup: int, tokens_per_step: float, slots_per_step: float,
                every_eval: int, every_save: int, eval_slots: float, done: int = 0,
                built_bytes: float = 0, records: int = 0) -> dict[str, float]:
-    """A run's counts in project's units: the steps after `done` (a resume's) and their tokens
-    and slots, warm-up apart; the evals (one before the first step of a fresh run, one every
-    every_eval steps, one at the end) of eval_slots each; the saves (every every_save, at the
-    end, and the output); the bytes a cache build reads; the records the naive plan reads."""
+    """A run's counts in project's units: the steps after `done` (a resume's), their trained
+    tokens and their slots (warm-up apart); the evals (one before the first step of a fresh
+    run, one every every_eval steps, one at the end) of eval_slots each; the saves (every
+    every_save, at the end, and the output); the bytes a cache build reads; the records the
+    naive plan reads."""
     left, warm = steps - done, min(warmup, steps - done)
     evals = (0 if done else 1) + steps // every_eval - done // every_eval + bool(
         steps % every_eval)
     saves = steps // every_save - done // every_save + bool(steps % every_save) + 1
-    return {"start": 1, "byte": built_bytes, "record": records,
-            "warmup_token": warm * tokens_per_step, "token": (left - warm) * tokens_per_step,
+    return {"start": 1, "byte": built_bytes, "record": records, "token": left * tokens_per_step,
             "warmup_slot": warm * slots_per_step, "slot": (left - warm) * slots_per_step,
             "save": saves, "eval_slot": evals * eval_slots}
 
@@ -222,9 +219,11 @@ def before_line(head: str, projected: pd.DataFrame) -> str:
     shares = ", ".join(f"{r.stage} {r.predicted_s / total:.0%}" for r in priced.sort_values(
         "predicted_s", ascending=False).itertuples() if total and r.predicted_s / total >= 0.005)
     left = sorted(set(projected["stage"]) - set(priced["stage"]))
+    if not total:
+        return (f"{head}; no ETA: nothing measured before prices this job's stages (decide the "
+                "plan on the job, or give --results runs/<id>)")
     return (f"{head}; ETA {duration(total)}, predicted before the run from earlier "
-            f"measurements: {shares or 'nothing priced'}"
-            + (f" (not predicted: {', '.join(left)})" if left else ""))
+            f"measurements: {shares}" + (f" (not predicted: {', '.join(left)})" if left else ""))
 
 
 def after_line(checked: pd.DataFrame) -> str:
