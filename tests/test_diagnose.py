@@ -94,4 +94,4 @@ def test_the_headline_projects_the_whole_job_and_diag_train_reads_its_costs(demo
     assert "the whole job (" in head["text"] and "projected from the per-token costs" in \
         head["text"] and head["projection"] in done.stdout
     costs = costs_in(out, "optimized").set_index(["stage", "per"])["seconds"]
-    assert costs["train", "token"] > 0 and costs["preprocess", "byte"] > 0
+    assert costs["train", "slot"] > 0 and costs["preprocess", "byte"] > 0
