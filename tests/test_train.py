@@ -33,7 +33,7 @@ def fresh(tmp_path_factory):
     from diag.qlora import run_train
 
     out = tmp_path_factory.mktemp("train") / "out"
-    return out, run_train(_cfg(out), decisions=())
+    return out, run_train(_cfg(out, merge=True), decisions=())
 
 
 def test_a_short_run_trains_evaluates_and_leaves_the_adapter(fresh):
@@ -57,6 +57,10 @@ def test_a_short_run_trains_evaluates_and_leaves_the_adapter(fresh):
         p.name for p in out.iterdir()}
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-5", "checkpoint-6"]
     assert json.loads((out / "diag-run.json").read_text())["max_steps"] == STEPS
+    # --merge: the base in 16-bit with the adapter in its weights, a model of its own
+    config = json.loads((out / "merged" / "config.json").read_text())
+    assert "quantization_config" not in config and row["merged"] == str(out / "merged")
+    assert (out / "merged" / "model.safetensors").is_file()
 
 
 def test_the_adapter_reloads_onto_a_fresh_base_with_the_same_eval_loss(fresh, tmp_path):

@@ -43,6 +43,30 @@ def test_the_eval_share_is_at_least_one_batch_and_the_steps_follow_epochs_or_max
     assert job.records == 4 * 16 and job.steps == 4 and job.lr == cfg.lr
 
 
+@pytest.mark.parametrize("batch, held, share", [(16, 8, 0.01), (8, 4, 0.5), (1, 1, 0.9)])
+def test_a_source_counted_to_enough_records_never_fails_the_split(tmp_path, batch, held, share):
+    from diag.qlora.data import count_records
+
+    cfg = TrainConfig(batch_size=batch, eval_batch=held, eval_share=share)
+    cfg.held_out(cfg.enough())  # the count a check stops at always leaves a step and a batch
+    with pytest.raises(ValueError, match="less than one optimizer step"):
+        cfg.held_out(cfg.enough() - (cfg.enough() - batch - held) - 1)
+    (tmp_path / "d.jsonl").write_text("{}\n" * 5000 + "{}")  # the last line has no newline
+    assert count_records(tmp_path / "d.jsonl") == 5001
+    assert count_records(tmp_path / "d.jsonl", at_most=cfg.enough()) == cfg.enough()
+
+
+def test_the_panels_last_step_is_the_fine_tune():
+    from diag import widgets
+    from diag.diagnose import TRAIN, steps
+
+    p = widgets.panel(quick=True, train=True)
+    cfg = widgets.config_from(p)
+    assert cfg.train and steps(cfg)[-1] == TRAIN and p.progress.max == len(steps(cfg))
+    assert list(p.outputs)[-1] == TRAIN.name  # its section comes last
+    assert TRAIN not in steps(cfg.replace(train=False))
+
+
 def test_cli_refuses_bad_input_in_one_line(capsys):
     from diag.cli import main
 

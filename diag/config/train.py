@@ -88,6 +88,11 @@ class TrainConfig(JobConfig):
                 "eval_share or eval_batch, or train on more records")
         return held
 
+    def enough(self) -> int:
+        """Records past which held_out can never refuse: checking a source needs no more."""
+        return max(self.batch_size + self.eval_batch,
+                   math.ceil((self.batch_size + 1) / (1 - self.eval_share)))
+
     def total_steps(self, steps_per_epoch: int) -> int:
         """Optimizer steps of the run: max_steps, else epochs (unset: 1) x steps_per_epoch."""
         return self.max_steps or (self.epochs or 1) * steps_per_epoch

@@ -212,9 +212,10 @@ def train_records(cfg: TrainConfig, source: Path, tokenizer_dir: Path) -> Split:
                  len(rest) - steps * cfg.batch_size)
 
 
-def count_records(source: Path) -> int:
+def count_records(source: Path, at_most: int | None = None) -> int:
     """About the records at source, without reading them: a Parquet shard's rows (its footer),
-    a JSONL file's lines (counted, not parsed: a blank or bad line counts too)."""
+    a JSONL file's lines (counted, not parsed: a blank or bad line counts too); at_most: stop
+    counting there (a check that needs no more reads no more)."""
     import pyarrow.parquet as pq
 
     from diag.data import shard_files
@@ -223,12 +224,14 @@ def count_records(source: Path) -> int:
     for path in shard_files(source):
         if path.suffix == ".parquet":
             total += pq.read_metadata(path).num_rows
-            continue
-        with open(path, "rb") as f:
-            last = b"\n"
-            while block := f.read(16 << 20):
-                total, last = total + block.count(b"\n"), block[-1:]
-        total += last != b"\n"  # a last line without its newline
+        else:
+            with open(path, "rb") as f:
+                last = b"\n"
+                while (block := f.read(16 << 20)) and (at_most is None or total < at_most):
+                    total, last = total + block.count(b"\n"), block[-1:]
+            total += last != b"\n"  # a last line without its newline
+        if at_most is not None and total >= at_most:
+            return at_most
     return total
 
 

@@ -3,8 +3,8 @@
 `Progress(timer, tokens_per_step, every)` is a TrainerCallback: the bar counts optimizer steps
 (resumed ones included) with trained tokens/s and the data_wait share of the steps so far in its
 postfix (tqdm's own ETA from the rate beside it); every `every` steps a line with the
-TimingCallback timer's stage shares so far. tqdm.auto draws it in a terminal and in a notebook
-alike; both go to stderr, so a --json result on stdout stays JSON.
+TimingCallback timer's stage shares so far (`say` writes such a line). tqdm.auto draws it in a
+terminal and in a notebook alike; on stderr, so a --json result on stdout stays JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ from transformers import TrainerCallback
 from diag.timing import StageTimer
 
 STEP_PARTS = ("data_wait", "h2d", "compute", "comm_wait", "other")
+
+
+def say(line: str) -> None:
+    """A line beside the progress bar (stderr, as the bar: a --json result stays JSON)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(line, file=sys.stderr)
 
 
 def shares_so_far(timer: StageTimer) -> str:

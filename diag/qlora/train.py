@@ -71,8 +71,7 @@ def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | No
         start = time.perf_counter()
         plan, decided, build = _decide(cfg, stored, decisions, src)
         plan_s = time.perf_counter() - start  # deciding it: the sweeps on the job, if measured
-        if not stored:
-            record(out, {"plan": plan.name, "decisions": [d.record()["json"] for d in decided]})
+        record(out, {"plan": plan.name, "decisions": [d.record()["json"] for d in decided]})
         if costs is None:
             costs = from_decisions(plan, decided, build)
         return _run(cfg, plan, src, out, costs, stored or {}, plan_s)
@@ -91,7 +90,7 @@ def _decide(cfg: TrainConfig, stored: dict[str, Any] | None,
     from diag.qlora.data import job_records
     from diag.qlora.measure import job_inputs, measure_on_job
 
-    if stored:
+    if stored and "decisions" in stored:  # a resume: the plan its run started with
         decided = read(pd.DataFrame({"json": stored["decisions"]}))
         return _collect(stored["plan"], decided), decided, None
     build = None
@@ -116,7 +115,9 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
 
     from diag.files import scratch_folder
     from diag.machine.device import resolve
+    from diag.qlora.data import count_records
     from diag.qlora.job import fetch_data, load_model, model_folder
+    from diag.qlora.progress import say
     from diag.timing import StageTimer
 
     device = resolve(cfg.device)
@@ -126,6 +127,8 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
     try:
         with timer.stage("fetch_data"):
             path = fetch_data(plan, src, work)
+        if not cfg.records:  # a source too small for the eval split: refused before the load
+            cfg.held_out(count_records(path, at_most=cfg.enough()))
         with timer.stage("load_model"):
             folder = model_folder(plan, src, work)
             model = load_model(cfg, plan, folder, device)
@@ -135,7 +138,7 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
         plan = plan.fit(job.data.micro_batch * job.data.grad_accum)
         counts = _counts(cfg, job, out)
         projected = project(costs, counts)
-        _say(before_line(_head(cfg, plan, job), projected))
+        say(before_line(_head(cfg, plan, job), projected))
         got = _train(cfg, plan, model, job, out, device, timer, stored)
         with timer.stage("checkpoint"):  # the output: adapter + tokenizer, whole
             files = publish(out, lambda tmp: _save_output(got["trainer"], folder, tmp))
@@ -145,7 +148,7 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
         losses = _losses(got, job.tokens_per_step).assign(run=plan.name)
         frame = pd.DataFrame([_summary(cfg, plan, job, got, stages, eta, losses, out, files,
                                        made) | {"plan_s": plan_s}])
-        _say(f"diag train: {after_line(eta)}; the adapter is in {out}")
+        say(f"diag train: {after_line(eta)}; the adapter is in {out}")
         return TrainResult(frame, stages, losses, eta, plan.frame())
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -276,15 +279,6 @@ def _head(cfg: TrainConfig, plan: Plan, job: _Job) -> str:
             f"({job.steps / split.steps_per_epoch:.3g} epochs, "
             f"~{job.tokens_per_step * job.steps:,.0f} trained tokens); token cache "
             f"{split.train.cache.status}")
-
-
-def _say(line: str) -> None:
-    """A line beside the progress bar (stderr: a --json result on stdout stays JSON)."""
-    import sys
-
-    from tqdm.auto import tqdm
-
-    tqdm.write(line, file=sys.stderr)
 
 
 def _summary(cfg: TrainConfig, plan: Plan, job: _Job, got: dict[str, Any], stages: pd.DataFrame,
