@@ -112,6 +112,8 @@ def _job(cfg: config.SourceConfig) -> config.QLoraConfig | None:
     """The QLoRA job that trains on cfg's source: its records are checked before the work."""
     if isinstance(cfg, config.QLoraConfig):
         return cfg
+    if isinstance(cfg, config.TrainConfig):  # the job its plan is decided on: the same records
+        return cfg.job()
     if isinstance(cfg, config.DiagnoseConfig) and cfg.qlora:
         from diag.diagnose import job_config
 

@@ -22,6 +22,8 @@ class TrainConfig(JobConfig):
     checkpoint_every: int = 0  # save adapter + optimizer + RNG + data position
                                # every N steps; 0 = ten times over the run
     out_dir: str = ""  # the adapter, tokenizer and checkpoints; "" = train/<UTC timestamp>
+    results: str = ""  # a run folder (diag run's): its decisions make the optimized plan,
+                       # its measured costs the ETA; "" = measure on this job
     plan: TrainPlan = "optimized"  # "optimized" (decided on the job, or --results),
                                    # "naive" (a newcomer's defaults: the baseline)
     records: int = 0  # the source's first N good records (a named subset); 0 = all of them

@@ -66,7 +66,7 @@ def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | No
         decisions = read_results(cfg.job())
     if costs is None and cfg.results:
         costs = costs_in(cfg.results, cfg.plan)
-    preflight(cfg)  # the source flags checked with one listing, before any model loads
+    preflight(cfg, cfg.job())  # folders, model, source and its first records: before any work
     with contextlib.nullcontext(src) if src else open_sources(cfg.job()) as src:
         start = time.perf_counter()
         plan, decided, build = _decide(cfg, stored, decisions, src)
