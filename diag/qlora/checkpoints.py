@@ -121,11 +121,12 @@ def save_whole(final: Path, write: Callable[[Path], None], keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def interrupted(signum: int, step: int, out_dir: Path, kept: bool) -> Interrupted:
-    """The stop a signal asked for, with the one line that says where the run stands."""
+def interrupted(signum: int, step: int, out_dir: Path | str | None) -> Interrupted:
+    """The stop a signal asked for, with the one line that says where the run stands: resumed
+    with --out-dir out_dir, or (None) not at all, its checkpoint in a temporary folder."""
     name = signal.Signals(signum).name
-    where = (f"checkpoint-{step} is saved in {out_dir}: run the same command with --resume "
-             f"--out-dir {out_dir} to continue" if kept else
+    where = (f"a checkpoint of step {step} is saved: run the same command with --resume "
+             f"--out-dir {out_dir} to continue" if out_dir else
              "its checkpoint was in a temporary folder: name --out-dir to keep one")
     return Interrupted(signum, f"diag: stopped by {name} after step {step}; {where}")
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from diag.config import diag_home
 from diag.files import scratch_folder
 from diag.qlora.checkpoints import last_checkpoint
-from diag.qlora.trainer import fit, trainer_for
 from diag.qlora.plans import Plan
+from diag.qlora.trainer import fit, trainer_for
 from diag.secrets import register
 from diag.timing import StageTimer
 
@@ -211,7 +211,7 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
         trainer, callback = trainer_for(cfg, plan, model, data, out_dir, device, timer,
                                         train_dataset=dataset)
         resume = last_checkpoint(out_dir) if cfg.resume else None
-        wall = fit(trainer, callback, resume, out_dir, kept=bool(cfg.out_dir))
+        wall = fit(trainer, callback, resume, cfg.out_dir or None)  # resumed with its --out-dir
         losses = pd.DataFrame([{"step": h["step"], "loss": h["loss"],
                                 "learning_rate": h.get("learning_rate")}
                                for h in trainer.state.log_history if "loss" in h])

@@ -225,7 +225,7 @@ def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, devic
             first = trainer.evaluate()["eval_loss"]
         callback.setup_from += time.perf_counter() - begin  # `setup`: the Trainer's, not this
         record(out, {"eval_loss_0": first})
-    wall = fit(trainer, callback, resume, out, kept=True)
+    wall = fit(trainer, callback, resume, out)
     return {"trainer": trainer, "resume": resume, "wall": wall, "first_eval": first}
 
 

@@ -77,16 +77,17 @@ def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path
     return trainer, callback
 
 
-def fit(trainer: Any, callback: Any, resume: Path | None, out_dir: Path, kept: bool) -> float:
+def fit(trainer: Any, callback: Any, resume: Path | None, out_dir: Path | None) -> float:
     """trainer.train() from `resume` (a checkpoint) or the start; returns the wall seconds from
     the Trainer's making to the end (what its stages must add to). A signal that stopped it
-    (its checkpoint saved): Interrupted, with the line saying how to resume."""
+    (its checkpoint saved): Interrupted, with the line saying how to resume: with --out-dir
+    out_dir (None: the checkpoint was in a temporary folder)."""
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     wall = time.perf_counter() - trainer.made_at
     signals = next(c for c in trainer.callback_handler.callbacks
                    if isinstance(c, signals_callback()))
     if signals.signum is not None:
-        raise interrupted(signals.signum, trainer.state.global_step, out_dir, kept)
+        raise interrupted(signals.signum, trainer.state.global_step, out_dir)
     return wall
 
 
