@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import pandas as pd
 import transformers  # noqa: F401  # imported before the clock, as a job's start
 
 from diag import decision, report
@@ -89,18 +90,7 @@ def killed_then_resumed(cfg: TrainConfig, after: int) -> dict:
     return json.loads(done.stdout)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--records", type=int, default=2000, help="the named subset")
-    parser.add_argument("--batch-size", type=int, default=8, help="records per optimizer step")
-    parser.add_argument("--lr", type=float, default=2e-3, help="both plans' peak rate: the tiny "
-                        "random model learns visibly in one epoch; at 4e-3 one seed's final eval "
-                        "loss moved by more than the goal's tolerance from another's")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--skip-resume", action="store_true")
-    args = parser.parse_args()
-    begin = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="diag-bench-train-"))
+def measure(args: argparse.Namespace, work: Path, begin: float) -> int:
     # the comparison as `diag run` makes it (3 interleaved rounds: the median round's costs)
     job = QLoraConfig(records=8 * args.batch_size, steps=8, seq_len=args.seq_len, lr=args.lr,
                       lora_r=8, lora_alpha=16, rounds=3, sweep_workers=[0, 2], device="cpu")
@@ -147,12 +137,25 @@ def main() -> int:
               f"step {got['train'][0]['resumed_from_step']} (goal <= 1e-5)")
     both = {k: [frames_of("train", r)[k] for r in runs.values()]
             for k in ("train", "run", "train_losses", "train_eta")}
-    import pandas as pd
-
     out = report.write({k: pd.concat(v, ignore_index=True) for k, v in both.items()})
     print(f"wrote {out / 'report.html'} (both runs, both eval curves)")
     print(f"train_bench_seconds: {time.perf_counter() - begin:.0f}")
     return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--records", type=int, default=2000, help="the named subset")
+    parser.add_argument("--batch-size", type=int, default=8, help="records per optimizer step")
+    parser.add_argument("--lr", type=float, default=2e-3, help="both plans' peak rate: the tiny "
+                        "random model learns visibly in one epoch; at 4e-3 one seed's final eval "
+                        "loss moved by more than the goal's tolerance from another's")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--skip-resume", action="store_true")
+    args = parser.parse_args()
+    begin = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="diag-bench-train-") as tmp:  # the out-dirs
+        return measure(args, Path(tmp), begin)
 
 
 if __name__ == "__main__":
