@@ -9,7 +9,8 @@ diag.machine.device's dense bf16 peak, cross-checked by FlopCounterMode on one s
 FLOPs: no frozen weight gradients;
 a gap over MFU_DISAGREEMENT flagged and explained). `qlora_vs_trl`: trained tokens/s of the
 optimized start against TRL's SFTTrainer(packing=True) on the same model, records and steps.
-Runs in under 5 minutes on an H100/H200 at the defaults.
+Last a short `diag train` of the same plan (--train-steps): its ETA error, steady compute share,
+held-out loss and MFU (train_check). Runs in under 5 minutes on an H100/H200 at the defaults.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--train-steps", type=int, default=60, help="the short diag train's")
     args = parser.parse_args()
     import torch
 
@@ -135,8 +137,41 @@ def main() -> int:
           f"start, TRL SFTTrainer packing=True {theirs:,.0f}: {tokens} tokens in {seconds:.3g} s) "
           "(goal >= 1.0)")
     print(shares(stages).to_string(index=False))
+    train_check(args, plan, summary, stages, qshape, peak)
     print(f"gpu_check_seconds: {time.perf_counter() - start:.0f} (goal < 300)")
     return 0
+
+
+def train_check(args: argparse.Namespace, plan, summary: dict, stages, qshape, peak) -> None:
+    """A short `diag train` of the same plan on the same data (--train-steps steps of the run's
+    records per step, 1% held out), its ETA priced by the run above (as --results would):
+    the same figures as bench/train.py, and its MFU."""
+    import pandas as pd
+
+    from diag.config import TrainConfig, diag_home
+    from diag.qlora import run_train
+    from diag.qlora.eta import from_runs
+    from diag.qlora.mfu import qlora_mfu
+
+    micro = plan.decision("micro_batch").capped(args.micro_batch, "gpu_check's --micro-batch")
+    decided = [micro if d.setting == "micro_batch" else d for d in plan.decisions]
+    cfg = TrainConfig(records=args.records, batch_size=args.records // args.steps,
+                      seq_len=args.seq_len, max_steps=args.train_steps, device="cuda",
+                      out_dir=str(diag_home() / "gpu_check" / f"train-{time.time():.0f}"))
+    with sources(args) as src:
+        got = run_train(cfg, decided, src=src, costs=from_runs(pd.DataFrame([summary]), stages))
+    row, ran = got.frame.iloc[0], got.stages
+    train_s = float(ran.loc[ran["step"].isna() & (ran["stage"] == "train"), "seconds"].sum())
+    compute = float(ran.loc[ran["stage"] == "compute", "seconds"].sum())
+    print(got.eta[["stage", "predicted_s", "measured_s", "error_share"]].to_string(index=False))
+    print(f"train_eta_error: {row['eta_error']:.3g} ({row['predicted_s']:.3g} s predicted, "
+          f"{row['seconds']:.3g} s measured, {int(row['steps'])} steps)")
+    print(f"train_steady_compute_share: {compute / train_s:.3g}")
+    print(f"train_eval_loss: {row['first_eval_loss']:.4f} -> {row['final_eval_loss']:.4f}")
+    steady = row["trained_tokens"] * (row["steps"] - cfg.warmup_steps) / row["steps"]
+    mfu, note = qlora_mfu(steady / train_s, qshape, peak.flops, peak.label)
+    print(f"train_qlora_mfu: {mfu:.1%} ({note})" if not math.isnan(mfu) else
+          f"train_qlora_mfu: n/a ({note})")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The whole diagnosis on the embedded defaults (or the user's source): `python -m diag run`.
 
 The machine, the data's and the model's starts (diag.storage, diag.model_load), the QLoRA job's
-own step measured (diag.qlora.measure), then the job run naive and optimized (diag.qlora);
-`qlora=False`: the toy loop instead. `_recipe` reads top to bottom, each step's product assigned
-into one frozen `Diagnosis` (diag.runner: progress, Stop, on_error); `STEPS` names each step.
+own step measured (diag.qlora.measure), then the job run naive and optimized (diag.qlora), the
+whole job projected, and with --train the fine-tune itself; `qlora=False`: the toy loop
+instead. `_recipe` reads top to bottom, each step's product assigned into one frozen
+`Diagnosis` (diag.runner: progress, Stop, on_error); `STEPS` names each step.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tqdm.auto import tqdm
 from diag import report
 from diag.config import (AccumConfig, DiagnoseConfig, InfoConfig, LoaderConfig, ModelLoadConfig,
                          QLoraConfig, StorageConfig, ToyConfig)
-from diag.decision import by_setting
+from diag.decision import Decision, by_setting
 from diag.frames import folder_frames
 from diag.machine.device import on_cpu_threads, resolve, run_info
 from diag.runner import Runner, Step
@@ -33,9 +34,10 @@ if TYPE_CHECKING:
     from diag.accum import AccumResult
     from diag.loader import LoaderResult
     from diag.model_load import ModelLoadResult
-    from diag.qlora import QLoraResult
+    from diag.qlora import QLoraResult, TrainResult
     from diag.qlora.checkpointing import CheckpointingResult
     from diag.qlora.measure import JobInputs
+    from diag.qlora.projection import Projection
     from diag.storage import StorageResult
 
 RUNS = ("naive", "optimized")
@@ -54,9 +56,11 @@ class Diagnosis:
     checkpointing: CheckpointingResult | None = None
     loader: LoaderResult | None = None  # on the job's step (qlora=False: projected)
     qlora: QLoraResult | None = None  # the job under both plans
+    qlora_projection: Projection | None = None  # the whole job under each plan, projected
     loader_projected: LoaderResult | None = None  # on a CPU box: against target_gpu's step
     runs: pd.DataFrame | None = None  # qlora=False: the toy loop's two runs (StageTimer rows)
     accum_advice: pd.DataFrame | None = None  # the faster split, priced on the runs' compute
+    train: TrainResult | None = None  # --train: the optimized plan on the whole dataset
 
 
 INFO = Step("device facts", "info")
@@ -67,13 +71,16 @@ ACCUM = Step("grad-accum sweep", "accum")
 CHECKPOINTING = Step("checkpointing", "checkpointing")
 LOADER = Step("data loader", "loader")
 QLORA = Step("naive vs optimized QLoRA", "qlora")
+PROJECTION = Step("the whole job, projected", "qlora_projection")
+TRAIN = Step("the fine-tune: the optimized plan on the whole dataset", "train")
 LOADER_PROJECTED = Step("data loader against target_gpu (projected)", "loader_projected")
 LOADER_TOY = Step("data loader (projected)", "loader")
 ACCUM_TOY = Step("grad-accum sweep (tiny model)", "accum")
 TOY_RUNS = Step("naive vs optimized run", "runs")
 ACCUM_ADVICE = Step("grad-accum advice", "accum_advice")
-STEPS = (INFO, STORAGE, MODEL_LOAD, JOB, ACCUM, CHECKPOINTING, LOADER, QLORA, LOADER_PROJECTED,
-         LOADER_TOY, ACCUM_TOY, TOY_RUNS, ACCUM_ADVICE)  # every step, in the panel's order
+STEPS = (INFO, STORAGE, MODEL_LOAD, JOB, ACCUM, CHECKPOINTING, LOADER, QLORA, PROJECTION,
+         LOADER_PROJECTED, LOADER_TOY, ACCUM_TOY, TOY_RUNS, ACCUM_ADVICE,
+         TRAIN)  # every step, in the panel's order
 
 # run(diagnosis, step, make): make() is the step's product, assigned into step.field (Runner)
 Run = Callable[[Diagnosis, Step, Callable[[], Any]], Diagnosis]
@@ -90,6 +97,8 @@ def _recipe(cfg: DiagnoseConfig, run: Run) -> Diagnosis:
     d = _on_job(cfg, run, d) if cfg.qlora else _toy(cfg, run, d)
     if cfg.accum:  # after the runs: its advice is priced on their compute
         d = run(d, ACCUM_ADVICE, lambda: _accum_advice(cfg, d))
+    if cfg.qlora and cfg.train:  # the last step: the fine-tune, checked against the projection
+        d = run(d, TRAIN, lambda: _train(cfg, d))
     return d
 
 
@@ -113,6 +122,7 @@ def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis) -> Diagnosis:
         if cfg.loader:
             d = run(d, LOADER, lambda: loader_on_job(job, _need(d.job, JOB), _micro(d)))
         d = run(d, QLORA, lambda: _qlora(job, d, src()))
+        d = run(d, PROJECTION, lambda: _projection(cfg, job, d))
     # on a CPU box, also: would this loader keep up with the GPU being considered (projected)
     if cfg.loader and not cfg.quick_experiments and resolve(cfg.device).type == "cpu":
         d = run(d, LOADER_PROJECTED, lambda: _loader_toy(cfg))
@@ -185,12 +195,38 @@ def _micro(d: Diagnosis) -> int:
     return Plan.optimized(device=str(job.device)).fit(job.rows_per_step).micro_batch
 
 
+def _decided(d: Diagnosis) -> list[Decision]:
+    """The decisions measured on this source and job: what the optimized plan collects."""
+    measured = (d.storage, d.model_load, d.loader, d.accum, d.checkpointing)
+    return [x for r in measured if r is not None for x in r.decisions]
+
+
 def _qlora(job: QLoraConfig, d: Diagnosis, src: Any) -> QLoraResult:
     """The QLoRA job under both plans; the optimized one collects the decisions above."""
     from diag.qlora import run_qlora
 
-    measured = (d.storage, d.model_load, d.loader, d.accum, d.checkpointing)
-    return run_qlora(job, [x for r in measured if r is not None for x in r.decisions], src=src)
+    return run_qlora(job, _decided(d), src=src)
+
+
+def _train(cfg: DiagnoseConfig, d: Diagnosis) -> TrainResult:
+    """`diag train` on the whole dataset for cfg.epochs (its sources opened again): the
+    optimized plan of the decisions above, its ETA priced at the projection's costs (so the run
+    checks the headline)."""
+    from diag.config import TrainConfig
+    from diag.qlora import run_train
+
+    costs = _need(d.qlora_projection, PROJECTION).costs
+    train = TrainConfig.of_job(job_config(cfg), quick=_quick(cfg), epochs=cfg.epochs)
+    return run_train(train, _decided(d), costs=costs[costs["plan"] == "optimized"])
+
+
+def _projection(cfg: DiagnoseConfig, job: QLoraConfig, d: Diagnosis) -> Projection:
+    """What `diag train` would take on every record of the source for cfg.epochs, per plan."""
+    from diag.config import TrainConfig
+    from diag.qlora.projection import project_job
+
+    return project_job(TrainConfig.of_job(job, epochs=cfg.epochs), job, _need(d.qlora, QLORA),
+                       _need(d.job, JOB))
 
 
 def _loader_toy(cfg: DiagnoseConfig) -> LoaderResult:

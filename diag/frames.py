@@ -49,8 +49,12 @@ def folder_frames(results: Iterable[tuple[str, Any]]) -> dict[str, pd.DataFrame]
     decided: list[Decision] = []
     for name, result in results:
         decided += getattr(result, "decisions", ())
-        out |= {k: f for k, f in frames_of(name, result).items()
-                if k not in ("advice", "decisions") and not f.empty}
+        for key, got in frames_of(name, result).items():
+            if key in ("advice", "decisions") or got.empty:
+                continue
+            # every run's stage rows in the one `run` frame (the comparison's, then diag train's)
+            out[key] = pd.concat([out[key], got], ignore_index=True) \
+                if key == STAGE_FRAME and key in out else got
     if decided:
         out["decisions"] = frame(decided)
     return out

@@ -337,3 +337,22 @@ def plot_ranks(per_rank: pd.DataFrame, title: str = "Per rank: where a step's ti
               loc="upper center", bbox_to_anchor=(0.5, -0.25))
     ax.margins(x=0.12)
     return fig
+
+
+def plot_losses(losses: pd.DataFrame) -> Figure:
+    """Train loss (line) and held-out eval loss (dots joined) against trained tokens, one colour
+    per run (diag.qlora.run_train's `losses`; the naive and optimized runs side by side)."""
+    if losses.empty or not {"run", "split", "loss", "trained_tokens"} <= set(losses.columns):
+        raise ValueError("losses must be diag train's: run, split, loss, trained_tokens rows")
+    fig = _figure(8, 3.5)
+    ax = fig.add_subplot()
+    for i, (run, part) in enumerate(losses.groupby("run", sort=False)):
+        for split, style in (("train", "-"), ("eval", "o-")):
+            mine = part[part["split"] == split].sort_values("trained_tokens")
+            ax.plot(mine["trained_tokens"], mine["loss"], style, color=f"C{i}", markersize=4,
+                    alpha=0.45 if split == "train" else 1.0, label=f"{run} {split}")
+    ax.set_xlabel("trained tokens")
+    ax.set_ylabel("loss")
+    ax.set_title("Train and held-out loss against trained tokens")
+    ax.legend(fontsize=8, frameon=False)
+    return fig

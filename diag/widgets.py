@@ -71,6 +71,8 @@ VIEWS: dict[str, View] = {
     "accum": lambda f: [f["accum_summary"], plots.plot_accum(f["accum"])],
     "checkpointing": lambda f: [f["checkpointing"]],
     "qlora": _runs,
+    "qlora_projection": lambda f: [f["qlora_projection"]],
+    "train": lambda f: [f["train_eta"], plots.plot_losses(f["train_losses"])],
     "runs": _runs,
     "accum_advice": _amdahl,
 }
@@ -114,6 +116,7 @@ class Panel:
     micro_batches: Any
     plan: Any
     quick: Any
+    train: Any  # then train the optimized plan on the whole dataset (the panel's last step)
     run: Any  # the Run button
     stop: Any  # the Stop button: ends the step running now
     progress: Any  # IntProgress over the diagnosis' steps
@@ -180,7 +183,8 @@ def _esc(text: str) -> str:
 def config_from(p: Panel) -> DiagnoseConfig:
     """The DiagnoseConfig the panel's fields describe (ValueError names a bad field)."""
     return DiagnoseConfig.default(
-        quick=p.quick.value or None, **p.settings, source=p.source.value.strip(),
+        quick=p.quick.value or None, **p.settings, train=p.train.value,
+        source=p.source.value.strip(),
         model=p.model.value.strip(), plan=p.plan.value, **source_values(p.sources),
         workers=parse_ints(p.workers.value, "num_workers"),
         micro_batches=parse_ints(p.micro_batches.value, "micro-batches"))
@@ -332,6 +336,7 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
         micro_batches=w.Text(micro_batches, description="micro-batch", placeholder="e.g. 2,8,16"),
         plan=w.ToggleButtons(options=PLANS, value=plan, description="plan"),
         quick=w.Checkbox(quick, description="quick (test-sized)"),
+        train=w.Checkbox(settings.pop("train", False), description="then train (diag train)"),
         run=w.Button(description="Run", button_style="primary", icon="play"),
         stop=w.Button(description="Stop", button_style="warning", icon="stop", disabled=True),
         progress=w.IntProgress(value=0, min=0, max=1, description="steps"),
@@ -345,6 +350,6 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
     sections = [w.VBox([w.HTML(f"<b>{name}</b>"), output]) for name, output in p.outputs.items()]
     p.box = w.VBox([p.source, p.model, w.Accordion([w.VBox(list(p.sources.values()))],
                                                    titles=("source options",)),
-                    w.HBox([p.workers, p.micro_batches]), p.plan, p.quick,
+                    w.HBox([p.workers, p.micro_batches]), p.plan, w.HBox([p.quick, p.train]),
                     w.HBox([p.run, p.stop, p.progress, p.status]), p.log, *sections])
     return p

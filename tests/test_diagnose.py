@@ -78,3 +78,20 @@ def test_demo_leaks_no_secret(demo):
     assert FAKE_HF_TOKEN not in done.stdout + done.stderr
     for path in out.iterdir():
         assert FAKE_HF_TOKEN.encode() not in path.read_bytes(), path.name
+
+
+@pytest.mark.slow
+def test_the_headline_projects_the_whole_job_and_diag_train_reads_its_costs(demo):
+    from diag.qlora.eta import costs_in
+
+    out, done = demo
+    frames = report.load(out)
+    totals = frames["qlora_projection"].query("stage == 'total'").set_index("plan")
+    assert set(totals.index) == {"naive", "optimized"} and (totals["predicted_s"] > 0).all()
+    # every record of the embedded source (counted), one epoch, each plan's measured costs
+    assert totals.at["naive", "evidence"].endswith("1 epoch(s)")
+    head = report.load_summary(out)["headline"]
+    assert "the whole job (" in head["text"] and "projected from the per-token costs" in \
+        head["text"] and head["projection"] in done.stdout
+    costs = costs_in(out, "optimized").set_index(["stage", "per"])["seconds"]
+    assert costs["train", "slot"] > 0 and costs["preprocess", "byte"] > 0

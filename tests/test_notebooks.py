@@ -49,8 +49,10 @@ def test_notebook_is_committed_thin(path: Path):
 
 
 # the tour reads the shared quick run's folder (its `results` parameter) instead of measuring
-# the whole diagnosis again in its kernel; the browser test's panel Run measures in a kernel
+# the whole diagnosis again in its kernel; the browser test's panel Run measures in a kernel.
+# The train notebook takes its plan and costs from that folder too (as `diag train --results`)
 TOUR = "00_tour.ipynb"
+FROM_QUICK_RUN = {TOUR, "07_train.ipynb"}
 # Run in JupyterLab by tests/test_browser.py (every cell in a real kernel, then the same checks:
 # no error output, no secret in the saved notebook): papermill runs them only where those tests
 # cannot run, so that no notebook goes untested
@@ -61,7 +63,7 @@ BROWSER_SKIP = pytest.mark.skip(reason="run in JupyterLab in chromium by tests/t
 def _marks(path: Path) -> list[pytest.MarkDecorator]:
     if path.name in IN_BROWSER and chromium()[0] is not None:
         return [BROWSER_SKIP]
-    return [pytest.mark.xdist_group(QUICK_RUN)] if path.name == TOUR else []
+    return [pytest.mark.xdist_group(QUICK_RUN)] if path.name in FROM_QUICK_RUN else []
 
 
 @pytest.mark.slow
@@ -72,7 +74,7 @@ def test_notebook_executes(path: Path, tmp_path: Path, request):
 
     out = tmp_path / path.name
     parameters = {"quick": True}
-    if path.name == TOUR:
+    if path.name in FROM_QUICK_RUN:
         parameters["results"] = str(request.getfixturevalue("quick_run")[0])
     papermill.execute_notebook(
         str(path), str(out), parameters=parameters, kernel_name="python3",

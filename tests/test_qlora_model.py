@@ -71,7 +71,7 @@ def test_packed_records_train_as_each_would_alone(attention, tmp_path):
 
     from diag.embedded import ensure_assets, synthetic_dataset
     from diag.qlora.data import build_dataset, job_records
-    from diag.qlora.job import _training_args
+    from diag.qlora.trainer import training_args
 
     model_dir = ensure_assets().model_dir
     data = synthetic_dataset(tmp_path / "d.jsonl", records=12)
@@ -80,7 +80,7 @@ def test_packed_records_train_as_each_would_alone(attention, tmp_path):
     job = build_dataset(cfg, plan, job_records(cfg, data, model_dir), model_dir, data, attention)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation=attention)
-    args = _training_args(cfg, plan, job, tmp_path / "out", torch.device("cpu"))
+    args = training_args(cfg, plan, job, tmp_path / "out", torch.device("cpu"))
     trainer = transformers.Trainer(model=model, args=args, train_dataset=job.dataset)
     batch = next(iter(trainer.get_train_dataloader()))
     assert "attention_mask" not in batch

@@ -37,7 +37,7 @@ def _env(tmp: Path) -> dict[str, str]:
 
 
 def test_sigkill_mid_run_then_resume_finishes_the_same_steps(tmp_path):
-    from diag.qlora.job import last_checkpoint
+    from diag.qlora.checkpoints import last_checkpoint
 
     out = tmp_path / "out"
     proc = subprocess.Popen(_command(out), env=_env(tmp_path), stdout=subprocess.DEVNULL,

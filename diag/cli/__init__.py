@@ -61,6 +61,10 @@ EXPERIMENTS: dict[str, Experiment] = {
     "qlora": Experiment(config.QLoraConfig, "diag.qlora:run_qlora",
                         "the QLoRA fine-tune (nf4 + LoRA, Trainer), naive vs optimized plan: "
                         "stages, loss curves, predicted vs measured saving per fix", ddp=True),
+    "train": Experiment(config.TrainConfig, "diag.qlora:run_train",
+                        "the QLoRA fine-tune of the whole dataset under the optimized (or naive) "
+                        "plan: epochs, held-out eval, checkpoints and resume, an ETA checked "
+                        "after; the adapter (PEFT's format) and tokenizer in --out-dir"),
     "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_diagnose",
                       "the whole diagnosis on one source: every experiment, then the report",
                       table=False),
@@ -108,6 +112,8 @@ def _job(cfg: config.SourceConfig) -> config.QLoraConfig | None:
     """The QLoRA job that trains on cfg's source: its records are checked before the work."""
     if isinstance(cfg, config.QLoraConfig):
         return cfg
+    if isinstance(cfg, config.TrainConfig):  # the job its plan is decided on: the same records
+        return cfg.job()
     if isinstance(cfg, config.DiagnoseConfig) and cfg.qlora:
         from diag.diagnose import job_config
 
@@ -155,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(redact(line) + "\n")  # one write: the ranks share the launcher's stderr
         _spills_left()
         return 2
+    except KeyboardInterrupt as err:  # Ctrl-C; a training run that saved a checkpoint first
+        # (diag.qlora.checkpoints.Interrupted, SIGTERM too) says how to resume
+        sys.stderr.write(redact(str(err) or "diag: interrupted") + "\n")
+        return 128 + getattr(err, "signum", signal.SIGINT)
     except SystemExit:  # SIGTERM: the launcher stops this rank because another one failed
         _spills_left()
         raise

@@ -82,6 +82,10 @@ class DiagnoseConfig(SourceConfig):
     job_steps: int = 0  # optimizer steps of the QLoRA job (naive
                         # and optimized); 0 = QLoraConfig's default
     seq_len: int = 0  # token slots per row of the QLoRA job; 0 = QLoraConfig's default
+    epochs: int = 1  # epochs of the whole job (every record of --source) the
+                     # headline projects for each plan: what `diag train` would take
+    train: bool = False  # then train the optimized plan on the whole job (diag train):
+                         # the adapter in train/<UTC timestamp>, its ETA checked
     on_error: str = "raise"  # a record of --source that does not fit: "raise"
                              # stops, "skip" counts it and leaves it out
     steps: int = 60  # --no-qlora only: timed steps of the toy loop per run (naive and optimized)
@@ -108,7 +112,7 @@ class DiagnoseConfig(SourceConfig):
     def validate(self) -> None:
         super().validate()  # the source flags (SourceConfig)
         check_out(self.out)  # before anything runs: a full folder fails in a second, not at the end
-        self._positive("steps")
+        self._positive("steps", "epochs")
         self._non_negative("prep_ms", "naive_workers", "optimized_workers", "records",
                            "job_steps", "seq_len")
         if self.records and self.job_steps > self.records:

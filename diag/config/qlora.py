@@ -1,4 +1,9 @@
-"""`diag qlora`: the QLoRA job's config (diag.qlora)."""
+"""`diag qlora` and `diag train`: the QLoRA job's configs (diag.qlora).
+
+`JobConfig` holds what both commands run the job with (its rows, adapters, learning rate, seed,
+checkpoints, the sweeps that decide the optimized plan); `QLoraConfig` adds the short side-by-side
+comparison's records, steps and rounds, `TrainConfig` (train.py) the whole dataset's epochs.
+"""
 
 from __future__ import annotations
 
@@ -13,15 +18,10 @@ QLORA_PLANS: tuple[str, ...] = get_args(QLoraPlan)
 
 
 @dataclass
-class QLoraConfig(SourceConfig):
-    """`diag qlora`: the QLoRA fine-tune (nf4 base + LoRA, transformers.Trainer), naive vs
-    optimized."""
+class JobConfig(SourceConfig):
+    """The QLoRA job (nf4 base + LoRA, transformers.Trainer) as `diag qlora` and `diag train`
+    run it."""
 
-    plan: QLoraPlan = "both"  # "naive" (a newcomer's defaults),
-                              # "optimized" (the measured fixes) or both
-    records: int = 128  # records both plans train on once (same
-                        # tokens); demo-sized for a 2-core CPU
-    steps: int = 8  # optimizer steps both plans take over those records (same LR schedule)
     seq_len: int = 128  # token slots per row: naive pads each record to it, optimized packs into it
     on_error: str = "raise"  # a bad row or a prompt filling seq_len:
                              # "raise" stops, "skip" counts it
@@ -37,7 +37,6 @@ class QLoraConfig(SourceConfig):
     out_dir: str = ""  # checkpoints; "" = a fresh temporary folder per run
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"; CUDA-only
                           # settings on CPU fall back, with a note
-    rounds: int = 3  # plans run interleaved this many times (order alternating); medians + spread
     results: str = ""  # run folder whose decisions.csv the optimized
                        # plan collects; "" = measure on this job
     # -- the sweeps on the job's own step that decide the optimized plan (diag.qlora.measure) --
@@ -46,10 +45,57 @@ class QLoraConfig(SourceConfig):
     sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # num_workers
         # the loader sweep tries against the job's step
     sweep_steps: int = 2  # timed steps per sweep point on the job (after one warm-up)
+
+    # what a resumed run must share with the run it continues (the other fields: how it runs)
+    IDENTITY: ClassVar[tuple[str, ...]] = (
+        "source", "model", "revision", "text_field", "prompt_field", "response_field",
+        "messages_field", "seq_len", "on_error", "lr", "seed", "lora_r", "lora_alpha",
+        "lora_dropout")
+
+    def identity(self) -> dict[str, Any]:
+        """The settings a resume must share with the run it continues (IDENTITY)."""
+        return {k: v for k, v in self.to_dict().items() if k in self.IDENTITY}
+
+    def validate(self) -> None:
+        super().validate()  # the source flags (SourceConfig): what
+                            # the job pulls, loads and trains on
+        self._choice("on_error", ON_ERROR)
+        self._positive("seq_len", "lr", "lora_r", "lora_alpha", "sweep_steps")
+        for name, low in (("sweep_workers", 0), ("sweep_micro_batches", 1)):
+            values = getattr(self, name)
+            if isinstance(values, str):  # "0,2" from a notebook parameter
+                values = [int(v) for v in values.split(",") if v.strip()]
+                setattr(self, name, values)
+            if not isinstance(values, (list, tuple)) or any(
+                    isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
+                raise ValueError(f"{type(self).__name__}.{name}={values!r}: must be a list of "
+                                 f"whole numbers >= {low}")
+        if not self.sweep_workers:
+            raise ValueError(f"{type(self).__name__}.sweep_workers=[]: name at least one "
+                             "num_workers")
+        self._non_negative("warmup_steps", "lora_dropout", "checkpoint_every", "seed")
+        self._device()
+        if not self.lora_dropout < 1:
+            raise ValueError(f"{type(self).__name__}.lora_dropout={self.lora_dropout!r}: must "
+                             "be in [0, 1)")
+
+
+@dataclass
+class QLoraConfig(JobConfig):
+    """`diag qlora`: the QLoRA fine-tune (nf4 base + LoRA, transformers.Trainer), naive vs
+    optimized."""
+
+    plan: QLoraPlan = "both"  # "naive" (a newcomer's defaults),
+                              # "optimized" (the measured fixes) or both
+    records: int = 128  # records both plans train on once (same
+                        # tokens); demo-sized for a 2-core CPU
+    steps: int = 8  # optimizer steps both plans take over those records (same LR schedule)
+    rounds: int = 3  # plans run interleaved this many times (order alternating); medians + spread
     slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms
                          # more per batch (a straggler on purpose); -1 = none
     slow_ms: float = 0.0  # the extra per-batch sleep of slow_rank, in milliseconds
 
+    IDENTITY: ClassVar[tuple[str, ...]] = (*JobConfig.IDENTITY, "plan", "records", "steps")
     # --quick (tests, a smoke run): one round of each plan, a quick look with no spread
     QUICK: ClassVar[dict[str, Any]] = {"records": 12, "steps": 3, "seq_len": 96, "lora_r": 8,
                                        "lora_alpha": 16, "sweep_workers": [0, 2],
@@ -61,30 +107,12 @@ class QLoraConfig(SourceConfig):
                                      "steps": 4, "rounds": 3}
 
     def validate(self) -> None:
-        super().validate()  # the source flags (SourceConfig): what
-                            # the job pulls, loads and trains on
+        super().validate()
         self._choice("plan", QLORA_PLANS)
-        self._choice("on_error", ON_ERROR)
-        self._positive("records", "steps", "seq_len", "lr", "lora_r", "lora_alpha", "sweep_steps",
-                       "rounds")
+        self._positive("records", "steps", "rounds")
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int):
             raise ValueError(f"QLoraConfig.rounds={self.rounds!r}: must be a whole number >= 1")
-        for name, low in (("sweep_workers", 0), ("sweep_micro_batches", 1)):
-            values = getattr(self, name)
-            if isinstance(values, str):  # "0,2" from a notebook parameter
-                values = [int(v) for v in values.split(",") if v.strip()]
-                setattr(self, name, values)
-            if not isinstance(values, (list, tuple)) or any(
-                    isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
-                raise ValueError(f"QLoraConfig.{name}={values!r}: must be a list of whole "
-                                 f"numbers >= {low}")
-        if not self.sweep_workers:
-            raise ValueError("QLoraConfig.sweep_workers=[]: name at least one num_workers")
-        self._non_negative("warmup_steps", "lora_dropout", "checkpoint_every", "seed")
         self._straggler()
-        self._device()
-        if not self.lora_dropout < 1:
-            raise ValueError(f"QLoraConfig.lora_dropout={self.lora_dropout!r}: must be in [0, 1)")
         if self.steps > self.records:
             raise ValueError(f"QLoraConfig.steps={self.steps}: at most records={self.records} "
                              "(each optimizer step needs at least one record)")

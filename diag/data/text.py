@@ -9,6 +9,7 @@ form of the same labels is diag.data.packing's. An importable module: workers pi
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -97,14 +98,16 @@ class NaiveTextDataset(Dataset):
     in the training loop (num_workers=0) or in a worker.
     """
 
-    def __init__(self, path_or_records: str | os.PathLike[str] | list[dict[str, str]],
+    def __init__(self, path_or_records: str | os.PathLike[str] | Sequence[dict[str, str]],
                  tokenizer_dir: str | os.PathLike[str], seq_len: int) -> None:
         check_seq_len(seq_len)
         if isinstance(path_or_records, (str, os.PathLike)):
             from diag.data.records import read_source
 
             path_or_records, _ = read_source(path_or_records, on_error="raise")
-        self.records = list(path_or_records)
+        # a Sequence is kept as given: a dataset read item by item from disk stays there
+        self.records = path_or_records if isinstance(path_or_records, Sequence) \
+            else list(path_or_records)
         self.tokenizer_dir, self.seq_len = str(tokenizer_dir), seq_len
         if not Path(self.tokenizer_dir, "tokenizer.json").is_file():
             raise ValueError(f"tokenizer_dir={self.tokenizer_dir!r}: no tokenizer.json there")

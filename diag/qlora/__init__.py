@@ -2,11 +2,13 @@
 
 `run_qlora(cfg)` trains the same records with the same seed and schedule under `Plan.naive()`
 (a newcomer's defaults) and `Plan.optimized(decisions)` (every fix the experiments measured) and
-returns where each run's time went. (Time your own Trainer with `diag.TimingCallback`.)
+returns where each run's time went; `run_train(cfg)` then trains the whole dataset under one plan
+and leaves the adapter. (Time your own Trainer with `diag.TimingCallback`.)
 """
 
 from diag.qlora.experiment import QLoraResult, run_qlora
 from diag.qlora.plans import Plan
 from diag.qlora.predict import savings
+from diag.qlora.train import TrainResult, run_train
 
-__all__ = ["Plan", "QLoraResult", "run_qlora", "savings"]
+__all__ = ["Plan", "QLoraResult", "TrainResult", "run_qlora", "run_train", "savings"]

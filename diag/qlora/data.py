@@ -3,19 +3,25 @@
 `job_records` takes the source's first records from the one token cache (a prefix of the
 source: the folder the loader and accum sweeps read when they cover it), drops (or refuses)
 those whose prompt leaves no response token inside seq_len and counts them from the cache's
-offsets and loss mask; `build_dataset` makes the plan's Dataset (per-sample tokenized and padded,
-or whole records packed into windows and kept apart by position_ids) and splits each optimizer
-step into micro-batch x accumulation so both plans take the same steps over the same records.
+offsets and loss mask; `train_records` does so for `diag train`'s whole dataset and splits off
+its held-out eval records. `build_dataset` makes the plan's Dataset (per-sample tokenized and
+padded, or whole records packed into windows and kept apart by position_ids) and splits each
+optimizer step into micro-batch x accumulation so both plans take the same steps over the same
+records. `ArrowRecords` is the naive plan's read of a whole dataset: on disk, never in memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+PAD_ROWS_LIMIT = 0.25  # pad rows a step may take to keep the decided micro-batch (of its rows):
+#                        a smaller micro-batch costs more accumulation passes
+
 if TYPE_CHECKING:
-    from diag.config import QLoraConfig
+    from diag.config import JobConfig, QLoraConfig, TrainConfig
     from diag.data import TokenCache
     from diag.qlora.plans import Plan
 
@@ -29,6 +35,14 @@ class Records:
     lengths: list[int]  # tokens per record (BOS + prompt + response + EOS), before seq_len cuts
     loss: list[int]  # tokens carrying a loss in its first seq_len (diag.data.loss_counts)
     skipped: int  # records left out: prompt too long for seq_len, or a malformed line
+
+    def pick(self, at: Any) -> Records:
+        """The records at these positions (of this set), in that order."""
+        return Records(self.cache, [self.indices[i] for i in at], [self.lengths[i] for i in at],
+                       [self.loss[i] for i in at], self.skipped)
+
+    def first(self, n: int) -> Records:
+        return self.pick(range(n))
 
 
 @dataclass(frozen=True)
@@ -47,24 +61,34 @@ def read(cfg: QLoraConfig, path: Path) -> list[dict[str, str]]:
     return read_source(path, cfg.fields(), on_error=cfg.on_error, limit=cfg.records)[0]
 
 
-def _cache(cfg: QLoraConfig, source: Path, tokenizer_dir: Path) -> TokenCache:
+def _cache(cfg: JobConfig, source: Path, tokenizer_dir: Path) -> TokenCache:
+    """The token cache of cfg.records good records (0: all of them, `diag train`'s)."""
     from diag.data import build_token_cache
 
     return build_token_cache(source, tokenizer_dir, fields=cfg.fields(), on_error=cfg.on_error,
-                             limit=cfg.records)
+                             limit=cfg.records or None)
 
 
 def job_records(cfg: QLoraConfig, source: Path, tokenizer_dir: Path) -> Records:
-    """The first cfg.records good records of the data at source, counted from the token cache
-    (built here once; nothing is encoded twice). Records whose prompt fills seq_len train on
-    nothing (every label -100): refused with on_error="raise", counted and left out with
-    "skip"; then whole steps: the same number of records in each of cfg.steps."""
+    """The first cfg.records good records of the data at source, in whole steps: the same
+    number of records in each of cfg.steps (counted)."""
+    recs = counted(cfg, _cache(cfg, source, tokenizer_dir))
+    usable = len(recs.indices) - len(recs.indices) % cfg.steps
+    if usable < cfg.steps:
+        raise ValueError(f"{len(recs.indices)} usable records for QLoraConfig.steps={cfg.steps}: "
+                         "each step needs at least one; raise records or lower steps")
+    return recs.first(usable)
+
+
+def counted(cfg: JobConfig, cache: TokenCache) -> Records:
+    """The cache's first cfg.records good records (0: all), counted from its offsets and loss
+    mask (nothing is encoded twice). Records whose prompt fills seq_len train on nothing (every
+    label -100): refused with on_error="raise", counted and left out with "skip"."""
     import numpy as np
 
     from diag.data import loss_counts
 
-    cache = _cache(cfg, source, tokenizer_dir)
-    n = min(cfg.records, cache.records)
+    n = min(cfg.records, cache.records) if cfg.records else cache.records
     offsets = np.load(cache.folder / "offsets.npy", mmap_mode="r")
     starts, lengths = np.asarray(offsets[:n]), np.diff(offsets[:n + 1])
     mask = np.load(cache.folder / "loss_mask.npy", mmap_mode="r")
@@ -75,13 +99,16 @@ def job_records(cfg: QLoraConfig, source: Path, tokenizer_dir: Path) -> Records:
                          "and leaves no response token to train on; raise seq_len, or pass "
                          "on_error='skip' to leave such records out (counted)")
     keep = np.flatnonzero(loss > 0)
-    usable = len(keep) - len(keep) % cfg.steps  # the same whole records per step in both plans
-    if usable < cfg.steps:
-        raise ValueError(f"{len(keep)} usable records for QLoraConfig.steps={cfg.steps}: each "
-                         "step needs at least one; raise records or lower steps")
-    keep = keep[:usable]
     return Records(cache, keep.tolist(), lengths[keep].tolist(), loss[keep].tolist(),
                    len(empty) + cache.skipped)
+
+
+def whole_micro_batches(rows: int, micro: int) -> int:
+    """Rows per step: `rows` rounded up to whole micro-batches, where the pad rows that adds
+    stay within PAD_ROWS_LIMIT of the step (else `rows`, run at a micro-batch dividing it)."""
+    micro = min(micro, rows)
+    whole = -(-rows // micro) * micro
+    return whole if whole - rows <= PAD_ROWS_LIMIT * whole else rows
 
 
 def _split(rows_per_step: int, micro: int) -> tuple[int, int]:
@@ -117,40 +144,140 @@ class WholeSteps:
                 "position_ids": torch.arange(seq)}
 
 
-def build_dataset(cfg: QLoraConfig, plan: Plan, recs: Records, tokenizer_dir: Path,
-                  source: Path, attention: str | None = "sdpa") -> Data:
-    """The plan's Dataset over recs; source: the data they were read from (job_records' path).
-    attention: the model's attention implementation; where it cannot keep packed records apart
-    (diag.data.packing_refused) each record gets a window of its own, and the stats say why."""
+def build_dataset(cfg: JobConfig, plan: Plan, recs: Records, tokenizer_dir: Path,
+                  source: Path, attention: str | None = "sdpa", steps: int | None = None,
+                  rows: Sequence[dict[str, Any]] | None = None) -> Data:
+    """The plan's Dataset over recs in `steps` optimizer steps (None: cfg.steps); source: the
+    data they were read from; rows: the naive plan's records of recs, in order (None: read
+    from source into memory). attention: the model's attention implementation; where it cannot
+    keep packed records apart (diag.data.packing_refused) each record gets a window of its own,
+    and the stats say why."""
     from diag.data import NaiveTextDataset, PackedDataset, packing_refused
 
-    seq = cfg.seq_len
+    seq, steps = cfg.seq_len, steps or cfg.steps
     if plan.pipeline == "naive":
-        records = read(cfg, source)
-        dataset = NaiveTextDataset([records[i] for i in recs.indices], tokenizer_dir, seq)
-        rows_per_step = len(dataset) // cfg.steps
+        if rows is None:
+            records = read(cfg, source)
+            rows = [records[i] for i in recs.indices]
+        dataset = NaiveTextDataset(rows, tokenizer_dir, seq)
+        rows_per_step = len(dataset) // steps
         real = sum(min(n, seq) for n in recs.lengths)
         loss = sum(recs.loss)
         left_out = sum(max(n - seq, 0) for n in recs.lengths)  # truncated at seq_len
         detail = "tokenized per sample in __getitem__, padded to seq_len"
     else:
-        cache = _cache(cfg, source, tokenizer_dir)  # a hit: job_records had it made
         refused = packing_refused(attention)
-        packed = PackedDataset(cache.folder, seq, records=recs.indices, pack=not refused)
+        packed = PackedDataset(recs.cache.folder, seq, records=recs.indices, pack=not refused)
         # every token trains: the tail is padded up to whole steps (fewer than steps pad rows),
         # so both plans train the same records' tokens (both cut a record at seq_len)
-        rows_per_step = -(-len(packed) // cfg.steps)
-        used = rows_per_step * cfg.steps
+        rows_per_step = whole_micro_batches(-(-len(packed) // steps), plan.micro_batch)
+        used = rows_per_step * steps
         dataset = WholeSteps(packed, used)
         real, loss, left_out = packed.tokens, packed.loss_tokens(), packed.left_out
         how = f"one record per window ({refused})" if refused else \
             "whole records packed by best-fit decreasing, kept apart by position_ids"
-        detail = f"token cache {cache.status}, {how}, {used - len(packed)} pad rows"
+        detail = f"token cache {recs.cache.status}, {how}, {used - len(packed)} pad rows"
     micro, accum = _split(rows_per_step, plan.micro_batch)
-    slots = rows_per_step * cfg.steps * seq
+    slots = rows_per_step * steps * seq
     stats = {"records": len(recs.indices), "skipped_records": recs.skipped,
-             "rows": rows_per_step * cfg.steps, "token_slots": slots, "real_tokens": int(real),
+             "rows": rows_per_step * steps, "token_slots": slots, "real_tokens": int(real),
              "left_out_tokens": int(left_out),
              "loss_tokens": int(loss), "padding_share": 1 - real / slots if slots else 0.0,
              "data": detail}
     return Data(dataset, micro, accum, stats)
+
+
+@dataclass(frozen=True)
+class Split:
+    """`diag train`'s records: what trains, in whole optimizer steps, and what is held out."""
+
+    train: Records  # steps_per_epoch x cfg.batch_size records, in the source's order
+    eval: Records  # drawn by cfg.seed before training; never trained on
+    steps_per_epoch: int
+    dropped: int  # records after an epoch's last whole step (fewer than batch_size): not trained
+
+
+def train_records(cfg: TrainConfig, source: Path, tokenizer_dir: Path) -> Split:
+    """The whole token cache's good records (or its first cfg.records), counted; the eval share
+    drawn by cfg.seed and held out; the rest in whole optimizer steps of cfg.batch_size."""
+    import numpy as np
+
+    recs = counted(cfg, _cache(cfg, source, tokenizer_dir))
+    held = cfg.held_out(len(recs.indices))  # refused where no step or no eval batch is left
+    drawn = np.random.default_rng(cfg.seed).permutation(len(recs.indices))
+    rest = np.sort(drawn[held:])
+    steps = len(rest) // cfg.batch_size
+    return Split(recs.pick(rest[:steps * cfg.batch_size].tolist()),
+                 recs.pick(np.sort(drawn[:held]).tolist()), steps,
+                 len(rest) - steps * cfg.batch_size)
+
+
+def count_records(source: Path, at_most: int | None = None) -> int:
+    """About the records at source, without reading them: a Parquet shard's rows (its footer),
+    a JSONL file's lines (counted, not parsed: a blank or bad line counts too); at_most: stop
+    counting there (a check that needs no more reads no more)."""
+    import pyarrow.parquet as pq
+
+    from diag.data import shard_files
+
+    total = 0
+    for path in shard_files(source):
+        if path.suffix == ".parquet":
+            total += pq.read_metadata(path).num_rows
+        else:
+            with open(path, "rb") as f:
+                last = b"\n"
+                while (block := f.read(16 << 20)) and (at_most is None or total < at_most):
+                    total, last = total + block.count(b"\n"), block[-1:]
+            total += last != b"\n"  # a last line without its newline
+        if at_most is not None and total >= at_most:
+            return at_most
+    return total
+
+
+class ArrowRecords(Sequence):
+    """The source's good records in an Arrow file on disk, each item read through a memory map
+    (as datasets.load_dataset keeps a dataset): a whole dataset read by the naive plan without
+    holding it in memory. indices: the good records to serve (their place among the source's),
+    in order; the file holds the source's records up to the last of them."""
+
+    def __init__(self, source: Path, fields: dict[str, str], folder: Path,
+                 indices: Sequence[int]) -> None:
+        import pyarrow as pa
+
+        from diag.data.records import plan_chunks, read_chunk
+
+        self.path, self.indices = folder / "records.arrow", list(indices)
+        last, seen, writer, schema = max(self.indices, default=-1) + 1, 0, None, None
+        try:
+            for chunk in plan_chunks(source, fields):
+                if seen >= last:
+                    break
+                good = [r for _, r in read_chunk(chunk, fields)[1] if isinstance(r, dict)]
+                good = good[:last - seen]
+                if good:
+                    batch = pa.RecordBatch.from_pylist(good, schema=schema)  # one schema
+                    if writer is None:
+                        schema = batch.schema
+                        writer = pa.ipc.new_file(str(self.path), schema)
+                    writer.write_batch(batch)
+                seen += len(good)
+        finally:
+            if writer is not None:
+                writer.close()
+        self._table: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_table": None}  # a worker maps the file itself
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if self._table is None:
+            import pyarrow as pa
+
+            self._table = pa.ipc.open_file(pa.memory_map(str(self.path))).read_all()
+        return self._table.slice(self.indices[i], 1).to_pylist()[0]

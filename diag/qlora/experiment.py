@@ -61,6 +61,7 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
     from diag.machine.device import resolve
     from diag.timing.distributed import init_group, root_first
     from diag.preflight import preflight
+    from diag.qlora.checkpoints import claim
     from diag.qlora.job import open_sources, prime, run_plan
     from diag.qlora.measure import plan_from_job, read_results
     from diag.qlora.predict import Counts, predict
@@ -69,6 +70,8 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
     if decisions is None and cfg.results:  # checked before anything is measured or run
         decisions = read_results(cfg)
     preflight(cfg, job=cfg)  # folders, model, source and its first records: before any work
+    if cfg.out_dir:  # another run's checkpoints there: refused unless --resume (same settings)
+        claim(cfg.out_dir, cfg.identity(), cfg.resume, folders=("naive", "optimized"))
     init_group(resolve(cfg.device).type)  # under a launcher: join before the first barrier
     plans = []
     runs: list[dict[str, Any]] = []

@@ -4,15 +4,14 @@
 load_model, preprocess; warmup, train, checkpoint from TimingCallback inside the Trainer) and
 returns the stage frame, the loss per step and one summary row. The base is loaded in nf4 with
 double quantization, `prepare_model_for_kbit_training`, LoRA on every attention and MLP
-projection; training goes through transformers.Trainer, which checkpoints adapter, optimizer,
-scheduler, RNG and step (the data position) every `checkpoint_every` steps.
+projection; training goes through transformers.Trainer as diag.qlora.trainer makes it (`diag
+train` too), which checkpoints adapter, optimizer, scheduler, RNG and step (the data position)
+every `checkpoint_every` steps, each written whole.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -22,12 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 from diag.config import diag_home
 from diag.files import scratch_folder
+from diag.qlora.checkpoints import last_checkpoint
 from diag.qlora.plans import Plan
+from diag.qlora.trainer import fit, trainer_for
 from diag.secrets import register
 from diag.timing import StageTimer
 
 if TYPE_CHECKING:
-    from diag.config import QLoraConfig
+    from diag.config import JobConfig, QLoraConfig
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -47,7 +48,7 @@ class Sources:
 
 
 @contextlib.contextmanager
-def open_sources(cfg: QLoraConfig) -> Iterator[Sources]:
+def open_sources(cfg: JobConfig) -> Iterator[Sources]:
     """The user's bucket and model, or the embedded S3 server and hub (started, then stopped).
     A hub id the optimized plan would read from your own HF cache, which lacks it, is refused
     here, before anything starts (as model-load refuses it)."""
@@ -118,10 +119,23 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
         return Path(snapshot_download(src.model, cache_dir=cache, **kwargs))
 
 
-def load_model(cfg: QLoraConfig, plan: Plan, folder: Path, device: Any) -> Any:
+def load_model(cfg: JobConfig, plan: Plan, folder: Path, device: Any) -> Any:
     """The nf4 base (double quantization) with LoRA adapters on every projection."""
     import torch
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
+
+    model = load_base(plan, folder, device)
+    torch.manual_seed(cfg.seed)  # the same LoRA initialisation in both plans
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def load_base(plan: Plan, folder: Path, device: Any) -> Any:
+    """The base in nf4 (double quantization), prepared for k-bit training as the job trains it:
+    what `PeftModel.from_pretrained(base, out_dir)` puts a trained adapter on."""
+    import torch
+    from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     # bf16 compute on CPU too: bitsandbytes' CPU 4-bit kernels take it, and it matches the GPU
@@ -132,28 +146,9 @@ def load_model(cfg: QLoraConfig, plan: Plan, folder: Path, device: Any) -> Any:
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant,
                                                  device_map={"": str(device)})
     model.config.use_cache = False  # with a cache transformers skips the packed-sequence mask
-    model = prepare_model_for_kbit_training(
+    return prepare_model_for_kbit_training(
         model, use_gradient_checkpointing=plan.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False})  # what torch recommends
-    torch.manual_seed(cfg.seed)  # the same LoRA initialisation in both plans
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
-
-
-def last_checkpoint(out_dir: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint: trainer_state.json is written last, so a folder whose
-    state is missing or unreadable (killed mid-save) is never resumed from."""
-    found = []
-    for folder in Path(out_dir).glob("checkpoint-*"):
-        try:
-            step = int(folder.name.split("-")[1])
-            state = json.loads((folder / "trainer_state.json").read_text())
-        except (ValueError, OSError):
-            continue
-        if state.get("global_step") == step:
-            found.append((step, folder))
-    return max(found)[1] if found else None
 
 
 def prime(cfg: QLoraConfig, plan: Plan, src: Sources) -> float:
@@ -184,10 +179,9 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
     import torch
     import transformers
 
-    from diag.timing import distributed
     from diag.machine.device import resolve
-    from diag.timing.callback import TimingCallback
     from diag.qlora.data import build_dataset, job_records
+    from diag.timing import distributed
 
     device = resolve(cfg.device)
     seat = distributed.init_group(device.type)  # torchrun / accelerate: a DDP rank; else a no-op
@@ -211,20 +205,13 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
         with timer.stage("preprocess"):
             data = build_dataset(cfg, plan, recs, folder, data_path,
                                  model.config._attn_implementation)
-        args = _training_args(cfg, plan, data, out_dir, device)
-        callback = TimingCallback(timer, warmup_steps=cfg.warmup_steps, device=device)
-        callback.setup_from = wall = time.perf_counter()  # the Trainer's set-up is `setup`
         dataset = data.dataset
         if seat.rank == cfg.slow_rank:  # a straggler on purpose: slow_ms more per batch
             dataset = _Slowed(dataset, cfg.slow_ms / 1000 / data.micro_batch)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset,
-                                       callbacks=[callback])
-        callback.trainer = trainer  # under DDP: its wrapped model and its batch fetch are clocked
-        # the Trainer prints every log line with tqdm off; a function in diag prints nothing
-        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+        trainer, callback = trainer_for(cfg, plan, model, data, out_dir, device, timer,
+                                        train_dataset=dataset)
         resume = last_checkpoint(out_dir) if cfg.resume else None
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-        wall = time.perf_counter() - wall  # Trainer(...) + train(): what its stages must add to
+        wall = fit(trainer, callback, resume, cfg.out_dir or None)  # resumed with its --out-dir
         losses = pd.DataFrame([{"step": h["step"], "loss": h["loss"],
                                 "learning_rate": h.get("learning_rate")}
                                for h in trainer.state.log_history if "loss" in h])
@@ -238,8 +225,8 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
                    "check_s": check_s,
                    "trained_tokens_per_s": data.stats["real_tokens"] / seconds if seconds else None,
                    "resumed_from_step": int(resume.name.split("-")[1]) if resume else 0,
-                   "micro_batch": args.per_device_train_batch_size,
-                   "grad_accum": args.gradient_accumulation_steps,
+                   "micro_batch": trainer.args.per_device_train_batch_size,
+                   "grad_accum": trainer.args.gradient_accumulation_steps,
                    "num_workers": plan.num_workers, "pin_memory": plan.pin_memory,
                    "pipeline": plan.pipeline,
                    "gradient_checkpointing": plan.gradient_checkpointing,
@@ -263,23 +250,3 @@ class _Slowed:
     def __getitem__(self, i: int) -> Any:
         time.sleep(self.seconds)
         return self.dataset[i]
-
-
-def _training_args(cfg: QLoraConfig, plan: Plan, data: Any, out_dir: Path, device: Any) -> Any:
-    from transformers import TrainingArguments
-
-    workers = plan.num_workers
-    return TrainingArguments(
-        output_dir=str(out_dir), max_steps=cfg.steps, per_device_train_batch_size=data.micro_batch,
-        gradient_accumulation_steps=data.grad_accum, learning_rate=cfg.lr,
-        lr_scheduler_type="linear", warmup_steps=max(1, round(0.1 * cfg.steps)),
-        seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, report_to=[], disable_tqdm=True,
-        save_strategy="steps", save_steps=cfg.checkpoint_every or cfg.steps, save_total_limit=2,
-        use_cpu=device.type == "cpu", dataloader_num_workers=workers,
-        dataloader_pin_memory=plan.pin_memory,
-        dataloader_persistent_workers=plan.persistent_workers and workers > 0,
-        dataloader_prefetch_factor=plan.prefetch_factor if workers > 0 else None,
-        ddp_find_unused_parameters=False,  # under DDP every LoRA weight
-                                           # gets a gradient: no graph walk
-        remove_unused_columns=False,  # checkpointing: as prepare_model_for_kbit_training set it
-    )

@@ -22,6 +22,7 @@ import pandas as pd
 from diag import amdahl, plots
 from diag.files import atomic_file, atomic_folder
 from diag.report.page import page
+from diag.report.units import seconds
 from diag.timing import stragglers
 from diag.secrets import redact, redact_frame
 from diag.timing import STAGE_FRAME  # the key of the StageTimer frames the shares come from
@@ -31,7 +32,7 @@ _PACKAGES = ("diag", "torch", "transformers", "peft", "bitsandbytes", "huggingfa
 # Figures other experiments contribute: plots.<function>(frame) -> Figure, when it exists.
 EXPERIMENT_FIGURES = {"storage": "plot_storage", "model_load": "plot_model_load",
                       "accum": "plot_accum",
-                      "loader": "plot_loader"}
+                      "loader": "plot_loader", "train_losses": "plot_losses"}
 
 
 def versions() -> dict[str, str]:
@@ -101,7 +102,8 @@ def _summary(frames: dict[str, pd.DataFrame], config: dict[str, Any]) -> dict[st
         summary["stages"] = stages.to_dict(orient="records")
         summary["findings"] = found.to_dict(orient="records")
         summary["top_finding"] = _top(found)
-        summary["headline"] = headline(summary["stages"], summary["findings"])
+        summary["headline"] = headline(summary["stages"], summary["findings"],
+                                       frames.get("qlora_projection"))
     ranked = _ranked(frames)
     if ranked is not None:  # a DDP run: each rank, and the one the others waited for
         summary["ranks"] = stragglers.per_rank(ranked).to_dict(orient="records")
@@ -120,11 +122,12 @@ def _ranked(frames: dict[str, pd.DataFrame]) -> pd.DataFrame | None:
     return None
 
 
-def headline(stages: list[dict[str, Any]], findings: list[dict[str, Any]] | None = None
-             ) -> dict[str, Any] | None:
+def headline(stages: list[dict[str, Any]], findings: list[dict[str, Any]] | None = None,
+             projection: pd.DataFrame | None = None) -> dict[str, Any] | None:
     """What a reader wants first: naive -> optimized seconds and their ratio, the naive run's
-    largest stage, the top fix; None without both runs (a single-run folder has no comparison).
-    `text` is the one line the CLI prints and the report leads with."""
+    largest stage, the top fix, and (projection: diag.qlora.projection's frame) what the whole
+    job would take under each plan; None without both runs (a single-run folder has no
+    comparison). `text` is the one line the CLI prints and the report leads with."""
     totals: dict[str, float] = {}
     for row in stages:
         totals[row["run"]] = totals.get(row["run"], 0.0) + float(row["seconds"])
@@ -140,6 +143,13 @@ def headline(stages: list[dict[str, Any]], findings: list[dict[str, Any]] | None
     out["text"] = (f"naive {out['naive_s']:.3g} s -> optimized {out['optimized_s']:.3g} s "
                    f"({out['speedup']:.3g}x); the largest stage was {big['stage']} "
                    f"({out['largest_stage_share']:.0%} of the naive run)")
+    totals = projection[projection["stage"] == "total"] if projection is not None else None
+    if totals is not None and not totals.empty:
+        out["projection"] = (
+            f"the whole job ({totals['evidence'].iloc[0]}), projected from the per-token costs "
+            "measured here: " + ", ".join(f"{r.plan} {seconds(r.predicted_s)}"
+                                          for r in totals.itertuples()))
+        out["text"] += f"; {out['projection']}"
     return out
 
 

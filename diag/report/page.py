@@ -25,6 +25,7 @@ _esc = functools.partial(html.escape, quote=False)  # text between tags: an apos
 SECTIONS = {
     STAGE_FRAME: "Where the run's time goes",
     "qlora": "The QLoRA job: naive vs optimized plan",
+    "train": "The fine-tune: the whole dataset under one plan, its adapter the output",
     "storage": "Storage: object store vs local disk",
     "model_load": "Model load: fresh vs cached",
     "accum": "Micro-batch x gradient accumulation",
@@ -32,7 +33,8 @@ SECTIONS = {
     "loader": "Data loader: pipeline and num_workers",
     "loader_projected": "Data loader against the target GPU's step (projected)",
 }
-FIGURES = {STAGE_FRAME: ("stage_shares", "amdahl", "waterfall")}  # others: the section's key
+FIGURES = {STAGE_FRAME: ("stage_shares", "amdahl", "waterfall"),
+           "train": ("train_losses",)}  # others: the section's key
 _OWN = ("decisions", "advice", "info")  # frames the page reads for its own parts
 MAX_ROWS = 40
 STYLE = (
@@ -129,6 +131,8 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
         return _shares(summary["stages"])
     if key == "qlora" and "qlora_comparison" in frames:
         return _comparison(frames["qlora_comparison"].iloc[0])
+    if key == "train" and "train" in frames:
+        return _trained(frames["train"])
     rows = sum(len(frames[n]) for n in names)
     return f"Measured {rows:,} rows; no setting was decided from them."
 
@@ -152,6 +156,22 @@ def _comparison(r: pd.Series) -> str:
             f"{cell('tokens', r['naive_trained_tokens'])} tokens.")
 
 
+def _trained(runs: pd.DataFrame) -> str:
+    """Per plan that trained: what, how long against the ETA made before it, the held-out loss
+    before and after, where the adapter is."""
+    said = []
+    for r in runs.itertuples():
+        err = (f" ({(r.seconds - r.predicted_s) / r.predicted_s:+.0%})"
+               if r.predicted_s == r.predicted_s and r.predicted_s else "")
+        said.append(f"The {_esc(str(r.plan))} plan trained {cell('records', r.records)} records "
+                    f"({cell('records', r.eval_records)} held out) for {sig(r.epochs)} epoch(s), "
+                    f"{cell('steps', r.steps)} steps, {cell('tokens', r.trained_tokens)} tokens, "
+                    f"in <b>{seconds(r.seconds)}</b>; {seconds(r.predicted_s)} predicted before "
+                    f"the run{err}; held-out loss {sig(r.first_eval_loss)} &rarr; <b>"
+                    f"{sig(r.final_eval_loss)}</b>; the adapter is in {_esc(str(r.out_dir))}.")
+    return " ".join(said)
+
+
 def _opening(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
     """The headline (naive -> optimized, the largest stage, the top fix) and the device line;
     a single-run folder names what it measured and its top finding."""
@@ -165,6 +185,9 @@ def _opening(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
         if head.get("top_fix"):
             out += (f"<p class=top>Top fix: {_esc(head['top_fix'])}: saves "
                     f"{seconds(head['top_fix_saves_s'])} per run</p>")
+        if head.get("projection"):
+            said = head["projection"]
+            out += f"<p class=head>{_esc(said[0].upper() + said[1:])}</p>"
     else:
         names = [k if k != STAGE_FRAME else " and ".join(dict.fromkeys(
             str(s["run"]) for s in summary.get("stages", []))) or k for k in sections(frames)]

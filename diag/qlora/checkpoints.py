@@ -1,0 +1,176 @@
+"""Checkpoints, resume, the adapter as output: one implementation for `diag qlora` and `diag train`.
+
+A checkpoint (PEFT adapter, optimizer, scheduler, RNG states, trainer_state.json with the data
+position: the Trainer's, diag.qlora.trainer) is written into a temporary folder swapped in whole
+(`save_whole`, diag.files.atomic_folder); the last `keep` stay. `claim(out_dir, run, resume)`
+refuses a folder holding another run's checkpoints unless resuming, and a resume with other
+settings names the one that differs. A signal during training ends in `Interrupted` (the CLI exits
+130 / 143 with its one line). `publish` puts the finished adapter and tokenizer in out_dir (PEFT's
+format, adapter_config.json last); `merged` writes the base and adapter merged in 16-bit.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from diag.files import atomic_file, atomic_folder, fsync_path, sweep_orphans, temp_path
+
+RUN_FILE = "diag-run.json"  # what the run in a folder trains on: a resume must match it
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Training stopped by a signal after saving its state; str() is the one line that says how
+    to resume, `signum` gives the exit code (128 + signum: 130 for Ctrl-C, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int, line: str) -> None:
+        super().__init__(line)
+        self.signum = signum
+
+
+def checkpoints(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """The complete checkpoints in folder, by step: a folder whose trainer_state.json is missing
+    or names another step (killed mid-save, or not a checkpoint) is never one."""
+    found = []
+    for path in Path(folder).glob("checkpoint-*"):
+        try:
+            step = int(path.name.split("-")[1])
+            state = json.loads((path / "trainer_state.json").read_text())
+        except (ValueError, OSError):
+            continue
+        if state.get("global_step") == step:
+            found.append((step, path))
+    return sorted(found)
+
+
+def last_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint in folder, or None."""
+    found = checkpoints(folder)
+    return found[-1][1] if found else None
+
+
+def claim(out_dir: str | os.PathLike[str], run: dict[str, Any], resume: bool,
+          folders: Iterable[str] = ("",)) -> dict[str, Any] | None:
+    """Check out_dir for this run before any work: checkpoints of another run (in out_dir or its
+    `folders`) are refused unless resuming; a resume whose settings differ from the run file's
+    names the first that differs. Returns the run file's record when resuming, else None (and
+    writes `run` as the folder's run file)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out-dir={str(out)!r}: is a file; name a new folder or a run's own")
+    found = [c for f in folders for c in checkpoints(out / f)]
+    path = out / RUN_FILE
+    stored = json.loads(path.read_text()) if path.is_file() else None
+    if found and not resume:
+        step = max(s for s, _ in found)
+        raise ValueError(f"--out-dir={str(out)!r} holds the checkpoints of another run (up to "
+                         f"step {step}): pass --resume to continue it, or name a new folder")
+    if resume and stored is not None:
+        for key, value in run.items():
+            if key in stored and stored[key] != value:
+                raise ValueError(f"--resume: the run in {str(out)!r} was started with "
+                                 f"{key}={stored[key]!r}, this one asks {key}={value!r}; resume "
+                                 "with the same settings, or name a new --out-dir")
+        return stored
+    record(out, run, fresh=True)
+    return None
+
+
+def record(out_dir: str | os.PathLike[str], run: dict[str, Any], fresh: bool = False) -> None:
+    """Write out_dir's run file whole: `run` alone (fresh), or added to what it holds."""
+    path = Path(out_dir) / RUN_FILE
+    old = {} if fresh or not path.is_file() else json.loads(path.read_text())
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(old | run, indent=1, default=str))
+
+
+def full_disk(err: BaseException) -> bool:
+    """A write that failed for want of room: ENOSPC, a file-size or quota limit (torch's zip
+    writer says it in a RuntimeError)."""
+    if isinstance(err, OSError):
+        return err.errno in _FULL
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and ("file write failed" in text or
+                                              "no space left" in text)
+
+
+def save_whole(final: Path, write: Callable[[Path], None], keep: int) -> None:
+    """Write one checkpoint through `write(tmp)` into a temporary folder swapped in as `final`,
+    then keep the last `keep`. A save that runs out of room: one line, nothing of it kept, the
+    checkpoints before it intact."""
+    sweep_orphans(final.parent)  # what a save killed mid-way left
+    try:
+        with atomic_folder(final) as tmp:
+            write(tmp)
+    except (OSError, RuntimeError) as err:
+        if not full_disk(err):
+            raise
+        before = last_checkpoint(final.parent)
+        raise RuntimeError(f"checkpoint {final.name}: writing under {final.parent} failed "
+                           f"({getattr(err, 'strerror', None) or err}); nothing of it was kept, "
+                           f"{before.name + ' is intact' if before else 'no earlier checkpoint'}"
+                           ": free space, then continue with --resume") from None
+    for _, old in checkpoints(final.parent)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def interrupted(signum: int, step: int, out_dir: Path | str | None) -> Interrupted:
+    """The stop a signal asked for, with the one line that says where the run stands: resumed
+    with --out-dir out_dir, or (None) not at all, its checkpoint in a temporary folder."""
+    name = signal.Signals(signum).name
+    where = (f"a checkpoint of step {step} is saved: run the same command with --resume "
+             f"--out-dir {out_dir} to continue" if out_dir else
+             "its checkpoint was in a temporary folder: name --out-dir to keep one")
+    return Interrupted(signum, f"diag: stopped by {name} after step {step}; {where}")
+
+
+def publish(out_dir: Path, write: Callable[[Path], None], last: str = "adapter_config.json"
+            ) -> list[str]:
+    """Put what `write(tmp)` writes into out_dir, each file fsynced and renamed in, `last` last:
+    out_dir holds the whole output or an older one, never a part that loads. Returns the names."""
+    tmp = temp_path(out_dir / "output")
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        names = sorted(os.listdir(tmp), key=lambda n: n == last)
+        for name in names:
+            fsync_path(tmp / name)
+        for name in names:
+            os.replace(tmp / name, out_dir / name)
+        fsync_path(out_dir)
+        return names
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def merged(base_folder: Path, adapter_dir: Path, out: Path, dtype: Any = None) -> Path:
+    """The base reloaded in 16-bit with the adapter merged into its weights, saved whole at out
+    (a model transformers loads without PEFT)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=dtype or torch.bfloat16)
+    model = merge_into(PeftModel.from_pretrained(base, adapter_dir))
+    with atomic_folder(out) as tmp:
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
+    return out
+
+
+def merge_into(model: Any) -> Any:
+    """merge_and_unload, refused on a 4-bit base: its merged weights would be rounded back to
+    nf4, losing most of the adapter's small update."""
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(
+            getattr(model, "base_model", None), "is_loaded_in_4bit", False):
+        raise ValueError("merge: the base is loaded in 4-bit; merged weights would be rounded "
+                         "back to nf4 and lose most of the adapter's update: reload the base in "
+                         "16-bit (diag train --merge does) and merge there")
+    return model.merge_and_unload()

@@ -1,0 +1,306 @@
+"""`diag train`: one plan trains the whole dataset, and the adapter it leaves is the output.
+
+`run_train(cfg)` decides the plan as `diag qlora` does (measured on the job, or read from
+`--results runs/<id>`; a resume takes the plan its run started with) and times every stage on
+one StageTimer: fetch_data, load_model, preprocess (the whole token cache, the held-out split),
+setup, warmup, train, checkpoint, eval. Before the first step it says what each stage will take
+(diag.qlora.eta: costs from earlier measurements, counts of this job) and after the last how far
+off it was. out_dir keeps the adapter (PEFT's format) and tokenizer, the checkpoints a resume
+starts from, and with --merge the merged 16-bit model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from diag.machine.device import on_cpu_threads
+from diag.qlora.checkpoints import claim, last_checkpoint, merged, publish, record
+from diag.qlora.eta import (after_line, before_line, check_eta, costs_in, from_decisions,
+                            job_counts, project)
+from diag.qlora.plans import Plan
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from diag.config import TrainConfig
+    from diag.decision import Decision
+    from diag.qlora.data import Data, Split
+    from diag.qlora.job import Sources
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What `run_train` returns (first field: the main table)."""
+
+    frame: pd.DataFrame  # one row: the run (records, steps, tokens, seconds, eval losses, out_dir)
+    stages: pd.DataFrame  # StageTimer rows (`run` = the plan)
+    losses: pd.DataFrame  # run, split (train / eval), step, trained_tokens, loss, learning_rate
+    eta: pd.DataFrame  # stage, predicted_s (before the run), measured_s, error_share, flagged
+    plans: pd.DataFrame  # the plan that ran: setting, value, basis, evidence (its decisions)
+
+
+@on_cpu_threads
+def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | None = None,
+              src: Sources | None = None, costs: pd.DataFrame | None = None) -> TrainResult:
+    """Train cfg.plan on the whole dataset (or its first cfg.records) and leave the adapter in
+    cfg.out_dir. decisions: the optimized plan's (None: cfg.results', else measured on the
+    job); src: the job's sources, open (else opened here and closed at the end); costs: what
+    the ETA prices each unit at (diag.qlora.eta; None: cfg.results', else the decisions')."""
+    from diag.config import TrainConfig
+    from diag.preflight import preflight
+    from diag.qlora.job import open_sources
+    from diag.qlora.measure import read_results
+
+    cfg = cfg or TrainConfig.default()
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = Path(cfg.out_dir or f"train/{stamp}")
+    stored = claim(out, cfg.identity(), cfg.resume)  # before any work: another run's refused
+    if decisions is None and cfg.results and not stored:
+        decisions = read_results(cfg.job())
+    if costs is None and cfg.results:
+        costs = costs_in(cfg.results, cfg.plan)
+    preflight(cfg, cfg.job())  # folders, model, source and its first records: before any work
+    with contextlib.nullcontext(src) if src else open_sources(cfg.job()) as src:
+        start = time.perf_counter()
+        plan, decided, build = _decide(cfg, stored, decisions, src)
+        plan_s = time.perf_counter() - start  # deciding it: the sweeps on the job, if measured
+        record(out, {"plan": plan.name, "decisions": [d.record()["json"] for d in decided]})
+        if costs is None:
+            costs = from_decisions(plan, decided, build)
+        return _run(cfg, plan, src, out, costs, stored or {}, plan_s)
+
+
+def _decide(cfg: TrainConfig, stored: dict[str, Any] | None,
+            decisions: Iterable[Decision] | None, src: Sources
+            ) -> tuple[Plan, tuple[Decision, ...], dict[str, Any] | None]:
+    """(the plan, the decisions that price it, the token cache's recorded build): a resume's
+    stored plan; else the naive one or the optimized one of the given decisions; what was not
+    given is measured on the job (the naive plan's ETA rests on it too)."""
+    import pandas as pd
+
+    from diag.data import read_meta
+    from diag.decision import read
+    from diag.qlora.data import job_records
+    from diag.qlora.measure import job_inputs, measure_on_job
+
+    if stored and "decisions" in stored:  # a resume: the plan its run started with
+        decided = read(pd.DataFrame({"json": stored["decisions"]}))
+        return _collect(stored["plan"], decided), decided, None
+    build = None
+    if decisions is None:
+        job = cfg.job()
+        inputs = job_inputs(job, src)
+        decisions = measure_on_job(job, inputs)
+        cache = job_records(job, inputs.data_path, inputs.model_dir).cache  # a hit
+        build = (read_meta(cache.folder) or {}).get("build")
+    decided = tuple(decisions)
+    return _collect(cfg.plan, decided), decided, build
+
+
+def _collect(name: str, decided: tuple[Decision, ...]) -> Plan:
+    return Plan.naive() if name == "naive" else Plan.optimized(decided)
+
+
+def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFrame,
+         stored: dict[str, Any], plan_s: float) -> TrainResult:
+    """The timed run: its stages, the ETA before the first step, the adapter at the end."""
+    import pandas as pd
+
+    from diag.files import scratch_folder
+    from diag.machine.device import resolve
+    from diag.qlora.data import count_records
+    from diag.qlora.job import fetch_data, load_model, model_folder
+    from diag.qlora.progress import say
+    from diag.timing import StageTimer
+
+    device = resolve(cfg.device)
+    plan = plan.for_device(str(device))
+    timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
+    work = scratch_folder("diag-train")  # a killed run's is swept next time
+    try:
+        with timer.stage("fetch_data"):
+            path = fetch_data(plan, src, work)
+        if not cfg.records:  # a source too small for the eval split: refused before the load
+            cfg.held_out(count_records(path, at_most=cfg.enough()))
+        with timer.stage("load_model"):
+            folder = model_folder(plan, src, work)
+            model = load_model(cfg, plan, folder, device)
+        with timer.stage("preprocess"):
+            job = _job(cfg, plan, path, folder, work, model.config._attn_implementation)
+        _same_source(out, stored, job.split.train.cache)
+        plan = plan.fit(job.data.micro_batch * job.data.grad_accum)
+        counts = _counts(cfg, job, out)
+        projected = project(costs, counts)
+        say(before_line(_head(cfg, plan, job), projected))
+        got = _train(cfg, plan, model, job, out, device, timer, stored)
+        with timer.stage("checkpoint"):  # the output: adapter + tokenizer, whole
+            files = publish(out, lambda tmp: _save_output(got["trainer"], folder, tmp))
+            made = merged(folder, out, out / "merged") if cfg.merge else None
+        stages = timer.to_frame().assign(run=f"train ({plan.name})")  # beside a comparison's
+        eta = check_eta(projected, stages)
+        losses = _losses(got, job.tokens_per_step).assign(run=plan.name)
+        frame = pd.DataFrame([_summary(cfg, plan, job, got, stages, eta, losses, out, files,
+                                       made) | {"plan_s": plan_s}])
+        say(f"diag train: {after_line(eta)}; the adapter is in {out}")
+        return TrainResult(frame, stages, losses, eta, plan.frame())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What the preprocess stage made: the records, the plan's datasets, the run's steps."""
+
+    split: Split
+    data: Data
+    evals: Any  # the held-out records, one a row (PackedDataset, pack=False)
+    steps: int  # optimizer steps of the run (epochs x steps per epoch, or max_steps)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Trained tokens per optimizer step: an epoch's, spread evenly over its steps."""
+        return self.data.stats["real_tokens"] / self.split.steps_per_epoch
+
+
+def _job(cfg: TrainConfig, plan: Plan, path: Path, folder: Path, work: Path,
+         attention: str | None) -> _Job:
+    """The preprocess stage: the whole token cache, the held-out split, the plan's datasets (the
+    naive plan's records on disk, read per item)."""
+    from diag.data import PackedDataset
+    from diag.qlora.data import ArrowRecords, build_dataset, train_records
+
+    split = train_records(cfg, path, folder)
+    rows = ArrowRecords(path, cfg.fields(), work, split.train.indices) \
+        if plan.pipeline == "naive" else None
+    data = build_dataset(cfg, plan, split.train, folder, path, attention,
+                         steps=split.steps_per_epoch, rows=rows)
+    evals = PackedDataset(split.eval.cache.folder, cfg.seq_len, records=split.eval.indices,
+                          pack=False)  # one record a row, in both plans: their losses compare
+    return _Job(split, data, evals, cfg.total_steps(split.steps_per_epoch))
+
+
+def _same_source(out: Path, stored: dict[str, Any], cache: Any) -> None:
+    """A resume trains on the records its run started with: a source that changed since (its
+    token cache rebuilt under another key) is refused, never mixed."""
+    if stored.get("cache") not in (None, cache.key):
+        raise ValueError(f"--resume: the source changed since the run in {str(out)!r} started "
+                         f"(token cache {stored['cache'][:12]} then, {cache.key[:12]} now): its "
+                         "data position points into other records; name a new --out-dir")
+    record(out, {"cache": cache.key})
+
+
+SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+
+
+def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, device: Any,
+           timer: Any, stored: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer's part (setup, warmup, train, checkpoint, eval): the held-out loss before the
+    first step (a fresh run), then every eval_every steps and at the end."""
+    from diag.qlora.progress import Progress
+    from diag.qlora.trainer import fit, trainer_for
+
+    every = {k: cfg.cadence(getattr(cfg, k), job.steps)
+             for k in ("eval_every", "checkpoint_every", "progress_every")}
+    progress = Progress(timer, job.tokens_per_step, every["progress_every"],
+                        f"diag train ({plan.name})")
+    trainer, callback = trainer_for(
+        cfg, plan, model, job.data, out, device, timer, keep=cfg.keep_checkpoints,
+        callbacks=(progress,), eval_dataset=job.evals, max_steps=job.steps,
+        lr_scheduler_type=SCHEDULES[cfg.lr_schedule],
+        warmup_steps=round(cfg.lr_warmup * job.steps), eval_strategy="steps",
+        eval_steps=every["eval_every"], per_device_eval_batch_size=cfg.eval_batch,
+        prediction_loss_only=True, save_steps=every["checkpoint_every"])
+    resume = last_checkpoint(out) if cfg.resume else None
+    first = stored.get("eval_loss_0")
+    if resume is None:
+        begin = time.perf_counter()
+        with timer.stage("eval"):
+            first = trainer.evaluate()["eval_loss"]
+        callback.setup_from += time.perf_counter() - begin  # `setup`: the Trainer's, not this
+        record(out, {"eval_loss_0": first})
+    wall = fit(trainer, callback, resume, out)
+    return {"trainer": trainer, "resume": resume, "wall": wall, "first_eval": first}
+
+
+def _save_output(trainer: Any, folder: Path, tmp: Path) -> None:
+    """The adapter as PEFT saves it (adapter_config.json + adapter_model.safetensors) and the
+    tokenizer: `PeftModel.from_pretrained(base, out_dir)` loads them."""
+    from transformers import AutoTokenizer
+
+    trainer.model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(tmp)
+
+
+def _losses(got: dict[str, Any], tokens_per_step: float) -> pd.DataFrame:
+    """The train loss per step and the eval loss at each eval (step 0: before training), against
+    trained tokens (an epoch's spread evenly over its steps: the same in both plans)."""
+    import pandas as pd
+
+    history = got["trainer"].state.log_history
+    rows = [{"split": "eval", "step": 0, "loss": got["first_eval"], "learning_rate": None}]
+    rows += [{"split": "train", "step": h["step"], "loss": h["loss"],
+              "learning_rate": h.get("learning_rate")} for h in history if "loss" in h]
+    rows += [{"split": "eval", "step": h["step"], "loss": h["eval_loss"], "learning_rate": None}
+             for h in history if "eval_loss" in h]
+    frame = pd.DataFrame(rows)
+    return frame.assign(trained_tokens=(frame["step"] * tokens_per_step).round().astype(int))
+
+
+def _counts(cfg: TrainConfig, job: _Job, out: Path) -> dict[str, float]:
+    """What the run does, counted before its first step (eta.job_counts): from the checkpoint a
+    resume starts at, the bytes the cache build read (none on a hit), the records the naive
+    plan reads."""
+    from diag.data import read_meta
+
+    done = int(last.name.split("-")[1]) if cfg.resume and (last := last_checkpoint(out)) else 0
+    cache = job.split.train.cache
+    return job_counts(
+        job.steps, cfg.warmup_steps, job.tokens_per_step,
+        job.data.stats["token_slots"] / job.split.steps_per_epoch,
+        cfg.cadence(cfg.eval_every, job.steps), cfg.cadence(cfg.checkpoint_every, job.steps),
+        len(job.split.eval.indices) * cfg.seq_len, done,
+        0 if cache.status == "hit" else read_meta(cache.folder)["build"]["bytes"],
+        max(job.split.train.indices, default=-1) + 1)
+
+
+def _head(cfg: TrainConfig, plan: Plan, job: _Job) -> str:
+    split = job.split
+    return (f"diag train: the {plan.name} plan on {len(split.train.indices):,} records "
+            f"({len(split.eval.indices):,} held out for eval"
+            + (f", {split.dropped} past the last whole step" if split.dropped else "")
+            + f"), {job.steps:,} optimizer steps of {cfg.batch_size} records "
+            f"({job.steps / split.steps_per_epoch:.3g} epochs, "
+            f"~{job.tokens_per_step * job.steps:,.0f} trained tokens); token cache "
+            f"{split.train.cache.status}")
+
+
+def _summary(cfg: TrainConfig, plan: Plan, job: _Job, got: dict[str, Any], stages: pd.DataFrame,
+             eta: pd.DataFrame, losses: pd.DataFrame, out: Path, files: list[str],
+             made: Path | None) -> dict[str, Any]:
+    total = eta.set_index("stage").loc["total"]
+    evals = losses[losses["split"] == "eval"]
+    trainer = got["trainer"]
+    return {**job.data.stats, "plan": plan.name, "records": len(job.split.train.indices),
+            "eval_records": len(job.split.eval.indices), "dropped_records": job.split.dropped,
+            "steps": trainer.state.global_step, "steps_per_epoch": job.split.steps_per_epoch,
+            "epochs": job.steps / job.split.steps_per_epoch, "batch_size": cfg.batch_size,
+            "resumed_from_step": int(got["resume"].name.split("-")[1]) if got["resume"] else 0,
+            "trained_tokens": round(job.tokens_per_step * trainer.state.global_step),
+            "seconds": total.measured_s, "predicted_s": total.predicted_s,
+            "eta_error": total.error_share, "trainer_wall_s": got["wall"],
+            "micro_batch": trainer.args.per_device_train_batch_size,
+            "grad_accum": trainer.args.gradient_accumulation_steps,
+            "num_workers": plan.num_workers, "pipeline": plan.pipeline,
+            "gradient_checkpointing": plan.gradient_checkpointing,
+            "first_eval_loss": float(evals["loss"].iloc[0]),
+            "final_eval_loss": float(evals["loss"].iloc[-1]),
+            "final_loss": float(losses.loc[losses["split"] == "train", "loss"].iloc[-1]),
+            "out_dir": str(out.resolve()), "output": " ".join(files),
+            "merged": str(made) if made else "", "notes": " ".join(plan.notes)}

@@ -1,0 +1,156 @@
+"""The Trainer as `diag qlora` and `diag train` run it: its arguments from the plan, checkpoints
+written whole, a signal turned into a checkpoint and a stop, every stage timed.
+
+`trainer_for(cfg, plan, model, data, out_dir, device, timer)` makes it: `training_args` maps
+the plan (micro-batch x accumulation, the loader's workers, pin_memory, prefetching) and the
+caller's overrides (epochs, schedule, eval) to TrainingArguments; `trainer_class()` saves each
+checkpoint through diag.qlora.checkpoints.save_whole; `signals_callback()` catches SIGINT /
+SIGTERM; the TimingCallback bills setup, warmup, train, checkpoint and eval. `fit` trains it
+(from a checkpoint, to resume) and raises Interrupted where a signal stopped it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from diag.qlora.checkpoints import interrupted, save_whole
+
+if TYPE_CHECKING:
+    from diag.config import JobConfig
+    from diag.qlora.plans import Plan
+    from diag.timing import StageTimer
+
+
+def training_args(cfg: JobConfig, plan: Plan, data: Any, out_dir: Path, device: Any,
+                  **more: Any) -> Any:
+    """The Trainer's arguments for plan over data (its micro-batch x accumulation, its loader
+    settings); `more` sets or overrides any (diag train's epochs, schedule, eval)."""
+    from transformers import TrainingArguments
+
+    workers, steps = plan.num_workers, more.get("max_steps", getattr(cfg, "steps", 1))
+    return TrainingArguments(**{
+        "output_dir": str(out_dir), "max_steps": steps,
+        "per_device_train_batch_size": data.micro_batch,
+        "gradient_accumulation_steps": data.grad_accum, "learning_rate": cfg.lr,
+        "lr_scheduler_type": "linear", "warmup_steps": max(1, round(0.1 * steps)),
+        "seed": cfg.seed, "data_seed": cfg.seed, "logging_steps": 1, "report_to": [],
+        "disable_tqdm": True, "save_strategy": "steps",
+        "save_steps": cfg.checkpoint_every or steps, "save_total_limit": None,  # checkpoints'
+        "use_cpu": device.type == "cpu", "dataloader_num_workers": workers,
+        "dataloader_pin_memory": plan.pin_memory,
+        "dataloader_persistent_workers": plan.persistent_workers and workers > 0,
+        "dataloader_prefetch_factor": plan.prefetch_factor if workers > 0 else None,
+        "ddp_find_unused_parameters": False,  # under DDP every LoRA weight
+                                              # gets a gradient: no graph walk
+        "remove_unused_columns": False,  # checkpointing: as prepare_model_for_kbit_training set
+    } | more)
+
+
+def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path, device: Any,
+                timer: StageTimer, keep: int = 2, callbacks: tuple[Any, ...] = (),
+                **more: Any) -> tuple[Any, Any]:
+    """(the Trainer, its TimingCallback): checkpoints written whole (the last `keep` kept),
+    SIGINT / SIGTERM saving one at the step's end, the TimingCallback's `setup` clocked from
+    here. more: training_args' overrides, or the Trainer's own (train_dataset, eval_dataset)."""
+    import transformers
+
+    from diag.timing.callback import TimingCallback
+
+    own = {k: more.pop(k) for k in ("train_dataset", "eval_dataset") if k in more}
+    callback = TimingCallback(timer, warmup_steps=cfg.warmup_steps, device=device)
+    callback.setup_from = time.perf_counter()  # the Trainer's set-up is `setup`
+    transformers.logging.set_verbosity_error()
+    trainer = trainer_class()(model=model, args=training_args(cfg, plan, data, out_dir, device,
+                                                              **more),
+                              callbacks=[callback, signals_callback()(), *callbacks],
+                              **({"train_dataset": data.dataset} | own))
+    trainer.keep, trainer.made_at = keep, callback.setup_from
+    callback.trainer = trainer  # under DDP: its wrapped model and its batch fetch are clocked
+    # the Trainer prints every log line with tqdm off; a function in diag prints nothing
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+    return trainer, callback
+
+
+def fit(trainer: Any, callback: Any, resume: Path | None, out_dir: Path | None) -> float:
+    """trainer.train() from `resume` (a checkpoint) or the start; returns the wall seconds from
+    the Trainer's making to the end (what its stages must add to). A signal that stopped it
+    (its checkpoint saved): Interrupted, with the line saying how to resume: with --out-dir
+    out_dir (None: the checkpoint was in a temporary folder)."""
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    wall = time.perf_counter() - trainer.made_at
+    signals = next(c for c in trainer.callback_handler.callbacks
+                   if isinstance(c, signals_callback()))
+    if signals.signum is not None:
+        raise interrupted(signals.signum, trainer.state.global_step, out_dir)
+    return wall
+
+
+@functools.cache
+def trainer_class() -> type:
+    """transformers.Trainer whose checkpoints are written whole (save_whole): the Trainer saves
+    into a staging folder, its files are lifted into the temporary folder that is swapped in."""
+    import transformers
+
+    class Trainer(transformers.Trainer):
+        keep = 2  # checkpoints kept (set per instance)
+        made_at = 0.0  # time.perf_counter() before it was made: its wall clock starts there
+        _staging: Path | None = None
+
+        def _get_output_dir(self, trial: Any) -> str:
+            return str(self._staging) if self._staging else super()._get_output_dir(trial)
+
+        def _save_checkpoint(self, model: Any, trial: Any) -> None:
+            name = f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+
+            def write(tmp: Path) -> None:
+                self._staging = tmp
+                try:
+                    super(Trainer, self)._save_checkpoint(model, trial)
+                finally:
+                    self._staging = None
+                for part in (tmp / name).iterdir():
+                    os.replace(part, tmp / part.name)
+                (tmp / name).rmdir()
+
+            save_whole(Path(super()._get_output_dir(trial)) / name, write, self.keep)
+
+    return Trainer
+
+
+@functools.cache
+def signals_callback() -> type:
+    """A TrainerCallback that turns SIGINT / SIGTERM during training into a checkpoint at the end
+    of the step and a stop; a second signal stops at once (KeyboardInterrupt, nothing saved)."""
+    from transformers import TrainerCallback
+
+    class Signals(TrainerCallback):
+        def __init__(self) -> None:
+            self.signum: int | None = None
+            self._old: dict[int, Any] = {}
+
+        def _caught(self, signum: int, frame: Any) -> None:
+            if self.signum is not None:  # asked twice: stop now, without a checkpoint
+                raise KeyboardInterrupt
+            self.signum = signum
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if threading.current_thread() is threading.main_thread():  # signals reach it alone
+                self._old = {s: signal.signal(s, self._caught)
+                             for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.signum is not None:
+                control.should_save = control.should_training_stop = True
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            for s, old in self._old.items():
+                signal.signal(s, old)
+            self._old = {}
+
+    return Signals

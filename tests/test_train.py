@@ -1,0 +1,133 @@
+"""`diag train` end to end on the embedded data (tiny nf4 Llama, embedded S3 and hub): a few steps
+with eval, the adapter reloaded with the same eval loss, a Ctrl-C then --resume that trains the
+same losses, and a resume whose source changed, refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from diag.config import TrainConfig
+
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+# its module fixture is made once: the file's tests share one xdist worker (make test)
+pytestmark = [pytest.mark.xdist_group("test_train"), pytest.mark.slow]  # trains: ~15 s
+STEPS = 6
+
+
+def _cfg(out, **more):
+    # the plan's settings given (defaults, no sweep): this file tests the run, not the measuring
+    return TrainConfig.quick(out_dir=str(out), max_steps=STEPS, checkpoint_every=1,
+                             eval_every=3, device="cpu", **more)
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    from diag.qlora import run_train
+
+    out = tmp_path_factory.mktemp("train") / "out"
+    return out, run_train(_cfg(out, merge=True), decisions=())
+
+
+def test_a_short_run_trains_evaluates_and_leaves_the_adapter(fresh):
+    out, result = fresh
+    row = result.frame.iloc[0]
+    assert (row["steps"], row["eval_records"], row["batch_size"]) == (STEPS, 5, 8)
+    assert row["records"] == row["steps_per_epoch"] * 8  # whole steps of batch_size records
+    losses = result.losses
+    assert list(losses.loc[losses["split"] == "train", "step"]) == list(range(1, STEPS + 1))
+    evals = losses[losses["split"] == "eval"]
+    assert list(evals["step"]) == [0, 3, 6]  # before the first step, every 3, at the end
+    assert evals["trained_tokens"].iloc[-1] == row["trained_tokens"] > 0
+    assert row["final_eval_loss"] == evals["loss"].iloc[-1] < row["first_eval_loss"]
+    stages = set(result.stages.loc[result.stages["step"].isna(), "stage"])
+    assert stages == {"fetch_data", "load_model", "preprocess", "setup", "warmup", "train",
+                      "checkpoint", "eval"}
+    eta = result.eta.set_index("stage")
+    assert set(eta.index) == stages | {"total"}
+    assert eta.at["total", "measured_s"] == pytest.approx(row["seconds"])
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()}
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-5", "checkpoint-6"]
+    assert json.loads((out / "diag-run.json").read_text())["max_steps"] == STEPS
+    # --merge: the base in 16-bit with the adapter in its weights, a model of its own
+    config = json.loads((out / "merged" / "config.json").read_text())
+    assert "quantization_config" not in config and row["merged"] == str(out / "merged")
+    assert (out / "merged" / "model.safetensors").is_file()
+
+
+def test_the_adapter_reloads_onto_a_fresh_base_with_the_same_eval_loss(fresh, tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import Trainer, TrainingArguments
+
+    from diag.data import PackedDataset
+    from diag.embedded import ensure_assets
+    from diag.qlora.checkpoints import merge_into
+    from diag.qlora.data import train_records
+    from diag.qlora.job import load_base
+    from diag.qlora.plans import Plan
+
+    out, result = fresh
+    cfg, assets = _cfg(out), ensure_assets()
+    base = load_base(Plan.optimized(), assets.model_dir, torch.device("cpu"))
+    model = PeftModel.from_pretrained(base, out)
+    held = train_records(cfg, assets.dataset, assets.model_dir).eval  # the same seeded draw
+    evals = PackedDataset(held.cache.folder, cfg.seq_len, records=held.indices, pack=False)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=cfg.eval_batch,
+                             prediction_loss_only=True, report_to=[], use_cpu=True,
+                             remove_unused_columns=False)
+    loss = Trainer(model=model, args=args, eval_dataset=evals).evaluate()["eval_loss"]
+    assert loss == pytest.approx(result.frame.iloc[0]["final_eval_loss"], abs=1e-4)
+    with pytest.raises(ValueError, match="loaded in 4-bit"):
+        merge_into(model)
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_trains_the_same_losses(fresh, tmp_path):
+    from diag.qlora import run_train
+    from diag.qlora.checkpoints import Interrupted, last_checkpoint
+
+    out = tmp_path / "out"
+    late = []
+    previous = signal.signal(signal.SIGINT, lambda *a: late.append(1))  # past training: noted
+
+    def ctrl_c() -> None:  # as a person would: once a checkpoint is on disk, mid-run
+        while last_checkpoint(out) is None:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    try:
+        threading.Thread(target=ctrl_c, daemon=True).start()
+        with pytest.raises(Interrupted) as stop:
+            run_train(_cfg(out), decisions=())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not late and stop.value.signum == signal.SIGINT
+    stopped = int(last_checkpoint(out).name.split("-")[1])
+    assert 1 <= stopped < STEPS and f"--resume --out-dir {out}" in str(stop.value)
+    resumed = run_train(_cfg(out, resume=True), decisions=())
+    assert resumed.frame.iloc[0]["resumed_from_step"] == stopped
+    both = [r.losses.set_index(["split", "step"])["loss"] for r in (fresh[1], resumed)]
+    assert list(both[1].index) == list(both[0].index)  # every step's and every eval's loss
+    assert (both[1] - both[0]).abs().max() <= 1e-5, (both[0], both[1])
+
+
+def test_a_resume_whose_source_changed_is_refused(fresh, tmp_path):
+    import shutil
+
+    from diag.qlora import run_train
+
+    out = tmp_path / "out"
+    shutil.copytree(fresh[0], out)
+    run = json.loads((out / "diag-run.json").read_text())
+    (out / "diag-run.json").write_text(json.dumps(run | {"cache": "0" * 64}))
+    with pytest.raises(ValueError, match=r"the source changed since the run .* started "
+                                         r"\(token cache 000000000000 then"):
+        run_train(_cfg(out, resume=True), decisions=())
