@@ -302,3 +302,36 @@ def test_a_chat_template_with_a_leading_bos_yields_one_bos(tmp_path, chat_tokeni
     plain = NaiveTextDataset([{"prompt": "Sort: pear apple", "response": "apple pear"}],
                              chat_tokenizer, 64)[0]["input_ids"]
     assert plain[0] == bos and (plain == bos).sum() == 1
+
+
+@pytest.mark.parametrize("field", ["text_field", "messages_field"])
+def test_a_cpu_runs_projected_loader_sweeps_the_jobs_own_records(field, tmp_path,
+                                                                 chat_tokenizer):
+    # the diagnosis walked by a runner that makes only the job's inputs (the user's JSONL, the
+    # model's tokenizer) and the projected loader; 16 rows, fewer than the sweep reads (30)
+    import dataclasses
+
+    from diag import diagnose
+    from diag.qlora.measure import JobInputs
+
+    name = {"text_field": "t", "messages_field": "conv"}[field]
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"t": f"{r['q']} {r['a']}"} if name == "t" else {
+        "conv": [{"role": "user", "content": r["q"]}, {"role": "assistant", "content": r["a"]}]})
+        + "\n" for r in ROWS))
+    cfg = DiagnoseConfig(device="cpu", storage=False, model_load=False, accum=False,
+                         workers=[0], **{field: name})
+    inputs = JobInputs(rows_per_step=4, model_dir=chat_tokenizer, data_path=data, device="cpu")
+
+    def run(d, step, make):
+        if step is diagnose.JOB:
+            return dataclasses.replace(d, job=inputs)
+        if step is diagnose.LOADER_PROJECTED:
+            return dataclasses.replace(d, loader_projected=make())
+        return d  # the job's own measurements and runs: not asked here
+
+    got = diagnose._recipe(cfg, run).loader_projected
+    assert set(got.sweep["pipeline"]) == {"naive", "packed"} and (got.sweep["records"] == 16).all()
+    assert got.sweep["error"].eq("").all() and got.stalls["error"].eq("").all()
+    assert got.lines.set_index("source").at["record = self.records[i]", "hits"] == 16
+    assert {d.basis for d in got.decisions} <= {"projected", "default"}
