@@ -335,3 +335,24 @@ def test_a_cpu_runs_projected_loader_sweeps_the_jobs_own_records(field, tmp_path
     assert got.sweep["error"].eq("").all() and got.stalls["error"].eq("").all()
     assert got.lines.set_index("source").at["record = self.records[i]", "hits"] == 16
     assert {d.basis for d in got.decisions} <= {"projected", "default"}
+
+
+def test_the_cloud_docs_commands_are_accepted_as_written(tmp_path, monkeypatch):
+    # docs/cloud.md's commands (continuation lines joined): every flag is its command's and
+    # every value one its config takes; the local model folder the doc names exists here
+    import shlex
+
+    from diag.cli import parse
+
+    text = (ROOT / "docs" / "cloud.md").read_text().replace("\\\n", " ")
+    commands = [line.split("python -m diag ", 1)[1] for line in text.splitlines()
+                if line.lstrip("$ ").startswith("python -m diag ")]
+    folder = tmp_path / "my-model-folder"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    assert len(commands) == 8
+    for command in commands:
+        name, cfg, _ = parse(shlex.split(command.replace("PORT", "9000")))
+        assert command.startswith(name), command
