@@ -356,3 +356,21 @@ def test_the_cloud_docs_commands_are_accepted_as_written(tmp_path, monkeypatch):
     for command in commands:
         name, cfg, _ = parse(shlex.split(command.replace("PORT", "9000")))
         assert command.startswith(name), command
+
+
+def test_an_out_folder_filled_after_the_config_was_made_is_refused_before_any_step(tmp_path):
+    # the config checked --out when it was made (empty then); the run checks it again at its
+    # start: with Stop already pressed, anything past that check would stop, not refuse
+    import threading
+
+    from diag.diagnose import run_diagnose
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = DiagnoseConfig.quick(out=str(out))
+    (out / "report.html").write_text("another run's")
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(ValueError, match="the folder is not empty"):
+        run_diagnose(cfg, stop=stop)
+    assert [p.name for p in out.iterdir()] == ["report.html"]
