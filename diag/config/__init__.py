@@ -14,13 +14,14 @@ from diag.config.general import DiagnoseConfig, InfoConfig, ReportConfig, ToyCon
 from diag.config.loader import LOADER_CONSUMERS, LOADER_PIPELINES, ON_ERROR, LoaderConfig
 from diag.config.model_load import ModelLoadConfig
 from diag.config.qlora import QLORA_PLANS, QLoraConfig
-from diag.config.source import SourceConfig
+from diag.config.source import RecordFields, SourceConfig
 from diag.config.storage import StorageConfig
 
 __all__ = [
     "ACCUM_DTYPES", "ACCUM_MODELS", "AccumConfig", "DEVICES", "DiagnoseConfig", "ExperimentConfig",
     "InfoConfig", "LOADER_CONSUMERS", "LoadProcess", "MODEL_LOAD_PROCESSES", "LOADER_PIPELINES",
     "LoaderConfig", "MODEL_LOAD_SCENARIOS", "ModelLoadConfig", "ON_ERROR", "QLORA_PLANS",
-    "QLoraConfig", "ReportConfig", "STORAGE_PULLS", "Scenario", "SourceConfig", "StorageConfig",
+    "QLoraConfig", "RecordFields", "ReportConfig", "STORAGE_PULLS", "Scenario", "SourceConfig",
+    "StorageConfig",
     "ToyConfig", "VERIFY_MODES", "Verify", "diag_home", "quick_mode",
 ]
