@@ -125,7 +125,7 @@ def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis) -> Diagnosis:
         d = run(d, PROJECTION, lambda: _projection(cfg, job, d))
     # on a CPU box, also: would this loader keep up with the GPU being considered (projected)
     if cfg.loader and not cfg.quick_experiments and resolve(cfg.device).type == "cpu":
-        d = run(d, LOADER_PROJECTED, lambda: _loader_toy(cfg))
+        d = run(d, LOADER_PROJECTED, lambda: _loader_toy(cfg, _job_records(job, d)))
     return d
 
 
@@ -229,12 +229,22 @@ def _projection(cfg: DiagnoseConfig, job: QLoraConfig, d: Diagnosis) -> Projecti
                        _need(d.job, JOB))
 
 
-def _loader_toy(cfg: DiagnoseConfig) -> LoaderResult:
+def _job_records(job: QLoraConfig, d: Diagnosis) -> dict[str, Any]:
+    """The job's records as a loader sweep reads them: its landed data, its model's tokenizer,
+    its record fields."""
+    inputs = _need(d.job, JOB)
+    return {"data": str(inputs.data_path), "tokenizer": str(inputs.model_dir),
+            **job.record_fields()}
+
+
+def _loader_toy(cfg: DiagnoseConfig, records: dict[str, Any] | None = None) -> LoaderResult:
+    """The loader against the target GPU's estimated step (a CPU box's question: would this
+    loader keep up with the GPU being considered); records: the job's (_job_records), else the
+    embedded dataset."""
     from diag.loader import run_loader
 
-    # On a CPU box the question is whether this loader would keep up with the GPU being
-    # considered: an emulated step of that GPU's estimated duration, a projection
-    sweep = {} if cfg.quick_experiments else dict(LoaderConfig.RUN)
+    # an emulated step of that GPU's estimated duration: a projection
+    sweep = dict(records or {}) | ({} if cfg.quick_experiments else dict(LoaderConfig.RUN))
     if resolve(cfg.device).type == "cpu" and not cfg.quick_experiments:
         sweep["gpu"] = cfg.target_gpu
     if cfg.workers:

@@ -156,10 +156,10 @@ def _prompts_filling(job: QLoraConfig, records: list[dict[str, Any]], tokenizer_
                      ) -> list[tuple[int, int]]:
     """(index, prompt tokens) of each record whose prompt (BOS included) fills job.seq_len, by
     the text pipeline the job tokenizes with (a chat record through the model's template)."""
-    from diag.data import encode_pairs, load_tokenizer, render_chat
+    from diag.data import encode_pairs, load_tokenizer
 
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    prompts, _ = encode_pairs(tokenizer, render_chat(records, tokenizer))
+    prompts, _ = encode_pairs(tokenizer, records)
     return [(i, len(p)) for i, p in enumerate(prompts) if len(p) >= job.seq_len]
 
 

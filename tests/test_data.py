@@ -245,3 +245,17 @@ def test_bad_sizes_name_the_field(tok_dir: str, tmp_path: Path):
             build_token_cache([], tok_dir, cache_dir=tmp_path, **{name: 0})
     with pytest.raises(ValueError, match="tokenizer_dir"):
         NaiveTextDataset([], tmp_path, seq_len=16)
+
+
+def test_a_cache_built_with_other_fields_is_not_a_hit(tok_dir: str, tmp_path: Path):
+    # the same file read with its fields swapped is other records: the mapping is in the key
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"q": f"Sort: pear apple {i}", "a": f"apple pear {i}"})
+                            + "\n" for i in range(8)))
+    first = build_token_cache(data, tok_dir, fields={"prompt": "q", "response": "a"},
+                              cache_dir=tmp_path / "c", num_proc=1)
+    loss = np.load(first.folder / "loss_mask.npy").sum()
+    swapped = build_token_cache(data, tok_dir, fields={"prompt": "a", "response": "q"},
+                                cache_dir=tmp_path / "c", num_proc=1)
+    assert swapped.status == "rebuilt: settings changed" and swapped.key != first.key
+    assert np.load(swapped.folder / "loss_mask.npy").sum() != loss  # on the other field's tokens

@@ -32,25 +32,28 @@ def packed(tmp_path_factory) -> PackedDataset:
 def test_sweep_recovers_an_injected_per_sample_cost_and_recommends_the_workers_it_needs():
     # 250 ms per sample x 2 samples = 500 ms a batch against a 375 ms step: one worker is too
     # slow (waits ~125 ms a step), two make a batch every 250 ms and keep up with 125 ms to
-    # spare. Few, long sleeps: on a loaded 2-core machine each wake-up and worker hand-off can be
-    # late by a few ms (measured up to ~6 ms a step with the 240 ms step this test had before),
-    # which must stay far from 10% of the cost and from the 2% line (7.5 ms of a 375 ms step).
-    cfg = LoaderConfig.quick(pipelines=["packed"], workers=[0, 1, 2, 3], batch_size=2,
+    # spare. Each figure's floor is a sleep, which a load never shortens; above it a loaded
+    # 2-core box's late wake-ups and hand-offs add a few ms a step (~6 ms seen), far from what
+    # each check separates. The sweep stops at two workers, the fewest that keep up: beside a
+    # third, which of the two hands a batch over a millisecond sooner is a load's coin toss,
+    # and the near-best rule would then decide by it (the rule's own tests use fixed frames).
+    cfg = LoaderConfig.quick(pipelines=["packed"], workers=[0, 1, 2], batch_size=2,
                              seq_len=64, steps=4, extra_prep_ms=250.0, step_ms=375.0)
     sweep = sweep_workers(cfg)
-    assert list(sweep["num_workers"]) == [0, 1, 2, 3] and (sweep["error"] == "").all()
+    assert list(sweep["num_workers"]) == [0, 1, 2] and (sweep["error"] == "").all()
     rec = recommend(sweep, cfg.target_share).iloc[0]
-    assert rec["per_sample_ms"] == pytest.approx(250.0, rel=0.10)
+    assert 250.0 <= rec["per_sample_ms"] <= 250.0 * 1.10
     assert rec["workers_needed"] == 2
     # the plan's decision: 2 under the 2% goal, or (a loaded machine's late wake-ups leave the
-    # hand-off above it) the smallest within 10% / 1 ms of the best: 2 either way
+    # hand-off above it) the smallest within 10% / 1 ms of the best, which 2 is: 2 either way
     decided = {d.setting: d for d in decide(sweep)}["num_workers"]
     assert decided.value == 2, (decided.why, sweep[["num_workers", "data_wait_share"]])
     kept_up = not pd.isna(rec["recommended_workers"])
     assert not kept_up or rec["recommended_workers"] == 2, sweep[["num_workers", "data_wait_share"]]
     by = sweep.set_index("num_workers")
     assert by.loc[1, "data_wait_share"] > 0.15  # (500 - 375) / 500 of each step is a wait
-    assert by.loc[3, "warning"].startswith("num_workers=3 >") == (3 > usable_cores())
+    # two workers hide the cost: what is left is the hand-off, a few ms of a 375 ms step
+    assert by.loc[2, "data_wait_s"] < 0.25 * by.loc[1, "data_wait_s"]
     found = advice(sweep, recommend(sweep), run_steps=100)
     assert found["finding"].str.contains(
         "num_workers=2" if kept_up else "workers alone leave").any()
@@ -173,7 +176,7 @@ def test_run_loader_quick_gives_every_frame():
     assert (got.stalls[["prep_stall_s", "fetch_stall_s"]] >= 0).all().all()
     assert got.stalls["cache_state"].str.len().gt(0).all()
     sources = " ".join(got.lines["source"])
-    assert 'tokenizer(prompt)["input_ids"]' in sources
+    assert 'prompt_ids = tokenizer(prompt, ' in sources  # the naive per-sample encoding
     assert list(got.recommendation["pipeline"]) == ["naive", "packed"]
     assert got.recommendation["verdict"].str.len().gt(0).all()
     assert list(got.advice.columns) == ["stage", "finding", "seconds_saved", "evidence"]

@@ -482,3 +482,14 @@ def test_a_pipeline_after_one_where_every_setting_failed_is_still_recommended():
 def test_choose_workers_counts_a_share_exactly_at_the_goal_as_not_under_it():
     # 1 s of a 3 s step is exactly 25%: 0 workers are not under 25%, 2 workers (14%) are
     assert choose_workers(_by({0: 1.0, 2: 0.5}, step_s=3.0), goal=0.25)[0] == 2
+
+
+def test_loader_configs_own_target_picks_the_workers_and_is_named():
+    # LoaderConfig's default target (the 2% goal): 60% / 11% / 1% of the step at 0 / 1 / 2
+    # workers keeps 2, and the decision says the target; at a 20% target 1 would do
+    from diag.config import LoaderConfig
+
+    frame = sweep({0: (60.0, 40.0), 1: (11.0, 89.0), 2: (1.0, 99.0)}, repeats=5)
+    decided = {d.setting: d for d in decide(frame, LoaderConfig().target_share)}
+    assert decided["num_workers"].value == 2 and "under 2%" in decided["num_workers"].why
+    assert {d.setting: d for d in decide(frame, 0.20)}["num_workers"].value == 1

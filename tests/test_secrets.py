@@ -296,3 +296,16 @@ def test_redaction_asks_the_metadata_service_only_when_the_chain_may_end_there(i
     make_client("http://127.0.0.1:9", credentials={"aws_access_key_id": "AKIDGIVEN0000001",
                                                    "aws_secret_access_key": "given/secret/42"})
     assert redact("a given/secret/42 b") == "a *** b" and imds == []  # keys given: no chain
+
+
+def test_render_redacts_a_secret_registered_after_the_folder_was_written(tmp_path):
+    # a run folder written before a value was known secret (its CSV holds it), rendered again
+    # once it is registered: the page never shows it
+    from diag import report
+
+    frame = pd.DataFrame({"seconds": [1.0], "detail": ["signed with late-secret-77"]})
+    folder = report.write({"mine": frame}, tmp_path / "run")
+    assert "late-secret-77" in (folder / "mine.csv").read_text()
+    register("late-secret-77")
+    page = report.render(folder).read_text()
+    assert "late-secret-77" not in page and "signed with ***" in page

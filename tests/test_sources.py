@@ -105,13 +105,14 @@ def test_bad_data_names_the_flag(tmp_path):
         QLoraConfig(prompt_field="q")
 
 
-def _cli(args: list[str], env: dict, cwd: Path) -> tuple[int, str, float]:
+def _cli(args: list[str], env: dict, cwd: Path, timeout: float = 120
+         ) -> tuple[int, str, float]:
     full = {**os.environ, "PYTHONPATH": str(ROOT)}
     for k, v in env.items():
         full.pop(k, None) if v is None else full.__setitem__(k, v)
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "diag", *args], capture_output=True, text=True,
-                          env=full, cwd=cwd, timeout=120)
+                          env=full, cwd=cwd, timeout=timeout)
     return done.returncode, done.stdout + done.stderr, time.perf_counter() - start
 
 
@@ -184,23 +185,42 @@ def test_every_client_flag_reaches_the_jobs_client(s3, tmp_path, monkeypatch):
         proxy.close()
 
 
-@pytest.mark.timeout(600)
-def test_the_job_trains_on_a_parquet_prefix(s3, tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_diag_run_measures_a_parquet_prefix_with_its_fields_in_every_step(s3, tmp_path,
+                                                                          _isolated_home):
+    # 20 rows: fewer than any loader measurement reads (30 of the embedded dataset's, quick),
+    # so every count below is the user's; two shards, so every reader takes a folder
     pytest.importorskip("bitsandbytes")
-    from diag.qlora import run_qlora
+    from diag import report
 
-    for key, value in s3.env().items():
-        monkeypatch.setenv(key, value)
+    rows = [{"question": f"Sort: pear apple {i}", "answer": f"apple pear {i}"} for i in range(20)]
     client = s3.client()
     for i in range(2):
-        local = _parquet(tmp_path / f"part-{i}.parquet", ROWS[8 * i: 8 * i + 8])
-        client.upload_file(str(local), s3.bucket, f"user/data/part-{i}.parquet")
-    cfg = QLoraConfig.quick(plan="naive", source=f"s3://{s3.bucket}/user/data/",
-                            endpoint_url=s3.endpoint_url, prompt_field="q", response_field="a",
-                            records=16, steps=4, warmup_steps=1, seq_len=32)
-    row = run_qlora(cfg).frame.set_index("plan").loc["naive"]
-    assert row["records"] == 16 and row["steps"] == 4  # every row of both shards, trained
-    assert row["skipped_records"] == 0
+        local = _parquet(tmp_path / f"part-{i}.parquet", rows[10 * i: 10 * i + 10])
+        client.upload_file(str(local), s3.bucket, f"user/sft/part-0000{i}.parquet")
+    tokens = _isolated_home / "tokens"
+    before = set(tokens.glob("[!.]*"))  # finished caches (a folder each), not the memo
+    out = tmp_path / "run"
+    code, text, _ = _cli(["run", "--quick", "--out", str(out), "--source",
+                          f"s3://{s3.bucket}/user/sft/", "--endpoint-url", s3.endpoint_url,
+                          "--prompt-field", "question", "--response-field", "answer"],
+                         s3.env(), tmp_path, timeout=600)
+    assert code == 0, text[-3000:]
+    frames = report.load(out)
+    job = frames["qlora"].set_index("plan")
+    assert (job["records"] == 12).all() and (job["skipped_records"] == 0).all()  # quick: 12
+    # the loader on the job's step: both pipelines over the user's 20 rows, none failed
+    sweep = frames["loader"]
+    assert set(sweep["pipeline"]) == {"naive", "packed"} and (sweep["records"] == 20).all()
+    assert sweep["error"].fillna("").eq("").all()
+    stalls = frames["loader_stalls"]  # each shard of the landed folder warmed and evicted
+    assert len(stalls) == 2 and stalls["error"].fillna("").eq("").all()
+    lines = frames["loader_lines"].set_index("source")  # the line profile: the user's rows
+    assert lines.at["record = self.records[i]", "hits"] == 20
+    # every token cache this run made (the job's, the loader's) holds the user's fields
+    made = [json.loads((f / "meta.json").read_text()) for f in set(tokens.glob("[!.]*")) - before]
+    assert made and all(m["fields"] == {"prompt": "question", "response": "answer"}
+                        for m in made), [(m["source"], m["fields"]) for m in made]
 
 
 def test_revision_and_cache_dir_reach_the_jobs_download(tmp_path):
@@ -222,26 +242,135 @@ def test_revision_and_cache_dir_reach_the_jobs_download(tmp_path):
                          tmp_path / "work2")
 
 
-def test_a_chat_messages_field_is_rendered_with_the_models_template(tmp_path):
-    from diag.data import load_tokenizer, render_chat
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory) -> Path:
+    """The embedded tokenizer with a chat template that begins with {{ bos_token }}, as Llama 2
+    chat's, Llama 3's, Mistral's and Gemma's do."""
+    from transformers import PreTrainedTokenizerFast
+
     from diag.embedded import ensure_assets
 
-    chat = [{"role": "user", "content": "Sort: pear apple"},
-            {"role": "assistant", "content": "apple pear"}]
-    _parquet(tmp_path / "c.parquet", [{"conv": chat}, {"conv": chat[:1]}])
+    folder = tmp_path_factory.mktemp("chat-tokenizer")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(ensure_assets().model_dir)
+    tokenizer.chat_template = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>"
+                               "{{ m.content }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+CHAT = [{"role": "user", "content": "Sort: pear apple"},
+        {"role": "assistant", "content": "apple pear"}]
+
+
+def test_a_chat_messages_field_is_rendered_with_the_models_template(tmp_path, chat_tokenizer):
+    from diag.data import format_prompt, load_tokenizer
+    from diag.embedded import ensure_assets
+
+    _parquet(tmp_path / "c.parquet", [{"conv": CHAT}, {"conv": CHAT[:1]}])
     with pytest.raises(ValueError, match=r"row 2: no_answer"):
         read_source(tmp_path, {"messages": "conv"})
     records, problems = read_source(tmp_path, {"messages": "conv"}, on_error="skip")
-    assert records == [{"messages": chat}] and list(problems["problem"]) == ["no_answer"]
-    tokenizer = load_tokenizer(str(ensure_assets().model_dir))
-    if not tokenizer.chat_template:
+    assert records == [{"messages": CHAT}] and list(problems["problem"]) == ["no_answer"]
+    plain = load_tokenizer(str(ensure_assets().model_dir))
+    if not plain.chat_template:
         with pytest.raises(ValueError, match="^--messages-field: the tokenizer of --model has "
                                              "no chat template"):
-            render_chat(records, tokenizer)
-    tokenizer = type(tokenizer).from_pretrained(ensure_assets().model_dir)  # a copy to change
-    tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n"
-                               "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
-    assert render_chat(records, tokenizer) == [
-        {"prompt": "<user>Sort: pear apple\n<assistant>", "response": "apple pear"}]
+            format_prompt(records[0], plain)
+    assert format_prompt(records[0], load_tokenizer(str(chat_tokenizer))) == (
+        "<s><user>Sort: pear apple\n<assistant>", "apple pear")
     with pytest.raises(ValueError, match="--messages-field alone"):
         QLoraConfig(messages_field="conv", text_field="t")
+
+
+def test_a_chat_template_with_a_leading_bos_yields_one_bos(tmp_path, chat_tokenizer):
+    # the template writes the BOS: the rendered text must not get the tokenizer's added again,
+    # in the token cache (both plans of the job, the loader's packed pipeline) nor per sample
+    from diag.data import NaiveTextDataset, PackedDataset, build_token_cache, load_tokenizer
+
+    bos = load_tokenizer(str(chat_tokenizer)).bos_token_id
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"conv": CHAT}) + "\n")
+    records, _ = read_source(data, {"messages": "conv"})
+    cache = build_token_cache(data, chat_tokenizer, fields={"messages": "conv"},
+                              cache_dir=tmp_path / "tokens", num_proc=1)
+    for name, ids in (("token cache", PackedDataset(cache.folder, 64)[0]["input_ids"]),
+                      ("per sample", NaiveTextDataset(records, chat_tokenizer, 64)[0][
+                          "input_ids"])):
+        assert ids[0] == bos and (ids == bos).sum() == 1, (name, ids[:4].tolist())
+    # records the template does not render keep the tokenizer's one BOS
+    plain = NaiveTextDataset([{"prompt": "Sort: pear apple", "response": "apple pear"}],
+                             chat_tokenizer, 64)[0]["input_ids"]
+    assert plain[0] == bos and (plain == bos).sum() == 1
+
+
+@pytest.mark.parametrize("field", ["text_field", "messages_field"])
+def test_a_cpu_runs_projected_loader_sweeps_the_jobs_own_records(field, tmp_path,
+                                                                 chat_tokenizer):
+    # the diagnosis walked by a runner that makes only the job's inputs (the user's JSONL, the
+    # model's tokenizer) and the projected loader; 16 rows, fewer than the sweep reads (30)
+    import dataclasses
+
+    from diag import diagnose
+    from diag.qlora.measure import JobInputs
+
+    name = {"text_field": "t", "messages_field": "conv"}[field]
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"t": f"{r['q']} {r['a']}"} if name == "t" else {
+        "conv": [{"role": "user", "content": r["q"]}, {"role": "assistant", "content": r["a"]}]})
+        + "\n" for r in ROWS))
+    cfg = DiagnoseConfig(device="cpu", storage=False, model_load=False, accum=False,
+                         workers=[0], **{field: name})
+    inputs = JobInputs(rows_per_step=4, model_dir=chat_tokenizer, data_path=data, device="cpu")
+
+    def run(d, step, make):
+        if step is diagnose.JOB:
+            return dataclasses.replace(d, job=inputs)
+        if step is diagnose.LOADER_PROJECTED:
+            return dataclasses.replace(d, loader_projected=make())
+        return d  # the job's own measurements and runs: not asked here
+
+    got = diagnose._recipe(cfg, run).loader_projected
+    assert set(got.sweep["pipeline"]) == {"naive", "packed"} and (got.sweep["records"] == 16).all()
+    assert got.sweep["error"].eq("").all() and got.stalls["error"].eq("").all()
+    assert got.lines.set_index("source").at["record = self.records[i]", "hits"] == 16
+    assert {d.basis for d in got.decisions} <= {"projected", "default"}
+
+
+def test_the_cloud_docs_commands_are_accepted_as_written(tmp_path, monkeypatch):
+    # docs/cloud.md's commands (continuation lines joined): every flag is its command's and
+    # every value one its config takes; the local model folder the doc names exists here
+    import shlex
+
+    from diag.cli import parse
+
+    text = (ROOT / "docs" / "cloud.md").read_text().replace("\\\n", " ")
+    commands = [line.split("python -m diag ", 1)[1] for line in text.splitlines()
+                if line.lstrip("$ ").startswith("python -m diag ")]
+    folder = tmp_path / "my-model-folder"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    assert len(commands) == 8
+    for command in commands:
+        name, cfg, _ = parse(shlex.split(command.replace("PORT", "9000")))
+        assert command.startswith(name), command
+
+
+def test_an_out_folder_filled_after_the_config_was_made_is_refused_before_any_step(tmp_path):
+    # the config checked --out when it was made (empty then); the run checks it again at its
+    # start: with Stop already pressed, anything past that check would stop, not refuse
+    import threading
+
+    from diag.diagnose import run_diagnose
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = DiagnoseConfig.quick(out=str(out))
+    (out / "report.html").write_text("another run's")
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(ValueError, match="the folder is not empty"):
+        run_diagnose(cfg, stop=stop)
+    assert [p.name for p in out.iterdir()] == ["report.html"]

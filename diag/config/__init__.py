@@ -14,7 +14,7 @@ from diag.config.general import DiagnoseConfig, InfoConfig, ReportConfig, ToyCon
 from diag.config.loader import LOADER_CONSUMERS, LOADER_PIPELINES, ON_ERROR, LoaderConfig
 from diag.config.model_load import ModelLoadConfig
 from diag.config.qlora import QLORA_PLANS, JobConfig, QLoraConfig
-from diag.config.source import SourceConfig
+from diag.config.source import RecordFields, SourceConfig
 from diag.config.storage import StorageConfig
 from diag.config.train import TrainConfig
 
@@ -23,6 +23,7 @@ __all__ = [
     "InfoConfig", "JobConfig", "LOADER_CONSUMERS", "LoadProcess", "MODEL_LOAD_PROCESSES",
     "LOADER_PIPELINES",
     "LoaderConfig", "MODEL_LOAD_SCENARIOS", "ModelLoadConfig", "ON_ERROR", "QLORA_PLANS",
-    "QLoraConfig", "ReportConfig", "STORAGE_PULLS", "Scenario", "SourceConfig", "StorageConfig",
-    "ToyConfig", "TrainConfig", "VERIFY_MODES", "Verify", "diag_home", "quick_mode",
+    "QLoraConfig", "RecordFields", "ReportConfig", "STORAGE_PULLS", "Scenario", "SourceConfig",
+    "StorageConfig", "ToyConfig", "TrainConfig", "VERIFY_MODES", "Verify", "diag_home",
+    "quick_mode",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from diag.config.base import ExperimentConfig
+from diag.config.source import RecordFields
 from diag.decision import DATA_WAIT_GOAL
 
 
@@ -15,11 +15,14 @@ ON_ERROR = ("raise", "skip")  # what a reader does with a malformed row: stop, o
 
 
 @dataclass
-class LoaderConfig(ExperimentConfig):
-    """`diag loader`: DataLoader settings against a training step, the stall split, hot lines."""
+class LoaderConfig(RecordFields):
+    """`diag loader`: DataLoader settings against a training step, the stall split, hot lines.
+    The record fields (--text-field, ...) name the fields of --data's records (RecordFields)."""
 
-    data: str = ""  # instruction JSONL; "" = the embedded synthetic dataset
-    tokenizer: str = ""  # folder with tokenizer.json; "" = the embedded tiny model's
+    data: str = ""  # your records: a JSONL or Parquet file or a folder of
+                    # shards; "" = the embedded synthetic dataset
+    tokenizer: str = ""  # folder with tokenizer.json (and a chat template for
+                         # --messages-field); "" = the embedded tiny model's
     pipelines: list[str] = field(default_factory=lambda: list(LOADER_PIPELINES))  # forms swept
     workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])  # num_workers
         # swept; the first is the baseline the advice compares with
@@ -63,6 +66,11 @@ class LoaderConfig(ExperimentConfig):
     RUN: ClassVar[dict[str, Any]] = {"steps": 6, "repeats": 1}
 
     def validate(self) -> None:
+        super().validate()  # the record fields
+        if self.fields() and not self.data:  # the embedded records are Alpaca's: never renamed
+            name = next(k for k, v in self.record_fields().items() if v)
+            raise ValueError(f"LoaderConfig.{name}={getattr(self, name)!r}: names a field of "
+                             "--data's records, and --data is empty; give --data (your records)")
         self._positive("batch_size", "steps", "repeats", "prefetch_factor", "run_steps",
                        "profile_samples", "num_proc", "model_params_b", "mfu", "timeout_s",
                        "target_share")

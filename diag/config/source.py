@@ -28,7 +28,44 @@ MODEL = ("model", "revision", "cache_dir", "repair_cache")
 
 
 @dataclass
-class SourceConfig(ExperimentConfig):
+class RecordFields(ExperimentConfig):
+    """Which fields of the user's records hold the text: the four flags every command that reads
+    records offers (the job's --source, the loader's --data), checked and read in one place."""
+
+    text_field: str = ""  # the records' field holding the whole text (loss on all of
+                          # it); "" = prompt/response fields, or instruction/input/output
+    prompt_field: str = ""  # the records' prompt field (with --response-field; loss
+                            # on the response only); "" = instruction/input/output (Alpaca)
+    response_field: str = ""  # the records' response field (with --prompt-field)
+    messages_field: str = ""  # the records' chat field (a list of {role, content},
+                              # the last from the assistant), rendered with the
+                              # model's chat template; loss on the last message
+
+    def validate(self) -> None:
+        super().validate()
+        if bool(self.prompt_field) != bool(self.response_field) or sum(
+                map(bool, (self.text_field, self.prompt_field, self.messages_field))) > 1:
+            raise ValueError(f"{type(self).__name__}: give --text-field alone, --messages-field "
+                             f"alone, or --prompt-field with --response-field (got text_field="
+                             f"{self.text_field!r}, prompt_field={self.prompt_field!r}, "
+                             f"response_field={self.response_field!r}, "
+                             f"messages_field={self.messages_field!r})")
+
+    def fields(self) -> dict[str, str]:
+        """The record fields to read (diag.data.records.normalise's `fields`); {} = Alpaca."""
+        return {k: v for k, v in (("text", self.text_field), ("prompt", self.prompt_field),
+                                  ("response", self.response_field),
+                                  ("messages", self.messages_field)) if v}
+
+    def record_fields(self) -> dict[str, str]:
+        """These four flags' values, to hand the same records to another config."""
+        import dataclasses
+
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(RecordFields)}
+
+
+@dataclass
+class SourceConfig(RecordFields):
     """The user's bucket and model, or (all empty) the embedded S3 server and hub."""
 
     source: str = ""  # your data: s3://bucket/key.{jsonl,parquet} or s3://bucket/prefix/
@@ -50,20 +87,12 @@ class SourceConfig(ExperimentConfig):
     repair_cache: bool = False  # model-load: True re-downloads cached files
                                 # that fail their checksum (and may write to
                                 # your HF cache); False stops and reports them
-    text_field: str = ""  # --source records' field holding the whole text (loss on all of
-                          # it); "" = prompt/response fields, or instruction/input/output
-    prompt_field: str = ""  # --source records' prompt field (with --response-field; loss
-                            # on the response only); "" = instruction/input/output (Alpaca)
-    response_field: str = ""  # --source records' response field (with --prompt-field)
-    messages_field: str = ""  # --source records' chat field (a list of {role,
-                              # content}, the last from the assistant), rendered with
-                              # --model's chat template; loss on the last message
 
     SOURCE: ClassVar[tuple[str, ...]] = BUCKET + RECORDS + MODEL  # the fields this config reads
 
     def validate(self) -> None:
-        super().validate()
-        self.validate_source()
+        self.validate_source()  # first: a field this config does not read is refused as such
+        super().validate()  # the record fields (RecordFields)
 
     @classmethod
     def used_fields(cls) -> list[str]:
@@ -107,24 +136,11 @@ class SourceConfig(ExperimentConfig):
         if not self.revision:
             raise ValueError(f"{name}.revision='': name a branch, tag or commit (main)")
         check_model(self.model, name)
-        if bool(self.prompt_field) != bool(self.response_field) or sum(
-                map(bool, (self.text_field, self.prompt_field, self.messages_field))) > 1:
-            raise ValueError(f"{name}: give --text-field alone, --messages-field alone, or "
-                             f"--prompt-field with --response-field (got text_field="
-                             f"{self.text_field!r}, prompt_field={self.prompt_field!r}, "
-                             f"response_field={self.response_field!r}, "
-                             f"messages_field={self.messages_field!r})")
 
     def source_kwargs(self, into: type[SourceConfig] | None = None) -> dict[str, object]:
         """The source fields' values, to hand the same source to another experiment's config:
         those `into` reads (its SOURCE), or every one."""
         return {name: getattr(self, name) for name in (into or SourceConfig).SOURCE}
-
-    def fields(self) -> dict[str, str]:
-        """The record fields to read (diag.data.records.normalise's `fields`)."""
-        return {k: v for k, v in (("text", self.text_field), ("prompt", self.prompt_field),
-                                  ("response", self.response_field),
-                                  ("messages", self.messages_field)) if v}
 
 
 def check_model(model: str, owner: str = "SourceConfig") -> None:

@@ -13,11 +13,11 @@ from diag.data.packing import PackedDataset, best_fit_decreasing, loss_counts, p
 from diag.data.records import DATA_SUFFIXES, PROBLEM_COLUMNS, read_source, shard_files
 from diag.data.stream import ARRAYS
 from diag.data.text import (IGNORE_INDEX, PROMPT_TEMPLATE, NaiveTextDataset, encode_pairs,
-                            format_prompt, load_tokenizer, render_chat)
+                            format_prompt, load_tokenizer)
 from diag.data.tokens import TokenCache, build_token_cache, read_meta
 
 __all__ = ["ARRAYS", "BatchLoader", "DATA_SUFFIXES", "IGNORE_INDEX", "NaiveTextDataset",
            "PROBLEM_COLUMNS", "PROMPT_TEMPLATE", "PackedDataset", "TokenCache", "TokenFile",
            "best_fit_decreasing", "build_token_cache", "check_tokens", "encode_pairs",
            "ensure_tokens", "format_prompt", "load_tokenizer", "loss_counts", "packing_refused",
-           "read_meta", "read_source", "render_chat", "shard_files", "token_file"]
+           "read_meta", "read_source", "shard_files", "token_file"]

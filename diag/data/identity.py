@@ -20,8 +20,11 @@ from diag.data.records import shard_files
 from diag.data.text import PROMPT_TEMPLATE, PROMPT_TEMPLATE_NO_INPUT
 from diag.files import atomic_file, file_sha256
 
-FORMAT = 3  # bump when the arrays' layout or the encoding changes: every old cache goes stale
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+FORMAT = 4  # bump when the arrays' layout or the encoding changes: every old cache goes stale
+#            (4: a chat template's prompt gets no second BOS)
+# what a tokenizer is saved as; transformers 5 writes the chat template to its own file
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json")
 MEMO = ".identities.json"  # {path: [size, mtime_ns, ctime_ns, inode, identity]} under the caches
 
 

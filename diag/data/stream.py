@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from diag.data.records import Chunk, read_chunk
-from diag.data.text import encode_pairs, load_tokenizer, render_chat
+from diag.data.text import encode_pairs, load_tokenizer
 
 ENCODE_BATCH = 1000  # records per tokenizer call: amortizes the call, bounds a worker's objects
 ARRAYS = ("train.bin", "loss_mask.npy", "offsets.npy")  # a cache's data files, beside meta.json
@@ -55,9 +56,9 @@ class Encoded:
 
 def _arrays(tokenizer: Any, records: list[dict[str, Any]], dtype: str
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ids, loss mask, lengths) of records: each BOS + prompt (no loss), response + EOS (loss).
+    """(ids, loss mask, lengths) of records: each prompt (no loss), response + EOS (loss).
     The two id lists go to numpy flat and are placed by index arithmetic: no list per record."""
-    prompts, responses = encode_pairs(tokenizer, render_chat(records, tokenizer))
+    prompts, responses = encode_pairs(tokenizer, records)
     p = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
     r = np.fromiter(map(len, responses), dtype=np.int64, count=len(responses))
     lengths = p + r + 1
@@ -126,18 +127,31 @@ def _pool(procs: int) -> Iterator[Any]:
 
     # one tokenizer thread per process: the processes are the parallelism. Set while the pool
     # forks, so the children start with it (tokenizers reads it at the fork) and this process
-    # keeps its own setting
+    # keeps its own setting. SIGTERM is blocked while it forks (_worker_signals says why)
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
-        pool = multiprocessing.get_context("fork").Pool(procs)  # the tokenizer is inherited
+        pool = multiprocessing.get_context("fork").Pool(  # the tokenizer is inherited
+            procs, initializer=_worker_signals)
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if before is None:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = before
     with pool:  # leaving it terminates the workers: a refusal or a full prefix stops them
         yield pool
+
+
+def _worker_signals() -> None:
+    """A worker dies at the pool's SIGTERM, running no Python. It inherits the parent's
+    handlers (the CLI's SIGTERM raises SystemExit), and one that arrives before the fork's
+    child code reaches its own exit would unwind the parent's copied stack, whose `finally`
+    blocks (atomic_folder's) remove the parent's files: so SIGTERM is held blocked across the
+    fork and takes its default action once this runs."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 class Arrays:

@@ -1,9 +1,10 @@
 """The text pipeline a fine-tuning job feeds its model: records -> prompt -> tokens.
 
-`format_prompt` renders a record, `encode_pairs` tokenizes many at once (the token cache's
-way), and `NaiveTextDataset` tokenizes one record per `__getitem__` and pads it to seq_len, as
-a newcomer writes it (loss on response tokens only, -100 on prompt and padding); the packed
-form of the same labels is diag.data.packing's. An importable module: workers pickle it.
+`format_prompt` renders a record (a chat one through the model's chat template),
+`encode_pairs` tokenizes many at once (the token cache's way), and `NaiveTextDataset` tokenizes
+one record per `__getitem__` and pads it to seq_len, as a newcomer writes it (loss on response
+tokens only, -100 on prompt and padding); the packed form of the same labels is
+diag.data.packing's. An importable module: workers pickle it.
 """
 
 from __future__ import annotations
@@ -24,14 +25,31 @@ PROMPT_TEMPLATE_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 IGNORE_INDEX = -100  # the label PyTorch's cross-entropy (and HF models) leave out of the loss
 
 
-def format_prompt(record: dict[str, Any]) -> tuple[str, str]:
-    """(prompt_text, response_text) of one {"instruction", "input", "output"} record, or of a
-    {"prompt", "response"} one (the user's own fields, diag.data: used as they are)."""
+def format_prompt(record: dict[str, Any], tokenizer: Any = None) -> tuple[str, str]:
+    """(prompt_text, response_text) of one {"instruction", "input", "output"} record, of a
+    {"prompt", "response"} one (the user's own fields, diag.data: used as they are), or of a
+    {"messages"} one: every message but the last through the tokenizer's chat template (with
+    its generation prompt), and the last message's content."""
+    if "messages" in record:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("--messages-field: the tokenizer of --model has no chat template; "
+                             "name --prompt-field/--response-field (or --text-field) instead")
+        return (tokenizer.apply_chat_template(record["messages"][:-1], tokenize=False,
+                                              add_generation_prompt=True),
+                record["messages"][-1]["content"])
     if "prompt" in record:
         return record["prompt"], record["response"]
     template = PROMPT_TEMPLATE if record.get("input") else PROMPT_TEMPLATE_NO_INPUT
     return (template.format(instruction=record["instruction"], input=record.get("input", "")),
             record["output"])
+
+
+def adds_special_tokens(record: dict[str, Any]) -> bool:
+    """Whether the prompt is tokenized with the tokenizer's special tokens (its BOS) added. A
+    chat template writes the ones it wants (Llama's, Mistral's and Gemma's begin with
+    {{ bos_token }}): its text gets none added, as transformers' own
+    apply_chat_template(tokenize=True) encodes it, or the record would start with two BOS."""
+    return "messages" not in record
 
 
 def tokenizer_version(tokenizer_dir: str | os.PathLike[str]) -> str:
@@ -55,35 +73,29 @@ def load_tokenizer(tokenizer_dir: str, version: str = "") -> Any:
     return tok
 
 
-def encode_pairs(tokenizer: Any, records: list[dict[str, str]]
+def encode_pairs(tokenizer: Any, records: list[dict[str, Any]]
                  ) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompt ids, response ids) of each record: BOS + prompt, and the response; a record's
-    tokens are the two end to end, then EOS.
+    """(prompt ids, response ids) of each record: the prompt (after BOS, or as its chat template
+    writes it: adds_special_tokens), and the response; a record's tokens are the two end to
+    end, then EOS.
 
     Prompt and response are tokenized apart, so the prompt/response boundary is a token
     boundary and the loss mask is exact; NaiveTextDataset makes the same ids one at a time.
     """
-    pairs = [format_prompt(r) for r in records]
+    pairs = [format_prompt(r, tokenizer) for r in records]
     # the Rust tokenizer under the HF wrapper: the wrapper's batch call builds a BatchEncoding
     # per row and measured 2.4x slower here (8,000 prompts: 1.05 s vs 0.44 s), same ids
     rust = tokenizer.backend_tokenizer
-    prompts = rust.encode_batch_fast([p for p, _ in pairs], add_special_tokens=True)
+    prompts: list[list[int]] = [[] for _ in records]
+    for special in (True, False):  # one batch per kind: a source's records are all one kind
+        rows = [i for i, r in enumerate(records) if adds_special_tokens(r) is special]
+        if rows:
+            encoded = rust.encode_batch_fast([pairs[i][0] for i in rows],
+                                             add_special_tokens=special)
+            for i, e in zip(rows, encoded):
+                prompts[i] = e.ids
     responses = rust.encode_batch_fast([r for _, r in pairs], add_special_tokens=False)
-    return [e.ids for e in prompts], [e.ids for e in responses]
-
-
-def render_chat(records: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
-    """Chat records as {"prompt", "response"}: the prompt is every message but the last through
-    the tokenizer's chat template (with its generation prompt), the response the last message."""
-    if not any("messages" in r for r in records):
-        return records
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("--messages-field: the tokenizer of --model has no chat template; "
-                         "name --prompt-field/--response-field (or --text-field) instead")
-    return [{"prompt": tokenizer.apply_chat_template(r["messages"][:-1], tokenize=False,
-                                                     add_generation_prompt=True),
-             "response": r["messages"][-1]["content"]} if "messages" in r else r
-            for r in records]
+    return prompts, [e.ids for e in responses]
 
 
 def check_seq_len(seq_len: int) -> None:
@@ -119,8 +131,8 @@ class NaiveTextDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         tokenizer = load_tokenizer(self.tokenizer_dir, self.version)
         record = self.records[i]
-        prompt, response = format_prompt(record)
-        prompt_ids = tokenizer(prompt)["input_ids"]
+        prompt, response = format_prompt(record, tokenizer)
+        prompt_ids = tokenizer(prompt, add_special_tokens=adds_special_tokens(record))["input_ids"]
         response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
         response_ids = response_ids + [tokenizer.eos_token_id]
         ids = (prompt_ids + response_ids)[: self.seq_len]

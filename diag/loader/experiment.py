@@ -62,7 +62,8 @@ def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
         stall_step = EmulatedStep(float(sweep["step_s"].median()))
     stalls = stall_split(cfg, cfg.workers[0], stall_step)
     # the naive dataset's own read (the parse is shared): profile_samples of its records
-    records, _ = read_source(data, on_error=cfg.on_error, limit=records_needed(cfg), cached=True)
+    records, _ = read_source(data, cfg.fields(), on_error=cfg.on_error,
+                             limit=records_needed(cfg), cached=True)
     naive = NaiveTextDataset(records[: cfg.profile_samples], tokenizer_dir, cfg.seq_len)
     lines = profile_lines(naive.__getitem__, range(len(naive)))
     on = measured_on or MeasuredOn(seq_len=cfg.seq_len, step=step[2],

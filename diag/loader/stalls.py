@@ -5,7 +5,7 @@ memory, no data path: the loop's own floor; (2) real data with the files in the 
 adds preprocessing (prep stall = warm - synthetic); (3) real data after the files were dropped
 from the page cache: adds the reads (fetch stall = cold - warm). One row per pipeline, seconds
 per step and shares of a step; `open_*_s` is what making the dataset took (a naive dataset
-reads its whole JSONL there, a packed one checks its token cache's key).
+reads its records there, a packed one checks its token cache's key).
 """
 
 from __future__ import annotations
@@ -43,15 +43,13 @@ class SyntheticSamples(Dataset):
         return self.sample
 
 
-def _files(pipeline: str, data: str, dataset: Dataset) -> list[Path]:
-    """The files the pipeline reads: the JSONL, and for packed the token cache's arrays."""
-    files = [Path(data)]
-    base = dataset.base if isinstance(dataset, Guarded) else dataset
-    if pipeline == "packed":
-        from diag.data import ARRAYS
+def _files(pipeline: str, data: str, dataset: Dataset) -> tuple[list[Path], list[Path]]:
+    """(the record files: the file, or each shard of a folder; for packed the token cache's
+    arrays): what the pipeline reads."""
+    from diag.data import ARRAYS, shard_files
 
-        files += [base.folder / f for f in ARRAYS]
-    return files
+    base = dataset.base if isinstance(dataset, Guarded) else dataset
+    return shard_files(data), [base.folder / f for f in ARRAYS] if pipeline == "packed" else []
 
 
 def _read_all(paths: list[Path]) -> None:
@@ -91,14 +89,17 @@ def stall_split(cfg: LoaderConfig | None = None, num_workers: int | None = None,
         waits: dict[str, float] = {}
         opened: dict[str, float] = {}
         errors, label, steps_s = [], "", []
-        files = _files(pipeline, data, make_dataset(pipeline, cfg, data, tokenizer_dir)[0])
+        records, arrays = _files(pipeline, data,
+                                 make_dataset(pipeline, cfg, data, tokenizer_dir)[0])
         for state in ("warm", "cold", "synthetic"):
             if state == "cold":
                 # a live memory map pins its pages in the cache: drop the warm run's first
                 dataset = None  # type: ignore[assignment]
-                label = evict_page_cache(files)  # "cold", or says why it is not
+                label = evict_page_cache(records + arrays)  # "cold", or says why it is not
             elif state == "warm":
-                _read_all(files)
+                # the records are warm: the dataset made above read what it reads of them (the
+                # first records, not a large source's every shard)
+                _read_all(arrays)
             start = time.perf_counter()
             if state != "synthetic":
                 dataset, _ = make_dataset(pipeline, cfg, data, tokenizer_dir)

@@ -223,12 +223,13 @@ def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
 
     needed = records_needed(cfg)
     if pipeline == "naive":
-        records, problems = read_source(data, on_error=cfg.on_error, limit=needed, cached=True)
+        records, problems = read_source(data, cfg.fields(), on_error=cfg.on_error, limit=needed,
+                                        cached=True)
         dataset: Dataset = NaiveTextDataset(records, tokenizer_dir, cfg.seq_len)
         facts = {"records": len(records), "bad_rows": len(problems)}
     else:
-        cache = build_token_cache(data, tokenizer_dir, num_proc=cfg.num_proc, on_error=cfg.on_error,
-                                  limit=needed)
+        cache = build_token_cache(data, tokenizer_dir, fields=cfg.fields(), num_proc=cfg.num_proc,
+                                  on_error=cfg.on_error, limit=needed)
         records = min(needed, cache.records)
         dataset = PackedDataset(cache.folder, cfg.seq_len, records=range(records))
         facts = {"records": records, "bad_rows": cache.skipped,
@@ -237,7 +238,8 @@ def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
 
 
 def sources(cfg: LoaderConfig) -> tuple[str, str]:
-    """(data JSONL, tokenizer folder): the user's, or the embedded dataset and tiny model."""
+    """(records, tokenizer folder): the user's (a file or folder of shards, read with cfg's
+    record fields), or the embedded dataset and tiny model."""
     if cfg.data and cfg.tokenizer:
         return cfg.data, cfg.tokenizer
     from diag.embedded import ensure_assets

@@ -203,6 +203,7 @@ def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> LoaderResult:
     label = f"the QLoRA step, micro-batch {micro} x {cfg.seq_len} tokens"
     loader_cfg = LoaderConfig.default(
         quick=True, device=cfg.device, consumer="model", data=str(job.data_path),
+        **cfg.record_fields(),  # the records the job trains on, read with its fields
         tokenizer=str(job.model_dir), batch_size=micro, seq_len=cfg.seq_len,
         workers=list(cfg.sweep_workers), steps=max(2, cfg.sweep_steps * 2), repeats=1,
         run_steps=cfg.steps)
