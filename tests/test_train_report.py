@@ -62,3 +62,16 @@ def test_the_headline_adds_the_whole_job_projected_for_each_plan():
                                   "2.67\u00a0h")
     assert head["text"].endswith("; " + head["projection"])
     assert "projection" not in report.headline(stages, [])
+
+
+def test_a_source_too_small_for_the_whole_job_is_said_not_projected():
+    # a diagnosis of a 20-record source must not fail on the whole job's batch: it says so
+    stages = [{"run": "naive", "stage": "train", "seconds": 4.0, "share": 1.0},
+              {"run": "optimized", "stage": "train", "seconds": 1.0, "share": 1.0}]
+    projection = pd.DataFrame([
+        {"plan": p, "stage": "total", "predicted_s": float("nan"),
+         "evidence": "not projected: 20 records; leaving 12 to train on"}
+        for p in ("naive", "optimized")])
+    head = report.headline(stages, [], projection)
+    assert head["projection"] == "the whole job: not projected: 20 records; leaving 12 to train on"
+    assert "nan" not in head["text"]

@@ -46,14 +46,20 @@ def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
     every = counted(train, recs.cache).indices if recs.cache.complete else None
     records = len(every) if every is not None else count_records(inputs.data_path)
     per_record = float(np.minimum(recs.lengths, train.seq_len).mean())
-    held = train.held_out(records)
+    costs = from_runs(comparison.frame, comparison.stages, meta.get("build"))
+    try:
+        held = train.held_out(records)
+    except ValueError as why:  # a source too small for one step of the whole job: said, not run
+        return Projection(pd.DataFrame([{
+            "plan": plan, "stage": "total", "predicted_s": float("nan"),
+            "evidence": f"not projected: {records:,} records; {why}"}
+            for plan in comparison.frame["plan"]]), costs)
     steps = train.total_steps((records - held) // train.batch_size)
     tokens_per_step = train.batch_size * per_record
     said = (f"{'' if every is not None else '~'}{records:,} records, "
             f"~{tokens_per_step * steps:,.0f} trained tokens, {steps:,} steps of "
             f"{train.batch_size} records, {steps * train.batch_size / (records - held):.3g} "
             "epoch(s)")
-    costs = from_runs(comparison.frame, comparison.stages, meta.get("build"))
     frames = []
     for run in comparison.frame.itertuples():
         counts = job_counts(steps, train.warmup_steps, tokens_per_step,

@@ -144,7 +144,10 @@ def headline(stages: list[dict[str, Any]], findings: list[dict[str, Any]] | None
                    f"({out['speedup']:.3g}x); the largest stage was {big['stage']} "
                    f"({out['largest_stage_share']:.0%} of the naive run)")
     totals = projection[projection["stage"] == "total"] if projection is not None else None
-    if totals is not None and not totals.empty:
+    if totals is not None and not totals.empty and totals["predicted_s"].isna().all():
+        out["projection"] = f"the whole job: {totals['evidence'].iloc[0]}"
+        out["text"] += f"; {out['projection']}"
+    elif totals is not None and not totals.empty:
         out["projection"] = (
             f"the whole job ({totals['evidence'].iloc[0]}), projected from the per-token costs "
             "measured here: " + ", ".join(f"{r.plan} {seconds(r.predicted_s)}"
