@@ -1,14 +1,17 @@
 """`run_accum(cfg)`: the sweep, its per-point summary, the MFU cross-check and the advice.
 
 `summary` has one row per point (medians of the timed steps, `floor_s` beside them, warm-up and
-compile apart, `recommended` on the fastest point that fits). `mfu` compares the FLOPs-per-token
-formula with FlopCounterMode and names the peak the MFU is computed against. `advice` prices the
-recommended point against the most-accumulating one over `steps_per_run` optimizer steps.
+compile apart, `recommended` on the fastest median that fits); the decision (`decide`) takes it
+only where its gap to the naive micro-batch is resolved (diag.timing.noise). `mfu` compares the
+FLOPs-per-token formula with FlopCounterMode and names the peak the MFU is computed against.
+`advice` prices the recommended point against the most-accumulating one over `steps_per_run`
+optimizer steps.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,7 +36,7 @@ class AccumResult:
     summary: pd.DataFrame  # one row per point: medians, floor, warm-up, recommended
     mfu: pd.DataFrame  # formula vs FlopCounterMode, and the peak MFU is computed against
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
-    decisions: tuple[Decision, ...] = ()  # micro_batch: the point summarize marked recommended
+    decisions: tuple[Decision, ...] = ()  # micro_batch: the fastest point where it resolves
 
 
 @on_cpu_threads
@@ -49,31 +52,54 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
                     step=f"{cfg.tokens_per_step:,} tokens per optimizer step",
                     device=setup.device, tokens_per_step=cfg.tokens_per_step)
     return AccumResult(frame, summary, mfu_check(setup), advice(summary, cfg.steps_per_run),
-                       decide(summary, on))
+                       decide(frame, on))
 
 
-def decide(summary: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
-           baseline: int = 1) -> tuple[Decision, ...]:
-    """`micro_batch`: the point summarize marked recommended (not re-picked here), priced per
-    step against micro-batch `baseline` (the naive plan's) where that point ran; no point that
-    ran: the documented default, said so."""
-    ok = summary[summary["status"] == "ok"] if summary is not None and not summary.empty else None
-    if ok is None or ok.empty or not ok["recommended"].any():
-        why = ("accum frame absent" if summary is None or summary.empty else
-               "no accum point ran (" + ", ".join(sorted(set(summary["status"]))) + ")")
+def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
+           baseline: int = 1, repeats_s: float | None = None) -> tuple[Decision, ...]:
+    """`micro_batch` from the timed steps (one row each, COLUMNS), judged by
+    diag.timing.noise.choose: the fastest point where its gap to micro-batch `baseline` (the
+    naive plan's; the smallest that ran when it did not) is resolved, else `baseline` kept,
+    "within noise". Priced per step against `baseline` where it ran; no point that ran: the
+    documented default, said so. repeats_s: the seconds re-timing the finalists took."""
+    from diag.timing.noise import choose, spread
+
+    ok = frame[frame["status"] == "ok"] if frame is not None and not frame.empty else None
+    if ok is None or ok.empty:
+        why = ("accum frame absent" if frame is None or frame.empty else
+               "no accum point ran (" + ", ".join(sorted(set(frame["status"]))) + ")")
         return (Decision.default("micro_batch", DEFAULT_MICRO_BATCH, f"{why}: micro-batch "
                                  f"{DEFAULT_MICRO_BATCH}", source="accum"),)
-    best = ok[ok["recommended"].astype(bool)].iloc[0]
-    micro = int(best["micro_batch"])
-    base = ok[ok["micro_batch"] == baseline]
-    rows = ok[ok["micro_batch"].isin([micro, baseline])]
+    times = {int(m): list(g["seconds_per_step"]) for m, g in ok.groupby("micro_batch")}
+    accum = {int(m): int(a) for m, a in zip(ok["micro_batch"], ok["grad_accum"])}
+    ref = baseline if baseline in times else min(times)
+    pick = choose(times, ref)
+    micro, gap = pick.value, pick.against
+
+    def point(m: int) -> str:
+        return f"micro-batch {m} x {accum[m]} ({statistics.median(times[m]):.3g} s per step)"
+
+    if gap is None:
+        why = f"{point(micro)}, the only point that ran ({len(times[micro])} samples)"
+    elif pick.best != ref:
+        why = (f"{point(pick.best)}, the fastest of {len(times)} points, against "
+               f"{point(ref)}: {gap.describe()}"
+               + ("" if micro != ref else f"; micro-batch {ref} kept (the naive plan's)"))
+    else:
+        why = (f"{point(ref)} (the naive plan's) is the fastest of {len(times)} points, against "
+               f"{point(pick.rival)}: {gap.describe()}")
+    if pick.tied and micro != ref:
+        why += "; within noise of it: " + ", ".join(f"micro-batch {m}" for m in pick.tied)
+    if repeats_s:
+        why += f"; {repeats_s:.2g} s re-timing the finalists"
+    sides = [micro] if gap is None else [micro, ref if micro != ref else pick.best]
     return (Decision.from_rows(
-        "micro_batch", micro, f"micro-batch {micro} x {int(best['grad_accum'])}: the most "
-        f"tokens/s ({best['tokens_per_s']:,.4g}) of {len(ok)} points that ran, "
-        f"{best['seconds_per_step']:.3g} s per step", rows, source="accum",
-        measured_on=measured_on, baseline=baseline, stage="compute", per="step",
-        baseline_s=float(base["seconds_per_step"].iloc[0]) if not base.empty else None,
-        chosen_s=float(best["seconds_per_step"])),)
+        "micro_batch", micro, why, ok[ok["micro_batch"].isin({micro, ref, pick.best})],
+        source="accum", measured_on=measured_on, baseline=baseline, stage="compute",
+        per="step", baseline_s=statistics.median(times[baseline]) if baseline in times else None,
+        chosen_s=statistics.median(times[micro]), samples=tuple(len(times[m]) for m in sides),
+        spread=tuple(spread(times[m]) for m in sides), tied=pick.tied,
+        resolved=pick.resolved, repeats_s=repeats_s),)
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
