@@ -80,7 +80,8 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
         return f"micro-batch {m} x {accum[m]} ({statistics.median(times[m]):.3g} s per step)"
 
     if gap is None:
-        why = f"{point(micro)}, the only point that ran ({len(times[micro])} samples)"
+        why = (f"{point(micro)}, the only point that ran ({len(times[micro])} samples, spread "
+               f"{spread(times[micro]):.0%})")
     elif pick.best != ref:
         why = (f"{point(pick.best)}, the fastest of {len(times)} points, against "
                f"{point(ref)}: {gap.describe()}"

@@ -253,9 +253,11 @@ def _resolved_workers(rows: pd.DataFrame, base: int, workers: int, why: str
     repeats' waits, diag.timing.noise); else `base` is kept, within noise."""
     from diag.timing.noise import compare, spread
 
-    if workers == base:
-        return workers, why, {}
     waits = {w: list(g["data_wait_s"]) for w, g in rows.groupby("num_workers")}
+    if workers == base:  # nothing to resolve: the baseline itself
+        mine = waits[base]
+        return workers, f"{why} ({len(mine)} samples, spread {spread(mine):.0%})", {
+            "samples": (len(mine),), "spread": (spread(mine),)}
     gap = compare(waits[workers], waits[base])
     sure = {"samples": (len(waits[workers]), len(waits[base])),
             "spread": (spread(waits[workers]), spread(waits[base])), "resolved": gap.resolved}
