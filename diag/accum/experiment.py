@@ -103,9 +103,13 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
         resolved=pick.resolved, repeats_s=repeats_s),)
 
 
-def summarize(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per point: median step, tokens/s, MFU, memory; the fastest point that fits is marked."""
+def summarize(frame: pd.DataFrame, baseline: int = 1) -> pd.DataFrame:
+    """Per point: median step, tokens/s, MFU, memory; `recommended` marks the point `decide`
+    takes: the fastest that fits where its gap to micro-batch `baseline` (else the smallest
+    that ran) is resolved, else that one (diag.timing.noise)."""
     import pandas as pd
+
+    from diag.timing.noise import choose
 
     keys = ["micro_batch", "grad_accum", "tokens_per_step", "status"]
     first = {"floor_s": "first", "peak_mem_gb": "max", "warmup_s": "first", "compile": "first",
@@ -119,7 +123,10 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     out["vs_worst"] = out["tokens_per_s"] / ok["tokens_per_s"].min() if not ok.empty else math.nan
     out["recommended"] = False
     if not ok.empty:
-        out.loc[ok["tokens_per_s"].idxmax(), "recommended"] = True
+        rows = frame[frame["status"] == "ok"]
+        times = {int(m): list(g["seconds_per_step"]) for m, g in rows.groupby("micro_batch")}
+        pick = choose(times, baseline if baseline in times else min(times))
+        out.loc[ok.index[ok["micro_batch"] == pick.value][0], "recommended"] = True
     from diag.accum.mfu import floor_impossible
 
     # a floor above the measured step is impossible: flagged (wrong peak or over-counted FLOPs)
@@ -158,17 +165,19 @@ def mfu_check(setup: Setup) -> pd.DataFrame:
 
 def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = None
            ) -> pd.DataFrame:
-    """The fastest point that fits, priced against the most-accumulating one (the seed's shape):
-    over `steps_per_run` steps of the swept model, or, given a run's measured `compute_s`, as
-    the same fraction of that compute (what `diag run` ranks beside the other stages)."""
+    """The recommended point (summarize: resolved faster, diag.timing.noise), priced against
+    the most-accumulating one (the seed's shape): over `steps_per_run` steps of the swept model,
+    or, given a run's measured `compute_s`, as the same fraction of that compute (what `diag
+    run` ranks beside the other stages). None resolved faster: no finding."""
     import pandas as pd
 
     cols = ["stage", "finding", "seconds_saved", "evidence"]
     ok = summary[summary["status"] == "ok"]
-    if len(ok) < 2:
+    picked = ok[ok["recommended"].astype(bool)]
+    worst = ok.loc[ok["grad_accum"].idxmax()] if len(ok) else None
+    if len(ok) < 2 or picked.empty or picked.index[0] == worst.name:
         return pd.DataFrame(columns=cols)
-    best = ok.loc[ok["tokens_per_s"].idxmax()]
-    worst = ok.loc[ok["grad_accum"].idxmax()]
+    best = picked.iloc[0]
     largest = ok.loc[ok["micro_batch"].idxmax()]
     fraction = 1.0 - best["seconds_per_step"] / worst["seconds_per_step"]
     saved = (worst["seconds_per_step"] - best["seconds_per_step"]) * steps_per_run
