@@ -76,6 +76,8 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
     pick = choose(times, ref)
     micro, gap = pick.value, pick.against
 
+    kept = "the naive plan's" if ref == baseline else "the most accumulation swept"
+
     def point(m: int) -> str:
         return f"micro-batch {m} x {accum[m]} ({statistics.median(times[m]):.3g} s per step)"
 
@@ -85,9 +87,9 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
     elif pick.best != ref:
         why = (f"{point(pick.best)}, the fastest of {len(times)} points, against "
                f"{point(ref)}: {gap.describe()}"
-               + ("" if micro != ref else f"; micro-batch {ref} kept (the naive plan's)"))
+               + ("" if micro != ref else f"; micro-batch {ref} kept ({kept})"))
     else:
-        why = (f"{point(ref)} (the naive plan's) is the fastest of {len(times)} points, against "
+        why = (f"{point(ref)} ({kept}) is the fastest of {len(times)} points, against "
                f"{point(pick.rival)}: {gap.describe()}")
     if pick.tied and micro != ref:
         why += "; within noise of it: " + ", ".join(f"micro-batch {m}" for m in pick.tied)
