@@ -1,8 +1,8 @@
 """`run_accum(cfg)`: the sweep, its per-point summary, the MFU cross-check and the advice.
 
 `summary` has one row per point (medians of the timed steps, `floor_s` beside them, warm-up and
-compile apart, `recommended` on the fastest median that fits); the decision (`decide`) takes it
-only where its gap to the naive micro-batch is resolved (diag.timing.noise). `mfu` compares the
+compile apart, `recommended` on the point `decide` takes: the fastest that fits where its gap
+to the naive micro-batch is resolved, diag.timing.noise, else the naive one). `mfu` compares the
 FLOPs-per-token formula with FlopCounterMode and names the peak the MFU is computed against.
 `advice` prices the recommended point against the most-accumulating one over `steps_per_run`
 optimizer steps.
