@@ -220,12 +220,12 @@ def mfu_vs_counter(cfg: QLoraConfig) -> str:
         model.train()
         counter, run = count_step(model, 2, cfg.seq_len, cfg.seed)
         ratios.append((counter + run.forward_4bit) / run.total)
-        said.append(f"checkpointing {'on' if ckpt else 'off'}: {ratios[-1]:.4g} (executed "
+        said.append(f"checkpointing {'on' if ckpt else 'off'}: {ratios[-1]:.4f} (executed "
                     f"{run.total:.4g} FLOPs per token, counter {counter:.4g} + 4-bit forward "
                     f"{run.forward_4bit:.4g}; model FLOPs "
                     f"{qlora_shape(model, cfg.seq_len).flops_per_token / run.total:.3g}x executed)")
     worst = max(ratios, key=lambda r: abs(r - 1))
-    return (f"qlora_mfu_vs_counter: {worst:.4g} ({'; '.join(said)}; load average "
+    return (f"qlora_mfu_vs_counter: {worst:.4f} ({'; '.join(said)}; load average "
             f"{os.getloadavg()[0]:.2f}) (goal within 0.05 of 1.0)")
 
 

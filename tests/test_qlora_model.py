@@ -186,3 +186,22 @@ def test_accum_flags_the_counter_gap_and_an_impossible_floor():
     assert disagreement(100.0, math.nan)[0]
     assert floor_impossible(2.0, 1.0) and not floor_impossible(0.5, 1.0)
     assert not floor_impossible(math.nan, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_executed_matches_the_counter_and_the_peak_is_the_tables():
+    from diag.embedded import ensure_assets
+    from diag.qlora.job import load_model
+    from diag.qlora.mfu import count_step, step_peak
+
+    model = load_model(QLoraConfig.quick(), Plan.naive(), ensure_assets().model_dir,
+                       torch.device("cuda"))
+    model.train()
+    # on CUDA the fused SDPA kernels have FLOP formulas of their own; the 4-bit forward is
+    # bitsandbytes' custom op there too
+    counter, run = count_step(model, 2, 96)
+    assert (counter + run.forward_4bit) / run.total == pytest.approx(1.0, abs=0.05)
+    peak = step_peak(run, "cuda")
+    assert not peak.measured and peak.spread == 0.0
+    assert peak.flops is None or peak.label.count("table: ") == len(run.by_dtype)

@@ -251,10 +251,15 @@ def count_plans(cfg: Any, plans: Iterable[Any], src: Any) -> dict[str, Counted]:
     import dataclasses
     from pathlib import Path
 
+    import torch
+
     from diag.machine.device import resolve
     from diag.qlora.job import load_model, model_folder
+    from diag.timing.distributed import place
 
     device, known, out = resolve(cfg.device), {}, {}
+    if place().distributed and device.type == "cuda":  # each rank's model on its own GPU
+        device = torch.device("cuda", place().local_rank)
     for plan in plans:
         persistent = dataclasses.replace(plan, model_cache="persistent")
         folder = model_folder(persistent, src, Path())  # the work folder is an empty cache's
