@@ -4,7 +4,8 @@
 the LoRA adapters, the head): the forward (again where checkpointing recomputes), the input
 gradients that backward computes (not for an input that needs none: the first layer's, unless
 checkpointing makes the embeddings require grad), the LoRA weight gradients (the frozen base
-computes none), plus attention's 4·L·d·T forward and 8·L·d·T backward per token. The model-FLOPs
+computes none), plus attention's 4·L·d·T forward and 8·L·d·T backward per token (the full T x T
+the math SDPA backend runs; a causal fused kernel may skip masked blocks). The model-FLOPs
 convention, 6N + 12·L·d·T (8N + 16·L·d·T checkpointing), counts the frozen base's weight
 gradients a QLoRA step never computes: shown beside it, not as it. `count_step` checks executed
 against torch's FlopCounterMode on the same step, with what the counter cannot see added back:
