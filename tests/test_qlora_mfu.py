@@ -192,7 +192,7 @@ def test_each_plans_mfu_of_its_steady_steps_by_both_counts():
     got = qmfu.run_mfu(frame, stages, counted)
     assert list(got["flops"]) == [qmfu.EXECUTED, "model FLOPs 6N + 12·L·d·T"]
     rate = 400 * 2 / 4.0  # 400 token slots per step, 2 steady steps in 4 s
-    assert list(got["tokens_per_s"]) == [rate, rate]
+    assert list(got["token_slots_per_s"]) == [rate, rate]
     assert list(got["mfu"]) == [rate * 400 / 1e6, rate * 600 / 1e6]
     assert list(got["counter_vs_flops"]) == [1.0, 400 / 600]  # 300 counted + 100 4-bit forward
     assert list(got["peak_spread"]) == [0.25, 0.25] and got["peak"].iloc[0] == "against a peak"
@@ -202,4 +202,4 @@ def test_each_plans_mfu_of_its_steady_steps_by_both_counts():
     over = qmfu.run_mfu(frame, stages, {"optimized": qmfu.Counted(q, run, 300.0, slow)})
     assert over["mfu"].isna().all() and over["peak"].iloc[0].startswith("not an MFU")
     assert qmfu.run_mfu(frame.assign(plan="naive"), stages, counted).empty
-    assert math.isnan(qmfu.plan_mfu("x", 0.0, 10, q, run, 300.0, peak)[0]["tokens_per_s"])
+    assert math.isnan(qmfu.plan_mfu("x", 0.0, 10, q, run, 300.0, peak)[0]["token_slots_per_s"])

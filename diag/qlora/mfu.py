@@ -284,7 +284,7 @@ def plan_mfu(plan: str, seconds: float, token_slots: float, qshape: QLoraShape,
                              (f"model FLOPs {qshape.formula}", qshape.flops_per_token)):
         mfu, _, note = judge_mfu(rate, per_token, peak.flops, peak.label)
         rows.append({"plan": plan, "flops": flops, "flops_per_token": per_token,
-                     "tokens_per_s": rate, "achieved_tflops": rate * per_token / 1e12,
+                     "token_slots_per_s": rate, "achieved_tflops": rate * per_token / 1e12,
                      "peak_tflops": peak.flops / 1e12 if peak.flops else math.nan,
                      "peak_spread": peak.spread, "mfu": mfu,
                      "counter_vs_flops": seen / per_token, "peak": note})
