@@ -256,14 +256,15 @@ def count_plans(cfg: Any, plans: Iterable[Any], src: Any) -> dict[str, Counted]:
 
     from diag.machine.device import resolve
     from diag.qlora.job import load_model, model_folder
-    from diag.timing.distributed import place
+    from diag.timing.distributed import place, root_first
 
     device, known, out = resolve(cfg.device), {}, {}
     if place().distributed and device.type == "cuda":  # each rank's model on its own GPU
         device = torch.device("cuda", place().local_rank)
     for plan in plans:
         persistent = dataclasses.replace(plan, model_cache="persistent")
-        folder = model_folder(persistent, src, Path())  # the work folder is an empty cache's
+        with root_first():  # under DDP rank 0 fills the cache (a naive-only run's first)
+            folder = model_folder(persistent, src, Path())  # work: an empty cache's only
         model = load_model(cfg, plan, folder, device)
         model.train()
         counter, executed = count_step(model, 1, cfg.seq_len, cfg.seed)
