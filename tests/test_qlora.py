@@ -237,4 +237,5 @@ def test_each_plan_has_its_mfu_by_both_flop_counts_and_the_report_says_it(both, 
             "(") in page
     assert f"the optimized plan's <b>{shown['optimized']}</b> of {EXECUTED} (" in page
     assert "by model FLOPs 6N + 12·L·d·T, the convention: " in page
-    assert "Peak: against the step's precisions weighted by their FLOPs: bf16 " in page
+    assert "Against the step's precisions weighted by their FLOPs: bf16 " in page
+    assert "(the optimized plan's, the probes' spread up to " in page

@@ -203,3 +203,30 @@ def test_each_plans_mfu_of_its_steady_steps_by_both_counts():
     assert over["mfu"].isna().all() and over["peak"].iloc[0].startswith("not an MFU")
     assert qmfu.run_mfu(frame.assign(plan="naive"), stages, counted).empty
     assert math.isnan(qmfu.plan_mfu("x", 0.0, 10, q, run, 300.0, peak)[0]["token_slots_per_s"])
+
+
+def test_the_report_says_each_plans_mfu_by_both_counts_and_a_missing_peak_as_none(tmp_path):
+    from diag import report
+
+    shape = ModelShape(params=100, layers=0, d_model=1, seq_len=1)
+    q = qmfu.QLoraShape(shape, frozen=90, adapters=10, checkpointing=False)
+    run = qmfu.Executed(200.0, 150.0, 20.0, 30.0, 100.0, (("bf16", 400.0),))
+    table = dev.Peak(1e6, "table: H100 SXM dense bf16", "datasheet", False, "bf16")
+    unknown = dev.Peak(None, "unknown GPU 'X1'", "", False, "bf16")
+    frame = pd.DataFrame([{"plan": p, "token_slots": 1200, "steps": 3, "ranks": 1}
+                          for p in ("naive", "optimized")])
+    stages = pd.DataFrame({"stage": "compute", "seconds": [2.0, 2.0, 1.0, 1.0],
+                           "step": [1, 2, 1, 2], "rank": 0,
+                           "run": ["naive", "naive", "optimized", "optimized"]})
+    mfu = qmfu.run_mfu(frame, stages, {"naive": qmfu.Counted(q, run, 300.0, unknown),
+                                        "optimized": qmfu.Counted(q, run, 300.0, table)})
+    comparison = pd.DataFrame([{"naive_over_optimized_per_token": 2.0, "low": 1.9, "high": 2.1,
+                                "resolved": True, "rounds": 3, "naive_trained_tokens": 900}])
+    folder = report.write({"qlora_comparison": comparison, "qlora_mfu": mfu}, tmp_path / "r")
+    page = (folder / "report.html").read_text()
+    assert ("MFU of the steady steps: the naive plan's <b>none</b> of "
+            f"{qmfu.EXECUTED} (none by model FLOPs 6N + 12·L·d·T, the convention: 1.50x the "
+            "FLOPs); the optimized plan's <b>16.0%</b> of") in page  # 400 slots/s x 400 / 1e6
+    assert ("(24.0% by model FLOPs 6N + 12·L·d·T, the convention: 1.50x the FLOPs). Against "
+            "table: H100 SXM dense bf16 (the optimized plan's).") in page  # a table: no spread
+    assert "qlora_mfu.csv" in page and (folder / "qlora_mfu.csv").is_file()

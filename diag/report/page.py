@@ -167,8 +167,11 @@ def _mfu(table: pd.DataFrame | None) -> str:
                     f"of {_esc(run['flops'])} ({cell('mfu', model['mfu']) or 'none'} by "
                     f"{_esc(model['flops'])}, the convention: "
                     f"{sig(model['flops_per_token'] / run['flops_per_token'])}x the FLOPs)")
-    return (" MFU of the steady steps: " + "; ".join(said) + f". Peak: {_esc(run['peak'])}"
-            f" (spread {share(run['peak_spread'])}).")
+    spread = f", the probes' spread up to {share(run['peak_spread'])}" if run["peak_spread"] \
+        else ""
+    return (" MFU of the steady steps: " + "; ".join(said) + ". "
+            + _esc(run["peak"][0].upper() + run["peak"][1:]) + f" (the {_esc(str(plan))} plan's"
+            f"{spread}).")
 
 
 def _trained(runs: pd.DataFrame) -> str:
