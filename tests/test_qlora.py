@@ -210,3 +210,32 @@ def test_qlora_step_times_checkpointing_on_and_off():
     assert decision.measured_on.seq_len == 96 and "LoRA" in decision.measured_on.model
     at_two = frame[frame["micro_batch"] == 2].set_index("gradient_checkpointing")["seconds"]
     assert (decision.baseline_s, decision.chosen_s) == (at_two[True], at_two[False])
+
+
+def test_each_plan_has_its_mfu_by_both_flop_counts_and_the_report_says_it(both, tmp_path):
+    from diag import report
+    from diag.frames import frames_of
+    from diag.qlora.mfu import EXECUTED
+    from diag.report.units import cell
+
+    mfu = both.mfu  # what `diag qlora` prints as qlora_mfu
+    assert list(mfu["plan"]) == ["naive", "naive", "optimized", "optimized"]
+    executed, model = mfu[mfu["flops"] == EXECUTED], mfu[mfu["flops"] != EXECUTED]
+    assert model["flops"].str.startswith("model FLOPs ").all()
+    # what runs is less than the convention counts (no frozen weight gradients), and the
+    # counter (with the 4-bit forward added back) sees just what runs
+    assert (model["flops_per_token"].values > 1.3 * executed["flops_per_token"].values).all()
+    assert executed["counter_vs_flops"].between(0.95, 1.05).all()
+    # on CPU the peak is the probes' of the precisions the step ran in, their spread shown
+    assert mfu["mfu"].between(0, 1, inclusive="neither").all()
+    assert mfu["peak"].str.contains("measured: CPU bf16 matmul probe").all()
+    assert mfu["peak"].str.contains("measured: CPU fp32 matmul probe").all()
+    assert (mfu["peak_spread"] >= 0).all()
+    page = (report.write(frames_of("qlora", both), tmp_path / "r") / "report.html").read_text()
+    shown = {r.plan: cell("mfu", r.mfu) for r in executed.itertuples()}
+    assert (f"MFU of the steady steps: the naive plan's <b>{shown['naive']}</b> of {EXECUTED} "
+            "(") in page
+    assert f"the optimized plan's <b>{shown['optimized']}</b> of {EXECUTED} (" in page
+    assert "by model FLOPs 6N + 12·L·d·T, the convention: " in page
+    assert "Against the step's precisions weighted by their FLOPs: bf16 " in page
+    assert "(the optimized plan's, the probes' spread up to " in page

@@ -38,6 +38,7 @@ class QLoraResult:
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
     rounds: pd.DataFrame | None = None  # every plan x round summary (interleaved order)
     comparison: pd.DataFrame | None = None  # one row: per trained token, the spread, once_s
+    mfu: pd.DataFrame | None = None  # per plan: MFU by executed and by model FLOPs (qlora.mfu)
 
     @property
     def headline(self) -> str:
@@ -64,6 +65,7 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
     from diag.qlora.checkpoints import claim
     from diag.qlora.job import open_sources, prime, run_plan
     from diag.qlora.measure import plan_from_job, read_results
+    from diag.qlora.mfu import count_plans, run_mfu
     from diag.qlora.predict import Counts, predict
 
     cfg = cfg or QLoraConfig.default()
@@ -93,6 +95,7 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
             got = run_plan(cfg, plan, src)
             got["summary"]["round"] = r
             runs.append(got)
+        counted = count_plans(cfg, plans, src)  # each plan's step, counted untimed
     every = pd.DataFrame([r["summary"] for r in runs])
     frame = _per_plan(every, once)
     # the stage breakdown of each plan's median round (a real run, not a blend of rounds)
@@ -112,7 +115,7 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
         ["stage", "finding", "seconds_saved", "evidence"]]
     both = {"naive", "optimized"} <= set(frame["plan"])
     return QLoraResult(frame, stages, losses, table, plan_rows, saved, advice, every,
-                       compare(frame) if both else None)
+                       compare(frame) if both else None, run_mfu(frame, stages, counted))
 
 
 def _per_plan(every: pd.DataFrame, once: dict[str, float]) -> pd.DataFrame:
