@@ -3,7 +3,10 @@
 `summary` has one row per point (medians of the timed steps, `floor_s` beside them, warm-up and
 compile apart, `recommended` on the fastest point that fits). `mfu` compares the FLOPs-per-token
 formula with FlopCounterMode and names the peak the MFU is computed against. `advice` prices the
-recommended point against the most-accumulating one over `steps_per_run` optimizer steps.
+recommended point against the most-accumulating one over `steps_per_run` optimizer steps. Under
+torchrun / accelerate the frame holds every rank's steps (`rank`, `node`, `comm_wait_s`: its
+waits on the others), `ranks` is the per-rank table (diag.timing.stragglers) and `stages` the
+ranks' StageTimer rows (`run`: the point), which the report's Per rank section reads.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from diag.config import AccumConfig
+    from diag.timing.harness import TimedStep
 
 DEFAULT_MICRO_BATCH = 8  # no sweep ran: a micro-batch that fits the tiny and the 1B model on any
 #                          16 GB GPU
@@ -34,6 +38,8 @@ class AccumResult:
     mfu: pd.DataFrame  # formula vs FlopCounterMode, and the peak MFU is computed against
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
     decisions: tuple[Decision, ...] = ()  # micro_batch: the point summarize marked recommended
+    ranks: pd.DataFrame | None = None  # under DDP: per point and rank, each stage's median step
+    stages: pd.DataFrame | None = None  # under DDP: every rank's timed steps (`run`: the point)
 
 
 @on_cpu_threads
@@ -42,14 +48,71 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
     from diag.config import AccumConfig
 
     cfg = cfg or AccumConfig.default()
-    frame, setup = measure(cfg)
+    frame, setup, clock = measure(cfg)
+    frame, stages = ranked(frame, clock)
     summary = summarize(frame)
     on = MeasuredOn(model=f"{cfg.model} ({setup.shape.params / 1e6:.3g}M params)",
                     precision=setup.amp, seq_len=cfg.seq_len,
                     step=f"{cfg.tokens_per_step:,} tokens per optimizer step",
                     device=setup.device, tokens_per_step=cfg.tokens_per_step)
+    per_rank = None
+    if stages is not None:
+        from diag.timing import stragglers
+
+        per_rank = stragglers.per_rank(stages)
     return AccumResult(frame, summary, mfu_check(setup), advice(summary, cfg.steps_per_run),
-                       decide(summary, on))
+                       decide(summary, on), per_rank, stages)
+
+
+def ranked(frame: pd.DataFrame, clock: TimedStep | None
+           ) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """Every rank's rows, each with its `rank`, `node` and `comm_wait_s` (out of compute_s), and
+    the ranks' StageTimer rows of the timed steps (`run`: the point), gathered on rank 0 once at
+    the end (each rank's own elsewhere); on one process rank 0, no wait and no stage rows."""
+    import pandas as pd
+
+    from diag.timing import distributed
+
+    if clock is None:
+        return _front(frame.assign(rank=0, node=0, comm_wait_s=0.0)), None
+    seat = distributed.place()
+    stages = distributed.gathered_frame(clock.timer)
+    every = distributed.gather_to_root(frame.assign(rank=seat.rank, node=seat.node))
+    every = pd.concat(every, ignore_index=True) if every else frame.assign(rank=seat.rank,
+                                                                           node=seat.node)
+    point = ["micro_batch", "grad_accum", "repeat"]
+    stages = stages.merge(_timed_steps(frame, clock.points), on="step")  # warm-up steps go
+    waits = stages.loc[stages["stage"] == "comm_wait", ["rank", *point, "seconds"]]
+    every = every.merge(waits.rename(columns={"seconds": "comm_wait_s"}), how="left",
+                        on=["rank", *point])  # an "oom" row ran no step: NaN
+    every["compute_s"] -= every["comm_wait_s"]
+    stages["run"] = [f"{m} x {a}" for m, a in zip(stages["micro_batch"], stages["grad_accum"])]
+    return _front(every), stages.drop(columns=point)
+
+
+def _timed_steps(frame: pd.DataFrame, points: list[tuple[int, int]]) -> pd.DataFrame:
+    """Which of the clock's steps are the harness's timed rows: per point, the last as many
+    steps as it has rows (the ones before are its warm-up), in order; the same on every rank."""
+    import pandas as pd
+
+    rows = []
+    ok = frame[frame["status"] == "ok"]
+    for (micro, accum), part in ok.groupby(["micro_batch", "grad_accum"], sort=False):
+        steps = [i for i, p in enumerate(points) if p == (micro, accum)]
+        repeats = sorted(part["repeat"])
+        rows += [{"step": step, "micro_batch": micro, "grad_accum": accum, "repeat": repeat}
+                 for step, repeat in zip(steps[len(steps) - len(repeats):], repeats)]
+    return pd.DataFrame(rows, columns=["step", "micro_batch", "grad_accum", "repeat"]).astype(
+        {"step": "Int64"})
+
+
+def _front(frame: pd.DataFrame) -> pd.DataFrame:
+    """rank and node first, comm_wait_s beside data_s."""
+    import pandas as pd
+
+    rest = [c for c in frame.columns if c not in ("rank", "node", "comm_wait_s")]
+    at = rest.index("data_s") + 1
+    return pd.DataFrame(frame[["rank", "node", *rest[:at], "comm_wait_s", *rest[at:]]])
 
 
 def decide(summary: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
@@ -83,10 +146,12 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     keys = ["micro_batch", "grad_accum", "tokens_per_step", "status"]
     first = {"floor_s": "first", "peak_mem_gb": "max", "warmup_s": "first", "compile": "first",
              "detail": "first"}
-    medians = {c: "median" for c in ("seconds_per_step", "tokens_per_s", "data_s", "compute_s",
-                                     "mfu")}
+    medians = {c: "median" for c in ("seconds_per_step", "tokens_per_s", "data_s", "comm_wait_s",
+                                     "compute_s", "mfu") if c in frame.columns}
     out = frame.groupby(keys, sort=False, dropna=False).agg(
         {**medians, **first, "repeat": "count"}).reset_index().rename(columns={"repeat": "steps"})
+    # under DDP the medians are over every rank's steps; `steps` is one rank's
+    out["steps"] //= frame["rank"].nunique() if "rank" in frame.columns else 1
     out.loc[out["status"] != "ok", "steps"] = 0
     ok = out[out["status"] == "ok"]
     out["vs_worst"] = out["tokens_per_s"] / ok["tokens_per_s"].min() if not ok.empty else math.nan
@@ -100,9 +165,8 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
                             zip(out["floor_s"], out["seconds_per_step"])]
     cols = ["micro_batch", "grad_accum", "tokens_per_step", "status", "seconds_per_step",
             "floor_s", "floor_flagged", "tokens_per_s", "vs_worst", "mfu", "peak_mem_gb", "data_s",
-            "compute_s",
-            "warmup_s", "compile", "steps", "recommended", "detail"]
-    return pd.DataFrame(out[cols])
+            "comm_wait_s", "compute_s", "warmup_s", "compile", "steps", "recommended", "detail"]
+    return pd.DataFrame(out[[c for c in cols if c in out.columns]])
 
 
 def mfu_check(setup: Setup) -> pd.DataFrame:

@@ -1,0 +1,86 @@
+"""A StageTimer around a harness that trains a micro-batch at a time (diag.accum's AccumStep).
+
+`TimedStep(step, ddp)` is the step itself to the harness (the same batches, backward, no_sync,
+update), and bills each optimizer step on its timer as the Trainer's callback does: `data_wait`
+(blocked on the step's batches), `comm_wait` (its waits on the other ranks: DDP's buffer
+broadcast and the exposed gradient all-reduce, through diag.timing.comm) and `compute` (the
+rest), numbered in the order they ran; `points[i]` is step i's (micro_batch, grad_accum).
+Under a launcher each finished step is spilled (diag.timing.distributed.spill_ranks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from diag.timing.timer import StageTimer
+
+
+class TimedStep:
+    """The harness's step, timed per optimizer step; costs a few clock reads per micro-step."""
+
+    def __init__(self, step: Any, ddp: Any, timer: StageTimer | None = None) -> None:
+        self._step, self.device = step, step.device
+        self.timer = timer if timer is not None else StageTimer(device=step.device)
+        self.timer.watch_comm(ddp)  # before its first forward: the hook wraps DDP's reduction
+        self.points: list[tuple[int, int]] = []  # per optimizer step: (micro_batch, grad_accum)
+        self._micro = 0
+        self._open()
+
+    def _open(self) -> None:
+        self._start: float | None = None  # the step's first batch request
+        self._data = 0.0  # seconds blocked on its batches
+        self._micro_steps = 0
+
+    def batches(self, micro_batch: int) -> contextlib.AbstractContextManager[Iterator[Any]]:
+        self._micro = micro_batch
+        return self._clocked(self._step.batches(micro_batch))
+
+    @contextlib.contextmanager
+    def _clocked(self, loader: Any) -> Iterator[Iterator[Any]]:
+        with loader as batches:
+            yield self._arrivals(batches)
+
+    def _arrivals(self, batches: Any) -> Iterator[Any]:
+        iterator = iter(batches)
+        while True:
+            start = time.perf_counter()
+            if self._start is None:
+                self._start = start
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self._data += time.perf_counter() - start
+            yield batch
+
+    def reset(self) -> None:
+        self._step.reset()
+        if self.timer.comm is not None:
+            self.timer.comm.take()  # a wait outside a step (a point's set-up) is no step's
+        self._open()
+
+    def backward(self, batch: Any, scale: float) -> None:
+        self._micro_steps += 1
+        self._step.backward(batch, scale)
+
+    def no_sync(self) -> Any:
+        return self._step.no_sync()
+
+    def update(self) -> None:
+        from diag.machine.device import sync
+
+        self._step.update()
+        sync(self.device)  # note: sync point: the step's queued kernels are billed to it
+        end = time.perf_counter()
+        timer, step = self.timer, len(self.points)
+        seconds = end - (self._start if self._start is not None else end)
+        waited = min(timer.comm.take(), seconds - self._data) if timer.comm is not None else 0.0
+        timer.record("data_wait", self._data, step=step)
+        timer.record("comm_wait", max(waited, 0.0), step=step)
+        timer.record("compute", max(seconds - self._data - waited, 0.0), step=step)
+        timer.flush()  # under a launcher: the finished step survives a kill
+        self.points.append((self._micro, self._micro_steps))
+        self._open()
