@@ -49,8 +49,10 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
 
     cfg = cfg or AccumConfig.default()
     frame, setup, clock = measure(cfg)
-    frame, stages = ranked(frame, clock)
-    summary = summarize(frame)
+    # every rank's rows for the tables; `frame` stays this rank's own, for a rule that counts
+    # samples (the ranks run in lockstep: their steps are not independent ones)
+    every, stages = ranked(frame, clock)
+    summary = summarize(every)
     on = MeasuredOn(model=f"{cfg.model} ({setup.shape.params / 1e6:.3g}M params)",
                     precision=setup.amp, seq_len=cfg.seq_len,
                     step=f"{cfg.tokens_per_step:,} tokens per optimizer step",
@@ -60,7 +62,7 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
         from diag.timing import stragglers
 
         per_rank = stragglers.per_rank(stages)
-    return AccumResult(frame, summary, mfu_check(setup), advice(summary, cfg.steps_per_run),
+    return AccumResult(every, summary, mfu_check(setup), advice(summary, cfg.steps_per_run),
                        decide(summary, on), per_rank, stages)
 
 

@@ -29,6 +29,9 @@ class TimedStep:
         self._micro = 0
         self._open()
 
+    def __getattr__(self, name: str) -> Any:  # the rest of the step's face (its model, its
+        return getattr(self._step, name)  # optimizer: what a harness may read) is the step's
+
     def _open(self) -> None:
         self._start: float | None = None  # the step's first batch request
         self._data = 0.0  # seconds blocked on its batches
