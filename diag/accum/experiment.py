@@ -3,10 +3,7 @@
 `summary` has one row per point (medians of the timed steps, `floor_s` beside them, warm-up and
 compile apart, `recommended` on the fastest point that fits). `mfu` compares the FLOPs-per-token
 formula with FlopCounterMode and names the peak the MFU is computed against. `advice` prices the
-recommended point against the most-accumulating one over `steps_per_run` optimizer steps. Under
-torchrun / accelerate the frame holds every rank's steps (`rank`, `node`, `comm_wait_s`: its
-waits on the others), `ranks` is the per-rank table (diag.timing.stragglers) and `stages` the
-ranks' StageTimer rows (`run`: the point), which the report's Per rank section reads.
+recommended point against the most-accumulating one over `steps_per_run` optimizer steps.
 """
 
 from __future__ import annotations
@@ -18,12 +15,12 @@ from typing import TYPE_CHECKING
 from diag.accum.model import Setup, measure
 from diag.decision import Decision, MeasuredOn
 from diag.machine.device import on_cpu_threads
+from diag.timing.harness import ranks_first
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from diag.config import AccumConfig
-    from diag.timing.harness import TimedStep
 
 DEFAULT_MICRO_BATCH = 8  # no sweep ran: a micro-batch that fits the tiny and the 1B model on any
 #                          16 GB GPU
@@ -31,7 +28,10 @@ DEFAULT_MICRO_BATCH = 8  # no sweep ran: a micro-batch that fits the tiny and th
 
 @dataclass(frozen=True)
 class AccumResult:
-    """What `run_accum` returns; the first field is the main table."""
+    """What `run_accum` returns; the first field is the main table. Under torchrun / accelerate
+    it holds every rank's steps (`rank`, `node`, `comm_wait_s`: its waits on the others), `ranks`
+    is the per-rank table (diag.timing.stragglers) and `stages` the ranks' StageTimer rows
+    (`run`: the point), which the report's Per rank section reads."""
 
     frame: pd.DataFrame  # one row per timed optimizer step per point (sweep_grad_accum)
     summary: pd.DataFrame  # one row per point: medians, floor, warm-up, recommended
@@ -51,7 +51,7 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
     frame, setup, clock = measure(cfg)
     # every rank's rows for the tables; `frame` stays this rank's own, for a rule that counts
     # samples (the ranks run in lockstep: their steps are not independent ones)
-    every, stages = ranked(frame, clock)
+    every, stages = clock.gathered(frame) if clock else (ranks_first(frame), None)
     summary = summarize(every)
     on = MeasuredOn(model=f"{cfg.model} ({setup.shape.params / 1e6:.3g}M params)",
                     precision=setup.amp, seq_len=cfg.seq_len,
@@ -64,57 +64,6 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
         per_rank = stragglers.per_rank(stages)
     return AccumResult(every, summary, mfu_check(setup), advice(summary, cfg.steps_per_run),
                        decide(summary, on), per_rank, stages)
-
-
-def ranked(frame: pd.DataFrame, clock: TimedStep | None
-           ) -> tuple[pd.DataFrame, pd.DataFrame | None]:
-    """Every rank's rows, each with its `rank`, `node` and `comm_wait_s` (out of compute_s), and
-    the ranks' StageTimer rows of the timed steps (`run`: the point), gathered on rank 0 once at
-    the end (each rank's own elsewhere); on one process rank 0, no wait and no stage rows."""
-    import pandas as pd
-
-    from diag.timing import distributed
-
-    if clock is None:
-        return _front(frame.assign(rank=0, node=0, comm_wait_s=0.0)), None
-    seat = distributed.place()
-    stages = distributed.gathered_frame(clock.timer)
-    every = distributed.gather_to_root(frame.assign(rank=seat.rank, node=seat.node))
-    every = pd.concat(every, ignore_index=True) if every else frame.assign(rank=seat.rank,
-                                                                           node=seat.node)
-    point = ["micro_batch", "grad_accum", "repeat"]
-    stages = stages.merge(_timed_steps(frame, clock.points), on="step")  # warm-up steps go
-    waits = stages.loc[stages["stage"] == "comm_wait", ["rank", *point, "seconds"]]
-    every = every.merge(waits.rename(columns={"seconds": "comm_wait_s"}), how="left",
-                        on=["rank", *point])  # an "oom" row ran no step: NaN
-    every["compute_s"] -= every["comm_wait_s"]
-    stages["run"] = [f"{m} x {a}" for m, a in zip(stages["micro_batch"], stages["grad_accum"])]
-    return _front(every), stages.drop(columns=point)
-
-
-def _timed_steps(frame: pd.DataFrame, points: list[tuple[int, int]]) -> pd.DataFrame:
-    """Which of the clock's steps are the harness's timed rows: per point, the last as many
-    steps as it has rows (the ones before are its warm-up), in order; the same on every rank."""
-    import pandas as pd
-
-    rows = []
-    ok = frame[frame["status"] == "ok"]
-    for (micro, accum), part in ok.groupby(["micro_batch", "grad_accum"], sort=False):
-        steps = [i for i, p in enumerate(points) if p == (micro, accum)]
-        repeats = sorted(part["repeat"])
-        rows += [{"step": step, "micro_batch": micro, "grad_accum": accum, "repeat": repeat}
-                 for step, repeat in zip(steps[len(steps) - len(repeats):], repeats)]
-    return pd.DataFrame(rows, columns=["step", "micro_batch", "grad_accum", "repeat"]).astype(
-        {"step": "Int64"})
-
-
-def _front(frame: pd.DataFrame) -> pd.DataFrame:
-    """rank and node first, comm_wait_s beside data_s."""
-    import pandas as pd
-
-    rest = [c for c in frame.columns if c not in ("rank", "node", "comm_wait_s")]
-    at = rest.index("data_s") + 1
-    return pd.DataFrame(frame[["rank", "node", *rest[:at], "comm_wait_s", *rest[at:]]])
 
 
 def decide(summary: pd.DataFrame | None, measured_on: MeasuredOn | None = None,

@@ -5,7 +5,8 @@ update), and bills each optimizer step on its timer as the Trainer's callback do
 (blocked on the step's batches), `comm_wait` (its waits on the other ranks: DDP's buffer
 broadcast and the exposed gradient all-reduce, through diag.timing.comm) and `compute` (the
 rest), numbered in the order they ran; `points[i]` is step i's (micro_batch, grad_accum).
-Under a launcher each finished step is spilled (diag.timing.distributed.spill_ranks).
+Under a launcher each finished step is spilled (`spill_ranks` in diag.timing.distributed), and
+`gathered(rows)` matches the steps to the harness's timed rows and collects every rank's on rank 0.
 """
 
 from __future__ import annotations
@@ -13,9 +14,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from diag.timing.distributed import gather_to_root, gathered_frame, place
 from diag.timing.timer import StageTimer
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+POINT = ["micro_batch", "grad_accum", "repeat"]  # what names a harness row's step
 
 
 class TimedStep:
@@ -87,3 +94,49 @@ class TimedStep:
         timer.flush()  # under a launcher: the finished step survives a kill
         self.points.append((self._micro, self._micro_steps))
         self._open()
+
+    def gathered(self, rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """This rank's harness rows (one per timed step: micro_batch, grad_accum, status,
+        repeat, seconds_per_step, data_s, compute_s) as every rank's, each with its `rank`,
+        `node` and `comm_wait_s` (out of compute_s), and the ranks' StageTimer rows of those
+        steps (`run`: the point, "2 x 4"); on rank 0, each rank's own elsewhere. One gather of
+        each, at the end: a collective every rank reaches."""
+        import pandas as pd
+
+        seat = place()
+        stages = gathered_frame(self.timer)
+        mine = rows.assign(rank=seat.rank, node=seat.node)
+        every = pd.concat(gather_to_root(mine) or [mine], ignore_index=True)
+        stages = stages.merge(self._timed(rows), on="step")  # the warm-up steps go
+        waits = stages.loc[stages["stage"] == "comm_wait", ["rank", *POINT, "seconds"]]
+        every = every.merge(waits.rename(columns={"seconds": "comm_wait_s"}), how="left",
+                            on=["rank", *POINT])  # an "oom" row ran no step: NaN
+        every["compute_s"] -= every["comm_wait_s"]
+        stages["run"] = [f"{m} x {a}" for m, a in zip(stages["micro_batch"], stages["grad_accum"])]
+        return ranks_first(every), stages.drop(columns=POINT)
+
+    def _timed(self, rows: pd.DataFrame) -> pd.DataFrame:
+        """Which steps are the harness's timed rows: per point, the last as many steps as it has
+        rows (the ones before are its warm-up), in order; the same on every rank (lockstep)."""
+        import pandas as pd
+
+        out = []
+        ok = rows[rows["status"] == "ok"]
+        for (micro, accum), part in ok.groupby(["micro_batch", "grad_accum"], sort=False):
+            steps = [i for i, p in enumerate(self.points) if p == (micro, accum)]
+            repeats = sorted(part["repeat"])
+            out += [{"step": step, "micro_batch": micro, "grad_accum": accum, "repeat": repeat}
+                    for step, repeat in zip(steps[len(steps) - len(repeats):], repeats)]
+        return pd.DataFrame(out, columns=["step", *POINT]).astype({"step": "Int64"})
+
+
+def ranks_first(rows: pd.DataFrame) -> pd.DataFrame:
+    """Harness rows with `rank` and `node` first and `comm_wait_s` beside `data_s`; on one
+    process rank 0, node 0 and no wait."""
+    import pandas as pd
+
+    if "rank" not in rows.columns:
+        rows = rows.assign(rank=0, node=0, comm_wait_s=0.0)
+    rest = [c for c in rows.columns if c not in ("rank", "node", "comm_wait_s")]
+    at = rest.index("data_s") + 1
+    return pd.DataFrame(rows[["rank", "node", *rest[:at], "comm_wait_s", *rest[at:]]])
