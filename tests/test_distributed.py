@@ -140,6 +140,8 @@ def test_accum_under_torchrun_shows_each_rank_its_comm_wait_and_the_per_rank_tab
     assert waits[0] == pytest.approx(slow_s, rel=0.2) and waits[1] < waits[0] / 4
     (folder,) = (tmp_path / "runs").iterdir()
     _check_straggler(pd.read_csv(folder / "run.csv"), per_step_s=slow_s)
+    # the summary is rank 0's own steps (the ranks' are lockstep, not more samples)
+    assert pd.read_csv(folder / "accum_summary.csv")["steps"].tolist() == [4]
     ranks = pd.read_csv(folder / "accum_ranks.csv")  # the per-rank table, printed and written
     assert ranks["rank"].tolist() == [0, 1] and ranks["comm_wait_s"].idxmax() == 0
     assert "accum_ranks:" in run.stdout and "<h2>Per rank</h2>" in (folder /

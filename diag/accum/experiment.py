@@ -49,10 +49,11 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
 
     cfg = cfg or AccumConfig.default()
     frame, setup, clock = measure(cfg)
-    # every rank's rows for the tables; `frame` stays this rank's own, for a rule that counts
-    # samples (the ranks run in lockstep: their steps are not independent ones)
     every, stages = clock.gathered(frame) if clock else (ranks_first(frame), None)
-    summary = summarize(every)
+    # the summary and the decision rest on this rank's own steps (rank 0's, where they are
+    # shown): the ranks run in lockstep, so theirs are not independent samples of a point
+    frame = every[every["rank"] == (clock.timer.rank if clock else 0)]
+    summary = summarize(frame)
     on = MeasuredOn(model=f"{cfg.model} ({setup.shape.params / 1e6:.3g}M params)",
                     precision=setup.amp, seq_len=cfg.seq_len,
                     step=f"{cfg.tokens_per_step:,} tokens per optimizer step",
@@ -101,8 +102,6 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
                                      "compute_s", "mfu") if c in frame.columns}
     out = frame.groupby(keys, sort=False, dropna=False).agg(
         {**medians, **first, "repeat": "count"}).reset_index().rename(columns={"repeat": "steps"})
-    # under DDP the medians are over every rank's steps; `steps` is one rank's
-    out["steps"] //= frame["rank"].nunique() if "rank" in frame.columns else 1
     out.loc[out["status"] != "ok", "steps"] = 0
     ok = out[out["status"] == "ok"]
     out["vs_worst"] = out["tokens_per_s"] / ok["tokens_per_s"].min() if not ok.empty else math.nan
