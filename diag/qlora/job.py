@@ -12,6 +12,7 @@ every `checkpoint_every` steps, each written whole.
 from __future__ import annotations
 
 import contextlib
+import gc
 import shutil
 import time
 from collections.abc import Iterator
@@ -174,7 +175,22 @@ def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any
 
 
 def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
-    """One timed run: {"stages": frame, "losses": frame, "summary": dict}."""
+    """One timed run: {"stages": frame, "losses": frame, "summary": dict}.
+
+    The objects alive before the start (the imports, ~600k here) are frozen out of the garbage
+    collector while it runs: accelerate's free_memory() runs a full gc.collect() as train()
+    starts, which walked them all (0.4-0.9 s, 90% of the Trainer's set-up on CPU); frozen, it
+    walks what this start made (Python's gc.freeze, as before forking loader workers). The
+    start's own reference cycles (its model's) are collected at its end, before the next."""
+    gc.freeze()
+    try:
+        return _run_plan(cfg, plan, src)
+    finally:
+        gc.collect()  # walks only what the start made: the frozen rest is skipped
+        gc.unfreeze()
+
+
+def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
     import pandas as pd
     import torch
     import transformers
@@ -225,17 +241,30 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
                    "check_s": check_s,
                    "trained_tokens_per_s": data.stats["real_tokens"] / seconds if seconds else None,
                    "resumed_from_step": int(resume.name.split("-")[1]) if resume else 0,
-                   "micro_batch": trainer.args.per_device_train_batch_size,
-                   "grad_accum": trainer.args.gradient_accumulation_steps,
-                   "num_workers": plan.num_workers, "pin_memory": plan.pin_memory,
-                   "pipeline": plan.pipeline,
-                   "gradient_checkpointing": plan.gradient_checkpointing,
+                   **ran(trainer),
                    "final_loss": float(losses["loss"].iloc[-1]) if not losses.empty else None,
                    "notes": " ".join(plan.notes)}
         return {"stages": frame.assign(run=plan.name),
                 "losses": losses.assign(run=plan.name), "summary": summary}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def ran(trainer: Any) -> dict[str, Any]:
+    """The plan's settings as the run had them, read back from what ran: the DataLoader the
+    Trainer trained from (its batch size, workers, pinning, the dataset it served), the
+    Trainer's accumulation, the model's checkpointing; never copied from the plan."""
+    from diag.qlora.data import WholeSteps
+
+    loader = trainer.callback_handler.train_dataloader  # the one train() iterated
+    served = loader.dataset
+    served = getattr(served, "dataset", served)  # a rank slowed on purpose (_Slowed) wraps it
+    # accelerate's loader batches through its batch sampler (its own batch_size is None)
+    return {"micro_batch": loader.batch_size or loader.batch_sampler.batch_size,
+            "grad_accum": trainer.args.gradient_accumulation_steps,
+            "num_workers": loader.num_workers, "pin_memory": loader.pin_memory,
+            "pipeline": "packed" if isinstance(served, WholeSteps) else "naive",
+            "gradient_checkpointing": trainer.model.is_activation_checkpointing}
 
 
 class _Slowed:
