@@ -245,3 +245,32 @@ def test_each_plan_has_its_mfu_by_both_flop_counts_and_the_report_says_it(both, 
     assert "by model FLOPs 6N + 12·L·d·T, the convention: " in page
     assert "Against the step's precisions weighted by their FLOPs: bf16 " in page
     assert "(the optimized plan's, the probes' spread up to " in page
+
+
+def test_the_job_times_its_own_starts_only_where_no_decision_priced_them():
+    import dataclasses
+
+    from diag.decision import Decision
+    from diag.qlora.experiment import time_starts
+    from diag.qlora.job import open_sources, prime
+
+    cfg = QLoraConfig.quick(rounds=2)
+    opt = Plan.optimized().for_device("cpu").fit(4)
+    fetch = Decision.from_rows("fetch", "land", "storage", [{"x": 1}], source="storage",
+                               baseline="pull", stage="fetch_data", per="start",
+                               baseline_s=9.0, chosen_s=1.0)
+    priced = dataclasses.replace(opt, decisions=tuple(
+        fetch if d.setting == "fetch" else d for d in opt.decisions))
+    with open_sources(cfg) as src:
+        prime(cfg, opt, src)
+        timed = {d.setting: d for d in time_starts(cfg, [Plan.naive(), opt], src)}
+        assert set(timed) == {"fetch", "model_cache", "pipeline"}
+        # downloading into an empty cache costs more than finding the persistent copy
+        cache = timed["model_cache"]
+        assert cache.baseline_s > cache.chosen_s > 0 and cache.per == "start"
+        assert len(cache.rows) == 4 and cache.source == "qlora"
+        assert "timed 2x before its runs" in cache.measured_on.label()
+        # storage measured the fetch: not timed again (no second pull)
+        again = {d.setting for d in time_starts(cfg.replace(rounds=1), [Plan.naive(), priced],
+                                                src)}
+        assert again == {"model_cache", "pipeline"}

@@ -133,7 +133,9 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
     """What a start of each plan pays in fetch_data, the model folder (a download, or the
     persistent cache) and preprocess, timed with the functions its runs call, min(cfg.rounds, 3)
     times interleaved: decisions (per start, medians) for predict's use where none measured
-    them. The model's load itself is the same in both plans: not timed."""
+    them. A setting whose decision has its seconds (storage's, model_load's in `diag run`) is
+    not timed again: both sides take the optimized plan's copy (a hit), no second download. The
+    model's load itself is the same in both plans: not timed."""
     import shutil
 
     from diag.decision import Decision, MeasuredOn
@@ -141,15 +143,17 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
     from diag.qlora.data import build_dataset, job_records
     from diag.qlora.job import fetch_data, model_folder
 
+    priced = {d.setting for d in plans[1].decisions
+              if d.per == "start" and d.saving_s() is not None}
     rows = []
     for r in range(max(1, min(cfg.rounds, 3))):
         for plan in plans if r % 2 == 0 else plans[::-1]:
             work = scratch_folder(f"diag-qlora-time-{plan.name}")
             try:
                 clock = time.perf_counter()
-                path = fetch_data(plan, src, work)
+                path = fetch_data(plans[1] if "fetch" in priced else plan, src, work)
                 fetched = time.perf_counter()
-                folder = model_folder(plan, src, work)
+                folder = model_folder(plans[1] if "model_cache" in priced else plan, src, work)
                 found = time.perf_counter()
                 recs = job_records(cfg, path, folder)  # the run's untimed check_records
                 built = time.perf_counter()
@@ -163,14 +167,15 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
     out = []
     for setting, stage in (("fetch", "fetch_data"), ("model_cache", "load_model"),
                            ("pipeline", "preprocess")):
-        seconds = {p.name: statistics.median(r[stage] for r in rows if r["plan"] == p.name)
-                   for p in plans}
+        if setting in priced:
+            continue
+        seconds = [statistics.median(r[stage] for r in rows if r["plan"] == p.name)
+                   for p in plans]
         naive, opt = (getattr(p, setting) for p in plans)
         out.append(Decision.from_rows(
-            setting, opt, f"{stage} per start: {naive} {seconds[plans[0].name]:.3g} s, {opt} "
-            f"{seconds[plans[1].name]:.3g} s", rows, source="qlora", measured_on=on,
-            baseline=naive, stage=stage, per="start", baseline_s=seconds[plans[0].name],
-            chosen_s=seconds[plans[1].name]))
+            setting, opt, f"{stage} per start: {naive} {seconds[0]:.3g} s, {opt} "
+            f"{seconds[1]:.3g} s", rows, source="qlora", measured_on=on, baseline=naive,
+            stage=stage, per="start", baseline_s=seconds[0], chosen_s=seconds[1]))
     return tuple(out)
 
 
