@@ -274,3 +274,33 @@ def test_the_job_times_its_own_starts_only_where_no_decision_priced_them():
         again = {d.setting for d in time_starts(cfg.replace(rounds=1), [Plan.naive(), priced],
                                                 src)}
         assert again == {"model_cache", "pipeline"}
+
+
+def test_the_summary_is_read_back_from_what_ran(monkeypatch):
+    # the Trainer's loader made to ignore the plan's workers, and the model's checkpointing
+    # turned off behind the plan (as a library default could): the summary says what ran
+    import dataclasses
+
+    from diag.qlora import job, trainer
+    from diag.qlora.job import open_sources, prime, run_plan
+
+    made, load = trainer.training_args, job.load_model
+    monkeypatch.setattr(trainer, "training_args", lambda *a, **k: made(*a, **k | {
+        "dataloader_num_workers": 0, "dataloader_persistent_workers": False,
+        "dataloader_prefetch_factor": None}))
+
+    def loaded(*args):
+        model = load(*args)
+        model.gradient_checkpointing_disable()
+        return model
+
+    monkeypatch.setattr(job, "load_model", loaded)
+    cfg = QLoraConfig.quick(steps=2, records=4)
+    plan = dataclasses.replace(Plan.optimized().for_device("cpu"), num_workers=1, micro_batch=2,
+                               persistent_workers=True, prefetch_factor=2,
+                               gradient_checkpointing=True)
+    with open_sources(cfg) as src:
+        prime(cfg, plan, src)
+        got = run_plan(cfg, plan, src)["summary"]
+    assert (got["num_workers"], got["micro_batch"], got["pipeline"]) == (0, 2, "packed")
+    assert got["gradient_checkpointing"] is False
