@@ -12,7 +12,6 @@ every `checkpoint_every` steps, each written whole.
 from __future__ import annotations
 
 import contextlib
-import gc
 import shutil
 import time
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from diag.config import diag_home
 from diag.files import scratch_folder
 from diag.qlora.checkpoints import last_checkpoint
 from diag.qlora.plans import Plan
-from diag.qlora.trainer import fit, trainer_for
+from diag.qlora.trainer import fit, frozen_heap, trainer_for
 from diag.secrets import register
 from diag.timing import StageTimer
 
@@ -175,19 +174,10 @@ def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any
 
 
 def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
-    """One timed run: {"stages": frame, "losses": frame, "summary": dict}.
-
-    The objects alive before the start (the imports, ~600k here) are frozen out of the garbage
-    collector while it runs: accelerate's free_memory() runs a full gc.collect() as train()
-    starts, which walked them all (0.4-0.9 s, 90% of the Trainer's set-up on CPU); frozen, it
-    walks what this start made (Python's gc.freeze, as before forking loader workers). The
-    start's own reference cycles (its model's) are collected at its end, before the next."""
-    gc.freeze()
-    try:
+    """One timed run: {"stages": frame, "losses": frame, "summary": dict}; what was alive
+    before it is frozen out of the garbage collector while it runs (trainer.frozen_heap)."""
+    with frozen_heap():
         return _run_plan(cfg, plan, src)
-    finally:
-        gc.collect()  # walks only what the start made: the frozen rest is skipped
-        gc.unfreeze()
 
 
 def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
