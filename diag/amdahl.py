@@ -206,14 +206,10 @@ def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
              total_steps: int | None = None, min_share: float = 0.01) -> pd.DataFrame:
     """Fixes ranked by seconds saved, each resting on measured rows (no finding without a number).
 
-    A stage finding saves the part of the stage its fix removes: the whole stage (an upper
-    bound), but warm-up only its start-up (the warm-up steps less as many steady steps: the
-    first step's own compute stays) and never the work or what no setting changes (compute,
-    train, the Trainer's set-up: UNCHANGED); stages under min_share of their run are left out
-    as noise (data_wait has its own thresholds). `advice` adds findings other experiments
-    measured (columns `stage`, `finding`, `seconds_saved`, `evidence`: every experiment's
-    `.advice`), e.g. the storage tax or a cached model load.
-    """
+    A stage finding saves what its fix removes: the whole stage (an upper bound), warm-up only
+    its start-up (_start_up), never what no fix removes (UNCHANGED); stages under min_share of
+    their run are noise (data_wait has its own thresholds). `advice` adds findings other
+    experiments measured (`stage`, `finding`, `seconds_saved`, `evidence`: their `.advice`)."""
     table = shares(frame, total_steps)
     start_up = _start_up(_check(frame), table, total_steps)
     runs = list(dict.fromkeys(table["run"]))
@@ -264,7 +260,6 @@ def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
     out = out.sort_values(["_run", "_neg"], kind="stable").drop(columns=["_run", "_neg"])
     out["rank"] = out.groupby("run", sort=False).cumcount() + 1
     return out[cols].reset_index(drop=True)
-
 
 
 def _start_up(frame: pd.DataFrame, table: pd.DataFrame, total_steps: int | None

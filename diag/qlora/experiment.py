@@ -95,11 +95,7 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
         for p in plans:
             with root_first():  # under DDP rank 0 fills the node's caches, then the others hit
                 once[p.name] = prime(cfg, p, src) if p.name == "optimized" else 0.0
-        timed = time_starts(cfg, plans, src) if len(plans) == 2 else ()
-        _imports()
-        # the measurements' models are garbage in reference cycles: released here, not by the
-        # full collection a start's Trainer runs (diag.qlora.job.run_plan)
-        gc.collect()
+        timed = _before_rounds(cfg, plans, src)
         order = [(r, p) for r in range(cfg.rounds) for p in (plans if r % 2 == 0 else plans[::-1])]
         for r, plan in tqdm(order, desc="qlora plans x rounds", leave=False):
             got = run_plan(cfg, plan, src)
@@ -179,16 +175,20 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
     return tuple(out)
 
 
-def _imports() -> None:
-    """What a start imports (the Trainer's module, peft, bitsandbytes: seconds), paid before the
-    rounds: in a process of its own each plan's start pays them alike, here the first alone
-    would, and its set-up and load would not be the plan's."""
+def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Decision, ...]:
+    """time_starts (both plans), then what a start imports (the Trainer's module, peft,
+    bitsandbytes: seconds) paid before the rounds: in a process of its own each plan's start
+    pays them alike, here the first alone would, and its set-up and load would not be the
+    plan's. The measurements' models (reference cycles) are collected here, not by a start."""
     import bitsandbytes  # noqa: F401
     import peft  # noqa: F401
 
     from diag.qlora.trainer import trainer_class
 
+    timed = time_starts(cfg, plans, src) if len(plans) == 2 else ()
     trainer_class()
+    gc.collect()
+    return timed
 
 
 def _per_plan(every: pd.DataFrame, once: dict[str, float]) -> pd.DataFrame:

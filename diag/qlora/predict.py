@@ -101,21 +101,7 @@ def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decisi
     changed = [s for s in FIXES if s in a and a[s] != b[s]]
     rows: list[dict[str, Any]] = []
     # the compute chain: the naive step, then each fix's ratio in turn
-    anchor = _seconds(decided.get("micro_batch"))
-    step = anchor[0] * _slots_scale(decided["micro_batch"], naive, counts) if anchor else None
-    # the micro-batch sweep times its steps with checkpointing off (its own measurement prices
-    # it): a naive step that checkpoints pays the on/off ratio measured on the job at the naive
-    # micro-batch, and turning it off divides it out again, so the chain ends exactly at the
-    # sweep's chosen point whatever order the fixes are taken in
-    ckpt = decided.get("gradient_checkpointing")
-    ratio = ckpt.naive_ratio if ckpt is not None and a.get("gradient_checkpointing") else None
-    refused = ""
-    if ratio is not None and ratio < 1:  # recomputing never makes a step faster: noise
-        refused = (f"checkpointing's on/off ratio {ratio:.3g} < 1 at the naive micro-batch "
-                   "(on faster than off cannot be; re-measure it): the naive step is not priced")
-        step = None
-    if step is not None and ratio:
-        step *= ratio
+    step, ratio, refused = _naive_step(decided, naive, counts)
     for setting in COMPUTE_ORDER:
         if setting not in changed:
             continue
@@ -136,27 +122,8 @@ def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decisi
         step = new
     if "pipeline" in changed:
         slots = [counts.token_slots.get(p.name) for p in (naive, optimized)]
-        if step is not None and all(slots):
-            new = step * slots[1] / slots[0]
-            rows += _step_rows("pipeline", a["pipeline"], b["pipeline"], step - new, counts,
-                               f"packing: token slots {slots[1]} / {slots[0]} x the step "
-                               f"{step:.3g} s -> {new:.3g} s")
-            step = new
-        else:
-            rows += _step_rows("pipeline", a["pipeline"], b["pipeline"], None, counts, _unpriced(
-                None, refused or "no measured step or token slots to scale"))
-        d = decided.get("pipeline")
-        start = d if d is not None and d.per == "start" else own.get("pipeline", d)
-        if _seconds(start) is not None and start.per == "start":
-            rows.append(_start_row(start, a, b))
-        else:  # the token cache's start-up cost: said unpredicted, never left out
-            rows.append(_row("pipeline", a["pipeline"], b["pipeline"], "preprocess", None, None,
-                             _unpriced(d, "no decision prices the preprocess start")))
-        if _seconds(d) is not None and d.per != "start":
-            saved = _seconds(d)[0] - _seconds(d)[1]
-            rows += _step_rows("pipeline", a["pipeline"], b["pipeline"], saved, counts,
-                               f"{d.source}: {d.stage} {_seconds(d)[0]:.3g} -> "
-                               f"{_seconds(d)[1]:.3g} s per step")
+        rows += _pipeline(decided.get("pipeline"), own.get("pipeline"), (a, b), counts,
+                          step, slots, refused)
     for setting in changed:
         if setting in COMPUTE_ORDER or setting == "pipeline":
             continue
@@ -178,6 +145,52 @@ def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decisi
                   "evidence": f"{what}: no setting of the plans changes it"}
                  for stage, what in UNCHANGED.items()]
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _naive_step(decided: dict[str, Any], naive: Plan, counts: Counts
+                ) -> tuple[float | None, float | None, str]:
+    """(the naive step's seconds, checkpointing's on/off ratio it pays, why it is refused).
+
+    The micro-batch sweep times its steps with checkpointing off (its own measurement prices
+    it): a naive step that checkpoints pays the on/off ratio measured on the job at the naive
+    micro-batch, and turning it off divides it out again, so the chain ends exactly at the
+    sweep's chosen point whatever order the fixes are taken in. A ratio below 1 (recomputing
+    never makes a step faster: noise) prices no naive step."""
+    anchor = _seconds(decided.get("micro_batch"))
+    step = anchor[0] * _slots_scale(decided["micro_batch"], naive, counts) if anchor else None
+    ckpt = decided.get("gradient_checkpointing")
+    ratio = ckpt.naive_ratio if ckpt is not None and naive.gradient_checkpointing else None
+    if ratio is not None and ratio < 1:
+        return None, ratio, (f"checkpointing's on/off ratio {ratio:.3g} < 1 at the naive "
+                             "micro-batch (on faster than off cannot be; re-measure it): the "
+                             "naive step is not priced")
+    return (step * ratio if step is not None and ratio else step), ratio, ""
+
+
+def _pipeline(d: Any, own: Any, ab: tuple[dict, dict], counts: Counts, step: float | None,
+              slots: list[int | None], refused: str) -> list[dict[str, Any]]:
+    """Packing's rows: the step scaled by the token slots, the preprocess start (its decision's,
+    else the job's own timing), the pipeline decision's data_wait per step."""
+    a, b = ab
+    if step is not None and all(slots):
+        new = step * slots[1] / slots[0]
+        rows = _step_rows("pipeline", a["pipeline"], b["pipeline"], step - new, counts,
+                          f"packing: token slots {slots[1]} / {slots[0]} x the step "
+                          f"{step:.3g} s -> {new:.3g} s")
+    else:
+        rows = _step_rows("pipeline", a["pipeline"], b["pipeline"], None, counts, _unpriced(
+            None, refused or "no measured step or token slots to scale"))
+    start = d if d is not None and d.per == "start" else own or d
+    if _seconds(start) is not None and start.per == "start":
+        rows.append(_start_row(start, a, b))
+    else:  # the token cache's start-up cost: said unpredicted, never left out
+        rows.append(_row("pipeline", a["pipeline"], b["pipeline"], "preprocess", None, None,
+                         _unpriced(d, "no decision prices the preprocess start")))
+    if _seconds(d) is not None and d.per != "start":
+        base, chosen = _seconds(d)
+        rows += _step_rows("pipeline", a["pipeline"], b["pipeline"], base - chosen, counts,
+                           f"{d.source}: {d.stage} {base:.3g} -> {chosen:.3g} s per step")
+    return rows
 
 
 def _slots_scale(d: Any, naive: Plan, counts: Counts) -> float:
