@@ -146,6 +146,12 @@ def load_base(plan: Plan, folder: Path, device: Any) -> Any:
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant,
                                                  device_map={"": str(device)})
     model.config.use_cache = False  # with a cache transformers skips the packed-sequence mask
+    for module in model.modules():  # on an AVX512-BF16 CPU bitsandbytes repacks a Linear4bit in
+        # place at its first no-grad eval forward (absmax rounded to bf16; state_dict() unpacks
+        # it): the frozen base would hang on the process's past (an eval before the first step,
+        # a checkpoint), and a resumed run would train on another base than the run it left
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
     return prepare_model_for_kbit_training(
         model, use_gradient_checkpointing=plan.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False})  # what torch recommends
