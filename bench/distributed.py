@@ -3,9 +3,10 @@ CPU, gloo, 2 ranks: `python bench/distributed.py` launches itself under torchrun
 
 - distributed_overhead: the same DDP training (a small MLP, a real DataLoader, 2-6 ms steps) with
   and without diag's timing (StageTimer, comm hook, spill: as `diag toy` times a rank), four
-  copies interleaved step by step (order rotating), per round timed / untimed seconds; the
-  median over rounds with its 95% interval, beside an A/A control (two untimed copies) measured
-  the same way. Goal: median <= 1.02.
+  copies made anew each round and interleaved step by step (order rotating), per round timed /
+  untimed seconds; the median over rounds with its 95% interval, beside an A/A control (two
+  untimed copies) measured the same way. Goal: median <= 1.02, said "not resolved" when the
+  interval holds the goal.
 - straggler_delay_recovered: rank 1's loader slower by a known amount; what the others waited
   (findings' wait_per_step_s) over it, in the QLoRA Trainer path (diag.qlora.job.run_plan on the
   embedded Llama) and in a BatchNorm model (`diag toy --batch-norm`). Goal 0.8-1.2.
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 STEPS = 40  # steps per copy per round
 ROUNDS = 25  # rounds; the median round ratio is reported with its interval
+BURN_IN = 3  # untimed first steps of each round's fresh copies: buckets rebuilt, allocator warm
 WIDTH = 384  # MLP width: a step of a few ms on one core
 BATCH = 64  # samples per step
 DELAY_MS = 30.0  # rank 1's extra loader sleep per batch in the BatchNorm straggler run
@@ -58,7 +60,7 @@ def _stepper(torch, rank: int, timer=None):
 
     ddp = torch.nn.parallel.DistributedDataParallel(_model(torch))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    n = (ROUNDS + 1) * STEPS
+    n = BURN_IN + STEPS
     batches = iter(DataLoader(ToyBatches(n, BATCH, WIDTH, 0.0, seed=rank * n), batch_size=None))
 
     def train(x, y) -> None:
@@ -100,24 +102,44 @@ def overhead(torch, rank: int, spill: Path) -> dict[str, list[float]]:
 
     timer = StageTimer(trace=False)
     timer.spill_to(spill / f"rank-{rank}.partial.csv")
-    copies = {"timed": _stepper(torch, rank, timer), "untimed": _stepper(torch, rank),
-              "a": _stepper(torch, rank), "b": _stepper(torch, rank)}
-    names = list(copies)
+    names = ["timed", "untimed", "a", "b"]
     ratios: dict[str, list[float]] = {"timed": [], "control": [], "step_s": []}
     order = random.Random(0)  # the same shuffles on both ranks: their collectives pair up
-    for r in range(ROUNDS + 1):  # + a burn-in round: buckets built, allocator warm
+    for _ in range(ROUNDS):
+        # fresh copies each round, built in a new order: where a copy's tensors land makes it a
+        # few % faster or slower than another for its whole life (with four copies kept for the
+        # run, the A/A control's median read 0.980, 0.981, 0.987 and 1.002); made anew, that bias is
+        # a round's noise, which the median over rounds averages out
+        copies = {name: _stepper(torch, rank, timer if name == "timed" else None)
+                  for name in order.sample(names, len(names))}
+        for name in names:
+            for _ in range(BURN_IN):
+                copies[name]()
         spent = dict.fromkeys(names, 0.0)
         for _ in range(STEPS):  # a new order each step: drift and neighbours hit every copy alike
             for name in order.sample(names, len(names)):
                 start = time.perf_counter()
                 copies[name]()
                 spent[name] += time.perf_counter() - start
-        if r:
-            ratios["timed"].append(spent["timed"] / spent["untimed"])
-            ratios["control"].append(spent["a"] / spent["b"])
-            ratios["step_s"].append(spent["untimed"] / STEPS)
+        ratios["timed"].append(spent["timed"] / spent["untimed"])
+        ratios["control"].append(spent["a"] / spent["b"])
+        ratios["step_s"].append(spent["untimed"] / STEPS)
     timer.close_spill()
     return ratios
+
+
+def _verdict(timed: tuple[float, float, float], control: tuple[float, float, float],
+             goal: float = 1.02) -> str:
+    """Met or missed only when the interval is on one side of the goal; else how wide the A/A
+    control's interval is beside the goal's margin, at this load."""
+    load = os.getloadavg()[0]
+    if timed[2] <= goal:
+        return f"met, load {load:.1f}"
+    if timed[1] > goal:
+        return f"missed, load {load:.1f}"
+    return (f"not resolved at load {load:.1f}: two untimed copies differ by up to "
+            f"{max(1 - control[1], control[2] - 1):.1%} (A/A interval {control[1]:.4f}-"
+            f"{control[2]:.4f}) beside the goal's {goal - 1:.0%}")
 
 
 def hooks(torch) -> list[str]:
@@ -254,7 +276,7 @@ def worker(only: str) -> None:
             print(f"BatchNorm model: {toy[1]}")
             print(f"QLoRA Trainer path: {job[1]}")
         print(f"distributed_overhead: {timed[0]:.4f} (goal <= 1.02; interval {timed[1]:.4f}-"
-              f"{timed[2]:.4f}, A/A {control[0]:.4f})")
+              f"{timed[2]:.4f}, A/A {control[0]:.4f}: {_verdict(timed, control)})")
         if toy and job:
             print(f"straggler_delay_recovered: qlora {job[0]:.3f}, batchnorm {toy[0]:.3f} "
                   f"(goal 0.8-1.2 each; rank 1 slower by {QLORA_DELAY_MS:g} and {DELAY_MS:g} "

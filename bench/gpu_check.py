@@ -3,11 +3,12 @@
 Prepared for a lent GPU (CI does not run it; on a CPU it says so and exits 0). A Llama model with
 random weights is made locally (default the "small" shape, ~100M parameters; --hidden 2048
 --layers 22 --heads 32 --intermediate 5632 for TinyLlama's 1.1B shape) and served by the
-embedded hub; the dataset by the embedded S3. The QLoRA MFU is diag.qlora.mfu's: 6N + 12·L·d·T
-per trained token (8N + 16·L·d·T with activation checkpointing) against
-diag.machine.device's dense bf16 peak, cross-checked by FlopCounterMode on one step (executed
-FLOPs: no frozen weight gradients;
-a gap over MFU_DISAGREEMENT flagged and explained). `qlora_vs_trl`: trained tokens/s of the
+embedded hub; the dataset by the embedded S3. The QLoRA MFU is diag.qlora.mfu's, per token
+slot of the steady steps: executed FLOPs (forward, input gradients through the frozen 4-bit
+base, LoRA weight gradients, attention) beside model FLOPs (6N + 12·L·d·T, 8N + 16·L·d·T with
+activation checkpointing), against the dense table's peaks of the precisions the step ran in,
+executed cross-checked by FlopCounterMode on one step with the 4-bit forward added back (a gap
+over MFU_DISAGREEMENT flagged). `qlora_vs_trl`: trained tokens/s of the
 optimized start against TRL's SFTTrainer(packing=True) on the same model, records and steps.
 Last a short `diag train` of the same plan (--train-steps): its ETA error, steady compute share,
 held-out loss and MFU (train_check). Runs in under 5 minutes on an H100/H200 at the defaults.
@@ -85,7 +86,6 @@ def main() -> int:
         return 0
     from diag.amdahl import shares
     from diag.config import QLoraConfig
-    from diag.machine.device import peak_flops
     from diag.qlora import Plan
     from diag.qlora.job import prime, run_plan
 
@@ -105,26 +105,27 @@ def main() -> int:
     tokens_per_s = tokens_per_step / per_step
     from diag.config import diag_home
     from diag.qlora.job import load_model
-    from diag.qlora.mfu import count_step, mfu_check, qlora_mfu, qlora_shape
+    from diag.qlora.mfu import count_step, mfu_check, qlora_shape, step_peak
 
     home = diag_home() / "gpu_check"
     folder, data_path = home / "models" / f"h{args.hidden}-l{args.layers}", home / "data.jsonl"
     model = load_model(cfg, plan, folder, torch.device("cuda"))
     model.train()
     qshape = qlora_shape(model, args.seq_len, bool(summary["gradient_checkpointing"]))
-    check = mfu_check(qshape, count_step(model, summary["micro_batch"], args.seq_len))
+    counter, executed = count_step(model, summary["micro_batch"], args.seq_len)
+    check = mfu_check(qshape, executed, counter)
     del model
     torch.cuda.empty_cache()
-    peak = peak_flops("cuda", "bf16")
+    peak = step_peak(executed, "cuda")
     print(f"plan: micro {summary['micro_batch']} x accum {summary['grad_accum']}, workers "
           f"{summary['num_workers']}, checkpointing {summary['gradient_checkpointing']}, "
           f"{summary['pipeline']}, padding {summary['padding_share']:.1%}")
     print(f"step_s: {per_step:.3f}; tokens_per_s: {tokens_per_s:,.0f}; N = "
           f"{qshape.shape.params / 1e6:.1f}M ({qshape.adapters / 1e6:.2f}M LoRA)")
-    print(check[["method", "flops_per_token", "vs_formula", "flagged", "note"]].to_string(
+    print(check[["method", "flops_per_token", "vs_executed", "flagged", "note"]].to_string(
         index=False))
-    mfu, note = qlora_mfu(tokens_per_s, qshape, peak.flops, peak.label)
-    print(f"qlora_mfu: {mfu:.1%} ({note})" if not math.isnan(mfu) else f"qlora_mfu: n/a ({note})")
+    steady = summary["token_slots"] / summary["steps"]  # token slots a step runs
+    print_mfu("qlora_mfu", per_step, steady, (qshape, executed, counter, peak))
     flagged = bool(check["flagged"].any())
     print(f"qlora_mfu_counter_check: {'FLAGGED' if flagged else 'ok'} "
           f"({check.iloc[-1]['note']})")
@@ -137,12 +138,21 @@ def main() -> int:
           f"start, TRL SFTTrainer packing=True {theirs:,.0f}: {tokens} tokens in {seconds:.3g} s) "
           "(goal >= 1.0)")
     print(shares(stages).to_string(index=False))
-    train_check(args, plan, summary, stages, qshape, peak)
+    train_check(args, plan, summary, stages, (qshape, executed, counter, peak))
     print(f"gpu_check_seconds: {time.perf_counter() - start:.0f} (goal < 300)")
     return 0
 
 
-def train_check(args: argparse.Namespace, plan, summary: dict, stages, qshape, peak) -> None:
+def print_mfu(name: str, seconds: float, slots: float, counted: tuple) -> None:
+    """MFU of `slots` token slots in `seconds`, by executed FLOPs and by model FLOPs."""
+    from diag.qlora.mfu import plan_mfu
+
+    for row in plan_mfu(name, seconds, slots, *counted):
+        mfu = f"{row['mfu']:.1%}" if not math.isnan(row["mfu"]) else "n/a"
+        print(f"{name}: {mfu} of {row['flops']} ({row['peak']})")
+
+
+def train_check(args: argparse.Namespace, plan, summary: dict, stages, counted: tuple) -> None:
     """A short `diag train` of the same plan on the same data (--train-steps steps of the run's
     records per step, 1% held out), its ETA priced by the run above (as --results would):
     the same figures as bench/train.py, and its MFU."""
@@ -151,8 +161,6 @@ def train_check(args: argparse.Namespace, plan, summary: dict, stages, qshape, p
     from diag.config import TrainConfig, diag_home
     from diag.qlora import run_train
     from diag.qlora.eta import from_runs
-    from diag.qlora.mfu import qlora_mfu
-
     micro = plan.decision("micro_batch").capped(args.micro_batch, "gpu_check's --micro-batch")
     decided = [micro if d.setting == "micro_batch" else d for d in plan.decisions]
     cfg = TrainConfig(records=args.records, batch_size=args.records // args.steps,
@@ -169,9 +177,7 @@ def train_check(args: argparse.Namespace, plan, summary: dict, stages, qshape, p
     print(f"train_steady_compute_share: {compute / train_s:.3g}")
     print(f"train_eval_loss: {row['first_eval_loss']:.4f} -> {row['final_eval_loss']:.4f}")
     steady = row["trained_tokens"] * (row["steps"] - cfg.warmup_steps) / row["steps"]
-    mfu, note = qlora_mfu(steady / train_s, qshape, peak.flops, peak.label)
-    print(f"train_qlora_mfu: {mfu:.1%} ({note})" if not math.isnan(mfu) else
-          f"train_qlora_mfu: n/a ({note})")
+    print_mfu("train_qlora_mfu", train_s, steady, counted)  # its trained tokens, as before
 
 
 if __name__ == "__main__":

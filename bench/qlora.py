@@ -6,6 +6,8 @@ does; then both plans run interleaved over --rounds rounds (order alternating). 
 - `qlora_naive_over_optimized`: per trained token (both counts shown), median and range;
 - `qlora_prediction_error` (goal <= 0.25): the worst |measured - predicted| / predicted over the
   run-level stages the fixes touch (predictions from the decisions only, diag.qlora.predict);
+- `qlora_mfu_vs_counter` (within 0.05 of 1.0): diag's executed FLOPs of one step against
+  FlopCounterMode's count plus the 4-bit forward matmuls it cannot see;
 - `qlora_data_wait_share` (< 2%), `qlora_callback_overhead` (< 1%: the TimingCallback's own
   hook seconds measured inside the real Trainer steps of the run), and last
   `qlora_compute_share` (>= 0.9) from an optimized-only run of --long-steps steps;
@@ -252,6 +254,35 @@ def decision_stability(repeats: int = 3) -> str:
             + f"; the 2x case {gap_s:.2g} s of repeats) (goal 1.0)")
 
 
+def mfu_vs_counter(cfg: QLoraConfig) -> str:
+    """`qlora_mfu_vs_counter`: diag's executed FLOPs of one QLoRA step of the job's model
+    against FlopCounterMode's count of the same step plus bitsandbytes' 4-bit forward matmuls
+    (a custom op the counter cannot see, counted from the Linear4bit shapes), checkpointing off
+    and on; the one further from 1 is the figure. Model FLOPs (6N / 8N + attention) shown as a
+    multiple of executed."""
+    import os
+
+    from diag.embedded import ensure_assets
+    from diag.machine.device import resolve
+    from diag.qlora.job import load_model
+    from diag.qlora.mfu import count_step, qlora_shape
+
+    ratios, said = [], []
+    for ckpt in (False, True):
+        plan = dataclasses.replace(Plan.naive(), gradient_checkpointing=ckpt)
+        model = load_model(cfg, plan, ensure_assets().model_dir, resolve(cfg.device))
+        model.train()
+        counter, run = count_step(model, 2, cfg.seq_len, cfg.seed)
+        ratios.append((counter + run.forward_4bit) / run.total)
+        said.append(f"checkpointing {'on' if ckpt else 'off'}: {ratios[-1]:.4f} (executed "
+                    f"{run.total:.4g} FLOPs per token, counter {counter:.4g} + 4-bit forward "
+                    f"{run.forward_4bit:.4g}; model FLOPs "
+                    f"{qlora_shape(model, cfg.seq_len).flops_per_token / run.total:.3g}x executed)")
+    worst = max(ratios, key=lambda r: abs(r - 1))
+    return (f"qlora_mfu_vs_counter: {worst:.4f} ({'; '.join(said)}; load average "
+            f"{os.getloadavg()[0]:.2f}) (goal within 0.05 of 1.0)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--records", type=int, default=64)
@@ -315,6 +346,7 @@ def main() -> None:
         print(f"qlora_prediction_error: {worst['error_share']:.3g} (worst of {len(checked)} "
               f"predicted stages: {worst['stage']}, predicted {worst['predicted_s']:.3g} s, "
               f"measured {worst['measured_s']:.3g} s) (goal <= 0.25)")
+    print(mfu_vs_counter(cfg))
     print(f"qlora_data_wait_share: {wait / steps['seconds'].sum():.2%} (goal < 2%)")
     print(f"qlora_callback_overhead: {cost / step:.4%} of a {step:.3g} s step "
           f"({cost * 1e6:.2f} us per step, {CostedCallback.calls} real Trainer steps) "

@@ -21,6 +21,9 @@ from diag.timing import LOAD_PARTS, RUN_STAGES, STAGES, STEP_STAGES
 _CONTAINERS = ("train",)
 # Stages a faster GPU shortens (upgrade() and the Amdahl curve agree on this); the rest is floor.
 GPU_BOUND = ("compute", "warmup")
+# Stages no fix removes: the work itself (made faster by a GPU or a higher MFU, never removed)
+# and the Trainer's set-up (wrap, optimizer, data loader), paid once per start whatever the plan.
+UNCHANGED = ("compute", "train", "setup")
 # Share of step time above which data_wait is flagged, and above which it is noted.
 DATA_WAIT_FLAG = 0.10
 DATA_WAIT_NOTE = DATA_WAIT_GOAL  # under the loader's goal it is no finding
@@ -203,13 +206,12 @@ def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
              total_steps: int | None = None, min_share: float = 0.01) -> pd.DataFrame:
     """Fixes ranked by seconds saved, each resting on measured rows (no finding without a number).
 
-    Stage findings assume the stage removed (its seconds saved, an upper bound) except compute,
-    which is never removed; stages under min_share of their run are left out as noise (data_wait
-    has its own thresholds). `advice` adds findings other experiments measured (columns `stage`,
-    `finding`, `seconds_saved`, `evidence`: every experiment's `.advice`), e.g. the storage tax
-    or a cached model load.
-    """
+    A stage finding saves what its fix removes: the whole stage (an upper bound), warm-up only
+    its start-up (_start_up), never what no fix removes (UNCHANGED); stages under min_share of
+    their run are noise (data_wait has its own thresholds). `advice` adds findings other
+    experiments measured (`stage`, `finding`, `seconds_saved`, `evidence`: their `.advice`)."""
     table = shares(frame, total_steps)
+    start_up = _start_up(_check(frame), table, total_steps)
     runs = list(dict.fromkeys(table["run"]))
     extra = advice if advice is not None else pd.DataFrame(columns=["stage"])
     if "run" not in extra.columns:
@@ -219,13 +221,13 @@ def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
     rows = []
     for run, part in table.groupby("run", sort=False):
         step_total = part.loc[part["level"] == "step", "seconds"].sum()
+        total = part["seconds"].sum()
         for r in part.itertuples():
-            if r.stage in ("compute", "train") or r.seconds <= 0:
-                continue  # the work itself: made faster (a GPU, MFU), never removed
-            if (run, r.stage) in specific:
+            seconds, basis = start_up.get((run, r.stage), (r.seconds, r.basis))
+            if r.stage in UNCHANGED or seconds <= 0 or (run, r.stage) in specific:
                 continue
             severity = "fix"
-            if r.stage != "data_wait" and r.share < min_share:
+            if r.stage != "data_wait" and seconds < min_share * total:
                 continue
             if r.stage == "data_wait":
                 ratio = r.seconds / step_total if step_total else 0.0
@@ -233,15 +235,15 @@ def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
                     continue
                 severity = "flag" if ratio > DATA_WAIT_FLAG else "note"
             rows.append({"run": run, "stage": r.stage, "finding": FIXES[r.stage],
-                         "seconds_saved": r.seconds, "share_of_run": r.share,
+                         "seconds_saved": seconds, "share_of_run": seconds / total,
                          "severity": severity, "evidence": f"{r.stage}: {r.seconds:.4g} s, "
-                         f"{r.share:.1%} of the run; {r.basis}"})
+                         f"{r.share:.1%} of the run; {basis}"})
     totals = table.groupby("run")["seconds"].sum()
     measured = table.set_index(["run", "stage"])["seconds"]
     for r in extra.itertuples():
         total = totals.get(r.run, float("nan"))
         saved, evidence = float(r.seconds_saved), r.evidence
-        cap = measured.get((r.run, r.stage))
+        cap = start_up.get((r.run, r.stage), (measured.get((r.run, r.stage)),))[0]
         if cap is not None and saved > cap:  # no fix saves more than the stage took in this run
             saved, evidence = float(cap), f"{evidence} (capped at the run's {r.stage}: {cap:.4g} s)"
         rows.append({"run": r.run, "stage": r.stage, "finding": r.finding,
@@ -258,3 +260,26 @@ def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
     out = out.sort_values(["_run", "_neg"], kind="stable").drop(columns=["_run", "_neg"])
     out["rank"] = out.groupby("run", sort=False).cumcount() + 1
     return out[cols].reset_index(drop=True)
+
+
+def _start_up(frame: pd.DataFrame, table: pd.DataFrame, total_steps: int | None
+              ) -> dict[tuple[str, str], tuple[float, str]]:
+    """Per run, the part of `warmup` a fix removes and its basis: the warm-up steps less as many
+    steady steps (the run's mean step, every step-level stage), the start-up (allocator, kernel
+    selection, compile, the loader's first batches) that fewer restarts or a cached compile cut.
+    A run without steady steps has nothing to subtract: no figure, no finding."""
+    out = {}
+    for run, part in frame.groupby("run", sort=False):
+        ranks = int(part["rank"].nunique()) if "rank" in part.columns else 1
+        warm = int((part["stage"] == "warmup").sum()) // ranks  # one interval per warm-up step
+        stepped = part.loc[part["stage"].isin(STEP_STAGES), "step"].dropna().nunique()
+        rows = table[(table["run"] == run)]
+        if not warm or not stepped or "warmup" not in set(rows["stage"]):
+            out[(run, "warmup")] = (0.0, "")
+            continue
+        steady = rows.loc[rows["level"] == "step", "seconds"].sum() / (total_steps or stepped)
+        seconds = float(rows.loc[rows["stage"] == "warmup", "seconds"].sum())
+        out[(run, "warmup")] = (float(seconds - warm * steady), (
+            f"less {warm} steady step{'s' * (warm != 1)} of {steady:.4g} s (the mean of "
+            f"{stepped} measured): {seconds - warm * steady:.4g} s of start-up"))
+    return out

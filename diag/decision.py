@@ -26,6 +26,9 @@ DATA_WAIT_GOAL = 0.02  # a loader setting keeps up when data_wait stays under th
 DATA_WAIT_NEAR_BEST = 0.10  # no setting reaches the goal: the smallest within this share of the
 DATA_WAIT_NEAR_BEST_S = 0.001  # best achievable data_wait (or this many seconds per step) wins
 PREDICTION_TOLERANCE = 0.25  # |measured - predicted| above this share of predicted is flagged
+PREDICTION_FLOOR_S = 0.05  # ... and a miss is never flagged under this many seconds: a stage
+#                            under ~0.2 s (a checkpoint save, a land hit) moves that much between
+#                            rounds on a busy 2-core box (a save: 0.08-0.23 s at load 7)
 MFU_DISAGREEMENT = 0.10  # formula vs FlopCounterMode FLOPs further apart than this are flagged
 CHECKPOINTING_HEADROOM = 0.5  # checkpointing stays on when the step's peak without it exceeds
 #                               this share of the memory it lives in (turning it off grows it)
@@ -41,8 +44,8 @@ FIXES = {
     "fetch_data": _LAND,
     "load_model": f"{_CACHE}, on local NVMe (HF_HOME), with HF_HUB_OFFLINE=1",
     "preprocess": "tokenize once and cache the result, or tokenize with several processes",
-    "setup": "the Trainer's own set-up (wrap, optimizer, data loader) is paid once per start",
-    "warmup": "warm-up is paid once per start; fewer restarts or a cached compile cut it",
+    "warmup": "the first steps' start-up (allocator, kernel selection, compile, the loader's "
+              "first batches) is paid per start: fewer restarts or a cached compile cut it",
     "data_wait": "raise DataLoader num_workers, pin_memory=True, prefetch: the GPU waits on data",
     "h2d": "pin host memory and copy with non_blocking=True to overlap the copy with compute",
     "checkpoint": "checkpoint less often or asynchronously, to local disk first",

@@ -133,7 +133,10 @@ def test_pairs_keep_tokens_per_step():
 
 def test_quick_sweep_rows_add_up(result):
     frame, cfg = result.frame, AccumConfig.quick(device="cpu")
-    assert list(frame.columns) == COLUMNS
+    # one process: rank 0 of 1, nobody to wait for (the columns a DDP run fills)
+    assert list(frame.columns[:2]) == ["rank", "node"]
+    assert (frame[["rank", "node", "comm_wait_s"]] == 0).all().all()
+    assert [c for c in frame.columns if c not in ("rank", "node", "comm_wait_s")] == COLUMNS
     assert (frame["status"] == "ok").all()
     assert set(zip(frame["micro_batch"], frame["grad_accum"])) == set(pairs(cfg))
     assert (frame["micro_batch"] * frame["grad_accum"] * cfg.seq_len == cfg.tokens_per_step).all()
@@ -141,7 +144,8 @@ def test_quick_sweep_rows_add_up(result):
     for repeats in frame.groupby("micro_batch")["repeat"].apply(sorted):
         assert repeats == list(range(len(repeats))) and len(repeats) >= cfg.steps
     assert np.allclose(frame["tokens_per_s"] * frame["seconds_per_step"], cfg.tokens_per_step)
-    assert np.allclose(frame["data_s"] + frame["compute_s"], frame["seconds_per_step"])
+    assert np.allclose(frame["data_s"] + frame["comm_wait_s"] + frame["compute_s"],
+                       frame["seconds_per_step"])
     assert (frame["warmup_s"] > 0).all() and (frame["peak_mem_gb"] > 0).all()
     assert (frame["floor_s"] < frame["seconds_per_step"]).all()
     assert frame["mfu"].between(0, 1, inclusive="right").all()

@@ -134,7 +134,7 @@ def test_unknown_gpu_in_the_sweep_leaves_mfu_and_floor_empty_with_the_reason(mon
                           "for it; pass the peak FLOP/s explicitly", "", False)
     monkeypatch.setattr(device, "peak_flops", lambda *a, **k: unknown)
     cfg = AccumConfig.quick(device="cpu", micro_batches=[16], steps=1, warmup_steps=0)
-    frame, info = measure(cfg)
+    frame, info, _ = measure(cfg)
     assert (frame["status"] == "ok").all() and (frame["tokens_per_s"] > 0).all()
     assert frame["mfu"].isna().all() and frame["floor_s"].isna().all()
     assert (frame["detail"] == "no MFU: " + unknown.label).all()

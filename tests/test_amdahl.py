@@ -204,3 +204,23 @@ def test_step_stages_timed_without_watch_are_summed_not_lost():
     assert table.loc["compute", "seconds"] == pytest.approx(15.0)
     assert "without step numbers" in table.loc["compute", "basis"]
     assert table.loc["fetch_data", "share"] == pytest.approx(1 / 16)
+
+
+def test_a_finding_saves_only_what_its_fix_removes():
+    # the Trainer's set-up (no setting changes it) is the largest stage; warm-up is one step of
+    # 2.5 s where a steady step (data_wait + compute) is 1.3 s: 1.2 s of it is start-up
+    frame = pd.concat([constructed(fetch=2.0, load=1.0), pd.DataFrame([
+        {"stage": "setup", "seconds": 20.0, "step": pd.NA, "run": "naive"},
+        {"stage": "warmup", "seconds": 2.5, "step": pd.NA, "run": "naive"}])])
+    found = amdahl.findings(frame).set_index("stage")
+    assert "setup" not in found.index and "compute" not in found.index
+    steady = (0.7 + 3.2) / 3
+    assert found.at["warmup", "seconds_saved"] == pytest.approx(2.5 - steady)
+    assert "less 1 steady step" in found.at["warmup", "evidence"]
+    assert found.index[0] == "fetch_data"  # the top fix is one a setting makes
+    # scaled to a longer run the steady step is the same mean: the same start-up
+    longer = amdahl.findings(frame, total_steps=300, min_share=0).set_index("stage")
+    assert longer.at["warmup", "seconds_saved"] == pytest.approx(2.5 - steady)
+    # a warm-up no slower than a steady step has nothing to remove
+    frame.loc[frame["stage"] == "warmup", "seconds"] = steady
+    assert "warmup" not in set(amdahl.findings(frame)["stage"])

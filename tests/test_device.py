@@ -157,16 +157,27 @@ def test_bad_dtype_names_it_and_the_allowed_ones() -> None:
     assert dev.dense_peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == pytest.approx(756.5 * T)
 
 
-def test_cpu_probe_is_positive() -> None:
-    flops = dev.cpu_matmul_probe(size=128, repeats=3)
-    assert 1e6 < flops < 1e14
+def test_cpu_probe_times_the_precision_asked_for_repeatedly() -> None:
+    samples = dev.cpu_matmul_probe(size=128, repeats=3, dtype="bf16")
+    assert len(samples) == 3 and all(1e6 < f < 1e14 for f in samples)
+    with pytest.raises(ValueError, match="repeats=0"):
+        dev.cpu_matmul_probe(size=128, repeats=0)
 
 
-def test_peak_flops_on_cpu_is_measured() -> None:
-    peak = dev.peak_flops("cpu", probe_size=128)
-    assert peak.measured and peak.flops and peak.flops > 0
-    assert peak.label.startswith("measured: CPU fp32 matmul probe (128x128, ")
-    assert f"{torch.get_num_threads()} threads" in peak.label
+def test_peak_flops_on_cpu_is_a_measured_probe_of_that_precision_with_its_spread() -> None:
+    from diag.timing.noise import spread
+
+    peak = dev.peak_flops("cpu", "bf16", probe_size=128, repeats=5)
+    assert peak.measured and peak.flops and peak.flops > 0 and peak.dtype == "bf16"
+    assert peak.label.startswith("measured: CPU bf16 matmul probe (128x128, ")
+    assert f"{torch.get_num_threads()} threads, median of 5, spread " in peak.label
+    assert peak.label.endswith(f"spread {peak.spread:.0%})") and peak.spread >= 0
+    fp32 = dev.peak_flops("cpu", "fp32", probe_size=128)
+    assert fp32.dtype == "fp32" and fp32.label.startswith("measured: CPU fp32 matmul probe")
+    # a precision no CPU probe times: no figure, said, rather than another precision's
+    fp8 = dev.peak_flops("cpu", "fp8", probe_size=128)
+    assert fp8.flops is None and fp8.label == "no CPU probe for fp8: one of bf16, fp16, fp32"
+    assert spread([1.0, 2.0, 3.0, 4.0, 5.0]) == 2 / 3  # the figure the label shows
 
 
 def test_sync_and_is_async_on_cpu() -> None:

@@ -1,8 +1,8 @@
 """DDP under the real launcher on CPU (gloo): torchrun on one node and on two "nodes" on 127.0.0.1
-(docs/distributed.md's command as written), ranks started by their environment alone (srun's
-way), a straggler made on purpose (at the buffer broadcast, the all-reduce, the Trainer's
-token-count gather), a rank killed mid-run, a rendezvous nobody answers, ranks given different
-arguments, gradients with and without diag's comm hook.
+(docs/distributed.md's command as written), `diag accum`'s sweep as DDP, ranks started by their
+environment alone (srun's way), a straggler made on purpose (at the buffer broadcast, the
+all-reduce, the Trainer's token-count gather), a rank killed mid-run, a rendezvous nobody
+answers, ranks given different arguments, gradients with and without diag's comm hook.
 
 Each spawn imports torch in every process (seconds each on 2 cores): few, small runs.
 """
@@ -117,6 +117,36 @@ def test_two_nodes_started_by_their_environment(tmp_path):
     frame = pd.read_csv(out)
     assert frame.groupby("rank")["node"].first().to_dict() == {0: 0, 1: 1}
     assert _check_straggler(frame)["node"] == 1
+
+
+def test_accum_under_torchrun_shows_each_rank_its_comm_wait_and_the_per_rank_table(tmp_path):
+    # diag accum's harness as DDP: rank 1's loader sleeps 150 ms more per micro-batch, 4 of them
+    # per optimizer step; rank 0 waits for it at the tiny Llama's buffer broadcast (the first
+    # micro-step's forward) and at the all-reduce (the last one's backward): its comm_wait. The
+    # delay is long beside the step: at load 11 the ranks' compute differed by 60 ms a step,
+    # which left 40 ms a micro-batch recovered at 0.62
+    slow_s = 4 * 0.150
+    out = tmp_path / "accum.csv"
+    run = subprocess.run(
+        [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(_port()), "-m", "diag",
+         "accum", "--quick", "--device", "cpu", "--micro-batches", "2", "--steps", "4",
+         "--slow-rank", "1", "--slow-ms", "150", "--csv", str(out), "--report"],
+        cwd=tmp_path, env=_env(tmp_path / "home"), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    frame = pd.read_csv(out)  # the sweep's rows: every rank's, each with its rank
+    assert frame.groupby("rank")["repeat"].nunique().to_dict() == {0: 4, 1: 4}
+    assert (frame["grad_accum"] == 4).all()
+    waits = frame.groupby("rank")["comm_wait_s"].median()
+    assert waits[0] == pytest.approx(slow_s, rel=0.2) and waits[1] < waits[0] / 4
+    (folder,) = (tmp_path / "runs").iterdir()
+    _check_straggler(pd.read_csv(folder / "run.csv"), per_step_s=slow_s)
+    # the summary is rank 0's own steps (the ranks' are lockstep, not more samples)
+    assert pd.read_csv(folder / "accum_summary.csv")["steps"].tolist() == [4]
+    ranks = pd.read_csv(folder / "accum_ranks.csv")  # the per-rank table, printed and written
+    assert ranks["rank"].tolist() == [0, 1] and ranks["comm_wait_s"].idxmax() == 0
+    assert "accum_ranks:" in run.stdout and "<h2>Per rank</h2>" in (folder /
+                                                                    "report.html").read_text()
+    assert not list((tmp_path / "home" / "ranks").glob("*/*"))  # spills go after the gather
 
 
 def _rank_pid(launcher: int, rank: int) -> int | None:

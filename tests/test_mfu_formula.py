@@ -1,6 +1,7 @@
-"""The MFU formula and its judge (diag.accum.mfu, diag.qlora.mfu): 6N / 8N per token plus the
-attention term, N counted from a model, the counter's check flagged past 10%, MFU above 100%
-and a floor above the step refused (hand-built tiny models; no download, no training run)."""
+"""The MFU formula and its judge (diag.accum.mfu; the QLoRA step's is test_qlora_mfu's): 6N /
+8N per token plus the attention term, N counted from a model, the counter's check flagged past
+10%, MFU above 100% and a floor above the step refused (hand-built tiny models; no download, no
+training run)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from torch import nn
 from diag.accum.mfu import (NANOGPT_PEAK, ModelShape, count_flops, disagreement,
                             floor_impossible, floor_seconds, judge_mfu, loss_of,
                             mfu_from_figures)
-from diag.qlora import mfu as qmfu
 
 D, HEADS, T, VOCAB = 8, 2, 4, 16
 
@@ -205,94 +205,3 @@ def test_mfu_from_figures_on_a_device_the_table_lacks_or_lacks_the_dtype_of():
     for bad in (0.0, -1.0, math.nan):
         with pytest.raises(ValueError, match="tokens_per_s=.*: must be > 0"):
             mfu_from_figures(bad, shape, "cpu")
-
-
-# -- QLoRA: the frozen base executes less ------------------------------------------------------
-
-class Wrapper(nn.Linear):
-    """A peft-like LoRA wrapper: a Linear holding its base layer and adapters as children."""
-
-    def __init__(self, n_in: int, n_out: int, r: int) -> None:
-        super().__init__(n_in, n_out)
-        self.base_layer = nn.Linear(n_in, n_out)
-        self.lora_A = nn.ModuleDict({"default": nn.Linear(n_in, r, bias=False)})
-        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, n_out, bias=False)})
-
-
-class TinyQLora(TinyLM):
-    def __init__(self, **config) -> None:
-        super().__init__(tied=False, **config)
-        self.proj = Wrapper(D, D, 2)
-
-
-def test_a_qlora_shape_counts_the_frozen_base_and_the_adapters_apart():
-    model = TinyQLora()
-    q = qmfu.qlora_shape(model, seq_len=T)
-    assert (q.frozen, q.adapters) == (64 + 128, 2 * D + 2 * D)  # base proj + head; A + B
-    assert q.shape.params == q.frozen + q.adapters and q.shape.layers == 1
-    assert q.shape.d_model == D and q.shape.seq_len == T
-    assert q.shape.name == "TinyQLora (nf4 + LoRA)" and q.checkpointing is False
-    model.is_gradient_checkpointing = True
-    assert qmfu.qlora_shape(model, T).checkpointing is True
-    assert qmfu.qlora_shape(model, T, checkpointing=False).checkpointing is False
-    assert qmfu.qlora_shape(TinyQLora(head_dim=8), T).shape.d_model == 16
-    assert isinstance(q.shape.d_model, int)  # hidden_size // heads
-
-
-def test_qlora_flops_executed_drop_the_frozen_weight_gradients():
-    shape = ModelShape(params=100, layers=1, d_model=2, seq_len=3)
-    q = qmfu.QLoraShape(shape, frozen=90, adapters=10, checkpointing=False)
-    assert q.flops_per_token == 600 + 72 and q.executed_per_token == 672 - 180
-    ckpt = qmfu.QLoraShape(shape, frozen=90, adapters=10, checkpointing=True)
-    assert ckpt.flops_per_token == 800 + 96 and ckpt.executed_per_token == 896 - 180
-    mfu, note = qmfu.qlora_mfu(10.0, q, 672 * 20.0, "peak")
-    assert mfu == 0.5 and note == "against peak"
-    assert math.isnan(qmfu.qlora_mfu(10.0, ckpt, 896 * 5.0, "peak")[0])  # 200% of the peak
-    assert qmfu.qlora_mfu(10.0, ckpt, 896 * 20.0, "peak")[0] == 0.5
-
-
-def test_the_check_flags_a_counter_below_executed_as_the_4bit_kernels():
-    shape = ModelShape(params=100, layers=0, d_model=1, seq_len=1)
-    q = qmfu.QLoraShape(shape, frozen=90, adapters=10, checkpointing=False)  # 600, executed 420
-    f = qmfu.mfu_check(q, 300.0)
-    assert list(f["method"]) == ["formula 6N + 12·L·d·T", "executed (formula - 2 N_frozen)",
-                                 "FlopCounterMode, one step"]
-    assert list(f["flops_per_token"]) == [600.0, 420.0, 300.0]
-    assert list(f["vs_formula"]) == [1.0, 0.7, 0.5]
-    assert list(f["flagged"]) == [False, False, True]
-    assert f["note"].iloc[0] == "model FLOPs, the MFU convention"
-    assert f["note"].iloc[1] == ("the frozen base computes no weight gradient: 180 FLOPs per "
-                                 "token less")
-    assert f["note"].iloc[2] == (
-        "counter 0.714x executed (over 10%): bitsandbytes' 4-bit matmuls (the frozen base: its "
-        "input gradients alone are ~43% of the executed FLOPs) run in part as kernels "
-        "FlopCounterMode has no formula for (dequantize + custom ops), so it sees less than the "
-        "step runs")
-    assert (f["params"].iloc[0], f["frozen"].iloc[0], f["adapters"].iloc[0]) == (100, 90, 10)
-    assert not f["checkpointing"].any()
-    over = qmfu.mfu_check(q, 500.0)["note"].iloc[2]
-    assert over.endswith("(over 10%): the counter sees more than the step should run: "
-                         "recomputation or a wrong N")
-    ok = qmfu.mfu_check(q, 420.0)
-    assert ok["note"].iloc[2] == "counter 1x executed (within 10%)" and not ok["flagged"].any()
-    ckpt = qmfu.mfu_check(qmfu.QLoraShape(shape, 90, 10, True), 620.0)
-    assert ckpt["method"].iloc[0] == "formula 8N + 16·L·d·T" and ckpt["checkpointing"].all()
-    assert ckpt["flops_per_token"].iloc[1] == 620.0
-    none = qmfu.mfu_check(qmfu.QLoraShape(ModelShape(50, 0, 1, 1), 150, 0, False), 1.0)
-    assert none["note"].iloc[2].startswith("no comparison: formula 0")
-
-
-def test_one_counted_step_of_a_model_per_token():
-    model = TinyQLora()
-    per_token = qmfu.count_step(model, batch_size=2, seq_len=T)
-    # proj's base and wrapper both run here (the tiny wrapper is not peft): matmul weights
-    # proj 64 (wrapper's own weight; the children are not called) + head 128, and attention
-    assert per_token == 6 * (64 + 128) + 12 * D * T
-    assert qmfu.count_step(model, 1, T, seed=1) == per_token
-    # the ids go where the model is: on the meta device (no memory, no compute) as on a GPU
-    assert qmfu.count_step(TinyQLora().to("meta"), 2, T) == per_token
-    f = qmfu.mfu_of_model(model, seq_len=T, batch_size=2)
-    assert f["flops_per_token"].iloc[2] == per_token
-    assert f["frozen"].iloc[0] == 64 + 128 and f["adapters"].iloc[0] == 32
-    assert not f["checkpointing"].any()
-    assert qmfu.mfu_of_model(model, T, checkpointing=True)["checkpointing"].all()

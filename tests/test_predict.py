@@ -9,7 +9,7 @@ import inspect
 import pandas as pd
 import pytest
 
-from diag.decision import PREDICTION_TOLERANCE, Decision, MeasuredOn
+from diag.decision import PREDICTION_FLOOR_S, PREDICTION_TOLERANCE, Decision, MeasuredOn
 from diag.qlora.plans import Plan
 from diag.qlora.predict import FIXES, Counts, check, measured_by_stage, predict, savings
 
@@ -48,7 +48,7 @@ def test_a_fix_is_listed_only_when_the_plans_differ_with_text_from_the_change():
     naive, opt = _plans()
     table = predict(naive, opt, COUNTS)
     assert set(table["setting"]) == {"fetch", "model_cache", "pipeline", "num_workers",
-                                     "micro_batch", "gradient_checkpointing"}
+                                     "micro_batch", "gradient_checkpointing", ""}
     assert "num_workers 0 -> 2" in set(table["change"])
     assert "gradient_checkpointing True -> False" in set(table["change"])
     # the same setting in both plans: no fix, whatever its decision says it is worth
@@ -87,9 +87,9 @@ def test_an_unmeasured_decision_is_listed_unpriced_never_invented():
 
 
 def test_measured_seconds_cannot_leak_into_a_prediction():
-    # the signature takes plans and counts only: no frame of the run
+    # the signature takes plans, counts and what was timed before the run: no frame of it
     params = list(inspect.signature(predict).parameters)
-    assert params == ["naive", "optimized", "counts"]
+    assert params == ["naive", "optimized", "counts", "timed"]
     naive, opt = _plans()
     predicted = predict(naive, opt, COUNTS)
     fast = _table({"fetch_data": (5.0, 0.5), "train": (30.0, 10.0)})
@@ -217,18 +217,22 @@ def test_the_whole_table_row_by_row_as_a_reader_sees_it():
          "model_load: load_model 3 s -> 1 s per start (measured)"],
         ["num_workers", "num_workers 0 -> 2", "train", f"{loader}; x 8 steps"],
         ["num_workers", "num_workers 0 -> 2", "warmup", f"{loader}; x 2 steps"],
+        ["", "unchanged by the plans", "setup", "the Trainer's set-up (wrap, optimizer, data "
+         "loader): no setting of the plans changes it"],
+        ["", "unchanged by the plans", "checkpoint", "the checkpoint save (adapter, optimizer, "
+         "scheduler, RNG, step): no setting of the plans changes it"],
     ]
     assert list(table.columns) == ["setting", "change", "finding", "stage", "predicted_s",
                                    "per_step_s", "evidence"]
-    assert table["finding"].tolist() == [FIXES[s] for s in table["setting"]]
+    assert table["finding"].tolist()[:-2] == [FIXES[s] for s in table["setting"][:-2]]
     third = 1 / 3
     assert table["per_step_s"].tolist()[:6] == pytest.approx([1.0, 1.0, third, third, third,
                                                               third])
-    assert table["per_step_s"].tolist()[9:] == pytest.approx([0.19, 0.19])
-    assert table["per_step_s"].iloc[6:9].isna().all()
+    assert table["per_step_s"].tolist()[9:11] == pytest.approx([0.19, 0.19])
+    assert table["per_step_s"].iloc[6:9].isna().all() and table["per_step_s"][11:].isna().all()
     assert table["predicted_s"].tolist() == pytest.approx(
         [8.0, 2.0, 8 * third, 2 * third, 8 * third, 2 * third, float("nan"), 4.5, 2.0, 1.52,
-         0.38], nan_ok=True)
+         0.38, 0.0, 0.0], nan_ok=True)
 
 
 def test_counts_accept_their_bounds_and_name_them_when_refused():
@@ -287,19 +291,24 @@ SAVINGS_COLUMNS = ["stage", "finding", "predicted_s", "measured_s", "error_share
 def test_savings_row_by_row_largest_measured_first():
     predicted = predict(*_plans(), COUNTS)
     got = savings(_table({"fetch_data": (5.0, 1.0), "train": (30.0, 10.0),
-                          "warmup": (4.0, 3.0)}), predicted)
-    assert list(got.columns) == SAVINGS_COLUMNS and got.index.tolist() == list(range(5))
-    # measured savings largest first; the two stages the run does not have tie at 0 s (their
+                          "warmup": (4.0, 3.0), "setup": (1.0, 1.04)}), predicted)
+    assert list(got.columns) == SAVINGS_COLUMNS and got.index.tolist() == list(range(7))
+    # measured savings largest first; the three stages the run does not have tie at 0 s (their
     # order is the sort's, not defined)
     assert got["stage"].tolist()[:3] == ["train", "fetch_data", "warmup"]
-    assert set(got["stage"].iloc[3:]) == {"preprocess", "load_model"}
-    assert got["measured_s"].tolist() == [20.0, 4.0, 1.0, 0.0, 0.0]
+    assert set(got["stage"].iloc[3:6]) == {"preprocess", "load_model", "checkpoint"}
+    assert got["measured_s"].tolist() == pytest.approx([20.0, 4.0, 1.0, 0.0, 0.0, 0.0, -0.04])
     by = got.set_index("stage")
     steps = "micro_batch 1 -> 4; gradient_checkpointing True -> False; pipeline naive -> packed; " \
         "num_workers 0 -> 2"
     assert by["finding"].to_dict() == {
         "train": steps, "fetch_data": "fetch pull -> land", "warmup": steps,
-        "preprocess": "pipeline naive -> packed", "load_model": "model_cache empty -> persistent"}
+        "preprocess": "pipeline naive -> packed", "load_model": "model_cache empty -> persistent",
+        "setup": "unchanged by the plans", "checkpoint": "unchanged by the plans"}
+    # what no setting changes is predicted to save 0 s, and checked against the floor: 0.04 s
+    # apart is a fifth of 0.2 s, not past the tolerance
+    assert by.at["setup", "predicted_s"] == 0.0
+    assert by.at["setup", "error_share"] == pytest.approx(0.2)
     train = " | ".join(predicted.loc[predicted["stage"] == "train", "evidence"])
     assert by.at["train", "evidence"] == f"naive 30 s -> optimized 10 s; predicted from {train}"
     assert by.at["fetch_data", "evidence"] == (
@@ -314,7 +323,8 @@ def test_savings_row_by_row_largest_measured_first():
     assert by.at["fetch_data", "predicted_s"] == 4.5
     assert by.at["fetch_data", "error_share"] == pytest.approx(1 / 9)
     assert by["flagged"].to_dict() == {"train": True, "fetch_data": False, "warmup": True,
-                                       "preprocess": False, "load_model": True}
+                                       "preprocess": False, "load_model": True,
+                                       "checkpoint": False, "setup": False}
 
 
 def test_savings_without_both_runs_or_without_predictions_is_an_empty_table():
@@ -332,6 +342,12 @@ def test_check_is_one_row_flagged_only_past_the_tolerance():
     assert PREDICTION_TOLERANCE == 0.25
     assert check("train", "", 4.0, 3.0, "why")["evidence"] == "why"
     assert check("train", "", None, 3.0)["error_share"] is None
+    # a miss under PREDICTION_FLOOR_S is no flag whatever the prediction (0 s, 0.01 s); past
+    # it, one is, where it is also past 25%
+    assert PREDICTION_FLOOR_S == 0.05
+    assert not check("setup", "", 0.01, 0.055)["flagged"]
+    assert check("setup", "", 0.0, 0.06)["flagged"] and check("x", "", 0.1, 0.16)["flagged"]
+    assert check("x", "", 0.0, 0.06)["error_share"] == pytest.approx(0.3)
 
 
 def _rows(table):
@@ -480,3 +496,36 @@ def test_the_naive_step_pays_the_decisions_naive_ratio_and_none_leaves_it_as_tim
     assert _naive_step(1.5) == pytest.approx(2.0 * 1.5)
     for ratio in (None, float("nan")):  # not timed at the naive micro-batch: the sweep's step
         assert _naive_step(ratio) == pytest.approx(2.0)
+
+
+def test_an_on_off_ratio_below_one_is_refused_never_priced():
+    # checkpointing measured faster on than off at the naive micro-batch: noise, not a saving;
+    # the naive step it would scale is not priced, nor anything chained on it
+    naive, opt = _plans()
+    table = predict(naive, _with(opt, gradient_checkpointing=_ckpt(0.8)), COUNTS)
+    chain = table[table["stage"].isin(["train", "warmup"])
+                  & table["setting"].isin(["micro_batch", "gradient_checkpointing", "pipeline"])]
+    assert len(chain) == 6 and chain["predicted_s"].isna().all()
+    assert chain["evidence"].str.contains("on/off ratio 0.8 < 1").all()
+    assert predict(naive, _with(opt, gradient_checkpointing=_ckpt(1.25)), COUNTS)[
+        "predicted_s"].notna().sum() > len(chain)
+
+
+def _ckpt(ratio):
+    return Decision.from_rows("gradient_checkpointing", False, "measured", [{"x": 1}],
+                              source="checkpointing", baseline=True, stage="compute",
+                              per="step", baseline_s=1.5, chosen_s=1.0, naive_ratio=ratio)
+
+
+def test_what_the_job_timed_itself_prices_only_what_no_decision_did():
+    naive, opt = _plans()
+    timed = [_measured("fetch", "land", baseline="pull", stage="fetch_data", per="start",
+                       baseline_s=0.3, chosen_s=0.1, source="qlora"),
+             _measured("pipeline", "packed", baseline="naive", stage="preprocess", per="start",
+                       baseline_s=0.05, chosen_s=0.01, source="qlora")]
+    by = predict(naive, opt, COUNTS, timed).set_index(["setting", "stage"])["predicted_s"]
+    assert by["fetch", "fetch_data"] == 4.5  # storage measured it: its figure stands
+    assert by["pipeline", "preprocess"] == pytest.approx(0.04)  # nothing else priced it
+    bare = _with(opt, fetch=Decision.default("fetch", "land", "storage frame absent"))
+    by = predict(naive, bare, COUNTS, timed).set_index(["setting", "stage"])["predicted_s"]
+    assert by["fetch", "fetch_data"] == pytest.approx(0.2)

@@ -101,13 +101,17 @@ def test_setup_is_its_own_stage_and_the_stages_add_to_the_trainer_wall(both):
 
 def test_savings_and_advice(both):
     saved = both.savings.set_index("stage")
-    # the plans differ in fetch, cache, pipeline, micro-batch...: every run-level stage they
-    # touch is listed; fetch and cache were never measured here (defaults): nothing invented,
-    # while the step fixes are priced from the decisions measured on the job
-    assert {"fetch_data", "load_model", "preprocess", "train"} <= set(saved.index)
-    assert pd.isna(saved.at["fetch_data", "predicted_s"])
-    assert "not predicted" in saved.at["fetch_data", "evidence"]
+    # every run-level stage is predicted and checked: the step fixes from the decisions
+    # measured on the job; fetch, cache and preprocess, which no experiment measured here
+    # (their decisions are defaults), from the job's own starts timed before the runs; the
+    # set-up and the checkpoint save, which no setting changes, at 0 s
+    assert set(saved.index) == {"fetch_data", "load_model", "preprocess", "setup", "warmup",
+                                "train", "checkpoint"}
+    assert saved["predicted_s"].notna().all() and saved["error_share"].notna().all()
+    assert "qlora: fetch_data" in saved.at["fetch_data", "evidence"]
+    assert "timed 2x before its runs" in saved.at["load_model", "evidence"]
     assert "fetch pull -> land" in saved.at["fetch_data", "finding"]
+    assert saved.at["setup", "predicted_s"] == saved.at["checkpoint", "predicted_s"] == 0.0
     assert pd.notna(saved.at["train", "predicted_s"])
     # the micro-batch is measured on the job: on 2 busy cores 1 and 3 rows can come out near a
     # tie either way, so the finding names it exactly when the plan changed it
@@ -130,7 +134,9 @@ def test_nothing_leaks_a_secret(both):
 
 
 def test_the_plan_shown_is_the_plan_run(both):
-    # qlora_plans (what is printed) against the run's own summary (what the Trainer got)
+    # qlora_plans (what is printed) against the run's own summary, read back from what ran:
+    # the DataLoader the Trainer iterated (batch size, workers, pinning, the dataset it served),
+    # the model's checkpointing, never copied from the plan
     shown = both.plans.pivot(index="setting", columns="run", values="value")
     ran = both.frame.set_index("plan")
     for run in ("naive", "optimized"):
@@ -216,3 +222,91 @@ def test_qlora_step_times_checkpointing_on_and_off():
     if decision.basis == "measured":  # else on measured faster than off: said, not priced
         at_two = frame[frame["micro_batch"] == 2].groupby("gradient_checkpointing")["seconds"]
         assert decision.baseline_s == at_two.median()[True]
+
+
+def test_each_plan_has_its_mfu_by_both_flop_counts_and_the_report_says_it(both, tmp_path):
+    from diag import report
+    from diag.frames import frames_of
+    from diag.qlora.mfu import EXECUTED
+    from diag.report.units import cell
+
+    mfu = both.mfu  # what `diag qlora` prints as qlora_mfu
+    assert list(mfu["plan"]) == ["naive", "naive", "optimized", "optimized"]
+    executed, model = mfu[mfu["flops"] == EXECUTED], mfu[mfu["flops"] != EXECUTED]
+    assert model["flops"].str.startswith("model FLOPs ").all()
+    # what runs is less than the convention counts (no frozen weight gradients), and the
+    # counter (with the 4-bit forward added back) sees just what runs
+    assert (model["flops_per_token"].values > 1.3 * executed["flops_per_token"].values).all()
+    assert executed["counter_vs_flops"].between(0.95, 1.05).all()
+    # on CPU the peak is the probes' of the precisions the step ran in, their spread shown
+    assert mfu["mfu"].between(0, 1, inclusive="neither").all()
+    assert mfu["peak"].str.contains("measured: CPU bf16 matmul probe").all()
+    assert mfu["peak"].str.contains("measured: CPU fp32 matmul probe").all()
+    assert (mfu["peak_spread"] >= 0).all()
+    page = (report.write(frames_of("qlora", both), tmp_path / "r") / "report.html").read_text()
+    shown = {r.plan: cell("mfu", r.mfu) for r in executed.itertuples()}
+    assert (f"MFU of the steady steps: the naive plan's <b>{shown['naive']}</b> of {EXECUTED} "
+            "(") in page
+    assert f"the optimized plan's <b>{shown['optimized']}</b> of {EXECUTED} (" in page
+    assert "by model FLOPs 6N + 12·L·d·T, the convention: " in page
+    assert "Against the step's precisions weighted by their FLOPs: bf16 " in page
+    assert "(the optimized plan's, the probes' spread up to " in page
+
+
+def test_the_job_times_its_own_starts_only_where_no_decision_priced_them():
+    import dataclasses
+
+    from diag.decision import Decision
+    from diag.qlora.experiment import time_starts
+    from diag.qlora.job import open_sources, prime
+
+    cfg = QLoraConfig.quick(rounds=2)
+    opt = Plan.optimized().for_device("cpu").fit(4)
+    fetch = Decision.from_rows("fetch", "land", "storage", [{"x": 1}], source="storage",
+                               baseline="pull", stage="fetch_data", per="start",
+                               baseline_s=9.0, chosen_s=1.0)
+    priced = dataclasses.replace(opt, decisions=tuple(
+        fetch if d.setting == "fetch" else d for d in opt.decisions))
+    with open_sources(cfg) as src:
+        prime(cfg, opt, src)
+        timed = {d.setting: d for d in time_starts(cfg, [Plan.naive(), opt], src)}
+        assert set(timed) == {"fetch", "model_cache", "pipeline"}
+        # downloading into an empty cache costs more than finding the persistent copy
+        cache = timed["model_cache"]
+        assert cache.baseline_s > cache.chosen_s > 0 and cache.per == "start"
+        assert len(cache.rows) == 4 and cache.source == "qlora"
+        assert "timed 2x before its runs" in cache.measured_on.label()
+        # storage measured the fetch: not timed again (no second pull)
+        again = {d.setting for d in time_starts(cfg.replace(rounds=1), [Plan.naive(), priced],
+                                                src)}
+        assert again == {"model_cache", "pipeline"}
+
+
+def test_the_summary_is_read_back_from_what_ran(monkeypatch):
+    # the Trainer's loader made to ignore the plan's workers, and the model's checkpointing
+    # turned off behind the plan (as a library default could): the summary says what ran
+    import dataclasses
+
+    from diag.qlora import job, trainer
+    from diag.qlora.job import open_sources, prime, run_plan
+
+    made, load = trainer.training_args, job.load_model
+    monkeypatch.setattr(trainer, "training_args", lambda *a, **k: made(*a, **k | {
+        "dataloader_num_workers": 0, "dataloader_persistent_workers": False,
+        "dataloader_prefetch_factor": None}))
+
+    def loaded(*args):
+        model = load(*args)
+        model.gradient_checkpointing_disable()
+        return model
+
+    monkeypatch.setattr(job, "load_model", loaded)
+    cfg = QLoraConfig.quick(steps=2, records=4)
+    plan = dataclasses.replace(Plan.optimized().for_device("cpu"), num_workers=1, micro_batch=2,
+                               persistent_workers=True, prefetch_factor=2,
+                               gradient_checkpointing=True)
+    with open_sources(cfg) as src:
+        prime(cfg, plan, src)
+        got = run_plan(cfg, plan, src)["summary"]
+    assert (got["num_workers"], got["micro_batch"], got["pipeline"]) == (0, 2, "packed")
+    assert got["gradient_checkpointing"] is False

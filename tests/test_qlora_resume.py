@@ -68,5 +68,8 @@ def test_sigkill_mid_run_then_resume_finishes_the_same_steps(tmp_path):
     assert losses == list(range(1, STEPS + 1))
     steady = {r["step"] for r in result["run"] if r["step"] is not None}  # the stage frame
     assert min(steady) >= row["resumed_from_step"]
+    # the command prints the plan's MFU by both FLOP counts, each named (CPU too)
+    assert [r["flops"].split(" (")[0] for r in result["qlora_mfu"]] == [
+        "executed", "model FLOPs 8N + 16·L·d·T"]  # the naive plan checkpoints
     state = json.loads((last_checkpoint(out / "naive") / "trainer_state.json").read_text())
     assert state["global_step"] == STEPS

@@ -284,3 +284,18 @@ def test_amdahl_figure_marks_current_and_target_gpu(tmp_path):
     assert marks == pytest.approx({"RTX 4070 (now)": 1.0, "H100 SXM": 989.4 / 58.3})
     # a CPU-only box with no GPU named: nothing to mark, no guess
     assert report.gpu_marks({"config": {}, "device": {"accelerator": "none"}}) is None
+
+
+def test_the_headline_top_fix_is_one_a_setting_makes():
+    # the Trainer's set-up is the naive run's largest stage (as in a quick `diag run`): the
+    # headline still names it as the largest, but its top fix is one a setting makes
+    from diag import amdahl
+
+    run = frames()["run"]
+    setup = pd.DataFrame({"stage": "setup", "seconds": 60.0, "step": pd.NA,
+                          "run": ["naive", "optimized"], "rank": 0})
+    run = pd.concat([run, setup], ignore_index=True)
+    stages = amdahl.shares(run).to_dict(orient="records")
+    head = report.headline(stages, amdahl.findings(run).to_dict(orient="records"))
+    assert head["largest_stage"] == "setup"
+    assert head["top_fix"] == decision.FIXES["fetch_data"] and head["top_fix_saves_s"] == 30.0

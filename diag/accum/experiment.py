@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from diag.accum.model import Setup, measure
 from diag.decision import Decision, MeasuredOn
 from diag.machine.device import on_cpu_threads
+from diag.timing.harness import ranks_first
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -30,13 +31,18 @@ DEFAULT_MICRO_BATCH = 8  # no sweep ran: a micro-batch that fits the tiny and th
 
 @dataclass(frozen=True)
 class AccumResult:
-    """What `run_accum` returns; the first field is the main table."""
+    """What `run_accum` returns; the first field is the main table. Under torchrun / accelerate
+    it holds every rank's steps (`rank`, `node`, `comm_wait_s`: its waits on the others), `ranks`
+    is the per-rank table (diag.timing.stragglers) and `stages` the ranks' StageTimer rows
+    (`run`: the point), which the report's Per rank section reads."""
 
     frame: pd.DataFrame  # one row per timed optimizer step per point (sweep_grad_accum)
     summary: pd.DataFrame  # one row per point: medians, floor, warm-up, recommended
     mfu: pd.DataFrame  # formula vs FlopCounterMode, and the peak MFU is computed against
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
     decisions: tuple[Decision, ...] = ()  # micro_batch: the fastest point where it resolves
+    ranks: pd.DataFrame | None = None  # under DDP: per point and rank, each stage's median step
+    stages: pd.DataFrame | None = None  # under DDP: every rank's timed steps (`run`: the point)
 
 
 @on_cpu_threads
@@ -45,14 +51,23 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
     from diag.config import AccumConfig
 
     cfg = cfg or AccumConfig.default()
-    frame, setup = measure(cfg)
+    frame, setup, clock = measure(cfg)
+    every, stages = clock.gathered(frame) if clock else (ranks_first(frame), None)
+    # the summary and the decision rest on this rank's own steps (rank 0's, where they are
+    # shown): the ranks run in lockstep, so theirs are not independent samples of a point
+    frame = every[every["rank"] == (clock.timer.rank if clock else 0)]
     summary = summarize(frame)
     on = MeasuredOn(model=f"{cfg.model} ({setup.shape.params / 1e6:.3g}M params)",
                     precision=setup.amp, seq_len=cfg.seq_len,
                     step=f"{cfg.tokens_per_step:,} tokens per optimizer step",
                     device=setup.device, tokens_per_step=cfg.tokens_per_step)
-    return AccumResult(frame, summary, mfu_check(setup), advice(summary, cfg.steps_per_run),
-                       decide(frame, on))
+    per_rank = None
+    if stages is not None:
+        from diag.timing import stragglers
+
+        per_rank = stragglers.per_rank(stages)
+    return AccumResult(every, summary, mfu_check(setup), advice(summary, cfg.steps_per_run),
+                       decide(frame, on), per_rank, stages)
 
 
 def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
@@ -116,8 +131,8 @@ def summarize(frame: pd.DataFrame, baseline: int = 1) -> pd.DataFrame:
     keys = ["micro_batch", "grad_accum", "tokens_per_step", "status"]
     first = {"floor_s": "first", "peak_mem_gb": "max", "warmup_s": "first", "compile": "first",
              "detail": "first"}
-    medians = {c: "median" for c in ("seconds_per_step", "tokens_per_s", "data_s", "compute_s",
-                                     "mfu")}
+    medians = {c: "median" for c in ("seconds_per_step", "tokens_per_s", "data_s", "comm_wait_s",
+                                     "compute_s", "mfu") if c in frame.columns}
     out = frame.groupby(keys, sort=False, dropna=False).agg(
         {**medians, **first, "repeat": "count"}).reset_index().rename(columns={"repeat": "steps"})
     out.loc[out["status"] != "ok", "steps"] = 0
@@ -136,9 +151,8 @@ def summarize(frame: pd.DataFrame, baseline: int = 1) -> pd.DataFrame:
                             zip(out["floor_s"], out["seconds_per_step"])]
     cols = ["micro_batch", "grad_accum", "tokens_per_step", "status", "seconds_per_step",
             "floor_s", "floor_flagged", "tokens_per_s", "vs_worst", "mfu", "peak_mem_gb", "data_s",
-            "compute_s",
-            "warmup_s", "compile", "steps", "recommended", "detail"]
-    return pd.DataFrame(out[cols])
+            "comm_wait_s", "compute_s", "warmup_s", "compile", "steps", "recommended", "detail"]
+    return pd.DataFrame(out[[c for c in cols if c in out.columns]])
 
 
 def mfu_check(setup: Setup) -> pd.DataFrame:

@@ -43,8 +43,11 @@ class ModelShape:
     def training_flops(self, recompute: bool = False) -> float:
         """FLOPs per trained token; with activation checkpointing the forward runs twice:
         8N + 16·L·d·T (the forward's 2N + 4·L·d·T again)."""
-        matmul, attention = (8.0, 16.0) if recompute else (6.0, 12.0)
-        return matmul * self.params + attention * self.layers * self.d_model * self.seq_len
+        return (8.0 if recompute else 6.0) * self.params + self.attention_flops(recompute)
+
+    def attention_flops(self, recompute: bool = False) -> float:
+        """Attention's QK^T and AV per token: 4·L·d·T forward (twice recomputing), 8 backward."""
+        return (16.0 if recompute else 12.0) * self.layers * self.d_model * self.seq_len
 
     @classmethod
     def from_model(cls, model: Any, seq_len: int, name: str = "") -> ModelShape:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 
     from diag.config import AccumConfig
     from diag.machine.device import Peak
+    from diag.timing.harness import TimedStep
 
 
 @dataclass(frozen=True)
@@ -48,16 +51,20 @@ class LMStep:
 
         self.model, self.device, self.amp = model, device, amp
         self._cfg, self._tokens, self._seed = cfg, tokens, cfg.seed + rank  # a rank's own windows
+        # a straggler on purpose: this rank's loader sleeps slow_ms more per micro-batch
+        self._slow_s = cfg.slow_ms / 1000 if rank == cfg.slow_rank else 0.0
         # the reset copy lives in host memory: on the device it would count in every point's
         # peak memory (a model's worth too much, enough to call a point that fits "oom")
         self._initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         # under DDP gradients are all-reduced once per optimizer step, as a DDP job does
-        self._ddp = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+        self.ddp = torch.nn.parallel.DistributedDataParallel(model) if distributed else None
+        self._ddp = self.ddp if self.ddp is not None else model
         self._run, self.optimizer = self._ddp, None
 
-    def batches(self, micro_batch: int) -> BatchLoader:
-        return BatchLoader(self._tokens, micro_batch, self._cfg.seq_len, self.device,
-                           seed=self._seed)
+    def batches(self, micro_batch: int) -> Any:
+        loader = BatchLoader(self._tokens, micro_batch, self._cfg.seq_len, self.device,
+                             seed=self._seed)
+        return _slowed(loader, self._slow_s) if self._slow_s else loader
 
     def reset(self) -> None:
         import torch
@@ -83,6 +90,12 @@ class LMStep:
     def update(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _slowed(loader: BatchLoader, seconds: float) -> Iterator[Any]:
+    with loader:
+        yield (time.sleep(seconds) or batch for batch in loader)
 
 
 def build_model(cfg: AccumConfig, device: torch.device) -> Any:
@@ -166,11 +179,19 @@ def setup(cfg: AccumConfig) -> tuple[LMStep, Setup, list[tuple[int, int]]]:
     return step, Setup(shape, peak, counted, amp_dtype, str(dev), seat.world_size), points
 
 
-def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup]:
-    """The sweep frame (diag.accum.sweep.COLUMNS), and what it was measured with."""
+def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
+    """The sweep frame (diag.accum.sweep.COLUMNS), what it was measured with, and under a
+    launcher this rank's optimizer steps on a StageTimer (its comm_wait among them)."""
+    from diag.timing.distributed import spill_ranks
+    from diag.timing.harness import TimedStep
+
     step, got, points = setup(cfg)
-    timed = train_points([step], points, repeats=cfg.steps, warmup_steps=cfg.warmup_steps)
-    if got.world_size == 1:  # under DDP every rank must take the same steps: the screen only
+    clock = TimedStep(step, step.ddp) if step.ddp is not None else None
+    if clock is not None:
+        spill_ranks(clock.timer)  # each finished step kept on disk until the frames are gathered
+    timed = train_points([clock or step], points, repeats=cfg.steps,
+                         warmup_steps=cfg.warmup_steps)
+    if clock is None:  # under DDP every rank must take the same steps: the screen only
         from diag.timing.noise import unresolved
 
         timed, _ = retime([step], timed, unresolved, budget_s=DECIDE_BUDGET_S)
@@ -181,7 +202,7 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup]:
         mfu, _, note = judge_mfu(frame.at[i, "tokens_per_s"], fpt, peak.flops, peak.label)
         # the peak is named once, in the mfu frame; a row says why it has no MFU
         frame.loc[i, ["mfu", "detail"]] = mfu, "" if mfu == mfu else note
-    return frame, got
+    return frame, got, clock
 
 
 def sweep_grad_accum(cfg: AccumConfig | None = None) -> pd.DataFrame:

@@ -41,6 +41,9 @@ class AccumConfig(ExperimentConfig):
     steps_per_run: int = 5000  # optimizer steps in your run: prices
                                # the advice (seconds saved per run)
     seed: int = 0  # window sampling and the gpt2-small init
+    slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms
+                         # more per micro-batch (a straggler on purpose); -1 = none
+    slow_ms: float = 0.0  # the extra per-micro-batch sleep of slow_rank, in milliseconds
 
     QUICK: ClassVar[dict[str, Any]] = {"tokens_per_step": 1024, "seq_len": 64,
                                        "micro_batches": [2, 16], "steps": 5}
@@ -55,6 +58,7 @@ class AccumConfig(ExperimentConfig):
         name = type(self).__name__
         self._positive("tokens_per_step", "seq_len", "steps", "steps_per_run")
         self._non_negative("warmup_steps", "peak_tflops", "seed")
+        self._straggler()
         for f in ("tokens_per_step", "seq_len", "steps", "warmup_steps", "steps_per_run"):
             if not isinstance(getattr(self, f), int):
                 raise ValueError(f"{name}.{f}={getattr(self, f)!r}: must be a whole number")

@@ -1,8 +1,9 @@
 """What machine this is: accelerator, its dense peak FLOP/s, CPU, RAM and its disks (disks.py).
 
 Peaks come from a table of vendor figures, always dense (2:4-sparse datasheet figures halved);
-an unknown GPU gets no peak rather than a guess. On CPU the peak is a measured fp32 matmul probe,
-labelled as measured, its row named for that precision (`peak_tflops_fp32`). `run_info(cfg)`
+an unknown GPU gets no peak rather than a guess. On CPU the peak is a measured matmul probe in
+the precision asked for (bf16 work against a bf16 probe), repeated: its median and its samples'
+spread, labelled as measured; `diag info` shows the fp32 one (`peak_tflops_fp32`). `run_info(cfg)`
 returns one row per fact (`fact`, `value`, `detail`). `sync()` is the one place diag waits for an
 async device.
 """
@@ -38,7 +39,8 @@ class Peak:
     label: str
     source: str
     measured: bool
-    dtype: str = "bf16"  # the precision the figure is for (the CPU probe times fp32)
+    dtype: str = "bf16"  # the precision the figure is for (a CPU probe times that precision)
+    spread: float = 0.0  # a probe's samples: interquartile range over median (0: a table figure)
 
 
 def usable_cores() -> int:
@@ -101,21 +103,27 @@ def on_cpu_threads(run: Run) -> Run:
     return wrapper  # type: ignore[return-value]
 
 
-def cpu_matmul_probe(size: int = 1024, repeats: int = 5) -> float:
-    """Measured fp32 matmul FLOP/s on CPU: warm up, then the median of `repeats` timings."""
+# what a CPU probe can time: torch's dtype for each of diag's precision names
+PROBE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def cpu_matmul_probe(size: int = 1024, repeats: int = 9, dtype: str = "fp32") -> list[float]:
+    """Measured matmul FLOP/s on CPU in dtype, one sample per repeat after a warm-up: a peak
+    under this machine's load (on a shared box the samples vary: their spread says how much)."""
     import torch
 
     if size <= 0 or repeats <= 0:
         raise ValueError(f"size={size}, repeats={repeats}: both must be > 0")
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    kind = getattr(torch, PROBE_DTYPES[_dtype(dtype)])
+    a, b = torch.randn(size, size, dtype=kind), torch.randn(size, size, dtype=kind)
     for _ in range(2):  # warm-up: thread pool start, allocator, BLAS kernel choice
         torch.mm(a, b)
-    times = []
+    samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         torch.mm(a, b)
-        times.append(time.perf_counter() - t0)
-    return 2 * size**3 / statistics.median(times)
+        samples.append(2 * size**3 / (time.perf_counter() - t0))
+    return samples
 
 
 def resolve(device: Any = "auto") -> torch.device:
@@ -162,17 +170,26 @@ def sync(device: Any = None) -> None:
         torch.cuda.synchronize(device)
 
 
-def peak_flops(device: Any = None, dtype: str = "bf16", *, probe_size: int = 1024) -> Peak:
-    """The peak to compute MFU against: table lookup on CUDA, a measured probe on CPU."""
+def peak_flops(device: Any = None, dtype: str = "bf16", *, probe_size: int = 1024,
+               repeats: int = 9) -> Peak:
+    """The peak to compute MFU against: table lookup on CUDA, a probe of dtype on CPU (the
+    median of `repeats` samples, their spread kept)."""
     import torch
 
     key = _dtype(dtype)
     dev = resolve("auto" if device is None else device)
     if dev.type == "cpu":
-        flops = cpu_matmul_probe(probe_size)
-        label = (f"measured: CPU fp32 matmul probe ({probe_size}x{probe_size}, "
-                 f"{torch.get_num_threads()} threads)")
-        return Peak(flops, label, "cpu_matmul_probe", measured=True, dtype="fp32")
+        if key not in PROBE_DTYPES:
+            return Peak(None, f"no CPU probe for {key}: one of " + ", ".join(PROBE_DTYPES),
+                        "", False, key)
+        from diag.timing.noise import spread
+
+        samples = cpu_matmul_probe(probe_size, repeats, key)
+        label = (f"measured: CPU {key} matmul probe ({probe_size}x{probe_size}, "
+                 f"{torch.get_num_threads()} threads, median of {repeats}, spread "
+                 f"{spread(samples):.0%})")
+        return Peak(statistics.median(samples), label, "cpu_matmul_probe", measured=True,
+                    dtype=key, spread=spread(samples))
     name = torch.cuda.get_device_name(dev)
     spec = find_gpu(name)
     if spec is None:
@@ -212,8 +229,8 @@ def facts(probe: bool = True, probe_size: int = 1024) -> dict[str, Any]:
 
     cuda = torch.cuda.is_available()
     props = torch.cuda.get_device_properties(0) if cuda else None
-    if cuda or probe:
-        peak = peak_flops(None, "bf16", probe_size=probe_size)
+    if cuda or probe:  # on CPU the fp32 probe: the precision of diag's own CPU steps
+        peak = peak_flops(None, "bf16" if cuda else "fp32", probe_size=probe_size)
     else:
         peak = Peak(None, "not measured: CPU probe disabled (probe=False)", "", False, "fp32")
     return {

@@ -2,13 +2,18 @@
 
 `run_qlora(cfg)` runs the plans (cfg.plan) against the same sources and returns one row per plan
 (end-to-end seconds, padding share, final loss), the stage rows, the loss curves, the shares
-(diag.amdahl), each plan's settings with their evidence, and fix by fix the predicted vs the
-measured saving (a prediction off by more than 25% is flagged, not hidden).
+(diag.amdahl), each plan's settings with their evidence, and stage by stage the predicted vs the
+measured saving (a prediction off by more than 25% is flagged, not hidden). What a start's fetch,
+model folder and preprocess cost under each plan is timed before the runs (`time_starts`) where
+no decision measured it, so every stage a fix changes is predicted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import statistics
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +43,7 @@ class QLoraResult:
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
     rounds: pd.DataFrame | None = None  # every plan x round summary (interleaved order)
     comparison: pd.DataFrame | None = None  # one row: per trained token, the spread, once_s
+    mfu: pd.DataFrame | None = None  # per plan: MFU by executed and by model FLOPs (qlora.mfu)
 
     @property
     def headline(self) -> str:
@@ -64,6 +70,7 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
     from diag.qlora.checkpoints import claim
     from diag.qlora.job import open_sources, prime, run_plan
     from diag.qlora.measure import plan_from_job, read_results
+    from diag.qlora.mfu import count_plans, run_mfu
     from diag.qlora.predict import Counts, predict
 
     cfg = cfg or QLoraConfig.default()
@@ -88,11 +95,13 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
         for p in plans:
             with root_first():  # under DDP rank 0 fills the node's caches, then the others hit
                 once[p.name] = prime(cfg, p, src) if p.name == "optimized" else 0.0
+        timed = _before_rounds(cfg, plans, src)
         order = [(r, p) for r in range(cfg.rounds) for p in (plans if r % 2 == 0 else plans[::-1])]
         for r, plan in tqdm(order, desc="qlora plans x rounds", leave=False):
             got = run_plan(cfg, plan, src)
             got["summary"]["round"] = r
             runs.append(got)
+        counted = count_plans(cfg, plans, src)  # each plan's step, counted untimed
     every = pd.DataFrame([r["summary"] for r in runs])
     frame = _per_plan(every, once)
     # the stage breakdown of each plan's median round (a real run, not a blend of rounds)
@@ -107,12 +116,79 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
     if len(plans) == 2:
         slots = frame.set_index("plan")["token_slots"].astype(int).to_dict()
         counts = Counts(cfg.steps, cfg.warmup_steps, slots)  # counted, not timed
-        saved = savings(_median_stages(runs, shares), predict(plans[0], plans[1], counts))
+        saved = savings(_median_stages(runs, shares),
+                        predict(plans[0], plans[1], counts, timed))
     advice = saved.rename(columns={"measured_s": "seconds_saved"})[
         ["stage", "finding", "seconds_saved", "evidence"]]
     both = {"naive", "optimized"} <= set(frame["plan"])
     return QLoraResult(frame, stages, losses, table, plan_rows, saved, advice, every,
-                       compare(frame) if both else None)
+                       compare(frame) if both else None, run_mfu(frame, stages, counted))
+
+
+def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Decision, ...]:
+    """What a start of each plan pays in fetch_data, the model folder (a download, or the
+    persistent cache) and preprocess, timed with the functions its runs call, min(cfg.rounds, 3)
+    times interleaved: decisions (per start, medians) for predict's use where none measured
+    them. A setting whose decision has its seconds (storage's, model_load's in `diag run`) is
+    not timed again: both sides take the optimized plan's copy (a hit), no second download. The
+    model's load itself is the same in both plans: not timed."""
+    import shutil
+
+    from diag.decision import Decision, MeasuredOn
+    from diag.files import scratch_folder
+    from diag.qlora.data import build_dataset, job_records
+    from diag.qlora.job import fetch_data, model_folder
+
+    priced = {d.setting for d in plans[1].decisions
+              if d.per == "start" and d.saving_s() is not None}
+    rows = []
+    for r in range(max(1, min(cfg.rounds, 3))):
+        for plan in plans if r % 2 == 0 else plans[::-1]:
+            work = scratch_folder(f"diag-qlora-time-{plan.name}")
+            try:
+                clock = time.perf_counter()
+                path = fetch_data(plans[1] if "fetch" in priced else plan, src, work)
+                fetched = time.perf_counter()
+                folder = model_folder(plans[1] if "model_cache" in priced else plan, src, work)
+                found = time.perf_counter()
+                recs = job_records(cfg, path, folder)  # the run's untimed check_records
+                built = time.perf_counter()
+                build_dataset(cfg, plan, recs, folder, path)
+                rows.append({"plan": plan.name, "round": r, "fetch_data": fetched - clock,
+                             "load_model": found - fetched,
+                             "preprocess": time.perf_counter() - built})
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    on = MeasuredOn(step=f"this job's start, timed {len(rows) // 2}x before its runs")
+    out = []
+    for setting, stage in (("fetch", "fetch_data"), ("model_cache", "load_model"),
+                           ("pipeline", "preprocess")):
+        if setting in priced:
+            continue
+        seconds = [statistics.median(r[stage] for r in rows if r["plan"] == p.name)
+                   for p in plans]
+        naive, opt = (getattr(p, setting) for p in plans)
+        out.append(Decision.from_rows(
+            setting, opt, f"{stage} per start: {naive} {seconds[0]:.3g} s, {opt} "
+            f"{seconds[1]:.3g} s", rows, source="qlora", measured_on=on, baseline=naive,
+            stage=stage, per="start", baseline_s=seconds[0], chosen_s=seconds[1]))
+    return tuple(out)
+
+
+def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Decision, ...]:
+    """time_starts (both plans), then what a start imports (the Trainer's module, peft,
+    bitsandbytes: seconds) paid before the rounds: in a process of its own each plan's start
+    pays them alike, here the first alone would, and its set-up and load would not be the
+    plan's. The measurements' models (reference cycles) are collected here, not by a start."""
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+
+    from diag.qlora.trainer import trainer_class
+
+    timed = time_starts(cfg, plans, src) if len(plans) == 2 else ()
+    trainer_class()
+    gc.collect()
+    return timed
 
 
 def _per_plan(every: pd.DataFrame, once: dict[str, float]) -> pd.DataFrame:

@@ -23,7 +23,7 @@ from diag.config import diag_home
 from diag.files import scratch_folder
 from diag.qlora.checkpoints import last_checkpoint
 from diag.qlora.plans import Plan
-from diag.qlora.trainer import fit, trainer_for
+from diag.qlora.trainer import fit, frozen_heap, trainer_for
 from diag.secrets import register
 from diag.timing import StageTimer
 
@@ -146,6 +146,12 @@ def load_base(plan: Plan, folder: Path, device: Any) -> Any:
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant,
                                                  device_map={"": str(device)})
     model.config.use_cache = False  # with a cache transformers skips the packed-sequence mask
+    for module in model.modules():  # on an AVX512-BF16 CPU bitsandbytes repacks a Linear4bit in
+        # place at its first no-grad eval forward (absmax rounded to bf16; state_dict() unpacks
+        # it): the frozen base would hang on the process's past (an eval before the first step,
+        # a checkpoint), and a resumed run would train on another base than the run it left
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
     return prepare_model_for_kbit_training(
         model, use_gradient_checkpointing=plan.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False})  # what torch recommends
@@ -174,7 +180,13 @@ def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any
 
 
 def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
-    """One timed run: {"stages": frame, "losses": frame, "summary": dict}."""
+    """One timed run: {"stages": frame, "losses": frame, "summary": dict}; what was alive
+    before it is frozen out of the garbage collector while it runs (trainer.frozen_heap)."""
+    with frozen_heap():
+        return _run_plan(cfg, plan, src)
+
+
+def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
     import pandas as pd
     import torch
     import transformers
@@ -225,17 +237,30 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
                    "check_s": check_s,
                    "trained_tokens_per_s": data.stats["real_tokens"] / seconds if seconds else None,
                    "resumed_from_step": int(resume.name.split("-")[1]) if resume else 0,
-                   "micro_batch": trainer.args.per_device_train_batch_size,
-                   "grad_accum": trainer.args.gradient_accumulation_steps,
-                   "num_workers": plan.num_workers, "pin_memory": plan.pin_memory,
-                   "pipeline": plan.pipeline,
-                   "gradient_checkpointing": plan.gradient_checkpointing,
+                   **ran(trainer),
                    "final_loss": float(losses["loss"].iloc[-1]) if not losses.empty else None,
                    "notes": " ".join(plan.notes)}
         return {"stages": frame.assign(run=plan.name),
                 "losses": losses.assign(run=plan.name), "summary": summary}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def ran(trainer: Any) -> dict[str, Any]:
+    """The plan's settings as the run had them, read back from what ran: the DataLoader the
+    Trainer trained from (its batch size, workers, pinning, the dataset it served), the
+    Trainer's accumulation, the model's checkpointing; never copied from the plan."""
+    from diag.qlora.data import WholeSteps
+
+    loader = trainer.callback_handler.train_dataloader  # the one train() iterated
+    served = loader.dataset
+    served = getattr(served, "dataset", served)  # a rank slowed on purpose (_Slowed) wraps it
+    # accelerate's loader batches through its batch sampler (its own batch_size is None)
+    return {"micro_batch": loader.batch_size or loader.batch_sampler.batch_size,
+            "grad_accum": trainer.args.gradient_accumulation_steps,
+            "num_workers": loader.num_workers, "pin_memory": loader.pin_memory,
+            "pipeline": "packed" if isinstance(served, WholeSteps) else "naive",
+            "gradient_checkpointing": trainer.model.is_activation_checkpointing}
 
 
 class _Slowed:

@@ -1,16 +1,20 @@
 """What each fix should save, stated before the run from the plans' decisions, then checked.
 
-`predict(naive, optimized, counts)` is a pure function of the two plans, their decisions
-(diag.decision: `baseline_s` / `chosen_s` per "start" or per "step" in a stage) and the job's
-counts (steps, warm-up steps, token slots per plan): no frame of the run is read, so measured
-seconds cannot leak into a prediction. A fix is listed only where the plans differ in its
-setting, its text built from what changed ("num_workers 0 -> 2"). `savings(table, predicted)`
-sets each run-level stage's predicted saving beside the measured one (naive minus optimized);
-a miss over PREDICTION_TOLERANCE of the prediction is flagged, both ways.
+`predict(naive, optimized, counts, timed)` is a pure function of the two plans, their decisions
+(diag.decision: `baseline_s` / `chosen_s` per "start" or per "step" in a stage), the job's
+counts (steps, warm-up steps, token slots per plan) and `timed`: per-start worth the job timed
+itself before its runs (diag.qlora.experiment.time_starts), for the settings whose decision has
+none. No frame of the run is read, so measured seconds cannot leak into a prediction. A fix is
+listed only where the plans differ in its setting, its text built from what changed
+("num_workers 0 -> 2"); the stages no setting changes (UNCHANGED: the Trainer's set-up, the
+checkpoint save) are predicted to save 0 s. `savings(table, predicted)` sets each run-level
+stage's predicted saving beside the measured one (naive minus optimized); a miss over
+PREDICTION_TOLERANCE of the prediction and over PREDICTION_FLOOR_S is flagged, both ways.
 
 Step fixes are chained in step space so they add up: the naive step (the accum decision's
 baseline, scaled from the tokens per step it was timed at, `MeasuredOn.tokens_per_step`, to the
-naive plan's, and by the checkpointing decision's `naive_ratio` when the naive plan checkpoints)
+naive plan's, and by the checkpointing decision's `naive_ratio` when the naive plan checkpoints;
+a ratio below 1, checkpointing making a step faster, is refused: nothing in the chain is priced)
 is scaled by each compute fix's chosen/baseline ratio in turn (micro-batch, checkpointing,
 packing's token slots); the data_wait fixes save their measured seconds per step. Per-step
 savings count once per steady step (`train`) and once per warm-up step (`warmup`); per-start
@@ -20,20 +24,24 @@ savings once (`fetch_data`, `load_model`, `preprocess`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from diag.decision import FIXES, PREDICTION_TOLERANCE, by_setting
+from diag.decision import FIXES, PREDICTION_FLOOR_S, PREDICTION_TOLERANCE, by_setting
 
 if TYPE_CHECKING:
     import pandas as pd
 
+    from diag.decision import Decision
     from diag.qlora.plans import Plan
 
 RUN_STAGES = ("fetch_data", "load_model", "preprocess", "warmup", "train", "checkpoint")
 COMPUTE_ORDER = ("micro_batch", "gradient_checkpointing")  # the chain's order (then packing)
 COLUMNS = ["setting", "change", "finding", "stage", "predicted_s", "per_step_s", "evidence"]
+# run-level stages no setting of a plan changes: each plan pays the same, a saving of 0 s
+UNCHANGED = {"setup": "the Trainer's set-up (wrap, optimizer, data loader)",
+             "checkpoint": "the checkpoint save (adapter, optimizer, scheduler, RNG, step)"}
 
 
 @dataclass(frozen=True)
@@ -77,33 +85,30 @@ def _step_rows(setting: str, a: Any, b: Any, per_step: float | None, counts: Cou
     return rows
 
 
-def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
+def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decision] = ()
+            ) -> pd.DataFrame:
     """Each fix the plans differ in: its run-level stage and predicted seconds saved (None where
-    no decision prices it, said in `evidence`), from the decisions and counts only."""
+    nothing prices it, said in `evidence`), from the decisions, counts and `timed` only (a
+    per-start worth the job timed itself, used where the plan's decision has no seconds); then
+    the UNCHANGED stages at 0 s."""
     import pandas as pd
 
-    decided = by_setting(optimized.decisions)
+    decided, own = by_setting(optimized.decisions), by_setting(timed)
+    for setting, d in own.items():  # the job's own timing prices what a decision left unpriced
+        if _seconds(decided.get(setting)) is None:
+            decided[setting] = d
     a, b = naive.settings(), optimized.settings()
     changed = [s for s in FIXES if s in a and a[s] != b[s]]
     rows: list[dict[str, Any]] = []
     # the compute chain: the naive step, then each fix's ratio in turn
-    anchor = _seconds(decided.get("micro_batch"))
-    step = anchor[0] * _slots_scale(decided["micro_batch"], naive, counts) if anchor else None
-    # the micro-batch sweep times its steps with checkpointing off (its own measurement prices
-    # it): a naive step that checkpoints pays the on/off ratio measured on the job at the naive
-    # micro-batch, and turning it off divides it out again, so the chain ends exactly at the
-    # sweep's chosen point whatever order the fixes are taken in
-    ckpt = decided.get("gradient_checkpointing")
-    ratio = ckpt.naive_ratio if ckpt is not None and a.get("gradient_checkpointing") else None
-    if step is not None and ratio:
-        step *= ratio
+    step, ratio, refused = _naive_step(decided, naive, counts)
     for setting in COMPUTE_ORDER:
         if setting not in changed:
             continue
         d, got = decided.get(setting), _seconds(decided.get(setting))
         if got is None or step is None or got[0] <= 0:
-            rows += _step_rows(setting, a[setting], b[setting], None, counts,
-                               _unpriced(d, "no measured naive step to scale" if got else ""))
+            rows += _step_rows(setting, a[setting], b[setting], None, counts, _unpriced(
+                d, refused or ("no measured naive step to scale" if got else "")))
             continue
         if setting == "gradient_checkpointing" and ratio:
             new = step / ratio
@@ -117,27 +122,8 @@ def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
         step = new
     if "pipeline" in changed:
         slots = [counts.token_slots.get(p.name) for p in (naive, optimized)]
-        if step is not None and all(slots):
-            new = step * slots[1] / slots[0]
-            rows += _step_rows("pipeline", a["pipeline"], b["pipeline"], step - new, counts,
-                               f"packing: token slots {slots[1]} / {slots[0]} x the step "
-                               f"{step:.3g} s -> {new:.3g} s")
-            step = new
-        else:
-            rows += _step_rows("pipeline", a["pipeline"], b["pipeline"], None, counts,
-                               _unpriced(None, "no measured step or token slots to scale"))
-        d = decided.get("pipeline")
-        start = d is not None and d.per == "start"
-        if _seconds(d) is not None and start:
-            rows.append(_start_row(d, a, b))
-        else:  # the token cache's start-up cost: said unpredicted, never left out
-            rows.append(_row("pipeline", a["pipeline"], b["pipeline"], "preprocess", None, None,
-                             _unpriced(d, "no decision prices the preprocess start")))
-        if _seconds(d) is not None and not start:
-            saved = _seconds(d)[0] - _seconds(d)[1]
-            rows += _step_rows("pipeline", a["pipeline"], b["pipeline"], saved, counts,
-                               f"{d.source}: {d.stage} {_seconds(d)[0]:.3g} -> "
-                               f"{_seconds(d)[1]:.3g} s per step")
+        rows += _pipeline(decided.get("pipeline"), own.get("pipeline"), (a, b), counts,
+                          step, slots, refused)
     for setting in changed:
         if setting in COMPUTE_ORDER or setting == "pipeline":
             continue
@@ -153,7 +139,58 @@ def predict(naive: Plan, optimized: Plan, counts: Counts) -> pd.DataFrame:
             stage = {"fetch": "fetch_data", "model_cache": "load_model"}.get(setting, "train")
             rows.append(_row(setting, a[setting], b[setting], stage, None, None,
                              _unpriced(d)))
+    if rows:  # the plans differ: what no setting changes is predicted too (to save nothing)
+        rows += [{"setting": "", "change": "unchanged by the plans", "finding": what,
+                  "stage": stage, "predicted_s": 0.0, "per_step_s": None,
+                  "evidence": f"{what}: no setting of the plans changes it"}
+                 for stage, what in UNCHANGED.items()]
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _naive_step(decided: dict[str, Any], naive: Plan, counts: Counts
+                ) -> tuple[float | None, float | None, str]:
+    """(the naive step's seconds, checkpointing's on/off ratio it pays, why it is refused).
+
+    The micro-batch sweep times its steps with checkpointing off (its own measurement prices
+    it): a naive step that checkpoints pays the on/off ratio measured on the job at the naive
+    micro-batch, and turning it off divides it out again, so the chain ends exactly at the
+    sweep's chosen point whatever order the fixes are taken in. A ratio below 1 (recomputing
+    never makes a step faster: noise) prices no naive step."""
+    anchor = _seconds(decided.get("micro_batch"))
+    step = anchor[0] * _slots_scale(decided["micro_batch"], naive, counts) if anchor else None
+    ckpt = decided.get("gradient_checkpointing")
+    ratio = ckpt.naive_ratio if ckpt is not None and naive.gradient_checkpointing else None
+    if ratio is not None and ratio < 1:
+        return None, ratio, (f"checkpointing's on/off ratio {ratio:.3g} < 1 at the naive "
+                             "micro-batch (on faster than off cannot be; re-measure it): the "
+                             "naive step is not priced")
+    return (step * ratio if step is not None and ratio else step), ratio, ""
+
+
+def _pipeline(d: Any, own: Any, ab: tuple[dict, dict], counts: Counts, step: float | None,
+              slots: list[int | None], refused: str) -> list[dict[str, Any]]:
+    """Packing's rows: the step scaled by the token slots, the preprocess start (its decision's,
+    else the job's own timing), the pipeline decision's data_wait per step."""
+    a, b = ab
+    if step is not None and all(slots):
+        new = step * slots[1] / slots[0]
+        rows = _step_rows("pipeline", a["pipeline"], b["pipeline"], step - new, counts,
+                          f"packing: token slots {slots[1]} / {slots[0]} x the step "
+                          f"{step:.3g} s -> {new:.3g} s")
+    else:
+        rows = _step_rows("pipeline", a["pipeline"], b["pipeline"], None, counts, _unpriced(
+            None, refused or "no measured step or token slots to scale"))
+    start = d if d is not None and d.per == "start" else own or d
+    if _seconds(start) is not None and start.per == "start":
+        rows.append(_start_row(start, a, b))
+    else:  # the token cache's start-up cost: said unpredicted, never left out
+        rows.append(_row("pipeline", a["pipeline"], b["pipeline"], "preprocess", None, None,
+                         _unpriced(d, "no decision prices the preprocess start")))
+    if _seconds(d) is not None and d.per != "start":
+        base, chosen = _seconds(d)
+        rows += _step_rows("pipeline", a["pipeline"], b["pipeline"], base - chosen, counts,
+                           f"{d.source}: {d.stage} {base:.3g} -> {chosen:.3g} s per step")
+    return rows
 
 
 def _slots_scale(d: Any, naive: Plan, counts: Counts) -> float:
@@ -216,8 +253,11 @@ def savings(table: pd.DataFrame, predicted: pd.DataFrame) -> pd.DataFrame:
 
 def check(stage: str, finding: str, predicted: float | None, measured: float,
           evidence: str = "") -> dict[str, Any]:
-    """One checked prediction: the error as a share of the prediction, flagged past tolerance."""
-    err = abs(measured - predicted) / abs(predicted) if predicted else None
+    """One checked prediction: the error as a share of the prediction, flagged past tolerance;
+    a prediction under PREDICTION_FLOOR_S / PREDICTION_TOLERANCE (0.2 s; a 0 s one too) is
+    judged against that, so a miss under PREDICTION_FLOOR_S is never flagged."""
+    err = None if predicted is None else abs(measured - predicted) / max(
+        abs(predicted), PREDICTION_FLOOR_S / PREDICTION_TOLERANCE)
     return {"stage": stage, "finding": finding, "predicted_s": predicted, "measured_s": measured,
             "error_share": err,
             "flagged": bool(err is not None and err > PREDICTION_TOLERANCE), "evidence": evidence}

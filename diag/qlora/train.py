@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import gc
 import shutil
 import time
 from collections.abc import Iterable
@@ -25,6 +26,7 @@ from diag.qlora.checkpoints import claim, last_checkpoint, merged, publish, reco
 from diag.qlora.eta import (after_line, before_line, check_eta, costs_in, from_decisions,
                             job_counts, project)
 from diag.qlora.plans import Plan
+from diag.qlora.trainer import frozen_heap
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -74,7 +76,9 @@ def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | No
         record(out, {"plan": plan.name, "decisions": [d.record()["json"] for d in decided]})
         if costs is None:
             costs = from_decisions(plan, decided, build)
-        return _run(cfg, plan, src, out, costs, stored or {}, plan_s)
+        gc.collect()  # the sweeps' models (reference cycles) go before the start freezes the rest
+        with frozen_heap():  # as diag qlora's starts: the Trainer's collection is not its set-up
+            return _run(cfg, plan, src, out, costs, stored or {}, plan_s)
 
 
 def _decide(cfg: TrainConfig, stored: dict[str, Any] | None,

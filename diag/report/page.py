@@ -130,7 +130,7 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
     if key == STAGE_FRAME and summary.get("stages"):
         return _shares(summary["stages"])
     if key == "qlora" and "qlora_comparison" in frames:
-        return _comparison(frames["qlora_comparison"].iloc[0])
+        return _comparison(frames["qlora_comparison"].iloc[0]) + _mfu(frames.get("qlora_mfu"))
     if key == "train" and "train" in frames:
         return _trained(frames["train"])
     rows = sum(len(frames[n]) for n in names)
@@ -154,6 +154,24 @@ def _comparison(r: pd.Series) -> str:
             f"</b> the optimized plan's time ({sig(r['low'])}x to {sig(r['high'])}x over "
             f"{int(r['rounds'])} interleaved rounds: {noise}); both trained the same "
             f"{cell('tokens', r['naive_trained_tokens'])} tokens.")
+
+
+def _mfu(table: pd.DataFrame | None) -> str:
+    """Each plan's MFU of its steady steps, executed FLOPs first, the convention beside it."""
+    if table is None or table.empty:
+        return ""
+    said = []
+    for plan, rows in table.groupby("plan", sort=False):
+        run, model = rows.iloc[0], rows.iloc[1]  # executed, then model FLOPs (qlora.mfu)
+        said.append(f"the {_esc(str(plan))} plan's <b>{cell('mfu', run['mfu']) or 'none'}</b> "
+                    f"of {_esc(run['flops'])} ({cell('mfu', model['mfu']) or 'none'} by "
+                    f"{_esc(model['flops'])}, the convention: "
+                    f"{sig(model['flops_per_token'] / run['flops_per_token'])}x the FLOPs)")
+    spread = f", the probes' spread up to {share(run['peak_spread'])}" if run["peak_spread"] \
+        else ""
+    return (" MFU of the steady steps: " + "; ".join(said) + ". "
+            + _esc(run["peak"][0].upper() + run["peak"][1:]) + f" (the {_esc(str(plan))} plan's"
+            f"{spread}).")
 
 
 def _trained(runs: pd.DataFrame) -> str:

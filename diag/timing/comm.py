@@ -81,11 +81,11 @@ class CommWait:
     def _average(group: Any, bucket: Any) -> Any:
         """DDP's built-in reduction: each gradient times 1/size (the factor DDP multiplies by
         while copying into the bucket, reducer.cpp), summed over DDP's own process group."""
-        import torch.distributed as dist
-
         buffer = bucket.buffer()
         buffer.mul_(1.0 / group.size())
-        return dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        # the group's own all-reduce (a sum), as DDP's reducer calls it: dist.all_reduce's
+        # Python checks cost ~70 us a call (gloo, 2-core box), 0.8% of a 9 ms step
+        return group.allreduce([buffer]).get_future()
 
     def _finished(self, fut: Any) -> Any:
         # runs when the all-reduce completes (gloo: its thread; CUDA: on a stream that waits for

@@ -1,0 +1,142 @@
+"""A StageTimer around a harness that trains a micro-batch at a time (diag.accum's AccumStep).
+
+`TimedStep(step, ddp)` is the step itself to the harness (the same batches, backward, no_sync,
+update), and bills each optimizer step on its timer as the Trainer's callback does: `data_wait`
+(blocked on the step's batches), `comm_wait` (its waits on the other ranks: DDP's buffer
+broadcast and the exposed gradient all-reduce, through diag.timing.comm) and `compute` (the
+rest), numbered in the order they ran; `points[i]` is step i's (micro_batch, grad_accum).
+Under a launcher each finished step is spilled (`spill_ranks` in diag.timing.distributed), and
+`gathered(rows)` matches the steps to the harness's timed rows and collects every rank's on rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from diag.timing.distributed import gather_to_root, gathered_frame, place
+from diag.timing.timer import StageTimer
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+POINT = ["micro_batch", "grad_accum", "repeat"]  # what names a harness row's step
+
+
+class TimedStep:
+    """The harness's step, timed per optimizer step; costs a few clock reads per micro-step."""
+
+    def __init__(self, step: Any, ddp: Any, timer: StageTimer | None = None) -> None:
+        self._step, self.device = step, step.device
+        self.timer = timer if timer is not None else StageTimer(device=step.device)
+        self.timer.watch_comm(ddp)  # before its first forward: the hook wraps DDP's reduction
+        self.points: list[tuple[int, int]] = []  # per optimizer step: (micro_batch, grad_accum)
+        self._micro = 0
+        self._open()
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the step's face (its model, its
+        return getattr(self._step, name)  # optimizer: what a harness may read) is the step's
+
+    def _open(self) -> None:
+        self._start: float | None = None  # the step's first batch request
+        self._data = 0.0  # seconds blocked on its batches
+        self._micro_steps = 0
+
+    def batches(self, micro_batch: int) -> contextlib.AbstractContextManager[Iterator[Any]]:
+        self._micro = micro_batch
+        return self._clocked(self._step.batches(micro_batch))
+
+    @contextlib.contextmanager
+    def _clocked(self, loader: Any) -> Iterator[Iterator[Any]]:
+        with loader as batches:
+            yield self._arrivals(batches)
+
+    def _arrivals(self, batches: Any) -> Iterator[Any]:
+        iterator = iter(batches)
+        while True:
+            start = time.perf_counter()
+            if self._start is None:
+                self._start = start
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self._data += time.perf_counter() - start
+            yield batch
+
+    def reset(self) -> None:
+        self._step.reset()
+        if self.timer.comm is not None:
+            self.timer.comm.take()  # a wait outside a step (a point's set-up) is no step's
+        self._open()
+
+    def backward(self, batch: Any, scale: float) -> None:
+        self._micro_steps += 1
+        self._step.backward(batch, scale)
+
+    def no_sync(self) -> Any:
+        return self._step.no_sync()
+
+    def update(self) -> None:
+        from diag.machine.device import sync
+
+        self._step.update()
+        sync(self.device)  # note: sync point: the step's queued kernels are billed to it
+        end = time.perf_counter()
+        timer, step = self.timer, len(self.points)
+        seconds = end - (self._start if self._start is not None else end)
+        waited = min(timer.comm.take(), seconds - self._data) if timer.comm is not None else 0.0
+        timer.record("data_wait", self._data, step=step)
+        timer.record("comm_wait", max(waited, 0.0), step=step)
+        timer.record("compute", max(seconds - self._data - waited, 0.0), step=step)
+        timer.flush()  # under a launcher: the finished step survives a kill
+        self.points.append((self._micro, self._micro_steps))
+        self._open()
+
+    def gathered(self, rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """This rank's harness rows (one per timed step: micro_batch, grad_accum, status,
+        repeat, seconds_per_step, data_s, compute_s) as every rank's, each with its `rank`,
+        `node` and `comm_wait_s` (out of compute_s), and the ranks' StageTimer rows of those
+        steps (`run`: the point, "2 x 4"); on rank 0, each rank's own elsewhere. One gather of
+        each, at the end: a collective every rank reaches."""
+        import pandas as pd
+
+        seat = place()
+        stages = gathered_frame(self.timer)
+        mine = rows.assign(rank=seat.rank, node=seat.node)
+        every = pd.concat(gather_to_root(mine) or [mine], ignore_index=True)
+        stages = stages.merge(self._timed(rows), on="step")  # the warm-up steps go
+        waits = stages.loc[stages["stage"] == "comm_wait", ["rank", *POINT, "seconds"]]
+        every = every.merge(waits.rename(columns={"seconds": "comm_wait_s"}), how="left",
+                            on=["rank", *POINT])  # an "oom" row ran no step: NaN
+        every["compute_s"] -= every["comm_wait_s"]
+        stages["run"] = [f"{m} x {a}" for m, a in zip(stages["micro_batch"], stages["grad_accum"])]
+        return ranks_first(every), stages.drop(columns=POINT)
+
+    def _timed(self, rows: pd.DataFrame) -> pd.DataFrame:
+        """Which steps are the harness's timed rows: per point, the last as many steps as it has
+        rows (the ones before are its warm-up), in order; the same on every rank (lockstep)."""
+        import pandas as pd
+
+        out = []
+        ok = rows[rows["status"] == "ok"]
+        for (micro, accum), part in ok.groupby(["micro_batch", "grad_accum"], sort=False):
+            steps = [i for i, p in enumerate(self.points) if p == (micro, accum)]
+            repeats = sorted(part["repeat"])
+            out += [{"step": step, "micro_batch": micro, "grad_accum": accum, "repeat": repeat}
+                    for step, repeat in zip(steps[len(steps) - len(repeats):], repeats)]
+        return pd.DataFrame(out, columns=["step", *POINT]).astype({"step": "Int64"})
+
+
+def ranks_first(rows: pd.DataFrame) -> pd.DataFrame:
+    """Harness rows with `rank` and `node` first and `comm_wait_s` beside `data_s`; on one
+    process rank 0, node 0 and no wait."""
+    import pandas as pd
+
+    if "rank" not in rows.columns:
+        rows = rows.assign(rank=0, node=0, comm_wait_s=0.0)
+    rest = [c for c in rows.columns if c not in ("rank", "node", "comm_wait_s")]
+    at = rest.index("data_s") + 1
+    return pd.DataFrame(rows[["rank", "node", *rest[:at], "comm_wait_s", *rest[at:]]])
