@@ -266,8 +266,10 @@ def test_decide_prefers_packed_unless_naive_serves_more_tokens():
                                    "spread 0% / 0%)")
     assert (got["pipeline"].baseline_s, got["pipeline"].chosen_s) == (0.04, 0.0002)
     assert got["num_workers"].baseline_s == 0.0002
+    assert (got["pipeline"].samples, got["pipeline"].resolved) == ((10, 10), True)
     tie = _got(both.assign(tokens_per_s=400.0))  # within noise: the naive plan's kept
     assert tie["pipeline"].value == "naive" and "within noise (0% apart" in tie["pipeline"].why
+    assert tie["pipeline"].resolved is False
     faster = _got(both.assign(tokens_per_s=both["pipeline"].map({"naive": 500.0,
                                                                  "packed": 400.0})))
     assert faster["pipeline"].value == "naive" and faster["num_workers"].value == 2

@@ -197,7 +197,7 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
     on = measured_on or MeasuredOn(step=str(ok["consumer"].iloc[0]) if "consumer" in ok else "",
                                    seq_len=int(ok["seq_len"].iloc[0]) if "seq_len" in ok else None)
     rates = ok.groupby("pipeline")["tokens_per_s"].median()
-    pipeline, pipe_note = _pipeline(ok, rates)
+    pipeline, pipe_note, pipe_sure = _pipeline(ok, rates)
     mine = ok[ok["pipeline"] == pipeline]
     by = _medians(mine)
     workers, why = choose_workers(by, goal)
@@ -215,7 +215,7 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
             f"{p} {r:,.0f}" for p, r in rates.items()) + pipe_note, pipe_rows, baseline="naive",
         baseline_s=float(naive.loc[workers, "data_wait_s"]) if naive is not None
         and workers in naive.index else None, chosen_s=float(by.loc[workers, "data_wait_s"]),
-        **common))
+        **pipe_sure, **common))
     chosen = mine[mine["num_workers"] == workers]
     for setting, default in _knobs(workers).items():
         values = mine[setting].dropna().unique() if setting in mine else []
@@ -234,17 +234,23 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
     return tuple(out)
 
 
-def _pipeline(ok: pd.DataFrame, rates: pd.Series) -> tuple[str, str]:
+def _pipeline(ok: pd.DataFrame, rates: pd.Series) -> tuple[str, str, dict[str, Any]]:
     """The pipeline serving more real tokens/s (seconds per token compared by
-    diag.timing.noise): another than naive only where its gap to naive is resolved."""
-    from diag.timing.noise import choose
+    diag.timing.noise): another than naive only where its gap to naive is resolved; the
+    note for the why, and how sure it is (Decision's samples, spread, resolved)."""
+    from diag.timing.noise import choose, spread
 
     per_token = {p: list(1 / g["tokens_per_s"]) for p, g in ok.groupby("pipeline")}
     if "naive" not in per_token:  # nothing to keep: the fastest of those swept
-        return str(rates.idxmax()), ""
+        return str(rates.idxmax()), "", {}
     pick = choose(per_token, "naive")
     gap = pick.against
-    return str(pick.value), "" if gap is None else f"; seconds per token, {gap.describe()}"
+    if gap is None:
+        return "naive", "", {}
+    sides = (pick.best, pick.rival) if pick.value == pick.best else (pick.value, pick.best)
+    return str(pick.value), f"; seconds per token, {gap.describe()}", {
+        "samples": tuple(len(per_token[p]) for p in sides),
+        "spread": tuple(spread(per_token[p]) for p in sides), "resolved": pick.resolved}
 
 
 def _resolved_workers(rows: pd.DataFrame, base: int, workers: int, why: str
