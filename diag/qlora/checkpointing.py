@@ -89,17 +89,9 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
            f"without it {peak:.3g} GB of {total:.3g} GB {where} (limit "
            f"{CHECKPOINTING_HEADROOM:.0%}) -> {'on' if choice else 'off'}"
            + (" (the naive plan's, kept)" if fits and choice else ""))
-    naive = frame[frame["micro_batch"] == naive_micro_batch] if sized else frame.iloc[:0]
-    ratio = None
-    if {True, False} <= set(naive["gradient_checkpointing"].astype(bool)):
-        n_on, n_off = _sides(naive)
-        timed = min(statistics.median(n_on), statistics.median(n_off)) > 0
-        at = compare(n_on, n_off) if timed else None
-        ratio = (None if at is None or at.faster == "a" else
-                 statistics.median(n_on) / statistics.median(n_off) if at.resolved else 1.0)
-        why += (f"; at the naive micro-batch {naive_micro_batch}: "
-                + (at.describe() if at else "a side took no time")
-                + (", no ratio priced" if ratio is None else ""))
+    ratio, note = _naive_ratio(frame[frame["micro_batch"] == naive_micro_batch] if sized
+                               else frame.iloc[:0], naive_micro_batch)
+    why += note
     if repeats_s:
         why += f"; {repeats_s:.2g} s re-timing"
     return (Decision.from_rows("gradient_checkpointing", choice, why, frame,
@@ -108,6 +100,22 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
                                chosen_s=on_s if choice else off_s, naive_ratio=ratio,
                                samples=(len(on), len(off)), spread=(spread(on), spread(off)),
                                resolved=gap.resolved, repeats_s=repeats_s),)
+
+
+def _naive_ratio(naive: pd.DataFrame, micro: int | None) -> tuple[float | None, str]:
+    """On/off seconds at the naive micro-batch where the gap resolved (1.0 within noise; None
+    where a side is missing, took no time or was the impossible one), and the why's note."""
+    from diag.timing.noise import compare
+
+    if not {True, False} <= set(naive["gradient_checkpointing"].astype(bool)):
+        return None, ""
+    on, off = _sides(naive)
+    at = compare(on, off) if min(statistics.median(on), statistics.median(off)) > 0 else None
+    ratio = (None if at is None or at.faster == "a" else
+             statistics.median(on) / statistics.median(off) if at.resolved else 1.0)
+    return ratio, (f"; at the naive micro-batch {micro}: "
+                   + (at.describe() if at else "a side took no time")
+                   + (", no ratio priced" if ratio is None else ""))
 
 
 def pending(samples: dict[tuple[int, int, int], list[float]]) -> list[tuple[int, int, int]]:
