@@ -15,6 +15,8 @@ does; then both plans run interleaved over --rounds rounds (order alternating). 
   over the best of a grid chosen independently of it (micro-batch 1/2/4, workers 0/1/2,
   checkpointing on/off, naive/packed): every grid point screened once, the best three and the
   optimized plan then over 3 interleaved rounds, medians compared;
+- `qlora_decision_stability` (1.0): three quick plan decisions agree or say within noise, and a
+  constructed 2x gap resolves (decision_stability);
 - with --trl: `qlora_vs_trl` (>= 1.0): trained tokens/s of diag's optimized start against TRL's
   SFTTrainer(packing=True) on the same nf4 model, records, LoRA config, seq_len and steps.
 The machine is shared: figures move with its load; rounds are interleaved so load hits all.
@@ -200,6 +202,58 @@ def vs_trl(cfg: QLoraConfig, optimized: Plan, rounds: int = 3) -> tuple[float, f
     return statistics.median(mine), statistics.median(theirs), tokens
 
 
+def decision_stability(repeats: int = 3) -> str:
+    """`qlora_decision_stability` (goal 1.0): `repeats` plan decisions measured on one
+    `diag qlora --quick` job, in one run, must agree on each timed setting (micro_batch,
+    gradient_checkpointing, num_workers, pipeline; the loader's knobs follow num_workers), or
+    where two differ, one of them says within noise or names the other among its ties; and a
+    constructed 2x gap (micro-batch 1's step run twice, each pass at half the loss: the same
+    gradients, twice the compute) must resolve to micro-batch 2, not be called noise. The
+    figure is the share of those checks that hold; the repeats' added seconds are printed."""
+    from diag.accum import accum_frame, decide, retime, train_points
+    from diag.qlora.measure import QLoraStep, job_inputs, measure_on_job
+    from diag.timing.noise import unresolved
+
+    cfg = QLoraConfig.quick()
+    job = job_inputs(cfg)
+    runs, spent = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runs.append({d.setting: d for d in measure_on_job(cfg, job)})
+        spent.append((time.perf_counter() - start,
+                      sum(d.repeats_s or 0.0 for d in runs[-1].values())))
+    timed = ("micro_batch", "gradient_checkpointing", "num_workers", "pipeline")
+    held = []
+    for setting in timed:
+        got = [run[setting] for run in runs]
+        apart = [(a, b) for a, b in itertools.combinations(got, 2) if a.value != b.value]
+        held.append(all(a.resolved is False or b.resolved is False or a.value in b.tied
+                        or b.value in a.tied for a, b in apart))
+        print(f"  {setting}: " + " | ".join(
+            f"{d.value} ({ {True: 'resolved', False: 'within noise'}.get(d.resolved, d.basis)}, "
+            f"{' + '.join(map(str, d.samples)) or 'no'} samples)" for d in got))
+
+    class Slowed(QLoraStep):  # twice the compute at micro-batch 1, the same gradients
+        def backward(self, batch, scale=1.0):
+            passes = 2 if batch["input_ids"].shape[0] == 1 else 1
+            for _ in range(passes):
+                super().backward(batch, scale / passes)
+
+    step = Slowed(cfg, job.model_dir, job.device)
+    rows = job.rows_per_step
+    frame = train_points([step], [(1, rows), (2, rows // 2)], repeats=cfg.sweep_steps,
+                         warmup_steps=1, desc="2x at micro-batch 1")
+    frame, gap_s = retime([step], frame, unresolved, budget_s=cfg.decide_budget_s / 2)
+    (built,) = decide(accum_frame(frame, rows * cfg.seq_len))
+    held.append(built.value == 2 and bool(built.resolved))
+    print(f"  constructed 2x at micro-batch 1: micro-batch {built.value}: {built.why}")
+    return (f"qlora_decision_stability: {sum(held) / len(held):.3g} ({sum(held)} of {len(held)} "
+            f"checks hold: {len(timed)} timed settings over {repeats} decisions on one quick "
+            "job, and the constructed 2x gap; measuring took "
+            + ", ".join(f"{t:.3g} s ({r:.2g} s of it repeats)" for t, r in spent)
+            + f"; the 2x case {gap_s:.2g} s of repeats) (goal 1.0)")
+
+
 def mfu_vs_counter(cfg: QLoraConfig) -> str:
     """`qlora_mfu_vs_counter`: diag's executed FLOPs of one QLoRA step of the job's model
     against FlopCounterMode's count of the same step plus bitsandbytes' 4-bit forward matmuls
@@ -317,6 +371,7 @@ def main() -> None:
               f"{fast['summary']['seconds']:.3g} s)")
     if args.regret:
         print_regret(cfg, optimized)
+    print(decision_stability())
     print(f"qlora_compute_share: {compute / total:.3g} (goal >= 0.9; optimized, "
           f"{args.long_steps} steps, {total:.3g} s end to end)")
 

@@ -111,9 +111,20 @@ class Decision:
     # seconds per step with the baseline value over with the other, timed at the naive plan's
     # micro-batch (checkpointing: the on/off ratio a naive step pays; None: not timed there)
     naive_ratio: float | None = None
+    # How sure a timed choice is (diag.timing.noise): timed samples and spread (IQR / median)
+    # of the chosen side and of the side it was judged against, in that order; whether that gap
+    # is resolved (None: no timing compared); the values within noise of the chosen one; the
+    # seconds spent re-timing finalists after the screen
+    samples: tuple[int, ...] = ()
+    spread: tuple[float, ...] = ()
+    resolved: bool | None = None
+    tied: tuple[Any, ...] = ()
+    repeats_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("baseline_s", "chosen_s", "naive_ratio"):  # NaN: not measured, as None
+        for name in ("samples", "spread", "tied"):  # as JSON gives them back: lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("baseline_s", "chosen_s", "naive_ratio", "repeats_s"):  # NaN: as None
             if _missing(getattr(self, name)):
                 object.__setattr__(self, name, None)
         if self.basis not in BASES:
@@ -133,7 +144,7 @@ class Decision:
                   *, source: str, measured_on: MeasuredOn | None = None,
                   basis: Basis = "measured", **worth: Any) -> Decision:
         """A measured decision; `worth` takes baseline, stage, per, baseline_s, chosen_s,
-        naive_ratio."""
+        naive_ratio, and how sure it is: samples, spread, resolved, tied, repeats_s."""
         records = rows.to_dict("records") if hasattr(rows, "to_dict") else list(rows)
         # a figure a row lacks (NaN) is kept as None, as it reads back from decisions.csv
         records = [{k: None if _missing(v) else v for k, v in r.items()} for r in records]

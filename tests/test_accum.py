@@ -140,8 +140,9 @@ def test_quick_sweep_rows_add_up(result):
     assert (frame["status"] == "ok").all()
     assert set(zip(frame["micro_batch"], frame["grad_accum"])) == set(pairs(cfg))
     assert (frame["micro_batch"] * frame["grad_accum"] * cfg.seq_len == cfg.tokens_per_step).all()
-    assert frame.groupby("micro_batch")["repeat"].apply(list).map(sorted).tolist() == [
-        list(range(cfg.steps))] * len(pairs(cfg))
+    # cfg.steps screened per point, then rounds for points within noise of the fastest
+    for repeats in frame.groupby("micro_batch")["repeat"].apply(sorted):
+        assert repeats == list(range(len(repeats))) and len(repeats) >= cfg.steps
     assert np.allclose(frame["tokens_per_s"] * frame["seconds_per_step"], cfg.tokens_per_step)
     assert np.allclose(frame["data_s"] + frame["comm_wait_s"] + frame["compute_s"],
                        frame["seconds_per_step"])
@@ -152,10 +153,18 @@ def test_quick_sweep_rows_add_up(result):
 
 
 def test_summary_mfu_check_and_advice(result):
-    summary, check, advice = result.summary, result.mfu, result.advice
+    summary, check = result.summary, result.mfu
+    # the recommended point is the decision's (resolved faster, or the most accumulation kept)
     assert summary["recommended"].sum() == 1
+    (decided,) = result.decisions
+    assert summary.loc[summary["recommended"], "micro_batch"].iloc[0] == decided.value
+    assert decided.samples[0] >= 5 and "samples" in decided.why
+    kept = summary.assign(recommended=summary["grad_accum"] == summary["grad_accum"].max())
+    assert accum_advice(kept, 10).empty  # nothing resolved faster: no finding to price
+    # a point marked faster is priced against the most-accumulating one
+    summary = summary.assign(recommended=summary["tokens_per_s"] == summary["tokens_per_s"].max())
+    advice = accum_advice(summary, AccumConfig().steps_per_run)
     best = summary[summary["recommended"]].iloc[0]
-    assert best["tokens_per_s"] == summary["tokens_per_s"].max()
     worst = summary.loc[summary["grad_accum"].idxmax()]
     assert check.set_index("method")["vs_formula"].between(0.95, 1.05).all()
     assert "measured: CPU fp32 matmul probe" in check["peak"].iloc[0]

@@ -115,3 +115,16 @@ def test_by_setting_keys_decisions_and_refuses_two_owners():
         by_setting([a, Decision.default("fetch", "pull", "c", "loader")])
     with pytest.raises(ValueError, match=r"two decisions for 'fetch': \? and \?"):
         by_setting([Decision.default("fetch", "x", "a"), Decision.default("fetch", "y", "b")])
+
+
+def test_how_sure_a_timed_choice_is_reads_back_typed_from_the_table():
+    from diag.decision import read
+
+    d = Decision.from_rows("micro_batch", 4, "resolved (2.00x, 6 + 5 samples, spread 3% / 5%)",
+                           [{"micro_batch": 4}], source="accum", samples=[6, 5],
+                           spread=[0.03, 0.05], resolved=True, tied=[2], repeats_s=1.25)
+    kept = Decision.from_rows("pipeline", "naive", "within noise", [{}], source="loader",
+                              resolved=False, repeats_s=float("nan"))
+    back = read(frame([d, kept]))
+    assert back == (d, kept) and (back[0].samples, back[0].tied) == ((6, 5), (2,))
+    assert back[1].resolved is False and back[1].repeats_s is None and back[1].samples == ()

@@ -17,9 +17,10 @@ advice = importlib.import_module("diag.loader.advice")  # diag.loader.advice is 
 
 
 def sweep(waits_ms: dict, step_ms: float = 20.0, pipeline: str = "packed",
-          tokens_per_s: float = 400.0, samples_per_s: float | None = None, repeats: int = 1,
+          tokens_per_s: float = 400.0, samples_per_s: float | None = None, repeats: int = 5,
           **columns) -> pd.DataFrame:
-    """One row per num_workers (and repeat); a wait may be (wait_ms, step_ms)."""
+    """`repeats` rows per num_workers (five: the fewest a noise rule resolves two settings'
+    gap with); a wait may be (wait_ms, step_ms)."""
     rows = []
     for w, wait in waits_ms.items():
         wait_ms, step = wait if isinstance(wait, tuple) else (wait, step_ms)
@@ -238,18 +239,19 @@ def _got(frame, **kw):
 
 
 def test_decide_takes_the_rule_with_the_wait_it_saves_and_the_rows():
-    frame = sweep({0: 40.0, 1: 20.0, 2: 0.3, 4: 0.2}, repeats=2)
+    frame = sweep({0: 40.0, 1: 20.0, 2: 0.3, 4: 0.2})
     got = _got(frame)
     w = got["num_workers"]
     assert (w.value, w.basis, w.source, w.stage, w.per) == (2, "measured", "loader", "data_wait",
                                                             "step")
-    assert (w.baseline, w.baseline_s, w.chosen_s) == (0, 0.04, 0.0003) and len(w.rows) == 8
+    assert (w.baseline, w.baseline_s, w.chosen_s) == (0, 0.04, 0.0003) and len(w.rows) == 20
+    assert (w.samples, w.resolved) == ((5, 5), True)  # 2 workers' waits against 0 workers'
     assert list(w.rows[0]) == list(frame.columns)  # the sweep's own columns, no index
     assert w.why.startswith("packed pipeline: the fewest workers under 2%")
     assert w.measured_on == MeasuredOn(step="the QLoRA step", seq_len=64)
     p = got["pipeline"]
     assert (p.value, p.baseline, p.baseline_s, p.chosen_s) == ("packed", "naive", None, 0.0003)
-    assert p.why == "real tokens/s per pipeline (medians): packed 400" and len(p.rows) == 2
+    assert p.why == "real tokens/s per pipeline (medians): packed 400" and len(p.rows) == 5
     assert set(got) == {"num_workers", "pipeline", "pin_memory", "persistent_workers",
                         "prefetch_factor"}
 
@@ -259,11 +261,15 @@ def test_decide_prefers_packed_unless_naive_serves_more_tokens():
                       sweep({0: 0.2, 2: 0.1}, pipeline="packed", tokens_per_s=420.0)])
     got = _got(both)  # concatenated: index labels repeat
     assert (got["pipeline"].value, got["num_workers"].value) == ("packed", 0)
-    assert got["pipeline"].why == "real tokens/s per pipeline (medians): naive 300, packed 420"
+    assert got["pipeline"].why == ("real tokens/s per pipeline (medians): naive 300, packed 420; "
+                                   "seconds per token, resolved (1.40x, 10 + 10 samples, "
+                                   "spread 0% / 0%)")
     assert (got["pipeline"].baseline_s, got["pipeline"].chosen_s) == (0.04, 0.0002)
     assert got["num_workers"].baseline_s == 0.0002
-    tie = _got(both.assign(tokens_per_s=400.0))
-    assert tie["pipeline"].value == "packed"
+    assert (got["pipeline"].samples, got["pipeline"].resolved) == ((10, 10), True)
+    tie = _got(both.assign(tokens_per_s=400.0))  # within noise: the naive plan's kept
+    assert tie["pipeline"].value == "naive" and "within noise (0% apart" in tie["pipeline"].why
+    assert tie["pipeline"].resolved is False
     faster = _got(both.assign(tokens_per_s=both["pipeline"].map({"naive": 500.0,
                                                                  "packed": 400.0})))
     assert faster["pipeline"].value == "naive" and faster["num_workers"].value == 2
@@ -304,7 +310,7 @@ def test_a_varied_knob_takes_the_lowest_wait_at_the_chosen_workers():
     assert (got["pin_memory"].value, got["pin_memory"].basis) == (False, "measured")
     assert got["prefetch_factor"].value == 4 and isinstance(got["prefetch_factor"].value, int)
     assert got["pin_memory"].why == "varied in the sweep; the lowest data_wait at 2 workers"
-    assert len(got["pin_memory"].rows) == 2 and got["pin_memory"].stage == "data_wait"
+    assert len(got["pin_memory"].rows) == 10 and got["pin_memory"].stage == "data_wait"
     at_zero = pd.concat([sweep({0: 0.1}), sweep({0: 0.2}, pin_memory=False)])
     got = _got(at_zero)
     assert got["pin_memory"].value is True and got["prefetch_factor"].basis == "default"

@@ -12,17 +12,20 @@ from diag.qlora.plans import SETTINGS, Plan
 
 
 def sweep(waits_ms: dict[int, float], step_ms: float = 20.0, pipeline: str = "packed",
-          tokens_per_s: float = 400.0, **columns) -> pd.DataFrame:
-    """A loader sweep: one row per num_workers with the given data_wait per step."""
+          tokens_per_s: float = 400.0, repeats: int = 5, **columns) -> pd.DataFrame:
+    """A loader sweep: `repeats` rows per num_workers with the given data_wait per step (five:
+    the fewest a noise rule resolves two settings' gap with)."""
     rows = []
     for w, wait in waits_ms.items():
-        wait_s, step_s = wait / 1e3, step_ms / 1e3
-        rows.append({"pipeline": pipeline, "num_workers": w, "pin_memory": True,
-                     "persistent_workers": w > 0, "prefetch_factor": 2 if w else None,
-                     "samples_per_s": 8 / (wait_s + step_s), "tokens_per_s": tokens_per_s,
-                     "data_wait_s": wait_s, "step_s": step_s,
-                     "data_wait_share": wait_s / (wait_s + step_s), "batch_size": 8,
-                     "consumer": "the QLoRA step", "error": ""} | columns)
+        for r in range(repeats):
+            wait_s, step_s = wait / 1e3, step_ms / 1e3
+            rows.append({"pipeline": pipeline, "num_workers": w, "pin_memory": True,
+                         "persistent_workers": w > 0, "prefetch_factor": 2 if w else None,
+                         "samples_per_s": 8 / (wait_s + step_s),
+                         "tokens_per_s": tokens_per_s, "data_wait_s": wait_s,
+                         "step_s": step_s, "data_wait_share": wait_s / (wait_s + step_s),
+                         "batch_size": 8, "repeat": r, "consumer": "the QLoRA step",
+                         "error": ""} | columns)
     return pd.DataFrame(rows)
 
 
@@ -112,28 +115,45 @@ def test_a_failed_frame_falls_back_to_labelled_defaults_and_the_plan_still_build
     assert plan.pipeline == "packed" and plan.decision("num_workers").basis == "default"
 
 
-def test_accum_takes_the_point_summarize_recommended_without_re_picking():
+def _timed(seconds: dict, repeats: int = 5, **columns) -> pd.DataFrame:
+    """Timed optimizer steps (diag.accum.COLUMNS' fields decide reads): `repeats` per point,
+    each 1% off the last (a spread, so sides apart by more resolve and sides alike do not)."""
+    return pd.DataFrame([{"micro_batch": m, "grad_accum": 16 // m, "status": "ok",
+                          "seconds_per_step": s * (1 + 0.01 * r), "repeat": r} | columns
+                         for m, s in seconds.items() for r in range(repeats)])
+
+
+def test_accum_takes_the_fastest_point_only_where_its_gap_to_the_naive_one_resolves():
     from diag.accum import decide
 
-    summary = pd.DataFrame({"micro_batch": [1, 4, 16], "grad_accum": [16, 4, 1],
-                            "status": ["ok", "ok", "ok"], "tokens_per_s": [100.0, 300.0, 290.0],
-                            "seconds_per_step": [4.0, 1.3, 1.4],
-                            "recommended": [False, False, True]})  # the mark, not the max
     on = MeasuredOn(model="tiny (nf4 + LoRA)", precision="nf4", seq_len=96)
-    (d,) = decide(summary, on)
-    assert (d.value, d.basis, d.baseline, d.baseline_s, d.chosen_s) == (16, "measured", 1, 4.0,
-                                                                        1.4)
-    assert d.measured_on.seq_len == 96 and "nf4" in d.evidence()
-    oom = summary.assign(status="oom", recommended=False)
-    (none,) = decide(oom)
+    (d,) = decide(_timed({1: 4.0, 4: 1.3, 16: 1.4}), on)
+    assert (d.value, d.basis, d.baseline) == (4, "measured", 1)
+    assert d.chosen_s == pytest.approx(1.3 * 1.02)
+    assert d.baseline_s == pytest.approx(4.0 * 1.02) and d.resolved and d.samples == (5, 5)
+    assert "resolved (3.08x, 5 + 5 samples" in d.why and d.measured_on.seq_len == 96
+    # interleaved samples (1.00..1.04 against 1.005..1.045): the naive micro-batch kept
+    alike = pd.concat([_timed({1: 1.0}), _timed({4: 1.005})])
+    (kept,) = decide(alike, on)
+    assert (kept.value, kept.resolved, kept.chosen_s, kept.baseline_s) == (1, False, 1.02, 1.02)
+    assert "(the naive plan's) is the fastest of 2 points, against micro-batch 4 x 4" in kept.why
+    assert "within noise (0% apart, 5 + 5 samples" in kept.why and kept.tied == (4,)
+    (slower,) = decide(pd.concat([_timed({1: 1.005}), _timed({4: 1.0})]), on)
+    assert (slower.value, slower.resolved) == (1, False) and slower.tied == (1,)
+    assert "micro-batch 4 x 4 (1.02 s per step), the fastest of 2 points" in slower.why
+    assert "micro-batch 1 kept (the naive plan's)" in slower.why
+    # one timed step per point never resolves, however far apart
+    (one,) = decide(_timed({1: 4.0, 4: 1.0}, repeats=1))
+    assert one.value == 1 and "within noise (300% apart, 1 + 1 samples" in one.why
+    (none,) = decide(_timed({1: 1.0, 4: 1.0}, status="oom"))
     assert none.basis == "default" and "no accum point ran (oom)" in none.why
 
 
 def test_checkpointing_follows_the_steps_own_peak_and_says_its_cost():
     from diag.qlora.checkpointing import decide
 
-    frame = pd.DataFrame({"gradient_checkpointing": [True, True, False, False],
-                          "seconds": [1.3, 1.3, 1.0, 1.0], "peak_mem_gb": [0.5, 0.5, 2.0, 2.0]})
+    frame = pd.DataFrame({"gradient_checkpointing": [True, False] * 5,
+                          "seconds": [1.3, 1.0] * 5, "peak_mem_gb": [0.5, 2.0] * 5})
     (d,) = decide(frame, "cpu", memory=(10.0, "available host memory"))
     assert d.value is False and d.basis == "measured" and "2 GB of 10 GB" in d.why
     assert (d.baseline, d.baseline_s, d.chosen_s) == (True, 1.3, 1.0)
@@ -145,7 +165,7 @@ def test_checkpointing_follows_the_steps_own_peak_and_says_its_cost():
 def test_checkpointing_prices_the_naive_step_with_its_own_on_off_ratio():
     from diag.qlora.checkpointing import decide
 
-    rows = [(1, True, 4.0), (1, False, 2.0), (4, True, 1.5), (4, False, 1.0), (4, False, 1.0)]
+    rows = [(1, True, 4.0), (1, False, 2.0), (4, True, 1.5), (4, False, 1.0)] * 5
     frame = pd.DataFrame(rows, columns=["micro_batch", "gradient_checkpointing", "seconds"]
                          ).assign(peak_mem_gb=0.1)
     (d,) = decide(frame, "cpu", memory=(10.0, "x"), naive_micro_batch=1)
@@ -156,7 +176,7 @@ def test_checkpointing_prices_the_naive_step_with_its_own_on_off_ratio():
             == ratio
     only_on = frame[(frame.micro_batch == 4) | frame.gradient_checkpointing]
     assert decide(only_on, "cpu", memory=(10.0, "x"), naive_micro_batch=1)[0].naive_ratio is None
-    zero = frame.assign(seconds=[4.0, 0.0, 1.5, 1.0, 1.0])
+    zero = frame.assign(seconds=[4.0, 0.0, 1.5, 1.0] * 5)
     assert decide(zero, "cpu", memory=(10.0, "x"), naive_micro_batch=1)[0].naive_ratio is None
 
 
@@ -231,11 +251,10 @@ def test_decisions_read_back_from_a_run_folder_equal_those_written(tmp_path):
     cfg = QLoraConfig.quick()
     on = MeasuredOn(model="the embedded tiny Llama + LoRA r=8", precision="nf4", seq_len=96,
                     step="the QLoRA step", device="cpu", tokens_per_step=288)
-    summary = pd.DataFrame({"micro_batch": [1, 3], "grad_accum": [3, 1], "status": ["ok"] * 2,
-                            "tokens_per_s": [100.0, 300.0], "seconds_per_step": [2.88, 0.96],
-                            "recommended": [False, True]})
-    ckpt = pd.DataFrame({"gradient_checkpointing": [True, False] * 2, "micro_batch": [1, 1, 3, 3],
-                         "seconds": [0.2, 0.1, 0.5, 0.4], "peak_mem_gb": [0.0, 0.1, 0.0, 0.2]})
+    timed = _timed({1: 2.88, 3: 0.96}).assign(grad_accum=lambda f: 3 // f["micro_batch"])
+    ckpt = pd.DataFrame({"gradient_checkpointing": [True, False] * 10,
+                         "micro_batch": [1, 1, 3, 3] * 5, "seconds": [0.2, 0.1, 0.5, 0.4] * 5,
+                         "peak_mem_gb": [0.0, 0.1, 0.0, 0.2] * 5})
     storage = pd.DataFrame({"method": ["boto3_default", "land"], "cache_state": ["cold", "hit"],
                             "seconds": [9.0, 0.3]})
     load = pd.DataFrame({"scenario": ["fresh", "cached"], "part": ["load_model"] * 2,
@@ -243,12 +262,16 @@ def test_decisions_read_back_from_a_run_folder_equal_those_written(tmp_path):
                          "device": ["cpu"] * 2})  # the model by its hub id: no step, no seq_len
     written = (*storage_decide(storage), *load_decide(load),
                *loader_decide(sweep({0: 30.0, 2: 0.1}), measured_on=on),
-               *accum_decide(summary, on), *ckpt_decide(ckpt, "cpu", on, naive_micro_batch=1))
+               *accum_decide(timed, on, repeats_s=1.5),
+               *ckpt_decide(ckpt, "cpu", on, naive_micro_batch=1))
     assert any(v is None for d in written for r in d.rows for v in r.values())  # a NaN kept
     folder = report.write({"decisions": frame(written)}, tmp_path / "run")
     got = read_results(cfg.replace(results=str(folder)))
     assert got == written and [type(d.value) for d in got] == [type(d.value) for d in written]
     assert got[-1].naive_ratio == 2.0 and got[-2].measured_on.tokens_per_step == 288
+    # how sure each timed choice is comes back typed: samples, spread, the tie, the repeats
+    assert (got[-2].samples, got[-2].resolved, got[-2].repeats_s) == ((5, 5), True, 1.5)
+    assert isinstance(got[-1].spread, tuple) and got[-1].spread == written[-1].spread
     with pytest.raises(ValueError, match="without its json column"):  # another diag's table
         read(frame(written).drop(columns="json"))
     plan = Plan.optimized(written, device="cuda").fit(3)
@@ -263,6 +286,6 @@ def test_a_known_delay_gets_the_theory_or_the_next_swept_value():
     from diag.loader.sweep import sweep_workers
 
     cfg = LoaderConfig.quick(pipelines=["packed"], workers=[0, 1, 2, 4], extra_prep_ms=10.0,
-                             batch_size=4, step_ms=20.0, steps=8, device="cpu")
+                             batch_size=4, step_ms=20.0, steps=4, repeats=5, device="cpu")
     got = {d.setting: d for d in decide(sweep_workers(cfg))}
     assert got["num_workers"].value in (2, 4), got["num_workers"].why

@@ -197,25 +197,31 @@ def test_every_prediction_is_checked_and_a_miss_is_flagged(both):
 def test_qlora_step_times_checkpointing_on_and_off():
     import torch
 
-    from diag.accum.sweep import PeakMemory
     from diag.embedded import ensure_assets
     from diag.qlora.measure import JobInputs, checkpointing_on_job
 
     assets = ensure_assets()
     job = JobInputs(2, assets.model_dir, assets.dataset, torch.device("cpu"))
-    got = checkpointing_on_job(QLoraConfig.quick(sweep_steps=1), job, micro=2)
+    got = checkpointing_on_job(QLoraConfig.quick(sweep_steps=1, decide_budget_s=0), job, micro=2)
     frame = got.frame
-    assert list(frame["gradient_checkpointing"]) == [True, False] * 2  # alternated
+    screen = frame[frame["repeat"] == 0]
+    assert list(screen["gradient_checkpointing"]) == [True, False] * 2  # alternated
     # at the naive plan's micro-batch (its step's own on/off ratio) and at the plan's
-    assert list(frame["micro_batch"]) == [1, 1, 2, 2] and (frame["seconds"] > 0).all()
-    # the step's own peak (growth during it), far below the interpreter's resident set
-    rss = PeakMemory._status_gb("VmRSS:")
-    assert (frame["peak_mem_gb"] >= 0).all() and frame["peak_mem_gb"].max() < rss / 4
+    assert list(screen["micro_batch"]) == [1, 1, 2, 2] and (frame["seconds"] > 0).all()
+    # a screen of one step is topped up to the five samples a side a gap can resolve with
+    assert frame.groupby(["micro_batch", "gradient_checkpointing"]).size().min() >= 5
+    # the step's own memory: what autograd saved plus the adapters' state, megabytes (at
+    # micro 2, seq 96: ~5 MB saved), not the process's resident set; off saves more than on
+    peak = frame.groupby(["micro_batch", "gradient_checkpointing"])["peak_mem_gb"].max()
+    assert 0.002 < peak[(2, False)] < 0.05 and peak[(2, True)] < peak[(2, False)]
+    assert peak[(1, False)] < peak[(2, False)]
     (decision,) = got.decisions
-    assert decision.setting == "gradient_checkpointing" and decision.basis == "measured"
+    assert decision.setting == "gradient_checkpointing"
     assert decision.measured_on.seq_len == 96 and "LoRA" in decision.measured_on.model
-    at_two = frame[frame["micro_batch"] == 2].set_index("gradient_checkpointing")["seconds"]
-    assert (decision.baseline_s, decision.chosen_s) == (at_two[True], at_two[False])
+    assert decision.samples[0] >= 5 and "samples" in decision.why
+    if decision.basis == "measured":  # else on measured faster than off: said, not priced
+        at_two = frame[frame["micro_batch"] == 2].groupby("gradient_checkpointing")["seconds"]
+        assert decision.baseline_s == at_two.median()[True]
 
 
 def test_each_plan_has_its_mfu_by_both_flop_counts_and_the_report_says_it(both, tmp_path):

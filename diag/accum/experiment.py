@@ -1,14 +1,17 @@
 """`run_accum(cfg)`: the sweep, its per-point summary, the MFU cross-check and the advice.
 
 `summary` has one row per point (medians of the timed steps, `floor_s` beside them, warm-up and
-compile apart, `recommended` on the fastest point that fits). `mfu` compares the FLOPs-per-token
-formula with FlopCounterMode and names the peak the MFU is computed against. `advice` prices the
-recommended point against the most-accumulating one over `steps_per_run` optimizer steps.
+compile apart, `recommended` on the point `decide` takes: the fastest that fits where its gap
+to the naive micro-batch is resolved, diag.timing.noise, else the naive one). `mfu` compares the
+FLOPs-per-token formula with FlopCounterMode and names the peak the MFU is computed against.
+`advice` prices the recommended point against the most-accumulating one over `steps_per_run`
+optimizer steps.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,7 +40,7 @@ class AccumResult:
     summary: pd.DataFrame  # one row per point: medians, floor, warm-up, recommended
     mfu: pd.DataFrame  # formula vs FlopCounterMode, and the peak MFU is computed against
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
-    decisions: tuple[Decision, ...] = ()  # micro_batch: the point summarize marked recommended
+    decisions: tuple[Decision, ...] = ()  # micro_batch: the fastest point where it resolves
     ranks: pd.DataFrame | None = None  # under DDP: per point and rank, each stage's median step
     stages: pd.DataFrame | None = None  # under DDP: every rank's timed steps (`run`: the point)
 
@@ -64,36 +67,66 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
 
         per_rank = stragglers.per_rank(stages)
     return AccumResult(every, summary, mfu_check(setup), advice(summary, cfg.steps_per_run),
-                       decide(summary, on), per_rank, stages)
+                       decide(frame, on), per_rank, stages)
 
 
-def decide(summary: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
-           baseline: int = 1) -> tuple[Decision, ...]:
-    """`micro_batch`: the point summarize marked recommended (not re-picked here), priced per
-    step against micro-batch `baseline` (the naive plan's) where that point ran; no point that
-    ran: the documented default, said so."""
-    ok = summary[summary["status"] == "ok"] if summary is not None and not summary.empty else None
-    if ok is None or ok.empty or not ok["recommended"].any():
-        why = ("accum frame absent" if summary is None or summary.empty else
-               "no accum point ran (" + ", ".join(sorted(set(summary["status"]))) + ")")
+def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
+           baseline: int = 1, repeats_s: float | None = None) -> tuple[Decision, ...]:
+    """`micro_batch` from the timed steps (one row each, COLUMNS), judged by
+    diag.timing.noise.choose: the fastest point where its gap to micro-batch `baseline` (the
+    naive plan's; the smallest that ran when it did not) is resolved, else `baseline` kept,
+    "within noise". Priced per step against `baseline` where it ran; no point that ran: the
+    documented default, said so. repeats_s: the seconds re-timing the finalists took."""
+    from diag.timing.noise import choose, spread
+
+    ok = frame[frame["status"] == "ok"] if frame is not None and not frame.empty else None
+    if ok is None or ok.empty:
+        why = ("accum frame absent" if frame is None or frame.empty else
+               "no accum point ran (" + ", ".join(sorted(set(frame["status"]))) + ")")
         return (Decision.default("micro_batch", DEFAULT_MICRO_BATCH, f"{why}: micro-batch "
                                  f"{DEFAULT_MICRO_BATCH}", source="accum"),)
-    best = ok[ok["recommended"].astype(bool)].iloc[0]
-    micro = int(best["micro_batch"])
-    base = ok[ok["micro_batch"] == baseline]
-    rows = ok[ok["micro_batch"].isin([micro, baseline])]
+    times = {int(m): list(g["seconds_per_step"]) for m, g in ok.groupby("micro_batch")}
+    accum = {int(m): int(a) for m, a in zip(ok["micro_batch"], ok["grad_accum"])}
+    ref = baseline if baseline in times else min(times)
+    pick = choose(times, ref)
+    micro, gap = pick.value, pick.against
+
+    kept = "the naive plan's" if ref == baseline else "the most accumulation swept"
+
+    def point(m: int) -> str:
+        return f"micro-batch {m} x {accum[m]} ({statistics.median(times[m]):.3g} s per step)"
+
+    if gap is None:
+        why = (f"{point(micro)}, the only point that ran ({len(times[micro])} samples, spread "
+               f"{spread(times[micro]):.0%})")
+    elif pick.best != ref:
+        why = (f"{point(pick.best)}, the fastest of {len(times)} points, against "
+               f"{point(ref)}: {gap.describe()}"
+               + ("" if micro != ref else f"; micro-batch {ref} kept ({kept})"))
+    else:
+        why = (f"{point(ref)} ({kept}) is the fastest of {len(times)} points, against "
+               f"{point(pick.rival)}: {gap.describe()}")
+    if pick.tied and micro != ref:
+        why += "; within noise of it: " + ", ".join(f"micro-batch {m}" for m in pick.tied)
+    if repeats_s:
+        why += f"; {repeats_s:.2g} s re-timing the finalists"
+    sides = [micro] if gap is None else [micro, ref if micro != ref else pick.best]
     return (Decision.from_rows(
-        "micro_batch", micro, f"micro-batch {micro} x {int(best['grad_accum'])}: the most "
-        f"tokens/s ({best['tokens_per_s']:,.4g}) of {len(ok)} points that ran, "
-        f"{best['seconds_per_step']:.3g} s per step", rows, source="accum",
-        measured_on=measured_on, baseline=baseline, stage="compute", per="step",
-        baseline_s=float(base["seconds_per_step"].iloc[0]) if not base.empty else None,
-        chosen_s=float(best["seconds_per_step"])),)
+        "micro_batch", micro, why, ok[ok["micro_batch"].isin({micro, ref, pick.best})],
+        source="accum", measured_on=measured_on, baseline=baseline, stage="compute",
+        per="step", baseline_s=statistics.median(times[baseline]) if baseline in times else None,
+        chosen_s=statistics.median(times[micro]), samples=tuple(len(times[m]) for m in sides),
+        spread=tuple(spread(times[m]) for m in sides), tied=pick.tied,
+        resolved=pick.resolved, repeats_s=repeats_s),)
 
 
-def summarize(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per point: median step, tokens/s, MFU, memory; the fastest point that fits is marked."""
+def summarize(frame: pd.DataFrame, baseline: int = 1) -> pd.DataFrame:
+    """Per point: median step, tokens/s, MFU, memory; `recommended` marks the point `decide`
+    takes: the fastest that fits where its gap to micro-batch `baseline` (else the smallest
+    that ran) is resolved, else that one (diag.timing.noise)."""
     import pandas as pd
+
+    from diag.timing.noise import choose
 
     keys = ["micro_batch", "grad_accum", "tokens_per_step", "status"]
     first = {"floor_s": "first", "peak_mem_gb": "max", "warmup_s": "first", "compile": "first",
@@ -107,7 +140,10 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     out["vs_worst"] = out["tokens_per_s"] / ok["tokens_per_s"].min() if not ok.empty else math.nan
     out["recommended"] = False
     if not ok.empty:
-        out.loc[ok["tokens_per_s"].idxmax(), "recommended"] = True
+        rows = frame[frame["status"] == "ok"]
+        times = {int(m): list(g["seconds_per_step"]) for m, g in rows.groupby("micro_batch")}
+        pick = choose(times, baseline if baseline in times else min(times))
+        out.loc[ok.index[ok["micro_batch"] == pick.value][0], "recommended"] = True
     from diag.accum.mfu import floor_impossible
 
     # a floor above the measured step is impossible: flagged (wrong peak or over-counted FLOPs)
@@ -145,17 +181,19 @@ def mfu_check(setup: Setup) -> pd.DataFrame:
 
 def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = None
            ) -> pd.DataFrame:
-    """The fastest point that fits, priced against the most-accumulating one (the seed's shape):
-    over `steps_per_run` steps of the swept model, or, given a run's measured `compute_s`, as
-    the same fraction of that compute (what `diag run` ranks beside the other stages)."""
+    """The recommended point (summarize: resolved faster, diag.timing.noise), priced against
+    the most-accumulating one (the seed's shape): over `steps_per_run` steps of the swept model,
+    or, given a run's measured `compute_s`, as the same fraction of that compute (what `diag
+    run` ranks beside the other stages). None resolved faster: no finding."""
     import pandas as pd
 
     cols = ["stage", "finding", "seconds_saved", "evidence"]
     ok = summary[summary["status"] == "ok"]
-    if len(ok) < 2:
+    picked = ok[ok["recommended"].astype(bool)]
+    worst = ok.loc[ok["grad_accum"].idxmax()] if len(ok) else None
+    if len(ok) < 2 or picked.empty or picked.index[0] == worst.name:
         return pd.DataFrame(columns=cols)
-    best = ok.loc[ok["tokens_per_s"].idxmax()]
-    worst = ok.loc[ok["grad_accum"].idxmax()]
+    best = picked.iloc[0]
     largest = ok.loc[ok["micro_batch"].idxmax()]
     fraction = 1.0 - best["seconds_per_step"] / worst["seconds_per_step"]
     saved = (worst["seconds_per_step"] - best["seconds_per_step"]) * steps_per_run

@@ -2,7 +2,8 @@
 
 `setup(cfg)` builds the embedded tiny Llama or a GPT-2-small shape on random windows of the token
 file, DDP-wrapped under a launcher, and counts one micro-step's FLOPs; `sweep_grad_accum(cfg)`
-runs diag.accum.sweep's harness on it: one row per timed optimizer step per point.
+runs diag.accum.sweep's harness on it: one row per timed optimizer step per point (in one
+process the points left within noise of the fastest re-timed in rounds, diag.accum.retime).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diag.accum.mfu import ModelShape, count_flops, floor_seconds, judge_mfu, loss_of
-from diag.accum.sweep import accum_frame, is_oom, pairs, train_points
+from diag.accum.sweep import accum_frame, is_oom, pairs, retime, train_points
 from diag.data import BatchLoader, check_tokens, ensure_tokens, token_file
+
+DECIDE_BUDGET_S = 60.0  # seconds one process may re-time the points its screen left within noise
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -188,6 +191,10 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
         spill_ranks(clock.timer)  # each finished step kept on disk until the frames are gathered
     timed = train_points([clock or step], points, repeats=cfg.steps,
                          warmup_steps=cfg.warmup_steps)
+    if clock is None:  # under DDP every rank must take the same steps: the screen only
+        from diag.timing.noise import unresolved
+
+        timed, _ = retime([step], timed, unresolved, budget_s=DECIDE_BUDGET_S)
     fpt, peak = got.shape.flops_per_token, got.peak
     frame = accum_frame(timed, cfg.tokens_per_step, compile=cfg.compile, flops_per_token=fpt,
                         floor_s=floor_seconds(fpt, cfg.tokens_per_step, peak.flops))

@@ -2,9 +2,11 @@
 grad_accum, timed on any `AccumStep` (diag accum's model, diag.accum.model; the QLoRA job's step).
 
 `train_points(steps, points)` trains each point for real: each step reset to its starting weights,
-`warmup_steps` untimed steps (allocator, kernels, compile: `warmup_s`), then `repeats` timed ones,
-one row each, several steps alternating step by step so a load change hits them alike. A point
-that runs out of memory is a row with status "oom" and the sweep goes on.
+`warmup_steps` untimed steps (allocator, kernels, compile: `warmup_s`; the last one watched for
+the step's own peak memory, PeakMemory), then `repeats` timed ones, one row each, several steps
+alternating step by step so a load change hits them alike. A point that runs out of memory is a
+row with status "oom" and the sweep goes on. `retime(steps, timed, pending)` then re-times the
+finalists a decision could not yet tell apart, in interleaved rounds (diag.timing.noise).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import contextlib
 import gc
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -26,16 +28,17 @@ if TYPE_CHECKING:
 COLUMNS = ["micro_batch", "grad_accum", "tokens_per_step", "seconds_per_step", "floor_s",
            "tokens_per_s", "data_s", "compute_s", "peak_mem_gb", "flops_per_token", "mfu",
            "status", "repeat", "warmup_s", "compile", "detail"]
-# train_points' rows: `step` is the step's index; peak_mem_gb the process's peak during the
-# timed step, growth_gb what the step itself added at its peak
+# train_points' rows: `step` is the step's index; peak_mem_gb the step's own peak (PeakMemory)
 TIMED = ["step", "micro_batch", "grad_accum", "status", "repeat", "seconds_per_step", "data_s",
-         "peak_mem_gb", "growth_gb", "warmup_s", "detail"]
+         "peak_mem_gb", "warmup_s", "detail"]
 
 
 class AccumStep(Protocol):
     """What train_points drives: one model, trained a micro-batch at a time."""
 
     device: torch.device
+    model: torch.nn.Module  # its parameters, buffers and gradients count in a step's memory
+    optimizer: torch.optim.Optimizer | None  # and its state
 
     def batches(self, micro_batch: int) -> AbstractContextManager[Iterator[Any]]: ...  # a point's
     def reset(self) -> None: ...  # the starting weights, no gradients, a fresh optimizer
@@ -72,45 +75,78 @@ def is_oom(err: BaseException) -> bool:
 
 
 class PeakMemory:
-    """Peak memory of one point: CUDA's allocator high-water mark, or on CPU the process's peak
-    resident set (VmHWM, reset per point through /proc/self/clear_refs); NaN where unreadable."""
+    """The step's own peak memory, watched over one optimizer step: on CUDA the allocator's high
+    water mark (max_memory_allocated after reset_peak_memory_stats); on CPU the bytes autograd
+    saves for backward (saved_tensors_hooks, each storage once, the most any micro-step held)
+    plus the parameters, their gradients and the optimizer's state. Never the process's resident
+    set, whose freed pages the allocator reuses (it read 0 or less for a step here). With
+    checkpointing on, a checkpointed block's recomputed tensors live in the checkpoint's own
+    hooks: the CPU figure counts what is saved outside those blocks (a lower bound)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.before_gb = math.nan
+        self.saved = 0  # bytes the current micro-step saved for backward
+        self.most_saved = 0  # the most any micro-step of the watched step saved
+        self._seen: set[int] = set()
+        self._params: set[int] = set()
+        self.last_gb = math.nan
 
-    def reset(self) -> None:
+    @contextlib.contextmanager
+    def watch(self, step: AccumStep) -> Iterator[None]:
+        """Around one optimizer step: `last_gb` holds its peak afterwards (NaN if it raised)."""
         import torch
 
+        self.last_gb = math.nan
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.before_gb = torch.cuda.memory_allocated(self.device) / 1e9
+            yield
+            self.last_gb = torch.cuda.max_memory_allocated(self.device) / 1e9
             return
-        with contextlib.suppress(OSError):
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # "5" resets the peak RSS, nothing else
-        self.before_gb = self._status_gb("VmRSS:")
-
-    def growth_gb(self) -> float:
-        """What the work since reset() added at its peak: the step's own memory, not the
-        interpreter's (CUDA: max allocated over allocated before; CPU: peak RSS over RSS)."""
-        return self.gb() - self.before_gb
-
-    @staticmethod
-    def _status_gb(key: str) -> float:
-        try:
-            with open("/proc/self/status") as f:
-                kb = next(int(line.split()[1]) for line in f if line.startswith(key))
-        except (OSError, StopIteration):
-            return math.nan
-        return kb * 1024 / 1e9
+        state = [*step.model.parameters(), *step.model.buffers()]
+        self._params = {t.untyped_storage().data_ptr() for t in state}
+        self.most_saved = 0
+        yield
+        grads = sum(p.numel() * p.element_size() for p in step.model.parameters()
+                    if p.requires_grad)
+        held = _unique_bytes(state) + grads + _unique_bytes(
+            t for s in (step.optimizer.state.values() if step.optimizer else ())
+            for t in s.values() if isinstance(t, torch.Tensor))
+        self.last_gb = (held + self.most_saved) / 1e9
 
     def gb(self) -> float:
+        """The watched step's peak; on CUDA after a failed step too (how far it got)."""
         import torch
 
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 1e9
-        return self._status_gb("VmHWM:")
+        return self.last_gb
+
+    @contextlib.contextmanager
+    def micro_step(self) -> Iterator[None]:
+        """Around one forward + backward on CPU: counts what autograd saves for it."""
+        if self.device.type == "cuda":
+            yield
+            return
+        import torch
+
+        self.saved, self._seen = 0, set()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield
+        self.most_saved = max(self.most_saved, self.saved)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._seen and ptr not in self._params:  # a weight is a parameter's bytes
+            self._seen.add(ptr)
+            self.saved += storage.nbytes()
+        return t
+
+
+def _unique_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages under tensors (views and ties counted once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], *,
@@ -125,25 +161,30 @@ def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], 
     memory = PeakMemory(device)
     rows: list[dict[str, Any]] = []
     for micro, accum in tqdm(points, desc=desc, unit="point", leave=False):
+        failed = False
         try:
             rows += _train_point(steps, micro, accum, repeats, warmup_steps, memory)
         except (RuntimeError, MemoryError) as err:
             if not is_oom(err):
                 raise
+            failed = True
             rows += [{"step": i, "micro_batch": micro, "grad_accum": accum, "status": "oom",
                       "repeat": 0, "peak_mem_gb": memory.gb(),
                       "detail": f"out of memory: {' '.join(str(err).split())[:160]}"}
                      for i in range(len(steps))]
-        finally:
-            gc.collect()  # the failed point's activations go before the next point allocates
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        if failed:  # the error's frames hold the point's activations in a cycle: collected
+            gc.collect()  # before the next point allocates (a pass over a heap of torch and
+            #               a model costs 0.3-0.8 s here, so only then)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return pd.DataFrame(rows, columns=TIMED)
 
 
 def _train_point(steps: Sequence[AccumStep], micro: int, accum: int, repeats: int,
                  warmup_steps: int, memory: PeakMemory) -> list[dict[str, Any]]:
-    """The timed rows of one point: each step reset and warmed up, then timed in turn."""
+    """The timed rows of one point: each step reset and warmed up, then timed in turn; the
+    step's peak memory watched over its last warm-up step (its first timed one without any),
+    so no timed step carries the watch's hooks."""
     from diag.machine.device import sync
 
     device = steps[0].device
@@ -152,35 +193,105 @@ def _train_point(steps: Sequence[AccumStep], micro: int, accum: int, repeats: in
         for step in steps:
             step.reset()  # every point starts from the same weights
             batches.append(stack.enter_context(step.batches(micro)))
-        memory.reset()
         warm = [0.0] * len(steps)
-        for _ in range(warmup_steps):
+        peak = [math.nan] * len(steps)
+        for n in range(warmup_steps):
             for i, step in enumerate(steps):
                 sync(device)  # note: sync point: the clock starts on an idle device
                 start = time.perf_counter()
-                _optimizer_step(step, batches[i], accum)
-                sync(device)  # note: sync point: warm-up (and compile) kernels billed to warm-up
+                with memory.watch(step) if n == warmup_steps - 1 else contextlib.nullcontext():
+                    _optimizer_step(step, batches[i], accum, memory)
+                    sync(device)  # note: sync point: warm-up (and compile) billed to warm-up
                 warm[i] += time.perf_counter() - start
+                peak[i] = memory.last_gb if n == warmup_steps - 1 else peak[i]
         rows = []
         for repeat in range(repeats):
             for i, step in enumerate(steps):
-                memory.reset()
-                start = time.perf_counter()
-                data_s = _optimizer_step(step, batches[i], accum)
-                sync(device)  # note: sync point: the step's queued kernels finish inside its time
+                watch = not warmup_steps and repeat == 0
+                with memory.watch(step) if watch else contextlib.nullcontext():
+                    start = time.perf_counter()
+                    data_s = _optimizer_step(step, batches[i], accum, memory if watch else None)
+                    sync(device)  # note: sync point: the step's kernels finish inside its time
+                    seconds = time.perf_counter() - start
+                peak[i] = memory.last_gb if watch else peak[i]
                 rows.append({"step": i, "micro_batch": micro, "grad_accum": accum,
-                             "status": "ok", "repeat": repeat,
-                             "seconds_per_step": time.perf_counter() - start, "data_s": data_s,
-                             "peak_mem_gb": memory.gb(), "growth_gb": memory.growth_gb(),
-                             "warmup_s": warm[i]})
-    return rows
+                             "status": "ok", "repeat": repeat, "seconds_per_step": seconds,
+                             "data_s": data_s, "warmup_s": warm[i]})
+    return [{**r, "peak_mem_gb": peak[r["step"]]} for r in rows]
 
 
-def _optimizer_step(step: AccumStep, batches: Iterator[Any], accum: int) -> float:
+def samples(timed: pd.DataFrame) -> dict[tuple[int, int, int], list[float]]:
+    """Seconds per step of each (step, micro_batch, grad_accum) that ran, in timed order."""
+    ok = timed[timed["status"] == "ok"]
+    return {(int(i), int(m), int(a)): list(g["seconds_per_step"])
+            for (i, m, a), g in ok.groupby(["step", "micro_batch", "grad_accum"], sort=False)}
+
+
+def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
+           pending: Callable[[dict[tuple[int, int, int], list[float]]], Sequence[Any]], *,
+           budget_s: float) -> tuple[pd.DataFrame, float]:
+    """Rounds for the finalists a screen left unresolved: `pending(samples)` names the
+    (step, micro_batch, grad_accum) keys still to settle (empty: done), judged on the screen's
+    samples and the rounds' together. A round times one optimizer step of each finalist, each
+    reset to its starting weights first (no warm-up again: the screen paid it, and AdamW's
+    first-step state falls in every finalist's sample alike), interleaved, the order turned
+    every round; rounds go on until settled, or `budget_s` is spent once each side holds
+    MIN_SAMPLES (diag.timing.noise.Rounds). Returns the rows with the rounds' appended (their
+    memory and warm-up the screen's), and the seconds the rounds took."""
+    import pandas as pd
+
+    from diag.machine.device import sync
+    from diag.timing.noise import MIN_SAMPLES, Rounds
+
+    screen = samples(timed)
+    keys = [k for k in dict.fromkeys(pending(screen)) if k in screen]
+    fewest = min((len(v) for v in screen.values()), default=0)
+    if not keys and fewest >= MIN_SAMPLES:
+        return timed, 0.0
+    keys = keys or list(screen)  # too few samples: every side gets its share
+    turn, waited = [0], {k: [] for k in keys}
+
+    def one_round() -> list[float]:
+        order = keys if turn[0] % 2 == 0 else keys[::-1]
+        turn[0] += 1
+        got = {}
+        for key in order:
+            i, micro, accum = key
+            steps[i].reset()
+            sync(steps[i].device)  # note: sync point: the clock starts on an idle device
+            start = time.perf_counter()
+            waited[key].append(_optimizer_step(steps[i], iters[key], accum))
+            sync(steps[i].device)  # note: sync point: the step's kernels finish inside its time
+            got[key] = time.perf_counter() - start
+        return [got[k] for k in keys]
+
+    def unsettled(rounds: list[list[float]]) -> bool:
+        merged = {k: screen[k] + (rounds[keys.index(k)] if k in keys else []) for k in screen}
+        return any(k in keys for k in pending(merged))
+
+    with contextlib.ExitStack() as stack:
+        iters = {k: stack.enter_context(steps[k[0]].batches(k[1])) for k in keys}
+        rounds = Rounds(one_round, unsettled, budget_s=budget_s,
+                        min_rounds=max(1, MIN_SAMPLES - fewest))
+        got = rounds.run()
+    first = timed[timed["status"] == "ok"].groupby(["step", "micro_batch"]).first()
+    rows = [{"step": i, "micro_batch": m, "grad_accum": a, "status": "ok",
+             "repeat": len(screen[(i, m, a)]) + n, "seconds_per_step": seconds,
+             "data_s": waited[(i, m, a)][n],
+             "peak_mem_gb": first.at[(i, m), "peak_mem_gb"],
+             "warmup_s": first.at[(i, m), "warmup_s"], "detail": ""}
+            for (i, m, a), side in zip(keys, got, strict=True) for n, seconds in enumerate(side)]
+    return pd.concat([timed, pd.DataFrame(rows, columns=TIMED)], ignore_index=True), \
+        rounds.spent_s
+
+
+def _optimizer_step(step: AccumStep, batches: Iterator[Any], accum: int,
+                    memory: PeakMemory | None = None) -> float:
     """One optimizer step of `accum` micro-steps; returns the seconds blocked on batches.
 
     No sync inside: on CUDA the host queues micro-step after micro-step while the device runs,
     and a prefetched batch's copy is queued behind them (`data_s` is host time spent waiting).
+    `memory` (PeakMemory) counts what each micro-step saves for backward.
     """
     data_s = 0.0
     for i in range(accum):
@@ -188,7 +299,8 @@ def _optimizer_step(step: AccumStep, batches: Iterator[Any], accum: int) -> floa
         batch = next(batches)
         data_s += time.perf_counter() - t
         # DDP: only the last micro-step all-reduces; the others accumulate locally
-        with step.no_sync() if i < accum - 1 else contextlib.nullcontext():
+        with step.no_sync() if i < accum - 1 else contextlib.nullcontext(), \
+                memory.micro_step() if memory else contextlib.nullcontext():
             step.backward(batch, 1.0 / accum)  # the mean over the whole step's tokens
     step.update()
     return data_s

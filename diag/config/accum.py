@@ -25,7 +25,8 @@ class AccumConfig(ExperimentConfig):
     micro_batches: list[int] = field(default_factory=list)  # sequences per forward; []
                                                             # = every power of two up to
                                                             # tokens_per_step / seq_len
-    steps: int = 3  # timed optimizer steps per point; more is steadier and slower
+    steps: int = 5  # timed optimizer steps per point; 5 is the fewest a gap between two
+                    # points can resolve with (diag.timing.noise); more settles closer ones
     warmup_steps: int = 1  # untimed first steps per point (allocator,
                            # kernels, compile): reported as warmup_s
     model: str = "tiny"  # "tiny": the embedded Llama (CPU-sized);
@@ -45,13 +46,13 @@ class AccumConfig(ExperimentConfig):
     slow_ms: float = 0.0  # the extra per-micro-batch sleep of slow_rank, in milliseconds
 
     QUICK: ClassVar[dict[str, Any]] = {"tokens_per_step": 1024, "seq_len": 64,
-                                       "micro_batches": [2, 16], "steps": 2}
+                                       "micro_batches": [2, 16], "steps": 5}
     # the lent H200's shape (issue 11): GPT-2 small, block 1024, 131k tokens per step
     GPU: ClassVar[dict[str, Any]] = {"model": "gpt2-small", "seq_len": 1024,
                                      "tokens_per_step": 131072, "micro_batches": [8, 16, 32, 64]}
     # `diag run --no-qlora` on a CPU: three points span the trade-off (the seed's many small
     # micro-batches, the middle, one large one); every power of two costs minutes, no finding
-    CPU: ClassVar[dict[str, Any]] = {"micro_batches": [2, 8, 32], "steps": 2}
+    CPU: ClassVar[dict[str, Any]] = {"micro_batches": [2, 8, 32], "steps": 5}
 
     def validate(self) -> None:
         name = type(self).__name__

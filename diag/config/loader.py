@@ -37,10 +37,11 @@ class LoaderConfig(RecordFields):
     model_params_b: float = 1.1  # model size for the GPU estimate, billions of parameters
     mfu: float = 0.4  # model FLOPs utilization assumed by the
                       # GPU estimate; lower means a longer step
-    steps: int = 20  # steady-state steps timed per setting, after the
-                     # first batch and the prefetch; more is steadier
-    repeats: int = 2  # epochs per setting on one DataLoader;
-                      # persistent_workers keeps workers across them
+    steps: int = 8  # steady-state steps timed per setting, after the
+                    # first batch and the prefetch; more is steadier
+    repeats: int = 5  # epochs per setting on one DataLoader (persistent_workers keeps
+                      # workers across them): the samples the decision compares, 5 the
+                      # fewest a gap resolves with (diag.timing.noise)
     pin_memory: bool = True  # page-locked batches for a faster h2d copy (CUDA only)
     persistent_workers: bool = True  # keep workers across epochs instead of restarting them
     prefetch_factor: int = 2  # batches each worker prepares ahead;
@@ -61,9 +62,9 @@ class LoaderConfig(RecordFields):
     QUICK: ClassVar[dict[str, Any]] = {"workers": [0, 1, 2], "batch_size": 4, "seq_len": 128,
                                        "steps": 6, "repeats": 1, "profile_samples": 30,
                                        "step_ms": 20.0}
-    # `diag run --no-qlora`: one pass of 6 steady steps per setting (after the prefetch),
-    # against the target GPU's step
-    RUN: ClassVar[dict[str, Any]] = {"steps": 6, "repeats": 1}
+    # `diag run --no-qlora`: five passes of 2 steady steps per setting (after the prefetch),
+    # against the target GPU's step: five samples a setting for the decision
+    RUN: ClassVar[dict[str, Any]] = {"steps": 2, "repeats": 5}
 
     def validate(self) -> None:
         super().validate()  # the record fields

@@ -44,7 +44,10 @@ class JobConfig(SourceConfig):
         # 4 divisors of the job's rows per step, 1 and the largest among them
     sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # num_workers
         # the loader sweep tries against the job's step
-    sweep_steps: int = 2  # timed steps per sweep point on the job (after one warm-up)
+    sweep_steps: int = 5  # timed steps screening each sweep point on the job (after one
+        # warm-up); 5 (diag.timing.noise.MIN_SAMPLES) is the fewest a gap can resolve with
+    decide_budget_s: float = 60.0  # seconds the decisions may spend re-timing the points
+        # the screen left within noise of each other (0: screen only); more settles closer gaps
 
     # what a resumed run must share with the run it continues (the other fields: how it runs)
     IDENTITY: ClassVar[tuple[str, ...]] = (
@@ -74,6 +77,11 @@ class JobConfig(SourceConfig):
             raise ValueError(f"{type(self).__name__}.sweep_workers=[]: name at least one "
                              "num_workers")
         self._non_negative("warmup_steps", "lora_dropout", "checkpoint_every", "seed")
+        budget = self.decide_budget_s
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (
+                0 <= budget < float("inf")):
+            raise ValueError(f"{type(self).__name__}.decide_budget_s={budget!r}: must be a "
+                             "finite number of seconds >= 0")
         self._device()
         if not self.lora_dropout < 1:
             raise ValueError(f"{type(self).__name__}.lora_dropout={self.lora_dropout!r}: must "
@@ -99,12 +107,13 @@ class QLoraConfig(JobConfig):
     # --quick (tests, a smoke run): one round of each plan, a quick look with no spread
     QUICK: ClassVar[dict[str, Any]] = {"records": 12, "steps": 3, "seq_len": 96, "lora_r": 8,
                                        "lora_alpha": 16, "sweep_workers": [0, 2],
-                                       "sweep_steps": 1, "rounds": 1}
-    # `diag run`: the sweeps on the job quick-sized (one timed step per point), so the demo
-    # stays a demo; `diag qlora` runs the defaults above. Smaller rounds (32 records, 4 steps),
-    # never fewer of them: the headline's spread over 3 rounds says whether the gap resolved
-    RUN: ClassVar[dict[str, Any]] = {"sweep_workers": [0, 2], "sweep_steps": 1, "records": 32,
-                                     "steps": 4, "rounds": 3}
+                                       "decide_budget_s": 20.0, "rounds": 1}
+    # `diag run`: the sweeps on the job with two loader settings and a smaller decide budget,
+    # so the demo stays a demo; `diag qlora` runs the defaults above. Smaller rounds (32
+    # records, 4 steps), never fewer of them: the headline's spread over 3 rounds says whether
+    # the gap resolved
+    RUN: ClassVar[dict[str, Any]] = {"sweep_workers": [0, 2], "decide_budget_s": 30.0,
+                                     "records": 32, "steps": 4, "rounds": 3}
 
     def validate(self) -> None:
         super().validate()

@@ -46,7 +46,7 @@ class TrainConfig(JobConfig):
     QUICK: ClassVar[dict[str, Any]] = {"records": 48, "batch_size": 8, "eval_share": 0.1,
                                        "eval_batch": 4, "seq_len": 96, "lora_r": 8,
                                        "lora_alpha": 16, "sweep_workers": [0, 2],
-                                       "sweep_steps": 1}
+                                       "decide_budget_s": 20.0}
     IDENTITY: ClassVar[tuple[str, ...]] = (*JobConfig.IDENTITY, "plan", "records", "epochs",
                                            "max_steps", "batch_size", "lr_schedule",
                                            "lr_warmup", "eval_share", "eval_batch")

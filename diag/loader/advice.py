@@ -182,9 +182,11 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
            measured_on: MeasuredOn | None = None) -> tuple[Decision, ...]:
     """pipeline, num_workers, pin_memory, persistent_workers, prefetch_factor from the sweep.
 
-    The pipeline serving more real tokens/s (packed unless naive is faster), then
-    choose_workers within it. A setting the sweep never varied is a labelled default (the
-    value it ran with is no evidence for it); a sweep where every point failed gives defaults.
+    The pipeline serving more real tokens/s where its gap to naive is resolved, then
+    choose_workers within it, kept to the baseline's workers unless the lower wait is resolved
+    (the repeats' rows compared by diag.timing.noise). A setting the sweep never varied is a
+    labelled default (the value it ran with is no evidence for it); a sweep where every point
+    failed gives defaults.
     """
     ok = _good(sweep) if sweep is not None else None
     if ok is None or ok.empty:
@@ -195,26 +197,25 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
     on = measured_on or MeasuredOn(step=str(ok["consumer"].iloc[0]) if "consumer" in ok else "",
                                    seq_len=int(ok["seq_len"].iloc[0]) if "seq_len" in ok else None)
     rates = ok.groupby("pipeline")["tokens_per_s"].median()
-    fast = [p for p in rates.index if p != "naive"]
-    keeps = fast and ("naive" not in rates.index or rates[fast].max() >= rates["naive"])
-    pipeline = str(rates[fast].idxmax()) if keeps else "naive"
+    pipeline, pipe_note, pipe_sure = _pipeline(ok, rates)
     mine = ok[ok["pipeline"] == pipeline]
     by = _medians(mine)
     workers, why = choose_workers(by, goal)
     base_w = 0 if 0 in by.index else int(min(by.index))
+    workers, why, sure = _resolved_workers(mine, base_w, workers, why)
     common = {"source": "loader", "measured_on": on, "stage": "data_wait", "per": "step"}
     out = [Decision.from_rows("num_workers", workers, f"{pipeline} pipeline: {why}", mine,
                               baseline=0, baseline_s=float(by.loc[base_w, "data_wait_s"]) if
                               base_w == 0 else None, chosen_s=float(by.loc[workers, "data_wait_s"]),
-                              **common)]
+                              **sure, **common)]
     naive = _medians(ok[ok["pipeline"] == "naive"]) if "naive" in rates else None
     pipe_rows = ok[ok["num_workers"] == workers]
     out.append(Decision.from_rows(
         "pipeline", pipeline, "real tokens/s per pipeline (medians): " + ", ".join(
-            f"{p} {r:,.0f}" for p, r in rates.items()), pipe_rows, baseline="naive",
+            f"{p} {r:,.0f}" for p, r in rates.items()) + pipe_note, pipe_rows, baseline="naive",
         baseline_s=float(naive.loc[workers, "data_wait_s"]) if naive is not None
         and workers in naive.index else None, chosen_s=float(by.loc[workers, "data_wait_s"]),
-        **common))
+        **pipe_sure, **common))
     chosen = mine[mine["num_workers"] == workers]
     for setting, default in _knobs(workers).items():
         values = mine[setting].dropna().unique() if setting in mine else []
@@ -231,6 +232,45 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
             out.append(Decision.default(setting, default, f"not varied by the sweep{ran}: the "
                                         "documented default", source="loader"))
     return tuple(out)
+
+
+def _pipeline(ok: pd.DataFrame, rates: pd.Series) -> tuple[str, str, dict[str, Any]]:
+    """The pipeline serving more real tokens/s (seconds per token compared by
+    diag.timing.noise): another than naive only where its gap to naive is resolved; the
+    note for the why, and how sure it is (Decision's samples, spread, resolved)."""
+    from diag.timing.noise import choose, spread
+
+    per_token = {p: list(1 / g["tokens_per_s"]) for p, g in ok.groupby("pipeline")}
+    if "naive" not in per_token:  # nothing to keep: the fastest of those swept
+        return str(rates.idxmax()), "", {}
+    pick = choose(per_token, "naive")
+    gap = pick.against
+    if gap is None:
+        return "naive", "", {}
+    sides = (pick.best, pick.rival) if pick.value == pick.best else (pick.value, pick.best)
+    return str(pick.value), f"; seconds per token, {gap.describe()}", {
+        "samples": tuple(len(per_token[p]) for p in sides),
+        "spread": tuple(spread(per_token[p]) for p in sides), "resolved": pick.resolved}
+
+
+def _resolved_workers(rows: pd.DataFrame, base: int, workers: int, why: str
+                      ) -> tuple[int, str, dict[str, Any]]:
+    """choose_workers' pick stands where its data_wait is resolved below `base` workers' (the
+    repeats' waits, diag.timing.noise); else `base` is kept, within noise."""
+    from diag.timing.noise import compare, spread
+
+    waits = {w: list(g["data_wait_s"]) for w, g in rows.groupby("num_workers")}
+    if workers == base:  # nothing to resolve: the baseline itself
+        mine = waits[base]
+        return workers, f"{why} ({len(mine)} samples, spread {spread(mine):.0%})", {
+            "samples": (len(mine),), "spread": (spread(mine),)}
+    gap = compare(waits[workers], waits[base])
+    sure = {"samples": (len(waits[workers]), len(waits[base])),
+            "spread": (spread(waits[workers]), spread(waits[base])), "resolved": gap.resolved}
+    if gap.faster == "a":
+        return workers, f"{why}; against {base} workers' wait: {gap.describe()}", sure
+    return base, (f"{base} workers kept: {workers} would be picked ({why}), but its wait "
+                  f"against {base} workers' is {gap.describe()}"), {**sure, "resolved": False}
 
 
 def _knobs(workers: int) -> dict[str, Any]:

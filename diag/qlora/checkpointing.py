@@ -2,15 +2,16 @@
 
 diag.qlora.measure.checkpointing_on_job runs the job's step (QLoraStep: nf4 base + LoRA, forward,
 backward, AdamW) with checkpointing on and off, alternating step by step after one warm-up each,
-one row per timed step (COLUMNS): seconds and the step's own peak memory (CUDA max allocated over
-what was allocated before; on CPU the resident set's growth during the step, not the
-interpreter's). `decide(frame, device)` turns it off when the peak without it stays under
-CHECKPOINTING_HEADROOM of the memory it lives in (else on); the on/off seconds price the choice.
+re-timed in rounds while `pending` (diag.timing.noise), one row per timed step (COLUMNS): seconds
+and the step's own peak memory (diag.accum.PeakMemory). `decide(frame, device)` turns it off when
+the peak without it stays under CHECKPOINTING_HEADROOM of the memory it lives in and off is
+resolved faster; the on/off seconds price the choice.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,45 +44,96 @@ def memory_gb(device: str) -> tuple[float, str]:
 
 
 def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: MeasuredOn | None = None,
-           memory: tuple[float, str] | None = None, naive_micro_batch: int | None = None
-           ) -> tuple[Decision, ...]:
+           memory: tuple[float, str] | None = None, naive_micro_batch: int | None = None,
+           repeats_s: float | None = None) -> tuple[Decision, ...]:
     """`gradient_checkpointing` from the on/off rows; absent or failed: on for CUDA (the safe
-    default), off on CPU (activations only grow host RAM), labelled default. The rows at
-    `naive_micro_batch` give its `naive_ratio` (on/off seconds a naive step pays)."""
+    default), off on CPU (activations only grow host RAM), labelled default. Off only where the
+    step's peak without it fits (CHECKPOINTING_HEADROOM) and off is resolved faster
+    (diag.timing.noise); within noise the naive plan's on is kept. On resolved faster than off
+    cannot be (recomputing adds work): after re-measuring (`pending`), the default, said so,
+    and no ratio is priced. `naive_ratio`: on/off seconds at `naive_micro_batch` where resolved
+    (1.0 within noise)."""
+    from diag.timing.noise import compare, spread
+
     cuda = str(device).startswith("cuda")
+    fallback = ("on, the safe default on CUDA" if cuda else
+                "off, on CPU activations live in host RAM")
     usable = frame is not None and not frame.empty and {True, False} <= set(
         frame["gradient_checkpointing"].astype(bool))
     if not usable:
         why = ("checkpointing frame absent" if frame is None or frame.empty else
                "checkpointing was not timed both on and off")
-        return (Decision.default("gradient_checkpointing", cuda,
-                                 f"{why}: " + ("on, the safe default on CUDA" if cuda else
-                                               "off, on CPU activations live in host RAM"),
+        return (Decision.default("gradient_checkpointing", cuda, f"{why}: {fallback}",
                                  source="checkpointing"),)
     # decided at the plan's micro-batch, the largest timed; the naive micro-batch's on/off
     # ratio prices the naive step's checkpointing (diag.qlora.predict)
     sized = "micro_batch" in frame.columns
     top = frame[frame["micro_batch"] == frame["micro_batch"].max()] if sized else frame
-    on_s, off_s = _medians(top)
-    naive_on, naive_off = _medians(frame[frame["micro_batch"] == naive_micro_batch] if sized
-                                   else frame.iloc[:0])
+    on, off = _sides(top)
+    if min(statistics.median(on), statistics.median(off)) <= 0:  # no timing: no evidence
+        return (Decision.default("gradient_checkpointing", cuda, "a checkpointing side took "
+                                 f"no time: {fallback}", source="checkpointing"),)
+    gap = compare(on, off)
+    if gap.faster == "a":
+        return (Decision.default("gradient_checkpointing", cuda, (
+            f"on measured faster than off ({gap.describe()}) after re-measuring, which "
+            f"recomputing cannot be: no timing prices it; {fallback}"), source="checkpointing"),)
     peak = float(top.loc[~top["gradient_checkpointing"].astype(bool), "peak_mem_gb"].max())
     total, where = memory or memory_gb(device)
-    # recomputing activations never makes a step faster, it only saves memory: off wherever
-    # the step's peak without it fits; the timings are what that is worth (noisy on a shared
-    # machine, so they price the choice and do not make it). An unreadable peak: no evidence.
-    choice = not (not math.isnan(peak) and peak <= CHECKPOINTING_HEADROOM * total)
-    why = (f"on {on_s:.3g} s vs off {off_s:.3g} s per step; the step's peak without it "
-           f"{peak:.3g} GB of {total:.3g} GB {where} (limit {CHECKPOINTING_HEADROOM:.0%}) -> "
-           f"{'on' if choice else 'off'}")
+    # recomputing activations never makes a step faster, it only saves memory: off where the
+    # step's peak without it fits and the time it saves is real; an unreadable peak: no evidence
+    fits = not math.isnan(peak) and peak <= CHECKPOINTING_HEADROOM * total
+    choice = not (fits and gap.resolved)
+    on_s, off_s = statistics.median(on), statistics.median(off)
+    why = (f"on {on_s:.3g} s vs off {off_s:.3g} s per step: {gap.describe()}; the step's peak "
+           f"without it {peak:.3g} GB of {total:.3g} GB {where} (limit "
+           f"{CHECKPOINTING_HEADROOM:.0%}) -> {'on' if choice else 'off'}"
+           + (" (the naive plan's, kept)" if fits and choice else ""))
+    ratio, note = _naive_ratio(frame[frame["micro_batch"] == naive_micro_batch] if sized
+                               else frame.iloc[:0], naive_micro_batch)
+    why += note
+    if repeats_s:
+        why += f"; {repeats_s:.2g} s re-timing"
     return (Decision.from_rows("gradient_checkpointing", choice, why, frame,
                                source="checkpointing", measured_on=measured_on, baseline=True,
                                stage="compute", per="step", baseline_s=on_s,
-                               chosen_s=on_s if choice else off_s,
-                               naive_ratio=naive_on / naive_off if naive_off > 0 else None),)
+                               chosen_s=on_s if choice else off_s, naive_ratio=ratio,
+                               samples=(len(on), len(off)), spread=(spread(on), spread(off)),
+                               resolved=gap.resolved, repeats_s=repeats_s),)
 
 
-def _medians(rows: pd.DataFrame) -> tuple[float, float]:
-    """Median step seconds with checkpointing on and off (NaN where a side has no row)."""
+def _naive_ratio(naive: pd.DataFrame, micro: int | None) -> tuple[float | None, str]:
+    """On/off seconds at the naive micro-batch where the gap resolved (1.0 within noise; None
+    where a side is missing, took no time or was the impossible one), and the why's note."""
+    from diag.timing.noise import compare
+
+    if not {True, False} <= set(naive["gradient_checkpointing"].astype(bool)):
+        return None, ""
+    on, off = _sides(naive)
+    at = compare(on, off) if min(statistics.median(on), statistics.median(off)) > 0 else None
+    ratio = (None if at is None or at.faster == "a" else
+             statistics.median(on) / statistics.median(off) if at.resolved else 1.0)
+    return ratio, (f"; at the naive micro-batch {micro}: "
+                   + (at.describe() if at else "a side took no time")
+                   + (", no ratio priced" if ratio is None else ""))
+
+
+def pending(samples: dict[tuple[int, int, int], list[float]]) -> list[tuple[int, int, int]]:
+    """The (step, micro_batch, 1) keys to re-time (step 0: on, 1: off): at each micro-batch a
+    gap not yet resolved, or resolved the impossible way (on faster)."""
+    from diag.timing.noise import compare
+
+    out = []
+    for micro in sorted({m for _, m, _ in samples}):
+        on, off = samples.get((0, micro, 1)), samples.get((1, micro, 1))
+        if on and off:
+            gap = compare(on, off)
+            if not gap.resolved or gap.faster == "a":
+                out += [(0, micro, 1), (1, micro, 1)]
+    return out
+
+
+def _sides(rows: pd.DataFrame) -> tuple[list[float], list[float]]:
+    """Step seconds with checkpointing on, and off."""
     flag = rows["gradient_checkpointing"].astype(bool)
-    return tuple(float(rows.loc[flag == v, "seconds"].median()) for v in (True, False))
+    return list(rows.loc[flag, "seconds"]), list(rows.loc[~flag, "seconds"])

@@ -137,25 +137,29 @@ def micro_candidates(rows_per_step: int, most: int = 4) -> list[int]:
     return sorted(picks)
 
 
-def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | None = None
-                 ) -> AccumResult:
+def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | None = None,
+                 budget_s: float | None = None) -> AccumResult:
     """micro_batch x grad_accum == the job's rows per step on the job's step (checkpointing
-    off: its own measurement prices it), through diag.accum's harness (one warm-up step, then
-    cfg.sweep_steps timed ones per point); summarized and decided by diag.accum."""
+    off: its own measurement prices it), through diag.accum's harness: every point screened
+    (one warm-up step, then cfg.sweep_steps timed ones), then the fastest and those within
+    noise of it re-timed in rounds (diag.accum.retime) until resolved or `budget_s` (default:
+    half of cfg.decide_budget_s) is spent; summarized and decided by diag.accum."""
     import pandas as pd
 
-    from diag.accum import AccumResult, accum_frame, advice, decide, summarize, train_points
+    from diag.accum import AccumResult, accum_frame, advice, decide, retime, summarize, train_points
+    from diag.timing.noise import unresolved
 
     rows_per_step = job.rows_per_step
     micro_batches = micro_batches or cfg.sweep_micro_batches or micro_candidates(rows_per_step)
     bad = [m for m in micro_batches if rows_per_step % m]
     if bad:
-        raise ValueError(f"QLoraConfig.sweep_micro_batches={bad}: must divide the job's "
+        raise ValueError(f"{type(cfg).__name__}.sweep_micro_batches={bad}: must divide the job's "
                          f"{rows_per_step} rows per step; allowed: "
                          + ", ".join(map(str, micro_candidates(rows_per_step, rows_per_step))))
-    timed = train_points([QLoraStep(cfg, job.model_dir, job.device)],
-                         [(m, rows_per_step // m) for m in micro_batches],
+    steps = [QLoraStep(cfg, job.model_dir, job.device)]
+    timed = train_points(steps, [(m, rows_per_step // m) for m in micro_batches],
                          repeats=cfg.sweep_steps, warmup_steps=1, desc="accum sweep on the job")
+    timed, spent = retime(steps, timed, unresolved, budget_s=_budget(cfg, budget_s))
     tokens = rows_per_step * cfg.seq_len
     # no floor or MFU here: the QLoRA step's FLOPs are diag.qlora.mfu's own
     frame = accum_frame(timed, tokens, detail=job_label(cfg))
@@ -163,18 +167,27 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
     on = _on(cfg, job, f"the QLoRA step, {rows_per_step} rows per optimizer step "
                        "(checkpointing off)", tokens_per_step=tokens)
     return AccumResult(frame, summary, pd.DataFrame(), advice(summary, cfg.steps),
-                       decide(summary, on))
+                       decide(frame, on, repeats_s=spent))
 
 
-def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> CheckpointingResult:
+def _budget(cfg: QLoraConfig, budget_s: float | None) -> float:
+    """The seconds one decision's rounds may take: given, else half the job's decide budget
+    (micro-batch and checkpointing re-time; the loader's repeats are its screen)."""
+    return cfg.decide_budget_s / 2 if budget_s is None else budget_s
+
+
+def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
+                         budget_s: float | None = None) -> CheckpointingResult:
     """Checkpointing on vs off on the job's step (diag.qlora.checkpointing) at `micro` and at
     the naive plan's micro-batch (the naive step's own on/off ratio: recomputing costs another
     share there), through diag.accum's harness: the two alternate step by step, so a load
-    change on a shared machine hits both. A point that ran out of memory leaves no row."""
+    change on a shared machine hits both, then are re-timed in rounds while a gap is unresolved
+    or impossible (checkpointing.pending), within `budget_s` (default: half of
+    cfg.decide_budget_s). A point that ran out of memory leaves no row."""
     import pandas as pd
 
-    from diag.accum import train_points
-    from diag.qlora.checkpointing import COLUMNS, CheckpointingResult, decide
+    from diag.accum import retime, train_points
+    from diag.qlora.checkpointing import COLUMNS, CheckpointingResult, decide, pending
     from diag.qlora.plans import Plan
 
     naive = Plan.naive().micro_batch
@@ -182,14 +195,15 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> Checkp
              for on in (True, False)]
     timed = train_points(steps, [(m, 1) for m in sorted({naive, micro})],
                          repeats=cfg.sweep_steps, warmup_steps=1, desc="checkpointing on/off")
+    timed, spent = retime(steps, timed, pending, budget_s=_budget(cfg, budget_s))
     ok = timed[timed["status"] == "ok"]
     frame = pd.DataFrame({"gradient_checkpointing": ok["step"] == 0,
                           "micro_batch": ok["micro_batch"], "seq_len": cfg.seq_len,
-                          "seconds": ok["seconds_per_step"], "peak_mem_gb": ok["growth_gb"],
+                          "seconds": ok["seconds_per_step"], "peak_mem_gb": ok["peak_mem_gb"],
                           "repeat": ok["repeat"]}, columns=COLUMNS).reset_index(drop=True)
     on = _on(cfg, job, f"the QLoRA step, micro-batch {micro}")
     return CheckpointingResult(frame, decide(frame, str(job.device), on,
-                                             naive_micro_batch=naive))
+                                             naive_micro_batch=naive, repeats_s=spent))
 
 
 def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> LoaderResult:
@@ -198,6 +212,7 @@ def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> LoaderResult:
     step measured, the profile is the naive pipeline's."""
     from diag.config import LoaderConfig
     from diag.loader import run_loader
+    from diag.timing.noise import MIN_SAMPLES
 
     step = QLoraStep(cfg, job.model_dir, job.device)
     label = f"the QLoRA step, micro-batch {micro} x {cfg.seq_len} tokens"
@@ -205,7 +220,8 @@ def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> LoaderResult:
         quick=True, device=cfg.device, consumer="model", data=str(job.data_path),
         **cfg.record_fields(),  # the records the job trains on, read with its fields
         tokenizer=str(job.model_dir), batch_size=micro, seq_len=cfg.seq_len,
-        workers=list(cfg.sweep_workers), steps=max(2, cfg.sweep_steps * 2), repeats=1,
+        # MIN_SAMPLES repeats of a short epoch each: the decision compares their waits
+        workers=list(cfg.sweep_workers), steps=2, repeats=max(MIN_SAMPLES, cfg.sweep_steps),
         run_steps=cfg.steps)
     return run_loader(loader_cfg, step=(step, float("nan"), label),
                       measured_on=_on(cfg, job, label), emulate_stalls=True)
@@ -213,10 +229,11 @@ def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> LoaderResult:
 
 def measure_on_job(cfg: QLoraConfig, job: JobInputs) -> tuple[Decision, ...]:
     """The three measurements in order (accum picks the micro-batch the others run at), and
-    their decisions."""
+    their decisions; checkpointing's rounds get what accum's left of cfg.decide_budget_s."""
     accum = accum_on_job(cfg, job)
     (micro,) = (d.value for d in accum.decisions)  # diag.accum decides micro_batch alone
-    ckpt = checkpointing_on_job(cfg, job, micro)
+    spent = accum.decisions[0].repeats_s or 0.0
+    ckpt = checkpointing_on_job(cfg, job, micro, budget_s=max(0.0, cfg.decide_budget_s - spent))
     return (*accum.decisions, *ckpt.decisions, *loader_on_job(cfg, job, micro).decisions)
 
 

@@ -11,7 +11,9 @@ by its size. An unresolved comparison keeps the simpler setting (the caller's de
 
 `Rounds` drives the repeats: a measurement round gives one sample per side (interleaved, so a
 load change hits both); rounds go on until every comparison the caller asks about is resolved, or
-`max_rounds`, or the time budget is spent.
+`max_rounds`, or the time budget is spent. `unresolved(samples)` names the sides a round should
+re-time (those not resolved from the fastest); `choose(samples, default)` is the decision: the
+fastest side where its gap to the default is resolved, else the default.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 # A difference is real when two same-distributed sides show a gap this large this seldom. 1%, not
 # 5%: `Rounds` looks after every round, and each look is another chance of a false "resolved"
@@ -99,6 +102,52 @@ class Comparison:
 
 def compare(a: Sequence[float], b: Sequence[float]) -> Comparison:
     return Comparison(tuple(a), tuple(b))
+
+
+def fastest(samples: Mapping[Hashable, Sequence[float]]) -> Any:
+    """The side with the lowest median (the first listed among equals)."""
+    return min(samples, key=lambda k: statistics.median(samples[k]))
+
+
+def unresolved(samples: Mapping[Hashable, Sequence[float]]) -> list[Any]:
+    """The sides whose gap to the fastest is not resolved (empty: every gap is real); the
+    fastest is listed first when any is, so a round re-times it beside them."""
+    best = fastest(samples)
+    tied = [k for k in samples if k != best and not compare(samples[best], samples[k]).resolved]
+    return [best, *tied] if tied else []
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What `choose` decided: `value`, the fastest side `best`, the sides within noise of it
+    (`tied`) and `against`: the fastest (a) against `rival` (b): the default, or, when the
+    default is the fastest, the runner-up (None: one side only)."""
+
+    value: Any
+    default: Any
+    best: Any
+    tied: tuple[Any, ...]
+    against: Comparison | None
+    rival: Any = None
+
+    @property
+    def resolved(self) -> bool:
+        """The choice rests on a real gap (a kept default that is the fastest: to its runner-up)."""
+        return self.against is not None and self.against.resolved
+
+
+def choose(samples: Mapping[Hashable, Sequence[float]], default: Hashable) -> Choice:
+    """The fastest side when its gap to `default` is resolved, else `default` (kept: the
+    simpler setting); `default` must be one of the sides."""
+    best = fastest(samples)
+    tied = tuple(k for k in unresolved(samples) if k != best)
+    if best != default:
+        gap = compare(samples[best], samples[default])
+        return Choice(best if gap.resolved else default, default, best, tied, gap, default)
+    others = {k: v for k, v in samples.items() if k != default}
+    runner = fastest(others) if others else None
+    return Choice(default, default, best, tied,
+                  compare(samples[default], others[runner]) if others else None, runner)
 
 
 class Rounds:
