@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from diag.config import StorageConfig
 
 COLUMNS = ["method", "source", "cache_state", "bytes", "seconds", "mb_per_s", "ttfb_s", "repeat",
-           "files", "detail", "resident_fraction", "local_disk", "extrapolated_s",
-           "dataset_bytes", "dataset_files", "sampled"]
+           "files", "detail", "resident_fraction", "extrapolated_s", "dataset_bytes",
+           "dataset_files", "sampled", "local_disk"]
 
 
 @dataclass(frozen=True)
