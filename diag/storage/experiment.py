@@ -79,15 +79,20 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
     rows = frame[(frame["method"] == "boto3_default") | cold_read
                  | ((frame["method"] == "land") & (frame["cache_state"] == "hit"))]
     choice = "land" if hit_s < pull_s else "pull"
-    sampled = str(frame["sampled"].iloc[0]) if "sampled" in frame.columns else ""
+    sampled = _first(frame, "sampled")
     return (Decision.from_rows(
         "fetch", choice, f"{how} {hit_s:.3g} s vs boto3 default pull {pull_s:.3g} s per "
         f"start -> {choice}", rows, source="storage",
-        measured_on=MeasuredOn(step=f"the fetch of {frame['source'].iloc[0]}"
-                               + (f": {sampled}" if sampled and sampled != "nan" else ""),
-                               device="this machine"),
+        measured_on=MeasuredOn(step=f"the fetch of {_first(frame, 'source') or 'the source'}"
+                               + (f": {sampled}" if sampled else ""), device="this machine"),
         baseline="pull", stage="fetch_data", per="start", baseline_s=pull_s,
         chosen_s=hit_s if choice == "land" else pull_s),)
+
+
+def _first(frame: pd.DataFrame, column: str) -> str:
+    """The column's first figure as text ("" when absent)."""
+    values = frame[column].dropna() if column in frame.columns else ()
+    return str(values.iloc[0]) if len(values) else ""
 
 
 def _median(frame: pd.DataFrame | None, column: str, **match: str) -> float | None:
