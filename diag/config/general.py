@@ -152,9 +152,10 @@ class DiagnoseConfig(SourceConfig):
 
     def model_load_config(self) -> ModelLoadConfig:
         """The model-load experiment on this model: quick, the two scenarios the runs need;
-        else all four, each loaded ModelLoadConfig.repeats times."""
+        else all four, each loaded once; a model already cached is not downloaded whole (its
+        fresh load estimated)."""
         quick = {"scenarios": ["fresh", "cached"]} if self.quick_experiments else {}
-        return ModelLoadConfig.default(quick=self.quick_experiments or None,
+        return ModelLoadConfig.default(quick=self.quick_experiments or None, estimate_fresh=True,
                                        **self.source_kwargs(ModelLoadConfig), **quick)
 
 
