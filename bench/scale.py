@@ -4,9 +4,10 @@ On the embedded S3 server with a ~1 GB dataset in many shards (synthetic JSONL, 
 under DIAG_HOME, uploaded each run):
 (a) `scale_extrapolation_error`: the storage experiment under a budget (its sample: a fraction
     of the shards, whole objects spread over their sizes) extrapolates the boto3-default pull
-    of every object; the truth is the whole dataset pulled with boto3's defaults, once before
-    and once after the sampled run (their mean, so a drift in load hits both sides alike);
-    |estimate - truth| / truth, printed with the sample's size.
+    of every object; the truth is the whole dataset pulled with boto3's defaults. ROUNDS rounds
+    of a whole pull then a sampled run, and a whole pull after the last, so a drift in load hits
+    both sides alike; |median estimate - median whole| / median whole, printed with the
+    sample's size.
 (b) `scale_budget_ratio`: `python -m diag run --budget BUDGET --source <that prefix>` in a
     subprocess (the QLoRA job trains on that data), its wall time, interpreter start to exit,
     over the budget; its own estimated vs spent table is printed above.
@@ -25,13 +26,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from diag.config import StorageConfig  # noqa: E402
+from diag.config import StorageConfig, duration_s  # noqa: E402
 from diag.embedded import S3Server, embedded_dataset  # noqa: E402
 from diag.storage import list_remote, parse_url, pull, run_storage  # noqa: E402
 from diag.storage.objectstore import MB, make_client  # noqa: E402
 
 SIZE_MB, SHARDS = 1024.0, 128  # 8 MB objects: many, each a few boto3 parts
-STORAGE_BUDGET_S = 30.0  # the storage step's share: a sample of ~1/10 of the bytes here
+STORAGE_BUDGET_S = 60.0  # the storage step's share: a sample of ~1/10-1/5 of the bytes here
+ROUNDS = 3  # sampled runs, each after a whole pull (and one whole pull after the last)
 BUDGET = os.environ.get("SCALE_BUDGET", "4m")  # the diag run's budget (a few minutes)
 
 
@@ -59,20 +61,25 @@ def main() -> None:
         print(f"dataset: {nbytes / MB:.0f} MB in {len(objects)} objects at {source}")
         env = {**os.environ, **s3.env()}
 
-        # (a) the sampled estimate vs the whole pull, the whole pull on both sides of it
-        before = whole_pull(client, url, objects, Path(scratch))
+        # (a) the sampled estimate vs the whole pull: rounds of a whole pull then a sampled
+        # run, and a last whole pull, so each estimate sits between two truths (load drifts)
         os.environ.update(s3.env())  # the standard credential chain, as on a cloud box
         cfg = StorageConfig(source=source, endpoint_url=s3.endpoint_url, local_dir=scratch,
                             budget_s=STORAGE_BUDGET_S)
-        got = run_storage(cfg)
-        after = whole_pull(client, url, objects, Path(scratch))
-        pulls = got.frame[got.frame["method"] == "boto3_default"]
-        estimate = statistics.median(pulls["extrapolated_s"])
-        truth = (before + after) / 2
+        wholes, estimates, pulls = [], [], None
+        for _ in range(ROUNDS):
+            wholes.append(whole_pull(client, url, objects, Path(scratch)))
+            pulls = run_storage(cfg).frame.query("method == 'boto3_default'")
+            estimates.append(statistics.median(pulls["extrapolated_s"]))
+            print(f"whole pull {wholes[-1]:.3g} s; sampled estimate {estimates[-1]:.3g} s "
+                  f"(repeats {pulls['extrapolated_s'].min():.3g}-"
+                  f"{pulls['extrapolated_s'].max():.3g} s) from {pulls['sampled'].iloc[0]}",
+                  flush=True)
+        wholes.append(whole_pull(client, url, objects, Path(scratch)))
+        truth, estimate = statistics.median(wholes), statistics.median(estimates)
         error = abs(estimate - truth) / truth
-        print(f"whole pull (boto3 defaults): {before:.3g} s before, {after:.3g} s after; "
-              f"sampled estimate {estimate:.3g} s (repeats {pulls['extrapolated_s'].min():.3g}"
-              f"-{pulls['extrapolated_s'].max():.3g} s) from {pulls['sampled'].iloc[0]}")
+        print(f"whole pulls {', '.join(f'{w:.3g}' for w in wholes)} s (median {truth:.3g}); "
+              f"estimates {', '.join(f'{e:.3g}' for e in estimates)} s (median {estimate:.3g})")
 
         # (b) the whole diagnosis under a budget, on the same data
         out = Path(scratch) / "run"
@@ -84,12 +91,10 @@ def main() -> None:
         print(done.stdout)
         if done.returncode != 0:
             sys.exit(f"diag run failed ({done.returncode}): {done.stderr[-3000:]}")
-        from diag.config import duration_s
-
-        samples = pulls["files"].iloc[0]
         print(f"scale_extrapolation_error = {error:.3f} (goal <= 0.1; sample "
-              f"{pulls['bytes'].iloc[0] / MB:.0f} MB in {samples} of {len(objects)} objects, "
-              f"{pulls['bytes'].iloc[0] / nbytes:.1%} of the bytes, {len(pulls)} repeats)")
+              f"{pulls['bytes'].iloc[0] / MB:.0f} MB in {pulls['files'].iloc[0]} of "
+              f"{len(objects)} objects, {pulls['bytes'].iloc[0] / nbytes:.1%} of the bytes, "
+              f"{len(pulls)} repeats a run, {ROUNDS} runs)")
         print(f"scale_budget_ratio = {wall / duration_s(BUDGET):.3f} (goal <= 1.1; diag run "
               f"--budget {BUDGET} took {wall:.0f} s, interpreter start to exit)")
 

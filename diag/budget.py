@@ -142,6 +142,14 @@ class Budget:
         return pd.concat([out, pd.DataFrame([whole])], ignore_index=True)
 
 
+    def say(self, spent: bool = False) -> None:
+        """show() beside the progress bar: on stderr, as the bar (a --json result stays JSON)."""
+        import sys
+
+        from tqdm.auto import tqdm
+
+        tqdm.write(self.show(spent), file=sys.stderr)
+
     def show(self, spent: bool = False) -> str:
         """The plan before the first step (spent: estimated vs spent after the last), as lines."""
         lines = [f"diag run: budget {self.text}, " + ("estimated vs spent:" if spent else

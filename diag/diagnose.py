@@ -280,13 +280,14 @@ def _accum_advice(cfg: DiagnoseConfig, d: Diagnosis) -> pd.DataFrame:
 def run_level(storage: StorageResult | None, model_load: ModelLoadResult | None
               ) -> dict[str, dict[str, float]]:
     """Per toy run, the run-level stage seconds the experiments measured: a naive start re-pulls
-    with boto3's defaults and downloads the model; an optimized one finds the landed copy (a
-    verified land() hit) and the warm cache."""
-    pulled, loaded = getattr(storage, "frame", None), getattr(model_load, "frame", None)
+    the whole dataset with boto3's defaults and downloads the model; an optimized one finds the
+    landed copy (a verified land() hit) and the warm cache (the fetch decision's figures)."""
+    fetch = by_setting(storage.decisions).get("fetch") if storage is not None else None
+    loaded = getattr(model_load, "frame", None)
     measured = {
-        "naive": {"fetch_data": median_seconds(pulled, method="boto3_default"),
+        "naive": {"fetch_data": fetch and fetch.baseline_s,
                   "load_model": median_seconds(loaded, scenario="fresh", part="load_model")},
-        "optimized": {"fetch_data": median_seconds(pulled, method="land", cache_state="hit"),
+        "optimized": {"fetch_data": fetch and fetch.value == "land" and fetch.chosen_s or None,
                       "load_model": median_seconds(loaded, scenario="cached", part="load_model")}}
     return {run: {stage: s for stage, s in seconds.items() if s is not None}
             for run, seconds in measured.items()}
@@ -344,7 +345,7 @@ def run_diagnose(cfg: DiagnoseConfig | None = None,
     budget = of_run(cfg, order, job)
     # everything checkable before the first experiment (the job's config first: its size)
     preflight(cfg, job)
-    print(budget.show(), flush=True)
+    budget.say()  # the plan, before the first step
 
     def measured(step: Step, d: Diagnosis) -> None:
         # (info is absent only when the device-facts step failed under on_error)
@@ -353,6 +354,6 @@ def run_diagnose(cfg: DiagnoseConfig | None = None,
     with covered(), tqdm(total=len(order), desc="diag run", unit="step") as bar:
         runner = Runner(bar, measured if on_result else None, stop, on_error)
         d = _recipe(cfg, budget.timed(runner), budget)
-    print(budget.show(spent=True), flush=True)
+    budget.say(spent=True)
     return report.write(frames(d, order) | {"budget": budget.frame()}, cfg.out or None,
                         config=cfg.to_dict(), info=d.info, advice=advice(d))

@@ -5,6 +5,7 @@ the run folder; bad budgets refused in one line before any work."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -89,13 +90,16 @@ def test_the_plan_comes_first_and_storage_keeps_its_share(shards, tmp_path):
          "--source", "s3://diag/few/", "--endpoint-url", shards.endpoint_url, "--out", str(out)],
         capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.splitlines()
-    assert lines[0] == f"diag run: budget {least:g}s, the plan (estimated, what it measures):"
-    plan = lines[1:1 + len(steps(cfg))]
+    # on stderr beside the progress bar (stdout: the result lines), the plan before the bar
+    err = done.stderr
+    head = f"diag run: budget {least:g}s, the plan (estimated, what it measures):\n"
+    assert head in err and err.index(head) < re.search(r"diag run: +0%", err).start()
+    plan = err[err.index(head) + len(head):].splitlines()[:len(steps(cfg))]
     assert [s.name for s in steps(cfg)] == [p.strip().split("  ")[0] for p in plan]
     assert "sample of whole objects sized to this share" in plan[1]
-    assert any(line.startswith(f"diag run: budget {least:g}s, estimated vs spent") for line in
-               lines[len(plan):])
+    after = err.index(f"diag run: budget {least:g}s, estimated vs spent:")
+    assert after > re.search(r"diag run: +100%", err).start()
+    assert done.stdout.splitlines()[0] == f"wrote {out / 'report.html'}"
     spent = pd.read_csv(out / "budget.csv").set_index("step")
     assert spent.loc["the whole diagnosis", "estimated_s"] == pytest.approx(least)
     # storage sized its pulls to its share: a sample, not the 200 objects, pulled in it
