@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pandas as pd
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diag.config import StorageConfig, duration_s  # noqa: E402
 from diag.embedded import S3Server, embedded_dataset  # noqa: E402
@@ -33,7 +35,8 @@ from diag.storage.objectstore import MB, make_client  # noqa: E402
 
 SIZE_MB, SHARDS = 1024.0, 128  # 8 MB objects: many, each a few boto3 parts
 STORAGE_BUDGET_S = 60.0  # the storage step's share: a sample of ~1/10-1/5 of the bytes here
-ROUNDS = 3  # sampled runs, each after a whole pull (and one whole pull after the last)
+ROUNDS = int(os.environ.get("SCALE_ROUNDS", "3"))  # sampled runs, each after a whole pull
+                                                  # (and one whole pull after the last)
 BUDGET = os.environ.get("SCALE_BUDGET", "4m")  # the diag run's budget (a few minutes)
 
 
@@ -88,9 +91,12 @@ def main() -> None:
                                "--source", source, "--endpoint-url", s3.endpoint_url,
                                "--out", str(out)], env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
-        print(done.stdout)
         if done.returncode != 0:
             sys.exit(f"diag run failed ({done.returncode}): {done.stderr[-3000:]}")
+        print(done.stdout)
+        spent = pd.read_csv(out / "budget.csv")  # its own estimated vs spent, per step
+        print(spent[["step", "estimated_s", "share_s", "spent_s"]].to_string(
+            index=False, float_format=lambda v: f"{v:.1f}"))
         print(f"scale_extrapolation_error = {error:.3f} (goal <= 0.1; sample "
               f"{pulls['bytes'].iloc[0] / MB:.0f} MB in {pulls['files'].iloc[0]} of "
               f"{len(objects)} objects, {pulls['bytes'].iloc[0] / nbytes:.1%} of the bytes, "
