@@ -1,14 +1,13 @@
 """`diag run --budget 15m`: the diagnosis' time split among its steps, the plan shown before the
 first step, and each step's estimate beside what it spent after the last.
 
-`Budget(total_s, steps)` gives
-each step its floor (`FLOORS`) plus a weighted part of the rest (`WEIGHTS`); `share(step)`
-re-splits what is left over the steps not yet run when a step starts, so a step that overran
-takes from the later ones, never from the total. A budget under the steps' floors is refused
-before any work. Steps that size their work to their share: storage (the sample each method
-pulls) and the job's decisions (their repeats, `QLoraConfig.decide_budget_s` where it exists);
-the others run what they run, their share is their estimate, and `frame()` sets each beside
-what it spent (the run folder's budget.csv).
+`Budget(total_s, steps)` gives each step its floor (`FLOORS`) plus a weighted part of the rest
+(`WEIGHTS`); `share(step)` re-splits what is left over the steps not yet run when a step
+starts, so a step that overran takes from the later ones, never from the total. A budget under
+the steps' floors is refused before any work. Steps that size their work to their share:
+storage (the sample each method pulls) and the job's decisions (their repeats,
+`QLoraConfig.decide_budget_s` where it exists); the others run what they run, their share is
+their estimate, and `frame()` sets each beside what it spent (the run folder's budget.csv).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ GPU_DEFAULT, CPU_DEFAULT, QUICK_DEFAULT = "15m", "3m", "1m"  # --budget "" on ea
 # model or dataset needs more, which the spent column then shows). Keyed by Step.field.
 FLOORS = {"info": 1.0, "storage": 4.0, "model_load": 20.0, "job": 3.0, "accum": 8.0,
           "checkpointing": 3.0, "loader": 4.0, "qlora": 6.0, "qlora_projection": 1.0,
-          "loader_projected": 8.0, "runs": 6.0, "accum_advice": 0.0, "train": 0.0}
+          "loader_projected": 8.0, "runs": 6.0, "accum_advice": 0.0}
 # How the rest of the budget is shared: storage sizes its sample to its share; the job's
 # decisions their repeats; the other steps' share is slack for a model or data larger than the
 # floors assumed (a 7B model's loads and steps).
@@ -141,7 +140,6 @@ class Budget:
                  "spent_s": (self.ended or time.perf_counter()) - self.started}
         return pd.concat([out, pd.DataFrame([whole])], ignore_index=True)
 
-
     def say(self, spent: bool = False) -> None:
         """show() beside the progress bar: on stderr, as the bar (a --json result stays JSON)."""
         import sys
@@ -186,7 +184,9 @@ def measures(step: Step, storage: StorageConfig | None, model_load: ModelLoadCon
         "storage": f"a sample of whole objects sized to this share, pulled {rounds} times by "
                    "each method (all objects if they fit), the whole pull extrapolated; the "
                    f"sample read from local disk cold and warm{land}",
-        "model_load": f"{model_load and model_load.repeats} load(s) each: {loads}",
+        "model_load": f"{model_load and model_load.repeats} load(s) each: {loads}"
+                      + (" (a model already cached: its fresh load estimated from one file)"
+                         if model_load and model_load.estimate_fresh else ""),
         "job": job and f"the job's first {job.records} records fetched and tokenized, the "
                        "model cached",
         "accum": job and f"micro-batch points x {job.sweep_steps} timed step(s) on the job",
@@ -198,6 +198,5 @@ def measures(step: Step, storage: StorageConfig | None, model_load: ModelLoadCon
         "loader_projected": "the loader sweep against target_gpu's estimated step",
         "runs": "the toy loop, naive and optimized",
         "accum_advice": "arithmetic on the runs (no new measurement)",
-        "train": "the whole dataset under the optimized plan: outside the budget, its own ETA",
     }
     return str(texts.get(step.field) or step.name)
