@@ -101,8 +101,9 @@ class Extrapolation:
         """What was sampled, of how much: "64 MB in 4 of 64 objects (6%), extrapolated"."""
         if self.sample_bytes >= self.dataset_bytes:
             return f"all {self.dataset_bytes / MB:.4g} MB in {self.dataset_files} object(s)"
+        overhead = (f"{self.overhead_s * 1000:.3g} ms per object" if self.overhead_s else
+                    "no per-object overhead separable from its sizes: scaled by bytes")
         return (f"a sample of {self.sample_bytes / MB:.4g} MB in {self.sample_files} of "
                 f"{self.dataset_files} objects ({self.sample_bytes / self.dataset_bytes:.1%} of "
                 f"{self.dataset_bytes / MB:.4g} MB), extrapolated (rate moved "
-                f"{self.settle:.0%} over the sample's second half; "
-                f"{self.overhead_s * 1000:.3g} ms per object)")
+                f"{self.settle:.0%} over the sample's second half; {overhead})")
