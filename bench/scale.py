@@ -34,7 +34,8 @@ from diag.storage import list_remote, parse_url, pull, run_storage  # noqa: E402
 from diag.storage.objectstore import MB, make_client  # noqa: E402
 
 SIZE_MB, SHARDS = 1024.0, 128  # 8 MB objects: many, each a few boto3 parts
-STORAGE_BUDGET_S = 60.0  # the storage step's share: a sample of ~1/10-1/5 of the bytes here
+STORAGE_BUDGET_S = 60.0  # the storage step's share
+SAMPLE_MB = 160.0  # and at most this sample (~1/6 of the bytes): the estimate is an extrapolation
 ROUNDS = int(os.environ.get("SCALE_ROUNDS", "3"))  # sampled runs, each after a whole pull
                                                   # (and one whole pull after the last)
 BUDGET = os.environ.get("SCALE_BUDGET", "4m")  # the diag run's budget (a few minutes)
@@ -68,7 +69,7 @@ def main() -> None:
         # run, and a last whole pull, so each estimate sits between two truths (load drifts)
         os.environ.update(s3.env())  # the standard credential chain, as on a cloud box
         cfg = StorageConfig(source=source, endpoint_url=s3.endpoint_url, local_dir=scratch,
-                            budget_s=STORAGE_BUDGET_S)
+                            budget_s=STORAGE_BUDGET_S, sample_mb=SAMPLE_MB)
         wholes, estimates, pulls = [], [], None
         for _ in range(ROUNDS):
             wholes.append(whole_pull(client, url, objects, Path(scratch)))

@@ -181,9 +181,10 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
         with open_source(cfg) as (source, client, env):
             url = parse_url(source)
             objects = list_remote(client, url)
-            # the probe and each method's pull in every round share 85% of the budget; the
-            # rest is the listing, the TTFBs and the local reads
-            per_pull = 0.85 * cfg.budget_s / (1 + len(rounds) * len(methods))
+            # 85% of the budget for the probe, each method's pull in every round and each
+            # round's local reads of the sample (counted as one more pull: a cold read is no
+            # slower than a pull here); the rest is the listing, the TTFBs, the warm reads
+            per_pull = 0.85 * cfg.budget_s / (1 + len(rounds) * (len(methods) + 1))
             sample, fit = _probe(cfg, client, url, objects, local_dir, work / "sample", per_pull)
             keys = set(sample["key"])
             chosen = [o for o in objects if o.key in keys]
