@@ -22,8 +22,8 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from diag import report
-from diag.config import (AccumConfig, DiagnoseConfig, InfoConfig, LoaderConfig, ModelLoadConfig,
-                         QLoraConfig, StorageConfig, ToyConfig)
+from diag.config import (AccumConfig, DiagnoseConfig, InfoConfig, LoaderConfig, QLoraConfig,
+                         ToyConfig)
 from diag.decision import Decision, by_setting
 from diag.frames import folder_frames
 from diag.machine.device import on_cpu_threads, resolve, run_info
@@ -32,6 +32,7 @@ from diag.timing import StageTimer, median_seconds
 
 if TYPE_CHECKING:
     from diag.accum import AccumResult
+    from diag.budget import Budget
     from diag.loader import LoaderResult
     from diag.model_load import ModelLoadResult
     from diag.qlora import QLoraResult, TrainResult
@@ -86,15 +87,16 @@ STEPS = (INFO, STORAGE, MODEL_LOAD, JOB, ACCUM, CHECKPOINTING, LOADER, QLORA, PR
 Run = Callable[[Diagnosis, Step, Callable[[], Any]], Diagnosis]
 
 
-def _recipe(cfg: DiagnoseConfig, run: Run) -> Diagnosis:
+def _recipe(cfg: DiagnoseConfig, run: Run, budget: Budget | None = None) -> Diagnosis:
     """The diagnosis, top to bottom: the machine, the data's and the model's starts, the job's
-    own measurements and its runs (or the toy loop), then the grad-accum advice."""
+    own measurements and its runs (or the toy loop), then the grad-accum advice; the storage
+    sample and the job's decisions' repeats sized to their shares of the budget."""
     d = run(Diagnosis(), INFO, lambda: run_info(InfoConfig.default(quick=_quick(cfg))))
     if cfg.storage:
-        d = run(d, STORAGE, lambda: _storage(cfg))
+        d = run(d, STORAGE, lambda: _storage(cfg, budget.share(STORAGE) if budget else 0.0))
     if cfg.model_load:
         d = run(d, MODEL_LOAD, lambda: _model_load(cfg))
-    d = _on_job(cfg, run, d) if cfg.qlora else _toy(cfg, run, d)
+    d = _on_job(cfg, run, d, job_config(cfg, budget)) if cfg.qlora else _toy(cfg, run, d)
     if cfg.accum:  # after the runs: its advice is priced on their compute
         d = run(d, ACCUM_ADVICE, lambda: _accum_advice(cfg, d))
     if cfg.qlora and cfg.train:  # the last step: the fine-tune, checked against the projection
@@ -102,14 +104,14 @@ def _recipe(cfg: DiagnoseConfig, run: Run) -> Diagnosis:
     return d
 
 
-def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis) -> Diagnosis:
+def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig) -> Diagnosis:
     """The QLoRA job's own measurements, then its runs. Its sources (the embedded S3 server and
     hub, or the user's bucket and model) are opened by the first step that reads them and closed
-    when the runs end, on Stop or an error too: one start of the embedded servers."""
+    when the runs end, on Stop or an error too: one start of the embedded servers. job: built
+    once, every step below measures or runs it."""
     from diag.qlora.job import open_sources
     from diag.qlora.measure import accum_on_job, checkpointing_on_job, job_inputs, loader_on_job
 
-    job = job_config(cfg)  # once: every step below measures or runs this job
     with contextlib.ExitStack() as stack:
         # opened once, by the first step that calls src() (a failed open: the next one retries)
         src = functools.cache(lambda: stack.enter_context(open_sources(job)))
@@ -158,31 +160,27 @@ def _quick(cfg: DiagnoseConfig) -> bool | None:
     return cfg.quick_experiments or None
 
 
-def job_config(cfg: DiagnoseConfig) -> QLoraConfig:
-    """The QLoRA job the diagnosis measures and runs; the panel's sweep values go to its sweeps."""
+def job_config(cfg: DiagnoseConfig, budget: Budget | None = None) -> QLoraConfig:
+    """The QLoRA job the diagnosis measures and runs: the panel's sweep values, its decisions'
+    share of the budget (decide_budget_s, where that field exists)."""
     given = {"sweep_workers": list(cfg.workers), "sweep_micro_batches": list(cfg.micro_batches),
              "records": cfg.records, "steps": cfg.job_steps, "seq_len": cfg.seq_len}
+    if budget is not None and "decide_budget_s" in QLoraConfig.used_fields():
+        given["decide_budget_s"] = budget.decide_s()
     preset = {} if cfg.quick_experiments else QLoraConfig.RUN
     return QLoraConfig.default(quick=_quick(cfg), device=cfg.device, plan=cfg.plan,
                                on_error=cfg.on_error, **cfg.source_kwargs(),
                                **(preset | {k: v for k, v in given.items() if v}))
 
 
-def _storage(cfg: DiagnoseConfig) -> StorageResult:
+def _storage(cfg: DiagnoseConfig, budget_s: float) -> StorageResult:
     from diag.storage import run_storage
-
-    preset = {} if cfg.quick_experiments else StorageConfig.RUN  # the embedded dataset's size
-    return run_storage(StorageConfig.default(quick=_quick(cfg), **cfg.source_kwargs(StorageConfig),
-                                             **preset))
+    return run_storage(cfg.storage_config(budget_s))
 
 
 def _model_load(cfg: DiagnoseConfig) -> ModelLoadResult:
     from diag.model_load import run_model_load
-
-    # quick: the two scenarios the runs need; full: all four, for every advice row
-    quick = {"scenarios": ["fresh", "cached"]} if cfg.quick_experiments else {}
-    return run_model_load(ModelLoadConfig.default(quick=_quick(cfg),
-                                                  **cfg.source_kwargs(ModelLoadConfig), **quick))
+    return run_model_load(cfg.model_load_config())
 
 
 def _micro(d: Diagnosis) -> int:
@@ -282,13 +280,14 @@ def _accum_advice(cfg: DiagnoseConfig, d: Diagnosis) -> pd.DataFrame:
 def run_level(storage: StorageResult | None, model_load: ModelLoadResult | None
               ) -> dict[str, dict[str, float]]:
     """Per toy run, the run-level stage seconds the experiments measured: a naive start re-pulls
-    with boto3's defaults and downloads the model; an optimized one finds the landed copy (a
-    verified land() hit) and the warm cache."""
-    pulled, loaded = getattr(storage, "frame", None), getattr(model_load, "frame", None)
+    the whole dataset with boto3's defaults and downloads the model; an optimized one finds the
+    landed copy (a verified land() hit) and the warm cache (the fetch decision's figures)."""
+    fetch = by_setting(storage.decisions).get("fetch") if storage is not None else None
+    loaded = getattr(model_load, "frame", None)
     measured = {
-        "naive": {"fetch_data": median_seconds(pulled, method="boto3_default"),
+        "naive": {"fetch_data": fetch and fetch.baseline_s,
                   "load_model": median_seconds(loaded, scenario="fresh", part="load_model")},
-        "optimized": {"fetch_data": median_seconds(pulled, method="land", cache_state="hit"),
+        "optimized": {"fetch_data": fetch and fetch.value == "land" and fetch.chosen_s or None,
                       "load_model": median_seconds(loaded, scenario="cached", part="load_model")}}
     return {run: {stage: s for stage, s in seconds.items() if s is not None}
             for run, seconds in measured.items()}
@@ -337,18 +336,24 @@ def run_diagnose(cfg: DiagnoseConfig | None = None,
     stop: checked before each step; once set, raises diag.runner.Stopped. on_error(step, error):
     a step that raises is handed to it and the other steps go on (without it, it propagates).
     """
+    from diag.budget import of_run
     from diag.preflight import covered, preflight
 
     cfg = cfg or DiagnoseConfig.default()
+    job, order = job_config(cfg) if cfg.qlora else None, steps(cfg)
+    # a budget too small for the steps is refused before any work (--train: outside it)
+    budget = of_run(cfg, order, job)
     # everything checkable before the first experiment (the job's config first: its size)
-    preflight(cfg, job_config(cfg) if cfg.qlora else None)
-    order = steps(cfg)
+    preflight(cfg, job)
+    budget.say()  # the plan, before the first step
 
     def measured(step: Step, d: Diagnosis) -> None:
         # (info is absent only when the device-facts step failed under on_error)
         on_result(step, frames(d, order) | ({"info": d.info} if d.info is not None else {}))
 
     with covered(), tqdm(total=len(order), desc="diag run", unit="step") as bar:
-        d = _recipe(cfg, Runner(bar, measured if on_result else None, stop, on_error))
-    return report.write(frames(d, order), cfg.out or None, config=cfg.to_dict(), info=d.info,
-                        advice=advice(d))
+        runner = Runner(bar, measured if on_result else None, stop, on_error)
+        d = _recipe(cfg, budget.timed(runner), budget)
+    budget.say(spent=True)
+    return report.write(frames(d, order) | {"budget": budget.frame()}, cfg.out or None,
+                        config=cfg.to_dict(), info=d.info, advice=advice(d))

@@ -117,6 +117,7 @@ class Panel:
     plan: Any
     quick: Any
     train: Any  # then train the optimized plan on the whole dataset (the panel's last step)
+    budget: Any  # the time the diagnosis may take ("15m"; "" = its default)
     run: Any  # the Run button
     stop: Any  # the Stop button: ends the step running now
     progress: Any  # IntProgress over the diagnosis' steps
@@ -184,6 +185,7 @@ def config_from(p: Panel) -> DiagnoseConfig:
     """The DiagnoseConfig the panel's fields describe (ValueError names a bad field)."""
     return DiagnoseConfig.default(
         quick=p.quick.value or None, **p.settings, train=p.train.value,
+        budget=p.budget.value.strip(),
         source=p.source.value.strip(),
         model=p.model.value.strip(), plan=p.plan.value, **source_values(p.sources),
         workers=parse_ints(p.workers.value, "num_workers"),
@@ -337,6 +339,7 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
         plan=w.ToggleButtons(options=PLANS, value=plan, description="plan"),
         quick=w.Checkbox(quick, description="quick (test-sized)"),
         train=w.Checkbox(settings.pop("train", False), description="then train (diag train)"),
+        budget=w.Text(settings.pop("budget", ""), description="budget", placeholder="e.g. 15m"),
         run=w.Button(description="Run", button_style="primary", icon="play"),
         stop=w.Button(description="Stop", button_style="warning", icon="stop", disabled=True),
         progress=w.IntProgress(value=0, min=0, max=1, description="steps"),
@@ -350,6 +353,7 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
     sections = [w.VBox([w.HTML(f"<b>{name}</b>"), output]) for name, output in p.outputs.items()]
     p.box = w.VBox([p.source, p.model, w.Accordion([w.VBox(list(p.sources.values()))],
                                                    titles=("source options",)),
-                    w.HBox([p.workers, p.micro_batches]), p.plan, w.HBox([p.quick, p.train]),
+                    w.HBox([p.workers, p.micro_batches]), p.plan,
+                    w.HBox([p.quick, p.train, p.budget]),
                     w.HBox([p.run, p.stop, p.progress, p.status]), p.log, *sections])
     return p

@@ -52,10 +52,11 @@ def test_json_and_report_come_from_main_for_a_dataclass_result(tmp_path, monkeyp
     import json
 
     monkeypatch.chdir(tmp_path)  # --report writes runs/<id>/ under the working directory
-    out = run_cli("storage", "--quick", "--size-mb", "1", "--repeats", "1", "--json", "--report")
+    out = run_cli("storage", "--quick", "--size-mb", "1", "--repeats", "1", "--land", "--json",
+                  "--report")
     assert out.returncode == 0, out.stderr
     tables = json.loads(out.stdout)  # stdout is JSON only: the folder line goes to stderr
-    assert set(tables) == {"storage", "storage_tax", "advice", "decisions"}
+    assert set(tables) == {"storage", "storage_tax", "advice", "decisions", "storage_sample"}
     assert tables["decisions"][0]["setting"] == "fetch"
     assert {"boto3_default", "land", "local_read"} <= {r["method"] for r in tables["storage"]}
     assert tables["advice"][0]["stage"] == "fetch_data"

@@ -165,3 +165,30 @@ def test_a_snapshot_of_part_of_the_repo_is_sound_and_left_as_it_is(hub, tmp_path
     frame = verify_model_cache(ModelLoadConfig.quick(model=REPO))  # the hub's checksums too
     assert set(frame["status"]) == {"ok"}, frame.to_string()  # no LICENSE.txt, no README: sound
     assert "model.safetensors" in set(frame["file"]) and tree(user) == before
+
+
+def test_a_cached_models_fresh_load_is_estimated_from_one_files_download(hub, tmp_path):
+    """diag run does not download a cached model whole (issue 32): one weight file through the
+    hub protocol gives the rate, the model's cached bytes at it replace the cached load's
+    revision check, and every row says it is an estimate."""
+    from huggingface_hub import snapshot_download
+
+    from diag.model_load.experiment import _fresh_estimate
+    from diag.model_load.source import Source
+
+    server, _, _ = hub
+    cache = tmp_path / "cache"
+    snapshot_download(REPO, cache_dir=cache, endpoint=server.endpoint)
+    cached = [{"scenario": "cached", "repeat": 0, "part": part, "bytes": 0, "seconds": seconds,
+               "cache_state": "warm"}
+              for part, seconds in (("import", 9.0), ("download", 0.2), ("read", 0.1),
+                                    ("load_model", 10.0), ("from_pretrained", 1.0))]
+    got = {r["part"]: r for r in _fresh_estimate(
+        Source(REPO, "main", server.endpoint, None, {}), cache, cached)}
+    total = sum(p.stat().st_size for p in hfcache.blob_files(cache, REPO))
+    assert set(got) == {"import", "download", "read", "load_model"}  # from_pretrained is not
+    assert got["download"]["bytes"] == total and got["download"]["seconds"] > 0
+    assert got["load_model"]["seconds"] == pytest.approx(10.0 - 0.2 + got["download"]["seconds"])
+    assert got["import"]["seconds"] == 9.0 and all(r["scenario"] == "fresh" for r in got.values())
+    assert all(r["cache_state"].startswith("estimated: model.safetensors") for r in got.values())
+    assert list(tmp_path.glob(".diag-rate-*")) == []  # the one file's cache is removed

@@ -145,8 +145,8 @@ def test_each_section_opens_with_its_decisions_evidence_then_its_figure(written)
     fetch = section(text, "storage")
     said = re.match(r"<h2>Storage: object store vs local disk</h2><p class=conclusion>(.*?)</p>"
                     r'<img alt="storage"', fetch)
-    assert said and said.group(1).startswith("<b>fetch = land</b>, measured on a training "
-                                             "start's dataset fetch, this machine: land() hit ")
+    assert said and said.group(1).startswith("<b>fetch = land</b>, measured on the fetch of "
+                                             "s3://bucket/k.jsonl, this machine: land() hit ")
     loader = section(text, "loader")
     assert ("<b>num_workers = 2</b>, measured on tiny Llama + LoRA, nf4, seq_len 128, the QLoRA "
             "step, cpu: 2 workers: data_wait 1.0% of a 47.2 ms step") in loader

@@ -31,8 +31,8 @@ pytestmark = pytest.mark.xdist_group("test_storage")
 
 @pytest.fixture(scope="module")
 def frame() -> pd.DataFrame:
-    # the real experiment, test-sized: embedded server, synthetic data, every method
-    return run_storage(StorageConfig.quick(size_mb=3.0, repeats=2)).frame
+    # the real experiment, test-sized: embedded server, synthetic data, every method, land()
+    return run_storage(StorageConfig.quick(size_mb=3.0, repeats=2, land=True)).frame
 
 
 def test_run_storage_frame_has_every_method_and_honest_labels(frame):
@@ -75,7 +75,7 @@ def test_a_failed_eviction_is_never_called_cold(monkeypatch):
     # posix_fadvise doing nothing (as where DONTNEED is ignored): every figure stays warm and
     # says so, with the resident fraction that shows it
     monkeypatch.setattr(os, "posix_fadvise", lambda *args: None)
-    frame = run_storage(StorageConfig.quick(size_mb=1.0, repeats=1, warmup=0)).frame
+    frame = run_storage(StorageConfig.quick(size_mb=1.0, repeats=1, warmup=0, land=True)).frame
     local = frame[frame["method"].isin(["local_read", "land"]) & (frame["cache_state"] != "miss")]
     assert len(local) == 3
     assert not local["cache_state"].str.startswith("cold").any()

@@ -72,7 +72,7 @@ def test_measure_reads_a_local_nvme_beside_a_network_landing_folder(tmp_path, mo
     frame = result.frame
     near = frame[frame["cache_state"] == NVME_COLD]
     assert len(near) == 1 and near["source"].iloc[0] == str(nvme)
-    assert near["bytes"].iloc[0] == frame[frame["method"] == "land"]["bytes"].max()
+    assert near["bytes"].iloc[0] == frame[frame["method"] == "local_read"]["bytes"].max()
     assert set(frame.loc[frame["cache_state"] != NVME_COLD, "local_disk"]) == {"network_block"}
     found = result.advice[result.advice["finding"].str.contains("is on network block storage")]
     assert len(found) == 1 and f"the local NVMe at {nvme}" in found["finding"].iloc[0]

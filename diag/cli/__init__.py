@@ -101,6 +101,11 @@ def run(name: str, cfg: config.ExperimentConfig) -> Any:
         return runner(cfg)
     from diag.preflight import covered, preflight
 
+    if isinstance(cfg, config.DiagnoseConfig):  # a budget too small for its steps: refused first
+        from diag.budget import of_run
+        from diag.diagnose import steps
+
+        of_run(cfg, steps(cfg), _job(cfg))
     # every check that can run before the first experiment, once, before torch is imported
     # (run_qlora and run_diagnose make their own when called from Python; here they are covered)
     preflight(cfg, _job(cfg))

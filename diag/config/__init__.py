@@ -10,7 +10,7 @@ from diag.config.accum import ACCUM_DTYPES, ACCUM_MODELS, AccumConfig
 from diag.config.base import (DEVICES, MODEL_LOAD_PROCESSES, MODEL_LOAD_SCENARIOS, STORAGE_PULLS,
                               VERIFY_MODES, ExperimentConfig, LoadProcess, Scenario, Verify,
                               diag_home, quick_mode)
-from diag.config.general import DiagnoseConfig, InfoConfig, ReportConfig, ToyConfig
+from diag.config.general import DiagnoseConfig, InfoConfig, ReportConfig, ToyConfig, duration_s
 from diag.config.loader import LOADER_CONSUMERS, LOADER_PIPELINES, ON_ERROR, LoaderConfig
 from diag.config.model_load import ModelLoadConfig
 from diag.config.qlora import QLORA_PLANS, JobConfig, QLoraConfig
@@ -25,5 +25,5 @@ __all__ = [
     "LoaderConfig", "MODEL_LOAD_SCENARIOS", "ModelLoadConfig", "ON_ERROR", "QLORA_PLANS",
     "QLoraConfig", "RecordFields", "ReportConfig", "STORAGE_PULLS", "Scenario", "SourceConfig",
     "StorageConfig", "ToyConfig", "TrainConfig", "VERIFY_MODES", "Verify", "diag_home",
-    "quick_mode",
+    "duration_s", "quick_mode",
 ]

@@ -3,13 +3,19 @@ experiment."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from diag.config.base import ExperimentConfig
 from diag.machine.gpus import GPUS, dense_peak_flops
+from diag.config.model_load import ModelLoadConfig
 from diag.config.qlora import QLORA_PLANS, QLoraPlan
 from diag.config.source import SourceConfig, check_out
+from diag.config.storage import StorageConfig
+
+_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?")
 
 
 @dataclass
@@ -99,6 +105,11 @@ class DiagnoseConfig(SourceConfig):
     current_gpu: str = ""  # GPU marked "now" on the Amdahl curve; "" = the detected one
     target_gpu: str = "H100 SXM"  # GPU you consider renting, marked at its dense-peak ratio
     quick_experiments: bool = False  # True runs each experiment in its test-sized variant (seconds)
+    budget: str = ""  # the time the diagnosis may take, e.g. 15m, 90s, 1h30m: split among the
+                      # steps (storage samples and the decisions' repeats size to their share);
+                      # "" = 15m on a GPU box, 3m on a CPU box, 1m with --quick
+    land: bool = False  # storage also lands the whole dataset (land() miss then hit); False
+                        # estimates the hit from the sample's cold local read
     # -- widgets (diag.widgets): the panel's sweep ranges and plan, passed to the experiments --
     workers: list[int] = field(default_factory=list)  # num_workers the loader sweeps; []
                                                       # = its default (QLoraConfig.RUN)
@@ -113,6 +124,8 @@ class DiagnoseConfig(SourceConfig):
         super().validate()  # the source flags (SourceConfig)
         check_out(self.out)  # before anything runs: a full folder fails in a second, not at the end
         self._positive("steps", "epochs")
+        if self.budget:
+            duration_s(self.budget)
         self._non_negative("prep_ms", "naive_workers", "optimized_workers", "records",
                            "job_steps", "seq_len")
         if self.records and self.job_steps > self.records:
@@ -129,6 +142,33 @@ class DiagnoseConfig(SourceConfig):
                     isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
                 raise ValueError(f"DiagnoseConfig.{name}={values!r}: must be a list of whole "
                                  f"numbers >= {low} ([] = the experiment's default)")
+
+    def storage_config(self, budget_s: float = 0.0) -> StorageConfig:
+        """The storage experiment on this source, its sample sized to budget_s (0: no limit)."""
+        preset = {} if self.quick_experiments else StorageConfig.RUN  # the embedded data's size
+        return StorageConfig.default(quick=self.quick_experiments or None, budget_s=budget_s,
+                                     land=self.land, **self.source_kwargs(StorageConfig),
+                                     **preset)
+
+    def model_load_config(self) -> ModelLoadConfig:
+        """The model-load experiment on this model: quick, the two scenarios the runs need;
+        else all four, each loaded once; a model already cached is not downloaded whole (its
+        fresh load estimated)."""
+        quick = {"scenarios": ["fresh", "cached"]} if self.quick_experiments else {}
+        return ModelLoadConfig.default(quick=self.quick_experiments or None, estimate_fresh=True,
+                                       **self.source_kwargs(ModelLoadConfig), **quick)
+
+
+def duration_s(text: str, name: str = "DiagnoseConfig.budget") -> float:
+    """A duration in seconds: "15m", "90s", "1h30m", "2.5m" or a bare number of seconds."""
+    got = _DURATION.fullmatch(str(text).strip().lower())
+    if not str(text).strip() or got is None:
+        raise ValueError(f"{name}={text!r}: a duration such as 15m, 90s, 1h30m or 600 "
+                         "(seconds)")
+    total = sum(float(v) * unit for v, unit in zip(got.groups(), _UNITS.values()) if v)
+    if not total > 0:
+        raise ValueError(f"{name}={text!r}: must be more than 0 (e.g. 15m)")
+    return total
 
 
 def check_gpu(name: str, flag: str) -> None:

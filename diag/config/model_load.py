@@ -18,7 +18,10 @@ class ModelLoadConfig(SourceConfig):
     scenarios: list[Scenario] = field(
         default_factory=lambda: list(MODEL_LOAD_SCENARIOS))  # fewer run faster; fresh downloads
                                                             # the whole model every repeat
-    repeats: int = 3  # measured loads per scenario after the warm-up; more is steadier
+    repeats: int = 1  # measured loads per scenario after the warm-up: once each (a 7B fresh
+                      # load downloads ~13 GB); 5+ lets the model_cache gap resolve
+    estimate_fresh: bool = False  # True: a model already cached is not downloaded whole; the
+                                  # fresh scenario is estimated from one file's download rate
     warmup: int = 1  # untimed loads first (page cache of the model and of
                      # lazily read library files); 0 when both are warm
     quantize: bool = True  # 4-bit nf4 (bitsandbytes) as QLoRA loads

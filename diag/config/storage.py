@@ -20,6 +20,12 @@ class StorageConfig(SourceConfig):
     size_mb: float = 200.0  # embedded dataset size; larger gives steadier rates and takes longer
     shards: int = 1  # embedded dataset as this many objects under a prefix (1 = a single object)
     repeats: int = 3  # measured repeats per method; more gives steadier medians
+    budget_s: float = 0.0  # seconds the pulls may take: the sample of whole objects each method
+                           # pulls is sized to fit (diag run sets it); 0 = no limit
+    sample_mb: float = 0.0  # at most this many MB of whole objects per pull; 0 = no cap
+                            # (the whole dataset when budget_s is 0 too)
+    land: bool = False  # also land() the whole dataset, miss then verified hit (writes it all);
+                        # False: a hit is estimated from the sample's cold local read
     warmup: int = 1  # untimed first rounds (connections, server cache): not reported
     verify: Verify = "sha256"  # land() hit check: "sha256" catches
                                # flipped bytes, "size" is near-free
@@ -35,5 +41,6 @@ class StorageConfig(SourceConfig):
     def validate(self) -> None:
         super().validate()  # the source flags (SourceConfig)
         self._positive("size_mb", "shards", "repeats")
-        self._non_negative("warmup", "dataset_gb", "runs_per_week", "usd_per_hour")
+        self._non_negative("warmup", "dataset_gb", "runs_per_week", "usd_per_hour", "budget_s",
+                           "sample_mb")
         self._choice("verify", VERIFY_MODES)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from diag.config.loader import ON_ERROR
-from diag.config.source import DATA_SUFFIXES
+from diag.config.source import DATA_SUFFIXES, MANIFEST_SUFFIX
 
 PROBLEM_COLUMNS = ["line", "problem", "detail"]  # one row per record left out
 ALPACA_FIELDS = ("instruction", "input", "output")
@@ -32,7 +32,8 @@ def shard_files(path: str | os.PathLike[str]) -> list[Path]:
     path = Path(path)
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES
+                   and not p.name.endswith(MANIFEST_SUFFIX))  # a landed shard's manifest
     if not files:
         others = sorted(p.name for p in path.rglob("*") if p.is_file())[:3]
         raise ValueError(f"--source: no readable shard under {path} (found "

@@ -8,12 +8,13 @@ The `import` part is the same in every scenario of a fork-mode run, so it cancel
 
 from __future__ import annotations
 
+import statistics
 from typing import TYPE_CHECKING
 
 from diag.config import MODEL_LOAD_SCENARIOS as SCENARIOS
 from diag.decision import Decision, MeasuredOn
 from diag.machine.disks import is_network
-from diag.timing import LOAD_PARTS, median_seconds
+from diag.timing import LOAD_PARTS
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -78,23 +79,44 @@ def advice(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
-    """`model_cache`: "persistent" when the cached load beats the fresh download per start, from
-    the load_model medians; the documented default ("persistent") when either is absent."""
-    fresh = median_seconds(frame, scenario="fresh", part="load_model")
-    cached = median_seconds(frame, scenario="cached", part="load_model")
-    if fresh is None or cached is None:
+    """`model_cache`: "persistent" when cached loads are faster than fresh downloads per start,
+    resolved by diag.timing.noise on each load without its import (interpreter start and the
+    libraries' imports, the same on both sides: a 39 s import must not hide or make a gap); an
+    unresolved difference keeps the default ("persistent"), as does a frame lacking either."""
+    from diag.timing.noise import compare
+
+    fresh, cached = _loads(frame, "fresh"), _loads(frame, "cached")
+    if not fresh or not cached:
         why = ("model_load frame absent" if frame is None or frame.empty else
                "no fresh or cached load_model row ran")
         return (Decision.default("model_cache", "persistent",
                                  f"{why}: keep a persistent HF cache", source="model_load"),)
-    rows = frame[frame["scenario"].isin(["fresh", "cached"]) & (frame["part"] == "load_model")]
-    choice = "persistent" if cached < fresh else "empty"
+    rows = frame[frame["scenario"].isin(["fresh", "cached"])
+                 & frame["part"].isin(["load_model", "import"])]
+    gap = compare(cached, fresh)  # b / a: fresh over cached
+    choice = {"a": "persistent", "b": "empty"}.get(gap.faster or "", "persistent")
+    imported = float(frame.loc[frame["part"] == "import", "seconds"].median())
     model = str(frame["model"].iloc[0]) if "model" in frame.columns else ""
     device = str(frame["device"].dropna().iloc[0]) if frame["device"].notna().any() else ""
+    cached_s, fresh_s = statistics.median(cached), statistics.median(fresh)
     return (Decision.from_rows(
-        "model_cache", choice, f"cached load {cached:.3g} s vs fresh {fresh:.3g} s per start "
-        f"-> {choice}", rows, source="model_load",
-        measured_on=MeasuredOn(model=model, precision="nf4", step="the job's model load",
-                               device=device),
-        baseline="empty", stage="load_model", per="start", baseline_s=fresh,
-        chosen_s=cached if choice == "persistent" else fresh),)
+        "model_cache", choice, f"cached load {cached_s:.3g} s vs fresh {fresh_s:.3g} s per "
+        f"start, the import ({imported:.3g} s, paid by both) apart: {gap.describe()} -> "
+        f"{choice}" + ("" if gap.resolved else " (the default)"), rows, source="model_load",
+        basis="measured" if gap.resolved else "default",
+        measured_on=MeasuredOn(model=model, precision="nf4", device=device,
+                               step="a load process's model load (download, read, quantize, "
+                                    "to device, tokenizer), its import apart"),
+        baseline="empty", stage="load_model", per="start", baseline_s=fresh_s,
+        chosen_s=cached_s if choice == "persistent" else fresh_s),)
+
+
+def _loads(frame: pd.DataFrame | None, scenario: str) -> list[float]:
+    """Each repeat's load_model seconds less its import, for one scenario ([] if none ran)."""
+    if frame is None or frame.empty:
+        return []
+    rows = frame[frame["scenario"] == scenario]
+    loads = rows.loc[rows["part"] == "load_model", "seconds"].to_numpy(float)
+    imports = rows.loc[rows["part"] == "import", "seconds"].to_numpy(float)
+    # one import row per load row (repeats in the same order), or none: nothing to take off
+    return [float(s) for s in (loads - imports if len(imports) == len(loads) else loads)]

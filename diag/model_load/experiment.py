@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -154,6 +155,10 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     with open_source(cfg) as src:
         local, plan = src.local_dir is not None, _plan(cfg, src)
         cached = not local and hfcache.snapshot_folder(cache_dir, src.model, src.revision)
+        # (from the cached loads: with none of those, fresh is downloaded as asked)
+        estimate = bool(cfg.estimate_fresh and cached and {"fresh", "cached"} <= {
+            s for _, s in plan})
+        plan = [(r, s) for r, s in plan if not (estimate and s == "fresh")]
         read_only = src.user_cache and not cfg.repair_cache
         if read_only and not cached and any(s != "fresh" for _, s in plan):
             raise not_in_user_cache(src.model, src.revision, cache_dir)
@@ -218,6 +223,8 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
                                  "seconds": plain["seconds"], "repeat": repeat,
                                  "cache_state": state, "resident": resident,
                                  "device": plain["device"], "mb_per_s": float("nan")})
+        if estimate:  # after the loads: its download does not warm anything they read
+            rows += _fresh_estimate(src, cache_dir, rows)
     frame = pd.DataFrame(rows, columns=COLUMNS).assign(
         cache_disk=disk, model=src.model, process=cfg.process)
     frame["warning"] = frame["warning"].fillna("")
@@ -228,3 +235,38 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     for text in sorted(set(frame["warning"]) - {""}):
         warnings.warn(f"model-load: {src.model}: {text}", RuntimeWarning, stacklevel=2)
     return ModelLoadResult(frame, advice(frame), decide(frame))
+
+
+def _fresh_estimate(src: Source, cache_dir: Path, rows: list[dict[str, Any]]
+                    ) -> list[dict[str, Any]]:
+    """The model already cached (estimate_fresh): no whole download. One weight file of it,
+    downloaded into an empty cache, gives the hub's rate; the model's cached bytes at that rate
+    replace each cached load's download part (its revision check), labelled as an estimate."""
+    from huggingface_hub import hf_hub_download
+
+    folder = hfcache.snapshot_folder(cache_dir, src.model, src.revision)
+    one = min(hfcache.weight_files(folder), key=lambda p: p.stat().st_size)
+    total = sum(p.stat().st_size for p in hfcache.blob_files(cache_dir, src.model))
+    with tempfile.TemporaryDirectory(prefix=".diag-rate-", dir=cache_dir.parent) as tmp:
+        start = time.perf_counter()
+        got = Path(hf_hub_download(src.model, str(one.relative_to(folder)), cache_dir=tmp,
+                                   revision=src.revision, endpoint=src.endpoint or None))
+        size = got.stat().st_size
+        rate = size / (time.perf_counter() - start)
+    label = (f"estimated: {one.name} ({size / 1e6:.4g} MB) downloaded at "
+             f"{rate / 1e6:.4g} MB/s, for the model's {total / 1e6:.4g} MB")
+    out = []
+    for repeat in sorted({r["repeat"] for r in rows if r["scenario"] == "cached"}):
+        parts = {r["part"]: r for r in rows if r["scenario"] == "cached"
+                 and r["repeat"] == repeat and r["part"] != "from_pretrained"}
+        check = parts["download"]["seconds"] if "download" in parts else 0.0
+        for part, row in parts.items():
+            seconds = {"download": total / rate,
+                       "load_model": row["seconds"] - check + total / rate}.get(part,
+                                                                                row["seconds"])
+            nbytes = total if part == "download" else row["bytes"]
+            out.append({**row, "scenario": "fresh", "cache_state": label, "seconds": seconds,
+                        "bytes": nbytes, "resident": float("nan"),
+                        "mb_per_s": nbytes / seconds / 1e6 if nbytes and seconds > 0
+                        else float("nan")})
+    return out

@@ -46,6 +46,17 @@ def _step_rows(plan: str, slot: float | None, why: str) -> list[dict[str, Any]]:
                                                  f"(forward only): {why}")]
 
 
+def _fetch_row(r: Any, seconds: float | None, said: str) -> dict[str, Any]:
+    """A start's fetch of the whole source: the run fetched the shards its records were in
+    (diag.qlora.job.fetch_data), so its seconds scale by the source's bytes over those."""
+    fetched, whole = getattr(r, "fetched_bytes", None), getattr(r, "source_bytes", None)
+    if seconds is None or not fetched or not whole or fetched >= whole:
+        return _row(r.plan, "fetch_data", "start", seconds, f"{said}: per start")
+    return _row(r.plan, "fetch_data", "start", seconds * whole / fetched,
+                f"{said}: per start, extrapolated from the {fetched / 1e6:.4g} MB its records "
+                f"were in to the source's {whole / 1e6:.4g} MB")
+
+
 def from_runs(frame: pd.DataFrame, stages: pd.DataFrame, build: Mapping[str, Any] | None = None
               ) -> pd.DataFrame:
     """Each plan's costs off a QLoRA comparison: `frame` (one row per plan: real_tokens, steps,
@@ -63,7 +74,8 @@ def from_runs(frame: pd.DataFrame, stages: pd.DataFrame, build: Mapping[str, Any
         per_step, steady = r.token_slots / r.steps, r.steps - warm
         slot = spent.get("train", 0.0) / (per_step * steady) if steady else None
         said = f"the {r.plan} run of {int(r.records)} records, {int(r.steps)} steps"
-        for stage in ("fetch_data", "load_model", "setup"):
+        rows.append(_fetch_row(r, spent.get("fetch_data"), said))
+        for stage in ("load_model", "setup"):
             rows.append(_row(r.plan, stage, "start", spent.get(stage), f"{said}: per start"))
         if r.plan == "naive":  # its records are read and wrapped per start, per record
             rows.append(_row(r.plan, "preprocess", "record", spent.get("preprocess", 0.0)

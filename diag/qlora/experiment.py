@@ -147,7 +147,8 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
             work = scratch_folder(f"diag-qlora-time-{plan.name}")
             try:
                 clock = time.perf_counter()
-                path = fetch_data(plans[1] if "fetch" in priced else plan, src, work)
+                path = fetch_data(plans[1] if "fetch" in priced else plan, src, work,
+                                  cfg.records)[0]  # the shards the run's records are in
                 fetched = time.perf_counter()
                 folder = model_folder(plans[1] if "model_cache" in priced else plan, src, work)
                 found = time.perf_counter()

@@ -81,16 +81,47 @@ def open_sources(cfg: JobConfig) -> Iterator[Sources]:
         yield Sources(url, client, model, endpoint, cfg.revision, cache, read_only)
 
 
-def fetch_data(plan: Plan, src: Sources, work: Path) -> Path:
-    """The dataset file (or folder of shards, for a prefix): pulled into this run's temp folder,
-    or landed once and reused."""
-    from diag.storage import land, list_remote, parse_url, pull
+def fetch_data(plan: Plan, src: Sources, work: Path, records: int = 0) -> tuple[Path, int, int]:
+    """The data the job trains on, pulled into this run's temp folder or landed once and
+    reused: (its path, bytes fetched, the source's bytes). A prefix of shards: its first
+    objects in key order (the order the records are read) until they hold `records` records
+    (0: every object), each landed on its own; the whole source is `diag train`'s."""
+    from diag.storage import land, list_remote, local_paths, parse_url, pull
 
-    url = parse_url(src.url)
-    if plan.fetch == "land":
-        return land(src.url, diag_home() / "qlora" / "landed", client=src.client).path
-    pull("boto3_default", src.client, url, list_remote(src.client, url), work / "data")
-    return work / "data" if url.is_prefix else work / "data" / Path(url.key).name
+    url, root = parse_url(src.url), diag_home() / "qlora" / "landed"
+    objects = sorted(list_remote(src.client, url), key=lambda o: o.key)
+    total = sum(o.size for o in objects)
+    if not url.is_prefix or not records:  # the whole source, as one landing
+        if plan.fetch == "land":
+            return land(src.url, root, client=src.client).path, total, total
+        pull("boto3_default", src.client, url, objects, work / "data")
+        return (work / "data" if url.is_prefix else work / "data" / Path(url.key).name,
+                total, total)
+    folder = local_paths(url, root)[0] if plan.fetch == "land" else work / "data"
+    held, fetched = 0, 0
+    for obj in objects:
+        if plan.fetch == "land":
+            path = land(f"s3://{url.bucket}/{obj.key}", root, client=src.client).path
+        else:
+            pull("boto3_default", src.client, url, [obj], folder)
+            path = folder / obj.key[len(url.key):]
+        held, fetched = held + _records_in(path), fetched + obj.size
+        if records and held >= records:
+            break
+    return folder, fetched, total
+
+
+def _records_in(path: Path) -> int:
+    """Records a fetched shard holds, cheaply: JSONL lines, Parquet's row count; other files 0
+    (a .json array is counted only by reading it: the fetch goes on to the next shard)."""
+    if path.suffix == ".jsonl":
+        with path.open("rb") as f:
+            return sum(1 for line in f if line.strip())
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    return 0
 
 
 def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
@@ -172,7 +203,7 @@ def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any
 
     work = scratch_folder("diag-qlora-prime")  # a killed rank's is swept next time
     try:
-        path, folder = fetch_data(plan, src, work), model_folder(plan, src, work)
+        path, folder = fetch_data(plan, src, work, cfg.records)[0], model_folder(plan, src, work)
         return path, folder, build_dataset(cfg, plan, job_records(cfg, path, folder), folder,
                                            path)
     finally:
@@ -207,7 +238,7 @@ def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
     transformers.logging.set_verbosity_error()
     try:
         with timer.stage("fetch_data"):
-            data_path = fetch_data(plan, src, work)
+            data_path, fetched, source_bytes = fetch_data(plan, src, work, cfg.records)
         with timer.stage("load_model"):
             folder = model_folder(plan, src, work)
             model = load_model(cfg, plan, folder, device)
@@ -234,7 +265,7 @@ def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
         seconds /= max(frame["rank"].nunique(), 1)  # ranks run side by side: one rank's
         summary = {**data.stats, "plan": plan.name, "seconds": seconds, "ranks": seat.world_size,
                    "steps": trainer.state.global_step, "trainer_wall_s": wall,
-                   "check_s": check_s,
+                   "check_s": check_s, "fetched_bytes": fetched, "source_bytes": source_bytes,
                    "trained_tokens_per_s": data.stats["real_tokens"] / seconds if seconds else None,
                    "resumed_from_step": int(resume.name.split("-")[1]) if resume else 0,
                    **ran(trainer),

@@ -130,7 +130,7 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
     work = scratch_folder("diag-train")  # a killed run's is swept next time
     try:
         with timer.stage("fetch_data"):
-            path = fetch_data(plan, src, work)
+            path = fetch_data(plan, src, work)[0]
         if not cfg.records:  # a source too small for the eval split: refused before the load
             cfg.held_out(count_records(path, at_most=cfg.enough()))
         with timer.stage("load_model"):

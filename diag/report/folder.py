@@ -138,7 +138,7 @@ def headline(stages: list[dict[str, Any]], findings: list[dict[str, Any]] | None
     out = {"naive_s": totals["naive"], "optimized_s": totals["optimized"],
            "speedup": totals["naive"] / totals["optimized"], "largest_stage": big["stage"],
            "largest_stage_share": float(big["share"]),
-           "top_fix": top["finding"] if top else None,
+           "top_fix": top["finding"] + extrapolated(top) if top else None,
            "top_fix_saves_s": float(top["seconds_saved"]) if top else None}
     out["text"] = (f"naive {out['naive_s']:.3g} s -> optimized {out['optimized_s']:.3g} s "
                    f"({out['speedup']:.3g}x); the largest stage was {big['stage']} "
@@ -161,7 +161,13 @@ def _top(found: pd.DataFrame) -> str | None:
         return None
     r = found.iloc[0]
     return (f"{r['finding']}: saves {r['seconds_saved']:.3g} s per run "
-            f"({r['share_of_run']:.0%} of the {r['run']} run)")
+            f"({r['share_of_run']:.0%} of the {r['run']} run){extrapolated(r)}")
+
+
+def extrapolated(finding: Any) -> str:
+    """A finding priced on a sample of the data says so where it is headlined."""
+    evidence = str(finding.get("evidence", ""))
+    return "; extrapolated from a sample (see its evidence)" if "extrapolated" in evidence else ""
 
 
 def load(folder: str | os.PathLike[str]) -> dict[str, pd.DataFrame]:

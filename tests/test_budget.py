@@ -1,0 +1,109 @@
+"""`diag run --budget` (issue 32 item 1): the plan printed before the first step, the budget
+split among the steps and kept by the ones that size their work to it, estimated vs spent in
+the run folder; bad budgets refused in one line before any work."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from diag.budget import FLOORS, Budget
+from diag.cli import main
+from diag.config import DiagnoseConfig
+from diag.diagnose import steps
+from diag.runner import Step
+
+
+def _refused(capsys, monkeypatch, *argv: str) -> str:
+    # any experiment starting would be work: each one raises here
+    import diag.diagnose as diagnose
+
+    monkeypatch.setattr(diagnose, "run_info", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr("diag.preflight.preflight", lambda *a, **k: pytest.fail("preflight ran"))
+    assert main(["run", "--quick", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    return err
+
+
+def test_bad_budgets_are_refused_in_one_line_before_any_work(capsys, monkeypatch):
+    assert "budget='0': must be more than 0" in _refused(capsys, monkeypatch, "--budget", "0")
+    for bad in ("15 minutes", "m15", "1.5.2m", "-5m"):
+        err = _refused(capsys, monkeypatch, f"--budget={bad}")
+        assert f"budget={bad!r}: a duration such as 15m, 90s, 1h30m" in err
+
+
+def test_a_budget_too_small_names_the_minimum_of_the_steps_enabled(capsys, monkeypatch):
+    every = sum(FLOORS[s.field] for s in steps(DiagnoseConfig.quick()))
+    err = _refused(capsys, monkeypatch, "--budget", "10s")
+    assert f"too small for the steps enabled: at least {every:.0f} s" in err
+    assert f"model load {FLOORS['model_load']:.0f} s" in err
+    # fewer steps need less
+    err = _refused(capsys, monkeypatch, "--budget", "10s", "--no-model-load")
+    assert f"at least {every - FLOORS['model_load']:.0f} s" in err
+
+
+def test_a_step_that_overran_takes_from_the_later_steps_never_from_the_total():
+    parts = [Step("storage", "storage"), Step("model load", "model_load"),
+             Step("naive vs optimized QLoRA", "qlora")]
+    budget = Budget(300.0, parts, "5m")
+    planned = {s.field: budget.estimate(s) for s in parts}
+    assert sum(planned.values()) == pytest.approx(300.0)
+    assert all(planned[s.field] >= FLOORS[s.field] for s in parts)
+    # storage was given its share and took 100 s more than that
+    budget.given["storage"] = planned["storage"]
+    budget.spent["storage"] = planned["storage"] + 100
+    budget.started = time.perf_counter() - budget.spent["storage"]
+    later = {f: budget.share(s) for s, f in ((p, p.field) for p in parts[1:])}
+    assert sum(later.values()) == pytest.approx(300.0 - budget.spent["storage"], rel=1e-3)
+    assert later["model_load"] < planned["model_load"] and later["qlora"] < planned["qlora"]
+    assert budget.share(parts[0]) == planned["storage"]  # a started step's share stays put
+
+
+@pytest.fixture(scope="module")
+def shards():
+    from diag.embedded import S3Server
+
+    with S3Server() as server:  # "a few MB" in many small objects: a pull pays per object
+        client = server.client()
+        for i in range(200):
+            client.put_object(Bucket="diag", Key=f"few/part-{i:03d}.bin", Body=os.urandom(40_000))
+        yield server
+
+
+@pytest.mark.slow  # a `python -m diag run` that imports torch (the toy loop)
+def test_the_plan_comes_first_and_storage_keeps_its_share(shards, tmp_path):
+    flags = ["--quick", "--no-model-load", "--no-accum", "--no-loader", "--no-qlora"]
+    cfg = DiagnoseConfig.quick(storage=True, model_load=False, accum=False, loader=False,
+                               qlora=False)
+    least = sum(FLOORS[s.field] for s in steps(cfg))  # the smallest budget it takes
+    out = tmp_path / "run"
+    env = {**os.environ, **shards.env()}
+    done = subprocess.run(
+        [sys.executable, "-m", "diag", "run", *flags, "--budget", f"{least:g}s",
+         "--source", "s3://diag/few/", "--endpoint-url", shards.endpoint_url, "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # on stderr beside the progress bar (stdout: the result lines), the plan before the bar
+    err = done.stderr
+    head = f"diag run: budget {least:g}s, the plan (estimated, what it measures):\n"
+    assert head in err and err.index(head) < re.search(r"diag run: +0%", err).start()
+    plan = err[err.index(head) + len(head):].splitlines()[:len(steps(cfg))]
+    assert [s.name for s in steps(cfg)] == [p.strip().split("  ")[0] for p in plan]
+    assert "sample of whole objects sized to this share" in plan[1]
+    after = err.index(f"diag run: budget {least:g}s, estimated vs spent:")
+    assert after > re.search(r"diag run: +100%", err).start()
+    assert done.stdout.splitlines()[0] == f"wrote {out / 'report.html'}"
+    spent = pd.read_csv(out / "budget.csv").set_index("step")
+    assert spent.loc["the whole diagnosis", "estimated_s"] == pytest.approx(least)
+    # storage sized its pulls to its share: a sample, not the 200 objects, pulled in it
+    pulls = pd.read_csv(out / "storage.csv")
+    pulls = pulls[pulls["method"].isin(["boto3_default", "boto3_tuned", "s5cmd"])]
+    assert (pulls["files"] < 200).all() and (pulls["dataset_files"] == 200).all()
+    assert pulls["seconds"].sum() <= spent.loc["storage", "share_s"]
