@@ -6,7 +6,7 @@ first step, and each step's estimate beside what it spent after the last.
 starts, so a step that overran takes from the later ones, never from the total. A budget under
 the steps' floors is refused before any work. Steps that size their work to their share:
 storage (the sample each method pulls) and the job's decisions (their repeats,
-`QLoraConfig.decide_budget_s` where it exists); the others run what they run, their share is
+`QLoraConfig.decide_budget_s`); the others run what they run, their share is
 their estimate, and `frame()` sets each beside what it spent (the run folder's budget.csv).
 """
 
@@ -170,7 +170,7 @@ def of_run(cfg: DiagnoseConfig, steps: Sequence[Step], job: QLoraConfig | None) 
     what = functools.partial(measures, storage=cfg.storage_config(),
                              model_load=cfg.model_load_config(), job=job)
     return Budget(duration_s(text), [s for s in steps if s.field != "train"], text,
-                  measures=what, decides=hasattr(job, "decide_budget_s"))
+                  measures=what, decides=job is not None)
 
 
 def measures(step: Step, storage: StorageConfig | None, model_load: ModelLoadConfig | None,

@@ -162,15 +162,15 @@ def _quick(cfg: DiagnoseConfig) -> bool | None:
 
 def job_config(cfg: DiagnoseConfig, budget: Budget | None = None) -> QLoraConfig:
     """The QLoRA job the diagnosis measures and runs: the panel's sweep values, its decisions'
-    share of the budget (decide_budget_s, where that field exists)."""
+    share of the budget (decide_budget_s)."""
     given = {"sweep_workers": list(cfg.workers), "sweep_micro_batches": list(cfg.micro_batches),
              "records": cfg.records, "steps": cfg.job_steps, "seq_len": cfg.seq_len}
-    if budget is not None and "decide_budget_s" in QLoraConfig.used_fields():
-        given["decide_budget_s"] = budget.decide_s()
     preset = {} if cfg.quick_experiments else QLoraConfig.RUN
+    given = preset | {k: v for k, v in given.items() if v}
+    if budget is not None:  # 0 s too: a budget with no room above the floors repeats nothing
+        given["decide_budget_s"] = budget.decide_s()
     return QLoraConfig.default(quick=_quick(cfg), device=cfg.device, plan=cfg.plan,
-                               on_error=cfg.on_error, **cfg.source_kwargs(),
-                               **(preset | {k: v for k, v in given.items() if v}))
+                               on_error=cfg.on_error, **cfg.source_kwargs(), **given)
 
 
 def _storage(cfg: DiagnoseConfig, budget_s: float) -> StorageResult:
