@@ -9,9 +9,9 @@ does; then both plans run interleaved over --rounds rounds (order alternating). 
 - `qlora_data_wait_share` (< 2%), `qlora_callback_overhead` (< 1%: the TimingCallback's own
   hook seconds measured inside the real Trainer steps of the run), and last
   `qlora_compute_share` (>= 0.9) from an optimized-only run of --long-steps steps;
-- with --regret: `qlora_regret` (<= 1.05, resolution <= 0.05): the optimized plan's steady
+- `qlora_regret` (<= 1.05, resolution <= 0.05): the optimized plan's steady
   step per trained token over the best of a grid fixed in bench/qlora_regret.py, on this job;
-- with --trl: `qlora_vs_trl` (>= 1.0): trained tokens/s of the train loop of diag's optimized
+- `qlora_vs_trl` (>= 1.0): trained tokens/s of the train loop of diag's optimized
   plan over TRL's SFTTrainer(packing=True), same model, records and settings (bench/qlora_trl.py).
 main() is the list of goals, one call each. The machine is shared: figures move with its load;
 rounds are interleaved so load hits all.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -176,8 +177,8 @@ def main() -> None:
                         help="steps of the optimized-only run the shares are taken from")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--fetch-heavy", action="store_true")
-    parser.add_argument("--regret", action="store_true")
-    parser.add_argument("--trl", action="store_true")
+    parser.add_argument("--regret", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--budget-s", type=float, default=90.0,
                         help="seconds the repeats of --regret's finalists and of --trl may take")
     args = parser.parse_args()
@@ -200,7 +201,8 @@ def main() -> None:
         fetch_heavy(cfg)
     if args.regret:
         regret(cfg, optimized, args.budget_s)
-    print(f"bench wall: {time.perf_counter() - start:.3g} s")
+    print(f"bench wall: {time.perf_counter() - start:.3g} s; load average "
+          + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1 / 5 / 15 min)")
     compute_share(long, args.long_steps)  # last: the bench's goal line
 
 

@@ -2,12 +2,15 @@
 
 The grid is not derived from the plan or its config's sweep ranges: micro-batch 1, 2, 4, 8, 16
 (those the pipeline's rows per step allow), workers 0-4, checkpointing on/off, naive/packed rows.
-Every point is timed the same way as the plan: the job's own cfg.steps steps through the real
-Trainer (diag.qlora.trainer) on a base loaded once per checkpointing setting, its steady steps'
-median per trained token (the first step, worker start-up and set-up are not a step). Every point
-is screened once; the best FINALISTS and the plan then run interleaved rounds
-(diag.timing.noise.Rounds) until the grid best's spread is within RESOLUTION or the budget ends.
-`python bench/qlora_regret.py` measures the plan on the job, then runs the grid alone.
+Every point is timed as the plan is: the job's steps through the real Trainer
+(diag.qlora.trainer) on a base loaded once per checkpointing setting; a Step is its steady
+steps' CPU seconds (this process and its DataLoader workers) and wall seconds per trained token
+(the first step, worker start-up and set-up are not steady). The regret is judged on CPU
+seconds: on this shared box a step's wall is mostly the scheduler's share (wall spread 18-33%
+over rounds against CPU's 7-20%, measured at load ~5.5); the wall regret is printed beside it.
+Every point is screened once (one steady step); the best FINALISTS and the plan then run
+interleaved rounds (diag.timing.noise.Rounds) until the grid best's spread is within RESOLUTION
+or the budget ends. `python bench/qlora_regret.py` measures the plan on the job, then the grid.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import os
 import statistics
 import sys
 import tempfile
@@ -35,6 +39,8 @@ GRID = {"micro_batch": (1, 2, 4, 8, 16), "num_workers": (0, 1, 2, 3, 4),
         "gradient_checkpointing": (True, False), "pipeline": ("naive", "packed")}
 AXES = tuple(GRID)  # a point's settings: what the plan's own point is matched on
 FINALISTS = 3  # the best screened points that go on to rounds
+REPEATS = 3  # a round's sample: the job's steps this many times over (11 steady steps of 4:
+#              CPU spread 6-12% over 8 rounds at load ~6 here, 14-18% with the job's own 3)
 RESOLUTION = 0.05  # the grid best's spread over its rounds the regret must be finer than
 
 
@@ -164,7 +170,7 @@ def rounds(clock: StepClock, plans: list[Plan], budget_s: float) -> dict[str, li
 
     def round_() -> list[float]:
         for p in next(order):
-            got[p.name].append(clock.time(p))
+            got[p.name].append(clock.time(p, clock.cfg.steps * REPEATS))
         return [got[p.name][-1].cpu for p in plans]
 
     def pending(samples: list[list[float]]) -> bool:
@@ -253,7 +259,8 @@ def main() -> None:
         print(f"the plan, measured on the job in {time.perf_counter() - start:.3g} s: "
               + ", ".join(f"{s} {getattr(optimized, s)}" for s in AXES))
         print_regret(cfg, optimized, src, args.budget_s)
-    print(f"wall: {time.perf_counter() - start:.3g} s")
+    print(f"bench wall: {time.perf_counter() - start:.3g} s; load average "
+          + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1 / 5 / 15 min)")
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ def trl_loop(cfg: QLoraConfig, optimized: Plan, model_dir: Path, dataset: Path
     """TRL's SFTTrainer(packing=True) over the job's records: (train loop seconds, trained
     tokens). Its batches per step are sized so cfg.steps steps cover every packed row once, as
     diag trains each record once over cfg.steps steps."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer
+    from datasets import Dataset, disable_progress_bars
+    from transformers import AutoTokenizer, PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
     from diag.data import format_prompt, read_source
@@ -44,6 +44,7 @@ def trl_loop(cfg: QLoraConfig, optimized: Plan, model_dir: Path, dataset: Path
     from diag.timing import StageTimer
     from diag.timing.callback import TimingCallback
 
+    disable_progress_bars()  # SFTTrainer's tokenizing and packing maps
     device = resolve(cfg.device)
     records, _ = read_source(dataset, cfg.fields(), on_error="skip", limit=cfg.records)
     recs = job_records(cfg.replace(on_error="skip"), dataset, model_dir)
@@ -62,6 +63,7 @@ def trl_loop(cfg: QLoraConfig, optimized: Plan, model_dir: Path, dataset: Path
         trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok,
                              callbacks=[TimingCallback(timer, warmup_steps=cfg.warmup_steps,
                                                        device=device)])
+        trainer.remove_callback(PrinterCallback)  # as diag's: no log line per step
         rows = len(trainer.train_dataset)
         trainer.args.gradient_accumulation_steps = max(1, -(-rows // (cfg.steps *
                                                                        optimized.micro_batch)))
