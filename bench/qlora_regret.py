@@ -8,7 +8,7 @@ steps' CPU seconds (this process and its DataLoader workers) and wall seconds pe
 (the first step, worker start-up and set-up are not steady). The regret is judged on CPU
 seconds: on this shared box a step's wall is mostly the scheduler's share (wall spread 18-33%
 over rounds against CPU's 7-20%, measured at load ~5.5); the wall regret is printed beside it.
-Every point is screened once (one steady step); the best FINALISTS and the plan then run
+Points are screened once (one steady step; `screen`); the best FINALISTS and the plan then run
 interleaved rounds (diag.timing.noise.Rounds) until the grid best's spread is within RESOLUTION
 or the budget ends. `python bench/qlora_regret.py` measures the plan on the job, then the grid.
 """
@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 GRID = {"micro_batch": (1, 2, 4, 8, 16), "num_workers": (0, 1, 2, 3, 4),
         "gradient_checkpointing": (True, False), "pipeline": ("naive", "packed")}
 AXES = tuple(GRID)  # a point's settings: what the plan's own point is matched on
+WIDEN = 3  # the best compute settings at workers 0 screened at every other workers value
 FINALISTS = 3  # the best screened points that go on to rounds
 REPEATS = 3  # a round's sample: the job's steps this many times over (11 steady steps of 4:
 #              CPU spread 6-12% over 8 rounds at load ~6 here, 14-18% with the job's own 3)
@@ -180,24 +181,44 @@ def rounds(clock: StepClock, plans: list[Plan], budget_s: float) -> dict[str, li
     return got
 
 
+def screen(clock: StepClock, points: list[Plan], plan: Plan) -> dict[str, float]:
+    """Each point's CPU seconds per token over one steady step, in two stages: every compute
+    setting (micro-batch, checkpointing, pipeline) at workers 0, then the best WIDEN of those at
+    every other workers value, and the plan's own point if it is not screened yet. A worker
+    moves a step's data work to another process, it does not remove it (its CPU counts), so
+    the workers axis is screened where the compute is cheapest (90 points all: 176 s at load
+    ~5.5, ~6 min at load 7)."""
+    def run(ps: list[Plan], stage: str) -> dict[str, float]:
+        return {p.name: clock.time(p, clock.cfg.warmup_steps + 1).cpu for p in tqdm(ps, stage)}
+
+    got = run([p for p in points if p.num_workers == 0], "regret grid, workers 0")
+    best = sorted(got, key=got.get)[:WIDEN]
+    same = {(p.micro_batch, p.gradient_checkpointing, p.pipeline): p.name for p in points}
+    widen = [p for p in points if p.name not in got and same[(
+        p.micro_batch, p.gradient_checkpointing, p.pipeline)] in best]
+    mine = own_point(plan, points)
+    got |= run(widen + ([mine] if mine and mine not in widen and mine.name not in got else []),
+               "regret grid, workers 1-4")
+    return got
+
+
 def regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 90.0) -> dict:
-    """The grid screened once (one steady step a point), the best FINALISTS by CPU seconds and
-    the plan over rounds: the figures print_regret shows."""
+    """The grid screened (`screen`), the best FINALISTS by CPU seconds and the plan over
+    rounds: the figures print_regret shows."""
     clock = StepClock(cfg, src)
     points = grid(clock)
     gc.freeze()  # the loaded bases and sources out of each Trainer's gc.collect (~1 s a point)
     try:
-        screen = {p.name: clock.time(p, cfg.warmup_steps + 1).cpu
-                  for p in tqdm(points, "regret grid")}
+        cpu = screen(clock, points, optimized)
         screen_s = clock.seconds
-        ranked = sorted(points, key=lambda p: screen[p.name])
+        ranked = sorted((p for p in points if p.name in cpu), key=lambda p: cpu[p.name])
         got = rounds(clock, [*ranked[:FINALISTS], optimized], budget_s)
     finally:
         gc.unfreeze()
     mine = own_point(optimized, points)
-    return {"points": len(points), "screen_s": screen_s, "seconds": clock.seconds,
-            "mine": mine and (mine.name, ranked.index(mine) + 1), "plan": got.pop(optimized.name),
-            "got": got}
+    return {"points": len(points), "screened": len(cpu), "screen_s": screen_s,
+            "seconds": clock.seconds, "mine": mine and (mine.name, ranked.index(mine) + 1),
+            "plan": got.pop(optimized.name), "got": got}
 
 
 def _figures(best: list[Step], plan: list[Step], clock: str) -> str:
@@ -214,8 +235,10 @@ def print_regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 
     best = min(cpu, key=cpu.get)
     axes = " x ".join(f"{k} {v}" for k, v in GRID.items())
     print(f"regret grid: {r['points']} points ({axes}; the micro-batches each pipeline's rows "
-          f"per step allow) screened once in {r['screen_s']:.3g} s; the best {FINALISTS} and the "
-          f"plan over {len(plan)} interleaved rounds, CPU ms per trained token of a steady step: "
+          f"per step allow), {r['screened']} screened once (every compute setting at workers "
+          f"0, the best {WIDEN} at workers 1-4) in {r['screen_s']:.3g} s; the best {FINALISTS} "
+          f"and the plan over {len(plan)} interleaved rounds, CPU ms per trained token of a "
+          "steady step: "
           + ", ".join(f"{n} {cpu[n] * 1e3:.3g} (spread {noise.spread([s.cpu for s in got[n]]):.1%})"
                       for n in sorted(cpu, key=cpu.get))
           + f"; the plan {statistics.median(s.cpu for s in plan) * 1e3:.3g}")
