@@ -7,10 +7,12 @@ Every point is timed as the plan is: the job's steps through the real Trainer
 steps' CPU seconds (this process and its DataLoader workers) and wall seconds per trained token
 (the first step, worker start-up and set-up are not steady). The regret is judged on CPU
 seconds: on this shared box a step's wall is mostly the scheduler's share (wall spread 18-33%
-over rounds against CPU's 7-20%, measured at load ~5.5); the wall regret is printed beside it.
-Points are screened once (one steady step; `screen`); the best FINALISTS and the plan then run
-interleaved rounds (diag.timing.noise.Rounds) until the grid best's spread is within RESOLUTION
-or the budget ends. `python bench/qlora_regret.py` measures the plan on the job, then the grid.
+over rounds against CPU's 7-20% at load ~5.5, 51-55% against 13-17% at ~6.5); the wall regret
+is printed beside it.
+Points are screened once (one steady step; `screen`); the best FINALISTS, the plan's own point
+(an A/A check: the plan's settings) and the plan then run interleaved rounds
+(diag.timing.noise.Rounds) until the grid best's spread is within RESOLUTION or the budget
+ends. `python bench/qlora_regret.py` measures the plan on the job, then the grid.
 """
 
 from __future__ import annotations
@@ -212,10 +214,14 @@ def regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 90.0) 
         cpu = screen(clock, points, optimized)
         screen_s = clock.seconds
         ranked = sorted((p for p in points if p.name in cpu), key=lambda p: cpu[p.name])
-        got = rounds(clock, [*ranked[:FINALISTS], optimized], budget_s)
+        mine = own_point(optimized, points)
+        # the plan's own point, when the grid has it, runs too: the same settings as the plan,
+        # so the plan over it is an A/A check of the noise
+        finalists = ranked[:FINALISTS] + ([mine] if mine and mine not in ranked[:FINALISTS]
+                                          else [])
+        got = rounds(clock, [*finalists, optimized], budget_s)
     finally:
         gc.unfreeze()
-    mine = own_point(optimized, points)
     return {"points": len(points), "screened": len(cpu), "screen_s": screen_s,
             "seconds": clock.seconds, "mine": mine and (mine.name, ranked.index(mine) + 1),
             "plan": got.pop(optimized.name), "got": got}
@@ -237,8 +243,8 @@ def print_regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 
     print(f"regret grid: {r['points']} points ({axes}; the micro-batches each pipeline's rows "
           f"per step allow), {r['screened']} screened once (every compute setting at workers "
           f"0, the best {WIDEN} at workers 1-4) in {r['screen_s']:.3g} s; the best {FINALISTS} "
-          f"and the plan over {len(plan)} interleaved rounds, CPU ms per trained token of a "
-          "steady step: "
+          f"(and the plan's own point) and the plan over {len(plan)} interleaved rounds, CPU "
+          "ms per trained token of a steady step: "
           + ", ".join(f"{n} {cpu[n] * 1e3:.3g} (spread {noise.spread([s.cpu for s in got[n]]):.1%})"
                       for n in sorted(cpu, key=cpu.get))
           + f"; the plan {statistics.median(s.cpu for s in plan) * 1e3:.3g}")
@@ -248,7 +254,8 @@ def print_regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 
     else:
         name, rank = r["mine"]
         line = (f"the plan's point ({settings}) is in the grid: {name}, screened #{rank} of "
-                f"{r['points']}")
+                f"{r['screened']}; the plan over it (A/A, the same settings): "
+                + _figures(got[name], plan, "cpu"))
         if name == best:  # then the regret is the plan over itself: show the next point too
             other = min((n for n in cpu if n != name), key=cpu.get)
             line += f"; the plan over the best other point {other}: "
