@@ -193,15 +193,17 @@ def screen(clock: StepClock, points: list[Plan], plan: Plan) -> dict[str, float]
     def run(ps: list[Plan], stage: str) -> dict[str, float]:
         return {p.name: clock.time(p, clock.cfg.warmup_steps + 1).cpu for p in tqdm(ps, stage)}
 
-    got = run([p for p in points if p.num_workers == 0], "regret grid, workers 0")
-    best = sorted(got, key=got.get)[:WIDEN]
-    same = {(p.micro_batch, p.gradient_checkpointing, p.pipeline): p.name for p in points}
-    widen = [p for p in points if p.name not in got and same[(
-        p.micro_batch, p.gradient_checkpointing, p.pipeline)] in best]
+    def compute(p: Plan) -> tuple:
+        return p.micro_batch, p.gradient_checkpointing, p.pipeline
+
+    first = [p for p in points if p.num_workers == 0]
+    got = run(first, "regret grid, workers 0")
+    best = {compute(p) for p in sorted(first, key=lambda p: got[p.name])[:WIDEN]}
+    widen = [p for p in points if p.num_workers and compute(p) in best]
     mine = own_point(plan, points)
-    got |= run(widen + ([mine] if mine and mine not in widen and mine.name not in got else []),
-               "regret grid, workers 1-4")
-    return got
+    if mine and mine.name not in got and mine not in widen:
+        widen.append(mine)
+    return got | run(widen, "regret grid, workers 1-4")
 
 
 def regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 90.0) -> dict:
