@@ -9,8 +9,9 @@ does; then both plans run interleaved over --rounds rounds (order alternating). 
 - `qlora_data_wait_share` (< 2%), `qlora_callback_overhead` (< 1%: the TimingCallback's own
   hook seconds measured inside the real Trainer steps of the run), and last
   `qlora_compute_share` (>= 0.9) from an optimized-only run of --long-steps steps;
-- `qlora_regret` (<= 1.05, resolution <= 0.05): the optimized plan's steady
-  step per trained token over the best of a grid fixed in bench/qlora_regret.py, on this job;
+- `qlora_regret` (<= 1.05, resolution <= 0.05): the optimized plan's steady step per trained
+  token (CPU seconds; the wall regret beside) over the best of a grid fixed in
+  bench/qlora_regret.py, on this job, with an A/A check against the plan's own grid point;
 - `qlora_vs_trl` (>= 1.0): trained tokens/s of the train loop of diag's optimized
   plan over TRL's SFTTrainer(packing=True), same model, records and settings (bench/qlora_trl.py).
 main() is the list of goals, one call each. The machine is shared: figures move with its load;
