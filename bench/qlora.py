@@ -180,7 +180,7 @@ def main() -> None:
     parser.add_argument("--fetch-heavy", action="store_true")
     parser.add_argument("--regret", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--budget-s", type=float, default=90.0,
+    parser.add_argument("--budget-s", type=float, default=120.0,
                         help="seconds the repeats of --regret's finalists and of --trl may take")
     args = parser.parse_args()
     cfg = QLoraConfig(records=args.records, steps=args.steps, seq_len=args.seq_len,

@@ -42,8 +42,9 @@ GRID = {"micro_batch": (1, 2, 4, 8, 16), "num_workers": (0, 1, 2, 3, 4),
 AXES = tuple(GRID)  # a point's settings: what the plan's own point is matched on
 WIDEN = 3  # the best compute settings at workers 0 screened at every other workers value
 FINALISTS = 3  # the best screened points that go on to rounds
-REPEATS = 3  # a round's sample: the job's steps this many times over (11 steady steps of 4:
-#              CPU spread 6-12% over 8 rounds at load ~6 here, 14-18% with the job's own 3)
+REPEATS = 6  # a round's sample: the job's steps this many times over (23 steady steps of 4:
+#              the grid best's CPU spread 4.7% over 5 rounds at load ~6 here; 11 steps gave
+#              6-12%, the job's own 3 gave 14-18%)
 RESOLUTION = 0.05  # the grid best's spread over its rounds the regret must be finer than
 
 
@@ -206,7 +207,7 @@ def screen(clock: StepClock, points: list[Plan], plan: Plan) -> dict[str, float]
     return got | run(widen, "regret grid, workers 1-4")
 
 
-def regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 90.0) -> dict:
+def regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 120.0) -> dict:
     """The grid screened (`screen`), the best FINALISTS by CPU seconds and the plan over
     rounds: the figures print_regret shows."""
     clock = StepClock(cfg, src)
@@ -236,7 +237,7 @@ def _figures(best: list[Step], plan: list[Step], clock: str) -> str:
             f"{noise.compare(a, b).describe()}; per-round ratio spread {noise.spread(paired):.1%})")
 
 
-def print_regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 90.0) -> None:
+def print_regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 120.0) -> None:
     r = regret(cfg, optimized, src, budget_s)
     got, plan = r["got"], r["plan"]
     cpu = {n: statistics.median(s.cpu for s in v) for n, v in got.items()}
@@ -280,7 +281,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--budget-s", type=float, default=90.0,
+    parser.add_argument("--budget-s", type=float, default=120.0,
                         help="seconds the finalists' rounds may take")
     args = parser.parse_args()
     cfg = QLoraConfig(records=args.records, steps=args.steps, seq_len=args.seq_len, lora_r=8,
