@@ -11,15 +11,15 @@ does; then both plans run interleaved over --rounds rounds (order alternating). 
 - `qlora_data_wait_share` (< 2%), `qlora_callback_overhead` (< 1%: the TimingCallback's own
   hook seconds measured inside the real Trainer steps of the run), and last
   `qlora_compute_share` (>= 0.9) from an optimized-only run of --long-steps steps;
-- with --regret: `qlora_regret` (<= 1.05): the optimized plan's step seconds per trained token
-  over the best of a grid chosen independently of it (micro-batch 1/2/4, workers 0/1/2,
-  checkpointing on/off, naive/packed): every grid point screened once, the best three and the
-  optimized plan then over 3 interleaved rounds, medians compared;
+- `qlora_regret` (<= 1.05, resolution <= 0.05): the optimized plan's steady step per trained
+  token (CPU seconds; the wall regret beside) over the best of a grid fixed in
+  bench/qlora_regret.py, on this job, with an A/A check against the plan's own grid point;
+- `qlora_vs_trl` (>= 1.0): trained tokens/s of the train loop of diag's optimized
+  plan over TRL's SFTTrainer(packing=True), same model, records and settings (bench/qlora_trl.py).
 - `qlora_decision_stability` (1.0): three quick plan decisions agree or say within noise, and a
-  constructed 2x gap resolves (decision_stability);
-- with --trl: `qlora_vs_trl` (>= 1.0): trained tokens/s of diag's optimized start against TRL's
-  SFTTrainer(packing=True) on the same nf4 model, records, LoRA config, seq_len and steps.
-The machine is shared: figures move with its load; rounds are interleaved so load hits all.
+  constructed 2x gap resolves (decision_stability).
+main() is the list of goals, one call each. The machine is shared: figures move with its load;
+rounds are interleaved so load hits all.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
-import statistics
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import transformers  # noqa: F401  # imported before the clock, as a job's start
@@ -41,6 +42,7 @@ from diag.qlora import Plan, run_qlora
 from diag.timing import callback as callback_module
 from diag.qlora.job import Sources, run_plan
 from diag.qlora.measure import plan_from_job
+from qlora_trl import print_vs_trl
 
 
 def step_seconds(stages) -> float:
@@ -82,124 +84,95 @@ def fetch_heavy_sources(dataset_mb: float):
                       hub.endpoint)
 
 
-def _grid_plan(base: Plan, micro: int, ckpt: bool, workers: int, pipeline: str) -> Plan:
-    return dataclasses.replace(
-        base, name=f"m{micro}-gc{int(ckpt)}-w{workers}-{pipeline}", micro_batch=micro,
-        gradient_checkpointing=ckpt, num_workers=workers, persistent_workers=workers > 0,
-        prefetch_factor=2 if workers else None, pipeline=pipeline)
+def job_runs(cfg: QLoraConfig, optimized: Plan) -> Any:
+    """run_qlora: naive vs optimized over cfg.rounds interleaved rounds, its tables printed."""
+    result = run_qlora(cfg, optimized.decisions)
+    print(result.frame.set_index("plan")[[
+        "seconds", "seconds_min", "seconds_max", "once_s", "check_s", "micro_batch", "grad_accum",
+        "num_workers", "pipeline", "token_slots", "real_tokens", "padding_share",
+        "final_loss"]].to_string())
+    print(result.savings[["stage", "finding", "predicted_s", "measured_s", "error_share",
+                          "flagged"]].to_string())
+    print(result.headline)
+    return result
 
 
-def per_token_step(got: dict) -> float:
-    """Median step seconds per trained token (plans carry different token slots per step)."""
-    summary = got["summary"]
-    return step_seconds(got["stages"]) * summary["steps"] / summary["real_tokens"]
+def naive_over_optimized(result: Any, cfg: QLoraConfig) -> None:
+    rows = result.frame.set_index("plan")
+    n, o = rows.loc["naive"], rows.loc["optimized"]
+    ratio = (n["seconds"] / n["real_tokens"]) / (o["seconds"] / o["real_tokens"])
+    print(f"qlora_naive_over_optimized: {ratio:.3g}x per trained token ({int(n['real_tokens'])} "
+          f"vs {int(o['real_tokens'])} trained tokens, {cfg.steps} steps, {cfg.rounds} "
+          f"interleaved rounds; naive {n['seconds_min']:.3g}-{n['seconds_max']:.3g} s, "
+          f"optimized {o['seconds_min']:.3g}-{o['seconds_max']:.3g} s)")
+    print(f"qlora_padding_share_naive: {n['padding_share']:.1%}")
 
 
-def regret(cfg: QLoraConfig, optimized: Plan, src: Sources, rounds: int = 3,
-           finalists: int = 3) -> tuple[float, dict]:
-    """The optimized plan's step seconds per trained token, and the grid finalists' medians.
-
-    The grid is fixed, not derived from the plan: micro-batch 1, 2, 4 (each capped to what the
-    job's rows per step allow, as the plan's own is), workers 0, 1, 2, checkpointing on/off,
-    naive/packed rows. Every point runs once (screening); the best `finalists` and the
-    optimized plan then run `rounds` times, interleaved and alternating, medians compared (one
-    short run varies ~10% here, more than the 5% the goal must resolve).
-    """
-    base = dataclasses.replace(optimized, fetch="land", model_cache="persistent")
-    grid = [_grid_plan(base, m, c, w, p) for m, c, w, p in itertools.product(
-        (1, 2, 4), (True, False), (0, 1, 2), ("naive", "packed"))]
-    screen = {plan.name: per_token_step(run_plan(cfg, plan, src)) for plan in grid}
-    best = sorted(screen, key=screen.get)[:finalists]
-    final = [p for p in grid if p.name in best] + [optimized]
-    seconds: dict[str, list[float]] = {p.name: [] for p in final}
-    for r in range(rounds):
-        for plan in (final if r % 2 == 0 else final[::-1]):
-            seconds[plan.name].append(per_token_step(run_plan(cfg, plan, src)))
-    median = {name: statistics.median(v) for name, v in seconds.items()}
-    mine = median.pop(optimized.name)
-    print(f"regret grid: {len(grid)} points screened once; best per trained token: "
-          + ", ".join(f"{n} {screen[n] * 1e3:.3g} ms" for n in best))
-    return mine, median
+def prediction_error(result: Any) -> None:
+    checked = result.savings.dropna(subset=["predicted_s"])
+    if checked.empty:
+        print("qlora_prediction_error: n/a (no stage was predicted: no measured decision)")
+        return
+    worst = checked.loc[checked["error_share"].idxmax()]
+    print(f"qlora_prediction_error: {worst['error_share']:.3g} (worst of {len(checked)} "
+          f"predicted stages: {worst['stage']}, predicted {worst['predicted_s']:.3g} s, "
+          f"measured {worst['measured_s']:.3g} s) (goal <= 0.25)")
 
 
-def print_regret(cfg: QLoraConfig, optimized: Plan) -> None:
-    from diag.qlora.job import open_sources, prime
-
-    small = cfg.replace(records=32, steps=4, warmup_steps=1)
-    with open_sources(small) as src:
-        prime(small, optimized, src)
-        mine, grid = regret(small, optimized, src)
-    name = min(grid, key=grid.get)
-    print(f"qlora_regret: {mine / grid[name]:.3g} (optimized {mine * 1e3:.3g} ms vs grid best "
-          f"{grid[name] * 1e3:.3g} ms per trained token of a step: {name}; medians of 3 "
-          "interleaved rounds) (goal <= 1.05)")
-
-
-def trl_tokens_per_s(cfg: QLoraConfig, optimized: Plan, model_dir=None, dataset=None
-                     ) -> tuple[float, int, float]:
-    """TRL's SFTTrainer(packing=True) on the same nf4 model (diag's load_model), records, LoRA
-    config, seq_len and steps: (trained tokens/s, trained tokens, seconds) from model load to
-    the end of train(), as diag's per-start figure counts its own load, preprocess and train."""
-    import tempfile
-
-    from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
-
-    from diag.machine.device import resolve
-    from diag.embedded import ensure_assets
-    from diag.data import format_prompt, read_source
-    from diag.qlora.data import job_records
-    from diag.qlora.job import load_model
-
-    device = resolve(cfg.device)
-    if model_dir is None or dataset is None:
-        assets = ensure_assets()
-        model_dir, dataset = assets.model_dir, assets.dataset
-    records, _ = read_source(dataset, cfg.fields(), on_error="skip", limit=cfg.records)
-    recs = job_records(cfg.replace(on_error="skip"), dataset, model_dir)
-    pairs = [format_prompt(records[i]) for i in recs.indices]
-    start = time.perf_counter()
-    model = load_model(cfg, optimized, model_dir, device)
-    data = Dataset.from_list([{"prompt": p, "completion": c} for p, c in pairs])
-    with tempfile.TemporaryDirectory(prefix="diag-trl-") as out:
-        args = SFTConfig(output_dir=out, max_steps=cfg.steps, packing=True,
-                         max_length=cfg.seq_len, per_device_train_batch_size=optimized.micro_batch,
-                         gradient_accumulation_steps=1, learning_rate=cfg.lr, report_to=[],
-                         logging_steps=1, save_strategy="no", disable_tqdm=True,
-                         use_cpu=device.type == "cpu", seed=cfg.seed,
-                         gradient_checkpointing=optimized.gradient_checkpointing)
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
-        # the token budget: TRL packs every record; its batches per step are sized so the
-        # same steps cover them (diag trains each record once over cfg.steps steps)
-        rows = len(trainer.train_dataset)
-        trainer.args.gradient_accumulation_steps = max(1, -(-rows // (cfg.steps *
-                                                                       optimized.micro_batch)))
-        tokens = int(sum(len(ids) for ids in trainer.train_dataset["input_ids"]))
-        trainer.train()
-    seconds = time.perf_counter() - start
-    return tokens / seconds, tokens, seconds
+def long_run(cfg: QLoraConfig, optimized: Plan, long_steps: int) -> Any:
+    """The optimized plan alone over a run long enough for steady state to weigh, the same
+    records per step as the job; its callback hooks timed inside the real steps."""
+    per_step = cfg.records // cfg.steps
+    callback_module.TimingCallback, plain = CostedCallback, callback_module.TimingCallback
+    try:
+        long = run_qlora(cfg.replace(plan="optimized", steps=long_steps, rounds=1,
+                                     records=per_step * long_steps), optimized.decisions)
+    finally:
+        callback_module.TimingCallback = plain
+    print(long.shares[["run", "stage", "seconds", "share"]].to_string(index=False))
+    return long
 
 
-def vs_trl(cfg: QLoraConfig, optimized: Plan, rounds: int = 3) -> tuple[float, float, int]:
-    """Trained tokens/s of diag's optimized start and of TRL's, interleaved over `rounds`
-    (order alternating, so the shared machine's load hits both): (diag, TRL) medians, tokens."""
-    from diag.qlora.job import open_sources, prime
+def data_wait_and_callback(long: Any) -> None:
+    steps = long.stages[long.stages["step"].notna()]
+    wait = float(steps.loc[steps["stage"] == "data_wait", "seconds"].sum())
+    step = step_seconds(long.stages)
+    cost = CostedCallback.spent / max(CostedCallback.calls, 1)
+    print(f"qlora_data_wait_share: {wait / steps['seconds'].sum():.2%} (goal < 2%)")
+    print(f"qlora_callback_overhead: {cost / step:.4%} of a {step:.3g} s step "
+          f"({cost * 1e6:.2f} us per step, {CostedCallback.calls} real Trainer steps) "
+          "(goal < 1%)")
 
-    mine, theirs, tokens = [], [], 0
-    with open_sources(cfg) as src:
-        prime(cfg, optimized, src)
-        for r in range(rounds):
-            for who in (("diag", "trl") if r % 2 == 0 else ("trl", "diag")):
-                if who == "diag":
-                    got = run_plan(cfg, optimized, src)["summary"]
-                    mine.append(got["real_tokens"] / got["seconds"])
-                else:
-                    rate, tokens, _ = trl_tokens_per_s(cfg, optimized)
-                    theirs.append(rate)
-    return statistics.median(mine), statistics.median(theirs), tokens
+
+def fetch_heavy(cfg: QLoraConfig) -> None:
+    from diag.qlora.job import prime
+
+    heavy = cfg.replace(records=32, steps=2, warmup_steps=1)
+    with fetch_heavy_sources(200.0) as src:
+        naive = run_plan(heavy, Plan.naive(), src)
+        fast_plan = Plan.optimized()
+        prime(heavy, fast_plan, src)
+        fast = run_plan(heavy, fast_plan, src)
+    print(f"qlora_fetch_heavy_naive_over_optimized: "
+          f"{naive['summary']['seconds'] / fast['summary']['seconds']:.3g}x "
+          f"(naive {naive['summary']['seconds']:.3g} s, optimized "
+          f"{fast['summary']['seconds']:.3g} s)")
+
+
+def regret(cfg: QLoraConfig, optimized: Plan, budget_s: float) -> None:
+    from diag.qlora.job import open_sources
+    from qlora_regret import print_regret
+
+    with open_sources(cfg) as src:  # the job the plan was measured on: the same cfg
+        print_regret(cfg, optimized, src, budget_s)
+
+
+def compute_share(long: Any, long_steps: int) -> None:
+    opt = long.stages
+    total = float(long.frame["seconds"].iloc[0])
+    compute = float(opt.loc[opt["stage"] == "compute", "seconds"].sum())
+    print(f"qlora_compute_share: {compute / total:.3g} (goal >= 0.9; optimized, "
+          f"{long_steps} steps, {total:.3g} s end to end)")
 
 
 def decision_stability(repeats: int = 3) -> str:
@@ -292,10 +265,10 @@ def main() -> None:
                         help="steps of the optimized-only run the shares are taken from")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--fetch-heavy", action="store_true")
-    parser.add_argument("--regret", action="store_true")
-    parser.add_argument("--trl", action="store_true")
-    parser.add_argument("--regret-only", action="store_true",
-                        help="measure the plan on the job, then only the regret grid")
+    parser.add_argument("--regret", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--budget-s", type=float, default=120.0,
+                        help="seconds the repeats of --regret's finalists and of --trl may take")
     args = parser.parse_args()
     cfg = QLoraConfig(records=args.records, steps=args.steps, seq_len=args.seq_len,
                       lora_r=8, lora_alpha=16, rounds=args.rounds, warmup_steps=1)
@@ -304,76 +277,23 @@ def main() -> None:
     print(f"measured on the job in {time.perf_counter() - start:.3g} s; the optimized plan:")
     for setting, why in optimized.evidence:
         print(f"  {setting}: {why}")
-    if args.regret_only:
-        return print_regret(cfg, optimized)
-    result = run_qlora(cfg, optimized.decisions)
-    rows = result.frame.set_index("plan")
-    print(rows[["seconds", "seconds_min", "seconds_max", "once_s", "check_s", "micro_batch",
-                "grad_accum", "num_workers", "pipeline", "token_slots", "real_tokens",
-                "padding_share", "final_loss"]].to_string())
-    print(result.savings[["stage", "finding", "predicted_s", "measured_s", "error_share",
-                          "flagged"]].to_string())
-    print(result.headline)
-    checked = result.savings.dropna(subset=["predicted_s"])
-    n, o = rows.loc["naive"], rows.loc["optimized"]
-    ratio = (n["seconds"] / n["real_tokens"]) / (o["seconds"] / o["real_tokens"])
-    # the shares: the optimized plan alone over a run long enough for steady state to weigh,
-    # the same records per step as above; its callback hooks timed inside the real steps
-    per_step = args.records // args.steps
-    callback_module.TimingCallback, plain = CostedCallback, callback_module.TimingCallback
-    try:
-        long = run_qlora(cfg.replace(plan="optimized", steps=args.long_steps, rounds=1,
-                                     records=per_step * args.long_steps), optimized.decisions)
-    finally:
-        callback_module.TimingCallback = plain
-    print(long.shares[["run", "stage", "seconds", "share"]].to_string(index=False))
-    opt = long.stages
-    total = float(long.frame["seconds"].iloc[0])
-    compute = float(opt.loc[opt["stage"] == "compute", "seconds"].sum())
-    steps = opt[opt["step"].notna()]
-    wait = float(steps.loc[steps["stage"] == "data_wait", "seconds"].sum())
-    step = step_seconds(opt)
-    cost = CostedCallback.spent / max(CostedCallback.calls, 1)
-    print(f"qlora_naive_over_optimized: {ratio:.3g}x per trained token ({int(n['real_tokens'])} "
-          f"vs {int(o['real_tokens'])} trained tokens, {args.steps} steps, {args.rounds} "
-          f"interleaved rounds; naive {n['seconds_min']:.3g}-{n['seconds_max']:.3g} s, "
-          f"optimized {o['seconds_min']:.3g}-{o['seconds_max']:.3g} s)")
-    print(f"qlora_padding_share_naive: {n['padding_share']:.1%}")
-    if checked.empty:
-        print("qlora_prediction_error: n/a (no stage was predicted: no measured decision)")
-    else:
-        worst = checked.loc[checked["error_share"].idxmax()]
-        print(f"qlora_prediction_error: {worst['error_share']:.3g} (worst of {len(checked)} "
-              f"predicted stages: {worst['stage']}, predicted {worst['predicted_s']:.3g} s, "
-              f"measured {worst['measured_s']:.3g} s) (goal <= 0.25)")
+    # the goals, one call each; those that share a run take its product
+    result = job_runs(cfg, optimized)
+    naive_over_optimized(result, cfg)
+    prediction_error(result)
     print(mfu_vs_counter(cfg))
-    print(f"qlora_data_wait_share: {wait / steps['seconds'].sum():.2%} (goal < 2%)")
-    print(f"qlora_callback_overhead: {cost / step:.4%} of a {step:.3g} s step "
-          f"({cost * 1e6:.2f} us per step, {CostedCallback.calls} real Trainer steps) "
-          "(goal < 1%)")
+    long = long_run(cfg, optimized, args.long_steps)
+    data_wait_and_callback(long)
     if args.trl:
-        mine, theirs, tokens = vs_trl(cfg, optimized, rounds=args.rounds)
-        print(f"qlora_vs_trl: {mine / theirs:.3g} (diag optimized {mine:,.0f} trained tokens/s "
-              f"per start, TRL SFTTrainer packing=True {theirs:,.0f} ({tokens} tokens); medians "
-              f"of {args.rounds} interleaved rounds) (goal >= 1.0)")
+        print_vs_trl(cfg, optimized, args.budget_s)
     if args.fetch_heavy:
-        from diag.qlora.job import prime
-
-        heavy = cfg.replace(records=32, steps=2, warmup_steps=1)
-        with fetch_heavy_sources(200.0) as src:
-            naive = run_plan(heavy, Plan.naive(), src)
-            fast_plan = Plan.optimized()
-            prime(heavy, fast_plan, src)
-            fast = run_plan(heavy, fast_plan, src)
-        print(f"qlora_fetch_heavy_naive_over_optimized: "
-              f"{naive['summary']['seconds'] / fast['summary']['seconds']:.3g}x "
-              f"(naive {naive['summary']['seconds']:.3g} s, optimized "
-              f"{fast['summary']['seconds']:.3g} s)")
+        fetch_heavy(cfg)
     if args.regret:
-        print_regret(cfg, optimized)
+        regret(cfg, optimized, args.budget_s)
     print(decision_stability())
-    print(f"qlora_compute_share: {compute / total:.3g} (goal >= 0.9; optimized, "
-          f"{args.long_steps} steps, {total:.3g} s end to end)")
+    print(f"bench wall: {time.perf_counter() - start:.3g} s; load average "
+          + " / ".join(f"{x:.2f}" for x in os.getloadavg()) + " (1 / 5 / 15 min)")
+    compute_share(long, args.long_steps)  # last: the bench's goal line
 
 
 if __name__ == "__main__":
