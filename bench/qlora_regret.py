@@ -123,7 +123,7 @@ class StepClock:
         """Plan's steady step per trained token over the job's first `steps` steps (None: all
         cfg.steps; the first cfg.warmup_steps, worker start-up in them, are not steady). No
         checkpoint is saved: that is not a step."""
-        from diag.qlora.trainer import trainer_for
+        from diag.qlora.trainer import end_workers, trainer_for
         from diag.timing import StageTimer
 
         start = time.perf_counter()
@@ -142,16 +142,6 @@ class StepClock:
         per_token = self.cfg.steps / data.stats["real_tokens"]
         return Step((cpu[-1] - cpu[0]) / (len(cpu) - 1) * per_token,
                     statistics.median(b - a for a, b in itertools.pairwise(wall)) * per_token)
-
-
-def end_workers(trainer: Any) -> None:
-    """Its DataLoader's persistent workers shut down now. Left to the garbage collector (the next
-    Trainer's accelerate.free_memory) their queues can be finalized first: each worker then
-    waits out torch's 5 s join timeout (16 s for 3 workers, measured here), in the next
-    point's wall."""
-    for loader in trainer.accelerator._dataloaders:
-        if getattr(loader, "_iterator", None) is not None:
-            loader._iterator._shutdown_workers()
 
 
 def grid(clock: StepClock) -> list[Plan]:
