@@ -161,8 +161,9 @@ def test_summary_mfu_check_and_advice(result):
     assert decided.samples[0] >= 5 and "samples" in decided.why
     kept = summary.assign(recommended=summary["grad_accum"] == summary["grad_accum"].max())
     assert accum_advice(kept, 10).empty  # nothing resolved faster: no finding to price
-    # a point marked faster is priced against the most-accumulating one
-    summary = summary.assign(recommended=summary["tokens_per_s"] == summary["tokens_per_s"].max())
+    # a point marked faster is priced against the most-accumulating one (marked here: which
+    # point the timings favour on a busy box is the decision's business, tested above)
+    summary = summary.assign(recommended=summary["grad_accum"] == summary["grad_accum"].min())
     advice = accum_advice(summary, AccumConfig().steps_per_run)
     best = summary[summary["recommended"]].iloc[0]
     worst = summary.loc[summary["grad_accum"].idxmax()]
