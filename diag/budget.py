@@ -164,9 +164,11 @@ class Budget:
 def of_run(cfg: DiagnoseConfig, steps: Sequence[Step], job: QLoraConfig | None) -> Budget:
     """cfg's budget (its default when "") over the steps but --train's fine-tune (its own
     ETA); refused when under their floors."""
-    from diag.machine.device import resolve
+    from diag.machine.device import driver_version
 
-    text = cfg.budget or default(cfg.quick_experiments, resolve(cfg.device).type)
+    # its default by the kind of box, asked without torch: refused before preflight imports it
+    gpu = cfg.device == "cuda" or (cfg.device == "auto" and driver_version() is not None)
+    text = cfg.budget or default(cfg.quick_experiments, "cuda" if gpu else "cpu")
     what = functools.partial(measures, storage=cfg.storage_config(),
                              model_load=cfg.model_load_config(), job=job)
     return Budget(duration_s(text), [s for s in steps if s.field != "train"], text,

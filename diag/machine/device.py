@@ -213,7 +213,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def _driver_version() -> str | None:
+def driver_version() -> str | None:
     try:
         with open("/proc/driver/nvidia/version") as f:
             words = f.readline().split()
@@ -238,7 +238,7 @@ def facts(probe: bool = True, probe_size: int = 1024) -> dict[str, Any]:
         "accelerator_count": torch.cuda.device_count() if cuda else 0,
         "accelerator_memory_gb": round(props.total_memory / 1e9, 1) if props else None,
         "cuda_version": torch.version.cuda if cuda else None,
-        "driver_version": _driver_version() if cuda else None,
+        "driver_version": driver_version() if cuda else None,
         "torch_version": torch.__version__,
         "cpu_model": _cpu_model(),
         "cpu_cores_physical": psutil.cpu_count(logical=False),
