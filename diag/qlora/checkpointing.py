@@ -4,7 +4,7 @@ diag.qlora.measure.checkpointing_on_job runs the job's step (QLoraStep: nf4 base
 backward, AdamW) with checkpointing on and off, alternating step by step after one warm-up each,
 re-timed in rounds while `pending` (diag.timing.noise), one row per timed step (COLUMNS): wall
 seconds, CPU seconds and the step's own peak memory (diag.accum.PeakMemory); on a CPU the
-decision compares CPU seconds (diag.accum.sweep.step_clock), on a GPU wall seconds.
+decision compares CPU seconds (diag.accum.step_clock), on a GPU wall seconds.
 `decide(frame, device)` turns it off when the peak without it stays under
 CHECKPOINTING_HEADROOM of the memory it lives in and off is resolved faster; the on/off wall
 seconds price the choice.
@@ -56,7 +56,7 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
     cannot be (recomputing adds work): after re-measuring (`pending`), the default, said so,
     and no ratio is priced. `naive_ratio`: on/off seconds at `naive_micro_batch` where resolved
     (1.0 within noise). Compared on `device`'s clock (step_clock), priced in wall seconds."""
-    from diag.accum.sweep import step_clock
+    from diag.accum import step_clock
     from diag.timing.noise import compare, spread
 
     cuda = str(device).startswith("cuda")
