@@ -14,7 +14,7 @@ def _steps(micro: int, on_s: float, off_s: float, peak_off_gb: float, repeats: i
     """On/off rows at one micro-batch, alternating as the harness times them, with a little
     spread so a noise rule sees samples that resolve."""
     return [{"gradient_checkpointing": on, "micro_batch": micro, "seq_len": 128,
-             "seconds": (on_s if on else off_s) * (1 + 0.01 * r),
+             "seconds": (s := (on_s if on else off_s) * (1 + 0.01 * r)), "cpu_s": s,
              "peak_mem_gb": peak_off_gb / 3 if on else peak_off_gb, "repeat": r}
             for r in range(repeats) for on in (True, False)]
 

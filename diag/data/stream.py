@@ -111,14 +111,31 @@ def encoded(chunks: Iterator[Chunk], job: Job, procs: int,
         return
     with _pool(procs) as pool:
         window: deque[tuple[Chunk, Any]] = deque()
-        for chunk in chunks:
-            window.append((chunk, pool.apply_async(encode_chunk, ((job, chunk, stop_after()),))))
-            if len(window) >= 2 * procs:  # the oldest is written before more are handed out
+        try:
+            for chunk in chunks:
+                window.append((chunk, pool.apply_async(encode_chunk,
+                                                       ((job, chunk, stop_after()),))))
+                if len(window) >= 2 * procs:  # the oldest is written before more are handed out
+                    chunk, result = window.popleft()
+                    yield chunk, result.get()
+            while window:
                 chunk, result = window.popleft()
                 yield chunk, result.get()
-        while window:
-            chunk, result = window.popleft()
-            yield chunk, result.get()
+        except (GeneratorExit, Exception):
+            # stopped early (a full prefix, a refusal): the chunks in flight (2 x procs at most)
+            # finish first. Terminated mid-put, a worker keeps the result queue's lock and the
+            # pool's task thread waits on it for ever (a prefix build hung 600 s under load)
+            for _, result in window:
+                result.wait()
+            _finish(pool)
+            raise
+        _finish(pool)
+
+
+def _finish(pool: Any) -> None:
+    """The workers leave on their own, holding no lock: the `with` then terminates nothing."""
+    pool.close()
+    pool.join()
 
 
 @contextlib.contextmanager
@@ -140,7 +157,7 @@ def _pool(procs: int) -> Iterator[Any]:
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = before
-    with pool:  # leaving it terminates the workers: a refusal or a full prefix stops them
+    with pool:  # leaving it terminates the workers: only where they were not finished
         yield pool
 
 
