@@ -45,6 +45,9 @@ def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
     meta = read_meta(recs.cache.folder) or {}
     every = counted(train, recs.cache).indices if recs.cache.complete else None
     records = len(every) if every is not None else count_records(inputs.data_path)
+    landed, whole = _bytes(inputs.data_path), comparison.frame["source_bytes"].max()
+    if whole > landed > 0:  # the comparison landed only the shards its records were in
+        records, every = round(records * whole / landed), None  # the source's, by its bytes: "~"
     per_record = float(np.minimum(recs.lengths, train.seq_len).mean())
     costs = from_runs(comparison.frame, comparison.stages, meta.get("build"))
     try:
