@@ -46,8 +46,10 @@ def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
     every = counted(train, recs.cache).indices if recs.cache.complete else None
     records = len(every) if every is not None else count_records(inputs.data_path)
     landed, whole = _bytes(inputs.data_path), comparison.frame["source_bytes"].max()
-    if whole > landed > 0:  # the comparison landed only the shards its records were in
-        records, every = round(records * whole / landed), None  # the source's, by its bytes: "~"
+    built = 0 if recs.cache.complete else landed  # bytes the whole job still has to tokenize
+    if whole > landed > 0:  # the comparison landed only the shards its records were in: the
+        records, every = round(records * whole / landed), None  # source's, by its bytes ("~")
+        built = whole  # and no cache holds the source's
     per_record = float(np.minimum(recs.lengths, train.seq_len).mean())
     costs = from_runs(comparison.frame, comparison.stages, meta.get("build"))
     try:
@@ -69,7 +71,7 @@ def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
                             tokens_per_step / (1 - run.padding_share),
                             train.cadence(train.eval_every, steps),
                             train.cadence(train.checkpoint_every, steps), held * train.seq_len,
-                            built_bytes=0 if recs.cache.complete else _bytes(inputs.data_path),
+                            built_bytes=built,
                             records=records)
         mine = project(costs[costs["plan"] == run.plan], counts)
         total = {"plan": run.plan, "stage": "total",
