@@ -185,7 +185,7 @@ def decision_stability(repeats: int = 3) -> str:
     figure is the share of those checks that hold; the repeats' added seconds are printed."""
     from diag.accum import accum_frame, decide, retime, train_points
     from diag.qlora.measure import QLoraStep, job_inputs, measure_on_job
-    from diag.timing.noise import unresolved
+    from diag.noise import unresolved
 
     cfg = QLoraConfig.quick()
     job = job_inputs(cfg)

@@ -11,7 +11,7 @@ over rounds against CPU's 7-20% at load ~5.5, 51-55% against 13-17% at ~6.5); th
 is printed beside it.
 Points are screened once (one steady step; `screen`); the best FINALISTS, the plan's own point
 (an A/A check: the plan's settings) and the plan then run interleaved rounds
-(diag.timing.noise.Rounds) until the grid best's spread is within RESOLUTION or the budget
+(diag.noise.Rounds) until the grid best's spread is within RESOLUTION or the budget
 ends. `python bench/qlora_regret.py` measures the plan on the job, then the grid.
 """
 
@@ -34,7 +34,7 @@ from transformers import TrainerCallback
 
 from diag.config import QLoraConfig
 from diag.qlora import Plan
-from diag.timing import noise
+from diag import noise
 from tqdm.auto import tqdm
 
 GRID = {"micro_batch": (1, 2, 4, 8, 16), "num_workers": (0, 1, 2, 3, 4),

@@ -17,7 +17,7 @@ from typing import Any
 
 from diag.config import QLoraConfig
 from diag.qlora import Plan
-from diag.timing import noise
+from diag import noise
 
 LOOP = ("warmup", "train")  # the run-level stages of the train loop (steady steps inside train)
 
@@ -74,7 +74,7 @@ def trl_loop(cfg: QLoraConfig, optimized: Plan, model_dir: Path, dataset: Path
 
 def vs_trl(cfg: QLoraConfig, optimized: Plan, budget_s: float = 120.0) -> dict[str, Any]:
     """Seconds per trained token of each side's train loop, interleaved rounds (order
-    alternating) until their difference resolves (diag.timing.noise) or budget_s is spent."""
+    alternating) until their difference resolves (diag.noise) or budget_s is spent."""
     from diag.embedded import ensure_assets
     from diag.qlora.job import open_sources, prime, run_plan
 

@@ -34,7 +34,7 @@ from diag.config import StorageConfig, duration_s  # noqa: E402
 from diag.embedded import S3Server, embedded_dataset  # noqa: E402
 from diag.storage import list_remote, parse_url, pull, run_storage  # noqa: E402
 from diag.storage.objectstore import MB, make_client  # noqa: E402
-from diag.timing.noise import compare, spread  # noqa: E402
+from diag.noise import compare, spread  # noqa: E402
 
 SIZE_MB, SHARDS = 1024.0, 128  # 8 MB objects: many, each a few boto3 parts
 STORAGE_BUDGET_S = 60.0  # the storage step's share

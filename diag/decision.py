@@ -111,7 +111,7 @@ class Decision:
     # seconds per step with the baseline value over with the other, timed at the naive plan's
     # micro-batch (checkpointing: the on/off ratio a naive step pays; None: not timed there)
     naive_ratio: float | None = None
-    # How sure a timed choice is (diag.timing.noise): timed samples and spread (IQR / median)
+    # How sure a timed choice is (diag.noise): timed samples and spread (IQR / median)
     # of the chosen side and of the side it was judged against, in that order; whether that gap
     # is resolved (None: no timing compared); the values within noise of the chosen one; the
     # seconds spent re-timing finalists after the screen

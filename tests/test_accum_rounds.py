@@ -16,7 +16,7 @@ import torch
 
 from diag.accum import accum_frame, decide, retime, train_points
 from diag.accum.sweep import PeakMemory
-from diag.timing.noise import unresolved
+from diag.noise import unresolved
 
 WIDTH = 64  # the fake model's features: a micro-step saves its input and its ReLU output
 ROWS = 4  # rows per optimizer step: points (1, 4), (2, 2), (4, 1)

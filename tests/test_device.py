@@ -165,7 +165,7 @@ def test_cpu_probe_times_the_precision_asked_for_repeatedly() -> None:
 
 
 def test_peak_flops_on_cpu_is_a_measured_probe_of_that_precision_with_its_spread() -> None:
-    from diag.timing.noise import spread
+    from diag.noise import spread
 
     peak = dev.peak_flops("cpu", "bf16", probe_size=128, repeats=5)
     assert peak.measured and peak.flops and peak.flops > 0 and peak.dtype == "bf16"

@@ -16,7 +16,7 @@ EXPERIMENTS = {"storage", "model_load", "loader", "accum", "qlora", "toy"}
 ANALYSIS = {"amdahl", "plots"}
 ABOVE_EXPERIMENTS = {"report", "plots", "diagnose", "widgets", "cli", "__main__"}
 # the rooms every experiment stands on: they import no experiment and nothing above them
-UNDER_EXPERIMENTS = {"timing", "machine", "data", "config", "embedded", "files", "secrets",
+UNDER_EXPERIMENTS = {"timing", "machine", "data", "config", "embedded", "files", "secrets", "noise",
                      "decision", "frames", "runner"}
 
 

@@ -1,4 +1,4 @@
-"""diag.timing.noise: when a timed difference counts as real, and the rounds that settle it."""
+"""diag.noise: when a timed difference counts as real, and the rounds that settle it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 import math
 import random
 
-from diag.timing import noise
+from diag import noise
 
 
 def test_the_exact_u_test_matches_counting_every_ordering():

@@ -2,7 +2,7 @@
 
 `summary` has one row per point (medians of the timed steps, `floor_s` beside them, warm-up and
 compile apart, `recommended` on the point `decide` takes: the fastest that fits where its gap
-to the naive micro-batch is resolved, diag.timing.noise, else the naive one). `mfu` compares the
+to the naive micro-batch is resolved, diag.noise, else the naive one). `mfu` compares the
 FLOPs-per-token formula with FlopCounterMode and names the peak the MFU is computed against.
 `advice` prices the recommended point against the most-accumulating one over `steps_per_run`
 optimizer steps.
@@ -73,11 +73,11 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
 def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
            baseline: int = 1, repeats_s: float | None = None) -> tuple[Decision, ...]:
     """`micro_batch` from the timed steps (one row each, COLUMNS), judged by
-    diag.timing.noise.choose: the fastest point where its gap to micro-batch `baseline` (the
+    diag.noise.choose: the fastest point where its gap to micro-batch `baseline` (the
     naive plan's; the smallest that ran when it did not) is resolved, else `baseline` kept,
     "within noise". Priced per step against `baseline` where it ran; no point that ran: the
     documented default, said so. repeats_s: the seconds re-timing the finalists took."""
-    from diag.timing.noise import choose, spread
+    from diag.noise import choose, spread
 
     ok = frame[frame["status"] == "ok"] if frame is not None and not frame.empty else None
     if ok is None or ok.empty:
@@ -123,10 +123,10 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
 def summarize(frame: pd.DataFrame, baseline: int = 1) -> pd.DataFrame:
     """Per point: median step, tokens/s, MFU, memory; `recommended` marks the point `decide`
     takes: the fastest that fits where its gap to micro-batch `baseline` (else the smallest
-    that ran) is resolved, else that one (diag.timing.noise)."""
+    that ran) is resolved, else that one (diag.noise)."""
     import pandas as pd
 
-    from diag.timing.noise import choose
+    from diag.noise import choose
 
     keys = ["micro_batch", "grad_accum", "tokens_per_step", "status"]
     first = {"floor_s": "first", "peak_mem_gb": "max", "warmup_s": "first", "compile": "first",
@@ -181,7 +181,7 @@ def mfu_check(setup: Setup) -> pd.DataFrame:
 
 def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = None
            ) -> pd.DataFrame:
-    """The recommended point (summarize: resolved faster, diag.timing.noise), priced against
+    """The recommended point (summarize: resolved faster, diag.noise), priced against
     the most-accumulating one (the seed's shape): over `steps_per_run` steps of the swept model,
     or, given a run's measured `compute_s`, as the same fraction of that compute (what `diag
     run` ranks beside the other stages). None resolved faster: no finding."""

@@ -192,7 +192,7 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
     timed = train_points([clock or step], points, repeats=cfg.steps,
                          warmup_steps=cfg.warmup_steps)
     if clock is None:  # under DDP every rank must take the same steps: the screen only
-        from diag.timing.noise import unresolved
+        from diag.noise import unresolved
 
         timed, _ = retime([step], timed, unresolved, budget_s=DECIDE_BUDGET_S)
     fpt, peak = got.shape.flops_per_token, got.peak

@@ -6,7 +6,7 @@ grad_accum, timed on any `AccumStep` (diag accum's model, diag.accum.model; the 
 the step's own peak memory, PeakMemory), then `repeats` timed ones, one row each, several steps
 alternating step by step so a load change hits them alike. A point that runs out of memory is a
 row with status "oom" and the sweep goes on. `retime(steps, timed, pending)` then re-times the
-finalists a decision could not yet tell apart, in interleaved rounds (diag.timing.noise).
+finalists a decision could not yet tell apart, in interleaved rounds (diag.noise).
 """
 
 from __future__ import annotations
@@ -236,12 +236,12 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
     reset to its starting weights first (no warm-up again: the screen paid it, and AdamW's
     first-step state falls in every finalist's sample alike), interleaved, the order turned
     every round; rounds go on until settled, or `budget_s` is spent once each side holds
-    MIN_SAMPLES (diag.timing.noise.Rounds). Returns the rows with the rounds' appended (their
+    MIN_SAMPLES (diag.noise.Rounds). Returns the rows with the rounds' appended (their
     memory and warm-up the screen's), and the seconds the rounds took."""
     import pandas as pd
 
     from diag.machine.device import sync
-    from diag.timing.noise import MIN_SAMPLES, Rounds
+    from diag.noise import MIN_SAMPLES, Rounds
 
     screen = samples(timed)
     keys = [k for k in dict.fromkeys(pending(screen)) if k in screen]

@@ -26,7 +26,7 @@ class AccumConfig(ExperimentConfig):
                                                             # = every power of two up to
                                                             # tokens_per_step / seq_len
     steps: int = 5  # timed optimizer steps per point; 5 is the fewest a gap between two
-                    # points can resolve with (diag.timing.noise); more settles closer ones
+                    # points can resolve with (diag.noise); more settles closer ones
     warmup_steps: int = 1  # untimed first steps per point (allocator,
                            # kernels, compile): reported as warmup_s
     model: str = "tiny"  # "tiny": the embedded Llama (CPU-sized);

@@ -41,7 +41,7 @@ class LoaderConfig(RecordFields):
                     # first batch and the prefetch; more is steadier
     repeats: int = 5  # epochs per setting on one DataLoader (persistent_workers keeps
                       # workers across them): the samples the decision compares, 5 the
-                      # fewest a gap resolves with (diag.timing.noise)
+                      # fewest a gap resolves with (diag.noise)
     pin_memory: bool = True  # page-locked batches for a faster h2d copy (CUDA only)
     persistent_workers: bool = True  # keep workers across epochs instead of restarting them
     prefetch_factor: int = 2  # batches each worker prepares ahead;

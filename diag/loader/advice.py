@@ -184,7 +184,7 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
 
     The pipeline serving more real tokens/s where its gap to naive is resolved, then
     choose_workers within it, kept to the baseline's workers unless the lower wait is resolved
-    (the repeats' rows compared by diag.timing.noise). A setting the sweep never varied is a
+    (the repeats' rows compared by diag.noise). A setting the sweep never varied is a
     labelled default (the value it ran with is no evidence for it); a sweep where every point
     failed gives defaults.
     """
@@ -236,9 +236,9 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
 
 def _pipeline(ok: pd.DataFrame, rates: pd.Series) -> tuple[str, str, dict[str, Any]]:
     """The pipeline serving more real tokens/s (seconds per token compared by
-    diag.timing.noise): another than naive only where its gap to naive is resolved; the
+    diag.noise): another than naive only where its gap to naive is resolved; the
     note for the why, and how sure it is (Decision's samples, spread, resolved)."""
-    from diag.timing.noise import choose, spread
+    from diag.noise import choose, spread
 
     per_token = {p: list(1 / g["tokens_per_s"]) for p, g in ok.groupby("pipeline")}
     if "naive" not in per_token:  # nothing to keep: the fastest of those swept
@@ -256,8 +256,8 @@ def _pipeline(ok: pd.DataFrame, rates: pd.Series) -> tuple[str, str, dict[str, A
 def _resolved_workers(rows: pd.DataFrame, base: int, workers: int, why: str
                       ) -> tuple[int, str, dict[str, Any]]:
     """choose_workers' pick stands where its data_wait is resolved below `base` workers' (the
-    repeats' waits, diag.timing.noise); else `base` is kept, within noise."""
-    from diag.timing.noise import compare, spread
+    repeats' waits, diag.noise); else `base` is kept, within noise."""
+    from diag.noise import compare, spread
 
     waits = {w: list(g["data_wait_s"]) for w, g in rows.groupby("num_workers")}
     if workers == base:  # nothing to resolve: the baseline itself

@@ -182,7 +182,7 @@ def peak_flops(device: Any = None, dtype: str = "bf16", *, probe_size: int = 102
         if key not in PROBE_DTYPES:
             return Peak(None, f"no CPU probe for {key}: one of " + ", ".join(PROBE_DTYPES),
                         "", False, key)
-        from diag.timing.noise import spread
+        from diag.noise import spread
 
         samples = cpu_matmul_probe(probe_size, repeats, key)
         label = (f"measured: CPU {key} matmul probe ({probe_size}x{probe_size}, "

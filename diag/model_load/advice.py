@@ -80,10 +80,10 @@ def advice(frame: pd.DataFrame) -> pd.DataFrame:
 
 def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
     """`model_cache`: "persistent" when cached loads are faster than fresh downloads per start,
-    resolved by diag.timing.noise on each load without its import (interpreter start and the
+    resolved by diag.noise on each load without its import (interpreter start and the
     libraries' imports, the same on both sides: a 39 s import must not hide or make a gap); an
     unresolved difference keeps the default ("persistent"), as does a frame lacking either."""
-    from diag.timing.noise import compare
+    from diag.noise import compare
 
     fresh, cached = _loads(frame, "fresh"), _loads(frame, "cached")
     if not fresh or not cached:

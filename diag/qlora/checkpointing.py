@@ -2,7 +2,7 @@
 
 diag.qlora.measure.checkpointing_on_job runs the job's step (QLoraStep: nf4 base + LoRA, forward,
 backward, AdamW) with checkpointing on and off, alternating step by step after one warm-up each,
-re-timed in rounds while `pending` (diag.timing.noise), one row per timed step (COLUMNS): seconds
+re-timed in rounds while `pending` (diag.noise), one row per timed step (COLUMNS): seconds
 and the step's own peak memory (diag.accum.PeakMemory). `decide(frame, device)` turns it off when
 the peak without it stays under CHECKPOINTING_HEADROOM of the memory it lives in and off is
 resolved faster; the on/off seconds price the choice.
@@ -49,11 +49,11 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
     """`gradient_checkpointing` from the on/off rows; absent or failed: on for CUDA (the safe
     default), off on CPU (activations only grow host RAM), labelled default. Off only where the
     step's peak without it fits (CHECKPOINTING_HEADROOM) and off is resolved faster
-    (diag.timing.noise); within noise the naive plan's on is kept. On resolved faster than off
+    (diag.noise); within noise the naive plan's on is kept. On resolved faster than off
     cannot be (recomputing adds work): after re-measuring (`pending`), the default, said so,
     and no ratio is priced. `naive_ratio`: on/off seconds at `naive_micro_batch` where resolved
     (1.0 within noise)."""
-    from diag.timing.noise import compare, spread
+    from diag.noise import compare, spread
 
     cuda = str(device).startswith("cuda")
     fallback = ("on, the safe default on CUDA" if cuda else
@@ -105,7 +105,7 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
 def _naive_ratio(naive: pd.DataFrame, micro: int | None) -> tuple[float | None, str]:
     """On/off seconds at the naive micro-batch where the gap resolved (1.0 within noise; None
     where a side is missing, took no time or was the impossible one), and the why's note."""
-    from diag.timing.noise import compare
+    from diag.noise import compare
 
     if not {True, False} <= set(naive["gradient_checkpointing"].astype(bool)):
         return None, ""
@@ -121,7 +121,7 @@ def _naive_ratio(naive: pd.DataFrame, micro: int | None) -> tuple[float | None, 
 def pending(samples: dict[tuple[int, int, int], list[float]]) -> list[tuple[int, int, int]]:
     """The (step, micro_batch, 1) keys to re-time (step 0: on, 1: off): at each micro-batch a
     gap not yet resolved, or resolved the impossible way (on faster)."""
-    from diag.timing.noise import compare
+    from diag.noise import compare
 
     out = []
     for micro in sorted({m for _, m, _ in samples}):

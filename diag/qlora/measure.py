@@ -147,7 +147,7 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
     import pandas as pd
 
     from diag.accum import AccumResult, accum_frame, advice, decide, retime, summarize, train_points
-    from diag.timing.noise import unresolved
+    from diag.noise import unresolved
 
     rows_per_step = job.rows_per_step
     micro_batches = micro_batches or cfg.sweep_micro_batches or micro_candidates(rows_per_step)
@@ -212,7 +212,7 @@ def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> LoaderResult:
     step measured, the profile is the naive pipeline's."""
     from diag.config import LoaderConfig
     from diag.loader import run_loader
-    from diag.timing.noise import MIN_SAMPLES
+    from diag.noise import MIN_SAMPLES
 
     step = QLoraStep(cfg, job.model_dir, job.device)
     label = f"the QLoRA step, micro-batch {micro} x {cfg.seq_len} tokens"
