@@ -113,6 +113,11 @@ def test_savings_and_advice(both):
     assert "fetch pull -> land" in saved.at["fetch_data", "finding"]
     assert saved.at["setup", "predicted_s"] == saved.at["checkpoint", "predicted_s"] == 0.0
     assert pd.notna(saved.at["train", "predicted_s"])
+    # the step fixes start from the naive plan's own step, timed just before the runs
+    for stage in ("warmup", "train"):
+        assert "the naive step " in saved.at[stage, "evidence"]
+        assert "micro-batch 1 x 4, checkpointing on, timed 5x on the job before the runs" in \
+            saved.at[stage, "evidence"]
     # the micro-batch is measured on the job: on 2 busy cores 1 and 3 rows can come out near a
     # tie either way, so the finding names it exactly when the plan changed it
     micro = both.frame.set_index("plan").at["optimized", "micro_batch"]

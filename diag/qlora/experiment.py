@@ -5,7 +5,9 @@
 (diag.amdahl), each plan's settings with their evidence, and stage by stage the predicted vs the
 measured saving (a prediction off by more than 25% is flagged, not hidden). What a start's fetch,
 model folder and preprocess cost under each plan is timed before the runs (`time_starts`) where
-no decision measured it, so every stage a fix changes is predicted.
+no decision measured it, so every stage a fix changes is predicted; the naive plan's step is
+timed there too (measure.time_step): the step fixes' predictions start from it, at the load the
+runs meet, not from a sweep's step a minute earlier.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
         for p in plans:
             with root_first():  # under DDP rank 0 fills the node's caches, then the others hit
                 once[p.name] = prime(cfg, p, src) if p.name == "optimized" else 0.0
-        timed = _before_rounds(cfg, plans, src)
+        timed, naive_step = _before_rounds(cfg, plans, src)
         order = [(r, p) for r in range(cfg.rounds) for p in (plans if r % 2 == 0 else plans[::-1])]
         for r, plan in tqdm(order, desc="qlora plans x rounds", leave=False):
             got = run_plan(cfg, plan, src)
@@ -117,7 +119,7 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
         slots = frame.set_index("plan")["token_slots"].astype(int).to_dict()
         counts = Counts(cfg.steps, cfg.warmup_steps, slots)  # counted, not timed
         saved = savings(_median_stages(runs, shares),
-                        predict(plans[0], plans[1], counts, timed))
+                        predict(plans[0], plans[1], counts, timed, naive_step))
     advice = saved.rename(columns={"measured_s": "seconds_saved"})[
         ["stage", "finding", "seconds_saved", "evidence"]]
     both = {"naive", "optimized"} <= set(frame["plan"])
@@ -176,20 +178,25 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
     return tuple(out)
 
 
-def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Decision, ...]:
-    """time_starts (both plans), then what a start imports (the Trainer's module, peft,
+def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources
+                   ) -> tuple[tuple[Decision, ...], tuple[float, str] | None]:
+    """time_starts and the naive plan's step (both plans run: the predictions' start, timed at
+    the load the runs meet), then what a start imports (the Trainer's module, peft,
     bitsandbytes: seconds) paid before the rounds: in a process of its own each plan's start
     pays them alike, here the first alone would, and its set-up and load would not be the
     plan's. The measurements' models (reference cycles) are collected here, not by a start."""
     import bitsandbytes  # noqa: F401
     import peft  # noqa: F401
 
+    from diag.qlora.measure import time_step
     from diag.qlora.trainer import trainer_class
 
-    timed = time_starts(cfg, plans, src) if len(plans) == 2 else ()
+    both = len(plans) == 2
+    timed = time_starts(cfg, plans, src) if both else ()
+    naive_step = time_step(cfg, plans[0], src) if both else None
     trainer_class()
     gc.collect()
-    return timed
+    return timed, naive_step
 
 
 def _per_plan(every: pd.DataFrame, once: dict[str, float]) -> pd.DataFrame:
