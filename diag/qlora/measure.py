@@ -90,51 +90,6 @@ class QLoraStep:
         sync(self.device)  # note: sync point, so the step's kernels are billed to the step
 
 
-class RowsStep(QLoraStep):
-    """The job's step on one optimizer step of a plan's own rows (the naive plan's padding and
-    masks), collated as the Trainer collates them, its checkpointing as the plan's."""
-
-    def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any, plan: Plan,
-                 rows: list[dict[str, Any]]) -> None:
-        super().__init__(cfg, model_dir, device, plan.gradient_checkpointing)
-        self._rows = rows
-
-    def batches(self, micro_batch: int) -> contextlib.AbstractContextManager[Iterator[Any]]:
-        from transformers import default_data_collator  # the Trainer's, given no tokenizer
-
-        rows = self._rows
-        return contextlib.nullcontext(itertools.cycle(
-            [default_data_collator(rows[i:i + micro_batch])
-             for i in range(0, len(rows), micro_batch)]))
-
-
-def time_step(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[float, str] | None:
-    """The plan's own optimizer step on the job (its first step's rows, micro-batch x
-    accumulation, checkpointing), one warm-up step then cfg.sweep_steps timed through
-    diag.accum's harness: (median seconds, what was timed and its spread); None if it ran out
-    of memory. Timed just before the runs, it meets the load they meet."""
-    import statistics
-
-    from diag.accum import train_points
-    from diag.noise import spread
-    from diag.qlora.data import build_dataset, job_records
-
-    job = job_inputs(cfg, src)  # the landed data and the cached model: hits by now
-    data = build_dataset(cfg, plan, job_records(cfg, job.data_path, job.model_dir),
-                         job.model_dir, job.data_path)
-    n = data.micro_batch * data.grad_accum
-    step = RowsStep(cfg, job.model_dir, job.device, plan, [data.dataset[i] for i in range(n)])
-    timed = train_points([step], [(data.micro_batch, data.grad_accum)], repeats=cfg.sweep_steps,
-                         warmup_steps=1, desc=f"the {plan.name} step")
-    seconds = list(timed.loc[timed["status"] == "ok", "seconds_per_step"])
-    if not seconds:
-        return None
-    return statistics.median(seconds), (
-        f"its own rows, micro-batch {data.micro_batch} x {data.grad_accum}, checkpointing "
-        f"{'on' if plan.gradient_checkpointing else 'off'}, timed {len(seconds)}x on the job "
-        f"before the runs, spread {spread(seconds):.0%}")
-
-
 @dataclass(frozen=True)
 class JobInputs:
     """What the measurements on the job need: the landed data, the cached model, the device, the

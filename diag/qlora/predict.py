@@ -93,7 +93,7 @@ def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decisi
     nothing prices it, said in `evidence`), from the decisions, counts and `timed` only (a
     per-start worth the job timed itself, used where the plan's decision has no seconds); then
     the UNCHANGED stages at 0 s. naive_step: (seconds, what was timed) of the naive plan's own
-    step timed on the job before the runs (diag.qlora.measure.time_step), the chain's start in
+    step timed on the job before the runs (diag.qlora.experiment.time_step), the chain's start in
     place of the sweep's step scaled to it."""
     import pandas as pd
 
