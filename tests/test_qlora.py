@@ -118,6 +118,9 @@ def test_savings_and_advice(both):
         assert "the naive step " in saved.at[stage, "evidence"]
         assert "micro-batch 1 x 4, checkpointing on, timed 5x on the job before the runs" in \
             saved.at[stage, "evidence"]
+        # and whether the runs met that step, or the load moved (5 timed + 2 rounds x 3 steps)
+        assert "timed before them: " in saved.at[stage, "evidence"]
+        assert "5 + 6 samples, spread " in saved.at[stage, "evidence"]
     # the micro-batch is measured on the job: on 2 busy cores 1 and 3 rows can come out near a
     # tie either way, so the finding names it exactly when the plan changed it
     micro = both.frame.set_index("plan").at["optimized", "micro_batch"]

@@ -121,7 +121,9 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
         slots = frame.set_index("plan")["token_slots"].astype(int).to_dict()
         counts = Counts(cfg.steps, cfg.warmup_steps, slots)  # counted, not timed
         saved = savings(_median_stages(runs, shares),
-                        predict(plans[0], plans[1], counts, timed, naive_step))
+                        predict(plans[0], plans[1], counts, timed, naive_step and naive_step[:2]))
+        if naive_step:
+            saved = _load_moved(saved, runs, naive_step[2])
     advice = saved.rename(columns={"measured_s": "seconds_saved"})[
         ["stage", "finding", "seconds_saved", "evidence"]]
     both = {"naive", "optimized"} <= set(frame["plan"])
@@ -198,11 +200,13 @@ class RowsStep(QLoraStep):
              for i in range(0, len(rows), micro_batch)]))
 
 
-def time_step(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[float, str] | None:
+def time_step(cfg: QLoraConfig, plan: Plan, src: Sources
+              ) -> tuple[float, str, list[float]] | None:
     """The plan's own optimizer step on the job (its first step's rows, micro-batch x
     accumulation, checkpointing), one warm-up step then cfg.sweep_steps timed through
-    diag.accum's harness: (median seconds, what was timed and its spread); None if it ran out
-    of memory. Timed just before the runs, it meets the load they meet: predict's naive step."""
+    diag.accum's harness: (median seconds, what was timed and its spread, the samples); None if
+    it ran out of memory. Timed just before the runs, it meets the load they meet (unless the
+    load moves: `_load_moved` says so after them): predict's naive step."""
     from diag.accum import train_points
     from diag.noise import spread
     from diag.qlora.data import build_dataset, job_records
@@ -221,7 +225,29 @@ def time_step(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[float, str] |
     return statistics.median(seconds), (
         f"its own rows, micro-batch {data.micro_batch} x {data.grad_accum}, checkpointing "
         f"{'on' if plan.gradient_checkpointing else 'off'}, timed {len(seconds)}x on the job "
-        f"before the runs, spread {spread(seconds):.0%}")
+        f"before the runs, spread {spread(seconds):.0%}"), seconds
+
+
+def _load_moved(saved: pd.DataFrame, runs: list[dict[str, Any]], timed: list[float]
+                ) -> pd.DataFrame:
+    """The step stages' evidence says whether the naive steps the runs met (warm-up and steady,
+    every round) are the step timed before them (diag.noise): resolved apart, the machine's
+    load moved between them and a miss of warmup or train is the load's, not the chain's."""
+    from diag.noise import compare as apart
+
+    met = []
+    for run in (r for r in runs if r["summary"]["plan"] == "naive"):
+        rows = run["stages"]
+        met += list(rows.loc[rows["stage"] == "warmup", "seconds"])  # a row per warm-up step
+        met += list(rows[rows["step"].notna()].groupby("step")["seconds"].sum())
+    if not met:
+        return saved
+    got = apart(timed, met)
+    line = (f"; the naive step the runs met {statistics.median(met):.3g} s vs "
+            f"{statistics.median(timed):.3g} s timed before them: {got.describe()}"
+            + (": the machine's load moved between them" if got.resolved else ""))
+    steps = saved["stage"].isin(["warmup", "train"])
+    return saved.assign(evidence=saved["evidence"].where(~steps, saved["evidence"] + line))
 
 
 def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources
