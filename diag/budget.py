@@ -179,6 +179,8 @@ def measures(step: Step, storage: StorageConfig | None, model_load: ModelLoadCon
              job: QLoraConfig | None) -> str:
     """What the step will measure, in counts: the plan's middle column."""
     land = "; land() of the whole dataset (--land)" if storage and storage.land else ""
+    from diag.model_load.experiment import MAX_REPEATS
+
     rounds = storage and storage.warmup + storage.repeats
     loads = model_load and ", ".join(model_load.scenarios)
     texts = {
@@ -186,7 +188,8 @@ def measures(step: Step, storage: StorageConfig | None, model_load: ModelLoadCon
         "storage": f"a sample of whole objects sized to this share, pulled {rounds} times by "
                    "each method (all objects if they fit), the whole pull extrapolated; the "
                    f"sample read from local disk cold and warm{land}",
-        "model_load": f"{model_load and model_load.repeats} load(s) each: {loads}"
+        "model_load": f"{model_load and model_load.repeats} load(s) each: {loads}, more (up to "
+                      f"{MAX_REPEATS}) while fresh vs cached is unresolved and this share allows"
                       + (" (a model already cached: its fresh load estimated from one file)"
                          if model_load and model_load.estimate_fresh else ""),
         "job": job and f"the job's first {job.records} records fetched and tokenized, the "

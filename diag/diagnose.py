@@ -90,12 +90,13 @@ Run = Callable[[Diagnosis, Step, Callable[[], Any]], Diagnosis]
 def _recipe(cfg: DiagnoseConfig, run: Run, budget: Budget | None = None) -> Diagnosis:
     """The diagnosis, top to bottom: the machine, the data's and the model's starts, the job's
     own measurements and its runs (or the toy loop), then the grad-accum advice; the storage
-    sample and the job's decisions' repeats sized to their shares of the budget."""
+    sample, the model loads' and the job's decisions' repeats sized to their shares."""
+    share = budget.share if budget else lambda step: 0.0
     d = run(Diagnosis(), INFO, lambda: run_info(InfoConfig.default(quick=_quick(cfg))))
     if cfg.storage:
-        d = run(d, STORAGE, lambda: _storage(cfg, budget.share(STORAGE) if budget else 0.0))
+        d = run(d, STORAGE, lambda: _storage(cfg, share(STORAGE)))
     if cfg.model_load:
-        d = run(d, MODEL_LOAD, lambda: _model_load(cfg))
+        d = run(d, MODEL_LOAD, lambda: _model_load(cfg, share(MODEL_LOAD)))
     d = _on_job(cfg, run, d, job_config(cfg, budget)) if cfg.qlora else _toy(cfg, run, d)
     if cfg.accum:  # after the runs: its advice is priced on their compute
         d = run(d, ACCUM_ADVICE, lambda: _accum_advice(cfg, d))
@@ -178,9 +179,9 @@ def _storage(cfg: DiagnoseConfig, budget_s: float) -> StorageResult:
     return run_storage(cfg.storage_config(budget_s))
 
 
-def _model_load(cfg: DiagnoseConfig) -> ModelLoadResult:
+def _model_load(cfg: DiagnoseConfig, budget_s: float) -> ModelLoadResult:
     from diag.model_load import run_model_load
-    return run_model_load(cfg.model_load_config())
+    return run_model_load(cfg.model_load_config().replace(budget_s=budget_s))
 
 
 def _micro(d: Diagnosis) -> int:
