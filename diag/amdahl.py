@@ -148,9 +148,9 @@ def project(frame: pd.DataFrame, speedup: Mapping[str, float],
 
 
 def compute_ratio(from_device: str, to_device: str, dtype: str = "bf16") -> float:
-    """Ratio of the two GPUs' dense peaks from diag.machine.gpus' table; unknown GPUs are an
+    """Ratio of the two GPUs' dense peaks from diag.gpus' table; unknown GPUs are an
     error."""
-    from diag.machine.gpus import GPUS, dense_peak_flops, find_gpu
+    from diag.gpus import GPUS, dense_peak_flops, find_gpu
 
     peaks = {}
     for name in (from_device, to_device):
