@@ -121,7 +121,7 @@ def test_the_extrapolation_counts_the_per_object_overhead():
     assert "3 of 1000 objects" in fit.label() and "extrapolated" in fit.label()
 
 
-ONE_OBJECT = 4_000_000  # 16 ranges of 250 KB
+ONE_OBJECT = 4_000_000  # 8 ranges of 500 KB
 
 
 @pytest.fixture(scope="module")
@@ -134,20 +134,20 @@ def one(s3):
 def test_one_object_is_sampled_by_byte_ranges_spread_over_it(s3, one, tmp_path):
     got = _run(s3, StorageConfig.quick(source="s3://diag/one/data.jsonl", repeats=2, warmup=0,
                                        endpoint_url=s3.endpoint_url, local_dir=str(tmp_path),
-                                       sample_mb=1.0))
+                                       sample_mb=1.5))
     pulls = got.frame[got.frame["method"].isin(["boto3_default", "boto3_tuned"])]
     assert set(pulls["method"]) == {"boto3_default", "boto3_tuned"}
-    assert (pulls["bytes"] == 1_000_000).all() and (pulls["files"] == 4).all()  # < the object
+    assert (pulls["bytes"] == 1_500_000).all() and (pulls["files"] == 3).all()  # < the object
     assert (pulls["dataset_bytes"] == ONE_OBJECT).all() and (pulls["dataset_files"] == 1).all()
-    # the middle, then the quarters, then an eighth: spread over the object, not its first MB
-    assert got.sample["start"].tolist() == [2_000_000, 1_000_000, 3_000_000, 500_000]
-    # equal ranges: no per-range overhead separable, the whole is 16 ranges' worth of 4
-    assert (pulls["extrapolated_s"] / pulls["seconds"]).round(6).eq(4.0).all()
+    # the middle, then the quarters: spread over the object, not its first MB
+    assert got.sample["start"].tolist() == [2_000_000, 1_000_000, 3_000_000]
+    # equal ranges: no per-range overhead separable, the whole is 8 ranges' worth of 3
+    assert (pulls["extrapolated_s"] / pulls["seconds"]).round(6).eq(round(8 / 3, 6)).all()
     label = pulls["sampled"].iloc[0]
-    assert label.startswith("4 ranges of 0.25 MB spread over the one object's 4 MB (1 MB, 25.0%)")
+    assert label.startswith("3 ranges of 0.5 MB spread over the one object's 4 MB (1.5 MB, 37.5%)")
     # each round's estimate of the whole pull: the median, their range and count, everywhere
     tax = got.tax.set_index("method")
-    assert "extrapolated from 4 ranges" in tax.loc["boto3_default", "evidence"]
+    assert "extrapolated from 3 ranges" in tax.loc["boto3_default", "evidence"]
     assert "per start (median of 2 rounds, " in tax.loc["boto3_default", "evidence"]
     assert "(median of 2 rounds, " in got.decisions[0].why
     top = {**got.advice.iloc[0].to_dict(), "run": "naive"}
@@ -167,7 +167,7 @@ def test_a_range_pull_lands_the_bytes_at_their_offsets(s3, one, tmp_path):
 
     url = parse_url("s3://diag/one/data.jsonl")
     pieces = ranges(list_remote(s3.client(), url)[0])
-    assert len(pieces) == 16 and sum(p.size for p in pieces) == ONE_OBJECT
+    assert len(pieces) == 8 and sum(p.size for p in pieces) == ONE_OBJECT
     for method in ("boto3_default", "boto3_tuned"):
         pull(method, s3.client(), url, pieces[5:7], tmp_path / method)
         for p in pieces[5:7]:

@@ -1,15 +1,15 @@
 """Object-store pull vs local disk read: what a training start pays to get its dataset.
 
-`measure(cfg)` pulls a sample of whole objects spread over their sizes (a one-object source:
-byte ranges spread over it), as large as cfg.budget_s and cfg.sample_mb allow
-(diag.storage.sample), with boto3's defaults, boto3 tuned from object size and core count and
-s5cmd (when installed; it pulls whole objects only: beside ranges its row says so), and reads the sample's copy with a
-cold and a warm page cache; with cfg.land, `land()` of the whole dataset, miss then hit. One row
-per measurement (method, source, cache_state, bytes, seconds, mb_per_s, ttfb_s, repeat,
+`measure(cfg)` pulls a sample of whole objects spread over their sizes (a one-object source: byte
+ranges spread over it), as large as cfg.budget_s and cfg.sample_mb allow (diag.storage.sample),
+with boto3's defaults, boto3 tuned from object size and core count and s5cmd (when installed; it
+pulls whole objects only: beside ranges its row says so), and reads the sample's copy with a cold
+and a warm page cache; with cfg.land, `land()` of the whole dataset, miss then hit. One row per
+measurement (method, source, cache_state, bytes, seconds, mb_per_s, ttfb_s, repeat,
 resident_fraction: the share of the local copy in the page cache when its timed read began,
-measured with mincore, beside the cold/warm label; extrapolated_s: the whole dataset's pull at
-that pace, and what was sampled of it); warm-up repeats are not reported. `run_storage(cfg)` adds
-the re-pull tax at the whole dataset's size and the advice (diag.storage.tax).
+measured with mincore, beside the cold/warm label; extrapolated_s: the whole dataset's pull at that
+pace, and what was sampled of it); warm-up repeats are not reported. `run_storage(cfg)` adds the
+re-pull tax at the whole dataset's size and the advice (diag.storage.tax).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from diag.storage.landing import check_free, land, local_paths
 from diag.storage.methods import RANGED, pull, read_local, s5cmd_path, ttfb
 from diag.storage.objectstore import (MB, RemoteObject, S3Url, list_remote, parse_url,
                                       remote_error, source_client)
-from diag.storage.sample import Extrapolation, probe, ranges, spread
+from diag.storage.sample import RANGE_SAMPLE_AT_LEAST, Extrapolation, probe, ranges, spread
 from diag.storage.tax import NVME_COLD, advice, over_rounds, storage_tax
 from diag.timing import median_seconds
 
@@ -169,8 +169,9 @@ def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
 
 def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Each method's pulls of a sample of whole objects, or of byte ranges of a one-object source
-    (all of it when cfg.budget_s and cfg.sample_mb allow), reads of the sample from local disk cold and warm, and with cfg.land
-    land() of the whole dataset, miss then hit: (one row per timed repeat, the probe's rows)."""
+    (all of it when cfg.budget_s and cfg.sample_mb allow), reads of the sample from local disk cold
+    and warm, and with cfg.land land() of the whole dataset, miss then hit: (one row per timed
+    repeat, the probe's rows)."""
     import pandas as pd
 
     from diag.config import diag_home
@@ -231,7 +232,8 @@ def _probe(cfg: StorageConfig, client: Any, url: S3Url, objects: list[RemoteObje
 
     pieces = ranges(objects[0]) if len(objects) == 1 else objects
     order = spread(pieces)
-    sample = probe(order, pull_one, seconds, int(cfg.sample_mb * MB))
+    sample = probe(order, pull_one, seconds, int(cfg.sample_mb * MB),
+                   RANGE_SAMPLE_AT_LEAST if len(objects) == 1 else 0)
     fit = Extrapolation.fit(sample, sum(o.size for o in objects), len(objects),
                             pieces[0].size if len(objects) == 1 else 0)
     pulled = {id(p) for p in order[:len(sample)]}
