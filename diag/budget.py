@@ -88,16 +88,17 @@ def floors(sizes: Sizes, cfg: DiagnoseConfig) -> dict[str, tuple[float, str]]:
     fresh = "fresh" in load.scenarios and sizes.model_at != "local" and not (
         load.estimate_fresh and sizes.model_at == "cached")
     fill = int(sizes.model_at == "hub")
-    pulls = {"storage": (1 + rounds * (len(STORAGE_PULLS) + 1), sizes.piece_bytes)}
-    if cfg.land:
-        pulls["land"] = (2 * rounds, sizes.source_bytes)
-    loads = {"model_load": load.warmup + load.repeats * len(load.scenarios), "accum": 1,
-             "checkpointing": 1, "loader": 1, "qlora": 2 if cfg.plan == "both" else 1}
+    pulls = [(1 + rounds * (len(STORAGE_PULLS) + 1), sizes.piece_bytes)]
+    pulls += [(2 * rounds, sizes.source_bytes)] if cfg.land else []  # a miss and a hit a round
+    loads = {"model_load": load.warmup + load.repeats * len(load.scenarios)}
+    if cfg.qlora:  # the steps on the job (without it, these fields are the toy's: no model)
+        loads |= {"accum": 1, "checkpointing": 1, "loader": 1,
+                  "qlora": 2 if cfg.plan == "both" else 1}
     downloads = {"model_load": fill + load.repeats * fresh, "job": fill * (not cfg.model_load)}
     out = {}
     for step, floor in FLOORS.items():
         parts = [(n * nbytes / PULL_BYTES_PER_S, f"{n} pulls of {_bytes(nbytes)}")
-                 for n, nbytes in pulls.values() if step == "storage" and nbytes]
+                 for n, nbytes in pulls if step == "storage" and nbytes]
         if sizes.model_bytes:
             parts += [(n * sizes.model_bytes / rate, f"{n} {what}{'s' * (n > 1)} of "
                        f"{_bytes(sizes.model_bytes)}")

@@ -108,11 +108,16 @@ def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: 
              for a in range(r.start, r.start + r.size, part)]
 
     def get(fd: int, piece: Any, first: int, end: int) -> None:
-        body = client.get_object(Bucket=url.bucket, Key=piece.key, IfMatch=f'"{piece.obj.etag}"',
+        # pinned to the listed ETag, as s3transfer pins a whole object's parts
+        pin = {"IfMatch": f'"{piece.obj.etag}"'} if piece.obj.etag else {}
+        body = client.get_object(Bucket=url.bucket, Key=piece.key, **pin,
                                  Range=f"bytes={first}-{end - 1}")["Body"]
         at = first - piece.start
         for chunk in body.iter_chunks(256 * 1024):  # s3transfer's io_chunksize
-            at += os.pwrite(fd, chunk, at)
+            view = memoryview(chunk)
+            while view:  # a short write leaves the rest for the next
+                wrote = os.pwrite(fd, view, at)
+                at, view = at + wrote, view[wrote:]
         if at != end - piece.start:
             raise RuntimeError(f"{url}: bytes {first}-{end - 1} of {piece.key} came back "
                                f"{at - first + piece.start} bytes long; run again")
@@ -128,7 +133,8 @@ def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: 
         for fd in fds:
             os.close(fd)
     how = (f"TransferConfig defaults: {part // 2**20} MiB parts, {workers} threads" if method ==
-           "boto3_default" else f"land()'s engine: {plan.describe(pieces[0].obj.size)}")
+           "boto3_default" else f"land()'s transfer_plan for the object: {part / MB:.0f} MB "
+           f"parts, {workers} at a time, fsynced")
     return f"{how}, on byte ranges of the object (no whole-object checksum: a range has none)"
 
 
