@@ -148,3 +148,32 @@ def test_a_budget_too_small_for_a_large_model_names_its_scaled_minimum(capsys, m
     assert f"too small for the steps enabled: at least {clock(need)} (" in err
     assert f"model load {clock(scaled['model_load'][0])}" in err
     assert "floors scaled from the model's 14 GB (local) at assumed rates" in err
+
+
+def test_a_hub_models_listed_size_scales_the_floors_without_a_download(capsys, monkeypatch,
+                                                                       tmp_path):
+    import json
+
+    from diag.budget import Sizes, clock, floors
+    from diag.embedded import HubServer
+
+    # a hub whose listing says 13.5 GB of weights (a stored manifest: no such bytes anywhere)
+    commit = "ab" * 20
+    repo = tmp_path / "hub" / "big-org" / "llama-7b"
+    (repo / "commits" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    entry = {"sha256": "0" * 64, "lfs": True, "blob_id": "1" * 40, "pointer_size": 134}
+    (repo / "commits" / commit / ".diag-manifest.json").write_text(json.dumps({
+        "repo_id": "big-org/llama-7b", "commit": commit, "last_modified": "2026-01-01T00:00:00Z",
+        "files": {f"model-0000{i}-of-00002.safetensors": {**entry, "size": 6_750_000_000}
+                  for i in (1, 2)}}))
+    with HubServer(tmp_path / "hub") as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        err = _refused(capsys, monkeypatch, "--budget", "2m", "--model", "big-org/llama-7b",
+                       "--cache-dir", str(tmp_path / "cache"))
+    cfg = DiagnoseConfig.quick(model="big-org/llama-7b", cache_dir=str(tmp_path / "cache"))
+    scaled = floors(Sizes(13_500_000_000, "hub"), cfg)
+    need = sum(scaled[s.field][0] for s in steps(cfg) if s.field != "train")
+    assert f"at least {clock(need)} (" in err and "from the model's 13.5 GB (hub)" in err
+    assert not (tmp_path / "cache").exists()  # nothing downloaded, nothing made
