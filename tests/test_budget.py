@@ -110,7 +110,8 @@ def test_the_plan_comes_first_and_storage_keeps_its_share(shards, tmp_path):
 
 
 def test_floors_scale_with_the_model_and_source_sizes_known_before_the_start():
-    from diag.budget import HUB_BYTES_PER_S, LOAD_BYTES_PER_S, PULL_BYTES_PER_S, Sizes, floors
+    from diag.budget import (HUB_BYTES_PER_S, LOAD_BYTES_PER_S, PULL_BYTES_PER_S, Sizes, clock,
+                             floors)
 
     cfg = DiagnoseConfig.quick()
     tiny = floors(Sizes(), cfg)  # the embedded model and data: the floors as measured
@@ -130,6 +131,16 @@ def test_floors_scale_with_the_model_and_source_sizes_known_before_the_start():
     cached = floors(Sizes(13_500_000_000, "cached"), cfg)
     assert cached["model_load"] == (FLOORS["model_load"] + 13.5 * loads,
                                     f"20 s + {loads} loads of 13.5 GB")
+    # the plan printed before the first step says what its floors rest on, and its estimates
+    # sit above them
+    parts = [s for s in steps(cfg) if s.field != "train"]
+    plan = Budget(3600.0, parts, "1h", floors=big, sizes="the model's 13.5 GB (hub)")
+    table = plan.plan().set_index("step")
+    assert table.loc["model load", "floor_s"] == pytest.approx(big["model_load"][0])
+    assert (table["estimated_s"] >= table["floor_s"]).all()
+    shown = plan.show()
+    assert "floors scaled from the model's 13.5 GB (hub) at assumed rates: the hub" in shown
+    assert f"(floor {clock(big['model_load'][0])}: {big['model_load'][1]})" in shown
 
 
 def test_a_budget_too_small_for_a_large_model_names_its_scaled_minimum(capsys, monkeypatch,
