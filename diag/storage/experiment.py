@@ -230,12 +230,13 @@ def _probe(cfg: StorageConfig, client: Any, url: S3Url, objects: list[RemoteObje
         except Exception as err:
             raise remote_error(err, url, client) from None
 
-    pieces = ranges(objects[0]) if len(objects) == 1 else objects
+    one = len(objects) == 1 and objects[0].size > 0  # (an empty object has no range)
+    pieces = ranges(objects[0]) if one else objects
     order = spread(pieces)
     sample = probe(order, pull_one, seconds, int(cfg.sample_mb * MB),
-                   RANGE_SAMPLE_AT_LEAST if len(objects) == 1 else 0)
+                   RANGE_SAMPLE_AT_LEAST if one else 0)
     fit = Extrapolation.fit(sample, sum(o.size for o in objects), len(objects),
-                            pieces[0].size if len(objects) == 1 else 0)
+                            pieces[0].size if one else 0)
     pulled = {id(p) for p in order[:len(sample)]}
     return sample, fit, objects if fit.whole else [p for p in pieces if id(p) in pulled]
 
