@@ -336,7 +336,7 @@ def measures(step: Step, storage: StorageConfig | None, model_load: ModelLoadCon
         "checkpointing": "checkpointing on vs off on the job's step",
         "loader": job and f"num_workers {job.sweep_workers} against the job's step",
         "qlora": job and f"{job.plan} plan(s) x {job.rounds} round(s) of {job.steps} steps on "
-                         f"{job.records} records",
+                         f"{job.records} records, the 4-bit base loaded once per plan",
         "qlora_projection": "the whole job priced at the costs measured (no new measurement)",
         "loader_projected": "the loader sweep against target_gpu's estimated step",
         "runs": "the toy loop, naive and optimized",

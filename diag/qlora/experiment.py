@@ -5,7 +5,8 @@
 (diag.amdahl), each plan's settings with their evidence, and stage by stage the predicted vs the
 measured saving (a prediction off by more than 25% is flagged, not hidden). What a start's fetch,
 model folder and preprocess cost under each plan is timed before the runs (`time_starts`) where
-no decision measured it, so every stage a fix changes is predicted.
+no decision measured it, so every stage a fix changes is predicted. Each plan's 4-bit base is
+loaded and timed by its round 0 and reused by its later rounds (diag.qlora.job.Bases).
 """
 
 from __future__ import annotations
