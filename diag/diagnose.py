@@ -106,9 +106,8 @@ def _recipe(cfg: DiagnoseConfig, run: Run, budget: Budget | None = None) -> Diag
 
 
 def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig) -> Diagnosis:
-    """The QLoRA job's own measurements (the decisions the optimized plan collects), then its
-    runs. Its sources (the embedded S3 server and hub, or the user's bucket and model) are opened
-    by the first step that reads them and closed when the runs end, on Stop or an error too."""
+    """The QLoRA job's decisions, measured on its step, then its runs; its sources (the embedded
+    S3 and hub, or yours) open from the first step that reads them until the runs end or fail."""
     from diag.qlora import measure
     from diag.qlora.job import open_sources
 
