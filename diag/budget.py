@@ -78,9 +78,10 @@ def floors(sizes: Sizes, cfg: DiagnoseConfig) -> dict[str, tuple[float, str]]:
     """Each step's floor (seconds, and what it rests on) at these sizes: FLOORS plus, at the
     assumed rates, the storage sample's pulls of its first piece (the probe's, then each
     method's and the local read's per round; with --land the whole source per round), the
-    model's loads (model load: warm-up + repeats x scenarios; each step on the job: at least
-    one; the comparison: one per plan) and downloads (the cache filled once, by model load or
-    else the job; model load's fresh scenario once per repeat unless estimated)."""
+    model's loads (model load: warm-up + repeats x scenarios; the decisions on the job: one per
+    checkpointing setting, shared; the comparison: one per plan) and downloads (the cache
+    filled once, by model load or else the job; model load's fresh scenario once per repeat
+    unless estimated)."""
     from diag.config import STORAGE_PULLS
 
     store, load = cfg.storage_config(), cfg.model_load_config()
@@ -92,7 +93,9 @@ def floors(sizes: Sizes, cfg: DiagnoseConfig) -> dict[str, tuple[float, str]]:
     pulls += [(2 * rounds, sizes.source_bytes)] if cfg.land else []  # a miss and a hit a round
     loads = {"model_load": load.warmup + load.repeats * len(load.scenarios)}
     if cfg.qlora:  # the steps on the job (without it, these fields are the toy's: no model)
-        loads |= {"accum": 1, "checkpointing": 1, "loader": 1,
+        # accum loads the step without checkpointing, checkpointing the other (both without
+        # accum), the loader takes theirs (qlora.measure.Steps)
+        loads |= {"accum": 1, "checkpointing": 2 - bool(cfg.accum),
                   "qlora": 2 if cfg.plan == "both" else 1}
     downloads = {"model_load": fill + load.repeats * fresh, "job": fill * (not cfg.model_load)}
     out = {}
@@ -336,7 +339,7 @@ def measures(step: Step, storage: StorageConfig | None, model_load: ModelLoadCon
         "checkpointing": "checkpointing on vs off on the job's step",
         "loader": job and f"num_workers {job.sweep_workers} against the job's step",
         "qlora": job and f"{job.plan} plan(s) x {job.rounds} round(s) of {job.steps} steps on "
-                         f"{job.records} records",
+                         f"{job.records} records, the 4-bit base loaded once per plan",
         "qlora_projection": "the whole job priced at the costs measured (no new measurement)",
         "loader_projected": "the loader sweep against target_gpu's estimated step",
         "runs": "the toy loop, naive and optimized",

@@ -125,8 +125,9 @@ def test_floors_scale_with_the_model_and_source_sizes_known_before_the_start():
     assert big["model_load"][1] == f"20 s + {loads} loads of 13.5 GB + 2 downloads of 13.5 GB"
     pulls = 1 + (store.warmup + store.repeats) * 4  # the probe; 3 methods and a read per round
     assert big["storage"][0] == pytest.approx(FLOORS["storage"] + pulls * 256e6 / PULL_BYTES_PER_S)
-    for step in ("accum", "checkpointing", "loader", "qlora"):  # each loads the model
+    for step in ("accum", "checkpointing", "qlora"):  # each loads the model
         assert big[step][0] >= FLOORS[step] + 13.5
+    assert big["loader"][0] == FLOORS["loader"]  # on the step the decisions before it loaded
     # a cached model is not downloaded; its fresh load is estimated from one file
     cached = floors(Sizes(13_500_000_000, "cached"), cfg)
     assert cached["model_load"] == (FLOORS["model_load"] + 13.5 * loads,
