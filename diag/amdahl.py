@@ -1,9 +1,10 @@
 """Where a run's wall clock goes, and what an upgrade or a fix would buy (Amdahl's law).
 
-Input: StageTimer frames (`stage`, `seconds`, `step`; optional `run` to compare runs). Run-level
-stages count as measured; step-level stages are scaled to the whole run (per-step median x
-steps), so a 50-step measurement answers for a 10,000-step run. A speedup k on a stage divides
-its seconds by k (inf removes it); the other stages set the floor no upgrade can go below.
+Input: StageTimer frames (`stage`, `seconds`, `step`; optional `run` to compare runs, `basis`
+for a run-level row measured elsewhere: a reused base's load). Run-level stages count as
+measured; step-level stages are scaled to the whole run (per-step median x steps), so a 50-step
+measurement answers for a 10,000-step run. A speedup k on a stage divides its seconds by k (inf
+removes it); the other stages set the floor no upgrade can go below.
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any
         if stage == "load_model" and part.empty:  # parts only: their sum is the load
             part = frame[frame["stage"].isin(LOAD_PARTS)]
             seconds = float(part["seconds"].sum())
-        if not part.empty:
-            rows.append({"stage": stage, "level": "run", "seconds": seconds,
-                         "basis": f"measured ({len(part)} interval{'s' * (len(part) != 1)})"})
+        if not part.empty:  # a row measured elsewhere says so in its own `basis`
+            said = part["basis"].dropna().tolist() if "basis" in part.columns else []
+            rows.append({"stage": stage, "level": "run", "seconds": seconds, "basis": said[0]
+                         if said else f"measured ({len(part)} interval{'s' * (len(part) != 1)})"})
     # Per stage, the sum over the measured steps (a stall every 4th step counts, which a median
     # would drop); scaled to total_steps by the mean per step.
     sums = stepped.groupby("stage")["seconds"].sum()
@@ -148,9 +150,9 @@ def project(frame: pd.DataFrame, speedup: Mapping[str, float],
 
 
 def compute_ratio(from_device: str, to_device: str, dtype: str = "bf16") -> float:
-    """Ratio of the two GPUs' dense peaks from diag.machine.gpus' table; unknown GPUs are an
+    """Ratio of the two GPUs' dense peaks from diag.gpus' table; unknown GPUs are an
     error."""
-    from diag.machine.gpus import GPUS, dense_peak_flops, find_gpu
+    from diag.gpus import GPUS, dense_peak_flops, find_gpu
 
     peaks = {}
     for name in (from_device, to_device):

@@ -1,7 +1,8 @@
 """`diag run --budget 15m`: the diagnosis' time split among its steps, the plan shown before the
 first step, and each step's estimate beside what it spent after the last.
 
-`Budget(total_s, steps)` gives each step its floor (`FLOORS`) plus a weighted part of the rest
+`Budget(total_s, steps)` gives each step its floor (`FLOORS`, scaled by `floors()` to the
+model's and the source's bytes, `sizes()`, at assumed rates) plus a weighted part of the rest
 (`WEIGHTS`); `share(step)` re-splits what is left over the steps not yet run when a step
 starts, so a step that overran takes from the later ones, never from the total. A budget under
 the steps' floors is refused before any work. Steps that size their work to their share:
@@ -30,7 +31,7 @@ GPU_DEFAULT, CPU_DEFAULT, QUICK_DEFAULT = "15m", "3m", "1m"  # --budget "" on ea
 
 # The least each step takes: what it took in `diag run --quick` on a 2-core CPU box with the
 # embedded tiny model and an 8 MB dataset, rounded up (defaults, not measured here; a larger
-# model or dataset needs more, which the spent column then shows). Keyed by Step.field.
+# model or dataset adds its bytes at the assumed rates below: floors()). Keyed by Step.field.
 FLOORS = {"info": 1.0, "storage": 4.0, "model_load": 20.0, "job": 3.0, "accum": 8.0,
           "checkpointing": 3.0, "loader": 4.0, "qlora": 6.0, "qlora_projection": 1.0,
           "loader_projected": 8.0, "runs": 6.0, "accum_advice": 0.0}
@@ -40,6 +41,13 @@ FLOORS = {"info": 1.0, "storage": 4.0, "model_load": 20.0, "job": 3.0, "accum": 
 WEIGHTS = {"storage": 3.0, "model_load": 2.0, "job": 1.0, "accum": 1.0, "checkpointing": 1.0,
            "loader": 1.0, "qlora": 2.0, "loader_projected": 1.0, "runs": 1.0}
 DECISIONS = ("accum", "checkpointing", "loader")  # the job's decisions: decide_budget_s
+
+# Floors at the user's scale, from the sizes known before any work (Sizes): a step's floor above
+# plus the least its bytes take at these rates. Assumptions, not measured here (a floor is a
+# least: each is a fast cloud box's rate; the spent column then shows this one's):
+HUB_BYTES_PER_S = 200e6  # a model file from the hub (one stream; hf_xet on a cloud box)
+LOAD_BYTES_PER_S = 1e9  # a cached model read, quantized to 4-bit and placed on the device
+PULL_BYTES_PER_S = 200e6  # one method's pull of an object or range from the object store
 
 
 def default(quick: bool, device_type: str) -> str:
@@ -51,6 +59,65 @@ def clock(value: float) -> str:
     """Seconds as a person reads them: 45 s, 3.5 min, 1.2 h."""
     return f"{value:.0f} s" if value < 120 else f"{value / 60:.3g} min" if value < 7200 \
         else f"{value / 3600:.3g} h"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What is known before any work: the model's weight bytes (0: the embedded tiny model the
+    floors were measured on, or unknown) and where they are, the source's bytes and the least
+    the storage sample pulls (its first object or range); `said`: where these come from."""
+
+    model_bytes: int = 0
+    model_at: str = "cached"  # "hub": downloaded once to the cache first; "cached"; "local"
+    source_bytes: int = 0
+    piece_bytes: int = 0  # the storage probe's first piece: the median object, or one range
+    said: str = ""
+
+
+def floors(sizes: Sizes, cfg: DiagnoseConfig) -> dict[str, tuple[float, str]]:
+    """Each step's floor (seconds, and what it rests on) at these sizes: FLOORS plus, at the
+    assumed rates, the storage sample's pulls of its first piece (the probe's, then each
+    method's and the local read's per round; with --land the whole source per round), the
+    model's loads (model load: warm-up + repeats x scenarios; the decisions on the job: one per
+    checkpointing setting, shared; the comparison: one per plan, and the naive step timed
+    before its runs) and downloads (the cache
+    filled once, by model load or else the job; model load's fresh scenario once per repeat
+    unless estimated)."""
+    from diag.config import STORAGE_PULLS
+
+    store, load = cfg.storage_config(), cfg.model_load_config()
+    rounds = store.warmup + store.repeats
+    fresh = "fresh" in load.scenarios and sizes.model_at != "local" and not (
+        load.estimate_fresh and sizes.model_at == "cached")
+    fill = int(sizes.model_at == "hub")
+    pulls = [(1 + rounds * (len(STORAGE_PULLS) + 1), sizes.piece_bytes)]
+    pulls += [(2 * rounds, sizes.source_bytes)] if cfg.land else []  # a miss and a hit a round
+    loads = {"model_load": load.warmup + load.repeats * len(load.scenarios)}
+    if cfg.qlora:  # the steps on the job (without it, these fields are the toy's: no model)
+        # accum loads the step without checkpointing, checkpointing the other (both without
+        # accum), the loader takes theirs (qlora.measure.Steps); the comparison one per plan
+        # and, with both, one for the naive step timed before the runs (qlora.experiment)
+        loads |= {"accum": 1, "checkpointing": 2 - bool(cfg.accum),
+                  "qlora": 3 if cfg.plan == "both" else 1}
+    downloads = {"model_load": fill + load.repeats * fresh, "job": fill * (not cfg.model_load)}
+    out = {}
+    for step, floor in FLOORS.items():
+        parts = [(n * nbytes / PULL_BYTES_PER_S, f"{n} pulls of {_bytes(nbytes)}")
+                 for n, nbytes in pulls if step == "storage" and nbytes]
+        if sizes.model_bytes:
+            parts += [(n * sizes.model_bytes / rate, f"{n} {what}{'s' * (n > 1)} of "
+                       f"{_bytes(sizes.model_bytes)}")
+                      for n, rate, what in ((loads.get(step, 0), LOAD_BYTES_PER_S, "load"),
+                                            (downloads.get(step, 0), HUB_BYTES_PER_S,
+                                             "download")) if n]
+        extra = sum(p for p, _ in parts)  # under a second: within what FLOORS measured
+        out[step] = ((floor + extra, f"{floor:.0f} s + " + " + ".join(w for _, w in parts))
+                     if extra >= 1 else (floor, ""))
+    return out
+
+
+def _bytes(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.3g} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.3g} MB"
 
 
 @dataclass
@@ -66,15 +133,32 @@ class Budget:
     ended: float = 0.0  # when the last step in the budget ended
     measures: Callable[[Step], str] = lambda step: step.name  # what it will measure, in counts
     decides: bool = False  # the job's decisions size their repeats to their shares
+    floors: dict[str, tuple[float, str]] = field(default_factory=dict)  # floors(); {}: FLOORS
+    sizes: str = ""  # what the floors were scaled from (Sizes.said)
 
     def __post_init__(self) -> None:
-        need = sum(FLOORS.get(s.field, 0.0) for s in self.steps)
+        need = sum(self.floor(s) for s in self.steps)
         if self.total_s < need:
-            floors = ", ".join(f"{s.name} {FLOORS[s.field]:.0f} s" for s in self.steps
-                               if FLOORS.get(s.field))
+            each = ", ".join(f"{s.name} {clock(self.floor(s))}" for s in self.steps
+                             if self.floor(s))
+            scaled = f"; {self.basis()}" if self.scaled() else ""
             raise ValueError(f"DiagnoseConfig.budget={self.text or self.total_s!r}: too small "
-                             f"for the steps enabled: at least {clock(need)} ({floors}); "
+                             f"for the steps enabled: at least {clock(need)} ({each}{scaled}); "
                              "raise --budget or turn steps off (--no-model-load, ...)")
+
+    def floor(self, step: Step) -> float:
+        """The least the step takes (FLOORS, scaled to the sizes when they were known)."""
+        return self.floors.get(step.field, (FLOORS.get(step.field, 0.0), ""))[0]
+
+    def basis(self) -> str:
+        """What scaled floors rest on: the sizes, and the rates assumed."""
+        return (f"floors scaled from {self.sizes} at assumed rates: the hub "
+                f"{HUB_BYTES_PER_S / 1e6:.0f} MB/s, a cached load {LOAD_BYTES_PER_S / 1e9:.0f} "
+                f"GB/s, a pull {PULL_BYTES_PER_S / 1e6:.0f} MB/s")
+
+    def scaled(self) -> bool:
+        """Whether a step's floor rose above FLOORS for the sizes."""
+        return any(self.floors.get(s.field, (0, ""))[1] for s in self.steps)
 
     def estimate(self, step: Step) -> float:
         """The step's share of the whole budget, as planned before the first step."""
@@ -90,12 +174,11 @@ class Budget:
 
     def decide_s(self) -> float:
         """What the job's decisions may spend on repeats: their shares above their floors."""
-        return sum(max(0.0, self.share(s) - FLOORS.get(s.field, 0.0)) for s in self.steps
+        return sum(max(0.0, self.share(s) - self.floor(s)) for s in self.steps
                    if s.field in DECISIONS)
 
-    @staticmethod
-    def _split(steps: Sequence[Step], total: float) -> dict[str, float]:
-        floors = {s.field: FLOORS.get(s.field, 0.0) for s in steps}
+    def _split(self, steps: Sequence[Step], total: float) -> dict[str, float]:
+        floors = {s.field: self.floor(s) for s in steps}
         weights = {s.field: WEIGHTS.get(s.field, 0.0) for s in steps}
         rest, weight = max(0.0, total - sum(floors.values())), sum(weights.values()) or 1.0
         return {f: floors[f] + rest * weights[f] / weight for f in floors}
@@ -122,7 +205,9 @@ class Budget:
         import pandas as pd
 
         return pd.DataFrame([{"step": s.name, "measures": self.measures(s),
-                              "estimated_s": self.estimate(s),
+                              "estimated_s": self.estimate(s), "floor_s": self.floor(s),
+                              "floor": self.floors.get(s.field, (0, ""))[1]
+                              or "as measured on the embedded tiny model and 8 MB",
                               "sized_to_share": s.field == "storage"
                               or (self.decides and s.field in DECISIONS)}
                              for s in self.steps])
@@ -136,7 +221,8 @@ class Budget:
             share_s=[self.given.get(s.field) for s in self.steps],
             spent_s=[self.spent.get(s.field) for s in self.steps])
         whole = {"step": "the whole diagnosis", "measures": f"budget {self.text}",
-                 "estimated_s": self.total_s, "sized_to_share": False, "share_s": self.total_s,
+                 "estimated_s": self.total_s, "floor_s": sum(self.floor(s) for s in self.steps),
+                 "floor": self.sizes, "sized_to_share": False, "share_s": self.total_s,
                  "spent_s": (self.ended or time.perf_counter()) - self.started}
         return pd.concat([out, pd.DataFrame([whole])], ignore_index=True)
 
@@ -152,12 +238,16 @@ class Budget:
         """The plan before the first step (spent: estimated vs spent after the last), as lines."""
         lines = [f"diag run: budget {self.text}, " + ("estimated vs spent:" if spent else
                                                        "the plan (estimated, what it measures):")]
+        if self.scaled() and not spent:  # what the floors rest on, before the steps
+            lines.append(f"  {self.basis()}")
         for row in (self.frame() if spent else self.plan()).itertuples():
             est = clock(row.estimated_s)
             if spent and row.spent_s == row.spent_s and row.spent_s is not None:
                 lines.append(f"  {row.step:<44} {est:>9} {clock(row.spent_s):>9}")
             elif not spent:
-                lines.append(f"  {row.step:<44} {est:>9}  {row.measures}")
+                basis = self.floors.get(self.steps[row.Index].field, (0, ""))[1]
+                floor = f" (floor {clock(row.floor_s)}: {basis})" if basis else ""
+                lines.append(f"  {row.step:<44} {est:>9}  {row.measures}{floor}")
         return "\n".join(lines)
 
 
@@ -171,22 +261,78 @@ def of_run(cfg: DiagnoseConfig, steps: Sequence[Step], job: QLoraConfig | None) 
     text = cfg.budget or default(cfg.quick_experiments, "cuda" if gpu else "cpu")
     what = functools.partial(measures, storage=cfg.storage_config(),
                              model_load=cfg.model_load_config(), job=job)
-    return Budget(duration_s(text), [s for s in steps if s.field != "train"], text,
-                  measures=what, decides=job is not None)
+    seconds = duration_s(text)  # a malformed budget is refused before the sizes are asked
+    known = sizes(cfg)
+    return Budget(seconds, [s for s in steps if s.field != "train"], text, measures=what,
+                  decides=job is not None, floors=floors(known, cfg), sizes=known.said)
+
+
+def sizes(cfg: DiagnoseConfig) -> Sizes:
+    """The model's weight bytes (a local folder's or the cache's safetensors, else the hub's
+    listing: model_info(files_metadata=True) at HF_ENDPOINT) and the source's (its listing),
+    for the steps that use them; the embedded ones are what FLOORS were measured on (0). A
+    size that cannot be asked (offline, a wrong id or bucket) is left 0: preflight refuses
+    what is wrong, in its own words, before any work."""
+    from pathlib import Path
+
+    model, at, source, piece, said = 0, "cached", 0, 0, []
+    if cfg.model and (cfg.model_load or cfg.qlora):
+        from diag.model_load import cache_dir_for, snapshot_folder, weight_files
+
+        folder = Path(cfg.model).expanduser()
+        local = folder if folder.is_dir() else snapshot_folder(cache_dir_for(cfg), cfg.model,
+                                                                cfg.revision)
+        at = "local" if folder.is_dir() else "cached" if local else "hub"
+        try:
+            model = sum(p.stat().st_size for p in weight_files(local)) if local else _hub(cfg)
+            said.append(f"the model's {_bytes(model)} ({at})")
+        except Exception as err:  # noqa: BLE001  unknown: the floors stay as measured
+            said.append(f"the model's size unknown ({type(err).__name__})")
+    if cfg.source and cfg.storage:
+        from diag.storage import list_remote, parse_url, source_client
+        from diag.storage.sample import ranges, spread
+
+        try:
+            objects = list_remote(source_client(cfg), parse_url(cfg.source))
+            source = sum(o.size for o in objects)
+            piece = (ranges(objects[0]) if len(objects) == 1 else spread(objects))[0].size
+            said.append(f"the source's {_bytes(source)} in {len(objects)} object(s)")
+        except Exception as err:  # noqa: BLE001
+            said.append(f"the source's size unknown ({type(err).__name__})")
+    return Sizes(model, at, source, piece, " and ".join(said))
+
+
+def _hub(cfg: DiagnoseConfig) -> int:
+    """The bytes of the model's safetensors weights as the hub lists them (no download)."""
+    from fnmatch import fnmatch
+
+    from huggingface_hub import HfApi
+
+    from diag.model_load.source import hub_endpoint, reachable
+
+    endpoint = hub_endpoint()
+    reachable(endpoint)  # huggingface_hub retries an unreachable host for ~20 s
+    info = HfApi(endpoint=endpoint).model_info(cfg.model, revision=cfg.revision or None,
+                                               files_metadata=True, timeout=10)
+    return sum(f.size or 0 for f in info.siblings or () if fnmatch(f.rfilename, "*.safetensors"))
 
 
 def measures(step: Step, storage: StorageConfig | None, model_load: ModelLoadConfig | None,
              job: QLoraConfig | None) -> str:
     """What the step will measure, in counts: the plan's middle column."""
     land = "; land() of the whole dataset (--land)" if storage and storage.land else ""
+    from diag.model_load.experiment import MAX_REPEATS
+
     rounds = storage and storage.warmup + storage.repeats
     loads = model_load and ", ".join(model_load.scenarios)
     texts = {
         "info": "the device facts and a CPU matmul probe",
-        "storage": f"a sample of whole objects sized to this share, pulled {rounds} times by "
-                   "each method (all objects if they fit), the whole pull extrapolated; the "
+        "storage": f"a sample of whole objects sized to this share (one object: byte ranges "
+                   f"spread over it), pulled {rounds} times by each method (all of it if it "
+                   "fits), the whole pull extrapolated; the "
                    f"sample read from local disk cold and warm{land}",
-        "model_load": f"{model_load and model_load.repeats} load(s) each: {loads}"
+        "model_load": f"{model_load and model_load.repeats} load(s) each: {loads}, more (up to "
+                      f"{MAX_REPEATS}) while fresh vs cached is unresolved and this share allows"
                       + (" (a model already cached: its fresh load estimated from one file)"
                          if model_load and model_load.estimate_fresh else ""),
         "job": job and f"the job's first {job.records} records fetched and tokenized, the "
@@ -195,7 +341,8 @@ def measures(step: Step, storage: StorageConfig | None, model_load: ModelLoadCon
         "checkpointing": "checkpointing on vs off on the job's step",
         "loader": job and f"num_workers {job.sweep_workers} against the job's step",
         "qlora": job and f"{job.plan} plan(s) x {job.rounds} round(s) of {job.steps} steps on "
-                         f"{job.records} records",
+                         f"{job.records} records, the 4-bit base loaded once per plan "
+                         "(and once for the naive step timed before the runs)",
         "qlora_projection": "the whole job priced at the costs measured (no new measurement)",
         "loader_projected": "the loader sweep against target_gpu's estimated step",
         "runs": "the toy loop, naive and optimized",

@@ -90,12 +90,13 @@ Run = Callable[[Diagnosis, Step, Callable[[], Any]], Diagnosis]
 def _recipe(cfg: DiagnoseConfig, run: Run, budget: Budget | None = None) -> Diagnosis:
     """The diagnosis, top to bottom: the machine, the data's and the model's starts, the job's
     own measurements and its runs (or the toy loop), then the grad-accum advice; the storage
-    sample and the job's decisions' repeats sized to their shares of the budget."""
+    sample, the model loads' and the job's decisions' repeats sized to their shares."""
+    share = budget.share if budget else lambda step: 0.0
     d = run(Diagnosis(), INFO, lambda: run_info(InfoConfig.default(quick=_quick(cfg))))
     if cfg.storage:
-        d = run(d, STORAGE, lambda: _storage(cfg, budget.share(STORAGE) if budget else 0.0))
+        d = run(d, STORAGE, lambda: _storage(cfg, share(STORAGE)))
     if cfg.model_load:
-        d = run(d, MODEL_LOAD, lambda: _model_load(cfg))
+        d = run(d, MODEL_LOAD, lambda: _model_load(cfg, share(MODEL_LOAD)))
     d = _on_job(cfg, run, d, job_config(cfg, budget)) if cfg.qlora else _toy(cfg, run, d)
     if cfg.accum:  # after the runs: its advice is priced on their compute
         d = run(d, ACCUM_ADVICE, lambda: _accum_advice(cfg, d))
@@ -105,24 +106,24 @@ def _recipe(cfg: DiagnoseConfig, run: Run, budget: Budget | None = None) -> Diag
 
 
 def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig) -> Diagnosis:
-    """The QLoRA job's own measurements, then its runs. Its sources (the embedded S3 server and
-    hub, or the user's bucket and model) are opened by the first step that reads them and closed
-    when the runs end, on Stop or an error too: one start of the embedded servers. job: built
-    once, every step below measures or runs it."""
+    """The QLoRA job's decisions, measured on its step, then its runs; its sources (the embedded
+    S3 and hub, or yours) open from the first step that reads them until the runs end or fail."""
+    from diag.qlora import measure
     from diag.qlora.job import open_sources
-    from diag.qlora.measure import accum_on_job, checkpointing_on_job, job_inputs, loader_on_job
 
     with contextlib.ExitStack() as stack:
         # opened once, by the first step that calls src() (a failed open: the next one retries)
         src = functools.cache(lambda: stack.enter_context(open_sources(job)))
-        d = run(d, JOB, lambda: job_inputs(job, src()))
-        # before the runs: the optimized plan collects these decisions, measured on the job
+        d = run(d, JOB, lambda: measure.job_inputs(job, src()))
+        steps = measure.Steps(job)  # the decisions' job steps: one base per checkpointing
         if cfg.accum:
-            d = run(d, ACCUM, lambda: accum_on_job(job, _need(d.job, JOB)))
-        d = run(d, CHECKPOINTING,
-                lambda: checkpointing_on_job(job, _need(d.job, JOB), _micro(d)))
+            d = run(d, ACCUM, lambda: measure.accum_on_job(job, _need(d.job, JOB), steps=steps))
+        d = run(d, CHECKPOINTING, lambda: measure.checkpointing_on_job(
+            job, _need(d.job, JOB), _micro(d), steps=steps))
         if cfg.loader:
-            d = run(d, LOADER, lambda: loader_on_job(job, _need(d.job, JOB), _micro(d)))
+            d = run(d, LOADER, lambda: measure.loader_on_job(job, _need(d.job, JOB), _micro(d),
+                                                             steps))
+        steps.close()  # their bases go before the runs load theirs
         d = run(d, QLORA, lambda: _qlora(job, d, src()))
         d = run(d, PROJECTION, lambda: _projection(cfg, job, d))
     # on a CPU box, also: would this loader keep up with the GPU being considered (projected)
@@ -178,9 +179,9 @@ def _storage(cfg: DiagnoseConfig, budget_s: float) -> StorageResult:
     return run_storage(cfg.storage_config(budget_s))
 
 
-def _model_load(cfg: DiagnoseConfig) -> ModelLoadResult:
+def _model_load(cfg: DiagnoseConfig, budget_s: float) -> ModelLoadResult:
     from diag.model_load import run_model_load
-    return run_model_load(cfg.model_load_config())
+    return run_model_load(cfg.model_load_config().replace(budget_s=budget_s))
 
 
 def _micro(d: Diagnosis) -> int:

@@ -179,6 +179,7 @@ def plot_storage(frame: pd.DataFrame) -> Figure:
     """Median MB/s per method and cache state (bars), every measured repeat as a dot (log scale)."""
     if frame.empty or not {"method", "cache_state", "mb_per_s"} <= set(frame.columns):
         raise ValueError("frame must be run_storage().frame: method, cache_state, mb_per_s rows")
+    frame = frame[frame["mb_per_s"].notna()]  # a method that could not pull the sample: no bar
     groups = list(dict.fromkeys(zip(frame["method"], frame["cache_state"])))
     fig = _figure(8, 1.0 + 0.42 * len(groups))
     ax = fig.add_subplot()

@@ -124,12 +124,12 @@ def check_source(cfg: SourceConfig, data: bool = True) -> list[Any]:
 
 
 def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> None:
-    """The first records of the first shard, read as the job reads them (diag.qlora.data.read:
-    its fields, its on_error) and held to its rules: a record whose prompt fills --seq-len trains
-    on nothing (with the model's tokenizer, when it is on this machine), and, when the sample is
-    the whole source, each step needs a record."""
+    """The first records of the first shard, read as the job reads them (diag.data.read_source
+    with its fields, its on_error: the naive plan's own read) and held to its rules: a record
+    whose prompt fills --seq-len trains on nothing (with the model's tokenizer, when it is on
+    this machine), and, when the sample is the whole source, each step needs a record."""
     from diag.config import DiagnoseConfig
-    from diag.qlora.data import read
+    from diag.data import read_source
     from diag.storage import parse_url, source_client
 
     with tempfile.TemporaryDirectory(prefix="diag-preflight-") as tmp:
@@ -137,7 +137,8 @@ def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> No
                               Path(tmp))
         if sample is None:
             return
-        records = read(job, sample[0])
+        records = read_source(sample[0], job.fields(), on_error=job.on_error,
+                              limit=job.records)[0]
     tokenizer = _tokenizer_dir(cfg)
     filled = _prompts_filling(job, records, tokenizer) if tokenizer is not None else []
     if filled and job.on_error == "raise":

@@ -54,6 +54,8 @@ def test_config_validation_names_the_field():
         ModelLoadConfig(process="spawn")
     with pytest.raises(ValueError, match=r"ModelLoadConfig.warmup=-1"):
         ModelLoadConfig(warmup=-1)
+    with pytest.raises(ValueError, match=r"ModelLoadConfig.budget_s=-1: must be a number >= 0"):
+        ModelLoadConfig(budget_s=-1)
     assert ModelLoadConfig().repeats == 1  # one load a scenario: a 7B model's is minutes
     assert ModelLoadConfig(scenarios="fresh,cached").scenarios == ["fresh", "cached"]
 
@@ -191,3 +193,21 @@ def test_token_never_shows_and_the_report_draws(quick_run, tmp_path: Path, monke
         assert FAKE_TOKEN.encode() not in p.read_bytes(), p
     assert not math.isnan(frame["seconds"].sum())
     assert os.environ.get("HF_TOKEN") == FAKE_TOKEN  # the report ran with the token set
+
+
+def test_a_budget_repeats_the_loads_until_the_model_cache_gap_resolves():
+    """With room in budget_s (diag run gives its share) fresh and cached loads repeat,
+    interleaved, past `repeats` until the model_cache decision resolves: one load a side never
+    can (diag.noise needs MIN_SAMPLES a side); the decision carries its samples and spread."""
+    from diag.model_load import run_model_load
+    from diag.noise import MIN_SAMPLES
+
+    got = run_model_load(ModelLoadConfig(scenarios=["fresh", "cached"], budget_s=120.0))
+    loads = got.frame[got.frame["part"] == "load_model"]
+    per = loads.groupby("scenario")["repeat"].nunique()
+    assert per["fresh"] == per["cached"] >= MIN_SAMPLES
+    (decision,) = got.decisions
+    assert decision.samples == (per["cached"], per["fresh"]) and len(decision.spread) == 2
+    assert decision.resolved == (decision.basis == "measured")
+    if decision.resolved:  # the cached copy skips the download: resolved at the minimum
+        assert per["cached"] == MIN_SAMPLES and decision.value == "persistent"

@@ -19,12 +19,22 @@ pytestmark = [pytest.mark.xdist_group("test_qlora"), pytest.mark.slow]  # trains
 
 
 @pytest.fixture(scope="module")
-def both():
-    from diag.qlora import run_qlora
+def counted():
+    """The comparison, and the checkpointing setting of every 4-bit base it loaded."""
+    from diag.qlora import job, run_qlora
 
-    # seq_len 128: two of the embedded records (38 to 93 tokens) fit a window; at the quick 96
-    # few pairs do, and whole records packed save nothing there
-    return run_qlora(QLoraConfig.quick(rounds=2, seq_len=128))
+    loads, load = [], job.load_base
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(job, "load_base", lambda plan, *more: loads.append(
+            plan.gradient_checkpointing) or load(plan, *more))
+        # seq_len 128: two of the embedded records (38 to 93 tokens) fit a window; at the quick
+        # 96 few pairs do, and whole records packed save nothing there
+        return run_qlora(QLoraConfig.quick(rounds=2, seq_len=128)), loads
+
+
+@pytest.fixture(scope="module")
+def both(counted):
+    return counted[0]
 
 
 def test_both_plans_train_the_same_records(both):
@@ -88,6 +98,46 @@ def test_rounds_interleaved_with_median_and_spread(both):
     assert table["low"] <= table["naive_over_optimized_per_token"] <= table["high"]
     assert table["naive_trained_tokens"] == table["optimized_trained_tokens"]
     assert table["optimized_once_s"] == rows.at["optimized", "once_s"]
+
+
+def test_the_base_is_loaded_once_per_plan_and_once_per_checkpointing_setting(counted):
+    from diag.qlora.job import REUSED
+
+    both, loads = counted
+    ran = both.frame.set_index("plan")
+    # the decisions' sweeps share one step per checkpointing setting (accum, the loader and
+    # checkpointing's off side one, its on side the other); each plan's base is loaded by its
+    # round 0 and reused by round 1 and by its FLOP count: 4 loads, where each sweep, round
+    # and count loading its own made 10
+    # (and one more for the naive step timed before the runs: checkpointing on, as its plan)
+    assert sorted(loads) == sorted([True, False, *ran["gradient_checkpointing"], True])
+    # a round that reused its base shows the load its round 0 measured, and says so
+    basis = both.shares.set_index(["run", "stage"])["basis"]
+    for plan, r in ran["median_round"].items():
+        assert basis[(plan, "load_model")] == (REUSED if r else "measured (1 interval)")
+    assert "one load per plan, by its round 0" in both.savings.set_index("stage").at[
+        "load_model", "evidence"]
+
+
+def test_a_reused_base_trains_exactly_as_a_fresh_load():
+    # the naive plan: checkpointing on, its model downloaded into an empty cache that the
+    # second round's tokenizer still reads
+    from diag.amdahl import shares
+    from diag.qlora.job import REUSED, Bases, open_sources, run_plan
+
+    # 3 steps: LoRA's B starts at 0 and the first step's learning rate is 0 (warm-up), so only
+    # the third loss depends on the adapter's initialisation
+    cfg = QLoraConfig.quick(steps=3, records=6)
+    with open_sources(cfg) as src, Bases() as bases:
+        fresh, reused = (run_plan(cfg, Plan.naive(), src, bases) for _ in range(2))
+    # bit for bit: the adapter's initialisation, the base after the adapter came off (not
+    # merged into it, not trained) and the data are those of a fresh load
+    assert reused["losses"]["loss"].tolist() == fresh["losses"]["loss"].tolist()
+    loaded = [r["stages"].set_index("stage").loc["load_model"] for r in (fresh, reused)]
+    assert "basis" not in loaded[0] and loaded[1]["basis"] == REUSED
+    assert loaded[1]["seconds"] == loaded[0]["seconds"] > 0  # round 0's load, never ~0 s
+    assert shares(reused["stages"]).set_index("stage").at["load_model", "basis"] == REUSED
+    assert reused["summary"]["seconds"] > loaded[1]["seconds"]
 
 
 def test_setup_is_its_own_stage_and_the_stages_add_to_the_trainer_wall(both):

@@ -221,7 +221,8 @@ def test_storage_tax_arithmetic_and_advice_rows():
     assert tax.loc["boto3_default", "hours_per_week"] == pytest.approx(2500 / 3600)
     assert tax.loc["boto3_tuned", "seconds_per_run"] == pytest.approx(100.0)
     assert tax.loc["boto3_tuned", "evidence"] == (
-        "25 GB at 250 MB/s (boto3_tuned, median of 3, measured on 200 MB) = 1.7 min per start")
+        "25 GB at 250 MB/s (boto3_tuned, measured on 200 MB) = 1.7 min per start (median of 3 "
+        "rounds, 1.6-1.7 min)")
     unknown = storage_tax(frame).set_index("method")  # measured size, no price
     assert unknown.loc["boto3_default", "dataset_gb"] == pytest.approx(0.2)
     assert math.isnan(unknown.loc["boto3_default", "usd_per_week"])

@@ -12,7 +12,9 @@ from collections import namedtuple
 import pandas as pd
 import pytest
 
+from diag import plots
 from diag.config import StorageConfig
+from diag.report import headline
 from diag.storage import run_storage
 from diag.storage.objectstore import MB, RemoteObject
 from diag.storage.sample import Extrapolation, spread
@@ -117,3 +119,58 @@ def test_the_extrapolation_counts_the_per_object_overhead():
     sample_s = sum(t for _, t in times)
     assert sample_s * fit.factor == pytest.approx(1000 * 0.02 + 700 / 100)
     assert "3 of 1000 objects" in fit.label() and "extrapolated" in fit.label()
+
+
+ONE_OBJECT = 4_000_000  # 8 ranges of 500 KB
+
+
+@pytest.fixture(scope="module")
+def one(s3):
+    body = os.urandom(ONE_OBJECT)
+    s3.client().put_object(Bucket="diag", Key="one/data.jsonl", Body=body)
+    return body
+
+
+def test_one_object_is_sampled_by_byte_ranges_spread_over_it(s3, one, tmp_path):
+    got = _run(s3, StorageConfig.quick(source="s3://diag/one/data.jsonl", repeats=2, warmup=0,
+                                       endpoint_url=s3.endpoint_url, local_dir=str(tmp_path),
+                                       sample_mb=1.5))
+    pulls = got.frame[got.frame["method"].isin(["boto3_default", "boto3_tuned"])]
+    assert set(pulls["method"]) == {"boto3_default", "boto3_tuned"}
+    assert (pulls["bytes"] == 1_500_000).all() and (pulls["files"] == 3).all()  # < the object
+    assert (pulls["dataset_bytes"] == ONE_OBJECT).all() and (pulls["dataset_files"] == 1).all()
+    # the middle, then the quarters: spread over the object, not its first MB
+    assert got.sample["start"].tolist() == [2_000_000, 1_000_000, 3_000_000]
+    # equal ranges: no per-range overhead separable, the whole is 8 ranges' worth of 3
+    assert (pulls["extrapolated_s"] / pulls["seconds"]).round(6).eq(round(8 / 3, 6)).all()
+    label = pulls["sampled"].iloc[0]
+    assert label.startswith("3 ranges of 0.5 MB spread over the one object's 4 MB (1.5 MB, 37.5%)")
+    # each round's estimate of the whole pull: the median, their range and count, everywhere
+    tax = got.tax.set_index("method")
+    assert "extrapolated from 3 ranges" in tax.loc["boto3_default", "evidence"]
+    assert "per start (median of 2 rounds, " in tax.loc["boto3_default", "evidence"]
+    assert "(median of 2 rounds, " in got.decisions[0].why
+    top = {**got.advice.iloc[0].to_dict(), "run": "naive"}
+    stages = [{"run": r, "stage": "fetch_data", "seconds": 1.0, "share": 1.0}
+              for r in ("naive", "optimized")]
+    assert "extrapolated from a sample, median of 2 rounds, " in headline(stages, [top])["top_fix"]
+    s5cmd = got.frame[got.frame["method"] == "s5cmd"]
+    if not s5cmd.empty:  # installed: a row saying why it was not measured, no figures
+        assert s5cmd["seconds"].isna().all() and "no byte range" in s5cmd["detail"].iloc[0]
+        assert "no byte range" in tax.loc["s5cmd", "evidence"]
+        plots.plot_storage(got.frame)  # no bar for it
+
+
+def test_a_range_pull_lands_the_bytes_at_their_offsets(s3, one, tmp_path):
+    from diag.storage import list_remote, parse_url, pull
+    from diag.storage.sample import ranges
+
+    url = parse_url("s3://diag/one/data.jsonl")
+    pieces = ranges(list_remote(s3.client(), url)[0])
+    assert len(pieces) == 8 and sum(p.size for p in pieces) == ONE_OBJECT
+    for method in ("boto3_default", "boto3_tuned"):
+        pull(method, s3.client(), url, pieces[5:7], tmp_path / method)
+        for p in pieces[5:7]:
+            assert (tmp_path / method / p.name).read_bytes() == one[p.start:p.start + p.size]
+    with pytest.raises(ValueError, match="method='s5cmd': pulls whole objects only"):
+        pull("s5cmd", s3.client(), url, pieces[:1], tmp_path / "s5cmd")

@@ -28,17 +28,22 @@ def test_data_wait_per_step_holds_at_every_logging_cadence(tmp_path, logging_ste
         use_cpu=True, disable_tqdm=True, remove_unused_columns=False,
         logging_steps=logging_steps, save_strategy="steps", save_steps=2,
         eval_strategy="steps", eval_steps=2)
-    trainer = Trainer(model=SlowModel(), args=targs, train_dataset=SlowData(),
+    data = SlowData()
+    trainer = Trainer(model=SlowModel(), args=targs, train_dataset=data,
                       eval_dataset=torch.utils.data.Subset(SlowData(), range(8)),
                       callbacks=[callback])
     trainer.train()
     frame = callback.frame()
     waits = frame.loc[frame["stage"] == "data_wait"].set_index("step")["seconds"]
     assert sorted(waits.index) == [1, 2, 3, 4]
-    waited = MICRO * ACCUM * DATA_S
-    assert (waits >= waited).all()
+    per = MICRO * ACCUM
+    assert (waits >= per * DATA_S).all()
     # a mark left behind would bill the previous step's forward passes (ACCUM x COMPUTE_S) or an
-    # evaluation to this step's wait
-    assert (waits < waited + 0.5 * COMPUTE_S).all(), waits.to_dict()
+    # evaluation to this step's wait: more than a forward pass beyond the step's samples' own
+    # clocks (the Trainer pulls a step's batches before on_step_begin), which a busy machine
+    # lengthens as much as the wait
+    fetched = {k: sum(end - start for start, end in data.spans[k * per:(k + 1) * per])
+               for k in waits.index}
+    assert all(waits[k] < fetched[k] + COMPUTE_S for k in waits.index), (waits.to_dict(), fetched)
     run_level = frame[frame["step"].isna()].groupby("stage")["seconds"].count()
     assert run_level["eval"] == 3 and run_level["checkpoint"] == 3  # steps 2, 4 and the last

@@ -20,6 +20,8 @@ class ModelLoadConfig(SourceConfig):
                                                             # the whole model every repeat
     repeats: int = 1  # measured loads per scenario after the warm-up: once each (a 7B fresh
                       # load downloads ~13 GB); 5+ lets the model_cache gap resolve
+    budget_s: float = 0.0  # > 0: more repeats (interleaved, each if it fits) while the
+                           # model_cache gap is unresolved; `diag run` gives its share
     estimate_fresh: bool = False  # True: a model already cached is not downloaded whole; the
                                   # fresh scenario is estimated from one file's download rate
     warmup: int = 1  # untimed loads first (page cache of the model and of
@@ -38,7 +40,7 @@ class ModelLoadConfig(SourceConfig):
     def validate(self) -> None:
         super().validate()  # the source flags (SourceConfig): --model, --revision, --cache-dir, ...
         self._positive("repeats", "timeout_s")
-        self._non_negative("warmup")
+        self._non_negative("warmup", "budget_s")
         self._device()
         self._choice("process", MODEL_LOAD_PROCESSES)
         if isinstance(self.scenarios, str):

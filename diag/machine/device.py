@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-# The table lives in diag.machine.gpus; these names are part of what this module answers.
 from diag.machine.disks import disks
-from diag.machine.gpus import DTYPES, GPUS, GpuSpec, _dtype, dense_peak_flops, find_gpu  # noqa: F401
+# The table lives in diag.gpus; these names are part of what this module answers.
+from diag.gpus import DTYPES, GPUS, GpuSpec, _dtype, dense_peak_flops, find_gpu  # noqa: F401
 
 if TYPE_CHECKING:
     import pandas as pd

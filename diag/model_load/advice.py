@@ -83,7 +83,7 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
     resolved by diag.noise on each load without its import (interpreter start and the
     libraries' imports, the same on both sides: a 39 s import must not hide or make a gap); an
     unresolved difference keeps the default ("persistent"), as does a frame lacking either."""
-    from diag.noise import compare
+    from diag.noise import compare, spread
 
     fresh, cached = _loads(frame, "fresh"), _loads(frame, "cached")
     if not fresh or not cached:
@@ -99,6 +99,7 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
     model = str(frame["model"].iloc[0]) if "model" in frame.columns else ""
     device = str(frame["device"].dropna().iloc[0]) if frame["device"].notna().any() else ""
     cached_s, fresh_s = statistics.median(cached), statistics.median(fresh)
+    sides = (cached, fresh) if choice == "persistent" else (fresh, cached)  # chosen first
     return (Decision.from_rows(
         "model_cache", choice, f"cached load {cached_s:.3g} s vs fresh {fresh_s:.3g} s per "
         f"start, the import ({imported:.3g} s, paid by both) apart: {gap.describe()} -> "
@@ -108,7 +109,8 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
                                step="a load process's model load (download, read, quantize, "
                                     "to device, tokenizer), its import apart"),
         baseline="empty", stage="load_model", per="start", baseline_s=fresh_s,
-        chosen_s=cached_s if choice == "persistent" else fresh_s),)
+        chosen_s=cached_s if choice == "persistent" else fresh_s, resolved=gap.resolved,
+        samples=tuple(map(len, sides)), spread=tuple(map(spread, sides))),)
 
 
 def _loads(frame: pd.DataFrame | None, scenario: str) -> list[float]:

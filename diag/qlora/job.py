@@ -152,14 +152,19 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
 
 def load_model(cfg: JobConfig, plan: Plan, folder: Path, device: Any) -> Any:
     """The nf4 base (double quantization) with LoRA adapters on every projection."""
+    return adapted(cfg, load_base(plan, folder, device))
+
+
+def adapted(cfg: JobConfig, base: Any) -> Any:
+    """base with a fresh LoRA adapter on every projection: the seed's, so the same in both plans
+    and on a base an earlier round used (its adapter unloaded) as on a fresh load."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    model = load_base(plan, folder, device)
     torch.manual_seed(cfg.seed)  # the same LoRA initialisation in both plans
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    return get_peft_model(base, lora)
 
 
 def load_base(plan: Plan, folder: Path, device: Any) -> Any:
@@ -188,6 +193,50 @@ def load_base(plan: Plan, folder: Path, device: Any) -> Any:
         gradient_checkpointing_kwargs={"use_reentrant": False})  # what torch recommends
 
 
+REUSED = "measured once per plan, by its round 0: this round reused that base, a fresh adapter"
+
+
+class Bases:
+    """The 4-bit bases of one comparison, one per plan (model cache, checkpointing, device), for
+    all its rounds: the first round times model_folder + load_model as a start pays them; a later
+    one puts a fresh adapter on the kept base and records the first round's seconds, its row's
+    basis REUSED (never a ~0 s load). release() takes the adapter off after a round (peft's
+    unload(); the base in eval mode, as loaded); an empty cache's download stays in `work`."""
+
+    def __init__(self) -> None:
+        self.work = scratch_folder("diag-qlora-bases")  # a killed rank's is swept next time
+        self._held: dict[tuple[Any, ...], tuple[Path, Any, float]] = {}
+        self._lent: Any = None  # the peft model on a kept base, until release()
+
+    def __enter__(self) -> Bases:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+        self._held.clear()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def load(self, cfg: JobConfig, plan: Plan, src: Sources, device: Any, timer: StageTimer
+             ) -> tuple[Path, Any, bool]:
+        """(the model folder, the base with a fresh adapter, whether the base was reused)."""
+        key = (plan.name, plan.model_cache, plan.gradient_checkpointing, str(device))
+        if key not in self._held:
+            with timer.stage("load_model"):
+                folder = model_folder(plan, src, self.work)
+                self._lent = load_model(cfg, plan, folder, device)
+            self._held[key] = (folder, self._lent.get_base_model(), timer.total("load_model"))
+            return folder, self._lent, False
+        folder, base, seconds = self._held[key]
+        timer.record("load_model", seconds)  # the first round's: the caller marks it REUSED
+        self._lent = adapted(cfg, base)
+        return folder, self._lent, True
+
+    def release(self) -> None:
+        if self._lent is not None:
+            self._lent.unload().eval()
+            self._lent = None
+
+
 def prime(cfg: QLoraConfig, plan: Plan, src: Sources) -> float:
     """Land the data, fill the model cache and the token cache once (a first start's cost);
     returns its seconds. Later starts of the plan hit all three."""
@@ -210,14 +259,16 @@ def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
+def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases | None = None
+             ) -> dict[str, Any]:
     """One timed run: {"stages": frame, "losses": frame, "summary": dict}; what was alive
-    before it is frozen out of the garbage collector while it runs (trainer.frozen_heap)."""
-    with frozen_heap():
-        return _run_plan(cfg, plan, src)
+    before it is frozen out of the garbage collector while it runs (trainer.frozen_heap).
+    bases: the comparison's (its plan's base loaded by its first round); None: loaded here."""
+    with frozen_heap(), contextlib.nullcontext(bases) if bases else Bases() as bases:
+        return _run_plan(cfg, plan, src, bases)
 
 
-def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
+def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases) -> dict[str, Any]:
     import pandas as pd
     import torch
     import transformers
@@ -239,9 +290,7 @@ def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
     try:
         with timer.stage("fetch_data"):
             data_path, fetched, source_bytes = fetch_data(plan, src, work, cfg.records)
-        with timer.stage("load_model"):
-            folder = model_folder(plan, src, work)
-            model = load_model(cfg, plan, folder, device)
+        folder, model, reused = bases.load(cfg, plan, src, device, timer)
         check = time.perf_counter()  # untimed as a stage (the same in both plans), but shown
         recs = job_records(cfg, data_path, folder)
         check_s = time.perf_counter() - check
@@ -259,6 +308,8 @@ def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
                                 "learning_rate": h.get("learning_rate")}
                                for h in trainer.state.log_history if "loss" in h])
         frame = distributed.gathered_frame(timer)  # every rank's rows on rank 0
+        if reused:  # every rank reused its own base in this round
+            frame.loc[frame["stage"] == "load_model", "basis"] = REUSED
         # end to end: the run-level stages (train holds the steady steps, apart from warmup
         # and checkpoint, so nothing is counted twice)
         seconds = float(frame.loc[frame["step"].isna(), "seconds"].sum())
@@ -274,6 +325,7 @@ def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources) -> dict[str, Any]:
         return {"stages": frame.assign(run=plan.name),
                 "losses": losses.assign(run=plan.name), "summary": summary}
     finally:
+        bases.release()  # the adapter off the kept base: the next round starts from its load
         shutil.rmtree(work, ignore_errors=True)
 
 

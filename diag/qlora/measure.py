@@ -90,6 +90,28 @@ class QLoraStep:
         sync(self.device)  # note: sync point, so the step's kernels are billed to the step
 
 
+class Steps:
+    """The job's QLoraSteps for one run of its measurements (accum, checkpointing, loader), one
+    per model folder, device and checkpointing setting, loaded once and shared: each is handed
+    out reset (the initial adapters, no gradients, a new optimizer), the weights a fresh one
+    starts from. close() lets their bases go (before the runs load theirs)."""
+
+    def __init__(self, cfg: QLoraConfig) -> None:
+        self.cfg, self._made = cfg, {}
+
+    def __call__(self, job: JobInputs, gradient_checkpointing: bool = False) -> QLoraStep:
+        key = (str(job.model_dir), str(job.device), gradient_checkpointing)
+        if key not in self._made:
+            self._made[key] = QLoraStep(self.cfg, job.model_dir, job.device,
+                                        gradient_checkpointing)
+        step = self._made[key]
+        step.reset()
+        return step
+
+    def close(self) -> None:
+        self._made.clear()
+
+
 @dataclass(frozen=True)
 class JobInputs:
     """What the measurements on the job need: the landed data, the cached model, the device, the
@@ -138,12 +160,13 @@ def micro_candidates(rows_per_step: int, most: int = 4) -> list[int]:
 
 
 def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | None = None,
-                 budget_s: float | None = None) -> AccumResult:
+                 budget_s: float | None = None, steps: Steps | None = None) -> AccumResult:
     """micro_batch x grad_accum == the job's rows per step on the job's step (checkpointing
     off: its own measurement prices it), through diag.accum's harness: every point screened
     (one warm-up step, then cfg.sweep_steps timed ones), then the fastest and those within
     noise of it re-timed in rounds (diag.accum.retime) until resolved or `budget_s` (default:
-    half of cfg.decide_budget_s) is spent; summarized and decided by diag.accum."""
+    half of cfg.decide_budget_s) is spent; summarized and decided by diag.accum. steps: the
+    measurements' shared QLoraSteps (else one loaded here)."""
     import pandas as pd
 
     from diag.accum import AccumResult, accum_frame, advice, decide, retime, summarize, train_points
@@ -156,10 +179,10 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
         raise ValueError(f"{type(cfg).__name__}.sweep_micro_batches={bad}: must divide the job's "
                          f"{rows_per_step} rows per step; allowed: "
                          + ", ".join(map(str, micro_candidates(rows_per_step, rows_per_step))))
-    steps = [QLoraStep(cfg, job.model_dir, job.device)]
-    timed = train_points(steps, [(m, rows_per_step // m) for m in micro_batches],
+    one = [(steps or Steps(cfg))(job)]
+    timed = train_points(one, [(m, rows_per_step // m) for m in micro_batches],
                          repeats=cfg.sweep_steps, warmup_steps=1, desc="accum sweep on the job")
-    timed, spent = retime(steps, timed, unresolved, budget_s=_budget(cfg, budget_s))
+    timed, spent = retime(one, timed, unresolved, budget_s=_budget(cfg, budget_s))
     tokens = rows_per_step * cfg.seq_len
     # no floor or MFU here: the QLoRA step's FLOPs are diag.qlora.mfu's own
     frame = accum_frame(timed, tokens, detail=job_label(cfg))
@@ -177,13 +200,14 @@ def _budget(cfg: QLoraConfig, budget_s: float | None) -> float:
 
 
 def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
-                         budget_s: float | None = None) -> CheckpointingResult:
+                         budget_s: float | None = None, steps: Steps | None = None
+                         ) -> CheckpointingResult:
     """Checkpointing on vs off on the job's step (diag.qlora.checkpointing) at `micro` and at
     the naive plan's micro-batch (the naive step's own on/off ratio: recomputing costs another
     share there), through diag.accum's harness: the two alternate step by step, so a load
     change on a shared machine hits both, then are re-timed in rounds while a gap is unresolved
     or impossible (checkpointing.pending), within `budget_s` (default: half of
-    cfg.decide_budget_s). A point that ran out of memory leaves no row."""
+    cfg.decide_budget_s). A point that ran out of memory leaves no row. steps: as accum_on_job."""
     import pandas as pd
 
     from diag.accum import retime, train_points
@@ -191,11 +215,11 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
     from diag.qlora.plans import Plan
 
     naive = Plan.naive().micro_batch
-    steps = [QLoraStep(cfg, job.model_dir, job.device, gradient_checkpointing=on)
-             for on in (True, False)]
-    timed = train_points(steps, [(m, 1) for m in sorted({naive, micro})],
+    pool = steps or Steps(cfg)
+    pair = [pool(job, on) for on in (True, False)]
+    timed = train_points(pair, [(m, 1) for m in sorted({naive, micro})],
                          repeats=cfg.sweep_steps, warmup_steps=1, desc="checkpointing on/off")
-    timed, spent = retime(steps, timed, pending, budget_s=_budget(cfg, budget_s))
+    timed, spent = retime(pair, timed, pending, budget_s=_budget(cfg, budget_s))
     ok = timed[timed["status"] == "ok"]
     frame = pd.DataFrame({"gradient_checkpointing": ok["step"] == 0,
                           "micro_batch": ok["micro_batch"], "seq_len": cfg.seq_len,
@@ -206,15 +230,16 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
                                              naive_micro_batch=naive, repeats_s=spent))
 
 
-def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> LoaderResult:
+def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int, steps: Steps | None = None
+                  ) -> LoaderResult:
     """diag.loader's sweep with the job's step as the consumer (its data, its tokenizer, its
     seq_len, the chosen micro-batch, cfg.sweep_workers); the stall split waits as long as that
-    step measured, the profile is the naive pipeline's."""
+    step measured, the profile is the naive pipeline's. steps: as accum_on_job."""
     from diag.config import LoaderConfig
     from diag.loader import run_loader
     from diag.noise import MIN_SAMPLES
 
-    step = QLoraStep(cfg, job.model_dir, job.device)
+    step = (steps or Steps(cfg))(job)
     label = f"the QLoRA step, micro-batch {micro} x {cfg.seq_len} tokens"
     loader_cfg = LoaderConfig.default(
         quick=True, device=cfg.device, consumer="model", data=str(job.data_path),
@@ -229,12 +254,17 @@ def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int) -> LoaderResult:
 
 def measure_on_job(cfg: QLoraConfig, job: JobInputs) -> tuple[Decision, ...]:
     """The three measurements in order (accum picks the micro-batch the others run at), and
-    their decisions; checkpointing's rounds get what accum's left of cfg.decide_budget_s."""
-    accum = accum_on_job(cfg, job)
+    their decisions; checkpointing's rounds get what accum's left of cfg.decide_budget_s. They
+    share one loaded step per checkpointing setting (Steps), gone when they are done."""
+    steps = Steps(cfg)
+    accum = accum_on_job(cfg, job, steps=steps)
     (micro,) = (d.value for d in accum.decisions)  # diag.accum decides micro_batch alone
     spent = accum.decisions[0].repeats_s or 0.0
-    ckpt = checkpointing_on_job(cfg, job, micro, budget_s=max(0.0, cfg.decide_budget_s - spent))
-    return (*accum.decisions, *ckpt.decisions, *loader_on_job(cfg, job, micro).decisions)
+    ckpt = checkpointing_on_job(cfg, job, micro, budget_s=max(0.0, cfg.decide_budget_s - spent),
+                                steps=steps)
+    loader = loader_on_job(cfg, job, micro, steps)
+    steps.close()
+    return (*accum.decisions, *ckpt.decisions, *loader.decisions)
 
 
 def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,

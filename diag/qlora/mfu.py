@@ -105,7 +105,7 @@ def _leaf_linears(model: Any) -> Iterator[tuple[str, Any]]:
 def _precision(module: Any, x: Any) -> str:
     """The precision a linear layer's matmul runs in: bitsandbytes' compute dtype for a 4-bit
     layer (it casts its input to it), else its weight's."""
-    from diag.machine.gpus import _dtype
+    from diag.gpus import _dtype
 
     if type(module).__name__ == "Linear4bit":
         return _dtype(getattr(module, "compute_dtype", None) or x.dtype)
@@ -153,7 +153,7 @@ def count_step(model: Any, batch_size: int, seq_len: int, seed: int = 0
     the step's executed FLOPs per token, from `tally` and the attention term)."""
     import torch
 
-    from diag.machine.gpus import _dtype
+    from diag.gpus import _dtype
 
     gen = torch.Generator().manual_seed(seed)
     device = next(p.device for p in model.parameters())
@@ -246,31 +246,27 @@ class Counted:
     peak: Peak  # of the step's precisions (step_peak)
 
 
-def count_plans(cfg: Any, plans: Iterable[Any], src: Any) -> dict[str, Counted]:
-    """Each plan's step counted once, untimed: the job's model loaded with the plan's
-    checkpointing (from the persistent model cache), one row of cfg.seq_len tokens."""
-    import dataclasses
-    from pathlib import Path
-
+def count_plans(cfg: Any, plans: Iterable[Any], src: Any, bases: Any) -> dict[str, Counted]:
+    """Each plan's step counted once, untimed, one row of cfg.seq_len tokens: on the base its
+    rounds ran (bases: diag.qlora.job.Bases), a fresh adapter on it, taken off after."""
     import torch
 
     from diag.machine.device import resolve
-    from diag.qlora.job import load_model, model_folder
-    from diag.timing.distributed import place, root_first
+    from diag.timing import StageTimer
+    from diag.timing.distributed import place
 
     device, known, out = resolve(cfg.device), {}, {}
     if place().distributed and device.type == "cuda":  # each rank's model on its own GPU
         device = torch.device("cuda", place().local_rank)
     for plan in plans:
-        persistent = dataclasses.replace(plan, model_cache="persistent")
-        with root_first():  # under DDP rank 0 fills the cache (a naive-only run's first)
-            folder = model_folder(persistent, src, Path())  # work: an empty cache's only
-        model = load_model(cfg, plan, folder, device)
-        model.train()
-        counter, executed = count_step(model, 1, cfg.seq_len, cfg.seed)
-        out[plan.name] = Counted(qlora_shape(model, cfg.seq_len), executed, counter,
-                                 step_peak(executed, device, known=known))
-        del model
+        model = bases.load(cfg, plan, src, device, StageTimer())[1]  # its clock: thrown away
+        try:
+            model.train()
+            counter, executed = count_step(model, 1, cfg.seq_len, cfg.seed)
+            out[plan.name] = Counted(qlora_shape(model, cfg.seq_len), executed, counter,
+                                     step_peak(executed, device, known=known))
+        finally:
+            bases.release()
     return out
 
 

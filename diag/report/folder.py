@@ -13,6 +13,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -165,9 +166,14 @@ def _top(found: pd.DataFrame) -> str | None:
 
 
 def extrapolated(finding: Any) -> str:
-    """A finding priced on a sample of the data says so where it is headlined."""
+    """A finding priced on a sample of the data says so where it is headlined, with the spread
+    of its rounds' estimates when its evidence gives one (diag.storage.tax.over_rounds)."""
     evidence = str(finding.get("evidence", ""))
-    return "; extrapolated from a sample (see its evidence)" if "extrapolated" in evidence else ""
+    if "extrapolated" not in evidence:
+        return ""
+    rounds = re.search(r"median of \d+ rounds, [^)]*", evidence)
+    spread = f", {rounds.group(0)}" if rounds else ""
+    return f"; extrapolated from a sample{spread} (see its evidence)"
 
 
 def load(folder: str | os.PathLike[str]) -> dict[str, pd.DataFrame]:
@@ -215,7 +221,7 @@ def figures(frames: dict[str, pd.DataFrame],
 def gpu_marks(summary: dict[str, Any]) -> dict[str, float] | None:
     """Amdahl-curve marks: the current GPU (config, else detected) at 1x, the target at its
     dense-peak ratio; None when either is not in diag's table (e.g. a CPU-only machine)."""
-    from diag.machine.gpus import find_gpu
+    from diag.gpus import find_gpu
 
     config, device = summary.get("config", {}), summary.get("device", {})
     current = config.get("current_gpu") or str(device.get("accelerator", ""))

@@ -1,14 +1,15 @@
 """Object-store pull vs local disk read: what a training start pays to get its dataset.
 
-`measure(cfg)` pulls a sample of whole objects spread over their sizes, as large as
-cfg.budget_s and cfg.sample_mb allow (diag.storage.sample), with boto3's defaults, boto3 tuned
-from object size and core count and s5cmd (when installed), and reads the sample's copy with a
-cold and a warm page cache; with cfg.land, `land()` of the whole dataset, miss then hit. One row
-per measurement (method, source, cache_state, bytes, seconds, mb_per_s, ttfb_s, repeat,
+`measure(cfg)` pulls a sample of whole objects spread over their sizes (a one-object source: byte
+ranges spread over it), as large as cfg.budget_s and cfg.sample_mb allow (diag.storage.sample),
+with boto3's defaults, boto3 tuned from object size and core count and s5cmd (when installed; it
+pulls whole objects only: beside ranges its row says so), and reads the sample's copy with a cold
+and a warm page cache; with cfg.land, `land()` of the whole dataset, miss then hit. One row per
+measurement (method, source, cache_state, bytes, seconds, mb_per_s, ttfb_s, repeat,
 resident_fraction: the share of the local copy in the page cache when its timed read began,
-measured with mincore, beside the cold/warm label; extrapolated_s: the whole dataset's pull at
-that pace, and what was sampled of it); warm-up repeats are not reported. `run_storage(cfg)` adds
-the re-pull tax at the whole dataset's size and the advice (diag.storage.tax).
+measured with mincore, beside the cold/warm label; extrapolated_s: the whole dataset's pull at that
+pace, and what was sampled of it); warm-up repeats are not reported. `run_storage(cfg)` adds the
+re-pull tax at the whole dataset's size and the advice (diag.storage.tax).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from diag.config import STORAGE_PULLS as PULLS
 from diag.decision import Decision, MeasuredOn
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
-from diag.storage.methods import pull, read_local, s5cmd_path, ttfb
+from diag.storage.methods import RANGED, pull, read_local, s5cmd_path, ttfb
 from diag.storage.objectstore import (MB, RemoteObject, S3Url, list_remote, parse_url,
                                       remote_error, source_client)
-from diag.storage.sample import Extrapolation, probe, spread
-from diag.storage.tax import NVME_COLD, advice, storage_tax
+from diag.storage.sample import RANGE_SAMPLE_AT_LEAST, Extrapolation, probe, ranges, spread
+from diag.storage.tax import NVME_COLD, advice, over_rounds, storage_tax
 from diag.timing import median_seconds
 
 if TYPE_CHECKING:
@@ -80,9 +81,11 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
                  | ((frame["method"] == "land") & (frame["cache_state"] == "hit"))]
     choice = "land" if hit_s < pull_s else "pull"
     sampled = _first(frame, "sampled")
+    pulls = rows[rows["method"] == "boto3_default"]
+    per_round = pulls["extrapolated_s"] if "extrapolated_s" in pulls else pulls["seconds"]
     return (Decision.from_rows(
         "fetch", choice, f"{how} {hit_s:.3g} s vs boto3 default pull {pull_s:.3g} s per "
-        f"start -> {choice}", rows, source="storage",
+        f"start ({over_rounds(list(per_round.dropna()))}) -> {choice}", rows, source="storage",
         measured_on=MeasuredOn(step=f"the fetch of {_first(frame, 'source') or 'the source'}"
                                + (f": {sampled}" if sampled else ""), device="this machine"),
         baseline="pull", stage="fetch_data", per="start", baseline_s=pull_s,
@@ -165,9 +168,10 @@ def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
 
 
 def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Each method's pulls of a sample of whole objects (all of them when cfg.budget_s and
-    cfg.sample_mb allow), reads of the sample from local disk cold and warm, and with cfg.land
-    land() of the whole dataset, miss then hit: (one row per timed repeat, the probe's rows)."""
+    """Each method's pulls of a sample of whole objects, or of byte ranges of a one-object source
+    (all of it when cfg.budget_s and cfg.sample_mb allow), reads of the sample from local disk cold
+    and warm, and with cfg.land land() of the whole dataset, miss then hit: (one row per timed
+    repeat, the probe's rows)."""
     import pandas as pd
 
     from diag.config import diag_home
@@ -185,10 +189,13 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
             # round's local reads of the sample (counted as one more pull: a cold read is no
             # slower than a pull here); the rest is the listing, the TTFBs, the warm reads
             per_pull = 0.85 * cfg.budget_s / (1 + len(rounds) * (len(methods) + 1))
-            sample, fit = _probe(cfg, client, url, objects, local_dir, work / "sample", per_pull)
-            keys = set(sample["key"])
-            chosen = [o for o in objects if o.key in keys]
-            rows = _pulls(client, url, source, chosen, methods, rounds, work, env, fit.factor)
+            sample, fit, chosen = _probe(cfg, client, url, objects, local_dir, work / "sample",
+                                         per_pull)
+            rows = []
+            if not isinstance(chosen[0], RemoteObject):  # ranges: s5cmd takes whole objects
+                rows = [_skipped(m, source, fit) for m in methods if m not in RANGED]
+                methods = [m for m in methods if m in RANGED]
+            rows += _pulls(client, url, source, chosen, methods, rounds, work, env, fit.factor)
             if cfg.land:  # the whole dataset: one landed copy at a time beside the sample
                 check_free(local_dir, fit.dataset_bytes + 2 * fit.sample_bytes, url)
                 rows += _landings(cfg, client, source, url, rounds, work, len(objects))
@@ -207,11 +214,14 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def _probe(cfg: StorageConfig, client: Any, url: S3Url, objects: list[RemoteObject],
-           local_dir: Path, dest: Path, seconds: float) -> tuple[pd.DataFrame, Extrapolation]:
-    """The sample: objects spread over the sizes pulled one after another (boto3's defaults,
-    the slowest method, so the others' pulls of it take no longer) until `seconds` or
-    cfg.sample_mb; the copy stays in dest for the local reads. Free disk is checked before each
-    object for what is written: this copy and one method's pull of it."""
+           local_dir: Path, dest: Path, seconds: float
+           ) -> tuple[pd.DataFrame, Extrapolation, list[Any]]:
+    """The sample: objects spread over the sizes (one object: its ranges spread over it) pulled
+    one after another (boto3's defaults, the slowest method, so the others' pulls of it take no
+    longer) until `seconds` or cfg.sample_mb; the copy stays in dest for the local reads. Free
+    disk is checked before each piece for what is written: this copy and one method's pull of
+    it. (probe rows, the fit, what each method pulls: the sampled objects or ranges, or the one
+    object whole when every range of it was pulled)."""
 
     def pull_one(obj: RemoteObject, before: int) -> None:
         check_free(local_dir, 2 * (before + obj.size), url)
@@ -220,8 +230,23 @@ def _probe(cfg: StorageConfig, client: Any, url: S3Url, objects: list[RemoteObje
         except Exception as err:
             raise remote_error(err, url, client) from None
 
-    sample = probe(spread(objects), pull_one, seconds, int(cfg.sample_mb * MB))
-    return sample, Extrapolation.fit(sample, sum(o.size for o in objects), len(objects))
+    one = len(objects) == 1 and objects[0].size > 0  # (an empty object has no range)
+    pieces = ranges(objects[0]) if one else objects
+    order = spread(pieces)
+    sample = probe(order, pull_one, seconds, int(cfg.sample_mb * MB),
+                   RANGE_SAMPLE_AT_LEAST if one else 0)
+    fit = Extrapolation.fit(sample, sum(o.size for o in objects), len(objects),
+                            pieces[0].size if one else 0)
+    pulled = {id(p) for p in order[:len(sample)]}
+    return sample, fit, objects if fit.whole else [p for p in pieces if id(p) in pulled]
+
+
+def _skipped(method: str, source: str, fit: Extrapolation) -> dict[str, Any]:
+    """The row of a method that cannot pull the sample (s5cmd, ranges): why, no figures."""
+    return {**_row(method, source, "remote", 0, float("nan"), float("nan"), -1, 0,
+                   f"not measured: {method} pulls whole objects only (cp and cat take no byte "
+                   f"range) and the one object's {fit.dataset_bytes / MB:.4g} MB is more than "
+                   "this step's share or --sample-mb allows"), "mb_per_s": float("nan")}
 
 
 def _pulls(client: Any, url: S3Url, source: str, chosen: list[RemoteObject], methods: list[str],

@@ -1,8 +1,10 @@
 """The ways a dataset is pulled and read that the storage experiment compares.
 
 `pull(method, ...)` downloads objects with boto3's defaults, boto3 tuned (what land() runs on a
-miss) or s5cmd; `ttfb` times the first byte of a GET; `read_local` reads files sequentially the
-way a loader's first epoch does.
+miss) or s5cmd, or byte ranges of one object (diag.storage.sample.Range) with either boto3 pull's
+part size and concurrency (`RANGED`: s5cmd's cp and cat take whole objects only); `ttfb` times
+the first byte of a GET; `read_local` reads files sequentially the way a loader's first epoch
+does.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from urllib.parse import urlparse
 
 from diag.config import STORAGE_PULLS as PULLS
 from diag.secrets import redact
-from diag.storage.objectstore import MB, RemoteObject, S3Url
+from diag.storage.objectstore import MB, RemoteObject, S3Url, transfer_plan
 from diag.storage.transfer import describe, download_all
 
 # 1 MiB reads, like `dd bs=1M`: measured here, 8 MiB buffers fall out of the CPU cache and read
 # ~13% slower from a cold cache; 256 KiB-1 MiB all match dd.
 _READ_CHUNK = 1 << 20
+RANGED = ("boto3_default", "boto3_tuned")  # the methods that pull a byte range of an object
 
 
 def s5cmd_path() -> str | None:
@@ -37,13 +40,16 @@ def _rel(url: S3Url, key: str) -> str:
     return key[len(url.key):] if url.is_prefix else Path(key).name
 
 
-def pull(method: str, client: Any, url: S3Url, objects: list[RemoteObject], dest: Path,
+def pull(method: str, client: Any, url: S3Url, objects: list[Any], dest: Path,
          env: dict[str, str] | None = None) -> str:
-    """Download every object into dest with one method; returns a description of its settings."""
+    """Download every object (or every Range of one, each into its own file) into dest with one
+    method; returns a description of its settings."""
     from boto3.s3.transfer import TransferConfig
     from botocore import UNSIGNED
 
     dest.mkdir(parents=True, exist_ok=True)
+    if objects and not isinstance(objects[0], RemoteObject):
+        return _pull_ranges(method, client, url, objects, dest)
     targets = [(o, dest / _rel(url, o.key)) for o in objects]
     for _, path in targets:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,6 +85,57 @@ def pull(method: str, client: Any, url: S3Url, objects: list[RemoteObject], dest
         (dest / ".s5cmd-run").unlink(missing_ok=True)
         return "s5cmd defaults (cp, 5 parts of 50 MB at a time per file)"
     raise ValueError(f"method={method!r}: allowed values are " + ", ".join(map(repr, PULLS)))
+
+
+def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: Path) -> str:
+    """Each range cut into the method's parts (boto3's defaults: TransferConfig's 8 MB, 10 at a
+    time; tuned: land()'s transfer_plan of the whole object), fetched that many at a time as
+    ranged GETs written at their offsets: the requests a byte and the parallelism of the method's
+    whole pull, on a part of the object. No whole-object checksum: a range has none."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from boto3.s3.transfer import TransferConfig
+
+    if method not in RANGED:
+        raise ValueError(f"method={method!r}: pulls whole objects only; a byte range is pulled "
+                         "by " + " or ".join(RANGED))
+    default = TransferConfig()
+    plan = transfer_plan(pieces[0].obj.size)
+    part, workers = ((default.multipart_chunksize, default.max_concurrency)
+                     if method == "boto3_default" else (plan.part_bytes, plan.concurrency))
+    fds = [os.open(dest / r.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for r in pieces]
+    parts = [(fd, r, a, min(a + part, r.start + r.size)) for fd, r in zip(fds, pieces)
+             for a in range(r.start, r.start + r.size, part)]
+
+    def get(fd: int, piece: Any, first: int, end: int) -> None:
+        # pinned to the listed ETag, as s3transfer pins a whole object's parts
+        pin = {"IfMatch": f'"{piece.obj.etag}"'} if piece.obj.etag else {}
+        body = client.get_object(Bucket=url.bucket, Key=piece.key, **pin,
+                                 Range=f"bytes={first}-{end - 1}")["Body"]
+        at = first - piece.start
+        for chunk in body.iter_chunks(256 * 1024):  # s3transfer's io_chunksize
+            view = memoryview(chunk)
+            while view:  # a short write leaves the rest for the next
+                wrote = os.pwrite(fd, view, at)
+                at, view = at + wrote, view[wrote:]
+        if at != end - piece.start:
+            raise RuntimeError(f"{url}: bytes {first}-{end - 1} of {piece.key} came back "
+                               f"{at - first + piece.start} bytes long; run again")
+
+    try:
+        with ThreadPoolExecutor(min(workers, len(parts))) as pool:
+            for done in [pool.submit(get, *p) for p in parts]:
+                done.result()
+        if method == "boto3_tuned":  # as land() does before its rename
+            for fd in fds:
+                os.fsync(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    how = (f"TransferConfig defaults: {part // 2**20} MiB parts, {workers} threads" if method ==
+           "boto3_default" else f"land()'s transfer_plan for the object: {part / MB:.0f} MB "
+           f"parts, {workers} at a time, fsynced")
+    return f"{how}, on byte ranges of the object (no whole-object checksum: a range has none)"
 
 
 def ttfb(client: Any, url: S3Url, key: str) -> float:

@@ -1,11 +1,12 @@
 """A sample of a dataset's objects that represents its sizes, and the whole pull extrapolated.
 
 `spread(objects)` orders the objects so that every prefix spans their size distribution (sorted
-by size, visited median first, then the quartiles, the octiles, ...). `probe` pulls them one
-after another until its time is spent: one row per object (the `storage_sample` frame), whose
-cumulative rate shows whether the rate settled as the sample grew. `Extrapolation` fits each
-object's seconds as a per-object overhead plus bytes over a rate (least squares) and gives the
-factor that turns a pull of the sample into a pull of every object.
+by size, visited median first, then the quartiles, the octiles, ...). A source that is one object
+is cut into byte `ranges` first, which `spread` visits middle first, then the quarters, ... of the
+object. `probe` pulls them one after another until its time is spent: one row per piece (the
+`storage_sample` frame), whose cumulative rate shows whether the rate settled as the sample grew.
+`Extrapolation` fits each piece's seconds as a per-piece overhead (requests) plus bytes over a
+rate (least squares) and gives the factor that turns a pull of the sample into the whole pull.
 """
 
 from __future__ import annotations
@@ -13,18 +14,53 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from diag.storage.objectstore import MB, RemoteObject
+from diag.storage.objectstore import MB, RemoteObject, transfer_plan
+
+RANGES_AT_LEAST = 8  # a one-object source is cut into at least this many ranges to spread over
+# ...and its sample holds at least this many bytes (its share or --sample-mb permitting): boto3's
+# default pull runs 10 GETs of 8 MiB at once; a sample of fewer parts times a narrower pull than
+# the whole one's (measured on the embedded server, 3 parts of a 512 MB object: 1.3-1.8x slow)
+RANGE_SAMPLE_AT_LEAST = 10 * 8 * 2**20
+
+
+@dataclass(frozen=True)
+class Range:
+    """Bytes [start, start + size) of one object: a piece of a one-object source's sample."""
+
+    obj: RemoteObject
+    start: int
+    size: int
+
+    @property
+    def key(self) -> str:
+        return self.obj.key
+
+    @property
+    def name(self) -> str:
+        """The file its bytes land in: the object's name and the range, as HTTP writes it."""
+        return f"{self.key.rsplit('/', 1)[-1]}.bytes-{self.start}-{self.start + self.size - 1}"
+
+
+def ranges(obj: RemoteObject) -> list[Range]:
+    """The object cut into ranges in offset order, each whole parts of both boto3 pulls: land()'s
+    part for this object (transfer_plan, >= 8 MB, boto3's default part) rounded down to 8 MB,
+    smaller when the object holds fewer than RANGES_AT_LEAST of them (a few MB: a few 100 KB)."""
+    step = min(transfer_plan(obj.size).part_bytes, max(1, obj.size // RANGES_AT_LEAST))
+    if step >= 8 * 2**20:  # whole 8 MiB parts: boto3's default pull makes as many requests a byte
+        step -= step % (8 * 2**20)
+    return [Range(obj, a, min(step, obj.size - a)) for a in range(0, obj.size, step)]
 
 if TYPE_CHECKING:
     import pandas as pd
 
 
-def spread(objects: list[RemoteObject]) -> list[RemoteObject]:
-    """Every object once, in an order whose every prefix is spread over the sizes: positions
-    1/2, 1/4, 3/4, 1/8, 3/8, ... of the objects sorted by size (a sample of the first k is a
-    stratified sample, not the k smallest or the first k keys)."""
+def spread(objects: list[Any]) -> list[Any]:
+    """Every object (or Range) once, in an order whose every prefix is spread over the sizes:
+    positions 1/2, 1/4, 3/4, 1/8, 3/8, ... of the objects sorted by size (a sample of the first k
+    is a stratified sample, not the k smallest or the first k keys); ranges of one size keep
+    their offset order, so their prefix is spread over the object."""
     ranked = sorted(objects, key=lambda o: (o.size, o.key))
     n, seen, out, depth = len(ranked), set(), [], 0
     while len(out) < n:  # at depth d the positions are n/2^d apart: all are hit once 2^d >= n
@@ -37,23 +73,25 @@ def spread(objects: list[RemoteObject]) -> list[RemoteObject]:
     return out
 
 
-def probe(ordered: list[RemoteObject], pull_one: Callable[[RemoteObject, int], None],
-          seconds: float, cap_bytes: int) -> pd.DataFrame:
-    """Pull objects in `ordered` one at a time until `seconds` are spent (0: no limit) or the
-    next would pass cap_bytes (0: no cap; the first object is always pulled); pull_one(object,
-    bytes pulled before it). One row per object: key, bytes, seconds, the cumulative MB/s."""
+def probe(ordered: list[Any], pull_one: Callable[[Any, int], None],
+          seconds: float, cap_bytes: int, least: int = 0) -> pd.DataFrame:
+    """Pull objects in `ordered` one at a time until `seconds` are spent (0: no limit) and
+    `least` bytes are pulled, or the next would pass cap_bytes (0: no cap; the first object is
+    always pulled); pull_one(object, bytes pulled before it). One row per object: key, bytes,
+    seconds, the cumulative MB/s."""
     import pandas as pd
 
     rows, total, spent = [], 0, 0.0
     for obj in ordered:
         full = cap_bytes and total + obj.size > cap_bytes
-        if rows and ((seconds and spent >= seconds) or full):
+        if rows and ((seconds and spent >= seconds and total >= least) or full):
             break
         start = time.perf_counter()
         pull_one(obj, total)
         took = time.perf_counter() - start
         total, spent = total + obj.size, spent + took
-        rows.append({"key": obj.key, "bytes": obj.size, "seconds": took, "sample_bytes": total,
+        rows.append({"key": obj.key, **({"start": obj.start} if isinstance(obj, Range) else {}),
+                     "bytes": obj.size, "seconds": took, "sample_bytes": total,
                      "sample_seconds": spent, "sample_mb_per_s": total / MB / spent
                      if spent > 0 else float("nan")})
     return pd.DataFrame(rows)
@@ -61,24 +99,28 @@ def probe(ordered: list[RemoteObject], pull_one: Callable[[RemoteObject, int], N
 
 @dataclass(frozen=True)
 class Extrapolation:
-    """A sample's pull turned into the whole dataset's: seconds = objects x overhead_s + bytes /
-    rate, fitted on the probe's objects (one after another, so each object's time is its own)."""
+    """A sample's pull turned into the whole dataset's: seconds = pieces x overhead_s + bytes /
+    rate, fitted on the probe's pieces (one after another, so each piece's time is its own); a
+    piece is an object, or with range_bytes a byte range of the one object (the whole object:
+    all its ranges)."""
 
     sample_bytes: int
-    sample_files: int
+    sample_files: int  # pieces pulled: objects, or ranges of the one object
     dataset_bytes: int
-    dataset_files: int
-    overhead_s: float  # per object (requests, connection): what a larger object does not dilute
-    bytes_per_s: float  # the rate once an object streams
+    dataset_files: int  # objects in the dataset
+    overhead_s: float  # per piece (requests, connection): what a larger piece does not dilute
+    bytes_per_s: float  # the rate once a piece streams
     settle: float  # how far the cumulative rate moved over the sample's second half (0.03: 3%)
+    range_bytes: int = 0  # the ranges' size when the sample is ranges of one object; 0: objects
 
     @classmethod
-    def fit(cls, sample: pd.DataFrame, dataset_bytes: int, dataset_files: int) -> Extrapolation:
+    def fit(cls, sample: pd.DataFrame, dataset_bytes: int, dataset_files: int,
+            range_bytes: int = 0) -> Extrapolation:
         import numpy as np
 
         size, secs = sample["bytes"].to_numpy(float), sample["seconds"].to_numpy(float)
         overhead, rate = 0.0, size.sum() / max(secs.sum(), 1e-9)
-        if len(set(size)) > 1:  # two sizes or more: the intercept is the per-object overhead
+        if len(set(size)) > 1:  # two sizes or more: the intercept is the per-piece overhead
             slope, intercept = np.polyfit(size, secs, 1)
             if slope > 0 and intercept >= 0:
                 overhead, rate = float(intercept), 1 / float(slope)
@@ -86,24 +128,41 @@ class Extrapolation:
         half = int(np.searchsorted(sample["sample_bytes"].to_numpy(), size.sum() / 2))
         settle = abs(cum[-1] - cum[min(half, len(cum) - 1)]) / cum[-1] if cum[-1] > 0 else 0.0
         return cls(int(size.sum()), len(sample), dataset_bytes, dataset_files, overhead, rate,
-                   float(settle))
+                   float(settle), range_bytes)
+
+    @property
+    def whole(self) -> bool:
+        """The sample is every byte: nothing is extrapolated."""
+        return self.sample_bytes >= self.dataset_bytes
 
     @property
     def factor(self) -> float:
         """The whole pull's seconds over the sample's, by the fitted model (1: the whole set)."""
-        if self.sample_bytes >= self.dataset_bytes:
+        if self.whole:
             return 1.0
-        whole = self.dataset_files * self.overhead_s + self.dataset_bytes / self.bytes_per_s
+        pieces = (-(-self.dataset_bytes // self.range_bytes) if self.range_bytes
+                  else self.dataset_files)
+        whole = pieces * self.overhead_s + self.dataset_bytes / self.bytes_per_s
         part = self.sample_files * self.overhead_s + self.sample_bytes / self.bytes_per_s
         return whole / part
 
     def label(self) -> str:
-        """What was sampled, of how much: "64 MB in 4 of 64 objects (6%), extrapolated"."""
-        if self.sample_bytes >= self.dataset_bytes:
+        """What was sampled, of how much: "64 MB in 4 of 64 objects (6%), extrapolated", or
+        "4 ranges of 8 MB spread over the object's 25 GB (0.1%), extrapolated"."""
+        if self.whole:
             return f"all {self.dataset_bytes / MB:.4g} MB in {self.dataset_files} object(s)"
-        overhead = (f"{self.overhead_s * 1000:.3g} ms per object" if self.overhead_s else
-                    "no per-object overhead separable from its sizes: scaled by bytes")
-        return (f"a sample of {self.sample_bytes / MB:.4g} MB in {self.sample_files} of "
-                f"{self.dataset_files} objects ({self.sample_bytes / self.dataset_bytes:.1%} of "
-                f"{self.dataset_bytes / MB:.4g} MB), extrapolated (rate moved "
-                f"{self.settle:.0%} over the sample's second half; {overhead})")
+        piece = "range" if self.range_bytes else "object"
+        overhead = (f"{self.overhead_s * 1000:.3g} ms per {piece}" if self.overhead_s else
+                    f"no per-{piece} overhead separable from its sizes: scaled by bytes")
+        share = f"{self.sample_bytes / self.dataset_bytes:.1%}"
+        what = (f"{self.sample_files} ranges of {self.range_bytes / MB:.4g} MB spread over the "
+                f"one object's {_size(self.dataset_bytes)} ({self.sample_bytes / MB:.4g} MB, "
+                f"{share})" if self.range_bytes else
+                f"a sample of {self.sample_bytes / MB:.4g} MB in {self.sample_files} of "
+                f"{self.dataset_files} objects ({share} of {self.dataset_bytes / MB:.4g} MB)")
+        return (f"{what}, extrapolated (rate moved {self.settle:.0%} over the sample's second "
+                f"half; {overhead})")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.3g} GB" if nbytes >= 1e9 else f"{nbytes / MB:.4g} MB"

@@ -47,6 +47,8 @@ def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_w
     if runs_per_week < 0 or (usd_per_hour or 0) < 0 or (dataset_gb or 0) < 0:
         raise ValueError(f"dataset_gb={dataset_gb!r}, runs_per_week={runs_per_week!r}, "
                          f"usd_per_hour={usd_per_hour!r}: each must be >= 0")
+    skipped = pulls[pulls["mb_per_s"].isna()]  # a method that cannot pull the sample: why
+    pulls = pulls[pulls["mb_per_s"].notna()]
     measured_gb = float(pulls["bytes"].max()) / 1e9
     listed = pulls["dataset_bytes"].max() if "dataset_bytes" in pulls.columns else float("nan")
     whole_gb = float(listed) / 1e9 if listed == listed else measured_gb
@@ -54,26 +56,38 @@ def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_w
     rows = []
     for method, part in pulls.groupby("method", sort=False):
         rate = statistics.median(part["mb_per_s"])
-        # the whole dataset's pull, extrapolated per repeat from the sample (per-object overhead
-        # included: diag.storage.sample), scaled to dataset_gb when that is given
-        whole = [s * gb / whole_gb for s in part.get("extrapolated_s", ()) if s == s]
-        per_run = statistics.median(whole) if whole else gb * 1000 / rate
-        low, high = (min(whole), max(whole)) if whole else (per_run, per_run)
+        # the whole dataset's pull, extrapolated per round from the sample (per-piece overhead
+        # included: diag.storage.sample), scaled to dataset_gb when that is given; without a
+        # sample, each round's pull at the measured size scaled the same way
+        whole = [s * gb / whole_gb for s in part.get("extrapolated_s", ()) if s == s] or \
+            [gb * 1000 / r for r in part["mb_per_s"]]
+        per_run = statistics.median(whole)
         usd = per_run / 3600 * usd_per_hour if usd_per_hour else float("nan")
-        sampled = whole_gb > measured_gb
+        sampled = whole_gb > measured_gb and "sampled" in part.columns
         rows.append({
             "method": method, "mb_per_s": rate, "repeats": len(part), "dataset_gb": gb,
-            "measured_gb": measured_gb, "seconds_per_run": per_run, "seconds_low": low,
-            "seconds_high": high, "runs_per_week": runs_per_week,
+            "measured_gb": measured_gb, "seconds_per_run": per_run, "seconds_low": min(whole),
+            "seconds_high": max(whole), "runs_per_week": runs_per_week,
             "hours_per_week": per_run * runs_per_week / 3600, "usd_per_run": usd,
             "usd_per_week": usd * runs_per_week,
-            "evidence": f"{gb:.3g} GB at {rate:.0f} MB/s ({method}, median of {len(part)}, "
-                        f"measured on {measured_gb * 1000:.0f} MB) = {_duration(per_run)} "
-                        "per start" + (f" (extrapolated from {part['sampled'].iloc[0]}; the "
-                                       f"repeats give {_duration(low)} to {_duration(high)})"
-                                       if sampled and "sampled" in part.columns else ""),
+            "evidence": f"{gb:.3g} GB at {rate:.0f} MB/s ({method}, measured on "
+                        f"{measured_gb * 1000:.4g} MB) = {_duration(per_run)} per start "
+                        f"({over_rounds(whole)})"
+                        + (f" (extrapolated from {part['sampled'].iloc[0]})" if sampled else ""),
         })
+    rows += [{"method": r.method, "repeats": 0, "dataset_gb": gb, "evidence": r.detail,
+              "runs_per_week": runs_per_week} for r in skipped.itertuples()]
     return pd.DataFrame(rows)
+
+
+def over_rounds(seconds: list[float]) -> str:
+    """The spread of one estimate per round: "median of 3 rounds, 2.0-2.3 min" ("1 round")."""
+    if len(seconds) <= 1:
+        return f"{len(seconds)} round"
+    low, high = _duration(min(seconds)), _duration(max(seconds))
+    if low.split()[-1] == high.split()[-1]:  # one unit: "2.0-2.3 min"
+        low = low.split()[0]
+    return f"median of {len(seconds)} rounds, {low}-{high}"
 
 
 def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -86,7 +100,7 @@ def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame
     """
     import pandas as pd
 
-    by = tax.set_index("method")
+    by = tax[tax["seconds_per_run"].notna()].set_index("method")
     base = by.loc["boto3_default"] if "boto3_default" in by.index else by.iloc[0]
     base_name = base.name
     hit_s, hit_note = 0.0, ""
@@ -189,9 +203,11 @@ def paste_settings(object_bytes: int, cores: int | None = None) -> str:
 
 
 def _files(frame: pd.DataFrame | None) -> int:
-    if frame is None or "files" not in frame or frame["files"].dropna().empty:
+    """The dataset's objects (the listing's count; the sample's pieces in an older frame)."""
+    column = "dataset_files" if frame is not None and "dataset_files" in frame else "files"
+    if frame is None or column not in frame or frame[column].dropna().empty:
         return 1
-    return int(frame["files"].dropna().max())
+    return int(frame[column].dropna().max())
 
 
 def _duration(seconds: float) -> str:
