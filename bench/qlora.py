@@ -6,6 +6,7 @@ does; then both plans run interleaved over --rounds rounds (order alternating). 
 - `qlora_naive_over_optimized`: per trained token (both counts shown), median and range;
 - `qlora_prediction_error` (goal <= 0.25): the worst |measured - predicted| / predicted over the
   run-level stages the fixes touch (predictions from the decisions only, diag.qlora.predict);
+  a step stage's says whether the naive step the runs met is the one timed before them;
 - `qlora_mfu_vs_counter` (within 0.05 of 1.0): diag's executed FLOPs of one step against
   FlopCounterMode's count plus the 4-bit forward matmuls it cannot see;
 - `qlora_data_wait_share` (< 2%), `qlora_callback_overhead` (< 1%: the TimingCallback's own
@@ -114,9 +115,11 @@ def prediction_error(result: Any) -> None:
         print("qlora_prediction_error: n/a (no stage was predicted: no measured decision)")
         return
     worst = checked.loc[checked["error_share"].idxmax()]
+    met = str(worst["evidence"]).partition("; the naive step the runs met ")[2]
     print(f"qlora_prediction_error: {worst['error_share']:.3g} (worst of {len(checked)} "
           f"predicted stages: {worst['stage']}, predicted {worst['predicted_s']:.3g} s, "
-          f"measured {worst['measured_s']:.3g} s) (goal <= 0.25)")
+          f"measured {worst['measured_s']:.3g} s"
+          + (f"; the naive step the runs met {met}" if met else "") + ") (goal <= 0.25)")
 
 
 def long_run(cfg: QLoraConfig, optimized: Plan, long_steps: int) -> Any:

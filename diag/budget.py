@@ -79,7 +79,8 @@ def floors(sizes: Sizes, cfg: DiagnoseConfig) -> dict[str, tuple[float, str]]:
     assumed rates, the storage sample's pulls of its first piece (the probe's, then each
     method's and the local read's per round; with --land the whole source per round), the
     model's loads (model load: warm-up + repeats x scenarios; the decisions on the job: one per
-    checkpointing setting, shared; the comparison: one per plan) and downloads (the cache
+    checkpointing setting, shared; the comparison: one per plan, and the naive step timed
+    before its runs) and downloads (the cache
     filled once, by model load or else the job; model load's fresh scenario once per repeat
     unless estimated)."""
     from diag.config import STORAGE_PULLS
@@ -94,9 +95,10 @@ def floors(sizes: Sizes, cfg: DiagnoseConfig) -> dict[str, tuple[float, str]]:
     loads = {"model_load": load.warmup + load.repeats * len(load.scenarios)}
     if cfg.qlora:  # the steps on the job (without it, these fields are the toy's: no model)
         # accum loads the step without checkpointing, checkpointing the other (both without
-        # accum), the loader takes theirs (qlora.measure.Steps)
+        # accum), the loader takes theirs (qlora.measure.Steps); the comparison one per plan
+        # and, with both, one for the naive step timed before the runs (qlora.experiment)
         loads |= {"accum": 1, "checkpointing": 2 - bool(cfg.accum),
-                  "qlora": 2 if cfg.plan == "both" else 1}
+                  "qlora": 3 if cfg.plan == "both" else 1}
     downloads = {"model_load": fill + load.repeats * fresh, "job": fill * (not cfg.model_load)}
     out = {}
     for step, floor in FLOORS.items():
@@ -339,7 +341,8 @@ def measures(step: Step, storage: StorageConfig | None, model_load: ModelLoadCon
         "checkpointing": "checkpointing on vs off on the job's step",
         "loader": job and f"num_workers {job.sweep_workers} against the job's step",
         "qlora": job and f"{job.plan} plan(s) x {job.rounds} round(s) of {job.steps} steps on "
-                         f"{job.records} records, the 4-bit base loaded once per plan",
+                         f"{job.records} records, the 4-bit base loaded once per plan "
+                         "(and once for the naive step timed before the runs)",
         "qlora_projection": "the whole job priced at the costs measured (no new measurement)",
         "loader_projected": "the loader sweep against target_gpu's estimated step",
         "runs": "the toy loop, naive and optimized",

@@ -89,7 +89,7 @@ def test_an_unmeasured_decision_is_listed_unpriced_never_invented():
 def test_measured_seconds_cannot_leak_into_a_prediction():
     # the signature takes plans, counts and what was timed before the run: no frame of it
     params = list(inspect.signature(predict).parameters)
-    assert params == ["naive", "optimized", "counts", "timed"]
+    assert params == ["naive", "optimized", "counts", "timed", "naive_step"]
     naive, opt = _plans()
     predicted = predict(naive, opt, COUNTS)
     fast = _table({"fetch_data": (5.0, 0.5), "train": (30.0, 10.0)})
@@ -144,6 +144,23 @@ def test_the_naive_step_is_scaled_from_the_timed_step_to_its_own_token_slots():
     row = predict(naive, opt, COUNTS).set_index(["setting", "stage"]).loc[("micro_batch",
                                                                          "train")]
     assert row["per_step_s"] == pytest.approx(4.0 - 2.0)
+
+
+def test_the_naive_step_timed_before_the_runs_starts_the_chain():
+    # the naive plan's own step timed on the job (its rows, its checkpointing, at the runs'
+    # load) replaces the sweep's step scaled to it; the decisions' ratios take it from there
+    naive, opt = _plans()
+    table = predict(naive, opt, COUNTS, naive_step=(6.0, "its own rows, timed 5x"))
+    rows = table.set_index(["setting", "stage"])
+    assert rows.at[("micro_batch", "warmup"), "per_step_s"] == pytest.approx(6.0 - 3.0)
+    assert rows.at[("micro_batch", "warmup"), "predicted_s"] == pytest.approx(3.0 * 2)
+    assert rows.at[("gradient_checkpointing", "train"), "per_step_s"] == pytest.approx(
+        3.0 - 2.0)
+    assert "the naive step 6 s (its own rows, timed 5x)" in rows.at[("micro_batch", "warmup"),
+                                                                    "evidence"]
+    # without it the sweep's 2.0 s x the slots (1000 vs the 500 it was timed at: none said)
+    assert predict(naive, opt, COUNTS).set_index(["setting", "stage"]).at[
+        ("micro_batch", "warmup"), "per_step_s"] == pytest.approx(2.0 - 1.0)
 
 
 def test_a_checkpointing_naive_step_pays_the_on_off_ratio_its_decision_measured():

@@ -109,7 +109,8 @@ def test_the_base_is_loaded_once_per_plan_and_once_per_checkpointing_setting(cou
     # checkpointing's off side one, its on side the other); each plan's base is loaded by its
     # round 0 and reused by round 1 and by its FLOP count: 4 loads, where each sweep, round
     # and count loading its own made 10
-    assert sorted(loads) == sorted([True, False, *ran["gradient_checkpointing"]])
+    # (and one more for the naive step timed before the runs: checkpointing on, as its plan)
+    assert sorted(loads) == sorted([True, False, *ran["gradient_checkpointing"], True])
     # a round that reused its base shows the load its round 0 measured, and says so
     basis = both.shares.set_index(["run", "stage"])["basis"]
     for plan, r in ran["median_round"].items():
@@ -162,6 +163,14 @@ def test_savings_and_advice(both):
     assert "fetch pull -> land" in saved.at["fetch_data", "finding"]
     assert saved.at["setup", "predicted_s"] == saved.at["checkpoint", "predicted_s"] == 0.0
     assert pd.notna(saved.at["train", "predicted_s"])
+    # the step fixes start from the naive plan's own step, timed just before the runs
+    for stage in ("warmup", "train"):
+        assert "the naive step " in saved.at[stage, "evidence"]
+        assert "micro-batch 1 x 4, checkpointing on, timed 5x on the job before the runs" in \
+            saved.at[stage, "evidence"]
+        # and whether the runs met that step, or the load moved (5 timed + 2 rounds x 3 steps)
+        assert "timed before them: " in saved.at[stage, "evidence"]
+        assert "5 + 6 samples, spread " in saved.at[stage, "evidence"]
     # the micro-batch is measured on the job: on 2 busy cores 1 and 3 rows can come out near a
     # tie either way, so the finding names it exactly when the plan changed it
     micro = both.frame.set_index("plan").at["optimized", "micro_batch"]

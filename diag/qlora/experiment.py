@@ -5,21 +5,25 @@
 (diag.amdahl), each plan's settings with their evidence, and stage by stage the predicted vs the
 measured saving (a prediction off by more than 25% is flagged, not hidden). What a start's fetch,
 model folder and preprocess cost under each plan is timed before the runs (`time_starts`) where
-no decision measured it, so every stage a fix changes is predicted. Each plan's 4-bit base is
-loaded and timed by its round 0 and reused by its later rounds (diag.qlora.job.Bases).
+no decision measured it, so every stage a fix changes is predicted; the naive plan's step is
+timed there too (`time_step`): the step fixes' predictions start from it, at the load the
+runs meet, not from a sweep's step a minute earlier. Each plan's 4-bit base is loaded and timed
+by its round 0 and reused by its later rounds (diag.qlora.job.Bases).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diag.machine.device import on_cpu_threads
+from diag.qlora.measure import QLoraStep
 from diag.qlora.plans import Plan
 from diag.qlora.predict import savings
 
@@ -96,7 +100,7 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
         for p in plans:
             with root_first():  # under DDP rank 0 fills the node's caches, then the others hit
                 once[p.name] = prime(cfg, p, src) if p.name == "optimized" else 0.0
-        timed = _before_rounds(cfg, plans, src)
+        timed, naive_step = _before_rounds(cfg, plans, src)
         order = [(r, p) for r in range(cfg.rounds) for p in (plans if r % 2 == 0 else plans[::-1])]
         with Bases() as bases:  # each plan's base loaded by its round 0, reused by the others
             for r, plan in tqdm(order, desc="qlora plans x rounds", leave=False):
@@ -119,7 +123,9 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
         slots = frame.set_index("plan")["token_slots"].astype(int).to_dict()
         counts = Counts(cfg.steps, cfg.warmup_steps, slots)  # counted, not timed
         saved = savings(_median_stages(runs, shares),
-                        predict(plans[0], plans[1], counts, timed))
+                        predict(plans[0], plans[1], counts, timed, naive_step and naive_step[:2]))
+        if naive_step:
+            saved = _load_moved(saved, runs, naive_step[2])
         saved.loc[saved["stage"] == "load_model", "evidence"] += (
             "; measured: one load per plan, by its round 0 (later rounds reuse that base)")
     advice = saved.rename(columns={"measured_s": "seconds_saved"})[
@@ -180,8 +186,78 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
     return tuple(out)
 
 
-def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Decision, ...]:
-    """time_starts (both plans), then what a start imports (the Trainer's module, peft,
+class RowsStep(QLoraStep):
+    """The job's step on one optimizer step of a plan's own rows (the naive plan's padding and
+    masks), collated as the Trainer collates them, its checkpointing as the plan's."""
+
+    def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any, plan: Plan,
+                 rows: list[dict[str, Any]]) -> None:
+        super().__init__(cfg, model_dir, device, plan.gradient_checkpointing)
+        self._rows = rows
+
+    def batches(self, micro_batch: int) -> contextlib.AbstractContextManager[Iterator[Any]]:
+        from transformers import default_data_collator  # the Trainer's, given no tokenizer
+
+        rows = self._rows
+        return contextlib.nullcontext(itertools.cycle(
+            [default_data_collator(rows[i:i + micro_batch])
+             for i in range(0, len(rows), micro_batch)]))
+
+
+def time_step(cfg: QLoraConfig, plan: Plan, src: Sources
+              ) -> tuple[float, str, list[float]] | None:
+    """The plan's own optimizer step on the job (its first step's rows, micro-batch x
+    accumulation, checkpointing), one warm-up step then cfg.sweep_steps timed through
+    diag.accum's harness: (median seconds, what was timed and its spread, the samples); None if
+    it ran out of memory. Timed just before the runs, it meets the load they meet (unless the
+    load moves: `_load_moved` says so after them): predict's naive step."""
+    from diag.accum import train_points
+    from diag.noise import spread
+    from diag.qlora.data import build_dataset, job_records
+    from diag.qlora.measure import job_inputs
+
+    job = job_inputs(cfg, src)  # the landed data and the cached model: hits by now
+    data = build_dataset(cfg, plan, job_records(cfg, job.data_path, job.model_dir),
+                         job.model_dir, job.data_path)
+    n = data.micro_batch * data.grad_accum
+    step = RowsStep(cfg, job.model_dir, job.device, plan, [data.dataset[i] for i in range(n)])
+    timed = train_points([step], [(data.micro_batch, data.grad_accum)], repeats=cfg.sweep_steps,
+                         warmup_steps=1, desc=f"the {plan.name} step")
+    seconds = list(timed.loc[timed["status"] == "ok", "seconds_per_step"])
+    if not seconds:
+        return None
+    return statistics.median(seconds), (
+        f"its own rows, micro-batch {data.micro_batch} x {data.grad_accum}, checkpointing "
+        f"{'on' if plan.gradient_checkpointing else 'off'}, timed {len(seconds)}x on the job "
+        f"before the runs, spread {spread(seconds):.0%}"), seconds
+
+
+def _load_moved(saved: pd.DataFrame, runs: list[dict[str, Any]], timed: list[float]
+                ) -> pd.DataFrame:
+    """The step stages' evidence says whether the naive steps the runs met (warm-up and steady,
+    every round) are the step timed before them (diag.noise): resolved apart, the machine's
+    load moved between them and a miss of warmup or train is the load's, not the chain's."""
+    from diag.noise import compare as apart
+
+    met = []
+    for run in (r for r in runs if r["summary"]["plan"] == "naive"):
+        rows = run["stages"]
+        met += list(rows.loc[rows["stage"] == "warmup", "seconds"])  # a row per warm-up step
+        met += list(rows[rows["step"].notna()].groupby("step")["seconds"].sum())
+    if not met:
+        return saved
+    got = apart(timed, met)
+    line = (f"; the naive step the runs met {statistics.median(met):.3g} s vs "
+            f"{statistics.median(timed):.3g} s timed before them: {got.describe()}"
+            + (": the machine's load moved between them" if got.resolved else ""))
+    steps = saved["stage"].isin(["warmup", "train"])
+    return saved.assign(evidence=saved["evidence"].where(~steps, saved["evidence"] + line))
+
+
+def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources
+                   ) -> tuple[tuple[Decision, ...], tuple[float, str, list[float]] | None]:
+    """time_starts and the naive plan's step (both plans run: the predictions' start, timed at
+    the load the runs meet), then what a start imports (the Trainer's module, peft,
     bitsandbytes: seconds) paid before the rounds: in a process of its own each plan's start
     pays them alike, here the first alone would, and its set-up and load would not be the
     plan's. The measurements' models (reference cycles) are collected here, not by a start."""
@@ -191,13 +267,15 @@ def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[D
 
     from diag.qlora.trainer import trainer_class
 
-    timed = time_starts(cfg, plans, src) if len(plans) == 2 else ()
+    both = len(plans) == 2
+    timed = time_starts(cfg, plans, src) if both else ()
+    naive_step = time_step(cfg, plans[0], src) if both else None
     trainer_class()
     # a process's first load builds transformers' table of checkpoint renames (0.1-0.5 s on 2
     # CPUs): each plan's round 0 load is the one its rounds reuse, and the first paid it alone
     get_checkpoint_conversion_mapping("llama")
     gc.collect()
-    return timed
+    return timed, naive_step
 
 
 def _per_plan(every: pd.DataFrame, once: dict[str, float]) -> pd.DataFrame:

@@ -11,14 +11,16 @@ checkpoint save) are predicted to save 0 s. `savings(table, predicted)` sets eac
 stage's predicted saving beside the measured one (naive minus optimized); a miss over
 PREDICTION_TOLERANCE of the prediction and over PREDICTION_FLOOR_S is flagged, both ways.
 
-Step fixes are chained in step space so they add up: the naive step (the accum decision's
-baseline, scaled from the tokens per step it was timed at, `MeasuredOn.tokens_per_step`, to the
-naive plan's, and by the checkpointing decision's `naive_ratio` when the naive plan checkpoints;
-a ratio below 1, checkpointing making a step faster, is refused: nothing in the chain is priced)
-is scaled by each compute fix's chosen/baseline ratio in turn (micro-batch, checkpointing,
-packing's token slots); the data_wait fixes save their measured seconds per step. Per-step
-savings count once per steady step (`train`) and once per warm-up step (`warmup`); per-start
-savings once (`fetch_data`, `load_model`, `preprocess`).
+Step fixes are chained in step space so they add up: the naive step (the naive plan's own step
+timed on the job just before the runs, at the load they meet, where run_qlora timed it; else
+the accum decision's baseline, scaled from the tokens per step it was timed at,
+`MeasuredOn.tokens_per_step`, to the naive plan's, and by the checkpointing decision's
+`naive_ratio` when the naive plan checkpoints; a ratio below 1, checkpointing making a step
+faster, is refused: nothing in the chain is priced) is scaled by each compute fix's
+chosen/baseline ratio in turn (micro-batch, checkpointing, packing's token slots); the data_wait
+fixes save their measured seconds per step. Per-step savings count once per steady step
+(`train`) and once per warm-up step (`warmup`); per-start savings once (`fetch_data`,
+`load_model`, `preprocess`).
 """
 
 from __future__ import annotations
@@ -85,12 +87,14 @@ def _step_rows(setting: str, a: Any, b: Any, per_step: float | None, counts: Cou
     return rows
 
 
-def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decision] = ()
-            ) -> pd.DataFrame:
+def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decision] = (),
+            naive_step: tuple[float, str] | None = None) -> pd.DataFrame:
     """Each fix the plans differ in: its run-level stage and predicted seconds saved (None where
     nothing prices it, said in `evidence`), from the decisions, counts and `timed` only (a
     per-start worth the job timed itself, used where the plan's decision has no seconds); then
-    the UNCHANGED stages at 0 s."""
+    the UNCHANGED stages at 0 s. naive_step: (seconds, what was timed) of the naive plan's own
+    step timed on the job before the runs (diag.qlora.experiment.time_step), the chain's start in
+    place of the sweep's step scaled to it."""
     import pandas as pd
 
     decided, own = by_setting(optimized.decisions), by_setting(timed)
@@ -101,7 +105,8 @@ def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decisi
     changed = [s for s in FIXES if s in a and a[s] != b[s]]
     rows: list[dict[str, Any]] = []
     # the compute chain: the naive step, then each fix's ratio in turn
-    step, ratio, refused = _naive_step(decided, naive, counts)
+    step, ratio, refused = _naive_step(decided, naive, counts, naive_step)
+    origin = f"the naive step {naive_step[0]:.3g} s ({naive_step[1]}); " if naive_step else ""
     for setting in COMPUTE_ORDER:
         if setting not in changed:
             continue
@@ -118,12 +123,12 @@ def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decisi
             new = step * got[1] / got[0]
             why = (f"{d.source}: {got[1]:.3g} s / {got[0]:.3g} s per step measured "
                    f"({d.basis}) x the step {step:.3g} s -> {new:.3g} s")
-        rows += _step_rows(setting, a[setting], b[setting], step - new, counts, why)
-        step = new
+        rows += _step_rows(setting, a[setting], b[setting], step - new, counts, origin + why)
+        step, origin = new, ""
     if "pipeline" in changed:
         slots = [counts.token_slots.get(p.name) for p in (naive, optimized)]
         rows += _pipeline(decided.get("pipeline"), own.get("pipeline"), (a, b), counts,
-                          step, slots, refused)
+                          step, slots, refused, origin)
     for setting in changed:
         if setting in COMPUTE_ORDER or setting == "pipeline":
             continue
@@ -147,35 +152,41 @@ def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decisi
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def _naive_step(decided: dict[str, Any], naive: Plan, counts: Counts
+def _naive_step(decided: dict[str, Any], naive: Plan, counts: Counts,
+                timed: tuple[float, str] | None = None
                 ) -> tuple[float | None, float | None, str]:
     """(the naive step's seconds, checkpointing's on/off ratio it pays, why it is refused).
 
-    The micro-batch sweep times its steps with checkpointing off (its own measurement prices
+    `timed`, the naive plan's own step timed on the job just before the runs, is the step: its
+    rows (padding, masks), its checkpointing and the machine's load as the runs meet it (a
+    sweep a minute earlier on a shared box: its step 1.9x its CPU seconds, the runs' 4x).
+    Else the micro-batch sweep times its steps with checkpointing off (its own measurement prices
     it): a naive step that checkpoints pays the on/off ratio measured on the job at the naive
     micro-batch, and turning it off divides it out again, so the chain ends exactly at the
     sweep's chosen point whatever order the fixes are taken in. A ratio below 1 (recomputing
     never makes a step faster: noise) prices no naive step."""
-    anchor = _seconds(decided.get("micro_batch"))
-    step = anchor[0] * _slots_scale(decided["micro_batch"], naive, counts) if anchor else None
     ckpt = decided.get("gradient_checkpointing")
     ratio = ckpt.naive_ratio if ckpt is not None and naive.gradient_checkpointing else None
     if ratio is not None and ratio < 1:
         return None, ratio, (f"checkpointing's on/off ratio {ratio:.3g} < 1 at the naive "
                              "micro-batch (on faster than off cannot be; re-measure it): the "
                              "naive step is not priced")
+    if timed is not None:
+        return timed[0], ratio, ""
+    anchor = _seconds(decided.get("micro_batch"))
+    step = anchor[0] * _slots_scale(decided["micro_batch"], naive, counts) if anchor else None
     return (step * ratio if step is not None and ratio else step), ratio, ""
 
 
 def _pipeline(d: Any, own: Any, ab: tuple[dict, dict], counts: Counts, step: float | None,
-              slots: list[int | None], refused: str) -> list[dict[str, Any]]:
+              slots: list[int | None], refused: str, origin: str = "") -> list[dict[str, Any]]:
     """Packing's rows: the step scaled by the token slots, the preprocess start (its decision's,
     else the job's own timing), the pipeline decision's data_wait per step."""
     a, b = ab
     if step is not None and all(slots):
         new = step * slots[1] / slots[0]
         rows = _step_rows("pipeline", a["pipeline"], b["pipeline"], step - new, counts,
-                          f"packing: token slots {slots[1]} / {slots[0]} x the step "
+                          f"{origin}packing: token slots {slots[1]} / {slots[0]} x the step "
                           f"{step:.3g} s -> {new:.3g} s")
     else:
         rows = _step_rows("pipeline", a["pipeline"], b["pipeline"], None, counts, _unpriced(
