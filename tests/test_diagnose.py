@@ -47,9 +47,11 @@ def test_runs_are_the_qlora_plans_fed_by_the_measured_frames(demo):
             run.loc[run["run"] == plan, "stage"])
     evidence = plans[plans["run"] == "optimized"].set_index("setting")["evidence"]
     assert evidence["fetch"].startswith("measured") and "land() hit" in evidence["fetch"]
-    # one load a side (issue 32): the gap is never resolved, the default is kept and says so
-    assert evidence["model_cache"].startswith("default") and "within noise" in evidence[
-        "model_cache"]
+    # loads repeat while the model-load step's share allows: a resolved gap is measured, an
+    # unresolved one keeps the default and says so
+    cache = evidence["model_cache"]
+    assert (cache.startswith("measured") and "resolved (" in cache) or (
+        cache.startswith("default") and "within noise" in cache), cache
     # decided on the job's own step: what was measured is named, and it is the QLoRA step
     decided = frames["decisions"].set_index("setting")
     for setting in ("micro_batch", "gradient_checkpointing", "num_workers", "pipeline"):

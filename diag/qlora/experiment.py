@@ -139,7 +139,8 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
     """What a start of each plan pays in fetch_data, the model folder (a download, or the
     persistent cache) and preprocess, timed with the functions its runs call, min(cfg.rounds, 3)
     times interleaved: decisions (per start, medians) for predict's use where none measured
-    them. A setting whose decision has its seconds (storage's, model_load's in `diag run`) is
+    them; the model folder by the first round alone (a download is the same bytes each start).
+    A setting whose decision has its seconds (storage's, model_load's in `diag run`) is
     not timed again: both sides take the optimized plan's copy (a hit), no second download. The
     model's load itself is the same in both plans: not timed."""
     import shutil
@@ -160,24 +161,28 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
                 path = fetch_data(plans[1] if "fetch" in priced else plan, src, work,
                                   cfg.records)[0]  # the shards the run's records are in
                 fetched = time.perf_counter()
-                folder = model_folder(plans[1] if "model_cache" in priced else plan, src, work)
+                # the model folder timed by round 0 alone: an empty cache's download is the same
+                # bytes every start (a 7B model's ~13 GB), later rounds read the kept cache
+                again = "model_cache" in priced or r > 0
+                folder = model_folder(plans[1] if again else plan, src, work)
                 found = time.perf_counter()
                 recs = job_records(cfg, path, folder)  # the run's untimed check_records
                 built = time.perf_counter()
                 build_dataset(cfg, plan, recs, folder, path)
                 rows.append({"plan": plan.name, "round": r, "fetch_data": fetched - clock,
-                             "load_model": found - fetched,
+                             "load_model": None if r else found - fetched,
                              "preprocess": time.perf_counter() - built})
             finally:
                 shutil.rmtree(work, ignore_errors=True)
-    on = MeasuredOn(step=f"this job's start, timed {len(rows) // 2}x before its runs")
+    on = MeasuredOn(step=f"this job's start, timed {len(rows) // 2}x before its runs (the "
+                         "model folder once)")
     out = []
     for setting, stage in (("fetch", "fetch_data"), ("model_cache", "load_model"),
                            ("pipeline", "preprocess")):
         if setting in priced:
             continue
-        seconds = [statistics.median(r[stage] for r in rows if r["plan"] == p.name)
-                   for p in plans]
+        seconds = [statistics.median(r[stage] for r in rows if r["plan"] == p.name
+                                     and r[stage] is not None) for p in plans]
         naive, opt = (getattr(p, setting) for p in plans)
         out.append(Decision.from_rows(
             setting, opt, f"{stage} per start: {naive} {seconds[0]:.3g} s, {opt} "
