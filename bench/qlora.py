@@ -187,6 +187,7 @@ def decision_stability(repeats: int = 3) -> str:
     gradients, twice the compute) must resolve to micro-batch 2, not be called noise. The
     figure is the share of those checks that hold; the repeats' added seconds are printed."""
     from diag.accum import accum_frame, decide, retime, train_points
+    from diag.decision import MeasuredOn
     from diag.qlora.measure import QLoraStep, job_inputs, measure_on_job
     from diag.noise import unresolved
 
@@ -220,7 +221,7 @@ def decision_stability(repeats: int = 3) -> str:
     frame = train_points([step], [(1, rows), (2, rows // 2)], repeats=cfg.sweep_steps,
                          warmup_steps=1, desc="2x at micro-batch 1")
     frame, gap_s = retime([step], frame, unresolved, budget_s=cfg.decide_budget_s / 2)
-    (built,) = decide(accum_frame(frame, rows * cfg.seq_len))
+    (built,) = decide(accum_frame(frame, rows * cfg.seq_len), MeasuredOn(device=str(job.device)))
     held.append(built.value == 2 and bool(built.resolved))
     print(f"  constructed 2x at micro-batch 1: micro-batch {built.value}: {built.why}")
     return (f"qlora_decision_stability: {sum(held) / len(held):.3g} ({sum(held)} of {len(held)} "

@@ -136,9 +136,11 @@ def test_a_failed_frame_falls_back_to_labelled_defaults_and_the_plan_still_build
 
 def _timed(seconds: dict, repeats: int = 5, **columns) -> pd.DataFrame:
     """Timed optimizer steps (diag.accum.COLUMNS' fields decide reads): `repeats` per point,
-    each 1% off the last (a spread, so sides apart by more resolve and sides alike do not)."""
+    each 1% off the last (a spread, so sides apart by more resolve and sides alike do not);
+    the CPU clock reads the same as the wall."""
     return pd.DataFrame([{"micro_batch": m, "grad_accum": 16 // m, "status": "ok",
-                          "seconds_per_step": s * (1 + 0.01 * r), "repeat": r} | columns
+                          "seconds_per_step": s * (1 + 0.01 * r), "cpu_s": s * (1 + 0.01 * r),
+                          "repeat": r} | columns
                          for m, s in seconds.items() for r in range(repeats)])
 
 
@@ -172,7 +174,8 @@ def test_checkpointing_follows_the_steps_own_peak_and_says_its_cost():
     from diag.qlora.checkpointing import decide
 
     frame = pd.DataFrame({"gradient_checkpointing": [True, False] * 5,
-                          "seconds": [1.3, 1.0] * 5, "peak_mem_gb": [0.5, 2.0] * 5})
+                          "seconds": [1.3, 1.0] * 5, "peak_mem_gb": [0.5, 2.0] * 5}
+                         ).assign(cpu_s=lambda f: f["seconds"])
     (d,) = decide(frame, "cpu", memory=(10.0, "available host memory"))
     assert d.value is False and d.basis == "measured" and "2 GB of 10 GB" in d.why
     assert (d.baseline, d.baseline_s, d.chosen_s) == (True, 1.3, 1.0)
@@ -186,7 +189,7 @@ def test_checkpointing_prices_the_naive_step_with_its_own_on_off_ratio():
 
     rows = [(1, True, 4.0), (1, False, 2.0), (4, True, 1.5), (4, False, 1.0)] * 5
     frame = pd.DataFrame(rows, columns=["micro_batch", "gradient_checkpointing", "seconds"]
-                         ).assign(peak_mem_gb=0.1)
+                         ).assign(peak_mem_gb=0.1, cpu_s=lambda f: f["seconds"])
     (d,) = decide(frame, "cpu", memory=(10.0, "x"), naive_micro_batch=1)
     assert (d.baseline_s, d.chosen_s, d.naive_ratio) == (1.5, 1.0, 2.0)  # priced at 4, ratio at 1
     # needs both sides at the naive micro-batch, and an off step that took time
@@ -195,7 +198,7 @@ def test_checkpointing_prices_the_naive_step_with_its_own_on_off_ratio():
             == ratio
     only_on = frame[(frame.micro_batch == 4) | frame.gradient_checkpointing]
     assert decide(only_on, "cpu", memory=(10.0, "x"), naive_micro_batch=1)[0].naive_ratio is None
-    zero = frame.assign(seconds=[4.0, 0.0, 1.5, 1.0] * 5)
+    zero = frame.assign(cpu_s=[4.0, 0.0, 1.5, 1.0] * 5)
     assert decide(zero, "cpu", memory=(10.0, "x"), naive_micro_batch=1)[0].naive_ratio is None
 
 
@@ -273,7 +276,8 @@ def test_decisions_read_back_from_a_run_folder_equal_those_written(tmp_path):
     timed = _timed({1: 2.88, 3: 0.96}).assign(grad_accum=lambda f: 3 // f["micro_batch"])
     ckpt = pd.DataFrame({"gradient_checkpointing": [True, False] * 10,
                          "micro_batch": [1, 1, 3, 3] * 5, "seconds": [0.2, 0.1, 0.5, 0.4] * 5,
-                         "peak_mem_gb": [0.0, 0.1, 0.0, 0.2] * 5})
+                         "peak_mem_gb": [0.0, 0.1, 0.0, 0.2] * 5}
+                        ).assign(cpu_s=lambda f: f["seconds"])
     storage = pd.DataFrame({"method": ["boto3_default", "land"], "cache_state": ["cold", "hit"],
                             "seconds": [9.0, 0.3]})
     load = pd.DataFrame({"scenario": ["fresh", "cached"], "part": ["load_model"] * 2,

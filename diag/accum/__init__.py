@@ -4,7 +4,8 @@
 causal LM (`sweep_grad_accum`), reports tokens/s, seconds per step beside the floor (the step at
 100% of the dense peak), memory, MFU cross-checked with FlopCounterMode, and the advice.
 `train_points` is the one sweep harness: any `AccumStep` (this model's, the QLoRA job's);
-`retime` re-times the points a decision cannot yet tell apart.
+`retime` re-times the points a decision cannot yet tell apart; `step_clock` names the clock a
+decision compares steps on (CPU seconds on a CPU, wall on a GPU).
 `mfu_from_figures()` checks your own run's MFU; its data is diag.data's `ensure_tokens` /
 `BatchLoader` (the token cache's flat file).
 """
@@ -14,9 +15,10 @@ from diag.accum.mfu import (NANOGPT_PEAK, ModelShape, count_flops, disagreement,
                             judge_mfu, mfu_from_figures)
 from diag.accum.model import Setup, measure, sweep_grad_accum
 from diag.accum.sweep import (COLUMNS, AccumStep, PeakMemory, accum_frame, is_oom, pairs,
-                              retime, train_points)
+                              retime, step_clock, train_points)
 
 __all__ = ["AccumResult", "AccumStep", "COLUMNS", "ModelShape", "NANOGPT_PEAK", "PeakMemory",
            "Setup", "accum_frame", "advice", "count_flops", "decide", "disagreement",
            "floor_seconds", "is_oom", "judge_mfu", "measure", "mfu_check", "mfu_from_figures",
-           "pairs", "retime", "run_accum", "summarize", "sweep_grad_accum", "train_points"]
+           "pairs", "retime", "run_accum", "step_clock", "summarize", "sweep_grad_accum",
+           "train_points"]

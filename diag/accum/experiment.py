@@ -56,7 +56,7 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
     # the summary and the decision rest on this rank's own steps (rank 0's, where they are
     # shown): the ranks run in lockstep, so theirs are not independent samples of a point
     frame = every[every["rank"] == (clock.timer.rank if clock else 0)]
-    summary = summarize(frame)
+    summary = summarize(frame, device=setup.device)
     on = MeasuredOn(model=f"{cfg.model} ({setup.shape.params / 1e6:.3g}M params)",
                     precision=setup.amp, seq_len=cfg.seq_len,
                     step=f"{cfg.tokens_per_step:,} tokens per optimizer step",
@@ -73,10 +73,13 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
 def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
            baseline: int = 1, repeats_s: float | None = None) -> tuple[Decision, ...]:
     """`micro_batch` from the timed steps (one row each, COLUMNS), judged by
-    diag.noise.choose: the fastest point where its gap to micro-batch `baseline` (the
-    naive plan's; the smallest that ran when it did not) is resolved, else `baseline` kept,
-    "within noise". Priced per step against `baseline` where it ran; no point that ran: the
-    documented default, said so. repeats_s: the seconds re-timing the finalists took."""
+    diag.noise.choose on the clock of measured_on's device (diag.accum.sweep.step_clock:
+    CPU seconds on a CPU, else wall): the fastest point where its gap to micro-batch `baseline`
+    (the naive plan's; the smallest that ran when it did not) is resolved, else `baseline`
+    kept, "within noise". Priced per step in wall seconds against `baseline` where it ran; no
+    point that ran: the documented default, said so. repeats_s: the seconds re-timing the
+    finalists took."""
+    from diag.accum.sweep import step_clock
     from diag.noise import choose, spread
 
     ok = frame[frame["status"] == "ok"] if frame is not None and not frame.empty else None
@@ -85,7 +88,9 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
                "no accum point ran (" + ", ".join(sorted(set(frame["status"]))) + ")")
         return (Decision.default("micro_batch", DEFAULT_MICRO_BATCH, f"{why}: micro-batch "
                                  f"{DEFAULT_MICRO_BATCH}", source="accum"),)
-    times = {int(m): list(g["seconds_per_step"]) for m, g in ok.groupby("micro_batch")}
+    column, unit, clock = step_clock(measured_on.device if measured_on else "")
+    times = {int(m): list(g[column]) for m, g in ok.groupby("micro_batch")}
+    wall = {int(m): statistics.median(g["seconds_per_step"]) for m, g in ok.groupby("micro_batch")}
     accum = {int(m): int(a) for m, a in zip(ok["micro_batch"], ok["grad_accum"])}
     ref = baseline if baseline in times else min(times)
     pick = choose(times, ref)
@@ -94,7 +99,7 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
     kept = "the naive plan's" if ref == baseline else "the most accumulation swept"
 
     def point(m: int) -> str:
-        return f"micro-batch {m} x {accum[m]} ({statistics.median(times[m]):.3g} s per step)"
+        return f"micro-batch {m} x {accum[m]} ({statistics.median(times[m]):.3g} {unit} per step)"
 
     if gap is None:
         why = (f"{point(micro)}, the only point that ran ({len(times[micro])} samples, spread "
@@ -110,29 +115,31 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
         why += "; within noise of it: " + ", ".join(f"micro-batch {m}" for m in pick.tied)
     if repeats_s:
         why += f"; {repeats_s:.2g} s re-timing the finalists"
+    why += f"; compared on {clock}"
     sides = [micro] if gap is None else [micro, ref if micro != ref else pick.best]
     return (Decision.from_rows(
         "micro_batch", micro, why, ok[ok["micro_batch"].isin({micro, ref, pick.best})],
         source="accum", measured_on=measured_on, baseline=baseline, stage="compute",
-        per="step", baseline_s=statistics.median(times[baseline]) if baseline in times else None,
-        chosen_s=statistics.median(times[micro]), samples=tuple(len(times[m]) for m in sides),
+        per="step", baseline_s=wall[baseline] if baseline in wall else None,
+        chosen_s=wall[micro], samples=tuple(len(times[m]) for m in sides),
         spread=tuple(spread(times[m]) for m in sides), tied=pick.tied,
         resolved=pick.resolved, repeats_s=repeats_s),)
 
 
-def summarize(frame: pd.DataFrame, baseline: int = 1) -> pd.DataFrame:
+def summarize(frame: pd.DataFrame, baseline: int = 1, device: str = "") -> pd.DataFrame:
     """Per point: median step, tokens/s, MFU, memory; `recommended` marks the point `decide`
-    takes: the fastest that fits where its gap to micro-batch `baseline` (else the smallest
-    that ran) is resolved, else that one (diag.noise)."""
+    takes on `device`'s clock (step_clock): the fastest that fits where its gap to micro-batch
+    `baseline` (else the smallest that ran) is resolved, else that one (diag.noise)."""
     import pandas as pd
 
+    from diag.accum.sweep import step_clock
     from diag.noise import choose
 
     keys = ["micro_batch", "grad_accum", "tokens_per_step", "status"]
     first = {"floor_s": "first", "peak_mem_gb": "max", "warmup_s": "first", "compile": "first",
              "detail": "first"}
-    medians = {c: "median" for c in ("seconds_per_step", "tokens_per_s", "data_s", "comm_wait_s",
-                                     "compute_s", "mfu") if c in frame.columns}
+    medians = {c: "median" for c in ("seconds_per_step", "cpu_s", "tokens_per_s", "data_s",
+                                     "comm_wait_s", "compute_s", "mfu") if c in frame.columns}
     out = frame.groupby(keys, sort=False, dropna=False).agg(
         {**medians, **first, "repeat": "count"}).reset_index().rename(columns={"repeat": "steps"})
     out.loc[out["status"] != "ok", "steps"] = 0
@@ -141,7 +148,8 @@ def summarize(frame: pd.DataFrame, baseline: int = 1) -> pd.DataFrame:
     out["recommended"] = False
     if not ok.empty:
         rows = frame[frame["status"] == "ok"]
-        times = {int(m): list(g["seconds_per_step"]) for m, g in rows.groupby("micro_batch")}
+        column = step_clock(device)[0]
+        times = {int(m): list(g[column]) for m, g in rows.groupby("micro_batch")}
         pick = choose(times, baseline if baseline in times else min(times))
         out.loc[ok.index[ok["micro_batch"] == pick.value][0], "recommended"] = True
     from diag.accum.mfu import floor_impossible
@@ -150,8 +158,9 @@ def summarize(frame: pd.DataFrame, baseline: int = 1) -> pd.DataFrame:
     out["floor_flagged"] = [floor_impossible(f, s) for f, s in
                             zip(out["floor_s"], out["seconds_per_step"])]
     cols = ["micro_batch", "grad_accum", "tokens_per_step", "status", "seconds_per_step",
-            "floor_s", "floor_flagged", "tokens_per_s", "vs_worst", "mfu", "peak_mem_gb", "data_s",
-            "comm_wait_s", "compute_s", "warmup_s", "compile", "steps", "recommended", "detail"]
+            "cpu_s", "floor_s", "floor_flagged", "tokens_per_s", "vs_worst", "mfu", "peak_mem_gb",
+            "data_s", "comm_wait_s", "compute_s", "warmup_s", "compile", "steps", "recommended",
+            "detail"]
     return pd.DataFrame(out[[c for c in cols if c in out.columns]])
 
 

@@ -7,6 +7,9 @@ the step's own peak memory, PeakMemory), then `repeats` timed ones, one row each
 alternating step by step so a load change hits them alike. A point that runs out of memory is a
 row with status "oom" and the sweep goes on. `retime(steps, timed, pending)` then re-times the
 finalists a decision could not yet tell apart, in interleaved rounds (diag.noise).
+Each timed row holds the step's wall seconds and its CPU seconds (`cpu_s`, this process's
+time.process_time: the step and its batches run here); `step_clock` says which a decision
+compares.
 """
 
 from __future__ import annotations
@@ -25,12 +28,22 @@ if TYPE_CHECKING:
 
     from diag.config import AccumConfig
 
-COLUMNS = ["micro_batch", "grad_accum", "tokens_per_step", "seconds_per_step", "floor_s",
+COLUMNS = ["micro_batch", "grad_accum", "tokens_per_step", "seconds_per_step", "cpu_s", "floor_s",
            "tokens_per_s", "data_s", "compute_s", "peak_mem_gb", "flops_per_token", "mfu",
            "status", "repeat", "warmup_s", "compile", "detail"]
 # train_points' rows: `step` is the step's index; peak_mem_gb the step's own peak (PeakMemory)
-TIMED = ["step", "micro_batch", "grad_accum", "status", "repeat", "seconds_per_step", "data_s",
-         "peak_mem_gb", "warmup_s", "detail"]
+TIMED = ["step", "micro_batch", "grad_accum", "status", "repeat", "seconds_per_step", "cpu_s",
+         "data_s", "peak_mem_gb", "warmup_s", "detail"]
+
+
+def step_clock(device: Any, wall: str = "seconds_per_step") -> tuple[str, str, str]:
+    """The column a decision compares steps on, its unit, and the words its `why` names it
+    with: on a CPU the step's own CPU seconds (on a shared box its wall time mostly measures
+    the scheduler), else the wall seconds (a GPU's time)."""
+    if str(device).split(":")[0] == "cpu":
+        return "cpu_s", "CPU s", ("CPU seconds of the step (the device is this CPU; wall time "
+                                  "on a shared box measures the scheduler)")
+    return wall, "s", "wall seconds of the step (the device's time)"
 
 
 class AccumStep(Protocol):
@@ -209,21 +222,23 @@ def _train_point(steps: Sequence[AccumStep], micro: int, accum: int, repeats: in
             for i, step in enumerate(steps):
                 watch = not warmup_steps and repeat == 0
                 with memory.watch(step) if watch else contextlib.nullcontext():
-                    start = time.perf_counter()
+                    start, cpu = time.perf_counter(), time.process_time()
                     data_s = _optimizer_step(step, batches[i], accum, memory if watch else None)
                     sync(device)  # note: sync point: the step's kernels finish inside its time
-                    seconds = time.perf_counter() - start
+                    seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu
                 peak[i] = memory.last_gb if watch else peak[i]
                 rows.append({"step": i, "micro_batch": micro, "grad_accum": accum,
                              "status": "ok", "repeat": repeat, "seconds_per_step": seconds,
-                             "data_s": data_s, "warmup_s": warm[i]})
+                             "cpu_s": cpu_s, "data_s": data_s, "warmup_s": warm[i]})
     return [{**r, "peak_mem_gb": peak[r["step"]]} for r in rows]
 
 
-def samples(timed: pd.DataFrame) -> dict[tuple[int, int, int], list[float]]:
-    """Seconds per step of each (step, micro_batch, grad_accum) that ran, in timed order."""
+def samples(timed: pd.DataFrame, column: str = "seconds_per_step"
+            ) -> dict[tuple[int, int, int], list[float]]:
+    """`column` (a clock, step_clock) of each (step, micro_batch, grad_accum) that ran, in
+    timed order."""
     ok = timed[timed["status"] == "ok"]
-    return {(int(i), int(m), int(a)): list(g["seconds_per_step"])
+    return {(int(i), int(m), int(a)): list(g[column])
             for (i, m, a), g in ok.groupby(["step", "micro_batch", "grad_accum"], sort=False)}
 
 
@@ -236,34 +251,36 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
     reset to its starting weights first (no warm-up again: the screen paid it, and AdamW's
     first-step state falls in every finalist's sample alike), interleaved, the order turned
     every round; rounds go on until settled, or `budget_s` is spent once each side holds
-    MIN_SAMPLES (diag.noise.Rounds). Returns the rows with the rounds' appended (their
-    memory and warm-up the screen's), and the seconds the rounds took."""
+    MIN_SAMPLES (diag.noise.Rounds); `pending` sees the steps' device's clock
+    (step_clock). Returns the rows with the rounds' appended (their memory and warm-up the
+    screen's), and the seconds the rounds took."""
     import pandas as pd
 
     from diag.machine.device import sync
     from diag.noise import MIN_SAMPLES, Rounds
 
-    screen = samples(timed)
+    column = step_clock(steps[0].device.type)[0]
+    screen = samples(timed, column)
     keys = [k for k in dict.fromkeys(pending(screen)) if k in screen]
     fewest = min((len(v) for v in screen.values()), default=0)
     if not keys and fewest >= MIN_SAMPLES:
         return timed, 0.0
     keys = keys or list(screen)  # too few samples: every side gets its share
-    turn, waited = [0], {k: [] for k in keys}
+    turn, timings = [0], {k: [] for k in keys}  # (seconds, cpu_s, data_s) of each round
+    compared = 1 if column == "cpu_s" else 0
 
     def one_round() -> list[float]:
         order = keys if turn[0] % 2 == 0 else keys[::-1]
         turn[0] += 1
-        got = {}
         for key in order:
             i, micro, accum = key
             steps[i].reset()
             sync(steps[i].device)  # note: sync point: the clock starts on an idle device
-            start = time.perf_counter()
-            waited[key].append(_optimizer_step(steps[i], iters[key], accum))
+            start, cpu = time.perf_counter(), time.process_time()
+            data_s = _optimizer_step(steps[i], iters[key], accum)
             sync(steps[i].device)  # note: sync point: the step's kernels finish inside its time
-            got[key] = time.perf_counter() - start
-        return [got[k] for k in keys]
+            timings[key].append((time.perf_counter() - start, time.process_time() - cpu, data_s))
+        return [timings[k][-1][compared] for k in keys]
 
     def unsettled(rounds: list[list[float]]) -> bool:
         merged = {k: screen[k] + (rounds[keys.index(k)] if k in keys else []) for k in screen}
@@ -273,14 +290,14 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
         iters = {k: stack.enter_context(steps[k[0]].batches(k[1])) for k in keys}
         rounds = Rounds(one_round, unsettled, budget_s=budget_s,
                         min_rounds=max(1, MIN_SAMPLES - fewest))
-        got = rounds.run()
+        rounds.run()
     first = timed[timed["status"] == "ok"].groupby(["step", "micro_batch"]).first()
     rows = [{"step": i, "micro_batch": m, "grad_accum": a, "status": "ok",
-             "repeat": len(screen[(i, m, a)]) + n, "seconds_per_step": seconds,
-             "data_s": waited[(i, m, a)][n],
-             "peak_mem_gb": first.at[(i, m), "peak_mem_gb"],
+             "repeat": len(screen[(i, m, a)]) + n, "seconds_per_step": seconds, "cpu_s": cpu_s,
+             "data_s": data_s, "peak_mem_gb": first.at[(i, m), "peak_mem_gb"],
              "warmup_s": first.at[(i, m), "warmup_s"], "detail": ""}
-            for (i, m, a), side in zip(keys, got, strict=True) for n, seconds in enumerate(side)]
+            for (i, m, a), side in timings.items()
+            for n, (seconds, cpu_s, data_s) in enumerate(side)]
     return pd.concat([timed, pd.DataFrame(rows, columns=TIMED)], ignore_index=True), \
         rounds.spent_s
 

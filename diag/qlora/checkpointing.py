@@ -2,10 +2,12 @@
 
 diag.qlora.measure.checkpointing_on_job runs the job's step (QLoraStep: nf4 base + LoRA, forward,
 backward, AdamW) with checkpointing on and off, alternating step by step after one warm-up each,
-re-timed in rounds while `pending` (diag.noise), one row per timed step (COLUMNS): seconds
-and the step's own peak memory (diag.accum.PeakMemory). `decide(frame, device)` turns it off when
-the peak without it stays under CHECKPOINTING_HEADROOM of the memory it lives in and off is
-resolved faster; the on/off seconds price the choice.
+re-timed in rounds while `pending` (diag.noise), one row per timed step (COLUMNS): wall
+seconds, CPU seconds and the step's own peak memory (diag.accum.PeakMemory); on a CPU the
+decision compares CPU seconds (diag.accum.step_clock), on a GPU wall seconds.
+`decide(frame, device)` turns it off when the peak without it stays under
+CHECKPOINTING_HEADROOM of the memory it lives in and off is resolved faster; the on/off wall
+seconds price the choice.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from diag.decision import CHECKPOINTING_HEADROOM, Decision, MeasuredOn
 if TYPE_CHECKING:
     import pandas as pd
 
-COLUMNS = ["gradient_checkpointing", "micro_batch", "seq_len", "seconds", "peak_mem_gb", "repeat"]
+COLUMNS = ["gradient_checkpointing", "micro_batch", "seq_len", "seconds", "cpu_s", "peak_mem_gb",
+           "repeat"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,8 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
     (diag.noise); within noise the naive plan's on is kept. On resolved faster than off
     cannot be (recomputing adds work): after re-measuring (`pending`), the default, said so,
     and no ratio is priced. `naive_ratio`: on/off seconds at `naive_micro_batch` where resolved
-    (1.0 within noise)."""
+    (1.0 within noise). Compared on `device`'s clock (step_clock), priced in wall seconds."""
+    from diag.accum import step_clock
     from diag.noise import compare, spread
 
     cuda = str(device).startswith("cuda")
@@ -69,7 +73,8 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
     # ratio prices the naive step's checkpointing (diag.qlora.predict)
     sized = "micro_batch" in frame.columns
     top = frame[frame["micro_batch"] == frame["micro_batch"].max()] if sized else frame
-    on, off = _sides(top)
+    column, unit, clock = step_clock(device, wall="seconds")
+    on, off = _sides(top, column)
     if min(statistics.median(on), statistics.median(off)) <= 0:  # no timing: no evidence
         return (Decision.default("gradient_checkpointing", cuda, "a checkpointing side took "
                                  f"no time: {fallback}", source="checkpointing"),)
@@ -84,16 +89,16 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
     # step's peak without it fits and the time it saves is real; an unreadable peak: no evidence
     fits = not math.isnan(peak) and peak <= CHECKPOINTING_HEADROOM * total
     choice = not (fits and gap.resolved)
-    on_s, off_s = statistics.median(on), statistics.median(off)
-    why = (f"on {on_s:.3g} s vs off {off_s:.3g} s per step: {gap.describe()}; the step's peak "
-           f"without it {peak:.3g} GB of {total:.3g} GB {where} (limit "
+    why = (f"on {statistics.median(on):.3g} {unit} vs off {statistics.median(off):.3g} {unit} "
+           f"per step: {gap.describe()}; the step's peak without it {peak:.3g} GB of "
+           f"{total:.3g} GB {where} (limit "
            f"{CHECKPOINTING_HEADROOM:.0%}) -> {'on' if choice else 'off'}"
            + (" (the naive plan's, kept)" if fits and choice else ""))
     ratio, note = _naive_ratio(frame[frame["micro_batch"] == naive_micro_batch] if sized
-                               else frame.iloc[:0], naive_micro_batch)
-    why += note
-    if repeats_s:
-        why += f"; {repeats_s:.2g} s re-timing"
+                               else frame.iloc[:0], naive_micro_batch, column)
+    why += note + (f"; {repeats_s:.2g} s re-timing" if repeats_s else "") + \
+        f"; compared on {clock}"
+    on_s, off_s = map(statistics.median, _sides(top))
     return (Decision.from_rows("gradient_checkpointing", choice, why, frame,
                                source="checkpointing", measured_on=measured_on, baseline=True,
                                stage="compute", per="step", baseline_s=on_s,
@@ -102,17 +107,20 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
                                resolved=gap.resolved, repeats_s=repeats_s),)
 
 
-def _naive_ratio(naive: pd.DataFrame, micro: int | None) -> tuple[float | None, str]:
-    """On/off seconds at the naive micro-batch where the gap resolved (1.0 within noise; None
-    where a side is missing, took no time or was the impossible one), and the why's note."""
+def _naive_ratio(naive: pd.DataFrame, micro: int | None, column: str = "seconds"
+                 ) -> tuple[float | None, str]:
+    """On/off wall seconds at the naive micro-batch where the gap on `column` resolved (1.0
+    within noise; None where a side is missing, took no time or was the impossible one), and
+    the why's note."""
     from diag.noise import compare
 
     if not {True, False} <= set(naive["gradient_checkpointing"].astype(bool)):
         return None, ""
-    on, off = _sides(naive)
+    on, off = _sides(naive, column)
     at = compare(on, off) if min(statistics.median(on), statistics.median(off)) > 0 else None
+    wall = [statistics.median(side) for side in _sides(naive)]
     ratio = (None if at is None or at.faster == "a" else
-             statistics.median(on) / statistics.median(off) if at.resolved else 1.0)
+             wall[0] / wall[1] if at.resolved else 1.0)
     return ratio, (f"; at the naive micro-batch {micro}: "
                    + (at.describe() if at else "a side took no time")
                    + (", no ratio priced" if ratio is None else ""))
@@ -133,7 +141,7 @@ def pending(samples: dict[tuple[int, int, int], list[float]]) -> list[tuple[int,
     return out
 
 
-def _sides(rows: pd.DataFrame) -> tuple[list[float], list[float]]:
-    """Step seconds with checkpointing on, and off."""
+def _sides(rows: pd.DataFrame, column: str = "seconds") -> tuple[list[float], list[float]]:
+    """`column` (a clock: wall seconds, or cpu_s) of the steps with checkpointing on, and off."""
     flag = rows["gradient_checkpointing"].astype(bool)
-    return list(rows.loc[flag, "seconds"]), list(rows.loc[~flag, "seconds"])
+    return list(rows.loc[flag, column]), list(rows.loc[~flag, column])

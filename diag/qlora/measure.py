@@ -186,7 +186,7 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
     tokens = rows_per_step * cfg.seq_len
     # no floor or MFU here: the QLoRA step's FLOPs are diag.qlora.mfu's own
     frame = accum_frame(timed, tokens, detail=job_label(cfg))
-    summary = summarize(frame)
+    summary = summarize(frame, device=str(job.device))
     on = _on(cfg, job, f"the QLoRA step, {rows_per_step} rows per optimizer step "
                        "(checkpointing off)", tokens_per_step=tokens)
     return AccumResult(frame, summary, pd.DataFrame(), advice(summary, cfg.steps),
@@ -223,7 +223,8 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
     ok = timed[timed["status"] == "ok"]
     frame = pd.DataFrame({"gradient_checkpointing": ok["step"] == 0,
                           "micro_batch": ok["micro_batch"], "seq_len": cfg.seq_len,
-                          "seconds": ok["seconds_per_step"], "peak_mem_gb": ok["peak_mem_gb"],
+                          "seconds": ok["seconds_per_step"], "cpu_s": ok["cpu_s"],
+                          "peak_mem_gb": ok["peak_mem_gb"],
                           "repeat": ok["repeat"]}, columns=COLUMNS).reset_index(drop=True)
     on = _on(cfg, job, f"the QLoRA step, micro-batch {micro}")
     return CheckpointingResult(frame, decide(frame, str(job.device), on,
