@@ -25,9 +25,10 @@ from transformers import TrainerCallback
 
 
 class Lockstep:
-    """`plans`' Trainers on `clock`'s bases and data, each in a thread; `step(names)` gives each
-    named plan one more step, in that order; `marks[name]`: (CPU seconds, wall seconds) of
-    each step's turn; `close()` stops them all (each finishes, its workers shut down)."""
+    """`plans`' Trainers on `clock`'s bases and data (a bench StepClock), each in a thread, made
+    in that order; `run(warmup, steps)` steps them in turn; `marks[name]`: each step's (CPU and
+    wall seconds of its turn, its workers' CPU seconds so far). Leaving the with-block stops
+    every Trainer (its training ends, its workers shut down)."""
 
     def __init__(self, clock: Any, plans: list[Any]) -> None:
         import psutil
@@ -44,11 +45,15 @@ class Lockstep:
         #                                     waited for) in its turns
         self.known = {c.pid for c in psutil.Process().children()}  # the embedded servers
         self.tmp = tempfile.TemporaryDirectory(prefix="diag-lockstep-")
-        self.threads = {}
-        for plan in plans:  # one at a time up to its first turn's end (set-up, train begin)
-            self.threads[plan.name] = threading.Thread(target=self._train, args=(plan,),
-                                                       daemon=True)
-            self._run(plan.name, self.threads[plan.name].start)
+        self.threads: dict[str, threading.Thread] = {}
+        try:
+            for plan in plans:  # one at a time up to its first turn's end (set-up, train begin)
+                self.threads[plan.name] = threading.Thread(target=self._train, args=(plan,),
+                                                           daemon=True)
+                self._run(plan.name, self.threads[plan.name].start)
+        except BaseException:
+            self.__exit__()  # those already made stop: none waits for ever
+            raise
 
     def _train(self, plan: Any) -> None:
         import torch
@@ -64,7 +69,7 @@ class Lockstep:
                                      Path(self.tmp.name) / plan.name, clock.device,
                                      StageTimer(device=clock.device),
                                      callbacks=(_Turns(self, plan.name),), save_strategy="no",
-                                     max_steps=10**6)  # stopped by close()
+                                     max_steps=10**6)  # stopped on leaving the with-block
             trainer.train()
             end_workers(trainer)
         except BaseException as e:  # noqa: BLE001  # raised again in the caller's thread
@@ -74,8 +79,9 @@ class Lockstep:
                 self.turn = None
                 self.cond.notify_all()
 
-    def _run(self, name: str, go: Any = None) -> None:
-        """Let `name` run until its next turn's end (go: what starts it)."""
+    def _run(self, name: str, go: Any = None, check: bool = True) -> None:
+        """Let `name` run until its next turn's end (go: what starts it); check: raise a
+        Trainer's failure here."""
         with self.cond:
             self.turn = name
             self.cond.notify_all()
@@ -83,7 +89,7 @@ class Lockstep:
             go()
         with self.cond:
             self.cond.wait_for(lambda: self.turn is None)
-        if self.error is not None:
+        if check and self.error is not None:
             raise RuntimeError(f"{name}'s Trainer failed: {self.error!r}") from self.error
 
     def run(self, warmup: int, steps: int) -> dict[str, tuple[float, float]]:
@@ -139,7 +145,7 @@ class Lockstep:
         for name, thread in self.threads.items():
             if thread.is_alive():
                 self.stopping.add(name)
-                self._run(name)
+                self._run(name, check=False)
                 thread.join()
         self.tmp.cleanup()
 
