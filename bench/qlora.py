@@ -302,7 +302,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from qlora_lockstep import one_arena
+
     from diag.machine.device import cpu_threads
+
+    one_arena()  # before any thread: the regret's lockstep rounds run Trainers in threads
 
     with cpu_threads():  # as every diag run_*: on a CPU, DIAG_CPU_THREADS (default 1)
         main()

@@ -48,7 +48,8 @@ GRID = {"micro_batch": (1, 2, 4, 8, 16), "num_workers": (0, 1, 2, 3, 4),
 AXES = tuple(GRID)  # a point's settings: what the plan's own point is matched on
 WIDEN = 3  # the best compute settings at workers 0 screened at every other workers value
 FINALISTS = 3  # the best screened points that go on to rounds
-REPEATS = 2  # a round: the job's steps this many times over, each plan's in lockstep
+REPEATS = 2  # a round: the job's steps this many times over, each plan's in lockstep (an A/A
+#              pair's ratio over 8 steps spread 3.4%, over 4 5.5%, over 32 1.4%, load ~4.5)
 MAX_ROUNDS = 64  # the budget ends them first at load ~4
 RESOLUTION = 0.05  # the regret's 95% interval's half-width over the regret must be under this
 
@@ -165,15 +166,15 @@ def rounds(clock: StepClock, plans: list[Plan], budget_s: float) -> dict[str, li
     """Rounds of the plans' steps in lockstep (qlora_lockstep: one step each in turn), a round
     the job's steps REPEATS times over on Trainers made anew (in an order reversed every
     round), until the regret's interval (`paired`) is within RESOLUTION, or budget_s is spent.
-    All plans run the first noise.MIN_SAMPLES rounds; then only the best of them and the plan
-    (last): the budget goes to the regret's own interval, which narrows with its rounds."""
+    A finalist the rounds resolve slower than the best (noise.compare) runs no more: the
+    budget goes to the plan (last) and the points that may still be the best, so the best
+    always has every round and the regret's interval narrows with them."""
     from qlora_lockstep import Lockstep
 
     got: dict[str, list[Step]] = {p.name: [] for p in plans}
     active, plan = list(plans), plans[-1].name
 
     def round_() -> list[float]:
-        nonlocal active
         # Trainers made anew each round: whatever makes one made once faster or slower than
         # its twin for its whole life (where its tensors land) is then a round's noise, which
         # the interval holds
@@ -182,9 +183,11 @@ def rounds(clock: StepClock, plans: list[Plan], budget_s: float) -> dict[str, li
         for p in active:
             tokens = REPEATS * clock.data(p).stats["real_tokens"]
             got[p.name].append(Step(*(s / tokens for s in seconds[p.name])))
-        if len(got[plan]) == noise.MIN_SAMPLES:
-            active = [p for p in plans if p.name in (grid_best(got, plan), plan)]
-        return []  # the samples are in `got`: the finalists left behind have fewer
+        best = cpu_of(got[grid_best(got, plan)])
+        for p in [p for p in active if p.name != plan]:
+            if noise.compare(best, cpu_of(got[p.name])).faster == "a":
+                active.remove(p)
+        return []  # the samples are in `got`: a finalist left behind has fewer
 
     def pending(_: list) -> bool:
         return paired(got[grid_best(got, plan)], got[plan])[3] > RESOLUTION
@@ -282,7 +285,7 @@ def print_regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 
           f"(and the plan's own point) and the plan in lockstep over {len(plan)} rounds of "
           f"{cfg.steps * REPEATS} steps, CPU ms per trained token of a steady step: "
           + ", ".join(f"{n} {cpu[n] * 1e3:.3g} (spread {noise.spread(cpu_of(got[n])):.1%}"
-                      + (f", left behind after {len(got[n])} rounds: "
+                      + (f", resolved slower after {len(got[n])} rounds: "
                          f"{noise.compare(cpu_of(got[best]), cpu_of(got[n])).describe()})"
                          if len(got[n]) < len(plan) else ")")
                       for n in sorted(cpu, key=cpu.get))
@@ -335,7 +338,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from qlora_lockstep import one_arena
+
     from diag.machine.device import cpu_threads
+
+    one_arena()  # before any thread: the regret's lockstep rounds run Trainers in threads
 
     with cpu_threads():  # as every diag run_*: on a CPU, DIAG_CPU_THREADS (default 1)
         main()
