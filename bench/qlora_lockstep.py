@@ -96,11 +96,13 @@ class Lockstep:
             raise RuntimeError(f"{name}'s Trainer failed: {self.error!r}") from self.error
 
     def run(self, warmup: int, steps: int) -> dict[str, tuple[float, float]]:
-        """Every plan's `warmup` steps then `steps` more, one step each in turn (the order
-        reversed every step); each plan's CPU and wall seconds over the `steps`."""
-        names = list(self.marks)
-        for i in range(warmup + steps):
-            for name in names if i % 2 == 0 else names[::-1]:
+        """Every plan's `warmup` steps then `steps` more, one step each in turn, always in the
+        order they were made (a cycle: each runs after another; reversed every step, the two
+        at the ends ran twice in a row, warm from their own turn: the plan at an end ran 0.97
+        of its twin in the middle, 95% interval 0.915-0.987, load ~4); each plan's CPU and
+        wall seconds over the `steps`."""
+        for _ in range(warmup + steps):
+            for name in self.marks:
                 self._run(name)
         out = {}
         for name, marks in self.marks.items():

@@ -51,6 +51,7 @@ FINALISTS = 3  # the best screened points that go on to rounds
 REPEATS = 2  # a round: the job's steps this many times over, each plan's in lockstep (an A/A
 #              pair's ratio over 8 steps spread 3.4%, over 4 5.5%, over 32 1.4%, load ~4.5)
 MAX_ROUNDS = 64  # the budget ends them first at load ~4
+GOAL = 1.05  # the regret the plan must be within
 RESOLUTION = 0.05  # the regret's 95% interval's half-width over the regret must be under this
 
 
@@ -164,11 +165,11 @@ def own_point(plan: Plan, points: list[Plan]) -> Plan | None:
 
 def rounds(clock: StepClock, plans: list[Plan], budget_s: float) -> dict[str, list[Step]]:
     """Rounds of the plans' steps in lockstep (qlora_lockstep: one step each in turn), a round
-    the job's steps REPEATS times over on Trainers made anew (in an order reversed every
+    the job's steps REPEATS times over on Trainers made anew (their cycle reversed every
     round), until the regret's interval (`paired`) is within RESOLUTION, or budget_s is spent.
     A finalist the rounds resolve slower than the best (noise.compare) runs no more: the
-    budget goes to the plan (last) and the points that may still be the best, so the best
-    always has every round and the regret's interval narrows with them."""
+    budget goes to the plan (last) and the points that may still be the best, which run
+    every round: the regret's interval narrows with them."""
     from qlora_lockstep import Lockstep
 
     got: dict[str, list[Step]] = {p.name: [] for p in plans}
@@ -305,11 +306,14 @@ def print_regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 
             line += _figures(got[other], plan, "cpu")
         print(line)
     print(f"qlora_regret_wall: {_figures(got[best], plan, 'wall')}")
-    print(f"qlora_regret: {_figures(got[best], plan, 'cpu')} over the grid best {best}; "
-          f"resolution {paired(got[best], plan)[3]:.3f} (the interval's half-width over the "
+    _, lo, hi, half = paired(got[best], plan)
+    verdict = ("met: its interval is under 1.05" if hi <= GOAL else "missed: its interval is "
+               "over 1.05" if lo > GOAL else "not resolved: its interval holds 1.05")
+    print(f"qlora_regret: {_figures(got[best], plan, 'cpu')} over the grid best {best}, "
+          f"{verdict}; resolution {half:.3f} (the interval's half-width over the "
           f"regret; the best's own spread over its rounds {noise.spread(cpu_of(got[best])):.3f})"
           f"; job of {cfg.records} records, {cfg.steps} steps, seq_len {cfg.seq_len}; grid "
-          f"{r['seconds']:.3g} s) (goal <= 1.05, resolution <= {RESOLUTION})")
+          f"{r['seconds']:.3g} s) (goal <= {GOAL}, resolution <= {RESOLUTION})")
 
 
 def main() -> None:
