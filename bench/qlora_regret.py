@@ -167,9 +167,12 @@ def rounds(clock: StepClock, plans: list[Plan], budget_s: float) -> dict[str, li
     """Rounds of the plans' steps in lockstep (qlora_lockstep: one step each in turn), a round
     the job's steps REPEATS times over on Trainers made anew (their cycle reversed every
     round), until the regret's interval (`paired`) is within RESOLUTION, or budget_s is spent.
-    A finalist the rounds resolve slower than the best (noise.compare) runs no more: the
-    budget goes to the plan (last) and the points that may still be the best, which run
-    every round: the regret's interval narrows with them."""
+    All run the first noise.MIN_SAMPLES rounds; then only the best of them (lowest median)
+    and the plan (last): the budget goes to the regret's own pair, whose interval narrows
+    with its rounds (every finalist to the end: 11-13 rounds, resolution 0.12-0.13 at load
+    ~4 with four within noise of each other). The best is chosen once: later rounds do not
+    choose again (a minimum over noisy medians reads low, and a lead passed to a finalist
+    left behind left the regret 5 rounds: resolution 0.131 at load ~5)."""
     from qlora_lockstep import Lockstep
 
     got: dict[str, list[Step]] = {p.name: [] for p in plans}
@@ -184,10 +187,8 @@ def rounds(clock: StepClock, plans: list[Plan], budget_s: float) -> dict[str, li
         for p in active:
             tokens = REPEATS * clock.data(p).stats["real_tokens"]
             got[p.name].append(Step(*(s / tokens for s in seconds[p.name])))
-        best = cpu_of(got[grid_best(got, plan)])
-        for p in [p for p in active if p.name != plan]:
-            if noise.compare(best, cpu_of(got[p.name])).faster == "a":
-                active.remove(p)
+        if len(got[plan]) == noise.MIN_SAMPLES:
+            active[:] = [p for p in active if p.name in (grid_best(got, plan), plan)]
         return []  # the samples are in `got`: a finalist left behind has fewer
 
     def pending(_: list) -> bool:
@@ -203,8 +204,10 @@ def cpu_of(steps: list[Step]) -> list[float]:
 
 
 def grid_best(got: dict[str, list[Step]], plan: str) -> str:
-    """The finalist of lowest median CPU seconds (the plan itself is no grid point)."""
-    return min((n for n in got if n != plan), key=lambda n: statistics.median(cpu_of(got[n])))
+    """The finalist of lowest median CPU seconds of those that ran every round (after
+    noise.MIN_SAMPLES rounds: the one chosen then; the plan itself is no grid point)."""
+    return min((n for n in got if n != plan and len(got[n]) == len(got[plan])),
+               key=lambda n: statistics.median(cpu_of(got[n])))
 
 
 def paired(best: list[Step], plan: list[Step], clock: str = "cpu") -> tuple[float, ...]:
@@ -278,7 +281,7 @@ def print_regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 
     r = regret(cfg, optimized, src, budget_s)
     got, plan = r["got"], r["plan"]
     cpu = {n: statistics.median(cpu_of(v)) for n, v in got.items()}
-    best = min(cpu, key=cpu.get)
+    best = grid_best({**got, optimized.name: plan}, optimized.name)
     axes = " x ".join(f"{k} {v}" for k, v in GRID.items())
     print(f"regret grid: {r['points']} points ({axes}; the micro-batches each pipeline's rows "
           f"per step allow), {r['screened']} screened once (every compute setting at workers "
@@ -286,7 +289,7 @@ def print_regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 
           f"(and the plan's own point) and the plan in lockstep over {len(plan)} rounds of "
           f"{cfg.steps * REPEATS} steps, CPU ms per trained token of a steady step: "
           + ", ".join(f"{n} {cpu[n] * 1e3:.3g} (spread {noise.spread(cpu_of(got[n])):.1%}"
-                      + (f", resolved slower after {len(got[n])} rounds: "
+                      + (f", left behind after {len(got[n])} rounds: "
                          f"{noise.compare(cpu_of(got[best]), cpu_of(got[n])).describe()})"
                          if len(got[n]) < len(plan) else ")")
                       for n in sorted(cpu, key=cpu.get))
