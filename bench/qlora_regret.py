@@ -49,7 +49,8 @@ AXES = tuple(GRID)  # a point's settings: what the plan's own point is matched o
 WIDEN = 3  # the best compute settings at workers 0 screened at every other workers value
 FINALISTS = 3  # the best screened points that go on to rounds
 REPEATS = 2  # a round: the job's steps this many times over, each plan's in lockstep (an A/A
-#              pair's ratio over 8 steps spread 3.4%, over 4 5.5%, over 32 1.4%, load ~4.5)
+#              pair's ratio over 8 steps spread 3.4%, over 4 5.5%, over 32 1.4%: one malloc
+#              arena, load ~4.5)
 MAX_ROUNDS = 64  # the budget ends them first at load ~4
 GOAL = 1.05  # the regret the plan must be within
 RESOLUTION = 0.05  # the regret's 95% interval's half-width over the regret must be under this
@@ -213,8 +214,8 @@ def grid_best(got: dict[str, list[Step]], plan: str) -> str:
 def paired(best: list[Step], plan: list[Step], clock: str = "cpu") -> tuple[float, ...]:
     """The plan over the best, round by round (the same round's steps, in lockstep): the
     median of those ratios, its 95% distribution-free interval (noise.median_interval) and
-    the interval's half-width over the median: the regret's resolution. The rounds the best
-    ran in: a finalist dropped stops at its last."""
+    the interval's half-width over the median: the regret's resolution. Over the rounds both
+    ran: a finalist left behind ran the first noise.MIN_SAMPLES."""
     ratios = [getattr(y, clock) / getattr(x, clock) for x, y in zip(best, plan, strict=False)]
     mid, lo, hi = noise.median_interval(ratios)
     return mid, lo, hi, (hi - lo) / 2 / mid
