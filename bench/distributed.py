@@ -20,7 +20,6 @@ CPU, gloo, 2 ranks: `python bench/distributed.py` launches itself under torchrun
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import statistics
@@ -81,18 +80,6 @@ def _stepper(torch, rank: int, timer=None):
             train(x, y)
         timer.flush()
     return timed
-
-
-def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
-    """The median and its distribution-free interval: order statistics k and n-k+1, k the
-    largest with P(Binomial(n, 1/2) < k) <= (1 - level) / 2."""
-    xs, n = sorted(values), len(values)
-    k, tail = 0, 0.0
-    while tail + math.comb(n, k) / 2 ** n <= (1 - level) / 2:
-        tail += math.comb(n, k) / 2 ** n
-        k += 1
-    k = max(k, 1)
-    return statistics.median(xs), xs[k - 1], xs[n - k]
 
 
 def overhead(torch, rank: int, spill: Path) -> dict[str, list[float]]:
@@ -266,6 +253,8 @@ def worker(only: str) -> None:
     spill.rmdir()
     toy, job = (toys(seat.rank), qlora()) if only == "all" else (None, None)
     if seat.is_root:
+        from diag.noise import median_interval
+
         timed, control = median_interval(ratios["timed"]), median_interval(ratios["control"])
         print(f"per round over {ROUNDS} rounds of {STEPS} steps of "
               f"{statistics.median(ratios['step_s']) * 1e3:.3g} ms (untimed): timed/untimed "

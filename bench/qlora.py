@@ -14,7 +14,8 @@ does; then both plans run interleaved over --rounds rounds (order alternating). 
   `qlora_compute_share` (>= 0.9) from an optimized-only run of --long-steps steps;
 - `qlora_regret` (<= 1.05, resolution <= 0.05): the optimized plan's steady step per trained
   token (CPU seconds; the wall regret beside) over the best of a grid fixed in
-  bench/qlora_regret.py, on this job, with an A/A check against the plan's own grid point;
+  bench/qlora_regret.py, on this job, with an A/A check against the plan's own grid point; the
+  resolution: the half-width of the 95% interval of the per-round plan/best ratio, over it;
 - `qlora_vs_trl` (>= 1.0): trained tokens/s of the train loop of diag's optimized
   plan over TRL's SFTTrainer(packing=True), same model, records and settings (bench/qlora_trl.py).
 - `qlora_decision_stability` (1.0): three quick plan decisions agree or say within noise, and a
@@ -301,7 +302,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from qlora_lockstep import one_arena
+
     from diag.machine.device import cpu_threads
+
+    one_arena()  # before any thread: the regret's lockstep rounds run Trainers in threads
 
     with cpu_threads():  # as every diag run_*: on a CPU, DIAG_CPU_THREADS (default 1)
         main()

@@ -10,9 +10,15 @@ seconds: on this shared box a step's wall is mostly the scheduler's share (wall 
 over rounds against CPU's 7-20% at load ~5.5, 51-55% against 13-17% at ~6.5); the wall regret
 is printed beside it.
 Points are screened once (one steady step; `screen`); the best FINALISTS, the plan's own point
-(an A/A check: the plan's settings) and the plan then run interleaved rounds
-(diag.noise.Rounds) until the grid best's spread is within RESOLUTION or the budget
-ends. `python bench/qlora_regret.py` measures the plan on the job, then the grid.
+(an A/A check: the plan's settings) and the plan then run rounds (diag.noise.Rounds), their
+steps in lockstep (bench/qlora_lockstep.py: one step each in turn, ~0.1 s apart, so this box's
+drifting speed hits them alike), until the budget ends. The regret is a ratio, so its
+resolution is that ratio's uncertainty, not one side's spread: per round the plan over the
+best (the same round, so the load cancels), the median of those ratios and its 95%
+distribution-free interval (diag.noise.median_interval); the resolution is the interval's
+half-width over the median, and narrows with rounds, where a side's spread (the grid best's,
+printed beside) does not. `python bench/qlora_regret.py`
+measures the plan on the job, then the grid.
 """
 
 from __future__ import annotations
@@ -42,10 +48,12 @@ GRID = {"micro_batch": (1, 2, 4, 8, 16), "num_workers": (0, 1, 2, 3, 4),
 AXES = tuple(GRID)  # a point's settings: what the plan's own point is matched on
 WIDEN = 3  # the best compute settings at workers 0 screened at every other workers value
 FINALISTS = 3  # the best screened points that go on to rounds
-REPEATS = 6  # a round's sample: the job's steps this many times over (23 steady steps of 4:
-#              the grid best's CPU spread 4.7% over 5 rounds at load ~6 here; 11 steps gave
-#              6-12%, the job's own 3 gave 14-18%)
-RESOLUTION = 0.05  # the grid best's spread over its rounds the regret must be finer than
+REPEATS = 2  # a round: the job's steps this many times over, each plan's in lockstep (an A/A
+#              pair's ratio over 8 steps spread 3.4%, over 4 5.5%, over 32 1.4%: one malloc
+#              arena, load ~4.5)
+MAX_ROUNDS = 64  # the budget ends them first at load ~4
+GOAL = 1.05  # the regret the plan must be within
+RESOLUTION = 0.05  # the regret's 95% interval's half-width over the regret must be under this
 
 
 def grid_plan(micro: int, workers: int, ckpt: bool, pipeline: str) -> Plan:
@@ -157,21 +165,59 @@ def own_point(plan: Plan, points: list[Plan]) -> Plan | None:
 
 
 def rounds(clock: StepClock, plans: list[Plan], budget_s: float) -> dict[str, list[Step]]:
-    """Interleaved rounds (order alternating) of plans' steps until the CPU seconds of the grid
-    best (plans but the last) spread within RESOLUTION, or budget_s is spent (at least
-    noise.MIN_SAMPLES rounds)."""
-    order, got = itertools.cycle((plans, plans[::-1])), {p.name: [] for p in plans}
+    """Rounds of the plans' steps in lockstep (qlora_lockstep: one step each in turn), a round
+    the job's steps REPEATS times over on Trainers made anew (their cycle reversed every
+    round), until budget_s is spent (the regret's interval, `paired`, narrows with them).
+    All run the first noise.MIN_SAMPLES rounds; then only the best of them (lowest median)
+    and the plan (last): the budget goes to the regret's own pair, whose interval narrows
+    with its rounds (every finalist to the end: 11-13 rounds, resolution 0.12-0.13 at load
+    ~4 with four within noise of each other). The best is chosen once: later rounds do not
+    choose again (a minimum over noisy medians reads low, and a lead passed to a finalist
+    left behind left the regret 5 rounds: resolution 0.131 at load ~5)."""
+    from qlora_lockstep import Lockstep
+
+    got: dict[str, list[Step]] = {p.name: [] for p in plans}
+    active, plan = list(plans), plans[-1].name
 
     def round_() -> list[float]:
-        for p in next(order):
-            got[p.name].append(clock.time(p, clock.cfg.steps * REPEATS))
-        return [got[p.name][-1].cpu for p in plans]
+        # Trainers made anew each round: whatever makes one made once faster or slower than
+        # its twin for its whole life (where its tensors land) is then a round's noise, which
+        # the interval holds
+        with Lockstep(clock, active if len(got[plan]) % 2 == 0 else active[::-1]) as lock:
+            seconds = lock.run(clock.cfg.warmup_steps, clock.cfg.steps * REPEATS)
+        for p in active:
+            tokens = REPEATS * clock.data(p).stats["real_tokens"]
+            got[p.name].append(Step(*(s / tokens for s in seconds[p.name])))
+        if len(got[plan]) == noise.MIN_SAMPLES:
+            active[:] = [p for p in active if p.name in (grid_best(got, plan), plan)]
+        return []  # the samples are in `got`: a finalist left behind has fewer
 
-    def pending(samples: list[list[float]]) -> bool:
-        return noise.spread(min(samples[:-1], key=statistics.median)) > RESOLUTION
-
-    noise.Rounds(round_, pending, budget_s=budget_s).run()
+    # every round the budget allows, not until the interval is first narrow enough: stopped
+    # there, an A/A read 0.951 (95% interval 0.947-0.999, 9 rounds, load ~4): a narrow
+    # interval picked by its narrowness holds the truth less often than it says
+    noise.Rounds(round_, lambda _: True, budget_s=budget_s, max_rounds=MAX_ROUNDS).run()
     return got
+
+
+def cpu_of(steps: list[Step]) -> list[float]:
+    return [s.cpu for s in steps]
+
+
+def grid_best(got: dict[str, list[Step]], plan: str) -> str:
+    """The finalist of lowest median CPU seconds of those that ran every round (after
+    noise.MIN_SAMPLES rounds: the one chosen then; the plan itself is no grid point)."""
+    return min((n for n in got if n != plan and len(got[n]) == len(got[plan])),
+               key=lambda n: statistics.median(cpu_of(got[n])))
+
+
+def paired(best: list[Step], plan: list[Step], clock: str = "cpu") -> tuple[float, ...]:
+    """The plan over the best, round by round (the same round's steps, in lockstep): the
+    median of those ratios, its 95% distribution-free interval (noise.median_interval) and
+    the interval's half-width over the median: the regret's resolution. Over the rounds both
+    ran: a finalist left behind ran the first noise.MIN_SAMPLES."""
+    ratios = [getattr(y, clock) / getattr(x, clock) for x, y in zip(best, plan, strict=False)]
+    mid, lo, hi = noise.median_interval(ratios)
+    return mid, lo, hi, (hi - lo) / 2 / mid
 
 
 def screen(clock: StepClock, points: list[Plan], plan: Plan) -> dict[str, float]:
@@ -200,6 +246,7 @@ def screen(clock: StepClock, points: list[Plan], plan: Plan) -> dict[str, float]
 def regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 120.0) -> dict:
     """The grid screened (`screen`), the best FINALISTS by CPU seconds and the plan over
     rounds: the figures print_regret shows."""
+    start = time.perf_counter()
     clock = StepClock(cfg, src)
     points = grid(clock)
     gc.freeze()  # the loaded bases and sources out of each Trainer's gc.collect (~1 s a point)
@@ -216,31 +263,38 @@ def regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 120.0)
     finally:
         gc.unfreeze()
     return {"points": len(points), "screened": len(cpu), "screen_s": screen_s,
-            "seconds": clock.seconds, "mine": mine and (mine.name, ranked.index(mine) + 1),
-            "plan": got.pop(optimized.name), "got": got}
+            "seconds": time.perf_counter() - start, "plan": got.pop(optimized.name),
+            "mine": mine and (mine.name, ranked.index(mine) + 1), "got": got}
 
 
 def _figures(best: list[Step], plan: list[Step], clock: str) -> str:
-    a, b = [getattr(s, clock) for s in best], [getattr(s, clock) for s in plan]
-    paired = [y / x for x, y in zip(a, b, strict=True)]
-    return (f"{statistics.median(b) / statistics.median(a):.3g} ({clock}: "
-            f"{noise.compare(a, b).describe()}; per-round ratio spread {noise.spread(paired):.1%})")
+    """The plan over a point: the median per-round ratio with its 95% interval, then the
+    ratio of medians with noise.compare's verdict."""
+    mid, lo, hi, half = paired(best, plan, clock)
+    a, b = [getattr(s, clock) for s in best], [getattr(s, clock) for s in plan[:len(best)]]
+    return (f"{mid:.3g} (95% interval {lo:.3g}-{hi:.3g}, +-{half:.1%}, over {len(a)} rounds; "
+            f"ratio of medians {statistics.median(b) / statistics.median(a):.3g}, {clock}: "
+            f"{noise.compare(a, b).describe()})")
 
 
 def print_regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 120.0) -> None:
     r = regret(cfg, optimized, src, budget_s)
     got, plan = r["got"], r["plan"]
-    cpu = {n: statistics.median(s.cpu for s in v) for n, v in got.items()}
-    best = min(cpu, key=cpu.get)
+    cpu = {n: statistics.median(cpu_of(v)) for n, v in got.items()}
+    best = grid_best({**got, optimized.name: plan}, optimized.name)
     axes = " x ".join(f"{k} {v}" for k, v in GRID.items())
     print(f"regret grid: {r['points']} points ({axes}; the micro-batches each pipeline's rows "
           f"per step allow), {r['screened']} screened once (every compute setting at workers "
           f"0, the best {WIDEN} at workers 1-4) in {r['screen_s']:.3g} s; the best {FINALISTS} "
-          f"(and the plan's own point) and the plan over {len(plan)} interleaved rounds, CPU "
-          "ms per trained token of a steady step: "
-          + ", ".join(f"{n} {cpu[n] * 1e3:.3g} (spread {noise.spread([s.cpu for s in got[n]]):.1%})"
+          f"(and the plan's own point) and the plan in lockstep over {len(plan)} rounds of "
+          f"{cfg.steps * REPEATS} steps, CPU ms per trained token of a steady step: "
+          + ", ".join(f"{n} {cpu[n] * 1e3:.3g} (spread {noise.spread(cpu_of(got[n])):.1%}"
+                      + (f", left behind after {len(got[n])} rounds: "
+                         f"{noise.compare(cpu_of(got[best]), cpu_of(got[n])).describe()})"
+                         if len(got[n]) < len(plan) else ")")
                       for n in sorted(cpu, key=cpu.get))
-          + f"; the plan {statistics.median(s.cpu for s in plan) * 1e3:.3g}")
+          + f"; the plan {statistics.median(cpu_of(plan)) * 1e3:.3g} (spread "
+          f"{noise.spread(cpu_of(plan)):.1%})")
     settings = ", ".join(f"{a} {getattr(optimized, a)}" for a in AXES)
     if r["mine"] is None:
         print(f"the plan's point ({settings}) is not in the grid")
@@ -255,10 +309,14 @@ def print_regret(cfg: QLoraConfig, optimized: Plan, src: Any, budget_s: float = 
             line += _figures(got[other], plan, "cpu")
         print(line)
     print(f"qlora_regret_wall: {_figures(got[best], plan, 'wall')}")
-    print(f"qlora_regret: {_figures(got[best], plan, 'cpu')} over the grid best {best}; "
-          f"resolution {noise.spread([s.cpu for s in got[best]]):.3f} (its spread over "
-          f"{len(plan)} rounds); job of {cfg.records} records, {cfg.steps} steps, seq_len "
-          f"{cfg.seq_len}; grid {r['seconds']:.3g} s) (goal <= 1.05, resolution <= {RESOLUTION})")
+    _, lo, hi, half = paired(got[best], plan)
+    verdict = ("met: its interval is under 1.05" if hi <= GOAL else "missed: its interval is "
+               "over 1.05" if lo > GOAL else "not resolved: its interval holds 1.05")
+    print(f"qlora_regret: {_figures(got[best], plan, 'cpu')} over the grid best {best}, "
+          f"{verdict}; resolution {half:.3f} (the interval's half-width over the "
+          f"regret; the best's own spread over its rounds {noise.spread(cpu_of(got[best])):.3f})"
+          f"; job of {cfg.records} records, {cfg.steps} steps, seq_len {cfg.seq_len}; grid "
+          f"{r['seconds']:.3g} s) (goal <= {GOAL}, resolution <= {RESOLUTION})")
 
 
 def main() -> None:
@@ -287,7 +345,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from qlora_lockstep import one_arena
+
     from diag.machine.device import cpu_threads
+
+    one_arena()  # before any thread: the regret's lockstep rounds run Trainers in threads
 
     with cpu_threads():  # as every diag run_*: on a CPU, DIAG_CPU_THREADS (default 1)
         main()

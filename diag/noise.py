@@ -65,6 +65,19 @@ def spread(samples: Sequence[float]) -> float:
     return (q3 - q1) / statistics.median(samples)
 
 
+def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """The median and its distribution-free interval (no assumption on the noise's shape): order
+    statistics k and n-k+1, k the largest with P(Binomial(n, 1/2) < k) <= (1 - level) / 2. Under
+    6 values no pair reaches 95%: the interval is then the smallest and largest (5: 93.8%)."""
+    xs, n = sorted(values), len(values)
+    k, tail = 0, 0.0
+    while tail + math.comb(n, k) / 2 ** n <= (1 - level) / 2:
+        tail += math.comb(n, k) / 2 ** n
+        k += 1
+    k = max(k, 1)
+    return statistics.median(xs), xs[k - 1], xs[n - k]
+
+
 @dataclass(frozen=True)
 class Comparison:
     """Side a against side b: their medians, spreads and whether the gap is resolved."""

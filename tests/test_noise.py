@@ -54,3 +54,19 @@ def test_rounds_stop_when_resolved_and_keep_going_while_not():
 def test_rounds_stop_at_the_budget_but_never_below_the_minimum():
     rounds = noise.Rounds(lambda: [1.0, 1.0], lambda s: True, budget_s=0.0)
     assert [len(s) for s in rounds.run()] == [5, 5] and rounds.out_of_time
+
+
+def test_the_median_interval_holds_the_true_median_as_often_as_it_says():
+    # skewed noise (a step slowed by the load is far slower, never far faster): lognormal,
+    # true median 1.0; the interval must cover it >= 95% of the time and narrow with n
+    rng = random.Random(11)
+    for n in (6, 12, 30):
+        draws = [noise.median_interval([rng.lognormvariate(0, 0.2) for _ in range(n)])
+                 for _ in range(2000)]
+        assert sum(lo <= 1.0 <= hi for _, lo, hi in draws) / len(draws) >= 0.95
+    widths = {n: sorted(hi - lo for _, lo, hi in (noise.median_interval(
+        [rng.lognormvariate(0, 0.2) for _ in range(n)]) for _ in range(200)))[100]
+        for n in (6, 30)}
+    assert widths[30] < widths[6] / 2
+    # order statistics 2 and 8 of 9 (P(Binomial(9, 1/2) < 2) = 10/512 <= 2.5%), median 5
+    assert noise.median_interval([9, 1, 8, 2, 7, 3, 6, 4, 5]) == (5, 2, 8)
