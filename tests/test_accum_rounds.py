@@ -94,16 +94,19 @@ def _ms(*values: float) -> list[float]:
 
 
 def test_a_real_two_fold_gap_resolves_and_sides_alike_keep_the_naive_micro_batch(clock):
-    # 2 and 4 as fast as each other, 1 twice as slow: resolved, never called noise
+    # 2 and 4 as fast as each other, 1 twice as slow: resolved, never called noise; of the tied
+    # two, the least accumulation (4 x 1: the Trainer pays per micro-batch)
     fast = _ms(10, 11, 12, 13, 14)
     got, timed = _decided({1: [2 * s for s in fast], 2: fast, 4: fast}, clock)
-    assert (got.value, got.resolved, got.basis, got.tied) == (2, True, "measured", (4,))
+    assert (got.value, got.resolved, got.basis, got.tied) == (4, True, "measured", (2,))
     assert (got.baseline_s, got.chosen_s) == (pytest.approx(0.024), pytest.approx(0.012))
-    assert "micro-batch 2 x 2 (0.012 CPU s per step), the fastest of 3 points, against " \
-           "micro-batch 1 x 4 (0.024 CPU s per step): resolved (2.00x" in got.why
+    assert "micro-batch 4 x 1 (0.012 CPU s per step) against micro-batch 1 x 4 (0.024 CPU s " \
+           "per step): resolved (2.00x" in got.why
+    assert "within noise of the fastest, micro-batch 2 x 2 (0.012 CPU s per step): the least " \
+           "accumulation of them" in got.why
     assert got.why.endswith("; compared on CPU seconds of the step (the device is this CPU; "
                             "wall time on a shared box measures the scheduler)")
-    assert "; within noise of it: micro-batch 4" in got.why
+    assert "; within noise of the fastest: micro-batch 2" in got.why
     # 2 and 4 stay tied: re-timed until the budget (0.012 s a step, 2 s) or 16 rounds ran out
     assert timed.groupby("micro_batch")["repeat"].max().to_dict() == {1: 4, 2: 20, 4: 20}
     # every point the same schedule: no gap resolves, 1 is kept, within noise
