@@ -115,7 +115,7 @@ def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig) -> Di
         # opened once, by the first step that calls src() (a failed open: the next one retries)
         src = functools.cache(lambda: stack.enter_context(open_sources(job)))
         d = run(d, JOB, lambda: measure.job_inputs(job, src()))
-        steps = measure.Steps(job)  # the decisions' job steps: one base per checkpointing
+        steps = stack.enter_context(contextlib.closing(measure.Steps(job)))  # one base each
         if cfg.accum:
             d = run(d, ACCUM, lambda: measure.accum_on_job(job, _need(d.job, JOB), steps=steps))
         d = run(d, CHECKPOINTING, lambda: measure.checkpointing_on_job(

@@ -240,8 +240,8 @@ def time_step(cfg: QLoraConfig, plan: Plan, src: Sources
 def _load_moved(saved: pd.DataFrame, runs: list[dict[str, Any]], timed: list[float]
                 ) -> pd.DataFrame:
     """The step stages' evidence says whether the naive steps the runs met (warm-up and steady,
-    every round) are the step timed before them (diag.noise): resolved apart, the machine's
-    load moved between them and a miss of warmup or train is the load's, not the chain's."""
+    every round) are the step timed before them (diag.noise): resolved apart, a miss of warmup
+    or train is the step's start (the load moved, or the Trainer adds to it), not the chain's."""
     from diag.noise import compare as apart
 
     met = []
@@ -254,7 +254,8 @@ def _load_moved(saved: pd.DataFrame, runs: list[dict[str, Any]], timed: list[flo
     got = apart(timed, met)
     line = (f"; the naive step the runs met {statistics.median(met):.3g} s vs "
             f"{statistics.median(timed):.3g} s timed before them: {got.describe()}"
-            + (": the machine's load moved between them" if got.resolved else ""))
+            + (": the runs met another step (the machine's load moved, or the Trainer adds to "
+               "it)" if got.resolved else ""))
     steps = saved["stage"].isin(["warmup", "train"])
     return saved.assign(evidence=saved["evidence"].where(~steps, saved["evidence"] + line))
 
