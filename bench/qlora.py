@@ -5,7 +5,8 @@ sweep, loader sweep and checkpointing on vs off, all on the nf4 + LoRA step), as
 does; then both plans run interleaved over --rounds rounds (order alternating). Prints:
 - `qlora_naive_over_optimized`: per trained token (both counts shown), median and range;
 - `qlora_prediction_error` (goal <= 0.25): the worst |measured - predicted| / predicted over the
-  run-level stages the fixes touch (predictions from the decisions only, diag.qlora.predict);
+  run-level stages the fixes touch (predictions from the decisions only, diag.qlora.predict;
+  on a CPU warmup and train in the step's CPU seconds, the per-start stages in wall);
   a step stage's says whether the naive step the runs met is the one timed before them;
 - `qlora_mfu_vs_counter` (within 0.05 of 1.0): diag's executed FLOPs of one step against
   FlopCounterMode's count plus the 4-bit forward matmuls it cannot see;
@@ -117,9 +118,10 @@ def prediction_error(result: Any) -> None:
         return
     worst = checked.loc[checked["error_share"].idxmax()]
     met = str(worst["evidence"]).partition("; the naive step the runs met ")[2]
+    unit = "CPU s" if worst["clock"] == "CPU" else "s"
     print(f"qlora_prediction_error: {worst['error_share']:.3g} (worst of {len(checked)} "
-          f"predicted stages: {worst['stage']}, predicted {worst['predicted_s']:.3g} s, "
-          f"measured {worst['measured_s']:.3g} s"
+          f"predicted stages: {worst['stage']}, predicted {worst['predicted_s']:.3g} {unit}, "
+          f"measured {worst['measured_s']:.3g} {unit}"
           + (f"; the naive step the runs met {met}" if met else "") + ") (goal <= 0.25)")
 
 

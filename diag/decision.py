@@ -108,8 +108,10 @@ class Decision:
     per: str = ""
     baseline_s: float | None = None
     chosen_s: float | None = None
-    # seconds per step with the baseline value over with the other, timed at the naive plan's
-    # micro-batch (checkpointing: the on/off ratio a naive step pays; None: not timed there)
+    # seconds per step with the baseline value over with the chosen one, timed at the naive
+    # plan's micro-batch, on the clock compared (CPU seconds on a CPU) (checkpointing: the on/off
+    # ratio a naive step pays; micro_batch: the naive micro-batch's step over the chosen one's;
+    # None: not timed there)
     naive_ratio: float | None = None
     # How sure a timed choice is (diag.noise): timed samples and spread (IQR / median)
     # of the chosen side and of the side it was judged against, in that order; whether that gap

@@ -133,9 +133,10 @@ def test_on_a_cpu_the_steps_cpu_seconds_decide_and_wall_seconds_still_price(cloc
     assert frame.groupby("micro_batch")["cpu_s"].median().to_dict() == \
         pytest.approx({1: 0.024, 4: 0.012})
     assert (got.baseline_s, got.chosen_s) == (pytest.approx(0.012), pytest.approx(0.024))
+    assert got.naive_ratio == pytest.approx(2.0)  # what predict's chain scales by: the compared
     # the same steps on a GPU: wall seconds are the device's time, and micro-batch 1 is kept
     (gpu,) = decide(frame, MeasuredOn(device="cuda:0"))
-    assert (gpu.value, gpu.resolved) == (1, True)
+    assert (gpu.value, gpu.resolved, gpu.naive_ratio) == (1, True, 1.0)
     assert gpu.why.endswith("; compared on wall seconds of the step (the device's time)")
 
 

@@ -163,6 +163,32 @@ def test_the_naive_step_timed_before_the_runs_starts_the_chain():
         ("micro_batch", "warmup"), "per_step_s"] == pytest.approx(2.0 - 1.0)
 
 
+def test_the_micro_batch_ratio_is_the_one_its_sweep_compared_not_the_wall_prices():
+    # a CPU sweep compares CPU seconds (3x) while its wall prices read 2x: the chain scales the
+    # naive step by the ratio compared, and says which clock it is
+    naive, opt = _plans()
+    micro = _measured("micro_batch", 4, baseline=1, stage="compute", per="step",
+                      baseline_s=2.0, chosen_s=1.0, naive_ratio=3.0, source="accum",
+                      measured_on=MeasuredOn(device="cpu"))
+    opt = dataclasses.replace(opt, decisions=tuple(
+        micro if d.setting == "micro_batch" else d for d in opt.decisions))
+    rows = predict(naive, opt, COUNTS, naive_step=(6.0, "CPU seconds, timed 5x")).set_index(
+        ["setting", "stage"])
+    assert rows.at[("micro_batch", "train"), "per_step_s"] == pytest.approx(6.0 - 2.0)
+    assert "micro-batch 1 over 4 3x per step measured (measured) in CPU seconds; the step 6 s " \
+        "-> 2 s" in rows.at[("micro_batch", "train"), "evidence"]
+
+
+def test_a_stage_checked_on_the_cpu_clock_says_so():
+    table = _table({"train": (30.0, 10.0), "fetch_data": (5.0, 1.0)}).assign(
+        clock=lambda t: t["stage"].map({"train": "CPU", "fetch_data": "wall"}))
+    got = savings(table, predict(*_plans(), COUNTS)).set_index("stage")
+    assert got.at["train", "clock"] == "CPU" and got.at["fetch_data", "clock"] == "wall"
+    assert got.at["train", "evidence"].startswith("naive 30 CPU s -> optimized 10 CPU s; ")
+    assert got.at["fetch_data", "evidence"].startswith("naive 5 s -> optimized 1 s; ")
+    assert got.at["warmup", "clock"] == "wall"  # a stage the table has no clock for
+
+
 def test_a_checkpointing_naive_step_pays_the_on_off_ratio_its_decision_measured():
     # the micro-batch sweep times its steps with checkpointing off; the naive plan checkpoints,
     # so its step is the sweep's 2.0 s x the decision's on/off ratio (1.8 / 1.2)
@@ -302,7 +328,7 @@ def test_measured_by_stage_puts_step_level_parts_in_train_and_skips_step_rows():
 
 
 SAVINGS_COLUMNS = ["stage", "finding", "predicted_s", "measured_s", "error_share", "flagged",
-                   "evidence"]
+                   "clock", "evidence"]
 
 
 def test_savings_row_by_row_largest_measured_first():

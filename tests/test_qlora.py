@@ -171,6 +171,16 @@ def test_savings_and_advice(both):
         # and whether the runs met that step, or the load moved (5 timed + 2 rounds x 3 steps)
         assert "timed before them: " in saved.at[stage, "evidence"]
         assert "5 + 6 samples, spread " in saved.at[stage, "evidence"]
+    # on this CPU the step stages are checked on the clock the naive step was timed on: the
+    # runs' CPU seconds of those steps (a shared box's load moves their wall seconds), the
+    # median round of each plan; the per-start stages on wall
+    assert "CPU seconds, its own rows" in saved.at["train", "evidence"]
+    assert saved["clock"].to_dict() == {s: "CPU" if s in ("warmup", "train") else "wall"
+                                        for s in saved.index}
+    cpu = both.rounds.groupby("plan")[["warmup_cpu_s", "train_cpu_s"]].median()
+    for stage in ("warmup", "train"):
+        assert saved.at[stage, "measured_s"] == pytest.approx(
+            cpu.at["naive", f"{stage}_cpu_s"] - cpu.at["optimized", f"{stage}_cpu_s"])
     # the micro-batch is measured on the job: on 2 busy cores 1 and 3 rows can come out near a
     # tie either way, so the finding names it exactly when the plan changed it
     micro = both.frame.set_index("plan").at["optimized", "micro_batch"]

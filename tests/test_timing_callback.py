@@ -57,17 +57,17 @@ class Clock(TrainerCallback):
         self.end[state.global_step - 1] = time.perf_counter()  # counted before this hook
 
 
-def _train(tmp_path, warmup=1, clocks=(), data=None, **args):
+def _train(tmp_path, warmup=1, clocks=(), data=None, model=None, callback=None, **args):
     from transformers import Trainer, TrainingArguments
 
     import diag
 
-    callback = diag.TimingCallback(warmup_steps=warmup)
+    callback = callback or diag.TimingCallback(warmup_steps=warmup)
     targs = TrainingArguments(
         output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=MICRO,
         per_device_eval_batch_size=4, gradient_accumulation_steps=ACCUM, report_to=[],
         use_cpu=True, disable_tqdm=True, remove_unused_columns=False, logging_steps=1, **args)
-    trainer = Trainer(model=SlowModel(), args=targs,
+    trainer = Trainer(model=model or SlowModel(), args=targs,
                       train_dataset=SlowData() if data is None else data,
                       eval_dataset=torch.utils.data.Subset(SlowData(), range(8)),
                       callbacks=[*clocks[:1], callback, *clocks[1:]])
@@ -110,6 +110,35 @@ def test_stages_carry_the_injected_costs(tmp_path):
     train = float(frame.loc[frame["stage"] == "train", "seconds"].sum())
     assert steps["seconds"].sum() <= train + 1e-6
     assert train - steps["seconds"].sum() < 2 / 3 * evals
+
+
+class BurningModel(SlowModel):
+    """Each forward pass waits COMPUTE_S (no CPU) and then burns BURN_S of this process's CPU."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = super().forward(x)
+        until = time.process_time() + BURN_S
+        while time.process_time() < until:
+            pass
+        return out
+
+
+BURN_S = 0.05
+
+
+def test_each_step_has_its_own_cpu_seconds_apart_from_its_waits(tmp_path):
+    # what predict's check reads on a CPU: a step's CPU seconds hold its burned CPU and not its
+    # waits (the sleeps, a load's time off the CPU), one figure per step, stage by step
+    import diag
+
+    callback = diag.TimingCallback(warmup_steps=2)
+    frame = _train(tmp_path, model=BurningModel(), callback=callback, save_strategy="no")
+    assert [(step, stage) for step, stage, _ in callback.cpu_steps] == [
+        (0, "warmup"), (1, "warmup"), (2, "train"), (3, "train"), (4, "train")]
+    waits = ACCUM * (COMPUTE_S + MICRO * DATA_S)  # a step's sleeps
+    wall = frame[frame["step"].notna()].groupby("step")["seconds"].sum()
+    for step, _, cpu in callback.cpu_steps[2:]:
+        assert ACCUM * BURN_S <= cpu < ACCUM * BURN_S + waits / 2 < wall[step]
 
 
 def test_warmup_zero_times_every_step(tmp_path):

@@ -78,8 +78,9 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
     CPU seconds on a CPU, else wall): the fastest point where its gap to micro-batch `baseline`
     (the naive plan's; the smallest that ran when it did not) is resolved, else `baseline`
     kept, "within noise". Priced per step in wall seconds against `baseline` where it ran; no
-    point that ran: the documented default, said so. repeats_s: the seconds re-timing the
-    finalists took."""
+    point that ran: the documented default, said so; `naive_ratio`: `baseline`'s step over the
+    chosen one's on the clock compared (predict's chain on a CPU). repeats_s: the seconds
+    re-timing the finalists took."""
     from diag.accum.sweep import step_clock
     from diag.noise import spread
 
@@ -128,7 +129,9 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
         "micro_batch", micro, why, ok[ok["micro_batch"].isin({micro, ref, pick.best})],
         source="accum", measured_on=measured_on, baseline=baseline, stage="compute",
         per="step", baseline_s=wall[baseline] if baseline in wall else None,
-        chosen_s=wall[micro], samples=tuple(len(times[m]) for m in sides),
+        chosen_s=wall[micro], naive_ratio=statistics.median(times[baseline]) /
+        statistics.median(times[micro]) if baseline in times else None,
+        samples=tuple(len(times[m]) for m in sides),
         spread=tuple(spread(times[m]) for m in sides), tied=tied,
         resolved=pick.resolved, repeats_s=repeats_s),)
 

@@ -55,7 +55,8 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
     (diag.noise); within noise the naive plan's on is kept. On resolved faster than off
     cannot be (recomputing adds work): after re-measuring (`pending`), the default, said so,
     and no ratio is priced. `naive_ratio`: on/off seconds at `naive_micro_batch` where resolved
-    (1.0 within noise). Compared on `device`'s clock (step_clock), priced in wall seconds."""
+    (1.0 within noise). Compared on `device`'s clock (step_clock), priced in wall seconds
+    (naive_ratio on the clock compared)."""
     from diag.accum import step_clock
     from diag.noise import compare, spread
 
@@ -109,18 +110,17 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
 
 def _naive_ratio(naive: pd.DataFrame, micro: int | None, column: str = "seconds"
                  ) -> tuple[float | None, str]:
-    """On/off wall seconds at the naive micro-batch where the gap on `column` resolved (1.0
-    within noise; None where a side is missing, took no time or was the impossible one), and
-    the why's note."""
+    """On/off seconds on `column` (the clock compared) at the naive micro-batch where their gap
+    resolved (1.0 within noise; None where a side is missing, took no time or was the
+    impossible one), and the why's note."""
     from diag.noise import compare
 
     if not {True, False} <= set(naive["gradient_checkpointing"].astype(bool)):
         return None, ""
     on, off = _sides(naive, column)
     at = compare(on, off) if min(statistics.median(on), statistics.median(off)) > 0 else None
-    wall = [statistics.median(side) for side in _sides(naive)]
     ratio = (None if at is None or at.faster == "a" else
-             wall[0] / wall[1] if at.resolved else 1.0)
+             statistics.median(on) / statistics.median(off) if at.resolved else 1.0)
     return ratio, (f"; at the naive micro-batch {micro}: "
                    + (at.describe() if at else "a side took no time")
                    + (", no ratio priced" if ratio is None else ""))

@@ -122,10 +122,12 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
     if len(plans) == 2:
         slots = frame.set_index("plan")["token_slots"].astype(int).to_dict()
         counts = Counts(cfg.steps, cfg.warmup_steps, slots)  # counted, not timed
-        saved = savings(_median_stages(runs, shares),
+        # the step stages on the clock the naive step was timed on (CPU seconds on a CPU)
+        cpu = bool(naive_step) and naive_step[3] == "cpu_s"
+        saved = savings(_median_stages(runs, shares, cpu),
                         predict(plans[0], plans[1], counts, timed, naive_step and naive_step[:2]))
         if naive_step:
-            saved = _load_moved(saved, runs, naive_step[2])
+            saved = _load_moved(saved, runs, naive_step[2], cpu)
         saved.loc[saved["stage"] == "load_model", "evidence"] += (
             "; measured: one load per plan, by its round 0 (later rounds reuse that base)")
     advice = saved.rename(columns={"measured_s": "seconds_saved"})[
@@ -210,13 +212,14 @@ class RowsStep(QLoraStep):
 
 
 def time_step(cfg: QLoraConfig, plan: Plan, src: Sources
-              ) -> tuple[float, str, list[float]] | None:
+              ) -> tuple[float, str, list[float], str] | None:
     """The plan's own optimizer step on the job (its first step's rows, micro-batch x
     accumulation, checkpointing), one warm-up step then cfg.sweep_steps timed through
-    diag.accum's harness: (median seconds, what was timed and its spread, the samples); None if
-    it ran out of memory. Timed just before the runs, it meets the load they meet (unless the
-    load moves: `_load_moved` says so after them): predict's naive step."""
-    from diag.accum import train_points
+    diag.accum's harness, on the device's clock (diag.accum.step_clock: CPU seconds on a CPU,
+    whose wall seconds move with the load; else wall): (median, what was timed and its spread,
+    the samples, the clock's column); None if it ran out of memory. Timed just before the runs
+    (`_load_moved` says after them whether they met it): predict's naive step."""
+    from diag.accum import step_clock, train_points
     from diag.noise import spread
     from diag.qlora.data import build_dataset, job_records
     from diag.qlora.measure import job_inputs
@@ -228,32 +231,38 @@ def time_step(cfg: QLoraConfig, plan: Plan, src: Sources
     step = RowsStep(cfg, job.model_dir, job.device, plan, [data.dataset[i] for i in range(n)])
     timed = train_points([step], [(data.micro_batch, data.grad_accum)], repeats=cfg.sweep_steps,
                          warmup_steps=1, desc=f"the {plan.name} step")
-    seconds = list(timed.loc[timed["status"] == "ok", "seconds_per_step"])
+    column = step_clock(job.device.type)[0]
+    seconds = list(timed.loc[timed["status"] == "ok", column])
     if not seconds:
         return None
     return statistics.median(seconds), (
-        f"its own rows, micro-batch {data.micro_batch} x {data.grad_accum}, checkpointing "
+        f"{'CPU' if column == 'cpu_s' else 'wall'} seconds, its own rows, micro-batch "
+        f"{data.micro_batch} x {data.grad_accum}, checkpointing "
         f"{'on' if plan.gradient_checkpointing else 'off'}, timed {len(seconds)}x on the job "
-        f"before the runs, spread {spread(seconds):.0%}"), seconds
+        f"before the runs, spread {spread(seconds):.0%}"), seconds, column
 
 
-def _load_moved(saved: pd.DataFrame, runs: list[dict[str, Any]], timed: list[float]
-                ) -> pd.DataFrame:
+def _load_moved(saved: pd.DataFrame, runs: list[dict[str, Any]], timed: list[float],
+                cpu: bool = False) -> pd.DataFrame:
     """The step stages' evidence says whether the naive steps the runs met (warm-up and steady,
-    every round) are the step timed before them (diag.noise): resolved apart, a miss of warmup
-    or train is the step's start (the load moved, or the Trainer adds to it), not the chain's."""
+    every round; cpu: their CPU seconds, the clock `timed` is on) are the step timed before them
+    (diag.noise): resolved apart, a miss of warmup or train is the step's start (the load moved,
+    or the Trainer adds to it), not the chain's."""
     from diag.noise import compare as apart
 
     met = []
     for run in (r for r in runs if r["summary"]["plan"] == "naive"):
         rows = run["stages"]
+        if cpu:
+            met += [c for _, _, c in run["cpu_steps"]]
+            continue
         met += list(rows.loc[rows["stage"] == "warmup", "seconds"])  # a row per warm-up step
         met += list(rows[rows["step"].notna()].groupby("step")["seconds"].sum())
     if not met:
         return saved
-    got = apart(timed, met)
-    line = (f"; the naive step the runs met {statistics.median(met):.3g} s vs "
-            f"{statistics.median(timed):.3g} s timed before them: {got.describe()}"
+    got, unit = apart(timed, met), "CPU s" if cpu else "s"
+    line = (f"; the naive step the runs met {statistics.median(met):.3g} {unit} vs "
+            f"{statistics.median(timed):.3g} {unit} timed before them: {got.describe()}"
             + (": the runs met another step (the machine's load moved, or the Trainer adds to "
                "it)" if got.resolved else ""))
     steps = saved["stage"].isin(["warmup", "train"])
@@ -261,7 +270,7 @@ def _load_moved(saved: pd.DataFrame, runs: list[dict[str, Any]], timed: list[flo
 
 
 def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources
-                   ) -> tuple[tuple[Decision, ...], tuple[float, str, list[float]] | None]:
+                   ) -> tuple[tuple[Decision, ...], tuple[float, str, list[float], str] | None]:
     """time_starts and the naive plan's step (both plans run: the predictions' start, timed at
     the load the runs meet), then what a start imports (the Trainer's module, peft,
     bitsandbytes: seconds) paid before the rounds: in a process of its own each plan's start
@@ -302,16 +311,25 @@ def _per_plan(every: pd.DataFrame, once: dict[str, float]) -> pd.DataFrame:
     return pd.DataFrame(rows).drop(columns=["round"])
 
 
-def _median_stages(runs: list[dict[str, Any]], shares: Any) -> pd.DataFrame:
+def _median_stages(runs: list[dict[str, Any]], shares: Any, cpu: bool = False
+                   ) -> pd.DataFrame:
     """Each plan's run-level seconds per stage, the median over rounds (measured side of the
-    prediction check; one noisy round cannot swing it)."""
+    prediction check; one noisy round cannot swing it); cpu: warmup and train in the process's
+    CPU seconds of those steps (the TimingCallback's), the clock they were predicted on."""
     import pandas as pd
 
     tables = [shares(r["stages"]).assign(round=r["summary"]["round"]) for r in runs]
     both = pd.concat(tables, ignore_index=True)
     both["stage"] = both["stage"].where(both["level"] == "run", "train")
     per = both.groupby(["run", "round", "stage"])["seconds"].sum().reset_index()
-    med = per.groupby(["run", "stage"])["seconds"].median().reset_index()
+    steps = per["stage"].isin(["warmup", "train"]) if cpu else per["stage"].isna()
+    if cpu:
+        got = {(r["summary"]["plan"], r["summary"]["round"], stage): r["summary"][f"{stage}_cpu_s"]
+               for r in runs for stage in ("warmup", "train")}
+        per.loc[steps, "seconds"] = [got[k] for k in zip(*(per.loc[steps, c] for c in
+                                                           ("run", "round", "stage")))]
+    per["clock"] = steps.map({True: "CPU", False: "wall"})
+    med = per.groupby(["run", "stage", "clock"])["seconds"].median().reset_index()
     return med.assign(level="run")
 
 

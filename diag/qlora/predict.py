@@ -12,15 +12,18 @@ stage's predicted saving beside the measured one (naive minus optimized); a miss
 PREDICTION_TOLERANCE of the prediction and over PREDICTION_FLOOR_S is flagged, both ways.
 
 Step fixes are chained in step space so they add up: the naive step (the naive plan's own step
-timed on the job just before the runs, at the load they meet, where run_qlora timed it; else
-the accum decision's baseline, scaled from the tokens per step it was timed at,
-`MeasuredOn.tokens_per_step`, to the naive plan's, and by the checkpointing decision's
-`naive_ratio` when the naive plan checkpoints; a ratio below 1, checkpointing making a step
-faster, is refused: nothing in the chain is priced) is scaled by each compute fix's
-chosen/baseline ratio in turn (micro-batch, checkpointing, packing's token slots); the data_wait
-fixes save their measured seconds per step. Per-step savings count once per steady step
-(`train`) and once per warm-up step (`warmup`); per-start savings once (`fetch_data`,
-`load_model`, `preprocess`).
+timed on the job just before the runs, where run_qlora timed it; else the accum decision's
+baseline, scaled from the tokens per step it was timed at, `MeasuredOn.tokens_per_step`, to the
+naive plan's, and by the checkpointing decision's `naive_ratio` when the naive plan
+checkpoints; a ratio below 1, checkpointing making a step faster, is refused: nothing in the
+chain is priced) is scaled by each compute fix's ratio in turn (micro-batch: its `naive_ratio`
+on the clock the sweep compared, else chosen/baseline; checkpointing; packing's token slots);
+the data_wait fixes save their measured seconds per step. Per-step savings count once per
+steady step (`train`) and once per warm-up step (`warmup`); per-start savings once
+(`fetch_data`, `load_model`, `preprocess`). On a CPU the naive step is timed in CPU seconds and
+run_qlora checks warmup and train in the runs' CPU seconds (`clock` "CPU"): a shared box's load
+moves a step's wall seconds 1.5-5x within a minute, which no figure taken before the runs can
+foresee, and its CPU seconds a few percent; the per-start stages and a GPU's are wall seconds.
 """
 
 from __future__ import annotations
@@ -119,6 +122,11 @@ def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decisi
             new = step / ratio
             why = (f"{d.source}: on/off {ratio:.3g} measured at the naive micro-batch "
                    f"{naive.micro_batch} ({d.basis}); the step {step:.3g} s -> {new:.3g} s")
+        elif setting == "micro_batch" and d.naive_ratio:  # on the clock the sweep compared
+            new = step / d.naive_ratio
+            why = (f"{d.source}: micro-batch {d.baseline} over {b[setting]} "
+                   f"{d.naive_ratio:.3g}x per step measured ({d.basis}) in {_clock(d)} seconds; "
+                   f"the step {step:.3g} s -> {new:.3g} s")
         else:
             new = step * got[1] / got[0]
             why = (f"{d.source}: {got[1]:.3g} s / {got[0]:.3g} s per step measured "
@@ -213,6 +221,11 @@ def _slots_scale(d: Any, naive: Plan, counts: Counts) -> float:
     return slots / counts.steps / float(measured)
 
 
+def _clock(d: Any) -> str:
+    """The clock a step decision compared on (diag.accum.step_clock): CPU on a CPU, else wall."""
+    return "CPU" if str(d.measured_on.device).split(":")[0] == "cpu" else "wall"
+
+
 def _unpriced(d: Any, extra: str = "") -> str:
     where = f"{d.setting} is {d.basis}: {d.why}" if d is not None else "no decision"
     return f"not predicted ({extra or 'no measured seconds'}); {where}"
@@ -240,24 +253,29 @@ def measured_by_stage(table: pd.DataFrame) -> dict[str, dict[str, float]]:
 
 def savings(table: pd.DataFrame, predicted: pd.DataFrame) -> pd.DataFrame:
     """Per run-level stage a fix touches: predicted vs measured saving (naive - optimized);
-    flagged when |measured - predicted| > PREDICTION_TOLERANCE x |predicted|."""
+    flagged when |measured - predicted| > PREDICTION_TOLERANCE x |predicted|. `clock`: the
+    table's for that stage where it has one ("CPU": the step stages on a CPU, see predict), else
+    wall."""
     import pandas as pd
 
-    cols = ["stage", "finding", "predicted_s", "measured_s", "error_share", "flagged",
+    cols = ["stage", "finding", "predicted_s", "measured_s", "error_share", "flagged", "clock",
             "evidence"]
     per = measured_by_stage(table)
     if not {"naive", "optimized"} <= set(per) or predicted.empty:
         return pd.DataFrame(columns=cols)
     naive, opt = per["naive"], per["optimized"]
+    clocks = dict(zip(table["stage"], table["clock"])) if "clock" in table.columns else {}
     rows = []
     for stage, fixes in predicted.groupby("stage", sort=False):
         priced = fixes["predicted_s"].dropna()
         pred = float(priced.sum()) if not priced.empty else None
         measured = naive.get(stage, 0.0) - opt.get(stage, 0.0)
+        clock = clocks.get(stage, "wall")
+        unit = "CPU s" if clock == "CPU" else "s"
         rows.append(check(stage, "; ".join(dict.fromkeys(fixes["change"])), pred, measured,
-                          f"naive {naive.get(stage, 0.0):.3g} s -> optimized "
-                          f"{opt.get(stage, 0.0):.3g} s; predicted from "
-                          + " | ".join(fixes["evidence"])))
+                          f"naive {naive.get(stage, 0.0):.3g} {unit} -> optimized "
+                          f"{opt.get(stage, 0.0):.3g} {unit}; predicted from "
+                          + " | ".join(fixes["evidence"])) | {"clock": clock})
     out = pd.DataFrame(rows, columns=cols)
     return out.sort_values("measured_s", ascending=False, ignore_index=True)
 

@@ -257,7 +257,8 @@ def _fixes(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
     savings = frames.get("qlora_savings")
     if savings is not None and not savings.empty:
         items = "".join(
-            f"<li><b>{_esc(r.finding)}</b> ({_esc(r.stage)}): "
+            f"<li><b>{_esc(r.finding)}</b> ({_esc(r.stage)}"
+            + ("; CPU seconds" if getattr(r, "clock", "") == "CPU" else "") + "): "
             + (f"predicted {seconds(r.predicted_s)}, " if r.predicted_s == r.predicted_s else
                "not predicted, ") + f"measured {seconds(r.measured_s)}"
             + (f" <span class=flag>(off by {share(r.error_share)})</span>"

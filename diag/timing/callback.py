@@ -39,6 +39,12 @@ class TimingCallback(TrainerCallback):
         self.device = device
         self._sync: Any = None
         self._mark: float | None = None  # end of the last timed thing: a step, a save, an eval
+        self._cpu_mark = 0.0  # this process's CPU clock (time.process_time) at _mark
+        # (step, its run-level stage: warmup or train, CPU seconds of this process from the mark
+        # before the step to its end: its batches fetched here, forward, backward, optimizer, all
+        # its threads; DataLoader workers are other processes): on a CPU device the step's own
+        # work, which the machine's load barely moves (its wall seconds move 1.5-5x)
+        self.cpu_steps: list[tuple[int, str, float]] = []
         self._begin = 0.0
         self._wait = 0.0
         self._gather = 0.0  # of this step: the token-count gather's wait (under DDP)
@@ -71,7 +77,8 @@ class TimingCallback(TrainerCallback):
         if ddp is not None and self.timer.comm is None:  # before the first forward
             self.timer.watch_comm(ddp)
             self._clock_fetch(self.trainer)
-        self._mark = self._now()  # the first step's wait includes the loader's start-up
+        self._mark, self._cpu_mark = self._now(), time.process_time()  # the first step's wait
+        # includes the loader's start-up
         if self.setup_from is not None:
             self.timer.record("setup", max(self._mark - self.setup_from, 0.0))
             self.setup_from = None  # a second train() call sets it again
@@ -112,7 +119,8 @@ class TimingCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now = self._now()
         step = state.global_step - 1  # the Trainer counted this step before calling us
-        if step - self._first < self.warmup_steps:
+        warm = step - self._first < self.warmup_steps
+        if warm:
             self.timer.record("warmup", self._wait + self._gather + now - self._begin)
             if step - self._first == self.warmup_steps - 1:
                 self._steady_start = now
@@ -124,16 +132,18 @@ class TimingCallback(TrainerCallback):
             if inside is not None:
                 self.timer.record("comm_wait", self._gather + inside, step=step)
             self.timer.record("compute", now - self._begin - (inside or 0.0), step=step)
+        cpu = time.process_time()
+        self.cpu_steps.append((step, "warmup" if warm else "train", cpu - self._cpu_mark))
         self.timer.flush()  # under a launcher: the finished step survives a kill
         self.steps += 1
-        self._mark = now
+        self._mark, self._cpu_mark = now, cpu
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None,
                **kwargs: Any) -> None:
         # logging is per-step overhead: the gap it leaves shows as `other` inside `train`; an
         # evaluation logs its metrics before on_evaluate, so it must not move the mark
         if not any(str(k).startswith("eval_") for k in (logs or {})):
-            self._mark = self._now()
+            self._mark, self._cpu_mark = self._now(), time.process_time()
 
     def _side_stage(self, name: str) -> None:
         now = self._now()
@@ -142,7 +152,7 @@ class TimingCallback(TrainerCallback):
             self.timer.record(name, seconds)
             if self._steady_start is not None:
                 self._side += seconds
-        self._mark = now
+        self._mark, self._cpu_mark = now, time.process_time()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._side_stage("eval")
