@@ -89,7 +89,7 @@ def test_an_unmeasured_decision_is_listed_unpriced_never_invented():
 def test_measured_seconds_cannot_leak_into_a_prediction():
     # the signature takes plans, counts and what was timed before the run: no frame of it
     params = list(inspect.signature(predict).parameters)
-    assert params == ["naive", "optimized", "counts", "timed", "naive_step"]
+    assert params == ["naive", "optimized", "counts", "timed", "naive_step", "optimized_step"]
     naive, opt = _plans()
     predicted = predict(naive, opt, COUNTS)
     fast = _table({"fetch_data": (5.0, 0.5), "train": (30.0, 10.0)})
@@ -187,6 +187,34 @@ def test_a_stage_checked_on_the_cpu_clock_says_so():
     assert got.at["train", "evidence"].startswith("naive 30 CPU s -> optimized 10 CPU s; ")
     assert got.at["fetch_data", "evidence"].startswith("naive 5 s -> optimized 1 s; ")
     assert got.at["warmup", "clock"] == "wall"  # a stage the table has no clock for
+
+
+def test_the_optimized_step_timed_before_the_runs_ends_the_chain_with_a_row_of_its_own():
+    # naive 6 s; micro-batch 2x, checkpointing 1.5x, packing 2x chain to 1 s; the optimized
+    # plan's own step timed alike is 0.8 s: the fixes together save 0.2 s more per step, said
+    # in a row of their own, and the step fixes add up to the two steps' difference
+    naive, opt = _plans()
+    table = predict(naive, opt, COUNTS, naive_step=(6.0, "timed 5x"),
+                    optimized_step=(0.8, "its own rows, timed 5x"))
+    steady = table[table["stage"] == "train"].set_index("change")
+    together = steady.loc["the step fixes together"]
+    assert together["per_step_s"] == pytest.approx(1.0 - 0.8)
+    assert together["predicted_s"] == pytest.approx(0.2 * 8)  # x the 8 steady steps
+    assert together["finding"] == "the step fixes together, beyond their ratios one at a time"
+    assert together["evidence"].startswith(
+        "the optimized plan's own step 0.8 s (its own rows, timed 5x) against the 1 s the fixes' "
+        "ratios chain to from the naive step")
+    compute = steady.loc[steady["setting"].isin(
+        ["micro_batch", "gradient_checkpointing", "pipeline", ""]), "per_step_s"]
+    assert compute.sum() == pytest.approx(6.0 - 0.8)
+    # without the optimized step, or with a chain that does not end (an unpriced pipeline), no
+    # such row: nothing to set it against
+    assert "the step fixes together" not in set(predict(
+        naive, opt, COUNTS, naive_step=(6.0, "timed"))["change"])
+    bare = dataclasses.replace(opt, decisions=opt.decisions)
+    assert "the step fixes together" not in set(predict(
+        naive, bare, Counts(steps=10, warmup_steps=2), naive_step=(6.0, "timed"),
+        optimized_step=(0.8, "timed"))["change"])
 
 
 def test_a_checkpointing_naive_step_pays_the_on_off_ratio_its_decision_measured():

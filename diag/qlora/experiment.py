@@ -5,10 +5,11 @@
 (diag.amdahl), each plan's settings with their evidence, and stage by stage the predicted vs the
 measured saving (a prediction off by more than 25% is flagged, not hidden). What a start's fetch,
 model folder and preprocess cost under each plan is timed before the runs (`time_starts`) where
-no decision measured it, so every stage a fix changes is predicted; the naive plan's step is
-timed there too (`time_step`): the step fixes' predictions start from it, at the load the
-runs meet, not from a sweep's step a minute earlier. Each plan's 4-bit base is loaded and timed
-by its round 0 and reused by its later rounds (diag.qlora.job.Bases).
+no decision measured it, so every stage a fix changes is predicted; each plan's own step is
+timed there too (`time_step`, CPU seconds on a CPU): the step fixes' predictions start from the
+naive one and end at the optimized one, not at a sweep's step a minute earlier. Each plan's
+4-bit base is loaded (and that load timed) once, by its step timed there, and reused by every
+round (diag.qlora.job.Bases).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
     from diag.config import QLoraConfig
     from diag.decision import Decision
-    from diag.qlora.job import Sources
+    from diag.qlora.job import Bases, Sources
 
 
 @dataclass(frozen=True)
@@ -100,9 +101,11 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
         for p in plans:
             with root_first():  # under DDP rank 0 fills the node's caches, then the others hit
                 once[p.name] = prime(cfg, p, src) if p.name == "optimized" else 0.0
-        timed, naive_step = _before_rounds(cfg, plans, src)
         order = [(r, p) for r in range(cfg.rounds) for p in (plans if r % 2 == 0 else plans[::-1])]
-        with Bases() as bases:  # each plan's base loaded by its round 0, reused by the others
+        # each plan's base loaded once, by its own step timed before the rounds (both plans
+        # run) or by its round 0, reused by the other rounds and the FLOP count
+        with Bases() as bases:
+            timed, own = _before_rounds(cfg, plans, src, bases)
             for r, plan in tqdm(order, desc="qlora plans x rounds", leave=False):
                 got = run_plan(cfg, plan, src, bases)
                 got["summary"]["round"] = r
@@ -122,14 +125,16 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
     if len(plans) == 2:
         slots = frame.set_index("plan")["token_slots"].astype(int).to_dict()
         counts = Counts(cfg.steps, cfg.warmup_steps, slots)  # counted, not timed
+        naive_step, opt_step = own.get("naive"), own.get("optimized")
         # the step stages on the clock the naive step was timed on (CPU seconds on a CPU)
         cpu = bool(naive_step) and naive_step[3] == "cpu_s"
         saved = savings(_median_stages(runs, shares, cpu),
-                        predict(plans[0], plans[1], counts, timed, naive_step and naive_step[:2]))
+                        predict(plans[0], plans[1], counts, timed, naive_step and naive_step[:2],
+                                opt_step and opt_step[:2]))
         if naive_step:
             saved = _load_moved(saved, runs, naive_step[2], cpu)
         saved.loc[saved["stage"] == "load_model", "evidence"] += (
-            "; measured: one load per plan, by its round 0 (later rounds reuse that base)")
+            "; measured: one load per plan, as its base first loaded (every round reuses it)")
     advice = saved.rename(columns={"measured_s": "seconds_saved"})[
         ["stage", "finding", "seconds_saved", "evidence"]]
     both = {"naive", "optimized"} <= set(frame["plan"])
@@ -198,8 +203,8 @@ class RowsStep(QLoraStep):
     masks), collated as the Trainer collates them, its checkpointing as the plan's."""
 
     def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any, plan: Plan,
-                 rows: list[dict[str, Any]]) -> None:
-        super().__init__(cfg, model_dir, device, plan.gradient_checkpointing)
+                 rows: list[dict[str, Any]], model: Any = None) -> None:
+        super().__init__(cfg, model_dir, device, plan.gradient_checkpointing, model)
         self._rows = rows
 
     def batches(self, micro_batch: int) -> contextlib.AbstractContextManager[Iterator[Any]]:
@@ -211,26 +216,35 @@ class RowsStep(QLoraStep):
              for i in range(0, len(rows), micro_batch)]))
 
 
-def time_step(cfg: QLoraConfig, plan: Plan, src: Sources
+def time_step(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases
               ) -> tuple[float, str, list[float], str] | None:
     """The plan's own optimizer step on the job (its first step's rows, micro-batch x
-    accumulation, checkpointing), one warm-up step then cfg.sweep_steps timed through
-    diag.accum's harness, on the device's clock (diag.accum.step_clock: CPU seconds on a CPU,
-    whose wall seconds move with the load; else wall): (median, what was timed and its spread,
-    the samples, the clock's column); None if it ran out of memory. Timed just before the runs
-    (`_load_moved` says after them whether they met it): predict's naive step."""
+    accumulation, checkpointing) on the base its rounds will reuse (`bases` loads it: this is
+    its one load), one warm-up step then cfg.sweep_steps timed through diag.accum's harness, on
+    the device's clock (diag.accum.step_clock: CPU seconds on a CPU, whose wall seconds move
+    with the load; else wall): (median, what was timed and its spread, the samples, the
+    clock's column); None if it ran out of memory. Timed just before the runs (`_load_moved`
+    says after them whether they met it): predict's naive and optimized steps."""
     from diag.accum import step_clock, train_points
     from diag.noise import spread
     from diag.qlora.data import build_dataset, job_records
     from diag.qlora.measure import job_inputs
+    from diag.timing import StageTimer
 
     job = job_inputs(cfg, src)  # the landed data and the cached model: hits by now
     data = build_dataset(cfg, plan, job_records(cfg, job.data_path, job.model_dir),
                          job.model_dir, job.data_path)
     n = data.micro_batch * data.grad_accum
-    step = RowsStep(cfg, job.model_dir, job.device, plan, [data.dataset[i] for i in range(n)])
-    timed = train_points([step], [(data.micro_batch, data.grad_accum)], repeats=cfg.sweep_steps,
-                         warmup_steps=1, desc=f"the {plan.name} step")
+    plan = plan.for_device(str(job.device))  # as run_plan keys its base
+    folder, model, _ = bases.load(cfg, plan, src, job.device, StageTimer(trace=False))
+    try:
+        step = RowsStep(cfg, folder, job.device, plan, [data.dataset[i] for i in range(n)],
+                        model)
+        timed = train_points([step], [(data.micro_batch, data.grad_accum)],
+                             repeats=cfg.sweep_steps, warmup_steps=1,
+                             desc=f"the {plan.name} step")
+    finally:
+        bases.release()  # its adapter off: round 0 starts from a fresh one on this base
     column = step_clock(job.device.type)[0]
     seconds = list(timed.loc[timed["status"] == "ok", column])
     if not seconds:
@@ -269,12 +283,12 @@ def _load_moved(saved: pd.DataFrame, runs: list[dict[str, Any]], timed: list[flo
     return saved.assign(evidence=saved["evidence"].where(~steps, saved["evidence"] + line))
 
 
-def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources
-                   ) -> tuple[tuple[Decision, ...], tuple[float, str, list[float], str] | None]:
-    """time_starts and the naive plan's step (both plans run: the predictions' start, timed at
-    the load the runs meet), then what a start imports (the Trainer's module, peft,
-    bitsandbytes: seconds) paid before the rounds: in a process of its own each plan's start
-    pays them alike, here the first alone would, and its set-up and load would not be the
+def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases
+                   ) -> tuple[tuple[Decision, ...], dict[str, tuple[float, str, list[float], str]]]:
+    """time_starts and each plan's own step (both plans run: the predictions' figures, each on
+    the base `bases` keeps for its rounds), then what a start imports (the Trainer's module,
+    peft, bitsandbytes: seconds) paid before the rounds: in a process of its own each plan's
+    start pays them alike, here the first alone would, and its set-up and load would not be the
     plan's. The measurements' models (reference cycles) are collected here, not by a start."""
     import bitsandbytes  # noqa: F401
     import peft  # noqa: F401
@@ -284,13 +298,13 @@ def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources
 
     both = len(plans) == 2
     timed = time_starts(cfg, plans, src) if both else ()
-    naive_step = time_step(cfg, plans[0], src) if both else None
-    trainer_class()
     # a process's first load builds transformers' table of checkpoint renames (0.1-0.5 s on 2
-    # CPUs): each plan's round 0 load is the one its rounds reuse, and the first paid it alone
+    # CPUs): each plan's first load is the one its rounds reuse, and the first paid it alone
     get_checkpoint_conversion_mapping("llama")
+    own = {p.name: time_step(cfg, p, src, bases) for p in plans} if both else {}
+    trainer_class()
     gc.collect()
-    return timed, naive_step
+    return timed, {name: got for name, got in own.items() if got is not None}
 
 
 def _per_plan(every: pd.DataFrame, once: dict[str, float]) -> pd.DataFrame:

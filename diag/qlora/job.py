@@ -193,15 +193,17 @@ def load_base(plan: Plan, folder: Path, device: Any) -> Any:
         gradient_checkpointing_kwargs={"use_reentrant": False})  # what torch recommends
 
 
-REUSED = "measured once per plan, by its round 0: this round reused that base, a fresh adapter"
+REUSED = "measured once per plan, as its base first loaded: this round reused that base, a " \
+    "fresh adapter"
 
 
 class Bases:
     """The 4-bit bases of one comparison, one per plan (model cache, checkpointing, device), for
-    all its rounds: the first round times model_folder + load_model as a start pays them; a later
-    one puts a fresh adapter on the kept base and records the first round's seconds, its row's
-    basis REUSED (never a ~0 s load). release() takes the adapter off after a round (peft's
-    unload(); the base in eval mode, as loaded); an empty cache's download stays in `work`."""
+    all its rounds: the first load (the plan's step timed before the rounds, or its round 0)
+    times model_folder + load_model as a start pays them; a later one puts a fresh adapter on
+    the kept base and records the first load's seconds, its row's basis REUSED (never a ~0 s
+    load). release() takes the adapter off after a round (peft's unload(); the base in eval
+    mode, as loaded); an empty cache's download stays in `work`."""
 
     def __init__(self) -> None:
         self.work = scratch_folder("diag-qlora-bases")  # a killed rank's is swept next time
@@ -227,7 +229,7 @@ class Bases:
             self._held[key] = (folder, self._lent.get_base_model(), timer.total("load_model"))
             return folder, self._lent, False
         folder, base, seconds = self._held[key]
-        timer.record("load_model", seconds)  # the first round's: the caller marks it REUSED
+        timer.record("load_model", seconds)  # the first load's: the caller marks it REUSED
         self._lent = adapted(cfg, base)
         return folder, self._lent, True
 

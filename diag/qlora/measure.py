@@ -33,7 +33,9 @@ class QLoraStep:
     batch: one whole step) a loader sweep's consumer."""
 
     def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any,
-                 gradient_checkpointing: bool = False) -> None:
+                 gradient_checkpointing: bool = False, model: Any = None) -> None:
+        """model: a peft model already loaded as load_model loads it (a kept base's); None:
+        loaded here from model_dir."""
         import dataclasses
 
         import torch
@@ -44,7 +46,7 @@ class QLoraStep:
 
         plan = dataclasses.replace(Plan.naive(), gradient_checkpointing=gradient_checkpointing)
         self.device, self._lr, self._seq_len = device, cfg.lr, cfg.seq_len
-        self.model = load_model(cfg, plan, model_dir, device)
+        self.model = model if model is not None else load_model(cfg, plan, model_dir, device)
         self.model.train()
         self._initial = {k: v.to("cpu", copy=True)  # the adapters' starting weights
                          for k, v in get_peft_model_state_dict(self.model).items()}

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 RUN_STAGES = ("fetch_data", "load_model", "preprocess", "warmup", "train", "checkpoint")
 COMPUTE_ORDER = ("micro_batch", "gradient_checkpointing")  # the chain's order (then packing)
 COLUMNS = ["setting", "change", "finding", "stage", "predicted_s", "per_step_s", "evidence"]
+TOGETHER = "the step fixes together, beyond their ratios one at a time"
 # run-level stages no setting of a plan changes: each plan pays the same, a saving of 0 s
 UNCHANGED = {"setup": "the Trainer's set-up (wrap, optimizer, data loader)",
              "checkpoint": "the checkpoint save (adapter, optimizer, scheduler, RNG, step)"}
@@ -91,13 +92,16 @@ def _step_rows(setting: str, a: Any, b: Any, per_step: float | None, counts: Cou
 
 
 def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decision] = (),
-            naive_step: tuple[float, str] | None = None) -> pd.DataFrame:
+            naive_step: tuple[float, str] | None = None,
+            optimized_step: tuple[float, str] | None = None) -> pd.DataFrame:
     """Each fix the plans differ in: its run-level stage and predicted seconds saved (None where
     nothing prices it, said in `evidence`), from the decisions, counts and `timed` only (a
     per-start worth the job timed itself, used where the plan's decision has no seconds); then
     the UNCHANGED stages at 0 s. naive_step: (seconds, what was timed) of the naive plan's own
     step timed on the job before the runs (diag.qlora.experiment.time_step), the chain's start in
-    place of the sweep's step scaled to it."""
+    place of the sweep's step scaled to it. optimized_step: the optimized plan's own step timed
+    alike: where the chain ends elsewhere (ratios measured one at a time, on the sweep's rows, do
+    not compose exactly), a row of its own ("the fixes together") saves the difference."""
     import pandas as pd
 
     decided, own = by_setting(optimized.decisions), by_setting(timed)
@@ -133,10 +137,19 @@ def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decisi
                    f"({d.basis}) x the step {step:.3g} s -> {new:.3g} s")
         rows += _step_rows(setting, a[setting], b[setting], step - new, counts, origin + why)
         step, origin = new, ""
+    end = step  # where the compute chain ends: the optimized step it predicts
     if "pipeline" in changed:
         slots = [counts.token_slots.get(p.name) for p in (naive, optimized)]
         rows += _pipeline(decided.get("pipeline"), own.get("pipeline"), (a, b), counts,
                           step, slots, refused, origin)
+        end = step * slots[1] / slots[0] if step is not None and all(slots) else None
+    if naive_step and optimized_step and end is not None and rows:
+        rows += [r | {"change": "the step fixes together", "finding": TOGETHER}
+                 for r in _step_rows("", "", "", end - optimized_step[0], counts, (
+                     f"the optimized plan's own step {optimized_step[0]:.3g} s "
+                     f"({optimized_step[1]}) against the {end:.3g} s the fixes' ratios chain "
+                     "to from the naive step (measured one at a time on the sweep's rows, "
+                     "they do not compose exactly)"))]
     for setting in changed:
         if setting in COMPUTE_ORDER or setting == "pipeline":
             continue
