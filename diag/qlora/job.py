@@ -325,8 +325,8 @@ def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases) -> dict[
                    **ran(trainer),
                    "final_loss": float(losses["loss"].iloc[-1]) if not losses.empty else None,
                    # this process's CPU seconds in the warm-up and the steady steps (the callback's)
-                   **{f"{stage}_cpu_s": sum(c for _, s, c in callback.cpu_steps if s == stage)
-                      for stage in ("warmup", "train")},
+                   **{f"{stage}_cpu_s": sum(cpu for _, at, cpu in callback.cpu_steps
+                                            if at == stage) for stage in ("warmup", "train")},
                    "notes": " ".join(plan.notes)}
         return {"stages": frame.assign(run=plan.name), "cpu_steps": callback.cpu_steps,
                 "losses": losses.assign(run=plan.name), "summary": summary}
