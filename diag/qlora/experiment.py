@@ -228,6 +228,7 @@ def time_step(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases
     from diag.accum import step_clock, train_points
     from diag.noise import spread
     from diag.qlora.data import build_dataset, job_records
+    from diag.qlora.job import rank_device
     from diag.qlora.measure import job_inputs
     from diag.timing import StageTimer
 
@@ -235,17 +236,17 @@ def time_step(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases
     data = build_dataset(cfg, plan, job_records(cfg, job.data_path, job.model_dir),
                          job.model_dir, job.data_path)
     n = data.micro_batch * data.grad_accum
-    plan = plan.for_device(str(job.device))  # as run_plan keys its base
-    folder, model, _ = bases.load(cfg, plan, src, job.device, StageTimer(trace=False))
+    device = rank_device(cfg)[0]
+    plan = plan.for_device(str(device))  # as run_plan keys its base
+    folder, model, _ = bases.load(cfg, plan, src, device, StageTimer(trace=False))
     try:
-        step = RowsStep(cfg, folder, job.device, plan, [data.dataset[i] for i in range(n)],
-                        model)
+        step = RowsStep(cfg, folder, device, plan, [data.dataset[i] for i in range(n)], model)
         timed = train_points([step], [(data.micro_batch, data.grad_accum)],
                              repeats=cfg.sweep_steps, warmup_steps=1,
                              desc=f"the {plan.name} step")
     finally:
         bases.release()  # its adapter off: round 0 starts from a fresh one on this base
-    column = step_clock(job.device.type)[0]
+    column = step_clock(device.type)[0]
     seconds = list(timed.loc[timed["status"] == "ok", column])
     if not seconds:
         return None

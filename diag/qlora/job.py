@@ -271,19 +271,29 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases | None = N
         return _run_plan(cfg, plan, src, bases)
 
 
-def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases) -> dict[str, Any]:
-    import pandas as pd
+def rank_device(cfg: JobConfig) -> tuple[Any, Any]:
+    """(the device this process trains on, its seat): under torchrun / accelerate each DDP
+    rank's own GPU (the group joined here); else cfg's device, and the seat a no-op's."""
     import torch
-    import transformers
 
     from diag.machine.device import resolve
-    from diag.qlora.data import build_dataset, job_records
     from diag.timing import distributed
 
     device = resolve(cfg.device)
     seat = distributed.init_group(device.type)  # torchrun / accelerate: a DDP rank; else a no-op
     if seat.distributed and device.type == "cuda":
         device = torch.device("cuda", seat.local_rank)  # each rank's base on its own GPU
+    return device, seat
+
+
+def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases) -> dict[str, Any]:
+    import pandas as pd
+    import transformers
+
+    from diag.qlora.data import build_dataset, job_records
+    from diag.timing import distributed
+
+    device, seat = rank_device(cfg)
     plan = plan.for_device(str(device))
     timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
     distributed.spill_ranks(timer, seat)
