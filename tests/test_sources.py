@@ -242,6 +242,30 @@ def test_revision_and_cache_dir_reach_the_jobs_download(tmp_path):
                          tmp_path / "work2")
 
 
+def test_a_cheap_model_folder_is_timed_again_and_its_extra_downloads_removed(tmp_path,
+                                                                              monkeypatch):
+    # what the model_cache fix is checked on: the embedded model's download (~0.2 s, +-30% on
+    # a busy box) is the median of three starts, each into a folder of its own; one over the
+    # cheap limit (a 7B's minutes) is timed once
+    pytest.importorskip("huggingface_hub")
+    from diag.qlora import Plan, job
+
+    with job.open_sources(QLoraConfig.quick()) as src:
+        folder, seconds = job.timed_folder(Plan.naive(), src, tmp_path)
+        assert tmp_path in folder.parents and any(folder.glob("*.safetensors"))
+        assert [p.name for p in tmp_path.iterdir()] == ["hf-cache"]  # the repeats' are gone
+        assert 0 < seconds < job.FOLDER_CHEAP_S
+        calls = []
+        real = job.model_folder
+        monkeypatch.setattr(job, "model_folder", lambda *a: calls.append(a) or real(*a))
+        job.timed_folder(Plan.naive(), src, tmp_path / "again")
+        assert len(calls) == job.FOLDER_REPEATS
+        calls.clear()
+        monkeypatch.setattr(job, "FOLDER_CHEAP_S", 0.0)  # every download "expensive"
+        job.timed_folder(Plan.naive(), src, tmp_path / "once")
+        assert len(calls) == 1
+
+
 @pytest.fixture(scope="module")
 def chat_tokenizer(tmp_path_factory) -> Path:
     """The embedded tokenizer with a chat template that begins with {{ bos_token }}, as Llama 2

@@ -134,7 +134,9 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
         if naive_step:
             saved = _load_moved(saved, runs, naive_step[2], cpu)
         saved.loc[saved["stage"] == "load_model", "evidence"] += (
-            "; measured: one load per plan, as its base first loaded (every round reuses it)")
+            "; measured: the part the fix sets, each plan's model folder (a download, or the "
+            "cache) as its base first loaded (one load per plan, every round reuses it); the "
+            "load itself, the same work in both plans, left out")
     advice = saved.rename(columns={"measured_s": "seconds_saved"})[
         ["stage", "finding", "seconds_saved", "evidence"]]
     both = {"naive", "optimized"} <= set(frame["plan"])
@@ -146,7 +148,8 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
     """What a start of each plan pays in fetch_data, the model folder (a download, or the
     persistent cache) and preprocess, timed with the functions its runs call, min(cfg.rounds, 3)
     times interleaved: decisions (per start, medians) for predict's use where none measured
-    them; the model folder by the first round alone (a download is the same bytes each start).
+    them; the model folder by the first round alone (a download is the same bytes each start;
+    timed_folder: the median of up to 3 while cheap).
     A setting whose decision has its seconds (storage's, model_load's in `diag run`) is
     not timed again: both sides take the optimized plan's copy (a hit), no second download. The
     model's load itself is the same in both plans: not timed."""
@@ -155,7 +158,7 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
     from diag.decision import Decision, MeasuredOn
     from diag.files import scratch_folder
     from diag.qlora.data import build_dataset, job_records
-    from diag.qlora.job import fetch_data, model_folder
+    from diag.qlora.job import fetch_data, timed_folder
 
     priced = {d.setting for d in plans[1].decisions
               if d.per == "start" and d.saving_s() is not None}
@@ -171,13 +174,12 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
                 # the model folder timed by round 0 alone: an empty cache's download is the same
                 # bytes every start (a 7B model's ~13 GB), later rounds read the kept cache
                 again = "model_cache" in priced or r > 0
-                folder = model_folder(plans[1] if again else plan, src, work)
-                found = time.perf_counter()
+                folder, folder_s = timed_folder(plans[1] if again else plan, src, work)
                 recs = job_records(cfg, path, folder)  # the run's untimed check_records
                 built = time.perf_counter()
                 build_dataset(cfg, plan, recs, folder, path)
                 rows.append({"plan": plan.name, "round": r, "fetch_data": fetched - clock,
-                             "load_model": None if r else found - fetched,
+                             "load_model": None if r else folder_s,
                              "preprocess": time.perf_counter() - built})
             finally:
                 shutil.rmtree(work, ignore_errors=True)
@@ -329,21 +331,24 @@ def _per_plan(every: pd.DataFrame, once: dict[str, float]) -> pd.DataFrame:
 def _median_stages(runs: list[dict[str, Any]], shares: Any, cpu: bool = False
                    ) -> pd.DataFrame:
     """Each plan's run-level seconds per stage, the median over rounds (measured side of the
-    prediction check; one noisy round cannot swing it); cpu: warmup and train in the process's
-    CPU seconds of those steps (the TimingCallback's), the clock they were predicted on."""
+    prediction check; one noisy round cannot swing it); load_model: the part of it a fix sets,
+    its model folder (Bases' `folder_s`: a download, or the cache), not the load, the same work
+    in both plans; cpu: warmup and train in the process's CPU seconds of those steps (the
+    TimingCallback's), the clock they were predicted on."""
     import pandas as pd
 
     tables = [shares(r["stages"]).assign(round=r["summary"]["round"]) for r in runs]
     both = pd.concat(tables, ignore_index=True)
     both["stage"] = both["stage"].where(both["level"] == "run", "train")
     per = both.groupby(["run", "round", "stage"])["seconds"].sum().reset_index()
-    steps = per["stage"].isin(["warmup", "train"]) if cpu else per["stage"].isna()
-    if cpu:
-        got = {(r["summary"]["plan"], r["summary"]["round"], stage): r["summary"][f"{stage}_cpu_s"]
-               for r in runs for stage in ("warmup", "train")}
-        per.loc[steps, "seconds"] = [got[k] for k in zip(*(per.loc[steps, c] for c in
-                                                           ("run", "round", "stage")))]
-    per["clock"] = steps.map({True: "CPU", False: "wall"})
+    fields = {"load_model": "model_folder_s"} | (
+        {"warmup": "warmup_cpu_s", "train": "train_cpu_s"} if cpu else {})
+    got = {(r["summary"]["plan"], r["summary"]["round"], stage): r["summary"].get(field)
+           for r in runs for stage, field in fields.items()}
+    keys = zip(per["run"], per["round"], per["stage"])
+    per["seconds"] = [s if got.get(k) is None else got[k] for k, s in zip(keys, per["seconds"])]
+    per["clock"] = per["stage"].map(lambda s: "CPU" if cpu and s in ("warmup", "train")
+                                    else "wall")
     med = per.groupby(["run", "stage", "clock"])["seconds"].median().reset_index()
     return med.assign(level="run")
 
