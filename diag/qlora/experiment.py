@@ -262,7 +262,8 @@ def time_step(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases
 def _load_moved(saved: pd.DataFrame, runs: list[dict[str, Any]], timed: list[float],
                 cpu: bool = False) -> pd.DataFrame:
     """The step stages' evidence says whether the naive steps the runs met (warm-up and steady,
-    every round; cpu: their CPU seconds, the clock `timed` is on) are the step timed before them
+    every round; cpu: per step, each round's warm-up and steady loop's CPU seconds, the clock
+    `timed` is on) are the step timed before them
     (diag.noise): resolved apart, a miss of warmup or train is the step's start (the load moved,
     or the Trainer adds to it), not the chain's."""
     from diag.noise import compare as apart
@@ -270,8 +271,10 @@ def _load_moved(saved: pd.DataFrame, runs: list[dict[str, Any]], timed: list[flo
     met = []
     for run in (r for r in runs if r["summary"]["plan"] == "naive"):
         rows = run["stages"]
-        if cpu:
-            met += [c for _, _, c in run["cpu_steps"]]
+        if cpu:  # per step, the warm-up's and the steady loop's (read at their ends alone)
+            warm, steady = (rows["stage"] == "warmup").sum(), rows["step"].nunique()
+            met += [run["summary"][f"{stage}_cpu_s"] / n for stage, n in
+                    (("warmup", warm), ("train", steady)) if n]
             continue
         met += list(rows.loc[rows["stage"] == "warmup", "seconds"])  # a row per warm-up step
         met += list(rows[rows["step"].notna()].groupby("step")["seconds"].sum())

@@ -294,8 +294,7 @@ def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any
 
 def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases | None = None
              ) -> dict[str, Any]:
-    """One timed run: {"stages": frame, "losses": frame, "summary": dict, "cpu_steps": the
-    TimingCallback's (step, stage, CPU seconds) of this process}; what was alive
+    """One timed run: {"stages": frame, "losses": frame, "summary": dict}; what was alive
     before it is frozen out of the garbage collector while it runs (trainer.frozen_heap).
     bases: the comparison's (its plan's base loaded by its first round); None: loaded here."""
     with frozen_heap(), contextlib.nullcontext(bases) if bases else Bases() as bases:
@@ -366,11 +365,10 @@ def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases) -> dict[
                    "resumed_from_step": int(resume.name.split("-")[1]) if resume else 0,
                    **ran(trainer),
                    "final_loss": float(losses["loss"].iloc[-1]) if not losses.empty else None,
-                   # this process's CPU seconds in the warm-up and the steady steps (the callback's)
-                   **{f"{stage}_cpu_s": sum(cpu for _, at, cpu in callback.cpu_steps
-                                            if at == stage) for stage in ("warmup", "train")},
+                   # this process's CPU seconds in the warm-up and the steady loop (the callback's)
+                   **{f"{stage}_cpu_s": cpu for stage, cpu in callback.cpu.items()},
                    "notes": " ".join(plan.notes)}
-        return {"stages": frame.assign(run=plan.name), "cpu_steps": callback.cpu_steps,
+        return {"stages": frame.assign(run=plan.name),
                 "losses": losses.assign(run=plan.name), "summary": summary}
     finally:
         bases.release()  # the adapter off the kept base: the next round starts from its load

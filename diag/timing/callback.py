@@ -39,12 +39,13 @@ class TimingCallback(TrainerCallback):
         self.device = device
         self._sync: Any = None
         self._mark: float | None = None  # end of the last timed thing: a step, a save, an eval
-        self._cpu_mark = 0.0  # this process's CPU clock (time.process_time) at _mark
-        # (step, its run-level stage: warmup or train, CPU seconds of this process from the mark
-        # before the step to its end: its batches fetched here, forward, backward, optimizer, all
-        # its threads; DataLoader workers are other processes): on a CPU device the step's own
-        # work, which the machine's load barely moves (its wall seconds move 1.5-5x)
-        self.cpu_steps: list[tuple[int, str, float]] = []
+        # this process's CPU seconds (time.process_time: all its threads; DataLoader workers are
+        # other processes) in the warm-up and the steady loop (its logging and saves in it): on a
+        # CPU device the steps' own work, which the load barely moves (their wall seconds move
+        # 1.5-5x). Read at those two stages' ends alone: a read is a system call, and under load
+        # the scheduler takes the CPU back there (1.8 ms per step in the hooks, read per step)
+        self.cpu = {"warmup": 0.0, "train": 0.0}
+        self._cpu_mark = 0.0
         self._begin = 0.0
         self._wait = 0.0
         self._gather = 0.0  # of this step: the token-count gather's wait (under DDP)
@@ -77,8 +78,8 @@ class TimingCallback(TrainerCallback):
         if ddp is not None and self.timer.comm is None:  # before the first forward
             self.timer.watch_comm(ddp)
             self._clock_fetch(self.trainer)
-        self._mark, self._cpu_mark = self._now(), time.process_time()  # the first step's wait
-        # includes the loader's start-up
+        self._mark = self._now()  # the first step's wait includes the loader's start-up
+        self._cpu_mark = time.process_time()
         if self.setup_from is not None:
             self.timer.record("setup", max(self._mark - self.setup_from, 0.0))
             self.setup_from = None  # a second train() call sets it again
@@ -119,11 +120,11 @@ class TimingCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now = self._now()
         step = state.global_step - 1  # the Trainer counted this step before calling us
-        warm = step - self._first < self.warmup_steps
-        if warm:
+        if step - self._first < self.warmup_steps:
             self.timer.record("warmup", self._wait + self._gather + now - self._begin)
             if step - self._first == self.warmup_steps - 1:
                 self._steady_start = now
+                self._cpu_stage("warmup")
         else:
             # under DDP the waits on other ranks (the count gather before the step, the buffer
             # broadcast and the exposed all-reduce inside it) are comm_wait, not compute
@@ -132,18 +133,16 @@ class TimingCallback(TrainerCallback):
             if inside is not None:
                 self.timer.record("comm_wait", self._gather + inside, step=step)
             self.timer.record("compute", now - self._begin - (inside or 0.0), step=step)
-        cpu = time.process_time()
-        self.cpu_steps.append((step, "warmup" if warm else "train", cpu - self._cpu_mark))
         self.timer.flush()  # under a launcher: the finished step survives a kill
         self.steps += 1
-        self._mark, self._cpu_mark = now, cpu
+        self._mark = now
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None,
                **kwargs: Any) -> None:
         # logging is per-step overhead: the gap it leaves shows as `other` inside `train`; an
         # evaluation logs its metrics before on_evaluate, so it must not move the mark
         if not any(str(k).startswith("eval_") for k in (logs or {})):
-            self._mark, self._cpu_mark = self._now(), time.process_time()
+            self._mark = self._now()
 
     def _side_stage(self, name: str) -> None:
         now = self._now()
@@ -152,7 +151,7 @@ class TimingCallback(TrainerCallback):
             self.timer.record(name, seconds)
             if self._steady_start is not None:
                 self._side += seconds
-        self._mark, self._cpu_mark = now, time.process_time()
+        self._mark = now
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._side_stage("eval")
@@ -165,6 +164,12 @@ class TimingCallback(TrainerCallback):
             return
         end = self._mark if self._mark is not None else self._now()
         self.timer.record("train", max(end - self._steady_start - self._side, 0.0))
+        self._cpu_stage("train")
+
+    def _cpu_stage(self, stage: str) -> None:
+        cpu = time.process_time()
+        self.cpu[stage] += cpu - self._cpu_mark
+        self._cpu_mark = cpu
 
     def frame(self):  # -> pandas.DataFrame
         """The StageTimer frame: stage, seconds, step (<NA> for run-level), rank."""
