@@ -105,7 +105,7 @@ def main() -> int:
     tokens_per_step = summary["real_tokens"] / summary["steps"]
     tokens_per_s = tokens_per_step / per_step
     from diag.config import diag_home
-    from diag.qlora.job import load_model
+    from diag.qlora.base import load_model
     from diag.qlora.mfu import count_step, mfu_check, qlora_shape, step_peak
 
     home = diag_home() / "gpu_check"

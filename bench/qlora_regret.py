@@ -102,7 +102,8 @@ class StepClock:
 
         from diag.machine.device import resolve
         from diag.qlora.data import job_records
-        from diag.qlora.job import load_model, prepare
+        from diag.qlora.base import load_model
+        from diag.qlora.job import prepare
 
         self.cfg, self.device = cfg, resolve(cfg.device)
         base = dataclasses.replace(Plan.naive(), fetch="land", model_cache="persistent",

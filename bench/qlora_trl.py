@@ -40,7 +40,7 @@ def trl_loop(cfg: QLoraConfig, optimized: Plan, model_dir: Path, dataset: Path
     from diag.data import format_prompt, read_source
     from diag.machine.device import resolve
     from diag.qlora.data import job_records
-    from diag.qlora.job import load_model
+    from diag.qlora.base import load_model
     from diag.timing import StageTimer
     from diag.timing.callback import TimingCallback
 

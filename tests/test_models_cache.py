@@ -131,7 +131,8 @@ def test_the_jobs_persistent_cache_is_the_one_model_load_reads(hub, tmp_path, mo
 
     from diag.config import QLoraConfig
     from diag.qlora import Plan
-    from diag.qlora.job import model_folder, open_sources
+    from diag.qlora.base import model_folder
+    from diag.qlora.job import open_sources
 
     server, _, _ = hub
     user = tmp_path / "user-cache"

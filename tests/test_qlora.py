@@ -21,11 +21,11 @@ pytestmark = [pytest.mark.xdist_group("test_qlora"), pytest.mark.slow]  # trains
 @pytest.fixture(scope="module")
 def counted():
     """The comparison, and the checkpointing setting of every 4-bit base it loaded."""
-    from diag.qlora import job, run_qlora
+    from diag.qlora import base, run_qlora
 
-    loads, load = [], job.load_base
+    loads, load = [], base.load_base
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(job, "load_base", lambda plan, *more: loads.append(
+        patch.setattr(base, "load_base", lambda plan, *more: loads.append(
             plan.gradient_checkpointing) or load(plan, *more))
         # seq_len 128: two of the embedded records (38 to 93 tokens) fit a window; at the quick
         # 96 few pairs do, and whole records packed save nothing there
@@ -101,7 +101,7 @@ def test_rounds_interleaved_with_median_and_spread(both):
 
 
 def test_the_base_is_loaded_once_per_plan_and_once_per_checkpointing_setting(counted):
-    from diag.qlora.job import REUSED
+    from diag.qlora.base import REUSED
 
     both, loads = counted
     ran = both.frame.set_index("plan")
@@ -130,7 +130,8 @@ def test_a_reused_base_trains_exactly_as_a_fresh_load():
     # the naive plan: checkpointing on, its model downloaded into an empty cache that the
     # second round's tokenizer still reads
     from diag.amdahl import shares
-    from diag.qlora.job import REUSED, Bases, open_sources, run_plan
+    from diag.qlora.base import REUSED, Bases
+    from diag.qlora.job import open_sources, run_plan
 
     # 3 steps: LoRA's B starts at 0 and the first step's learning rate is 0 (warm-up), so only
     # the third loss depends on the adapter's initialisation
@@ -333,7 +334,7 @@ def test_the_job_times_its_own_starts_only_where_no_decision_priced_them():
     import dataclasses
 
     from diag.decision import Decision
-    from diag.qlora.experiment import time_starts
+    from diag.qlora.before import time_starts
     from diag.qlora.job import open_sources, prime
 
     cfg = QLoraConfig.quick(rounds=2)
@@ -363,10 +364,10 @@ def test_the_summary_is_read_back_from_what_ran(monkeypatch):
     # turned off behind the plan (as a library default could): the summary says what ran
     import dataclasses
 
-    from diag.qlora import job, trainer
+    from diag.qlora import base, trainer
     from diag.qlora.job import open_sources, prime, run_plan
 
-    made, load = trainer.training_args, job.load_model
+    made, load = trainer.training_args, base.load_model
     monkeypatch.setattr(trainer, "training_args", lambda *a, **k: made(*a, **k | {
         "dataloader_num_workers": 0, "dataloader_persistent_workers": False,
         "dataloader_prefetch_factor": None}))
@@ -376,7 +377,7 @@ def test_the_summary_is_read_back_from_what_ran(monkeypatch):
         model.gradient_checkpointing_disable()
         return model
 
-    monkeypatch.setattr(job, "load_model", loaded)
+    monkeypatch.setattr(base, "load_model", loaded)
     cfg = QLoraConfig.quick(steps=2, records=4)
     plan = dataclasses.replace(Plan.optimized().for_device("cpu"), num_workers=1, micro_batch=2,
                                persistent_workers=True, prefetch_factor=2,

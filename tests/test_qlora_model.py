@@ -21,7 +21,7 @@ SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 
 def _load(checkpointing: bool):
     from diag.embedded import ensure_assets
-    from diag.qlora.job import load_model
+    from diag.qlora.base import load_model
 
     plan = dataclasses.replace(Plan.naive(), gradient_checkpointing=checkpointing)
     model = load_model(QLoraConfig.quick(), plan, ensure_assets().model_dir, torch.device("cpu"))
@@ -192,7 +192,7 @@ def test_accum_flags_the_counter_gap_and_an_impossible_floor():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_executed_matches_the_counter_and_the_peak_is_the_tables():
     from diag.embedded import ensure_assets
-    from diag.qlora.job import load_model
+    from diag.qlora.base import load_model
     from diag.qlora.mfu import count_step, step_peak
 
     model = load_model(QLoraConfig.quick(), Plan.naive(), ensure_assets().model_dir,

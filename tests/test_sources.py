@@ -230,7 +230,8 @@ def test_revision_and_cache_dir_reach_the_jobs_download(tmp_path):
     from huggingface_hub.errors import RevisionNotFoundError
 
     from diag.qlora import Plan
-    from diag.qlora.job import model_folder, open_sources
+    from diag.qlora.base import model_folder
+    from diag.qlora.job import open_sources
 
     persistent = dataclasses.replace(Plan.naive(), model_cache="persistent")
     cache = tmp_path / "my-hf-cache"
@@ -248,21 +249,21 @@ def test_a_cheap_model_folder_is_timed_again_and_its_extra_downloads_removed(tmp
     # a busy box) is the median of three starts, each into a folder of its own; one over the
     # cheap limit (a 7B's minutes) is timed once
     pytest.importorskip("huggingface_hub")
-    from diag.qlora import Plan, job
+    from diag.qlora import Plan, base, job
 
     with job.open_sources(QLoraConfig.quick()) as src:
-        folder, seconds = job.timed_folder(Plan.naive(), src, tmp_path)
+        folder, seconds = base.timed_folder(Plan.naive(), src, tmp_path)
         assert tmp_path in folder.parents and any(folder.glob("*.safetensors"))
         assert [p.name for p in tmp_path.iterdir()] == ["hf-cache"]  # the repeats' are gone
-        assert 0 < seconds < job.FOLDER_CHEAP_S
+        assert 0 < seconds < base.FOLDER_CHEAP_S
         calls = []
-        real = job.model_folder
-        monkeypatch.setattr(job, "model_folder", lambda *a: calls.append(a) or real(*a))
-        job.timed_folder(Plan.naive(), src, tmp_path / "again")
-        assert len(calls) == job.FOLDER_REPEATS
+        real = base.model_folder
+        monkeypatch.setattr(base, "model_folder", lambda *a: calls.append(a) or real(*a))
+        base.timed_folder(Plan.naive(), src, tmp_path / "again")
+        assert len(calls) == base.FOLDER_REPEATS
         calls.clear()
-        monkeypatch.setattr(job, "FOLDER_CHEAP_S", 0.0)  # every download "expensive"
-        job.timed_folder(Plan.naive(), src, tmp_path / "once")
+        monkeypatch.setattr(base, "FOLDER_CHEAP_S", 0.0)  # every download "expensive"
+        base.timed_folder(Plan.naive(), src, tmp_path / "once")
         assert len(calls) == 1
 
 

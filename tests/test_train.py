@@ -70,7 +70,7 @@ def test_the_adapter_reloads_onto_a_fresh_base_with_the_same_eval_loss(fresh, tm
     from diag.embedded import ensure_assets
     from diag.qlora.checkpoints import merge_into
     from diag.qlora.data import train_records
-    from diag.qlora.job import load_base
+    from diag.qlora.base import load_base
     from diag.qlora.plans import Plan
 
     out, result = fresh

@@ -41,7 +41,7 @@ class QLoraStep:
         import torch
         from peft import get_peft_model_state_dict
 
-        from diag.qlora.job import load_model
+        from diag.qlora.base import load_model
         from diag.qlora.plans import Plan
 
         plan = dataclasses.replace(Plan.naive(), gradient_checkpointing=gradient_checkpointing)

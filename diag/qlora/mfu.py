@@ -248,7 +248,7 @@ class Counted:
 
 def count_plans(cfg: Any, plans: Iterable[Any], src: Any, bases: Any) -> dict[str, Counted]:
     """Each plan's step counted once, untimed, one row of cfg.seq_len tokens: on the base its
-    rounds ran (bases: diag.qlora.job.Bases), a fresh adapter on it, taken off after."""
+    rounds ran (bases: diag.qlora.base.Bases), a fresh adapter on it, taken off after."""
     import torch
 
     from diag.machine.device import resolve

@@ -3,7 +3,7 @@
 `predict(naive, optimized, counts, timed)` is a pure function of the two plans, their decisions
 (diag.decision: `baseline_s` / `chosen_s` per "start" or per "step" in a stage), the job's
 counts (steps, warm-up steps, token slots per plan) and `timed`: per-start worth the job timed
-itself before its runs (diag.qlora.experiment.time_starts), for the settings whose decision has
+itself before its runs (diag.qlora.before.time_starts), for the settings whose decision has
 none. No frame of the run is read, so measured seconds cannot leak into a prediction. A fix is
 listed only where the plans differ in its setting, its text built from what changed
 ("num_workers 0 -> 2"); the stages no setting changes (UNCHANGED: the Trainer's set-up, the
@@ -98,7 +98,7 @@ def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decisi
     nothing prices it, said in `evidence`), from the decisions, counts and `timed` only (a
     per-start worth the job timed itself, used where the plan's decision has no seconds); then
     the UNCHANGED stages at 0 s. naive_step: (seconds, what was timed) of the naive plan's own
-    step timed on the job before the runs (diag.qlora.experiment.time_step), the chain's start in
+    step timed on the job before the runs (diag.qlora.before.time_step), the chain's start in
     place of the sweep's step scaled to it. optimized_step: the optimized plan's own step timed
     alike: where the chain ends elsewhere (ratios measured one at a time, on the sweep's rows, do
     not compose exactly), a row of its own ("the fixes together") saves the difference."""

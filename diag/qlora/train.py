@@ -120,7 +120,8 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
     from diag.files import scratch_folder
     from diag.machine.device import resolve
     from diag.qlora.data import count_records
-    from diag.qlora.job import fetch_data, load_model, model_folder
+    from diag.qlora.base import load_model, model_folder
+    from diag.qlora.job import fetch_data
     from diag.qlora.progress import say
     from diag.timing import StageTimer
 

@@ -1,0 +1,182 @@
+"""The job's 4-bit base: where its data and model come from (`Sources`), its model folder (a
+download into an empty cache, or the persistent one), its load (nf4 with double quantization,
+`prepare_model_for_kbit_training`, LoRA on every attention and MLP projection) and the bases a
+comparison keeps for its rounds (`Bases`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from diag.files import scratch_folder
+
+if TYPE_CHECKING:
+    from diag.config import JobConfig
+    from diag.qlora.plans import Plan
+    from diag.timing import StageTimer
+
+@dataclass(frozen=True)
+class Sources:
+    """Where the dataset and the model come from (the embedded servers or the user's)."""
+
+    url: str  # s3://bucket/key (JSONL or Parquet) or s3://bucket/prefix/ of shards
+    client: Any  # boto3 S3 client for url
+    model: str  # hub repo id, or a local folder (nothing to download)
+    endpoint: str | None  # hub endpoint; None = HF_ENDPOINT or the real hub
+    revision: str = "main"  # of a hub model
+    cache_dir: Path | None = None  # the persistent HF cache the optimized plan reads
+                                   # (diag.model_load.cache_dir_for); None = the embedded model's
+    read_only: bool = False  # cache_dir is your own HF cache: read, never written
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
+    """The snapshot folder: downloaded into an empty cache, or read from the persistent one."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from diag.model_load import ALLOW_PATTERNS, cache_dir_for, not_in_user_cache, snapshot_folder
+
+    if Path(src.model).is_dir():  # a local model: read where it is, in both plans
+        return Path(src.model)
+    kwargs = {"allow_patterns": ALLOW_PATTERNS, "endpoint": src.endpoint,
+              "revision": src.revision}
+    if plan.model_cache == "empty":
+        return Path(snapshot_download(src.model, cache_dir=work / "hf-cache", **kwargs))
+    cache = src.cache_dir or cache_dir_for()  # the one diag.model_load's cached scenarios read
+    if src.read_only:  # your cache's snapshot as it is (part of a repo is fine), never written
+        folder = snapshot_folder(cache, src.model, src.revision)
+        if folder is None:
+            raise not_in_user_cache(src.model, src.revision, cache)
+        return folder
+    try:
+        return Path(snapshot_download(src.model, cache_dir=cache, local_files_only=True,
+                                      **kwargs))
+    except LocalEntryNotFoundError:  # diag's own cache: the first start fills it
+        return Path(snapshot_download(src.model, cache_dir=cache, **kwargs))
+
+
+FOLDER_REPEATS, FOLDER_CHEAP_S = 3, 2.0  # a start's model folder timed again while cheap
+
+
+def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, float]:
+    """The plan's model folder (model_folder, into `work`) and the seconds a start pays for it:
+    the median of up to FOLDER_REPEATS starts while one takes under FOLDER_CHEAP_S (each again
+    into a folder of its own, then removed): the embedded model's 0.2 s download moves +-30%
+    on a busy 2-core box; a 7B's, minutes, is timed once."""
+    import statistics
+
+    folder, samples = None, []
+    for i in range(FOLDER_REPEATS):
+        here = work if i == 0 else work / f"again-{i}"
+        start = time.perf_counter()
+        got = model_folder(plan, src, here)
+        samples.append(time.perf_counter() - start)
+        if folder is None:
+            folder = got
+        else:
+            shutil.rmtree(here, ignore_errors=True)
+        if samples[-1] >= FOLDER_CHEAP_S:
+            break
+    return folder, statistics.median(samples)
+
+
+def load_model(cfg: JobConfig, plan: Plan, folder: Path, device: Any) -> Any:
+    """The nf4 base (double quantization) with LoRA adapters on every projection."""
+    return adapted(cfg, load_base(plan, folder, device))
+
+
+def adapted(cfg: JobConfig, base: Any) -> Any:
+    """base with a fresh LoRA adapter on every projection: the seed's, so the same in both plans
+    and on a base an earlier round used (its adapter unloaded) as on a fresh load."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(cfg.seed)  # the same LoRA initialisation in both plans
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    return get_peft_model(base, lora)
+
+
+def load_base(plan: Plan, folder: Path, device: Any) -> Any:
+    """The base in nf4 (double quantization), prepared for k-bit training as the job trains it:
+    what `PeftModel.from_pretrained(base, out_dir)` puts a trained adapter on."""
+    import torch
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    # bf16 compute on CPU too: bitsandbytes' CPU 4-bit kernels take it, and it matches the GPU
+    compute = torch.bfloat16 if device.type == "cpu" or torch.cuda.is_bf16_supported() \
+        else torch.float16
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant,
+                                                 device_map={"": str(device)})
+    model.config.use_cache = False  # with a cache transformers skips the packed-sequence mask
+    for module in model.modules():  # on an AVX512-BF16 CPU bitsandbytes repacks a Linear4bit in
+        # place at its first no-grad eval forward (absmax rounded to bf16; state_dict() unpacks
+        # it): the frozen base would hang on the process's past (an eval before the first step,
+        # a checkpoint), and a resumed run would train on another base than the run it left
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=plan.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False})  # what torch recommends
+
+
+REUSED = "measured once per plan, as its base first loaded: this round reused that base, a " \
+    "fresh adapter"
+
+
+class Bases:
+    """The 4-bit bases of one comparison, one per plan (model cache, checkpointing, device), for
+    all its rounds: the first load (the plan's step timed before the rounds, or its round 0)
+    times model_folder (timed_folder: `folder_s`) + load_model as a start pays them; a later one
+    puts a fresh adapter on the kept base and records the first load's seconds, its row's basis
+    REUSED (never a ~0 s load). release() takes the adapter off after a round (peft's unload();
+    the base in eval mode, as loaded); an empty cache's download stays in `work`."""
+
+    def __init__(self) -> None:
+        self.work = scratch_folder("diag-qlora-bases")  # a killed rank's is swept next time
+        self._held: dict[tuple[Any, ...], tuple[Path, Any, float]] = {}
+        self._lent: Any = None  # the peft model on a kept base, until release()
+        self.folder_s: dict[str, float] = {}  # by plan: its first load's model folder seconds
+
+    def __enter__(self) -> Bases:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+        self._held.clear()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def load(self, cfg: JobConfig, plan: Plan, src: Sources, device: Any, timer: StageTimer
+             ) -> tuple[Path, Any, bool]:
+        """(the model folder, the base with a fresh adapter, whether the base was reused)."""
+        key = (plan.name, plan.model_cache, plan.gradient_checkpointing, str(device))
+        if key not in self._held:
+            from diag.machine.device import sync
+
+            folder, self.folder_s[plan.name] = timed_folder(plan, src, self.work)
+            start = time.perf_counter()
+            self._lent = load_model(cfg, plan, folder, device)
+            sync(device)  # note: sync point, so the load's copies to the device are in it
+            seconds = self.folder_s[plan.name] + time.perf_counter() - start
+            timer.record("load_model", seconds)  # a start's: its model folder once, its load
+            self._held[key] = (folder, self._lent.get_base_model(), seconds)
+            return folder, self._lent, False
+        folder, base, seconds = self._held[key]
+        timer.record("load_model", seconds)  # the first load's: the caller marks it REUSED
+        self._lent = adapted(cfg, base)
+        return folder, self._lent, True
+
+    def release(self) -> None:
+        if self._lent is not None:
+            self._lent.unload().eval()
+            self._lent = None
