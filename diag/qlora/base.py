@@ -144,9 +144,11 @@ class Bases:
 
     def __init__(self) -> None:
         self.work = scratch_folder("diag-qlora-bases")  # a killed rank's is swept next time
-        self._held: dict[tuple[Any, ...], tuple[Path, Any, float]] = {}
+        self._held: dict[tuple[Any, ...], tuple[Path, Any, float, float]] = {}
         self._lent: Any = None  # the peft model on a kept base, until release()
-        self.folder_s: dict[str, float] = {}  # by plan: its first load's model folder seconds
+        # by plan: the model folder seconds of the base its last load handed out (that base's
+        # first load timed them)
+        self.folder_s: dict[str, float] = {}
 
     def __enter__(self) -> Bases:
         return self
@@ -163,15 +165,16 @@ class Bases:
         if key not in self._held:
             from diag.machine.device import sync
 
-            folder, self.folder_s[plan.name] = timed_folder(plan, src, self.work)
+            folder, folder_s = timed_folder(plan, src, self.work)
             start = time.perf_counter()
             self._lent = load_model(cfg, plan, folder, device)
             sync(device)  # note: sync point, so the load's copies to the device are in it
-            seconds = self.folder_s[plan.name] + time.perf_counter() - start
+            seconds = folder_s + time.perf_counter() - start
             timer.record("load_model", seconds)  # a start's: its model folder once, its load
-            self._held[key] = (folder, self._lent.get_base_model(), seconds)
+            self._held[key] = (folder, self._lent.get_base_model(), seconds, folder_s)
+            self.folder_s[plan.name] = folder_s
             return folder, self._lent, False
-        folder, base, seconds = self._held[key]
+        folder, base, seconds, self.folder_s[plan.name] = self._held[key]
         timer.record("load_model", seconds)  # the first load's: the caller marks it REUSED
         self._lent = adapted(cfg, base)
         return folder, self._lent, True
