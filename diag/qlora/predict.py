@@ -128,8 +128,12 @@ def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decisi
                    f"{naive.micro_batch} ({d.basis}); the step {step:.3g} s -> {new:.3g} s")
         elif setting == "micro_batch" and d.naive_ratio:  # on the clock the sweep compared
             new = step / d.naive_ratio
+            from diag.accum import step_clock  # the clock the decision compared on
+
+            unit = step_clock(d.measured_on.device)[1]
             why = (f"{d.source}: micro-batch {d.baseline} over {b[setting]} "
-                   f"{d.naive_ratio:.3g}x per step measured ({d.basis}) in {_clock(d)} seconds; "
+                   f"{d.naive_ratio:.3g}x per step measured ({d.basis}) in "
+                   f"{'CPU' if unit == 'CPU s' else 'wall'} seconds; "
                    f"the step {step:.3g} s -> {new:.3g} s")
         else:
             new = step * got[1] / got[0]
@@ -232,11 +236,6 @@ def _slots_scale(d: Any, naive: Plan, counts: Counts) -> float:
     if not measured or not slots:
         return 1.0
     return slots / counts.steps / float(measured)
-
-
-def _clock(d: Any) -> str:
-    """The clock a step decision compared on (diag.accum.step_clock): CPU on a CPU, else wall."""
-    return "CPU" if str(d.measured_on.device).split(":")[0] == "cpu" else "wall"
 
 
 def _unpriced(d: Any, extra: str = "") -> str:
