@@ -13,7 +13,9 @@ by its size. An unresolved comparison keeps the simpler setting (the caller's de
 load change hits both); rounds go on until every comparison the caller asks about is resolved, or
 `max_rounds`, or the time budget is spent. `unresolved(samples)` names the sides a round should
 re-time (those not resolved from the fastest); `choose(samples, default)` is the decision: the
-fastest side where its gap to the default is resolved, else the default.
+fastest side where its gap to the default is resolved, else the default. `unsettled(samples)`
+names the sides whose median, a figure used as it is rather than compared, is not yet known to
+`SETTLED` of itself.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from typing import Any
 # default as "within noise".
 ALPHA = 0.01
 MIN_SAMPLES = 5  # per side: fewer cannot reach ALPHA however separated the samples are
+# a median used as a figure is settled when its 95% interval's half-width is this share of it
+SETTLED = 0.1
 
 
 @cache
@@ -76,6 +80,19 @@ def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
         k += 1
     k = max(k, 1)
     return statistics.median(xs), xs[k - 1], xs[n - k]
+
+
+def unsettled(samples: Mapping[Hashable, Sequence[float]], within: float = SETTLED
+              ) -> list[Any]:
+    """The sides whose median is not yet known to `within` of itself (median_interval's
+    half-width over the median), or that hold under MIN_SAMPLES: a figure used as it is (a
+    prediction's start), not compared."""
+    out = []
+    for side, values in samples.items():
+        mid, lo, hi = median_interval(values)
+        if len(values) < MIN_SAMPLES or (hi - lo) / 2 > within * abs(mid):
+            out.append(side)
+    return out
 
 
 @dataclass(frozen=True)

@@ -70,3 +70,16 @@ def test_the_median_interval_holds_the_true_median_as_often_as_it_says():
     assert widths[30] < widths[6] / 2
     # order statistics 2 and 8 of 9 (P(Binomial(9, 1/2) < 2) = 10/512 <= 2.5%), median 5
     assert noise.median_interval([9, 1, 8, 2, 7, 3, 6, 4, 5]) == (5, 2, 8)
+
+
+def test_a_median_is_settled_once_its_interval_is_within_a_tenth_of_it():
+    # a prediction's start (each plan's step) is used as a figure: timed until its median is
+    # known to 10%, the sides still loose named for another round
+    tight = [1.0, 1.02, 0.98, 1.01, 0.99]  # interval 0.98-1.02: +-2%
+    loose = [1.0, 1.5, 0.7, 1.2, 0.9]  # 0.7-1.5: +-40%
+    assert noise.unsettled({"a": tight, "b": loose}) == ["b"]
+    assert noise.unsettled({"a": tight[:4]}) == ["a"]  # under MIN_SAMPLES: never settled
+    # more of the same noise settles it: the 95% interval narrows with n
+    rng = random.Random(3)
+    many = [rng.lognormvariate(0, 0.15) for _ in range(40)]
+    assert noise.unsettled({"a": many[:5]}) == ["a"] and noise.unsettled({"a": many}) == []

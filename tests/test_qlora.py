@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pandas as pd
 import pytest
@@ -171,15 +172,18 @@ def test_savings_and_advice(both):
     assert "fetch pull -> land" in saved.at["fetch_data", "finding"]
     assert saved.at["setup", "predicted_s"] == saved.at["checkpoint", "predicted_s"] == 0.0
     assert pd.notna(saved.at["train", "predicted_s"])
-    # the step fixes start from the naive plan's own step, timed just before the runs
+    # the step fixes start from the naive plan's own step, timed just before the runs, at least
+    # sweep_steps times and interleaved with the optimized plan's until each median settles
     for stage in ("warmup", "train"):
         assert "the naive step " in saved.at[stage, "evidence"]
-        assert "micro-batch 1 x 4, checkpointing on, timed 5x on the job before the runs" in \
-            saved.at[stage, "evidence"]
-        # and whether the runs met that step, or the load moved (5 timed; on this CPU the CPU
-        # seconds per step of each round's warm-up and steady loop: 2 rounds x 2)
+        timed = re.search(r"micro-batch 1 x 4, checkpointing on, timed (\d+)x on the job before "
+                          r"the runs, interleaved with the other plan's \((its median within "
+                          r"10%|not settled within 10% by the budget)\)", saved.at[stage, "evidence"])
+        assert timed and int(timed[1]) >= 5
+        # and whether the runs met that step, or the load moved (on this CPU the CPU seconds
+        # per step of each round's warm-up and steady loop: 2 rounds x 2)
         assert "timed before them: " in saved.at[stage, "evidence"]
-        assert "5 + 4 samples, spread " in saved.at[stage, "evidence"]
+        assert f"{timed[1]} + 4 samples, spread " in saved.at[stage, "evidence"]
     # on this CPU the step stages are checked on the clock the naive step was timed on: the
     # runs' CPU seconds of those steps (a shared box's load moves their wall seconds), the
     # median round of each plan; the per-start stages on wall

@@ -139,13 +139,13 @@ class Bases:
     all its rounds: the first load (the plan's step timed before the rounds, or its round 0)
     times model_folder (timed_folder: `folder_s`) + load_model as a start pays them; a later one
     puts a fresh adapter on the kept base and records the first load's seconds, its row's basis
-    REUSED (never a ~0 s load). release() takes the adapter off after a round (peft's unload();
-    the base in eval mode, as loaded); an empty cache's download stays in `work`."""
+    REUSED (never a ~0 s load). release() takes the adapters lent since the last one off (peft's
+    unload(); the base in eval mode, as loaded); an empty cache's download stays in `work`."""
 
     def __init__(self) -> None:
         self.work = scratch_folder("diag-qlora-bases")  # a killed rank's is swept next time
         self._held: dict[tuple[Any, ...], tuple[Path, Any, float, float]] = {}
-        self._lent: Any = None  # the peft model on a kept base, until release()
+        self._lent: list[Any] = []  # the peft models on kept bases, until release()
         # by plan: the model folder seconds of the base its last load handed out (that base's
         # first load timed them)
         self.folder_s: dict[str, float] = {}
@@ -167,19 +167,19 @@ class Bases:
 
             folder, folder_s = timed_folder(plan, src, self.work)
             start = time.perf_counter()
-            self._lent = load_model(cfg, plan, folder, device)
+            model = load_model(cfg, plan, folder, device)
             sync(device)  # note: sync point, so the load's copies to the device are in it
             seconds = folder_s + time.perf_counter() - start
             timer.record("load_model", seconds)  # a start's: its model folder once, its load
-            self._held[key] = (folder, self._lent.get_base_model(), seconds, folder_s)
+            self._held[key] = (folder, model.get_base_model(), seconds, folder_s)
             self.folder_s[plan.name] = folder_s
-            return folder, self._lent, False
+            self._lent.append(model)
+            return folder, model, False
         folder, base, seconds, self.folder_s[plan.name] = self._held[key]
         timer.record("load_model", seconds)  # the first load's: the caller marks it REUSED
-        self._lent = adapted(cfg, base)
-        return folder, self._lent, True
+        self._lent.append(adapted(cfg, base))
+        return folder, self._lent[-1], True
 
     def release(self) -> None:
-        if self._lent is not None:
-            self._lent.unload().eval()
-            self._lent = None
+        while self._lent:  # every base lent since the last release (each plan's own step at once)
+            self._lent.pop().unload().eval()

@@ -1,7 +1,7 @@
 """What a naive vs optimized comparison times before its runs, for the predictions: what each
 plan's start pays (`time_starts`: fetch, model folder, preprocess) and each plan's own optimizer
-step on its own rows (`time_step`, on the base its rounds reuse; CPU seconds on a CPU); after
-the runs, whether they met the naive step timed here (`load_moved`).
+step on its own rows (`time_steps`, on the base its rounds reuse, interleaved; CPU seconds on a
+CPU); after the runs, whether they met the naive step timed here (`load_moved`).
 """
 
 from __future__ import annotations
@@ -100,45 +100,62 @@ class RowsStep(QLoraStep):
              for i in range(0, len(rows), micro_batch)]))
 
 
-def time_step(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases
-              ) -> tuple[float, str, list[float], str] | None:
-    """The plan's own optimizer step on the job (its first step's rows, micro-batch x
+def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases
+               ) -> dict[str, tuple[float, str, list[float], str]]:
+    """Each plan's own optimizer step on the job (its first step's rows, micro-batch x
     accumulation, checkpointing) on the base its rounds will reuse (`bases` loads it: this is
-    its one load), one warm-up step then cfg.sweep_steps timed through diag.accum's harness, on
-    the device's clock (diag.accum.step_clock: CPU seconds on a CPU, whose wall seconds move
-    with the load; else wall): (median, what was timed and its spread, the samples, the
-    clock's column); None if it ran out of memory. Timed just before the runs (`load_moved`
-    says after them whether they met it): predict's naive and optimized steps."""
-    from diag.accum import step_clock, train_points
-    from diag.noise import spread
+    its one load): one warm-up step and cfg.sweep_steps timed through diag.accum's harness,
+    then rounds of one step of each plan, interleaved (diag.accum.retime: a load that moves
+    hits both), until each median is settled (diag.noise.unsettled: its 95% interval within
+    SETTLED of it) or half of cfg.decide_budget_s is spent; on the device's clock
+    (diag.accum.step_clock: CPU seconds on a CPU, whose wall seconds move with the load; else
+    wall). By plan name: (median, what was timed and its spread, the samples, the clock's
+    column); a plan whose step ran out of memory is left out. Timed just before the runs
+    (`load_moved` says after them whether they met it): predict's naive and optimized steps."""
+    import pandas as pd
+
+    from diag.accum.sweep import retime, samples, step_clock, train_points
+    from diag.noise import SETTLED, spread, unsettled
     from diag.qlora.data import build_dataset, job_records
     from diag.qlora.job import rank_device
     from diag.qlora.measure import job_inputs
     from diag.timing import StageTimer
 
     job = job_inputs(cfg, src)  # the landed data and the cached model: hits by now
-    data = build_dataset(cfg, plan, job_records(cfg, job.data_path, job.model_dir),
-                         job.model_dir, job.data_path)
-    n = data.micro_batch * data.grad_accum
     device = rank_device(cfg)[0]
-    plan = plan.for_device(str(device))  # as run_plan keys its base
-    folder, model, _ = bases.load(cfg, plan, src, device, StageTimer(trace=False))
+    steps, frames, shapes = [], [], []
     try:
-        step = RowsStep(cfg, folder, device, plan, [data.dataset[i] for i in range(n)], model)
-        timed = train_points([step], [(data.micro_batch, data.grad_accum)],
-                             repeats=cfg.sweep_steps, warmup_steps=1,
-                             desc=f"the {plan.name} step")
+        for plan in plans:
+            data = build_dataset(cfg, plan, job_records(cfg, job.data_path, job.model_dir),
+                                 job.model_dir, job.data_path)
+            n = data.micro_batch * data.grad_accum
+            plan = plan.for_device(str(device))  # as run_plan keys its base
+            folder, model, _ = bases.load(cfg, plan, src, device, StageTimer(trace=False))
+            steps.append(RowsStep(cfg, folder, device, plan, [data.dataset[i] for i in range(n)],
+                                  model))
+            frames.append(train_points([steps[-1]], [(data.micro_batch, data.grad_accum)],
+                                       repeats=cfg.sweep_steps, warmup_steps=1,
+                                       desc=f"the {plan.name} step").assign(step=len(frames)))
+            shapes.append((data.micro_batch, data.grad_accum, plan.gradient_checkpointing))
+        timed, _ = retime(steps, pd.concat(frames, ignore_index=True), unsettled,
+                          budget_s=cfg.decide_budget_s / 2)
     finally:
-        bases.release()  # its adapter off: round 0 starts from a fresh one on this base
+        bases.release()  # their adapters off: round 0 starts from a fresh one on each base
     column = step_clock(device.type)[0]
-    seconds = list(timed.loc[timed["status"] == "ok", column])
-    if not seconds:
-        return None
-    return statistics.median(seconds), (
-        f"{'CPU' if column == 'cpu_s' else 'wall'} seconds, its own rows, micro-batch "
-        f"{data.micro_batch} x {data.grad_accum}, checkpointing "
-        f"{'on' if plan.gradient_checkpointing else 'off'}, timed {len(seconds)}x on the job "
-        f"before the runs, spread {spread(seconds):.0%}"), seconds, column
+    got = {i: v for (i, _, _), v in samples(timed, column).items()}
+    loose = unsettled(got)
+    out = {}
+    for i, (plan, (micro, accum, ckpt)) in enumerate(zip(plans, shapes)):
+        if i not in got:
+            continue
+        settled = (f"its median within {SETTLED:.0%}" if i not in loose else
+                   f"not settled within {SETTLED:.0%} by the budget")
+        out[plan.name] = statistics.median(got[i]), (
+            f"{'CPU' if column == 'cpu_s' else 'wall'} seconds, its own rows, micro-batch "
+            f"{micro} x {accum}, checkpointing {'on' if ckpt else 'off'}, timed "
+            f"{len(got[i])}x on the job before the runs, interleaved with the other plan's "
+            f"({settled}), spread {spread(got[i]):.0%}"), got[i], column
+    return out
 
 
 def load_moved(saved: pd.DataFrame, runs: list[dict[str, Any]], timed: list[float],

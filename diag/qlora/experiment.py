@@ -6,8 +6,8 @@
 measured saving (a prediction off by more than 25% is flagged, not hidden). What a start's fetch,
 model folder and preprocess cost under each plan is timed before the runs (`time_starts`) where
 no decision measured it, so every stage a fix changes is predicted; each plan's own step is
-timed there too (`time_step`, CPU seconds on a CPU): the step fixes' predictions start from the
-naive one and end at the optimized one, not at a sweep's step a minute earlier. Each plan's
+timed there too, the two interleaved until their medians settle (`time_steps`, CPU seconds on
+a CPU): the step fixes' predictions start from the naive one and end at the optimized one, not at a sweep's step a minute earlier. Each plan's
 4-bit base is loaded (and that load timed) once, by its step timed there, and reused by every
 round (diag.qlora.base.Bases).
 """
@@ -154,7 +154,7 @@ def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bas
     import peft  # noqa: F401
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-    from diag.qlora.before import time_starts, time_step
+    from diag.qlora.before import time_starts, time_steps
     from diag.qlora.trainer import trainer_class
 
     both = len(plans) == 2
@@ -162,10 +162,10 @@ def _before_rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bas
     # a process's first load builds transformers' table of checkpoint renames (0.1-0.5 s on 2
     # CPUs): each plan's first load is the one its rounds reuse, and the first paid it alone
     get_checkpoint_conversion_mapping("llama")
-    own = {p.name: time_step(cfg, p, src, bases) for p in plans} if both else {}
+    own = time_steps(cfg, plans, src, bases) if both else {}
     trainer_class()
     gc.collect()
-    return timed, {name: got for name, got in own.items() if got is not None}
+    return timed, own
 
 
 def _per_plan(every: pd.DataFrame, once: dict[str, float]) -> pd.DataFrame:

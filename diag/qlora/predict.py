@@ -98,7 +98,7 @@ def predict(naive: Plan, optimized: Plan, counts: Counts, timed: Iterable[Decisi
     nothing prices it, said in `evidence`), from the decisions, counts and `timed` only (a
     per-start worth the job timed itself, used where the plan's decision has no seconds); then
     the UNCHANGED stages at 0 s. naive_step: (seconds, what was timed) of the naive plan's own
-    step timed on the job before the runs (diag.qlora.before.time_step), the chain's start in
+    step timed on the job before the runs (diag.qlora.before.time_steps), the chain's start in
     place of the sweep's step scaled to it. optimized_step: the optimized plan's own step timed
     alike: where the chain ends elsewhere (ratios measured one at a time, on the sweep's rows, do
     not compose exactly), a row of its own ("the fixes together") saves the difference."""
