@@ -96,9 +96,9 @@ def floors(sizes: Sizes, cfg: DiagnoseConfig) -> dict[str, tuple[float, str]]:
     if cfg.qlora:  # the steps on the job (without it, these fields are the toy's: no model)
         # accum loads the step without checkpointing, checkpointing the other (both without
         # accum), the loader takes theirs (qlora.measure.Steps); the comparison one per plan
-        # and, with both, one for the naive step timed before the runs (qlora.experiment)
+        # (its base, kept for every round: qlora.base.Bases)
         loads |= {"accum": 1, "checkpointing": 2 - bool(cfg.accum),
-                  "qlora": 3 if cfg.plan == "both" else 1}
+                  "qlora": 2 if cfg.plan == "both" else 1}
     downloads = {"model_load": fill + load.repeats * fresh, "job": fill * (not cfg.model_load)}
     out = {}
     for step, floor in FLOORS.items():
