@@ -600,3 +600,36 @@ def test_what_the_job_timed_itself_prices_only_what_no_decision_did():
     bare = _with(opt, fetch=Decision.default("fetch", "land", "storage frame absent"))
     by = predict(naive, bare, COUNTS, timed).set_index(["setting", "stage"])["predicted_s"]
     assert by["fetch", "fetch_data"] == pytest.approx(0.2)
+
+
+def test_a_step_the_runs_met_at_another_speed_restates_the_step_predictions_at_it():
+    # the naive step timed before the runs at 1.0 CPU s; the runs met it at 1.2 (resolved: the
+    # machine ran slower then). The step stages' predictions are restated x 1.2, the optimized
+    # runs still check the fixes' share: train predicted 8 CPU s, at the runs' speed 9.6, against
+    # 9.5 measured. A drift within noise leaves the prediction as it was.
+    from diag.qlora.before import load_moved
+
+    saved = pd.DataFrame([check("train", "micro_batch 1 -> 8", 8.0, 9.5, "chain"),
+                          check("fetch_data", "fetch pull -> land", 1.0, 1.0, "timed")])
+    saved["clock"] = ["CPU", "wall"]
+
+    def runs(step_s):  # 2 naive rounds: a warm-up step and 4 steady ones each, CPU seconds
+        return [{"summary": {"plan": "naive", "warmup_cpu_s": s, "train_cpu_s": 4 * s},
+                 "stages": pd.DataFrame({"stage": ["warmup"] + ["train"] * 4,
+                                         "step": [None, 1, 2, 3, 4]})}
+                for s in step_s] + [{"summary": {"plan": "optimized"}, "stages": None}]
+
+    timed = [1.0, 1.01, 0.99, 1.02, 0.98, 1.0]
+    slower = load_moved(saved, runs([1.2, 1.21, 1.19]), timed, cpu=True).set_index("stage")
+    assert slower.at["train", "predicted_s"] == pytest.approx(8.0 * 1.2, rel=0.01)
+    assert slower.at["train", "error_share"] == pytest.approx(abs(9.5 - 9.6) / 9.6, rel=0.05)
+    assert not slower.at["train", "flagged"]
+    assert "the naive step the runs met 1.2 CPU s vs 1 CPU s timed before them: resolved" in \
+        slower.at["train", "evidence"]
+    assert "predicted at the runs' speed, x 1.2 (as predicted before them 8 CPU s)" in \
+        slower.at["train", "evidence"]
+    assert slower.at["fetch_data", "predicted_s"] == 1.0  # a start's stage: not a step
+    same = load_moved(saved, runs([1.0, 1.3, 0.8]), timed, cpu=True).set_index("stage")
+    assert same.at["train", "predicted_s"] == 8.0
+    assert same.at["train", "error_share"] == pytest.approx(1.5 / 8)
+    assert "within noise" in same.at["train", "evidence"]

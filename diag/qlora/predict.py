@@ -24,6 +24,9 @@ steady step (`train`) and once per warm-up step (`warmup`); per-start savings on
 run_qlora checks warmup and train in the runs' CPU seconds (`clock` "CPU"): a shared box's load
 moves a step's wall seconds 1.5-5x within a minute, which no figure taken before the runs can
 foresee, and its CPU seconds a few percent; the per-start stages and a GPU's are wall seconds.
+Where the runs met another naive step than the one timed (resolved: its CPU seconds drift too,
+10-30% over minutes), run_qlora restates the step stages' predictions at the runs' speed
+(diag.qlora.before.load_moved).
 """
 
 from __future__ import annotations
