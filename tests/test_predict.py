@@ -613,8 +613,8 @@ def test_a_step_the_runs_met_at_another_speed_restates_the_step_predictions_at_i
                           check("fetch_data", "fetch pull -> land", 1.0, 1.0, "timed")])
     saved["clock"] = ["CPU", "wall"]
 
-    def runs(step_s):  # 2 naive rounds: a warm-up step and 4 steady ones each, CPU seconds
-        return [{"summary": {"plan": "naive", "warmup_cpu_s": s, "train_cpu_s": 4 * s},
+    def runs(step_s, first_s=None):  # naive rounds: a warm-up step and 4 steady ones each
+        return [{"summary": {"plan": "naive", "warmup_cpu_s": first_s or s, "train_cpu_s": 4 * s},
                  "stages": pd.DataFrame({"stage": ["warmup"] + ["train"] * 4,
                                          "step": [None, 1, 2, 3, 4]})}
                 for s in step_s] + [{"summary": {"plan": "optimized"}, "stages": None}]
@@ -629,6 +629,10 @@ def test_a_step_the_runs_met_at_another_speed_restates_the_step_predictions_at_i
     assert "predicted at the runs' speed, x 1.2 (as predicted before them 8 CPU s)" in \
         slower.at["train", "evidence"]
     assert slower.at["fetch_data", "predicted_s"] == 1.0  # a start's stage: not a step
+    # the speed is the steady steps' (as those timed before were): a first step's own costs
+    # (a slower warm-up) do not scale the prediction
+    first = load_moved(saved, runs([1.2, 1.21, 1.19], 1.6), timed, cpu=True).set_index("stage")
+    assert first.at["train", "predicted_s"] == pytest.approx(8.0 * 1.2, rel=0.01)
     same = load_moved(saved, runs([1.0, 1.3, 0.8]), timed, cpu=True).set_index("stage")
     assert same.at["train", "predicted_s"] == 8.0
     assert same.at["train", "error_share"] == pytest.approx(1.5 / 8)

@@ -178,7 +178,8 @@ def test_savings_and_advice(both):
         assert "the naive step " in saved.at[stage, "evidence"]
         timed = re.search(r"micro-batch 1 x 4, checkpointing on, timed (\d+)x on the job before "
                           r"the runs, interleaved with the other plan's \((its median within "
-                          r"10%|not settled within 10% by the budget)\)", saved.at[stage, "evidence"])
+                          r"10%|not settled within 10% by the budget)\)",
+                          saved.at[stage, "evidence"])
         assert timed and int(timed[1]) >= 5
         # and whether the runs met that step, or the load moved (on this CPU the CPU seconds
         # per step of each round's warm-up and steady loop: 2 rounds x 2)

@@ -114,7 +114,7 @@ def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases
     (`load_moved` says after them whether they met it): predict's naive and optimized steps."""
     import pandas as pd
 
-    from diag.accum.sweep import retime, samples, step_clock, train_points
+    from diag.accum import retime, samples, step_clock, train_points
     from diag.noise import SETTLED, spread, unsettled
     from diag.qlora.data import build_dataset, job_records
     from diag.qlora.job import rank_device
@@ -173,20 +173,23 @@ def load_moved(saved: pd.DataFrame, runs: list[dict[str, Any]], timed: list[floa
     from diag.noise import compare as apart
     from diag.qlora.predict import check
 
-    met = []
+    met, steady = [], []  # every step the runs met; their steady ones, as `timed` is
     for run in (r for r in runs if r["summary"]["plan"] == "naive"):
         rows = run["stages"]
         if cpu:  # per step, the warm-up's and the steady loop's (read at their ends alone)
-            warm, steady = (rows["stage"] == "warmup").sum(), rows["step"].nunique()
-            met += [run["summary"][f"{stage}_cpu_s"] / n for stage, n in
-                    (("warmup", warm), ("train", steady)) if n]
+            warm, n = (rows["stage"] == "warmup").sum(), rows["step"].nunique()
+            met += [run["summary"]["warmup_cpu_s"] / warm] if warm else []
+            steady += [run["summary"]["train_cpu_s"] / n] if n else []
             continue
         met += list(rows.loc[rows["stage"] == "warmup", "seconds"])  # a row per warm-up step
-        met += list(rows[rows["step"].notna()].groupby("step")["seconds"].sum())
+        steady += list(rows[rows["step"].notna()].groupby("step")["seconds"].sum())
+    met += steady
     if not met:
         return saved
     got, unit = apart(timed, met), "CPU s" if cpu else "s"
-    scale = statistics.median(met) / statistics.median(timed)
+    # the speed the runs met from their steady steps alone (a first step's own costs apart),
+    # as the steps timed before them were steady (their warm-up apart)
+    scale = statistics.median(steady or met) / statistics.median(timed)
     line = (f"; the naive step the runs met {statistics.median(met):.3g} {unit} vs "
             f"{statistics.median(timed):.3g} {unit} timed before them: {got.describe()}"
             + (f": the runs met another step (the machine's speed moved, or the Trainer adds to "

@@ -7,9 +7,9 @@ measured saving (a prediction off by more than 25% is flagged, not hidden). What
 model folder and preprocess cost under each plan is timed before the runs (`time_starts`) where
 no decision measured it, so every stage a fix changes is predicted; each plan's own step is
 timed there too, the two interleaved until their medians settle (`time_steps`, CPU seconds on
-a CPU): the step fixes' predictions start from the naive one and end at the optimized one, not at a sweep's step a minute earlier. Each plan's
-4-bit base is loaded (and that load timed) once, by its step timed there, and reused by every
-round (diag.qlora.base.Bases).
+a CPU): the step fixes' predictions start from the naive one and end at the optimized one, not
+at a sweep's step a minute earlier. Each plan's 4-bit base is loaded (and that load timed)
+once, by its step timed there, and reused by every round (diag.qlora.base.Bases).
 """
 
 from __future__ import annotations
