@@ -4,8 +4,7 @@
 (worker start-up) is timed apart, the batches the workers prefetched during start-up are let
 through untimed, then `steps` steady-state steps give data_wait per step and its share of the
 step. A sample that raises fails its setting with the sample index and the original message
-(the row's `error`); the sweep goes on. `sweep_workers(cfg)` runs every pipeline x num_workers,
-an epoch of each setting in turn, so a load that moves during the sweep hits them all.
+(the row's `error`); the sweep goes on. `sweep_workers(cfg)` runs every pipeline x num_workers.
 """
 
 from __future__ import annotations
@@ -117,18 +116,11 @@ def measure_setting(dataset: Dataset, setting: Setting, step: Any, *, pipeline: 
                     device: torch.device | None = None, consumer: str = "emulated",
                     collate_fn: Any = None) -> list[dict[str, Any]]:
     """One row per repeat (an epoch of the same DataLoader): the steady-state figures."""
-    with _quiet():
-        return list(_epochs(dataset, setting, step, pipeline, batch_size, steps, repeats,
-                            timeout_s, device or torch.device("cpu"), consumer, collate_fn))
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """torch warns of workers above its suggested count (the row's `warning` says it instead);
-    the heap frozen (_heap_frozen)."""
     with warnings.catch_warnings(), _heap_frozen():
+        # torch warns of workers above its suggested count; the row's `warning` says it instead
         warnings.filterwarnings("ignore", message="This DataLoader will create")
-        yield
+        return _measure(dataset, setting, step, pipeline, batch_size, steps, repeats, timeout_s,
+                        device or torch.device("cpu"), consumer, collate_fn)
 
 
 @contextlib.contextmanager
@@ -147,12 +139,9 @@ def _heap_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _epochs(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch_size: int,
-            steps: int, repeats: int, timeout_s: float, device: torch.device, consumer: str,
-            collate_fn: Any = None) -> Iterator[dict[str, Any]]:
-    """A row per repeat, each an epoch of one DataLoader kept between them (its persistent
-    workers too), as the caller asks: the sweep interleaves settings epoch by epoch. Ends at the
-    first error (its row)."""
+def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch_size: int,
+             steps: int, repeats: int, timeout_s: float, device: torch.device, consumer: str,
+             collate_fn: Any = None) -> list[dict[str, Any]]:
     from diag.machine.device import sync
 
     w = setting.num_workers
@@ -170,6 +159,7 @@ def _epochs(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch_
     cores = usable_cores()
     warning = (f"num_workers={w} > {cores} usable cores: workers share cores, and the step's "
                "own host work competes with them" if w > cores else "")
+    rows = []
     base = {"pipeline": pipeline, "num_workers": w, "pin_memory": setting.pin_memory,
             "persistent_workers": setting.persistent_workers,
             "prefetch_factor": setting.prefetch_factor if w else None, "batch_size": batch_size,
@@ -199,20 +189,22 @@ def _epochs(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch_
                 start = time.perf_counter()
             del batches
         except Exception as err:  # a worker's error arrives re-raised in this process
-            yield {**base, **dict.fromkeys(COLUMNS[5:10], nan), "first_batch_s": first,
-                   "repeat": repeat, "error": _cause(err)}
+            rows.append({**base, **dict.fromkeys(COLUMNS[5:10], nan), "first_batch_s": first,
+                         "repeat": repeat, "error": _cause(err)})
             break
         total = sum(waits) + sum(computes)
-        yield {**base, "samples_per_s": len(waits) * batch_size / total,
-               "tokens_per_s": nan if tokens is None else tokens / total,
-               "data_wait_s": sum(waits) / len(waits), "step_s": sum(computes) / len(computes),
-               "data_wait_share": sum(waits) / total, "first_batch_s": first,
-               "repeat": repeat, "error": ""}
+        rows.append({**base, "samples_per_s": len(waits) * batch_size / total,
+                     "tokens_per_s": nan if tokens is None else tokens / total,
+                     "data_wait_s": sum(waits) / len(waits),
+                     "step_s": sum(computes) / len(computes),
+                     "data_wait_share": sum(waits) / total, "first_batch_s": first,
+                     "repeat": repeat, "error": ""})
     # persistent workers stop here, outside every timed interval; the loader and its iterator
     # refer to each other, so only the collector frees them, and a DataLoader forked while they
     # live would copy them into its workers (which then try to stop workers not theirs)
     del loader
     gc.collect()
+    return rows
 
 
 def records_needed(cfg: LoaderConfig) -> int:
@@ -292,26 +284,13 @@ def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
              "cores": usable_cores()}
     rows = []
     grid = [(p, w) for p in datasets for w in cfg.workers]
-    # every setting's DataLoader open at once, an epoch of each in turn, the order turned every
-    # repeat: a load that moves during the sweep hits every setting (one setting's repeats
-    # after another's put a moving load between them and flipped the pipeline decision)
-    with _quiet(), contextlib.ExitStack() as stack, \
-            tqdm(total=len(grid) * cfg.repeats, desc="loader sweep", unit="epoch",
-                 leave=False) as bar:
-        epochs = {}
-        for pipeline, w in grid:
-            setting = Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)
-            epochs[pipeline, w] = stack.enter_context(contextlib.closing(_epochs(
-                datasets[pipeline][0], setting, run_step, pipeline, cfg.batch_size, cfg.steps,
-                cfg.repeats, cfg.timeout_s, device, cfg.consumer, collate_fn)))
-        for repeat in range(cfg.repeats):
-            for (pipeline, w) in grid if repeat % 2 == 0 else grid[::-1]:
-                row = next(epochs[pipeline, w], None)  # None: its setting failed earlier
-                bar.update()
-                if row is not None:
-                    facts = datasets[pipeline][1]
-                    rows.append({**row, **extra, "records": facts["records"],
-                                 "bad_rows": facts["bad_rows"],
-                                 "token_cache": facts.get("cache", "")})
-    rows.sort(key=lambda r: (grid.index((r["pipeline"], r["num_workers"])), r["repeat"]))
+    for pipeline, w in tqdm(grid, desc="loader sweep", unit="setting", leave=False):
+        dataset, facts = datasets[pipeline]
+        setting = Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)
+        for row in measure_setting(dataset, setting, run_step, pipeline=pipeline,
+                                   batch_size=cfg.batch_size, steps=cfg.steps,
+                                   repeats=cfg.repeats, timeout_s=cfg.timeout_s, device=device,
+                                   consumer=cfg.consumer, collate_fn=collate_fn):
+            rows.append({**row, **extra, "records": facts["records"],
+                         "bad_rows": facts["bad_rows"], "token_cache": facts.get("cache", "")})
     return pd.DataFrame(rows, columns=COLUMNS + [*extra, "records", "bad_rows", "token_cache"])
