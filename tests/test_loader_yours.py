@@ -90,3 +90,24 @@ def test_hf_collators_batch_encodings_are_swept_with_their_tokens():
         per_sample = frame["tokens_per_s"] / frame["samples_per_s"]
         real = sum(len(r["input_ids"]) for r in rows[:4]) / 4
         assert per_sample.round(6).eq(round(real, 6)).all(), type(collate).__name__
+
+
+def test_a_load_that_moves_during_the_sweep_hits_every_setting():
+    # the step slows 20x halfway through the sweep (a neighbour starts on a shared box): every
+    # setting's epochs are interleaved, so each sees both speeds, and neither setting alone
+    # carries the slow half (one setting's repeats after another's would put 0 workers on the
+    # fast side and 1 worker on the slow one: a gap the loader never made)
+    import time
+
+    cfg = LoaderConfig.quick(workers=[0, 1], batch_size=4, steps=3, repeats=4)
+    calls = []
+    half = 2 * (4 + 6)  # 2 of 4 rounds: an epoch is 4 batches at 0 workers, 6 at 1 (2 ahead)
+
+    def step(batch):
+        calls.append(1)
+        time.sleep(0.001 if len(calls) <= half else 0.02)
+
+    frame = sweep_workers(cfg, step=step, dataset=Pairs())
+    assert (frame["error"] == "").all()
+    for _, side in frame.groupby("num_workers"):
+        assert side["step_s"].max() > 5 * side["step_s"].min()

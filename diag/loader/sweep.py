@@ -4,7 +4,8 @@
 (worker start-up) is timed apart, the batches the workers prefetched during start-up are let
 through untimed, then `steps` steady-state steps give data_wait per step and its share of the
 step. A sample that raises fails its setting with the sample index and the original message
-(the row's `error`); the sweep goes on. `sweep_workers(cfg)` runs every pipeline x num_workers.
+(the row's `error`); the sweep goes on. `sweep_workers(cfg)` runs every pipeline x num_workers,
+in rounds of an epoch each, so a load that moves during the sweep hits them all.
 """
 
 from __future__ import annotations
@@ -284,13 +285,27 @@ def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
              "cores": usable_cores()}
     rows = []
     grid = [(p, w) for p in datasets for w in cfg.workers]
-    for pipeline, w in tqdm(grid, desc="loader sweep", unit="setting", leave=False):
-        dataset, facts = datasets[pipeline]
-        setting = Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)
-        for row in measure_setting(dataset, setting, run_step, pipeline=pipeline,
-                                   batch_size=cfg.batch_size, steps=cfg.steps,
-                                   repeats=cfg.repeats, timeout_s=cfg.timeout_s, device=device,
-                                   consumer=cfg.consumer, collate_fn=collate_fn):
-            rows.append({**row, **extra, "records": facts["records"],
-                         "bad_rows": facts["bad_rows"], "token_cache": facts.get("cache", "")})
+    failed = set()
+    # rounds of one epoch per setting, each a DataLoader of its own (never two alive: a worker
+    # forked while another's live copies them), the order turned every round: a load that moves
+    # during the sweep hits every setting (one setting's repeats after another's put a moving
+    # load between them)
+    with tqdm(total=len(grid) * cfg.repeats, desc="loader sweep", unit="epoch",
+              leave=False) as bar:
+        for repeat in range(cfg.repeats):
+            for pipeline, w in grid if repeat % 2 == 0 else grid[::-1]:
+                bar.update()
+                if (pipeline, w) in failed:
+                    continue
+                dataset, facts = datasets[pipeline]
+                setting = Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)
+                (row,) = measure_setting(dataset, setting, run_step, pipeline=pipeline,
+                                         batch_size=cfg.batch_size, steps=cfg.steps,
+                                         timeout_s=cfg.timeout_s, device=device,
+                                         consumer=cfg.consumer, collate_fn=collate_fn)
+                if row["error"]:
+                    failed.add((pipeline, w))
+                rows.append({**row, **extra, "repeat": repeat, "records": facts["records"],
+                             "bad_rows": facts["bad_rows"], "token_cache": facts.get("cache", "")})
+    rows.sort(key=lambda r: (grid.index((r["pipeline"], r["num_workers"])), r["repeat"]))
     return pd.DataFrame(rows, columns=COLUMNS + [*extra, "records", "bad_rows", "token_cache"])
