@@ -62,17 +62,23 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
         return Path(snapshot_download(src.model, cache_dir=cache, **kwargs))
 
 
-FOLDER_REPEATS, FOLDER_CHEAP_S = 3, 2.0  # a start's model folder timed again while cheap
+# a start's model folder timed again while cheap: at most FOLDER_REPEATS times, while a start
+# takes under FOLDER_CHEAP_S and all of them under FOLDER_BUDGET_S
+FOLDER_REPEATS, FOLDER_CHEAP_S, FOLDER_BUDGET_S = 16, 2.0, 3.0
 
 
 def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, float]:
     """The plan's model folder (model_folder, into `work`) and the seconds a start pays for it:
-    the median of up to FOLDER_REPEATS starts while one takes under FOLDER_CHEAP_S (each again
-    into a folder of its own, then removed): the embedded model's 0.2 s download moves +-30%
-    on a busy 2-core box; a 7B's, minutes, is timed once."""
+    the median of starts timed again (each into a folder of its own, then removed) until it is
+    settled (diag.noise.unsettled) or the cheap limits are reached: the embedded model's 0.2 s
+    download moves +-30% on a busy 2-core box (a median of 3 was 40% off another); a 7B's,
+    minutes, is timed once."""
     import statistics
 
+    from diag.noise import unsettled
+
     folder, samples = None, []
+    begun = time.perf_counter()
     for i in range(FOLDER_REPEATS):
         here = work if i == 0 else work / f"again-{i}"
         start = time.perf_counter()
@@ -82,7 +88,8 @@ def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, float]:
             folder = got
         else:
             shutil.rmtree(here, ignore_errors=True)
-        if samples[-1] >= FOLDER_CHEAP_S:
+        if (samples[-1] >= FOLDER_CHEAP_S or time.perf_counter() - begun >= FOLDER_BUDGET_S
+                or not unsettled({0: samples})):
             break
     return folder, statistics.median(samples)
 

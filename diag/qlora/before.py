@@ -30,7 +30,7 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
     persistent cache) and preprocess, timed with the functions its runs call, min(cfg.rounds, 3)
     times interleaved: decisions (per start, medians) for predict's use where none measured
     them; the model folder by the first round alone (a download is the same bytes each start;
-    timed_folder: the median of up to 3 while cheap).
+    timed_folder: the median of starts timed until it settles, while cheap).
     A setting whose decision has its seconds (storage's, model_load's in `diag run`) is
     not timed again: both sides take the optimized plan's copy (a hit), no second download. The
     model's load itself is the same in both plans: not timed."""
@@ -66,7 +66,7 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources) -> tuple[Deci
             finally:
                 shutil.rmtree(work, ignore_errors=True)
     on = MeasuredOn(step=f"this job's start, timed {len(rows) // 2}x before its runs (the "
-                         "model folder once)")
+                         "model folder in its first, until settled)")
     out = []
     for setting, stage in (("fetch", "fetch_data"), ("model_cache", "load_model"),
                            ("pipeline", "preprocess")):
