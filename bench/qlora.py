@@ -221,9 +221,10 @@ def decision_stability(repeats: int = 3) -> str:
 
     step = Slowed(cfg, job.model_dir, job.device)
     rows = job.rows_per_step
-    frame = train_points([step], [(1, rows), (2, rows // 2)], repeats=cfg.sweep_steps,
-                         warmup_steps=1, desc="2x at micro-batch 1")
-    frame, gap_s = retime([step], frame, unresolved, budget_s=cfg.decide_budget_s / 2)
+    frame = train_points([step], [(1, rows), (2, rows // 2)], repeats=1, warmup_steps=1,
+                         desc="2x at micro-batch 1")  # as accum_on_job times the job's points
+    frame, gap_s = retime([step], frame, unresolved, budget_s=cfg.decide_budget_s / 2,
+                          at_least=cfg.sweep_steps)
     (built,) = decide(accum_frame(frame, rows * cfg.seq_len), MeasuredOn(device=str(job.device)))
     held.append(built.value == 2 and bool(built.resolved))
     print(f"  constructed 2x at micro-batch 1: micro-batch {built.value}: {built.why}")

@@ -185,14 +185,16 @@ class Rounds:
 
     `round()` returns one sample per side (a list, interleaved inside the round by the caller);
     `pending(samples)` returns which comparisons are still unresolved (falsy: done). Rounds run at
-    least `MIN_SAMPLES` times, at most `max_rounds`, and stop once `budget_s` seconds are spent
-    (checked between rounds, so a round is never cut in half)."""
+    least `min_rounds` times, at most `max_rounds`, and stop once `budget_s` seconds are spent
+    (checked between rounds, so a round is never cut in half) past the first `owed` rounds (a
+    screen's share, not repeats: `spent_s` leaves them out too)."""
 
     def __init__(self, round: Callable[[], Sequence[float]],
                  pending: Callable[[list[list[float]]], object], *, budget_s: float,
-                 max_rounds: int = 16, min_rounds: int = MIN_SAMPLES) -> None:
+                 max_rounds: int = 16, min_rounds: int = MIN_SAMPLES, owed: int = 0) -> None:
         self.round, self.pending = round, pending
         self.budget_s, self.max_rounds, self.min_rounds = budget_s, max_rounds, min_rounds
+        self.owed = owed
         self.spent_s = 0.0
         self.out_of_time = False
 
@@ -204,6 +206,8 @@ class Rounds:
             samples = samples or [[] for _ in got]
             for side, value in zip(samples, got, strict=True):
                 side.append(value)
+            if n + 1 <= self.owed:
+                start = time.perf_counter()
             self.spent_s = time.perf_counter() - start
             if n + 1 >= self.min_rounds and not self.pending(samples):
                 break

@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import math
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -145,9 +146,37 @@ def test_a_screen_of_one_step_is_topped_up_to_five_samples_a_side(clock):
     timed = train_points([step], [(1, 4), (4, 1)], repeats=1, warmup_steps=1)
     timed, spent = retime([step], timed, lambda samples: [], budget_s=0.0)
     assert timed.groupby("micro_batch")["repeat"].apply(list).tolist() == [[0, 1, 2, 3, 4]] * 2
-    assert spent == pytest.approx(4 * 0.030)  # four rounds of both points, nothing more
+    assert spent == 0.0  # four rounds of both points, the screen's share: no repeats
     (got,) = decide(accum_frame(timed, ROWS * 8), MeasuredOn(device="cpu"))
     assert got.value == 4 and got.resolved and got.samples == (5, 5)
+
+
+def test_a_load_that_moves_during_the_job_sweep_hits_every_micro_batch(clock):
+    # micro-batch 1 and 4 cost the same, and the machine doubles its speed partway (a
+    # neighbour leaves): screened a step each, then timed in interleaved rounds, both points see
+    # both speeds, and 1 is kept within noise (each point's steps one after another gave 4 a
+    # resolved 2x it never had)
+    from diag.config import QLoraConfig
+    from diag.qlora.measure import JobInputs, accum_on_job
+
+    calls = []
+
+    class Moving(ClockStep):
+        def update(self) -> None:
+            calls.append(1)
+            took = 0.020 if len(calls) <= 7 else 0.010
+            self.clock.cpu += took
+            self.clock.now += took
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    step = Moving({1: [0.0], 4: [0.0]}, clock)
+    job = JobInputs(ROWS, Path("."), Path("."), torch.device("cpu"))
+    got = accum_on_job(QLoraConfig.quick(decide_budget_s=0.0), job, [1, 4],
+                       steps=lambda job: step)
+    (decided,) = got.decisions
+    assert (decided.value, decided.resolved) == (1, False), decided.why
+    assert decided.samples == (5, 5)
 
 
 def test_the_steps_own_memory_is_what_autograd_saved_plus_the_model_state():

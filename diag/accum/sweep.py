@@ -244,28 +244,31 @@ def samples(timed: pd.DataFrame, column: str = "seconds_per_step"
 
 def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
            pending: Callable[[dict[tuple[int, int, int], list[float]]], Sequence[Any]], *,
-           budget_s: float) -> tuple[pd.DataFrame, float]:
+           budget_s: float, at_least: int | None = None) -> tuple[pd.DataFrame, float]:
     """Rounds for the finalists a screen left unresolved: `pending(samples)` names the
     (step, micro_batch, grad_accum) keys still to settle (empty: done), judged on the screen's
     samples and the rounds' together. A round times one optimizer step of each finalist, each
     reset to its starting weights first (no warm-up again: the screen paid it, and AdamW's
     first-step state falls in every finalist's sample alike), interleaved, the order turned
-    every round; rounds go on until settled, or `budget_s` is spent once each side holds
-    MIN_SAMPLES (diag.noise.Rounds); `pending` sees the steps' device's clock
+    every round; every side first gets rounds until it holds `at_least` (default MIN_SAMPLES)
+    samples (a screen of one timed step a point leaves the rest to these rounds, so a load that
+    moves during the sweep hits every point alike), then they go on until settled, or
+    `budget_s` is spent past those (diag.noise.Rounds); `pending` sees the steps' device's clock
     (step_clock). Returns the rows with the rounds' appended (their memory and warm-up the
-    screen's), and the seconds the rounds took."""
+    screen's), and the seconds the rounds past `at_least` took."""
     import pandas as pd
 
     from diag.machine.device import sync
     from diag.noise import MIN_SAMPLES, Rounds
 
+    at_least = MIN_SAMPLES if at_least is None else at_least
     column = step_clock(steps[0].device.type)[0]
     screen = samples(timed, column)
     keys = [k for k in dict.fromkeys(pending(screen)) if k in screen]
     fewest = min((len(v) for v in screen.values()), default=0)
-    if not keys and fewest >= MIN_SAMPLES:
+    if not keys and fewest >= at_least:
         return timed, 0.0
-    keys = keys or list(screen)  # too few samples: every side gets its share
+    keys = keys if fewest >= at_least else list(screen)  # too few: every side gets its share
     turn, timings = [0], {k: [] for k in keys}  # (seconds, cpu_s, data_s) of each round
     compared = 1 if column == "cpu_s" else 0
 
@@ -289,7 +292,7 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
     with contextlib.ExitStack() as stack:
         iters = {k: stack.enter_context(steps[k[0]].batches(k[1])) for k in keys}
         rounds = Rounds(one_round, unsettled, budget_s=budget_s,
-                        min_rounds=max(1, MIN_SAMPLES - fewest))
+                        min_rounds=max(1, at_least - fewest), owed=max(0, at_least - fewest))
         rounds.run()
     first = timed[timed["status"] == "ok"].groupby(["step", "micro_batch"]).first()
     rows = [{"step": i, "micro_batch": m, "grad_accum": a, "status": "ok",

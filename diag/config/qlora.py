@@ -44,8 +44,9 @@ class JobConfig(SourceConfig):
         # 4 divisors of the job's rows per step, 1 and the largest among them
     sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # num_workers
         # the loader sweep tries against the job's step
-    sweep_steps: int = 5  # timed steps screening each sweep point on the job (after one
-        # warm-up); 5 (diag.noise.MIN_SAMPLES) is the fewest a gap can resolve with
+    sweep_steps: int = 5  # timed steps each sweep point gets on the job (after one warm-up;
+        # past the first, in interleaved rounds); 5 (diag.noise.MIN_SAMPLES) is the fewest a gap
+        # can resolve with
     decide_budget_s: float = 60.0  # seconds the decisions may spend re-timing the points
         # the screen left within noise of each other (0: screen only); more settles closer gaps
 

@@ -104,10 +104,10 @@ def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases
                ) -> dict[str, tuple[float, str, list[float], str]]:
     """Each plan's own optimizer step on the job (its first step's rows, micro-batch x
     accumulation, checkpointing) on the base its rounds will reuse (`bases` loads it: this is
-    its one load): one warm-up step and cfg.sweep_steps timed through diag.accum's harness,
-    then rounds of one step of each plan, interleaved (diag.accum.retime: a load that moves
-    hits both), until each median is settled (diag.noise.unsettled: its 95% interval within
-    SETTLED of it) or half of cfg.decide_budget_s is spent; on the device's clock
+    its one load): one warm-up step and one timed through diag.accum's harness, then rounds
+    of one step of each plan, interleaved (diag.accum.retime: a load that moves hits both), to
+    cfg.sweep_steps each and on until each median is settled (diag.noise.unsettled: its 95%
+    interval within SETTLED of it) or half of cfg.decide_budget_s is spent; on the device's clock
     (diag.accum.step_clock: CPU seconds on a CPU, whose wall seconds move with the load; else
     wall). By plan name: (median, what was timed and its spread, the samples, the clock's
     column); a plan whose step ran out of memory is left out. Timed just before the runs
@@ -134,11 +134,11 @@ def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases
             steps.append(RowsStep(cfg, folder, device, plan, [data.dataset[i] for i in range(n)],
                                   model))
             frames.append(train_points([steps[-1]], [(data.micro_batch, data.grad_accum)],
-                                       repeats=cfg.sweep_steps, warmup_steps=1,
+                                       repeats=1, warmup_steps=1,
                                        desc=f"the {plan.name} step").assign(step=len(frames)))
             shapes.append((data.micro_batch, data.grad_accum, plan.gradient_checkpointing))
         timed, _ = retime(steps, pd.concat(frames, ignore_index=True), unsettled,
-                          budget_s=cfg.decide_budget_s / 2)
+                          budget_s=cfg.decide_budget_s / 2, at_least=cfg.sweep_steps)
     finally:
         bases.release()  # their adapters off: round 0 starts from a fresh one on each base
     column = step_clock(device.type)[0]

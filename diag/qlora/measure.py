@@ -165,9 +165,10 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
                  budget_s: float | None = None, steps: Steps | None = None) -> AccumResult:
     """micro_batch x grad_accum == the job's rows per step on the job's step (checkpointing
     off: its own measurement prices it), through diag.accum's harness: every point screened
-    (one warm-up step, then cfg.sweep_steps timed ones), then the fastest and those within
-    noise of it re-timed in rounds (diag.accum.retime) until resolved or `budget_s` (default:
-    half of cfg.decide_budget_s) is spent; summarized and decided by diag.accum. steps: the
+    (one warm-up step, one timed), then rounds of a step of each, interleaved, to
+    cfg.sweep_steps each, then of the fastest and those within noise of it
+    (diag.accum.retime) until resolved or `budget_s` (default: half of cfg.decide_budget_s)
+    is spent; summarized and decided by diag.accum. steps: the
     measurements' shared QLoraSteps (else one loaded here)."""
     import pandas as pd
 
@@ -182,9 +183,12 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
                          f"{rows_per_step} rows per step; allowed: "
                          + ", ".join(map(str, micro_candidates(rows_per_step, rows_per_step))))
     one = [(steps or Steps(cfg))(job)]
-    timed = train_points(one, [(m, rows_per_step // m) for m in micro_batches],
-                         repeats=cfg.sweep_steps, warmup_steps=1, desc="accum sweep on the job")
-    timed, spent = retime(one, timed, unresolved, budget_s=_budget(cfg, budget_s))
+    # a step each, then interleaved rounds (a point's steps one after another let a moving load
+    # resolve micro-batch 4 over 2 in one quick decision and 2 over 4 in the next)
+    timed = train_points(one, [(m, rows_per_step // m) for m in micro_batches], repeats=1,
+                         warmup_steps=1, desc="accum sweep on the job")
+    timed, spent = retime(one, timed, unresolved, budget_s=_budget(cfg, budget_s),
+                          at_least=cfg.sweep_steps)
     tokens = rows_per_step * cfg.seq_len
     # no floor or MFU here: the QLoRA step's FLOPs are diag.qlora.mfu's own
     frame = accum_frame(timed, tokens, detail=job_label(cfg))
