@@ -206,9 +206,10 @@ class Rounds:
             samples = samples or [[] for _ in got]
             for side, value in zip(samples, got, strict=True):
                 side.append(value)
+            now = time.perf_counter()
             if n + 1 <= self.owed:
-                start = time.perf_counter()
-            self.spent_s = time.perf_counter() - start
+                start = now
+            self.spent_s = now - start
             if n + 1 >= self.min_rounds and not self.pending(samples):
                 break
             if self.spent_s >= self.budget_s and n + 1 >= self.min_rounds:
