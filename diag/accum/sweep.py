@@ -250,10 +250,10 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
     samples and the rounds' together. A round times one optimizer step of each finalist, each
     reset to its starting weights first (no warm-up again: the screen paid it, and AdamW's
     first-step state falls in every finalist's sample alike), interleaved, the order turned
-    every round; every side first gets rounds until it holds `at_least` (default MIN_SAMPLES)
-    samples (a screen of one timed step a point leaves the rest to these rounds, so a load that
-    moves during the sweep hits every point alike), then they go on until settled, or
-    `budget_s` is spent past those (diag.noise.Rounds); `pending` sees the steps' device's clock
+    every round; every side first gets rounds until it holds `at_least` samples (MIN_SAMPLES
+    at the fewest; a screen of one timed step a point leaves the rest to these rounds, so a
+    load that moves during the sweep hits every point alike), then they go on until settled,
+    or `budget_s` is spent past those (diag.noise.Rounds); `pending` sees the steps' device's clock
     (step_clock). Returns the rows with the rounds' appended (their memory and warm-up the
     screen's), and the seconds the rounds past `at_least` took."""
     import pandas as pd
@@ -261,7 +261,7 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
     from diag.machine.device import sync
     from diag.noise import MIN_SAMPLES, Rounds
 
-    at_least = MIN_SAMPLES if at_least is None else at_least
+    at_least = max(MIN_SAMPLES, at_least or 0)  # fewer can never resolve a gap
     column = step_clock(steps[0].device.type)[0]
     screen = samples(timed, column)
     keys = [k for k in dict.fromkeys(pending(screen)) if k in screen]

@@ -210,9 +210,10 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
                          ) -> CheckpointingResult:
     """Checkpointing on vs off on the job's step (diag.qlora.checkpointing) at `micro` and at
     the naive plan's micro-batch (the naive step's own on/off ratio: recomputing costs another
-    share there), through diag.accum's harness: the two alternate step by step, so a load
-    change on a shared machine hits both, then are re-timed in rounds while a gap is unresolved
-    or impossible (checkpointing.pending), within `budget_s` (default: half of
+    share there), through diag.accum's harness: a step each, then rounds of one step of each
+    (on and off at both micro-batches, interleaved, so a load change on a shared machine hits
+    all) to cfg.sweep_steps each and on while a gap is unresolved or impossible
+    (checkpointing.pending), within `budget_s` (default: half of
     cfg.decide_budget_s). A point that ran out of memory leaves no row. steps: as accum_on_job."""
     import pandas as pd
 
@@ -223,9 +224,10 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
     naive = Plan.naive().micro_batch
     pool = steps or Steps(cfg)
     pair = [pool(job, on) for on in (True, False)]
-    timed = train_points(pair, [(m, 1) for m in sorted({naive, micro})],
-                         repeats=cfg.sweep_steps, warmup_steps=1, desc="checkpointing on/off")
-    timed, spent = retime(pair, timed, pending, budget_s=_budget(cfg, budget_s))
+    timed = train_points(pair, [(m, 1) for m in sorted({naive, micro})], repeats=1,
+                         warmup_steps=1, desc="checkpointing on/off")  # then rounds, as accum's
+    timed, spent = retime(pair, timed, pending, budget_s=_budget(cfg, budget_s),
+                          at_least=cfg.sweep_steps)
     ok = timed[timed["status"] == "ok"]
     frame = pd.DataFrame({"gradient_checkpointing": ok["step"] == 0,
                           "micro_batch": ok["micro_batch"], "seq_len": cfg.seq_len,
