@@ -189,10 +189,7 @@ def decision_stability(repeats: int = 3) -> str:
     constructed 2x gap (micro-batch 1's step run twice, each pass at half the loss: the same
     gradients, twice the compute) must resolve to micro-batch 2, not be called noise. The
     figure is the share of those checks that hold; the repeats' added seconds are printed."""
-    from diag.accum import accum_frame, decide, retime, train_points
-    from diag.decision import MeasuredOn
-    from diag.qlora.measure import QLoraStep, job_inputs, measure_on_job
-    from diag.noise import unresolved
+    from diag.qlora.measure import QLoraStep, accum_on_job, job_inputs, measure_on_job
 
     cfg = QLoraConfig.quick()
     job = job_inputs(cfg)
@@ -220,12 +217,9 @@ def decision_stability(repeats: int = 3) -> str:
                 super().backward(batch, scale / passes)
 
     step = Slowed(cfg, job.model_dir, job.device)
-    rows = job.rows_per_step
-    frame = train_points([step], [(1, rows), (2, rows // 2)], repeats=1, warmup_steps=1,
-                         desc="2x at micro-batch 1")  # as accum_on_job times the job's points
-    frame, gap_s = retime([step], frame, unresolved, budget_s=cfg.decide_budget_s / 2,
-                          at_least=cfg.sweep_steps)
-    (built,) = decide(accum_frame(frame, rows * cfg.seq_len), MeasuredOn(device=str(job.device)))
+    # the job's own micro-batch decision, on the slowed step
+    (built,) = accum_on_job(cfg, job, [1, 2], steps=lambda job: step).decisions
+    gap_s = built.repeats_s or 0.0
     held.append(built.value == 2 and bool(built.resolved))
     print(f"  constructed 2x at micro-batch 1: micro-batch {built.value}: {built.why}")
     return (f"qlora_decision_stability: {sum(held) / len(held):.3g} ({sum(held)} of {len(held)} "

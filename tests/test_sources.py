@@ -267,10 +267,18 @@ def test_a_cheap_model_folder_is_timed_until_settled_and_its_extra_downloads_rem
         base.timed_folder(Plan.naive(), src, tmp_path / "once")
         assert len(calls) == 1
 
+    now = [0.0]  # the clock timed_folder reads, moved by the starts alone (no scheduler's jitter)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
     def timed(durations):  # starts that take these seconds in turn
         calls.clear()
-        monkeypatch.setattr(base, "model_folder", lambda *a: calls.append(a) or time.sleep(
-            durations[(len(calls) - 1) % len(durations)]) or tmp_path)
+
+        def start(*a):
+            calls.append(a)
+            now[0] += durations[(len(calls) - 1) % len(durations)]
+            return tmp_path
+
+        monkeypatch.setattr(base, "model_folder", start)
         return base.timed_folder(Plan.naive(), src, tmp_path)[1]
 
     monkeypatch.setattr(base, "FOLDER_CHEAP_S", 2.0)
