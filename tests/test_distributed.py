@@ -80,11 +80,15 @@ def _check_straggler(frame: pd.DataFrame, per_step_s: float = SLOW_MS / 1000,
     assert len(found) == 1, found
     row = found.iloc[0]
     assert row["ranks"] == "1" and "loader is starved" in row["finding"]
-    # the others' comm_wait recovers the injected delay within 20%: per step, or over the
-    # steady steps where a loader's look-ahead moves batches across step boundaries
-    got, want = ((row["seconds_waited"], total_s) if total_s is not None else
-                 (row["wait_per_step_s"], per_step_s))
-    assert got == pytest.approx(want, rel=0.2), row["evidence"]
+    # the others' comm_wait recovers the injected delay, per step or over the steady steps
+    # (where a loader's look-ahead moves batches across step boundaries), within 20% plus the
+    # noise this run measured: how far the ranks' own compute differed in those steps moves
+    # the wait by as much (a busy box's two ranks differ by tens of ms a step)
+    own = frame[frame["stage"] == "compute"].pivot_table("seconds", "step", "rank", "sum")
+    apart = (own.max(axis=1) - own.min(axis=1)).dropna()
+    got, want, noise = ((row["seconds_waited"], total_s, apart.sum()) if total_s is not None
+                        else (row["wait_per_step_s"], per_step_s, apart.median()))
+    assert abs(got - want) <= 0.2 * want + noise, (row["evidence"], noise)
     return row
 
 

@@ -307,8 +307,10 @@ def run_mfu(frame: pd.DataFrame, stages: pd.DataFrame, counted: dict[str, Counte
         peak = c.peak if r.ranks <= 1 or not c.peak.flops else dataclasses.replace(
             c.peak, flops=c.peak.flops * r.ranks, label=f"{r.ranks} x {c.peak.label}")
         slots = r.token_slots / r.steps * own["step"].nunique()
-        rows += plan_mfu(r.plan, float(own["seconds"].sum()), slots, c.qshape, c.executed,
-                         c.counter, peak)
+        # a CPU peak is per CPU second (the probe's clock): the steady loop's CPU seconds
+        cpu = c.peak.source == "step_peak" and c.peak.measured and "train_cpu_s" in frame
+        seconds = float(r.train_cpu_s) if cpu else float(own["seconds"].sum())
+        rows += plan_mfu(r.plan, seconds, slots, c.qshape, c.executed, c.counter, peak)
     return pd.DataFrame(rows)
 
 
