@@ -174,7 +174,8 @@ def test_peak_flops_on_cpu_is_a_measured_probe_of_that_precision_with_its_spread
     # bf16 at its own probe's best, or at the fp32 probe's where that is faster (said)
     wide = "; its fp32 probe is faster (" in peak.label
     assert (f"spread {peak.spread:.0%})" in peak.label) and peak.spread >= 0
-    assert wide or peak.label.endswith(f"spread {peak.spread:.0%})")
+    assert peak.label.endswith(f"spread {peak.spread:.0%}): a bf16 matmul's ceiling on this CPU"
+                               if wide else f"spread {peak.spread:.0%})")
     fp32 = dev.peak_flops("cpu", "fp32", probe_size=128)
     assert fp32.dtype == "fp32" and fp32.label.startswith("measured: CPU fp32 matmul probe")
     # a precision no CPU probe times: no figure, said, rather than another precision's

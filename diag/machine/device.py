@@ -191,8 +191,8 @@ def peak_flops(device: Any = None, dtype: str = "bf16", *, probe_size: int = 102
             # 4-bit kernels too): the core's fastest multiply is the ceiling, whichever it runs
             wide = cpu_matmul_probe(probe_size, repeats, "fp32")
             if max(wide) > max(samples):
-                label += (f"; its fp32 probe is faster ({max(wide) / 1e12:.3g} TFLOP/s): a "
-                          f"{key} matmul's ceiling on this CPU")
+                label += (f"; its fp32 probe is faster ({max(wide) / 1e12:.3g} TFLOP/s, "
+                          f"spread {spread(wide):.0%}): a {key} matmul's ceiling on this CPU")
                 samples = wide
         return Peak(max(samples), label, "cpu_matmul_probe", measured=True,
                     dtype=key, spread=spread(samples))
