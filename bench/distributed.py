@@ -55,7 +55,7 @@ def _stepper(torch, rank: int, timer=None):
     diag toy times a rank."""
     from torch.utils.data import DataLoader
 
-    from diag.toy import ToyBatches
+    from diag.loader.toy import ToyBatches
 
     ddp = torch.nn.parallel.DistributedDataParallel(_model(torch))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
@@ -208,7 +208,7 @@ def _alarms(frames) -> int:
 def toys(rank: int) -> tuple[float, str, int]:
     """The BatchNorm straggler (recovered, evidence) and the small model's false alarms."""
     from diag.config import ToyConfig
-    from diag.toy import run_toy
+    from diag.loader.toy import run_toy
 
     small = ToyConfig(device="cpu", width=WIDTH, batch_size=BATCH, steps=STEPS, warmup_steps=5)
     clean = [run_toy(small) for _ in range(RUNS)]

@@ -150,9 +150,9 @@ def project(frame: pd.DataFrame, speedup: Mapping[str, float],
 
 
 def compute_ratio(from_device: str, to_device: str, dtype: str = "bf16") -> float:
-    """Ratio of the two GPUs' dense peaks from diag.gpus' table; unknown GPUs are an
+    """Ratio of the two GPUs' dense peaks from diag.machine.gpus' table; unknown GPUs are an
     error."""
-    from diag.gpus import GPUS, dense_peak_flops, find_gpu
+    from diag.machine.gpus import GPUS, dense_peak_flops, find_gpu
 
     peaks = {}
     for name in (from_device, to_device):
@@ -285,3 +285,31 @@ def _start_up(frame: pd.DataFrame, table: pd.DataFrame, total_steps: int | None
             f"less {warm} steady step{'s' * (warm != 1)} of {steady:.4g} s (the mean of "
             f"{stepped} measured): {seconds - warm * steady:.4g} s of start-up"))
     return out
+
+
+# The verdict's groups of stages (one rule, written once: the report, the CLI, the panel and
+# attach/trace all read it). What is left of a run (checkpoint, eval, other) names no verdict.
+BOUND = {"input-bound": ("data_wait", "h2d"),
+         "start-up-bound": ("fetch_data", "load_model", "preprocess", "setup", "warmup"),
+         "communication-bound": ("comm_wait",),
+         "compute-bound": ("compute",)}
+SAYS = {"input-bound": "waiting for input (data_wait, h2d)",
+        "start-up-bound": "starting (fetch, model load, preprocess, set-up, warm-up)",
+        "communication-bound": "waiting on other ranks (comm_wait)",
+        "compute-bound": "computing",
+        "memory-bound": "computing at a micro-batch memory capped"}
+
+
+def verdict(table: pd.DataFrame, run: str | None = None, memory_capped: bool = False
+            ) -> dict[str, Any]:
+    """The plain verdict on one run of a shares() table (the first run when None): the group of
+    stages with the largest share (BOUND), and that share; compute-bound where the micro-batch
+    was capped by memory is memory-bound. {"verdict", "share", "text"}."""
+    part = table[table["run"] == (run if run is not None else table["run"].iloc[0])]
+    by = {k: float(part.loc[part["stage"].isin(v), "share"].sum()) for k, v in BOUND.items()}
+    kind = max(by, key=by.get)
+    share = by[kind]
+    if kind == "compute-bound" and memory_capped:
+        kind = "memory-bound"
+    return {"verdict": kind, "share": share,
+            "text": f"{kind}: {share:.0%} of the run is spent {SAYS[kind]}"}

@@ -32,7 +32,7 @@ from diag.timing import StageTimer, median_seconds
 
 if TYPE_CHECKING:
     from diag.accum import AccumResult
-    from diag.budget import Budget
+    from diag.forecast.budget import Budget
     from diag.loader import LoaderResult
     from diag.model_load import ModelLoadResult
     from diag.qlora import QLoraResult, TrainResult
@@ -298,7 +298,7 @@ def training_runs(cfg: DiagnoseConfig, run_level: dict[str, dict[str, float]] | 
                   ) -> pd.DataFrame:
     """The naive and the optimized toy run in one frame (`run` column); run_level seconds are
     recorded on each run's timer before its steps."""
-    from diag.toy import run_toy
+    from diag.loader.toy import run_toy
 
     device = resolve(cfg.device)
     out = []
@@ -337,7 +337,7 @@ def run_diagnose(cfg: DiagnoseConfig | None = None,
     stop: checked before each step; once set, raises diag.runner.Stopped. on_error(step, error):
     a step that raises is handed to it and the other steps go on (without it, it propagates).
     """
-    from diag.budget import of_run
+    from diag.forecast.budget import of_run
     from diag.preflight import covered, preflight
 
     cfg = cfg or DiagnoseConfig.default()

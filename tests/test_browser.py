@@ -20,7 +20,7 @@ import pytest
 from diag.report import units
 from tests import browser as b
 from tests.conftest import FAKE_HF_TOKEN
-from tests.test_report import write_run
+from tests.report.test_report import write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM, WHY = b.chromium()

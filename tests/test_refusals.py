@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FAKE_HF_TOKEN
-from tests.test_storage_cli import NO_AWS
+from tests.storage.test_storage_cli import NO_AWS
 
 ROOT = Path(__file__).resolve().parents[1]
 PASSWORD = "Pw-in-url-42"  # in an endpoint URL: never in the line

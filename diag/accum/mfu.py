@@ -168,7 +168,7 @@ def mfu_from_figures(tokens_per_s: float, shape: ModelShape, device: str, dtype:
     """
     import pandas as pd
 
-    from diag.gpus import dense_peak_flops, find_gpu
+    from diag.machine.gpus import dense_peak_flops, find_gpu
 
     if not tokens_per_s > 0:
         raise ValueError(f"tokens_per_s={tokens_per_s!r}: must be > 0")

@@ -40,7 +40,7 @@ class Experiment:
 EXPERIMENTS: dict[str, Experiment] = {
     "info": Experiment(config.InfoConfig, "diag.machine.device:run_info",
                        "what this machine is: accelerator, dense peak FLOP/s, CPU, RAM, disks"),
-    "toy": Experiment(config.ToyConfig, "diag.toy:run_toy",
+    "toy": Experiment(config.ToyConfig, "diag.loader.toy:run_toy",
                       "a timed toy training loop: data_wait, h2d and compute per step", ddp=True),
     # -- storage --
     "storage": Experiment(config.StorageConfig, "diag.storage:run_storage",
@@ -102,7 +102,7 @@ def run(name: str, cfg: config.ExperimentConfig) -> Any:
     from diag.preflight import covered, preflight
 
     if isinstance(cfg, config.DiagnoseConfig):  # a budget too small for its steps: refused first
-        from diag.budget import of_run
+        from diag.forecast.budget import of_run
         from diag.diagnose import steps
 
         of_run(cfg, steps(cfg), _job(cfg))

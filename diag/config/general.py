@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from diag.config.base import ExperimentConfig
-from diag.gpus import GPUS, dense_peak_flops
+from diag.machine.gpus import GPUS, dense_peak_flops
 from diag.config.model_load import ModelLoadConfig
 from diag.config.qlora import QLORA_PLANS, QLoraPlan
 from diag.config.source import SourceConfig, check_out

@@ -83,7 +83,7 @@ def gpu_step_seconds(gpu: str, params_b: float, tokens: int, mfu: float) -> floa
     6 N T is the forward + backward FLOPs of a dense transformer; QLoRA's frozen 4-bit base does a
     little less (no weight gradients) and dequantizes, so treat the figure as an estimate.
     """
-    from diag.gpus import GPUS, dense_peak_flops
+    from diag.machine.gpus import GPUS, dense_peak_flops
 
     peak = dense_peak_flops(gpu, "bf16")
     if peak is None:

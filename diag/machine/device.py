@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from diag.machine.disks import disks
-# The table lives in diag.gpus; these names are part of what this module answers.
-from diag.gpus import DTYPES, GPUS, GpuSpec, _dtype, dense_peak_flops, find_gpu  # noqa: F401
+# The table lives in diag.machine.gpus; these names are part of what this module answers.
+from diag.machine.gpus import DTYPES, GPUS, GpuSpec, _dtype, dense_peak_flops, find_gpu  # noqa: F401
 
 if TYPE_CHECKING:
     import pandas as pd
     import torch
 
-    from diag.config import InfoConfig
+
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def facts(probe: bool = True, probe_size: int = 1024) -> dict[str, Any]:
 
 
 @on_cpu_threads
-def run_info(cfg: InfoConfig) -> pd.DataFrame:
+def run_info(cfg: Any) -> pd.DataFrame:  # an InfoConfig
     """`diag info` as a tidy frame: one row per fact (`fact`, `value`, `detail`)."""
     import pandas as pd
 

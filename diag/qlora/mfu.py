@@ -105,7 +105,7 @@ def _leaf_linears(model: Any) -> Iterator[tuple[str, Any]]:
 def _precision(module: Any, x: Any) -> str:
     """The precision a linear layer's matmul runs in: bitsandbytes' compute dtype for a 4-bit
     layer (it casts its input to it), else its weight's."""
-    from diag.gpus import _dtype
+    from diag.machine.gpus import _dtype
 
     if type(module).__name__ == "Linear4bit":
         return _dtype(getattr(module, "compute_dtype", None) or x.dtype)
@@ -153,7 +153,7 @@ def count_step(model: Any, batch_size: int, seq_len: int, seed: int = 0
     the step's executed FLOPs per token, from `tally` and the attention term)."""
     import torch
 
-    from diag.gpus import _dtype
+    from diag.machine.gpus import _dtype
 
     gen = torch.Generator().manual_seed(seed)
     device = next(p.device for p in model.parameters())

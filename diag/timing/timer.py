@@ -269,7 +269,7 @@ STAGE_COLUMNS = ("stage", "seconds", "step")  # what StageTimer.to_frame() gives
 
 
 def is_stage_frame(frame: Any) -> bool:
-    """A StageTimer frame (diag.toy, diag.qlora's stages, diag run's runs)?"""
+    """A StageTimer frame (diag.loader.toy, diag.qlora's stages, diag run's runs)?"""
     return set(STAGE_COLUMNS) <= set(getattr(frame, "columns", ()))
 
 

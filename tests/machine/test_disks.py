@@ -189,7 +189,7 @@ def _fstype(path: os.PathLike[str] | str) -> str:
 def disk_tmp_path(tmp_path: Path) -> Iterator[Path]:
     """A temporary folder on a disk: pages of a file on tmpfs live in RAM and cannot be evicted."""
     candidates = [tmp_path, Path(tempfile.gettempdir()), Path("/var/tmp"),
-                  Path(__file__).resolve().parents[1] / ".pytest_cache"]
+                  Path(__file__).resolve().parents[2] / ".pytest_cache"]
     for base in candidates:
         if base.is_dir() and os.access(base, os.W_OK) and _fstype(base) not in _RAM_FS:
             folder = Path(tempfile.mkdtemp(prefix="diag-evict-", dir=base))

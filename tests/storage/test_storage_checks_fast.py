@@ -1,8 +1,8 @@
 """land()'s checks on bytes in memory and small files (diag.storage.checks, diag.storage.crc):
 what a HEAD answer is checked against, the CRCs (composite per part, full-object), the streamed
 hashes with writes out of order or rewritten, and each mismatch said. The HEAD answers come from
-a stand-in store that returns what S3 returns (the real-server path is tests/test_storage_checks.py,
-too slow to run per mutant)."""
+a stand-in store that returns what S3 returns (the real-server path is
+tests/storage/test_storage_checks.py, too slow to run per mutant)."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def test_samples_are_averaged_and_nvml_shut_down(monkeypatch):
 
 
 def test_toy_reports_it_beside_data_wait():
-    from diag.toy import run_toy
+    from diag.loader.toy import run_toy
 
     frame = run_toy(ToyConfig.quick(steps=2, warmup_steps=1, device="cpu"))
     waits = frame[frame["stage"] == "data_wait"]

@@ -17,7 +17,7 @@ from diag.data import (IGNORE_INDEX, NaiveTextDataset, PackedDataset, best_fit_d
 from diag.data.identity import MEMO
 from diag.embedded import ensure_assets, synthetic_records
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

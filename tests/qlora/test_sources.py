@@ -17,9 +17,9 @@ from diag.cli import main
 from diag.config import DiagnoseConfig, ModelLoadConfig, QLoraConfig, SourceConfig, StorageConfig
 from diag.data import read_source
 from tests.s3proxy import Proxy
-from tests.test_storage_cli import NO_AWS
+from tests.storage.test_storage_cli import NO_AWS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROWS = [{"q": f"Sort: pear apple {i}", "a": f"apple pear {i}"} for i in range(16)]
 
 

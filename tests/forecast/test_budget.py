@@ -13,7 +13,7 @@ import time
 import pandas as pd
 import pytest
 
-from diag.budget import FLOORS, Budget
+from diag.forecast.budget import FLOORS, Budget
 from diag.cli import main
 from diag.config import DiagnoseConfig
 from diag.diagnose import steps
@@ -110,8 +110,8 @@ def test_the_plan_comes_first_and_storage_keeps_its_share(shards, tmp_path):
 
 
 def test_floors_scale_with_the_model_and_source_sizes_known_before_the_start():
-    from diag.budget import (HUB_BYTES_PER_S, LOAD_BYTES_PER_S, PULL_BYTES_PER_S, Sizes, clock,
-                             floors)
+    from diag.forecast.budget import (HUB_BYTES_PER_S, LOAD_BYTES_PER_S, PULL_BYTES_PER_S,
+                                      Sizes, clock, floors)
 
     cfg = DiagnoseConfig.quick()
     tiny = floors(Sizes(), cfg)  # the embedded model and data: the floors as measured
@@ -146,7 +146,7 @@ def test_floors_scale_with_the_model_and_source_sizes_known_before_the_start():
 
 def test_a_budget_too_small_for_a_large_model_names_its_scaled_minimum(capsys, monkeypatch,
                                                                        tmp_path):
-    from diag.budget import Sizes, clock, floors
+    from diag.forecast.budget import Sizes, clock, floors
 
     # a local model folder of 14 GB of weights (a sparse file: nothing written, nothing read)
     (tmp_path / "config.json").write_text("{}")
@@ -166,7 +166,7 @@ def test_a_hub_models_listed_size_scales_the_floors_without_a_download(capsys, m
                                                                        tmp_path):
     import json
 
-    from diag.budget import Sizes, clock, floors
+    from diag.forecast.budget import Sizes, clock, floors
     from diag.embedded import HubServer
 
     # a hub whose listing says 13.5 GB of weights (a stored manifest: no such bytes anywhere)

@@ -21,7 +21,7 @@ from diag.data import ARRAYS, IGNORE_INDEX, build_token_cache, ensure_tokens
 from diag.data.identity import MEMO
 from diag.embedded import ensure_assets, synthetic_dataset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

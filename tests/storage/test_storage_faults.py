@@ -1,6 +1,7 @@
 """land() under real faults: a proxy that cuts connections or flips bits, SIGKILL mid-download,
-corrupted copies, a full disk, missing objects and unreachable endpoints (tests/test_storage_cli.py
-has the errors a user sees from the command line, with no secret in any of them)."""
+corrupted copies, a full disk, missing objects and unreachable endpoints
+(tests/storage/test_storage_cli.py has the errors a user sees from the command line, with no
+secret in any of them)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from diag.storage.landing import land, local_paths
 from diag.storage.objectstore import MB, TransferPlan, make_client, parse_url
 from tests.s3proxy import Proxy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIZE = 3_000_000
 
 

@@ -16,7 +16,7 @@ import pytest
 from diag.accum import sweep, sweep_grad_accum
 from diag.config import AccumConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("overrides, field", [

@@ -20,7 +20,7 @@ from diag.config import diag_home
 from diag.embedded import Assets, HubServer, LoopbackServer, S3Server, ensure_assets, publish_model
 from diag.embedded.synth import synthetic_dataset, synthetic_records, tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPO = "diag-local/tiny-llama"
 
 

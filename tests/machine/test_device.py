@@ -72,7 +72,7 @@ def test_dense_tensor_peaks_keep_their_ratios_across_the_whole_table() -> None:
 
 
 def test_entries_are_built_from_tflops_with_fp16_defaulting_to_bf16() -> None:
-    from diag.gpus import GpuSpec, _g
+    from diag.machine.gpus import GpuSpec, _g
 
     spec = _g("X1", ("x1", "x 1"), 24.0, "a datasheet", fp32=10, bf16=40, tf32=20, fp8=80)
     assert isinstance(spec, GpuSpec)

@@ -20,7 +20,7 @@ from diag.embedded import S3Server
 from diag.storage.objectstore import make_client
 from tests.s3proxy import Proxy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 URL_PASSWORD = "url-Pa55word-diag-0123"  # only ever in an endpoint URL's userinfo
 NO_AWS = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SESSION_TOKEN": None,
           "AWS_PROFILE": None, "AWS_DEFAULT_PROFILE": None, "AWS_ENDPOINT_URL": None,

@@ -26,7 +26,7 @@ from diag.timing import stragglers
 from diag.timing.spill import read_spills
 
 pytestmark = pytest.mark.slow  # every test starts a launcher's ranks or `python -m diag toy`
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 SLOW_MS = 40.0  # rank 1's extra sleep per batch: the delay the others' comm_wait must recover
 

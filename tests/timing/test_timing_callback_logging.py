@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 import torch  # noqa: E402
 
-from tests.test_timing_callback import ACCUM, COMPUTE_S, DATA_S, MICRO, SlowData, SlowModel  # noqa: E402
+from tests.timing.test_timing_callback import ACCUM, COMPUTE_S, DATA_S, MICRO, SlowData, SlowModel  # noqa: E402
 
 STEPS = 5
 

@@ -178,7 +178,7 @@ def test_raw_tables_are_folded_linked_and_show_units(written):
 
 def test_the_readme_figure_is_the_headline_over_the_stage_shares(written):
     folder, _ = written
-    tool = runpy.run_path(str(Path(__file__).parents[1] / "tools" / "readme_figure.py"))
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "readme_figure.py"))
     summary = report.load_summary(folder)
     ax = tool["figure"](folder).axes[0]
     words = " ".join(ax.get_title().split())
