@@ -88,7 +88,7 @@ def main() -> int:
     from diag.amdahl import shares
     from diag.config import QLoraConfig
     from diag.qlora import Plan
-    from diag.qlora.job import prime, run_plan
+    from diag.qlora.job import prepare, run_plan
 
     start = time.perf_counter()
     print(f"device: {torch.cuda.get_device_name()}")
@@ -97,7 +97,7 @@ def main() -> int:
                       device="cuda", warmup_steps=2)
     with sources(args) as src:
         plan = dataclasses.replace(Plan.optimized(device="cuda"), micro_batch=args.micro_batch)
-        prime(cfg, plan, src)
+        prepare(cfg, plan, src)
         got = run_plan(cfg, plan, src)
     summary, stages = got["summary"], got["stages"]
     steps = stages[stages["step"].notna()]

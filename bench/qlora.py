@@ -151,13 +151,13 @@ def data_wait_and_callback(long: Any) -> None:
 
 
 def fetch_heavy(cfg: QLoraConfig) -> None:
-    from diag.qlora.job import prime
+    from diag.qlora.job import prepare
 
     heavy = cfg.replace(records=32, steps=2, warmup_steps=1)
     with fetch_heavy_sources(200.0) as src:
         naive = run_plan(heavy, Plan.naive(), src)
         fast_plan = Plan.optimized()
-        prime(heavy, fast_plan, src)
+        prepare(heavy, fast_plan, src)
         fast = run_plan(heavy, fast_plan, src)
     print(f"qlora_fetch_heavy_naive_over_optimized: "
           f"{naive['summary']['seconds'] / fast['summary']['seconds']:.3g}x "

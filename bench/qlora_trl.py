@@ -76,11 +76,11 @@ def vs_trl(cfg: QLoraConfig, optimized: Plan, budget_s: float = 120.0) -> dict[s
     """Seconds per trained token of each side's train loop, interleaved rounds (order
     alternating) until their difference resolves (diag.noise) or budget_s is spent."""
     from diag.embedded import ensure_assets
-    from diag.qlora.job import open_sources, prime, run_plan
+    from diag.qlora.job import open_sources, prepare, run_plan
 
     assets, tokens, order = ensure_assets(), {}, [("diag", "trl"), ("trl", "diag")]
     with open_sources(cfg) as src:
-        prime(cfg, optimized, src)
+        prepare(cfg, optimized, src)
 
         def side(who: str) -> float:
             if who == "diag":

@@ -1,14 +1,9 @@
 """Decisions: what an experiment concluded, carried to the plan as data.
 
-An experiment measures (tidy frames) and then decides: one `Decision` per setting it can speak
-for (`num_workers`, `micro_batch`, ...). A decision names its value, the rows it rests on, what was
-measured (model, precision, seq_len, the step consumed, device) and its basis: `measured` (chosen
-from the rows), `capped` (measured, then limited by what the job can run), `projected` (measured
-here against another device's estimated step) or `default` (no usable frame; a documented value).
-`Plan.optimized(decisions)` only collects them; nothing downstream re-reads raw columns.
-`frame(decisions)` is the table a run folder keeps (decisions.csv); `read(table)` gives them back
-equal. The thresholds every decision and check is judged by are defined here, once, and so is
-the text of each fix (`FIXES`, by timer stage and by plan setting).
+One frozen `Decision` per setting an experiment speaks for: its value, the rows it rests on, what
+was measured (`MeasuredOn`), its basis (measured, capped, projected or default), what the choice is
+worth on the clock it compared, and how sure it is. `frame` / `read` write and read decisions.csv.
+The thresholds every decision is judged by, and each fix's text (`FIXES`), are defined here once.
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ import dataclasses
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 if TYPE_CHECKING:  # configs import the thresholds: no pandas on that path
     import pandas as pd
@@ -26,16 +21,13 @@ DATA_WAIT_GOAL = 0.02  # a loader setting keeps up when data_wait stays under th
 DATA_WAIT_NEAR_BEST = 0.10  # no setting reaches the goal: the smallest within this share of the
 DATA_WAIT_NEAR_BEST_S = 0.001  # best achievable data_wait (or this many seconds per step) wins
 PREDICTION_TOLERANCE = 0.25  # |measured - predicted| above this share of predicted is flagged
-PREDICTION_FLOOR_S = 0.05  # ... and a miss is never flagged under this many seconds: a stage
-#                            under ~0.2 s (a checkpoint save, a land hit) moves that much between
-#                            rounds on a busy 2-core box (a save: 0.08-0.23 s at load 7)
+PREDICTION_FLOOR_S = 0.05  # ... and a miss under this many seconds is never flagged
 MFU_DISAGREEMENT = 0.10  # formula vs FlopCounterMode FLOPs further apart than this are flagged
 CHECKPOINTING_HEADROOM = 0.5  # checkpointing stays on when the step's peak without it exceeds
 #                               this share of the memory it lives in (turning it off grows it)
 
-# What to do about a timer stage's share (amdahl's findings) and what changing a Plan setting
-# does (qlora.predict's rows; the change "a -> b" is built per run): one table, each text once
-# (a setting that is a stage's whole fix shares its text; loader and storage advice read it too).
+# What to do about a stage (amdahl's findings) and what changing a Plan setting does: each text
+# once (a setting that is a stage's whole fix shares its text).
 _LAND = "land the dataset once on the training machine's disk and reuse it (diag.storage.land)"
 _CACHE = "load the base from a persistent HF cache instead of downloading it"
 _TOKENS = ("tokenize once into a token cache and serve packed windows "
@@ -66,7 +58,17 @@ FIXES = {
     "gradient_checkpointing": "activations kept, not recomputed in the backward pass",
 }
 
+# The stages each Plan setting changes: the waterfall's bars name their fixes by the run-level
+# ones, "what is left" leaves out a finding on any of them
+_WAIT, _WORK = ("warmup", "train", "data_wait"), ("warmup", "train", "compute")
+CHANGES = {"fetch": ("fetch_data",), "model_cache": ("load_model",),
+           "pipeline": ("preprocess", *_WORK, "data_wait"), "num_workers": _WAIT,
+           "pin_memory": (*_WAIT, "h2d"), "persistent_workers": _WAIT, "prefetch_factor": _WAIT,
+           "micro_batch": _WORK, "gradient_checkpointing": _WORK}
+
 Basis = Literal["measured", "capped", "projected", "default"]
+Setting = Literal["fetch", "model_cache", "pipeline", "num_workers", "pin_memory",
+                  "persistent_workers", "prefetch_factor", "micro_batch", "gradient_checkpointing"]
 BASES: tuple[str, ...] = ("measured", "capped", "projected", "default")
 
 
@@ -92,7 +94,7 @@ class MeasuredOn:
 class Decision:
     """One setting an experiment chose, with its evidence (never re-derived by a consumer)."""
 
-    setting: str  # a Plan field: fetch, model_cache, pipeline, num_workers, micro_batch, ...
+    setting: Setting  # the Plan field it decides
     value: Any
     basis: Basis
     why: str  # one line with the figures it rests on: "2 workers: data_wait 0.8% of a 47 ms step"
@@ -100,28 +102,24 @@ class Decision:
                       # checkpointing
     measured_on: MeasuredOn = field(default_factory=MeasuredOn)
     rows: tuple[Mapping[str, Any], ...] = ()  # the measured rows it rests on, as records
-    # What the choice is worth, for predictions made before the run (None: not measured). The
-    # naive plan's value and the seconds per `per` ("start" or "step") each value costs in
-    # `stage` (fetch_data, load_model, preprocess, data_wait, compute, ...), from the same rows.
+    # What the choice is worth: the naive plan's value and the seconds per `per` ("start" or
+    # "step") each value costs in `stage`, on `clock` ("CPU" or "wall": the one it compared)
     baseline: Any = None
     stage: str = ""
     per: str = ""
     baseline_s: float | None = None
     chosen_s: float | None = None
-    # seconds per step with the baseline value over with the chosen one, timed at the naive
-    # plan's micro-batch, on the clock compared (CPU seconds on a CPU) (checkpointing: the on/off
-    # ratio a naive step pays; micro_batch: the naive micro-batch's step over the chosen one's;
-    # None: not timed there)
+    # the naive micro-batch's step over the chosen one's (micro_batch), or checkpointing's on/off
+    # ratio at the naive micro-batch; None: not timed there
     naive_ratio: float | None = None
-    # How sure a timed choice is (diag.noise): timed samples and spread (IQR / median)
-    # of the chosen side and of the side it was judged against, in that order; whether that gap
-    # is resolved (None: no timing compared); the values within noise of the chosen one; the
-    # seconds spent re-timing finalists after the screen
+    # how sure (diag.noise): samples and spread of the chosen side and the side it was judged
+    # against; resolved (None: nothing compared); the values within noise; re-timing seconds
     samples: tuple[int, ...] = ()
     spread: tuple[float, ...] = ()
     resolved: bool | None = None
     tied: tuple[Any, ...] = ()
     repeats_s: float | None = None
+    clock: str = ""
 
     def __post_init__(self) -> None:
         for name in ("samples", "spread", "tied"):  # as JSON gives them back: lists
@@ -129,6 +127,9 @@ class Decision:
         for name in ("baseline_s", "chosen_s", "naive_ratio", "repeats_s"):  # NaN: as None
             if _missing(getattr(self, name)):
                 object.__setattr__(self, name, None)
+        if self.setting not in get_args(Setting):
+            raise ValueError(f"Decision.setting={self.setting!r}: allowed values are "
+                             + ", ".join(get_args(Setting)))
         if self.basis not in BASES:
             raise ValueError(f"Decision.basis={self.basis!r}: allowed values are {BASES}")
         if self.basis != "default" and not self.rows:
@@ -145,8 +146,7 @@ class Decision:
     def from_rows(cls, setting: str, value: Any, why: str, rows: pd.DataFrame | Iterable[Mapping],
                   *, source: str, measured_on: MeasuredOn | None = None,
                   basis: Basis = "measured", **worth: Any) -> Decision:
-        """A measured decision; `worth` takes baseline, stage, per, baseline_s, chosen_s,
-        naive_ratio, and how sure it is: samples, spread, resolved, tied, repeats_s."""
+        """A measured decision; `worth`: the fields from `baseline` on."""
         records = rows.to_dict("records") if hasattr(rows, "to_dict") else list(rows)
         # a figure a row lacks (NaN) is kept as None, as it reads back from decisions.csv
         records = [{k: None if _missing(v) else v for k, v in r.items()} for r in records]
@@ -180,13 +180,13 @@ class Decision:
                 "source": self.source, "measured_on": self.measured_on.label(), "why": self.why,
                 **on, "rows": len(self.rows), "baseline": self.baseline, "stage": self.stage,
                 "per": self.per, "baseline_s": self.baseline_s, "chosen_s": self.chosen_s,
-                "naive_ratio": self.naive_ratio,
+                "naive_ratio": self.naive_ratio, "clock": self.clock,
                 "json": json.dumps(dataclasses.asdict(self), default=lambda v: v.item())}
 
 
 COLUMNS = ["setting", "value", "basis", "source", "measured_on", "why",
            *(f.name for f in dataclasses.fields(MeasuredOn)), "rows", "baseline", "stage", "per",
-           "baseline_s", "chosen_s", "naive_ratio", "json"]
+           "baseline_s", "chosen_s", "naive_ratio", "clock", "json"]
 
 
 def frame(decisions: Iterable[Decision]) -> pd.DataFrame:

@@ -97,7 +97,8 @@ def _recipe(cfg: DiagnoseConfig, run: Run, budget: Budget | None = None) -> Diag
         d = run(d, STORAGE, lambda: _storage(cfg, share(STORAGE)))
     if cfg.model_load:
         d = run(d, MODEL_LOAD, lambda: _model_load(cfg, share(MODEL_LOAD)))
-    d = _on_job(cfg, run, d, job_config(cfg, budget)) if cfg.qlora else _toy(cfg, run, d)
+    d = _on_job(cfg, run, d, job_config(cfg, budget), budget) if cfg.qlora else \
+        _toy(cfg, run, d)
     if cfg.accum:  # after the runs: its advice is priced on their compute
         d = run(d, ACCUM_ADVICE, lambda: _accum_advice(cfg, d))
     if cfg.qlora and cfg.train:  # the last step: the fine-tune, checked against the projection
@@ -105,7 +106,8 @@ def _recipe(cfg: DiagnoseConfig, run: Run, budget: Budget | None = None) -> Diag
     return d
 
 
-def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig) -> Diagnosis:
+def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig,
+            budget: Budget | None) -> Diagnosis:
     """The QLoRA job's decisions, measured on its step, then its runs; its sources (the embedded
     S3 and hub, or yours) open from the first step that reads them until the runs end or fail."""
     from diag.qlora import measure
@@ -115,16 +117,18 @@ def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig) -> Di
         # opened once, by the first step that calls src() (a failed open: the next one retries)
         src = functools.cache(lambda: stack.enter_context(open_sources(job)))
         d = run(d, JOB, lambda: measure.job_inputs(job, src()))
-        steps = stack.enter_context(contextlib.closing(measure.Steps(job)))  # one base each
+        # the decisions in their one order and one budget split (measure.OnJob, as diag qlora's)
+        on = functools.cache(lambda: stack.enter_context(
+            contextlib.closing(measure.OnJob(job, _need(d.job, JOB)))))
         if cfg.accum:
-            d = run(d, ACCUM, lambda: measure.accum_on_job(job, _need(d.job, JOB), steps=steps))
-        d = run(d, CHECKPOINTING, lambda: measure.checkpointing_on_job(
-            job, _need(d.job, JOB), _micro(d), steps=steps))
+            d = run(d, ACCUM, lambda: on().accum())
+        d = run(d, CHECKPOINTING, lambda: on().checkpointing(_micro(d)))
         if cfg.loader:
-            d = run(d, LOADER, lambda: measure.loader_on_job(job, _need(d.job, JOB), _micro(d),
-                                                             steps))
-        steps.close()  # their bases go before the runs load theirs
-        d = run(d, QLORA, lambda: _qlora(job, d, src()))
+            d = run(d, LOADER, lambda: on().loader(_micro(d)))
+        if d.job is not None:
+            on().close()  # their bases go before the runs load theirs
+        d = run(d, QLORA, lambda: _qlora(job, d, src(), max(
+            0.0, budget.share(QLORA) - budget.floor(QLORA)) if budget else None))
         d = run(d, PROJECTION, lambda: _projection(cfg, job, d))
     # on a CPU box, also: would this loader keep up with the GPU being considered (projected)
     if cfg.loader and not cfg.quick_experiments and resolve(cfg.device).type == "cpu":
@@ -200,11 +204,12 @@ def _decided(d: Diagnosis) -> list[Decision]:
     return [x for r in measured if r is not None for x in r.decisions]
 
 
-def _qlora(job: QLoraConfig, d: Diagnosis, src: Any) -> QLoraResult:
-    """The QLoRA job under both plans; the optimized one collects the decisions above."""
-    from diag.qlora import run_qlora
+def _qlora(job: QLoraConfig, d: Diagnosis, src: Any, budget_s: float | None) -> QLoraResult:
+    """The QLoRA job under both plans; the optimized one collects the decisions above; its
+    rounds past job.rounds take what is left of its share."""
+    from diag.qlora.experiment import compare
 
-    return run_qlora(job, _decided(d), src=src)
+    return compare(job, _decided(d), src, budget_s)
 
 
 def _train(cfg: DiagnoseConfig, d: Diagnosis) -> TrainResult:

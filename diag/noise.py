@@ -1,21 +1,9 @@
-"""Is a timed difference real? Two sides' samples (seconds, or any figure where less is better),
-judged by a rank test, never by one timing each.
+"""Is a timed difference real? Two sides' samples judged by a rank test, never by one timing each.
 
-`compare(a, b)` is resolved when a two-sided Mann-Whitney U test (exact, no normal
-approximation: the samples are few) puts the chance of a gap at least this large between two
-sides that are really the same under `ALPHA`, with at least `MIN_SAMPLES` per side (5 + 5 is the
-fewest where complete separation clears 1%: p = 2/252). A rank test needs no assumption about the
-shape of the noise, and one slow outlier (a load spike on a shared box) moves it by one rank, not
-by its size. An unresolved comparison keeps the simpler setting (the caller's default) and says
-"within noise (x% apart, n + m samples)".
-
-`Rounds` drives the repeats: a measurement round gives one sample per side (interleaved, so a
-load change hits both); rounds go on until every comparison the caller asks about is resolved, or
-`max_rounds`, or the time budget is spent. `unresolved(samples)` names the sides a round should
-re-time (those not resolved from the fastest); `choose(samples, default)` is the decision: the
-fastest side where its gap to the default is resolved, else the default. `unsettled(samples)`
-names the sides whose median, a figure used as it is rather than compared, is not yet known to
-`SETTLED` of itself.
+`compare(a, b)` is resolved when an exact two-sided Mann-Whitney U test puts p under ALPHA with at
+least MIN_SAMPLES a side; `choose` keeps the default unless the fastest side's gap to it resolves.
+`Rounds` / `interleave` are the one driver of repeated, interleaved measurements; `clock(device)`
+is the one place a comparison's clock is chosen. Calibration: docs/calibration.md (noise).
 """
 
 from __future__ import annotations
@@ -28,11 +16,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-# A difference is real when two same-distributed sides show a gap this large this seldom. 1%, not
-# 5%: `Rounds` looks after every round, and each look is another chance of a false "resolved"
-# (simulated, sides equal with 10% noise, looks at 5..16 rounds: 3.5% end resolved at 1%, 16% at
-# 5%); a 10% gap under that noise resolves in 60% of runs within 16 rounds, the rest keep the
-# default as "within noise".
+# 1%, not 5%: Rounds looks after every round, and each look is another chance of a false gap
 ALPHA = 0.01
 MIN_SAMPLES = 5  # per side: fewer cannot reach ALPHA however separated the samples are
 # a median used as a figure is settled when its 95% interval's half-width is this share of it
@@ -216,3 +200,52 @@ class Rounds:
                 self.out_of_time = True
                 break
         return samples
+
+
+def interleave(sides: Sequence[Hashable], measure: Callable[[Any, int], Any],
+               pending: Callable[[dict[Any, list[Any]]], object] = lambda got: True, *,
+               budget_s: float = math.inf, min_rounds: int = MIN_SAMPLES, max_rounds: int = 16,
+               owed: int = 0) -> tuple[dict[Any, list[Any]], Rounds]:
+    """Rounds of `measure(side, round)` for every side, the order turned every round (a load
+    that moves hits all sides alike), until `pending(got)` is falsy, `budget_s` is spent or
+    `max_rounds` (Rounds' rules): what each call returned, per side in order, and the Rounds."""
+    got: dict[Any, list[Any]] = {side: [] for side in sides}
+    turn = [0]
+
+    def one_round() -> list[Any]:
+        n = turn[0]
+        turn[0] += 1
+        for side in list(sides) if n % 2 == 0 else list(sides)[::-1]:
+            got[side].append(measure(side, n))
+        return [got[side][-1] for side in sides]
+
+    rounds = Rounds(one_round, lambda _: pending(got), budget_s=budget_s, min_rounds=min_rounds,
+                    max_rounds=max_rounds, owed=owed)
+    rounds.run()
+    return got, rounds
+
+
+@dataclass(frozen=True)
+class Clock:
+    """What a comparison compares seconds on: its name, a timed row's column, its unit."""
+
+    name: str  # "CPU" or "wall"
+    column: str  # "cpu_s" or "seconds"
+    unit: str  # "CPU s" or "s"
+
+    def __str__(self) -> str:
+        return "CPU seconds" if self.name == "CPU" else "wall seconds"
+
+    def col(self, wall: str = "seconds") -> str:
+        """The column of a frame whose wall seconds are `wall` that holds this clock."""
+        return self.column if self.name == "CPU" else wall
+
+
+WALL, CPU = Clock("wall", "seconds", "s"), Clock("CPU", "cpu_s", "CPU s")
+
+
+def clock(device: Any) -> Clock:
+    """The one rule: on a CPU a comparison reads this process's CPU seconds (a shared box's wall
+    seconds move with its neighbours), on an accelerator wall seconds. A wait (I/O, a loader)
+    has no CPU seconds: waits and shares of where the time went are always wall."""
+    return CPU if str(device).split(":")[0] == "cpu" else WALL

@@ -145,33 +145,29 @@ def plot_amdahl(shares: pd.DataFrame, run: str | None = None, max_speedup: float
     return fig
 
 
-def plot_waterfall(findings: pd.DataFrame, total_seconds: float, top: int = 6) -> Figure:
-    """Run time, minus the best fix per stage (largest first), down to what is left.
-
-    Fixes of one stage are alternatives (land the data once, or pull it faster): only the
-    largest is drawn, so the bars never count one stage's time twice.
-    """
-    if not math.isfinite(total_seconds) or total_seconds <= 0:
-        raise ValueError(f"total_seconds={total_seconds!r}: must be a duration > 0")
-    rows = (findings.sort_values("seconds_saved", ascending=False, kind="stable")
-            .drop_duplicates("stage").head(top))
-    scale, unit = _time_unit(total_seconds)
+def plot_waterfall(flow: pd.DataFrame) -> Figure:
+    """From the naive total through each stage a fix changed (its measured change) and the
+    stages no fix changed to the optimized total (diag.forecast.story.waterfall's rows)."""
+    if flow.empty or not {"bar", "seconds", "change"} <= set(flow.columns):
+        raise ValueError("flow must be diag.forecast.story.waterfall's frame")
+    clock = str(flow["clock"].iloc[0]) if "clock" in flow.columns else "wall"
+    scale, unit = _time_unit(float(flow["seconds"].max()))
     fig = _figure(8, 3.8)
     ax = fig.add_subplot()
-    level = total_seconds
-    ax.bar(0, level / scale, color="#7f7f7f")
-    labels = ["now"]
-    for i, r in enumerate(rows.itertuples(), start=1):
-        saved = min(r.seconds_saved, level)  # fixes overlap: never below zero
-        level -= saved
-        ax.bar(i, saved / scale, bottom=level / scale, color=STAGE_COLORS.get(r.stage, "#999"))
-        ax.text(i, (level + saved / 2) / scale, f"-{saved / scale:.3g}", ha="center", fontsize=7)
-        labels.append(r.stage)
-    ax.bar(len(labels), level / scale, color="#444444")
-    labels.append("after fixes")
-    ax.set_xticks(range(len(labels)), labels, rotation=20, fontsize=8)
-    ax.set_ylabel(unit)
-    ax.set_title("What the best fix per stage would save (upper bounds)")
+    labels = []
+    for i, r in enumerate(flow.itertuples()):
+        if r.bar in ("naive", "optimized"):
+            ax.bar(i, r.seconds / scale, color="#7f7f7f" if r.bar == "naive" else "#444444")
+            labels.append(f"{r.bar}\n{r.seconds / scale:.3g}")
+            continue
+        low = min(r.seconds, r.seconds - r.change)
+        ax.bar(i, abs(r.change) / scale, bottom=low / scale,
+               color=STAGE_COLORS.get(r.stage, "#bbbbbb"))
+        labels.append(f"{r.bar}\n{r.change / scale:+.3g}")
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel(f"{'CPU ' if clock == 'CPU' else ''}{unit}")
+    ax.set_title("Naive to optimized, stage by stage, as measured "
+                 f"({'CPU' if clock == 'CPU' else 'wall'} seconds)")
     return fig
 
 

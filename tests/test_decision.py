@@ -51,7 +51,8 @@ def test_from_rows_keeps_the_rows_as_records_and_what_the_choice_is_worth():
     assert (d.basis, d.source, d.measured_on) == ("measured", "loader", ON)
     assert (d.baseline, d.stage, d.per, d.baseline_s, d.chosen_s) == (0, "data_wait", "step",
                                                                        0.2, 0.01)
-    listed = Decision.from_rows("x", 1, "w", iter([{"a": 1}]), source="s", basis="projected")
+    listed = Decision.from_rows("pin_memory", 1, "w", iter([{"a": 1}]), source="s",
+                                basis="projected")
     assert listed.rows == ({"a": 1},) and listed.basis == "projected"
     assert listed.measured_on == MeasuredOn()
 
@@ -63,8 +64,9 @@ def test_saving_is_baseline_less_chosen_times_the_count():
     slower = Decision.from_rows("fetch", "land", "w", [{}], source="s", baseline_s=1.0,
                                 chosen_s=3.0)
     assert slower.saving_s(2) == -4.0
-    assert Decision.from_rows("f", 1, "w", [{}], source="s", baseline_s=1.0).saving_s() is None
-    assert Decision.from_rows("f", 1, "w", [{}], source="s", chosen_s=1.0).saving_s() is None
+    assert Decision.from_rows("fetch", 1, "w", [{}], source="s", baseline_s=1.0).saving_s() \
+        is None
+    assert Decision.from_rows("fetch", 1, "w", [{}], source="s", chosen_s=1.0).saving_s() is None
 
 
 def test_capping_keeps_the_evidence_and_says_so():
@@ -96,13 +98,13 @@ def test_the_frame_has_one_row_per_decision_with_its_record():
     assert list(f.columns) == ["setting", "value", "basis", "source", "measured_on", "why",
                                "model", "precision", "seq_len", "step", "device",
                                "tokens_per_step", "rows", "baseline", "stage", "per",
-                               "baseline_s", "chosen_s", "naive_ratio", "json"]
+                               "baseline_s", "chosen_s", "naive_ratio", "clock", "json"]
     assert f.iloc[0].drop("json").to_dict() == {
         "setting": "num_workers", "value": 2, "basis": "measured", "source": "loader",
         "measured_on": ON.label(), "why": "w", "model": "tiny (nf4 + LoRA)", "precision": "nf4",
         "seq_len": 96, "step": "the QLoRA step", "device": "cpu", "tokens_per_step": None,
         "rows": 2, "baseline": 0, "stage": "data_wait", "per": "step", "baseline_s": 0.2,
-        "chosen_s": 0.01, "naive_ratio": None}
+        "chosen_s": 0.01, "naive_ratio": None, "clock": ""}
     assert (f.iloc[1]["setting"], f.iloc[1]["rows"], f.iloc[1]["basis"]) == ("fetch", 0,
                                                                              "default")
     assert list(frame([]).columns) == list(f.columns) and frame([]).empty

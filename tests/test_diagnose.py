@@ -17,17 +17,19 @@ def demo(quick_run):
 
 
 @pytest.mark.slow
-def test_demo_writes_every_experiment_and_prints_path_and_top_finding(demo):
+def test_demo_writes_every_experiment_and_prints_path_and_the_story(demo):
     out, done = demo
     lines = done.stdout.strip().splitlines()
     assert lines[0] == f"wrote {out / 'report.html'}"
-    assert lines[1].startswith("top finding: ")
-    head = report.load_summary(out)["headline"]  # the line the report's page leads with
-    assert lines[2] == head["text"] and head["text"].startswith("naive ")
+    head = report.load_summary(out)["headline"]  # the lines the report's page leads with
+    assert lines[1:1 + len(head["text"].split("\n"))] == head["text"].split("\n")
+    assert lines[1].startswith("naive run: ") and "-bound: " in lines[1]
+    assert "not resolved in 1 round" in head["text"] and "top fix: " in head["text"]
     names = {p.name for p in out.iterdir()}
     assert {"run.csv", "info.csv", "storage.csv", "storage_tax.csv", "model_load.csv",
             "qlora.csv", "qlora_losses.csv", "qlora_plans.csv", "qlora_savings.csv",
-            "qlora_mfu.csv", "advice.csv", "summary.json", "report.html", "stage_shares.png",
+            "qlora_mfu.csv", "qlora_costs.csv", "qlora_waterfall.csv", "qlora_comparison.csv",
+            "advice.csv", "summary.json", "report.html", "stage_shares.png",
             "amdahl.png", "waterfall.png", "storage.png", "model_load.png", "accum.csv",
             "accum_summary.csv",
             "accum.png", "checkpointing.csv", "decisions.csv", "loader.csv", "loader_stalls.csv",
@@ -68,7 +70,6 @@ def test_runs_are_the_qlora_plans_fed_by_the_measured_frames(demo):
         differ = shown[("naive", setting)] != shown[("optimized", setting)]
         listed = stage in saved.index and bool(saved.loc[[stage], "predicted_s"].notna().all())
         assert listed == differ, (setting, shown[("naive", setting)], shown[("optimized", setting)])
-    assert done.stdout.strip().splitlines()[2].startswith("naive ")
     summary = json.loads((out / "summary.json").read_text())
     stages = {(s["run"], s["stage"]) for s in summary["stages"]}
     assert {("naive", "fetch_data"), ("naive", "load_model"), ("optimized", "compute")} <= stages
@@ -86,17 +87,52 @@ def test_demo_leaks_no_secret(demo):
 
 
 @pytest.mark.slow
-def test_the_headline_projects_the_whole_job_and_diag_train_reads_its_costs(demo):
-    from diag.qlora.eta import costs_in
+def test_the_story_adds_up_on_one_clock_from_the_cost_table(demo):
+    # the fixes' measured savings and one named residual add up to naive minus optimized; the
+    # waterfall ends at the measured optimized total; the headline's ratio is summary.json's
+    out, _ = demo
+    frames = report.load(out)
+    flow = frames["qlora_waterfall"].set_index("bar")
+    naive, optimized = flow.at["naive", "seconds"], flow.at["optimized", "seconds"]
+    changes = flow.drop(index=["naive", "optimized"])["change"]
+    assert "unchanged" in changes.index and changes.drop(index="unchanged").lt(0).any()
+    assert naive + changes.sum() == pytest.approx(optimized, rel=0.01)
+    costs = frames["qlora_costs"]
+    clock = flow["clock"].iloc[0]
+    runs = costs[(costs["when"] == "runs") & (costs["clock"] == clock)]
+    rounds = frames["qlora_rounds"].set_index("plan")
+    from diag.qlora.job import counts
+
+    for plan, total in (("naive", naive), ("optimized", optimized)):  # measured: costs x counts
+        n = counts(rounds.loc[[plan]].iloc[0].to_dict())
+        mine = runs[(runs["plan"] == plan) & (runs["stage"] != "download")]
+        assert (mine["seconds"] * mine["unit"].map(n)).sum() == pytest.approx(total, rel=0.01)
+    summary = report.load_summary(out)
+    head, row = summary["headline"], frames["qlora_comparison"].iloc[0]
+    assert head["speedup"] == pytest.approx(row["speedup"]) == pytest.approx(naive / optimized)
+    assert (head["resolved"], head["clock"]) == (bool(row["resolved"]), clock)
+    assert {"verdict", "resolved", "low", "high"} <= set(head)
+    assert head["top_fix"].split(" (")[0] == flow.loc[changes.drop(
+        index="unchanged").idxmin(), "fixes"]
+
+
+@pytest.mark.slow
+def test_the_eta_and_the_projection_price_the_job_from_the_same_rows(demo):
+    from diag.forecast.eta import costs_in
 
     out, done = demo
     frames = report.load(out)
     totals = frames["qlora_projection"].query("stage == 'total'").set_index("plan")
-    assert set(totals.index) == {"naive", "optimized"} and (totals["predicted_s"] > 0).all()
+    assert set(totals.index) == {"naive", "optimized"} and (totals["seconds"] > 0).all()
     # every record of the embedded source (counted), one epoch, each plan's measured costs
-    assert totals.at["naive", "evidence"].endswith("1 epoch(s)")
+    assert totals.at["naive", "evidence"].endswith(", 1 epoch")
     head = report.load_summary(out)["headline"]
-    assert "the whole job (" in head["text"] and "projected from the per-token costs" in \
-        head["text"] and head["projection"] in done.stdout
-    costs = costs_in(out, "optimized").set_index(["stage", "per"])["seconds"]
-    assert costs["train", "slot"] > 0 and costs["preprocess", "byte"] > 0
+    assert head["projection"].startswith("the whole job (") and head["projection"] in done.stdout
+    eta = costs_in(out, "optimized")  # what `diag train --results` prices its ETA at
+    priced = frames["qlora_projection_costs"]
+    mine = priced[priced["plan"] == "optimized"].reset_index(drop=True)
+    cols = ["stage", "unit", "seconds"]
+    assert eta[cols].reset_index(drop=True).equals(mine[cols])
+    assert set(eta["clock"]) == {"wall"}  # an ETA is a promise about the wall clock
+    got = eta.set_index(["stage", "unit"])["seconds"]
+    assert got["train", "slot"] > 0 and got["preprocess", "byte"] > 0

@@ -1,4 +1,3 @@
-import math
 
 import pandas as pd
 import pytest
@@ -46,18 +45,24 @@ def test_amdahl_curve_has_the_non_compute_floor_and_marks():
     assert any("H100 SXM" in t.get_text() for t in ax.texts)
 
 
-def test_waterfall_steps_down_by_each_fix():
-    found = amdahl.findings(constructed())
-    total = amdahl.shares(constructed())["seconds"].sum()
-    fig = plots.plot_waterfall(found, total)
-    bars = fig.axes[0].patches
-    assert bars[0].get_height() == pytest.approx(total)
-    saved = sum(b.get_height() for b in bars[1:-1])
-    assert bars[-1].get_height() == pytest.approx(total - saved)
-    with pytest.raises(ValueError, match="total_seconds=0"):
-        plots.plot_waterfall(found, 0)
-    with pytest.raises(ValueError, match="total_seconds=nan"):
-        plots.plot_waterfall(found, math.nan)
+def test_the_waterfall_floats_each_change_and_ends_at_the_optimized_total():
+    from tests.report.test_report import comparison
+
+    flow = comparison()["qlora_waterfall"]
+    bars = plots.plot_waterfall(flow).axes[0].patches
+    assert len(bars) == len(flow)
+    assert bars[0].get_height() == pytest.approx(flow["seconds"].iloc[0])
+    assert bars[-1].get_height() == pytest.approx(flow["seconds"].iloc[-1])
+    for bar, r in zip(bars[1:-1], flow.iloc[1:-1].itertuples()):  # from one level to the next
+        assert bar.get_height() == pytest.approx(abs(r.change))
+        assert bar.get_y() == pytest.approx(min(r.seconds, r.seconds - r.change))
+    assert not fig_texts(bars[0].figure)  # the figures sit in the tick labels, not on bars
+    with pytest.raises(ValueError, match="waterfall"):
+        plots.plot_waterfall(pd.DataFrame())
+
+
+def fig_texts(fig):
+    return [t for ax in fig.axes for t in ax.texts]
 
 
 def test_curve_and_upgrade_projection_agree():
@@ -68,19 +73,6 @@ def test_curve_and_upgrade_projection_agree():
     projected = amdahl.upgrade(frame, "RTX 4070", "H100 SXM").set_index("stage")
     (marked,) = [line for line in fig.axes[0].lines if line.get_marker() == "o"]
     assert marked.get_ydata()[0] == pytest.approx(projected.loc["total", "seconds_after"])
-
-
-def test_waterfall_draws_one_fix_per_stage():
-    frame = constructed(fetch=10.0, load=4.0)
-    extra = pd.DataFrame([
-        {"stage": "fetch_data", "finding": "land once", "seconds_saved": 9.0, "evidence": "x"},
-        {"stage": "fetch_data", "finding": "tune the pull", "seconds_saved": 6.0, "evidence": "y"}])
-    found = amdahl.findings(frame, advice=extra)
-    total = amdahl.shares(frame)["seconds"].sum()
-    bars = plots.plot_waterfall(found, total).axes[0].patches
-    fetch_bars = [b for b in bars[1:-1]
-                  if to_hex(b.get_facecolor()) == plots.STAGE_COLORS["fetch_data"]]
-    assert len(fetch_bars) == 1 and fetch_bars[0].get_height() == pytest.approx(9.0)
 
 
 def test_advice_never_saves_more_than_the_stage_took():

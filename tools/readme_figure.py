@@ -34,7 +34,7 @@ def figure(folder: Path):
     head = summary.get("headline")
     if not head:
         raise SystemExit(f"{folder}: no naive vs optimized headline; name a `diag run` folder")
-    lines = [*textwrap.wrap(head["text"], 100), *textwrap.wrap(f"top fix: {head['top_fix']}", 100),
+    lines = [*(w for line in head["text"].split("\n") for w in textwrap.wrap(line, 100)),
              f"measured on {html.unescape(device_line(summary))}"]
     fig = plots.plot_stage_shares(pd.DataFrame(summary["stages"]), title="\n".join(lines))
     fig.axes[0].title.set_fontsize(10)  # three lines of words above a 9-inch chart

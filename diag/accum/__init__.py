@@ -15,10 +15,10 @@ from diag.accum.mfu import (NANOGPT_PEAK, ModelShape, count_flops, disagreement,
                             judge_mfu, mfu_from_figures)
 from diag.accum.model import Setup, measure, sweep_grad_accum
 from diag.accum.sweep import (COLUMNS, AccumStep, PeakMemory, accum_frame, is_oom, pairs,
-                              retime, samples, step_clock, train_points)
+                              retime, samples, train_points)
 
 __all__ = ["AccumResult", "AccumStep", "COLUMNS", "ModelShape", "NANOGPT_PEAK", "PeakMemory",
            "Setup", "accum_frame", "advice", "count_flops", "decide", "disagreement",
            "floor_seconds", "is_oom", "judge_mfu", "measure", "mfu_check", "mfu_from_figures",
-           "pairs", "retime", "run_accum", "samples", "step_clock", "summarize",
+           "pairs", "retime", "run_accum", "samples", "summarize",
            "sweep_grad_accum", "train_points"]

@@ -73,16 +73,11 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
 
 def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
            baseline: int = 1, repeats_s: float | None = None) -> tuple[Decision, ...]:
-    """`micro_batch` from the timed steps (one row each, COLUMNS), judged by
-    diag.noise.choose on the clock of measured_on's device (diag.accum.sweep.step_clock:
-    CPU seconds on a CPU, else wall): the fastest point where its gap to micro-batch `baseline`
-    (the naive plan's; the smallest that ran when it did not) is resolved, else `baseline`
-    kept, "within noise". Priced per step in wall seconds against `baseline` where it ran; no
-    point that ran: the documented default, said so; `naive_ratio`: `baseline`'s step over the
-    chosen one's on the clock compared (predict's chain on a CPU). repeats_s: the seconds
-    re-timing the finalists took."""
-    from diag.accum.sweep import step_clock
-    from diag.noise import spread
+    """`micro_batch` from the timed steps (COLUMNS) on measured_on's device's clock
+    (diag.noise.clock): the fastest point where its gap to `baseline` (the naive plan's, else
+    the smallest that ran) resolves (settle), else `baseline` kept "within noise"; priced per
+    step on that clock; no point that ran: the documented default, said so."""
+    from diag.noise import clock, spread
 
     ok = frame[frame["status"] == "ok"] if frame is not None and not frame.empty else None
     if ok is None or ok.empty:
@@ -90,9 +85,10 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
                "no accum point ran (" + ", ".join(sorted(set(frame["status"]))) + ")")
         return (Decision.default("micro_batch", DEFAULT_MICRO_BATCH, f"{why}: micro-batch "
                                  f"{DEFAULT_MICRO_BATCH}", source="accum"),)
-    column, unit, clock = step_clock(measured_on.device if measured_on else "")
+    on = clock(measured_on.device if measured_on else "")
+    column, unit = on.col("seconds_per_step"), on.unit
     times = {int(m): list(g[column]) for m, g in ok.groupby("micro_batch")}
-    wall = {int(m): statistics.median(g["seconds_per_step"]) for m, g in ok.groupby("micro_batch")}
+    med = {m: statistics.median(t) for m, t in times.items()}
     accum = {int(m): int(a) for m, a in zip(ok["micro_batch"], ok["grad_accum"])}
     ref = baseline if baseline in times else min(times)
     pick = settle(times, ref)
@@ -123,14 +119,13 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
         why += "; within noise of the fastest: " + ", ".join(f"micro-batch {m}" for m in tied)
     if repeats_s:
         why += f"; {repeats_s:.2g} s re-timing the finalists"
-    why += f"; compared on {clock}"
+    why += f"; compared on {on}"
     sides = [micro] if gap is None else [micro, ref if micro != ref else pick.best]
     return (Decision.from_rows(
         "micro_batch", micro, why, ok[ok["micro_batch"].isin({micro, ref, pick.best})],
         source="accum", measured_on=measured_on, baseline=baseline, stage="compute",
-        per="step", baseline_s=wall[baseline] if baseline in wall else None,
-        chosen_s=wall[micro], naive_ratio=statistics.median(times[baseline]) /
-        statistics.median(times[micro]) if baseline in times else None,
+        per="step", clock=on.name, baseline_s=med.get(baseline), chosen_s=med[micro],
+        naive_ratio=med[baseline] / med[micro] if baseline in med else None,
         samples=tuple(len(times[m]) for m in sides),
         spread=tuple(spread(times[m]) for m in sides), tied=tied,
         resolved=pick.resolved, repeats_s=repeats_s),)
@@ -157,11 +152,10 @@ def settle(times: dict[int, list[float]], ref: int) -> Choice:
 
 def summarize(frame: pd.DataFrame, baseline: int = 1, device: str = "") -> pd.DataFrame:
     """Per point: median step, tokens/s, MFU, memory; `recommended` marks the point `decide`
-    takes on `device`'s clock (step_clock): the fastest that fits where its gap to micro-batch
-    `baseline` (else the smallest that ran) is resolved, else that one (diag.noise)."""
+    takes on `device`'s clock."""
     import pandas as pd
 
-    from diag.accum.sweep import step_clock
+    from diag.noise import clock
 
     keys = ["micro_batch", "grad_accum", "tokens_per_step", "status"]
     first = {"floor_s": "first", "peak_mem_gb": "max", "warmup_s": "first", "compile": "first",
@@ -176,7 +170,7 @@ def summarize(frame: pd.DataFrame, baseline: int = 1, device: str = "") -> pd.Da
     out["recommended"] = False
     if not ok.empty:
         rows = frame[frame["status"] == "ok"]
-        column = step_clock(device)[0]
+        column = clock(device).col("seconds_per_step")
         times = {int(m): list(g[column]) for m, g in rows.groupby("micro_batch")}
         pick = settle(times, baseline if baseline in times else min(times))
         out.loc[ok.index[ok["micro_batch"] == pick.value][0], "recommended"] = True

@@ -36,16 +36,6 @@ TIMED = ["step", "micro_batch", "grad_accum", "status", "repeat", "seconds_per_s
          "data_s", "peak_mem_gb", "warmup_s", "detail"]
 
 
-def step_clock(device: Any, wall: str = "seconds_per_step") -> tuple[str, str, str]:
-    """The column a decision compares steps on, its unit, and the words its `why` names it
-    with: on a CPU the step's own CPU seconds (on a shared box its wall time mostly measures
-    the scheduler), else the wall seconds (a GPU's time)."""
-    if str(device).split(":")[0] == "cpu":
-        return "cpu_s", "CPU s", ("CPU seconds of the step (the device is this CPU; wall time "
-                                  "on a shared box measures the scheduler)")
-    return wall, "s", "wall seconds of the step (the device's time)"
-
-
 class AccumStep(Protocol):
     """What train_points drives: one model, trained a micro-batch at a time."""
 
@@ -259,10 +249,10 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
     import pandas as pd
 
     from diag.machine.device import sync
-    from diag.noise import MIN_SAMPLES, Rounds
+    from diag.noise import MIN_SAMPLES, Rounds, clock
 
     at_least = max(MIN_SAMPLES, at_least or 0)  # fewer can never resolve a gap
-    column = step_clock(steps[0].device.type)[0]
+    column = clock(steps[0].device.type).col("seconds_per_step")
     screen = samples(timed, column)
     keys = [k for k in dict.fromkeys(pending(screen)) if k in screen]
     fewest = min((len(v) for v in screen.values()), default=0)

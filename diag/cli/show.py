@@ -35,12 +35,9 @@ def show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.Na
     if isinstance(result, Path):  # a run folder: where it is and what it found
         from diag import report
 
-        summary = report.load_summary(result)
-        top = summary.get("top_finding") or "nothing measured stands out"
-        print(redact(f"wrote {result / 'report.html'}\ntop finding: {top}"))
-        head = summary.get("headline") or report.headline(summary.get("stages") or [])
-        if head:
-            print(head["text"])
+        head = report.load_summary(result).get("headline")
+        print(redact(f"wrote {result / 'report.html'}\n"
+                     + (head["text"] if head else "nothing measured stands out")))
         return
     frames = frames_of(name, result)
     if getattr(args, "csv", None):

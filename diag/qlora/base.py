@@ -62,28 +62,27 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
         return Path(snapshot_download(src.model, cache_dir=cache, **kwargs))
 
 
-# a start's model folder timed again while cheap: at most FOLDER_REPEATS times, while a start
-# takes under FOLDER_CHEAP_S and all of them under FOLDER_BUDGET_S
+# a cheap model folder (the embedded model's) is timed again until settled: at most
+# FOLDER_REPEATS starts, each under FOLDER_CHEAP_S, all under FOLDER_BUDGET_S (a 7B's: once)
 FOLDER_REPEATS, FOLDER_CHEAP_S, FOLDER_BUDGET_S = 16, 2.0, 3.0
 
 
-def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, float]:
-    """The plan's model folder (model_folder, into `work`) and the seconds a start pays for it:
-    the median of starts timed again (each into a folder of its own, then removed) until it is
-    settled (diag.noise.unsettled) or the cheap limits are reached: the embedded model's 0.2 s
-    download moves +-30% on a busy 2-core box (a median of 3 was 40% off another); a 7B's,
-    minutes, is timed once."""
+def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, dict[str, float]]:
+    """The plan's model folder (into `work`) and what a start pays for it, by clock ("wall",
+    "CPU"): the medians of starts timed again (each into a folder of its own, then removed)
+    until the wall median settles (diag.noise.unsettled) or a cheap limit is reached."""
     import statistics
 
     from diag.noise import unsettled
 
-    folder, samples = None, []
+    folder, samples, cpu = None, [], []
     begun = time.perf_counter()
     for i in range(FOLDER_REPEATS):
         here = work if i == 0 else work / f"again-{i}"
-        start = time.perf_counter()
+        start, used = time.perf_counter(), time.process_time()
         got = model_folder(plan, src, here)
         samples.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - used)
         if folder is None:
             folder = got
         else:
@@ -91,7 +90,7 @@ def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, float]:
         if (samples[-1] >= FOLDER_CHEAP_S or time.perf_counter() - begun >= FOLDER_BUDGET_S
                 or not unsettled({0: samples})):
             break
-    return folder, statistics.median(samples)
+    return folder, {"wall": statistics.median(samples), "CPU": statistics.median(cpu)}
 
 
 def load_model(cfg: JobConfig, plan: Plan, folder: Path, device: Any) -> Any:
@@ -143,19 +142,16 @@ REUSED = "measured once per plan, as its base first loaded: this round reused th
 
 class Bases:
     """The 4-bit bases of one comparison, one per plan (model cache, checkpointing, device), for
-    all its rounds: the first load (the plan's step timed before the rounds, or its round 0)
-    times model_folder (timed_folder: `folder_s`) + load_model as a start pays them; a later one
-    puts a fresh adapter on the kept base and records the first load's seconds, its row's basis
-    REUSED (never a ~0 s load). release() takes the adapters lent since the last one off (peft's
-    unload(); the base in eval mode, as loaded); an empty cache's download stays in `work`."""
+    all its rounds: the first load times the model folder and the load as a start pays them
+    (`timed[plan]`: stage -> clock -> seconds); a later one puts a fresh adapter on the kept
+    base and records the first load's seconds, its row's basis REUSED. release() takes the
+    adapters lent since the last one off (peft's unload())."""
 
     def __init__(self) -> None:
         self.work = scratch_folder("diag-qlora-bases")  # a killed rank's is swept next time
-        self._held: dict[tuple[Any, ...], tuple[Path, Any, float, float]] = {}
+        self._held: dict[tuple[Any, ...], tuple[Path, Any, dict[str, dict[str, float]]]] = {}
         self._lent: list[Any] = []  # the peft models on kept bases, until release()
-        # by plan: the model folder seconds of the base its last load handed out (that base's
-        # first load timed them)
-        self.folder_s: dict[str, float] = {}
+        self.timed: dict[str, dict[str, dict[str, float]]] = {}  # the base last handed out's
 
     def __enter__(self) -> Bases:
         return self
@@ -169,23 +165,24 @@ class Bases:
              ) -> tuple[Path, Any, bool]:
         """(the model folder, the base with a fresh adapter, whether the base was reused)."""
         key = (plan.name, plan.model_cache, plan.gradient_checkpointing, str(device))
-        if key not in self._held:
+        reused = key in self._held
+        if not reused:
             from diag.machine.device import sync
 
             folder, folder_s = timed_folder(plan, src, self.work)
-            start = time.perf_counter()
+            start, used = time.perf_counter(), time.process_time()
             model = load_model(cfg, plan, folder, device)
             sync(device)  # note: sync point, so the load's copies to the device are in it
-            seconds = folder_s + time.perf_counter() - start
-            timer.record("load_model", seconds)  # a start's: its model folder once, its load
-            self._held[key] = (folder, model.get_base_model(), seconds, folder_s)
-            self.folder_s[plan.name] = folder_s
+            load = {"wall": folder_s["wall"] + time.perf_counter() - start,
+                    "CPU": folder_s["CPU"] + time.process_time() - used}
+            self._held[key] = (folder, model.get_base_model(),
+                               {"load_model": load, "download": folder_s})
             self._lent.append(model)
-            return folder, model, False
-        folder, base, seconds, self.folder_s[plan.name] = self._held[key]
-        timer.record("load_model", seconds)  # the first load's: the caller marks it REUSED
-        self._lent.append(adapted(cfg, base))
-        return folder, self._lent[-1], True
+        else:
+            self._lent.append(adapted(cfg, self._held[key][1]))
+        folder, _, self.timed[plan.name] = self._held[key]
+        timer.record("load_model", self.timed[plan.name]["load_model"]["wall"])
+        return folder, self._lent[-1], reused
 
     def release(self) -> None:
         while self._lent:  # every base lent since the last release (each plan's own step at once)

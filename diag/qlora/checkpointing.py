@@ -1,13 +1,8 @@
 """Gradient checkpointing on vs off, timed on the QLoRA job's own step, and the decision.
 
-diag.qlora.measure.checkpointing_on_job runs the job's step (QLoraStep: nf4 base + LoRA, forward,
-backward, AdamW) with checkpointing on and off, alternating step by step after one warm-up each,
-re-timed in rounds while `pending` (diag.noise), one row per timed step (COLUMNS): wall
-seconds, CPU seconds and the step's own peak memory (diag.accum.PeakMemory); on a CPU the
-decision compares CPU seconds (diag.accum.step_clock), on a GPU wall seconds.
-`decide(frame, device)` turns it off when the peak without it stays under
-CHECKPOINTING_HEADROOM of the memory it lives in and off is resolved faster; the on/off wall
-seconds price the choice.
+diag.qlora.measure.checkpointing_on_job times the job's step with checkpointing on and off in
+interleaved rounds (COLUMNS: wall and CPU seconds, the step's own peak memory); `decide` turns it
+off where the peak without it fits CHECKPOINTING_HEADROOM of its memory and off resolves faster.
 """
 
 from __future__ import annotations
@@ -57,8 +52,7 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
     and no ratio is priced. `naive_ratio`: on/off seconds at `naive_micro_batch` where resolved
     (1.0 within noise). Compared on `device`'s clock (step_clock), priced in wall seconds
     (naive_ratio on the clock compared)."""
-    from diag.accum import step_clock
-    from diag.noise import compare, spread
+    from diag.noise import clock, compare, spread
 
     cuda = str(device).startswith("cuda")
     fallback = ("on, the safe default on CUDA" if cuda else
@@ -74,7 +68,8 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
     # ratio prices the naive step's checkpointing (diag.qlora.predict)
     sized = "micro_batch" in frame.columns
     top = frame[frame["micro_batch"] == frame["micro_batch"].max()] if sized else frame
-    column, unit, clock = step_clock(device, wall="seconds")
+    timed_on = clock(device)
+    column, unit = timed_on.col(), timed_on.unit
     on, off = _sides(top, column)
     if min(statistics.median(on), statistics.median(off)) <= 0:  # no timing: no evidence
         return (Decision.default("gradient_checkpointing", cuda, "a checkpointing side took "
@@ -98,11 +93,11 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
     ratio, note = _naive_ratio(frame[frame["micro_batch"] == naive_micro_batch] if sized
                                else frame.iloc[:0], naive_micro_batch, column)
     why += note + (f"; {repeats_s:.2g} s re-timing" if repeats_s else "") + \
-        f"; compared on {clock}"
-    on_s, off_s = map(statistics.median, _sides(top))
+        f"; compared on {timed_on}"
+    on_s, off_s = map(statistics.median, (on, off))
     return (Decision.from_rows("gradient_checkpointing", choice, why, frame,
                                source="checkpointing", measured_on=measured_on, baseline=True,
-                               stage="compute", per="step", baseline_s=on_s,
+                               stage="compute", per="step", clock=timed_on.name, baseline_s=on_s,
                                chosen_s=on_s if choice else off_s, naive_ratio=ratio,
                                samples=(len(on), len(off)), spread=(spread(on), spread(off)),
                                resolved=gap.resolved, repeats_s=repeats_s),)

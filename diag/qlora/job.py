@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,8 @@ from diag.secrets import register
 from diag.timing import StageTimer
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from diag.config import JobConfig, QLoraConfig
 
 @contextlib.contextmanager
@@ -107,14 +110,6 @@ def _records_in(path: Path) -> int:
     return 0
 
 
-def prime(cfg: QLoraConfig, plan: Plan, src: Sources) -> float:
-    """Land the data, fill the model cache and the token cache once (a first start's cost);
-    returns its seconds. Later starts of the plan hit all three."""
-    start = time.perf_counter()
-    prepare(cfg, plan, src)
-    return time.perf_counter() - start
-
-
 def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any]:
     """A start's inputs under plan, untimed: the data path, the model folder, the built dataset
     (a copy pulled into the start's temporary folder is gone when it returns)."""
@@ -129,13 +124,25 @@ def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases | None = None
-             ) -> dict[str, Any]:
-    """One timed run: {"stages": frame, "losses": frame, "summary": dict}; what was alive
-    before it is frozen out of the garbage collector while it runs (trainer.frozen_heap).
-    bases: the comparison's (its plan's base loaded by its first round); None: loaded here."""
+@dataclass(frozen=True)
+class PlanRun:
+    """One timed run of a plan: its StageTimer rows, losses, what it measured for the cost table
+    (diag.forecast.costs, when "runs", both clocks on a CPU) and what ran, read back."""
+
+    plan: str
+    round: int
+    stages: pd.DataFrame  # StageTimer rows of every rank (`run` = the plan)
+    losses: pd.DataFrame  # step, loss, learning_rate
+    costs: pd.DataFrame  # measurement rows (diag.forecast.costs.MEASURED)
+    summary: Mapping[str, Any]  # settings read back from what ran, tokens, slots, seconds
+
+
+def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases | None = None,
+             rnd: int = 0) -> PlanRun:
+    """One timed run (round `rnd`); what was alive before it is frozen out of the garbage
+    collector while it runs (trainer.frozen_heap). bases: the comparison's; None: loaded here."""
     with frozen_heap(), contextlib.nullcontext(bases) if bases else Bases() as bases:
-        return _run_plan(cfg, plan, src, bases)
+        return _run_plan(cfg, plan, src, bases, rnd)
 
 
 def rank_device(cfg: JobConfig) -> tuple[Any, Any]:
@@ -153,7 +160,7 @@ def rank_device(cfg: JobConfig) -> tuple[Any, Any]:
     return device, seat
 
 
-def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases) -> dict[str, Any]:
+def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases, rnd: int) -> PlanRun:
     import pandas as pd
     import transformers
 
@@ -167,23 +174,27 @@ def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases) -> dict[
     work = scratch_folder(f"diag-qlora-{plan.name}")  # a killed rank's is swept next time
     out_dir = Path(cfg.out_dir) / plan.name if cfg.out_dir else work / "out"
     transformers.logging.set_verbosity_error()
+    cpu: dict[str, float] = {}
     try:
-        with timer.stage("fetch_data"):
+        with timer.stage("fetch_data"), _cpu(cpu, "fetch_data"):
             data_path, fetched, source_bytes = fetch_data(plan, src, work, cfg.records)
         folder, model, reused = bases.load(cfg, plan, src, device, timer)
         check = time.perf_counter()  # untimed as a stage (the same in both plans), but shown
         recs = job_records(cfg, data_path, folder)
         check_s = time.perf_counter() - check
-        with timer.stage("preprocess"):
+        with timer.stage("preprocess"), _cpu(cpu, "preprocess"):
             data = build_dataset(cfg, plan, recs, folder, data_path,
                                  model.config._attn_implementation)
         dataset = data.dataset
         if seat.rank == cfg.slow_rank:  # a straggler on purpose: slow_ms more per batch
             dataset = _Slowed(dataset, cfg.slow_ms / 1000 / data.micro_batch)
+        trainer_cpu = time.process_time()
         trainer, callback = trainer_for(cfg, plan, model, data, out_dir, device, timer,
                                         train_dataset=dataset)
         resume = last_checkpoint(out_dir) if cfg.resume else None
         wall = fit(trainer, callback, resume, cfg.out_dir or None)  # resumed with its --out-dir
+        cpu |= callback.cpu  # the warm-up's and the steady loop's
+        cpu["setup"] = time.process_time() - trainer_cpu - cpu["warmup"] - cpu["train"]
         losses = pd.DataFrame([{"step": h["step"], "loss": h["loss"],
                                 "learning_rate": h.get("learning_rate")}
                                for h in trainer.state.log_history if "loss" in h])
@@ -191,25 +202,67 @@ def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases) -> dict[
         if reused:  # every rank reused its own base in this round
             frame.loc[frame["stage"] == "load_model", "basis"] = REUSED
         # end to end: the run-level stages (train holds the steady steps, apart from warmup
-        # and checkpoint, so nothing is counted twice)
-        seconds = float(frame.loc[frame["step"].isna(), "seconds"].sum())
-        seconds /= max(frame["rank"].nunique(), 1)  # ranks run side by side: one rank's
-        summary = {**data.stats, "plan": plan.name, "seconds": seconds, "ranks": seat.world_size,
-                   "steps": trainer.state.global_step, "trainer_wall_s": wall,
-                   "check_s": check_s, "fetched_bytes": fetched, "source_bytes": source_bytes,
-                   "model_folder_s": bases.folder_s.get(plan.name),  # the part model_cache sets
-                   "trained_tokens_per_s": data.stats["real_tokens"] / seconds if seconds else None,
+        # and checkpoint, so nothing is counted twice); ranks run side by side: one rank's
+        ranks = max(frame["rank"].nunique(), 1)
+        seconds = float(frame.loc[frame["step"].isna(), "seconds"].sum()) / ranks
+        summary = {**data.stats, "plan": plan.name, "round": rnd, "seconds": seconds,
+                   "warmup_steps": int((frame["stage"] == "warmup").sum()) // ranks,
+                   "saves": int((frame["stage"] == "checkpoint").sum()) // ranks,
+                   "ranks": seat.world_size, "steps": trainer.state.global_step,
+                   "trainer_wall_s": wall, "check_s": check_s, "fetched_bytes": fetched,
+                   "source_bytes": source_bytes,
                    "resumed_from_step": int(resume.name.split("-")[1]) if resume else 0,
                    **ran(trainer),
                    "final_loss": float(losses["loss"].iloc[-1]) if not losses.empty else None,
-                   # this process's CPU seconds in the warm-up and the steady loop (the callback's)
-                   **{f"{stage}_cpu_s": cpu for stage, cpu in callback.cpu.items()},
                    "notes": " ".join(plan.notes)}
-        return {"stages": frame.assign(run=plan.name),
-                "losses": losses.assign(run=plan.name), "summary": summary}
+        costs = _measured(plan.name, rnd, frame, summary, cpu, bases.timed[plan.name])
+        return PlanRun(plan.name, rnd, frame.assign(run=plan.name),
+                       losses.assign(run=plan.name), costs, summary)
     finally:
         bases.release()  # the adapter off the kept base: the next round starts from its load
         shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _cpu(into: dict[str, float], stage: str) -> Iterator[None]:
+    start = time.process_time()
+    try:
+        yield
+    finally:
+        into[stage] = time.process_time() - start
+
+
+def counts(summary: Mapping[str, Any]) -> dict[str, float]:
+    """What one run did, in the cost table's units (diag.forecast.costs.UNITS)."""
+    warm = int(summary["warmup_steps"])
+    per_step = summary["token_slots"] / summary["steps"]
+    whole = summary.get("source_bytes") or 0
+    return {"start": 1, "source": summary["fetched_bytes"] / whole if whole else 1.0,
+            "record": summary["records"], "warmup_slot": warm * per_step,
+            "slot": (summary["steps"] - warm) * per_step, "warmup_step": warm,
+            "step": summary["steps"] - warm, "save": summary["saves"]}
+
+
+def _measured(plan: str, rnd: int, frame: pd.DataFrame, summary: Mapping[str, Any],
+              cpu: Mapping[str, float], load: Mapping[str, Mapping[str, float]]) -> pd.DataFrame:
+    """The run's cost-table rows: per run-level stage, its unit (counts) and its seconds on the
+    wall clock (one rank's) and on this process's CPU clock."""
+    from diag.forecast.costs import measured, row
+
+    ranks = max(frame["rank"].nunique(), 1)
+    wall = (frame[frame["step"].isna()].groupby("stage")["seconds"].sum() / ranks).to_dict()
+    wall |= {"load_model": load["load_model"]["wall"], "download": load["download"]["wall"]}
+    cpu = dict(cpu) | {"load_model": load["load_model"]["CPU"],
+                       "download": load["download"]["CPU"]}
+    n = counts(summary)
+    units = {"fetch_data": "source", "load_model": "start", "download": "start",
+             "preprocess": "record" if plan == "naive" else "start", "setup": "start",
+             "warmup": "warmup_slot", "train": "slot", "checkpoint": "save"}
+    said = f"the {plan} run of {summary['records']} records, {summary['steps']} steps"
+    rows = [row(plan, stage, unit, got[stage], n[unit], clock=clock, rnd=rnd, evidence=said)
+            for clock, got in (("wall", wall), ("CPU", cpu))
+            for stage, unit in units.items() if got.get(stage) is not None and n[unit] > 0]
+    return measured(rows)
 
 
 def ran(trainer: Any) -> dict[str, Any]:

@@ -92,23 +92,38 @@ class QLoraStep:
         sync(self.device)  # note: sync point, so the step's kernels are billed to the step
 
 
-class Steps:
-    """The job's QLoraSteps for one run of its measurements (accum, checkpointing, loader), one
-    per model folder, device and checkpointing setting, loaded once and shared: each is handed
-    out reset (the initial adapters, no gradients, a new optimizer), the weights a fresh one
-    starts from. close() lets their bases go (before the runs load theirs)."""
+class OnJob:
+    """The job's decisions in their one order (micro-batch, then checkpointing and the loader at
+    the micro-batch it chose), sharing one budget split and one loaded QLoraStep per checkpointing
+    setting: accum's rounds may take half of cfg.decide_budget_s, checkpointing's what accum left
+    (the loader's repeats are its screen). close() lets the steps' bases go."""
 
-    def __init__(self, cfg: QLoraConfig) -> None:
-        self.cfg, self._made = cfg, {}
+    def __init__(self, cfg: QLoraConfig, job: JobInputs) -> None:
+        self.cfg, self.job, self.left = cfg, job, cfg.decide_budget_s
+        self._made: dict[bool, QLoraStep] = {}
 
-    def __call__(self, job: JobInputs, gradient_checkpointing: bool = False) -> QLoraStep:
-        key = (str(job.model_dir), str(job.device), gradient_checkpointing)
-        if key not in self._made:
-            self._made[key] = QLoraStep(self.cfg, job.model_dir, job.device,
-                                        gradient_checkpointing)
-        step = self._made[key]
+    def step(self, gradient_checkpointing: bool = False) -> QLoraStep:
+        """The job's step, loaded once per setting, handed out reset (the initial adapters)."""
+        if gradient_checkpointing not in self._made:
+            self._made[gradient_checkpointing] = QLoraStep(
+                self.cfg, self.job.model_dir, self.job.device, gradient_checkpointing)
+        step = self._made[gradient_checkpointing]
         step.reset()
         return step
+
+    def accum(self) -> AccumResult:
+        got = accum_on_job(self.cfg, self.job, budget_s=self.left / 2, on=self)
+        self.left -= got.decisions[0].repeats_s or 0.0
+        return got
+
+    def checkpointing(self, micro: int) -> CheckpointingResult:
+        got = checkpointing_on_job(self.cfg, self.job, micro, budget_s=max(0.0, self.left),
+                                   on=self)
+        self.left -= got.decisions[0].repeats_s or 0.0
+        return got
+
+    def loader(self, micro: int) -> LoaderResult:
+        return loader_on_job(self.cfg, self.job, micro, on=self)
 
     def close(self) -> None:
         self._made.clear()
@@ -162,7 +177,7 @@ def micro_candidates(rows_per_step: int, most: int = 4) -> list[int]:
 
 
 def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | None = None,
-                 budget_s: float | None = None, steps: Steps | None = None) -> AccumResult:
+                 budget_s: float | None = None, on: OnJob | None = None) -> AccumResult:
     """micro_batch x grad_accum == the job's rows per step on the job's step (checkpointing
     off: its own measurement prices it), through diag.accum's harness: every point screened
     (one warm-up step, one timed), then rounds of a step of each, interleaved, to
@@ -182,7 +197,7 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
         raise ValueError(f"{type(cfg).__name__}.sweep_micro_batches={bad}: must divide the job's "
                          f"{rows_per_step} rows per step; allowed: "
                          + ", ".join(map(str, micro_candidates(rows_per_step, rows_per_step))))
-    one = [(steps or Steps(cfg))(job)]
+    one = [(on or OnJob(cfg, job)).step()]
     # a step each, then interleaved rounds (a point's steps one after another let a moving load
     # resolve micro-batch 4 over 2 in one quick decision and 2 over 4 in the next)
     timed = train_points(one, [(m, rows_per_step // m) for m in micro_batches], repeats=1,
@@ -193,10 +208,10 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
     # no floor or MFU here: the QLoRA step's FLOPs are diag.qlora.mfu's own
     frame = accum_frame(timed, tokens, detail=job_label(cfg))
     summary = summarize(frame, device=str(job.device))
-    on = _on(cfg, job, f"the QLoRA step, {rows_per_step} rows per optimizer step "
+    where = _on(cfg, job, f"the QLoRA step, {rows_per_step} rows per optimizer step "
                        "(checkpointing off)", tokens_per_step=tokens)
     return AccumResult(frame, summary, pd.DataFrame(), advice(summary, cfg.steps),
-                       decide(frame, on, repeats_s=spent))
+                       decide(frame, where, repeats_s=spent))
 
 
 def _budget(cfg: QLoraConfig, budget_s: float | None) -> float:
@@ -206,7 +221,7 @@ def _budget(cfg: QLoraConfig, budget_s: float | None) -> float:
 
 
 def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
-                         budget_s: float | None = None, steps: Steps | None = None
+                         budget_s: float | None = None, on: OnJob | None = None
                          ) -> CheckpointingResult:
     """Checkpointing on vs off on the job's step (diag.qlora.checkpointing) at `micro` and at
     the naive plan's micro-batch (the naive step's own on/off ratio: recomputing costs another
@@ -222,8 +237,8 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
     from diag.qlora.plans import Plan
 
     naive = Plan.naive().micro_batch
-    pool = steps or Steps(cfg)
-    pair = [pool(job, on) for on in (True, False)]
+    pool = on or OnJob(cfg, job)
+    pair = [pool.step(ckpt) for ckpt in (True, False)]
     timed = train_points(pair, [(m, 1) for m in sorted({naive, micro})], repeats=1,
                          warmup_steps=1, desc="checkpointing on/off")  # then rounds, as accum's
     timed, spent = retime(pair, timed, pending, budget_s=_budget(cfg, budget_s),
@@ -234,12 +249,12 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
                           "seconds": ok["seconds_per_step"], "cpu_s": ok["cpu_s"],
                           "peak_mem_gb": ok["peak_mem_gb"],
                           "repeat": ok["repeat"]}, columns=COLUMNS).reset_index(drop=True)
-    on = _on(cfg, job, f"the QLoRA step, micro-batch {micro}")
-    return CheckpointingResult(frame, decide(frame, str(job.device), on,
+    where = _on(cfg, job, f"the QLoRA step, micro-batch {micro}")
+    return CheckpointingResult(frame, decide(frame, str(job.device), where,
                                              naive_micro_batch=naive, repeats_s=spent))
 
 
-def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int, steps: Steps | None = None
+def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int, on: OnJob | None = None
                   ) -> LoaderResult:
     """diag.loader's sweep with the job's step as the consumer (its data, its tokenizer, its
     seq_len, the chosen micro-batch, cfg.sweep_workers); the stall split waits as long as that
@@ -248,7 +263,7 @@ def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int, steps: Steps | N
     from diag.loader import run_loader
     from diag.noise import MIN_SAMPLES
 
-    step = (steps or Steps(cfg))(job)
+    step = (on or OnJob(cfg, job)).step()
     label = f"the QLoRA step, micro-batch {micro} x {cfg.seq_len} tokens"
     loader_cfg = LoaderConfig.default(
         quick=True, device=cfg.device, consumer="model", data=str(job.data_path),
@@ -262,18 +277,15 @@ def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int, steps: Steps | N
 
 
 def measure_on_job(cfg: QLoraConfig, job: JobInputs) -> tuple[Decision, ...]:
-    """The three measurements in order (accum picks the micro-batch the others run at), and
-    their decisions; checkpointing's rounds get what accum's left of cfg.decide_budget_s. They
-    share one loaded step per checkpointing setting (Steps), gone when they are done."""
-    steps = Steps(cfg)
-    accum = accum_on_job(cfg, job, steps=steps)
-    (micro,) = (d.value for d in accum.decisions)  # diag.accum decides micro_batch alone
-    spent = accum.decisions[0].repeats_s or 0.0
-    ckpt = checkpointing_on_job(cfg, job, micro, budget_s=max(0.0, cfg.decide_budget_s - spent),
-                                steps=steps)
-    loader = loader_on_job(cfg, job, micro, steps)
-    steps.close()
-    return (*accum.decisions, *ckpt.decisions, *loader.decisions)
+    """The job's decisions in their one order, with one budget split (OnJob)."""
+    on = OnJob(cfg, job)
+    try:
+        accum = on.accum()
+        (micro,) = (d.value for d in accum.decisions)  # diag.accum decides micro_batch alone
+        return (*accum.decisions, *on.checkpointing(micro).decisions,
+                *on.loader(micro).decisions)
+    finally:
+        on.close()
 
 
 def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,

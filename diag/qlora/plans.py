@@ -125,6 +125,19 @@ class Plan:
                               "evidence": d.evidence()} for d in self.decisions])
 
 
+def fixes(naive: Plan, optimized: Plan) -> dict[str, list[str]]:
+    """Per run-level stage, the changes the optimized plan applied there ("micro_batch 1 -> 4")."""
+    from diag.decision import CHANGES
+
+    a, b = naive.settings(), optimized.settings()
+    out: dict[str, list[str]] = {}
+    for setting, stages in CHANGES.items():
+        if a[setting] != b[setting]:
+            for stage in stages:
+                out.setdefault(stage, []).append(f"{setting} {a[setting]} -> {b[setting]}")
+    return out
+
+
 def fit_micro_batch(rows_per_step: int, micro: int) -> int:
     """The largest divisor of rows_per_step that is at most micro (at least 1)."""
     return max(d for d in range(1, max(1, min(micro, rows_per_step)) + 1) if rows_per_step % d == 0)

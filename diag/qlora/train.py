@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from diag.machine.device import on_cpu_threads
 from diag.qlora.checkpoints import claim, last_checkpoint, merged, publish, record
-from diag.qlora.eta import (after_line, before_line, check_eta, costs_in, from_decisions,
-                            job_counts, project)
+from diag.forecast.costs import price
+from diag.forecast.eta import (after_line, before_line, check_eta, costs_in, from_decisions,
+                               job_counts)
 from diag.qlora.plans import Plan
 from diag.qlora.trainer import frozen_heap
 
@@ -75,7 +76,7 @@ def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | No
         plan_s = time.perf_counter() - start  # deciding it: the sweeps on the job, if measured
         record(out, {"plan": plan.name, "decisions": [d.record()["json"] for d in decided]})
         if costs is None:
-            costs = from_decisions(plan, decided, build)
+            costs = from_decisions(plan.name, plan.settings(), decided, build)
         gc.collect()  # the sweeps' models (reference cycles) go before the start freezes the rest
         with frozen_heap():  # as diag qlora's starts: the Trainer's collection is not its set-up
             return _run(cfg, plan, src, out, costs, stored or {}, plan_s)
@@ -142,7 +143,7 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
         _same_source(out, stored, job.split.train.cache)
         plan = plan.fit(job.data.micro_batch * job.data.grad_accum)
         counts = _counts(cfg, job, out)
-        projected = project(costs, counts)
+        projected = price(costs, counts)
         say(before_line(_head(cfg, plan, job), projected))
         got = _train(cfg, plan, model, job, out, device, timer, stored)
         with timer.stage("checkpoint"):  # the output: adapter + tokenizer, whole

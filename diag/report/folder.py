@@ -102,9 +102,10 @@ def _summary(frames: dict[str, pd.DataFrame], config: dict[str, Any]) -> dict[st
         found = amdahl.findings(frames[STAGE_FRAME], frames.get("advice"))
         summary["stages"] = stages.to_dict(orient="records")
         summary["findings"] = found.to_dict(orient="records")
-        summary["top_finding"] = _top(found)
-        summary["headline"] = headline(summary["stages"], summary["findings"],
+        summary["headline"] = headline(stages, found, frames.get("qlora_comparison"),
+                                       frames.get("qlora_waterfall"),
                                        frames.get("qlora_projection"))
+        summary["top_finding"] = summary["headline"]["top_fix"]
     ranked = _ranked(frames)
     if ranked is not None:  # a DDP run: each rank, and the one the others waited for
         summary["ranks"] = stragglers.per_rank(ranked).to_dict(orient="records")
@@ -123,46 +124,64 @@ def _ranked(frames: dict[str, pd.DataFrame]) -> pd.DataFrame | None:
     return None
 
 
-def headline(stages: list[dict[str, Any]], findings: list[dict[str, Any]] | None = None,
-             projection: pd.DataFrame | None = None) -> dict[str, Any] | None:
-    """What a reader wants first: naive -> optimized seconds and their ratio, the naive run's
-    largest stage, the top fix, and (projection: diag.qlora.projection's frame) what the whole
-    job would take under each plan; None without both runs (a single-run folder has no
-    comparison). `text` is the one line the CLI prints and the report leads with."""
-    totals: dict[str, float] = {}
-    for row in stages:
-        totals[row["run"]] = totals.get(row["run"], 0.0) + float(row["seconds"])
-    if not {"naive", "optimized"} <= set(totals) or not totals["optimized"] > 0:
-        return None
-    big = max((r for r in stages if r["run"] == "naive"), key=lambda r: float(r["seconds"]))
-    top = (findings or [None])[0]
-    out = {"naive_s": totals["naive"], "optimized_s": totals["optimized"],
-           "speedup": totals["naive"] / totals["optimized"], "largest_stage": big["stage"],
-           "largest_stage_share": float(big["share"]),
-           "top_fix": top["finding"] + extrapolated(top) if top else None,
-           "top_fix_saves_s": float(top["seconds_saved"]) if top else None}
-    out["text"] = (f"naive {out['naive_s']:.3g} s -> optimized {out['optimized_s']:.3g} s "
-                   f"({out['speedup']:.3g}x); the largest stage was {big['stage']} "
-                   f"({out['largest_stage_share']:.0%} of the naive run)")
+def headline(stages: pd.DataFrame, found: pd.DataFrame, comparison: pd.DataFrame | None = None,
+             flow: pd.DataFrame | None = None, projection: pd.DataFrame | None = None
+             ) -> dict[str, Any]:
+    """What a reader wants first, read from what the folder holds (never recomputed): the
+    verdict on the naive run (or the only one), the comparison with its confidence (a QLoRA
+    comparison's row; else naive and optimized runs' totals, one run each), the top fix (the
+    waterfall's largest saving; else the top finding) and the whole job projected. `text`:
+    the lines the CLI prints and the report leads with."""
+    runs = list(dict.fromkeys(stages["run"]))
+    first = "naive" if "naive" in runs else runs[0]
+    out: dict[str, Any] = amdahl.verdict(stages, first)
+    out["verdict_text"] = out.pop("text")
+    lines = [f"{first + ' run: ' if len(runs) > 1 else ''}{out['verdict_text']}"]
+    if comparison is not None and not comparison.empty:
+        row = comparison.iloc[0].to_dict()
+        out |= {k: row[k] for k in ("naive_s", "optimized_s", "speedup", "low", "high",
+                                    "rounds", "resolved", "clock")}
+        out["changed"] = str(row.get("changed") or "").split(",")  # stages the plan's fixes set
+        lines.append(row["text"])
+    elif {"naive", "optimized"} <= set(runs):  # the toy loop's runs: one each, wall seconds
+        total = stages.groupby("run")["seconds"].sum()
+        out |= {"naive_s": total["naive"], "optimized_s": total["optimized"],
+                "speedup": total["naive"] / total["optimized"], "low": None, "high": None,
+                "rounds": 1, "resolved": False, "clock": "wall"}
+        lines.append(f"naive {total['naive']:.3g} s -> optimized {total['optimized']:.3g} s: "
+                     f"{out['speedup']:.2g}x, one run each: not resolved")
+    top = _top(flow, found, first)
+    out |= {"top_fix": top[0], "top_fix_saves_s": top[1]}
+    if top[0]:
+        lines.append(f"top fix: {top[0]}")
     totals = projection[projection["stage"] == "total"] if projection is not None else None
-    if totals is not None and not totals.empty and totals["predicted_s"].isna().all():
-        out["projection"] = f"the whole job: {totals['evidence'].iloc[0]}"
-        out["text"] += f"; {out['projection']}"
-    elif totals is not None and not totals.empty:
-        out["projection"] = (
-            f"the whole job ({totals['evidence'].iloc[0]}), projected from the per-token costs "
-            "measured here: " + ", ".join(f"{r.plan} {seconds(r.predicted_s)}"
-                                          for r in totals.itertuples()))
-        out["text"] += f"; {out['projection']}"
+    if totals is not None and not totals.empty:
+        priced = totals.dropna(subset=["seconds"])
+        out["projection"] = (f"the whole job ({totals['evidence'].iloc[0]}): " + ", ".join(
+            f"{r.plan} {seconds(r.seconds)}" for r in priced.itertuples()) if not priced.empty
+            else f"the whole job: {totals['evidence'].iloc[0]}")
+        lines.append(out["projection"])
+    out["text"] = "\n".join(lines)
     return out
 
 
-def _top(found: pd.DataFrame) -> str | None:
-    if found.empty:
-        return None
-    r = found.iloc[0]
+def _top(flow: pd.DataFrame | None, found: pd.DataFrame, run: str) -> tuple[str | None, float]:
+    """The fix that saved the most in the comparison (the waterfall's largest drop), else the
+    run's top finding; with what it saves."""
+    if flow is not None and not flow.empty:
+        fixed = flow[~flow["bar"].isin(["naive", "optimized", "unchanged"])]
+        if not fixed.empty:
+            best = fixed.loc[fixed["change"].idxmin()]
+            unit = "CPU s" if best["clock"] == "CPU" else "s"
+            return (f"{best['fixes']} ({best['stage']}: saved {-best['change']:.3g} {unit})",
+                    float(-best["change"]))
+    mine = found[found["run"] == run] if not found.empty else found
+    if mine.empty:
+        return None, 0.0
+    r = mine.iloc[0]
     return (f"{r['finding']}: saves {r['seconds_saved']:.3g} s per run "
-            f"({r['share_of_run']:.0%} of the {r['run']} run){extrapolated(r)}")
+            f"({r['share_of_run']:.0%} of the {r['run']} run){extrapolated(r)}",
+            float(r["seconds_saved"]))
 
 
 def extrapolated(finding: Any) -> str:
@@ -202,13 +221,10 @@ def figures(frames: dict[str, pd.DataFrame],
     out = {}
     if STAGE_FRAME in frames:
         stages = amdahl.shares(frames[STAGE_FRAME])
-        found = amdahl.findings(frames[STAGE_FRAME], frames.get("advice"))
         out["stage_shares"] = plots.plot_stage_shares(stages)
         out["amdahl"] = plots.plot_amdahl(stages, marks=marks)
-        first = stages["run"].iloc[0]
-        total = float(stages.loc[stages["run"] == first, "seconds"].sum())
-        if total > 0:
-            out["waterfall"] = plots.plot_waterfall(found[found["run"] == first], total)
+    if "qlora_waterfall" in frames and not frames["qlora_waterfall"].empty:
+        out["waterfall"] = plots.plot_waterfall(frames["qlora_waterfall"])
     ranked = _ranked(frames)
     if ranked is not None:
         out["ranks"] = plots.plot_ranks(stragglers.per_rank(ranked))

@@ -149,11 +149,7 @@ def _shares(stages: list[dict[str, Any]]) -> str:
 
 
 def _comparison(r: pd.Series) -> str:
-    noise = "resolved" if str(r["resolved"]) == "True" else "within noise"
-    return (f"Per trained token the naive plan took <b>{sig(r['naive_over_optimized_per_token'])}x"
-            f"</b> the optimized plan's time ({sig(r['low'])}x to {sig(r['high'])}x over "
-            f"{int(r['rounds'])} interleaved rounds: {noise}); both trained the same "
-            f"{cell('tokens', r['naive_trained_tokens'])} tokens.")
+    return _esc(str(r["text"])[0].upper() + str(r["text"])[1:]) + "."
 
 
 def _mfu(table: pd.DataFrame | None) -> str:
@@ -191,24 +187,19 @@ def _trained(runs: pd.DataFrame) -> str:
 
 
 def _opening(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
-    """The headline (naive -> optimized, the largest stage, the top fix) and the device line;
-    a single-run folder names what it measured and its top finding."""
+    """The verdict, the comparison with its confidence, the top fix, the whole job projected,
+    and the machine; a folder without stages names what it measured."""
     head = summary.get("headline")
     if head:
-        out = (f"<h1>naive {seconds(head['naive_s'])} &rarr; optimized "
-               f"{seconds(head['optimized_s'])} ({sig(head['speedup'])}x faster)</h1>"
-               f"<p class=head>Largest stage of the naive run: <b>"
-               f"{_esc(head['largest_stage'])}</b> ({share(head['largest_stage_share'])}"
-               " of it)</p>")
-        if head.get("top_fix"):
-            out += (f"<p class=top>Top fix: {_esc(head['top_fix'])}: saves "
-                    f"{seconds(head['top_fix_saves_s'])} per run</p>")
-        if head.get("projection"):
-            said = head["projection"]
-            out += f"<p class=head>{_esc(said[0].upper() + said[1:])}</p>"
+        lines = head["text"].split("\n")
+        out = f"<h1>{_esc(lines[0][0].upper() + lines[0][1:])}</h1>"
+        for line in lines[1:]:
+            top = line.startswith("top fix: ")
+            text = line.removeprefix("top fix: ")
+            out += (f"<p class=top>Top fix: {_esc(text)}</p>" if top else
+                    f"<p class=head>{_esc(line[0].upper() + line[1:])}</p>")
     else:
-        names = [k if k != STAGE_FRAME else " and ".join(dict.fromkeys(
-            str(s["run"]) for s in summary.get("stages", []))) or k for k in sections(frames)]
+        names = [k for k in sections(frames)]
         out = f"<h1>diag report: {_esc(', '.join(names) or 'the machine')}</h1>"
         if summary.get("top_finding"):
             out += f"<p class=top>Top finding: {_esc(summary['top_finding'])}</p>"
@@ -237,35 +228,41 @@ def device_line(summary: dict[str, Any]) -> str:
 
 
 def _fixes(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
-    """The ranked fixes, each with its saving and evidence (the first run's open, the others
-    folded), the optimized plan's predicted vs measured savings, and their raw tables."""
-    found, per, ranked = summary.get("findings") or [], "per run", ", largest saving first"
-    if not found and "advice" in frames:  # a single experiment: its advice is its fixes
-        found, per, ranked = frames["advice"].to_dict("records"), "per start", ""
+    """The comparison's stages, predicted before the runs vs measured (the tolerance rule said
+    once), then what is left: the fixes ranked on the last run, each with its evidence."""
+    from diag.forecast.story import TOLERANCE
+
     out = []
-    for i, run in enumerate(dict.fromkeys(f.get("run", "") for f in found)):
-        items = "".join(
-            f"<li><b>{_esc(f['finding'])}</b>: saves {seconds(f['seconds_saved'])} {per}"
-            + (f" ({share(f['share_of_run'])} of the {_esc(run)} run)"
-               if f.get("share_of_run") is not None and f["share_of_run"] == f["share_of_run"]
-               else "") + f"<div class=ev>{_esc(str(f['evidence']))}</div></li>"
-            for f in found if f.get("run", "") == run)
-        title = f"Fixes{f' for the {_esc(run)} run' if run else ''}{ranked}"
-        block = f"<ol>{items}</ol>"
-        out.append(f"<h2>{title}</h2>{block}" if i == 0 else
-                   f"<details><summary>{title}</summary>{block}</details>")
     savings = frames.get("qlora_savings")
     if savings is not None and not savings.empty:
+        unit = " CPU" if (savings["clock"] == "CPU").any() else ""
         items = "".join(
-            f"<li><b>{_esc(r.finding)}</b> ({_esc(r.stage)}"
-            + ("; CPU seconds" if getattr(r, "clock", "") == "CPU" else "") + "): "
-            + (f"predicted {seconds(r.predicted_s)}, " if r.predicted_s == r.predicted_s else
-               "not predicted, ") + f"measured {seconds(r.measured_s)}"
+            f"<li><b>{_esc(r.stage)}</b>: {_esc(r.finding)}: "
+            + (f"predicted {seconds(r.predicted_s)}{unit}, " if r.predicted_s == r.predicted_s
+               else "not predicted, ") + f"measured {seconds(r.measured_s)}{unit}"
             + (f" <span class=flag>(off by {share(r.error_share)})</span>"
                if str(r.flagged) == "True" else "")
             + f"<div class=ev>{_esc(r.evidence)}</div></li>" for r in savings.itertuples())
-        out.append("<h3>The optimized plan's changes: saving predicted before the runs vs "
-                   f"measured in them</h3><ol>{items}</ol>")
+        out.append(f"<h2>What each stage saved: predicted before the runs, measured in them"
+                   f"</h2><p class=ev>{_esc(TOLERANCE[0].upper() + TOLERANCE[1:])}.</p>"
+                   f"<ol>{items}</ol>")
+    found, per = summary.get("findings") or [], "per run"
+    if not found and "advice" in frames:  # a single experiment: its advice is its fixes
+        found, per = frames["advice"].to_dict("records"), "per start"
+    runs = list(dict.fromkeys(f.get("run", "") for f in found))
+    last = "optimized" if "optimized" in runs else runs[-1] if runs else ""
+    changed = (summary.get("headline") or {}).get("changed") or ()
+    found = [f for f in found if f.get("run", "") != "optimized" or f["stage"] not in changed]
+    items = "".join(
+        f"<li><b>{_esc(f['finding'])}</b>: saves {seconds(f['seconds_saved'])} {per}"
+        + (f" ({share(f['share_of_run'])} of the run)"
+           if f.get("share_of_run") is not None and f["share_of_run"] == f["share_of_run"]
+           else "") + f"<div class=ev>{_esc(str(f['evidence']))}</div></li>"
+        for f in found if f.get("run", "") == last)
+    if items:
+        title = ("What is left: fixes the optimized plan did not apply, largest first"
+                 if last == "optimized" else "Fixes, largest saving first")
+        out.append(f"<h2>{title}</h2><ol>{items}</ol>")
     out += [_table(n, frames[n]) for n in ("advice", "decisions") if n in frames]
     return f"<section class=fixes>{''.join(out)}</section>" if out else ""
 

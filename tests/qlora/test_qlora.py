@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import re
 
-import pandas as pd
 import pytest
 
 from diag.config import QLoraConfig
@@ -54,7 +53,6 @@ def test_both_plans_train_the_same_records(both):
     assert rows.at["optimized", "token_slots"] < rows.at["naive", "token_slots"]
     assert rows["final_loss"].map(math.isfinite).all()
     assert "token cache hit" in rows.at["optimized", "data"]
-    assert rows.at["optimized", "once_s"] > 0 and rows.at["naive", "once_s"] == 0
     assert bool(rows.at["naive", "gradient_checkpointing"])
     # the optimized plan's checkpointing is what the on/off timing on the job decided
     ckpt = both.plans.set_index(["run", "setting"]).loc[("optimized", "gradient_checkpointing")]
@@ -91,14 +89,14 @@ def test_rounds_interleaved_with_median_and_spread(both):
     assert (rows["rounds"] == 2).all()
     assert (rows["seconds_min"] <= rows["seconds"]).all()
     assert (rows["seconds"] <= rows["seconds_max"]).all()
-    line = both.headline
-    assert "per trained token" in line and "2 interleaved rounds" in line
-    assert f"naive {int(rows.at['naive', 'real_tokens'])}" in line and "once" in line
-    assert rows.at["optimized", "check_s"] > 0  # the one-time costs shown, never dropped
-    table = both.comparison.iloc[0]  # what the CLI prints as qlora_comparison
-    assert table["low"] <= table["naive_over_optimized_per_token"] <= table["high"]
-    assert table["naive_trained_tokens"] == table["optimized_trained_tokens"]
-    assert table["optimized_once_s"] == rows.at["optimized", "once_s"]
+    table = both.comparison.iloc[0]  # the headline's figures, read from the cost table
+    assert table["low"] <= table["speedup"] <= table["high"] and table["rounds"] == 2
+    assert table["clock"] == "CPU" and not table["resolved"]  # 2 rounds cannot resolve a gap
+    assert "per trained token, not resolved in 2 rounds (a gap needs 5" in table["text"]
+    # the headline's totals are the waterfall's ends, and its ratio theirs
+    flow = both.waterfall.set_index("bar")["seconds"]
+    assert (table["naive_s"], table["optimized_s"]) == (flow["naive"], flow["optimized"])
+    assert table["speedup"] == pytest.approx(flow["naive"] / flow["optimized"])
 
 
 def test_the_base_is_loaded_once_per_plan_and_once_per_checkpointing_setting(counted):
@@ -119,12 +117,13 @@ def test_the_base_is_loaded_once_per_plan_and_once_per_checkpointing_setting(cou
     # the model_cache fix is checked on the part of the load it sets: each plan's model folder
     # (a download, or the cache), not the load both plans pay alike
     saved = both.savings.set_index("stage")
-    assert "the part the fix sets, each plan's model folder" in saved.at["load_model", "evidence"]
-    folder = ran["model_folder_s"]
-    loaded = both.shares.set_index(["run", "stage"]).at[("naive", "load_model"), "seconds"]
-    assert 0 < folder["optimized"] < folder["naive"] < loaded
+    assert "its model folder (the part the fix sets)" in saved.at["load_model", "evidence"]
+    costs = both.costs[(both.costs["when"] == "runs") & (both.costs["clock"] == "CPU")]
+    cost = costs.set_index(["plan", "stage"])["seconds"]
+    assert 0 < cost["optimized", "download"] < cost["naive", "download"] < \
+        cost["naive", "load_model"]
     assert saved.at["load_model", "measured_s"] == pytest.approx(
-        folder["naive"] - folder["optimized"])
+        cost["naive", "download"] - cost["optimized", "download"])
 
 
 def test_a_reused_base_trains_exactly_as_a_fresh_load():
@@ -141,12 +140,12 @@ def test_a_reused_base_trains_exactly_as_a_fresh_load():
         fresh, reused = (run_plan(cfg, Plan.naive(), src, bases) for _ in range(2))
     # bit for bit: the adapter's initialisation, the base after the adapter came off (not
     # merged into it, not trained) and the data are those of a fresh load
-    assert reused["losses"]["loss"].tolist() == fresh["losses"]["loss"].tolist()
-    loaded = [r["stages"].set_index("stage").loc["load_model"] for r in (fresh, reused)]
+    assert reused.losses["loss"].tolist() == fresh.losses["loss"].tolist()
+    loaded = [r.stages.set_index("stage").loc["load_model"] for r in (fresh, reused)]
     assert "basis" not in loaded[0] and loaded[1]["basis"] == REUSED
     assert loaded[1]["seconds"] == loaded[0]["seconds"] > 0  # round 0's load, never ~0 s
-    assert shares(reused["stages"]).set_index("stage").at["load_model", "basis"] == REUSED
-    assert reused["summary"]["seconds"] > loaded[1]["seconds"]
+    assert shares(reused.stages).set_index("stage").at["load_model", "basis"] == REUSED
+    assert reused.summary["seconds"] > loaded[1]["seconds"]
 
 
 def test_setup_is_its_own_stage_and_the_stages_add_to_the_trainer_wall(both):
@@ -160,46 +159,33 @@ def test_setup_is_its_own_stage_and_the_stages_add_to_the_trainer_wall(both):
 
 def test_savings_and_advice(both):
     saved = both.savings.set_index("stage")
-    # every run-level stage is predicted and checked: the step fixes from the decisions
-    # measured on the job; fetch, cache and preprocess, which no experiment measured here
-    # (their decisions are defaults), from the job's own starts timed before the runs; the
-    # set-up and the checkpoint save, which no setting changes, at 0 s
+    # every run-level stage is checked: the fixed ones predicted from each plan's starts and
+    # own step timed before the runs, the set-up (no setting changes it) at 0 s; on this CPU
+    # all on the comparison's one clock, CPU seconds
     assert set(saved.index) == {"fetch_data", "load_model", "preprocess", "setup", "warmup",
-                                "train", "checkpoint"}
+                                "train"}
     assert saved["predicted_s"].notna().all() and saved["error_share"].notna().all()
-    assert "qlora: fetch_data" in saved.at["fetch_data", "evidence"]
-    assert "timed 2x before its runs" in saved.at["load_model", "evidence"]
+    assert (saved["clock"] == "CPU").all()
     assert "fetch pull -> land" in saved.at["fetch_data", "finding"]
-    assert saved.at["setup", "predicted_s"] == saved.at["checkpoint", "predicted_s"] == 0.0
-    assert pd.notna(saved.at["train", "predicted_s"])
-    # the step fixes start from the naive plan's own step, timed just before the runs, at least
-    # sweep_steps times and interleaved with the optimized plan's until each median settles
+    assert saved.at["setup", "predicted_s"] == 0.0 and saved.at["setup", "finding"] == "unchanged"
+    # the step stages: whether the runs met the naive step timed before them, in words
     for stage in ("warmup", "train"):
-        assert "the naive step " in saved.at[stage, "evidence"]
-        timed = re.search(r"micro-batch 1 x 4, checkpointing on, timed (\d+)x on the job before "
-                          r"the runs, interleaved with the other plan's \((its median within "
-                          r"10%|not settled within 10% by the budget)\)",
-                          saved.at[stage, "evidence"])
-        assert timed and int(timed[1]) >= 5
-        # and whether the runs met that step, or the load moved (on this CPU the CPU seconds
-        # per step of each round's warm-up and steady loop: 2 rounds x 2)
         assert "timed before them: " in saved.at[stage, "evidence"]
-        assert f"{timed[1]} + 4 samples, spread " in saved.at[stage, "evidence"]
-    # on this CPU the step stages are checked on the clock the naive step was timed on: the
-    # runs' CPU seconds of those steps (a shared box's load moves their wall seconds), the
-    # median round of each plan; the per-start stages on wall
-    assert "CPU seconds, its own rows" in saved.at["train", "evidence"]
-    assert saved["clock"].to_dict() == {s: "CPU" if s in ("warmup", "train") else "wall"
-                                        for s in saved.index}
-    cpu = both.rounds.groupby("plan")[["warmup_cpu_s", "train_cpu_s"]].median()
-    for stage in ("warmup", "train"):
-        assert saved.at[stage, "measured_s"] == pytest.approx(
-            cpu.at["naive", f"{stage}_cpu_s"] - cpu.at["optimized", f"{stage}_cpu_s"])
+        assert re.search(r"\(\d+ \+ 2 samples, spread", saved.at[stage, "evidence"])
+    # measured: the runs' costs at their own counts, on the clock compared
+    costs = both.costs[(both.costs["when"] == "runs") & (both.costs["clock"] == "CPU")]
+    train = costs[costs["stage"] == "train"].set_index("plan")["seconds"]
+    slots = both.frame.set_index("plan")
+    steady = {p: (slots.at[p, "steps"] - slots.at[p, "warmup_steps"]) * slots.at[p, "token_slots"]
+              / slots.at[p, "steps"] for p in ("naive", "optimized")}
+    assert saved.at["train", "measured_s"] == pytest.approx(
+        train["naive"] * steady["naive"] - train["optimized"] * steady["optimized"])
     # the micro-batch is measured on the job: on 2 busy cores 1 and 3 rows can come out near a
     # tie either way, so the finding names it exactly when the plan changed it
     micro = both.frame.set_index("plan").at["optimized", "micro_batch"]
     assert ("micro_batch 1 -> " in saved.at["train", "finding"]) == (micro != 1), micro
     assert list(both.advice.columns) == ["stage", "finding", "seconds_saved", "evidence"]
+    assert "setup" not in set(both.advice["stage"])  # no fix: no advice
     plans = both.plans
     evidence = plans.loc[plans["run"] == "optimized"].set_index("setting")["evidence"]
     # diag qlora measures on the job; storage and model_load ran nowhere: labelled defaults
@@ -250,32 +236,6 @@ def test_bad_config_names_the_field(field, value, match):
         QLoraConfig.quick(**{field: value})
 
 
-def test_every_prediction_is_checked_and_a_miss_is_flagged(both):
-    import dataclasses
-
-    from diag.decision import Decision
-    from diag.qlora.predict import Counts, predict, savings
-
-    rows = both.frame.set_index("plan")
-    naive = both.shares[both.shares["run"] == "naive"].set_index("stage")["seconds"]
-    wild = Decision.from_rows("fetch", "land", "pull vs land", [{"x": 1}], source="storage",
-                              baseline="pull", stage="fetch_data", per="start",
-                              baseline_s=naive["fetch_data"] + 100.0, chosen_s=0.0)
-    micro = Decision.from_rows("micro_batch", int(rows.at["optimized", "micro_batch"]), "accum",
-                               [{"x": 1}], source="accum", baseline=1, stage="compute",
-                               per="step", baseline_s=3.0, chosen_s=1.0)
-    opt = Plan.optimized().for_device("cpu")
-    opt = dataclasses.replace(opt, decisions=(wild, micro))
-    counts = Counts(3, 1, rows["token_slots"].astype(int).to_dict())
-    table = savings(both.shares, predict(Plan.naive(), opt, counts)).set_index("stage")
-    assert table.at["fetch_data", "predicted_s"] == pytest.approx(100.0 + naive["fetch_data"])
-    assert bool(table.at["fetch_data", "flagged"])  # measured is far below: flagged, not hidden
-    assert "accum: 1 s / 3 s per step" in table.at["train", "evidence"]
-    assert table["measured_s"].notna().all()
-
-
-
-
 def test_qlora_step_times_checkpointing_on_and_off():
     import torch
 
@@ -302,8 +262,9 @@ def test_qlora_step_times_checkpointing_on_and_off():
     assert decision.measured_on.seq_len == 96 and "LoRA" in decision.measured_on.model
     assert decision.samples[0] >= 5 and "samples" in decision.why
     if decision.basis == "measured":  # else on measured faster than off: said, not priced
-        at_two = frame[frame["micro_batch"] == 2].groupby("gradient_checkpointing")["seconds"]
-        assert decision.baseline_s == at_two.median()[True]
+        # priced on the clock it compared: this CPU's seconds
+        at_two = frame[frame["micro_batch"] == 2].groupby("gradient_checkpointing")["cpu_s"]
+        assert decision.baseline_s == at_two.median()[True] and decision.clock == "CPU"
 
 
 def test_each_plan_has_its_mfu_by_both_flop_counts_and_the_report_says_it(both, tmp_path):
@@ -345,29 +306,36 @@ def test_the_job_times_its_own_starts_only_where_no_decision_priced_them():
     import dataclasses
 
     from diag.decision import Decision
-    from diag.qlora.before import time_starts
-    from diag.qlora.job import open_sources, prime
+    from diag.qlora.job import open_sources, prepare
+    from diag.qlora.starts import time_starts
 
     cfg = QLoraConfig.quick(rounds=2)
     opt = Plan.optimized().for_device("cpu").fit(4)
     fetch = Decision.from_rows("fetch", "land", "storage", [{"x": 1}], source="storage",
                                baseline="pull", stage="fetch_data", per="start",
-                               baseline_s=9.0, chosen_s=1.0)
+                               baseline_s=9.0, chosen_s=1.0, clock="CPU")
     priced = dataclasses.replace(opt, decisions=tuple(
         fetch if d.setting == "fetch" else d for d in opt.decisions))
     with open_sources(cfg) as src:
-        prime(cfg, opt, src)
-        timed = {d.setting: d for d in time_starts(cfg, [Plan.naive(), opt], src)}
-        assert set(timed) == {"fetch", "model_cache", "pipeline"}
-        # downloading into an empty cache costs more than finding the persistent copy
-        cache = timed["model_cache"]
-        assert cache.baseline_s > cache.chosen_s > 0 and cache.per == "start"
-        assert len(cache.rows) == 4 and cache.source == "qlora"
-        assert "timed 2x before its runs" in cache.measured_on.label()
-        # storage measured the fetch: not timed again (no second pull)
-        again = {d.setting for d in time_starts(cfg.replace(rounds=1), [Plan.naive(), priced],
-                                                src)}
-        assert again == {"model_cache", "pipeline"}
+        prepare(cfg, opt, src)
+        timed = time_starts(cfg, [Plan.naive(), opt], src, "CPU")
+        assert set(timed["stage"]) == {"fetch_data", "download", "preprocess"}
+        assert set(timed["when"]) == {"before"} and set(timed["clock"]) == {"wall", "CPU"}
+        # downloading into an empty cache costs more than finding the persistent copy; the
+        # model folder is timed by the first round alone (a download: the same bytes a start)
+        folder = timed[(timed["stage"] == "download") & (timed["clock"] == "CPU")]
+        cost = folder.set_index("plan")["seconds"]
+        assert len(folder) == 2 and cost["naive"] > cost["optimized"] > 0
+        assert (timed[timed["stage"] == "fetch_data"].groupby("plan").size() == 4).all()
+        # storage measured the fetch on this clock: its seconds, not timed again (no pull)
+        again = time_starts(cfg.replace(rounds=1), [Plan.naive(), priced], src, "CPU")
+        fetched = again[again["stage"] == "fetch_data"].set_index("plan")["seconds"]
+        assert fetched.to_dict() == {"naive": 9.0, "optimized": 1.0}
+        assert "the storage decision's" in again.loc[again["stage"] == "fetch_data",
+                                                     "evidence"].iloc[0]
+        # a decision on another clock prices nothing here: timed again
+        wall = time_starts(cfg.replace(rounds=1), [Plan.naive(), priced], src, "wall")
+        assert 9.0 not in set(wall["seconds"])
 
 
 def test_the_summary_is_read_back_from_what_ran(monkeypatch):
@@ -376,7 +344,7 @@ def test_the_summary_is_read_back_from_what_ran(monkeypatch):
     import dataclasses
 
     from diag.qlora import base, trainer
-    from diag.qlora.job import open_sources, prime, run_plan
+    from diag.qlora.job import open_sources, prepare, run_plan
 
     made, load = trainer.training_args, base.load_model
     monkeypatch.setattr(trainer, "training_args", lambda *a, **k: made(*a, **k | {
@@ -394,7 +362,7 @@ def test_the_summary_is_read_back_from_what_ran(monkeypatch):
                                persistent_workers=True, prefetch_factor=2,
                                gradient_checkpointing=True)
     with open_sources(cfg) as src:
-        prime(cfg, plan, src)
-        got = run_plan(cfg, plan, src)["summary"]
+        prepare(cfg, plan, src)
+        got = run_plan(cfg, plan, src).summary
     assert (got["num_workers"], got["micro_batch"], got["pipeline"]) == (0, 2, "packed")
     assert got["gradient_checkpointing"] is False

@@ -6,11 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import pandas as pd
 import pytest
 
 from diag.data.records import shard_files
-from diag.qlora.eta import from_runs
 from diag.qlora.job import Sources, fetch_data
 from diag.qlora.plans import Plan
 from diag.storage import make_client
@@ -48,14 +46,16 @@ def test_a_round_fetches_the_shards_its_records_are_in(src, tmp_path, monkeypatc
     assert len(shard_files(path)) == SHARDS and fetched == whole == sum(sizes)
 
 
-def test_the_whole_sources_fetch_is_extrapolated_from_the_shards_fetched():
-    frame = pd.DataFrame([{"plan": "naive", "token_slots": 400, "steps": 4, "records": 15,
-                           "fetched_bytes": 1_000_000, "source_bytes": 25_000_000}])
-    stages = pd.DataFrame([{"run": "naive", "stage": s, "seconds": v, "step": None}
-                           for s, v in (("fetch_data", 0.2), ("load_model", 1.0),
-                                        ("setup", 0.5), ("train", 4.0))])
-    costs = from_runs(frame, stages).set_index("stage")
-    assert costs.loc["fetch_data", "seconds"] == pytest.approx(0.2 * 25)
-    assert "extrapolated from the 1 MB its records were in" in costs.loc["fetch_data",
-                                                                         "evidence"]
-    assert costs.loc["load_model", "seconds"] == 1.0  # a start's other costs as they ran
+def test_the_whole_sources_fetch_is_priced_from_the_share_of_it_fetched():
+    # a round that fetched 1 MB of a 25 MB source counts 1/25 of a whole fetch: a whole
+    # source costs 25 times that round's fetch (diag.qlora.job.counts' "source" unit)
+    from diag.forecast.costs import measured, price, row, table
+    from diag.qlora.job import counts
+
+    summary = {"fetched_bytes": 1_000_000, "source_bytes": 25_000_000, "records": 15,
+               "warmup_steps": 1, "steps": 4, "token_slots": 400, "saves": 1}
+    n = counts(summary)
+    assert n["source"] == pytest.approx(1 / 25)
+    costs = table(measured([row("naive", "fetch_data", "source", 0.2, n["source"])]))
+    whole = price(costs, {"source": 1}).set_index("stage")
+    assert whole.at["fetch_data", "seconds"] == pytest.approx(0.2 * 25)

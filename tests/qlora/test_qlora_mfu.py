@@ -220,8 +220,8 @@ def test_the_report_says_each_plans_mfu_by_both_counts_and_a_missing_peak_as_non
                            "run": ["naive", "naive", "optimized", "optimized"]})
     mfu = qmfu.run_mfu(frame, stages, {"naive": qmfu.Counted(q, run, 300.0, unknown),
                                         "optimized": qmfu.Counted(q, run, 300.0, table)})
-    comparison = pd.DataFrame([{"naive_over_optimized_per_token": 2.0, "low": 1.9, "high": 2.1,
-                                "resolved": True, "rounds": 3, "naive_trained_tokens": 900}])
+    comparison = pd.DataFrame([{"speedup": 2.0, "low": 1.9, "high": 2.1, "resolved": True,
+                                "rounds": 5, "text": "naive 2 s -> optimized 1 s per start"}])
     folder = report.write({"qlora_comparison": comparison, "qlora_mfu": mfu}, tmp_path / "r")
     page = (folder / "report.html").read_text()
     assert ("MFU of the steady steps: the naive plan's <b>none</b> of "

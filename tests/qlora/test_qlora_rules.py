@@ -7,7 +7,6 @@ import pandas as pd
 import pytest
 
 from diag.qlora.checkpointing import decide
-from diag.qlora.experiment import _per_plan
 
 
 def _steps(micro: int, on_s: float, off_s: float, peak_off_gb: float, repeats: int = 5) -> list:
@@ -31,15 +30,3 @@ def test_checkpointing_is_decided_and_priced_at_the_plans_micro_batch():
     assert got.naive_ratio == pytest.approx(1.2, rel=0.03)
 
 
-def test_each_plans_seconds_is_the_median_of_its_rounds():
-    # three rounds each (with two, the lower median is the minimum: no test could tell)
-    every = pd.DataFrame([{"plan": plan, "round": r, "seconds": s, "real_tokens": 100}
-                          for plan, seconds in (("naive", (5.0, 1.0, 3.0)),
-                                                ("optimized", (2.0, 4.0, 1.5)))
-                          for r, s in enumerate(seconds)])
-    got = _per_plan(every, {"optimized": 7.0}).set_index("plan")
-    assert got.at["naive", "seconds"] == 3.0 and got.at["naive", "median_round"] == 2
-    assert got.at["optimized", "seconds"] == 2.0 and got.at["optimized", "median_round"] == 0
-    assert (got.at["naive", "seconds_min"], got.at["naive", "seconds_max"]) == (1.0, 5.0)
-    assert got.at["naive", "trained_tokens_per_s"] == pytest.approx(100 / 3.0)
-    assert got.at["optimized", "once_s"] == 7.0 and (got["rounds"] == 3).all()

@@ -48,30 +48,30 @@ def test_a_train_folder_shows_the_run_against_its_eta_and_both_loss_curves(tmp_p
 
 
 def test_the_headline_adds_the_whole_job_projected_for_each_plan():
-    stages = [{"run": "naive", "stage": "train", "seconds": 40.0, "share": 1.0},
-              {"run": "optimized", "stage": "train", "seconds": 10.0, "share": 1.0}]
+    stages = pd.DataFrame([{"run": "naive", "stage": "train", "seconds": 40.0, "share": 1.0},
+                           {"run": "optimized", "stage": "train", "seconds": 10.0, "share": 1.0}])
+    found = pd.DataFrame(columns=["run", "stage"])
     projection = pd.DataFrame([
-        {"plan": "naive", "stage": "total", "predicted_s": 39_600.0,
+        {"plan": "naive", "stage": "total", "seconds": 39_600.0,
          "evidence": "30,318 records, 1 epoch"},
-        {"plan": "naive", "stage": "train", "predicted_s": 39_000.0, "evidence": "x"},
-        {"plan": "optimized", "stage": "total", "predicted_s": 9_600.0,
+        {"plan": "naive", "stage": "train", "seconds": 39_000.0, "evidence": "x"},
+        {"plan": "optimized", "stage": "total", "seconds": 9_600.0,
          "evidence": "30,318 records, 1 epoch"}])
-    head = report.headline(stages, [], projection)
-    assert head["projection"] == ("the whole job (30,318 records, 1 epoch), projected from the "
-                                  "per-token costs measured here: naive 11.0\u00a0h, optimized "
-                                  "2.67\u00a0h")
-    assert head["text"].endswith("; " + head["projection"])
-    assert "projection" not in report.headline(stages, [])
+    head = report.headline(stages, found, projection=projection)
+    assert head["projection"] == ("the whole job (30,318 records, 1 epoch): naive 11.0\u00a0h, "
+                                  "optimized 2.67\u00a0h")
+    assert head["text"].endswith("\n" + head["projection"])
+    assert "projection" not in report.headline(stages, found)
 
 
 def test_a_source_too_small_for_the_whole_job_is_said_not_projected():
     # a diagnosis of a 20-record source must not fail on the whole job's batch: it says so
-    stages = [{"run": "naive", "stage": "train", "seconds": 4.0, "share": 1.0},
-              {"run": "optimized", "stage": "train", "seconds": 1.0, "share": 1.0}]
+    stages = pd.DataFrame([{"run": "naive", "stage": "train", "seconds": 4.0, "share": 1.0},
+                           {"run": "optimized", "stage": "train", "seconds": 1.0, "share": 1.0}])
     projection = pd.DataFrame([
-        {"plan": p, "stage": "total", "predicted_s": float("nan"),
+        {"plan": p, "stage": "total", "seconds": float("nan"),
          "evidence": "not projected: 20 records; leaving 12 to train on"}
         for p in ("naive", "optimized")])
-    head = report.headline(stages, [], projection)
+    head = report.headline(stages, pd.DataFrame(columns=["run"]), projection=projection)
     assert head["projection"] == "the whole job: not projected: 20 records; leaving 12 to train on"
     assert "nan" not in head["text"]

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 
-import pandas as pd
 import pytest
 
 from diag.config import QLoraConfig, TrainConfig
-from diag.qlora import checkpoints, eta
+from diag.qlora import checkpoints
 
 
 @pytest.mark.parametrize("given, said", [
@@ -167,92 +165,6 @@ def test_publish_renames_the_loadable_file_last(tmp_path):
 
 
 # -- the ETA, on a constructed comparison: what each unit costs, and the sums -----------------
-
-def _comparison():
-    frame = pd.DataFrame([{"plan": "naive", "real_tokens": 800, "token_slots": 1600, "steps": 4,
-                           "records": 32},
-                          {"plan": "optimized", "real_tokens": 800, "token_slots": 1000,
-                           "steps": 4, "records": 32}])
-    rows = []
-    for plan, step_s in (("naive", 2.0), ("optimized", 0.5)):
-        rows += [(plan, "fetch_data", 3.0, None), (plan, "load_model", 5.0, None),
-                 (plan, "preprocess", 0.8, None), (plan, "setup", 0.4, None),
-                 (plan, "warmup", step_s + 1.0, None), (plan, "train", 3 * step_s, None),
-                 (plan, "checkpoint", 0.2, None)]
-        rows += [(plan, "compute", step_s, s) for s in (1, 2, 3)]
-    stages = pd.DataFrame(rows, columns=["run", "stage", "seconds", "step"])
-    return frame, stages
-
-
-def test_costs_from_a_comparison_price_a_token_a_slot_and_a_start():
-    frame, stages = _comparison()
-    costs = eta.from_runs(frame, stages, build={"bytes": 4e6, "seconds": 2.0, "processes": 2})
-    got = costs.set_index(["plan", "stage", "per"])["seconds"]
-    # 3 steady steps of 250 token slots (optimized) and 400 (naive)
-    assert got["optimized", "train", "slot"] == pytest.approx(1.5 / 750)
-    assert got["naive", "train", "slot"] == pytest.approx(6.0 / 1200)
-    assert got["optimized", "eval", "eval_slot"] == pytest.approx(1.5 / 750 / 3)
-    assert got["optimized", "warmup", "start"] == pytest.approx(1.0)  # beyond the steady step
-    assert got["naive", "preprocess", "record"] == pytest.approx(0.8 / 32)
-    assert got["optimized", "preprocess", "start"] == pytest.approx(0.8)
-    assert got["optimized", "preprocess", "byte"] == pytest.approx(2.0 / 4e6)
-    assert got["optimized", "checkpoint", "save"] == pytest.approx(0.2)
-    assert got["naive", "load_model", "start"] == 5.0
-
-
-def test_the_projection_sums_cost_times_count_and_says_what_it_cannot_price():
-    frame, stages = _comparison()
-    costs = eta.from_runs(frame, stages)  # no cache build recorded: bytes unpriced
-    counts = eta.job_counts(steps=241, warmup=1, tokens_per_step=250, slots_per_step=250,
-                            every_eval=24, every_save=24, eval_slots=900)
-    assert (counts["slot"], counts["warmup_slot"], counts["save"]) == (60_000, 250, 12)
-    assert counts["eval_slot"] == (1 + 10 + 1) * 900  # before, every 24 steps, at the end
-    mine = eta.project(costs[costs["plan"] == "optimized"], counts).set_index("stage")
-    assert list(mine.index) == list(eta.ORDER)
-    assert mine.at["train", "predicted_s"] == pytest.approx(60_000 * 1.5 / 750)
-    assert mine.at["warmup", "predicted_s"] == pytest.approx(1.0 + 250 * 1.5 / 750)
-    assert mine.at["preprocess", "predicted_s"] == pytest.approx(0.8)  # the byte row unpriced
-    assert "no token cache build recorded" in mine.at["preprocess", "evidence"]
-    line = eta.before_line("head", mine.reset_index())
-    assert line.startswith("head; ETA 2.3 min, ") and "train 86%, eval 5%" in line
-
-
-def test_the_check_flags_a_stage_past_the_tolerance_and_totals_the_run():
-    projected = pd.DataFrame({"plan": "optimized", "stage": ["load_model", "train", "setup"],
-                              "predicted_s": [5.0, 100.0, None], "evidence": ["a", "b", "c"]})
-    stages = pd.DataFrame({"stage": ["load_model", "train", "setup", "compute"],
-                           "seconds": [4.5, 140.0, 1.0, 90.0], "step": [None, None, None, 3]})
-    got = eta.check_eta(projected, stages).set_index("stage")
-    assert not got.at["load_model", "flagged"] and got.at["train", "flagged"]
-    assert got.at["train", "error_share"] == pytest.approx(0.4)
-    assert got.at["total", "predicted_s"] == 105.0 and got.at["total", "measured_s"] == 145.5
-    assert got.at["total", "evidence"] == "not predicted: setup"
-    line = eta.after_line(got.reset_index())
-    assert line.startswith("measured 2.4 min against 1.8 min predicted (+39%)") and "train" in line
-
-
-def test_costs_from_decisions_scale_the_timed_step_by_its_slots_and_checkpointing():
-    from diag.decision import Decision, MeasuredOn
-    from diag.qlora.plans import Plan
-
-    on = MeasuredOn(tokens_per_step=1000)
-    micro = Decision.from_rows("micro_batch", 4, "x", [{"micro_batch": 4}], source="accum",
-                               measured_on=on, baseline=1, stage="compute", per="step",
-                               baseline_s=2.0, chosen_s=1.0)
-    ckpt = Decision.from_rows("gradient_checkpointing", False, "x", [{"m": 1}],
-                              source="checkpointing", baseline=True, stage="compute",
-                              per="step", baseline_s=1.3, chosen_s=1.0, naive_ratio=1.5)
-    build = {"bytes": 1e6, "seconds": 1.0, "tokens_per_s": 4000.0, "processes": 2}
-    opt = eta.from_decisions(Plan.optimized([micro, ckpt]), [micro, ckpt], build)
-    naive = eta.from_decisions(Plan.naive(), [micro, ckpt], build)
-    slot = {p: c.set_index(["stage", "per"])["seconds"] for p, c in (("o", opt), ("n", naive))}
-    assert slot["o"]["train", "slot"] == pytest.approx(1.0 / 1000)
-    assert slot["n"]["train", "slot"] == pytest.approx(2.0 * 1.5 / 1000)  # micro 1, ckpt on
-    assert slot["n"]["train", "token"] == pytest.approx(2 / 4000)  # tokenized in the loop
-    assert ("train", "token") not in slot["o"].index
-    assert math.isnan(slot["o"]["setup", "start"])  # nothing measured it: said, not invented
-    assert eta.duration(9000) == "2 h 30 min" and eta.duration(4.2) == "4.2 s"
-
 
 def test_the_naive_plan_reads_a_whole_dataset_from_disk_item_by_item(tmp_path):
     """ArrowRecords serves the source's good records as read_source reads them (chunks of

@@ -1,0 +1,155 @@
+"""What each plan costs, timed before the comparison's runs: the predictions' figures.
+
+`time_starts` times what a start of each plan pays (fetch, the model folder, preprocess) with the
+functions its runs call, `time_steps` each plan's own optimizer step on its own rows; both in
+interleaved rounds (diag.noise.interleave) and both return cost-table measurement rows
+(diag.forecast.costs, when "before") on both clocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import shutil
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from diag.forecast.costs import measured, row
+from diag.qlora.measure import QLoraStep
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from diag.config import QLoraConfig
+    from diag.qlora.base import Bases, Sources
+    from diag.qlora.plans import Plan
+
+STARTS = {"fetch": "fetch_data", "model_cache": "download", "pipeline": "preprocess"}
+
+
+def priced(plan: Plan, clock: str) -> set[str]:
+    """The start settings the plan's decisions already price per start on `clock` (storage's
+    fetch, model_load's model_cache in `diag run`): not timed again, no second download."""
+    return {d.setting for d in plan.decisions if d.per == "start" and d.saving_s() is not None
+            and (d.clock or "wall") == clock}
+
+
+def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -> pd.DataFrame:
+    """Each plan's start, min(cfg.rounds, 3) times interleaved; the model folder by the first
+    round alone (a download is the same bytes each start). A setting the optimized plan's
+    decisions price (`priced`) comes from them instead; the start's other parts still run."""
+    from diag.files import scratch_folder
+    from diag.qlora.base import timed_folder
+    from diag.qlora.data import build_dataset, job_records
+    from diag.qlora.job import fetch_data
+
+    from diag.noise import interleave
+
+    known = priced(plans[1], clock)
+
+    def start(plan: Plan, rnd: int) -> list[dict[str, Any]]:
+        work = scratch_folder(f"diag-qlora-time-{plan.name}")
+        try:
+            t, c = time.perf_counter(), time.process_time()
+            path = fetch_data(plans[1] if "fetch" in known else plan, src, work, cfg.records)[0]
+            spent = {"fetch_data": (time.perf_counter() - t, time.process_time() - c)}
+            again = "model_cache" in known or rnd > 0  # later rounds: the kept cache
+            folder, took = timed_folder(plans[1] if again else plan, src, work)
+            if not again:
+                spent["download"] = (took["wall"], took["CPU"])
+            recs = job_records(cfg, path, folder)  # the run's untimed check_records
+            t, c = time.perf_counter(), time.process_time()
+            build_dataset(cfg, plan, recs, folder, path)
+            spent["preprocess"] = (time.perf_counter() - t, time.process_time() - c)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        said = f"a {plan.name} start timed before the runs"
+        return [row(plan.name, stage, "start", s, clock=k, when="before", rnd=rnd,
+                    evidence=said)
+                for stage, pair in spent.items()
+                if next(k for k, v in STARTS.items() if v == stage) not in known
+                for k, s in zip(("wall", "CPU"), pair)]
+
+    n = max(1, min(cfg.rounds, 3))
+    got, _ = interleave(range(len(plans)), lambda i, rnd: start(plans[i], rnd), min_rounds=n,
+                        max_rounds=n)
+    rows = [r for runs in got.values() for rs in runs for r in rs]
+    for d in plans[1].decisions:  # what a decision priced: its two sides, per start
+        if d.setting in known:
+            on = f"the {d.source} decision's: {d.why}"
+            rows += [row("naive", STARTS[d.setting], "start", d.baseline_s, clock=clock,
+                         when="before", evidence=on),
+                     row("optimized", STARTS[d.setting], "start", d.chosen_s, clock=clock,
+                         when="before", evidence=on)]
+    return measured(rows)
+
+
+class RowsStep(QLoraStep):
+    """The job's step on one optimizer step of a plan's own rows (the naive plan's padding and
+    masks), collated as the Trainer collates them, its checkpointing as the plan's."""
+
+    def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any, plan: Plan,
+                 rows: list[dict[str, Any]], model: Any = None) -> None:
+        super().__init__(cfg, model_dir, device, plan.gradient_checkpointing, model)
+        self._rows = rows
+
+    def batches(self, micro_batch: int) -> contextlib.AbstractContextManager[Iterator[Any]]:
+        from transformers import default_data_collator  # the Trainer's, given no tokenizer
+
+        rows = self._rows
+        return contextlib.nullcontext(itertools.cycle(
+            [default_data_collator(rows[i:i + micro_batch])
+             for i in range(0, len(rows), micro_batch)]))
+
+
+def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
+               clock: str) -> pd.DataFrame:
+    """Each plan's own optimizer step (its first step's rows, micro-batch x accumulation,
+    checkpointing) on the base its rounds reuse: a warm-up and a timed step each, then rounds
+    of a step of each plan, interleaved, to cfg.sweep_steps each and on until each median on
+    `clock` settles (diag.noise.unsettled) or half of cfg.decide_budget_s is spent. Rows per
+    timed step: `step` (a steady step) and `warmup_step` (a warm-up step is predicted as one:
+    no start-up is foreseen), both clocks; a plan whose step ran out of memory has none."""
+    import pandas as pd
+
+    from diag.accum import retime, train_points
+    from diag.noise import unsettled
+    from diag.qlora.data import build_dataset, job_records
+    from diag.qlora.job import rank_device
+    from diag.qlora.measure import job_inputs
+    from diag.timing import StageTimer
+
+    job = job_inputs(cfg, src)  # the landed data and the cached model: hits by now
+    device = rank_device(cfg)[0]
+    steps, frames = [], []
+    try:
+        for plan in plans:
+            data = build_dataset(cfg, plan, job_records(cfg, job.data_path, job.model_dir),
+                                 job.model_dir, job.data_path)
+            n = data.micro_batch * data.grad_accum
+            plan = plan.for_device(str(device))  # as run_plan keys its base
+            folder, model, _ = bases.load(cfg, plan, src, device, StageTimer(trace=False))
+            steps.append(RowsStep(cfg, folder, device, plan, [data.dataset[i] for i in range(n)],
+                                  model))
+            frames.append(train_points([steps[-1]], [(data.micro_batch, data.grad_accum)],
+                                       repeats=1, warmup_steps=1,
+                                       desc=f"the {plan.name} step").assign(step=len(frames)))
+        timed, _ = retime(steps, pd.concat(frames, ignore_index=True), unsettled,
+                          budget_s=cfg.decide_budget_s / 2, at_least=cfg.sweep_steps)
+    finally:
+        bases.release()  # their adapters off: round 0 starts from a fresh one on each base
+    ok = timed[timed["status"] == "ok"]
+    rows = []
+    for i, plan in enumerate(plans):
+        mine = ok[ok["step"] == i]
+        said = (f"its own step (micro-batch {int(mine['micro_batch'].iloc[0])} x "
+                f"{int(mine['grad_accum'].iloc[0])}) timed {len(mine)}x before the runs, "
+                "interleaved with the other plan's") if len(mine) else ""
+        for n, (wall, cpu) in enumerate(zip(mine["seconds_per_step"], mine["cpu_s"])):
+            for stage, unit in (("train", "step"), ("warmup", "warmup_step")):
+                rows += [row(plan.name, stage, unit, wall, clock="wall", when="before", rnd=n,
+                             evidence=said),
+                         row(plan.name, stage, unit, cpu, clock="CPU", when="before", rnd=n,
+                             evidence=said)]
+    return measured(rows)
