@@ -109,16 +109,6 @@ class ExperimentConfig:
                              "...) or -1 for none")
         self._non_negative("slow_ms")
 
-    def _positive_list(self, name: str) -> None:
-        values = getattr(self, name)
-        if not isinstance(values, (list, tuple)) or not values:
-            raise ValueError(f"{type(self).__name__}.{name}={values!r}: must be a non-empty list")
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(
-                    f"{type(self).__name__}.{name}={values!r}: every value must be a number > 0"
-                )
-
 
 def _plain(value: Any) -> Any:
     if isinstance(value, Path):

@@ -130,7 +130,7 @@ class StageTimer:
             return None
         if self._nvtx is not None:
             self._nvtx.range_push(name)
-        if not torch.autograd._profiler_enabled():  # record_function costs ~20 us even unseen
+        if not torch.autograd._profiler_enabled():  # record_function costs even unseen
             return None
         rf = torch.profiler.record_function(name)
         rf.__enter__()
