@@ -1,8 +1,7 @@
 """Keep secrets out of everything a user sees: errors, tables, reports, notebooks.
 
-`redact(text)` puts `***` for the values of secret-looking environment variables, of `register()`,
-of the HF token files and of the AWS credentials boto3 resolved, and for anything shaped like a
-credential (`hf_...`, `AKIA...`, `X-Amz-Signature=...`, `user:pass@` in a URL).
+`redact(text)` puts `***` for every known secret (environment, `register()`, HF token files, the
+credentials boto3 resolved) and anything shaped like one (`hf_...`, `AKIA...`, `user:pass@`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""What machine this is: accelerator, its dense peak FLOP/s, CPU, RAM, disks; `sync()`.
+"""What machine this is: accelerator, dense peak FLOP/s, CPU, RAM, disks (`run_info`: `diag info`).
 
-A GPU's peak comes from the table in gpus.py (unknown: no peak, never a guess); a CPU's is a
-measured matmul probe in the precision asked for. `run_info(cfg)` (`diag info`) gives one row per
-fact (`fact`, `value`, `detail`). `sync()` is the one place diag waits for an async device.
+A GPU's peak comes from gpus.py's table, a CPU's from a matmul probe. `sync()` is the one place
+diag waits for an async device.
 """
 
 from __future__ import annotations
@@ -59,9 +58,7 @@ def cpu_thread_count() -> int:
 
 @contextlib.contextmanager
 def cpu_threads(device: Any = "auto") -> Iterator[None]:
-    """On a CPU, run the block with cpu_thread_count() torch intra-op threads, then restore.
-    One by default: a demo model's microsecond ops on a shared OpenMP pool wait at every barrier
-    (docs/calibration.md, machine). A CUDA device is left alone."""
+    """On a CPU, run the block with cpu_thread_count() torch threads (docs/calibration.md)."""
     import torch
 
     if resolve(device).type != "cpu":
@@ -93,8 +90,7 @@ PROBE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def cpu_matmul_probe(size: int = 1024, repeats: int = 9, dtype: str = "fp32") -> list[float]:
-    """Matmul FLOP per CPU second in dtype, one sample per repeat after a warm-up (the CPU clock:
-    a neighbour taking the core does not lower it)."""
+    """Matmul FLOP per CPU second in dtype (a neighbour does not lower it), one per repeat."""
     import torch
 
     if size <= 0 or repeats <= 0:
@@ -134,14 +130,14 @@ def resolve(device: Any = "auto") -> torch.device:
 
 
 def is_async(device: Any) -> bool:
-    """True where kernels run asynchronously to Python (CUDA), so timings need a sync."""
+    """Do kernels run asynchronously to Python (CUDA), so timings need a sync?"""
     import torch
 
     return torch.device(device).type == "cuda"
 
 
 def sync(device: Any = None) -> None:
-    """Wait for queued CUDA work; a no-op on CPU, where every op has finished when it returns."""
+    """Wait for queued CUDA work; a no-op on CPU."""
     import torch
 
     if device is None:
@@ -155,8 +151,7 @@ def sync(device: Any = None) -> None:
 
 def peak_flops(device: Any = None, dtype: str = "bf16", *, probe_size: int = 1024,
                repeats: int = 9) -> Peak:
-    """The peak to compute MFU against: the table on CUDA; on CPU the best of `repeats` probes of
-    dtype (a peak is the best the core did), their spread kept."""
+    """The peak MFU divides by: the table on CUDA; on CPU the best of `repeats` probes of dtype."""
     import torch
 
     key = _dtype(dtype)

@@ -1,8 +1,7 @@
 """Disks and the page cache: what kind of storage a path is on, and whether its pages are in RAM.
 
-`disks()` lists the mounts with their kind and its evidence; `disk_kind(path)` answers for one
-path. Cloud volumes are told apart by the model string in sysfs (an EBS volume is `nvme*` too).
-`resident_fraction(path)` asks mincore; `evict_page_cache(paths)` drops files, says if it worked.
+`disk_kind(path)` names it (cloud volumes by their sysfs model string: an EBS volume is `nvme*`
+too); `resident_fraction(path)` asks mincore; `evict_page_cache(paths)` says if it worked.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Fresh vs cached model load, every part timed, a clean process per scenario and repeat.
 
-Scenarios: `fresh` (an empty HF cache), `cached`, `cached_offline` (HF_HUB_OFFLINE=1), `cached_cold`
-(evicted from the page cache; `cache_state` and `resident` say how far). The parts add up to
-`load_model`, the load process's own clock plus `import`; `from_pretrained` is the one-call load.
+`fresh`: an empty HF cache; `cached_offline`: HF_HUB_OFFLINE=1; `cached_cold`: evicted from the page
+cache (`cache_state`, `resident` say how far). The parts add up to `load_model`.
 """
 
 from __future__ import annotations
@@ -124,9 +123,8 @@ def _plan(cfg: ModelLoadConfig, src: Source) -> list[tuple[int, str]]:
 
 
 def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
-    """Load cfg.model in each scenario, interleaved per repeat, after filling and verifying the
-    cache and cfg.warmup unreported loads; the user's own cache is only read unless
-    cfg.repair_cache."""
+    """Load cfg.model in each scenario, interleaved per repeat, after cfg.warmup unreported loads;
+    the user's own cache is only read unless cfg.repair_cache."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -236,9 +234,8 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
 
 def _more(cfg: ModelLoadConfig, rows: list[dict[str, Any]], done: int,
           clocks: tuple[float, float], estimate: bool) -> bool:
-    """Another repeat past cfg.repeats? While cfg.budget_s (from clocks[0]) has room for one
-    more as long as their mean (since clocks[1]), up to MAX_REPEATS, and model_cache is
-    unresolved (an estimated fresh: until the cached loads are MIN_SAMPLES)."""
+    """Another repeat past cfg.repeats, while budget_s fits one more, model_cache is unresolved
+    and repeats are below MAX_REPEATS?"""
     import pandas as pd
 
     from diag.noise import MIN_SAMPLES

@@ -1,8 +1,7 @@
 """Is the Hugging Face cache on this disk what the hub served? Checksums, not file names.
 
-A hub cache names each blob by its ETag (sha256 for LFS files, the git blob sha1 for small ones)
-but huggingface_hub only checks that it exists. `verify_cache()` re-hashes every blob a snapshot
-links to, and online asks the hub too (`HfApi.verify_repo_checksums`); one row per file.
+huggingface_hub only checks that a blob exists; `verify_cache()` re-hashes each against its name
+(its ETag) and, online, the hub's checksums (`HfApi.verify_repo_checksums`).
 """
 
 from __future__ import annotations
@@ -65,8 +64,8 @@ def blob_files(cache_dir: str | os.PathLike[str], repo_id: str) -> list[Path]:
 
 
 def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
-    """The safetensors files a causal-LM load reads, as transformers picks them (a sharded
-    checkpoint's index, or the files); pickle-only weights are refused: they can run code."""
+    """The safetensors files a causal-LM load reads, as transformers picks them; pickle-only
+    weights are refused (they can run code)."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -119,10 +118,8 @@ def _online_rows(repo_id: str, cache_dir: str | os.PathLike[str], revision: str,
 def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str = "main", *,
                  redownload: Callable[[], None] | None = None, endpoint: str = ""
                  ) -> pd.DataFrame:
-    """One row per cached file of repo_id@revision (file, blob, bytes, status, detail); status
-    ok, corrupt, missing (a dangling link or indexed shard), incomplete (a killed download) or
-    unverified (a blob name that is no checksum). With `endpoint` the hub's checksums count too;
-    with `redownload`, what failed is deleted, fetched again and the cache re-verified."""
+    """One row per cached file (COLUMNS); status ok, corrupt, missing, incomplete (a killed
+    download) or unverified. With `redownload`, what failed is deleted and fetched again."""
     import pandas as pd
 
     repo = repo_folder(cache_dir, repo_id)

@@ -1,8 +1,7 @@
 """Clean load processes that don't pay the imports per load: one zygote per experiment.
 
-`LoadProcesses(env, "fork")` starts one interpreter that imports torch, transformers and
-bitsandbytes once (`import_s`, reported), then forks a child per job, which sends its JSON back
-over a pipe; nothing one load does reaches the next. `"exec"`: a fresh interpreter per job.
+`LoadProcesses(env, "fork")` imports torch, transformers and bitsandbytes once (`import_s`), then
+forks a clean child per job; `"exec"` runs each job in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from diag.embedded.servers import die_with_parent
 from diag.model_load.worker import _PKG_PARENT, import_libraries, run_job, run_worker
 from diag.secrets import redact
 
-# what may differ between a job's environment and the zygote's (_apply sets them in the child)
 OVERRIDABLE = ("HF_HUB_OFFLINE", "HF_XET_CACHE")
 
 
@@ -109,8 +107,7 @@ def _threads() -> int:
 
 
 def _apply(overrides: dict[str, str]) -> None:
-    """Give this child the environment a fresh interpreter would have had: huggingface_hub and
-    transformers read constants.HF_HUB_OFFLINE at call time, hf_xet its env var at first use."""
+    """Give this child the environment a fresh interpreter would have had (docs/calibration.md)."""
     from huggingface_hub import constants
 
     os.environ.update(overrides)
@@ -193,7 +190,6 @@ def zygote(spawned_at: float) -> int:
                                    "message": str(err)}) + "\n")
         protocol.flush()
         return 1
-    # no gc.freeze(): a fresh job's collections scan the imported objects too
     protocol.write(json.dumps({"import_s": import_s}) + "\n")
     protocol.flush()
     for line in sys.stdin:
@@ -205,5 +201,5 @@ def zygote(spawned_at: float) -> int:
 if __name__ == "__main__":
     code = zygote(float(sys.argv[1]))
     sys.stderr.flush()
-    # every reply flushed, no child left: skip the ~2 s teardown close() would wait for
+    # every reply flushed, no child left: skip the teardown close() would wait for
     os._exit(code)

@@ -1,7 +1,5 @@
 """Where the model comes from, which HF cache the cached scenarios read, and the errors users read.
-
-The embedded model runs on a local hub and a cache under DIAG_HOME; a hub id reads the user's own
-cache (never written to without --repair-cache) unless --cache-dir; a folder is loaded as it is.
+A hub id reads the user's own cache (never written without --repair-cache) unless --cache-dir.
 """
 
 from __future__ import annotations

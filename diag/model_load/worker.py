@@ -1,8 +1,8 @@
 """One timed model load, as a training job does it between its start and step 1.
 
-`run_job(job)` runs in a clean process and returns each part's seconds and bytes, its own clock
-around the whole load (`load_s`, which the parts must add up to), and what was loaded; or an error
-kind. `python -m diag.model_load.worker JOB` runs one job in a fresh interpreter.
+`run_job(job)` returns each part's seconds and bytes, `load_s` (its own clock around them all) and
+what was loaded, or an error kind; `python -m diag.model_load.worker JOB` runs one in a fresh
+interpreter.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """TimingCallback: drop into any transformers Trainer to see where its wall clock goes.
 
-`Trainer(..., callbacks=[cb := diag.TimingCallback()])`, then `cb.frame()` is a StageTimer frame:
-per step `data_wait` (step end to next step begin) and `compute`; run-level `setup` (from
-`setup_from`), `warmup`, `checkpoint`, `eval`, `train`. Under DDP, with `cb.trainer = trainer`,
-the waits on other ranks are `comm_wait`.
+`Trainer(..., callbacks=[cb := diag.TimingCallback()])`; `cb.frame()` is a StageTimer frame (per
+step data_wait and compute; setup, warmup, checkpoint, eval, train; under DDP comm_wait).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """StageTimer: where the wall clock of a training run goes, in the stage vocabulary.
 
-`with timer.stage("compute"):` times one interval; `for batch in timer.watch(loader):` times each
-`next()` as `data_wait` and numbers the steps; `to_frame()` is one row per interval (stage, seconds,
-step, rank, node) for `diag.amdahl`. Each stage is also a torch.profiler range (while a profiler
-records) and, on CUDA, an NVTX range. `StageTimer(enabled=False)` costs almost nothing.
+`with timer.stage("compute"):` times one interval, `timer.watch(loader)` each batch's wait as
+`data_wait`; `to_frame()` is what `diag.amdahl` reads. Each stage is also a profiler / NVTX range.
 """
 
 from __future__ import annotations
