@@ -59,13 +59,16 @@ def verify_model_cache(cfg: ModelLoadConfig, repair: bool = False) -> pd.DataFra
                                     redownload=_redownload(src, cfg, cache_dir) if repair else None)
 
 
-def _redownload(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> Callable[[], None]:
-    """Download src's snapshot into cache_dir again, in an interpreter with huggingface_hub only."""
+def _download(src: Source, cfg: ModelLoadConfig, cache_dir: Path, offline: bool = False
+              ) -> dict[str, Any]:
+    """src's snapshot into cache_dir, in an interpreter with huggingface_hub only."""
+    return run_worker(job(src, cfg, cache_dir, mode="download"), {
+        **src.env, **overrides(cache_dir, offline, own_xet=not src.user_cache)}, cfg.timeout_s)
 
+
+def _redownload(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> Callable[[], None]:
     def fetch() -> None:
-        result = run_worker(job(src, cfg, cache_dir, mode="download"), {
-            **src.env, **overrides(cache_dir, offline=False, own_xet=not src.user_cache)},
-            cfg.timeout_s)
+        result = _download(src, cfg, cache_dir)
         if "error" in result:
             raise RuntimeError(redact(f"re-downloading {src.model}@{src.revision} after deleting "
                                       f"the damaged files failed: {result['message']}"))
@@ -161,9 +164,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
         if any(s != "fresh" for _, s in plan) and not local and not read_only:
             # fill the cache in a process with huggingface_hub only: a wrong id or endpoint is
             # reported before anyone pays the big imports
-            got = run_worker(job(src, cfg, cache_dir, mode="download"),
-                             {**src.env, **overrides(cache_dir, offline_env(),
-                                                     own_xet=not src.user_cache)}, cfg.timeout_s)
+            got = _download(src, cfg, cache_dir, offline_env())
             if "error" in got:
                 raise failure(got, src, cache_dir, cfg.timeout_s)
             if got["parts"]["download"]["bytes"]:

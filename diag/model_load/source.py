@@ -31,22 +31,17 @@ class Source:
     files: tuple[str, ...] = ()  # pinned to a cached commit: the only files a load may ask for
 
 
-def hub_constants() -> Any:
-    """huggingface_hub's `constants` run afresh against today's environment (the imported module
-    froze its import's): its own rules for HF_HUB_CACHE, not a copy."""
+def user_hub_cache() -> Path:
+    """The user's HF hub cache by huggingface_hub's own rules, run afresh against today's
+    environment (the imported `constants` froze its import's)."""
     import importlib.util
 
     spec = importlib.util.find_spec("huggingface_hub.constants")
     if spec is None or spec.loader is None:
         raise ImportError("huggingface_hub is not installed: pip install 'diag[qlora]'")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # not in sys.modules: nothing else sees this copy
-    return module
-
-
-def user_hub_cache() -> Path:
-    """The user's HF hub cache, where huggingface_hub would look for it now."""
-    return Path(hub_constants().HF_HUB_CACHE)
+    constants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(constants)  # not in sys.modules: nothing else sees this copy
+    return Path(constants.HF_HUB_CACHE)
 
 
 def user_cache(cfg: SourceConfig) -> bool:
