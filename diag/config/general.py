@@ -76,8 +76,10 @@ class DiagnoseConfig(SourceConfig):
     out: str = ""  # run folder to write; "" makes runs/<UTC timestamp>/
     storage: bool = True  # run the storage experiment (object store vs local disk)
     model_load: bool = True  # run the model-load experiment (fresh vs cached)
-    accum: bool = True  # micro-batch x grad-accum sweep on the QLoRA job's step (or tiny model's)
-    loader: bool = True  # data-loader sweep against the QLoRA job's step (or target_gpu's)
+    accum: bool = True  # micro-batch x grad-accum sweep on the QLoRA job's step
+                        # (--no-qlora: the tiny model's)
+    loader: bool = True  # data-loader sweep against the QLoRA job's step
+                         # (--no-qlora: target_gpu's, projected)
     records: int = 0  # records the QLoRA job trains on; 0 = QLoraConfig's default
     job_steps: int = 0  # optimizer steps of each QLoRA plan; 0 = QLoraConfig's default
     seq_len: int = 0  # token slots per row of the QLoRA job; 0 = QLoraConfig's default
@@ -87,15 +89,15 @@ class DiagnoseConfig(SourceConfig):
     steps: int = 60  # --no-qlora only: timed steps of the toy loop per run (naive and optimized)
     prep_ms: float = 3.0  # --no-qlora only: the toy loop's host preprocessing per batch
     qlora: bool = True  # naive vs optimized runs are the QLoRA job; False = the toy loop
-    naive_workers: int = 0  # --no-qlora only: the toy loop's DataLoader workers, naive run
-    optimized_workers: int = 2  # --no-qlora only: the same, optimized run
+    naive_workers: int = 0  # --no-qlora only: the toy loop's DataLoader workers, naive
+    optimized_workers: int = 2  # --no-qlora only: the toy loop's DataLoader workers, optimized
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
     current_gpu: str = ""  # GPU marked "now" on the Amdahl curve; "" = the detected one
     target_gpu: str = "H100 SXM"  # GPU you consider renting, marked at its dense-peak ratio
     quick_experiments: bool = False  # each experiment in its test-sized variant (seconds)
     budget: str = ""  # time the diagnosis may take (15m, 90s, 1h30m), split among the steps;
                       # "" = 15m on a GPU box, 3m on a CPU box, 1m with --quick
-    land: bool = False  # storage lands the whole dataset (miss, then hit); False estimates the hit
+    land: bool = False  # storage lands the whole dataset (miss, then hit); False: hit estimated
     # the panel's sweep ranges and plan (diag.widgets)
     workers: list[int] = field(default_factory=list)  # num_workers the loader sweeps; [] = default
     micro_batches: list[int] = field(default_factory=list)  # micro-batches accum sweeps (divide
