@@ -1,12 +1,7 @@
 """Keep secrets out of everything a user sees: errors, tables, reports, notebooks.
 
-`redact(text)` replaces by `***`: the value of every secret-looking environment variable (keys,
-tokens, passwords), every value given to `register()`, the HF token that `hf auth login` wrote to
-its token file, the AWS credentials boto3 resolved (profile, SSO, instance role: none of them sets
-an environment variable; not walked when every client diag made was given its keys, and never as
-far as the instance metadata service when AWS_EC2_METADATA_DISABLED is set), and anything shaped
-like one (`hf_...`, `AKIA...`/`ASIA...`, presigned `X-Amz-Signature=` / `X-Amz-Credential=`,
-`user:pass@` in a URL). Reports and the CLI pass their text through it.
+`redact(text)` puts `***` for every known secret (environment, `register()`, HF token files, the
+credentials boto3 resolved) and anything shaped like one (`hf_...`, `AKIA...`, `user:pass@`).
 """
 
 from __future__ import annotations
@@ -18,16 +13,15 @@ from typing import Any
 
 _SECRET_NAME = re.compile(r"(KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|SESSION)", re.I)
 _registered: set[str] = set()
-# Minimum length of a value worth redacting: shorter ones ("1", "true") would mangle text.
-_MIN_LEN = 6
-# Shapes a credential has wherever it came from; each keeps its label, loses its value.
+_MIN_LEN = 6  # shorter values ("1", "true") would mangle the text
+# credential shapes, wherever they came from: each keeps its label, loses its value
 _SHAPES = re.compile(
     r"(?P<hf>(?<![A-Za-z0-9])hf_[A-Za-z0-9]{30,})"
     r"|(?P<aws>(?<![A-Za-z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Za-z0-9]))"
     r"|(?P<amz>X-Amz-(?:Signature|Credential|Security-Token)=)[^&\s\"'<>]+"
     r"|(?P<url>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@\"'<>]+@"
 )
-# What was resolved from files and boto3, per input that could change it (see _resolved).
+# what the token files and boto3 gave, keyed by every input that could change it
 _cache: dict[tuple[Any, ...], tuple[frozenset[str], Any]] = {}
 
 
@@ -37,11 +31,11 @@ def register(*values: str | None) -> None:
 
 
 def _hf_token_files() -> set[str]:
-    """Where huggingface_hub keeps tokens: HF_TOKEN_PATH, else <HF_HOME>/token, + stored_tokens."""
+    """HF_TOKEN_PATH, else <HF_HOME>/token, and stored_tokens beside each."""
     home = os.environ.get("HF_HOME") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
     paths = {os.path.expanduser(os.environ.get("HF_TOKEN_PATH") or os.path.join(home, "token"))}
-    hub = sys.modules.get("huggingface_hub.constants")  # already imported: its own answer too
+    hub = sys.modules.get("huggingface_hub.constants")  # if imported: its answer too
     if hub is not None:
         paths.add(hub.HF_TOKEN_PATH)
     return paths | {os.path.join(os.path.dirname(p), "stored_tokens") for p in paths}
@@ -59,27 +53,20 @@ def _read_hf_tokens(path: str) -> set[str]:
     return {text.strip()}
 
 
-# How the S3 clients diag made got their credentials: None (none made), "given" (every one was
-# given its keys, or was unsigned) or "chain" (one resolved the user's credential chain).
-_aws_clients: str | None = None
+_aws_clients: str | None = None  # None: no S3 client yet; "given" keys (or unsigned); "chain"
 _TRUE = ("1", "true", "yes", "on")
 
 
 def aws_client_made(given: bool) -> None:
-    """Say how a client got its credentials: given keys (registered by the caller) or the
-    credential chain. While every client had given keys, redaction walks no chain, so it never
-    asks the instance metadata service."""
+    """Note how an S3 client got its credentials; while every one had given keys, redact()
+    walks no credential chain (so never asks the instance metadata service)."""
     global _aws_clients
     _aws_clients = "chain" if not given or _aws_clients == "chain" else "given"
 
 
 def _aws_credentials() -> Any:
-    """botocore's resolved credentials object (refreshable ones renew themselves), or None."""
-    # Only in a process that already uses boto3: importing it, or a first credential lookup
-    # (which may ask the instance metadata service), would make every redact() slow. Not when
-    # the keys were given: the chain is not what diag uses, and it may end at the metadata
-    # service. AWS_EC2_METADATA_DISABLED (any true value; botocore reads "true" only) keeps the
-    # chain off the metadata service.
+    """botocore's resolved credentials, or None: only where boto3 is in use and a client walked
+    the chain (a first lookup would slow every redact()); AWS_EC2_METADATA_DISABLED is honoured."""
     if "boto3" not in sys.modules or _aws_clients == "given":
         return None
     import botocore.session
@@ -89,12 +76,12 @@ def _aws_credentials() -> Any:
         if os.environ.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() in _TRUE:
             session.get_component("credential_provider").remove("iam-role")
         return session.get_credentials()
-    except Exception:  # a broken profile is reported where it is used, not while redacting
+    except Exception:  # a broken profile is reported where it is used
         return None
 
 
 def _resolved() -> set[str]:
-    """Secrets from the HF token files and boto3, resolved once per state of what feeds them."""
+    """Secrets from the HF token files and boto3, resolved once per state of their inputs."""
     stamps = []
     for path in sorted(_hf_token_files()):
         try:
@@ -113,9 +100,9 @@ def _resolved() -> set[str]:
     values = set(tokens)
     if creds is not None:
         try:
-            frozen = creds.get_frozen_credentials()  # cheap unless an expiring role renews
+            frozen = creds.get_frozen_credentials()  # cheap unless a role renews
             values |= {frozen.access_key or "", frozen.secret_key or "", frozen.token or ""}
-        except Exception:  # a renewal that fails is the caller's error to report, not ours
+        except Exception:  # a failed renewal is the caller's error to report
             pass
     return {v for v in values if len(v) >= _MIN_LEN}
 

@@ -9,49 +9,39 @@ from typing import Any, ClassVar
 from diag.config.base import ExperimentConfig
 
 
-# AccumConfig: the gradient-accumulation sweep at constant tokens per step, and MFU.
-
 ACCUM_MODELS = {"tiny": 2048, "gpt2-small": 1024}  # model -> context (positions) it accepts
-ACCUM_DTYPES = ("auto", "bf16", "fp32")  # autocast dtype; auto = bf16 on CUDA, fp32 on CPU
+ACCUM_DTYPES = ("auto", "bf16", "fp32")
 
 
 @dataclass
 class AccumConfig(ExperimentConfig):
     """`diag accum`: micro_batch x grad_accum at the same tokens per step; tokens/s, MFU, floor."""
 
-    tokens_per_step: int = 4096  # tokens per optimizer step at every
-                                 # point (the seed: 16 x 1024 x 64 = 1M)
+    tokens_per_step: int = 4096  # tokens per optimizer step, the same at every point
     seq_len: int = 128  # tokens per sequence (nanoGPT's block_size); at most the model's context
-    micro_batches: list[int] = field(default_factory=list)  # sequences per forward; []
-                                                            # = every power of two up to
-                                                            # tokens_per_step / seq_len
-    steps: int = 5  # timed optimizer steps per point; 5 is the fewest a gap between two
-                    # points can resolve with (diag.noise); more settles closer ones
-    warmup_steps: int = 1  # untimed first steps per point (allocator,
-                           # kernels, compile): reported as warmup_s
-    model: str = "tiny"  # "tiny": the embedded Llama (CPU-sized);
-                         # "gpt2-small": GPT-2 124M shape, random init (a GPU)
-    compile: bool = False  # torch.compile each point: faster steps, compile time lands in warmup_s
-    dtype: str = "auto"  # autocast dtype: "auto" = bf16 on CUDA, fp32 on CPU
+    micro_batches: list[int] = field(default_factory=list)  # sequences per forward; [] = every
+                                                            # power of two that divides the step
+    steps: int = 5  # timed optimizer steps per point; 5 is the fewest a gap resolves with
+    warmup_steps: int = 1  # untimed first steps per point (allocator, compile): warmup_s
+    model: str = "tiny"  # "tiny": the embedded Llama (CPU-sized); "gpt2-small":
+                         # GPT-2 124M's shape, random init (a GPU)
+    compile: bool = False  # torch.compile each point: faster steps, compile time in warmup_s
+    dtype: str = "auto"  # autocast dtype: "auto" = bf16 on CUDA, fp32 on CPU; "bf16", "fp32"
     device: str = "auto"  # "auto", "cpu" or "cuda"
-    token_file: str = ""  # a nanoGPT-style train.bin (uint16 ids); ""
-                          # = the synthetic dataset, tokenized once
-    peak_tflops: float = 0.0  # dense peak for MFU; 0 = diag's table
-                              # (CUDA) or a measured matmul probe (CPU)
-    steps_per_run: int = 5000  # optimizer steps in your run: prices
-                               # the advice (seconds saved per run)
+    token_file: str = ""  # a nanoGPT-style train.bin (uint16 ids); "" = the synthetic dataset
+    peak_tflops: float = 0.0  # dense peak for MFU; 0 = diag's table (CUDA) or a CPU probe
+    steps_per_run: int = 5000  # optimizer steps in your run: prices the advice per run
     seed: int = 0  # window sampling and the gpt2-small init
-    slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms
-                         # more per micro-batch (a straggler on purpose); -1 = none
+    slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms more per
+                         # micro-batch (a straggler on purpose); -1 = none
     slow_ms: float = 0.0  # the extra per-micro-batch sleep of slow_rank, in milliseconds
 
     QUICK: ClassVar[dict[str, Any]] = {"tokens_per_step": 1024, "seq_len": 64,
                                        "micro_batches": [2, 16], "steps": 5}
-    # the lent H200's shape (issue 11): GPT-2 small, block 1024, 131k tokens per step
+    # a lent H200's shape: GPT-2 small, block 1024, 131k tokens per step
     GPU: ClassVar[dict[str, Any]] = {"model": "gpt2-small", "seq_len": 1024,
                                      "tokens_per_step": 131072, "micro_batches": [8, 16, 32, 64]}
-    # `diag run --no-qlora` on a CPU: three points span the trade-off (the seed's many small
-    # micro-batches, the middle, one large one); every power of two costs minutes, no finding
+    # `diag run --no-qlora` on a CPU: three points span the trade-off in minutes
     CPU: ClassVar[dict[str, Any]] = {"micro_batches": [2, 8, 32], "steps": 5}
 
     def validate(self) -> None:
@@ -86,10 +76,8 @@ class AccumConfig(ExperimentConfig):
                     f"{name}.micro_batches: {m!r} x seq_len={self.seq_len} does not divide "
                     f"tokens_per_step={self.tokens_per_step}; allowed micro-batches: "
                     + ", ".join(map(str, allowed)))
-        # under a launcher (torchrun / accelerate set WORLD_SIZE): checked here, before a rank
-        # imports torch or dials the rendezvous, so each rank of a world that cannot split the
-        # step exits at once with the same line (diag.accum.sweep.pairs checks it again; a
-        # malformed WORLD_SIZE is named by diag.timing.distributed when the rank joins)
+        # under a launcher: before a rank imports torch or dials the rendezvous, every rank of a
+        # world that cannot split the step exits at once with the same line
         world = os.environ.get("WORLD_SIZE", "1").strip()
         for m in self.micro_batches if world.isdigit() and int(world) > 1 else []:
             check_divides(self.tokens_per_step, self.seq_len, m, int(world),

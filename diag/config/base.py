@@ -1,8 +1,7 @@
 """The base every experiment config builds on, and the names every layer shares.
 
-`ExperimentConfig` gives validation in `__post_init__` (messages name the field and what is
-allowed), `quick()` (the test-sized variant) and `default(quick=None)`: `DIAG_QUICK=1` (read here
-only) makes it return the quick variant. `diag_home()` is where diag keeps what it makes.
+`ExperimentConfig`: validation in `__post_init__`, `quick()` (the test-sized variant),
+`default(quick=None)` (DIAG_QUICK decides, read here only). `diag_home()`: where diag keeps files.
 """
 
 from __future__ import annotations
@@ -15,15 +14,15 @@ from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 T = TypeVar("T", bound="ExperimentConfig")
 
-# Names every layer shares, defined once (the CLI offers them as choices).
-DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" is also accepted where a device is asked for
+# names every layer shares, defined once (the CLI offers them as choices)
+DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 Scenario = Literal["fresh", "cached", "cached_offline", "cached_cold"]
 MODEL_LOAD_SCENARIOS: tuple[str, ...] = get_args(Scenario)
-LoadProcess = Literal["fork", "exec"]  # how each measured load gets its clean process
+LoadProcess = Literal["fork", "exec"]
 MODEL_LOAD_PROCESSES: tuple[str, ...] = get_args(LoadProcess)
 STORAGE_PULLS = ("boto3_default", "boto3_tuned", "s5cmd")
 Verify = Literal["sha256", "size"]
-VERIFY_MODES: tuple[str, ...] = get_args(Verify)  # how land() checks a landed copy before reuse
+VERIFY_MODES: tuple[str, ...] = get_args(Verify)
 
 
 def quick_mode() -> bool:
@@ -32,8 +31,8 @@ def quick_mode() -> bool:
 
 
 def diag_home() -> Path:
-    """Where diag keeps generated assets and caches: $DIAG_HOME, else $XDG_CACHE_HOME/diag
-    (~/.cache/diag when XDG_CACHE_HOME is unset or not absolute, as the XDG spec says)."""
+    """Where diag keeps assets and caches: $DIAG_HOME, else $XDG_CACHE_HOME/diag (if absolute),
+    else ~/.cache/diag."""
     home = os.environ.get("DIAG_HOME")
     if home:
         return Path(home).expanduser()
@@ -45,14 +44,13 @@ def diag_home() -> Path:
 class ExperimentConfig:
     """Base of every experiment config: validation, quick variant, dict round-trip."""
 
-    # overrides applied by quick(): the test-sized variant of this experiment
     QUICK: ClassVar[dict[str, Any]] = {}
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the field and what is allowed. Subclasses extend."""
+        """Raise ValueError naming the field and what is allowed."""
 
     @classmethod
     def quick(cls: type[T], **overrides: Any) -> T:
@@ -76,7 +74,6 @@ class ExperimentConfig:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
-    # -- checks shared by every experiment ------------------------------------------------
     def _positive(self, *names: str) -> None:
         for name in names:
             value = getattr(self, name)
@@ -105,23 +102,12 @@ class ExperimentConfig:
                              + ", ".join(map(repr, DEVICES)) + " and 'cuda:N'")
 
     def _straggler(self) -> None:
-        """slow_rank / slow_ms: a rank made slow on purpose (its loader sleeps slow_ms more per
-        batch), to see what the others' comm_wait recovers."""
+        """slow_rank / slow_ms: a rank slowed on purpose, to see the others' comm_wait."""
         if isinstance(self.slow_rank, bool) or not isinstance(self.slow_rank, int) \
                 or self.slow_rank < -1:
             raise ValueError(f"{type(self).__name__}.slow_rank={self.slow_rank!r}: a rank (0, 1, "
                              "...) or -1 for none")
         self._non_negative("slow_ms")
-
-    def _positive_list(self, name: str) -> None:
-        values = getattr(self, name)
-        if not isinstance(values, (list, tuple)) or not values:
-            raise ValueError(f"{type(self).__name__}.{name}={values!r}: must be a non-empty list")
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(
-                    f"{type(self).__name__}.{name}={values!r}: every value must be a number > 0"
-                )
 
 
 def _plain(value: Any) -> Any:

@@ -1,5 +1,4 @@
-"""`diag info`, `diag toy`, `diag report` and `diag run`: the configs that are not one
-experiment."""
+"""`diag info`, `diag toy`, `diag report` and `diag run`: configs that are not one experiment."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\
 class InfoConfig(ExperimentConfig):
     """`diag info`: what this machine is."""
 
-    probe: bool = True  # time a matmul on CPU to report a measured peak (no table entry for CPUs)
+    probe: bool = True  # time a matmul on CPU for a measured peak (the table has no CPUs)
     probe_size: int = 1024  # matrix side of the CPU probe; larger is steadier and slower
 
     QUICK: ClassVar[dict[str, Any]] = {"probe_size": 256}
@@ -42,8 +41,7 @@ class ToyConfig(ExperimentConfig):
     prep_ms: float = 0.0  # synthetic per-batch preprocessing cost, to make data_wait visible
     num_workers: int = 0  # DataLoader workers; more overlap preprocessing with compute
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
-    batch_norm: bool = False  # a BatchNorm layer: under DDP its statistics
-                              # are broadcast at the start of every forward
+    batch_norm: bool = False  # a BatchNorm layer (under DDP: a broadcast every forward)
     slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms
                          # more per batch (a straggler on purpose); -1 = none
     slow_ms: float = 0.0  # the extra per-batch sleep of slow_rank, in milliseconds
@@ -70,59 +68,47 @@ class ReportConfig(ExperimentConfig):
             raise ValueError("ReportConfig.folder='': name a run folder (e.g. runs/<timestamp>)")
 
 
-
 @dataclass
 class DiagnoseConfig(SourceConfig):
-    """`diag run`: every experiment on one source, a naive and an optimized run, the report.
-    The source flags (SourceConfig) reach every experiment: storage pulls --source, model-load
-    loads --model, and the QLoRA job pulls, loads and trains on exactly those."""
+    """`diag run`: every experiment on one source, a naive and an optimized run, the report;
+    the source flags reach every experiment."""
 
     out: str = ""  # run folder to write; "" makes runs/<UTC timestamp>/
     storage: bool = True  # run the storage experiment (object store vs local disk)
     model_load: bool = True  # run the model-load experiment (fresh vs cached)
-    accum: bool = True  # micro-batch x grad-accum sweep: on the QLoRA
-                        # job's step (the tiny model with --no-qlora)
-    loader: bool = True  # data-loader sweep + stall split: against the QLoRA
-                         # job's step (--no-qlora: target_gpu's, projected)
+    accum: bool = True  # micro-batch x grad-accum sweep on the QLoRA job's step
+                        # (--no-qlora: the tiny model's)
+    loader: bool = True  # data-loader sweep against the QLoRA job's step
+                         # (--no-qlora: target_gpu's, projected)
     records: int = 0  # records the QLoRA job trains on; 0 = QLoraConfig's default
-    job_steps: int = 0  # optimizer steps of the QLoRA job (naive
-                        # and optimized); 0 = QLoraConfig's default
+    job_steps: int = 0  # optimizer steps of each QLoRA plan; 0 = QLoraConfig's default
     seq_len: int = 0  # token slots per row of the QLoRA job; 0 = QLoraConfig's default
-    epochs: int = 1  # epochs of the whole job (every record of --source) the
-                     # headline projects for each plan: what `diag train` would take
-    train: bool = False  # then train the optimized plan on the whole job (diag train):
-                         # the adapter in train/<UTC timestamp>, its ETA checked
-    on_error: str = "raise"  # a record of --source that does not fit: "raise"
-                             # stops, "skip" counts it and leaves it out
+    epochs: int = 1  # epochs over every record of --source the headline projects per plan
+    train: bool = False  # then `diag train` the optimized plan: adapter in train/<UTC timestamp>
+    on_error: str = "raise"  # a record that does not fit: "raise" stops, "skip" counts it
     steps: int = 60  # --no-qlora only: timed steps of the toy loop per run (naive and optimized)
     prep_ms: float = 3.0  # --no-qlora only: the toy loop's host preprocessing per batch
-    qlora: bool = True  # naive vs optimized runs are the QLoRA
-                        # job (diag.qlora); False = the toy loop
-    naive_workers: int = 0  # --no-qlora only: the toy loop's DataLoader workers in the naive run
-    optimized_workers: int = 2  # --no-qlora only: the toy loop's
-                                # DataLoader workers in the optimized run
+    qlora: bool = True  # naive vs optimized runs are the QLoRA job; False = the toy loop
+    naive_workers: int = 0  # --no-qlora only: the toy loop's DataLoader workers, naive
+    optimized_workers: int = 2  # --no-qlora only: the toy loop's DataLoader workers, optimized
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
     current_gpu: str = ""  # GPU marked "now" on the Amdahl curve; "" = the detected one
     target_gpu: str = "H100 SXM"  # GPU you consider renting, marked at its dense-peak ratio
-    quick_experiments: bool = False  # True runs each experiment in its test-sized variant (seconds)
-    budget: str = ""  # the time the diagnosis may take, e.g. 15m, 90s, 1h30m: split among the
-                      # steps (storage samples and the decisions' repeats size to their share);
+    quick_experiments: bool = False  # each experiment in its test-sized variant (seconds)
+    budget: str = ""  # time the diagnosis may take (15m, 90s, 1h30m), split among the steps;
                       # "" = 15m on a GPU box, 3m on a CPU box, 1m with --quick
-    land: bool = False  # storage also lands the whole dataset (land() miss then hit); False
-                        # estimates the hit from the sample's cold local read
-    # -- widgets (diag.widgets): the panel's sweep ranges and plan, passed to the experiments --
-    workers: list[int] = field(default_factory=list)  # num_workers the loader sweeps; []
-                                                      # = its default (QLoraConfig.RUN)
-    micro_batches: list[int] = field(default_factory=list)  # micro-batches accum sweeps
-                                                            # (divisors of the job's rows
-                                                            # per step); [] = its default
+    land: bool = False  # storage lands the whole dataset (miss, then hit); False: hit estimated
+    # the panel's sweep ranges and plan (diag.widgets)
+    workers: list[int] = field(default_factory=list)  # num_workers the loader sweeps; [] = default
+    micro_batches: list[int] = field(default_factory=list)  # micro-batches accum sweeps (divide
+                                                            # the job's rows); [] = its default
     plan: QLoraPlan = "both"  # QLoRA plans run: "naive", "optimized" or "both"
 
     QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0, "quick_experiments": True}
 
     def validate(self) -> None:
         super().validate()  # the source flags (SourceConfig)
-        check_out(self.out)  # before anything runs: a full folder fails in a second, not at the end
+        check_out(self.out)  # a full folder fails now, not at the end
         self._positive("steps", "epochs")
         if self.budget:
             duration_s(self.budget)
@@ -134,9 +120,9 @@ class DiagnoseConfig(SourceConfig):
         self._choice("on_error", ("raise", "skip"))
         self._device()
         self._choice("plan", QLORA_PLANS)
-        for name in ("current_gpu", "target_gpu"):  # an unknown one would draw no mark, silently
+        for name in ("current_gpu", "target_gpu"):  # unknown: no mark would be drawn
             check_gpu(getattr(self, name), f"--{name.replace('_', '-')}")
-        for name, low in (("workers", 0), ("micro_batches", 1)):  # checked here, not mid-run
+        for name, low in (("workers", 0), ("micro_batches", 1)):
             values = getattr(self, name)
             if not isinstance(values, (list, tuple)) or any(
                     isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
@@ -145,15 +131,14 @@ class DiagnoseConfig(SourceConfig):
 
     def storage_config(self, budget_s: float = 0.0) -> StorageConfig:
         """The storage experiment on this source, its sample sized to budget_s (0: no limit)."""
-        preset = {} if self.quick_experiments else StorageConfig.RUN  # the embedded data's size
+        preset = {} if self.quick_experiments else StorageConfig.RUN
         return StorageConfig.default(quick=self.quick_experiments or None, budget_s=budget_s,
                                      land=self.land, **self.source_kwargs(StorageConfig),
                                      **preset)
 
     def model_load_config(self) -> ModelLoadConfig:
-        """The model-load experiment on this model: quick, the two scenarios the runs need;
-        else all four, each loaded once; a model already cached is not downloaded whole (its
-        fresh load estimated)."""
+        """The model-load experiment on this model (quick: fresh and cached only); a cached model's
+        fresh load is estimated, not downloaded."""
         quick = {"scenarios": ["fresh", "cached"]} if self.quick_experiments else {}
         return ModelLoadConfig.default(quick=self.quick_experiments or None, estimate_fresh=True,
                                        **self.source_kwargs(ModelLoadConfig), **quick)
@@ -172,7 +157,7 @@ def duration_s(text: str, name: str = "DiagnoseConfig.budget") -> float:
 
 
 def check_gpu(name: str, flag: str) -> None:
-    """'' or a GPU diag's table has a dense bf16 peak for (what the Amdahl projection divides)."""
+    """'' or a GPU with a dense bf16 peak in diag's table (what the Amdahl projection divides)."""
     if name and dense_peak_flops(name, "bf16") is None:
         known = ", ".join(g.name for g in GPUS if "bf16" in g.peaks)
         raise ValueError(f"{flag}={name!r}: not a GPU with a dense bf16 peak in diag's table; "

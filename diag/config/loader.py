@@ -9,66 +9,53 @@ from diag.config.source import RecordFields
 from diag.decision import DATA_WAIT_GOAL
 
 
-LOADER_PIPELINES = ("naive", "packed")  # tokenize per sample in the loop; or read the token cache
+LOADER_PIPELINES = ("naive", "packed")  # tokenize per sample in the loop; read the token cache
 LOADER_CONSUMERS = ("emulated", "model")  # a step of fixed duration (DLIO style); the tiny model's
-ON_ERROR = ("raise", "skip")  # what a reader does with a malformed row: stop, or leave out and list
+ON_ERROR = ("raise", "skip")  # a malformed row: stop, or leave it out and list it
 
 
 @dataclass
 class LoaderConfig(RecordFields):
-    """`diag loader`: DataLoader settings against a training step, the stall split, hot lines.
-    The record fields (--text-field, ...) name the fields of --data's records (RecordFields)."""
+    """`diag loader`: DataLoader settings against a training step, the stall split, hot lines."""
 
-    data: str = ""  # your records: a JSONL or Parquet file or a folder of
-                    # shards; "" = the embedded synthetic dataset
-    tokenizer: str = ""  # folder with tokenizer.json (and a chat template for
-                         # --messages-field); "" = the embedded tiny model's
+    data: str = ""  # your records: a JSONL or Parquet file or a folder of shards; "" = embedded
+    tokenizer: str = ""  # folder with tokenizer.json (and a chat template for --messages-field);
+                         # "" = the embedded tiny model's
     pipelines: list[str] = field(default_factory=lambda: list(LOADER_PIPELINES))  # forms swept
-    workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])  # num_workers
-        # swept; the first is the baseline the advice compares with
-    batch_size: int = 16  # sequences per step (the seed user's 16 x 512 tokens)
+    workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])  # num_workers swept;
+                                                                      # the first: the baseline
+    batch_size: int = 16  # sequences per step
     seq_len: int = 512  # tokens per sequence; longer means more tokenizing per sample
-    consumer: str = "emulated"  # "emulated" waits step_ms per step (any GPU,
-                                # on CPU); "model" trains the tiny model
-    step_ms: float = 0.0  # emulated step; 0 = estimated for `gpu`,
-                          # else the tiny model's step measured here
-    gpu: str = ""  # estimate the step for this GPU (dense peak,
-                   # 6 x params x tokens at `mfu`); "" = measure
+    consumer: str = "emulated"  # "emulated" waits step_ms per step; "model" trains the tiny model
+    step_ms: float = 0.0  # emulated step; 0 = estimated for `gpu`, else the tiny model's measured
+    gpu: str = ""  # estimate the step for this GPU (6 x params x tokens at `mfu`); "" = measure
     model_params_b: float = 1.1  # model size for the GPU estimate, billions of parameters
-    mfu: float = 0.4  # model FLOPs utilization assumed by the
-                      # GPU estimate; lower means a longer step
-    steps: int = 8  # steady-state steps timed per setting, after the
-                    # first batch and the prefetch; more is steadier
-    repeats: int = 5  # epochs per setting on one DataLoader (persistent_workers keeps
-                      # workers across them): the samples the decision compares, 5 the
-                      # fewest a gap resolves with (diag.noise)
+    mfu: float = 0.4  # model FLOPs utilization the GPU estimate assumes; lower: a longer step
+    steps: int = 8  # steady steps timed per setting, after the prefetch; more is steadier
+    repeats: int = 5  # epochs per setting on one DataLoader: the decision's samples (5: the
+                      # fewest a gap resolves with)
     pin_memory: bool = True  # page-locked batches for a faster h2d copy (CUDA only)
     persistent_workers: bool = True  # keep workers across epochs instead of restarting them
-    prefetch_factor: int = 2  # batches each worker prepares ahead;
-                              # more absorbs jitter, costs memory
-    extra_prep_ms: float = 0.0  # per-sample cost added to the pipeline:
-                                # "what if preprocessing were heavier"
-    target_share: float = DATA_WAIT_GOAL  # data_wait share of the step the
-                                          # recommended setting stays under
+    prefetch_factor: int = 2  # batches each worker prepares ahead; more absorbs jitter, costs RAM
+    extra_prep_ms: float = 0.0  # per-sample cost added: "what if preprocessing were heavier"
+    target_share: float = DATA_WAIT_GOAL  # data_wait share the recommended setting stays under
     run_steps: int = 1000  # steps of the training run the advice prices its savings for
     profile_samples: int = 200  # samples run through the line profiler; more is steadier
     num_proc: int = 1  # processes tokenizing the token cache
-                       # (measured: extra processes cost on 2 cores)
     on_error: str = "skip"  # malformed JSONL rows: "skip" counts and lists them, "raise" stops
-    timeout_s: float = 120.0  # a batch not delivered in this time fails the setting (a hung worker)
+    timeout_s: float = 120.0  # a batch not delivered in this time fails the setting (hung worker)
     device: str = "auto"  # "auto", "cpu" or "cuda": where batches are copied and the model steps
 
-    # quick: a given 20 ms step, so a test never waits on measuring the model's step first
+    # a given 20 ms step: a test never waits on measuring the model's step
     QUICK: ClassVar[dict[str, Any]] = {"workers": [0, 1, 2], "batch_size": 4, "seq_len": 128,
                                        "steps": 6, "repeats": 1, "profile_samples": 30,
                                        "step_ms": 20.0}
-    # `diag run --no-qlora`: five passes of 2 steady steps per setting (after the prefetch),
-    # against the target GPU's step: five samples a setting for the decision
+    # `diag run --no-qlora`: five samples a setting against the target GPU's step
     RUN: ClassVar[dict[str, Any]] = {"steps": 2, "repeats": 5}
 
     def validate(self) -> None:
         super().validate()  # the record fields
-        if self.fields() and not self.data:  # the embedded records are Alpaca's: never renamed
+        if self.fields() and not self.data:  # the embedded records are never renamed
             name = next(k for k, v in self.record_fields().items() if v)
             raise ValueError(f"LoaderConfig.{name}={getattr(self, name)!r}: names a field of "
                              "--data's records, and --data is empty; give --data (your records)")

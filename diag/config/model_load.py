@@ -15,30 +15,24 @@ class ModelLoadConfig(SourceConfig):
 
     SOURCE: ClassVar[tuple[str, ...]] = MODEL  # the model's flags; no bucket, no records
 
-    scenarios: list[Scenario] = field(
-        default_factory=lambda: list(MODEL_LOAD_SCENARIOS))  # fewer run faster; fresh downloads
-                                                            # the whole model every repeat
-    repeats: int = 1  # measured loads per scenario after the warm-up: once each (a 7B fresh
-                      # load downloads ~13 GB); 5+ lets the model_cache gap resolve
-    budget_s: float = 0.0  # > 0: more repeats (interleaved, each if it fits) while the
-                           # model_cache gap is unresolved; `diag run` gives its share
-    estimate_fresh: bool = False  # True: a model already cached is not downloaded whole; the
-                                  # fresh scenario is estimated from one file's download rate
-    warmup: int = 1  # untimed loads first (page cache of the model and of
-                     # lazily read library files); 0 when both are warm
-    quantize: bool = True  # 4-bit nf4 (bitsandbytes) as QLoRA loads
-                           # its base; False keeps the checkpoint dtype
+    scenarios: list[Scenario] = field(  # fewer run faster; fresh downloads the model every repeat
+        default_factory=lambda: list(MODEL_LOAD_SCENARIOS))
+    repeats: int = 1  # measured loads per scenario after the warm-up; 5+ lets model_cache resolve
+    budget_s: float = 0.0  # > 0: more repeats while model_cache is unresolved and they fit
+    estimate_fresh: bool = False  # True: a cached model's fresh load is estimated from one
+                                  # file's download rate, not downloaded whole
+    warmup: int = 1  # untimed loads first (the page cache of the model and libraries)
+    quantize: bool = True  # 4-bit nf4 as QLoRA loads its base; False keeps the checkpoint dtype
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
-    process: LoadProcess = "fork"  # "fork": imports paid once, a clean forked child per load;
+    process: LoadProcess = "fork"  # "fork": imports paid once, a forked child per load;
                                    # "exec": a fresh interpreter per load (slower, same figures)
-    trust_remote_code: bool = False  # True runs Python code from the model
-                                     # repo; only for repos you trust
+    trust_remote_code: bool = False  # True runs Python code from the model repo: only one you trust
     timeout_s: float = 1800.0  # per load process; a large model over a slow link needs more
 
     QUICK: ClassVar[dict[str, Any]] = {"repeats": 1}
 
     def validate(self) -> None:
-        super().validate()  # the source flags (SourceConfig): --model, --revision, --cache-dir, ...
+        super().validate()  # the source flags
         self._positive("repeats", "timeout_s")
         self._non_negative("warmup", "budget_s")
         self._device()

@@ -1,8 +1,5 @@
-"""`diag qlora` and `diag train`: the QLoRA job's configs (diag.qlora).
-
-`JobConfig` holds what both commands run the job with (its rows, adapters, learning rate, seed,
-checkpoints, the sweeps that decide the optimized plan); `QLoraConfig` adds the short side-by-side
-comparison's records, steps and rounds, `TrainConfig` (train.py) the whole dataset's epochs.
+"""`diag qlora`: the QLoRA job's configs (diag.qlora). `JobConfig` is what `diag qlora` and
+`diag train` share; `QLoraConfig` adds the side-by-side comparison's records, steps and rounds.
 """
 
 from __future__ import annotations
@@ -19,38 +16,32 @@ QLORA_PLANS: tuple[str, ...] = get_args(QLoraPlan)
 
 @dataclass
 class JobConfig(SourceConfig):
-    """The QLoRA job (nf4 base + LoRA, transformers.Trainer) as `diag qlora` and `diag train`
-    run it."""
+    """The QLoRA job (nf4 base + LoRA, transformers.Trainer) as both commands run it."""
 
     seq_len: int = 128  # token slots per row: naive pads each record to it, optimized packs into it
-    on_error: str = "raise"  # a bad row or a prompt filling seq_len:
-                             # "raise" stops, "skip" counts it
+    on_error: str = "raise"  # a bad row or a prompt filling seq_len: "raise" stops, "skip" counts
     warmup_steps: int = 1  # first optimizer steps timed as `warmup`, apart from steady state
     lr: float = 2e-4  # peak learning rate (linear warm-up over 10% of steps, linear decay)
-    seed: int = 0  # same seed in both plans, so the loss curves are comparable
+    seed: int = 0  # the same in both plans, so the loss curves compare
     lora_r: int = 16  # LoRA rank; higher adapts more and trains slower
     lora_alpha: int = 32  # LoRA scale numerator (scale = alpha / r)
     lora_dropout: float = 0.05  # dropout on the LoRA input
-    checkpoint_every: int = 0  # save adapter + optimizer + data position
-                               # every N steps; 0 = at the end only
+    checkpoint_every: int = 0  # save adapter + optimizer + data position every N steps; 0 = at end
     resume: bool = False  # continue from the last checkpoint in out_dir, if there is one
     out_dir: str = ""  # checkpoints; "" = a fresh temporary folder per run
-    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"; CUDA-only
-                          # settings on CPU fall back, with a note
-    results: str = ""  # run folder whose decisions.csv the optimized
-                       # plan collects; "" = measure on this job
-    # -- the sweeps on the job's own step that decide the optimized plan (diag.qlora.measure) --
-    sweep_micro_batches: list[int] = field(default_factory=list)  # [] = up to
-        # 4 divisors of the job's rows per step, 1 and the largest among them
-    sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # num_workers
-        # the loader sweep tries against the job's step
-    sweep_steps: int = 5  # timed steps each sweep point gets on the job (after one warm-up;
-        # past the first, in interleaved rounds); 5 (diag.noise.MIN_SAMPLES) is the fewest a gap
-        # can resolve with
-    decide_budget_s: float = 60.0  # seconds the decisions may spend re-timing the points
-        # the screen left within noise of each other (0: screen only); more settles closer gaps
+    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"; CUDA-only settings fall back on CPU
+    results: str = ""  # run folder whose decisions.csv the optimized plan collects; "" = measure
+    # the sweeps on the job's own step that decide the optimized plan
+    sweep_micro_batches: list[int] = field(default_factory=list)  # [] = up to 4 divisors of
+        # the job's rows per step, 1 and the largest among them
+    sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # num_workers the
+        # loader sweep tries
+    sweep_steps: int = 5  # timed steps per sweep point, after one warm-up; 5 is the fewest a
+        # gap resolves with
+    decide_budget_s: float = 60.0  # seconds to re-time points the screen left within noise
+        # (0: screen only); more settles closer gaps
 
-    # what a resumed run must share with the run it continues (the other fields: how it runs)
+    # what a resumed run must share with the run it continues
     IDENTITY: ClassVar[tuple[str, ...]] = (
         "source", "model", "revision", "text_field", "prompt_field", "response_field",
         "messages_field", "seq_len", "on_error", "lr", "seed", "lora_r", "lora_alpha",
@@ -61,8 +52,7 @@ class JobConfig(SourceConfig):
         return {k: v for k, v in self.to_dict().items() if k in self.IDENTITY}
 
     def validate(self) -> None:
-        super().validate()  # the source flags (SourceConfig): what
-                            # the job pulls, loads and trains on
+        super().validate()  # the source flags
         self._choice("on_error", ON_ERROR)
         self._positive("seq_len", "lr", "lora_r", "lora_alpha", "sweep_steps")
         for name, low in (("sweep_workers", 0), ("sweep_micro_batches", 1)):
@@ -91,13 +81,10 @@ class JobConfig(SourceConfig):
 
 @dataclass
 class QLoraConfig(JobConfig):
-    """`diag qlora`: the QLoRA fine-tune (nf4 base + LoRA, transformers.Trainer), naive vs
-    optimized."""
+    """`diag qlora`: the QLoRA fine-tune, naive vs optimized."""
 
-    plan: QLoraPlan = "both"  # "naive" (a newcomer's defaults),
-                              # "optimized" (the measured fixes) or both
-    records: int = 128  # records both plans train on once (same
-                        # tokens); demo-sized for a 2-core CPU
+    plan: QLoraPlan = "both"  # "naive" (a newcomer's defaults), "optimized" (the fixes) or both
+    records: int = 128  # records both plans train on once (the same tokens)
     steps: int = 8  # optimizer steps both plans take over those records (same LR schedule)
     rounds: int = 3  # plans run interleaved this many times (order alternating); medians + spread
     slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms
@@ -105,14 +92,12 @@ class QLoraConfig(JobConfig):
     slow_ms: float = 0.0  # the extra per-batch sleep of slow_rank, in milliseconds
 
     IDENTITY: ClassVar[tuple[str, ...]] = (*JobConfig.IDENTITY, "plan", "records", "steps")
-    # --quick (tests, a smoke run): one round of each plan, a quick look with no spread
+    # one round of each plan: a quick look with no spread
     QUICK: ClassVar[dict[str, Any]] = {"records": 12, "steps": 3, "seq_len": 96, "lora_r": 8,
                                        "lora_alpha": 16, "sweep_workers": [0, 2],
                                        "decide_budget_s": 20.0, "rounds": 1}
-    # `diag run`: the sweeps on the job with two loader settings and a smaller decide budget,
-    # so the demo stays a demo; `diag qlora` runs the defaults above. Smaller rounds (32
-    # records, 4 steps), never fewer of them: the headline's spread over 3 rounds says whether
-    # the gap resolved
+    # `diag run`: smaller sweeps and rounds, never fewer rounds (their spread says whether the
+    # headline's gap resolved)
     RUN: ClassVar[dict[str, Any]] = {"sweep_workers": [0, 2], "decide_budget_s": 30.0,
                                      "records": 32, "steps": 4, "rounds": 3}
 

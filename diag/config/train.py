@@ -10,39 +10,36 @@ from diag.config.qlora import JobConfig, QLoraConfig
 
 TrainPlan = Literal["optimized", "naive"]
 LrSchedule = Literal["cosine", "linear", "constant"]
-MEASURED_STEPS = 4  # optimizer steps of the job the plan is decided on (as `diag run`'s)
+MEASURED_STEPS = 4  # optimizer steps of the job the plan is decided on
 
 
 @dataclass
 class TrainConfig(JobConfig):
-    """`diag train`: one plan trains the whole dataset (epochs, held-out eval, checkpoints,
-    resume); the adapter and tokenizer in out_dir are its output."""
+    """`diag train`: one plan trains the whole dataset (epochs, eval, checkpoints, resume); the
+    adapter and tokenizer in out_dir are its output."""
 
     lr: float = 2e-4  # peak learning rate: warmed up over lr_warmup, then lr_schedule
-    checkpoint_every: int = 0  # save adapter + optimizer + RNG + data position
-                               # every N steps; 0 = ten times over the run
+    checkpoint_every: int = 0  # save adapter, optimizer, RNG, data position every N steps;
+                               # 0 = ten times over the run
     out_dir: str = ""  # the adapter, tokenizer and checkpoints; "" = train/<UTC timestamp>
-    results: str = ""  # a run folder (diag run's): its decisions make the optimized plan,
-                       # its measured costs the ETA; "" = measure on this job
-    plan: TrainPlan = "optimized"  # "optimized" (decided on the job, or --results),
-                                   # "naive" (a newcomer's defaults: the baseline)
+    results: str = ""  # a run folder: its decisions make the optimized plan, its costs the ETA;
+                       # "" = measure on this job
+    plan: TrainPlan = "optimized"  # "optimized" (decided on the job, or --results), "naive"
+                                   # (a newcomer's defaults: the baseline)
     records: int = 0  # the source's first N good records (a named subset); 0 = all of them
     epochs: int | None = None  # passes over the training records; unset = 1 (or --max-steps)
     max_steps: int | None = None  # optimizer steps to train instead of epochs
-    batch_size: int = 16  # records per optimizer step in either plan (naive: a row each,
-                          # optimized: packed into fewer rows); both take the same steps
+    batch_size: int = 16  # records per optimizer step in either plan (optimized packs them)
     lr_schedule: LrSchedule = "cosine"  # the learning rate after its warm-up
     lr_warmup: float = 0.03  # share of the optimizer steps that warm the learning rate up
-    eval_share: float = 0.01  # records held out for eval before training (at least
-                              # eval_batch of them); never trained on
+    eval_share: float = 0.01  # records held out for eval (at least eval_batch), never trained on
     eval_every: int = 0  # eval every N optimizer steps and at the end; 0 = ten times over the run
-    eval_batch: int = 8  # records per eval batch, one a row, in both plans (so they compare)
+    eval_batch: int = 8  # records per eval batch, one a row in both plans (so they compare)
     keep_checkpoints: int = 2  # the newest K checkpoints kept in out_dir
-    merge: bool = False  # also write the base reloaded in 16-bit with the
-                         # adapter merged in (out_dir/merged)
+    merge: bool = False  # also write the 16-bit base with the adapter merged (out_dir/merged)
     progress_every: int = 0  # the stage shares so far every N steps; 0 = ten times over the run
 
-    # --quick (tests, a smoke run): a few steps on 48 records of the embedded data, with eval
+    # a few steps on 48 records of the embedded data, with eval
     QUICK: ClassVar[dict[str, Any]] = {"records": 48, "batch_size": 8, "eval_share": 0.1,
                                        "eval_batch": 4, "seq_len": 96, "lora_r": 8,
                                        "lora_alpha": 16, "sweep_workers": [0, 2],
@@ -79,8 +76,8 @@ class TrainConfig(JobConfig):
             self.held_out(self.records)
 
     def held_out(self, records: int) -> int:
-        """Records held out for eval of `records`: eval_share of them, at least one eval batch;
-        refused where that leaves less than one optimizer step to train on."""
+        """Records held out of `records`: eval_share, at least one eval batch; refused where less
+        than one optimizer step is left to train on."""
         held = max(math.ceil(self.eval_share * records), self.eval_batch)
         if records - held < self.batch_size:
             raise ValueError(
@@ -91,7 +88,7 @@ class TrainConfig(JobConfig):
         return held
 
     def enough(self) -> int:
-        """Records past which held_out can never refuse: checking a source needs no more."""
+        """Records past which held_out never refuses."""
         return max(self.batch_size + self.eval_batch,
                    math.ceil((self.batch_size + 1) / (1 - self.eval_share)))
 
@@ -106,15 +103,13 @@ class TrainConfig(JobConfig):
 
     @classmethod
     def of_job(cls, job: JobConfig, quick: bool | None = False, **more: Any) -> TrainConfig:
-        """The whole-dataset run of the job `diag qlora` / `diag run` measured (its model, data,
-        rows and adapters), with `more` (epochs, ...); quick: QUICK's records and batch."""
+        """The whole-dataset run of a measured job, with `more` (epochs, ...)."""
         shared = {f.name: getattr(job, f.name) for f in fields(JobConfig)}
         return cls.default(quick, **shared | {"checkpoint_every": 0, "out_dir": "",
                                                 "resume": False} | more)
 
     def job(self) -> QLoraConfig:
-        """The QLoRA job measured on this machine to decide the plan (diag.qlora.measure): these
-        settings over MEASURED_STEPS steps of batch_size records."""
+        """The QLoRA job measured to decide the plan: MEASURED_STEPS steps of batch_size records."""
         shared = {f.name: getattr(self, f.name) for f in fields(JobConfig)}
         return QLoraConfig(**shared | {
             "checkpoint_every": 0, "out_dir": "", "resume": False, "plan": self.plan,

@@ -1,11 +1,7 @@
-"""What machine this is: accelerator, its dense peak FLOP/s, CPU, RAM and its disks (disks.py).
+"""What machine this is: accelerator, dense peak FLOP/s, CPU, RAM, disks (`run_info`: `diag info`).
 
-Peaks come from a table of vendor figures, always dense (2:4-sparse datasheet figures halved);
-an unknown GPU gets no peak rather than a guess. On CPU the peak is a measured matmul probe in
-the precision asked for (bf16 work against a bf16 probe), repeated: its median and its samples'
-spread, labelled as measured; `diag info` shows the fp32 one (`peak_tflops_fp32`). `run_info(cfg)`
-returns one row per fact (`fact`, `value`, `detail`). `sync()` is the one place diag waits for an
-async device.
+A GPU's peak comes from gpus.py's table, a CPU's from a matmul probe. `sync()` is the one place
+diag waits for an async device.
 """
 
 from __future__ import annotations
@@ -20,37 +16,33 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from diag.machine.disks import disks
-# The table lives in diag.machine.gpus; these names are part of what this module answers.
-from diag.machine.gpus import DTYPES, GPUS, GpuSpec, _dtype, dense_peak_flops, find_gpu  # noqa: F401
+from diag.machine.gpus import _dtype, dense_peak_flops, find_gpu  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     import pandas as pd
     import torch
 
 
-
-
 @dataclass(frozen=True)
 class Peak:
-    """A peak FLOP/s figure and where it came from; flops is None when diag does not know it."""
+    """A peak FLOP/s figure and where it came from; flops None: not known."""
 
     flops: float | None
     label: str
     source: str
     measured: bool
-    dtype: str = "bf16"  # the precision the figure is for (a CPU probe times that precision)
-    spread: float = 0.0  # a probe's samples: interquartile range over median (0: a table figure)
+    dtype: str = "bf16"
+    spread: float = 0.0  # a probe's samples' IQR over median (0: a table figure)
 
 
 def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity (taskset, a container's cpuset, a Slurm
-    allocation), not the machine's count, which over-subscribes a job given a slice of a node."""
+    """Cores this process may run on (its affinity: taskset, cpuset, Slurm), not the machine's."""
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1
 
 
-CPU_THREADS_ENV = "DIAG_CPU_THREADS"  # torch intra-op threads for diag's steps on a CPU
+CPU_THREADS_ENV = "DIAG_CPU_THREADS"  # torch intra-op threads of diag's steps on a CPU
 CPU_THREADS_DEFAULT = 1
 
 
@@ -66,15 +58,7 @@ def cpu_thread_count() -> int:
 
 @contextlib.contextmanager
 def cpu_threads(device: Any = "auto") -> Iterator[None]:
-    """On a CPU, run the block with cpu_thread_count() torch intra-op threads, then restore.
-
-    Why one by default: diag's CPU steps are a demo-sized model, whose ops take microseconds; an
-    OpenMP pool of 2 threads on 2 cores that are also running DataLoader workers (or another
-    process) waits at every op's barrier for a descheduled thread. Measured here (2 cores, load
-    ~3): a 96x64 @ 64x192 linear took 15.8 ms with 2 threads and 50 us with 1; the QLoRA step of
-    the embedded model 1.26 s vs 0.064 s. One thread is also what a GPU box's host gives a
-    step's launches, leaving the other cores to the workers. A CUDA device is left alone.
-    """
+    """On a CPU, run the block with cpu_thread_count() torch threads (docs/calibration.md)."""
     import torch
 
     if resolve(device).type != "cpu":
@@ -102,20 +86,18 @@ def on_cpu_threads(run: Run) -> Run:
     return wrapper  # type: ignore[return-value]
 
 
-# what a CPU probe can time: torch's dtype for each of diag's precision names
 PROBE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def cpu_matmul_probe(size: int = 1024, repeats: int = 9, dtype: str = "fp32") -> list[float]:
-    """Matmul FLOP per CPU second of this process in dtype, one sample per repeat after a
-    warm-up: on the CPU clock, so a neighbour that takes the core away does not lower it."""
+    """Matmul FLOP per CPU second in dtype (a neighbour does not lower it), one per repeat."""
     import torch
 
     if size <= 0 or repeats <= 0:
         raise ValueError(f"size={size}, repeats={repeats}: both must be > 0")
     kind = getattr(torch, PROBE_DTYPES[_dtype(dtype)])
     a, b = torch.randn(size, size, dtype=kind), torch.randn(size, size, dtype=kind)
-    for _ in range(2):  # warm-up: thread pool start, allocator, BLAS kernel choice
+    for _ in range(2):  # thread pool, allocator, BLAS kernel choice
         torch.mm(a, b)
     samples = []
     for _ in range(repeats):
@@ -148,31 +130,28 @@ def resolve(device: Any = "auto") -> torch.device:
 
 
 def is_async(device: Any) -> bool:
-    """True where kernels run asynchronously to Python (CUDA), so timings need a sync."""
+    """Do kernels run asynchronously to Python (CUDA), so timings need a sync?"""
     import torch
 
     return torch.device(device).type == "cuda"
 
 
 def sync(device: Any = None) -> None:
-    """Wait for queued CUDA work; a no-op on CPU, where every op has finished when it returns."""
+    """Wait for queued CUDA work; a no-op on CPU."""
     import torch
 
     if device is None:
-        # CUDA never initialised means nothing was ever queued: skip the (costly) init
+        # CUDA never initialised: nothing was queued; skip the costly init
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            # sync point: a timer boundary on the current device; its queue must drain first
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # sync point: the current device's queue drains first
         return
     if is_async(device):
-        # sync point: kernels are queued, not done; a timer must not stop before they finish
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # sync point: a timer must not stop before the kernels
 
 
 def peak_flops(device: Any = None, dtype: str = "bf16", *, probe_size: int = 1024,
                repeats: int = 9) -> Peak:
-    """The peak to compute MFU against: table lookup on CUDA, a probe of dtype on CPU (the
-    best of `repeats` samples on the CPU clock: a peak is the best the core did; spread kept)."""
+    """The peak MFU divides by: the table on CUDA; on CPU the best of `repeats` probes of dtype."""
     import torch
 
     key = _dtype(dtype)
@@ -188,7 +167,7 @@ def peak_flops(device: Any = None, dtype: str = "bf16", *, probe_size: int = 102
                  f"{torch.get_num_threads()} threads, best of {repeats} per CPU second, spread "
                  f"{spread(samples):.0%})")
         if key != "fp32":  # a CPU without native 16-bit matmuls widens them (bitsandbytes'
-            # 4-bit kernels too): the core's fastest multiply is the ceiling, whichever it runs
+            # kernels too): its fastest multiply is the ceiling
             wide = cpu_matmul_probe(probe_size, repeats, "fp32")
             if max(wide) > max(samples):
                 label += (f"; its fp32 probe is faster ({max(wide) / 1e12:.3g} TFLOP/s, "
@@ -207,7 +186,6 @@ def peak_flops(device: Any = None, dtype: str = "bf16", *, probe_size: int = 102
     return Peak(spec.peaks[key], f"table: {spec.name} dense {key}", spec.source, False)
 
 
-# -- machine facts ------------------------------------------------------------------------------
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -229,13 +207,13 @@ def driver_version() -> str | None:
 
 
 def facts(probe: bool = True, probe_size: int = 1024) -> dict[str, Any]:
-    """What this machine is; `peak` is a Peak (measured on CPU only when probe is True)."""
+    """What this machine is; `peak` a Peak (on CPU measured only when probe)."""
     import psutil
     import torch
 
     cuda = torch.cuda.is_available()
     props = torch.cuda.get_device_properties(0) if cuda else None
-    if cuda or probe:  # on CPU the fp32 probe: the precision of diag's own CPU steps
+    if cuda or probe:  # on CPU fp32: the precision of diag's own CPU steps
         peak = peak_flops(None, "bf16" if cuda else "fp32", probe_size=probe_size)
     else:
         peak = Peak(None, "not measured: CPU probe disabled (probe=False)", "", False, "fp32")
@@ -257,7 +235,7 @@ def facts(probe: bool = True, probe_size: int = 1024) -> dict[str, Any]:
 
 @on_cpu_threads
 def run_info(cfg: Any) -> pd.DataFrame:  # an InfoConfig
-    """`diag info` as a tidy frame: one row per fact (`fact`, `value`, `detail`)."""
+    """`diag info`: one row per fact (fact, value, detail)."""
     import pandas as pd
 
     f = facts(probe=cfg.probe, probe_size=cfg.probe_size)

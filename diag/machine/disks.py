@@ -1,11 +1,7 @@
 """Disks and the page cache: what kind of storage a path is on, and whether its pages are in RAM.
 
-`disks()` lists the mounted filesystems with their kind and the evidence for it; `disk_kind(path)`
-answers for the filesystem holding a path (`is_network(kind)`: EBS, PD, NFS, FUSE...). Cloud block
-devices are told apart by the model string the hypervisor reports in sysfs, since an EBS volume is
-an `nvme*` device like an instance-store disk. `resident_fraction(path)` asks the kernel (mincore)
-how much of a file is in the page cache; `evict_page_cache(paths)` drops files and says if it
-worked.
+`disk_kind(path)` names it (cloud volumes by their sysfs model string: an EBS volume is `nvme*`
+too); `resident_fraction(path)` asks mincore; `evict_page_cache(paths)` says if it worked.
 """
 
 from __future__ import annotations
@@ -14,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
-# The kinds, fastest-to-reuse first. "network_*" names are what is_network() looks for.
+# fastest to reuse first
 KINDS = ("local_nvme", "local_ssd", "local_hdd", "network_block", "network_file", "virtual",
          "other")
 _PSEUDO = {"proc", "sysfs", "devtmpfs", "devpts", "tmpfs", "cgroup", "cgroup2", "mqueue",
@@ -25,8 +21,7 @@ _NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs
                "glusterfs", "wekafs", "juicefs", "s3fs", "gcsfuse", "goofys", "mountpoint-s3",
                "rclone", "sshfs", "blobfuse2", "geesefs", "alluxio-fuse"}
 _HOST_SHARE_FS = {"virtiofs", "9p"}  # a folder shared by the hypervisor: backing unknown
-# Model strings the clouds' hypervisors report (/sys/block/<dev>/device/model), first match wins:
-# "nvme_card-pd" must come before GCP's local-SSD "nvme_card<N>".
+# /sys/block/<dev>/device/model strings, first match wins ("nvme_card-pd" before "nvme_card<N>")
 _MODELS = (
     (r"Amazon Elastic Block Store", "network_block", "AWS EBS volume"),
     (r"Amazon EC2 NVMe Instance Storage", "local_nvme", "AWS instance store"),
@@ -45,7 +40,7 @@ _NETWORK_BLOCK_NAMES = (("nbd", "network block device (nbd)"), ("rbd", "Ceph RBD
 
 @dataclass(frozen=True)
 class Disk:
-    """One mounted filesystem, its kind (one of KINDS) and what that rests on."""
+    """One mounted filesystem, its kind (KINDS) and what that rests on."""
 
     mountpoint: str
     device: str
@@ -55,18 +50,17 @@ class Disk:
 
 
 def is_network(kind: str) -> bool:
-    """True for storage reached over the network (EBS, PD, NFS, EFS, Lustre, FUSE object stores)."""
+    """Storage reached over the network (EBS, PD, NFS, EFS, Lustre, FUSE object stores)?"""
     return kind.startswith("network")
 
 
 def _sysfs(sysfs: str | None) -> str:
-    # DIAG_SYSFS / DIAG_MOUNTS replay another machine's layout (tests, a user's bug report)
+    # DIAG_SYSFS / DIAG_MOUNTS replay another machine's layout (tests, a bug report)
     return sysfs or os.environ.get("DIAG_SYSFS") or "/sys"
 
 
 def _mounts(mounts: str | None = None) -> list[tuple[str, str, str, str]]:
-    """(device, mountpoint, fstype, options): psutil's table (it resolves /dev/root), or a file
-    in /proc/mounts format."""
+    """(device, mountpoint, fstype, options): psutil's, or a file in /proc/mounts format."""
     mounts = mounts or os.environ.get("DIAG_MOUNTS")
     if mounts is None:
         import psutil
@@ -203,10 +197,8 @@ def disk_kind(path: str | os.PathLike[str], sysfs: str | None = None,
     return describe(path, sysfs, mounts)[0]
 
 
-# -- page cache ---------------------------------------------------------------------------------
 def resident_fraction(path: str | os.PathLike[str]) -> float:
-    """Share of a file's pages in the page cache (mincore on a read-only mapping); NaN if
-    unknown."""
+    """Share of a file's pages in the page cache (mincore); NaN if unknown."""
     import ctypes
     import mmap
 
@@ -225,7 +217,7 @@ def resident_fraction(path: str | os.PathLike[str]) -> float:
     pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
     vec = (ctypes.c_ubyte * pages)()
     with open(path, "rb") as f:
-        # mapping a file reads nothing; mincore then asks which of its pages are resident
+        # mapping reads nothing; mincore says which pages are resident
         addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
         if addr in (None, ctypes.c_void_p(-1).value):
             return float("nan")
@@ -238,17 +230,12 @@ def resident_fraction(path: str | os.PathLike[str]) -> float:
 
 
 def evict_page_cache(paths: list[str | os.PathLike[str]]) -> str:
-    """Drop these files from the page cache so the next read comes from the disk.
-
-    Uses posix_fadvise(DONTNEED) per file, which needs no root and leaves the rest of the
-    machine's cache alone; returns the `cache_state` label to report: "cold" when every file
-    was verified non-resident afterwards, else "warm (eviction failed: ...)" so a figure is
-    never called cold when it is not.
-    """
+    """Drop the files from the page cache (posix_fadvise: no root, the rest left alone); the
+    `cache_state` label: "cold" (verified, or "unverified" without mincore) or "warm (...)"."""
     files = [os.fspath(p) for p in paths]
     for path in files:
         with open(path, "rb") as f:
-            os.fsync(f.fileno())  # dirty pages cannot be dropped until they are written
+            os.fsync(f.fileno())  # dirty pages cannot be dropped
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     left = [resident_fraction(p) for p in files]
     known = [x for x in left if x == x]  # NaN: mincore unavailable

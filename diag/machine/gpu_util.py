@@ -1,10 +1,8 @@
 """GPU utilisation during a timed run, sampled through NVML (nvidia-ml-py, the `gpu` extra).
 
-`with GpuSampler(device) as util:` reads NVML's utilisation counter (the share of the last sample
-period in which a kernel ran) every `interval_s` on a background thread while the block runs.
-`util.columns()` gives `gpu_util_pct` (the mean; NaN when not measured) and `gpu_util_note` (""
-when measured, else why not). Read it beside data_wait: a large data_wait share with low
-utilisation is a GPU waiting for its input; a high utilisation means compute is the bottleneck.
+`with GpuSampler(device) as util:` samples every `interval_s`; `util.columns()` gives
+`gpu_util_pct` (NaN when not measured) and `gpu_util_note` (why not). A large data_wait share with
+low utilisation is a GPU waiting for its input.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from typing import Any
 
 
 class GpuSampler:
-    """Samples one CUDA device's utilisation while its `with` block runs; says why when it can't."""
+    """One CUDA device's utilisation while the `with` block runs; says why when it can't."""
 
     def __init__(self, device: Any = None, interval_s: float = 0.1) -> None:
         if not interval_s > 0:
@@ -22,14 +20,14 @@ class GpuSampler:
         self.device = device
         self.interval_s = interval_s
         self.samples: list[float] = []
-        self.reason = ""  # why nothing is sampled; "" while sampling works
+        self.reason = ""  # why nothing is sampled
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._nvml: Any = None
 
     def _handle(self) -> tuple[Any, str]:
-        """(the NVML handle of the device, found by UUID since NVML and CUDA number GPUs
-        differently under CUDA_VISIBLE_DEVICES; or None, the reason there is none)."""
+        """(NVML handle, '') or (None, why). By UUID: NVML and CUDA number GPUs differently under
+        CUDA_VISIBLE_DEVICES."""
         import torch
 
         dev = torch.device("cuda" if self.device in (None, "auto") else self.device)
@@ -60,7 +58,7 @@ class GpuSampler:
         while not self._stop.wait(self.interval_s):
             try:
                 self.samples.append(float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
-            except nvml.NVMLError as err:  # e.g. the GPU fell off the bus: keep what we have
+            except nvml.NVMLError as err:  # the GPU fell off the bus: keep what we have
                 self.reason = f"NVML stopped answering: {err}"
                 return
 
@@ -82,7 +80,7 @@ class GpuSampler:
             self._nvml = None
 
     def columns(self) -> dict[str, Any]:
-        """gpu_util_pct (mean of the samples, NaN if none) and gpu_util_note (why none)."""
+        """gpu_util_pct (the samples' mean, NaN if none) and gpu_util_note (why none)."""
         if not self.samples:
             note = self.reason or f"no sample: the run was shorter than {self.interval_s} s"
             return {"gpu_util_pct": float("nan"), "gpu_util_note": note}

@@ -1,9 +1,7 @@
 """Dense peak FLOP/s of common training GPUs, per dtype, each entry with its source.
 
-Datasheets print 2:4-sparse tensor figures; every such figure is halved here, so MFU computed
-against this table is never flattered by a sparse peak. `find_gpu()` matches the names
-`torch.cuda.get_device_name()` returns (longest pattern wins); an unknown GPU gives None, never
-a guess. `dense_peak_flops(name, dtype)` is what `diag.machine.device` and `diag.amdahl` ask.
+Datasheets' 2:4-sparse figures are halved, so an MFU is never flattered. `find_gpu(name)` matches
+`torch.cuda.get_device_name()` (longest pattern wins; unknown: None, never a guess).
 """
 
 from __future__ import annotations
@@ -18,10 +16,10 @@ _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "f
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """One GPU model: dense peaks per dtype in FLOP/s ("fp32" is the non-tensor CUDA-core rate)."""
+    """One GPU model: dense peaks per dtype in FLOP/s ("fp32": the non-tensor CUDA-core rate)."""
 
     name: str
-    patterns: tuple[str, ...]  # token sequences matched against torch.cuda.get_device_name()
+    patterns: tuple[str, ...]  # token sequences matched against the device name
     memory_gb: float
     peaks: dict[str, float] = field(hash=False)
     source: str
@@ -30,12 +28,11 @@ class GpuSpec:
 def _g(name: str, patterns: tuple[str, ...], mem: float, source: str, *, fp32: float,
        bf16: float | None = None, tf32: float | None = None, fp16: float | None = None,
        fp8: float | None = None) -> GpuSpec:
-    """Build an entry from TFLOP/s; fp16 defaults to bf16 (same tensor-core rate on every card)."""
+    """An entry from TFLOP/s; fp16 defaults to bf16 (the same tensor-core rate on every card)."""
     tf = {"bf16": bf16, "fp16": fp16 or bf16, "tf32": tf32, "fp32": fp32, "fp8": fp8}
     return GpuSpec(name, patterns, mem, {k: v * 1e12 for k, v in tf.items() if v}, source)
 
 
-# Sources. Datasheets print 2:4-sparse tensor figures (asterisked): every such figure is halved.
 _HALF = "datasheet; sparse figures halved"
 _H100 = f"NVIDIA H100 Tensor Core GPU {_HALF}"
 _A100 = f"NVIDIA A100 Tensor Core GPU {_HALF}"
@@ -105,7 +102,7 @@ def _tokens(text: str) -> tuple[str, ...]:
 
 
 def find_gpu(name: str) -> GpuSpec | None:
-    """The table entry for a device name; the longest matching pattern wins, None if none."""
+    """The table entry for a device name (longest matching pattern), or None."""
     words = _tokens(name)
     best: tuple[int, GpuSpec] | None = None
     for spec in GPUS:

@@ -1,9 +1,5 @@
-"""What the model-load frame says a job should change: medians per scenario and part, and advice.
-
-`medians(frame)` is the table to read (scenarios as rows, parts as columns, `load_model` and the
-`from_pretrained` cross-check last); `advice(frame)` gives the findings rows (stage, finding,
-seconds_saved, evidence) that a persistent cache, offline mode and a warm page cache buy per start.
-The `import` part is the same in every scenario of a fork-mode run, so it cancels in each saving.
+"""What the model-load frame says a job should change: medians per scenario and part, advice, and
+the model_cache decision. The `import` part is the same in every scenario, so it cancels out.
 """
 
 from __future__ import annotations
@@ -79,10 +75,8 @@ def advice(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
-    """`model_cache`: "persistent" when cached loads are faster than fresh downloads per start,
-    resolved by diag.noise on each load without its import (interpreter start and the
-    libraries' imports, the same on both sides: a 39 s import must not hide or make a gap); an
-    unresolved difference keeps the default ("persistent"), as does a frame lacking either."""
+    """`model_cache`: "persistent" unless fresh loads resolve faster than cached ones (diag.noise,
+    each load less its import, which both sides pay); unresolved or absent: the default."""
     from diag.noise import compare, spread
 
     fresh, cached = _loads(frame, "fresh"), _loads(frame, "cached")
@@ -93,13 +87,13 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
                                  f"{why}: keep a persistent HF cache", source="model_load"),)
     rows = frame[frame["scenario"].isin(["fresh", "cached"])
                  & frame["part"].isin(["load_model", "import"])]
-    gap = compare(cached, fresh)  # b / a: fresh over cached
+    gap = compare(cached, fresh)
     choice = {"a": "persistent", "b": "empty"}.get(gap.faster or "", "persistent")
     imported = float(frame.loc[frame["part"] == "import", "seconds"].median())
     model = str(frame["model"].iloc[0]) if "model" in frame.columns else ""
     device = str(frame["device"].dropna().iloc[0]) if frame["device"].notna().any() else ""
     cached_s, fresh_s = statistics.median(cached), statistics.median(fresh)
-    sides = (cached, fresh) if choice == "persistent" else (fresh, cached)  # chosen first
+    sides = (cached, fresh) if choice == "persistent" else (fresh, cached)  # the chosen first
     return (Decision.from_rows(
         "model_cache", choice, f"cached load {cached_s:.3g} s vs fresh {fresh_s:.3g} s per "
         f"start, the import ({imported:.3g} s, paid by both) apart: {gap.describe()} -> "
@@ -114,11 +108,10 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
 
 
 def _loads(frame: pd.DataFrame | None, scenario: str) -> list[float]:
-    """Each repeat's load_model seconds less its import, for one scenario ([] if none ran)."""
+    """Each repeat's load_model seconds less its import ([] if none ran)."""
     if frame is None or frame.empty:
         return []
     rows = frame[frame["scenario"] == scenario]
     loads = rows.loc[rows["part"] == "load_model", "seconds"].to_numpy(float)
     imports = rows.loc[rows["part"] == "import", "seconds"].to_numpy(float)
-    # one import row per load row (repeats in the same order), or none: nothing to take off
     return [float(s) for s in (loads - imports if len(imports) == len(loads) else loads)]

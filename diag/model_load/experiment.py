@@ -1,14 +1,7 @@
-"""Fresh vs cached model load, every part timed: what a job pays to get its base model on the
-device.
+"""Fresh vs cached model load, every part timed, a clean process per scenario and repeat.
 
-`run_model_load(cfg)` loads the model in a clean process per scenario and repeat: `fresh` (an
-empty temporary HF cache: the full download), `cached` (the persistent cache, page cache warm),
-`cached_offline` (the same with HF_HUB_OFFLINE=1: no revision check), `cached_cold` (the files
-evicted from the page cache; `cache_state` says whether that worked, `resident` the share of the
-files still in memory). Parts `import` (interpreter start + torch/transformers/bitsandbytes,
-paid by every job start: once per experiment in fork mode), `download`, `read`, `quantize`,
-`to_device`, `tokenizer` add up to `load_model`, which is the load process's own end-to-end clock
-plus `import`. `from_pretrained` (cached only) is the plain one-call load users write, beside it.
+`fresh`: an empty HF cache; `cached_offline`: HF_HUB_OFFLINE=1; `cached_cold`: evicted from the page
+cache (`cache_state`, `resident` say how far). The parts add up to `load_model`.
 """
 
 from __future__ import annotations
@@ -37,29 +30,28 @@ from diag.timing import LOAD_PARTS
 if TYPE_CHECKING:
     import pandas as pd
 
-MAX_REPEATS = 8  # budget_s's repeats: enough for the model_cache gap's rank test (diag.noise)
+MAX_REPEATS = 8  # budget_s's repeats: enough for the model_cache gap's rank test
 COLUMNS = ["scenario", "part", "bytes", "seconds", "mb_per_s", "repeat", "cache_state",
            "resident", "cache_disk", "model", "device", "process", "warning"]
 
 
 @dataclass(frozen=True)
 class ModelLoadResult:
-    """What `run_model_load` returns (first field: the main table), like the other experiments."""
+    """What `run_model_load` returns."""
 
     frame: pd.DataFrame  # one row per scenario x part x repeat (COLUMNS)
-    advice: pd.DataFrame  # stage, finding, seconds_saved, evidence (for amdahl.findings)
-    decisions: tuple[Decision, ...] = ()  # model_cache: persistent or empty (advice.decide)
+    advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
+    decisions: tuple[Decision, ...] = ()  # model_cache
 
 
 def verify_model_cache(cfg: ModelLoadConfig, repair: bool = False) -> pd.DataFrame:
-    """verify_cache() for cfg's model in cfg's cache (online too, when the hub answers); repair
-    re-downloads what failed."""
+    """hfcache.verify_cache() of cfg's model in its cache; repair re-downloads what failed."""
     cache_dir = cache_dir_for(cfg)
     with open_source(cfg) as src:
         if src.local_dir is not None:
             raise ValueError(f"ModelLoadConfig.model={cfg.model!r} is a local folder: there is "
                              "no HF cache to verify")
-        if src.user_cache and not cfg.repair_cache:  # against the hub's copy of the cached commit
+        if src.user_cache and not cfg.repair_cache:  # the hub's copy of the cached commit
             src, note = pin_to_cache(src, cache_dir)
             if note:
                 warnings.warn(f"model-load: {note}", RuntimeWarning, stacklevel=2)
@@ -67,14 +59,16 @@ def verify_model_cache(cfg: ModelLoadConfig, repair: bool = False) -> pd.DataFra
                                     redownload=_redownload(src, cfg, cache_dir) if repair else None)
 
 
-def _redownload(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> Callable[[], None]:
-    """Download src's snapshot into cache_dir again (after a repair deleted the damaged files);
-    a fresh interpreter that imports huggingface_hub only."""
+def _download(src: Source, cfg: ModelLoadConfig, cache_dir: Path, offline: bool = False
+              ) -> dict[str, Any]:
+    """src's snapshot into cache_dir, in an interpreter with huggingface_hub only."""
+    return run_worker(job(src, cfg, cache_dir, mode="download"), {
+        **src.env, **overrides(cache_dir, offline, own_xet=not src.user_cache)}, cfg.timeout_s)
 
+
+def _redownload(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> Callable[[], None]:
     def fetch() -> None:
-        result = run_worker(job(src, cfg, cache_dir, mode="download"), {
-            **src.env, **overrides(cache_dir, offline=False, own_xet=not src.user_cache)},
-            cfg.timeout_s)
+        result = _download(src, cfg, cache_dir)
         if "error" in result:
             raise RuntimeError(redact(f"re-downloading {src.model}@{src.revision} after deleting "
                                       f"the damaged files failed: {result['message']}"))
@@ -83,7 +77,7 @@ def _redownload(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> Callable[
 
 
 def _check_cache(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> None:
-    """Never load a cached blob whose content fails its checksum (or a partial download)."""
+    """Refuse a cache whose blobs fail their checksums (before any load reads it)."""
     frame = hfcache.verify_cache(
         src.model, cache_dir, src.revision, endpoint="" if offline_env() else src.endpoint,
         redownload=_redownload(src, cfg, cache_dir) if cfg.repair_cache else None)
@@ -97,7 +91,7 @@ def _check_cache(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> None:
 
 
 def _resident(files: list[Path]) -> float:
-    """Bytes-weighted share of the files' pages in the page cache (mincore); NaN if unknown."""
+    """Bytes-weighted share of the files' pages in the page cache; NaN if unknown."""
     from diag.machine.disks import resident_fraction
 
     sizes = [p.stat().st_size for p in files]
@@ -112,8 +106,7 @@ def _rows(result: dict[str, Any], scenario: str, repeat: int, state: str, reside
     parts = {"import": {"seconds": result["import_s"], "bytes": 0}, **result["parts"]}
     rows = [{"part": p, **parts[p]} for p in LOAD_PARTS if p in parts
             and (result["quantized"] or p != "quantize")]
-    # the load process's own clock around the whole load, plus the start-up it paid first;
-    # the parts are timed separately, so their sum checks this figure rather than making it
+    # the load's own clock plus its start-up: the parts' sum checks it, never makes it
     rows.append({"part": "load_model", "bytes": parts["read"]["bytes"],
                  "seconds": result["import_s"] + result["load_s"],
                  "warning": load_warning(result["loaded"])})
@@ -126,21 +119,15 @@ def _rows(result: dict[str, Any], scenario: str, repeat: int, state: str, reside
 
 
 def _plan(cfg: ModelLoadConfig, src: Source) -> list[tuple[int, str]]:
-    # a local folder has nothing to download: fresh and offline would measure the same load
+    # a local folder downloads nothing: fresh and offline would be the cached load
     local = src.local_dir is not None
     scenarios = [s for s in cfg.scenarios if not (local and s in ("fresh", "cached_offline"))]
     return [(r, s) for r in range(cfg.repeats) for s in scenarios]
 
 
 def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
-    """Load cfg.model in each scenario, cfg.repeats times after one warm-up; the tidy frame, its
-    advice and the model_cache decision.
-
-    Scenarios run interleaved per repeat, so drift hits each alike. A download step fills the
-    persistent cache, verified by checksum before and after it, then cfg.warmup loads (not
-    reported) run; the user's own cache is only read (the warm-up runs offline there) unless
-    cfg.repair_cache.
-    """
+    """Load cfg.model in each scenario, interleaved per repeat, after cfg.warmup unreported loads;
+    the user's own cache is only read unless cfg.repair_cache."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -156,7 +143,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     with open_source(cfg) as src:
         local, plan = src.local_dir is not None, _plan(cfg, src)
         cached = not local and hfcache.snapshot_folder(cache_dir, src.model, src.revision)
-        # (from the cached loads: with none of those, fresh is downloaded as asked)
+        # fresh estimated from the cached loads (none of those: downloaded as asked)
         estimate = bool(cfg.estimate_fresh and cached and {"fresh", "cached"} <= {
             s for _, s in plan})
         plan = [(r, s) for r, s in plan if not (estimate and s == "fresh")]
@@ -164,7 +151,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
         if read_only and not cached and any(s != "fresh" for _, s in plan):
             raise not_in_user_cache(src.model, src.revision, cache_dir)
         moved = ""
-        if read_only and cached:  # every load reads the cached commit; a moved ref is said
+        if read_only and cached:  # every load reads the cached commit
             src, moved = pin_to_cache(src, cache_dir)
         if cached:
             _check_cache(src, cfg, cache_dir)  # before any process starts
@@ -175,15 +162,13 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
         users = cache_dir if src.user_cache else None
         scratch.mkdir(parents=True, exist_ok=True)
         if any(s != "fresh" for _, s in plan) and not local and not read_only:
-            # fill the cache first in a process that imports huggingface_hub only (~1 s): a
-            # wrong id, revision or endpoint is reported before anyone pays the big imports
-            got = run_worker(job(src, cfg, cache_dir, mode="download"),
-                             {**src.env, **overrides(cache_dir, offline_env(),
-                                                     own_xet=not src.user_cache)}, cfg.timeout_s)
+            # fill the cache in a process with huggingface_hub only: a wrong id or endpoint is
+            # reported before anyone pays the big imports
+            got = _download(src, cfg, cache_dir, offline_env())
             if "error" in got:
                 raise failure(got, src, cache_dir, cfg.timeout_s)
             if got["parts"]["download"]["bytes"]:
-                _check_cache(src, cfg, cache_dir)  # it just downloaded: check what it wrote
+                _check_cache(src, cfg, cache_dir)  # check what it wrote
         with LoadProcesses(src.env, cfg.process, cfg.timeout_s) as procs:
 
             def run(job_cache: Path, offline: bool = False, mode: str = "load") -> dict[str, Any]:
@@ -195,15 +180,14 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
                 return result
 
             for _ in range(cfg.warmup if any(s != "fresh" for _, s in plan) else 0):
-                # a forked child changes nothing in the zygote: this warms only what the machine
-                # keeps (the page cache of the model and of lazily read library files)
+                # warms only what the machine keeps: the page cache of the model and libraries
                 run(cache_dir, offline=read_only)
             files = (sorted(p for p in src.local_dir.rglob("*") if p.is_file()) if local
                      else hfcache.blob_files(cache_dir, src.model))
 
             def measure(repeat: int, scenario: str) -> None:
                 if scenario == "fresh":
-                    # beside the cache (the same disk), unless that is the user's HF home
+                    # on the cache's disk, unless that is the user's HF home
                     tmp = Path(tempfile.mkdtemp(prefix=".diag-fresh-", dir=scratch))
                     try:
                         result, state, resident = run(tmp), "fresh download", float("nan")
@@ -217,9 +201,8 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
                                  else f"partly warm ({resident:.0%} in page cache)")
                     result = run(cache_dir, offline=scenario == "cached_offline")
                 rows.extend(_rows(result, scenario, repeat, state, resident))
-                if scenario == "cached":  # the one call users write, page cache warm as here
-                    # offline: a read of the cache, as it is (online, transformers' 404s on
-                    # optional files would leave .no_exist markers in the user's cache)
+                if scenario == "cached":  # the one call users write; in the user's cache offline
+                    # (online, 404s on optional files would leave .no_exist markers there)
                     plain = run(cache_dir, offline=read_only, mode="plain")
                     rows.append({"scenario": "cached", "part": "from_pretrained", "bytes": 0,
                                  "seconds": plain["seconds"], "repeat": repeat,
@@ -236,7 +219,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
                     bar.update()
                 repeat += 1
             bar.close()
-        if estimate:  # after the loads: its download does not warm anything they read
+        if estimate:  # after the loads: its download warms nothing they read
             rows += _fresh_estimate(src, cache_dir, rows)
     frame = pd.DataFrame(rows, columns=COLUMNS).assign(
         cache_disk=disk, model=src.model, process=cfg.process)
@@ -252,11 +235,8 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
 
 def _more(cfg: ModelLoadConfig, rows: list[dict[str, Any]], done: int,
           clocks: tuple[float, float], estimate: bool) -> bool:
-    """Another repeat of every scenario past cfg.repeats: while cfg.budget_s (0: none), counted
-    from the start (clocks[0]), has room for one more repeat as long as their mean (clocks[1]:
-    when they began), up to MAX_REPEATS, and the model_cache decision is unresolved
-    (diag.noise: fresh vs cached loads; an estimated fresh is built from the cached loads after
-    them, so until those are MIN_SAMPLES)."""
+    """Another repeat past cfg.repeats, while budget_s fits one more, model_cache is unresolved
+    and repeats are below MAX_REPEATS?"""
     import pandas as pd
 
     from diag.noise import MIN_SAMPLES
@@ -273,9 +253,8 @@ def _more(cfg: ModelLoadConfig, rows: list[dict[str, Any]], done: int,
 
 def _fresh_estimate(src: Source, cache_dir: Path, rows: list[dict[str, Any]]
                     ) -> list[dict[str, Any]]:
-    """The model already cached (estimate_fresh): no whole download. One weight file of it,
-    downloaded into an empty cache, gives the hub's rate; the model's cached bytes at that rate
-    replace each cached load's download part (its revision check), labelled as an estimate."""
+    """Fresh rows estimated from the cached ones: their download part (a revision check) becomes
+    the model's bytes at the rate one weight file downloads into an empty cache."""
     from huggingface_hub import hf_hub_download
 
     folder = hfcache.snapshot_folder(cache_dir, src.model, src.revision)

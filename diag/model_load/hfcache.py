@@ -1,13 +1,7 @@
 """Is the Hugging Face cache on this disk what the hub served? Checksums, not file names.
 
-An HF hub cache (`models--org--name/{blobs,snapshots,refs}`) names each blob by its hub ETag:
-the sha256 of the content for LFS files (weights), the git blob sha1 for small files.
-huggingface_hub only checks that a blob exists, so a flipped bit loads silently; `verify_cache()`
-re-hashes every blob a snapshot links to and returns one row per file (`status`: ok, corrupt,
-missing, incomplete, unverified); offline this rests on the blob names, online it also asks the hub
-for each cached file's checksum (huggingface_hub's `HfApi.verify_repo_checksums`, what `hf cache
-verify` runs). A snapshot that holds part of the repo (a LICENSE or README never fetched) is
-sound. A `redownload` function deletes what failed and downloads it again.
+huggingface_hub only checks that a blob exists; `verify_cache()` re-hashes each against its name
+(its ETag) and, online, the hub's checksums (`HfApi.verify_repo_checksums`).
 """
 
 from __future__ import annotations
@@ -15,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,9 +23,23 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SHA1 = re.compile(r"^[0-9a-f]{40}$")
 _PICKLE = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 COLUMNS = ["file", "blob", "bytes", "status", "detail"]
-# What a causal-LM load needs; never pickle weights (*.bin, *.pt, *.pth can run code when loaded)
+# what a causal-LM load needs; never pickle weights (loading one can run code)
 ALLOW_PATTERNS = ["*.json", "model*.safetensors", "tokenizer*", "*.model", "*.tiktoken",
                   "*.txt", "*.jinja"]
+
+
+def offline_env() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def reachable(endpoint: str) -> None:
+    """Raise OSError unless the endpoint's host takes a connection within 3 s (huggingface_hub
+    retries an unreachable host for ~20 s)."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(endpoint)
+    socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                             timeout=3).close()
 
 
 def repo_folder(cache_dir: str | os.PathLike[str], repo_id: str) -> Path:
@@ -49,17 +58,14 @@ def snapshot_folder(cache_dir: str | os.PathLike[str], repo_id: str, revision: s
 
 
 def blob_files(cache_dir: str | os.PathLike[str], repo_id: str) -> list[Path]:
-    """Every complete blob cached for repo_id (what a page-cache eviction has to cover)."""
+    """Every complete blob cached for repo_id."""
     blobs = repo_folder(cache_dir, repo_id) / "blobs"
     return sorted(p for p in blobs.glob("*") if p.is_file() and not p.name.endswith(".incomplete"))
 
 
 def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
-    """The safetensors files a causal-LM load reads, as transformers picks them.
-
-    Sharded checkpoints list their shards in model.safetensors.index.json. A folder with only
-    pickle weights (*.bin, *.pt) is refused: unpickling can run code, and diag never does it.
-    """
+    """The safetensors files a causal-LM load reads, as transformers picks them; pickle-only
+    weights are refused (they can run code)."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -82,7 +88,7 @@ def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
 def _check_blob(blob: Path) -> tuple[str, str]:
     if _SHA256.match(blob.name):
         got, what = file_digests(blob, "sha256")["sha256"], "sha256"
-    elif _SHA1.match(blob.name):  # the hub's id of a small file: the git blob sha1 of its bytes
+    elif _SHA1.match(blob.name):
         got, what = file_digests(blob, "git-sha1")["git-sha1"], "git blob sha1"
     else:
         return "unverified", "blob name is not a checksum this hub uses"
@@ -93,23 +99,15 @@ def _check_blob(blob: Path) -> tuple[str, str]:
 
 def _online_rows(repo_id: str, cache_dir: str | os.PathLike[str], revision: str, endpoint: str
                  ) -> list[dict[str, Any]]:
-    """The hub's own checksums of the cached files (HfApi.verify_repo_checksums), as rows: a
-    file that differs. A file the snapshot does not hold is no damage: a load fetches part of a
-    repo (from_pretrained never asks for its LICENSE.txt), and snapshot_download(allow_patterns)
-    a chosen part."""
-    import socket
-    from urllib.parse import urlsplit
-
+    """A row per cached file whose checksum differs from the hub's (a file the snapshot lacks is
+    no damage: a load fetches part of a repo)."""
     from huggingface_hub import HfApi
 
-    url = urlsplit(endpoint)
-    try:  # huggingface_hub retries an unreachable host for ~20 s: ask the socket first
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https"
-                                                             else 80)), timeout=3).close()
+    try:
+        reachable(endpoint)
         got = HfApi(endpoint=endpoint).verify_repo_checksums(repo_id, revision=revision,
                                                              cache_dir=cache_dir)
-    except Exception as err:  # noqa: BLE001  any failure (network, auth, an old hub) leaves
-        # the offline check standing, and is said in a row, never hidden
+    except Exception as err:  # noqa: BLE001  the offline check stands; the row says why
         return [{"file": "", "blob": "", "bytes": 0, "status": "unverified",
                  "detail": f"online check against {endpoint} skipped: {type(err).__name__}"}]
     return [{"file": m["path"], "blob": "", "bytes": 0, "status": "corrupt",  # TypedDicts
@@ -120,17 +118,8 @@ def _online_rows(repo_id: str, cache_dir: str | os.PathLike[str], revision: str,
 def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str = "main", *,
                  redownload: Callable[[], None] | None = None, endpoint: str = ""
                  ) -> pd.DataFrame:
-    """One row per cached file of repo_id@revision: `file`, `blob`, `bytes`, `status`, `detail`.
-
-    status: ok (content matches the checksum its name is), corrupt, missing (a dangling link, or
-    a weight shard the index lists that is not there), incomplete (a partial download left by a
-    killed process: never a complete file), unverified (a blob name that is no checksum).
-    With `endpoint` (and HF_HUB_OFFLINE unset) the hub's checksums are checked as well; a file
-    they fail replaces its offline row. With `redownload` (a function that downloads the snapshot
-    again, e.g. in a load process),
-    corrupt blobs, dangling links and partial downloads are deleted, `redownload()` fetches them
-    again, and the result is the re-verified cache.
-    """
+    """One row per cached file (COLUMNS); status ok, corrupt, missing, incomplete (a killed
+    download) or unverified. With `redownload`, what failed is deleted and fetched again."""
     import pandas as pd
 
     repo = repo_folder(cache_dir, repo_id)
@@ -162,8 +151,7 @@ def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str 
             for rel in sorted(listed - {r["file"] for r in rows}):
                 rows.append({"file": rel, "blob": "", "bytes": 0, "status": "missing",
                              "detail": "listed in the weight index, not in the snapshot"})
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
-    if endpoint and folder is not None and not offline:
+    if endpoint and folder is not None and not offline_env():
         online = _online_rows(repo_id, cache_dir, revision, endpoint)
         failed = {r["file"] for r in online if r["file"]}
         for row in rows:
@@ -188,18 +176,15 @@ def _delete_bad(repo: Path, folder: Path | None, frame: pd.DataFrame) -> None:
         if r.status == "incomplete":
             (repo / "blobs" / r.blob).unlink(missing_ok=True)
         elif r.status in ("corrupt", "missing") and r.file and folder is not None:
-            # the blob and the snapshot link: huggingface_hub re-fetches a file whose link is gone
+            # huggingface_hub re-fetches a file whose link is gone
             if r.blob:
                 (repo / "blobs" / r.blob).unlink(missing_ok=True)
             (folder / r.file).unlink(missing_ok=True)
 
 
 def problems(frame: pd.DataFrame) -> str:
-    """One line per damaged file (for an error message); '' when the snapshot is sound.
-
-    A stale partial download (`incomplete`) is not listed: huggingface_hub never loads one (its
-    name is unique to the killed process), so it only wastes disk until repair deletes it.
-    """
+    """One line per corrupt or missing file; '' when sound (a stale partial download is never
+    loaded, so it is not listed)."""
     bad = frame[frame["status"].isin(["corrupt", "missing"])]
     return "\n".join(f"  {r.status}: {r.file or r.blob or '-'} ({r.detail})"
                      for r in bad.itertuples())

@@ -1,10 +1,7 @@
 """Clean load processes that don't pay the imports per load: one zygote per experiment.
 
-`LoadProcesses(env, "fork")` starts one interpreter with the experiment's environment (HF_ENDPOINT
-...), which imports torch, transformers and bitsandbytes once, timed from its spawn (`import_s`:
-every real job start pays it, so it is reported), then forks one child per job. Each child runs
-its job from a copy of that just-imported state and sends its JSON back over a pipe; nothing one
-load does reaches the next. `"exec"` runs each job in a fresh interpreter instead (its own import).
+`LoadProcesses(env, "fork")` imports torch, transformers and bitsandbytes once (`import_s`), then
+forks a clean child per job; `"exec"` runs each job in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -24,37 +21,35 @@ from diag.embedded.servers import die_with_parent
 from diag.model_load.worker import _PKG_PARENT, import_libraries, run_job, run_worker
 from diag.secrets import redact
 
-# What may differ between a job and the zygote's environment. huggingface_hub reads both once,
-# at import, into huggingface_hub.constants; _apply() sets them again in the child (see there).
 OVERRIDABLE = ("HF_HUB_OFFLINE", "HF_XET_CACHE")
 
 
 class LoadProcesses:
-    """Run load jobs in clean processes: forked from a zygote (default) or exec'd fresh."""
+    """Run load jobs in clean processes, forked from a zygote or exec'd fresh."""
 
     def __init__(self, env: dict[str, str], process: str = "fork", timeout_s: float = 1800.0
                  ) -> None:
         if process not in PROCESSES:
             raise ValueError(f"process={process!r}: allowed values are 'fork', 'exec'")
-        # NVML answers torch.cuda.is_available() without initialising CUDA, which a process that
-        # forks must not have done (a forked child cannot use an inherited CUDA context)
+        # NVML answers torch.cuda.is_available() without initialising CUDA, which a forking
+        # process must not have done
         self.env = {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONPATH": os.pathsep.join(
             p for p in (_PKG_PARENT, env.get("PYTHONPATH")) if p)}
         self.process, self.timeout_s = process, timeout_s
-        self.import_s: float | None = None  # fork: the zygote's interpreter start + imports
+        self.import_s: float | None = None  # fork: the zygote's start + imports
         self._proc: subprocess.Popen[str] | None = None
         self._log: IO[bytes] | None = None
 
     def __enter__(self) -> LoadProcesses:
         if self.process == "fork":
             self._log = tempfile.TemporaryFile()
-            spawned = time.perf_counter()  # CLOCK_MONOTONIC: the same clock in every process
+            spawned = time.perf_counter()  # CLOCK_MONOTONIC: the same in every process
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "diag.model_load.processes", repr(spawned)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=self.env,
                 text=True, start_new_session=True, preexec_fn=die_with_parent)
-            # its own process group: close() kills the zygote and any load child it forked
-            # together, and the kernel ends the zygote if this process dies without a close()
+            # its own process group: close() kills it and its children; the kernel ends it if
+            # this process dies first
             ready = self._reply(self.timeout_s)
             if "error" in ready:
                 self.close()
@@ -73,7 +68,7 @@ class LoadProcesses:
             try:
                 self._proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                # a load child still running (a parent that gave up mid-job) dies with it
+                # a load child still running dies with it
                 os.killpg(self._proc.pid, signal.SIGKILL)
                 self._proc.wait()
             self._proc.stdout.close()
@@ -83,7 +78,7 @@ class LoadProcesses:
             self._log = None
 
     def run(self, job: dict[str, Any], overrides: dict[str, str] | None = None) -> dict[str, Any]:
-        """One job; its result dict (it may hold "error"), with `import_s` in every mode."""
+        """One job's result dict (it may hold "error"), with `import_s`."""
         overrides = overrides or {}
         assert set(overrides) <= set(OVERRIDABLE), f"cannot vary {set(overrides)} per job"
         if self.process == "exec":
@@ -107,21 +102,12 @@ class LoadProcesses:
                 "message": redact(tail)}
 
 
-# -- inside the zygote --------------------------------------------------------------------------
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
 def _apply(overrides: dict[str, str]) -> None:
-    """Give this child the environment a fresh interpreter of this job would have had.
-
-    huggingface_hub 2.x reads HF_HUB_OFFLINE into constants.HF_HUB_OFFLINE at import. Every
-    reader in huggingface_hub 2.4 (_http's request hook, file_download, snapshot_download) and in
-    transformers 5.x (utils/hub, modeling_utils, tokenization_utils_base, ...) asks
-    `constants.is_offline_mode()` or `constants.HF_HUB_OFFLINE` at call time (none binds the
-    value with `from constants import`), so setting the constant here takes effect everywhere.
-    HF_XET_CACHE is read by hf_xet from the environment when it first runs, after this.
-    """
+    """Give this child the environment a fresh interpreter would have had (docs/calibration.md)."""
     from huggingface_hub import constants
 
     os.environ.update(overrides)
@@ -131,22 +117,22 @@ def _apply(overrides: dict[str, str]) -> None:
 
 
 def _child(request: dict[str, Any], import_s: float, out: int, log: int) -> None:
-    """In the forked child: run the job, write its JSON to `out`, never return."""
+    """Run the job, write its JSON to `out`, never return."""
     code = 1
     try:
-        die_with_parent()  # a zygote killed mid-load leaves no orphan loading on
+        die_with_parent()  # a zygote killed mid-load leaves no orphan
         os.dup2(log, 1)
         os.dup2(log, 2)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # no prompt may read the protocol pipe
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # no prompt reads the protocol pipe
         started = time.perf_counter()
         _apply(request["env"])
-        import_libraries()  # bitsandbytes when the zygote left it out for CUDA's sake; else free
+        import_libraries()  # bitsandbytes where the zygote left it out; else free
         imported = time.perf_counter() - started
         result = {**run_job(request["job"]), "import_s": import_s + imported}
         with os.fdopen(out, "wb") as pipe:
             pipe.write(json.dumps(result).encode())
         code = 0
-    except BaseException:  # noqa: BLE001  anything at all: the zygote reports the log's tail
+    except BaseException:  # noqa: BLE001  the zygote reports the log's tail
         import traceback
 
         traceback.print_exc()
@@ -184,21 +170,18 @@ def _fork_one(request: dict[str, Any], import_s: float) -> dict[str, Any]:
 
 
 def zygote(spawned_at: float) -> int:
-    """Import once, check that forking is safe, then fork one child per request line on stdin."""
+    """Import once, check that forking is safe, then fork a child per request line on stdin."""
     protocol = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # a library's print goes to the log, never into the protocol
     try:
-        import numpy  # noqa: F401  its OpenBLAS pool starts here: the one thread allowed
+        import numpy  # noqa: F401  its OpenBLAS pool: the one thread allowed
         baseline = _threads()
         import_libraries(with_cuda_libraries=False)
         import_s = time.perf_counter() - spawned_at
         import torch
 
-        # Why forking here is safe: CUDA is not initialised (bitsandbytes, which would, is left
-        # to the children on a CUDA machine); no torch op has run, so the intra-op (OpenMP) pool
-        # does not exist yet and each child makes its own; no HTTP client or hf_xet runtime has
-        # started; the only extra thread is OpenBLAS's, which registers pthread_atfork handlers
-        # that stop its pool before fork and restart it after. Anything else is refused here.
+        # safe to fork: no CUDA, no torch op yet (no OpenMP pool), no HTTP client; OpenBLAS's
+        # threads stop and restart around fork (pthread_atfork). Anything more is refused
         if torch.cuda.is_initialized() or _threads() != baseline:
             raise RuntimeError(f"unsafe to fork: CUDA initialised={torch.cuda.is_initialized()}, "
                                f"threads {_threads()} (numpy alone: {baseline})")
@@ -207,7 +190,6 @@ def zygote(spawned_at: float) -> int:
                                    "message": str(err)}) + "\n")
         protocol.flush()
         return 1
-    # no gc.freeze(): a fresh job's collections scan the imported objects too, so the children's do
     protocol.write(json.dumps({"import_s": import_s}) + "\n")
     protocol.flush()
     for line in sys.stdin:
@@ -219,6 +201,5 @@ def zygote(spawned_at: float) -> int:
 if __name__ == "__main__":
     code = zygote(float(sys.argv[1]))
     sys.stderr.flush()
-    # every reply is flushed and no child is left: skip the interpreter's teardown of torch and
-    # transformers (about 2 s that the caller's close() would wait for)
+    # every reply flushed, no child left: skip the teardown close() would wait for
     os._exit(code)

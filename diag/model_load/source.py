@@ -1,8 +1,5 @@
 """Where the model comes from, which HF cache the cached scenarios read, and the errors users read.
-
-The embedded model (no --model) runs on a local hub endpoint and a cache under DIAG_HOME. A hub
-id reads the user's own cache (HF_HUB_CACHE, as huggingface_hub resolves it) unless --cache-dir
-names another; diag then never writes to it unless --repair-cache. A folder is loaded as it is.
+A hub id reads the user's own cache (never written without --repair-cache) unless --cache-dir.
 """
 
 from __future__ import annotations
@@ -17,9 +14,8 @@ from typing import Any
 
 from diag.config import ModelLoadConfig, SourceConfig, diag_home
 from diag.model_load import hfcache
+from diag.model_load.hfcache import offline_env, reachable  # noqa: F401  (reachable: re-exported)
 from diag.secrets import redact
-
-_TRUE = ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
@@ -35,39 +31,27 @@ class Source:
     files: tuple[str, ...] = ()  # pinned to a cached commit: the only files a load may ask for
 
 
-def offline_env() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
-
-
-def hub_constants() -> Any:
-    """huggingface_hub's own `constants` module, run afresh against the environment as it is now
-    (the imported module froze the environment of its import): HF_HUB_CACHE, HF_HOME,
-    HUGGINGFACE_HUB_CACHE resolved by huggingface_hub's code, not a copy of its rules."""
+def user_hub_cache() -> Path:
+    """The user's HF hub cache by huggingface_hub's own rules, run afresh against today's
+    environment (the imported `constants` froze its import's)."""
     import importlib.util
 
     spec = importlib.util.find_spec("huggingface_hub.constants")
     if spec is None or spec.loader is None:
         raise ImportError("huggingface_hub is not installed: pip install 'diag[qlora]'")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # not put in sys.modules: nothing else sees this copy
-    return module
-
-
-def user_hub_cache() -> Path:
-    """The user's HF hub cache, where huggingface_hub itself would look for it now."""
-    return Path(hub_constants().HF_HUB_CACHE)
+    constants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(constants)  # not in sys.modules: nothing else sees this copy
+    return Path(constants.HF_HUB_CACHE)
 
 
 def user_cache(cfg: SourceConfig) -> bool:
-    """cache_dir_for(cfg) is the user's own HF cache (a hub id, no --cache-dir): diag reads it
-    and writes nothing to it unless --repair-cache."""
+    """Is cache_dir_for(cfg) the user's own HF cache (a hub id, no --cache-dir)?"""
     return not cfg.cache_dir and bool(cfg.model) and not Path(cfg.model).expanduser().is_dir()
 
 
 def cache_dir_for(cfg: SourceConfig | None = None) -> Path:
-    """The persistent HF hub cache: what the cached scenarios read, and the QLoRA job's
-    persistent plan. --cache-dir; else a hub id's: the user's cache; else (the embedded model,
-    cfg None, a folder) <DIAG_HOME>/hf-cache."""
+    """The persistent HF hub cache (the cached scenarios', the QLoRA job's): --cache-dir, else a
+    hub id's the user's, else <DIAG_HOME>/hf-cache."""
     if cfg is not None and cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
     return user_hub_cache() if cfg is not None and user_cache(cfg) else diag_home() / "hf-cache"
@@ -81,7 +65,7 @@ def open_source(cfg: ModelLoadConfig) -> Iterator[Source]:
     if not cfg.model:
         from diag.embedded import HubServer, ensure_assets
 
-        if os.environ.get("HF_ENDPOINT"):  # a hub id (--model) is loaded from it; here none is
+        if os.environ.get("HF_ENDPOINT"):  # it serves a --model; none was given
             import warnings
 
             warnings.warn(redact(f"HF_ENDPOINT={os.environ['HF_ENDPOINT']} is set, but no --model "
@@ -109,17 +93,6 @@ def hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
-def reachable(endpoint: str) -> None:
-    """Raise OSError unless the endpoint's host takes a connection within 3 s (huggingface_hub
-    retries an unreachable host for ~20 s: the socket is asked first)."""
-    import socket
-    from urllib.parse import urlsplit
-
-    url = urlsplit(endpoint)
-    socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
-                             timeout=3).close()
-
-
 def hub_commit(src: Source) -> tuple[str, str]:
     """(the commit the hub's src.revision points to, '') or ('', why it is not known)."""
     if offline_env():
@@ -134,9 +107,8 @@ def hub_commit(src: Source) -> tuple[str, str]:
 
 
 def check_on_hub(cfg: SourceConfig) -> None:
-    """A hub --model its cache lacks: one HEAD of its config.json at --revision, what
-    from_pretrained asks first; a model or revision the hub does not have is refused in one
-    line. Offline or unreachable, nothing is said here (the load says what it finds)."""
+    """Refuse in one line a hub --model or --revision the hub lacks (one HEAD of config.json),
+    when the cache lacks it; offline or unreachable, the load says what it finds."""
     if not cfg.model or Path(cfg.model).expanduser().is_dir() or offline_env() \
             or hfcache.snapshot_folder(cache_dir_for(cfg), cfg.model, cfg.revision):
         return
@@ -161,15 +133,13 @@ def check_on_hub(cfg: SourceConfig) -> None:
     except EntryNotFoundError:
         raise ValueError(redact(f"{what}: no config.json at {endpoint}@{cfg.revision}: not a "
                                 "transformers model; name a causal LM's repo")) from None
-    except Exception:  # noqa: BLE001  the network, not the id: the load reports what it meets
+    except Exception:  # noqa: BLE001  the network, not the id: the load reports it
         return
 
 
 def pin_to_cache(src: Source, cache_dir: Path) -> tuple[Source, str]:
-    """The user's cache, read only: every load reads the commit the cache holds for
-    src.revision, and asks for no file that commit's snapshot lacks (so nothing is downloaded
-    into it, and no `.no_exist` marker written). Returns the pinned source and one line when
-    the hub's revision has moved past the cached commit ('' otherwise)."""
+    """src pinned to the commit the user's cache holds, asking for no file its snapshot lacks (so
+    nothing is written there); and a line when the hub's revision has moved on ('' if not)."""
     folder = hfcache.snapshot_folder(cache_dir, src.model, src.revision)
     if folder is None:
         raise not_in_user_cache(src.model, src.revision, cache_dir)
@@ -187,8 +157,7 @@ def pin_to_cache(src: Source, cache_dir: Path) -> tuple[Source, str]:
 
 def job(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load",
         read_only: bool = False) -> dict[str, Any]:
-    """What a load process is asked to do (JSON). read_only: cache_dir is the user's, pinned
-    (pin_to_cache): read where it is, nothing written into it."""
+    """What a load process is asked to do (JSON); read_only: the user's pinned cache."""
     return {"mode": mode, "model": src.model, "revision": src.revision or "main",
             "cache_dir": str(cache_dir), "local_dir": str(src.local_dir or ""),
             "only": list(src.files), "read_only": read_only,
@@ -197,10 +166,8 @@ def job(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load",
 
 
 def overrides(cache_dir: Path, offline: bool, own_xet: bool = True) -> dict[str, str]:
-    """The environment one load adds to the experiment's (the only keys that vary per load)."""
-    # xet's chunk cache would make a "fresh" download partly local, and lives in HF_HOME: keep
-    # it beside the scenario's cache, so fresh is fresh; a load from the user's own cache uses
-    # the user's own xet cache (own_xet=False), as their jobs do, and writes nothing new there
+    """The environment one load adds to the experiment's. own_xet: xet's chunk cache beside the
+    scenario's, so fresh is fresh (the user's cache keeps the user's, as their jobs do)."""
     env = {"HF_XET_CACHE": str(cache_dir / ".xet")} if own_xet else {}
     if offline:
         env["HF_HUB_OFFLINE"] = "1"

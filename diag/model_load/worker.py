@@ -1,10 +1,8 @@
 """One timed model load, as a training job does it between its start and step 1.
 
-`run_job(job)` runs in a clean child process (forked from the experiment's zygote, or a fresh
-interpreter: see processes.py) and returns a dict: each part's seconds and bytes, the worker's own
-end-to-end clock around the whole load (`load_s`, so a test can check that the parts add up to a
-figure they were not summed into), and what was loaded; or an error kind the parent turns into a
-clear message. `python -m diag.model_load.worker JOB` runs one job in this interpreter (exec mode).
+`run_job(job)` returns each part's seconds and bytes, `load_s` (its own clock around them all) and
+what was loaded, or an error kind; `python -m diag.model_load.worker JOB` runs one in a fresh
+interpreter.
 """
 
 from __future__ import annotations
@@ -22,26 +20,22 @@ from typing import Any
 from diag.model_load.hfcache import ALLOW_PATTERNS, weight_files
 from diag.secrets import redact
 
-MARK = "DIAG-LOAD-RESULT "  # prefix of the one stdout line the parent parses
+MARK = "DIAG-LOAD-RESULT "  # the stdout line the parent parses
 _PKG_PARENT = str(Path(__file__).resolve().parents[2])
 
 
 def import_libraries(with_cuda_libraries: bool = True) -> None:
-    """What every job start imports before it can load a model (the `import` part).
-
-    bitsandbytes asks the CUDA runtime for device capabilities at import, which initialises
-    CUDA; a zygote that forks must not have done that, so it passes False when CUDA is there
-    and each child imports bitsandbytes itself (timed into its own `import`).
-    """
+    """What every job start imports before it can load a model (the `import` part). A zygote
+    passes False: bitsandbytes' import initialises CUDA, which a forking process must not."""
     import huggingface_hub  # noqa: F401
     import safetensors.torch  # noqa: F401
     import torch
     from huggingface_hub import snapshot_download  # noqa: F401
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,  # noqa: F401
                               BitsAndBytesConfig)
-    from transformers import modeling_utils  # noqa: F401  the load machinery, imported lazily
+    from transformers import modeling_utils  # noqa: F401  imported lazily otherwise
 
-    # PYTORCH_NVML_BASED_CUDA_CHECK=1 (set by the parent) makes this question fork-safe
+    # fork-safe: the parent sets PYTORCH_NVML_BASED_CUDA_CHECK=1
     if with_cuda_libraries or not torch.cuda.is_available():
         import bitsandbytes.functional  # noqa: F401
 
@@ -51,11 +45,11 @@ def run_worker(job: dict[str, Any], env: dict[str, str], timeout_s: float = 1800
     """Run one job in a fresh interpreter; return its result dict (it may hold "error")."""
     env = {**env, "PYTHONPATH": os.pathsep.join(
         p for p in (_PKG_PARENT, env.get("PYTHONPATH")) if p)}
-    job = {**job, "spawned_at": time.perf_counter()}  # CLOCK_MONOTONIC: one clock machine-wide
+    job = {**job, "spawned_at": time.perf_counter()}  # CLOCK_MONOTONIC: machine-wide
     try:
         done = subprocess.run([sys.executable, "-m", "diag.model_load.worker", json.dumps(job)],
                               capture_output=True, text=True, env=env, timeout=timeout_s,
-                              stdin=subprocess.DEVNULL, check=False)  # no prompt: trust_remote_code
+                              stdin=subprocess.DEVNULL, check=False)  # no trust_remote_code prompt
     except subprocess.TimeoutExpired:
         return {"error": "timeout", "type": "TimeoutExpired", "message": ""}
     for line in reversed(done.stdout.splitlines()):
@@ -65,14 +59,13 @@ def run_worker(job: dict[str, Any], env: dict[str, str], timeout_s: float = 1800
             "message": redact((done.stderr or done.stdout)[-3000:])}
 
 
-# -- inside the load process --------------------------------------------------------------------
 def _blob_bytes(cache_dir: str) -> int:
     return sum(p.stat().st_size for p in Path(cache_dir).glob("models--*/blobs/*")
                if not p.name.endswith(".incomplete"))
 
 
 def _download(job: dict[str, Any]) -> tuple[Path, int]:
-    """The snapshot folder, and the bytes this call wrote into the cache."""
+    """The snapshot folder and the bytes this call wrote into the cache."""
     if job.get("local_dir"):
         return Path(job["local_dir"]), 0
     from huggingface_hub import snapshot_download
@@ -80,7 +73,7 @@ def _download(job: dict[str, Any]) -> tuple[Path, int]:
     if job.get("read_only"):
         return _read_pinned(job), 0
     before = _blob_bytes(job["cache_dir"])
-    # pinned (the fresh scenario beside the user's cache): exactly the files its snapshot holds
+    # pinned (fresh beside the user's cache): exactly the files its snapshot holds
     only = [glob.escape(f) for f in job.get("only") or ()]
     folder = snapshot_download(job["model"], revision=job["revision"],
                                cache_dir=job["cache_dir"], allow_patterns=only or ALLOW_PATTERNS)
@@ -88,17 +81,15 @@ def _download(job: dict[str, Any]) -> tuple[Path, int]:
 
 
 def _read_pinned(job: dict[str, Any]) -> Path:
-    """The user's cache, pinned to the commit it holds, read and never written. Online, the hub
-    is asked what a job's start asks (the commit's file list) by a dry run, which writes
-    nothing, where a real snapshot_download writes trees/<commit>.json into the cache; then the
-    snapshot is read where it is, exactly the files it holds (names, not patterns)."""
+    """The user's pinned cache, read and never written: online, the hub is asked what a job asks
+    by a dry run (a real one writes trees/<commit>.json), then the snapshot is read in place."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import DryRunError
 
     kwargs = {"revision": job["revision"], "cache_dir": job["cache_dir"],
               "allow_patterns": [glob.escape(f) for f in job["only"]]}
     if not constants.is_offline_mode():
-        with contextlib.suppress(DryRunError):  # the hub unreachable: a job reads its cache
+        with contextlib.suppress(DryRunError):  # unreachable: a job reads its cache
             snapshot_download(job["model"], dry_run=True, **kwargs)
     return Path(snapshot_download(job["model"], local_files_only=True, **kwargs))
 
@@ -120,17 +111,9 @@ def _load_kwargs(job: dict[str, Any], device: str) -> dict[str, Any]:
 
 
 def _load(job: dict[str, Any]) -> dict[str, Any]:
-    """Time the parts back to back; each starts where the previous one stopped.
-
-    download  snapshot_download into the job's cache (a revision check when already cached);
-    read      safetensors.torch.load_file of the weight files, copied into host memory;
-    quantize  time inside bitsandbytes' quantize_4bit during from_pretrained (device-synced);
-    to_device the rest of AutoModelForCausalLM's work: the config, the model class (its module
-              imported), the skeleton, dtype casts, copies to the device, dispatch.
-              from_pretrained gets the tensors `read` made, so no file is read twice;
-    tokenizer AutoTokenizer.from_pretrained on the snapshot folder.
-    `load_s` is one clock around all of it, kept apart from the parts' own clocks.
-    """
+    """Time the parts back to back: download (snapshot_download; cached: a revision check), read
+    (the weights into host memory), quantize (inside bitsandbytes' quantize_4bit), to_device (the
+    rest of from_pretrained, given read's tensors), tokenizer; `load_s`: one clock around all."""
     import safetensors.torch
     from transformers import AutoConfig, AutoTokenizer
 
@@ -146,27 +129,26 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
         real_quantize = bnb_functional.quantize_4bit
 
         def timed_quantize(A: Any, *args: Any, **kwargs: Any) -> Any:
-            sync(device)  # note: CPU-GPU sync point, so the copy queued before is not billed here
+            sync(device)  # note: CPU-GPU sync point: the copy queued before is not billed here
             start = perf()
             out = real_quantize(A, *args, **kwargs)
-            sync(device)  # note: CPU-GPU sync point, so the quantize kernel is billed here
+            sync(device)  # note: CPU-GPU sync point: the quantize kernel is billed here
             quantized["seconds"] += perf() - start
             quantized["bytes"] += A.numel() * A.element_size()
             return out
 
-        # Params4bit._quantize looks the function up on the module at each call
+        # Params4bit._quantize looks it up on the module at each call
         bnb_functional.quantize_4bit = timed_quantize
     kwargs = _load_kwargs(job, device)
 
-    start = perf()  # the independent end-to-end clock
+    start = perf()  # the end-to-end clock, apart from the parts
     t0 = perf()
     folder, downloaded = _download(job)
     weights = weight_files(folder)  # raises if there are only pickle weights: never loaded
     t1 = perf()
     state = {}
     for path in weights:
-        # load_file maps the file lazily: clone() makes the bytes really arrive in host memory
-        # here, so a cold disk read is billed to read, not to the first op that touches them
+        # load_file maps lazily: clone() bills a cold disk read here, not to the first op
         state.update((k, v.clone()) for k, v in
                      safetensors.torch.load_file(path, device="cpu").items())
     t2 = perf()
@@ -174,7 +156,7 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
     model_class = _model_class(config, folder, trust)
     model, info = model_class.from_pretrained(None, config=config, state_dict=state,
                                               output_loading_info=True, **kwargs)
-    sync(device)  # note: CPU-GPU sync point, so queued copies are billed to to_device
+    sync(device)  # note: CPU-GPU sync point: queued copies are billed to to_device
     t3 = perf()
     AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
     t4 = perf()
@@ -197,7 +179,7 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _what_loaded(config: Any, model: Any, info: dict[str, Any]) -> dict[str, Any]:
-    """What the checkpoint says it is, the class loaded, and the weights that did not fit."""
+    """What the checkpoint says it is, the class loaded, the weights that did not fit."""
     return {"architectures": list(getattr(config, "architectures", None) or []),
             "model_type": getattr(config, "model_type", ""), "class": type(model).__name__,
             "missing": sorted(info.get("missing_keys") or []),
@@ -207,8 +189,7 @@ def _what_loaded(config: Any, model: Any, info: dict[str, Any]) -> dict[str, Any
 
 
 def _plain(job: dict[str, Any]) -> dict[str, Any]:
-    """The one call users write: from_pretrained(repo or folder, quantization_config,
-    device_map)."""
+    """The one call users write: from_pretrained(repo or folder, ...)."""
     from transformers import AutoModelForCausalLM
 
     from diag.machine.device import resolve, sync
@@ -220,13 +201,12 @@ def _plain(job: dict[str, Any]) -> dict[str, Any]:
         kwargs.update(revision=job["revision"], cache_dir=job["cache_dir"])
     start = time.perf_counter()
     AutoModelForCausalLM.from_pretrained(where, use_safetensors=True, **kwargs)
-    sync(device)  # note: CPU-GPU sync point, so queued copies are billed to the call
+    sync(device)  # note: CPU-GPU sync point: queued copies are billed to the call
     return {"device": device, "seconds": time.perf_counter() - start}
 
 
 def _raw_read(job: dict[str, Any]) -> dict[str, Any]:
-    """safetensors' own read of the files, copied into host memory as `read` does (the bench's
-    yardstick for diag's read part)."""
+    """safetensors' own read into host memory: the bench's yardstick for the read part."""
     import safetensors.torch
 
     start = time.perf_counter()
@@ -236,7 +216,7 @@ def _raw_read(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _model_class(config: Any, folder: Path, trust: bool) -> Any:
-    """The class AutoModelForCausalLM picks for this config (public mapping, or the repo's code)."""
+    """The class AutoModelForCausalLM picks for this config (its mapping, or the repo's code)."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
@@ -278,7 +258,6 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 "seconds": time.perf_counter() - t0, "bytes": downloaded}}}
         return {"plain": _plain, "raw_read": _raw_read}.get(job["mode"], _load)(job)
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as err:
-        # the parent owns the message the user sees
         return {"error": _error_kind(err), "type": type(err).__name__,
                 "message": redact(str(err))[-2000:]}
 
@@ -286,9 +265,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     job = json.loads(argv[0])
     spawned = job.get("spawned_at", time.perf_counter())
-    if job["mode"] != "download":  # a bare download (a repair) needs huggingface_hub only
+    if job["mode"] != "download":  # a bare download needs huggingface_hub only
         import_libraries()
-    import_s = time.perf_counter() - spawned  # interpreter start + imports: every job pays them
+    import_s = time.perf_counter() - spawned  # interpreter start + imports
     result = {**run_job(job), "import_s": import_s}
     print(MARK + json.dumps(result), flush=True)
     return 0

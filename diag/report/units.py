@@ -1,8 +1,6 @@
-"""Numbers as a person reads them: the unit from the column's name, 3 significant figures.
+"""Numbers as a person reads them: 3 significant figures, the unit read from the column's name.
 
-`cell(column, value)` reads the unit from the name diag gives every column (`_s` / `seconds`,
-`_ms`, `_us`, `hours`, `_share` / `mfu`, `_gb` / `bytes`, `<what>_per_s`, `usd`), so `0.01804`
-under `step_s` reads `18.0 ms` and `0.0064` under `data_wait_share` reads `0.640%`. A column
+`cell("step_s", 0.01804)` is `18.0 ms`, `cell("data_wait_share", 0.0064)` is `0.640%`; a column
 without a unit keeps its number (integers with thousands separators).
 """
 
@@ -14,21 +12,21 @@ import re
 from typing import Any
 
 _PARTS = re.compile(r"[a-z0-9]+")
-_SPACE = "\u00a0"  # a figure and its unit never wrap apart in a narrow table cell
-# (largest value shown in this unit, the unit's size): the first that holds the value wins
+_SPACE = "\u00a0"  # a figure and its unit never wrap apart
+# (largest value shown in this unit, the unit's size, its name): the first that holds it wins
 _DURATIONS = ((1e-3, 1e-6, "µs"), (1.0, 1e-3, "ms"), (120.0, 1.0, "s"), (7200.0, 60.0, "min"),
               (math.inf, 3600.0, "h"))
 _BYTES = ((1e3, 1.0, "B"), (1e6, 1e3, "kB"), (1e9, 1e6, "MB"), (1e12, 1e9, "GB"),
           (math.inf, 1e12, "TB"))
 _COUNTS = ((1e3, 1.0, ""), (1e6, 1e3, "k"), (1e9, 1e6, "M"), (math.inf, 1e9, "G"))
-# a column's unit from the words of its name: the scale its values are in, the ladder to show
+# words in a column's name -> the scale of its values, the ladder to show them on
 _SCALED = (({"us"}, 1e-6, _DURATIONS), ({"ms"}, 1e-3, _DURATIONS),
            ({"hours"}, 3600.0, _DURATIONS), ({"s", "seconds"}, 1.0, _DURATIONS),
            ({"gb"}, 1e9, _BYTES), ({"bytes"}, 1.0, _BYTES))
 
 
 def sig(x: float) -> str:
-    """3 significant figures, trailing zeros kept (18.0, 0.145, 100), no exponent below 1e6."""
+    """3 significant figures, trailing zeros kept (18.0, 0.145, 100), no exponent."""
     if x == 0 or not math.isfinite(x):
         return "0" if x == 0 else str(x)
     if abs(x) >= 1000:
@@ -37,10 +35,10 @@ def sig(x: float) -> str:
 
 
 def _ladder(value: float, ladder: tuple[tuple[float, float, str], ...]) -> str:
-    if value == 0:  # in the ladder's base unit: 0 s, 0 B
+    if value == 0:  # 0 s, 0 B
         return f"0{_SPACE}{next(unit for _, size, unit in ladder if size == 1.0)}".rstrip()
     for top, size, unit in ladder:
-        # the rounded figure decides the rung: 999.7 ms is shown as 1.00 s, not 1,000 ms
+        # the rounded figure picks the rung: 999.7 ms shows as 1.00 s
         if abs(float(sig(value / size).replace(",", ""))) < top / size:
             return f"{sig(value / size)}{_SPACE}{unit}".rstrip()
     return sig(value)

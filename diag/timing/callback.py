@@ -1,34 +1,26 @@
 """TimingCallback: drop into any transformers Trainer to see where its wall clock goes.
 
-`Trainer(..., callbacks=[diag.TimingCallback()])`, then `callback.frame()` is a StageTimer frame
-(`stage`, `seconds`, `step`, `rank`) that `diag.amdahl.shares` reads: per optimizer step
-`data_wait` (from one step's end to the next step's begin, where the Trainer pulls that step's
-batches) and `compute` (forward, backward, optimizer); run-level `setup` (from `setup_from`,
-when set, to on_train_begin: the Trainer's own set-up), `warmup` (the first steps, start-up
-included), `checkpoint`, `eval` and `train` (the steady-state loop around the steps).
-Under torchrun / accelerate (DDP) each rank's rows carry its rank and node, and with
-`callback.trainer = trainer` its waits on the other ranks are `comm_wait`: the Trainer's token-count
-gather after the step's batches are fetched, DDP's buffer broadcast and the gradient all-reduce.
+`Trainer(..., callbacks=[cb := diag.TimingCallback()])`; `cb.frame()` is a StageTimer frame (per
+step data_wait and compute; setup, warmup, checkpoint, eval, train; under DDP comm_wait).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
 from diag.timing.timer import StageTimer
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 
 class TimingCallback(TrainerCallback):
-    """Times each Trainer step from its hooks; costs two clock reads per step (on CUDA two syncs).
-
-    warmup_steps: the first optimizer steps (data loader start-up, allocator, kernel selection)
-    are billed to the run-level `warmup` stage, apart from steady state. device: "cuda" makes
-    each step boundary a sync point, so queued kernels are billed to the step that queued them;
-    None uses the Trainer's device.
-    """
+    """Times each Trainer step from its hooks: two clock reads per step (on CUDA two syncs).
+    The first `warmup_steps` are billed to `warmup`; device (None: the Trainer's) CUDA syncs at
+    each step boundary."""
 
     def __init__(self, timer: StageTimer | None = None, warmup_steps: int = 1,
                  device: Any = None) -> None:
@@ -38,32 +30,25 @@ class TimingCallback(TrainerCallback):
         self.warmup_steps = warmup_steps
         self.device = device
         self._sync: Any = None
-        self._mark: float | None = None  # end of the last timed thing: a step, a save, an eval
-        # this process's CPU seconds (time.process_time: all its threads; DataLoader workers are
-        # other processes) in the warm-up and the steady loop (its logging and saves in it): on a
-        # CPU device the steps' own work, which the load barely moves (their wall seconds move
-        # 1.5-5x). Read at those two stages' ends alone: a read is a system call, and under load
-        # the scheduler takes the CPU back there (1.8 ms per step in the hooks, read per step)
+        self._mark: float | None = None  # end of the last step, save or eval
+        # this process's CPU seconds in warmup and train (the step's clock on a CPU), read at
+        # those stages' ends only: a per-step read costs (docs/calibration.md, timing)
         self.cpu = {"warmup": 0.0, "train": 0.0}
         self._cpu_mark = 0.0
         self._begin = 0.0
         self._wait = 0.0
-        self._gather = 0.0  # of this step: the token-count gather's wait (under DDP)
+        self._gather = 0.0  # this step's token-count gather wait (DDP)
         self._steady_start: float | None = None
-        self._side = 0.0  # checkpoint + eval seconds inside the steady loop (not train's)
+        self._side = 0.0  # checkpoint + eval seconds inside the steady loop
         self._first = 0
         self.steps = 0
-        # set to time.perf_counter() before building the Trainer: on_train_begin bills the
-        # Trainer's own set-up (wrap, optimizer, data loader) from there to the `setup` stage
-        self.setup_from: float | None = None
-        self.trainer: Any = None  # set to the Trainer under DDP: its wrapped model
-                                  # gets the comm hook, its batch fetch is clocked
-        self._fetched: float | None = None  # when this step's last batch arrived (under DDP)
+        self.setup_from: float | None = None  # perf_counter() before the Trainer: `setup` from it
+        self.trainer: Any = None  # the Trainer, under DDP: comm hook and clocked batch fetch
+        self._fetched: float | None = None  # when this step's last batch arrived (DDP)
 
-    # -- clock ------------------------------------------------------------------------------
     def _now(self) -> float:
         if self._sync is not None:
-            self._sync()  # note: CPU-GPU sync point, so a step's queued kernels are billed to it
+            self._sync()  # note: CPU-GPU sync point: a step's queued kernels are billed to it
         return time.perf_counter()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -78,18 +63,18 @@ class TimingCallback(TrainerCallback):
         if ddp is not None and self.timer.comm is None:  # before the first forward
             self.timer.watch_comm(ddp)
             self._clock_fetch(self.trainer)
-        self._mark = self._now()  # the first step's wait includes the loader's start-up
+        self._mark = self._now()  # the first wait includes the loader's start-up
         self._cpu_mark = time.process_time()
         if self.setup_from is not None:
             self.timer.record("setup", max(self._mark - self.setup_from, 0.0))
-            self.setup_from = None  # a second train() call sets it again
-        self._first = state.global_step  # a resumed run warms up again from where it resumed
+            self.setup_from = None
+        self._first = state.global_step  # a resumed run warms up again
         self._steady_start = self._mark if self.warmup_steps == 0 else None
         self._side = 0.0
 
     def _clock_fetch(self, trainer: Any) -> None:
-        """Note when the Trainer has a step's batches in hand: between then and on_step_begin it
-        gathers every rank's token count, a collective that waits for the slowest loader."""
+        """Note when a step's batches are in hand: until on_step_begin the Trainer gathers every
+        rank's token count, waiting for the slowest loader."""
         fetch = getattr(trainer, "get_batch_samples", None)
         if fetch is None or getattr(fetch, "diag_clocked", False):
             return
@@ -97,7 +82,7 @@ class TimingCallback(TrainerCallback):
         def clocked(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
             return fetch(self._arrivals(epoch_iterator), num_batches, device)
 
-        clocked.diag_clocked = True  # type: ignore[attr-defined]  # a second train() keeps one
+        clocked.diag_clocked = True  # type: ignore[attr-defined]
         trainer.get_batch_samples = clocked
 
     def _arrivals(self, batches: Any) -> Any:
@@ -110,24 +95,22 @@ class TimingCallback(TrainerCallback):
         mark = self._mark if self._mark is not None else now
         self._gather = 0.0
         if self.timer.comm is not None:
-            self.timer.comm.take()  # waits before this step (an eval's forward) are not its own
+            self.timer.comm.take()  # waits before this step (an eval's) are not its own
             if self._fetched is not None and mark <= self._fetched <= now:
-                self._gather = now - self._fetched  # the count gather: waiting on other ranks
+                self._gather = now - self._fetched
         self._fetched = None
         self._wait = now - mark - self._gather
         self._begin = now
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now = self._now()
-        step = state.global_step - 1  # the Trainer counted this step before calling us
+        step = state.global_step - 1  # already counted
         if step - self._first < self.warmup_steps:
             self.timer.record("warmup", self._wait + self._gather + now - self._begin)
             if step - self._first == self.warmup_steps - 1:
                 self._steady_start = now
                 self._cpu_stage("warmup")
         else:
-            # under DDP the waits on other ranks (the count gather before the step, the buffer
-            # broadcast and the exposed all-reduce inside it) are comm_wait, not compute
             inside = min(self.timer.comm.take(), now - self._begin) if self.timer.comm else None
             self.timer.record("data_wait", self._wait, step=step)
             if inside is not None:
@@ -139,8 +122,7 @@ class TimingCallback(TrainerCallback):
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None,
                **kwargs: Any) -> None:
-        # logging is per-step overhead: the gap it leaves shows as `other` inside `train`; an
-        # evaluation logs its metrics before on_evaluate, so it must not move the mark
+        # logging shows as `other` inside train; eval logs before on_evaluate: keep the mark
         if not any(str(k).startswith("eval_") for k in (logs or {})):
             self._mark = self._now()
 
@@ -160,7 +142,7 @@ class TimingCallback(TrainerCallback):
         self._side_stage("checkpoint")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._steady_start is None:  # every step was a warm-up step
+        if self._steady_start is None:  # every step was warm-up
             return
         end = self._mark if self._mark is not None else self._now()
         self.timer.record("train", max(end - self._steady_start - self._side, 0.0))
@@ -171,6 +153,6 @@ class TimingCallback(TrainerCallback):
         self.cpu[stage] += cpu - self._cpu_mark
         self._cpu_mark = cpu
 
-    def frame(self):  # -> pandas.DataFrame
-        """The StageTimer frame: stage, seconds, step (<NA> for run-level), rank."""
+    def frame(self) -> pd.DataFrame:
+        """The StageTimer frame: stage, seconds, step (<NA>: run-level), rank, node."""
         return self.timer.to_frame()

@@ -1,12 +1,8 @@
-"""A StageTimer around a harness that trains a micro-batch at a time (diag.accum's AccumStep).
+"""A StageTimer around diag.accum's harness step, which trains a micro-batch at a time.
 
-`TimedStep(step, ddp)` is the step itself to the harness (the same batches, backward, no_sync,
-update), and bills each optimizer step on its timer as the Trainer's callback does: `data_wait`
-(blocked on the step's batches), `comm_wait` (its waits on the other ranks: DDP's buffer
-broadcast and the exposed gradient all-reduce, through diag.timing.comm) and `compute` (the
-rest), numbered in the order they ran; `points[i]` is step i's (micro_batch, grad_accum).
-Under a launcher each finished step is spilled (`spill_ranks` in diag.timing.distributed), and
-`gathered(rows)` matches the steps to the harness's timed rows and collects every rank's on rank 0.
+`TimedStep(step, ddp)` stands in for the step and bills each optimizer step as the Trainer's
+callback does: `data_wait`, `comm_wait` (waits on other ranks) and `compute` (the rest);
+`points[i]` is step i's (micro_batch, grad_accum); `gathered(rows)` collects every rank's on rank 0.
 """
 
 from __future__ import annotations
@@ -22,22 +18,22 @@ from diag.timing.timer import StageTimer
 if TYPE_CHECKING:
     import pandas as pd
 
-POINT = ["micro_batch", "grad_accum", "repeat"]  # what names a harness row's step
+POINT = ["micro_batch", "grad_accum", "repeat"]  # names a harness row's step
 
 
 class TimedStep:
-    """The harness's step, timed per optimizer step; costs a few clock reads per micro-step."""
+    """The harness's step, timed per optimizer step (a few clock reads per micro-step)."""
 
     def __init__(self, step: Any, ddp: Any, timer: StageTimer | None = None) -> None:
         self._step, self.device = step, step.device
         self.timer = timer if timer is not None else StageTimer(device=step.device)
-        self.timer.watch_comm(ddp)  # before its first forward: the hook wraps DDP's reduction
+        self.timer.watch_comm(ddp)  # before its first forward
         self.points: list[tuple[int, int]] = []  # per optimizer step: (micro_batch, grad_accum)
         self._micro = 0
         self._open()
 
-    def __getattr__(self, name: str) -> Any:  # the rest of the step's face (its model, its
-        return getattr(self._step, name)  # optimizer: what a harness may read) is the step's
+    def __getattr__(self, name: str) -> Any:  # its model, its optimizer: the step's
+        return getattr(self._step, name)
 
     def _open(self) -> None:
         self._start: float | None = None  # the step's first batch request
@@ -69,7 +65,7 @@ class TimedStep:
     def reset(self) -> None:
         self._step.reset()
         if self.timer.comm is not None:
-            self.timer.comm.take()  # a wait outside a step (a point's set-up) is no step's
+            self.timer.comm.take()  # a wait outside a step is no step's
         self._open()
 
     def backward(self, batch: Any, scale: float) -> None:
@@ -96,11 +92,9 @@ class TimedStep:
         self._open()
 
     def gathered(self, rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-        """This rank's harness rows (one per timed step: micro_batch, grad_accum, status,
-        repeat, seconds_per_step, data_s, compute_s) as every rank's, each with its `rank`,
-        `node` and `comm_wait_s` (out of compute_s), and the ranks' StageTimer rows of those
-        steps (`run`: the point, "2 x 4"); on rank 0, each rank's own elsewhere. One gather of
-        each, at the end: a collective every rank reaches."""
+        """(every rank's harness rows with rank, node and comm_wait_s out of compute_s; their
+        StageTimer rows, `run` the point "2 x 4") on rank 0, each rank's own elsewhere. A
+        collective every rank reaches, once at the end."""
         import pandas as pd
 
         seat = place()
@@ -116,8 +110,8 @@ class TimedStep:
         return ranks_first(every), stages.drop(columns=POINT)
 
     def _timed(self, rows: pd.DataFrame) -> pd.DataFrame:
-        """Which steps are the harness's timed rows: per point, the last as many steps as it has
-        rows (the ones before are its warm-up), in order; the same on every rank (lockstep)."""
+        """The step of each timed row: a point's last steps, as many as its rows (those before
+        are its warm-up); the same on every rank."""
         import pandas as pd
 
         out = []
@@ -131,8 +125,7 @@ class TimedStep:
 
 
 def ranks_first(rows: pd.DataFrame) -> pd.DataFrame:
-    """Harness rows with `rank` and `node` first and `comm_wait_s` beside `data_s`; on one
-    process rank 0, node 0 and no wait."""
+    """Harness rows with rank and node first, comm_wait_s beside data_s (alone: 0, 0, 0.0)."""
     import pandas as pd
 
     if "rank" not in rows.columns:

@@ -1,14 +1,7 @@
 """StageTimer: where the wall clock of a training run goes, in the stage vocabulary.
 
-`with timer.stage("compute"):` (or `@timer.stage("compute")`) records one interval;
-`for batch in timer.watch(loader):` records the time the loop is blocked on each `next()` as
-`data_wait` and numbers the steps. `to_frame()` gives one row per interval: `stage`, `seconds`,
-`step` (<NA> for run-level stages), `rank`, `node`; under DDP `timer.watch_comm(ddp_model)` splits
-each `compute` into compute and `comm_wait` (its waits on the other ranks), and `gather(dst=0)`
-collects every rank once at the end. Read it with `diag.amdahl`; a disabled timer
-(`StageTimer(enabled=False)`) keeps the loop's code identical and costs almost nothing. Each stage
-is also a named range in the traces users already read: a torch.profiler range while a profiler
-records (Perfetto, HTA) and, on CUDA, an NVTX range (Nsight); `trace=False` turns both off.
+`with timer.stage("compute"):` times one interval, `timer.watch(loader)` each batch's wait as
+`data_wait`; `to_frame()` is what `diag.amdahl` reads. Each stage is also a profiler / NVTX range.
 """
 
 from __future__ import annotations
@@ -17,19 +10,22 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ContextDecorator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from diag.timing.comm import CommWait
 from diag.timing.distributed import gather_to_root, place
 from diag.timing.spill import Spill
 
-# Run-level stages happen once per training run; step-level stages once per optimizer step.
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import pandas as pd
+
+# once per training run; once per optimizer step (comm_wait: waiting on other ranks under DDP)
 RUN_STAGES = ("fetch_data", "load_model", "preprocess", "setup", "warmup", "train", "checkpoint",
               "eval")
-# comm_wait: under DDP, the time a rank waits on the others in a collective (diag.timing.comm).
 STEP_STAGES = ("data_wait", "h2d", "compute", "comm_wait", "other")
-# The parts of load_model, reported beside it (they add up to it, they are not extra time).
-# `import` (interpreter start + torch/transformers/bitsandbytes) is in it: every job start pays it.
+# load_model's parts, reported beside it (they add up to it); every job start pays `import`
 LOAD_PARTS = ("import", "download", "read", "quantize", "to_device", "tokenizer")
 STAGES = RUN_STAGES + STEP_STAGES + LOAD_PARTS
 
@@ -44,7 +40,7 @@ def check_stage(name: str) -> str:
 
 
 class _Stage(ContextDecorator):
-    """One named interval; reusable, so `timer.stage("x")` can decorate a function."""
+    """One named interval; reusable as a decorator."""
 
     __slots__ = ("_timer", "_name", "_start", "_range")
 
@@ -54,16 +50,14 @@ class _Stage(ContextDecorator):
         self._start = 0.0
         self._range: Any = None
 
-    def _recreate_cm(self) -> _Stage:
-        # A fresh interval per decorated call, so recursion and threads do not share a start.
+    def _recreate_cm(self) -> _Stage:  # per decorated call: recursion and threads own a start
         return _Stage(self._timer, self._name)
 
     def __enter__(self) -> _Stage:
         timer = self._timer
         if timer._sync is not None:
-            timer._sync()  # note: CPU-GPU sync point, so the previous
-                           # stage's kernels are not billed here
-        if timer.trace:  # opened before the clock starts: its cost is not billed to the stage
+            timer._sync()  # note: CPU-GPU sync point: the previous stage's kernels are not ours
+        if timer.trace:  # opened before the clock starts: not billed to the stage
             self._range = timer._open_range(self._name)
         self._start = time.perf_counter()
         return self
@@ -71,13 +65,11 @@ class _Stage(ContextDecorator):
     def __exit__(self, *exc: Any) -> bool:
         timer = self._timer
         if timer._sync is not None:
-            timer._sync()  # note: CPU-GPU sync point, so this
-                           # stage's queued kernels are billed to it
-        # Recorded even when the body raised: a failed stage still spent the time.
+            timer._sync()  # note: CPU-GPU sync point: this stage's queued kernels are billed to it
+        # recorded even when the body raised: a failed stage still spent the time
         seconds, step = time.perf_counter() - self._start, timer._step_for(self._name)
         if timer.comm is not None and self._name == "compute":
-            # the waits on other ranks inside forward and backward are not compute: billed
-            # apart, summing to it
+            # waits on other ranks inside forward and backward are comm_wait, not compute
             wait = min(timer.comm.take(), seconds)
             timer._rows.append(("comm_wait", wait, step))
             seconds -= wait
@@ -101,27 +93,23 @@ _NULL_STAGE = _NullStage()
 
 
 class StageTimer:
-    """Accumulates (stage, seconds, step) intervals for one process (one rank).
-
-    device: "cuda"/torch.device makes every stage boundary a device sync, so asynchronous
-    kernels are billed to the stage that queued them; on CPU no sync is needed or done.
-    trace: also mark each stage as a torch.profiler range (only while a profiler records, so
-    it costs a flag check otherwise) and, on CUDA, an NVTX range.
-    """
+    """(stage, seconds, step) intervals of one process (rank). device: CUDA syncs at every stage
+    boundary, so queued kernels are billed to the stage that queued them; trace: profiler and
+    NVTX ranges."""
 
     def __init__(self, enabled: bool = True, device: Any = None, rank: int | None = None,
                  trace: bool = True) -> None:
         self.enabled = enabled
         self.trace = enabled and trace
         self._nvtx: Any = None
-        seat = place()  # the launcher's environment, or the process group when it is up
+        seat = place()
         self.rank = seat.rank if rank is None else rank
         self.node = seat.node
         self.local_rank, self.world_size = seat.local_rank, seat.world_size
         self.comm: CommWait | None = None  # set by watch_comm under DDP
-        self._spill: Spill | None = None  # where finished steps' rows go (spill_to)
+        self._spill: Spill | None = None
         self._spilled = 0
-        self.step: int | None = None  # set by watch(); step-level stages are tagged with it
+        self.step: int | None = None  # set by watch(): tags step-level stages
         self._rows: list[tuple[str, float, int | None]] = []
         self._sync: Callable[[], None] | None = None
         if enabled and device is not None:
@@ -135,13 +123,12 @@ class StageTimer:
                     self._nvtx = torch.cuda.nvtx  # Nsight attaches from outside: always push
 
     def _open_range(self, name: str) -> Any:
-        """Open the trace ranges of one stage; returns what _close_range needs."""
-        torch = sys.modules.get("torch")  # no torch in this process: no profiler to show it
+        torch = sys.modules.get("torch")  # no torch imported: no profiler to show it
         if torch is None:
             return None
         if self._nvtx is not None:
             self._nvtx.range_push(name)
-        if not torch.autograd._profiler_enabled():  # record_function costs ~20 us even unseen
+        if not torch.autograd._profiler_enabled():  # record_function costs even unseen
             return None
         rf = torch.profiler.record_function(name)
         rf.__enter__()
@@ -154,13 +141,13 @@ class StageTimer:
             self._nvtx.range_pop()
 
     def stage(self, name: str) -> _Stage | _NullStage:
-        """Context manager and decorator timing one stage of the vocabulary."""
+        """Context manager and decorator timing one stage."""
         if not self.enabled:
             return _NULL_STAGE
         return _Stage(self, check_stage(name))
 
     def record(self, name: str, seconds: float, step: int | None = None) -> None:
-        """Add an interval measured elsewhere (e.g. a worker process, a subprocess)."""
+        """Add an interval measured elsewhere (a worker, a subprocess)."""
         if not self.enabled:
             return
         if seconds < 0:
@@ -170,22 +157,19 @@ class StageTimer:
                            step if step is not None else self._step_for(name)))
 
     def watch_comm(self, ddp_model: Any, hook: Any = None, state: Any = None) -> None:
-        """Measure comm_wait on ddp_model (before its first forward): its buffer broadcast and
-        its gradient all-reduce, through a communication hook that wraps DDP's own reduction, or
-        `hook` with `state` (yours: fp16 compression, PowerSGD; registered here, not by you).
-        Every `compute` stage after this is split into compute + comm_wait."""
+        """Split every later `compute` into compute + comm_wait, clocked on ddp_model (before its
+        first forward) through a hook around DDP's reduction, or around your `hook` with `state`
+        (registered here, not by you)."""
         if self.enabled:
             self.comm = CommWait(ddp_model, hook, state)
 
     def spill_to(self, path: Any) -> None:
-        """Append the rows to path (diag.timing.spill) at each `flush()`, so a killed process
-        leaves the frames of the steps it finished."""
+        """Append the rows to path at each `flush()`: a killed process leaves its finished steps."""
         if self.enabled:
             self._spill = Spill(path, self.rank, self.node)
 
     def flush(self) -> None:
-        """Write the rows recorded since the last flush to the spill file (one write, no sync
-        with any other rank); a no-op without spill_to."""
+        """Write the rows since the last flush to the spill file (no sync with other ranks)."""
         if self._spill is None:
             return
         new = self._rows[self._spilled:]
@@ -193,11 +177,11 @@ class StageTimer:
         self._spill.write(new)
 
     @property
-    def spill_path(self) -> Any:  # -> pathlib.Path | None
+    def spill_path(self) -> Path | None:
         return self._spill.path if self._spill is not None else None
 
     def close_spill(self, remove: bool = True) -> None:
-        """Stop spilling; remove the file once the complete frame is safe elsewhere."""
+        """Stop spilling; remove the file once the whole frame is safe elsewhere."""
         if self._spill is not None:
             self._spill.close(remove)
             self._spill = None
@@ -226,7 +210,7 @@ class StageTimer:
                 yield item
                 step += 1
         finally:
-            self.step = None  # a stage timed after the loop belongs to no step
+            self.step = None
 
     def _step_for(self, name: str) -> int | None:
         return self.step if name in STEP_STAGES else None
@@ -234,8 +218,8 @@ class StageTimer:
     def total(self, name: str) -> float:
         return sum(seconds for stage, seconds, _ in self._rows if stage == name)
 
-    def to_frame(self):  # -> pandas.DataFrame
-        """One row per interval: stage, seconds, step (<NA> for run-level), rank, node."""
+    def to_frame(self) -> pd.DataFrame:
+        """One row per interval: stage, seconds, step (<NA>: run-level), rank, node."""
         import pandas as pd
 
         frame = pd.DataFrame(self._rows, columns=["stage", "seconds", "step"])
@@ -244,11 +228,9 @@ class StageTimer:
         frame["node"] = self.node
         return frame
 
-    def gather(self, dst: int | None = None):  # -> pandas.DataFrame | None
-        """All ranks' frames in one (torch.distributed, any backend); own frame if alone.
-
-        dst=None: on every rank (all_gather); dst=0: on rank 0 only, None on the others. Call
-        it once at the end of a run: it is a collective every rank must reach."""
+    def gather(self, dst: int | None = None) -> pd.DataFrame | None:
+        """Every rank's frame in one, on every rank (dst=None) or rank 0 only (dst=0, None on the
+        others); a collective every rank must reach, once at the end. Alone: its own frame."""
         import pandas as pd
         import torch.distributed as dist
 
@@ -264,18 +246,18 @@ class StageTimer:
         return pd.concat(everyone, ignore_index=True)
 
 
-STAGE_FRAME = "run"  # the key a StageTimer frame (with a `run` column) is stored under, always
-STAGE_COLUMNS = ("stage", "seconds", "step")  # what StageTimer.to_frame() gives
+STAGE_FRAME = "run"  # the key a StageTimer frame (with a `run` column) is stored under
+STAGE_COLUMNS = ("stage", "seconds", "step")
 
 
 def is_stage_frame(frame: Any) -> bool:
-    """A StageTimer frame (diag.loader.toy, diag.qlora's stages, diag run's runs)?"""
+    """Is it a StageTimer frame?"""
     return set(STAGE_COLUMNS) <= set(getattr(frame, "columns", ()))
 
 
 def median_seconds(frame: Any, **where: Any) -> float | None:
-    """Median `seconds` of the rows where each column equals its value (e.g. method="land",
-    cache_state="hit"); None when there is no frame, no such column or no such row."""
+    """Median `seconds` of the rows where each column equals its value (method="land"); None
+    when there is no frame, column or row."""
     if frame is None or getattr(frame, "empty", True):
         return None
     for column, value in where.items():
