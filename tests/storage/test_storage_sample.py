@@ -150,10 +150,10 @@ def test_one_object_is_sampled_by_byte_ranges_spread_over_it(s3, one, tmp_path):
     assert "extrapolated from 3 ranges" in tax.loc["boto3_default", "evidence"]
     assert "per start (median of 2 rounds, " in tax.loc["boto3_default", "evidence"]
     assert "(median of 2 rounds, " in got.decisions[0].why
-    top = {**got.advice.iloc[0].to_dict(), "run": "naive"}
-    stages = [{"run": r, "stage": "fetch_data", "seconds": 1.0, "share": 1.0}
-              for r in ("naive", "optimized")]
-    assert "extrapolated from a sample, median of 2 rounds, " in headline(stages, [top])["top_fix"]
+    top = pd.DataFrame([{**got.advice.iloc[0].to_dict(), "run": "naive", "share_of_run": 1.0}])
+    stages = pd.DataFrame([{"run": r, "stage": "fetch_data", "seconds": 1.0, "share": 1.0}
+                           for r in ("naive", "optimized")])
+    assert "extrapolated from a sample, median of 2 rounds, " in headline(stages, top)["top_fix"]
     s5cmd = got.frame[got.frame["method"] == "s5cmd"]
     if not s5cmd.empty:  # installed: a row saying why it was not measured, no figures
         assert s5cmd["seconds"].isna().all() and "no byte range" in s5cmd["detail"].iloc[0]
