@@ -1,15 +1,14 @@
-"""The whole diagnosis on the embedded defaults (or the user's source): `python -m diag run`.
+"""`python -m diag run`: the whole diagnosis, on the embedded defaults or the user's source.
 
-The machine, the data's and the model's starts (diag.storage, diag.model_load), the QLoRA job's
-own step measured (diag.qlora.measure), then the job run naive and optimized (diag.qlora), the
-whole job projected, and with --train the fine-tune itself; `qlora=False`: the toy loop
-instead. `_recipe` reads top to bottom, each step's product assigned into one frozen
-`Diagnosis` (diag.runner: progress, Stop, on_error); `STEPS` names each step.
+`_recipe` reads top to bottom: the machine, the data's and the model's starts, the job's decisions
+on its own step, the job naive vs optimized, the whole job projected, with --train the fine-tune
+(`qlora=False`: the toy loop). Each step's product goes into one frozen `Diagnosis`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import dataclasses
 import functools
 import threading
@@ -80,17 +79,14 @@ ACCUM_TOY = Step("grad-accum sweep (tiny model)", "accum")
 TOY_RUNS = Step("naive vs optimized run", "runs")
 ACCUM_ADVICE = Step("grad-accum advice", "accum_advice")
 STEPS = (INFO, STORAGE, MODEL_LOAD, JOB, ACCUM, CHECKPOINTING, LOADER, QLORA, PROJECTION,
-         LOADER_PROJECTED, LOADER_TOY, ACCUM_TOY, TOY_RUNS, ACCUM_ADVICE,
-         TRAIN)  # every step, in the panel's order
+         LOADER_PROJECTED, LOADER_TOY, ACCUM_TOY, TOY_RUNS, ACCUM_ADVICE, TRAIN)  # panel order
 
 # run(diagnosis, step, make): make() is the step's product, assigned into step.field (Runner)
 Run = Callable[[Diagnosis, Step, Callable[[], Any]], Diagnosis]
 
 
 def _recipe(cfg: DiagnoseConfig, run: Run, budget: Budget | None = None) -> Diagnosis:
-    """The diagnosis, top to bottom: the machine, the data's and the model's starts, the job's
-    own measurements and its runs (or the toy loop), then the grad-accum advice; the storage
-    sample, the model loads' and the job's decisions' repeats sized to their shares."""
+    """The diagnosis, top to bottom; the steps that size their work get their budget shares."""
     share = budget.share if budget else lambda step: 0.0
     d = run(Diagnosis(), INFO, lambda: run_info(InfoConfig.default(quick=_quick(cfg))))
     if cfg.storage:
@@ -285,9 +281,8 @@ def _accum_advice(cfg: DiagnoseConfig, d: Diagnosis) -> pd.DataFrame:
 
 def run_level(storage: StorageResult | None, model_load: ModelLoadResult | None
               ) -> dict[str, dict[str, float]]:
-    """Per toy run, the run-level stage seconds the experiments measured: a naive start re-pulls
-    the whole dataset with boto3's defaults and downloads the model; an optimized one finds the
-    landed copy (a verified land() hit) and the warm cache (the fetch decision's figures)."""
+    """Per toy run, the start's seconds the experiments measured: a naive one pulls and downloads,
+    an optimized one finds the landed copy and the warm cache."""
     fetch = by_setting(storage.decisions).get("fetch") if storage is not None else None
     loaded = getattr(model_load, "frame", None)
     measured = {
@@ -318,8 +313,7 @@ def training_runs(cfg: DiagnoseConfig, run_level: dict[str, dict[str, float]] | 
 
 
 def frames(d: Diagnosis, order: list[Step]) -> dict[str, pd.DataFrame]:
-    """The run folder's frames (diag.frames), in the order the steps ran; the device facts and
-    the advice rows are report.write's own arguments."""
+    """The run folder's frames in the order the steps ran (info, advice: report.write's own)."""
     return folder_frames((s.field, getattr(d, s.field)) for s in order
                          if s not in (INFO, ACCUM_ADVICE) and getattr(d, s.field) is not None)
 
@@ -335,14 +329,11 @@ def run_diagnose(cfg: DiagnoseConfig | None = None,
                  on_result: Callable[[Step, dict[str, pd.DataFrame]], None] | None = None,
                  stop: threading.Event | None = None,
                  on_error: Callable[[Step, Exception], None] | None = None) -> Path:
-    """Run the diagnosis and write the report; returns the run folder.
-
-    on_result(step, frames measured so far) is called after each step, so a panel
-    (diag.widgets) can draw each experiment's figure as it arrives; the CLI passes none.
-    stop: checked before each step; once set, raises diag.runner.Stopped. on_error(step, error):
-    a step that raises is handed to it and the other steps go on (without it, it propagates).
-    """
+    """Run the diagnosis and write the report; returns the run folder. on_result(step, frames
+    so far): after each step (the panel draws as they arrive); stop: checked before each step
+    (diag.runner.Stopped); on_error(step, error): a failed step is handed to it, the rest go on."""
     from diag.forecast.budget import of_run
+    from diag.machine.contention import Contention, busy
     from diag.preflight import covered, preflight
 
     cfg = cfg or DiagnoseConfig.default()
@@ -357,9 +348,13 @@ def run_diagnose(cfg: DiagnoseConfig | None = None,
         # (info is absent only when the device-facts step failed under on_error)
         on_result(step, frames(d, order) | ({"info": d.info} if d.info is not None else {}))
 
-    with covered(), tqdm(total=len(order), desc="diag run", unit="step") as bar:
+    with covered(), tqdm(total=len(order), desc="diag run", unit="step") as bar, \
+            Contention(resolve(cfg.device)) as machine:
         runner = Runner(bar, measured if on_result else None, stop, on_error)
         d = _recipe(cfg, budget.timed(runner), budget)
     budget.say(spent=True)
-    return report.write(frames(d, order) | {"budget": budget.frame()}, cfg.out or None,
-                        config=cfg.to_dict(), info=d.info, advice=advice(d))
+    if said := busy(machine.summary()):  # beside the plan, on stderr: --json stays JSON
+        tqdm.write(said[0].upper() + said[1:], file=sys.stderr)
+    return report.write(frames(d, order) | {"budget": budget.frame(), "machine": machine.frame()},
+                        cfg.out or None, config=cfg.to_dict(), info=d.info, advice=advice(d),
+                        machine=machine.summary())

@@ -35,9 +35,13 @@ def show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.Na
     if isinstance(result, Path):  # a run folder: where it is and what it found
         from diag import report
 
-        head = report.load_summary(result).get("headline")
+        from diag.machine.contention import busy
+
+        summary = report.load_summary(result)
+        head, said = summary.get("headline"), busy(summary.get("machine") or {})
         print(redact(f"wrote {result / 'report.html'}\n"
-                     + (head["text"] if head else "nothing measured stands out")))
+                     + (head["text"] if head else "nothing measured stands out")
+                     + (f"\n{said[0].upper() + said[1:]}" if said else "")))
         return
     frames = frames_of(name, result)
     if getattr(args, "csv", None):

@@ -63,12 +63,13 @@ def _new_folder(out: str | os.PathLike[str] | None) -> Path:
 
 def write(frames: dict[str, pd.DataFrame], out: str | os.PathLike[str] | None = None, *,
           config: dict[str, Any] | None = None, info: pd.DataFrame | None = None,
-          advice: pd.DataFrame | None = None) -> Path:
+          advice: pd.DataFrame | None = None, machine: dict[str, Any] | None = None) -> Path:
     """Write the run folder and render it; return its path.
 
     frames: experiment name -> tidy frame; frames["run"] (StageTimer frames with a `run`
     column) feeds the stage table, findings and figures. advice: the rows the experiments
     contributed (stage, finding, seconds_saved, evidence), ranked with the stage findings.
+    machine: how busy the box was (diag.machine.contention: the report's banner).
     """
     if not frames:
         raise ValueError("frames is empty: nothing to report")
@@ -81,7 +82,7 @@ def write(frames: dict[str, pd.DataFrame], out: str | os.PathLike[str] | None = 
             all_frames["advice"] = advice
         for name, frame in all_frames.items():
             redact_frame(frame).to_csv(partial / f"{name}.csv", index=False)
-        summary = _summary(all_frames, config or {})
+        summary = _summary(all_frames, config or {}) | ({"machine": machine} if machine else {})
         (partial / "summary.json").write_text(redact(json.dumps(summary, indent=2, default=str)))
         render(partial)
     return final.resolve()

@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from diag.decision import Decision, read
+from diag.machine.contention import busy
 from diag.report.units import cell, seconds, share, sig
 from diag.timing import STAGE_FRAME
 
@@ -37,11 +38,41 @@ FIGURES = {STAGE_FRAME: ("stage_shares", "amdahl", "waterfall"),
            "train": ("train_losses",)}  # others: the section's key
 _OWN = ("decisions", "advice", "info")  # frames the page reads for its own parts
 MAX_ROWS = 40
+# the words a report uses, said once (docs/glossary.md holds the same entries)
+GLOSSARY = {
+    "the clock": "diag compares on one clock per run: wall seconds on an accelerator; on a CPU "
+                 "the CPU seconds of diag's process, because a shared box's wall seconds move "
+                 "with its neighbours. Where the time goes (the shares, the verdict) is always "
+                 "wall: a wait has no CPU seconds. Every figure names its clock.",
+    "within noise": "two sides are timed in interleaved rounds; a gap is resolved when an "
+                    "exact rank test (Mann-Whitney) puts it past chance at 1%, with at least 5 "
+                    "samples a side. Until then it is within noise and the simpler default is "
+                    "kept.",
+    "verdict": "the group of stages with the largest share of the run: input-bound (data_wait, "
+               "h2d), start-up-bound (fetch, model load, preprocess, set-up, warm-up), "
+               "communication-bound (comm_wait), compute-bound (compute), or memory-bound "
+               "(compute-bound at a micro-batch memory capped).",
+    "data_wait": "the training loop blocked on its next batch: the GPU idles while the loader "
+                 "prepares data.",
+    "h2d": "the copy of a batch from host to device memory.",
+    "comm_wait": "under DDP, the time a rank waits on the others in a collective (the gradient "
+                 "all-reduce that backward does not hide).",
+    "MFU": "model FLOPs utilisation: the FLOPs a step ran per second over the device's dense "
+           "peak. Executed FLOPs count what a QLoRA step runs (no gradients for the frozen "
+           "4-bit base); model FLOPs (6N + 12·L·d·T) are the convention, shown beside. Over "
+           "100% is never an MFU: the peak or the count is wrong, and both numbers are shown.",
+    "predicted vs measured": "what each stage would save, priced before the runs from what was "
+                             "timed then, set beside what the runs measured.",
+    "the waterfall": "the naive total, each stage a fix changed (its measured change), the "
+                     "stages no fix changed as one residual, and the optimized total.",
+    "a token slot": "one position of a training row: a real token or padding; packing fills "
+                    "the slots a naive plan pads.",
+}
 STYLE = (
     "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;"
     "line-height:1.4}h1{font-size:1.7em;margin:0 0 .2em}p,li{overflow-wrap:anywhere}"
     ".head{margin:.2em 0}.device{color:#555;font-size:.9em;margin:.2em 0 1em}"
-    ".top{font-size:1.1em;background:#fff3cd;padding:.6em}"
+    ".top{font-size:1.1em;background:#fff3cd;padding:.6em}.busy{background:#fde2e1;padding:.5em}"
     "section{border-top:1px solid #ccc;margin-top:1.8em}.conclusion{font-size:1.05em}"
     ".ev,.defaults{color:#555;font-size:.85em}ol li{margin:.45em 0}"
     "details{margin:.3em 0}summary{cursor:pointer}.scroll{overflow-x:auto;max-width:100%}"
@@ -66,6 +97,9 @@ def page(summary: dict[str, Any], frames: dict[str, pd.DataFrame], images: dict[
         tables += [_table("stragglers", pd.DataFrame(found), csv=False)] if found else []
         parts.append(_section("Per rank", "ranks", _esc(said), [
             _img("ranks", images["ranks"])] if "ranks" in images else [], tables))
+    parts.append("<details><summary>Glossary</summary><dl>" + "".join(
+        f"<dt><b>{_esc(k)}</b></dt><dd>{_esc(v)}</dd>" for k, v in GLOSSARY.items())
+        + "</dl></details>")
     versions = ", ".join(f"{k} {v}" for k, v in summary.get("versions", {}).items())
     machine = device_line(summary)
     parts.append(_section("The machine and the software", "machine",
@@ -203,6 +237,9 @@ def _opening(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
         out = f"<h1>diag report: {_esc(', '.join(names) or 'the machine')}</h1>"
         if summary.get("top_finding"):
             out += f"<p class=top>Top finding: {_esc(summary['top_finding'])}</p>"
+    said = busy(summary.get("machine") or {})
+    if said:
+        out += f"<p class=busy>{_esc(said[0].upper() + said[1:])}.</p>"
     when = summary["created_utc"].replace("T", " ")[:16] + " UTC"
     machine = device_line(summary)
     return (f"<header>{out}<p class=device>Run of {when}{f' on {machine}' if machine else ''}."

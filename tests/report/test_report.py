@@ -321,3 +321,30 @@ def test_the_headline_top_fix_is_one_a_setting_makes():
     assert head["verdict"] == "start-up-bound"
     assert head["top_fix"].startswith(decision.FIXES["fetch_data"])
     assert head["top_fix_saves_s"] == 30.0
+
+
+def test_the_glossary_is_folded_in_the_page_and_the_same_in_the_docs(written):
+    _, text = written
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "glossary.md").read_text()
+    assert "<details><summary>Glossary</summary><dl>" in text
+    for term, meaning in page.GLOSSARY.items():
+        assert f"**{term}**: {meaning}" in docs
+        assert f"<dt><b>{term}</b></dt>" in text
+
+
+def test_a_busy_machine_is_said_on_top_with_its_threshold(tmp_path):
+    from diag.machine.contention import busy
+
+    quiet = {"load_1min": 0.4, "load_max": 0.9, "cores": 2, "others_share": 0.02,
+             "steal_share": 0.0, "gpu_other_processes": None, "wall_over_cpu": 1.05}
+    loaded = quiet | {"load_1min": 5.3, "others_share": 0.61, "wall_over_cpu": 2.3}
+    assert busy(quiet) == ""
+    said = busy(loaded)
+    assert said.startswith("the machine was busy: load 5.3 on 2 cores, other processes took 61%")
+    assert "wall seconds ran 2.3x its CPU seconds" in said and "others over 25%" in said
+    folder = report.write(frames(), tmp_path / "busy", machine=loaded)
+    text = (folder / "report.html").read_text()
+    assert "<p class=busy>The machine was busy: load 5.3 on 2 cores" in text
+    assert report.load_summary(folder)["machine"]["others_share"] == 0.61
+    calm = report.write(frames(), tmp_path / "calm", machine=quiet)
+    assert "class=busy>" not in (calm / "report.html").read_text()
