@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from diag.decision import DATA_WAIT_GOAL
-from diag.timing import STAGES
+from diag.timing import STAGES, STEP_STAGES
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -339,6 +339,8 @@ def plot_ranks(per_rank: pd.DataFrame, title: str = "Per rank: where a step's ti
 def plot_losses(losses: pd.DataFrame) -> Figure:
     """Train loss (line) and held-out eval loss (dots joined) against trained tokens, one colour
     per run (diag.qlora.run_train's `losses`; the naive and optimized runs side by side)."""
+    if "split" not in losses.columns and {"run", "step", "loss"} <= set(losses.columns):
+        losses = losses.assign(split="train", trained_tokens=losses["step"])  # a comparison's
     if losses.empty or not {"run", "split", "loss", "trained_tokens"} <= set(losses.columns):
         raise ValueError("losses must be diag train's: run, split, loss, trained_tokens rows")
     fig = _figure(8, 3.5)
@@ -352,4 +354,36 @@ def plot_losses(losses: pd.DataFrame) -> Figure:
     ax.set_ylabel("loss")
     ax.set_title("Train and held-out loss against trained tokens")
     ax.legend(fontsize=8, frameon=False)
+    return fig
+
+
+def plot_timeline(stages: pd.DataFrame) -> Figure:
+    """Each run's steps over time, each bar stacked by its step-level stages (a StageTimer
+    frame's rows with step numbers; one rank's clock): drift and outliers show."""
+    stepped = stages[stages["step"].notna() & stages["stage"].isin(STEP_STAGES)]
+    if stepped.empty:
+        raise ValueError("stages holds no step-level rows (data_wait, compute, ...)")
+    if "rank" in stepped.columns:
+        stepped = stepped[stepped["rank"] == stepped["rank"].min()]
+    runs = list(dict.fromkeys(stepped["run"] if "run" in stepped.columns else ["run"]))
+    fig = _figure(8, 1.2 + 1.6 * len(runs))
+    per = stepped.pivot_table("seconds", ["run", "step"] if "run" in stepped.columns else "step",
+                              "stage", "sum", fill_value=0.0)
+    scale, unit = _time_unit(float(per.sum(axis=1).max()))
+    for i, run in enumerate(runs):
+        ax = fig.add_subplot(len(runs), 1, i + 1)
+        mine = per.loc[run] if "run" in stepped.columns else per
+        bottom = [0.0] * len(mine)
+        for stage in (s for s in STEP_STAGES if s in mine.columns and mine[s].sum() > 0):
+            ax.bar(mine.index.astype(int), mine[stage] / scale, bottom=bottom,
+                   color=STAGE_COLORS[stage], label=stage)
+            bottom = [b + v / scale for b, v in zip(bottom, mine[stage])]
+        ax.set_ylabel(f"{run}\n{unit}", fontsize=8)
+        ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in fig.axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.axes[-1].set_xlabel("step")
+    fig.axes[0].set_title("Each step's time by stage (wall seconds)")
     return fig

@@ -111,3 +111,19 @@ def test_notebook_figures_keep_the_users_inline_format(monkeypatch):
     finally:
         InlineBackend.clear_instance()
         InteractiveShell.clear_instance()
+
+
+def test_the_timeline_stacks_each_step_by_its_stages_per_run():
+    run = pd.concat([constructed("naive"), constructed("optimized", fetch=0.5, load=2.0)],
+                    ignore_index=True)
+    fig = plots.plot_timeline(run)
+    assert len(fig.axes) == 2  # one per run
+    stepped = run[run["step"].notna() & run["stage"].isin(["data_wait", "compute"])]
+    per_step = stepped[stepped["run"] == "naive"].groupby("step")["seconds"].sum()
+    tops = {}
+    for bar in fig.axes[0].patches:  # each step's bars stack to its total
+        x = round(bar.get_x() + bar.get_width() / 2)
+        tops[x] = max(tops.get(x, 0.0), bar.get_y() + bar.get_height())
+    assert tops == pytest.approx(per_step.to_dict())
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["data_wait", "compute"]  # only stages that took time: none invisible

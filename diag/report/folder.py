@@ -33,7 +33,8 @@ _PACKAGES = ("diag", "torch", "transformers", "peft", "bitsandbytes", "huggingfa
 # Figures other experiments contribute: plots.<function>(frame) -> Figure, when it exists.
 EXPERIMENT_FIGURES = {"storage": "plot_storage", "model_load": "plot_model_load",
                       "accum": "plot_accum",
-                      "loader": "plot_loader", "train_losses": "plot_losses"}
+                      "loader": "plot_loader", "train_losses": "plot_losses",
+                      "qlora_losses": "plot_losses"}
 
 
 def versions() -> dict[str, str]:
@@ -223,6 +224,8 @@ def figures(frames: dict[str, pd.DataFrame],
     if STAGE_FRAME in frames:
         stages = amdahl.shares(frames[STAGE_FRAME])
         out["stage_shares"] = plots.plot_stage_shares(stages)
+        if frames[STAGE_FRAME]["step"].notna().any():
+            out["timeline"] = plots.plot_timeline(frames[STAGE_FRAME])
         out["amdahl"] = plots.plot_amdahl(stages, marks=marks)
     if "qlora_waterfall" in frames and not frames["qlora_waterfall"].empty:
         out["waterfall"] = plots.plot_waterfall(frames["qlora_waterfall"])

@@ -34,8 +34,8 @@ SECTIONS = {
     "loader": "Data loader: pipeline and num_workers",
     "loader_projected": "Data loader against the target GPU's step (projected)",
 }
-FIGURES = {STAGE_FRAME: ("stage_shares", "amdahl", "waterfall"),
-           "train": ("train_losses",)}  # others: the section's key
+FIGURES = {STAGE_FRAME: ("stage_shares", "timeline", "amdahl", "waterfall"),
+           "qlora": ("qlora_losses",), "train": ("train_losses",)}  # others: the section's key
 _OWN = ("decisions", "advice", "info")  # frames the page reads for its own parts
 MAX_ROWS = 40
 # the words a report uses, said once (docs/glossary.md holds the same entries)
