@@ -235,22 +235,30 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
 
 
 def _pipeline(ok: pd.DataFrame, rates: pd.Series) -> tuple[str, str, dict[str, Any]]:
-    """The pipeline serving more real tokens/s (seconds per token compared by
-    diag.noise): another than naive only where its gap to naive is resolved; the
-    note for the why, and how sure it is (Decision's samples, spread, resolved)."""
-    from diag.noise import choose, spread
+    """The pipeline serving more real tokens/s: another than naive only where its seconds per
+    token resolve faster than naive's at a worker count both ran, and at none slower (compared
+    at each worker count apart: pooled, a slow naive 0-worker epoch widens naive's spread until
+    no gap resolves); the note for the why, and how sure it is."""
+    from diag.noise import compare, spread
 
-    per_token = {p: list(1 / g["tokens_per_s"]) for p, g in ok.groupby("pipeline")}
-    if "naive" not in per_token:  # nothing to keep: the fastest of those swept
+    per = {(p, int(w)): list(1 / g["tokens_per_s"])
+           for (p, w), g in ok.groupby(["pipeline", "num_workers"])}
+    other = [p for p in rates.index if p != "naive"]
+    if "naive" not in rates.index or not other:  # nothing to keep or compare: the fastest
         return str(rates.idxmax()), "", {}
-    pick = choose(per_token, "naive")
-    gap = pick.against
-    if gap is None:
+    best = str(rates[other].idxmax())
+    gaps = {w: compare(per[(best, w)], per[("naive", w)]) for p, w in per
+            if p == best and ("naive", w) in per}
+    wins = [w for w, g in gaps.items() if g.faster == "a"]
+    pick = best if wins and not any(g.faster == "b" for g in gaps.values()) else "naive"
+    w = wins[0] if wins else next(iter(gaps), None)
+    if w is None:
         return "naive", "", {}
-    sides = (pick.best, pick.rival) if pick.value == pick.best else (pick.value, pick.best)
-    return str(pick.value), f"; seconds per token, {gap.describe()}", {
-        "samples": tuple(len(per_token[p]) for p in sides),
-        "spread": tuple(spread(per_token[p]) for p in sides), "resolved": pick.resolved}
+    said = "; ".join(f"{n} worker{'s' * (n != 1)}: {g.describe()}" for n, g in gaps.items())
+    a, b = per[(best, w)], per[("naive", w)]
+    return pick, f"; seconds per token, {best} against naive at each worker count: {said}", {
+        "samples": (len(a), len(b)), "spread": (spread(a), spread(b)), "resolved": bool(wins)
+        and pick == best}
 
 
 def _resolved_workers(rows: pd.DataFrame, base: int, workers: int, why: str

@@ -263,8 +263,9 @@ def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
     from tqdm.auto import tqdm
 
     from diag.config import LoaderConfig
-    from diag.machine.device import resolve
     from diag.loader.steps import consumer
+    from diag.machine.device import resolve
+    from diag.noise import interleave
 
     cfg = cfg or LoaderConfig.default()
     device = resolve(cfg.device)
@@ -283,29 +284,30 @@ def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
     run_step, step_s, step_source = step
     extra = {"seq_len": cfg.seq_len, "step_target_s": step_s, "step_source": step_source,
              "cores": usable_cores()}
-    rows = []
     grid = [(p, w) for p in datasets for w in cfg.workers]
-    failed = set()
-    # rounds of one epoch per setting, each a DataLoader of its own (never two alive: a worker
-    # forked while another's live copies them), the order turned every round: a load that moves
-    # during the sweep hits every setting (one setting's repeats after another's put a moving
-    # load between them)
+    failed: set[tuple[str, int]] = set()
+
+    def epoch(side: tuple[str, int], repeat: int) -> dict[str, Any] | None:
+        """An epoch of one setting, a DataLoader of its own (never two alive: a worker forked
+        while another's live copies them)."""
+        bar.update()
+        if side in failed:
+            return None
+        (pipeline, w), (dataset, facts) = side, datasets[side[0]]
+        setting = Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)
+        (row,) = measure_setting(dataset, setting, run_step, pipeline=pipeline,
+                                 batch_size=cfg.batch_size, steps=cfg.steps,
+                                 timeout_s=cfg.timeout_s, device=device, consumer=cfg.consumer,
+                                 collate_fn=collate_fn)
+        if row["error"]:
+            failed.add(side)
+        return {**row, **extra, "repeat": repeat, "records": facts["records"],
+                "bad_rows": facts["bad_rows"], "token_cache": facts.get("cache", "")}
+
+    # rounds of an epoch per setting, the order turned every round (diag.noise.interleave): a
+    # load that moves during the sweep hits every setting
     with tqdm(total=len(grid) * cfg.repeats, desc="loader sweep", unit="epoch",
               leave=False) as bar:
-        for repeat in range(cfg.repeats):
-            for pipeline, w in grid if repeat % 2 == 0 else grid[::-1]:
-                bar.update()
-                if (pipeline, w) in failed:
-                    continue
-                dataset, facts = datasets[pipeline]
-                setting = Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)
-                (row,) = measure_setting(dataset, setting, run_step, pipeline=pipeline,
-                                         batch_size=cfg.batch_size, steps=cfg.steps,
-                                         timeout_s=cfg.timeout_s, device=device,
-                                         consumer=cfg.consumer, collate_fn=collate_fn)
-                if row["error"]:
-                    failed.add((pipeline, w))
-                rows.append({**row, **extra, "repeat": repeat, "records": facts["records"],
-                             "bad_rows": facts["bad_rows"], "token_cache": facts.get("cache", "")})
-    rows.sort(key=lambda r: (grid.index((r["pipeline"], r["num_workers"])), r["repeat"]))
+        got, _ = interleave(grid, epoch, min_rounds=cfg.repeats, max_rounds=cfg.repeats)
+    rows = [r for side in grid for r in got[side] if r is not None]
     return pd.DataFrame(rows, columns=COLUMNS + [*extra, "records", "bad_rows", "token_cache"])

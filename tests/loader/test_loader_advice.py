@@ -261,12 +261,14 @@ def test_decide_prefers_packed_unless_naive_serves_more_tokens():
                       sweep({0: 0.2, 2: 0.1}, pipeline="packed", tokens_per_s=420.0)])
     got = _got(both)  # concatenated: index labels repeat
     assert (got["pipeline"].value, got["num_workers"].value) == ("packed", 0)
-    assert got["pipeline"].why == ("real tokens/s per pipeline (medians): naive 300, packed 420; "
-                                   "seconds per token, resolved (1.40x, 10 + 10 samples, "
-                                   "spread 0% / 0%)")
+    # compared at each worker count apart (pooled, naive's slow 0-worker epochs would widen it)
+    assert got["pipeline"].why == (
+        "real tokens/s per pipeline (medians): naive 300, packed 420; seconds per token, packed "
+        "against naive at each worker count: 0 workers: resolved (1.40x, 5 + 5 samples, spread "
+        "0% / 0%); 2 workers: resolved (1.40x, 5 + 5 samples, spread 0% / 0%)")
     assert (got["pipeline"].baseline_s, got["pipeline"].chosen_s) == (0.04, 0.0002)
     assert got["num_workers"].baseline_s == 0.0002
-    assert (got["pipeline"].samples, got["pipeline"].resolved) == ((10, 10), True)
+    assert (got["pipeline"].samples, got["pipeline"].resolved) == ((5, 5), True)
     tie = _got(both.assign(tokens_per_s=400.0))  # within noise: the naive plan's kept
     assert tie["pipeline"].value == "naive" and "within noise (0% apart" in tie["pipeline"].why
     assert tie["pipeline"].resolved is False
@@ -499,3 +501,20 @@ def test_loader_configs_own_target_picks_the_workers_and_is_named():
     decided = {d.setting: d for d in decide(frame, LoaderConfig().target_share)}
     assert decided["num_workers"].value == 2 and "under 2%" in decided["num_workers"].why
     assert {d.setting: d for d in decide(frame, 0.20)}["num_workers"].value == 1
+
+
+def test_the_pipelines_are_compared_at_each_worker_count_not_pooled():
+    # packed serves 1.5x naive's tokens at 0 workers and at 2; pooled over both counts the
+    # sides overlap (naive at 2 workers beats packed at 0) and no gap could resolve
+    def both(packed_at_two: float) -> pd.DataFrame:
+        return pd.concat([sweep({0: 1.0}, pipeline="naive", tokens_per_s=200.0),
+                          sweep({2: 0.5}, pipeline="naive", tokens_per_s=400.0),
+                          sweep({0: 0.8}, pipeline="packed", tokens_per_s=300.0),
+                          sweep({2: 0.4}, pipeline="packed", tokens_per_s=packed_at_two)])
+
+    got = _got(both(600.0))["pipeline"]
+    assert (got.value, got.resolved) == ("packed", True)
+    assert "0 workers: resolved (1.50x" in got.why and "2 workers: resolved (1.50x" in got.why
+    # slower than naive at one worker count, faster at the other: naive kept, not resolved
+    mixed = _got(both(300.0))["pipeline"]
+    assert (mixed.value, mixed.resolved) == ("naive", False)
