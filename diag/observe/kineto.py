@@ -108,7 +108,9 @@ def rank_stages(events: pd.DataFrame, rank: int, node: int) -> pd.DataFrame:
     warmup, run-level)."""
     cpu = events[~events["cat"].isin(GPU_CATS)]
     loader = cpu[cpu["name"].str.match(LOADER)]
-    marks = loader if not loader.empty else cpu[cpu["cat"] == "cpu_op"]
+    marks = next((m for m in (loader, cpu[cpu["name"].str.match(STEP)],
+                              cpu[cpu["cat"].isin(("cpu_op", "cuda_runtime"))]) if not m.empty),
+                 cpu.iloc[:0])
     if marks.empty:
         raise ValueError("the trace holds no CPU op: record it with "
                          "activities=[ProfilerActivity.CPU, ...]")
@@ -177,8 +179,12 @@ def _when(data: dict[str, Any], events: pd.DataFrame) -> tuple[float, float] | N
 
 
 def _one_run(files: list[str], seats: list[tuple[int, int | None]],
-             windows: list[tuple[float, float] | None]) -> None:
+             windows: list[tuple[float, float] | None], ids: list[Any]) -> None:
     """Refuse traces that cannot be the ranks of one run, in one line."""
+    again = next((f for i, f in enumerate(files) if ids[i] and ids[i] in ids[:i]), None)
+    if again is not None:
+        raise ValueError(f"TraceConfig.files: {again} is a trace given before (the same "
+                         "trace_id): give each rank's trace once")
     ranks = [r for r, _ in seats]
     twice = next((r for r in ranks if ranks.count(r) > 1), None)
     if twice is not None:
@@ -205,7 +211,8 @@ def run_trace(cfg: TraceConfig) -> Traced:
     events = [_events(d) for d in loaded]
     seats = [((d.get("distributedInfo") or {}).get("rank", i),
               (d.get("distributedInfo") or {}).get("world_size")) for i, d in enumerate(loaded)]
-    _one_run(cfg.files, seats, [_when(d, e) for d, e in zip(loaded, events)])
+    _one_run(cfg.files, seats, [_when(d, e) for d, e in zip(loaded, events)],
+             [d.get("trace_id") for d in loaded])
     hosts = list(dict.fromkeys(str(d.get("host_name", "")) for d in loaded))
     frame = pd.concat([rank_stages(e, r, hosts.index(str(d.get("host_name", ""))))
                        for d, e, (r, _) in zip(loaded, events, seats)], ignore_index=True)

@@ -248,6 +248,10 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     if not psutil.pid_exists(cfg.pid):
         raise ValueError(f"AttachConfig.pid={cfg.pid}: no such process (`ps -ef | grep python`, "
                          "nvidia-smi list the candidates)")
+    done = subprocess.run([spy, "dump", "--pid", str(cfg.pid), "--nonblocking"],
+                          capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:  # one line, before any sampling
+        _refuse(cfg.pid, done.stdout + done.stderr)
     timeline: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
     before, exited = _counters(cfg.pid), False

@@ -19,6 +19,9 @@ trace = sys.argv[3] if len(sys.argv) > 3 else ""
 rank = os.environ.get("RANK")
 if rank is not None:  # one file per rank: rank-0.json, rank-1.json
     trace = trace.replace("rank-N", f"rank-{rank}")
+warm = torch.nn.Linear(2, 1)  # the first step's lazy imports (torch._dynamo) before "ready"
+warm(torch.zeros(1, 2)).sum().backward()
+torch.optim.AdamW(warm.parameters()).step()
 print("ready", flush=True)
 if trace:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -62,7 +62,7 @@ optimizer.zero_grad(set_to_none=True)
 print("ready", flush=True)
 t_start = t0 = time.perf_counter()
 while time.perf_counter() - t_start < seconds:
-    for micro_step in range(gradient_accumulation_steps):
+    for _micro_step in range(gradient_accumulation_steps):
         t1 = time.perf_counter()
         logits, loss = model(X, Y)
         loss = loss / gradient_accumulation_steps
