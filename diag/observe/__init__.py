@@ -4,7 +4,7 @@ give diag's stage table (a StageTimer frame) and through it amdahl's verdict, fi
 projection; `RULES` is the table of frames that name the stages (docs/attach.md).
 """
 
-from diag.observe.spy import Attached, attach, run_attach
+from diag.observe.live import Attached, attach, run_attach
 from diag.observe.rules import RULES, Rule, classify
 from diag.observe.kineto import Traced, run_trace, trace
 

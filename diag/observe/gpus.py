@@ -13,15 +13,14 @@ COLUMNS = ["gpu", "name", "samples", "util_pct", "memory_util_pct", "job_memory_
 
 
 class Watch:
-    """`with Watch(pid) as gpu:` samples the GPUs pid (or its children) holds; `frame()` says
-    what it saw, or in its note why nothing."""
+    """`with Watch(pid) as gpu:` samples the GPUs pid or its children hold; `frame()` says what
+    it saw, or in its note why nothing."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.reason = pid, ""
-        self._nvml: Any = None
+        self.pid, self.reason, self._nvml = pid, "", None
         self._seen: dict[int, tuple[str, list[tuple[float, float, float]]]] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._stop, self._thread = threading.Event(), threading.Thread(target=self._run,
+                                                                       daemon=True)
 
     def __enter__(self) -> Watch:
         try:
@@ -35,41 +34,35 @@ class Watch:
             self.reason = f"no NVIDIA GPU seen (NVML: {err})"
             return self
         self._nvml = pynvml
-        self._thread = threading.Thread(target=self._run, daemon=True, name="diag-attach-gpu")
         self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
         if self._nvml is not None:
+            self._thread.join()
             self._nvml.nvmlShutdown()
 
-    def _family(self) -> set[int]:
+    def _run(self) -> None:
         import psutil
 
-        try:
-            main = psutil.Process(self.pid)
-            return {self.pid, *(p.pid for p in main.children(recursive=True))}
-        except psutil.Error:
-            return {self.pid}
-
-    def _run(self) -> None:
         nvml = self._nvml
         while True:
-            family = self._family()
+            try:
+                main = psutil.Process(self.pid)
+                family = {self.pid, *(p.pid for p in main.children(recursive=True))}
+            except psutil.Error:
+                family = {self.pid}
             try:
                 for i in range(nvml.nvmlDeviceGetCount()):
                     handle = nvml.nvmlDeviceGetHandleByIndex(i)
                     held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
                             if p.pid in family]
-                    if not held:
-                        continue
-                    util = nvml.nvmlDeviceGetUtilizationRates(handle)
-                    memory = sum(p.usedGpuMemory or 0 for p in held) / 1e9
-                    name, got = self._seen.setdefault(i, (nvml.nvmlDeviceGetName(handle), []))
-                    got.append((float(util.gpu), float(util.memory), memory))
+                    if held:
+                        util = nvml.nvmlDeviceGetUtilizationRates(handle)
+                        _, got = self._seen.setdefault(i, (nvml.nvmlDeviceGetName(handle), []))
+                        got.append((float(util.gpu), float(util.memory),
+                                    sum(p.usedGpuMemory or 0 for p in held) / 1e9))
             except nvml.NVMLError as err:  # keep what was read; say why it stopped
                 self.reason = f"NVML stopped answering: {err}"
                 return
@@ -81,14 +74,10 @@ class Watch:
         return next((str(name) for name, _ in self._seen.values()), "")
 
     def frame(self) -> pd.DataFrame:
-        rows = [{"gpu": i, "name": str(name), "samples": len(got),
-                 "util_pct": sum(g[0] for g in got) / len(got),
-                 "memory_util_pct": sum(g[1] for g in got) / len(got),
-                 "job_memory_gb": max(g[2] for g in got), "note": self.reason}
+        rows = [[i, str(name), len(got), *(sum(g[k] for g in got) / len(got) for k in (0, 1)),
+                 max(g[2] for g in got), self.reason]
                 for i, (name, got) in sorted(self._seen.items())]
-        if not rows:
-            rows = [{"gpu": -1, "name": "", "samples": 0, "util_pct": float("nan"),
-                     "memory_util_pct": float("nan"), "job_memory_gb": float("nan"),
-                     "note": self.reason or "the job held no GPU NVML could see (in a "
-                     "container, NVML lists host PIDs)"}]
-        return pd.DataFrame(rows, columns=COLUMNS)
+        return pd.DataFrame(rows or [[-1, "", 0, float("nan"), float("nan"), float("nan"),
+                                      self.reason or "the job held no GPU NVML could see (in "
+                                      "a container, NVML lists the host's PIDs)"]],
+                            columns=COLUMNS)

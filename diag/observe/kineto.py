@@ -2,11 +2,11 @@
 .json.gz), one file per rank of one run.
 
 A step is a ProfilerStep#N span, else the span from one DataLoader `__next__` to the next (the
-first, the loader's start-up, is warm-up). In a step, by precedence: data_wait inside the
-DataLoader's `__next__`, h2d inside a host-to-device copy, compute where the main thread ran an
-op (gaps under GAP_S are the Python between ops), comm_wait where it ran none while a
-collective did, other where nothing ran (a sleep, logging). GPU kernels give each rank's busy,
-idle, compute and communication time, as HTA's temporal breakdown counts them.
+first, the loader's start-up, is warm-up; the last, with no next to end it, is left out). In a
+step, first match wins: data_wait inside the DataLoader's `__next__`, h2d inside a host-to-device
+copy, compute where the main thread ran an op (gaps under GAP_S are the Python between ops),
+comm_wait where it ran none while a collective did, other where nothing ran. GPU kernels give
+each rank's busy, idle, compute and NCCL time, as HTA's temporal breakdown counts them.
 """
 
 from __future__ import annotations
@@ -87,8 +87,7 @@ def merge(starts: Any, ends: Any, gap: float = 0.0) -> np.ndarray:
     if not len(s):
         return np.empty((0, 2))
     order = np.argsort(s, kind="stable")
-    s, e = s[order], e[order]
-    reach = np.maximum.accumulate(e)
+    s, e, reach = s[order], e[order], np.maximum.accumulate(e[order])
     new = np.r_[True, s[1:] > reach[:-1] + gap]
     return np.column_stack([s[new], np.maximum.reduceat(e, np.flatnonzero(new))])
 
@@ -119,9 +118,9 @@ def rank_stages(events: pd.DataFrame, rank: int, node: int) -> pd.DataFrame:
     warm = steps.empty and len(loader) > 1
     if not steps.empty:
         bounds = steps[["ts", "end"]].to_numpy()
-    elif not loader.empty:
+    elif len(loader) > 1:  # the last batch's step has no next to end it: left out
         starts = np.sort(loader["ts"].to_numpy())
-        bounds = np.column_stack([starts, np.r_[starts[1:], main["end"].max()]])
+        bounds = np.column_stack([starts[:-1], starts[1:]])
     else:
         bounds = np.array([[main["ts"].min(), main["end"].max()]])
     ops = main[~main["name"].isin(STAGES) & ~main["name"].str.match(STEP)
@@ -149,7 +148,7 @@ def rank_stages(events: pd.DataFrame, rank: int, node: int) -> pd.DataFrame:
         first = rows["step"] == 0
         rows = pd.concat([pd.DataFrame({"step": [pd.NA], "stage": ["warmup"], "seconds": [
             rows.loc[first, "seconds"].sum()]}), rows[~first]], ignore_index=True)
-    if steps.empty and loader.empty:
+    if steps.empty and len(loader) < 2:
         rows["step"] = pd.NA  # a trace of no steps: one window of stages
     return rows.assign(step=rows["step"].astype("Int64"), rank=rank, node=node, run="trace")[
         ["stage", "seconds", "step", "rank", "node", "run"]]
@@ -172,50 +171,38 @@ def gpu_time(events: pd.DataFrame, rank: int) -> dict[str, Any]:
             "note": ""}
 
 
-def _when(data: dict[str, Any], events: pd.DataFrame) -> tuple[float, float] | None:
-    base = data.get("baseTimeNanoseconds")
-    return None if base is None else (base / 1e9 + events["ts"].min(),
-                                      base / 1e9 + events["end"].max())
-
-
-def _one_run(files: list[str], seats: list[tuple[int, int | None]],
-             windows: list[tuple[float, float] | None], ids: list[Any]) -> None:
-    """Refuse traces that cannot be the ranks of one run, in one line."""
-    again = next((f for i, f in enumerate(files) if ids[i] and ids[i] in ids[:i]), None)
-    if again is not None:
-        raise ValueError(f"TraceConfig.files: {again} is a trace given before (the same "
-                         "trace_id): give each rank's trace once")
-    ranks = [r for r, _ in seats]
-    twice = next((r for r in ranks if ranks.count(r) > 1), None)
-    if twice is not None:
-        raise ValueError(f"TraceConfig.files: two traces of rank {twice}: give each rank's "
-                         "trace once")
-    sizes = {w for _, w in seats if w is not None}
-    if len(sizes) > 1:
-        raise ValueError(f"TraceConfig.files: traces of runs of {sorted(sizes)} ranks: the "
-                         "files must be the ranks of one run")
-    known = [(f, w) for f, w in zip(files, windows) if w is not None]
-    for f, w in known:
-        for g, v in known:
-            if w[1] < v[0]:  # one ended before the other began: not ranks running together
-                at = [dt.datetime.fromtimestamp(x[0], dt.timezone.utc).strftime("%H:%M:%S")
-                      for x in (w, v)]
-                raise ValueError(f"TraceConfig.files: {f} (from {at[0]} UTC) ended before {g} "
-                                 f"(from {at[1]} UTC) began: traces of different runs, not the "
-                                 "ranks of one")
+def _one_run(files: list[str], loaded: list[dict[str, Any]], events: list[pd.DataFrame],
+             ranks: list[int]) -> None:
+    """Refuse, in one line, traces that cannot be the ranks of one run: the same trace twice,
+    a rank twice, runs of different sizes, or one that ended before another began."""
+    ids = [d.get("trace_id") or i for i, d in enumerate(loaded)]
+    sizes = {(d.get("distributedInfo") or {}).get("world_size") for d in loaded} - {None}
+    said = ("a trace given twice (the same trace_id)" if len(set(ids)) < len(ids) else
+            "a rank given twice" if len(set(ranks)) < len(ranks) else
+            f"traces of runs of {sorted(sizes)} ranks" if len(sizes) > 1 else "")
+    spans = [(f, d["baseTimeNanoseconds"] / 1e9 + e["ts"].min(),
+              d["baseTimeNanoseconds"] / 1e9 + e["end"].max())
+             for f, d, e in zip(files, loaded, events) if "baseTimeNanoseconds" in d]
+    late = min(spans, key=lambda x: x[2], default=None), max(spans, key=lambda x: x[1],
+                                                              default=None)
+    if not said and late[0] and late[0][2] < late[1][1]:  # ranks of one run run together
+        at = [dt.datetime.fromtimestamp(x[1], dt.timezone.utc).strftime("%H:%M:%S")
+              for x in late]
+        said = (f"{late[0][0]} (from {at[0]} UTC) ended before {late[1][0]} (from {at[1]} "
+                "UTC) began: traces of different runs")
+    if said:
+        raise ValueError(f"TraceConfig.files: {said}, not the ranks of one run")
 
 
 def run_trace(cfg: TraceConfig) -> Traced:
     """The stage table, verdict, fixes, GPU time and stragglers of cfg.files (one per rank)."""
     loaded = [load(f) for f in cfg.files]
     events = [_events(d) for d in loaded]
-    seats = [((d.get("distributedInfo") or {}).get("rank", i),
-              (d.get("distributedInfo") or {}).get("world_size")) for i, d in enumerate(loaded)]
-    _one_run(cfg.files, seats, [_when(d, e) for d, e in zip(loaded, events)],
-             [d.get("trace_id") for d in loaded])
+    ranks = [(d.get("distributedInfo") or {}).get("rank", i) for i, d in enumerate(loaded)]
+    _one_run(cfg.files, loaded, events, ranks)
     hosts = list(dict.fromkeys(str(d.get("host_name", "")) for d in loaded))
     frame = pd.concat([rank_stages(e, r, hosts.index(str(d.get("host_name", ""))))
-                       for d, e, (r, _) in zip(loaded, events, seats)], ignore_index=True)
+                       for d, e, r in zip(loaded, events, ranks)], ignore_index=True)
     stepped = frame[frame["step"].notna()]
     table = frame.groupby(["rank", "stage"], as_index=False).agg(
         seconds=("seconds", "sum"), steps=("step", "nunique"))
@@ -226,7 +213,7 @@ def run_trace(cfg: TraceConfig) -> Traced:
     several = frame["rank"].nunique() > 1
     found = stragglers.findings(frame) if several else None
     return Traced(table, frame, verdict, fixes,
-                  pd.DataFrame([gpu_time(e, r) for e, (r, _) in zip(events, seats)]),
+                  pd.DataFrame([gpu_time(e, r) for e, r in zip(events, ranks)]),
                   stragglers.per_rank(frame) if several else None,
                   found if found is not None and not found.empty else None, projection)
 

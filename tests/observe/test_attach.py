@@ -49,7 +49,7 @@ def toy(tmp_path_factory):
     """diag's toy loop, one worker spinning 12 ms per batch in busy_prep, attached until it
     exits: (the attach, the toy's own StageTimer frame)."""
     truth = tmp_path_factory.mktemp("toy") / "truth.csv"
-    cfg = {"steps": 220, "warmup_steps": 1, "prep_ms": 12, "prep": "busy", "num_workers": 1,
+    cfg = {"steps": 180, "warmup_steps": 1, "prep_ms": 12, "prep": "busy", "num_workers": 1,
            "device": "cpu", "width": 256, "batch_size": 64}
     job = started("known_job.py", str(truth), json.dumps(cfg))
     got = attach(job.pid, seconds=120, rate=250, progress=False)

@@ -34,7 +34,7 @@ def single(tmp_path_factory):
     """The toy loop (15 ms asleep per batch in the loop) under torch.profiler on CPU: (its
     trace, its own StageTimer frame)."""
     out = tmp_path_factory.mktemp("single")
-    cfg = {"steps": 100, "warmup_steps": 1, "prep_ms": 15, "device": "cpu", "width": 512,
+    cfg = {"steps": 80, "warmup_steps": 1, "prep_ms": 15, "device": "cpu", "width": 512,
            "batch_size": 64}
     subprocess.run([sys.executable, str(HERE / "known_job.py"), str(out / "truth.csv"),
                     json.dumps(cfg), str(out / "trace.json")], check=True, timeout=300,
@@ -97,7 +97,7 @@ def test_bad_traces_get_one_line(single, ddp, tmp_path, capsys):
     for files, said in [([not_kineto], "not a torch.profiler (Kineto) trace"),
                         ([cut], "a truncated or damaged .json.gz"),
                         ([path, ddp[0][0]], "traces of different runs"),
-                        ([path, path], "a trace given before"),
+                        ([path, path], "a trace given twice"),
                         ([tmp_path / "missing.json"], "is not a file")]:
         assert main(["trace", *map(str, files)]) == 2
         err = capsys.readouterr().err.strip()
