@@ -32,7 +32,7 @@ class Attached:
     stages: pd.DataFrame  # the StageTimer frame: stage, seconds, step (NaN), rank, node, run
     verdict: pd.DataFrame  # one row: amdahl's verdict, the top fix, the upgrade, notes
     fixes: pd.DataFrame | None  # amdahl.findings (None: no stage worth a fix)
-    workers: pd.DataFrame  # what the child processes (DataLoader workers) spent samples on
+    workers: pd.DataFrame | None  # what the children (DataLoader workers) were sampled in
     gpu: pd.DataFrame  # NVML: each GPU the job holds, its utilisation and the job's memory
     process: pd.DataFrame  # /proc: CPU seconds and MB read and written per process
     projection: pd.DataFrame | None  # amdahl.upgrade to the target GPU (None: no known GPU)
@@ -42,7 +42,8 @@ def _stages(timeline: collections.Counter) -> collections.Counter:
     """The main thread's seconds by (stage, the source of the rule that named it)."""
     out: collections.Counter = collections.Counter()
     for frames, seconds in timeline.items():
-        out[classify(list(frames))] += seconds
+        if seconds > 0:
+            out[classify(list(frames))] += seconds
     return out
 
 
@@ -69,7 +70,7 @@ def _table(by: collections.Counter, rate: int) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _workers(counts: collections.Counter, pid: int) -> pd.DataFrame:
+def _workers(counts: collections.Counter, pid: int) -> pd.DataFrame | None:
     """Each child's main-thread samples: the leaf function while it makes a batch, else waits."""
     rows: collections.Counter = collections.Counter()
     for (owner, tid, frames), n in counts.items():
@@ -79,6 +80,8 @@ def _workers(counts: collections.Counter, pid: int) -> pd.DataFrame:
             rows[(owner, function if making else _WAITING, file if making else "")] += n
     table = pd.DataFrame([(*k, n) for k, n in rows.items()],
                          columns=["pid", "function", "file", "samples"])
+    if table.empty:  # no child process was sampled
+        return None
     table["share"] = table["samples"] / table.groupby("pid")["samples"].transform("sum")
     return table.sort_values(["pid", "samples"], ascending=[True, False], ignore_index=True)
 

@@ -73,6 +73,7 @@ def test_attach_recovers_the_toys_own_shares(toy):
 
 def test_the_workers_hot_function_is_the_injected_one(toy):
     got, _ = toy
+    assert got.workers is not None, "no DataLoader worker was sampled"
     busy = got.workers[got.workers["file"] != ""]  # making a batch, not waiting for work
     assert busy.iloc[0]["function"] == "busy_prep", got.workers.head()
     assert busy.iloc[0]["file"].endswith("diag/loader/toy.py")
