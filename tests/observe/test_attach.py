@@ -57,6 +57,7 @@ def toy(tmp_path_factory):
     return got, pd.read_csv(truth)
 
 
+@pytest.mark.slow
 def test_attach_recovers_the_toys_own_shares(toy):
     got, own_frame = toy
     own = amdahl.shares(own_frame).set_index("stage")["seconds"]
@@ -71,6 +72,7 @@ def test_attach_recovers_the_toys_own_shares(toy):
     assert (got.stages.columns.tolist() == ["stage", "seconds", "step", "rank", "node", "run"])
 
 
+@pytest.mark.slow
 def test_the_workers_hot_function_is_the_injected_one(toy):
     got, _ = toy
     assert got.workers is not None, "no DataLoader worker was sampled"
@@ -79,6 +81,7 @@ def test_the_workers_hot_function_is_the_injected_one(toy):
     assert busy.iloc[0]["file"].endswith("diag/loader/toy.py")
 
 
+@pytest.mark.slow
 def test_a_process_that_exits_mid_sample_keeps_what_was_sampled(toy):
     got, _ = toy
     note = got.verdict["note"].iloc[0]
@@ -96,6 +99,7 @@ def nanogpt(tmp_path_factory):
     return got, pd.Series(json.loads(truth.read_text()))
 
 
+@pytest.mark.slow
 def test_a_plain_loop_is_classified(nanogpt):
     got, own = nanogpt
     seconds = got.attach.set_index("stage")["seconds"]

@@ -143,6 +143,7 @@ def gpu_trace(path: Path, rank: int, steps: int = 6) -> None:
         "baseTimeNanoseconds": 1_700_000_000_000_000_000}).encode()))
 
 
+@pytest.mark.slow  # HTA parses each rank in a process of its own
 @pytest.mark.filterwarnings("ignore:The inplace keyword")  # HTA's own use of pandas
 def test_gpu_time_matches_hta(tmp_path):
     pytest.importorskip("hta", reason="HolisticTraceAnalysis is not installed (the dev extra)")
