@@ -11,7 +11,7 @@ from typing import Any
 from diag.timing import StageTimer
 
 __version__ = "0.1.0"
-__all__ = ["StageTimer", "TimingCallback", "__version__"]
+__all__ = ["StageTimer", "TimingCallback", "__version__", "attach"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,4 +21,8 @@ def __getattr__(name: str) -> Any:
         from diag.timing.callback import TimingCallback
 
         return TimingCallback
+    if name == "attach":  # diag.attach(pid): a running job, sampled (diag.observe)
+        from diag.observe import attach
+
+        return attach
     raise AttributeError(f"module 'diag' has no attribute {name!r}")

@@ -65,6 +65,13 @@ EXPERIMENTS: dict[str, Experiment] = {
                         "the QLoRA fine-tune of the whole dataset under the optimized (or naive) "
                         "plan: epochs, held-out eval, checkpoints and resume, an ETA checked "
                         "after; the adapter (PEFT's format) and tokenizer in --out-dir"),
+    # -- a job diag did not start --
+    "attach": Experiment(config.AttachConfig, "diag.observe:run_attach",
+                         "sample a running training process (py-spy, NVML, /proc; never paused "
+                         "or signalled): its stages, its workers' hot functions, its GPUs"),
+    "trace": Experiment(config.TraceConfig, "diag.observe:run_trace",
+                        "read torch.profiler traces (Kineto .json or .json.gz, one per rank): "
+                        "stages per rank, GPU idle time, stragglers"),
     "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_diagnose",
                       "the whole diagnosis on one source: every experiment, then the report",
                       table=False),

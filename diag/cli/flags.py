@@ -177,6 +177,9 @@ def build_parser(experiments: dict[str, Any], description: str, only: str | None
             kwargs = _flag_type(hints[f.name])
             doc = docs.get(f.name, "")
             if f.name in positional:
+                if typing.get_origin(hints[f.name]) in (list, tuple):  # FILE [FILE ...]
+                    kwargs = {"nargs": "+"}
+                kwargs["metavar"] = f.name.removesuffix("s").upper()  # PID, FILE, FOLDER
                 p.add_argument(f.name, help=doc.replace("%", "%%"), **kwargs)
                 continue
             default = _default(f)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from diag.config.base import ExperimentConfig
 from diag.machine.gpus import GPUS, dense_peak_flops
@@ -39,6 +39,8 @@ class ToyConfig(ExperimentConfig):
     batch_size: int = 32  # samples per step
     width: int = 512  # hidden width of the toy MLP; compute grows with width^2
     prep_ms: float = 0.0  # synthetic per-batch preprocessing cost, to make data_wait visible
+    prep: Literal["sleep", "busy"] = "sleep"  # how prep_ms is spent: asleep (like I/O) or busy
+                                              # on a CPU in Python (like tokenizing)
     num_workers: int = 0  # DataLoader workers; more overlap preprocessing with compute
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
     batch_norm: bool = False  # a BatchNorm layer (under DDP: a broadcast every forward)
@@ -51,6 +53,7 @@ class ToyConfig(ExperimentConfig):
     def validate(self) -> None:
         self._positive("steps", "batch_size", "width")
         self._non_negative("warmup_steps", "prep_ms", "num_workers")
+        self._choice("prep", ("sleep", "busy"))
         self._straggler()
         self._device()
 

@@ -27,21 +27,31 @@ from diag.machine.gpu_util import GpuSampler
 from diag.timing import StageTimer
 
 
+def busy_prep(ms: float) -> None:
+    """Spin in Python for ms: preprocessing that holds a CPU (what a sampler sees as hot)."""
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        pass
+
+
 class ToyBatches(Dataset):
-    """Batch i of random features; sleeping prep_ms stands in for tokenization or augmentation.
+    """Batch i of random features; prep_ms asleep (or busy) stands in for reading or tokenizing.
 
     Lives in this module (not a notebook) so spawned DataLoader workers can import it.
     """
 
-    def __init__(self, n: int, batch_size: int, width: int, prep_ms: float, seed: int = 0) -> None:
+    def __init__(self, n: int, batch_size: int, width: int, prep_ms: float, seed: int = 0,
+                 busy: bool = False) -> None:
         self.n, self.batch_size, self.width = n, batch_size, width
-        self.prep_ms, self.seed = prep_ms, seed
+        self.prep_ms, self.seed, self.busy = prep_ms, seed, busy
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.prep_ms:
+        if self.prep_ms and self.busy:
+            busy_prep(self.prep_ms)
+        elif self.prep_ms:
             time.sleep(self.prep_ms / 1000)
         x = torch.randn(self.batch_size, self.width,
                         generator=torch.Generator().manual_seed(self.seed + i))
@@ -72,7 +82,7 @@ def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
     prep = cfg.prep_ms + (cfg.slow_ms if seat.rank == cfg.slow_rank else 0.0)
     loader = DataLoader(  # each rank its own batches: seeds apart by the step count
         ToyBatches(cfg.warmup_steps + cfg.steps, cfg.batch_size, cfg.width, prep,
-                   seed=seat.rank * (cfg.warmup_steps + cfg.steps)),
+                   seed=seat.rank * (cfg.warmup_steps + cfg.steps), busy=cfg.prep == "busy"),
         batch_size=None, num_workers=cfg.num_workers, pin_memory=dev.type == "cuda",
         prefetch_factor=4 if cfg.num_workers else None, persistent_workers=False,
     )

@@ -33,6 +33,8 @@ SECTIONS = {
     "checkpointing": "Activation checkpointing",
     "loader": "Data loader: pipeline and num_workers",
     "loader_projected": "Data loader against the target GPU's step (projected)",
+    "attach": "Attached to a running job: where its wall clock went, sampled",
+    "trace": "A torch.profiler trace: where each rank's time went",
 }
 FIGURES = {STAGE_FRAME: ("stage_shares", "timeline", "amdahl", "waterfall"),
            "qlora": ("qlora_losses",), "train": ("train_losses",)}  # others: the section's key
@@ -161,6 +163,10 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
                 f"{_esc(d.setting)} {_esc(_value(d.value))}" for d in kept)
                 + " (their reasons in decisions.csv).</span>")
         return out
+    if f"{key}_verdict" in frames:  # attach, trace: the verdict on a job diag did not start
+        said = frames[f"{key}_verdict"].iloc[0]
+        return _esc("; ".join(str(said[c]) for c in ("text", "top_fix", "upgrade", "note")
+                              if c in said and pd.notna(said[c]) and str(said[c]))) + "."
     if key == STAGE_FRAME and summary.get("stages"):
         return _shares(summary["stages"])
     if key == "qlora" and "qlora_comparison" in frames:

@@ -43,7 +43,8 @@ def test_info_prints_the_device_table():
 
 def test_every_table_experiment_takes_the_same_output_flags():
     for name, exp in EXPERIMENTS.items():
-        _, _, args = parse([name, "--quick"] + (["x"] if name == "report" else []))
+        positional = {"report": ["x"], "attach": ["1"], "trace": [__file__]}.get(name, [])
+        _, _, args = parse([name, "--quick"] + positional)
         assert hasattr(args, "csv") == hasattr(args, "json") == hasattr(args, "report") == exp.table
 
 

@@ -1,0 +1,171 @@
+"""`diag attach PID`: where a running training job's wall clock goes, without touching it.
+
+py-spy (spy.py) samples the job in chunks of CHUNK_S, the view updating after each; the main
+thread's seconds become stages by rules.RULES, one row per stage of a StageTimer frame (a window
+of the run, no step numbers) that amdahl reads like any run. The workers' samples name their
+hot function; psutil reads the processes' /proc counters, NVML the GPUs they hold.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+
+from diag.config import AttachConfig
+from diag.observe import gpus, spy
+from diag.observe.rules import classify, parse_frame
+from diag.observe.story import WIDE, interval, story
+
+CHUNK_S = 2.0  # py-spy runs this long per call: the live view's refresh; starting costs ~50 ms
+_PREP = re.compile(r"torch/utils/data/_utils/fetch\.py")  # a worker making a batch
+_WAITING = "(waiting for work, or handing a batch over)"
+
+
+@dataclass
+class Attached:
+    attach: pd.DataFrame  # per stage: wall seconds, share and its 95% interval, samples, rule
+    stages: pd.DataFrame  # the StageTimer frame: stage, seconds, step (NaN), rank, node, run
+    verdict: pd.DataFrame  # one row: amdahl's verdict, the top fix, the upgrade, notes
+    fixes: pd.DataFrame | None  # amdahl.findings (None: no stage worth a fix)
+    workers: pd.DataFrame | None  # what the children (DataLoader workers) were sampled in
+    gpu: pd.DataFrame  # NVML: each GPU the job holds, its utilisation and the job's memory
+    process: pd.DataFrame  # /proc: CPU seconds and MB read and written per process
+    projection: pd.DataFrame | None  # amdahl.upgrade to the target GPU (None: no known GPU)
+
+
+def _stages(timeline: collections.Counter) -> collections.Counter:
+    """The main thread's seconds by (stage, the source of the rule that named it)."""
+    out: collections.Counter = collections.Counter()
+    for frames, seconds in timeline.items():
+        if seconds > 0:
+            out[classify(list(frames))] += seconds
+    return out
+
+
+def live_line(by: collections.Counter) -> str:
+    """The shares so far, largest first: what the live view shows after each chunk."""
+    shares: collections.Counter = collections.Counter()
+    for (stage, _), seconds in by.items():
+        shares[stage] += seconds / (sum(by.values()) or 1.0)
+    return ", ".join(f"{s} {v:.0%}" for s, v in shares.most_common(4))
+
+
+def _table(by: collections.Counter, rate: int) -> pd.DataFrame:
+    """Per stage: its sampled wall seconds, its share, the samples (seconds x rate) and the
+    95% interval they give, the rule that named most of it."""
+    total, rows = sum(by.values()), []
+    for stage in dict.fromkeys(s for s, _ in sorted(by, key=lambda k: -by[k])):
+        mine = {src: v for (s, src), v in by.items() if s == stage}
+        seconds = sum(mine.values())
+        share, (low, high) = seconds / total, interval(round(seconds * rate), round(total * rate))
+        rows.append({"stage": stage, "seconds": seconds, "share": share, "low": low,
+                     "high": high, "samples": round(seconds * rate),
+                     "rule": max(mine, key=mine.get), "note": f"few samples: {low:.0%} to "
+                     f"{high:.0%}" if max(high - share, share - low) > WIDE else ""})
+    return pd.DataFrame(rows)
+
+
+def _workers(counts: collections.Counter, pid: int) -> pd.DataFrame | None:
+    """Each child's main-thread samples: the leaf function while it makes a batch, else waits."""
+    rows: collections.Counter = collections.Counter()
+    for (owner, tid, frames), n in counts.items():
+        if owner != pid and tid == owner and frames:
+            function, file, _ = parse_frame(frames[-1])
+            making = any(_PREP.search(parse_frame(f)[1]) for f in frames)
+            rows[(owner, function if making else _WAITING, file if making else "")] += n
+    table = pd.DataFrame([(*k, n) for k, n in rows.items()],
+                         columns=["pid", "function", "file", "samples"])
+    if table.empty:  # no child process was sampled
+        return None
+    table["share"] = table["samples"] / table.groupby("pid")["samples"].transform("sum")
+    return table.sort_values(["pid", "samples"], ascending=[True, False], ignore_index=True)
+
+
+def _counters(pid: int) -> dict[int, tuple[str, float, float, float]]:
+    """/proc through psutil: pid -> (role, CPU seconds, MB read, MB written) of the job and its
+    children; I/O counters a process does not let us read are NaN."""
+    import psutil
+
+    out = {}
+    try:
+        family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        for p in family:
+            cpu = p.cpu_times()
+            try:
+                io = p.io_counters()
+                read, written = io.read_bytes / 1e6, io.write_bytes / 1e6
+            except (psutil.Error, AttributeError):
+                read = written = float("nan")
+            out[p.pid] = ("main" if p.pid == pid else "child", cpu.user + cpu.system, read,
+                          written)
+    except psutil.Error:  # a process gone meanwhile: the ones read so far
+        pass
+    return out
+
+
+def _process(before: dict, after: dict, window: float) -> pd.DataFrame:
+    rows = [{"pid": pid, "role": role, "cpu_s": cpu - was[1], "cpu_cores": (cpu - was[1]) / window,
+             "read_mb": read - was[2], "written_mb": written - was[3]}
+            for pid, (role, cpu, read, written) in after.items()
+            for was in [before.get(pid, (role, 0.0, 0.0, 0.0))]]  # a new child: from zero
+    return pd.DataFrame(rows, columns=["pid", "role", "cpu_s", "cpu_cores", "read_mb",
+                                       "written_mb"])
+
+
+def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
+    """Sample process cfg.pid for cfg.seconds (less if it exits: what was sampled is kept)."""
+    import psutil
+    from tqdm.auto import tqdm
+
+    py_spy = spy.py_spy()
+    if not psutil.pid_exists(cfg.pid):
+        raise ValueError(f"AttachConfig.pid={cfg.pid}: no such process (`ps -ef | grep python`, "
+                         "nvidia-smi list the candidates)")
+    spy.check(py_spy, cfg.pid)
+    timeline, counts = collections.Counter(), collections.Counter()
+    before, exited = _counters(cfg.pid), False
+    with gpus.Watch(cfg.pid) as gpu, tqdm(total=cfg.seconds, unit="s", disable=not progress,
+                                         desc=f"attach {cfg.pid}") as bar:
+        start = time.perf_counter()
+        while not exited and (left := cfg.seconds - (time.perf_counter() - start)) >= 0.5:
+            try:
+                kids = bool(psutil.Process(cfg.pid).children())
+                main, got, exited = spy.sample(py_spy, cfg.pid, min(CHUNK_S, left), cfg.rate,
+                                               kids)
+            except (ValueError, psutil.NoSuchProcess):  # gone between two chunks
+                main, got, exited = collections.Counter(), collections.Counter(), True
+            timeline.update(main)
+            counts.update(got)
+            bar.update(min(time.perf_counter() - start, cfg.seconds) - bar.n)
+            bar.set_postfix_str(live_line(_stages(timeline)))
+        window = time.perf_counter() - start
+        after = _counters(cfg.pid)
+    by = _stages(timeline)
+    if not by:
+        raise RuntimeError(f"process {cfg.pid} exited before its main thread was sampled")
+    notes = [f"process {cfg.pid} exited {window:.3g} s into the {cfg.seconds:g} s asked for: "
+             f"the stages rest on the {sum(by.values()):.3g} s sampled before"] if exited else []
+    if os.geteuid() != 0:
+        notes.append("py-spy ran at normal priority (not root): on a busy CPU the waits may be "
+                     "over-counted")
+    table = _table(by, cfg.rate)
+    frame = pd.DataFrame({"stage": table["stage"], "seconds": table["seconds"],
+                          "step": pd.array([pd.NA] * len(table), dtype="Int64"), "rank": 0,
+                          "node": 0, "run": "attach"})
+    verdict, fixes, projection = story(frame, cfg.current_gpu or gpu.known_name(),
+                                       cfg.target_gpu, "; ".join(notes))
+    return Attached(table, frame, verdict, fixes, _workers(counts, cfg.pid), gpu.frame(),
+                    _process(before, {**before, **after}, window), projection)
+
+
+def attach(pid: int, seconds: float = 60.0, rate: int = 100, current_gpu: str = "",
+           target_gpu: str = "H100 SXM", progress: bool = True) -> Attached:
+    """Sample a running training process (never pausing or signalling it) and say where its
+    wall clock goes: `diag attach PID` in a notebook, its shares shown as it samples."""
+    return run_attach(AttachConfig(pid=pid, seconds=seconds, rate=rate, current_gpu=current_gpu,
+                                   target_gpu=target_gpu), progress)
