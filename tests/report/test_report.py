@@ -119,7 +119,7 @@ def test_round_trip_write_then_load_gives_equal_frames(tmp_path):
 def test_the_page_is_self_contained_and_links_only_its_own_csvs(written):
     folder, text = written
     pngs = sorted(p.stem for p in folder.glob("*.png"))
-    assert pngs == ["amdahl", "loader", "stage_shares", "storage", "waterfall"]
+    assert pngs == ["amdahl", "loader", "stage_shares", "storage", "timeline", "waterfall"]
     for name in pngs:
         assert re.search(
             rf'<img alt="{name}" src="data:image/png;base64,[A-Za-z0-9+/=]{{1000,}}"', text)
