@@ -132,6 +132,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     from tqdm.auto import tqdm
 
     from diag.machine.disks import disk_kind, evict_page_cache
+    from diag.noise import interleave
 
     cfg, began = cfg or ModelLoadConfig.default(), time.perf_counter()
     cache_dir = cache_dir_for(cfg)
@@ -211,13 +212,19 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
 
             scenarios = [s for r, s in plan if r == 0]
             bar = tqdm(total=len(plan), desc="model load", unit="load", leave=False)
-            repeat, looped = 0, time.perf_counter()
-            while repeat < cfg.repeats or _more(cfg, rows, repeat, (began, looped), estimate):
+
+            def measured(scenario: str, repeat: int) -> None:
                 bar.total = max(bar.total, (repeat + 1) * len(scenarios))
-                for scenario in scenarios:
-                    measure(repeat, scenario)
-                    bar.update()
-                repeat += 1
+                measure(repeat, scenario)
+                bar.update()
+
+            # rounds of every scenario, the order turned each round; past cfg.repeats while
+            # budget_s allows and model_cache is unresolved (diag.noise's one rounds driver)
+            more = bool(cfg.budget_s) and {"fresh", "cached"} <= set(cfg.scenarios)
+            interleave(scenarios, measured, lambda got: _unresolved(rows, estimate),
+                       budget_s=max(0.0, cfg.budget_s - (time.perf_counter() - began)),
+                       min_rounds=cfg.repeats,
+                       max_rounds=max(cfg.repeats, MAX_REPEATS if more else cfg.repeats))
             bar.close()
         if estimate:  # after the loads: its download warms nothing they read
             rows += _fresh_estimate(src, cache_dir, rows)
@@ -233,21 +240,15 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     return ModelLoadResult(frame, advice(frame), decide(frame))
 
 
-def _more(cfg: ModelLoadConfig, rows: list[dict[str, Any]], done: int,
-          clocks: tuple[float, float], estimate: bool) -> bool:
-    """Another repeat past cfg.repeats, while budget_s fits one more, model_cache is unresolved
-    and repeats are below MAX_REPEATS?"""
+def _unresolved(rows: list[dict[str, Any]], estimate: bool) -> bool:
+    """Another round of loads: the model_cache decision is not yet measured (with fresh
+    estimated, until the cached loads hold MIN_SAMPLES)."""
     import pandas as pd
 
     from diag.noise import MIN_SAMPLES
 
-    now = time.perf_counter()
-    if not cfg.budget_s or done >= MAX_REPEATS or not {"fresh", "cached"} <= set(cfg.scenarios):
-        return False
-    if now - clocks[0] + (now - clocks[1]) / max(done, 1) > cfg.budget_s:
-        return False
     if estimate:
-        return done < MIN_SAMPLES
+        return len({r["repeat"] for r in rows if r["scenario"] == "cached"}) < MIN_SAMPLES
     return decide(pd.DataFrame(rows, columns=COLUMNS))[0].basis != "measured"
 
 
