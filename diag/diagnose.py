@@ -104,8 +104,7 @@ def _recipe(cfg: DiagnoseConfig, run: Run, budget: Budget | None = None) -> Diag
 
 def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig,
             budget: Budget | None) -> Diagnosis:
-    """The QLoRA job's decisions, measured on its step, then its runs; its sources (the embedded
-    S3 and hub, or yours) open from the first step that reads them until the runs end or fail."""
+    """The job's decisions on its step, then its runs (its sources open until they end)."""
     from diag.qlora import measure
     from diag.qlora.job import open_sources
 
@@ -113,9 +112,10 @@ def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig,
         # opened once, by the first step that calls src() (a failed open: the next one retries)
         src = functools.cache(lambda: stack.enter_context(open_sources(job)))
         d = run(d, JOB, lambda: measure.job_inputs(job, src()))
-        # the decisions in their one order and one budget split (measure.OnJob, as diag qlora's)
-        on = functools.cache(lambda: stack.enter_context(
-            contextlib.closing(measure.OnJob(job, _need(d.job, JOB)))))
+        # the decisions in one order and budget split (measure.OnJob, as diag qlora's)
+        shares = {"accum": ACCUM, "checkpointing": CHECKPOINTING, "loader": LOADER}
+        on = functools.cache(lambda: stack.enter_context(contextlib.closing(measure.OnJob(
+            job, _need(d.job, JOB), (lambda n: budget.share(shares[n])) if budget else None))))
         if cfg.accum:
             d = run(d, ACCUM, lambda: on().accum())
         d = run(d, CHECKPOINTING, lambda: on().checkpointing(_micro(d)))

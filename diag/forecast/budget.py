@@ -41,6 +41,7 @@ FLOORS = {"info": 1.0, "storage": 4.0, "model_load": 20.0, "job": 3.0, "accum": 
 WEIGHTS = {"storage": 3.0, "model_load": 2.0, "job": 1.0, "accum": 1.0, "checkpointing": 1.0,
            "loader": 1.0, "qlora": 2.0, "loader_projected": 1.0, "runs": 1.0}
 DECISIONS = ("accum", "checkpointing", "loader")  # the job's decisions: decide_budget_s
+STEPPED = (*DECISIONS, "qlora", "runs")  # steps that time the job's training steps
 
 # Floors at the user's scale, from the sizes known before any work (Sizes): a step's floor above
 # plus the least its bytes take at these rates. Assumptions, not measured here (a floor is a
@@ -100,10 +101,18 @@ def floors(sizes: Sizes, cfg: DiagnoseConfig) -> dict[str, tuple[float, str]]:
         loads |= {"accum": 1, "checkpointing": 2 - bool(cfg.accum),
                   "qlora": 2 if cfg.plan == "both" else 1}
     downloads = {"model_load": fill + load.repeats * fresh, "job": fill * (not cfg.model_load)}
+    # the job's steps and records beyond the embedded run's (seq_len 128, 32 records): the
+    # steps' floors grow with the tokens a step holds, the job's inputs with its records
+    seq = (cfg.seq_len or 128) / 128 if cfg.qlora else 1.0
+    recs = (cfg.records or 32) / 32 if cfg.qlora else 1.0
+    grow = {s: (seq, f"x {seq:.3g} for seq_len {cfg.seq_len}") for s in STEPPED if seq > 1}
+    grow |= {"job": (recs, f"x {recs:.3g} for {cfg.records} records")} if recs > 1 else {}
     out = {}
     for step, floor in FLOORS.items():
-        parts = [(n * nbytes / PULL_BYTES_PER_S, f"{n} pulls of {_bytes(nbytes)}")
-                 for n, nbytes in pulls if step == "storage" and nbytes]
+        scale, why = grow.get(step, (1.0, ""))
+        parts = [(floor * (scale - 1), why)] if scale > 1 else []
+        parts += [(n * nbytes / PULL_BYTES_PER_S, f"{n} pulls of {_bytes(nbytes)}")
+                  for n, nbytes in pulls if step == "storage" and nbytes]
         if sizes.model_bytes:
             parts += [(n * sizes.model_bytes / rate, f"{n} {what}{'s' * (n > 1)} of "
                        f"{_bytes(sizes.model_bytes)}")

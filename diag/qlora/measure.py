@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,8 +98,11 @@ class OnJob:
     setting: accum's rounds may take half of cfg.decide_budget_s, checkpointing's what accum left
     (the loader's repeats are its screen). close() lets the steps' bases go."""
 
-    def __init__(self, cfg: QLoraConfig, job: JobInputs) -> None:
-        self.cfg, self.job, self.left = cfg, job, cfg.decide_budget_s
+    def __init__(self, cfg: QLoraConfig, job: JobInputs,
+                 share: Callable[[str], float] | None = None) -> None:
+        """share(decision): its seconds of the run's budget (diag run's), past which its screen
+        cuts the points left; None: every point is screened."""
+        self.cfg, self.job, self.left, self.share = cfg, job, cfg.decide_budget_s, share
         self._made: dict[bool, QLoraStep] = {}
 
     def step(self, gradient_checkpointing: bool = False) -> QLoraStep:
@@ -112,7 +115,8 @@ class OnJob:
         return step
 
     def accum(self) -> AccumResult:
-        got = accum_on_job(self.cfg, self.job, budget_s=self.left / 2, on=self)
+        got = accum_on_job(self.cfg, self.job, budget_s=self.left / 2, on=self,
+                           share_s=self.share("accum") if self.share else None)
         self.left -= got.decisions[0].repeats_s or 0.0
         return got
 
@@ -177,14 +181,19 @@ def micro_candidates(rows_per_step: int, most: int = 4) -> list[int]:
 
 
 def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | None = None,
-                 budget_s: float | None = None, on: OnJob | None = None) -> AccumResult:
+                 budget_s: float | None = None, on: OnJob | None = None,
+                 share_s: float | None = None) -> AccumResult:
     """micro_batch x grad_accum == the job's rows per step on the job's step (checkpointing
     off: its own measurement prices it), through diag.accum's harness: every point screened
     (one warm-up step, one timed), then rounds of a step of each, interleaved, to
     cfg.sweep_steps each, then of the fastest and those within noise of it
     (diag.accum.retime) until resolved or `budget_s` (default: half of cfg.decide_budget_s)
-    is spent; summarized and decided by diag.accum. steps: the
-    measurements' shared QLoraSteps (else one loaded here)."""
+    is spent; summarized and decided by diag.accum. on: the measurements' shared steps (else
+    one loaded here). share_s: past it, the points not yet screened are cut (said in the
+    decision; the first two always run), and the rounds get what is left of it."""
+    import dataclasses
+    import time
+
     import pandas as pd
 
     from diag.accum import AccumResult, accum_frame, advice, decide, retime, summarize, train_points
@@ -200,9 +209,17 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
     one = [(on or OnJob(cfg, job)).step()]
     # a step each, then interleaved rounds (a point's steps one after another let a moving load
     # resolve micro-batch 4 over 2 in one quick decision and 2 over 4 in the next)
-    timed = train_points(one, [(m, rows_per_step // m) for m in micro_batches], repeats=1,
-                         warmup_steps=1, desc="accum sweep on the job")
-    timed, spent = retime(one, timed, unresolved, budget_s=_budget(cfg, budget_s),
+    start, frames, cut = time.perf_counter(), [], []
+    for i, m in enumerate(micro_batches):
+        if share_s is not None and i >= 2 and time.perf_counter() - start > share_s:
+            cut = micro_batches[i:]
+            break
+        frames.append(train_points(one, [(m, rows_per_step // m)], repeats=1, warmup_steps=1,
+                                   desc="accum sweep on the job"))
+    left = _budget(cfg, budget_s)
+    if share_s is not None:
+        left = max(0.0, min(left, share_s - (time.perf_counter() - start)))
+    timed, spent = retime(one, pd.concat(frames, ignore_index=True), unresolved, budget_s=left,
                           at_least=cfg.sweep_steps)
     tokens = rows_per_step * cfg.seq_len
     # no floor or MFU here: the QLoRA step's FLOPs are diag.qlora.mfu's own
@@ -210,8 +227,12 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
     summary = summarize(frame, device=str(job.device))
     where = _on(cfg, job, f"the QLoRA step, {rows_per_step} rows per optimizer step "
                        "(checkpointing off)", tokens_per_step=tokens)
-    return AccumResult(frame, summary, pd.DataFrame(), advice(summary, cfg.steps),
-                       decide(frame, where, repeats_s=spent))
+    (decided,) = decide(frame, where, repeats_s=spent)
+    if cut:
+        decided = dataclasses.replace(decided, why=f"{decided.why}; micro-batch "
+                                      f"{', '.join(map(str, cut))} not timed: the step's share "
+                                      f"of the budget ({share_s:.3g} s) ran out")
+    return AccumResult(frame, summary, pd.DataFrame(), advice(summary, cfg.steps), (decided,))
 
 
 def _budget(cfg: QLoraConfig, budget_s: float | None) -> float:

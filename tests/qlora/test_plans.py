@@ -312,3 +312,39 @@ def test_a_known_delay_gets_the_theory_or_the_next_swept_value():
                              batch_size=4, step_ms=20.0, steps=4, repeats=5, device="cpu")
     got = {d.setting: d for d in decide(sweep_workers(cfg))}
     assert got["num_workers"].value in (2, 4), got["num_workers"].why
+
+
+def test_a_micro_batch_screen_past_its_share_cuts_the_points_left_and_says_so(monkeypatch):
+    # each screened point "takes" 10 s on a clock only the points move: with a 15 s share the
+    # first two run, the rest are cut and named in the decision
+    import time
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    import diag.accum as accum
+    from diag.config import QLoraConfig
+    from diag.qlora import measure
+
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    def screened(steps, points, **kw):
+        now[0] += 10.0
+        (m, a), = points
+        return pd.DataFrame([{"step": 0, "micro_batch": m, "grad_accum": a, "status": "ok",
+                              "repeat": 0, "seconds_per_step": 1.0 / m, "cpu_s": 1.0 / m,
+                              "data_s": 0.0, "peak_mem_gb": 0.01, "warmup_s": 0.0, "detail": ""}])
+
+    monkeypatch.setattr(accum, "train_points", screened)
+    monkeypatch.setattr(accum, "retime", lambda steps, timed, *a, **k: (timed, 0.0))
+    job = measure.JobInputs(8, None, None, "cpu")
+    got = measure.accum_on_job(QLoraConfig.quick(), job, [1, 2, 4, 8],
+                               on=SimpleNamespace(step=lambda: None), share_s=15.0)
+    (decided,) = got.decisions
+    assert sorted(got.frame["micro_batch"]) == [1, 2]
+    assert decided.why.endswith("; micro-batch 4, 8 not timed: the step's share of the budget "
+                                "(15 s) ran out")
+    whole = measure.accum_on_job(QLoraConfig.quick(), job, [1, 2, 4, 8],
+                                 on=SimpleNamespace(step=lambda: None))
+    assert sorted(whole.frame["micro_batch"]) == [1, 2, 4, 8]  # no share: every point
