@@ -184,3 +184,25 @@ def restated(checked: pd.DataFrame, met: Sequence[float], timed: Sequence[float]
                                  evidence).items():
             out.at[i, key] = value
     return out
+
+
+def tell(measured: pd.DataFrame, counts: Mapping[str, Mapping[str, float]], clock: str,
+         fixes: Mapping[str, Sequence[str]], tokens: Mapping[str, float],
+         met: Sequence[float] = ()) -> dict[str, pd.DataFrame]:
+    """The whole story from the measurement rows, in one call: the cost table, the savings
+    predicted vs measured (restated where the naive steps the runs `met` moved from those
+    timed before), the waterfall and the headline's row."""
+    import pandas as pd
+
+    from diag.forecast.costs import table
+
+    costs = table(measured)
+    before, runs = (priced(costs, counts, clock, when) for when in ("before", "runs"))
+    timed = measured[(measured["when"] == "before") & (measured["plan"] == "naive")
+                     & (measured["stage"] == "train") & (measured["clock"] == clock)]
+    savings = restated(check(before, runs, clock, fixes), met, list(timed["seconds"]), clock)
+    flow = waterfall(runs, clock, fixes)
+    totals = dict(zip(flow["bar"], flow["seconds"]))
+    head = headline(rounds_of(measured, clock), tokens, clock, totals)
+    return {"costs": costs, "savings": savings, "waterfall": flow,
+            "comparison": pd.DataFrame([head | {"changed": ",".join(fixes)}])}

@@ -12,7 +12,7 @@ import contextlib
 import gc
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from diag.machine.device import on_cpu_threads
 
@@ -57,11 +57,11 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
     from diag.qlora.measure import read_results
 
     cfg = cfg or QLoraConfig.default()
+    if cfg.out_dir:  # another run's checkpoints there: refused unless --resume (same settings)
+        claim(cfg.out_dir, cfg.identity(), cfg.resume, folders=("naive", "optimized"))
     if decisions is None and cfg.results:
         decisions = read_results(cfg)
     preflight(cfg, job=cfg)
-    if cfg.out_dir:  # another run's checkpoints there: refused unless --resume (same settings)
-        claim(cfg.out_dir, cfg.identity(), cfg.resume, folders=("naive", "optimized"))
     return compare(cfg, decisions)
 
 
@@ -71,19 +71,17 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
     costs timed before the runs, the runs in rounds, each plan's FLOPs counted, the result.
     src: the job's sources, open (else opened and closed here); budget_s: the seconds the
     rounds past cfg.rounds may take (None: cfg.decide_budget_s, none for a single round)."""
-    from diag.machine.device import resolve
     from diag.noise import clock
     from diag.qlora.base import Bases
-    from diag.qlora.job import open_sources
+    from diag.qlora.job import open_sources, rank_device
     from diag.qlora.mfu import count_plans
-    from diag.timing.distributed import init_group
 
-    init_group(resolve(cfg.device).type)  # under a launcher: join before the first barrier
-    on = clock(resolve(cfg.device)).name
+    device = rank_device(cfg)[0]  # under a launcher: joins before the first barrier
+    on = clock(device).name
     with contextlib.nullcontext(src) if src else open_sources(cfg) as src:
         plans = _plans(cfg, decisions, src)
         with Bases() as bases:
-            before = _before(cfg, plans, src, bases, on)
+            before = _before(cfg, plans, src, bases, device)
             runs = _rounds(cfg, plans, src, bases, on, budget_s)
             counted = count_plans(cfg, plans, src, bases)
     return _result(plans, before, runs, counted, on)
@@ -105,7 +103,7 @@ def _plans(cfg: QLoraConfig, decisions: Iterable[Decision] | None, src: Sources)
     return plans
 
 
-def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, clock: str
+def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, device: Any
             ) -> pd.DataFrame | None:
     """Both plans' starts and own steps timed before the runs (the predictions' rows, each
     step on the base its rounds reuse), then what a start imports, paid here before the rounds
@@ -122,8 +120,10 @@ def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, clo
     trainer_class()
     if len(plans) < 2:
         return None
-    got = pd.concat([time_starts(cfg, plans, src, clock),
-                     time_steps(cfg, plans, src, bases, clock)], ignore_index=True)
+    from diag.noise import clock
+
+    got = pd.concat([time_starts(cfg, plans, src, clock(device).name),
+                     time_steps(cfg, plans, src, bases, device)], ignore_index=True)
     gc.collect()  # the measurements' models (reference cycles) go before the first start
     return got
 
@@ -167,11 +167,10 @@ def _rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, clo
 
 def _result(plans: list[Plan], before: pd.DataFrame | None, runs: list[PlanRun],
             counted: dict, clock: str) -> QLoraResult:
-    """Every figure from the cost table: the savings, the waterfall, the headline."""
+    """The runs' own tables, then every figure read from the cost table (diag.forecast.story)."""
     import pandas as pd
 
     from diag.amdahl import shares
-    from diag.forecast import costs as table
     from diag.forecast import story
     from diag.qlora.job import counts
     from diag.qlora.mfu import run_mfu
@@ -179,44 +178,36 @@ def _result(plans: list[Plan], before: pd.DataFrame | None, runs: list[PlanRun],
 
     every = pd.DataFrame([r.summary for r in runs])
     measured = pd.concat([before, *(r.costs for r in runs)], ignore_index=True)
-    costs = table.table(measured)
     kept = [_median_run(runs, p.name) for p in plans]
     frame = pd.DataFrame([k.summary | _spread(every, k.plan) for k in kept])
     stages = pd.concat([k.stages for k in kept], ignore_index=True)
     out = dict(frame=frame, stages=stages, losses=pd.concat([k.losses for k in kept]),
-               shares=shares(stages), costs=costs, rounds=every, measured=measured,
+               shares=shares(stages), rounds=every, measured=measured,
                plans=pd.concat([p.frame() for p in plans], ignore_index=True),
                mfu=run_mfu(frame, stages, counted))
     if len(plans) < 2:
+        from diag.forecast.costs import table
+
         empty = pd.DataFrame(columns=["stage", "finding", "seconds_saved", "evidence"])
-        return QLoraResult(**out, savings=empty, waterfall=empty, advice=empty)
-    n = {k.plan: counts(k.summary) for k in kept}
-    applied = fixes(*plans)
-    before, after = (story.priced(costs, n, clock, when) for when in ("before", "runs"))
-    savings = story.restated(story.check(before, after, clock, applied),
-                             *_steps_met(runs, measured, clock), clock)
-    flow = story.waterfall(after, clock, applied)
-    totals = {k.plan: float(flow.loc[flow["bar"] == k.plan, "seconds"].iloc[0]) for k in kept}
-    head = story.headline(story.rounds_of(measured, clock),
-                          {k.plan: k.summary["real_tokens"] for k in kept}, clock, totals)
+        return QLoraResult(**out, costs=table(measured), savings=empty, waterfall=empty,
+                           advice=empty)
+    told = story.tell(measured, {k.plan: counts(k.summary) for k in kept}, clock, fixes(*plans),
+                      {k.plan: k.summary["real_tokens"] for k in kept}, _steps_met(runs, clock))
+    savings = told["savings"]
     advice = savings[savings["finding"] != "unchanged"].rename(
         columns={"measured_s": "seconds_saved"})[["stage", "finding", "seconds_saved",
                                                   "evidence"]]
-    return QLoraResult(**out, savings=savings, waterfall=flow, advice=advice,
-                       comparison=pd.DataFrame([head | {"changed": ",".join(applied)}]))
+    return QLoraResult(**out, advice=advice, **told)
 
 
-def _steps_met(runs: list[PlanRun], measured: pd.DataFrame, clock: str
-               ) -> tuple[list[float], list[float]]:
-    """The naive steady step on `clock` as each round met it, and as timed before the runs."""
+def _steps_met(runs: list[PlanRun], clock: str) -> list[float]:
+    """The naive steady step on `clock` as each round met it."""
     met = []
     for r in (r for r in runs if r.plan == "naive"):
         rows = r.costs[(r.costs["stage"] == "train") & (r.costs["clock"] == clock)]
         steady = r.summary["steps"] - r.summary["warmup_steps"]
         met += [float(rows["seconds"].iloc[0]) / steady] if len(rows) and steady else []
-    mine = measured[(measured["when"] == "before") & (measured["plan"] == "naive")
-                    & (measured["stage"] == "train") & (measured["clock"] == clock)]
-    return met, list(mine["seconds"])
+    return met
 
 
 def _median_run(runs: list[PlanRun], plan: str) -> PlanRun:

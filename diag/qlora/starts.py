@@ -104,24 +104,21 @@ class RowsStep(QLoraStep):
 
 
 def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
-               clock: str) -> pd.DataFrame:
+               device: Any) -> pd.DataFrame:
     """Each plan's own optimizer step (its first step's rows, micro-batch x accumulation,
-    checkpointing) on the base its rounds reuse: a warm-up and a timed step each, then rounds
-    of a step of each plan, interleaved, to cfg.sweep_steps each and on until each median on
-    `clock` settles (diag.noise.unsettled) or half of cfg.decide_budget_s is spent. Rows per
-    timed step: `step` (a steady step) and `warmup_step` (a warm-up step is predicted as one:
-    no start-up is foreseen), both clocks; a plan whose step ran out of memory has none."""
+    checkpointing) on `device`, on the base its rounds reuse: a warm-up and a timed step each,
+    then interleaved rounds to cfg.sweep_steps each and on until each median settles
+    (diag.noise.unsettled) or half of cfg.decide_budget_s is spent. Rows per timed step, both
+    clocks: `step` and `warmup_step` (a warm-up step is predicted as a steady one)."""
     import pandas as pd
 
     from diag.accum import retime, train_points
     from diag.noise import unsettled
     from diag.qlora.data import build_dataset, job_records
-    from diag.qlora.job import rank_device
     from diag.qlora.measure import job_inputs
     from diag.timing import StageTimer
 
     job = job_inputs(cfg, src)  # the landed data and the cached model: hits by now
-    device = rank_device(cfg)[0]
     steps, frames = [], []
     try:
         for plan in plans:
