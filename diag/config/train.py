@@ -11,6 +11,7 @@ from diag.config.qlora import JobConfig, QLoraConfig
 TrainPlan = Literal["optimized", "naive"]
 LrSchedule = Literal["cosine", "linear", "constant"]
 MEASURED_STEPS = 4  # optimizer steps of the job the plan is decided on
+EVAL_SHARE = 0.1  # the default eval cadence keeps evals under this share of the training
 
 
 @dataclass
@@ -33,7 +34,8 @@ class TrainConfig(JobConfig):
     lr_schedule: LrSchedule = "cosine"  # the learning rate after its warm-up
     lr_warmup: float = 0.03  # share of the optimizer steps that warm the learning rate up
     eval_share: float = 0.01  # records held out for eval (at least eval_batch), never trained on
-    eval_every: int = 0  # eval every N optimizer steps and at the end; 0 = ten times over the run
+    eval_every: int = 0  # eval every N optimizer steps and at the end; 0 = up to ten times over
+                         # the run, as often as keeps eval under 10% of it
     eval_batch: int = 8  # records per eval batch, one a row in both plans (so they compare)
     keep_checkpoints: int = 2  # the newest K checkpoints kept in out_dir
     merge: bool = False  # also write the 16-bit base with the adapter merged (out_dir/merged)
@@ -100,6 +102,14 @@ class TrainConfig(JobConfig):
     def cadence(every: int, steps: int) -> int:
         """Steps between evals, saves or progress lines: `every`, or (0) ten over the run."""
         return every or max(1, steps // 10)
+
+    def eval_cadence(self, steps: int, eval_records: int) -> int:
+        """Steps between evals: eval_every, or (0) ten over the run, fewer where those would
+        cost over EVAL_SHARE of the training (an eval's record runs forward only: a third)."""
+        if self.eval_every:
+            return self.eval_every
+        evals = EVAL_SHARE * steps * self.batch_size * 3 / max(eval_records, 1)  # affordable
+        return max(self.cadence(0, steps), math.ceil(steps / max(evals - 2, 1)))  # + first, last
 
     @classmethod
     def of_job(cls, job: JobConfig, quick: bool | None = False, **more: Any) -> TrainConfig:

@@ -1,14 +1,8 @@
-"""`diag run --budget 15m`: the diagnosis' time split among its steps, the plan shown before the
-first step, and each step's estimate beside what it spent after the last.
+"""`diag run --budget 15m`: the diagnosis' time split among its steps, shown before the first.
 
-`Budget(total_s, steps)` gives each step its floor (`FLOORS`, scaled by `floors()` to the
-model's and the source's bytes, `sizes()`, at assumed rates) plus a weighted part of the rest
-(`WEIGHTS`); `share(step)` re-splits what is left over the steps not yet run when a step
-starts, so a step that overran takes from the later ones, never from the total. A budget under
-the steps' floors is refused before any work. Steps that size their work to their share:
-storage (the sample each method pulls) and the job's decisions (their repeats,
-`QLoraConfig.decide_budget_s`); the others run what they run, their share is
-their estimate, and `frame()` sets each beside what it spent (the run folder's budget.csv).
+Each step gets its floor (`FLOORS`, scaled to the job's sizes by `floors()`) plus a weighted part
+of the rest (`WEIGHTS`); `share(step)` re-splits what is left when a step starts, so an overrun
+takes from later steps, never from the total. A budget under the floors is refused before work.
 """
 
 from __future__ import annotations
@@ -29,23 +23,18 @@ if TYPE_CHECKING:
 
 GPU_DEFAULT, CPU_DEFAULT, QUICK_DEFAULT = "15m", "3m", "1m"  # --budget "" on each kind of run
 
-# The least each step takes: what it took in `diag run --quick` on a 2-core CPU box with the
-# embedded tiny model and an 8 MB dataset, rounded up (defaults, not measured here; a larger
-# model or dataset adds its bytes at the assumed rates below: floors()). Keyed by Step.field.
+# The least each step takes in `diag run --quick` on the embedded model and data (docs/
+# calibration.md); floors() adds the job's sizes. Keyed by Step.field.
 FLOORS = {"info": 1.0, "storage": 4.0, "model_load": 20.0, "job": 3.0, "accum": 8.0,
           "checkpointing": 3.0, "loader": 4.0, "qlora": 6.0, "qlora_projection": 1.0,
           "loader_projected": 8.0, "runs": 6.0, "accum_advice": 0.0}
-# How the rest of the budget is shared: storage sizes its sample to its share; the job's
-# decisions their repeats; the other steps' share is slack for a model or data larger than the
-# floors assumed (a 7B model's loads and steps).
+# How the rest is shared: storage sizes its sample to its share, the decisions their repeats
 WEIGHTS = {"storage": 3.0, "model_load": 2.0, "job": 1.0, "accum": 1.0, "checkpointing": 1.0,
            "loader": 1.0, "qlora": 2.0, "loader_projected": 1.0, "runs": 1.0}
 DECISIONS = ("accum", "checkpointing", "loader")  # the job's decisions: decide_budget_s
 STEPPED = (*DECISIONS, "qlora", "runs")  # steps that time the job's training steps
 
-# Floors at the user's scale, from the sizes known before any work (Sizes): a step's floor above
-# plus the least its bytes take at these rates. Assumptions, not measured here (a floor is a
-# least: each is a fast cloud box's rate; the spent column then shows this one's):
+# Assumed rates (a fast cloud box's: a floor is a least) for the bytes known before any work
 HUB_BYTES_PER_S = 200e6  # a model file from the hub (one stream; hf_xet on a cloud box)
 LOAD_BYTES_PER_S = 1e9  # a cached model read, quantized to 4-bit and placed on the device
 PULL_BYTES_PER_S = 200e6  # one method's pull of an object or range from the object store
@@ -64,9 +53,8 @@ def clock(value: float) -> str:
 
 @dataclass(frozen=True)
 class Sizes:
-    """What is known before any work: the model's weight bytes (0: the embedded tiny model the
-    floors were measured on, or unknown) and where they are, the source's bytes and the least
-    the storage sample pulls (its first object or range); `said`: where these come from."""
+    """What is known before any work: the model's weight bytes (0: the embedded model, or
+    unknown) and where they are, the source's bytes, the storage probe's first piece."""
 
     model_bytes: int = 0
     model_at: str = "cached"  # "hub": downloaded once to the cache first; "cached"; "local"
@@ -76,14 +64,8 @@ class Sizes:
 
 
 def floors(sizes: Sizes, cfg: DiagnoseConfig) -> dict[str, tuple[float, str]]:
-    """Each step's floor (seconds, and what it rests on) at these sizes: FLOORS plus, at the
-    assumed rates, the storage sample's pulls of its first piece (the probe's, then each
-    method's and the local read's per round; with --land the whole source per round), the
-    model's loads (model load: warm-up + repeats x scenarios; the decisions on the job: one per
-    checkpointing setting, shared; the comparison: one per plan, and the naive step timed
-    before its runs) and downloads (the cache
-    filled once, by model load or else the job; model load's fresh scenario once per repeat
-    unless estimated)."""
+    """Each step's floor (seconds, what it rests on): FLOORS, scaled with the job's seq_len and
+    records, plus its pulls, loads and downloads of these sizes at the assumed rates."""
     from diag.config import STORAGE_PULLS
 
     store, load = cfg.storage_config(), cfg.model_load_config()
@@ -95,14 +77,11 @@ def floors(sizes: Sizes, cfg: DiagnoseConfig) -> dict[str, tuple[float, str]]:
     pulls += [(2 * rounds, sizes.source_bytes)] if cfg.land else []  # a miss and a hit a round
     loads = {"model_load": load.warmup + load.repeats * len(load.scenarios)}
     if cfg.qlora:  # the steps on the job (without it, these fields are the toy's: no model)
-        # accum loads the step without checkpointing, checkpointing the other (both without
-        # accum), the loader takes theirs (qlora.measure.Steps); the comparison one per plan
-        # (its base, kept for every round: qlora.base.Bases)
+        # one load per checkpointing setting the decisions share; the comparison one per plan
         loads |= {"accum": 1, "checkpointing": 2 - bool(cfg.accum),
                   "qlora": 2 if cfg.plan == "both" else 1}
     downloads = {"model_load": fill + load.repeats * fresh, "job": fill * (not cfg.model_load)}
-    # the job's steps and records beyond the embedded run's (seq_len 128, 32 records): the
-    # steps' floors grow with the tokens a step holds, the job's inputs with its records
+    # beyond the embedded run's seq_len 128 and 32 records, a step's tokens and the inputs grow
     seq = (cfg.seq_len or 128) / 128 if cfg.qlora else 1.0
     recs = (cfg.records or 32) / 32 if cfg.qlora else 1.0
     grow = {s: (seq, f"x {seq:.3g} for seq_len {cfg.seq_len}") for s in STEPPED if seq > 1}
@@ -277,11 +256,8 @@ def of_run(cfg: DiagnoseConfig, steps: Sequence[Step], job: QLoraConfig | None) 
 
 
 def sizes(cfg: DiagnoseConfig) -> Sizes:
-    """The model's weight bytes (a local folder's or the cache's safetensors, else the hub's
-    listing: model_info(files_metadata=True) at HF_ENDPOINT) and the source's (its listing),
-    for the steps that use them; the embedded ones are what FLOORS were measured on (0). A
-    size that cannot be asked (offline, a wrong id or bucket) is left 0: preflight refuses
-    what is wrong, in its own words, before any work."""
+    """The model's weight bytes (local, cached, or the hub's listing: nothing downloaded) and
+    the source's (its listing); a size that cannot be asked is 0 (preflight says why)."""
     from pathlib import Path
 
     model, at, source, piece, said = 0, "cached", 0, 0, []

@@ -46,11 +46,11 @@ class QLoraResult:
 
 
 @on_cpu_threads
-def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | None = None
-              ) -> QLoraResult:
+def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | None = None,
+              budget_s: float | None = None) -> QLoraResult:
     """`diag qlora`: cfg's inputs checked before any work (preflight, the out_dir's owner,
     cfg.results' job), then `compare`. decisions: the optimized plan's (None: cfg.results',
-    else measured on the job)."""
+    else measured on the job); budget_s: compare's, for the rounds past cfg.rounds."""
     from diag.config import QLoraConfig
     from diag.preflight import preflight
     from diag.qlora.checkpoints import claim
@@ -62,7 +62,7 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
     if decisions is None and cfg.results:
         decisions = read_results(cfg)
     preflight(cfg, job=cfg)
-    return compare(cfg, decisions)
+    return compare(cfg, decisions, budget_s=budget_s)
 
 
 def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,

@@ -1,10 +1,8 @@
-"""The decisions of the optimized plan, measured on the QLoRA job's own step on this machine.
+"""The optimized plan's decisions, measured on the QLoRA job's own step on this machine.
 
-`plan_from_job(cfg, decisions)`: the job's inputs (`job_inputs`: landed data, cached model, rows
-per optimizer step), then unless decisions are given `measure_on_job`: micro-batch x grad-accum
-(`accum_on_job`) and checkpointing on vs off (`checkpointing_on_job`) through diag.accum's
-harness, the loader sweep (`loader_on_job`), all consuming `QLoraStep`; the plan collects their
-decisions, fitted to the job. `read_results(cfg)` gives back those a run folder kept.
+`plan_from_job`: the job's inputs (`job_inputs`), then unless given its decisions (`OnJob`:
+micro-batch, checkpointing on/off, the loader sweep, in one order with one budget split), the
+plan fitted to the job. `read_results(cfg)` gives back the decisions a run folder kept.
 """
 
 from __future__ import annotations
@@ -183,14 +181,11 @@ def micro_candidates(rows_per_step: int, most: int = 4) -> list[int]:
 def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | None = None,
                  budget_s: float | None = None, on: OnJob | None = None,
                  share_s: float | None = None) -> AccumResult:
-    """micro_batch x grad_accum == the job's rows per step on the job's step (checkpointing
-    off: its own measurement prices it), through diag.accum's harness: every point screened
-    (one warm-up step, one timed), then rounds of a step of each, interleaved, to
-    cfg.sweep_steps each, then of the fastest and those within noise of it
-    (diag.accum.retime) until resolved or `budget_s` (default: half of cfg.decide_budget_s)
-    is spent; summarized and decided by diag.accum. on: the measurements' shared steps (else
-    one loaded here). share_s: past it, the points not yet screened are cut (said in the
-    decision; the first two always run), and the rounds get what is left of it."""
+    """micro_batch x grad_accum == the job's rows per step, checkpointing off: every point
+    screened (a warm-up and a timed step), then interleaved rounds to cfg.sweep_steps each and
+    on while within noise (diag.accum.retime) until `budget_s` (half the decide budget) is
+    spent. share_s: past it, the points not yet screened are cut (the first two always run;
+    said in the decision) and the rounds get what is left. on: the shared steps (OnJob)."""
     import dataclasses
     import time
 
@@ -244,13 +239,10 @@ def _budget(cfg: QLoraConfig, budget_s: float | None) -> float:
 def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
                          budget_s: float | None = None, on: OnJob | None = None
                          ) -> CheckpointingResult:
-    """Checkpointing on vs off on the job's step (diag.qlora.checkpointing) at `micro` and at
-    the naive plan's micro-batch (the naive step's own on/off ratio: recomputing costs another
-    share there), through diag.accum's harness: a step each, then rounds of one step of each
-    (on and off at both micro-batches, interleaved, so a load change on a shared machine hits
-    all) to cfg.sweep_steps each and on while a gap is unresolved or impossible
-    (checkpointing.pending), within `budget_s` (default: half of
-    cfg.decide_budget_s). A point that ran out of memory leaves no row. steps: as accum_on_job."""
+    """Checkpointing on vs off at `micro` and at the naive micro-batch (its own on/off ratio),
+    a step each, then interleaved rounds to cfg.sweep_steps each and on while a gap is
+    unresolved or impossible (checkpointing.pending) within `budget_s`. A point that ran out of
+    memory leaves no row."""
     import pandas as pd
 
     from diag.accum import retime, train_points

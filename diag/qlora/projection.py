@@ -63,7 +63,7 @@ def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
     frames, priced = [], []
     for run in comparison.frame.itertuples():
         counts = job_counts(steps, train.warmup_steps, per_step, per_step / (1 - run.padding_share),
-                            train.cadence(train.eval_every, steps),
+                            train.eval_cadence(steps, held),
                             train.cadence(train.checkpoint_every, steps), held * train.seq_len,
                             built_bytes=built, records=records)
         costs = runs_costs(comparison.costs, run.plan)

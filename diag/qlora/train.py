@@ -213,7 +213,8 @@ def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, devic
     from diag.qlora.trainer import fit, trainer_for
 
     every = {k: cfg.cadence(getattr(cfg, k), job.steps)
-             for k in ("eval_every", "checkpoint_every", "progress_every")}
+             for k in ("checkpoint_every", "progress_every")}
+    every["eval_every"] = cfg.eval_cadence(job.steps, len(job.split.eval.indices))
     progress = Progress(timer, job.tokens_per_step, every["progress_every"],
                         f"diag train ({plan.name})")
     trainer, callback = trainer_for(
@@ -270,7 +271,8 @@ def _counts(cfg: TrainConfig, job: _Job, out: Path) -> dict[str, float]:
     return job_counts(
         job.steps, cfg.warmup_steps, job.tokens_per_step,
         job.data.stats["token_slots"] / job.split.steps_per_epoch,
-        cfg.cadence(cfg.eval_every, job.steps), cfg.cadence(cfg.checkpoint_every, job.steps),
+        cfg.eval_cadence(job.steps, len(job.split.eval.indices)),
+        cfg.cadence(cfg.checkpoint_every, job.steps),
         len(job.split.eval.indices) * cfg.seq_len, done,
         0 if cache.status == "hit" else read_meta(cache.folder)["build"]["bytes"],
         max(job.split.train.indices, default=-1) + 1)

@@ -172,3 +172,17 @@ def test_diag_home_follows_an_absolute_xdg_cache_home(monkeypatch: pytest.Monkey
     assert diag_home() == tmp_path / "xdg" / "diag"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # not absolute: the spec says ignore
     assert diag_home() == tmp_path / "home" / ".cache" / "diag"
+
+
+@pytest.mark.parametrize("steps, eval_records", [(60, 5), (60, 48), (1875, 300), (10, 5),
+                                                 (400, 120)])
+def test_the_default_eval_cadence_keeps_eval_under_a_tenth_of_the_training(steps, eval_records):
+    from diag.config import TrainConfig
+
+    cfg = TrainConfig.default(quick=False)
+    every = cfg.eval_cadence(steps, eval_records)
+    evals = steps // every + 2  # before the first step, every `every`, at the end
+    # an eval record runs forward only: a third of a trained one
+    assert evals * eval_records / 3 <= 0.1 * steps * cfg.batch_size + 1e-9
+    assert every <= max(1, steps // 10) or evals <= 12  # never rarer than it needs to be
+    assert TrainConfig.default(quick=False, eval_every=7).eval_cadence(steps, eval_records) == 7
