@@ -75,7 +75,7 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
     from diag.noise import clock
     from diag.qlora.base import Bases
     from diag.qlora.job import open_sources
-    from diag.qlora.mfu import count_plans
+    from diag.mfu import count_plans
     from diag.timing.distributed import init_group
 
     init_group(resolve(cfg.device).type)  # under a launcher: join before the first barrier
@@ -174,7 +174,7 @@ def _result(plans: list[Plan], before: pd.DataFrame | None, runs: list[PlanRun],
     from diag.forecast import costs as table
     from diag.forecast import story
     from diag.qlora.job import counts
-    from diag.qlora.mfu import run_mfu
+    from diag.mfu import run_mfu
     from diag.qlora.plans import fixes
 
     every = pd.DataFrame([r.summary for r in runs])
