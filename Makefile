@@ -61,7 +61,7 @@ bench: $(STAMP)
 # CI. Of landing, only its hit check of a landed file (_local_ok) is mutated.
 MUTANTS ?= diag.amdahl.* diag.secrets.* diag.timing.timer.* diag.machine.gpus.* diag.config.* \
 	diag.storage.landing.x__local_ok__* \
-	diag.decision.* diag.qlora.plans.* diag.loader.advice.* diag.accum.mfu.* diag.qlora.mfu.* \
+	diag.decision.* diag.qlora.plans.* diag.loader.advice.* diag.mfu.formula.* diag.mfu.qlora.* \
 	diag.storage.checks.* diag.storage.crc.* diag.timing.callback.* diag.qlora.predict.*
 mutate: $(STAMP)
 	@test -x $(VENV)/bin/mutmut || \

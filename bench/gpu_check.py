@@ -3,7 +3,7 @@
 Prepared for a lent GPU (CI does not run it; on a CPU it says so and exits 0). A Llama model with
 random weights is made locally (default the "small" shape, ~100M parameters; --hidden 2048
 --layers 22 --heads 32 --intermediate 5632 for TinyLlama's 1.1B shape) and served by the
-embedded hub; the dataset by the embedded S3. The QLoRA MFU is diag.qlora.mfu's, per token
+embedded hub; the dataset by the embedded S3. The QLoRA MFU is diag.mfu's, per token
 slot of the steady steps: executed FLOPs (forward, input gradients through the frozen 4-bit
 base, LoRA weight gradients, attention) beside model FLOPs (6N + 12·L·d·T, 8N + 16·L·d·T with
 activation checkpointing), against the dense table's peaks of the precisions the step ran in,
@@ -106,7 +106,7 @@ def main() -> int:
     tokens_per_s = tokens_per_step / per_step
     from diag.config import diag_home
     from diag.qlora.base import load_model
-    from diag.qlora.mfu import count_step, mfu_check, qlora_shape, step_peak
+    from diag.mfu import count_step, qlora_check, qlora_shape, step_peak
 
     home = diag_home() / "gpu_check"
     folder, data_path = home / "models" / f"h{args.hidden}-l{args.layers}", home / "data.jsonl"
@@ -114,7 +114,7 @@ def main() -> int:
     model.train()
     qshape = qlora_shape(model, args.seq_len, bool(summary["gradient_checkpointing"]))
     counter, executed = count_step(model, summary["micro_batch"], args.seq_len)
-    check = mfu_check(qshape, executed, counter)
+    check = qlora_check(qshape, executed, counter)
     del model
     torch.cuda.empty_cache()
     peak = step_peak(executed, "cuda")
@@ -146,7 +146,7 @@ def main() -> int:
 
 def print_mfu(name: str, seconds: float, slots: float, counted: tuple) -> None:
     """MFU of `slots` token slots in `seconds`, by executed FLOPs and by model FLOPs."""
-    from diag.qlora.mfu import plan_mfu
+    from diag.mfu import plan_mfu
 
     for row in plan_mfu(name, seconds, slots, *counted):
         mfu = f"{row['mfu']:.1%}" if not math.isnan(row["mfu"]) else "n/a"

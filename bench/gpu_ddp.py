@@ -27,7 +27,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from diag.timing import stragglers
-    from diag.accum.mfu import loss_of
+    from diag.mfu import loss_of
     from diag.accum.model import _autocast, build_model
     from diag.config import AccumConfig
     from diag.data import BatchLoader, ensure_tokens

@@ -240,7 +240,7 @@ def mfu_vs_counter(cfg: QLoraConfig) -> str:
     from diag.embedded import ensure_assets
     from diag.machine.device import resolve
     from diag.qlora.base import load_model
-    from diag.qlora.mfu import count_step, qlora_shape
+    from diag.mfu import count_step, qlora_shape
 
     ratios, said = [], []
     for ckpt in (False, True):

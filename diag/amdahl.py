@@ -1,10 +1,8 @@
 """Where a run's wall clock goes, and what an upgrade or a fix would buy (Amdahl's law).
 
-Input: StageTimer frames (`stage`, `seconds`, `step`; optional `run` to compare runs, `basis`
-for a run-level row measured elsewhere: a reused base's load). Run-level stages count as
-measured; step-level stages are scaled to the whole run (per-step median x steps), so a 50-step
-measurement answers for a 10,000-step run. A speedup k on a stage divides its seconds by k (inf
-removes it); the other stages set the floor no upgrade can go below.
+Input: StageTimer frames (`stage`, `seconds`, `step`; optional `run`, `basis`). Step-level stages
+are scaled to the whole run (per-step mean x steps); a speedup k divides a stage's seconds by k
+(inf removes it), and the other stages set the floor no upgrade goes below.
 """
 
 from __future__ import annotations
@@ -18,16 +16,12 @@ import pandas as pd
 from diag.decision import DATA_WAIT_GOAL, FIXES
 from diag.timing import LOAD_PARTS, RUN_STAGES, STAGES, STEP_STAGES
 
-# Run-level stages that contain the step-level ones (their time is shown split into steps).
-_CONTAINERS = ("train",)
-# Stages a faster GPU shortens (upgrade() and the Amdahl curve agree on this); the rest is floor.
-GPU_BOUND = ("compute", "warmup")
-# Stages no fix removes: the work itself (made faster by a GPU or a higher MFU, never removed)
-# and the Trainer's set-up (wrap, optimizer, data loader), paid once per start whatever the plan.
+_CONTAINERS = ("train",)  # run-level stages shown split into their step-level parts
+GPU_BOUND = ("compute", "warmup")  # what a faster GPU shortens; the rest is floor
+# no fix removes the work itself or the Trainer's set-up (paid once per start whatever the plan)
 UNCHANGED = ("compute", "train", "setup")
-# Share of step time above which data_wait is flagged, and above which it is noted.
-DATA_WAIT_FLAG = 0.10
-DATA_WAIT_NOTE = DATA_WAIT_GOAL  # under the loader's goal it is no finding
+DATA_WAIT_FLAG = 0.10  # data_wait's share of step time above which it is flagged
+DATA_WAIT_NOTE = DATA_WAIT_GOAL  # and above which it is noted
 
 
 def _check(frame: pd.DataFrame) -> pd.DataFrame:
@@ -53,8 +47,7 @@ def _check(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any]]:
-    """Seconds per stage of one rank's wall clock: DDP ranks run side by side, so a frame of
-    several ranks gives their mean (every sum over them divided by their number)."""
+    """Seconds per stage of one rank's wall clock (ranks run side by side: their mean)."""
     ranks = int(frame["rank"].nunique()) if "rank" in frame.columns else 1
     if ranks > 1:
         frame = frame.assign(seconds=frame["seconds"] / ranks)
@@ -76,12 +69,11 @@ def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any
             said = part["basis"].dropna().tolist() if "basis" in part.columns else []
             rows.append({"stage": stage, "level": "run", "seconds": seconds, "basis": said[0]
                          if said else f"measured ({len(part)} interval{'s' * (len(part) != 1)})"})
-    # Per stage, the sum over the measured steps (a stall every 4th step counts, which a median
-    # would drop); scaled to total_steps by the mean per step.
+    # sums, not medians, so a stall every 4th step counts; scaled to total_steps by the mean
     sums = stepped.groupby("stage")["seconds"].sum()
     if measured_steps:
         train = float(frame.loc[frame["stage"] == "train", "seconds"].sum())
-        # Loop time inside train not covered by a step stage is per-step overhead: "other".
+        # loop time inside train that no step stage covers is per-step overhead: "other"
         residual = max(train - float(stepped["seconds"].sum()), 0.0)
         sums = sums.add(pd.Series({"other": residual}), fill_value=0.0)
     for stage in STEP_STAGES:
@@ -104,10 +96,8 @@ def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any
 
 
 def shares(frame: pd.DataFrame, total_steps: int | None = None) -> pd.DataFrame:
-    """Seconds and share of the whole run per stage (and per `run` when the frame has several).
-
-    total_steps scales step-level stages to a run longer than the one measured.
-    """
+    """Seconds and share of the run per stage and `run`; step-level stages scaled to
+    total_steps."""
     if total_steps is not None and (isinstance(total_steps, bool) or total_steps <= 0):
         raise ValueError(f"total_steps={total_steps!r}: must be a whole number > 0")
     frame = _check(frame)
@@ -132,10 +122,8 @@ def _check_speedup(speedup: Mapping[str, float]) -> None:
 
 def project(frame: pd.DataFrame, speedup: Mapping[str, float],
             total_steps: int | None = None) -> pd.DataFrame:
-    """Predicted seconds per stage and in total after making stages k times faster.
-
-    Rows per run: each stage (`seconds_before`, `speedup`, `seconds_after`) and a `total` row.
-    """
+    """Per run, each stage's seconds before and after making it `speedup` times faster, and a
+    `total` row."""
     _check_speedup(speedup)
     table = shares(frame, total_steps)
     table["speedup"] = table["stage"].map(lambda s: float(speedup.get(s, 1.0)))
@@ -150,8 +138,7 @@ def project(frame: pd.DataFrame, speedup: Mapping[str, float],
 
 
 def compute_ratio(from_device: str, to_device: str, dtype: str = "bf16") -> float:
-    """Ratio of the two GPUs' dense peaks from diag.machine.gpus' table; unknown GPUs are an
-    error."""
+    """to_device's dense peak over from_device's (diag.machine.gpus); unknown: ValueError."""
     from diag.machine.gpus import GPUS, dense_peak_flops, find_gpu
 
     peaks = {}
@@ -167,11 +154,8 @@ def compute_ratio(from_device: str, to_device: str, dtype: str = "bf16") -> floa
 
 def upgrade(frame: pd.DataFrame, from_device: str, to_device: str, dtype: str = "bf16",
             total_steps: int | None = None) -> pd.DataFrame:
-    """project() with compute sped up by the ratio of the two devices' dense peaks.
-
-    The assumption (compute scales with dense peak FLOP/s) is stated in the `assumption` column;
-    real speedups are lower when the step is memory-bound or the kernels are small.
-    """
+    """project() with GPU_BOUND stages sped up by the dense peaks' ratio, an assumption the
+    `assumption` column states (a memory-bound step or small kernels gain less)."""
     ratio = compute_ratio(from_device, to_device, dtype)
     table = project(frame, {stage: ratio for stage in GPU_BOUND}, total_steps)
     table["assumption"] = (f"{' and '.join(GPU_BOUND)} scale with the dense {dtype} peak ratio "
@@ -182,10 +166,8 @@ def upgrade(frame: pd.DataFrame, from_device: str, to_device: str, dtype: str = 
 
 def infer_compute_share(t_before: float, t_after: float,
                         compute_speedup: float) -> dict[str, float]:
-    """Inverse Amdahl: split the first run into compute and the rest from two end-to-end times.
-
-    t_before = C + N and t_after = C / k + N give C = (t_before - t_after) / (1 - 1/k).
-    """
+    """Inverse Amdahl from two end-to-end times: t_before = C + N and t_after = C / k + N give
+    C = (t_before - t_after) / (1 - 1/k)."""
     for name, value in (("t_before", t_before), ("t_after", t_after)):
         if not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name}={value!r}: must be a duration > 0")
@@ -206,19 +188,16 @@ def infer_compute_share(t_before: float, t_after: float,
 
 def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
              total_steps: int | None = None, min_share: float = 0.01) -> pd.DataFrame:
-    """Fixes ranked by seconds saved, each resting on measured rows (no finding without a number).
-
-    A stage finding saves what its fix removes: the whole stage (an upper bound), warm-up only
-    its start-up (_start_up), never what no fix removes (UNCHANGED); stages under min_share of
-    their run are noise (data_wait has its own thresholds). `advice` adds findings other
-    experiments measured (`stage`, `finding`, `seconds_saved`, `evidence`: their `.advice`)."""
+    """Fixes ranked by seconds saved, each resting on measured rows: a stage's whole seconds
+    (warm-up: its start-up), none for UNCHANGED or under min_share of the run (data_wait: its
+    own thresholds); `advice` rows (experiments' findings) capped at their stage's seconds."""
     table = shares(frame, total_steps)
     start_up = _start_up(_check(frame), table, total_steps)
     runs = list(dict.fromkeys(table["run"]))
     extra = advice if advice is not None else pd.DataFrame(columns=["stage"])
     if "run" not in extra.columns:
-        extra = extra.assign(run=runs[0])  # what the experiments measured is about the first run
-    # A stage an experiment measured a specific fix for gets that fix, not the generic one.
+        extra = extra.assign(run=runs[0])  # the experiments measured the first run
+    # a stage an experiment measured a fix for gets that fix, not the generic one
     specific = set(zip(extra["run"], extra["stage"]))
     rows = []
     for run, part in table.groupby("run", sort=False):
@@ -266,10 +245,8 @@ def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
 
 def _start_up(frame: pd.DataFrame, table: pd.DataFrame, total_steps: int | None
               ) -> dict[tuple[str, str], tuple[float, str]]:
-    """Per run, the part of `warmup` a fix removes and its basis: the warm-up steps less as many
-    steady steps (the run's mean step, every step-level stage), the start-up (allocator, kernel
-    selection, compile, the loader's first batches) that fewer restarts or a cached compile cut.
-    A run without steady steps has nothing to subtract: no figure, no finding."""
+    """Per run, the start-up a fix removes from `warmup` (its steps less as many mean steady
+    steps) and its basis; no steady steps: 0."""
     out = {}
     for run, part in frame.groupby("run", sort=False):
         ranks = int(part["rank"].nunique()) if "rank" in part.columns else 1
@@ -287,8 +264,7 @@ def _start_up(frame: pd.DataFrame, table: pd.DataFrame, total_steps: int | None
     return out
 
 
-# The verdict's groups of stages (one rule, written once: the report, the CLI, the panel and
-# attach/trace all read it). What is left of a run (checkpoint, eval, other) names no verdict.
+# the verdict's groups of stages, the one rule every view reads; checkpoint, eval, other: none
 BOUND = {"input-bound": ("data_wait", "h2d"),
          "start-up-bound": ("fetch_data", "load_model", "preprocess", "setup", "warmup"),
          "communication-bound": ("comm_wait",),
@@ -302,9 +278,8 @@ SAYS = {"input-bound": "waiting for input (data_wait, h2d)",
 
 def verdict(table: pd.DataFrame, run: str | None = None, memory_capped: bool = False
             ) -> dict[str, Any]:
-    """The plain verdict on one run of a shares() table (the first run when None): the group of
-    stages with the largest share (BOUND), and that share; compute-bound where the micro-batch
-    was capped by memory is memory-bound. {"verdict", "share", "text"}."""
+    """{"verdict", "share", "text"} of one run (None: the first): the BOUND group with the
+    largest share; compute-bound at a memory-capped micro-batch is memory-bound."""
     part = table[table["run"] == (run if run is not None else table["run"].iloc[0])]
     by = {k: float(part.loc[part["stage"].isin(v), "share"].sum()) for k, v in BOUND.items()}
     kind = max(by, key=by.get)

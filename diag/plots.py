@@ -1,8 +1,7 @@
 """Every figure of diag: a DataFrame in, a matplotlib Figure out; nothing here measures.
 
-Each stage has one colour across every figure (STAGE_COLORS), so "data_wait" is the same orange
-in the share chart, the waterfall and the notebooks. Figures are made with the object API
-(no global pyplot state), so they render the same in Jupyter, a script and the report.
+Each stage has one colour in every figure (STAGE_COLORS). Figures use the object API (no global
+pyplot state), so they render the same in Jupyter, a script and the report.
 """
 
 from __future__ import annotations
@@ -33,11 +32,8 @@ assert set(STAGE_COLORS) == set(STAGES)
 
 
 def _show_in_notebooks() -> None:
-    """Let Jupyter draw a bare Figure (no pyplot, so no inline backend yet) in the user's format.
-
-    A formatter already there (pyplot's inline backend set it up) is left alone; otherwise the
-    user's `%config InlineBackend.figure_formats` (png by default) is applied, as pyplot would.
-    """
+    """Let Jupyter draw a bare Figure in the user's InlineBackend.figure_formats, as pyplot
+    would; a formatter already there is left alone."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is None or getattr(_show_in_notebooks, "done", False):

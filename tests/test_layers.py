@@ -17,7 +17,7 @@ ANALYSIS = {"amdahl", "plots"}
 ABOVE_EXPERIMENTS = {"report", "plots", "diagnose", "widgets", "cli", "__main__"}
 # the rooms every experiment stands on: they import no experiment and nothing above them
 UNDER_EXPERIMENTS = {"timing", "machine", "data", "config", "embedded", "files", "secrets", "noise",
-                     "decision", "frames", "runner"}
+                     "decision", "frames", "runner", "mfu"}
 
 
 def _module(path: Path) -> str:

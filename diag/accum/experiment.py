@@ -1,11 +1,7 @@
-"""`run_accum(cfg)`: the sweep, its per-point summary, the MFU cross-check and the advice.
+"""`run_accum(cfg)`: the sweep, one summary row per point, the MFU cross-check and the advice.
 
-`summary` has one row per point (medians of the timed steps, `floor_s` beside them, warm-up and
-compile apart, `recommended` on the point `decide` takes: the fastest that fits where its gap
-to the naive micro-batch is resolved, diag.noise, else the naive one). `mfu` compares the
-FLOPs-per-token formula with FlopCounterMode and names the peak the MFU is computed against.
-`advice` prices the recommended point against the most-accumulating one over `steps_per_run`
-optimizer steps.
+`decide` takes the fastest point whose gap to the naive micro-batch resolves (diag.noise), else
+keeps the naive one; `advice` prices it against the most-accumulating point.
 """
 
 from __future__ import annotations
@@ -26,16 +22,12 @@ if TYPE_CHECKING:
     from diag.config import AccumConfig
     from diag.noise import Choice
 
-DEFAULT_MICRO_BATCH = 8  # no sweep ran: a micro-batch that fits the tiny and the 1B model on any
-#                          16 GB GPU
+DEFAULT_MICRO_BATCH = 8  # no sweep ran: fits the tiny and the 1B model on any 16 GB GPU
 
 
 @dataclass(frozen=True)
 class AccumResult:
-    """What `run_accum` returns; the first field is the main table. Under torchrun / accelerate
-    it holds every rank's steps (`rank`, `node`, `comm_wait_s`: its waits on the others), `ranks`
-    is the per-rank table (diag.timing.stragglers) and `stages` the ranks' StageTimer rows
-    (`run`: the point), which the report's Per rank section reads."""
+    """What `run_accum` returns; under a launcher `frame` holds every rank's steps."""
 
     frame: pd.DataFrame  # one row per timed optimizer step per point (sweep_grad_accum)
     summary: pd.DataFrame  # one row per point: medians, floor, warm-up, recommended
@@ -54,8 +46,7 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
     cfg = cfg or AccumConfig.default()
     frame, setup, clock = measure(cfg)
     every, stages = clock.gathered(frame) if clock else (ranks_first(frame), None)
-    # the summary and the decision rest on this rank's own steps (rank 0's, where they are
-    # shown): the ranks run in lockstep, so theirs are not independent samples of a point
+    # ranks run in lockstep, so theirs are not independent samples: this rank's steps decide
     frame = every[every["rank"] == (clock.timer.rank if clock else 0)]
     summary = summarize(frame, device=setup.device)
     on = MeasuredOn(model=f"{cfg.model} ({setup.shape.params / 1e6:.3g}M params)",
@@ -73,10 +64,8 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
 
 def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
            baseline: int = 1, repeats_s: float | None = None) -> tuple[Decision, ...]:
-    """`micro_batch` from the timed steps (COLUMNS) on measured_on's device's clock
-    (diag.noise.clock): the fastest point where its gap to `baseline` (the naive plan's, else
-    the smallest that ran) resolves (settle), else `baseline` kept "within noise"; priced per
-    step on that clock; no point that ran: the documented default, said so."""
+    """`micro_batch` on measured_on's device's clock: the point `settle` takes against
+    `baseline` (else the smallest that ran), priced per step; none ran: the default, said so."""
     from diag.noise import clock, spread
 
     ok = frame[frame["status"] == "ok"] if frame is not None and not frame.empty else None
@@ -132,12 +121,9 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
 
 
 def settle(times: dict[int, list[float]], ref: int) -> Choice:
-    """diag.noise.choose's pick among the micro-batches' step times against `ref`; when it left
-    `ref` for the fastest point, the largest micro-batch within noise of that one and itself
-    resolved faster than `ref` (value and `against` then its own): tied, the simpler setting is
-    the one with the least accumulation, and the real loop (the Trainer's collate, accumulate
-    context, loss scaling, callbacks) pays again per micro-batch, which the harness does not
-    time (bench/qlora_regret.py: micro-batch 4 picked over a tied 8 ran 1.30x its CPU, load 3)."""
+    """diag.noise.choose against `ref`; when it left `ref`, the largest micro-batch within noise
+    of the fastest that itself resolved faster than `ref`: the real loop pays per micro-batch
+    what the harness does not time (docs/calibration.md)."""
     import dataclasses
 
     from diag.noise import choose, compare
@@ -151,8 +137,7 @@ def settle(times: dict[int, list[float]], ref: int) -> Choice:
 
 
 def summarize(frame: pd.DataFrame, baseline: int = 1, device: str = "") -> pd.DataFrame:
-    """Per point: median step, tokens/s, MFU, memory; `recommended` marks the point `decide`
-    takes on `device`'s clock."""
+    """Per point: medians, floor, memory; `recommended` on the point `decide` takes."""
     import pandas as pd
 
     from diag.noise import clock
@@ -174,9 +159,8 @@ def summarize(frame: pd.DataFrame, baseline: int = 1, device: str = "") -> pd.Da
         times = {int(m): list(g[column]) for m, g in rows.groupby("micro_batch")}
         pick = settle(times, baseline if baseline in times else min(times))
         out.loc[ok.index[ok["micro_batch"] == pick.value][0], "recommended"] = True
-    from diag.accum.mfu import floor_impossible
+    from diag.mfu import floor_impossible
 
-    # a floor above the measured step is impossible: flagged (wrong peak or over-counted FLOPs)
     out["floor_flagged"] = [floor_impossible(f, s) for f, s in
                             zip(out["floor_s"], out["seconds_per_step"])]
     cols = ["micro_batch", "grad_accum", "tokens_per_step", "status", "seconds_per_step",
@@ -197,7 +181,7 @@ def mfu_check(setup: Setup) -> pd.DataFrame:
               "peak_tflops": peak.flops / 1e12 if peak.flops else math.nan,
               "peak": peak.label + (f" ({peak.source})" if peak.source and not peak.measured
                                     else "")}
-    from diag.accum.mfu import disagreement
+    from diag.mfu import disagreement
 
     flagged, note = disagreement(formula, counted,
                                  "check N (tied or untied head), the attention term, and kernels "
@@ -212,10 +196,8 @@ def mfu_check(setup: Setup) -> pd.DataFrame:
 
 def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = None
            ) -> pd.DataFrame:
-    """The recommended point (summarize: resolved faster, diag.noise), priced against
-    the most-accumulating one (the seed's shape): over `steps_per_run` steps of the swept model,
-    or, given a run's measured `compute_s`, as the same fraction of that compute (what `diag
-    run` ranks beside the other stages). None resolved faster: no finding."""
+    """The recommended point priced against the most-accumulating one, over `steps_per_run`
+    steps or as that fraction of a run's `compute_s`; none recommended: no finding."""
     import pandas as pd
 
     cols = ["stage", "finding", "seconds_saved", "evidence"]

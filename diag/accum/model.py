@@ -1,9 +1,7 @@
-"""diag accum's model as an AccumStep (`LMStep`), and what its sweep is measured with (`Setup`).
+"""diag accum's causal LM as an AccumStep (`LMStep`), and what its sweep is measured with.
 
-`setup(cfg)` builds the embedded tiny Llama or a GPT-2-small shape on random windows of the token
-file, DDP-wrapped under a launcher, and counts one micro-step's FLOPs; `sweep_grad_accum(cfg)`
-runs diag.accum.sweep's harness on it: one row per timed optimizer step per point (in one
-process the points left within noise of the fastest re-timed in rounds, diag.accum.retime).
+`setup(cfg)` builds the embedded tiny Llama or a GPT-2-small shape on the token file (DDP under a
+launcher) and counts one micro-step's FLOPs; `measure(cfg)` sweeps it with diag.accum.sweep.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from diag.accum.mfu import ModelShape, count_flops, floor_seconds, judge_mfu, loss_of
+from diag.mfu import ModelShape, count_flops, floor_seconds, judge_mfu, loss_of
 from diag.accum.sweep import accum_frame, is_oom, pairs, retime, train_points
 from diag.data import BatchLoader, check_tokens, ensure_tokens, token_file
 
@@ -32,10 +30,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Setup:
-    """What the sweep was measured with (diag.accum.mfu_check reads it)."""
+    """What the sweep was measured with (experiment.mfu_check reads it)."""
 
     shape: ModelShape
-    peak: Peak  # the dense peak MFU is computed against, and where it came from
+    peak: Peak  # the dense peak MFU is computed against
     counted_per_token: float  # FlopCounterMode on one micro-step of the smallest point
     amp: str  # autocast dtype: "bf16" or "fp32"
     device: str
@@ -43,7 +41,7 @@ class Setup:
 
 
 class LMStep:
-    """diag accum's causal LM, trained a micro-step at a time (diag.accum.sweep.AccumStep)."""
+    """diag accum's causal LM, trained a micro-step at a time (sweep.AccumStep)."""
 
     def __init__(self, cfg: AccumConfig, model: Any, tokens: Any, device: torch.device,
                  amp: Any, rank: int = 0, distributed: bool = False) -> None:
@@ -53,10 +51,8 @@ class LMStep:
         self._cfg, self._tokens, self._seed = cfg, tokens, cfg.seed + rank  # a rank's own windows
         # a straggler on purpose: this rank's loader sleeps slow_ms more per micro-batch
         self._slow_s = cfg.slow_ms / 1000 if rank == cfg.slow_rank else 0.0
-        # the reset copy lives in host memory: on the device it would count in every point's
-        # peak memory (a model's worth too much, enough to call a point that fits "oom")
+        # the reset copy in host memory: on the device it would count in every point's peak
         self._initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        # under DDP gradients are all-reduced once per optimizer step, as a DDP job does
         self.ddp = torch.nn.parallel.DistributedDataParallel(model) if distributed else None
         self._ddp = self.ddp if self.ddp is not None else model
         self._run, self.optimizer = self._ddp, None
@@ -145,7 +141,7 @@ def setup(cfg: AccumConfig) -> tuple[LMStep, Setup, list[tuple[int, int]]]:
     from diag.timing.distributed import init_group, root_first
 
     dev = devices.resolve(cfg.device)
-    seat = init_group(dev.type)  # under torchrun / accelerate: one DDP rank of the sweep
+    seat = init_group(dev.type)  # under a launcher: one DDP rank of the sweep
     if seat.distributed and dev.type == "cuda":
         dev = torch.device("cuda", seat.local_rank)
     points = pairs(cfg, seat.world_size)  # before any work: a world that cannot split the step
@@ -159,11 +155,10 @@ def setup(cfg: AccumConfig) -> tuple[LMStep, Setup, list[tuple[int, int]]]:
                             "(AccumConfig.peak_tflops)", "config", False)
     else:
         peak = devices.peak_flops(dev, "bf16" if amp_dtype == "bf16" else "fp32")
-    if seat.distributed and peak.flops:  # the step is spread over the ranks: their peaks add up
+    if seat.distributed and peak.flops:  # the step is spread over the ranks: peaks add up
         peak = devices.Peak(peak.flops * seat.world_size,
                             f"{seat.world_size} x {peak.label}", peak.source, peak.measured,
                             peak.dtype)
-    # the formula checked against what torch counts, on one micro-step of the smallest point
     smallest = min(m for m, _ in points)
     with BatchLoader(tokens, smallest, cfg.seq_len, dev, seed=cfg.seed, prefetch=False) as bl:
         x, y = bl.next()
@@ -172,7 +167,7 @@ def setup(cfg: AccumConfig) -> tuple[LMStep, Setup, list[tuple[int, int]]]:
         except (RuntimeError, MemoryError) as err:
             if not is_oom(err):
                 raise
-            counted = math.nan  # even one micro-step does not fit: every point will say so
+            counted = math.nan  # not even one micro-step fits: every point will say so
             model.zero_grad(set_to_none=True)
     shape = ModelShape.from_model(model, cfg.seq_len, cfg.model)
     step = LMStep(cfg, model, tokens, dev, amp, seat.rank, seat.distributed)  # DDP after the count
@@ -180,15 +175,14 @@ def setup(cfg: AccumConfig) -> tuple[LMStep, Setup, list[tuple[int, int]]]:
 
 
 def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
-    """The sweep frame (diag.accum.sweep.COLUMNS), what it was measured with, and under a
-    launcher this rank's optimizer steps on a StageTimer (its comm_wait among them)."""
+    """The sweep frame (COLUMNS), its Setup, and under a launcher this rank's TimedStep."""
     from diag.timing.distributed import spill_ranks
     from diag.timing.harness import TimedStep
 
     step, got, points = setup(cfg)
     clock = TimedStep(step, step.ddp) if step.ddp is not None else None
     if clock is not None:
-        spill_ranks(clock.timer)  # each finished step kept on disk until the frames are gathered
+        spill_ranks(clock.timer)  # finished steps on disk until the frames are gathered
     timed = train_points([clock or step], points, repeats=cfg.steps,
                          warmup_steps=cfg.warmup_steps)
     if clock is None:  # under DDP every rank must take the same steps: the screen only
@@ -200,7 +194,7 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
                         floor_s=floor_seconds(fpt, cfg.tokens_per_step, peak.flops))
     for i in frame.index[frame["status"] == "ok"]:
         mfu, _, note = judge_mfu(frame.at[i, "tokens_per_s"], fpt, peak.flops, peak.label)
-        # the peak is named once, in the mfu frame; a row says why it has no MFU
+        # the peak is named once, in the mfu frame; a row says only why it has no MFU
         frame.loc[i, ["mfu", "detail"]] = mfu, "" if mfu == mfu else note
     return frame, got, clock
 

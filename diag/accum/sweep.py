@@ -1,15 +1,7 @@
-"""The grad-accumulation harness: the same tokens per optimizer step, split micro_batch x
-grad_accum, timed on any `AccumStep` (diag accum's model, diag.accum.model; the QLoRA job's step).
+"""The grad-accumulation harness: a step's tokens split micro_batch x grad_accum, trained for real.
 
-`train_points(steps, points)` trains each point for real: each step reset to its starting weights,
-`warmup_steps` untimed steps (allocator, kernels, compile: `warmup_s`; the last one watched for
-the step's own peak memory, PeakMemory), then `repeats` timed ones, one row each, several steps
-alternating step by step so a load change hits them alike. A point that runs out of memory is a
-row with status "oom" and the sweep goes on. `retime(steps, timed, pending)` then re-times the
-finalists a decision could not yet tell apart, in interleaved rounds (diag.noise).
-Each timed row holds the step's wall seconds and its CPU seconds (`cpu_s`, this process's
-time.process_time: the step and its batches run here); `step_clock` says which a decision
-compares.
+`train_points` times each point (an "oom" row where it does not fit); `retime` re-times the
+finalists a decision cannot yet tell apart in interleaved rounds. Rows hold wall and CPU seconds.
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ if TYPE_CHECKING:
 COLUMNS = ["micro_batch", "grad_accum", "tokens_per_step", "seconds_per_step", "cpu_s", "floor_s",
            "tokens_per_s", "data_s", "compute_s", "peak_mem_gb", "flops_per_token", "mfu",
            "status", "repeat", "warmup_s", "compile", "detail"]
-# train_points' rows: `step` is the step's index; peak_mem_gb the step's own peak (PeakMemory)
+# train_points' rows: `step` indexes the AccumStep; peak_mem_gb its own peak (PeakMemory)
 TIMED = ["step", "micro_batch", "grad_accum", "status", "repeat", "seconds_per_step", "cpu_s",
          "data_s", "peak_mem_gb", "warmup_s", "detail"]
 
@@ -51,9 +43,8 @@ class AccumStep(Protocol):
 
 
 def pairs(cfg: AccumConfig, world_size: int = 1) -> list[tuple[int, int]]:
-    """(micro_batch, grad_accum) points, each making tokens_per_step over world_size DDP ranks:
-    cfg.micro_batches in their order, else every power of two that divides the step, most
-    accumulation first. A micro-batch the world cannot split the step by is a ValueError."""
+    """(micro_batch, grad_accum) points making tokens_per_step over world_size ranks: the
+    configured micro-batches, else every power of two that divides the step."""
     from diag.config.accum import check_divides
 
     sequences = cfg.tokens_per_step // cfg.seq_len
@@ -78,25 +69,20 @@ def is_oom(err: BaseException) -> bool:
 
 
 class PeakMemory:
-    """The step's own peak memory, watched over one optimizer step: on CUDA the allocator's high
-    water mark (max_memory_allocated after reset_peak_memory_stats); on CPU the bytes autograd
-    saves for backward (saved_tensors_hooks, each storage once, the most any micro-step held)
-    plus the parameters, their gradients and the optimizer's state. Never the process's resident
-    set, whose freed pages the allocator reuses (it read 0 or less for a step here). With
-    checkpointing on, a checkpointed block's recomputed tensors live in the checkpoint's own
-    hooks: the CPU figure counts what is saved outside those blocks (a lower bound)."""
+    """A step's own peak memory: on CUDA the allocator's high water mark; on CPU the most any
+    micro-step saved for backward plus the model's and optimizer's state (docs/calibration.md)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.saved = 0  # bytes the current micro-step saved for backward
-        self.most_saved = 0  # the most any micro-step of the watched step saved
+        self.most_saved = 0  # the most of any micro-step of the watched step
         self._seen: set[int] = set()
         self._params: set[int] = set()
         self.last_gb = math.nan
 
     @contextlib.contextmanager
     def watch(self, step: AccumStep) -> Iterator[None]:
-        """Around one optimizer step: `last_gb` holds its peak afterwards (NaN if it raised)."""
+        """Around one optimizer step: `last_gb` holds its peak (NaN if it raised)."""
         import torch
 
         self.last_gb = math.nan
@@ -117,7 +103,7 @@ class PeakMemory:
         self.last_gb = (held + self.most_saved) / 1e9
 
     def gb(self) -> float:
-        """The watched step's peak; on CUDA after a failed step too (how far it got)."""
+        """The watched step's peak; on CUDA a failed step's too."""
         import torch
 
         if self.device.type == "cuda":
@@ -126,7 +112,7 @@ class PeakMemory:
 
     @contextlib.contextmanager
     def micro_step(self) -> Iterator[None]:
-        """Around one forward + backward on CPU: counts what autograd saves for it."""
+        """Around one forward + backward: what autograd saves for it (CPU)."""
         if self.device.type == "cuda":
             yield
             return
@@ -147,15 +133,15 @@ class PeakMemory:
 
 
 def _unique_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages under tensors (views and ties counted once)."""
+    """Bytes of the distinct storages under tensors."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
 
 def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], *,
                  repeats: int, warmup_steps: int, desc: str = "accum sweep") -> pd.DataFrame:
-    """One row per timed optimizer step of each step at each (micro_batch, grad_accum) point
-    (TIMED); a point that runs out of memory: one "oom" row per step, its `detail` the error."""
+    """TIMED rows: one per timed optimizer step of each step at each point; a point out of
+    memory: one "oom" row per step, `detail` the error."""
     import pandas as pd
     import torch
     from tqdm.auto import tqdm
@@ -175,9 +161,8 @@ def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], 
                       "repeat": 0, "peak_mem_gb": memory.gb(),
                       "detail": f"out of memory: {' '.join(str(err).split())[:160]}"}
                      for i in range(len(steps))]
-        if failed:  # the error's frames hold the point's activations in a cycle: collected
-            gc.collect()  # before the next point allocates (a pass over a heap of torch and
-            #               a model costs 0.3-0.8 s here, so only then)
+        if failed:  # the error's frames hold the point's activations in a cycle
+            gc.collect()  # before the next point allocates; only then: a pass costs ~0.5 s
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return pd.DataFrame(rows, columns=TIMED)
@@ -185,9 +170,7 @@ def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], 
 
 def _train_point(steps: Sequence[AccumStep], micro: int, accum: int, repeats: int,
                  warmup_steps: int, memory: PeakMemory) -> list[dict[str, Any]]:
-    """The timed rows of one point: each step reset and warmed up, then timed in turn; the
-    step's peak memory watched over its last warm-up step (its first timed one without any),
-    so no timed step carries the watch's hooks."""
+    """One point's timed rows; memory watched over the last warm-up step, not a timed one."""
     from diag.machine.device import sync
 
     device = steps[0].device
@@ -225,8 +208,7 @@ def _train_point(steps: Sequence[AccumStep], micro: int, accum: int, repeats: in
 
 def samples(timed: pd.DataFrame, column: str = "seconds_per_step"
             ) -> dict[tuple[int, int, int], list[float]]:
-    """`column` (a clock, step_clock) of each (step, micro_batch, grad_accum) that ran, in
-    timed order."""
+    """`column` (a clock's) of each (step, micro_batch, grad_accum) that ran, in timed order."""
     ok = timed[timed["status"] == "ok"]
     return {(int(i), int(m), int(a)): list(g[column])
             for (i, m, a), g in ok.groupby(["step", "micro_batch", "grad_accum"], sort=False)}
@@ -235,17 +217,9 @@ def samples(timed: pd.DataFrame, column: str = "seconds_per_step"
 def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
            pending: Callable[[dict[tuple[int, int, int], list[float]]], Sequence[Any]], *,
            budget_s: float, at_least: int | None = None) -> tuple[pd.DataFrame, float]:
-    """Rounds for the finalists a screen left unresolved: `pending(samples)` names the
-    (step, micro_batch, grad_accum) keys still to settle (empty: done), judged on the screen's
-    samples and the rounds' together. A round times one optimizer step of each finalist, each
-    reset to its starting weights first (no warm-up again: the screen paid it, and AdamW's
-    first-step state falls in every finalist's sample alike), interleaved, the order turned
-    every round; every side first gets rounds until it holds `at_least` samples (MIN_SAMPLES
-    at the fewest; a screen of one timed step a point leaves the rest to these rounds, so a
-    load that moves during the sweep hits every point alike), then they go on until settled,
-    or `budget_s` is spent past those (diag.noise.Rounds); `pending` sees the steps' device's clock
-    (step_clock). Returns the rows with the rounds' appended (their memory and warm-up the
-    screen's), and the seconds the rounds past `at_least` took."""
+    """Rounds of one reset step per finalist, interleaved, until every side holds `at_least`
+    samples, then while `pending(samples)` names keys unsettled, within `budget_s`. Returns the
+    rows with the rounds' appended, and the seconds spent past `at_least`."""
     import pandas as pd
 
     from diag.machine.device import sync
@@ -297,12 +271,7 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
 
 def _optimizer_step(step: AccumStep, batches: Iterator[Any], accum: int,
                     memory: PeakMemory | None = None) -> float:
-    """One optimizer step of `accum` micro-steps; returns the seconds blocked on batches.
-
-    No sync inside: on CUDA the host queues micro-step after micro-step while the device runs,
-    and a prefetched batch's copy is queued behind them (`data_s` is host time spent waiting).
-    `memory` (PeakMemory) counts what each micro-step saves for backward.
-    """
+    """One optimizer step of `accum` micro-steps, no sync inside; the seconds blocked on batches."""
     data_s = 0.0
     for i in range(accum):
         t = time.perf_counter()
@@ -319,9 +288,7 @@ def _optimizer_step(step: AccumStep, batches: Iterator[Any], accum: int,
 def accum_frame(timed: pd.DataFrame, tokens_per_step: int, *, floor_s: float = math.nan,
                 flops_per_token: float = math.nan, compile: bool = False, detail: str = ""
                 ) -> pd.DataFrame:
-    """One step's train_points rows as the sweep's (COLUMNS): tokens/s at tokens_per_step, the
-    step less its data wait as compute_s, and what the rows were measured with (an "oom" row
-    keeps its error as `detail`); mfu is left to the caller that knows the peak."""
+    """train_points rows as the sweep's COLUMNS; mfu left to the caller that knows the peak."""
     import pandas as pd
 
     seconds = timed["seconds_per_step"]

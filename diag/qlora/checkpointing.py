@@ -65,7 +65,7 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
         return (Decision.default("gradient_checkpointing", cuda, f"{why}: {fallback}",
                                  source="checkpointing"),)
     # decided at the plan's micro-batch, the largest timed; the naive micro-batch's on/off
-    # ratio prices the naive step's checkpointing (diag.qlora.predict)
+    # ratio prices the naive step's checkpointing
     sized = "micro_batch" in frame.columns
     top = frame[frame["micro_batch"] == frame["micro_batch"].max()] if sized else frame
     timed_on = clock(device)

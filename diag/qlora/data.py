@@ -1,13 +1,7 @@
-"""The QLoRA job's data, from diag.data's pipeline: the same records for both plans.
+"""The QLoRA job's data, from diag.data's token cache: the same records for both plans.
 
-`job_records` takes the source's first records from the one token cache (a prefix of the
-source: the folder the loader and accum sweeps read when they cover it), drops (or refuses)
-those whose prompt leaves no response token inside seq_len and counts them from the cache's
-offsets and loss mask; `train_records` does so for `diag train`'s whole dataset and splits off
-its held-out eval records. `build_dataset` makes the plan's Dataset (per-sample tokenized and
-padded, or whole records packed into windows and kept apart by position_ids) and splits each
-optimizer step into micro-batch x accumulation so both plans take the same steps over the same
-records. `ArrowRecords` is the naive plan's read of a whole dataset: on disk, never in memory.
+`job_records` / `train_records` count the source's good records from the cache; `build_dataset`
+makes a plan's Dataset (padded per sample, or packed into windows) in whole optimizer steps.
 """
 
 from __future__ import annotations
@@ -17,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-PAD_ROWS_LIMIT = 0.25  # pad rows a step may take to keep the decided micro-batch (of its rows):
-#                        a smaller micro-batch costs more accumulation passes
+PAD_ROWS_LIMIT = 0.25  # share of a step's rows that may be padding to keep the micro-batch
 
 if TYPE_CHECKING:
     from diag.config import JobConfig, QLoraConfig, TrainConfig
@@ -30,14 +23,14 @@ if TYPE_CHECKING:
 class Records:
     """The records both plans train on, as the token cache holds them."""
 
-    cache: TokenCache  # holding at least the source's first cfg.records good records
+    cache: TokenCache
     indices: list[int]  # each record's place among the source's good records (the cache's)
-    lengths: list[int]  # tokens per record (BOS + prompt + response + EOS), before seq_len cuts
-    loss: list[int]  # tokens carrying a loss in its first seq_len (diag.data.loss_counts)
+    lengths: list[int]  # tokens per record, before seq_len cuts
+    loss: list[int]  # tokens carrying a loss in its first seq_len
     skipped: int  # records left out: prompt too long for seq_len, or a malformed line
 
     def pick(self, at: Any) -> Records:
-        """The records at these positions (of this set), in that order."""
+        """The records at these positions, in that order."""
         return Records(self.cache, [self.indices[i] for i in at], [self.lengths[i] for i in at],
                        [self.loss[i] for i in at], self.skipped)
 
@@ -47,22 +40,20 @@ class Records:
 
 @dataclass(frozen=True)
 class Data:
-    dataset: Any  # a torch Dataset of {"input_ids", "labels", ...} rows
+    dataset: Any  # a torch Dataset
     micro_batch: int
     grad_accum: int
-    stats: dict[str, Any]  # rows, token_slots, real_tokens, loss_tokens, padding_share, ...
+    stats: dict[str, Any]  # rows, token_slots, real_tokens, padding_share, ...
 
 
 def read(cfg: QLoraConfig, path: Path) -> list[dict[str, str]]:
-    """The first cfg.records good records of the data at path (a JSONL or Parquet file, or a
-    folder of shards: diag.data), read with cfg's fields: the naive plan's own read."""
+    """The first cfg.records good records at path, with cfg's fields: the naive plan's read."""
     from diag.data import read_source
 
     return read_source(path, cfg.fields(), on_error=cfg.on_error, limit=cfg.records)[0]
 
 
 def _cache(cfg: JobConfig, source: Path, tokenizer_dir: Path) -> TokenCache:
-    """The token cache of cfg.records good records (0: all of them, `diag train`'s)."""
     from diag.data import build_token_cache
 
     return build_token_cache(source, tokenizer_dir, fields=cfg.fields(), on_error=cfg.on_error,
@@ -70,8 +61,7 @@ def _cache(cfg: JobConfig, source: Path, tokenizer_dir: Path) -> TokenCache:
 
 
 def job_records(cfg: QLoraConfig, source: Path, tokenizer_dir: Path) -> Records:
-    """The first cfg.records good records of the data at source, in whole steps: the same
-    number of records in each of cfg.steps (counted)."""
+    """The first cfg.records good records at source, counted, as many in each of cfg.steps."""
     recs = counted(cfg, _cache(cfg, source, tokenizer_dir))
     usable = len(recs.indices) - len(recs.indices) % cfg.steps
     if usable < cfg.steps:
@@ -82,8 +72,7 @@ def job_records(cfg: QLoraConfig, source: Path, tokenizer_dir: Path) -> Records:
 
 def counted(cfg: JobConfig, cache: TokenCache) -> Records:
     """The cache's first cfg.records good records (0: all), counted from its offsets and loss
-    mask (nothing is encoded twice). Records whose prompt fills seq_len train on nothing (every
-    label -100): refused with on_error="raise", counted and left out with "skip"."""
+    mask; one whose prompt fills seq_len is refused (on_error="raise") or left out, counted."""
     import numpy as np
 
     from diag.data import loss_counts
@@ -104,26 +93,20 @@ def counted(cfg: JobConfig, cache: TokenCache) -> Records:
 
 
 def whole_micro_batches(rows: int, micro: int) -> int:
-    """Rows per step: `rows` rounded up to whole micro-batches, where the pad rows that adds
-    stay within PAD_ROWS_LIMIT of the step (else `rows`, run at a micro-batch dividing it)."""
+    """`rows` rounded up to whole micro-batches where that pads within PAD_ROWS_LIMIT."""
     micro = min(micro, rows)
     whole = -(-rows // micro) * micro
     return whole if whole - rows <= PAD_ROWS_LIMIT * whole else rows
 
 
 def _split(rows_per_step: int, micro: int) -> tuple[int, int]:
-    """(micro_batch, grad_accum) with micro_batch x grad_accum == rows_per_step exactly."""
     micro = max(d for d in range(1, min(micro, rows_per_step) + 1) if rows_per_step % d == 0)
     return micro, rows_per_step // micro
 
 
 class WholeSteps:
     """The packed windows padded up to whole optimizer steps, so no tail token is left out.
-
-    A pad row is all pad tokens with every label -100, positions 0..seq_len-1: it trains nothing
-    and each of its tokens attends to itself and the ones before it (never to nothing, which
-    gives NaN attention weights in some kernels).
-    """
+    A pad row trains nothing; its positions run 0..seq_len-1 (attending to nothing gives NaN)."""
 
     def __init__(self, packed: Any, rows: int) -> None:
         self.packed, self.rows = packed, rows
@@ -147,11 +130,9 @@ class WholeSteps:
 def build_dataset(cfg: JobConfig, plan: Plan, recs: Records, tokenizer_dir: Path,
                   source: Path, attention: str | None = "sdpa", steps: int | None = None,
                   rows: Sequence[dict[str, Any]] | None = None) -> Data:
-    """The plan's Dataset over recs in `steps` optimizer steps (None: cfg.steps); source: the
-    data they were read from; rows: the naive plan's records of recs, in order (None: read
-    from source into memory). attention: the model's attention implementation; where it cannot
-    keep packed records apart (diag.data.packing_refused) each record gets a window of its own,
-    and the stats say why."""
+    """The plan's Dataset over recs in `steps` optimizer steps (None: cfg.steps); rows: the naive
+    plan's records (None: read from source); an `attention` that cannot keep packed records
+    apart gets a window per record, and the stats say why."""
     from diag.data import NaiveTextDataset, PackedDataset, packing_refused
 
     seq, steps = cfg.seq_len, steps or cfg.steps
@@ -168,8 +149,7 @@ def build_dataset(cfg: JobConfig, plan: Plan, recs: Records, tokenizer_dir: Path
     else:
         refused = packing_refused(attention)
         packed = PackedDataset(recs.cache.folder, seq, records=recs.indices, pack=not refused)
-        # every token trains: the tail is padded up to whole steps (fewer than steps pad rows),
-        # so both plans train the same records' tokens (both cut a record at seq_len)
+        # the tail padded up to whole steps: both plans train the same records' tokens
         rows_per_step = whole_micro_batches(-(-len(packed) // steps), plan.micro_batch)
         used = rows_per_step * steps
         dataset = WholeSteps(packed, used)
@@ -192,14 +172,14 @@ class Split:
     """`diag train`'s records: what trains, in whole optimizer steps, and what is held out."""
 
     train: Records  # steps_per_epoch x cfg.batch_size records, in the source's order
-    eval: Records  # drawn by cfg.seed before training; never trained on
+    eval: Records  # drawn by cfg.seed; never trained on
     steps_per_epoch: int
-    dropped: int  # records after an epoch's last whole step (fewer than batch_size): not trained
+    dropped: int  # records past an epoch's last whole step: not trained
 
 
 def train_records(cfg: TrainConfig, source: Path, tokenizer_dir: Path) -> Split:
-    """The whole token cache's good records (or its first cfg.records), counted; the eval share
-    drawn by cfg.seed and held out; the rest in whole optimizer steps of cfg.batch_size."""
+    """The cache's good records (or its first cfg.records), counted; the eval share drawn by
+    cfg.seed and held out; the rest in whole steps of cfg.batch_size."""
     import numpy as np
 
     recs = counted(cfg, _cache(cfg, source, tokenizer_dir))
@@ -213,9 +193,8 @@ def train_records(cfg: TrainConfig, source: Path, tokenizer_dir: Path) -> Split:
 
 
 def count_records(source: Path, at_most: int | None = None) -> int:
-    """About the records at source, without reading them: a Parquet shard's rows (its footer),
-    a JSONL file's lines (counted, not parsed: a blank or bad line counts too); at_most: stop
-    counting there (a check that needs no more reads no more)."""
+    """About the records at source, unparsed: Parquet footers' rows, JSONL lines (a bad one
+    too); stops at `at_most`."""
     import pyarrow.parquet as pq
 
     from diag.data import shard_files
@@ -236,10 +215,8 @@ def count_records(source: Path, at_most: int | None = None) -> int:
 
 
 class ArrowRecords(Sequence):
-    """The source's good records in an Arrow file on disk, each item read through a memory map
-    (as datasets.load_dataset keeps a dataset): a whole dataset read by the naive plan without
-    holding it in memory. indices: the good records to serve (their place among the source's),
-    in order; the file holds the source's records up to the last of them."""
+    """The source's good records at `indices`, from an Arrow file on disk through a memory map
+    (as datasets keeps one): the naive plan's whole dataset, never held in memory."""
 
     def __init__(self, source: Path, fields: dict[str, str], folder: Path,
                  indices: Sequence[int]) -> None:

@@ -73,8 +73,8 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
     rounds past cfg.rounds may take (None: cfg.decide_budget_s, none for a single round)."""
     from diag.noise import clock
     from diag.qlora.base import Bases
+    from diag.mfu import count_plans
     from diag.qlora.job import open_sources, rank_device
-    from diag.qlora.mfu import count_plans
 
     device = rank_device(cfg)[0]  # under a launcher: joins before the first barrier
     on = clock(device).name
@@ -173,7 +173,7 @@ def _result(plans: list[Plan], before: pd.DataFrame | None, runs: list[PlanRun],
     from diag.amdahl import shares
     from diag.forecast import story
     from diag.qlora.job import counts
-    from diag.qlora.mfu import run_mfu
+    from diag.mfu import run_mfu
     from diag.qlora.plans import fixes
 
     every = pd.DataFrame([r.summary for r in runs])

@@ -217,7 +217,7 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
     timed, spent = retime(one, pd.concat(frames, ignore_index=True), unresolved, budget_s=left,
                           at_least=cfg.sweep_steps)
     tokens = rows_per_step * cfg.seq_len
-    # no floor or MFU here: the QLoRA step's FLOPs are diag.qlora.mfu's own
+    # no floor or MFU here: the QLoRA step's FLOPs are diag.mfu.qlora's
     frame = accum_frame(timed, tokens, detail=job_label(cfg))
     summary = summarize(frame, device=str(job.device))
     where = _on(cfg, job, f"the QLoRA step, {rows_per_step} rows per optimizer step "

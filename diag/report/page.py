@@ -198,7 +198,7 @@ def _mfu(table: pd.DataFrame | None) -> str:
         return ""
     said = []
     for plan, rows in table.groupby("plan", sort=False):
-        run, model = rows.iloc[0], rows.iloc[1]  # executed, then model FLOPs (qlora.mfu)
+        run, model = rows.iloc[0], rows.iloc[1]  # executed, then model FLOPs (diag.mfu)
         said.append(f"the {_esc(str(plan))} plan's <b>{cell('mfu', run['mfu']) or 'none'}</b> "
                     f"of {_esc(run['flops'])} ({cell('mfu', model['mfu']) or 'none'} by "
                     f"{_esc(model['flops'])}, the convention: "

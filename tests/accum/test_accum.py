@@ -10,10 +10,12 @@ import pandas as pd
 import pytest
 
 from diag.accum import advice as accum_advice
-from diag.accum import (COLUMNS, NANOGPT_PEAK, ModelShape, count_flops, judge_mfu,
-                        mfu_from_figures, pairs, run_accum)
+from diag.accum import run_accum
+from diag.accum.sweep import COLUMNS, pairs
 from diag.config import AccumConfig
 from diag.data import BatchLoader, ensure_tokens
+from diag.mfu import ModelShape, count_flops, judge_mfu, mfu_from_figures
+from diag.mfu.formula import NANOGPT_PEAK
 
 
 # its module fixture is made once: the file's tests share one xdist worker (make test)

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from diag.accum import sweep, sweep_grad_accum
+from diag.accum import sweep
+from diag.accum.model import sweep_grad_accum
 from diag.config import AccumConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +78,8 @@ def test_mfu_above_100_percent_is_flagged_not_printed():
 
 OOM_SCRIPT = textwrap.dedent("""
     import resource, sys
-    from diag.accum import sweep, sweep_grad_accum
+    from diag.accum import sweep
+    from diag.accum.model import sweep_grad_accum
     from diag.config import AccumConfig
     from diag.data import ensure_tokens
 
@@ -127,7 +129,8 @@ def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
 
 def test_unknown_gpu_in_the_sweep_leaves_mfu_and_floor_empty_with_the_reason(monkeypatch):
     from diag.machine import device
-    from diag.accum import measure, mfu_check
+    from diag.accum.experiment import mfu_check
+    from diag.accum.model import measure
 
     # what peak_flops answers on a GPU diag's table does not know (see test_device)
     unknown = device.Peak(None, "unknown GPU 'Acme Tensor 9000': diag has no dense bf16 peak "

@@ -271,7 +271,7 @@ def test_qlora_step_times_checkpointing_on_and_off():
 def test_each_plan_has_its_mfu_by_both_flop_counts_and_the_report_says_it(both, tmp_path):
     from diag import report
     from diag.frames import frames_of
-    from diag.qlora.mfu import EXECUTED
+    from diag.mfu.qlora import EXECUTED
     from diag.report.units import cell
 
     mfu = both.mfu  # what `diag qlora` prints as qlora_mfu

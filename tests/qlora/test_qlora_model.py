@@ -129,7 +129,7 @@ def test_checkpointing_is_really_on_or_off(models):
 
 
 def test_mfu_formula_has_the_attention_term_and_8n_with_checkpointing(models):
-    from diag.qlora.mfu import qlora_shape
+    from diag.mfu import qlora_shape
 
     on, off = qlora_shape(models[True], 96), qlora_shape(models[False], 96)
     assert on.checkpointing and not off.checkpointing
@@ -147,9 +147,11 @@ def test_mfu_formula_has_the_attention_term_and_8n_with_checkpointing(models):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_executed_flops_match_the_counter_with_the_4bit_forward_added_back(models, checkpointing):
-    from diag.qlora.mfu import count_step, mfu_of_model
+    from diag.mfu import count_step, qlora_check, qlora_shape
 
-    table = mfu_of_model(models[checkpointing], 96, batch_size=2).set_index("method")
+    lm = models[checkpointing]
+    counted, run = count_step(lm, 2, 96)
+    table = qlora_check(qlora_shape(lm, 96), run, counted).set_index("method")
     model, executed, counter, seen = (table.iloc[i] for i in range(4))
     assert counter["flops_per_token"] > 0  # the math SDPA backend forced: attention counted
     # bitsandbytes' 4-bit forward is a custom op the counter cannot see; added back from the
@@ -169,17 +171,17 @@ def test_executed_flops_match_the_counter_with_the_4bit_forward_added_back(model
                                             (1 - MFU_DISAGREEMENT + 0.01, False),
                                             (1 - MFU_DISAGREEMENT - 0.01, True)])
 def test_disagreement_flagged_iff_over_the_threshold(ratio, flagged):
-    from diag.accum.mfu import ModelShape
-    from diag.qlora.mfu import Executed, QLoraShape, mfu_check
+    from diag.mfu import ModelShape, qlora_check
+    from diag.mfu.qlora import Executed, QLoraShape
 
     q = QLoraShape(ModelShape(1000, 2, 64, 32), frozen=900, adapters=100, checkpointing=False)
     run = Executed(2000.0, 1500.0, 200.0, 300.0, 1000.0, (("bf16", 4000.0),))
-    table = mfu_check(q, run, 4000.0 * ratio - 1000.0)
+    table = qlora_check(q, run, 4000.0 * ratio - 1000.0)
     assert list(table["flagged"]) == [False, False, False, flagged]
 
 
 def test_accum_flags_the_counter_gap_and_an_impossible_floor():
-    from diag.accum.mfu import disagreement, floor_impossible
+    from diag.mfu import disagreement, floor_impossible
 
     assert disagreement(100.0, 85.0)[0] and not disagreement(100.0, 95.0)[0]
     assert "over 10%" in disagreement(100.0, 120.0, "cause")[1]
@@ -193,7 +195,7 @@ def test_accum_flags_the_counter_gap_and_an_impossible_floor():
 def test_on_cuda_executed_matches_the_counter_and_the_peak_is_the_tables():
     from diag.embedded import ensure_assets
     from diag.qlora.base import load_model
-    from diag.qlora.mfu import count_step, step_peak
+    from diag.mfu import count_step, step_peak
 
     model = load_model(QLoraConfig.quick(), Plan.naive(), ensure_assets().model_dir,
                        torch.device("cuda"))

@@ -1,4 +1,4 @@
-"""The QLoRA step's FLOPs (diag.qlora.mfu) on hand-built tiny models: executed counts what runs
+"""The QLoRA step's FLOPs (diag.mfu.qlora) on hand-built tiny models: executed counts what runs
 (no input gradient where none is needed, no frozen weight gradient, a recomputed forward twice),
 FlopCounterMode agrees with it, the model-FLOPs convention is shown beside it, and MFU divides by
 the peak of the precisions the step ran in (no download, no training run)."""
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from diag.accum.mfu import ModelShape
 from diag.machine import device as dev
-from diag.qlora import mfu as qmfu
+from diag.mfu import qlora as qmfu
+from diag.mfu.formula import ModelShape
 
 D, R, HEADS, T, VOCAB = 8, 2, 2, 4, 16
 
@@ -125,7 +125,7 @@ def test_the_check_sets_the_counter_with_the_4bit_forward_beside_executed():
     shape = ModelShape(params=100, layers=0, d_model=1, seq_len=1)
     q = qmfu.QLoraShape(shape, frozen=90, adapters=10, checkpointing=False)
     run = qmfu.Executed(200.0, 150.0, 20.0, 0.0, 120.0, (("bf16", 370.0),))
-    f = qmfu.mfu_check(q, run, 250.0)
+    f = qmfu.qlora_check(q, run, 250.0)
     assert list(f["method"]) == ["model FLOPs 6N + 12·L·d·T", qmfu.EXECUTED,
                                  "FlopCounterMode, one step",
                                  "FlopCounterMode + the 4-bit forward from the Linear4bit shapes"]
@@ -134,9 +134,9 @@ def test_the_check_sets_the_counter_with_the_4bit_forward_beside_executed():
     assert f["note"].iloc[0] == ("counts the frozen base's weight gradients (180 FLOPs per "
                                  "token), which a QLoRA step never computes")
     assert f["note"].iloc[3] == "counter 1x executed (within 10%)"
-    low = qmfu.mfu_check(q, run, 200.0).iloc[3]  # 320 seen of 370
+    low = qmfu.qlora_check(q, run, 200.0).iloc[3]  # 320 seen of 370
     assert low["flagged"] and "a matmul kernel it has no formula for" in low["note"]
-    high = qmfu.mfu_check(q, run, 300.0).iloc[3]
+    high = qmfu.qlora_check(q, run, 300.0).iloc[3]
     assert high["flagged"] and "a layer that is not an nn.Linear" in high["note"]
 
 

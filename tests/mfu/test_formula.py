@@ -1,4 +1,4 @@
-"""The MFU formula and its judge (diag.accum.mfu; the QLoRA step's is test_qlora_mfu's): 6N /
+"""The MFU formula and its judge (diag.mfu.formula; the QLoRA step's is test_qlora_step's): 6N /
 8N per token plus the attention term, N counted from a model, the counter's check flagged past
 10%, MFU above 100% and a floor above the step refused (hand-built tiny models; no download, no
 training run)."""
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diag.accum.mfu import (NANOGPT_PEAK, ModelShape, count_flops, disagreement,
-                            floor_impossible, floor_seconds, judge_mfu, loss_of,
-                            mfu_from_figures)
+from diag.mfu.formula import (NANOGPT_PEAK, ModelShape, count_flops, disagreement,
+                              floor_impossible, floor_seconds, judge_mfu, loss_of,
+                              mfu_from_figures)
 
 D, HEADS, T, VOCAB = 8, 2, 4, 16
 

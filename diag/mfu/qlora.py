@@ -1,16 +1,8 @@
-"""The QLoRA step's FLOPs and MFU, counted two ways and both named.
+"""The QLoRA step's FLOPs as executed, and each plan's MFU against its precisions' peak.
 
-`executed`: what a step runs, tallied per call of each linear layer (hooks on the 4-bit base,
-the LoRA adapters, the head): the forward (again where checkpointing recomputes), the input
-gradients that backward computes (not for an input that needs none: the first layer's, unless
-checkpointing makes the embeddings require grad), the LoRA weight gradients (the frozen base
-computes none), plus attention's 4·L·d·T forward and 8·L·d·T backward per token (the full T x T
-the math SDPA backend runs; a causal fused kernel may skip masked blocks). The model-FLOPs
-convention, 6N + 12·L·d·T (8N + 16·L·d·T checkpointing), counts the frozen base's weight
-gradients a QLoRA step never computes: shown beside it, not as it. `count_step` checks executed
-against torch's FlopCounterMode on the same step, with what the counter cannot see added back:
-bitsandbytes' 4-bit forward (a custom op), counted from the Linear4bit shapes. MFU divides by
-the peak of the precisions the matmuls ran in, weighted by their FLOPs (`step_peak`).
+`tally` hooks every linear layer (no weight gradients for the frozen base); FlopCounterMode
+checks it, bitsandbytes' 4-bit forward (an op it cannot see) added back. The model-FLOPs
+convention is shown beside it, not as it.
 """
 
 from __future__ import annotations
@@ -22,29 +14,27 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from diag.accum import ModelShape, count_flops, disagreement, judge_mfu
+from diag.mfu.formula import ModelShape, count_flops, disagreement, judge_mfu
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from diag.machine.device import Peak
 
-# the two FLOP counts, as every table and the report name them
-EXECUTED = "executed (fwd + input grads + LoRA grads + attention)"
+EXECUTED = "executed (fwd + input grads + LoRA grads + attention)"  # as every table names it
 
 
 @dataclass(frozen=True)
 class QLoraShape:
     """The model-FLOPs formula's inputs for a 4-bit base with LoRA adapters."""
 
-    shape: ModelShape  # params = every matmul weight (base at in x out, adapters, head)
-    frozen: int  # the base's matmul weights: no weight gradient is computed for them
-    adapters: int  # the LoRA weights (trained)
+    shape: ModelShape  # params: every matmul weight, the 4-bit base at in x out
+    frozen: int  # the base's: no weight gradient is computed for them
+    adapters: int  # the LoRA weights
     checkpointing: bool
 
     @property
     def flops_per_token(self) -> float:
-        """Model FLOPs per token: 6N (8N checkpointing) + the attention term."""
         return self.shape.training_flops(recompute=self.checkpointing)
 
     @property
@@ -56,12 +46,12 @@ class QLoraShape:
 class Executed:
     """FLOPs per token one step ran, by part, and by the precision each matmul ran in."""
 
-    forward: float  # every linear layer's forward, a recomputed one twice
-    input_grads: float  # backward to the inputs that require a gradient
-    weight_grads: float  # the LoRA weights' (nothing else trains)
-    attention: float  # QK^T and AV, forward (twice recomputing) and backward
-    forward_4bit: float  # of `forward`: bitsandbytes' 4-bit matmuls (FlopCounterMode sees none)
-    by_dtype: tuple[tuple[str, float], ...]  # (precision, FLOPs per token), attention included
+    forward: float  # a recomputed forward twice
+    input_grads: float  # to the inputs that require a gradient
+    weight_grads: float  # the LoRA weights'
+    attention: float  # QK^T and AV, the full T x T
+    forward_4bit: float  # of `forward`: bitsandbytes' (FlopCounterMode sees none)
+    by_dtype: tuple[tuple[str, float], ...]  # (precision, FLOPs per token)
 
     @property
     def total(self) -> float:
@@ -69,8 +59,8 @@ class Executed:
 
 
 def qlora_shape(model: Any, seq_len: int, checkpointing: bool | None = None) -> QLoraShape:
-    """From a (peft-wrapped) causal LM: linear layers at in x out, whatever their storage (a
-    Params4bit holds two weights per byte, so numel() would halve them)."""
+    """From a (peft-wrapped) causal LM: linear layers at in x out whatever their storage (a
+    Params4bit's numel() is half its weights)."""
     frozen = adapters = 0
     for name, module in _leaf_linears(model):
         n = int(module.in_features) * int(module.out_features)
@@ -81,8 +71,7 @@ def qlora_shape(model: Any, seq_len: int, checkpointing: bool | None = None) -> 
     config = model.config
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    if checkpointing is None:
-        # transformers 5 renamed the flag (the old name warns); a plain module may have either
+    if checkpointing is None:  # transformers 5 renamed the flag; a plain module may have either
         checkpointing = bool(next((getattr(model, a) for a in (
             "is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(model, a)),
             False))
@@ -92,8 +81,7 @@ def qlora_shape(model: Any, seq_len: int, checkpointing: bool | None = None) -> 
 
 
 def _leaf_linears(model: Any) -> Iterator[tuple[str, Any]]:
-    """Linear layers that compute (a peft LoRA wrapper holds its base layer as a child: that
-    one is counted, the wrapper is not)."""
+    """Linear layers that compute: a peft LoRA wrapper's base layer, not the wrapper."""
     import torch
 
     for name, module in model.named_modules():
@@ -103,8 +91,7 @@ def _leaf_linears(model: Any) -> Iterator[tuple[str, Any]]:
 
 
 def _precision(module: Any, x: Any) -> str:
-    """The precision a linear layer's matmul runs in: bitsandbytes' compute dtype for a 4-bit
-    layer (it casts its input to it), else its weight's."""
+    """A 4-bit layer's matmul runs in bitsandbytes' compute dtype, any other in its weight's."""
     from diag.machine.gpus import _dtype
 
     if type(module).__name__ == "Linear4bit":
@@ -114,10 +101,8 @@ def _precision(module: Any, x: Any) -> str:
 
 @contextlib.contextmanager
 def tally(model: Any) -> Iterator[collections.Counter[str]]:
-    """While open, every linear layer's call adds its FLOPs: 2 x rows x in x out to `forward`
-    (and `forward_4bit` for a Linear4bit), and, when backward reaches its output, the same again
-    to `input_grads` if its input requires grad and to `weight_grads` if its weight does; each
-    also under its precision. A recomputed forward's output gets no gradient: counted once."""
+    """While open, each linear call adds its FLOPs to `forward` and, once backward reaches its
+    output, to `input_grads` / `weight_grads` where they are computed; each under its precision."""
     got: collections.Counter[str] = collections.Counter()
 
     def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -148,9 +133,7 @@ def tally(model: Any) -> Iterator[collections.Counter[str]]:
 
 def count_step(model: Any, batch_size: int, seq_len: int, seed: int = 0
                ) -> tuple[float, Executed]:
-    """One forward + backward of random ids, counted both ways at once: (FlopCounterMode's
-    FLOPs per token, the math SDPA backend forced on CPU where the fused kernel would count 0;
-    the step's executed FLOPs per token, from `tally` and the attention term)."""
+    """(FlopCounterMode's, executed) FLOPs per token of one forward + backward of random ids."""
     import torch
 
     from diag.machine.gpus import _dtype
@@ -165,8 +148,7 @@ def count_step(model: Any, batch_size: int, seq_len: int, seed: int = 0
     tokens = x.numel()
     q = qlora_shape(model, seq_len)
     attention = q.shape.attention_flops(recompute=q.checkpointing)
-    # attention runs on the hidden states, in the embeddings' precision
-    hidden = _dtype(model.get_input_embeddings().weight.dtype)
+    hidden = _dtype(model.get_input_embeddings().weight.dtype)  # attention's precision
     precisions = {k: v / tokens for k, v in got.items()
                   if k not in ("forward", "forward_4bit", "input_grads", "weight_grads")}
     precisions[hidden] = precisions.get(hidden, 0.0) + attention
@@ -175,9 +157,10 @@ def count_step(model: Any, batch_size: int, seq_len: int, seed: int = 0
         attention, got["forward_4bit"] / tokens, tuple(sorted(precisions.items())))
 
 
-def mfu_check(qshape: QLoraShape, executed: Executed, counted_per_token: float) -> pd.DataFrame:
-    """Model FLOPs, executed, the counter and the counter with the 4-bit forward added back,
-    per token, side by side; the last against executed flagged past MFU_DISAGREEMENT."""
+def qlora_check(qshape: QLoraShape, executed: Executed, counted_per_token: float
+                ) -> pd.DataFrame:
+    """Model FLOPs, executed, the counter, and the counter + the 4-bit forward per token; the
+    last flagged against executed."""
     import pandas as pd
 
     run = executed.total
@@ -205,10 +188,8 @@ def mfu_check(qshape: QLoraShape, executed: Executed, counted_per_token: float) 
 
 def step_peak(executed: Executed, device: Any, probe_size: int = 1024,
               known: dict[str, Peak] | None = None) -> Peak:
-    """The peak of the precisions the step's FLOPs ran in: each one's peak (a repeated probe on
-    CPU, the dense table on CUDA; fp32 matmuls at the tf32 rate where torch allows it), combined
-    as the step at 100% of each would run: total / sum(FLOPs_p / peak_p). known: peaks already
-    measured, by precision (filled here), so plans of one run share one probe."""
+    """The step's peak: total / sum(FLOPs_p / peak_p) over its precisions (a probe on CPU, the
+    table on CUDA); `known` caches peaks by precision across a run's plans."""
     import torch
 
     from diag.machine.device import Peak, peak_flops, resolve
@@ -243,12 +224,12 @@ class Counted:
     qshape: QLoraShape
     executed: Executed
     counter: float  # FlopCounterMode's FLOPs per token
-    peak: Peak  # of the step's precisions (step_peak)
+    peak: Peak  # step_peak's
 
 
 def count_plans(cfg: Any, plans: Iterable[Any], src: Any, bases: Any) -> dict[str, Counted]:
-    """Each plan's step counted once, untimed, one row of cfg.seq_len tokens: on the base its
-    rounds ran (bases: diag.qlora.base.Bases), a fresh adapter on it, taken off after."""
+    """Each plan's step counted once, untimed, on one row, on the base its rounds ran (`bases`:
+    diag.qlora.base.Bases)."""
     import torch
 
     from diag.machine.device import resolve
@@ -272,8 +253,7 @@ def count_plans(cfg: Any, plans: Iterable[Any], src: Any, bases: Any) -> dict[st
 
 def plan_mfu(plan: str, seconds: float, token_slots: float, qshape: QLoraShape,
              executed: Executed, counted: float, peak: Peak) -> list[dict[str, Any]]:
-    """Two rows for one plan's steady steps (token_slots run in `seconds`): its MFU by executed
-    FLOPs and by model FLOPs, both against `peak`; the counter's check beside executed."""
+    """MFU of token_slots in `seconds` by executed and by model FLOPs against `peak`."""
     rate = token_slots / seconds if seconds > 0 else math.nan
     seen = counted + executed.forward_4bit
     rows = []
@@ -290,9 +270,7 @@ def plan_mfu(plan: str, seconds: float, token_slots: float, qshape: QLoraShape,
 
 def run_mfu(frame: pd.DataFrame, stages: pd.DataFrame, counted: dict[str, Counted]
             ) -> pd.DataFrame:
-    """Per plan two rows: its steady steps' MFU by executed FLOPs and by model FLOPs, both per
-    token slot (padding runs too) against the step's peak (x the ranks under DDP), and the
-    counter (+ the 4-bit forward) over each FLOP count."""
+    """plan_mfu of each counted plan's steady steps per token slot, against its peak x ranks."""
     import dataclasses
 
     import pandas as pd
@@ -303,20 +281,12 @@ def run_mfu(frame: pd.DataFrame, stages: pd.DataFrame, counted: dict[str, Counte
             continue
         c = counted[r.plan]
         own = stages[(stages["run"] == r.plan) & stages["step"].notna()]
-        own = own[own["rank"] == own["rank"].min()]  # one rank's clock: ranks run side by side
+        own = own[own["rank"] == own["rank"].min()]  # ranks run side by side: one's clock
         peak = c.peak if r.ranks <= 1 or not c.peak.flops else dataclasses.replace(
             c.peak, flops=c.peak.flops * r.ranks, label=f"{r.ranks} x {c.peak.label}")
         slots = r.token_slots / r.steps * own["step"].nunique()
-        # a CPU peak is per CPU second (the probe's clock): the steady loop's CPU seconds
+        # a measured CPU peak is per CPU second: the loop's CPU seconds
         cpu = c.peak.source == "step_peak" and c.peak.measured and "train_cpu_s" in frame
         seconds = float(r.train_cpu_s) if cpu else float(own["seconds"].sum())
         rows += plan_mfu(r.plan, seconds, slots, c.qshape, c.executed, c.counter, peak)
     return pd.DataFrame(rows)
-
-
-def mfu_of_model(model: Any, seq_len: int, batch_size: int = 1,
-                 checkpointing: bool | None = None) -> pd.DataFrame:
-    """The check on a loaded model: its shape, one counted step, the table."""
-    qshape = qlora_shape(model, seq_len, checkpointing)
-    counted, executed = count_step(model, batch_size, seq_len)
-    return mfu_check(qshape, executed, counted)

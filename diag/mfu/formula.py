@@ -1,13 +1,7 @@
-"""FLOPs per token, MFU and the floor: what a training step costs at best, and how close it got.
+"""Model FLOPs per token, the floor, and how close a step came to the device's dense peak.
 
-flops_per_token = 6N + 12·L·d·T (PaLM, appendix B): N counts the weights that take part in a
-matmul (every linear layer and the LM head, not an embedding lookup), 12·L·d·T is attention's
-QK^T and AV at sequence length T, forward and backward; 8N + 16·L·d·T with activation
-checkpointing (`training_flops(recompute=True)`). `count_flops()` checks the formula with
-torch's FlopCounterMode on a real micro-step; `disagreement()` flags a gap over MFU_DISAGREEMENT
-and `floor_impossible()` a floor above the measured step. MFU = achieved FLOP/s / the device's dense
-peak; above 100% it is never a result but a flag (wrong peak or over-counted FLOPs), both numbers
-shown. `floor_s` is a step's time at 100% of the peak. `mfu_from_figures()` takes your numbers.
+6N + 12·L·d·T per trained token (PaLM, appendix B; 8N + 16·L·d·T recomputing), checked against
+torch's FlopCounterMode. An MFU above 100% is a flag naming both numbers, never a result.
 """
 
 from __future__ import annotations
@@ -21,8 +15,7 @@ if TYPE_CHECKING:
     import pandas as pd
     import torch
 
-# nanoGPT's estimate_mfu divides by this whatever the GPU: the A100's dense bf16 peak
-NANOGPT_PEAK = 312e12
+NANOGPT_PEAK = 312e12  # nanoGPT's estimate_mfu divides by this whatever the GPU (A100 dense bf16)
 
 
 @dataclass(frozen=True)
@@ -37,16 +30,14 @@ class ModelShape:
 
     @property
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6N (matmuls, fwd + bwd) + 12·L·d·T (attention)."""
         return self.training_flops(recompute=False)
 
     def training_flops(self, recompute: bool = False) -> float:
-        """FLOPs per trained token; with activation checkpointing the forward runs twice:
-        8N + 16·L·d·T (the forward's 2N + 4·L·d·T again)."""
+        """FLOPs per trained token: 6N + attention, 8N recomputing (the forward runs twice)."""
         return (8.0 if recompute else 6.0) * self.params + self.attention_flops(recompute)
 
     def attention_flops(self, recompute: bool = False) -> float:
-        """Attention's QK^T and AV per token: 4·L·d·T forward (twice recomputing), 8 backward."""
+        """QK^T and AV per token: 4·L·d·T forward (twice recomputing), 8·L·d·T backward."""
         return (16.0 if recompute else 12.0) * self.layers * self.d_model * self.seq_len
 
     @classmethod
@@ -58,12 +49,8 @@ class ModelShape:
         head = out.weight if out is not None else None
         lookups = {id(m.weight) for m in model.modules()
                    if isinstance(m, torch.nn.Embedding) and m.weight is not head}
-        seen: set[int] = set()
-        params = 0
-        for p in model.parameters():  # parameters() yields a tied tensor once
-            if id(p) not in lookups and id(p) not in seen:
-                seen.add(id(p))
-                params += p.numel()
+        # parameters() yields a tied tensor once
+        params = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
         c = model.config
         layers = getattr(c, "num_hidden_layers", None) or c.n_layer
         heads = getattr(c, "num_attention_heads", None) or c.n_head
@@ -87,7 +74,7 @@ class ModelShape:
 
 
 def loss_of(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of one micro-batch (x and y: the same windows shifted by one)."""
+    """Next-token cross-entropy of one micro-batch (y: x's windows shifted by one)."""
     import torch.nn.functional as F
 
     logits = model(input_ids=x).logits
@@ -99,8 +86,7 @@ def count_flops(model: Any, x: torch.Tensor, y: torch.Tensor, autocast: Any = No
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    # On CPU the fused SDPA kernel has no FLOP formula (it would count 0): force the math path,
-    # which is plain matmuls. On CUDA the flash / efficient kernels have formulas of their own.
+    # CPU's fused SDPA kernel has no FLOP formula (it would count 0); the math path is matmuls
     backend = sdpa_kernel(SDPBackend.MATH) if x.device.type == "cpu" else contextlib.nullcontext()
     counter = FlopCounterMode(display=False)
     with backend, counter:
@@ -109,14 +95,12 @@ def count_flops(model: Any, x: torch.Tensor, y: torch.Tensor, autocast: Any = No
         loss.backward()
     model.zero_grad(set_to_none=True)
     del loss
-    assert isinstance(counter.get_total_flops(), int)
     return int(counter.get_total_flops())
 
 
 def disagreement(formula: float, counted: float, explained: str = "",
                  against: str = "the formula") -> tuple[bool, str]:
-    """(flagged, note): the counter's FLOPs against the formula's, flagged past MFU_DISAGREEMENT
-    (a wrong N, a missed attention term, or matmuls the counter cannot see)."""
+    """(flagged, note): counted FLOPs against `formula`, flagged past MFU_DISAGREEMENT."""
     from diag.decision import MFU_DISAGREEMENT
 
     if not (formula > 0 and math.isfinite(counted)):
@@ -129,14 +113,13 @@ def disagreement(formula: float, counted: float, explained: str = "",
 
 
 def floor_impossible(floor_s: float, seconds_per_step: float) -> bool:
-    """A floor (the step at 100% of the peak) above the measured step cannot be: the peak is
-    too low for this device or the FLOPs are over-counted; flagged, never shown as a bound."""
+    """A floor above the measured step: the peak is too low or the FLOPs over-counted."""
     return bool(math.isfinite(floor_s) and math.isfinite(seconds_per_step)
                 and floor_s > seconds_per_step)
 
 
 def floor_seconds(flops_per_token: float, tokens: float, peak_flops: float | None) -> float:
-    """Seconds `tokens` take at 100% of the peak: no run of this model is faster."""
+    """Seconds `tokens` take at 100% of the peak (NaN without one): no run is faster."""
     if not peak_flops or not math.isfinite(peak_flops):
         return math.nan
     return flops_per_token * tokens / peak_flops
@@ -144,7 +127,7 @@ def floor_seconds(flops_per_token: float, tokens: float, peak_flops: float | Non
 
 def judge_mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None,
               peak_label: str) -> tuple[float, float, str]:
-    """(mfu, computed ratio, note): mfu is NaN when the peak is unknown or the ratio exceeds 1."""
+    """(mfu, ratio to the peak, note): mfu is NaN when the peak is unknown or the ratio > 1."""
     if peak_flops is None or not peak_flops > 0:
         return math.nan, math.nan, f"no MFU: {peak_label}"
     ratio = tokens_per_s * flops_per_token / peak_flops
@@ -160,12 +143,8 @@ def judge_mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | N
 def mfu_from_figures(tokens_per_s: float, shape: ModelShape, device: str, dtype: str = "bf16",
                      assumed_peak: float | None = NANOGPT_PEAK,
                      tokens_per_step: int | None = None) -> pd.DataFrame:
-    """MFU of your own run from its figures: diag's dense peak for `device`, and `assumed_peak`.
-
-    One row per peak (`peak`, `peak_tflops`, `achieved_tflops`, `ratio_to_peak`, `mfu`,
-    `verdict`, plus `seconds_per_step` and `floor_s` when tokens_per_step is given). `mfu` is
-    empty where the ratio is above 1 or the device is not in diag's table; `verdict` says why.
-    """
+    """Your run's MFU against diag's dense peak for `device` and against `assumed_peak`, a row
+    each; `verdict` says why one has no `mfu`."""
     import pandas as pd
 
     from diag.machine.gpus import dense_peak_flops, find_gpu
