@@ -30,3 +30,32 @@ def test_checkpointing_is_decided_and_priced_at_the_plans_micro_batch():
     assert got.naive_ratio == pytest.approx(1.2, rel=0.03)
 
 
+
+
+def test_the_rounds_go_on_past_cfg_rounds_until_the_headline_resolves(monkeypatch):
+    # each round's naive run costs twice the optimized one: at 5 rounds a side the gap
+    # resolves and the rounds stop; with no budget they stop at cfg.rounds; a single round
+    # (a quick look) is never extended
+    import pandas as pd
+
+    from diag.config import QLoraConfig
+    from diag.forecast.costs import measured, row
+    from diag.qlora import experiment, job
+    from diag.qlora.job import PlanRun
+    from diag.qlora.plans import Plan
+
+    def run_plan(cfg, plan, src, bases, rnd):
+        seconds = (2.0 if plan.name == "naive" else 1.0) * (1 + 0.01 * rnd)
+        costs = measured([row(plan.name, "train", "slot", seconds, 100, clock="CPU", rnd=rnd)])
+        return PlanRun(plan.name, rnd, pd.DataFrame(), pd.DataFrame(), costs,
+                       {"real_tokens": 100, "plan": plan.name})
+
+    monkeypatch.setattr(job, "run_plan", run_plan)
+    plans = [Plan.naive(), Plan.optimized()]
+    got = experiment._rounds(QLoraConfig.quick(rounds=2), plans, None, None, "CPU", 60.0)
+    assert [r.round for r in got if r.plan == "naive"] == [0, 1, 2, 3, 4]
+    assert [r.plan for r in got[:4]] == ["naive", "optimized", "optimized", "naive"]
+    assert len(experiment._rounds(QLoraConfig.quick(rounds=2), plans, None, None, "CPU",
+                                  0.0)) == 4
+    assert len(experiment._rounds(QLoraConfig.quick(rounds=1), plans, None, None, "CPU",
+                                  60.0)) == 2
