@@ -79,7 +79,7 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
     device = rank_device(cfg)[0]  # under a launcher: joins before the first barrier
     on = clock(device).name
     with contextlib.nullcontext(src) if src else open_sources(cfg) as src:
-        plans = _plans(cfg, decisions, src)
+        plans = [p.for_device(str(device)) for p in _plans(cfg, decisions, src)]  # as they ran
         with Bases() as bases:
             before = _before(cfg, plans, src, bases, device)
             runs = _rounds(cfg, plans, src, bases, on, budget_s)

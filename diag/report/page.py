@@ -159,8 +159,11 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
         out = "; ".join(f"<b>{_esc(d.setting)} = {_esc(_value(d.value))}</b>, "
                         f"{_esc(d.evidence())}" for d in chosen or kept) + "."
         if chosen and kept:
+            ran = _ran(frames)
             out += ("<br><span class=defaults>Defaults kept: " + ", ".join(
-                f"{_esc(d.setting)} {_esc(_value(d.value))}" for d in kept)
+                f"{_esc(d.setting)} {_esc(_value(d.value))}" + (
+                    f" (ran {_esc(ran[d.setting])} on this device)" if ran.get(
+                        d.setting, _value(d.value)) != _value(d.value) else "") for d in kept)
                 + " (their reasons in decisions.csv).</span>")
         return out
     if f"{key}_verdict" in frames:  # attach, trace: the verdict on a job diag did not start
@@ -175,6 +178,15 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
         return _trained(frames["train"])
     rows = sum(len(frames[n]) for n in names)
     return f"Measured {rows:,} rows; no setting was decided from them."
+
+
+def _ran(frames: dict[str, pd.DataFrame]) -> dict[str, str]:
+    """The optimized plan's settings as they ran (qlora_plans), by setting."""
+    plans = frames.get("qlora_plans")
+    if plans is None:
+        return {}
+    mine = plans[plans["run"] == "optimized"]
+    return dict(zip(mine["setting"], mine["value"].astype(str)))
 
 
 def _shares(stages: list[dict[str, Any]]) -> str:
@@ -193,21 +205,19 @@ def _comparison(r: pd.Series) -> str:
 
 
 def _mfu(table: pd.DataFrame | None) -> str:
-    """Each plan's MFU of its steady steps, executed FLOPs first, the convention beside it."""
+    """Each plan's MFU in one plain line (executed FLOPs; the convention beside it), the peak
+    and the jargon in the MFU table and the glossary."""
     if table is None or table.empty:
         return ""
-    said = []
-    for plan, rows in table.groupby("plan", sort=False):
-        run, model = rows.iloc[0], rows.iloc[1]  # executed, then model FLOPs (diag.mfu)
-        said.append(f"the {_esc(str(plan))} plan's <b>{cell('mfu', run['mfu']) or 'none'}</b> "
-                    f"of {_esc(run['flops'])} ({cell('mfu', model['mfu']) or 'none'} by "
-                    f"{_esc(model['flops'])}, the convention: "
-                    f"{sig(model['flops_per_token'] / run['flops_per_token'])}x the FLOPs)")
-    spread = f", the probes' spread up to {share(run['peak_spread'])}" if run["peak_spread"] \
-        else ""
-    return (" MFU of the steady steps: " + "; ".join(said) + ". "
-            + _esc(run["peak"][0].upper() + run["peak"][1:]) + f" (the {_esc(str(plan))} plan's"
-            f"{spread}).")
+    executed = table.groupby("plan", sort=False).nth(0)  # executed, then model FLOPs (diag.mfu)
+    model = table.groupby("plan", sort=False).nth(1)
+    each = ", ".join(f"{_esc(str(p))} <b>{cell('mfu', m) or 'none'}</b>"
+                     for p, m in zip(executed["plan"], executed["mfu"]))
+    convention = " and ".join(cell("mfu", m) or "none" for m in model["mfu"])
+    why = "" if executed["mfu"].notna().all() else (
+        " (none: " + _esc(str(executed["peak"][executed["mfu"].isna()].iloc[0])) + ")")
+    return (f" MFU of the steady steps, by the FLOPs they ran: {each}{why}; by the model-FLOPs "
+            f"convention {convention} (the glossary says how the two differ).")
 
 
 def _trained(runs: pd.DataFrame) -> str:

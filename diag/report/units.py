@@ -55,7 +55,9 @@ def share(value: float) -> str:
 
 def cell(column: str, value: Any) -> str:
     """value as shown under column: with its unit when the name carries one."""
-    if value is None or isinstance(value, float) and math.isnan(value):
+    import pandas as pd
+
+    if value is None or pd.api.types.is_scalar(value) and pd.isna(value):  # NaN, NA, NaT: blank
         return ""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return str(value)
