@@ -1,14 +1,13 @@
-"""The live view of a long QLoRA run: a tqdm.auto bar, and the stage shares so far every N steps.
+"""The live view of a long QLoRA run: a tqdm.auto bar whose remaining time is diag's own model,
+and the stage shares so far every N steps (on stderr: a --json result on stdout stays JSON).
 
-`Progress(timer, tokens_per_step, every)` is a TrainerCallback: the bar counts optimizer steps
-(resumed ones included) with trained tokens/s and the data_wait share of the steps so far in its
-postfix (tqdm's own ETA from the rate beside it); every `every` steps a line with the
-TimingCallback timer's stage shares so far (`say` writes such a line). tqdm.auto draws it in a
-terminal and in a notebook alike; on stderr, so a --json result on stdout stays JSON.
+`Progress` re-estimates the time left after every step from the cost table's ETA (`projected`:
+seconds per stage) with the steps' own pace replacing the steps' price: a promise kept honest.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from typing import Any
@@ -38,13 +37,27 @@ def shares_so_far(timer: StageTimer) -> str:
                      for stage, seconds in spent.sort_values(ascending=False).items())
 
 
+def left_s(projected: dict[str, float], spent: dict[str, float], steps_left: int,
+           step_s: float | None) -> float:
+    """Seconds left: the steps left at the pace measured (else the ETA's price of them), and
+    each other stage's ETA less what it spent so far (never below 0)."""
+    steps = steps_left * step_s if step_s else max(
+        0.0, projected.get("train", 0.0) + projected.get("warmup", 0.0)
+        - spent.get("train", 0.0) - spent.get("warmup", 0.0))
+    rest = sum(max(0.0, s - spent.get(stage, 0.0)) for stage, s in projected.items()
+               if stage not in ("train", "warmup", "fetch_data", "load_model", "preprocess",
+                                "setup"))
+    return steps + rest
+
+
 class Progress(TrainerCallback):
-    """The bar and the periodic stage shares (see the module)."""
+    """The bar (optimizer steps, trained tokens/s, data_wait so far, diag's time left) and the
+    periodic stage shares; projected: the ETA's seconds per stage (None: no time left shown)."""
 
     def __init__(self, timer: StageTimer, tokens_per_step: float, every: int,
-                 desc: str = "diag train") -> None:
+                 desc: str = "diag train", projected: dict[str, float] | None = None) -> None:
         self.timer, self.tokens_per_step, self.every = timer, tokens_per_step, every
-        self.desc = desc
+        self.desc, self.projected = desc, projected
         self.bar: Any = None
         self._start, self._first = 0.0, 0
 
@@ -52,17 +65,26 @@ class Progress(TrainerCallback):
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=state.max_steps, initial=state.global_step, unit="step",
-                        desc=self.desc, dynamic_ncols=True, file=sys.stderr)
+                        desc=self.desc, dynamic_ncols=True, file=sys.stderr,
+                        bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
         self._start, self._first = time.perf_counter(), state.global_step
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from diag.forecast.eta import duration
+
         done = state.global_step - self._first
-        spent = {s: self.timer.total(s) for s in STEP_PARTS}
-        steps = sum(spent.values())
-        self.bar.set_postfix_str(
-            f"{self.tokens_per_step * done / (time.perf_counter() - self._start):,.0f} "
-            f"trained tokens/s, data_wait {spent['data_wait'] / steps if steps else 0:.1%}",
-            refresh=False)
+        frame = self.timer.to_frame()
+        spent = frame[frame["step"].isna()].groupby("stage")["seconds"].sum().to_dict()
+        stepped = frame[frame["stage"].isin(STEP_PARTS) & frame["step"].notna()]
+        per = stepped.groupby("step")["seconds"].sum()
+        wait = stepped.loc[stepped["stage"] == "data_wait", "seconds"].sum()
+        said = (f"{self.tokens_per_step * done / (time.perf_counter() - self._start):,.0f} "
+                f"trained tokens/s, data_wait {wait / per.sum() if per.sum() else 0:.1%}")
+        if self.projected is not None:
+            step_s = statistics.median(per.tail(20)) if len(per) else None
+            left = left_s(self.projected, spent, state.max_steps - state.global_step, step_s)
+            said += f", {duration(left)} left (diag's ETA)"
+        self.bar.set_postfix_str(said, refresh=False)
         self.bar.update(1)
         if self.every and state.global_step % self.every == 0 and state.global_step < \
                 state.max_steps:
