@@ -139,8 +139,10 @@ def duration(seconds: float) -> str:
     return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
 
 
-def before_line(head: str, projected: pd.DataFrame) -> str:
-    """The ETA as one line: the job (head), the total in wall seconds and each stage's share."""
+def before_line(head: str, projected: pd.DataFrame, spent_s: float = 0.0,
+                done: tuple[str, ...] = ()) -> str:
+    """The ETA as one line: the job (head), the whole command in wall seconds (spent_s so far,
+    deciding included, then the stages not `done` as priced), each stage's share of the run."""
     total = float(projected["seconds"].sum())
     if not total:
         return (f"{head}; no ETA: nothing measured before prices this job's stages (decide the "
@@ -148,7 +150,11 @@ def before_line(head: str, projected: pd.DataFrame) -> str:
     shares = ", ".join(f"{r.stage} {r.seconds / total:.0%}" for r in projected.sort_values(
         "seconds", ascending=False).itertuples() if r.seconds / total >= 0.005)
     left = [s for s in ORDER if s not in set(projected["stage"])]
-    return (f"{head}; ETA {duration(total)} (wall), from earlier measurements: {shares}"
+    whole = spent_s + float(projected.loc[~projected["stage"].isin(done), "seconds"].sum())
+    return (f"{head}; ETA {duration(whole)} (wall) for the whole command"
+            + (f", {duration(spent_s)} of it spent (deciding the plan, fetch, load, "
+               "preprocess)" if spent_s else "")
+            + f"; the run from earlier measurements: {shares}"
             + (f" (not priced: {', '.join(left)})" if left else ""))
 
 

@@ -61,7 +61,7 @@ def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | No
     from diag.qlora.job import open_sources
     from diag.qlora.measure import read_results
 
-    cfg = cfg or TrainConfig.default()
+    cfg, began = cfg or TrainConfig.default(), time.perf_counter()  # the command's ETA counts all
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(cfg.out_dir or f"train/{stamp}")
     stored = claim(out, cfg.identity(), cfg.resume)  # before any work: another run's refused
@@ -79,7 +79,7 @@ def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | No
             costs = from_decisions(plan.name, plan.settings(), decided, build)
         gc.collect()  # the sweeps' models (reference cycles) go before the start freezes the rest
         with frozen_heap():  # as diag qlora's starts: the Trainer's collection is not its set-up
-            return _run(cfg, plan, src, out, costs, stored or {}, plan_s)
+            return _run(cfg, plan, src, out, costs, stored or {}, plan_s, began)
 
 
 def _decide(cfg: TrainConfig, stored: dict[str, Any] | None,
@@ -114,7 +114,7 @@ def _collect(name: str, decided: tuple[Decision, ...]) -> Plan:
 
 
 def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFrame,
-         stored: dict[str, Any], plan_s: float) -> TrainResult:
+         stored: dict[str, Any], plan_s: float, began: float) -> TrainResult:
     """The timed run: its stages, the ETA before the first step, the adapter at the end."""
     import pandas as pd
 
@@ -144,8 +144,10 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
         plan = plan.fit(job.data.micro_batch * job.data.grad_accum)
         counts = _counts(cfg, job, out)
         projected = price(costs, counts)
-        say(before_line(_head(cfg, plan, job), projected))
-        got = _train(cfg, plan, model, job, out, device, timer, stored)
+        say(before_line(_head(cfg, plan, job), projected, time.perf_counter() - began,
+                        ("fetch_data", "load_model", "preprocess")))
+        ahead = dict(zip(projected["stage"], projected["seconds"]))
+        got = _train(cfg, plan, model, job, out, device, timer, stored, ahead)
         with timer.stage("checkpoint"):  # the output: adapter + tokenizer, whole
             files = publish(out, lambda tmp: _save_output(got["trainer"], folder, tmp))
             made = merged(folder, out, out / "merged") if cfg.merge else None
@@ -206,7 +208,7 @@ SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_
 
 
 def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, device: Any,
-           timer: Any, stored: dict[str, Any]) -> dict[str, Any]:
+           timer: Any, stored: dict[str, Any], projected: dict[str, float]) -> dict[str, Any]:
     """The Trainer's part (setup, warmup, train, checkpoint, eval): the held-out loss before the
     first step (a fresh run), then every eval_every steps and at the end."""
     from diag.qlora.progress import Progress
@@ -216,7 +218,7 @@ def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, devic
              for k in ("checkpoint_every", "progress_every")}
     every["eval_every"] = cfg.eval_cadence(job.steps, len(job.split.eval.indices))
     progress = Progress(timer, job.tokens_per_step, every["progress_every"],
-                        f"diag train ({plan.name})")
+                        f"diag train ({plan.name})", projected)
     trainer, callback = trainer_for(
         cfg, plan, model, job.data, out, device, timer, keep=cfg.keep_checkpoints,
         callbacks=(progress,), eval_dataset=job.evals, max_steps=job.steps,
