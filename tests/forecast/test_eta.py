@@ -38,7 +38,7 @@ def test_the_eta_is_cost_times_count_in_wall_seconds_and_says_what_it_cannot_pri
     # said after the start's stages ran: what was spent so far, deciding included, and then
     # the stages still to run as priced
     later = eta.before_line("head", mine.reset_index(), spent_s=100.0, done=("preprocess",))
-    assert later.startswith("head; ETA 3.8 min (wall) for the whole command, 100 s of it spent")
+    assert later.startswith("head; ETA 3.8 min (wall) for the whole command, 1.7 min of it spent")
 
 
 def test_the_check_flags_a_stage_past_the_tolerance_and_totals_the_run():
