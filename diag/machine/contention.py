@@ -27,6 +27,12 @@ def _cpu_jiffies() -> tuple[float, float, float]:
     return total - idle - iowait - steal, steal, total
 
 
+def _cores() -> int:
+    """The CPUs /proc/stat counts (the machine's, which the neighbours share)."""
+    with open("/proc/stat") as f:
+        return sum(1 for line in f if line.startswith("cpu") and line[3].isdigit())
+
+
 def _own_seconds() -> float:
     """CPU seconds of this process and its children (the embedded servers, loader workers)."""
     import psutil
@@ -89,14 +95,13 @@ class Contention:
         now, own, busy, steal, total = time.perf_counter(), _own_seconds(), *_cpu_jiffies()
         t0, own0, busy0, steal0, total0 = self._last
         self._last = (now, own, busy, steal, total)
-        if total <= total0 or now <= t0:
+        if total <= total0:
             return
-        tick = os.sysconf("SC_CLK_TCK")
-        cores = (total - total0) / tick / (now - t0)  # the cores the kernel counted in it
+        tick, span = os.sysconf("SC_CLK_TCK"), total - total0  # the window, in CPU jiffies
         others = max(0.0, (busy - busy0) / tick - (own - own0))
         self.rows.append({"t_s": now - self._began[0], "load_1min": os.getloadavg()[0],
-                          "cores": round(cores), "others_share": others / (cores * (now - t0)),
-                          "steal_share": (steal - steal0) / (total - total0),
+                          "cores": _cores(), "others_share": min(1.0, others * tick / span),
+                          "steal_share": (steal - steal0) / span,
                           "gpu_other_processes": _gpu_others(self.device)})
 
     def frame(self) -> Any:

@@ -186,7 +186,7 @@ def _ran(frames: dict[str, pd.DataFrame]) -> dict[str, str]:
     if plans is None:
         return {}
     mine = plans[plans["run"] == "optimized"]
-    return dict(zip(mine["setting"], mine["value"].astype(str)))
+    return {s: str(v) if v == v else "none" for s, v in zip(mine["setting"], mine["value"])}
 
 
 def _shares(stages: list[dict[str, Any]]) -> str:
