@@ -1,11 +1,9 @@
 """File digests in one pass over the bytes, and the one way diag writes a file or folder whole.
 
-sha256 is what a landing manifest and a hub LFS ETag record; MD5 is what a single-part S3 ETag is;
-the git blob sha1 is what the hub calls a small file. `hashlib.file_digest` reads with a buffer
-of its own (no Python loop per chunk), so hashing runs at the speed of the hash, not of Python.
-`atomic_file` / `atomic_folder` write under one temporary name (`.<name>.tmp-<pid>-<8 hex>`),
-fsync and swap in, so a target is old or whole, never part; `sweep_orphans` removes the
-temporaries of writers that were killed; `scratch_folder` is a run's scratch under the same name.
+sha256 (a landing manifest, a hub LFS ETag), MD5 (a single-part S3 ETag), git blob sha1 (a small
+hub file). `atomic_file` / `atomic_folder` write under one temporary name
+(`.<name>.tmp-<pid>-<8 hex>`), fsync and swap in: a target is old or whole, never part;
+`sweep_orphans` removes a killed writer's temporaries; `scratch_folder` is a run's scratch.
 """
 
 from __future__ import annotations
@@ -22,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 ALGORITHMS = ("sha256", "md5", "sha1", "git-sha1")
-_TEMP = re.compile(r"\..+\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")  # temp_path's names
+# temp_path's names, and the scratch folders of diag storage before it used them
+_TEMP = re.compile(r"\..+\.tmp-(?P<pid>\d+)-[0-9a-f]{8}|diag-storage-(?P<old>\d+)")
 
 
 class _Several:
@@ -160,7 +159,7 @@ def sweep_orphans(folder: str | os.PathLike[str]) -> None:
         return
     for entry in entries:
         found = _TEMP.fullmatch(entry.name)
-        if found is None or _alive(int(found["pid"])):
+        if found is None or _alive(int(found["pid"] or found["old"])):
             continue
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path, ignore_errors=True)
@@ -169,11 +168,11 @@ def sweep_orphans(folder: str | os.PathLike[str]) -> None:
                 os.unlink(entry.path)
 
 
-def scratch_folder(name: str) -> Path:
-    """A new empty folder for one run's scratch (data, a model copy) in the system's temporary
-    directory, under temp_path's name: what a run killed before its cleanup left there (a DDP
-    rank's SIGKILL) is swept by the next start."""
-    base = Path(tempfile.gettempdir())
+def scratch_folder(name: str, base: str | os.PathLike[str] | None = None) -> Path:
+    """A new empty folder for one run's scratch in base (default: the system's temporary
+    directory), under temp_path's name: what a killed run left there is swept by the next start."""
+    base = Path(base) if base else Path(tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
     sweep_orphans(base)
     folder = temp_path(base / name)
     folder.mkdir()

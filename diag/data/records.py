@@ -1,13 +1,11 @@
-"""The user's records as they are: JSONL and Parquet, one file or a folder of shards.
+"""The user's records as they are: JSONL (plain, .gz, .zst) and Parquet, a file or shards.
 
-The one reader of record files in diag, chunk by chunk (`plan_chunks`, `read_chunk`: whole
-JSONL lines by byte range, Parquet row groups), which the token cache's processes read apart
-and `read_source` reads in order. Each record becomes one dict diag.data.text renders:
-{"instruction", "input", "output"} (Alpaca, the default: the embedded dataset's form), or
-{"prompt", "response"} from --prompt-field/--response-field (loss on the response only), or
-{"prompt": "", "response": text} from --text-field (loss on every token). A record that does
-not fit (a missing or non-text field, bad JSON or UTF-8) follows on_error: "raise" stops at the
-first with its file and row, "skip" leaves it out and lists it in the problems frame.
+The one reader of record files in diag, chunk by chunk (`plan_chunks`, `read_chunk`: whole JSONL
+lines, Parquet row groups), which the token cache's processes read apart and `read_source` in
+order. A record becomes {"instruction", "input", "output"} (Alpaca), {"prompt", "response"}
+(--prompt-field/--response-field), {"prompt": "", "response": text} (--text-field) or
+{"messages"}; one that does not fit follows on_error: "raise" stops at the first with its file
+and row, "skip" leaves it out and lists it in the problems frame.
 """
 
 from __future__ import annotations
@@ -20,25 +18,26 @@ from pathlib import Path
 from typing import Any
 
 from diag.config.loader import ON_ERROR
-from diag.config.source import DATA_SUFFIXES, MANIFEST_SUFFIX
+from diag.config.source import COMPRESSED, DATA_SUFFIXES, MANIFEST_SUFFIX, data_file
 
 PROBLEM_COLUMNS = ["line", "problem", "detail"]  # one row per record left out
 ALPACA_FIELDS = ("instruction", "input", "output")
 
 
 def shard_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The record files at path: the file itself, or a folder's *.jsonl / *.json / *.parquet
-    (sorted, recursively: a landed s3 prefix keeps its sub-folders)."""
+    """The record files at path: the file itself, or a folder's data files (sorted, recursively:
+    a landed s3 prefix keeps its sub-folders)."""
     path = Path(path)
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES
+    files = sorted(p for p in path.rglob("*") if p.is_file() and data_file(p.name)
                    and not p.name.endswith(MANIFEST_SUFFIX))  # a landed shard's manifest
     if not files:
         others = sorted(p.name for p in path.rglob("*") if p.is_file())[:3]
         raise ValueError(f"--source: no readable shard under {path} (found "
                          f"{', '.join(others) or 'no files'}); allowed: "
-                         + ", ".join(f"*{s}" for s in DATA_SUFFIXES))
+                         + ", ".join(f"*{s}" for s in DATA_SUFFIXES) + " (JSONL also "
+                         + ", ".join(COMPRESSED) + ")")
     return files
 
 
@@ -55,6 +54,7 @@ class Chunk:
     shard: bool = False  # one of a folder's files: problems are numbered "<where>:<line>"
     rows: tuple[dict[str, Any], ...] = ()
     size: int = 0  # bytes of the source it covers (a row group: its share of the file)
+    data: bytes | None = None  # whole lines of a compressed file, decompressed
 
     @property
     def parquet(self) -> bool:
@@ -90,13 +90,53 @@ def _chunks(files: list[Path], wheres: dict[Path, str], groups: dict[Path, list[
             yield from (Chunk(wheres[file], file, g, g + 1, shard, size=size)
                         for g, size in enumerate(groups[file]))
             continue
-        size, pos, step = file.stat().st_size, 0, min(first_bytes, chunk_bytes)
+        step = min(first_bytes, chunk_bytes)
+        if file.suffix in COMPRESSED:  # no byte ranges: decompressed here, shipped whole
+            yield from _unpacked(file, wheres[file], shard, step, chunk_bytes)
+            continue
+        size, pos = file.stat().st_size, 0
         with open(file, "rb") as f:
             while pos < size:
                 f.seek(min(pos + step, size))
                 f.readline()  # to the end of the line the cut falls in: chunks hold whole lines
                 yield Chunk(wheres[file], file, pos, f.tell(), shard, size=f.tell() - pos)
                 pos, step = f.tell(), min(step * 2, chunk_bytes)
+
+
+def open_records(path: str | os.PathLike[str]) -> Any:
+    """A record file's bytes, decompressed by pyarrow where its name says (.gz, .zst)."""
+    if Path(path).suffix not in COMPRESSED:
+        return open(path, "rb")
+    import io
+
+    import pyarrow as pa
+
+    return io.BufferedReader(pa.input_stream(str(path), compression="detect"))
+
+
+def _unpacked(file: Path, where: str, shard: bool, step: int, most: int) -> Iterator[Chunk]:
+    """A compressed file's chunks: its lines decompressed, cut after whole lines."""
+    with open_records(file) as f:
+        left = b""
+        while block := f.read(step):
+            block, step = left + block, min(step * 2, most)
+            cut = block.rfind(b"\n") + 1
+            if cut:
+                yield Chunk(where, file, shard=shard, size=cut, data=block[:cut])
+            left = block[cut:]
+        if left:
+            yield Chunk(where, file, shard=shard, size=len(left), data=left)
+
+
+def count_records(path: str | os.PathLike[str]) -> int:
+    """Records a file holds, exactly where cheap: a Parquet file's rows (its footer), a JSONL
+    file's non-blank lines (plain or compressed; bad ones count too)."""
+    if Path(path).suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_metadata(path).num_rows
+    with open_records(path) as f:
+        return sum(1 for line in f if line.strip())
 
 
 def _parquet_columns(file: Path, name: str, fields: dict[str, str]
@@ -143,9 +183,11 @@ def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
             for row in batch.to_pylist())
         count = pf.metadata.row_group(chunk.start).num_rows
         return count, ((n, normalise(row, fields)) for n, row in enumerate(rows, start=1))
-    with open(chunk.path, "rb") as f:  # bytes: a bad UTF-8 line is one problem, not a crash
-        f.seek(chunk.start)
-        data = f.read(chunk.stop - chunk.start)
+    data = chunk.data
+    if data is None:
+        with open(chunk.path, "rb") as f:  # bytes: a bad UTF-8 line is one problem, not a crash
+            f.seek(chunk.start)
+            data = f.read(chunk.stop - chunk.start)
     try:  # the chunk decoded at once: it fails only where a line is not UTF-8
         lines: list[Any] = data.decode("utf-8").split("\n")
     except UnicodeDecodeError:

@@ -1,15 +1,10 @@
 """Object-store pull vs local disk read: what a training start pays to get its dataset.
 
-`measure(cfg)` pulls a sample of whole objects spread over their sizes (a one-object source: byte
-ranges spread over it), as large as cfg.budget_s and cfg.sample_mb allow (diag.storage.sample),
-with boto3's defaults, boto3 tuned from object size and core count and s5cmd (when installed; it
-pulls whole objects only: beside ranges its row says so), and reads the sample's copy with a cold
-and a warm page cache; with cfg.land, `land()` of the whole dataset, miss then hit. One row per
-measurement (method, source, cache_state, bytes, seconds, mb_per_s, ttfb_s, repeat,
-resident_fraction: the share of the local copy in the page cache when its timed read began,
-measured with mincore, beside the cold/warm label; extrapolated_s: the whole dataset's pull at that
-pace, and what was sampled of it); warm-up repeats are not reported. `run_storage(cfg)` adds the
-re-pull tax at the whole dataset's size and the advice (diag.storage.tax).
+`measure(cfg)` pulls a sample of whole objects spread over their sizes (one object: byte ranges
+spread over it) as cfg.budget_s and cfg.sample_mb allow, with each method (boto3's defaults,
+boto3 tuned, s5cmd; a hub dataset: huggingface_hub), each pull within its deadline, and reads the
+copy cold and warm (a local source: its own files, nothing pulled); with cfg.land, land() miss
+then hit. One row per timed repeat; `run_storage(cfg)` adds the re-pull tax and the advice.
 """
 
 from __future__ import annotations
@@ -23,13 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diag.config import STORAGE_PULLS as PULLS
+from diag.config.source import data_file
 from diag.decision import Decision, MeasuredOn
+from diag.files import scratch_folder
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
-from diag.storage.methods import RANGED, pull, read_local, s5cmd_path, ttfb
-from diag.storage.objectstore import (MB, RemoteObject, S3Url, list_remote, parse_url,
+from diag.storage.methods import PULLS, RANGED, pull, read_local, s5cmd_path, ttfb
+from diag.storage.objectstore import (MB, RemoteObject, S3Url, deadline, deadline_s,
                                       remote_error, source_client)
+from diag.storage.sources import HubUrl, LocalUrl, list_remote, parse_url
 from diag.storage.sample import RANGE_SAMPLE_AT_LEAST, Extrapolation, probe, ranges, spread
 from diag.storage.tax import NVME_COLD, advice, over_rounds, storage_tax
 from diag.timing import median_seconds
@@ -60,9 +57,11 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
     documented default ("land") when the frame lacks either side. The pull is the whole
     dataset's, extrapolated from the sample's pulls; the hit is land()'s measured one (--land),
     else a cold read of every byte at the sample's cold local rate (what verify="sha256" does)."""
-    pull_s = _median(frame, "extrapolated_s", method="boto3_default")
+    base = next((m for m in PULLS if frame is not None and (frame["method"] == m).any()),
+                "boto3_default")
+    pull_s = _median(frame, "extrapolated_s", method=base)
     if pull_s is None:
-        pull_s = median_seconds(frame, method="boto3_default")
+        pull_s = median_seconds(frame, method=base)
     hit_s, how = median_seconds(frame, method="land", cache_state="hit"), "land() hit"
     if hit_s is None and pull_s is not None:
         cold = frame[(frame["method"] == "local_read")
@@ -73,18 +72,19 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
             how = f"land() hit (estimated: every byte read cold at {rate:.4g} MB/s)"
     if pull_s is None or hit_s is None:
         why = ("storage frame absent" if frame is None or frame.empty else
-               "no boto3_default pull or local read row ran")
+               "the source is on this machine: nothing to pull, read where it is"
+               if not frame["method"].isin(PULLS).any() else "no pull or local read row ran")
         return (Decision.default("fetch", "land", f"{why}: land() once, reuse the copy",
                                  source="storage"),)
     cold_read = (frame["method"] == "local_read") & frame["cache_state"].str.startswith("cold")
-    rows = frame[(frame["method"] == "boto3_default") | cold_read
+    rows = frame[(frame["method"] == base) | cold_read
                  | ((frame["method"] == "land") & (frame["cache_state"] == "hit"))]
     choice = "land" if hit_s < pull_s else "pull"
     sampled = _first(frame, "sampled")
-    pulls = rows[rows["method"] == "boto3_default"]
+    pulls = rows[rows["method"] == base]
     per_round = pulls["extrapolated_s"] if "extrapolated_s" in pulls else pulls["seconds"]
     return (Decision.from_rows(
-        "fetch", choice, f"{how} {hit_s:.3g} s vs boto3 default pull {pull_s:.3g} s per "
+        "fetch", choice, f"{how} {hit_s:.3g} s vs {base} pull {pull_s:.3g} s per "
         f"start ({over_rounds(list(per_round.dropna()))}) -> {choice}", rows, source="storage",
         measured_on=MeasuredOn(step=f"the fetch of {_first(frame, 'source') or 'the source'}"
                                + (f": {sampled}" if sampled else ""), device="this machine"),
@@ -108,9 +108,9 @@ def _median(frame: pd.DataFrame | None, column: str, **match: str) -> float | No
 @contextlib.contextmanager
 def open_source(cfg: StorageConfig) -> Iterator[tuple[str, Any, dict[str, str]]]:
     """(url, client, env for s5cmd): the user's source, or the embedded server with a dataset."""
-    if cfg.source:
+    if cfg.source:  # s5cmd reads the same settings from the environment
         client = source_client(cfg)
-        env = dict(os.environ)  # s5cmd reads the same settings from the environment
+        env = dict(os.environ)
         for name, value in (("AWS_ENDPOINT_URL", cfg.endpoint_url), ("AWS_PROFILE", cfg.profile),
                             ("AWS_REGION", cfg.region)):
             if value:
@@ -159,35 +159,41 @@ def _resident(paths: list[Path]) -> float:
 
 def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
     """The measurements, the re-pull tax at cfg's dataset size and price, and the advice."""
+    import pandas as pd
+
     from diag.config import StorageConfig
 
     cfg = cfg or StorageConfig.default()
     frame, sample = measure(cfg)
+    if not frame["method"].isin(PULLS).any():  # a local source: no pull, no tax, no advice
+        return StorageResult(frame, pd.DataFrame(columns=["method", "seconds_per_run"]),
+                             pd.DataFrame(columns=["stage", "finding", "seconds_saved",
+                                                   "evidence"]), decide(frame), sample)
     tax = storage_tax(frame, cfg.dataset_gb, cfg.runs_per_week, cfg.usd_per_hour)
     return StorageResult(frame, tax, advice(tax, frame), decide(frame), sample)
 
 
 def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Each method's pulls of a sample of whole objects, or of byte ranges of a one-object source
-    (all of it when cfg.budget_s and cfg.sample_mb allow), reads of the sample from local disk cold
-    and warm, and with cfg.land land() of the whole dataset, miss then hit: (one row per timed
-    repeat, the probe's rows)."""
+    """Each method's pulls of the sample, the sample read from local disk cold and warm, with
+    cfg.land land() of the whole dataset miss then hit: (one row per timed repeat, the probe)."""
     import pandas as pd
 
     from diag.config import diag_home
     from diag.machine.disks import disk_kind, is_network
 
     local_dir = Path(cfg.local_dir).expanduser() if cfg.local_dir else diag_home() / "storage"
-    work = local_dir / f"diag-storage-{os.getpid()}"
-    methods = [m for m in PULLS if m != "s5cmd" or s5cmd_path()]
+    work = scratch_folder("diag-storage", local_dir)  # a killed run's: swept at the next start
     rounds = range(-cfg.warmup, cfg.repeats)
     try:
         with open_source(cfg) as (source, client, env):
             url = parse_url(source)
-            objects = list_remote(client, url)
+            objects = [o for o in list_remote(client, url)
+                       if not isinstance(url, LocalUrl) or data_file(o.key)]
+            methods = (["hf_hub"] if isinstance(url, HubUrl) else [] if isinstance(url, LocalUrl)
+                       else [m for m in PULLS if m in RANGED or m == "s5cmd" and s5cmd_path()])
             # 85% of the budget for the probe, each method's pull in every round and each
-            # round's local reads of the sample (counted as one more pull: a cold read is no
-            # slower than a pull here); the rest is the listing, the TTFBs, the warm reads
+            # round's local reads of the sample (counted as one more pull); the rest is the
+            # listing, the TTFBs, the warm reads
             per_pull = 0.85 * cfg.budget_s / (1 + len(rounds) * (len(methods) + 1))
             sample, fit, chosen = _probe(cfg, client, url, objects, local_dir, work / "sample",
                                          per_pull)
@@ -195,15 +201,22 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
             if not isinstance(chosen[0], RemoteObject):  # ranges: s5cmd takes whole objects
                 rows = [_skipped(m, source, fit) for m in methods if m not in RANGED]
                 methods = [m for m in methods if m in RANGED]
-            rows += _pulls(client, url, source, chosen, methods, rounds, work, env, fit.factor)
-            if cfg.land:  # the whole dataset: one landed copy at a time beside the sample
+            rate = fit.bytes_per_s / MB  # what each pull's deadline rests on
+            rows += _pulls(client, url, source, chosen, methods, rounds, work, env, fit, cfg)
+            if cfg.land and isinstance(url, S3Url):  # one landed copy at a time beside the sample
                 check_free(local_dir, fit.dataset_bytes + 2 * fit.sample_bytes, url)
-                rows += _landings(cfg, client, source, url, rounds, work, len(objects))
-            paths = sorted(p for p in (work / "sample").rglob("*") if p.is_file())
-            kind = disk_kind(work / "sample")
+                with deadline(client, len(rounds) * 2 * deadline_s(fit.dataset_bytes, rate,
+                                                                   cfg.stall_s), source):
+                    rows += _landings(cfg, client, source, url, rounds, work, len(objects))
+            local = isinstance(url, LocalUrl)
+            paths = [Path(o.key) for o in chosen] if local else sorted(
+                p for p in (work / "sample").rglob("*") if p.is_file())
+            kind = disk_kind(paths[0] if local else work / "sample")
             if is_network(kind):  # the same bytes read from a local NVMe, when the box has one
                 rows += _nvme_reads(paths, rounds, len(chosen))
-            rows += _local_reads(paths, rounds, len(chosen), str(local_dir), kind)
+            where = str(url.path.parent if local and not url.is_prefix else url.path if local
+                        else local_dir)
+            rows += _local_reads(paths, rounds, len(chosen), where, kind)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for row in rows:  # what the landing folder is on (EBS, PD, NFS...: tax.advice says so)
@@ -213,24 +226,33 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
     return pd.DataFrame(rows, columns=COLUMNS), sample
 
 
-def _probe(cfg: StorageConfig, client: Any, url: S3Url, objects: list[RemoteObject],
+def _probe(cfg: StorageConfig, client: Any, url: Any, objects: list[RemoteObject],
            local_dir: Path, dest: Path, seconds: float
            ) -> tuple[pd.DataFrame, Extrapolation, list[Any]]:
-    """The sample: objects spread over the sizes (one object: its ranges spread over it) pulled
-    one after another (boto3's defaults, the slowest method, so the others' pulls of it take no
-    longer) until `seconds` or cfg.sample_mb; the copy stays in dest for the local reads. Free
-    disk is checked before each piece for what is written: this copy and one method's pull of
-    it. (probe rows, the fit, what each method pulls: the sampled objects or ranges, or the one
-    object whole when every range of it was pulled)."""
+    """The sample: objects spread over the sizes (one S3 object: its ranges) pulled one after
+    another with the slowest method (boto3's defaults; the hub's one) until `seconds` or
+    cfg.sample_mb, into dest for the local reads (a local source: each file read where it is).
+    Free disk is checked before each piece for this copy and one method's pull of it. (probe
+    rows, the fit, what each method pulls: the sampled pieces, or the objects whole)."""
+    done = [0, 0.0]  # bytes and seconds pulled so far: the rate a deadline rests on
 
     def pull_one(obj: RemoteObject, before: int) -> None:
+        if isinstance(url, LocalUrl):
+            read_local([Path(obj.key)])
+            return
         check_free(local_dir, 2 * (before + obj.size), url)
+        start, rate = time.perf_counter(), done[0] / MB / done[1] if done[1] else None
         try:
-            pull("boto3_default", client, url, [obj], dest)
+            with _bounded(client, url, obj.size, (rate, cfg.stall_s), f"{url}: {obj.key}"):
+                pull("hf_hub" if isinstance(url, HubUrl) else "boto3_default", client, url,
+                     [obj], dest)
         except Exception as err:
+            if isinstance(err, RuntimeError) or not isinstance(url, S3Url):
+                raise
             raise remote_error(err, url, client) from None
+        done[0], done[1] = done[0] + obj.size, done[1] + time.perf_counter() - start
 
-    one = len(objects) == 1 and objects[0].size > 0  # (an empty object has no range)
+    one = isinstance(url, S3Url) and len(objects) == 1 and objects[0].size > 0
     pieces = ranges(objects[0]) if one else objects
     order = spread(pieces)
     sample = probe(order, pull_one, seconds, int(cfg.sample_mb * MB),
@@ -241,6 +263,15 @@ def _probe(cfg: StorageConfig, client: Any, url: S3Url, objects: list[RemoteObje
     return sample, fit, objects if fit.whole else [p for p in pieces if id(p) in pulled]
 
 
+def _bounded(client: Any, url: Any, nbytes: int, rate: tuple[float | None, float], what: str
+             ) -> Any:
+    """deadline() for an S3 pull of nbytes at (rate measured so far, --stall-s); the hub's
+    client keeps its own timeouts."""
+    if not isinstance(url, S3Url):
+        return contextlib.nullcontext()
+    return deadline(client, deadline_s(nbytes, *rate), what)
+
+
 def _skipped(method: str, source: str, fit: Extrapolation) -> dict[str, Any]:
     """The row of a method that cannot pull the sample (s5cmd, ranges): why, no figures."""
     return {**_row(method, source, "remote", 0, float("nan"), float("nan"), -1, 0,
@@ -249,31 +280,36 @@ def _skipped(method: str, source: str, fit: Extrapolation) -> dict[str, Any]:
                    "this step's share or --sample-mb allows"), "mb_per_s": float("nan")}
 
 
-def _pulls(client: Any, url: S3Url, source: str, chosen: list[RemoteObject], methods: list[str],
-           rounds: range, work: Path, env: dict[str, str], factor: float
-           ) -> list[dict[str, Any]]:
-    """Each method's pull of the sample per round, the order alternating so that drift (server
-    cache, thermal, neighbours) hits all alike; warm-up rounds (r < 0) are not reported.
-    extrapolated_s: the whole dataset's pull at this pull's pace (sample.Extrapolation)."""
+def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], methods: list[str],
+           rounds: range, work: Path, env: dict[str, str], fit: Extrapolation,
+           cfg: StorageConfig) -> list[dict[str, Any]]:
+    """Each method's pull of the sample per round, within its deadline (at the probe's rate),
+    the order alternating so that drift hits all alike; warm-up rounds (r < 0) are not
+    reported. extrapolated_s: the whole dataset's pull at this pull's pace."""
     from tqdm.auto import tqdm
 
     rows, nbytes = [], sum(o.size for o in chosen)
+    rate = (fit.bytes_per_s / MB, cfg.stall_s)
     for r in tqdm(rounds, desc="storage", unit="round", leave=False):
         for method in (methods if r % 2 == 0 else methods[::-1]):
-            # s5cmd's requests are not visible from here: its row gets no TTFB
-            first = ttfb(client, url, chosen[0].key) if method != "s5cmd" else float("nan")
-            start = time.perf_counter()
+            what = f"{url}: {len(chosen)} piece(s), {method}"
             try:
-                detail = pull(method, client, url, chosen, work / method, env)
+                with _bounded(client, url, nbytes, rate, what):
+                    # s5cmd's requests are not visible from here: its row gets no TTFB
+                    first = (ttfb(client, url, chosen[0].key) if method in RANGED
+                             else float("nan"))
+                    start = time.perf_counter()
+                    detail = pull(method, client, url, chosen, work / method, env,
+                                  deadline_s(nbytes, *rate), cfg.retries)
+                    seconds = time.perf_counter() - start
             except Exception as err:
-                if isinstance(err, (RuntimeError, ValueError)):
+                if isinstance(err, (RuntimeError, ValueError)) or not isinstance(url, S3Url):
                     raise
                 raise remote_error(err, url, client) from None
-            seconds = time.perf_counter() - start
             shutil.rmtree(work / method)
             if r >= 0:
                 rows.append({**_row(method, source, "remote", nbytes, seconds, first, r,
-                                    len(chosen), detail), "extrapolated_s": seconds * factor})
+                                    len(chosen), detail), "extrapolated_s": seconds * fit.factor})
     return rows
 
 

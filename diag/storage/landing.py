@@ -23,7 +23,7 @@ from diag.config import VERIFY_MODES
 from diag.config.source import MANIFEST_SUFFIX
 from diag.files import atomic_file, file_sha256, fsync_path, sweep_orphans
 from diag.storage.crc import file_crc
-from diag.storage.objectstore import S3Url, list_remote, make_client, parse_url, usable_cores
+from diag.storage.objectstore import S3Url, list_s3, make_client, parse_s3, usable_cores
 from diag.storage.transfer import download_all
 
 
@@ -114,7 +114,7 @@ def land(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, tim
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: allowed values are "
                          + ", ".join(map(repr, VERIFY_MODES)))
-    u = parse_url(url)
+    u = parse_s3(url)
     start = time.perf_counter()
     with timer.stage("fetch_data") if timer is not None else contextlib.nullcontext():
         client = client or make_client(retries=retries, max_pool=2 * usable_cores())
@@ -127,7 +127,7 @@ def _land(u: S3Url, cache_dir: Path, client: Any, verify: str,
     local, manifest_path = local_paths(u, cache_dir)
     local.parent.mkdir(parents=True, exist_ok=True)
     with _locked(manifest_path.with_name(manifest_path.name + ".lock")):
-        remote = list_remote(client, u)
+        remote = list_s3(client, u)
         dests = {o.key: _dest(u, local, o.key) for o in remote}
         for folder in {d.parent for d in dests.values()} | {manifest_path.parent}:
             sweep_orphans(folder)  # a killed landing's partial files are never resumed or trusted

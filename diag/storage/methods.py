@@ -1,10 +1,9 @@
 """The ways a dataset is pulled and read that the storage experiment compares.
 
-`pull(method, ...)` downloads objects with boto3's defaults, boto3 tuned (what land() runs on a
-miss) or s5cmd, or byte ranges of one object (diag.storage.sample.Range) with either boto3 pull's
-part size and concurrency (`RANGED`: s5cmd's cp and cat take whole objects only); `ttfb` times
-the first byte of a GET; `read_local` reads files sequentially the way a loader's first epoch
-does.
+`pull(method, ...)` downloads objects with boto3's defaults, boto3 tuned (land()'s engine), s5cmd
+or huggingface_hub (a hub dataset), or byte ranges of one object with either boto3 pull's parts
+(`RANGED`); `ttfb` times the first byte of a GET; `read_local` reads files in order, as a
+loader's first epoch does.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from diag.config import STORAGE_PULLS as PULLS
+from diag.config import STORAGE_PULLS
 from diag.secrets import redact
 from diag.storage.objectstore import MB, RemoteObject, S3Url, transfer_plan
 from diag.storage.transfer import describe, download_all
@@ -26,6 +25,7 @@ from diag.storage.transfer import describe, download_all
 # ~13% slower from a cold cache; 256 KiB-1 MiB all match dd.
 _READ_CHUNK = 1 << 20
 RANGED = ("boto3_default", "boto3_tuned")  # the methods that pull a byte range of an object
+PULLS = (*STORAGE_PULLS, "hf_hub")  # hf_hub: a hub dataset's one method
 
 
 def s5cmd_path() -> str | None:
@@ -40,14 +40,18 @@ def _rel(url: S3Url, key: str) -> str:
     return key[len(url.key):] if url.is_prefix else Path(key).name
 
 
-def pull(method: str, client: Any, url: S3Url, objects: list[Any], dest: Path,
-         env: dict[str, str] | None = None) -> str:
+def pull(method: str, client: Any, url: Any, objects: list[Any], dest: Path,
+         env: dict[str, str] | None = None, timeout_s: float = 3600.0,
+         retries: int | None = None) -> str:
     """Download every object (or every Range of one, each into its own file) into dest with one
-    method; returns a description of its settings."""
+    method (retries: land()'s re-GETs and s5cmd's; s5cmd ends after timeout_s); returns a
+    description of its settings."""
+    dest.mkdir(parents=True, exist_ok=True)
+    if method == "hf_hub":
+        return _pull_hub(client, url, objects, dest)
     from boto3.s3.transfer import TransferConfig
     from botocore import UNSIGNED
 
-    dest.mkdir(parents=True, exist_ok=True)
     if objects and not isinstance(objects[0], RemoteObject):
         return _pull_ranges(method, client, url, objects, dest)
     targets = [(o, dest / _rel(url, o.key)) for o in objects]
@@ -56,9 +60,10 @@ def pull(method: str, client: Any, url: S3Url, objects: list[Any], dest: Path,
     if method == "boto3_default":
         for o, path in targets:
             client.download_file(url.bucket, o.key, str(path), Config=TransferConfig())
-        return "TransferConfig defaults: 8 MB parts, 10 threads, objects one after another"
+        return ("TransferConfig defaults: 8 MB parts, 10 threads, objects one after another "
+                "(s3transfer's own 5 re-GETs of a dropped stream, not --retries)")
     if method == "boto3_tuned":  # exactly what land() runs on a miss, checks and fsync included
-        download_all(client, url.bucket, targets)
+        download_all(client, url.bucket, targets, retries=retries)
         return describe(objects)
     if method == "s5cmd":
         exe = s5cmd_path()
@@ -71,20 +76,37 @@ def pull(method: str, client: Any, url: S3Url, objects: list[Any], dest: Path,
         aws = host == "amazonaws.com" or host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
         unsigned = client.meta.config.signature_version is UNSIGNED
         cmd = [exe, *([] if aws else ["--endpoint-url", endpoint]),
-               *(["--no-sign-request"] if unsigned else [])]
+               *(["--no-sign-request"] if unsigned else []),
+               *([] if retries is None else ["--retry-count", str(retries)])]
         if url.is_prefix:  # these objects (a sample, or all): one `cp` each, run in parallel
             lines = "".join(f'cp "s3://{url.bucket}/{o.key}" "{path}"\n' for o, path in targets)
             (dest / ".s5cmd-run").write_text(lines)
             cmd += ["run", str(dest / ".s5cmd-run")]
         else:
             cmd += ["cp", str(url), f"{dest}/"]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(redact(f"{url} (endpoint {endpoint}): s5cmd not done within its "
+                                      f"deadline of {timeout_s:.3g} s: the endpoint stalled; "
+                                      "check it, or raise --stall-s")) from None
         if done.returncode != 0:
             raise RuntimeError(redact(f"s5cmd failed on {url} (endpoint {endpoint}): "
                                       f"{done.stderr.strip()[-500:]}"))
         (dest / ".s5cmd-run").unlink(missing_ok=True)
         return "s5cmd defaults (cp, 5 parts of 50 MB at a time per file)"
     raise ValueError(f"method={method!r}: allowed values are " + ", ".join(map(repr, PULLS)))
+
+
+def _pull_hub(api: Any, url: Any, objects: list[Any], dest: Path) -> str:
+    """Each file of a hub dataset with hf_hub_download into dest, one after another."""
+    from huggingface_hub import hf_hub_download
+
+    for o in objects:
+        hf_hub_download(url.repo_id, o.key, repo_type="dataset", revision=url.revision,
+                        local_dir=dest, endpoint=api.endpoint)
+    shutil.rmtree(dest / ".cache", ignore_errors=True)  # its download metadata: not data
+    return "huggingface_hub's hf_hub_download, files one after another (its own retries)"
 
 
 def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: Path) -> str:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
-from diag.config import STORAGE_PULLS as PULLS
 from diag.decision import FIXES
+from diag.storage.methods import PULLS
 from diag.storage.objectstore import MB, transfer_plan
 
 NVME_COLD = "local NVMe, cold"  # the cold read of a local NVMe beside a network landing folder
