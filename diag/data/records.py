@@ -225,7 +225,9 @@ def _alpaca(row: dict[str, Any]) -> tuple[str, str] | dict[str, str]:
         return dict(zip(ALPACA_FIELDS, got))  # the common case, checked at once
     missing = [f for f in ALPACA_FIELDS if f not in row]
     if missing:
-        return "missing_field", f"no {', '.join(missing)}"
+        return "missing_field", (f"--source: no field {missing[0]!r} (name yours with "
+                                 f"--text-field or --prompt-field/--response-field); its fields: "
+                                 + ", ".join(map(str, row)))
     wrong = [f for f in ALPACA_FIELDS if not isinstance(row[f], str)]
     if wrong:
         return "not_text", f"{', '.join(wrong)} must be strings"
@@ -253,9 +255,14 @@ def normalise(row: Any, fields: dict[str, str]) -> tuple[str, str] | dict[str, s
         if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
             return "no_answer", f"the last of {fields['messages']} is not an assistant's answer"
         return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
-    missing = [f for f in fields.values() if f not in row or row[f] is None]
+    missing = [f for f in fields.values() if f not in row]
     if missing:
-        return "missing_field", f"no {', '.join(missing)}"
+        flag = next(k for k, v in fields.items() if v == missing[0])
+        return "missing_field", (f"--{flag}-field={missing[0]!r}: no such field; its fields: "
+                                 + ", ".join(map(str, row)))
+    null = [f for f in fields.values() if row[f] is None]
+    if null:
+        return "missing_field", f"{', '.join(null)} is null"
     wrong = [f for f in fields.values() if not isinstance(row[f], str)]
     if wrong:
         return "not_text", f"{', '.join(wrong)} must be strings"
@@ -342,6 +349,9 @@ def refusal(where: str, number: int | str, problem: str, detail: str,
             parquet: bool = False) -> ValueError:
     """The error on_error="raise" stops with: the file, the row, what is wrong, the way out."""
     word = "row" if parquet else "line"
+    if detail.startswith("--"):  # a field absent: the flag first (a skip may leave out all)
+        return ValueError(f"{detail} ({where}, {word} {number}); or pass --on-error skip to "
+                          "leave out the records that lack it")
     return ValueError(f"--source: {where}: {word} {number}: {problem} ({detail}); pass "
                       "on_error='skip' (--on-error skip) to leave such records out and count "
                       "them")

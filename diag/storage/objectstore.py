@@ -249,7 +249,7 @@ def remote_error(err: Exception, url: str | S3Url, client: Any) -> RuntimeError:
     """One clear message naming the URL, the endpoint and what fixes it, never a credential."""
     from botocore import UNSIGNED
     from botocore.exceptions import (ClientError, EndpointConnectionError, NoCredentialsError,
-                                     ProfileNotFound)
+                                     ProfileNotFound, ReadTimeoutError)
 
     endpoint = client.meta.endpoint_url
     where = f"{url} (endpoint {endpoint})"
@@ -278,6 +278,9 @@ def remote_error(err: Exception, url: str | S3Url, client: Any) -> RuntimeError:
                     "a public bucket needs --no-sign-request")
         else:
             text = f"{where}: the server answered {code or status}"
+    elif isinstance(err, ReadTimeoutError):
+        text = (f"{where}: no answer within --stall-s={client.meta.config.read_timeout:g} s (read "
+                "timeout): the endpoint stalled; check it, or raise --stall-s")
     elif isinstance(err, EndpointConnectionError):
         text = (f"{where}: cannot connect to the endpoint (refused or unreachable); check "
                 "--endpoint-url / AWS_ENDPOINT_URL and that the server is up")
