@@ -55,6 +55,8 @@ class Chunk:
     rows: tuple[dict[str, Any], ...] = ()
     size: int = 0  # bytes of the source it covers (a row group: its share of the file)
     data: bytes | None = None  # whole lines of a compressed file, decompressed
+    copy: tuple[Any, ...] | None = None  # (cache folder, dtype, first, end record, lines,
+    #                                       problems): records another cache holds already
 
     @property
     def parquet(self) -> bool:

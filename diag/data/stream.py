@@ -76,8 +76,18 @@ def _arrays(tokenizer: Any, records: list[dict[str, Any]], dtype: str
 
 
 def encode_chunk(args: tuple[Job, Chunk, int | None]) -> Encoded:
-    """Read and tokenize one chunk, stopping after `stop_after` good records (None: all)."""
+    """Read and tokenize one chunk, stopping after `stop_after` good records (None: all); a
+    copy chunk's records are read from the cache that holds them."""
     job, chunk, stop_after = args
+    if chunk.copy is not None:
+        folder, dtype, first, end, lines, problems = chunk.copy
+        folder = Path(folder)
+        offsets = np.load(folder / "offsets.npy", mmap_mode="r")
+        a, b = int(offsets[first]), int(offsets[end])
+        ids = np.fromfile(folder / "train.bin", dtype, b - a, offset=a * np.dtype(dtype).itemsize)
+        mask = np.load(folder / "loss_mask.npy", mmap_mode="r")[a:b]
+        return Encoded(ids, np.array(mask), np.diff(offsets[first:end + 1]),
+                       [tuple(p) for p in problems], lines)
     tokenizer = load_tokenizer(job.tokenizer_dir, job.version)
     lines, rows = read_chunk(chunk, job.fields)
     parts, problems, batch, good = [], [], [], 0

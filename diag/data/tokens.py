@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from diag.data.identity import FORMAT, key_parts, sha256
+from diag.data.identity import FORMAT, file_identities, key_parts, sha256
 from diag.data.records import PROBLEM_COLUMNS, Chunk, plan_chunks, problem, refusal, shard_files
 from diag.data.stream import Arrays, Job, encoded
 from diag.data.text import load_tokenizer
@@ -34,6 +34,7 @@ from diag.files import atomic_folder, sweep_orphans
 CHUNK_BYTES = 1 << 20  # JSONL bytes a worker reads and tokenizes at once (~25 MB of its memory)
 MEMORY_CHUNK = 1000  # records per chunk of a source given as a list
 PROBLEMS_KEPT = 1000  # records left out that meta.json lists (all of them are counted)
+COPY_RECORDS = 100_000  # records of an unchanged shard copied from an older cache at once
 TOKENS_PER_BYTE = 0.5  # the free-disk estimate's guess (0.44 measured on the embedded data
                        # with its template; English text with a 32k+ vocabulary is below)
 Source = str | os.PathLike[str] | list[dict[str, Any]]
@@ -174,9 +175,16 @@ def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk
     tok = load_tokenizer(head["tokenizer_dir"], head["parts"]["tokenizer"])
     job = Job(head["tokenizer_dir"], head["parts"]["tokenizer"], token_dtype(len(tok)).name,
               head["fields"])
-    chunks = plan_chunks(source, head["fields"], chunk_bytes) if path else iter(
-        [Chunk("records", None, rows=tuple(source[i:i + MEMORY_CHUNK]))
-         for i in range(0, len(source), MEMORY_CHUNK)])
+    ids: dict[str, str] = {}
+    if path:  # each shard an older cache of this tokenizer and settings holds: copied, not
+        files = shard_files(source)  # tokenized again
+        ids = {str(f.relative_to(source)) if len(files) > 1 else f.name: i
+               for f, i in zip(files, file_identities(source, root))}
+        chunks = _with_copies(plan_chunks(source, head["fields"], chunk_bytes), ids,
+                              _reused(root, head["parts"]))
+    else:
+        chunks = iter([Chunk("records", None, rows=tuple(source[i:i + MEMORY_CHUNK]))
+                       for i in range(0, len(source), MEMORY_CHUNK)])
     root.mkdir(parents=True, exist_ok=True)
     sweep_orphans(root)  # what builds killed mid-way left behind
     before = _stamps(source) if path else None
@@ -184,7 +192,7 @@ def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk
         _check_disk(root, before, np.dtype(job.dtype).itemsize)
     try:
         with atomic_folder(folder) as tmp:  # swapped in whole, after every byte is on disk
-            built = _write(tmp, chunks, job, procs, limit, on_error)
+            built = _write(tmp, chunks, job, procs, limit, on_error, ids)
             name = Path(path).name if path else "records"
             if not built["records"]:
                 raise ValueError(f"--source: {name} holds no usable records "
@@ -207,10 +215,46 @@ def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk
     return meta
 
 
+def _reused(root: Path, parts: dict[str, str]) -> dict[str, tuple[Path, str, dict[str, Any]]]:
+    """{shard identity: (cache folder, dtype, its entry)}: the whole shards that finished caches
+    of these tokenizer and settings hold."""
+    got: dict[str, tuple[Path, str, dict[str, Any]]] = {}
+    for folder, meta in _finished(root):
+        if [meta["parts"][k] for k in ("tokenizer", "settings")] == [parts["tokenizer"],
+                                                                        parts["settings"]]:
+            for e in meta.get("shards", ()):
+                if e["complete"]:
+                    got.setdefault(e["identity"], (folder, meta["dtype"], e))
+    return got
+
+
+def _with_copies(chunks: Any, ids: dict[str, str], reused: dict[str, Any]) -> Any:
+    """The chunks, each shard held in `reused` replaced by copy chunks of its records."""
+    done = set()
+    for chunk in chunks:
+        hit = reused.get(ids.get(chunk.where, ""))
+        if hit is None:
+            yield chunk
+            continue
+        if chunk.where in done:
+            continue
+        done.add(chunk.where)
+        folder, dtype, e = hit
+        first, end = e["first"], e["first"] + e["records"]
+        for a in range(first, max(end, first + 1), COPY_RECORDS):
+            b, last = min(a + COPY_RECORDS, end), a + COPY_RECORDS >= end
+            problems = [(p[0] - a + first, *p[1:]) for p in e["problems"]
+                        if a - first <= p[0] and (last or p[0] < b - first)]
+            yield Chunk(chunk.where, chunk.path, shard=chunk.shard,
+                        copy=(str(folder), dtype, a, b, e["lines"] if last else 0, problems))
+
+
 def _write(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None,
-           on_error: str) -> dict[str, Any]:
-    """Stream every chunk's arrays into tmp, in order; what meta.json says of them."""
+           on_error: str, ids: dict[str, str]) -> dict[str, Any]:
+    """Stream every chunk's arrays into tmp, in order; what meta.json says of them, with each
+    shard's records, lines and problems (what a later build copies instead of tokenizing)."""
     arrays = Arrays(tmp, job.dtype)
+    shards: dict[str, dict[str, Any]] = {}
     problems: list[dict[str, Any]] = []
     skipped = read = 0
     lines: dict[str, int] = {}  # lines of each file so far: a chunk numbers its own from 1
@@ -222,21 +266,30 @@ def _write(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None,
                 if limit is not None and arrays.records + len(part.lengths) >= limit:
                     part, full = part.first(limit - arrays.records), True
                 base = lines.get(chunk.where, 0)
+                shard = shards.setdefault(chunk.where, {
+                    "where": chunk.where, "identity": ids.get(chunk.where, ""),
+                    "first": arrays.records, "records": 0, "problems": []})
                 for before, number, *got in part.problems:
+                    shard["problems"].append((arrays.records + before - shard["first"],
+                                              base + number, *got))
                     row = problem(chunk, base + number, tuple(got), on_error)  # "raise": refused
                     skipped += 1
                     if len(problems) < PROBLEMS_KEPT:  # and the good records read before it
                         problems.append({**row, "record": arrays.records + before})
-                lines[chunk.where] = base + part.lines
+                lines[chunk.where] = shard["lines"] = base + part.lines
                 arrays.append(part)
+                shard["records"] += len(part.lengths)
                 read += chunk.size
                 if full:
                     break
         arrays.finish()
     finally:
         arrays.close()
+    for i, shard in enumerate(shards.values()):  # a limit build's last shard is not whole
+        shard["complete"] = not full or i < len(shards) - 1
     return {"records": arrays.records, "tokens": arrays.tokens, "dtype": job.dtype,
             "complete": not full, "problems": problems, "skipped": skipped,
+            "shards": list(shards.values()),
             "build": {"bytes": read, "processes": procs}}
 
 
