@@ -83,10 +83,8 @@ def temp_path(target: str | os.PathLike[str]) -> Path:
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """`with atomic_file(path) as tmp:` write tmp (any way: open, np.save, os.open); on a clean
-    exit it is fsynced and renamed over path, on an error removed. path is the old file or the
-    whole new one, never a part. The rename itself is made durable by fsync_path(path.parent),
-    where a caller needs that order (land(): data files before their manifest)."""
+    """`with atomic_file(path) as tmp:` write tmp any way; a clean exit fsyncs it and renames it
+    over path, an error removes it (fsync_path(path.parent) makes the rename durable)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
@@ -100,10 +98,8 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_folder(path: str | os.PathLike[str], *, replace: bool = True) -> Iterator[Path]:
-    """`with atomic_folder(path) as tmp:` fill the new empty folder tmp; on a clean exit every
-    file in it is fsynced and it is swapped in (swap_in), on an error removed. replace=False
-    keeps a folder already at path and drops this one: content-addressed folders, where a
-    concurrent writer of the same content won."""
+    """`with atomic_folder(path) as tmp:` fill tmp; a clean exit fsyncs its files and swaps it
+    in, an error removes it; replace=False keeps a folder already at path (content-addressed)."""
     path = Path(path)
     tmp = temp_path(path)
     tmp.mkdir(parents=True)
@@ -126,9 +122,8 @@ def atomic_folder(path: str | os.PathLike[str], *, replace: bool = True) -> Iter
 
 
 def swap_in(tmp: str | os.PathLike[str], folder: str | os.PathLike[str]) -> None:
-    """Replace `folder` by the finished `tmp` beside it: the old one is renamed aside first (a
-    temp_path, swept if this process dies before removing it), so a reader sees the old folder
-    or the new one, never a mix of the two."""
+    """Replace `folder` by the finished `tmp` beside it (the old one renamed aside first): a
+    reader sees the old folder or the new one, never a mix."""
     tmp, folder = Path(tmp), Path(folder)
     old = None
     if folder.exists():
@@ -150,9 +145,8 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_orphans(folder: str | os.PathLike[str]) -> None:
-    """Remove the temporaries (temp_path's names) in folder whose writer no longer runs: a
-    process killed mid-write. A live writer's are kept. Pids are this machine's: a folder that
-    writers on several machines share needs a lock around its writes (land() holds one)."""
+    """Remove folder's temporaries whose writer no longer runs (a killed process); pids are this
+    machine's, so a folder shared across machines needs a lock (land() holds one)."""
     try:
         entries = list(os.scandir(folder))
     except FileNotFoundError:

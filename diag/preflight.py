@@ -78,9 +78,8 @@ def check_folders(cfg: SourceConfig) -> None:
 
 
 def check_writable(path: Path, setting: str, allowed: str) -> None:
-    """Refuse a folder diag would write into (made if absent) that is a file, lies under a file,
-    cannot be read or cannot be written: a probe file is made in it, or in the nearest folder
-    above it that exists, and removed."""
+    """Refuse a folder diag would write into that is a file, lies under one, or cannot be read or
+    written (a probe file made and removed there, or in the nearest folder above)."""
     where = f"{setting}={str(path)!r}"
     try:
         found = next(p for p in (path, *path.parents) if p.exists())
@@ -124,10 +123,8 @@ def check_source(cfg: SourceConfig, data: bool = True) -> list[Any]:
 
 
 def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> None:
-    """The first records of the first shard, read as the job reads them (diag.data.read_source
-    with its fields, its on_error) and held to its rules: a record whose prompt fills --seq-len
-    trains on nothing (with the model's tokenizer, when it is on this machine), and, when the
-    sample is the whole source, each step needs a record."""
+    """The first shard's first records, read as the job reads them and held to its rules: no
+    prompt may fill --seq-len, and (the sample being the whole source) each step needs a record."""
     from diag.config import DiagnoseConfig
     from diag.data.records import read_source
     from diag.files import scratch_folder
@@ -169,9 +166,8 @@ def _prompts_filling(job: QLoraConfig, records: list[dict[str, Any]], tokenizer_
 
 
 def sample_shard(open_shard: Any, obj: Any, folder: Path) -> tuple[Path, bool] | None:
-    """The shard's first records as a plain file in folder, and whether that is all of it
-    (None: one record longer than the sample, nothing to check). open_shard(obj): the shard
-    as a seekable binary file (ranged GETs of a remote one)."""
+    """The shard's first records as a plain file in folder, and whether that is all of it (None:
+    nothing to check); open_shard(obj): the shard as a seekable binary file."""
     name = Path(obj.key).name
     shard = io.BufferedReader(open_shard(obj), SAMPLE_BYTES)
     if not name.endswith(".parquet"):

@@ -1,10 +1,7 @@
 """What a token cache's key is made of: the data's identity, the tokenizer's, the settings.
 
-A file's identity is had without reading it where possible: a landing manifest beside the source
-(diag.storage.land) records each landed file's ETag and checksum, and a file hashed once is not
-hashed again while its size, mtime, ctime and inode stay the same (a memo beside the caches).
-Only a file with neither is read whole (sha256). The key is by content, not path: a copy of the
-data hits the original's cache.
+A file's identity is its landing manifest's, else its sha256 kept in a memo while its size,
+mtime, ctime and inode stay; the key is by content, not path.
 """
 
 from __future__ import annotations

@@ -81,15 +81,9 @@ def packing_refused(attention: str | None) -> str:
 
 
 class PackedDataset(Dataset):
-    """Windows of seq_len tokens holding whole records, placed by best-fit decreasing.
-
-    An item is {"input_ids", "labels", "position_ids"}: labels -100 on prompts, on each record's
-    first token and on the padding after the last record; no attention_mask (see the module).
-    A record longer than seq_len is cut to seq_len (the naive pipeline cuts it there too):
-    `left_out` counts what is cut. records: the cache's records to use (None = all); pack=False
-    gives each record a window of its own (for an attention that ignores position_ids). The
-    arrays are memory-mapped per process: a worker reads only the pages it serves.
-    """
+    """Windows of seq_len tokens holding whole records (best-fit decreasing): {"input_ids",
+    "labels", "position_ids"}, labels -100 on prompts, each record's first token and padding. A
+    longer record is cut (`left_out`); records: those to use; pack=False: a window each."""
 
     def __init__(self, cache_folder: str | os.PathLike[str], seq_len: int,
                  pad_token_id: int | None = None, records: Sequence[int] | None = None,

@@ -43,9 +43,8 @@ def shard_files(path: str | os.PathLike[str]) -> list[Path]:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a source that one process reads alone, in order with the others: whole lines
-    of a JSONL file (bytes start..stop), one row group of a Parquet file (start), or records
-    already in memory (rows)."""
+    """A piece of a source one process reads alone: whole JSONL lines (bytes start..stop, or
+    decompressed `data`), a Parquet row group, records in memory, or another cache's records."""
 
     where: str  # how a problem names the file: its name, or its path under the source folder
     path: Path | None
@@ -65,10 +64,8 @@ class Chunk:
 
 def plan_chunks(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
                 chunk_bytes: int = 1 << 20, first_bytes: int = 64 << 10) -> Iterator[Chunk]:
-    """The chunks of a file or folder of shards, in reading order. Parquet shards are checked
-    first (readable, the columns present, one type per column across shards), before any record
-    is read. JSONL chunks grow from first_bytes to chunk_bytes: a read that stops after a few
-    records reads little."""
+    """The chunks of a file or folder of shards in reading order, Parquet shards checked first
+    (readable, columns present, one type per column); JSONL chunks grow from first_bytes."""
     files = shard_files(path)
     wheres = {f: str(f.relative_to(path)) if len(files) > 1 else f.name for f in files}
     groups: dict[Path, list[int]] = {}  # a Parquet shard's bytes per row group
@@ -280,13 +277,9 @@ def normalise(row: Any, fields: dict[str, str]) -> tuple[str, str] | dict[str, s
 def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
                 on_error: str = "raise", limit: int | None = None, cached: bool = False
                 ) -> tuple[list[dict[str, str]], Any]:
-    """(records, problems frame with line, problem, detail) of a file or folder of shards.
-
-    fields: {"text": name} or {"prompt": name, "response": name}; {} or None = Alpaca
-    instruction/input/output. limit stops reading once that many good records are in hand.
-    cached: reuse this process's earlier parse of the same files (untimed set-up such as the
-    loader sweep's datasets); never where the read itself is measured (a job start's preprocess).
-    """
+    """(records, problems frame: line, problem, detail) of a file or folder of shards; fields
+    {} = Alpaca; limit: stop at that many good records; cached: reuse this process's parse of the
+    same files (never where the read itself is timed)."""
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r}: allowed values are "
                          + ", ".join(map(repr, ON_ERROR)))

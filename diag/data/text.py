@@ -22,10 +22,8 @@ IGNORE_INDEX = -100  # the label PyTorch's cross-entropy (and HF models) leave o
 
 
 def format_prompt(record: dict[str, Any], tokenizer: Any = None) -> tuple[str, str]:
-    """(prompt_text, response_text) of one {"instruction", "input", "output"} record, of a
-    {"prompt", "response"} one (the user's own fields, diag.data: used as they are), or of a
-    {"messages"} one: every message but the last through the tokenizer's chat template (with
-    its generation prompt), and the last message's content."""
+    """(prompt text, response text) of an Alpaca, a prompt/response or a chat record (every
+    message but the last through the chat template, with its generation prompt)."""
     if "messages" in record:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("--messages-field: the tokenizer of --model has no chat template; "
@@ -41,10 +39,8 @@ def format_prompt(record: dict[str, Any], tokenizer: Any = None) -> tuple[str, s
 
 
 def adds_special_tokens(record: dict[str, Any]) -> bool:
-    """Whether the prompt is tokenized with the tokenizer's special tokens (its BOS) added. A
-    chat template writes the ones it wants (Llama's, Mistral's and Gemma's begin with
-    {{ bos_token }}): its text gets none added, as transformers' own
-    apply_chat_template(tokenize=True) encodes it, or the record would start with two BOS."""
+    """Whether the prompt gets the tokenizer's special tokens (BOS): not a chat template's
+    text, which writes its own (as apply_chat_template(tokenize=True) encodes it)."""
     return "messages" not in record
 
 
@@ -114,9 +110,8 @@ def _compiled(template: str) -> Any:
 
 @lru_cache(maxsize=4)
 def load_tokenizer(tokenizer_dir: str, version: str = "") -> Any:
-    """The tokenizer saved in tokenizer_dir, once per process (version: a tokenizer saved again
-    is loaded again): its tokenizer.json read with `tokenizers` (TextTokenizer), else, or where
-    that misses a special token or cannot compile the template, transformers'."""
+    """The tokenizer of tokenizer_dir, once per process (version: saved again, loaded again):
+    a TextTokenizer, else (no tokenizer.json, a special token missing) transformers'."""
     folder = Path(tokenizer_dir)
     config: dict[str, Any] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
@@ -145,9 +140,8 @@ def hf_tokenizer(tokenizer_dir: str, version: str = "") -> Any:
 
 def encode_pairs(tokenizer: Any, records: list[dict[str, Any]]
                  ) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompt ids, response ids) of each record, tokenized apart so the boundary is a token
-    boundary and the loss mask exact: the prompt (after BOS, or as its chat template writes
-    it), the response; NaiveTextDataset makes the same ids one at a time."""
+    """(prompt ids, response ids) of each record, tokenized apart so the boundary and the loss
+    mask are exact; NaiveTextDataset makes the same ids one at a time."""
     pairs = [format_prompt(r, tokenizer) for r in records]
     rust = tokenizer.backend_tokenizer  # the Rust batch call: no BatchEncoding per row
     prompts: list[list[int]] = [[] for _ in records]

@@ -1,13 +1,9 @@
 """The one token cache: tokenize once, keep the tokens on disk, reuse them while nothing changed.
 
-`build_token_cache(source, tokenizer_dir)` streams the records (diag.data.stream: chunks read and
-tokenized by a pool of processes, appended in order) into DIAG_HOME/tokens/<key>/: train.bin
-(every record's ids end to end, EOS closing each: nanoGPT's flat file, uint16 when the
-vocabulary fits), loss_mask.npy and offsets.npy; meta.json says what it holds and how fast it was
-built. The key (diag.data.identity) is by content: the loader sweep, the accum sweep and the
-QLoRA job share one folder. A build is written beside it and swapped in whole, meta.json last:
-an interrupted build is never taken. `limit` builds only the first records (a diagnosis's
-measurements), which a complete cache, or a longer prefix, serves too.
+`build_token_cache` streams the records into DIAG_HOME/tokens/<key>/ (train.bin, loss_mask.npy,
+offsets.npy; meta.json last): a key by content, shared by the loader sweep, the accum sweep and
+the job; a changed shard is tokenized alone, the others copied from an older cache; `limit`
+builds the first records only.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ CHUNK_BYTES = 1 << 20  # JSONL bytes a worker reads and tokenizes at once (~25 M
 MEMORY_CHUNK = 1000  # records per chunk of a source given as a list
 PROBLEMS_KEPT = 1000  # records left out that meta.json lists (all of them are counted)
 COPY_RECORDS = 100_000  # records of an unchanged shard copied from an older cache at once
-TOKENS_PER_BYTE = 0.5  # the free-disk estimate's guess (0.44 measured on the embedded data
-                       # with its template; English text with a 32k+ vocabulary is below)
+TOKENS_PER_BYTE = 0.5  # the free-disk estimate's guess (docs/calibration.md, data)
 Source = str | os.PathLike[str] | list[dict[str, Any]]
 
 
@@ -129,14 +124,9 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
                       num_proc: int | None = None, on_error: str = "skip",
                       rebuild: bool = False, limit: int | None = None,
                       chunk_bytes: int = CHUNK_BYTES) -> TokenCache:
-    """The token cache of source (a JSONL/Parquet file, a folder of shards, or a list of
-    records), reused when its key matches.
-
-    fields: the record fields (diag.data.read_source's; None = Alpaca). on_error: "skip" leaves
-    records that do not fit out (listed in `problems`; the cache holds the rest), "raise"
-    refuses data with any. rebuild=True ignores a matching cache. num_proc: tokenizing
-    processes (None: the usable cores). limit: the first `limit` good records only.
-    """
+    """The token cache of source (a file, a folder of shards, or a list of records), reused
+    when its key matches; fields: read_source's; on_error "skip" leaves out and lists the records
+    that do not fit, "raise" refuses; rebuild: tokenize every shard again; limit: the first ones."""
     from diag.config import diag_home
     from diag.machine.device import usable_cores
 
@@ -159,7 +149,7 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
     head = {"format": FORMAT, "key": key, "parts": parts, "limit": limit, "source": path,
             "tokenizer_dir": str(tokenizer_dir), "fields": dict(fields or {})}
     meta = _build(source, folder, head, num_proc or usable_cores(), chunk_bytes, on_error,
-                  start)
+                  start, rebuild)
     for old, m in caches:  # replaced, or served by this one from now on: not kept
         if old in stale or (m["parts"] == parts and old != folder
                             and _serves(meta, None if m["complete"] else m["records"])):
@@ -168,7 +158,7 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
 
 
 def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk_bytes: int,
-           on_error: str, start: float) -> dict[str, Any]:
+           on_error: str, start: float, rebuild: bool = False) -> dict[str, Any]:
     """Stream source's tokens into a temporary folder beside `folder` (diag.files.atomic_folder),
     meta.json (head + what was built + how fast) last. Returns that meta."""
     path, limit, root = head["source"], head["limit"], folder.parent
@@ -181,7 +171,7 @@ def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk
         ids = {str(f.relative_to(source)) if len(files) > 1 else f.name: i
                for f, i in zip(files, file_identities(source, root))}
         chunks = _with_copies(plan_chunks(source, head["fields"], chunk_bytes), ids,
-                              _reused(root, head["parts"]))
+                              {} if rebuild else _reused(root, head["parts"]))
     else:
         chunks = iter([Chunk("records", None, rows=tuple(source[i:i + MEMORY_CHUNK]))
                        for i in range(0, len(source), MEMORY_CHUNK)])

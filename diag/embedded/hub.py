@@ -71,11 +71,8 @@ def publish_model(
     src_dir: str | os.PathLike[str], hub_root: str | os.PathLike[str], repo_id: str,
     revision: str = "main",
 ) -> str:
-    """Lay `src_dir` into the hub at `repo_id`@`revision` and return its commit sha.
-
-    Files are hardlinked when possible (copied across filesystems). The commit folder appears by
-    one rename and the ref is replaced atomically, so an interrupted publish leaves no half repo.
-    """
+    """Lay `src_dir` into the hub at `repo_id`@`revision` (hardlinked where it can) and return
+    its commit sha; the commit folder and the ref each appear whole."""
     src, root = Path(src_dir), Path(hub_root)
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise ValueError(f"repo_id={repo_id!r}: must look like 'org/name'")

@@ -1,10 +1,8 @@
 """Object-store pull vs local disk read: what a training start pays to get its dataset.
 
-`measure(cfg)` pulls a sample of whole objects spread over their sizes (one object: byte ranges
-spread over it) as cfg.budget_s and cfg.sample_mb allow, with each method (boto3's defaults,
-boto3 tuned, s5cmd; a hub dataset: huggingface_hub), each pull within its deadline, and reads the
-copy cold and warm (a local source: its own files, nothing pulled); with cfg.land, land() miss
-then hit. One row per timed repeat; `run_storage(cfg)` adds the re-pull tax and the advice.
+`measure(cfg)` pulls a sample spread over the objects' sizes (one object: ranges of it) with each
+method, each pull within its deadline, and reads the copy cold and warm (a local source: its
+own files, nothing pulled); `run_storage(cfg)` adds the re-pull tax and the advice.
 """
 
 from __future__ import annotations
@@ -23,12 +21,14 @@ from diag.decision import Decision, MeasuredOn
 from diag.files import scratch_folder
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
-from diag.storage.methods import PULLS, RANGED, pull, read_local, s5cmd_path, ttfb
+from diag.storage.methods import (PULLS, RANGED, local_reads, nvme_reads, pull, read_local,
+                                  resident, row, s5cmd_path, ttfb)
 from diag.storage.objectstore import (MB, RemoteObject, S3Url, deadline, deadline_s,
                                       remote_error, source_client)
 from diag.storage.sources import HubUrl, LocalUrl, list_remote, parse_url
 from diag.storage.sample import RANGE_SAMPLE_AT_LEAST, Extrapolation, probe, ranges, spread
-from diag.storage.tax import NVME_COLD, advice, over_rounds, storage_tax
+from diag.storage.methods import NVME_COLD  # noqa: F401  re-exported
+from diag.storage.tax import advice, over_rounds, storage_tax
 from diag.timing import median_seconds
 
 if TYPE_CHECKING:
@@ -53,10 +53,8 @@ class StorageResult:
 
 
 def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
-    """`fetch`: "land" when a verified land() hit beats the boto3-default pull per start; the
-    documented default ("land") when the frame lacks either side. The pull is the whole
-    dataset's, extrapolated from the sample's pulls; the hit is land()'s measured one (--land),
-    else a cold read of every byte at the sample's cold local rate (what verify="sha256" does)."""
+    """`fetch`: "land" when a land() hit (measured with --land, else every byte read cold)
+    beats the first method's whole pull per start; "land" by default without either."""
     base = next((m for m in PULLS if frame is not None and (frame["method"] == m).any()),
                 "boto3_default")
     pull_s = _median(frame, "extrapolated_s", method=base)
@@ -142,21 +140,6 @@ def _landed_files(url: S3Url, root: Path) -> list[Path]:
     return [landed] if landed.is_file() else sorted(p for p in landed.rglob("*") if p.is_file())
 
 
-def _row(method: str, source: str, state: str, nbytes: int, seconds: float, ttfb_s: float,
-         repeat: int, files: int, detail: str, resident: float = float("nan")) -> dict[str, Any]:
-    return {"method": method, "source": source, "cache_state": state, "bytes": nbytes,
-            "seconds": seconds, "mb_per_s": nbytes / MB / seconds if seconds > 0 else float("nan"),
-            "ttfb_s": ttfb_s, "repeat": repeat, "files": files, "detail": detail,
-            "resident_fraction": resident}
-
-
-def _resident(paths: list[Path]) -> float:
-    """The largest share of any of these files in the page cache (NaN: mincore unavailable)."""
-    from diag.machine.disks import resident_fraction
-
-    return max(resident_fraction(p) for p in paths)
-
-
 def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
     """The measurements, the re-pull tax at cfg's dataset size and price, and the advice."""
     import pandas as pd
@@ -213,15 +196,15 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
                 p for p in (work / "sample").rglob("*") if p.is_file())
             kind = disk_kind(paths[0] if local else work / "sample")
             if is_network(kind):  # the same bytes read from a local NVMe, when the box has one
-                rows += _nvme_reads(paths, rounds, len(chosen))
+                rows += nvme_reads(paths, rounds, len(chosen))
             where = str(url.path.parent if local and not url.is_prefix else url.path if local
                         else local_dir)
-            rows += _local_reads(paths, rounds, len(chosen), where, kind)
+            rows += local_reads(paths, rounds, len(chosen), where, kind)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for row in rows:  # what the landing folder is on (EBS, PD, NFS...: tax.advice says so)
-        row.setdefault("local_disk", kind)
-        row.update(dataset_bytes=fit.dataset_bytes, dataset_files=fit.dataset_files,
+    for one in rows:  # what the landing folder is on (EBS, PD, NFS...: tax.advice says so)
+        one.setdefault("local_disk", kind)
+        one.update(dataset_bytes=fit.dataset_bytes, dataset_files=fit.dataset_files,
                    sampled=fit.label())
     return pd.DataFrame(rows, columns=COLUMNS), sample
 
@@ -229,11 +212,9 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
 def _probe(cfg: StorageConfig, client: Any, url: Any, objects: list[RemoteObject],
            local_dir: Path, dest: Path, seconds: float
            ) -> tuple[pd.DataFrame, Extrapolation, list[Any]]:
-    """The sample: objects spread over the sizes (one S3 object: its ranges) pulled one after
-    another with the slowest method (boto3's defaults; the hub's one) until `seconds` or
-    cfg.sample_mb, into dest for the local reads (a local source: each file read where it is).
-    Free disk is checked before each piece for this copy and one method's pull of it. (probe
-    rows, the fit, what each method pulls: the sampled pieces, or the objects whole)."""
+    """The sample: pieces spread over the sizes, pulled one after another with the slowest
+    method until `seconds` or cfg.sample_mb, into dest (a local source: read in place); free disk
+    checked first. (probe rows, the fit, what each method pulls)."""
     done = [0, 0.0]  # bytes and seconds pulled so far: the rate a deadline rests on
 
     def pull_one(obj: RemoteObject, before: int) -> None:
@@ -274,7 +255,7 @@ def _bounded(client: Any, url: Any, nbytes: int, rate: tuple[float | None, float
 
 def _skipped(method: str, source: str, fit: Extrapolation) -> dict[str, Any]:
     """The row of a method that cannot pull the sample (s5cmd, ranges): why, no figures."""
-    return {**_row(method, source, "remote", 0, float("nan"), float("nan"), -1, 0,
+    return {**row(method, source, "remote", 0, float("nan"), float("nan"), -1, 0,
                    f"not measured: {method} pulls whole objects only (cp and cat take no byte "
                    f"range) and the one object's {fit.dataset_bytes / MB:.4g} MB is more than "
                    "this step's share or --sample-mb allows"), "mb_per_s": float("nan")}
@@ -283,9 +264,8 @@ def _skipped(method: str, source: str, fit: Extrapolation) -> dict[str, Any]:
 def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], methods: list[str],
            rounds: range, work: Path, env: dict[str, str], fit: Extrapolation,
            cfg: StorageConfig) -> list[dict[str, Any]]:
-    """Each method's pull of the sample per round, within its deadline (at the probe's rate),
-    the order alternating so that drift hits all alike; warm-up rounds (r < 0) are not
-    reported. extrapolated_s: the whole dataset's pull at this pull's pace."""
+    """Each method's pull of the sample per round, within its deadline, in alternating order;
+    warm-up rounds are not reported. extrapolated_s: the whole pull at this pace."""
     from tqdm.auto import tqdm
 
     rows, nbytes = [], sum(o.size for o in chosen)
@@ -308,16 +288,15 @@ def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], metho
                 raise remote_error(err, url, client) from None
             shutil.rmtree(work / method)
             if r >= 0:
-                rows.append({**_row(method, source, "remote", nbytes, seconds, first, r,
+                rows.append({**row(method, source, "remote", nbytes, seconds, first, r,
                                     len(chosen), detail), "extrapolated_s": seconds * fit.factor})
     return rows
 
 
 def _landings(cfg: StorageConfig, client: Any, source: str, url: S3Url, rounds: range,
               work: Path, files: int) -> list[dict[str, Any]]:
-    """--land: land() of the whole dataset per round, a miss into an empty folder, then a hit
-    that reads nothing remote, timed on a copy evicted from the page cache (a job start on a
-    node that ran other work since reads it from disk)."""
+    """--land: land() of the whole dataset per round, a miss then a hit timed on a copy evicted
+    from the page cache."""
     from diag.machine.disks import evict_page_cache
 
     rows = []
@@ -326,69 +305,15 @@ def _landings(cfg: StorageConfig, client: Any, source: str, url: S3Url, rounds: 
         miss = land(source, work / "landed", client=client, verify=cfg.verify,
                     retries=cfg.retries)
         cache = evict_page_cache(_landed_files(url, work / "landed"))
-        resident = _resident(_landed_files(url, work / "landed"))
+        share = resident(_landed_files(url, work / "landed"))
         hit = land(source, work / "landed", client=client, verify=cfg.verify, retries=cfg.retries)
         if r >= 0:
-            rows.append(_row("land", source, "hit" if miss.hit else "miss", miss.bytes,
+            rows.append(row("land", source, "hit" if miss.hit else "miss", miss.bytes,
                              miss.seconds, float("nan"), r, files, f"verify={cfg.verify}"))
             # "hit" is the cold hit diagnose and tax_advice use; never called cold if not
             state = "hit" if cache.startswith("cold") else "hit (page cache warm)"
-            rows.append(_row("land", source, state if hit.hit else "miss", hit.bytes,
+            rows.append(row("land", source, state if hit.hit else "miss", hit.bytes,
                              hit.seconds, float("nan"), r, files,
-                             f"verify={cfg.verify}, page cache {cache}", resident))
+                             f"verify={cfg.verify}, page cache {cache}", share))
     shutil.rmtree(work / "landed", ignore_errors=True)
     return rows
-
-
-def _local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: str
-                 ) -> list[dict[str, Any]]:
-    """The sample's copy read sequentially, cold and warm in alternating order per round."""
-    from diag.machine.disks import evict_page_cache, resident_fraction
-
-    rows = []
-    for r in rounds:
-        for state in (("cold", "warm") if r % 2 == 0 else ("warm", "cold")):
-            if state == "cold":
-                label = evict_page_cache(paths)
-            else:
-                read_local(paths)  # make sure it is cached, whatever came before
-                cached = min(resident_fraction(p) for p in paths)
-                label = "warm" if not cached < 0.98 else f"warm ({cached:.0%} cached)"
-            resident = _resident(paths)  # measured, beside the label
-            got, seconds, first = read_local(paths)
-            if r >= 0:
-                rows.append(_row("local_read", where, label, got, seconds, first, r, files,
-                                 f"disk: {kind}, 1 MiB reads", resident))
-    return rows
-
-
-def _nvme_reads(paths: list[Path], rounds: range, files: int) -> list[dict[str, Any]]:
-    """Cold reads of a copy of the landed files on the first local NVMe mount with room for it
-    (instance store, local SSD): the figure beside a network landing folder's. [] if none."""
-    import tempfile
-
-    from diag.machine.disks import disks, evict_page_cache
-
-    nbytes = sum(p.stat().st_size for p in paths)
-    for disk in (d for d in disks() if d.kind == "local_nvme"):
-        try:
-            if shutil.disk_usage(disk.mountpoint).free < 2 * nbytes:
-                continue
-            scratch = Path(tempfile.mkdtemp(prefix=".diag-nvme-", dir=disk.mountpoint))
-        except OSError:  # not writable here: try the next one
-            continue
-        try:
-            copies = [Path(shutil.copy(p, scratch / f"{i}-{p.name}")) for i, p in enumerate(paths)]
-            rows = []
-            for r in rounds:
-                label = evict_page_cache(copies)
-                got, seconds, first = read_local(copies)
-                if r >= 0 and label.startswith("cold"):
-                    rows.append({**_row("local_read", disk.mountpoint, NVME_COLD, got, seconds,
-                                        first, r, files, f"disk: local_nvme ({disk.evidence}), "
-                                        "1 MiB reads", _resident(copies)),
-                                 "local_disk": "local_nvme"})
-            return rows
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    return []

@@ -1,9 +1,8 @@
 """The ways a dataset is pulled and read that the storage experiment compares.
 
-`pull(method, ...)` downloads objects with boto3's defaults, boto3 tuned (land()'s engine), s5cmd
-or huggingface_hub (a hub dataset), or byte ranges of one object with either boto3 pull's parts
-(`RANGED`); `ttfb` times the first byte of a GET; `read_local` reads files in order, as a
-loader's first epoch does.
+`pull(method, ...)`: boto3's defaults, boto3 tuned (land()'s engine), s5cmd, huggingface_hub,
+or byte ranges of one object (`RANGED`); `ttfb` times a GET's first byte; `local_reads` reads
+the copy cold and warm, as a loader's first epoch does.
 """
 
 from __future__ import annotations
@@ -21,11 +20,11 @@ from diag.secrets import redact
 from diag.storage.objectstore import MB, RemoteObject, S3Url, transfer_plan
 from diag.storage.transfer import describe, download_all
 
-# 1 MiB reads, like `dd bs=1M`: measured here, 8 MiB buffers fall out of the CPU cache and read
-# ~13% slower from a cold cache; 256 KiB-1 MiB all match dd.
+# 1 MiB reads, like `dd bs=1M` (8 MiB buffers fall out of the CPU cache: docs/calibration.md)
 _READ_CHUNK = 1 << 20
 RANGED = ("boto3_default", "boto3_tuned")  # the methods that pull a byte range of an object
 PULLS = (*STORAGE_PULLS, "hf_hub")  # hf_hub: a hub dataset's one method
+NVME_COLD = "local NVMe, cold"  # the cold read of a local NVMe beside a network landing folder
 
 
 def s5cmd_path() -> str | None:
@@ -43,9 +42,8 @@ def _rel(url: S3Url, key: str) -> str:
 def pull(method: str, client: Any, url: Any, objects: list[Any], dest: Path,
          env: dict[str, str] | None = None, timeout_s: float = 3600.0,
          retries: int | None = None) -> str:
-    """Download every object (or every Range of one, each into its own file) into dest with one
-    method (retries: land()'s re-GETs and s5cmd's; s5cmd ends after timeout_s); returns a
-    description of its settings."""
+    """Download every object (or Range) into dest with one method (retries: land()'s and s5cmd's;
+    s5cmd ends after timeout_s); returns its settings in words."""
     dest.mkdir(parents=True, exist_ok=True)
     if method == "hf_hub":
         return _pull_hub(client, url, objects, dest)
@@ -110,10 +108,8 @@ def _pull_hub(api: Any, url: Any, objects: list[Any], dest: Path) -> str:
 
 
 def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: Path) -> str:
-    """Each range cut into the method's parts (boto3's defaults: TransferConfig's 8 MB, 10 at a
-    time; tuned: land()'s transfer_plan of the whole object), fetched that many at a time as
-    ranged GETs written at their offsets: the requests a byte and the parallelism of the method's
-    whole pull, on a part of the object. No whole-object checksum: a range has none."""
+    """Each range cut into the method's parts (boto3's 8 MiB x 10, or land()'s plan),
+    fetched as ranged GETs written at their offsets; no whole-object checksum."""
     from concurrent.futures import ThreadPoolExecutor
 
     from boto3.s3.transfer import TransferConfig
@@ -161,15 +157,11 @@ def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: 
 
 
 def ttfb(client: Any, url: S3Url, key: str) -> float:
-    """Time to the first byte of a GET (a 1 MB range of the first object; S3 answers a range and
-    a whole-object GET alike, and a range does not leave the server streaming a large body)."""
+    """Time to the first byte of a GET of the first object's first byte (S3 answers a range and
+    a whole GET alike): one byte more than the pull's row says."""
     start = time.perf_counter()
-    body = client.get_object(Bucket=url.bucket, Key=key, Range=f"bytes=0-{MB - 1}")["Body"]
-    body.read(1)
-    first = time.perf_counter() - start
-    body.read()
-    body.close()
-    return first
+    client.get_object(Bucket=url.bucket, Key=key, Range="bytes=0-0")["Body"].read()
+    return time.perf_counter() - start
 
 
 def read_local(paths: list[Path]) -> tuple[int, float, float]:
@@ -188,3 +180,72 @@ def read_local(paths: list[Path]) -> tuple[int, float, float]:
         finally:
             os.close(fd)
     return total, time.perf_counter() - start, float("nan") if first is None else first
+
+
+def row(method: str, source: str, state: str, nbytes: int, seconds: float, ttfb_s: float,
+         repeat: int, files: int, detail: str, resident: float = float("nan")) -> dict[str, Any]:
+    return {"method": method, "source": source, "cache_state": state, "bytes": nbytes,
+            "seconds": seconds, "mb_per_s": nbytes / MB / seconds if seconds > 0 else float("nan"),
+            "ttfb_s": ttfb_s, "repeat": repeat, "files": files, "detail": detail,
+            "resident_fraction": resident}
+
+
+def resident(paths: list[Path]) -> float:
+    """The largest share of any of these files in the page cache (NaN: mincore unavailable)."""
+    from diag.machine.disks import resident_fraction
+
+    return max(resident_fraction(p) for p in paths)
+
+
+def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: str
+                 ) -> list[dict[str, Any]]:
+    """The sample's copy read sequentially, cold and warm in alternating order per round."""
+    from diag.machine.disks import evict_page_cache, resident_fraction
+
+    rows = []
+    for r in rounds:
+        for state in (("cold", "warm") if r % 2 == 0 else ("warm", "cold")):
+            if state == "cold":
+                label = evict_page_cache(paths)
+            else:
+                read_local(paths)  # make sure it is cached, whatever came before
+                cached = min(resident_fraction(p) for p in paths)
+                label = "warm" if not cached < 0.98 else f"warm ({cached:.0%} cached)"
+            share = resident(paths)  # measured, beside the label
+            got, seconds, first = read_local(paths)
+            if r >= 0:
+                rows.append(row("local_read", where, label, got, seconds, first, r, files,
+                                 f"disk: {kind}, 1 MiB reads", share))
+    return rows
+
+
+def nvme_reads(paths: list[Path], rounds: range, files: int) -> list[dict[str, Any]]:
+    """Cold reads of a copy of the landed files on the first local NVMe mount with room for it
+    (instance store, local SSD): the figure beside a network landing folder's. [] if none."""
+    import tempfile
+
+    from diag.machine.disks import disks, evict_page_cache
+
+    nbytes = sum(p.stat().st_size for p in paths)
+    for disk in (d for d in disks() if d.kind == "local_nvme"):
+        try:
+            if shutil.disk_usage(disk.mountpoint).free < 2 * nbytes:
+                continue
+            scratch = Path(tempfile.mkdtemp(prefix=".diag-nvme-", dir=disk.mountpoint))
+        except OSError:  # not writable here: try the next one
+            continue
+        try:
+            copies = [Path(shutil.copy(p, scratch / f"{i}-{p.name}")) for i, p in enumerate(paths)]
+            rows = []
+            for r in rounds:
+                label = evict_page_cache(copies)
+                got, seconds, first = read_local(copies)
+                if r >= 0 and label.startswith("cold"):
+                    rows.append({**row("local_read", disk.mountpoint, NVME_COLD, got, seconds,
+                                        first, r, files, f"disk: local_nvme ({disk.evidence}), "
+                                        "1 MiB reads", resident(copies)),
+                                 "local_disk": "local_nvme"})
+            return rows
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return []

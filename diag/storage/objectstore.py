@@ -1,10 +1,8 @@
 """The object-store client side: s3:// URLs, boto3 clients, listing, deadlines, clear errors.
 
-`transfer_plan()` picks one GET or a few large ranged parts from the object size and the cores
-this process may use; `make_client()` leaves retries, profile and region to the user's AWS
-configuration unless told otherwise, with connect and read timeouts always; `deadline()` ends a
-pull that outlives the time its bytes should take. Errors name the URL, the endpoint and the flag
-that fixes them, never a secret.
+`transfer_plan()` sizes a download's parts from the object and the cores; `make_client()` keeps
+the user's AWS configuration and always times out; `deadline()` ends a pull that outlives what
+its bytes should take. Errors name the URL, the endpoint and the fix, never a secret.
 """
 
 from __future__ import annotations
@@ -112,10 +110,8 @@ def register_url_secret(url: str | None) -> None:
 def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = None,
                 retries: int | None = None, max_pool: int = 10, profile: str = "",
                 region: str = "", unsigned: bool = False, stall_s: float = 20.0) -> Any:
-    """A boto3 S3 client from the user's AWS configuration (profile, region, AWS_ENDPOINT_URL,
-    AWS_MAX_ATTEMPTS, AWS_RETRY_MODE, ~/.aws/config, instance role), changed only where an
-    argument is given: retries (None: the user's setting), unsigned (a public bucket). Every
-    request times out: CONNECT_S to connect, stall_s without a byte."""
+    """A boto3 S3 client from the user's AWS configuration, changed only where an argument is
+    given (retries None: the user's); every request times out (CONNECT_S, stall_s)."""
     import boto3
     from botocore import UNSIGNED
     from botocore.config import Config
@@ -155,9 +151,8 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
 
 
 def source_client(cfg: SourceConfig, server: Any = None) -> Any:
-    """The client of cfg.source with every source flag, pooled for land()'s 2 x usable_cores()
-    connections: boto3's for s3:// (with `server`, the embedded S3Server's endpoint and keys),
-    huggingface_hub's HfApi for hf:// (HF_ENDPOINT), None for local files."""
+    """cfg.source's client with every source flag, pooled for land(): boto3's for s3:// (with
+    `server`, the embedded one's), HfApi for hf:// (HF_ENDPOINT), None for local files."""
     from diag.config.source import source_kind
 
     pool, kind = 2 * usable_cores(), source_kind(cfg.source)
@@ -189,9 +184,8 @@ class _Stalled(Exception):
 
 @contextlib.contextmanager
 def deadline(client: Any, seconds: float, what: str) -> Iterator[None]:
-    """Ends the pull inside within `seconds`: then the client's new requests are refused and its
-    sockets to the endpoint shut down (a read blocked on a stalled server returns), and the pull
-    raises one line naming `what` and the endpoint."""
+    """After `seconds`, refuse the client's new requests and shut its sockets to the endpoint
+    (a blocked read returns); the pull inside then raises one line naming `what`, the endpoint."""
     expired, endpoint = threading.Event(), client.meta.endpoint_url
 
     def refuse(**_: Any) -> None:

@@ -269,6 +269,6 @@ def test_a_changed_shard_is_tokenized_alone_and_its_neighbours_copied(tok_dir, t
     assert again.problems.to_dict("records") == fresh.problems.to_dict("records") == [
         {"line": "part-2.jsonl:401", "problem": "invalid_json",
          "detail": "column 2: Expecting property name enclosed in double quotes"}]
+    (src / "part-0.jsonl").write_text((src / "part-0.jsonl").read_text() + "\n")  # changed
     with pytest.raises(ValueError, match=r"part-2.jsonl: line 401: invalid_json.*--on-error skip"):
-        build_token_cache(src, tok_dir, cache_dir=tmp_path / "tokens", on_error="raise",
-                          rebuild=True)
+        build_token_cache(src, tok_dir, cache_dir=tmp_path / "tokens", on_error="raise")
