@@ -284,11 +284,8 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
         raise ValueError(f"on_error={on_error!r}: allowed values are "
                          + ", ".join(map(repr, ON_ERROR)))
     fields = dict(fields or {})
-    # the same files read again in this process (the loader sweep makes a pipeline's dataset per
-    # sweep, stall split and job: 19 reads of one file in a `diag run`) are parsed once; a file
-    # whose size or mtime changed is read again. The records are shared: never mutated in diag.
-    # Files above _READ_MAX_BYTES together are not kept (a big dataset is read each time rather
-    # than held in memory after its reader is done with it)
+    # files read again in this process (the loader sweep: 19 reads of one file a `diag run`) are
+    # parsed once while unchanged and under _READ_MAX_BYTES; the records are never mutated
     if not cached:
         return _read(path, fields, on_error, limit)
     files = shard_files(path)

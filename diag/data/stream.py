@@ -149,9 +149,8 @@ def _finish(pool: Any) -> None:
 def _pool(procs: int) -> Iterator[Any]:
     import multiprocessing
 
-    # one tokenizer thread per process: the processes are the parallelism. Set while the pool
-    # forks, so the children start with it (tokenizers reads it at the fork) and this process
-    # keeps its own setting. SIGTERM is blocked while it forks (_worker_signals says why)
+    # one tokenizer thread per process (set while the pool forks; this process keeps its own),
+    # SIGTERM blocked while it forks (_worker_signals says why)
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})

@@ -25,12 +25,8 @@ from diag.files import atomic_file, atomic_folder, file_digests, git_blob_sha1
 _HOST = "127.0.0.1"
 
 
-# -- the hub: layout, publishing, and the HTTP handler -------------------------------------------
-#   root/<org>/<name>/commits/<sha>/...files     one folder per published revision
-#   root/<org>/<name>/commits/<sha>/.diag-manifest.json   sizes, sha256, blob ids (written once)
-#   root/<org>/<name>/refs/<quoted revision>     text: the commit sha a branch/tag points to
-# A plain model folder at root/<org>/<name>/ (no refs/) is served too, as revision "main",
-# its manifest computed once on first request.
+# root/<org>/<name>/commits/<sha>/ (files + .diag-manifest.json), refs/<revision> (its sha); a
+# plain folder root/<org>/<name>/ is served as "main". Datasets: the same under root/datasets/.
 
 _MANIFEST = ".diag-manifest.json"
 _LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".onnx", ".msgpack")

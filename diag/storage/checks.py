@@ -70,9 +70,8 @@ def expected(client: Any, bucket: str, key: str, size: int, etag: str, md5_etag:
         return Expected(md5=md5, encrypted=kms)
     kind = got.get("ChecksumType") or ""
     name, value = stored
-    # a multipart object's CRC32 / CRC32C is COMPOSITE unless the store says FULL_OBJECT (a store
-    # that omits the type, like moto, keeps composite ones for SDK multipart uploads); CRC64NVME
-    # is full-object only
+    # multipart CRC32/CRC32C is COMPOSITE unless the store says FULL_OBJECT (moto omits the
+    # type); CRC64NVME is full-object only
     if kind == "COMPOSITE" or "-" in value or (not kind and "-" in etag and name != "crc64nvme"):
         return Expected(md5=md5, composite=(name, value, part_sizes(client, bucket, key, size)),
                         encrypted=kms)

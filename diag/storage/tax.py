@@ -49,9 +49,7 @@ def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_w
     rows = []
     for method, part in pulls.groupby("method", sort=False):
         rate = statistics.median(part["mb_per_s"])
-        # the whole dataset's pull, extrapolated per round from the sample (per-piece overhead
-        # included: diag.storage.sample), scaled to dataset_gb when that is given; without a
-        # sample, each round's pull at the measured size scaled the same way
+        # each round's whole pull extrapolated from the sample (else its rate), at dataset_gb
         whole = [s * gb / whole_gb for s in part.get("extrapolated_s", ()) if s == s] or \
             [gb * 1000 / r for r in part["mb_per_s"]]
         per_run = statistics.median(whole)

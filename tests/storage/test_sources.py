@@ -86,6 +86,29 @@ def test_a_hub_dataset_is_listed_fetched_once_and_checked_like_a_bucket(tmp_path
     assert not any((tmp_path / "users-cache").rglob("*.parquet"))
 
 
+def test_a_bucket_prefix_is_fetched_shard_by_shard_and_counted_by_its_data_files(tmp_path,
+                                                                                 monkeypatch):
+    """The job's fetch lands a prefix's first shards until they hold the records asked for; the
+    source's bytes count its data files only (a README made a 300-row source "~303 records")."""
+    from diag.data import count_records
+
+    folder = _gz_shards(tmp_path / "chat", shards=3, n=100)
+    with S3Server() as s3:
+        s3.upload(folder, "chat/")
+        s3.client().put_object(Bucket=s3.bucket, Key="chat/README.md", Body=b"x" * 5000)
+        for name, value in s3.env().items():
+            monkeypatch.setenv(name, value)
+        cfg = QLoraConfig.quick(source=f"s3://{s3.bucket}/chat/", endpoint_url=s3.endpoint_url,
+                                messages_field="messages")
+        sizes = [p.stat().st_size for p in sorted(folder.iterdir())]
+        for how in ("land", "pull"):
+            path, fetched, total = fetch(cfg.source, source_client(cfg), how, tmp_path / how,
+                                         records=150)
+            assert (fetched, total) == (sum(sizes[:2]), sum(sizes)), how
+            assert count_records(path / "part-0.jsonl.gz") == 100
+            assert not (path / "part-2.jsonl.gz").exists()
+
+
 @pytest.mark.slow
 def test_diag_run_trains_on_gzipped_chat_shards_in_a_bucket(tmp_path):
     """The whole diagnosis on .jsonl.gz shards of chat records, with a model whose tokenizer
