@@ -16,6 +16,7 @@ from diag.config.base import ExperimentConfig
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # record files diag reads (a prefix: its shards)
 COMPRESSED = (".gz", ".zst")  # a JSONL file may be compressed (pyarrow's codecs read it)
+STALL_S = 20.0  # seconds without a byte that make an S3 read stalled (--stall-s's default)
 MANIFEST_SUFFIX = ".diag-manifest.json"  # beside what diag.storage.land landed: its ETags, CRCs
 WEIGHT_FILES = ("*.safetensors", "*.bin")
 # The source fields by what they name: a config's SOURCE is the groups it reads
@@ -76,7 +77,7 @@ class SourceConfig(RecordFields):
     sign_request: bool = True  # False (--no-sign-request) reads a public bucket with no credentials
     retries: int | None = None  # request retries and re-GETs of a dropped part; None = your
                                 # AWS config (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE), 0 fails fast
-    stall_s: float = 20.0  # an S3 read with no byte for this long has stalled (every
+    stall_s: float = STALL_S  # an S3 read with no byte for this long has stalled (every
                            # request's timeout; a pull's deadline is at least this)
     model: str = ""  # your model: "org/name" on HF_ENDPOINT or the hub, or a
                      # local folder with weights; "" = the embedded tiny Llama

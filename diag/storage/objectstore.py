@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from diag.config.source import STALL_S
 from diag.machine.device import usable_cores  # noqa: F401  transfer_plan's cores; re-exported
 from diag.secrets import aws_client_made, redact, register
 
@@ -109,7 +110,7 @@ def register_url_secret(url: str | None) -> None:
 
 def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = None,
                 retries: int | None = None, max_pool: int = 10, profile: str = "",
-                region: str = "", unsigned: bool = False, stall_s: float = 20.0) -> Any:
+                region: str = "", unsigned: bool = False, stall_s: float = STALL_S) -> Any:
     """A boto3 S3 client from the user's AWS configuration, changed only where an argument is
     given (retries None: the user's); every request times out (CONNECT_S, stall_s)."""
     import boto3

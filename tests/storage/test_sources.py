@@ -78,6 +78,11 @@ def test_a_hub_dataset_is_listed_fetched_once_and_checked_like_a_bucket(tmp_path
         assert fetched == total and read_source(path)[0] == rows
         again = fetch(source, source_client(cfg), "land", tmp_path / "w")[0]
         assert again == path and path.is_relative_to(os.environ["DIAG_HOME"])  # landed once
+        pulled = run_storage(StorageConfig.quick(source=source, local_dir=str(tmp_path / "l")))
+        pulls = pulled.frame[pulled.frame["method"] == "hf_hub"]
+        assert len(pulls) == 2 and (pulls["bytes"] == total).all()  # timed like a bucket's
+        assert pulled.tax["method"].tolist() == ["hf_hub"]
+        assert list((tmp_path / "l").iterdir()) == []  # its scratch gone
         with pytest.raises(ValueError, match="--prompt-field='q': no such column"):
             preflight(QLoraConfig.quick(source=source, prompt_field="q", response_field="a"),
                       QLoraConfig.quick(source=source, prompt_field="q", response_field="a"))
