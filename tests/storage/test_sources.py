@@ -115,6 +115,7 @@ def test_a_bucket_prefix_is_fetched_shard_by_shard_and_counted_by_its_data_files
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a whole diag run --quick: 3 min at load 6, over 10 at load 18
 def test_diag_run_trains_on_gzipped_chat_shards_in_a_bucket(tmp_path):
     """The whole diagnosis on .jsonl.gz shards of chat records, with a model whose tokenizer
     has a chat template: every step (storage, preflight, token cache, loader sweep, job)."""
@@ -129,6 +130,6 @@ def test_diag_run_trains_on_gzipped_chat_shards_in_a_bucket(tmp_path):
         done = subprocess.run([sys.executable, "-m", "diag", "run", "--quick", "--source",
                                f"s3://{s3.bucket}/chat-gz/", "--messages-field", "messages",
                                "--model", str(model), "--out", str(tmp_path / "run")],
-                              env=env, capture_output=True, text=True, timeout=900)
+                              env=env, capture_output=True, text=True, timeout=1150)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "run" / "report.html").is_file()
