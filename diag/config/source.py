@@ -1,9 +1,7 @@
-"""Where a run's data and model come from: one set of fields, the flags of every command.
+"""Where a run's data and model come from: one set of fields, the same flags in every command.
 
-`SourceConfig` is the base of the configs of `storage`, `model-load`, `qlora` and `run`: each
-field is the same `--flag` with the same help everywhere. A config names the fields it reads
-(`SOURCE`); a value given to another is refused. Its checks need no network (diag.preflight
-checks the rest before the first experiment).
+A config names the groups it reads (`SOURCE`); its command offers only those and refuses a value
+given to another. The checks here need no network (diag.preflight checks the rest).
 """
 
 from __future__ import annotations
@@ -14,12 +12,12 @@ from typing import ClassVar
 
 from diag.config.base import ExperimentConfig
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # record files diag reads (a prefix: its shards)
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # record files diag reads
 COMPRESSED = (".gz", ".zst")  # a JSONL file may be compressed (pyarrow's codecs read it)
 STALL_S = 20.0  # seconds without a byte that make an S3 read stalled (--stall-s's default)
-MANIFEST_SUFFIX = ".diag-manifest.json"  # beside what diag.storage.land landed: its ETags, CRCs
+MANIFEST_SUFFIX = ".diag-manifest.json"  # beside what diag.storage.land landed: ETags, CRCs
 WEIGHT_FILES = ("*.safetensors", "*.bin")
-# The source fields by what they name: a config's SOURCE is the groups it reads
+# the source fields by what they name
 BUCKET = ("source", "endpoint_url", "profile", "region", "sign_request", "retries", "stall_s")
 RECORDS = ("text_field", "prompt_field", "response_field", "messages_field")
 MODEL = ("model", "revision", "cache_dir", "repair_cache")
@@ -27,17 +25,15 @@ MODEL = ("model", "revision", "cache_dir", "repair_cache")
 
 @dataclass
 class RecordFields(ExperimentConfig):
-    """Which fields of the user's records hold the text: the four flags every command that reads
-    records offers (the job's --source, the loader's --data), checked and read in one place."""
+    """Which fields of the user's records hold the text, for every command that reads records."""
 
-    text_field: str = ""  # the records' field holding the whole text (loss on all of
-                          # it); "" = prompt/response fields, or instruction/input/output
-    prompt_field: str = ""  # the records' prompt field (with --response-field; loss
-                            # on the response only); "" = instruction/input/output (Alpaca)
+    text_field: str = ""  # the records' field holding the whole text (loss on all of it);
+                          # "" = prompt/response fields, or instruction/input/output
+    prompt_field: str = ""  # the records' prompt field (with --response-field; loss on the
+                            # response only); "" = instruction/input/output (Alpaca)
     response_field: str = ""  # the records' response field (with --prompt-field)
-    messages_field: str = ""  # the records' chat field (a list of {role, content},
-                              # the last from the assistant), rendered with the
-                              # model's chat template; loss on the last message
+    messages_field: str = ""  # the records' chat field (a list of {role, content}, the last the
+                              # assistant's), in the model's chat template; loss on the last
 
     def validate(self) -> None:
         super().validate()
@@ -50,7 +46,7 @@ class RecordFields(ExperimentConfig):
                              f"messages_field={self.messages_field!r})")
 
     def fields(self) -> dict[str, str]:
-        """The record fields to read (diag.data.records.normalise's `fields`); {} = Alpaca."""
+        """The record fields to read (diag.data.records.normalise's); {} = Alpaca."""
         return {k: v for k, v in (("text", self.text_field), ("prompt", self.prompt_field),
                                   ("response", self.response_field),
                                   ("messages", self.messages_field)) if v}
@@ -66,34 +62,30 @@ class RecordFields(ExperimentConfig):
 class SourceConfig(RecordFields):
     """The user's bucket and model, or (all empty) the embedded S3 server and hub."""
 
-    source: str = ""  # your data: s3://bucket/key or s3://bucket/prefix/ of shards
-                      # (.jsonl[.gz|.zst], .parquet), hf://datasets/org/name[@rev]/path,
-                      # a local file or folder; "" = the embedded S3 server + data
-    endpoint_url: str = ""  # S3 endpoint of --source (MinIO, R2, GCS interop);
-                            # "" = your AWS config (AWS_ENDPOINT_URL, profile)
-    profile: str = ""  # AWS profile for --source; "" = AWS_PROFILE or
-                       # the default chain (env, ~/.aws, instance role)
+    source: str = ""  # your data: s3://bucket/key or s3://bucket/prefix/ of shards (.jsonl,
+                      # .jsonl.gz/.zst, .parquet), hf://datasets/org/name[@rev]/path, a local
+                      # file or folder; "" = the embedded S3 server and data
+    endpoint_url: str = ""  # S3 endpoint of --source (MinIO, R2, GCS); "" = your AWS config
+    profile: str = ""  # AWS profile for --source; "" = AWS_PROFILE or the default chain
     region: str = ""  # region for --source; "" = your AWS config (AWS_REGION, profile)
     sign_request: bool = True  # False (--no-sign-request) reads a public bucket with no credentials
     retries: int | None = None  # request retries and re-GETs of a dropped part; None = your
                                 # AWS config (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE), 0 fails fast
     stall_s: float = STALL_S  # an S3 read with no byte for this long has stalled (every
-                           # request's timeout; a pull's deadline is at least this)
-    model: str = ""  # your model: "org/name" on HF_ENDPOINT or the hub, or a
-                     # local folder with weights; "" = the embedded tiny Llama
+                              # request's timeout; a pull's deadline is at least this)
+    model: str = ""  # your model: "org/name" on HF_ENDPOINT or the hub, or a local folder with
+                     # weights; "" = the embedded tiny Llama
     revision: str = "main"  # branch, tag or commit of a hub --model
-    cache_dir: str = ""  # HF hub cache for --model, what model-load measures and
-                         # the QLoRA job reads; "": a hub id's is your HF_HUB_CACHE
-                         # (read only), the embedded model's <DIAG_HOME>/hf-cache
-    repair_cache: bool = False  # model-load: True re-downloads cached files
-                                # that fail their checksum (and may write to
-                                # your HF cache); False stops and reports them
+    cache_dir: str = ""  # HF hub cache for --model; "" = your HF_HUB_CACHE (read only) for a
+                         # hub id, <DIAG_HOME>/hf-cache for the embedded model
+    repair_cache: bool = False  # True re-downloads cached files that fail their checksum (may
+                                # write to your HF cache); False stops and reports them
 
     SOURCE: ClassVar[tuple[str, ...]] = BUCKET + RECORDS + MODEL  # the fields this config reads
 
     def validate(self) -> None:
         self.validate_source()  # first: a field this config does not read is refused as such
-        super().validate()  # the record fields (RecordFields)
+        super().validate()
 
     @classmethod
     def used_fields(cls) -> list[str]:
@@ -108,11 +100,11 @@ class SourceConfig(RecordFields):
         from diag.secrets import redact, register
 
         name = type(self).__name__
-        for f in dataclasses.fields(SourceConfig):  # what this config would silently ignore
+        for f in dataclasses.fields(SourceConfig):  # what it would silently ignore
             if f.name not in self.SOURCE and getattr(self, f.name) != f.default:
                 raise ValueError(f"{name}.{f.name}={getattr(self, f.name)!r}: not read here; "
                                  f"{name} reads " + ", ".join(self.SOURCE))
-        try:  # a password in the URL is redacted everywhere from here on
+        try:  # a password in the URL is redacted from here on
             url = urlsplit(self.endpoint_url)
             register(url.password)
         except ValueError:  # a malformed URL: refused below

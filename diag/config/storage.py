@@ -11,19 +11,17 @@ from diag.config.source import BUCKET, SourceConfig
 
 @dataclass
 class StorageConfig(SourceConfig):
-    """`diag storage`: object-store pull vs local disk read, the re-pull tax, land() miss/hit.
-    The bucket's flags (--source, --endpoint-url, --profile, ...) are SourceConfig's."""
+    """`diag storage`: object-store pull vs local disk read, the re-pull tax, land() miss/hit."""
 
-    SOURCE: ClassVar[tuple[str, ...]] = BUCKET  # it measures pulling objects: no model, no fields
+    SOURCE: ClassVar[tuple[str, ...]] = BUCKET  # no model, no record fields
 
     local_dir: str = ""  # where data lands (the NVMe / persistent volume); "" = DIAG_HOME/storage
     size_mb: float = 200.0  # embedded dataset size; larger gives steadier rates and takes longer
     shards: int = 1  # embedded dataset as this many objects under a prefix (1 = a single object)
     repeats: int = 3  # measured repeats per method; more gives steadier medians
-    budget_s: float = 0.0  # seconds the pulls may take: the sample of whole objects each method
-                           # pulls is sized to fit (diag run sets it); 0 = no limit
+    budget_s: float = 0.0  # seconds the pulls may take (each method's sample sized to fit);
+                           # 0 = no limit
     sample_mb: float = 0.0  # at most this many MB of whole objects per pull; 0 = no cap
-                            # (the whole dataset when budget_s is 0 too)
     land: bool = False  # also land() the whole dataset, miss then verified hit (writes it all);
                         # False: a hit is estimated from the sample's cold local read
     warmup: int = 0  # untimed first rounds, not reported (their bytes are in no row); the
@@ -35,11 +33,11 @@ class StorageConfig(SourceConfig):
     usd_per_hour: float = 0.0  # instance price for the tax; 0 = unknown (no money figures)
 
     QUICK: ClassVar[dict[str, Any]] = {"size_mb": 8.0, "repeats": 2}
-    # `diag run` (make demo): 64 MB, 8 of boto3's default parts, enough for the methods to separate
+    # `diag run`: 8 parts of boto3's default multipart size separate the methods
     RUN: ClassVar[dict[str, Any]] = {"size_mb": 64.0}
 
     def validate(self) -> None:
-        super().validate()  # the source flags (SourceConfig)
+        super().validate()
         self._positive("size_mb", "shards", "repeats")
         self._non_negative("warmup", "dataset_gb", "runs_per_week", "usd_per_hour", "budget_s",
                            "sample_mb")
