@@ -30,7 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diag.machine.disks import evict_page_cache  # noqa: E402
 from diag.storage import land  # noqa: E402
-from diag.storage.objectstore import (MB, list_remote, make_client, parse_url,  # noqa: E402
+from diag.storage import list_remote, parse_url  # noqa: E402
+from diag.storage.objectstore import (MB, make_client,  # noqa: E402
                                       transfer_plan, usable_cores)
 from diag.embedded import S3Server, embedded_dataset  # noqa: E402
 from diag.storage import pull, read_local  # noqa: E402

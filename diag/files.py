@@ -1,11 +1,9 @@
 """File digests in one pass over the bytes, and the one way diag writes a file or folder whole.
 
-sha256 is what a landing manifest and a hub LFS ETag record; MD5 is what a single-part S3 ETag is;
-the git blob sha1 is what the hub calls a small file. `hashlib.file_digest` reads with a buffer
-of its own (no Python loop per chunk), so hashing runs at the speed of the hash, not of Python.
-`atomic_file` / `atomic_folder` write under one temporary name (`.<name>.tmp-<pid>-<8 hex>`),
-fsync and swap in, so a target is old or whole, never part; `sweep_orphans` removes the
-temporaries of writers that were killed; `scratch_folder` is a run's scratch under the same name.
+sha256 (a landing manifest, a hub LFS ETag), MD5 (a single-part S3 ETag), git blob sha1 (a small
+hub file). `atomic_file` / `atomic_folder` write under one temporary name
+(`.<name>.tmp-<pid>-<8 hex>`), fsync and swap in: a target is old or whole, never part;
+`sweep_orphans` removes a killed writer's temporaries; `scratch_folder` is a run's scratch.
 """
 
 from __future__ import annotations
@@ -22,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 ALGORITHMS = ("sha256", "md5", "sha1", "git-sha1")
-_TEMP = re.compile(r"\..+\.tmp-(?P<pid>\d+)-[0-9a-f]{8}")  # temp_path's names
+# temp_path's names, and the scratch folders of diag storage before it used them
+_TEMP = re.compile(r"\..+\.tmp-(?P<pid>\d+)-[0-9a-f]{8}|diag-storage-(?P<old>\d+)")
 
 
 class _Several:
@@ -84,10 +83,8 @@ def temp_path(target: str | os.PathLike[str]) -> Path:
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """`with atomic_file(path) as tmp:` write tmp (any way: open, np.save, os.open); on a clean
-    exit it is fsynced and renamed over path, on an error removed. path is the old file or the
-    whole new one, never a part. The rename itself is made durable by fsync_path(path.parent),
-    where a caller needs that order (land(): data files before their manifest)."""
+    """`with atomic_file(path) as tmp:` write tmp any way; a clean exit fsyncs it and renames it
+    over path, an error removes it (fsync_path(path.parent) makes the rename durable)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
@@ -101,10 +98,8 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_folder(path: str | os.PathLike[str], *, replace: bool = True) -> Iterator[Path]:
-    """`with atomic_folder(path) as tmp:` fill the new empty folder tmp; on a clean exit every
-    file in it is fsynced and it is swapped in (swap_in), on an error removed. replace=False
-    keeps a folder already at path and drops this one: content-addressed folders, where a
-    concurrent writer of the same content won."""
+    """`with atomic_folder(path) as tmp:` fill tmp; a clean exit fsyncs its files and swaps it
+    in, an error removes it; replace=False keeps a folder already at path (content-addressed)."""
     path = Path(path)
     tmp = temp_path(path)
     tmp.mkdir(parents=True)
@@ -127,9 +122,8 @@ def atomic_folder(path: str | os.PathLike[str], *, replace: bool = True) -> Iter
 
 
 def swap_in(tmp: str | os.PathLike[str], folder: str | os.PathLike[str]) -> None:
-    """Replace `folder` by the finished `tmp` beside it: the old one is renamed aside first (a
-    temp_path, swept if this process dies before removing it), so a reader sees the old folder
-    or the new one, never a mix of the two."""
+    """Replace `folder` by the finished `tmp` beside it (the old one renamed aside first): a
+    reader sees the old folder or the new one, never a mix."""
     tmp, folder = Path(tmp), Path(folder)
     old = None
     if folder.exists():
@@ -151,16 +145,15 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_orphans(folder: str | os.PathLike[str]) -> None:
-    """Remove the temporaries (temp_path's names) in folder whose writer no longer runs: a
-    process killed mid-write. A live writer's are kept. Pids are this machine's: a folder that
-    writers on several machines share needs a lock around its writes (land() holds one)."""
+    """Remove folder's temporaries whose writer no longer runs (a killed process); pids are this
+    machine's, so a folder shared across machines needs a lock (land() holds one)."""
     try:
         entries = list(os.scandir(folder))
     except FileNotFoundError:
         return
     for entry in entries:
         found = _TEMP.fullmatch(entry.name)
-        if found is None or _alive(int(found["pid"])):
+        if found is None or _alive(int(found["pid"] or found["old"])):
             continue
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path, ignore_errors=True)
@@ -169,11 +162,11 @@ def sweep_orphans(folder: str | os.PathLike[str]) -> None:
                 os.unlink(entry.path)
 
 
-def scratch_folder(name: str) -> Path:
-    """A new empty folder for one run's scratch (data, a model copy) in the system's temporary
-    directory, under temp_path's name: what a run killed before its cleanup left there (a DDP
-    rank's SIGKILL) is swept by the next start."""
-    base = Path(tempfile.gettempdir())
+def scratch_folder(name: str, base: str | os.PathLike[str] | None = None) -> Path:
+    """A new empty folder for one run's scratch in base (default: the system's temporary
+    directory), under temp_path's name: what a killed run left there is swept by the next start."""
+    base = Path(base) if base else Path(tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
     sweep_orphans(base)
     folder = temp_path(base / name)
     folder.mkdir()

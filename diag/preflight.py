@@ -1,11 +1,9 @@
 """What can be refused before the first experiment: seconds, not minutes, and nothing left behind.
 
 `preflight(cfg, job)` checks what cfg's command uses, in the order a run meets it: the folders it
-writes (DIAG_HOME, --out, --local-dir, --cache-dir: a probe file made and removed), the model (a
-local folder's safetensors; a hub id its cache lacks: one HEAD), the source (one listing with
-every source flag, a HEAD of a shard) and, for `job` (the QLoRA job that trains on it), the first
-records of the first shard read and tokenized as the job does: its fields, --seq-len, its steps
-against the records. A refusal is one line naming the flag or variable (ValueError/RuntimeError).
+writes, the model, the source (one listing with every source flag, a HEAD of a shard) and, for
+`job`, the first records of the first shard read and tokenized as the job does (pyarrow, json
+and `tokenizers` only: no torch). A refusal is one line naming the flag or variable.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag.config import diag_home
-from diag.config.source import DATA_SUFFIXES, check_out
+from diag.config.source import COMPRESSED, DATA_SUFFIXES, check_out, data_file
 
 if TYPE_CHECKING:
     from diag.config import QLoraConfig, SourceConfig
@@ -79,9 +78,8 @@ def check_folders(cfg: SourceConfig) -> None:
 
 
 def check_writable(path: Path, setting: str, allowed: str) -> None:
-    """Refuse a folder diag would write into (made if absent) that is a file, lies under a file,
-    cannot be read or cannot be written: a probe file is made in it, or in the nearest folder
-    above it that exists, and removed."""
+    """Refuse a folder diag would write into that is a file, lies under one, or cannot be read or
+    written (a probe file made and removed there, or in the nearest folder above)."""
     where = f"{setting}={str(path)!r}"
     try:
         found = next(p for p in (path, *path.parents) if p.exists())
@@ -104,7 +102,7 @@ def check_writable(path: Path, setting: str, allowed: str) -> None:
 
 def check_source(cfg: SourceConfig, data: bool = True) -> list[Any]:
     """List --source with every source flag; returns the objects found. data=True (the job
-    trains on them) also asks for at least one JSONL / Parquet object, and HEADs the first."""
+    trains on them) also asks for at least one record file, and HEADs the first."""
     from diag.storage import list_remote, parse_url, source_client
     from diag.storage.objectstore import S3Url
 
@@ -112,33 +110,36 @@ def check_source(cfg: SourceConfig, data: bool = True) -> list[Any]:
     client = source_client(cfg)
     objects = list_remote(client, url)  # an empty prefix is refused there
     if data:
-        usable = [o for o in objects if Path(o.key).suffix in DATA_SUFFIXES]
+        usable = [o for o in objects if data_file(o.key)]
         if not usable:
             raise ValueError(f"--source={cfg.source!r}: no readable shard "
                              f"({', '.join(Path(o.key).name for o in objects[:3])}); allowed: "
-                             + ", ".join(f"*{s}" for s in DATA_SUFFIXES))
-        if url.is_prefix:  # a store may let anyone LIST and still refuse the objects: HEAD one
+                             + ", ".join(f"*{s}" for s in DATA_SUFFIXES) + " (JSONL also "
+                             + ", ".join(COMPRESSED) + ")")
+        if isinstance(url, S3Url) and url.is_prefix:  # a LIST may be allowed, a GET not
             list_remote(client, S3Url(url.bucket, usable[0].key))
         return usable
     return objects
 
 
 def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> None:
-    """The first records of the first shard, read as the job reads them (diag.data.read_source
-    with its fields, its on_error: the naive plan's own read) and held to its rules: a record
-    whose prompt fills --seq-len trains on nothing (with the model's tokenizer, when it is on
-    this machine), and, when the sample is the whole source, each step needs a record."""
+    """The first shard's first records, read as the job reads them and held to its rules: no
+    prompt may fill --seq-len, and (the sample being the whole source) each step needs a record."""
     from diag.config import DiagnoseConfig
-    from diag.data import read_source
+    from diag.data.records import read_source
+    from diag.files import scratch_folder
     from diag.storage import parse_url, source_client
 
-    with tempfile.TemporaryDirectory(prefix="diag-preflight-") as tmp:
-        sample = sample_shard(source_client(cfg), parse_url(cfg.source).bucket, objects[0],
-                              Path(tmp))
+    tmp = scratch_folder("diag-preflight")
+    try:
+        sample = sample_shard(_opener(source_client(cfg), parse_url(cfg.source)), objects[0],
+                              tmp)
         if sample is None:
             return
         records = read_source(sample[0], job.fields(), on_error=job.on_error,
                               limit=job.records)[0]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = _tokenizer_dir(cfg)
     filled = _prompts_filling(job, records, tokenizer) if tokenizer is not None else []
     if filled and job.on_error == "raise":
@@ -157,30 +158,36 @@ def _prompts_filling(job: QLoraConfig, records: list[dict[str, Any]], tokenizer_
                      ) -> list[tuple[int, int]]:
     """(index, prompt tokens) of each record whose prompt (BOS included) fills job.seq_len, by
     the text pipeline the job tokenizes with (a chat record through the model's template)."""
-    from diag.data import encode_pairs, load_tokenizer
+    from diag.data.text import encode_pairs, load_tokenizer
 
     tokenizer = load_tokenizer(str(tokenizer_dir))
     prompts, _ = encode_pairs(tokenizer, records)
     return [(i, len(p)) for i, p in enumerate(prompts) if len(p) >= job.seq_len]
 
 
-def sample_shard(client: Any, bucket: str, obj: Any, folder: Path) -> tuple[Path, bool] | None:
-    """The shard's first records as a file of its name in folder, and whether that is all of it
-    (None: one record longer than the sample, nothing to check)."""
-    path = folder / Path(obj.key).name
-    if path.suffix != ".parquet":
-        body = client.get_object(Bucket=bucket, Key=obj.key,
-                                 Range=f"bytes=0-{SAMPLE_BYTES - 1}")["Body"].read()
-        whole = len(body) >= obj.size
+def sample_shard(open_shard: Any, obj: Any, folder: Path) -> tuple[Path, bool] | None:
+    """The shard's first records as a plain file in folder, and whether that is all of it (None:
+    nothing to check); open_shard(obj): the shard as a seekable binary file."""
+    name = Path(obj.key).name
+    shard = io.BufferedReader(open_shard(obj), SAMPLE_BYTES)
+    if not name.endswith(".parquet"):
+        if Path(name).suffix in COMPRESSED:  # decompressed as it streams, as the job reads it
+            import pyarrow as pa
+
+            codec = {".gz": "gzip", ".zst": "zstd"}[Path(name).suffix]
+            shard, name = io.BufferedReader(pa.CompressedInputStream(shard, codec)), \
+                Path(name).stem
+        body = shard.read(SAMPLE_BYTES)
+        whole = len(shard.read(1)) == 0
         body = body if whole else body[:body.rfind(b"\n") + 1]
         if not body:
             return None
-        path.write_bytes(body)
-        return path, whole
+        (folder / name).write_bytes(body)
+        return folder / name, whole
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    shard = io.BufferedReader(_Ranges(client, bucket, obj.key, obj.size), SAMPLE_BYTES)
+    path = folder / name
     try:
         parquet = pq.ParquetFile(shard)
     except Exception:  # noqa: BLE001  not Parquet: its first bytes, refused by the job's reader
@@ -193,12 +200,36 @@ def sample_shard(client: Any, bucket: str, obj: Any, folder: Path) -> tuple[Path
     return path, table.num_rows == parquet.metadata.num_rows
 
 
-class _Ranges(io.RawIOBase):
-    """An S3 object as a seekable file of ranged GETs: pyarrow reads a Parquet file's footer and
-    the pages it asks for, nothing else."""
+def _opener(client: Any, url: Any) -> Any:
+    """obj -> the shard as a seekable binary file: ranged GETs (S3, the hub), or the file."""
+    from diag.storage.sources import HubUrl, LocalUrl
 
-    def __init__(self, client: Any, bucket: str, key: str, size: int) -> None:
-        self.client, self.bucket, self.key, self.size, self.pos = client, bucket, key, size, 0
+    if isinstance(url, LocalUrl):
+        return lambda obj: open(obj.key, "rb", buffering=0)
+    if isinstance(url, HubUrl):
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session
+
+        def hub(obj: Any, first: int, last: int) -> bytes:
+            where = hf_hub_url(url.repo_id, obj.key, repo_type="dataset",
+                               revision=url.revision, endpoint=client.endpoint)
+            got = get_session().get(where, headers={**build_hf_headers(),
+                                                    "Range": f"bytes={first}-{last}"},
+                                    follow_redirects=True)
+            got.raise_for_status()
+            return got.content
+
+        return lambda obj: _Ranges(obj, hub)
+    return lambda obj: _Ranges(obj, lambda o, first, last: client.get_object(
+        Bucket=url.bucket, Key=o.key, Range=f"bytes={first}-{last}")["Body"].read())
+
+
+class _Ranges(io.RawIOBase):
+    """A remote file as a seekable file of ranged GETs (`get(obj, first, last)`): pyarrow reads
+    a Parquet file's footer and the pages it asks for, nothing else."""
+
+    def __init__(self, obj: Any, get: Any) -> None:
+        self.obj, self.get, self.size, self.pos = obj, get, obj.size, 0
 
     def readable(self) -> bool:
         return True
@@ -217,8 +248,7 @@ class _Ranges(io.RawIOBase):
         n = min(len(buffer), self.size - self.pos)
         if n <= 0:
             return 0
-        data = self.client.get_object(Bucket=self.bucket, Key=self.key,
-                                      Range=f"bytes={self.pos}-{self.pos + n - 1}")["Body"].read()
+        data = self.get(self.obj, self.pos, self.pos + n - 1)
         buffer[:len(data)] = data
         self.pos += len(data)
         return len(data)

@@ -224,6 +224,11 @@ def source_values(widgets: dict[str, Any]) -> dict[str, Any]:
             except ValueError:
                 raise ValueError(f"retries={value!r}: a whole number >= 0, or '' for your "
                                  "AWS config's") from None
+        elif name == "stall_s":  # a number of seconds, as its flag takes it
+            try:
+                value = float(value)
+            except ValueError:
+                raise ValueError(f"stall_s={value!r}: a number of seconds > 0") from None
         values[name] = value
     return values
 

@@ -115,7 +115,12 @@ def run(name: str, cfg: config.ExperimentConfig) -> Any:
         of_run(cfg, steps(cfg), _job(cfg))
     # every check that can run before the first experiment, once, before torch is imported
     # (run_qlora and run_diagnose make their own when called from Python; here they are covered)
-    preflight(cfg, _job(cfg))
+    job = _job(cfg)
+    if job is not None and job.results:  # another job's: refused before anything is written
+        from diag.qlora.measure import read_results
+
+        read_results(job)
+    preflight(cfg, job)
     with covered():
         return runner(cfg)
 

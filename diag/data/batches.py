@@ -1,10 +1,7 @@
-"""The token cache as nanoGPT reads it: one flat memory-mapped file of ids, and a batch loader.
+"""nanoGPT-style batches from the token cache: random seq_len windows of one flat token file.
 
-`ensure_tokens()` is the accum sweep's view of the one token cache (diag.data.tokens): its
-train.bin holds every record's ids end to end, EOS closing each, uint16 when the vocabulary fits;
-`token_file()` takes a user's own train.bin instead. `BatchLoader` keeps the map open, gathers
-`batch` random windows of `seq_len + 1` ids in one indexing op, pins the host copy on CUDA, copies
-with non_blocking and prepares the next batch in a thread while the step runs.
+`token_file()` takes a user's own train.bin instead; `BatchLoader` keeps the map open, gathers
+each batch at once and prepares the next in a thread.
 """
 
 from __future__ import annotations
@@ -45,12 +42,8 @@ def _beside(folder: str | os.PathLike[str]) -> TokenFile:
 def ensure_tokens(tokenizer_dir: str | os.PathLike[str] | None = None,
                   dataset: str | os.PathLike[str] | None = None,
                   home: str | os.PathLike[str] | None = None) -> TokenFile:
-    """The dataset's tokens as the token cache's `train.bin`: built once per (data, tokenizer),
-    in the same folder the loader sweep and the QLoRA job read, and reused.
-
-    Defaults: the embedded tiny model's tokenizer and the embedded dataset; home: the DIAG_HOME
-    whose tokens/ holds the cache.
-    """
+    """The dataset's tokens as the token cache's `train.bin` (defaults: the embedded dataset and
+    tokenizer), built once in the folder the loader sweep and the QLoRA job read."""
     from diag.config import diag_home
     from diag.data.tokens import build_token_cache
 
@@ -80,11 +73,8 @@ def token_file(path: str | os.PathLike[str], dtype: str = "uint16") -> TokenFile
 
 
 def check_tokens(tokens: TokenFile, vocab_size: int, who: str = "the model") -> int:
-    """Raise ValueError before training if any id is outside 0..vocab_size-1; returns the top id.
-
-    An id past the embedding table would fail deep inside a kernel (or on CUDA, a device-side
-    assert); here it names the file, the id and the vocabulary it does not fit.
-    """
+    """ValueError naming the file, the id and the vocabulary when an id is outside
+    0..vocab_size-1 (else a kernel fails deep inside); returns the top id."""
     data = tokens.open()
     if data.size < 2:
         raise ValueError(f"{tokens.path}: holds {data.size} token(s); a training window needs more")
@@ -101,12 +91,8 @@ def check_tokens(tokens: TokenFile, vocab_size: int, who: str = "the model") -> 
 
 
 class BatchLoader:
-    """Random (x, y) windows from a token file, on `device`, the next one prepared in a thread.
-
-    Like nanoGPT's get_batch, but the map is opened once (not per call), the windows are one
-    fancy-indexing gather of seq_len + 1 ids (x and y are views of it, not two copies), and the
-    host tensor is pinned on CUDA so `non_blocking` copies really are asynchronous.
-    """
+    """Random (x, y) windows from a token file on `device`, the next prepared in a thread: nanoGPT's
+    get_batch with the map opened once, one gather per batch, and pinned memory on CUDA."""
 
     def __init__(self, tokens: TokenFile, batch: int, seq_len: int, device: Any = "cpu",
                  seed: int = 0, prefetch: bool = True) -> None:

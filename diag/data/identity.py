@@ -1,10 +1,7 @@
 """What a token cache's key is made of: the data's identity, the tokenizer's, the settings.
 
-A file's identity is had without reading it where possible: a landing manifest beside the source
-(diag.storage.land) records each landed file's ETag and checksum, and a file hashed once is not
-hashed again while its size, mtime, ctime and inode stay the same (a memo beside the caches).
-Only a file with neither is read whole (sha256). The key is by content, not path: a copy of the
-data hits the original's cache.
+A file's identity is its landing manifest's, else its sha256 kept in a memo while its size,
+mtime, ctime and inode stay; the key is by content, not path.
 """
 
 from __future__ import annotations
@@ -55,6 +52,18 @@ def key_parts(source: str | os.PathLike[str] | list[dict[str, Any]],
 def data_identity(source: str | os.PathLike[str], memo_dir: str | os.PathLike[str] | None
                   ) -> str:
     """One file's identity, or a folder's: each shard's name under it and identity, in order."""
+    root, files = Path(source), shard_files(source)
+    found = file_identities(source, memo_dir)
+    if not root.is_dir():
+        return found[0]
+    return sha256("\n".join(f"{f.relative_to(root).as_posix()}={i}"
+                            for f, i in zip(files, found)).encode())
+
+
+def file_identities(source: str | os.PathLike[str], memo_dir: str | os.PathLike[str] | None
+                    ) -> list[str]:
+    """Each shard's identity, in shard_files' order: the landing manifest's, the memo's, or its
+    sha256 (then kept in the memo)."""
     root = Path(source)
     files = shard_files(root)
     landed = _landed(root)
@@ -76,10 +85,7 @@ def data_identity(source: str | os.PathLike[str], memo_dir: str | os.PathLike[st
         found.append(old[4])
     if memo_path is not None and hashed:
         _save(memo_path, memo)
-    if not root.is_dir():
-        return found[0]
-    return sha256("\n".join(f"{f.relative_to(root).as_posix()}={i}"
-                            for f, i in zip(files, found)).encode())
+    return found
 
 
 def _landed(root: Path) -> dict[str, tuple[int, int, str]]:

@@ -1,11 +1,10 @@
-"""Packing that keeps records apart: whole records placed into seq_len windows, each on its own.
+"""The datasets a job trains from: records packed apart into windows, or one per sample.
 
-`best_fit_decreasing` bins records by length, chunk by chunk of records (as TRL bins per map
-batch), so binning stays bounded on any dataset. `PackedDataset` serves the windows from the
-token cache: each record's `position_ids` restart at 0 and no `attention_mask` is given, which
-makes transformers build its packed-sequence mask (sdpa, eager, flex; flash-attention's
-variable-length path), so a record attends to itself only and trains as it would alone.
-`packing_refused(attention)` says where an attention implementation cannot keep them apart.
+`best_fit_decreasing` bins records by length, chunk by chunk (as TRL bins per map batch).
+`PackedDataset` serves the windows from the token cache with `position_ids` restarting per record
+and no `attention_mask`, so transformers builds its packed-sequence mask and a record attends to
+itself only; `packing_refused` names an attention that cannot. `NaiveTextDataset` tokenizes one
+record per `__getitem__` and pads it, as a newcomer writes it.
 """
 
 from __future__ import annotations
@@ -21,7 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from diag.data.text import IGNORE_INDEX, check_seq_len
+from diag.data.text import (IGNORE_INDEX, adds_special_tokens, check_seq_len, format_prompt,
+                            hf_tokenizer, tokenizer_version)
 
 PACK_CHUNK = 1000  # records binned together: more fill windows better, binning costs n log n
 
@@ -81,15 +81,9 @@ def packing_refused(attention: str | None) -> str:
 
 
 class PackedDataset(Dataset):
-    """Windows of seq_len tokens holding whole records, placed by best-fit decreasing.
-
-    An item is {"input_ids", "labels", "position_ids"}: labels -100 on prompts, on each record's
-    first token and on the padding after the last record; no attention_mask (see the module).
-    A record longer than seq_len is cut to seq_len (the naive pipeline cuts it there too):
-    `left_out` counts what is cut. records: the cache's records to use (None = all); pack=False
-    gives each record a window of its own (for an attention that ignores position_ids). The
-    arrays are memory-mapped per process: a worker reads only the pages it serves.
-    """
+    """Windows of seq_len tokens holding whole records (best-fit decreasing): {"input_ids",
+    "labels", "position_ids"}, labels -100 on prompts, each record's first token and padding. A
+    longer record is cut (`left_out`); records: those to use; pack=False: a window each."""
 
     def __init__(self, cache_folder: str | os.PathLike[str], seq_len: int,
                  pad_token_id: int | None = None, records: Sequence[int] | None = None,
@@ -147,3 +141,41 @@ class PackedDataset(Dataset):
             at += n
         positions[at:] = torch.arange(self.seq_len - at)  # the padding: a sequence of its own
         return {"input_ids": input_ids, "labels": labels, "position_ids": positions}
+
+
+class NaiveTextDataset(Dataset):
+    """One record per item, tokenized in __getitem__ every epoch and padded to seq_len (loss on
+    the response, -100 on prompt and padding): what the line profile looks into."""
+
+    def __init__(self, path_or_records: str | os.PathLike[str] | Sequence[dict[str, str]],
+                 tokenizer_dir: str | os.PathLike[str], seq_len: int) -> None:
+        check_seq_len(seq_len)
+        if isinstance(path_or_records, (str, os.PathLike)):
+            from diag.data.records import read_source
+
+            path_or_records, _ = read_source(path_or_records, on_error="raise")
+        # a Sequence is kept as given: a dataset read item by item from disk stays there
+        self.records = path_or_records if isinstance(path_or_records, Sequence) \
+            else list(path_or_records)
+        self.tokenizer_dir, self.seq_len = str(tokenizer_dir), seq_len
+        if not Path(self.tokenizer_dir, "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer_dir={self.tokenizer_dir!r}: no tokenizer.json there")
+        self.version = tokenizer_version(self.tokenizer_dir)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        tokenizer = hf_tokenizer(self.tokenizer_dir, self.version)
+        record = self.records[i]
+        prompt, response = format_prompt(record, tokenizer)
+        prompt_ids = tokenizer(prompt, add_special_tokens=adds_special_tokens(record))["input_ids"]
+        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+        response_ids = response_ids + [tokenizer.eos_token_id]
+        ids = (prompt_ids + response_ids)[: self.seq_len]
+        labels = ([IGNORE_INDEX] * len(prompt_ids) + response_ids)[: self.seq_len]
+        pad = self.seq_len - len(ids)
+        input_ids = torch.tensor(ids + [tokenizer.pad_token_id] * pad)
+        attention_mask = torch.tensor([1] * len(ids) + [0] * pad)
+        labels = torch.tensor(labels + [IGNORE_INDEX] * pad)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

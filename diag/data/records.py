@@ -1,13 +1,11 @@
-"""The user's records as they are: JSONL and Parquet, one file or a folder of shards.
+"""The user's records as they are: JSONL (plain, .gz, .zst) and Parquet, a file or shards.
 
-The one reader of record files in diag, chunk by chunk (`plan_chunks`, `read_chunk`: whole
-JSONL lines by byte range, Parquet row groups), which the token cache's processes read apart
-and `read_source` reads in order. Each record becomes one dict diag.data.text renders:
-{"instruction", "input", "output"} (Alpaca, the default: the embedded dataset's form), or
-{"prompt", "response"} from --prompt-field/--response-field (loss on the response only), or
-{"prompt": "", "response": text} from --text-field (loss on every token). A record that does
-not fit (a missing or non-text field, bad JSON or UTF-8) follows on_error: "raise" stops at the
-first with its file and row, "skip" leaves it out and lists it in the problems frame.
+The one reader of record files in diag, chunk by chunk (`plan_chunks`, `read_chunk`: whole JSONL
+lines, Parquet row groups), which the token cache's processes read apart and `read_source` in
+order. A record becomes {"instruction", "input", "output"} (Alpaca), {"prompt", "response"}
+(--prompt-field/--response-field), {"prompt": "", "response": text} (--text-field) or
+{"messages"}; one that does not fit follows on_error: "raise" stops at the first with its file
+and row, "skip" leaves it out and lists it in the problems frame.
 """
 
 from __future__ import annotations
@@ -20,33 +18,33 @@ from pathlib import Path
 from typing import Any
 
 from diag.config.loader import ON_ERROR
-from diag.config.source import DATA_SUFFIXES, MANIFEST_SUFFIX
+from diag.config.source import COMPRESSED, DATA_SUFFIXES, MANIFEST_SUFFIX, data_file
 
 PROBLEM_COLUMNS = ["line", "problem", "detail"]  # one row per record left out
 ALPACA_FIELDS = ("instruction", "input", "output")
 
 
 def shard_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The record files at path: the file itself, or a folder's *.jsonl / *.json / *.parquet
-    (sorted, recursively: a landed s3 prefix keeps its sub-folders)."""
+    """The record files at path: the file itself, or a folder's data files (sorted, recursively:
+    a landed s3 prefix keeps its sub-folders)."""
     path = Path(path)
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES
+    files = sorted(p for p in path.rglob("*") if p.is_file() and data_file(p.name)
                    and not p.name.endswith(MANIFEST_SUFFIX))  # a landed shard's manifest
     if not files:
         others = sorted(p.name for p in path.rglob("*") if p.is_file())[:3]
         raise ValueError(f"--source: no readable shard under {path} (found "
                          f"{', '.join(others) or 'no files'}); allowed: "
-                         + ", ".join(f"*{s}" for s in DATA_SUFFIXES))
+                         + ", ".join(f"*{s}" for s in DATA_SUFFIXES) + " (JSONL also "
+                         + ", ".join(COMPRESSED) + ")")
     return files
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a source that one process reads alone, in order with the others: whole lines
-    of a JSONL file (bytes start..stop), one row group of a Parquet file (start), or records
-    already in memory (rows)."""
+    """A piece of a source one process reads alone: whole JSONL lines (bytes start..stop, or
+    decompressed `data`), a Parquet row group, records in memory, or another cache's records."""
 
     where: str  # how a problem names the file: its name, or its path under the source folder
     path: Path | None
@@ -55,6 +53,9 @@ class Chunk:
     shard: bool = False  # one of a folder's files: problems are numbered "<where>:<line>"
     rows: tuple[dict[str, Any], ...] = ()
     size: int = 0  # bytes of the source it covers (a row group: its share of the file)
+    data: bytes | None = None  # whole lines of a compressed file, decompressed
+    copy: tuple[Any, ...] | None = None  # (cache folder, dtype, first, end record, lines,
+    #                                       problems): records another cache holds already
 
     @property
     def parquet(self) -> bool:
@@ -63,10 +64,8 @@ class Chunk:
 
 def plan_chunks(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
                 chunk_bytes: int = 1 << 20, first_bytes: int = 64 << 10) -> Iterator[Chunk]:
-    """The chunks of a file or folder of shards, in reading order. Parquet shards are checked
-    first (readable, the columns present, one type per column across shards), before any record
-    is read. JSONL chunks grow from first_bytes to chunk_bytes: a read that stops after a few
-    records reads little."""
+    """The chunks of a file or folder of shards in reading order, Parquet shards checked first
+    (readable, columns present, one type per column); JSONL chunks grow from first_bytes."""
     files = shard_files(path)
     wheres = {f: str(f.relative_to(path)) if len(files) > 1 else f.name for f in files}
     groups: dict[Path, list[int]] = {}  # a Parquet shard's bytes per row group
@@ -90,13 +89,53 @@ def _chunks(files: list[Path], wheres: dict[Path, str], groups: dict[Path, list[
             yield from (Chunk(wheres[file], file, g, g + 1, shard, size=size)
                         for g, size in enumerate(groups[file]))
             continue
-        size, pos, step = file.stat().st_size, 0, min(first_bytes, chunk_bytes)
+        step = min(first_bytes, chunk_bytes)
+        if file.suffix in COMPRESSED:  # no byte ranges: decompressed here, shipped whole
+            yield from _unpacked(file, wheres[file], shard, step, chunk_bytes)
+            continue
+        size, pos = file.stat().st_size, 0
         with open(file, "rb") as f:
             while pos < size:
                 f.seek(min(pos + step, size))
                 f.readline()  # to the end of the line the cut falls in: chunks hold whole lines
                 yield Chunk(wheres[file], file, pos, f.tell(), shard, size=f.tell() - pos)
                 pos, step = f.tell(), min(step * 2, chunk_bytes)
+
+
+def open_records(path: str | os.PathLike[str]) -> Any:
+    """A record file's bytes, decompressed by pyarrow where its name says (.gz, .zst)."""
+    if Path(path).suffix not in COMPRESSED:
+        return open(path, "rb")
+    import io
+
+    import pyarrow as pa
+
+    return io.BufferedReader(pa.input_stream(str(path), compression="detect"))
+
+
+def _unpacked(file: Path, where: str, shard: bool, step: int, most: int) -> Iterator[Chunk]:
+    """A compressed file's chunks: its lines decompressed, cut after whole lines."""
+    with open_records(file) as f:
+        left = b""
+        while block := f.read(step):
+            block, step = left + block, min(step * 2, most)
+            cut = block.rfind(b"\n") + 1
+            if cut:
+                yield Chunk(where, file, shard=shard, size=cut, data=block[:cut])
+            left = block[cut:]
+        if left:
+            yield Chunk(where, file, shard=shard, size=len(left), data=left)
+
+
+def count_records(path: str | os.PathLike[str]) -> int:
+    """Records a file holds, exactly where cheap: a Parquet file's rows (its footer), a JSONL
+    file's non-blank lines (plain or compressed; bad ones count too)."""
+    if Path(path).suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_metadata(path).num_rows
+    with open_records(path) as f:
+        return sum(1 for line in f if line.strip())
 
 
 def _parquet_columns(file: Path, name: str, fields: dict[str, str]
@@ -143,9 +182,11 @@ def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
             for row in batch.to_pylist())
         count = pf.metadata.row_group(chunk.start).num_rows
         return count, ((n, normalise(row, fields)) for n, row in enumerate(rows, start=1))
-    with open(chunk.path, "rb") as f:  # bytes: a bad UTF-8 line is one problem, not a crash
-        f.seek(chunk.start)
-        data = f.read(chunk.stop - chunk.start)
+    data = chunk.data
+    if data is None:
+        with open(chunk.path, "rb") as f:  # bytes: a bad UTF-8 line is one problem, not a crash
+            f.seek(chunk.start)
+            data = f.read(chunk.stop - chunk.start)
     try:  # the chunk decoded at once: it fails only where a line is not UTF-8
         lines: list[Any] = data.decode("utf-8").split("\n")
     except UnicodeDecodeError:
@@ -183,7 +224,9 @@ def _alpaca(row: dict[str, Any]) -> tuple[str, str] | dict[str, str]:
         return dict(zip(ALPACA_FIELDS, got))  # the common case, checked at once
     missing = [f for f in ALPACA_FIELDS if f not in row]
     if missing:
-        return "missing_field", f"no {', '.join(missing)}"
+        return "missing_field", (f"--source: no field {missing[0]!r} (name yours with "
+                                 f"--text-field or --prompt-field/--response-field); its fields: "
+                                 + ", ".join(map(str, row)))
     wrong = [f for f in ALPACA_FIELDS if not isinstance(row[f], str)]
     if wrong:
         return "not_text", f"{', '.join(wrong)} must be strings"
@@ -211,9 +254,14 @@ def normalise(row: Any, fields: dict[str, str]) -> tuple[str, str] | dict[str, s
         if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
             return "no_answer", f"the last of {fields['messages']} is not an assistant's answer"
         return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
-    missing = [f for f in fields.values() if f not in row or row[f] is None]
+    missing = [f for f in fields.values() if f not in row]
     if missing:
-        return "missing_field", f"no {', '.join(missing)}"
+        flag = next(k for k, v in fields.items() if v == missing[0])
+        return "missing_field", (f"--{flag}-field={missing[0]!r}: no such field; its fields: "
+                                 + ", ".join(map(str, row)))
+    null = [f for f in fields.values() if row[f] is None]
+    if null:
+        return "missing_field", f"{', '.join(null)} is null"
     wrong = [f for f in fields.values() if not isinstance(row[f], str)]
     if wrong:
         return "not_text", f"{', '.join(wrong)} must be strings"
@@ -229,22 +277,15 @@ def normalise(row: Any, fields: dict[str, str]) -> tuple[str, str] | dict[str, s
 def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
                 on_error: str = "raise", limit: int | None = None, cached: bool = False
                 ) -> tuple[list[dict[str, str]], Any]:
-    """(records, problems frame with line, problem, detail) of a file or folder of shards.
-
-    fields: {"text": name} or {"prompt": name, "response": name}; {} or None = Alpaca
-    instruction/input/output. limit stops reading once that many good records are in hand.
-    cached: reuse this process's earlier parse of the same files (untimed set-up such as the
-    loader sweep's datasets); never where the read itself is measured (a job start's preprocess).
-    """
+    """(records, problems frame: line, problem, detail) of a file or folder of shards; fields
+    {} = Alpaca; limit: stop at that many good records; cached: reuse this process's parse of the
+    same files (never where the read itself is timed)."""
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r}: allowed values are "
                          + ", ".join(map(repr, ON_ERROR)))
     fields = dict(fields or {})
-    # the same files read again in this process (the loader sweep makes a pipeline's dataset per
-    # sweep, stall split and job: 19 reads of one file in a `diag run`) are parsed once; a file
-    # whose size or mtime changed is read again. The records are shared: never mutated in diag.
-    # Files above _READ_MAX_BYTES together are not kept (a big dataset is read each time rather
-    # than held in memory after its reader is done with it)
+    # files read again in this process (the loader sweep: 19 reads of one file a `diag run`) are
+    # parsed once while unchanged and under _READ_MAX_BYTES; the records are never mutated
     if not cached:
         return _read(path, fields, on_error, limit)
     files = shard_files(path)
@@ -300,6 +341,9 @@ def refusal(where: str, number: int | str, problem: str, detail: str,
             parquet: bool = False) -> ValueError:
     """The error on_error="raise" stops with: the file, the row, what is wrong, the way out."""
     word = "row" if parquet else "line"
+    if detail.startswith("--"):  # a field absent: the flag first (a skip may leave out all)
+        return ValueError(f"{detail} ({where}, {word} {number}); or pass --on-error skip to "
+                          "leave out the records that lack it")
     return ValueError(f"--source: {where}: {word} {number}: {problem} ({detail}); pass "
                       "on_error='skip' (--on-error skip) to leave such records out and count "
                       "them")

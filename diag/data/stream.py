@@ -1,9 +1,7 @@
-"""The token cache's build: chunks of records tokenized by a pool of processes, appended in order.
+"""The token cache's build: chunks tokenized by a pool of processes, appended in order.
 
-`encode_chunk` reads one chunk (diag.data.records) and tokenizes it ENCODE_BATCH records at a
-time; `encoded` runs the chunks in `procs` forked processes, at most two per process in flight,
-and yields them in source order, so memory is bounded by procs x chunk, not by the data;
-`Arrays` appends each to train.bin, loss_mask.npy and offsets.npy as it arrives.
+`encode_chunk` reads and tokenizes one chunk; `encoded` runs them in forked processes, two per
+process in flight, in source order (memory bounded by procs x chunk); `Arrays` appends them.
 """
 
 from __future__ import annotations
@@ -76,8 +74,18 @@ def _arrays(tokenizer: Any, records: list[dict[str, Any]], dtype: str
 
 
 def encode_chunk(args: tuple[Job, Chunk, int | None]) -> Encoded:
-    """Read and tokenize one chunk, stopping after `stop_after` good records (None: all)."""
+    """Read and tokenize one chunk, stopping after `stop_after` good records (None: all); a
+    copy chunk's records are read from the cache that holds them."""
     job, chunk, stop_after = args
+    if chunk.copy is not None:
+        folder, dtype, first, end, lines, problems = chunk.copy
+        folder = Path(folder)
+        offsets = np.load(folder / "offsets.npy", mmap_mode="r")
+        a, b = int(offsets[first]), int(offsets[end])
+        ids = np.fromfile(folder / "train.bin", dtype, b - a, offset=a * np.dtype(dtype).itemsize)
+        mask = np.load(folder / "loss_mask.npy", mmap_mode="r")[a:b]
+        return Encoded(ids, np.array(mask), np.diff(offsets[first:end + 1]),
+                       [tuple(p) for p in problems], lines)
     tokenizer = load_tokenizer(job.tokenizer_dir, job.version)
     lines, rows = read_chunk(chunk, job.fields)
     parts, problems, batch, good = [], [], [], 0
@@ -122,9 +130,8 @@ def encoded(chunks: Iterator[Chunk], job: Job, procs: int,
                 chunk, result = window.popleft()
                 yield chunk, result.get()
         except (GeneratorExit, Exception):
-            # stopped early (a full prefix, a refusal): the chunks in flight (2 x procs at most)
-            # finish first. Terminated mid-put, a worker keeps the result queue's lock and the
-            # pool's task thread waits on it for ever (a prefix build hung 600 s under load)
+            # stopped early: the chunks in flight finish first (a worker terminated mid-put keeps
+            # the result queue's lock, and the pool's task thread waits on it for ever)
             for _, result in window:
                 result.wait()
             _finish(pool)
@@ -142,9 +149,8 @@ def _finish(pool: Any) -> None:
 def _pool(procs: int) -> Iterator[Any]:
     import multiprocessing
 
-    # one tokenizer thread per process: the processes are the parallelism. Set while the pool
-    # forks, so the children start with it (tokenizers reads it at the fork) and this process
-    # keeps its own setting. SIGTERM is blocked while it forks (_worker_signals says why)
+    # one tokenizer thread per process (set while the pool forks; this process keeps its own),
+    # SIGTERM blocked while it forks (_worker_signals says why)
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -162,19 +168,15 @@ def _pool(procs: int) -> Iterator[Any]:
 
 
 def _worker_signals() -> None:
-    """A worker dies at the pool's SIGTERM, running no Python. It inherits the parent's
-    handlers (the CLI's SIGTERM raises SystemExit), and one that arrives before the fork's
-    child code reaches its own exit would unwind the parent's copied stack, whose `finally`
-    blocks (atomic_folder's) remove the parent's files: so SIGTERM is held blocked across the
-    fork and takes its default action once this runs."""
+    """A worker dies at the pool's SIGTERM, running no Python: SIGTERM is held blocked across
+    the fork (the parent's handler would unwind its copied stack and remove the parent's files)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 class Arrays:
-    """The arrays of a cache being built in `folder`, appended chunk by chunk. The .npy headers
-    are written first with length 0 and rewritten in place at the end (numpy pads a header so
-    its length field can grow without moving the data)."""
+    """The arrays of a cache being built in `folder`, appended chunk by chunk; the .npy headers are
+    written with length 0 and rewritten in place at the end."""
 
     def __init__(self, folder: Path, dtype: str) -> None:
         self.files = {name: open(folder / name, "wb") for name in ARRAYS}

@@ -1,22 +1,18 @@
 """The text pipeline a fine-tuning job feeds its model: records -> prompt -> tokens.
 
-`format_prompt` renders a record (a chat one through the model's chat template),
-`encode_pairs` tokenizes many at once (the token cache's way), and `NaiveTextDataset` tokenizes
-one record per `__getitem__` and pads it to seq_len, as a newcomer writes it (loss on response
-tokens only, -100 on prompt and padding); the packed form of the same labels is
-diag.data.packing's. An importable module: workers pickle it.
+`format_prompt` renders a record (a chat one through the model's chat template), `encode_pairs`
+tokenizes many at once; `load_tokenizer` reads a tokenizer.json with `tokenizers` alone (0.1 s,
+no transformers, no torch: preflight and the token cache's workers), `hf_tokenizer` with
+transformers (the naive dataset, as a newcomer writes it).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
-
-import torch
-from torch.utils.data import Dataset
 
 # Alpaca-style template: what most instruction-tuning recipes use; the input block is left out
 # when a record has no input, so the prompt carries no empty section.
@@ -26,10 +22,8 @@ IGNORE_INDEX = -100  # the label PyTorch's cross-entropy (and HF models) leave o
 
 
 def format_prompt(record: dict[str, Any], tokenizer: Any = None) -> tuple[str, str]:
-    """(prompt_text, response_text) of one {"instruction", "input", "output"} record, of a
-    {"prompt", "response"} one (the user's own fields, diag.data: used as they are), or of a
-    {"messages"} one: every message but the last through the tokenizer's chat template (with
-    its generation prompt), and the last message's content."""
+    """(prompt text, response text) of an Alpaca, a prompt/response or a chat record (every
+    message but the last through the chat template, with its generation prompt)."""
     if "messages" in record:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("--messages-field: the tokenizer of --model has no chat template; "
@@ -45,10 +39,8 @@ def format_prompt(record: dict[str, Any], tokenizer: Any = None) -> tuple[str, s
 
 
 def adds_special_tokens(record: dict[str, Any]) -> bool:
-    """Whether the prompt is tokenized with the tokenizer's special tokens (its BOS) added. A
-    chat template writes the ones it wants (Llama's, Mistral's and Gemma's begin with
-    {{ bos_token }}): its text gets none added, as transformers' own
-    apply_chat_template(tokenize=True) encodes it, or the record would start with two BOS."""
+    """Whether the prompt gets the tokenizer's special tokens (BOS): not a chat template's
+    text, which writes its own (as apply_chat_template(tokenize=True) encodes it)."""
     return "messages" not in record
 
 
@@ -58,12 +50,85 @@ def tokenizer_version(tokenizer_dir: str | os.PathLike[str]) -> str:
     return f"{st.st_size}-{st.st_mtime_ns}"
 
 
+SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+           "mask_token")  # the named special tokens a chat template sees, as transformers passes
+
+
+class TextTokenizer:
+    """A saved fast tokenizer read with `tokenizers` alone: the same ids, special tokens and chat
+    template text as transformers' PreTrainedTokenizerFast of the folder."""
+
+    def __init__(self, folder: Path, config: dict[str, Any]) -> None:
+        from tokenizers import Tokenizer
+
+        self.backend_tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.special = {k: v["content"] if isinstance(v, dict) else v for k, v in config.items()
+                        if k in SPECIAL and v}
+        for name in ("bos", "eos", "pad"):
+            token = self.special.get(f"{name}_token")
+            setattr(self, f"{name}_token_id",
+                    None if token is None else self.backend_tokenizer.token_to_id(token))
+        template = folder / "chat_template.jinja"
+        self.chat_template = template.read_text() if template.is_file() else \
+            config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: the default one
+            self.chat_template = {t["name"]: t["template"] for t in self.chat_template}
+        if isinstance(self.chat_template, dict):
+            self.chat_template = self.chat_template.get("default")
+        self._render = _compiled(self.chat_template) if self.chat_template else None
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], tokenize: bool = False,
+                            add_generation_prompt: bool = False) -> str:
+        assert not tokenize, "text only, as format_prompt asks"
+        return self._render(messages=messages, tools=None, documents=None,
+                            add_generation_prompt=add_generation_prompt, **self.special)
+
+
+@lru_cache(maxsize=4)
+def _compiled(template: str) -> Any:
+    """The template's render, in the sandbox and with the helpers transformers gives it."""
+    import datetime as dt
+
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, \
+        sort_keys=False: json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                                    separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=raise_exception, dict=dict,
+                       strftime_now=lambda f: dt.datetime.now().strftime(f))
+    return env.from_string(template).render
+
+
 @lru_cache(maxsize=4)
 def load_tokenizer(tokenizer_dir: str, version: str = "") -> Any:
-    """The fast tokenizer saved in tokenizer_dir, once per process (workers load their own).
+    """The tokenizer of tokenizer_dir, once per process (version: saved again, loaded again):
+    a TextTokenizer, else (no tokenizer.json, a special token missing) transformers'."""
+    folder = Path(tokenizer_dir)
+    config: dict[str, Any] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        if (folder / name).is_file():
+            config.update(json.loads((folder / name).read_text()))
+    try:
+        tok = TextTokenizer(folder, config)
+        if tok.eos_token_id is not None and tok.pad_token_id is not None:
+            return tok
+    except (OSError, ValueError, ImportError, Exception):  # noqa: BLE001  jinja's, tokenizers'
+        pass
+    return hf_tokenizer(tokenizer_dir, version)
 
-    version: part of the cache key, so a tokenizer saved again is loaded again, not reused.
-    """
+
+@lru_cache(maxsize=4)
+def hf_tokenizer(tokenizer_dir: str, version: str = "") -> Any:
+    """transformers' fast tokenizer of tokenizer_dir, once per process."""
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
@@ -75,17 +140,10 @@ def load_tokenizer(tokenizer_dir: str, version: str = "") -> Any:
 
 def encode_pairs(tokenizer: Any, records: list[dict[str, Any]]
                  ) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompt ids, response ids) of each record: the prompt (after BOS, or as its chat template
-    writes it: adds_special_tokens), and the response; a record's tokens are the two end to
-    end, then EOS.
-
-    Prompt and response are tokenized apart, so the prompt/response boundary is a token
-    boundary and the loss mask is exact; NaiveTextDataset makes the same ids one at a time.
-    """
+    """(prompt ids, response ids) of each record, tokenized apart so the boundary and the loss
+    mask are exact; NaiveTextDataset makes the same ids one at a time."""
     pairs = [format_prompt(r, tokenizer) for r in records]
-    # the Rust tokenizer under the HF wrapper: the wrapper's batch call builds a BatchEncoding
-    # per row and measured 2.4x slower here (8,000 prompts: 1.05 s vs 0.44 s), same ids
-    rust = tokenizer.backend_tokenizer
+    rust = tokenizer.backend_tokenizer  # the Rust batch call: no BatchEncoding per row
     prompts: list[list[int]] = [[] for _ in records]
     for special in (True, False):  # one batch per kind: a source's records are all one kind
         rows = [i for i, r in enumerate(records) if adds_special_tokens(r) is special]
@@ -101,44 +159,3 @@ def encode_pairs(tokenizer: Any, records: list[dict[str, Any]]
 def check_seq_len(seq_len: int) -> None:
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
         raise ValueError(f"seq_len={seq_len!r}: must be a whole number of tokens >= 2")
-
-
-class NaiveTextDataset(Dataset):
-    """One record per item, tokenized in __getitem__ every epoch and padded to seq_len.
-
-    This is the form the line profile looks into: every line of __getitem__ runs per sample,
-    in the training loop (num_workers=0) or in a worker.
-    """
-
-    def __init__(self, path_or_records: str | os.PathLike[str] | Sequence[dict[str, str]],
-                 tokenizer_dir: str | os.PathLike[str], seq_len: int) -> None:
-        check_seq_len(seq_len)
-        if isinstance(path_or_records, (str, os.PathLike)):
-            from diag.data.records import read_source
-
-            path_or_records, _ = read_source(path_or_records, on_error="raise")
-        # a Sequence is kept as given: a dataset read item by item from disk stays there
-        self.records = path_or_records if isinstance(path_or_records, Sequence) \
-            else list(path_or_records)
-        self.tokenizer_dir, self.seq_len = str(tokenizer_dir), seq_len
-        if not Path(self.tokenizer_dir, "tokenizer.json").is_file():
-            raise ValueError(f"tokenizer_dir={self.tokenizer_dir!r}: no tokenizer.json there")
-        self.version = tokenizer_version(self.tokenizer_dir)
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        tokenizer = load_tokenizer(self.tokenizer_dir, self.version)
-        record = self.records[i]
-        prompt, response = format_prompt(record, tokenizer)
-        prompt_ids = tokenizer(prompt, add_special_tokens=adds_special_tokens(record))["input_ids"]
-        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-        response_ids = response_ids + [tokenizer.eos_token_id]
-        ids = (prompt_ids + response_ids)[: self.seq_len]
-        labels = ([IGNORE_INDEX] * len(prompt_ids) + response_ids)[: self.seq_len]
-        pad = self.seq_len - len(ids)
-        input_ids = torch.tensor(ids + [tokenizer.pad_token_id] * pad)
-        attention_mask = torch.tensor([1] * len(ids) + [0] * pad)
-        labels = torch.tensor(labels + [IGNORE_INDEX] * pad)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -1,13 +1,9 @@
 """The one token cache: tokenize once, keep the tokens on disk, reuse them while nothing changed.
 
-`build_token_cache(source, tokenizer_dir)` streams the records (diag.data.stream: chunks read and
-tokenized by a pool of processes, appended in order) into DIAG_HOME/tokens/<key>/: train.bin
-(every record's ids end to end, EOS closing each: nanoGPT's flat file, uint16 when the
-vocabulary fits), loss_mask.npy and offsets.npy; meta.json says what it holds and how fast it was
-built. The key (diag.data.identity) is by content: the loader sweep, the accum sweep and the
-QLoRA job share one folder. A build is written beside it and swapped in whole, meta.json last:
-an interrupted build is never taken. `limit` builds only the first records (a diagnosis's
-measurements), which a complete cache, or a longer prefix, serves too.
+`build_token_cache` streams the records into DIAG_HOME/tokens/<key>/ (train.bin, loss_mask.npy,
+offsets.npy; meta.json last): a key by content, shared by the loader sweep, the accum sweep and
+the job; a changed shard is tokenized alone, the others copied from an older cache; `limit`
+builds the first records only.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from diag.data.identity import FORMAT, key_parts, sha256
+from diag.data.identity import FORMAT, file_identities, key_parts, sha256
 from diag.data.records import PROBLEM_COLUMNS, Chunk, plan_chunks, problem, refusal, shard_files
 from diag.data.stream import Arrays, Job, encoded
 from diag.data.text import load_tokenizer
@@ -34,8 +30,8 @@ from diag.files import atomic_folder, sweep_orphans
 CHUNK_BYTES = 1 << 20  # JSONL bytes a worker reads and tokenizes at once (~25 MB of its memory)
 MEMORY_CHUNK = 1000  # records per chunk of a source given as a list
 PROBLEMS_KEPT = 1000  # records left out that meta.json lists (all of them are counted)
-TOKENS_PER_BYTE = 0.5  # the free-disk estimate's guess (0.44 measured on the embedded data
-                       # with its template; English text with a 32k+ vocabulary is below)
+COPY_RECORDS = 100_000  # records of an unchanged shard copied from an older cache at once
+TOKENS_PER_BYTE = 0.5  # the free-disk estimate's guess (docs/calibration.md, data)
 Source = str | os.PathLike[str] | list[dict[str, Any]]
 
 
@@ -128,14 +124,9 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
                       num_proc: int | None = None, on_error: str = "skip",
                       rebuild: bool = False, limit: int | None = None,
                       chunk_bytes: int = CHUNK_BYTES) -> TokenCache:
-    """The token cache of source (a JSONL/Parquet file, a folder of shards, or a list of
-    records), reused when its key matches.
-
-    fields: the record fields (diag.data.read_source's; None = Alpaca). on_error: "skip" leaves
-    records that do not fit out (listed in `problems`; the cache holds the rest), "raise"
-    refuses data with any. rebuild=True ignores a matching cache. num_proc: tokenizing
-    processes (None: the usable cores). limit: the first `limit` good records only.
-    """
+    """The token cache of source (a file, a folder of shards, or a list of records), reused
+    when its key matches; fields: read_source's; on_error "skip" leaves out and lists the records
+    that do not fit, "raise" refuses; rebuild: tokenize every shard again; limit: the first ones."""
     from diag.config import diag_home
     from diag.machine.device import usable_cores
 
@@ -158,7 +149,7 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
     head = {"format": FORMAT, "key": key, "parts": parts, "limit": limit, "source": path,
             "tokenizer_dir": str(tokenizer_dir), "fields": dict(fields or {})}
     meta = _build(source, folder, head, num_proc or usable_cores(), chunk_bytes, on_error,
-                  start)
+                  start, rebuild)
     for old, m in caches:  # replaced, or served by this one from now on: not kept
         if old in stale or (m["parts"] == parts and old != folder
                             and _serves(meta, None if m["complete"] else m["records"])):
@@ -167,16 +158,23 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
 
 
 def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk_bytes: int,
-           on_error: str, start: float) -> dict[str, Any]:
+           on_error: str, start: float, rebuild: bool = False) -> dict[str, Any]:
     """Stream source's tokens into a temporary folder beside `folder` (diag.files.atomic_folder),
     meta.json (head + what was built + how fast) last. Returns that meta."""
     path, limit, root = head["source"], head["limit"], folder.parent
     tok = load_tokenizer(head["tokenizer_dir"], head["parts"]["tokenizer"])
     job = Job(head["tokenizer_dir"], head["parts"]["tokenizer"], token_dtype(len(tok)).name,
               head["fields"])
-    chunks = plan_chunks(source, head["fields"], chunk_bytes) if path else iter(
-        [Chunk("records", None, rows=tuple(source[i:i + MEMORY_CHUNK]))
-         for i in range(0, len(source), MEMORY_CHUNK)])
+    ids: dict[str, str] = {}
+    if path:  # each shard an older cache of this tokenizer and settings holds: copied, not
+        files = shard_files(source)  # tokenized again
+        ids = {str(f.relative_to(source)) if len(files) > 1 else f.name: i
+               for f, i in zip(files, file_identities(source, root))}
+        chunks = _with_copies(plan_chunks(source, head["fields"], chunk_bytes), ids,
+                              {} if rebuild else _reused(root, head["parts"]))
+    else:
+        chunks = iter([Chunk("records", None, rows=tuple(source[i:i + MEMORY_CHUNK]))
+                       for i in range(0, len(source), MEMORY_CHUNK)])
     root.mkdir(parents=True, exist_ok=True)
     sweep_orphans(root)  # what builds killed mid-way left behind
     before = _stamps(source) if path else None
@@ -184,7 +182,7 @@ def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk
         _check_disk(root, before, np.dtype(job.dtype).itemsize)
     try:
         with atomic_folder(folder) as tmp:  # swapped in whole, after every byte is on disk
-            built = _write(tmp, chunks, job, procs, limit, on_error)
+            built = _write(tmp, chunks, job, procs, limit, on_error, ids)
             name = Path(path).name if path else "records"
             if not built["records"]:
                 raise ValueError(f"--source: {name} holds no usable records "
@@ -207,10 +205,46 @@ def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk
     return meta
 
 
+def _reused(root: Path, parts: dict[str, str]) -> dict[str, tuple[Path, str, dict[str, Any]]]:
+    """{shard identity: (cache folder, dtype, its entry)}: the whole shards that finished caches
+    of these tokenizer and settings hold."""
+    got: dict[str, tuple[Path, str, dict[str, Any]]] = {}
+    for folder, meta in _finished(root):
+        if [meta["parts"][k] for k in ("tokenizer", "settings")] == [parts["tokenizer"],
+                                                                        parts["settings"]]:
+            for e in meta.get("shards", ()):
+                if e["complete"]:
+                    got.setdefault(e["identity"], (folder, meta["dtype"], e))
+    return got
+
+
+def _with_copies(chunks: Any, ids: dict[str, str], reused: dict[str, Any]) -> Any:
+    """The chunks, each shard held in `reused` replaced by copy chunks of its records."""
+    done = set()
+    for chunk in chunks:
+        hit = reused.get(ids.get(chunk.where, ""))
+        if hit is None:
+            yield chunk
+            continue
+        if chunk.where in done:
+            continue
+        done.add(chunk.where)
+        folder, dtype, e = hit
+        first, end = e["first"], e["first"] + e["records"]
+        for a in range(first, max(end, first + 1), COPY_RECORDS):
+            b, last = min(a + COPY_RECORDS, end), a + COPY_RECORDS >= end
+            problems = [(p[0] - a + first, *p[1:]) for p in e["problems"]
+                        if a - first <= p[0] and (last or p[0] < b - first)]
+            yield Chunk(chunk.where, chunk.path, shard=chunk.shard,
+                        copy=(str(folder), dtype, a, b, e["lines"] if last else 0, problems))
+
+
 def _write(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None,
-           on_error: str) -> dict[str, Any]:
-    """Stream every chunk's arrays into tmp, in order; what meta.json says of them."""
+           on_error: str, ids: dict[str, str]) -> dict[str, Any]:
+    """Stream every chunk's arrays into tmp, in order; what meta.json says of them, with each
+    shard's records, lines and problems (what a later build copies instead of tokenizing)."""
     arrays = Arrays(tmp, job.dtype)
+    shards: dict[str, dict[str, Any]] = {}
     problems: list[dict[str, Any]] = []
     skipped = read = 0
     lines: dict[str, int] = {}  # lines of each file so far: a chunk numbers its own from 1
@@ -222,21 +256,30 @@ def _write(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None,
                 if limit is not None and arrays.records + len(part.lengths) >= limit:
                     part, full = part.first(limit - arrays.records), True
                 base = lines.get(chunk.where, 0)
+                shard = shards.setdefault(chunk.where, {
+                    "where": chunk.where, "identity": ids.get(chunk.where, ""),
+                    "first": arrays.records, "records": 0, "problems": []})
                 for before, number, *got in part.problems:
+                    shard["problems"].append((arrays.records + before - shard["first"],
+                                              base + number, *got))
                     row = problem(chunk, base + number, tuple(got), on_error)  # "raise": refused
                     skipped += 1
                     if len(problems) < PROBLEMS_KEPT:  # and the good records read before it
                         problems.append({**row, "record": arrays.records + before})
-                lines[chunk.where] = base + part.lines
+                lines[chunk.where] = shard["lines"] = base + part.lines
                 arrays.append(part)
+                shard["records"] += len(part.lengths)
                 read += chunk.size
                 if full:
                     break
         arrays.finish()
     finally:
         arrays.close()
+    for i, shard in enumerate(shards.values()):  # a limit build's last shard is not whole
+        shard["complete"] = not full or i < len(shards) - 1
     return {"records": arrays.records, "tokens": arrays.tokens, "dtype": job.dtype,
             "complete": not full, "problems": problems, "skipped": skipped,
+            "shards": list(shards.values()),
             "build": {"bytes": read, "processes": procs}}
 
 

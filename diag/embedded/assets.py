@@ -1,12 +1,8 @@
 """The embedded assets, made once under DIAG_HOME and reused: one cache for every experiment.
 
-`ensure_assets()` makes the small synthetic instruction dataset and the tiny Llama model and
-publishes the model into a hub root that `HubServer` serves; `embedded_dataset(size_mb, shards)`
-makes a synthetic dataset of any size for the object-store experiment. Each is written under a
-temporary name and renamed (diag.files), or completed by a marker written last, so an interrupted
-make is never mistaken for a finished one, and what a killed one left is swept before the next.
-One process per DIAG_HOME makes them (under torchrun, a rank of each node), the others wait for
-it on a file lock.
+`ensure_assets()` makes the synthetic dataset and the tiny Llama, published into a hub root
+`HubServer` serves; `embedded_dataset(size_mb, shards)` any size for the storage experiment.
+Each appears whole (diag.files, or a marker written last); one process per DIAG_HOME makes them.
 """
 
 from __future__ import annotations
@@ -42,11 +38,8 @@ class Assets:
 
 
 def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "tiny") -> Assets:
-    """Make (once) the embedded dataset and model, published into a local hub root.
-
-    A JSON marker written last tells a complete set from one interrupted half-way; the second
-    call only reads the marker.
-    """
+    """Make (once) the embedded dataset and model, published into a local hub root; a marker
+    written last tells a complete set from an interrupted one."""
     if model not in MODEL_SIZES:
         raise ValueError(f"model={model!r}: allowed values are "
                          + ", ".join(map(repr, MODEL_SIZES)))

@@ -1,12 +1,10 @@
 """A read-only Hugging Face hub endpoint on loopback: the download protocol, nothing more.
 
-`publish_model()` lays a model folder into a hub root (one folder per commit, a manifest of sizes
-and sha256 written once); `serve()` answers what huggingface_hub and transformers ask: model info,
-tree listings, HEAD/GET `resolve/{rev}/{file}` with ETag, X-Repo-Commit and ranges, and the hub's
-404 codes (RepoNotFound, RevisionNotFound, EntryNotFound). Large files act like LFS: their ETag
-is the content's sha256, so a cache blob's name is its checksum. Run: `python -m diag.embedded.hub`.
-Not emulated: Xet storage (files come as plain HTTP bodies, so hf_xet and HF_XET_HIGH_PERFORMANCE
-play no part), CDN redirects (no 302 to a signed URL), auth (tokens are accepted, never checked).
+`publish_model()` lays a folder into a hub root (one folder per commit, a manifest written once;
+a dataset repo: into root/datasets); `serve()` answers what huggingface_hub and transformers ask
+of model and dataset repos: info, tree listings, HEAD/GET `resolve/{rev}/{file}` with ETag,
+X-Repo-Commit and ranges, and the hub's 404 codes. Large files act like LFS (ETag: sha256). Not
+emulated: Xet storage, CDN redirects, auth (tokens are accepted, never checked).
 """
 
 from __future__ import annotations
@@ -27,12 +25,8 @@ from diag.files import atomic_file, atomic_folder, file_digests, git_blob_sha1
 _HOST = "127.0.0.1"
 
 
-# -- the hub: layout, publishing, and the HTTP handler -------------------------------------------
-#   root/<org>/<name>/commits/<sha>/...files     one folder per published revision
-#   root/<org>/<name>/commits/<sha>/.diag-manifest.json   sizes, sha256, blob ids (written once)
-#   root/<org>/<name>/refs/<quoted revision>     text: the commit sha a branch/tag points to
-# A plain model folder at root/<org>/<name>/ (no refs/) is served too, as revision "main",
-# its manifest computed once on first request.
+# root/<org>/<name>/commits/<sha>/ (files + .diag-manifest.json), refs/<revision> (its sha); a
+# plain folder root/<org>/<name>/ is served as "main". Datasets: the same under root/datasets/.
 
 _MANIFEST = ".diag-manifest.json"
 _LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".onnx", ".msgpack")
@@ -73,11 +67,8 @@ def publish_model(
     src_dir: str | os.PathLike[str], hub_root: str | os.PathLike[str], repo_id: str,
     revision: str = "main",
 ) -> str:
-    """Lay `src_dir` into the hub at `repo_id`@`revision` and return its commit sha.
-
-    Files are hardlinked when possible (copied across filesystems). The commit folder appears by
-    one rename and the ref is replaced atomically, so an interrupted publish leaves no half repo.
-    """
+    """Lay `src_dir` into the hub at `repo_id`@`revision` (hardlinked where it can) and return
+    its commit sha; the commit folder and the ref each appear whole."""
     src, root = Path(src_dir), Path(hub_root)
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise ValueError(f"repo_id={repo_id!r}: must look like 'org/name'")
@@ -188,7 +179,7 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from urllib.parse import parse_qs, unquote, urlsplit
 
-    index = _HubIndex(root)
+    indexes = {"models": _HubIndex(root), "datasets": _HubIndex(root / "datasets")}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as the real hub; every reply sets a length
@@ -218,8 +209,11 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
             url = urlsplit(self.path)
             segs = [unquote(s) for s in url.path.split("/")[1:]]
             query = parse_qs(url.query)
+            kind = "datasets" if segs[:1] == ["datasets"] or segs[1:2] == ["datasets"] else "models"
+            index = indexes[kind]
+            segs = segs[1:] if segs[:1] == ["datasets"] else segs
             try:
-                if segs[:2] == ["api", "models"] and len(segs) >= 4:
+                if segs[:2] == ["api", kind] and len(segs) >= 4:
                     repo_id, rest = "/".join(segs[2:4]), segs[4:]
                     if not rest or (rest[0] == "revision" and len(rest) == 2):
                         _, manifest = index.resolve(repo_id, rest[1] if rest else "main")
@@ -229,9 +223,10 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
                         recursive = query.get("recursive", ["false"])[0].lower() in ("true", "1")
                         return self._json(_tree(manifest, "/".join(rest[2:]), recursive), body)
                 elif len(segs) >= 5 and segs[2] == "resolve":
-                    return self._file("/".join(segs[:2]), segs[3], "/".join(segs[4:]), body)
+                    return self._file(index, "/".join(segs[:2]), segs[3], "/".join(segs[4:]),
+                                      body)
                 elif segs[:1] == ["api"] or (len(segs) >= 3 and "resolve" in segs[:4]):
-                    # datasets, spaces, one-segment ids: not served here, so "not found"
+                    # spaces, one-segment ids: not served here, so "not found"
                     raise _HubError("RepoNotFound", f"Repository for {url.path} not found")
                 self._reply(404, {"Content-Type": "text/plain"}, b"Not Found", body)
             except _HubError as e:
@@ -241,7 +236,8 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
                     headers["X-Repo-Commit"] = e.commit
                 self._reply(404, headers, json.dumps({"error": str(e)}).encode(), body)
 
-        def _file(self, repo_id: str, revision: str, rel: str, body: bool) -> None:
+        def _file(self, index: _HubIndex, repo_id: str, revision: str, rel: str,
+                  body: bool) -> None:
             folder, manifest = index.resolve(repo_id, revision)
             entry = manifest["files"].get(rel)
             if entry is None:

@@ -1,12 +1,8 @@
 """Embedded defaults: an S3-compatible server and a Hugging Face hub endpoint on 127.0.0.1.
 
-Both run as subprocesses in their own process group (so they never share the GIL with the client
-being timed, and `stop()` leaves nothing behind) and speak the real protocols: clients use plain
-boto3 with an endpoint URL, and huggingface_hub / transformers with `HF_ENDPOINT`, which
-huggingface_hub reads once, when `huggingface_hub.constants` is first imported (`import
-transformers` does that): set it before, e.g. a subprocess with `env={**os.environ, **hub.env()}`,
-or pass `endpoint=` to huggingface_hub calls. The assets they serve are made once by
-`diag.embedded.assets`.
+Subprocesses in their own process group (no GIL shared with the client timed; `stop()` leaves
+nothing), speaking the real protocols: boto3 with an endpoint URL, huggingface_hub with
+`HF_ENDPOINT` (read at its import: set it before, or pass `endpoint=`).
 """
 
 from __future__ import annotations

@@ -135,11 +135,8 @@ def synthetic_dataset(
     target_mb: float | None = None,
     seed: int = 0,
 ) -> Path:
-    """Write JSONL with exactly `records` lines, or the first lines reaching `target_mb` (10^6 B).
-
-    Atomic (diag.files.atomic_file): written beside `path` under a temporary name, fsynced, then
-    renamed, so a reader never sees a partial file.
-    """
+    """Write JSONL with exactly `records` lines, or the first lines reaching `target_mb`
+    (10^6 B), atomically (diag.files.atomic_file)."""
     if (records is None) == (target_mb is None):
         raise ValueError("give exactly one of records=<lines> or target_mb=<megabytes>")
     if records is not None:
@@ -189,12 +186,8 @@ def tiny_model(
     seed: int = 0,
     dataset: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Save a random-weight Llama causal LM (safetensors) and a trained fast tokenizer to `out_dir`.
-
-    The defaults make ~1 MB in about a second; hidden_size=1024, num_layers=8, num_heads=16 make
-    ~420 MB (fp32). Layer widths must be multiples of 64 so bitsandbytes can quantize them to
-    4-bit. The tokenizer is byte-level BPE trained on `dataset` (JSONL) or on synthetic records.
-    """
+    """Save a random-weight Llama causal LM (safetensors) and a byte-level BPE tokenizer trained
+    on `dataset` (or synthetic records) to `out_dir`; widths multiples of 64 (4-bit layers)."""
     for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers),
                         ("num_heads", num_heads), ("vocab_size", vocab_size)):
         _check_positive(name, value)

@@ -198,13 +198,14 @@ def count_records(source: Path, at_most: int | None = None) -> int:
     import pyarrow.parquet as pq
 
     from diag.data import shard_files
+    from diag.data.records import open_records
 
     total = 0
     for path in shard_files(source):
         if path.suffix == ".parquet":
             total += pq.read_metadata(path).num_rows
         else:
-            with open(path, "rb") as f:
+            with open_records(path) as f:  # a .jsonl.gz / .zst: its lines, decompressed
                 last = b"\n"
                 while (block := f.read(16 << 20)) and (at_most is None or total < at_most):
                     total, last = total + block.count(b"\n"), block[-1:]

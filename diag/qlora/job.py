@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diag.config import diag_home
 from diag.files import scratch_folder
 from diag.qlora.base import REUSED, Bases, Sources, model_folder
 from diag.qlora.checkpoints import last_checkpoint
@@ -68,46 +67,11 @@ def open_sources(cfg: JobConfig) -> Iterator[Sources]:
 
 
 def fetch_data(plan: Plan, src: Sources, work: Path, records: int = 0) -> tuple[Path, int, int]:
-    """The data the job trains on, pulled into this run's temp folder or landed once and
-    reused: (its path, bytes fetched, the source's bytes). A prefix of shards: its first
-    objects in key order (the order the records are read) until they hold `records` records
-    (0: every object), each landed on its own; the whole source is `diag train`'s."""
-    from diag.storage import land, list_remote, local_paths, parse_url, pull
+    """The data the job trains on (diag.storage.fetch: S3, hub or local, landed once or pulled
+    into work per plan.fetch): (its path, bytes fetched, the source's bytes)."""
+    from diag.storage import fetch
 
-    url, root = parse_url(src.url), diag_home() / "qlora" / "landed"
-    objects = sorted(list_remote(src.client, url), key=lambda o: o.key)
-    total = sum(o.size for o in objects)
-    if not url.is_prefix or not records:  # the whole source, as one landing
-        if plan.fetch == "land":
-            return land(src.url, root, client=src.client).path, total, total
-        pull("boto3_default", src.client, url, objects, work / "data")
-        return (work / "data" if url.is_prefix else work / "data" / Path(url.key).name,
-                total, total)
-    folder = local_paths(url, root)[0] if plan.fetch == "land" else work / "data"
-    held, fetched = 0, 0
-    for obj in objects:
-        if plan.fetch == "land":
-            path = land(f"s3://{url.bucket}/{obj.key}", root, client=src.client).path
-        else:
-            pull("boto3_default", src.client, url, [obj], folder)
-            path = folder / obj.key[len(url.key):]
-        held, fetched = held + _records_in(path), fetched + obj.size
-        if records and held >= records:
-            break
-    return folder, fetched, total
-
-
-def _records_in(path: Path) -> int:
-    """Records a fetched shard holds, cheaply: JSONL lines, Parquet's row count; other files 0
-    (a .json array is counted only by reading it: the fetch goes on to the next shard)."""
-    if path.suffix == ".jsonl":
-        with path.open("rb") as f:
-            return sum(1 for line in f if line.strip())
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
-    return 0
+    return fetch(src.url, src.client, plan.fetch, work, records)
 
 
 def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any]:

@@ -1,13 +1,9 @@
 """What a download is checked against, and the check that runs while its bytes stream in.
 
-`expected()` asks the store what it keeps for one object (one HEAD with ChecksumMode=ENABLED,
-only where the ETag alone cannot check it): the MD5 a single-part ETag is, a full-object CRC
-(CRC32, CRC32C, CRC64NVME), or a composite CRC of a multipart upload (a CRC of the part CRCs,
-"<b64>-N", the default of boto3's own multipart uploads) with the uploader's part sizes.
-`Stream` checks the bytes while s3transfer writes them: the CRCs on the bytes in hand, in any
-order (ranged parts arrive out of order; crc.Runs), an MD5 by following the contiguous written
-prefix from the page cache. The check is done when the last byte lands, not a second pass over
-the file; the whole file's CRC is what the manifest records for later hits.
+`expected()` asks the store what it keeps (one HEAD, only where the ETag cannot check it): the
+MD5 of a single-part ETag, a full-object CRC, or a multipart upload's composite CRC with its
+part sizes. `Stream` checks the bytes as s3transfer writes them, so the check ends with the
+last byte; the whole file's CRC is what the manifest records for later hits.
 """
 
 from __future__ import annotations
@@ -74,9 +70,8 @@ def expected(client: Any, bucket: str, key: str, size: int, etag: str, md5_etag:
         return Expected(md5=md5, encrypted=kms)
     kind = got.get("ChecksumType") or ""
     name, value = stored
-    # a multipart object's CRC32 / CRC32C is COMPOSITE unless the store says FULL_OBJECT (a store
-    # that omits the type, like moto, keeps composite ones for SDK multipart uploads); CRC64NVME
-    # is full-object only
+    # multipart CRC32/CRC32C is COMPOSITE unless the store says FULL_OBJECT (moto omits the
+    # type); CRC64NVME is full-object only
     if kind == "COMPOSITE" or "-" in value or (not kind and "-" in etag and name != "crc64nvme"):
         return Expected(md5=md5, composite=(name, value, part_sizes(client, bucket, key, size)),
                         encrypted=kms)
@@ -85,8 +80,7 @@ def expected(client: Any, bucket: str, key: str, size: int, etag: str, md5_etag:
 
 def part_sizes(client: Any, bucket: str, key: str, size: int, every: bool = False
                ) -> tuple[int, ...]:
-    """The uploader's part sizes: HEAD of part 1 (its size, the part count); SDKs cut equal parts
-    and a short last one, so the rest follows, unless that does not add up (or `every`): then
+    """The uploader's part sizes: from part 1's HEAD (SDKs cut equal parts), else (or `every`)
     one HEAD per part."""
     first = client.head_object(Bucket=bucket, Key=key, PartNumber=1)
     count, one = int(first.get("PartsCount") or 1), int(first["ContentLength"])
@@ -185,13 +179,9 @@ class _Hashes:
 
 
 class Stream:
-    """The check of one download, run while s3transfer writes it: `sink` is the file object
-    s3transfer writes into (positioned writes, as it does for a seekable target); a thread hashes
-    the contiguous written prefix from the page cache as it grows (MD5 needs the bytes in order),
-    while the writer computes the CRCs on the bytes it writes (crc.Runs, with awscrt). `finish()`
-    hashes what is left and returns the hashes. A write over bytes already written (s3transfer
-    re-GETs a dropped part from its start) voids the streamed hashes: finish() then hashes the file
-    again, whole."""
+    """The check of one download while s3transfer writes into `sink`: a thread hashes the
+    written prefix (MD5 needs order), the writer computes the CRCs (crc.Runs); a rewrite (a
+    re-GET) voids them and finish() hashes the file whole."""
 
     def __init__(self, fd: int, want: Expected, size: int = 0) -> None:
         self.fd, self.want = fd, want

@@ -45,9 +45,8 @@ def file_crc(path: str | os.PathLike[str], name: str) -> str:
 
 
 class Runs:
-    """CRCs computed by the writer on the bytes it writes, in any order: one running CRC per
-    contiguous run, runs cut at segment bounds (the whole object, or each uploader part), then
-    joined with awscrt's CRC combination. No byte is read back for them."""
+    """CRCs of bytes written in any order: one running CRC per contiguous run, cut at segment
+    bounds, joined with awscrt's CRC combination."""
 
     def __init__(self, name: str, bounds: list[int]) -> None:
         import zlib

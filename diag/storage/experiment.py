@@ -1,15 +1,8 @@
 """Object-store pull vs local disk read: what a training start pays to get its dataset.
 
-`measure(cfg)` pulls a sample of whole objects spread over their sizes (a one-object source: byte
-ranges spread over it), as large as cfg.budget_s and cfg.sample_mb allow (diag.storage.sample),
-with boto3's defaults, boto3 tuned from object size and core count and s5cmd (when installed; it
-pulls whole objects only: beside ranges its row says so), and reads the sample's copy with a cold
-and a warm page cache; with cfg.land, `land()` of the whole dataset, miss then hit. One row per
-measurement (method, source, cache_state, bytes, seconds, mb_per_s, ttfb_s, repeat,
-resident_fraction: the share of the local copy in the page cache when its timed read began,
-measured with mincore, beside the cold/warm label; extrapolated_s: the whole dataset's pull at that
-pace, and what was sampled of it); warm-up repeats are not reported. `run_storage(cfg)` adds the
-re-pull tax at the whole dataset's size and the advice (diag.storage.tax).
+`measure(cfg)` pulls a sample spread over the objects' sizes (one object: ranges of it) with each
+method, each pull within its deadline, and reads the copy cold and warm (a local source: its
+own files, nothing pulled); `run_storage(cfg)` adds the re-pull tax and the advice.
 """
 
 from __future__ import annotations
@@ -23,15 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diag.config import STORAGE_PULLS as PULLS
+from diag.config.source import data_file
 from diag.decision import Decision, MeasuredOn
+from diag.files import scratch_folder
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
-from diag.storage.methods import RANGED, pull, read_local, s5cmd_path, ttfb
-from diag.storage.objectstore import (MB, RemoteObject, S3Url, list_remote, parse_url,
+from diag.storage.methods import (PULLS, RANGED, local_reads, nvme_reads, pull, read_local,
+                                  resident, row, s5cmd_path, ttfb)
+from diag.storage.objectstore import (MB, RemoteObject, S3Url, deadline, deadline_s,
                                       remote_error, source_client)
+from diag.storage.sources import HubUrl, LocalUrl, list_remote, parse_url
 from diag.storage.sample import RANGE_SAMPLE_AT_LEAST, Extrapolation, probe, ranges, spread
-from diag.storage.tax import NVME_COLD, advice, over_rounds, storage_tax
+from diag.storage.methods import NVME_COLD  # noqa: F401  re-exported
+from diag.storage.tax import advice, over_rounds, storage_tax
 from diag.timing import median_seconds
 
 if TYPE_CHECKING:
@@ -56,13 +53,13 @@ class StorageResult:
 
 
 def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
-    """`fetch`: "land" when a verified land() hit beats the boto3-default pull per start; the
-    documented default ("land") when the frame lacks either side. The pull is the whole
-    dataset's, extrapolated from the sample's pulls; the hit is land()'s measured one (--land),
-    else a cold read of every byte at the sample's cold local rate (what verify="sha256" does)."""
-    pull_s = _median(frame, "extrapolated_s", method="boto3_default")
+    """`fetch`: "land" when a land() hit (measured with --land, else every byte read cold)
+    beats the first method's whole pull per start; "land" by default without either."""
+    base = next((m for m in PULLS if frame is not None and (frame["method"] == m).any()),
+                "boto3_default")
+    pull_s = _median(frame, "extrapolated_s", method=base)
     if pull_s is None:
-        pull_s = median_seconds(frame, method="boto3_default")
+        pull_s = median_seconds(frame, method=base)
     hit_s, how = median_seconds(frame, method="land", cache_state="hit"), "land() hit"
     if hit_s is None and pull_s is not None:
         cold = frame[(frame["method"] == "local_read")
@@ -72,19 +69,20 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
             hit_s = float(frame["dataset_bytes"].max()) / MB / rate
             how = f"land() hit (estimated: every byte read cold at {rate:.4g} MB/s)"
     if pull_s is None or hit_s is None:
-        why = ("storage frame absent" if frame is None or frame.empty else
-               "no boto3_default pull or local read row ran")
-        return (Decision.default("fetch", "land", f"{why}: land() once, reuse the copy",
-                                 source="storage"),)
+        local = frame is not None and not frame.empty and not frame["method"].isin(PULLS).any()
+        why = ("the source is on this machine: nothing to pull or land, read where it is" if local
+               else ("storage frame absent" if frame is None or frame.empty else
+                     "no pull or local read row ran") + ": land() once, reuse the copy")
+        return (Decision.default("fetch", "land", why, source="storage"),)
     cold_read = (frame["method"] == "local_read") & frame["cache_state"].str.startswith("cold")
-    rows = frame[(frame["method"] == "boto3_default") | cold_read
+    rows = frame[(frame["method"] == base) | cold_read
                  | ((frame["method"] == "land") & (frame["cache_state"] == "hit"))]
     choice = "land" if hit_s < pull_s else "pull"
     sampled = _first(frame, "sampled")
-    pulls = rows[rows["method"] == "boto3_default"]
+    pulls = rows[rows["method"] == base]
     per_round = pulls["extrapolated_s"] if "extrapolated_s" in pulls else pulls["seconds"]
     return (Decision.from_rows(
-        "fetch", choice, f"{how} {hit_s:.3g} s vs boto3 default pull {pull_s:.3g} s per "
+        "fetch", choice, f"{how} {hit_s:.3g} s vs {base} pull {pull_s:.3g} s per "
         f"start ({over_rounds(list(per_round.dropna()))}) -> {choice}", rows, source="storage",
         measured_on=MeasuredOn(step=f"the fetch of {_first(frame, 'source') or 'the source'}"
                                + (f": {sampled}" if sampled else ""), device="this machine"),
@@ -108,9 +106,9 @@ def _median(frame: pd.DataFrame | None, column: str, **match: str) -> float | No
 @contextlib.contextmanager
 def open_source(cfg: StorageConfig) -> Iterator[tuple[str, Any, dict[str, str]]]:
     """(url, client, env for s5cmd): the user's source, or the embedded server with a dataset."""
-    if cfg.source:
+    if cfg.source:  # s5cmd reads the same settings from the environment
         client = source_client(cfg)
-        env = dict(os.environ)  # s5cmd reads the same settings from the environment
+        env = dict(os.environ)
         for name, value in (("AWS_ENDPOINT_URL", cfg.endpoint_url), ("AWS_PROFILE", cfg.profile),
                             ("AWS_REGION", cfg.region)):
             if value:
@@ -142,52 +140,42 @@ def _landed_files(url: S3Url, root: Path) -> list[Path]:
     return [landed] if landed.is_file() else sorted(p for p in landed.rglob("*") if p.is_file())
 
 
-def _row(method: str, source: str, state: str, nbytes: int, seconds: float, ttfb_s: float,
-         repeat: int, files: int, detail: str, resident: float = float("nan")) -> dict[str, Any]:
-    return {"method": method, "source": source, "cache_state": state, "bytes": nbytes,
-            "seconds": seconds, "mb_per_s": nbytes / MB / seconds if seconds > 0 else float("nan"),
-            "ttfb_s": ttfb_s, "repeat": repeat, "files": files, "detail": detail,
-            "resident_fraction": resident}
-
-
-def _resident(paths: list[Path]) -> float:
-    """The largest share of any of these files in the page cache (NaN: mincore unavailable)."""
-    from diag.machine.disks import resident_fraction
-
-    return max(resident_fraction(p) for p in paths)
-
-
 def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
     """The measurements, the re-pull tax at cfg's dataset size and price, and the advice."""
+    import pandas as pd
+
     from diag.config import StorageConfig
 
     cfg = cfg or StorageConfig.default()
     frame, sample = measure(cfg)
+    if not frame["method"].isin(PULLS).any():  # a local source: no pull, no tax, no advice
+        return StorageResult(frame, pd.DataFrame(columns=["method", "seconds_per_run"]),
+                             pd.DataFrame(columns=["stage", "finding", "seconds_saved",
+                                                   "evidence"]), decide(frame), sample)
     tax = storage_tax(frame, cfg.dataset_gb, cfg.runs_per_week, cfg.usd_per_hour)
     return StorageResult(frame, tax, advice(tax, frame), decide(frame), sample)
 
 
 def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Each method's pulls of a sample of whole objects, or of byte ranges of a one-object source
-    (all of it when cfg.budget_s and cfg.sample_mb allow), reads of the sample from local disk cold
-    and warm, and with cfg.land land() of the whole dataset, miss then hit: (one row per timed
-    repeat, the probe's rows)."""
+    """Each method's pulls of the sample, the sample read from local disk cold and warm, with
+    cfg.land land() of the whole dataset miss then hit: (one row per timed repeat, the probe)."""
     import pandas as pd
 
     from diag.config import diag_home
     from diag.machine.disks import disk_kind, is_network
 
     local_dir = Path(cfg.local_dir).expanduser() if cfg.local_dir else diag_home() / "storage"
-    work = local_dir / f"diag-storage-{os.getpid()}"
-    methods = [m for m in PULLS if m != "s5cmd" or s5cmd_path()]
+    work = scratch_folder("diag-storage", local_dir)  # a killed run's: swept at the next start
     rounds = range(-cfg.warmup, cfg.repeats)
     try:
         with open_source(cfg) as (source, client, env):
             url = parse_url(source)
-            objects = list_remote(client, url)
-            # 85% of the budget for the probe, each method's pull in every round and each
-            # round's local reads of the sample (counted as one more pull: a cold read is no
-            # slower than a pull here); the rest is the listing, the TTFBs, the warm reads
+            objects = [o for o in list_remote(client, url)
+                       if not isinstance(url, LocalUrl) or data_file(o.key)]
+            methods = (["hf_hub"] if isinstance(url, HubUrl) else [] if isinstance(url, LocalUrl)
+                       else [m for m in PULLS if m in RANGED or m == "s5cmd" and s5cmd_path()])
+            # 85% of the budget for the probe and each round's pulls and local reads (one more
+            # pull's worth); the rest: the listing, the TTFBs, the warm reads
             per_pull = 0.85 * cfg.budget_s / (1 + len(rounds) * (len(methods) + 1))
             sample, fit, chosen = _probe(cfg, client, url, objects, local_dir, work / "sample",
                                          per_pull)
@@ -195,42 +183,56 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
             if not isinstance(chosen[0], RemoteObject):  # ranges: s5cmd takes whole objects
                 rows = [_skipped(m, source, fit) for m in methods if m not in RANGED]
                 methods = [m for m in methods if m in RANGED]
-            rows += _pulls(client, url, source, chosen, methods, rounds, work, env, fit.factor)
-            if cfg.land:  # the whole dataset: one landed copy at a time beside the sample
+            rate = fit.bytes_per_s / MB  # what each pull's deadline rests on
+            rows += _pulls(client, url, source, chosen, methods, rounds, work, env, fit, cfg)
+            if cfg.land and isinstance(url, S3Url):  # one landed copy at a time beside the sample
                 check_free(local_dir, fit.dataset_bytes + 2 * fit.sample_bytes, url)
-                rows += _landings(cfg, client, source, url, rounds, work, len(objects))
-            paths = sorted(p for p in (work / "sample").rglob("*") if p.is_file())
-            kind = disk_kind(work / "sample")
+                with deadline(client, len(rounds) * 2 * deadline_s(fit.dataset_bytes, rate,
+                                                                   cfg.stall_s), source):
+                    rows += _landings(cfg, client, source, url, rounds, work, len(objects))
+            local = isinstance(url, LocalUrl)
+            paths = [Path(o.key) for o in chosen] if local else sorted(
+                p for p in (work / "sample").rglob("*") if p.is_file())
+            kind = disk_kind(paths[0] if local else work / "sample")
             if is_network(kind):  # the same bytes read from a local NVMe, when the box has one
-                rows += _nvme_reads(paths, rounds, len(chosen))
-            rows += _local_reads(paths, rounds, len(chosen), str(local_dir), kind)
+                rows += nvme_reads(paths, rounds, len(chosen))
+            where = str(url.path.parent if local and not url.is_prefix else url.path if local
+                        else local_dir)
+            rows += local_reads(paths, rounds, len(chosen), where, kind)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for row in rows:  # what the landing folder is on (EBS, PD, NFS...: tax.advice says so)
-        row.setdefault("local_disk", kind)
-        row.update(dataset_bytes=fit.dataset_bytes, dataset_files=fit.dataset_files,
+    for one in rows:  # what the landing folder is on (EBS, PD, NFS...: tax.advice says so)
+        one.setdefault("local_disk", kind)
+        one.update(dataset_bytes=fit.dataset_bytes, dataset_files=fit.dataset_files,
                    sampled=fit.label())
     return pd.DataFrame(rows, columns=COLUMNS), sample
 
 
-def _probe(cfg: StorageConfig, client: Any, url: S3Url, objects: list[RemoteObject],
+def _probe(cfg: StorageConfig, client: Any, url: Any, objects: list[RemoteObject],
            local_dir: Path, dest: Path, seconds: float
            ) -> tuple[pd.DataFrame, Extrapolation, list[Any]]:
-    """The sample: objects spread over the sizes (one object: its ranges spread over it) pulled
-    one after another (boto3's defaults, the slowest method, so the others' pulls of it take no
-    longer) until `seconds` or cfg.sample_mb; the copy stays in dest for the local reads. Free
-    disk is checked before each piece for what is written: this copy and one method's pull of
-    it. (probe rows, the fit, what each method pulls: the sampled objects or ranges, or the one
-    object whole when every range of it was pulled)."""
+    """The sample: pieces spread over the sizes, pulled one after another with the slowest
+    method until `seconds` or cfg.sample_mb, into dest (a local source: read in place); free disk
+    checked first. (probe rows, the fit, what each method pulls)."""
+    done = [0, 0.0]  # bytes and seconds pulled so far: the rate a deadline rests on
 
     def pull_one(obj: RemoteObject, before: int) -> None:
+        if isinstance(url, LocalUrl):
+            read_local([Path(obj.key)])
+            return
         check_free(local_dir, 2 * (before + obj.size), url)
+        start, rate = time.perf_counter(), done[0] / MB / done[1] if done[1] else None
         try:
-            pull("boto3_default", client, url, [obj], dest)
+            with _bounded(client, url, obj.size, (rate, cfg.stall_s), f"{url}: {obj.key}"):
+                pull("hf_hub" if isinstance(url, HubUrl) else "boto3_default", client, url,
+                     [obj], dest)
         except Exception as err:
+            if isinstance(err, RuntimeError) or not isinstance(url, S3Url):
+                raise
             raise remote_error(err, url, client) from None
+        done[0], done[1] = done[0] + obj.size, done[1] + time.perf_counter() - start
 
-    one = len(objects) == 1 and objects[0].size > 0  # (an empty object has no range)
+    one = isinstance(url, S3Url) and len(objects) == 1 and objects[0].size > 0
     pieces = ranges(objects[0]) if one else objects
     order = spread(pieces)
     sample = probe(order, pull_one, seconds, int(cfg.sample_mb * MB),
@@ -241,47 +243,59 @@ def _probe(cfg: StorageConfig, client: Any, url: S3Url, objects: list[RemoteObje
     return sample, fit, objects if fit.whole else [p for p in pieces if id(p) in pulled]
 
 
+def _bounded(client: Any, url: Any, nbytes: int, rate: tuple[float | None, float], what: str
+             ) -> Any:
+    """deadline() for an S3 pull of nbytes at (rate measured so far, --stall-s); the hub's
+    client keeps its own timeouts."""
+    if not isinstance(url, S3Url):
+        return contextlib.nullcontext()
+    return deadline(client, deadline_s(nbytes, *rate), what)
+
+
 def _skipped(method: str, source: str, fit: Extrapolation) -> dict[str, Any]:
     """The row of a method that cannot pull the sample (s5cmd, ranges): why, no figures."""
-    return {**_row(method, source, "remote", 0, float("nan"), float("nan"), -1, 0,
+    return {**row(method, source, "remote", 0, float("nan"), float("nan"), -1, 0,
                    f"not measured: {method} pulls whole objects only (cp and cat take no byte "
                    f"range) and the one object's {fit.dataset_bytes / MB:.4g} MB is more than "
                    "this step's share or --sample-mb allows"), "mb_per_s": float("nan")}
 
 
-def _pulls(client: Any, url: S3Url, source: str, chosen: list[RemoteObject], methods: list[str],
-           rounds: range, work: Path, env: dict[str, str], factor: float
-           ) -> list[dict[str, Any]]:
-    """Each method's pull of the sample per round, the order alternating so that drift (server
-    cache, thermal, neighbours) hits all alike; warm-up rounds (r < 0) are not reported.
-    extrapolated_s: the whole dataset's pull at this pull's pace (sample.Extrapolation)."""
+def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], methods: list[str],
+           rounds: range, work: Path, env: dict[str, str], fit: Extrapolation,
+           cfg: StorageConfig) -> list[dict[str, Any]]:
+    """Each method's pull of the sample per round, within its deadline, in alternating order;
+    warm-up rounds are not reported. extrapolated_s: the whole pull at this pace."""
     from tqdm.auto import tqdm
 
     rows, nbytes = [], sum(o.size for o in chosen)
+    rate = (fit.bytes_per_s / MB, cfg.stall_s)
     for r in tqdm(rounds, desc="storage", unit="round", leave=False):
         for method in (methods if r % 2 == 0 else methods[::-1]):
-            # s5cmd's requests are not visible from here: its row gets no TTFB
-            first = ttfb(client, url, chosen[0].key) if method != "s5cmd" else float("nan")
-            start = time.perf_counter()
+            what = f"{url}: {len(chosen)} piece(s), {method}"
             try:
-                detail = pull(method, client, url, chosen, work / method, env)
+                with _bounded(client, url, nbytes, rate, what):
+                    # s5cmd's requests are not visible from here: its row gets no TTFB
+                    first = (ttfb(client, url, chosen[0].key) if method in RANGED
+                             else float("nan"))
+                    start = time.perf_counter()
+                    detail = pull(method, client, url, chosen, work / method, env,
+                                  deadline_s(nbytes, *rate), cfg.retries)
+                    seconds = time.perf_counter() - start
             except Exception as err:
-                if isinstance(err, (RuntimeError, ValueError)):
+                if isinstance(err, (RuntimeError, ValueError)) or not isinstance(url, S3Url):
                     raise
                 raise remote_error(err, url, client) from None
-            seconds = time.perf_counter() - start
             shutil.rmtree(work / method)
             if r >= 0:
-                rows.append({**_row(method, source, "remote", nbytes, seconds, first, r,
-                                    len(chosen), detail), "extrapolated_s": seconds * factor})
+                rows.append({**row(method, source, "remote", nbytes, seconds, first, r,
+                                    len(chosen), detail), "extrapolated_s": seconds * fit.factor})
     return rows
 
 
 def _landings(cfg: StorageConfig, client: Any, source: str, url: S3Url, rounds: range,
               work: Path, files: int) -> list[dict[str, Any]]:
-    """--land: land() of the whole dataset per round, a miss into an empty folder, then a hit
-    that reads nothing remote, timed on a copy evicted from the page cache (a job start on a
-    node that ran other work since reads it from disk)."""
+    """--land: land() of the whole dataset per round, a miss then a hit timed on a copy evicted
+    from the page cache."""
     from diag.machine.disks import evict_page_cache
 
     rows = []
@@ -290,69 +304,15 @@ def _landings(cfg: StorageConfig, client: Any, source: str, url: S3Url, rounds: 
         miss = land(source, work / "landed", client=client, verify=cfg.verify,
                     retries=cfg.retries)
         cache = evict_page_cache(_landed_files(url, work / "landed"))
-        resident = _resident(_landed_files(url, work / "landed"))
+        share = resident(_landed_files(url, work / "landed"))
         hit = land(source, work / "landed", client=client, verify=cfg.verify, retries=cfg.retries)
         if r >= 0:
-            rows.append(_row("land", source, "hit" if miss.hit else "miss", miss.bytes,
+            rows.append(row("land", source, "hit" if miss.hit else "miss", miss.bytes,
                              miss.seconds, float("nan"), r, files, f"verify={cfg.verify}"))
             # "hit" is the cold hit diagnose and tax_advice use; never called cold if not
             state = "hit" if cache.startswith("cold") else "hit (page cache warm)"
-            rows.append(_row("land", source, state if hit.hit else "miss", hit.bytes,
+            rows.append(row("land", source, state if hit.hit else "miss", hit.bytes,
                              hit.seconds, float("nan"), r, files,
-                             f"verify={cfg.verify}, page cache {cache}", resident))
+                             f"verify={cfg.verify}, page cache {cache}", share))
     shutil.rmtree(work / "landed", ignore_errors=True)
     return rows
-
-
-def _local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: str
-                 ) -> list[dict[str, Any]]:
-    """The sample's copy read sequentially, cold and warm in alternating order per round."""
-    from diag.machine.disks import evict_page_cache, resident_fraction
-
-    rows = []
-    for r in rounds:
-        for state in (("cold", "warm") if r % 2 == 0 else ("warm", "cold")):
-            if state == "cold":
-                label = evict_page_cache(paths)
-            else:
-                read_local(paths)  # make sure it is cached, whatever came before
-                cached = min(resident_fraction(p) for p in paths)
-                label = "warm" if not cached < 0.98 else f"warm ({cached:.0%} cached)"
-            resident = _resident(paths)  # measured, beside the label
-            got, seconds, first = read_local(paths)
-            if r >= 0:
-                rows.append(_row("local_read", where, label, got, seconds, first, r, files,
-                                 f"disk: {kind}, 1 MiB reads", resident))
-    return rows
-
-
-def _nvme_reads(paths: list[Path], rounds: range, files: int) -> list[dict[str, Any]]:
-    """Cold reads of a copy of the landed files on the first local NVMe mount with room for it
-    (instance store, local SSD): the figure beside a network landing folder's. [] if none."""
-    import tempfile
-
-    from diag.machine.disks import disks, evict_page_cache
-
-    nbytes = sum(p.stat().st_size for p in paths)
-    for disk in (d for d in disks() if d.kind == "local_nvme"):
-        try:
-            if shutil.disk_usage(disk.mountpoint).free < 2 * nbytes:
-                continue
-            scratch = Path(tempfile.mkdtemp(prefix=".diag-nvme-", dir=disk.mountpoint))
-        except OSError:  # not writable here: try the next one
-            continue
-        try:
-            copies = [Path(shutil.copy(p, scratch / f"{i}-{p.name}")) for i, p in enumerate(paths)]
-            rows = []
-            for r in rounds:
-                label = evict_page_cache(copies)
-                got, seconds, first = read_local(copies)
-                if r >= 0 and label.startswith("cold"):
-                    rows.append({**_row("local_read", disk.mountpoint, NVME_COLD, got, seconds,
-                                        first, r, files, f"disk: local_nvme ({disk.evidence}), "
-                                        "1 MiB reads", _resident(copies)),
-                                 "local_disk": "local_nvme"})
-            return rows
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    return []

@@ -1,9 +1,7 @@
 """Land a dataset from an object store on local disk once, verify it, and reuse it: `land()`.
 
-A landing is complete only when its manifest (key, size, ETag, the file's CRC and the checks
-each object passed) is written, last, next to the data. A later call whose remote listing (HEAD or
-LIST: no GET) matches the manifest and whose local files pass the check is a hit. Read
-`LandedDataset.hit` and `.seconds` (also recorded as the `fetch_data` stage of the timer you pass).
+A landing is complete when its manifest (key, size, ETag, CRC, checks) is written, last, beside
+the data; a later call whose listing and local files match it is a hit (`LandedDataset.hit`).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from diag.config import VERIFY_MODES
 from diag.config.source import MANIFEST_SUFFIX
 from diag.files import atomic_file, file_sha256, fsync_path, sweep_orphans
 from diag.storage.crc import file_crc
-from diag.storage.objectstore import S3Url, list_remote, make_client, parse_url, usable_cores
+from diag.storage.objectstore import S3Url, list_s3, make_client, parse_s3, usable_cores
 from diag.storage.transfer import download_all
 
 
@@ -96,25 +94,16 @@ def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
 
 def land(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, timer: Any = None,
          verify: str = "sha256", retries: int | None = None) -> LandedDataset:
-    """Land s3://bucket/key (or every object under s3://bucket/prefix/) in cache_dir once.
+    """Land s3://bucket/key (or a prefix's objects) in cache_dir once, timed as `fetch_data`.
 
-    Hit: the manifest matches the remote listing (size + ETag per object, HEAD/LIST only) and
-    every local file has its recorded size and, with verify="sha256" (default; the name of
-    older manifests' digest), its recorded digest: the whole file's CRC computed while it
-    landed (the store's own algorithm, else CRC32), which catches a flipped byte at the cost of
-    reading the copy once (~15 s for 25 GB from NVMe, against minutes to re-pull);
-    verify="size" skips that read. Objects
-    that fail are fetched again, alone, by s3transfer (diag.storage.transfer.download): a download
-    whose size differs from the listing, whose MD5 differs from a single-part ETag, or whose CRC
-    differs from the store's full-object or composite (multipart) checksum is never landed. Timed as
-    the `fetch_data` stage of `timer`. Without `client`, one is made from the user's AWS
-    configuration with a pool of 2 x usable_cores() connections, as transfer_plan asks; `retries`
-    None leaves retries to that configuration.
-    """
+    Hit: the manifest matches the listing (size, ETag) and each local file its size and, with
+    verify="sha256", its digest (the CRC computed while it landed; "size" skips that read).
+    Others are fetched again by diag.storage.transfer.download, never landed unchecked. Without
+    `client`, one from the user's AWS configuration (`retries` None: theirs)."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: allowed values are "
                          + ", ".join(map(repr, VERIFY_MODES)))
-    u = parse_url(url)
+    u = parse_s3(url)
     start = time.perf_counter()
     with timer.stage("fetch_data") if timer is not None else contextlib.nullcontext():
         client = client or make_client(retries=retries, max_pool=2 * usable_cores())
@@ -127,7 +116,7 @@ def _land(u: S3Url, cache_dir: Path, client: Any, verify: str,
     local, manifest_path = local_paths(u, cache_dir)
     local.parent.mkdir(parents=True, exist_ok=True)
     with _locked(manifest_path.with_name(manifest_path.name + ".lock")):
-        remote = list_remote(client, u)
+        remote = list_s3(client, u)
         dests = {o.key: _dest(u, local, o.key) for o in remote}
         for folder in {d.parent for d in dests.values()} | {manifest_path.parent}:
             sweep_orphans(folder)  # a killed landing's partial files are never resumed or trusted

@@ -1,10 +1,8 @@
 """The ways a dataset is pulled and read that the storage experiment compares.
 
-`pull(method, ...)` downloads objects with boto3's defaults, boto3 tuned (what land() runs on a
-miss) or s5cmd, or byte ranges of one object (diag.storage.sample.Range) with either boto3 pull's
-part size and concurrency (`RANGED`: s5cmd's cp and cat take whole objects only); `ttfb` times
-the first byte of a GET; `read_local` reads files sequentially the way a loader's first epoch
-does.
+`pull(method, ...)`: boto3's defaults, boto3 tuned (land()'s engine), s5cmd, huggingface_hub,
+or byte ranges of one object (`RANGED`); `ttfb` times a GET's first byte; `local_reads` reads
+the copy cold and warm, as a loader's first epoch does.
 """
 
 from __future__ import annotations
@@ -17,15 +15,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from diag.config import STORAGE_PULLS as PULLS
+from diag.config import STORAGE_PULLS
 from diag.secrets import redact
 from diag.storage.objectstore import MB, RemoteObject, S3Url, transfer_plan
 from diag.storage.transfer import describe, download_all
 
-# 1 MiB reads, like `dd bs=1M`: measured here, 8 MiB buffers fall out of the CPU cache and read
-# ~13% slower from a cold cache; 256 KiB-1 MiB all match dd.
+# 1 MiB reads, like `dd bs=1M` (8 MiB buffers fall out of the CPU cache: docs/calibration.md)
 _READ_CHUNK = 1 << 20
 RANGED = ("boto3_default", "boto3_tuned")  # the methods that pull a byte range of an object
+PULLS = (*STORAGE_PULLS, "hf_hub")  # hf_hub: a hub dataset's one method
+NVME_COLD = "local NVMe, cold"  # the cold read of a local NVMe beside a network landing folder
 
 
 def s5cmd_path() -> str | None:
@@ -40,14 +39,17 @@ def _rel(url: S3Url, key: str) -> str:
     return key[len(url.key):] if url.is_prefix else Path(key).name
 
 
-def pull(method: str, client: Any, url: S3Url, objects: list[Any], dest: Path,
-         env: dict[str, str] | None = None) -> str:
-    """Download every object (or every Range of one, each into its own file) into dest with one
-    method; returns a description of its settings."""
+def pull(method: str, client: Any, url: Any, objects: list[Any], dest: Path,
+         env: dict[str, str] | None = None, timeout_s: float = 3600.0,
+         retries: int | None = None) -> str:
+    """Download every object (or Range) into dest with one method (retries: land()'s and s5cmd's;
+    s5cmd ends after timeout_s); returns its settings in words."""
+    dest.mkdir(parents=True, exist_ok=True)
+    if method == "hf_hub":
+        return _pull_hub(client, url, objects, dest)
     from boto3.s3.transfer import TransferConfig
     from botocore import UNSIGNED
 
-    dest.mkdir(parents=True, exist_ok=True)
     if objects and not isinstance(objects[0], RemoteObject):
         return _pull_ranges(method, client, url, objects, dest)
     targets = [(o, dest / _rel(url, o.key)) for o in objects]
@@ -56,9 +58,10 @@ def pull(method: str, client: Any, url: S3Url, objects: list[Any], dest: Path,
     if method == "boto3_default":
         for o, path in targets:
             client.download_file(url.bucket, o.key, str(path), Config=TransferConfig())
-        return "TransferConfig defaults: 8 MB parts, 10 threads, objects one after another"
+        return ("TransferConfig defaults: 8 MB parts, 10 threads, objects one after another "
+                "(s3transfer's own 5 re-GETs of a dropped stream, not --retries)")
     if method == "boto3_tuned":  # exactly what land() runs on a miss, checks and fsync included
-        download_all(client, url.bucket, targets)
+        download_all(client, url.bucket, targets, retries=retries)
         return describe(objects)
     if method == "s5cmd":
         exe = s5cmd_path()
@@ -71,14 +74,20 @@ def pull(method: str, client: Any, url: S3Url, objects: list[Any], dest: Path,
         aws = host == "amazonaws.com" or host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
         unsigned = client.meta.config.signature_version is UNSIGNED
         cmd = [exe, *([] if aws else ["--endpoint-url", endpoint]),
-               *(["--no-sign-request"] if unsigned else [])]
+               *(["--no-sign-request"] if unsigned else []),
+               *([] if retries is None else ["--retry-count", str(retries)])]
         if url.is_prefix:  # these objects (a sample, or all): one `cp` each, run in parallel
             lines = "".join(f'cp "s3://{url.bucket}/{o.key}" "{path}"\n' for o, path in targets)
             (dest / ".s5cmd-run").write_text(lines)
             cmd += ["run", str(dest / ".s5cmd-run")]
         else:
             cmd += ["cp", str(url), f"{dest}/"]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(redact(f"{url} (endpoint {endpoint}): s5cmd not done within its "
+                                      f"deadline of {timeout_s:.3g} s: the endpoint stalled; "
+                                      "check it, or raise --stall-s")) from None
         if done.returncode != 0:
             raise RuntimeError(redact(f"s5cmd failed on {url} (endpoint {endpoint}): "
                                       f"{done.stderr.strip()[-500:]}"))
@@ -87,11 +96,20 @@ def pull(method: str, client: Any, url: S3Url, objects: list[Any], dest: Path,
     raise ValueError(f"method={method!r}: allowed values are " + ", ".join(map(repr, PULLS)))
 
 
+def _pull_hub(api: Any, url: Any, objects: list[Any], dest: Path) -> str:
+    """Each file of a hub dataset with hf_hub_download into dest, one after another."""
+    from huggingface_hub import hf_hub_download
+
+    for o in objects:
+        hf_hub_download(url.repo_id, o.key, repo_type="dataset", revision=url.revision,
+                        local_dir=dest, endpoint=api.endpoint)
+    shutil.rmtree(dest / ".cache", ignore_errors=True)  # its download metadata: not data
+    return "huggingface_hub's hf_hub_download, files one after another (its own retries)"
+
+
 def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: Path) -> str:
-    """Each range cut into the method's parts (boto3's defaults: TransferConfig's 8 MB, 10 at a
-    time; tuned: land()'s transfer_plan of the whole object), fetched that many at a time as
-    ranged GETs written at their offsets: the requests a byte and the parallelism of the method's
-    whole pull, on a part of the object. No whole-object checksum: a range has none."""
+    """Each range cut into the method's parts (boto3's 8 MiB x 10, or land()'s plan),
+    fetched as ranged GETs written at their offsets; no whole-object checksum."""
     from concurrent.futures import ThreadPoolExecutor
 
     from boto3.s3.transfer import TransferConfig
@@ -139,15 +157,11 @@ def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: 
 
 
 def ttfb(client: Any, url: S3Url, key: str) -> float:
-    """Time to the first byte of a GET (a 1 MB range of the first object; S3 answers a range and
-    a whole-object GET alike, and a range does not leave the server streaming a large body)."""
+    """Time to the first byte of a GET of the first object's first byte (S3 answers a range and
+    a whole GET alike): one byte more than the pull's row says."""
     start = time.perf_counter()
-    body = client.get_object(Bucket=url.bucket, Key=key, Range=f"bytes=0-{MB - 1}")["Body"]
-    body.read(1)
-    first = time.perf_counter() - start
-    body.read()
-    body.close()
-    return first
+    client.get_object(Bucket=url.bucket, Key=key, Range="bytes=0-0")["Body"].read()
+    return time.perf_counter() - start
 
 
 def read_local(paths: list[Path]) -> tuple[int, float, float]:
@@ -166,3 +180,72 @@ def read_local(paths: list[Path]) -> tuple[int, float, float]:
         finally:
             os.close(fd)
     return total, time.perf_counter() - start, float("nan") if first is None else first
+
+
+def row(method: str, source: str, state: str, nbytes: int, seconds: float, ttfb_s: float,
+         repeat: int, files: int, detail: str, resident: float = float("nan")) -> dict[str, Any]:
+    return {"method": method, "source": source, "cache_state": state, "bytes": nbytes,
+            "seconds": seconds, "mb_per_s": nbytes / MB / seconds if seconds > 0 else float("nan"),
+            "ttfb_s": ttfb_s, "repeat": repeat, "files": files, "detail": detail,
+            "resident_fraction": resident}
+
+
+def resident(paths: list[Path]) -> float:
+    """The largest share of any of these files in the page cache (NaN: mincore unavailable)."""
+    from diag.machine.disks import resident_fraction
+
+    return max(resident_fraction(p) for p in paths)
+
+
+def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: str
+                 ) -> list[dict[str, Any]]:
+    """The sample's copy read sequentially, cold and warm in alternating order per round."""
+    from diag.machine.disks import evict_page_cache, resident_fraction
+
+    rows = []
+    for r in rounds:
+        for state in (("cold", "warm") if r % 2 == 0 else ("warm", "cold")):
+            if state == "cold":
+                label = evict_page_cache(paths)
+            else:
+                read_local(paths)  # make sure it is cached, whatever came before
+                cached = min(resident_fraction(p) for p in paths)
+                label = "warm" if not cached < 0.98 else f"warm ({cached:.0%} cached)"
+            share = resident(paths)  # measured, beside the label
+            got, seconds, first = read_local(paths)
+            if r >= 0:
+                rows.append(row("local_read", where, label, got, seconds, first, r, files,
+                                 f"disk: {kind}, 1 MiB reads", share))
+    return rows
+
+
+def nvme_reads(paths: list[Path], rounds: range, files: int) -> list[dict[str, Any]]:
+    """Cold reads of a copy of the landed files on the first local NVMe mount with room for it
+    (instance store, local SSD): the figure beside a network landing folder's. [] if none."""
+    import tempfile
+
+    from diag.machine.disks import disks, evict_page_cache
+
+    nbytes = sum(p.stat().st_size for p in paths)
+    for disk in (d for d in disks() if d.kind == "local_nvme"):
+        try:
+            if shutil.disk_usage(disk.mountpoint).free < 2 * nbytes:
+                continue
+            scratch = Path(tempfile.mkdtemp(prefix=".diag-nvme-", dir=disk.mountpoint))
+        except OSError:  # not writable here: try the next one
+            continue
+        try:
+            copies = [Path(shutil.copy(p, scratch / f"{i}-{p.name}")) for i, p in enumerate(paths)]
+            rows = []
+            for r in rounds:
+                label = evict_page_cache(copies)
+                got, seconds, first = read_local(copies)
+                if r >= 0 and label.startswith("cold"):
+                    rows.append({**row("local_read", disk.mountpoint, NVME_COLD, got, seconds,
+                                        first, r, files, f"disk: local_nvme ({disk.evidence}), "
+                                        "1 MiB reads", resident(copies)),
+                                 "local_disk": "local_nvme"})
+            return rows
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return []

@@ -1,19 +1,22 @@
-"""The object-store client side: s3:// URLs, boto3 clients, errors a person can act on, listing.
+"""The object-store client side: s3:// URLs, boto3 clients, listing, deadlines, clear errors.
 
-`transfer_plan()` picks one GET or a few large ranged parts from the object size and the cores
-this process may use; `make_client()` leaves retries, profile and region to the user's AWS
-configuration unless told otherwise, and `source_client(cfg)` builds it from a SourceConfig's
-flags. Errors name the URL, the endpoint and the flag or variable
-that fixes them, never a secret. The download itself (s3transfer, then diag's checks) is in
-diag.storage.transfer; `land()` in diag.storage.landing builds on both.
+`transfer_plan()` sizes a download's parts from the object and the cores; `make_client()` keeps
+the user's AWS configuration and always times out; `deadline()` ends a pull that outlives what
+its bytes should take. Errors name the URL, the endpoint and the fix, never a secret.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from diag.config.source import STALL_S
 from diag.machine.device import usable_cores  # noqa: F401  transfer_plan's cores; re-exported
 from diag.secrets import aws_client_made, redact, register
 
@@ -21,6 +24,9 @@ if TYPE_CHECKING:
     from diag.config import SourceConfig
 
 MB = 1_000_000  # decimal megabytes, like network and disk rates
+CONNECT_S = 5  # botocore's connect timeout on every client
+SLACK = 4  # a pull may take this many times the seconds its bytes take at the rate measured
+FLOOR_MB_S = 10.0  # the rate a deadline assumes before one is measured
 
 
 @dataclass(frozen=True)
@@ -75,17 +81,9 @@ class TransferPlan:
 
 
 def transfer_plan(size: int, cores: int | None = None) -> TransferPlan:
-    """Part size and concurrency for one object of `size` bytes with `cores` cores (default: the
-    cores this process may use, `usable_cores()`; the client needs 2 x cores pooled connections).
-
-    Why these numbers: a ranged GET costs a request latency (10-50 ms on S3, ~0.12 s on the
-    embedded moto server, which reads the whole object per request) and one connection carries
-    ~50-100 MB/s from S3 but ~460 MB/s on loopback, where the client's CPU is the limit. So:
-    objects under 32 MB go in one GET (at most 4 parts: not worth the requests); larger ones are
-    cut into ~2 parts per core, each 8-256 MB, fetched min(2 x cores, parts) at a time. Many cores
-    and a big object (a 25 GB shard on a 32-core box: 256 MB x 98, 64 at a time) fill a NIC;
-    on a 2-core box the same rule gives few large parts, which is what wins on loopback.
-    """
+    """Part size and concurrency for one object of `size` bytes with `cores` cores (default:
+    `usable_cores()`): under 32 MB one GET; larger, ~2 parts per core of 8-256 MB each, fetched
+    min(2 x cores, parts) at a time (docs/calibration.md, storage, says why)."""
     cores = max(1, cores or usable_cores())
     single = 32 * MB
     part = min(256 * MB, max(8 * MB, -(-size // (2 * cores))))
@@ -93,7 +91,7 @@ def transfer_plan(size: int, cores: int | None = None) -> TransferPlan:
     return TransferPlan(single, part, max(1, min(2 * cores, parts)))
 
 
-def parse_url(url: str) -> S3Url:
+def parse_s3(url: str) -> S3Url:
     if not isinstance(url, str) or not url.startswith("s3://") or not url[5:].split("/")[0]:
         raise ValueError(f"source={url!r}: expected s3://bucket/key (one object) or "
                          "s3://bucket/prefix/ (every object under the prefix)")
@@ -112,19 +110,17 @@ def register_url_secret(url: str | None) -> None:
 
 def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = None,
                 retries: int | None = None, max_pool: int = 10, profile: str = "",
-                region: str = "", unsigned: bool = False) -> Any:
-    """A boto3 S3 client from the user's AWS configuration (AWS_PROFILE / --profile, region,
-    AWS_ENDPOINT_URL, AWS_MAX_ATTEMPTS, AWS_RETRY_MODE, ~/.aws/config, instance role), changed
-    only where an argument is given: retries (None = the user's setting, else botocore's
-    standard mode with that many retries), unsigned (public buckets, no credentials needed)."""
+                region: str = "", unsigned: bool = False, stall_s: float = STALL_S) -> Any:
+    """A boto3 S3 client from the user's AWS configuration, changed only where an argument is
+    given (retries None: the user's); every request times out (CONNECT_S, stall_s)."""
     import boto3
     from botocore import UNSIGNED
     from botocore.config import Config
     from botocore.exceptions import InvalidRegionError, ProfileNotFound
 
     register_url_secret(endpoint_url)
-    options: dict[str, Any] = {"max_pool_connections": max(10, max_pool), "connect_timeout": 5,
-                               "read_timeout": 30}
+    options: dict[str, Any] = {"max_pool_connections": max(10, max_pool),
+                               "connect_timeout": CONNECT_S, "read_timeout": stall_s}
     if retries is not None:  # an explicit Config wins over AWS_MAX_ATTEMPTS and the profile
         options["retries"] = {"total_max_attempts": retries + 1, "mode": "standard"}
     if unsigned:
@@ -156,24 +152,99 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
 
 
 def source_client(cfg: SourceConfig, server: Any = None) -> Any:
-    """The client of cfg.source with every source flag (--endpoint-url, --profile, --region,
-    --no-sign-request, --retries), pooled for land()'s 2 x usable_cores() connections; with
-    `server` (the embedded S3Server standing in for an empty --source), its endpoint and keys
-    with the same retries and pool. The one place a client is built from a config."""
-    pool = 2 * usable_cores()
+    """cfg.source's client with every source flag, pooled for land(): boto3's for s3:// (with
+    `server`, the embedded one's), HfApi for hf:// (HF_ENDPOINT), None for local files."""
+    from diag.config.source import source_kind
+
+    pool, kind = 2 * usable_cores(), source_kind(cfg.source)
     if server is not None:
-        return make_client(server.endpoint_url, retries=cfg.retries, max_pool=pool, credentials={
-            "aws_access_key_id": server.access_key, "aws_secret_access_key": server.secret_key,
-            "region_name": server.region})
+        return make_client(server.endpoint_url, retries=cfg.retries, max_pool=pool,
+                           stall_s=cfg.stall_s, credentials={
+                               "aws_access_key_id": server.access_key,
+                               "aws_secret_access_key": server.secret_key,
+                               "region_name": server.region})
+    if kind == "hf":
+        from huggingface_hub import HfApi
+
+        return HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+    if kind != "s3":
+        return None
     return make_client(cfg.endpoint_url, retries=cfg.retries, max_pool=pool, profile=cfg.profile,
-                       region=cfg.region, unsigned=not cfg.sign_request)
+                       region=cfg.region, unsigned=not cfg.sign_request, stall_s=cfg.stall_s)
+
+
+def deadline_s(nbytes: int, mb_per_s: float | None, stall_s: float) -> float:
+    """What a pull of nbytes may take: stall_s, plus SLACK x its seconds at the measured rate
+    (FLOOR_MB_S before one is measured)."""
+    return stall_s + SLACK * nbytes / MB / (mb_per_s or FLOOR_MB_S)
+
+
+class _Stalled(Exception):
+    """A request refused after its pull's deadline passed."""
+
+
+@contextlib.contextmanager
+def deadline(client: Any, seconds: float, what: str) -> Iterator[None]:
+    """After `seconds`, refuse the client's new requests and shut its sockets to the endpoint
+    (a blocked read returns); the pull inside then raises one line naming `what`, the endpoint."""
+    expired, endpoint = threading.Event(), client.meta.endpoint_url
+
+    def refuse(**_: Any) -> None:
+        if expired.is_set():
+            raise _Stalled
+
+    def expire() -> None:
+        expired.set()
+        _cut(endpoint)
+
+    hook = f"diag-deadline-{id(expired)}"
+    client.meta.events.register("before-send.s3", refuse, unique_id=hook)
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except Exception:
+        if not expired.is_set():
+            raise
+        raise RuntimeError(redact(
+            f"{what} (endpoint {endpoint}): not done within its deadline of {seconds:.3g} s "
+            "(--stall-s plus 4x its bytes at the rate measured): the endpoint stalled; check "
+            "it, or raise --stall-s")) from None
+    finally:
+        timer.cancel()
+        client.meta.events.unregister("before-send.s3", unique_id=hook)
+
+
+def _cut(endpoint: str) -> None:
+    """Shut down this process's sockets to endpoint (Linux: /proc/self/fd; elsewhere a blocked
+    read ends at the client's read timeout)."""
+    url = urlsplit(endpoint)
+    try:
+        peers = {a[4][:2] for a in socket.getaddrinfo(
+            url.hostname, url.port or (443 if url.scheme == "https" else 80))}
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # not a socket
+            continue
+        try:
+            if sock.getpeername()[:2] in peers:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.detach()
 
 
 def remote_error(err: Exception, url: str | S3Url, client: Any) -> RuntimeError:
     """One clear message naming the URL, the endpoint and what fixes it, never a credential."""
     from botocore import UNSIGNED
     from botocore.exceptions import (ClientError, EndpointConnectionError, NoCredentialsError,
-                                     ProfileNotFound)
+                                     ProfileNotFound, ReadTimeoutError)
 
     endpoint = client.meta.endpoint_url
     where = f"{url} (endpoint {endpoint})"
@@ -202,6 +273,9 @@ def remote_error(err: Exception, url: str | S3Url, client: Any) -> RuntimeError:
                     "a public bucket needs --no-sign-request")
         else:
             text = f"{where}: the server answered {code or status}"
+    elif isinstance(err, ReadTimeoutError):
+        text = (f"{where}: no answer within --stall-s={client.meta.config.read_timeout:g} s (read "
+                "timeout): the endpoint stalled; check it, or raise --stall-s")
     elif isinstance(err, EndpointConnectionError):
         text = (f"{where}: cannot connect to the endpoint (refused or unreachable); check "
                 "--endpoint-url / AWS_ENDPOINT_URL and that the server is up")
@@ -216,7 +290,7 @@ def remote_error(err: Exception, url: str | S3Url, client: Any) -> RuntimeError:
     return RuntimeError(redact(text))
 
 
-def list_remote(client: Any, url: S3Url) -> list[RemoteObject]:
+def list_s3(client: Any, url: S3Url) -> list[RemoteObject]:
     """The object (HEAD) or every object under the prefix (LIST): no GET."""
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -248,13 +322,7 @@ def list_remote(client: Any, url: S3Url) -> list[RemoteObject]:
     return found
 
 
-
-
 def md5_checkable(etag: str) -> bool:
-    """True when the ETag is the MD5 of the bytes: 32 hex digits, no "-N" part count.
-
-    A multipart upload's ETag ("<md5 of the part MD5s>-N") depends on the part size the uploader
-    chose, so it cannot be recomputed from the bytes: those objects are checked by size and by
-    the full-object checksum (CRC) the store keeps, where it keeps one.
-    """
+    """True when the ETag is the MD5 of the bytes: 32 hex digits, no "-N" part count (a
+    multipart ETag depends on the uploader's part size: checked by size and stored CRC)."""
     return len(etag) == 32 and all(c in "0123456789abcdefABCDEF" for c in etag)

@@ -1,12 +1,8 @@
 """A sample of a dataset's objects that represents its sizes, and the whole pull extrapolated.
 
-`spread(objects)` orders the objects so that every prefix spans their size distribution (sorted
-by size, visited median first, then the quartiles, the octiles, ...). A source that is one object
-is cut into byte `ranges` first, which `spread` visits middle first, then the quarters, ... of the
-object. `probe` pulls them one after another until its time is spent: one row per piece (the
-`storage_sample` frame), whose cumulative rate shows whether the rate settled as the sample grew.
-`Extrapolation` fits each piece's seconds as a per-piece overhead (requests) plus bytes over a
-rate (least squares) and gives the factor that turns a pull of the sample into the whole pull.
+`spread` orders objects (or a one-object source's `ranges`) so every prefix spans their sizes;
+`probe` pulls them until its time is spent, one row per piece; `Extrapolation` fits seconds as
+a per-piece overhead plus bytes over a rate and scales the sample's pull to the whole.
 """
 
 from __future__ import annotations
@@ -19,10 +15,7 @@ from typing import TYPE_CHECKING, Any
 from diag.storage.objectstore import MB, RemoteObject, transfer_plan
 
 RANGES_AT_LEAST = 8  # a one-object source is cut into at least this many ranges to spread over
-# ...and its sample holds at least this many bytes (its share or --sample-mb permitting): boto3's
-# default pull runs 10 GETs of 8 MiB at once; a sample of fewer parts times a narrower pull than
-# the whole one's (measured on the embedded server, 3 parts of a 512 MB object: 1.3-1.8x slow)
-RANGE_SAMPLE_AT_LEAST = 10 * 8 * 2**20
+RANGE_SAMPLE_AT_LEAST = 10 * 8 * 2**20  # its sample's least bytes: boto3's 10 parts of 8 MiB
 
 
 @dataclass(frozen=True)
@@ -44,9 +37,8 @@ class Range:
 
 
 def ranges(obj: RemoteObject) -> list[Range]:
-    """The object cut into ranges in offset order, each whole parts of both boto3 pulls: land()'s
-    part for this object (transfer_plan, >= 8 MB, boto3's default part) rounded down to 8 MB,
-    smaller when the object holds fewer than RANGES_AT_LEAST of them (a few MB: a few 100 KB)."""
+    """The object cut into ranges in offset order, each whole parts of both boto3 pulls (land()'s
+    part rounded down to 8 MiB; smaller when fewer than RANGES_AT_LEAST fit)."""
     step = min(transfer_plan(obj.size).part_bytes, max(1, obj.size // RANGES_AT_LEAST))
     if step >= 8 * 2**20:  # whole 8 MiB parts: boto3's default pull makes as many requests a byte
         step -= step % (8 * 2**20)
@@ -57,10 +49,8 @@ if TYPE_CHECKING:
 
 
 def spread(objects: list[Any]) -> list[Any]:
-    """Every object (or Range) once, in an order whose every prefix is spread over the sizes:
-    positions 1/2, 1/4, 3/4, 1/8, 3/8, ... of the objects sorted by size (a sample of the first k
-    is a stratified sample, not the k smallest or the first k keys); ranges of one size keep
-    their offset order, so their prefix is spread over the object."""
+    """Every piece once, in an order whose every prefix is spread over the sizes (positions 1/2,
+    1/4, 3/4, 1/8, ... of the sorted pieces: a stratified sample)."""
     ranked = sorted(objects, key=lambda o: (o.size, o.key))
     n, seen, out, depth = len(ranked), set(), [], 0
     while len(out) < n:  # at depth d the positions are n/2^d apart: all are hit once 2^d >= n
@@ -75,10 +65,8 @@ def spread(objects: list[Any]) -> list[Any]:
 
 def probe(ordered: list[Any], pull_one: Callable[[Any, int], None],
           seconds: float, cap_bytes: int, least: int = 0) -> pd.DataFrame:
-    """Pull objects in `ordered` one at a time until `seconds` are spent (0: no limit) and
-    `least` bytes are pulled, or the next would pass cap_bytes (0: no cap; the first object is
-    always pulled); pull_one(object, bytes pulled before it). One row per object: key, bytes,
-    seconds, the cumulative MB/s."""
+    """pull_one(piece, bytes before) for each piece in order until `seconds` (0: no limit) and
+    `least` bytes, or cap_bytes (0: none; the first is always pulled): one row per piece."""
     import pandas as pd
 
     rows, total, spent = [], 0, 0.0
@@ -100,9 +88,7 @@ def probe(ordered: list[Any], pull_one: Callable[[Any, int], None],
 @dataclass(frozen=True)
 class Extrapolation:
     """A sample's pull turned into the whole dataset's: seconds = pieces x overhead_s + bytes /
-    rate, fitted on the probe's pieces (one after another, so each piece's time is its own); a
-    piece is an object, or with range_bytes a byte range of the one object (the whole object:
-    all its ranges)."""
+    rate, fitted on the probe's pieces (objects, or with range_bytes ranges of the one object)."""
 
     sample_bytes: int
     sample_files: int  # pieces pulled: objects, or ranges of the one object

@@ -1,10 +1,7 @@
 """The tax of re-pulling a dataset on every start, and the advice that removes it.
 
-`storage_tax(frame, ...)` turns the median pull rate of each method into minutes and money per
-start and per week at the real dataset's size; `advice(tax, frame)` gives the rows
-`amdahl.findings` ranks: land once (saving the pull less what a verified hit still costs, with
-the tools that do the same), and, when it must be pulled, the tuned transfer as the lines a user
-pastes: a boto3 TransferConfig, an `s3 =` block of ~/.aws/config, s5cmd flags.
+`storage_tax` turns each method's median rate into minutes and money per start and per week;
+`advice` gives the rows `amdahl.findings` ranks: land once, and the tuned transfer to paste.
 """
 
 from __future__ import annotations
@@ -12,11 +9,10 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
-from diag.config import STORAGE_PULLS as PULLS
 from diag.decision import FIXES
+from diag.storage.methods import NVME_COLD, PULLS
 from diag.storage.objectstore import MB, transfer_plan
 
-NVME_COLD = "local NVMe, cold"  # the cold read of a local NVMe beside a network landing folder
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -33,11 +29,8 @@ def medians(frame: pd.DataFrame) -> pd.DataFrame:
 
 def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_week: float = 20.0,
                 usd_per_hour: float | None = None) -> pd.DataFrame:
-    """What re-pulling the dataset on every start costs, per pull method (median rate).
-
-    dataset_gb: the real dataset's size (e.g. 25); None or 0 = the measured bytes. usd_per_hour:
-    the instance price (the GPU idles while it pulls); None or 0 = unknown, money left NaN.
-    """
+    """What re-pulling the dataset on every start costs, per pull method (median rate);
+    dataset_gb 0: the measured size; usd_per_hour 0: no money figures."""
     import pandas as pd
 
     pulls = frame[frame["method"].isin(PULLS)]
@@ -56,9 +49,7 @@ def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_w
     rows = []
     for method, part in pulls.groupby("method", sort=False):
         rate = statistics.median(part["mb_per_s"])
-        # the whole dataset's pull, extrapolated per round from the sample (per-piece overhead
-        # included: diag.storage.sample), scaled to dataset_gb when that is given; without a
-        # sample, each round's pull at the measured size scaled the same way
+        # each round's whole pull extrapolated from the sample (else its rate), at dataset_gb
         whole = [s * gb / whole_gb for s in part.get("extrapolated_s", ()) if s == s] or \
             [gb * 1000 / r for r in part["mb_per_s"]]
         per_run = statistics.median(whole)
@@ -91,13 +82,8 @@ def over_rounds(seconds: list[float]) -> str:
 
 
 def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Advice rows for amdahl.findings(advice=...): land once (vs boto3 defaults), tune the pull.
-
-    With `frame`, the seconds saved by landing once subtract what a hit still costs: the median
-    measured land() hit (cache_state "hit": page cache cold), the figure diagnose uses as the
-    optimized run's fetch_data, scaled to dataset_gb; without hit rows, reading the landed copy
-    once at the measured cold local rate (what verify="sha256" does).
-    """
+    """Advice rows for amdahl.findings: land once (the saving net of what a hit still costs:
+    the measured land() hit, else a cold read), tune the pull."""
     import pandas as pd
 
     by = tax[tax["seconds_per_run"].notna()].set_index("method")
@@ -159,9 +145,8 @@ def _measured_disk(frame: pd.DataFrame | None) -> str:
 
 
 def landing_disk_advice(frame: pd.DataFrame, dataset_gb: float) -> list[dict[str, object]]:
-    """A row when the landing folder is on network storage: a landed copy is then read over the
-    network at every start, at the cold rate measured there, beside a local NVMe's when the
-    box has one (its cold read of the same bytes, measured in the same run)."""
+    """A row when the landing folder is on network storage: its cold rate at every start,
+    beside a local NVMe's when the box has one."""
     if "local_disk" not in frame:
         return []
     reads = frame[frame["method"] == "local_read"]

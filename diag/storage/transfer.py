@@ -1,12 +1,7 @@
-"""Download one object with the engine the benchmark times (s3transfer), then diag's own checks.
+"""Download one object with s3transfer while diag.storage.checks hashes it, then decide.
 
-`download()` runs boto3's `download_fileobj` with the TransferConfig of `transfer_plan()` into a
-temporary file beside the destination while diag.storage.checks hashes the bytes as they land
-(the MD5 of a single-part ETag, the full-object CRC or the composite multipart CRC the store
-keeps, and the whole file's CRC the manifest records), then checks the size against the listing
-and the hashes; diag.files.atomic_file fsyncs and renames: the final path is whole or absent.
-It returns the file's digest ('<crc>:<base64>') and a line saying what was checked, which land()
-writes into the manifest.
+`download()` writes into atomic_file's temporary name, checks size and hashes, and returns
+the file's digest ('<crc>:<base64>') and what was checked, which land() writes to its manifest.
 """
 
 from __future__ import annotations
@@ -30,9 +25,8 @@ _Mismatch = checks.Mismatch
 
 def download_all(client: Any, bucket: str, targets: list[tuple[RemoteObject, Path]], *,
                  retries: int | None = None) -> list[tuple[str, str]]:
-    """download() every (object, destination), each with its transfer_plan(): objects that go in
-    one GET run 2 x usable_cores() at a time (the parallelism of many small shards is across
-    objects), larger ones one after another, each cut into parts. Results in targets' order."""
+    """download() every (object, destination): one-GET objects 2 x usable_cores() at a
+    time, larger ones one after another in parts. Results in targets' order."""
     plans = [transfer_plan(o.size) for o, _ in targets]
     small = [i for i, (o, _) in enumerate(targets) if o.size < plans[i].single_get_below]
     out: dict[int, tuple[str, str]] = {}
@@ -59,12 +53,9 @@ def describe(objects: list[RemoteObject]) -> str:
 
 def download(client: Any, bucket: str, obj: RemoteObject, dest: Path, *, plan: TransferPlan,
              retries: int | None = None) -> tuple[str, str]:
-    """Download one object to dest atomically; return (digest, what was checked).
-
-    s3transfer fetches the object (one GET, or ranged parts `plan.concurrency` at a time; a
-    dropped stream is fetched again from the start of its part, `retries` + 1 times, default 5).
-    Bytes that fail a check are discarded and fetched again, at most twice more, then it raises.
-    """
+    """Download one object to dest atomically with s3transfer (a dropped stream re-GETs its
+    part, `retries` + 1 times); bytes that fail a check are fetched again, twice at most.
+    Returns (digest, what was checked)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     where = f"s3://{bucket}/{obj.key} (endpoint {client.meta.endpoint_url})"

@@ -259,3 +259,37 @@ def test_a_cache_built_with_other_fields_is_not_a_hit(tok_dir: str, tmp_path: Pa
                                 cache_dir=tmp_path / "c", num_proc=1)
     assert swapped.status == "rebuilt: settings changed" and swapped.key != first.key
     assert np.load(swapped.folder / "loss_mask.npy").sum() != loss  # on the other field's tokens
+
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role not in ['user', 'assistant', "
+            "'system'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}{% if loop.first "
+            "and m.role == 'system' %}{% continue %}{% endif %}<|{{ m.role }}|>\n"
+            "{{ m.content | trim }}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}"
+            "<|assistant|>\n{% endif %}")
+
+
+def test_the_tokenizers_only_tokenizer_gives_transformers_ids_and_chat_text(tmp_path):
+    """Preflight and the token cache's workers load tokenizer.json with `tokenizers` alone: the
+    same ids, special tokens and chat template text as transformers' fast tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    from diag.data import encode_pairs, hf_tokenizer, load_tokenizer
+    from diag.data.text import TextTokenizer
+    from diag.embedded import ensure_assets
+
+    saved = PreTrainedTokenizerFast.from_pretrained(ensure_assets().model_dir)
+    saved.chat_template = TEMPLATE
+    saved.save_pretrained(tmp_path)
+    light, full = load_tokenizer(str(tmp_path)), hf_tokenizer(str(tmp_path))
+    assert isinstance(light, TextTokenizer)
+    assert [light.bos_token_id, light.eos_token_id, light.pad_token_id, len(light)] == [
+        full.bos_token_id, full.eos_token_id, full.pad_token_id, len(full)]
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": " Sort: b a "},
+            {"role": "assistant", "content": "a b"}]
+    records = [*read_source(ensure_assets().dataset, limit=300)[0], {"messages": chat}]
+    assert encode_pairs(light, records) == encode_pairs(full, records)
+    for generate in (True, False):
+        assert light.apply_chat_template(chat, add_generation_prompt=generate) == \
+            full.apply_chat_template(chat, tokenize=False, add_generation_prompt=generate)
+    with pytest.raises(Exception, match="bad role tool"):
+        light.apply_chat_template([{"role": "tool", "content": "x"}])

@@ -249,3 +249,26 @@ def test_both_plans_train_the_same_records_and_tokens(tok_dir, tmp_path):
                           Path(tok_dir), data, attention="my_kernel")
     assert alone.stats["rows"] == 12 and "'my_kernel' gets no packed-sequence mask" in \
         alone.stats["data"] and alone.stats["loss_tokens"] == stats["packed"]["loss_tokens"]
+
+
+def test_a_changed_shard_is_tokenized_alone_and_its_neighbours_copied(tok_dir, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        synthetic_dataset(src / f"part-{i}.jsonl", records=400, seed=i)
+    with (src / "part-2.jsonl").open("a") as f:
+        f.write("{not json\n")  # a bad line in a shard that is copied, not read again
+    build_token_cache(src, tok_dir, cache_dir=tmp_path / "tokens", num_proc=2)
+    synthetic_dataset(src / "part-1.jsonl", records=400, seed=9)
+    again = build_token_cache(src, tok_dir, cache_dir=tmp_path / "tokens", num_proc=2)
+    meta = json.loads((again.folder / "meta.json").read_text())
+    assert again.status == "rebuilt: data changed"
+    assert meta["build"]["bytes"] == (src / "part-1.jsonl").stat().st_size  # read: that one
+    fresh = build_token_cache(src, tok_dir, cache_dir=tmp_path / "fresh", num_proc=1)
+    assert _arrays(again.folder) == _arrays(fresh.folder)
+    assert again.problems.to_dict("records") == fresh.problems.to_dict("records") == [
+        {"line": "part-2.jsonl:401", "problem": "invalid_json",
+         "detail": "column 2: Expecting property name enclosed in double quotes"}]
+    (src / "part-0.jsonl").write_text((src / "part-0.jsonl").read_text() + "\n")  # changed
+    with pytest.raises(ValueError, match=r"part-2.jsonl: line 401: invalid_json.*--on-error skip"):
+        build_token_cache(src, tok_dir, cache_dir=tmp_path / "tokens", on_error="raise")

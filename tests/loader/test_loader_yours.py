@@ -73,10 +73,10 @@ def test_hf_collators_batch_encodings_are_swept_with_their_tokens():
     from transformers import (DataCollatorForLanguageModeling, DataCollatorForSeq2Seq,
                               DataCollatorWithPadding)
 
-    from diag.data import load_tokenizer
+    from diag.data import hf_tokenizer
     from diag.embedded import ensure_assets
 
-    tokenizer = load_tokenizer(str(ensure_assets().model_dir))
+    tokenizer = hf_tokenizer(str(ensure_assets().model_dir))
     # every batch of 4 holds the same lengths, padded to the longest: tokens are the mask's sum
     rows = [tokenizer(f"record {i} " + "word " * (i % 4)) for i in range(16)]
     seq2seq = [{**r, "labels": r["input_ids"]} for r in rows]

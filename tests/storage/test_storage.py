@@ -17,7 +17,8 @@ from diag.storage import landing, objectstore
 from diag.cli import parse
 from diag.config import StorageConfig
 from diag.storage.landing import local_paths
-from diag.storage.objectstore import (MB, list_remote, make_client, parse_url, transfer_plan,
+from diag.storage import list_remote, parse_url
+from diag.storage.objectstore import (MB, make_client, transfer_plan,
                               usable_cores)
 from diag.embedded import S3Server
 from diag.storage import advice, land, medians, pull, run_storage, storage_tax

@@ -16,7 +16,8 @@ import pytest
 from diag.embedded import S3Server
 from diag.storage import checks, landing, transfer
 from diag.storage.landing import land, local_paths
-from diag.storage.objectstore import MB, RemoteObject, TransferPlan, make_client, parse_url
+from diag.storage import parse_url
+from diag.storage.objectstore import MB, RemoteObject, TransferPlan, make_client
 from tests.s3proxy import Proxy
 
 MiB = 1 << 20
@@ -122,12 +123,12 @@ def test_a_short_object_never_lands_under_a_manifest_claiming_the_listed_size(s3
     # the listing said 1000 bytes more than the GET brought (an object replaced by a shorter one
     # between LIST and GET, a store that cut the body short): nothing lands, no manifest
     s3.client().put_object(Bucket="diag", Key="data/short.bin", Body=os.urandom(500_000))
-    real = landing.list_remote
+    real = landing.list_s3
 
     def longer(client, url):
         return [RemoteObject(o.key, o.size + 1000, o.etag) for o in real(client, url)]
 
-    monkeypatch.setattr(landing, "list_remote", longer)
+    monkeypatch.setattr(landing, "list_s3", longer)
     url = "s3://diag/data/short.bin"
     final, manifest = local_paths(parse_url(url), tmp_path)
     with pytest.raises(RuntimeError, match=r"landed 500000 bytes, the listing says 501000"):

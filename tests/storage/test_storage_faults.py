@@ -19,7 +19,8 @@ import pytest
 from diag.embedded import S3Server
 from diag.storage import transfer
 from diag.storage.landing import land, local_paths
-from diag.storage.objectstore import MB, TransferPlan, make_client, parse_url
+from diag.storage import parse_url
+from diag.storage.objectstore import MB, TransferPlan, make_client
 from tests.s3proxy import Proxy
 
 ROOT = Path(__file__).resolve().parents[2]
