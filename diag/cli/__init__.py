@@ -97,8 +97,8 @@ def parse(argv: list[str]) -> tuple[str, config.ExperimentConfig, argparse.Names
 def run(name: str, cfg: config.ExperimentConfig) -> Any:
     module, function = EXPERIMENTS[name].runner.split(":")
     runner = getattr(importlib.import_module(module), function)
-    if not isinstance(cfg, config.SourceConfig):
-        return runner(cfg)
+    if not isinstance(cfg, config.SourceConfig) or isinstance(cfg, config.TrainConfig):
+        return runner(cfg)  # diag train's preflight follows its --out-dir's check
     from diag.preflight import covered, preflight
 
     if isinstance(cfg, config.DiagnoseConfig):  # a budget too small for its steps: refused first
@@ -117,8 +117,6 @@ def _job(cfg: config.SourceConfig) -> config.QLoraConfig | None:
     """The QLoRA job that trains on cfg's source: its records are checked before the work."""
     if isinstance(cfg, config.QLoraConfig):
         return cfg
-    if isinstance(cfg, config.TrainConfig):  # the job its plan is decided on: the same records
-        return cfg.job()
     if isinstance(cfg, config.DiagnoseConfig) and cfg.qlora:
         from diag.diagnose import job_config
 

@@ -33,7 +33,7 @@ class JobConfig(SourceConfig):
     lora_dropout: float = 0.05  # dropout on the LoRA input
     checkpoint_every: int = 0  # save adapter + optimizer + data position
                                # every N steps; 0 = at the end only
-    resume: bool = False  # continue from the last checkpoint in out_dir, if there is one
+    resume: bool = False  # continue from the last checkpoint in out_dir (none there: refused)
     out_dir: str = ""  # checkpoints; "" = a fresh temporary folder per run
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"; CUDA-only
                           # settings on CPU fall back, with a note
