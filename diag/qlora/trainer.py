@@ -157,7 +157,8 @@ def trainer_class() -> type:
 @functools.cache
 def signals_callback() -> type:
     """A TrainerCallback that turns SIGINT / SIGTERM during training into a checkpoint at the end
-    of the step and a stop; a second signal stops at once (KeyboardInterrupt, nothing saved)."""
+    of the step and a stop; a second signal stops at once (KeyboardInterrupt, nothing saved).
+    One process only."""
     from transformers import TrainerCallback
 
     class Signals(TrainerCallback):
@@ -171,7 +172,11 @@ def signals_callback() -> type:
             self.signum = signum
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if threading.current_thread() is threading.main_thread():  # signals reach it alone
+            from diag.timing.distributed import launched
+
+            # under a launcher a signal stops a rank at once: ranks that stopped at the ends of
+            # different steps would wait for each other in the next one's collectives
+            if threading.current_thread() is threading.main_thread() and not launched():
                 self._old = {s: signal.signal(s, self._caught)
                              for s in (signal.SIGINT, signal.SIGTERM)}
 
