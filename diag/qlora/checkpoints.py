@@ -131,7 +131,12 @@ def save_whole(final: Path, write: Callable[[Path], None], keep: int) -> None:
                            f"({getattr(err, 'strerror', None) or err}); nothing of it was kept, "
                            f"{before.name + ' is intact' if before else 'no earlier checkpoint'}"
                            ": free space, then continue with --resume") from None
-    for _, old in checkpoints(final.parent)[:-keep]:
+    keep_last(final.parent, keep)
+
+
+def keep_last(folder: Path, keep: int) -> None:
+    """Remove all but the newest `keep` complete checkpoints in folder."""
+    for _, old in checkpoints(folder)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diag.qlora.checkpoints import interrupted, save_whole
+from diag.qlora.checkpoints import interrupted, keep_last, save_whole
 
 if TYPE_CHECKING:
     from diag.config import JobConfig
@@ -138,6 +138,11 @@ def trainer_class() -> type:
 
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
             name = f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            if self.args.world_size > 1:  # every rank writes its own files into one folder (as
+                super()._save_checkpoint(model, trial)  # the Trainer does): rank 0's
+                if self.args.should_save:  # trainer_state.json, written last, marks it whole
+                    keep_last(Path(super()._get_output_dir(trial)), self.keep)
+                return
 
             def write(tmp: Path) -> None:
                 self._staging = tmp

@@ -296,6 +296,12 @@ def test_the_two_node_command_in_the_doc_works_as_written(tmp_path):
     waits = stages[stages["stage"] == "comm_wait"]
     assert waits.groupby(["run", "rank"])["step"].nunique().tolist() == [2, 2, 2, 2]
     assert pd.read_csv(folder / "qlora.csv")["ranks"].tolist() == [2, 2]
+    # --out-dir keeps each plan's adapter (node 0's disk) and each rank's RNG state (its own)
+    for plan in ("naive", "optimized"):
+        (kept,) = (tmp_path / "node0" / "qlora-out" / plan).glob("checkpoint-*")
+        assert {"adapter_model.safetensors", "trainer_state.json", "rng_state_0.pth"} <= {
+            p.name for p in kept.iterdir()}
+        assert (tmp_path / "node1" / "qlora-out" / plan / kept.name / "rng_state_1.pth").is_file()
     page = (folder / "report.html").read_text()
     assert "<h2>Per rank</h2>" in page and (folder / "ranks.png").is_file()
     assert outs[0][0].count("wrote ") == 1 and "wrote " not in outs[1][0]
