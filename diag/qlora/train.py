@@ -1,10 +1,8 @@
 """`diag train`: one plan trains the whole dataset, and the adapter it leaves is the output.
 
-`run_train(cfg)` decides the plan as `diag qlora` does (or `--results runs/<id>`'s; a resume's
-is its run's), times every run-level stage on one StageTimer, says the ETA before the first step
-and how far off it was after the last. out_dir keeps the adapter (PEFT's format, its base named
-as you gave it) and tokenizer, the checkpoints a resume starts from, and with --merge the merged
-16-bit model.
+`run_train(cfg)` decides the plan as `diag qlora` does (a resume's is its run's), times every
+stage, says the ETA before the first step and how far off it was after the last. out_dir keeps
+the adapter (PEFT's format) and tokenizer, the checkpoints, with --merge the merged model.
 """
 
 from __future__ import annotations
@@ -95,9 +93,8 @@ def _start(cfg: TrainConfig, out: Path, stored: dict[str, Any] | None,
 def _decide(cfg: TrainConfig, stored: dict[str, Any] | None,
             decisions: Iterable[Decision] | None, src: Sources
             ) -> tuple[Plan, tuple[Decision, ...], dict[str, Any] | None]:
-    """(the plan, the decisions that price it, the token cache's recorded build): a resume's
-    stored plan; else the naive one or the optimized one of the given decisions; what was not
-    given is measured on the job (the naive plan's ETA rests on it too)."""
+    """(the plan, the decisions that price it, the token cache's build): a resume's stored plan,
+    else cfg.plan of the decisions given or measured on the job (the naive ETA rests on them)."""
     import pandas as pd
 
     from diag.data import read_meta
@@ -189,8 +186,7 @@ class _Job:
 
 def _job(cfg: TrainConfig, plan: Plan, path: Path, folder: Path, work: Path,
          attention: str | None) -> _Job:
-    """The preprocess stage: the whole token cache, the held-out split, the plan's datasets (the
-    naive plan's records on disk, read per item)."""
+    """The preprocess stage: the whole token cache, the held-out split, the plan's datasets."""
     from diag.data import PackedDataset
     from diag.qlora.data import ArrowRecords, build_dataset, train_records
 
@@ -205,8 +201,8 @@ def _job(cfg: TrainConfig, plan: Plan, path: Path, folder: Path, work: Path,
 
 
 def _same_source(out: Path, stored: dict[str, Any], cache: Any) -> None:
-    """A resume trains on the records its run started with: a source that changed since (its
-    token cache rebuilt under another key) is refused, never mixed."""
+    """A resume trains on its run's records: a source changed since (another cache key) is
+    refused, never mixed."""
     if stored.get("cache") not in (None, cache.key):
         raise ValueError(f"--resume: the source changed since the run in {str(out)!r} started "
                          f"(token cache {stored['cache'][:12]} then, {cache.key[:12]} now): its "
@@ -219,8 +215,8 @@ SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_
 
 def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, device: Any,
            timer: Any, stored: dict[str, Any]) -> dict[str, Any]:
-    """The Trainer's part (setup, warmup, train, checkpoint, eval): the held-out loss before the
-    first step (a fresh run), then every eval_every steps and at the end."""
+    """The Trainer's stages; the held-out loss before a fresh run's first step, then every
+    eval_every steps and at the end."""
     from diag.qlora.progress import Progress
     from diag.qlora.trainer import fit, trainer_for
 
@@ -258,9 +254,7 @@ def _finished(out: Path, stored: dict[str, Any]) -> TrainResult:
     """A resume of a finished run: its summary and losses as it left them, nothing trained."""
     import pandas as pd
 
-    from diag.decision import read
     from diag.qlora.progress import say
-    from diag.timing import StageTimer
 
     row = stored["finished"] | {"resumed_from_step": stored["finished"]["steps"]}
     say(f"diag train: the run in {out} finished at step {row['steps']}: nothing to train, its "
@@ -268,9 +262,8 @@ def _finished(out: Path, stored: dict[str, Any]) -> TrainResult:
     history = json.loads((last_checkpoint(out) / "trainer_state.json").read_text())
     losses = _losses(history["log_history"], stored["eval_loss_0"],
                      row["real_tokens"] / row["steps_per_epoch"])
-    plan = _collect(stored["plan"], read(pd.DataFrame({"json": stored["decisions"]})))
-    return TrainResult(pd.DataFrame([row]), StageTimer().to_frame().assign(run=""),
-                       losses.assign(run=row["plan"]), pd.DataFrame(), plan.frame())
+    return TrainResult(pd.DataFrame([row]), pd.DataFrame(), losses.assign(run=row["plan"]),
+                       pd.DataFrame(), pd.DataFrame())
 
 
 def _save_output(trainer: Any, folder: Path, src: Sources, tmp: Path) -> None:
@@ -292,8 +285,8 @@ def _save_output(trainer: Any, folder: Path, src: Sources, tmp: Path) -> None:
 
 def _losses(history: list[dict[str, Any]], first_eval: float, tokens_per_step: float
             ) -> pd.DataFrame:
-    """The train loss per step and the eval loss at each eval (step 0: before training), against
-    trained tokens (an epoch's spread evenly over its steps: the same in both plans)."""
+    """Each step's train loss and each eval's loss (step 0: before training), against trained
+    tokens (an epoch's spread evenly over its steps: the same in both plans)."""
     import pandas as pd
 
     rows = [{"split": "eval", "step": 0, "loss": first_eval, "learning_rate": None}]
@@ -306,9 +299,7 @@ def _losses(history: list[dict[str, Any]], first_eval: float, tokens_per_step: f
 
 
 def _counts(cfg: TrainConfig, job: _Job, out: Path) -> dict[str, float]:
-    """What the run does, counted before its first step (eta.job_counts): from the checkpoint a
-    resume starts at, the bytes the cache build read (none on a hit), the records the naive
-    plan reads."""
+    """What the run does, counted before its first step (eta.job_counts)."""
     from diag.data import read_meta
 
     done = int(last.name.split("-")[1]) if cfg.resume and (last := last_checkpoint(out)) else 0

@@ -22,12 +22,10 @@ class CommWait:
     """Clocks the waits on the other ranks inside a DDP step; `take()` returns them per step.
 
     Broadcast: from DDP's forward pre-hook to its module's, when DDP syncs buffers. All-reduce:
-    from backward's end to DDP's wait for every bucket (two of autograd's final callbacks around
-    DDP's own, where its logging marks them); what finished while backward ran costs nothing.
-    Host clocks on CPU,
-    events read at `take()` on CUDA (no sync inside a step). hook, state: your communication
-    hook (fp16, PowerSGD), wrapped; else DDP's own average. A hook registered before cannot be
-    wrapped: one line says so, and the all-reduce's wait stays in compute.
+    from backward's end to DDP's wait for every bucket (autograd final callbacks around DDP's,
+    where its logging marks them). Host clocks on CPU, events read at `take()` on CUDA. hook,
+    state: your communication hook (fp16, PowerSGD), wrapped; else DDP's own average. A hook
+    registered before cannot be wrapped: one line says so, its wait stays in compute.
     """
 
     def __init__(self, ddp: Any, hook: Any = None, state: Any = None) -> None:
@@ -37,8 +35,7 @@ class CommWait:
         self._events = torch.cuda.Event if next(ddp.parameters()).is_cuda else None
         self._spans: list[tuple[Any, Any]] = []  # (start, end) of each broadcast since take()
         self._started: Any = None
-        self.all_reduce_s: list[float] = []  # the first backwards' exposed waits: the ones
-                                             # DDP's logging data samples (ddp_exposed_s)
+        self.all_reduce_s: list[float] = []  # the first 10 backwards' (as DDP's logging)
         self._ended: Any = None  # time (or event) backward's compute ended
         self._waited: Any = None  # time (or event) DDP had every bucket's all-reduce back
         if ddp.will_sync_module_buffers():
@@ -126,9 +123,8 @@ class CommWait:
 
 
 def ddp_exposed_s(ddp: Any) -> float | None:
-    """DDP's own mean exposed all-reduce per sampled iteration (its logging data: backward comm
-    minus the part overlapped with backward compute), None before any; DDP samples the first
-    10 iterations, then one in 100."""
+    """DDP's own mean exposed all-reduce per sampled iteration (backward comm minus its overlap
+    with backward compute; the first 10 iterations, then one in 100), None before any."""
     data = ddp._get_ddp_logging_data()
     comm = data.get("avg_backward_comm_time")
     if not comm:

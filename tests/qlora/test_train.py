@@ -202,3 +202,24 @@ def test_the_merged_model_keeps_packed_records_apart(fresh):
         cached = model(row, position_ids=positions, use_cache=True).logits[0, 12:]
     apart, across = (alone - packed).abs().max(), (alone - cached).abs().max()
     assert apart < 1e-4 < across / 100, (apart, across)  # the cache's path: records attend across
+
+
+def test_under_a_launcher_a_signal_stops_the_rank_at_once(monkeypatch):
+    # a checkpoint at the end of the step a signal came in: ranks that got it in different steps
+    # would each wait for the other in the next one's all-reduce, until the launcher's SIGKILL
+    import signal
+
+    from diag.qlora.trainer import signals_callback
+
+    mine = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    signals_callback()().on_train_begin(None, None, None)
+    assert signal.getsignal(signal.SIGTERM) is mine
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: a checkpoint at the step's end
+    callback = signals_callback()()
+    callback.on_train_begin(None, None, None)
+    try:
+        assert signal.getsignal(signal.SIGTERM) == callback._caught
+    finally:
+        callback.on_train_end(None, None, None)
+    assert signal.getsignal(signal.SIGTERM) is mine

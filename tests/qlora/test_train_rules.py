@@ -301,3 +301,4 @@ def test_the_naive_plan_reads_a_whole_dataset_from_disk_item_by_item(tmp_path):
     assert len(got) == 5 and [got[i] for i in range(5)] == [records[i] for i in picked]
     assert got[1:3] == [records[1499], records[1500]]
     assert (tmp_path / "records.arrow").stat().st_size > 0 and got.__getstate__()["_table"] is None
+
