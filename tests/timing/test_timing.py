@@ -8,16 +8,20 @@ from diag.timing import STAGES, StageTimer, check_stage
 
 def test_stage_accumulates_and_frame_is_tidy():
     timer = StageTimer()
+    begin = time.perf_counter()
     for _ in range(3):
         with timer.stage("compute"):
             time.sleep(0.01)
+    middle = time.perf_counter()
     with timer.stage("load_model"):
         time.sleep(0.02)
+    end = time.perf_counter()
     frame = timer.to_frame()
     assert list(frame.columns) == ["stage", "seconds", "step", "rank", "node"]
     assert (frame["stage"] == "compute").sum() == 3
-    assert timer.total("compute") == pytest.approx(0.03, abs=0.015)
-    assert timer.total("load_model") == pytest.approx(0.02, abs=0.015)
+    # each at least its sleeps, at most the wall around them (a busy box oversleeps)
+    assert 0.03 <= timer.total("compute") <= middle - begin
+    assert 0.02 <= timer.total("load_model") <= end - middle
     assert frame["step"].isna().all()  # no watch(): no step numbers
     assert (frame["rank"] == 0).all()
 
