@@ -70,18 +70,15 @@ def check(out_dir: str | os.PathLike[str], run: dict[str, Any], resume: bool,
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out-dir={str(out)!r}: is a file; name a new folder or a run's own")
-    found = [c for f in folders for c in checkpoints(out / f)]
-    if found and not resume:
-        step = max(s for s, _ in found)
+    step = max((s for f in folders for s, _ in checkpoints(out / f)), default=None)
+    if step is not None and not resume:
         raise ValueError(f"--out-dir={str(out)!r} holds the checkpoints of another run (up to "
                          f"step {step}): pass --resume to continue it, or name a new folder")
-    if not resume:
-        return None
-    if not found:
+    if step is None and resume:
         raise ValueError(f"--resume: {str(out)!r} holds no complete checkpoint to continue "
                          "from; run without --resume to start afresh there")
     path = out / RUN_FILE
-    stored = json.loads(path.read_text()) if path.is_file() else {}
+    stored = json.loads(path.read_text()) if resume and path.is_file() else {}
     for key, value in run.items():
         if key in stored and stored[key] != value:
             raise ValueError(f"--resume: the run in {str(out)!r} was started with "
