@@ -14,8 +14,9 @@ CPU, gloo, 2 ranks: `python bench/distributed.py` launches itself under torchrun
   DDP model and on the QLoRA Trainer path. Goal 0.
 - hook_grad_equal: gradients bitwise equal with and without diag's hook (a sub-group, fp16
   compression, PowerSGD, a hook registered before diag's). Goal 1. Beside it, comm_wait_vs_ddp:
-  diag's exposed all-reduce over DDP's own logging data. `--only hooks` runs these two alone,
-  `--only overhead` the overhead and these.
+  diag's exposed all-reduce over DDP's own logging data (goal 0.75-1.33). `--only hooks` runs
+  these two alone, `--only overhead` the overhead and these, `--only stragglers` the straggler
+  figures and these. `--busy N` starts N busy loops beside it (the issue-42 check: two).
 """
 
 from __future__ import annotations
@@ -199,13 +200,14 @@ def _recovered(frame, expected_s: float) -> tuple[float, str]:
     return float(found.iloc[0]["wait_per_step_s"]) / expected_s, found.iloc[0]["evidence"]
 
 
-def _alarms(frames) -> int:
+def _alarms(frames) -> list[str]:
+    """The evidence of each straggler named in runs with nothing injected."""
     from diag.timing import stragglers
 
-    return sum(not stragglers.findings(f).empty for f in frames)
+    return [e for f in frames for e in stragglers.findings(f)["evidence"]]
 
 
-def toys(rank: int) -> tuple[float, str, int]:
+def toys(rank: int) -> tuple[float, str, list[str]]:
     """The BatchNorm straggler (recovered, evidence) and the small model's false alarms."""
     from diag.config import ToyConfig
     from diag.loader.toy import run_toy
@@ -216,7 +218,7 @@ def toys(rank: int) -> tuple[float, str, int]:
     return (*_recovered(slow, DELAY_MS / 1000), _alarms(clean))
 
 
-def qlora() -> tuple[float, str, int]:
+def qlora() -> tuple[float, str, list[str]]:
     """The QLoRA Trainer path (the naive plan: its loader in the main process, so rank 1's delay
     is all exposed): rank 1's straggler recovered, false alarms of RUNS clean runs."""
     from diag.config import QLoraConfig
@@ -248,41 +250,53 @@ def worker(only: str) -> None:
             print(checks)
         dist.destroy_process_group()
         return
-    spill = Path(tempfile.mkdtemp(prefix="diag-bench-dist-"))
-    ratios = overhead(torch, seat.rank, spill)
-    spill.rmdir()
-    toy, job = (toys(seat.rank), qlora()) if only == "all" else (None, None)
+    ratios = None
+    if only in ("all", "overhead"):
+        with tempfile.TemporaryDirectory(prefix="diag-bench-dist-") as spill:
+            ratios = overhead(torch, seat.rank, Path(spill))
+    toy, job = (toys(seat.rank), qlora()) if only in ("all", "stragglers") else (None, None)
     if seat.is_root:
         from diag.noise import median_interval
 
-        timed, control = median_interval(ratios["timed"]), median_interval(ratios["control"])
-        print(f"per round over {ROUNDS} rounds of {STEPS} steps of "
-              f"{statistics.median(ratios['step_s']) * 1e3:.3g} ms (untimed): timed/untimed "
-              f"median {timed[0]:.4f} (95% interval {timed[1]:.4f}-{timed[2]:.4f}, range "
-              f"{min(ratios['timed']):.3f}-{max(ratios['timed']):.3f}); A/A control median "
-              f"{control[0]:.4f} ({control[1]:.4f}-{control[2]:.4f})")
+        print(f"load average {os.getloadavg()[0]:.1f} (1 min) at the end")
         if toy and job:
             print(f"BatchNorm model: {toy[1]}")
             print(f"QLoRA Trainer path: {job[1]}")
-        print(f"distributed_overhead: {timed[0]:.4f} (goal <= 1.02; interval {timed[1]:.4f}-"
-              f"{timed[2]:.4f}, A/A {control[0]:.4f}: {_verdict(timed, control)})")
+        if ratios:
+            timed, control = median_interval(ratios["timed"]), median_interval(ratios["control"])
+            print(f"per round over {ROUNDS} rounds of {STEPS} steps of "
+                  f"{statistics.median(ratios['step_s']) * 1e3:.3g} ms (untimed): timed/untimed "
+                  f"median {timed[0]:.4f} (95% interval {timed[1]:.4f}-{timed[2]:.4f}, range "
+                  f"{min(ratios['timed']):.3f}-{max(ratios['timed']):.3f}); A/A control median "
+                  f"{control[0]:.4f} ({control[1]:.4f}-{control[2]:.4f})")
+            print(f"distributed_overhead: {timed[0]:.4f} (goal <= 1.02; interval {timed[1]:.4f}-"
+                  f"{timed[2]:.4f}, A/A {control[0]:.4f}: {_verdict(timed, control)})")
         if toy and job:
             print(f"straggler_delay_recovered: qlora {job[0]:.3f}, batchnorm {toy[0]:.3f} "
                   f"(goal 0.8-1.2 each; rank 1 slower by {QLORA_DELAY_MS:g} and {DELAY_MS:g} "
                   "ms per batch)")
-            print(f"straggler_false_alarms: small model {toy[2]} of {RUNS}, qlora {job[2]} of "
-                  f"{RUNS} (goal 0)")
+            print(f"straggler_false_alarms: small model {len(toy[2])} of {RUNS}, qlora "
+                  f"{len(job[2])} of {RUNS} (goal 0)" + "".join(f"\n  named: {e}"
+                                                          for e in toy[2] + job[2]))
         print(checks)
     dist.destroy_process_group()
 
 
 def main() -> int:
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else "all"
-    home = tempfile.mkdtemp(prefix="diag-bench-home-")  # spills and the embedded assets
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DIAG_HOME": home}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(_free_port()), str(Path(__file__).resolve()), "--worker", only]
-    return subprocess.run(cmd, env=env).returncode
+    busy = int(sys.argv[sys.argv.index("--busy") + 1]) if "--busy" in sys.argv else 0
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="diag-bench-home-") as home:  # spills, assets
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                   "DIAG_HOME": home}
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_port", str(_free_port()), str(Path(__file__).resolve()),
+                   "--worker", only]
+            return subprocess.run(cmd, env=env).returncode
+    finally:
+        for loop in loops:
+            loop.kill()
 
 
 def _free_port() -> int:

@@ -10,7 +10,8 @@ learning rate schedule and steps. Prints:
 - `train_eval_loss_parity` (<= 0.1): |optimized - naive| final eval loss over the naive plan's
   eval-loss drop, each plan's drop printed (goal >= 5% each);
 - `train_resume_max_loss_diff` (<= 1e-5): a `python -m diag train` of the optimized run SIGKILLed
-  after a checkpoint, then --resume, against the uninterrupted run: every step's and eval's loss;
+  three times (just after a checkpoint, while one is being written, mid-step), each time continued
+  with --resume, against the uninterrupted run: every step's and eval's loss, no temp left;
 - `train_steady_compute_share` (>= 0.9): compute over the optimized run's steady train loop
   (set-up, eval and checkpoints apart, as the TimingCallback bills them);
 - naive / optimized wall per trained token;
@@ -67,27 +68,53 @@ def argv(cfg: TrainConfig) -> list[str]:
         part for k, v in flags.items() for part in (f"--{k}", str(v)))]
 
 
-def killed_then_resumed(cfg: TrainConfig, after: int) -> dict:
-    """cfg run by the CLI, SIGKILLed once a checkpoint past `after` steps is on disk, then run
-    again with --resume; the resumed run's JSON result."""
+KILLS = ("after a checkpoint", "mid-checkpoint-write", "mid-step")
+
+
+def killed_then_resumed(cfg: TrainConfig) -> dict:
+    """cfg run by the CLI and SIGKILLed at each of KILLS in turn, every run after the first a
+    --resume of the last; the last (uninterrupted) resume's JSON result."""
     out = Path(cfg.out_dir)
-    proc = subprocess.Popen(argv(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        while (last := last_checkpoint(out)) is None or int(last.name.split("-")[1]) < after:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the run ended ({proc.returncode}) before it was killed")
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-    print(f"killed at {last_checkpoint(out).name}; resuming")
+    for i, how in enumerate(KILLS):
+        proc = subprocess.Popen(argv(cfg) + ["--resume"] * (i > 0), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            print(f"killed {how}: {_kill(proc, out, how)}; resuming")
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
     done = subprocess.run(argv(cfg) + ["--resume", "--json"], capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(done.stderr[-2000:])
+    left = [p.name for p in out.iterdir() if ".tmp-" in p.name]
+    assert not left, f"temporaries left in {out}: {left}"
     return json.loads(done.stdout)
+
+
+def _kill(proc: subprocess.Popen, out: Path, how: str) -> str:
+    """SIGKILL proc at `how` (KILLS) in its run; what was on disk as it died."""
+    def step() -> int:
+        return int(last.name.split("-")[1]) if (last := last_checkpoint(out)) else 0
+
+    def writing() -> list[str]:  # a checkpoint's temporary folder (diag.files.temp_path)
+        return [p.name for p in out.glob(".checkpoint-*.tmp-*")] if out.is_dir() else []
+
+    begun, seen = step(), None
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the run ended ({proc.returncode}) before it was killed {how}")
+        if how == "mid-checkpoint-write" and writing():
+            break
+        if how != "mid-checkpoint-write" and step() > begun:
+            if how == "after a checkpoint":
+                break
+            seen = seen or time.monotonic()  # mid-step: a second past the checkpoint,
+            if time.monotonic() - seen > 1.0 and not writing():  # no save under way
+                break
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    return f"checkpoint-{step()} the last whole one, {writing() or 'no save'} under way"
 
 
 def measure(args: argparse.Namespace, work: Path, begin: float) -> int:
@@ -127,14 +154,14 @@ def measure(args: argparse.Namespace, work: Path, begin: float) -> int:
           f"{n['seconds']:.3g} s, optimized {o['seconds']:.3g} s, {int(o['trained_tokens']):,} "
           "trained tokens each)")
     if not args.skip_resume:
-        got = killed_then_resumed(cfg.replace(plan="optimized", out_dir=str(work / "killed")),
-                                  after=75)
+        got = killed_then_resumed(cfg.replace(plan="optimized", out_dir=str(work / "killed")))
         resumed = {(r["split"], r["step"]): r["loss"] for r in got["train_losses"]}
         whole = runs["optimized"].losses.set_index(["split", "step"])["loss"].to_dict()
         assert resumed.keys() == whole.keys(), (sorted(resumed), sorted(whole))
         diff = max(abs(resumed[k] - whole[k]) for k in whole)
-        print(f"train_resume_max_loss_diff: {diff:.3g} over {len(whole)} losses, resumed from "
-              f"step {got['train'][0]['resumed_from_step']} (goal <= 1e-5)")
+        print(f"train_resume_max_loss_diff: {diff:.3g} over {len(whole)} losses, killed "
+              f"{', '.join(KILLS)}, last resumed from step {got['train'][0]['resumed_from_step']} "
+              "(goal <= 1e-5)")
     both = {k: [frames_of("train", r)[k] for r in runs.values()]
             for k in ("train", "run", "train_losses", "train_eta")}
     out = report.write({k: pd.concat(v, ignore_index=True) for k, v in both.items()})

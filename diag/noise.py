@@ -54,9 +54,8 @@ def spread(samples: Sequence[float]) -> float:
 
 
 def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
-    """The median and its distribution-free interval (no assumption on the noise's shape): order
-    statistics k and n-k+1, k the largest with P(Binomial(n, 1/2) < k) <= (1 - level) / 2. Under
-    6 values no pair reaches 95%: the interval is then the smallest and largest (5: 93.8%)."""
+    """The median and its distribution-free interval: order statistics k and n-k+1 (under 6
+    values no pair reaches 95%: then the smallest and the largest)."""
     xs, n = sorted(values), len(values)
     k, tail = 0, 0.0
     while tail + math.comb(n, k) / 2 ** n <= (1 - level) / 2:
@@ -68,9 +67,7 @@ def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
 
 def unsettled(samples: Mapping[Hashable, Sequence[float]], within: float = SETTLED
               ) -> list[Any]:
-    """The sides whose median is not yet known to `within` of itself (median_interval's
-    half-width over the median), or that hold under MIN_SAMPLES: a figure used as it is (a
-    prediction's start), not compared."""
+    """The sides whose median is not yet known to `within` of itself, or under MIN_SAMPLES."""
     out = []
     for side, values in samples.items():
         mid, lo, hi = median_interval(values)
@@ -124,8 +121,7 @@ def fastest(samples: Mapping[Hashable, Sequence[float]]) -> Any:
 
 
 def unresolved(samples: Mapping[Hashable, Sequence[float]]) -> list[Any]:
-    """The sides whose gap to the fastest is not resolved (empty: every gap is real); the
-    fastest is listed first when any is, so a round re-times it beside them."""
+    """The sides within noise of the fastest, the fastest first (empty: every gap is real)."""
     best = fastest(samples)
     tied = [k for k in samples if k != best and not compare(samples[best], samples[k]).resolved]
     return [best, *tied] if tied else []
@@ -133,9 +129,8 @@ def unresolved(samples: Mapping[Hashable, Sequence[float]]) -> list[Any]:
 
 @dataclass(frozen=True)
 class Choice:
-    """What `choose` decided: `value`, the fastest side `best`, the sides within noise of it
-    (`tied`) and `against`: the fastest (a) against `rival` (b): the default, or, when the
-    default is the fastest, the runner-up (None: one side only)."""
+    """`choose`'s decision: the value, the fastest side, those within noise of it, and the
+    comparison it rests on (the fastest against `rival`: the default, or the runner-up)."""
 
     value: Any
     default: Any
@@ -151,8 +146,7 @@ class Choice:
 
 
 def choose(samples: Mapping[Hashable, Sequence[float]], default: Hashable) -> Choice:
-    """The fastest side when its gap to `default` is resolved, else `default` (kept: the
-    simpler setting); `default` must be one of the sides."""
+    """The fastest side when its gap to `default` is resolved, else `default` (the simpler)."""
     best = fastest(samples)
     tied = tuple(k for k in unresolved(samples) if k != best)
     if best != default:
@@ -165,13 +159,9 @@ def choose(samples: Mapping[Hashable, Sequence[float]], default: Hashable) -> Ch
 
 
 class Rounds:
-    """Repeats of a measurement, one round at a time, until resolved or out of time.
-
-    `round()` returns one sample per side (a list, interleaved inside the round by the caller);
-    `pending(samples)` returns which comparisons are still unresolved (falsy: done). Rounds run at
-    least `min_rounds` times, at most `max_rounds`, and stop once `budget_s` seconds are spent
-    (checked between rounds, so a round is never cut in half) past the first `owed` rounds (a
-    screen's share, not repeats: `spent_s` leaves them out too)."""
+    """Repeats of a measurement, a round at a time: `round()` gives one sample per side;
+    rounds run at least `min_rounds`, at most `max_rounds`, until `pending(samples)` is falsy
+    or `budget_s` is spent past the first `owed` rounds (checked between rounds)."""
 
     def __init__(self, round: Callable[[], Sequence[float]],
                  pending: Callable[[list[list[float]]], object], *, budget_s: float,

@@ -23,7 +23,7 @@ from typing import Any
 
 from diag import config
 from diag.cli.flags import UsageError, build_parser, unrecognized
-from diag.cli.shutdown import exit_now
+from diag.cli.shutdown import exit_now, said
 from diag.cli.show import one_line, show
 from diag.secrets import redact
 
@@ -104,8 +104,8 @@ def parse(argv: list[str]) -> tuple[str, config.ExperimentConfig, argparse.Names
 def run(name: str, cfg: config.ExperimentConfig) -> Any:
     module, function = EXPERIMENTS[name].runner.split(":")
     runner = getattr(importlib.import_module(module), function)
-    if not isinstance(cfg, config.SourceConfig):
-        return runner(cfg)
+    if not isinstance(cfg, config.SourceConfig) or isinstance(cfg, config.TrainConfig):
+        return runner(cfg)  # diag train's preflight follows its --out-dir's check
     from diag.preflight import covered, preflight
 
     if isinstance(cfg, config.DiagnoseConfig):  # a budget too small for its steps: refused first
@@ -129,8 +129,6 @@ def _job(cfg: config.SourceConfig) -> config.QLoraConfig | None:
     """The QLoRA job that trains on cfg's source: its records are checked before the work."""
     if isinstance(cfg, config.QLoraConfig):
         return cfg
-    if isinstance(cfg, config.TrainConfig):  # the job its plan is decided on: the same records
-        return cfg.job()
     if isinstance(cfg, config.DiagnoseConfig) and cfg.qlora:
         from diag.diagnose import job_config
 
@@ -173,32 +171,18 @@ def main(argv: list[str] | None = None) -> int:
         own_module = isinstance(err, ModuleNotFoundError) and (err.name or "").startswith("diag")
         if os.environ.get("DIAG_DEBUG") or own_module:  # a broken diag install is a bug, not usage
             raise
-        # under a launcher every rank's own line, named: another rank's error is not rank 0's
-        line = one_line(err).replace("diag: ", f"diag: {distributed.who()}", 1)
+        # under a launcher every rank's own line, named (a rank a collective lost, by name)
+        line = one_line(distributed.ending(err)).replace("diag: ", f"diag: {distributed.who()}", 1)
         sys.stderr.write(redact(line) + "\n")  # one write: the ranks share the launcher's stderr
-        _spills_left()
-        return 2
+        said()
+        return 2  # (a run stopped before its end says where its spilled steps are, at exit)
     except KeyboardInterrupt as err:  # Ctrl-C; a training run that saved a checkpoint first
         # (diag.qlora.checkpoints.Interrupted, SIGTERM too) says how to resume
         sys.stderr.write(redact(str(err) or "diag: interrupted") + "\n")
         return 128 + getattr(err, "signum", signal.SIGINT)
-    except SystemExit:  # SIGTERM: the launcher stops this rank because another one failed
-        _spills_left()
-        raise
     if not distributed.who() or distributed.place().is_root:  # rank 0 alone prints and writes
         show(name, cfg, result, args)
     return 0
-
-
-def _spills_left() -> None:
-    """A run that stopped before its end says where this rank's finished steps are."""
-    from diag.timing.distributed import spilled, who
-
-    folder = spilled()
-    if folder is not None:
-        sys.stderr.write(f"diag: {who()}stopped before the end of the run; the steps it "
-                         f"finished are in {folder} (`diag report {folder}` reads every "
-                         "rank's)\n")
 
 
 def threading_main() -> bool:

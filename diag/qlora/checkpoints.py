@@ -1,12 +1,9 @@
 """Checkpoints, resume, the adapter as output: one implementation for `diag qlora` and `diag train`.
 
-A checkpoint (PEFT adapter, optimizer, scheduler, RNG states, trainer_state.json with the data
-position: the Trainer's, diag.qlora.trainer) is written into a temporary folder swapped in whole
-(`save_whole`, diag.files.atomic_folder); the last `keep` stay. `claim(out_dir, run, resume)`
-refuses a folder holding another run's checkpoints unless resuming, and a resume with other
-settings names the one that differs. A signal during training ends in `Interrupted` (the CLI exits
-130 / 143 with its one line). `publish` puts the finished adapter and tokenizer in out_dir (PEFT's
-format, adapter_config.json last); `merged` writes the base and adapter merged in 16-bit.
+A checkpoint (the Trainer's: adapter, optimizer, scheduler, RNG, data position) is swapped in
+whole (`save_whole`); the last `keep` stay. `check` refuses an out_dir that does not fit the run
+before any work; a signal ends in `Interrupted`; `publish` puts the finished output in out_dir,
+adapter_config.json last; `merged` writes base and adapter merged in 16-bit.
 """
 
 from __future__ import annotations
@@ -23,12 +20,15 @@ from typing import Any
 from diag.files import atomic_file, atomic_folder, fsync_path, sweep_orphans, temp_path
 
 RUN_FILE = "diag-run.json"  # what the run in a folder trains on: a resume must match it
+PACKED_ROWS = ("\n\n## Packed rows\n\nTo feed several records in one row, restart `position_ids` "
+               "at 0 for each record and pass `use_cache=False`: with a cache, transformers "
+               "skips the packed-sequence mask and the records attend to each other.\n")
 _FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 class Interrupted(KeyboardInterrupt):
-    """Training stopped by a signal after saving its state; str() is the one line that says how
-    to resume, `signum` gives the exit code (128 + signum: 130 for Ctrl-C, 143 for SIGTERM)."""
+    """Training stopped by a signal after saving its state: str() says how to resume, the exit
+    code is 128 + `signum`."""
 
     def __init__(self, signum: int, line: str) -> None:
         super().__init__(line)
@@ -56,31 +56,44 @@ def last_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
-def claim(out_dir: str | os.PathLike[str], run: dict[str, Any], resume: bool,
+def at_end(checkpoint: Path) -> bool:
+    """Whether checkpoint holds its run's last step: the Trainer resumed there trains one more."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    return state["global_step"] >= state.get("max_steps", float("inf"))
+
+
+def check(out_dir: str | os.PathLike[str], run: dict[str, Any], resume: bool,
           folders: Iterable[str] = ("",)) -> dict[str, Any] | None:
-    """Check out_dir for this run before any work: checkpoints of another run (in out_dir or its
-    `folders`) are refused unless resuming; a resume whose settings differ from the run file's
-    names the first that differs. Returns the run file's record when resuming, else None (and
-    writes `run` as the folder's run file)."""
+    """Refuse out_dir for this run, writing nothing: checkpoints of another run (in out_dir or
+    its `folders`) unless resuming; a resume with none, or whose settings differ from the run
+    file's (the first that differs named). Returns the run file's record when resuming."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out-dir={str(out)!r}: is a file; name a new folder or a run's own")
-    found = [c for f in folders for c in checkpoints(out / f)]
-    path = out / RUN_FILE
-    stored = json.loads(path.read_text()) if path.is_file() else None
-    if found and not resume:
-        step = max(s for s, _ in found)
+    step = max((s for f in folders for s, _ in checkpoints(out / f)), default=None)
+    if step is not None and not resume:
         raise ValueError(f"--out-dir={str(out)!r} holds the checkpoints of another run (up to "
                          f"step {step}): pass --resume to continue it, or name a new folder")
-    if resume and stored is not None:
-        for key, value in run.items():
-            if key in stored and stored[key] != value:
-                raise ValueError(f"--resume: the run in {str(out)!r} was started with "
-                                 f"{key}={stored[key]!r}, this one asks {key}={value!r}; resume "
-                                 "with the same settings, or name a new --out-dir")
-        return stored
-    record(out, run, fresh=True)
-    return None
+    if step is None and resume:
+        raise ValueError(f"--resume: {str(out)!r} holds no complete checkpoint to continue "
+                         "from; run without --resume to start afresh there")
+    path = out / RUN_FILE
+    stored = json.loads(path.read_text()) if resume and path.is_file() else {}
+    for key, value in run.items():
+        if key in stored and stored[key] != value:
+            raise ValueError(f"--resume: the run in {str(out)!r} was started with "
+                             f"{key}={stored[key]!r}, this one asks {key}={value!r}; resume "
+                             "with the same settings, or name a new --out-dir")
+    return stored or None
+
+
+def claim(out_dir: str | os.PathLike[str], run: dict[str, Any], resume: bool,
+          folders: Iterable[str] = ("",)) -> dict[str, Any] | None:
+    """`check`, then (not a resume of a recorded run) `run` written as the folder's run file."""
+    stored = check(out_dir, run, resume, folders)
+    if stored is None:
+        record(out_dir, run, fresh=True)
+    return stored
 
 
 def record(out_dir: str | os.PathLike[str], run: dict[str, Any], fresh: bool = False) -> None:
@@ -92,8 +105,7 @@ def record(out_dir: str | os.PathLike[str], run: dict[str, Any], fresh: bool = F
 
 
 def full_disk(err: BaseException) -> bool:
-    """A write that failed for want of room: ENOSPC, a file-size or quota limit (torch's zip
-    writer says it in a RuntimeError)."""
+    """A write that failed for want of room (torch's zip writer says it in a RuntimeError)."""
     if isinstance(err, OSError):
         return err.errno in _FULL
     text = str(err).lower()
@@ -102,9 +114,8 @@ def full_disk(err: BaseException) -> bool:
 
 
 def save_whole(final: Path, write: Callable[[Path], None], keep: int) -> None:
-    """Write one checkpoint through `write(tmp)` into a temporary folder swapped in as `final`,
-    then keep the last `keep`. A save that runs out of room: one line, nothing of it kept, the
-    checkpoints before it intact."""
+    """One checkpoint written by `write(tmp)` and swapped in as `final`; the last `keep` kept. Out
+    of room: one line, nothing of it kept, the checkpoints before it intact."""
     sweep_orphans(final.parent)  # what a save killed mid-way left
     try:
         with atomic_folder(final) as tmp:
@@ -117,13 +128,17 @@ def save_whole(final: Path, write: Callable[[Path], None], keep: int) -> None:
                            f"({getattr(err, 'strerror', None) or err}); nothing of it was kept, "
                            f"{before.name + ' is intact' if before else 'no earlier checkpoint'}"
                            ": free space, then continue with --resume") from None
-    for _, old in checkpoints(final.parent)[:-keep]:
+    keep_last(final.parent, keep)
+
+
+def keep_last(folder: Path, keep: int) -> None:
+    """Remove all but the newest `keep` complete checkpoints in folder."""
+    for _, old in checkpoints(folder)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
 def interrupted(signum: int, step: int, out_dir: Path | str | None) -> Interrupted:
-    """The stop a signal asked for, with the one line that says where the run stands: resumed
-    with --out-dir out_dir, or (None) not at all, its checkpoint in a temporary folder."""
+    """The stop a signal asked for; its line says how to resume (out_dir None: it cannot)."""
     name = signal.Signals(signum).name
     where = (f"a checkpoint of step {step} is saved: run the same command with --resume "
              f"--out-dir {out_dir} to continue" if out_dir else
@@ -133,8 +148,8 @@ def interrupted(signum: int, step: int, out_dir: Path | str | None) -> Interrupt
 
 def publish(out_dir: Path, write: Callable[[Path], None], last: str = "adapter_config.json"
             ) -> list[str]:
-    """Put what `write(tmp)` writes into out_dir, each file fsynced and renamed in, `last` last:
-    out_dir holds the whole output or an older one, never a part that loads. Returns the names."""
+    """Put what `write(tmp)` writes into out_dir, fsynced, `last` renamed in last: out_dir holds
+    the whole output or an older one, never a part that loads. Returns the names."""
     tmp = temp_path(out_dir / "output")
     tmp.mkdir(parents=True)
     try:
@@ -151,14 +166,15 @@ def publish(out_dir: Path, write: Callable[[Path], None], last: str = "adapter_c
 
 
 def merged(base_folder: Path, adapter_dir: Path, out: Path, dtype: Any = None) -> Path:
-    """The base reloaded in 16-bit with the adapter merged into its weights, saved whole at out
-    (a model transformers loads without PEFT)."""
+    """The base reloaded in 16-bit with the adapter merged in, saved whole at out (no PEFT needed
+    to load it); its config's use_cache is off, so packed rows stay apart (PACKED_ROWS)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=dtype or torch.bfloat16)
     model = merge_into(PeftModel.from_pretrained(base, adapter_dir))
+    model.config.use_cache = False  # generate() keeps its own (generation_config.use_cache)
     with atomic_folder(out) as tmp:
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
@@ -166,8 +182,7 @@ def merged(base_folder: Path, adapter_dir: Path, out: Path, dtype: Any = None) -
 
 
 def merge_into(model: Any) -> Any:
-    """merge_and_unload, refused on a 4-bit base: its merged weights would be rounded back to
-    nf4, losing most of the adapter's small update."""
+    """merge_and_unload, refused on a 4-bit base (rounded back to nf4, the update is lost)."""
     if getattr(model, "is_loaded_in_4bit", False) or getattr(
             getattr(model, "base_model", None), "is_loaded_in_4bit", False):
         raise ValueError("merge: the base is loaded in 4-bit; merged weights would be rounded "

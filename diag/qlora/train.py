@@ -1,12 +1,8 @@
 """`diag train`: one plan trains the whole dataset, and the adapter it leaves is the output.
 
-`run_train(cfg)` decides the plan as `diag qlora` does (measured on the job, or read from
-`--results runs/<id>`; a resume takes the plan its run started with) and times every stage on
-one StageTimer: fetch_data, load_model, preprocess (the whole token cache, the held-out split),
-setup, warmup, train, checkpoint, eval. Before the first step it says what each stage will take
-(diag.qlora.eta: costs from earlier measurements, counts of this job) and after the last how far
-off it was. out_dir keeps the adapter (PEFT's format) and tokenizer, the checkpoints a resume
-starts from, and with --merge the merged 16-bit model.
+`run_train(cfg)` decides the plan as `diag qlora` does (a resume's is its run's), times every
+stage, says the ETA before the first step and how far off it was after the last. out_dir keeps
+the adapter (PEFT's format) and tokenizer, the checkpoints, with --merge the merged model.
 """
 
 from __future__ import annotations
@@ -14,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import gc
+import json
 import shutil
 import time
 from collections.abc import Iterable
@@ -22,10 +19,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag.machine.device import on_cpu_threads
-from diag.qlora.checkpoints import claim, last_checkpoint, merged, publish, record
 from diag.forecast.costs import price
 from diag.forecast.eta import (after_line, before_line, check_eta, costs_in, from_decisions,
                                job_counts)
+from diag.qlora.checkpoints import (PACKED_ROWS, at_end, check, last_checkpoint, merged,
+                                    publish, record)
 from diag.qlora.plans import Plan
 from diag.qlora.trainer import frozen_heap
 
@@ -49,27 +47,38 @@ class TrainResult:
     plans: pd.DataFrame  # the plan that ran: setting, value, basis, evidence (its decisions)
 
 
-@on_cpu_threads
 def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | None = None,
               src: Sources | None = None, costs: pd.DataFrame | None = None) -> TrainResult:
-    """Train cfg.plan on the whole dataset (or its first cfg.records) and leave the adapter in
-    cfg.out_dir. decisions: the optimized plan's (None: cfg.results', else measured on the
-    job); src: the job's sources, open (else opened here and closed at the end); costs: what
-    the ETA prices each unit at (diag.qlora.eta; None: cfg.results', else the decisions')."""
+    """Train cfg.plan on the whole dataset (or its first cfg.records), the adapter left in
+    cfg.out_dir; a resume of a finished run trains nothing. decisions: the optimized plan's
+    (None: cfg.results', else measured on the job); src: the job's sources, open; costs: the
+    ETA's unit costs (None: cfg.results', else the decisions')."""
     from diag.config import TrainConfig
     from diag.preflight import preflight
-    from diag.qlora.job import open_sources
     from diag.qlora.measure import read_results
 
     cfg, began = cfg or TrainConfig.default(), time.perf_counter()  # the command's ETA counts all
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(cfg.out_dir or f"train/{stamp}")
-    stored = claim(out, cfg.identity(), cfg.resume)  # before any work: another run's refused
+    stored = check(out, cfg.identity(), cfg.resume)  # before the source is read: writes nothing
+    if stored and "finished" in stored:
+        return _finished(out, stored)
     if decisions is None and cfg.results and not stored:
         decisions = read_results(cfg.job())
     if costs is None and cfg.results:
         costs = costs_in(cfg.results, cfg.plan)
-    preflight(cfg, cfg.job())  # folders, model, source and its first records: before any work
+    preflight(cfg, cfg.job())  # folders, model, source and its first records: before torch
+    if stored is None:
+        record(out, cfg.identity(), fresh=True)
+    return _start(cfg, out, stored, decisions, src, costs, began)
+
+
+@on_cpu_threads
+def _start(cfg: TrainConfig, out: Path, stored: dict[str, Any] | None,
+           decisions: Iterable[Decision] | None, src: Sources | None,
+           costs: pd.DataFrame | None, began: float) -> TrainResult:
+    from diag.qlora.job import open_sources
+
     with contextlib.nullcontext(src) if src else open_sources(cfg.job()) as src:
         start = time.perf_counter()
         plan, decided, build = _decide(cfg, stored, decisions, src)
@@ -85,9 +94,8 @@ def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | No
 def _decide(cfg: TrainConfig, stored: dict[str, Any] | None,
             decisions: Iterable[Decision] | None, src: Sources
             ) -> tuple[Plan, tuple[Decision, ...], dict[str, Any] | None]:
-    """(the plan, the decisions that price it, the token cache's recorded build): a resume's
-    stored plan; else the naive one or the optimized one of the given decisions; what was not
-    given is measured on the job (the naive plan's ETA rests on it too)."""
+    """(the plan, the decisions that price it, the token cache's build): a resume's stored plan,
+    else cfg.plan of the decisions given or measured on the job (the naive ETA rests on them)."""
     import pandas as pd
 
     from diag.data import read_meta
@@ -149,13 +157,15 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
         ahead = dict(zip(projected["stage"], projected["seconds"]))
         got = _train(cfg, plan, model, job, out, device, timer, stored, ahead)
         with timer.stage("checkpoint"):  # the output: adapter + tokenizer, whole
-            files = publish(out, lambda tmp: _save_output(got["trainer"], folder, tmp))
+            files = publish(out, lambda tmp: _save_output(got["trainer"], folder, src, tmp))
             made = merged(folder, out, out / "merged") if cfg.merge else None
         stages = timer.to_frame().assign(run=f"train ({plan.name})")  # beside a comparison's
         eta = check_eta(projected, stages)
-        losses = _losses(got, job.tokens_per_step).assign(run=plan.name)
+        losses = _losses(got["trainer"].state.log_history, got["first_eval"],
+                         job.tokens_per_step).assign(run=plan.name)
         frame = pd.DataFrame([_summary(cfg, plan, job, got, stages, eta, losses, out, files,
                                        made) | {"plan_s": plan_s}])
+        record(out, {"finished": json.loads(frame.to_json(orient="records"))[0]})
         say(f"diag train: {after_line(eta)}; the adapter is in {out}")
         return TrainResult(frame, stages, losses, eta, plan.frame())
     finally:
@@ -179,8 +189,7 @@ class _Job:
 
 def _job(cfg: TrainConfig, plan: Plan, path: Path, folder: Path, work: Path,
          attention: str | None) -> _Job:
-    """The preprocess stage: the whole token cache, the held-out split, the plan's datasets (the
-    naive plan's records on disk, read per item)."""
+    """The preprocess stage: the whole token cache, the held-out split, the plan's datasets."""
     from diag.data import PackedDataset
     from diag.qlora.data import ArrowRecords, build_dataset, train_records
 
@@ -195,8 +204,8 @@ def _job(cfg: TrainConfig, plan: Plan, path: Path, folder: Path, work: Path,
 
 
 def _same_source(out: Path, stored: dict[str, Any], cache: Any) -> None:
-    """A resume trains on the records its run started with: a source that changed since (its
-    token cache rebuilt under another key) is refused, never mixed."""
+    """A resume trains on its run's records: a source changed since (another cache key) is
+    refused, never mixed."""
     if stored.get("cache") not in (None, cache.key):
         raise ValueError(f"--resume: the source changed since the run in {str(out)!r} started "
                          f"(token cache {stored['cache'][:12]} then, {cache.key[:12]} now): its "
@@ -209,8 +218,8 @@ SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_
 
 def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, device: Any,
            timer: Any, stored: dict[str, Any], projected: dict[str, float]) -> dict[str, Any]:
-    """The Trainer's part (setup, warmup, train, checkpoint, eval): the held-out loss before the
-    first step (a fresh run), then every eval_every steps and at the end."""
+    """The Trainer's stages; the held-out loss before a fresh run's first step, then every
+    eval_every steps and at the end."""
     from diag.qlora.progress import Progress
     from diag.qlora.trainer import fit, trainer_for
 
@@ -234,26 +243,57 @@ def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, devic
             first = trainer.evaluate()["eval_loss"]
         callback.setup_from += time.perf_counter() - begin  # `setup`: the Trainer's, not this
         record(out, {"eval_loss_0": first})
-    wall = fit(trainer, callback, resume, out)
+    if resume is not None and at_end(resume):  # trained to the end, stopped before its output:
+        from transformers import TrainerState  # nothing to train (the Trainer would add a step)
+
+        trainer.state = TrainerState.load_from_json(str(resume / "trainer_state.json"))
+        trainer._load_from_checkpoint(str(resume))
+        wall = 0.0
+    else:
+        wall = fit(trainer, callback, resume, out)
     return {"trainer": trainer, "resume": resume, "wall": wall, "first_eval": first}
 
 
-def _save_output(trainer: Any, folder: Path, tmp: Path) -> None:
-    """The adapter as PEFT saves it (adapter_config.json + adapter_model.safetensors) and the
-    tokenizer: `PeftModel.from_pretrained(base, out_dir)` loads them."""
+def _finished(out: Path, stored: dict[str, Any]) -> TrainResult:
+    """A resume of a finished run: its summary and losses as it left them, nothing trained."""
+    import pandas as pd
+
+    from diag.qlora.progress import say
+
+    row = stored["finished"] | {"resumed_from_step": stored["finished"]["steps"]}
+    say(f"diag train: the run in {out} finished at step {row['steps']}: nothing to train, its "
+        "adapter is there (name a new --out-dir to train again)")
+    history = json.loads((last_checkpoint(out) / "trainer_state.json").read_text())
+    losses = _losses(history["log_history"], stored["eval_loss_0"],
+                     row["real_tokens"] / row["steps_per_epoch"])
+    return TrainResult(pd.DataFrame([row]), pd.DataFrame(), losses.assign(run=row["plan"]),
+                       pd.DataFrame(), pd.DataFrame())
+
+
+def _save_output(trainer: Any, folder: Path, src: Sources, tmp: Path) -> None:
+    """The adapter as PEFT saves it, its base named as given (hub id and revision, or your
+    folder; never diag's cache) so AutoPeftModelForCausalLM finds it anywhere; the tokenizer."""
     from transformers import AutoTokenizer
 
-    trainer.model.save_pretrained(tmp)
+    for config in trainer.model.peft_config.values():
+        config.base_model_name_or_path = src.model
+        config.revision = None if Path(src.model).is_dir() else src.revision
+    base = trainer.model.get_base_model()  # what the README's model card names
+    base.config.name_or_path = base.name_or_path = src.model
+    # LoRA on the projections alone: no embedding to save, so no hub look-up of the base's
+    trainer.model.save_pretrained(tmp, save_embedding_layers=False)
+    with open(tmp / "README.md", "a", encoding="utf-8") as card:
+        card.write(PACKED_ROWS)
     AutoTokenizer.from_pretrained(folder).save_pretrained(tmp)
 
 
-def _losses(got: dict[str, Any], tokens_per_step: float) -> pd.DataFrame:
-    """The train loss per step and the eval loss at each eval (step 0: before training), against
-    trained tokens (an epoch's spread evenly over its steps: the same in both plans)."""
+def _losses(history: list[dict[str, Any]], first_eval: float, tokens_per_step: float
+            ) -> pd.DataFrame:
+    """Each step's train loss and each eval's loss (step 0: before training), against trained
+    tokens (an epoch's spread evenly over its steps: the same in both plans)."""
     import pandas as pd
 
-    history = got["trainer"].state.log_history
-    rows = [{"split": "eval", "step": 0, "loss": got["first_eval"], "learning_rate": None}]
+    rows = [{"split": "eval", "step": 0, "loss": first_eval, "learning_rate": None}]
     rows += [{"split": "train", "step": h["step"], "loss": h["loss"],
               "learning_rate": h.get("learning_rate")} for h in history if "loss" in h]
     rows += [{"split": "eval", "step": h["step"], "loss": h["eval_loss"], "learning_rate": None}
@@ -263,9 +303,7 @@ def _losses(got: dict[str, Any], tokens_per_step: float) -> pd.DataFrame:
 
 
 def _counts(cfg: TrainConfig, job: _Job, out: Path) -> dict[str, float]:
-    """What the run does, counted before its first step (eta.job_counts): from the checkpoint a
-    resume starts at, the bytes the cache build read (none on a hit), the records the naive
-    plan reads."""
+    """What the run does, counted before its first step (eta.job_counts)."""
     from diag.data import read_meta
 
     done = int(last.name.split("-")[1]) if cfg.resume and (last := last_checkpoint(out)) else 0

@@ -1,13 +1,9 @@
 """The Trainer as `diag qlora` and `diag train` run it: its arguments from the plan, checkpoints
 written whole, a signal turned into a checkpoint and a stop, every stage timed.
 
-`trainer_for(cfg, plan, model, data, out_dir, device, timer)` makes it: `training_args` maps
-the plan (micro-batch x accumulation, the loader's workers, pin_memory, prefetching) and the
-caller's overrides (epochs, schedule, eval) to TrainingArguments; `trainer_class()` saves each
-checkpoint through diag.qlora.checkpoints.save_whole; `signals_callback()` catches SIGINT /
-SIGTERM; the TimingCallback bills setup, warmup, train, checkpoint and eval. `fit` trains it
-(from a checkpoint, to resume) and raises Interrupted where a signal stopped it; a start runs
-inside `frozen_heap()`, so the Trainer's own garbage collection is not its set-up.
+`trainer_for(...)` makes it (`training_args` from the plan and the caller's overrides,
+`trainer_class()`, `signals_callback()`, the TimingCallback); `fit` trains it, from a checkpoint
+to resume, and raises Interrupted where a signal stopped it.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diag.qlora.checkpoints import interrupted, save_whole
+from diag.qlora.checkpoints import interrupted, keep_last, save_whole
 
 if TYPE_CHECKING:
     from diag.config import JobConfig
@@ -59,9 +55,8 @@ def training_args(cfg: JobConfig, plan: Plan, data: Any, out_dir: Path, device: 
 def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path, device: Any,
                 timer: StageTimer, keep: int = 2, callbacks: tuple[Any, ...] = (),
                 **more: Any) -> tuple[Any, Any]:
-    """(the Trainer, its TimingCallback): checkpoints written whole (the last `keep` kept),
-    SIGINT / SIGTERM saving one at the step's end, the TimingCallback's `setup` clocked from
-    here. more: training_args' overrides, or the Trainer's own (train_dataset, eval_dataset)."""
+    """(the Trainer, its TimingCallback, whose `setup` is clocked from here); the last `keep`
+    checkpoints kept. more: training_args' overrides, or train_dataset / eval_dataset."""
     import transformers
 
     from diag.timing.callback import TimingCallback
@@ -83,12 +78,9 @@ def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
-    """A start with the objects alive before it (the imports: ~600k here) frozen out of the
-    garbage collector: accelerate's free_memory() runs a full gc.collect() as train() starts,
-    which walked them all (0.4-0.9 s, 90% of the Trainer's set-up on CPU); frozen, it walks
-    what the start made (Python's gc.freeze, as before forking loader workers). Garbage from
-    before the start stays until its end: collect it first where there is some (the sweeps'
-    models). The start's own reference cycles (its model's) are collected at its end."""
+    """A start with the objects alive before it frozen out of the garbage collector (gc.freeze):
+    accelerate's full gc.collect() as train() starts then walks only what the start made.
+    Garbage from before stays until the end: collect it first where there is some."""
     gc.freeze()
     try:
         yield
@@ -98,10 +90,9 @@ def frozen_heap() -> Iterator[None]:
 
 
 def fit(trainer: Any, callback: Any, resume: Path | None, out_dir: Path | None) -> float:
-    """trainer.train() from `resume` (a checkpoint) or the start; returns the wall seconds from
-    the Trainer's making to the end (what its stages must add to). A signal that stopped it
-    (its checkpoint saved): Interrupted, with the line saying how to resume: with --out-dir
-    out_dir (None: the checkpoint was in a temporary folder)."""
+    """trainer.train() from `resume` (a checkpoint) or the start; the wall seconds from the
+    Trainer's making to the end. Stopped by a signal (its checkpoint saved): Interrupted, saying
+    how to resume with --out-dir out_dir (None: it cannot)."""
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     wall = time.perf_counter() - trainer.made_at
     end_workers(trainer)
@@ -113,10 +104,8 @@ def fit(trainer: Any, callback: Any, resume: Path | None, out_dir: Path | None) 
 
 
 def end_workers(trainer: Any) -> None:
-    """Its DataLoaders' persistent workers shut down now. Left to the garbage collector (the next
-    Trainer's accelerate.free_memory) their queues can be finalized first: each worker then
-    waits out torch's 5 s join timeout (16 s for 3 workers, measured here) in the wall of
-    whatever runs next (the next round's set-up)."""
+    """Its DataLoaders' persistent workers shut down now: left to the garbage collector, each
+    can wait out torch's 5 s join timeout in the wall of whatever runs next."""
     for loader in trainer.accelerator._dataloaders:
         if getattr(loader, "_iterator", None) is not None:
             loader._iterator._shutdown_workers()
@@ -124,8 +113,8 @@ def end_workers(trainer: Any) -> None:
 
 @functools.cache
 def trainer_class() -> type:
-    """transformers.Trainer whose checkpoints are written whole (save_whole): the Trainer saves
-    into a staging folder, its files are lifted into the temporary folder that is swapped in."""
+    """transformers.Trainer whose checkpoints are written whole (save_whole): it saves into a
+    staging folder whose files are lifted into the temporary folder swapped in."""
     import transformers
 
     class Trainer(transformers.Trainer):
@@ -138,6 +127,11 @@ def trainer_class() -> type:
 
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
             name = f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            if self.args.world_size > 1:  # every rank writes its own files into one folder (as
+                super()._save_checkpoint(model, trial)  # the Trainer does): rank 0's
+                if self.args.should_save:  # trainer_state.json, written last, marks it whole
+                    keep_last(Path(super()._get_output_dir(trial)), self.keep)
+                return
 
             def write(tmp: Path) -> None:
                 self._staging = tmp
@@ -157,7 +151,8 @@ def trainer_class() -> type:
 @functools.cache
 def signals_callback() -> type:
     """A TrainerCallback that turns SIGINT / SIGTERM during training into a checkpoint at the end
-    of the step and a stop; a second signal stops at once (KeyboardInterrupt, nothing saved)."""
+    of the step and a stop; a second signal stops at once (KeyboardInterrupt, nothing saved).
+    One process only."""
     from transformers import TrainerCallback
 
     class Signals(TrainerCallback):
@@ -171,7 +166,11 @@ def signals_callback() -> type:
             self.signum = signum
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if threading.current_thread() is threading.main_thread():  # signals reach it alone
+            from diag.timing.distributed import launched
+
+            # under a launcher a signal stops a rank at once: ranks that stopped at the ends of
+            # different steps would wait for each other in the next one's collectives
+            if threading.current_thread() is threading.main_thread() and not launched():
                 self._old = {s: signal.signal(s, self._caught)
                              for s in (signal.SIGINT, signal.SIGTERM)}
 

@@ -1,12 +1,10 @@
 """`comm_wait`: the time a DDP rank spends waiting on the others inside its step.
 
-A late rank makes the others wait at the first collective after its delay, wherever that falls:
-DDP's buffer broadcast at the start of forward (a model with buffers: Llama's rotary
-frequencies, BatchNorm's statistics) or the gradient all-reduce at the end of backward (the
-Trainer's token-count gather is timed by diag.timing.callback). `CommWait(ddp)` clocks both,
-the broadcast between two forward pre-hooks and the all-reduce through a communication hook
-that wraps DDP's own reduction, or the user's hook, and only times it. `ddp_exposed_s(ddp)` is
-DDP's own figure for the exposed all-reduce, to check diag's against.
+A late rank makes the others wait at the first collective after its delay: DDP's buffer
+broadcast at the start of forward (a model with buffers) or the gradient all-reduce after
+backward. `CommWait(ddp)` clocks both, the broadcast between two forward pre-hooks, the
+all-reduce through a communication hook that wraps DDP's reduction (or yours) and only times
+it. `ddp_exposed_s(ddp)` is DDP's own figure for the exposed all-reduce.
 """
 
 from __future__ import annotations
@@ -23,15 +21,11 @@ log = logging.getLogger("diag")
 class CommWait:
     """Clocks the waits on the other ranks inside a DDP step; `take()` returns them per step.
 
-    Broadcast: from DDP's forward pre-hook (before it syncs buffers) to its module's (after),
-    counted only when DDP syncs buffers. All-reduce: the last bucket's all-reduce end minus the
-    moment the last bucket was handed over (backward's end); the all-reduces that finished
-    while backward still ran cost nothing. On CPU (gloo) these are host clocks; on CUDA they are
-    events on the streams, read at `take()` after the timer's step-boundary sync, so nothing
-    here syncs inside a step. hook, state: a communication hook of the user's (fp16
-    compression, PowerSGD), registered through diag so it is wrapped; without one, DDP's own
-    average over the process group DDP was given. A hook already registered cannot be wrapped:
-    one line says so, and the all-reduce's wait stays in compute.
+    Broadcast: from DDP's forward pre-hook to its module's, when DDP syncs buffers. All-reduce:
+    from backward's end to DDP's wait for every bucket (autograd final callbacks around DDP's,
+    where its logging marks them). Host clocks on CPU, events read at `take()` on CUDA. hook,
+    state: your communication hook (fp16, PowerSGD), wrapped; else DDP's own average. A hook
+    registered before cannot be wrapped: one line says so, its wait stays in compute.
     """
 
     def __init__(self, ddp: Any, hook: Any = None, state: Any = None) -> None:
@@ -41,10 +35,9 @@ class CommWait:
         self._events = torch.cuda.Event if next(ddp.parameters()).is_cuda else None
         self._spans: list[tuple[Any, Any]] = []  # (start, end) of each broadcast since take()
         self._started: Any = None
-        self.all_reduce_s: list[float] = []  # the first backwards' exposed waits: the ones
-                                             # DDP's logging data samples (ddp_exposed_s)
-        self._handed: Any = None  # time (or event) the last bucket was handed to all-reduce
-        self._done: Any = None  # time (or event) the last all-reduce finished
+        self.all_reduce_s: list[float] = []  # the first 10 backwards' (as DDP's logging)
+        self._ended: Any = None  # time (or event) backward's compute ended
+        self._waited: Any = None  # time (or event) DDP had every bucket's all-reduce back
         if ddp.will_sync_module_buffers():
             ddp.register_forward_pre_hook(self._before_broadcast)
             ddp.module.register_forward_pre_hook(self._after_broadcast)
@@ -67,8 +60,9 @@ class CommWait:
         state = state if hook is not None else self._ddp.process_group
 
         def timed(state: Any, bucket: Any) -> Any:
-            self._handed = self._stamp()
-            return inner(state, bucket).then(self._finished)
+            if bucket.is_last():  # queued before DDP's finalize, which waits for the buckets
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            return inner(state, bucket)
 
         # DDP checks the hook's annotations, which `from __future__ import annotations` made text
         timed.__annotations__ = {"state": object, "bucket": dist.GradBucket,
@@ -79,22 +73,20 @@ class CommWait:
 
     @staticmethod
     def _average(group: Any, bucket: Any) -> Any:
-        """DDP's built-in reduction: each gradient times 1/size (the factor DDP multiplies by
-        while copying into the bucket, reducer.cpp), summed over DDP's own process group."""
+        """DDP's built-in reduction: each gradient times 1/size, summed over DDP's own group
+        (its all-reduce called as DDP's reducer calls it: dist.all_reduce's checks cost more)."""
         buffer = bucket.buffer()
         buffer.mul_(1.0 / group.size())
-        # the group's own all-reduce (a sum), as DDP's reducer calls it: dist.all_reduce's
-        # Python checks cost ~70 us a call (gloo, 2-core box), 0.8% of a 9 ms step
-        return group.allreduce([buffer]).get_future()
+        return group.allreduce([buffer]).get_future().then(lambda fut: fut.value()[0])
 
-    def _finished(self, fut: Any) -> Any:
-        # runs when the all-reduce completes (gloo: its thread; CUDA: on a stream that waits for
-        # it), so its stamp is the end of this bucket's communication
-        stamp = self._stamp()
-        if self._events is not None or self._done is None or stamp > self._done:
-            self._done = stamp
-        value = fut.value()
-        return value[0] if isinstance(value, list) else value  # all_reduce's future: [tensor]
+    def _backward_end(self) -> None:
+        from torch.autograd import Variable
+
+        self._ended = self._stamp()
+        Variable._execution_engine.queue_callback(self._all_back)  # runs after DDP's finalize
+
+    def _all_back(self) -> None:
+        self._waited = self._stamp()
 
     def _before_broadcast(self, module: Any, args: Any) -> None:
         self._started = self._stamp() if self._ddp.will_sync_module_buffers() else None
@@ -119,11 +111,11 @@ class CommWait:
 
     def take(self) -> float:
         """Seconds waited on the other ranks since the last take (0.0 when nothing ran)."""
-        spans, handed, done = self._spans, self._handed, self._done
-        self._spans, self._handed, self._done = [], None, None
+        spans, ended, waited = self._spans, self._ended, self._waited
+        self._spans, self._ended, self._waited = [], None, None
         seconds = sum(self._seconds(start, end) for start, end in spans)
-        if handed is not None and done is not None:
-            exposed = self._seconds(handed, done)
+        if ended is not None and waited is not None:
+            exposed = self._seconds(ended, waited)
             if len(self.all_reduce_s) < 10:
                 self.all_reduce_s.append(exposed)
             seconds += exposed
@@ -131,9 +123,8 @@ class CommWait:
 
 
 def ddp_exposed_s(ddp: Any) -> float | None:
-    """DDP's own mean exposed all-reduce per sampled iteration (its logging data: backward comm
-    minus the part overlapped with backward compute), None before any; DDP samples the first
-    10 iterations, then one in 100."""
+    """DDP's own mean exposed all-reduce per sampled iteration (backward comm minus its overlap
+    with backward compute; the first 10 iterations, then one in 100), None before any."""
     data = ddp._get_ddp_logging_data()
     comm = data.get("avg_backward_comm_time")
     if not comm:

@@ -1,17 +1,19 @@
-"""Where this process sits in a torchrun / accelerate job, and what its gradient all-reduce waits.
+"""Where this process sits in a torchrun / accelerate job, and how it ends there.
 
-`place()` is this rank's seat (rank, local rank, world, node, rendezvous address), read from
-torch.distributed when a group is up, else from the launcher's environment (torchrun and
-`accelerate launch` both set RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK).
-`gather_to_root` collects each rank's frame on rank 0 once, at the end (never inside a step).
+`place()` is this rank's seat (from the group when it is up, else the launcher's environment);
+`gather_to_root` collects each rank's frame on rank 0 once, at the end. A rank's finished steps
+are spilled as it goes; `ending(err)` names the rank a failed collective lost.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +44,10 @@ class Place:
 
 class RendezvousError(RuntimeError):
     """This rank could not join the process group: its rank and the address it dialled."""
+
+
+class RankLost(RuntimeError):
+    """A collective failed because other ranks stopped answering: who, and during which step."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -77,6 +83,19 @@ def _dist() -> Any:
     return dist if dist.is_available() else None
 
 
+def _group() -> Any:
+    """torch.distributed when a group of several ranks is up, else None; on NCCL this rank's
+    device made current (the object collectives send through it)."""
+    dist = _dist()
+    if dist is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if dist.get_backend() == "nccl":
+        import torch
+
+        torch.cuda.set_device(place().local_rank)
+    return dist
+
+
 def launched() -> bool:
     """True under torchrun / accelerate with more than one process."""
     return _env_int("WORLD_SIZE", 1) > 1
@@ -85,7 +104,9 @@ def launched() -> bool:
 # How long a rank waits, each bound apart (env DIAG_<NAME>_TIMEOUT_S overrides):
 TIMEOUTS_S = {"rendezvous": 300.0,  # to reach MASTER_ADDR:MASTER_PORT and the other ranks
               "collective": 600.0,  # in one collective of the job (a gather, an all-reduce)
-              "fill": 1800.0}  # for another rank or process to fill a cache (a first download)
+              "fill": 1800.0,  # for another rank or process to fill a cache (a first download)
+              "roll_call": 3.0,  # for another node's rank to say it is there, a collective failed
+              "say": 20.0}  # for this node's other ranks to say their refusal before it exits
 _store: Any = None  # the rendezvous store of the group init_group made (root_first waits on it)
 
 
@@ -100,12 +121,9 @@ def timeout_s(name: str) -> float:
 
 
 def init_group(device_type: str = "cpu") -> Place:
-    """Join the launcher's process group (nccl on CUDA, gloo on CPU) unless one is up.
-
-    The rendezvous is bound by timeout_s("rendezvous"), every collective after it by
-    timeout_s("collective"). A rank that cannot reach the rendezvous raises one
-    RendezvousError naming the address it dialled (the CLI prints it as one line, exit 2).
-    """
+    """Join the launcher's process group (nccl on CUDA, gloo on CPU) unless one is up: the
+    rendezvous bound by timeout_s("rendezvous"), every collective by timeout_s("collective"); one
+    that cannot be reached raises RendezvousError naming the address."""
     import torch.distributed as dist
 
     global _store
@@ -134,20 +152,16 @@ def init_group(device_type: str = "cpu") -> Place:
                               f"{here.address or 'MASTER_ADDR:MASTER_PORT unset'} over "
                               f"{backend}: {why}") from None
     _store = store
+    store.set(f"diag/seat/{rank}", f"{place().node} {os.getpid()}")  # for a roll call (ending)
     return place()
 
 
 def agree(cfg: Any) -> None:
-    """Every rank runs the same config (one collective at start-up): a rank launched with other
-    arguments would wait in a collective the others never reach until the timeout. ValueError
-    naming the ranks and the fields that differ from rank 0's."""
-    dist = _dist()
-    if dist is None or not dist.is_initialized() or dist.get_world_size() == 1:
+    """Every rank runs the same config (one collective at start-up), else ValueError naming the
+    ranks and the fields that differ from rank 0's (they would wait out a timeout)."""
+    dist = _group()
+    if dist is None:
         return
-    if dist.get_backend() == "nccl":  # all_gather_object sends through this rank's device
-        import torch
-
-        torch.cuda.set_device(place().local_rank)
     mine = {"command": type(cfg).__name__, **cfg.to_dict()}
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -163,9 +177,8 @@ def agree(cfg: Any) -> None:
 
 
 def _dial(address: str, timeout_s: float) -> None:
-    """Wait until the rendezvous address accepts a connection; OSError naming it otherwise.
-
-    torch's store client would retry too, but logs a C++ stack per attempt on every rank."""
+    """Wait until the rendezvous address accepts a connection; OSError naming it otherwise
+    (torch's store client retries too, logging a C++ stack per attempt)."""
     import socket
 
     host, _, port = address.rpartition(":")
@@ -183,30 +196,24 @@ def _dial(address: str, timeout_s: float) -> None:
 
 
 def gather_to_root(obj: Any) -> list[Any] | None:
-    """Every rank's obj on rank 0 (in rank order), None on the others; [obj] when alone.
-
-    One collective at the end of a run (gloo or nccl: whichever the group uses; NCCL needs the
-    pickled object on this rank's device, which gather_object handles)."""
-    dist = _dist()
-    if dist is None or not dist.is_initialized() or dist.get_world_size() == 1:
+    """Every rank's obj on rank 0 (in rank order), None on the others; [obj] when alone: one
+    collective at the end of a run."""
+    dist = _group()
+    if dist is None:
         return [obj]
-    if dist.get_backend() == "nccl":  # gather_object sends through this rank's current device
-        import torch
-
-        torch.cuda.set_device(place().local_rank)
     out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == ROOT else None
     dist.gather_object(obj, out, dst=ROOT)
     return out
 
 
 def job_folder(base: Any) -> Any:
-    """One folder for this job, the same name on every rank: rank 0 picks it and broadcasts it
-    (one collective at the start, never in a step); each node creates it on its own disk."""
+    """One folder for this job, the same on every rank (rank 0's name, broadcast at the start);
+    each node makes it on its own disk."""
     from pathlib import Path
 
     name = [f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S.%fZ}-{os.getpid()}"]
-    dist = _dist()
-    if dist is not None and dist.is_initialized() and dist.get_world_size() > 1:
+    dist = _group()
+    if dist is not None:
         dist.broadcast_object_list(name, src=ROOT)
     folder = Path(base) / name[0]
     folder.mkdir(parents=True, exist_ok=True)
@@ -218,7 +225,8 @@ _spilling: Any = None  # the folder this rank spills into until its frame is gat
 
 def spill_ranks(timer: Any, seat: Place | None = None) -> None:
     """Under a launcher: the timer appends each finished step to
-    <DIAG_HOME>/ranks/<job>/rank-<r>.partial.csv, so a killed job keeps them (read_spills)."""
+    <DIAG_HOME>/ranks/<job>/rank-<r>.partial.csv; a process that ends before the gather (an
+    error, a launcher's SIGTERM) says where they are as it exits."""
     from diag.config import diag_home
 
     global _spilling
@@ -226,6 +234,74 @@ def spill_ranks(timer: Any, seat: Place | None = None) -> None:
     if seat.distributed and timer.enabled:
         _spilling = job_folder(diag_home() / "ranks")
         timer.spill_to(_spilling / f"rank-{seat.rank}.partial.csv")
+        atexit.unregister(_pointer)
+        atexit.register(_pointer)
+
+
+def _pointer() -> None:
+    if _spilling is not None:
+        _quiet()
+        sys.stderr.write(f"diag: {who()}stopped before the end of the run; the steps it "
+                         f"finished are in {_spilling} (`diag report {_spilling}` reads every "
+                         "rank's)\n")
+
+
+def _quiet() -> None:
+    """The run is over: a launcher's SIGTERM must not cut its last lines."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def ending(err: BaseException) -> BaseException:
+    """What this rank's error line says: err, or RankLost naming the ranks that stopped answering
+    when err is a collective that lost them. Under a launcher SIGTERM is ignored from here on."""
+    if not launched():
+        return err
+    _quiet()
+    if _store is None or not isinstance(err, RuntimeError) or not any(
+            w in str(err).lower() for w in ("connection", "broken pipe", "timed out", "nccl")):
+        return err
+    try:
+        gone = _roll_call(place())
+    except (RuntimeError, OSError, ValueError):  # the store went too: err as it is
+        gone = []
+    if not gone:
+        return err
+    step = None
+    if _spilling is not None:
+        from diag.timing.spill import read_spills
+
+        rows = read_spills(_spilling)
+        done = rows.loc[rows["rank"] == place().rank, "step"].dropna()
+        step = int(done.max()) + 1 if len(done) else None
+    when = f"during step {step}" if step is not None else "before its first timed step"
+    names = ", ".join(f"rank {r} (node {n})" for r, n in gone)
+    return RankLost(f"{names} stopped answering {when}; its own output says why")
+
+
+def _roll_call(seat: Place) -> list[tuple[int, int]]:
+    """(rank, node) of the ranks gone: on this node, its process ended; on another, it did not
+    say it is here within timeout_s("roll_call") (each rank a collective failed on says so)."""
+    import psutil
+
+    _store.set(f"diag/here/{seat.rank}", "1")
+    deadline, gone = time.monotonic() + timeout_s("roll_call"), []
+    for rank in range(seat.world_size):
+        if rank == seat.rank or not _store.check([f"diag/seat/{rank}"]):
+            continue
+        node, pid = map(int, _store.get(f"diag/seat/{rank}").split())
+        if node == seat.node:
+            try:
+                here = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                here = False
+        else:
+            while not (here := _store.check([f"diag/here/{rank}"])) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.1)
+        if not here:
+            gone.append((rank, node))
+    return gone
 
 
 def spilled() -> Any:  # -> pathlib.Path | None
@@ -235,7 +311,7 @@ def spilled() -> Any:  # -> pathlib.Path | None
 
 def gathered_frame(timer: Any) -> Any:  # -> pandas.DataFrame
     """Every rank's frame on rank 0 (this rank's own elsewhere), gathered once at the end; the
-    spilled copy is removed only after that, when the complete frame is safe."""
+    spills are removed after that."""
     global _spilling
     frame = timer.gather(dst=ROOT) if place().distributed else timer.to_frame()
     if frame is None:
@@ -253,15 +329,13 @@ _firsts = 0  # root_first blocks entered so far: the same count on every rank
 
 @contextlib.contextmanager
 def root_first() -> Iterator[None]:
-    """Rank 0 runs the block first (fills shared caches on its node), then the others: start-up
-    work, never inside a step. The others wait up to timeout_s("fill") on the rendezvous store
-    (a first download outlasts a collective's bound), or in a barrier on a group made elsewhere."""
+    """Rank 0 runs the block first (fills its node's caches), then the others, who wait up to
+    timeout_s("fill") on the rendezvous store (else in a barrier): start-up work only."""
     global _firsts
-    dist = _dist()
-    up = dist is not None and dist.is_initialized() and dist.get_world_size() > 1
+    dist = _group()
     _firsts += 1
     key = f"diag/root_first/{_firsts}"
-    if up and dist.get_rank() != ROOT:
+    if dist is not None and dist.get_rank() != ROOT:
         if _store is not None:
             _store.wait([key], datetime.timedelta(seconds=timeout_s("fill")))
         else:
@@ -269,7 +343,7 @@ def root_first() -> Iterator[None]:
     try:
         yield
     finally:  # a block that raised on rank 0 still lets the others go (and say their own error)
-        if up and dist.get_rank() == ROOT:
+        if dist is not None and dist.get_rank() == ROOT:
             if _store is not None:
                 _store.set(key, "done")
             else:

@@ -1,13 +1,9 @@
 """Which ranks the others wait for, and why: per-rank stages of a DDP run, read like amdahl's.
 
-`per_rank(frame)` turns gathered StageTimer rows (`stage`, `seconds`, `step`, `rank`, `node`,
-optionally `run`) into one row per rank: steps and each stage's median seconds per optimizer
-step, with nvidia-resiliency-ext's two scores (0-1, 1 best): `relative` (the fastest rank's own
-work per step over this rank's) and `individual` (this rank's best step over its median one).
-`findings(frame)` names a straggler only when it is one (`Rule`): slower than the others in most
-steps, by more than a floor and a share; several on one node are named as the node; with the
-seconds the others waited for it, the cause its numbers point at and the fix. Imports no
-experiment.
+`per_rank(frame)`: one row per rank, each stage's median seconds per optimizer step and
+nvidia-resiliency-ext's `relative` and `individual` scores (0-1, 1 best). `findings(frame)` names
+a straggler only when it is one (`Rule`), a node when several of its ranks are, with what the
+others waited for it, the cause and the fix.
 """
 
 from __future__ import annotations
@@ -16,10 +12,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-DATA_CAUSE_SHARE = 0.5  # the straggler's extra data_wait at least
-                        # this share of its extra work: its loader
-WORK_STAGES = ("data_wait", "h2d", "compute", "other")  # a rank's own time; comm_wait
-                                                        # is waiting for others
+DATA_CAUSE_SHARE = 0.5  # extra data_wait at least this share of the extra work: its loader
+WORK_STAGES = ("data_wait", "h2d", "compute", "other")  # its own time (comm_wait: the others')
 COLUMNS = ["run", "rank", "node", "steps", "data_wait_s", "h2d_s", "compute_s", "comm_wait_s",
            "other_s", "work_s", "relative", "individual"]
 FINDING_COLUMNS = ["run", "ranks", "node", "finding", "wait_per_step_s", "seconds_waited",

@@ -131,7 +131,95 @@ def test_a_resume_whose_source_changed_is_refused(fresh, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(fresh[0], out)
     run = json.loads((out / "diag-run.json").read_text())
+    run = {k: v for k, v in run.items() if k != "finished"}  # stopped at its last checkpoint
     (out / "diag-run.json").write_text(json.dumps(run | {"cache": "0" * 64}))
     with pytest.raises(ValueError, match=r"the source changed since the run .* started "
                                          r"\(token cache 000000000000 then"):
         run_train(_cfg(out, resume=True), decisions=())
+
+
+def test_a_resume_of_a_finished_run_trains_nothing(fresh, tmp_path, capsys):
+    import shutil
+
+    from diag.cli import main
+    from diag.qlora import run_train
+
+    out = tmp_path / "out"
+    shutil.copytree(fresh[0], out, ignore=shutil.ignore_patterns("merged"))
+    adapter = (out / "adapter_model.safetensors").read_bytes()
+    argv = ["train", "--quick", "--device", "cpu", "--max-steps", str(STEPS),
+            "--checkpoint-every", "1", "--eval-every", "3", "--out-dir", str(out), "--resume"]
+    assert main(argv) == 0  # said, and its summary shown: no source read, no model loaded
+    assert f"finished at step {STEPS}: nothing to train" in capsys.readouterr().err
+    # stopped after its last checkpoint, before its output was recorded: the Trainer resumed
+    # there would train a step past max_steps; diag publishes that checkpoint's adapter instead
+    run = json.loads((out / "diag-run.json").read_text())
+    (out / "diag-run.json").write_text(json.dumps({k: v for k, v in run.items()
+                                                   if k != "finished"}))
+    again = run_train(_cfg(out, resume=True), decisions=()).frame.iloc[0]
+    assert again["steps"] == again["resumed_from_step"] == STEPS
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-5", "checkpoint-6"]
+    assert (out / "adapter_model.safetensors").read_bytes() == adapter
+    assert again["final_eval_loss"] == fresh[1].frame.iloc[0]["final_eval_loss"]
+
+
+def test_the_adapter_names_its_base_as_given_and_loads_on_another_machine(fresh, tmp_path):
+    import subprocess
+    import sys
+
+    from diag.embedded import HubServer, ensure_assets
+
+    out, assets = fresh[0], ensure_assets()
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["revision"]) == (assets.repo_id, "main")
+    card = (out / "README.md").read_text()
+    assert f"base_model: {assets.repo_id}" in card and "## Packed rows" in card
+    assert str(tmp_path.anchor + "tmp") not in card and "snapshots" not in card
+    # a fresh HF cache and the hub's address: PEFT finds the base from the adapter alone
+    script = ("from peft import AutoPeftModelForCausalLM\n"
+              f"m = AutoPeftModelForCausalLM.from_pretrained({str(out)!r})\n"
+              "print(type(m).__name__, m.peft_config['default'].base_model_name_or_path)")
+    with HubServer(assets.hub_root) as hub:
+        got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             env={**os.environ, **hub.env(), "HF_HOME": str(tmp_path)},
+                             timeout=120)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.split() == ["PeftModelForCausalLM", assets.repo_id]
+
+
+def test_the_merged_model_keeps_packed_records_apart(fresh):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(fresh[0] / "merged", dtype=torch.float32)
+    assert model.config.use_cache is False and model.generation_config.use_cache is not False
+    first, second = torch.arange(5, 17), torch.arange(40, 49)
+    row = torch.cat([first, second])[None]
+    positions = torch.cat([torch.arange(12), torch.arange(9)])[None]
+    with torch.no_grad():
+        alone = model(second[None]).logits[0]
+        packed = model(row, position_ids=positions).logits[0, 12:]
+        cached = model(row, position_ids=positions, use_cache=True).logits[0, 12:]
+    apart, across = (alone - packed).abs().max(), (alone - cached).abs().max()
+    assert apart < 1e-4 < across / 100, (apart, across)  # the cache's path: records attend across
+
+
+def test_under_a_launcher_a_signal_stops_the_rank_at_once(monkeypatch):
+    # a checkpoint at the end of the step a signal came in: ranks that got it in different steps
+    # would each wait for the other in the next one's all-reduce, until the launcher's SIGKILL
+    import signal
+
+    from diag.qlora.trainer import signals_callback
+
+    mine = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    signals_callback()().on_train_begin(None, None, None)
+    assert signal.getsignal(signal.SIGTERM) is mine
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: a checkpoint at the step's end
+    callback = signals_callback()()
+    callback.on_train_begin(None, None, None)
+    try:
+        assert signal.getsignal(signal.SIGTERM) == callback._caught
+    finally:
+        callback.on_train_end(None, None, None)
+    assert signal.getsignal(signal.SIGTERM) is mine

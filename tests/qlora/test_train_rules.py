@@ -117,6 +117,36 @@ def test_an_out_dir_of_another_run_is_refused_unless_resuming(tmp_path):
     assert checkpoints.last_checkpoint(tmp_path).name == "checkpoint-3"
 
 
+def test_a_resume_with_nothing_to_resume_is_refused_naming_the_folder(tmp_path, capsys):
+    from diag.cli import main
+
+    (tmp_path / "diag-run.json").write_text("{}")  # a run stopped before its first checkpoint
+    with pytest.raises(ValueError) as err:
+        checkpoints.check(tmp_path, {}, resume=True)
+    assert str(err.value) == (f"--resume: {str(tmp_path)!r} holds no complete checkpoint to "
+                              "continue from; run without --resume to start afresh there")
+    assert checkpoints.check(tmp_path, {}, resume=False) is None  # and nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diag-run.json"]
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "--resume, --no-resume continue from the last checkpoint in out_dir (none there: " \
+           "refused)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_resume_from_another_source_is_refused_before_the_source_is_read(tmp_path, capsys,
+                                                                          monkeypatch):
+    from diag.cli import main
+
+    monkeypatch.delenv("DIAG_QUICK", raising=False)
+    _checkpoint(tmp_path, 2)  # the other bucket is never listed: no credentials asked for
+    checkpoints.record(tmp_path, TrainConfig(out_dir=str(tmp_path)).identity())
+    assert main(["train", "--resume", "--out-dir", str(tmp_path), "--source",
+                 "s3://another-bucket/data.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was started with source='', this one asks " \
+        "source='s3://another-bucket/data.jsonl'" in err
+
+
 def test_diag_qlora_claims_its_plan_folders_too(tmp_path):
     cfg = QLoraConfig(out_dir=str(tmp_path))
     _checkpoint(tmp_path / "naive", 2)
@@ -183,3 +213,4 @@ def test_the_naive_plan_reads_a_whole_dataset_from_disk_item_by_item(tmp_path):
     assert len(got) == 5 and [got[i] for i in range(5)] == [records[i] for i in picked]
     assert got[1:3] == [records[1499], records[1500]]
     assert (tmp_path / "records.arrow").stat().st_size > 0 and got.__getstate__()["_table"] is None
+

@@ -186,7 +186,8 @@ def test_each_wait_has_its_own_bound_and_a_fill_wait_says_which(tmp_path, monkey
     from diag.embedded import ensure_assets
     from diag.timing.distributed import TIMEOUTS_S, timeout_s
 
-    assert TIMEOUTS_S == {"rendezvous": 300.0, "collective": 600.0, "fill": 1800.0}
+    assert TIMEOUTS_S == {"rendezvous": 300.0, "collective": 600.0, "fill": 1800.0,
+                          "roll_call": 3.0, "say": 20.0}
     monkeypatch.setenv("DIAG_COLLECTIVE_TIMEOUT_S", "90")
     monkeypatch.setenv("DIAG_FILL_TIMEOUT_S", "0.3")
     assert (timeout_s("rendezvous"), timeout_s("collective"), timeout_s("fill")) == (300, 90, 0.3)
