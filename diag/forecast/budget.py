@@ -305,32 +305,26 @@ def _hub(cfg: DiagnoseConfig) -> int:
 def measures(step: Step, storage: StorageConfig | None, model_load: ModelLoadConfig | None,
              job: QLoraConfig | None) -> str:
     """What the step will measure, in counts: the plan's middle column."""
-    land = "; land() of the whole dataset (--land)" if storage and storage.land else ""
     from diag.model_load.experiment import MAX_REPEATS
 
-    rounds = storage and storage.warmup + storage.repeats
-    loads = model_load and ", ".join(model_load.scenarios)
     texts = {
         "info": "the device facts and a CPU matmul probe",
-        "storage": f"a sample of whole objects sized to this share (one object: byte ranges "
-                   f"spread over it), pulled {rounds} times by each method (all of it if it "
-                   "fits), the whole pull extrapolated; the "
-                   f"sample read from local disk cold and warm{land}",
-        "model_load": f"{model_load and model_load.repeats} load(s) each: {loads}, more (up to "
-                      f"{MAX_REPEATS}) while fresh vs cached is unresolved and this share allows"
-                      + (" (a model already cached: its fresh load estimated from one file)"
-                         if model_load and model_load.estimate_fresh else ""),
-        "job": job and f"the job's first {job.records} records fetched and tokenized, the "
-                       "model cached",
-        "accum": job and f"micro-batch points x {job.sweep_steps} timed step(s) on the job",
+        "storage": storage and f"a sample sized to this share, pulled "
+                               f"{storage.warmup + storage.repeats}x by each method, the whole "
+                               "pull extrapolated; read from local disk cold and warm"
+                               + ("; land() of the whole dataset" if storage.land else ""),
+        "model_load": model_load and f"{model_load.repeats} load(s) of each of "
+                                     f"{', '.join(model_load.scenarios)}, up to {MAX_REPEATS} "
+                                     "while fresh vs cached is unresolved",
+        "job": job and f"the job's first {job.records} records fetched and tokenized",
+        "accum": job and f"micro-batch points x {job.sweep_steps} timed steps on the job",
         "checkpointing": "checkpointing on vs off on the job's step",
         "loader": job and f"num_workers {job.sweep_workers} against the job's step",
-        "qlora": job and f"{job.plan} plan(s) x {job.rounds} round(s) of {job.steps} steps on "
-                         f"{job.records} records, the 4-bit base loaded once per plan "
-                         "(and once for the naive step timed before the runs)",
-        "qlora_projection": "the whole job priced at the costs measured (no new measurement)",
+        "qlora": job and f"{job.plan} plan(s), {job.rounds}+ rounds of {job.steps} steps on "
+                         f"{job.records} records (more while the gap is unresolved)",
+        "qlora_projection": "the whole job priced at the costs measured",
         "loader_projected": "the loader sweep against target_gpu's estimated step",
         "runs": "the toy loop, naive and optimized",
-        "accum_advice": "arithmetic on the runs (no new measurement)",
+        "accum_advice": "arithmetic on the runs",
     }
     return str(texts.get(step.field) or step.name)
