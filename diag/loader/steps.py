@@ -1,13 +1,11 @@
-"""What consumes the batches: an emulated accelerator step of fixed duration, or a real one.
-
-`EmulatedStep(seconds)` holds the loop for a fixed time, as MLPerf Storage / DLIO emulate an
-accelerator, so a CPU machine can answer "would this loader keep up with a GPU whose step takes
-X ms?". `ModelStep` trains the tiny model (forward + backward + AdamW). `step_seconds(cfg)`
-picks the emulated step: the user's, a GPU estimate from the dense-peak table, or measured here.
+"""What consumes the batches: `EmulatedStep(seconds)` holds the loop as MLPerf Storage / DLIO
+emulate an accelerator ("would this loader keep up with a GPU whose step takes X ms?"), or
+`ModelStep` trains the tiny model; `step_seconds(cfg)`: the user's, a GPU's estimate, or measured.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from pathlib import Path
@@ -23,15 +21,12 @@ class EmulatedStep:
     """A step that takes `seconds` and leaves the CPU free, as an accelerator's step would."""
 
     def __init__(self, seconds: float, hold: bool = True) -> None:
-        self.seconds = seconds
-        self.hold = hold  # False: the step is accounted at `seconds`, not waited out (where
-                          # nothing runs beside it, as with num_workers=0, waiting buys nothing)
+        # hold=False: accounted at `seconds`, not waited out (with nothing beside it to overlap)
+        self.seconds, self.hold = seconds, hold
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> None:
-        if not self.hold:
-            return
         # sleep, not a busy loop: while a GPU computes, the host's cores are free for workers
-        end = time.perf_counter() + self.seconds
+        end = time.perf_counter() + self.seconds * self.hold
         while (left := end - time.perf_counter()) > 0:
             time.sleep(left)
 
@@ -69,20 +64,16 @@ def measure_model_step(model_dir: str | Path, device: torch.device, batch_size: 
     ids = torch.randint(4, vocab, (batch_size, seq_len), generator=gen)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     times = []
-    for i in range(warmup + repeats):
+    for _ in range(warmup + repeats):
         start = time.perf_counter()
         step(batch)
-        if i >= warmup:  # the first steps pay allocator growth and kernel choice
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[warmup:])  # the first pay allocator growth, kernel choice
 
 
 def gpu_step_seconds(gpu: str, params_b: float, tokens: int, mfu: float) -> float:
-    """A training step's seconds on `gpu`: 6 x params x tokens FLOPs at mfu x its dense bf16 peak.
-
-    6 N T is the forward + backward FLOPs of a dense transformer; QLoRA's frozen 4-bit base does a
-    little less (no weight gradients) and dequantizes, so treat the figure as an estimate.
-    """
+    """A training step's seconds on `gpu`: 6 x params x tokens FLOPs at mfu x its dense bf16
+    peak (a QLoRA step does a little less and dequantizes: an estimate)."""
     from diag.machine.gpus import GPUS, dense_peak_flops
 
     peak = dense_peak_flops(gpu, "bf16")
@@ -111,7 +102,6 @@ def consumer(cfg: LoaderConfig, model_dir: str | Path, device: torch.device
              ) -> tuple[Any, float, str]:
     """(step callable, nominal seconds, where they came from) for cfg.consumer."""
     if cfg.consumer == "model":
-        step = ModelStep(model_dir, device)
-        return step, float("nan"), f"the model in {model_dir}, {device.type}"
+        return ModelStep(model_dir, device), math.nan, f"the model in {model_dir}, {device.type}"
     seconds, source = step_seconds(cfg, model_dir, device)
     return EmulatedStep(seconds), seconds, source

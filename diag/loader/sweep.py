@@ -1,11 +1,8 @@
 """The DataLoader sweep: how long the loop waits for each batch, per num_workers and pipeline.
 
-`measure_setting` runs one DataLoader against a step (emulated or real): the first batch
-(worker start-up) is timed apart, the batches the workers prefetched during start-up are let
-through untimed, then `steps` steady-state steps give data_wait per step and its share of the
-step. A sample that raises fails its setting with the sample index and the original message
-(the row's `error`); the sweep goes on. `sweep_workers(cfg)` runs every pipeline x num_workers,
-in rounds of an epoch each, so a load that moves during the sweep hits them all.
+`measure_setting` times one DataLoader's steady-state steps (worker start-up and the batches
+prefetched during it apart); a sample that raises fails its setting with the sample index and the
+message (`error`). `sweep_workers` runs every pipeline x num_workers in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -84,12 +81,11 @@ def _cause(err: BaseException) -> str:
 def batch_tokens(batch: Any) -> int | None:
     """Real tokens in a batch: its attention_mask's sum, else input_ids' size; None (count
     samples only) for a batch without them, e.g. an (x, y) tuple."""
-    if isinstance(batch, Mapping):  # a dict, or HF collators' BatchEncoding (a Mapping)
-        for key, count in (("attention_mask", lambda t: t.sum()),
-                           ("input_ids", lambda t: t.numel())):
-            if key in batch and isinstance(batch[key], torch.Tensor):
-                return int(count(batch[key]))
-    return None
+    if not isinstance(batch, Mapping):  # a dict, or HF collators' BatchEncoding (a Mapping)
+        return None
+    mask, ids = batch.get("attention_mask"), batch.get("input_ids")
+    return int(mask.sum()) if isinstance(mask, torch.Tensor) else ids.numel() if isinstance(
+        ids, torch.Tensor) else None
 
 
 def check_batch(batch: Any) -> None:
@@ -112,39 +108,32 @@ def _to(batch: Any, device: torch.device) -> Any:
     return batch.to(device, non_blocking=True)
 
 
+@contextlib.contextmanager
+def _one_setting() -> Iterator[None]:
+    """torch's warning of workers above its suggested count silenced (the row's `warning` says
+    it); the heap from before frozen out of the collection that ends the setting (gc.freeze,
+    docs/calibration.md), unless the caller froze objects of its own."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        frozen = not gc.get_freeze_count()
+        if frozen:
+            gc.freeze()
+        try:
+            yield
+        finally:
+            if frozen:
+                gc.unfreeze()
+
+
+@_one_setting()
 def measure_setting(dataset: Dataset, setting: Setting, step: Any, *, pipeline: str,
                     batch_size: int, steps: int, repeats: int = 1, timeout_s: float = 120.0,
                     device: torch.device | None = None, consumer: str = "emulated",
                     collate_fn: Any = None) -> list[dict[str, Any]]:
     """One row per repeat (an epoch of the same DataLoader): the steady-state figures."""
-    with warnings.catch_warnings(), _heap_frozen():
-        # torch warns of workers above its suggested count; the row's `warning` says it instead
-        warnings.filterwarnings("ignore", message="This DataLoader will create")
-        return _measure(dataset, setting, step, pipeline, batch_size, steps, repeats, timeout_s,
-                        device or torch.device("cpu"), consumer, collate_fn)
-
-
-@contextlib.contextmanager
-def _heap_frozen() -> Iterator[None]:
-    """The collection that ends a setting passes over what the setting made, not the whole heap:
-    the objects from before (the imported libraries and a loaded model, millions of them) are
-    frozen out of it (gc.freeze) and given back after. A full pass over them took 0.6 s here, once
-    per setting. Left as it is when the caller has frozen objects of its own."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch_size: int,
-             steps: int, repeats: int, timeout_s: float, device: torch.device, consumer: str,
-             collate_fn: Any = None) -> list[dict[str, Any]]:
     from diag.machine.device import sync
 
+    device = device or torch.device("cpu")
     w = setting.num_workers
     ahead = w * setting.prefetch_factor  # ready or in flight when the first batch arrives
     n_batches = 1 + ahead + steps
@@ -157,29 +146,24 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
         prefetch_factor=setting.prefetch_factor if w else None,
         timeout=timeout_s if w else 0,  # a hung worker fails the setting instead of the sweep
     )
-    cores = usable_cores()
-    warning = (f"num_workers={w} > {cores} usable cores: workers share cores, and the step's "
-               "own host work competes with them" if w > cores else "")
-    rows = []
+    cores, rows, nan = usable_cores(), [], float("nan")
     base = {"pipeline": pipeline, "num_workers": w, "pin_memory": setting.pin_memory,
             "persistent_workers": setting.persistent_workers,
             "prefetch_factor": setting.prefetch_factor if w else None, "batch_size": batch_size,
-            "steps": steps, "consumer": consumer, "warning": warning}
-    nan = float("nan")
+            "steps": steps, "consumer": consumer, "warning": f"num_workers={w} > {cores} usable "
+            "cores: workers share cores, and the step's own host work competes with them"
+            if w > cores else ""}
     for repeat in range(repeats):
-        waits, computes, tokens = [], [], 0
-        first = nan
+        waits, computes, tokens, first = [], [], 0, nan
         try:
             start = time.perf_counter()
             batches = iter(loader)  # worker start-up (or, persistent, their reuse) starts here
             for k, batch in enumerate(itertools.islice(batches, n_batches)):
                 got = time.perf_counter()
-                if k == 0:
-                    first = got - start
+                first = got - start if k == 0 else first
                 if device.type == "cuda":
                     batch = _to(batch, device)
-                    sync(device)  # note: sync point, so the copy is
-                                  # billed to the step, not the wait
+                    sync(device)  # note: sync point: the copy is billed to the step, not the wait
                 step(batch)
                 done = time.perf_counter()
                 if k > ahead:  # steady state: start-up and the prefetched batches are past
@@ -209,17 +193,16 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
 
 
 def records_needed(cfg: LoaderConfig) -> int:
-    """Records the sweep's largest setting draws (its start-up, prefetched and timed batches)
-    and the line profile reads: a pipeline's dataset holds no more (the sweep cycles a smaller
-    one), so a measurement on a large source reads and tokenizes only these."""
+    """Records the largest setting draws (start-up, prefetched and timed batches) and the line
+    profile reads: a large source is read and tokenized only this far (a smaller one cycles)."""
     ahead = max(cfg.workers) * cfg.prefetch_factor
     return max(cfg.batch_size * (1 + ahead + cfg.steps), cfg.profile_samples)
 
 
 def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
                  ) -> tuple[Dataset, dict[str, Any]]:
-    """The pipeline's dataset for cfg over the source's first records_needed(cfg) records, and
-    facts about how it was had (token cache status)."""
+    """The pipeline's dataset over the source's first records_needed(cfg) records, and facts
+    about it (records, bad_rows, the token cache's status)."""
     from diag.data import NaiveTextDataset, PackedDataset, build_token_cache, read_source
 
     needed = records_needed(cfg)
@@ -233,8 +216,7 @@ def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
                                   on_error=cfg.on_error, limit=needed)
         records = min(needed, cache.records)
         dataset = PackedDataset(cache.folder, cfg.seq_len, records=range(records))
-        facts = {"records": records, "bad_rows": cache.skipped,
-                 "cache": cache.status, "cache_s": cache.seconds, "cache_folder": str(cache.folder)}
+        facts = {"records": records, "bad_rows": cache.skipped, "cache": cache.status}
     return Guarded(dataset, cfg.extra_prep_ms / 1000), facts
 
 
@@ -251,14 +233,9 @@ def sources(cfg: LoaderConfig) -> tuple[str, str]:
 
 def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
                   dataset: Dataset | None = None, collate_fn: Any = None) -> pd.DataFrame:
-    """Every pipeline x num_workers against the step: one row per repeat (see COLUMNS).
-
-    step: (callable, nominal seconds, where they came from), as diag.loader.steps.consumer
-    gives, or just your callable(batch); None makes it from cfg (an emulated step may first
-    measure the tiny model's). dataset: your own map-style Dataset (with collate_fn), swept
-    as pipeline "yours" instead of cfg's pipelines; tokens are counted when a batch has
-    attention_mask or input_ids, samples always.
-    """
+    """Every pipeline x num_workers against the step, a row per repeat. step: (callable, nominal
+    seconds, source) as steps.consumer gives, or your callable(batch); None: from cfg. dataset:
+    your own map-style Dataset (and collate_fn), swept as pipeline "yours"."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -288,8 +265,7 @@ def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
     failed: set[tuple[str, int]] = set()
 
     def epoch(side: tuple[str, int], repeat: int) -> dict[str, Any] | None:
-        """An epoch of one setting, a DataLoader of its own (never two alive: a worker forked
-        while another's live copies them)."""
+        # a DataLoader of its own: a worker forked while another's live would copy them
         bar.update()
         if side in failed:
             return None
