@@ -12,6 +12,7 @@ import pandas as pd
 
 from diag.decision import (DATA_WAIT_GOAL, DATA_WAIT_NEAR_BEST, DATA_WAIT_NEAR_BEST_S, FIXES,
                            Decision, MeasuredOn)
+from diag.noise import compare, spread
 
 COLUMNS = ["pipeline", "recommended_workers", "data_wait_share", "baseline_workers",
            "baseline_share", "per_sample_ms", "per_batch_ms", "step_ms", "workers_needed",
@@ -93,25 +94,22 @@ def advice(sweep: pd.DataFrame, recommendation: pd.DataFrame, run_steps: int = 1
         by = waits[r.pipeline]
         if by.empty or pd.isna(r.baseline_workers) or r.baseline_share < target_share:
             continue  # the baseline keeps up: nothing to fix
-        base_wait = float(by.loc[r.baseline_workers, "data_wait_s"])
+        kept_up = not pd.isna(r.recommended_workers)
         # none keeps up: the one rule the plan decides by (the smallest near the best wait)
-        best = int(r.recommended_workers) if not pd.isna(r.recommended_workers) else \
-            choose_workers(by, target_share)[0]
-        saved = (base_wait - float(by.loc[best, "data_wait_s"])) * run_steps
+        best = int(r.recommended_workers) if kept_up else choose_workers(by, target_share)[0]
+        saved = (by.loc[r.baseline_workers, "data_wait_s"] - by.loc[best, "data_wait_s"])
+        share = by.loc[best, "data_wait_share"]
+        finding = (f"DataLoader(num_workers={best}, persistent_workers=True, pin_memory=True) "
+                   f"keeps the {r.pipeline} pipeline ahead of the step" if kept_up else
+                   f"workers alone leave the {r.pipeline} pipeline at {share:.1%} of the step: "
+                   "cache the tokens (diag.data.build_token_cache + PackedDataset)")
         evidence = (f"{r.pipeline} pipeline: data_wait {r.baseline_share:.1%} of the step at "
-                    f"num_workers={r.baseline_workers}, {by.loc[best, 'data_wait_share']:.1%} at "
-                    f"num_workers={best} ({r.step_ms:.3g} ms step; {run_steps} steps)")
-        if not pd.isna(r.recommended_workers):
-            finding = (f"DataLoader(num_workers={best}, persistent_workers=True, "
-                       f"pin_memory=True) keeps the {r.pipeline} pipeline ahead of the step")
-        else:
-            finding = (f"workers alone leave the {r.pipeline} pipeline at "
-                       f"{by.loc[best, 'data_wait_share']:.1%} of the step: cache the tokens "
-                       "(diag.data.build_token_cache + PackedDataset)")
-            evidence += f"; {r.verdict}"
+                    f"num_workers={r.baseline_workers}, {share:.1%} at num_workers={best} "
+                    f"({r.step_ms:.3g} ms step; {run_steps} steps)"
+                    + ("" if kept_up else f"; {r.verdict}"))
         if saved > 0:
-            rows.append({"stage": "data_wait", "finding": finding, "seconds_saved": saved,
-                         "evidence": evidence})
+            rows.append({"stage": "data_wait", "finding": finding,
+                         "seconds_saved": float(saved) * run_steps, "evidence": evidence})
     if {"naive", "packed"} <= set(waits):
         rows += _packing(sweep, waits, run_steps, target_share)
     return pd.DataFrame(rows, columns=ADVICE_COLUMNS)
@@ -127,14 +125,13 @@ def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], run_steps: int
     saved = (naive.loc[w, "data_wait_s"] - packed.loc[w, "data_wait_s"]) * run_steps
     rows = _good(sweep[sweep["pipeline"] == "naive"])
     fill = float(rows["tokens_per_s"].median() / rows["samples_per_s"].median()) / float(
-        sweep["seq_len"].iloc[0]) if "seq_len" in sweep else float("nan")
+        sweep["seq_len"].iloc[0]) if "seq_len" in sweep else math.nan
     ratio = packed.loc[w, "tokens_per_s"] / naive.loc[w, "tokens_per_s"]
     evidence = (f"at num_workers={w}: data_wait {naive.loc[w, 'data_wait_share']:.1%} (naive) vs "
                 f"{packed.loc[w, 'data_wait_share']:.1%} (packed) of the step; packed serves "
-                f"{ratio:.2f}x the tokens per second")
-    if fill == fill:
-        evidence += (f"; naive batches are {1 - fill:.0%} padding, compute a packed step "
-                     "does not waste")
+                f"{ratio:.2f}x the tokens per second" + ("" if math.isnan(fill) else
+                f"; naive batches are {1 - fill:.0%} padding, compute a packed step "
+                "does not waste"))
     return [{"stage": "data_wait", "finding": FIXES["pipeline"],
              "seconds_saved": max(float(saved), 0.0), "evidence": evidence}] if saved > 0 else []
 
@@ -215,8 +212,6 @@ def _pipeline(ok: pd.DataFrame, rates: pd.Series) -> tuple[str, str, dict[str, A
     """(pipeline, note, how sure): another than naive only where its seconds per token resolve
     faster at a worker count both ran and at none slower (each count apart: pooled, a slow naive
     0-worker epoch widens naive's spread until no gap resolves)."""
-    from diag.noise import compare, spread
-
     per = {(p, int(w)): list(1 / g["tokens_per_s"])
            for (p, w), g in ok.groupby(["pipeline", "num_workers"])}
     other = [p for p in rates.index if p != "naive"]
@@ -241,8 +236,6 @@ def _resolved_workers(rows: pd.DataFrame, base: int, workers: int, why: str
                       ) -> tuple[int, str, dict[str, Any]]:
     """choose_workers' pick stands where its data_wait is resolved below `base` workers' (the
     repeats' waits, diag.noise); else `base` is kept, within noise."""
-    from diag.noise import compare, spread
-
     waits = {w: list(g["data_wait_s"]) for w, g in rows.groupby("num_workers")}
     if workers == base:  # nothing to resolve: the baseline itself
         mine = waits[base]

@@ -7,20 +7,16 @@ the first swept num_workers (the baseline, 0 by default: everything in the loop)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import pandas as pd
 
-from diag.data import NaiveTextDataset, read_source
+from diag.config import LoaderConfig
 from diag.decision import Decision, MeasuredOn
-from diag.machine.device import on_cpu_threads
 from diag.loader.advice import advice, decide, recommend
 from diag.loader.profile import profile_lines
 from diag.loader.stalls import stall_split
-from diag.loader.sweep import records_needed, sources, sweep_workers
-
-if TYPE_CHECKING:
-    import pandas as pd
-
-    from diag.config import LoaderConfig
+from diag.loader.steps import EmulatedStep, consumer
+from diag.loader.sweep import make_dataset, sources, sweep_workers
+from diag.machine.device import on_cpu_threads, resolve
 
 
 @dataclass(frozen=True)
@@ -42,10 +38,6 @@ def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
     """Sweep, recommend, split the stalls, profile the naive preprocessing. step: (callable,
     nominal seconds, label) as steps.consumer gives (None: from cfg); emulate_stalls: the stall
     split sleeps the sweep's median step instead of running a real one 3 x pipelines times."""
-    from diag.config import LoaderConfig
-    from diag.loader.steps import EmulatedStep, consumer
-    from diag.machine.device import resolve
-
     cfg = cfg or LoaderConfig.default()
     data, tokenizer_dir = sources(cfg)
     step = step or consumer(cfg, tokenizer_dir, resolve(cfg.device))
@@ -53,11 +45,8 @@ def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
     recommendation = recommend(sweep, cfg.target_share)
     stalls = stall_split(cfg, cfg.workers[0], EmulatedStep(float(sweep["step_s"].median()))
                          if emulate_stalls else step[0])
-    # the naive dataset's own read (the parse is shared): profile_samples of its records
-    records, _ = read_source(data, cfg.fields(), on_error=cfg.on_error,
-                             limit=records_needed(cfg), cached=True)
-    naive = NaiveTextDataset(records[: cfg.profile_samples], tokenizer_dir, cfg.seq_len)
-    lines = profile_lines(naive.__getitem__, range(len(naive)))
+    naive = make_dataset("naive", cfg, data, tokenizer_dir)[0].base  # its records' parse cached
+    lines = profile_lines(naive.__getitem__, range(min(cfg.profile_samples, len(naive))))
     on = measured_on or MeasuredOn(seq_len=cfg.seq_len, step=step[2],
                                    device=str(resolve(cfg.device)))
     return LoaderResult(sweep, stalls, lines, recommendation,

@@ -14,17 +14,19 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from statistics import fmean
+from typing import Any
 
+import pandas as pd
 import torch
 from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
 
-from diag.machine.device import usable_cores  # affinity-aware: what workers share
-
-if TYPE_CHECKING:
-    import pandas as pd
-
-    from diag.config import LoaderConfig
+from diag.config import LoaderConfig
+from diag.data import NaiveTextDataset, PackedDataset, build_token_cache, read_source
+from diag.loader.steps import consumer
+from diag.machine.device import resolve, sync, usable_cores  # usable: affinity-aware
+from diag.noise import interleave
 
 COLUMNS = ["pipeline", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor",
            "samples_per_s", "tokens_per_s", "data_wait_s", "step_s", "data_wait_share",
@@ -67,15 +69,11 @@ class Setting:
 
 
 def _cause(err: BaseException) -> str:
-    """One line: the sample and the original message, without DataLoader's traceback dump."""
-    if isinstance(err, SampleError) and "Original Traceback" not in str(err):
-        return f"SampleError: {err}"
-    # from a worker, DataLoader re-raises with the worker's traceback as the message
-    for line in reversed(str(err).splitlines()):
-        if "SampleError: " in line:
-            return "SampleError: " + line.split("SampleError: ", 1)[1].strip()
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+    """One line: the sample and the original message, without DataLoader's traceback dump (a
+    worker's error is re-raised here with the worker's traceback as its message)."""
+    lines = f"{type(err).__name__}: {err}".strip().splitlines()
+    said = [line.split("SampleError: ", 1)[1].strip() for line in lines if "SampleError: " in line]
+    return f"SampleError: {said[-1]}" if said else lines[0]
 
 
 def batch_tokens(batch: Any) -> int | None:
@@ -101,11 +99,10 @@ def check_batch(batch: Any) -> None:
 
 
 def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Mapping):
-        return {key: v.to(device, non_blocking=True) for key, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(v.to(device, non_blocking=True) for v in batch)
-    return batch.to(device, non_blocking=True)
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+    return {k: move(v) for k, v in batch.items()} if isinstance(batch, Mapping) else type(batch)(
+        map(move, batch)) if isinstance(batch, (tuple, list)) else move(batch)
 
 
 @contextlib.contextmanager
@@ -131,8 +128,6 @@ def measure_setting(dataset: Dataset, setting: Setting, step: Any, *, pipeline: 
                     device: torch.device | None = None, consumer: str = "emulated",
                     collate_fn: Any = None) -> list[dict[str, Any]]:
     """One row per repeat (an epoch of the same DataLoader): the steady-state figures."""
-    from diag.machine.device import sync
-
     device = device or torch.device("cpu")
     w = setting.num_workers
     ahead = w * setting.prefetch_factor  # ready or in flight when the first batch arrives
@@ -180,8 +175,7 @@ def measure_setting(dataset: Dataset, setting: Setting, step: Any, *, pipeline: 
         total = sum(waits) + sum(computes)
         rows.append({**base, "samples_per_s": len(waits) * batch_size / total,
                      "tokens_per_s": nan if tokens is None else tokens / total,
-                     "data_wait_s": sum(waits) / len(waits),
-                     "step_s": sum(computes) / len(computes),
+                     "data_wait_s": fmean(waits), "step_s": fmean(computes),
                      "data_wait_share": sum(waits) / total, "first_batch_s": first,
                      "repeat": repeat, "error": ""})
     # persistent workers stop here, outside every timed interval; the loader and its iterator
@@ -203,8 +197,6 @@ def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
                  ) -> tuple[Dataset, dict[str, Any]]:
     """The pipeline's dataset over the source's first records_needed(cfg) records, and facts
     about it (records, bad_rows, the token cache's status)."""
-    from diag.data import NaiveTextDataset, PackedDataset, build_token_cache, read_source
-
     needed = records_needed(cfg)
     if pipeline == "naive":
         records, problems = read_source(data, cfg.fields(), on_error=cfg.on_error, limit=needed,
@@ -236,14 +228,6 @@ def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
     """Every pipeline x num_workers against the step, a row per repeat. step: (callable, nominal
     seconds, source) as steps.consumer gives, or your callable(batch); None: from cfg. dataset:
     your own map-style Dataset (and collate_fn), swept as pipeline "yours"."""
-    import pandas as pd
-    from tqdm.auto import tqdm
-
-    from diag.config import LoaderConfig
-    from diag.loader.steps import consumer
-    from diag.machine.device import resolve
-    from diag.noise import interleave
-
     cfg = cfg or LoaderConfig.default()
     device = resolve(cfg.device)
     if callable(step):
