@@ -9,10 +9,10 @@ from __future__ import annotations
 import inspect
 import linecache
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import pandas as pd
+import pandas as pd
+from line_profiler import LineProfiler
 
 COLUMNS = ["line", "hits", "seconds", "share", "us_per_hit", "source", "function"]
 
@@ -21,9 +21,6 @@ def profile_lines(fn: Callable[[Any], Any], samples: Iterable[Any], warmup: bool
                   ) -> pd.DataFrame:
     """fn over samples under line_profiler, in source order; warmup: one unprofiled call
     first, so one-time costs (imports, a tokenizer load) land on no line."""
-    import pandas as pd
-    from line_profiler import LineProfiler
-
     target = getattr(fn, "__func__", fn)  # a bound method: profile the function it wraps
     if not inspect.isfunction(target):
         raise ValueError(f"fn={fn!r}: profile_lines needs a Python function or method "

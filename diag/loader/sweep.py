@@ -13,9 +13,8 @@ import itertools
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from statistics import fmean
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 import torch
@@ -58,8 +57,7 @@ class Guarded(Dataset):
             raise SampleError(f"sample {i}: {type(err).__name__}: {err}") from err
 
 
-@dataclass(frozen=True)
-class Setting:
+class Setting(NamedTuple):
     """One DataLoader configuration."""
 
     num_workers: int
@@ -129,18 +127,17 @@ def measure_setting(dataset: Dataset, setting: Setting, step: Any, *, pipeline: 
                     collate_fn: Any = None) -> list[dict[str, Any]]:
     """One row per repeat (an epoch of the same DataLoader): the steady-state figures."""
     device = device or torch.device("cpu")
+    cuda = device.type == "cuda"
     w = setting.num_workers
     ahead = w * setting.prefetch_factor  # ready or in flight when the first batch arrives
     n_batches = 1 + ahead + steps
     n = len(dataset)  # type: ignore[arg-type]
-    indices = [i % n for i in range(n_batches * batch_size)]  # a small dataset is cycled
-    loader = DataLoader(
-        dataset, batch_size=batch_size, sampler=indices, num_workers=w, collate_fn=collate_fn,
-        pin_memory=setting.pin_memory and device.type == "cuda",
+    loader = DataLoader(  # a small dataset is cycled
+        dataset, batch_size=batch_size, sampler=[i % n for i in range(n_batches * batch_size)],
+        num_workers=w, collate_fn=collate_fn, pin_memory=setting.pin_memory and cuda,
         persistent_workers=setting.persistent_workers and w > 0,
         prefetch_factor=setting.prefetch_factor if w else None,
-        timeout=timeout_s if w else 0,  # a hung worker fails the setting instead of the sweep
-    )
+        timeout=timeout_s if w else 0)  # a hung worker fails the setting instead of the sweep
     cores, rows, nan = usable_cores(), [], float("nan")
     base = {"pipeline": pipeline, "num_workers": w, "pin_memory": setting.pin_memory,
             "persistent_workers": setting.persistent_workers,
@@ -156,7 +153,7 @@ def measure_setting(dataset: Dataset, setting: Setting, step: Any, *, pipeline: 
             for k, batch in enumerate(itertools.islice(batches, n_batches)):
                 got = time.perf_counter()
                 first = got - start if k == 0 else first
-                if device.type == "cuda":
+                if cuda:
                     batch = _to(batch, device)
                     sync(device)  # note: sync point: the copy is billed to the step, not the wait
                 step(batch)
