@@ -170,40 +170,27 @@ def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], 
 
 def _train_point(steps: Sequence[AccumStep], micro: int, accum: int, repeats: int,
                  warmup_steps: int, memory: PeakMemory) -> list[dict[str, Any]]:
-    """One point's timed rows; memory watched over the last warm-up step, not a timed one."""
-    from diag.machine.device import sync
-
-    device = steps[0].device
+    """One point's timed rows; memory watched over the last warm-up step (none: the first)."""
     with contextlib.ExitStack() as stack:
         batches = []
         for step in steps:
             step.reset()  # every point starts from the same weights
             batches.append(stack.enter_context(step.batches(micro)))
-        warm = [0.0] * len(steps)
-        peak = [math.nan] * len(steps)
-        for n in range(warmup_steps):
+        warm, peak, rows = [0.0] * len(steps), [math.nan] * len(steps), []
+        for n in range(warmup_steps + repeats):  # warm-up (and compile) billed to warm-up
             for i, step in enumerate(steps):
-                sync(device)  # note: sync point: the clock starts on an idle device
-                start = time.perf_counter()
-                with memory.watch(step) if n == warmup_steps - 1 else contextlib.nullcontext():
-                    _optimizer_step(step, batches[i], accum, memory)
-                    sync(device)  # note: sync point: warm-up (and compile) billed to warm-up
-                warm[i] += time.perf_counter() - start
-                peak[i] = memory.last_gb if n == warmup_steps - 1 else peak[i]
-        rows = []
-        for repeat in range(repeats):
-            for i, step in enumerate(steps):
-                watch = not warmup_steps and repeat == 0
+                watch = n == max(warmup_steps - 1, 0)
                 with memory.watch(step) if watch else contextlib.nullcontext():
-                    start, cpu = time.perf_counter(), time.process_time()
-                    data_s = _optimizer_step(step, batches[i], accum, memory if watch else None)
-                    sync(device)  # note: sync point: the step's kernels finish inside its time
-                    seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu
+                    seconds, cpu_s, data_s = _timed(step, batches[i], accum,
+                                                    memory if watch else None)
                 peak[i] = memory.last_gb if watch else peak[i]
-                rows.append({"step": i, "micro_batch": micro, "grad_accum": accum,
-                             "status": "ok", "repeat": repeat, "seconds_per_step": seconds,
-                             "cpu_s": cpu_s, "data_s": data_s, "warmup_s": warm[i]})
-    return [{**r, "peak_mem_gb": peak[r["step"]]} for r in rows]
+                if n < warmup_steps:
+                    warm[i] += seconds
+                else:
+                    rows.append({"step": i, "micro_batch": micro, "grad_accum": accum,
+                                 "status": "ok", "repeat": n - warmup_steps,
+                                 "seconds_per_step": seconds, "cpu_s": cpu_s, "data_s": data_s})
+    return [{**r, "peak_mem_gb": peak[r["step"]], "warmup_s": warm[r["step"]]} for r in rows]
 
 
 def samples(timed: pd.DataFrame, column: str = "seconds_per_step"
@@ -222,8 +209,7 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
     rows with the rounds' appended, and the seconds spent past `at_least`."""
     import pandas as pd
 
-    from diag.machine.device import sync
-    from diag.noise import MIN_SAMPLES, Rounds, clock
+    from diag.noise import MIN_SAMPLES, clock, interleave
 
     at_least = max(MIN_SAMPLES, at_least or 0)  # fewer can never resolve a gap
     column = clock(steps[0].device.type).col("seconds_per_step")
@@ -233,31 +219,21 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
     if not keys and fewest >= at_least:
         return timed, 0.0
     keys = keys if fewest >= at_least else list(screen)  # too few: every side gets its share
-    turn, timings = [0], {k: [] for k in keys}  # (seconds, cpu_s, data_s) of each round
-    compared = 1 if column == "cpu_s" else 0
+    compared = 1 if column == "cpu_s" else 0  # of _timed's (seconds, cpu_s, data_s)
 
-    def one_round() -> list[float]:
-        order = keys if turn[0] % 2 == 0 else keys[::-1]
-        turn[0] += 1
-        for key in order:
-            i, micro, accum = key
-            steps[i].reset()
-            sync(steps[i].device)  # note: sync point: the clock starts on an idle device
-            start, cpu = time.perf_counter(), time.process_time()
-            data_s = _optimizer_step(steps[i], iters[key], accum)
-            sync(steps[i].device)  # note: sync point: the step's kernels finish inside its time
-            timings[key].append((time.perf_counter() - start, time.process_time() - cpu, data_s))
-        return [timings[k][-1][compared] for k in keys]
+    def measure(key: tuple[int, int, int], _: int) -> tuple[float, float, float]:
+        steps[key[0]].reset()
+        return _timed(steps[key[0]], iters[key], key[2])
 
-    def unsettled(rounds: list[list[float]]) -> bool:
-        merged = {k: screen[k] + (rounds[keys.index(k)] if k in keys else []) for k in screen}
+    def unsettled(got: dict[Any, list[tuple[float, float, float]]]) -> bool:
+        merged = {k: screen[k] + [t[compared] for t in got.get(k, [])] for k in screen}
         return any(k in keys for k in pending(merged))
 
     with contextlib.ExitStack() as stack:
         iters = {k: stack.enter_context(steps[k[0]].batches(k[1])) for k in keys}
-        rounds = Rounds(one_round, unsettled, budget_s=budget_s,
-                        min_rounds=max(1, at_least - fewest), owed=max(0, at_least - fewest))
-        rounds.run()
+        timings, rounds = interleave(keys, measure, unsettled, budget_s=budget_s,
+                                     min_rounds=max(1, at_least - fewest),
+                                     owed=max(0, at_least - fewest))
     first = timed[timed["status"] == "ok"].groupby(["step", "micro_batch"]).first()
     rows = [{"step": i, "micro_batch": m, "grad_accum": a, "status": "ok",
              "repeat": len(screen[(i, m, a)]) + n, "seconds_per_step": seconds, "cpu_s": cpu_s,
@@ -269,10 +245,14 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
         rounds.spent_s
 
 
-def _optimizer_step(step: AccumStep, batches: Iterator[Any], accum: int,
-                    memory: PeakMemory | None = None) -> float:
-    """One optimizer step of `accum` micro-steps, no sync inside; the seconds blocked on batches."""
-    data_s = 0.0
+def _timed(step: AccumStep, batches: Iterator[Any], accum: int,
+           memory: PeakMemory | None = None) -> tuple[float, float, float]:
+    """One optimizer step of `accum` micro-steps between syncs: (wall seconds, CPU seconds,
+    seconds blocked on batches)."""
+    from diag.machine.device import sync
+
+    sync(step.device)  # note: sync point: the clock starts on an idle device
+    start, cpu, data_s = time.perf_counter(), time.process_time(), 0.0
     for i in range(accum):
         t = time.perf_counter()
         batch = next(batches)
@@ -282,7 +262,8 @@ def _optimizer_step(step: AccumStep, batches: Iterator[Any], accum: int,
                 memory.micro_step() if memory else contextlib.nullcontext():
             step.backward(batch, 1.0 / accum)  # the mean over the whole step's tokens
     step.update()
-    return data_s
+    sync(step.device)  # note: sync point: the step's kernels finish inside its time
+    return time.perf_counter() - start, time.process_time() - cpu, data_s
 
 
 def accum_frame(timed: pd.DataFrame, tokens_per_step: int, *, floor_s: float = math.nan,

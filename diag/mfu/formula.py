@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     import pandas as pd
     import torch
 
+    from diag.machine.device import Peak
+
 NANOGPT_PEAK = 312e12  # nanoGPT's estimate_mfu divides by this whatever the GPU (A100 dense bf16)
 
 
@@ -110,6 +112,14 @@ def disagreement(formula: float, counted: float, explained: str = "",
     note = (f"counter {ratio:.3g}x {against} ({'over' if off else 'within'} "
             f"{MFU_DISAGREEMENT:.0%})")
     return off, note + (f": {explained}" if off and explained else "")
+
+
+def over_ranks(peak: Peak, ranks: int) -> Peak:
+    """The peak of a step spread over `ranks` (DDP): the ranks' peaks add up."""
+    import dataclasses
+
+    return peak if ranks <= 1 or not peak.flops else dataclasses.replace(
+        peak, flops=peak.flops * ranks, label=f"{ranks} x {peak.label}")
 
 
 def floor_impossible(floor_s: float, seconds_per_step: float) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from diag.mfu.formula import ModelShape, count_flops, disagreement, judge_mfu
+from diag.mfu.formula import ModelShape, count_flops, disagreement, judge_mfu, over_ranks
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -271,8 +271,6 @@ def plan_mfu(plan: str, seconds: float, token_slots: float, qshape: QLoraShape,
 def run_mfu(frame: pd.DataFrame, stages: pd.DataFrame, counted: dict[str, Counted]
             ) -> pd.DataFrame:
     """plan_mfu of each counted plan's steady steps per token slot, against its peak x ranks."""
-    import dataclasses
-
     import pandas as pd
 
     rows = []
@@ -282,8 +280,7 @@ def run_mfu(frame: pd.DataFrame, stages: pd.DataFrame, counted: dict[str, Counte
         c = counted[r.plan]
         own = stages[(stages["run"] == r.plan) & stages["step"].notna()]
         own = own[own["rank"] == own["rank"].min()]  # ranks run side by side: one's clock
-        peak = c.peak if r.ranks <= 1 or not c.peak.flops else dataclasses.replace(
-            c.peak, flops=c.peak.flops * r.ranks, label=f"{r.ranks} x {c.peak.label}")
+        peak = over_ranks(c.peak, r.ranks)
         slots = r.token_slots / r.steps * own["step"].nunique()
         # a measured CPU peak is per CPU second: the loop's CPU seconds
         cpu = c.peak.source == "step_peak" and c.peak.measured and "train_cpu_s" in frame

@@ -12,13 +12,23 @@ INTERVAL_S = 0.5
 COLUMNS = ["gpu", "name", "samples", "util_pct", "memory_util_pct", "job_memory_gb", "note"]
 
 
+def family(pid: int) -> list[Any]:
+    """psutil's process pid and its children (none where pid is gone)."""
+    import psutil
+
+    try:
+        return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
 class Watch:
     """`with Watch(pid) as gpu:` samples the GPUs pid or its children hold; `frame()` says what
     it saw, or in its note why nothing."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.reason, self._nvml = pid, "", None
-        self._seen: dict[int, tuple[str, list[tuple[float, float, float]]]] = {}
+        self._rows: list[tuple[int, str, float, float, float]] = []
         self._stop, self._thread = threading.Event(), threading.Thread(target=self._run,
                                                                        daemon=True)
 
@@ -44,25 +54,19 @@ class Watch:
             self._nvml.nvmlShutdown()
 
     def _run(self) -> None:
-        import psutil
-
         nvml = self._nvml
         while True:
-            try:
-                main = psutil.Process(self.pid)
-                family = {self.pid, *(p.pid for p in main.children(recursive=True))}
-            except psutil.Error:
-                family = {self.pid}
+            pids = {self.pid, *(p.pid for p in family(self.pid))}
             try:
                 for i in range(nvml.nvmlDeviceGetCount()):
                     handle = nvml.nvmlDeviceGetHandleByIndex(i)
                     held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                            if p.pid in family]
+                            if p.pid in pids]
                     if held:
                         util = nvml.nvmlDeviceGetUtilizationRates(handle)
-                        _, got = self._seen.setdefault(i, (nvml.nvmlDeviceGetName(handle), []))
-                        got.append((float(util.gpu), float(util.memory),
-                                    sum(p.usedGpuMemory or 0 for p in held) / 1e9))
+                        self._rows.append((i, str(nvml.nvmlDeviceGetName(handle)),
+                                           float(util.gpu), float(util.memory),
+                                           sum(p.usedGpuMemory or 0 for p in held) / 1e9))
             except nvml.NVMLError as err:  # keep what was read; say why it stopped
                 self.reason = f"NVML stopped answering: {err}"
                 return
@@ -71,13 +75,14 @@ class Watch:
 
     def known_name(self) -> str:
         """The name of the first GPU the job held ("" for none), for the upgrade projection."""
-        return next((str(name) for name, _ in self._seen.values()), "")
+        return self._rows[0][1] if self._rows else ""
 
     def frame(self) -> pd.DataFrame:
-        rows = [[i, str(name), len(got), *(sum(g[k] for g in got) / len(got) for k in (0, 1)),
-                 max(g[2] for g in got), self.reason]
-                for i, (name, got) in sorted(self._seen.items())]
-        return pd.DataFrame(rows or [[-1, "", 0, float("nan"), float("nan"), float("nan"),
-                                      self.reason or "the job held no GPU NVML could see (in "
-                                      "a container, NVML lists the host's PIDs)"]],
-                            columns=COLUMNS)
+        if not self._rows:
+            return pd.DataFrame([[-1, "", 0, float("nan"), float("nan"), float("nan"),
+                                  self.reason or "the job held no GPU NVML could see (in a "
+                                  "container, NVML lists the host's PIDs)"]], columns=COLUMNS)
+        rows = pd.DataFrame(self._rows, columns=["gpu", "name", "util", "memory", "gb"])
+        return rows.groupby(["gpu", "name"], as_index=False).agg(
+            samples=("util", "size"), util_pct=("util", "mean"), memory_util_pct=(
+                "memory", "mean"), job_memory_gb=("gb", "max")).assign(note=self.reason)[COLUMNS]
