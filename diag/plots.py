@@ -207,7 +207,7 @@ def plot_accum(frame: pd.DataFrame) -> Figure:
     keys = ["micro_batch", "grad_accum"]
     need = {*keys, "tokens_per_s", "seconds_per_step", "floor_s", "status"}
     if frame.empty or not need <= set(frame.columns):
-        raise ValueError("frame must be the accum sweep (sweep_grad_accum): "
+        raise ValueError("frame must be the accum sweep (run_accum().frame): "
                          + ", ".join(sorted(need)))
     status = frame.groupby(keys, sort=False)["status"].first()
     medians = frame[frame["status"] == "ok"].reindex(columns=[

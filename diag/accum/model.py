@@ -72,9 +72,8 @@ class LMStep:
             self._run = torch.compile(self._ddp, dynamic=False)
 
     def backward(self, batch: tuple[torch.Tensor, torch.Tensor], scale: float) -> None:
-        x, y = batch
         with self.amp:
-            loss = loss_of(self._run, x, y) * scale
+            loss = loss_of(self._run, *batch) * scale
         loss.backward()
 
     def no_sync(self) -> Any:
@@ -166,8 +165,3 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
         # the peak is named once, in the mfu frame; a row says only why it has no MFU
         frame.loc[i, ["mfu", "detail"]] = mfu, "" if mfu == mfu else note
     return frame, got, clock
-
-
-def sweep_grad_accum(cfg: AccumConfig | None = None) -> pd.DataFrame:
-    """One row per timed optimizer step per point (an OOM point: one row); see COLUMNS."""
-    return measure(cfg or AccumConfig.default())[0]

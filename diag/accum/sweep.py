@@ -12,13 +12,16 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    import pandas as pd
-    import torch
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
 
-    from diag.config import AccumConfig
+from diag.config import AccumConfig
+from diag.config.accum import check_divides
+from diag.machine.device import sync
+from diag.noise import MIN_SAMPLES, clock, interleave
 
 COLUMNS = ["micro_batch", "grad_accum", "tokens_per_step", "seconds_per_step", "cpu_s", "floor_s",
            "tokens_per_s", "data_s", "compute_s", "peak_mem_gb", "flops_per_token", "mfu",
@@ -45,8 +48,6 @@ class AccumStep(Protocol):
 def pairs(cfg: AccumConfig, world_size: int = 1) -> list[tuple[int, int]]:
     """(micro_batch, grad_accum) points making tokens_per_step over world_size ranks: the
     configured micro-batches, else every power of two that divides the step."""
-    from diag.config.accum import check_divides
-
     sequences = cfg.tokens_per_step // cfg.seq_len
     per_rank = sequences // world_size
     micro = cfg.micro_batches or [1 << i for i in range(per_rank.bit_length())
@@ -59,13 +60,9 @@ def pairs(cfg: AccumConfig, world_size: int = 1) -> list[tuple[int, int]]:
 
 def is_oom(err: BaseException) -> bool:
     """torch's CUDA OOM, Python's MemoryError, or the CPU allocator refusing a request."""
-    import torch
-
-    if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
-        return True
     text = str(err).lower()
-    return isinstance(err, RuntimeError) and ("out of memory" in text
-                                              or "can't allocate memory" in text)
+    return isinstance(err, (MemoryError, torch.OutOfMemoryError)) or isinstance(
+        err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 class PeakMemory:
@@ -73,18 +70,15 @@ class PeakMemory:
     micro-step saved for backward plus the model's and optimizer's state (docs/calibration.md)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.saved = 0  # bytes the current micro-step saved for backward
-        self.most_saved = 0  # the most of any micro-step of the watched step
-        self._seen: set[int] = set()
+        self.device, self.last_gb = device, math.nan
+        # bytes saved for backward: by the current micro-step, the most by one of the watched step
+        self.saved = self.most_saved = 0
+        self._seen: set[int] = set()  # storages the current micro-step saved
         self._params: set[int] = set()
-        self.last_gb = math.nan
 
     @contextlib.contextmanager
     def watch(self, step: AccumStep) -> Iterator[None]:
         """Around one optimizer step: `last_gb` holds its peak (NaN if it raised)."""
-        import torch
-
         self.last_gb = math.nan
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -104,11 +98,8 @@ class PeakMemory:
 
     def gb(self) -> float:
         """The watched step's peak; on CUDA a failed step's too."""
-        import torch
-
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 1e9
-        return self.last_gb
+        cuda = self.device.type == "cuda"
+        return torch.cuda.max_memory_allocated(self.device) / 1e9 if cuda else self.last_gb
 
     @contextlib.contextmanager
     def micro_step(self) -> Iterator[None]:
@@ -116,8 +107,6 @@ class PeakMemory:
         if self.device.type == "cuda":
             yield
             return
-        import torch
-
         self.saved, self._seen = 0, set()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield
@@ -134,18 +123,14 @@ class PeakMemory:
 
 def _unique_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages under tensors."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())
 
 
 def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], *,
                  repeats: int, warmup_steps: int, desc: str = "accum sweep") -> pd.DataFrame:
     """TIMED rows: one per timed optimizer step of each step at each point; a point out of
     memory: one "oom" row per step, `detail` the error."""
-    import pandas as pd
-    import torch
-    from tqdm.auto import tqdm
-
     device = steps[0].device
     memory = PeakMemory(device)
     rows: list[dict[str, Any]] = []
@@ -207,10 +192,6 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
     """Rounds of one reset step per finalist, interleaved, until every side holds `at_least`
     samples, then while `pending(samples)` names keys unsettled, within `budget_s`. Returns the
     rows with the rounds' appended, and the seconds spent past `at_least`."""
-    import pandas as pd
-
-    from diag.noise import MIN_SAMPLES, clock, interleave
-
     at_least = max(MIN_SAMPLES, at_least or 0)  # fewer can never resolve a gap
     column = clock(steps[0].device.type).col("seconds_per_step")
     screen = samples(timed, column)
@@ -249,8 +230,6 @@ def _timed(step: AccumStep, batches: Iterator[Any], accum: int,
            memory: PeakMemory | None = None) -> tuple[float, float, float]:
     """One optimizer step of `accum` micro-steps between syncs: (wall seconds, CPU seconds,
     seconds blocked on batches)."""
-    from diag.machine.device import sync
-
     sync(step.device)  # note: sync point: the clock starts on an idle device
     start, cpu, data_s = time.perf_counter(), time.process_time(), 0.0
     for i in range(accum):
@@ -270,8 +249,6 @@ def accum_frame(timed: pd.DataFrame, tokens_per_step: int, *, floor_s: float = m
                 flops_per_token: float = math.nan, compile: bool = False, detail: str = ""
                 ) -> pd.DataFrame:
     """train_points rows as the sweep's COLUMNS; mfu left to the caller that knows the peak."""
-    import pandas as pd
-
     seconds = timed["seconds_per_step"]
     out = timed.assign(tokens_per_step=tokens_per_step, tokens_per_s=tokens_per_step / seconds,
                        compute_s=seconds - timed["data_s"], floor_s=floor_s,
