@@ -2,7 +2,7 @@
 
 py-spy samples it in chunks of CHUNK_S (the view updates after each); rules.RULES turn the main
 thread's seconds into a StageTimer frame (a window, no step numbers); the workers' samples name
-their hot function; psutil reads /proc, NVML the GPUs (docs/attach.md).
+their hot function; psutil reads /proc, NVML the GPUs the job holds (docs/attach.md).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,13 +20,91 @@ from typing import Any
 import pandas as pd
 
 from diag.config import AttachConfig
-from diag.observe import gpus, spy
+from diag.observe import spy
 from diag.observe.rules import classify, parse_frame
 from diag.observe.story import WIDE, interval, story
 
 CHUNK_S = 2.0  # py-spy runs this long per call: the live view's refresh
 _PREP = re.compile(r"torch/utils/data/_utils/fetch\.py")  # a worker making a batch
 _WAITING = "(waiting for work, or handing a batch over)"
+GPU_INTERVAL_S = 0.5  # NVML's reading of the job's GPUs
+GPU_COLUMNS = ["gpu", "name", "samples", "util_pct", "memory_util_pct", "job_memory_gb", "note"]
+
+
+def family(pid: int) -> list[Any]:
+    """psutil's process pid and its children (none where pid is gone)."""
+    import psutil
+
+    try:
+        return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+class Watch:
+    """`with Watch(pid) as gpu:` NVML samples the GPUs pid or its children hold; `frame()` says what
+    it saw, or in its note why nothing."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.reason, self._nvml = pid, "", None
+        self._rows: list[tuple[int, str, float, float, float]] = []
+        self._stop, self._thread = threading.Event(), threading.Thread(target=self._run,
+                                                                       daemon=True)
+
+    def __enter__(self) -> Watch:
+        try:
+            import pynvml
+        except ImportError:
+            self.reason = "nvidia-ml-py is not installed: pip install 'diag[attach]'"
+            return self
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as err:  # no driver, no GPU: a CPU box
+            self.reason = f"no NVIDIA GPU seen (NVML: {err})"
+            return self
+        self._nvml = pynvml
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._nvml is not None:
+            self._thread.join()
+            self._nvml.nvmlShutdown()
+
+    def _run(self) -> None:
+        nvml = self._nvml
+        while True:
+            pids = {self.pid, *(p.pid for p in family(self.pid))}
+            try:
+                for i in range(nvml.nvmlDeviceGetCount()):
+                    handle = nvml.nvmlDeviceGetHandleByIndex(i)
+                    held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                            if p.pid in pids]
+                    if held:
+                        util = nvml.nvmlDeviceGetUtilizationRates(handle)
+                        self._rows.append((i, str(nvml.nvmlDeviceGetName(handle)),
+                                           float(util.gpu), float(util.memory),
+                                           sum(p.usedGpuMemory or 0 for p in held) / 1e9))
+            except nvml.NVMLError as err:  # keep what was read; say why it stopped
+                self.reason = f"NVML stopped answering: {err}"
+                return
+            if self._stop.wait(GPU_INTERVAL_S):
+                return
+
+    def known_name(self) -> str:
+        """The name of the first GPU the job held ("" for none), for the upgrade projection."""
+        return self._rows[0][1] if self._rows else ""
+
+    def frame(self) -> pd.DataFrame:
+        if not self._rows:
+            return pd.DataFrame([[-1, "", 0, float("nan"), float("nan"), float("nan"),
+                                  self.reason or "the job held no GPU NVML could see (in a "
+                                  "container, NVML lists the host's PIDs)"]], columns=GPU_COLUMNS)
+        rows = pd.DataFrame(self._rows, columns=["gpu", "name", "util", "memory", "gb"])
+        return rows.groupby(["gpu", "name"], as_index=False).agg(
+            samples=("util", "size"), util_pct=("util", "mean"), memory_util_pct=(
+                "memory", "mean"), job_memory_gb=("gb", "max")).assign(note=self.reason)
 
 
 @dataclass
@@ -94,7 +173,7 @@ def _counters(pid: int) -> dict[int, tuple[str, float, float, float]]:
     import psutil
 
     out = {}
-    for p in gpus.family(pid):
+    for p in family(pid):
         with contextlib.suppress(psutil.Error):
             cpu = p.cpu_times()
             try:
@@ -128,7 +207,7 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     spy.check(py_spy, cfg.pid)
     timeline, counts = collections.Counter(), collections.Counter()
     before, exited = _counters(cfg.pid), False
-    with gpus.Watch(cfg.pid) as gpu, tqdm(total=cfg.seconds, unit="s", disable=not progress,
+    with Watch(cfg.pid) as gpu, tqdm(total=cfg.seconds, unit="s", disable=not progress,
                                          desc=f"attach {cfg.pid}") as bar:
         start = time.perf_counter()
         while not exited and (left := cfg.seconds - (time.perf_counter() - start)) >= 0.5:
