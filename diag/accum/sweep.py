@@ -131,9 +131,8 @@ def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], 
                  repeats: int, warmup_steps: int, desc: str = "accum sweep") -> pd.DataFrame:
     """TIMED rows: one per timed optimizer step of each step at each point; a point out of
     memory: one "oom" row per step, `detail` the error."""
-    device = steps[0].device
+    device, rows = steps[0].device, []
     memory = PeakMemory(device)
-    rows: list[dict[str, Any]] = []
     for micro, accum in tqdm(points, desc=desc, unit="point", leave=False):
         failed = False
         try:

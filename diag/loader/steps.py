@@ -46,8 +46,7 @@ class ModelStep:
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> None:
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        loss = self.model(**batch).loss
-        loss.backward()
+        self.model(**batch).loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         sync(self.device)  # note: sync point, so the step's kernels are billed to the step

@@ -186,7 +186,7 @@ def measure_setting(dataset: Dataset, setting: Setting, step: Any, *, pipeline: 
 def records_needed(cfg: LoaderConfig) -> int:
     """Records the largest setting draws (start-up, prefetched and timed batches) and the line
     profile reads: a large source is read and tokenized only this far (a smaller one cycles)."""
-    ahead = max(cfg.workers) * cfg.prefetch_factor
+    ahead = max(cfg.workers) * cfg.prefetch_factor  # ready or in flight at the first batch
     return max(cfg.batch_size * (1 + ahead + cfg.steps), cfg.profile_samples)
 
 
@@ -251,11 +251,10 @@ def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
         if side in failed:
             return None
         (pipeline, w), (dataset, facts) = side, datasets[side[0]]
-        setting = Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)
-        (row,) = measure_setting(dataset, setting, run_step, pipeline=pipeline,
-                                 batch_size=cfg.batch_size, steps=cfg.steps,
-                                 timeout_s=cfg.timeout_s, device=device, consumer=cfg.consumer,
-                                 collate_fn=collate_fn)
+        (row,) = measure_setting(
+            dataset, Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor),
+            run_step, pipeline=pipeline, batch_size=cfg.batch_size, steps=cfg.steps,
+            timeout_s=cfg.timeout_s, device=device, consumer=cfg.consumer, collate_fn=collate_fn)
         if row["error"]:
             failed.add(side)
         return {**row, **extra, "repeat": repeat, "records": facts["records"],
