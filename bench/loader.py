@@ -25,9 +25,9 @@ import torch
 from diag.config import LoaderConfig
 from diag.data import build_token_cache
 from diag.embedded import ensure_assets
-from diag.loader import EmulatedStep, Setting, measure_setting, recommend, sweep_workers
-from diag.loader.steps import measure_model_step
-from diag.loader.sweep import make_dataset
+from diag.loader import recommend, sweep_workers
+from diag.loader.steps import EmulatedStep, measure_model_step
+from diag.loader.sweep import Setting, make_dataset, measure_setting
 
 
 def alone(cfg: LoaderConfig, data: str, tok: str, rounds: int) -> dict[str, dict[str, float]]:

@@ -1,8 +1,7 @@
 """Gradient accumulation at constant tokens per step: which micro-batch x grad_accum is fastest.
 
-`run_accum(cfg)` trains each point of the sweep on a real causal LM and reports tokens/s, seconds
-per step beside the floor (100% of the dense peak, diag.mfu), memory, MFU and the advice.
-`train_points` / `retime` are the sweep harness any `AccumStep` runs on (the QLoRA job's too).
+`run_accum(cfg)` trains each point on a real causal LM: tokens/s, seconds per step beside the
+floor, memory, MFU, the decision; `train_points` / `retime` run any `AccumStep` (the QLoRA job's).
 """
 
 from diag.accum.experiment import AccumResult, advice, decide, run_accum, summarize

@@ -1,26 +1,24 @@
-"""`run_accum(cfg)`: the sweep, one summary row per point, the MFU cross-check and the advice.
-
-`decide` takes the fastest point whose gap to the naive micro-batch resolves (diag.noise), else
-keeps the naive one; `advice` prices it against the most-accumulating point.
+"""`run_accum(cfg)`: the sweep, one summary row per point, the MFU cross-check and the advice;
+`decide` takes the fastest point whose gap to the naive micro-batch resolves, else keeps it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+import pandas as pd
 
 from diag.accum.model import Setup, measure
+from diag.config import AccumConfig
 from diag.decision import Decision, MeasuredOn
 from diag.machine.device import on_cpu_threads
+from diag.mfu import disagreement, floor_impossible
+from diag.noise import Choice, choose, clock, compare, spread
+from diag.timing import stragglers
 from diag.timing.harness import ranks_first
-
-if TYPE_CHECKING:
-    import pandas as pd
-
-    from diag.config import AccumConfig
-    from diag.noise import Choice
 
 DEFAULT_MICRO_BATCH = 8  # no sweep ran: fits the tiny and the 1B model on any 16 GB GPU
 
@@ -29,7 +27,7 @@ DEFAULT_MICRO_BATCH = 8  # no sweep ran: fits the tiny and the 1B model on any 1
 class AccumResult:
     """What `run_accum` returns; under a launcher `frame` holds every rank's steps."""
 
-    frame: pd.DataFrame  # one row per timed optimizer step per point (sweep_grad_accum)
+    frame: pd.DataFrame  # one row per timed optimizer step per point (sweep.COLUMNS)
     summary: pd.DataFrame  # one row per point: medians, floor, warm-up, recommended
     mfu: pd.DataFrame  # formula vs FlopCounterMode, and the peak MFU is computed against
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
@@ -41,33 +39,25 @@ class AccumResult:
 @on_cpu_threads
 def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
     """The sweep at cfg's tokens per step, then its summary, MFU cross-check and advice."""
-    from diag.config import AccumConfig
-
     cfg = cfg or AccumConfig.default()
-    frame, setup, clock = measure(cfg)
-    every, stages = clock.gathered(frame) if clock else (ranks_first(frame), None)
+    frame, setup, ddp = measure(cfg)
+    every, stages = ddp.gathered(frame) if ddp else (ranks_first(frame), None)
     # ranks run in lockstep, so theirs are not independent samples: this rank's steps decide
-    frame = every[every["rank"] == (clock.timer.rank if clock else 0)]
+    frame = every[every["rank"] == (ddp.timer.rank if ddp else 0)]
     summary = summarize(frame, device=setup.device)
     on = MeasuredOn(model=f"{cfg.model} ({setup.shape.params / 1e6:.3g}M params)",
                     precision=setup.amp, seq_len=cfg.seq_len,
                     step=f"{cfg.tokens_per_step:,} tokens per optimizer step",
                     device=setup.device, tokens_per_step=cfg.tokens_per_step)
-    per_rank = None
-    if stages is not None:
-        from diag.timing import stragglers
-
-        per_rank = stragglers.per_rank(stages)
     return AccumResult(every, summary, mfu_check(setup), advice(summary, cfg.steps_per_run),
-                       decide(frame, on), per_rank, stages)
+                       decide(frame, on), None if stages is None else stragglers.per_rank(stages),
+                       stages)
 
 
 def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
            baseline: int = 1, repeats_s: float | None = None) -> tuple[Decision, ...]:
     """`micro_batch` on measured_on's device's clock: the point `settle` takes against
     `baseline` (else the smallest that ran), priced per step; none ran: the default, said so."""
-    from diag.noise import clock, spread
-
     ok = frame[frame["status"] == "ok"] if frame is not None and not frame.empty else None
     if ok is None or ok.empty:
         why = ("accum frame absent" if frame is None or frame.empty else
@@ -76,12 +66,11 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
                                  f"{DEFAULT_MICRO_BATCH}", source="accum"),)
     on = clock(measured_on.device if measured_on else "")
     column, unit = on.col("seconds_per_step"), on.unit
-    times = {int(m): list(g[column]) for m, g in ok.groupby("micro_batch")}
+    times, ref, pick = settle(ok, column, baseline)
     med = {m: statistics.median(t) for m, t in times.items()}
     accum = {int(m): int(a) for m, a in zip(ok["micro_batch"], ok["grad_accum"])}
-    ref = baseline if baseline in times else min(times)
-    pick = settle(times, ref)
     micro, gap = pick.value, pick.against
+    settled = micro not in (ref, pick.best)  # settle() took a tied point over the fastest
 
     kept = "the naive plan's" if ref == baseline else "the most accumulation swept"
 
@@ -91,18 +80,17 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
     if gap is None:
         why = (f"{point(micro)}, the only point that ran ({len(times[micro])} samples, spread "
                f"{spread(times[micro]):.0%})")
+    elif settled:
+        why = (f"{point(micro)} against {point(ref)}: {gap.describe()}; within noise of the "
+               f"fastest, {point(pick.best)}: the least accumulation of them (the Trainer pays "
+               "per micro-batch what this step does not time)")
     elif pick.best != ref:
         why = (f"{point(pick.best)}, the fastest of {len(times)} points, against "
                f"{point(ref)}: {gap.describe()}"
                + ("" if micro != ref else f"; micro-batch {ref} kept ({kept})"))
-        if micro not in (ref, pick.best):  # settle(): the least accumulation of the tied
-            why = (f"{point(micro)} against {point(ref)}: {gap.describe()}; within noise of "
-                   f"the fastest, {point(pick.best)}: the least accumulation of them (the "
-                   "Trainer pays per micro-batch what this step does not time)")
     else:
         why = (f"{point(ref)} ({kept}) is the fastest of {len(times)} points, against "
                f"{point(pick.rival)}: {gap.describe()}")
-    settled = micro not in (ref, pick.best)  # settle() took a tied point over the fastest
     tied = tuple(m for m in (pick.best, *pick.tied) if m != micro) if settled else pick.tied
     if tied and micro != ref:
         why += "; within noise of the fastest: " + ", ".join(f"micro-batch {m}" for m in tied)
@@ -120,28 +108,24 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
         resolved=pick.resolved, repeats_s=repeats_s),)
 
 
-def settle(times: dict[int, list[float]], ref: int) -> Choice:
-    """diag.noise.choose against `ref`; when it left `ref`, the largest micro-batch within noise
-    of the fastest that itself resolved faster than `ref`: the real loop pays per micro-batch
-    what the harness does not time (docs/calibration.md)."""
-    import dataclasses
-
-    from diag.noise import choose, compare
-
+def settle(ok: pd.DataFrame, column: str, baseline: int
+           ) -> tuple[dict[int, list[float]], int, Choice]:
+    """(each micro-batch's `column` samples, the reference: baseline, else the smallest that
+    ran, diag.noise.choose against it); where choose left it, the largest micro-batch within
+    noise of the fastest that resolved faster than it: the real loop pays per micro-batch what
+    the harness does not time (docs/calibration.md)."""
+    times = {int(m): list(g[column]) for m, g in ok.groupby("micro_batch")}
+    ref = baseline if baseline in times else min(times)
     pick = choose(times, ref)
     if pick.value == ref or not pick.tied:
-        return pick
+        return times, ref, pick
     wins = {m: compare(times[m], times[ref]) for m in (pick.value, *pick.tied) if m != ref}
     largest = max(m for m, gap in wins.items() if gap.faster == "a")
-    return dataclasses.replace(pick, value=largest, against=wins[largest])
+    return times, ref, dataclasses.replace(pick, value=largest, against=wins[largest])
 
 
 def summarize(frame: pd.DataFrame, baseline: int = 1, device: str = "") -> pd.DataFrame:
     """Per point: medians, floor, memory; `recommended` on the point `decide` takes."""
-    import pandas as pd
-
-    from diag.noise import clock
-
     keys = ["micro_batch", "grad_accum", "tokens_per_step", "status"]
     first = {"floor_s": "first", "peak_mem_gb": "max", "warmup_s": "first", "compile": "first",
              "detail": "first"}
@@ -154,13 +138,9 @@ def summarize(frame: pd.DataFrame, baseline: int = 1, device: str = "") -> pd.Da
     out["vs_worst"] = out["tokens_per_s"] / ok["tokens_per_s"].min() if not ok.empty else math.nan
     out["recommended"] = False
     if not ok.empty:
-        rows = frame[frame["status"] == "ok"]
-        column = clock(device).col("seconds_per_step")
-        times = {int(m): list(g[column]) for m, g in rows.groupby("micro_batch")}
-        pick = settle(times, baseline if baseline in times else min(times))
+        pick = settle(frame[frame["status"] == "ok"], clock(device).col("seconds_per_step"),
+                      baseline)[2]
         out.loc[ok.index[ok["micro_batch"] == pick.value][0], "recommended"] = True
-    from diag.mfu import floor_impossible
-
     out["floor_flagged"] = [floor_impossible(f, s) for f, s in
                             zip(out["floor_s"], out["seconds_per_step"])]
     cols = ["micro_batch", "grad_accum", "tokens_per_step", "status", "seconds_per_step",
@@ -172,8 +152,6 @@ def summarize(frame: pd.DataFrame, baseline: int = 1, device: str = "") -> pd.Da
 
 def mfu_check(setup: Setup) -> pd.DataFrame:
     """The formula's FLOPs per token beside FlopCounterMode's, and the peak used for MFU."""
-    import pandas as pd
-
     shape, peak, counted = setup.shape, setup.peak, setup.counted_per_token
     formula = shape.flops_per_token
     common = {"params": shape.params, "layers": shape.layers, "d_model": shape.d_model,
@@ -181,8 +159,6 @@ def mfu_check(setup: Setup) -> pd.DataFrame:
               "peak_tflops": peak.flops / 1e12 if peak.flops else math.nan,
               "peak": peak.label + (f" ({peak.source})" if peak.source and not peak.measured
                                     else "")}
-    from diag.mfu import disagreement
-
     flagged, note = disagreement(formula, counted,
                                  "check N (tied or untied head), the attention term, and kernels "
                                  "the counter has no formula for")
@@ -198,8 +174,6 @@ def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = 
            ) -> pd.DataFrame:
     """The recommended point priced against the most-accumulating one, over `steps_per_run`
     steps or as that fraction of a run's `compute_s`; none recommended: no finding."""
-    import pandas as pd
-
     cols = ["stage", "finding", "seconds_saved", "evidence"]
     ok = summary[summary["status"] == "ok"]
     picked = ok[ok["recommended"].astype(bool)]
@@ -209,11 +183,9 @@ def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = 
     best = picked.iloc[0]
     largest = ok.loc[ok["micro_batch"].idxmax()]
     fraction = 1.0 - best["seconds_per_step"] / worst["seconds_per_step"]
-    saved = (worst["seconds_per_step"] - best["seconds_per_step"]) * steps_per_run
-    over = f"over {steps_per_run:,} steps"
-    if compute_s is not None:
-        saved = compute_s * fraction
-        over = f"{fraction:.0%} shorter steps applied to the run's compute ({compute_s:.3g} s)"
+    saved, over = ((worst["seconds_per_step"] - best["seconds_per_step"]) * steps_per_run,
+                   f"over {steps_per_run:,} steps") if compute_s is None else (compute_s * fraction,
+        f"{fraction:.0%} shorter steps applied to the run's compute ({compute_s:.3g} s)")
     ooms = summary[summary["status"] == "oom"]
     edge = (f"; micro-batch {int(ooms['micro_batch'].min())} ran out of memory"
             if not ooms.empty else "")

@@ -11,21 +11,22 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from diag.mfu import ModelShape, count_flops, floor_seconds, judge_mfu, loss_of
+import pandas as pd
+import torch
+
 from diag.accum.sweep import accum_frame, is_oom, pairs, retime, train_points
+from diag.config import AccumConfig
 from diag.data import BatchLoader, check_tokens, ensure_tokens, token_file
+from diag.machine import device as devices
+from diag.machine.device import Peak
+from diag.mfu import ModelShape, count_flops, floor_seconds, judge_mfu, loss_of, over_ranks
+from diag.noise import unresolved
+from diag.timing.distributed import init_group, root_first, spill_ranks
+from diag.timing.harness import TimedStep
 
 DECIDE_BUDGET_S = 60.0  # seconds one process may re-time the points its screen left within noise
-
-if TYPE_CHECKING:
-    import pandas as pd
-    import torch
-
-    from diag.config import AccumConfig
-    from diag.machine.device import Peak
-    from diag.timing.harness import TimedStep
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,6 @@ class LMStep:
 
     def __init__(self, cfg: AccumConfig, model: Any, tokens: Any, device: torch.device,
                  amp: Any, rank: int = 0, distributed: bool = False) -> None:
-        import torch
-
         self.model, self.device, self.amp = model, device, amp
         self._cfg, self._tokens, self._seed = cfg, tokens, cfg.seed + rank  # a rank's own windows
         # a straggler on purpose: this rank's loader sleeps slow_ms more per micro-batch
@@ -63,8 +62,6 @@ class LMStep:
         return _slowed(loader, self._slow_s) if self._slow_s else loader
 
     def reset(self) -> None:
-        import torch
-
         self.model.load_state_dict(self._initial)
         self.model.zero_grad(set_to_none=True)
         self.optimizer = None  # the last point's state goes before this point allocates
@@ -75,9 +72,8 @@ class LMStep:
             self._run = torch.compile(self._ddp, dynamic=False)
 
     def backward(self, batch: tuple[torch.Tensor, torch.Tensor], scale: float) -> None:
-        x, y = batch
         with self.amp:
-            loss = loss_of(self._run, x, y) * scale
+            loss = loss_of(self._run, *batch) * scale
         loss.backward()
 
     def no_sync(self) -> Any:
@@ -96,8 +92,6 @@ def _slowed(loader: BatchLoader, seconds: float) -> Iterator[Any]:
 
 def build_model(cfg: AccumConfig, device: torch.device) -> Any:
     """The embedded tiny Llama, or a GPT-2-small shape (nanoGPT's padded vocab), random init."""
-    import torch
-
     if cfg.model == "tiny":
         from transformers import LlamaForCausalLM
 
@@ -120,45 +114,24 @@ def build_model(cfg: AccumConfig, device: torch.device) -> Any:
     return model.to(device).train()
 
 
-def _autocast(cfg: AccumConfig, device: torch.device) -> Any:
-    import torch
-
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    if dtype == "fp32":
-        return contextlib.nullcontext(), "fp32"
-    return torch.autocast(device.type, dtype=torch.bfloat16), "bf16"
-
-
-def _tokens(cfg: AccumConfig) -> Any:
-    return token_file(cfg.token_file) if cfg.token_file else ensure_tokens()
-
-
 def setup(cfg: AccumConfig) -> tuple[LMStep, Setup, list[tuple[int, int]]]:
     """cfg's model as a step on this rank, what it is measured with, and the points to sweep."""
-    import torch
-
-    from diag.machine import device as devices
-    from diag.timing.distributed import init_group, root_first
-
     dev = devices.resolve(cfg.device)
     seat = init_group(dev.type)  # under a launcher: one DDP rank of the sweep
     if seat.distributed and dev.type == "cuda":
         dev = torch.device("cuda", seat.local_rank)
     points = pairs(cfg, seat.world_size)  # before any work: a world that cannot split the step
     with root_first():  # rank 0 tokenizes the synthetic set once; the others read its file
-        tokens = _tokens(cfg)
+        tokens = token_file(cfg.token_file) if cfg.token_file else ensure_tokens()
     model = build_model(cfg, dev)
     check_tokens(tokens, model.config.vocab_size)  # before any step: a bad id fails here, named
-    amp, amp_dtype = _autocast(cfg, dev)
-    if cfg.peak_tflops:
-        peak = devices.Peak(cfg.peak_tflops * 1e12, f"given: {cfg.peak_tflops:g} TFLOP/s "
-                            "(AccumConfig.peak_tflops)", "config", False)
-    else:
-        peak = devices.peak_flops(dev, "bf16" if amp_dtype == "bf16" else "fp32")
-    if seat.distributed and peak.flops:  # the step is spread over the ranks: peaks add up
-        peak = devices.Peak(peak.flops * seat.world_size,
-                            f"{seat.world_size} x {peak.label}", peak.source, peak.measured,
-                            peak.dtype)
+    amp_dtype = cfg.dtype if cfg.dtype != "auto" else "bf16" if dev.type == "cuda" else "fp32"
+    amp = contextlib.nullcontext() if amp_dtype == "fp32" else torch.autocast(
+        dev.type, dtype=torch.bfloat16)
+    peak = Peak(cfg.peak_tflops * 1e12, f"given: {cfg.peak_tflops:g} TFLOP/s (AccumConfig."
+                "peak_tflops)", "config", False) if cfg.peak_tflops else devices.peak_flops(
+        dev, amp_dtype)
+    peak = over_ranks(peak, seat.world_size)  # the step is spread over the ranks
     smallest = min(m for m, _ in points)
     with BatchLoader(tokens, smallest, cfg.seq_len, dev, seed=cfg.seed, prefetch=False) as bl:
         x, y = bl.next()
@@ -176,9 +149,6 @@ def setup(cfg: AccumConfig) -> tuple[LMStep, Setup, list[tuple[int, int]]]:
 
 def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
     """The sweep frame (COLUMNS), its Setup, and under a launcher this rank's TimedStep."""
-    from diag.timing.distributed import spill_ranks
-    from diag.timing.harness import TimedStep
-
     step, got, points = setup(cfg)
     clock = TimedStep(step, step.ddp) if step.ddp is not None else None
     if clock is not None:
@@ -186,8 +156,6 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
     timed = train_points([clock or step], points, repeats=cfg.steps,
                          warmup_steps=cfg.warmup_steps)
     if clock is None:  # under DDP every rank must take the same steps: the screen only
-        from diag.noise import unresolved
-
         timed, _ = retime([step], timed, unresolved, budget_s=DECIDE_BUDGET_S)
     fpt, peak = got.shape.flops_per_token, got.peak
     frame = accum_frame(timed, cfg.tokens_per_step, compile=cfg.compile, flops_per_token=fpt,
@@ -197,10 +165,3 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
         # the peak is named once, in the mfu frame; a row says only why it has no MFU
         frame.loc[i, ["mfu", "detail"]] = mfu, "" if mfu == mfu else note
     return frame, got, clock
-
-
-def sweep_grad_accum(cfg: AccumConfig | None = None) -> pd.DataFrame:
-    """One row per timed optimizer step per point (an OOM point: one row); see COLUMNS."""
-    from diag.config import AccumConfig
-
-    return measure(cfg or AccumConfig.default())[0]

@@ -12,13 +12,16 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    import pandas as pd
-    import torch
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
 
-    from diag.config import AccumConfig
+from diag.config import AccumConfig
+from diag.config.accum import check_divides
+from diag.machine.device import sync
+from diag.noise import MIN_SAMPLES, clock, interleave
 
 COLUMNS = ["micro_batch", "grad_accum", "tokens_per_step", "seconds_per_step", "cpu_s", "floor_s",
            "tokens_per_s", "data_s", "compute_s", "peak_mem_gb", "flops_per_token", "mfu",
@@ -45,8 +48,6 @@ class AccumStep(Protocol):
 def pairs(cfg: AccumConfig, world_size: int = 1) -> list[tuple[int, int]]:
     """(micro_batch, grad_accum) points making tokens_per_step over world_size ranks: the
     configured micro-batches, else every power of two that divides the step."""
-    from diag.config.accum import check_divides
-
     sequences = cfg.tokens_per_step // cfg.seq_len
     per_rank = sequences // world_size
     micro = cfg.micro_batches or [1 << i for i in range(per_rank.bit_length())
@@ -59,13 +60,9 @@ def pairs(cfg: AccumConfig, world_size: int = 1) -> list[tuple[int, int]]:
 
 def is_oom(err: BaseException) -> bool:
     """torch's CUDA OOM, Python's MemoryError, or the CPU allocator refusing a request."""
-    import torch
-
-    if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
-        return True
     text = str(err).lower()
-    return isinstance(err, RuntimeError) and ("out of memory" in text
-                                              or "can't allocate memory" in text)
+    return isinstance(err, (MemoryError, torch.OutOfMemoryError)) or isinstance(
+        err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 class PeakMemory:
@@ -73,18 +70,15 @@ class PeakMemory:
     micro-step saved for backward plus the model's and optimizer's state (docs/calibration.md)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.saved = 0  # bytes the current micro-step saved for backward
-        self.most_saved = 0  # the most of any micro-step of the watched step
-        self._seen: set[int] = set()
+        self.device, self.last_gb = device, math.nan
+        # bytes saved for backward: by the current micro-step, the most by one of the watched step
+        self.saved = self.most_saved = 0
+        self._seen: set[int] = set()  # storages the current micro-step saved
         self._params: set[int] = set()
-        self.last_gb = math.nan
 
     @contextlib.contextmanager
     def watch(self, step: AccumStep) -> Iterator[None]:
         """Around one optimizer step: `last_gb` holds its peak (NaN if it raised)."""
-        import torch
-
         self.last_gb = math.nan
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -104,11 +98,8 @@ class PeakMemory:
 
     def gb(self) -> float:
         """The watched step's peak; on CUDA a failed step's too."""
-        import torch
-
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) / 1e9
-        return self.last_gb
+        cuda = self.device.type == "cuda"
+        return torch.cuda.max_memory_allocated(self.device) / 1e9 if cuda else self.last_gb
 
     @contextlib.contextmanager
     def micro_step(self) -> Iterator[None]:
@@ -116,8 +107,6 @@ class PeakMemory:
         if self.device.type == "cuda":
             yield
             return
-        import torch
-
         self.saved, self._seen = 0, set()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             yield
@@ -134,21 +123,16 @@ class PeakMemory:
 
 def _unique_bytes(tensors: Any) -> int:
     """Bytes of the distinct storages under tensors."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in tensors}.values())
 
 
 def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], *,
                  repeats: int, warmup_steps: int, desc: str = "accum sweep") -> pd.DataFrame:
     """TIMED rows: one per timed optimizer step of each step at each point; a point out of
     memory: one "oom" row per step, `detail` the error."""
-    import pandas as pd
-    import torch
-    from tqdm.auto import tqdm
-
-    device = steps[0].device
+    device, rows = steps[0].device, []
     memory = PeakMemory(device)
-    rows: list[dict[str, Any]] = []
     for micro, accum in tqdm(points, desc=desc, unit="point", leave=False):
         failed = False
         try:
@@ -170,40 +154,27 @@ def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], 
 
 def _train_point(steps: Sequence[AccumStep], micro: int, accum: int, repeats: int,
                  warmup_steps: int, memory: PeakMemory) -> list[dict[str, Any]]:
-    """One point's timed rows; memory watched over the last warm-up step, not a timed one."""
-    from diag.machine.device import sync
-
-    device = steps[0].device
+    """One point's timed rows; memory watched over the last warm-up step (none: the first)."""
     with contextlib.ExitStack() as stack:
         batches = []
         for step in steps:
             step.reset()  # every point starts from the same weights
             batches.append(stack.enter_context(step.batches(micro)))
-        warm = [0.0] * len(steps)
-        peak = [math.nan] * len(steps)
-        for n in range(warmup_steps):
+        warm, peak, rows = [0.0] * len(steps), [math.nan] * len(steps), []
+        for n in range(warmup_steps + repeats):  # warm-up (and compile) billed to warm-up
             for i, step in enumerate(steps):
-                sync(device)  # note: sync point: the clock starts on an idle device
-                start = time.perf_counter()
-                with memory.watch(step) if n == warmup_steps - 1 else contextlib.nullcontext():
-                    _optimizer_step(step, batches[i], accum, memory)
-                    sync(device)  # note: sync point: warm-up (and compile) billed to warm-up
-                warm[i] += time.perf_counter() - start
-                peak[i] = memory.last_gb if n == warmup_steps - 1 else peak[i]
-        rows = []
-        for repeat in range(repeats):
-            for i, step in enumerate(steps):
-                watch = not warmup_steps and repeat == 0
+                watch = n == max(warmup_steps - 1, 0)
                 with memory.watch(step) if watch else contextlib.nullcontext():
-                    start, cpu = time.perf_counter(), time.process_time()
-                    data_s = _optimizer_step(step, batches[i], accum, memory if watch else None)
-                    sync(device)  # note: sync point: the step's kernels finish inside its time
-                    seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu
+                    seconds, cpu_s, data_s = _timed(step, batches[i], accum,
+                                                    memory if watch else None)
                 peak[i] = memory.last_gb if watch else peak[i]
-                rows.append({"step": i, "micro_batch": micro, "grad_accum": accum,
-                             "status": "ok", "repeat": repeat, "seconds_per_step": seconds,
-                             "cpu_s": cpu_s, "data_s": data_s, "warmup_s": warm[i]})
-    return [{**r, "peak_mem_gb": peak[r["step"]]} for r in rows]
+                if n < warmup_steps:
+                    warm[i] += seconds
+                else:
+                    rows.append({"step": i, "micro_batch": micro, "grad_accum": accum,
+                                 "status": "ok", "repeat": n - warmup_steps,
+                                 "seconds_per_step": seconds, "cpu_s": cpu_s, "data_s": data_s})
+    return [{**r, "peak_mem_gb": peak[r["step"]], "warmup_s": warm[r["step"]]} for r in rows]
 
 
 def samples(timed: pd.DataFrame, column: str = "seconds_per_step"
@@ -220,11 +191,6 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
     """Rounds of one reset step per finalist, interleaved, until every side holds `at_least`
     samples, then while `pending(samples)` names keys unsettled, within `budget_s`. Returns the
     rows with the rounds' appended, and the seconds spent past `at_least`."""
-    import pandas as pd
-
-    from diag.machine.device import sync
-    from diag.noise import MIN_SAMPLES, Rounds, clock
-
     at_least = max(MIN_SAMPLES, at_least or 0)  # fewer can never resolve a gap
     column = clock(steps[0].device.type).col("seconds_per_step")
     screen = samples(timed, column)
@@ -233,31 +199,21 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
     if not keys and fewest >= at_least:
         return timed, 0.0
     keys = keys if fewest >= at_least else list(screen)  # too few: every side gets its share
-    turn, timings = [0], {k: [] for k in keys}  # (seconds, cpu_s, data_s) of each round
-    compared = 1 if column == "cpu_s" else 0
+    compared = 1 if column == "cpu_s" else 0  # of _timed's (seconds, cpu_s, data_s)
 
-    def one_round() -> list[float]:
-        order = keys if turn[0] % 2 == 0 else keys[::-1]
-        turn[0] += 1
-        for key in order:
-            i, micro, accum = key
-            steps[i].reset()
-            sync(steps[i].device)  # note: sync point: the clock starts on an idle device
-            start, cpu = time.perf_counter(), time.process_time()
-            data_s = _optimizer_step(steps[i], iters[key], accum)
-            sync(steps[i].device)  # note: sync point: the step's kernels finish inside its time
-            timings[key].append((time.perf_counter() - start, time.process_time() - cpu, data_s))
-        return [timings[k][-1][compared] for k in keys]
+    def measure(key: tuple[int, int, int], _: int) -> tuple[float, float, float]:
+        steps[key[0]].reset()
+        return _timed(steps[key[0]], iters[key], key[2])
 
-    def unsettled(rounds: list[list[float]]) -> bool:
-        merged = {k: screen[k] + (rounds[keys.index(k)] if k in keys else []) for k in screen}
+    def unsettled(got: dict[Any, list[tuple[float, float, float]]]) -> bool:
+        merged = {k: screen[k] + [t[compared] for t in got.get(k, [])] for k in screen}
         return any(k in keys for k in pending(merged))
 
     with contextlib.ExitStack() as stack:
         iters = {k: stack.enter_context(steps[k[0]].batches(k[1])) for k in keys}
-        rounds = Rounds(one_round, unsettled, budget_s=budget_s,
-                        min_rounds=max(1, at_least - fewest), owed=max(0, at_least - fewest))
-        rounds.run()
+        timings, rounds = interleave(keys, measure, unsettled, budget_s=budget_s,
+                                     min_rounds=max(1, at_least - fewest),
+                                     owed=max(0, at_least - fewest))
     first = timed[timed["status"] == "ok"].groupby(["step", "micro_batch"]).first()
     rows = [{"step": i, "micro_batch": m, "grad_accum": a, "status": "ok",
              "repeat": len(screen[(i, m, a)]) + n, "seconds_per_step": seconds, "cpu_s": cpu_s,
@@ -269,10 +225,12 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
         rounds.spent_s
 
 
-def _optimizer_step(step: AccumStep, batches: Iterator[Any], accum: int,
-                    memory: PeakMemory | None = None) -> float:
-    """One optimizer step of `accum` micro-steps, no sync inside; the seconds blocked on batches."""
-    data_s = 0.0
+def _timed(step: AccumStep, batches: Iterator[Any], accum: int,
+           memory: PeakMemory | None = None) -> tuple[float, float, float]:
+    """One optimizer step of `accum` micro-steps between syncs: (wall seconds, CPU seconds,
+    seconds blocked on batches)."""
+    sync(step.device)  # note: sync point: the clock starts on an idle device
+    start, cpu, data_s = time.perf_counter(), time.process_time(), 0.0
     for i in range(accum):
         t = time.perf_counter()
         batch = next(batches)
@@ -282,15 +240,14 @@ def _optimizer_step(step: AccumStep, batches: Iterator[Any], accum: int,
                 memory.micro_step() if memory else contextlib.nullcontext():
             step.backward(batch, 1.0 / accum)  # the mean over the whole step's tokens
     step.update()
-    return data_s
+    sync(step.device)  # note: sync point: the step's kernels finish inside its time
+    return time.perf_counter() - start, time.process_time() - cpu, data_s
 
 
 def accum_frame(timed: pd.DataFrame, tokens_per_step: int, *, floor_s: float = math.nan,
                 flops_per_token: float = math.nan, compile: bool = False, detail: str = ""
                 ) -> pd.DataFrame:
     """train_points rows as the sweep's COLUMNS; mfu left to the caller that knows the peak."""
-    import pandas as pd
-
     seconds = timed["seconds_per_step"]
     out = timed.assign(tokens_per_step=tokens_per_step, tokens_per_s=tokens_per_step / seconds,
                        compute_s=seconds - timed["data_s"], floor_s=floor_s,

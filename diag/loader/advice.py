@@ -1,10 +1,6 @@
-"""From the sweep to a decision: the smallest setting that keeps up, or what it would take.
-
-`recommend(sweep)` gives one row per pipeline: the smallest num_workers whose median data_wait
-stays under the target share of the step, or, when none does, the per-sample preprocessing cost
-(from the num_workers=0 rows, where every sample is made in the loop) and the workers (cores)
-that cost needs at this step. `advice(sweep, recommendation)` turns it into findings rows for
-diag.amdahl.findings, priced for a run of `run_steps` steps.
+"""From the loader sweep to decisions: the smallest num_workers whose median data_wait stays
+under the goal, or, where none does, the per-sample cost (the 0-worker rows) and the workers it
+needs; `advice` prices them as findings rows (diag.amdahl.findings) for a run of `run_steps`.
 """
 
 from __future__ import annotations
@@ -16,14 +12,13 @@ import pandas as pd
 
 from diag.decision import (DATA_WAIT_GOAL, DATA_WAIT_NEAR_BEST, DATA_WAIT_NEAR_BEST_S, FIXES,
                            Decision, MeasuredOn)
+from diag.noise import compare, spread
 
 COLUMNS = ["pipeline", "recommended_workers", "data_wait_share", "baseline_workers",
            "baseline_share", "per_sample_ms", "per_batch_ms", "step_ms", "workers_needed",
            "cores", "samples_per_s", "tokens_per_s", "failed_workers", "verdict"]
 ADVICE_COLUMNS = ["stage", "finding", "seconds_saved", "evidence"]
-DEFAULT_WORKERS = 2  # no sweep: enough to overlap the token cache's reads with a step, given
-#                     cores to spare: measured on 2 cores, 2 workers cost 1.4x per step against 0
-#                     (they compete with the step's own threads), so default_workers() spares two
+DEFAULT_WORKERS = 2  # no sweep: the token cache's reads overlap a step (docs/calibration.md)
 
 
 def _good(part: pd.DataFrame) -> pd.DataFrame:
@@ -42,25 +37,22 @@ def recommend(sweep: pd.DataFrame, target_share: float = DATA_WAIT_GOAL) -> pd.D
     for pipeline, part in sweep.groupby("pipeline", sort=False):
         by = _medians(part)
         order = list(dict.fromkeys(part["num_workers"]))
-        failed = [w for w in order if w not in by.index]
-        batch = int(part["batch_size"].iloc[0])
         cores = int(part["cores"].iloc[0]) if "cores" in part else 0
+        row = {"pipeline": pipeline, "failed_workers": [w for w in order if w not in by.index],
+               "cores": cores}
         if by.empty:
-            rows.append({"pipeline": pipeline, "failed_workers": failed, "cores": cores,
-                         "verdict": "every setting failed: " + part["error"].iloc[0]})
+            rows.append({**row, "verdict": "every setting failed: " + part["error"].iloc[0]})
             continue
-        meets = [w for w in sorted(by.index) if by.loc[w, "data_wait_share"] < target_share]
-        rec = meets[0] if meets else None
+        batch = int(part["batch_size"].iloc[0])
+        rec = next((w for w in sorted(by.index) if by.loc[w, "data_wait_share"] < target_share),
+                   None)
         base = order[0] if order[0] in by.index else by.index[0]
         step = float(by["step_s"].median())
         # with no workers every sample is fetched and prepared in the loop: the wait is its cost
-        per_batch = float(by.loc[0, "data_wait_s"]) if 0 in by.index else float("nan")
-        if math.isnan(per_batch):
-            needed: Any = None
-        elif per_batch / (per_batch + step) < target_share:
-            needed = 0
-        else:  # each worker makes a batch in per_batch seconds; together one per step
-            needed = math.ceil(per_batch / step)
+        per_batch = float(by.loc[0, "data_wait_s"]) if 0 in by.index else math.nan
+        # each worker makes a batch in per_batch seconds; together one per step
+        needed = None if math.isnan(per_batch) else 0 if per_batch / (
+            per_batch + step) < target_share else math.ceil(per_batch / step)
         shown = rec if rec is not None else by["data_wait_share"].idxmin()
         if rec is not None:
             verdict = (f"num_workers={rec} keeps data_wait at {by.loc[rec, 'data_wait_share']:.1%} "
@@ -81,17 +73,14 @@ def recommend(sweep: pd.DataFrame, target_share: float = DATA_WAIT_GOAL) -> pd.D
             elif needed:
                 verdict += (f": {cost}, so it needs {needed} workers on as many free cores "
                             f"(this machine has {cores}), or the token cache (packed)")
-        rows.append({"pipeline": pipeline, "recommended_workers": rec,
+        rows.append({**row, "recommended_workers": rec, "baseline_workers": base,
                      "data_wait_share": by.loc[shown, "data_wait_share"],
-                     "baseline_workers": base, "baseline_share": by.loc[base, "data_wait_share"],
+                     "baseline_share": by.loc[base, "data_wait_share"],
                      "per_sample_ms": per_batch / batch * 1e3, "per_batch_ms": per_batch * 1e3,
-                     "step_ms": step * 1e3, "workers_needed": needed, "cores": cores,
-                     "samples_per_s": by.loc[shown, "samples_per_s"],
-                     "tokens_per_s": by.loc[shown, "tokens_per_s"], "failed_workers": failed,
-                     "verdict": verdict})
-    out = pd.DataFrame(rows, columns=COLUMNS)
-    for col in ("recommended_workers", "workers_needed", "baseline_workers"):
-        out[col] = out[col].astype("Int64")
+                     "step_ms": step * 1e3, "workers_needed": needed, "verdict": verdict,
+                     **by.loc[shown, ["samples_per_s", "tokens_per_s"]]})
+    out = pd.DataFrame(rows, columns=COLUMNS).astype(dict.fromkeys(
+        ["recommended_workers", "workers_needed", "baseline_workers"], "Int64"))
     out["failed_workers"] = out["failed_workers"].map(lambda ws: ",".join(map(str, ws or [])))
     return out
 
@@ -105,26 +94,23 @@ def advice(sweep: pd.DataFrame, recommendation: pd.DataFrame, run_steps: int = 1
         by = waits[r.pipeline]
         if by.empty or pd.isna(r.baseline_workers) or r.baseline_share < target_share:
             continue  # the baseline keeps up: nothing to fix
-        base_wait = float(by.loc[r.baseline_workers, "data_wait_s"])
+        kept_up = not pd.isna(r.recommended_workers)
         # none keeps up: the one rule the plan decides by (the smallest near the best wait)
-        best = int(r.recommended_workers) if not pd.isna(r.recommended_workers) else \
-            choose_workers(by, target_share)[0]
-        saved = (base_wait - float(by.loc[best, "data_wait_s"])) * run_steps
+        best = int(r.recommended_workers) if kept_up else choose_workers(by, target_share)[0]
+        saved = (by.loc[r.baseline_workers, "data_wait_s"] - by.loc[best, "data_wait_s"])
+        share = by.loc[best, "data_wait_share"]
+        finding = (f"DataLoader(num_workers={best}, persistent_workers=True, pin_memory=True) "
+                   f"keeps the {r.pipeline} pipeline ahead of the step" if kept_up else
+                   f"workers alone leave the {r.pipeline} pipeline at {share:.1%} of the step: "
+                   "cache the tokens (diag.data.build_token_cache + PackedDataset)")
         evidence = (f"{r.pipeline} pipeline: data_wait {r.baseline_share:.1%} of the step at "
-                    f"num_workers={r.baseline_workers}, {by.loc[best, 'data_wait_share']:.1%} at "
-                    f"num_workers={best} ({r.step_ms:.3g} ms step; {run_steps} steps)")
-        if not pd.isna(r.recommended_workers):
-            finding = (f"DataLoader(num_workers={best}, persistent_workers=True, "
-                       f"pin_memory=True) keeps the {r.pipeline} pipeline ahead of the step")
-        else:
-            finding = (f"workers alone leave the {r.pipeline} pipeline at "
-                       f"{by.loc[best, 'data_wait_share']:.1%} of the step: cache the tokens "
-                       "(diag.data.build_token_cache + PackedDataset)")
-            evidence += f"; {r.verdict}"
+                    f"num_workers={r.baseline_workers}, {share:.1%} at num_workers={best} "
+                    f"({r.step_ms:.3g} ms step; {run_steps} steps)"
+                    + ("" if kept_up else f"; {r.verdict}"))
         if saved > 0:
-            rows.append({"stage": "data_wait", "finding": finding, "seconds_saved": saved,
-                         "evidence": evidence})
-    if {"naive", "packed"} <= set(waits) and not waits["naive"].empty and not waits["packed"].empty:
+            rows.append({"stage": "data_wait", "finding": finding,
+                         "seconds_saved": float(saved) * run_steps, "evidence": evidence})
+    if {"naive", "packed"} <= set(waits):
         rows += _packing(sweep, waits, run_steps, target_share)
     return pd.DataFrame(rows, columns=ADVICE_COLUMNS)
 
@@ -133,42 +119,35 @@ def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], run_steps: int
              target_share: float) -> list[dict[str, Any]]:
     """Tokenize once and pack: what the naive loop's wait and padding cost, where measured."""
     naive, packed = waits["naive"], waits["packed"]
-    common = [w for w in naive.index if w in packed.index]
-    if not common:
-        return []
-    w = common[0]
-    if naive.loc[w, "data_wait_share"] < target_share:
+    w = next((w for w in naive.index if w in packed.index), None)
+    if w is None or naive.loc[w, "data_wait_share"] < target_share:
         return []
     saved = (naive.loc[w, "data_wait_s"] - packed.loc[w, "data_wait_s"]) * run_steps
     rows = _good(sweep[sweep["pipeline"] == "naive"])
     fill = float(rows["tokens_per_s"].median() / rows["samples_per_s"].median()) / float(
-        sweep["seq_len"].iloc[0]) if "seq_len" in sweep else float("nan")
+        sweep["seq_len"].iloc[0]) if "seq_len" in sweep else math.nan
     ratio = packed.loc[w, "tokens_per_s"] / naive.loc[w, "tokens_per_s"]
     evidence = (f"at num_workers={w}: data_wait {naive.loc[w, 'data_wait_share']:.1%} (naive) vs "
                 f"{packed.loc[w, 'data_wait_share']:.1%} (packed) of the step; packed serves "
-                f"{ratio:.2f}x the tokens per second")
-    if fill == fill:
-        evidence += (f"; naive batches are {1 - fill:.0%} padding, compute a packed step "
-                     "does not waste")
+                f"{ratio:.2f}x the tokens per second" + ("" if math.isnan(fill) else
+                f"; naive batches are {1 - fill:.0%} padding, compute a packed step "
+                "does not waste"))
     return [{"stage": "data_wait", "finding": FIXES["pipeline"],
              "seconds_saved": max(float(saved), 0.0), "evidence": evidence}] if saved > 0 else []
 
 
 def choose_workers(by: pd.DataFrame, goal: float = DATA_WAIT_GOAL) -> tuple[int, str]:
-    """(num_workers, why) from medians indexed by num_workers (data_wait_share, data_wait_s):
-    the fewest under `goal`; when none is, the fewest within DATA_WAIT_NEAR_BEST (or
-    DATA_WAIT_NEAR_BEST_S per step) of the best wait, the residual named: more workers buy
-    nothing once each batch is ready before the step ends, what stays is the hand-off."""
-    under = [w for w in sorted(by.index) if by.loc[w, "data_wait_share"] < goal]
-    if under:
-        w = under[0]
+    """(num_workers, why) from medians by num_workers: the fewest under `goal`, else the fewest
+    within DATA_WAIT_NEAR_BEST (or _S) of the best wait, the rest named as the hand-off."""
+    w = next((w for w in sorted(by.index) if by.loc[w, "data_wait_share"] < goal), None)
+    if w is not None:
         return int(w), (f"the fewest workers under {goal:.0%} data_wait: {w} at "
                         f"{by.loc[w, 'data_wait_share']:.1%} of the step")
     best = float(by["data_wait_s"].min())
     near = [w for w in sorted(by.index)
             if by.loc[w, "data_wait_s"] <= max(best * (1 + DATA_WAIT_NEAR_BEST),
                                                best + DATA_WAIT_NEAR_BEST_S)]
-    w, at = near[0], int(by["data_wait_s"].idxmin())
+    w, at = near[0], int(by["data_wait_s"].idxmin())  # more workers do not hand over faster
     return int(w), (f"no setting under {goal:.0%} data_wait; {w} workers is the fewest within "
                     f"{DATA_WAIT_NEAR_BEST:.0%} (or {DATA_WAIT_NEAR_BEST_S * 1e3:.3g} ms) of the "
                     f"best, {best * 1e3:.3g} ms per step at {at} workers "
@@ -180,19 +159,14 @@ def choose_workers(by: pd.DataFrame, goal: float = DATA_WAIT_GOAL) -> tuple[int,
 
 def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
            measured_on: MeasuredOn | None = None) -> tuple[Decision, ...]:
-    """pipeline, num_workers, pin_memory, persistent_workers, prefetch_factor from the sweep.
-
-    The pipeline serving more real tokens/s where its gap to naive is resolved, then
-    choose_workers within it, kept to the baseline's workers unless the lower wait is resolved
-    (the repeats' rows compared by diag.noise). A setting the sweep never varied is a
-    labelled default (the value it ran with is no evidence for it); a sweep where every point
-    failed gives defaults.
-    """
+    """pipeline (`_pipeline`), num_workers (choose_workers, kept at the baseline's unless its
+    lower wait resolves) and the DataLoader knobs; a knob the sweep never varied, or a sweep
+    absent or failed, gives labelled defaults."""
     ok = _good(sweep) if sweep is not None else None
     if ok is None or ok.empty:
         why = ("loader frame absent" if sweep is None or sweep.empty
                else "every loader sweep point failed: " + str(sweep["error"].iloc[0]))
-        return _defaults(why, workers=None)
+        return _defaults(why)
     ok = ok.reset_index(drop=True)  # sweeps concatenated by a caller repeat index labels
     on = measured_on or MeasuredOn(step=str(ok["consumer"].iloc[0]) if "consumer" in ok else "",
                                    seq_len=int(ok["seq_len"].iloc[0]) if "seq_len" in ok else None)
@@ -235,12 +209,9 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
 
 
 def _pipeline(ok: pd.DataFrame, rates: pd.Series) -> tuple[str, str, dict[str, Any]]:
-    """The pipeline serving more real tokens/s: another than naive only where its seconds per
-    token resolve faster than naive's at a worker count both ran, and at none slower (compared
-    at each worker count apart: pooled, a slow naive 0-worker epoch widens naive's spread until
-    no gap resolves); the note for the why, and how sure it is."""
-    from diag.noise import compare, spread
-
+    """(pipeline, note, how sure): another than naive only where its seconds per token resolve
+    faster at a worker count both ran and at none slower (each count apart: pooled, a slow naive
+    0-worker epoch widens naive's spread until no gap resolves)."""
     per = {(p, int(w)): list(1 / g["tokens_per_s"])
            for (p, w), g in ok.groupby(["pipeline", "num_workers"])}
     other = [p for p in rates.index if p != "naive"]
@@ -265,8 +236,6 @@ def _resolved_workers(rows: pd.DataFrame, base: int, workers: int, why: str
                       ) -> tuple[int, str, dict[str, Any]]:
     """choose_workers' pick stands where its data_wait is resolved below `base` workers' (the
     repeats' waits, diag.noise); else `base` is kept, within noise."""
-    from diag.noise import compare, spread
-
     waits = {w: list(g["data_wait_s"]) for w, g in rows.groupby("num_workers")}
     if workers == base:  # nothing to resolve: the baseline itself
         mine = waits[base]
@@ -294,11 +263,11 @@ def default_workers() -> int:
     return max(0, min(DEFAULT_WORKERS, usable_cores() - 2))
 
 
-def _defaults(why: str, workers: int | None) -> tuple[Decision, ...]:
-    n = default_workers() if workers is None else workers
-    out = [Decision.default("pipeline", "packed", f"{why}: the packed token cache",
-                            source="loader"),
-           Decision.default("num_workers", n, f"{why}: {n} workers (two cores left to the "
-                            "step)", source="loader")]
-    return tuple(out + [Decision.default(k, v, f"{why}: the documented default", source="loader")
-                        for k, v in _knobs(n).items()])
+def _defaults(why: str) -> tuple[Decision, ...]:
+    n = default_workers()
+    return (Decision.default("pipeline", "packed", f"{why}: the packed token cache",
+                             source="loader"),
+            Decision.default("num_workers", n, f"{why}: {n} workers (two cores left to the step)",
+                             source="loader"),
+            *(Decision.default(k, v, f"{why}: the documented default", source="loader")
+              for k, v in _knobs(n).items()))

@@ -1,27 +1,22 @@
 """`run_loader(cfg)`: the sweep, the recommendation, the stall split and the hot lines, at once.
 
-The step the loader must keep up with is made once and shared by the sweep and the stall split
-(an emulated step measures the tiny model's step here unless given a time or a GPU). The stall
-split runs at the first swept num_workers (the baseline, 0 by default: everything in the loop).
+One step, made once, is what the sweep and the stall split keep up with; the stall split runs at
+the first swept num_workers (the baseline, 0 by default: everything in the loop).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import pandas as pd
 
-from diag.data import NaiveTextDataset, read_source
+from diag.config import LoaderConfig
 from diag.decision import Decision, MeasuredOn
-from diag.machine.device import on_cpu_threads
 from diag.loader.advice import advice, decide, recommend
 from diag.loader.profile import profile_lines
 from diag.loader.stalls import stall_split
-from diag.loader.sweep import records_needed, sources, sweep_workers
-
-if TYPE_CHECKING:
-    import pandas as pd
-
-    from diag.config import LoaderConfig
+from diag.loader.steps import EmulatedStep, consumer
+from diag.loader.sweep import make_dataset, sources, sweep_workers
+from diag.machine.device import on_cpu_threads, resolve
 
 
 @dataclass(frozen=True)
@@ -40,32 +35,18 @@ class LoaderResult:
 def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
                measured_on: MeasuredOn | None = None, emulate_stalls: bool = False
                ) -> LoaderResult:
-    """Sweep, recommend, split the stalls, profile the naive preprocessing; return the frames.
-
-    step: the consumer (callable, nominal seconds, label) as diag.loader.steps.consumer gives,
-    e.g. the QLoRA job's own step (diag.qlora.measure); None makes it from cfg.
-    emulate_stalls: the stall split waits as long as the step the sweep measured instead of
-    running it (a real step of seconds, run 3 x pipelines more times, buys no decision)."""
-    from diag.config import LoaderConfig
-    from diag.machine.device import resolve
-    from diag.loader.steps import consumer
-
+    """Sweep, recommend, split the stalls, profile the naive preprocessing. step: (callable,
+    nominal seconds, label) as steps.consumer gives (None: from cfg); emulate_stalls: the stall
+    split sleeps the sweep's median step instead of running a real one 3 x pipelines times."""
     cfg = cfg or LoaderConfig.default()
     data, tokenizer_dir = sources(cfg)
     step = step or consumer(cfg, tokenizer_dir, resolve(cfg.device))
     sweep = sweep_workers(cfg, step)
     recommendation = recommend(sweep, cfg.target_share)
-    stall_step = step[0]
-    if emulate_stalls:
-        from diag.loader.steps import EmulatedStep
-
-        stall_step = EmulatedStep(float(sweep["step_s"].median()))
-    stalls = stall_split(cfg, cfg.workers[0], stall_step)
-    # the naive dataset's own read (the parse is shared): profile_samples of its records
-    records, _ = read_source(data, cfg.fields(), on_error=cfg.on_error,
-                             limit=records_needed(cfg), cached=True)
-    naive = NaiveTextDataset(records[: cfg.profile_samples], tokenizer_dir, cfg.seq_len)
-    lines = profile_lines(naive.__getitem__, range(len(naive)))
+    stalls = stall_split(cfg, cfg.workers[0], EmulatedStep(float(sweep["step_s"].median()))
+                         if emulate_stalls else step[0])
+    naive = make_dataset("naive", cfg, data, tokenizer_dir)[0].base  # its records' parse cached
+    lines = profile_lines(naive.__getitem__, range(min(cfg.profile_samples, len(naive))))
     on = measured_on or MeasuredOn(seq_len=cfg.seq_len, step=step[2],
                                    device=str(resolve(cfg.device)))
     return LoaderResult(sweep, stalls, lines, recommendation,

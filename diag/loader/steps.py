@@ -1,35 +1,30 @@
-"""What consumes the batches: an emulated accelerator step of fixed duration, or a real one.
-
-`EmulatedStep(seconds)` holds the loop for a fixed time, as MLPerf Storage / DLIO emulate an
-accelerator, so a CPU machine can answer "would this loader keep up with a GPU whose step takes
-X ms?". `ModelStep` trains the tiny model (forward + backward + AdamW). `step_seconds(cfg)`
-picks the emulated step: the user's, a GPU estimate from the dense-peak table, or measured here.
+"""What consumes the batches: `EmulatedStep(seconds)` holds the loop as MLPerf Storage / DLIO
+emulate an accelerator ("would this loader keep up with a GPU whose step takes X ms?"), or
+`ModelStep` trains the tiny model; `consumer(cfg)` picks one.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from diag.config import LoaderConfig
+from diag.config import LoaderConfig
+from diag.machine.device import sync
+from diag.machine.gpus import GPUS, dense_peak_flops
 
 
 class EmulatedStep:
     """A step that takes `seconds` and leaves the CPU free, as an accelerator's step would."""
 
-    def __init__(self, seconds: float, hold: bool = True) -> None:
+    def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self.hold = hold  # False: the step is accounted at `seconds`, not waited out (where
-                          # nothing runs beside it, as with num_workers=0, waiting buys nothing)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> None:
-        if not self.hold:
-            return
         # sleep, not a busy loop: while a GPU computes, the host's cores are free for workers
         end = time.perf_counter() + self.seconds
         while (left := end - time.perf_counter()) > 0:
@@ -42,9 +37,7 @@ class ModelStep:
     def __init__(self, model_dir: str | Path, device: torch.device) -> None:
         from transformers import AutoModelForCausalLM
 
-        from diag.machine.device import sync
-
-        self.device, self._sync = device, sync
+        self.device = device
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
@@ -53,11 +46,10 @@ class ModelStep:
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> None:
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        loss = self.model(**batch).loss
-        loss.backward()
+        self.model(**batch).loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._sync(self.device)  # note: sync point, so the step's kernels are billed to the step
+        sync(self.device)  # note: sync point, so the step's kernels are billed to the step
 
 
 def measure_model_step(model_dir: str | Path, device: torch.device, batch_size: int, seq_len: int,
@@ -69,22 +61,16 @@ def measure_model_step(model_dir: str | Path, device: torch.device, batch_size: 
     ids = torch.randint(4, vocab, (batch_size, seq_len), generator=gen)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     times = []
-    for i in range(warmup + repeats):
+    for _ in range(warmup + repeats):
         start = time.perf_counter()
         step(batch)
-        if i >= warmup:  # the first steps pay allocator growth and kernel choice
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[warmup:])  # the first pay allocator growth, kernel choice
 
 
 def gpu_step_seconds(gpu: str, params_b: float, tokens: int, mfu: float) -> float:
-    """A training step's seconds on `gpu`: 6 x params x tokens FLOPs at mfu x its dense bf16 peak.
-
-    6 N T is the forward + backward FLOPs of a dense transformer; QLoRA's frozen 4-bit base does a
-    little less (no weight gradients) and dequantizes, so treat the figure as an estimate.
-    """
-    from diag.machine.gpus import GPUS, dense_peak_flops
-
+    """A training step's seconds on `gpu`: 6 x params x tokens FLOPs at mfu x its dense bf16
+    peak (a QLoRA step does a little less and dequantizes: an estimate)."""
     peak = dense_peak_flops(gpu, "bf16")
     if peak is None:
         raise ValueError(f"LoaderConfig.gpu={gpu!r}: not in diag's table; allowed values are "
@@ -92,26 +78,21 @@ def gpu_step_seconds(gpu: str, params_b: float, tokens: int, mfu: float) -> floa
     return 6 * params_b * 1e9 * tokens / (peak * mfu)
 
 
-def step_seconds(cfg: LoaderConfig, model_dir: str | Path, device: torch.device
-                 ) -> tuple[float, str]:
-    """(seconds, where it came from) of the step the loader has to keep up with."""
-    if cfg.step_ms > 0:
-        return cfg.step_ms / 1000, f"given: {cfg.step_ms:g} ms"
-    if cfg.gpu:
-        tokens = cfg.batch_size * cfg.seq_len
-        seconds = gpu_step_seconds(cfg.gpu, cfg.model_params_b, tokens, cfg.mfu)
-        return seconds, (f"estimated for {cfg.gpu}: 6 x {cfg.model_params_b:g}B params x {tokens} "
-                         f"tokens at {cfg.mfu:.0%} MFU")
-    seconds = measure_model_step(model_dir, device, cfg.batch_size, cfg.seq_len)
-    return seconds, (f"measured: the tiny model's training step on {device.type}, "
-                     f"{cfg.batch_size} x {cfg.seq_len} tokens")
-
-
 def consumer(cfg: LoaderConfig, model_dir: str | Path, device: torch.device
              ) -> tuple[Any, float, str]:
-    """(step callable, nominal seconds, where they came from) for cfg.consumer."""
+    """(step callable, nominal seconds, where they came from) for cfg.consumer: the model's own
+    step, or one emulated at cfg.step_ms, a GPU's estimate, or the tiny model's measured step."""
     if cfg.consumer == "model":
-        step = ModelStep(model_dir, device)
-        return step, float("nan"), f"the model in {model_dir}, {device.type}"
-    seconds, source = step_seconds(cfg, model_dir, device)
+        return ModelStep(model_dir, device), math.nan, f"the model in {model_dir}, {device.type}"
+    tokens = cfg.batch_size * cfg.seq_len
+    if cfg.step_ms > 0:
+        seconds, source = cfg.step_ms / 1000, f"given: {cfg.step_ms:g} ms"
+    elif cfg.gpu:
+        seconds = gpu_step_seconds(cfg.gpu, cfg.model_params_b, tokens, cfg.mfu)
+        source = (f"estimated for {cfg.gpu}: 6 x {cfg.model_params_b:g}B params x {tokens} "
+                  f"tokens at {cfg.mfu:.0%} MFU")
+    else:
+        seconds = measure_model_step(model_dir, device, cfg.batch_size, cfg.seq_len)
+        source = (f"measured: the tiny model's training step on {device.type}, "
+                  f"{cfg.batch_size} x {cfg.seq_len} tokens")
     return EmulatedStep(seconds), seconds, source

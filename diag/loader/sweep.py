@@ -1,11 +1,8 @@
 """The DataLoader sweep: how long the loop waits for each batch, per num_workers and pipeline.
 
-`measure_setting` runs one DataLoader against a step (emulated or real): the first batch
-(worker start-up) is timed apart, the batches the workers prefetched during start-up are let
-through untimed, then `steps` steady-state steps give data_wait per step and its share of the
-step. A sample that raises fails its setting with the sample index and the original message
-(the row's `error`); the sweep goes on. `sweep_workers(cfg)` runs every pipeline x num_workers,
-in rounds of an epoch each, so a load that moves during the sweep hits them all.
+`measure_setting` times one DataLoader's steady-state steps (worker start-up and the batches
+prefetched during it apart); a sample that raises fails its setting with the sample index and the
+message (`error`). `sweep_workers` runs every pipeline x num_workers in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -16,18 +13,19 @@ import itertools
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from statistics import fmean
+from typing import Any, NamedTuple
 
+import pandas as pd
 import torch
 from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
 
-from diag.machine.device import usable_cores  # affinity-aware: what workers share
-
-if TYPE_CHECKING:
-    import pandas as pd
-
-    from diag.config import LoaderConfig
+from diag.config import LoaderConfig
+from diag.data import NaiveTextDataset, PackedDataset, build_token_cache, read_source
+from diag.loader.steps import consumer
+from diag.machine.device import resolve, sync, usable_cores  # usable: affinity-aware
+from diag.noise import interleave
 
 COLUMNS = ["pipeline", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor",
            "samples_per_s", "tokens_per_s", "data_wait_s", "step_s", "data_wait_share",
@@ -59,8 +57,7 @@ class Guarded(Dataset):
             raise SampleError(f"sample {i}: {type(err).__name__}: {err}") from err
 
 
-@dataclass(frozen=True)
-class Setting:
+class Setting(NamedTuple):
     """One DataLoader configuration."""
 
     num_workers: int
@@ -70,26 +67,21 @@ class Setting:
 
 
 def _cause(err: BaseException) -> str:
-    """One line: the sample and the original message, without DataLoader's traceback dump."""
-    if isinstance(err, SampleError) and "Original Traceback" not in str(err):
-        return f"SampleError: {err}"
-    # from a worker, DataLoader re-raises with the worker's traceback as the message
-    for line in reversed(str(err).splitlines()):
-        if "SampleError: " in line:
-            return "SampleError: " + line.split("SampleError: ", 1)[1].strip()
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+    """One line: the sample and the original message, without DataLoader's traceback dump (a
+    worker's error is re-raised here with the worker's traceback as its message)."""
+    lines = f"{type(err).__name__}: {err}".strip().splitlines()
+    said = [line.split("SampleError: ", 1)[1].strip() for line in lines if "SampleError: " in line]
+    return f"SampleError: {said[-1]}" if said else lines[0]
 
 
 def batch_tokens(batch: Any) -> int | None:
     """Real tokens in a batch: its attention_mask's sum, else input_ids' size; None (count
     samples only) for a batch without them, e.g. an (x, y) tuple."""
-    if isinstance(batch, Mapping):  # a dict, or HF collators' BatchEncoding (a Mapping)
-        for key, count in (("attention_mask", lambda t: t.sum()),
-                           ("input_ids", lambda t: t.numel())):
-            if key in batch and isinstance(batch[key], torch.Tensor):
-                return int(count(batch[key]))
-    return None
+    if not isinstance(batch, Mapping):  # a dict, or HF collators' BatchEncoding (a Mapping)
+        return None
+    mask, ids = batch.get("attention_mask"), batch.get("input_ids")
+    return int(mask.sum()) if isinstance(mask, torch.Tensor) else ids.numel() if isinstance(
+        ids, torch.Tensor) else None
 
 
 def check_batch(batch: Any) -> None:
@@ -105,81 +97,65 @@ def check_batch(batch: Any) -> None:
 
 
 def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Mapping):
-        return {key: v.to(device, non_blocking=True) for key, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(v.to(device, non_blocking=True) for v in batch)
-    return batch.to(device, non_blocking=True)
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+    return {k: move(v) for k, v in batch.items()} if isinstance(batch, Mapping) else type(batch)(
+        map(move, batch)) if isinstance(batch, (tuple, list)) else move(batch)
 
 
+@contextlib.contextmanager
+def _one_setting() -> Iterator[None]:
+    """torch's warning of workers above its suggested count silenced (the row's `warning` says
+    it); the heap from before frozen out of the collection that ends the setting (gc.freeze,
+    docs/calibration.md), unless the caller froze objects of its own."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        frozen = not gc.get_freeze_count()
+        if frozen:
+            gc.freeze()
+        try:
+            yield
+        finally:
+            if frozen:
+                gc.unfreeze()
+
+
+@_one_setting()
 def measure_setting(dataset: Dataset, setting: Setting, step: Any, *, pipeline: str,
                     batch_size: int, steps: int, repeats: int = 1, timeout_s: float = 120.0,
                     device: torch.device | None = None, consumer: str = "emulated",
                     collate_fn: Any = None) -> list[dict[str, Any]]:
     """One row per repeat (an epoch of the same DataLoader): the steady-state figures."""
-    with warnings.catch_warnings(), _heap_frozen():
-        # torch warns of workers above its suggested count; the row's `warning` says it instead
-        warnings.filterwarnings("ignore", message="This DataLoader will create")
-        return _measure(dataset, setting, step, pipeline, batch_size, steps, repeats, timeout_s,
-                        device or torch.device("cpu"), consumer, collate_fn)
-
-
-@contextlib.contextmanager
-def _heap_frozen() -> Iterator[None]:
-    """The collection that ends a setting passes over what the setting made, not the whole heap:
-    the objects from before (the imported libraries and a loaded model, millions of them) are
-    frozen out of it (gc.freeze) and given back after. A full pass over them took 0.6 s here, once
-    per setting. Left as it is when the caller has frozen objects of its own."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
-def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch_size: int,
-             steps: int, repeats: int, timeout_s: float, device: torch.device, consumer: str,
-             collate_fn: Any = None) -> list[dict[str, Any]]:
-    from diag.machine.device import sync
-
+    device = device or torch.device("cpu")
+    cuda = device.type == "cuda"
     w = setting.num_workers
     ahead = w * setting.prefetch_factor  # ready or in flight when the first batch arrives
     n_batches = 1 + ahead + steps
     n = len(dataset)  # type: ignore[arg-type]
-    indices = [i % n for i in range(n_batches * batch_size)]  # a small dataset is cycled
-    loader = DataLoader(
-        dataset, batch_size=batch_size, sampler=indices, num_workers=w, collate_fn=collate_fn,
-        pin_memory=setting.pin_memory and device.type == "cuda",
+    loader = DataLoader(  # a small dataset is cycled
+        dataset, batch_size=batch_size, sampler=[i % n for i in range(n_batches * batch_size)],
+        num_workers=w, collate_fn=collate_fn, pin_memory=setting.pin_memory and cuda,
         persistent_workers=setting.persistent_workers and w > 0,
         prefetch_factor=setting.prefetch_factor if w else None,
-        timeout=timeout_s if w else 0,  # a hung worker fails the setting instead of the sweep
-    )
-    cores = usable_cores()
-    warning = (f"num_workers={w} > {cores} usable cores: workers share cores, and the step's "
-               "own host work competes with them" if w > cores else "")
-    rows = []
+        timeout=timeout_s if w else 0)  # a hung worker fails the setting instead of the sweep
+    cores, rows, nan = usable_cores(), [], float("nan")
     base = {"pipeline": pipeline, "num_workers": w, "pin_memory": setting.pin_memory,
             "persistent_workers": setting.persistent_workers,
             "prefetch_factor": setting.prefetch_factor if w else None, "batch_size": batch_size,
-            "steps": steps, "consumer": consumer, "warning": warning}
-    nan = float("nan")
+            "steps": steps, "consumer": consumer, "warning": f"num_workers={w} > {cores} usable "
+            "cores: workers share cores, and the step's own host work competes with them"
+            if w > cores else ""}
     for repeat in range(repeats):
-        waits, computes, tokens = [], [], 0
-        first = nan
+        waits, computes, tokens, first = [], [], 0, nan
         try:
             start = time.perf_counter()
             batches = iter(loader)  # worker start-up (or, persistent, their reuse) starts here
             for k, batch in enumerate(itertools.islice(batches, n_batches)):
                 got = time.perf_counter()
-                if k == 0:
-                    first = got - start
-                if device.type == "cuda":
+                first = got - start if k == 0 else first
+                if cuda:
                     batch = _to(batch, device)
-                    sync(device)  # note: sync point, so the copy is
-                                  # billed to the step, not the wait
+                    sync(device)  # note: sync point: the copy is billed to the step, not the wait
                 step(batch)
                 done = time.perf_counter()
                 if k > ahead:  # steady state: start-up and the prefetched batches are past
@@ -196,8 +172,7 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
         total = sum(waits) + sum(computes)
         rows.append({**base, "samples_per_s": len(waits) * batch_size / total,
                      "tokens_per_s": nan if tokens is None else tokens / total,
-                     "data_wait_s": sum(waits) / len(waits),
-                     "step_s": sum(computes) / len(computes),
+                     "data_wait_s": fmean(waits), "step_s": fmean(computes),
                      "data_wait_share": sum(waits) / total, "first_batch_s": first,
                      "repeat": repeat, "error": ""})
     # persistent workers stop here, outside every timed interval; the loader and its iterator
@@ -209,19 +184,16 @@ def _measure(dataset: Dataset, setting: Setting, step: Any, pipeline: str, batch
 
 
 def records_needed(cfg: LoaderConfig) -> int:
-    """Records the sweep's largest setting draws (its start-up, prefetched and timed batches)
-    and the line profile reads: a pipeline's dataset holds no more (the sweep cycles a smaller
-    one), so a measurement on a large source reads and tokenizes only these."""
-    ahead = max(cfg.workers) * cfg.prefetch_factor
+    """Records the largest setting draws (start-up, prefetched and timed batches) and the line
+    profile reads: a large source is read and tokenized only this far (a smaller one cycles)."""
+    ahead = max(cfg.workers) * cfg.prefetch_factor  # ready or in flight at the first batch
     return max(cfg.batch_size * (1 + ahead + cfg.steps), cfg.profile_samples)
 
 
 def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
                  ) -> tuple[Dataset, dict[str, Any]]:
-    """The pipeline's dataset for cfg over the source's first records_needed(cfg) records, and
-    facts about how it was had (token cache status)."""
-    from diag.data import NaiveTextDataset, PackedDataset, build_token_cache, read_source
-
+    """The pipeline's dataset over the source's first records_needed(cfg) records, and facts
+    about it (records, bad_rows, the token cache's status)."""
     needed = records_needed(cfg)
     if pipeline == "naive":
         records, problems = read_source(data, cfg.fields(), on_error=cfg.on_error, limit=needed,
@@ -233,8 +205,7 @@ def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
                                   on_error=cfg.on_error, limit=needed)
         records = min(needed, cache.records)
         dataset = PackedDataset(cache.folder, cfg.seq_len, records=range(records))
-        facts = {"records": records, "bad_rows": cache.skipped,
-                 "cache": cache.status, "cache_s": cache.seconds, "cache_folder": str(cache.folder)}
+        facts = {"records": records, "bad_rows": cache.skipped, "cache": cache.status}
     return Guarded(dataset, cfg.extra_prep_ms / 1000), facts
 
 
@@ -251,22 +222,9 @@ def sources(cfg: LoaderConfig) -> tuple[str, str]:
 
 def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
                   dataset: Dataset | None = None, collate_fn: Any = None) -> pd.DataFrame:
-    """Every pipeline x num_workers against the step: one row per repeat (see COLUMNS).
-
-    step: (callable, nominal seconds, where they came from), as diag.loader.steps.consumer
-    gives, or just your callable(batch); None makes it from cfg (an emulated step may first
-    measure the tiny model's). dataset: your own map-style Dataset (with collate_fn), swept
-    as pipeline "yours" instead of cfg's pipelines; tokens are counted when a batch has
-    attention_mask or input_ids, samples always.
-    """
-    import pandas as pd
-    from tqdm.auto import tqdm
-
-    from diag.config import LoaderConfig
-    from diag.loader.steps import consumer
-    from diag.machine.device import resolve
-    from diag.noise import interleave
-
+    """Every pipeline x num_workers against the step, a row per repeat. step: (callable, nominal
+    seconds, source) as steps.consumer gives, or your callable(batch); None: from cfg. dataset:
+    your own map-style Dataset (and collate_fn), swept as pipeline "yours"."""
     cfg = cfg or LoaderConfig.default()
     device = resolve(cfg.device)
     if callable(step):
@@ -288,17 +246,15 @@ def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
     failed: set[tuple[str, int]] = set()
 
     def epoch(side: tuple[str, int], repeat: int) -> dict[str, Any] | None:
-        """An epoch of one setting, a DataLoader of its own (never two alive: a worker forked
-        while another's live copies them)."""
+        # a DataLoader of its own: a worker forked while another's live would copy them
         bar.update()
         if side in failed:
             return None
         (pipeline, w), (dataset, facts) = side, datasets[side[0]]
-        setting = Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)
-        (row,) = measure_setting(dataset, setting, run_step, pipeline=pipeline,
-                                 batch_size=cfg.batch_size, steps=cfg.steps,
-                                 timeout_s=cfg.timeout_s, device=device, consumer=cfg.consumer,
-                                 collate_fn=collate_fn)
+        (row,) = measure_setting(
+            dataset, Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor),
+            run_step, pipeline=pipeline, batch_size=cfg.batch_size, steps=cfg.steps,
+            timeout_s=cfg.timeout_s, device=device, consumer=cfg.consumer, collate_fn=collate_fn)
         if row["error"]:
             failed.add(side)
         return {**row, **extra, "repeat": repeat, "records": facts["records"],

@@ -1,15 +1,9 @@
 """A timed toy training loop: the smallest run that exercises every step-level stage.
 
-A small MLP trains on synthetic batches served by a real `torch.utils.data.DataLoader`; each
-step is split into `data_wait` (the loop blocked on the next batch, which carries `prep_ms` of
-host preprocessing), `h2d` (host-to-device copy), `compute` (forward + backward + optimizer
-step). With `num_workers=0` the preprocessing sits in the loop; with workers it overlaps compute.
-The result is the StageTimer frame, read by the same share tables and charts as a real run; its
-data_wait rows also carry the GPU utilisation sampled over `train` (diag.machine.gpu_util). Under
-`torchrun --nproc_per_node N -m diag toy` the MLP trains as DDP: each rank spills its finished
-steps (diag.timing.distributed), its waits on the other ranks (`comm_wait`: at the gradient
-all-reduce, or with `batch_norm` at the buffer broadcast of each forward) are split out of compute,
-and rank 0 gathers every rank.
+A small MLP trains on synthetic batches from a real DataLoader (`prep_ms` of host preprocessing a
+batch: in the loop with num_workers=0, overlapping compute with workers). The result is the
+StageTimer frame, its data_wait rows beside the GPU utilisation; under torchrun it trains as DDP,
+its waits on the other ranks (comm_wait) split out of compute, rank 0 gathering every rank.
 """
 
 from __future__ import annotations
@@ -20,11 +14,11 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from diag.timing import distributed
 from diag.config import ToyConfig
+from diag.machine import device as devices
 from diag.machine.device import on_cpu_threads
 from diag.machine.gpu_util import GpuSampler
-from diag.timing import StageTimer
+from diag.timing import StageTimer, distributed
 
 
 def busy_prep(ms: float) -> None:
@@ -35,10 +29,8 @@ def busy_prep(ms: float) -> None:
 
 
 class ToyBatches(Dataset):
-    """Batch i of random features; prep_ms asleep (or busy) stands in for reading or tokenizing.
-
-    Lives in this module (not a notebook) so spawned DataLoader workers can import it.
-    """
+    """Batch i of random features; prep_ms asleep (or busy) stands in for reading or tokenizing
+    (in a module, not a notebook, so spawned DataLoader workers can import it)."""
 
     def __init__(self, n: int, batch_size: int, width: int, prep_ms: float, seed: int = 0,
                  busy: bool = False) -> None:
@@ -49,10 +41,8 @@ class ToyBatches(Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.prep_ms and self.busy:
-            busy_prep(self.prep_ms)
-        elif self.prep_ms:
-            time.sleep(self.prep_ms / 1000)
+        if self.prep_ms:
+            busy_prep(self.prep_ms) if self.busy else time.sleep(self.prep_ms / 1000)
         x = torch.randn(self.batch_size, self.width,
                         generator=torch.Generator().manual_seed(self.seed + i))
         return x, x.sum(dim=1, keepdim=True)
@@ -61,8 +51,6 @@ class ToyBatches(Dataset):
 @on_cpu_threads
 def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
     """Train the toy MLP for cfg.warmup_steps + cfg.steps; return the timer's frame."""
-    from diag.machine import device as devices
-
     cfg = cfg or ToyConfig.default()
     dev = devices.resolve(cfg.device)
     seat = distributed.init_group(dev.type)  # a no-op on one process
@@ -80,12 +68,11 @@ def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
         distributed.spill_ranks(timer, seat)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prep = cfg.prep_ms + (cfg.slow_ms if seat.rank == cfg.slow_rank else 0.0)
-    loader = DataLoader(  # each rank its own batches: seeds apart by the step count
+    batches = iter(DataLoader(  # each rank its own batches: seeds apart by the step count
         ToyBatches(cfg.warmup_steps + cfg.steps, cfg.batch_size, cfg.width, prep,
                    seed=seat.rank * (cfg.warmup_steps + cfg.steps), busy=cfg.prep == "busy"),
         batch_size=None, num_workers=cfg.num_workers, pin_memory=dev.type == "cuda",
-        prefetch_factor=4 if cfg.num_workers else None, persistent_workers=False,
-    )
+        prefetch_factor=4 if cfg.num_workers else None, persistent_workers=False))
 
     def step(x, y) -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -93,16 +80,12 @@ def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    batches = iter(loader)
-    # warm-up: worker start-up, the first batch, allocator growth and kernel choice are paid
-    # once per run; kept apart so steady-state steps are not billed for them
+    # worker start-up, the first batch, allocator growth, kernel choice: once per run, apart
     with timer.stage("warmup"):
         for _ in range(cfg.warmup_steps):
-            x, y = next(batches)
-            step(x.to(dev), y.to(dev))
+            step(*(t.to(dev) for t in next(batches)))
     with GpuSampler(dev) as util, timer.stage("train"):
-        # islice: never ask for the batch after the last, so the loader's shutdown (joining
-        # its workers) is not billed to the training steps
+        # islice: never ask past the last batch, or the workers' shutdown is billed to the steps
         for x, y in timer.watch(itertools.islice(batches, cfg.steps)):
             with timer.stage("h2d"):
                 x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
@@ -112,7 +95,6 @@ def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
     del batches  # worker shutdown happens here, outside every timed stage
     frame = distributed.gathered_frame(timer)  # every rank's rows on rank 0
     waits = (frame["stage"] == "data_wait") & (frame["rank"] == timer.rank)  # this rank's GPU
-    frame["gpu_util_pct"], frame["gpu_util_note"] = float("nan"), ""
-    for column, value in util.columns().items():  # beside data_wait: was the GPU idle then?
-        frame.loc[waits, column] = value
+    frame = frame.assign(gpu_util_pct=float("nan"), gpu_util_note="")
+    frame.loc[waits, list(util.columns())] = list(util.columns().values())  # was it idle then?
     return frame

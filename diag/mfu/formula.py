@@ -7,12 +7,18 @@ torch's FlopCounterMode. An MFU above 100% is a flag naming both numbers, never 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import pandas as pd
+
+from diag.decision import MFU_DISAGREEMENT
+from diag.machine.device import Peak
+from diag.machine.gpus import dense_peak_flops, find_gpu
+
 if TYPE_CHECKING:
-    import pandas as pd
     import torch
 
 NANOGPT_PEAK = 312e12  # nanoGPT's estimate_mfu divides by this whatever the GPU (A100 dense bf16)
@@ -94,15 +100,12 @@ def count_flops(model: Any, x: torch.Tensor, y: torch.Tensor, autocast: Any = No
             loss = loss_of(model, x, y)
         loss.backward()
     model.zero_grad(set_to_none=True)
-    del loss
     return int(counter.get_total_flops())
 
 
 def disagreement(formula: float, counted: float, explained: str = "",
                  against: str = "the formula") -> tuple[bool, str]:
     """(flagged, note): counted FLOPs against `formula`, flagged past MFU_DISAGREEMENT."""
-    from diag.decision import MFU_DISAGREEMENT
-
     if not (formula > 0 and math.isfinite(counted)):
         return True, f"no comparison: formula {formula:.4g}, counter {counted:.4g} FLOPs"
     ratio = counted / formula
@@ -110,6 +113,12 @@ def disagreement(formula: float, counted: float, explained: str = "",
     note = (f"counter {ratio:.3g}x {against} ({'over' if off else 'within'} "
             f"{MFU_DISAGREEMENT:.0%})")
     return off, note + (f": {explained}" if off and explained else "")
+
+
+def over_ranks(peak: Peak, ranks: int) -> Peak:
+    """The peak of a step spread over `ranks` (DDP): the ranks' peaks add up."""
+    return peak if ranks <= 1 or not peak.flops else dataclasses.replace(
+        peak, flops=peak.flops * ranks, label=f"{ranks} x {peak.label}")
 
 
 def floor_impossible(floor_s: float, seconds_per_step: float) -> bool:
@@ -120,9 +129,8 @@ def floor_impossible(floor_s: float, seconds_per_step: float) -> bool:
 
 def floor_seconds(flops_per_token: float, tokens: float, peak_flops: float | None) -> float:
     """Seconds `tokens` take at 100% of the peak (NaN without one): no run is faster."""
-    if not peak_flops or not math.isfinite(peak_flops):
-        return math.nan
-    return flops_per_token * tokens / peak_flops
+    ok = bool(peak_flops) and math.isfinite(peak_flops)
+    return flops_per_token * tokens / peak_flops if ok else math.nan
 
 
 def judge_mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None,
@@ -145,22 +153,14 @@ def mfu_from_figures(tokens_per_s: float, shape: ModelShape, device: str, dtype:
                      tokens_per_step: int | None = None) -> pd.DataFrame:
     """Your run's MFU against diag's dense peak for `device` and against `assumed_peak`, a row
     each; `verdict` says why one has no `mfu`."""
-    import pandas as pd
-
-    from diag.machine.gpus import dense_peak_flops, find_gpu
-
     if not tokens_per_s > 0:
         raise ValueError(f"tokens_per_s={tokens_per_s!r}: must be > 0")
-    spec = find_gpu(device)
-    table = dense_peak_flops(device, dtype)
-    if spec is None:
-        table_label = (f"unknown device {device!r}: diag has no dense {dtype} peak for it; give "
-                       "the datasheet's dense (not 2:4-sparse) figure as assumed_peak")
-    elif table is None:
-        table_label = f"{spec.name} has no {dtype} tensor-core figure in diag's table"
-    else:
-        table_label = f"diag table: {spec.name} dense {dtype} ({spec.source})"
-    peaks = [("diag table", table, table_label)]
+    spec, table = find_gpu(device), dense_peak_flops(device, dtype)
+    peaks = [("diag table", table, f"unknown device {device!r}: diag has no dense {dtype} peak "
+              "for it; give the datasheet's dense (not 2:4-sparse) figure as assumed_peak"
+              if spec is None else f"{spec.name} has no {dtype} tensor-core figure in diag's "
+              "table" if table is None else f"diag table: {spec.name} dense {dtype} "
+              f"({spec.source})")]
     if assumed_peak:
         note = " (nanoGPT's hard-coded A100 bf16)" if assumed_peak == NANOGPT_PEAK else ""
         peaks.append(("assumed", assumed_peak, f"assumed {assumed_peak / 1e12:.4g} TFLOP/s{note}"))
@@ -172,11 +172,10 @@ def mfu_from_figures(tokens_per_s: float, shape: ModelShape, device: str, dtype:
             verdict += (f"; and not this device's peak: {spec.name} does {table / 1e12:.4g} "
                         f"dense {dtype} TFLOP/s ({table / peak:.2f}x the assumed one), so the "
                         f"real MFU is {tokens_per_s * fpt / table:.1%}")
-        row = {"peak": name, "peak_tflops": peak / 1e12 if peak else math.nan,
-               "achieved_tflops": tokens_per_s * fpt / 1e12, "ratio_to_peak": ratio, "mfu": mfu,
-               "flops_per_token": fpt, "verdict": verdict}
-        if tokens_per_step:
-            row["seconds_per_step"] = tokens_per_step / tokens_per_s
-            row["floor_s"] = floor_seconds(fpt, tokens_per_step, peak)
-        rows.append(row)
+        rows.append({"peak": name, "peak_tflops": peak / 1e12 if peak else math.nan,
+                     "achieved_tflops": tokens_per_s * fpt / 1e12, "ratio_to_peak": ratio,
+                     "mfu": mfu, "flops_per_token": fpt, "verdict": verdict, **({
+                         "seconds_per_step": tokens_per_step / tokens_per_s,
+                         "floor_s": floor_seconds(fpt, tokens_per_step, peak)}
+                         if tokens_per_step else {})})
     return pd.DataFrame(rows)

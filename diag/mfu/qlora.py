@@ -1,8 +1,6 @@
-"""The QLoRA step's FLOPs as executed, and each plan's MFU against its precisions' peak.
-
-`tally` hooks every linear layer (no weight gradients for the frozen base); FlopCounterMode
-checks it, bitsandbytes' 4-bit forward (an op it cannot see) added back. The model-FLOPs
-convention is shown beside it, not as it.
+"""The QLoRA step's FLOPs as executed (`tally` hooks every linear layer; FlopCounterMode checks
+it, bitsandbytes' 4-bit forward added back), and each plan's MFU against its precisions' peak;
+the model-FLOPs convention is shown beside it, not as it.
 """
 
 from __future__ import annotations
@@ -12,14 +10,15 @@ import contextlib
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from diag.mfu.formula import ModelShape, count_flops, disagreement, judge_mfu
+import pandas as pd
 
-if TYPE_CHECKING:
-    import pandas as pd
-
-    from diag.machine.device import Peak
+from diag.machine.device import Peak, peak_flops, resolve
+from diag.machine.gpus import _dtype
+from diag.mfu.formula import ModelShape, count_flops, disagreement, judge_mfu, over_ranks
+from diag.timing import StageTimer
+from diag.timing.distributed import place
 
 EXECUTED = "executed (fwd + input grads + LoRA grads + attention)"  # as every table names it
 
@@ -61,13 +60,10 @@ class Executed:
 def qlora_shape(model: Any, seq_len: int, checkpointing: bool | None = None) -> QLoraShape:
     """From a (peft-wrapped) causal LM: linear layers at in x out whatever their storage (a
     Params4bit's numel() is half its weights)."""
-    frozen = adapters = 0
-    for name, module in _leaf_linears(model):
-        n = int(module.in_features) * int(module.out_features)
-        if "lora_" in name:
-            adapters += n
-        else:
-            frozen += n
+    sizes = [("lora_" in name, int(m.in_features) * int(m.out_features))
+             for name, m in _leaf_linears(model)]
+    adapters = sum(n for lora, n in sizes if lora)
+    frozen = sum(n for lora, n in sizes if not lora)
     config = model.config
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -92,40 +88,38 @@ def _leaf_linears(model: Any) -> Iterator[tuple[str, Any]]:
 
 def _precision(module: Any, x: Any) -> str:
     """A 4-bit layer's matmul runs in bitsandbytes' compute dtype, any other in its weight's."""
-    from diag.machine.gpus import _dtype
-
     if type(module).__name__ == "Linear4bit":
         return _dtype(getattr(module, "compute_dtype", None) or x.dtype)
     return _dtype(module.weight.dtype)
 
 
 @contextlib.contextmanager
-def tally(model: Any) -> Iterator[collections.Counter[str]]:
-    """While open, each linear call adds its FLOPs to `forward` and, once backward reaches its
-    output, to `input_grads` / `weight_grads` where they are computed; each under its precision."""
-    got: collections.Counter[str] = collections.Counter()
+def tally(model: Any) -> Iterator[tuple[collections.Counter[str], collections.Counter[str]]]:
+    """While open, (parts, by precision): each linear call adds its FLOPs to `forward` (and
+    `forward_4bit`) and, once backward reaches its output, to `input_grads` / `weight_grads`
+    where they are computed; each under its precision too."""
+    parts: collections.Counter[str] = collections.Counter()
+    by_dtype: collections.Counter[str] = collections.Counter()
 
     def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
         x = inputs[0]
         flops = 2 * (x.numel() // module.in_features) * module.in_features * module.out_features
-        precision = _precision(module, x)
-        got["forward"] += flops
-        got[precision] += flops
-        if type(module).__name__ == "Linear4bit":
-            got["forward_4bit"] += flops
+        precision, four_bit = _precision(module, x), type(module).__name__ == "Linear4bit"
+        parts.update({"forward": flops, "forward_4bit": flops * four_bit})
+        by_dtype[precision] += flops
         if output.requires_grad:
             grads = {"input_grads": x.requires_grad, "weight_grads": module.weight.requires_grad}
 
             def backward(_: Any) -> None:
                 for part, needed in grads.items():
-                    got[part] += flops * needed
-                    got[precision] += flops * needed
+                    parts[part] += flops * needed
+                    by_dtype[precision] += flops * needed
 
             output.register_hook(backward)
 
     handles = [m.register_forward_hook(hook) for _, m in _leaf_linears(model)]
     try:
-        yield got
+        yield parts, by_dtype
     finally:
         for h in handles:
             h.remove()
@@ -136,35 +130,27 @@ def count_step(model: Any, batch_size: int, seq_len: int, seed: int = 0
     """(FlopCounterMode's, executed) FLOPs per token of one forward + backward of random ids."""
     import torch
 
-    from diag.machine.gpus import _dtype
-
     gen = torch.Generator().manual_seed(seed)
     device = next(p.device for p in model.parameters())
     ids = torch.randint(4, model.config.vocab_size, (batch_size, seq_len + 1), generator=gen)
-    ids = ids.to(device)
-    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    with tally(model) as got:
+    x, y = ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+    with tally(model) as (parts, by_dtype):
         counted = count_flops(model, x, y)
-    tokens = x.numel()
-    q = qlora_shape(model, seq_len)
+    q, tokens = qlora_shape(model, seq_len), x.numel()
     attention = q.shape.attention_flops(recompute=q.checkpointing)
+    precisions = {k: v / tokens for k, v in by_dtype.items()}
     hidden = _dtype(model.get_input_embeddings().weight.dtype)  # attention's precision
-    precisions = {k: v / tokens for k, v in got.items()
-                  if k not in ("forward", "forward_4bit", "input_grads", "weight_grads")}
     precisions[hidden] = precisions.get(hidden, 0.0) + attention
     return counted / tokens, Executed(
-        got["forward"] / tokens, got["input_grads"] / tokens, got["weight_grads"] / tokens,
-        attention, got["forward_4bit"] / tokens, tuple(sorted(precisions.items())))
+        *(parts[k] / tokens for k in ("forward", "input_grads", "weight_grads")), attention,
+        parts["forward_4bit"] / tokens, tuple(sorted(precisions.items())))
 
 
 def qlora_check(qshape: QLoraShape, executed: Executed, counted_per_token: float
                 ) -> pd.DataFrame:
     """Model FLOPs, executed, the counter, and the counter + the 4-bit forward per token; the
     last flagged against executed."""
-    import pandas as pd
-
-    run = executed.total
-    seen = counted_per_token + executed.forward_4bit
+    run, seen = executed.total, counted_per_token + executed.forward_4bit
     why = ("the counter with the 4-bit forward added back sees less than the tally: a matmul "
            "kernel it has no formula for" if seen < run else
            "the counter sees matmuls the tally missed: a layer that is not an nn.Linear")
@@ -191,8 +177,6 @@ def step_peak(executed: Executed, device: Any, probe_size: int = 1024,
     """The step's peak: total / sum(FLOPs_p / peak_p) over its precisions (a probe on CPU, the
     table on CUDA); `known` caches peaks by precision across a run's plans."""
     import torch
-
-    from diag.machine.device import Peak, peak_flops, resolve
 
     dev = resolve(device)
     fast_fp32 = dev.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
@@ -232,10 +216,6 @@ def count_plans(cfg: Any, plans: Iterable[Any], src: Any, bases: Any) -> dict[st
     diag.qlora.base.Bases)."""
     import torch
 
-    from diag.machine.device import resolve
-    from diag.timing import StageTimer
-    from diag.timing.distributed import place
-
     device, known, out = resolve(cfg.device), {}, {}
     if place().distributed and device.type == "cuda":  # each rank's model on its own GPU
         device = torch.device("cuda", place().local_rank)
@@ -255,8 +235,7 @@ def plan_mfu(plan: str, seconds: float, token_slots: float, qshape: QLoraShape,
              executed: Executed, counted: float, peak: Peak) -> list[dict[str, Any]]:
     """MFU of token_slots in `seconds` by executed and by model FLOPs against `peak`."""
     rate = token_slots / seconds if seconds > 0 else math.nan
-    seen = counted + executed.forward_4bit
-    rows = []
+    seen, rows = counted + executed.forward_4bit, []
     for flops, per_token in ((EXECUTED, executed.total),
                              (f"model FLOPs {qshape.formula}", qshape.flops_per_token)):
         mfu, _, note = judge_mfu(rate, per_token, peak.flops, peak.label)
@@ -271,10 +250,6 @@ def plan_mfu(plan: str, seconds: float, token_slots: float, qshape: QLoraShape,
 def run_mfu(frame: pd.DataFrame, stages: pd.DataFrame, counted: dict[str, Counted]
             ) -> pd.DataFrame:
     """plan_mfu of each counted plan's steady steps per token slot, against its peak x ranks."""
-    import dataclasses
-
-    import pandas as pd
-
     rows = []
     for r in frame.itertuples():
         if r.plan not in counted:
@@ -282,8 +257,7 @@ def run_mfu(frame: pd.DataFrame, stages: pd.DataFrame, counted: dict[str, Counte
         c = counted[r.plan]
         own = stages[(stages["run"] == r.plan) & stages["step"].notna()]
         own = own[own["rank"] == own["rank"].min()]  # ranks run side by side: one's clock
-        peak = c.peak if r.ranks <= 1 or not c.peak.flops else dataclasses.replace(
-            c.peak, flops=c.peak.flops * r.ranks, label=f"{r.ranks} x {c.peak.label}")
+        peak = over_ranks(c.peak, r.ranks)
         slots = r.token_slots / r.steps * own["step"].nunique()
         # a measured CPU peak is per CPU second: the loop's CPU seconds
         cpu = c.peak.source == "step_peak" and c.peak.measured and "train_cpu_s" in frame

@@ -1,12 +1,7 @@
 """`diag trace FILE...`: diag's stage table from torch.profiler traces (Kineto JSON or
-.json.gz), one file per rank of one run.
-
-A step is a ProfilerStep#N span, else the span from one DataLoader `__next__` to the next (the
-first, the loader's start-up, is warm-up; the last, with no next to end it, is left out). In a
-step, first match wins: data_wait inside the DataLoader's `__next__`, h2d inside a host-to-device
-copy, compute where the main thread ran an op (gaps under GAP_S are the Python between ops),
-comm_wait where it ran none while a collective did, other where nothing ran. GPU kernels give
-each rank's busy, idle, compute and NCCL time, as HTA's temporal breakdown counts them.
+.json.gz), one file per rank of one run. A step is a ProfilerStep#N span, else one DataLoader
+`__next__` to the next; within it the first stage of _ORDER whose spans cover a moment takes it;
+GPU kernels give busy, idle, compute and NCCL time as HTA counts them (docs/attach.md).
 """
 
 from __future__ import annotations
@@ -53,9 +48,8 @@ def load(path: str | Path) -> dict[str, Any]:
     """A Kineto trace's JSON; one ValueError line for a damaged or foreign file."""
     path = Path(path)
     try:
-        text = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") \
-            else path.read_bytes()
-        data = json.loads(text)
+        raw = path.read_bytes()
+        data = json.loads(gzip.decompress(raw) if path.name.endswith(".gz") else raw)
     except (EOFError, gzip.BadGzipFile, zlib.error) as err:
         raise ValueError(f"{path}: a truncated or damaged .json.gz ({err}); copy the trace "
                          "again") from None
@@ -81,9 +75,15 @@ def _events(data: dict[str, Any]) -> pd.DataFrame:
     return frame.assign(ts=frame["ts"] / 1e6, end=(frame["ts"] + frame["dur"]) / 1e6)
 
 
-def merge(starts: Any, ends: Any, gap: float = 0.0) -> np.ndarray:
-    """Intervals as disjoint sorted (start, end) rows; ones closer than gap joined."""
-    s, e = np.asarray(starts, float), np.asarray(ends, float)
+def _inside(merged: np.ndarray, points: np.ndarray) -> np.ndarray:
+    i = np.searchsorted(merged[:, 0], points, side="right") - 1
+    return (i >= 0) & (points < merged[np.maximum(i, 0), 1]) if len(merged) else \
+        np.zeros(len(points), bool)
+
+
+def _of(events: pd.DataFrame, gap: float = 0.0) -> np.ndarray:
+    """The events' intervals as disjoint sorted (start, end) rows; ones closer than gap joined."""
+    s, e = events["ts"].to_numpy(float), events["end"].to_numpy(float)
     if not len(s):
         return np.empty((0, 2))
     order = np.argsort(s, kind="stable")
@@ -92,14 +92,8 @@ def merge(starts: Any, ends: Any, gap: float = 0.0) -> np.ndarray:
     return np.column_stack([s[new], np.maximum.reduceat(e, np.flatnonzero(new))])
 
 
-def _inside(merged: np.ndarray, points: np.ndarray) -> np.ndarray:
-    i = np.searchsorted(merged[:, 0], points, side="right") - 1
-    return (i >= 0) & (points < merged[np.maximum(i, 0), 1]) if len(merged) else \
-        np.zeros(len(points), bool)
-
-
-def _of(events: pd.DataFrame, gap: float = 0.0) -> np.ndarray:
-    return merge(events["ts"], events["end"], gap)
+def _seconds(events: pd.DataFrame) -> float:
+    return float(np.diff(_of(events)).sum())
 
 
 def rank_stages(events: pd.DataFrame, rank: int, node: int) -> pd.DataFrame:
@@ -159,16 +153,15 @@ def gpu_time(events: pd.DataFrame, rank: int) -> dict[str, Any]:
     copy or set), idle, compute and communication (NCCL) seconds."""
     gpu = events[events["cat"].isin(GPU_CATS)]
     if gpu.empty:
-        return {"rank": rank, "span_s": 0.0, "busy_s": 0.0, "idle_s": 0.0, "compute_s": 0.0,
-                "comm_s": 0.0, "idle_share": float("nan"), "note": "no GPU kernels in this "
-                "trace (a CPU run, or recorded without ProfilerActivity.CUDA)"}
-    span = gpu["end"].max() - gpu["ts"].min()
-    busy = float(np.diff(_of(gpu)).sum())
-    compute = float(np.diff(_of(gpu[~gpu["name"].str.match(NOT_COMPUTE)])).sum())
-    comm = float(np.diff(_of(gpu[gpu["name"].str.match(COMM_KERNEL)])).sum())
+        return {"rank": rank, **dict.fromkeys(["span_s", "busy_s", "idle_s", "compute_s",
+                                               "comm_s"], 0.0), "idle_share": float("nan"),
+                "note": "no GPU kernels in this trace (a CPU run, or recorded without "
+                "ProfilerActivity.CUDA)"}
+    span, busy = gpu["end"].max() - gpu["ts"].min(), _seconds(gpu)
     return {"rank": rank, "span_s": span, "busy_s": busy, "idle_s": span - busy,
-            "compute_s": compute, "comm_s": comm, "idle_share": (span - busy) / span,
-            "note": ""}
+            "compute_s": _seconds(gpu[~gpu["name"].str.match(NOT_COMPUTE)]),
+            "comm_s": _seconds(gpu[gpu["name"].str.match(COMM_KERNEL)]),
+            "idle_share": (span - busy) / span, "note": ""}
 
 
 def _one_run(files: list[str], loaded: list[dict[str, Any]], events: list[pd.DataFrame],
@@ -177,19 +170,18 @@ def _one_run(files: list[str], loaded: list[dict[str, Any]], events: list[pd.Dat
     a rank twice, runs of different sizes, or one that ended before another began."""
     ids = [d.get("trace_id") or i for i, d in enumerate(loaded)]
     sizes = {(d.get("distributedInfo") or {}).get("world_size") for d in loaded} - {None}
-    said = ("a trace given twice (the same trace_id)" if len(set(ids)) < len(ids) else
-            "a rank given twice" if len(set(ranks)) < len(ranks) else
-            f"traces of runs of {sorted(sizes)} ranks" if len(sizes) > 1 else "")
     spans = [(f, d["baseTimeNanoseconds"] / 1e9 + e["ts"].min(),
               d["baseTimeNanoseconds"] / 1e9 + e["end"].max())
              for f, d, e in zip(files, loaded, events) if "baseTimeNanoseconds" in d]
-    late = min(spans, key=lambda x: x[2], default=None), max(spans, key=lambda x: x[1],
-                                                              default=None)
-    if not said and late[0] and late[0][2] < late[1][1]:  # ranks of one run run together
-        at = [dt.datetime.fromtimestamp(x[1], dt.timezone.utc).strftime("%H:%M:%S")
-              for x in late]
-        said = (f"{late[0][0]} (from {at[0]} UTC) ended before {late[1][0]} (from {at[1]} "
-                "UTC) began: traces of different runs")
+    ended, began = min(spans, key=lambda x: x[2], default=None), max(
+        spans, key=lambda x: x[1], default=None)
+    at = [dt.datetime.fromtimestamp(x[1], dt.timezone.utc) for x in (ended, began) if x]
+    said = ("a trace given twice (the same trace_id)" if len(set(ids)) < len(ids) else
+            "a rank given twice" if len(set(ranks)) < len(ranks) else
+            f"traces of runs of {sorted(sizes)} ranks" if len(sizes) > 1 else
+            f"{ended[0]} (from {at[0]:%H:%M:%S} UTC) ended before {began[0]} (from "
+            f"{at[1]:%H:%M:%S} UTC) began: traces of different runs"  # ranks of a run overlap
+            if spans and ended[2] < began[1] else "")
     if said:
         raise ValueError(f"TraceConfig.files: {said}, not the ranks of one run")
 
@@ -203,12 +195,12 @@ def run_trace(cfg: TraceConfig) -> Traced:
     hosts = list(dict.fromkeys(str(d.get("host_name", "")) for d in loaded))
     frame = pd.concat([rank_stages(e, r, hosts.index(str(d.get("host_name", ""))))
                        for d, e, r in zip(loaded, events, ranks)], ignore_index=True)
-    stepped = frame[frame["step"].notna()]
     table = frame.groupby(["rank", "stage"], as_index=False).agg(
         seconds=("seconds", "sum"), steps=("step", "nunique"))
-    totals = stepped.groupby("rank")["seconds"].sum()
-    table["share"] = table["seconds"] / table["rank"].map(totals)
-    table.loc[~table["stage"].isin(_ORDER), "share"] = float("nan")  # run-level: no step share
+    totals = frame[frame["step"].notna()].groupby("rank")["seconds"].sum()
+    # a run-level stage (warmup) has no share of the steps
+    table["share"] = (table["seconds"] / table["rank"].map(totals)).where(
+        table["stage"].isin(_ORDER))
     verdict, fixes, projection = story(frame, cfg.current_gpu, cfg.target_gpu)
     several = frame["rank"].nunique() > 1
     found = stragglers.findings(frame) if several else None
@@ -218,7 +210,7 @@ def run_trace(cfg: TraceConfig) -> Traced:
                   found if found is not None and not found.empty else None, projection)
 
 
-def trace(*files: str, current_gpu: str = "", target_gpu: str = "H100 SXM") -> Traced:
-    """`diag trace FILE...` in a notebook: a torch.profiler trace per rank, read as a run."""
-    return run_trace(TraceConfig(files=[str(f) for f in files], current_gpu=current_gpu,
-                                 target_gpu=target_gpu))
+def trace(*files: str, **settings: str) -> Traced:
+    """`diag trace FILE...` in a notebook: a torch.profiler trace per rank, read as a run;
+    settings: TraceConfig's (current_gpu, target_gpu)."""
+    return run_trace(TraceConfig(files=[str(f) for f in files], **settings))

@@ -1,29 +1,110 @@
 """`diag attach PID`: where a running training job's wall clock goes, without touching it.
 
-py-spy (spy.py) samples the job in chunks of CHUNK_S, the view updating after each; the main
-thread's seconds become stages by rules.RULES, one row per stage of a StageTimer frame (a window
-of the run, no step numbers) that amdahl reads like any run. The workers' samples name their
-hot function; psutil reads the processes' /proc counters, NVML the GPUs they hold.
+py-spy samples it in chunks of CHUNK_S (the view updates after each); rules.RULES turn the main
+thread's seconds into a StageTimer frame (a window, no step numbers); the workers' samples name
+their hot function; psutil reads /proc, NVML the GPUs the job holds (docs/attach.md).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import math
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 
 from diag.config import AttachConfig
-from diag.observe import gpus, spy
+from diag.observe import spy
 from diag.observe.rules import classify, parse_frame
 from diag.observe.story import WIDE, interval, story
 
-CHUNK_S = 2.0  # py-spy runs this long per call: the live view's refresh; starting costs ~50 ms
+CHUNK_S = 2.0  # py-spy runs this long per call: the live view's refresh
 _PREP = re.compile(r"torch/utils/data/_utils/fetch\.py")  # a worker making a batch
 _WAITING = "(waiting for work, or handing a batch over)"
+GPU_INTERVAL_S = 0.5  # NVML's reading of the job's GPUs
+GPU_COLUMNS = ["gpu", "name", "samples", "util_pct", "memory_util_pct", "job_memory_gb", "note"]
+
+
+def family(pid: int) -> list[Any]:
+    """psutil's process pid and its children (none where pid is gone)."""
+    import psutil
+
+    try:
+        return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+class Watch:
+    """`with Watch(pid) as gpu:` NVML samples the GPUs pid or its children hold; `frame()` says what
+    it saw, or in its note why nothing."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.reason, self._nvml = pid, "", None
+        self._rows: list[tuple[int, str, float, float, float]] = []
+        self._stop, self._thread = threading.Event(), threading.Thread(target=self._run,
+                                                                       daemon=True)
+
+    def __enter__(self) -> Watch:
+        try:
+            import pynvml
+        except ImportError:
+            self.reason = "nvidia-ml-py is not installed: pip install 'diag[attach]'"
+            return self
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as err:  # no driver, no GPU: a CPU box
+            self.reason = f"no NVIDIA GPU seen (NVML: {err})"
+            return self
+        self._nvml = pynvml
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._nvml is not None:
+            self._thread.join()
+            self._nvml.nvmlShutdown()
+
+    def _run(self) -> None:
+        nvml = self._nvml
+        while True:
+            pids = {self.pid, *(p.pid for p in family(self.pid))}
+            try:
+                for i in range(nvml.nvmlDeviceGetCount()):
+                    handle = nvml.nvmlDeviceGetHandleByIndex(i)
+                    held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                            if p.pid in pids]
+                    if held:
+                        util = nvml.nvmlDeviceGetUtilizationRates(handle)
+                        self._rows.append((i, str(nvml.nvmlDeviceGetName(handle)),
+                                           float(util.gpu), float(util.memory),
+                                           sum(p.usedGpuMemory or 0 for p in held) / 1e9))
+            except nvml.NVMLError as err:  # keep what was read; say why it stopped
+                self.reason = f"NVML stopped answering: {err}"
+                return
+            if self._stop.wait(GPU_INTERVAL_S):
+                return
+
+    def known_name(self) -> str:
+        """The name of the first GPU the job held ("" for none), for the upgrade projection."""
+        return self._rows[0][1] if self._rows else ""
+
+    def frame(self) -> pd.DataFrame:
+        if not self._rows:
+            return pd.DataFrame([[-1, "", 0, float("nan"), float("nan"), float("nan"),
+                                  self.reason or "the job held no GPU NVML could see (in a "
+                                  "container, NVML lists the host's PIDs)"]], columns=GPU_COLUMNS)
+        rows = pd.DataFrame(self._rows, columns=["gpu", "name", "util", "memory", "gb"])
+        return rows.groupby(["gpu", "name"], as_index=False).agg(
+            samples=("util", "size"), util_pct=("util", "mean"), memory_util_pct=(
+                "memory", "mean"), job_memory_gb=("gb", "max")).assign(note=self.reason)
 
 
 @dataclass
@@ -49,25 +130,25 @@ def _stages(timeline: collections.Counter) -> collections.Counter:
 
 def live_line(by: collections.Counter) -> str:
     """The shares so far, largest first: what the live view shows after each chunk."""
-    shares: collections.Counter = collections.Counter()
-    for (stage, _), seconds in by.items():
-        shares[stage] += seconds / (sum(by.values()) or 1.0)
-    return ", ".join(f"{s} {v:.0%}" for s, v in shares.most_common(4))
+    table = _table(by, 1)
+    return ", ".join(f"{s} {v:.0%}" for s, v in zip(table["stage"][:4], table["share"][:4]))
 
 
 def _table(by: collections.Counter, rate: int) -> pd.DataFrame:
-    """Per stage: its sampled wall seconds, its share, the samples (seconds x rate) and the
-    95% interval they give, the rule that named most of it."""
-    total, rows = sum(by.values()), []
-    for stage in dict.fromkeys(s for s, _ in sorted(by, key=lambda k: -by[k])):
+    """Per stage, largest first: its sampled wall seconds, its share, the samples (seconds x
+    rate) and the 95% interval they give, the rule that named most of it."""
+    per: collections.Counter = collections.Counter()
+    for (stage, _), seconds in by.items():
+        per[stage] += seconds
+    total, rows = sum(per.values()), []
+    for stage, seconds in per.most_common():
         mine = {src: v for (s, src), v in by.items() if s == stage}
-        seconds = sum(mine.values())
         share, (low, high) = seconds / total, interval(round(seconds * rate), round(total * rate))
-        rows.append({"stage": stage, "seconds": seconds, "share": share, "low": low,
-                     "high": high, "samples": round(seconds * rate),
-                     "rule": max(mine, key=mine.get), "note": f"few samples: {low:.0%} to "
-                     f"{high:.0%}" if max(high - share, share - low) > WIDE else ""})
-    return pd.DataFrame(rows)
+        rows.append([stage, seconds, share, low, high, round(seconds * rate),
+                     max(mine, key=mine.get), f"few samples: {low:.0%} to {high:.0%}"
+                     if max(high - share, share - low) > WIDE else ""])
+    return pd.DataFrame(rows, columns=["stage", "seconds", "share", "low", "high", "samples",
+                                       "rule", "note"])
 
 
 def _workers(counts: collections.Counter, pid: int) -> pd.DataFrame | None:
@@ -88,23 +169,20 @@ def _workers(counts: collections.Counter, pid: int) -> pd.DataFrame | None:
 
 def _counters(pid: int) -> dict[int, tuple[str, float, float, float]]:
     """/proc through psutil: pid -> (role, CPU seconds, MB read, MB written) of the job and its
-    children; I/O counters a process does not let us read are NaN."""
+    children; I/O counters a process does not let us read are NaN, a process gone is left out."""
     import psutil
 
     out = {}
-    try:
-        family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-        for p in family:
+    for p in family(pid):
+        with contextlib.suppress(psutil.Error):
             cpu = p.cpu_times()
             try:
                 io = p.io_counters()
                 read, written = io.read_bytes / 1e6, io.write_bytes / 1e6
             except (psutil.Error, AttributeError):
-                read = written = float("nan")
+                read = written = math.nan
             out[p.pid] = ("main" if p.pid == pid else "child", cpu.user + cpu.system, read,
                           written)
-    except psutil.Error:  # a process gone meanwhile: the ones read so far
-        pass
     return out
 
 
@@ -129,7 +207,7 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     spy.check(py_spy, cfg.pid)
     timeline, counts = collections.Counter(), collections.Counter()
     before, exited = _counters(cfg.pid), False
-    with gpus.Watch(cfg.pid) as gpu, tqdm(total=cfg.seconds, unit="s", disable=not progress,
+    with Watch(cfg.pid) as gpu, tqdm(total=cfg.seconds, unit="s", disable=not progress,
                                          desc=f"attach {cfg.pid}") as bar:
         start = time.perf_counter()
         while not exited and (left := cfg.seconds - (time.perf_counter() - start)) >= 0.5:
@@ -163,9 +241,7 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
                     _process(before, {**before, **after}, window), projection)
 
 
-def attach(pid: int, seconds: float = 60.0, rate: int = 100, current_gpu: str = "",
-           target_gpu: str = "H100 SXM", progress: bool = True) -> Attached:
+def attach(pid: int, progress: bool = True, **settings: Any) -> Attached:
     """Sample a running training process (never pausing or signalling it) and say where its
-    wall clock goes: `diag attach PID` in a notebook, its shares shown as it samples."""
-    return run_attach(AttachConfig(pid=pid, seconds=seconds, rate=rate, current_gpu=current_gpu,
-                                   target_gpu=target_gpu), progress)
+    wall clock goes; settings: AttachConfig's (seconds, rate, current_gpu, target_gpu)."""
+    return run_attach(AttachConfig(pid=pid, **settings), progress)

@@ -1,14 +1,14 @@
 """py-spy, read-only: one chunk of samples of a running process, never pausing or signalling it.
 
-The main thread comes from py-spy's chrome trace, each sample weighted by the time to the next
-(a sampler that falls behind takes bursts of samples); the children (DataLoader workers) from a
-second run's raw counts, since the chrome trace keys a thread by its pthread id, which a forked
-worker shares with its parent's main thread. py-spy runs at real-time priority where allowed.
+The main thread from py-spy's chrome trace (each sample weighted by the time to the next), the
+children from a second run's raw counts (a forked worker shares its parent's pthread id), at
+real-time priority where allowed (docs/calibration.md).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -30,13 +30,10 @@ def py_spy() -> str:
 
 
 def _realtime() -> None:
-    """In py-spy's process before it starts: the lowest real-time priority where allowed. On
-    a saturated CPU a sampler at normal priority runs when the job blocks, not while it
-    computes, and over-counts its waits (docs/calibration.md)."""
-    try:
+    """In py-spy's process before it starts: the lowest real-time priority where allowed (at
+    normal priority a sampler on a busy CPU over-counts the job's waits)."""
+    with contextlib.suppress(OSError, AttributeError):  # not root (or CAP_SYS_NICE), not Linux
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-    except (OSError, AttributeError):  # not root (or CAP_SYS_NICE), not Linux: normal priority
-        pass
 
 
 def check(spy: str, pid: int) -> None:

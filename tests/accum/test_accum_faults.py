@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from diag.accum import sweep
-from diag.accum.model import sweep_grad_accum
+from diag.accum.model import measure
 from diag.config import AccumConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,19 +56,19 @@ def test_token_file_from_another_tokenizer_fails_before_training(tmp_path, monke
     monkeypatch.setattr(sweep, "_train_point", lambda *a, **k: trained.append(a))
     cfg = AccumConfig.quick(device="cpu", token_file=str(path))
     with pytest.raises(ValueError, match=r"holds token id 5000, but the model has 2048 ids"):
-        sweep_grad_accum(cfg)
+        measure(cfg)
     assert not trained
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x01\x00\x02")  # 3 bytes: not whole uint16 ids
     with pytest.raises(ValueError, match="token_file=.*not a whole number of uint16 ids"):
-        sweep_grad_accum(cfg.replace(token_file=str(odd)))
+        measure(cfg.replace(token_file=str(odd)))
 
 
 def test_mfu_above_100_percent_is_flagged_not_printed():
     # a peak far below what the CPU does: every step computes > 100%, which is never a result
     cfg = AccumConfig.quick(device="cpu", micro_batches=[16], steps=1, warmup_steps=0,
                             peak_tflops=1e-6)
-    frame = sweep_grad_accum(cfg)
+    frame = measure(cfg)[0]
     assert (frame["status"] == "ok").all() and frame["mfu"].isna().all()
     for detail in frame["detail"]:
         assert "not an MFU" in detail and "impossible" in detail
@@ -79,7 +79,7 @@ def test_mfu_above_100_percent_is_flagged_not_printed():
 OOM_SCRIPT = textwrap.dedent("""
     import resource, sys
     from diag.accum import sweep
-    from diag.accum.model import sweep_grad_accum
+    from diag.accum.model import measure
     from diag.config import AccumConfig
     from diag.data import ensure_tokens
 
@@ -105,7 +105,7 @@ OOM_SCRIPT = textwrap.dedent("""
     sweep._train_point = capped
     cfg = AccumConfig(tokens_per_step=8192, seq_len=64, micro_batches=[128, 8], steps=1,
                       warmup_steps=0, device="cpu")
-    sweep_grad_accum(cfg).to_json(sys.argv[2], orient="records")
+    measure(cfg)[0].to_json(sys.argv[2], orient="records")
 """)
 
 

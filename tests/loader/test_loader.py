@@ -221,7 +221,7 @@ class _Counted(EmulatedStep):
     held = 0
 
     def __call__(self, batch):
-        type(self).held += self.hold
+        type(self).held += 1
         return super().__call__(batch)
 
 
