@@ -9,7 +9,8 @@ from typing import Any, ClassVar, Literal
 from diag.config.base import ExperimentConfig
 from diag.machine.gpus import GPUS, dense_peak_flops
 from diag.config.model_load import ModelLoadConfig
-from diag.config.qlora import QLORA_PLANS, QLoraPlan
+from diag.config.loader import ON_ERROR
+from diag.config.qlora import QLoraPlan
 from diag.config.source import SourceConfig, check_out
 from diag.config.storage import StorageConfig
 
@@ -53,9 +54,7 @@ class ToyConfig(ExperimentConfig):
     def validate(self) -> None:
         self._positive("steps", "batch_size", "width")
         self._non_negative("warmup_steps", "prep_ms", "num_workers")
-        self._choice("prep", ("sleep", "busy"))
         self._straggler()
-        self._device()
 
 
 @dataclass
@@ -67,8 +66,7 @@ class ReportConfig(ExperimentConfig):
     POSITIONAL: ClassVar[tuple[str, ...]] = ("folder",)
 
     def validate(self) -> None:
-        if not self.folder:
-            raise ValueError("ReportConfig.folder='': name a run folder (e.g. runs/<timestamp>)")
+        self._check(("folder",), bool, "name a run folder (e.g. runs/<timestamp>)")
 
 
 @dataclass
@@ -120,17 +118,10 @@ class DiagnoseConfig(SourceConfig):
         if self.records and self.job_steps > self.records:
             raise ValueError(f"--job-steps={self.job_steps}: at most --records={self.records} "
                              "(each optimizer step needs at least one record)")
-        self._choice("on_error", ("raise", "skip"))
-        self._device()
-        self._choice("plan", QLORA_PLANS)
-        for name in ("current_gpu", "target_gpu"):  # unknown: no mark would be drawn
-            check_gpu(getattr(self, name), f"--{name.replace('_', '-')}")
-        for name, low in (("workers", 0), ("micro_batches", 1)):
-            values = getattr(self, name)
-            if not isinstance(values, (list, tuple)) or any(
-                    isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
-                raise ValueError(f"DiagnoseConfig.{name}={values!r}: must be a list of whole "
-                                 f"numbers >= {low} ([] = the experiment's default)")
+        self._choice("on_error", ON_ERROR)
+        check_gpus(self)
+        self._wholes("workers", 0, " ([] = the experiment's default)")
+        self._wholes("micro_batches", 1, " ([] = the experiment's default)")
 
     def storage_config(self, budget_s: float = 0.0) -> StorageConfig:
         """The storage experiment on this source, its sample sized to budget_s (0: no limit)."""
@@ -159,9 +150,12 @@ def duration_s(text: str, name: str = "DiagnoseConfig.budget") -> float:
     return total
 
 
-def check_gpu(name: str, flag: str) -> None:
-    """'' or a GPU with a dense bf16 peak in diag's table (what the Amdahl projection divides)."""
-    if name and dense_peak_flops(name, "bf16") is None:
-        known = ", ".join(g.name for g in GPUS if "bf16" in g.peaks)
-        raise ValueError(f"{flag}={name!r}: not a GPU with a dense bf16 peak in diag's table; "
-                         f"allowed: {known}")
+def check_gpus(cfg: ExperimentConfig) -> None:
+    """current_gpu and target_gpu: '' or a GPU with a dense bf16 peak in diag's table (what the
+    Amdahl projection divides; unknown: no mark would be drawn)."""
+    for name in ("current_gpu", "target_gpu"):
+        gpu = getattr(cfg, name)
+        if gpu and dense_peak_flops(gpu, "bf16") is None:
+            raise ValueError(f"--{name.replace('_', '-')}={gpu!r}: not a GPU with a dense bf16 "
+                             "peak in diag's table; allowed: "
+                             + ", ".join(g.name for g in GPUS if "bf16" in g.peaks))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from diag.config.base import MODEL_LOAD_PROCESSES, MODEL_LOAD_SCENARIOS, LoadProcess, Scenario
+from diag.config.base import MODEL_LOAD_SCENARIOS, LoadProcess, Scenario
 from diag.config.source import MODEL, SourceConfig
 
 
@@ -35,13 +35,10 @@ class ModelLoadConfig(SourceConfig):
         super().validate()  # the source flags
         self._positive("repeats", "timeout_s")
         self._non_negative("warmup", "budget_s")
-        self._device()
-        self._choice("process", MODEL_LOAD_PROCESSES)
         if isinstance(self.scenarios, str):
             self.scenarios = [s.strip() for s in self.scenarios.split(",") if s.strip()]
-        if not self.scenarios or len(set(self.scenarios)) != len(self.scenarios):
-            raise ValueError(f"ModelLoadConfig.scenarios={self.scenarios!r}: name each scenario "
-                             "once: " + ", ".join(MODEL_LOAD_SCENARIOS))
+        self._check(("scenarios",), lambda v: v and len(set(v)) == len(v), "name each scenario "
+                    "once: " + ", ".join(MODEL_LOAD_SCENARIOS))
         for s in self.scenarios:
             if s not in MODEL_LOAD_SCENARIOS:
                 raise ValueError(f"ModelLoadConfig.scenarios: {s!r} is not a scenario; allowed "

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from diag.config.base import ExperimentConfig
-from diag.config.general import check_gpu
+from diag.config.base import ExperimentConfig, whole
+from diag.config.general import check_gpus
 
 
 @dataclass
@@ -17,8 +17,7 @@ class _Gpus(ExperimentConfig):
     target_gpu: str = "H100 SXM"  # the GPU the projection compares it with
 
     def validate(self) -> None:
-        for name in ("current_gpu", "target_gpu"):
-            check_gpu(getattr(self, name), f"--{name.replace('_', '-')}")
+        check_gpus(self)
 
 
 @dataclass
@@ -35,14 +34,11 @@ class AttachConfig(_Gpus):
 
     def validate(self) -> None:
         super().validate()
-        if isinstance(self.pid, bool) or not isinstance(self.pid, int) or self.pid <= 0:
-            raise ValueError(f"AttachConfig.pid={self.pid!r}: the process id of a running "
-                             "training script (a whole number > 0; ps or nvidia-smi shows it)")
+        self._check(("pid",), lambda v: whole(v) and v > 0, "the process id of a running "
+                    "training script (a whole number > 0; ps or nvidia-smi shows it)")
         self._positive("seconds")
-        if isinstance(self.rate, bool) or not isinstance(self.rate, int) \
-                or not 1 <= self.rate <= 1000:
-            raise ValueError(f"AttachConfig.rate={self.rate!r}: a whole number of samples per "
-                             "second in [1, 1000]")
+        self._check(("rate",), lambda v: whole(v) and 1 <= v <= 1000, "a whole number of "
+                    "samples per second in [1, 1000]")
 
 
 @dataclass

@@ -5,13 +5,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal
 
 from diag.config.loader import ON_ERROR
+from diag.config.base import number
 from diag.config.source import SourceConfig
 
 QLoraPlan = Literal["naive", "optimized", "both"]
-QLORA_PLANS: tuple[str, ...] = get_args(QLoraPlan)
 
 
 @dataclass
@@ -55,28 +55,13 @@ class JobConfig(SourceConfig):
         super().validate()  # the source flags
         self._choice("on_error", ON_ERROR)
         self._positive("seq_len", "lr", "lora_r", "lora_alpha", "sweep_steps")
-        for name, low in (("sweep_workers", 0), ("sweep_micro_batches", 1)):
-            values = getattr(self, name)
-            if isinstance(values, str):  # "0,2" from a notebook parameter
-                values = [int(v) for v in values.split(",") if v.strip()]
-                setattr(self, name, values)
-            if not isinstance(values, (list, tuple)) or any(
-                    isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
-                raise ValueError(f"{type(self).__name__}.{name}={values!r}: must be a list of "
-                                 f"whole numbers >= {low}")
-        if not self.sweep_workers:
-            raise ValueError(f"{type(self).__name__}.sweep_workers=[]: name at least one "
-                             "num_workers")
+        self._wholes("sweep_workers", 0)
+        self._wholes("sweep_micro_batches", 1)
+        self._check(("sweep_workers",), bool, "name at least one num_workers")
         self._non_negative("warmup_steps", "lora_dropout", "checkpoint_every", "seed")
-        budget = self.decide_budget_s
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (
-                0 <= budget < float("inf")):
-            raise ValueError(f"{type(self).__name__}.decide_budget_s={budget!r}: must be a "
-                             "finite number of seconds >= 0")
-        self._device()
-        if not self.lora_dropout < 1:
-            raise ValueError(f"{type(self).__name__}.lora_dropout={self.lora_dropout!r}: must "
-                             "be in [0, 1)")
+        self._check(("decide_budget_s",), lambda v: number(v) and 0 <= v < float("inf"),
+                    "must be a finite number of seconds >= 0")
+        self._check(("lora_dropout",), lambda v: v < 1, "must be in [0, 1)")
 
 
 @dataclass
@@ -103,14 +88,10 @@ class QLoraConfig(JobConfig):
 
     def validate(self) -> None:
         super().validate()
-        self._choice("plan", QLORA_PLANS)
-        self._positive("records", "steps", "rounds")
-        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int):
-            raise ValueError(f"QLoraConfig.rounds={self.rounds!r}: must be a whole number >= 1")
+        self._positive("records", "steps")
+        self._whole("rounds")
         self._straggler()
-        if self.steps > self.records:
-            raise ValueError(f"QLoraConfig.steps={self.steps}: at most records={self.records} "
-                             "(each optimizer step needs at least one record)")
-        if self.warmup_steps >= self.steps:
-            raise ValueError(f"QLoraConfig.warmup_steps={self.warmup_steps}: must be below "
-                             f"steps={self.steps}, so some steps are measured in steady state")
+        self._check(("steps",), lambda v: v <= self.records, f"at most records={self.records} "
+                    "(each optimizer step needs at least one record)")
+        self._check(("warmup_steps",), lambda v: v < self.steps, f"must be below steps="
+                    f"{self.steps}, so some steps are measured in steady state")

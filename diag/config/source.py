@@ -6,6 +6,8 @@ given to another. The checks here need no network (diag.preflight checks the res
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -51,9 +53,7 @@ class RecordFields(ExperimentConfig):
 
     def record_fields(self) -> dict[str, str]:
         """These four flags' values, to hand the same records to another config."""
-        import dataclasses
-
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(RecordFields)}
+        return {name: getattr(self, name) for name in RECORDS}
 
 
 @dataclass
@@ -93,13 +93,10 @@ class SourceConfig(RecordFields):
 
         from diag.secrets import redact, register
 
-        import dataclasses
-
         name = type(self).__name__
         for f in dataclasses.fields(SourceConfig):  # what it would silently ignore
-            if f.name not in self.SOURCE and getattr(self, f.name) != f.default:
-                raise ValueError(f"{name}.{f.name}={getattr(self, f.name)!r}: not read here; "
-                                 f"{name} reads " + ", ".join(self.SOURCE))
+            self._check((f.name,), lambda v, f=f: f.name in self.SOURCE or v == f.default,
+                        f"not read here; {name} reads " + ", ".join(self.SOURCE))
         try:  # a password in the URL is redacted from here on
             url = urlsplit(self.endpoint_url)
             register(url.password)
@@ -110,9 +107,8 @@ class SourceConfig(RecordFields):
                                     "http(s)://host[:port] of an S3-compatible store"))
         if self.retries is not None:
             self._non_negative("retries")
-        if self.source and not (self.source.startswith("s3://") and self.source[5:].split("/")[0]):
-            raise ValueError(f"{name}.source={self.source!r}: expected s3://bucket/key, "
-                             "s3://bucket/prefix/ or '' for the embedded server")
+        self._check(("source",), lambda v: not v or v.startswith("s3://") and v[5:].split("/")[0],
+                    "expected s3://bucket/key, s3://bucket/prefix/ or '' for the embedded server")
         # without a source these would not reach the embedded server: refuse, never measure
         # something else and exit 0
         stray = [f"--{f.replace('_', '-')}" for f in ("endpoint_url", "profile", "region")
@@ -121,8 +117,7 @@ class SourceConfig(RecordFields):
             raise ValueError(f"{name}.source is empty but {stray[0]} is given: the run "
                              f"would use the embedded server and ignore {stray[0]}; name your "
                              f"object with --source s3://bucket/key (or drop {stray[0]})")
-        if not self.revision:
-            raise ValueError(f"{name}.revision='': name a branch, tag or commit (main)")
+        self._check(("revision",), bool, "name a branch, tag or commit (main)")
         check_model(self.model, name)
 
     def source_kwargs(self, into: type[SourceConfig] | None = None) -> dict[str, object]:
@@ -144,10 +139,7 @@ def check_model(model: str, owner: str = "SourceConfig") -> None:
         raise ValueError(f"{owner}.model={model!r} (--model): cannot be read ({err.strerror}: "
                          f"{err.filename}); give diag read access to it, or name another "
                          "folder") from None
-    org, slash, repo = model.partition("/")
-    allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
-    if not repo and slash or not set(model.replace("/", "")) <= allowed or ".." in model \
-            or not (org if slash else model):
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model, re.ASCII) or ".." in model:
         raise ValueError(f"{owner}.model={model!r} (--model): expected a hub id org/name "
                          "(letters, digits, - _ .), a local folder with weights, or '' for the "
                          "embedded model")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from diag.config.base import Verify, VERIFY_MODES
+from diag.config.base import Verify
 from diag.config.source import BUCKET, SourceConfig
 
 
@@ -40,4 +40,3 @@ class StorageConfig(SourceConfig):
         self._positive("size_mb", "shards", "repeats")
         self._non_negative("warmup", "dataset_gb", "runs_per_week", "usd_per_hour", "budget_s",
                            "sample_mb")
-        self._choice("verify", VERIFY_MODES)

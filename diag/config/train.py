@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal
 
+from diag.config.base import number, whole
 from diag.config.qlora import JobConfig, QLoraConfig
 
-TrainPlan = Literal["optimized", "naive"]
-LrSchedule = Literal["cosine", "linear", "constant"]
 MEASURED_STEPS = 4  # optimizer steps of the job the plan is decided on
 EVAL_SHARE = 0.1  # the default eval cadence keeps evals under this share of the training
 
@@ -25,13 +24,13 @@ class TrainConfig(JobConfig):
     out_dir: str = ""  # the adapter, tokenizer and checkpoints; "" = train/<UTC timestamp>
     results: str = ""  # a run folder: its decisions make the optimized plan, its costs the ETA;
                        # "" = measure on this job
-    plan: TrainPlan = "optimized"  # "optimized" (decided on the job, or --results), "naive"
-                                   # (a newcomer's defaults: the baseline)
+    plan: Literal["optimized", "naive"] = "optimized"  # optimized: decided on the job (or
+        # --results); naive: a newcomer's defaults (the baseline)
     records: int = 0  # the source's first N good records (a named subset); 0 = all of them
     epochs: int | None = None  # passes over the training records; unset = 1 (or --max-steps)
     max_steps: int | None = None  # optimizer steps to train instead of epochs
     batch_size: int = 16  # records per optimizer step in either plan (optimized packs them)
-    lr_schedule: LrSchedule = "cosine"  # the learning rate after its warm-up
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"  # the LR after its warm-up
     lr_warmup: float = 0.03  # share of the optimizer steps that warm the learning rate up
     eval_share: float = 0.01  # records held out for eval (at least eval_batch), never trained on
     eval_every: int = 0  # eval every N optimizer steps and at the end; 0 = up to ten times over
@@ -52,25 +51,15 @@ class TrainConfig(JobConfig):
 
     def validate(self) -> None:
         super().validate()
-        self._choice("plan", get_args(TrainPlan))
-        self._choice("lr_schedule", get_args(LrSchedule))
-        for name in ("epochs", "max_steps"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"TrainConfig.{name}={value!r}: must be a whole number >= 1 "
-                                 f"(or unset)")
+        self._check(("epochs", "max_steps"), lambda v: v is None or whole(v) and v >= 1,
+                    "must be a whole number >= 1 (or unset)")
         if self.epochs is not None and self.max_steps is not None:
             raise ValueError(f"TrainConfig: give epochs or max_steps, not both (got epochs="
                              f"{self.epochs}, max_steps={self.max_steps})")
         self._positive("batch_size", "eval_batch", "keep_checkpoints")
         self._non_negative("records", "eval_every", "progress_every")
-        for name, low, high in (("eval_share", 0, 1), ("lr_warmup", 0, 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                    low < value < high or (name == "lr_warmup" and value == 0)):
-                raise ValueError(f"TrainConfig.{name}={value!r}: must be in "
-                                 f"{'[' if name == 'lr_warmup' else '('}{low}, {high})")
+        self._check(("eval_share",), lambda v: number(v) and 0 < v < 1, "must be in (0, 1)")
+        self._check(("lr_warmup",), lambda v: number(v) and 0 <= v < 1, "must be in [0, 1)")
         if self.resume and not self.out_dir:
             raise ValueError("TrainConfig.resume: name the out_dir (--out-dir) of the run to "
                              "continue")

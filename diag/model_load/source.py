@@ -208,21 +208,3 @@ def not_in_user_cache(model: str, revision: str, cache_dir: Path) -> RuntimeErro
         "diag reads your cache and writes nothing to it unless you pass --repair-cache: fill "
         f"it with `hf download {model}`, or pass --repair-cache to let diag download into "
         "it, or --cache-dir DIR for a cache of diag's own"))
-
-
-def load_warning(loaded: dict[str, Any]) -> str:
-    """'' when the checkpoint is the causal LM that was loaded with every weight used; else why."""
-    notes = []
-    archs = loaded.get("architectures") or []
-    if archs and loaded["class"] not in archs:
-        notes.append(f"the checkpoint is {'/'.join(archs)} (model_type {loaded['model_type']!r}, "
-                     f"from its config.json), not a causal LM; AutoModelForCausalLM loaded it "
-                     f"as {loaded['class']}")
-    for key, what in (("missing", "not in the checkpoint, initialised at random"),
-                      ("unexpected", "in the checkpoint, not used (dropped)"),
-                      ("mismatched", "of the wrong shape, initialised at random")):
-        names = loaded.get(key) or []
-        if names:
-            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-            notes.append(f"{len(names)} weights {what}: {shown}")
-    return "; ".join(notes)

@@ -27,13 +27,11 @@ _PKG_PARENT = str(Path(__file__).resolve().parents[2])
 def import_libraries(with_cuda_libraries: bool = True) -> None:
     """What every job start imports before it can load a model (the `import` part). A zygote
     passes False: bitsandbytes' import initialises CUDA, which a forking process must not."""
-    import huggingface_hub  # noqa: F401
     import safetensors.torch  # noqa: F401
     import torch
     from huggingface_hub import snapshot_download  # noqa: F401
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,  # noqa: F401
-                              BitsAndBytesConfig)
-    from transformers import modeling_utils  # noqa: F401  imported lazily otherwise
+                              BitsAndBytesConfig, modeling_utils)  # (this one is lazy otherwise)
 
     # fork-safe: the parent sets PYTORCH_NVML_BASED_CUDA_CHECK=1
     if with_cuda_libraries or not torch.cuda.is_available():
@@ -43,20 +41,29 @@ def import_libraries(with_cuda_libraries: bool = True) -> None:
 def run_worker(job: dict[str, Any], env: dict[str, str], timeout_s: float = 1800.0
                ) -> dict[str, Any]:
     """Run one job in a fresh interpreter; return its result dict (it may hold "error")."""
-    env = {**env, "PYTHONPATH": os.pathsep.join(
-        p for p in (_PKG_PARENT, env.get("PYTHONPATH")) if p)}
     job = {**job, "spawned_at": time.perf_counter()}  # CLOCK_MONOTONIC: machine-wide
     try:
         done = subprocess.run([sys.executable, "-m", "diag.model_load.worker", json.dumps(job)],
-                              capture_output=True, text=True, env=env, timeout=timeout_s,
-                              stdin=subprocess.DEVNULL, check=False)  # no trust_remote_code prompt
+                              capture_output=True, text=True, env=child_env(env),
+                              timeout=timeout_s, stdin=subprocess.DEVNULL,  # no trust prompt
+                              check=False)
     except subprocess.TimeoutExpired:
         return {"error": "timeout", "type": "TimeoutExpired", "message": ""}
     for line in reversed(done.stdout.splitlines()):
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
-    return {"error": "crashed", "type": f"exit code {done.returncode}",
-            "message": redact((done.stderr or done.stdout)[-3000:])}
+    return crashed(f"exit code {done.returncode}", done.stderr or done.stdout)
+
+
+def child_env(env: dict[str, str]) -> dict[str, str]:
+    """env with this diag importable (first on PYTHONPATH)."""
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (_PKG_PARENT, env.get("PYTHONPATH"))
+                                                 if p)}
+
+
+def crashed(why: str, output: str) -> dict[str, Any]:
+    """The result of a load process that ended with no result: why, and its output's tail."""
+    return {"error": "crashed", "type": why, "message": redact(output[-3000:])}
 
 
 def _blob_bytes(cache_dir: str) -> int:
@@ -166,7 +173,7 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
     token_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("tokenizer"))
     return {
         "snapshot": str(folder), "device": device, "load_s": load_s,
-        "quantized": bool(job["quantize"]), "loaded": _what_loaded(config, model, info),
+        "quantized": bool(job["quantize"]), "warning": _warning(config, model, info),
         "parts": {
             "download": {"seconds": t1 - t0, "bytes": downloaded},
             "read": {"seconds": t2 - t1, "bytes": weight_bytes},
@@ -178,14 +185,20 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _what_loaded(config: Any, model: Any, info: dict[str, Any]) -> dict[str, Any]:
-    """What the checkpoint says it is, the class loaded, the weights that did not fit."""
-    return {"architectures": list(getattr(config, "architectures", None) or []),
-            "model_type": getattr(config, "model_type", ""), "class": type(model).__name__,
-            "missing": sorted(info.get("missing_keys") or []),
-            "unexpected": sorted(info.get("unexpected_keys") or []),
-            "mismatched": sorted(str(k[0]) if isinstance(k, tuple) else str(k)
-                                 for k in info.get("mismatched_keys") or [])}
+def _warning(config: Any, model: Any, info: dict[str, Any]) -> str:
+    """'' when the checkpoint is the causal LM that was loaded with every weight used; else why."""
+    archs, loaded = list(getattr(config, "architectures", None) or []), type(model).__name__
+    notes = [f"the checkpoint is {'/'.join(archs)} (model_type "
+             f"{getattr(config, 'model_type', '')!r}, from its config.json), not a causal LM; "
+             f"AutoModelForCausalLM loaded it as {loaded}"] if archs and loaded not in archs else []
+    for key, what in (("missing_keys", "not in the checkpoint, initialised at random"),
+                      ("unexpected_keys", "in the checkpoint, not used (dropped)"),
+                      ("mismatched_keys", "of the wrong shape, initialised at random")):
+        names = sorted(str(k[0]) if isinstance(k, tuple) else str(k) for k in info.get(key) or [])
+        if names:
+            notes.append(f"{len(names)} weights {what}: " + ", ".join(names[:4])
+                         + (", ..." if len(names) > 4 else ""))
+    return "; ".join(notes)
 
 
 def _plain(job: dict[str, Any]) -> dict[str, Any]:
@@ -231,21 +244,18 @@ def _model_class(config: Any, folder: Path, trust: bool) -> Any:
 
 
 def _error_kind(err: BaseException) -> str:
-    from huggingface_hub import errors
+    from huggingface_hub import constants, errors
 
-    if isinstance(err, errors.RevisionNotFoundError):
-        return "revision_not_found"
-    if isinstance(err, errors.RepositoryNotFoundError):
-        return "repo_not_found"
-    if isinstance(err, errors.LocalEntryNotFoundError):
-        from huggingface_hub import constants
-
-        return "offline_not_cached" if constants.HF_HUB_OFFLINE else "unreachable_not_cached"
+    offline = "offline_not_cached" if constants.HF_HUB_OFFLINE else "unreachable_not_cached"
+    for kind, name in ((errors.RevisionNotFoundError, "revision_not_found"),  # before its base
+                       (errors.RepositoryNotFoundError, "repo_not_found"),
+                       (errors.LocalEntryNotFoundError, offline)):
+        if isinstance(err, kind):
+            return name
     if "trust_remote_code" in str(err):
         return "remote_code"
-    if isinstance(err, ValueError) and "safetensors" in str(err):
-        return "no_safetensors"
-    return "other"
+    return "no_safetensors" if isinstance(err, ValueError) and "safetensors" in str(err) \
+        else "other"
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
