@@ -1,6 +1,6 @@
 """The machine's state while diag measures: its load, CPU steal, what other processes took.
 
-`with Contention() as c:` samples /proc every `interval_s` (and NVML's processes on a GPU);
+`with Contention() as c:` samples every `interval_s` (and NVML's processes on a GPU);
 `c.summary()` says how busy the box was and `busy(summary)` whether that could have moved a
 wall-clock figure (BUSY, stated once). Noisy neighbours and steal on a shared instance are a cause
 of slow training too: a finding, not only a caveat.
@@ -16,29 +16,27 @@ from typing import Any
 
 # the box is called busy when other processes took this share of its CPU, or steal this share
 BUSY = {"others_share": 0.25, "steal_share": 0.05}
+COLUMNS = ["t_s", "load_1min", "cores", "others_share", "steal_share", "gpu_other_processes"]
 
 
-def _cpu_jiffies() -> tuple[float, float, float]:
-    """(busy, steal, total) jiffies of every core since boot, from /proc/stat."""
-    with open("/proc/stat") as f:
-        user, nice, system, idle, iowait, irq, softirq, steal = map(
-            float, f.readline().split()[1:9])
-    total = user + nice + system + idle + iowait + irq + softirq + steal
-    return total - idle - iowait - steal, steal, total
+def _state() -> tuple[float, float, float, float, float]:
+    """(now, this process's and its children's CPU s, every core's busy, steal and total CPU s
+    since boot); the children: the embedded servers, loader workers."""
+    import psutil
+
+    me, t = psutil.Process(), psutil.cpu_times()
+    own = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            own += sum(child.cpu_times()[:2])
+        except psutil.Error:  # gone between the listing and the read
+            continue
+    total = sum(t[:8])  # guest time is inside user already
+    return time.perf_counter(), own, total - t.idle - t.iowait - t.steal, t.steal, total
 
 
 def _own_seconds() -> float:
-    """CPU seconds of this process and its children (the embedded servers, loader workers)."""
-    import psutil
-
-    me = psutil.Process()
-    total = sum(me.cpu_times()[:2])
-    for child in me.children(recursive=True):
-        try:
-            total += sum(child.cpu_times()[:2])
-        except psutil.Error:  # gone between the listing and the read
-            continue
-    return total
+    return _state()[1]
 
 
 def _gpu_others(device: Any) -> int | None:
@@ -50,8 +48,8 @@ def _gpu_others(device: Any) -> int | None:
 
         pynvml.nvmlInit()
         index = int(str(device).split(":")[1]) if ":" in str(device) else 0
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(
+            pynvml.nvmlDeviceGetHandleByIndex(index))
         return sum(1 for p in procs if p.pid != os.getpid())
     except Exception:  # noqa: BLE001  no NVML here: the row says None
         return None
@@ -64,19 +62,16 @@ class Contention:
         self.device, self.interval_s = device, interval_s
         self.rows: list[dict[str, Any]] = []
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="diag-contention")
 
     def __enter__(self) -> Contention:
-        self._began = (time.perf_counter(), time.process_time())
-        self._last = (time.perf_counter(), _own_seconds(), *_cpu_jiffies())
-        self._thread = threading.Thread(target=self._run, daemon=True, name="diag-contention")
+        self._began, self._last = (time.perf_counter(), time.process_time()), _state()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._thread.join(timeout=5)
         self._sample()  # the last part of the block counts too
         self.wall_s = time.perf_counter() - self._began[0]
         self.cpu_s = time.process_time() - self._began[1]
@@ -86,30 +81,26 @@ class Contention:
             self._sample()
 
     def _sample(self) -> None:
-        now, own, busy, steal, total = time.perf_counter(), _own_seconds(), *_cpu_jiffies()
-        t0, own0, busy0, steal0, total0 = self._last
-        self._last = (now, own, busy, steal, total)
+        (t0, own0, busy0, steal0, total0), self._last = self._last, _state()
+        now, own, busy, steal, total = self._last
         if total <= total0 or now <= t0:
             return
-        tick = os.sysconf("SC_CLK_TCK")
-        cores = (total - total0) / tick / (now - t0)  # the cores the kernel counted in it
-        others = max(0.0, (busy - busy0) / tick - (own - own0))
-        self.rows.append({"t_s": now - self._began[0], "load_1min": os.getloadavg()[0],
-                          "cores": round(cores), "others_share": others / (cores * (now - t0)),
-                          "steal_share": (steal - steal0) / (total - total0),
-                          "gpu_other_processes": _gpu_others(self.device)})
+        cores = (total - total0) / (now - t0)  # the cores the kernel counted in it
+        others = max(0.0, busy - busy0 - (own - own0))
+        self.rows.append(dict(zip(COLUMNS, (
+            now - self._began[0], os.getloadavg()[0], round(cores), others / (total - total0),
+            (steal - steal0) / (total - total0), _gpu_others(self.device)))))
 
     def frame(self) -> Any:
         import pandas as pd
 
-        return pd.DataFrame(self.rows, columns=["t_s", "load_1min", "cores", "others_share",
-                                                "steal_share", "gpu_other_processes"])
+        return pd.DataFrame(self.rows, columns=COLUMNS)
 
     def summary(self) -> dict[str, Any]:
         """Medians over the samples, the largest load, and this process's wall over CPU."""
         if not self.rows:
             return {}
-        col = {k: [r[k] for r in self.rows] for k in self.rows[0]}
+        col = {k: [r[k] for r in self.rows] for k in COLUMNS}
         gpu = [g for g in col["gpu_other_processes"] if g is not None]
         return {"load_1min": statistics.median(col["load_1min"]),
                 "load_max": max(col["load_1min"]), "cores": max(col["cores"]),
@@ -122,17 +113,14 @@ class Contention:
 
 def busy(summary: dict[str, Any]) -> str:
     """A sentence when the box was busy enough to move a wall-clock figure (BUSY), else ''."""
-    if not summary:
-        return ""
-    over = [k for k, limit in BUSY.items() if (summary.get(k) or 0) >= limit]
     gpu = summary.get("gpu_other_processes")
-    if not over and not gpu:
+    if not summary or not gpu and all((summary.get(k) or 0) < v for k, v in BUSY.items()):
         return ""
-    said = (f"the machine was busy: load {summary['load_1min']:.1f} on {summary['cores']} cores, "
+    ratio = summary.get("wall_over_cpu")
+    return (f"the machine was busy: load {summary['load_1min']:.1f} on {summary['cores']} cores, "
             f"other processes took {summary['others_share']:.0%} of its CPU"
             + (f", steal {summary['steal_share']:.0%}" if summary["steal_share"] >= 0.005 else "")
-            + (f", {gpu} other process{'es' * (gpu != 1)} on the GPU" if gpu else ""))
-    ratio = summary.get("wall_over_cpu")
-    return said + (f"; diag's wall seconds ran {ratio:.1f}x its CPU seconds" if ratio else "") + (
-        f" (busy: others over {BUSY['others_share']:.0%} of the CPU, or steal over "
-        f"{BUSY['steal_share']:.0%}): wall-clock figures may have moved with it")
+            + (f", {gpu} other process{'es' * (gpu != 1)} on the GPU" if gpu else "")
+            + (f"; diag's wall seconds ran {ratio:.1f}x its CPU seconds" if ratio else "")
+            + f" (busy: others over {BUSY['others_share']:.0%} of the CPU, or steal over "
+            f"{BUSY['steal_share']:.0%}): wall-clock figures may have moved with it")
