@@ -69,10 +69,9 @@ class LoadProcesses:
                 os.killpg(self._proc.pid, signal.SIGKILL)
                 self._proc.wait()
             self._proc.stdout.close()
-            self._proc = None
         if self._log is not None:
             self._log.close()
-            self._log = None
+        self._proc = self._log = None
 
     def run(self, job: dict[str, Any], overrides: dict[str, str] | None = None) -> dict[str, Any]:
         """One job's result dict (it may hold "error"), with `import_s`."""
@@ -97,65 +96,45 @@ class LoadProcesses:
                        self._log.read().decode(errors="replace"))
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _child(request: dict[str, Any], import_s: float, out: Any, log: int) -> None:
+    """A forked child: the job's result to `out`; its output (a traceback) to `log`."""
+    die_with_parent()  # a zygote killed mid-load leaves no orphan
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # no prompt reads the protocol pipe
+    started = time.perf_counter()
+    # the environment a fresh interpreter would have had (docs/calibration.md)
+    from huggingface_hub import constants
 
-
-def _child(request: dict[str, Any], import_s: float, out: int, log: int) -> None:
-    """Run the job, write its JSON to `out`, never return."""
-    code = 1
-    try:
-        die_with_parent()  # a zygote killed mid-load leaves no orphan
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # no prompt reads the protocol pipe
-        started = time.perf_counter()
-        # the environment a fresh interpreter would have had (docs/calibration.md)
-        from huggingface_hub import constants
-
-        os.environ.update(request["env"])
-        constants.HF_HUB_OFFLINE = constants._is_true(
-            os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE"))
-        constants.HF_XET_CACHE = os.environ.get("HF_XET_CACHE", constants.HF_XET_CACHE)
-        import_libraries()  # bitsandbytes where the zygote left it out; else free
-        result = {**run_job(request["job"]), "import_s": import_s + time.perf_counter() - started}
-        with os.fdopen(out, "wb") as pipe:
-            pipe.write(json.dumps(result).encode())
-        code = 0
-    except BaseException:  # noqa: BLE001  the zygote reports the log's tail
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        os._exit(code)  # no atexit, no flush of the zygote's buffers
+    os.environ.update(request["env"])
+    constants.HF_HUB_OFFLINE = constants._is_true(
+        os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE"))
+    constants.HF_XET_CACHE = os.environ.get("HF_XET_CACHE", constants.HF_XET_CACHE)
+    import_libraries()  # bitsandbytes where the zygote left it out; else free
+    out.send({**run_job(request["job"]), "import_s": import_s + time.perf_counter() - started})
 
 
 def _fork_one(request: dict[str, Any], import_s: float) -> dict[str, Any]:
-    read_end, write_end = os.pipe()
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    result, out = fork.Pipe(duplex=False)
     with tempfile.TemporaryFile() as log:
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_end)
-            _child(request, import_s, write_end, log.fileno())
-        os.close(write_end)
-        chunks, deadline = [], time.perf_counter() + request["timeout_s"]
-        while chunk := _read(read_end, deadline - time.perf_counter()):
-            chunks.append(chunk)
-        if chunk is None:  # past the deadline
-            os.kill(pid, signal.SIGKILL)
-        os.close(read_end)
-        _, status = os.waitpid(pid, 0)
-        if chunk is None:
-            return {"error": "timeout", "type": "timeout", "message": ""}
-        if chunks:
-            return json.loads(b"".join(chunks))
-        log.seek(0)
-        return crashed(f"wait status {status}", log.read().decode(errors="replace"))
-
-
-def _read(fd: int, left: float) -> bytes | None:
-    """The next chunk of fd (b'' at its end), or None when nothing came within `left` s."""
-    return os.read(fd, 1 << 16) if left > 0 and select.select([fd], [], [], left)[0] else None
+        child = fork.Process(target=_child, args=(request, import_s, out, log.fileno()))
+        child.start()
+        out.close()
+        try:
+            if not result.poll(request["timeout_s"]):
+                child.kill()
+                return {"error": "timeout", "type": "timeout", "message": ""}
+            return result.recv()
+        except EOFError:  # it ended with no result
+            child.join()
+            log.seek(0)
+            return crashed(f"exit code {child.exitcode}", log.read().decode(errors="replace"))
+        finally:
+            child.join()
+            result.close()
 
 
 def zygote(spawned_at: float) -> int:
@@ -164,16 +143,17 @@ def zygote(spawned_at: float) -> int:
     os.dup2(2, 1)  # a library's print goes to the log, never into the protocol
     try:
         import numpy  # noqa: F401  its OpenBLAS pool: the one thread allowed
-        baseline = _threads()
+        threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+        baseline = threads()
         import_libraries(with_cuda_libraries=False)
         import_s = time.perf_counter() - spawned_at
         import torch
 
         # safe to fork: no CUDA, no torch op yet (no OpenMP pool), no HTTP client; OpenBLAS's
         # threads stop and restart around fork (pthread_atfork). Anything more is refused
-        if torch.cuda.is_initialized() or _threads() != baseline:
+        if torch.cuda.is_initialized() or threads() != baseline:
             raise RuntimeError(f"unsafe to fork: CUDA initialised={torch.cuda.is_initialized()}, "
-                               f"threads {_threads()} (numpy alone: {baseline})")
+                               f"threads {threads()} (numpy alone: {baseline})")
     except (ImportError, RuntimeError) as err:
         _say(protocol, {"error": "zygote", "type": type(err).__name__, "message": str(err)})
         return 1

@@ -72,49 +72,37 @@ def _blob_bytes(cache_dir: str) -> int:
 
 
 def _download(job: dict[str, Any]) -> tuple[Path, int]:
-    """The snapshot folder and the bytes this call wrote into the cache."""
+    """The snapshot folder and the bytes this call wrote into the cache. The user's pinned cache
+    (read_only) is never written: online, the hub is asked what a job asks by a dry run (a real
+    one writes trees/<commit>.json), then the snapshot is read in place."""
     if job.get("local_dir"):
         return Path(job["local_dir"]), 0
-    from huggingface_hub import snapshot_download
-
-    if job.get("read_only"):
-        return _read_pinned(job), 0
-    before = _blob_bytes(job["cache_dir"])
-    # pinned (fresh beside the user's cache): exactly the files its snapshot holds
-    only = [glob.escape(f) for f in job.get("only") or ()]
-    folder = snapshot_download(job["model"], revision=job["revision"],
-                               cache_dir=job["cache_dir"], allow_patterns=only or ALLOW_PATTERNS)
-    return Path(folder), _blob_bytes(job["cache_dir"]) - before
-
-
-def _read_pinned(job: dict[str, Any]) -> Path:
-    """The user's pinned cache, read and never written: online, the hub is asked what a job asks
-    by a dry run (a real one writes trees/<commit>.json), then the snapshot is read in place."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import DryRunError
 
-    kwargs = {"revision": job["revision"], "cache_dir": job["cache_dir"],
-              "allow_patterns": [glob.escape(f) for f in job["only"]]}
-    if not constants.is_offline_mode():
-        with contextlib.suppress(DryRunError):  # unreachable: a job reads its cache
-            snapshot_download(job["model"], dry_run=True, **kwargs)
-    return Path(snapshot_download(job["model"], local_files_only=True, **kwargs))
+    # pinned (to the user's cached commit): exactly the files its snapshot holds
+    kwargs = {"revision": job["revision"], "cache_dir": job["cache_dir"], "allow_patterns": [
+        glob.escape(f) for f in job.get("only") or ()] or ALLOW_PATTERNS}
+    if job.get("read_only"):
+        if not constants.is_offline_mode():
+            with contextlib.suppress(DryRunError):  # unreachable: a job reads its cache
+                snapshot_download(job["model"], dry_run=True, **kwargs)
+        return Path(snapshot_download(job["model"], local_files_only=True, **kwargs)), 0
+    before = _blob_bytes(job["cache_dir"])
+    folder = snapshot_download(job["model"], **kwargs)
+    return Path(folder), _blob_bytes(job["cache_dir"]) - before
 
 
 def _load_kwargs(job: dict[str, Any], device: str) -> dict[str, Any]:
     import torch
     from transformers import BitsAndBytesConfig
 
-    kwargs: dict[str, Any] = {"device_map": {"": device},
-                              "trust_remote_code": bool(job["trust_remote_code"])}
-    if job["quantize"]:
-        compute = (torch.bfloat16 if device == "cpu" or torch.cuda.is_bf16_supported()
-                   else torch.float16)
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
-    else:
-        kwargs["dtype"] = "auto"
-    return kwargs
+    bf16 = device == "cpu" or torch.cuda.is_bf16_supported()
+    return {"device_map": {"": device}, "trust_remote_code": bool(job["trust_remote_code"]),
+            **({"quantization_config": BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                bnb_4bit_compute_dtype=torch.bfloat16 if bf16 else torch.float16)}
+               if job["quantize"] else {"dtype": "auto"})}
 
 
 def _load(job: dict[str, Any]) -> dict[str, Any]:
@@ -147,9 +135,7 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
         # Params4bit._quantize looks it up on the module at each call
         bnb_functional.quantize_4bit = timed_quantize
     kwargs = _load_kwargs(job, device)
-
-    start = perf()  # the end-to-end clock, apart from the parts
-    t0 = perf()
+    start = t0 = perf()  # start: the end-to-end clock, apart from the parts
     folder, downloaded = _download(job)
     weights = weight_files(folder)  # raises if there are only pickle weights: never loaded
     t1 = perf()
@@ -168,21 +154,15 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
     AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
     t4 = perf()
     load_s = perf() - start
-    del state
-    weight_bytes = sum(p.stat().st_size for p in weights)
     token_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("tokenizer"))
-    return {
-        "snapshot": str(folder), "device": device, "load_s": load_s,
-        "quantized": bool(job["quantize"]), "warning": _warning(config, model, info),
-        "parts": {
-            "download": {"seconds": t1 - t0, "bytes": downloaded},
-            "read": {"seconds": t2 - t1, "bytes": weight_bytes},
-            "quantize": {"seconds": quantized["seconds"], "bytes": quantized["bytes"]},
-            "to_device": {"seconds": (t3 - t2) - quantized["seconds"],
-                          "bytes": int(model.get_memory_footprint())},
-            "tokenizer": {"seconds": t4 - t3, "bytes": token_bytes},
-        },
-    }
+    return {"snapshot": str(folder), "device": device, "load_s": load_s,
+            "quantized": bool(job["quantize"]), "warning": _warning(config, model, info),
+            "parts": {"download": {"seconds": t1 - t0, "bytes": downloaded},
+                      "read": {"seconds": t2 - t1, "bytes": sum(p.stat().st_size for p in weights)},
+                      "quantize": quantized,
+                      "to_device": {"seconds": (t3 - t2) - quantized["seconds"],
+                                    "bytes": int(model.get_memory_footprint())},
+                      "tokenizer": {"seconds": t4 - t3, "bytes": token_bytes}}}
 
 
 def _warning(config: Any, model: Any, info: dict[str, Any]) -> str:
