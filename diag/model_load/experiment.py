@@ -6,7 +6,6 @@ cache (`cache_state`, `resident` say how far). The parts add up to `load_model`.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import time
 import warnings
@@ -64,35 +63,25 @@ def _download(src: Source, cfg: ModelLoadConfig, cache_dir: Path, offline: bool 
         **src.env, **overrides(cache_dir, offline, own_xet=not src.user_cache)}, cfg.timeout_s)
 
 
-def _verify(src: Source, cfg: ModelLoadConfig, cache_dir: Path, repair: bool) -> pd.DataFrame:
+def _verify(src: Source, cfg: ModelLoadConfig, cache_dir: Path, repair: bool,
+            refuse: bool = False) -> pd.DataFrame:
+    """hfcache.verify_cache() of src (repair: what failed is re-downloaded); refuse: raise on a
+    damaged copy, before any load reads it."""
     def fetch() -> None:
         result = _download(src, cfg, cache_dir)
         if "error" in result:
             raise RuntimeError(redact(f"re-downloading {src.model}@{src.revision} after deleting "
                                       f"the damaged files failed: {result['message']}"))
 
-    return hfcache.verify_cache(src.model, cache_dir, src.revision, endpoint=src.endpoint,
-                                redownload=fetch if repair else None)
-
-
-def _check_cache(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> None:
-    """Refuse a cache whose blobs fail their checksums (before any load reads it)."""
-    bad = hfcache.problems(_verify(src, cfg, cache_dir, cfg.repair_cache))
-    if bad:
+    frame = hfcache.verify_cache(src.model, cache_dir, src.revision, endpoint=src.endpoint,
+                                 redownload=fetch if repair else None)
+    if refuse and (bad := hfcache.problems(frame)):
         whose = "your HF cache (left as it is)" if src.user_cache else "the HF cache"
         raise RuntimeError(redact(
             f"{whose} at {cache_dir} holds a damaged copy of {src.model}@{src.revision}:\n"
             f"{bad}\nnothing was loaded from it; re-download the damaged files with "
             "--repair-cache (diag.model_load.verify_model_cache(cfg, repair=True))"))
-
-
-def _resident(files: list[Path]) -> float:
-    """Bytes-weighted share of the files' pages in the page cache; NaN if unknown."""
-    from diag.machine.disks import resident_fraction
-
-    sizes = [p.stat().st_size for p in files]
-    return sum(resident_fraction(p) * n for p, n in zip(files, sizes)) / max(sum(sizes), 1) \
-        if files else float("nan")
+    return frame
 
 
 def _rows(result: dict[str, Any], note: str, **keys: Any) -> list[dict[str, Any]]:
@@ -112,7 +101,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     import pandas as pd
     from tqdm.auto import tqdm
 
-    from diag.machine.disks import disk_kind, evict_page_cache
+    from diag.machine.disks import disk_kind, evict_page_cache, resident_fraction
     from diag.noise import MIN_SAMPLES, interleave
 
     cfg, began = cfg or ModelLoadConfig.default(), time.perf_counter()
@@ -138,7 +127,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
         if read_only and cached:  # every load reads the cached commit
             src, moved = pin_to_cache(src, cache_dir)
         if cached:
-            _check_cache(src, cfg, cache_dir)  # before any process starts
+            _verify(src, cfg, cache_dir, cfg.repair_cache, refuse=True)  # before any load
         if not read_only:
             cache_dir.mkdir(parents=True, exist_ok=True)
         disk = disk_kind(src.local_dir or cache_dir)
@@ -151,7 +140,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
             if "error" in got:
                 raise failure(got, src, cache_dir, cfg.timeout_s)
             if got["parts"]["download"]["bytes"]:
-                _check_cache(src, cfg, cache_dir)  # check what it wrote
+                _verify(src, cfg, cache_dir, cfg.repair_cache, refuse=True)  # what it wrote
         with LoadProcesses(src.env, cfg.process, cfg.timeout_s) as procs:
 
             def run(job_cache: Path, offline: bool = False, mode: str = "load") -> dict[str, Any]:
@@ -168,21 +157,21 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
                 run(cache_dir, offline=read_only)
             files = (sorted(p for p in src.local_dir.rglob("*") if p.is_file()) if local
                      else hfcache.blob_files(cache_dir, src.model))
+            sizes = [p.stat().st_size for p in files]
             bar = tqdm(total=cfg.repeats * len(scenarios), desc="model load", unit="load",
                        leave=False)
 
             def measure(scenario: str, repeat: int) -> None:
                 bar.total = max(bar.total, (repeat + 1) * len(scenarios))
-                if scenario == "fresh":
-                    # on the cache's disk, unless that is the user's HF home
-                    tmp = Path(tempfile.mkdtemp(prefix=".diag-fresh-", dir=scratch))
-                    try:
-                        result, state, resident = run(tmp), "fresh download", float("nan")
-                    finally:
-                        shutil.rmtree(tmp, ignore_errors=True)
+                if scenario == "fresh":  # on the cache's disk, unless that is the user's HF home
+                    with tempfile.TemporaryDirectory(prefix=".diag-fresh-", dir=scratch,
+                                                     ignore_cleanup_errors=True) as tmp:
+                        result, state, resident = run(Path(tmp)), "fresh download", float("nan")
                 else:
                     state = evict_page_cache(files) if scenario == "cached_cold" else "warm"
-                    resident = _resident(files)  # measured, whatever the label says
+                    # bytes-weighted share in the page cache: measured, whatever the label says
+                    resident = sum(resident_fraction(p) * n for p, n in zip(files, sizes)) / max(
+                        sum(sizes), 1) if files else float("nan")
                     if scenario != "cached_cold" and not resident >= 0.98:
                         state = ("warm (unverified)" if resident != resident
                                  else f"partly warm ({resident:.0%} in page cache)")

@@ -64,16 +64,11 @@ def blob_files(cache_dir: str | os.PathLike[str], repo_id: str) -> list[Path]:
 def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
     """The safetensors files a causal-LM load reads, as transformers picks them; pickle-only
     weights are refused (they can run code)."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
+    folder, index = Path(folder), Path(folder) / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / n for n in names]
+        return [folder / n for n in sorted({*json.loads(index.read_text())["weight_map"].values()})]
     single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(folder.glob("*.safetensors"))
-    if found:
+    if found := [single] if single.is_file() else sorted(folder.glob("*.safetensors")):
         return found
     pickles = sorted(p.name for p in folder.iterdir() if p.name.endswith(_PICKLE))
     raise ValueError(
@@ -145,7 +140,12 @@ def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str 
             for o in online]
     frame = pd.DataFrame(rows, columns=COLUMNS)
     if redownload is not None and not frame["status"].isin(["ok", "unverified"]).all():
-        _delete_bad(repo, folder, frame)
+        for r in frame.itertuples():  # huggingface_hub re-fetches a file whose link is gone
+            damaged = r.status in ("corrupt", "missing") and r.file and folder is not None
+            if r.blob and (damaged or r.status == "incomplete"):
+                (repo / "blobs" / r.blob).unlink(missing_ok=True)
+            if damaged:
+                (folder / r.file).unlink(missing_ok=True)
         redownload()
         after = verify_cache(repo_id, cache_dir, revision, endpoint=endpoint)
         was = dict(zip(frame["file"], frame["status"]))
@@ -153,17 +153,6 @@ def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str 
                            for f, d in zip(after["file"], after["detail"])]
         return after
     return frame
-
-
-def _delete_bad(repo: Path, folder: Path | None, frame: pd.DataFrame) -> None:
-    for r in frame.itertuples():
-        if r.status == "incomplete":
-            (repo / "blobs" / r.blob).unlink(missing_ok=True)
-        elif r.status in ("corrupt", "missing") and r.file and folder is not None:
-            # huggingface_hub re-fetches a file whose link is gone
-            if r.blob:
-                (repo / "blobs" / r.blob).unlink(missing_ok=True)
-            (folder / r.file).unlink(missing_ok=True)
 
 
 def problems(frame: pd.DataFrame) -> str:

@@ -187,13 +187,11 @@ def _plain(job: dict[str, Any]) -> dict[str, Any]:
 
     from diag.machine.device import resolve, sync
 
-    device = str(resolve(job["device"]))
-    kwargs = _load_kwargs(job, device)
-    where = job.get("local_dir") or job["model"]
-    if not job.get("local_dir"):
-        kwargs.update(revision=job["revision"], cache_dir=job["cache_dir"])
+    device, local = str(resolve(job["device"])), job.get("local_dir")
+    kwargs = {**_load_kwargs(job, device), **({} if local else {
+        "revision": job["revision"], "cache_dir": job["cache_dir"]})}
     start = time.perf_counter()
-    AutoModelForCausalLM.from_pretrained(where, use_safetensors=True, **kwargs)
+    AutoModelForCausalLM.from_pretrained(local or job["model"], use_safetensors=True, **kwargs)
     sync(device)  # note: CPU-GPU sync point: queued copies are billed to the call
     return {"device": device, "seconds": time.perf_counter() - start}
 
@@ -258,8 +256,7 @@ def main(argv: list[str]) -> int:
     if job["mode"] != "download":  # a bare download needs huggingface_hub only
         import_libraries()
     import_s = time.perf_counter() - spawned  # interpreter start + imports
-    result = {**run_job(job), "import_s": import_s}
-    print(MARK + json.dumps(result), flush=True)
+    print(MARK + json.dumps({**run_job(job), "import_s": import_s}), flush=True)
     return 0
 
 
