@@ -1,18 +1,18 @@
-"""`diag info`, `diag toy`, `diag report` and `diag run`: configs that are not one experiment."""
+"""`diag info`, `diag toy`, `diag report`, `diag run`, and `diag attach PID` / `diag trace FILE...`
+(a job diag did not start, diag.observe): the configs that are not one experiment."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from diag.config.base import ExperimentConfig
-from diag.machine.gpus import GPUS, dense_peak_flops
-from diag.config.model_load import ModelLoadConfig
+from diag.config.base import ExperimentConfig, whole
 from diag.config.loader import ON_ERROR
 from diag.config.qlora import QLoraPlan
-from diag.config.source import SourceConfig, check_out
-from diag.config.storage import StorageConfig
+from diag.config.source import ModelLoadConfig, SourceConfig, StorageConfig, check_out
+from diag.machine.gpus import GPUS, dense_peak_flops
 
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?")
@@ -159,3 +159,52 @@ def check_gpus(cfg: ExperimentConfig) -> None:
             raise ValueError(f"--{name.replace('_', '-')}={gpu!r}: not a GPU with a dense bf16 "
                              "peak in diag's table; allowed: "
                              + ", ".join(g.name for g in GPUS if "bf16" in g.peaks))
+
+
+@dataclass
+class _Gpus(ExperimentConfig):
+    current_gpu: str = ""  # the GPU the job ran on, for the upgrade
+                           # projection; "" = the one NVML saw (attach)
+    target_gpu: str = "H100 SXM"  # the GPU the projection compares it with
+
+    def validate(self) -> None:
+        check_gpus(self)
+
+
+@dataclass
+class AttachConfig(_Gpus):
+    """Sample a running training process: its stages, its workers, its GPUs, its /proc."""
+
+    pid: int = 0  # the training process (its DataLoader workers are sampled with it)
+    seconds: float = 60.0  # how long to sample; the job runs on, never paused or signalled
+    rate: int = 100  # samples per second (py-spy --rate, at random intervals); more resolve
+                     # smaller stages
+
+    POSITIONAL: ClassVar[tuple[str, ...]] = ("pid",)
+    QUICK: ClassVar[dict[str, Any]] = {"seconds": 5.0}
+
+    def validate(self) -> None:
+        super().validate()
+        self._check(("pid",), lambda v: whole(v) and v > 0, "the process id of a running "
+                    "training script (a whole number > 0; ps or nvidia-smi shows it)")
+        self._positive("seconds")
+        self._check(("rate",), lambda v: whole(v) and 1 <= v <= 1000, "a whole number of "
+                    "samples per second in [1, 1000]")
+
+
+@dataclass
+class TraceConfig(_Gpus):
+    """Read torch.profiler traces (Kineto JSON or .json.gz), one file per rank."""
+
+    files: list[str] = field(default_factory=list)  # the traces, one per rank of one run
+
+    POSITIONAL: ClassVar[tuple[str, ...]] = ("files",)
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.files, (list, tuple)) or not self.files:
+            raise ValueError("TraceConfig.files=[]: name at least one torch.profiler trace "
+                             "(.json or .json.gz)")
+        missing = [f for f in self.files if not Path(f).is_file()]
+        if missing:
+            raise ValueError(f"TraceConfig.files: {missing[0]!r} is not a file")

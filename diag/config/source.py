@@ -1,4 +1,5 @@
-"""Where a run's data and model come from: one set of fields, the same flags in every command.
+"""Where a run's data and model come from: one set of fields, the same flags in every command;
+and the experiments that read only that (`diag storage`: the bucket; `diag model-load`: the model).
 
 A config names the groups it reads (`SOURCE`); its command offers only those and refuses a value
 given to another. The checks here need no network (diag.preflight checks the rest).
@@ -8,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from diag.config.base import ExperimentConfig
+from diag.config.base import MODEL_LOAD_SCENARIOS, ExperimentConfig, LoadProcess, Scenario, Verify
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # record files diag reads
 MANIFEST_SUFFIX = ".diag-manifest.json"  # beside what diag.storage.land landed: ETags, CRCs
@@ -172,3 +173,72 @@ def check_out(out: str, flag: str = "--out") -> None:
     if full:
         raise ValueError(f"{flag}={out!r}: the folder is not empty; name a new or empty folder "
                          "(diag does not mix its files into another run's)")
+
+
+@dataclass
+class StorageConfig(SourceConfig):
+    """`diag storage`: object-store pull vs local disk read, the re-pull tax, land() miss/hit."""
+
+    SOURCE: ClassVar[tuple[str, ...]] = BUCKET  # no model, no record fields
+
+    local_dir: str = ""  # where data lands (the NVMe / persistent volume); "" = DIAG_HOME/storage
+    size_mb: float = 200.0  # embedded dataset size; larger gives steadier rates and takes longer
+    shards: int = 1  # embedded dataset as this many objects under a prefix (1 = a single object)
+    repeats: int = 3  # measured repeats per method; more gives steadier medians
+    budget_s: float = 0.0  # seconds the pulls may take (each method's sample sized to fit);
+                           # 0 = no limit
+    sample_mb: float = 0.0  # at most this many MB of whole objects per pull; 0 = no cap
+    land: bool = False  # also land() the whole dataset, miss then verified hit (writes it all);
+                        # False: a hit is estimated from the sample's cold local read
+    warmup: int = 1  # untimed first rounds (connections, server cache)
+    verify: Verify = "sha256"  # land() hit check: "sha256" catches
+                               # flipped bytes, "size" is near-free
+    dataset_gb: float = 0.0  # dataset size for the tax; 0 = the measured size (e.g. 25 for yours)
+    runs_per_week: float = 20.0  # training starts per week that re-pull the dataset
+    usd_per_hour: float = 0.0  # instance price for the tax; 0 = unknown (no money figures)
+
+    QUICK: ClassVar[dict[str, Any]] = {"size_mb": 8.0, "repeats": 2}
+    # `diag run`: 8 parts of boto3's default multipart size separate the methods
+    RUN: ClassVar[dict[str, Any]] = {"size_mb": 64.0}
+
+    def validate(self) -> None:
+        super().validate()
+        self._positive("size_mb", "shards", "repeats")
+        self._non_negative("warmup", "dataset_gb", "runs_per_week", "usd_per_hour", "budget_s",
+                           "sample_mb")
+
+
+@dataclass
+class ModelLoadConfig(SourceConfig):
+    """`diag model-load`: fresh vs cached model load, each part (download ... tokenizer) timed."""
+
+    SOURCE: ClassVar[tuple[str, ...]] = MODEL  # the model's flags; no bucket, no records
+
+    scenarios: list[Scenario] = field(  # fewer run faster; fresh downloads the model every repeat
+        default_factory=lambda: list(MODEL_LOAD_SCENARIOS))
+    repeats: int = 1  # measured loads per scenario after the warm-up; 5+ lets model_cache resolve
+    budget_s: float = 0.0  # > 0: more repeats while model_cache is unresolved and they fit
+    estimate_fresh: bool = False  # True: a cached model's fresh load is estimated from one
+                                  # file's download rate, not downloaded whole
+    warmup: int = 1  # untimed loads first (the page cache of the model and libraries)
+    quantize: bool = True  # 4-bit nf4 as QLoRA loads its base; False keeps the checkpoint dtype
+    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
+    process: LoadProcess = "fork"  # "fork": imports paid once, a forked child per load;
+                                   # "exec": a fresh interpreter per load (slower, same figures)
+    trust_remote_code: bool = False  # True runs Python code from the model repo: only one you trust
+    timeout_s: float = 1800.0  # per load process; a large model over a slow link needs more
+
+    QUICK: ClassVar[dict[str, Any]] = {"repeats": 1}
+
+    def validate(self) -> None:
+        super().validate()  # the source flags
+        self._positive("repeats", "timeout_s")
+        self._non_negative("warmup", "budget_s")
+        if isinstance(self.scenarios, str):
+            self.scenarios = [s.strip() for s in self.scenarios.split(",") if s.strip()]
+        self._check(("scenarios",), lambda v: v and len(set(v)) == len(v), "name each scenario "
+                    "once: " + ", ".join(MODEL_LOAD_SCENARIOS))
+        for s in self.scenarios:
+            if s not in MODEL_LOAD_SCENARIOS:
+                raise ValueError(f"ModelLoadConfig.scenarios: {s!r} is not a scenario; allowed "
+                                 "values are " + ", ".join(map(repr, MODEL_LOAD_SCENARIOS)))
