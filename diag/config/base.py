@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,11 +69,8 @@ class ExperimentConfig:
         for name, allowed in _choices(type(self)).items():
             self._choice(name, allowed)
         if hasattr(self, "device"):
-            value = self.device
-            head, colon, index = str(value).partition(":")
-            if head not in DEVICES or (colon and (head != "cuda" or not index.isdigit())):
-                raise ValueError(f"{type(self).__name__}.device={value!r}: allowed values are "
-                                 + ", ".join(map(repr, DEVICES)) + " and 'cuda:N'")
+            self._check(("device",), lambda v: bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(v))),
+                        "allowed values are " + ", ".join(map(repr, DEVICES)) + " and 'cuda:N'")
         self.validate()
 
     def validate(self) -> None:

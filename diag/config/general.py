@@ -77,10 +77,8 @@ class DiagnoseConfig(SourceConfig):
     out: str = ""  # run folder to write; "" makes runs/<UTC timestamp>/
     storage: bool = True  # run the storage experiment (object store vs local disk)
     model_load: bool = True  # run the model-load experiment (fresh vs cached)
-    accum: bool = True  # micro-batch x grad-accum sweep on the QLoRA job's step
-                        # (--no-qlora: the tiny model's)
-    loader: bool = True  # data-loader sweep against the QLoRA job's step
-                         # (--no-qlora: target_gpu's, projected)
+    accum: bool = True  # micro-batch x grad-accum sweep of the QLoRA step (--no-qlora: tiny model)
+    loader: bool = True  # data-loader sweep against the QLoRA step (--no-qlora: target_gpu's)
     records: int = 0  # records the QLoRA job trains on; 0 = QLoraConfig's default
     job_steps: int = 0  # optimizer steps of each QLoRA plan; 0 = QLoraConfig's default
     seq_len: int = 0  # token slots per row of the QLoRA job; 0 = QLoraConfig's default
@@ -163,8 +161,7 @@ def check_gpus(cfg: ExperimentConfig) -> None:
 
 @dataclass
 class _Gpus(ExperimentConfig):
-    current_gpu: str = ""  # the GPU the job ran on, for the upgrade
-                           # projection; "" = the one NVML saw (attach)
+    current_gpu: str = ""  # the job's GPU, for the upgrade projection; "" = what NVML saw (attach)
     target_gpu: str = "H100 SXM"  # the GPU the projection compares it with
 
     def validate(self) -> None:
@@ -177,8 +174,7 @@ class AttachConfig(_Gpus):
 
     pid: int = 0  # the training process (its DataLoader workers are sampled with it)
     seconds: float = 60.0  # how long to sample; the job runs on, never paused or signalled
-    rate: int = 100  # samples per second (py-spy --rate, at random intervals); more resolve
-                     # smaller stages
+    rate: int = 100  # samples a second (py-spy --rate, at random); more resolve smaller stages
 
     POSITIONAL: ClassVar[tuple[str, ...]] = ("pid",)
     QUICK: ClassVar[dict[str, Any]] = {"seconds": 5.0}

@@ -23,8 +23,7 @@ class LoaderConfig(RecordFields):
     tokenizer: str = ""  # folder with tokenizer.json (and a chat template for --messages-field);
                          # "" = the embedded tiny model's
     pipelines: list[str] = field(default_factory=lambda: list(LOADER_PIPELINES))  # forms swept
-    workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])  # num_workers swept;
-                                                                      # the first: the baseline
+    workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])  # num_workers; 1st: baseline
     batch_size: int = 16  # sequences per step
     seq_len: int = 512  # tokens per sequence; longer means more tokenizing per sample
     consumer: str = "emulated"  # "emulated" waits step_ms per step; "model" trains the tiny model

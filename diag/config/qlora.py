@@ -38,10 +38,8 @@ class JobConfig(SourceConfig):
     # the sweeps on the job's own step that decide the optimized plan
     sweep_micro_batches: list[int] = field(default_factory=list)  # [] = up to 4 divisors of
         # the job's rows per step, 1 and the largest among them
-    sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # num_workers the
-        # loader sweep tries
-    sweep_steps: int = 5  # timed steps per sweep point, after one warm-up; 5 is the fewest a
-        # gap resolves with
+    sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # loader sweep's workers
+    sweep_steps: int = 5  # timed steps per sweep point after a warm-up; 5: fewest a gap resolves
     decide_budget_s: float = 60.0  # seconds to re-time points the screen left within noise
         # (0: screen only); more settles closer gaps
 

@@ -185,14 +185,12 @@ class StorageConfig(SourceConfig):
     size_mb: float = 200.0  # embedded dataset size; larger gives steadier rates and takes longer
     shards: int = 1  # embedded dataset as this many objects under a prefix (1 = a single object)
     repeats: int = 3  # measured repeats per method; more gives steadier medians
-    budget_s: float = 0.0  # seconds the pulls may take (each method's sample sized to fit);
-                           # 0 = no limit
+    budget_s: float = 0.0  # seconds the pulls may take (each method's sample fits); 0 = no limit
     sample_mb: float = 0.0  # at most this many MB of whole objects per pull; 0 = no cap
     land: bool = False  # also land() the whole dataset, miss then verified hit (writes it all);
                         # False: a hit is estimated from the sample's cold local read
     warmup: int = 1  # untimed first rounds (connections, server cache)
-    verify: Verify = "sha256"  # land() hit check: "sha256" catches
-                               # flipped bytes, "size" is near-free
+    verify: Verify = "sha256"  # land() hit check: "sha256" catches flipped bytes, "size" is free
     dataset_gb: float = 0.0  # dataset size for the tax; 0 = the measured size (e.g. 25 for yours)
     runs_per_week: float = 20.0  # training starts per week that re-pull the dataset
     usd_per_hour: float = 0.0  # instance price for the tax; 0 = unknown (no money figures)
