@@ -127,13 +127,11 @@ class TrainConfig(JobConfig):
     progress_every: int = 0  # the stage shares so far every N steps; 0 = ten times over the run
 
     # a few steps on 48 records of the embedded data, with eval
-    QUICK: ClassVar[dict[str, Any]] = {"records": 48, "batch_size": 8, "eval_share": 0.1,
-                                       "eval_batch": 4, "seq_len": 96, "lora_r": 8,
-                                       "lora_alpha": 16, "sweep_workers": [0, 2],
-                                       "decide_budget_s": 20.0}
+    QUICK: ClassVar[dict[str, Any]] = {
+        "records": 48, "batch_size": 8, "eval_share": 0.1, "eval_batch": 4, "seq_len": 96,
+        "lora_r": 8, "lora_alpha": 16, "sweep_workers": [0, 2], "decide_budget_s": 20.0}
     IDENTITY: ClassVar[tuple[str, ...]] = (*JobConfig.IDENTITY, "plan", "records", "epochs",
-                                           "max_steps", "batch_size", "lr_schedule",
-                                           "lr_warmup", "eval_share", "eval_batch")
+        "max_steps", "batch_size", "lr_schedule", "lr_warmup", "eval_share", "eval_batch")
 
     def validate(self) -> None:
         super().validate()

@@ -129,33 +129,25 @@ class SourceConfig(RecordFields):
 
 def check_model(model: str, owner: str = "SourceConfig") -> None:
     """'' (embedded), a local folder with a config and weights, or a hub id org/name."""
-    if not model:
-        return
-    path = Path(model).expanduser()
+    path, what = Path(model).expanduser(), f"{owner}.model={model!r} (--model)"
     try:
-        if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
-            _check_folder(model, path, owner)
-            return
+        local = bool(model) and (path.exists() or model.startswith((".", "/", "~"))
+                                 or model.count("/") > 1)
+        weights = local and path.is_dir() and (path / "config.json").is_file() and any(
+            next(path.glob(p), None) for p in WEIGHT_FILES)
     except PermissionError as err:
-        raise ValueError(f"{owner}.model={model!r} (--model): cannot be read ({err.strerror}: "
-                         f"{err.filename}); give diag read access to it, or name another "
-                         "folder") from None
-    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model, re.ASCII) or ".." in model:
-        raise ValueError(f"{owner}.model={model!r} (--model): expected a hub id org/name "
-                         "(letters, digits, - _ .), a local folder with weights, or '' for the "
-                         "embedded model")
-
-
-def _check_folder(model: str, path: Path, owner: str) -> None:
-    if not path.exists():
-        raise ValueError(f"{owner}.model={model!r} (--model): no such folder, and not a hub "
-                         "id ('org/name'); allowed: '' (embedded model), a hub id, a folder "
-                         "with config.json and weights")
-    if not path.is_dir() or not (path / "config.json").is_file() or not any(
-            next(path.glob(p), None) for p in WEIGHT_FILES):
-        raise ValueError(f"{owner}.model={model!r} (--model): a local model must be a "
-                         "folder with config.json and *.safetensors or *.bin weights; or "
-                         "name a hub id org/name")
+        raise ValueError(f"{what}: cannot be read ({err.strerror}: {err.filename}); give diag "
+                         "read access to it, or name another folder") from None
+    if local and not path.exists():
+        raise ValueError(f"{what}: no such folder, and not a hub id ('org/name'); allowed: '' "
+                         "(embedded model), a hub id, a folder with config.json and weights")
+    if local and not weights:
+        raise ValueError(f"{what}: a local model must be a folder with config.json and "
+                         "*.safetensors or *.bin weights; or name a hub id org/name")
+    if model and not local and (not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model, re.ASCII)
+                                or ".." in model):
+        raise ValueError(f"{what}: expected a hub id org/name (letters, digits, - _ .), a local "
+                         "folder with weights, or '' for the embedded model")
 
 
 def check_out(out: str, flag: str = "--out") -> None:

@@ -42,9 +42,8 @@ class Peak:
 
 def usable_cores() -> int:
     """Cores this process may run on (its affinity: taskset, cpuset, Slurm), not the machine's."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
+    return max(1, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
 
 
 def cpu_thread_count() -> int:

@@ -33,26 +33,23 @@ class GpuSampler:
             return None
         try:
             import pynvml
+
+            pynvml.nvmlInit()
         except ImportError:
             self.reason = "nvidia-ml-py is not installed: pip install 'diag[gpu]'"
             return None
-        try:
-            pynvml.nvmlInit()
         except pynvml.NVMLError as err:
             self.reason = f"NVML did not start: {err}"
             return None
         self._nvml = pynvml
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        uuid = str(torch.cuda.get_device_properties(index).uuid)
-        try:
-            return pynvml.nvmlDeviceGetHandleByUUID("GPU-" + uuid.removeprefix("GPU-"))
-        except pynvml.NVMLError:
-            pass
-        try:  # no UUID match: assume both number the GPUs alike
-            return pynvml.nvmlDeviceGetHandleByIndex(index)
-        except pynvml.NVMLError as err:
-            self.reason = f"NVML does not know CUDA device {index}: {err}"
-            return None
+        uuid = "GPU-" + str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
+        for by, key in (("UUID", uuid), ("Index", index)):  # no UUID match: numbered alike?
+            try:
+                return getattr(pynvml, "nvmlDeviceGetHandleBy" + by)(key)
+            except pynvml.NVMLError as err:
+                self.reason = f"NVML does not know CUDA device {index}: {err}"
+        return None
 
     def _run(self, handle: Any) -> None:
         while not self._stop.wait(self.interval_s):
@@ -65,6 +62,7 @@ class GpuSampler:
     def __enter__(self) -> GpuSampler:
         handle = self._handle()
         if handle is not None:
+            self.reason = ""  # a UUID NVML did not know, found by index
             self._thread = threading.Thread(target=self._run, args=(handle,), daemon=True,
                                             name="diag-gpu-sampler")
             self._thread.start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +37,9 @@ def user_hub_cache() -> Path:
     environment (the imported `constants` froze its import's)."""
     import importlib.util
 
-    spec = importlib.util.find_spec("huggingface_hub.constants")
-    if spec is None or spec.loader is None:
-        raise ImportError("huggingface_hub is not installed: pip install 'diag[qlora]'")
-    constants = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(constants)  # not in sys.modules: nothing else sees this copy
+    spec = importlib.util.find_spec("huggingface_hub.constants")  # raises without huggingface_hub
+    constants = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(constants)  # type: ignore[union-attr]  not in sys.modules: ours only
     return Path(constants.HF_HUB_CACHE)
 
 
@@ -66,8 +65,6 @@ def open_source(cfg: ModelLoadConfig) -> Iterator[Source]:
         from diag.embedded import HubServer, ensure_assets
 
         if os.environ.get("HF_ENDPOINT"):  # it serves a --model; none was given
-            import warnings
-
             warnings.warn(redact(f"HF_ENDPOINT={os.environ['HF_ENDPOINT']} is set, but no --model "
                                  "was given: diag loads its embedded model from its own hub; "
                                  "pass --model org/name to load yours from HF_ENDPOINT"),
