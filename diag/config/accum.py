@@ -31,9 +31,8 @@ class AccumConfig(ExperimentConfig):
     peak_tflops: float = 0.0  # dense peak for MFU; 0 = diag's table (CUDA) or a CPU probe
     steps_per_run: int = 5000  # optimizer steps in your run: prices the advice per run
     seed: int = 0  # window sampling and the gpt2-small init
-    slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms more per
-                         # micro-batch (a straggler on purpose); -1 = none
-    slow_ms: float = 0.0  # the extra per-micro-batch sleep of slow_rank, in milliseconds
+    slow_rank: int = -1  # under torchrun: its loader sleeps slow_ms more per micro-batch; -1: none
+    slow_ms: float = 0.0  # slow_rank's extra sleep per micro-batch (a straggler on purpose), in ms
 
     QUICK: ClassVar[dict[str, Any]] = {"tokens_per_step": 1024, "seq_len": 64,
                                        "micro_batches": [2, 16], "steps": 5}

@@ -45,9 +45,8 @@ class ToyConfig(ExperimentConfig):
     num_workers: int = 0  # DataLoader workers; more overlap preprocessing with compute
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
     batch_norm: bool = False  # a BatchNorm layer (under DDP: a broadcast every forward)
-    slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms
-                         # more per batch (a straggler on purpose); -1 = none
-    slow_ms: float = 0.0  # the extra per-batch sleep of slow_rank, in milliseconds
+    slow_rank: int = -1  # under torchrun: its loader sleeps slow_ms more per batch; -1: none
+    slow_ms: float = 0.0  # slow_rank's extra sleep per batch (a straggler on purpose), in ms
 
     QUICK: ClassVar[dict[str, Any]] = {"steps": 10, "warmup_steps": 2, "width": 128}
 

@@ -74,9 +74,8 @@ class QLoraConfig(JobConfig):
     records: int = 128  # records both plans train on once (the same tokens)
     steps: int = 8  # optimizer steps both plans take over those records (same LR schedule)
     rounds: int = 3  # plans run interleaved this many times (order alternating); medians + spread
-    slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms
-                         # more per batch (a straggler on purpose); -1 = none
-    slow_ms: float = 0.0  # the extra per-batch sleep of slow_rank, in milliseconds
+    slow_rank: int = -1  # under torchrun: its loader sleeps slow_ms more per batch; -1: none
+    slow_ms: float = 0.0  # slow_rank's extra sleep per batch (a straggler on purpose), in ms
 
     IDENTITY: ClassVar[tuple[str, ...]] = (*JobConfig.IDENTITY, "plan", "records", "steps")
     # one round of each plan: a quick look with no spread
