@@ -31,7 +31,7 @@ class JobConfig(SourceConfig):
     lora_alpha: int = 32  # LoRA scale numerator (scale = alpha / r)
     lora_dropout: float = 0.05  # dropout on the LoRA input
     checkpoint_every: int = 0  # save adapter + optimizer + data position every N steps; 0 = at end
-    resume: bool = False  # continue from the last checkpoint in out_dir, if there is one
+    resume: bool = False  # continue from the last checkpoint in out_dir (none there: refused)
     out_dir: str = ""  # checkpoints; "" = a fresh temporary folder per run
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"; CUDA-only settings fall back on CPU
     results: str = ""  # run folder whose decisions.csv the optimized plan collects; "" = measure

@@ -16,10 +16,12 @@ from typing import Any, ClassVar
 from diag.config.base import MODEL_LOAD_SCENARIOS, ExperimentConfig, LoadProcess, Scenario, Verify
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # record files diag reads
+COMPRESSED = (".gz", ".zst")  # a JSONL file may be compressed (pyarrow's codecs read it)
+STALL_S = 20.0  # seconds without a byte that make an S3 read stalled (--stall-s's default)
 MANIFEST_SUFFIX = ".diag-manifest.json"  # beside what diag.storage.land landed: ETags, CRCs
 WEIGHT_FILES = ("*.safetensors", "*.bin")
 # the source fields by what they name
-BUCKET = ("source", "endpoint_url", "profile", "region", "sign_request", "retries")
+BUCKET = ("source", "endpoint_url", "profile", "region", "sign_request", "retries", "stall_s")
 RECORDS = ("text_field", "prompt_field", "response_field", "messages_field")
 MODEL = ("model", "revision", "cache_dir", "repair_cache")
 
@@ -61,14 +63,17 @@ class RecordFields(ExperimentConfig):
 class SourceConfig(RecordFields):
     """The user's bucket and model, or (all empty) the embedded S3 server and hub."""
 
-    source: str = ""  # your data: s3://bucket/key.{jsonl,parquet} or s3://bucket/prefix/ of
-                      # shards; "" = the embedded S3 server and data
+    source: str = ""  # your data: s3://bucket/key or s3://bucket/prefix/ of shards (.jsonl,
+                      # .jsonl.gz/.zst, .parquet), hf://datasets/org/name[@rev]/path, a local
+                      # file or folder; "" = the embedded S3 server and data
     endpoint_url: str = ""  # S3 endpoint of --source (MinIO, R2, GCS); "" = your AWS config
     profile: str = ""  # AWS profile for --source; "" = AWS_PROFILE or the default chain
     region: str = ""  # region for --source; "" = your AWS config (AWS_REGION, profile)
     sign_request: bool = True  # False (--no-sign-request) reads a public bucket with no credentials
     retries: int | None = None  # request retries and re-GETs of a dropped part; None = your
                                 # AWS config (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE), 0 fails fast
+    stall_s: float = STALL_S  # an S3 read with no byte for this long has stalled (every
+                              # request's timeout; a pull's deadline is at least this)
     model: str = ""  # your model: "org/name" on HF_ENDPOINT or the hub, or a local folder with
                      # weights; "" = the embedded tiny Llama
     revision: str = "main"  # branch, tag or commit of a hub --model
@@ -108,15 +113,16 @@ class SourceConfig(RecordFields):
                                     "http(s)://host[:port] of an S3-compatible store"))
         if self.retries is not None:
             self._non_negative("retries")
-        self._check(("source",), lambda v: not v or v.startswith("s3://") and v[5:].split("/")[0],
-                    "expected s3://bucket/key, s3://bucket/prefix/ or '' for the embedded server")
-        # without a source these would not reach the embedded server: refuse, never measure
-        # something else and exit 0
+        self._positive("stall_s")
+        kind = source_kind(self.source, f"{name}.source")
+        # these reach an S3 store only: with another source they would be silently ignored
         stray = [f"--{f.replace('_', '-')}" for f in ("endpoint_url", "profile", "region")
                  if getattr(self, f)] + ([] if self.sign_request else ["--no-sign-request"])
-        if stray and not self.source:
-            raise ValueError(f"{name}.source is empty but {stray[0]} is given: the run "
-                             f"would use the embedded server and ignore {stray[0]}; name your "
+        if stray and kind != "s3":
+            where = ("the run would use the embedded server" if not self.source else
+                     f"--source={self.source!r} is no s3:// URL")
+            raise ValueError(f"{name}.source is {repr(self.source) if self.source else 'empty'} "
+                             f"but {stray[0]} is given: {where} and ignore {stray[0]}; name your "
                              f"object with --source s3://bucket/key (or drop {stray[0]})")
         self._check(("revision",), bool, "name a branch, tag or commit (main)")
         check_model(self.model, name)
@@ -125,6 +131,36 @@ class SourceConfig(RecordFields):
         """The source fields' values, to hand the same source to another experiment's config:
         those `into` reads (its SOURCE), or every one."""
         return {name: getattr(self, name) for name in (into or SourceConfig).SOURCE}
+
+
+def data_file(name: str) -> bool:
+    """A record file diag reads: *.jsonl, *.json, *.parquet, a JSONL or JSON one compressed."""
+    stem, dot, last = name.rpartition(".")
+    if f".{last}" in COMPRESSED and dot:
+        return f".{stem.rpartition('.')[2]}" in (".jsonl", ".json")
+    return f".{last}" in DATA_SUFFIXES
+
+
+def source_kind(source: str, flag: str = "--source") -> str:
+    """"embedded" (''), "s3", "hf" (hf://datasets/org/name[@rev][/path]) or "local" (a file
+    or folder that exists); ValueError naming `flag` and the forms allowed."""
+    allowed = ("expected s3://bucket/key or s3://bucket/prefix/, hf://datasets/org/name[@rev]"
+               "/path, a local file or folder of shards, or '' for the embedded server")
+    if not source:
+        return "embedded"
+    if source.startswith("s3://"):
+        if not source[5:].split("/")[0]:
+            raise ValueError(f"{flag}={source!r}: no bucket; {allowed}")
+        return "s3"
+    if source.startswith("hf://"):
+        repo = source[5:].split("/")
+        if len(repo) < 3 or repo[0] != "datasets" or not repo[1] or not repo[2].split("@")[0]:
+            raise ValueError(f"{flag}={source!r}: a hub source is hf://datasets/org/name"
+                             "[@revision]/path (a dataset repo); " + allowed)
+        return "hf"
+    if "://" in source or not Path(source).expanduser().exists():
+        raise ValueError(f"{flag}={source!r}: no such file or folder; {allowed}")
+    return "local"
 
 
 def check_model(model: str, owner: str = "SourceConfig") -> None:
@@ -181,7 +217,8 @@ class StorageConfig(SourceConfig):
     sample_mb: float = 0.0  # at most this many MB of whole objects per pull; 0 = no cap
     land: bool = False  # also land() the whole dataset, miss then verified hit (writes it all);
                         # False: a hit is estimated from the sample's cold local read
-    warmup: int = 1  # untimed first rounds (connections, server cache)
+    warmup: int = 0  # untimed first rounds, not reported (their bytes are in no row); the
+                     # probe's pull of the sample already warms the server and connections
     verify: Verify = "sha256"  # land() hit check: "sha256" catches flipped bytes, "size" is free
     dataset_gb: float = 0.0  # dataset size for the tax; 0 = the measured size (e.g. 25 for yours)
     runs_per_week: float = 20.0  # training starts per week that re-pull the dataset

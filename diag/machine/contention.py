@@ -81,15 +81,15 @@ class Contention:
             self._sample()
 
     def _sample(self) -> None:
-        (t0, own0, busy0, steal0, total0), self._last = self._last, _state()
+        (_, own0, busy0, steal0, total0), self._last = self._last, _state()
         now, own, busy, steal, total = self._last
-        if total <= total0 or now <= t0:
+        span = total - total0  # the window in CPU seconds, read with the rest (not the clock)
+        if span <= 0:
             return
-        cores = (total - total0) / (now - t0)  # the cores the kernel counted in it
         others = max(0.0, busy - busy0 - (own - own0))
         self.rows.append(dict(zip(COLUMNS, (
-            now - self._began[0], os.getloadavg()[0], round(cores), others / (total - total0),
-            (steal - steal0) / (total - total0), _gpu_others(self.device)))))
+            now - self._began[0], os.getloadavg()[0], os.cpu_count() or 1,  # the machine's
+            min(1.0, others / span), (steal - steal0) / span, _gpu_others(self.device)))))
 
     def frame(self) -> Any:
         import pandas as pd

@@ -26,6 +26,10 @@ class _Sizes(ExperimentConfig):
     folder: Path = Path("/tmp")  # a path field: to_dict() writes it as text
 
 
+ALLOWED = ("expected s3://bucket/key or s3://bucket/prefix/, hf://datasets/org/name[@rev]/path, "
+           "a local file or folder of shards, or '' for the embedded server")
+
+
 def _raises(message: str, build: Any, **kwargs: Any) -> None:
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         build(**kwargs)
@@ -102,10 +106,11 @@ def test_zero_is_allowed_where_the_rule_is_non_negative() -> None:
     ("runs_per_week", -1.0, "must be a number >= 0"),
     ("usd_per_hour", -0.5, "must be a number >= 0"),
     ("verify", "md5", "allowed values are 'sha256', 'size'"),
-    ("source", "s3:///key", "expected s3://bucket/key, s3://bucket/prefix/ or '' for the "
-                            "embedded server"),
-    ("source", "gs://b/k", "expected s3://bucket/key, s3://bucket/prefix/ or '' for the "
-                           "embedded server"),
+    ("source", "s3:///key", "no bucket; " + ALLOWED),
+    ("source", "gs://b/k", "no such file or folder; " + ALLOWED),
+    ("source", "hf://datasets/org", "a hub source is hf://datasets/org/name[@revision]/path "
+                                    "(a dataset repo); " + ALLOWED),
+    ("stall_s", 0, "must be a number > 0"),
 ])
 def test_storage_config_rules(name: str, bad: Any, rule: str) -> None:
     _raises(f"StorageConfig.{name}={bad!r}: {rule}", StorageConfig, **{name: bad})
@@ -156,10 +161,8 @@ def test_quick_mode_unset_and_diag_home_default(monkeypatch: pytest.MonkeyPatch)
     ("lora_dropout", 1.0, "must be in [0, 1)"),
     ("steps", 129, "at most records=128 (each optimizer step needs at least one record)"),
     ("warmup_steps", 8, "must be below steps=8, so some steps are measured in steady state"),
-    ("source", "s3:///k.jsonl", "expected s3://bucket/key, s3://bucket/prefix/ or '' for the "
-                                "embedded server"),
-    ("source", "data/k.jsonl", "expected s3://bucket/key, s3://bucket/prefix/ or '' for the "
-                               "embedded server"),
+    ("source", "s3:///k.jsonl", "no bucket; " + ALLOWED),
+    ("source", "data/no-such.jsonl", "no such file or folder; " + ALLOWED),
 ])
 def test_qlora_config_rules(name: str, bad: Any, rule: str) -> None:
     shown = bad if name in ("steps", "warmup_steps") and "steps=" in rule else repr(bad)
