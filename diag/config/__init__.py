@@ -7,14 +7,11 @@ The CLI builds `--key value` flags from the same fields: each field's trailing c
 from diag.config.accum import ACCUM_MODELS, AccumConfig
 from diag.config.base import (MODEL_LOAD_PROCESSES, MODEL_LOAD_SCENARIOS, STORAGE_PULLS,
                               VERIFY_MODES, ExperimentConfig, diag_home, quick_mode)
-from diag.config.general import DiagnoseConfig, InfoConfig, ReportConfig, ToyConfig, duration_s
+from diag.config.general import (AttachConfig, DiagnoseConfig, InfoConfig, ReportConfig,
+                                 ToyConfig, TraceConfig, duration_s)
 from diag.config.loader import ON_ERROR, LoaderConfig
-from diag.config.model_load import ModelLoadConfig
-from diag.config.observe import AttachConfig, TraceConfig
-from diag.config.qlora import JobConfig, QLoraConfig
-from diag.config.source import RecordFields, SourceConfig
-from diag.config.storage import StorageConfig
-from diag.config.train import TrainConfig
+from diag.config.qlora import JobConfig, QLoraConfig, TrainConfig
+from diag.config.source import ModelLoadConfig, RecordFields, SourceConfig, StorageConfig
 
 __all__ = [
     "ACCUM_MODELS", "AccumConfig", "AttachConfig", "DiagnoseConfig", "ExperimentConfig",

@@ -6,11 +6,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from diag.config.base import ExperimentConfig
+from diag.config.base import ExperimentConfig, whole
 
 
 ACCUM_MODELS = {"tiny": 2048, "gpt2-small": 1024}  # model -> context (positions) it accepts
-ACCUM_DTYPES = ("auto", "bf16", "fp32")
 
 
 @dataclass
@@ -32,9 +31,8 @@ class AccumConfig(ExperimentConfig):
     peak_tflops: float = 0.0  # dense peak for MFU; 0 = diag's table (CUDA) or a CPU probe
     steps_per_run: int = 5000  # optimizer steps in your run: prices the advice per run
     seed: int = 0  # window sampling and the gpt2-small init
-    slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms more per
-                         # micro-batch (a straggler on purpose); -1 = none
-    slow_ms: float = 0.0  # the extra per-micro-batch sleep of slow_rank, in milliseconds
+    slow_rank: int = -1  # under torchrun: its loader sleeps slow_ms more per micro-batch; -1: none
+    slow_ms: float = 0.0  # slow_rank's extra sleep per micro-batch (a straggler on purpose), in ms
 
     QUICK: ClassVar[dict[str, Any]] = {"tokens_per_step": 1024, "seq_len": 64,
                                        "micro_batches": [2, 16], "steps": 5}
@@ -46,32 +44,27 @@ class AccumConfig(ExperimentConfig):
 
     def validate(self) -> None:
         name = type(self).__name__
-        self._positive("tokens_per_step", "seq_len", "steps", "steps_per_run")
-        self._non_negative("warmup_steps", "peak_tflops", "seed")
+        self._whole("tokens_per_step", "seq_len", "steps", "steps_per_run")
+        self._whole("warmup_steps", "seed", low=0)
+        self._non_negative("peak_tflops")
         self._straggler()
-        for f in ("tokens_per_step", "seq_len", "steps", "warmup_steps", "steps_per_run"):
-            if not isinstance(getattr(self, f), int):
-                raise ValueError(f"{name}.{f}={getattr(self, f)!r}: must be a whole number")
         if self.compile and self.warmup_steps < 1:
             raise ValueError(f"{name}.warmup_steps=0: compile=True needs >= 1 warm-up step, where "
                              "the compile happens (it must not land in the timed steps)")
         self._choice("model", tuple(ACCUM_MODELS))
-        self._choice("dtype", ACCUM_DTYPES)
-        self._device()
+        self._choice("dtype", ("auto", "bf16", "fp32"))
         context = ACCUM_MODELS[self.model]
-        if self.seq_len > context:
-            raise ValueError(f"{name}.seq_len={self.seq_len}: above the context of model "
-                             f"{self.model!r} ({context} positions); allowed 1..{context}")
-        if self.tokens_per_step % self.seq_len:
-            raise ValueError(f"{name}.tokens_per_step={self.tokens_per_step}: not divisible by "
-                             f"seq_len={self.seq_len}; allowed: a multiple of it, e.g. "
-                             f"{max(1, round(self.tokens_per_step / self.seq_len)) * self.seq_len}")
+        self._check(("seq_len",), lambda v: v <= context, f"above the context of model "
+                    f"{self.model!r} ({context} positions); allowed 1..{context}")
+        self._check(("tokens_per_step",), lambda v: v % self.seq_len == 0, f"not divisible by "
+                    f"seq_len={self.seq_len}; allowed: a multiple of it, e.g. "
+                    f"{max(1, round(self.tokens_per_step / self.seq_len)) * self.seq_len}")
         sequences = self.tokens_per_step // self.seq_len
         if isinstance(self.micro_batches, str):  # "4,8" from a notebook parameter
             self.micro_batches = [int(v) for v in self.micro_batches.split(",") if v.strip()]
         allowed = [m for m in range(1, sequences + 1) if sequences % m == 0]
         for m in self.micro_batches:
-            if isinstance(m, bool) or not isinstance(m, int) or m not in allowed:
+            if not whole(m) or m not in allowed:
                 raise ValueError(
                     f"{name}.micro_batches: {m!r} x seq_len={self.seq_len} does not divide "
                     f"tokens_per_step={self.tokens_per_step}; allowed micro-batches: "

@@ -7,7 +7,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import re
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar, get_args
@@ -31,22 +35,42 @@ def quick_mode() -> bool:
 
 
 def diag_home() -> Path:
-    """Where diag keeps assets and caches: $DIAG_HOME, else $XDG_CACHE_HOME/diag (if absolute),
-    else ~/.cache/diag."""
-    home = os.environ.get("DIAG_HOME")
-    if home:
-        return Path(home).expanduser()
+    """$DIAG_HOME, else $XDG_CACHE_HOME/diag (if absolute), else ~/.cache/diag."""
+    if os.environ.get("DIAG_HOME"):
+        return Path(os.environ["DIAG_HOME"]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "diag"
 
 
+def whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@functools.cache
+def _choices(cls: type) -> dict[str, tuple[Any, ...]]:
+    """The Literal fields of a config and their allowed values."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: get_args(hints[f.name]) for f in dataclasses.fields(cls)
+            if typing.get_origin(hints[f.name]) is Literal}
+
+
 @dataclass
 class ExperimentConfig:
-    """Base of every experiment config: validation, quick variant, dict round-trip."""
+    """Base of every experiment config: validation, quick variant, dict round-trip. A Literal
+    field and a field named `device` are checked here, before `validate()`."""
 
     QUICK: ClassVar[dict[str, Any]] = {}
 
     def __post_init__(self) -> None:
+        for name, allowed in _choices(type(self)).items():
+            self._choice(name, allowed)
+        if hasattr(self, "device"):
+            self._check(("device",), lambda v: bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(v))),
+                        "allowed values are " + ", ".join(map(repr, DEVICES)) + " and 'cuda:N'")
         self.validate()
 
     def validate(self) -> None:
@@ -74,45 +98,40 @@ class ExperimentConfig:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
-    def _positive(self, *names: str) -> None:
+    def _check(self, names: tuple[str, ...], ok: Callable[[Any], bool], rule: str) -> None:
+        """Raise `{Config}.{name}={value!r}: {rule}` for the first field whose value is not ok."""
         for name in names:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{type(self).__name__}.{name}={value!r}: must be a number > 0")
+            if not ok(value):
+                raise ValueError(f"{type(self).__name__}.{name}={value!r}: {rule}")
+
+    def _positive(self, *names: str) -> None:
+        self._check(names, lambda v: number(v) and v > 0, "must be a number > 0")
 
     def _non_negative(self, *names: str) -> None:
-        for name in names:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{type(self).__name__}.{name}={value!r}: must be a number >= 0")
+        self._check(names, lambda v: number(v) and v >= 0, "must be a number >= 0")
+
+    def _whole(self, *names: str, low: int = 1) -> None:
+        self._check(names, lambda v: whole(v) and v >= low, f"must be a whole number >= {low}")
+
+    def _wholes(self, name: str, low: int, rule: str = "") -> None:
+        """A list of whole numbers >= low; "4,8" (a notebook parameter) is parsed."""
+        if isinstance(getattr(self, name), str):
+            setattr(self, name, [int(v) for v in getattr(self, name).split(",") if v.strip()])
+        self._check((name,), lambda vs: isinstance(vs, (list, tuple)) and all(
+            whole(v) and v >= low for v in vs), f"must be a list of whole numbers >= {low}{rule}")
 
     def _choice(self, name: str, allowed: tuple[Any, ...]) -> None:
-        value = getattr(self, name)
-        if value not in allowed:
-            raise ValueError(
-                f"{type(self).__name__}.{name}={value!r}: allowed values are "
-                + ", ".join(repr(a) for a in allowed)
-            )
-
-    def _device(self, name: str = "device") -> None:
-        value = getattr(self, name)
-        head, colon, index = str(value).partition(":")
-        if head not in DEVICES or (colon and (head != "cuda" or not index.isdigit())):
-            raise ValueError(f"{type(self).__name__}.{name}={value!r}: allowed values are "
-                             + ", ".join(map(repr, DEVICES)) + " and 'cuda:N'")
+        self._check((name,), lambda v: v in allowed,
+                    "allowed values are " + ", ".join(map(repr, allowed)))
 
     def _straggler(self) -> None:
         """slow_rank / slow_ms: a rank slowed on purpose, to see the others' comm_wait."""
-        if isinstance(self.slow_rank, bool) or not isinstance(self.slow_rank, int) \
-                or self.slow_rank < -1:
-            raise ValueError(f"{type(self).__name__}.slow_rank={self.slow_rank!r}: a rank (0, 1, "
-                             "...) or -1 for none")
+        self._check(("slow_rank",), lambda v: whole(v) and v >= -1, "a rank (0, 1, ...) or -1 "
+                    "for none")
         self._non_negative("slow_ms")
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, tuple):
-        return list(value)
-    return value
+    return str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) \
+        else value

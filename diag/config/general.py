@@ -1,17 +1,18 @@
-"""`diag info`, `diag toy`, `diag report` and `diag run`: configs that are not one experiment."""
+"""`diag info`, `diag toy`, `diag report`, `diag run`, and `diag attach PID` / `diag trace FILE...`
+(a job diag did not start, diag.observe): the configs that are not one experiment."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from diag.config.base import ExperimentConfig
+from diag.config.base import ExperimentConfig, whole
+from diag.config.loader import ON_ERROR
+from diag.config.qlora import QLoraPlan
+from diag.config.source import ModelLoadConfig, SourceConfig, StorageConfig, check_out
 from diag.machine.gpus import GPUS, dense_peak_flops
-from diag.config.model_load import ModelLoadConfig
-from diag.config.qlora import QLORA_PLANS, QLoraPlan
-from diag.config.source import SourceConfig, check_out
-from diag.config.storage import StorageConfig
 
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?")
@@ -44,18 +45,15 @@ class ToyConfig(ExperimentConfig):
     num_workers: int = 0  # DataLoader workers; more overlap preprocessing with compute
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
     batch_norm: bool = False  # a BatchNorm layer (under DDP: a broadcast every forward)
-    slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms
-                         # more per batch (a straggler on purpose); -1 = none
-    slow_ms: float = 0.0  # the extra per-batch sleep of slow_rank, in milliseconds
+    slow_rank: int = -1  # under torchrun: its loader sleeps slow_ms more per batch; -1: none
+    slow_ms: float = 0.0  # slow_rank's extra sleep per batch (a straggler on purpose), in ms
 
     QUICK: ClassVar[dict[str, Any]] = {"steps": 10, "warmup_steps": 2, "width": 128}
 
     def validate(self) -> None:
         self._positive("steps", "batch_size", "width")
         self._non_negative("warmup_steps", "prep_ms", "num_workers")
-        self._choice("prep", ("sleep", "busy"))
         self._straggler()
-        self._device()
 
 
 @dataclass
@@ -67,8 +65,7 @@ class ReportConfig(ExperimentConfig):
     POSITIONAL: ClassVar[tuple[str, ...]] = ("folder",)
 
     def validate(self) -> None:
-        if not self.folder:
-            raise ValueError("ReportConfig.folder='': name a run folder (e.g. runs/<timestamp>)")
+        self._check(("folder",), bool, "name a run folder (e.g. runs/<timestamp>)")
 
 
 @dataclass
@@ -79,10 +76,8 @@ class DiagnoseConfig(SourceConfig):
     out: str = ""  # run folder to write; "" makes runs/<UTC timestamp>/
     storage: bool = True  # run the storage experiment (object store vs local disk)
     model_load: bool = True  # run the model-load experiment (fresh vs cached)
-    accum: bool = True  # micro-batch x grad-accum sweep on the QLoRA job's step
-                        # (--no-qlora: the tiny model's)
-    loader: bool = True  # data-loader sweep against the QLoRA job's step
-                         # (--no-qlora: target_gpu's, projected)
+    accum: bool = True  # micro-batch x grad-accum sweep of the QLoRA step (--no-qlora: tiny model)
+    loader: bool = True  # data-loader sweep against the QLoRA step (--no-qlora: target_gpu's)
     records: int = 0  # records the QLoRA job trains on; 0 = QLoraConfig's default
     job_steps: int = 0  # optimizer steps of each QLoRA plan; 0 = QLoraConfig's default
     seq_len: int = 0  # token slots per row of the QLoRA job; 0 = QLoraConfig's default
@@ -120,17 +115,10 @@ class DiagnoseConfig(SourceConfig):
         if self.records and self.job_steps > self.records:
             raise ValueError(f"--job-steps={self.job_steps}: at most --records={self.records} "
                              "(each optimizer step needs at least one record)")
-        self._choice("on_error", ("raise", "skip"))
-        self._device()
-        self._choice("plan", QLORA_PLANS)
-        for name in ("current_gpu", "target_gpu"):  # unknown: no mark would be drawn
-            check_gpu(getattr(self, name), f"--{name.replace('_', '-')}")
-        for name, low in (("workers", 0), ("micro_batches", 1)):
-            values = getattr(self, name)
-            if not isinstance(values, (list, tuple)) or any(
-                    isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
-                raise ValueError(f"DiagnoseConfig.{name}={values!r}: must be a list of whole "
-                                 f"numbers >= {low} ([] = the experiment's default)")
+        self._choice("on_error", ON_ERROR)
+        check_gpus(self)
+        self._wholes("workers", 0, " ([] = the experiment's default)")
+        self._wholes("micro_batches", 1, " ([] = the experiment's default)")
 
     def storage_config(self, budget_s: float = 0.0) -> StorageConfig:
         """The storage experiment on this source, its sample sized to budget_s (0: no limit)."""
@@ -159,9 +147,59 @@ def duration_s(text: str, name: str = "DiagnoseConfig.budget") -> float:
     return total
 
 
-def check_gpu(name: str, flag: str) -> None:
-    """'' or a GPU with a dense bf16 peak in diag's table (what the Amdahl projection divides)."""
-    if name and dense_peak_flops(name, "bf16") is None:
-        known = ", ".join(g.name for g in GPUS if "bf16" in g.peaks)
-        raise ValueError(f"{flag}={name!r}: not a GPU with a dense bf16 peak in diag's table; "
-                         f"allowed: {known}")
+def check_gpus(cfg: ExperimentConfig) -> None:
+    """current_gpu and target_gpu: '' or a GPU with a dense bf16 peak in diag's table (what the
+    Amdahl projection divides; unknown: no mark would be drawn)."""
+    for name in ("current_gpu", "target_gpu"):
+        gpu = getattr(cfg, name)
+        if gpu and dense_peak_flops(gpu, "bf16") is None:
+            raise ValueError(f"--{name.replace('_', '-')}={gpu!r}: not a GPU with a dense bf16 "
+                             "peak in diag's table; allowed: "
+                             + ", ".join(g.name for g in GPUS if "bf16" in g.peaks))
+
+
+@dataclass
+class _Gpus(ExperimentConfig):
+    current_gpu: str = ""  # the job's GPU, for the upgrade projection; "" = what NVML saw (attach)
+    target_gpu: str = "H100 SXM"  # the GPU the projection compares it with
+
+    def validate(self) -> None:
+        check_gpus(self)
+
+
+@dataclass
+class AttachConfig(_Gpus):
+    """Sample a running training process: its stages, its workers, its GPUs, its /proc."""
+
+    pid: int = 0  # the training process (its DataLoader workers are sampled with it)
+    seconds: float = 60.0  # how long to sample; the job runs on, never paused or signalled
+    rate: int = 100  # samples a second (py-spy --rate, at random); more resolve smaller stages
+
+    POSITIONAL: ClassVar[tuple[str, ...]] = ("pid",)
+    QUICK: ClassVar[dict[str, Any]] = {"seconds": 5.0}
+
+    def validate(self) -> None:
+        super().validate()
+        self._check(("pid",), lambda v: whole(v) and v > 0, "the process id of a running "
+                    "training script (a whole number > 0; ps or nvidia-smi shows it)")
+        self._positive("seconds")
+        self._check(("rate",), lambda v: whole(v) and 1 <= v <= 1000, "a whole number of "
+                    "samples per second in [1, 1000]")
+
+
+@dataclass
+class TraceConfig(_Gpus):
+    """Read torch.profiler traces (Kineto JSON or .json.gz), one file per rank."""
+
+    files: list[str] = field(default_factory=list)  # the traces, one per rank of one run
+
+    POSITIONAL: ClassVar[tuple[str, ...]] = ("files",)
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.files, (list, tuple)) or not self.files:
+            raise ValueError("TraceConfig.files=[]: name at least one torch.profiler trace "
+                             "(.json or .json.gz)")
+        missing = [f for f in self.files if not Path(f).is_file()]
+        if missing:
+            raise ValueError(f"TraceConfig.files: {missing[0]!r} is not a file")

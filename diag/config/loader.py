@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from diag.config.base import number, whole
 from diag.config.source import RecordFields
 from diag.decision import DATA_WAIT_GOAL
 
@@ -22,8 +23,7 @@ class LoaderConfig(RecordFields):
     tokenizer: str = ""  # folder with tokenizer.json (and a chat template for --messages-field);
                          # "" = the embedded tiny model's
     pipelines: list[str] = field(default_factory=lambda: list(LOADER_PIPELINES))  # forms swept
-    workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])  # num_workers swept;
-                                                                      # the first: the baseline
+    workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])  # num_workers; 1st: baseline
     batch_size: int = 16  # sequences per step
     seq_len: int = 512  # tokens per sequence; longer means more tokenizing per sample
     consumer: str = "emulated"  # "emulated" waits step_ms per step; "model" trains the tiny model
@@ -59,32 +59,19 @@ class LoaderConfig(RecordFields):
             name = next(k for k, v in self.record_fields().items() if v)
             raise ValueError(f"LoaderConfig.{name}={getattr(self, name)!r}: names a field of "
                              "--data's records, and --data is empty; give --data (your records)")
-        self._positive("batch_size", "steps", "repeats", "prefetch_factor", "run_steps",
-                       "profile_samples", "num_proc", "model_params_b", "mfu", "timeout_s",
-                       "target_share")
-        for name in ("batch_size", "steps", "repeats", "prefetch_factor", "run_steps",
-                     "profile_samples", "num_proc"):
-            if not isinstance(getattr(self, name), int):
-                raise ValueError(f"LoaderConfig.{name}={getattr(self, name)!r}: must be a whole "
-                                 "number > 0")
+        self._whole("batch_size", "steps", "repeats", "prefetch_factor", "run_steps",
+                    "profile_samples", "num_proc")
+        self._whole("seq_len", low=2)
+        self._positive("model_params_b", "timeout_s")
+        self._check(("mfu", "target_share"), lambda v: number(v) and 0 < v < 1,
+                    "must be a number in (0, 1)")
         self._non_negative("step_ms", "extra_prep_ms")
         self._choice("consumer", LOADER_CONSUMERS)
         self._choice("on_error", ON_ERROR)
-        self._device()
-        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 2:
-            raise ValueError(
-                f"LoaderConfig.seq_len={self.seq_len!r}: must be a whole number >= 2")
-        for name in ("mfu", "target_share"):
-            if not getattr(self, name) < 1:
-                raise ValueError(f"LoaderConfig.{name}={getattr(self, name)!r}: must be < 1")
         if isinstance(self.pipelines, str):
             self.pipelines = [p.strip() for p in self.pipelines.split(",") if p.strip()]
-        if not self.pipelines or any(p not in LOADER_PIPELINES for p in self.pipelines):
-            raise ValueError(f"LoaderConfig.pipelines={self.pipelines!r}: name one or more of "
-                             + ", ".join(map(repr, LOADER_PIPELINES)))
-        workers = self.workers
-        if (not isinstance(workers, (list, tuple)) or not workers
-                or len(set(workers)) != len(workers)
-                or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in workers)):
-            raise ValueError(f"LoaderConfig.workers={workers!r}: must be a list of different "
-                             "whole numbers >= 0 (num_workers values)")
+        self._check(("pipelines",), lambda v: v and set(v) <= set(LOADER_PIPELINES),
+                    "name one or more of " + ", ".join(map(repr, LOADER_PIPELINES)))
+        self._check(("workers",), lambda v: isinstance(v, (list, tuple)) and v and len(set(
+            v)) == len(v) and all(whole(w) and w >= 0 for w in v), "must be a list of different "
+            "whole numbers >= 0 (num_workers values)")

@@ -1,17 +1,21 @@
-"""`diag qlora`: the QLoRA job's configs (diag.qlora). `JobConfig` is what `diag qlora` and
-`diag train` share; `QLoraConfig` adds the side-by-side comparison's records, steps and rounds.
+"""`diag qlora` and `diag train`: the QLoRA job's configs (diag.qlora). `JobConfig` is what both
+share; `QLoraConfig` adds the side-by-side comparison's records, steps and rounds; `TrainConfig`
+trains the whole dataset, its adapter the output (diag.qlora.train).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, get_args
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Literal
 
+from diag.config.base import number, whole
 from diag.config.loader import ON_ERROR
 from diag.config.source import SourceConfig
 
 QLoraPlan = Literal["naive", "optimized", "both"]
-QLORA_PLANS: tuple[str, ...] = get_args(QLoraPlan)
+MEASURED_STEPS = 4  # optimizer steps of the job the plan is decided on
+EVAL_SHARE = 0.1  # the default eval cadence keeps evals under this share of the training
 
 
 @dataclass
@@ -34,10 +38,8 @@ class JobConfig(SourceConfig):
     # the sweeps on the job's own step that decide the optimized plan
     sweep_micro_batches: list[int] = field(default_factory=list)  # [] = up to 4 divisors of
         # the job's rows per step, 1 and the largest among them
-    sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # num_workers the
-        # loader sweep tries
-    sweep_steps: int = 5  # timed steps per sweep point, after one warm-up; 5 is the fewest a
-        # gap resolves with
+    sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # loader sweep's workers
+    sweep_steps: int = 5  # timed steps per sweep point after a warm-up; 5: fewest a gap resolves
     decide_budget_s: float = 60.0  # seconds to re-time points the screen left within noise
         # (0: screen only); more settles closer gaps
 
@@ -55,28 +57,13 @@ class JobConfig(SourceConfig):
         super().validate()  # the source flags
         self._choice("on_error", ON_ERROR)
         self._positive("seq_len", "lr", "lora_r", "lora_alpha", "sweep_steps")
-        for name, low in (("sweep_workers", 0), ("sweep_micro_batches", 1)):
-            values = getattr(self, name)
-            if isinstance(values, str):  # "0,2" from a notebook parameter
-                values = [int(v) for v in values.split(",") if v.strip()]
-                setattr(self, name, values)
-            if not isinstance(values, (list, tuple)) or any(
-                    isinstance(v, bool) or not isinstance(v, int) or v < low for v in values):
-                raise ValueError(f"{type(self).__name__}.{name}={values!r}: must be a list of "
-                                 f"whole numbers >= {low}")
-        if not self.sweep_workers:
-            raise ValueError(f"{type(self).__name__}.sweep_workers=[]: name at least one "
-                             "num_workers")
+        self._wholes("sweep_workers", 0)
+        self._wholes("sweep_micro_batches", 1)
+        self._check(("sweep_workers",), bool, "name at least one num_workers")
         self._non_negative("warmup_steps", "lora_dropout", "checkpoint_every", "seed")
-        budget = self.decide_budget_s
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not (
-                0 <= budget < float("inf")):
-            raise ValueError(f"{type(self).__name__}.decide_budget_s={budget!r}: must be a "
-                             "finite number of seconds >= 0")
-        self._device()
-        if not self.lora_dropout < 1:
-            raise ValueError(f"{type(self).__name__}.lora_dropout={self.lora_dropout!r}: must "
-                             "be in [0, 1)")
+        self._check(("decide_budget_s",), lambda v: number(v) and 0 <= v < float("inf"),
+                    "must be a finite number of seconds >= 0")
+        self._check(("lora_dropout",), lambda v: v < 1, "must be in [0, 1)")
 
 
 @dataclass
@@ -87,9 +74,8 @@ class QLoraConfig(JobConfig):
     records: int = 128  # records both plans train on once (the same tokens)
     steps: int = 8  # optimizer steps both plans take over those records (same LR schedule)
     rounds: int = 3  # plans run interleaved this many times (order alternating); medians + spread
-    slow_rank: int = -1  # under torchrun: this rank's loader sleeps slow_ms
-                         # more per batch (a straggler on purpose); -1 = none
-    slow_ms: float = 0.0  # the extra per-batch sleep of slow_rank, in milliseconds
+    slow_rank: int = -1  # under torchrun: its loader sleeps slow_ms more per batch; -1: none
+    slow_ms: float = 0.0  # slow_rank's extra sleep per batch (a straggler on purpose), in ms
 
     IDENTITY: ClassVar[tuple[str, ...]] = (*JobConfig.IDENTITY, "plan", "records", "steps")
     # one round of each plan: a quick look with no spread
@@ -103,14 +89,111 @@ class QLoraConfig(JobConfig):
 
     def validate(self) -> None:
         super().validate()
-        self._choice("plan", QLORA_PLANS)
-        self._positive("records", "steps", "rounds")
-        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int):
-            raise ValueError(f"QLoraConfig.rounds={self.rounds!r}: must be a whole number >= 1")
+        self._positive("records", "steps")
+        self._whole("rounds")
         self._straggler()
-        if self.steps > self.records:
-            raise ValueError(f"QLoraConfig.steps={self.steps}: at most records={self.records} "
-                             "(each optimizer step needs at least one record)")
-        if self.warmup_steps >= self.steps:
-            raise ValueError(f"QLoraConfig.warmup_steps={self.warmup_steps}: must be below "
-                             f"steps={self.steps}, so some steps are measured in steady state")
+        self._check(("steps",), lambda v: v <= self.records, f"at most records={self.records} "
+                    "(each optimizer step needs at least one record)")
+        self._check(("warmup_steps",), lambda v: v < self.steps, f"must be below steps="
+                    f"{self.steps}, so some steps are measured in steady state")
+
+
+@dataclass
+class TrainConfig(JobConfig):
+    """`diag train`: one plan trains the whole dataset (epochs, eval, checkpoints, resume); the
+    adapter and tokenizer in out_dir are its output."""
+
+    lr: float = 2e-4  # peak learning rate: warmed up over lr_warmup, then lr_schedule
+    checkpoint_every: int = 0  # save adapter, optimizer, RNG, data position every N steps;
+                               # 0 = ten times over the run
+    out_dir: str = ""  # the adapter, tokenizer and checkpoints; "" = train/<UTC timestamp>
+    results: str = ""  # a run folder: its decisions make the optimized plan, its costs the ETA;
+                       # "" = measure on this job
+    plan: Literal["optimized", "naive"] = "optimized"  # optimized: decided on the job (or
+        # --results); naive: a newcomer's defaults (the baseline)
+    records: int = 0  # the source's first N good records (a named subset); 0 = all of them
+    epochs: int | None = None  # passes over the training records; unset = 1 (or --max-steps)
+    max_steps: int | None = None  # optimizer steps to train instead of epochs
+    batch_size: int = 16  # records per optimizer step in either plan (optimized packs them)
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"  # the LR after its warm-up
+    lr_warmup: float = 0.03  # share of the optimizer steps that warm the learning rate up
+    eval_share: float = 0.01  # records held out for eval (at least eval_batch), never trained on
+    eval_every: int = 0  # eval every N optimizer steps and at the end; 0 = up to ten times over
+                         # the run, as often as keeps eval under 10% of it
+    eval_batch: int = 8  # records per eval batch, one a row in both plans (so they compare)
+    keep_checkpoints: int = 2  # the newest K checkpoints kept in out_dir
+    merge: bool = False  # also write the 16-bit base with the adapter merged (out_dir/merged)
+    progress_every: int = 0  # the stage shares so far every N steps; 0 = ten times over the run
+
+    # a few steps on 48 records of the embedded data, with eval
+    QUICK: ClassVar[dict[str, Any]] = {
+        "records": 48, "batch_size": 8, "eval_share": 0.1, "eval_batch": 4, "seq_len": 96,
+        "lora_r": 8, "lora_alpha": 16, "sweep_workers": [0, 2], "decide_budget_s": 20.0}
+    IDENTITY: ClassVar[tuple[str, ...]] = (*JobConfig.IDENTITY, "plan", "records", "epochs",
+        "max_steps", "batch_size", "lr_schedule", "lr_warmup", "eval_share", "eval_batch")
+
+    def validate(self) -> None:
+        super().validate()
+        self._check(("epochs", "max_steps"), lambda v: v is None or whole(v) and v >= 1,
+                    "must be a whole number >= 1 (or unset)")
+        if self.epochs is not None and self.max_steps is not None:
+            raise ValueError(f"TrainConfig: give epochs or max_steps, not both (got epochs="
+                             f"{self.epochs}, max_steps={self.max_steps})")
+        self._positive("batch_size", "eval_batch", "keep_checkpoints")
+        self._non_negative("records", "eval_every", "progress_every")
+        self._check(("eval_share",), lambda v: number(v) and 0 < v < 1, "must be in (0, 1)")
+        self._check(("lr_warmup",), lambda v: number(v) and 0 <= v < 1, "must be in [0, 1)")
+        if self.resume and not self.out_dir:
+            raise ValueError("TrainConfig.resume: name the out_dir (--out-dir) of the run to "
+                             "continue")
+        if self.records:
+            self.held_out(self.records)
+
+    def held_out(self, records: int) -> int:
+        """Records held out of `records`: eval_share, at least one eval batch; refused where less
+        than one optimizer step is left to train on."""
+        held = max(math.ceil(self.eval_share * records), self.eval_batch)
+        if records - held < self.batch_size:
+            raise ValueError(
+                f"TrainConfig.eval_share={self.eval_share}: holds out {held} of {records} "
+                f"records (at least eval_batch={self.eval_batch}), leaving {records - held} to "
+                f"train on, less than one optimizer step of batch_size={self.batch_size}; lower "
+                "eval_share or eval_batch, or train on more records")
+        return held
+
+    def enough(self) -> int:
+        """Records past which held_out never refuses."""
+        return max(self.batch_size + self.eval_batch,
+                   math.ceil((self.batch_size + 1) / (1 - self.eval_share)))
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """Optimizer steps of the run: max_steps, else epochs (unset: 1) x steps_per_epoch."""
+        return self.max_steps or (self.epochs or 1) * steps_per_epoch
+
+    @staticmethod
+    def cadence(every: int, steps: int) -> int:
+        """Steps between evals, saves or progress lines: `every`, or (0) ten over the run."""
+        return every or max(1, steps // 10)
+
+    def eval_cadence(self, steps: int, eval_records: int) -> int:
+        """Steps between evals: eval_every, or (0) ten over the run, fewer where those would
+        cost over EVAL_SHARE of the training (an eval's record runs forward only: a third)."""
+        if self.eval_every:
+            return self.eval_every
+        evals = EVAL_SHARE * steps * self.batch_size * 3 / max(eval_records, 1)  # affordable
+        return max(self.cadence(0, steps), math.ceil(steps / max(evals - 2, 1)))  # + first, last
+
+    @classmethod
+    def of_job(cls, job: JobConfig, quick: bool | None = False, **more: Any) -> TrainConfig:
+        """The whole-dataset run of a measured job, with `more` (epochs, ...)."""
+        shared = {f.name: getattr(job, f.name) for f in fields(JobConfig)}
+        return cls.default(quick, **shared | {"checkpoint_every": 0, "out_dir": "",
+                                                "resume": False} | more)
+
+    def job(self) -> QLoraConfig:
+        """The QLoRA job measured to decide the plan: MEASURED_STEPS steps of batch_size records."""
+        shared = {f.name: getattr(self, f.name) for f in fields(JobConfig)}
+        return QLoraConfig(**shared | {
+            "checkpoint_every": 0, "out_dir": "", "resume": False, "plan": self.plan,
+            "records": MEASURED_STEPS * self.batch_size, "steps": MEASURED_STEPS, "rounds": 1,
+            "warmup_steps": min(self.warmup_steps, MEASURED_STEPS - 1)})

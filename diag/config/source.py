@@ -1,4 +1,5 @@
-"""Where a run's data and model come from: one set of fields, the same flags in every command.
+"""Where a run's data and model come from: one set of fields, the same flags in every command;
+and the experiments that read only that (`diag storage`: the bucket; `diag model-load`: the model).
 
 A config names the groups it reads (`SOURCE`); its command offers only those and refuses a value
 given to another. The checks here need no network (diag.preflight checks the rest).
@@ -6,11 +7,13 @@ given to another. The checks here need no network (diag.preflight checks the res
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from diag.config.base import ExperimentConfig
+from diag.config.base import MODEL_LOAD_SCENARIOS, ExperimentConfig, LoadProcess, Scenario, Verify
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # record files diag reads
 COMPRESSED = (".gz", ".zst")  # a JSONL file may be compressed (pyarrow's codecs read it)
@@ -53,9 +56,7 @@ class RecordFields(ExperimentConfig):
 
     def record_fields(self) -> dict[str, str]:
         """These four flags' values, to hand the same records to another config."""
-        import dataclasses
-
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(RecordFields)}
+        return {name: getattr(self, name) for name in RECORDS}
 
 
 @dataclass
@@ -94,16 +95,14 @@ class SourceConfig(RecordFields):
         return [name for name in super().used_fields() if name not in source]
 
     def validate_source(self) -> None:
-        import dataclasses
         from urllib.parse import urlsplit
 
         from diag.secrets import redact, register
 
         name = type(self).__name__
         for f in dataclasses.fields(SourceConfig):  # what it would silently ignore
-            if f.name not in self.SOURCE and getattr(self, f.name) != f.default:
-                raise ValueError(f"{name}.{f.name}={getattr(self, f.name)!r}: not read here; "
-                                 f"{name} reads " + ", ".join(self.SOURCE))
+            self._check((f.name,), lambda v, f=f: f.name in self.SOURCE or v == f.default,
+                        f"not read here; {name} reads " + ", ".join(self.SOURCE))
         try:  # a password in the URL is redacted from here on
             url = urlsplit(self.endpoint_url)
             register(url.password)
@@ -123,11 +122,9 @@ class SourceConfig(RecordFields):
             where = ("the run would use the embedded server" if not self.source else
                      f"--source={self.source!r} is no s3:// URL")
             raise ValueError(f"{name}.source is {repr(self.source) if self.source else 'empty'} "
-                             f"but {stray[0]} is given: {where} "
-                             f"and ignore {stray[0]}; name your object with --source "
-                             f"s3://bucket/key (or drop {stray[0]})")
-        if not self.revision:
-            raise ValueError(f"{name}.revision='': name a branch, tag or commit (main)")
+                             f"but {stray[0]} is given: {where} and ignore {stray[0]}; name your "
+                             f"object with --source s3://bucket/key (or drop {stray[0]})")
+        self._check(("revision",), bool, "name a branch, tag or commit (main)")
         check_model(self.model, name)
 
     def source_kwargs(self, into: type[SourceConfig] | None = None) -> dict[str, object]:
@@ -168,36 +165,25 @@ def source_kind(source: str, flag: str = "--source") -> str:
 
 def check_model(model: str, owner: str = "SourceConfig") -> None:
     """'' (embedded), a local folder with a config and weights, or a hub id org/name."""
-    if not model:
-        return
-    path = Path(model).expanduser()
+    path, what = Path(model).expanduser(), f"{owner}.model={model!r} (--model)"
     try:
-        if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
-            _check_folder(model, path, owner)
-            return
+        local = bool(model) and (path.exists() or model.startswith((".", "/", "~"))
+                                 or model.count("/") > 1)
+        weights = local and path.is_dir() and (path / "config.json").is_file() and any(
+            next(path.glob(p), None) for p in WEIGHT_FILES)
     except PermissionError as err:
-        raise ValueError(f"{owner}.model={model!r} (--model): cannot be read ({err.strerror}: "
-                         f"{err.filename}); give diag read access to it, or name another "
-                         "folder") from None
-    org, slash, repo = model.partition("/")
-    allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
-    if not repo and slash or not set(model.replace("/", "")) <= allowed or ".." in model \
-            or not (org if slash else model):
-        raise ValueError(f"{owner}.model={model!r} (--model): expected a hub id org/name "
-                         "(letters, digits, - _ .), a local folder with weights, or '' for the "
-                         "embedded model")
-
-
-def _check_folder(model: str, path: Path, owner: str) -> None:
-    if not path.exists():
-        raise ValueError(f"{owner}.model={model!r} (--model): no such folder, and not a hub "
-                         "id ('org/name'); allowed: '' (embedded model), a hub id, a folder "
-                         "with config.json and weights")
-    if not path.is_dir() or not (path / "config.json").is_file() or not any(
-            next(path.glob(p), None) for p in WEIGHT_FILES):
-        raise ValueError(f"{owner}.model={model!r} (--model): a local model must be a "
-                         "folder with config.json and *.safetensors or *.bin weights; or "
-                         "name a hub id org/name")
+        raise ValueError(f"{what}: cannot be read ({err.strerror}: {err.filename}); give diag "
+                         "read access to it, or name another folder") from None
+    if local and not path.exists():
+        raise ValueError(f"{what}: no such folder, and not a hub id ('org/name'); allowed: '' "
+                         "(embedded model), a hub id, a folder with config.json and weights")
+    if local and not weights:
+        raise ValueError(f"{what}: a local model must be a folder with config.json and "
+                         "*.safetensors or *.bin weights; or name a hub id org/name")
+    if model and not local and (not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model, re.ASCII)
+                                or ".." in model):
+        raise ValueError(f"{what}: expected a hub id org/name (letters, digits, - _ .), a local "
+                         "folder with weights, or '' for the embedded model")
 
 
 def check_out(out: str, flag: str = "--out") -> None:
@@ -215,3 +201,71 @@ def check_out(out: str, flag: str = "--out") -> None:
     if full:
         raise ValueError(f"{flag}={out!r}: the folder is not empty; name a new or empty folder "
                          "(diag does not mix its files into another run's)")
+
+
+@dataclass
+class StorageConfig(SourceConfig):
+    """`diag storage`: object-store pull vs local disk read, the re-pull tax, land() miss/hit."""
+
+    SOURCE: ClassVar[tuple[str, ...]] = BUCKET  # no model, no record fields
+
+    local_dir: str = ""  # where data lands (the NVMe / persistent volume); "" = DIAG_HOME/storage
+    size_mb: float = 200.0  # embedded dataset size; larger gives steadier rates and takes longer
+    shards: int = 1  # embedded dataset as this many objects under a prefix (1 = a single object)
+    repeats: int = 3  # measured repeats per method; more gives steadier medians
+    budget_s: float = 0.0  # seconds the pulls may take (each method's sample fits); 0 = no limit
+    sample_mb: float = 0.0  # at most this many MB of whole objects per pull; 0 = no cap
+    land: bool = False  # also land() the whole dataset, miss then verified hit (writes it all);
+                        # False: a hit is estimated from the sample's cold local read
+    warmup: int = 0  # untimed first rounds, not reported (their bytes are in no row); the
+                     # probe's pull of the sample already warms the server and connections
+    verify: Verify = "sha256"  # land() hit check: "sha256" catches flipped bytes, "size" is free
+    dataset_gb: float = 0.0  # dataset size for the tax; 0 = the measured size (e.g. 25 for yours)
+    runs_per_week: float = 20.0  # training starts per week that re-pull the dataset
+    usd_per_hour: float = 0.0  # instance price for the tax; 0 = unknown (no money figures)
+
+    QUICK: ClassVar[dict[str, Any]] = {"size_mb": 8.0, "repeats": 2}
+    # `diag run`: 8 parts of boto3's default multipart size separate the methods
+    RUN: ClassVar[dict[str, Any]] = {"size_mb": 64.0}
+
+    def validate(self) -> None:
+        super().validate()
+        self._positive("size_mb", "shards", "repeats")
+        self._non_negative("warmup", "dataset_gb", "runs_per_week", "usd_per_hour", "budget_s",
+                           "sample_mb")
+
+
+@dataclass
+class ModelLoadConfig(SourceConfig):
+    """`diag model-load`: fresh vs cached model load, each part (download ... tokenizer) timed."""
+
+    SOURCE: ClassVar[tuple[str, ...]] = MODEL  # the model's flags; no bucket, no records
+
+    scenarios: list[Scenario] = field(  # fewer run faster; fresh downloads the model every repeat
+        default_factory=lambda: list(MODEL_LOAD_SCENARIOS))
+    repeats: int = 1  # measured loads per scenario after the warm-up; 5+ lets model_cache resolve
+    budget_s: float = 0.0  # > 0: more repeats while model_cache is unresolved and they fit
+    estimate_fresh: bool = False  # True: a cached model's fresh load is estimated from one
+                                  # file's download rate, not downloaded whole
+    warmup: int = 1  # untimed loads first (the page cache of the model and libraries)
+    quantize: bool = True  # 4-bit nf4 as QLoRA loads its base; False keeps the checkpoint dtype
+    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
+    process: LoadProcess = "fork"  # "fork": imports paid once, a forked child per load;
+                                   # "exec": a fresh interpreter per load (slower, same figures)
+    trust_remote_code: bool = False  # True runs Python code from the model repo: only one you trust
+    timeout_s: float = 1800.0  # per load process; a large model over a slow link needs more
+
+    QUICK: ClassVar[dict[str, Any]] = {"repeats": 1}
+
+    def validate(self) -> None:
+        super().validate()  # the source flags
+        self._positive("repeats", "timeout_s")
+        self._non_negative("warmup", "budget_s")
+        if isinstance(self.scenarios, str):
+            self.scenarios = [s.strip() for s in self.scenarios.split(",") if s.strip()]
+        self._check(("scenarios",), lambda v: v and len(set(v)) == len(v), "name each scenario "
+                    "once: " + ", ".join(MODEL_LOAD_SCENARIOS))
+        for s in self.scenarios:
+            if s not in MODEL_LOAD_SCENARIOS:
+                raise ValueError(f"ModelLoadConfig.scenarios: {s!r} is not a scenario; allowed "
+                                 "values are " + ", ".join(map(repr, MODEL_LOAD_SCENARIOS)))

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     import pandas as pd
     import torch
 
+CPU_THREADS_ENV = "DIAG_CPU_THREADS"  # torch intra-op threads of diag's steps on a CPU
+CPU_THREADS_DEFAULT = 1
+PROBE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+Run = TypeVar("Run", bound=Callable[..., Any])
+
 
 @dataclass(frozen=True)
 class Peak:
@@ -37,20 +42,13 @@ class Peak:
 
 def usable_cores() -> int:
     """Cores this process may run on (its affinity: taskset, cpuset, Slurm), not the machine's."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
-
-
-CPU_THREADS_ENV = "DIAG_CPU_THREADS"  # torch intra-op threads of diag's steps on a CPU
-CPU_THREADS_DEFAULT = 1
+    return max(1, len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
 
 
 def cpu_thread_count() -> int:
     """DIAG_CPU_THREADS, else 1: the intra-op threads diag's timed steps use on a CPU."""
-    raw = os.environ.get(CPU_THREADS_ENV, "").strip()
-    if not raw:
-        return CPU_THREADS_DEFAULT
+    raw = os.environ.get(CPU_THREADS_ENV, "").strip() or str(CPU_THREADS_DEFAULT)
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"{CPU_THREADS_ENV}={raw!r}: must be a whole number >= 1")
     return int(raw)
@@ -61,18 +59,13 @@ def cpu_threads(device: Any = "auto") -> Iterator[None]:
     """On a CPU, run the block with cpu_thread_count() torch threads (docs/calibration.md)."""
     import torch
 
-    if resolve(device).type != "cpu":
-        yield
-        return
     before = torch.get_num_threads()
-    torch.set_num_threads(cpu_thread_count())
+    if resolve(device).type == "cpu":
+        torch.set_num_threads(cpu_thread_count())
     try:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-Run = TypeVar("Run", bound=Callable[..., Any])
 
 
 def on_cpu_threads(run: Run) -> Run:
@@ -86,9 +79,6 @@ def on_cpu_threads(run: Run) -> Run:
     return wrapper  # type: ignore[return-value]
 
 
-PROBE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
 def cpu_matmul_probe(size: int = 1024, repeats: int = 9, dtype: str = "fp32") -> list[float]:
     """Matmul FLOP per CPU second in dtype (a neighbour does not lower it), one per repeat."""
     import torch
@@ -97,14 +87,12 @@ def cpu_matmul_probe(size: int = 1024, repeats: int = 9, dtype: str = "fp32") ->
         raise ValueError(f"size={size}, repeats={repeats}: both must be > 0")
     kind = getattr(torch, PROBE_DTYPES[_dtype(dtype)])
     a, b = torch.randn(size, size, dtype=kind), torch.randn(size, size, dtype=kind)
-    for _ in range(2):  # thread pool, allocator, BLAS kernel choice
-        torch.mm(a, b)
     samples = []
-    for _ in range(repeats):
+    for _ in range(repeats + 2):  # the first two: thread pool, allocator, BLAS kernel choice
         t0 = time.process_time()
         torch.mm(a, b)
         samples.append(2 * size**3 / max(time.process_time() - t0, 1e-9))
-    return samples
+    return samples[2:]
 
 
 def resolve(device: Any = "auto") -> torch.device:
@@ -115,17 +103,16 @@ def resolve(device: Any = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device={device!r}: allowed values are 'auto', 'cpu', 'cuda'") from err
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"device={device!r}: no CUDA device is visible on this machine; "
-                               "use device='cpu' or device='auto'")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise RuntimeError(f"device={device!r}: only {torch.cuda.device_count()} CUDA "
-                               "device(s) are visible")
-    elif dev.type != "cpu":
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: allowed values are 'auto', 'cpu', 'cuda'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r}: no CUDA device is visible on this machine; "
+                           "use device='cpu' or device='auto'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise RuntimeError(f"device={device!r}: only {torch.cuda.device_count()} CUDA "
+                           "device(s) are visible")
     return dev
 
 
@@ -144,8 +131,7 @@ def sync(device: Any = None) -> None:
         # CUDA never initialised: nothing was queued; skip the costly init
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # sync point: the current device's queue drains first
-        return
-    if is_async(device):
+    elif is_async(device):
         torch.cuda.synchronize(device)  # sync point: a timer must not stop before the kernels
 
 
@@ -156,54 +142,48 @@ def peak_flops(device: Any = None, dtype: str = "bf16", *, probe_size: int = 102
 
     key = _dtype(dtype)
     dev = resolve("auto" if device is None else device)
-    if dev.type == "cpu":
-        if key not in PROBE_DTYPES:
-            return Peak(None, f"no CPU probe for {key}: one of " + ", ".join(PROBE_DTYPES),
-                        "", False, key)
-        from diag.noise import spread
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        spec = find_gpu(name)
+        if spec is None:
+            return Peak(None, f"unknown GPU {name!r}: diag has no dense {key} peak for it; pass "
+                        "the peak FLOP/s explicitly (e.g. from its datasheet, dense not sparse)",
+                        "", False)
+        if key not in spec.peaks:
+            return Peak(None, f"{spec.name} has no {key} tensor-core figure (try "
+                        + ", ".join(sorted(spec.peaks)) + ")", spec.source, False)
+        return Peak(spec.peaks[key], f"table: {spec.name} dense {key}", spec.source, False)
+    if key not in PROBE_DTYPES:
+        return Peak(None, f"no CPU probe for {key}: one of " + ", ".join(PROBE_DTYPES), "",
+                    False, key)
+    from diag.noise import spread
 
-        samples = cpu_matmul_probe(probe_size, repeats, key)
-        label = (f"measured: CPU {key} matmul probe ({probe_size}x{probe_size}, "
-                 f"{torch.get_num_threads()} threads, best of {repeats} per CPU second, spread "
-                 f"{spread(samples):.0%})")
-        if key != "fp32":  # a CPU without native 16-bit matmuls widens them (bitsandbytes'
-            # kernels too): its fastest multiply is the ceiling
-            wide = cpu_matmul_probe(probe_size, repeats, "fp32")
-            if max(wide) > max(samples):
-                label += (f"; its fp32 probe is faster ({max(wide) / 1e12:.3g} TFLOP/s, "
-                          f"spread {spread(wide):.0%}): a {key} matmul's ceiling on this CPU")
-                samples = wide
-        return Peak(max(samples), label, "cpu_matmul_probe", measured=True,
-                    dtype=key, spread=spread(samples))
-    name = torch.cuda.get_device_name(dev)
-    spec = find_gpu(name)
-    if spec is None:
-        return Peak(None, f"unknown GPU {name!r}: diag has no dense {key} peak for it; pass the "
-                    "peak FLOP/s explicitly (e.g. from its datasheet, dense not sparse)", "", False)
-    if key not in spec.peaks:
-        return Peak(None, f"{spec.name} has no {key} tensor-core figure (try "
-                    + ", ".join(sorted(spec.peaks)) + ")", spec.source, False)
-    return Peak(spec.peaks[key], f"table: {spec.name} dense {key}", spec.source, False)
+    samples = cpu_matmul_probe(probe_size, repeats, key)
+    label = (f"measured: CPU {key} matmul probe ({probe_size}x{probe_size}, "
+             f"{torch.get_num_threads()} threads, best of {repeats} per CPU second, spread "
+             f"{spread(samples):.0%})")
+    # a CPU without native 16-bit matmuls widens them (bitsandbytes' kernels too): its fastest
+    # multiply is the ceiling
+    wide = cpu_matmul_probe(probe_size, repeats, "fp32") if key != "fp32" else []
+    if max(wide, default=0) > max(samples):
+        label += (f"; its fp32 probe is faster ({max(wide) / 1e12:.3g} TFLOP/s, spread "
+                  f"{spread(wide):.0%}): a {key} matmul's ceiling on this CPU")
+        samples = wide
+    return Peak(max(samples), label, "cpu_matmul_probe", True, key, spread(samples))
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith(("model name", "hardware", "cpu model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine() or "unknown"
 
 
 def driver_version() -> str | None:
-    try:
-        with open("/proc/driver/nvidia/version") as f:
-            words = f.readline().split()
-    except OSError:
-        return None
-    return next((w for w in words if w[:1].isdigit() and "." in w), None)
+    with contextlib.suppress(OSError), open("/proc/driver/nvidia/version") as f:
+        return next((w for w in f.readline().split() if w[:1].isdigit() and "." in w), None)
+    return None
 
 
 def facts(probe: bool = True, probe_size: int = 1024) -> dict[str, Any]:
@@ -237,22 +217,18 @@ def facts(probe: bool = True, probe_size: int = 1024) -> dict[str, Any]:
 def run_info(cfg: Any) -> pd.DataFrame:  # an InfoConfig
     """`diag info`: one row per fact (fact, value, detail)."""
     import pandas as pd
+    import torch
 
     f = facts(probe=cfg.probe, probe_size=cfg.probe_size)
     peak: Peak = f.pop("peak")
-    rows = [{"fact": k, "value": v, "detail": ""} for k, v in f.items() if k != "disks"]
-    source = f"; source: {peak.source}" if peak.source and not peak.measured else ""
-    tflops = None if peak.flops is None else round(peak.flops / 1e12, 3)
-    rows.append({"fact": f"peak_tflops_{peak.dtype}", "value": tflops,
-                 "detail": peak.label + source})
+    rows = [(k, v, "") for k, v in f.items() if k != "disks"]
+    rows.append((f"peak_tflops_{peak.dtype}", None if peak.flops is None else
+                 round(peak.flops / 1e12, 3), peak.label + (
+                     f"; source: {peak.source}" if peak.source and not peak.measured else "")))
     if resolve("auto").type == "cpu":
-        import torch
-
-        rows.append({"fact": "cpu_threads", "value": torch.get_num_threads(),
-                     "detail": f"torch intra-op threads of diag's CPU steps ({CPU_THREADS_ENV}, "
-                               f"default {CPU_THREADS_DEFAULT}: tiny ops on a shared pool wait "
-                               "at its barriers)"})
-    for d in f["disks"]:
-        rows.append({"fact": f"disk:{d.mountpoint}", "value": d.kind,
-                     "detail": f"{d.fstype} on {d.device}: {d.evidence}"})
+        rows.append(("cpu_threads", torch.get_num_threads(), "torch intra-op threads of diag's "
+                     f"CPU steps ({CPU_THREADS_ENV}, default {CPU_THREADS_DEFAULT}: tiny ops on a "
+                     "shared pool wait at its barriers)"))
+    rows += [(f"disk:{d.mountpoint}", d.kind, f"{d.fstype} on {d.device}: {d.evidence}")
+             for d in f["disks"]]
     return pd.DataFrame(rows, columns=["fact", "value", "detail"])

@@ -9,17 +9,17 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 # fastest to reuse first
 KINDS = ("local_nvme", "local_ssd", "local_hdd", "network_block", "network_file", "virtual",
          "other")
-_PSEUDO = {"proc", "sysfs", "devtmpfs", "devpts", "tmpfs", "cgroup", "cgroup2", "mqueue",
-           "debugfs", "securityfs", "pstore", "bpf", "tracefs", "configfs", "fusectl", "ramfs",
-           "hugetlbfs", "autofs", "binfmt_misc", "rpc_pipefs", "nsfs", "squashfs", "efivarfs",
-           "selinuxfs", "nfsd"}
-_NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph",
-               "glusterfs", "wekafs", "juicefs", "s3fs", "gcsfuse", "goofys", "mountpoint-s3",
-               "rclone", "sshfs", "blobfuse2", "geesefs", "alluxio-fuse"}
+_PSEUDO = set("proc sysfs devtmpfs devpts tmpfs cgroup cgroup2 mqueue debugfs securityfs pstore "
+              "bpf tracefs configfs fusectl ramfs hugetlbfs autofs binfmt_misc rpc_pipefs nsfs "
+              "squashfs efivarfs selinuxfs nfsd".split())
+_NETWORK_FS = set("nfs nfs4 cifs smb3 smbfs lustre gpfs beegfs ceph glusterfs wekafs juicefs "
+                  "s3fs gcsfuse goofys mountpoint-s3 rclone sshfs blobfuse2 geesefs "
+                  "alluxio-fuse".split())
 _HOST_SHARE_FS = {"virtiofs", "9p"}  # a folder shared by the hypervisor: backing unknown
 # /sys/block/<dev>/device/model strings, first match wins ("nvme_card-pd" before "nvme_card<N>")
 _MODELS = (
@@ -35,7 +35,7 @@ _MODELS = (
 )
 _VIRTUAL_DRIVERS = {"virtio_blk": "virtio block device", "vbd": "Xen virtual block device",
                     "xen_blkfront": "Xen virtual block device"}
-_NETWORK_BLOCK_NAMES = (("nbd", "network block device (nbd)"), ("rbd", "Ceph RBD"))
+_NETWORK_BLOCK_NAMES = {"nbd": "network block device (nbd)", "rbd": "Ceph RBD"}
 
 
 @dataclass(frozen=True)
@@ -54,33 +54,22 @@ def is_network(kind: str) -> bool:
     return kind.startswith("network")
 
 
-def _sysfs(sysfs: str | None) -> str:
-    # DIAG_SYSFS / DIAG_MOUNTS replay another machine's layout (tests, a bug report)
-    return sysfs or os.environ.get("DIAG_SYSFS") or "/sys"
-
-
 def _mounts(mounts: str | None = None) -> list[tuple[str, str, str, str]]:
     """(device, mountpoint, fstype, options): psutil's, or a file in /proc/mounts format."""
-    mounts = mounts or os.environ.get("DIAG_MOUNTS")
+    mounts = mounts or os.environ.get("DIAG_MOUNTS")  # another machine's layout (tests, a bug)
     if mounts is None:
         import psutil
 
         return [(p.device, p.mountpoint, p.fstype, p.opts)
                 for p in psutil.disk_partitions(all=True)]
-    try:
-        with open(mounts) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
     unescape = lambda s: s.replace("\\040", " ").replace("\\011", "\t")  # noqa: E731
-    return [(unescape(p[0]), unescape(p[1]), p[2], p[3]) for p in map(str.split, lines)
-            if len(p) >= 4]
+    return [(unescape(p[0]), unescape(p[1]), p[2], p[3])
+            for p in map(str.split, _read(mounts).splitlines()) if len(p) >= 4]
 
 
 def _read(path: str) -> str:
     try:
-        with open(path) as f:
-            return f.read().strip()
+        return Path(path).read_text().strip()
     except OSError:
         return ""
 
@@ -119,9 +108,8 @@ def _block(name: str, sysfs: str, depth: int = 0) -> tuple[str, str]:
     if driver in _VIRTUAL_DRIVERS or name.startswith(("vd", "xvd")):
         what = _VIRTUAL_DRIVERS.get(driver, "virtual block device")
         return "virtual", f"{name}: {what}, its backing storage is not visible from the guest"
-    for prefix, what in _NETWORK_BLOCK_NAMES:
-        if name.startswith(prefix):
-            return "network_block", f"{name}: {what}"
+    if name[:3] in _NETWORK_BLOCK_NAMES:
+        return "network_block", f"{name}: {_NETWORK_BLOCK_NAMES[name[:3]]}"
     label = f" (model {model!r})" if model else ""
     if name.startswith("nvme"):
         return "local_nvme", f"{name}: NVMe device{label}, no cloud network-disk model"
@@ -129,8 +117,8 @@ def _block(name: str, sysfs: str, depth: int = 0) -> tuple[str, str]:
         return "other", f"{name}: {name.rstrip('0123456789')} device (memory or file backed)"
     rotational = _read(os.path.join(node, "queue", "rotational"))
     if rotational in ("0", "1"):
-        kind = "local_hdd" if rotational == "1" else "local_ssd"
-        return kind, f"{name}{label}: queue/rotational={rotational}"
+        return ("local_ssd", "local_hdd")[int(rotational)], f"{name}{label}: queue/rotational=" \
+            + rotational
     return "other", f"{name}{label}: not found in sysfs"
 
 
@@ -178,7 +166,7 @@ def _path(path: str | os.PathLike[str], sysfs: str, mounts: str | None,
 
 def disks(sysfs: str | None = None, mounts: str | None = None) -> list[Disk]:
     """Each real mounted filesystem (no /proc, /sys, tmpfs...) with its kind and evidence."""
-    root = _sysfs(sysfs)
+    root = sysfs or os.environ.get("DIAG_SYSFS") or "/sys"
     return [Disk(mountpoint, device, fstype,
                  *_classify(device, mountpoint, fstype, options, root, mounts))
             for device, mountpoint, fstype, options in _mounts(mounts)
@@ -188,7 +176,7 @@ def disks(sysfs: str | None = None, mounts: str | None = None) -> list[Disk]:
 def describe(path: str | os.PathLike[str], sysfs: str | None = None,
              mounts: str | None = None) -> tuple[str, str]:
     """(kind, evidence) for the filesystem holding path (its longest mount prefix)."""
-    return _path(path, _sysfs(sysfs), mounts, 0)
+    return _path(path, sysfs or os.environ.get("DIAG_SYSFS") or "/sys", mounts, 0)
 
 
 def disk_kind(path: str | os.PathLike[str], sysfs: str | None = None,
@@ -202,31 +190,22 @@ def resident_fraction(path: str | os.PathLike[str]) -> float:
     import ctypes
     import mmap
 
+    import numpy as np
+
     size = os.path.getsize(path)
     if size == 0:
         return 0.0
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
+    vec = np.zeros(-(-size // mmap.PAGESIZE), np.uint8)
+    try:  # mapping reads nothing; mincore says which pages are resident
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+            start = np.frombuffer(m, np.uint8)
+            failed = ctypes.CDLL(None).mincore(ctypes.c_void_p(start.ctypes.data),
+                                               ctypes.c_size_t(size), vec.ctypes.data_as(
+                                                   ctypes.c_void_p))
+            del start  # the map closes once nothing points into it
+    except (OSError, AttributeError):  # no mincore in this libc
         return float("nan")
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-    vec = (ctypes.c_ubyte * pages)()
-    with open(path, "rb") as f:
-        # mapping reads nothing; mincore says which pages are resident
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            return float("nan")
-        try:
-            if libc.mincore(addr, size, vec) != 0:
-                return float("nan")
-        finally:
-            libc.munmap(addr, size)
-    return sum(v & 1 for v in vec) / pages
+    return float("nan") if failed else float((vec & 1).mean())
 
 
 def evict_page_cache(paths: list[str | os.PathLike[str]]) -> str:

@@ -17,58 +17,55 @@ class GpuSampler:
     def __init__(self, device: Any = None, interval_s: float = 0.1) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s={interval_s!r}: must be a number > 0")
-        self.device = device
-        self.interval_s = interval_s
+        self.device, self.interval_s = device, interval_s
         self.samples: list[float] = []
         self.reason = ""  # why nothing is sampled
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._nvml: Any = None
+        self._stop, self._thread, self._nvml = threading.Event(), None, None
 
-    def _handle(self) -> tuple[Any, str]:
-        """(NVML handle, '') or (None, why). By UUID: NVML and CUDA number GPUs differently under
-        CUDA_VISIBLE_DEVICES."""
+    def _handle(self) -> Any:
+        """The NVML handle, or None with self.reason set. By UUID: NVML and CUDA number GPUs
+        differently under CUDA_VISIBLE_DEVICES."""
         import torch
 
         dev = torch.device("cuda" if self.device in (None, "auto") else self.device)
         if dev.type != "cuda" or not torch.cuda.is_available():
-            return None, f"not a CUDA run (device {dev.type}): no GPU to sample"
+            self.reason = f"not a CUDA run (device {dev.type}): no GPU to sample"
+            return None
         try:
             import pynvml
-        except ImportError:
-            return None, "nvidia-ml-py is not installed: pip install 'diag[gpu]'"
-        try:
+
             pynvml.nvmlInit()
+        except ImportError:
+            self.reason = "nvidia-ml-py is not installed: pip install 'diag[gpu]'"
+            return None
         except pynvml.NVMLError as err:
-            return None, f"NVML did not start: {err}"
+            self.reason = f"NVML did not start: {err}"
+            return None
         self._nvml = pynvml
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        uuid = str(torch.cuda.get_device_properties(index).uuid)
-        try:
-            return pynvml.nvmlDeviceGetHandleByUUID("GPU-" + uuid.removeprefix("GPU-")), ""
-        except pynvml.NVMLError:
-            pass
-        try:  # no UUID match: assume both number the GPUs alike
-            return pynvml.nvmlDeviceGetHandleByIndex(index), ""
-        except pynvml.NVMLError as err:
-            return None, f"NVML does not know CUDA device {index}: {err}"
+        uuid = "GPU-" + str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
+        for by, key in (("UUID", uuid), ("Index", index)):  # no UUID match: numbered alike?
+            try:
+                return getattr(pynvml, "nvmlDeviceGetHandleBy" + by)(key)
+            except pynvml.NVMLError as err:
+                self.reason = f"NVML does not know CUDA device {index}: {err}"
+        return None
 
     def _run(self, handle: Any) -> None:
-        nvml = self._nvml
         while not self._stop.wait(self.interval_s):
             try:
-                self.samples.append(float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
-            except nvml.NVMLError as err:  # the GPU fell off the bus: keep what we have
+                self.samples.append(float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+            except self._nvml.NVMLError as err:  # the GPU fell off the bus: keep what we have
                 self.reason = f"NVML stopped answering: {err}"
                 return
 
     def __enter__(self) -> GpuSampler:
-        handle, self.reason = self._handle()
-        if handle is None:
-            return self
-        self._thread = threading.Thread(target=self._run, args=(handle,), daemon=True,
-                                        name="diag-gpu-sampler")
-        self._thread.start()
+        handle = self._handle()
+        if handle is not None:
+            self.reason = ""  # a UUID NVML did not know, found by index
+            self._thread = threading.Thread(target=self._run, args=(handle,), daemon=True,
+                                            name="diag-gpu-sampler")
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:

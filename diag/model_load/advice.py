@@ -64,13 +64,11 @@ def advice(frame: pd.DataFrame) -> pd.DataFrame:
             f"{load('cached_cold')} (read {med.loc['cached_cold', 'read']:.3g} s) vs "
             f"{load('cached')} (read {med.loc['cached', 'read']:.3g} s)")
         if frame["cache_disk"].map(is_network).any():
-            read = cold[cold.part == "read"]
-            rows.append({"stage": "load_model", "seconds_saved": float(read["seconds"].median()),
-                         "finding": "The HF cache is on network storage: every cold load reads "
-                         "it at network speed; put HF_HUB_CACHE on local NVMe (an upper bound)",
-                         "evidence": f"model_load: cached_cold read median "
-                         f"{read['seconds'].median():.3g} s at {read['mb_per_s'].median():.4g} "
-                         "MB/s from a network filesystem"})
+            read = cold[cold.part == "read"].median(numeric_only=True)
+            add("The HF cache is on network storage: every cold load reads it at network speed; "
+                "put HF_HUB_CACHE on local NVMe (an upper bound)", float(read["seconds"]),
+                f"cached_cold read median {read['seconds']:.3g} s at {read['mb_per_s']:.4g} MB/s "
+                "from a network filesystem")
     return pd.DataFrame(rows, columns=cols)
 
 

@@ -6,11 +6,9 @@ cache (`cache_state`, `resident` say how far). The parts add up to `load_model`.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +18,7 @@ from diag.decision import Decision
 from diag.model_load import hfcache
 from diag.model_load.advice import advice, decide
 from diag.model_load.processes import LoadProcesses
-from diag.model_load.source import (Source, cache_dir_for, failure, job, load_warning,
+from diag.model_load.source import (Source, cache_dir_for, failure, job,
                                     not_in_user_cache, offline_env, open_source, overrides,
                                     pin_to_cache)
 from diag.model_load.worker import run_worker
@@ -55,8 +53,7 @@ def verify_model_cache(cfg: ModelLoadConfig, repair: bool = False) -> pd.DataFra
             src, note = pin_to_cache(src, cache_dir)
             if note:
                 warnings.warn(f"model-load: {note}", RuntimeWarning, stacklevel=2)
-        return hfcache.verify_cache(src.model, cache_dir, src.revision, endpoint=src.endpoint,
-                                    redownload=_redownload(src, cfg, cache_dir) if repair else None)
+        return _verify(src, cfg, cache_dir, repair)
 
 
 def _download(src: Source, cfg: ModelLoadConfig, cache_dir: Path, offline: bool = False
@@ -66,63 +63,36 @@ def _download(src: Source, cfg: ModelLoadConfig, cache_dir: Path, offline: bool 
         **src.env, **overrides(cache_dir, offline, own_xet=not src.user_cache)}, cfg.timeout_s)
 
 
-def _redownload(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> Callable[[], None]:
+def _verify(src: Source, cfg: ModelLoadConfig, cache_dir: Path, repair: bool,
+            refuse: bool = False) -> pd.DataFrame:
+    """hfcache.verify_cache() of src (repair: what failed is re-downloaded); refuse: raise on a
+    damaged copy, before any load reads it."""
     def fetch() -> None:
         result = _download(src, cfg, cache_dir)
         if "error" in result:
             raise RuntimeError(redact(f"re-downloading {src.model}@{src.revision} after deleting "
                                       f"the damaged files failed: {result['message']}"))
 
-    return fetch
-
-
-def _check_cache(src: Source, cfg: ModelLoadConfig, cache_dir: Path) -> None:
-    """Refuse a cache whose blobs fail their checksums (before any load reads it)."""
-    frame = hfcache.verify_cache(
-        src.model, cache_dir, src.revision, endpoint="" if offline_env() else src.endpoint,
-        redownload=_redownload(src, cfg, cache_dir) if cfg.repair_cache else None)
-    bad = hfcache.problems(frame)
-    if bad:
+    frame = hfcache.verify_cache(src.model, cache_dir, src.revision, endpoint=src.endpoint,
+                                 redownload=fetch if repair else None)
+    if refuse and (bad := hfcache.problems(frame)):
         whose = "your HF cache (left as it is)" if src.user_cache else "the HF cache"
         raise RuntimeError(redact(
             f"{whose} at {cache_dir} holds a damaged copy of {src.model}@{src.revision}:\n"
             f"{bad}\nnothing was loaded from it; re-download the damaged files with "
             "--repair-cache (diag.model_load.verify_model_cache(cfg, repair=True))"))
+    return frame
 
 
-def _resident(files: list[Path]) -> float:
-    """Bytes-weighted share of the files' pages in the page cache; NaN if unknown."""
-    from diag.machine.disks import resident_fraction
-
-    sizes = [p.stat().st_size for p in files]
-    shares = [resident_fraction(p) for p in files]
-    if not files or any(s != s for s in shares):
-        return float("nan")
-    return sum(s * n for s, n in zip(shares, sizes)) / max(sum(sizes), 1)
-
-
-def _rows(result: dict[str, Any], scenario: str, repeat: int, state: str, resident: float,
-          ) -> list[dict[str, Any]]:
+def _rows(result: dict[str, Any], note: str, **keys: Any) -> list[dict[str, Any]]:
     parts = {"import": {"seconds": result["import_s"], "bytes": 0}, **result["parts"]}
     rows = [{"part": p, **parts[p]} for p in LOAD_PARTS if p in parts
             and (result["quantized"] or p != "quantize")]
     # the load's own clock plus its start-up: the parts' sum checks it, never makes it
     rows.append({"part": "load_model", "bytes": parts["read"]["bytes"],
                  "seconds": result["import_s"] + result["load_s"],
-                 "warning": load_warning(result["loaded"])})
-    for r in rows:
-        r.update(scenario=scenario, repeat=repeat, cache_state=state, resident=resident,
-                 device=result["device"],
-                 mb_per_s=r["bytes"] / r["seconds"] / 1e6 if r["bytes"] and r["seconds"] > 0
-                 else float("nan"))
-    return rows
-
-
-def _plan(cfg: ModelLoadConfig, src: Source) -> list[tuple[int, str]]:
-    # a local folder downloads nothing: fresh and offline would be the cached load
-    local = src.local_dir is not None
-    scenarios = [s for s in cfg.scenarios if not (local and s in ("fresh", "cached_offline"))]
-    return [(r, s) for r in range(cfg.repeats) for s in scenarios]
+                 "warning": "; ".join(t for t in (note, result["warning"]) if t)})
+    return [{**r, **keys, "device": result["device"]} for r in rows]
 
 
 def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
@@ -131,8 +101,8 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     import pandas as pd
     from tqdm.auto import tqdm
 
-    from diag.machine.disks import disk_kind, evict_page_cache
-    from diag.noise import interleave
+    from diag.machine.disks import disk_kind, evict_page_cache, resident_fraction
+    from diag.noise import MIN_SAMPLES, interleave
 
     cfg, began = cfg or ModelLoadConfig.default(), time.perf_counter()
     cache_dir = cache_dir_for(cfg)
@@ -142,114 +112,103 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
                          "cached,cached_cold")
     rows: list[dict[str, Any]] = []
     with open_source(cfg) as src:
-        local, plan = src.local_dir is not None, _plan(cfg, src)
+        local = src.local_dir is not None
         cached = not local and hfcache.snapshot_folder(cache_dir, src.model, src.revision)
+        # a local folder downloads nothing: fresh and offline would be the cached load
+        scenarios = [s for s in cfg.scenarios if not (local and s in ("fresh", "cached_offline"))]
         # fresh estimated from the cached loads (none of those: downloaded as asked)
-        estimate = bool(cfg.estimate_fresh and cached and {"fresh", "cached"} <= {
-            s for _, s in plan})
-        plan = [(r, s) for r, s in plan if not (estimate and s == "fresh")]
+        estimate = bool(cfg.estimate_fresh and cached and {"fresh", "cached"} <= set(scenarios))
+        scenarios = [s for s in scenarios if not (estimate and s == "fresh")]
+        from_cache = any(s != "fresh" for s in scenarios)
         read_only = src.user_cache and not cfg.repair_cache
-        if read_only and not cached and any(s != "fresh" for _, s in plan):
+        if read_only and not cached and from_cache:
             raise not_in_user_cache(src.model, src.revision, cache_dir)
         moved = ""
         if read_only and cached:  # every load reads the cached commit
             src, moved = pin_to_cache(src, cache_dir)
         if cached:
-            _check_cache(src, cfg, cache_dir)  # before any process starts
+            _verify(src, cfg, cache_dir, cfg.repair_cache, refuse=True)  # before any load
         if not read_only:
             cache_dir.mkdir(parents=True, exist_ok=True)
         disk = disk_kind(src.local_dir or cache_dir)
         scratch = diag_home() if src.user_cache else cache_dir.parent
-        users = cache_dir if src.user_cache else None
         scratch.mkdir(parents=True, exist_ok=True)
-        if any(s != "fresh" for _, s in plan) and not local and not read_only:
+        if from_cache and not local and not read_only:
             # fill the cache in a process with huggingface_hub only: a wrong id or endpoint is
             # reported before anyone pays the big imports
             got = _download(src, cfg, cache_dir, offline_env())
             if "error" in got:
                 raise failure(got, src, cache_dir, cfg.timeout_s)
             if got["parts"]["download"]["bytes"]:
-                _check_cache(src, cfg, cache_dir)  # check what it wrote
+                _verify(src, cfg, cache_dir, cfg.repair_cache, refuse=True)  # what it wrote
         with LoadProcesses(src.env, cfg.process, cfg.timeout_s) as procs:
 
             def run(job_cache: Path, offline: bool = False, mode: str = "load") -> dict[str, Any]:
                 pinned = bool(src.files) and job_cache == cache_dir  # the user's, read only
                 result = procs.run(job(src, cfg, job_cache, mode, pinned), overrides(
-                    job_cache, offline or offline_env(), own_xet=job_cache != users))
+                    job_cache, offline or offline_env(), own_xet=job_cache != cache_dir
+                    or not src.user_cache))
                 if "error" in result:
                     raise failure(result, src, job_cache, cfg.timeout_s)
                 return result
 
-            for _ in range(cfg.warmup if any(s != "fresh" for _, s in plan) else 0):
+            for _ in range(cfg.warmup if from_cache else 0):
                 # warms only what the machine keeps: the page cache of the model and libraries
                 run(cache_dir, offline=read_only)
             files = (sorted(p for p in src.local_dir.rglob("*") if p.is_file()) if local
                      else hfcache.blob_files(cache_dir, src.model))
+            sizes = [p.stat().st_size for p in files]
+            bar = tqdm(total=cfg.repeats * len(scenarios), desc="model load", unit="load",
+                       leave=False)
 
-            def measure(repeat: int, scenario: str) -> None:
-                if scenario == "fresh":
-                    # on the cache's disk, unless that is the user's HF home
-                    tmp = Path(tempfile.mkdtemp(prefix=".diag-fresh-", dir=scratch))
-                    try:
-                        result, state, resident = run(tmp), "fresh download", float("nan")
-                    finally:
-                        shutil.rmtree(tmp, ignore_errors=True)
+            def measure(scenario: str, repeat: int) -> None:
+                bar.total = max(bar.total, (repeat + 1) * len(scenarios))
+                if scenario == "fresh":  # on the cache's disk, unless that is the user's HF home
+                    with tempfile.TemporaryDirectory(prefix=".diag-fresh-", dir=scratch,
+                                                     ignore_cleanup_errors=True) as tmp:
+                        result, state, resident = run(Path(tmp)), "fresh download", float("nan")
                 else:
                     state = evict_page_cache(files) if scenario == "cached_cold" else "warm"
-                    resident = _resident(files)  # measured, whatever the label says
+                    # bytes-weighted share in the page cache: measured, whatever the label says
+                    resident = sum(resident_fraction(p) * n for p, n in zip(files, sizes)) / max(
+                        sum(sizes), 1) if files else float("nan")
                     if scenario != "cached_cold" and not resident >= 0.98:
                         state = ("warm (unverified)" if resident != resident
                                  else f"partly warm ({resident:.0%} in page cache)")
                     result = run(cache_dir, offline=scenario == "cached_offline")
-                rows.extend(_rows(result, scenario, repeat, state, resident))
+                rows.extend(_rows(result, moved, scenario=scenario, repeat=repeat,
+                                  cache_state=state, resident=resident))
                 if scenario == "cached":  # the one call users write; in the user's cache offline
                     # (online, 404s on optional files would leave .no_exist markers there)
                     plain = run(cache_dir, offline=read_only, mode="plain")
-                    rows.append({"scenario": "cached", "part": "from_pretrained", "bytes": 0,
-                                 "seconds": plain["seconds"], "repeat": repeat,
-                                 "cache_state": state, "resident": resident,
-                                 "device": plain["device"], "mb_per_s": float("nan")})
-
-            scenarios = [s for r, s in plan if r == 0]
-            bar = tqdm(total=len(plan), desc="model load", unit="load", leave=False)
-
-            def measured(scenario: str, repeat: int) -> None:
-                bar.total = max(bar.total, (repeat + 1) * len(scenarios))
-                measure(repeat, scenario)
+                    rows.append({**rows[-1], "part": "from_pretrained", "bytes": 0, "warning": "",
+                                 "seconds": plain["seconds"], "device": plain["device"]})
                 bar.update()
 
+            def pending(_: Any) -> bool:
+                """model_cache is not yet measured (fresh estimated: too few cached loads)."""
+                if estimate:
+                    return len({r["repeat"] for r in rows if r["scenario"] == "cached"}) \
+                        < MIN_SAMPLES
+                return decide(pd.DataFrame(rows, columns=COLUMNS))[0].basis != "measured"
+
             # rounds of every scenario, the order turned each round; past cfg.repeats while
-            # budget_s allows and model_cache is unresolved (diag.noise's one rounds driver)
+            # budget_s allows and model_cache is unresolved
             more = bool(cfg.budget_s) and {"fresh", "cached"} <= set(cfg.scenarios)
-            interleave(scenarios, measured, lambda got: _unresolved(rows, estimate),
+            interleave(scenarios, measure, pending, min_rounds=cfg.repeats,
                        budget_s=max(0.0, cfg.budget_s - (time.perf_counter() - began)),
-                       min_rounds=cfg.repeats,
                        max_rounds=max(cfg.repeats, MAX_REPEATS if more else cfg.repeats))
             bar.close()
         if estimate:  # after the loads: its download warms nothing they read
             rows += _fresh_estimate(src, cache_dir, rows)
     frame = pd.DataFrame(rows, columns=COLUMNS).assign(
         cache_disk=disk, model=src.model, process=cfg.process)
+    frame["mb_per_s"] = (frame["bytes"] / frame["seconds"] / 1e6).where(
+        (frame["bytes"] > 0) & (frame["seconds"] > 0))
     frame["warning"] = frame["warning"].fillna("")
-    if moved:
-        frame.loc[frame["part"] == "load_model", "warning"] = [
-            "; ".join(t for t in (moved, w) if t)
-            for w in frame.loc[frame["part"] == "load_model", "warning"]]
     for text in sorted(set(frame["warning"]) - {""}):
         warnings.warn(f"model-load: {src.model}: {text}", RuntimeWarning, stacklevel=2)
     return ModelLoadResult(frame, advice(frame), decide(frame))
-
-
-def _unresolved(rows: list[dict[str, Any]], estimate: bool) -> bool:
-    """Another round of loads: the model_cache decision is not yet measured (with fresh
-    estimated, until the cached loads hold MIN_SAMPLES)."""
-    import pandas as pd
-
-    from diag.noise import MIN_SAMPLES
-
-    if estimate:
-        return len({r["repeat"] for r in rows if r["scenario"] == "cached"}) < MIN_SAMPLES
-    return decide(pd.DataFrame(rows, columns=COLUMNS))[0].basis != "measured"
 
 
 def _fresh_estimate(src: Source, cache_dir: Path, rows: list[dict[str, Any]]
@@ -263,24 +222,16 @@ def _fresh_estimate(src: Source, cache_dir: Path, rows: list[dict[str, Any]]
     total = sum(p.stat().st_size for p in hfcache.blob_files(cache_dir, src.model))
     with tempfile.TemporaryDirectory(prefix=".diag-rate-", dir=cache_dir.parent) as tmp:
         start = time.perf_counter()
-        got = Path(hf_hub_download(src.model, str(one.relative_to(folder)), cache_dir=tmp,
-                                   revision=src.revision, endpoint=src.endpoint or None))
-        size = got.stat().st_size
-        rate = size / (time.perf_counter() - start)
+        size = Path(hf_hub_download(src.model, str(one.relative_to(folder)), cache_dir=tmp,
+                                    revision=src.revision, endpoint=src.endpoint or None)
+                    ).stat().st_size
+        download = total / (size / (time.perf_counter() - start))
     label = (f"estimated: {one.name} ({size / 1e6:.4g} MB) downloaded at "
-             f"{rate / 1e6:.4g} MB/s, for the model's {total / 1e6:.4g} MB")
-    out = []
-    for repeat in sorted({r["repeat"] for r in rows if r["scenario"] == "cached"}):
-        parts = {r["part"]: r for r in rows if r["scenario"] == "cached"
-                 and r["repeat"] == repeat and r["part"] != "from_pretrained"}
-        check = parts["download"]["seconds"] if "download" in parts else 0.0
-        for part, row in parts.items():
-            seconds = {"download": total / rate,
-                       "load_model": row["seconds"] - check + total / rate}.get(part,
-                                                                                row["seconds"])
-            nbytes = total if part == "download" else row["bytes"]
-            out.append({**row, "scenario": "fresh", "cache_state": label, "seconds": seconds,
-                        "bytes": nbytes, "resident": float("nan"),
-                        "mb_per_s": nbytes / seconds / 1e6 if nbytes and seconds > 0
-                        else float("nan")})
-    return out
+             f"{total / download / 1e6:.4g} MB/s, for the model's {total / 1e6:.4g} MB")
+    cached = [r for r in rows if r["scenario"] == "cached" and r["part"] != "from_pretrained"]
+    check = {r["repeat"]: r["seconds"] for r in cached if r["part"] == "download"}
+    return [{**r, "scenario": "fresh", "cache_state": label, "resident": float("nan"),
+             "bytes": total if r["part"] == "download" else r["bytes"],
+             "seconds": {"download": download, "load_model": r["seconds"] + download
+                         - check.get(r["repeat"], 0.0)}.get(r["part"], r["seconds"])}
+            for r in cached]

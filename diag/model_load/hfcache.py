@@ -12,15 +12,13 @@ import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from diag.files import file_digests
 
 if TYPE_CHECKING:
     import pandas as pd
 
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_SHA1 = re.compile(r"^[0-9a-f]{40}$")
 _PICKLE = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 COLUMNS = ["file", "blob", "bytes", "status", "detail"]
 # what a causal-LM load needs; never pickle weights (loading one can run code)
@@ -66,16 +64,11 @@ def blob_files(cache_dir: str | os.PathLike[str], repo_id: str) -> list[Path]:
 def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
     """The safetensors files a causal-LM load reads, as transformers picks them; pickle-only
     weights are refused (they can run code)."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
+    folder, index = Path(folder), Path(folder) / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / n for n in names]
+        return [folder / n for n in sorted({*json.loads(index.read_text())["weight_map"].values()})]
     single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(folder.glob("*.safetensors"))
-    if found:
+    if found := [single] if single.is_file() else sorted(folder.glob("*.safetensors")):
         return found
     pickles = sorted(p.name for p in folder.iterdir() if p.name.endswith(_PICKLE))
     raise ValueError(
@@ -86,19 +79,19 @@ def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
 
 
 def _check_blob(blob: Path) -> tuple[str, str]:
-    if _SHA256.match(blob.name):
-        got, what = file_digests(blob, "sha256")["sha256"], "sha256"
-    elif _SHA1.match(blob.name):
-        got, what = file_digests(blob, "git-sha1")["git-sha1"], "git blob sha1"
-    else:
+    hexa = re.fullmatch("[0-9a-f]+", blob.name) is not None
+    algo, what = {64: ("sha256", "sha256"), 40: ("git-sha1", "git blob sha1")}.get(
+        len(blob.name) if hexa else 0, ("", ""))
+    if not algo:
         return "unverified", "blob name is not a checksum this hub uses"
+    got = file_digests(blob, algo)[algo]
     if got != blob.name:
         return "corrupt", f"{what} of the content is {got[:12]}..., expected {blob.name[:12]}..."
     return "ok", what
 
 
 def _online_rows(repo_id: str, cache_dir: str | os.PathLike[str], revision: str, endpoint: str
-                 ) -> list[dict[str, Any]]:
+                 ) -> list[tuple[str, str, int, str, str]]:
     """A row per cached file whose checksum differs from the hub's (a file the snapshot lacks is
     no damage: a load fetches part of a repo)."""
     from huggingface_hub import HfApi
@@ -108,11 +101,10 @@ def _online_rows(repo_id: str, cache_dir: str | os.PathLike[str], revision: str,
         got = HfApi(endpoint=endpoint).verify_repo_checksums(repo_id, revision=revision,
                                                              cache_dir=cache_dir)
     except Exception as err:  # noqa: BLE001  the offline check stands; the row says why
-        return [{"file": "", "blob": "", "bytes": 0, "status": "unverified",
-                 "detail": f"online check against {endpoint} skipped: {type(err).__name__}"}]
-    return [{"file": m["path"], "blob": "", "bytes": 0, "status": "corrupt",  # TypedDicts
-             "detail": f"the hub's {m['algorithm']} is {m['expected'][:12]}..., the cached "
-                       f"file's {m['actual'][:12]}..."} for m in got.mismatches]
+        return [("", "", 0, "unverified", f"online check against {endpoint} skipped: "
+                 f"{type(err).__name__}")]
+    return [(m["path"], "", 0, "corrupt", f"the hub's {m['algorithm']} is {m['expected'][:12]}"
+             f"..., the cached file's {m['actual'][:12]}...") for m in got.mismatches]
 
 
 def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str = "main", *,
@@ -123,45 +115,37 @@ def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str 
     import pandas as pd
 
     repo = repo_folder(cache_dir, repo_id)
-    rows: list[dict[str, Any]] = []
-    for partial in sorted((repo / "blobs").glob("*.incomplete")):
-        rows.append({"file": "", "blob": partial.name, "bytes": partial.stat().st_size,
-                     "status": "incomplete", "detail": "partial download (killed or cut off)"})
+    rows = [("", p.name, p.stat().st_size, "incomplete", "partial download (killed or cut off)")
+            for p in sorted((repo / "blobs").glob("*.incomplete"))]
     folder = snapshot_folder(cache_dir, repo_id, revision)
     if folder is None:
-        rows.append({"file": "", "blob": "", "bytes": 0, "status": "missing",
-                     "detail": f"no snapshot of {repo_id}@{revision} in {cache_dir}"})
+        rows.append(("", "", 0, "missing", f"no snapshot of {repo_id}@{revision} in {cache_dir}"))
     else:
         for link in sorted(p for p in folder.rglob("*") if p.is_symlink() or p.is_file()):
-            rel = link.relative_to(folder).as_posix()
-            blob = link.resolve()
-            if not blob.is_file():
-                rows.append({"file": rel, "blob": blob.name, "bytes": 0, "status": "missing",
-                             "detail": "the link's blob is gone"})
-                continue
-            status, detail = _check_blob(blob)
-            rows.append({"file": rel, "blob": blob.name, "bytes": blob.stat().st_size,
-                         "status": status, "detail": detail})
+            rel, blob = link.relative_to(folder).as_posix(), link.resolve()
+            rows.append((rel, blob.name, blob.stat().st_size, *_check_blob(blob)) if blob.is_file()
+                        else (rel, blob.name, 0, "missing", "the link's blob is gone"))
         try:
             listed = {p.relative_to(folder).as_posix() for p in weight_files(folder)}
         except ValueError as err:
-            rows.append({"file": "", "blob": "", "bytes": 0, "status": "missing",
-                         "detail": str(err)})
+            rows.append(("", "", 0, "missing", str(err)))
         else:
-            for rel in sorted(listed - {r["file"] for r in rows}):
-                rows.append({"file": rel, "blob": "", "bytes": 0, "status": "missing",
-                             "detail": "listed in the weight index, not in the snapshot"})
+            rows += [(rel, "", 0, "missing", "listed in the weight index, not in the snapshot")
+                     for rel in sorted(listed - {r[0] for r in rows})]
     if endpoint and folder is not None and not offline_env():
-        online = _online_rows(repo_id, cache_dir, revision, endpoint)
-        failed = {r["file"] for r in online if r["file"]}
-        for row in rows:
-            if row["file"] in failed:
-                online = [{**o, "blob": row["blob"], "bytes": row["bytes"]} if o["file"] ==
-                          row["file"] else o for o in online]
-        rows = [r for r in rows if r["file"] not in failed] + online
+        online = _online_rows(repo_id, cache_dir, revision, endpoint)  # its mismatches win
+        local, failed = {r[0]: r for r in rows}, {o[0] for o in online if o[0]}
+        rows = [r for r in rows if r[0] not in failed] + [
+            (o[0], *local[o[0]][1:3], *o[3:]) if o[0] in failed and o[0] in local else o
+            for o in online]
     frame = pd.DataFrame(rows, columns=COLUMNS)
     if redownload is not None and not frame["status"].isin(["ok", "unverified"]).all():
-        _delete_bad(repo, folder, frame)
+        for r in frame.itertuples():  # huggingface_hub re-fetches a file whose link is gone
+            damaged = r.status in ("corrupt", "missing") and r.file and folder is not None
+            if r.blob and (damaged or r.status == "incomplete"):
+                (repo / "blobs" / r.blob).unlink(missing_ok=True)
+            if damaged:
+                (folder / r.file).unlink(missing_ok=True)
         redownload()
         after = verify_cache(repo_id, cache_dir, revision, endpoint=endpoint)
         was = dict(zip(frame["file"], frame["status"]))
@@ -169,17 +153,6 @@ def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str 
                            for f, d in zip(after["file"], after["detail"])]
         return after
     return frame
-
-
-def _delete_bad(repo: Path, folder: Path | None, frame: pd.DataFrame) -> None:
-    for r in frame.itertuples():
-        if r.status == "incomplete":
-            (repo / "blobs" / r.blob).unlink(missing_ok=True)
-        elif r.status in ("corrupt", "missing") and r.file and folder is not None:
-            # huggingface_hub re-fetches a file whose link is gone
-            if r.blob:
-                (repo / "blobs" / r.blob).unlink(missing_ok=True)
-            (folder / r.file).unlink(missing_ok=True)
 
 
 def problems(frame: pd.DataFrame) -> str:

@@ -18,8 +18,7 @@ from typing import IO, Any
 
 from diag.config import MODEL_LOAD_PROCESSES as PROCESSES
 from diag.embedded.servers import die_with_parent
-from diag.model_load.worker import _PKG_PARENT, import_libraries, run_job, run_worker
-from diag.secrets import redact
+from diag.model_load.worker import child_env, crashed, import_libraries, run_job, run_worker
 
 OVERRIDABLE = ("HF_HUB_OFFLINE", "HF_XET_CACHE")
 
@@ -33,8 +32,7 @@ class LoadProcesses:
             raise ValueError(f"process={process!r}: allowed values are 'fork', 'exec'")
         # NVML answers torch.cuda.is_available() without initialising CUDA, which a forking
         # process must not have done
-        self.env = {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONPATH": os.pathsep.join(
-            p for p in (_PKG_PARENT, env.get("PYTHONPATH")) if p)}
+        self.env = child_env({**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
         self.process, self.timeout_s = process, timeout_s
         self.import_s: float | None = None  # fork: the zygote's start + imports
         self._proc: subprocess.Popen[str] | None = None
@@ -44,12 +42,12 @@ class LoadProcesses:
         if self.process == "fork":
             self._log = tempfile.TemporaryFile()
             spawned = time.perf_counter()  # CLOCK_MONOTONIC: the same in every process
+            # its own process group: close() kills it and its children; the kernel ends it if
+            # this process dies first
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "diag.model_load.processes", repr(spawned)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=self.env,
                 text=True, start_new_session=True, preexec_fn=die_with_parent)
-            # its own process group: close() kills it and its children; the kernel ends it if
-            # this process dies first
             ready = self._reply(self.timeout_s)
             if "error" in ready:
                 self.close()
@@ -67,15 +65,13 @@ class LoadProcesses:
             self._proc.stdin.close()  # EOF: the zygote exits
             try:
                 self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                # a load child still running dies with it
+            except subprocess.TimeoutExpired:  # a load child still running dies with it
                 os.killpg(self._proc.pid, signal.SIGKILL)
                 self._proc.wait()
             self._proc.stdout.close()
-            self._proc = None
         if self._log is not None:
             self._log.close()
-            self._log = None
+        self._proc = self._log = None
 
     def run(self, job: dict[str, Any], overrides: dict[str, str] | None = None) -> dict[str, Any]:
         """One job's result dict (it may hold "error"), with `import_s`."""
@@ -91,82 +87,54 @@ class LoadProcesses:
 
     def _reply(self, wait_s: float) -> dict[str, Any]:
         assert self._proc is not None and self._log is not None
-        line = ""
         if select.select([self._proc.stdout], [], [], wait_s)[0]:
             line = self._proc.stdout.readline()
-        if line:
-            return json.loads(line)
+            if line:
+                return json.loads(line)
         self._log.seek(0)
-        tail = self._log.read().decode(errors="replace")[-3000:]
-        return {"error": "crashed", "type": f"zygote exit code {self._proc.poll()}",
-                "message": redact(tail)}
+        return crashed(f"zygote exit code {self._proc.poll()}",
+                       self._log.read().decode(errors="replace"))
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def _apply(overrides: dict[str, str]) -> None:
-    """Give this child the environment a fresh interpreter would have had (docs/calibration.md)."""
+def _child(request: dict[str, Any], import_s: float, out: Any, log: int) -> None:
+    """A forked child: the job's result to `out`; its output (a traceback) to `log`."""
+    die_with_parent()  # a zygote killed mid-load leaves no orphan
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # no prompt reads the protocol pipe
+    started = time.perf_counter()
+    # the environment a fresh interpreter would have had (docs/calibration.md)
     from huggingface_hub import constants
 
-    os.environ.update(overrides)
+    os.environ.update(request["env"])
     constants.HF_HUB_OFFLINE = constants._is_true(
         os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE"))
     constants.HF_XET_CACHE = os.environ.get("HF_XET_CACHE", constants.HF_XET_CACHE)
-
-
-def _child(request: dict[str, Any], import_s: float, out: int, log: int) -> None:
-    """Run the job, write its JSON to `out`, never return."""
-    code = 1
-    try:
-        die_with_parent()  # a zygote killed mid-load leaves no orphan
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # no prompt reads the protocol pipe
-        started = time.perf_counter()
-        _apply(request["env"])
-        import_libraries()  # bitsandbytes where the zygote left it out; else free
-        imported = time.perf_counter() - started
-        result = {**run_job(request["job"]), "import_s": import_s + imported}
-        with os.fdopen(out, "wb") as pipe:
-            pipe.write(json.dumps(result).encode())
-        code = 0
-    except BaseException:  # noqa: BLE001  the zygote reports the log's tail
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        os._exit(code)  # no atexit, no flush of the zygote's buffers
+    import_libraries()  # bitsandbytes where the zygote left it out; else free
+    out.send({**run_job(request["job"]), "import_s": import_s + time.perf_counter() - started})
 
 
 def _fork_one(request: dict[str, Any], import_s: float) -> dict[str, Any]:
-    read_end, write_end = os.pipe()
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    result, out = fork.Pipe(duplex=False)
     with tempfile.TemporaryFile() as log:
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_end)
-            _child(request, import_s, write_end, log.fileno())
-        os.close(write_end)
-        chunks, deadline = [], time.perf_counter() + request["timeout_s"]
-        while True:
-            left = deadline - time.perf_counter()
-            if left <= 0 or not select.select([read_end], [], [], left)[0]:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                os.close(read_end)
+        child = fork.Process(target=_child, args=(request, import_s, out, log.fileno()))
+        child.start()
+        out.close()
+        try:
+            if not result.poll(request["timeout_s"]):
+                child.kill()
                 return {"error": "timeout", "type": "timeout", "message": ""}
-            chunk = os.read(read_end, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        os.close(read_end)
-        _, status = os.waitpid(pid, 0)
-        if chunks:
-            return json.loads(b"".join(chunks))
-        log.seek(0)
-        return {"error": "crashed", "type": f"wait status {status}",
-                "message": redact(log.read().decode(errors="replace")[-3000:])}
+            return result.recv()
+        except EOFError:  # it ended with no result
+            child.join()
+            log.seek(0)
+            return crashed(f"exit code {child.exitcode}", log.read().decode(errors="replace"))
+        finally:
+            child.join()
+            result.close()
 
 
 def zygote(spawned_at: float) -> int:
@@ -175,27 +143,29 @@ def zygote(spawned_at: float) -> int:
     os.dup2(2, 1)  # a library's print goes to the log, never into the protocol
     try:
         import numpy  # noqa: F401  its OpenBLAS pool: the one thread allowed
-        baseline = _threads()
+        threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+        baseline = threads()
         import_libraries(with_cuda_libraries=False)
         import_s = time.perf_counter() - spawned_at
         import torch
 
         # safe to fork: no CUDA, no torch op yet (no OpenMP pool), no HTTP client; OpenBLAS's
         # threads stop and restart around fork (pthread_atfork). Anything more is refused
-        if torch.cuda.is_initialized() or _threads() != baseline:
+        if torch.cuda.is_initialized() or threads() != baseline:
             raise RuntimeError(f"unsafe to fork: CUDA initialised={torch.cuda.is_initialized()}, "
-                               f"threads {_threads()} (numpy alone: {baseline})")
+                               f"threads {threads()} (numpy alone: {baseline})")
     except (ImportError, RuntimeError) as err:
-        protocol.write(json.dumps({"error": "zygote", "type": type(err).__name__,
-                                   "message": str(err)}) + "\n")
-        protocol.flush()
+        _say(protocol, {"error": "zygote", "type": type(err).__name__, "message": str(err)})
         return 1
-    protocol.write(json.dumps({"import_s": import_s}) + "\n")
-    protocol.flush()
+    _say(protocol, {"import_s": import_s})
     for line in sys.stdin:
-        protocol.write(json.dumps(_fork_one(json.loads(line), import_s)) + "\n")
-        protocol.flush()
+        _say(protocol, _fork_one(json.loads(line), import_s))
     return 0
+
+
+def _say(protocol: IO[str], reply: dict[str, Any]) -> None:
+    protocol.write(json.dumps(reply) + "\n")
+    protocol.flush()
 
 
 if __name__ == "__main__":

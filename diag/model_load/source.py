@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +37,9 @@ def user_hub_cache() -> Path:
     environment (the imported `constants` froze its import's)."""
     import importlib.util
 
-    spec = importlib.util.find_spec("huggingface_hub.constants")
-    if spec is None or spec.loader is None:
-        raise ImportError("huggingface_hub is not installed: pip install 'diag[qlora]'")
-    constants = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(constants)  # not in sys.modules: nothing else sees this copy
+    spec = importlib.util.find_spec("huggingface_hub.constants")  # raises without huggingface_hub
+    constants = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(constants)  # type: ignore[union-attr]  not in sys.modules: ours only
     return Path(constants.HF_HUB_CACHE)
 
 
@@ -66,8 +65,6 @@ def open_source(cfg: ModelLoadConfig) -> Iterator[Source]:
         from diag.embedded import HubServer, ensure_assets
 
         if os.environ.get("HF_ENDPOINT"):  # it serves a --model; none was given
-            import warnings
-
             warnings.warn(redact(f"HF_ENDPOINT={os.environ['HF_ENDPOINT']} is set, but no --model "
                                  "was given: diag loads its embedded model from its own hub; "
                                  "pass --model org/name to load yours from HF_ENDPOINT"),
@@ -93,19 +90,6 @@ def hub_endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 
 
-def hub_commit(src: Source) -> tuple[str, str]:
-    """(the commit the hub's src.revision points to, '') or ('', why it is not known)."""
-    if offline_env():
-        return "", "HF_HUB_OFFLINE=1"
-    try:
-        reachable(src.endpoint)
-        from huggingface_hub import HfApi
-
-        return HfApi(endpoint=src.endpoint).model_info(src.model, revision=src.revision).sha, ""
-    except Exception as err:  # noqa: BLE001  the loads report their own failures
-        return "", f"{type(err).__name__}"
-
-
 def check_on_hub(cfg: SourceConfig) -> None:
     """Refuse in one line a hub --model or --revision the hub lacks (one HEAD of config.json),
     when the cache lacks it; offline or unreachable, the load says what it finds."""
@@ -117,24 +101,22 @@ def check_on_hub(cfg: SourceConfig) -> None:
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
     endpoint, what = hub_endpoint(), f"--model={cfg.model!r}"
+    refusals = ((GatedRepoError, f"{what}: gated at {endpoint}; accept its terms on the hub and "
+                 "set HF_TOKEN to a token with access"),  # before its base class, next
+                (RepositoryNotFoundError, f"{what}: no such model at {endpoint}; check the id (a "
+                 "private one needs HF_TOKEN with access to it)"),
+                (RevisionNotFoundError, f"--revision={cfg.revision!r}: {cfg.model} at {endpoint} "
+                 "has no such branch, tag or commit; name one it has"),
+                (EntryNotFoundError, f"{what}: no config.json at {endpoint}@{cfg.revision}: not a "
+                 "transformers model; name a causal LM's repo"))
     try:
         reachable(endpoint)
         get_hf_file_metadata(hf_hub_url(cfg.model, "config.json", revision=cfg.revision,
                                         endpoint=endpoint), timeout=10)
-    except GatedRepoError:
-        raise ValueError(redact(f"{what}: gated at {endpoint}; accept its terms on the hub and "
-                                "set HF_TOKEN to a token with access")) from None
-    except RepositoryNotFoundError:
-        raise ValueError(redact(f"{what}: no such model at {endpoint}; check the id (a private "
-                                "one needs HF_TOKEN with access to it)")) from None
-    except RevisionNotFoundError:
-        raise ValueError(redact(f"--revision={cfg.revision!r}: {cfg.model} at {endpoint} has no "
-                                "such branch, tag or commit; name one it has")) from None
-    except EntryNotFoundError:
-        raise ValueError(redact(f"{what}: no config.json at {endpoint}@{cfg.revision}: not a "
-                                "transformers model; name a causal LM's repo")) from None
-    except Exception:  # noqa: BLE001  the network, not the id: the load reports it
-        return
+    except Exception as err:  # noqa: BLE001  the network, not the id: the load reports it
+        refusal = next((text for kind, text in refusals if isinstance(err, kind)), None)
+        if refusal:
+            raise ValueError(redact(refusal)) from None
 
 
 def pin_to_cache(src: Source, cache_dir: Path) -> tuple[Source, str]:
@@ -145,7 +127,13 @@ def pin_to_cache(src: Source, cache_dir: Path) -> tuple[Source, str]:
         raise not_in_user_cache(src.model, src.revision, cache_dir)
     files = tuple(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
                          if p.is_file() or p.is_symlink()))
-    commit, why = hub_commit(src)
+    commit = ""
+    with contextlib.suppress(Exception):  # the loads report their own failures
+        if not offline_env():
+            reachable(src.endpoint)
+            from huggingface_hub import HfApi
+
+            commit = HfApi(endpoint=src.endpoint).model_info(src.model, revision=src.revision).sha
     pinned = dataclasses.replace(src, revision=folder.name, files=files)
     if not commit or commit == folder.name:
         return pinned, ""
@@ -168,10 +156,8 @@ def job(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load",
 def overrides(cache_dir: Path, offline: bool, own_xet: bool = True) -> dict[str, str]:
     """The environment one load adds to the experiment's. own_xet: xet's chunk cache beside the
     scenario's, so fresh is fresh (the user's cache keeps the user's, as their jobs do)."""
-    env = {"HF_XET_CACHE": str(cache_dir / ".xet")} if own_xet else {}
-    if offline:
-        env["HF_HUB_OFFLINE"] = "1"
-    return env
+    return {**({"HF_XET_CACHE": str(cache_dir / ".xet")} if own_xet else {}),
+            **({"HF_HUB_OFFLINE": "1"} if offline else {})}
 
 
 def failure(result: dict[str, Any], src: Source, cache_dir: Path, timeout_s: float
@@ -208,21 +194,3 @@ def not_in_user_cache(model: str, revision: str, cache_dir: Path) -> RuntimeErro
         "diag reads your cache and writes nothing to it unless you pass --repair-cache: fill "
         f"it with `hf download {model}`, or pass --repair-cache to let diag download into "
         "it, or --cache-dir DIR for a cache of diag's own"))
-
-
-def load_warning(loaded: dict[str, Any]) -> str:
-    """'' when the checkpoint is the causal LM that was loaded with every weight used; else why."""
-    notes = []
-    archs = loaded.get("architectures") or []
-    if archs and loaded["class"] not in archs:
-        notes.append(f"the checkpoint is {'/'.join(archs)} (model_type {loaded['model_type']!r}, "
-                     f"from its config.json), not a causal LM; AutoModelForCausalLM loaded it "
-                     f"as {loaded['class']}")
-    for key, what in (("missing", "not in the checkpoint, initialised at random"),
-                      ("unexpected", "in the checkpoint, not used (dropped)"),
-                      ("mismatched", "of the wrong shape, initialised at random")):
-        names = loaded.get(key) or []
-        if names:
-            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-            notes.append(f"{len(names)} weights {what}: {shown}")
-    return "; ".join(notes)

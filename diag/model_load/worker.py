@@ -27,13 +27,11 @@ _PKG_PARENT = str(Path(__file__).resolve().parents[2])
 def import_libraries(with_cuda_libraries: bool = True) -> None:
     """What every job start imports before it can load a model (the `import` part). A zygote
     passes False: bitsandbytes' import initialises CUDA, which a forking process must not."""
-    import huggingface_hub  # noqa: F401
     import safetensors.torch  # noqa: F401
     import torch
     from huggingface_hub import snapshot_download  # noqa: F401
     from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,  # noqa: F401
-                              BitsAndBytesConfig)
-    from transformers import modeling_utils  # noqa: F401  imported lazily otherwise
+                              BitsAndBytesConfig, modeling_utils)  # (this one is lazy otherwise)
 
     # fork-safe: the parent sets PYTORCH_NVML_BASED_CUDA_CHECK=1
     if with_cuda_libraries or not torch.cuda.is_available():
@@ -43,20 +41,29 @@ def import_libraries(with_cuda_libraries: bool = True) -> None:
 def run_worker(job: dict[str, Any], env: dict[str, str], timeout_s: float = 1800.0
                ) -> dict[str, Any]:
     """Run one job in a fresh interpreter; return its result dict (it may hold "error")."""
-    env = {**env, "PYTHONPATH": os.pathsep.join(
-        p for p in (_PKG_PARENT, env.get("PYTHONPATH")) if p)}
     job = {**job, "spawned_at": time.perf_counter()}  # CLOCK_MONOTONIC: machine-wide
     try:
         done = subprocess.run([sys.executable, "-m", "diag.model_load.worker", json.dumps(job)],
-                              capture_output=True, text=True, env=env, timeout=timeout_s,
-                              stdin=subprocess.DEVNULL, check=False)  # no trust_remote_code prompt
+                              capture_output=True, text=True, env=child_env(env),
+                              timeout=timeout_s, stdin=subprocess.DEVNULL,  # no trust prompt
+                              check=False)
     except subprocess.TimeoutExpired:
         return {"error": "timeout", "type": "TimeoutExpired", "message": ""}
     for line in reversed(done.stdout.splitlines()):
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
-    return {"error": "crashed", "type": f"exit code {done.returncode}",
-            "message": redact((done.stderr or done.stdout)[-3000:])}
+    return crashed(f"exit code {done.returncode}", done.stderr or done.stdout)
+
+
+def child_env(env: dict[str, str]) -> dict[str, str]:
+    """env with this diag importable (first on PYTHONPATH)."""
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (_PKG_PARENT, env.get("PYTHONPATH"))
+                                                 if p)}
+
+
+def crashed(why: str, output: str) -> dict[str, Any]:
+    """The result of a load process that ended with no result: why, and its output's tail."""
+    return {"error": "crashed", "type": why, "message": redact(output[-3000:])}
 
 
 def _blob_bytes(cache_dir: str) -> int:
@@ -65,49 +72,37 @@ def _blob_bytes(cache_dir: str) -> int:
 
 
 def _download(job: dict[str, Any]) -> tuple[Path, int]:
-    """The snapshot folder and the bytes this call wrote into the cache."""
+    """The snapshot folder and the bytes this call wrote into the cache. The user's pinned cache
+    (read_only) is never written: online, the hub is asked what a job asks by a dry run (a real
+    one writes trees/<commit>.json), then the snapshot is read in place."""
     if job.get("local_dir"):
         return Path(job["local_dir"]), 0
-    from huggingface_hub import snapshot_download
-
-    if job.get("read_only"):
-        return _read_pinned(job), 0
-    before = _blob_bytes(job["cache_dir"])
-    # pinned (fresh beside the user's cache): exactly the files its snapshot holds
-    only = [glob.escape(f) for f in job.get("only") or ()]
-    folder = snapshot_download(job["model"], revision=job["revision"],
-                               cache_dir=job["cache_dir"], allow_patterns=only or ALLOW_PATTERNS)
-    return Path(folder), _blob_bytes(job["cache_dir"]) - before
-
-
-def _read_pinned(job: dict[str, Any]) -> Path:
-    """The user's pinned cache, read and never written: online, the hub is asked what a job asks
-    by a dry run (a real one writes trees/<commit>.json), then the snapshot is read in place."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import DryRunError
 
-    kwargs = {"revision": job["revision"], "cache_dir": job["cache_dir"],
-              "allow_patterns": [glob.escape(f) for f in job["only"]]}
-    if not constants.is_offline_mode():
-        with contextlib.suppress(DryRunError):  # unreachable: a job reads its cache
-            snapshot_download(job["model"], dry_run=True, **kwargs)
-    return Path(snapshot_download(job["model"], local_files_only=True, **kwargs))
+    # pinned (to the user's cached commit): exactly the files its snapshot holds
+    kwargs = {"revision": job["revision"], "cache_dir": job["cache_dir"], "allow_patterns": [
+        glob.escape(f) for f in job.get("only") or ()] or ALLOW_PATTERNS}
+    if job.get("read_only"):
+        if not constants.is_offline_mode():
+            with contextlib.suppress(DryRunError):  # unreachable: a job reads its cache
+                snapshot_download(job["model"], dry_run=True, **kwargs)
+        return Path(snapshot_download(job["model"], local_files_only=True, **kwargs)), 0
+    before = _blob_bytes(job["cache_dir"])
+    folder = snapshot_download(job["model"], **kwargs)
+    return Path(folder), _blob_bytes(job["cache_dir"]) - before
 
 
 def _load_kwargs(job: dict[str, Any], device: str) -> dict[str, Any]:
     import torch
     from transformers import BitsAndBytesConfig
 
-    kwargs: dict[str, Any] = {"device_map": {"": device},
-                              "trust_remote_code": bool(job["trust_remote_code"])}
-    if job["quantize"]:
-        compute = (torch.bfloat16 if device == "cpu" or torch.cuda.is_bf16_supported()
-                   else torch.float16)
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
-    else:
-        kwargs["dtype"] = "auto"
-    return kwargs
+    bf16 = device == "cpu" or torch.cuda.is_bf16_supported()
+    return {"device_map": {"": device}, "trust_remote_code": bool(job["trust_remote_code"]),
+            **({"quantization_config": BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                bnb_4bit_compute_dtype=torch.bfloat16 if bf16 else torch.float16)}
+               if job["quantize"] else {"dtype": "auto"})}
 
 
 def _load(job: dict[str, Any]) -> dict[str, Any]:
@@ -140,9 +135,7 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
         # Params4bit._quantize looks it up on the module at each call
         bnb_functional.quantize_4bit = timed_quantize
     kwargs = _load_kwargs(job, device)
-
-    start = perf()  # the end-to-end clock, apart from the parts
-    t0 = perf()
+    start = t0 = perf()  # start: the end-to-end clock, apart from the parts
     folder, downloaded = _download(job)
     weights = weight_files(folder)  # raises if there are only pickle weights: never loaded
     t1 = perf()
@@ -161,31 +154,31 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
     AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
     t4 = perf()
     load_s = perf() - start
-    del state
-    weight_bytes = sum(p.stat().st_size for p in weights)
     token_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("tokenizer"))
-    return {
-        "snapshot": str(folder), "device": device, "load_s": load_s,
-        "quantized": bool(job["quantize"]), "loaded": _what_loaded(config, model, info),
-        "parts": {
-            "download": {"seconds": t1 - t0, "bytes": downloaded},
-            "read": {"seconds": t2 - t1, "bytes": weight_bytes},
-            "quantize": {"seconds": quantized["seconds"], "bytes": quantized["bytes"]},
-            "to_device": {"seconds": (t3 - t2) - quantized["seconds"],
-                          "bytes": int(model.get_memory_footprint())},
-            "tokenizer": {"seconds": t4 - t3, "bytes": token_bytes},
-        },
-    }
+    return {"snapshot": str(folder), "device": device, "load_s": load_s,
+            "quantized": bool(job["quantize"]), "warning": _warning(config, model, info),
+            "parts": {"download": {"seconds": t1 - t0, "bytes": downloaded},
+                      "read": {"seconds": t2 - t1, "bytes": sum(p.stat().st_size for p in weights)},
+                      "quantize": quantized,
+                      "to_device": {"seconds": (t3 - t2) - quantized["seconds"],
+                                    "bytes": int(model.get_memory_footprint())},
+                      "tokenizer": {"seconds": t4 - t3, "bytes": token_bytes}}}
 
 
-def _what_loaded(config: Any, model: Any, info: dict[str, Any]) -> dict[str, Any]:
-    """What the checkpoint says it is, the class loaded, the weights that did not fit."""
-    return {"architectures": list(getattr(config, "architectures", None) or []),
-            "model_type": getattr(config, "model_type", ""), "class": type(model).__name__,
-            "missing": sorted(info.get("missing_keys") or []),
-            "unexpected": sorted(info.get("unexpected_keys") or []),
-            "mismatched": sorted(str(k[0]) if isinstance(k, tuple) else str(k)
-                                 for k in info.get("mismatched_keys") or [])}
+def _warning(config: Any, model: Any, info: dict[str, Any]) -> str:
+    """'' when the checkpoint is the causal LM that was loaded with every weight used; else why."""
+    archs, loaded = list(getattr(config, "architectures", None) or []), type(model).__name__
+    notes = [f"the checkpoint is {'/'.join(archs)} (model_type "
+             f"{getattr(config, 'model_type', '')!r}, from its config.json), not a causal LM; "
+             f"AutoModelForCausalLM loaded it as {loaded}"] if archs and loaded not in archs else []
+    for key, what in (("missing_keys", "not in the checkpoint, initialised at random"),
+                      ("unexpected_keys", "in the checkpoint, not used (dropped)"),
+                      ("mismatched_keys", "of the wrong shape, initialised at random")):
+        names = sorted(str(k[0]) if isinstance(k, tuple) else str(k) for k in info.get(key) or [])
+        if names:
+            notes.append(f"{len(names)} weights {what}: " + ", ".join(names[:4])
+                         + (", ..." if len(names) > 4 else ""))
+    return "; ".join(notes)
 
 
 def _plain(job: dict[str, Any]) -> dict[str, Any]:
@@ -194,13 +187,11 @@ def _plain(job: dict[str, Any]) -> dict[str, Any]:
 
     from diag.machine.device import resolve, sync
 
-    device = str(resolve(job["device"]))
-    kwargs = _load_kwargs(job, device)
-    where = job.get("local_dir") or job["model"]
-    if not job.get("local_dir"):
-        kwargs.update(revision=job["revision"], cache_dir=job["cache_dir"])
+    device, local = str(resolve(job["device"])), job.get("local_dir")
+    kwargs = {**_load_kwargs(job, device), **({} if local else {
+        "revision": job["revision"], "cache_dir": job["cache_dir"]})}
     start = time.perf_counter()
-    AutoModelForCausalLM.from_pretrained(where, use_safetensors=True, **kwargs)
+    AutoModelForCausalLM.from_pretrained(local or job["model"], use_safetensors=True, **kwargs)
     sync(device)  # note: CPU-GPU sync point: queued copies are billed to the call
     return {"device": device, "seconds": time.perf_counter() - start}
 
@@ -231,21 +222,18 @@ def _model_class(config: Any, folder: Path, trust: bool) -> Any:
 
 
 def _error_kind(err: BaseException) -> str:
-    from huggingface_hub import errors
+    from huggingface_hub import constants, errors
 
-    if isinstance(err, errors.RevisionNotFoundError):
-        return "revision_not_found"
-    if isinstance(err, errors.RepositoryNotFoundError):
-        return "repo_not_found"
-    if isinstance(err, errors.LocalEntryNotFoundError):
-        from huggingface_hub import constants
-
-        return "offline_not_cached" if constants.HF_HUB_OFFLINE else "unreachable_not_cached"
+    offline = "offline_not_cached" if constants.HF_HUB_OFFLINE else "unreachable_not_cached"
+    for kind, name in ((errors.RevisionNotFoundError, "revision_not_found"),  # before its base
+                       (errors.RepositoryNotFoundError, "repo_not_found"),
+                       (errors.LocalEntryNotFoundError, offline)):
+        if isinstance(err, kind):
+            return name
     if "trust_remote_code" in str(err):
         return "remote_code"
-    if isinstance(err, ValueError) and "safetensors" in str(err):
-        return "no_safetensors"
-    return "other"
+    return "no_safetensors" if isinstance(err, ValueError) and "safetensors" in str(err) \
+        else "other"
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -268,8 +256,7 @@ def main(argv: list[str]) -> int:
     if job["mode"] != "download":  # a bare download needs huggingface_hub only
         import_libraries()
     import_s = time.perf_counter() - spawned  # interpreter start + imports
-    result = {**run_job(job), "import_s": import_s}
-    print(MARK + json.dumps(result), flush=True)
+    print(MARK + json.dumps({**run_job(job), "import_s": import_s}), flush=True)
     return 0
 
 
