@@ -1,0 +1,55 @@
+"""Checkpointing on vs off decided on constructed frames (no step runs): off only where off is
+resolved faster and the step's peak without it fits; within noise the naive plan's on is kept
+and no saving is priced, at the plan's micro-batch or the naive one's."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from diag.decision import CHECKPOINTING_HEADROOM
+from diag.qlora.checkpointing import decide
+from diag.qlora.plans import Plan
+
+ALIKE = [1.0, 1.02, 0.98, 1.01, 0.99]  # on and off alike: a 1% jitter, nothing resolved
+SLOWER = [1.5, 1.53, 1.47, 1.52, 1.48]  # on recomputes: 1.5x off, resolved at 5 + 5
+
+
+def _frame(top: tuple[list[float], list[float]], naive: tuple[list[float], list[float]],
+           peak_gb: float = 1.0) -> pd.DataFrame:
+    """CPU seconds per step (on, off) at the plan's micro-batch 4 and the naive plan's 1."""
+    rows = [{"gradient_checkpointing": on, "micro_batch": m, "seq_len": 64, "seconds": s,
+             "cpu_s": s, "peak_mem_gb": peak_gb, "repeat": r}
+            for m, sides in ((4, top), (1, naive)) for on, side in zip((True, False), sides)
+            for r, s in enumerate(side)]
+    return pd.DataFrame(rows)
+
+
+def _decided(frame: pd.DataFrame, total_gb: float = 10.0):
+    (d,) = decide(frame, "cpu", memory=(total_gb, "available host memory"), naive_micro_batch=1)
+    return d, Plan.optimized([d]).gradient_checkpointing
+
+
+def test_on_and_off_within_noise_keep_the_naive_plans_on_and_price_nothing():
+    d, planned = _decided(_frame((ALIKE, list(reversed(ALIKE))), (ALIKE, ALIKE[1:] + ALIKE[:1])))
+    assert (d.value, planned, d.resolved) == (True, True, False)
+    assert "within noise" in d.why and "(the naive plan's, kept)" in d.why
+    assert d.naive_ratio == 1.0 and d.saving_s() == 0
+
+
+def test_off_resolved_faster_where_it_fits_turns_it_off_and_prices_the_ratio():
+    d, planned = _decided(_frame((SLOWER, ALIKE), (SLOWER, ALIKE)))
+    assert (d.value, planned, d.resolved) == (False, False, True)
+    assert d.naive_ratio == pytest.approx(1.5 / 1.0) and d.saving_s() == pytest.approx(0.5)
+    # at the naive micro-batch alike: its step is priced at 1.0, not at its medians' ratio
+    mixed, _ = _decided(_frame((SLOWER, ALIKE), ([1.01, 1.03, 0.99, 1.02, 1.0], ALIKE)))
+    assert mixed.value is False and mixed.naive_ratio == 1.0
+
+
+@pytest.mark.parametrize("peak, fits", [(5.0, True), (5.01, False), (float("nan"), False)])
+def test_off_is_taken_only_where_the_steps_peak_without_it_fits(peak, fits):
+    assert CHECKPOINTING_HEADROOM * 10.0 == 5.0  # the limit these peaks sit at
+    d, planned = _decided(_frame((SLOWER, ALIKE), (SLOWER, ALIKE), peak_gb=peak))
+    assert (d.value, planned) == (not fits, not fits)
+    assert d.why.endswith("compared on CPU seconds of the step (the device is this CPU; wall "
+                          "time on a shared box measures the scheduler)")
