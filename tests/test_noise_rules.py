@@ -18,6 +18,12 @@ def test_an_empty_side_is_no_evidence():
         assert noise.u_test(a, b) == 1.0
 
 
+def test_the_spread_is_the_interquartile_range_over_the_median():
+    assert noise.spread([]) == noise.spread([5.0]) == 0.0  # no spread of one sample
+    assert noise.spread([1.0, 3.0]) == 0.5  # quartiles 1.5 and 2.5 (inclusive), median 2
+    assert noise.spread([10.0, 2.0, 6.0, 8.0, 4.0]) == pytest.approx(4 / 6)  # 4 and 8 over 6
+
+
 def _order_statistic(n: int, level: float) -> int:
     """k of the interval (x_k, x_{n-k+1}), 1-based: the largest k with P(Binomial(n, 1/2) < k)
     <= (1 - level) / 2 (at least 1), in exact fractions."""
