@@ -53,3 +53,34 @@ def test_off_is_taken_only_where_the_steps_peak_without_it_fits(peak, fits):
     assert (d.value, planned) == (not fits, not fits)
     assert d.why.endswith("compared on CPU seconds of the step (the device is this CPU; wall "
                           "time on a shared box measures the scheduler)")
+
+
+@pytest.mark.parametrize("naive, said", [
+    ((SLOWER, []), ""),  # the naive micro-batch timed on only: no ratio, nothing to say
+    (([], ALIKE), ""),
+    ((SLOWER, [0.0] * 5), "; at the naive micro-batch 1: a side took no time, no ratio priced"),
+    (([0.5 * s for s in ALIKE], ALIKE), "; at the naive micro-batch 1: resolved (2.00x, 5 + 5 "
+                                         "samples, spread 2% / 2%), no ratio priced"),
+])
+def test_the_naive_steps_ratio_needs_both_sides_timed_taking_time_and_on_slower(naive, said):
+    d, planned = _decided(_frame((SLOWER, ALIKE), naive))
+    assert (d.value, planned, d.naive_ratio) == (False, False, None)
+    assert d.why.endswith(f"-> off{said}; compared on CPU seconds of the step (the device is "
+                          "this CPU; wall time on a shared box measures the scheduler)")
+
+
+def test_a_priced_naive_ratio_says_what_it_rests_on():
+    d, _ = _decided(_frame((SLOWER, ALIKE), (SLOWER, ALIKE)))
+    assert "-> off; at the naive micro-batch 1: resolved (1.50x, 5 + 5 samples" in d.why
+    assert "no ratio priced" not in d.why
+
+
+def test_each_micro_batch_whose_gap_is_open_or_impossible_is_timed_again():
+    from diag.qlora.checkpointing import pending
+
+    faster = [0.5 * s for s in ALIKE]  # on faster than off: recomputing cannot be
+    samples = {(0, 1, 1): SLOWER, (1, 1, 1): ALIKE,  # resolved: done
+               (0, 4, 1): ALIKE, (1, 4, 1): ALIKE[::-1],  # within noise: again
+               (0, 8, 1): faster, (1, 8, 1): ALIKE,  # the impossible way: again
+               (0, 16, 1): ALIKE}  # off not timed yet at 16: nothing to compare
+    assert pending(samples) == [(0, 4, 1), (1, 4, 1), (0, 8, 1), (1, 8, 1)]

@@ -48,3 +48,15 @@ def test_a_resumes_eta_prices_no_step_0_eval():
     assert eval_s(0) == pytest.approx(5 * 1.0)  # steps 0, 3, 6, 9 and 10
     assert eval_s(4) == pytest.approx(3 * 1.0)  # 6, 9 and 10: not 0, not 3
     assert eval_s(9) == pytest.approx(1 * 1.0)  # the last one only
+
+
+def test_the_eta_prices_a_cache_build_and_the_naive_reads_only_where_the_run_makes_them():
+    costs = pd.DataFrame([{"plan": "naive", "stage": "preprocess", "per": per, "seconds": s,
+                           "evidence": "x"} for per, s in (("byte", 1e-6), ("record", 0.01))])
+
+    def preprocess_s(**more) -> float:
+        counts = eta.job_counts(10, 1, 100, 100, 5, 5, 100, **more)
+        return float(eta.project(costs, counts)["predicted_s"].iloc[0])
+
+    assert preprocess_s() == 0.0  # a cache hit, no records read: nothing to price
+    assert preprocess_s(built_bytes=2_000_000, records=300) == pytest.approx(2.0 + 3.0)

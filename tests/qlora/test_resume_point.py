@@ -5,6 +5,7 @@ written through save_whole as the Trainer's saves are (nothing trains)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -42,3 +43,54 @@ def test_a_half_written_or_foreign_checkpoint_is_never_the_resume_point(tmp_path
     (tmp_path / "checkpoint-x").mkdir()
     assert checkpoints.last_checkpoint(tmp_path).name == "checkpoint-4"
     assert [s for s, _ in checkpoints.checkpoints(tmp_path)] == [4]
+
+
+def test_a_new_run_in_a_folder_without_checkpoints_starts_its_own_run_file(tmp_path):
+    old = TrainConfig(out_dir=str(tmp_path), lr=1e-3).identity()
+    assert checkpoints.claim(tmp_path, old, resume=False) is None
+    new = TrainConfig(out_dir=str(tmp_path)).identity()
+    assert checkpoints.claim(tmp_path, new, resume=False) is None  # no checkpoint: no conflict
+    assert json.loads((tmp_path / checkpoints.RUN_FILE).read_text()) == new  # not merged
+
+
+def test_every_refusal_names_the_folder(tmp_path):
+    _save(tmp_path, 3)
+    run = TrainConfig(out_dir=str(tmp_path)).identity()
+    with pytest.raises(ValueError, match=rf"^--out-dir='{tmp_path}' holds the checkpoints"):
+        checkpoints.claim(tmp_path, run, resume=False)
+    checkpoints.record(tmp_path, run, fresh=True)
+    with pytest.raises(ValueError) as err:
+        checkpoints.claim(tmp_path, {**run, "lr": 1.0}, resume=True)
+    assert str(err.value) == (f"--resume: the run in '{tmp_path}' was started with "
+                              f"lr={run['lr']!r}, this one asks lr=1.0; resume with the same "
+                              "settings, or name a new --out-dir")
+    with pytest.raises(ValueError, match=rf"^--out-dir='{tmp_path}/diag-run.json': is a file"):
+        checkpoints.claim(tmp_path / checkpoints.RUN_FILE, run, resume=False)
+
+
+def test_a_first_save_out_of_room_says_there_is_no_checkpoint_and_what_to_do(tmp_path):
+    import errno
+
+    def full(tmp):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(RuntimeError) as err:
+        checkpoints.save_whole(tmp_path / "checkpoint-1", full, keep=2)
+    assert str(err.value) == (f"checkpoint checkpoint-1: writing under {tmp_path} failed (No "
+                              "space left on device); nothing of it was kept, no earlier "
+                              "checkpoint: free space, then continue with --resume")
+
+
+def test_a_save_sweeps_what_a_killed_save_left(tmp_path):
+    import subprocess
+    import sys
+
+    from diag.files import temp_path
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    left = temp_path(tmp_path / "checkpoint-2")  # as its writer named it, then it was killed
+    left = left.with_name(left.name.replace(f"-{os.getpid()}-", f"-{gone.stdout.strip()}-"))
+    (left / "sub").mkdir(parents=True)
+    _save(tmp_path, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]
