@@ -84,3 +84,25 @@ def test_each_micro_batch_whose_gap_is_open_or_impossible_is_timed_again():
                (0, 8, 1): faster, (1, 8, 1): ALIKE,  # the impossible way: again
                (0, 16, 1): ALIKE}  # off not timed yet at 16: nothing to compare
     assert pending(samples) == [(0, 4, 1), (1, 4, 1), (0, 8, 1), (1, 8, 1)]
+
+
+@pytest.mark.parametrize("device, value, fallback", [
+    ("cpu", False, "off, on CPU activations live in host RAM"),
+    ("cuda:0", True, "on, the safe default on CUDA")])
+def test_without_evidence_the_devices_safe_default_is_labelled_so(device, value, fallback):
+    only_on = _frame((SLOWER, []), (SLOWER, []))
+    no_time = _frame(([0.0] * 5, ALIKE), (SLOWER, ALIKE))
+    for frame, why in ((None, "checkpointing frame absent"),
+                       (only_on.iloc[:0], "checkpointing frame absent"),
+                       (only_on, "checkpointing was not timed both on and off"),
+                       (no_time, "a checkpointing side took no time")):
+        (d,) = decide(frame, device, memory=(10.0, "x"), naive_micro_batch=1)
+        assert (d.setting, d.value, d.basis, d.source) == (
+            "gradient_checkpointing", value, "default", "checkpointing")
+        assert d.why == f"{why}: {fallback}"
+
+
+def test_a_frame_without_micro_batches_is_decided_on_all_its_rows():
+    frame = _frame((SLOWER, ALIKE), (SLOWER, ALIKE)).drop(columns="micro_batch")
+    d, planned = _decided(frame)
+    assert (d.value, planned, d.samples, d.naive_ratio) == (False, False, (10, 10), None)
