@@ -106,3 +106,29 @@ def test_a_frame_without_micro_batches_is_decided_on_all_its_rows():
     frame = _frame((SLOWER, ALIKE), (SLOWER, ALIKE)).drop(columns="micro_batch")
     d, planned = _decided(frame)
     assert (d.value, planned, d.samples, d.naive_ratio) == (False, False, (10, 10), None)
+
+
+def test_a_measured_decision_names_what_it_rests_on():
+    from diag.decision import MeasuredOn
+
+    on = MeasuredOn(model="tiny", device="cpu", tokens_per_step=512)
+    for top, value, said in (((SLOWER, ALIKE), False, "-> off"),
+                             ((ALIKE, ALIKE[::-1]), True, "-> on (the naive plan's, kept)")):
+        (d,) = decide(_frame(top, (SLOWER, ALIKE)), "cpu", on, memory=(10.0, "host"),
+                      naive_micro_batch=1, repeats_s=0.5)
+        assert (d.setting, d.value, d.basis, d.source) == (
+            "gradient_checkpointing", value, "measured", "checkpointing")
+        assert (d.measured_on, d.baseline, d.stage, d.per) == (on, True, "compute", "step")
+        assert (d.samples, d.repeats_s, d.resolved) == ((5, 5), 0.5, not value)
+        assert f"{said}; at the naive micro-batch 1: resolved (1.50x" in d.why
+        assert d.why.endswith("; 0.5 s re-timing; compared on CPU seconds of the step (the "
+                              "device is this CPU; wall time on a shared box measures the "
+                              "scheduler)")
+    # on resolved faster than off: re-timed, then the default, never priced
+    (d,) = decide(_frame((ALIKE, SLOWER), (SLOWER, ALIKE)), "cpu", on, memory=(10.0, "host"))
+    assert (d.setting, d.value, d.basis, d.source) == (
+        "gradient_checkpointing", False, "default", "checkpointing")
+    # too big to go without it: on, and not the naive plan's keeping
+    (d,) = decide(_frame((SLOWER, ALIKE), (SLOWER, ALIKE), peak_gb=9.0), "cpu", on,
+                  memory=(10.0, "host"), naive_micro_batch=1)
+    assert d.value is True and " -> on; at the naive" in d.why
