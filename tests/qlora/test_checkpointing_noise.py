@@ -4,9 +4,12 @@ and no saving is priced, at the plan's micro-batch or the naive one's."""
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 import pytest
 
+from diag import noise
 from diag.decision import CHECKPOINTING_HEADROOM
 from diag.qlora.checkpointing import decide
 from diag.qlora.plans import Plan
@@ -91,10 +94,12 @@ def test_each_micro_batch_whose_gap_is_open_or_impossible_is_timed_again():
     ("cuda:0", True, "on, the safe default on CUDA")])
 def test_without_evidence_the_devices_safe_default_is_labelled_so(device, value, fallback):
     only_on = _frame((SLOWER, []), (SLOWER, []))
+    only_off = _frame(([], ALIKE), ([], ALIKE))
     no_time = _frame(([0.0] * 5, ALIKE), (SLOWER, ALIKE))
     for frame, why in ((None, "checkpointing frame absent"),
                        (only_on.iloc[:0], "checkpointing frame absent"),
                        (only_on, "checkpointing was not timed both on and off"),
+                       (only_off, "checkpointing was not timed both on and off"),
                        (no_time, "a checkpointing side took no time")):
         (d,) = decide(frame, device, memory=(10.0, "x"), naive_micro_batch=1)
         assert (d.setting, d.value, d.basis, d.source) == (
@@ -120,7 +125,9 @@ def test_a_measured_decision_names_what_it_rests_on():
             "gradient_checkpointing", value, "measured", "checkpointing")
         assert (d.measured_on, d.baseline, d.stage, d.per) == (on, True, "compute", "step")
         assert (d.samples, d.repeats_s, d.resolved) == ((5, 5), 0.5, not value)
-        assert f"{said}; at the naive micro-batch 1: resolved (1.50x" in d.why
+        assert d.spread == (noise.spread(top[0]), noise.spread(top[1]))
+        assert re.search(rf"{re.escape(said)}; at the naive micro-batch 1: resolved \(1\.50x, "
+                         r"5 \+ 5 samples, spread \d+% / \d+%\); 0\.5 s re-timing", d.why), d.why
         assert d.why.endswith("; 0.5 s re-timing; compared on CPU seconds of the step (the "
                               "device is this CPU; wall time on a shared box measures the "
                               "scheduler)")

@@ -48,6 +48,7 @@ def test_a_half_written_or_foreign_checkpoint_is_never_the_resume_point(tmp_path
 def test_a_new_run_in_a_folder_without_checkpoints_starts_its_own_run_file(tmp_path):
     old = TrainConfig(out_dir=str(tmp_path), lr=1e-3).identity()
     assert checkpoints.claim(tmp_path, old, resume=False) is None
+    checkpoints.record(tmp_path, {"eval_loss_0": 7.5})  # what that run noted, killed before a save
     new = TrainConfig(out_dir=str(tmp_path)).identity()
     assert checkpoints.claim(tmp_path, new, resume=False) is None  # no checkpoint: no conflict
     assert json.loads((tmp_path / checkpoints.RUN_FILE).read_text()) == new  # not merged
