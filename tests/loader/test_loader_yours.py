@@ -93,7 +93,7 @@ def test_hf_collators_batch_encodings_are_swept_with_their_tokens():
 
 
 def test_a_load_that_moves_during_the_sweep_hits_every_setting():
-    # the step slows 20x halfway through the sweep (a neighbour starts on a shared box): every
+    # the step slows 50x halfway through the sweep (a neighbour starts on a shared box): every
     # setting's epochs are interleaved, so each sees both speeds, and neither setting alone
     # carries the slow half (one setting's repeats after another's would put 0 workers on the
     # fast side and 1 worker on the slow one: a gap the loader never made)
@@ -105,7 +105,8 @@ def test_a_load_that_moves_during_the_sweep_hits_every_setting():
 
     def step(batch):
         calls.append(1)
-        time.sleep(0.001 if len(calls) <= half else 0.02)
+        # 50 ms: a 1 ms sleep woken late on a busy box (load 8 on 2 cores) still reads < 10 ms
+        time.sleep(0.001 if len(calls) <= half else 0.05)
 
     frame = sweep_workers(cfg, step=step, dataset=Pairs())
     assert (frame["error"] == "").all()

@@ -50,10 +50,18 @@ def test_both_plans_train_the_same_records(both):
     assert rows.at["naive", "real_tokens"] == rows.at["optimized", "real_tokens"]
     assert rows.at["naive", "loss_tokens"] == rows.at["optimized", "loss_tokens"]
     assert rows.at["naive", "padding_share"] > 0.2
-    assert rows.at["optimized", "padding_share"] < rows.at["naive", "padding_share"]
-    assert rows.at["optimized", "token_slots"] < rows.at["naive", "token_slots"]
+    # the pipeline is a measured decision: either outcome, with what it must do
+    pipeline = both.plans.set_index(["run", "setting"]).loc[("optimized", "pipeline")]
+    assert pipeline["value"] == rows.at["optimized", "pipeline"]
+    if pipeline["value"] == "packed":  # resolved faster per token, or the labelled default
+        assert rows.at["optimized", "padding_share"] < rows.at["naive", "padding_share"]
+        assert rows.at["optimized", "token_slots"] < rows.at["naive", "token_slots"]
+        assert "token cache hit" in rows.at["optimized", "data"]
+    else:  # within noise on this machine: the naive pipeline kept, it pads alike, and says so
+        assert "within noise" in pipeline["evidence"]
+        for column in ("padding_share", "token_slots", "data"):
+            assert rows.at["optimized", column] == rows.at["naive", column]
     assert rows["final_loss"].map(math.isfinite).all()
-    assert "token cache hit" in rows.at["optimized", "data"]
     assert bool(rows.at["naive", "gradient_checkpointing"])
     # the optimized plan's checkpointing is what the on/off timing on the job decided
     ckpt = both.plans.set_index(["run", "setting"]).loc[("optimized", "gradient_checkpointing")]
