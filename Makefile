@@ -58,15 +58,21 @@ bench: $(STAMP)
 		echo "== $$b"; $(PY) $$b || exit 1; done
 
 # Mutation testing (mutmut, config in pyproject.toml [tool.mutmut]): slow, so not in make test or
-# CI. Of landing, only its hit check of a landed file (_local_ok) is mutated.
+# CI. Of the larger modules only the decision functions are mutated; one module at a time:
+# make mutate MUTANTS='diag.noise.*'. The embedded assets are made once for all mutants.
 MUTANTS ?= diag.amdahl.* diag.secrets.* diag.timing.timer.* diag.machine.gpus.* diag.config.* \
-	diag.storage.landing.x__local_ok__* \
-	diag.decision.* diag.qlora.plans.* diag.loader.advice.* diag.mfu.formula.* diag.mfu.qlora.* \
-	diag.storage.checks.* diag.storage.crc.* diag.timing.callback.* diag.qlora.predict.*
+	diag.storage.landing.x__local_ok__* diag.decision.* diag.qlora.plans.* diag.loader.advice.* \
+	diag.mfu.formula.* diag.mfu.qlora.* diag.storage.checks.* diag.storage.crc.* \
+	diag.timing.callback.* diag.noise.* diag.data.identity.* diag.qlora.data.x_train_records__* \
+	diag.qlora.checkpointing.* diag.qlora.checkpoints.* diag.forecast.costs.* \
+	diag.forecast.eta.x_job_counts__* diag.forecast.budget.* diag.accum.experiment.x_settle__* \
+	diag.preflight.* diag.storage.sample.x_probe__*
 mutate: $(STAMP)
 	@test -x $(VENV)/bin/mutmut || \
 	  $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[mutate]'
-	$(VENV)/bin/mutmut run --max-children $$(nproc) $(foreach m,$(MUTANTS),'$(m)')
+	mkdir -p mutants/test-home
+	DIAG_TEST_HOME=$(CURDIR)/mutants/test-home \
+	  $(VENV)/bin/mutmut run --max-children $$(nproc) $(foreach m,$(MUTANTS),'$(m)')
 	$(PY) tools/mutation_score.py $(foreach m,$(MUTANTS),'$(m)')
 
 clean-venv:

@@ -9,7 +9,7 @@ import itertools
 import pandas as pd
 import pytest
 
-from diag.qlora import eta
+from diag.forecast import costs as table, eta
 
 
 def _walked(steps: int, every_eval: int, every_save: int, done: int) -> tuple[int, int]:
@@ -36,14 +36,17 @@ def test_evals_and_saves_are_those_the_run_makes_fresh_or_resumed():
                 left * 100, warm * 128, (left - warm) * 128)
 
 
+def _costs(plan: str, stage: str, *units: tuple[str, float]) -> pd.DataFrame:
+    return table.table(table.measured(table.row(plan, stage, u, s) for u, s in units))
+
+
 def test_a_resumes_eta_prices_no_step_0_eval():
-    costs = pd.DataFrame([{"plan": "optimized", "stage": "eval", "per": "eval_slot",
-                           "seconds": 0.01, "evidence": "x"}])
+    costs = _costs("optimized", "eval", ("eval_slot", 0.01))
 
     def eval_s(done: int) -> float:
         counts = eta.job_counts(10, warmup=1, tokens_per_step=100, slots_per_step=100,
                                 every_eval=3, every_save=5, eval_slots=100, done=done)
-        return float(eta.project(costs, counts)["predicted_s"].iloc[0])
+        return table.total(table.price(costs, counts), costs["plan"].iloc[0])
 
     assert eval_s(0) == pytest.approx(5 * 1.0)  # steps 0, 3, 6, 9 and 10
     assert eval_s(4) == pytest.approx(3 * 1.0)  # 6, 9 and 10: not 0, not 3
@@ -51,12 +54,11 @@ def test_a_resumes_eta_prices_no_step_0_eval():
 
 
 def test_the_eta_prices_a_cache_build_and_the_naive_reads_only_where_the_run_makes_them():
-    costs = pd.DataFrame([{"plan": "naive", "stage": "preprocess", "per": per, "seconds": s,
-                           "evidence": "x"} for per, s in (("byte", 1e-6), ("record", 0.01))])
+    costs = _costs("naive", "preprocess", ("byte", 1e-6), ("record", 0.01))
 
     def preprocess_s(**more) -> float:
         counts = eta.job_counts(10, 1, 100, 100, 5, 5, 100, **more)
-        return float(eta.project(costs, counts)["predicted_s"].iloc[0])
+        return table.total(table.price(costs, counts), costs["plan"].iloc[0])
 
     assert preprocess_s() == 0.0  # a cache hit, no records read: nothing to price
     assert preprocess_s(built_bytes=2_000_000, records=300) == pytest.approx(2.0 + 3.0)
