@@ -1,30 +1,27 @@
 """The notebook panel: pick the data source, model, sweep ranges and plan, press Run, and watch
-each experiment's table and figure appear as diag.diagnose measures it.
+each step's table and figure appear as diag.diagnose measures it.
 
-`panel()` returns the widget tree (no browser needed: a test calls `panel().run.click()` then
-`.wait()`); Run starts diag.diagnose.run_diagnose in a thread (so the kernel still hears Stop)
-with an `on_result` hook that draws the step's view into its own Output widget. Stop ends the
-step running now (the finished steps' views stay); a step that fails shows one line in its view
-and the other steps go on. Every table and text shown is redacted (diag.secrets).
+`panel()` returns the widget tree (a test calls `panel().run.click()` then `.wait()`). Run starts
+run_diagnose in a thread, so the kernel still hears Stop; a failed step is one line in its view
+and the others go on. Every table and text shown is redacted (diag.secrets).
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import contextvars
 import ctypes
 import io
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
 
 from diag import amdahl, plots
-from diag.config import DiagnoseConfig
-from diag.runner import Stopped
+from diag.config import DiagnoseConfig, quick_mode
+from diag.runner import Stopped, quiet
 from diag.secrets import redact, redact_frame
 
 PLANS = ("both", "naive", "optimized")
@@ -184,7 +181,7 @@ def _esc(text: str) -> str:
 def config_from(p: Panel) -> DiagnoseConfig:
     """The DiagnoseConfig the panel's fields describe (ValueError names a bad field)."""
     return DiagnoseConfig.default(
-        quick=p.quick.value or None, **p.settings, train=p.train.value,
+        quick=p.quick.value, **p.settings, train=p.train.value,
         budget=p.budget.value.strip(),
         source=p.source.value.strip(),
         model=p.model.value.strip(), plan=p.plan.value, **source_values(p.sources),
@@ -243,7 +240,7 @@ def run_panel(p: Panel) -> None:
     try:
         cfg = config_from(p)
         p.clear(cfg)
-        with _bars_into(p.log):  # in a kernel, tqdm.auto's bars land in the log widget
+        with quiet(p.log):  # the plan and tqdm's bars in the log widget, closed into text
             with p.lock:
                 p.interruptible = True
             try:
@@ -262,36 +259,6 @@ def run_panel(p: Panel) -> None:
     finally:
         p.run.disabled, p.stop.disabled = False, True
         p.stop_event.clear()
-
-
-@contextlib.contextmanager
-def _bars_into(log: Any) -> Iterator[None]:
-    """tqdm.notebook's bars shown in the log widget. They cannot be captured by `with log:` from
-    the run's thread: the front end keeps a capture hook only until the click's message is done,
-    so output that arrives later is dropped. Appending them to the widget's outputs works from
-    any thread (while it runs, a bar started elsewhere in this kernel lands there too)."""
-    try:
-        import tqdm.notebook as notebook
-    except ImportError:  # no IPython: plain tqdm on stderr
-        yield
-        return
-    from ipywidgets.widgets.widget import _instances as alive  # model_id -> open widget
-
-    def live() -> tuple[dict[str, Any], ...]:
-        # a bar with leave=False closes its widget; its entry would read "model not found"
-        return tuple(o for o in log.outputs if o.get("data", {}).get(
-            "application/vnd.jupyter.widget-view+json", {}).get("model_id", "") in alive)
-
-    def append(obj: Any, *args: Any, **kwargs: Any) -> None:
-        log.outputs = live()
-        log.append_display_data(obj)
-
-    shown, notebook.display = notebook.display, append
-    try:
-        yield
-    finally:
-        notebook.display = shown
-        log.outputs = live()
 
 
 def start(p: Panel) -> None:
@@ -318,7 +285,7 @@ def request_stop(p: Panel) -> None:
 
 
 def panel(source: str = "", model: str = "", workers: str = "", micro_batches: str = "",
-          plan: str = "both", quick: bool = False, **settings: Any) -> Panel:
+          plan: str = "both", quick: bool | None = None, **settings: Any) -> Panel:
     """Build the panel (nothing runs until Run is clicked). source: s3://bucket/key or "" for the
     embedded S3 server; model: org/name, a folder, or "" for the embedded tiny model; workers,
     micro_batches: comma-separated sweep values, "" for each experiment's default; settings:
@@ -337,7 +304,8 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
         workers=w.Text(workers, description="num_workers", placeholder="e.g. 0,1,2,4"),
         micro_batches=w.Text(micro_batches, description="micro-batch", placeholder="e.g. 2,8,16"),
         plan=w.ToggleButtons(options=PLANS, value=plan, description="plan"),
-        quick=w.Checkbox(quick, description="quick (test-sized)"),
+        quick=w.Checkbox(quick_mode() if quick is None else quick,
+                         description="quick (test-sized)"),
         train=w.Checkbox(settings.pop("train", False), description="then train (diag train)"),
         budget=w.Text(settings.pop("budget", ""), description="budget", placeholder="e.g. 15m"),
         run=w.Button(description="Run", button_style="primary", icon="play"),

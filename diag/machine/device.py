@@ -76,11 +76,14 @@ Run = TypeVar("Run", bound=Callable[..., Any])
 
 
 def on_cpu_threads(run: Run) -> Run:
-    """run(cfg, ...) under cpu_threads(cfg.device): every experiment's entry point."""
+    """run(cfg, ...) under cpu_threads(cfg.device) and diag.runner.quiet(): every experiment's
+    entry point."""
 
     @functools.wraps(run)
     def wrapper(cfg: Any = None, *args: Any, **kwargs: Any) -> Any:
-        with cpu_threads(getattr(cfg, "device", "auto")):
+        from diag.runner import quiet
+
+        with cpu_threads(getattr(cfg, "device", "auto")), quiet():
             return run(cfg, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
