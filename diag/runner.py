@@ -1,9 +1,6 @@
-"""Runs a recipe's steps in turn, each step's product assigned into one frozen dataclass, and
-keeps what diag's own calls show quiet (`quiet`): the libraries' progress bars off, the warnings
-in HARMLESS ignored, and in a Jupyter kernel tqdm's bars closed into one line of text.
-
-A recipe (diag.diagnose) hands each step to the runner as `run(result, step, make)`: make() is
-the step's product, assigned into the result's `step.field`.
+"""Runs a recipe's steps, each product assigned into one frozen dataclass (`Runner`), and keeps
+what diag's calls show quiet (`quiet`): the libraries' bars off, the HARMLESS warnings ignored,
+and in a Jupyter kernel the lines as text and tqdm's bars closed into their line of text.
 """
 
 from __future__ import annotations
@@ -11,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import html
 import sys
 import threading
@@ -20,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 R = TypeVar("R")
-VIEW = "application/vnd.jupyter.widget-view+json"  # a widget's output: its model id
+F = TypeVar("F", bound=Callable[..., Any])
+VIEW = "application/vnd.jupyter.widget-view+json"
 
-# The library warnings diag's own calls raise and knows to be harmless, ignored inside quiet()
-# and nowhere else: (category, message pattern, why it is harmless).
+# The library warnings diag's calls raise and knows to be harmless, ignored in quiet() and
+# nowhere else: (category, message pattern, why it is harmless)
 HARMLESS = (
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated",
      "peft's get_peft_model reads transformers 5's old name; it returns the new name's value"),
@@ -37,18 +36,15 @@ class Step:
 
 
 class Stopped(BaseException):
-    """The recipe was stopped (the panel's Stop); a BaseException so that no step's error
-    handling swallows it. Nothing is written: a run folder appears whole or not at all."""
+    """The panel's Stop; a BaseException, so no step's error handling swallows it."""
 
 
 @dataclass
 class Runner:
-    """run(result, step, make) -> result with step.field = make(), under quiet(). stop: once set,
-    the next step raises Stopped. on_error(step, error): a step that raises is handed to it and
-    the result goes on without its product (without it the error propagates). on_result(step,
-    result): after each step that finished."""
+    """run(result, step, make) -> result with step.field = make(), under quiet(); once `stop`
+    is set the next step raises Stopped; on_error takes a step's error and the result goes on."""
 
-    bar: Any  # tqdm.auto over the steps the recipe will hand it
+    bar: Any  # tqdm.auto over the recipe's steps
     on_result: Callable[[Step, Any], None] | None = None
     stop: threading.Event | None = None
     on_error: Callable[[Step, Exception], None] | None = None
@@ -72,11 +68,20 @@ class Runner:
         return result
 
 
+def quietly(run: F) -> F:
+    """run(...) under quiet(): an experiment's entry point (as on_cpu_threads)."""
+
+    @functools.wraps(run)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with quiet():
+            return run(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 @contextlib.contextmanager
 def quiet(log: Any = None) -> Iterator[None]:
-    """The block as a person should see it: the libraries' bars off, HARMLESS ignored, and in a
-    Jupyter kernel tqdm's bars shown in `log` (an ipywidgets Output; None: one in the cell) until
-    the block ends, then one line of text each (bars_into), never a widget a reload loses."""
+    """The libraries' bars off, HARMLESS ignored, lines and bars in `log` (bars_into)."""
     with warnings.catch_warnings(), library_bars_off(), bars_into(log):
         for category, pattern, _why in HARMLESS:
             warnings.filterwarnings("ignore", pattern, category)
@@ -84,8 +89,8 @@ def quiet(log: Any = None) -> Iterator[None]:
 
 
 def in_kernel() -> bool:
-    """Whether tqdm.auto draws widgets here (a Jupyter kernel with ipywidgets)."""
-    if "IPython" not in sys.modules:  # no kernel, and no widget import paid to say so
+    """Whether tqdm.auto draws widgets here (a Jupyter kernel)."""
+    if "IPython" not in sys.modules:  # no kernel (and no widget import paid to say so)
         return False
     from tqdm import auto, notebook
 
@@ -93,8 +98,8 @@ def in_kernel() -> bool:
 
 
 def say(text: str, table: Any = None) -> None:
-    """Lines beside the progress bar: on stderr in a terminal (a --json result stays JSON); in a
-    Jupyter kernel as text in quiet()'s log, or `table` (a frame) under the text's first line."""
+    """Lines beside the bar: on stderr in a terminal (a --json result stays JSON); in a kernel
+    text in quiet()'s log, or `table` (a frame) under the text's first line."""
     if not in_kernel():
         from tqdm.auto import tqdm
 
@@ -118,8 +123,7 @@ def say(text: str, table: Any = None) -> None:
 
 @dataclass
 class Log:
-    """Where a bars_into block's lines and bars go: an Output (`cell`: ours, shown in the cell
-    at its first output) and each bar's widget by model id."""
+    """A bars_into block's Output (`cell`: ours, shown at its first line) and bars by id."""
 
     out: Any
     cell: bool
@@ -139,13 +143,13 @@ class Log:
                      "text/plain": _line(bar)})
 
     def kept(self, end: bool = False) -> tuple[dict[str, Any], ...]:
-        """The outputs but closed bars (leave=False closes the widget: a reload would say
-        "model not found"); end: the open bars, or else the last, as their line of text."""
+        """The outputs but closed bars (a reload would say "model not found"); end: the open
+        bars, or else the last, as their line of text."""
         out = []
         for o in self.out.outputs:
             bar = self.bars.get(o.get("data", {}).get(VIEW, {}).get("model_id"))
             if bar is None or bar.comm is not None:
-                out.append(_output({"text/plain": _line(bar)}) if end and bar else o)
+                out.append(_output({"text/plain": _line(bar)}) if end and bar is not None else o)
         if end and self.bars and all(b.comm is None for b in self.bars.values()):
             out.append(_output({"text/plain": _line(list(self.bars.values())[-1])}))
         return tuple(out)
@@ -156,17 +160,15 @@ def _output(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _line(bar: Any) -> str:
-    """A tqdm notebook bar's text as it reads now ("storage: 100% 3/3 [00:02<00:00, ...]")."""
+    """A notebook bar's text now: "storage: 100% 3/3 [00:02<00:00, 1.2s/round]"."""
     left, _, right = bar.children
     return " ".join(html.unescape(f"{left.value} {right.value}").split())
 
 
 @contextlib.contextmanager
 def bars_into(log: Any = None) -> Iterator[None]:
-    """In a Jupyter kernel, the block's say() lines and tqdm.auto bars in `log`, an Output (from
-    any thread; None: one shown in the cell at the first), and when it ends the bars still open,
-    or else the last, as their line of text (in the cell: all of it as one text output).
-    Outside a kernel, or inside an outer block, nothing changes."""
+    """In a kernel, the block's say() lines and tqdm.auto bars in `log` (None: an Output in the
+    cell), at its end the open bars, or else the last, as their line of text."""
     if _LOG.get() is not None or not in_kernel():
         yield
         return
@@ -200,14 +202,11 @@ _LOG: contextvars.ContextVar[Log | None] = contextvars.ContextVar("diag_log", de
 
 @contextlib.contextmanager
 def library_bars_off() -> Iterator[None]:
-    """transformers' and huggingface_hub's progress bars off for the block, as each was after.
-
-    huggingface_hub's switch is process-wide, and transformers, imported inside the block,
-    starts with its bars as huggingface_hub's are then: both are put back as they were before.
-    """
+    """transformers' and huggingface_hub's bars off for the block, then as each was (a
+    transformers imported inside starts as huggingface_hub's process-wide switch is then)."""
     try:
         from huggingface_hub import utils as hub
-    except ImportError:  # not installed: no bars of theirs to silence
+    except ImportError:  # no bars of theirs
         yield
         return
     hub_off = hub.are_progress_bars_disabled()

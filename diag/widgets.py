@@ -9,6 +9,7 @@ and the others go on. Every table and text shown is redacted (diag.secrets).
 from __future__ import annotations
 
 import base64
+import html
 import contextvars
 import ctypes
 import io
@@ -25,8 +26,7 @@ from diag.runner import Stopped, quiet
 from diag.secrets import redact, redact_frame
 
 PLANS = ("both", "naive", "optimized")
-# What a front end without the widgets extension shows instead of `VBox(children=...)`: the
-# widget view is preferred wherever it can be drawn, so only such a front end picks this.
+# What a front end without the widgets extension shows instead of `VBox(children=...)`
 NO_WIDGETS = ("The diag panel needs the Jupyter widgets front end in the environment JupyterLab "
               "runs from (not only in this kernel's): pip install jupyterlab_widgets (or "
               "ipywidgets) there, restart JupyterLab and reload the page. The cells below run "
@@ -131,8 +131,7 @@ class Panel:
     sources: dict[str, Any] = field(default_factory=dict)  # other source flags (SourceConfig)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        # `panel()` as a cell's last line: the widget view, and for a front end that cannot
-        # draw widgets a notice saying what its environment lacks (not a text repr)
+        # the widget view; a front end that cannot draw it shows what its environment lacks
         bundle = dict(self.box._repr_mimebundle_(**kwargs) or {})
         bundle["text/plain"] = NO_WIDGETS
         bundle["text/html"] = f"<p class=diag-no-widgets><b>diag</b>: {NO_WIDGETS}</p>"
@@ -162,7 +161,7 @@ class Panel:
             self.outputs[name].outputs = (
                 {"output_type": "display_data", "metadata": {},
                  "data": {"text/plain": line,
-                          "text/html": f"<p class=diag-failed>{_esc(line)}</p>"}},)
+                          "text/html": f"<p class=diag-failed>{html.escape(line)}</p>"}},)
 
     def clear(self, cfg: DiagnoseConfig) -> None:
         """Empty every output and size the progress bar for cfg's steps."""
@@ -170,12 +169,6 @@ class Panel:
             widget.outputs = ()
         self.progress.value, self.progress.max = 0, _step_count(cfg)
         self.failed, self.folder = {}, ""
-
-
-def _esc(text: str) -> str:
-    import html
-
-    return html.escape(text)
 
 
 def config_from(p: Panel) -> DiagnoseConfig:
@@ -190,9 +183,8 @@ def config_from(p: Panel) -> DiagnoseConfig:
 
 
 def source_widgets(given: dict[str, Any]) -> dict[str, Any]:
-    """One widget per SourceConfig field but source and model (those lead the panel): the same
-    names, defaults and help as the CLI's flags; a value in `given` (panel(profile=...)) seeds
-    it."""
+    """One widget per SourceConfig field but source and model (they lead the panel), named as
+    the CLI's flags; a value in `given` (panel(profile=...)) seeds it."""
     import dataclasses
 
     import ipywidgets as w
@@ -233,14 +225,14 @@ def _step_count(cfg: DiagnoseConfig) -> int:
 
 def run_panel(p: Panel) -> None:
     """What Run does (in the calling thread): the diagnosis, each step's view drawn into its
-    Output as it arrives; a failed step gets one line and the others go on; Stop ends it."""
+    Output as it arrives, the plan and bars in the log (closed into text)."""
     from diag.diagnose import run_diagnose
 
     p.run.disabled, p.stop.disabled = True, False
     try:
         cfg = config_from(p)
         p.clear(cfg)
-        with quiet(p.log):  # the plan and tqdm's bars in the log widget, closed into text
+        with quiet(p.log):
             with p.lock:
                 p.interruptible = True
             try:
@@ -266,8 +258,8 @@ def start(p: Panel) -> None:
     if p.thread is not None and p.thread.is_alive():
         return
     p.stop_event.clear()
-    # in the click's context: the kernel routes the thread's output (tqdm's bars into the log
-    # widget) by the parent message kept in context variables; a bare thread's would be dropped
+    # in the click's context: the kernel routes a thread's output by the parent message kept
+    # in context variables (a bare thread's is dropped); quiet(p.log) is set in that copy
     context = contextvars.copy_context()
     p.thread = threading.Thread(target=context.run, args=(run_panel, p), name="diag-panel",
                                 daemon=True)
@@ -276,7 +268,7 @@ def start(p: Panel) -> None:
 
 def request_stop(p: Panel) -> None:
     """The Stop button: no further step starts, and the running one ends at its next Python
-    line (an asynchronous Stopped in the run's thread; its `finally` blocks clean up)."""
+    line (an asynchronous Stopped in the run's thread)."""
     p.stop_event.set()
     with p.lock:
         if p.interruptible and p.thread is not None and p.thread.is_alive():
@@ -288,8 +280,8 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
           plan: str = "both", quick: bool | None = None, **settings: Any) -> Panel:
     """Build the panel (nothing runs until Run is clicked). source: s3://bucket/key or "" for the
     embedded S3 server; model: org/name, a folder, or "" for the embedded tiny model; workers,
-    micro_batches: comma-separated sweep values, "" for each experiment's default; settings:
-    any other DiagnoseConfig field (out=, storage=False, ...), checked now."""
+    micro_batches: comma-separated sweep values ("": the default); quick: None = DIAG_QUICK;
+    settings: any other DiagnoseConfig field (out=, storage=False, ...), checked now."""
     import ipywidgets as w
 
     if plan not in PLANS:

@@ -20,6 +20,7 @@ import pytest
 from diag.report import units
 from tests import browser as b
 from tests.conftest import FAKE_HF_TOKEN
+from tests.test_notebooks import QUIET, untidy
 from tests.report.test_report import write_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,9 +41,11 @@ def _no_error_outputs(path: Path) -> list[str]:
 
 
 def _check_page(page, path: Path) -> None:
-    """No error output (saved notebook and page), no secret, nothing fetched from outside."""
+    """No error output (saved notebook and page), no secret, nothing fetched from outside; in
+    the saved notebook no repr, no bar left as a widget and, where diag is quiet, no stderr."""
     b.save(page)
     assert not _no_error_outputs(path), _no_error_outputs(path)
+    assert not untidy(path, quiet=path.name in QUIET), untidy(path, quiet=path.name in QUIET)
     text = page.content()
     assert "Traceback (most recent call last)" not in page.inner_text("body")
     assert FAKE_HF_TOKEN not in text and FAKE_HF_TOKEN not in path.read_text()
@@ -123,6 +126,11 @@ def test_tour_panel_run_in_jupyterlab_and_its_report(lab_kernels, tmp_path: Path
         b.wait_executed(page, "00_tour.ipynb", timeout_s=120)
         _check_page(page, lab.root / "00_tour.ipynb")
         _shot(page, tmp_path, "tour_after_all_cells")
+        # a reload draws every output again: the bars closed into text, none "model not found"
+        page.reload()
+        page.locator(".widget-button", has_text="Run").first.wait_for(timeout=60_000)
+        body = page.inner_text("body")
+        assert "model not found" not in body and re.search(r"diag\s+run:\s+100%", body), body[:600]
         assert folder.is_dir() and folder.is_relative_to(lab.root)
 
     _check_report(folder / "report.html", tmp_path)

@@ -24,6 +24,7 @@ from diag.model_load.source import (Source, cache_dir_for, failure, job, load_wa
                                     not_in_user_cache, offline_env, open_source, overrides,
                                     pin_to_cache)
 from diag.model_load.worker import run_worker
+from diag.runner import quietly
 from diag.secrets import redact
 from diag.timing import LOAD_PARTS
 
@@ -125,6 +126,7 @@ def _plan(cfg: ModelLoadConfig, src: Source) -> list[tuple[int, str]]:
     return [(r, s) for r in range(cfg.repeats) for s in scenarios]
 
 
+@quietly
 def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     """Load cfg.model in each scenario, interleaved per repeat, after cfg.warmup unreported loads;
     the user's own cache is only read unless cfg.repair_cache."""

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from diag.config import STORAGE_PULLS as PULLS
 from diag.decision import Decision, MeasuredOn
+from diag.runner import quietly
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
 from diag.storage.methods import RANGED, pull, read_local, s5cmd_path, ttfb
@@ -157,6 +158,7 @@ def _resident(paths: list[Path]) -> float:
     return max(resident_fraction(p) for p in paths)
 
 
+@quietly
 def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
     """The measurements, the re-pull tax at cfg's dataset size and price, and the advice."""
     from diag.config import StorageConfig
