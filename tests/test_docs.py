@@ -78,3 +78,63 @@ def test_every_diag_name_a_doc_or_notebook_cites_exists():
     missing = [f"{path.relative_to(ROOT)}: {name}" for path in [*DOCS, *NOTEBOOKS]
                for name in sorted(cited(_text(path))) if not exists(name)]
     assert not missing, missing
+
+
+EXAMPLE = ROOT / "docs" / "example"  # made by tools/readme_figure.py
+DEMO = "python -m diag run --quick"
+
+
+def quoted(folder: Path = EXAMPLE) -> dict[str, list[str]]:
+    """What README.md and docs/workshop.md must say, each figure as they write it, from the
+    example run folder (its summary, CSVs and timings.csv)."""
+    import pandas as pd
+
+    from diag import model_load, report, storage
+
+    frames, head = report.load(folder), report.load_summary(folder)["headline"]
+    times = pd.read_csv(folder / "timings.csv")
+    loads = times[["load_before", "load_after"]]
+    box = [f"{times['cpu'].iloc[0]}, {times['cores'].iloc[0]} cores",
+           f"between {loads.min().min():.1f} and {loads.max().max():.1f}"]
+    demo = times.set_index("step").loc[DEMO, "seconds"]
+    pull = storage.medians(frames["storage"]).set_index(["method", "cache_state"])["mb_per_s"]
+    fresh = model_load.medians(frames["model_load"]).loc["fresh"]
+    naive = frames["loader_recommendation"].set_index("pipeline").loc["naive"]
+    accum = frames["accum_summary"].sort_values("tokens_per_s")
+    best, worst = accum.iloc[-1], accum.iloc[0]
+    train = frames["qlora_savings"].set_index("stage").loc["train"]
+    losses = frames["qlora"].set_index("plan")["final_loss"]
+    return {"README.md": [*head["text"].split("\n"), *box, f"took {demo:.0f} s"],
+            "docs/workshop.md": [
+                *head["text"].split("\n"), *box,
+                *(f"| `{r.step}` | {r.seconds:.0f} s |" for r in times.itertuples()),
+                *(f"{pull[key]:.0f} MB/s" for key in [("boto3_default", "remote"),
+                                                      ("local_read", "cold"),
+                                                      ("local_read", "warm")]),
+                f"{25_000 / pull['boto3_default', 'remote']:.0f} s per start",
+                f"{fresh['import']:.1f} s of the {fresh['load_model']:.1f} s",
+                f"{naive['data_wait_share']:.1%} of the {naive['step_ms']:.0f} ms step",
+                f"{best['micro_batch']} x {best['grad_accum']} reached "
+                f"{best['tokens_per_s']:,.0f} tokens/s",
+                f"{worst['tokens_per_s']:,.0f} for {worst['micro_batch']} x {worst['grad_accum']}",
+                f"{train['measured_s']:.3g} CPU s measured against {train['predicted_s']:.3g} "
+                "predicted",
+                f"{losses['naive']:.2f} (naive) and {losses['optimized']:.2f} (optimized)"]}
+
+
+def test_the_example_run_is_whole_and_readable():
+    from diag import report
+
+    frames = report.load(EXAMPLE)  # every CSV its summary lists
+    assert {"run", "qlora_comparison", "qlora_waterfall", "storage", "model_load"} <= set(frames)
+    assert (EXAMPLE / "headline.png").stat().st_size > 10_000
+    assert {"stage_shares.png", "waterfall.png"} <= {p.name for p in EXAMPLE.glob("*.png")}
+
+
+def test_the_readme_and_the_workshop_quote_the_example_run():
+    def flat(text: str) -> str:  # a quote may wrap across lines of the markdown
+        return " ".join(text.split())
+
+    missing = {doc: [q for q in quotes if flat(q) not in flat((ROOT / doc).read_text())]
+               for doc, quotes in quoted().items()}
+    assert not any(missing.values()), missing
