@@ -69,7 +69,7 @@ class Runner:
 
 
 def quietly(run: F) -> F:
-    """run(...) under quiet(): an experiment's entry point (as on_cpu_threads)."""
+    """run(...) under quiet(): an experiment's entry point."""
 
     @functools.wraps(run)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -9,7 +9,6 @@ and the others go on. Every table and text shown is redacted (diag.secrets).
 from __future__ import annotations
 
 import base64
-import html
 import contextvars
 import ctypes
 import io
@@ -20,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 
-from diag import amdahl, plots
+from diag import amdahl, model_load, plots, storage
 from diag.config import DiagnoseConfig, quick_mode
 from diag.runner import Stopped, quiet
 from diag.secrets import redact, redact_frame
@@ -34,34 +33,18 @@ NO_WIDGETS = ("The diag panel needs the Jupyter widgets front end in the environ
 View = Callable[[dict[str, pd.DataFrame]], list[Any]]
 
 
-def _storage(frames: dict[str, pd.DataFrame]) -> list[Any]:
-    from diag.storage import medians
-
-    return [medians(frames["storage"]), frames["storage_tax"],
-            plots.plot_storage(frames["storage"])]
-
-
-def _model_load(frames: dict[str, pd.DataFrame]) -> list[Any]:
-    from diag.model_load import medians
-
-    return [medians(frames["model_load"]), plots.plot_model_load(frames["model_load"])]
-
-
 def _runs(frames: dict[str, pd.DataFrame]) -> list[Any]:
     table = amdahl.shares(frames["run"])
     return [frames["qlora"] if "qlora" in frames else table, plots.plot_stage_shares(table)]
 
 
-def _amdahl(frames: dict[str, pd.DataFrame]) -> list[Any]:
-    table = amdahl.shares(frames["run"])
-    return [amdahl.findings(frames["run"]), plots.plot_amdahl(table)]
-
-
 # Diagnosis field (diag.diagnose.STEPS) -> what the panel shows once its step has measured
 VIEWS: dict[str, View] = {
     "info": lambda f: [f["info"]],
-    "storage": _storage,
-    "model_load": _model_load,
+    "storage": lambda f: [storage.medians(f["storage"]), f["storage_tax"],
+                          plots.plot_storage(f["storage"])],
+    "model_load": lambda f: [model_load.medians(f["model_load"]),
+                             plots.plot_model_load(f["model_load"])],
     "loader": lambda f: [f["loader_recommendation"], plots.plot_loader(f["loader"])],
     "loader_projected": lambda f: [f["loader_projected_recommendation"],
                                    plots.plot_loader(f["loader_projected"])],
@@ -71,7 +54,8 @@ VIEWS: dict[str, View] = {
     "qlora_projection": lambda f: [f["qlora_projection"]],
     "train": lambda f: [f["train_eta"], plots.plot_losses(f["train_losses"])],
     "runs": _runs,
-    "accum_advice": _amdahl,
+    "accum_advice": lambda f: [amdahl.findings(f["run"]),
+                               plots.plot_amdahl(amdahl.shares(f["run"]))],
 }
 
 
@@ -158,10 +142,7 @@ class Panel:
         line = redact(f"{name} failed: {type(error).__name__}: {error}".splitlines()[0][:300])
         self.failed[name] = line
         if name in self.outputs:
-            self.outputs[name].outputs = (
-                {"output_type": "display_data", "metadata": {},
-                 "data": {"text/plain": line,
-                          "text/html": f"<p class=diag-failed>{html.escape(line)}</p>"}},)
+            self.outputs[name].outputs = (_mime(line),)
 
     def clear(self, cfg: DiagnoseConfig) -> None:
         """Empty every output and size the progress bar for cfg's steps."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from diag.machine.disks import disks
 from diag.machine.gpus import _dtype, dense_peak_flops, find_gpu  # noqa: F401  (re-exported)
+from diag.runner import quietly
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -76,17 +77,14 @@ Run = TypeVar("Run", bound=Callable[..., Any])
 
 
 def on_cpu_threads(run: Run) -> Run:
-    """run(cfg, ...) under cpu_threads(cfg.device) and diag.runner.quiet(): every experiment's
-    entry point."""
+    """run(cfg, ...) under cpu_threads(cfg.device), quietly: every experiment's entry point."""
 
     @functools.wraps(run)
     def wrapper(cfg: Any = None, *args: Any, **kwargs: Any) -> Any:
-        from diag.runner import quiet
-
-        with cpu_threads(getattr(cfg, "device", "auto")), quiet():
+        with cpu_threads(getattr(cfg, "device", "auto")):
             return run(cfg, *args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return quietly(wrapper)  # type: ignore[return-value]
 
 
 PROBE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
