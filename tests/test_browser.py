@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from diag.report import units
 from tests import browser as b
 from tests.conftest import FAKE_HF_TOKEN
 from tests.test_notebooks import QUIET, untidy
@@ -30,8 +29,10 @@ if CHROMIUM is None:
         raise RuntimeError(WHY.replace("skipped", "required (DIAG_BROWSER_REQUIRED=1)"))
     pytest.skip(WHY, allow_module_level=True)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
-DIAGNOSE_S = 240  # the quick diagnosis behind the panel's Run (about 90 s on 2 busy cores)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
+# the quick diagnosis behind the panel's Run: 229-262 s on 2 cores at load 4-8 (docs/example's
+# timings.csv), longer at load 10
+DIAGNOSE_S = 480
 
 
 def _no_error_outputs(path: Path) -> list[str]:
@@ -136,6 +137,13 @@ def test_tour_panel_run_in_jupyterlab_and_its_report(lab_kernels, tmp_path: Path
     _check_report(folder / "report.html", tmp_path)
 
 
+# the text a window shows before any scrolling: every text node whose element starts above 800 px
+FIRST_SCREEN = ("() => { const w = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);"
+                " const out = []; let n; while ((n = w.nextNode())) { const r ="
+                " n.parentElement.getBoundingClientRect(); if (r.top < 800 && r.height > 0)"
+                " out.push(n.textContent); } return out.join(' '); }")
+
+
 def _check_report(report: Path, tmp_path: Path) -> None:
     """report.html from disk as a person reads it in a 1280 px window: the headline on top, every
     figure of the folder decoded, each section opening with its conclusion, no horizontal scroll
@@ -149,10 +157,13 @@ def _check_report(report: Path, tmp_path: Path) -> None:
         assert all(i["complete"] and i["width"] > 0 and i["height"] > 0 for i in shown), shown
         assert not page.console_errors, page.console_errors
         assert not page.blocked, page.blocked
-        top = page.locator("h1").first.inner_text()
-        assert top.startswith("naive ") and f"{units.sig(head['speedup'])}x faster" in top, top
-        first_screen = page.evaluate("() => document.body.innerText.slice(0, 600)")
-        assert head["largest_stage"] in first_screen and "Top fix" in first_screen
+        # the first screen (1280 x 800): the verdict, the comparison with its ratio and its
+        # confidence, the top fix, as summary.json says them
+        page.set_viewport_size({"width": 1280, "height": 800})
+        first = " ".join(page.evaluate(FIRST_SCREEN).split())
+        for line in head["text"].split("\n")[:3]:
+            assert " ".join(line.split()).lower() in first.lower(), (line, first[:900])
+        page.set_viewport_size({"width": 1280, "height": 1600})
         said = page.evaluate(
             "() => Array.from(document.querySelectorAll('section.experiment')).map(s => {"
             " const p = s.querySelector('h2').nextElementSibling;"

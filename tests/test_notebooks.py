@@ -63,7 +63,8 @@ BROWSER_SKIP = pytest.mark.skip(reason="run in JupyterLab in chromium by tests/t
 
 
 # diag's calls in these leave no warning and nothing else on stderr (diag.runner.quiet)
-QUIET = {TOUR, "05_stage_shares.ipynb", "06_qlora.ipynb", "07_train.ipynb"}
+QUIET = {TOUR, "01_storage.ipynb", "02_model_load.ipynb", "03_num_workers.ipynb",
+         "04_grad_accum.ipynb", "05_stage_shares.ipynb", "06_qlora.ipynb", "07_train.ipynb"}
 
 
 def untidy(path: Path, quiet: bool = True) -> list[str]:
