@@ -47,10 +47,10 @@ lab: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[lab]'
 	$(VENV)/bin/jupyter lab notebooks/
 
-# The README's figure, docs/demo-stage-shares.png: from a new demo run, or RUN=runs/<id> re-drawn
-RUN ?=
+# docs/example/: the example run README.md and docs/workshop.md quote (the demo, each notebook
+# timed) and the README picture, from one run of tools/readme_figure.py
 readme-figure: $(STAMP)
-	$(PY) tools/readme_figure.py $(RUN)
+	$(PY) tools/readme_figure.py
 
 # bench/qlora_*.py are bench/qlora.py's parts (qlora_regret.py also runs alone)
 bench: $(STAMP)

@@ -1,24 +1,32 @@
-"""Runs a recipe's steps in turn, each step's product assigned into one frozen dataclass.
-
-A recipe (diag.diagnose) hands each step to the runner as `run(result, step, make)`: make() is
-the step's product, assigned into the result's `step.field`. The runner owns what every step
-shares: the progress bar, Stop (an Event checked before each step) and on_error (a step that
-raises is handed to it and the recipe goes on without that product). Inside a step the
-libraries' own bars (transformers' "Loading weights", huggingface_hub's "Fetching N files") are
-off, by their own switches: diag's bar is the one a person watches.
+"""Runs a recipe's steps, each product assigned into one frozen dataclass (`Runner`), and keeps
+what diag's calls show quiet (`quiet`): the libraries' bars off, the HARMLESS warnings ignored,
+and in a Jupyter kernel the lines as text and tqdm's bars closed into their line of text.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
+import functools
+import html
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 R = TypeVar("R")
+F = TypeVar("F", bound=Callable[..., Any])
+VIEW = "application/vnd.jupyter.widget-view+json"
+
+# The library warnings diag's calls raise and knows to be harmless, ignored in quiet() and
+# nowhere else: (category, message pattern, why it is harmless)
+HARMLESS = (
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated",
+     "peft's get_peft_model reads transformers 5's old name; it returns the new name's value"),
+)
 
 
 @dataclass(frozen=True)
@@ -28,18 +36,15 @@ class Step:
 
 
 class Stopped(BaseException):
-    """The recipe was stopped (the panel's Stop); a BaseException so that no step's error
-    handling swallows it. Nothing is written: a run folder appears whole or not at all."""
+    """The panel's Stop; a BaseException, so no step's error handling swallows it."""
 
 
 @dataclass
 class Runner:
-    """run(result, step, make) -> result with step.field = make(). stop: once set, the next step
-    raises Stopped. on_error(step, error): a step that raises is handed to it and the result
-    goes on without its product (without it the error propagates). on_result(step, result):
-    after each step that finished."""
+    """run(result, step, make) -> result with step.field = make(), under quiet(); once `stop`
+    is set the next step raises Stopped; on_error takes a step's error and the result goes on."""
 
-    bar: Any  # tqdm.auto over the steps the recipe will hand it
+    bar: Any  # tqdm.auto over the recipe's steps
     on_result: Callable[[Step, Any], None] | None = None
     stop: threading.Event | None = None
     on_error: Callable[[Step, Exception], None] | None = None
@@ -49,7 +54,7 @@ class Runner:
             raise Stopped(f"stopped before {step.name}")
         self.bar.set_postfix_str(step.name)
         try:
-            with library_bars_off():
+            with quiet():
                 result = dataclasses.replace(result, **{step.field: make()})
         except Exception as error:
             if self.on_error is None:
@@ -63,16 +68,145 @@ class Runner:
         return result
 
 
+def quietly(run: F) -> F:
+    """run(...) under quiet(): an experiment's entry point."""
+
+    @functools.wraps(run)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with quiet():
+            return run(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def quiet(log: Any = None) -> Iterator[None]:
+    """The libraries' bars off, HARMLESS ignored, lines and bars in `log` (bars_into)."""
+    with warnings.catch_warnings(), library_bars_off(), bars_into(log):
+        for category, pattern, _why in HARMLESS:
+            warnings.filterwarnings("ignore", pattern, category)
+        yield
+
+
+def in_kernel() -> bool:
+    """Whether tqdm.auto draws widgets here (a Jupyter kernel)."""
+    if "IPython" not in sys.modules:  # no kernel (and no widget import paid to say so)
+        return False
+    from tqdm import auto, notebook
+
+    return issubclass(auto.tqdm, notebook.tqdm_notebook)
+
+
+def say(text: str, table: Any = None) -> None:
+    """Lines beside the bar: on stderr in a terminal (a --json result stays JSON); in a kernel
+    text in quiet()'s log, or `table` (a frame) under the text's first line."""
+    if not in_kernel():
+        from tqdm.auto import tqdm
+
+        tqdm.write(text, file=sys.stderr)
+        return
+    from diag.secrets import redact
+
+    data = {"text/plain": redact(text)}
+    if table is not None:
+        title = html.escape(text.splitlines()[0].rstrip(":"))
+        data["text/html"] = redact(f"<p><b>{title}</b></p>" + table.to_html(
+            index=False, na_rep="", float_format="{:.3g}".format))
+    log = _LOG.get()
+    if log is not None and not (log.cell and table is not None):  # a cell's log ends as text
+        log.append(data)
+        return
+    from IPython.display import display
+
+    display(data, raw=True)
+
+
+@dataclass
+class Log:
+    """A bars_into block's Output (`cell`: ours, shown at its first line) and bars by id."""
+
+    out: Any
+    cell: bool
+    handle: Any = None  # the cell's display of `out`, once shown
+    bars: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def append(self, data: dict[str, Any]) -> None:
+        if self.cell and self.handle is None:
+            from IPython.display import display
+
+            self.handle = display(self.out, display_id=True)
+        self.out.outputs = self.kept() + (_output(data),)
+
+    def add(self, bar: Any) -> None:  # tqdm.notebook's display(bar)
+        self.bars[bar.model_id] = bar
+        self.append({VIEW: {"version_major": 2, "version_minor": 0, "model_id": bar.model_id},
+                     "text/plain": _line(bar)})
+
+    def kept(self, end: bool = False) -> tuple[dict[str, Any], ...]:
+        """The outputs but closed bars (a reload would say "model not found"); end: the open
+        bars, or else the last, as their line of text."""
+        out = []
+        for o in self.out.outputs:
+            bar = self.bars.get(o.get("data", {}).get(VIEW, {}).get("model_id"))
+            if bar is None or bar.comm is not None:
+                out.append(_output({"text/plain": _line(bar)}) if end and bar is not None else o)
+        if end and self.bars and all(b.comm is None for b in self.bars.values()):
+            out.append(_output({"text/plain": _line(list(self.bars.values())[-1])}))
+        return tuple(out)
+
+
+def _output(data: dict[str, Any]) -> dict[str, Any]:
+    return {"output_type": "display_data", "metadata": {}, "data": data}
+
+
+def _line(bar: Any) -> str:
+    """A notebook bar's text now: "storage: 100% 3/3 [00:02<00:00, 1.2s/round]"."""
+    left, _, right = bar.children
+    return " ".join(html.unescape(f"{left.value} {right.value}").split())
+
+
+@contextlib.contextmanager
+def bars_into(log: Any = None) -> Iterator[None]:
+    """In a kernel, the block's say() lines and tqdm.auto bars in `log` (None: an Output in the
+    cell), at its end the open bars, or else the last, as their line of text."""
+    if _LOG.get() is not None or not in_kernel():
+        yield
+        return
+    import ipywidgets
+    import tqdm.notebook as notebook
+
+    state = Log(log if log is not None else ipywidgets.Output(), cell=log is None)
+    token, shown = _LOG.set(state), notebook.display
+
+    def display(obj: Any, *args: Any, **kwargs: Any) -> None:
+        mine = _LOG.get()  # a bar made in another context goes where it went before
+        return shown(obj, *args, **kwargs) if mine is None else mine.add(obj)
+
+    notebook.display = display
+    try:
+        yield
+    finally:
+        notebook.display = shown
+        _LOG.reset(token)
+        state.out.outputs = state.kept(end=True)
+        for widget in (w for bar in state.bars.values() for w in (bar, *bar.children)):
+            widget.close()  # each bar is text now
+        if state.handle is not None:
+            state.handle.update({"text/plain": "\n".join(
+                o["data"]["text/plain"] for o in state.out.outputs)}, raw=True)
+            state.out.close()
+
+
+_LOG: contextvars.ContextVar[Log | None] = contextvars.ContextVar("diag_log", default=None)
+
+
 @contextlib.contextmanager
 def library_bars_off() -> Iterator[None]:
-    """transformers' and huggingface_hub's progress bars off for the block, as each was after.
-
-    huggingface_hub's switch is process-wide, and transformers, imported inside the block,
-    starts with its bars as huggingface_hub's are then: both are put back as they were before.
-    """
+    """transformers' and huggingface_hub's bars off for the block, then as each was (a
+    transformers imported inside starts as huggingface_hub's process-wide switch is then)."""
     try:
         from huggingface_hub import utils as hub
-    except ImportError:  # not installed: no bars of theirs to silence
+    except ImportError:  # no bars of theirs
         yield
         return
     hub_off = hub.are_progress_bars_disabled()

@@ -1,35 +1,31 @@
 """The notebook panel: pick the data source, model, sweep ranges and plan, press Run, and watch
-each experiment's table and figure appear as diag.diagnose measures it.
+each step's table and figure appear as diag.diagnose measures it.
 
-`panel()` returns the widget tree (no browser needed: a test calls `panel().run.click()` then
-`.wait()`); Run starts diag.diagnose.run_diagnose in a thread (so the kernel still hears Stop)
-with an `on_result` hook that draws the step's view into its own Output widget. Stop ends the
-step running now (the finished steps' views stay); a step that fails shows one line in its view
-and the other steps go on. Every table and text shown is redacted (diag.secrets).
+`panel()` returns the widget tree (a test calls `panel().run.click()` then `.wait()`). Run starts
+run_diagnose in a thread, so the kernel still hears Stop; a failed step is one line in its view
+and the others go on. Every table and text shown is redacted (diag.secrets).
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import contextvars
 import ctypes
 import io
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
 
-from diag import amdahl, plots
-from diag.config import DiagnoseConfig
-from diag.runner import Stopped
+from diag import amdahl, model_load, plots, storage
+from diag.config import DiagnoseConfig, quick_mode
+from diag.runner import Stopped, quiet
 from diag.secrets import redact, redact_frame
 
 PLANS = ("both", "naive", "optimized")
-# What a front end without the widgets extension shows instead of `VBox(children=...)`: the
-# widget view is preferred wherever it can be drawn, so only such a front end picks this.
+# What a front end without the widgets extension shows instead of `VBox(children=...)`
 NO_WIDGETS = ("The diag panel needs the Jupyter widgets front end in the environment JupyterLab "
               "runs from (not only in this kernel's): pip install jupyterlab_widgets (or "
               "ipywidgets) there, restart JupyterLab and reload the page. The cells below run "
@@ -37,34 +33,18 @@ NO_WIDGETS = ("The diag panel needs the Jupyter widgets front end in the environ
 View = Callable[[dict[str, pd.DataFrame]], list[Any]]
 
 
-def _storage(frames: dict[str, pd.DataFrame]) -> list[Any]:
-    from diag.storage import medians
-
-    return [medians(frames["storage"]), frames["storage_tax"],
-            plots.plot_storage(frames["storage"])]
-
-
-def _model_load(frames: dict[str, pd.DataFrame]) -> list[Any]:
-    from diag.model_load import medians
-
-    return [medians(frames["model_load"]), plots.plot_model_load(frames["model_load"])]
-
-
 def _runs(frames: dict[str, pd.DataFrame]) -> list[Any]:
     table = amdahl.shares(frames["run"])
     return [frames["qlora"] if "qlora" in frames else table, plots.plot_stage_shares(table)]
 
 
-def _amdahl(frames: dict[str, pd.DataFrame]) -> list[Any]:
-    table = amdahl.shares(frames["run"])
-    return [amdahl.findings(frames["run"]), plots.plot_amdahl(table)]
-
-
 # Diagnosis field (diag.diagnose.STEPS) -> what the panel shows once its step has measured
 VIEWS: dict[str, View] = {
     "info": lambda f: [f["info"]],
-    "storage": _storage,
-    "model_load": _model_load,
+    "storage": lambda f: [storage.medians(f["storage"]), f["storage_tax"],
+                          plots.plot_storage(f["storage"])],
+    "model_load": lambda f: [model_load.medians(f["model_load"]),
+                             plots.plot_model_load(f["model_load"])],
     "loader": lambda f: [f["loader_recommendation"], plots.plot_loader(f["loader"])],
     "loader_projected": lambda f: [f["loader_projected_recommendation"],
                                    plots.plot_loader(f["loader_projected"])],
@@ -74,7 +54,8 @@ VIEWS: dict[str, View] = {
     "qlora_projection": lambda f: [f["qlora_projection"]],
     "train": lambda f: [f["train_eta"], plots.plot_losses(f["train_losses"])],
     "runs": _runs,
-    "accum_advice": _amdahl,
+    "accum_advice": lambda f: [amdahl.findings(f["run"]),
+                               plots.plot_amdahl(amdahl.shares(f["run"]))],
 }
 
 
@@ -134,8 +115,7 @@ class Panel:
     sources: dict[str, Any] = field(default_factory=dict)  # other source flags (SourceConfig)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        # `panel()` as a cell's last line: the widget view, and for a front end that cannot
-        # draw widgets a notice saying what its environment lacks (not a text repr)
+        # the widget view; a front end that cannot draw it shows what its environment lacks
         bundle = dict(self.box._repr_mimebundle_(**kwargs) or {})
         bundle["text/plain"] = NO_WIDGETS
         bundle["text/html"] = f"<p class=diag-no-widgets><b>diag</b>: {NO_WIDGETS}</p>"
@@ -162,10 +142,7 @@ class Panel:
         line = redact(f"{name} failed: {type(error).__name__}: {error}".splitlines()[0][:300])
         self.failed[name] = line
         if name in self.outputs:
-            self.outputs[name].outputs = (
-                {"output_type": "display_data", "metadata": {},
-                 "data": {"text/plain": line,
-                          "text/html": f"<p class=diag-failed>{_esc(line)}</p>"}},)
+            self.outputs[name].outputs = (_mime(line),)
 
     def clear(self, cfg: DiagnoseConfig) -> None:
         """Empty every output and size the progress bar for cfg's steps."""
@@ -175,16 +152,10 @@ class Panel:
         self.failed, self.folder = {}, ""
 
 
-def _esc(text: str) -> str:
-    import html
-
-    return html.escape(text)
-
-
 def config_from(p: Panel) -> DiagnoseConfig:
     """The DiagnoseConfig the panel's fields describe (ValueError names a bad field)."""
     return DiagnoseConfig.default(
-        quick=p.quick.value or None, **p.settings, train=p.train.value,
+        quick=p.quick.value, **p.settings, train=p.train.value,
         budget=p.budget.value.strip(),
         source=p.source.value.strip(),
         model=p.model.value.strip(), plan=p.plan.value, **source_values(p.sources),
@@ -193,9 +164,8 @@ def config_from(p: Panel) -> DiagnoseConfig:
 
 
 def source_widgets(given: dict[str, Any]) -> dict[str, Any]:
-    """One widget per SourceConfig field but source and model (those lead the panel): the same
-    names, defaults and help as the CLI's flags; a value in `given` (panel(profile=...)) seeds
-    it."""
+    """One widget per SourceConfig field but source and model (they lead the panel), named as
+    the CLI's flags; a value in `given` (panel(profile=...)) seeds it."""
     import dataclasses
 
     import ipywidgets as w
@@ -241,14 +211,14 @@ def _step_count(cfg: DiagnoseConfig) -> int:
 
 def run_panel(p: Panel) -> None:
     """What Run does (in the calling thread): the diagnosis, each step's view drawn into its
-    Output as it arrives; a failed step gets one line and the others go on; Stop ends it."""
+    Output as it arrives, the plan and bars in the log (closed into text)."""
     from diag.diagnose import run_diagnose
 
     p.run.disabled, p.stop.disabled = True, False
     try:
         cfg = config_from(p)
         p.clear(cfg)
-        with _bars_into(p.log):  # in a kernel, tqdm.auto's bars land in the log widget
+        with quiet(p.log):
             with p.lock:
                 p.interruptible = True
             try:
@@ -269,43 +239,13 @@ def run_panel(p: Panel) -> None:
         p.stop_event.clear()
 
 
-@contextlib.contextmanager
-def _bars_into(log: Any) -> Iterator[None]:
-    """tqdm.notebook's bars shown in the log widget. They cannot be captured by `with log:` from
-    the run's thread: the front end keeps a capture hook only until the click's message is done,
-    so output that arrives later is dropped. Appending them to the widget's outputs works from
-    any thread (while it runs, a bar started elsewhere in this kernel lands there too)."""
-    try:
-        import tqdm.notebook as notebook
-    except ImportError:  # no IPython: plain tqdm on stderr
-        yield
-        return
-    from ipywidgets.widgets.widget import _instances as alive  # model_id -> open widget
-
-    def live() -> tuple[dict[str, Any], ...]:
-        # a bar with leave=False closes its widget; its entry would read "model not found"
-        return tuple(o for o in log.outputs if o.get("data", {}).get(
-            "application/vnd.jupyter.widget-view+json", {}).get("model_id", "") in alive)
-
-    def append(obj: Any, *args: Any, **kwargs: Any) -> None:
-        log.outputs = live()
-        log.append_display_data(obj)
-
-    shown, notebook.display = notebook.display, append
-    try:
-        yield
-    finally:
-        notebook.display = shown
-        log.outputs = live()
-
-
 def start(p: Panel) -> None:
     """The Run button: run_panel in a thread, so the kernel still handles Stop meanwhile."""
     if p.thread is not None and p.thread.is_alive():
         return
     p.stop_event.clear()
-    # in the click's context: the kernel routes the thread's output (tqdm's bars into the log
-    # widget) by the parent message kept in context variables; a bare thread's would be dropped
+    # in the click's context: the kernel routes a thread's output by the parent message kept
+    # in context variables (a bare thread's is dropped); quiet(p.log) is set in that copy
     context = contextvars.copy_context()
     p.thread = threading.Thread(target=context.run, args=(run_panel, p), name="diag-panel",
                                 daemon=True)
@@ -314,7 +254,7 @@ def start(p: Panel) -> None:
 
 def request_stop(p: Panel) -> None:
     """The Stop button: no further step starts, and the running one ends at its next Python
-    line (an asynchronous Stopped in the run's thread; its `finally` blocks clean up)."""
+    line (an asynchronous Stopped in the run's thread)."""
     p.stop_event.set()
     with p.lock:
         if p.interruptible and p.thread is not None and p.thread.is_alive():
@@ -323,11 +263,11 @@ def request_stop(p: Panel) -> None:
 
 
 def panel(source: str = "", model: str = "", workers: str = "", micro_batches: str = "",
-          plan: str = "both", quick: bool = False, **settings: Any) -> Panel:
+          plan: str = "both", quick: bool | None = None, **settings: Any) -> Panel:
     """Build the panel (nothing runs until Run is clicked). source: s3://bucket/key or "" for the
     embedded S3 server; model: org/name, a folder, or "" for the embedded tiny model; workers,
-    micro_batches: comma-separated sweep values, "" for each experiment's default; settings:
-    any other DiagnoseConfig field (out=, storage=False, ...), checked now."""
+    micro_batches: comma-separated sweep values ("": the default); quick: None = DIAG_QUICK;
+    settings: any other DiagnoseConfig field (out=, storage=False, ...), checked now."""
     import ipywidgets as w
 
     if plan not in PLANS:
@@ -342,7 +282,8 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
         workers=w.Text(workers, description="num_workers", placeholder="e.g. 0,1,2,4"),
         micro_batches=w.Text(micro_batches, description="micro-batch", placeholder="e.g. 2,8,16"),
         plan=w.ToggleButtons(options=PLANS, value=plan, description="plan"),
-        quick=w.Checkbox(quick, description="quick (test-sized)"),
+        quick=w.Checkbox(quick_mode() if quick is None else quick,
+                         description="quick (test-sized)"),
         train=w.Checkbox(settings.pop("train", False), description="then train (diag train)"),
         budget=w.Text(settings.pop("budget", ""), description="budget", placeholder="e.g. 15m"),
         run=w.Button(description="Run", button_style="primary", icon="play"),

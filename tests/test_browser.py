@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from diag.report import units
 from tests import browser as b
 from tests.conftest import FAKE_HF_TOKEN
+from tests.test_notebooks import QUIET, untidy
 from tests.report.test_report import write_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,8 +29,10 @@ if CHROMIUM is None:
         raise RuntimeError(WHY.replace("skipped", "required (DIAG_BROWSER_REQUIRED=1)"))
     pytest.skip(WHY, allow_module_level=True)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
-DIAGNOSE_S = 240  # the quick diagnosis behind the panel's Run (about 90 s on 2 busy cores)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]
+# the quick diagnosis behind the panel's Run: 229-262 s on 2 cores at load 4-8 (docs/example's
+# timings.csv), longer at load 10
+DIAGNOSE_S = 480
 
 
 def _no_error_outputs(path: Path) -> list[str]:
@@ -40,9 +42,11 @@ def _no_error_outputs(path: Path) -> list[str]:
 
 
 def _check_page(page, path: Path) -> None:
-    """No error output (saved notebook and page), no secret, nothing fetched from outside."""
+    """No error output (saved notebook and page), no secret, nothing fetched from outside; in
+    the saved notebook no repr, no bar left as a widget and, where diag is quiet, no stderr."""
     b.save(page)
     assert not _no_error_outputs(path), _no_error_outputs(path)
+    assert not untidy(path, quiet=path.name in QUIET), untidy(path, quiet=path.name in QUIET)
     text = page.content()
     assert "Traceback (most recent call last)" not in page.inner_text("body")
     assert FAKE_HF_TOKEN not in text and FAKE_HF_TOKEN not in path.read_text()
@@ -123,9 +127,21 @@ def test_tour_panel_run_in_jupyterlab_and_its_report(lab_kernels, tmp_path: Path
         b.wait_executed(page, "00_tour.ipynb", timeout_s=120)
         _check_page(page, lab.root / "00_tour.ipynb")
         _shot(page, tmp_path, "tour_after_all_cells")
+        # a reload draws every output again: the bars closed into text, none "model not found"
+        page.reload()
+        page.locator(".widget-button", has_text="Run").first.wait_for(timeout=60_000)
+        body = page.inner_text("body")
+        assert "model not found" not in body and re.search(r"diag\s+run:\s+100%", body), body[:600]
         assert folder.is_dir() and folder.is_relative_to(lab.root)
 
     _check_report(folder / "report.html", tmp_path)
+
+
+# the text a window shows before any scrolling: every text node whose element starts above 800 px
+FIRST_SCREEN = ("() => { const w = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);"
+                " const out = []; let n; while ((n = w.nextNode())) { const r ="
+                " n.parentElement.getBoundingClientRect(); if (r.top < 800 && r.height > 0)"
+                " out.push(n.textContent); } return out.join(' '); }")
 
 
 def _check_report(report: Path, tmp_path: Path) -> None:
@@ -141,10 +157,13 @@ def _check_report(report: Path, tmp_path: Path) -> None:
         assert all(i["complete"] and i["width"] > 0 and i["height"] > 0 for i in shown), shown
         assert not page.console_errors, page.console_errors
         assert not page.blocked, page.blocked
-        top = page.locator("h1").first.inner_text()
-        assert top.startswith("naive ") and f"{units.sig(head['speedup'])}x faster" in top, top
-        first_screen = page.evaluate("() => document.body.innerText.slice(0, 600)")
-        assert head["largest_stage"] in first_screen and "Top fix" in first_screen
+        # the first screen (1280 x 800): the verdict, the comparison with its ratio and its
+        # confidence, the top fix, as summary.json says them
+        page.set_viewport_size({"width": 1280, "height": 800})
+        first = " ".join(page.evaluate(FIRST_SCREEN).split())
+        for line in head["text"].split("\n")[:3]:
+            assert " ".join(line.split()).lower() in first.lower(), (line, first[:900])
+        page.set_viewport_size({"width": 1280, "height": 1600})
         said = page.evaluate(
             "() => Array.from(document.querySelectorAll('section.experiment')).map(s => {"
             " const p = s.querySelector('h2').nextElementSibling;"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from diag.runner import VIEW
 from tests.browser import chromium
 from tests.conftest import FAKE_HF_TOKEN, QUICK_RUN
 
@@ -50,14 +51,38 @@ def test_notebook_is_committed_thin(path: Path):
 
 # the tour reads the shared quick run's folder (its `results` parameter) instead of measuring
 # the whole diagnosis again in its kernel; the browser test's panel Run measures in a kernel.
-# The train notebook takes its plan and costs from that folder too (as `diag train --results`)
+# The train notebook takes its plan and costs from that folder too (as `diag train --results`),
+# and the stage-shares notebook the QLoRA job's runs
 TOUR = "00_tour.ipynb"
-FROM_QUICK_RUN = {TOUR, "07_train.ipynb"}
+FROM_QUICK_RUN = {TOUR, "05_stage_shares.ipynb", "07_train.ipynb"}
 # Run in JupyterLab by tests/test_browser.py (every cell in a real kernel, then the same checks:
 # no error output, no secret in the saved notebook): papermill runs them only where those tests
 # cannot run, so that no notebook goes untested
 IN_BROWSER = {TOUR, "03_num_workers.ipynb"}
 BROWSER_SKIP = pytest.mark.skip(reason="run in JupyterLab in chromium by tests/test_browser.py")
+
+
+# diag's calls in these leave no warning and nothing else on stderr (diag.runner.quiet)
+QUIET = {TOUR, "01_storage.ipynb", "02_model_load.ipynb", "03_num_workers.ipynb",
+         "04_grad_accum.ipynb", "05_stage_shares.ipynb", "06_qlora.ipynb", "07_train.ipynb"}
+
+
+def untidy(path: Path, quiet: bool = True) -> list[str]:
+    """What a person should not see in a saved notebook: a repr as a cell's result (text only,
+    e.g. `<Axes: ...>`, `PosixPath(...)`), a widget left behind by a progress bar (a reload or a
+    later reader sees "model not found"; the panel itself is the one widget), and with quiet
+    anything on stderr (warnings, the plan, diag's lines)."""
+    out = []
+    for cell in json.loads(path.read_text())["cells"]:
+        for o in cell.get("outputs", []) if cell["cell_type"] == "code" else []:
+            data, head = o.get("data", {}), "".join(cell["source"])[:60]
+            if o["output_type"] == "execute_result" and set(data) == {"text/plain"}:
+                out.append(f"a repr: {head!r} -> {''.join(data['text/plain'])[:80]!r}")
+            if VIEW in data and "diag-no-widgets" not in "".join(data.get("text/html", "")):
+                out.append(f"a widget left behind: {head!r}")
+            if quiet and o.get("name") == "stderr":
+                out.append(f"stderr: {head!r} -> {''.join(o['text'])[:200]!r}")
+    return out
 
 
 def _marks(path: Path) -> list[pytest.MarkDecorator]:
@@ -86,6 +111,7 @@ def test_notebook_executes(path: Path, tmp_path: Path, request):
     errors = [o for c in executed["cells"] if c["cell_type"] == "code"
               for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
+    assert not untidy(out, quiet=path.name in QUIET), untidy(out, quiet=path.name in QUIET)
     text = out.read_text()
     assert os.environ["HF_TOKEN"] == FAKE_HF_TOKEN  # set by conftest for every test
     assert FAKE_HF_TOKEN not in text

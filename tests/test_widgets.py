@@ -32,6 +32,16 @@ def test_panel_is_a_widget_tree_with_every_control():
         [0, 2], [2, 16], "naive", "", "")
 
 
+def test_the_quick_box_shows_what_diag_quick_makes_every_run(monkeypatch):
+    monkeypatch.setenv("DIAG_QUICK", "1")
+    p = widgets.panel()
+    assert p.quick.value is True and widgets.config_from(p).quick_experiments
+    p.quick.value = False  # unticked: a full-sized run even with DIAG_QUICK set
+    assert not widgets.config_from(p).quick_experiments
+    monkeypatch.setenv("DIAG_QUICK", "")
+    assert widgets.panel().quick.value is False and widgets.panel(quick=True).quick.value
+
+
 def test_bad_fields_name_the_field():
     with pytest.raises(ValueError, match="num_workers='0,x'"):
         widgets.panel(workers="0,x")

@@ -215,12 +215,11 @@ class Budget:
         return pd.concat([out, pd.DataFrame([whole])], ignore_index=True)
 
     def say(self, spent: bool = False) -> None:
-        """show() beside the progress bar: on stderr, as the bar (a --json result stays JSON)."""
-        import sys
+        """show() on stderr beside the progress bar (a --json result stays JSON); in a Jupyter
+        kernel its table (diag.runner.show)."""
+        from diag.runner import say
 
-        from tqdm.auto import tqdm
-
-        tqdm.write(self.show(spent), file=sys.stderr)
+        say(self.show(spent), self.frame() if spent else self.plan())
 
     def show(self, spent: bool = False) -> str:
         """The plan before the first step (spent: estimated vs spent after the last), as lines."""

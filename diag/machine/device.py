@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from diag.machine.disks import disks
 from diag.machine.gpus import _dtype, dense_peak_flops, find_gpu  # noqa: F401  (re-exported)
+from diag.runner import quietly
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -69,14 +70,14 @@ def cpu_threads(device: Any = "auto") -> Iterator[None]:
 
 
 def on_cpu_threads(run: Run) -> Run:
-    """run(cfg, ...) under cpu_threads(cfg.device): every experiment's entry point."""
+    """run(cfg, ...) under cpu_threads(cfg.device), quietly: every experiment's entry point."""
 
     @functools.wraps(run)
     def wrapper(cfg: Any = None, *args: Any, **kwargs: Any) -> Any:
         with cpu_threads(getattr(cfg, "device", "auto")):
             return run(cfg, *args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return quietly(wrapper)  # type: ignore[return-value]
 
 
 def cpu_matmul_probe(size: int = 1024, repeats: int = 9, dtype: str = "fp32") -> list[float]:

@@ -22,6 +22,7 @@ from diag.model_load.source import (Source, cache_dir_for, failure, job,
                                     not_in_user_cache, offline_env, open_source, overrides,
                                     pin_to_cache)
 from diag.model_load.worker import run_worker
+from diag.runner import quietly
 from diag.secrets import redact
 from diag.timing import LOAD_PARTS
 
@@ -95,6 +96,7 @@ def _rows(result: dict[str, Any], note: str, **keys: Any) -> list[dict[str, Any]
     return [{**r, **keys, "device": result["device"]} for r in rows]
 
 
+@quietly
 def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     """Load cfg.model in each scenario, interleaved per repeat, after cfg.warmup unreported loads;
     the user's own cache is only read unless cfg.repair_cache."""

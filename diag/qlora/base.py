@@ -131,9 +131,11 @@ def load_base(plan: Plan, folder: Path, device: Any) -> Any:
         # a checkpoint), and a resumed run would train on another base than the run it left
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
-    return prepare_model_for_kbit_training(
-        model, use_gradient_checkpointing=plan.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False})  # what torch recommends
+    # checkpointing by transformers 5's name (peft's own call uses the deprecated one)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if plan.gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})  # what torch recommends
+    return model
 
 
 REUSED = "measured once per plan, as its base first loaded: this round reused that base, a " \

@@ -14,16 +14,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from diag.runner import say  # stderr beside the bar; text in a kernel
 from diag.timing import StageTimer
 
 STEP_PARTS = ("data_wait", "h2d", "compute", "comm_wait", "other")
-
-
-def say(line: str) -> None:
-    """A line beside the progress bar (stderr, as the bar: a --json result stays JSON)."""
-    from tqdm.auto import tqdm
-
-    tqdm.write(line, file=sys.stderr)
 
 
 def shares_so_far(timer: StageTimer) -> str:
@@ -88,8 +82,7 @@ class Progress(TrainerCallback):
         self.bar.update(1)
         if self.every and state.global_step % self.every == 0 and state.global_step < \
                 state.max_steps:
-            self.bar.write(f"step {state.global_step}: stage shares so far: "
-                           f"{shares_so_far(self.timer)}", file=sys.stderr)
+            say(f"step {state.global_step}: stage shares so far: {shares_so_far(self.timer)}")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.bar is not None:

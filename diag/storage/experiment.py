@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from diag.config.source import data_file
 from diag.decision import Decision, MeasuredOn
 from diag.files import scratch_folder
+from diag.runner import quietly
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
 from diag.storage.methods import (PULLS, RANGED, local_reads, nvme_reads, pull, read_local,
@@ -140,6 +141,7 @@ def _landed_files(url: S3Url, root: Path) -> list[Path]:
     return [landed] if landed.is_file() else sorted(p for p in landed.rglob("*") if p.is_file())
 
 
+@quietly
 def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
     """The measurements, the re-pull tax at cfg's dataset size and price, and the advice."""
     import pandas as pd
