@@ -35,7 +35,8 @@ def test_demo_writes_every_experiment_and_prints_path_and_the_story(demo):
             "accum.png", "checkpointing.csv", "decisions.csv", "loader.csv", "loader_stalls.csv",
             "loader_lines.csv", "loader_recommendation.csv", "loader.png"} <= names
     page = (out / "report.html").read_text()
-    assert page.count('src="data:image/png;base64,') == 7
+    # every figure of the folder is on the page, once
+    assert page.count('src="data:image/png;base64,') == len(list(out.glob("*.png"))) >= 7
 
 
 @pytest.mark.slow

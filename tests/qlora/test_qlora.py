@@ -180,7 +180,7 @@ def test_savings_and_advice(both):
     # the step stages: whether the runs met the naive step timed before them, in words
     for stage in ("warmup", "train"):
         assert "timed before them: " in saved.at[stage, "evidence"]
-        assert re.search(r"\(\d+ \+ 2 samples, spread", saved.at[stage, "evidence"])
+        assert re.search(r"\d+ \+ 2 samples, spread", saved.at[stage, "evidence"])
     # measured: the runs' costs at their own counts, on the clock compared
     costs = both.costs[(both.costs["when"] == "runs") & (both.costs["clock"] == "CPU")]
     train = costs[costs["stage"] == "train"].set_index("plan")["seconds"]
