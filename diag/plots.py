@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+    from diag.decision import Decision
+
 # Compute is the only share a GPU upgrade shortens: green. Data stages warm colours.
 STAGE_COLORS = {
     "fetch_data": "#d62728", "load_model": "#9467bd", "preprocess": "#8c564b", "setup": "#dbdb8d",
@@ -201,49 +203,73 @@ def plot_model_load(frame: pd.DataFrame) -> Figure:
     return fig
 
 
-def plot_accum(frame: pd.DataFrame) -> Figure:
-    """Grad-accum sweep: median tokens/s per micro_batch x grad_accum (MFU beside it, OOM
-    marked), and median seconds per step beside the floor (the step at 100% of the peak)."""
+def _marks(fig: Figure, decision: Decision | None) -> None:
+    """The legend of a decision's marks: the chosen point, the default, those within noise."""
+    from matplotlib.patches import Patch
+
+    if decision is None:
+        return
+    name = decision.setting.replace("_", "-")
+    chosen = Patch(color=STAGE_COLORS["compute"], label=f"chosen: {name} {decision.value}")
+    fig.legend(handles=[chosen,
+                        Patch(facecolor="white", edgecolor="black", hatch="//",
+                              label=f"default: {name} {decision.baseline}"),
+                        Patch(color=STAGE_COLORS["compute"], alpha=0.45,
+                              label="within noise of the fastest")],
+              fontsize=7, loc="outside lower center", ncols=3, frameon=False)
+
+
+def plot_accum(frame: pd.DataFrame, decision: Decision | None = None) -> Figure:
+    """Grad-accum sweep on the decision's clock (CPU seconds on a CPU, else wall): tokens/s and
+    seconds per step per micro_batch x grad_accum, medians as bars, the repeats as dots, the
+    floor (100% of the peak) on the wall clock; the chosen point, the default and the points
+    within noise of the fastest marked; an OOM point named in its bar's place."""
     keys = ["micro_batch", "grad_accum"]
-    need = {*keys, "tokens_per_s", "seconds_per_step", "floor_s", "status"}
+    need = {*keys, "tokens_per_step", "seconds_per_step", "cpu_s", "floor_s", "status"}
     if frame.empty or not need <= set(frame.columns):
         raise ValueError("frame must be the accum sweep (run_accum().frame): "
                          + ", ".join(sorted(need)))
+    cpu = decision is not None and decision.clock == "CPU"
+    col, unit = ("cpu_s", "CPU s") if cpu else ("seconds_per_step", "s")
     status = frame.groupby(keys, sort=False)["status"].first()
-    medians = frame[frame["status"] == "ok"].reindex(columns=[
-        *keys, "tokens_per_s", "seconds_per_step", "floor_s", "mfu"]).groupby(keys).median()
-    fig = _figure(10, 1.4 + 0.45 * len(status))
+    ok = frame[frame["status"] == "ok"]
+    tied = {decision.value, *decision.tied} if decision else set()
+    fig = _figure(10, 1.6 + 0.45 * len(status))
     rate, step = fig.subplots(1, 2, sharey=True)
     for i, point in enumerate(status.index):
-        if point not in medians.index:  # "oom": no bar, the status in its place
+        part = ok[(ok["micro_batch"] == point[0]) & (ok["grad_accum"] == point[1])]
+        if part.empty:  # "oom": no bar, the status in its place
             rate.text(0, i, f" {status[point]}", va="center", fontsize=8,
                       color=STAGE_COLORS["fetch_data"])
             continue
-        tps, sps, floor, mfu = medians.loc[point]
-        rate.barh(i, tps, color=STAGE_COLORS["compute"])
-        rate.text(tps, i, f"  {tps:,.0f}" + (f"  MFU {mfu:.1%}" if mfu == mfu else ""),
-                  va="center", fontsize=8)
-        step.barh(i, sps, color=STAGE_COLORS["compute"], alpha=0.8)
-        step.text(sps, i, f"  {sps:.3g} s", va="center", fontsize=8)
-        if floor == floor:
+        look = {"color": STAGE_COLORS["compute"], "alpha": 1.0 if decision is None or
+                point[0] == decision.value else 0.45 if point[0] in tied else 0.15,
+                "hatch": "//" if decision and point[0] == decision.baseline else None,
+                "edgecolor": "black"}
+        for ax, values in ((rate, part["tokens_per_step"] / part[col]), (step, part[col])):
+            ax.barh(i, values.median(), **look)
+            ax.plot(values, [i] * len(values), ".", color="black", markersize=3)
+        floor = part["floor_s"].iloc[0]
+        if not cpu and floor == floor:
             step.plot([floor, floor], [i - 0.4, i + 0.4], color="black", linewidth=2,
-                      label="_floor" if step.lines else "floor: 100% of the peak")
+                      label="floor: 100% of the peak")
     rate.set_yticks(range(len(status)), [f"{m} x {a}" for m, a in status.index], fontsize=8)
     rate.invert_yaxis()
-    rate.set(ylabel="micro_batch x grad_accum", xlabel="tokens/s (median)")
-    step.set_xlabel("seconds per optimizer step (median)")
-    if step.lines:
-        step.legend(fontsize=7, loc="lower right")
-    rate.margins(x=0.35)  # shared y: the x margins are each axes' own
-    step.margins(x=0.35)
-    tokens = int(frame["tokens_per_step"].iloc[0]) if "tokens_per_step" in frame else 0
-    fig.suptitle(f"Gradient accumulation at {tokens:,} tokens per step", fontsize=10)
+    rate.set(ylabel="micro_batch x grad_accum", xlabel=f"tokens per {unit} (median; repeats: dots)")
+    step.set_xlabel(f"{unit} per optimizer step" + ("" if cpu else " (black bar: the floor at "
+                                                     "100% of the peak)"))
+    _marks(fig, decision)
+    tokens = int(frame["tokens_per_step"].iloc[0])
+    fig.suptitle(f"Gradient accumulation at {tokens:,} tokens per step, on the "
+                 f"{'CPU' if cpu else 'wall'} clock", fontsize=10)
     return fig
 
 
-def plot_loader(frame: pd.DataFrame, target_share: float = DATA_WAIT_GOAL) -> Figure:
+def plot_loader(frame: pd.DataFrame, target_share: float = DATA_WAIT_GOAL,
+                decision: Decision | None = None) -> Figure:
     """data_wait share of the step per num_workers, a line of medians per pipeline, the repeats
-    as dots, the target dashed; failed settings are left out (their error is in the table)."""
+    as dots, the target dashed, the chosen num_workers shaded; failed settings are left out
+    (their error is in the table)."""
     need = {"pipeline", "num_workers", "data_wait_share"}
     if frame.empty or not need <= set(frame.columns):
         raise ValueError("frame must be diag.loader.sweep_workers(): pipeline, num_workers, "
@@ -255,6 +281,9 @@ def plot_loader(frame: pd.DataFrame, target_share: float = DATA_WAIT_GOAL) -> Fi
         line, = ax.plot(medians.index, medians.values, "o-", label=pipeline)
         ax.plot(part["num_workers"], part["data_wait_share"] * 100, ".", color=line.get_color(),
                 alpha=0.5)
+    if decision is not None:
+        ax.axvline(decision.value, color="black", alpha=0.15, linewidth=10,
+                   label=f"chosen: num_workers {decision.value} (default {decision.baseline})")
     ax.axhline(target_share * 100, color="black", linestyle="--", linewidth=1,
                label=f"target {target_share:.0%}")
     step = frame["step_s"].median() if "step_s" in frame else float("nan")

@@ -1,3 +1,4 @@
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -7,6 +8,8 @@ from matplotlib.figure import Figure
 from diag import amdahl, plots
 from diag.timing import STAGES
 from tests.test_amdahl import constructed
+
+EXAMPLE = Path(__file__).parents[1] / "docs" / "example"
 
 
 def two_runs():
@@ -127,3 +130,24 @@ def test_the_timeline_stacks_each_step_by_its_stages_per_run():
     assert tops == pytest.approx(per_step.to_dict())
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert legend == ["data_wait", "compute"]  # only stages that took time: none invisible
+
+
+def test_a_decisions_figure_is_drawn_on_its_clock_with_its_choice_marked():
+    """The example run's micro-batch decision compared CPU seconds: its figure's bars are the
+    CPU-second medians, the chosen point the one solid bar, the default hatched."""
+    from diag.decision import by_setting, read
+
+    frame = pd.read_csv(EXAMPLE / "accum.csv")
+    chosen = by_setting(read(pd.read_csv(EXAMPLE / "decisions.csv")))["micro_batch"]
+    assert chosen.clock == "CPU"
+    fig = plots.plot_accum(frame, chosen)
+    assert "CPU clock" in fig.get_suptitle()
+    step = fig.axes[1]
+    bars = [p for p in step.patches if p.get_width() > 0]
+    points = list(frame.groupby(["micro_batch", "grad_accum"], sort=False).groups)
+    medians = frame.groupby(["micro_batch", "grad_accum"], sort=False)["cpu_s"].median()
+    assert [b.get_width() for b in bars] == pytest.approx(list(medians))  # not the wall seconds
+    solid = [m for (m, _), b in zip(points, bars) if b.get_alpha() == 1.0]
+    assert solid == [chosen.value]
+    hatched = [m for (m, _), b in zip(points, bars) if b.get_hatch()]
+    assert hatched == [chosen.baseline]

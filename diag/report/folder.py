@@ -21,6 +21,7 @@ from typing import Any
 import pandas as pd
 
 from diag import amdahl, plots
+from diag.decision import by_setting, read
 from diag.files import atomic_file, atomic_folder
 from diag.report.page import page
 from diag.report.units import seconds
@@ -35,6 +36,7 @@ EXPERIMENT_FIGURES = {"storage": "plot_storage", "model_load": "plot_model_load"
                       "accum": "plot_accum",
                       "loader": "plot_loader", "train_losses": "plot_losses",
                       "qlora_losses": "plot_losses"}
+MARKED = {"accum": "micro_batch", "loader": "num_workers"}  # the decision each figure shows
 
 
 def versions() -> dict[str, str]:
@@ -232,9 +234,12 @@ def figures(frames: dict[str, pd.DataFrame],
     ranked = _ranked(frames)
     if ranked is not None:
         out["ranks"] = plots.plot_ranks(stragglers.per_rank(ranked))
+    chose = by_setting(read(frames["decisions"])) if "decisions" in frames else {}
     for name, function in EXPERIMENT_FIGURES.items():
         if name in frames and hasattr(plots, function):
-            out[name] = getattr(plots, function)(frames[name])
+            # a decision's figure: on its clock, its chosen point, default and ties marked
+            mark = {"decision": chose[MARKED[name]]} if MARKED.get(name) in chose else {}
+            out[name] = getattr(plots, function)(frames[name], **mark)
     return out
 
 
