@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from diag.config import duration_s
+from diag.forecast.eta import duration as clock
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -43,12 +44,6 @@ PULL_BYTES_PER_S = 200e6  # one method's pull of an object or range from the obj
 def default(quick: bool, device_type: str) -> str:
     """--budget "": a one-off cloud check on a GPU box, the embedded diagnosis on a CPU box."""
     return QUICK_DEFAULT if quick else GPU_DEFAULT if device_type == "cuda" else CPU_DEFAULT
-
-
-def clock(value: float) -> str:
-    """Seconds as a person reads them: 45 s, 3.5 min, 1.2 h."""
-    return f"{value:.0f} s" if value < 120 else f"{value / 60:.3g} min" if value < 7200 \
-        else f"{value / 3600:.3g} h"
 
 
 @dataclass(frozen=True)

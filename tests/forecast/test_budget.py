@@ -96,7 +96,7 @@ def test_the_plan_comes_first_and_storage_keeps_its_share(shards, tmp_path):
     assert head in err and err.index(head) < re.search(r"diag run: +0%", err).start()
     plan = err[err.index(head) + len(head):].splitlines()[:len(steps(cfg))]
     assert [s.name for s in steps(cfg)] == [p.strip().split("  ")[0] for p in plan]
-    assert "sample of whole objects sized to this share" in plan[1]
+    assert "a sample sized to this share" in plan[1]
     after = err.index(f"diag run: budget {least:g}s, estimated vs spent:")
     assert after > re.search(r"diag run: +100%", err).start()
     assert done.stdout.splitlines()[0] == f"wrote {out / 'report.html'}"
