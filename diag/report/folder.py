@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 
 from diag import amdahl, plots
-from diag.decision import by_setting, read
+from diag.decision import read
 from diag.files import atomic_file, atomic_folder
 from diag.report.page import page
 from diag.report.units import seconds
@@ -234,7 +234,9 @@ def figures(frames: dict[str, pd.DataFrame],
     ranked = _ranked(frames)
     if ranked is not None:
         out["ranks"] = plots.plot_ranks(stragglers.per_rank(ranked))
-    chose = by_setting(read(frames["decisions"])) if "decisions" in frames else {}
+    chose: dict[str, Any] = {}
+    for d in read(frames["decisions"]) if "decisions" in frames else ():
+        chose.setdefault(d.setting, d)  # the measured sweep's, before a projection's
     for name, function in EXPERIMENT_FIGURES.items():
         if name in frames and hasattr(plots, function):
             # a decision's figure: on its clock, its chosen point, default and ties marked
