@@ -1,9 +1,7 @@
-"""What can be refused before the first experiment: seconds, not minutes, and nothing left behind.
+"""What can be refused before the first experiment, in seconds and leaving nothing behind.
 
-`preflight(cfg, job)` checks what cfg's command uses, in the order a run meets it: the folders it
-writes, the model, the source (one listing with every source flag, a HEAD of a shard) and, for
-`job`, the first records of the first shard read and tokenized as the job does (pyarrow, json
-and `tokenizers` only: no torch). A refusal is one line naming the flag or variable.
+`preflight(cfg, job)` checks, in the order a run meets them, the folders, the model, the source
+and (for `job`) the first shard's records as the job reads them (no torch). A refusal is one line.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ _COVERED: ContextVar[bool] = ContextVar("diag_preflight_covered", default=False)
 
 
 def preflight(cfg: SourceConfig, job: QLoraConfig | None = None) -> None:
-    """Every check that applies to cfg (and to job's records); a no-op inside `covered()`, where
-    a recipe's own preflight has checked its steps' configs."""
+    """Every check that applies to cfg (and job's records); a no-op inside `covered()`."""
     if _COVERED.get():
         return
     check_folders(cfg)
@@ -53,7 +50,7 @@ def preflight(cfg: SourceConfig, job: QLoraConfig | None = None) -> None:
 
 @contextlib.contextmanager
 def covered() -> Iterator[None]:
-    """Steps run inside are covered by the recipe's preflight: theirs is not made again."""
+    """Steps run inside are covered by the recipe's preflight: theirs is skipped."""
     token = _COVERED.set(True)
     try:
         yield
@@ -62,8 +59,7 @@ def covered() -> Iterator[None]:
 
 
 def check_folders(cfg: SourceConfig) -> None:
-    """The folders cfg's command writes into: each must be (or be makeable as) a folder diag
-    can read and write."""
+    """The folders cfg's command writes into: each must be (or be makeable as) a usable folder."""
     home = diag_home()
     check_writable(home, "DIAG_HOME" + ("" if os.environ.get("DIAG_HOME") else " (unset)"),
                    "diag may keep its caches and assets in")
@@ -78,8 +74,8 @@ def check_folders(cfg: SourceConfig) -> None:
 
 
 def check_writable(path: Path, setting: str, allowed: str) -> None:
-    """Refuse a folder diag would write into that is a file, lies under one, or cannot be read or
-    written (a probe file made and removed there, or in the nearest folder above)."""
+    """Refuse a folder that is a file, lies under one, or cannot be read or written (a probe file
+    there, or in the nearest folder above)."""
     where = f"{setting}={str(path)!r}"
     try:
         found = next(p for p in (path, *path.parents) if p.exists())
@@ -101,8 +97,8 @@ def check_writable(path: Path, setting: str, allowed: str) -> None:
 
 
 def check_source(cfg: SourceConfig, data: bool = True) -> list[Any]:
-    """List --source with every source flag; returns the objects found. data=True (the job
-    trains on them) also asks for at least one record file, and HEADs the first."""
+    """List --source with every source flag: the objects found; data=True: at least one record
+    file, and HEAD the first."""
     from diag.storage import list_remote, parse_url, source_client
     from diag.storage.objectstore import S3Url
 
@@ -123,8 +119,8 @@ def check_source(cfg: SourceConfig, data: bool = True) -> list[Any]:
 
 
 def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> None:
-    """The first shard's first records, read as the job reads them and held to its rules: no
-    prompt may fill --seq-len, and (the sample being the whole source) each step needs a record."""
+    """The first shard's first records held to the job's rules: no prompt may fill --seq-len,
+    and (the sample being the whole source) each step needs a record."""
     from diag.config import DiagnoseConfig
     from diag.data.records import read_source
     from diag.files import scratch_folder
@@ -132,16 +128,14 @@ def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> No
 
     tmp = scratch_folder("diag-preflight")
     try:
-        sample = sample_shard(_opener(source_client(cfg), parse_url(cfg.source)), objects[0],
-                              tmp)
+        sample = sample_shard(_opener(source_client(cfg), parse_url(cfg.source)), objects[0], tmp)
         if sample is None:
             return
         records = read_source(sample[0], job.fields(), on_error=job.on_error,
                               limit=job.records)[0]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = _tokenizer_dir(cfg)
-    filled = _prompts_filling(job, records, tokenizer) if tokenizer is not None else []
+    filled = _prompts_filling(job, records, _tokenizer_dir(cfg))
     if filled and job.on_error == "raise":
         i, tokens = filled[0]
         raise ValueError(f"--seq-len={job.seq_len}: record {i + 1} of {cfg.source}: its prompt is "
@@ -154,12 +148,14 @@ def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> No
                          f"each optimizer step needs at least one: lower {steps} or add records")
 
 
-def _prompts_filling(job: QLoraConfig, records: list[dict[str, Any]], tokenizer_dir: Path
+def _prompts_filling(job: QLoraConfig, records: list[dict[str, Any]], tokenizer_dir: Path | None
                      ) -> list[tuple[int, int]]:
-    """(index, prompt tokens) of each record whose prompt (BOS included) fills job.seq_len, by
-    the text pipeline the job tokenizes with (a chat record through the model's template)."""
+    """(index, prompt tokens) of each record whose prompt (BOS included) fills job.seq_len, as
+    the job tokenizes it; none without a local tokenizer."""
     from diag.data.text import encode_pairs, load_tokenizer
 
+    if tokenizer_dir is None:
+        return []
     tokenizer = load_tokenizer(str(tokenizer_dir))
     prompts, _ = encode_pairs(tokenizer, records)
     return [(i, len(p)) for i, p in enumerate(prompts) if len(p) >= job.seq_len]
@@ -167,7 +163,7 @@ def _prompts_filling(job: QLoraConfig, records: list[dict[str, Any]], tokenizer_
 
 def sample_shard(open_shard: Any, obj: Any, folder: Path) -> tuple[Path, bool] | None:
     """The shard's first records as a plain file in folder, and whether that is all of it (None:
-    nothing to check); open_shard(obj): the shard as a seekable binary file."""
+    nothing to check); open_shard(obj): a seekable binary file."""
     name = Path(obj.key).name
     shard = io.BufferedReader(open_shard(obj), SAMPLE_BYTES)
     if not name.endswith(".parquet"):
@@ -175,8 +171,8 @@ def sample_shard(open_shard: Any, obj: Any, folder: Path) -> tuple[Path, bool] |
             import pyarrow as pa
 
             codec = {".gz": "gzip", ".zst": "zstd"}[Path(name).suffix]
-            shard, name = io.BufferedReader(pa.CompressedInputStream(shard, codec)), \
-                Path(name).stem
+            shard = io.BufferedReader(pa.CompressedInputStream(shard, codec))
+            name = Path(name).stem
         body = shard.read(SAMPLE_BYTES)
         whole = len(shard.read(1)) == 0
         body = body if whole else body[:body.rfind(b"\n") + 1]
@@ -226,7 +222,7 @@ def _opener(client: Any, url: Any) -> Any:
 
 class _Ranges(io.RawIOBase):
     """A remote file as a seekable file of ranged GETs (`get(obj, first, last)`): pyarrow reads
-    a Parquet file's footer and the pages it asks for, nothing else."""
+    a Parquet file's footer and the pages it asks for."""
 
     def __init__(self, obj: Any, get: Any) -> None:
         self.obj, self.get, self.size, self.pos = obj, get, obj.size, 0
@@ -236,9 +232,6 @@ class _Ranges(io.RawIOBase):
 
     def seekable(self) -> bool:
         return True
-
-    def tell(self) -> int:
-        return self.pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset
@@ -255,8 +248,7 @@ class _Ranges(io.RawIOBase):
 
 
 def _tokenizer_dir(cfg: SourceConfig) -> Path | None:
-    """The model's tokenizer folder when it is on this machine: the embedded model's, a local
-    folder, or a hub id's cached snapshot (None: not yet downloaded; the job checks it then)."""
+    """The model's tokenizer folder when it is on this machine (None: not yet downloaded)."""
     if not cfg.model:
         from diag.embedded import ensure_assets
 
