@@ -62,16 +62,14 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 
 
 def temp_path(target: str | os.PathLike[str]) -> Path:
-    """`.<name>.tmp-<pid>-<8 hex>` beside target: hidden, unique per writer, its pid for
-    `sweep_orphans`."""
+    """`.<name>.tmp-<pid>-<8 hex>` beside target: hidden, unique, its pid for `sweep_orphans`."""
     target = Path(target)
     return target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """`with atomic_file(path) as tmp:` write tmp; a clean exit fsyncs it and renames it over
-    path, an error removes it."""
+    """`with atomic_file(path) as tmp:` write tmp; a clean exit fsyncs and renames it over path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
@@ -138,8 +136,7 @@ def sweep_orphans(folder: str | os.PathLike[str]) -> None:
 
 
 def scratch_folder(name: str, base: str | os.PathLike[str] | None = None) -> Path:
-    """A new empty folder for one run's scratch in base (default: the system's temp folder);
-    what a killed run left there is swept by the next start."""
+    """A new empty scratch folder in base (default: the temp folder); a killed run's is swept."""
     base = Path(base) if base else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     sweep_orphans(base)

@@ -50,8 +50,7 @@ def spread(samples: Sequence[float]) -> float:
 
 
 def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
-    """The median and its distribution-free interval (order statistics k and n-k+1; under 6
-    values: the smallest and the largest)."""
+    """The median and its distribution-free interval (under 6 values: the smallest, the largest)."""
     xs, n = sorted(values), len(values)
     k, tail = 0, 0.0
     while tail + math.comb(n, k) / 2 ** n <= (1 - level) / 2:
@@ -221,6 +220,5 @@ WALL, CPU = Clock("wall", "seconds", "s"), Clock("CPU", "cpu_s", "CPU s")
 
 
 def clock(device: Any) -> Clock:
-    """The one rule: CPU seconds on a CPU (a shared box's wall seconds move with its
-    neighbours), wall on an accelerator; waits and shares are always wall."""
+    """CPU seconds on a CPU (a shared box's wall moves with its neighbours), else wall."""
     return CPU if str(device).split(":")[0] == "cpu" else WALL

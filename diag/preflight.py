@@ -60,8 +60,7 @@ def covered() -> Iterator[None]:
 
 def check_folders(cfg: SourceConfig) -> None:
     """The folders cfg's command writes into: each must be (or be makeable as) a usable folder."""
-    home = diag_home()
-    check_writable(home, "DIAG_HOME" + ("" if os.environ.get("DIAG_HOME") else " (unset)"),
+    check_writable(diag_home(), "DIAG_HOME" + ("" if os.environ.get("DIAG_HOME") else " (unset)"),
                    "diag may keep its caches and assets in")
     out = getattr(cfg, "out", None)
     if out is not None:  # new or empty now, not only when the config was made
@@ -74,8 +73,7 @@ def check_folders(cfg: SourceConfig) -> None:
 
 
 def check_writable(path: Path, setting: str, allowed: str) -> None:
-    """Refuse a folder that is a file, lies under one, or cannot be read or written (a probe file
-    there, or in the nearest folder above)."""
+    """Refuse a folder that is a file, lies under one, or cannot be read or written."""
     where = f"{setting}={str(path)!r}"
     try:
         found = next(p for p in (path, *path.parents) if p.exists())
@@ -97,8 +95,7 @@ def check_writable(path: Path, setting: str, allowed: str) -> None:
 
 
 def check_source(cfg: SourceConfig, data: bool = True) -> list[Any]:
-    """List --source with every source flag: the objects found; data=True: at least one record
-    file, and HEAD the first."""
+    """The objects --source lists; data=True: only record files (at least one; the first HEADed)."""
     from diag.storage import list_remote, parse_url, source_client
     from diag.storage.objectstore import S3Url
 
@@ -123,6 +120,7 @@ def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> No
     and (the sample being the whole source) each step needs a record."""
     from diag.config import DiagnoseConfig
     from diag.data.records import read_source
+    from diag.data.text import encode_pairs, load_tokenizer
     from diag.files import scratch_folder
     from diag.storage import parse_url, source_client
 
@@ -135,7 +133,10 @@ def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> No
                               limit=job.records)[0]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    filled = _prompts_filling(job, records, _tokenizer_dir(cfg))
+    filled, tokenizer = [], _tokenizer_dir(cfg)
+    if tokenizer is not None:  # (index, tokens) of each prompt (BOS included) filling --seq-len
+        prompts, _ = encode_pairs(load_tokenizer(str(tokenizer)), records)
+        filled = [(i, len(p)) for i, p in enumerate(prompts) if len(p) >= job.seq_len]
     if filled and job.on_error == "raise":
         i, tokens = filled[0]
         raise ValueError(f"--seq-len={job.seq_len}: record {i + 1} of {cfg.source}: its prompt is "
@@ -148,52 +149,35 @@ def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> No
                          f"each optimizer step needs at least one: lower {steps} or add records")
 
 
-def _prompts_filling(job: QLoraConfig, records: list[dict[str, Any]], tokenizer_dir: Path | None
-                     ) -> list[tuple[int, int]]:
-    """(index, prompt tokens) of each record whose prompt (BOS included) fills job.seq_len, as
-    the job tokenizes it; none without a local tokenizer."""
-    from diag.data.text import encode_pairs, load_tokenizer
-
-    if tokenizer_dir is None:
-        return []
-    tokenizer = load_tokenizer(str(tokenizer_dir))
-    prompts, _ = encode_pairs(tokenizer, records)
-    return [(i, len(p)) for i, p in enumerate(prompts) if len(p) >= job.seq_len]
-
-
 def sample_shard(open_shard: Any, obj: Any, folder: Path) -> tuple[Path, bool] | None:
-    """The shard's first records as a plain file in folder, and whether that is all of it (None:
-    nothing to check); open_shard(obj): a seekable binary file."""
-    name = Path(obj.key).name
-    shard = io.BufferedReader(open_shard(obj), SAMPLE_BYTES)
-    if not name.endswith(".parquet"):
-        if Path(name).suffix in COMPRESSED:  # decompressed as it streams, as the job reads it
-            import pyarrow as pa
-
-            codec = {".gz": "gzip", ".zst": "zstd"}[Path(name).suffix]
-            shard = io.BufferedReader(pa.CompressedInputStream(shard, codec))
-            name = Path(name).stem
-        body = shard.read(SAMPLE_BYTES)
-        whole = len(shard.read(1)) == 0
-        body = body if whole else body[:body.rfind(b"\n") + 1]
-        if not body:
-            return None
-        (folder / name).write_bytes(body)
-        return folder / name, whole
+    """The shard's first records as a file in folder, and whether that is all (None: empty)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path = folder / name
-    try:
-        parquet = pq.ParquetFile(shard)
-    except Exception:  # noqa: BLE001  not Parquet: its first bytes, refused by the job's reader
-        shard.seek(0)
-        path.write_bytes(shard.read(SAMPLE_BYTES))
-        return path, True
-    first = next(parquet.iter_batches(batch_size=SAMPLE_ROWS), None)
-    table = pa.Table.from_batches([first] if first is not None else [], parquet.schema_arrow)
-    pq.write_table(table, path)
-    return path, table.num_rows == parquet.metadata.num_rows
+    path = folder / Path(obj.key).name
+    shard = io.BufferedReader(open_shard(obj), SAMPLE_BYTES)
+    if path.suffix == ".parquet":
+        try:
+            parquet = pq.ParquetFile(shard)
+        except Exception:  # noqa: BLE001  not Parquet: its first bytes, refused by the job's reader
+            shard.seek(0)
+            path.write_bytes(shard.read(SAMPLE_BYTES))
+            return path, True
+        first = next(parquet.iter_batches(batch_size=SAMPLE_ROWS), None)
+        table = pa.Table.from_batches([first] if first is not None else [], parquet.schema_arrow)
+        pq.write_table(table, path)
+        return path, table.num_rows == parquet.metadata.num_rows
+    if path.suffix in COMPRESSED:  # decompressed as it streams, as the job reads it
+        codec = {".gz": "gzip", ".zst": "zstd"}[path.suffix]
+        shard = io.BufferedReader(pa.CompressedInputStream(shard, codec))
+        path = path.with_suffix("")
+    body = shard.read(SAMPLE_BYTES)
+    whole = len(shard.read(1)) == 0
+    body = body if whole else body[:body.rfind(b"\n") + 1]
+    if not body:
+        return None
+    path.write_bytes(body)
+    return path, whole
 
 
 def _opener(client: Any, url: Any) -> Any:
@@ -221,8 +205,7 @@ def _opener(client: Any, url: Any) -> Any:
 
 
 class _Ranges(io.RawIOBase):
-    """A remote file as a seekable file of ranged GETs (`get(obj, first, last)`): pyarrow reads
-    a Parquet file's footer and the pages it asks for."""
+    """A remote file as a seekable file of ranged GETs (`get(obj, first, last)`)."""
 
     def __init__(self, obj: Any, get: Any) -> None:
         self.obj, self.get, self.size, self.pos = obj, get, obj.size, 0

@@ -87,8 +87,7 @@ def in_kernel() -> bool:
 
 
 def say(text: str, table: Any = None) -> None:
-    """Lines beside the bar: stderr in a terminal (a --json result stays JSON); in a kernel the
-    text in quiet()'s log, or `table` (a frame) under its first line."""
+    """Lines beside the bar: stderr in a terminal; in a kernel quiet()'s log (`table` under it)."""
     if not in_kernel():
         from tqdm.auto import tqdm
 
@@ -155,8 +154,7 @@ def _line(bar: Any) -> str:
 
 @contextlib.contextmanager
 def bars_into(log: Any = None) -> Iterator[None]:
-    """In a kernel, the block's say() lines and tqdm.auto bars in `log` (None: an Output in the
-    cell); at its end the open bars, or else the last, as text."""
+    """In a kernel, say() lines and tqdm.auto bars in `log` (None: an Output in the cell)."""
     if _LOG.get() is not None or not in_kernel():
         yield
         return

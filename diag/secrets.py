@@ -51,7 +51,6 @@ def _read_hf_tokens(path: str) -> set[str]:
 
 
 _aws_clients: str | None = None  # None: no S3 client yet; "given" keys (or unsigned); "chain"
-_TRUE = ("1", "true", "yes", "on")
 
 
 def aws_client_made(given: bool) -> None:
@@ -69,7 +68,8 @@ def _aws_credentials() -> Any:
 
     try:
         session = botocore.session.Session()
-        if os.environ.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() in _TRUE:
+        disabled = os.environ.get("AWS_EC2_METADATA_DISABLED", "").strip().lower()
+        if disabled in ("1", "true", "yes", "on"):
             session.get_component("credential_provider").remove("iam-role")
         return session.get_credentials()
     except Exception:  # a broken profile is reported where it is used

@@ -204,8 +204,7 @@ def _one_line(what: str, error: BaseException) -> str:
 
 
 def run_panel(p: Panel) -> None:
-    """What Run does (in the calling thread): the diagnosis, each step's view drawn as it
-    arrives, the bars in the log."""
+    """What Run does (in the calling thread): the diagnosis, each step's view drawn as it comes."""
     from diag.diagnose import run_diagnose
 
     p.run.disabled, p.stop.disabled = True, False
@@ -240,9 +239,8 @@ def start(p: Panel) -> None:
     p.stop_event.clear()
     # in the click's context: the kernel routes a thread's output by the parent message kept
     # in context variables (a bare thread's is dropped); quiet(p.log) is set in that copy
-    context = contextvars.copy_context()
-    p.thread = threading.Thread(target=context.run, args=(run_panel, p), name="diag-panel",
-                                daemon=True)
+    p.thread = threading.Thread(target=contextvars.copy_context().run, args=(run_panel, p),
+                                name="diag-panel", daemon=True)
     p.thread.start()
 
 
