@@ -64,7 +64,7 @@ CHANGES = {"fetch": ("fetch_data",), "model_cache": ("load_model",),
 Basis = Literal["measured", "capped", "projected", "default"]
 Setting = Literal["fetch", "model_cache", "pipeline", "num_workers", "pin_memory",
                   "persistent_workers", "prefetch_factor", "micro_batch", "gradient_checkpointing"]
-BASES: tuple[str, ...] = ("measured", "capped", "projected", "default")
+BASES: tuple[str, ...] = get_args(Basis)
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,12 @@ _TEMP = re.compile(r"\..+\.tmp-(?P<pid>\d+)-[0-9a-f]{8}|diag-storage-(?P<old>\d+
 
 
 def _new(name: str, size: int) -> Any:
+    if name not in ALGORITHMS:
+        raise ValueError(f"algorithm={name!r}: allowed values are "
+                         + ", ".join(map(repr, ALGORITHMS)))
     if name == "git-sha1":
         return hashlib.sha1(b"blob %d\0" % size, usedforsecurity=False)
-    if name == "md5":
-        return hashlib.md5(usedforsecurity=False)
-    if name in ("sha256", "sha1"):
-        return hashlib.new(name)
-    raise ValueError(f"algorithm={name!r}: allowed values are " + ", ".join(map(repr, ALGORITHMS)))
+    return hashlib.new(name, usedforsecurity=False)
 
 
 def file_digests(path: str | os.PathLike[str], *algorithms: str) -> dict[str, str]:

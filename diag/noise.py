@@ -37,8 +37,7 @@ def u_test(a: Sequence[float], b: Sequence[float]) -> float:
         return 1.0
     u = sum(1.0 if x > y else 0.5 if x == y else 0.0 for x in a for y in b)
     tail = min(u, m * n - u)
-    counts = _u_counts(m, n)
-    return min(1.0, 2 * sum(counts[: math.floor(tail) + 1]) / math.comb(m + n, m))
+    return min(1.0, 2 * sum(_u_counts(m, n)[: math.floor(tail) + 1]) / math.comb(m + n, m))
 
 
 def spread(samples: Sequence[float]) -> float:

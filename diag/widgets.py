@@ -142,9 +142,11 @@ class Panel:
 
     def clear(self, cfg: DiagnoseConfig) -> None:
         """Empty every output and size the progress bar for cfg's steps."""
+        from diag.diagnose import steps
+
         for widget in [self.log, *self.outputs.values()]:
             widget.outputs = ()
-        self.progress.value, self.progress.max = 0, _step_count(cfg)
+        self.progress.value, self.progress.max = 0, len(steps(cfg))
         self.failed, self.folder = {}, ""
 
 
@@ -191,12 +193,6 @@ def source_values(widgets: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"{name}={value!r}: {allowed}") from None
         values[name] = value
     return values
-
-
-def _step_count(cfg: DiagnoseConfig) -> int:
-    from diag.diagnose import steps
-
-    return len(steps(cfg))
 
 
 def _one_line(what: str, error: BaseException) -> str:
@@ -282,7 +278,7 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
         stop=w.Button(description="Stop", button_style="warning", icon="stop", disabled=True),
         progress=w.IntProgress(value=0, min=0, max=1, description="steps"),
         status=w.Label(""), log=w.Output(), sources=source_widgets(settings), settings=settings)
-    p.progress.max = _step_count(config_from(p))  # a bad setting fails here, not on a click
+    p.clear(config_from(p))  # a bad setting fails here, not on a click
     p.outputs = {s.name: w.Output() for s in STEPS}
     p.run.on_click(lambda _button: start(p))
     p.stop.on_click(lambda _button: request_stop(p))
