@@ -1,8 +1,7 @@
 """Where a run's wall clock goes, and what an upgrade or a fix would buy (Amdahl's law).
 
-Input: StageTimer frames (`stage`, `seconds`, `step`; optional `run`, `basis`). Step-level stages
-are scaled to the whole run (per-step mean x steps); a speedup k divides a stage's seconds by k
-(inf removes it), and the other stages set the floor no upgrade goes below.
+Input: StageTimer frames; step-level stages are scaled to the whole run (mean x steps); a
+speedup k divides a stage's seconds by k (inf removes it), the others set the floor.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import pandas as pd
 from diag.decision import DATA_WAIT_GOAL, FIXES
 from diag.timing import LOAD_PARTS, RUN_STAGES, STAGES, STEP_STAGES
 
-_CONTAINERS = ("train",)  # run-level stages shown split into their step-level parts
 GPU_BOUND = ("compute", "warmup")  # what a faster GPU shortens; the rest is floor
 # no fix removes the work itself or the Trainer's set-up (paid once per start whatever the plan)
 UNCHANGED = ("compute", "train", "setup")
@@ -38,19 +36,14 @@ def _check(frame: pd.DataFrame) -> pd.DataFrame:
         row = negative.iloc[0]
         raise ValueError(f"negative duration {float(row['seconds'])} s for stage {row['stage']!r}: "
                          "durations must be >= 0")
-    frame = frame.copy()
-    if "run" not in frame.columns:
-        frame["run"] = "run"
-    if "step" not in frame.columns:
-        frame["step"] = pd.NA
-    return frame
+    defaults = {"run": "run", "step": pd.NA}
+    return frame.assign(**{k: v for k, v in defaults.items() if k not in frame.columns})
 
 
 def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any]]:
     """Seconds per stage of one rank's wall clock (ranks run side by side: their mean)."""
     ranks = int(frame["rank"].nunique()) if "rank" in frame.columns else 1
-    if ranks > 1:
-        frame = frame.assign(seconds=frame["seconds"] / ranks)
+    frame = frame.assign(seconds=frame["seconds"] / ranks)
     rows = []
     is_step = frame["stage"].isin(STEP_STAGES)
     stepped = frame[is_step & frame["step"].notna()]
@@ -58,15 +51,14 @@ def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any
     measured_steps = int(stepped["step"].nunique())
     n = total_steps or measured_steps
     for stage in RUN_STAGES:
-        if stage in _CONTAINERS and measured_steps:
+        if stage == "train" and measured_steps:
             continue  # shown as its step-level parts below
         part = frame[frame["stage"] == stage]
-        seconds = float(part["seconds"].sum())
         if stage == "load_model" and part.empty:  # parts only: their sum is the load
             part = frame[frame["stage"].isin(LOAD_PARTS)]
-            seconds = float(part["seconds"].sum())
         if not part.empty:  # a row measured elsewhere says so in its own `basis`
             said = part["basis"].dropna().tolist() if "basis" in part.columns else []
+            seconds = float(part["seconds"].sum())
             rows.append({"stage": stage, "level": "run", "seconds": seconds, "basis": said[0]
                          if said else f"measured ({len(part)} interval{'s' * (len(part) != 1)})"})
     # sums, not medians, so a stall every 4th step counts; scaled to total_steps by the mean
@@ -96,8 +88,7 @@ def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any
 
 
 def shares(frame: pd.DataFrame, total_steps: int | None = None) -> pd.DataFrame:
-    """Seconds and share of the run per stage and `run`; step-level stages scaled to
-    total_steps."""
+    """Seconds and share of the run per stage and `run`; step stages scaled to total_steps."""
     if total_steps is not None and (isinstance(total_steps, bool) or total_steps <= 0):
         raise ValueError(f"total_steps={total_steps!r}: must be a whole number > 0")
     frame = _check(frame)
@@ -105,12 +96,13 @@ def shares(frame: pd.DataFrame, total_steps: int | None = None) -> pd.DataFrame:
     for run, part in frame.groupby("run", sort=False):
         rows = _one_run(part, total_steps)
         total = sum(r["seconds"] for r in rows)
-        for r in rows:
-            out.append({"run": run, **r, "share": r["seconds"] / total if total else 0.0})
+        out += [{"run": run, **r, "share": r["seconds"] / total if total else 0.0} for r in rows]
     return pd.DataFrame(out, columns=["run", "stage", "level", "seconds", "share", "basis"])
 
 
-def _check_speedup(speedup: Mapping[str, float]) -> None:
+def project(frame: pd.DataFrame, speedup: Mapping[str, float],
+            total_steps: int | None = None) -> pd.DataFrame:
+    """Per run, each stage's seconds before and after `speedup`, and a `total` row."""
     for stage, k in speedup.items():
         if stage not in STAGES:
             raise ValueError(f"speedup for unknown stage {stage!r}: allowed stages are "
@@ -118,13 +110,6 @@ def _check_speedup(speedup: Mapping[str, float]) -> None:
         if isinstance(k, bool) or not isinstance(k, (int, float)) or math.isnan(k) or k <= 0:
             raise ValueError(f"speedup[{stage!r}]={k!r}: must be a number > 0 "
                              "(float('inf') removes the stage)")
-
-
-def project(frame: pd.DataFrame, speedup: Mapping[str, float],
-            total_steps: int | None = None) -> pd.DataFrame:
-    """Per run, each stage's seconds before and after making it `speedup` times faster, and a
-    `total` row."""
-    _check_speedup(speedup)
     table = shares(frame, total_steps)
     table["speedup"] = table["stage"].map(lambda s: float(speedup.get(s, 1.0)))
     table["seconds_after"] = table["seconds"] / table["speedup"]  # k = inf gives 0 s
@@ -141,21 +126,17 @@ def compute_ratio(from_device: str, to_device: str, dtype: str = "bf16") -> floa
     """to_device's dense peak over from_device's (diag.machine.gpus); unknown: ValueError."""
     from diag.machine.gpus import GPUS, dense_peak_flops, find_gpu
 
-    peaks = {}
     for name in (from_device, to_device):
-        peak = dense_peak_flops(name, dtype)
-        if peak is None:
+        if dense_peak_flops(name, dtype) is None:
             known = ", ".join(g.name for g in GPUS)
             what = "unknown GPU" if find_gpu(name) is None else f"no dense {dtype} figure for"
             raise ValueError(f"{what} {name!r}: allowed devices are {known}")
-        peaks[name] = peak
-    return peaks[to_device] / peaks[from_device]
+    return dense_peak_flops(to_device, dtype) / dense_peak_flops(from_device, dtype)
 
 
 def upgrade(frame: pd.DataFrame, from_device: str, to_device: str, dtype: str = "bf16",
             total_steps: int | None = None) -> pd.DataFrame:
-    """project() with GPU_BOUND stages sped up by the dense peaks' ratio, an assumption the
-    `assumption` column states (a memory-bound step or small kernels gain less)."""
+    """project() with GPU_BOUND stages sped up by the dense peaks' ratio (an `assumption`)."""
     ratio = compute_ratio(from_device, to_device, dtype)
     table = project(frame, {stage: ratio for stage in GPU_BOUND}, total_steps)
     table["assumption"] = (f"{' and '.join(GPU_BOUND)} scale with the dense {dtype} peak ratio "
@@ -166,14 +147,13 @@ def upgrade(frame: pd.DataFrame, from_device: str, to_device: str, dtype: str = 
 
 def infer_compute_share(t_before: float, t_after: float,
                         compute_speedup: float) -> dict[str, float]:
-    """Inverse Amdahl from two end-to-end times: t_before = C + N and t_after = C / k + N give
-    C = (t_before - t_after) / (1 - 1/k)."""
+    """Inverse Amdahl: t_before = C + N, t_after = C/k + N: C = (t_before - t_after) / (1 - 1/k)."""
     for name, value in (("t_before", t_before), ("t_after", t_after)):
         if not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name}={value!r}: must be a duration > 0")
     if not isinstance(compute_speedup, (int, float)) or not compute_speedup > 1:
-        raise ValueError(
-            f"compute_speedup={compute_speedup!r}: must be > 1 (the new GPU is faster)")
+        raise ValueError(f"compute_speedup={compute_speedup!r}: must be > 1 (the new GPU is "
+                         "faster)")
     if t_after > t_before:
         raise ValueError(f"t_after={t_after!r} > t_before={t_before!r}: a faster GPU cannot "
                          "make the run slower under Amdahl's law; check the two times")
@@ -188,16 +168,14 @@ def infer_compute_share(t_before: float, t_after: float,
 
 def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
              total_steps: int | None = None, min_share: float = 0.01) -> pd.DataFrame:
-    """Fixes ranked by seconds saved, each resting on measured rows: a stage's whole seconds
-    (warm-up: its start-up), none for UNCHANGED or under min_share of the run (data_wait: its
-    own thresholds); `advice` rows (experiments' findings) capped at their stage's seconds."""
+    """Fixes ranked by seconds saved: a stage's seconds (warm-up: its start-up), none for
+    UNCHANGED or under min_share of the run; `advice` rows capped at their stage's seconds."""
     table = shares(frame, total_steps)
     start_up = _start_up(_check(frame), table, total_steps)
     runs = list(dict.fromkeys(table["run"]))
     extra = advice if advice is not None else pd.DataFrame(columns=["stage"])
     if "run" not in extra.columns:
         extra = extra.assign(run=runs[0])  # the experiments measured the first run
-    # a stage an experiment measured a fix for gets that fix, not the generic one
     specific = set(zip(extra["run"], extra["stage"]))
     rows = []
     for run, part in table.groupby("run", sort=False):
@@ -205,16 +183,13 @@ def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
         total = part["seconds"].sum()
         for r in part.itertuples():
             seconds, basis = start_up.get((run, r.stage), (r.seconds, r.basis))
+            # a stage an experiment measured a fix for gets that fix, not the generic one
             if r.stage in UNCHANGED or seconds <= 0 or (run, r.stage) in specific:
                 continue
-            severity = "fix"
-            if r.stage != "data_wait" and seconds < min_share * total:
-                continue
-            if r.stage == "data_wait":
-                ratio = r.seconds / step_total if step_total else 0.0
-                if ratio <= DATA_WAIT_NOTE:
-                    continue
-                severity = "flag" if ratio > DATA_WAIT_FLAG else "note"
+            wait, ratio = r.stage == "data_wait", r.seconds / step_total if step_total else 0.0
+            if ratio <= DATA_WAIT_NOTE if wait else seconds < min_share * total:
+                continue  # data_wait: its own thresholds, on its share of step time
+            severity = ("flag" if ratio > DATA_WAIT_FLAG else "note") if wait else "fix"
             rows.append({"run": run, "stage": r.stage, "finding": FIXES[r.stage],
                          "seconds_saved": seconds, "share_of_run": seconds / total,
                          "severity": severity, "evidence": f"{r.stage}: {r.seconds:.4g} s, "
@@ -227,32 +202,29 @@ def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
         cap = start_up.get((r.run, r.stage), (measured.get((r.run, r.stage)),))[0]
         if cap is not None and saved > cap:  # no fix saves more than the stage took in this run
             saved, evidence = float(cap), f"{evidence} (capped at the run's {r.stage}: {cap:.4g} s)"
-        rows.append({"run": r.run, "stage": r.stage, "finding": r.finding,
-                     "seconds_saved": saved,
+        rows.append({"run": r.run, "stage": r.stage, "finding": r.finding, "seconds_saved": saved,
                      "share_of_run": saved / total if total else float("nan"),
                      "severity": "fix", "evidence": evidence})
     cols = ["rank", "run", "stage", "finding", "seconds_saved", "share_of_run", "severity",
             "evidence"]
     if not rows:
         return pd.DataFrame(columns=cols)
-    out = pd.DataFrame(rows)
-    order = {run: i for i, run in enumerate(runs)}
-    out = out.assign(_run=out["run"].map(order).fillna(len(order)), _neg=-out["seconds_saved"])
-    out = out.sort_values(["_run", "_neg"], kind="stable").drop(columns=["_run", "_neg"])
+    order = {run: i for i, run in enumerate(runs)}  # runs in their order, then most saved first
+    out = pd.DataFrame(rows).sort_values(["run", "seconds_saved"], ascending=[True, False], key=(
+        lambda c: c.map(order).fillna(len(order)) if c.name == "run" else c))
     out["rank"] = out.groupby("run", sort=False).cumcount() + 1
     return out[cols].reset_index(drop=True)
 
 
 def _start_up(frame: pd.DataFrame, table: pd.DataFrame, total_steps: int | None
               ) -> dict[tuple[str, str], tuple[float, str]]:
-    """Per run, the start-up a fix removes from `warmup` (its steps less as many mean steady
-    steps) and its basis; no steady steps: 0."""
+    """Per run, the start-up in `warmup` (less as many mean steady steps) and its basis."""
     out = {}
     for run, part in frame.groupby("run", sort=False):
         ranks = int(part["rank"].nunique()) if "rank" in part.columns else 1
         warm = int((part["stage"] == "warmup").sum()) // ranks  # one interval per warm-up step
         stepped = part.loc[part["stage"].isin(STEP_STAGES), "step"].dropna().nunique()
-        rows = table[(table["run"] == run)]
+        rows = table[table["run"] == run]
         if not warm or not stepped or "warmup" not in set(rows["stage"]):
             out[(run, "warmup")] = (0.0, "")
             continue
@@ -279,7 +251,7 @@ SAYS = {"input-bound": "waiting for input (data_wait, h2d)",
 def verdict(table: pd.DataFrame, run: str | None = None, memory_capped: bool = False
             ) -> dict[str, Any]:
     """{"verdict", "share", "text"} of one run (None: the first): the BOUND group with the
-    largest share; compute-bound at a memory-capped micro-batch is memory-bound."""
+    largest share (compute-bound at a memory-capped micro-batch: memory-bound)."""
     part = table[table["run"] == (run if run is not None else table["run"].iloc[0])]
     by = {k: float(part.loc[part["stage"].isin(v), "share"].sum()) for k, v in BOUND.items()}
     kind = max(by, key=by.get)

@@ -1,9 +1,7 @@
 """Decisions: what an experiment concluded, carried to the plan as data.
 
-One frozen `Decision` per setting an experiment speaks for: its value, the rows it rests on, what
-was measured (`MeasuredOn`), its basis (measured, capped, projected or default), what the choice is
-worth on the clock it compared, and how sure it is. `frame` / `read` write and read decisions.csv.
-The thresholds every decision is judged by, and each fix's text (`FIXES`), are defined here once.
+One frozen `Decision` per setting: its value, basis, evidence rows, what was measured and what the
+choice is worth; `frame` / `read` write and read decisions.csv. Thresholds and `FIXES` live here.
 """
 
 from __future__ import annotations
@@ -23,11 +21,9 @@ DATA_WAIT_NEAR_BEST_S = 0.001  # best achievable data_wait (or this many seconds
 PREDICTION_TOLERANCE = 0.25  # |measured - predicted| above this share of predicted is flagged
 PREDICTION_FLOOR_S = 0.05  # ... and a miss under this many seconds is never flagged
 MFU_DISAGREEMENT = 0.10  # formula vs FlopCounterMode FLOPs further apart than this are flagged
-CHECKPOINTING_HEADROOM = 0.5  # checkpointing stays on when the step's peak without it exceeds
-#                               this share of the memory it lives in (turning it off grows it)
+CHECKPOINTING_HEADROOM = 0.5  # checkpointing stays on when the peak without it exceeds this share
 
-# What to do about a stage (amdahl's findings) and what changing a Plan setting does: each text
-# once (a setting that is a stage's whole fix shares its text).
+# What to do about a stage (amdahl's findings) and what changing a Plan setting does, each once
 _LAND = "land the dataset once on the training machine's disk and reuse it (diag.storage.land)"
 _CACHE = "load the base from a persistent HF cache instead of downloading it"
 _TOKENS = ("tokenize once into a token cache and serve packed windows "
@@ -58,8 +54,7 @@ FIXES = {
     "gradient_checkpointing": "activations kept, not recomputed in the backward pass",
 }
 
-# The stages each Plan setting changes: the waterfall's bars name their fixes by the run-level
-# ones, "what is left" leaves out a finding on any of them
+# The stages each Plan setting changes (the waterfall names fixes by the run-level ones)
 _WAIT, _WORK = ("warmup", "train", "data_wait"), ("warmup", "train", "compute")
 CHANGES = {"fetch": ("fetch_data",), "model_cache": ("load_model",),
            "pipeline": ("preprocess", *_WORK, "data_wait"), "num_workers": _WAIT,
@@ -69,51 +64,43 @@ CHANGES = {"fetch": ("fetch_data",), "model_cache": ("load_model",),
 Basis = Literal["measured", "capped", "projected", "default"]
 Setting = Literal["fetch", "model_cache", "pipeline", "num_workers", "pin_memory",
                   "persistent_workers", "prefetch_factor", "micro_batch", "gradient_checkpointing"]
-BASES: tuple[str, ...] = ("measured", "capped", "projected", "default")
+BASES: tuple[str, ...] = get_args(Basis)
 
 
 @dataclass(frozen=True)
 class MeasuredOn:
     """What a decision's rows were measured on; empty fields are unknown or not applicable."""
-
     model: str = ""  # the model the step ran: "tiny (nf4 + LoRA)", "gpt2-small (bf16)"
     precision: str = ""  # "nf4", "bf16", "fp32"
     seq_len: int | None = None
-    step: str = ""  # the step consumed: "the QLoRA step (measured)",
-                    # "H100 SXM estimate (projected)"
+    step: str = ""  # the step consumed: "the QLoRA step (measured)"
     device: str = ""  # "cpu", "cuda:0 (NVIDIA H200)"
     tokens_per_step: int | None = None  # token slots one timed optimizer step held
 
     def label(self) -> str:
-        parts = [self.model, self.precision and f"{self.precision}",
-                 self.seq_len and f"seq_len {self.seq_len}", self.step, self.device]
+        parts = [self.model, self.precision, self.seq_len and f"seq_len {self.seq_len}",
+                 self.step, self.device]
         return ", ".join(str(p) for p in parts if p)
 
 
 @dataclass(frozen=True)
 class Decision:
     """One setting an experiment chose, with its evidence (never re-derived by a consumer)."""
-
     setting: Setting  # the Plan field it decides
     value: Any
     basis: Basis
     why: str  # one line with the figures it rests on: "2 workers: data_wait 0.8% of a 47 ms step"
-    source: str = ""  # the experiment that decided: storage, model_load, loader, accum,
-                      # checkpointing
+    source: str = ""  # the experiment that decided: storage, model_load, loader, accum, ...
     measured_on: MeasuredOn = field(default_factory=MeasuredOn)
     rows: tuple[Mapping[str, Any], ...] = ()  # the measured rows it rests on, as records
-    # What the choice is worth: the naive plan's value and the seconds per `per` ("start" or
-    # "step") each value costs in `stage`, on `clock` ("CPU" or "wall": the one it compared)
+    # worth: the naive value, seconds per `per` ("start"/"step") each costs in `stage`, on `clock`
     baseline: Any = None
     stage: str = ""
     per: str = ""
     baseline_s: float | None = None
     chosen_s: float | None = None
-    # the naive micro-batch's step over the chosen one's (micro_batch), or checkpointing's on/off
-    # ratio at the naive micro-batch; None: not timed there
-    naive_ratio: float | None = None
-    # how sure (diag.noise): samples and spread of the chosen side and the side it was judged
-    # against; resolved (None: nothing compared); the values within noise; re-timing seconds
+    naive_ratio: float | None = None  # naive step / chosen (checkpointing: on/off); None: untimed
+    # how sure (diag.noise): chosen and rival sides' samples and spread; None: nothing compared
     samples: tuple[int, ...] = ()
     spread: tuple[float, ...] = ()
     resolved: bool | None = None
@@ -138,8 +125,7 @@ class Decision:
 
     @classmethod
     def default(cls, setting: str, value: Any, why: str, source: str = "") -> Decision:
-        """No usable measurement: a documented default, and why (absent frame, every point
-        failed)."""
+        """No usable measurement: a documented default, and why."""
         return cls(setting, value, "default", why, source=source)
 
     @classmethod
@@ -172,17 +158,6 @@ class Decision:
         on = self.measured_on.label()
         return f"{self.basis}{f' on {on}' if on else ''}: {self.why}"
 
-    def record(self) -> dict[str, Any]:
-        """One row of decisions.csv: the fields to read, and `json`, the whole decision typed
-        (what `read` gives back; a numpy scalar from a frame as its Python number)."""
-        on = dataclasses.asdict(self.measured_on)
-        return {"setting": self.setting, "value": self.value, "basis": self.basis,
-                "source": self.source, "measured_on": self.measured_on.label(), "why": self.why,
-                **on, "rows": len(self.rows), "baseline": self.baseline, "stage": self.stage,
-                "per": self.per, "baseline_s": self.baseline_s, "chosen_s": self.chosen_s,
-                "naive_ratio": self.naive_ratio, "clock": self.clock,
-                "json": json.dumps(dataclasses.asdict(self), default=lambda v: v.item())}
-
 
 COLUMNS = ["setting", "value", "basis", "source", "measured_on", "why",
            *(f.name for f in dataclasses.fields(MeasuredOn)), "rows", "baseline", "stage", "per",
@@ -190,10 +165,16 @@ COLUMNS = ["setting", "value", "basis", "source", "measured_on", "why",
 
 
 def frame(decisions: Iterable[Decision]) -> pd.DataFrame:
-    """One row per decision (COLUMNS): what it chose, on what, why, and its `json`."""
+    """One row per decision (COLUMNS): what it chose, on what, why, and `json`, the whole
+    decision (what `read` gives back; a numpy scalar as its Python number)."""
     import pandas as pd
 
-    return pd.DataFrame([d.record() for d in decisions], columns=COLUMNS)
+    rows = []
+    for d in decisions:
+        whole = dataclasses.asdict(d)
+        rows.append({**whole, **whole["measured_on"], "measured_on": d.measured_on.label(),
+                     "rows": len(d.rows), "json": json.dumps(whole, default=lambda v: v.item())})
+    return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def read(table: pd.DataFrame) -> tuple[Decision, ...]:
@@ -201,12 +182,9 @@ def read(table: pd.DataFrame) -> tuple[Decision, ...]:
     if "json" not in table.columns:
         raise ValueError("a decisions table without its json column: written by another diag "
                          "version; measure again")
-    out = []
-    for text in table["json"]:
-        got = json.loads(text)
-        out.append(Decision(**got | {"measured_on": MeasuredOn(**got["measured_on"]),
-                                     "rows": tuple(got["rows"])}))
-    return tuple(out)
+    got = [json.loads(text) for text in table["json"]]
+    return tuple(Decision(**d | {"measured_on": MeasuredOn(**d["measured_on"]),
+                                 "rows": tuple(d["rows"])}) for d in got)
 
 
 def _missing(value: Any) -> bool:

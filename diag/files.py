@@ -1,9 +1,7 @@
 """File digests in one pass over the bytes, and the one way diag writes a file or folder whole.
 
-sha256 (a landing manifest, a hub LFS ETag), MD5 (a single-part S3 ETag), git blob sha1 (a small
-hub file). `atomic_file` / `atomic_folder` write under one temporary name
-(`.<name>.tmp-<pid>-<8 hex>`), fsync and swap in: a target is old or whole, never part;
-`sweep_orphans` removes a killed writer's temporaries; `scratch_folder` is a run's scratch.
+`atomic_file` / `atomic_folder` write under a temporary name (`.<name>.tmp-<pid>-<8 hex>`), fsync
+and swap in: a target is old or whole, never part; `sweep_orphans` removes a killed writer's.
 """
 
 from __future__ import annotations
@@ -24,35 +22,24 @@ ALGORITHMS = ("sha256", "md5", "sha1", "git-sha1")
 _TEMP = re.compile(r"\..+\.tmp-(?P<pid>\d+)-[0-9a-f]{8}|diag-storage-(?P<old>\d+)")
 
 
-class _Several:
-    """Feeds every hash the same bytes, so several digests cost one read."""
-
-    def __init__(self, hashes: dict[str, Any]) -> None:
-        self.hashes = hashes
-
-    def update(self, data: bytes | memoryview) -> None:
-        for h in self.hashes.values():
-            h.update(data)
-
-
 def _new(name: str, size: int) -> Any:
+    if name not in ALGORITHMS:
+        raise ValueError(f"algorithm={name!r}: allowed values are "
+                         + ", ".join(map(repr, ALGORITHMS)))
     if name == "git-sha1":
         return hashlib.sha1(b"blob %d\0" % size, usedforsecurity=False)
-    if name == "md5":
-        return hashlib.md5(usedforsecurity=False)
-    if name in ("sha256", "sha1"):
-        return hashlib.new(name)
-    raise ValueError(f"algorithm={name!r}: allowed values are " + ", ".join(map(repr, ALGORITHMS)))
+    return hashlib.new(name, usedforsecurity=False)
 
 
 def file_digests(path: str | os.PathLike[str], *algorithms: str) -> dict[str, str]:
     """{algorithm: hex digest} of the file's bytes, every algorithm in one read."""
-    names = algorithms or ("sha256",)
     size = os.path.getsize(path)
-    several = _Several({name: _new(name, size) for name in names})
+    hashes = {name: _new(name, size) for name in algorithms or ("sha256",)}
     with open(path, "rb", buffering=0) as f:
-        hashlib.file_digest(f, lambda: several)  # type: ignore[arg-type]  # any .update() works
-    return {name: h.hexdigest() for name, h in several.hashes.items()}
+        while chunk := f.read(1 << 20):
+            for h in hashes.values():
+                h.update(chunk)
+    return {name: h.hexdigest() for name, h in hashes.items()}
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -60,8 +47,7 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
 
 
 def git_blob_sha1(data: bytes) -> str:
-    """The id git (and the HF hub, for non-LFS files) gives these bytes: sha1 of a blob header +
-    data."""
+    """The id git (and the HF hub, for non-LFS files) gives these bytes."""
     return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
 
 
@@ -75,16 +61,14 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
 
 
 def temp_path(target: str | os.PathLike[str]) -> Path:
-    """`.<name>.tmp-<pid>-<8 hex>` beside target: hidden from a listing of finished files,
-    unique per writer, and its pid tells `sweep_orphans` whether the writer still runs."""
+    """`.<name>.tmp-<pid>-<8 hex>` beside target: hidden, unique, its pid for `sweep_orphans`."""
     target = Path(target)
     return target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """`with atomic_file(path) as tmp:` write tmp any way; a clean exit fsyncs it and renames it
-    over path, an error removes it (fsync_path(path.parent) makes the rename durable)."""
+    """`with atomic_file(path) as tmp:` write tmp; a clean exit fsyncs and renames it over path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
@@ -98,8 +82,8 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_folder(path: str | os.PathLike[str], *, replace: bool = True) -> Iterator[Path]:
-    """`with atomic_folder(path) as tmp:` fill tmp; a clean exit fsyncs its files and swaps it
-    in, an error removes it; replace=False keeps a folder already at path (content-addressed)."""
+    """`with atomic_folder(path) as tmp:` fill tmp; a clean exit fsyncs it and swaps it in (the
+    old one renamed aside first), an error removes it; replace=False keeps one already there."""
     path = Path(path)
     tmp = temp_path(path)
     tmp.mkdir(parents=True)
@@ -109,29 +93,17 @@ def atomic_folder(path: str | os.PathLike[str], *, replace: bool = True) -> Iter
             for name in names:
                 fsync_path(os.path.join(folder, name))
             fsync_path(folder)
-        if replace:
-            swap_in(tmp, path)
-        else:
-            try:
-                os.rename(tmp, path)
-            except OSError:
-                if not path.is_dir():
-                    raise
+        old = temp_path(path)
+        if replace and path.exists():
+            os.rename(path, old)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if replace or not path.is_dir():
+                raise
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def swap_in(tmp: str | os.PathLike[str], folder: str | os.PathLike[str]) -> None:
-    """Replace `folder` by the finished `tmp` beside it (the old one renamed aside first): a
-    reader sees the old folder or the new one, never a mix."""
-    tmp, folder = Path(tmp), Path(folder)
-    old = None
-    if folder.exists():
-        old = temp_path(folder)
-        os.rename(folder, old)
-    os.rename(tmp, folder)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -140,13 +112,13 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's live process
-        return True
+        pass
     return True
 
 
 def sweep_orphans(folder: str | os.PathLike[str]) -> None:
-    """Remove folder's temporaries whose writer no longer runs (a killed process); pids are this
-    machine's, so a folder shared across machines needs a lock (land() holds one)."""
+    """Remove folder's temporaries whose writer no longer runs; pids are this machine's, so a
+    folder shared across machines needs a lock (land() holds one)."""
     try:
         entries = list(os.scandir(folder))
     except FileNotFoundError:
@@ -163,8 +135,7 @@ def sweep_orphans(folder: str | os.PathLike[str]) -> None:
 
 
 def scratch_folder(name: str, base: str | os.PathLike[str] | None = None) -> Path:
-    """A new empty folder for one run's scratch in base (default: the system's temporary
-    directory), under temp_path's name: what a killed run left there is swept by the next start."""
+    """A new empty scratch folder in base (default: the temp folder); a killed run's is swept."""
     base = Path(base) if base else Path(tempfile.gettempdir())
     base.mkdir(parents=True, exist_ok=True)
     sweep_orphans(base)

@@ -1,9 +1,7 @@
 """A runner's result as named frames: the tables the CLI shows and the CSVs a run folder holds.
 
-`frames_of(name, result)`: a DataFrame is the experiment's table under `name`; a dataclass of
-frames gives its first field that name and the others `<name>_<field>` (`advice` kept as is);
-a StageTimer frame goes under the one key `run`, decisions under `decisions`. The CLI shows one
-result this way (diag.cli.show); `folder_frames` gathers a diagnosis' results (diag.diagnose).
+A dataclass's first frame is named `name`, the others `<name>_<field>` (`advice` as is); a
+StageTimer frame goes under `run`, decisions under `decisions`.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ def frames_of(name: str, result: Any) -> dict[str, pd.DataFrame]:
         if isinstance(value, tuple) and value and all(isinstance(d, Decision) for d in value):
             out["decisions"] = frame(value)  # one key whichever experiment decided
         elif isinstance(value, pd.DataFrame) and is_stage_frame(value):
-            # the stage frame under one key, whichever command wrote it: the report's shares,
-            # findings and Amdahl curve read it there (`run` names the run, e.g. `toy`)
+            # under one key, whichever command wrote it (`run` names the run, e.g. `toy`)
             out[STAGE_FRAME] = value if "run" in value.columns else value.assign(run=key)
         elif isinstance(value, pd.DataFrame):
             out[key if i == 0 else field if field == "advice" else f"{key}_{field}"] = value
@@ -42,9 +39,8 @@ def frames_of(name: str, result: Any) -> dict[str, pd.DataFrame]:
 
 
 def folder_frames(results: Iterable[tuple[str, Any]]) -> dict[str, pd.DataFrame]:
-    """Several named results as one run folder holds them: each one's frames in turn (empty ones
-    and its advice left out: the report ranks advice rows on their own), every decision in one
-    `decisions` frame."""
+    """Several named results as one run folder holds them (empty frames and advice left out),
+    every decision in one `decisions` frame."""
     out: dict[str, pd.DataFrame] = {}
     decided: list[Decision] = []
     for name, result in results:
@@ -52,7 +48,7 @@ def folder_frames(results: Iterable[tuple[str, Any]]) -> dict[str, pd.DataFrame]
         for key, got in frames_of(name, result).items():
             if key in ("advice", "decisions") or got.empty:
                 continue
-            # every run's stage rows in the one `run` frame (the comparison's, then diag train's)
+            # every run's stage rows in the one `run` frame
             out[key] = pd.concat([out[key], got], ignore_index=True) \
                 if key == STAGE_FRAME and key in out else got
     if decided:

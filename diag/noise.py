@@ -1,13 +1,11 @@
-"""Is a timed difference real? Two sides' samples judged by a rank test, never by one timing each.
-
-`compare(a, b)` is resolved when an exact two-sided Mann-Whitney U test puts p under ALPHA with at
-least MIN_SAMPLES a side; `choose` keeps the default unless the fastest side's gap to it resolves.
-`Rounds` / `interleave` are the one driver of repeated, interleaved measurements; `clock(device)`
-is the one place a comparison's clock is chosen. Calibration: docs/calibration.md (noise).
+"""Is a timed difference real? `compare(a, b)` resolves when an exact Mann-Whitney U test puts
+p under ALPHA with MIN_SAMPLES a side; `choose` keeps the default unless the fastest's gap to it
+resolves. `interleave` drives repeated rounds; `clock(device)` picks a comparison's clock.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -16,16 +14,14 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-# 1%, not 5%: Rounds looks after every round, and each look is another chance of a false gap
-ALPHA = 0.01
+ALPHA = 0.01  # not 5%: Rounds looks after every round, each look a chance of a false gap
 MIN_SAMPLES = 5  # per side: fewer cannot reach ALPHA however separated the samples are
-# a median used as a figure is settled when its 95% interval's half-width is this share of it
-SETTLED = 0.1
+SETTLED = 0.1  # a median is settled when its 95% interval's half-width is this share of it
 
 
 @cache
 def _u_counts(m: int, n: int) -> tuple[int, ...]:
-    """How many of the C(m+n, m) orderings of two same-distributed samples give each U (0..mn)."""
+    """How many of the C(m+n, m) orderings of two like samples give each U (0..mn)."""
     if m == 0 or n == 0:
         return (1,)
     # the largest value is from the first sample (it beats all n) or from the second
@@ -41,8 +37,7 @@ def u_test(a: Sequence[float], b: Sequence[float]) -> float:
         return 1.0
     u = sum(1.0 if x > y else 0.5 if x == y else 0.0 for x in a for y in b)
     tail = min(u, m * n - u)
-    counts = _u_counts(m, n)
-    return min(1.0, 2 * sum(counts[: math.floor(tail) + 1]) / math.comb(m + n, m))
+    return min(1.0, 2 * sum(_u_counts(m, n)[: math.floor(tail) + 1]) / math.comb(m + n, m))
 
 
 def spread(samples: Sequence[float]) -> float:
@@ -54,8 +49,7 @@ def spread(samples: Sequence[float]) -> float:
 
 
 def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
-    """The median and its distribution-free interval: order statistics k and n-k+1 (under 6
-    values no pair reaches 95%: then the smallest and the largest)."""
+    """The median and its distribution-free interval (under 6 values: the smallest, the largest)."""
     xs, n = sorted(values), len(values)
     k, tail = 0, 0.0
     while tail + math.comb(n, k) / 2 ** n <= (1 - level) / 2:
@@ -65,8 +59,7 @@ def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float
     return statistics.median(xs), xs[k - 1], xs[n - k]
 
 
-def unsettled(samples: Mapping[Hashable, Sequence[float]], within: float = SETTLED
-              ) -> list[Any]:
+def unsettled(samples: Mapping[Hashable, Sequence[float]], within: float = SETTLED) -> list[Any]:
     """The sides whose median is not yet known to `within` of itself, or under MIN_SAMPLES."""
     out = []
     for side, values in samples.items():
@@ -79,7 +72,6 @@ def unsettled(samples: Mapping[Hashable, Sequence[float]], within: float = SETTL
 @dataclass(frozen=True)
 class Comparison:
     """Side a against side b: their medians, spreads and whether the gap is resolved."""
-
     a: tuple[float, ...]
     b: tuple[float, ...]
 
@@ -103,12 +95,11 @@ class Comparison:
 
     def describe(self) -> str:
         """One line: "resolved (1.84x, 6 + 6 samples, spread 3% / 5%)" or "within noise (...)"."""
-        apart = abs(self.ratio - 1) * 100
-        figures = (f"{len(self.a)} + {len(self.b)} samples, spread "
-                   f"{spread(self.a):.0%} / {spread(self.b):.0%}")
+        figures = f"{len(self.a)} + {len(self.b)} samples, spread {spread(self.a):.0%} / " \
+                  f"{spread(self.b):.0%}"
         if self.resolved:
             return f"resolved ({max(self.ratio, 1 / self.ratio):.2f}x, {figures})"
-        return f"within noise ({apart:.0f}% apart, {figures})"
+        return f"within noise ({abs(self.ratio - 1) * 100:.0f}% apart, {figures})"
 
 
 def compare(a: Sequence[float], b: Sequence[float]) -> Comparison:
@@ -131,7 +122,6 @@ def unresolved(samples: Mapping[Hashable, Sequence[float]]) -> list[Any]:
 class Choice:
     """`choose`'s decision: the value, the fastest side, those within noise of it, and the
     comparison it rests on (the fastest against `rival`: the default, or the runner-up)."""
-
     value: Any
     default: Any
     best: Any
@@ -159,18 +149,15 @@ def choose(samples: Mapping[Hashable, Sequence[float]], default: Hashable) -> Ch
 
 
 class Rounds:
-    """Repeats of a measurement, a round at a time: `round()` gives one sample per side;
-    rounds run at least `min_rounds`, at most `max_rounds`, until `pending(samples)` is falsy
-    or `budget_s` is spent past the first `owed` rounds (checked between rounds)."""
+    """Rounds of `round()` (one sample per side): at least `min_rounds`, at most `max_rounds`,
+    until `pending(samples)` is falsy or `budget_s` is spent past the first `owed` rounds."""
 
     def __init__(self, round: Callable[[], Sequence[float]],
                  pending: Callable[[list[list[float]]], object], *, budget_s: float,
                  max_rounds: int = 16, min_rounds: int = MIN_SAMPLES, owed: int = 0) -> None:
         self.round, self.pending = round, pending
         self.budget_s, self.max_rounds, self.min_rounds = budget_s, max_rounds, min_rounds
-        self.owed = owed
-        self.spent_s = 0.0
-        self.out_of_time = False
+        self.owed, self.spent_s, self.out_of_time = owed, 0.0, False
 
     def run(self) -> list[list[float]]:
         samples: list[list[float]] = []
@@ -196,15 +183,13 @@ def interleave(sides: Sequence[Hashable], measure: Callable[[Any, int], Any],
                pending: Callable[[dict[Any, list[Any]]], object] = lambda got: True, *,
                budget_s: float = math.inf, min_rounds: int = MIN_SAMPLES, max_rounds: int = 16,
                owed: int = 0) -> tuple[dict[Any, list[Any]], Rounds]:
-    """Rounds of `measure(side, round)` for every side, the order turned every round (a load
-    that moves hits all sides alike), until `pending(got)` is falsy, `budget_s` is spent or
-    `max_rounds` (Rounds' rules): what each call returned, per side in order, and the Rounds."""
+    """Rounds (Rounds' rules) of `measure(side, round)` for every side, the order turned every
+    round (a moving load hits all sides alike): each call's return, per side, and the Rounds."""
     got: dict[Any, list[Any]] = {side: [] for side in sides}
-    turn = [0]
+    turns = itertools.count()
 
     def one_round() -> list[Any]:
-        n = turn[0]
-        turn[0] += 1
+        n = next(turns)
         for side in list(sides) if n % 2 == 0 else list(sides)[::-1]:
             got[side].append(measure(side, n))
         return [got[side][-1] for side in sides]
@@ -218,7 +203,6 @@ def interleave(sides: Sequence[Hashable], measure: Callable[[Any, int], Any],
 @dataclass(frozen=True)
 class Clock:
     """What a comparison compares seconds on: its name, a timed row's column, its unit."""
-
     name: str  # "CPU" or "wall"
     column: str  # "cpu_s" or "seconds"
     unit: str  # "CPU s" or "s"
@@ -235,7 +219,5 @@ WALL, CPU = Clock("wall", "seconds", "s"), Clock("CPU", "cpu_s", "CPU s")
 
 
 def clock(device: Any) -> Clock:
-    """The one rule: on a CPU a comparison reads this process's CPU seconds (a shared box's wall
-    seconds move with its neighbours), on an accelerator wall seconds. A wait (I/O, a loader)
-    has no CPU seconds: waits and shares of where the time went are always wall."""
+    """CPU seconds on a CPU (a shared box's wall moves with its neighbours), else wall."""
     return CPU if str(device).split(":")[0] == "cpu" else WALL

@@ -1,9 +1,7 @@
-"""What can be refused before the first experiment: seconds, not minutes, and nothing left behind.
+"""What can be refused before the first experiment, in seconds and leaving nothing behind.
 
-`preflight(cfg, job)` checks what cfg's command uses, in the order a run meets it: the folders it
-writes, the model, the source (one listing with every source flag, a HEAD of a shard) and, for
-`job`, the first records of the first shard read and tokenized as the job does (pyarrow, json
-and `tokenizers` only: no torch). A refusal is one line naming the flag or variable.
+`preflight(cfg, job)` checks, in the order a run meets them, the folders, the model, the source
+and (for `job`) the first shard's records as the job reads them (no torch). A refusal is one line.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ _COVERED: ContextVar[bool] = ContextVar("diag_preflight_covered", default=False)
 
 
 def preflight(cfg: SourceConfig, job: QLoraConfig | None = None) -> None:
-    """Every check that applies to cfg (and to job's records); a no-op inside `covered()`, where
-    a recipe's own preflight has checked its steps' configs."""
+    """Every check that applies to cfg (and job's records); a no-op inside `covered()`."""
     if _COVERED.get():
         return
     check_folders(cfg)
@@ -53,7 +50,7 @@ def preflight(cfg: SourceConfig, job: QLoraConfig | None = None) -> None:
 
 @contextlib.contextmanager
 def covered() -> Iterator[None]:
-    """Steps run inside are covered by the recipe's preflight: theirs is not made again."""
+    """Steps run inside are covered by the recipe's preflight: theirs is skipped."""
     token = _COVERED.set(True)
     try:
         yield
@@ -62,10 +59,8 @@ def covered() -> Iterator[None]:
 
 
 def check_folders(cfg: SourceConfig) -> None:
-    """The folders cfg's command writes into: each must be (or be makeable as) a folder diag
-    can read and write."""
-    home = diag_home()
-    check_writable(home, "DIAG_HOME" + ("" if os.environ.get("DIAG_HOME") else " (unset)"),
+    """The folders cfg's command writes into: each must be (or be makeable as) a usable folder."""
+    check_writable(diag_home(), "DIAG_HOME" + ("" if os.environ.get("DIAG_HOME") else " (unset)"),
                    "diag may keep its caches and assets in")
     out = getattr(cfg, "out", None)
     if out is not None:  # new or empty now, not only when the config was made
@@ -78,8 +73,7 @@ def check_folders(cfg: SourceConfig) -> None:
 
 
 def check_writable(path: Path, setting: str, allowed: str) -> None:
-    """Refuse a folder diag would write into that is a file, lies under one, or cannot be read or
-    written (a probe file made and removed there, or in the nearest folder above)."""
+    """Refuse a folder that is a file, lies under one, or cannot be read or written."""
     where = f"{setting}={str(path)!r}"
     try:
         found = next(p for p in (path, *path.parents) if p.exists())
@@ -101,8 +95,7 @@ def check_writable(path: Path, setting: str, allowed: str) -> None:
 
 
 def check_source(cfg: SourceConfig, data: bool = True) -> list[Any]:
-    """List --source with every source flag; returns the objects found. data=True (the job
-    trains on them) also asks for at least one record file, and HEADs the first."""
+    """The objects --source lists; data=True: only record files (at least one; the first HEADed)."""
     from diag.storage import list_remote, parse_url, source_client
     from diag.storage.objectstore import S3Url
 
@@ -123,25 +116,27 @@ def check_source(cfg: SourceConfig, data: bool = True) -> list[Any]:
 
 
 def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> None:
-    """The first shard's first records, read as the job reads them and held to its rules: no
-    prompt may fill --seq-len, and (the sample being the whole source) each step needs a record."""
+    """The first shard's first records held to the job's rules: no prompt may fill --seq-len,
+    and (the sample being the whole source) each step needs a record."""
     from diag.config import DiagnoseConfig
     from diag.data.records import read_source
+    from diag.data.text import encode_pairs, load_tokenizer
     from diag.files import scratch_folder
     from diag.storage import parse_url, source_client
 
     tmp = scratch_folder("diag-preflight")
     try:
-        sample = sample_shard(_opener(source_client(cfg), parse_url(cfg.source)), objects[0],
-                              tmp)
+        sample = sample_shard(_opener(source_client(cfg), parse_url(cfg.source)), objects[0], tmp)
         if sample is None:
             return
         records = read_source(sample[0], job.fields(), on_error=job.on_error,
                               limit=job.records)[0]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = _tokenizer_dir(cfg)
-    filled = _prompts_filling(job, records, tokenizer) if tokenizer is not None else []
+    filled, tokenizer = [], _tokenizer_dir(cfg)
+    if tokenizer is not None:  # (index, tokens) of each prompt (BOS included) filling --seq-len
+        prompts, _ = encode_pairs(load_tokenizer(str(tokenizer)), records)
+        filled = [(i, len(p)) for i, p in enumerate(prompts) if len(p) >= job.seq_len]
     if filled and job.on_error == "raise":
         i, tokens = filled[0]
         raise ValueError(f"--seq-len={job.seq_len}: record {i + 1} of {cfg.source}: its prompt is "
@@ -154,50 +149,35 @@ def check_records(cfg: SourceConfig, job: QLoraConfig, objects: list[Any]) -> No
                          f"each optimizer step needs at least one: lower {steps} or add records")
 
 
-def _prompts_filling(job: QLoraConfig, records: list[dict[str, Any]], tokenizer_dir: Path
-                     ) -> list[tuple[int, int]]:
-    """(index, prompt tokens) of each record whose prompt (BOS included) fills job.seq_len, by
-    the text pipeline the job tokenizes with (a chat record through the model's template)."""
-    from diag.data.text import encode_pairs, load_tokenizer
-
-    tokenizer = load_tokenizer(str(tokenizer_dir))
-    prompts, _ = encode_pairs(tokenizer, records)
-    return [(i, len(p)) for i, p in enumerate(prompts) if len(p) >= job.seq_len]
-
-
 def sample_shard(open_shard: Any, obj: Any, folder: Path) -> tuple[Path, bool] | None:
-    """The shard's first records as a plain file in folder, and whether that is all of it (None:
-    nothing to check); open_shard(obj): the shard as a seekable binary file."""
-    name = Path(obj.key).name
-    shard = io.BufferedReader(open_shard(obj), SAMPLE_BYTES)
-    if not name.endswith(".parquet"):
-        if Path(name).suffix in COMPRESSED:  # decompressed as it streams, as the job reads it
-            import pyarrow as pa
-
-            codec = {".gz": "gzip", ".zst": "zstd"}[Path(name).suffix]
-            shard, name = io.BufferedReader(pa.CompressedInputStream(shard, codec)), \
-                Path(name).stem
-        body = shard.read(SAMPLE_BYTES)
-        whole = len(shard.read(1)) == 0
-        body = body if whole else body[:body.rfind(b"\n") + 1]
-        if not body:
-            return None
-        (folder / name).write_bytes(body)
-        return folder / name, whole
+    """The shard's first records as a file in folder, and whether that is all (None: empty)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path = folder / name
-    try:
-        parquet = pq.ParquetFile(shard)
-    except Exception:  # noqa: BLE001  not Parquet: its first bytes, refused by the job's reader
-        shard.seek(0)
-        path.write_bytes(shard.read(SAMPLE_BYTES))
-        return path, True
-    first = next(parquet.iter_batches(batch_size=SAMPLE_ROWS), None)
-    table = pa.Table.from_batches([first] if first is not None else [], parquet.schema_arrow)
-    pq.write_table(table, path)
-    return path, table.num_rows == parquet.metadata.num_rows
+    path = folder / Path(obj.key).name
+    shard = io.BufferedReader(open_shard(obj), SAMPLE_BYTES)
+    if path.suffix == ".parquet":
+        try:
+            parquet = pq.ParquetFile(shard)
+        except Exception:  # noqa: BLE001  not Parquet: its first bytes, refused by the job's reader
+            shard.seek(0)
+            path.write_bytes(shard.read(SAMPLE_BYTES))
+            return path, True
+        first = next(parquet.iter_batches(batch_size=SAMPLE_ROWS), None)
+        table = pa.Table.from_batches([first] if first is not None else [], parquet.schema_arrow)
+        pq.write_table(table, path)
+        return path, table.num_rows == parquet.metadata.num_rows
+    if path.suffix in COMPRESSED:  # decompressed as it streams, as the job reads it
+        codec = {".gz": "gzip", ".zst": "zstd"}[path.suffix]
+        shard = io.BufferedReader(pa.CompressedInputStream(shard, codec))
+        path = path.with_suffix("")
+    body = shard.read(SAMPLE_BYTES)
+    whole = len(shard.read(1)) == 0
+    body = body if whole else body[:body.rfind(b"\n") + 1]
+    if not body:
+        return None
+    path.write_bytes(body)
+    return path, whole
 
 
 def _opener(client: Any, url: Any) -> Any:
@@ -225,8 +205,7 @@ def _opener(client: Any, url: Any) -> Any:
 
 
 class _Ranges(io.RawIOBase):
-    """A remote file as a seekable file of ranged GETs (`get(obj, first, last)`): pyarrow reads
-    a Parquet file's footer and the pages it asks for, nothing else."""
+    """A remote file as a seekable file of ranged GETs (`get(obj, first, last)`)."""
 
     def __init__(self, obj: Any, get: Any) -> None:
         self.obj, self.get, self.size, self.pos = obj, get, obj.size, 0
@@ -236,9 +215,6 @@ class _Ranges(io.RawIOBase):
 
     def seekable(self) -> bool:
         return True
-
-    def tell(self) -> int:
-        return self.pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset
@@ -255,8 +231,7 @@ class _Ranges(io.RawIOBase):
 
 
 def _tokenizer_dir(cfg: SourceConfig) -> Path | None:
-    """The model's tokenizer folder when it is on this machine: the embedded model's, a local
-    folder, or a hub id's cached snapshot (None: not yet downloaded; the job checks it then)."""
+    """The model's tokenizer folder when it is on this machine (None: not yet downloaded)."""
     if not cfg.model:
         from diag.embedded import ensure_assets
 

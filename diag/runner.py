@@ -1,6 +1,5 @@
-"""Runs a recipe's steps, each product assigned into one frozen dataclass (`Runner`), and keeps
-what diag's calls show quiet (`quiet`): the libraries' bars off, the HARMLESS warnings ignored,
-and in a Jupyter kernel the lines as text and tqdm's bars closed into their line of text.
+"""Runs a recipe's steps into one frozen dataclass (`Runner`), and keeps diag's calls quiet
+(`quiet`): the libraries' bars off, HARMLESS warnings ignored, in a kernel bars closed into text.
 """
 
 from __future__ import annotations
@@ -8,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import html
 import sys
 import threading
@@ -18,11 +16,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 R = TypeVar("R")
-F = TypeVar("F", bound=Callable[..., Any])
 VIEW = "application/vnd.jupyter.widget-view+json"
 
-# The library warnings diag's calls raise and knows to be harmless, ignored in quiet() and
-# nowhere else: (category, message pattern, why it is harmless)
+# Library warnings known harmless, ignored in quiet() only: (category, pattern, why harmless)
 HARMLESS = (
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated",
      "peft's get_peft_model reads transformers 5's old name; it returns the new name's value"),
@@ -42,7 +38,7 @@ class Stopped(BaseException):
 @dataclass
 class Runner:
     """run(result, step, make) -> result with step.field = make(), under quiet(); once `stop`
-    is set the next step raises Stopped; on_error takes a step's error and the result goes on."""
+    is set the next step raises Stopped; on_error takes a step's error and the run goes on."""
 
     bar: Any  # tqdm.auto over the recipe's steps
     on_result: Callable[[Step, Any], None] | None = None
@@ -68,17 +64,6 @@ class Runner:
         return result
 
 
-def quietly(run: F) -> F:
-    """run(...) under quiet(): an experiment's entry point."""
-
-    @functools.wraps(run)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with quiet():
-            return run(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
-
-
 @contextlib.contextmanager
 def quiet(log: Any = None) -> Iterator[None]:
     """The libraries' bars off, HARMLESS ignored, lines and bars in `log` (bars_into)."""
@@ -86,6 +71,10 @@ def quiet(log: Any = None) -> Iterator[None]:
         for category, pattern, _why in HARMLESS:
             warnings.filterwarnings("ignore", pattern, category)
         yield
+
+
+# `@quietly`: an experiment's entry point, each call under a fresh quiet() (ContextDecorator)
+quietly = quiet()
 
 
 def in_kernel() -> bool:
@@ -98,8 +87,7 @@ def in_kernel() -> bool:
 
 
 def say(text: str, table: Any = None) -> None:
-    """Lines beside the bar: on stderr in a terminal (a --json result stays JSON); in a kernel
-    text in quiet()'s log, or `table` (a frame) under the text's first line."""
+    """Lines beside the bar: stderr in a terminal; in a kernel quiet()'s log (`table` under it)."""
     if not in_kernel():
         from tqdm.auto import tqdm
 
@@ -124,7 +112,6 @@ def say(text: str, table: Any = None) -> None:
 @dataclass
 class Log:
     """A bars_into block's Output (`cell`: ours, shown at its first line) and bars by id."""
-
     out: Any
     cell: bool
     handle: Any = None  # the cell's display of `out`, once shown
@@ -143,8 +130,8 @@ class Log:
                      "text/plain": _line(bar)})
 
     def kept(self, end: bool = False) -> tuple[dict[str, Any], ...]:
-        """The outputs but closed bars (a reload would say "model not found"); end: the open
-        bars, or else the last, as their line of text."""
+        """The outputs but closed bars (a reload: "model not found"); end: the open bars, or
+        else the last, as text."""
         out = []
         for o in self.out.outputs:
             bar = self.bars.get(o.get("data", {}).get(VIEW, {}).get("model_id"))
@@ -167,8 +154,7 @@ def _line(bar: Any) -> str:
 
 @contextlib.contextmanager
 def bars_into(log: Any = None) -> Iterator[None]:
-    """In a kernel, the block's say() lines and tqdm.auto bars in `log` (None: an Output in the
-    cell), at its end the open bars, or else the last, as their line of text."""
+    """In a kernel, say() lines and tqdm.auto bars in `log` (None: an Output in the cell)."""
     if _LOG.get() is not None or not in_kernel():
         yield
         return
@@ -202,8 +188,7 @@ _LOG: contextvars.ContextVar[Log | None] = contextvars.ContextVar("diag_log", de
 
 @contextlib.contextmanager
 def library_bars_off() -> Iterator[None]:
-    """transformers' and huggingface_hub's bars off for the block, then as each was (a
-    transformers imported inside starts as huggingface_hub's process-wide switch is then)."""
+    """transformers' and huggingface_hub's bars off for the block, then as each was."""
     try:
         from huggingface_hub import utils as hub
     except ImportError:  # no bars of theirs

@@ -1,7 +1,5 @@
-"""Keep secrets out of everything a user sees: errors, tables, reports, notebooks.
-
-`redact(text)` puts `***` for every known secret (environment, `register()`, HF token files, the
-credentials boto3 resolved) and anything shaped like one (`hf_...`, `AKIA...`, `user:pass@`).
+"""Keep secrets out of everything a user sees: `redact(text)` puts `***` for every known secret
+(environment, `register()`, HF token files, boto3's credentials) and anything shaped like one.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ _SHAPES = re.compile(
     r"|(?P<amz>X-Amz-(?:Signature|Credential|Security-Token)=)[^&\s\"'<>]+"
     r"|(?P<url>[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@\"'<>]+@"
 )
-# what the token files and boto3 gave, keyed by every input that could change it
 _cache: dict[tuple[Any, ...], tuple[frozenset[str], Any]] = {}
 
 
@@ -54,26 +51,25 @@ def _read_hf_tokens(path: str) -> set[str]:
 
 
 _aws_clients: str | None = None  # None: no S3 client yet; "given" keys (or unsigned); "chain"
-_TRUE = ("1", "true", "yes", "on")
 
 
 def aws_client_made(given: bool) -> None:
     """Note how an S3 client got its credentials; while every one had given keys, redact()
-    walks no credential chain (so never asks the instance metadata service)."""
+    walks no credential chain (never asks the instance metadata service)."""
     global _aws_clients
     _aws_clients = "chain" if not given or _aws_clients == "chain" else "given"
 
 
 def _aws_credentials() -> Any:
-    """botocore's resolved credentials, or None: only where boto3 is in use and a client walked
-    the chain (a first lookup would slow every redact()); AWS_EC2_METADATA_DISABLED is honoured."""
+    """botocore's resolved credentials, or None: only where a boto3 client walked the chain."""
     if "boto3" not in sys.modules or _aws_clients == "given":
         return None
     import botocore.session
 
     try:
         session = botocore.session.Session()
-        if os.environ.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() in _TRUE:
+        disabled = os.environ.get("AWS_EC2_METADATA_DISABLED", "").strip().lower()
+        if disabled in ("1", "true", "yes", "on"):
             session.get_component("credential_provider").remove("iam-role")
         return session.get_credentials()
     except Exception:  # a broken profile is reported where it is used

@@ -1,9 +1,7 @@
-"""The notebook panel: pick the data source, model, sweep ranges and plan, press Run, and watch
-each step's table and figure appear as diag.diagnose measures it.
+"""The notebook panel: pick source, model, sweeps and plan, press Run, watch each step's view.
 
-`panel()` returns the widget tree (a test calls `panel().run.click()` then `.wait()`). Run starts
-run_diagnose in a thread, so the kernel still hears Stop; a failed step is one line in its view
-and the others go on. Every table and text shown is redacted (diag.secrets).
+`panel()` returns the widget tree; Run starts run_diagnose in a thread (the kernel still hears
+Stop); a failed step is one line in its view. Everything shown is redacted (diag.secrets).
 """
 
 from __future__ import annotations
@@ -14,13 +12,13 @@ import ctypes
 import io
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pandas as pd
 
 from diag import amdahl, model_load, plots, storage
-from diag.config import DiagnoseConfig, quick_mode
+from diag.config import DiagnoseConfig, SourceConfig, quick_mode
 from diag.runner import Stopped, quiet
 from diag.secrets import redact, redact_frame
 
@@ -89,7 +87,6 @@ def _mime(item: Any) -> dict[str, Any]:
 @dataclass
 class Panel:
     """The widget tree and what the last Run produced."""
-
     box: Any  # the ipywidgets.VBox to display
     source: Any
     model: Any
@@ -115,7 +112,6 @@ class Panel:
     sources: dict[str, Any] = field(default_factory=dict)  # other source flags (SourceConfig)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
-        # the widget view; a front end that cannot draw it shows what its environment lacks
         bundle = dict(self.box._repr_mimebundle_(**kwargs) or {})
         bundle["text/plain"] = NO_WIDGETS
         bundle["text/html"] = f"<p class=diag-no-widgets><b>diag</b>: {NO_WIDGETS}</p>"
@@ -128,7 +124,7 @@ class Panel:
         return self.folder
 
     def draw(self, step: Any, frames: dict[str, pd.DataFrame]) -> None:
-        """run_diagnose's on_result hook: count the step, draw its view into its Output."""
+        """run_diagnose's on_result hook: count the step, draw its view."""
         self.progress.value = min(self.progress.value + 1, self.progress.max)
         self.status.value = f"done: {step.name}"
         view = VIEWS.get(step.field)
@@ -139,41 +135,36 @@ class Panel:
         """run_diagnose's on_error hook: one redacted line in the step's view; the run goes on."""
         name = getattr(step, "name", step)
         self.progress.value = min(self.progress.value + 1, self.progress.max)
-        line = redact(f"{name} failed: {type(error).__name__}: {error}".splitlines()[0][:300])
+        line = _one_line(f"{name} failed", error)
         self.failed[name] = line
         if name in self.outputs:
             self.outputs[name].outputs = (_mime(line),)
 
     def clear(self, cfg: DiagnoseConfig) -> None:
         """Empty every output and size the progress bar for cfg's steps."""
+        from diag.diagnose import steps
+
         for widget in [self.log, *self.outputs.values()]:
             widget.outputs = ()
-        self.progress.value, self.progress.max = 0, _step_count(cfg)
+        self.progress.value, self.progress.max = 0, len(steps(cfg))
         self.failed, self.folder = {}, ""
 
 
 def config_from(p: Panel) -> DiagnoseConfig:
     """The DiagnoseConfig the panel's fields describe (ValueError names a bad field)."""
     return DiagnoseConfig.default(
-        quick=p.quick.value, **p.settings, train=p.train.value,
-        budget=p.budget.value.strip(),
-        source=p.source.value.strip(),
-        model=p.model.value.strip(), plan=p.plan.value, **source_values(p.sources),
-        workers=parse_ints(p.workers.value, "num_workers"),
+        quick=p.quick.value, **p.settings, train=p.train.value, budget=p.budget.value.strip(),
+        source=p.source.value.strip(), model=p.model.value.strip(), plan=p.plan.value,
+        **source_values(p.sources), workers=parse_ints(p.workers.value, "num_workers"),
         micro_batches=parse_ints(p.micro_batches.value, "micro-batches"))
 
 
 def source_widgets(given: dict[str, Any]) -> dict[str, Any]:
-    """One widget per SourceConfig field but source and model (they lead the panel), named as
-    the CLI's flags; a value in `given` (panel(profile=...)) seeds it."""
-    import dataclasses
-
+    """One widget per SourceConfig field but source and model, seeded from `given`."""
     import ipywidgets as w
 
-    from diag.config import SourceConfig
-
     out = {}
-    for f in dataclasses.fields(SourceConfig):
+    for f in fields(SourceConfig):
         if f.name in ("source", "model"):
             continue
         value = given.pop(f.name, f.default)
@@ -183,35 +174,33 @@ def source_widgets(given: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# the text fields that are numbers, as their flags take them: (convert, what is allowed)
+_NUMBERS = {"retries": (lambda v: int(v) if v else None,
+                        "a whole number >= 0, or '' for your AWS config's"),
+            "stall_s": (float, "a number of seconds > 0")}
+
+
 def source_values(widgets: dict[str, Any]) -> dict[str, Any]:
     """The widgets' values as SourceConfig fields ('' retries = your AWS config's)."""
     values = {}
     for name, widget in widgets.items():
         value = widget.value if isinstance(widget.value, bool) else widget.value.strip()
-        if name == "retries":
+        if name in _NUMBERS:
+            convert, allowed = _NUMBERS[name]
             try:
-                value = int(value) if value else None
+                value = convert(value)
             except ValueError:
-                raise ValueError(f"retries={value!r}: a whole number >= 0, or '' for your "
-                                 "AWS config's") from None
-        elif name == "stall_s":  # a number of seconds, as its flag takes it
-            try:
-                value = float(value)
-            except ValueError:
-                raise ValueError(f"stall_s={value!r}: a number of seconds > 0") from None
+                raise ValueError(f"{name}={value!r}: {allowed}") from None
         values[name] = value
     return values
 
 
-def _step_count(cfg: DiagnoseConfig) -> int:
-    from diag.diagnose import steps
-
-    return len(steps(cfg))
+def _one_line(what: str, error: BaseException) -> str:
+    return redact(f"{what}: {type(error).__name__}: {error}".splitlines()[0][:300])
 
 
 def run_panel(p: Panel) -> None:
-    """What Run does (in the calling thread): the diagnosis, each step's view drawn into its
-    Output as it arrives, the plan and bars in the log (closed into text)."""
+    """What Run does (in the calling thread): the diagnosis, each step's view drawn as it comes."""
     from diag.diagnose import run_diagnose
 
     p.run.disabled, p.stop.disabled = True, False
@@ -233,7 +222,7 @@ def run_panel(p: Panel) -> None:
         p.status.value = (f"stopped after {p.progress.value} of {p.progress.max} steps; "
                           "the finished steps' views are kept, no run folder written")
     except Exception as error:  # one line in the panel, not raised into a button callback
-        p.status.value = redact(f"failed: {type(error).__name__}: {error}".splitlines()[0][:300])
+        p.status.value = _one_line("failed", error)
     finally:
         p.run.disabled, p.stop.disabled = False, True
         p.stop_event.clear()
@@ -246,15 +235,13 @@ def start(p: Panel) -> None:
     p.stop_event.clear()
     # in the click's context: the kernel routes a thread's output by the parent message kept
     # in context variables (a bare thread's is dropped); quiet(p.log) is set in that copy
-    context = contextvars.copy_context()
-    p.thread = threading.Thread(target=context.run, args=(run_panel, p), name="diag-panel",
-                                daemon=True)
+    p.thread = threading.Thread(target=contextvars.copy_context().run, args=(run_panel, p),
+                                name="diag-panel", daemon=True)
     p.thread.start()
 
 
 def request_stop(p: Panel) -> None:
-    """The Stop button: no further step starts, and the running one ends at its next Python
-    line (an asynchronous Stopped in the run's thread)."""
+    """The Stop button: no further step starts; the running one gets an asynchronous Stopped."""
     p.stop_event.set()
     with p.lock:
         if p.interruptible and p.thread is not None and p.thread.is_alive():
@@ -264,11 +251,12 @@ def request_stop(p: Panel) -> None:
 
 def panel(source: str = "", model: str = "", workers: str = "", micro_batches: str = "",
           plan: str = "both", quick: bool | None = None, **settings: Any) -> Panel:
-    """Build the panel (nothing runs until Run is clicked). source: s3://bucket/key or "" for the
-    embedded S3 server; model: org/name, a folder, or "" for the embedded tiny model; workers,
-    micro_batches: comma-separated sweep values ("": the default); quick: None = DIAG_QUICK;
-    settings: any other DiagnoseConfig field (out=, storage=False, ...), checked now."""
+    """Build the panel (nothing runs until Run). "" source/model: the embedded ones; workers,
+    micro_batches: comma-separated sweeps; quick None: DIAG_QUICK; settings: other
+    DiagnoseConfig fields (out=, storage=False, ...), checked now."""
     import ipywidgets as w
+
+    from diag.diagnose import STEPS
 
     if plan not in PLANS:
         raise ValueError(f"plan={plan!r}: allowed values are " + ", ".join(map(repr, PLANS)))
@@ -290,10 +278,8 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
         stop=w.Button(description="Stop", button_style="warning", icon="stop", disabled=True),
         progress=w.IntProgress(value=0, min=0, max=1, description="steps"),
         status=w.Label(""), log=w.Output(), sources=source_widgets(settings), settings=settings)
-    p.progress.max = _step_count(config_from(p))  # a bad setting fails here, not on a click
-    from diag.diagnose import STEPS
-
-    p.outputs = {s.name: w.Output() for s in STEPS}  # one section per step diag.diagnose runs
+    p.clear(config_from(p))  # a bad setting fails here, not on a click
+    p.outputs = {s.name: w.Output() for s in STEPS}
     p.run.on_click(lambda _button: start(p))
     p.stop.on_click(lambda _button: request_stop(p))
     sections = [w.VBox([w.HTML(f"<b>{name}</b>"), output]) for name, output in p.outputs.items()]
