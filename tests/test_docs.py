@@ -45,7 +45,10 @@ def _bound(body: list[ast.stmt]) -> dict[str, ast.AST]:
                         out[leaf.id] = node
             if isinstance(node, ast.Assign) and any(
                     isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
-                out |= {e.value: node for e in node.value.elts}  # type: ignore[attr-defined]
+                for e in node.value.elts:  # type: ignore[attr-defined]
+                    # a starred tuple of names (diag.data's lazy ones): its strings
+                    names = (out[e.value.id].value.elts if isinstance(e, ast.Starred) else [e])
+                    out |= {n.value: node for n in names}
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             out |= {(a.asname or a.name).split(".")[0]: node for a in node.names}
     return out
