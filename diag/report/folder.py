@@ -108,7 +108,7 @@ def _summary(frames: dict[str, pd.DataFrame], config: dict[str, Any]) -> dict[st
         summary["findings"] = found.to_dict(orient="records")
         summary["headline"] = headline(stages, found, frames.get("qlora_comparison"),
                                        frames.get("qlora_waterfall"),
-                                       frames.get("qlora_projection"))
+                                       frames.get("qlora_projection"), capped(frames))
         summary["top_finding"] = summary["headline"]["top_fix"]
     ranked = _ranked(frames)
     if ranked is not None:  # a DDP run: each rank, and the one the others waited for
@@ -128,9 +128,18 @@ def _ranked(frames: dict[str, pd.DataFrame]) -> pd.DataFrame | None:
     return None
 
 
+def capped(frames: dict[str, pd.DataFrame]) -> bool:
+    """Whether memory capped the micro-batch: the sweep's next point past its largest run OOMed."""
+    accum = frames.get("accum")
+    if accum is None or "status" not in accum:
+        return False
+    ran, oom = (accum.loc[accum["status"] == s, "micro_batch"] for s in ("ok", "oom"))
+    return not ran.empty and not oom.empty and oom.min() > ran.max()
+
+
 def headline(stages: pd.DataFrame, found: pd.DataFrame, comparison: pd.DataFrame | None = None,
-             flow: pd.DataFrame | None = None, projection: pd.DataFrame | None = None
-             ) -> dict[str, Any]:
+             flow: pd.DataFrame | None = None, projection: pd.DataFrame | None = None,
+             memory_capped: bool = False) -> dict[str, Any]:
     """What a reader wants first, read from what the folder holds (never recomputed): the
     verdict on the naive run (or the only one), the comparison with its confidence (a QLoRA
     comparison's row; else naive and optimized runs' totals, one run each), the top fix (the
@@ -138,7 +147,7 @@ def headline(stages: pd.DataFrame, found: pd.DataFrame, comparison: pd.DataFrame
     the lines the CLI prints and the report leads with."""
     runs = list(dict.fromkeys(stages["run"]))
     first = "naive" if "naive" in runs else runs[0]
-    out: dict[str, Any] = amdahl.verdict(stages, first)
+    out: dict[str, Any] = amdahl.verdict(stages, first, memory_capped)
     out["verdict_text"] = out.pop("text")
     lines = [f"{first + ' run: ' if len(runs) > 1 else ''}{out['verdict_text']}"]
     if comparison is not None and not comparison.empty:

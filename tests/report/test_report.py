@@ -323,6 +323,23 @@ def test_the_headline_top_fix_is_one_a_setting_makes():
     assert head["top_fix_saves_s"] == 30.0
 
 
+def test_a_compute_bound_run_whose_micro_batch_memory_capped_is_memory_bound(tmp_path):
+    from diag import amdahl
+
+    run = pd.DataFrame({"stage": ["fetch_data", "compute", "compute"], "seconds": [1.0, 5.0, 5.0],
+                        "step": [pd.NA, 0, 1], "run": "naive", "rank": 0})
+    assert report.headline(amdahl.shares(run), amdahl.findings(run))["verdict"] == "compute-bound"
+    sweep = pd.read_csv(Path(__file__).parents[2] / "docs" / "example" / "accum.csv")
+    oom = sweep.iloc[[0]].assign(micro_batch=8, grad_accum=0, status="oom")
+    assert not report.capped({"accum": sweep})
+    # an OOM below a point that ran (a fluke) caps nothing
+    assert not report.capped({"accum": pd.concat([sweep, oom.assign(micro_batch=3)])})
+    sweep = pd.concat([sweep, oom], ignore_index=True)
+    folder = report.write({"run": run, "accum": sweep}, tmp_path / "r")
+    head = report.load_summary(folder)["headline"]
+    assert head["verdict"] == "memory-bound" and head["text"].startswith("memory-bound: ")
+
+
 def test_the_glossary_is_folded_in_the_page_and_the_same_in_the_docs(written):
     _, text = written
     docs = (Path(__file__).resolve().parents[2] / "docs" / "glossary.md").read_text()
