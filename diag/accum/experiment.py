@@ -56,8 +56,7 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
 
 def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
            baseline: int = 1, repeats_s: float | None = None) -> tuple[Decision, ...]:
-    """`micro_batch` on measured_on's device's clock: the point `settle` takes against
-    `baseline` (else the smallest that ran), priced per step; none ran: the default, said so."""
+    """`micro_batch`: the point `settle` takes on the device's clock; none ran: the default."""
     ok = frame[frame["status"] == "ok"] if frame is not None and not frame.empty else None
     if ok is None or ok.empty:
         why = ("accum frame absent" if frame is None or frame.empty else
@@ -71,7 +70,6 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
     accum = {int(m): int(a) for m, a in zip(ok["micro_batch"], ok["grad_accum"])}
     micro, gap = pick.value, pick.against
     settled = micro not in (ref, pick.best)  # settle() took a tied point over the fastest
-
     kept = "the naive plan's" if ref == baseline else "the most accumulation swept"
 
     def point(m: int) -> str:
@@ -110,10 +108,8 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
 
 def settle(ok: pd.DataFrame, column: str, baseline: int
            ) -> tuple[dict[int, list[float]], int, Choice]:
-    """(each micro-batch's `column` samples, the reference: baseline, else the smallest that
-    ran, diag.noise.choose against it); where choose left it, the largest micro-batch within
-    noise of the fastest that resolved faster than it: the real loop pays per micro-batch what
-    the harness does not time (docs/calibration.md)."""
+    """(samples by micro-batch, the reference, diag.noise.choose's pick against it); among ties,
+    the largest that resolved faster than the reference (docs/calibration.md)."""
     times = {int(m): list(g[column]) for m, g in ok.groupby("micro_batch")}
     ref = baseline if baseline in times else min(times)
     pick = choose(times, ref)
@@ -172,8 +168,8 @@ def mfu_check(setup: Setup) -> pd.DataFrame:
 
 def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = None
            ) -> pd.DataFrame:
-    """The recommended point priced against the most-accumulating one, over `steps_per_run`
-    steps or as that fraction of a run's `compute_s`; none recommended: no finding."""
+    """The recommended point against the most-accumulating one, over `steps_per_run` steps or
+    as that fraction of `compute_s`; none recommended: no finding."""
     cols = ["stage", "finding", "seconds_saved", "evidence"]
     ok = summary[summary["status"] == "ok"]
     picked = ok[ok["recommended"].astype(bool)]

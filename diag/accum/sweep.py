@@ -1,8 +1,5 @@
-"""The grad-accumulation harness: a step's tokens split micro_batch x grad_accum, trained for real.
-
-`train_points` times each point (an "oom" row where it does not fit); `retime` re-times the
-finalists a decision cannot yet tell apart in interleaved rounds. Rows hold wall and CPU seconds.
-"""
+"""The grad-accumulation harness: a step's tokens split micro_batch x grad_accum, trained for real;
+`retime` re-times in interleaved rounds the finalists a decision cannot tell apart yet."""
 
 from __future__ import annotations
 
@@ -46,8 +43,7 @@ class AccumStep(Protocol):
 
 
 def pairs(cfg: AccumConfig, world_size: int = 1) -> list[tuple[int, int]]:
-    """(micro_batch, grad_accum) points making tokens_per_step over world_size ranks: the
-    configured micro-batches, else every power of two that divides the step."""
+    """(micro_batch, grad_accum) points: the micro-batches given, else powers of two that fit."""
     sequences = cfg.tokens_per_step // cfg.seq_len
     per_rank = sequences // world_size
     micro = cfg.micro_batches or [1 << i for i in range(per_rank.bit_length())
@@ -66,8 +62,8 @@ def is_oom(err: BaseException) -> bool:
 
 
 class PeakMemory:
-    """A step's own peak memory: on CUDA the allocator's high water mark; on CPU the most any
-    micro-step saved for backward plus the model's and optimizer's state (docs/calibration.md)."""
+    """A step's own peak memory: CUDA's high water mark; on CPU the most a micro-step saved for
+    backward plus the model's and optimizer's state (docs/calibration.md)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.last_gb = device, math.nan
@@ -129,8 +125,7 @@ def _unique_bytes(tensors: Any) -> int:
 
 def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], *,
                  repeats: int, warmup_steps: int, desc: str = "accum sweep") -> pd.DataFrame:
-    """TIMED rows: one per timed optimizer step of each step at each point; a point out of
-    memory: one "oom" row per step, `detail` the error."""
+    """TIMED rows: one per timed optimizer step of each step at each point; "oom" where it fails."""
     device, rows = steps[0].device, []
     memory = PeakMemory(device)
     for micro, accum in tqdm(points, desc=desc, unit="point", leave=False):
@@ -188,9 +183,8 @@ def samples(timed: pd.DataFrame, column: str = "seconds_per_step"
 def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
            pending: Callable[[dict[tuple[int, int, int], list[float]]], Sequence[Any]], *,
            budget_s: float, at_least: int | None = None) -> tuple[pd.DataFrame, float]:
-    """Rounds of one reset step per finalist, interleaved, until every side holds `at_least`
-    samples, then while `pending(samples)` names keys unsettled, within `budget_s`. Returns the
-    rows with the rounds' appended, and the seconds spent past `at_least`."""
+    """Interleaved rounds of one step per finalist until each holds `at_least` samples, then while
+    `pending` names any, within budget_s: (timed with the rounds' rows, seconds past at_least)."""
     at_least = max(MIN_SAMPLES, at_least or 0)  # fewer can never resolve a gap
     column = clock(steps[0].device.type).col("seconds_per_step")
     screen = samples(timed, column)
@@ -227,8 +221,7 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
 
 def _timed(step: AccumStep, batches: Iterator[Any], accum: int,
            memory: PeakMemory | None = None) -> tuple[float, float, float]:
-    """One optimizer step of `accum` micro-steps between syncs: (wall seconds, CPU seconds,
-    seconds blocked on batches)."""
+    """One optimizer step of `accum` micro-steps: (wall s, CPU s, seconds waiting on batches)."""
     sync(step.device)  # note: sync point: the clock starts on an idle device
     start, cpu, data_s = time.perf_counter(), time.process_time(), 0.0
     for i in range(accum):

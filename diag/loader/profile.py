@@ -1,8 +1,5 @@
-"""Which line of the preprocessing costs the time: line_profiler over one function.
-
-`profile_lines(fn, samples)`: a row per line of fn that ran (line, hits, seconds, share, source).
-The profiler adds a little time to every line: read shares, not absolute microseconds.
-"""
+"""Which line of the preprocessing costs the time: line_profiler over one function, a row per
+line that ran. The profiler adds a little to every line: read shares, not microseconds."""
 
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ COLUMNS = ["line", "hits", "seconds", "share", "us_per_hit", "source", "function
 
 def profile_lines(fn: Callable[[Any], Any], samples: Iterable[Any], warmup: bool = True
                   ) -> pd.DataFrame:
-    """fn over samples under line_profiler, in source order; warmup: one unprofiled call
-    first, so one-time costs (imports, a tokenizer load) land on no line."""
+    """fn over samples under line_profiler, in source order; warmup: one unprofiled call first."""
     target = getattr(fn, "__func__", fn)  # a bound method: profile the function it wraps
     if not inspect.isfunction(target):
         raise ValueError(f"fn={fn!r}: profile_lines needs a Python function or method "

@@ -1,7 +1,5 @@
-"""What consumes the batches: `EmulatedStep(seconds)` holds the loop as MLPerf Storage / DLIO
-emulate an accelerator ("would this loader keep up with a GPU whose step takes X ms?"), or
-`ModelStep` trains the tiny model; `consumer(cfg)` picks one.
-"""
+"""What consumes the batches: `EmulatedStep` holds the loop as DLIO emulates an accelerator
+(would this loader keep up with an X ms step?), `ModelStep` trains the tiny model."""
 
 from __future__ import annotations
 
@@ -69,8 +67,7 @@ def measure_model_step(model_dir: str | Path, device: torch.device, batch_size: 
 
 
 def gpu_step_seconds(gpu: str, params_b: float, tokens: int, mfu: float) -> float:
-    """A training step's seconds on `gpu`: 6 x params x tokens FLOPs at mfu x its dense bf16
-    peak (a QLoRA step does a little less and dequantizes: an estimate)."""
+    """Estimated seconds of a step on `gpu`: 6 x params x tokens FLOPs at mfu x its bf16 peak."""
     peak = dense_peak_flops(gpu, "bf16")
     if peak is None:
         raise ValueError(f"LoaderConfig.gpu={gpu!r}: not in diag's table; allowed values are "
@@ -80,8 +77,8 @@ def gpu_step_seconds(gpu: str, params_b: float, tokens: int, mfu: float) -> floa
 
 def consumer(cfg: LoaderConfig, model_dir: str | Path, device: torch.device
              ) -> tuple[Any, float, str]:
-    """(step callable, nominal seconds, where they came from) for cfg.consumer: the model's own
-    step, or one emulated at cfg.step_ms, a GPU's estimate, or the tiny model's measured step."""
+    """(step, nominal seconds, their source): the model's step, or one emulated at step_ms, at a
+    GPU's estimate or at the tiny model's measured step."""
     if cfg.consumer == "model":
         return ModelStep(model_dir, device), math.nan, f"the model in {model_dir}, {device.type}"
     tokens = cfg.batch_size * cfg.seq_len

@@ -1,8 +1,5 @@
-"""Model FLOPs per token, the floor, and how close a step came to the device's dense peak.
-
-6N + 12·L·d·T per trained token (PaLM, appendix B; 8N + 16·L·d·T recomputing), checked against
-torch's FlopCounterMode. An MFU above 100% is a flag naming both numbers, never a result.
-"""
+"""Model FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B; 8N + 16·L·d·T recomputing), checked
+against torch's FlopCounterMode; the floor; MFU, where above 100% is a flag, never a result."""
 
 from __future__ import annotations
 
@@ -151,8 +148,7 @@ def judge_mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | N
 def mfu_from_figures(tokens_per_s: float, shape: ModelShape, device: str, dtype: str = "bf16",
                      assumed_peak: float | None = NANOGPT_PEAK,
                      tokens_per_step: int | None = None) -> pd.DataFrame:
-    """Your run's MFU against diag's dense peak for `device` and against `assumed_peak`, a row
-    each; `verdict` says why one has no `mfu`."""
+    """Your run's MFU against diag's dense peak for `device` and against `assumed_peak`."""
     if not tokens_per_s > 0:
         raise ValueError(f"tokens_per_s={tokens_per_s!r}: must be > 0")
     spec, table = find_gpu(device), dense_peak_flops(device, dtype)
