@@ -1,7 +1,6 @@
 """`run_accum(cfg)`: the sweep, one summary row per point, the MFU cross-check and the advice;
 `decide` takes the fastest point whose gap to the naive micro-batch resolves, else keeps it.
 """
-
 from __future__ import annotations
 
 import dataclasses

@@ -1,6 +1,5 @@
 """diag accum's causal LM as an AccumStep (the tiny Llama or a GPT-2-small shape, DDP under a
 launcher), its FLOPs counted, and `measure(cfg)`: its sweep with diag.accum.sweep."""
-
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,5 @@
 """The grad-accumulation harness: a step's tokens split micro_batch x grad_accum, trained for real;
 `retime` re-times in interleaved rounds the finalists a decision cannot tell apart yet."""
-
 from __future__ import annotations
 
 import contextlib
@@ -129,18 +128,16 @@ def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], 
     device, rows = steps[0].device, []
     memory = PeakMemory(device)
     for micro, accum in tqdm(points, desc=desc, unit="point", leave=False):
-        failed = False
         try:
             rows += _train_point(steps, micro, accum, repeats, warmup_steps, memory)
         except (RuntimeError, MemoryError) as err:
             if not is_oom(err):
                 raise
-            failed = True
             rows += [{"step": i, "micro_batch": micro, "grad_accum": accum, "status": "oom",
                       "repeat": 0, "peak_mem_gb": memory.gb(),
                       "detail": f"out of memory: {' '.join(str(err).split())[:160]}"}
                      for i in range(len(steps))]
-        if failed:  # the error's frames hold the point's activations in a cycle
+        if rows and rows[-1]["status"] == "oom":  # its error's frames hold activations in a cycle
             gc.collect()  # before the next point allocates; only then: a pass costs ~0.5 s
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -151,17 +148,15 @@ def _train_point(steps: Sequence[AccumStep], micro: int, accum: int, repeats: in
                  warmup_steps: int, memory: PeakMemory) -> list[dict[str, Any]]:
     """One point's timed rows; memory watched over the last warm-up step (none: the first)."""
     with contextlib.ExitStack() as stack:
-        batches = []
         for step in steps:
             step.reset()  # every point starts from the same weights
-            batches.append(stack.enter_context(step.batches(micro)))
+        batches = [stack.enter_context(step.batches(micro)) for step in steps]
         warm, peak, rows = [0.0] * len(steps), [math.nan] * len(steps), []
         for n in range(warmup_steps + repeats):  # warm-up (and compile) billed to warm-up
             for i, step in enumerate(steps):
-                watch = n == max(warmup_steps - 1, 0)
+                watch = memory if n == max(warmup_steps - 1, 0) else None
                 with memory.watch(step) if watch else contextlib.nullcontext():
-                    seconds, cpu_s, data_s = _timed(step, batches[i], accum,
-                                                    memory if watch else None)
+                    seconds, cpu_s, data_s = _timed(step, batches[i], accum, watch)
                 peak[i] = memory.last_gb if watch else peak[i]
                 if n < warmup_steps:
                     warm[i] += seconds
@@ -215,8 +210,7 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
              "warmup_s": first.at[(i, m), "warmup_s"], "detail": ""}
             for (i, m, a), side in timings.items()
             for n, (seconds, cpu_s, data_s) in enumerate(side)]
-    return pd.concat([timed, pd.DataFrame(rows, columns=TIMED)], ignore_index=True), \
-        rounds.spent_s
+    return pd.concat([timed, pd.DataFrame(rows, columns=TIMED)], ignore_index=True), rounds.spent_s
 
 
 def _timed(step: AccumStep, batches: Iterator[Any], accum: int,

@@ -3,7 +3,6 @@
 The CLI builds `--key value` flags from the same fields: each field's trailing comment is its
 `--help`, a `Literal` its choices. `XConfig.default(quick=None, **overrides)`: DIAG_QUICK decides.
 """
-
 from diag.config.accum import ACCUM_MODELS, AccumConfig
 from diag.config.base import (MODEL_LOAD_PROCESSES, MODEL_LOAD_SCENARIOS, STORAGE_PULLS,
                               VERIFY_MODES, ExperimentConfig, diag_home, quick_mode)

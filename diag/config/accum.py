@@ -1,5 +1,4 @@
 """`diag accum`: the grad-accum experiment's config (diag.accum)."""
-
 from __future__ import annotations
 
 import os

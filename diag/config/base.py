@@ -1,6 +1,5 @@
 """The base every experiment config builds on (validation, `quick()`, `default()`; DIAG_QUICK is
 read here only), the names every layer shares, and `diag_home()`: where diag keeps files."""
-
 from __future__ import annotations
 
 import dataclasses

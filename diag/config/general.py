@@ -1,6 +1,5 @@
 """The configs that are not one experiment: `diag info`, `toy`, `report`, `run`, and `attach PID`
 / `trace FILE...` (a job diag did not start, diag.observe)."""
-
 from __future__ import annotations
 
 import re

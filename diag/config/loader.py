@@ -1,5 +1,4 @@
 """`diag loader`: the data-loader experiment's config (diag.loader)."""
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,6 +1,5 @@
 """`diag qlora` and `diag train`: the QLoRA job's configs (diag.qlora). `JobConfig` is what both
 share; `QLoraConfig` is the side-by-side comparison, `TrainConfig` the whole-dataset run."""
-
 from __future__ import annotations
 
 import math

@@ -1,7 +1,6 @@
 """Where a run's data and model come from: the same flags in every command, and the experiments
 that read only that (`diag storage`: the bucket; `diag model-load`: the model). A config names the
 groups it reads (`SOURCE`) and refuses a value given to another; no check here needs a network."""
-
 from __future__ import annotations
 
 import dataclasses
@@ -45,9 +44,7 @@ class RecordFields(ExperimentConfig):
 
     def fields(self) -> dict[str, str]:
         """The record fields to read (diag.data.records.normalise's); {} = Alpaca's."""
-        return {k: v for k, v in (("text", self.text_field), ("prompt", self.prompt_field),
-                                  ("response", self.response_field),
-                                  ("messages", self.messages_field)) if v}
+        return {k.removesuffix("_field"): v for k, v in self.record_fields().items() if v}
 
     def record_fields(self) -> dict[str, str]:
         """These four flags' values, to hand the same records to another config."""
@@ -176,9 +173,8 @@ def check_out(out: str, flag: str = "--out") -> None:
     """A run folder must be new or empty: diag never mixes its files into an older run's."""
     if not out:
         return
-    path = Path(out).expanduser()
     try:
-        full = path.is_dir() and any(path.iterdir())
+        full = (path := Path(out).expanduser()).is_dir() and any(path.iterdir())
     except PermissionError as err:
         raise ValueError(f"{flag}={out!r}: cannot be read ({err.strerror}); name a new or empty "
                          "folder you can write") from None

@@ -1,6 +1,5 @@
 """From the loader sweep to decisions: the fewest num_workers whose median data_wait stays under
 the goal, else the per-sample cost and the workers it needs; `advice` prices them as findings."""
-
 from __future__ import annotations
 
 import math

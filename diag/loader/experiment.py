@@ -1,6 +1,5 @@
 """`run_loader(cfg)`: the sweep, the recommendation, the stall split (at the first swept
 num_workers) and the hot lines, all against one step made once."""
-
 from __future__ import annotations
 
 from dataclasses import dataclass

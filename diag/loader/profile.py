@@ -1,6 +1,5 @@
 """Which line of the preprocessing costs the time: line_profiler over one function, a row per
 line that ran. The profiler adds a little to every line: read shares, not microseconds."""
-
 from __future__ import annotations
 
 import inspect

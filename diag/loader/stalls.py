@@ -1,7 +1,6 @@
 """Where the data stall comes from (DS-Analyzer's differential method, Mohan et al., 2021): one
 setting runs on synthetic batches in memory, warm and cold data; prep stall = warm - synthetic,
 fetch stall = cold - warm, per step and as shares of one, a row per pipeline."""
-
 from __future__ import annotations
 
 import time

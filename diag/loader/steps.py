@@ -1,6 +1,5 @@
 """What consumes the batches: `EmulatedStep` holds the loop as DLIO emulates an accelerator
 (would this loader keep up with an X ms step?), `ModelStep` trains the tiny model."""
-
 from __future__ import annotations
 
 import math

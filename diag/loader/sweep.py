@@ -1,6 +1,5 @@
 """The DataLoader sweep: how long the loop waits for each batch, per num_workers and pipeline,
 in steady state (start-up apart); a sample that raises fails its setting, naming the sample."""
-
 from __future__ import annotations
 
 import contextlib

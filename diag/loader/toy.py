@@ -1,6 +1,5 @@
 """A timed toy training loop, the smallest run with every step-level stage: an MLP on synthetic
 batches with `prep_ms` of host work each, DDP under torchrun; its StageTimer frame and GPU util."""
-
 from __future__ import annotations
 
 import itertools

@@ -1,6 +1,5 @@
 """Model FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B; 8N + 16·L·d·T recomputing), checked
 against torch's FlopCounterMode; the floor; MFU, where above 100% is a flag, never a result."""
-
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,5 @@
 """The QLoRA step's FLOPs as executed (hooks on every linear layer, checked by FlopCounterMode)
 and each plan's MFU against its precisions' peak; model FLOPs are shown beside, not as it."""
-
 from __future__ import annotations
 
 import collections
