@@ -9,8 +9,7 @@ import pandas as pd
 from diag.config import LoaderConfig
 from diag.decision import Decision, MeasuredOn
 from diag.loader.advice import advice, decide, recommend
-from diag.loader.profile import profile_lines
-from diag.loader.stalls import stall_split
+from diag.loader.stalls import profile_lines, stall_split
 from diag.loader.steps import EmulatedStep, consumer
 from diag.loader.sweep import make_dataset, sources, sweep_workers
 from diag.machine.device import on_cpu_threads, resolve

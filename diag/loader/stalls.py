@@ -1,12 +1,16 @@
-"""Where the data stall comes from (DS-Analyzer's differential method, Mohan et al., 2021): one
-setting runs on synthetic batches in memory, warm and cold data; prep stall = warm - synthetic,
-fetch stall = cold - warm, per step and as shares of one, a row per pipeline."""
+"""Why the loop waits. `stall_split`: DS-Analyzer's differential method (Mohan et al., 2021), one
+setting on synthetic batches, warm and cold data: prep stall = warm - synthetic, fetch stall = cold
+- warm. `profile_lines`: the preprocessing's hot lines (line_profiler; read shares, not times)."""
 from __future__ import annotations
 
+import inspect
+import linecache
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pandas as pd
+from line_profiler import LineProfiler
 
 from diag.config import LoaderConfig
 from diag.data import ARRAYS, shard_files
@@ -18,6 +22,7 @@ from diag.machine.disks import evict_page_cache
 COLUMNS = ["pipeline", "num_workers", "synthetic_wait_s", "warm_wait_s", "cold_wait_s",
            "prep_stall_s", "fetch_stall_s", "step_s", "prep_stall_share", "fetch_stall_share",
            "open_warm_s", "open_cold_s", "cache_state", "error"]
+LINE_COLUMNS = ["line", "hits", "seconds", "share", "us_per_hit", "source", "function"]
 
 
 def stall_split(cfg: LoaderConfig | None = None, num_workers: int | None = None,
@@ -68,3 +73,31 @@ def stall_split(cfg: LoaderConfig | None = None, num_workers: int | None = None,
     for stall in ("prep", "fetch"):
         out[f"{stall}_stall_share"] = out[f"{stall}_stall_s"] / (out["step_s"] + out["cold_wait_s"])
     return out
+
+
+def profile_lines(fn: Callable[[Any], Any], samples: Iterable[Any], warmup: bool = True
+                  ) -> pd.DataFrame:
+    """fn over samples under line_profiler, in source order; warmup: one unprofiled call first."""
+    target = getattr(fn, "__func__", fn)  # a bound method: profile the function it wraps
+    if not inspect.isfunction(target):
+        raise ValueError(f"fn={fn!r}: profile_lines needs a Python function or method "
+                         "(builtins and C extensions have no lines to profile)")
+    samples = list(samples)
+    if not samples:
+        raise ValueError("samples is empty: give at least one sample to call fn with")
+    if warmup:
+        fn(samples[0])
+    profiler = LineProfiler(target)
+    with profiler:  # enabled by count inside, disabled on the way out
+        for sample in samples:
+            fn(sample)
+    stats = profiler.get_stats()
+    rows = [{"line": line, "hits": hits, "seconds": total * stats.unit,
+             "us_per_hit": total * stats.unit / hits * 1e6 if hits else float("nan"),
+             "source": linecache.getline(filename, line).strip(), "function": name}
+            for (filename, _, name), timings in stats.timings.items()
+            for line, hits, total in timings]
+    frame = pd.DataFrame(rows, columns=LINE_COLUMNS).sort_values("line", ignore_index=True)
+    total = frame["seconds"].sum()
+    frame["share"] = frame["seconds"] / total if total > 0 else 0.0
+    return frame
