@@ -148,8 +148,7 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
     clock = TimedStep(step, step.ddp) if step.ddp is not None else None
     if clock is not None:
         spill_ranks(clock.timer)  # finished steps on disk until the frames are gathered
-    timed = train_points([clock or step], points, repeats=cfg.steps,
-                         warmup_steps=cfg.warmup_steps)
+    timed = train_points([clock or step], points, repeats=cfg.steps, warmup_steps=cfg.warmup_steps)
     if clock is None:  # under DDP every rank must take the same steps: the screen only
         timed, _ = retime([step], timed, unresolved, budget_s=DECIDE_BUDGET_S)
     fpt, peak = got.shape.flops_per_token, got.peak

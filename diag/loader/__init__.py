@@ -4,5 +4,4 @@ from diag.loader.advice import choose_workers, decide, recommend
 from diag.loader.experiment import LoaderResult, run_loader
 from diag.loader.sweep import sweep_workers
 
-__all__ = ["LoaderResult", "choose_workers", "decide", "recommend", "run_loader",
-           "sweep_workers"]
+__all__ = ["LoaderResult", "choose_workers", "decide", "recommend", "run_loader", "sweep_workers"]

@@ -185,8 +185,7 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
     chosen = mine[mine["num_workers"] == workers]
     for setting, default in _knobs(workers).items():
         values = mine[setting].dropna().unique() if setting in mine else []
-        # varied: more than one value at the same num_workers (persistent_workers and
-        # prefetch_factor follow the worker count itself, which is no evidence for them)
+        # varied at one num_workers (following the worker count is no evidence for a knob)
         if setting in mine and mine.groupby("num_workers")[setting].nunique().max() > 1:
             best = chosen.loc[chosen["data_wait_s"].idxmin()]
             value = None if workers == 0 and setting == "prefetch_factor" else (

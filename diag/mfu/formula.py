@@ -106,8 +106,7 @@ def disagreement(formula: float, counted: float, explained: str = "",
         return True, f"no comparison: formula {formula:.4g}, counter {counted:.4g} FLOPs"
     ratio = counted / formula
     off = abs(ratio - 1.0) > MFU_DISAGREEMENT
-    note = (f"counter {ratio:.3g}x {against} ({'over' if off else 'within'} "
-            f"{MFU_DISAGREEMENT:.0%})")
+    note = f"counter {ratio:.3g}x {against} ({'over' if off else 'within'} {MFU_DISAGREEMENT:.0%})"
     return off, note + (f": {explained}" if off and explained else "")
 
 
@@ -159,8 +158,7 @@ def mfu_from_figures(tokens_per_s: float, shape: ModelShape, device: str, dtype:
     if assumed_peak:
         note = " (nanoGPT's hard-coded A100 bf16)" if assumed_peak == NANOGPT_PEAK else ""
         peaks.append(("assumed", assumed_peak, f"assumed {assumed_peak / 1e12:.4g} TFLOP/s{note}"))
-    fpt = shape.flops_per_token
-    rows = []
+    fpt, rows = shape.flops_per_token, []
     for name, peak, label in peaks:
         mfu, ratio, verdict = judge_mfu(tokens_per_s, fpt, peak, label)
         if name == "assumed" and table and peak and not math.isclose(peak, table, rel_tol=1e-3):

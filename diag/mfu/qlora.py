@@ -120,8 +120,7 @@ def tally(model: Any) -> Iterator[tuple[collections.Counter[str], collections.Co
             h.remove()
 
 
-def count_step(model: Any, batch_size: int, seq_len: int, seed: int = 0
-               ) -> tuple[float, Executed]:
+def count_step(model: Any, batch_size: int, seq_len: int, seed: int = 0) -> tuple[float, Executed]:
     """(FlopCounterMode's, executed) FLOPs per token of one forward + backward of random ids."""
     import torch
 
@@ -238,8 +237,7 @@ def plan_mfu(plan: str, seconds: float, token_slots: float, qshape: QLoraShape,
     return rows
 
 
-def run_mfu(frame: pd.DataFrame, stages: pd.DataFrame, counted: dict[str, Counted]
-            ) -> pd.DataFrame:
+def run_mfu(frame: pd.DataFrame, stages: pd.DataFrame, counted: dict[str, Counted]) -> pd.DataFrame:
     """plan_mfu of each counted plan's steady steps per token slot, against its peak x ranks."""
     rows = []
     for r in frame.itertuples():
