@@ -15,7 +15,6 @@ from typing import Any, ClassVar, Literal, TypeVar, get_args
 T = TypeVar("T", bound="ExperimentConfig")
 
 # names every layer shares, defined once (the CLI offers them as choices)
-DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 Scenario = Literal["fresh", "cached", "cached_offline", "cached_cold"]
 MODEL_LOAD_SCENARIOS: tuple[str, ...] = get_args(Scenario)
 LoadProcess = Literal["fork", "exec"]
@@ -70,7 +69,7 @@ class ExperimentConfig:
             self._choice(name, allowed)
         if hasattr(self, "device"):
             self._check(("device",), lambda v: bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(v))),
-                        "allowed values are " + ", ".join(map(repr, DEVICES)) + " and 'cuda:N'")
+                        "allowed values are 'auto', 'cpu', 'cuda' and 'cuda:N'")
         self.validate()
 
     def validate(self) -> None:

@@ -52,9 +52,7 @@ class Guarded(Dataset):
             raise SampleError(f"sample {i}: {type(err).__name__}: {err}") from err
 
 
-class Setting(NamedTuple):
-    """One DataLoader configuration."""
-
+class Setting(NamedTuple):  # one DataLoader configuration
     num_workers: int
     pin_memory: bool = False
     persistent_workers: bool = True
