@@ -37,8 +37,7 @@ class ModelStep:
         self.device = device
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
-        self.model.train()
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> None:
@@ -53,9 +52,8 @@ def measure_model_step(model_dir: str | Path, device: torch.device, batch_size: 
                        warmup: int = 2, repeats: int = 3) -> float:
     """Median seconds of the model's training step on full batch_size x seq_len batches."""
     step = ModelStep(model_dir, device)
-    vocab = step.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, vocab, (batch_size, seq_len), generator=gen)
+    ids = torch.randint(4, step.model.config.vocab_size, (batch_size, seq_len), generator=gen)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     times = []
     for _ in range(warmup + repeats):
