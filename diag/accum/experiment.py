@@ -72,7 +72,7 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
     kept = "the naive plan's" if ref == baseline else "the most accumulation swept"
 
     def point(m: int) -> str:
-        return f"micro-batch {m} x {accum[m]} ({statistics.median(times[m]):.3g} {unit} per step)"
+        return f"micro-batch {m} x {accum[m]} ({med[m]:.3g} {unit} per step)"
 
     if gap is None:
         why = (f"{point(micro)}, the only point that ran ({len(times[micro])} samples, spread "
@@ -100,9 +100,8 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
         source="accum", measured_on=measured_on, baseline=baseline, stage="compute",
         per="step", clock=on.name, baseline_s=med.get(baseline), chosen_s=med[micro],
         naive_ratio=med[baseline] / med[micro] if baseline in med else None,
-        samples=tuple(len(times[m]) for m in sides),
-        spread=tuple(spread(times[m]) for m in sides), tied=tied,
-        resolved=pick.resolved, repeats_s=repeats_s),)
+        samples=tuple(len(times[m]) for m in sides), spread=tuple(spread(times[m]) for m in sides),
+        tied=tied, resolved=pick.resolved, repeats_s=repeats_s),)
 
 
 def settle(ok: pd.DataFrame, column: str, baseline: int
