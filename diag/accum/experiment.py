@@ -166,8 +166,7 @@ def mfu_check(setup: Setup) -> pd.DataFrame:
 
 def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = None
            ) -> pd.DataFrame:
-    """The recommended point against the most-accumulating one, over `steps_per_run` steps or
-    as that fraction of `compute_s`; none recommended: no finding."""
+    """The recommended point against the most-accumulating one, per steps_per_run or compute_s."""
     cols = ["stage", "finding", "seconds_saved", "evidence"]
     ok = summary[summary["status"] == "ok"]
     picked = ok[ok["recommended"].astype(bool)]

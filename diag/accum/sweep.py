@@ -61,8 +61,7 @@ def is_oom(err: BaseException) -> bool:
 
 
 class PeakMemory:
-    """A step's own peak memory: CUDA's high water mark; on CPU the most a micro-step saved for
-    backward plus the model's and optimizer's state (docs/calibration.md)."""
+    """A step's own peak: CUDA's high water mark; on CPU saved tensors + state (calibration.md)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.last_gb = device, math.nan

@@ -74,8 +74,7 @@ def gpu_step_seconds(gpu: str, params_b: float, tokens: int, mfu: float) -> floa
 
 def consumer(cfg: LoaderConfig, model_dir: str | Path, device: torch.device
              ) -> tuple[Any, float, str]:
-    """(step, nominal seconds, their source): the model's step, or one emulated at step_ms, at a
-    GPU's estimate or at the tiny model's measured step."""
+    """(step, nominal seconds, source): the model's, or one emulated (step_ms, gpu's, measured)."""
     if cfg.consumer == "model":
         return ModelStep(model_dir, device), math.nan, f"the model in {model_dir}, {device.type}"
     tokens = cfg.batch_size * cfg.seq_len

@@ -32,8 +32,7 @@ class SampleError(RuntimeError):
 
 
 class Guarded(Dataset):
-    """A dataset plus `extra_s` asleep per sample (like I/O) and a sample that raises (fail_at);
-    any error names the sample it came from."""
+    """A dataset, `extra_s` asleep per sample (like I/O), fail_at raising; errors name a sample."""
 
     def __init__(self, base: Dataset, extra_s: float = 0.0, fail_at: int | None = None) -> None:
         self.base, self.extra_s, self.fail_at = base, extra_s, fail_at
