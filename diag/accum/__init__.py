@@ -1,9 +1,5 @@
-"""Gradient accumulation at constant tokens per step: which micro-batch x grad_accum is fastest.
-
-`run_accum(cfg)` trains each point on a real causal LM: tokens/s, seconds per step beside the
-floor, memory, MFU, the decision; `train_points` / `retime` run any `AccumStep` (the QLoRA job's).
-"""
-
+"""Gradient accumulation at constant tokens per step: which micro-batch x grad_accum is fastest
+(`run_accum`), and the harness that times any `AccumStep` (`train_points`, `retime`)."""
 from diag.accum.experiment import AccumResult, advice, decide, run_accum, summarize
 from diag.accum.sweep import accum_frame, retime, train_points
 

@@ -1,7 +1,6 @@
 """`run_accum(cfg)`: the sweep, one summary row per point, the MFU cross-check and the advice;
 `decide` takes the fastest point whose gap to the naive micro-batch resolves, else keeps it.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -56,8 +55,7 @@ def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
 
 def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
            baseline: int = 1, repeats_s: float | None = None) -> tuple[Decision, ...]:
-    """`micro_batch` on measured_on's device's clock: the point `settle` takes against
-    `baseline` (else the smallest that ran), priced per step; none ran: the default, said so."""
+    """`micro_batch`: the point `settle` takes on the device's clock; none ran: the default."""
     ok = frame[frame["status"] == "ok"] if frame is not None and not frame.empty else None
     if ok is None or ok.empty:
         why = ("accum frame absent" if frame is None or frame.empty else
@@ -71,11 +69,10 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
     accum = {int(m): int(a) for m, a in zip(ok["micro_batch"], ok["grad_accum"])}
     micro, gap = pick.value, pick.against
     settled = micro not in (ref, pick.best)  # settle() took a tied point over the fastest
-
     kept = "the naive plan's" if ref == baseline else "the most accumulation swept"
 
     def point(m: int) -> str:
-        return f"micro-batch {m} x {accum[m]} ({statistics.median(times[m]):.3g} {unit} per step)"
+        return f"micro-batch {m} x {accum[m]} ({med[m]:.3g} {unit} per step)"
 
     if gap is None:
         why = (f"{point(micro)}, the only point that ran ({len(times[micro])} samples, spread "
@@ -103,17 +100,14 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
         source="accum", measured_on=measured_on, baseline=baseline, stage="compute",
         per="step", clock=on.name, baseline_s=med.get(baseline), chosen_s=med[micro],
         naive_ratio=med[baseline] / med[micro] if baseline in med else None,
-        samples=tuple(len(times[m]) for m in sides),
-        spread=tuple(spread(times[m]) for m in sides), tied=tied,
-        resolved=pick.resolved, repeats_s=repeats_s),)
+        samples=tuple(len(times[m]) for m in sides), spread=tuple(spread(times[m]) for m in sides),
+        tied=tied, resolved=pick.resolved, repeats_s=repeats_s),)
 
 
 def settle(ok: pd.DataFrame, column: str, baseline: int
            ) -> tuple[dict[int, list[float]], int, Choice]:
-    """(each micro-batch's `column` samples, the reference: baseline, else the smallest that
-    ran, diag.noise.choose against it); where choose left it, the largest micro-batch within
-    noise of the fastest that resolved faster than it: the real loop pays per micro-batch what
-    the harness does not time (docs/calibration.md)."""
+    """(samples by micro-batch, the reference, diag.noise.choose's pick against it); among ties,
+    the largest that resolved faster than the reference (docs/calibration.md)."""
     times = {int(m): list(g[column]) for m, g in ok.groupby("micro_batch")}
     ref = baseline if baseline in times else min(times)
     pick = choose(times, ref)
@@ -172,8 +166,7 @@ def mfu_check(setup: Setup) -> pd.DataFrame:
 
 def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = None
            ) -> pd.DataFrame:
-    """The recommended point priced against the most-accumulating one, over `steps_per_run`
-    steps or as that fraction of a run's `compute_s`; none recommended: no finding."""
+    """The recommended point against the most-accumulating one, per steps_per_run or compute_s."""
     cols = ["stage", "finding", "seconds_saved", "evidence"]
     ok = summary[summary["status"] == "ok"]
     picked = ok[ok["recommended"].astype(bool)]

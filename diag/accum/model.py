@@ -1,9 +1,5 @@
-"""diag accum's causal LM as an AccumStep (`LMStep`), and what its sweep is measured with.
-
-`setup(cfg)` builds the embedded tiny Llama or a GPT-2-small shape on the token file (DDP under a
-launcher) and counts one micro-step's FLOPs; `measure(cfg)` sweeps it with diag.accum.sweep.
-"""
-
+"""diag accum's causal LM as an AccumStep (the tiny Llama or a GPT-2-small shape, DDP under a
+launcher), its FLOPs counted, and `measure(cfg)`: its sweep with diag.accum.sweep."""
 from __future__ import annotations
 
 import contextlib
@@ -48,7 +44,6 @@ class LMStep:
                  amp: Any, rank: int = 0, distributed: bool = False) -> None:
         self.model, self.device, self.amp = model, device, amp
         self._cfg, self._tokens, self._seed = cfg, tokens, cfg.seed + rank  # a rank's own windows
-        # a straggler on purpose: this rank's loader sleeps slow_ms more per micro-batch
         self._slow_s = cfg.slow_ms / 1000 if rank == cfg.slow_rank else 0.0
         # the reset copy in host memory: on the device it would count in every point's peak
         self._initial = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -153,8 +148,7 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
     clock = TimedStep(step, step.ddp) if step.ddp is not None else None
     if clock is not None:
         spill_ranks(clock.timer)  # finished steps on disk until the frames are gathered
-    timed = train_points([clock or step], points, repeats=cfg.steps,
-                         warmup_steps=cfg.warmup_steps)
+    timed = train_points([clock or step], points, repeats=cfg.steps, warmup_steps=cfg.warmup_steps)
     if clock is None:  # under DDP every rank must take the same steps: the screen only
         timed, _ = retime([step], timed, unresolved, budget_s=DECIDE_BUDGET_S)
     fpt, peak = got.shape.flops_per_token, got.peak

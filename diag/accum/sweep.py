@@ -1,9 +1,5 @@
-"""The grad-accumulation harness: a step's tokens split micro_batch x grad_accum, trained for real.
-
-`train_points` times each point (an "oom" row where it does not fit); `retime` re-times the
-finalists a decision cannot yet tell apart in interleaved rounds. Rows hold wall and CPU seconds.
-"""
-
+"""The grad-accumulation harness: a step's tokens split micro_batch x grad_accum, trained for real;
+`retime` re-times in interleaved rounds the finalists a decision cannot tell apart yet."""
 from __future__ import annotations
 
 import contextlib
@@ -46,8 +42,7 @@ class AccumStep(Protocol):
 
 
 def pairs(cfg: AccumConfig, world_size: int = 1) -> list[tuple[int, int]]:
-    """(micro_batch, grad_accum) points making tokens_per_step over world_size ranks: the
-    configured micro-batches, else every power of two that divides the step."""
+    """(micro_batch, grad_accum) points: the micro-batches given, else powers of two that fit."""
     sequences = cfg.tokens_per_step // cfg.seq_len
     per_rank = sequences // world_size
     micro = cfg.micro_batches or [1 << i for i in range(per_rank.bit_length())
@@ -66,8 +61,7 @@ def is_oom(err: BaseException) -> bool:
 
 
 class PeakMemory:
-    """A step's own peak memory: on CUDA the allocator's high water mark; on CPU the most any
-    micro-step saved for backward plus the model's and optimizer's state (docs/calibration.md)."""
+    """A step's own peak: CUDA's high water mark; on CPU saved tensors + state (calibration.md)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.last_gb = device, math.nan
@@ -129,23 +123,20 @@ def _unique_bytes(tensors: Any) -> int:
 
 def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], *,
                  repeats: int, warmup_steps: int, desc: str = "accum sweep") -> pd.DataFrame:
-    """TIMED rows: one per timed optimizer step of each step at each point; a point out of
-    memory: one "oom" row per step, `detail` the error."""
+    """TIMED rows: one per timed optimizer step of each step at each point; "oom" where it fails."""
     device, rows = steps[0].device, []
     memory = PeakMemory(device)
     for micro, accum in tqdm(points, desc=desc, unit="point", leave=False):
-        failed = False
         try:
             rows += _train_point(steps, micro, accum, repeats, warmup_steps, memory)
         except (RuntimeError, MemoryError) as err:
             if not is_oom(err):
                 raise
-            failed = True
             rows += [{"step": i, "micro_batch": micro, "grad_accum": accum, "status": "oom",
                       "repeat": 0, "peak_mem_gb": memory.gb(),
                       "detail": f"out of memory: {' '.join(str(err).split())[:160]}"}
                      for i in range(len(steps))]
-        if failed:  # the error's frames hold the point's activations in a cycle
+        if rows and rows[-1]["status"] == "oom":  # its error's frames hold activations in a cycle
             gc.collect()  # before the next point allocates; only then: a pass costs ~0.5 s
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -156,17 +147,15 @@ def _train_point(steps: Sequence[AccumStep], micro: int, accum: int, repeats: in
                  warmup_steps: int, memory: PeakMemory) -> list[dict[str, Any]]:
     """One point's timed rows; memory watched over the last warm-up step (none: the first)."""
     with contextlib.ExitStack() as stack:
-        batches = []
         for step in steps:
             step.reset()  # every point starts from the same weights
-            batches.append(stack.enter_context(step.batches(micro)))
+        batches = [stack.enter_context(step.batches(micro)) for step in steps]
         warm, peak, rows = [0.0] * len(steps), [math.nan] * len(steps), []
         for n in range(warmup_steps + repeats):  # warm-up (and compile) billed to warm-up
             for i, step in enumerate(steps):
-                watch = n == max(warmup_steps - 1, 0)
+                watch = memory if n == max(warmup_steps - 1, 0) else None
                 with memory.watch(step) if watch else contextlib.nullcontext():
-                    seconds, cpu_s, data_s = _timed(step, batches[i], accum,
-                                                    memory if watch else None)
+                    seconds, cpu_s, data_s = _timed(step, batches[i], accum, watch)
                 peak[i] = memory.last_gb if watch else peak[i]
                 if n < warmup_steps:
                     warm[i] += seconds
@@ -188,9 +177,8 @@ def samples(timed: pd.DataFrame, column: str = "seconds_per_step"
 def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
            pending: Callable[[dict[tuple[int, int, int], list[float]]], Sequence[Any]], *,
            budget_s: float, at_least: int | None = None) -> tuple[pd.DataFrame, float]:
-    """Rounds of one reset step per finalist, interleaved, until every side holds `at_least`
-    samples, then while `pending(samples)` names keys unsettled, within `budget_s`. Returns the
-    rows with the rounds' appended, and the seconds spent past `at_least`."""
+    """Interleaved rounds of one step per finalist until each holds `at_least` samples, then while
+    `pending` names any, within budget_s: (timed with the rounds' rows, seconds past at_least)."""
     at_least = max(MIN_SAMPLES, at_least or 0)  # fewer can never resolve a gap
     column = clock(steps[0].device.type).col("seconds_per_step")
     screen = samples(timed, column)
@@ -221,14 +209,12 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
              "warmup_s": first.at[(i, m), "warmup_s"], "detail": ""}
             for (i, m, a), side in timings.items()
             for n, (seconds, cpu_s, data_s) in enumerate(side)]
-    return pd.concat([timed, pd.DataFrame(rows, columns=TIMED)], ignore_index=True), \
-        rounds.spent_s
+    return pd.concat([timed, pd.DataFrame(rows, columns=TIMED)], ignore_index=True), rounds.spent_s
 
 
 def _timed(step: AccumStep, batches: Iterator[Any], accum: int,
            memory: PeakMemory | None = None) -> tuple[float, float, float]:
-    """One optimizer step of `accum` micro-steps between syncs: (wall seconds, CPU seconds,
-    seconds blocked on batches)."""
+    """One optimizer step of `accum` micro-steps: (wall s, CPU s, seconds waiting on batches)."""
     sync(step.device)  # note: sync point: the clock starts on an idle device
     start, cpu, data_s = time.perf_counter(), time.process_time(), 0.0
     for i in range(accum):

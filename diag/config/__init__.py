@@ -1,9 +1,5 @@
-"""One dataclass per experiment: literal defaults with a comment each, `quick()` for tests.
-
-The CLI builds `--key value` flags from the same fields: each field's trailing comment is its
-`--help`, a `Literal` its choices. `XConfig.default(quick=None, **overrides)`: DIAG_QUICK decides.
-"""
-
+"""One dataclass per experiment: literal defaults, `quick()` for tests, DIAG_QUICK for default().
+The CLI's flags are the fields: a field's trailing comment is its --help, a Literal its choices."""
 from diag.config.accum import ACCUM_MODELS, AccumConfig
 from diag.config.base import (MODEL_LOAD_PROCESSES, MODEL_LOAD_SCENARIOS, STORAGE_PULLS,
                               VERIFY_MODES, ExperimentConfig, diag_home, quick_mode)

@@ -1,13 +1,11 @@
 """`diag accum`: the grad-accum experiment's config (diag.accum)."""
-
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from diag.config.base import ExperimentConfig, whole
-
+from diag.config.base import ExperimentConfig, parse_list, whole
 
 ACCUM_MODELS = {"tiny": 2048, "gpt2-small": 1024}  # model -> context (positions) it accepts
 
@@ -18,12 +16,10 @@ class AccumConfig(ExperimentConfig):
 
     tokens_per_step: int = 4096  # tokens per optimizer step, the same at every point
     seq_len: int = 128  # tokens per sequence (nanoGPT's block_size); at most the model's context
-    micro_batches: list[int] = field(default_factory=list)  # sequences per forward; [] = every
-                                                            # power of two that divides the step
+    micro_batches: list[int] = field(default_factory=list)  # [] = powers of 2 dividing the step
     steps: int = 5  # timed optimizer steps per point; 5 is the fewest a gap resolves with
     warmup_steps: int = 1  # untimed first steps per point (allocator, compile): warmup_s
-    model: str = "tiny"  # "tiny": the embedded Llama (CPU-sized); "gpt2-small":
-                         # GPT-2 124M's shape, random init (a GPU)
+    model: str = "tiny"  # "tiny": the embedded Llama (CPU); "gpt2-small": GPT-2 124M, random init
     compile: bool = False  # torch.compile each point: faster steps, compile time in warmup_s
     dtype: str = "auto"  # autocast dtype: "auto" = bf16 on CUDA, fp32 on CPU; "bf16", "fp32"
     device: str = "auto"  # "auto", "cpu" or "cuda"
@@ -60,8 +56,7 @@ class AccumConfig(ExperimentConfig):
                     f"seq_len={self.seq_len}; allowed: a multiple of it, e.g. "
                     f"{max(1, round(self.tokens_per_step / self.seq_len)) * self.seq_len}")
         sequences = self.tokens_per_step // self.seq_len
-        if isinstance(self.micro_batches, str):  # "4,8" from a notebook parameter
-            self.micro_batches = [int(v) for v in self.micro_batches.split(",") if v.strip()]
+        self.micro_batches = parse_list(self.micro_batches, int)
         allowed = [m for m in range(1, sequences + 1) if sequences % m == 0]
         for m in self.micro_batches:
             if not whole(m) or m not in allowed:
@@ -69,8 +64,7 @@ class AccumConfig(ExperimentConfig):
                     f"{name}.micro_batches: {m!r} x seq_len={self.seq_len} does not divide "
                     f"tokens_per_step={self.tokens_per_step}; allowed micro-batches: "
                     + ", ".join(map(str, allowed)))
-        # under a launcher: before a rank imports torch or dials the rendezvous, every rank of a
-        # world that cannot split the step exits at once with the same line
+        # under a launcher every rank refuses a world that cannot split the step, before torch
         world = os.environ.get("WORLD_SIZE", "1").strip()
         for m in self.micro_batches if world.isdigit() and int(world) > 1 else []:
             check_divides(self.tokens_per_step, self.seq_len, m, int(world),

@@ -1,9 +1,5 @@
-"""The base every experiment config builds on, and the names every layer shares.
-
-`ExperimentConfig`: validation in `__post_init__`, `quick()` (the test-sized variant),
-`default(quick=None)` (DIAG_QUICK decides, read here only). `diag_home()`: where diag keeps files.
-"""
-
+"""The base every experiment config builds on (validation, `quick()`, `default()`; DIAG_QUICK is
+read here only), the names every layer shares, and `diag_home()`: where diag keeps files."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +15,6 @@ from typing import Any, ClassVar, Literal, TypeVar, get_args
 T = TypeVar("T", bound="ExperimentConfig")
 
 # names every layer shares, defined once (the CLI offers them as choices)
-DEVICES = ("auto", "cpu", "cuda")  # and "cuda:N"
 Scenario = Literal["fresh", "cached", "cached_offline", "cached_cold"]
 MODEL_LOAD_SCENARIOS: tuple[str, ...] = get_args(Scenario)
 LoadProcess = Literal["fork", "exec"]
@@ -50,6 +45,11 @@ def number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def parse_list(value: Any, cast: Callable[[str], Any] = str.strip) -> Any:
+    """"4,8" (a notebook parameter or a flag) as a list; any other value as it is."""
+    return [cast(v) for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+
 @functools.cache
 def _choices(cls: type) -> dict[str, tuple[Any, ...]]:
     """The Literal fields of a config and their allowed values."""
@@ -60,8 +60,7 @@ def _choices(cls: type) -> dict[str, tuple[Any, ...]]:
 
 @dataclass
 class ExperimentConfig:
-    """Base of every experiment config: validation, quick variant, dict round-trip. A Literal
-    field and a field named `device` are checked here, before `validate()`."""
+    """Validation, quick variant, dict round-trip; Literal fields and `device` checked first."""
 
     QUICK: ClassVar[dict[str, Any]] = {}
 
@@ -70,7 +69,7 @@ class ExperimentConfig:
             self._choice(name, allowed)
         if hasattr(self, "device"):
             self._check(("device",), lambda v: bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(v))),
-                        "allowed values are " + ", ".join(map(repr, DEVICES)) + " and 'cuda:N'")
+                        "allowed values are 'auto', 'cpu', 'cuda' and 'cuda:N'")
         self.validate()
 
     def validate(self) -> None:
@@ -115,9 +114,8 @@ class ExperimentConfig:
         self._check(names, lambda v: whole(v) and v >= low, f"must be a whole number >= {low}")
 
     def _wholes(self, name: str, low: int, rule: str = "") -> None:
-        """A list of whole numbers >= low; "4,8" (a notebook parameter) is parsed."""
-        if isinstance(getattr(self, name), str):
-            setattr(self, name, [int(v) for v in getattr(self, name).split(",") if v.strip()])
+        """A list of whole numbers >= low ("4,8" parsed)."""
+        setattr(self, name, parse_list(getattr(self, name), int))
         self._check((name,), lambda vs: isinstance(vs, (list, tuple)) and all(
             whole(v) and v >= low for v in vs), f"must be a list of whole numbers >= {low}{rule}")
 

@@ -1,6 +1,5 @@
-"""`diag info`, `diag toy`, `diag report`, `diag run`, and `diag attach PID` / `diag trace FILE...`
-(a job diag did not start, diag.observe): the configs that are not one experiment."""
-
+"""The configs that are not one experiment: `diag info`, `toy`, `report`, `run`, and `attach PID`
+/ `trace FILE...` (a job diag did not start, diag.observe)."""
 from __future__ import annotations
 
 import re
@@ -40,8 +39,7 @@ class ToyConfig(ExperimentConfig):
     batch_size: int = 32  # samples per step
     width: int = 512  # hidden width of the toy MLP; compute grows with width^2
     prep_ms: float = 0.0  # synthetic per-batch preprocessing cost, to make data_wait visible
-    prep: Literal["sleep", "busy"] = "sleep"  # how prep_ms is spent: asleep (like I/O) or busy
-                                              # on a CPU in Python (like tokenizing)
+    prep: Literal["sleep", "busy"] = "sleep"  # prep_ms asleep (like I/O) or busy (tokenizing)
     num_workers: int = 0  # DataLoader workers; more overlap preprocessing with compute
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
     batch_norm: bool = False  # a BatchNorm layer (under DDP: a broadcast every forward)
@@ -70,8 +68,7 @@ class ReportConfig(ExperimentConfig):
 
 @dataclass
 class DiagnoseConfig(SourceConfig):
-    """`diag run`: every experiment on one source, a naive and an optimized run, the report;
-    the source flags reach every experiment."""
+    """`diag run`: every experiment on one source, naive and optimized runs, the report."""
 
     out: str = ""  # run folder to write; "" makes runs/<UTC timestamp>/
     storage: bool = True  # run the storage experiment (object store vs local disk)
@@ -93,13 +90,11 @@ class DiagnoseConfig(SourceConfig):
     current_gpu: str = ""  # GPU marked "now" on the Amdahl curve; "" = the detected one
     target_gpu: str = "H100 SXM"  # GPU you consider renting, marked at its dense-peak ratio
     quick_experiments: bool = False  # each experiment in its test-sized variant (seconds)
-    budget: str = ""  # time the diagnosis may take (15m, 90s, 1h30m), split among the steps;
-                      # "" = 15m on a GPU box, 3m on a CPU box, 1m with --quick
+    budget: str = ""  # time the diagnosis may take (15m, 1h30m); "" = 15m GPU, 3m CPU, 1m --quick
     land: bool = False  # storage lands the whole dataset (miss, then hit); False: hit estimated
     # the panel's sweep ranges and plan (diag.widgets)
     workers: list[int] = field(default_factory=list)  # num_workers the loader sweeps; [] = default
-    micro_batches: list[int] = field(default_factory=list)  # micro-batches accum sweeps (divide
-                                                            # the job's rows); [] = its default
+    micro_batches: list[int] = field(default_factory=list)  # accum micro-batches; [] = default
     plan: QLoraPlan = "both"  # QLoRA plans run: "naive", "optimized" or "both"
 
     QUICK: ClassVar[dict[str, Any]] = {"steps": 12, "prep_ms": 2.0, "quick_experiments": True}
@@ -124,12 +119,10 @@ class DiagnoseConfig(SourceConfig):
         """The storage experiment on this source, its sample sized to budget_s (0: no limit)."""
         preset = {} if self.quick_experiments else StorageConfig.RUN
         return StorageConfig.default(quick=self.quick_experiments or None, budget_s=budget_s,
-                                     land=self.land, **self.source_kwargs(StorageConfig),
-                                     **preset)
+                                     land=self.land, **self.source_kwargs(StorageConfig), **preset)
 
     def model_load_config(self) -> ModelLoadConfig:
-        """The model-load experiment on this model (quick: fresh and cached only); a cached model's
-        fresh load is estimated, not downloaded."""
+        """The model-load experiment on this model, fresh loads estimated (quick: 2 scenarios)."""
         quick = {"scenarios": ["fresh", "cached"]} if self.quick_experiments else {}
         return ModelLoadConfig.default(quick=self.quick_experiments or None, estimate_fresh=True,
                                        **self.source_kwargs(ModelLoadConfig), **quick)
@@ -139,8 +132,7 @@ def duration_s(text: str, name: str = "DiagnoseConfig.budget") -> float:
     """A duration in seconds: "15m", "90s", "1h30m", "2.5m" or a bare number of seconds."""
     got = _DURATION.fullmatch(str(text).strip().lower())
     if not str(text).strip() or got is None:
-        raise ValueError(f"{name}={text!r}: a duration such as 15m, 90s, 1h30m or 600 "
-                         "(seconds)")
+        raise ValueError(f"{name}={text!r}: a duration such as 15m, 90s, 1h30m or 600 (seconds)")
     total = sum(float(v) * unit for v, unit in zip(got.groups(), _UNITS.values()) if v)
     if not total > 0:
         raise ValueError(f"{name}={text!r}: must be more than 0 (e.g. 15m)")
@@ -148,8 +140,7 @@ def duration_s(text: str, name: str = "DiagnoseConfig.budget") -> float:
 
 
 def check_gpus(cfg: ExperimentConfig) -> None:
-    """current_gpu and target_gpu: '' or a GPU with a dense bf16 peak in diag's table (what the
-    Amdahl projection divides; unknown: no mark would be drawn)."""
+    """current_gpu and target_gpu: '' or a GPU with a dense bf16 peak in diag's table."""
     for name in ("current_gpu", "target_gpu"):
         gpu = getattr(cfg, name)
         if gpu and dense_peak_flops(gpu, "bf16") is None:
@@ -180,11 +171,11 @@ class AttachConfig(_Gpus):
 
     def validate(self) -> None:
         super().validate()
-        self._check(("pid",), lambda v: whole(v) and v > 0, "the process id of a running "
-                    "training script (a whole number > 0; ps or nvidia-smi shows it)")
+        self._check(("pid",), lambda v: whole(v) and v > 0, "the process id of a running training "
+                    "script (a whole number > 0; ps or nvidia-smi shows it)")
         self._positive("seconds")
-        self._check(("rate",), lambda v: whole(v) and 1 <= v <= 1000, "a whole number of "
-                    "samples per second in [1, 1000]")
+        self._check(("rate",), lambda v: whole(v) and 1 <= v <= 1000,
+                    "a whole number of samples per second in [1, 1000]")
 
 
 @dataclass

@@ -1,14 +1,12 @@
 """`diag loader`: the data-loader experiment's config (diag.loader)."""
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from diag.config.base import number, whole
+from diag.config.base import number, parse_list, whole
 from diag.config.source import RecordFields
 from diag.decision import DATA_WAIT_GOAL
-
 
 LOADER_PIPELINES = ("naive", "packed")  # tokenize per sample in the loop; read the token cache
 LOADER_CONSUMERS = ("emulated", "model")  # a step of fixed duration (DLIO style); the tiny model's
@@ -20,8 +18,7 @@ class LoaderConfig(RecordFields):
     """`diag loader`: DataLoader settings against a training step, the stall split, hot lines."""
 
     data: str = ""  # your records: a JSONL or Parquet file or a folder of shards; "" = embedded
-    tokenizer: str = ""  # folder with tokenizer.json (and a chat template for --messages-field);
-                         # "" = the embedded tiny model's
+    tokenizer: str = ""  # folder with tokenizer.json (and chat template); "" = the embedded one
     pipelines: list[str] = field(default_factory=lambda: list(LOADER_PIPELINES))  # forms swept
     workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])  # num_workers; 1st: baseline
     batch_size: int = 16  # sequences per step
@@ -32,8 +29,7 @@ class LoaderConfig(RecordFields):
     model_params_b: float = 1.1  # model size for the GPU estimate, billions of parameters
     mfu: float = 0.4  # model FLOPs utilization the GPU estimate assumes; lower: a longer step
     steps: int = 8  # steady steps timed per setting, after the prefetch; more is steadier
-    repeats: int = 5  # epochs per setting on one DataLoader: the decision's samples (5: the
-                      # fewest a gap resolves with)
+    repeats: int = 5  # epochs per setting: the decision's samples (5: the fewest that resolve)
     pin_memory: bool = True  # page-locked batches for a faster h2d copy (CUDA only)
     persistent_workers: bool = True  # keep workers across epochs instead of restarting them
     prefetch_factor: int = 2  # batches each worker prepares ahead; more absorbs jitter, costs RAM
@@ -68,8 +64,7 @@ class LoaderConfig(RecordFields):
         self._non_negative("step_ms", "extra_prep_ms")
         self._choice("consumer", LOADER_CONSUMERS)
         self._choice("on_error", ON_ERROR)
-        if isinstance(self.pipelines, str):
-            self.pipelines = [p.strip() for p in self.pipelines.split(",") if p.strip()]
+        self.pipelines = parse_list(self.pipelines)
         self._check(("pipelines",), lambda v: v and set(v) <= set(LOADER_PIPELINES),
                     "name one or more of " + ", ".join(map(repr, LOADER_PIPELINES)))
         self._check(("workers",), lambda v: isinstance(v, (list, tuple)) and v and len(set(

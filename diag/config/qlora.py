@@ -1,8 +1,5 @@
 """`diag qlora` and `diag train`: the QLoRA job's configs (diag.qlora). `JobConfig` is what both
-share; `QLoraConfig` adds the side-by-side comparison's records, steps and rounds; `TrainConfig`
-trains the whole dataset, its adapter the output (diag.qlora.train).
-"""
-
+share; `QLoraConfig` is the side-by-side comparison, `TrainConfig` the whole-dataset run."""
 from __future__ import annotations
 
 import math
@@ -36,12 +33,10 @@ class JobConfig(SourceConfig):
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"; CUDA-only settings fall back on CPU
     results: str = ""  # run folder whose decisions.csv the optimized plan collects; "" = measure
     # the sweeps on the job's own step that decide the optimized plan
-    sweep_micro_batches: list[int] = field(default_factory=list)  # [] = up to 4 divisors of
-        # the job's rows per step, 1 and the largest among them
+    sweep_micro_batches: list[int] = field(default_factory=list)  # [] = 4 divisors of the rows
     sweep_workers: list[int] = field(default_factory=lambda: [0, 1, 2])  # loader sweep's workers
     sweep_steps: int = 5  # timed steps per sweep point after a warm-up; 5: fewest a gap resolves
-    decide_budget_s: float = 60.0  # seconds to re-time points the screen left within noise
-        # (0: screen only); more settles closer gaps
+    decide_budget_s: float = 60.0  # seconds re-timing points left within noise (0: screen only)
 
     # what a resumed run must share with the run it continues
     IDENTITY: ClassVar[tuple[str, ...]] = (
@@ -78,12 +73,10 @@ class QLoraConfig(JobConfig):
     slow_ms: float = 0.0  # slow_rank's extra sleep per batch (a straggler on purpose), in ms
 
     IDENTITY: ClassVar[tuple[str, ...]] = (*JobConfig.IDENTITY, "plan", "records", "steps")
-    # one round of each plan: a quick look with no spread
     QUICK: ClassVar[dict[str, Any]] = {"records": 12, "steps": 3, "seq_len": 96, "lora_r": 8,
                                        "lora_alpha": 16, "sweep_workers": [0, 2],
                                        "decide_budget_s": 20.0, "rounds": 1}
-    # `diag run`: smaller sweeps and rounds, never fewer rounds (their spread says whether the
-    # headline's gap resolved)
+    # `diag run`: smaller sweeps, never fewer rounds (their spread says if the headline resolved)
     RUN: ClassVar[dict[str, Any]] = {"sweep_workers": [0, 2], "decide_budget_s": 30.0,
                                      "records": 32, "steps": 4, "rounds": 3}
 
@@ -100,17 +93,13 @@ class QLoraConfig(JobConfig):
 
 @dataclass
 class TrainConfig(JobConfig):
-    """`diag train`: one plan trains the whole dataset (epochs, eval, checkpoints, resume); the
-    adapter and tokenizer in out_dir are its output."""
+    """`diag train`: one plan trains the whole dataset (epochs, eval, checkpoints, resume)."""
 
     lr: float = 2e-4  # peak learning rate: warmed up over lr_warmup, then lr_schedule
-    checkpoint_every: int = 0  # save adapter, optimizer, RNG, data position every N steps;
-                               # 0 = ten times over the run
+    checkpoint_every: int = 0  # save adapter, optimizer, RNG, data position every N steps; 0: 10x
     out_dir: str = ""  # the adapter, tokenizer and checkpoints; "" = train/<UTC timestamp>
-    results: str = ""  # a run folder: its decisions make the optimized plan, its costs the ETA;
-                       # "" = measure on this job
-    plan: Literal["optimized", "naive"] = "optimized"  # optimized: decided on the job (or
-        # --results); naive: a newcomer's defaults (the baseline)
+    results: str = ""  # a run folder whose decisions and costs are used; "" = measure this job
+    plan: Literal["optimized", "naive"] = "optimized"  # naive: a newcomer's defaults (baseline)
     records: int = 0  # the source's first N good records (a named subset); 0 = all of them
     epochs: int | None = None  # passes over the training records; unset = 1 (or --max-steps)
     max_steps: int | None = None  # optimizer steps to train instead of epochs
@@ -118,8 +107,7 @@ class TrainConfig(JobConfig):
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"  # the LR after its warm-up
     lr_warmup: float = 0.03  # share of the optimizer steps that warm the learning rate up
     eval_share: float = 0.01  # records held out for eval (at least eval_batch), never trained on
-    eval_every: int = 0  # eval every N optimizer steps and at the end; 0 = up to ten times over
-                         # the run, as often as keeps eval under 10% of it
+    eval_every: int = 0  # eval every N steps and at the end; 0 = up to 10x, under 10% of the run
     eval_batch: int = 8  # records per eval batch, one a row in both plans (so they compare)
     keep_checkpoints: int = 2  # the newest K checkpoints kept in out_dir
     merge: bool = False  # also write the 16-bit base with the adapter merged (out_dir/merged)
@@ -150,8 +138,7 @@ class TrainConfig(JobConfig):
             self.held_out(self.records)
 
     def held_out(self, records: int) -> int:
-        """Records held out of `records`: eval_share, at least one eval batch; refused where less
-        than one optimizer step is left to train on."""
+        """Records held out: eval_share, at least eval_batch; refused below one step left."""
         held = max(math.ceil(self.eval_share * records), self.eval_batch)
         if records - held < self.batch_size:
             raise ValueError(
@@ -176,11 +163,11 @@ class TrainConfig(JobConfig):
         return every or max(1, steps // 10)
 
     def eval_cadence(self, steps: int, eval_records: int) -> int:
-        """Steps between evals: eval_every, or (0) ten over the run, fewer where those would
-        cost over EVAL_SHARE of the training (an eval's record runs forward only: a third)."""
+        """eval_every, or (0) ten evals a run, fewer where they cost over EVAL_SHARE of it."""
         if self.eval_every:
             return self.eval_every
-        evals = EVAL_SHARE * steps * self.batch_size * 3 / max(eval_records, 1)  # affordable
+        # an eval's record runs forward only: a third of a trained one's cost
+        evals = EVAL_SHARE * steps * self.batch_size * 3 / max(eval_records, 1)
         return max(self.cadence(0, steps), math.ceil(steps / max(evals - 2, 1)))  # + first, last
 
     @classmethod

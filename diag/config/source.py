@@ -1,10 +1,6 @@
-"""Where a run's data and model come from: one set of fields, the same flags in every command;
-and the experiments that read only that (`diag storage`: the bucket; `diag model-load`: the model).
-
-A config names the groups it reads (`SOURCE`); its command offers only those and refuses a value
-given to another. The checks here need no network (diag.preflight checks the rest).
-"""
-
+"""Where a run's data and model come from: the same flags in every command, and the experiments
+that read only that (`diag storage`: the bucket; `diag model-load`: the model). A config names the
+groups it reads (`SOURCE`) and refuses a value given to another; no check here needs a network."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from diag.config.base import MODEL_LOAD_SCENARIOS, ExperimentConfig, LoadProcess, Scenario, Verify
+from diag.config.base import (MODEL_LOAD_SCENARIOS, ExperimentConfig, LoadProcess, Scenario,
+                              Verify, parse_list)
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # record files diag reads
 COMPRESSED = (".gz", ".zst")  # a JSONL file may be compressed (pyarrow's codecs read it)
@@ -30,13 +27,10 @@ MODEL = ("model", "revision", "cache_dir", "repair_cache")
 class RecordFields(ExperimentConfig):
     """Which fields of the user's records hold the text, for every command that reads records."""
 
-    text_field: str = ""  # the records' field holding the whole text (loss on all of it);
-                          # "" = prompt/response fields, or instruction/input/output
-    prompt_field: str = ""  # the records' prompt field (with --response-field; loss on the
-                            # response only); "" = instruction/input/output (Alpaca)
+    text_field: str = ""  # the records' field holding the whole text (loss on all of it)
+    prompt_field: str = ""  # the records' prompt field (with --response-field): loss on the answer
     response_field: str = ""  # the records' response field (with --prompt-field)
-    messages_field: str = ""  # the records' chat field (a list of {role, content}, the last the
-                              # assistant's), in the model's chat template; loss on the last
+    messages_field: str = ""  # the records' chat field ([{role, content}]): loss on the last turn
 
     def validate(self) -> None:
         super().validate()
@@ -49,10 +43,8 @@ class RecordFields(ExperimentConfig):
                              f"messages_field={self.messages_field!r})")
 
     def fields(self) -> dict[str, str]:
-        """The record fields to read (diag.data.records.normalise's); {} = Alpaca."""
-        return {k: v for k, v in (("text", self.text_field), ("prompt", self.prompt_field),
-                                  ("response", self.response_field),
-                                  ("messages", self.messages_field)) if v}
+        """The record fields to read (diag.data.records.normalise's); {} = Alpaca's."""
+        return {k.removesuffix("_field"): v for k, v in self.record_fields().items() if v}
 
     def record_fields(self) -> dict[str, str]:
         """These four flags' values, to hand the same records to another config."""
@@ -63,24 +55,17 @@ class RecordFields(ExperimentConfig):
 class SourceConfig(RecordFields):
     """The user's bucket and model, or (all empty) the embedded S3 server and hub."""
 
-    source: str = ""  # your data: s3://bucket/key or s3://bucket/prefix/ of shards (.jsonl,
-                      # .jsonl.gz/.zst, .parquet), hf://datasets/org/name[@rev]/path, a local
-                      # file or folder; "" = the embedded S3 server and data
+    source: str = ""  # your data (s3://, hf://datasets/, a local path); "" = the embedded S3 server
     endpoint_url: str = ""  # S3 endpoint of --source (MinIO, R2, GCS); "" = your AWS config
     profile: str = ""  # AWS profile for --source; "" = AWS_PROFILE or the default chain
     region: str = ""  # region for --source; "" = your AWS config (AWS_REGION, profile)
     sign_request: bool = True  # False (--no-sign-request) reads a public bucket with no credentials
-    retries: int | None = None  # request retries and re-GETs of a dropped part; None = your
-                                # AWS config (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE), 0 fails fast
-    stall_s: float = STALL_S  # an S3 read with no byte for this long has stalled (every
-                              # request's timeout; a pull's deadline is at least this)
-    model: str = ""  # your model: "org/name" on HF_ENDPOINT or the hub, or a local folder with
-                     # weights; "" = the embedded tiny Llama
+    retries: int | None = None  # request retries and re-GETs of a part; None = your AWS config
+    stall_s: float = STALL_S  # an S3 read with no byte for this long has stalled (its timeout)
+    model: str = ""  # your model: a hub "org/name" or a local folder; "" = the embedded tiny Llama
     revision: str = "main"  # branch, tag or commit of a hub --model
-    cache_dir: str = ""  # HF hub cache for --model; "" = your HF_HUB_CACHE (read only) for a
-                         # hub id, <DIAG_HOME>/hf-cache for the embedded model
-    repair_cache: bool = False  # True re-downloads cached files that fail their checksum (may
-                                # write to your HF cache); False stops and reports them
+    cache_dir: str = ""  # HF hub cache for --model; "" = your HF_HUB_CACHE (read only)
+    repair_cache: bool = False  # re-download cached files failing their checksum; False: report
 
     SOURCE: ClassVar[tuple[str, ...]] = BUCKET + RECORDS + MODEL  # the fields this config reads
 
@@ -128,8 +113,7 @@ class SourceConfig(RecordFields):
         check_model(self.model, name)
 
     def source_kwargs(self, into: type[SourceConfig] | None = None) -> dict[str, object]:
-        """The source fields' values, to hand the same source to another experiment's config:
-        those `into` reads (its SOURCE), or every one."""
+        """The source fields' values that `into` reads (its SOURCE; None: all), to hand over."""
         return {name: getattr(self, name) for name in (into or SourceConfig).SOURCE}
 
 
@@ -142,8 +126,7 @@ def data_file(name: str) -> bool:
 
 
 def source_kind(source: str, flag: str = "--source") -> str:
-    """"embedded" (''), "s3", "hf" (hf://datasets/org/name[@rev][/path]) or "local" (a file
-    or folder that exists); ValueError naming `flag` and the forms allowed."""
+    """"embedded" (''), "s3", "hf" or "local" (a path that exists); else ValueError naming flag."""
     allowed = ("expected s3://bucket/key or s3://bucket/prefix/, hf://datasets/org/name[@rev]"
                "/path, a local file or folder of shards, or '' for the embedded server")
     if not source:
@@ -190,9 +173,8 @@ def check_out(out: str, flag: str = "--out") -> None:
     """A run folder must be new or empty: diag never mixes its files into an older run's."""
     if not out:
         return
-    path = Path(out).expanduser()
     try:
-        full = path.is_dir() and any(path.iterdir())
+        full = (path := Path(out).expanduser()).is_dir() and any(path.iterdir())
     except PermissionError as err:
         raise ValueError(f"{flag}={out!r}: cannot be read ({err.strerror}); name a new or empty "
                          "folder you can write") from None
@@ -215,10 +197,8 @@ class StorageConfig(SourceConfig):
     repeats: int = 3  # measured repeats per method; more gives steadier medians
     budget_s: float = 0.0  # seconds the pulls may take (each method's sample fits); 0 = no limit
     sample_mb: float = 0.0  # at most this many MB of whole objects per pull; 0 = no cap
-    land: bool = False  # also land() the whole dataset, miss then verified hit (writes it all);
-                        # False: a hit is estimated from the sample's cold local read
-    warmup: int = 0  # untimed first rounds, not reported (their bytes are in no row); the
-                     # probe's pull of the sample already warms the server and connections
+    land: bool = False  # also land() the whole dataset, miss then hit; False: a hit is estimated
+    warmup: int = 0  # untimed first rounds (the probe's pull already warms the connections)
     verify: Verify = "sha256"  # land() hit check: "sha256" catches flipped bytes, "size" is free
     dataset_gb: float = 0.0  # dataset size for the tax; 0 = the measured size (e.g. 25 for yours)
     runs_per_week: float = 20.0  # training starts per week that re-pull the dataset
@@ -245,13 +225,11 @@ class ModelLoadConfig(SourceConfig):
         default_factory=lambda: list(MODEL_LOAD_SCENARIOS))
     repeats: int = 1  # measured loads per scenario after the warm-up; 5+ lets model_cache resolve
     budget_s: float = 0.0  # > 0: more repeats while model_cache is unresolved and they fit
-    estimate_fresh: bool = False  # True: a cached model's fresh load is estimated from one
-                                  # file's download rate, not downloaded whole
+    estimate_fresh: bool = False  # a cached model's fresh load from one file's download rate
     warmup: int = 1  # untimed loads first (the page cache of the model and libraries)
     quantize: bool = True  # 4-bit nf4 as QLoRA loads its base; False keeps the checkpoint dtype
     device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
-    process: LoadProcess = "fork"  # "fork": imports paid once, a forked child per load;
-                                   # "exec": a fresh interpreter per load (slower, same figures)
+    process: LoadProcess = "fork"  # "fork": imports paid once; "exec": a fresh interpreter a load
     trust_remote_code: bool = False  # True runs Python code from the model repo: only one you trust
     timeout_s: float = 1800.0  # per load process; a large model over a slow link needs more
 
@@ -261,8 +239,7 @@ class ModelLoadConfig(SourceConfig):
         super().validate()  # the source flags
         self._positive("repeats", "timeout_s")
         self._non_negative("warmup", "budget_s")
-        if isinstance(self.scenarios, str):
-            self.scenarios = [s.strip() for s in self.scenarios.split(",") if s.strip()]
+        self.scenarios = parse_list(self.scenarios)
         self._check(("scenarios",), lambda v: v and len(set(v)) == len(v), "name each scenario "
                     "once: " + ", ".join(MODEL_LOAD_SCENARIOS))
         for s in self.scenarios:

@@ -1,8 +1,5 @@
-"""From the loader sweep to decisions: the smallest num_workers whose median data_wait stays
-under the goal, or, where none does, the per-sample cost (the 0-worker rows) and the workers it
-needs; `advice` prices them as findings rows (diag.amdahl.findings) for a run of `run_steps`.
-"""
-
+"""From the loader sweep to decisions: the fewest num_workers whose median data_wait stays under
+the goal, else the per-sample cost and the workers it needs; `advice` prices them as findings."""
 from __future__ import annotations
 
 import math
@@ -22,7 +19,7 @@ DEFAULT_WORKERS = 2  # no sweep: the token cache's reads overlap a step (docs/ca
 
 
 def _good(part: pd.DataFrame) -> pd.DataFrame:
-    # a frame without an error column (a sweep of your own) has no failed point; decide() allows it
+    """The points that ran (a frame without an error column, a sweep of your own: all)."""
     return part[part["error"].fillna("") == ""] if "error" in part else part
 
 
@@ -51,8 +48,8 @@ def recommend(sweep: pd.DataFrame, target_share: float = DATA_WAIT_GOAL) -> pd.D
         # with no workers every sample is fetched and prepared in the loop: the wait is its cost
         per_batch = float(by.loc[0, "data_wait_s"]) if 0 in by.index else math.nan
         # each worker makes a batch in per_batch seconds; together one per step
-        needed = None if math.isnan(per_batch) else 0 if per_batch / (
-            per_batch + step) < target_share else math.ceil(per_batch / step)
+        needed = None if math.isnan(per_batch) else 0 if per_batch / (per_batch + step) < \
+            target_share else math.ceil(per_batch / step)
         shown = rec if rec is not None else by["data_wait_share"].idxmin()
         if rec is not None:
             verdict = (f"num_workers={rec} keeps data_wait at {by.loc[rec, 'data_wait_share']:.1%} "
@@ -97,7 +94,7 @@ def advice(sweep: pd.DataFrame, recommendation: pd.DataFrame, run_steps: int = 1
         kept_up = not pd.isna(r.recommended_workers)
         # none keeps up: the one rule the plan decides by (the smallest near the best wait)
         best = int(r.recommended_workers) if kept_up else choose_workers(by, target_share)[0]
-        saved = (by.loc[r.baseline_workers, "data_wait_s"] - by.loc[best, "data_wait_s"])
+        saved = by.loc[r.baseline_workers, "data_wait_s"] - by.loc[best, "data_wait_s"]
         share = by.loc[best, "data_wait_share"]
         finding = (f"DataLoader(num_workers={best}, persistent_workers=True, pin_memory=True) "
                    f"keeps the {r.pipeline} pipeline ahead of the step" if kept_up else
@@ -137,16 +134,14 @@ def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], run_steps: int
 
 
 def choose_workers(by: pd.DataFrame, goal: float = DATA_WAIT_GOAL) -> tuple[int, str]:
-    """(num_workers, why) from medians by num_workers: the fewest under `goal`, else the fewest
-    within DATA_WAIT_NEAR_BEST (or _S) of the best wait, the rest named as the hand-off."""
+    """(num_workers, why): the fewest under `goal`, else the fewest near the best wait."""
     w = next((w for w in sorted(by.index) if by.loc[w, "data_wait_share"] < goal), None)
     if w is not None:
         return int(w), (f"the fewest workers under {goal:.0%} data_wait: {w} at "
                         f"{by.loc[w, 'data_wait_share']:.1%} of the step")
     best = float(by["data_wait_s"].min())
-    near = [w for w in sorted(by.index)
-            if by.loc[w, "data_wait_s"] <= max(best * (1 + DATA_WAIT_NEAR_BEST),
-                                               best + DATA_WAIT_NEAR_BEST_S)]
+    near_best = max(best * (1 + DATA_WAIT_NEAR_BEST), best + DATA_WAIT_NEAR_BEST_S)
+    near = [w for w in sorted(by.index) if by.loc[w, "data_wait_s"] <= near_best]
     w, at = near[0], int(by["data_wait_s"].idxmin())  # more workers do not hand over faster
     return int(w), (f"no setting under {goal:.0%} data_wait; {w} workers is the fewest within "
                     f"{DATA_WAIT_NEAR_BEST:.0%} (or {DATA_WAIT_NEAR_BEST_S * 1e3:.3g} ms) of the "
@@ -159,14 +154,12 @@ def choose_workers(by: pd.DataFrame, goal: float = DATA_WAIT_GOAL) -> tuple[int,
 
 def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
            measured_on: MeasuredOn | None = None) -> tuple[Decision, ...]:
-    """pipeline (`_pipeline`), num_workers (choose_workers, kept at the baseline's unless its
-    lower wait resolves) and the DataLoader knobs; a knob the sweep never varied, or a sweep
-    absent or failed, gives labelled defaults."""
+    """pipeline, num_workers (the baseline's unless a lower wait resolves) and the DataLoader
+    knobs; a knob the sweep never varied, or no sweep, gives labelled defaults."""
     ok = _good(sweep) if sweep is not None else None
     if ok is None or ok.empty:
-        why = ("loader frame absent" if sweep is None or sweep.empty
-               else "every loader sweep point failed: " + str(sweep["error"].iloc[0]))
-        return _defaults(why)
+        return _defaults("loader frame absent" if sweep is None or sweep.empty
+                         else "every loader sweep point failed: " + str(sweep["error"].iloc[0]))
     ok = ok.reset_index(drop=True)  # sweeps concatenated by a caller repeat index labels
     on = measured_on or MeasuredOn(step=str(ok["consumer"].iloc[0]) if "consumer" in ok else "",
                                    seq_len=int(ok["seq_len"].iloc[0]) if "seq_len" in ok else None)
@@ -178,23 +171,21 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
     base_w = 0 if 0 in by.index else int(min(by.index))
     workers, why, sure = _resolved_workers(mine, base_w, workers, why)
     common = {"source": "loader", "measured_on": on, "stage": "data_wait", "per": "step"}
+    chosen_s = float(by.loc[workers, "data_wait_s"])
     out = [Decision.from_rows("num_workers", workers, f"{pipeline} pipeline: {why}", mine,
-                              baseline=0, baseline_s=float(by.loc[base_w, "data_wait_s"]) if
-                              base_w == 0 else None, chosen_s=float(by.loc[workers, "data_wait_s"]),
-                              **sure, **common)]
+                              baseline=0, baseline_s=float(by.loc[0, "data_wait_s"]) if
+                              base_w == 0 else None, chosen_s=chosen_s, **sure, **common)]
     naive = _medians(ok[ok["pipeline"] == "naive"]) if "naive" in rates else None
     pipe_rows = ok[ok["num_workers"] == workers]
     out.append(Decision.from_rows(
         "pipeline", pipeline, "real tokens/s per pipeline (medians): " + ", ".join(
             f"{p} {r:,.0f}" for p, r in rates.items()) + pipe_note, pipe_rows, baseline="naive",
         baseline_s=float(naive.loc[workers, "data_wait_s"]) if naive is not None
-        and workers in naive.index else None, chosen_s=float(by.loc[workers, "data_wait_s"]),
-        **pipe_sure, **common))
+        and workers in naive.index else None, chosen_s=chosen_s, **pipe_sure, **common))
     chosen = mine[mine["num_workers"] == workers]
     for setting, default in _knobs(workers).items():
         values = mine[setting].dropna().unique() if setting in mine else []
-        # varied: more than one value at the same num_workers (persistent_workers and
-        # prefetch_factor follow the worker count itself, which is no evidence for them)
+        # varied at one num_workers (following the worker count is no evidence for a knob)
         if setting in mine and mine.groupby("num_workers")[setting].nunique().max() > 1:
             best = chosen.loc[chosen["data_wait_s"].idxmin()]
             value = None if workers == 0 and setting == "prefetch_factor" else (
@@ -210,8 +201,7 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
 
 def _pipeline(ok: pd.DataFrame, rates: pd.Series) -> tuple[str, str, dict[str, Any]]:
     """(pipeline, note, how sure): another than naive only where its seconds per token resolve
-    faster at a worker count both ran and at none slower (each count apart: pooled, a slow naive
-    0-worker epoch widens naive's spread until no gap resolves)."""
+    faster at a worker count both ran and at none slower (each count apart, docs/calibration.md)."""
     per = {(p, int(w)): list(1 / g["tokens_per_s"])
            for (p, w), g in ok.groupby(["pipeline", "num_workers"])}
     other = [p for p in rates.index if p != "naive"]
@@ -234,8 +224,7 @@ def _pipeline(ok: pd.DataFrame, rates: pd.Series) -> tuple[str, str, dict[str, A
 
 def _resolved_workers(rows: pd.DataFrame, base: int, workers: int, why: str
                       ) -> tuple[int, str, dict[str, Any]]:
-    """choose_workers' pick stands where its data_wait is resolved below `base` workers' (the
-    repeats' waits, diag.noise); else `base` is kept, within noise."""
+    """choose_workers' pick where its wait resolves below `base` workers'; else `base`, kept."""
     waits = {w: list(g["data_wait_s"]) for w, g in rows.groupby("num_workers")}
     if workers == base:  # nothing to resolve: the baseline itself
         mine = waits[base]
@@ -257,7 +246,7 @@ def _knobs(workers: int) -> dict[str, Any]:
 
 
 def default_workers() -> int:
-    """DEFAULT_WORKERS where two cores stay free for the step's own threads, else fewer."""
+    """DEFAULT_WORKERS where two cores stay free for the step's threads, else fewer."""
     from diag.machine.device import usable_cores
 
     return max(0, min(DEFAULT_WORKERS, usable_cores() - 2))

@@ -1,19 +1,15 @@
-"""`run_loader(cfg)`: the sweep, the recommendation, the stall split and the hot lines, at once.
-
-One step, made once, is what the sweep and the stall split keep up with; the stall split runs at
-the first swept num_workers (the baseline, 0 by default: everything in the loop).
-"""
-
+"""`run_loader(cfg)`: the sweep, the recommendation, the stall split (at the first swept
+num_workers) and the hot lines, all against one step made once."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import pandas as pd
 
 from diag.config import LoaderConfig
 from diag.decision import Decision, MeasuredOn
 from diag.loader.advice import advice, decide, recommend
-from diag.loader.profile import profile_lines
-from diag.loader.stalls import stall_split
+from diag.loader.stalls import profile_lines, stall_split
 from diag.loader.steps import EmulatedStep, consumer
 from diag.loader.sweep import make_dataset, sources, sweep_workers
 from diag.machine.device import on_cpu_threads, resolve
@@ -35,9 +31,8 @@ class LoaderResult:
 def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
                measured_on: MeasuredOn | None = None, emulate_stalls: bool = False
                ) -> LoaderResult:
-    """Sweep, recommend, split the stalls, profile the naive preprocessing. step: (callable,
-    nominal seconds, label) as steps.consumer gives (None: from cfg); emulate_stalls: the stall
-    split sleeps the sweep's median step instead of running a real one 3 x pipelines times."""
+    """Sweep, recommend, split the stalls, profile the naive preprocessing. step: consumer()'s
+    triple (None: cfg's); emulate_stalls: the split sleeps the sweep's median step."""
     cfg = cfg or LoaderConfig.default()
     data, tokenizer_dir = sources(cfg)
     step = step or consumer(cfg, tokenizer_dir, resolve(cfg.device))

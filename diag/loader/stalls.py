@@ -1,41 +1,33 @@
-"""Where the data stall comes from, after DS-Analyzer's differential method (Mohan et al., 2021).
-
-One DataLoader setting runs three times per pipeline: synthetic batches already in memory (the
-loop's floor), real data in the page cache (prep stall = warm - synthetic), real data dropped
-from it (fetch stall = cold - warm); seconds per step and shares of a step, one row per pipeline.
-"""
-
+"""Why the loop waits. `stall_split`: DS-Analyzer's differential method (Mohan et al., 2021), one
+setting on synthetic batches, warm and cold data: prep stall = warm - synthetic, fetch stall = cold
+- warm. `profile_lines`: the preprocessing's hot lines (line_profiler; read shares, not times)."""
 from __future__ import annotations
 
+import inspect
+import linecache
 import time
-from pathlib import Path
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pandas as pd
-from torch.utils.data import Dataset
+from line_profiler import LineProfiler
 
 from diag.config import LoaderConfig
 from diag.data import ARRAYS, shard_files
 from diag.loader.steps import EmulatedStep, consumer
-from diag.loader.sweep import Guarded, Setting, make_dataset, measure_setting, sources
+from diag.loader.sweep import Setting, make_dataset, measure_setting, sources
 from diag.machine.device import resolve
 from diag.machine.disks import evict_page_cache
 
 COLUMNS = ["pipeline", "num_workers", "synthetic_wait_s", "warm_wait_s", "cold_wait_s",
            "prep_stall_s", "fetch_stall_s", "step_s", "prep_stall_share", "fetch_stall_share",
            "open_warm_s", "open_cold_s", "cache_state", "error"]
-
-
-def _files(pipeline: str, data: str, dataset: Dataset) -> tuple[list[Path], list[Path]]:
-    """What the pipeline reads: (the record files, for packed the token cache's arrays)."""
-    base = dataset.base if isinstance(dataset, Guarded) else dataset
-    return shard_files(data), [base.folder / f for f in ARRAYS] if pipeline == "packed" else []
+LINE_COLUMNS = ["line", "hits", "seconds", "share", "us_per_hit", "source", "function"]
 
 
 def stall_split(cfg: LoaderConfig | None = None, num_workers: int | None = None,
                 step: Any = None) -> pd.DataFrame:
-    """Synthetic / warm / cold runs per pipeline at num_workers (default: cfg.workers[0]);
-    `open_*_s` is what making the dataset took (a naive one reads its records there)."""
+    """Synthetic / warm / cold runs per pipeline at num_workers (default: cfg.workers[0])."""
     cfg = cfg or LoaderConfig.default()
     data, tokenizer_dir = sources(cfg)
     device = resolve(cfg.device)
@@ -43,17 +35,17 @@ def stall_split(cfg: LoaderConfig | None = None, num_workers: int | None = None,
     w = cfg.workers[0] if num_workers is None else num_workers
     nominal = None
     if w == 0 and isinstance(step, EmulatedStep):
-        # no workers: each batch is made between steps, so the step's length cannot change the
-        # wait; the step is accounted at its seconds instead of slept
+        # no workers: the step's length cannot change the wait; accounted, not slept
         nominal, step = step.seconds, EmulatedStep(0.0)
     setting = Setting(w, cfg.pin_memory, cfg.persistent_workers, cfg.prefetch_factor)
     rows = []
     for pipeline in cfg.pipelines:
         row, steps_s, errors = {"pipeline": pipeline, "num_workers": w}, [], []
-        records, arrays = _files(pipeline, data,
-                                 make_dataset(pipeline, cfg, data, tokenizer_dir)[0])
+        made = make_dataset(pipeline, cfg, data, tokenizer_dir)[0].base  # reads the records
+        arrays = [made.folder / f for f in ARRAYS] if pipeline == "packed" else []  # token cache
+        records, made = shard_files(data), None  # a live memory map would pin its pages
         for state in ("warm", "cold", "synthetic"):
-            if state == "warm":  # the dataset made above read its records; the arrays too
+            if state == "warm":  # the token cache's arrays into the page cache too
                 for path in arrays:
                     with open(path, "rb") as f:
                         while f.read(1 << 20):
@@ -81,3 +73,31 @@ def stall_split(cfg: LoaderConfig | None = None, num_workers: int | None = None,
     for stall in ("prep", "fetch"):
         out[f"{stall}_stall_share"] = out[f"{stall}_stall_s"] / (out["step_s"] + out["cold_wait_s"])
     return out
+
+
+def profile_lines(fn: Callable[[Any], Any], samples: Iterable[Any], warmup: bool = True
+                  ) -> pd.DataFrame:
+    """fn over samples under line_profiler, in source order; warmup: one unprofiled call first."""
+    target = getattr(fn, "__func__", fn)  # a bound method: profile the function it wraps
+    if not inspect.isfunction(target):
+        raise ValueError(f"fn={fn!r}: profile_lines needs a Python function or method "
+                         "(builtins and C extensions have no lines to profile)")
+    samples = list(samples)
+    if not samples:
+        raise ValueError("samples is empty: give at least one sample to call fn with")
+    if warmup:
+        fn(samples[0])
+    profiler = LineProfiler(target)
+    with profiler:  # enabled by count inside, disabled on the way out
+        for sample in samples:
+            fn(sample)
+    stats = profiler.get_stats()
+    rows = [{"line": line, "hits": hits, "seconds": total * stats.unit,
+             "us_per_hit": total * stats.unit / hits * 1e6 if hits else float("nan"),
+             "source": linecache.getline(filename, line).strip(), "function": name}
+            for (filename, _, name), timings in stats.timings.items()
+            for line, hits, total in timings]
+    frame = pd.DataFrame(rows, columns=LINE_COLUMNS).sort_values("line", ignore_index=True)
+    total = frame["seconds"].sum()
+    frame["share"] = frame["seconds"] / total if total > 0 else 0.0
+    return frame

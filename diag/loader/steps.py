@@ -1,8 +1,5 @@
-"""What consumes the batches: `EmulatedStep(seconds)` holds the loop as MLPerf Storage / DLIO
-emulate an accelerator ("would this loader keep up with a GPU whose step takes X ms?"), or
-`ModelStep` trains the tiny model; `consumer(cfg)` picks one.
-"""
-
+"""What consumes the batches: `EmulatedStep` holds the loop as DLIO emulates an accelerator
+(would this loader keep up with an X ms step?), `ModelStep` trains the tiny model."""
 from __future__ import annotations
 
 import math
@@ -40,8 +37,7 @@ class ModelStep:
         self.device = device
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
-        self.model.train()
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> None:
@@ -56,9 +52,8 @@ def measure_model_step(model_dir: str | Path, device: torch.device, batch_size: 
                        warmup: int = 2, repeats: int = 3) -> float:
     """Median seconds of the model's training step on full batch_size x seq_len batches."""
     step = ModelStep(model_dir, device)
-    vocab = step.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, vocab, (batch_size, seq_len), generator=gen)
+    ids = torch.randint(4, step.model.config.vocab_size, (batch_size, seq_len), generator=gen)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     times = []
     for _ in range(warmup + repeats):
@@ -69,8 +64,7 @@ def measure_model_step(model_dir: str | Path, device: torch.device, batch_size: 
 
 
 def gpu_step_seconds(gpu: str, params_b: float, tokens: int, mfu: float) -> float:
-    """A training step's seconds on `gpu`: 6 x params x tokens FLOPs at mfu x its dense bf16
-    peak (a QLoRA step does a little less and dequantizes: an estimate)."""
+    """Estimated seconds of a step on `gpu`: 6 x params x tokens FLOPs at mfu x its bf16 peak."""
     peak = dense_peak_flops(gpu, "bf16")
     if peak is None:
         raise ValueError(f"LoaderConfig.gpu={gpu!r}: not in diag's table; allowed values are "
@@ -80,8 +74,7 @@ def gpu_step_seconds(gpu: str, params_b: float, tokens: int, mfu: float) -> floa
 
 def consumer(cfg: LoaderConfig, model_dir: str | Path, device: torch.device
              ) -> tuple[Any, float, str]:
-    """(step callable, nominal seconds, where they came from) for cfg.consumer: the model's own
-    step, or one emulated at cfg.step_ms, a GPU's estimate, or the tiny model's measured step."""
+    """(step, nominal seconds, source): the model's, or one emulated (step_ms, gpu's, measured)."""
     if cfg.consumer == "model":
         return ModelStep(model_dir, device), math.nan, f"the model in {model_dir}, {device.type}"
     tokens = cfg.batch_size * cfg.seq_len

@@ -1,10 +1,5 @@
-"""The DataLoader sweep: how long the loop waits for each batch, per num_workers and pipeline.
-
-`measure_setting` times one DataLoader's steady-state steps (worker start-up and the batches
-prefetched during it apart); a sample that raises fails its setting with the sample index and the
-message (`error`). `sweep_workers` runs every pipeline x num_workers in interleaved rounds.
-"""
-
+"""The DataLoader sweep: how long the loop waits for each batch, per num_workers and pipeline,
+in steady state (start-up apart); a sample that raises fails its setting, naming the sample."""
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +32,7 @@ class SampleError(RuntimeError):
 
 
 class Guarded(Dataset):
-    """Wraps a dataset: `extra_s` of added per-sample cost (a sleep: CPU-free, like I/O) and,
-    for the fault tests, a sample index that raises; any error names the sample it came from."""
+    """A dataset, `extra_s` asleep per sample (like I/O), fail_at raising; errors name a sample."""
 
     def __init__(self, base: Dataset, extra_s: float = 0.0, fail_at: int | None = None) -> None:
         self.base, self.extra_s, self.fail_at = base, extra_s, fail_at
@@ -57,9 +51,7 @@ class Guarded(Dataset):
             raise SampleError(f"sample {i}: {type(err).__name__}: {err}") from err
 
 
-class Setting(NamedTuple):
-    """One DataLoader configuration."""
-
+class Setting(NamedTuple):  # one DataLoader configuration
     num_workers: int
     pin_memory: bool = False
     persistent_workers: bool = True
@@ -67,16 +59,14 @@ class Setting(NamedTuple):
 
 
 def _cause(err: BaseException) -> str:
-    """One line: the sample and the original message, without DataLoader's traceback dump (a
-    worker's error is re-raised here with the worker's traceback as its message)."""
+    """One line: the sample and the message, without the worker's traceback DataLoader adds."""
     lines = f"{type(err).__name__}: {err}".strip().splitlines()
     said = [line.split("SampleError: ", 1)[1].strip() for line in lines if "SampleError: " in line]
     return f"SampleError: {said[-1]}" if said else lines[0]
 
 
 def batch_tokens(batch: Any) -> int | None:
-    """Real tokens in a batch: its attention_mask's sum, else input_ids' size; None (count
-    samples only) for a batch without them, e.g. an (x, y) tuple."""
+    """Real tokens in a batch: attention_mask's sum, else input_ids' size; None for neither."""
     if not isinstance(batch, Mapping):  # a dict, or HF collators' BatchEncoding (a Mapping)
         return None
     mask, ids = batch.get("attention_mask"), batch.get("input_ids")
@@ -85,7 +75,7 @@ def batch_tokens(batch: Any) -> int | None:
 
 
 def check_batch(batch: Any) -> None:
-    """One clear error before the sweep, not a row per setting: diag moves and counts tensors."""
+    """One clear error before the sweep, not one per setting: diag moves and counts tensors."""
     parts = list(batch.values()) if isinstance(batch, Mapping) else list(batch) \
         if isinstance(batch, (tuple, list)) else [batch]
     wrong = [type(p).__name__ for p in parts if not isinstance(p, torch.Tensor)]
@@ -99,15 +89,15 @@ def check_batch(batch: Any) -> None:
 def _to(batch: Any, device: torch.device) -> Any:
     def move(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
+
     return {k: move(v) for k, v in batch.items()} if isinstance(batch, Mapping) else type(batch)(
         map(move, batch)) if isinstance(batch, (tuple, list)) else move(batch)
 
 
 @contextlib.contextmanager
 def _one_setting() -> Iterator[None]:
-    """torch's warning of workers above its suggested count silenced (the row's `warning` says
-    it); the heap from before frozen out of the collection that ends the setting (gc.freeze,
-    docs/calibration.md), unless the caller froze objects of its own."""
+    """torch's too-many-workers warning silenced (the row's `warning` says it); the heap frozen
+    out of the collection that ends the setting (docs/calibration.md), unless the caller froze."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="This DataLoader will create")
         frozen = not gc.get_freeze_count()
@@ -127,11 +117,9 @@ def measure_setting(dataset: Dataset, setting: Setting, step: Any, *, pipeline: 
                     collate_fn: Any = None) -> list[dict[str, Any]]:
     """One row per repeat (an epoch of the same DataLoader): the steady-state figures."""
     device = device or torch.device("cpu")
-    cuda = device.type == "cuda"
-    w = setting.num_workers
+    cuda, w, n = device.type == "cuda", setting.num_workers, len(dataset)  # type: ignore[arg-type]
     ahead = w * setting.prefetch_factor  # ready or in flight when the first batch arrives
     n_batches = 1 + ahead + steps
-    n = len(dataset)  # type: ignore[arg-type]
     loader = DataLoader(  # a small dataset is cycled
         dataset, batch_size=batch_size, sampler=[i % n for i in range(n_batches * batch_size)],
         num_workers=w, collate_fn=collate_fn, pin_memory=setting.pin_memory and cuda,
@@ -175,25 +163,22 @@ def measure_setting(dataset: Dataset, setting: Setting, step: Any, *, pipeline: 
                      "data_wait_s": fmean(waits), "step_s": fmean(computes),
                      "data_wait_share": sum(waits) / total, "first_batch_s": first,
                      "repeat": repeat, "error": ""})
-    # persistent workers stop here, outside every timed interval; the loader and its iterator
-    # refer to each other, so only the collector frees them, and a DataLoader forked while they
-    # live would copy them into its workers (which then try to stop workers not theirs)
+    # persistent workers stop here, untimed; only the collector frees the loader (its iterator
+    # refers back), and a DataLoader forked while they live would copy them into its workers
     del loader
     gc.collect()
     return rows
 
 
 def records_needed(cfg: LoaderConfig) -> int:
-    """Records the largest setting draws (start-up, prefetched and timed batches) and the line
-    profile reads: a large source is read and tokenized only this far (a smaller one cycles)."""
+    """Records the largest setting draws and the line profile reads: a source is read this far."""
     ahead = max(cfg.workers) * cfg.prefetch_factor  # ready or in flight at the first batch
     return max(cfg.batch_size * (1 + ahead + cfg.steps), cfg.profile_samples)
 
 
 def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
                  ) -> tuple[Dataset, dict[str, Any]]:
-    """The pipeline's dataset over the source's first records_needed(cfg) records, and facts
-    about it (records, bad_rows, the token cache's status)."""
+    """The pipeline's dataset over the first records_needed(cfg) records, and its facts."""
     needed = records_needed(cfg)
     if pipeline == "naive":
         records, problems = read_source(data, cfg.fields(), on_error=cfg.on_error, limit=needed,
@@ -210,8 +195,7 @@ def make_dataset(pipeline: str, cfg: LoaderConfig, data: str, tokenizer_dir: str
 
 
 def sources(cfg: LoaderConfig) -> tuple[str, str]:
-    """(records, tokenizer folder): the user's (a file or folder of shards, read with cfg's
-    record fields), or the embedded dataset and tiny model."""
+    """(records, tokenizer folder): the user's, or the embedded dataset and tiny model."""
     if cfg.data and cfg.tokenizer:
         return cfg.data, cfg.tokenizer
     from diag.embedded import ensure_assets
@@ -222,9 +206,8 @@ def sources(cfg: LoaderConfig) -> tuple[str, str]:
 
 def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
                   dataset: Dataset | None = None, collate_fn: Any = None) -> pd.DataFrame:
-    """Every pipeline x num_workers against the step, a row per repeat. step: (callable, nominal
-    seconds, source) as steps.consumer gives, or your callable(batch); None: from cfg. dataset:
-    your own map-style Dataset (and collate_fn), swept as pipeline "yours"."""
+    """Every pipeline x num_workers against the step, a row per repeat, in interleaved rounds.
+    step: consumer()'s triple, your callable(batch) or None (cfg's); dataset: swept as "yours"."""
     cfg = cfg or LoaderConfig.default()
     device = resolve(cfg.device)
     if callable(step):
@@ -232,8 +215,8 @@ def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
     if dataset is not None:
         if step is None:
             raise ValueError("sweep_workers(dataset=...): pass step=your_step(batch) too")
-        check_batch(next(iter(torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size,
-                                                          collate_fn=collate_fn))))
+        check_batch(next(iter(DataLoader(dataset, batch_size=cfg.batch_size,
+                                         collate_fn=collate_fn))))
         datasets = {"yours": (dataset, {"records": len(dataset), "bad_rows": 0})}
     else:
         data, tokenizer_dir = sources(cfg)
@@ -260,10 +243,8 @@ def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
         return {**row, **extra, "repeat": repeat, "records": facts["records"],
                 "bad_rows": facts["bad_rows"], "token_cache": facts.get("cache", "")}
 
-    # rounds of an epoch per setting, the order turned every round (diag.noise.interleave): a
-    # load that moves during the sweep hits every setting
-    with tqdm(total=len(grid) * cfg.repeats, desc="loader sweep", unit="epoch",
-              leave=False) as bar:
+    # the order turned every round: a load that moves during the sweep hits every setting
+    with tqdm(total=len(grid) * cfg.repeats, desc="loader sweep", unit="epoch", leave=False) as bar:
         got, _ = interleave(grid, epoch, min_rounds=cfg.repeats, max_rounds=cfg.repeats)
     rows = [r for side in grid for r in got[side] if r is not None]
     return pd.DataFrame(rows, columns=COLUMNS + [*extra, "records", "bad_rows", "token_cache"])

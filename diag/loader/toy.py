@@ -1,11 +1,5 @@
-"""A timed toy training loop: the smallest run that exercises every step-level stage.
-
-A small MLP trains on synthetic batches from a real DataLoader (`prep_ms` of host preprocessing a
-batch: in the loop with num_workers=0, overlapping compute with workers). The result is the
-StageTimer frame, its data_wait rows beside the GPU utilisation; under torchrun it trains as DDP,
-its waits on the other ranks (comm_wait) split out of compute, rank 0 gathering every rank.
-"""
-
+"""A timed toy training loop, the smallest run with every step-level stage: an MLP on synthetic
+batches with `prep_ms` of host work each, DDP under torchrun; its StageTimer frame and GPU util."""
 from __future__ import annotations
 
 import itertools
@@ -29,8 +23,7 @@ def busy_prep(ms: float) -> None:
 
 
 class ToyBatches(Dataset):
-    """Batch i of random features; prep_ms asleep (or busy) stands in for reading or tokenizing
-    (in a module, not a notebook, so spawned DataLoader workers can import it)."""
+    """Batch i of random features after prep_ms asleep or busy (here: workers must import it)."""
 
     def __init__(self, n: int, batch_size: int, width: int, prep_ms: float, seed: int = 0,
                  busy: bool = False) -> None:
@@ -80,7 +73,6 @@ def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    # worker start-up, the first batch, allocator growth, kernel choice: once per run, apart
     with timer.stage("warmup"):
         for _ in range(cfg.warmup_steps):
             step(*(t.to(dev) for t in next(batches)))

@@ -1,9 +1,5 @@
-"""MFU: FLOPs per token, the floor, and how close a training step came to the dense peak.
-
-`formula`: the model-FLOPs convention and its checks, for any causal LM; `qlora`: what a QLoRA
-step executes, against the peak of the precisions it ran in, per plan of the comparison.
-"""
-
+"""MFU: FLOPs per token, the floor, and how close a training step came to the dense peak;
+`formula` for any causal LM, `qlora` for what a QLoRA step executes, in its precisions."""
 from diag.mfu.formula import (ModelShape, count_flops, disagreement, floor_impossible,
                               floor_seconds, judge_mfu, loss_of, mfu_from_figures, over_ranks)
 from diag.mfu.qlora import (count_plans, count_step, plan_mfu, qlora_check, qlora_shape,

@@ -1,9 +1,5 @@
-"""Model FLOPs per token, the floor, and how close a step came to the device's dense peak.
-
-6N + 12·L·d·T per trained token (PaLM, appendix B; 8N + 16·L·d·T recomputing), checked against
-torch's FlopCounterMode. An MFU above 100% is a flag naming both numbers, never a result.
-"""
-
+"""Model FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B; 8N + 16·L·d·T recomputing), checked
+against torch's FlopCounterMode; the floor; MFU, where above 100% is a flag, never a result."""
 from __future__ import annotations
 
 import contextlib
@@ -110,8 +106,7 @@ def disagreement(formula: float, counted: float, explained: str = "",
         return True, f"no comparison: formula {formula:.4g}, counter {counted:.4g} FLOPs"
     ratio = counted / formula
     off = abs(ratio - 1.0) > MFU_DISAGREEMENT
-    note = (f"counter {ratio:.3g}x {against} ({'over' if off else 'within'} "
-            f"{MFU_DISAGREEMENT:.0%})")
+    note = f"counter {ratio:.3g}x {against} ({'over' if off else 'within'} {MFU_DISAGREEMENT:.0%})"
     return off, note + (f": {explained}" if off and explained else "")
 
 
@@ -151,8 +146,7 @@ def judge_mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | N
 def mfu_from_figures(tokens_per_s: float, shape: ModelShape, device: str, dtype: str = "bf16",
                      assumed_peak: float | None = NANOGPT_PEAK,
                      tokens_per_step: int | None = None) -> pd.DataFrame:
-    """Your run's MFU against diag's dense peak for `device` and against `assumed_peak`, a row
-    each; `verdict` says why one has no `mfu`."""
+    """Your run's MFU against diag's dense peak for `device` and against `assumed_peak`."""
     if not tokens_per_s > 0:
         raise ValueError(f"tokens_per_s={tokens_per_s!r}: must be > 0")
     spec, table = find_gpu(device), dense_peak_flops(device, dtype)
@@ -164,8 +158,7 @@ def mfu_from_figures(tokens_per_s: float, shape: ModelShape, device: str, dtype:
     if assumed_peak:
         note = " (nanoGPT's hard-coded A100 bf16)" if assumed_peak == NANOGPT_PEAK else ""
         peaks.append(("assumed", assumed_peak, f"assumed {assumed_peak / 1e12:.4g} TFLOP/s{note}"))
-    fpt = shape.flops_per_token
-    rows = []
+    fpt, rows = shape.flops_per_token, []
     for name, peak, label in peaks:
         mfu, ratio, verdict = judge_mfu(tokens_per_s, fpt, peak, label)
         if name == "assumed" and table and peak and not math.isclose(peak, table, rel_tol=1e-3):

@@ -1,8 +1,5 @@
-"""The QLoRA step's FLOPs as executed (`tally` hooks every linear layer; FlopCounterMode checks
-it, bitsandbytes' 4-bit forward added back), and each plan's MFU against its precisions' peak;
-the model-FLOPs convention is shown beside it, not as it.
-"""
-
+"""The QLoRA step's FLOPs as executed (hooks on every linear layer, checked by FlopCounterMode)
+and each plan's MFU against its precisions' peak; model FLOPs are shown beside, not as it."""
 from __future__ import annotations
 
 import collections
@@ -58,8 +55,7 @@ class Executed:
 
 
 def qlora_shape(model: Any, seq_len: int, checkpointing: bool | None = None) -> QLoraShape:
-    """From a (peft-wrapped) causal LM: linear layers at in x out whatever their storage (a
-    Params4bit's numel() is half its weights)."""
+    """From a (peft-wrapped) causal LM: linear layers at in x out, whatever their storage."""
     sizes = [("lora_" in name, int(m.in_features) * int(m.out_features))
              for name, m in _leaf_linears(model)]
     adapters = sum(n for lora, n in sizes if lora)
@@ -95,9 +91,8 @@ def _precision(module: Any, x: Any) -> str:
 
 @contextlib.contextmanager
 def tally(model: Any) -> Iterator[tuple[collections.Counter[str], collections.Counter[str]]]:
-    """While open, (parts, by precision): each linear call adds its FLOPs to `forward` (and
-    `forward_4bit`) and, once backward reaches its output, to `input_grads` / `weight_grads`
-    where they are computed; each under its precision too."""
+    """While open, (parts, by precision): each linear call's FLOPs, forward and (where backward
+    computes them) input_grads / weight_grads."""
     parts: collections.Counter[str] = collections.Counter()
     by_dtype: collections.Counter[str] = collections.Counter()
 
@@ -125,8 +120,7 @@ def tally(model: Any) -> Iterator[tuple[collections.Counter[str], collections.Co
             h.remove()
 
 
-def count_step(model: Any, batch_size: int, seq_len: int, seed: int = 0
-               ) -> tuple[float, Executed]:
+def count_step(model: Any, batch_size: int, seq_len: int, seed: int = 0) -> tuple[float, Executed]:
     """(FlopCounterMode's, executed) FLOPs per token of one forward + backward of random ids."""
     import torch
 
@@ -146,10 +140,8 @@ def count_step(model: Any, batch_size: int, seq_len: int, seed: int = 0
         parts["forward_4bit"] / tokens, tuple(sorted(precisions.items())))
 
 
-def qlora_check(qshape: QLoraShape, executed: Executed, counted_per_token: float
-                ) -> pd.DataFrame:
-    """Model FLOPs, executed, the counter, and the counter + the 4-bit forward per token; the
-    last flagged against executed."""
+def qlora_check(qshape: QLoraShape, executed: Executed, counted_per_token: float) -> pd.DataFrame:
+    """Per token: model FLOPs, executed, the counter, the counter + the 4-bit forward (flagged)."""
     run, seen = executed.total, counted_per_token + executed.forward_4bit
     why = ("the counter with the 4-bit forward added back sees less than the tally: a matmul "
            "kernel it has no formula for" if seen < run else
@@ -174,8 +166,7 @@ def qlora_check(qshape: QLoraShape, executed: Executed, counted_per_token: float
 
 def step_peak(executed: Executed, device: Any, probe_size: int = 1024,
               known: dict[str, Peak] | None = None) -> Peak:
-    """The step's peak: total / sum(FLOPs_p / peak_p) over its precisions (a probe on CPU, the
-    table on CUDA); `known` caches peaks by precision across a run's plans."""
+    """The step's peak: total / sum(FLOPs_p / peak_p) over its precisions; `known` caches them."""
     import torch
 
     dev = resolve(device)
@@ -212,8 +203,7 @@ class Counted:
 
 
 def count_plans(cfg: Any, plans: Iterable[Any], src: Any, bases: Any) -> dict[str, Counted]:
-    """Each plan's step counted once, untimed, on one row, on the base its rounds ran (`bases`:
-    diag.qlora.base.Bases)."""
+    """Each plan's step counted once, untimed, on one row, on its base (diag.qlora.base.Bases)."""
     import torch
 
     device, known, out = resolve(cfg.device), {}, {}
@@ -247,8 +237,7 @@ def plan_mfu(plan: str, seconds: float, token_slots: float, qshape: QLoraShape,
     return rows
 
 
-def run_mfu(frame: pd.DataFrame, stages: pd.DataFrame, counted: dict[str, Counted]
-            ) -> pd.DataFrame:
+def run_mfu(frame: pd.DataFrame, stages: pd.DataFrame, counted: dict[str, Counted]) -> pd.DataFrame:
     """plan_mfu of each counted plan's steady steps per token slot, against its peak x ranks."""
     rows = []
     for r in frame.itertuples():

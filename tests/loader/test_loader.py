@@ -14,7 +14,7 @@ from diag.config import LoaderConfig
 from diag.data import PackedDataset, build_token_cache
 from diag.embedded import ensure_assets, synthetic_records
 from diag.loader.advice import advice, decide, recommend
-from diag.loader.profile import profile_lines
+from diag.loader.stalls import profile_lines
 from diag.loader.steps import EmulatedStep, gpu_step_seconds, measure_model_step
 from diag.loader.sweep import (Guarded, Setting, measure_setting, records_needed, sweep_workers,
                                usable_cores)
