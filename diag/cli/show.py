@@ -34,7 +34,6 @@ def show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.Na
 
     if isinstance(result, Path):  # a run folder: where it is and what it found
         from diag import report
-
         from diag.machine.contention import busy
 
         summary = report.load_summary(result)

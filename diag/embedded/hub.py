@@ -1,10 +1,8 @@
 """A read-only Hugging Face hub endpoint on loopback: the download protocol, nothing more.
 
-`publish_model()` lays a folder into a hub root (one folder per commit, a manifest written once;
-a dataset repo: into root/datasets); `serve()` answers what huggingface_hub and transformers ask
-of model and dataset repos: info, tree listings, HEAD/GET `resolve/{rev}/{file}` with ETag,
-X-Repo-Commit and ranges, and the hub's 404 codes. Large files act like LFS (ETag: sha256). Not
-emulated: Xet storage, CDN redirects, auth (tokens are accepted, never checked).
+`publish_model()` lays a folder into a hub root; `serve()` answers what huggingface_hub asks of
+model and dataset repos: info, trees, HEAD/GET `resolve/{rev}/{file}` with ETag, X-Repo-Commit and
+ranges, the hub's 404 codes. Large files act like LFS. Not emulated: Xet, CDN redirects, auth.
 """
 
 from __future__ import annotations
@@ -21,25 +19,16 @@ from urllib.parse import quote
 
 from diag.files import atomic_file, atomic_folder, file_digests, git_blob_sha1
 
-
-_HOST = "127.0.0.1"
-
-
 # root/<org>/<name>/commits/<sha>/ (files + .diag-manifest.json), refs/<revision> (its sha); a
 # plain folder root/<org>/<name>/ is served as "main". Datasets: the same under root/datasets/.
-
 _MANIFEST = ".diag-manifest.json"
 _LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".onnx", ".msgpack")
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
-def _is_lfs(path: str, size: int) -> bool:
-    return path.endswith(_LFS_SUFFIXES) or size > 10 * 2**20
-
-
 def _file_entry(path: Path, rel: str) -> dict[str, Any]:
     size = path.stat().st_size
-    lfs = _is_lfs(rel, size)
+    lfs = rel.endswith(_LFS_SUFFIXES) or size > 10 * 2**20
     digests = file_digests(path, "sha256", *(() if lfs else ("git-sha1",)))
     entry = {"size": size, "sha256": digests["sha256"], "lfs": lfs}
     if lfs:  # the git blob of an LFS file is its pointer, as on the real hub
@@ -52,10 +41,8 @@ def _file_entry(path: Path, rel: str) -> dict[str, Any]:
 
 
 def _manifest_for(folder: Path, repo_id: str) -> dict[str, Any]:
-    files = {
-        p.relative_to(folder).as_posix(): _file_entry(p, p.relative_to(folder).as_posix())
-        for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".diag-")
-    }
+    files = {p.relative_to(folder).as_posix(): _file_entry(p, p.relative_to(folder).as_posix())
+             for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".diag-")}
     digest = hashlib.sha1(repo_id.encode())  # content-addressed: same files, same commit
     for rel, e in files.items():
         digest.update(f"\n{rel} {e['sha256']}".encode())
@@ -63,10 +50,8 @@ def _manifest_for(folder: Path, repo_id: str) -> dict[str, Any]:
             "last_modified": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())}
 
 
-def publish_model(
-    src_dir: str | os.PathLike[str], hub_root: str | os.PathLike[str], repo_id: str,
-    revision: str = "main",
-) -> str:
+def publish_model(src_dir: str | os.PathLike[str], hub_root: str | os.PathLike[str], repo_id: str,
+                  revision: str = "main") -> str:
     """Lay `src_dir` into the hub at `repo_id`@`revision` (hardlinked where it can) and return
     its commit sha; the commit folder and the ref each appear whole."""
     src, root = Path(src_dir), Path(hub_root)
@@ -75,10 +60,8 @@ def publish_model(
     if not src.is_dir():
         raise ValueError(f"src_dir={str(src)!r}: not a folder")
     manifest = _manifest_for(src, repo_id)
-    commit = manifest["commit"]
-    repo = root / repo_id
-    final = repo / "commits" / commit
-    if not final.exists():
+    commit, repo = manifest["commit"], root / repo_id
+    if not (final := repo / "commits" / commit).exists():
         # content-addressed: a concurrent publish of the same content that won is identical
         with atomic_folder(final, replace=False) as tmp:
             for rel in manifest["files"]:
@@ -91,7 +74,6 @@ def publish_model(
     with atomic_file(repo / "refs" / quote(revision, safe="")) as tmp_ref:
         tmp_ref.write_text(commit)
     return commit
-
 
 
 class _HubError(Exception):
@@ -134,39 +116,29 @@ class _HubIndex:
         return folder, self._manifest(folder, repo_id, stored=True)
 
 
+def _lfs(e: dict[str, Any], sha: str) -> dict[str, Any]:
+    return {sha: e["sha256"], "size": e["size"], "pointerSize": e["pointer_size"]}
+
+
 def _tree(manifest: dict[str, Any], prefix: str, recursive: bool) -> list[dict[str, Any]]:
-    files = manifest["files"]
+    files, commit = manifest["files"], manifest["commit"]
     base = prefix.strip("/") + "/" if prefix.strip("/") else ""
-    under = [p for p in files if p.startswith(base)]
-    if base and not under:
-        raise _HubError("EntryNotFound", f"{prefix} does not exist on {manifest['commit']}",
-                        manifest["commit"])
-    dirs = {"/".join(p.split("/")[:i]) for p in under for i in range(1, p.count("/") + 1)}
+    under = [p for p in files if p.startswith(base) and (recursive or "/" not in p[len(base):])]
+    if base and not any(p.startswith(base) for p in files):
+        raise _HubError("EntryNotFound", f"{prefix} does not exist on {commit}", commit)
+    dirs = {"/".join(p.split("/")[:i]) for p in files if p.startswith(base)
+            for i in range(1, p.count("/") + 1)}
     dirs = {d for d in dirs if d.startswith(base) and (recursive or "/" not in d[len(base):])}
-    out: list[dict[str, Any]] = [
-        {"type": "directory", "path": d, "size": 0,
-         "oid": hashlib.sha1(f"{manifest['commit']}:{d}".encode()).hexdigest()}
-        for d in sorted(dirs)
-    ]
-    for p in under:
-        if not recursive and "/" in p[len(base):]:
-            continue
-        e = files[p]
-        entry: dict[str, Any] = {"type": "file", "path": p, "size": e["size"], "oid": e["blob_id"]}
-        if e["lfs"]:
-            entry["lfs"] = {"oid": e["sha256"], "size": e["size"], "pointerSize": e["pointer_size"]}
-        out.append(entry)
-    return out
+    return [{"type": "directory", "path": d, "size": 0,
+             "oid": hashlib.sha1(f"{commit}:{d}".encode()).hexdigest()} for d in sorted(dirs)] + [
+        {"type": "file", "path": p, "size": files[p]["size"], "oid": files[p]["blob_id"],
+         **({"lfs": _lfs(files[p], "oid")} if files[p]["lfs"] else {})} for p in under]
 
 
 def _model_info(repo_id: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    siblings = []
-    for p, e in manifest["files"].items():
-        sib: dict[str, Any] = {"rfilename": p, "size": e["size"], "blobId": e["blob_id"]}
-        if e["lfs"]:
-            sib["lfs"] = {"sha256": e["sha256"], "size": e["size"],
-                          "pointerSize": e["pointer_size"]}
-        siblings.append(sib)
+    siblings = [{"rfilename": p, "size": e["size"], "blobId": e["blob_id"],
+                 **({"lfs": _lfs(e, "sha256")} if e["lfs"] else {})}
+                for p, e in manifest["files"].items()]
     stamp = manifest["last_modified"]
     return {"_id": manifest["commit"][:24], "id": repo_id, "modelId": repo_id,
             "sha": manifest["commit"], "private": False, "gated": False, "disabled": False,
@@ -194,11 +166,14 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
         def do_GET(self) -> None:
             self._route(body=True)
 
-        def _reply(self, status: int, headers: dict[str, str], payload: bytes, body: bool) -> None:
+        def _head(self, status: int, headers: dict[str, str], length: int) -> None:
             self.send_response(status)
-            for k, v in {**headers, "Content-Length": str(len(payload))}.items():
+            for k, v in {**headers, "Content-Length": str(length)}.items():
                 self.send_header(k, v)
             self.end_headers()
+
+        def _reply(self, status: int, headers: dict[str, str], payload: bytes, body: bool) -> None:
+            self._head(status, headers, len(payload))
             if body:
                 self.wfile.write(payload)
 
@@ -261,10 +236,7 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
                     headers["Content-Range"] = f"bytes */{size}"
                     return self._reply(416, headers, b"", body)
                 status, headers["Content-Range"] = 206, f"bytes {start}-{end}/{size}"
-            self.send_response(status)
-            for k, v in {**headers, "Content-Length": str(end - start + 1)}.items():
-                self.send_header(k, v)
-            self.end_headers()
+            self._head(status, headers, end - start + 1)
             if body and end >= start:
                 with open(folder / rel, "rb") as f:
                     self.connection.sendfile(f, start, end - start + 1)  # zero-copy
@@ -281,12 +253,10 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m diag.embedded.hub",
                                      description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    hub = sub.add_parser("hub", help="serve a hub root over HTTP (the HF_ENDPOINT protocol)")
-    hub.add_argument("--root", required=True, help="folder laid out by publish_model")
-    hub.add_argument("--host", default=_HOST)
-    hub.add_argument("--port", type=int, required=True)
-    hub.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    parser.add_argument("--root", required=True, help="folder laid out by publish_model")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
     args = parser.parse_args(argv)
     serve(Path(args.root), args.host, args.port, verbose=args.verbose)
 

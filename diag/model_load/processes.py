@@ -17,8 +17,8 @@ import time
 from typing import IO, Any
 
 from diag.config import MODEL_LOAD_PROCESSES as PROCESSES
-from diag.embedded.servers import die_with_parent
-from diag.model_load.worker import child_env, crashed, import_libraries, run_job, run_worker
+from diag.embedded.servers import child_env, die_with_parent
+from diag.model_load.worker import crashed, import_libraries, run_job, run_worker
 
 OVERRIDABLE = ("HF_HUB_OFFLINE", "HF_XET_CACHE")
 
