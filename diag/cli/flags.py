@@ -60,8 +60,7 @@ def _list_of(item: type, choices: tuple[Any, ...] = ()) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's trailing comment, read from source (so --help is what a reader sees), with its
-    comment-only continuation lines indented deeper than the field."""
+    """Each field's trailing comment (and deeper-indented comment lines below), from source."""
     import ast
     import inspect
     import io

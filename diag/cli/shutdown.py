@@ -11,8 +11,7 @@ from typing import Any
 
 
 def exit_now(code: int) -> typing.NoReturn:
-    """Exit without the interpreter's teardown (seconds, for nothing), doing what a normal exit
-    still does, in its order: join non-daemon threads, run atexit handlers, flush the buffers."""
+    """Exit without the interpreter's teardown of torch (seconds), doing what an exit still does."""
     import atexit
     import ctypes
     import signal
@@ -21,7 +20,7 @@ def exit_now(code: int) -> typing.NoReturn:
     if threading.current_thread() is threading.main_thread():
         # the code is chosen: a launcher's SIGTERM now must not raise inside an atexit handler
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize does first
+    threading._shutdown()  # type: ignore[attr-defined]  # Py_Finalize's order: threads, atexit
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing can reach it

@@ -37,15 +37,14 @@ class Assets:
 
 
 def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "tiny") -> Assets:
-    """Make (once) the embedded dataset and model, published into a local hub root; a marker
-    written last tells a complete set from an interrupted one."""
+    """Make (once) the embedded dataset and model, published into a local hub root."""
     if model not in MODEL_SIZES:
         raise ValueError(f"model={model!r}: allowed values are {', '.join(map(repr, MODEL_SIZES))}")
     base = (Path(home) if home is not None else diag_home()) / "assets"
     assets = Assets(dataset=base / f"dataset-{DATASET_MB}mb-seed0.jsonl",
                     model_dir=base / "models" / model, hub_root=base / "hub",
                     repo_id=f"diag-local/{model}-llama")
-    marker = base / f"{model}.complete.json"
+    marker = base / f"{model}.complete.json"  # written last: a complete set
 
     def complete() -> bool:
         return (marker.is_file() and assets.dataset.is_file()

@@ -31,13 +31,12 @@ def _file_entry(path: Path, rel: str) -> dict[str, Any]:
     lfs = rel.endswith(_LFS_SUFFIXES) or size > 10 * 2**20
     digests = file_digests(path, "sha256", *(() if lfs else ("git-sha1",)))
     entry = {"size": size, "sha256": digests["sha256"], "lfs": lfs}
-    if lfs:  # the git blob of an LFS file is its pointer, as on the real hub
-        pointer = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{entry['sha256']}\n"
-                   f"size {size}\n").encode()
-        entry["blob_id"], entry["pointer_size"] = git_blob_sha1(pointer), len(pointer)
-    else:
-        entry["blob_id"] = digests["git-sha1"]
-    return entry
+    if not lfs:
+        return {**entry, "blob_id": digests["git-sha1"]}
+    # the git blob of an LFS file is its pointer, as on the real hub
+    pointer = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{entry['sha256']}\n"
+               f"size {size}\n").encode()
+    return {**entry, "blob_id": git_blob_sha1(pointer), "pointer_size": len(pointer)}
 
 
 def _manifest_for(folder: Path, repo_id: str) -> dict[str, Any]:
@@ -52,8 +51,7 @@ def _manifest_for(folder: Path, repo_id: str) -> dict[str, Any]:
 
 def publish_model(src_dir: str | os.PathLike[str], hub_root: str | os.PathLike[str], repo_id: str,
                   revision: str = "main") -> str:
-    """Lay `src_dir` into the hub at `repo_id`@`revision` (hardlinked where it can) and return
-    its commit sha; the commit folder and the ref each appear whole."""
+    """Lay `src_dir` into the hub at `repo_id`@`revision` (each appears whole); its commit sha."""
     src, root = Path(src_dir), Path(hub_root)
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise ValueError(f"repo_id={repo_id!r}: must look like 'org/name'")
@@ -82,38 +80,29 @@ class _HubError(Exception):
         self.code, self.commit = code, commit
 
 
-class _HubIndex:
-    """Resolves repo@revision to (commit folder, manifest); manifests are read or hashed once."""
+_MANIFESTS: dict[Path, dict[str, Any]] = {}  # read or hashed once (a race: twice, same result)
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._manifests: dict[Path, dict[str, Any]] = {}
 
-    def _manifest(self, folder: Path, repo_id: str, stored: bool) -> dict[str, Any]:
-        if folder not in self._manifests:  # a race only hashes twice: same result
-            self._manifests[folder] = (json.loads((folder / _MANIFEST).read_text()) if stored
-                                       else _manifest_for(folder, repo_id))
-        return self._manifests[folder]
-
-    def resolve(self, repo_id: str, revision: str) -> tuple[Path, dict[str, Any]]:
-        parts = repo_id.split("/")
-        repo = self.root.joinpath(*parts)
-        if (len(parts) != 2 or not all(parts) or ".." in parts or parts[0] == "."
-                or not repo.is_dir()):
-            raise _HubError("RepoNotFound", f"Repository {repo_id} not found")
-        if not (repo / "refs").is_dir():  # a plain folder: one revision, "main"
-            manifest = self._manifest(repo, repo_id, stored=False)
-            if revision not in ("main", manifest["commit"]):
-                raise _HubError("RevisionNotFound", f"Invalid rev id: {revision}")
-            return repo, manifest
-        commit = revision if _SHA_RE.match(revision) else None
-        if commit is None or not (repo / "commits" / commit).is_dir():
-            ref = repo / "refs" / quote(revision, safe="")
-            if not ref.is_file():
-                raise _HubError("RevisionNotFound", f"Invalid rev id: {revision}")
-            commit = ref.read_text().strip()
-        folder = repo / "commits" / commit
-        return folder, self._manifest(folder, repo_id, stored=True)
+def _resolve(root: Path, repo_id: str, revision: str) -> tuple[Path, dict[str, Any]]:
+    """repo@revision under root -> (its commit folder, manifest)."""
+    parts = repo_id.split("/")
+    folder = repo = root.joinpath(*parts)
+    if len(parts) != 2 or not all(parts) or ".." in parts or parts[0] == "." or not repo.is_dir():
+        raise _HubError("RepoNotFound", f"Repository {repo_id} not found")
+    plain = not (repo / "refs").is_dir()  # a plain folder: one revision, "main"
+    if not plain and not (_SHA_RE.match(revision) and (repo / "commits" / revision).is_dir()):
+        ref = repo / "refs" / quote(revision, safe="")
+        if not ref.is_file():
+            raise _HubError("RevisionNotFound", f"Invalid rev id: {revision}")
+        revision = ref.read_text().strip()
+    if not plain:
+        folder = repo / "commits" / revision
+    if folder not in _MANIFESTS:
+        _MANIFESTS[folder] = (_manifest_for(folder, repo_id) if plain
+                              else json.loads((folder / _MANIFEST).read_text()))
+    if plain and revision not in ("main", _MANIFESTS[folder]["commit"]):
+        raise _HubError("RevisionNotFound", f"Invalid rev id: {revision}")
+    return folder, _MANIFESTS[folder]
 
 
 def _lfs(e: dict[str, Any], sha: str) -> dict[str, Any]:
@@ -151,7 +140,7 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from urllib.parse import parse_qs, unquote, urlsplit
 
-    indexes = {"models": _HubIndex(root), "datasets": _HubIndex(root / "datasets")}
+    roots = {"models": root, "datasets": root / "datasets"}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as the real hub; every reply sets a length
@@ -185,35 +174,32 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
             segs = [unquote(s) for s in url.path.split("/")[1:]]
             query = parse_qs(url.query)
             kind = "datasets" if segs[:1] == ["datasets"] or segs[1:2] == ["datasets"] else "models"
-            index = indexes[kind]
             segs = segs[1:] if segs[:1] == ["datasets"] else segs
             try:
                 if segs[:2] == ["api", kind] and len(segs) >= 4:
                     repo_id, rest = "/".join(segs[2:4]), segs[4:]
                     if not rest or (rest[0] == "revision" and len(rest) == 2):
-                        _, manifest = index.resolve(repo_id, rest[1] if rest else "main")
+                        _, manifest = _resolve(roots[kind], repo_id, rest[1] if rest else "main")
                         return self._json(_model_info(repo_id, manifest), body)
                     if rest[0] == "tree" and len(rest) >= 2:
-                        _, manifest = index.resolve(repo_id, rest[1])
+                        _, manifest = _resolve(roots[kind], repo_id, rest[1])
                         recursive = query.get("recursive", ["false"])[0].lower() in ("true", "1")
                         return self._json(_tree(manifest, "/".join(rest[2:]), recursive), body)
                 elif len(segs) >= 5 and segs[2] == "resolve":
-                    return self._file(index, "/".join(segs[:2]), segs[3], "/".join(segs[4:]),
-                                      body)
+                    return self._file(roots[kind], "/".join(segs[:2]), segs[3],
+                                      "/".join(segs[4:]), body)
                 elif segs[:1] == ["api"] or (len(segs) >= 3 and "resolve" in segs[:4]):
                     # spaces, one-segment ids: not served here, so "not found"
                     raise _HubError("RepoNotFound", f"Repository for {url.path} not found")
                 self._reply(404, {"Content-Type": "text/plain"}, b"Not Found", body)
             except _HubError as e:
                 headers = {"X-Error-Code": e.code, "X-Error-Message": str(e),
-                           "Content-Type": "application/json"}
-                if e.commit:
-                    headers["X-Repo-Commit"] = e.commit
+                           "Content-Type": "application/json",
+                           **({"X-Repo-Commit": e.commit} if e.commit else {})}
                 self._reply(404, headers, json.dumps({"error": str(e)}).encode(), body)
 
-        def _file(self, index: _HubIndex, repo_id: str, revision: str, rel: str,
-                  body: bool) -> None:
-            folder, manifest = index.resolve(repo_id, revision)
+        def _file(self, root: Path, repo_id: str, revision: str, rel: str, body: bool) -> None:
+            folder, manifest = _resolve(root, repo_id, revision)
             entry = manifest["files"].get(rel)
             if entry is None:
                 raise _HubError("EntryNotFound", f"{rel} does not exist on {revision}",

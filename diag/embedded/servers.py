@@ -49,8 +49,7 @@ def _free_port() -> int:
 
 
 def die_with_parent() -> None:
-    """In the child before exec: the kernel sends it SIGTERM when its parent dies, so a diag
-    killed by SIGKILL (no `with` exit runs) leaves no server."""
+    """In a child before exec: SIGTERM when its parent dies (a SIGKILLed diag leaves no server)."""
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the `with` is the only guard

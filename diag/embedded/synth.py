@@ -103,8 +103,7 @@ def _check_positive(name: str, value: Any) -> None:
 
 def synthetic_dataset(path: str | os.PathLike[str], *, records: int | None = None,
                       target_mb: float | None = None, seed: int = 0) -> Path:
-    """Write JSONL with exactly `records` lines, or the first lines reaching `target_mb`
-    (10^6 B), atomically (diag.files.atomic_file)."""
+    """Write JSONL atomically: exactly `records` lines, or the first reaching `target_mb`."""
     if (records is None) == (target_mb is None):
         raise ValueError("give exactly one of records=<lines> or target_mb=<megabytes>")
     if records is not None:
@@ -140,8 +139,7 @@ def _training_texts(dataset: str | os.PathLike[str] | None, limit: int, seed: in
 def tiny_model(out_dir: str | os.PathLike[str], *, hidden_size: int = 64, num_layers: int = 2,
                num_heads: int = 4, intermediate_size: int | None = None, vocab_size: int = 2048,
                seed: int = 0, dataset: str | os.PathLike[str] | None = None) -> Path:
-    """Save a random-weight Llama causal LM (safetensors) and a byte-level BPE tokenizer trained
-    on `dataset` (or synthetic records) to `out_dir`; widths multiples of 64 (4-bit layers)."""
+    """Save a random-weight Llama and a BPE tokenizer trained on `dataset` (or synthetic)."""
     for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers),
                         ("num_heads", num_heads), ("vocab_size", vocab_size)):
         _check_positive(name, value)

@@ -23,8 +23,7 @@ MARK = "DIAG-LOAD-RESULT "  # the stdout line the parent parses
 
 
 def import_libraries(with_cuda_libraries: bool = True) -> None:
-    """What every job imports before it can load a model (the `import` part); a zygote passes
-    False: bitsandbytes' import initialises CUDA, which a forking process must not."""
+    """The `import` part; a zygote leaves out bitsandbytes, whose import initialises CUDA."""
     import safetensors.torch  # noqa: F401
     import torch
     from huggingface_hub import snapshot_download  # noqa: F401
@@ -64,8 +63,7 @@ def _blob_bytes(cache_dir: str) -> int:
 
 
 def _download(job: dict[str, Any]) -> tuple[Path, int]:
-    """The snapshot folder and the bytes written into the cache. A read_only (the user's pinned)
-    cache is never written: a dry run asks the hub what a job asks, then it is read in place."""
+    """The snapshot folder and the bytes written into the cache (never into a read_only one)."""
     if job.get("local_dir"):
         return Path(job["local_dir"]), 0
     from huggingface_hub import constants, snapshot_download
@@ -74,7 +72,7 @@ def _download(job: dict[str, Any]) -> tuple[Path, int]:
     # pinned to the user's cached commit: exactly the files its snapshot holds
     kwargs = {"revision": job["revision"], "cache_dir": job["cache_dir"], "allow_patterns": [
         glob.escape(f) for f in job.get("only") or ()] or ALLOW_PATTERNS}
-    if job.get("read_only"):
+    if job.get("read_only"):  # a dry run asks the hub what a job asks; then read in place
         if not constants.is_offline_mode():
             with contextlib.suppress(DryRunError):  # unreachable: a job reads its cache
                 snapshot_download(job["model"], dry_run=True, **kwargs)
