@@ -2,8 +2,8 @@
 
 Flags come from each experiment's config dataclass (`--quick`: the test-sized variant); results
 print as tables (`--json`), `--csv FILE` writes the main one, `--report` a run folder. A user error
-prints one line and exits 2 (DIAG_DEBUG=1: the traceback).
-"""
+prints one line and exits 2 (DIAG_DEBUG=1: the traceback)."""
+
 from __future__ import annotations
 
 import argparse

@@ -95,18 +95,6 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    import diag
-
-    try:
-        installed = version("diag")
-    except PackageNotFoundError:
-        installed = diag.__version__
-    return f"diag {installed} (python {sys.version.split()[0]})"
-
-
 def _presets(cls: type) -> str:
     """The sweep presets a config defines (QUICK is --quick), shown in --help."""
     found = {k: v for k, v in vars(cls).items() if k.isupper() and isinstance(v, dict) and v}
@@ -130,8 +118,11 @@ def unrecognized(name: str, config: type, extra: list[str]) -> UsageError:
 
 def build_parser(experiments: dict[str, Any], description: str, only: str | None = None) -> _Parser:
     """One sub-command per experiment, a flag per config field (only: that one's flags alone)."""
+    from diag import __version__
+
     parser = _Parser(prog="python -m diag", description=description)
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version",
+                        version=f"diag {__version__} (python {sys.version.split()[0]})")
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", parser_class=_Parser)
     for name, exp in experiments.items():
         p = sub.add_parser(name, help=exp.help, description=exp.help + _presets(exp.config))

@@ -1,8 +1,7 @@
 """The embedded assets, made once under DIAG_HOME (by one process) and reused, each appearing whole.
 
 `ensure_assets()`: the synthetic dataset and the tiny Llama, published into the hub root
-`HubServer` serves; `embedded_dataset(size_mb, shards)`: any size, for the storage experiment.
-"""
+`HubServer` serves; `embedded_dataset(size_mb, shards)`: any size, for the storage experiment."""
 
 from __future__ import annotations
 

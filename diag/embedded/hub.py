@@ -2,8 +2,7 @@
 
 `publish_model()` lays a folder into a hub root; `serve()` answers what huggingface_hub asks of
 model and dataset repos: info, trees, HEAD/GET `resolve/{rev}/{file}` with ETag, X-Repo-Commit and
-ranges, the hub's 404 codes. Large files act like LFS. Not emulated: Xet, CDN redirects, auth.
-"""
+ranges, the hub's 404 codes. Large files act like LFS. Not emulated: Xet, CDN redirects, auth."""
 
 from __future__ import annotations
 

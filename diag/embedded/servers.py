@@ -1,8 +1,7 @@
 """Embedded defaults: an S3-compatible server and a Hugging Face hub endpoint on 127.0.0.1.
 
 Subprocesses in their own process group (`stop()` leaves nothing), speaking the real protocols:
-boto3 with an endpoint URL, huggingface_hub with `HF_ENDPOINT` (set it before its import).
-"""
+boto3 with an endpoint URL, huggingface_hub with `HF_ENDPOINT` (set it before its import)."""
 
 from __future__ import annotations
 
@@ -29,22 +28,12 @@ def child_env(env: dict[str, str]) -> dict[str, str]:
                                                  if p)}
 
 
-def _port_in_use(port: int) -> bool:
+def _bind(port: int = 0) -> int:
+    """Bind and release 127.0.0.1:port (0: a free one) as the servers do; the port."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         # SO_REUSEADDR like the servers themselves: a TIME_WAIT leftover is not "in use"
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((_HOST, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                return True
-            raise
-    return False
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((_HOST, 0))
+        s.bind((_HOST, port))
         return s.getsockname()[1]
 
 
@@ -83,12 +72,15 @@ class LoopbackServer:
     def start(self: _S) -> _S:
         if self.proc is not None:
             return self
-        if self._requested_port is not None and _port_in_use(self._requested_port):
-            raise RuntimeError(f"port {self._requested_port} on {self.host} is already in use; "
-                               "pass port=None to pick a free one")
         # a free port can be taken between our probe and the server's bind: retry a fresh one
         for attempt in range(3):
-            self.port = self._requested_port or _free_port()
+            try:
+                self.port = _bind(self._requested_port or 0)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                raise RuntimeError(f"port {self._requested_port} on {self.host} is already in "
+                                   "use; pass port=None to pick a free one") from None
             try:
                 self._spawn()
                 break
@@ -153,6 +145,7 @@ class S3Server(LoopbackServer):
     access_key = "diag-local-key"
     secret_key = "diag-local-secret"
     region = "us-east-1"
+    endpoint_url = LoopbackServer.url
 
     def __init__(self, port: int | None = None, bucket: str = "diag") -> None:
         super().__init__(port)
@@ -173,10 +166,6 @@ class S3Server(LoopbackServer):
 
     def on_ready(self) -> None:
         self.client().create_bucket(Bucket=self.bucket)
-
-    @property
-    def endpoint_url(self) -> str:
-        return self.url
 
     def env(self) -> dict[str, str]:
         """Standard AWS variables: the default credential chain and boto3 pick these up."""
@@ -206,6 +195,8 @@ class S3Server(LoopbackServer):
 class HubServer(LoopbackServer):
     """A read-only Hugging Face hub endpoint over `root` (see publish_model for the layout)."""
 
+    endpoint = LoopbackServer.url  # the HF_ENDPOINT value
+
     def __init__(self, root: str | os.PathLike[str], port: int | None = None) -> None:
         super().__init__(port)
         self.root = Path(root)
@@ -215,11 +206,6 @@ class HubServer(LoopbackServer):
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-m", "diag.embedded.hub", "--root", str(self.root),
                 "--host", self.host, "--port", str(port)]
-
-    @property
-    def endpoint(self) -> str:
-        """The HF_ENDPOINT value for clients."""
-        return self.url
 
     def env(self) -> dict[str, str]:
         """{"HF_ENDPOINT": ...}: give it to a process before it imports huggingface_hub."""

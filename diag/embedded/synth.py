@@ -2,8 +2,7 @@
 
 `synthetic_records`: seeded instruction/input/output triples with correct answers (arithmetic,
 sorting, unit conversion, ...); `synthetic_dataset` writes them as JSONL; `tiny_model` a
-random-weight Llama and a byte-level BPE tokenizer trained on that data.
-"""
+random-weight Llama and a byte-level BPE tokenizer trained on that data."""
 
 from __future__ import annotations
 
@@ -37,53 +36,38 @@ def _sentence(rng: random.Random) -> str:
             f"the {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}")
 
 
-def _arithmetic(rng: random.Random) -> tuple[str, str, str]:
-    a, b, op = rng.randint(0, 999), rng.randint(1, 999), rng.choice("+-*")
-    return f"What is {a} {op} {b}?", "", str({"+": a + b, "-": a - b, "*": a * b}[op])
-
-
-def _sort_numbers(rng: random.Random) -> tuple[str, str, str]:
-    nums = [rng.randint(-50, 500) for _ in range(rng.randint(3, 9))]
-    desc = rng.random() < 0.5
-    return (f"Sort these numbers in {'descending' if desc else 'ascending'} order.",
-            ", ".join(map(str, nums)), ", ".join(map(str, sorted(nums, reverse=desc))))
-
-
-def _sort_words(rng: random.Random) -> tuple[str, str, str]:
-    words = rng.sample(_FRUITS + _NOUNS, rng.randint(3, 7))
-    return "Sort these words alphabetically.", " ".join(words), " ".join(sorted(words))
-
-
-def _reverse_words(rng: random.Random) -> tuple[str, str, str]:
+def _record(rng: random.Random) -> tuple[str, str, str]:
+    """One (instruction, input, output) of a kind drawn first."""
+    kind = rng.choice(("arithmetic", "sort_numbers", "sort_words", "reverse", "convert", "celsius",
+                       "count", "upper"))
+    if kind == "arithmetic":
+        a, b, op = rng.randint(0, 999), rng.randint(1, 999), rng.choice("+-*")
+        return f"What is {a} {op} {b}?", "", str({"+": a + b, "-": a - b, "*": a * b}[op])
+    if kind == "sort_numbers":
+        nums = [rng.randint(-50, 500) for _ in range(rng.randint(3, 9))]
+        desc = rng.random() < 0.5
+        return (f"Sort these numbers in {'descending' if desc else 'ascending'} order.",
+                ", ".join(map(str, nums)), ", ".join(map(str, sorted(nums, reverse=desc))))
+    if kind == "sort_words":
+        words = rng.sample(_FRUITS + _NOUNS, rng.randint(3, 7))
+        return "Sort these words alphabetically.", " ".join(words), " ".join(sorted(words))
+    if kind == "convert":
+        src, dst, factor, decimals = rng.choice(_UNITS)
+        value = rng.randint(1, 500)
+        out = round(value * factor, decimals)
+        out_text = str(int(out)) if decimals == 0 else f"{out:.{decimals}f}"
+        return f"Convert {value} {src} to {dst}.", "", f"{value} {src} is {out_text} {dst}."
+    if kind == "celsius":
+        c = rng.randint(-40, 120)
+        return (f"Convert {c} degrees Celsius to Fahrenheit.", "",
+                f"{c} C is {c * 9 / 5 + 32:.1f} F.")
+    if kind == "count":
+        s = " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))
+        return "How many words are in this text?", s, str(len(s.split()))
     s = _sentence(rng)
-    return "Reverse the order of the words.", s, " ".join(reversed(s.split()))
-
-
-def _convert(rng: random.Random) -> tuple[str, str, str]:
-    src, dst, factor, decimals = rng.choice(_UNITS)
-    value = rng.randint(1, 500)
-    out = round(value * factor, decimals)
-    out_text = str(int(out)) if decimals == 0 else f"{out:.{decimals}f}"
-    return f"Convert {value} {src} to {dst}.", "", f"{value} {src} is {out_text} {dst}."
-
-
-def _celsius(rng: random.Random) -> tuple[str, str, str]:
-    c = rng.randint(-40, 120)
-    return f"Convert {c} degrees Celsius to Fahrenheit.", "", f"{c} C is {c * 9 / 5 + 32:.1f} F."
-
-
-def _count_words(rng: random.Random) -> tuple[str, str, str]:
-    s = " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))
-    return "How many words are in this text?", s, str(len(s.split()))
-
-
-def _upper(rng: random.Random) -> tuple[str, str, str]:
-    s = _sentence(rng)
+    if kind == "reverse":
+        return "Reverse the order of the words.", s, " ".join(reversed(s.split()))
     return "Rewrite the sentence in capital letters.", s, s.upper()
-
-
-_TEMPLATES = (_arithmetic, _sort_numbers, _sort_words, _reverse_words, _convert, _celsius,
-              _count_words, _upper)
 
 
 def synthetic_records(n: int | None, seed: int = 0) -> Iterator[dict[str, str]]:
@@ -92,7 +76,7 @@ def synthetic_records(n: int | None, seed: int = 0) -> Iterator[dict[str, str]]:
         raise ValueError(f"n={n!r}: must be >= 0 (or None for an endless stream)")
     rng = random.Random(seed)
     for _ in range(n) if n is not None else itertools.count():
-        instruction, inp, out = rng.choice(_TEMPLATES)(rng)
+        instruction, inp, out = _record(rng)
         yield {"instruction": instruction, "input": inp, "output": out}
 
 

@@ -1,8 +1,7 @@
 """One timed model load, as a training job does it between its start and step 1.
 
 `run_job(job)`: each part's seconds and bytes and `load_s` (one clock around all), or an error
-kind; `python -m diag.model_load.worker JOB` runs one in a fresh interpreter.
-"""
+kind; `python -m diag.model_load.worker JOB` runs one in a fresh interpreter."""
 
 from __future__ import annotations
 
