@@ -99,13 +99,13 @@ def run(name: str, cfg: config.ExperimentConfig) -> Any:
         return runner(cfg)  # diag train's preflight follows its --out-dir's check
     from diag.preflight import covered, preflight
 
+    job = _job(cfg)
     if isinstance(cfg, config.DiagnoseConfig):  # a budget too small for its steps: refused first
         from diag.forecast.budget import of_run
         from diag.diagnose import steps
 
-        of_run(cfg, steps(cfg), _job(cfg))
+        of_run(cfg, steps(cfg), job)
     # every check that can run before the first experiment, once, before torch is imported
-    job = _job(cfg)
     if job is not None and job.results:  # another job's: refused before anything is written
         from diag.qlora.measure import read_results
 
@@ -143,14 +143,13 @@ def join(name: str, cfg: config.ExperimentConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
     if threading.current_thread() is threading.main_thread():
         # SIGTERM unwinds like Ctrl-C: every `with` block exits (servers stop, partials go)
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from diag.timing import distributed
 
     try:
-        name, cfg, args = parse(argv)
+        name, cfg, args = parse(sys.argv[1:] if argv is None else argv)
         if distributed.launched():
             join(name, cfg)
         result = run(name, cfg)

@@ -63,7 +63,6 @@ def show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.Na
     if getattr(args, "report", False):
         from diag import report
 
-        advice = frames.pop("advice", None)
-        folder = report.write(frames, config=cfg.to_dict(), advice=advice)
+        folder = report.write(frames, config=cfg.to_dict(), advice=frames.pop("advice", None))
         print(redact(f"wrote {folder / 'report.html'}"),
               file=sys.stderr if args.json else sys.stdout)

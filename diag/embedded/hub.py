@@ -89,12 +89,12 @@ def _resolve(root: Path, repo_id: str, revision: str) -> tuple[Path, dict[str, A
     if len(parts) != 2 or not all(parts) or ".." in parts or parts[0] == "." or not repo.is_dir():
         raise _HubError("RepoNotFound", f"Repository {repo_id} not found")
     plain = not (repo / "refs").is_dir()  # a plain folder: one revision, "main"
-    if not plain and not (_SHA_RE.match(revision) and (repo / "commits" / revision).is_dir()):
-        ref = repo / "refs" / quote(revision, safe="")
-        if not ref.is_file():
-            raise _HubError("RevisionNotFound", f"Invalid rev id: {revision}")
-        revision = ref.read_text().strip()
     if not plain:
+        if not (_SHA_RE.match(revision) and (repo / "commits" / revision).is_dir()):
+            ref = repo / "refs" / quote(revision, safe="")
+            if not ref.is_file():
+                raise _HubError("RevisionNotFound", f"Invalid rev id: {revision}")
+            revision = ref.read_text().strip()
         folder = repo / "commits" / revision
     if folder not in _MANIFESTS:
         _MANIFESTS[folder] = (_manifest_for(folder, repo_id) if plain

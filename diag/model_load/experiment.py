@@ -92,7 +92,7 @@ def _rows(result: dict[str, Any], note: str, **keys: Any) -> list[dict[str, Any]
 
 @quietly
 def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
-    """Load cfg.model in each scenario, interleaved per repeat, after cfg.warmup unseen loads."""
+    """Load cfg.model per scenario, interleaved per repeat, after cfg.warmup unreported loads."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -109,8 +109,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     with open_source(cfg) as src:
         local = src.local_dir is not None
         cached = not local and hfcache.snapshot_folder(cache_dir, src.model, src.revision)
-        # fresh estimated from the cached loads (none of those: downloaded as asked); a local
-        # folder downloads nothing: fresh and offline would be the cached load
+        # fresh estimated from cached loads if any; a local folder's fresh, offline: its cached load
         estimate = bool(cfg.estimate_fresh and cached and {"fresh", "cached"} <= set(cfg.scenarios))
         drop = {"fresh", "cached_offline"} if local else {"fresh"} if estimate else set()
         scenarios = [s for s in cfg.scenarios if s not in drop]

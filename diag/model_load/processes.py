@@ -123,7 +123,7 @@ def _fork_one(request: dict[str, Any], import_s: float) -> dict[str, Any]:
                 return {"error": "timeout", "type": "timeout", "message": ""}
             return result.recv()
         except EOFError:  # it ended with no result
-            child.join()  # (its exit code)
+            child.join()
             log.seek(0)
             return crashed(f"exit code {child.exitcode}", log.read().decode(errors="replace"))
         finally:
@@ -142,6 +142,7 @@ def zygote(spawned_at: float) -> int:
         import_libraries(with_cuda_libraries=False)
         import_s = time.perf_counter() - spawned_at
         import torch
+
         # safe to fork: no CUDA, no torch op yet (no OpenMP pool), no HTTP client; OpenBLAS's
         # threads stop and restart around fork (pthread_atfork). Anything more is refused
         if torch.cuda.is_initialized() or threads() != baseline:

@@ -71,14 +71,13 @@ def _download(job: dict[str, Any]) -> tuple[Path, int]:
     # pinned to the user's cached commit: exactly the files its snapshot holds
     kwargs = {"revision": job["revision"], "cache_dir": job["cache_dir"], "allow_patterns": [
         glob.escape(f) for f in job.get("only") or ()] or ALLOW_PATTERNS}
-    if job.get("read_only"):  # a dry run asks the hub what a job asks; then read in place
+    if job.get("read_only"):  # a dry run asks the hub what a job asks (a real one writes trees/)
         if not constants.is_offline_mode():
             with contextlib.suppress(DryRunError):  # unreachable: a job reads its cache
                 snapshot_download(job["model"], dry_run=True, **kwargs)
         return Path(snapshot_download(job["model"], local_files_only=True, **kwargs)), 0
     before = _blob_bytes(job["cache_dir"])
-    folder = snapshot_download(job["model"], **kwargs)
-    return Path(folder), _blob_bytes(job["cache_dir"]) - before
+    return Path(snapshot_download(job["model"], **kwargs)), _blob_bytes(job["cache_dir"]) - before
 
 
 def _load_kwargs(job: dict[str, Any], device: str) -> dict[str, Any]:
