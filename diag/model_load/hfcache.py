@@ -73,9 +73,8 @@ def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
 
 
 def _check_blob(blob: Path) -> tuple[str, str]:
-    hexa = re.fullmatch("[0-9a-f]+", blob.name) is not None
     algo, what = {64: ("sha256", "sha256"), 40: ("git-sha1", "git blob sha1")}.get(
-        len(blob.name) if hexa else 0, ("", ""))
+        len(blob.name) if re.fullmatch("[0-9a-f]+", blob.name) else 0, ("", ""))
     if not algo:
         return "unverified", "blob name is not a checksum this hub uses"
     got = file_digests(blob, algo)[algo]
