@@ -227,7 +227,6 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
                     self.connection.sendfile(f, start, end - start + 1)  # zero-copy
 
     class Server(ThreadingHTTPServer):
-        daemon_threads = True
         request_queue_size = 128  # parallel downloads open many connections at once
 
     Server((host, port), Handler).serve_forever()
