@@ -88,8 +88,7 @@ def parse(argv: list[str]) -> tuple[str, config.ExperimentConfig, argparse.Names
         raise unrecognized(args.experiment, exp.config, extra)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(exp.config)
                  if hasattr(args, f.name)}
-    cfg = exp.config.default(quick=True if args.quick else None, **overrides)
-    return args.experiment, cfg, args
+    return args.experiment, exp.config.default(quick=args.quick or None, **overrides), args
 
 
 def run(name: str, cfg: config.ExperimentConfig) -> Any:

@@ -109,8 +109,7 @@ def unrecognized(name: str, config: type, extra: list[str]) -> UsageError:
     source = getattr(config, "SOURCE", ())
     given = {a.split("=", 1)[0].removeprefix("--no-").removeprefix("--").replace("-", "_")
              for a in extra if a.startswith("--")}
-    fields = {f.name for f in dataclasses.fields(config)}
-    if source and given & fields:  # a field of the config, not offered: a source flag
+    if source and given & {f.name for f in dataclasses.fields(config)}:  # a source flag
         flags = ", ".join("--" + f.replace("_", "-") for f in source)
         return UsageError(f"{text} ({name} reads only these source flags: {flags})")
     return UsageError(f"{text} (see python -m diag {name} --help)")
@@ -140,9 +139,7 @@ def build_parser(experiments: dict[str, Any], description: str, only: str | None
         docs = field_docs(exp.config)
         positional = getattr(exp.config, "POSITIONAL", ())
         used = set(exp.config.used_fields())  # a source field it does not read: no flag
-        for f in dataclasses.fields(exp.config):
-            if f.name not in used:
-                continue
+        for f in [f for f in dataclasses.fields(exp.config) if f.name in used]:
             kwargs = _flag_type(hints[f.name])
             doc = docs.get(f.name, "")
             if f.name in positional:
