@@ -144,12 +144,11 @@ def tiny_model(out_dir: str | os.PathLike[str], *, hidden_size: int = 64, num_la
 
     out_dir = Path(out_dir)
     with atomic_folder(out_dir) as tmp:
-        specials = ["<unk>", "<s>", "</s>", "<pad>"]
         tok = Tokenizer(models.BPE(unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                      show_progress=False,
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                      special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         # 20k records are enough to fill a few thousand merges; more only costs time
         tok.train_from_iterator(_training_texts(dataset, 20_000, seed), trainer=trainer)
