@@ -1,12 +1,8 @@
 """`python -m diag <experiment> [--key value ...]`: the notebooks' runs, without a notebook.
 
-Each experiment's flags are generated from its config dataclass, so the CLI and the notebooks
-share one set of names and defaults; `--quick` takes the test-sized variant. Runners return data
-(a DataFrame, or a dataclass of frames) and this module alone shows it, the same way for every
-experiment: the tables are printed (`--json` prints them as JSON instead), `--csv FILE` writes the
-main table, `--report` writes a run folder with the report. User errors (unknown flag, bad value,
-missing package or hardware) print one line and exit 2; set DIAG_DEBUG=1 to see the traceback.
-"""
+Flags come from each experiment's config dataclass (`--quick`: the test-sized variant); results
+print as tables (`--json`), `--csv FILE` writes the main one, `--report` a run folder. A user error
+prints one line and exits 2 (DIAG_DEBUG=1: the traceback)."""
 
 from __future__ import annotations
 
@@ -17,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -42,22 +39,17 @@ EXPERIMENTS: dict[str, Experiment] = {
                        "what this machine is: accelerator, dense peak FLOP/s, CPU, RAM, disks"),
     "toy": Experiment(config.ToyConfig, "diag.loader.toy:run_toy",
                       "a timed toy training loop: data_wait, h2d and compute per step", ddp=True),
-    # -- storage --
     "storage": Experiment(config.StorageConfig, "diag.storage:run_storage",
                           "object-store pull vs local disk read, the re-pull tax, land() miss/hit"),
-    # -- model-load --
     "model-load": Experiment(config.ModelLoadConfig, "diag.model_load:run_model_load",
                              "fresh vs cached model load: download, read, quantize, to_device, "
                              "tokenizer"),
-    # -- loader --
     "loader": Experiment(config.LoaderConfig, "diag.loader:run_loader",
                          "DataLoader num_workers sweep against a training step, fetch vs prep "
                          "stalls, the hot lines of the naive preprocessing"),
-    # -- accum --
     "accum": Experiment(config.AccumConfig, "diag.accum:run_accum",
                         "grad accumulation at constant tokens per step: tokens/s, memory, "
                         "MFU (cross-checked), the floor", ddp=True),
-    # -- qlora --
     "qlora": Experiment(config.QLoraConfig, "diag.qlora:run_qlora",
                         "the QLoRA fine-tune (nf4 + LoRA, Trainer), naive vs optimized plan: "
                         "stages, loss curves, predicted vs measured saving per fix", ddp=True),
@@ -65,7 +57,6 @@ EXPERIMENTS: dict[str, Experiment] = {
                         "the QLoRA fine-tune of the whole dataset under the optimized (or naive) "
                         "plan: epochs, held-out eval, checkpoints and resume, an ETA checked "
                         "after; the adapter (PEFT's format) and tokenizer in --out-dir"),
-    # -- a job diag did not start --
     "attach": Experiment(config.AttachConfig, "diag.observe:run_attach",
                          "sample a running training process (py-spy, NVML, /proc; never paused "
                          "or signalled): its stages, its workers' hot functions, its GPUs"),
@@ -97,8 +88,7 @@ def parse(argv: list[str]) -> tuple[str, config.ExperimentConfig, argparse.Names
         raise unrecognized(args.experiment, exp.config, extra)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(exp.config)
                  if hasattr(args, f.name)}
-    cfg = exp.config.default(quick=True if args.quick else None, **overrides)
-    return args.experiment, cfg, args
+    return args.experiment, exp.config.default(quick=args.quick or None, **overrides), args
 
 
 def run(name: str, cfg: config.ExperimentConfig) -> Any:
@@ -108,14 +98,13 @@ def run(name: str, cfg: config.ExperimentConfig) -> Any:
         return runner(cfg)  # diag train's preflight follows its --out-dir's check
     from diag.preflight import covered, preflight
 
+    job = _job(cfg)
     if isinstance(cfg, config.DiagnoseConfig):  # a budget too small for its steps: refused first
         from diag.forecast.budget import of_run
         from diag.diagnose import steps
 
-        of_run(cfg, steps(cfg), _job(cfg))
+        of_run(cfg, steps(cfg), job)
     # every check that can run before the first experiment, once, before torch is imported
-    # (run_qlora and run_diagnose make their own when called from Python; here they are covered)
-    job = _job(cfg)
     if job is not None and job.results:  # another job's: refused before anything is written
         from diag.qlora.measure import read_results
 
@@ -126,7 +115,7 @@ def run(name: str, cfg: config.ExperimentConfig) -> Any:
 
 
 def _job(cfg: config.SourceConfig) -> config.QLoraConfig | None:
-    """The QLoRA job that trains on cfg's source: its records are checked before the work."""
+    """The QLoRA job that trains on cfg's source (its records are checked before the work)."""
     if isinstance(cfg, config.QLoraConfig):
         return cfg
     if isinstance(cfg, config.DiagnoseConfig) and cfg.qlora:
@@ -137,8 +126,7 @@ def _job(cfg: config.SourceConfig) -> config.QLoraConfig | None:
 
 
 def join(name: str, cfg: config.ExperimentConfig) -> None:
-    """Under torchrun / accelerate launch: refuse a one-process command, else join the group
-    and check that every rank was given the same arguments, before any work."""
+    """Under a launcher: refuse a one-process command, else join the group; same args on all."""
     from diag.timing import distributed
 
     if not EXPERIMENTS[name].ddp:
@@ -154,15 +142,13 @@ def join(name: str, cfg: config.ExperimentConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if threading_main():
-        # SIGTERM (a timeout, a scheduler, `kill`) unwinds like Ctrl-C, so every `with` block
-        # runs its exit: local servers stop, partial files are removed
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM unwinds like Ctrl-C: every `with` block exits (servers stop, partials go)
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from diag.timing import distributed
 
     try:
-        name, cfg, args = parse(argv)
+        name, cfg, args = parse(sys.argv[1:] if argv is None else argv)
         if distributed.launched():
             join(name, cfg)
         result = run(name, cfg)
@@ -171,24 +157,16 @@ def main(argv: list[str] | None = None) -> int:
         own_module = isinstance(err, ModuleNotFoundError) and (err.name or "").startswith("diag")
         if os.environ.get("DIAG_DEBUG") or own_module:  # a broken diag install is a bug, not usage
             raise
-        # under a launcher every rank's own line, named (a rank a collective lost, by name)
         line = one_line(distributed.ending(err)).replace("diag: ", f"diag: {distributed.who()}", 1)
         sys.stderr.write(redact(line) + "\n")  # one write: the ranks share the launcher's stderr
         said()
         return 2  # (a run stopped before its end says where its spilled steps are, at exit)
-    except KeyboardInterrupt as err:  # Ctrl-C; a training run that saved a checkpoint first
-        # (diag.qlora.checkpoints.Interrupted, SIGTERM too) says how to resume
+    except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM: a run that saved a checkpoint says how
         sys.stderr.write(redact(str(err) or "diag: interrupted") + "\n")
         return 128 + getattr(err, "signum", signal.SIGINT)
     if not distributed.who() or distributed.place().is_root:  # rank 0 alone prints and writes
         show(name, cfg, result, args)
     return 0
-
-
-def threading_main() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def entry() -> typing.NoReturn:

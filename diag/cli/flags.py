@@ -48,10 +48,8 @@ def _list_of(item: type, choices: tuple[Any, ...] = ()) -> Any:
             values = [item(part.strip()) for part in text.split(",") if part.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not a comma-separated list of {item.__name__}"
-            ) from None
-        wrong = [v for v in values if choices and v not in choices]
-        if wrong:
+                f"{text!r} is not a comma-separated list of {item.__name__}") from None
+        if wrong := [v for v in values if choices and v not in choices]:
             raise argparse.ArgumentTypeError(f"{wrong[0]!r} is not one of "
                                              + ", ".join(map(str, choices)))
         return values
@@ -60,19 +58,9 @@ def _list_of(item: type, choices: tuple[Any, ...] = ()) -> Any:
     return parse
 
 
-def _default(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-
-
 @functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
-    """Each dataclass field's trailing comment: the config's one-line docs, read from source.
-
-    Comments, not field(metadata=...): the configs stay one readable line per field (literal
-    default, then why), and the help can never drift from the comment a reader sees. A comment
-    too long for one line goes on in comment-only lines right below the field, indented deeper
-    than the field; they are joined with single spaces.
-    """
+    """Each field's trailing comment (and deeper-indented comment lines below), from source."""
     import ast
     import inspect
     import io
@@ -98,32 +86,17 @@ def field_docs(cls: type) -> dict[str, str]:
                 if not text:
                     continue
                 parts = [text]
-                # continuation lines: comment only, indented deeper than the field
-                for number in range(end + 1, len(lines) + 1):
-                    line = lines[number - 1]
-                    indent = len(line) - len(line.lstrip())
-                    if not line.lstrip().startswith("#") or indent <= node.col_offset:
+                for line in lines[end:]:  # comment-only lines indented deeper go on
+                    body = line.lstrip()
+                    if not body.startswith("#") or len(line) - len(body) <= node.col_offset:
                         break
-                    parts.append(comments[number])
+                    parts.append(body.lstrip("#").strip())
                 docs[node.target.id] = " ".join(p for p in parts if p)
     return docs
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    import diag
-
-    try:
-        installed = version("diag")
-    except PackageNotFoundError:
-        installed = diag.__version__
-    return f"diag {installed} (python {sys.version.split()[0]})"
-
-
 def _presets(cls: type) -> str:
-    """The sweep presets a config defines (QUICK is --quick; GPU, CPU, RUN: what `diag run`
-    applies), shown in --help so what runs is visible before it runs."""
+    """The sweep presets a config defines (QUICK is --quick), shown in --help."""
     found = {k: v for k, v in vars(cls).items() if k.isupper() and isinstance(v, dict) and v}
     return "".join(f"; preset {k}{' (--quick)' if k == 'QUICK' else ''}: "
                    + ", ".join(f"{f}={v}" for f, v in preset.items())
@@ -131,28 +104,24 @@ def _presets(cls: type) -> str:
 
 
 def unrecognized(name: str, config: type, extra: list[str]) -> UsageError:
-    """The line for arguments the command does not take; a source flag another command reads
-    says which of them this one reads."""
-    import dataclasses
-
+    """The line for arguments the command does not take (a source flag: which ones it reads)."""
     text = f"python -m diag {name}: unrecognized arguments: {' '.join(extra)}"
     source = getattr(config, "SOURCE", ())
     given = {a.split("=", 1)[0].removeprefix("--no-").removeprefix("--").replace("-", "_")
              for a in extra if a.startswith("--")}
-    fields = {f.name for f in dataclasses.fields(config)}
-    if source and given & fields:  # a field of the config, not offered: a source flag
+    if source and given & {f.name for f in dataclasses.fields(config)}:  # a source flag
         flags = ", ".join("--" + f.replace("_", "-") for f in source)
         return UsageError(f"{text} ({name} reads only these source flags: {flags})")
     return UsageError(f"{text} (see python -m diag {name} --help)")
 
 
-def build_parser(experiments: dict[str, Any], description: str, only: str | None = None
-                 ) -> _Parser:
-    """The parser of every experiment in `experiments` (name -> Experiment): one flag per config
-    field, with the field's comment as its help; `only`: that experiment's flags, the others'
-    names and help alone."""
+def build_parser(experiments: dict[str, Any], description: str, only: str | None = None) -> _Parser:
+    """One sub-command per experiment, a flag per config field (only: that one's flags alone)."""
+    from diag import __version__
+
     parser = _Parser(prog="python -m diag", description=description)
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version",
+                        version=f"diag {__version__} (python {sys.version.split()[0]})")
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", parser_class=_Parser)
     for name, exp in experiments.items():
         p = sub.add_parser(name, help=exp.help, description=exp.help + _presets(exp.config))
@@ -169,11 +138,8 @@ def build_parser(experiments: dict[str, Any], description: str, only: str | None
         hints = typing.get_type_hints(exp.config)
         docs = field_docs(exp.config)
         positional = getattr(exp.config, "POSITIONAL", ())
-        # a source field the command does not read is no flag of it (unrecognized, one line)
-        used = set(exp.config.used_fields())
-        for f in dataclasses.fields(exp.config):
-            if f.name not in used:
-                continue
+        used = set(exp.config.used_fields())  # a source field it does not read: no flag
+        for f in [f for f in dataclasses.fields(exp.config) if f.name in used]:
             kwargs = _flag_type(hints[f.name])
             doc = docs.get(f.name, "")
             if f.name in positional:
@@ -182,7 +148,7 @@ def build_parser(experiments: dict[str, Any], description: str, only: str | None
                 kwargs["metavar"] = f.name.removesuffix("s").upper()  # PID, FILE, FOLDER
                 p.add_argument(f.name, help=doc.replace("%", "%%"), **kwargs)
                 continue
-            default = _default(f)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
             text = f"{doc} (default: {shown!r})" if doc else f"default: {shown!r}"
             p.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,

@@ -34,7 +34,6 @@ def show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.Na
 
     if isinstance(result, Path):  # a run folder: where it is and what it found
         from diag import report
-
         from diag.machine.contention import busy
 
         summary = report.load_summary(result)
@@ -64,7 +63,6 @@ def show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.Na
     if getattr(args, "report", False):
         from diag import report
 
-        advice = frames.pop("advice", None)
-        folder = report.write(frames, config=cfg.to_dict(), advice=advice)
+        folder = report.write(frames, config=cfg.to_dict(), advice=frames.pop("advice", None))
         print(redact(f"wrote {folder / 'report.html'}"),
               file=sys.stderr if args.json else sys.stdout)

@@ -3,6 +3,7 @@ refusal once this node's other ranks have said theirs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import typing
@@ -10,34 +11,27 @@ from typing import Any
 
 
 def exit_now(code: int) -> typing.NoReturn:
-    """End a CLI run without the interpreter's teardown of torch and the rest (seconds, for
-    nothing), doing what a normal exit still does, in its order: join the threads that are not
-    daemons, run the atexit handlers, flush Python's and C's buffers. A run that raised
-    (SIGTERM's SystemExit) exits the usual way."""
+    """Exit without the interpreter's teardown of torch (seconds), doing what an exit still does."""
     import atexit
     import ctypes
     import signal
     import threading
 
     if threading.current_thread() is threading.main_thread():
-        # the run is over and its code chosen: a SIGTERM now (a launcher stopping the ranks
-        # that are left) must not raise SystemExit inside an atexit handler as a traceback
+        # the code is chosen: a launcher's SIGTERM now must not raise inside an atexit handler
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize does first
+    threading._shutdown()  # type: ignore[attr-defined]  # Py_Finalize's order: threads, atexit
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing can reach it
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
-            pass
     ctypes.CDLL(None).fflush(None)  # a C library's printf buffer
     os._exit(code)
 
 
 def said() -> None:
-    """Under torchrun's agent, a rank that refuses before its run starts waits, up to
-    timeout_s("say"), until this node's other ranks have said theirs too (a marker file each)
-    or ended: the agent stops every rank once one exits."""
+    """Under torchrun's agent (which stops every rank once one exits), a refusing rank waits up
+    to timeout_s("say") until this node's other ranks have said theirs (a marker each) or ended."""
     import tempfile
     import time
     from pathlib import Path

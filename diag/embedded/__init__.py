@@ -1,7 +1,6 @@
 """Stand-ins on 127.0.0.1 that speak the real protocols, so the same client code runs here and on
 a cloud box: an S3-compatible server (boto3 with an endpoint URL), a Hugging Face hub endpoint
-(`HF_ENDPOINT`), a synthetic instruction dataset and a tiny Llama model, made once.
-"""
+(`HF_ENDPOINT`), a synthetic instruction dataset and a tiny Llama model, made once."""
 
 from diag.embedded.assets import MODEL_SIZES, Assets, embedded_dataset, ensure_assets
 from diag.embedded.hub import publish_model

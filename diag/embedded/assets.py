@@ -1,9 +1,7 @@
-"""The embedded assets, made once under DIAG_HOME and reused: one cache for every experiment.
+"""The embedded assets, made once under DIAG_HOME (by one process) and reused, each appearing whole.
 
-`ensure_assets()` makes the synthetic dataset and the tiny Llama, published into a hub root
-`HubServer` serves; `embedded_dataset(size_mb, shards)` any size for the storage experiment.
-Each appears whole (diag.files, or a marker written last); one process per DIAG_HOME makes them.
-"""
+`ensure_assets()`: the synthetic dataset and the tiny Llama, published into the hub root
+`HubServer` serves; `embedded_dataset(size_mb, shards)`: any size, for the storage experiment."""
 
 from __future__ import annotations
 
@@ -38,17 +36,14 @@ class Assets:
 
 
 def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "tiny") -> Assets:
-    """Make (once) the embedded dataset and model, published into a local hub root; a marker
-    written last tells a complete set from an interrupted one."""
+    """Make (once) the embedded dataset and model, published into a local hub root."""
     if model not in MODEL_SIZES:
-        raise ValueError(f"model={model!r}: allowed values are "
-                         + ", ".join(map(repr, MODEL_SIZES)))
+        raise ValueError(f"model={model!r}: allowed values are {', '.join(map(repr, MODEL_SIZES))}")
     base = (Path(home) if home is not None else diag_home()) / "assets"
-    assets = Assets(
-        dataset=base / f"dataset-{DATASET_MB}mb-seed0.jsonl", model_dir=base / "models" / model,
-        hub_root=base / "hub", repo_id=f"diag-local/{model}-llama",
-    )
-    marker = base / f"{model}.complete.json"
+    assets = Assets(dataset=base / f"dataset-{DATASET_MB}mb-seed0.jsonl",
+                    model_dir=base / "models" / model, hub_root=base / "hub",
+                    repo_id=f"diag-local/{model}-llama")
+    marker = base / f"{model}.complete.json"  # written last: a complete set
 
     def complete() -> bool:
         return (marker.is_file() and assets.dataset.is_file()
@@ -63,7 +58,7 @@ def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "t
         code = "import sys; from diag.embedded import ensure_assets; " \
                "ensure_assets(sys.argv[1], model=sys.argv[2])"
         run = subprocess.run([sys.executable, "-c", code, str(base.parent), model],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, check=False)
         if run.returncode or not complete():
             last = (run.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"making the embedded assets in {base} failed: {last}")
@@ -98,15 +93,14 @@ def _filling(base: Path) -> Iterator[None]:
     deadline = time.monotonic() + timeout
     with open(base / ".fill.lock", "w") as lock:
         while True:
-            try:
+            with contextlib.suppress(BlockingIOError):
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"waited {timeout:g} s for another process to make the "
-                                       f"embedded assets in {base}; raise DIAG_FILL_TIMEOUT_S "
-                                       "if a first make takes longer here") from None
-                time.sleep(0.2)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"waited {timeout:g} s for another process to make the "
+                                   f"embedded assets in {base}; raise DIAG_FILL_TIMEOUT_S "
+                                   "if a first make takes longer here")
+            time.sleep(0.2)
         yield
 
 

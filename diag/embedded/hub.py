@@ -1,11 +1,8 @@
 """A read-only Hugging Face hub endpoint on loopback: the download protocol, nothing more.
 
-`publish_model()` lays a folder into a hub root (one folder per commit, a manifest written once;
-a dataset repo: into root/datasets); `serve()` answers what huggingface_hub and transformers ask
-of model and dataset repos: info, tree listings, HEAD/GET `resolve/{rev}/{file}` with ETag,
-X-Repo-Commit and ranges, and the hub's 404 codes. Large files act like LFS (ETag: sha256). Not
-emulated: Xet storage, CDN redirects, auth (tokens are accepted, never checked).
-"""
+`publish_model()` lays a folder into a hub root; `serve()` answers what huggingface_hub asks of
+model and dataset repos: info, trees, HEAD/GET `resolve/{rev}/{file}` with ETag, X-Repo-Commit and
+ranges, the hub's 404 codes. Large files act like LFS. Not emulated: Xet, CDN redirects, auth."""
 
 from __future__ import annotations
 
@@ -21,41 +18,29 @@ from urllib.parse import quote
 
 from diag.files import atomic_file, atomic_folder, file_digests, git_blob_sha1
 
-
-_HOST = "127.0.0.1"
-
-
 # root/<org>/<name>/commits/<sha>/ (files + .diag-manifest.json), refs/<revision> (its sha); a
 # plain folder root/<org>/<name>/ is served as "main". Datasets: the same under root/datasets/.
-
 _MANIFEST = ".diag-manifest.json"
 _LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".onnx", ".msgpack")
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
-def _is_lfs(path: str, size: int) -> bool:
-    return path.endswith(_LFS_SUFFIXES) or size > 10 * 2**20
-
-
 def _file_entry(path: Path, rel: str) -> dict[str, Any]:
     size = path.stat().st_size
-    lfs = _is_lfs(rel, size)
+    lfs = rel.endswith(_LFS_SUFFIXES) or size > 10 * 2**20
     digests = file_digests(path, "sha256", *(() if lfs else ("git-sha1",)))
     entry = {"size": size, "sha256": digests["sha256"], "lfs": lfs}
-    if lfs:  # the git blob of an LFS file is its pointer, as on the real hub
-        pointer = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{entry['sha256']}\n"
-                   f"size {size}\n").encode()
-        entry["blob_id"], entry["pointer_size"] = git_blob_sha1(pointer), len(pointer)
-    else:
-        entry["blob_id"] = digests["git-sha1"]
-    return entry
+    if not lfs:
+        return {**entry, "blob_id": digests["git-sha1"]}
+    # the git blob of an LFS file is its pointer, as on the real hub
+    pointer = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{entry['sha256']}\n"
+               f"size {size}\n").encode()
+    return {**entry, "blob_id": git_blob_sha1(pointer), "pointer_size": len(pointer)}
 
 
 def _manifest_for(folder: Path, repo_id: str) -> dict[str, Any]:
-    files = {
-        p.relative_to(folder).as_posix(): _file_entry(p, p.relative_to(folder).as_posix())
-        for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".diag-")
-    }
+    files = {p.relative_to(folder).as_posix(): _file_entry(p, p.relative_to(folder).as_posix())
+             for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".diag-")}
     digest = hashlib.sha1(repo_id.encode())  # content-addressed: same files, same commit
     for rel, e in files.items():
         digest.update(f"\n{rel} {e['sha256']}".encode())
@@ -63,22 +48,17 @@ def _manifest_for(folder: Path, repo_id: str) -> dict[str, Any]:
             "last_modified": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())}
 
 
-def publish_model(
-    src_dir: str | os.PathLike[str], hub_root: str | os.PathLike[str], repo_id: str,
-    revision: str = "main",
-) -> str:
-    """Lay `src_dir` into the hub at `repo_id`@`revision` (hardlinked where it can) and return
-    its commit sha; the commit folder and the ref each appear whole."""
+def publish_model(src_dir: str | os.PathLike[str], hub_root: str | os.PathLike[str], repo_id: str,
+                  revision: str = "main") -> str:
+    """Lay `src_dir` into the hub at `repo_id`@`revision` (each appears whole); its commit sha."""
     src, root = Path(src_dir), Path(hub_root)
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise ValueError(f"repo_id={repo_id!r}: must look like 'org/name'")
     if not src.is_dir():
         raise ValueError(f"src_dir={str(src)!r}: not a folder")
     manifest = _manifest_for(src, repo_id)
-    commit = manifest["commit"]
-    repo = root / repo_id
-    final = repo / "commits" / commit
-    if not final.exists():
+    commit, repo = manifest["commit"], root / repo_id
+    if not (final := repo / "commits" / commit).exists():
         # content-addressed: a concurrent publish of the same content that won is identical
         with atomic_folder(final, replace=False) as tmp:
             for rel in manifest["files"]:
@@ -93,80 +73,60 @@ def publish_model(
     return commit
 
 
-
 class _HubError(Exception):
     def __init__(self, code: str, message: str, commit: str | None = None) -> None:
         super().__init__(message)
         self.code, self.commit = code, commit
 
 
-class _HubIndex:
-    """Resolves repo@revision to (commit folder, manifest); manifests are read or hashed once."""
+_MANIFESTS: dict[Path, dict[str, Any]] = {}  # read or hashed once (a race: twice, same result)
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._manifests: dict[Path, dict[str, Any]] = {}
 
-    def _manifest(self, folder: Path, repo_id: str, stored: bool) -> dict[str, Any]:
-        if folder not in self._manifests:  # a race only hashes twice: same result
-            self._manifests[folder] = (json.loads((folder / _MANIFEST).read_text()) if stored
-                                       else _manifest_for(folder, repo_id))
-        return self._manifests[folder]
-
-    def resolve(self, repo_id: str, revision: str) -> tuple[Path, dict[str, Any]]:
-        parts = repo_id.split("/")
-        repo = self.root.joinpath(*parts)
-        if (len(parts) != 2 or not all(parts) or ".." in parts or parts[0] == "."
-                or not repo.is_dir()):
-            raise _HubError("RepoNotFound", f"Repository {repo_id} not found")
-        if not (repo / "refs").is_dir():  # a plain folder: one revision, "main"
-            manifest = self._manifest(repo, repo_id, stored=False)
-            if revision not in ("main", manifest["commit"]):
-                raise _HubError("RevisionNotFound", f"Invalid rev id: {revision}")
-            return repo, manifest
-        commit = revision if _SHA_RE.match(revision) else None
-        if commit is None or not (repo / "commits" / commit).is_dir():
+def _resolve(root: Path, repo_id: str, revision: str) -> tuple[Path, dict[str, Any]]:
+    """repo@revision under root -> (its commit folder, manifest)."""
+    parts = repo_id.split("/")
+    folder = repo = root.joinpath(*parts)
+    if len(parts) != 2 or not all(parts) or ".." in parts or parts[0] == "." or not repo.is_dir():
+        raise _HubError("RepoNotFound", f"Repository {repo_id} not found")
+    plain = not (repo / "refs").is_dir()  # a plain folder: one revision, "main"
+    if not plain:
+        if not (_SHA_RE.match(revision) and (repo / "commits" / revision).is_dir()):
             ref = repo / "refs" / quote(revision, safe="")
             if not ref.is_file():
                 raise _HubError("RevisionNotFound", f"Invalid rev id: {revision}")
-            commit = ref.read_text().strip()
-        folder = repo / "commits" / commit
-        return folder, self._manifest(folder, repo_id, stored=True)
+            revision = ref.read_text().strip()
+        folder = repo / "commits" / revision
+    if folder not in _MANIFESTS:
+        _MANIFESTS[folder] = (_manifest_for(folder, repo_id) if plain
+                              else json.loads((folder / _MANIFEST).read_text()))
+    if plain and revision not in ("main", _MANIFESTS[folder]["commit"]):
+        raise _HubError("RevisionNotFound", f"Invalid rev id: {revision}")
+    return folder, _MANIFESTS[folder]
+
+
+def _lfs(e: dict[str, Any], sha: str) -> dict[str, Any]:
+    return {sha: e["sha256"], "size": e["size"], "pointerSize": e["pointer_size"]}
 
 
 def _tree(manifest: dict[str, Any], prefix: str, recursive: bool) -> list[dict[str, Any]]:
-    files = manifest["files"]
+    files, commit = manifest["files"], manifest["commit"]
     base = prefix.strip("/") + "/" if prefix.strip("/") else ""
-    under = [p for p in files if p.startswith(base)]
-    if base and not under:
-        raise _HubError("EntryNotFound", f"{prefix} does not exist on {manifest['commit']}",
-                        manifest["commit"])
-    dirs = {"/".join(p.split("/")[:i]) for p in under for i in range(1, p.count("/") + 1)}
+    under = [p for p in files if p.startswith(base) and (recursive or "/" not in p[len(base):])]
+    if base and not any(p.startswith(base) for p in files):
+        raise _HubError("EntryNotFound", f"{prefix} does not exist on {commit}", commit)
+    dirs = {"/".join(p.split("/")[:i]) for p in files if p.startswith(base)
+            for i in range(1, p.count("/") + 1)}
     dirs = {d for d in dirs if d.startswith(base) and (recursive or "/" not in d[len(base):])}
-    out: list[dict[str, Any]] = [
-        {"type": "directory", "path": d, "size": 0,
-         "oid": hashlib.sha1(f"{manifest['commit']}:{d}".encode()).hexdigest()}
-        for d in sorted(dirs)
-    ]
-    for p in under:
-        if not recursive and "/" in p[len(base):]:
-            continue
-        e = files[p]
-        entry: dict[str, Any] = {"type": "file", "path": p, "size": e["size"], "oid": e["blob_id"]}
-        if e["lfs"]:
-            entry["lfs"] = {"oid": e["sha256"], "size": e["size"], "pointerSize": e["pointer_size"]}
-        out.append(entry)
-    return out
+    return [{"type": "directory", "path": d, "size": 0,
+             "oid": hashlib.sha1(f"{commit}:{d}".encode()).hexdigest()} for d in sorted(dirs)] + [
+        {"type": "file", "path": p, "size": files[p]["size"], "oid": files[p]["blob_id"],
+         **({"lfs": _lfs(files[p], "oid")} if files[p]["lfs"] else {})} for p in under]
 
 
 def _model_info(repo_id: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    siblings = []
-    for p, e in manifest["files"].items():
-        sib: dict[str, Any] = {"rfilename": p, "size": e["size"], "blobId": e["blob_id"]}
-        if e["lfs"]:
-            sib["lfs"] = {"sha256": e["sha256"], "size": e["size"],
-                          "pointerSize": e["pointer_size"]}
-        siblings.append(sib)
+    siblings = [{"rfilename": p, "size": e["size"], "blobId": e["blob_id"],
+                 **({"lfs": _lfs(e, "sha256")} if e["lfs"] else {})}
+                for p, e in manifest["files"].items()]
     stamp = manifest["last_modified"]
     return {"_id": manifest["commit"][:24], "id": repo_id, "modelId": repo_id,
             "sha": manifest["commit"], "private": False, "gated": False, "disabled": False,
@@ -179,7 +139,7 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from urllib.parse import parse_qs, unquote, urlsplit
 
-    indexes = {"models": _HubIndex(root), "datasets": _HubIndex(root / "datasets")}
+    roots = {"models": root, "datasets": root / "datasets"}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as the real hub; every reply sets a length
@@ -194,11 +154,14 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
         def do_GET(self) -> None:
             self._route(body=True)
 
-        def _reply(self, status: int, headers: dict[str, str], payload: bytes, body: bool) -> None:
+        def _head(self, status: int, headers: dict[str, str], length: int) -> None:
             self.send_response(status)
-            for k, v in {**headers, "Content-Length": str(len(payload))}.items():
+            for k, v in {**headers, "Content-Length": str(length)}.items():
                 self.send_header(k, v)
             self.end_headers()
+
+        def _reply(self, status: int, headers: dict[str, str], payload: bytes, body: bool) -> None:
+            self._head(status, headers, len(payload))
             if body:
                 self.wfile.write(payload)
 
@@ -210,35 +173,32 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
             segs = [unquote(s) for s in url.path.split("/")[1:]]
             query = parse_qs(url.query)
             kind = "datasets" if segs[:1] == ["datasets"] or segs[1:2] == ["datasets"] else "models"
-            index = indexes[kind]
             segs = segs[1:] if segs[:1] == ["datasets"] else segs
             try:
                 if segs[:2] == ["api", kind] and len(segs) >= 4:
                     repo_id, rest = "/".join(segs[2:4]), segs[4:]
                     if not rest or (rest[0] == "revision" and len(rest) == 2):
-                        _, manifest = index.resolve(repo_id, rest[1] if rest else "main")
+                        _, manifest = _resolve(roots[kind], repo_id, rest[1] if rest else "main")
                         return self._json(_model_info(repo_id, manifest), body)
                     if rest[0] == "tree" and len(rest) >= 2:
-                        _, manifest = index.resolve(repo_id, rest[1])
+                        _, manifest = _resolve(roots[kind], repo_id, rest[1])
                         recursive = query.get("recursive", ["false"])[0].lower() in ("true", "1")
                         return self._json(_tree(manifest, "/".join(rest[2:]), recursive), body)
                 elif len(segs) >= 5 and segs[2] == "resolve":
-                    return self._file(index, "/".join(segs[:2]), segs[3], "/".join(segs[4:]),
-                                      body)
+                    return self._file(roots[kind], "/".join(segs[:2]), segs[3],
+                                      "/".join(segs[4:]), body)
                 elif segs[:1] == ["api"] or (len(segs) >= 3 and "resolve" in segs[:4]):
                     # spaces, one-segment ids: not served here, so "not found"
                     raise _HubError("RepoNotFound", f"Repository for {url.path} not found")
                 self._reply(404, {"Content-Type": "text/plain"}, b"Not Found", body)
             except _HubError as e:
                 headers = {"X-Error-Code": e.code, "X-Error-Message": str(e),
-                           "Content-Type": "application/json"}
-                if e.commit:
-                    headers["X-Repo-Commit"] = e.commit
+                           "Content-Type": "application/json",
+                           **({"X-Repo-Commit": e.commit} if e.commit else {})}
                 self._reply(404, headers, json.dumps({"error": str(e)}).encode(), body)
 
-        def _file(self, index: _HubIndex, repo_id: str, revision: str, rel: str,
-                  body: bool) -> None:
-            folder, manifest = index.resolve(repo_id, revision)
+        def _file(self, root: Path, repo_id: str, revision: str, rel: str, body: bool) -> None:
+            folder, manifest = _resolve(root, repo_id, revision)
             entry = manifest["files"].get(rel)
             if entry is None:
                 raise _HubError("EntryNotFound", f"{rel} does not exist on {revision}",
@@ -261,16 +221,12 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
                     headers["Content-Range"] = f"bytes */{size}"
                     return self._reply(416, headers, b"", body)
                 status, headers["Content-Range"] = 206, f"bytes {start}-{end}/{size}"
-            self.send_response(status)
-            for k, v in {**headers, "Content-Length": str(end - start + 1)}.items():
-                self.send_header(k, v)
-            self.end_headers()
+            self._head(status, headers, end - start + 1)
             if body and end >= start:
                 with open(folder / rel, "rb") as f:
                     self.connection.sendfile(f, start, end - start + 1)  # zero-copy
 
     class Server(ThreadingHTTPServer):
-        daemon_threads = True
         request_queue_size = 128  # parallel downloads open many connections at once
 
     Server((host, port), Handler).serve_forever()
@@ -281,12 +237,10 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m diag.embedded.hub",
                                      description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    hub = sub.add_parser("hub", help="serve a hub root over HTTP (the HF_ENDPOINT protocol)")
-    hub.add_argument("--root", required=True, help="folder laid out by publish_model")
-    hub.add_argument("--host", default=_HOST)
-    hub.add_argument("--port", type=int, required=True)
-    hub.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    parser.add_argument("--root", required=True, help="folder laid out by publish_model")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
     args = parser.parse_args(argv)
     serve(Path(args.root), args.host, args.port, verbose=args.verbose)
 

@@ -1,12 +1,11 @@
 """Embedded defaults: an S3-compatible server and a Hugging Face hub endpoint on 127.0.0.1.
 
-Subprocesses in their own process group (no GIL shared with the client timed; `stop()` leaves
-nothing), speaking the real protocols: boto3 with an endpoint URL, huggingface_hub with
-`HF_ENDPOINT` (read at its import: set it before, or pass `endpoint=`).
-"""
+Subprocesses in their own process group (`stop()` leaves nothing), speaking the real protocols:
+boto3 with an endpoint URL, huggingface_hub with `HF_ENDPOINT` (set it before its import)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -18,40 +17,32 @@ import time
 from pathlib import Path
 from typing import Any, TypeVar
 
-
 _HOST = "127.0.0.1"
 _S = TypeVar("_S", bound="LoopbackServer")
-_PKG_PARENT = str(Path(__file__).resolve().parents[2])  # so `python -m diag.embedded.hub` imports
+_PKG_PARENT = str(Path(__file__).resolve().parents[2])
 
 
-def _port_in_use(port: int) -> bool:
+def child_env(env: dict[str, str]) -> dict[str, str]:
+    """env with this diag importable (first on PYTHONPATH), for `python -m diag...` children."""
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (_PKG_PARENT, env.get("PYTHONPATH"))
+                                                 if p)}
+
+
+def _bind(port: int = 0) -> int:
+    """Bind and release 127.0.0.1:port (0: a free one) as the servers do; the port."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         # SO_REUSEADDR like the servers themselves: a TIME_WAIT leftover is not "in use"
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((_HOST, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                return True
-            raise
-    return False
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((_HOST, 0))
+        s.bind((_HOST, port))
         return s.getsockname()[1]
 
 
 def die_with_parent() -> None:
-    """Runs in the child before exec: the kernel sends it SIGTERM when the process that started
-    it dies, so a diag killed by SIGKILL / SIGTERM (no `with` exit runs then) leaves no server."""
+    """In a child before exec: SIGTERM when its parent dies (a SIGKILLed diag leaves no server)."""
     import ctypes
 
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the `with` is the only guard
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the context manager is the only guard
-        pass
 
 
 class LoopbackServer:
@@ -61,11 +52,9 @@ class LoopbackServer:
 
     def __init__(self, port: int | None = None) -> None:
         if port is not None and not (isinstance(port, int) and 0 < port < 65536):
-            raise ValueError(
-                f"port={port!r}: must be an int in 1..65535, or None to pick a free one")
-        self.host = _HOST
-        self._requested_port = port
-        self.port = port or 0
+            raise ValueError(f"port={port!r}: must be an int in 1..65535, or None to pick a "
+                             "free one")
+        self.host, self._requested_port, self.port = _HOST, port, port or 0
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: Any = None
 
@@ -74,29 +63,29 @@ class LoopbackServer:
         return f"http://{self.host}:{self.port}"
 
     def command(self, port: int) -> list[str]:
-        """The argv that serves on `port`. Subclasses define it."""
+        """The argv that serves on `port` (subclasses define it)."""
         raise NotImplementedError
 
     def on_ready(self) -> None:
-        """Called once the port accepts connections (e.g. to create a bucket)."""
+        """Called once the port accepts connections."""
 
     def start(self: _S) -> _S:
         if self.proc is not None:
             return self
-        if self._requested_port is not None and _port_in_use(self._requested_port):
-            raise RuntimeError(
-                f"port {self._requested_port} on {self.host} is already in use; "
-                "pass port=None to pick a free one"
-            )
         # a free port can be taken between our probe and the server's bind: retry a fresh one
         for attempt in range(3):
-            self.port = self._requested_port or _free_port()
+            try:
+                self.port = _bind(self._requested_port or 0)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                raise RuntimeError(f"port {self._requested_port} on {self.host} is already in "
+                                   "use; pass port=None to pick a free one") from None
             try:
                 self._spawn()
                 break
             except RuntimeError as e:
-                lost_race = "Address already in use" in str(e)
-                if not lost_race or self._requested_port is not None or attempt == 2:
+                if "Address already in use" not in str(e) or self._requested_port or attempt == 2:
                     raise
         try:
             self.on_ready()
@@ -106,60 +95,35 @@ class LoopbackServer:
         return self
 
     def _spawn(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (_PKG_PARENT, os.environ.get("PYTHONPATH")) if p)}
-        # stderr to a file, not a pipe: a chatty server would block once a pipe buffer fills
+        # output to a file, not a pipe: a chatty server would block once a pipe buffer fills
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             self.command(self.port), stdin=subprocess.DEVNULL, stdout=self._log,
-            stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
+            stderr=subprocess.STDOUT, env=child_env(dict(os.environ)), start_new_session=True,
+            preexec_fn=die_with_parent)
         deadline = time.perf_counter() + self.start_timeout_s
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log_tail()
-                self.stop()
-                raise RuntimeError(f"{type(self).__name__} exited during start-up:\n{tail}")
+        while time.perf_counter() < deadline and self.proc.poll() is None:
             try:
                 socket.create_connection((self.host, self.port), timeout=0.5).close()
                 return
             except OSError:
                 time.sleep(0.05)
-        tail = self.log_tail()
+        why = ("exited during start-up" if self.proc.poll() is not None else
+               f"did not accept connections on {self.url} within {self.start_timeout_s:.0f} s")
+        self._log.seek(max(0, self._log.seek(0, os.SEEK_END) - 4000))
+        tail = self._log.read().decode("utf-8", "replace")
         self.stop()
-        raise RuntimeError(
-            f"{type(self).__name__} did not accept connections on {self.url} within "
-            f"{self.start_timeout_s:.0f} s:\n{tail}"
-        )
-
-    def log_tail(self, n_bytes: int = 4000) -> str:
-        """The last bytes the server wrote to stdout/stderr (for error messages)."""
-        if self._log is None or self._log.closed:
-            return ""
-        self._log.seek(0, os.SEEK_END)
-        self._log.seek(max(0, self._log.tell() - n_bytes))
-        return self._log.read().decode("utf-8", "replace")
+        raise RuntimeError(f"{type(self).__name__} {why}:\n{tail}")
 
     def stop(self) -> None:
         """Kill the whole process group (server and anything it spawned) and reap it."""
         proc, self.proc = self.proc, None
         if proc is not None:
-            for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-                try:
+            for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL too: the leader may exit first
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, sig)  # pgid == pid thanks to start_new_session
-                except ProcessLookupError:
-                    pass
-                try:
-                    proc.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            # the group leader may exit first; make sure no member of the group survives it
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5.0)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -181,6 +145,7 @@ class S3Server(LoopbackServer):
     access_key = "diag-local-key"
     secret_key = "diag-local-secret"
     region = "us-east-1"
+    endpoint_url = LoopbackServer.url
 
     def __init__(self, port: int | None = None, bucket: str = "diag") -> None:
         super().__init__(port)
@@ -193,9 +158,8 @@ class S3Server(LoopbackServer):
         import importlib.util
 
         # the server is a subprocess: without this its ImportError would be a log tail
-        missing = [m for m in ("moto", "flask", "flask_cors")
-                   if importlib.util.find_spec(m) is None]
-        if missing:
+        if missing := [m for m in ("moto", "flask", "flask_cors")
+                       if importlib.util.find_spec(m) is None]:
             raise RuntimeError(f"the embedded S3 server needs {', '.join(missing)}: install the "
                                "extra with pip install 'diag[embedded]' (or -e '.[embedded]')")
         return super().start()
@@ -203,45 +167,35 @@ class S3Server(LoopbackServer):
     def on_ready(self) -> None:
         self.client().create_bucket(Bucket=self.bucket)
 
-    @property
-    def endpoint_url(self) -> str:
-        return self.url
-
     def env(self) -> dict[str, str]:
         """Standard AWS variables: the default credential chain and boto3 pick these up."""
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint_url,
-            "AWS_ACCESS_KEY_ID": self.access_key,
-            "AWS_SECRET_ACCESS_KEY": self.secret_key,
-            "AWS_DEFAULT_REGION": self.region,
-        }
+        return {"AWS_ENDPOINT_URL": self.endpoint_url, "AWS_ACCESS_KEY_ID": self.access_key,
+                "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_DEFAULT_REGION": self.region}
 
     def client(self) -> Any:
         """A boto3 S3 client: the same code path a cloud user runs, pointed at loopback."""
         import boto3
 
-        return boto3.client(
-            "s3", endpoint_url=self.endpoint_url, aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key, region_name=self.region,
-        )
+        return boto3.client("s3", endpoint_url=self.endpoint_url, aws_access_key_id=self.access_key,
+                            aws_secret_access_key=self.secret_key, region_name=self.region)
 
     def upload(self, path: str | os.PathLike[str], key: str) -> list[str]:
         """Upload a file to `key`, or a folder's files under prefix `key`; return the keys."""
-        path, client, keys = Path(path), self.client(), []
+        path, client = Path(path), self.client()
         files = [(path, key)] if path.is_file() else [
             (p, f"{key.rstrip('/')}/{p.relative_to(path).as_posix()}".lstrip("/"))
-            for p in sorted(path.rglob("*")) if p.is_file()
-        ]
+            for p in sorted(path.rglob("*")) if p.is_file()]
         if not files:
             raise ValueError(f"path={str(path)!r}: no file to upload there")
         for p, k in files:
             client.upload_file(str(p), self.bucket, k)
-            keys.append(k)
-        return keys
+        return [k for _, k in files]
 
 
 class HubServer(LoopbackServer):
     """A read-only Hugging Face hub endpoint over `root` (see publish_model for the layout)."""
+
+    endpoint = LoopbackServer.url  # the HF_ENDPOINT value
 
     def __init__(self, root: str | os.PathLike[str], port: int | None = None) -> None:
         super().__init__(port)
@@ -250,13 +204,8 @@ class HubServer(LoopbackServer):
             raise ValueError(f"root={str(self.root)!r}: not a folder (publish_model creates it)")
 
     def command(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "diag.embedded.hub", "hub", "--root", str(self.root),
+        return [sys.executable, "-m", "diag.embedded.hub", "--root", str(self.root),
                 "--host", self.host, "--port", str(port)]
-
-    @property
-    def endpoint(self) -> str:
-        """The HF_ENDPOINT value for clients."""
-        return self.url
 
     def env(self) -> dict[str, str]:
         """{"HF_ENDPOINT": ...}: give it to a process before it imports huggingface_hub."""

@@ -1,11 +1,8 @@
 """Synthetic stand-ins for a real fine-tuning setup: an instruction dataset and a tiny Llama.
 
-`synthetic_records` makes deterministic instruction/input/output triples from word lists and a
-few templates with correct answers (arithmetic, sorting, reversing, unit conversion, ...), so a
-tokenizer has real structure to learn. `synthetic_dataset` writes any number of them, or any
-size, as JSONL. `tiny_model` makes a Llama-architecture causal LM with random (seeded) weights
-and a byte-level BPE tokenizer trained on that data; the same function makes bigger variants.
-"""
+`synthetic_records`: seeded instruction/input/output triples with correct answers (arithmetic,
+sorting, unit conversion, ...); `synthetic_dataset` writes them as JSONL; `tiny_model` a
+random-weight Llama and a byte-level BPE tokenizer trained on that data."""
 
 from __future__ import annotations
 
@@ -13,104 +10,64 @@ import itertools
 import json
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from diag.files import atomic_file, atomic_folder
 
-_ADJECTIVES = (
-    "quick lazy bright quiet heavy small large ancient modern red blue green yellow silver golden "
-    "happy sleepy brave clever gentle noisy calm shiny rough smooth"
-).split()
-_NOUNS = (
-    "fox dog cat river mountain robot teacher garden window engine forest city bridge ocean "
-    "planet library kettle lantern violin pilot farmer tower meadow compass"
-).split()
-_VERBS = (
-    "jumps over|walks past|watches|follows|paints|builds|finds|carries|greets|repairs|visits|"
-    "chases|draws|measures|admires"
-).split("|")
+_ADJECTIVES = """quick lazy bright quiet heavy small large ancient modern red blue green yellow
+    silver golden happy sleepy brave clever gentle noisy calm shiny rough smooth""".split()
+_NOUNS = ("fox dog cat river mountain robot teacher garden window engine forest city bridge ocean "
+          "planet library kettle lantern violin pilot farmer tower meadow compass").split()
+_VERBS = ("jumps over|walks past|watches|follows|paints|builds|finds|carries|greets|repairs|visits|"
+          "chases|draws|measures|admires").split("|")
 _FRUITS = "apple banana cherry grape lemon mango orange peach pear plum".split()
-
 # (from unit, to unit, factor, decimals): linear conversions with exact answers to `decimals`
-_UNITS = (
-    ("kilometers", "meters", 1000.0, 0),
-    ("meters", "centimeters", 100.0, 0),
-    ("kilograms", "grams", 1000.0, 0),
-    ("hours", "minutes", 60.0, 0),
-    ("minutes", "seconds", 60.0, 0),
-    ("inches", "centimeters", 2.54, 2),
-    ("miles", "kilometers", 1.609344, 3),
-    ("liters", "milliliters", 1000.0, 0),
-)
-
+_UNITS = (("kilometers", "meters", 1000.0, 0), ("meters", "centimeters", 100.0, 0),
+          ("kilograms", "grams", 1000.0, 0), ("hours", "minutes", 60.0, 0),
+          ("minutes", "seconds", 60.0, 0), ("inches", "centimeters", 2.54, 2),
+          ("miles", "kilometers", 1.609344, 3), ("liters", "milliliters", 1000.0, 0))
 _MB = 1_000_000  # target_mb counts decimal megabytes, like disk and network rates do
 
 
 def _sentence(rng: random.Random) -> str:
-    return (
-        f"the {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} "
-        f"the {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}"
-    )
+    return (f"the {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)} {rng.choice(_VERBS)} "
+            f"the {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}")
 
 
-def _arithmetic(rng: random.Random) -> tuple[str, str, str]:
-    a, b = rng.randint(0, 999), rng.randint(1, 999)
-    op = rng.choice("+-*")
-    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
-    return f"What is {a} {op} {b}?", "", str(answer)
-
-
-def _sort_numbers(rng: random.Random) -> tuple[str, str, str]:
-    nums = [rng.randint(-50, 500) for _ in range(rng.randint(3, 9))]
-    desc = rng.random() < 0.5
-    order = "descending" if desc else "ascending"
-    return (
-        f"Sort these numbers in {order} order.",
-        ", ".join(map(str, nums)),
-        ", ".join(map(str, sorted(nums, reverse=desc))),
-    )
-
-
-def _sort_words(rng: random.Random) -> tuple[str, str, str]:
-    words = rng.sample(_FRUITS + _NOUNS, rng.randint(3, 7))
-    return "Sort these words alphabetically.", " ".join(words), " ".join(sorted(words))
-
-
-def _reverse_words(rng: random.Random) -> tuple[str, str, str]:
+def _record(rng: random.Random) -> tuple[str, str, str]:
+    """One (instruction, input, output) of a kind drawn first."""
+    kind = rng.choice(("arithmetic", "sort_numbers", "sort_words", "reverse", "convert", "celsius",
+                       "count", "upper"))
+    if kind == "arithmetic":
+        a, b, op = rng.randint(0, 999), rng.randint(1, 999), rng.choice("+-*")
+        return f"What is {a} {op} {b}?", "", str({"+": a + b, "-": a - b, "*": a * b}[op])
+    if kind == "sort_numbers":
+        nums = [rng.randint(-50, 500) for _ in range(rng.randint(3, 9))]
+        desc = rng.random() < 0.5
+        return (f"Sort these numbers in {'descending' if desc else 'ascending'} order.",
+                ", ".join(map(str, nums)), ", ".join(map(str, sorted(nums, reverse=desc))))
+    if kind == "sort_words":
+        words = rng.sample(_FRUITS + _NOUNS, rng.randint(3, 7))
+        return "Sort these words alphabetically.", " ".join(words), " ".join(sorted(words))
+    if kind == "convert":
+        src, dst, factor, decimals = rng.choice(_UNITS)
+        value = rng.randint(1, 500)
+        out = round(value * factor, decimals)
+        out_text = str(int(out)) if decimals == 0 else f"{out:.{decimals}f}"
+        return f"Convert {value} {src} to {dst}.", "", f"{value} {src} is {out_text} {dst}."
+    if kind == "celsius":
+        c = rng.randint(-40, 120)
+        return (f"Convert {c} degrees Celsius to Fahrenheit.", "",
+                f"{c} C is {c * 9 / 5 + 32:.1f} F.")
+    if kind == "count":
+        s = " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))
+        return "How many words are in this text?", s, str(len(s.split()))
     s = _sentence(rng)
-    return "Reverse the order of the words.", s, " ".join(reversed(s.split()))
-
-
-def _convert(rng: random.Random) -> tuple[str, str, str]:
-    src, dst, factor, decimals = rng.choice(_UNITS)
-    value = rng.randint(1, 500)
-    out = round(value * factor, decimals)
-    out_text = str(int(out)) if decimals == 0 else f"{out:.{decimals}f}"
-    return f"Convert {value} {src} to {dst}.", "", f"{value} {src} is {out_text} {dst}."
-
-
-def _celsius(rng: random.Random) -> tuple[str, str, str]:
-    c = rng.randint(-40, 120)
-    f = c * 9 / 5 + 32
-    return f"Convert {c} degrees Celsius to Fahrenheit.", "", f"{c} C is {f:.1f} F."
-
-
-def _count_words(rng: random.Random) -> tuple[str, str, str]:
-    s = " ".join(_sentence(rng) for _ in range(rng.randint(1, 3)))
-    return "How many words are in this text?", s, str(len(s.split()))
-
-
-def _upper(rng: random.Random) -> tuple[str, str, str]:
-    s = _sentence(rng)
+    if kind == "reverse":
+        return "Reverse the order of the words.", s, " ".join(reversed(s.split()))
     return "Rewrite the sentence in capital letters.", s, s.upper()
-
-
-_TEMPLATES = (
-    _arithmetic, _sort_numbers, _sort_words, _reverse_words, _convert, _celsius, _count_words,
-    _upper,
-)
 
 
 def synthetic_records(n: int | None, seed: int = 0) -> Iterator[dict[str, str]]:
@@ -119,7 +76,7 @@ def synthetic_records(n: int | None, seed: int = 0) -> Iterator[dict[str, str]]:
         raise ValueError(f"n={n!r}: must be >= 0 (or None for an endless stream)")
     rng = random.Random(seed)
     for _ in range(n) if n is not None else itertools.count():
-        instruction, inp, out = rng.choice(_TEMPLATES)(rng)
+        instruction, inp, out = _record(rng)
         yield {"instruction": instruction, "input": inp, "output": out}
 
 
@@ -128,15 +85,9 @@ def _check_positive(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r}: must be a number > 0")
 
 
-def synthetic_dataset(
-    path: str | os.PathLike[str],
-    *,
-    records: int | None = None,
-    target_mb: float | None = None,
-    seed: int = 0,
-) -> Path:
-    """Write JSONL with exactly `records` lines, or the first lines reaching `target_mb`
-    (10^6 B), atomically (diag.files.atomic_file)."""
+def synthetic_dataset(path: str | os.PathLike[str], *, records: int | None = None,
+                      target_mb: float | None = None, seed: int = 0) -> Path:
+    """Write JSONL atomically: exactly `records` lines, or the first reaching `target_mb`."""
     if (records is None) == (target_mb is None):
         raise ValueError("give exactly one of records=<lines> or target_mb=<megabytes>")
     if records is not None:
@@ -160,82 +111,60 @@ def synthetic_dataset(
     return path
 
 
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
 def _training_texts(dataset: str | os.PathLike[str] | None, limit: int, seed: int) -> Iterator[str]:
     if dataset is None:
-        for rec in synthetic_records(limit, seed):
-            yield f"{rec['instruction']}\n{rec['input']}\n{rec['output']}"
-        return
-    with open(dataset, encoding="utf-8") as f:
-        for line in itertools.islice(f, limit):
-            rec = json.loads(line)
-            yield f"{rec['instruction']}\n{rec['input']}\n{rec['output']}"
+        records: Iterable[dict[str, str]] = synthetic_records(limit, seed)
+    else:
+        with open(dataset, encoding="utf-8") as f:
+            records = [json.loads(line) for line in itertools.islice(f, limit)]
+    return (f"{r['instruction']}\n{r['input']}\n{r['output']}" for r in records)
 
 
-def tiny_model(
-    out_dir: str | os.PathLike[str],
-    *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    intermediate_size: int | None = None,
-    vocab_size: int = 2048,
-    seed: int = 0,
-    dataset: str | os.PathLike[str] | None = None,
-) -> Path:
-    """Save a random-weight Llama causal LM (safetensors) and a byte-level BPE tokenizer trained
-    on `dataset` (or synthetic records) to `out_dir`; widths multiples of 64 (4-bit layers)."""
+def tiny_model(out_dir: str | os.PathLike[str], *, hidden_size: int = 64, num_layers: int = 2,
+               num_heads: int = 4, intermediate_size: int | None = None, vocab_size: int = 2048,
+               seed: int = 0, dataset: str | os.PathLike[str] | None = None) -> Path:
+    """Save a random-weight Llama and a BPE tokenizer trained on `dataset` (or synthetic)."""
     for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers),
                         ("num_heads", num_heads), ("vocab_size", vocab_size)):
         _check_positive(name, value)
     if intermediate_size is None:
-        intermediate_size = _round_up(8 * hidden_size // 3, 64)  # Llama's ~8/3 MLP ratio
+        intermediate_size = -(-(8 * hidden_size // 3) // 64) * 64  # Llama's ~8/3, up to 64s
     _check_positive("intermediate_size", intermediate_size)
     for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
         if value % 64:
-            raise ValueError(
-                f"{name}={value}: must be a multiple of 64 (bitsandbytes 4-bit blocks)")
+            raise ValueError(f"{name}={value}: must be a multiple of 64 "
+                             "(bitsandbytes 4-bit blocks)")
     if hidden_size % num_heads:
         raise ValueError(f"num_heads={num_heads}: must divide hidden_size={hidden_size}")
     if vocab_size < 512:
         raise ValueError(f"vocab_size={vocab_size}: must be >= 512 (256 bytes + merges + specials)")
-
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     out_dir = Path(out_dir)
     with atomic_folder(out_dir) as tmp:
-        specials = ["<unk>", "<s>", "</s>", "<pad>"]
         tok = Tokenizer(models.BPE(unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        )
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                      special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         # 20k records are enough to fill a few thousand merges; more only costs time
         tok.train_from_iterator(_training_texts(dataset, 20_000, seed), trainer=trainer)
         bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
         tok.post_processor = processors.TemplateProcessing(  # Llama prepends BOS
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
-        )
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-            pad_token="<pad>", model_max_length=2048,
-        )
-        fast.save_pretrained(tmp)
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                unk_token="<unk>", pad_token="<pad>", model_max_length=2048
+                                ).save_pretrained(tmp)
 
         config = LlamaConfig(
             vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
             num_hidden_layers=num_layers, num_attention_heads=num_heads,
             num_key_value_heads=num_heads, max_position_embeddings=2048,
             bos_token_id=bos, eos_token_id=eos, pad_token_id=tok.token_to_id("<pad>"),
-            tie_word_embeddings=False,
-        )
+            tie_word_embeddings=False)
         # fork_rng: seeding must not disturb the caller's global torch RNG stream
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

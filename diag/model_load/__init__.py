@@ -1,9 +1,7 @@
 """Fresh vs cached model load: what a job pays to get its base model onto the device.
-
-`run_model_load(cfg)` times each part of a load (import, download, read, quantize, to_device,
-tokenizer) in a clean process per scenario and repeat; `medians(frame)` is the table to read,
-`advice(frame)` what a persistent cache, offline mode and a warm page cache save per start.
-"""
+`run_model_load(cfg)` times each part of a load in a clean process per scenario and repeat;
+`medians(frame)` is the table to read, `advice(frame)` what a cache, offline mode, a warm page
+cache save per start."""
 
 from diag.model_load.advice import SCENARIOS, advice, decide, medians
 from diag.model_load.experiment import ModelLoadResult, run_model_load, verify_model_cache

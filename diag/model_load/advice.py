@@ -1,6 +1,5 @@
 """What the model-load frame says a job should change: medians per scenario and part, advice, and
-the model_cache decision. The `import` part is the same in every scenario, so it cancels out.
-"""
+the model_cache decision. The `import` part is the same in every scenario, so it cancels out."""
 
 from __future__ import annotations
 
@@ -73,8 +72,7 @@ def advice(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
-    """`model_cache`: "persistent" unless fresh loads resolve faster than cached ones (diag.noise,
-    each load less its import, which both sides pay); unresolved or absent: the default."""
+    """`model_cache`: "persistent" unless fresh loads (less their import) resolve faster."""
     from diag.noise import compare, spread
 
     fresh, cached = _loads(frame, "fresh"), _loads(frame, "cached")

@@ -1,8 +1,7 @@
 """Fresh vs cached model load, every part timed, a clean process per scenario and repeat.
 
-`fresh`: an empty HF cache; `cached_offline`: HF_HUB_OFFLINE=1; `cached_cold`: evicted from the page
-cache (`cache_state`, `resident` say how far). The parts add up to `load_model`.
-"""
+`fresh`: an empty HF cache; `cached_offline`: HF_HUB_OFFLINE=1; `cached_cold`: evicted from the
+page cache (`cache_state`, `resident` say how far). The parts add up to `load_model`."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ from diag.decision import Decision
 from diag.model_load import hfcache
 from diag.model_load.advice import advice, decide
 from diag.model_load.processes import LoadProcesses
-from diag.model_load.source import (Source, cache_dir_for, failure, job,
-                                    not_in_user_cache, offline_env, open_source, overrides,
-                                    pin_to_cache)
+from diag.model_load.source import (Source, cache_dir_for, failure, job, not_in_user_cache,
+                                    offline_env, open_source, overrides, pin_to_cache)
 from diag.model_load.worker import run_worker
 from diag.runner import quietly
 from diag.secrets import redact
@@ -36,8 +34,6 @@ COLUMNS = ["scenario", "part", "bytes", "seconds", "mb_per_s", "repeat", "cache_
 
 @dataclass(frozen=True)
 class ModelLoadResult:
-    """What `run_model_load` returns."""
-
     frame: pd.DataFrame  # one row per scenario x part x repeat (COLUMNS)
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence
     decisions: tuple[Decision, ...] = ()  # model_cache
@@ -57,8 +53,7 @@ def verify_model_cache(cfg: ModelLoadConfig, repair: bool = False) -> pd.DataFra
         return _verify(src, cfg, cache_dir, repair)
 
 
-def _download(src: Source, cfg: ModelLoadConfig, cache_dir: Path, offline: bool = False
-              ) -> dict[str, Any]:
+def _download(src: Source, cfg: ModelLoadConfig, cache_dir: Path, offline: bool = False) -> dict:
     """src's snapshot into cache_dir, in an interpreter with huggingface_hub only."""
     return run_worker(job(src, cfg, cache_dir, mode="download"), {
         **src.env, **overrides(cache_dir, offline, own_xet=not src.user_cache)}, cfg.timeout_s)
@@ -66,8 +61,7 @@ def _download(src: Source, cfg: ModelLoadConfig, cache_dir: Path, offline: bool 
 
 def _verify(src: Source, cfg: ModelLoadConfig, cache_dir: Path, repair: bool,
             refuse: bool = False) -> pd.DataFrame:
-    """hfcache.verify_cache() of src (repair: what failed is re-downloaded); refuse: raise on a
-    damaged copy, before any load reads it."""
+    """hfcache.verify_cache() of src (repair: re-download what failed); refuse: raise on damage."""
     def fetch() -> None:
         result = _download(src, cfg, cache_dir)
         if "error" in result:
@@ -87,8 +81,8 @@ def _verify(src: Source, cfg: ModelLoadConfig, cache_dir: Path, repair: bool,
 
 def _rows(result: dict[str, Any], note: str, **keys: Any) -> list[dict[str, Any]]:
     parts = {"import": {"seconds": result["import_s"], "bytes": 0}, **result["parts"]}
-    rows = [{"part": p, **parts[p]} for p in LOAD_PARTS if p in parts
-            and (result["quantized"] or p != "quantize")]
+    rows = [{"part": p, **parts[p]} for p in LOAD_PARTS
+            if p in parts and (result["quantized"] or p != "quantize")]
     # the load's own clock plus its start-up: the parts' sum checks it, never makes it
     rows.append({"part": "load_model", "bytes": parts["read"]["bytes"],
                  "seconds": result["import_s"] + result["load_s"],
@@ -98,8 +92,7 @@ def _rows(result: dict[str, Any], note: str, **keys: Any) -> list[dict[str, Any]
 
 @quietly
 def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
-    """Load cfg.model in each scenario, interleaved per repeat, after cfg.warmup unreported loads;
-    the user's own cache is only read unless cfg.repair_cache."""
+    """Load cfg.model per scenario, interleaved per repeat, after cfg.warmup unreported loads."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -116,18 +109,16 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     with open_source(cfg) as src:
         local = src.local_dir is not None
         cached = not local and hfcache.snapshot_folder(cache_dir, src.model, src.revision)
-        # a local folder downloads nothing: fresh and offline would be the cached load
-        scenarios = [s for s in cfg.scenarios if not (local and s in ("fresh", "cached_offline"))]
-        # fresh estimated from the cached loads (none of those: downloaded as asked)
-        estimate = bool(cfg.estimate_fresh and cached and {"fresh", "cached"} <= set(scenarios))
-        scenarios = [s for s in scenarios if not (estimate and s == "fresh")]
+        # fresh estimated from cached loads if any; a local folder's fresh, offline: its cached load
+        estimate = bool(cfg.estimate_fresh and cached and {"fresh", "cached"} <= set(cfg.scenarios))
+        drop = {"fresh", "cached_offline"} if local else {"fresh"} if estimate else set()
+        scenarios = [s for s in cfg.scenarios if s not in drop]
         from_cache = any(s != "fresh" for s in scenarios)
         read_only = src.user_cache and not cfg.repair_cache
         if read_only and not cached and from_cache:
             raise not_in_user_cache(src.model, src.revision, cache_dir)
-        moved = ""
-        if read_only and cached:  # every load reads the cached commit
-            src, moved = pin_to_cache(src, cache_dir)
+        # every load of the user's cache reads its cached commit
+        src, moved = pin_to_cache(src, cache_dir) if read_only and cached else (src, "")
         if cached:
             _verify(src, cfg, cache_dir, cfg.repair_cache, refuse=True)  # before any load
         if not read_only:
@@ -136,8 +127,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
         scratch = diag_home() if src.user_cache else cache_dir.parent
         scratch.mkdir(parents=True, exist_ok=True)
         if from_cache and not local and not read_only:
-            # fill the cache in a process with huggingface_hub only: a wrong id or endpoint is
-            # reported before anyone pays the big imports
+            # filled by a process with huggingface_hub only: a wrong id is said before the imports
             got = _download(src, cfg, cache_dir, offline_env())
             if "error" in got:
                 raise failure(got, src, cache_dir, cfg.timeout_s)
@@ -154,8 +144,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
                     raise failure(result, src, job_cache, cfg.timeout_s)
                 return result
 
-            for _ in range(cfg.warmup if from_cache else 0):
-                # warms only what the machine keeps: the page cache of the model and libraries
+            for _ in range(cfg.warmup if from_cache else 0):  # warms the page cache alone
                 run(cache_dir, offline=read_only)
             files = (sorted(p for p in src.local_dir.rglob("*") if p.is_file()) if local
                      else hfcache.blob_files(cache_dir, src.model))
@@ -187,15 +176,13 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
                                  "seconds": plain["seconds"], "device": plain["device"]})
                 bar.update()
 
-            def pending(_: Any) -> bool:
-                """model_cache is not yet measured (fresh estimated: too few cached loads)."""
+            def pending(_: Any) -> bool:  # model_cache unmeasured (estimated: too few cached)
                 if estimate:
                     return len({r["repeat"] for r in rows if r["scenario"] == "cached"}) \
                         < MIN_SAMPLES
                 return decide(pd.DataFrame(rows, columns=COLUMNS))[0].basis != "measured"
 
-            # rounds of every scenario, the order turned each round; past cfg.repeats while
-            # budget_s allows and model_cache is unresolved
+            # rounds in a turning order; past cfg.repeats while budget_s allows and it is pending
             more = bool(cfg.budget_s) and {"fresh", "cached"} <= set(cfg.scenarios)
             interleave(scenarios, measure, pending, min_rounds=cfg.repeats,
                        budget_s=max(0.0, cfg.budget_s - (time.perf_counter() - began)),
@@ -215,8 +202,7 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
 
 def _fresh_estimate(src: Source, cache_dir: Path, rows: list[dict[str, Any]]
                     ) -> list[dict[str, Any]]:
-    """Fresh rows estimated from the cached ones: their download part (a revision check) becomes
-    the model's bytes at the rate one weight file downloads into an empty cache."""
+    """Fresh rows from the cached ones: the model's bytes at one weight file's download rate."""
     from huggingface_hub import hf_hub_download
 
     folder = hfcache.snapshot_folder(cache_dir, src.model, src.revision)

@@ -1,8 +1,6 @@
-"""Is the Hugging Face cache on this disk what the hub served? Checksums, not file names.
-
-huggingface_hub only checks that a blob exists; `verify_cache()` re-hashes each against its name
-(its ETag) and, online, the hub's checksums (`HfApi.verify_repo_checksums`).
-"""
+"""Is the Hugging Face cache on this disk what the hub served? huggingface_hub only checks that a
+blob exists; `verify_cache()` re-hashes each against its name (its ETag) and, online, the hub's
+checksums (`HfApi.verify_repo_checksums`)."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ def offline_env() -> bool:
 
 
 def reachable(endpoint: str) -> None:
-    """Raise OSError unless the endpoint's host takes a connection within 3 s (huggingface_hub
-    retries an unreachable host for ~20 s)."""
+    """Raise OSError unless endpoint takes a connection in 3 s (huggingface_hub retries ~20 s)."""
     from urllib.parse import urlsplit
 
     url = urlsplit(endpoint)
@@ -41,7 +38,6 @@ def reachable(endpoint: str) -> None:
 
 
 def repo_folder(cache_dir: str | os.PathLike[str], repo_id: str) -> Path:
-    """Where huggingface_hub keeps `repo_id` in a hub cache folder."""
     return Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
 
 
@@ -50,8 +46,7 @@ def snapshot_folder(cache_dir: str | os.PathLike[str], repo_id: str, revision: s
     """The cached snapshot of repo_id@revision (a ref or a commit sha), or None."""
     repo = repo_folder(cache_dir, repo_id)
     ref = repo / "refs" / revision
-    commit = ref.read_text().strip() if ref.is_file() else revision
-    folder = repo / "snapshots" / commit
+    folder = repo / "snapshots" / (ref.read_text().strip() if ref.is_file() else revision)
     return folder if folder.is_dir() else None
 
 
@@ -62,8 +57,7 @@ def blob_files(cache_dir: str | os.PathLike[str], repo_id: str) -> list[Path]:
 
 
 def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
-    """The safetensors files a causal-LM load reads, as transformers picks them; pickle-only
-    weights are refused (they can run code)."""
+    """The safetensors files a causal-LM load reads, as transformers picks them (never pickles)."""
     folder, index = Path(folder), Path(folder) / "model.safetensors.index.json"
     if index.is_file():
         return [folder / n for n in sorted({*json.loads(index.read_text())["weight_map"].values()})]
@@ -79,9 +73,8 @@ def weight_files(folder: str | os.PathLike[str]) -> list[Path]:
 
 
 def _check_blob(blob: Path) -> tuple[str, str]:
-    hexa = re.fullmatch("[0-9a-f]+", blob.name) is not None
     algo, what = {64: ("sha256", "sha256"), 40: ("git-sha1", "git blob sha1")}.get(
-        len(blob.name) if hexa else 0, ("", ""))
+        len(blob.name) if re.fullmatch("[0-9a-f]+", blob.name) else 0, ("", ""))
     if not algo:
         return "unverified", "blob name is not a checksum this hub uses"
     got = file_digests(blob, algo)[algo]
@@ -92,8 +85,7 @@ def _check_blob(blob: Path) -> tuple[str, str]:
 
 def _online_rows(repo_id: str, cache_dir: str | os.PathLike[str], revision: str, endpoint: str
                  ) -> list[tuple[str, str, int, str, str]]:
-    """A row per cached file whose checksum differs from the hub's (a file the snapshot lacks is
-    no damage: a load fetches part of a repo)."""
+    """A row per cached file whose checksum differs from the hub's (one it lacks is no damage)."""
     from huggingface_hub import HfApi
 
     try:
@@ -110,8 +102,7 @@ def _online_rows(repo_id: str, cache_dir: str | os.PathLike[str], revision: str,
 def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str = "main", *,
                  redownload: Callable[[], None] | None = None, endpoint: str = ""
                  ) -> pd.DataFrame:
-    """One row per cached file (COLUMNS); status ok, corrupt, missing, incomplete (a killed
-    download) or unverified. With `redownload`, what failed is deleted and fetched again."""
+    """A row per cached file (COLUMNS); with `redownload`, what failed is deleted and re-fetched."""
     import pandas as pd
 
     repo = repo_folder(cache_dir, repo_id)
@@ -156,8 +147,7 @@ def verify_cache(repo_id: str, cache_dir: str | os.PathLike[str], revision: str 
 
 
 def problems(frame: pd.DataFrame) -> str:
-    """One line per corrupt or missing file; '' when sound (a stale partial download is never
-    loaded, so it is not listed)."""
+    """One line per corrupt or missing file ('' when sound; a partial download is never loaded)."""
     bad = frame[frame["status"].isin(["corrupt", "missing"])]
     return "\n".join(f"  {r.status}: {r.file or r.blob or '-'} ({r.detail})"
                      for r in bad.itertuples())

@@ -1,8 +1,6 @@
-"""Clean load processes that don't pay the imports per load: one zygote per experiment.
-
-`LoadProcesses(env, "fork")` imports torch, transformers and bitsandbytes once (`import_s`), then
-forks a clean child per job; `"exec"` runs each job in a fresh interpreter.
-"""
+"""Clean load processes that don't pay the imports per load: `LoadProcesses(env, "fork")` imports
+torch, transformers and bitsandbytes once in a zygote (`import_s`), then forks a clean child per
+job; `"exec"` runs each job in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -17,8 +15,8 @@ import time
 from typing import IO, Any
 
 from diag.config import MODEL_LOAD_PROCESSES as PROCESSES
-from diag.embedded.servers import die_with_parent
-from diag.model_load.worker import child_env, crashed, import_libraries, run_job, run_worker
+from diag.embedded.servers import child_env, die_with_parent
+from diag.model_load.worker import crashed, import_libraries, run_job, run_worker
 
 OVERRIDABLE = ("HF_HUB_OFFLINE", "HF_XET_CACHE")
 
@@ -26,12 +24,10 @@ OVERRIDABLE = ("HF_HUB_OFFLINE", "HF_XET_CACHE")
 class LoadProcesses:
     """Run load jobs in clean processes, forked from a zygote or exec'd fresh."""
 
-    def __init__(self, env: dict[str, str], process: str = "fork", timeout_s: float = 1800.0
-                 ) -> None:
+    def __init__(self, env: dict[str, str], process: str = "fork", timeout_s: float = 1800) -> None:
         if process not in PROCESSES:
             raise ValueError(f"process={process!r}: allowed values are 'fork', 'exec'")
-        # NVML answers torch.cuda.is_available() without initialising CUDA, which a forking
-        # process must not have done
+        # NVML answers torch.cuda.is_available() without initialising CUDA (a zygote must not)
         self.env = child_env({**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
         self.process, self.timeout_s = process, timeout_s
         self.import_s: float | None = None  # fork: the zygote's start + imports
@@ -42,8 +38,7 @@ class LoadProcesses:
         if self.process == "fork":
             self._log = tempfile.TemporaryFile()
             spawned = time.perf_counter()  # CLOCK_MONOTONIC: the same in every process
-            # its own process group: close() kills it and its children; the kernel ends it if
-            # this process dies first
+            # its own process group: close() kills it and its children; it dies with this one
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "diag.model_load.processes", repr(spawned)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=self.env,
@@ -87,20 +82,19 @@ class LoadProcesses:
 
     def _reply(self, wait_s: float) -> dict[str, Any]:
         assert self._proc is not None and self._log is not None
-        if select.select([self._proc.stdout], [], [], wait_s)[0]:
-            line = self._proc.stdout.readline()
-            if line:
-                return json.loads(line)
+        if select.select([self._proc.stdout], [], [], wait_s)[0] and (
+                line := self._proc.stdout.readline()):
+            return json.loads(line)
         self._log.seek(0)
         return crashed(f"zygote exit code {self._proc.poll()}",
                        self._log.read().decode(errors="replace"))
 
 
 def _child(request: dict[str, Any], import_s: float, out: Any, log: int) -> None:
-    """A forked child: the job's result to `out`; its output (a traceback) to `log`."""
+    """A forked child: the job's result to `out`, its output (a traceback) to `log`."""
     die_with_parent()  # a zygote killed mid-load leaves no orphan
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    for fd in (1, 2):
+        os.dup2(log, fd)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # no prompt reads the protocol pipe
     started = time.perf_counter()
     # the environment a fresh interpreter would have had (docs/calibration.md)
@@ -164,8 +158,7 @@ def zygote(spawned_at: float) -> int:
 
 
 def _say(protocol: IO[str], reply: dict[str, Any]) -> None:
-    protocol.write(json.dumps(reply) + "\n")
-    protocol.flush()
+    print(json.dumps(reply), file=protocol, flush=True)
 
 
 if __name__ == "__main__":

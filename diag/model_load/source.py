@@ -1,6 +1,5 @@
 """Where the model comes from, which HF cache the cached scenarios read, and the errors users read.
-A hub id reads the user's own cache (never written without --repair-cache) unless --cache-dir.
-"""
+A hub id reads the user's own cache (never written without --repair-cache) unless --cache-dir."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class Source:
 
 
 def user_hub_cache() -> Path:
-    """The user's HF hub cache by huggingface_hub's own rules, run afresh against today's
-    environment (the imported `constants` froze its import's)."""
+    """The user's HF hub cache by huggingface_hub's rules, run afresh (`constants` froze them)."""
     import importlib.util
 
     spec = importlib.util.find_spec("huggingface_hub.constants")  # raises without huggingface_hub
@@ -49,8 +47,7 @@ def user_cache(cfg: SourceConfig) -> bool:
 
 
 def cache_dir_for(cfg: SourceConfig | None = None) -> Path:
-    """The persistent HF hub cache (the cached scenarios', the QLoRA job's): --cache-dir, else a
-    hub id's the user's, else <DIAG_HOME>/hf-cache."""
+    """The persistent HF cache: --cache-dir, else a hub id's the user's, else DIAG_HOME/hf-cache."""
     if cfg is not None and cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
     return user_hub_cache() if cfg is not None and user_cache(cfg) else diag_home() / "hf-cache"
@@ -71,8 +68,7 @@ def open_source(cfg: ModelLoadConfig) -> Iterator[Source]:
                           RuntimeWarning, stacklevel=3)
         assets = ensure_assets()
         with HubServer(assets.hub_root) as hub:
-            yield Source(assets.repo_id, cfg.revision, hub.endpoint, None,
-                         {**base, **hub.env()})
+            yield Source(assets.repo_id, cfg.revision, hub.endpoint, None, {**base, **hub.env()})
         return
     folder = Path(cfg.model).expanduser()
     if folder.is_dir():
@@ -91,8 +87,7 @@ def hub_endpoint() -> str:
 
 
 def check_on_hub(cfg: SourceConfig) -> None:
-    """Refuse in one line a hub --model or --revision the hub lacks (one HEAD of config.json),
-    when the cache lacks it; offline or unreachable, the load says what it finds."""
+    """Refuse in one line a hub --model or --revision that neither the cache nor the hub has."""
     if not cfg.model or Path(cfg.model).expanduser().is_dir() or offline_env() \
             or hfcache.snapshot_folder(cache_dir_for(cfg), cfg.model, cfg.revision):
         return
@@ -120,8 +115,7 @@ def check_on_hub(cfg: SourceConfig) -> None:
 
 
 def pin_to_cache(src: Source, cache_dir: Path) -> tuple[Source, str]:
-    """src pinned to the commit the user's cache holds, asking for no file its snapshot lacks (so
-    nothing is written there); and a line when the hub's revision has moved on ('' if not)."""
+    """src pinned to the commit and files the user's cache holds; a line if the hub moved on."""
     folder = hfcache.snapshot_folder(cache_dir, src.model, src.revision)
     if folder is None:
         raise not_in_user_cache(src.model, src.revision, cache_dir)
@@ -148,20 +142,17 @@ def job(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load",
     """What a load process is asked to do (JSON); read_only: the user's pinned cache."""
     return {"mode": mode, "model": src.model, "revision": src.revision or "main",
             "cache_dir": str(cache_dir), "local_dir": str(src.local_dir or ""),
-            "only": list(src.files), "read_only": read_only,
-            "quantize": cfg.quantize, "device": cfg.device,
-            "trust_remote_code": cfg.trust_remote_code}
+            "only": list(src.files), "read_only": read_only, "quantize": cfg.quantize,
+            "device": cfg.device, "trust_remote_code": cfg.trust_remote_code}
 
 
 def overrides(cache_dir: Path, offline: bool, own_xet: bool = True) -> dict[str, str]:
-    """The environment one load adds to the experiment's. own_xet: xet's chunk cache beside the
-    scenario's, so fresh is fresh (the user's cache keeps the user's, as their jobs do)."""
+    """The environment one load adds; own_xet: xet's chunk cache beside the scenario's cache."""
     return {**({"HF_XET_CACHE": str(cache_dir / ".xet")} if own_xet else {}),
             **({"HF_HUB_OFFLINE": "1"} if offline else {})}
 
 
-def failure(result: dict[str, Any], src: Source, cache_dir: Path, timeout_s: float
-            ) -> RuntimeError:
+def failure(result: dict[str, Any], src: Source, cache_dir: Path, timeout_s: float) -> RuntimeError:
     """The error a user reads: what failed, where, and what to do."""
     kind, what = result["error"], f"{src.model}@{src.revision or 'main'}"
     warm = (f"warm the cache once with network access: hf download {src.model} --cache-dir "

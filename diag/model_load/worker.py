@@ -1,32 +1,28 @@
 """One timed model load, as a training job does it between its start and step 1.
 
-`run_job(job)` returns each part's seconds and bytes, `load_s` (its own clock around them all) and
-what was loaded, or an error kind; `python -m diag.model_load.worker JOB` runs one in a fresh
-interpreter.
-"""
+`run_job(job)`: each part's seconds and bytes and `load_s` (one clock around all), or an error
+kind; `python -m diag.model_load.worker JOB` runs one in a fresh interpreter."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from diag.embedded.servers import child_env
 from diag.model_load.hfcache import ALLOW_PATTERNS, weight_files
 from diag.secrets import redact
 
 MARK = "DIAG-LOAD-RESULT "  # the stdout line the parent parses
-_PKG_PARENT = str(Path(__file__).resolve().parents[2])
 
 
 def import_libraries(with_cuda_libraries: bool = True) -> None:
-    """What every job start imports before it can load a model (the `import` part). A zygote
-    passes False: bitsandbytes' import initialises CUDA, which a forking process must not."""
+    """The `import` part; a zygote leaves out bitsandbytes, whose import initialises CUDA."""
     import safetensors.torch  # noqa: F401
     import torch
     from huggingface_hub import snapshot_download  # noqa: F401
@@ -55,12 +51,6 @@ def run_worker(job: dict[str, Any], env: dict[str, str], timeout_s: float = 1800
     return crashed(f"exit code {done.returncode}", done.stderr or done.stdout)
 
 
-def child_env(env: dict[str, str]) -> dict[str, str]:
-    """env with this diag importable (first on PYTHONPATH)."""
-    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (_PKG_PARENT, env.get("PYTHONPATH"))
-                                                 if p)}
-
-
 def crashed(why: str, output: str) -> dict[str, Any]:
     """The result of a load process that ended with no result: why, and its output's tail."""
     return {"error": "crashed", "type": why, "message": redact(output[-3000:])}
@@ -72,25 +62,22 @@ def _blob_bytes(cache_dir: str) -> int:
 
 
 def _download(job: dict[str, Any]) -> tuple[Path, int]:
-    """The snapshot folder and the bytes this call wrote into the cache. The user's pinned cache
-    (read_only) is never written: online, the hub is asked what a job asks by a dry run (a real
-    one writes trees/<commit>.json), then the snapshot is read in place."""
+    """The snapshot folder and the bytes written into the cache (never into a read_only one)."""
     if job.get("local_dir"):
         return Path(job["local_dir"]), 0
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import DryRunError
 
-    # pinned (to the user's cached commit): exactly the files its snapshot holds
+    # pinned to the user's cached commit: exactly the files its snapshot holds
     kwargs = {"revision": job["revision"], "cache_dir": job["cache_dir"], "allow_patterns": [
         glob.escape(f) for f in job.get("only") or ()] or ALLOW_PATTERNS}
-    if job.get("read_only"):
+    if job.get("read_only"):  # a dry run asks the hub what a job asks (a real one writes trees/)
         if not constants.is_offline_mode():
             with contextlib.suppress(DryRunError):  # unreachable: a job reads its cache
                 snapshot_download(job["model"], dry_run=True, **kwargs)
         return Path(snapshot_download(job["model"], local_files_only=True, **kwargs)), 0
     before = _blob_bytes(job["cache_dir"])
-    folder = snapshot_download(job["model"], **kwargs)
-    return Path(folder), _blob_bytes(job["cache_dir"]) - before
+    return Path(snapshot_download(job["model"], **kwargs)), _blob_bytes(job["cache_dir"]) - before
 
 
 def _load_kwargs(job: dict[str, Any], device: str) -> dict[str, Any]:
@@ -106,17 +93,16 @@ def _load_kwargs(job: dict[str, Any], device: str) -> dict[str, Any]:
 
 
 def _load(job: dict[str, Any]) -> dict[str, Any]:
-    """Time the parts back to back: download (snapshot_download; cached: a revision check), read
-    (the weights into host memory), quantize (inside bitsandbytes' quantize_4bit), to_device (the
-    rest of from_pretrained, given read's tensors), tokenizer; `load_s`: one clock around all."""
+    """Time the parts back to back: download (cached: a revision check), read (weights into host
+    memory), quantize (bitsandbytes' quantize_4bit), to_device (the rest of from_pretrained),
+    tokenizer; `load_s`: one clock around all."""
     import safetensors.torch
     from transformers import AutoConfig, AutoTokenizer
 
     from diag.machine.device import resolve, sync
 
-    perf = time.perf_counter
+    perf, trust = time.perf_counter, bool(job["trust_remote_code"])
     device = str(resolve(job["device"]))
-    trust = bool(job["trust_remote_code"])
     quantized = {"seconds": 0.0, "bytes": 0}
     if job["quantize"]:
         import bitsandbytes.functional as bnb_functional
@@ -139,23 +125,19 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
     folder, downloaded = _download(job)
     weights = weight_files(folder)  # raises if there are only pickle weights: never loaded
     t1 = perf()
-    state = {}
-    for path in weights:
-        # load_file maps lazily: clone() bills a cold disk read here, not to the first op
-        state.update((k, v.clone()) for k, v in
-                     safetensors.torch.load_file(path, device="cpu").items())
+    # load_file maps lazily: clone() bills a cold disk read here, not to the first op
+    state = {k: v.clone() for path in weights
+             for k, v in safetensors.torch.load_file(path, device="cpu").items()}
     t2 = perf()
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust)
-    model_class = _model_class(config, folder, trust)
-    model, info = model_class.from_pretrained(None, config=config, state_dict=state,
-                                              output_loading_info=True, **kwargs)
+    model, info = _model_class(config, folder, trust).from_pretrained(
+        None, config=config, state_dict=state, output_loading_info=True, **kwargs)
     sync(device)  # note: CPU-GPU sync point: queued copies are billed to to_device
     t3 = perf()
     AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
     t4 = perf()
-    load_s = perf() - start
     token_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("tokenizer"))
-    return {"snapshot": str(folder), "device": device, "load_s": load_s,
+    return {"snapshot": str(folder), "device": device, "load_s": t4 - start,
             "quantized": bool(job["quantize"]), "warning": _warning(config, model, info),
             "parts": {"download": {"seconds": t1 - t0, "bytes": downloaded},
                       "read": {"seconds": t2 - t1, "bytes": sum(p.stat().st_size for p in weights)},
