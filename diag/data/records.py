@@ -42,8 +42,8 @@ def shard_files(path: str | os.PathLike[str]) -> list[Path]:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a source one process reads alone: whole JSONL lines (bytes start..stop, or
-    decompressed `data`), a Parquet row group, records in memory, or another cache's records."""
+    """A piece of a source one process reads alone: JSONL lines (bytes start..stop, or `data`), a
+    Parquet row group, records in memory, or another cache's records."""
 
     where: str  # how a problem names the file: its name, or its path under the source folder
     path: Path | None
@@ -64,7 +64,7 @@ class Chunk:
 def plan_chunks(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
                 chunk_bytes: int = 1 << 20, first_bytes: int = 64 << 10) -> Iterator[Chunk]:
     """The chunks of a file or folder of shards in reading order, Parquet shards checked first
-    (readable, columns present, one type per column); JSONL chunks grow from first_bytes."""
+    (readable, columns present, one schema); JSONL chunks grow from first_bytes."""
     files = shard_files(path)
     wheres = {f: str(f.relative_to(path)) if len(files) > 1 else f.name for f in files}
     groups: dict[Path, list[int]] = {}  # a Parquet shard's bytes per row group
@@ -125,8 +125,7 @@ def _unpacked(file: Path, where: str, shard: bool, step: int, most: int) -> Iter
 
 
 def count_records(path: str | os.PathLike[str]) -> int:
-    """Records a file holds, exactly where cheap: a Parquet file's rows (its footer), a JSONL
-    file's non-blank lines (plain or compressed; bad ones count too)."""
+    """A Parquet file's rows (its footer), a JSONL file's non-blank lines (bad ones too)."""
     if Path(path).suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -157,8 +156,7 @@ def _parquet_columns(file: Path, name: str, fields: dict[str, str]
 
 def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
                ) -> tuple[int, Iterator[tuple[int, dict[str, Any] | tuple[str, str]]]]:
-    """(lines or rows in the chunk, its (number from 1, record or (problem, detail)) in order);
-    blank JSONL lines are counted and skipped."""
+    """(lines or rows in the chunk, its (number from 1, record or (problem, detail)) in order)."""
     fields = dict(fields or {})
     if chunk.path is None:
         return len(chunk.rows), enumerate(chunk.rows, start=1)
@@ -255,24 +253,25 @@ def _chat(msgs: Any, name: str) -> tuple[str, str] | dict[str, Any]:
 def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
                 on_error: str = "raise", limit: int | None = None, cached: bool = False
                 ) -> tuple[list[dict[str, str]], Any]:
-    """(records, problems frame: line, problem, detail) of a file or folder of shards; fields
-    {} = Alpaca; limit: stop at that many good records; cached: reuse this process's parse of the
-    same unchanged files (never where the read itself is timed; the loader sweep reads one 19
-    times)."""
+    """(records, problems frame) of a file or folder of shards; fields {}: Alpaca; limit: that
+    many good records; cached: reuse this process's parse of unchanged files (never when timed)."""
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r}: allowed values are "
                          + ", ".join(map(repr, ON_ERROR)))
     fields = dict(fields or {})
-    stamps = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in shard_files(path)] \
-        if cached else []
-    if not cached or sum(s[1] for s in stamps) > _READ_MAX_BYTES:
+    now = stamps(path) if cached else []
+    if not cached or sum(s[1] for s in now) > _READ_MAX_BYTES:
         return _read(path, fields, on_error, limit)
-    records, problems = _read_once(tuple(stamps), path, tuple(sorted(fields.items())), on_error,
-                                   limit)
+    records, problems = _read_once(tuple(now), path, tuple(sorted(fields.items())), on_error, limit)
     return list(records), problems.copy()  # the records are never mutated
 
 
 _READ_MAX_BYTES = 256 << 20  # larger record files are read again, not kept
+
+
+def stamps(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
+    """(file, size, mtime_ns) of each record file at path."""
+    return [(str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in shard_files(path)]
 
 
 @lru_cache(maxsize=4)

@@ -1,8 +1,5 @@
-"""What a download is checked against, and the check that runs while its bytes stream in.
-
-`expected()` asks the store what it keeps (one HEAD, only where the ETag cannot check it): an
-MD5 ETag, a full-object CRC, or a multipart upload's composite CRC with its part sizes. `Stream`
-checks the bytes as s3transfer writes them; the whole file's CRC goes in the manifest.
+"""What a download is checked against (`expected`: an MD5 ETag, a stored full-object or composite
+CRC), and the check that runs while s3transfer writes the bytes (`Stream`).
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ class Expected:
 
 
 def head(client: Any, bucket: str, key: str, etag: str) -> dict[str, Any]:
-    """HEAD with the stored checksum; an ETag moved since the listing is an error of its own (no
-    number of downloads would match)."""
+    """HEAD with the stored checksum; an ETag moved since the listing is an error of its own."""
     from diag.storage.objectstore import failure
 
     got = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
@@ -57,8 +53,7 @@ def encrypted(got: dict[str, Any]) -> bool:
 
 def expected(client: Any, bucket: str, key: str, size: int, etag: str, md5_etag: bool,
              ranged: bool) -> Expected:
-    """What to check one object against; no HEAD for a single-GET object with an MD5 ETag
-    (botocore checks a stored CRC on a whole-object GET)."""
+    """What to check one object against (no HEAD for a single GET with an MD5 ETag)."""
     if md5_etag and not ranged:
         return Expected(md5=etag.lower())
     got = head(client, bucket, key, etag)
@@ -78,8 +73,7 @@ def expected(client: Any, bucket: str, key: str, size: int, etag: str, md5_etag:
 
 def part_sizes(client: Any, bucket: str, key: str, size: int, every: bool = False
                ) -> tuple[int, ...]:
-    """The uploader's part sizes: from part 1's HEAD (SDKs cut equal parts), else (or `every`)
-    one HEAD per part."""
+    """The uploader's part sizes: from part 1's HEAD (SDKs cut equal parts), else one per part."""
     first = client.head_object(Bucket=bucket, Key=key, PartNumber=1)
     count, one = int(first.get("PartsCount") or 1), int(first["ContentLength"])
     last = size - (count - 1) * one
@@ -174,9 +168,8 @@ class _Hashes:
 
 
 class Stream:
-    """The check of one download while s3transfer writes into `sink`: a thread hashes the written
-    prefix (MD5 needs order), the writer the CRCs (crc.Runs); a re-GET's rewrite voids them and
-    finish() hashes the file whole."""
+    """One download's check as s3transfer writes into `sink`: a thread hashes the written prefix,
+    the writer the CRCs; after a re-GET's rewrite finish() hashes the file whole."""
 
     def __init__(self, fd: int, want: Expected, size: int = 0) -> None:
         self.fd, self.want = fd, want

@@ -49,8 +49,7 @@ def file_crc(path: str | os.PathLike[str], name: str) -> str:
 
 
 class Runs:
-    """CRCs of bytes written in any order: one running CRC per contiguous run, cut at segment
-    bounds, joined with awscrt's CRC combination."""
+    """CRCs of bytes written in any order: a running CRC per contiguous run, cut at bounds."""
 
     def __init__(self, name: str, bounds: list[int]) -> None:
         from awscrt import checksums  # ImportError: the follower computes the CRCs instead

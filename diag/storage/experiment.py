@@ -1,8 +1,5 @@
-"""Object-store pull vs local disk read: what a training start pays to get its dataset.
-
-`measure(cfg)` pulls a sample spread over the objects' sizes (one object: ranges of it) with each
-method, each pull within its deadline, and reads the copy cold and warm (a local source: its own
-files, nothing pulled); `run_storage(cfg)` adds the re-pull tax and the advice.
+"""Object-store pull vs local disk read: `measure(cfg)` pulls a sample spread over the objects'
+sizes with each method and reads the copy cold and warm; `run_storage(cfg)` adds the tax, advice.
 """
 
 from __future__ import annotations
@@ -54,8 +51,8 @@ class StorageResult:
 
 
 def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
-    """`fetch`: "land" when a land() hit (measured with --land, else every byte read cold)
-    beats the first method's whole pull per start; "land" by default without either."""
+    """`fetch`: "land" when a land() hit (measured, else every byte read cold) beats the first
+    method's whole pull per start, and by default."""
     def default(why: str) -> tuple[Decision, ...]:
         return (Decision.default("fetch", "land", why, source="storage"),)
 
@@ -138,8 +135,7 @@ def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
 
 
 def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Each method's pulls of the sample, the sample read from local disk cold and warm, with
-    cfg.land land() of the whole dataset miss then hit: (one row per timed repeat, the probe)."""
+    """(rows per timed repeat: pulls, cfg.land's land() miss then hit, local reads; the probe)."""
     import pandas as pd
 
     from diag.config import diag_home
@@ -162,7 +158,11 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
                                          per_pull)
             rows = []
             if not isinstance(chosen[0], RemoteObject):  # ranges: s5cmd takes whole objects
-                rows = [_skipped(m, source, fit) for m in methods if m not in RANGED]
+                rows = [row(m, source, "remote", 0, float("nan"), float("nan"), -1, 0,
+                            f"not measured: {m} pulls whole objects only (cp and cat take no "
+                            f"byte range) and the one object's {fit.dataset_bytes / MB:.4g} MB "
+                            "is more than this step's share or --sample-mb allows")
+                        for m in methods if m not in RANGED]
                 methods = [m for m in methods if m in RANGED]
             rows += _pulls(client, url, source, chosen, methods, rounds, work, env, fit, cfg)
             if cfg.land and isinstance(url, S3Url):  # one landed copy at a time beside the sample
@@ -190,8 +190,7 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
 @contextlib.contextmanager
 def _bounded(client: Any, url: Any, nbytes: int, mb_per_s: float | None, stall_s: float,
              what: str) -> Iterator[None]:
-    """An S3 pull of nbytes within deadline(), its botocore errors named with the URL and the
-    endpoint; the hub's client keeps its own timeouts."""
+    """An S3 pull within deadline(), its botocore errors named (the hub keeps its own timeouts)."""
     if not isinstance(url, S3Url):
         yield
         return
@@ -207,9 +206,8 @@ def _bounded(client: Any, url: Any, nbytes: int, mb_per_s: float | None, stall_s
 def _probe(cfg: StorageConfig, client: Any, url: Any, objects: list[RemoteObject],
            local_dir: Path, dest: Path, seconds: float
            ) -> tuple[pd.DataFrame, Extrapolation, list[Any]]:
-    """The sample: pieces spread over the sizes, pulled one after another with the slowest
-    method until `seconds` or cfg.sample_mb into dest (a local source: read in place), free
-    disk checked first: (probe rows, the fit, what each method pulls)."""
+    """(probe rows, the fit, what each method pulls): pieces spread over the sizes, pulled with
+    the slowest method into dest until `seconds` or cfg.sample_mb (a local source: read)."""
     done = [0, 0.0]  # bytes and seconds pulled so far: the rate a deadline rests on
 
     def pull_one(obj: RemoteObject, before: int) -> None:
@@ -234,19 +232,10 @@ def _probe(cfg: StorageConfig, client: Any, url: Any, objects: list[RemoteObject
     return sample, fit, objects if fit.whole else [p for p in pieces if id(p) in pulled]
 
 
-def _skipped(method: str, source: str, fit: Extrapolation) -> dict[str, Any]:
-    """The row of a method that cannot pull the sample (s5cmd, ranges): why, no figures."""
-    return row(method, source, "remote", 0, float("nan"), float("nan"), -1, 0,
-               f"not measured: {method} pulls whole objects only (cp and cat take no byte range) "
-               f"and the one object's {fit.dataset_bytes / MB:.4g} MB is more than this step's "
-               "share or --sample-mb allows")
-
-
 def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], methods: list[str],
            rounds: range, work: Path, env: dict[str, str], fit: Extrapolation,
            cfg: StorageConfig) -> list[dict[str, Any]]:
-    """Each method's pull of the sample per round, within its deadline, in alternating order;
-    warm-up rounds are not reported. extrapolated_s: the whole pull at this pace."""
+    """Each method's pull per round in alternating order (extrapolated_s: the whole pull)."""
     from tqdm.auto import tqdm
 
     rows, nbytes, rate = [], sum(o.size for o in chosen), fit.bytes_per_s / MB
@@ -269,8 +258,7 @@ def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], metho
 
 def _landings(cfg: StorageConfig, client: Any, source: str, url: S3Url, rounds: range,
               work: Path, files: int) -> list[dict[str, Any]]:
-    """--land: land() of the whole dataset per round, a miss then a hit timed on a copy evicted
-    from the page cache."""
+    """--land: land() per round, a miss then a hit timed on a copy evicted from the page cache."""
     from diag.machine.disks import evict_page_cache
 
     rows, into = [], work / "landed"

@@ -1,7 +1,5 @@
-"""Land a dataset from an object store on local disk once, verify it, and reuse it: `land()`.
-
-A landing is complete when its manifest (key, size, ETag, CRC, checks) is written, last, beside
-the data; a later call whose listing and local files match it is a hit (`LandedDataset.hit`).
+"""`land()`: a dataset from an object store on local disk once, verified, then reused; complete
+when its manifest is written, last, and a hit while the listing and local files match it.
 """
 
 from __future__ import annotations
@@ -79,10 +77,8 @@ def land(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, tim
          verify: str = "sha256", retries: int | None = None) -> LandedDataset:
     """Land s3://bucket/key (or a prefix's objects) in cache_dir once, timed as `fetch_data`.
 
-    Hit: the manifest matches the listing (size, ETag) and each local file its size and, with
-    verify="sha256", its digest (the CRC computed while it landed; "size" skips that read).
-    Others are downloaded again, checked. Without `client`, one from the user's AWS
-    configuration (`retries` None: theirs)."""
+    Hit: the manifest matches the listing and each local file its size and (verify="sha256")
+    CRC; others are downloaded again. Without `client`, the user's AWS configuration's."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: allowed values are "
                          + ", ".join(map(repr, VERIFY_MODES)))

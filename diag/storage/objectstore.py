@@ -1,8 +1,5 @@
-"""The object-store client side: s3:// URLs, boto3 clients, listings, deadlines, clear errors.
-
-`transfer_plan()` sizes a download's parts from the object and the cores; `make_client()` keeps
-the user's AWS configuration and always times out; `deadline()` ends a pull that outlives what
-its bytes should take. Errors name the URL, the endpoint and the fix, never a secret.
+"""The object-store client side: s3:// URLs, boto3 clients (the user's AWS configuration, always
+timing out), listings, transfer plans, deadlines, and errors naming the URL, endpoint and fix.
 """
 
 from __future__ import annotations
@@ -62,9 +59,8 @@ class TransferPlan:
         return f"{parts} x {self.part_bytes / MB:.0f} MB parts, {self.concurrency} at a time"
 
     def transfer_config(self, retries: int | None = None) -> Any:
-        """The boto3 TransferConfig land() passes to download_fileobj (retries None: s3transfer's
-        own 5 re-GETs of a dropped stream). "classic": the s3transfer engine diag checks while it
-        streams (with awscrt, "auto" picks the CRT client on some EC2 types)."""
+        """land()'s boto3 TransferConfig (retries None: s3transfer's 5 re-GETs); "classic": the
+        engine diag checks while it streams ("auto" may pick the CRT client)."""
         from boto3.s3.transfer import TransferConfig
 
         extra = {} if retries is None else {"num_download_attempts": retries + 1}
@@ -74,7 +70,7 @@ class TransferPlan:
                               max_concurrency=self.concurrency, **extra)
 
     def paste(self) -> str:
-        """The same plan as a line of Python a user pastes into their own boto3 code."""
+        """The plan as a line of Python for the user's boto3 code."""
         return (f"TransferConfig(multipart_threshold={self.single_get_below}, "
                 f"multipart_chunksize={self.part_bytes}, max_concurrency={self.concurrency})")
 
@@ -105,7 +101,7 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
                 retries: int | None = None, max_pool: int = 10, profile: str = "",
                 region: str = "", unsigned: bool = False, stall_s: float = STALL_S) -> Any:
     """A boto3 S3 client from the user's AWS configuration, changed only where an argument is
-    given (retries None: the user's); every request times out (CONNECT_S, stall_s)."""
+    given; every request times out (CONNECT_S, stall_s)."""
     import boto3
     from botocore import UNSIGNED
     from botocore.config import Config
@@ -142,8 +138,8 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
 
 
 def source_client(cfg: SourceConfig, server: Any = None) -> Any:
-    """cfg.source's client with every source flag, pooled for land(): boto3's for s3:// (with
-    `server`, the embedded one's), HfApi for hf:// (HF_ENDPOINT), None for local files."""
+    """cfg.source's client, pooled for land(): boto3's for s3:// (or `server`, the embedded one),
+    HfApi for hf:// (HF_ENDPOINT), None for local files."""
     from diag.config.source import source_kind
 
     pool, kind = 2 * usable_cores(), source_kind(cfg.source)
@@ -164,8 +160,7 @@ def source_client(cfg: SourceConfig, server: Any = None) -> Any:
 
 
 def deadline_s(nbytes: int, mb_per_s: float | None, stall_s: float) -> float:
-    """What a pull of nbytes may take: stall_s, plus SLACK x its seconds at the measured rate
-    (FLOOR_MB_S before one is measured)."""
+    """stall_s plus SLACK x nbytes' seconds at the measured rate (FLOOR_MB_S before one is)."""
     return stall_s + SLACK * nbytes / MB / (mb_per_s or FLOOR_MB_S)
 
 
@@ -175,8 +170,8 @@ class _Stalled(Exception):
 
 @contextlib.contextmanager
 def deadline(client: Any, seconds: float, what: str) -> Iterator[None]:
-    """After `seconds`, refuse the client's new requests and shut its sockets to the endpoint
-    (a blocked read returns); the pull inside then raises one line naming `what`, the endpoint."""
+    """After `seconds`, refuse the client's requests and shut its sockets (a blocked read
+    returns); the pull inside then raises one line naming `what` and the endpoint."""
     expired, endpoint = threading.Event(), client.meta.endpoint_url
 
     def refuse(**_: Any) -> None:
@@ -206,8 +201,7 @@ def deadline(client: Any, seconds: float, what: str) -> Iterator[None]:
 
 
 def _cut(endpoint: str) -> None:
-    """Shut down this process's sockets to endpoint (Linux: /proc/self/fd; elsewhere a blocked
-    read ends at the client's read timeout)."""
+    """Shut this process's sockets to endpoint (Linux; elsewhere the read timeout ends a read)."""
     url = urlsplit(endpoint)
     try:
         peers = {a[4][:2] for a in socket.getaddrinfo(
@@ -232,11 +226,10 @@ def failure(url: object, client: Any, text: str) -> RuntimeError:
     return RuntimeError(redact(f"{url} (endpoint {endpoint}): {text}"))
 
 
-_CREDS = ("(--profile / AWS_PROFILE, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, the instance "
-          "role)")
+_CREDS = "(--profile / AWS_PROFILE, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, the instance role)"
 _ANSWERS = {  # an S3 error code (or HTTP status): what it means and what fixes it
-    **dict.fromkeys(("NoSuchBucket",), "the bucket does not exist at this endpoint (check "
-                    "--source, and --endpoint-url / --region if the bucket lives elsewhere)"),
+    "NoSuchBucket": "the bucket does not exist at this endpoint (check --source, and "
+                    "--endpoint-url / --region if the bucket lives elsewhere)",
     **dict.fromkeys(("NoSuchKey", "404", "NotFound"), "no such object (check the key in "
                     "--source; a prefix ends with '/')"),
     **dict.fromkeys(("PermanentRedirect", "AuthorizationHeaderMalformed", "301"), "the bucket "
@@ -311,6 +304,5 @@ def list_s3(client: Any, url: S3Url) -> list[RemoteObject]:
 
 
 def md5_checkable(etag: str) -> bool:
-    """The ETag is the MD5 of the bytes: 32 hex digits, no "-N" part count (a multipart ETag
-    depends on the uploader's part size: checked by size and stored CRC)."""
+    """The ETag is the bytes' MD5: 32 hex digits, no multipart "-N"."""
     return len(etag) == 32 and all(c in "0123456789abcdefABCDEF" for c in etag)

@@ -1,8 +1,5 @@
-"""A sample of a dataset's objects that represents its sizes, and the whole pull extrapolated.
-
-`spread` orders objects (or a one-object source's `ranges`) so every prefix spans their sizes;
-`probe` pulls them until its time is spent; `Extrapolation` fits seconds = pieces x overhead +
-bytes / rate and scales the sample's pull to the whole.
+"""A sample spanning a dataset's sizes (`spread` of objects or `ranges`, pulled by `probe`), and
+the whole pull extrapolated (`Extrapolation`: seconds = pieces x overhead + bytes / rate).
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ class Range:
 
 
 def ranges(obj: RemoteObject) -> list[Range]:
-    """The object cut into ranges, each whole parts of both boto3 pulls (land()'s part rounded
-    down to 8 MiB; smaller when fewer than RANGES_AT_LEAST fit)."""
+    """The object cut into ranges of whole parts of both boto3 pulls (at least RANGES_AT_LEAST)."""
     step = min(transfer_plan(obj.size).part_bytes, max(1, obj.size // RANGES_AT_LEAST))
     if step >= 8 * 2**20:  # whole 8 MiB parts: boto3's default pull makes as many requests a byte
         step -= step % (8 * 2**20)
@@ -48,8 +44,7 @@ def ranges(obj: RemoteObject) -> list[Range]:
 
 
 def spread(objects: list[Any]) -> list[Any]:
-    """Every piece once, in an order whose every prefix is spread over the sizes (positions 1/2,
-    1/4, 3/4, 1/8, ... of the sorted pieces: a stratified sample)."""
+    """Every piece once, each prefix spread over the sizes (sorted positions 1/2, 1/4, 3/4, ...)."""
     ranked = sorted(objects, key=lambda o: (o.size, o.key))
     n, seen, out, depth = len(ranked), set(), [], 0
     while len(out) < n:  # at depth d the positions are n/2^d apart: all are hit once 2^d >= n

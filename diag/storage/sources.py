@@ -1,8 +1,6 @@
-"""A --source where it is: an S3 URL, a hub dataset (hf://datasets/...) or local files.
-
-`parse_url` names the kind and `list_remote` lists its files (key, size, etag); `fetch` gives the
-job its data: local files where they are, a hub dataset landed once in diag's hub cache (the
-user's HF cache read, never written), an S3 one landed or pulled per start.
+"""A --source (s3://, hf://datasets/... or local files): `parse_url`, `list_remote`, and `fetch`,
+the job's data: local files in place, a hub dataset landed once in diag's hub cache (the user's
+HF cache read, never written), an S3 one landed or pulled per start.
 """
 
 from __future__ import annotations

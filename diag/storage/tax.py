@@ -1,7 +1,5 @@
-"""The tax of re-pulling a dataset on every start, and the advice that removes it.
-
-`storage_tax` turns each method's median rate into minutes and money per start and per week;
-`advice` gives the rows `amdahl.findings` ranks: land once, and the tuned transfer to paste.
+"""The tax of re-pulling a dataset on every start (`storage_tax`: time and money per start and
+week), and the `advice` rows amdahl.findings ranks: land once, the tuned transfer to paste.
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ def cold_reads(frame: pd.DataFrame) -> pd.DataFrame:
 
 def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_week: float = 20.0,
                 usd_per_hour: float | None = None) -> pd.DataFrame:
-    """What re-pulling the dataset on every start costs, per pull method (median rate);
-    dataset_gb 0: the measured size; usd_per_hour 0: no money figures."""
+    """Each pull method's cost per start (dataset_gb 0: measured size; usd_per_hour 0: no money)."""
     import pandas as pd
 
     pulls = frame[frame["method"].isin(PULLS)]
@@ -91,8 +88,7 @@ def over_rounds(seconds: list[float]) -> str:
 
 
 def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Advice rows for amdahl.findings: land once (the saving net of what a hit still costs:
-    the measured land() hit, else a cold read), tune the pull."""
+    """Land once (saving net of a measured hit, else a cold read), and tune the pull."""
     import pandas as pd
 
     by = tax[tax["seconds_per_run"].notna()].set_index("method")
@@ -143,8 +139,7 @@ def _measured_disk(frame: pd.DataFrame | None) -> str:
 
 
 def landing_disk_advice(frame: pd.DataFrame, dataset_gb: float) -> list[dict[str, object]]:
-    """A row when the landing folder is on network storage: its cold rate at every start,
-    beside a local NVMe's when the box has one."""
+    """A row for a landing folder on network storage: its cold rate beside a local NVMe's."""
     if "local_disk" not in frame:
         return []
     here = cold_reads(frame)

@@ -1,7 +1,5 @@
-"""Download one object with s3transfer while diag.storage.checks hashes it, then decide.
-
-`download()` writes into atomic_file's temporary name, checks size and hashes, and returns the
-file's digest ('<crc>:<base64>') and what was checked, which land() writes to its manifest.
+"""Download objects with s3transfer, atomically, while diag.storage.checks hashes them: the
+digest ('<crc>:<base64>') and what was checked go in land()'s manifest.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ _AWSCRT = "pip install awscrt"
 
 def download_all(client: Any, bucket: str, targets: list[tuple[RemoteObject, Path]], *,
                  retries: int | None = None) -> list[tuple[str, str]]:
-    """download() every (object, destination), in targets' order: one-GET objects 2 x
-    usable_cores() at a time, larger ones one after another in parts."""
+    """download() each target in order: one-GET objects 2 x usable_cores() at a time."""
     small = [i for i, (o, _) in enumerate(targets)
              if o.size < transfer_plan(o.size).single_get_below]
     done: dict[int, tuple[str, str]] = {}
@@ -75,8 +72,7 @@ def download(client: Any, bucket: str, obj: RemoteObject, dest: Path,
 
 def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan: TransferPlan,
                    retries: int | None, want: checks.Expected) -> tuple[str, str]:
-    """s3transfer writes into atomic_file's temporary name (download_fileobj makes none of its
-    own) while checks.Stream hashes it; fsync runs beside the tail of the check."""
+    """s3transfer writes into atomic_file's name while checks.Stream hashes it; fsync beside."""
     try:
         with atomic_file(dest) as partial:
             fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -108,8 +104,7 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
 
 def _transfer(client: Any, bucket: str, obj: RemoteObject, sink: Any, plan: TransferPlan,
               retries: int | None) -> None:
-    """boto3's download_fileobj into `sink` (positioned writes, seen by the check), its
-    failures turned into one line naming the object, the endpoint and what to do."""
+    """boto3's download_fileobj into `sink`, its failures one line naming the object and fix."""
     from boto3.exceptions import RetriesExceededError
     from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
     from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceeded
