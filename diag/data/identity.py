@@ -53,7 +53,10 @@ def file_identities(source: str | os.PathLike[str], memo_dir: Any) -> list[str]:
     sha256 (then kept in the memo)."""
     root, found = Path(source), []
     landed, memo_path = _landed(root), Path(memo_dir, MEMO) if memo_dir is not None else None
-    memo, hashed = _load(memo_path), False
+    try:
+        memo, hashed = json.loads(memo_path.read_text()) if memo_path is not None else {}, False
+    except (OSError, ValueError):
+        memo, hashed = {}, False
     for file in shard_files(root):
         st = file.stat()
         stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
@@ -67,8 +70,9 @@ def file_identities(source: str | os.PathLike[str], memo_dir: Any) -> list[str]:
             old = memo[str(file.resolve())] = [*stamp, "sha256:" + file_sha256(file)]
             hashed = True
         found.append(old[4])
-    if memo_path is not None and hashed:
-        _save(memo_path, memo)
+    if memo_path is not None and hashed:  # written whole: a lost race costs one more hash
+        with atomic_file(memo_path) as tmp:  # files gone (a run's copies) are forgotten
+            tmp.write_text(json.dumps({k: v for k, v in memo.items() if os.path.exists(k)}))
     return found
 
 
@@ -85,16 +89,3 @@ def _landed(root: Path) -> dict[str, tuple[int, int, str]]:
             f"{obj['size']}") for obj in got["objects"]}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}  # none, or not one this diag wrote: the files are hashed instead
-
-
-def _load(path: Path | None) -> dict[str, list[Any]]:
-    try:
-        return json.loads(path.read_text()) if path is not None else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _save(path: Path, memo: dict[str, list[Any]]) -> None:
-    """Written whole: a lost race costs one more hash; files gone (a run's copies) are forgotten."""
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps({k: v for k, v in memo.items() if os.path.exists(k)}))

@@ -89,8 +89,17 @@ def _chunks(files: list[Path], wheres: dict[Path, str], groups: dict[Path, list[
                         for g, size in enumerate(groups[file]))
             continue
         step = min(first_bytes, chunk_bytes)
-        if file.suffix in COMPRESSED:  # no byte ranges: decompressed here, shipped whole
-            yield from _unpacked(file, wheres[file], shard, step, chunk_bytes)
+        if file.suffix in COMPRESSED:  # no byte ranges: decompressed here, cut after whole lines
+            with open_records(file) as f:
+                left = b""
+                while block := f.read(step):
+                    block, step = left + block, min(step * 2, chunk_bytes)
+                    cut = block.rfind(b"\n") + 1
+                    if cut:
+                        yield Chunk(wheres[file], file, shard=shard, size=cut, data=block[:cut])
+                    left = block[cut:]
+                if left:
+                    yield Chunk(wheres[file], file, shard=shard, size=len(left), data=left)
             continue
         size, pos = file.stat().st_size, 0
         with open(file, "rb") as f:
@@ -108,20 +117,6 @@ def open_records(path: str | os.PathLike[str]) -> Any:
     import pyarrow as pa
 
     return io.BufferedReader(pa.input_stream(str(path), compression="detect"))
-
-
-def _unpacked(file: Path, where: str, shard: bool, step: int, most: int) -> Iterator[Chunk]:
-    """A compressed file's chunks: its lines decompressed, cut after whole lines."""
-    with open_records(file) as f:
-        left = b""
-        while block := f.read(step):
-            block, step = left + block, min(step * 2, most)
-            cut = block.rfind(b"\n") + 1
-            if cut:
-                yield Chunk(where, file, shard=shard, size=cut, data=block[:cut])
-            left = block[cut:]
-        if left:
-            yield Chunk(where, file, shard=shard, size=len(left), data=left)
 
 
 def count_records(path: str | os.PathLike[str]) -> int:
@@ -255,9 +250,7 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
                 ) -> tuple[list[dict[str, str]], Any]:
     """(records, problems frame) of a file or folder of shards; fields {}: Alpaca; limit: that
     many good records; cached: reuse this process's parse of unchanged files (never when timed)."""
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error={on_error!r}: allowed values are "
-                         + ", ".join(map(repr, ON_ERROR)))
+    check_on_error(on_error)
     fields = dict(fields or {})
     now = stamps(path) if cached else []
     if not cached or sum(s[1] for s in now) > _READ_MAX_BYTES:
@@ -267,6 +260,12 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
 
 
 _READ_MAX_BYTES = 256 << 20  # larger record files are read again, not kept
+
+
+def check_on_error(on_error: str) -> None:
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error={on_error!r}: allowed values are "
+                         + ", ".join(map(repr, ON_ERROR)))
 
 
 def stamps(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:

@@ -128,8 +128,7 @@ def encoded(chunks: Iterator[Chunk], job: Job, procs: int,
                 chunk, result = window.popleft()
                 yield chunk, result.get()
         except (GeneratorExit, Exception):
-            # stopped early: the chunks in flight finish first (a worker terminated mid-put keeps
-            # the result queue's lock, and the pool's task thread waits on it for ever)
+            # stopped early: chunks in flight finish first (a worker killed mid-put keeps a lock)
             for _, result in window:
                 result.wait()
             _finish(pool)

@@ -10,8 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-# Alpaca-style template: what most instruction-tuning recipes use; the input block is left out
-# when a record has no input, so the prompt carries no empty section.
+# Alpaca's template (most instruction-tuning recipes'); no input block for a record without one
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 PROMPT_TEMPLATE_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 IGNORE_INDEX = -100  # the label PyTorch's cross-entropy (and HF models) leave out of the loss

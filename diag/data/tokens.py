@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from diag.data.identity import FORMAT, file_identities, key_parts, sha256
-from diag.data.records import (PROBLEM_COLUMNS, Chunk, plan_chunks, problem, refusal, shard_files,
-                               stamps)
+from diag.data.records import (PROBLEM_COLUMNS, Chunk, check_on_error, plan_chunks, problem,
+                               refusal, shard_files, stamps)
 from diag.data.stream import Arrays, Job, encoded
 from diag.data.text import load_tokenizer
 from diag.files import atomic_folder, sweep_orphans
@@ -96,18 +96,6 @@ def _hit(found: tuple[Path, dict[str, Any]], on_error: str, start: float,
                       meta["skipped"] if whole else len(rows), meta["complete"])
 
 
-def _check(num_proc: Any, on_error: str, limit: Any, chunk_bytes: Any) -> None:
-    from diag.config import ON_ERROR
-
-    for name, value in (("num_proc", num_proc), ("limit", limit), ("chunk_bytes", chunk_bytes)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ValueError(f"{name}={value!r}: must be a whole number >= 1 (or None)")
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error={on_error!r}: allowed values are "
-                         + ", ".join(map(repr, ON_ERROR)))
-
-
 def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
                       fields: dict[str, str] | None = None, cache_dir: Any = None,
                       num_proc: int | None = None, on_error: str = "skip", rebuild: bool = False,
@@ -117,7 +105,11 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
     from diag.config import diag_home
     from diag.machine.device import usable_cores
 
-    _check(num_proc, on_error, limit, chunk_bytes)
+    for name, value in (("num_proc", num_proc), ("limit", limit), ("chunk_bytes", chunk_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"{name}={value!r}: must be a whole number >= 1 (or None)")
+    check_on_error(on_error)
     start = time.perf_counter()
     root = Path(cache_dir) if cache_dir else diag_home() / "tokens"
     parts = key_parts(source, tokenizer_dir, fields, root)

@@ -66,8 +66,7 @@ class Runs:
                 return  # bytes past the object's size: the size check refuses them
             take = view[: self.bounds[i] - start]
             begun = self.ends.pop(start, None)
-            # a segment's first byte starts a run of its own: continuing the run that ended at
-            # the bound would span two segments, and segments() could not cut it
+            # a segment's first byte starts its own run: segments() cannot cut one spanning two
             if begun is None or (i and self.bounds[i - 1] == start):
                 begun = start
                 self.runs[start] = [start, 0]

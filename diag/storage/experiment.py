@@ -151,8 +151,7 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
             objects = [o for o in list_remote(client, url) if not local or data_file(o.key)]
             methods = (["hf_hub"] if isinstance(url, HubUrl) else [] if local
                        else [m for m in PULLS if m in RANGED or m == "s5cmd" and s5cmd_path()])
-            # 85% of the budget for the probe and each round's pulls and local reads (one more
-            # pull's worth); the rest: the listing, the TTFBs, the warm reads
+            # 85% of the budget: the probe, each round's pulls and reads; the rest: list, TTFB, warm
             per_pull = 0.85 * cfg.budget_s / (1 + len(rounds) * (len(methods) + 1))
             sample, fit, chosen = _probe(cfg, client, url, objects, local_dir, work / "sample",
                                          per_pull)

@@ -140,4 +140,3 @@ class Extrapolation:
                 f"{self.dataset_files} objects ({share} of {self.dataset_bytes / MB:.4g} MB)")
         return (f"{what}, extrapolated (rate moved {self.settle:.0%} over the sample's second "
                 f"half; {overhead})")
-

@@ -119,9 +119,12 @@ def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame
         rows += landing_disk_advice(frame, gb)
     if "boto3_tuned" in by.index and base.name != "boto3_tuned":
         tuned = by.loc["boto3_tuned"]
+        # the dataset's objects: the listing's count (the sample's pieces in an older frame)
+        files = None if frame is None else frame.get("dataset_files", frame.get("files"))
+        files = int(files.max()) if files is not None and files.notna().any() else 1
         if tuned["seconds_per_run"] < 0.9 * base["seconds_per_run"]:
             rows.append({"stage": "fetch_data", "finding": "if it must be pulled: tune the "
-                         "transfer " + paste_settings(int(gb * 1e9 / max(1, _files(frame)))),
+                         "transfer " + paste_settings(int(gb * 1e9 / max(1, files))),
                          "seconds_saved": base["seconds_per_run"] - tuned["seconds_per_run"],
                          "evidence": f"{tuned['evidence']} vs {base['evidence']}"})
     return pd.DataFrame(rows, columns=ADVICE)
@@ -177,14 +180,6 @@ def paste_settings(object_bytes: int, cores: int | None = None) -> str:
             f"`  multipart_threshold = {plan.single_get_below // MB}MB` / "
             f"`  multipart_chunksize = {plan.part_bytes // MB}MB`; s5cmd: `s5cmd --numworkers "
             f"{plan.concurrency} cp --concurrency {plan.concurrency} --part-size {mib}`")
-
-
-def _files(frame: pd.DataFrame | None) -> int:
-    """The dataset's objects (the listing's count; the sample's pieces in an older frame)."""
-    column = "dataset_files" if frame is not None and "dataset_files" in frame else "files"
-    if frame is None or column not in frame or frame[column].dropna().empty:
-        return 1
-    return int(frame[column].dropna().max())
 
 
 def _duration(seconds: float) -> str:

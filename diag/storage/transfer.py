@@ -20,7 +20,6 @@ from diag.storage.objectstore import (RemoteObject, TransferPlan, failure, md5_c
 
 _ATTEMPTS = 3  # downloads before bytes that keep failing a check are called corrupted on the way
 _NO_MD5 = "SSE-KMS/SSE-C: the ETag is no MD5"
-_AWSCRT = "pip install awscrt"
 
 
 def download_all(client: Any, bucket: str, targets: list[tuple[RemoteObject, Path]], *,
@@ -134,8 +133,7 @@ def _verdict(client: Any, bucket: str, obj: RemoteObject, partial: Path,
     except Mismatch:
         if want.composite is None:
             raise
-        # the part sizes were inferred from part 1 (SDKs cut equal parts): ask for each one, and
-        # if the uploader cut otherwise, check again at its real bounds (a rare second pass)
+        # part sizes inferred from part 1: ask for each, and if they differ check at those bounds
         name, stored, sizes = want.composite
         exact = checks.part_sizes(client, bucket, obj.key, obj.size, every=True)
         if exact == sizes:
@@ -164,7 +162,8 @@ def _verdict(client: Any, bucket: str, obj: RemoteObject, partial: Path,
         try:
             value = file_crc(partial, stored[0])  # a one-GET object: < 32 MB, in RAM
         except ImportError:
-            return digest, f"size (SSE-KMS/SSE-C; {stored[0]} stored, not checked: {_AWSCRT})"
+            return digest, (f"size (SSE-KMS/SSE-C; {stored[0]} stored, not checked: pip install "
+                            "awscrt)")
     if value != stored[1]:
         raise Mismatch(f"full-object {stored[0].upper()} {value}, the store has {stored[1]}")
     return digest, f"size, full-object {stored[0].upper()} ({_NO_MD5})"
