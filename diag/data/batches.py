@@ -40,8 +40,7 @@ def _beside(folder: str | os.PathLike[str]) -> TokenFile:
 def ensure_tokens(tokenizer_dir: str | os.PathLike[str] | None = None,
                   dataset: str | os.PathLike[str] | None = None,
                   home: str | os.PathLike[str] | None = None) -> TokenFile:
-    """The dataset's tokens as the token cache's `train.bin` (defaults: the embedded dataset and
-    tokenizer), built once."""
+    """The dataset's token cache `train.bin`, built once (defaults: the embedded assets)."""
     from diag.config import diag_home
     from diag.data.tokens import build_token_cache
 
@@ -85,8 +84,7 @@ def check_tokens(tokens: TokenFile, vocab_size: int, who: str = "the model") -> 
 
 
 class BatchLoader:
-    """Random (x, y) windows of a token file on `device`: nanoGPT's get_batch with the map opened
-    once, one gather per batch, pinned memory on CUDA."""
+    """nanoGPT's get_batch: the map opened once, one gather per batch, pinned memory on CUDA."""
 
     def __init__(self, tokens: TokenFile, batch: int, seq_len: int, device: Any = "cpu",
                  seed: int = 0, prefetch: bool = True) -> None:

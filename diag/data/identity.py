@@ -49,8 +49,7 @@ def key_parts(source: str | os.PathLike[str] | list[dict[str, Any]],
 
 
 def file_identities(source: str | os.PathLike[str], memo_dir: Any) -> list[str]:
-    """Each shard's identity, in shard_files' order: the landing manifest's, the memo's, or its
-    sha256 (then kept in the memo)."""
+    """Each shard's identity, in order: the landing manifest's, the memo's, or its sha256."""
     root, found = Path(source), []
     landed, memo_path = _landed(root), Path(memo_dir, MEMO) if memo_dir is not None else None
     try:
@@ -77,8 +76,7 @@ def file_identities(source: str | os.PathLike[str], memo_dir: Any) -> list[str]:
 
 
 def _landed(root: Path) -> dict[str, tuple[int, int, str]]:
-    """{file under root ("" for root itself): (size, manifest mtime_ns, identity)} from the
-    manifest diag.storage.land writes beside what it lands, else {}."""
+    """{file under root ("": root): (size, mtime_ns, identity)} from land()'s manifest, or {}."""
     manifest = root.with_name(root.name + MANIFEST_SUFFIX)
     try:
         written = manifest.stat().st_mtime_ns

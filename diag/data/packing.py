@@ -55,8 +55,7 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int, chunk: int = PACK_CH
 
 def loss_counts(mask: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                 block: int = 8192) -> np.ndarray:
-    """Tokens that carry a loss in each record's first `lengths` tokens, less its first (nothing
-    in its record predicts it)."""
+    """Tokens with a loss in each record's first `lengths` tokens, less its first (unpredicted)."""
     out = np.zeros(len(starts), np.int64)
     for lo in range(0, len(starts), block):
         s, n = starts[lo:lo + block], lengths[lo:lo + block]
@@ -143,8 +142,7 @@ class PackedDataset(Dataset):
 
 
 class NaiveTextDataset(Dataset):
-    """One record per item, tokenized in __getitem__ every epoch and padded to seq_len (loss on
-    the response, -100 on prompt and padding): what the line profile looks into."""
+    """One record per item, tokenized in __getitem__ every epoch, padded (-100 but the response)."""
 
     def __init__(self, path_or_records: str | os.PathLike[str] | Sequence[dict[str, str]],
                  tokenizer_dir: str | os.PathLike[str], seq_len: int) -> None:

@@ -63,8 +63,7 @@ class Chunk:
 
 def plan_chunks(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
                 chunk_bytes: int = 1 << 20, first_bytes: int = 64 << 10) -> Iterator[Chunk]:
-    """The chunks of a file or folder of shards in reading order, Parquet shards checked first
-    (readable, columns present, one schema); JSONL chunks grow from first_bytes."""
+    """The chunks of a file or folder of shards in order, Parquet shards checked first."""
     files = shard_files(path)
     wheres = {f: str(f.relative_to(path)) if len(files) > 1 else f.name for f in files}
     groups: dict[Path, list[int]] = {}  # a Parquet shard's bytes per row group

@@ -52,8 +52,7 @@ class Encoded:
 
 def _arrays(tokenizer: Any, records: list[dict[str, Any]], dtype: str
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ids, loss mask, lengths) of records: each prompt (no loss), response + EOS (loss), placed
-    by index arithmetic (no list per record)."""
+    """(ids, loss mask, lengths) of records: each prompt (no loss), response + EOS (loss)."""
     prompts, responses = encode_pairs(tokenizer, records)
     p = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
     r = np.fromiter(map(len, responses), dtype=np.int64, count=len(responses))
@@ -72,8 +71,7 @@ def _arrays(tokenizer: Any, records: list[dict[str, Any]], dtype: str
 
 
 def encode_chunk(args: tuple[Job, Chunk, int | None]) -> Encoded:
-    """One chunk read and tokenized (a copy chunk: read from its cache), up to `stop_after` good
-    records (None: all)."""
+    """One chunk read and tokenized (a copy: from its cache), up to `stop_after` good records."""
     job, chunk, stop_after = args
     if chunk.copy is not None:
         folder, dtype, first, end, lines, problems = chunk.copy

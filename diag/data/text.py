@@ -17,8 +17,7 @@ IGNORE_INDEX = -100  # the label PyTorch's cross-entropy (and HF models) leave o
 
 
 def format_prompt(record: dict[str, Any], tokenizer: Any = None) -> tuple[str, str]:
-    """(prompt text, response text) of an Alpaca, a prompt/response or a chat record (every
-    message but the last through the chat template, with its generation prompt)."""
+    """(prompt text, response text) of an Alpaca, prompt/response or chat record."""
     if "messages" in record:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("--messages-field: the tokenizer of --model has no chat template; "
@@ -38,8 +37,7 @@ SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls
 
 
 class TextTokenizer:
-    """A saved fast tokenizer read with `tokenizers` alone: transformers' ids, special tokens and
-    chat template text."""
+    """A saved fast tokenizer read with `tokenizers` alone, as transformers reads it."""
 
     def __init__(self, folder: Path, config: dict[str, Any]) -> None:
         from tokenizers import Tokenizer
@@ -93,8 +91,7 @@ def _compiled(template: str) -> Any:
 
 @lru_cache(maxsize=4)
 def load_tokenizer(tokenizer_dir: str, version: str = "") -> Any:
-    """tokenizer_dir's TextTokenizer, once per version, else (no tokenizer.json, a special token
-    missing) transformers'."""
+    """tokenizer_dir's TextTokenizer, once per version, else transformers'."""
     folder = Path(tokenizer_dir)
     config: dict[str, Any] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins

@@ -138,8 +138,7 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
 
 def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk_bytes: int,
            on_error: str, start: float, rebuild: bool = False) -> dict[str, Any]:
-    """Stream source's tokens into atomic_folder(folder), meta.json (head, what was built, how
-    fast) last; returns that meta."""
+    """Stream source's tokens into atomic_folder(folder), meta.json last; returns that meta."""
     path, limit, root = head["source"], head["limit"], folder.parent
     tok = load_tokenizer(head["tokenizer_dir"], head["parts"]["tokenizer"])
     dtype = "uint16" if len(tok) <= 1 << 16 else "uint32"  # the smallest that holds every id
@@ -190,8 +189,7 @@ def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk
 
 
 def _reused(root: Path, parts: dict[str, str]) -> dict[str, tuple[Path, str, dict[str, Any]]]:
-    """{shard identity: (cache folder, dtype, its entry)} of the whole shards finished caches of
-    this tokenizer and these settings hold."""
+    """{shard identity: (cache folder, dtype, entry)}: whole shards in caches of these settings."""
     got: dict[str, tuple[Path, str, dict[str, Any]]] = {}
     for folder, meta in _finished(root):
         if [meta["parts"][k] for k in ("tokenizer", "settings")] == [parts["tokenizer"],
@@ -225,8 +223,7 @@ def _with_copies(chunks: Any, ids: dict[str, str], reused: dict[str, Any]) -> An
 
 def _write(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None,
            on_error: str, ids: dict[str, str]) -> dict[str, Any]:
-    """Every chunk's arrays into tmp, in order; what meta.json says of them, with each shard's
-    records, lines and problems (what a later build copies instead of tokenizing)."""
+    """Every chunk's arrays into tmp, in order; meta.json's account of them, shard by shard."""
     arrays = Arrays(tmp, job.dtype)
     shards: dict[str, dict[str, Any]] = {}
     problems: list[dict[str, Any]] = []

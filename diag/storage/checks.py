@@ -89,8 +89,7 @@ def whole_name(want: Expected) -> str:
 
 
 class _Hashes:
-    """What `want` asks for, fed the bytes in file order, and the whole file's CRC; crcs False:
-    the writer computes the CRCs as the bytes arrive (crc.Runs)."""
+    """`want`'s hashes and the whole file's CRC, fed in file order (crcs False: the writer's)."""
 
     def __init__(self, want: Expected, crcs: bool = True) -> None:
         self.want, self.pos, self.note, self.crcs = want, 0, "", crcs

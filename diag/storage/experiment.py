@@ -51,8 +51,7 @@ class StorageResult:
 
 
 def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
-    """`fetch`: "land" when a land() hit (measured, else every byte read cold) beats the first
-    method's whole pull per start, and by default."""
+    """`fetch`: "land" when a land() hit beats the first method's pull per start, or no figure."""
     def default(why: str) -> tuple[Decision, ...]:
         return (Decision.default("fetch", "land", why, source="storage"),)
 

@@ -32,8 +32,7 @@ def s5cmd_path() -> str | None:
 def pull(method: str, client: Any, url: Any, objects: list[Any], dest: Path,
          env: dict[str, str] | None = None, timeout_s: float = 3600.0,
          retries: int | None = None) -> str:
-    """Download every object (or Range) into dest with one method (retries: land()'s and s5cmd's;
-    s5cmd ends after timeout_s); returns its settings in words."""
+    """Every object (or Range) into dest with one method; returns its settings in words."""
     dest.mkdir(parents=True, exist_ok=True)
     if method == "hf_hub":
         from huggingface_hub import hf_hub_download

@@ -100,8 +100,7 @@ def register_url_secret(url: str | None) -> None:
 def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = None,
                 retries: int | None = None, max_pool: int = 10, profile: str = "",
                 region: str = "", unsigned: bool = False, stall_s: float = STALL_S) -> Any:
-    """A boto3 S3 client from the user's AWS configuration, changed only where an argument is
-    given; every request times out (CONNECT_S, stall_s)."""
+    """A boto3 S3 client: the user's AWS configuration but for the arguments; it times out."""
     import boto3
     from botocore import UNSIGNED
     from botocore.config import Config
@@ -138,8 +137,7 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
 
 
 def source_client(cfg: SourceConfig, server: Any = None) -> Any:
-    """cfg.source's client, pooled for land(): boto3's for s3:// (or `server`, the embedded one),
-    HfApi for hf:// (HF_ENDPOINT), None for local files."""
+    """cfg.source's client: boto3's (or `server`'s), HfApi for hf://, None for local files."""
     from diag.config.source import source_kind
 
     pool, kind = 2 * usable_cores(), source_kind(cfg.source)

@@ -59,8 +59,7 @@ def spread(objects: list[Any]) -> list[Any]:
 
 def probe(ordered: list[Any], pull_one: Callable[[Any, int], None],
           seconds: float, cap_bytes: int, least: int = 0) -> pd.DataFrame:
-    """pull_one(piece, bytes before) for each piece in order until `seconds` (0: no limit) and
-    `least` bytes, or cap_bytes (0: none; the first is always pulled): one row per piece."""
+    """pull_one(piece, bytes before) until `seconds` and `least` bytes, or cap_bytes: rows."""
     import pandas as pd
 
     rows, total, spent = [], 0, 0.0

@@ -53,8 +53,7 @@ def parse_url(source: str) -> S3Url | HubUrl | LocalUrl:
 
 
 def list_remote(client: Any, url: S3Url | HubUrl | LocalUrl) -> list[RemoteObject]:
-    """Every file of the source, no download: an S3 LIST or HEAD, the hub's tree, a folder's walk
-    (a local file's key is its path, its etag its mtime)."""
+    """Every file of the source, no download (a local file's key: its path; etag: its mtime)."""
     if isinstance(url, S3Url):
         return list_s3(client, url)
     if isinstance(url, LocalUrl):
@@ -132,8 +131,7 @@ def _get(url: S3Url | HubUrl, client: Any, how: str, objects: list[RemoteObject]
 
 def _hub_files(api: Any, url: HubUrl, objects: list[RemoteObject], cache: Path | None,
                work: Path) -> Path:
-    """The files from the user's HF cache when it holds them all (read only), else landed in
-    `cache` (diag's) or, with none, downloaded into work: the source's path there."""
+    """The source's path in the user's HF cache (all held), else `cache` (diag's), else work."""
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
     where = {"repo_id": url.repo_id, "repo_type": "dataset", "revision": url.revision}

@@ -171,8 +171,7 @@ def landing_disk_advice(frame: pd.DataFrame, dataset_gb: float) -> list[dict[str
 
 
 def paste_settings(object_bytes: int, cores: int | None = None) -> str:
-    """transfer_plan() for objects of this size as what a user pastes: boto3, the AWS CLI's
-    ~/.aws/config (the CLI reads `s3 =`; boto3 does not), s5cmd (part size in MiB, >= 5)."""
+    """transfer_plan() for objects of this size, to paste: boto3, ~/.aws/config, s5cmd."""
     plan = transfer_plan(object_bytes, cores)
     mib = max(5, round(plan.part_bytes / 2**20))
     return (f"(diag.storage.transfer_plan): boto3 `{plan.paste()}`; aws CLI, in ~/.aws/config "

@@ -49,8 +49,7 @@ def describe(objects: list[RemoteObject]) -> str:
 
 def download(client: Any, bucket: str, obj: RemoteObject, dest: Path,
              retries: int | None = None) -> tuple[str, str]:
-    """Download one object to dest atomically (a dropped stream re-GETs its part, `retries` + 1
-    times); bytes that fail a check are fetched again, twice at most. (digest, what was checked)."""
+    """(digest, what was checked) of one object downloaded to dest atomically, re-fetched twice."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     url, plan = f"s3://{bucket}/{obj.key}", transfer_plan(obj.size)
