@@ -30,13 +30,6 @@ class TokenFile:
         return np.memmap(self.path, dtype=self.dtype, mode="r")
 
 
-def _beside(folder: str | os.PathLike[str]) -> TokenFile:
-    """The train.bin of a folder whose meta.json names its dtype, vocabulary and length."""
-    meta = json.loads((Path(folder) / "meta.json").read_text())
-    return TokenFile(Path(folder) / "train.bin", meta["dtype"], int(meta["vocab_size"]),
-                     int(meta["tokens"]))
-
-
 def ensure_tokens(tokenizer_dir: str | os.PathLike[str] | None = None,
                   dataset: str | os.PathLike[str] | None = None,
                   home: str | os.PathLike[str] | None = None) -> TokenFile:
@@ -52,14 +45,16 @@ def ensure_tokens(tokenizer_dir: str | os.PathLike[str] | None = None,
         dataset = dataset or assets.dataset
     root = (Path(home) if home is not None else diag_home()) / "tokens"
     cache = build_token_cache(dataset, tokenizer_dir, cache_dir=root)
-    return _beside(cache.folder)
+    return token_file(cache.folder / "train.bin")
 
 
 def token_file(path: str | os.PathLike[str], dtype: str = "uint16") -> TokenFile:
     """A user's train.bin: its meta.json beside it when there is one, else nanoGPT's uint16."""
     path = Path(path)
-    if (path.parent / "meta.json").is_file():
-        return _beside(path.parent)
+    if (path.parent / "meta.json").is_file():  # names the folder's train.bin dtype, vocab, length
+        meta = json.loads((path.parent / "meta.json").read_text())
+        return TokenFile(path.parent / "train.bin", meta["dtype"], int(meta["vocab_size"]),
+                         int(meta["tokens"]))
     if not path.is_file():
         raise ValueError(f"AccumConfig.token_file={str(path)!r}: no such file")
     size = np.dtype(dtype).itemsize

@@ -79,9 +79,8 @@ def packing_refused(attention: str | None) -> str:
 
 
 class PackedDataset(Dataset):
-    """Windows of seq_len tokens holding whole records (best-fit decreasing): {"input_ids",
-    "labels", "position_ids"}, labels -100 on prompts, each record's first token and padding. A
-    longer record is cut (`left_out`); records: those to use; pack=False: a window each."""
+    """Windows of seq_len tokens holding whole records (a longer one cut: `left_out`), labels -100
+    on prompts, each record's first token and padding; pack=False: a window each."""
 
     def __init__(self, cache_folder: str | os.PathLike[str], seq_len: int,
                  pad_token_id: int | None = None, records: Sequence[int] | None = None,

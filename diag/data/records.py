@@ -53,8 +53,7 @@ class Chunk:
     rows: tuple[dict[str, Any], ...] = ()
     size: int = 0  # bytes of the source it covers (a row group: its share of the file)
     data: bytes | None = None  # whole lines of a compressed file, decompressed
-    copy: tuple[Any, ...] | None = None  # (cache folder, dtype, first, end record, lines,
-    #                                       problems): records another cache holds already
+    copy: tuple[Any, ...] | None = None  # a cache's (folder, dtype, first, end, lines, problems)
 
     @property
     def parquet(self) -> bool:

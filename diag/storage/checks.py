@@ -236,8 +236,7 @@ class Stream:
             return
         view = memoryview(buf)
         while self.hashes.pos < upto:
-            n = os.preadv(self.fd, [view[: min(_CHUNK, upto - self.hashes.pos)]],
-                          self.hashes.pos)
+            n = os.preadv(self.fd, [view[: min(_CHUNK, upto - self.hashes.pos)]], self.hashes.pos)
             if n <= 0:
                 break
             self.hashes.update(view[:n])

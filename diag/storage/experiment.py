@@ -215,8 +215,7 @@ def _probe(cfg: StorageConfig, client: Any, url: Any, objects: list[RemoteObject
         check_free(local_dir, 2 * (before + obj.size), url)
         start, rate = time.perf_counter(), done[0] / MB / done[1] if done[1] else None
         with _bounded(client, url, obj.size, rate, cfg.stall_s, f"{url}: {obj.key}"):
-            pull("hf_hub" if isinstance(url, HubUrl) else "boto3_default", client, url, [obj],
-                 dest)
+            pull("hf_hub" if isinstance(url, HubUrl) else "boto3_default", client, url, [obj], dest)
         done[0], done[1] = done[0] + obj.size, done[1] + time.perf_counter() - start
 
     one = isinstance(url, S3Url) and len(objects) == 1 and objects[0].size > 0

@@ -90,8 +90,7 @@ def fetch(source: str, client: Any, how: str, work: Path, records: int = 0
     from diag.data.records import count_records
 
     url = parse_url(source)
-    objects = sorted((o for o in list_remote(client, url) if data_file(o.key)),
-                     key=lambda o: o.key)
+    objects = sorted((o for o in list_remote(client, url) if data_file(o.key)), key=lambda o: o.key)
     total = sum(o.size for o in objects)
     if isinstance(url, LocalUrl):
         return url.path, 0, total
