@@ -75,10 +75,8 @@ def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
 
 def land(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, timer: Any = None,
          verify: str = "sha256", retries: int | None = None) -> LandedDataset:
-    """Land s3://bucket/key (or a prefix's objects) in cache_dir once, timed as `fetch_data`.
-
-    Hit: the manifest matches the listing and each local file its size and (verify="sha256")
-    CRC; others are downloaded again. Without `client`, the user's AWS configuration's."""
+    """Land s3://bucket/key (or a prefix) in cache_dir once, timed as `fetch_data`: a hit while the
+    manifest matches the listing and the files (size; CRC with verify="sha256")."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: allowed values are "
                          + ", ".join(map(repr, VERIFY_MODES)))

@@ -100,14 +100,11 @@ def fetch(source: str, client: Any, how: str, work: Path, records: int = 0
     held, fetched, path = 0, 0, work
     for obj in objects:
         path = _get(url, client, how, [obj], root, work)
-        held, fetched = held + count_records(_file(path, url, obj)), fetched + obj.size
+        rel = obj.key[len(url.path if isinstance(url, HubUrl) else url.key):].lstrip("/")
+        held, fetched = held + count_records(path / rel), fetched + obj.size
         if held >= records:
             break
     return path, fetched, total
-
-
-def _file(folder: Path, url: S3Url | HubUrl, obj: RemoteObject) -> Path:
-    return folder / obj.key[len(url.path if isinstance(url, HubUrl) else url.key):].lstrip("/")
 
 
 def _get(url: S3Url | HubUrl, client: Any, how: str, objects: list[RemoteObject], root: Path,
