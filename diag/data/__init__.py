@@ -1,9 +1,5 @@
-"""The data layer under the experiments: records, the text pipeline, the one token cache.
-
-`read_source(path, fields, on_error)` reads JSONL (plain or compressed) or Parquet, a file or a
-folder of shards, into records chunk by chunk; `build_token_cache` tokenizes them once, streamed
-through a pool of processes, into DIAG_HOME/tokens/<key>/, which `PackedDataset` and
-`BatchLoader` read; `NaiveTextDataset` tokenizes per sample. Only the datasets import torch.
+"""The data layer: records (`read_source`), the text pipeline, the one token cache
+(`build_token_cache`) and its readers (`PackedDataset`, `BatchLoader`); only datasets import torch.
 """
 
 from typing import Any

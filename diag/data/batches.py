@@ -1,7 +1,5 @@
-"""nanoGPT-style batches from the token cache: random seq_len windows of one flat token file.
-
-`token_file()` takes a user's own train.bin instead; `BatchLoader` keeps the map open, gathers
-each batch at once and prepares the next in a thread.
+"""nanoGPT-style batches: random seq_len windows of the token cache's (or a user's) train.bin,
+each gathered at once, the next prepared in a thread (`BatchLoader`).
 """
 
 from __future__ import annotations
@@ -32,18 +30,10 @@ class TokenFile:
         return np.memmap(self.path, dtype=self.dtype, mode="r")
 
 
-def _beside(folder: str | os.PathLike[str]) -> TokenFile:
-    """The train.bin of a folder whose meta.json names its dtype, vocabulary and length."""
-    meta = json.loads((Path(folder) / "meta.json").read_text())
-    return TokenFile(Path(folder) / "train.bin", meta["dtype"], int(meta["vocab_size"]),
-                     int(meta["tokens"]))
-
-
 def ensure_tokens(tokenizer_dir: str | os.PathLike[str] | None = None,
                   dataset: str | os.PathLike[str] | None = None,
                   home: str | os.PathLike[str] | None = None) -> TokenFile:
-    """The dataset's tokens as the token cache's `train.bin` (defaults: the embedded dataset and
-    tokenizer), built once in the folder the loader sweep and the QLoRA job read."""
+    """The dataset's token cache `train.bin`, built once (defaults: the embedded assets)."""
     from diag.config import diag_home
     from diag.data.tokens import build_token_cache
 
@@ -55,14 +45,16 @@ def ensure_tokens(tokenizer_dir: str | os.PathLike[str] | None = None,
         dataset = dataset or assets.dataset
     root = (Path(home) if home is not None else diag_home()) / "tokens"
     cache = build_token_cache(dataset, tokenizer_dir, cache_dir=root)
-    return _beside(cache.folder)
+    return token_file(cache.folder / "train.bin")
 
 
 def token_file(path: str | os.PathLike[str], dtype: str = "uint16") -> TokenFile:
     """A user's train.bin: its meta.json beside it when there is one, else nanoGPT's uint16."""
     path = Path(path)
-    if (path.parent / "meta.json").is_file():
-        return _beside(path.parent)
+    if (path.parent / "meta.json").is_file():  # names the folder's train.bin dtype, vocab, length
+        meta = json.loads((path.parent / "meta.json").read_text())
+        return TokenFile(path.parent / "train.bin", meta["dtype"], int(meta["vocab_size"]),
+                         int(meta["tokens"]))
     if not path.is_file():
         raise ValueError(f"AccumConfig.token_file={str(path)!r}: no such file")
     size = np.dtype(dtype).itemsize
@@ -73,17 +65,13 @@ def token_file(path: str | os.PathLike[str], dtype: str = "uint16") -> TokenFile
 
 
 def check_tokens(tokens: TokenFile, vocab_size: int, who: str = "the model") -> int:
-    """ValueError naming the file, the id and the vocabulary when an id is outside
-    0..vocab_size-1 (else a kernel fails deep inside); returns the top id."""
+    """The top id; ValueError naming the file, id and vocabulary when it is >= vocab_size."""
     data = tokens.open()
     if data.size < 2:
         raise ValueError(f"{tokens.path}: holds {data.size} token(s); a training window needs more")
     top = int(data.max())  # one pass over the map: ~1 ms per million ids
-    limits = [(vocab_size, who)]
-    if tokens.vocab_size:
-        limits.append((tokens.vocab_size, "the tokenizer that made it"))
-    for limit, name in limits:
-        if top >= limit:
+    for limit, name in ((vocab_size, who), (tokens.vocab_size, "the tokenizer that made it")):
+        if limit and top >= limit:
             raise ValueError(f"{tokens.path}: holds token id {top}, but {name} has {limit} ids "
                              f"(0..{limit - 1}): the file was made with another tokenizer; "
                              "delete its folder to rebuild it, or name the matching model")
@@ -91,8 +79,7 @@ def check_tokens(tokens: TokenFile, vocab_size: int, who: str = "the model") -> 
 
 
 class BatchLoader:
-    """Random (x, y) windows from a token file on `device`, the next prepared in a thread: nanoGPT's
-    get_batch with the map opened once, one gather per batch, and pinned memory on CUDA."""
+    """nanoGPT's get_batch: the map opened once, one gather per batch, pinned memory on CUDA."""
 
     def __init__(self, tokens: TokenFile, batch: int, seq_len: int, device: Any = "cpu",
                  seed: int = 0, prefetch: bool = True) -> None:
@@ -102,8 +89,7 @@ class BatchLoader:
         if self._data.size < seq_len + 2:
             raise ValueError(f"{tokens.path}: {self._data.size} tokens is too few for windows of "
                              f"seq_len={seq_len} (+1 for the targets)")
-        self.batch, self.seq_len = batch, seq_len
-        self.device = torch.device(device)
+        self.batch, self.seq_len, self.device = batch, seq_len, torch.device(device)
         self._pin = self.device.type == "cuda"
         self._rng = np.random.default_rng(seed)  # used by the one worker thread only
         self._offsets = np.arange(seq_len + 1)

@@ -1,10 +1,6 @@
-"""The datasets a job trains from: records packed apart into windows, or one per sample.
-
-`best_fit_decreasing` bins records by length, chunk by chunk (as TRL bins per map batch).
-`PackedDataset` serves the windows from the token cache with `position_ids` restarting per record
-and no `attention_mask`, so transformers builds its packed-sequence mask and a record attends to
-itself only; `packing_refused` names an attention that cannot. `NaiveTextDataset` tokenizes one
-record per `__getitem__` and pads it, as a newcomer writes it.
+"""The datasets a job trains from: `PackedDataset` (records binned into windows, position_ids
+restarting per record so transformers keeps them apart) or `NaiveTextDataset` (one padded record
+per sample, tokenized in __getitem__, as a newcomer writes it).
 """
 
 from __future__ import annotations
@@ -20,16 +16,20 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from diag.data.text import (IGNORE_INDEX, adds_special_tokens, check_seq_len, format_prompt,
-                            hf_tokenizer, tokenizer_version)
+from diag.data.text import IGNORE_INDEX, format_prompt, hf_tokenizer
 
 PACK_CHUNK = 1000  # records binned together: more fill windows better, binning costs n log n
 
 
+def check_seq_len(seq_len: int) -> None:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"seq_len={seq_len!r}: must be a whole number of tokens >= 2")
+
+
 def best_fit_decreasing(lengths: np.ndarray, capacity: int, chunk: int = PACK_CHUNK
                         ) -> tuple[np.ndarray, np.ndarray]:
-    """(order, bounds): the records (indices into lengths) window by window, window w holding
-    order[bounds[w]:bounds[w + 1]]. Longest first, each into the fullest window it fits."""
+    """(order, bounds): window w holds records order[bounds[w]:bounds[w + 1]]; per chunk (as TRL
+    bins per map batch), longest first, each into the fullest window it fits."""
     order: list[int] = []
     sizes: list[int] = []
     for lo in range(0, len(lengths), chunk):
@@ -55,8 +55,7 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int, chunk: int = PACK_CH
 
 def loss_counts(mask: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                 block: int = 8192) -> np.ndarray:
-    """Tokens that carry a loss in each record's first `lengths` tokens, its first token left
-    out: nothing before it in its record predicts it (a causal LM's labels are shifted by one)."""
+    """Tokens with a loss in each record's first `lengths` tokens, less its first (unpredicted)."""
     out = np.zeros(len(starts), np.int64)
     for lo in range(0, len(starts), block):
         s, n = starts[lo:lo + block], lengths[lo:lo + block]
@@ -70,8 +69,7 @@ def loss_counts(mask: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
 
 
 def packing_refused(attention: str | None) -> str:
-    """Why records packed into one window would see each other under this attention
-    implementation; "" where transformers keeps them apart from position_ids."""
+    """Why packed records would see each other under this attention ("" where they cannot)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     if (attention or "sdpa") in ALL_MASK_ATTENTION_FUNCTIONS:
@@ -81,9 +79,8 @@ def packing_refused(attention: str | None) -> str:
 
 
 class PackedDataset(Dataset):
-    """Windows of seq_len tokens holding whole records (best-fit decreasing): {"input_ids",
-    "labels", "position_ids"}, labels -100 on prompts, each record's first token and padding. A
-    longer record is cut (`left_out`); records: those to use; pack=False: a window each."""
+    """Windows of seq_len tokens holding whole records (a longer one cut: `left_out`), labels -100
+    on prompts, each record's first token and padding; pack=False: a window each."""
 
     def __init__(self, cache_folder: str | os.PathLike[str], seq_len: int,
                  pad_token_id: int | None = None, records: Sequence[int] | None = None,
@@ -144,8 +141,7 @@ class PackedDataset(Dataset):
 
 
 class NaiveTextDataset(Dataset):
-    """One record per item, tokenized in __getitem__ every epoch and padded to seq_len (loss on
-    the response, -100 on prompt and padding): what the line profile looks into."""
+    """One record per item, tokenized in __getitem__ every epoch, padded (-100 but the response)."""
 
     def __init__(self, path_or_records: str | os.PathLike[str] | Sequence[dict[str, str]],
                  tokenizer_dir: str | os.PathLike[str], seq_len: int) -> None:
@@ -160,7 +156,8 @@ class NaiveTextDataset(Dataset):
         self.tokenizer_dir, self.seq_len = str(tokenizer_dir), seq_len
         if not Path(self.tokenizer_dir, "tokenizer.json").is_file():
             raise ValueError(f"tokenizer_dir={self.tokenizer_dir!r}: no tokenizer.json there")
-        self.version = tokenizer_version(self.tokenizer_dir)
+        st = Path(self.tokenizer_dir, "tokenizer.json").stat()  # saved again: loaded again
+        self.version = f"{st.st_size}-{st.st_mtime_ns}"
 
     def __len__(self) -> int:
         return len(self.records)
@@ -169,9 +166,9 @@ class NaiveTextDataset(Dataset):
         tokenizer = hf_tokenizer(self.tokenizer_dir, self.version)
         record = self.records[i]
         prompt, response = format_prompt(record, tokenizer)
-        prompt_ids = tokenizer(prompt, add_special_tokens=adds_special_tokens(record))["input_ids"]
-        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-        response_ids = response_ids + [tokenizer.eos_token_id]
+        prompt_ids = tokenizer(prompt, add_special_tokens="messages" not in record)["input_ids"]
+        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [
+            tokenizer.eos_token_id]
         ids = (prompt_ids + response_ids)[: self.seq_len]
         labels = ([IGNORE_INDEX] * len(prompt_ids) + response_ids)[: self.seq_len]
         pad = self.seq_len - len(ids)

@@ -1,11 +1,8 @@
 """The user's records as they are: JSONL (plain, .gz, .zst) and Parquet, a file or shards.
 
-The one reader of record files in diag, chunk by chunk (`plan_chunks`, `read_chunk`: whole JSONL
-lines, Parquet row groups), which the token cache's processes read apart and `read_source` in
-order. A record becomes {"instruction", "input", "output"} (Alpaca), {"prompt", "response"}
-(--prompt-field/--response-field), {"prompt": "", "response": text} (--text-field) or
-{"messages"}; one that does not fit follows on_error: "raise" stops at the first with its file
-and row, "skip" leaves it out and lists it in the problems frame.
+Read chunk by chunk (`plan_chunks`, `read_chunk`: whole JSONL lines, Parquet row groups): apart in
+the token cache's processes, in order by `read_source`. A record becomes Alpaca's, {"prompt",
+"response"} or {"messages"}; one that does not fit is refused ("raise") or listed ("skip").
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +20,12 @@ from diag.config.source import COMPRESSED, DATA_SUFFIXES, MANIFEST_SUFFIX, data_
 
 PROBLEM_COLUMNS = ["line", "problem", "detail"]  # one row per record left out
 ALPACA_FIELDS = ("instruction", "input", "output")
+_ALPACA = {f: f for f in ALPACA_FIELDS}
+_NOT_EMPTY = ("instruction", "output", "text", "response")  # the fields an empty text refuses
 
 
 def shard_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The record files at path: the file itself, or a folder's data files (sorted, recursively:
-    a landed s3 prefix keeps its sub-folders)."""
+    """The record files at path: the file, or a folder's data files (sorted, recursively)."""
     path = Path(path)
     if path.is_file():
         return [path]
@@ -43,8 +42,8 @@ def shard_files(path: str | os.PathLike[str]) -> list[Path]:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a source one process reads alone: whole JSONL lines (bytes start..stop, or
-    decompressed `data`), a Parquet row group, records in memory, or another cache's records."""
+    """A piece of a source one process reads alone: JSONL lines (bytes start..stop, or `data`), a
+    Parquet row group, records in memory, or another cache's records."""
 
     where: str  # how a problem names the file: its name, or its path under the source folder
     path: Path | None
@@ -54,8 +53,7 @@ class Chunk:
     rows: tuple[dict[str, Any], ...] = ()
     size: int = 0  # bytes of the source it covers (a row group: its share of the file)
     data: bytes | None = None  # whole lines of a compressed file, decompressed
-    copy: tuple[Any, ...] | None = None  # (cache folder, dtype, first, end record, lines,
-    #                                       problems): records another cache holds already
+    copy: tuple[Any, ...] | None = None  # a cache's (folder, dtype, first, end, lines, problems)
 
     @property
     def parquet(self) -> bool:
@@ -64,8 +62,7 @@ class Chunk:
 
 def plan_chunks(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
                 chunk_bytes: int = 1 << 20, first_bytes: int = 64 << 10) -> Iterator[Chunk]:
-    """The chunks of a file or folder of shards in reading order, Parquet shards checked first
-    (readable, columns present, one type per column); JSONL chunks grow from first_bytes."""
+    """The chunks of a file or folder of shards in order, Parquet shards checked first."""
     files = shard_files(path)
     wheres = {f: str(f.relative_to(path)) if len(files) > 1 else f.name for f in files}
     groups: dict[Path, list[int]] = {}  # a Parquet shard's bytes per row group
@@ -90,8 +87,17 @@ def _chunks(files: list[Path], wheres: dict[Path, str], groups: dict[Path, list[
                         for g, size in enumerate(groups[file]))
             continue
         step = min(first_bytes, chunk_bytes)
-        if file.suffix in COMPRESSED:  # no byte ranges: decompressed here, shipped whole
-            yield from _unpacked(file, wheres[file], shard, step, chunk_bytes)
+        if file.suffix in COMPRESSED:  # no byte ranges: decompressed here, cut after whole lines
+            with open_records(file) as f:
+                left = b""
+                while block := f.read(step):
+                    block, step = left + block, min(step * 2, chunk_bytes)
+                    cut = block.rfind(b"\n") + 1
+                    if cut:
+                        yield Chunk(wheres[file], file, shard=shard, size=cut, data=block[:cut])
+                    left = block[cut:]
+                if left:
+                    yield Chunk(wheres[file], file, shard=shard, size=len(left), data=left)
             continue
         size, pos = file.stat().st_size, 0
         with open(file, "rb") as f:
@@ -104,8 +110,6 @@ def _chunks(files: list[Path], wheres: dict[Path, str], groups: dict[Path, list[
 
 def open_records(path: str | os.PathLike[str]) -> Any:
     """A record file's bytes, decompressed by pyarrow where its name says (.gz, .zst)."""
-    if Path(path).suffix not in COMPRESSED:
-        return open(path, "rb")
     import io
 
     import pyarrow as pa
@@ -113,23 +117,8 @@ def open_records(path: str | os.PathLike[str]) -> Any:
     return io.BufferedReader(pa.input_stream(str(path), compression="detect"))
 
 
-def _unpacked(file: Path, where: str, shard: bool, step: int, most: int) -> Iterator[Chunk]:
-    """A compressed file's chunks: its lines decompressed, cut after whole lines."""
-    with open_records(file) as f:
-        left = b""
-        while block := f.read(step):
-            block, step = left + block, min(step * 2, most)
-            cut = block.rfind(b"\n") + 1
-            if cut:
-                yield Chunk(where, file, shard=shard, size=cut, data=block[:cut])
-            left = block[cut:]
-        if left:
-            yield Chunk(where, file, shard=shard, size=len(left), data=left)
-
-
 def count_records(path: str | os.PathLike[str]) -> int:
-    """Records a file holds, exactly where cheap: a Parquet file's rows (its footer), a JSONL
-    file's non-blank lines (plain or compressed; bad ones count too)."""
+    """A Parquet file's rows (its footer), a JSONL file's non-blank lines (bad ones too)."""
     if Path(path).suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -140,8 +129,7 @@ def count_records(path: str | os.PathLike[str]) -> int:
 
 def _parquet_columns(file: Path, name: str, fields: dict[str, str]
                      ) -> tuple[list[int], dict[str, Any]]:
-    """(bytes per row group, {column read: its type}) of one shard, from its footer; ValueError
-    naming a missing column or an unreadable file."""
+    """(bytes per row group, {column read: its type}) of one shard, from its footer."""
     import pyarrow.parquet as pq
 
     try:
@@ -153,11 +141,7 @@ def _parquet_columns(file: Path, name: str, fields: dict[str, str]
     wanted = list(fields.values()) or list(ALPACA_FIELDS)
     missing = [c for c in wanted if c not in schema.names and not (c == "input" and not fields)]
     if missing:
-        flag = {v: k for k, v in fields.items()}.get(missing[0])
-        head = (f"--{flag}-field={missing[0]!r}: no such column in {name}" if flag else
-                f"--source: {name} has no column {missing[0]!r} (name yours with "
-                "--text-field or --prompt-field/--response-field)")
-        raise ValueError(f"{head}; its columns: {', '.join(schema.names)}")
+        raise ValueError(_no_field(missing[0], fields, "column", f" in {name}", schema.names))
     size, rows = file.stat().st_size, max(meta.num_rows, 1)
     return ([size * meta.row_group(g).num_rows // rows for g in range(meta.num_row_groups)],
             {c: schema.field(c).type for c in wanted if c in schema.names})
@@ -165,8 +149,7 @@ def _parquet_columns(file: Path, name: str, fields: dict[str, str]
 
 def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
                ) -> tuple[int, Iterator[tuple[int, dict[str, Any] | tuple[str, str]]]]:
-    """(lines or rows in the chunk, its (number within the chunk, record or (problem, detail))
-    in order), numbered from 1; blank JSONL lines are counted and skipped."""
+    """(lines or rows in the chunk, its (number from 1, record or (problem, detail)) in order)."""
     fields = dict(fields or {})
     if chunk.path is None:
         return len(chunk.rows), enumerate(chunk.rows, start=1)
@@ -217,95 +200,81 @@ def _json(raw: str | bytes) -> Any:
         return "invalid_json", f"column {err.colno}: {err.msg}"
 
 
-def _alpaca(row: dict[str, Any]) -> tuple[str, str] | dict[str, str]:
-    """The instruction/input/output record, or (problem, detail) when it does not fit."""
-    got = [row.get(f) for f in ALPACA_FIELDS]
-    if all(type(v) is str for v in got) and got[0].strip() and got[2].strip():
-        return dict(zip(ALPACA_FIELDS, got))  # the common case, checked at once
-    missing = [f for f in ALPACA_FIELDS if f not in row]
-    if missing:
-        return "missing_field", (f"--source: no field {missing[0]!r} (name yours with "
-                                 f"--text-field or --prompt-field/--response-field); its fields: "
-                                 + ", ".join(map(str, row)))
-    wrong = [f for f in ALPACA_FIELDS if not isinstance(row[f], str)]
-    if wrong:
-        return "not_text", f"{', '.join(wrong)} must be strings"
-    empty = [f for f in ("instruction", "output") if not row[f].strip()]
-    if empty:
-        return "empty_text", f"{', '.join(empty)} is empty"
-    return {f: row[f] for f in ALPACA_FIELDS}
-
-
-def normalise(row: Any, fields: dict[str, str]) -> tuple[str, str] | dict[str, str]:
-    """The record the pipeline renders, or (problem, detail)."""
+def normalise(row: Any, fields: dict[str, str]) -> tuple[str, str] | dict[str, Any]:
+    """The record the pipeline renders (fields {}: Alpaca's), or (problem, detail)."""
     if isinstance(row, tuple):
         return row
     if not isinstance(row, dict):
         return "not_an_object", f"a JSON {type(row).__name__}, expected an object"
-    if not fields:
-        return _alpaca(row)
     if "messages" in fields:
-        msgs = row[fields["messages"]] if fields["messages"] in row else None
-        ok = isinstance(msgs, list) and msgs and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in msgs)
-        if not ok:
-            return "not_chat", f"{fields['messages']} must be a list of {{role, content}} strings"
-        if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
-            return "no_answer", f"the last of {fields['messages']} is not an assistant's answer"
-        return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
-    missing = [f for f in fields.values() if f not in row]
+        return _chat(row.get(fields["messages"]), fields["messages"])
+    names = fields or _ALPACA
+    values = [row.get(c) for c in names.values()]
+    if all(type(v) is str for v in values):  # the common case, checked at once
+        got = dict(zip(names, values))
+        empty = [names[k] for k in _NOT_EMPTY if k in got and not got[k].strip()]
+        if empty:
+            return "empty_text", f"{', '.join(empty)} is empty"
+        return {"prompt": "", "response": got["text"]} if "text" in got else got
+    missing = [c for c in names.values() if c not in row]
     if missing:
-        flag = next(k for k, v in fields.items() if v == missing[0])
-        return "missing_field", (f"--{flag}-field={missing[0]!r}: no such field; its fields: "
-                                 + ", ".join(map(str, row)))
-    null = [f for f in fields.values() if row[f] is None]
-    if null:
+        return "missing_field", _no_field(missing[0], fields, "field", "", row)
+    if fields and (null := [c for c in names.values() if row[c] is None]):
         return "missing_field", f"{', '.join(null)} is null"
-    wrong = [f for f in fields.values() if not isinstance(row[f], str)]
-    if wrong:
-        return "not_text", f"{', '.join(wrong)} must be strings"
-    if "text" in fields:
-        text = row[fields["text"]]
-        return ("empty_text", f"{fields['text']} is empty") if not text.strip() \
-            else {"prompt": "", "response": text}
-    if not row[fields["response"]].strip():
-        return "empty_text", f"{fields['response']} is empty"
-    return {"prompt": row[fields["prompt"]], "response": row[fields["response"]]}
+    wrong = [c for c in names.values() if not isinstance(row[c], str)]
+    return "not_text", f"{', '.join(wrong)} must be strings"
+
+
+def _no_field(column: str, fields: dict[str, str], kind: str, where: str, names: Any) -> str:
+    """A field the records lack: the flag that named it, else how to name one; what they hold."""
+    flag = next((k for k, v in fields.items() if v == column), None)
+    head = (f"--{flag}-field={column!r}: no such {kind}{where}" if flag else f"--source: no {kind}"
+            f" {column!r}{where} (name yours with --text-field or --prompt-field/--response-field)")
+    return f"{head}; its {kind}s: {', '.join(map(str, names))}"
+
+
+def _chat(msgs: Any, name: str) -> tuple[str, str] | dict[str, Any]:
+    if not (isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in msgs)):
+        return "not_chat", f"{name} must be a list of {{role, content}} strings"
+    if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
+        return "no_answer", f"the last of {name} is not an assistant's answer"
+    return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
 
 
 def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
                 on_error: str = "raise", limit: int | None = None, cached: bool = False
                 ) -> tuple[list[dict[str, str]], Any]:
-    """(records, problems frame: line, problem, detail) of a file or folder of shards; fields
-    {} = Alpaca; limit: stop at that many good records; cached: reuse this process's parse of the
-    same files (never where the read itself is timed)."""
+    """(records, problems frame) of a file or folder of shards; fields {}: Alpaca; limit: that
+    many good records; cached: reuse this process's parse of unchanged files (never when timed)."""
+    check_on_error(on_error)
+    fields = dict(fields or {})
+    now = stamps(path) if cached else []
+    if not cached or sum(s[1] for s in now) > _READ_MAX_BYTES:
+        return _read(path, fields, on_error, limit)
+    records, problems = _read_once(tuple(now), path, tuple(sorted(fields.items())), on_error, limit)
+    return list(records), problems.copy()  # the records are never mutated
+
+
+_READ_MAX_BYTES = 256 << 20  # larger record files are read again, not kept
+
+
+def check_on_error(on_error: str) -> None:
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r}: allowed values are "
                          + ", ".join(map(repr, ON_ERROR)))
-    fields = dict(fields or {})
-    # files read again in this process (the loader sweep: 19 reads of one file a `diag run`) are
-    # parsed once while unchanged and under _READ_MAX_BYTES; the records are never mutated
-    if not cached:
-        return _read(path, fields, on_error, limit)
-    files = shard_files(path)
-    stats = [f.stat() for f in files]
-    key = (tuple((str(f), st.st_size, st.st_mtime_ns) for f, st in zip(files, stats)),
-           tuple(sorted(fields.items())), on_error, limit)
-    if key in _READ:
-        records, problems = _READ[key]
-        return list(records), problems.copy()
-    records, problems = _read(path, fields, on_error, limit)
-    if sum(st.st_size for st in stats) <= _READ_MAX_BYTES:
-        _READ[key] = records, problems
-        while len(_READ) > _READ_KEEP:
-            del _READ[next(iter(_READ))]
-    return list(records), problems.copy()
 
 
-_READ: dict[tuple[Any, ...], tuple[list[dict[str, str]], Any]] = {}
-_READ_KEEP = 4  # the last files read (oldest dropped first)
-_READ_MAX_BYTES = 256 << 20  # larger record files are read again, not kept
+def stamps(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
+    """(file, size, mtime_ns) of each record file at path."""
+    return [(str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in shard_files(path)]
+
+
+@lru_cache(maxsize=4)
+def _read_once(stamps: tuple[Any, ...], path: Any, fields: tuple[Any, ...], on_error: str,
+               limit: int | None) -> tuple[list[dict[str, str]], Any]:
+    return _read(path, dict(fields), on_error, limit)
 
 
 def _read(path: str | os.PathLike[str], fields: dict[str, str], on_error: str,

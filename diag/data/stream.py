@@ -1,7 +1,5 @@
-"""The token cache's build: chunks tokenized by a pool of processes, appended in order.
-
-`encode_chunk` reads and tokenizes one chunk; `encoded` runs them in forked processes, two per
-process in flight, in source order (memory bounded by procs x chunk); `Arrays` appends them.
+"""The token cache's build: `encode_chunk` tokenizes one chunk, `encoded` runs them in forked
+processes (two per process in flight) in source order, `Arrays` appends them.
 """
 
 from __future__ import annotations
@@ -54,8 +52,7 @@ class Encoded:
 
 def _arrays(tokenizer: Any, records: list[dict[str, Any]], dtype: str
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ids, loss mask, lengths) of records: each prompt (no loss), response + EOS (loss).
-    The two id lists go to numpy flat and are placed by index arithmetic: no list per record."""
+    """(ids, loss mask, lengths) of records: each prompt (no loss), response + EOS (loss)."""
     prompts, responses = encode_pairs(tokenizer, records)
     p = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
     r = np.fromiter(map(len, responses), dtype=np.int64, count=len(responses))
@@ -74,8 +71,7 @@ def _arrays(tokenizer: Any, records: list[dict[str, Any]], dtype: str
 
 
 def encode_chunk(args: tuple[Job, Chunk, int | None]) -> Encoded:
-    """Read and tokenize one chunk, stopping after `stop_after` good records (None: all); a
-    copy chunk's records are read from the cache that holds them."""
+    """One chunk read and tokenized (a copy: from its cache), up to `stop_after` good records."""
     job, chunk, stop_after = args
     if chunk.copy is not None:
         folder, dtype, first, end, lines, problems = chunk.copy
@@ -109,8 +105,8 @@ def encode_chunk(args: tuple[Job, Chunk, int | None]) -> Encoded:
 
 def encoded(chunks: Iterator[Chunk], job: Job, procs: int,
             stop_after: Callable[[], int | None]) -> Iterator[tuple[Chunk, Encoded]]:
-    """(chunk, its arrays) in source order; stop_after() is asked as each chunk is handed out.
-    One process (or one chunk) runs here; more fork a pool that stops when the caller does."""
+    """(chunk, its arrays) in source order, stop_after() asked per chunk handed out; more than one
+    process and chunk: a forked pool that stops when the caller does."""
     head = list(itertools.islice(chunks, 2))
     chunks = itertools.chain(head, chunks)
     if procs == 1 or len(head) < 2:
@@ -130,8 +126,7 @@ def encoded(chunks: Iterator[Chunk], job: Job, procs: int,
                 chunk, result = window.popleft()
                 yield chunk, result.get()
         except (GeneratorExit, Exception):
-            # stopped early: the chunks in flight finish first (a worker terminated mid-put keeps
-            # the result queue's lock, and the pool's task thread waits on it for ever)
+            # stopped early: chunks in flight finish first (a worker killed mid-put keeps a lock)
             for _, result in window:
                 result.wait()
             _finish(pool)
@@ -149,8 +144,7 @@ def _finish(pool: Any) -> None:
 def _pool(procs: int) -> Iterator[Any]:
     import multiprocessing
 
-    # one tokenizer thread per process (set while the pool forks; this process keeps its own),
-    # SIGTERM blocked while it forks (_worker_signals says why)
+    # one tokenizer thread per worker (this process keeps its own); SIGTERM blocked over the fork
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
@@ -168,15 +162,14 @@ def _pool(procs: int) -> Iterator[Any]:
 
 
 def _worker_signals() -> None:
-    """A worker dies at the pool's SIGTERM, running no Python: SIGTERM is held blocked across
-    the fork (the parent's handler would unwind its copied stack and remove the parent's files)."""
+    """A worker dies at SIGTERM running no Python (the parent's handler would unwind its copied
+    stack and remove the parent's files)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 class Arrays:
-    """The arrays of a cache being built in `folder`, appended chunk by chunk; the .npy headers are
-    written with length 0 and rewritten in place at the end."""
+    """A cache's arrays, appended chunk by chunk; the .npy headers rewritten at the end."""
 
     def __init__(self, folder: Path, dtype: str) -> None:
         self.files = {name: open(folder / name, "wb") for name in ARRAYS}

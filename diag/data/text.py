@@ -1,29 +1,23 @@
-"""The text pipeline a fine-tuning job feeds its model: records -> prompt -> tokens.
-
-`format_prompt` renders a record (a chat one through the model's chat template), `encode_pairs`
-tokenizes many at once; `load_tokenizer` reads a tokenizer.json with `tokenizers` alone (0.1 s,
-no transformers, no torch: preflight and the token cache's workers), `hf_tokenizer` with
-transformers (the naive dataset, as a newcomer writes it).
+"""Records -> prompt -> tokens: `format_prompt` renders a record, `encode_pairs` tokenizes many;
+`load_tokenizer` reads a tokenizer.json with `tokenizers` alone (no transformers, no torch),
+`hf_tokenizer` with transformers (the naive dataset).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-# Alpaca-style template: what most instruction-tuning recipes use; the input block is left out
-# when a record has no input, so the prompt carries no empty section.
+# Alpaca's template (most instruction-tuning recipes'); no input block for a record without one
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 PROMPT_TEMPLATE_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 IGNORE_INDEX = -100  # the label PyTorch's cross-entropy (and HF models) leave out of the loss
 
 
 def format_prompt(record: dict[str, Any], tokenizer: Any = None) -> tuple[str, str]:
-    """(prompt text, response text) of an Alpaca, a prompt/response or a chat record (every
-    message but the last through the chat template, with its generation prompt)."""
+    """(prompt text, response text) of an Alpaca, prompt/response or chat record."""
     if "messages" in record:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("--messages-field: the tokenizer of --model has no chat template; "
@@ -38,25 +32,12 @@ def format_prompt(record: dict[str, Any], tokenizer: Any = None) -> tuple[str, s
             record["output"])
 
 
-def adds_special_tokens(record: dict[str, Any]) -> bool:
-    """Whether the prompt gets the tokenizer's special tokens (BOS): not a chat template's
-    text, which writes its own (as apply_chat_template(tokenize=True) encodes it)."""
-    return "messages" not in record
-
-
-def tokenizer_version(tokenizer_dir: str | os.PathLike[str]) -> str:
-    """Size and mtime of tokenizer.json: changes when the tokenizer is saved again."""
-    st = Path(tokenizer_dir, "tokenizer.json").stat()
-    return f"{st.st_size}-{st.st_mtime_ns}"
-
-
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
            "mask_token")  # the named special tokens a chat template sees, as transformers passes
 
 
 class TextTokenizer:
-    """A saved fast tokenizer read with `tokenizers` alone: the same ids, special tokens and chat
-    template text as transformers' PreTrainedTokenizerFast of the folder."""
+    """A saved fast tokenizer read with `tokenizers` alone, as transformers reads it."""
 
     def __init__(self, folder: Path, config: dict[str, Any]) -> None:
         from tokenizers import Tokenizer
@@ -110,8 +91,7 @@ def _compiled(template: str) -> Any:
 
 @lru_cache(maxsize=4)
 def load_tokenizer(tokenizer_dir: str, version: str = "") -> Any:
-    """The tokenizer of tokenizer_dir, once per process (version: saved again, loaded again):
-    a TextTokenizer, else (no tokenizer.json, a special token missing) transformers'."""
+    """tokenizer_dir's TextTokenizer, once per version, else transformers'."""
     folder = Path(tokenizer_dir)
     config: dict[str, Any] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
@@ -140,13 +120,13 @@ def hf_tokenizer(tokenizer_dir: str, version: str = "") -> Any:
 
 def encode_pairs(tokenizer: Any, records: list[dict[str, Any]]
                  ) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompt ids, response ids) of each record, tokenized apart so the boundary and the loss
-    mask are exact; NaiveTextDataset makes the same ids one at a time."""
+    """(prompt ids, response ids) of each record, tokenized apart so the loss mask is exact; a
+    chat template's prompt gets no special tokens (it writes its own BOS)."""
     pairs = [format_prompt(r, tokenizer) for r in records]
     rust = tokenizer.backend_tokenizer  # the Rust batch call: no BatchEncoding per row
     prompts: list[list[int]] = [[] for _ in records]
     for special in (True, False):  # one batch per kind: a source's records are all one kind
-        rows = [i for i, r in enumerate(records) if adds_special_tokens(r) is special]
+        rows = [i for i, r in enumerate(records) if ("messages" not in r) is special]
         if rows:
             encoded = rust.encode_batch_fast([pairs[i][0] for i in rows],
                                              add_special_tokens=special)
@@ -154,8 +134,3 @@ def encode_pairs(tokenizer: Any, records: list[dict[str, Any]]
                 prompts[i] = e.ids
     responses = rust.encode_batch_fast([r for _, r in pairs], add_special_tokens=False)
     return prompts, [e.ids for e in responses]
-
-
-def check_seq_len(seq_len: int) -> None:
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
-        raise ValueError(f"seq_len={seq_len!r}: must be a whole number of tokens >= 2")

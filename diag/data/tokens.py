@@ -1,9 +1,7 @@
 """The one token cache: tokenize once, keep the tokens on disk, reuse them while nothing changed.
 
-`build_token_cache` streams the records into DIAG_HOME/tokens/<key>/ (train.bin, loss_mask.npy,
-offsets.npy; meta.json last): a key by content, shared by the loader sweep, the accum sweep and
-the job; a changed shard is tokenized alone, the others copied from an older cache; `limit`
-builds the first records only.
+`build_token_cache` streams the records into DIAG_HOME/tokens/<key>/ (arrays, meta.json last),
+keyed by content; a changed shard is tokenized alone, the others copied from an older cache.
 """
 
 from __future__ import annotations
@@ -22,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from diag.data.identity import FORMAT, file_identities, key_parts, sha256
-from diag.data.records import PROBLEM_COLUMNS, Chunk, plan_chunks, problem, refusal, shard_files
+from diag.data.records import (PROBLEM_COLUMNS, Chunk, check_on_error, plan_chunks, problem,
+                               refusal, shard_files, stamps)
 from diag.data.stream import Arrays, Job, encoded
 from diag.data.text import load_tokenizer
 from diag.files import atomic_folder, sweep_orphans
@@ -50,16 +49,8 @@ class TokenCache:
     complete: bool = True  # False: the first records only (a `limit` build)
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The smallest unsigned dtype holding every id: uint16 up to 65,536 ids (GPT-2's 50,257)."""
-    if vocab_size <= 0:
-        raise ValueError(f"vocab_size={vocab_size}: must be > 0")
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-
-
 def read_meta(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The meta of a finished cache, or None where meta.json is missing or the arrays disagree
-    with it (a torn or foreign folder: never read as a cache)."""
+    """The meta of a finished cache; None for a torn or foreign folder (arrays disagree)."""
     folder = Path(folder)
     try:
         meta = json.loads((folder / "meta.json").read_text())
@@ -88,8 +79,7 @@ def _serves(meta: dict[str, Any], records: int | None) -> bool:
 
 def _hit(found: tuple[Path, dict[str, Any]], on_error: str, start: float,
          limit: int | None) -> TokenCache:
-    """The cache as asked for: with a limit, the problems a read of the first `limit` records
-    meets (each listed problem says how many good records came before it)."""
+    """The cache as asked for: with a limit, the problems met reading the first `limit` records."""
     import pandas as pd
 
     folder, meta = found
@@ -106,31 +96,20 @@ def _hit(found: tuple[Path, dict[str, Any]], on_error: str, start: float,
                       meta["skipped"] if whole else len(rows), meta["complete"])
 
 
-def _check(num_proc: Any, on_error: str, limit: Any, chunk_bytes: Any) -> None:
-    from diag.config import ON_ERROR
+def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
+                      fields: dict[str, str] | None = None, cache_dir: Any = None,
+                      num_proc: int | None = None, on_error: str = "skip", rebuild: bool = False,
+                      limit: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> TokenCache:
+    """The token cache of source (a file, a folder of shards, or records), reused when its key
+    matches; fields, on_error: read_source's; rebuild: every shard again; limit: the first ones."""
+    from diag.config import diag_home
+    from diag.machine.device import usable_cores
 
     for name, value in (("num_proc", num_proc), ("limit", limit), ("chunk_bytes", chunk_bytes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
             raise ValueError(f"{name}={value!r}: must be a whole number >= 1 (or None)")
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error={on_error!r}: allowed values are "
-                         + ", ".join(map(repr, ON_ERROR)))
-
-
-def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
-                      fields: dict[str, str] | None = None,
-                      cache_dir: str | os.PathLike[str] | None = None,
-                      num_proc: int | None = None, on_error: str = "skip",
-                      rebuild: bool = False, limit: int | None = None,
-                      chunk_bytes: int = CHUNK_BYTES) -> TokenCache:
-    """The token cache of source (a file, a folder of shards, or a list of records), reused
-    when its key matches; fields: read_source's; on_error "skip" leaves out and lists the records
-    that do not fit, "raise" refuses; rebuild: tokenize every shard again; limit: the first ones."""
-    from diag.config import diag_home
-    from diag.machine.device import usable_cores
-
-    _check(num_proc, on_error, limit, chunk_bytes)
+    check_on_error(on_error)
     start = time.perf_counter()
     root = Path(cache_dir) if cache_dir else diag_home() / "tokens"
     parts = key_parts(source, tokenizer_dir, fields, root)
@@ -159,12 +138,11 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
 
 def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk_bytes: int,
            on_error: str, start: float, rebuild: bool = False) -> dict[str, Any]:
-    """Stream source's tokens into a temporary folder beside `folder` (diag.files.atomic_folder),
-    meta.json (head + what was built + how fast) last. Returns that meta."""
+    """Stream source's tokens into atomic_folder(folder), meta.json last; returns that meta."""
     path, limit, root = head["source"], head["limit"], folder.parent
     tok = load_tokenizer(head["tokenizer_dir"], head["parts"]["tokenizer"])
-    job = Job(head["tokenizer_dir"], head["parts"]["tokenizer"], token_dtype(len(tok)).name,
-              head["fields"])
+    dtype = "uint16" if len(tok) <= 1 << 16 else "uint32"  # the smallest that holds every id
+    job = Job(head["tokenizer_dir"], head["parts"]["tokenizer"], dtype, head["fields"])
     ids: dict[str, str] = {}
     if path:  # each shard an older cache of this tokenizer and settings holds: copied, not
         files = shard_files(source)  # tokenized again
@@ -177,18 +155,22 @@ def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk
                        for i in range(0, len(source), MEMORY_CHUNK)])
     root.mkdir(parents=True, exist_ok=True)
     sweep_orphans(root)  # what builds killed mid-way left behind
-    before = _stamps(source) if path else None
-    if limit is None and before is not None:
-        _check_disk(root, before, np.dtype(job.dtype).itemsize)
+    before = stamps(source) if path else None
+    if limit is None and before is not None:  # refused before any work: the free disk's estimate
+        size = sum(s[1] for s in before)
+        need = int(size * TOKENS_PER_BYTE * (np.dtype(dtype).itemsize + 1))  # ids + mask byte
+        if need > (free := shutil.disk_usage(root).free):
+            raise RuntimeError(f"token cache: {size / 1e9:.3g} GB of records needs about "
+                               f"{need / 1e9:.3g} GB at {root}, {free / 1e9:.3g} GB is free; free "
+                               "space or point DIAG_HOME at a larger disk")
     try:
         with atomic_folder(folder) as tmp:  # swapped in whole, after every byte is on disk
             built = _write(tmp, chunks, job, procs, limit, on_error, ids)
-            name = Path(path).name if path else "records"
             if not built["records"]:
-                raise ValueError(f"--source: {name} holds no usable records "
-                                 f"({built['skipped']} that do not fit): nothing to tokenize")
-            changed = _changed(before) if before is not None else ""
-            if changed:
+                raise ValueError(f"--source: {Path(path).name if path else 'records'} holds no "
+                                 f"usable records ({built['skipped']} that do not fit): nothing "
+                                 "to tokenize")
+            if before is not None and (changed := _changed(before)):
                 raise ValueError(f"--source: {changed} while its token cache was built; "
                                  "nothing was kept: build again once it is written")
             seconds = time.perf_counter() - start
@@ -196,7 +178,8 @@ def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk
                     "pad_token_id": tok.pad_token_id}
             meta["build"].update(seconds=seconds, tokens_per_s=built["tokens"] / seconds,
                                  mb_per_s=built["build"]["bytes"] / seconds / 1e6)
-            write_meta(tmp, meta)
+            # last: a folder without it (or with a mismatched one) is never read as a cache
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     except OSError as err:
         refused = _refusal_of(err, root, path)
         if refused is None:
@@ -206,8 +189,7 @@ def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk
 
 
 def _reused(root: Path, parts: dict[str, str]) -> dict[str, tuple[Path, str, dict[str, Any]]]:
-    """{shard identity: (cache folder, dtype, its entry)}: the whole shards that finished caches
-    of these tokenizer and settings hold."""
+    """{shard identity: (cache folder, dtype, entry)}: whole shards in caches of these settings."""
     got: dict[str, tuple[Path, str, dict[str, Any]]] = {}
     for folder, meta in _finished(root):
         if [meta["parts"][k] for k in ("tokenizer", "settings")] == [parts["tokenizer"],
@@ -241,8 +223,7 @@ def _with_copies(chunks: Any, ids: dict[str, str], reused: dict[str, Any]) -> An
 
 def _write(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None,
            on_error: str, ids: dict[str, str]) -> dict[str, Any]:
-    """Stream every chunk's arrays into tmp, in order; what meta.json says of them, with each
-    shard's records, lines and problems (what a later build copies instead of tokenizing)."""
+    """Every chunk's arrays into tmp, in order; meta.json's account of them, shard by shard."""
     arrays = Arrays(tmp, job.dtype)
     shards: dict[str, dict[str, Any]] = {}
     problems: list[dict[str, Any]] = []
@@ -283,10 +264,6 @@ def _write(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None,
             "build": {"bytes": read, "processes": procs}}
 
 
-def _stamps(source: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
-    return [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in shard_files(source)]
-
-
 def _changed(before: list[tuple[str, int, int]]) -> str:
     """What happened to the source's files since `before`: "" where nothing did."""
     for name, size, mtime in before:
@@ -297,17 +274,6 @@ def _changed(before: list[tuple[str, int, int]]) -> str:
         if (st.st_size, st.st_mtime_ns) != (size, mtime):
             return f"{name} changed"
     return ""
-
-
-def _check_disk(root: Path, stamps: list[tuple[str, int, int]], itemsize: int) -> None:
-    """Refuse, before any work, a build the free disk cannot hold (estimated from the source)."""
-    size = sum(s[1] for s in stamps)
-    need = int(size * TOKENS_PER_BYTE * (itemsize + 1))  # ids + the loss mask's byte per token
-    free = shutil.disk_usage(root).free
-    if need > free:
-        raise RuntimeError(f"token cache: {size / 1e9:.3g} GB of records needs about "
-                           f"{need / 1e9:.3g} GB at {root}, {free / 1e9:.3g} GB is free; free "
-                           "space or point DIAG_HOME at a larger disk")
 
 
 def _refusal_of(err: OSError, root: Path, path: str | None) -> Exception | None:
@@ -321,8 +287,3 @@ def _refusal_of(err: OSError, root: Path, path: str | None) -> Exception | None:
         return ValueError(f"--source: {err.filename} disappeared while its token cache was "
                           "built; nothing was kept: build again once it is written")
     return None
-
-
-def write_meta(tmp: Path, meta: dict[str, Any]) -> None:
-    """Written last: a folder without it (or with a mismatched one) is never read as a cache."""
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))

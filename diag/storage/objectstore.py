@@ -1,8 +1,5 @@
-"""The object-store client side: s3:// URLs, boto3 clients, listing, deadlines, clear errors.
-
-`transfer_plan()` sizes a download's parts from the object and the cores; `make_client()` keeps
-the user's AWS configuration and always times out; `deadline()` ends a pull that outlives what
-its bytes should take. Errors name the URL, the endpoint and the fix, never a secret.
+"""The object-store client side: s3:// URLs, boto3 clients (the user's AWS configuration, always
+timing out), listings, transfer plans, deadlines, and errors naming the URL, endpoint and fix.
 """
 
 from __future__ import annotations
@@ -62,33 +59,28 @@ class TransferPlan:
         return f"{parts} x {self.part_bytes / MB:.0f} MB parts, {self.concurrency} at a time"
 
     def transfer_config(self, retries: int | None = None) -> Any:
-        """The boto3 TransferConfig that runs this plan (what land() passes to download_file).
-        retries None leaves s3transfer's own count of re-GETs after a dropped stream (5)."""
+        """land()'s boto3 TransferConfig (retries None: s3transfer's 5 re-GETs); "classic": the
+        engine diag checks while it streams ("auto" may pick the CRT client)."""
         from boto3.s3.transfer import TransferConfig
 
         extra = {} if retries is None else {"num_download_attempts": retries + 1}
-        # "classic": s3transfer, the engine diag checks while it streams; with awscrt installed,
-        # "auto" would switch to the CRT client on some EC2 instance types
         return TransferConfig(preferred_transfer_client="classic",
                               multipart_threshold=self.single_get_below,
                               multipart_chunksize=self.part_bytes,
                               max_concurrency=self.concurrency, **extra)
 
     def paste(self) -> str:
-        """The same plan as a line of Python a user pastes into their own boto3 code."""
+        """The plan as a line of Python for the user's boto3 code."""
         return (f"TransferConfig(multipart_threshold={self.single_get_below}, "
                 f"multipart_chunksize={self.part_bytes}, max_concurrency={self.concurrency})")
 
 
 def transfer_plan(size: int, cores: int | None = None) -> TransferPlan:
-    """Part size and concurrency for one object of `size` bytes with `cores` cores (default:
-    `usable_cores()`): under 32 MB one GET; larger, ~2 parts per core of 8-256 MB each, fetched
-    min(2 x cores, parts) at a time (docs/calibration.md, storage, says why)."""
+    """Under 32 MB one GET; larger, ~2 parts per core of 8-256 MB each, min(2 x cores, parts)
+    at a time (cores: `usable_cores()`; docs/calibration.md, storage, says why)."""
     cores = max(1, cores or usable_cores())
-    single = 32 * MB
     part = min(256 * MB, max(8 * MB, -(-size // (2 * cores))))
-    parts = max(1, -(-size // part))
-    return TransferPlan(single, part, max(1, min(2 * cores, parts)))
+    return TransferPlan(32 * MB, part, max(1, min(2 * cores, -(-size // part))))
 
 
 def parse_s3(url: str) -> S3Url:
@@ -101,18 +93,14 @@ def parse_s3(url: str) -> S3Url:
 
 def register_url_secret(url: str | None) -> None:
     """An endpoint URL may carry `user:password@`: its password is redacted wherever diag writes."""
-    if url:
-        try:
-            register(urlsplit(url).password)
-        except ValueError:  # a malformed URL: botocore will refuse it with its own message
-            pass
+    with contextlib.suppress(ValueError):  # a malformed URL: botocore refuses it itself
+        register(urlsplit(url or "").password)
 
 
 def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = None,
                 retries: int | None = None, max_pool: int = 10, profile: str = "",
                 region: str = "", unsigned: bool = False, stall_s: float = STALL_S) -> Any:
-    """A boto3 S3 client from the user's AWS configuration, changed only where an argument is
-    given (retries None: the user's); every request times out (CONNECT_S, stall_s)."""
+    """A boto3 S3 client: the user's AWS configuration but for the arguments; it times out."""
     import boto3
     from botocore import UNSIGNED
     from botocore.config import Config
@@ -125,11 +113,8 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
         options["retries"] = {"total_max_attempts": retries + 1, "mode": "standard"}
     if unsigned:
         options["signature_version"] = UNSIGNED
-    kwargs: dict[str, Any] = dict(credentials or {})
-    if endpoint_url:
-        kwargs["endpoint_url"] = endpoint_url
-    if region:
-        kwargs["region_name"] = region
+    kwargs = {**(credentials or {}), **({"endpoint_url": endpoint_url} if endpoint_url else {}),
+              **({"region_name": region} if region else {})}
     try:
         session = boto3.Session(profile_name=profile or None)
     except ProfileNotFound as err:
@@ -152,8 +137,7 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
 
 
 def source_client(cfg: SourceConfig, server: Any = None) -> Any:
-    """cfg.source's client with every source flag, pooled for land(): boto3's for s3:// (with
-    `server`, the embedded one's), HfApi for hf:// (HF_ENDPOINT), None for local files."""
+    """cfg.source's client: boto3's (or `server`'s), HfApi for hf://, None for local files."""
     from diag.config.source import source_kind
 
     pool, kind = 2 * usable_cores(), source_kind(cfg.source)
@@ -174,8 +158,7 @@ def source_client(cfg: SourceConfig, server: Any = None) -> Any:
 
 
 def deadline_s(nbytes: int, mb_per_s: float | None, stall_s: float) -> float:
-    """What a pull of nbytes may take: stall_s, plus SLACK x its seconds at the measured rate
-    (FLOOR_MB_S before one is measured)."""
+    """stall_s plus SLACK x nbytes' seconds at the measured rate (FLOOR_MB_S before one is)."""
     return stall_s + SLACK * nbytes / MB / (mb_per_s or FLOOR_MB_S)
 
 
@@ -185,8 +168,8 @@ class _Stalled(Exception):
 
 @contextlib.contextmanager
 def deadline(client: Any, seconds: float, what: str) -> Iterator[None]:
-    """After `seconds`, refuse the client's new requests and shut its sockets to the endpoint
-    (a blocked read returns); the pull inside then raises one line naming `what`, the endpoint."""
+    """After `seconds`, refuse the client's requests and shut its sockets (a blocked read
+    returns); the pull inside then raises one line naming `what` and the endpoint."""
     expired, endpoint = threading.Event(), client.meta.endpoint_url
 
     def refuse(**_: Any) -> None:
@@ -207,18 +190,16 @@ def deadline(client: Any, seconds: float, what: str) -> Iterator[None]:
     except Exception:
         if not expired.is_set():
             raise
-        raise RuntimeError(redact(
-            f"{what} (endpoint {endpoint}): not done within its deadline of {seconds:.3g} s "
-            "(--stall-s plus 4x its bytes at the rate measured): the endpoint stalled; check "
-            "it, or raise --stall-s")) from None
+        raise failure(what, client, f"not done within its deadline of {seconds:.3g} s (--stall-s"
+                      " plus 4x its bytes at the rate measured): the endpoint stalled; check it, "
+                      "or raise --stall-s") from None
     finally:
         timer.cancel()
         client.meta.events.unregister("before-send.s3", unique_id=hook)
 
 
 def _cut(endpoint: str) -> None:
-    """Shut down this process's sockets to endpoint (Linux: /proc/self/fd; elsewhere a blocked
-    read ends at the client's read timeout)."""
+    """Shut this process's sockets to endpoint (Linux; elsewhere the read timeout ends a read)."""
     url = urlsplit(endpoint)
     try:
         peers = {a[4][:2] for a in socket.getaddrinfo(
@@ -231,13 +212,32 @@ def _cut(endpoint: str) -> None:
             sock = socket.socket(fileno=fd)
         except OSError:  # not a socket
             continue
-        try:
+        with contextlib.suppress(OSError):
             if sock.getpeername()[:2] in peers:
                 sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            sock.detach()
+        sock.detach()
+
+
+def failure(url: object, client: Any, text: str) -> RuntimeError:
+    """One line naming the URL and the client's endpoint (boto3's or HfApi's), then `text`."""
+    endpoint = client.endpoint if hasattr(client, "endpoint") else client.meta.endpoint_url
+    return RuntimeError(redact(f"{url} (endpoint {endpoint}): {text}"))
+
+
+_CREDS = "(--profile / AWS_PROFILE, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, the instance role)"
+_ANSWERS = {  # an S3 error code (or HTTP status): what it means and what fixes it
+    "NoSuchBucket": "the bucket does not exist at this endpoint (check --source, and "
+                    "--endpoint-url / --region if the bucket lives elsewhere)",
+    **dict.fromkeys(("NoSuchKey", "404", "NotFound"), "no such object (check the key in "
+                    "--source; a prefix ends with '/')"),
+    **dict.fromkeys(("PermanentRedirect", "AuthorizationHeaderMalformed", "301"), "the bucket "
+                    "is in another region ({code}): pass --region or set AWS_REGION to the "
+                    "bucket's region"),
+    **dict.fromkeys(("PreconditionFailed", "412"), "the object changed while it was landing; "
+                    "run again"),
+    **dict.fromkeys(("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
+                     "InvalidToken", "ExpiredToken", "Forbidden"), "access denied ({code})"),
+}
 
 
 def remote_error(err: Exception, url: str | S3Url, client: Any) -> RuntimeError:
@@ -246,48 +246,31 @@ def remote_error(err: Exception, url: str | S3Url, client: Any) -> RuntimeError:
     from botocore.exceptions import (ClientError, EndpointConnectionError, NoCredentialsError,
                                      ProfileNotFound, ReadTimeoutError)
 
-    endpoint = client.meta.endpoint_url
-    where = f"{url} (endpoint {endpoint})"
     if isinstance(err, ClientError):
-        code = str(err.response.get("Error", {}).get("Code", ""))
         status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if code in ("NoSuchBucket",):
-            text = (f"{where}: the bucket does not exist at this endpoint (check --source, and "
-                    "--endpoint-url / --region if the bucket lives elsewhere)")
-        elif code in ("NoSuchKey", "404", "NotFound"):
-            text = f"{where}: no such object (check the key in --source; a prefix ends with '/')"
-        elif code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "301"):
-            text = (f"{where}: the bucket is in another region ({code or status}): pass --region "
-                    "or set AWS_REGION to the bucket's region")
-        elif code in ("PreconditionFailed", "412"):
-            text = f"{where}: the object changed while it was landing; run again"
-        elif code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403",
-                      "InvalidToken", "ExpiredToken", "Forbidden") or status == 403:
-            creds = ("(--profile / AWS_PROFILE, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, the "
-                     "instance role)")
-            text = (f"{where}: access denied ({code or status}) to an unsigned request "
-                    f"(--no-sign-request): the bucket is not public; drop --no-sign-request and "
-                    f"give credentials {creds}"
-                    if client.meta.config.signature_version is UNSIGNED else
-                    f"{where}: access denied ({code or status}): check the credentials {creds}; "
-                    "a public bucket needs --no-sign-request")
-        else:
-            text = f"{where}: the server answered {code or status}"
+        code = str(err.response.get("Error", {}).get("Code", "")) or str(status)
+        text = _ANSWERS.get("403" if status == 403 and code not in _ANSWERS else code,
+                            "the server answered {code}").format(code=code)
+        if text.startswith("access denied"):
+            text += (" to an unsigned request (--no-sign-request): the bucket is not public; "
+                     f"drop --no-sign-request and give credentials {_CREDS}"
+                     if client.meta.config.signature_version is UNSIGNED else
+                     f": check the credentials {_CREDS}; a public bucket needs --no-sign-request")
     elif isinstance(err, ReadTimeoutError):
-        text = (f"{where}: no answer within --stall-s={client.meta.config.read_timeout:g} s (read "
+        text = (f"no answer within --stall-s={client.meta.config.read_timeout:g} s (read "
                 "timeout): the endpoint stalled; check it, or raise --stall-s")
     elif isinstance(err, EndpointConnectionError):
-        text = (f"{where}: cannot connect to the endpoint (refused or unreachable); check "
-                "--endpoint-url / AWS_ENDPOINT_URL and that the server is up")
+        text = ("cannot connect to the endpoint (refused or unreachable); check --endpoint-url / "
+                "AWS_ENDPOINT_URL and that the server is up")
     elif isinstance(err, NoCredentialsError):
-        text = (f"{where}: no AWS credentials found: for a public bucket pass --no-sign-request; "
-                "else set --profile / AWS_PROFILE or AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY, or run on an instance with a role")
+        text = ("no AWS credentials found: for a public bucket pass --no-sign-request; else set "
+                "--profile / AWS_PROFILE or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or run "
+                "on an instance with a role")
     elif isinstance(err, ProfileNotFound):
-        text = f"{where}: {err}: check --profile / AWS_PROFILE against ~/.aws/config"
+        text = f"{err}: check --profile / AWS_PROFILE against ~/.aws/config"
     else:
-        text = f"{where}: {type(err).__name__}: {err}"
-    return RuntimeError(redact(text))
+        text = f"{type(err).__name__}: {err}"
+    return failure(url, client, text)
 
 
 def list_s3(client: Any, url: S3Url) -> list[RemoteObject]:
@@ -300,29 +283,24 @@ def list_s3(client: Any, url: S3Url) -> list[RemoteObject]:
                 head = client.head_object(Bucket=url.bucket, Key=url.key)
             except ClientError as err:
                 if err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                    client.head_bucket(Bucket=url.bucket)  # raises NoSuchBucket-like 404 if absent
+                    client.head_bucket(Bucket=url.bucket)  # a missing bucket: its own 404
                 raise
             return [RemoteObject(url.key, int(head["ContentLength"]), head["ETag"].strip('"'))]
-        found = []
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=url.bucket,
-                                                                     Prefix=url.key):
-            for o in page.get("Contents", []):
-                if not (o["Key"].endswith("/") and o["Size"] == 0):  # folder markers
-                    found.append(RemoteObject(o["Key"], int(o["Size"]), o["ETag"].strip('"')))
-    except ClientError as err:
-        if (err.response.get("Error", {}).get("Code") in ("404", "NotFound")
-                and err.operation_name == "HeadBucket"):
+        found = [RemoteObject(o["Key"], int(o["Size"]), o["ETag"].strip('"'))
+                 for page in client.get_paginator("list_objects_v2").paginate(
+                     Bucket=url.bucket, Prefix=url.key) for o in page.get("Contents", [])
+                 if not (o["Key"].endswith("/") and o["Size"] == 0)]  # not folder markers
+    except (ClientError, BotoCoreError) as err:
+        if isinstance(err, ClientError) and err.operation_name == "HeadBucket" and \
+                err.response.get("Error", {}).get("Code") in ("404", "NotFound"):
             err.response["Error"]["Code"] = "NoSuchBucket"
         raise remote_error(err, url, client) from None
-    except BotoCoreError as err:
-        raise remote_error(err, url, client) from None
     if not found:
-        raise RuntimeError(redact(f"{url} (endpoint {client.meta.endpoint_url}): no objects under "
-                                  "this prefix (check --source; one object has no trailing '/')"))
+        raise failure(url, client, "no objects under this prefix (check --source; one object "
+                      "has no trailing '/')")
     return found
 
 
 def md5_checkable(etag: str) -> bool:
-    """True when the ETag is the MD5 of the bytes: 32 hex digits, no "-N" part count (a
-    multipart ETag depends on the uploader's part size: checked by size and stored CRC)."""
+    """The ETag is the bytes' MD5: 32 hex digits, no multipart "-N"."""
     return len(etag) == 32 and all(c in "0123456789abcdefABCDEF" for c in etag)

@@ -1,8 +1,5 @@
-"""A sample of a dataset's objects that represents its sizes, and the whole pull extrapolated.
-
-`spread` orders objects (or a one-object source's `ranges`) so every prefix spans their sizes;
-`probe` pulls them until its time is spent, one row per piece; `Extrapolation` fits seconds as
-a per-piece overhead plus bytes over a rate and scales the sample's pull to the whole.
+"""A sample spanning a dataset's sizes (`spread` of objects or `ranges`, pulled by `probe`), and
+the whole pull extrapolated (`Extrapolation`: seconds = pieces x overhead + bytes / rate).
 """
 
 from __future__ import annotations
@@ -13,6 +10,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diag.storage.objectstore import MB, RemoteObject, transfer_plan
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 RANGES_AT_LEAST = 8  # a one-object source is cut into at least this many ranges to spread over
 RANGE_SAMPLE_AT_LEAST = 10 * 8 * 2**20  # its sample's least bytes: boto3's 10 parts of 8 MiB
@@ -31,26 +31,20 @@ class Range:
         return self.obj.key
 
     @property
-    def name(self) -> str:
-        """The file its bytes land in: the object's name and the range, as HTTP writes it."""
+    def name(self) -> str:  # the file its bytes land in: the object's name, the HTTP range
         return f"{self.key.rsplit('/', 1)[-1]}.bytes-{self.start}-{self.start + self.size - 1}"
 
 
 def ranges(obj: RemoteObject) -> list[Range]:
-    """The object cut into ranges in offset order, each whole parts of both boto3 pulls (land()'s
-    part rounded down to 8 MiB; smaller when fewer than RANGES_AT_LEAST fit)."""
+    """The object cut into ranges of whole parts of both boto3 pulls (at least RANGES_AT_LEAST)."""
     step = min(transfer_plan(obj.size).part_bytes, max(1, obj.size // RANGES_AT_LEAST))
     if step >= 8 * 2**20:  # whole 8 MiB parts: boto3's default pull makes as many requests a byte
         step -= step % (8 * 2**20)
     return [Range(obj, a, min(step, obj.size - a)) for a in range(0, obj.size, step)]
 
-if TYPE_CHECKING:
-    import pandas as pd
-
 
 def spread(objects: list[Any]) -> list[Any]:
-    """Every piece once, in an order whose every prefix is spread over the sizes (positions 1/2,
-    1/4, 3/4, 1/8, ... of the sorted pieces: a stratified sample)."""
+    """Every piece once, each prefix spread over the sizes (sorted positions 1/2, 1/4, 3/4, ...)."""
     ranked = sorted(objects, key=lambda o: (o.size, o.key))
     n, seen, out, depth = len(ranked), set(), [], 0
     while len(out) < n:  # at depth d the positions are n/2^d apart: all are hit once 2^d >= n
@@ -65,8 +59,7 @@ def spread(objects: list[Any]) -> list[Any]:
 
 def probe(ordered: list[Any], pull_one: Callable[[Any, int], None],
           seconds: float, cap_bytes: int, least: int = 0) -> pd.DataFrame:
-    """pull_one(piece, bytes before) for each piece in order until `seconds` (0: no limit) and
-    `least` bytes, or cap_bytes (0: none; the first is always pulled): one row per piece."""
+    """pull_one(piece, bytes before) until `seconds` and `least` bytes, or cap_bytes: rows."""
     import pandas as pd
 
     rows, total, spent = [], 0, 0.0
@@ -87,8 +80,7 @@ def probe(ordered: list[Any], pull_one: Callable[[Any, int], None],
 
 @dataclass(frozen=True)
 class Extrapolation:
-    """A sample's pull turned into the whole dataset's: seconds = pieces x overhead_s + bytes /
-    rate, fitted on the probe's pieces (objects, or with range_bytes ranges of the one object)."""
+    """A sample's pull turned into the whole dataset's, fitted on the probe's pieces."""
 
     sample_bytes: int
     sample_files: int  # pieces pulled: objects, or ranges of the one object
@@ -117,13 +109,11 @@ class Extrapolation:
                    float(settle), range_bytes)
 
     @property
-    def whole(self) -> bool:
-        """The sample is every byte: nothing is extrapolated."""
+    def whole(self) -> bool:  # the sample is every byte: nothing is extrapolated
         return self.sample_bytes >= self.dataset_bytes
 
     @property
-    def factor(self) -> float:
-        """The whole pull's seconds over the sample's, by the fitted model (1: the whole set)."""
+    def factor(self) -> float:  # the whole pull's seconds over the sample's, by the fit
         if self.whole:
             return 1.0
         pieces = (-(-self.dataset_bytes // self.range_bytes) if self.range_bytes
@@ -133,22 +123,19 @@ class Extrapolation:
         return whole / part
 
     def label(self) -> str:
-        """What was sampled, of how much: "64 MB in 4 of 64 objects (6%), extrapolated", or
-        "4 ranges of 8 MB spread over the object's 25 GB (0.1%), extrapolated"."""
+        """What was sampled, of how much, and how it was extrapolated."""
         if self.whole:
             return f"all {self.dataset_bytes / MB:.4g} MB in {self.dataset_files} object(s)"
         piece = "range" if self.range_bytes else "object"
         overhead = (f"{self.overhead_s * 1000:.3g} ms per {piece}" if self.overhead_s else
                     f"no per-{piece} overhead separable from its sizes: scaled by bytes")
         share = f"{self.sample_bytes / self.dataset_bytes:.1%}"
+        size = (f"{self.dataset_bytes / 1e9:.3g} GB" if self.dataset_bytes >= 1e9
+                else f"{self.dataset_bytes / MB:.4g} MB")
         what = (f"{self.sample_files} ranges of {self.range_bytes / MB:.4g} MB spread over the "
-                f"one object's {_size(self.dataset_bytes)} ({self.sample_bytes / MB:.4g} MB, "
+                f"one object's {size} ({self.sample_bytes / MB:.4g} MB, "
                 f"{share})" if self.range_bytes else
                 f"a sample of {self.sample_bytes / MB:.4g} MB in {self.sample_files} of "
                 f"{self.dataset_files} objects ({share} of {self.dataset_bytes / MB:.4g} MB)")
         return (f"{what}, extrapolated (rate moved {self.settle:.0%} over the sample's second "
                 f"half; {overhead})")
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.3g} GB" if nbytes >= 1e9 else f"{nbytes / MB:.4g} MB"

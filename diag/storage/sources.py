@@ -1,9 +1,6 @@
-"""A --source where it is: an S3 URL, a hub dataset (hf://datasets/...) or local files.
-
-`parse_url` names the kind (S3Url, HubUrl, LocalUrl) and `list_remote` lists its files (key,
-size, etag), the one way each is listed; `fetch` gives the job its data: local files read where
-they are, a hub dataset landed once in diag's hub cache (the user's HF cache read, never
-written), an S3 one landed or pulled per start; a prefix's first shards up to `records` records.
+"""A --source (s3://, hf://datasets/... or local files): `parse_url`, `list_remote`, and `fetch`,
+the job's data: local files in place, a hub dataset landed once in diag's hub cache (the user's
+HF cache read, never written), an S3 one landed or pulled per start.
 """
 
 from __future__ import annotations
@@ -13,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from diag.config.source import data_file, source_kind
-from diag.secrets import redact
-from diag.storage.objectstore import RemoteObject, S3Url, list_s3, parse_s3
+from diag.storage.objectstore import RemoteObject, S3Url, failure, list_s3, parse_s3
 
 
 @dataclass(frozen=True)
@@ -57,8 +53,7 @@ def parse_url(source: str) -> S3Url | HubUrl | LocalUrl:
 
 
 def list_remote(client: Any, url: S3Url | HubUrl | LocalUrl) -> list[RemoteObject]:
-    """Every file of the source, no download: an S3 LIST or HEAD, the hub's tree, a folder's walk
-    (keys under the prefix's root; a local etag is the mtime)."""
+    """Every file of the source, no download (a local file's key: its path; etag: its mtime)."""
     if isinstance(url, S3Url):
         return list_s3(client, url)
     if isinstance(url, LocalUrl):
@@ -77,27 +72,25 @@ def list_remote(client: Any, url: S3Url | HubUrl | LocalUrl) -> list[RemoteObjec
         found = [RemoteObject(f.path, f.size, f.lfs.sha256 if f.lfs else f.blob_id)
                  for f in tree if isinstance(f, RepoFile)]
     except Exception as err:  # noqa: BLE001  huggingface_hub's errors: named with the URL
-        raise RuntimeError(redact(f"{url} (endpoint {client.endpoint}): {type(err).__name__}: "
-                                  f"{str(err).splitlines()[0]} (check --source and "
-                                  "HF_ENDPOINT / HF_TOKEN)")) from None
+        raise failure(url, client, f"{type(err).__name__}: {str(err).splitlines()[0]} (check "
+                      "--source and HF_ENDPOINT / HF_TOKEN)") from None
     found = [o for o in found if url.is_prefix or o.key == url.path]
     if not found:
-        raise RuntimeError(f"{url} (endpoint {client.endpoint}): no such file or folder in the "
-                           "dataset repo (check --source; a folder may end with '/')")
+        raise failure(url, client, "no such file or folder in the dataset repo (check --source; "
+                      "a folder may end with '/')")
     return found
 
 
 def fetch(source: str, client: Any, how: str, work: Path, records: int = 0
           ) -> tuple[Path, int, int]:
     """The data a job trains on, `how` ("land": once, reused; "pull": into `work` per start):
-    (its path, bytes fetched, the source's data bytes). A prefix with `records`: its first data
-    files in key order until they hold that many records (0: all)."""
+    (its path, bytes fetched, the source's data bytes); with `records`, a prefix's first files in
+    key order until they hold that many (0: all)."""
     from diag.config import diag_home
     from diag.data.records import count_records
 
     url = parse_url(source)
-    objects = sorted((o for o in list_remote(client, url) if data_file(o.key)),
-                     key=lambda o: o.key)
+    objects = sorted((o for o in list_remote(client, url) if data_file(o.key)), key=lambda o: o.key)
     total = sum(o.size for o in objects)
     if isinstance(url, LocalUrl):
         return url.path, 0, total
@@ -107,14 +100,11 @@ def fetch(source: str, client: Any, how: str, work: Path, records: int = 0
     held, fetched, path = 0, 0, work
     for obj in objects:
         path = _get(url, client, how, [obj], root, work)
-        held, fetched = held + count_records(_file(path, url, obj)), fetched + obj.size
+        rel = obj.key[len(url.path if isinstance(url, HubUrl) else url.key):].lstrip("/")
+        held, fetched = held + count_records(path / rel), fetched + obj.size
         if held >= records:
             break
     return path, fetched, total
-
-
-def _file(folder: Path, url: S3Url | HubUrl, obj: RemoteObject) -> Path:
-    return folder / obj.key[len(url.path if isinstance(url, HubUrl) else url.key):].lstrip("/")
 
 
 def _get(url: S3Url | HubUrl, client: Any, how: str, objects: list[RemoteObject], root: Path,
@@ -137,8 +127,7 @@ def _get(url: S3Url | HubUrl, client: Any, how: str, objects: list[RemoteObject]
 
 def _hub_files(api: Any, url: HubUrl, objects: list[RemoteObject], cache: Path | None,
                work: Path) -> Path:
-    """Each file from the user's HF cache when it holds them all (read only), else landed in
-    `cache` (diag's own) or, with none, downloaded into work: the source's path there."""
+    """The source's path in the user's HF cache (all held), else `cache` (diag's), else work."""
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
     where = {"repo_id": url.repo_id, "repo_type": "dataset", "revision": url.revision}

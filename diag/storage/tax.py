@@ -1,7 +1,5 @@
-"""The tax of re-pulling a dataset on every start, and the advice that removes it.
-
-`storage_tax` turns each method's median rate into minutes and money per start and per week;
-`advice` gives the rows `amdahl.findings` ranks: land once, and the tuned transfer to paste.
+"""The tax of re-pulling a dataset on every start (`storage_tax`: time and money per start and
+week), and the `advice` rows amdahl.findings ranks: land once, the tuned transfer to paste.
 """
 
 from __future__ import annotations
@@ -13,24 +11,33 @@ from diag.decision import FIXES
 from diag.storage.methods import NVME_COLD, PULLS
 from diag.storage.objectstore import MB, transfer_plan
 
-
 if TYPE_CHECKING:
     import pandas as pd
+
+ADVICE = ["stage", "finding", "seconds_saved", "evidence"]
+_NETWORK_KINDS = {"network_block": "network block storage (EBS, PD, ...)",
+                  "network_file": "a network filesystem (NFS, EFS, Filestore, Lustre, FUSE, ...)"}
+# what each disk kind (diag.machine.disks, as `diag info` names it) is called in the advice
+_DISK_WORDS = {"local_nvme": "local NVMe", "local_ssd": "a local SSD", "local_hdd": "a local HDD",
+               "virtual": "a virtual disk (its backing is not visible from the guest: diag "
+                          "info's disk rows)", "other": "a disk of unknown kind", **_NETWORK_KINDS}
 
 
 def medians(frame: pd.DataFrame) -> pd.DataFrame:
     """Median seconds, MB/s and TTFB per method and cache state, with the repeat count."""
-    grouped = frame.groupby(["method", "cache_state"], sort=False)
-    out = grouped.agg(bytes=("bytes", "max"), seconds=("seconds", "median"),
-                      mb_per_s=("mb_per_s", "median"), ttfb_s=("ttfb_s", "median"),
-                      repeats=("repeat", "count")).reset_index()
-    return out
+    return frame.groupby(["method", "cache_state"], sort=False).agg(
+        bytes=("bytes", "max"), seconds=("seconds", "median"), mb_per_s=("mb_per_s", "median"),
+        ttfb_s=("ttfb_s", "median"), repeats=("repeat", "count")).reset_index()
+
+
+def cold_reads(frame: pd.DataFrame) -> pd.DataFrame:
+    """The local reads of a copy evicted from the page cache (not the NVMe's beside it)."""
+    return frame[(frame["method"] == "local_read") & frame["cache_state"].str.startswith("cold")]
 
 
 def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_week: float = 20.0,
                 usd_per_hour: float | None = None) -> pd.DataFrame:
-    """What re-pulling the dataset on every start costs, per pull method (median rate);
-    dataset_gb 0: the measured size; usd_per_hour 0: no money figures."""
+    """Each pull method's cost per start (dataset_gb 0: measured size; usd_per_hour 0: no money)."""
     import pandas as pd
 
     pulls = frame[frame["method"].isin(PULLS)]
@@ -54,7 +61,8 @@ def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_w
             [gb * 1000 / r for r in part["mb_per_s"]]
         per_run = statistics.median(whole)
         usd = per_run / 3600 * usd_per_hour if usd_per_hour else float("nan")
-        sampled = whole_gb > measured_gb and "sampled" in part.columns
+        sampled = (f" (extrapolated from {part['sampled'].iloc[0]})"
+                   if whole_gb > measured_gb and "sampled" in part.columns else "")
         rows.append({
             "method": method, "mb_per_s": rate, "repeats": len(part), "dataset_gb": gb,
             "measured_gb": measured_gb, "seconds_per_run": per_run, "seconds_low": min(whole),
@@ -63,9 +71,7 @@ def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_w
             "usd_per_week": usd * runs_per_week,
             "evidence": f"{gb:.3g} GB at {rate:.0f} MB/s ({method}, measured on "
                         f"{measured_gb * 1000:.4g} MB) = {_duration(per_run)} per start "
-                        f"({over_rounds(whole)})"
-                        + (f" (extrapolated from {part['sampled'].iloc[0]})" if sampled else ""),
-        })
+                        f"({over_rounds(whole)}){sampled}"})
     rows += [{"method": r.method, "repeats": 0, "dataset_gb": gb, "evidence": r.detail,
               "runs_per_week": runs_per_week} for r in skipped.itertuples()]
     return pd.DataFrame(rows)
@@ -82,29 +88,27 @@ def over_rounds(seconds: list[float]) -> str:
 
 
 def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Advice rows for amdahl.findings: land once (the saving net of what a hit still costs:
-    the measured land() hit, else a cold read), tune the pull."""
+    """Land once (saving net of a measured hit, else a cold read), and tune the pull."""
     import pandas as pd
 
     by = tax[tax["seconds_per_run"].notna()].set_index("method")
+    if by.empty:  # a local source: nothing pulled
+        return pd.DataFrame(columns=ADVICE)
     base = by.loc["boto3_default"] if "boto3_default" in by.index else by.iloc[0]
-    base_name = base.name
-    hit_s, hit_note = 0.0, ""
-    if frame is not None:
-        cold = frame[(frame["method"] == "local_read")
-                     & frame["cache_state"].str.startswith("cold")]
-        hits = frame[(frame["method"] == "land") & (frame["cache_state"] == "hit")]
-        if not hits.empty:
-            measured = statistics.median(hits["seconds"])
-            hit_s = measured * base["dataset_gb"] * 1e9 / float(hits["bytes"].max())
-            detail = hits["detail"].iloc[0] if "detail" in hits else ""
-            hit_note = (f"; a land() hit still takes {_duration(hit_s)} (measured "
-                        f"{measured:.3g} s on {hits['bytes'].max() / MB:.0f} MB, median of "
-                        f"{len(hits)}{', ' + detail if detail else ''})")
-        elif not cold.empty:
-            rate = statistics.median(cold["mb_per_s"])
-            hit_s = base["dataset_gb"] * 1000 / rate
-            hit_note = f"; a verified hit reads it once from local disk at {rate:.0f} MB/s (cold)"
+    gb, hit_s, hit_note = base["dataset_gb"], 0.0, ""
+    hits = frame[(frame["method"] == "land") & (frame["cache_state"] == "hit")] \
+        if frame is not None else frame
+    if hits is not None and not hits.empty:
+        measured = statistics.median(hits["seconds"])
+        hit_s = measured * gb * 1e9 / float(hits["bytes"].max())
+        detail = hits["detail"].iloc[0] if "detail" in hits else ""
+        detail = f", {detail}" if detail else ""
+        hit_note = (f"; a land() hit still takes {_duration(hit_s)} (measured {measured:.3g} s "
+                    f"on {hits['bytes'].max() / MB:.0f} MB, median of {len(hits)}{detail})")
+    elif frame is not None and not (cold := cold_reads(frame)).empty:
+        rate = statistics.median(cold["mb_per_s"])
+        hit_s = gb * 1000 / rate
+        hit_note = f"; a verified hit reads it once from local disk at {rate:.0f} MB/s (cold)"
     rows = [{"stage": "fetch_data",
              "finding": f"{FIXES['fetch_data']}{_measured_disk(frame)}; or with `s5cmd sync` / "
                         "`aws s3 sync` to that disk, Mountpoint for S3 with its local cache "
@@ -112,25 +116,18 @@ def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame
              "seconds_saved": max(0.0, base["seconds_per_run"] - hit_s),
              "evidence": base["evidence"] + hit_note}]
     if frame is not None:
-        rows += landing_disk_advice(frame, base["dataset_gb"])
-    if "boto3_tuned" in by.index and base_name != "boto3_tuned":
+        rows += landing_disk_advice(frame, gb)
+    if "boto3_tuned" in by.index and base.name != "boto3_tuned":
         tuned = by.loc["boto3_tuned"]
+        # the dataset's objects: the listing's count (the sample's pieces in an older frame)
+        files = None if frame is None else frame.get("dataset_files", frame.get("files"))
+        files = int(files.max()) if files is not None and files.notna().any() else 1
         if tuned["seconds_per_run"] < 0.9 * base["seconds_per_run"]:
-            object_bytes = base["dataset_gb"] * 1e9 / max(1, _files(frame))
-            rows.append({"stage": "fetch_data",
-                         "finding": "if it must be pulled: tune the transfer "
-                                    + paste_settings(int(object_bytes)),
+            rows.append({"stage": "fetch_data", "finding": "if it must be pulled: tune the "
+                         "transfer " + paste_settings(int(gb * 1e9 / max(1, files))),
                          "seconds_saved": base["seconds_per_run"] - tuned["seconds_per_run"],
                          "evidence": f"{tuned['evidence']} vs {base['evidence']}"})
-    return pd.DataFrame(rows, columns=["stage", "finding", "seconds_saved", "evidence"])
-
-
-_NETWORK_KINDS = {"network_block": "network block storage (EBS, PD, ...)",
-                  "network_file": "a network filesystem (NFS, EFS, Filestore, Lustre, FUSE, ...)"}
-# what each disk kind (diag.machine.disks, as `diag info` names it) is called in the advice
-_DISK_WORDS = {"local_nvme": "local NVMe", "local_ssd": "a local SSD", "local_hdd": "a local HDD",
-               "virtual": "a virtual disk (its backing is not visible from the guest: diag "
-                          "info's disk rows)", "other": "a disk of unknown kind", **_NETWORK_KINDS}
+    return pd.DataFrame(rows, columns=ADVICE)
 
 
 def _measured_disk(frame: pd.DataFrame | None) -> str:
@@ -145,13 +142,11 @@ def _measured_disk(frame: pd.DataFrame | None) -> str:
 
 
 def landing_disk_advice(frame: pd.DataFrame, dataset_gb: float) -> list[dict[str, object]]:
-    """A row when the landing folder is on network storage: its cold rate at every start,
-    beside a local NVMe's when the box has one."""
+    """A row for a landing folder on network storage: its cold rate beside a local NVMe's."""
     if "local_disk" not in frame:
         return []
-    reads = frame[frame["method"] == "local_read"]
-    here = reads[reads["local_disk"].isin(list(_NETWORK_KINDS))
-                 & reads["cache_state"].str.startswith("cold")]
+    here = cold_reads(frame)
+    here = here[here["local_disk"].isin(list(_NETWORK_KINDS))]
     if here.empty:
         return []
     kind, folder = here["local_disk"].iloc[0], here["source"].iloc[0]
@@ -159,7 +154,7 @@ def landing_disk_advice(frame: pd.DataFrame, dataset_gb: float) -> list[dict[str
     per_start = dataset_gb * 1000 / rate
     evidence = (f"local_read cold from {folder} ({kind}): {rate:.0f} MB/s, median of {len(here)}"
                 f" = {_duration(per_start)} to read {dataset_gb:.3g} GB once")
-    nvme = reads[(reads["local_disk"] == "local_nvme") & reads["cache_state"].str.endswith("cold")]
+    nvme = frame[frame["cache_state"] == NVME_COLD]
     if nvme.empty:
         saved = per_start  # no local disk measured: the network read itself, an upper bound
         where = "local NVMe (instance store / local SSD; none was found on this machine)"
@@ -176,8 +171,7 @@ def landing_disk_advice(frame: pd.DataFrame, dataset_gb: float) -> list[dict[str
 
 
 def paste_settings(object_bytes: int, cores: int | None = None) -> str:
-    """transfer_plan() for objects of this size as what a user pastes: boto3, the AWS CLI's
-    ~/.aws/config (the CLI reads `s3 =`; boto3 does not), s5cmd (part size in MiB, >= 5)."""
+    """transfer_plan() for objects of this size, to paste: boto3, ~/.aws/config, s5cmd."""
     plan = transfer_plan(object_bytes, cores)
     mib = max(5, round(plan.part_bytes / 2**20))
     return (f"(diag.storage.transfer_plan): boto3 `{plan.paste()}`; aws CLI, in ~/.aws/config "
@@ -185,14 +179,6 @@ def paste_settings(object_bytes: int, cores: int | None = None) -> str:
             f"`  multipart_threshold = {plan.single_get_below // MB}MB` / "
             f"`  multipart_chunksize = {plan.part_bytes // MB}MB`; s5cmd: `s5cmd --numworkers "
             f"{plan.concurrency} cp --concurrency {plan.concurrency} --part-size {mib}`")
-
-
-def _files(frame: pd.DataFrame | None) -> int:
-    """The dataset's objects (the listing's count; the sample's pieces in an older frame)."""
-    column = "dataset_files" if frame is not None and "dataset_files" in frame else "files"
-    if frame is None or column not in frame or frame[column].dropna().empty:
-        return 1
-    return int(frame[column].dropna().max())
 
 
 def _duration(seconds: float) -> str:

@@ -82,16 +82,17 @@ def test_a_file_read_again_is_parsed_once_until_it_changes(tmp_path: Path, monke
     path.write_text(good + "\n")  # a new size: read again
     changed, problems = read_source(path, on_error="skip", cached=True)
     assert len(parsed) == 3 and len(changed) == 1 and problems.empty
-    for limit in range(100, 100 + module._READ_KEEP + 2):  # bounded: the oldest go first
+    keep = module._read_once.cache_info().maxsize
+    for limit in range(100, 100 + keep + 2):  # bounded: the oldest go first
         read_source(path, on_error="skip", cached=True, limit=limit)
-    assert len(module._READ) == module._READ_KEEP
+    assert module._read_once.cache_info().currsize == keep
     read_source(path, on_error="skip", cached=True, limit=100)  # the oldest was dropped: read again
-    assert len(parsed) == 3 + module._READ_KEEP + 2 + 1
+    assert len(parsed) == 3 + keep + 2 + 1
     monkeypatch.setattr(module, "_READ_MAX_BYTES", path.stat().st_size - 1)
-    module._READ.clear()
+    module._read_once.cache_clear()
     read_source(path, on_error="skip", cached=True)
     read_source(path, on_error="skip", cached=True)  # above the size kept: read each time
-    assert len(parsed) == 3 + module._READ_KEEP + 2 + 1 + 2 and not module._READ
+    assert len(parsed) == 3 + keep + 2 + 1 + 2 and module._read_once.cache_info().currsize == 0
 
 
 def test_sample_jsonl_reads_clean():
