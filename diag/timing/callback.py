@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
+from diag.machine import device as devices
+from diag.timing import comm
 from diag.timing.timer import StageTimer
 
 if TYPE_CHECKING:
@@ -27,21 +29,15 @@ class TimingCallback(TrainerCallback):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps!r}: must be a whole number >= 0")
         self.timer = timer if timer is not None else StageTimer()
-        self.warmup_steps = warmup_steps
-        self.device = device
-        self._sync: Any = None
-        self._mark: float | None = None  # end of the last step, save or eval
+        self.warmup_steps, self.device, self._sync = warmup_steps, device, None
         # this process's CPU seconds in warmup and train (the step's clock on a CPU), read at
         # those stages' ends only: a per-step read costs (docs/calibration.md, timing)
-        self.cpu = {"warmup": 0.0, "train": 0.0}
-        self._cpu_mark = 0.0
-        self._begin = 0.0
-        self._wait = 0.0
-        self._gather = 0.0  # this step's token-count gather wait (DDP)
+        self.cpu, self._cpu_mark = {"warmup": 0.0, "train": 0.0}, 0.0
+        self._mark: float | None = None  # end of the last step, save or eval
+        self._begin = self._wait = self._gather = 0.0  # _gather: the token-count gather (DDP)
         self._steady_start: float | None = None
         self._side = 0.0  # checkpoint + eval seconds inside the steady loop
-        self._first = 0
-        self.steps = 0
+        self._first = self.steps = 0
         self.setup_from: float | None = None  # perf_counter() before the Trainer: `setup` from it
         self.trainer: Any = None  # the Trainer, under DDP: comm hook and clocked batch fetch
         self._fetched: float | None = None  # when this step's last batch arrived (DDP)
@@ -52,14 +48,10 @@ class TimingCallback(TrainerCallback):
         return time.perf_counter()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from diag.machine import device as devices
-
         device = self.device if self.device is not None else getattr(args, "device", None)
         if device is not None and devices.is_async(device):
             self._sync = lambda: devices.sync(device)
-        from diag.timing.comm import find_ddp
-
-        ddp = find_ddp(getattr(self.trainer, "model_wrapped", None), kwargs.get("model"))
+        ddp = comm.find_ddp(getattr(self.trainer, "model_wrapped", None), kwargs.get("model"))
         if ddp is not None and self.timer.comm is None:  # before the first forward
             self.timer.watch_comm(ddp)
             self._clock_fetch(self.trainer)
@@ -79,16 +71,16 @@ class TimingCallback(TrainerCallback):
         if fetch is None or getattr(fetch, "diag_clocked", False):
             return
 
+        def arrivals(batches: Any) -> Any:
+            for batch in batches:
+                self._fetched = time.perf_counter()
+                yield batch
+
         def clocked(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
-            return fetch(self._arrivals(epoch_iterator), num_batches, device)
+            return fetch(arrivals(epoch_iterator), num_batches, device)
 
         clocked.diag_clocked = True  # type: ignore[attr-defined]
         trainer.get_batch_samples = clocked
-
-    def _arrivals(self, batches: Any) -> Any:
-        for batch in batches:
-            self._fetched = time.perf_counter()
-            yield batch
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now = self._now()
@@ -99,8 +91,7 @@ class TimingCallback(TrainerCallback):
             if self._fetched is not None and mark <= self._fetched <= now:
                 self._gather = now - self._fetched
         self._fetched = None
-        self._wait = now - mark - self._gather
-        self._begin = now
+        self._wait, self._begin = now - mark - self._gather, now
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now = self._now()
@@ -129,10 +120,9 @@ class TimingCallback(TrainerCallback):
     def _side_stage(self, name: str) -> None:
         now = self._now()
         if self._mark is not None:
-            seconds = now - self._mark
-            self.timer.record(name, seconds)
+            self.timer.record(name, now - self._mark)
             if self._steady_start is not None:
-                self._side += seconds
+                self._side += now - self._mark
         self._mark = now
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

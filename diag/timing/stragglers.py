@@ -1,9 +1,8 @@
 """Which ranks the others wait for, and why: per-rank stages of a DDP run, read like amdahl's.
 
-`per_rank(frame)`: one row per rank, each stage's median seconds per optimizer step and
-nvidia-resiliency-ext's `relative` and `individual` scores (0-1, 1 best). `findings(frame)` names
-a straggler only when it is one (`Rule`), a node when several of its ranks are, with what the
-others waited for it, the cause and the fix.
+`per_rank(frame)`: each rank's median seconds per step by stage and nvidia-resiliency-ext's
+`relative` and `individual` scores (0-1, 1 best). `findings(frame)` names a straggler (`Rule`), or
+a node when several of its ranks are, with what the others waited for it, the cause and the fix.
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ class Rule:
     most: float = 0.75  # ... in at least this share of the optimizer steps
 
     def __post_init__(self) -> None:
-        for name, low, high in (("share", 0.0, float("inf")), ("floor_s", 0.0, float("inf")),
-                                ("most", 0.5, 1.0)):
+        for name, low, high in (("share", 0, float("inf")), ("floor_s", 0, float("inf")),
+                                ("most", 0.5, 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not low <= value <= high:
@@ -45,16 +44,13 @@ def _steps(frame: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise ValueError(f"frame lacks column(s) {sorted(missing)}: expected StageTimer rows "
                          "(stage, seconds, step, rank[, node, run])")
-    rows = frame[frame["step"].notna()].assign(
-        run=frame["run"] if "run" in frame.columns else "",
-        node=frame["node"] if "node" in frame.columns else 0)
+    rows = frame[frame["step"].notna()].assign(run=frame.get("run", ""),
+                                               node=frame.get("node", 0))
     wide = rows.pivot_table(index=["run", "rank", "node", "step"], columns="stage",
                             values="seconds", aggfunc="sum", fill_value=0.0)
-    for stage in (*WORK_STAGES, "comm_wait"):
-        if stage not in wide.columns:
-            wide[stage] = 0.0
-    wide["work"] = wide[list(WORK_STAGES)].sum(axis=1)
-    return wide
+    wide = wide.reindex(columns=sorted({*wide.columns, *WORK_STAGES, "comm_wait"}),
+                        fill_value=0.0)
+    return wide.assign(work=wide[list(WORK_STAGES)].sum(axis=1))
 
 
 def per_rank(frame: pd.DataFrame) -> pd.DataFrame:

@@ -13,7 +13,7 @@ from contextlib import ContextDecorator
 from typing import TYPE_CHECKING, Any
 
 from diag.timing.comm import CommWait
-from diag.timing.distributed import gather_to_root, place
+from diag.timing.distributed import ROOT, _group, gather_to_root, place
 from diag.timing.spill import Spill
 
 if TYPE_CHECKING:
@@ -28,14 +28,14 @@ STEP_STAGES = ("data_wait", "h2d", "compute", "comm_wait", "other")
 # load_model's parts, reported beside it (they add up to it); every job start pays `import`
 LOAD_PARTS = ("import", "download", "read", "quantize", "to_device", "tokenizer")
 STAGES = RUN_STAGES + STEP_STAGES + LOAD_PARTS
+STAGE_FRAME = "run"  # the key a StageTimer frame (with a `run` column) is stored under
 
 
 def check_stage(name: str) -> str:
     if name not in STAGES:
         raise ValueError(
             f"unknown stage {name!r}: allowed stages are run-level {', '.join(RUN_STAGES)}; "
-            f"step-level {', '.join(STEP_STAGES)}; load_model parts {', '.join(LOAD_PARTS)}"
-        )
+            f"step-level {', '.join(STEP_STAGES)}; load_model parts {', '.join(LOAD_PARTS)}")
     return name
 
 
@@ -45,10 +45,7 @@ class _Stage(ContextDecorator):
     __slots__ = ("_timer", "_name", "_start", "_range")
 
     def __init__(self, timer: StageTimer, name: str) -> None:
-        self._timer = timer
-        self._name = name
-        self._start = 0.0
-        self._range: Any = None
+        self._timer, self._name, self._start, self._range = timer, name, 0.0, None
 
     def _recreate_cm(self) -> _Stage:  # per decorated call: recursion and threads own a start
         return _Stage(self._timer, self._name)
@@ -80,16 +77,11 @@ class _Stage(ContextDecorator):
 
 
 class _NullStage(ContextDecorator):
-    __slots__ = ()
-
     def __enter__(self) -> _NullStage:
         return self
 
     def __exit__(self, *exc: Any) -> bool:
         return False
-
-
-_NULL_STAGE = _NullStage()
 
 
 class StageTimer:
@@ -99,13 +91,10 @@ class StageTimer:
 
     def __init__(self, enabled: bool = True, device: Any = None, rank: int | None = None,
                  trace: bool = True) -> None:
-        self.enabled = enabled
-        self.trace = enabled and trace
-        self._nvtx: Any = None
         seat = place()
+        self.enabled, self.trace, self._nvtx = enabled, enabled and trace, None
         self.rank = seat.rank if rank is None else rank
-        self.node = seat.node
-        self.local_rank, self.world_size = seat.local_rank, seat.world_size
+        self.node, self.local_rank, self.world_size = seat.node, seat.local_rank, seat.world_size
         self.comm: CommWait | None = None  # set by watch_comm under DDP
         self._spill: Spill | None = None
         self._spilled = 0
@@ -142,9 +131,7 @@ class StageTimer:
 
     def stage(self, name: str) -> _Stage | _NullStage:
         """Context manager and decorator timing one stage."""
-        if not self.enabled:
-            return _NULL_STAGE
-        return _Stage(self, check_stage(name))
+        return _Stage(self, check_stage(name)) if self.enabled else _NullStage()
 
     def record(self, name: str, seconds: float, step: int | None = None) -> None:
         """Add an interval measured elsewhere (a worker, a subprocess)."""
@@ -152,9 +139,8 @@ class StageTimer:
             return
         if seconds < 0:
             raise ValueError(f"seconds={seconds!r} for stage {name!r}: durations must be >= 0")
-        check_stage(name)
-        self._rows.append((name, float(seconds),
-                           step if step is not None else self._step_for(name)))
+        self._rows.append((check_stage(name), float(seconds),
+                           self._step_for(name) if step is None else step))
 
     def watch_comm(self, ddp_model: Any, hook: Any = None, state: Any = None) -> None:
         """Split every later `compute` into compute + comm_wait, clocked on ddp_model (before its
@@ -170,11 +156,9 @@ class StageTimer:
 
     def flush(self) -> None:
         """Write the rows since the last flush to the spill file (no sync with other ranks)."""
-        if self._spill is None:
-            return
-        new = self._rows[self._spilled:]
-        self._spilled += len(new)
-        self._spill.write(new)
+        if self._spill is not None:
+            self._spill.write(self._rows[self._spilled:])
+            self._spilled = len(self._rows)
 
     @property
     def spill_path(self) -> Path | None:
@@ -191,8 +175,7 @@ class StageTimer:
         if not self.enabled:
             yield from iterable
             return
-        iterator = iter(iterable)
-        step = start_step
+        iterator, step = iter(iterable), start_step
         try:
             while True:
                 self.step = step
@@ -223,36 +206,27 @@ class StageTimer:
         import pandas as pd
 
         frame = pd.DataFrame(self._rows, columns=["stage", "seconds", "step"])
-        frame["step"] = frame["step"].astype("Int64")
-        frame["rank"] = self.rank
-        frame["node"] = self.node
-        return frame
+        return frame.astype({"step": "Int64"}).assign(rank=self.rank, node=self.node)
 
     def gather(self, dst: int | None = None) -> pd.DataFrame | None:
         """Every rank's frame in one, on every rank (dst=None) or rank 0 only (dst=0, None on the
         others); a collective every rank must reach, once at the end. Alone: its own frame."""
         import pandas as pd
-        import torch.distributed as dist
 
-        frame = self.to_frame()
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        frame, dist = self.to_frame(), _group()
+        if dist is None:
             return frame
-        if dst is not None:
-            assert dst == 0, "frames gather on rank 0, the rank that writes the run folder"
-            frames = gather_to_root(frame)
-            return None if frames is None else pd.concat(frames, ignore_index=True)
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, frame)
-        return pd.concat(everyone, ignore_index=True)
-
-
-STAGE_FRAME = "run"  # the key a StageTimer frame (with a `run` column) is stored under
-STAGE_COLUMNS = ("stage", "seconds", "step")
+        if dst is None:
+            every: list[Any] | None = [None] * dist.get_world_size()
+            dist.all_gather_object(every, frame)
+        else:
+            assert dst == ROOT, "frames gather on rank 0, the rank that writes the run folder"
+            every = gather_to_root(frame)
+        return None if every is None else pd.concat(every, ignore_index=True)
 
 
 def is_stage_frame(frame: Any) -> bool:
-    """Is it a StageTimer frame?"""
-    return set(STAGE_COLUMNS) <= set(getattr(frame, "columns", ()))
+    return {"stage", "seconds", "step"} <= set(getattr(frame, "columns", ()))
 
 
 def median_seconds(frame: Any, **where: Any) -> float | None:
