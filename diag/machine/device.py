@@ -1,7 +1,5 @@
-"""What machine this is: accelerator, dense peak FLOP/s, CPU, RAM, disks (`run_info`: `diag info`).
-
-A GPU's peak comes from gpus.py's table, a CPU's from a matmul probe. `sync()` is the one place
-diag waits for an async device.
+"""What machine this is: accelerator, dense peak FLOP/s (gpus.py's table, or a CPU matmul probe),
+CPU, RAM, disks (`run_info`: `diag info`). `sync()` is the one place diag waits for a device.
 """
 
 from __future__ import annotations

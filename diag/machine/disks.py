@@ -1,7 +1,6 @@
-"""Disks and the page cache: what kind of storage a path is on, and whether its pages are in RAM.
-
-`disk_kind(path)` names it (cloud volumes by their sysfs model string: an EBS volume is `nvme*`
-too); `resident_fraction(path)` asks mincore; `evict_page_cache(paths)` says if it worked.
+"""Disks and the page cache: `disk_kind(path)` names the storage a path is on (cloud volumes by
+their sysfs model: an EBS volume is `nvme*` too); `resident_fraction(path)` asks mincore;
+`evict_page_cache(paths)` says if it worked.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""GPU utilisation during a timed run, sampled through NVML (nvidia-ml-py, the `gpu` extra).
-
-`with GpuSampler(device) as util:` samples every `interval_s`; `util.columns()` gives
-`gpu_util_pct` (NaN when not measured) and `gpu_util_note` (why not). A large data_wait share with
-low utilisation is a GPU waiting for its input.
+"""GPU utilisation through NVML (nvidia-ml-py, the `gpu` extra): `with GpuSampler(device) as u:`,
+then `u.columns()`: `gpu_util_pct` (NaN when not measured), `gpu_util_note` (why not).
 """
 
 from __future__ import annotations

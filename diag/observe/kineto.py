@@ -1,7 +1,6 @@
-"""`diag trace FILE...`: diag's stage table from torch.profiler traces (Kineto JSON or
-.json.gz), one file per rank of one run. A step is a ProfilerStep#N span, else one DataLoader
-`__next__` to the next; within it the first stage of _ORDER whose spans cover a moment takes it;
-GPU kernels give busy, idle, compute and NCCL time as HTA counts them (docs/attach.md).
+"""`diag trace FILE...`: the stage table from torch.profiler traces (Kineto JSON, .json.gz), one
+per rank. A step is a ProfilerStep#N span, else DataLoader `__next__` to the next; in it the first
+stage of _ORDER covering a moment takes it; GPU busy, idle, compute, NCCL time as HTA counts them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""`diag attach PID`: where a running training job's wall clock goes, without touching it.
-
-py-spy samples it in chunks of CHUNK_S (the view updates after each); rules.RULES turn the main
-thread's seconds into a StageTimer frame (a window, no step numbers); the workers' samples name
-their hot function; psutil reads /proc, NVML the GPUs the job holds (docs/attach.md).
+"""`diag attach PID`: where a running job's wall clock goes, without touching it. py-spy samples it
+in CHUNK_S chunks; rules.RULES turn the main thread's seconds into a StageTimer frame; the workers'
+samples name their hot function; psutil reads /proc, NVML the job's GPUs (docs/attach.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""py-spy, read-only: one chunk of samples of a running process, never pausing or signalling it.
-
-The main thread from py-spy's chrome trace (each sample weighted by the time to the next), the
-children from a second run's raw counts (a forked worker shares its parent's pthread id), at
-real-time priority where allowed (docs/calibration.md).
+"""py-spy, read-only: one chunk of samples of a running process, never pausing or signalling it:
+the main thread from its chrome trace (each sample weighted by the time to the next), the children
+from raw counts (a forked worker shares its parent's pthread id), real-time priority where allowed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""TimingCallback: drop into any transformers Trainer to see where its wall clock goes.
-
-`Trainer(..., callbacks=[cb := diag.TimingCallback()])`; `cb.frame()` is a StageTimer frame (per
-step data_wait and compute; setup, warmup, checkpoint, eval, train; under DDP comm_wait).
+"""TimingCallback: `Trainer(..., callbacks=[cb := diag.TimingCallback()])`; `cb.frame()` is a
+StageTimer frame (per step data_wait, compute, under DDP comm_wait; setup, warmup, train, ...).
 """
 
 from __future__ import annotations
@@ -20,9 +18,8 @@ if TYPE_CHECKING:
 
 
 class TimingCallback(TrainerCallback):
-    """Times each Trainer step from its hooks: two clock reads per step (on CUDA two syncs).
-    The first `warmup_steps` are billed to `warmup`; device (None: the Trainer's) CUDA syncs at
-    each step boundary."""
+    """Times each Trainer step from its hooks (two clock reads, on CUDA two syncs); the first
+    `warmup_steps` are billed to `warmup`; device: None for the Trainer's."""
 
     def __init__(self, timer: StageTimer | None = None, warmup_steps: int = 1,
                  device: Any = None) -> None:
@@ -65,8 +62,8 @@ class TimingCallback(TrainerCallback):
         self._side = 0.0
 
     def _clock_fetch(self, trainer: Any) -> None:
-        """Note when a step's batches are in hand: until on_step_begin the Trainer gathers every
-        rank's token count, waiting for the slowest loader."""
+        """Note when a step's batches are in hand: until on_step_begin the Trainer gathers the
+        ranks' token counts, waiting for the slowest loader."""
         fetch = getattr(trainer, "get_batch_samples", None)
         if fetch is None or getattr(fetch, "diag_clocked", False):
             return

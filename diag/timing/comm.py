@@ -2,7 +2,7 @@
 
 A late rank makes the others wait at the first collective after its delay: DDP's buffer broadcast
 at the start of forward, or the gradient all-reduce after backward. `CommWait(ddp)` clocks both;
-`ddp_exposed_s(ddp)` is DDP's own figure for the exposed all-reduce.
+`ddp_exposed_s(ddp)` is DDP's own figure for the exposed all-reduce (bench/distributed.py).
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ log = logging.getLogger("diag")
 
 
 class CommWait:
-    """The waits on the other ranks inside a DDP step, returned per step by `take()`: the buffer
-    broadcast from DDP's forward pre-hook to its module's; the all-reduce from backward's end to
-    DDP's wait for every bucket (autograd final callbacks around DDP's, where its logging marks
-    them), through a communication hook that wraps DDP's average (or your `hook`, `state`) and
-    only times. Host clocks on CPU, CUDA events read at `take()`. A hook registered before cannot
-    be wrapped: one line says so, and its wait stays in compute."""
+    """The waits on other ranks inside a DDP step, per step by `take()`: the buffer broadcast
+    (DDP's forward pre-hook to its module's), the all-reduce (backward's end to DDP's wait for
+    every bucket) through a comm hook that wraps DDP's average or your `hook` and only times.
+    A hook registered before cannot be wrapped: one line says so, its wait stays in compute."""
 
     def __init__(self, ddp: Any, hook: Any = None, state: Any = None) -> None:
         import torch
@@ -66,8 +64,7 @@ class CommWait:
 
     @staticmethod
     def _average(group: Any, bucket: Any) -> Any:
-        """DDP's built-in reduction, called as its reducer calls it (dist.all_reduce's checks
-        cost more): each gradient times 1/size, summed over DDP's group."""
+        """DDP's own average, called as its reducer calls it (dist.all_reduce's checks cost)."""
         buffer = bucket.buffer()
         buffer.mul_(1.0 / group.size())
         return group.allreduce([buffer]).get_future().then(lambda fut: fut.value()[0])

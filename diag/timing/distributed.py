@@ -1,8 +1,6 @@
-"""Where this process sits in a torchrun / accelerate job, and how it ends there.
-
-`place()` is this rank's seat (from the group when it is up, else the launcher's environment);
-`gather_to_root` collects each rank's frame on rank 0 once, at the end. A rank's finished steps
-are spilled as it goes; `ending(err)` names the rank a failed collective lost.
+"""Where this process sits in a torchrun / accelerate job, and how it ends there: `place()` is
+this rank's seat, `gather_to_root` collects each rank's frame on rank 0 once at the end, finished
+steps are spilled as they go, `ending(err)` names the rank a failed collective lost.
 """
 
 from __future__ import annotations
@@ -109,15 +107,13 @@ def launched() -> bool:
 
 
 def timeout_s(name: str) -> float:
-    """The named wait's bound in seconds (TIMEOUTS_S, or env DIAG_<NAME>_TIMEOUT_S)."""
     return _number(f"DIAG_{name.upper()}_TIMEOUT_S", TIMEOUTS_S[name], float,
                    "a number of seconds")
 
 
 def init_group(device_type: str = "cpu") -> Place:
-    """Join the launcher's process group (nccl on CUDA, gloo on CPU) unless one is up: the
-    rendezvous bound by timeout_s("rendezvous"), every collective by timeout_s("collective"); one
-    that cannot be reached raises RendezvousError naming the address."""
+    """Join the launcher's process group (nccl on CUDA, gloo on CPU) unless one is up, bounded by
+    timeout_s("rendezvous") and ("collective"); RendezvousError names an address not reached."""
     import torch.distributed as dist
 
     global _store
@@ -151,7 +147,7 @@ def init_group(device_type: str = "cpu") -> Place:
 
 def agree(cfg: Any) -> None:
     """Every rank runs the same config (one collective at start-up), else ValueError naming the
-    ranks and the fields that differ from rank 0's (they would wait out a timeout)."""
+    ranks and fields that differ from rank 0's (they would wait out a timeout)."""
     dist = _group()
     if dist is None:
         return
@@ -168,8 +164,8 @@ def agree(cfg: Any) -> None:
 
 
 def _dial(address: str, timeout_s: float) -> None:
-    """Wait until the rendezvous address accepts a connection; OSError naming it otherwise
-    (torch's store client retries too, logging a C++ stack per attempt)."""
+    """Wait for the rendezvous address to accept a connection (torch's client logs a C++ stack
+    per retry); OSError otherwise."""
     import socket
 
     host, _, port = address.rpartition(":")
@@ -187,8 +183,7 @@ def _dial(address: str, timeout_s: float) -> None:
 
 
 def gather_to_root(obj: Any) -> list[Any] | None:
-    """Every rank's obj on rank 0 (in rank order), None on the others; [obj] when alone: one
-    collective at the end of a run."""
+    """Every rank's obj on rank 0 in rank order, None on the others, [obj] when alone."""
     dist = _group()
     if dist is None:
         return [obj]
@@ -198,9 +193,8 @@ def gather_to_root(obj: Any) -> list[Any] | None:
 
 
 def spill_ranks(timer: Any, seat: Place | None = None) -> None:
-    """Under a launcher: the timer appends each finished step to
-    <DIAG_HOME>/ranks/<job>/rank-<r>.partial.csv (one folder per job: rank 0's name, broadcast);
-    a process that ends before the gather says where they are as it exits."""
+    """Under a launcher the timer appends each finished step to
+    <DIAG_HOME>/ranks/<job>/rank-<r>.partial.csv; a rank that ends before the gather says where."""
     from diag.config import diag_home
 
     global _spilling
@@ -231,8 +225,8 @@ def _quiet() -> None:
 
 
 def ending(err: BaseException) -> BaseException:
-    """What this rank's error line says: err, or RankLost naming the ranks that stopped answering
-    when err is a collective that lost them. Under a launcher SIGTERM is ignored from here on."""
+    """err, or RankLost naming the ranks a failed collective lost; under a launcher SIGTERM is
+    ignored from here on."""
     if not launched():
         return err
     _quiet()
@@ -257,8 +251,8 @@ def ending(err: BaseException) -> BaseException:
 
 
 def _roll_call(seat: Place) -> list[tuple[int, int]]:
-    """(rank, node) of the ranks gone: on this node, its process ended; on another, it did not
-    say it is here within timeout_s("roll_call") (each rank a collective failed on says so)."""
+    """(rank, node) of the ranks gone: here, its process ended; on another node, it did not say
+    it is here within timeout_s("roll_call")."""
     import psutil
 
     _store.set(f"diag/here/{seat.rank}", "1")
@@ -287,8 +281,7 @@ def spilled() -> Any:  # -> pathlib.Path | None
 
 
 def gathered_frame(timer: Any) -> Any:  # -> pandas.DataFrame
-    """Every rank's frame on rank 0 (this rank's own elsewhere), gathered once at the end; the
-    spills are removed after that."""
+    """Every rank's frame on rank 0 (its own elsewhere), once at the end; then the spills go."""
     global _spilling
     frame = timer.gather(dst=ROOT) if place().distributed else None
     frame = timer.to_frame() if frame is None else frame
@@ -302,8 +295,8 @@ def gathered_frame(timer: Any) -> Any:  # -> pandas.DataFrame
 
 @contextlib.contextmanager
 def root_first() -> Iterator[None]:
-    """Rank 0 runs the block first (fills its node's caches), then the others, who wait up to
-    timeout_s("fill") on the rendezvous store (else in a barrier): start-up work only."""
+    """Rank 0 runs the block first (fills the caches), then the others, waiting up to
+    timeout_s("fill") on the store (else a barrier): start-up work only."""
     global _firsts
     dist, _firsts = _group(), _firsts + 1
     key = f"diag/root_first/{_firsts}"
@@ -323,7 +316,7 @@ def root_first() -> Iterator[None]:
 
 
 def who() -> str:
-    """What starts a rank's own line under a launcher ("rank 1 (node 0): "); "" on one process."""
+    """A rank's line's start under a launcher ("rank 1 (node 0): "); "" on one process."""
     try:
         seat = place()
     except ValueError:  # a garbled RANK: the line still reaches the user, unnamed

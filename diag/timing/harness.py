@@ -1,8 +1,5 @@
-"""A StageTimer around diag.accum's harness step, which trains a micro-batch at a time.
-
-`TimedStep(step, ddp)` stands in for the step and bills each optimizer step as the Trainer's
-callback does: `data_wait`, `comm_wait` (waits on other ranks) and `compute` (the rest);
-`gathered(rows)` collects every rank's rows on rank 0.
+"""`TimedStep(step, ddp)`: diag.accum's harness step (a micro-batch at a time), each optimizer
+step billed as the Trainer's callback does: `data_wait`, `comm_wait`, `compute` (the rest).
 """
 
 from __future__ import annotations
@@ -84,9 +81,8 @@ class TimedStep:
         self._open()
 
     def gathered(self, rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-        """(every rank's harness rows with rank, node and comm_wait_s out of compute_s; their
-        StageTimer rows, `run` the point "2 x 4") on rank 0, each rank's own elsewhere. A
-        collective every rank reaches, once at the end."""
+        """(every rank's harness rows, comm_wait_s taken out of compute_s; their StageTimer rows,
+        `run` the point "2 x 4") on rank 0, each rank's own elsewhere: a collective, at the end."""
         import pandas as pd
 
         seat, stages = place(), gathered_frame(self.timer)
@@ -101,8 +97,7 @@ class TimedStep:
         return ranks_first(every), stages.drop(columns=POINT)
 
     def _timed(self, rows: pd.DataFrame) -> pd.DataFrame:
-        """The step of each timed row: a point's last steps, as many as its rows (those before
-        are its warm-up); the same on every rank."""
+        """The step of each timed row: a point's last steps (those before are its warm-up)."""
         import pandas as pd
 
         out = []

@@ -85,9 +85,8 @@ class _NullStage(ContextDecorator):
 
 
 class StageTimer:
-    """(stage, seconds, step) intervals of one process (rank). device: CUDA syncs at every stage
-    boundary, so queued kernels are billed to the stage that queued them; trace: profiler and
-    NVTX ranges."""
+    """(stage, seconds, step) intervals of one process (rank). device: CUDA syncs at each stage
+    boundary (queued kernels billed to the stage that queued them); trace: profiler, NVTX ranges."""
 
     def __init__(self, enabled: bool = True, device: Any = None, rank: int | None = None,
                  trace: bool = True) -> None:
@@ -97,7 +96,7 @@ class StageTimer:
         self.node, self.local_rank, self.world_size = seat.node, seat.local_rank, seat.world_size
         self.comm: CommWait | None = None  # set by watch_comm under DDP
         self._spill: Spill | None = None
-        self._spilled = 0
+        self._spilled = 0  # rows written to the spill
         self.step: int | None = None  # set by watch(): tags step-level stages
         self._rows: list[tuple[str, float, int | None]] = []
         self._sync: Callable[[], None] | None = None
@@ -143,9 +142,8 @@ class StageTimer:
                            self._step_for(name) if step is None else step))
 
     def watch_comm(self, ddp_model: Any, hook: Any = None, state: Any = None) -> None:
-        """Split every later `compute` into compute + comm_wait, clocked on ddp_model (before its
-        first forward) through a hook around DDP's reduction, or around your `hook` with `state`
-        (registered here, not by you)."""
+        """Split every later `compute` into compute + comm_wait, clocked on ddp_model (call before
+        its first forward); your comm `hook` and `state`, if any, are registered here."""
         if self.enabled:
             self.comm = CommWait(ddp_model, hook, state)
 
@@ -164,10 +162,10 @@ class StageTimer:
     def spill_path(self) -> Path | None:
         return self._spill.path if self._spill is not None else None
 
-    def close_spill(self, remove: bool = True) -> None:
-        """Stop spilling; remove the file once the whole frame is safe elsewhere."""
+    def close_spill(self) -> None:
+        """Stop spilling and remove the file: the whole frame is safe elsewhere."""
         if self._spill is not None:
-            self._spill.close(remove)
+            self._spill.close()
             self._spill = None
 
     def watch(self, iterable: Iterable[Any], start_step: int = 0) -> Iterator[Any]:
