@@ -10,7 +10,6 @@ import contextlib
 import math
 import os
 import re
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import pandas as pd
 
 from diag.config import AttachConfig
+from diag.machine.gpu_util import NvmlSampler
 from diag.observe import spy
 from diag.observe.rules import classify, parse_frame
 from diag.observe.story import WIDE, interval, story
@@ -39,56 +39,31 @@ def family(pid: int) -> list[Any]:
         return []
 
 
-class Watch:
+class Watch(NvmlSampler):
     """`with Watch(pid) as gpu:` NVML samples the GPUs pid or its children hold; `frame()` says what
     it saw, or in its note why nothing."""
 
+    extra, eager = "attach", True
+
     def __init__(self, pid: int) -> None:
-        self.pid, self.reason, self._nvml = pid, "", None
-        self._rows: list[tuple[int, str, float, float, float]] = []
-        self._stop, self._thread = threading.Event(), threading.Thread(target=self._run,
-                                                                       daemon=True)
+        super().__init__(GPU_INTERVAL_S)
+        self.pid, self._rows = pid, []
 
     def __enter__(self) -> Watch:
-        try:
-            import pynvml
-        except ImportError:
-            self.reason = "nvidia-ml-py is not installed: pip install 'diag[attach]'"
-            return self
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as err:  # no driver, no GPU: a CPU box
-            self.reason = f"no NVIDIA GPU seen (NVML: {err})"
-            return self
-        self._nvml = pynvml
-        self._thread.start()
+        if self._nvml_started("no NVIDIA GPU seen (NVML: {})") is not None:
+            self._start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self._nvml is not None:
-            self._thread.join()
-            self._nvml.nvmlShutdown()
-
-    def _run(self) -> None:
-        nvml = self._nvml
-        while True:
-            pids = {self.pid, *(p.pid for p in family(self.pid))}
-            try:
-                for i in range(nvml.nvmlDeviceGetCount()):
-                    handle = nvml.nvmlDeviceGetHandleByIndex(i)
-                    held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                            if p.pid in pids]
-                    if held:
-                        util = nvml.nvmlDeviceGetUtilizationRates(handle)
-                        self._rows.append((i, str(nvml.nvmlDeviceGetName(handle)),
-                                           float(util.gpu), float(util.memory),
-                                           sum(p.usedGpuMemory or 0 for p in held) / 1e9))
-            except nvml.NVMLError as err:  # keep what was read; say why it stopped
-                self.reason = f"NVML stopped answering: {err}"
-                return
-            if self._stop.wait(GPU_INTERVAL_S):
-                return
+    def _read(self, nvml: Any) -> None:
+        pids = {self.pid, *(p.pid for p in family(self.pid))}
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid in pids]
+            if held:
+                util = nvml.nvmlDeviceGetUtilizationRates(handle)
+                self._rows.append((i, str(nvml.nvmlDeviceGetName(handle)), float(util.gpu),
+                                   float(util.memory),
+                                   sum(p.usedGpuMemory or 0 for p in held) / 1e9))
 
     def known_name(self) -> str:
         """The name of the first GPU the job held ("" for none), for the upgrade projection."""
