@@ -154,8 +154,7 @@ def _counters(pid: int) -> dict[int, tuple[str, float, float, float]]:
                 read, written = io.read_bytes / 1e6, io.write_bytes / 1e6
             except (psutil.Error, AttributeError):
                 read = written = math.nan
-            out[p.pid] = ("main" if p.pid == pid else "child", cpu.user + cpu.system, read,
-                          written)
+            out[p.pid] = ("main" if p.pid == pid else "child", cpu.user + cpu.system, read, written)
     return out
 
 
@@ -186,8 +185,7 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
         while not exited and (left := cfg.seconds - (time.perf_counter() - start)) >= 0.5:
             try:
                 kids = bool(psutil.Process(cfg.pid).children())
-                main, got, exited = spy.sample(py_spy, cfg.pid, min(CHUNK_S, left), cfg.rate,
-                                               kids)
+                main, got, exited = spy.sample(py_spy, cfg.pid, min(CHUNK_S, left), cfg.rate, kids)
             except (ValueError, psutil.NoSuchProcess):  # gone between two chunks
                 main, got, exited = collections.Counter(), collections.Counter(), True
             timeline.update(main)

@@ -107,8 +107,7 @@ def launched() -> bool:
 
 
 def timeout_s(name: str) -> float:
-    return _number(f"DIAG_{name.upper()}_TIMEOUT_S", TIMEOUTS_S[name], float,
-                   "a number of seconds")
+    return _number(f"DIAG_{name.upper()}_TIMEOUT_S", TIMEOUTS_S[name], float, "a number of seconds")
 
 
 def init_group(device_type: str = "cpu") -> Place:

@@ -41,12 +41,10 @@ def _steps(frame: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise ValueError(f"frame lacks column(s) {sorted(missing)}: expected StageTimer rows "
                          "(stage, seconds, step, rank[, node, run])")
-    rows = frame[frame["step"].notna()].assign(run=frame.get("run", ""),
-                                               node=frame.get("node", 0))
+    rows = frame[frame["step"].notna()].assign(run=frame.get("run", ""), node=frame.get("node", 0))
     wide = rows.pivot_table(index=["run", "rank", "node", "step"], columns="stage",
                             values="seconds", aggfunc="sum", fill_value=0.0)
-    wide = wide.reindex(columns=sorted({*wide.columns, *WORK_STAGES, "comm_wait"}),
-                        fill_value=0.0)
+    wide = wide.reindex(columns=sorted({*wide.columns, *WORK_STAGES, "comm_wait"}), fill_value=0.0)
     return wide.assign(work=wide[list(WORK_STAGES)].sum(axis=1))
 
 
