@@ -203,8 +203,7 @@ def resident_fraction(path: str | os.PathLike[str]) -> float:
 
 
 def evict_page_cache(paths: list[str | os.PathLike[str]]) -> str:
-    """Drop the files from the page cache (posix_fadvise: no root, the rest left alone); the
-    `cache_state` label: "cold" (verified, or "unverified" without mincore) or "warm (...)"."""
+    """Drop files from the page cache (posix_fadvise, no root); says "cold" or "warm (...)"."""
     files = [os.fspath(p) for p in paths]
     for path in files:
         with open(path, "rb") as f:

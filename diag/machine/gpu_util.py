@@ -69,8 +69,7 @@ class GpuSampler(NvmlSampler):
         self.device, self.samples = device, []
 
     def _handle(self) -> Any:
-        """The NVML handle, or None with self.reason set. By UUID: NVML and CUDA number GPUs
-        differently under CUDA_VISIBLE_DEVICES."""
+        """The NVML handle (by UUID: NVML and CUDA number GPUs apart), or None with `reason` set."""
         import torch
 
         dev = torch.device("cuda" if self.device in (None, "auto") else self.device)

@@ -96,8 +96,7 @@ def _seconds(events: pd.DataFrame) -> float:
 
 
 def rank_stages(events: pd.DataFrame, rank: int, node: int) -> pd.DataFrame:
-    """One rank's StageTimer rows: per step, each stage's seconds (the first loader step as
-    warmup, run-level)."""
+    """One rank's StageTimer rows: each step's stage seconds (the first loader step: warmup)."""
     cpu = events[~events["cat"].isin(GPU_CATS)]
     loader = cpu[cpu["name"].str.match(LOADER)]
     marks = next((m for m in (loader, cpu[cpu["name"].str.match(STEP)],
@@ -148,8 +147,7 @@ def rank_stages(events: pd.DataFrame, rank: int, node: int) -> pd.DataFrame:
 
 
 def gpu_time(events: pd.DataFrame, rank: int) -> dict[str, Any]:
-    """A rank's GPU: from its first kernel's start to its last's end, the busy (any kernel,
-    copy or set), idle, compute and communication (NCCL) seconds."""
+    """A rank's GPU from first kernel to last: busy, idle, compute and NCCL seconds."""
     gpu = events[events["cat"].isin(GPU_CATS)]
     if gpu.empty:
         return {"rank": rank, **dict.fromkeys(["span_s", "busy_s", "idle_s", "compute_s",
@@ -165,8 +163,7 @@ def gpu_time(events: pd.DataFrame, rank: int) -> dict[str, Any]:
 
 def _one_run(files: list[str], loaded: list[dict[str, Any]], events: list[pd.DataFrame],
              ranks: list[int]) -> None:
-    """Refuse, in one line, traces that cannot be the ranks of one run: the same trace twice,
-    a rank twice, runs of different sizes, or one that ended before another began."""
+    """Refuse in one line traces that cannot be the ranks of one run."""
     ids = [d.get("trace_id") or i for i, d in enumerate(loaded)]
     sizes = {(d.get("distributedInfo") or {}).get("world_size") for d in loaded} - {None}
     spans = [(f, d["baseTimeNanoseconds"] / 1e9 + e["ts"].min(),
@@ -210,6 +207,5 @@ def run_trace(cfg: TraceConfig) -> Traced:
 
 
 def trace(*files: str, **settings: str) -> Traced:
-    """`diag trace FILE...` in a notebook: a torch.profiler trace per rank, read as a run;
-    settings: TraceConfig's (current_gpu, target_gpu)."""
+    """`diag trace FILE...` in a notebook; settings: TraceConfig's (current_gpu, target_gpu)."""
     return run_trace(TraceConfig(files=[str(f) for f in files], **settings))

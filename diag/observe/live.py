@@ -40,8 +40,7 @@ def family(pid: int) -> list[Any]:
 
 
 class Watch(NvmlSampler):
-    """`with Watch(pid) as gpu:` NVML samples the GPUs pid or its children hold; `frame()` says what
-    it saw, or in its note why nothing."""
+    """`with Watch(pid):` NVML samples the GPUs pid's family holds; `frame()`: what, or why not."""
 
     extra, eager = "attach", True
 
@@ -108,8 +107,7 @@ def live_line(by: collections.Counter) -> str:
 
 
 def _table(by: collections.Counter, rate: int) -> pd.DataFrame:
-    """Per stage, largest first: its sampled wall seconds, its share, the samples (seconds x
-    rate) and the 95% interval they give, the rule that named most of it."""
+    """Per stage, largest first: sampled seconds, share and its 95% interval, samples, main rule."""
     per: collections.Counter = collections.Counter()
     for (stage, _), seconds in by.items():
         per[stage] += seconds
@@ -141,8 +139,7 @@ def _workers(counts: collections.Counter, pid: int) -> pd.DataFrame | None:
 
 
 def _counters(pid: int) -> dict[int, tuple[str, float, float, float]]:
-    """/proc through psutil: pid -> (role, CPU seconds, MB read, MB written) of the job and its
-    children; I/O counters a process does not let us read are NaN, a process gone is left out."""
+    """pid -> (role, CPU s, MB read, MB written) of the job and children (unreadable I/O: NaN)."""
     import psutil
 
     out = {}
@@ -213,6 +210,5 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
 
 
 def attach(pid: int, progress: bool = True, **settings: Any) -> Attached:
-    """Sample a running training process (never pausing or signalling it) and say where its
-    wall clock goes; settings: AttachConfig's (seconds, rate, current_gpu, target_gpu)."""
+    """Sample a running training process, never pausing it; settings: AttachConfig's."""
     return run_attach(AttachConfig(pid=pid, **settings), progress)

@@ -85,8 +85,7 @@ def _matches(rule: Rule, frame: str, leaf: bool) -> bool:
 
 
 def classify(frames: list[str]) -> tuple[str, str]:
-    """(stage, the source of the rule that named it) of one stack, outermost frame first;
-    ("other", "") when no rule matches."""
+    """(stage, its rule's source) of one stack, outermost frame first; ("other", "") for none."""
     for rule in RULES:
         if any(_matches(rule, f, i == len(frames) - 1) for i, f in enumerate(frames)):
             return rule.stage, rule.source

@@ -62,8 +62,7 @@ class TimingCallback(TrainerCallback):
         self._side = 0.0
 
     def _clock_fetch(self, trainer: Any) -> None:
-        """Note when a step's batches are in hand: until on_step_begin the Trainer gathers the
-        ranks' token counts, waiting for the slowest loader."""
+        """Note when a step's batches arrive: the Trainer then waits on every rank's token count."""
         fetch = getattr(trainer, "get_batch_samples", None)
         if fetch is None or getattr(fetch, "diag_clocked", False):
             return

@@ -89,8 +89,7 @@ def _dist() -> Any:
 
 
 def _group() -> Any:
-    """torch.distributed when a group of several ranks is up, else None; on NCCL this rank's
-    device made current (the object collectives send through it)."""
+    """torch.distributed when several ranks are up, else None (on NCCL: the rank's device set)."""
     dist = _dist()
     if dist is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
@@ -163,8 +162,7 @@ def agree(cfg: Any) -> None:
 
 
 def _dial(address: str, timeout_s: float) -> None:
-    """Wait for the rendezvous address to accept a connection (torch's client logs a C++ stack
-    per retry); OSError otherwise."""
+    """Wait for the rendezvous address to take a connection; OSError naming it otherwise."""
     import socket
 
     host, _, port = address.rpartition(":")
@@ -224,8 +222,7 @@ def _quiet() -> None:
 
 
 def ending(err: BaseException) -> BaseException:
-    """err, or RankLost naming the ranks a failed collective lost; under a launcher SIGTERM is
-    ignored from here on."""
+    """err, or RankLost naming the ranks a failed collective lost; SIGTERM ignored from here on."""
     if not launched():
         return err
     _quiet()

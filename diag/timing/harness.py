@@ -19,8 +19,7 @@ POINT = ["micro_batch", "grad_accum", "repeat"]  # names a harness row's step
 
 
 class TimedStep:
-    """The harness's step, timed per optimizer step (a few clock reads per micro-step); its
-    model, optimizer and no_sync are the step's."""
+    """The harness's step timed per optimizer step; its model, optimizer, no_sync are the step's."""
 
     def __init__(self, step: Any, ddp: Any, timer: StageTimer | None = None) -> None:
         self._step, self.device = step, step.device

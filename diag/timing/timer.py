@@ -207,8 +207,7 @@ class StageTimer:
         return frame.astype({"step": "Int64"}).assign(rank=self.rank, node=self.node)
 
     def gather(self, dst: int | None = None) -> pd.DataFrame | None:
-        """Every rank's frame in one, on every rank (dst=None) or rank 0 only (dst=0, None on the
-        others); a collective every rank must reach, once at the end. Alone: its own frame."""
+        """Every rank's frame on every rank (dst=None) or rank 0 (dst=0; None elsewhere)."""
         import pandas as pd
 
         frame, dist = self.to_frame(), _group()
@@ -228,8 +227,7 @@ def is_stage_frame(frame: Any) -> bool:
 
 
 def median_seconds(frame: Any, **where: Any) -> float | None:
-    """Median `seconds` of the rows where each column equals its value (method="land"); None
-    when there is no frame, column or row."""
+    """Median `seconds` of the rows matching every column=value; None: no frame, column or row."""
     if frame is None or getattr(frame, "empty", True):
         return None
     for column, value in where.items():
