@@ -27,8 +27,7 @@ class TimingCallback(TrainerCallback):
             raise ValueError(f"warmup_steps={warmup_steps!r}: must be a whole number >= 0")
         self.timer = timer if timer is not None else StageTimer()
         self.warmup_steps, self.device, self._sync = warmup_steps, device, None
-        # this process's CPU seconds in warmup and train (the step's clock on a CPU), read at
-        # those stages' ends only: a per-step read costs (docs/calibration.md, timing)
+        # CPU seconds in warmup and train (a CPU's step clock), read at their ends: per step costs
         self.cpu, self._cpu_mark = {"warmup": 0.0, "train": 0.0}, 0.0
         self._mark: float | None = None  # end of the last step, save or eval
         self._begin = self._wait = self._gather = 0.0  # _gather: the token-count gather (DDP)

@@ -128,8 +128,7 @@ def init_group(device_type: str = "cpu") -> Place:
     try:
         if here.rank != ROOT or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             _dial(here.address, rendezvous.total_seconds())  # a store client: anyone there?
-        # torch's env:// rendezvous, then the group on its store: init_process_group alone
-        # would bound both by one timeout
+        # env:// rendezvous, then the group on its store (init_process_group: one timeout for both)
         store, rank, world = next(dist.rendezvous("env://", timeout=rendezvous))
         store.set_timeout(collective)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
