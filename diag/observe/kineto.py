@@ -74,9 +74,10 @@ def _events(data: dict[str, Any]) -> pd.DataFrame:
     return frame.assign(ts=frame["ts"] / 1e6, end=(frame["ts"] + frame["dur"]) / 1e6)
 
 
-def _inside(merged: np.ndarray, points: np.ndarray) -> np.ndarray:
+def _inside(merged: np.ndarray, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per point: the last interval starting at or before it, and whether that one holds it."""
     i = np.searchsorted(merged[:, 0], points, side="right") - 1
-    return (i >= 0) & (points < merged[np.maximum(i, 0), 1]) if len(merged) else \
+    return i, (i >= 0) & (points < merged[np.maximum(i, 0), 1]) if len(merged) else \
         np.zeros(len(points), bool)
 
 
@@ -128,11 +129,10 @@ def rank_stages(events: pd.DataFrame, rank: int, node: int) -> pd.DataFrame:
     cuts = np.unique(np.concatenate([bounds.ravel(), *[s.ravel() for s in spans.values()]]))
     cuts = cuts[(cuts >= bounds[0, 0]) & (cuts <= bounds[-1, 1])]
     mids, widths = (cuts[:-1] + cuts[1:]) / 2, np.diff(cuts)
-    step = np.searchsorted(bounds[:, 0], mids, side="right") - 1
-    within = (step >= 0) & (mids < bounds[np.maximum(step, 0), 1])
+    step, within = _inside(bounds, mids)
     label = np.full(len(mids), len(_ORDER) - 1)
     for i in reversed(range(len(_ORDER) - 1)):  # the first stage in _ORDER wins
-        label[_inside(spans[_ORDER[i]], mids)] = i
+        label[_inside(spans[_ORDER[i]], mids)[1]] = i
     table = pd.DataFrame({"step": step[within], "stage": np.array(_ORDER)[label[within]],
                           "seconds": widths[within]})
     rows = table.groupby(["step", "stage"], as_index=False)["seconds"].sum()
