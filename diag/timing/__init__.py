@@ -1,8 +1,5 @@
-"""Timing: the stage vocabulary and StageTimer, the Trainer callback, the distributed seat.
-
-`StageTimer` records intervals in the stage vocabulary; `TimingCallback` (imported lazily: it
-needs transformers) times any transformers Trainer with it; `distributed` is a rank's seat under
-torchrun / accelerate, `comm` the comm_wait clock, `stragglers` the per-rank reading.
+"""The stage vocabulary and `StageTimer`; `TimingCallback` (lazily: it needs transformers) times a
+Trainer; `distributed`: a rank's seat, `comm`: the comm_wait clock, `stragglers`: per-rank reading.
 """
 
 from typing import Any
