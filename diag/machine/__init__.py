@@ -1,2 +1,1 @@
-"""What the machine is: the accelerator and its dense peak (device.py, gpus.py), GPU utilisation
-(gpu_util.py), the kind of every disk (disks.py)."""
+"""What the machine is: accelerator and dense peak (device, gpus), GPU use (gpu_util), disks."""

@@ -1,9 +1,6 @@
-"""The machine's state while diag measures: its load, CPU steal, what other processes took.
-
-`with Contention() as c:` samples /proc every `interval_s` (and NVML's processes on a GPU);
-`c.summary()` says how busy the box was and `busy(summary)` whether that could have moved a
-wall-clock figure (BUSY, stated once). Noisy neighbours and steal on a shared instance are a cause
-of slow training too: a finding, not only a caveat.
+"""The machine's state while diag measures: load, CPU steal, what other processes took.
+`with Contention() as c:` samples /proc every `interval_s` (NVML's processes on a GPU);
+`busy(c.summary())` says if that could have moved a wall-clock figure. Noisy neighbours: a finding.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""What machine this is: accelerator, dense peak FLOP/s, CPU, RAM, disks (`run_info`: `diag info`).
-
-A GPU's peak comes from gpus.py's table, a CPU's from a matmul probe. `sync()` is the one place
-diag waits for an async device.
+"""What machine this is: accelerator, dense peak FLOP/s (gpus.py's table, or a CPU matmul probe),
+CPU, RAM, disks (`run_info`: `diag info`). `sync()` is the one place diag waits for a device.
 """
 
 from __future__ import annotations
@@ -163,8 +161,7 @@ def peak_flops(device: Any = None, dtype: str = "bf16", *, probe_size: int = 102
     label = (f"measured: CPU {key} matmul probe ({probe_size}x{probe_size}, "
              f"{torch.get_num_threads()} threads, best of {repeats} per CPU second, spread "
              f"{spread(samples):.0%})")
-    # a CPU without native 16-bit matmuls widens them (bitsandbytes' kernels too): its fastest
-    # multiply is the ceiling
+    # a CPU without native 16-bit matmuls widens them: its fastest multiply is the ceiling
     wide = cpu_matmul_probe(probe_size, repeats, "fp32") if key != "fp32" else []
     if max(wide, default=0) > max(samples):
         label += (f"; its fp32 probe is faster ({max(wide) / 1e12:.3g} TFLOP/s, spread "

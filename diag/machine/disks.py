@@ -1,7 +1,6 @@
-"""Disks and the page cache: what kind of storage a path is on, and whether its pages are in RAM.
-
-`disk_kind(path)` names it (cloud volumes by their sysfs model string: an EBS volume is `nvme*`
-too); `resident_fraction(path)` asks mincore; `evict_page_cache(paths)` says if it worked.
+"""Disks and the page cache: `disk_kind(path)` names the storage a path is on (cloud volumes by
+their sysfs model: an EBS volume is `nvme*` too); `resident_fraction(path)` asks mincore;
+`evict_page_cache(paths)` says if it worked.
 """
 
 from __future__ import annotations
@@ -137,7 +136,7 @@ def _classify(device: str, mountpoint: str, fstype: str, options: str, sysfs: st
     if fstype == "overlay":
         upper = [o[9:] for o in options.split(",") if o.startswith("upperdir=")]
         if depth == 0 and upper and os.path.exists(upper[0]):
-            kind, evidence = _path(upper[0], sysfs, mounts, 1)
+            kind, evidence = describe(upper[0], sysfs, mounts, 1)
             return kind, f"overlay, upper layer {upper[0]} on {evidence}"
         return "other", "overlay (a container's root): its upper layer is not visible here"
     if device in ("/dev/root", "rootfs"):
@@ -151,19 +150,6 @@ def _classify(device: str, mountpoint: str, fstype: str, options: str, sysfs: st
     return "other", f"{fstype} on {device}"
 
 
-def _path(path: str | os.PathLike[str], sysfs: str, mounts: str | None,
-          depth: int) -> tuple[str, str]:
-    real = os.path.realpath(path)
-    table = _mounts(mounts)
-    hits = [(len(m[1]), i, m) for i, m in enumerate(table)
-            if m[1] == "/" or real == m[1] or real.startswith(m[1].rstrip("/") + "/")]
-    if not hits:
-        return "other", f"{real}: no mount holds it"
-    device, mountpoint, fstype, options = max(hits)[2]  # ties: the later mount hides the earlier
-    kind, evidence = _classify(device, mountpoint, fstype, options, sysfs, mounts, depth)
-    return kind, f"{mountpoint}: {evidence}"
-
-
 def disks(sysfs: str | None = None, mounts: str | None = None) -> list[Disk]:
     """Each real mounted filesystem (no /proc, /sys, tmpfs...) with its kind and evidence."""
     root = sysfs or os.environ.get("DIAG_SYSFS") or "/sys"
@@ -173,10 +159,18 @@ def disks(sysfs: str | None = None, mounts: str | None = None) -> list[Disk]:
             if fstype not in _PSEUDO and not mountpoint.startswith(("/proc", "/sys", "/dev/"))]
 
 
-def describe(path: str | os.PathLike[str], sysfs: str | None = None,
-             mounts: str | None = None) -> tuple[str, str]:
+def describe(path: str | os.PathLike[str], sysfs: str | None = None, mounts: str | None = None,
+             depth: int = 0) -> tuple[str, str]:
     """(kind, evidence) for the filesystem holding path (its longest mount prefix)."""
-    return _path(path, sysfs or os.environ.get("DIAG_SYSFS") or "/sys", mounts, 0)
+    sysfs = sysfs or os.environ.get("DIAG_SYSFS") or "/sys"
+    real = os.path.realpath(path)
+    hits = [(len(m[1]), i, m) for i, m in enumerate(_mounts(mounts))
+            if m[1] == "/" or real == m[1] or real.startswith(m[1].rstrip("/") + "/")]
+    if not hits:
+        return "other", f"{real}: no mount holds it"
+    device, mountpoint, fstype, options = max(hits)[2]  # ties: the later mount hides the earlier
+    kind, evidence = _classify(device, mountpoint, fstype, options, sysfs, mounts, depth)
+    return kind, f"{mountpoint}: {evidence}"
 
 
 def disk_kind(path: str | os.PathLike[str], sysfs: str | None = None,
@@ -209,8 +203,7 @@ def resident_fraction(path: str | os.PathLike[str]) -> float:
 
 
 def evict_page_cache(paths: list[str | os.PathLike[str]]) -> str:
-    """Drop the files from the page cache (posix_fadvise: no root, the rest left alone); the
-    `cache_state` label: "cold" (verified, or "unverified" without mincore) or "warm (...)"."""
+    """Drop files from the page cache (posix_fadvise, no root); says "cold" or "warm (...)"."""
     files = [os.fspath(p) for p in paths]
     for path in files:
         with open(path, "rb") as f:

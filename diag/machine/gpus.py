@@ -1,7 +1,5 @@
-"""Dense peak FLOP/s of common training GPUs, per dtype, each entry with its source.
-
-Datasheets' 2:4-sparse figures are halved, so an MFU is never flattered. `find_gpu(name)` matches
-`torch.cuda.get_device_name()` (longest pattern wins; unknown: None, never a guess).
+"""Dense peak FLOP/s of common training GPUs per dtype, each with its source (2:4-sparse figures
+halved). `find_gpu(name)` matches `torch.cuda.get_device_name()`: longest pattern, else None.
 """
 
 from __future__ import annotations

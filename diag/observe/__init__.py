@@ -1,7 +1,6 @@
-"""Jobs diag did not start: `attach(pid)` samples a running training process (py-spy, NVML,
-/proc), `trace(*files)` reads the torch.profiler traces a job already wrote, one per rank. Both
-give diag's stage table and through it amdahl's verdict, fixes and upgrade projection; `RULES`
-is the table of frames that name the stages (docs/attach.md).
+"""Jobs diag did not start: `attach(pid)` samples a running training process (py-spy, NVML, /proc),
+`trace(*files)` reads its torch.profiler traces (one per rank); both give the stage table, amdahl's
+verdict, fixes and upgrade projection. `RULES` names the stages by frame (docs/attach.md).
 """
 
 from diag.observe.kineto import run_trace, trace

@@ -1,7 +1,6 @@
-"""`diag trace FILE...`: diag's stage table from torch.profiler traces (Kineto JSON or
-.json.gz), one file per rank of one run. A step is a ProfilerStep#N span, else one DataLoader
-`__next__` to the next; within it the first stage of _ORDER whose spans cover a moment takes it;
-GPU kernels give busy, idle, compute and NCCL time as HTA counts them (docs/attach.md).
+"""`diag trace FILE...`: the stage table from torch.profiler traces (Kineto JSON, .json.gz), one
+per rank. A step is a ProfilerStep#N span, else DataLoader `__next__` to the next; in it the first
+stage of _ORDER covering a moment takes it; GPU busy, idle, compute, NCCL time as HTA counts them.
 """
 
 from __future__ import annotations
@@ -75,9 +74,10 @@ def _events(data: dict[str, Any]) -> pd.DataFrame:
     return frame.assign(ts=frame["ts"] / 1e6, end=(frame["ts"] + frame["dur"]) / 1e6)
 
 
-def _inside(merged: np.ndarray, points: np.ndarray) -> np.ndarray:
+def _inside(merged: np.ndarray, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per point: the last interval starting at or before it, and whether that one holds it."""
     i = np.searchsorted(merged[:, 0], points, side="right") - 1
-    return (i >= 0) & (points < merged[np.maximum(i, 0), 1]) if len(merged) else \
+    return i, (i >= 0) & (points < merged[np.maximum(i, 0), 1]) if len(merged) else \
         np.zeros(len(points), bool)
 
 
@@ -97,8 +97,7 @@ def _seconds(events: pd.DataFrame) -> float:
 
 
 def rank_stages(events: pd.DataFrame, rank: int, node: int) -> pd.DataFrame:
-    """One rank's StageTimer rows: per step, each stage's seconds (the first loader step as
-    warmup, run-level)."""
+    """One rank's StageTimer rows: each step's stage seconds (the first loader step: warmup)."""
     cpu = events[~events["cat"].isin(GPU_CATS)]
     loader = cpu[cpu["name"].str.match(LOADER)]
     marks = next((m for m in (loader, cpu[cpu["name"].str.match(STEP)],
@@ -130,11 +129,10 @@ def rank_stages(events: pd.DataFrame, rank: int, node: int) -> pd.DataFrame:
     cuts = np.unique(np.concatenate([bounds.ravel(), *[s.ravel() for s in spans.values()]]))
     cuts = cuts[(cuts >= bounds[0, 0]) & (cuts <= bounds[-1, 1])]
     mids, widths = (cuts[:-1] + cuts[1:]) / 2, np.diff(cuts)
-    step = np.searchsorted(bounds[:, 0], mids, side="right") - 1
-    within = (step >= 0) & (mids < bounds[np.maximum(step, 0), 1])
+    step, within = _inside(bounds, mids)
     label = np.full(len(mids), len(_ORDER) - 1)
     for i in reversed(range(len(_ORDER) - 1)):  # the first stage in _ORDER wins
-        label[_inside(spans[_ORDER[i]], mids)] = i
+        label[_inside(spans[_ORDER[i]], mids)[1]] = i
     table = pd.DataFrame({"step": step[within], "stage": np.array(_ORDER)[label[within]],
                           "seconds": widths[within]})
     rows = table.groupby(["step", "stage"], as_index=False)["seconds"].sum()
@@ -149,8 +147,7 @@ def rank_stages(events: pd.DataFrame, rank: int, node: int) -> pd.DataFrame:
 
 
 def gpu_time(events: pd.DataFrame, rank: int) -> dict[str, Any]:
-    """A rank's GPU: from its first kernel's start to its last's end, the busy (any kernel,
-    copy or set), idle, compute and communication (NCCL) seconds."""
+    """A rank's GPU from first kernel to last: busy, idle, compute and NCCL seconds."""
     gpu = events[events["cat"].isin(GPU_CATS)]
     if gpu.empty:
         return {"rank": rank, **dict.fromkeys(["span_s", "busy_s", "idle_s", "compute_s",
@@ -166,8 +163,7 @@ def gpu_time(events: pd.DataFrame, rank: int) -> dict[str, Any]:
 
 def _one_run(files: list[str], loaded: list[dict[str, Any]], events: list[pd.DataFrame],
              ranks: list[int]) -> None:
-    """Refuse, in one line, traces that cannot be the ranks of one run: the same trace twice,
-    a rank twice, runs of different sizes, or one that ended before another began."""
+    """Refuse in one line traces that cannot be the ranks of one run."""
     ids = [d.get("trace_id") or i for i, d in enumerate(loaded)]
     sizes = {(d.get("distributedInfo") or {}).get("world_size") for d in loaded} - {None}
     spans = [(f, d["baseTimeNanoseconds"] / 1e9 + e["ts"].min(),
@@ -211,6 +207,5 @@ def run_trace(cfg: TraceConfig) -> Traced:
 
 
 def trace(*files: str, **settings: str) -> Traced:
-    """`diag trace FILE...` in a notebook: a torch.profiler trace per rank, read as a run;
-    settings: TraceConfig's (current_gpu, target_gpu)."""
+    """`diag trace FILE...` in a notebook; settings: TraceConfig's (current_gpu, target_gpu)."""
     return run_trace(TraceConfig(files=[str(f) for f in files], **settings))

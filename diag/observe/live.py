@@ -1,8 +1,6 @@
-"""`diag attach PID`: where a running training job's wall clock goes, without touching it.
-
-py-spy samples it in chunks of CHUNK_S (the view updates after each); rules.RULES turn the main
-thread's seconds into a StageTimer frame (a window, no step numbers); the workers' samples name
-their hot function; psutil reads /proc, NVML the GPUs the job holds (docs/attach.md).
+"""`diag attach PID`: where a running job's wall clock goes, without touching it. py-spy samples it
+in CHUNK_S chunks; rules.RULES turn the main thread's seconds into a StageTimer frame; the workers'
+samples name their hot function; psutil reads /proc, NVML the job's GPUs (docs/attach.md).
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ import contextlib
 import math
 import os
 import re
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +17,7 @@ from typing import Any
 import pandas as pd
 
 from diag.config import AttachConfig
+from diag.machine.gpu_util import NvmlSampler
 from diag.observe import spy
 from diag.observe.rules import classify, parse_frame
 from diag.observe.story import WIDE, interval, story
@@ -41,56 +39,30 @@ def family(pid: int) -> list[Any]:
         return []
 
 
-class Watch:
-    """`with Watch(pid) as gpu:` NVML samples the GPUs pid or its children hold; `frame()` says what
-    it saw, or in its note why nothing."""
+class Watch(NvmlSampler):
+    """`with Watch(pid):` NVML samples the GPUs pid's family holds; `frame()`: what, or why not."""
+
+    extra, eager = "attach", True
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.reason, self._nvml = pid, "", None
-        self._rows: list[tuple[int, str, float, float, float]] = []
-        self._stop, self._thread = threading.Event(), threading.Thread(target=self._run,
-                                                                       daemon=True)
+        super().__init__(GPU_INTERVAL_S)
+        self.pid, self._rows = pid, []
 
     def __enter__(self) -> Watch:
-        try:
-            import pynvml
-        except ImportError:
-            self.reason = "nvidia-ml-py is not installed: pip install 'diag[attach]'"
-            return self
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as err:  # no driver, no GPU: a CPU box
-            self.reason = f"no NVIDIA GPU seen (NVML: {err})"
-            return self
-        self._nvml = pynvml
-        self._thread.start()
+        if self._nvml_started("no NVIDIA GPU seen (NVML: {})") is not None:
+            self._start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self._nvml is not None:
-            self._thread.join()
-            self._nvml.nvmlShutdown()
-
-    def _run(self) -> None:
-        nvml = self._nvml
-        while True:
-            pids = {self.pid, *(p.pid for p in family(self.pid))}
-            try:
-                for i in range(nvml.nvmlDeviceGetCount()):
-                    handle = nvml.nvmlDeviceGetHandleByIndex(i)
-                    held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-                            if p.pid in pids]
-                    if held:
-                        util = nvml.nvmlDeviceGetUtilizationRates(handle)
-                        self._rows.append((i, str(nvml.nvmlDeviceGetName(handle)),
-                                           float(util.gpu), float(util.memory),
-                                           sum(p.usedGpuMemory or 0 for p in held) / 1e9))
-            except nvml.NVMLError as err:  # keep what was read; say why it stopped
-                self.reason = f"NVML stopped answering: {err}"
-                return
-            if self._stop.wait(GPU_INTERVAL_S):
-                return
+    def _read(self, nvml: Any) -> None:
+        pids = {self.pid, *(p.pid for p in family(self.pid))}
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid in pids]
+            if held:
+                util = nvml.nvmlDeviceGetUtilizationRates(handle)
+                self._rows.append((i, str(nvml.nvmlDeviceGetName(handle)), float(util.gpu),
+                                   float(util.memory),
+                                   sum(p.usedGpuMemory or 0 for p in held) / 1e9))
 
     def known_name(self) -> str:
         """The name of the first GPU the job held ("" for none), for the upgrade projection."""
@@ -135,8 +107,7 @@ def live_line(by: collections.Counter) -> str:
 
 
 def _table(by: collections.Counter, rate: int) -> pd.DataFrame:
-    """Per stage, largest first: its sampled wall seconds, its share, the samples (seconds x
-    rate) and the 95% interval they give, the rule that named most of it."""
+    """Per stage, largest first: sampled seconds, share and its 95% interval, samples, main rule."""
     per: collections.Counter = collections.Counter()
     for (stage, _), seconds in by.items():
         per[stage] += seconds
@@ -168,8 +139,7 @@ def _workers(counts: collections.Counter, pid: int) -> pd.DataFrame | None:
 
 
 def _counters(pid: int) -> dict[int, tuple[str, float, float, float]]:
-    """/proc through psutil: pid -> (role, CPU seconds, MB read, MB written) of the job and its
-    children; I/O counters a process does not let us read are NaN, a process gone is left out."""
+    """pid -> (role, CPU s, MB read, MB written) of the job and children (unreadable I/O: NaN)."""
     import psutil
 
     out = {}
@@ -181,8 +151,7 @@ def _counters(pid: int) -> dict[int, tuple[str, float, float, float]]:
                 read, written = io.read_bytes / 1e6, io.write_bytes / 1e6
             except (psutil.Error, AttributeError):
                 read = written = math.nan
-            out[p.pid] = ("main" if p.pid == pid else "child", cpu.user + cpu.system, read,
-                          written)
+            out[p.pid] = ("main" if p.pid == pid else "child", cpu.user + cpu.system, read, written)
     return out
 
 
@@ -213,8 +182,7 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
         while not exited and (left := cfg.seconds - (time.perf_counter() - start)) >= 0.5:
             try:
                 kids = bool(psutil.Process(cfg.pid).children())
-                main, got, exited = spy.sample(py_spy, cfg.pid, min(CHUNK_S, left), cfg.rate,
-                                               kids)
+                main, got, exited = spy.sample(py_spy, cfg.pid, min(CHUNK_S, left), cfg.rate, kids)
             except (ValueError, psutil.NoSuchProcess):  # gone between two chunks
                 main, got, exited = collections.Counter(), collections.Counter(), True
             timeline.update(main)
@@ -242,6 +210,5 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
 
 
 def attach(pid: int, progress: bool = True, **settings: Any) -> Attached:
-    """Sample a running training process (never pausing or signalling it) and say where its
-    wall clock goes; settings: AttachConfig's (seconds, rate, current_gpu, target_gpu)."""
+    """Sample a running training process, never pausing it; settings: AttachConfig's."""
     return run_attach(AttachConfig(pid=pid, **settings), progress)

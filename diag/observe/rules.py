@@ -1,7 +1,5 @@
-"""The frame rules: which stage a sampled Python stack of a training loop's main thread is in.
-
-RULES, top to bottom: the first rule any frame of a stack matches names its stage (an eval
-loop's data waits are eval); no rule: `other`. Each names its framework (docs/attach.md).
+"""Which stage a sampled main-thread Python stack is in: the first of RULES (top to bottom) that
+any frame matches (an eval loop's data waits are eval); none: `other` (docs/attach.md).
 """
 
 from __future__ import annotations
@@ -87,8 +85,7 @@ def _matches(rule: Rule, frame: str, leaf: bool) -> bool:
 
 
 def classify(frames: list[str]) -> tuple[str, str]:
-    """(stage, the source of the rule that named it) of one stack, outermost frame first;
-    ("other", "") when no rule matches."""
+    """(stage, its rule's source) of one stack, outermost frame first; ("other", "") for none."""
     for rule in RULES:
         if any(_matches(rule, f, i == len(frames) - 1) for i, f in enumerate(frames)):
             return rule.stage, rule.source

@@ -1,8 +1,6 @@
-"""py-spy, read-only: one chunk of samples of a running process, never pausing or signalling it.
-
-The main thread from py-spy's chrome trace (each sample weighted by the time to the next), the
-children from a second run's raw counts (a forked worker shares its parent's pthread id), at
-real-time priority where allowed (docs/calibration.md).
+"""py-spy, read-only: one chunk of samples of a running process, never pausing or signalling it:
+the main thread from its chrome trace (each sample weighted by the time to the next), the children
+from raw counts (a forked worker shares its parent's pthread id), real-time priority where allowed.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ def py_spy() -> str:
 
 
 def _realtime() -> None:
-    """In py-spy's process before it starts: the lowest real-time priority where allowed (at
-    normal priority a sampler on a busy CPU over-counts the job's waits)."""
+    """In py-spy's process: real-time priority where allowed (a busy CPU over-counts waits)."""
     with contextlib.suppress(OSError, AttributeError):  # not root (or CAP_SYS_NICE), not Linux
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
 
@@ -59,8 +56,7 @@ def refuse(pid: int, said: str) -> None:
 
 def sample(spy: str, pid: int, seconds: float, rate: int, children: bool
            ) -> tuple[collections.Counter, collections.Counter, bool]:
-    """(the main thread's seconds by stack; the children's sample counts by (process, thread,
-    stack); whether the process exited meanwhile). Stacks run outermost frame first."""
+    """(main thread's seconds by stack, children's counts by (pid, tid, stack), exited?)."""
     with tempfile.TemporaryDirectory(prefix="diag-attach-") as tmp:
         main, kids = Path(tmp) / "main.json", Path(tmp) / "kids.txt"
         runs = [(main, rate, ["--format", "chrometrace"])]

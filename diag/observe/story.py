@@ -1,5 +1,4 @@
-"""What attach and trace say about a stage table: amdahl's verdict, its ranked fixes, and what
-the target GPU would buy (amdahl.upgrade), with how sure each share is when it rests on samples."""
+"""What attach and trace say: amdahl's verdict, fixes, the upgrade, how sure a sampled share is."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""TimingCallback: drop into any transformers Trainer to see where its wall clock goes.
-
-`Trainer(..., callbacks=[cb := diag.TimingCallback()])`; `cb.frame()` is a StageTimer frame (per
-step data_wait and compute; setup, warmup, checkpoint, eval, train; under DDP comm_wait).
+"""TimingCallback: `Trainer(..., callbacks=[cb := diag.TimingCallback()])`; `cb.frame()` is a
+StageTimer frame (per step data_wait, compute, under DDP comm_wait; setup, warmup, train, ...).
 """
 
 from __future__ import annotations
@@ -11,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
+from diag.machine import device as devices
+from diag.timing import comm
 from diag.timing.timer import StageTimer
 
 if TYPE_CHECKING:
@@ -18,30 +18,22 @@ if TYPE_CHECKING:
 
 
 class TimingCallback(TrainerCallback):
-    """Times each Trainer step from its hooks: two clock reads per step (on CUDA two syncs).
-    The first `warmup_steps` are billed to `warmup`; device (None: the Trainer's) CUDA syncs at
-    each step boundary."""
+    """Times each Trainer step from its hooks (two clock reads, on CUDA two syncs); the first
+    `warmup_steps` are billed to `warmup`; device: None for the Trainer's."""
 
     def __init__(self, timer: StageTimer | None = None, warmup_steps: int = 1,
                  device: Any = None) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps!r}: must be a whole number >= 0")
         self.timer = timer if timer is not None else StageTimer()
-        self.warmup_steps = warmup_steps
-        self.device = device
-        self._sync: Any = None
+        self.warmup_steps, self.device, self._sync = warmup_steps, device, None
+        # CPU seconds in warmup and train (a CPU's step clock), read at their ends: per step costs
+        self.cpu, self._cpu_mark = {"warmup": 0.0, "train": 0.0}, 0.0
         self._mark: float | None = None  # end of the last step, save or eval
-        # this process's CPU seconds in warmup and train (the step's clock on a CPU), read at
-        # those stages' ends only: a per-step read costs (docs/calibration.md, timing)
-        self.cpu = {"warmup": 0.0, "train": 0.0}
-        self._cpu_mark = 0.0
-        self._begin = 0.0
-        self._wait = 0.0
-        self._gather = 0.0  # this step's token-count gather wait (DDP)
+        self._begin = self._wait = self._gather = 0.0  # _gather: the token-count gather (DDP)
         self._steady_start: float | None = None
         self._side = 0.0  # checkpoint + eval seconds inside the steady loop
-        self._first = 0
-        self.steps = 0
+        self._first = self.steps = 0
         self.setup_from: float | None = None  # perf_counter() before the Trainer: `setup` from it
         self.trainer: Any = None  # the Trainer, under DDP: comm hook and clocked batch fetch
         self._fetched: float | None = None  # when this step's last batch arrived (DDP)
@@ -52,14 +44,10 @@ class TimingCallback(TrainerCallback):
         return time.perf_counter()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from diag.machine import device as devices
-
         device = self.device if self.device is not None else getattr(args, "device", None)
         if device is not None and devices.is_async(device):
             self._sync = lambda: devices.sync(device)
-        from diag.timing.comm import find_ddp
-
-        ddp = find_ddp(getattr(self.trainer, "model_wrapped", None), kwargs.get("model"))
+        ddp = comm.find_ddp(getattr(self.trainer, "model_wrapped", None), kwargs.get("model"))
         if ddp is not None and self.timer.comm is None:  # before the first forward
             self.timer.watch_comm(ddp)
             self._clock_fetch(self.trainer)
@@ -73,22 +61,21 @@ class TimingCallback(TrainerCallback):
         self._side = 0.0
 
     def _clock_fetch(self, trainer: Any) -> None:
-        """Note when a step's batches are in hand: until on_step_begin the Trainer gathers every
-        rank's token count, waiting for the slowest loader."""
+        """Note when a step's batches arrive: the Trainer then waits on every rank's token count."""
         fetch = getattr(trainer, "get_batch_samples", None)
         if fetch is None or getattr(fetch, "diag_clocked", False):
             return
 
+        def arrivals(batches: Any) -> Any:
+            for batch in batches:
+                self._fetched = time.perf_counter()
+                yield batch
+
         def clocked(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
-            return fetch(self._arrivals(epoch_iterator), num_batches, device)
+            return fetch(arrivals(epoch_iterator), num_batches, device)
 
         clocked.diag_clocked = True  # type: ignore[attr-defined]
         trainer.get_batch_samples = clocked
-
-    def _arrivals(self, batches: Any) -> Any:
-        for batch in batches:
-            self._fetched = time.perf_counter()
-            yield batch
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now = self._now()
@@ -99,8 +86,7 @@ class TimingCallback(TrainerCallback):
             if self._fetched is not None and mark <= self._fetched <= now:
                 self._gather = now - self._fetched
         self._fetched = None
-        self._wait = now - mark - self._gather
-        self._begin = now
+        self._wait, self._begin = now - mark - self._gather, now
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now = self._now()
@@ -129,10 +115,9 @@ class TimingCallback(TrainerCallback):
     def _side_stage(self, name: str) -> None:
         now = self._now()
         if self._mark is not None:
-            seconds = now - self._mark
-            self.timer.record(name, seconds)
+            self.timer.record(name, now - self._mark)
             if self._steady_start is not None:
-                self._side += seconds
+                self._side += now - self._mark
         self._mark = now
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -1,10 +1,8 @@
 """`comm_wait`: the time a DDP rank spends waiting on the others inside its step.
 
-A late rank makes the others wait at the first collective after its delay: DDP's buffer
-broadcast at the start of forward (a model with buffers) or the gradient all-reduce after
-backward. `CommWait(ddp)` clocks both, the broadcast between two forward pre-hooks, the
-all-reduce through a communication hook that wraps DDP's reduction (or yours) and only times
-it. `ddp_exposed_s(ddp)` is DDP's own figure for the exposed all-reduce.
+A late rank makes the others wait at the first collective after its delay: DDP's buffer broadcast
+at the start of forward, or the gradient all-reduce after backward. `CommWait(ddp)` clocks both;
+`ddp_exposed_s(ddp)` is DDP's own figure for the exposed all-reduce (bench/distributed.py).
 """
 
 from __future__ import annotations
@@ -19,32 +17,26 @@ log = logging.getLogger("diag")
 
 
 class CommWait:
-    """Clocks the waits on the other ranks inside a DDP step; `take()` returns them per step.
-
-    Broadcast: from DDP's forward pre-hook to its module's, when DDP syncs buffers. All-reduce:
-    from backward's end to DDP's wait for every bucket (autograd final callbacks around DDP's,
-    where its logging marks them). Host clocks on CPU, events read at `take()` on CUDA. hook,
-    state: your communication hook (fp16, PowerSGD), wrapped; else DDP's own average. A hook
-    registered before cannot be wrapped: one line says so, its wait stays in compute.
-    """
+    """The waits on other ranks inside a DDP step, per step by `take()`: the buffer broadcast
+    (DDP's forward pre-hook to its module's), the all-reduce (backward's end to DDP's wait for
+    every bucket) through a comm hook that wraps DDP's average or your `hook` and only times.
+    A hook registered before cannot be wrapped: one line says so, its wait stays in compute."""
 
     def __init__(self, ddp: Any, hook: Any = None, state: Any = None) -> None:
         import torch
 
-        self._ddp = ddp
-        self._events = torch.cuda.Event if next(ddp.parameters()).is_cuda else None
+        self._ddp, self._started = ddp, None
         self._spans: list[tuple[Any, Any]] = []  # (start, end) of each broadcast since take()
-        self._started: Any = None
+        self._events = torch.cuda.Event if next(ddp.parameters()).is_cuda else None
         self.all_reduce_s: list[float] = []  # the first 10 backwards' (as DDP's logging)
-        self._ended: Any = None  # time (or event) backward's compute ended
-        self._waited: Any = None  # time (or event) DDP had every bucket's all-reduce back
+        self._ended: Any = None  # backward's compute ended
+        self._waited: Any = None  # DDP had every bucket's all-reduce back
         if ddp.will_sync_module_buffers():
             ddp.register_forward_pre_hook(self._before_broadcast)
             ddp.module.register_forward_pre_hook(self._after_broadcast)
-        self.wraps = self._register(hook, state)
+        self._register(hook, state)
 
-    def _register(self, hook: Any, state: Any) -> str:
-        """Register the timed hook; returns what it wraps ("" when it cannot)."""
+    def _register(self, hook: Any, state: Any) -> None:
         import torch
         import torch.distributed as dist
 
@@ -55,7 +47,7 @@ class CommWait:
                             "cannot wrap once registered: comm_wait leaves out the gradient "
                             "all-reduce (it stays in compute); to time it, give the hook to "
                             "diag instead (StageTimer.watch_comm(ddp, hook=..., state=...))")
-            return ""
+            return
         inner = hook if hook is not None else self._average
         state = state if hook is not None else self._ddp.process_group
 
@@ -69,12 +61,10 @@ class CommWait:
                                  "return": torch.futures.Future[torch.Tensor]}
         timed.__qualname__ = f"diag_timed({getattr(inner, '__qualname__', 'hook')})"
         self._ddp.register_comm_hook(state, timed)
-        return getattr(inner, "__qualname__", repr(inner))
 
     @staticmethod
     def _average(group: Any, bucket: Any) -> Any:
-        """DDP's built-in reduction: each gradient times 1/size, summed over DDP's own group
-        (its all-reduce called as DDP's reducer calls it: dist.all_reduce's checks cost more)."""
+        """DDP's own average, called as its reducer calls it (dist.all_reduce's checks cost)."""
         buffer = bucket.buffer()
         buffer.mul_(1.0 / group.size())
         return group.allreduce([buffer]).get_future().then(lambda fut: fut.value()[0])
@@ -127,19 +117,14 @@ def ddp_exposed_s(ddp: Any) -> float | None:
     with backward compute; the first 10 iterations, then one in 100), None before any."""
     data = ddp._get_ddp_logging_data()
     comm = data.get("avg_backward_comm_time")
-    if not comm:
-        return None
-    return max(comm - data.get("avg_backward_compute_comm_overlap_time", 0), 0) / 1e9
+    return max(comm - data.get("avg_backward_compute_comm_overlap_time", 0), 0) / 1e9 \
+        if comm else None
 
 
 def find_ddp(*candidates: Any) -> Any:
     """The first DistributedDataParallel among candidates (a Trainer's model_wrapped), or None."""
-    dist = _dist()
-    if dist is None:
+    if _dist() is None:
         return None
     from torch.nn.parallel import DistributedDataParallel
 
-    for model in candidates:
-        if isinstance(model, DistributedDataParallel):
-            return model
-    return None
+    return next((m for m in candidates if isinstance(m, DistributedDataParallel)), None)

@@ -1,8 +1,6 @@
-"""Where this process sits in a torchrun / accelerate job, and how it ends there.
-
-`place()` is this rank's seat (from the group when it is up, else the launcher's environment);
-`gather_to_root` collects each rank's frame on rank 0 once, at the end. A rank's finished steps
-are spilled as it goes; `ending(err)` names the rank a failed collective lost.
+"""Where this process sits in a torchrun / accelerate job, and how it ends there: `place()` is
+this rank's seat, `gather_to_root` collects each rank's frame on rank 0 once at the end, finished
+steps are spilled as they go, `ending(err)` names the rank a failed collective lost.
 """
 
 from __future__ import annotations
@@ -20,6 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 ROOT = 0  # the rank that gathers the frames and writes the run folder
+# How long a rank waits, each bound apart (env DIAG_<NAME>_TIMEOUT_S overrides):
+TIMEOUTS_S = {"rendezvous": 300.0,  # to reach MASTER_ADDR:MASTER_PORT and the other ranks
+              "collective": 600.0,  # in one collective of the job (a gather, an all-reduce)
+              "fill": 1800.0,  # for another rank or process to fill a cache (a first download)
+              "roll_call": 3.0,  # for another node's rank to say it is there, a collective failed
+              "say": 20.0}  # for this node's other ranks to say their refusal before it exits
+_store: Any = None  # the rendezvous store of the group init_group made (root_first waits on it)
+_spilling: Any = None  # the folder this rank spills into until its frame is gathered
+_firsts = 0  # root_first blocks entered so far: the same count on every rank
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,6 @@ class Place:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    local_world_size: int = 1
     node: int = 0  # torchrun's GROUP_RANK (the --node_rank); 0 on one node
     address: str = ""  # MASTER_ADDR:MASTER_PORT, the rendezvous every rank dials
 
@@ -50,26 +56,25 @@ class RankLost(RuntimeError):
     """A collective failed because other ranks stopped answering: who, and during which step."""
 
 
-def _env_int(name: str, default: int) -> int:
+def _number(name: str, default: Any, kind: type = int, want: str = "") -> Any:
     text = os.environ.get(name, "")
     try:
-        return int(text) if text else default
+        return kind(text) if text else default
     except ValueError:
-        raise ValueError(f"environment {name}={text!r}: the launcher sets it to a whole "
-                         "number; unset it or launch with torchrun / accelerate") from None
+        raise ValueError(f"environment {name}={text!r}: " + (want or "the launcher sets it to a "
+                         "whole number; unset it or launch with torchrun / accelerate")) from None
 
 
 def place() -> Place:
     """This process's rank, local rank, world size and node (from the group when it is up)."""
-    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    rank, world = _number("RANK", 0), _number("WORLD_SIZE", 1)
     dist = _dist()
     if dist is not None and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-    local_world = _env_int("LOCAL_WORLD_SIZE", world)
-    node = _env_int("GROUP_RANK", rank // max(local_world, 1))
+    node = _number("GROUP_RANK", rank // max(_number("LOCAL_WORLD_SIZE", world), 1))
     addr = os.environ.get("MASTER_ADDR", "")
-    address = f"{addr}:{os.environ.get('MASTER_PORT', '')}" if addr else ""
-    return Place(rank, _env_int("LOCAL_RANK", 0), world, local_world, node, address)
+    return Place(rank, _number("LOCAL_RANK", 0), world, node,
+                 f"{addr}:{os.environ.get('MASTER_PORT', '')}" if addr else "")
 
 
 def _dist() -> Any:
@@ -84,8 +89,7 @@ def _dist() -> Any:
 
 
 def _group() -> Any:
-    """torch.distributed when a group of several ranks is up, else None; on NCCL this rank's
-    device made current (the object collectives send through it)."""
+    """torch.distributed when several ranks are up, else None (on NCCL: the rank's device set)."""
     dist = _dist()
     if dist is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
@@ -98,32 +102,16 @@ def _group() -> Any:
 
 def launched() -> bool:
     """True under torchrun / accelerate with more than one process."""
-    return _env_int("WORLD_SIZE", 1) > 1
-
-
-# How long a rank waits, each bound apart (env DIAG_<NAME>_TIMEOUT_S overrides):
-TIMEOUTS_S = {"rendezvous": 300.0,  # to reach MASTER_ADDR:MASTER_PORT and the other ranks
-              "collective": 600.0,  # in one collective of the job (a gather, an all-reduce)
-              "fill": 1800.0,  # for another rank or process to fill a cache (a first download)
-              "roll_call": 3.0,  # for another node's rank to say it is there, a collective failed
-              "say": 20.0}  # for this node's other ranks to say their refusal before it exits
-_store: Any = None  # the rendezvous store of the group init_group made (root_first waits on it)
+    return _number("WORLD_SIZE", 1) > 1
 
 
 def timeout_s(name: str) -> float:
-    """The named wait's bound in seconds (TIMEOUTS_S, or env DIAG_<NAME>_TIMEOUT_S)."""
-    text = os.environ.get(f"DIAG_{name.upper()}_TIMEOUT_S", "")
-    try:
-        return float(text) if text else TIMEOUTS_S[name]
-    except ValueError:
-        raise ValueError(f"environment DIAG_{name.upper()}_TIMEOUT_S={text!r}: a number of "
-                         "seconds") from None
+    return _number(f"DIAG_{name.upper()}_TIMEOUT_S", TIMEOUTS_S[name], float, "a number of seconds")
 
 
 def init_group(device_type: str = "cpu") -> Place:
-    """Join the launcher's process group (nccl on CUDA, gloo on CPU) unless one is up: the
-    rendezvous bound by timeout_s("rendezvous"), every collective by timeout_s("collective"); one
-    that cannot be reached raises RendezvousError naming the address."""
+    """Join the launcher's process group (nccl on CUDA, gloo on CPU) unless one is up, bounded by
+    timeout_s("rendezvous") and ("collective"); RendezvousError names an address not reached."""
     import torch.distributed as dist
 
     global _store
@@ -140,17 +128,15 @@ def init_group(device_type: str = "cpu") -> Place:
     try:
         if here.rank != ROOT or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             _dial(here.address, rendezvous.total_seconds())  # a store client: anyone there?
-        # torch's own env:// rendezvous (the launcher's agent store under torchrun), then the
-        # group on that store: init_process_group alone bounds both by one timeout
+        # env:// rendezvous, then the group on its store (init_process_group: one timeout for both)
         store, rank, world = next(dist.rendezvous("env://", timeout=rendezvous))
         store.set_timeout(collective)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=collective)
     except (RuntimeError, ValueError, OSError) as err:  # DistStoreError is a RuntimeError
-        why = " ".join(str(err).split())[:200]
         raise RendezvousError(f"could not reach the rendezvous at "
                               f"{here.address or 'MASTER_ADDR:MASTER_PORT unset'} over "
-                              f"{backend}: {why}") from None
+                              f"{backend}: {' '.join(str(err).split())[:200]}") from None
     _store = store
     store.set(f"diag/seat/{rank}", f"{place().node} {os.getpid()}")  # for a roll call (ending)
     return place()
@@ -158,27 +144,24 @@ def init_group(device_type: str = "cpu") -> Place:
 
 def agree(cfg: Any) -> None:
     """Every rank runs the same config (one collective at start-up), else ValueError naming the
-    ranks and the fields that differ from rank 0's (they would wait out a timeout)."""
+    ranks and fields that differ from rank 0's (they would wait out a timeout)."""
     dist = _group()
     if dist is None:
         return
-    mine = {"command": type(cfg).__name__, **cfg.to_dict()}
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    root, differ = every[ROOT], []
-    for rank, theirs in enumerate(every):
-        fields = [f"{k}={theirs.get(k)!r} (rank 0: {root.get(k)!r})"
-                  for k in sorted(set(theirs) | set(root)) if theirs.get(k) != root.get(k)]
-        if fields:
-            differ.append(f"rank {rank}: " + ", ".join(fields))
+    dist.all_gather_object(every, {"command": type(cfg).__name__, **cfg.to_dict()})
+    root = every[ROOT]
+    differ = [f"rank {rank}: " + ", ".join(fields) for rank, theirs in enumerate(every)
+              if (fields := [f"{k}={theirs.get(k)!r} (rank 0: {root.get(k)!r})"
+                             for k in sorted(set(theirs) | set(root))
+                             if theirs.get(k) != root.get(k)])]
     if differ:
         raise ValueError("the ranks were launched with different arguments: " + "; ".join(differ)
                          + "; give every rank the same command")
 
 
 def _dial(address: str, timeout_s: float) -> None:
-    """Wait until the rendezvous address accepts a connection; OSError naming it otherwise
-    (torch's store client retries too, logging a C++ stack per attempt)."""
+    """Wait for the rendezvous address to take a connection; OSError naming it otherwise."""
     import socket
 
     host, _, port = address.rpartition(":")
@@ -196,8 +179,7 @@ def _dial(address: str, timeout_s: float) -> None:
 
 
 def gather_to_root(obj: Any) -> list[Any] | None:
-    """Every rank's obj on rank 0 (in rank order), None on the others; [obj] when alone: one
-    collective at the end of a run."""
+    """Every rank's obj on rank 0 in rank order, None on the others, [obj] when alone."""
     dist = _group()
     if dist is None:
         return [obj]
@@ -206,33 +188,19 @@ def gather_to_root(obj: Any) -> list[Any] | None:
     return out
 
 
-def job_folder(base: Any) -> Any:
-    """One folder for this job, the same on every rank (rank 0's name, broadcast at the start);
-    each node makes it on its own disk."""
-    from pathlib import Path
-
-    name = [f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S.%fZ}-{os.getpid()}"]
-    dist = _group()
-    if dist is not None:
-        dist.broadcast_object_list(name, src=ROOT)
-    folder = Path(base) / name[0]
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
-_spilling: Any = None  # the folder this rank spills into until its frame is gathered
-
-
 def spill_ranks(timer: Any, seat: Place | None = None) -> None:
-    """Under a launcher: the timer appends each finished step to
-    <DIAG_HOME>/ranks/<job>/rank-<r>.partial.csv; a process that ends before the gather (an
-    error, a launcher's SIGTERM) says where they are as it exits."""
+    """Under a launcher the timer appends each finished step to
+    <DIAG_HOME>/ranks/<job>/rank-<r>.partial.csv; a rank that ends before the gather says where."""
     from diag.config import diag_home
 
     global _spilling
     seat = seat or place()
     if seat.distributed and timer.enabled:
-        _spilling = job_folder(diag_home() / "ranks")
+        name = [f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S.%fZ}-{os.getpid()}"]
+        if (dist := _group()) is not None:
+            dist.broadcast_object_list(name, src=ROOT)
+        _spilling = diag_home() / "ranks" / name[0]
+        _spilling.mkdir(parents=True, exist_ok=True)  # each node on its own disk
         timer.spill_to(_spilling / f"rank-{seat.rank}.partial.csv")
         atexit.unregister(_pointer)
         atexit.register(_pointer)
@@ -253,8 +221,7 @@ def _quiet() -> None:
 
 
 def ending(err: BaseException) -> BaseException:
-    """What this rank's error line says: err, or RankLost naming the ranks that stopped answering
-    when err is a collective that lost them. Under a launcher SIGTERM is ignored from here on."""
+    """err, or RankLost naming the ranks a failed collective lost; SIGTERM ignored from here on."""
     if not launched():
         return err
     _quiet()
@@ -267,21 +234,20 @@ def ending(err: BaseException) -> BaseException:
         gone = []
     if not gone:
         return err
-    step = None
+    when = "before its first timed step"
     if _spilling is not None:
         from diag.timing.spill import read_spills
 
         rows = read_spills(_spilling)
         done = rows.loc[rows["rank"] == place().rank, "step"].dropna()
-        step = int(done.max()) + 1 if len(done) else None
-    when = f"during step {step}" if step is not None else "before its first timed step"
+        when = f"during step {int(done.max()) + 1}" if len(done) else when
     names = ", ".join(f"rank {r} (node {n})" for r, n in gone)
     return RankLost(f"{names} stopped answering {when}; its own output says why")
 
 
 def _roll_call(seat: Place) -> list[tuple[int, int]]:
-    """(rank, node) of the ranks gone: on this node, its process ended; on another, it did not
-    say it is here within timeout_s("roll_call") (each rank a collective failed on says so)."""
+    """(rank, node) of the ranks gone: here, its process ended; on another node, it did not say
+    it is here within timeout_s("roll_call")."""
     import psutil
 
     _store.set(f"diag/here/{seat.rank}", "1")
@@ -310,12 +276,10 @@ def spilled() -> Any:  # -> pathlib.Path | None
 
 
 def gathered_frame(timer: Any) -> Any:  # -> pandas.DataFrame
-    """Every rank's frame on rank 0 (this rank's own elsewhere), gathered once at the end; the
-    spills are removed after that."""
+    """Every rank's frame on rank 0 (its own elsewhere), once at the end; then the spills go."""
     global _spilling
-    frame = timer.gather(dst=ROOT) if place().distributed else timer.to_frame()
-    if frame is None:
-        frame = timer.to_frame()
+    frame = timer.gather(dst=ROOT) if place().distributed else None
+    frame = timer.to_frame() if frame is None else frame
     path, _spilling = timer.spill_path, None
     timer.close_spill()
     if path is not None:
@@ -324,16 +288,12 @@ def gathered_frame(timer: Any) -> Any:  # -> pandas.DataFrame
     return frame
 
 
-_firsts = 0  # root_first blocks entered so far: the same count on every rank
-
-
 @contextlib.contextmanager
 def root_first() -> Iterator[None]:
-    """Rank 0 runs the block first (fills its node's caches), then the others, who wait up to
-    timeout_s("fill") on the rendezvous store (else in a barrier): start-up work only."""
+    """Rank 0 runs the block first (fills the caches), then the others, waiting up to
+    timeout_s("fill") on the store (else a barrier): start-up work only."""
     global _firsts
-    dist = _group()
-    _firsts += 1
+    dist, _firsts = _group(), _firsts + 1
     key = f"diag/root_first/{_firsts}"
     if dist is not None and dist.get_rank() != ROOT:
         if _store is not None:
@@ -351,7 +311,7 @@ def root_first() -> Iterator[None]:
 
 
 def who() -> str:
-    """What starts a rank's own line under a launcher ("rank 1 (node 0): "); "" on one process."""
+    """A rank's line's start under a launcher ("rank 1 (node 0): "); "" on one process."""
     try:
         seat = place()
     except ValueError:  # a garbled RANK: the line still reaches the user, unnamed

@@ -1,8 +1,5 @@
-"""A StageTimer around diag.accum's harness step, which trains a micro-batch at a time.
-
-`TimedStep(step, ddp)` stands in for the step and bills each optimizer step as the Trainer's
-callback does: `data_wait`, `comm_wait` (waits on other ranks) and `compute` (the rest);
-`points[i]` is step i's (micro_batch, grad_accum); `gathered(rows)` collects every rank's on rank 0.
+"""`TimedStep(step, ddp)`: diag.accum's harness step (a micro-batch at a time), each optimizer
+step billed as the Trainer's callback does: `data_wait`, `comm_wait`, `compute` (the rest).
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ POINT = ["micro_batch", "grad_accum", "repeat"]  # names a harness row's step
 
 
 class TimedStep:
-    """The harness's step, timed per optimizer step (a few clock reads per micro-step)."""
+    """The harness's step timed per optimizer step; its model, optimizer, no_sync are the step's."""
 
     def __init__(self, step: Any, ddp: Any, timer: StageTimer | None = None) -> None:
         self._step, self.device = step, step.device
@@ -32,29 +29,23 @@ class TimedStep:
         self._micro = 0
         self._open()
 
-    def __getattr__(self, name: str) -> Any:  # its model, its optimizer: the step's
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._step, name)
 
     def _open(self) -> None:
         self._start: float | None = None  # the step's first batch request
-        self._data = 0.0  # seconds blocked on its batches
-        self._micro_steps = 0
-
-    def batches(self, micro_batch: int) -> contextlib.AbstractContextManager[Iterator[Any]]:
-        self._micro = micro_batch
-        return self._clocked(self._step.batches(micro_batch))
+        self._data, self._micro_steps = 0.0, 0  # seconds blocked on its batches
 
     @contextlib.contextmanager
-    def _clocked(self, loader: Any) -> Iterator[Iterator[Any]]:
-        with loader as batches:
-            yield self._arrivals(batches)
+    def batches(self, micro_batch: int) -> Iterator[Iterator[Any]]:
+        self._micro = micro_batch
+        with self._step.batches(micro_batch) as batches:
+            yield self._arrivals(iter(batches))
 
-    def _arrivals(self, batches: Any) -> Iterator[Any]:
-        iterator = iter(batches)
+    def _arrivals(self, iterator: Iterator[Any]) -> Iterator[Any]:
         while True:
             start = time.perf_counter()
-            if self._start is None:
-                self._start = start
+            self._start = start if self._start is None else self._start
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -71,9 +62,6 @@ class TimedStep:
     def backward(self, batch: Any, scale: float) -> None:
         self._micro_steps += 1
         self._step.backward(batch, scale)
-
-    def no_sync(self) -> Any:
-        return self._step.no_sync()
 
     def update(self) -> None:
         from diag.machine.device import sync
@@ -92,13 +80,11 @@ class TimedStep:
         self._open()
 
     def gathered(self, rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-        """(every rank's harness rows with rank, node and comm_wait_s out of compute_s; their
-        StageTimer rows, `run` the point "2 x 4") on rank 0, each rank's own elsewhere. A
-        collective every rank reaches, once at the end."""
+        """(every rank's harness rows, comm_wait_s taken out of compute_s; their StageTimer rows,
+        `run` the point "2 x 4") on rank 0, each rank's own elsewhere: a collective, at the end."""
         import pandas as pd
 
-        seat = place()
-        stages = gathered_frame(self.timer)
+        seat, stages = place(), gathered_frame(self.timer)
         mine = rows.assign(rank=seat.rank, node=seat.node)
         every = pd.concat(gather_to_root(mine) or [mine], ignore_index=True)
         stages = stages.merge(self._timed(rows), on="step")  # the warm-up steps go
@@ -110,13 +96,12 @@ class TimedStep:
         return ranks_first(every), stages.drop(columns=POINT)
 
     def _timed(self, rows: pd.DataFrame) -> pd.DataFrame:
-        """The step of each timed row: a point's last steps, as many as its rows (those before
-        are its warm-up); the same on every rank."""
+        """The step of each timed row: a point's last steps (those before are its warm-up)."""
         import pandas as pd
 
         out = []
-        ok = rows[rows["status"] == "ok"]
-        for (micro, accum), part in ok.groupby(["micro_batch", "grad_accum"], sort=False):
+        for (micro, accum), part in rows[rows["status"] == "ok"].groupby(
+                ["micro_batch", "grad_accum"], sort=False):
             steps = [i for i, p in enumerate(self.points) if p == (micro, accum)]
             repeats = sorted(part["repeat"])
             out += [{"step": step, "micro_batch": micro, "grad_accum": accum, "repeat": repeat}
@@ -126,10 +111,8 @@ class TimedStep:
 
 def ranks_first(rows: pd.DataFrame) -> pd.DataFrame:
     """Harness rows with rank and node first, comm_wait_s beside data_s (alone: 0, 0, 0.0)."""
-    import pandas as pd
-
     if "rank" not in rows.columns:
         rows = rows.assign(rank=0, node=0, comm_wait_s=0.0)
     rest = [c for c in rows.columns if c not in ("rank", "node", "comm_wait_s")]
     at = rest.index("data_s") + 1
-    return pd.DataFrame(rows[["rank", "node", *rest[:at], "comm_wait_s", *rest[at:]]])
+    return rows[["rank", "node", *rest[:at], "comm_wait_s", *rest[at:]]].copy()

@@ -1,9 +1,6 @@
-"""Which ranks the others wait for, and why: per-rank stages of a DDP run, read like amdahl's.
-
-`per_rank(frame)`: one row per rank, each stage's median seconds per optimizer step and
-nvidia-resiliency-ext's `relative` and `individual` scores (0-1, 1 best). `findings(frame)` names
-a straggler only when it is one (`Rule`), a node when several of its ranks are, with what the
-others waited for it, the cause and the fix.
+"""Which ranks the others wait for, and why. `per_rank(frame)`: each rank's median stage seconds
+per step and nvidia-resiliency-ext's `relative` and `individual` scores (0-1, 1 best);
+`findings(frame)` names a straggler rank or node, what the others waited for it, cause and fix.
 """
 
 from __future__ import annotations
@@ -22,17 +19,16 @@ FINDING_COLUMNS = ["run", "ranks", "node", "finding", "wait_per_step_s", "second
 
 @dataclass(frozen=True)
 class Rule:
-    """When a rank is a straggler: in a step, its own work exceeds the other ranks' median by
-    more than `share` of that median and more than `floor_s`; named when that holds in at least
-    `most` of its steps (a rank slow now and then is noise, or a rank that moves)."""
+    """A straggler's own work beats the others' median by `share` of it and `floor_s` in a step,
+    in at least `most` of its steps (a rank slow now and then is noise)."""
 
     share: float = 0.10  # slower than the others' median by this share of it ...
     floor_s: float = 0.005  # ... and by at least this (clock and scheduling noise on a 2-6 ms step)
     most: float = 0.75  # ... in at least this share of the optimizer steps
 
     def __post_init__(self) -> None:
-        for name, low, high in (("share", 0.0, float("inf")), ("floor_s", 0.0, float("inf")),
-                                ("most", 0.5, 1.0)):
+        for name, low, high in (("share", 0, float("inf")), ("floor_s", 0, float("inf")),
+                                ("most", 0.5, 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not low <= value <= high:
@@ -45,16 +41,11 @@ def _steps(frame: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise ValueError(f"frame lacks column(s) {sorted(missing)}: expected StageTimer rows "
                          "(stage, seconds, step, rank[, node, run])")
-    rows = frame[frame["step"].notna()].assign(
-        run=frame["run"] if "run" in frame.columns else "",
-        node=frame["node"] if "node" in frame.columns else 0)
+    rows = frame[frame["step"].notna()].assign(run=frame.get("run", ""), node=frame.get("node", 0))
     wide = rows.pivot_table(index=["run", "rank", "node", "step"], columns="stage",
                             values="seconds", aggfunc="sum", fill_value=0.0)
-    for stage in (*WORK_STAGES, "comm_wait"):
-        if stage not in wide.columns:
-            wide[stage] = 0.0
-    wide["work"] = wide[list(WORK_STAGES)].sum(axis=1)
-    return wide
+    wide = wide.reindex(columns=sorted({*wide.columns, *WORK_STAGES, "comm_wait"}), fill_value=0.0)
+    return wide.assign(work=wide[list(WORK_STAGES)].sum(axis=1))
 
 
 def per_rank(frame: pd.DataFrame) -> pd.DataFrame:
@@ -75,8 +66,7 @@ def per_rank(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _slow(work: pd.DataFrame, rule: Rule) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Per step (rows) and rank (columns): own work beyond the other ranks' median, and
-    whether that step counts as slow under the rule."""
+    """Per step and rank: own work beyond the other ranks' median, and whether that is slow."""
     base = pd.DataFrame({r: work.drop(columns=r).median(axis=1) for r in work.columns})
     extra = work - base
     return extra, extra.gt(base * rule.share) & extra.gt(rule.floor_s)
@@ -113,8 +103,7 @@ def _finding(run: str, part: pd.DataFrame, nodes: pd.Series, slow_ranks: list[in
     node = int(nodes[slow_ranks[0]])
     who = (f"rank {slow_ranks[0]}" if len(slow_ranks) == 1 else
            f"node {node} (ranks {', '.join(map(str, slow_ranks))})")
-    # what the others waited for it, per optimizer step: their comm_wait beyond the stragglers'
-    # own (the collectives' cost every rank pays); medians over steps, sums for the total
+    # the others' comm_wait beyond the stragglers' own (what every rank pays a collective)
     paid = comm[slow_ranks].median(axis=1)
     beyond = comm[others].sub(paid, axis=0).clip(lower=0.0)
     per_wait = float(beyond.median(axis=1).median())

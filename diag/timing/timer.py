@@ -13,7 +13,7 @@ from contextlib import ContextDecorator
 from typing import TYPE_CHECKING, Any
 
 from diag.timing.comm import CommWait
-from diag.timing.distributed import gather_to_root, place
+from diag.timing.distributed import ROOT, _group, gather_to_root, place
 from diag.timing.spill import Spill
 
 if TYPE_CHECKING:
@@ -28,14 +28,14 @@ STEP_STAGES = ("data_wait", "h2d", "compute", "comm_wait", "other")
 # load_model's parts, reported beside it (they add up to it); every job start pays `import`
 LOAD_PARTS = ("import", "download", "read", "quantize", "to_device", "tokenizer")
 STAGES = RUN_STAGES + STEP_STAGES + LOAD_PARTS
+STAGE_FRAME = "run"  # the key a StageTimer frame (with a `run` column) is stored under
 
 
 def check_stage(name: str) -> str:
     if name not in STAGES:
         raise ValueError(
             f"unknown stage {name!r}: allowed stages are run-level {', '.join(RUN_STAGES)}; "
-            f"step-level {', '.join(STEP_STAGES)}; load_model parts {', '.join(LOAD_PARTS)}"
-        )
+            f"step-level {', '.join(STEP_STAGES)}; load_model parts {', '.join(LOAD_PARTS)}")
     return name
 
 
@@ -45,10 +45,7 @@ class _Stage(ContextDecorator):
     __slots__ = ("_timer", "_name", "_start", "_range")
 
     def __init__(self, timer: StageTimer, name: str) -> None:
-        self._timer = timer
-        self._name = name
-        self._start = 0.0
-        self._range: Any = None
+        self._timer, self._name, self._start, self._range = timer, name, 0.0, None
 
     def _recreate_cm(self) -> _Stage:  # per decorated call: recursion and threads own a start
         return _Stage(self._timer, self._name)
@@ -74,14 +71,11 @@ class _Stage(ContextDecorator):
             timer._rows.append(("comm_wait", wait, step))
             seconds -= wait
         timer._rows.append((self._name, seconds, step))
-        if timer.trace:
-            timer._close_range(self._range)
+        timer._close_range(self._range)
         return False
 
 
 class _NullStage(ContextDecorator):
-    __slots__ = ()
-
     def __enter__(self) -> _NullStage:
         return self
 
@@ -89,26 +83,19 @@ class _NullStage(ContextDecorator):
         return False
 
 
-_NULL_STAGE = _NullStage()
-
-
 class StageTimer:
-    """(stage, seconds, step) intervals of one process (rank). device: CUDA syncs at every stage
-    boundary, so queued kernels are billed to the stage that queued them; trace: profiler and
-    NVTX ranges."""
+    """(stage, seconds, step) intervals of one process (rank). device: CUDA syncs at each stage
+    boundary (queued kernels billed to the stage that queued them); trace: profiler, NVTX ranges."""
 
     def __init__(self, enabled: bool = True, device: Any = None, rank: int | None = None,
                  trace: bool = True) -> None:
-        self.enabled = enabled
-        self.trace = enabled and trace
-        self._nvtx: Any = None
         seat = place()
+        self.enabled, self.trace, self._nvtx = enabled, enabled and trace, None
         self.rank = seat.rank if rank is None else rank
-        self.node = seat.node
-        self.local_rank, self.world_size = seat.local_rank, seat.world_size
+        self.node, self.local_rank, self.world_size = seat.node, seat.local_rank, seat.world_size
         self.comm: CommWait | None = None  # set by watch_comm under DDP
         self._spill: Spill | None = None
-        self._spilled = 0
+        self._spilled = 0  # rows written to the spill
         self.step: int | None = None  # set by watch(): tags step-level stages
         self._rows: list[tuple[str, float, int | None]] = []
         self._sync: Callable[[], None] | None = None
@@ -134,7 +121,7 @@ class StageTimer:
         rf.__enter__()
         return rf
 
-    def _close_range(self, rf: Any) -> None:
+    def _close_range(self, rf: Any) -> None:  # a no-op without trace: no range, no NVTX
         if rf is not None:
             rf.__exit__(None, None, None)
         if self._nvtx is not None:
@@ -142,9 +129,7 @@ class StageTimer:
 
     def stage(self, name: str) -> _Stage | _NullStage:
         """Context manager and decorator timing one stage."""
-        if not self.enabled:
-            return _NULL_STAGE
-        return _Stage(self, check_stage(name))
+        return _Stage(self, check_stage(name)) if self.enabled else _NullStage()
 
     def record(self, name: str, seconds: float, step: int | None = None) -> None:
         """Add an interval measured elsewhere (a worker, a subprocess)."""
@@ -152,14 +137,12 @@ class StageTimer:
             return
         if seconds < 0:
             raise ValueError(f"seconds={seconds!r} for stage {name!r}: durations must be >= 0")
-        check_stage(name)
-        self._rows.append((name, float(seconds),
-                           step if step is not None else self._step_for(name)))
+        self._rows.append((check_stage(name), float(seconds),
+                           self._step_for(name) if step is None else step))
 
     def watch_comm(self, ddp_model: Any, hook: Any = None, state: Any = None) -> None:
-        """Split every later `compute` into compute + comm_wait, clocked on ddp_model (before its
-        first forward) through a hook around DDP's reduction, or around your `hook` with `state`
-        (registered here, not by you)."""
+        """Split every later `compute` into compute + comm_wait, clocked on ddp_model (call before
+        its first forward); your comm `hook` and `state`, if any, are registered here."""
         if self.enabled:
             self.comm = CommWait(ddp_model, hook, state)
 
@@ -170,20 +153,18 @@ class StageTimer:
 
     def flush(self) -> None:
         """Write the rows since the last flush to the spill file (no sync with other ranks)."""
-        if self._spill is None:
-            return
-        new = self._rows[self._spilled:]
-        self._spilled += len(new)
-        self._spill.write(new)
+        if self._spill is not None:
+            self._spill.write(self._rows[self._spilled:])
+            self._spilled = len(self._rows)
 
     @property
     def spill_path(self) -> Path | None:
         return self._spill.path if self._spill is not None else None
 
-    def close_spill(self, remove: bool = True) -> None:
-        """Stop spilling; remove the file once the whole frame is safe elsewhere."""
+    def close_spill(self) -> None:
+        """Stop spilling and remove the file: the whole frame is safe elsewhere."""
         if self._spill is not None:
-            self._spill.close(remove)
+            self._spill.close()
             self._spill = None
 
     def watch(self, iterable: Iterable[Any], start_step: int = 0) -> Iterator[Any]:
@@ -191,8 +172,7 @@ class StageTimer:
         if not self.enabled:
             yield from iterable
             return
-        iterator = iter(iterable)
-        step = start_step
+        iterator, step = iter(iterable), start_step
         try:
             while True:
                 self.step = step
@@ -204,8 +184,7 @@ class StageTimer:
                     return
                 finally:
                     seconds = time.perf_counter() - start
-                    if self.trace:
-                        self._close_range(span)
+                    self._close_range(span)
                 self._rows.append(("data_wait", seconds, step))
                 yield item
                 step += 1
@@ -223,41 +202,30 @@ class StageTimer:
         import pandas as pd
 
         frame = pd.DataFrame(self._rows, columns=["stage", "seconds", "step"])
-        frame["step"] = frame["step"].astype("Int64")
-        frame["rank"] = self.rank
-        frame["node"] = self.node
-        return frame
+        return frame.astype({"step": "Int64"}).assign(rank=self.rank, node=self.node)
 
     def gather(self, dst: int | None = None) -> pd.DataFrame | None:
-        """Every rank's frame in one, on every rank (dst=None) or rank 0 only (dst=0, None on the
-        others); a collective every rank must reach, once at the end. Alone: its own frame."""
+        """Every rank's frame on every rank (dst=None) or rank 0 (dst=0; None elsewhere)."""
         import pandas as pd
-        import torch.distributed as dist
 
-        frame = self.to_frame()
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        frame, dist = self.to_frame(), _group()
+        if dist is None:
             return frame
-        if dst is not None:
-            assert dst == 0, "frames gather on rank 0, the rank that writes the run folder"
-            frames = gather_to_root(frame)
-            return None if frames is None else pd.concat(frames, ignore_index=True)
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, frame)
-        return pd.concat(everyone, ignore_index=True)
-
-
-STAGE_FRAME = "run"  # the key a StageTimer frame (with a `run` column) is stored under
-STAGE_COLUMNS = ("stage", "seconds", "step")
+        if dst is None:
+            every: list[Any] | None = [None] * dist.get_world_size()
+            dist.all_gather_object(every, frame)
+        else:
+            assert dst == ROOT, "frames gather on rank 0, the rank that writes the run folder"
+            every = gather_to_root(frame)
+        return None if every is None else pd.concat(every, ignore_index=True)
 
 
 def is_stage_frame(frame: Any) -> bool:
-    """Is it a StageTimer frame?"""
-    return set(STAGE_COLUMNS) <= set(getattr(frame, "columns", ()))
+    return {"stage", "seconds", "step"} <= set(getattr(frame, "columns", ()))
 
 
 def median_seconds(frame: Any, **where: Any) -> float | None:
-    """Median `seconds` of the rows where each column equals its value (method="land"); None
-    when there is no frame, column or row."""
+    """Median `seconds` of the rows matching every column=value; None: no frame, column or row."""
     if frame is None or getattr(frame, "empty", True):
         return None
     for column, value in where.items():
