@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from diag.runner import quietly
 from diag.config import AttachConfig
 from diag.machine.gpu_util import NvmlSampler
 from diag.observe import spy
@@ -164,6 +165,7 @@ def _process(before: dict, after: dict, window: float) -> pd.DataFrame:
                                        "written_mb"])
 
 
+@quietly
 def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     """Sample process cfg.pid for cfg.seconds (less if it exits: what was sampled is kept)."""
     import psutil

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from diag.decision import frame as decisions_frame
 from diag.machine.device import on_cpu_threads
 from diag.forecast.costs import price
 from diag.forecast.eta import (after_line, before_line, check_eta, costs_in, from_decisions,
@@ -83,7 +84,7 @@ def _start(cfg: TrainConfig, out: Path, stored: dict[str, Any] | None,
         start = time.perf_counter()
         plan, decided, build = _decide(cfg, stored, decisions, src)
         plan_s = time.perf_counter() - start  # deciding it: the sweeps on the job, if measured
-        record(out, {"plan": plan.name, "decisions": [d.record()["json"] for d in decided]})
+        record(out, {"plan": plan.name, "decisions": list(decisions_frame(decided)["json"])})
         if costs is None:
             costs = from_decisions(plan.name, plan.settings(), decided, build)
         gc.collect()  # the sweeps' models (reference cycles) go before the start freezes the rest
