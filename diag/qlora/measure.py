@@ -1,8 +1,7 @@
 """The optimized plan's decisions, measured on the QLoRA job's own step on this machine.
 
-`plan_from_job`: the job's inputs (`job_inputs`), then unless given its decisions (`OnJob`:
-micro-batch, checkpointing on/off, the loader sweep, in one order with one budget split), the
-plan fitted to the job. `read_results(cfg)` gives back the decisions a run folder kept.
+`plan_from_job`: the job's inputs, its decisions (`OnJob`: micro-batch, checkpointing, the loader,
+in one order with one budget), the plan fitted to the job; `read_results` reads a run's back.
 """
 
 from __future__ import annotations
@@ -26,14 +25,12 @@ if TYPE_CHECKING:
 
 
 class QLoraStep:
-    """One optimizer step of the job's model (nf4 base, LoRA adapters), as the Trainer takes it:
-    forward, backward, AdamW on the adapters. A diag.accum harness step, and (called with a
-    batch: one whole step) a loader sweep's consumer."""
+    """One optimizer step of the job's model as the Trainer takes it (forward, backward, AdamW on
+    the adapters): a diag.accum step and, called with a batch, a loader sweep's consumer.
+    model: a peft model as load_model loads it (None: loaded here from model_dir)."""
 
     def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any,
                  gradient_checkpointing: bool = False, model: Any = None) -> None:
-        """model: a peft model already loaded as load_model loads it (a kept base's); None:
-        loaded here from model_dir."""
         import dataclasses
 
         import torch
@@ -92,19 +89,17 @@ class QLoraStep:
 
 class OnJob:
     """The job's decisions in their one order (micro-batch, then checkpointing and the loader at
-    the micro-batch it chose), sharing one budget split and one loaded QLoraStep per checkpointing
-    setting: accum's rounds may take half of cfg.decide_budget_s, checkpointing's what accum left
-    (the loader's repeats are its screen). close() lets the steps' bases go."""
+    it), sharing one QLoraStep per checkpointing setting and one budget: accum's rounds take at
+    most half of cfg.decide_budget_s, checkpointing's what accum left. share(decision): its
+    seconds of diag run's budget, past which accum's screen cuts the points left."""
 
     def __init__(self, cfg: QLoraConfig, job: JobInputs,
                  share: Callable[[str], float] | None = None) -> None:
-        """share(decision): its seconds of the run's budget (diag run's), past which its screen
-        cuts the points left; None: every point is screened."""
         self.cfg, self.job, self.left, self.share = cfg, job, cfg.decide_budget_s, share
         self._made: dict[bool, QLoraStep] = {}
 
     def step(self, gradient_checkpointing: bool = False) -> QLoraStep:
-        """The job's step, loaded once per setting, handed out reset (the initial adapters)."""
+        """The job's step, loaded once per setting, handed out reset."""
         if gradient_checkpointing not in self._made:
             self._made[gradient_checkpointing] = QLoraStep(
                 self.cfg, self.job.model_dir, self.job.device, gradient_checkpointing)
@@ -119,8 +114,7 @@ class OnJob:
         return got
 
     def checkpointing(self, micro: int) -> CheckpointingResult:
-        got = checkpointing_on_job(self.cfg, self.job, micro, budget_s=max(0.0, self.left),
-                                   on=self)
+        got = checkpointing_on_job(self.cfg, self.job, micro, max(0.0, self.left), on=self)
         self.left -= got.decisions[0].repeats_s or 0.0
         return got
 
@@ -133,8 +127,7 @@ class OnJob:
 
 @dataclass(frozen=True)
 class JobInputs:
-    """What the measurements on the job need: the landed data, the cached model, the device, the
-    rows per optimizer step the packed job runs (micro_batch x grad_accum must equal it)."""
+    """What the measurements on the job need; rows_per_step: the packed job's per optimizer step."""
 
     rows_per_step: int
     model_dir: Path
@@ -152,9 +145,8 @@ def _on(cfg: QLoraConfig, job: JobInputs, step: str, **more: Any) -> MeasuredOn:
 
 
 def job_inputs(cfg: QLoraConfig, src: Sources | None = None) -> JobInputs:
-    """Land the data, fill the persistent model cache, build the packed dataset once (the token
-    cache every optimized start reuses) and read its rows per step off it. src: sources already
-    open (run_qlora's, which its runs then use); else they are opened and closed here."""
+    """Land the data, fill the persistent model cache and the token cache, read the packed job's
+    rows per step. src: open sources (None: opened and closed here)."""
     import dataclasses
 
     from diag.machine.device import resolve
@@ -169,8 +161,7 @@ def job_inputs(cfg: QLoraConfig, src: Sources | None = None) -> JobInputs:
 
 
 def micro_candidates(rows_per_step: int, most: int = 4) -> list[int]:
-    """Micro-batches the job can run (divisors of its rows per step): 1, the largest, and
-    between them up to `most` spread evenly in log scale."""
+    """Up to `most` divisors of rows_per_step, 1 and the largest among them, evenly spread."""
     divisors = [d for d in range(1, rows_per_step + 1) if rows_per_step % d == 0]
     if len(divisors) <= most:
         return divisors
@@ -182,10 +173,9 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
                  budget_s: float | None = None, on: OnJob | None = None,
                  share_s: float | None = None) -> AccumResult:
     """micro_batch x grad_accum == the job's rows per step, checkpointing off: every point
-    screened (a warm-up and a timed step), then interleaved rounds to cfg.sweep_steps each and
-    on while within noise (diag.accum.retime) until `budget_s` (half the decide budget) is
-    spent. share_s: past it, the points not yet screened are cut (the first two always run;
-    said in the decision) and the rounds get what is left. on: the shared steps (OnJob)."""
+    screened, then interleaved rounds while within noise (diag.accum.retime) within budget_s
+    (None: half the decide budget). share_s: past it the points not yet screened are cut (the
+    first two always run; said in the decision). on: the shared steps (OnJob)."""
     import dataclasses
     import time
 
@@ -202,8 +192,7 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
                          f"{rows_per_step} rows per step; allowed: "
                          + ", ".join(map(str, micro_candidates(rows_per_step, rows_per_step))))
     one = [(on or OnJob(cfg, job)).step()]
-    # a step each, then interleaved rounds (a point's steps one after another let a moving load
-    # resolve micro-batch 4 over 2 in one quick decision and 2 over 4 in the next)
+    # a step each, then interleaved rounds: a point's steps in a row let a moving load decide
     start, frames, cut = time.perf_counter(), [], []
     for i, m in enumerate(micro_batches):
         if share_s is not None and i >= 2 and time.perf_counter() - start > share_s:
@@ -217,7 +206,7 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
     timed, spent = retime(one, pd.concat(frames, ignore_index=True), unresolved, budget_s=left,
                           at_least=cfg.sweep_steps)
     tokens = rows_per_step * cfg.seq_len
-    # no floor or MFU here: the QLoRA step's FLOPs are diag.mfu.qlora's
+    # no floor or MFU here: the QLoRA step's FLOPs are diag.mfu's
     frame = accum_frame(timed, tokens, detail=job_label(cfg))
     summary = summarize(frame, device=str(job.device))
     where = _on(cfg, job, f"the QLoRA step, {rows_per_step} rows per optimizer step "
@@ -231,18 +220,15 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
 
 
 def _budget(cfg: QLoraConfig, budget_s: float | None) -> float:
-    """The seconds one decision's rounds may take: given, else half the job's decide budget
-    (micro-batch and checkpointing re-time; the loader's repeats are its screen)."""
     return cfg.decide_budget_s / 2 if budget_s is None else budget_s
 
 
 def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
                          budget_s: float | None = None, on: OnJob | None = None
                          ) -> CheckpointingResult:
-    """Checkpointing on vs off at `micro` and at the naive micro-batch (its own on/off ratio),
-    a step each, then interleaved rounds to cfg.sweep_steps each and on while a gap is
-    unresolved or impossible (checkpointing.pending) within `budget_s`. A point that ran out of
-    memory leaves no row."""
+    """Checkpointing on vs off at `micro` and at the naive micro-batch, a step each, then
+    interleaved rounds while a gap is open or impossible (checkpointing.pending) within budget_s.
+    A point that ran out of memory leaves no row."""
     import pandas as pd
 
     from diag.accum import retime, train_points
@@ -253,7 +239,7 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
     pool = on or OnJob(cfg, job)
     pair = [pool.step(ckpt) for ckpt in (True, False)]
     timed = train_points(pair, [(m, 1) for m in sorted({naive, micro})], repeats=1,
-                         warmup_steps=1, desc="checkpointing on/off")  # then rounds, as accum's
+                         warmup_steps=1, desc="checkpointing on/off")
     timed, spent = retime(pair, timed, pending, budget_s=_budget(cfg, budget_s),
                           at_least=cfg.sweep_steps)
     ok = timed[timed["status"] == "ok"]
@@ -269,9 +255,8 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
 
 def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int, on: OnJob | None = None
                   ) -> LoaderResult:
-    """diag.loader's sweep with the job's step as the consumer (its data, its tokenizer, its
-    seq_len, the chosen micro-batch, cfg.sweep_workers); the stall split waits as long as that
-    step measured, the profile is the naive pipeline's. steps: as accum_on_job."""
+    """diag.loader's sweep over cfg.sweep_workers with the job's step at `micro` as the consumer
+    (its data, tokenizer and seq_len); the stall split waits as long as that step."""
     from diag.config import LoaderConfig
     from diag.loader import run_loader
     from diag.noise import MIN_SAMPLES
@@ -295,16 +280,15 @@ def measure_on_job(cfg: QLoraConfig, job: JobInputs) -> tuple[Decision, ...]:
     try:
         accum = on.accum()
         (micro,) = (d.value for d in accum.decisions)  # diag.accum decides micro_batch alone
-        return (*accum.decisions, *on.checkpointing(micro).decisions,
-                *on.loader(micro).decisions)
+        return (*accum.decisions, *on.checkpointing(micro).decisions, *on.loader(micro).decisions)
     finally:
         on.close()
 
 
 def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
                   src: Sources | None = None) -> Plan:
-    """The optimized plan run_qlora runs: the given decisions, else measured on the job; fitted
-    to the job's rows per step. src: open sources to read the job's inputs from (job_inputs)."""
+    """The optimized plan: the given decisions (None: measured on the job), fitted to the job's
+    rows per step. src: open sources (job_inputs)."""
     from diag.qlora.plans import Plan
 
     job = job_inputs(cfg, src)
@@ -314,9 +298,8 @@ def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
 
 
 def read_results(cfg: QLoraConfig) -> tuple[Decision, ...]:
-    """The decisions cfg.results (a run folder) kept in its decisions.csv, read back whole
-    (diag.decision.read); what was measured there must be this job's model and seq_len (else
-    ValueError, one line naming both)."""
+    """The decisions cfg.results (a run folder) kept in its decisions.csv; what was measured on
+    the job's step must name this job's model and seq_len (else one line naming both)."""
     import pandas as pd
 
     from diag.decision import read
@@ -326,8 +309,6 @@ def read_results(cfg: QLoraConfig) -> tuple[Decision, ...]:
         raise ValueError(f"QLoraConfig.results={cfg.results!r}: no run folder with a "
                          "decisions.csv there")
     decisions = read(pd.read_csv(table))
-    # what was measured on the job's step names its seq_len (a model load or a fetch does not,
-    # and names the model by its own id): those must be this job's
     measured = [d.measured_on for d in decisions if d.basis not in ("default", "projected")
                 and d.measured_on.seq_len]
     for name, want in (("model", job_label(cfg)), ("seq_len", cfg.seq_len)):

@@ -1,8 +1,7 @@
 """`diag train`: one plan trains the whole dataset, and the adapter it leaves is the output.
 
-`run_train(cfg)` decides the plan as `diag qlora` does (a resume's is its run's), times every
-stage, says the ETA before the first step and how far off it was after the last. out_dir keeps
-the adapter (PEFT's format) and tokenizer, the checkpoints, with --merge the merged model.
+`run_train(cfg)` decides the plan as `diag qlora` does, times every stage, says the ETA before the
+first step and how far off it was after the last; out_dir keeps adapter, tokenizer, checkpoints.
 """
 
 from __future__ import annotations
@@ -50,14 +49,12 @@ class TrainResult:
 def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | None = None,
               src: Sources | None = None, costs: pd.DataFrame | None = None) -> TrainResult:
     """Train cfg.plan on the whole dataset (or its first cfg.records), the adapter left in
-    cfg.out_dir; a resume of a finished run trains nothing. decisions: the optimized plan's
-    (None: cfg.results', else measured on the job); src: the job's sources, open; costs: the
-    ETA's unit costs (None: cfg.results', else the decisions')."""
+    cfg.out_dir. decisions, costs (the ETA's): None: cfg.results', else measured; src: open."""
     from diag.config import TrainConfig
     from diag.preflight import preflight
     from diag.qlora.measure import read_results
 
-    cfg, began = cfg or TrainConfig.default(), time.perf_counter()  # the command's ETA counts all
+    cfg, began = cfg or TrainConfig.default(), time.perf_counter()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(cfg.out_dir or f"train/{stamp}")
     stored = check(out, cfg.identity(), cfg.resume)  # before the source is read: writes nothing
@@ -95,7 +92,7 @@ def _decide(cfg: TrainConfig, stored: dict[str, Any] | None,
             decisions: Iterable[Decision] | None, src: Sources
             ) -> tuple[Plan, tuple[Decision, ...], dict[str, Any] | None]:
     """(the plan, the decisions that price it, the token cache's build): a resume's stored plan,
-    else cfg.plan of the decisions given or measured on the job (the naive ETA rests on them)."""
+    else cfg.plan of the decisions given or measured on the job."""
     import pandas as pd
 
     from diag.data import read_meta
@@ -103,22 +100,17 @@ def _decide(cfg: TrainConfig, stored: dict[str, Any] | None,
     from diag.qlora.data import job_records
     from diag.qlora.measure import job_inputs, measure_on_job
 
+    name, build = cfg.plan, None
     if stored and "decisions" in stored:  # a resume: the plan its run started with
-        decided = read(pd.DataFrame({"json": stored["decisions"]}))
-        return _collect(stored["plan"], decided), decided, None
-    build = None
-    if decisions is None:
+        name, decisions = stored["plan"], read(pd.DataFrame({"json": stored["decisions"]}))
+    elif decisions is None:
         job = cfg.job()
         inputs = job_inputs(job, src)
         decisions = measure_on_job(job, inputs)
         cache = job_records(job, inputs.data_path, inputs.model_dir).cache  # a hit
         build = (read_meta(cache.folder) or {}).get("build")
     decided = tuple(decisions)
-    return _collect(cfg.plan, decided), decided, build
-
-
-def _collect(name: str, decided: tuple[Decision, ...]) -> Plan:
-    return Plan.naive() if name == "naive" else Plan.optimized(decided)
+    return Plan.naive() if name == "naive" else Plan.optimized(decided), decided, build
 
 
 def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFrame,
@@ -150,8 +142,7 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
             job = _job(cfg, plan, path, folder, work, model.config._attn_implementation)
         _same_source(out, stored, job.split.train.cache)
         plan = plan.fit(job.data.micro_batch * job.data.grad_accum)
-        counts = _counts(cfg, job, out)
-        projected = price(costs, counts)
+        projected = price(costs, _counts(cfg, job, out))
         say(before_line(_head(cfg, plan, job), projected, time.perf_counter() - began,
                         ("fetch_data", "load_model", "preprocess")))
         ahead = dict(zip(projected["stage"], projected["seconds"]))
@@ -204,8 +195,7 @@ def _job(cfg: TrainConfig, plan: Plan, path: Path, folder: Path, work: Path,
 
 
 def _same_source(out: Path, stored: dict[str, Any], cache: Any) -> None:
-    """A resume trains on its run's records: a source changed since (another cache key) is
-    refused, never mixed."""
+    """A resume trains on its run's records: a source changed since is refused, never mixed."""
     if stored.get("cache") not in (None, cache.key):
         raise ValueError(f"--resume: the source changed since the run in {str(out)!r} started "
                          f"(token cache {stored['cache'][:12]} then, {cache.key[:12]} now): its "
@@ -218,8 +208,7 @@ SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_
 
 def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, device: Any,
            timer: Any, stored: dict[str, Any], projected: dict[str, float]) -> dict[str, Any]:
-    """The Trainer's stages; the held-out loss before a fresh run's first step, then every
-    eval_every steps and at the end."""
+    """The Trainer's stages; the held-out loss before a fresh run's first step, then on cadence."""
     from diag.qlora.progress import Progress
     from diag.qlora.trainer import fit, trainer_for
 
@@ -271,8 +260,8 @@ def _finished(out: Path, stored: dict[str, Any]) -> TrainResult:
 
 
 def _save_output(trainer: Any, folder: Path, src: Sources, tmp: Path) -> None:
-    """The adapter as PEFT saves it, its base named as given (hub id and revision, or your
-    folder; never diag's cache) so AutoPeftModelForCausalLM finds it anywhere; the tokenizer."""
+    """The adapter as PEFT saves it, its base named as given (never diag's cache) so
+    AutoPeftModelForCausalLM finds it anywhere; the tokenizer."""
     from transformers import AutoTokenizer
 
     for config in trainer.model.peft_config.values():
@@ -289,8 +278,7 @@ def _save_output(trainer: Any, folder: Path, src: Sources, tmp: Path) -> None:
 
 def _losses(history: list[dict[str, Any]], first_eval: float, tokens_per_step: float
             ) -> pd.DataFrame:
-    """Each step's train loss and each eval's loss (step 0: before training), against trained
-    tokens (an epoch's spread evenly over its steps: the same in both plans)."""
+    """Each step's train loss and each eval's (step 0: before training), with trained tokens."""
     import pandas as pd
 
     rows = [{"split": "eval", "step": 0, "loss": first_eval, "learning_rate": None}]
