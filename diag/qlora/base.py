@@ -1,7 +1,5 @@
-"""The job's 4-bit base: where its data and model come from (`Sources`), its model folder, its
-load (nf4, double quantization, LoRA on every projection) and the bases a comparison keeps for
-its rounds (`Bases`).
-"""
+"""The job's 4-bit base: its `Sources`, its model folder, its nf4 load with LoRA on every
+projection, and the bases a comparison keeps for its rounds (`Bases`)."""
 
 from __future__ import annotations
 
@@ -66,8 +64,7 @@ FOLDER_REPEATS, FOLDER_CHEAP_S, FOLDER_BUDGET_S = 16, 2.0, 3.0
 
 
 def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, dict[str, float]]:
-    """The plan's model folder and the median seconds a start pays for it per clock ("wall",
-    "CPU"), re-timed (each into its own folder, removed) until settled or a cheap limit."""
+    """The plan's model folder and a start's median seconds for it per clock, until settled."""
     import statistics
 
     from diag.noise import unsettled
@@ -137,9 +134,9 @@ REUSED = "measured once per plan, as its base first loaded: this round reused th
 
 
 class Bases:
-    """One comparison's 4-bit bases, one per plan and device, for all its rounds: the first load
-    is timed (`timed[plan]`: stage -> clock -> seconds), a later one puts a fresh adapter on the
-    kept base (basis REUSED). release() unloads the adapters lent since the last one."""
+    """A comparison's bases, one per plan and device: the first load timed (`timed[plan]`), a
+    later one a fresh adapter on the kept base (REUSED); release() unloads the adapters lent."""
+
 
     def __init__(self) -> None:
         self.work = scratch_folder("diag-qlora-bases")  # a killed rank's is swept next time

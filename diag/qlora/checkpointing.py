@@ -1,8 +1,5 @@
-"""Gradient checkpointing on vs off, timed on the QLoRA job's own step, and the decision.
-
-measure.checkpointing_on_job times the step both ways in interleaved rounds (COLUMNS); `decide`
-turns it off where the peak without it fits CHECKPOINTING_HEADROOM and off resolves faster.
-"""
+"""Gradient checkpointing on vs off, timed on the QLoRA job's own step (measure.py), and the
+decision: off where the peak without it fits CHECKPOINTING_HEADROOM and off resolves faster."""
 
 from __future__ import annotations
 
@@ -43,9 +40,8 @@ def memory_gb(device: str) -> tuple[float, str]:
 def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: MeasuredOn | None = None,
            memory: tuple[float, str] | None = None, naive_micro_batch: int | None = None,
            repeats_s: float | None = None) -> tuple[Decision, ...]:
-    """`gradient_checkpointing` from the on/off rows at the largest micro-batch, compared on the
-    device's clock: off only where the peak without it fits and off resolves faster; without
-    evidence (or with on faster, which recomputing cannot be) the device's default, labelled."""
+    """`gradient_checkpointing` from the on/off rows at the largest micro-batch, on the device's
+    clock; without evidence (or on faster: recomputing cannot be) the device's default."""
     from diag.noise import clock, compare, spread
 
     cuda = str(device).startswith("cuda")
@@ -92,8 +88,7 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
 
 
 def _naive_ratio(naive: pd.DataFrame, micro: int | None, column: str) -> tuple[float | None, str]:
-    """On/off at the naive micro-batch where resolved (1.0 within noise; None where a side is
-    missing, took no time or was faster on), and the why's note."""
+    """On/off at the naive micro-batch (1.0 within noise, None without evidence), and a note."""
     from diag.noise import compare
 
     if not {True, False} <= set(naive["gradient_checkpointing"].astype(bool)):
@@ -108,8 +103,8 @@ def _naive_ratio(naive: pd.DataFrame, micro: int | None, column: str) -> tuple[f
 
 
 def pending(samples: dict[tuple[int, int, int], list[float]]) -> list[tuple[int, int, int]]:
-    """The (step, micro_batch, 1) keys to re-time (step 0: on, 1: off): per micro-batch, a gap
-    not yet resolved or resolved the impossible way (on faster)."""
+    """The (step, micro_batch, 1) keys to re-time (step 0: on): a gap open, or on faster."""
+
     from diag.noise import compare
 
     out = []

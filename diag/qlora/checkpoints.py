@@ -1,7 +1,5 @@
-"""Checkpoints, resume and the adapter as output, for `diag qlora` and `diag train`: a checkpoint
-is swapped in whole (`save_whole`), `check` refuses an out_dir that does not fit the run before
-any work, `publish` writes the output adapter_config.json last, `merged` in 16-bit.
-"""
+"""Checkpoints written whole, resume checks, and the adapter as output, for `diag qlora` and
+`diag train`: nothing half-written ever looks complete."""
 
 from __future__ import annotations
 
@@ -59,8 +57,7 @@ def at_end(checkpoint: Path) -> bool:
 
 def check(out_dir: str | os.PathLike[str], run: dict[str, Any], resume: bool,
           folders: Iterable[str] = ("",)) -> dict[str, Any] | None:
-    """Refuse out_dir for this run, writing nothing: another run's checkpoints (in out_dir or its
-    `folders`) unless resuming, a resume with none or other settings. Returns the run file's."""
+    """Refuse an out_dir that does not fit this run, writing nothing; the run file's if resuming."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out-dir={str(out)!r}: is a file; name a new folder or a run's own")
@@ -108,8 +105,8 @@ def full_disk(err: BaseException) -> bool:
 
 
 def save_whole(final: Path, write: Callable[[Path], None], keep: int) -> None:
-    """`write(tmp)` swapped in as `final`, the last `keep` kept; out of room: one line, nothing
-    of it kept, the earlier checkpoints intact."""
+    """`write(tmp)` swapped in as `final`, the last `keep` kept; out of room: one line."""
+
     sweep_orphans(final.parent)  # what a save killed mid-way left
     try:
         with atomic_folder(final) as tmp:
@@ -159,8 +156,8 @@ def publish(out_dir: Path, write: Callable[[Path], None], last: str = "adapter_c
 
 
 def merged(base_folder: Path, adapter_dir: Path, out: Path, dtype: Any = None) -> Path:
-    """The base reloaded in 16-bit with the adapter merged in, saved whole at out; use_cache
-    off so packed rows stay apart (PACKED_ROWS)."""
+    """The base reloaded in 16-bit with the adapter merged in, saved whole at out."""
+
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer

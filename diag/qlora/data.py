@@ -1,6 +1,5 @@
-"""The QLoRA job's data from diag.data's token cache, the same records for both plans: `job_records`
-/ `train_records` count them, `build_dataset` makes a plan's Dataset in whole optimizer steps.
-"""
+"""The QLoRA job's records from diag.data's token cache, the same for both plans, and each plan's
+Dataset over them in whole optimizer steps (`build_dataset`)."""
 
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ def job_records(cfg: QLoraConfig, source: Path, tokenizer_dir: Path) -> Records:
 
 
 def counted(cfg: JobConfig, cache: TokenCache) -> Records:
-    """The cache's first cfg.records good records (0: all); one whose prompt fills seq_len is
-    refused (on_error="raise") or left out, counted."""
+    """The cache's first cfg.records good records (0: all), those with no loss token refused."""
     import numpy as np
 
     from diag.data import loss_counts
@@ -95,8 +93,7 @@ def whole_micro_batches(rows: int, micro: int) -> int:
 
 
 class WholeSteps:
-    """The packed windows padded to whole optimizer steps; a pad row trains nothing (its positions
-    run 0..seq_len-1: attending to nothing gives NaN)."""
+    """The packed windows padded to whole optimizer steps with rows that train nothing."""
 
     def __init__(self, packed: Any, rows: int) -> None:
         self.packed, self.rows = packed, rows
@@ -114,15 +111,15 @@ class WholeSteps:
         seq = self.packed.seq_len
         return {"input_ids": torch.full((seq,), self.packed.pad_token_id, dtype=torch.int64),
                 "labels": torch.full((seq,), -100, dtype=torch.int64),
-                "position_ids": torch.arange(seq)}
+                "position_ids": torch.arange(seq)}  # 0..seq_len-1: attending to nothing is NaN
+
 
 
 def build_dataset(cfg: JobConfig, plan: Plan, recs: Records, tokenizer_dir: Path,
                   source: Path, attention: str | None = "sdpa", steps: int | None = None,
                   rows: Sequence[dict[str, Any]] | None = None) -> Data:
-    """The plan's Dataset over recs in `steps` optimizer steps (None: cfg.steps); rows: the naive
-    plan's records (None: read from source); an `attention` that cannot keep packed records
-    apart gets a window per record."""
+    """The plan's Dataset over recs in `steps` optimizer steps; rows: the naive plan's records
+    (None: read from source); an `attention` that cannot keep records apart: one per window."""
     from diag.data import NaiveTextDataset, PackedDataset, packing_refused
     from diag.qlora.plans import fit_micro_batch
 
@@ -168,8 +165,7 @@ class Split:
 
 
 def train_records(cfg: TrainConfig, source: Path, tokenizer_dir: Path) -> Split:
-    """The cache's good records (or its first cfg.records): the eval share drawn by cfg.seed and
-    held out, the rest in whole steps of cfg.batch_size."""
+    """The cache's good records: the eval share drawn by cfg.seed, the rest in whole steps."""
     import numpy as np
 
     recs = counted(cfg, _cache(cfg, source, tokenizer_dir))
@@ -205,8 +201,8 @@ def count_records(source: Path, at_most: int | None = None) -> int:
 
 
 class ArrowRecords(Sequence):
-    """The source's good records at `indices`, memory-mapped from an Arrow file written here (as
-    datasets keeps one): the naive plan's whole dataset, never held in memory."""
+    """The source's good records at `indices`, memory-mapped from an Arrow file written here."""
+
 
     def __init__(self, source: Path, fields: dict[str, str], folder: Path,
                  indices: Sequence[int]) -> None:

@@ -1,8 +1,5 @@
-"""Naive vs optimized QLoRA runs on the same records, seed and schedule: where the time went.
-
-`compare` times each plan's costs before the runs (diag.qlora.starts), runs interleaved rounds
-until the headline resolves or its budget is spent, and reads every figure from one cost table.
-"""
+"""Naive vs optimized QLoRA runs on the same records, seed and schedule: where the time went,
+every figure read from one cost table (diag.forecast) of costs timed before and in the runs."""
 
 from __future__ import annotations
 
@@ -46,8 +43,7 @@ class QLoraResult:
 @on_cpu_threads
 def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | None = None,
               budget_s: float | None = None) -> QLoraResult:
-    """`diag qlora`: cfg's inputs checked before any work, then `compare`. decisions: the
-    optimized plan's (None: cfg.results', else measured on the job)."""
+    """`diag qlora`: cfg's inputs checked before any work, then `compare`."""
     from diag.config import QLoraConfig
     from diag.preflight import preflight
     from diag.qlora.checkpoints import claim
@@ -64,8 +60,7 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
 
 def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
             src: Sources | None = None, budget_s: float | None = None) -> QLoraResult:
-    """The plans, their costs timed before the runs, the runs in rounds, their FLOPs, the result.
-    src: open sources (None: opened here); budget_s: for the rounds past cfg.rounds."""
+    """The plans, their costs timed before the runs, the runs in rounds, their FLOPs, the result."""
     from diag.noise import clock
     from diag.qlora.base import Bases
     from diag.mfu import count_plans
@@ -99,8 +94,7 @@ def _plans(cfg: QLoraConfig, decisions: Iterable[Decision] | None, src: Sources)
 
 def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, device: Any
             ) -> pd.DataFrame | None:
-    """Both plans' starts and own steps timed before the runs (the predictions' rows); first
-    what a start imports, paid here so that no one plan's first start pays it alone."""
+    """Both plans' starts and own steps timed before the runs (the predictions' rows)."""
     import bitsandbytes  # noqa: F401
     import pandas as pd
     import peft  # noqa: F401
@@ -110,7 +104,8 @@ def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, dev
     from diag.qlora.starts import time_starts, time_steps
     from diag.qlora.trainer import trainer_class
 
-    get_checkpoint_conversion_mapping("llama")  # a process's first load builds it
+    # what a start imports or builds once per process, paid here: no one plan's start pays it
+    get_checkpoint_conversion_mapping("llama")
     trainer_class()
     if len(plans) < 2:
         return None
@@ -122,8 +117,8 @@ def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, dev
 
 def _rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, clock: str,
             budget_s: float | None) -> list[PlanRun]:
-    """cfg.rounds interleaved rounds, then more (up to 16) while the headline is unresolved on
-    `clock` and `budget_s` allows."""
+    """cfg.rounds interleaved rounds, then up to 16 while the headline is unresolved in budget."""
+
     from tqdm.auto import tqdm
 
     from diag.forecast.costs import measured

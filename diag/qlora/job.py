@@ -1,8 +1,5 @@
-"""One QLoRA run under one plan: fetch the data, load the 4-bit base, tokenize, train, checkpoint.
-
-`run_plan(cfg, plan, sources)` times each run-level stage on one StageTimer (warmup, train and
-checkpoint from the Trainer's TimingCallback) and returns a PlanRun: stages, losses, cost rows.
-"""
+"""One QLoRA run under one plan: fetch the data, load the 4-bit base, tokenize, train, checkpoint,
+each stage timed (`run_plan` -> PlanRun: stages, losses, cost rows, what ran)."""
 
 from __future__ import annotations
 
@@ -68,8 +65,7 @@ def fetch_data(plan: Plan, src: Sources, work: Path, records: int = 0) -> tuple[
 
 
 def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any]:
-    """A start's inputs under plan, untimed: the data path, the model folder, the built dataset
-    (a pulled copy is gone when it returns)."""
+    """A start's inputs under plan, untimed: the data path, the model folder, the built dataset."""
     from diag.qlora.data import build_dataset, job_records
 
     work = scratch_folder("diag-qlora-prime")  # a killed rank's is swept next time
@@ -197,8 +193,7 @@ def counts(summary: Mapping[str, Any]) -> dict[str, float]:
 
 def _measured(plan: str, rnd: int, frame: pd.DataFrame, summary: Mapping[str, Any],
               cpu: Mapping[str, float], load: Mapping[str, Mapping[str, float]]) -> pd.DataFrame:
-    """The run's cost-table rows: per run-level stage its unit (counts) and its seconds on the
-    wall clock (one rank's) and this process's CPU clock."""
+    """The run's cost rows: per run-level stage its unit and seconds, wall (one rank's) and CPU."""
     from diag.forecast.costs import measured, row
 
     ranks = max(frame["rank"].nunique(), 1)
@@ -217,13 +212,12 @@ def _measured(plan: str, rnd: int, frame: pd.DataFrame, summary: Mapping[str, An
 
 
 def ran(trainer: Any) -> dict[str, Any]:
-    """The plan's settings read back from what ran (the Trainer's DataLoader, its accumulation,
-    the model's checkpointing), never copied from the plan."""
+    """The plan's settings read back from what ran, never copied from the plan."""
     from diag.qlora.data import WholeSteps
 
     loader = trainer.callback_handler.train_dataloader  # the one train() iterated
-    served = loader.dataset
-    served = getattr(served, "dataset", served)  # a rank slowed on purpose (_Slowed) wraps it
+    served = getattr(loader.dataset, "dataset", loader.dataset)  # under _Slowed
+
     # accelerate's loader batches through its batch sampler (its own batch_size is None)
     return {"micro_batch": loader.batch_size or loader.batch_sampler.batch_size,
             "grad_accum": trainer.args.gradient_accumulation_steps,

@@ -1,8 +1,5 @@
-"""The optimized plan's decisions, measured on the QLoRA job's own step on this machine.
-
-`plan_from_job`: the job's inputs, its decisions (`OnJob`: micro-batch, checkpointing, the loader,
-in one order with one budget), the plan fitted to the job; `read_results` reads a run's back.
-"""
+"""The optimized plan's decisions, measured on the QLoRA job's own step on this machine (`OnJob`:
+micro-batch, checkpointing, loader, in one order with one budget), or read back from a run."""
 
 from __future__ import annotations
 
@@ -25,9 +22,8 @@ if TYPE_CHECKING:
 
 
 class QLoraStep:
-    """One optimizer step of the job's model as the Trainer takes it (forward, backward, AdamW on
-    the adapters): a diag.accum step and, called with a batch, a loader sweep's consumer.
-    model: a peft model as load_model loads it (None: loaded here from model_dir)."""
+    """One optimizer step of the job's model as the Trainer takes it: a diag.accum step and,
+    called with a batch, a loader sweep's consumer. model: None: loaded from model_dir."""
 
     def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any,
                  gradient_checkpointing: bool = False, model: Any = None) -> None:
@@ -88,9 +84,8 @@ class QLoraStep:
 
 
 class OnJob:
-    """The job's decisions in their one order (micro-batch, then checkpointing and the loader at
-    it), sharing one QLoraStep per checkpointing setting and one budget: accum's rounds take at
-    most half of cfg.decide_budget_s, checkpointing's what accum left. share(decision): its
+    """The job's decisions in one order, one step per checkpointing setting and one budget:
+    accum's rounds take at most half, checkpointing's what accum left. share(decision): its
     seconds of diag run's budget, past which accum's screen cuts the points left."""
 
     def __init__(self, cfg: QLoraConfig, job: JobInputs,
@@ -145,8 +140,7 @@ def _on(cfg: QLoraConfig, job: JobInputs, step: str, **more: Any) -> MeasuredOn:
 
 
 def job_inputs(cfg: QLoraConfig, src: Sources | None = None) -> JobInputs:
-    """Land the data, fill the persistent model cache and the token cache, read the packed job's
-    rows per step. src: open sources (None: opened and closed here)."""
+    """Land the data, fill the model and token caches, read the packed job's rows per step."""
     import dataclasses
 
     from diag.machine.device import resolve
@@ -172,10 +166,9 @@ def micro_candidates(rows_per_step: int, most: int = 4) -> list[int]:
 def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | None = None,
                  budget_s: float | None = None, on: OnJob | None = None,
                  share_s: float | None = None) -> AccumResult:
-    """micro_batch x grad_accum == the job's rows per step, checkpointing off: every point
-    screened, then interleaved rounds while within noise (diag.accum.retime) within budget_s
-    (None: half the decide budget). share_s: past it the points not yet screened are cut (the
-    first two always run; said in the decision). on: the shared steps (OnJob)."""
+    """micro_batch x grad_accum at the job's rows per step, checkpointing off: every point
+    screened, then rounds while within noise within budget_s (None: half the decide budget).
+    share_s: past it, the points not yet screened are cut (the first two always run)."""
     import dataclasses
     import time
 
@@ -226,9 +219,8 @@ def _budget(cfg: QLoraConfig, budget_s: float | None) -> float:
 def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
                          budget_s: float | None = None, on: OnJob | None = None
                          ) -> CheckpointingResult:
-    """Checkpointing on vs off at `micro` and at the naive micro-batch, a step each, then
-    interleaved rounds while a gap is open or impossible (checkpointing.pending) within budget_s.
-    A point that ran out of memory leaves no row."""
+    """Checkpointing on vs off at `micro` and the naive micro-batch, in rounds while a gap is open
+    or impossible (checkpointing.pending); a point out of memory leaves no row."""
     import pandas as pd
 
     from diag.accum import retime, train_points
@@ -255,8 +247,7 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
 
 def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int, on: OnJob | None = None
                   ) -> LoaderResult:
-    """diag.loader's sweep over cfg.sweep_workers with the job's step at `micro` as the consumer
-    (its data, tokenizer and seq_len); the stall split waits as long as that step."""
+    """diag.loader's sweep over the job's records with the job's step at `micro` as consumer."""
     from diag.config import LoaderConfig
     from diag.loader import run_loader
     from diag.noise import MIN_SAMPLES
@@ -287,8 +278,7 @@ def measure_on_job(cfg: QLoraConfig, job: JobInputs) -> tuple[Decision, ...]:
 
 def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
                   src: Sources | None = None) -> Plan:
-    """The optimized plan: the given decisions (None: measured on the job), fitted to the job's
-    rows per step. src: open sources (job_inputs)."""
+    """The optimized plan of the decisions (None: measured on the job), fitted to the job."""
     from diag.qlora.plans import Plan
 
     job = job_inputs(cfg, src)
@@ -298,8 +288,8 @@ def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
 
 
 def read_results(cfg: QLoraConfig) -> tuple[Decision, ...]:
-    """The decisions cfg.results (a run folder) kept in its decisions.csv; what was measured on
-    the job's step must name this job's model and seq_len (else one line naming both)."""
+    """The decisions cfg.results' decisions.csv kept, refused unless measured on this job."""
+
     import pandas as pd
 
     from diag.decision import read

@@ -1,8 +1,6 @@
-"""The two plans of the QLoRA job: what a newcomer runs, and what the measurements decided.
+"""The two plans of the QLoRA job: the defaults a newcomer runs (`Plan.naive()`), and the
+experiments' decisions collected (`Plan.optimized(decisions)`), each setting saying its why."""
 
-`Plan.naive()` is the defaults a first run gets; `Plan.optimized(decisions)` collects the
-experiments' decisions, a setting nobody decided taking its owner's labelled default.
-"""
 
 from __future__ import annotations
 

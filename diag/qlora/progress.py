@@ -1,6 +1,5 @@
 """The live view of a long QLoRA run on stderr: a tqdm.auto bar whose time left is the cost
-table's ETA with the steps' own pace replacing their price, and the stage shares every N steps.
-"""
+table's ETA with the steps' own pace replacing their price, and the stage shares every N steps."""
 
 from __future__ import annotations
 
@@ -28,8 +27,8 @@ def shares_so_far(timer: StageTimer) -> str:
 
 def left_s(projected: dict[str, float], spent: dict[str, float], steps_left: int,
            step_s: float | None) -> float:
-    """The steps left at the pace measured (else the ETA's price), and each later stage's ETA
-    less what it spent so far (never below 0)."""
+    """The steps left at the pace measured (else the ETA's), and each later stage's ETA left."""
+
     steps = steps_left * step_s if step_s else max(
         0.0, projected.get("train", 0.0) + projected.get("warmup", 0.0)
         - spent.get("train", 0.0) - spent.get("warmup", 0.0))

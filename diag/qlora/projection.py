@@ -1,6 +1,6 @@
 """The whole job, projected: what `diag train` would take on every record of the source, priced
-at the wall costs the comparison's runs measured (the rows `diag train --results` prices at).
-"""
+at the wall costs the comparison's runs measured (the rows `diag train --results` prices at)."""
+
 
 from __future__ import annotations
 

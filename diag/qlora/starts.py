@@ -1,8 +1,5 @@
-"""What each plan costs, timed before the comparison's runs: the predictions' figures.
-
-`time_starts` times a start of each plan (fetch, model folder, preprocess), `time_steps` each
-plan's own optimizer step, in interleaved rounds; both return cost rows ("before", both clocks).
-"""
+"""What each plan costs, timed before the comparison's runs in interleaved rounds: its start
+(`time_starts`) and its own optimizer step (`time_steps`), as cost rows on both clocks."""
 
 from __future__ import annotations
 
@@ -27,15 +24,13 @@ STARTS = {"fetch": "fetch_data", "model_cache": "download", "pipeline": "preproc
 
 
 def priced(plan: Plan, clock: str) -> set[str]:
-    """The start settings the plan's decisions already price per start on `clock` (`diag run`'s
-    fetch and model_cache): not timed again, no second download."""
+    """The start settings the plan's decisions price on `clock` (`diag run`'s): not timed again."""
     return {d.setting for d in plan.decisions if d.per == "start" and d.saving_s() is not None
             and (d.clock or "wall") == clock}
 
 
 def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -> pd.DataFrame:
-    """Each plan's start, min(cfg.rounds, 3) times interleaved, the model folder in the first
-    round alone; a setting the optimized plan's decisions price (`priced`) is read from them."""
+    """Each plan's start, min(cfg.rounds, 3) times; the model folder in the first round alone."""
     from diag.files import scratch_folder
     from diag.noise import interleave
     from diag.qlora.base import timed_folder
@@ -96,9 +91,9 @@ class RowsStep(QLoraStep):
 
 def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
                device: Any) -> pd.DataFrame:
-    """Each plan's own optimizer step (its first step's rows, micro-batch, accumulation,
-    checkpointing) on the base its rounds reuse, in interleaved rounds until each median settles
-    or half of cfg.decide_budget_s is spent: `step` and `warmup_step` rows, both clocks."""
+    """Each plan's own first optimizer step on the base its rounds reuse, in rounds until each
+    median settles or half of cfg.decide_budget_s is spent."""
+
     import pandas as pd
 
     from diag.accum import retime, train_points

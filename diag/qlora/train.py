@@ -1,8 +1,5 @@
-"""`diag train`: one plan trains the whole dataset, and the adapter it leaves is the output.
-
-`run_train(cfg)` decides the plan as `diag qlora` does, times every stage, says the ETA before the
-first step and how far off it was after the last; out_dir keeps adapter, tokenizer, checkpoints.
-"""
+"""`diag train`: one plan trains the whole dataset, every stage timed, its ETA said before the
+first step and checked after the last; the adapter it leaves in out_dir is the output."""
 
 from __future__ import annotations
 
@@ -48,8 +45,7 @@ class TrainResult:
 
 def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | None = None,
               src: Sources | None = None, costs: pd.DataFrame | None = None) -> TrainResult:
-    """Train cfg.plan on the whole dataset (or its first cfg.records), the adapter left in
-    cfg.out_dir. decisions, costs (the ETA's): None: cfg.results', else measured; src: open."""
+    """Train cfg.plan; decisions and the ETA's costs: None: cfg.results', else measured."""
     from diag.config import TrainConfig
     from diag.preflight import preflight
     from diag.qlora.measure import read_results
@@ -91,8 +87,7 @@ def _start(cfg: TrainConfig, out: Path, stored: dict[str, Any] | None,
 def _decide(cfg: TrainConfig, stored: dict[str, Any] | None,
             decisions: Iterable[Decision] | None, src: Sources
             ) -> tuple[Plan, tuple[Decision, ...], dict[str, Any] | None]:
-    """(the plan, the decisions that price it, the token cache's build): a resume's stored plan,
-    else cfg.plan of the decisions given or measured on the job."""
+    """(the plan, the decisions that price it, the token cache's build); a resume's is stored."""
     import pandas as pd
 
     from diag.data import read_meta
@@ -260,8 +255,8 @@ def _finished(out: Path, stored: dict[str, Any]) -> TrainResult:
 
 
 def _save_output(trainer: Any, folder: Path, src: Sources, tmp: Path) -> None:
-    """The adapter as PEFT saves it, its base named as given (never diag's cache) so
-    AutoPeftModelForCausalLM finds it anywhere; the tokenizer."""
+    """The adapter as PEFT saves it, its base named as given (never diag's cache); the tokenizer."""
+
     from transformers import AutoTokenizer
 
     for config in trainer.model.peft_config.values():

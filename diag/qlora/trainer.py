@@ -1,7 +1,5 @@
 """The Trainer as `diag qlora` and `diag train` run it: its arguments from the plan, checkpoints
-written whole, a signal turned into a checkpoint and a stop, every stage timed (`trainer_for`);
-`fit` trains it and raises Interrupted where a signal stopped it.
-"""
+written whole, a signal turned into a checkpoint and a stop, every stage timed."""
 
 from __future__ import annotations
 
@@ -50,8 +48,7 @@ def training_args(cfg: JobConfig, plan: Plan, data: Any, out_dir: Path, device: 
 def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path, device: Any,
                 timer: StageTimer, keep: int = 2, callbacks: tuple[Any, ...] = (),
                 **more: Any) -> tuple[Any, Any]:
-    """(the Trainer, its TimingCallback, `setup` clocked from here), keeping the last `keep`
-    checkpoints. more: training_args' overrides, or train_dataset / eval_dataset."""
+    """(the Trainer, its TimingCallback); more: training_args' overrides, or the datasets."""
     import transformers
 
     from diag.timing.callback import TimingCallback
@@ -73,8 +70,7 @@ def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
-    """The objects alive before frozen out of the garbage collector, so accelerate's gc.collect()
-    as train() starts walks only what the start made (collect garbage first where there is)."""
+    """What is alive frozen out of the garbage collector: train()'s gc.collect() walks the rest."""
     gc.freeze()
     try:
         yield
@@ -84,8 +80,7 @@ def frozen_heap() -> Iterator[None]:
 
 
 def fit(trainer: Any, callback: Any, resume: Path | None, out_dir: Path | None) -> float:
-    """trainer.train() from `resume` or the start: the wall seconds since the Trainer was made.
-    A signal (its checkpoint saved): Interrupted, saying how to resume with out_dir."""
+    """trainer.train() from `resume`: its wall seconds; stopped by a signal: Interrupted."""
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     wall = time.perf_counter() - trainer.made_at
     end_workers(trainer)
@@ -97,8 +92,7 @@ def fit(trainer: Any, callback: Any, resume: Path | None, out_dir: Path | None) 
 
 
 def end_workers(trainer: Any) -> None:
-    """Shut its DataLoaders' persistent workers down now: left to the garbage collector, each can
-    wait out torch's 5 s join timeout in whatever runs next."""
+    """Shut its loaders' workers down now, not in whatever runs next (torch's 5 s join timeout)."""
     for loader in trainer.accelerator._dataloaders:
         if getattr(loader, "_iterator", None) is not None:
             loader._iterator._shutdown_workers()
@@ -142,8 +136,8 @@ def trainer_class() -> type:
 
 @functools.cache
 def signals_callback() -> type:
-    """A TrainerCallback turning SIGINT / SIGTERM into a checkpoint at the step's end and a stop;
-    a second signal stops at once (KeyboardInterrupt). One process only."""
+    """SIGINT / SIGTERM into a checkpoint at the step's end and a stop; a second stops at once."""
+
     from transformers import TrainerCallback
 
     class Signals(TrainerCallback):
