@@ -36,7 +36,6 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
     """The snapshot folder: downloaded into an empty cache, or read from the persistent one."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
-
     from diag.model_load import ALLOW_PATTERNS, cache_dir_for, not_in_user_cache, snapshot_folder
 
     if Path(src.model).is_dir():  # a local model: read where it is, in both plans
@@ -66,7 +65,6 @@ FOLDER_REPEATS, FOLDER_CHEAP_S, FOLDER_BUDGET_S = 16, 2.0, 3.0
 def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, dict[str, float]]:
     """The plan's model folder and a start's median seconds for it per clock, until settled."""
     import statistics
-
     from diag.noise import unsettled
 
     folder, samples, cpu = None, [], []

@@ -104,7 +104,6 @@ def _naive_ratio(naive: pd.DataFrame, micro: int | None, column: str) -> tuple[f
 
 def pending(samples: dict[tuple[int, int, int], list[float]]) -> list[tuple[int, int, int]]:
     """The (step, micro_batch, 1) keys to re-time (step 0: on): a gap open, or on faster."""
-
     from diag.noise import compare
 
     out = []

@@ -106,7 +106,6 @@ def full_disk(err: BaseException) -> bool:
 
 def save_whole(final: Path, write: Callable[[Path], None], keep: int) -> None:
     """`write(tmp)` swapped in as `final`, the last `keep` kept; out of room: one line."""
-
     sweep_orphans(final.parent)  # what a save killed mid-way left
     try:
         with atomic_folder(final) as tmp:
@@ -157,7 +156,6 @@ def publish(out_dir: Path, write: Callable[[Path], None], last: str = "adapter_c
 
 def merged(base_folder: Path, adapter_dir: Path, out: Path, dtype: Any = None) -> Path:
     """The base reloaded in 16-bit with the adapter merged in, saved whole at out."""
-
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -67,7 +67,6 @@ def job_records(cfg: QLoraConfig, source: Path, tokenizer_dir: Path) -> Records:
 def counted(cfg: JobConfig, cache: TokenCache) -> Records:
     """The cache's first cfg.records good records (0: all), those with no loss token refused."""
     import numpy as np
-
     from diag.data import loss_counts
 
     n = min(cfg.records, cache.records) if cfg.records else cache.records
@@ -181,7 +180,6 @@ def train_records(cfg: TrainConfig, source: Path, tokenizer_dir: Path) -> Split:
 def count_records(source: Path, at_most: int | None = None) -> int:
     """About the records at source, unparsed (Parquet footers' rows, JSONL lines), up to at_most."""
     import pyarrow.parquet as pq
-
     from diag.data import shard_files
     from diag.data.records import open_records
 
@@ -207,7 +205,6 @@ class ArrowRecords(Sequence):
     def __init__(self, source: Path, fields: dict[str, str], folder: Path,
                  indices: Sequence[int]) -> None:
         import pyarrow as pa
-
         from diag.data.records import plan_chunks, read_chunk
 
         self.path, self.indices = folder / "records.arrow", list(indices)

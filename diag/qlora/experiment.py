@@ -13,7 +13,6 @@ from diag.machine.device import on_cpu_threads
 
 if TYPE_CHECKING:
     import pandas as pd
-
     from diag.config import QLoraConfig
     from diag.decision import Decision
     from diag.qlora.base import Bases, Sources
@@ -99,7 +98,6 @@ def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, dev
     import pandas as pd
     import peft  # noqa: F401
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
     from diag.noise import clock
     from diag.qlora.starts import time_starts, time_steps
     from diag.qlora.trainer import trainer_class
@@ -118,9 +116,7 @@ def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, dev
 def _rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, clock: str,
             budget_s: float | None) -> list[PlanRun]:
     """cfg.rounds interleaved rounds, then up to 16 while the headline is unresolved in budget."""
-
     from tqdm.auto import tqdm
-
     from diag.forecast.costs import measured
     from diag.forecast.story import headline, rounds_of
     from diag.noise import MIN_SAMPLES, interleave
@@ -156,7 +152,6 @@ def _result(plans: list[Plan], before: pd.DataFrame | None, runs: list[PlanRun],
             counted: dict, clock: str) -> QLoraResult:
     """The runs' own tables, then every figure read from the cost table (diag.forecast.story)."""
     import pandas as pd
-
     from diag.amdahl import shares
     from diag.forecast import story
     from diag.qlora.job import counts

@@ -21,7 +21,6 @@ from diag.timing import StageTimer
 
 if TYPE_CHECKING:
     import pandas as pd
-
     from diag.config import JobConfig, QLoraConfig
 
 @contextlib.contextmanager
@@ -98,7 +97,6 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases | None = N
 def rank_device(cfg: JobConfig) -> tuple[Any, Any]:
     """(the device this process trains on, its DDP seat, joined here; a no-op's unlaunched)."""
     import torch
-
     from diag.machine.device import resolve
     from diag.timing import distributed
 
@@ -112,7 +110,6 @@ def rank_device(cfg: JobConfig) -> tuple[Any, Any]:
 def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases, rnd: int) -> PlanRun:
     import pandas as pd
     import transformers
-
     from diag.qlora.data import build_dataset, job_records
     from diag.timing import distributed
 

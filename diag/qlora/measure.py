@@ -23,20 +23,20 @@ if TYPE_CHECKING:
 
 class QLoraStep:
     """One optimizer step of the job's model as the Trainer takes it: a diag.accum step and,
-    called with a batch, a loader sweep's consumer. model: None: loaded from model_dir."""
+    called with a batch, a loader sweep's consumer. model: None: loaded from model_dir; rows:
+    one optimizer step of a plan's own rows to train on (None: random batches)."""
 
     def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any,
-                 gradient_checkpointing: bool = False, model: Any = None) -> None:
+                 gradient_checkpointing: bool = False, model: Any = None,
+                 rows: list[dict[str, Any]] | None = None) -> None:
         import dataclasses
-
         import torch
         from peft import get_peft_model_state_dict
-
         from diag.qlora.base import load_model
         from diag.qlora.plans import Plan
 
         plan = dataclasses.replace(Plan.naive(), gradient_checkpointing=gradient_checkpointing)
-        self.device, self._lr, self._seq_len = device, cfg.lr, cfg.seq_len
+        self.device, self._lr, self._seq_len, self._rows = device, cfg.lr, cfg.seq_len, rows
         self.model = model if model is not None else load_model(cfg, plan, model_dir, device)
         self.model.train()
         self._initial = {k: v.to("cpu", copy=True)  # the adapters' starting weights
@@ -45,9 +45,15 @@ class QLoraStep:
         self.reset()
 
     def batches(self, micro_batch: int) -> contextlib.AbstractContextManager[Iterator[Any]]:
-        """One random batch of the job's shape, repeated: the sweeps time the step, not data."""
+        """The rows collated as the Trainer does, or one random batch of the job's shape, repeated:
+        the sweeps time the step, not data."""
         import torch
+        from transformers import default_data_collator  # the Trainer's, given no tokenizer
 
+        if self._rows is not None:
+            return contextlib.nullcontext(itertools.cycle(
+                [default_data_collator(self._rows[i:i + micro_batch])
+                 for i in range(0, len(self._rows), micro_batch)]))
         ids = torch.randint(4, self.model.config.vocab_size, (micro_batch, self._seq_len),
                             generator=self._gen)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
@@ -142,7 +148,6 @@ def _on(cfg: QLoraConfig, job: JobInputs, step: str, **more: Any) -> MeasuredOn:
 def job_inputs(cfg: QLoraConfig, src: Sources | None = None) -> JobInputs:
     """Land the data, fill the model and token caches, read the packed job's rows per step."""
     import dataclasses
-
     from diag.machine.device import resolve
     from diag.qlora.job import open_sources, prepare
     from diag.qlora.plans import Plan
@@ -171,16 +176,13 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
     share_s: past it, the points not yet screened are cut (the first two always run)."""
     import dataclasses
     import time
-
     import pandas as pd
-
     from diag.accum import AccumResult, accum_frame, advice, decide, retime, summarize, train_points
     from diag.noise import unresolved
 
     rows_per_step = job.rows_per_step
     micro_batches = micro_batches or cfg.sweep_micro_batches or micro_candidates(rows_per_step)
-    bad = [m for m in micro_batches if rows_per_step % m]
-    if bad:
+    if bad := [m for m in micro_batches if rows_per_step % m]:
         raise ValueError(f"{type(cfg).__name__}.sweep_micro_batches={bad}: must divide the job's "
                          f"{rows_per_step} rows per step; allowed: "
                          + ", ".join(map(str, micro_candidates(rows_per_step, rows_per_step))))
@@ -193,7 +195,7 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
             break
         frames.append(train_points(one, [(m, rows_per_step // m)], repeats=1, warmup_steps=1,
                                    desc="accum sweep on the job"))
-    left = _budget(cfg, budget_s)
+    left = cfg.decide_budget_s / 2 if budget_s is None else budget_s
     if share_s is not None:
         left = max(0.0, min(left, share_s - (time.perf_counter() - start)))
     timed, spent = retime(one, pd.concat(frames, ignore_index=True), unresolved, budget_s=left,
@@ -212,17 +214,12 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
     return AccumResult(frame, summary, pd.DataFrame(), advice(summary, cfg.steps), (decided,))
 
 
-def _budget(cfg: QLoraConfig, budget_s: float | None) -> float:
-    return cfg.decide_budget_s / 2 if budget_s is None else budget_s
-
-
 def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
                          budget_s: float | None = None, on: OnJob | None = None
                          ) -> CheckpointingResult:
     """Checkpointing on vs off at `micro` and the naive micro-batch, in rounds while a gap is open
     or impossible (checkpointing.pending); a point out of memory leaves no row."""
     import pandas as pd
-
     from diag.accum import retime, train_points
     from diag.qlora.checkpointing import COLUMNS, CheckpointingResult, decide, pending
     from diag.qlora.plans import Plan
@@ -232,8 +229,8 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
     pair = [pool.step(ckpt) for ckpt in (True, False)]
     timed = train_points(pair, [(m, 1) for m in sorted({naive, micro})], repeats=1,
                          warmup_steps=1, desc="checkpointing on/off")
-    timed, spent = retime(pair, timed, pending, budget_s=_budget(cfg, budget_s),
-                          at_least=cfg.sweep_steps)
+    budget_s = cfg.decide_budget_s / 2 if budget_s is None else budget_s
+    timed, spent = retime(pair, timed, pending, budget_s=budget_s, at_least=cfg.sweep_steps)
     ok = timed[timed["status"] == "ok"]
     frame = pd.DataFrame({"gradient_checkpointing": ok["step"] == 0,
                           "micro_batch": ok["micro_batch"], "seq_len": cfg.seq_len,
@@ -289,9 +286,7 @@ def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
 
 def read_results(cfg: QLoraConfig) -> tuple[Decision, ...]:
     """The decisions cfg.results' decisions.csv kept, refused unless measured on this job."""
-
     import pandas as pd
-
     from diag.decision import read
 
     table = Path(cfg.results) / "decisions.csv"

@@ -28,7 +28,6 @@ def shares_so_far(timer: StageTimer) -> str:
 def left_s(projected: dict[str, float], spent: dict[str, float], steps_left: int,
            step_s: float | None) -> float:
     """The steps left at the pace measured (else the ETA's), and each later stage's ETA left."""
-
     steps = steps_left * step_s if step_s else max(
         0.0, projected.get("train", 0.0) + projected.get("warmup", 0.0)
         - spent.get("train", 0.0) - spent.get("warmup", 0.0))

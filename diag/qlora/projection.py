@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import pandas as pd
-
     from diag.config import QLoraConfig, TrainConfig
     from diag.qlora.experiment import QLoraResult
     from diag.qlora.measure import JobInputs
@@ -28,7 +27,6 @@ def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
     """Each plan of the comparison (of `job`, measured on `inputs`) over the whole job `train`."""
     import numpy as np
     import pandas as pd
-
     from diag.data import read_meta, shard_files
     from diag.forecast.costs import measured, price, row, table
     from diag.forecast.eta import job_counts, runs_costs

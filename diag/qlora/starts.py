@@ -3,11 +3,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import shutil
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from diag.forecast.costs import measured, row
@@ -15,7 +12,6 @@ from diag.qlora.measure import QLoraStep
 
 if TYPE_CHECKING:
     import pandas as pd
-
     from diag.config import QLoraConfig
     from diag.qlora.base import Bases, Sources
     from diag.qlora.plans import Plan
@@ -72,30 +68,11 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -
     return measured(rows)
 
 
-class RowsStep(QLoraStep):
-    """The job's step on one optimizer step of a plan's own rows, collated as the Trainer does."""
-
-    def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any, plan: Plan,
-                 rows: list[dict[str, Any]], model: Any = None) -> None:
-        super().__init__(cfg, model_dir, device, plan.gradient_checkpointing, model)
-        self._rows = rows
-
-    def batches(self, micro_batch: int) -> contextlib.AbstractContextManager[Iterator[Any]]:
-        from transformers import default_data_collator  # the Trainer's, given no tokenizer
-
-        rows = self._rows
-        return contextlib.nullcontext(itertools.cycle(
-            [default_data_collator(rows[i:i + micro_batch])
-             for i in range(0, len(rows), micro_batch)]))
-
-
 def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
                device: Any) -> pd.DataFrame:
     """Each plan's own first optimizer step on the base its rounds reuse, in rounds until each
     median settles or half of cfg.decide_budget_s is spent."""
-
     import pandas as pd
-
     from diag.accum import retime, train_points
     from diag.noise import unsettled
     from diag.qlora.data import build_dataset, job_records
@@ -111,8 +88,8 @@ def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
             n = data.micro_batch * data.grad_accum
             plan = plan.for_device(str(device))  # as run_plan keys its base
             folder, model, _ = bases.load(cfg, plan, src, device, StageTimer(trace=False))
-            steps.append(RowsStep(cfg, folder, device, plan, [data.dataset[i] for i in range(n)],
-                                  model))
+            steps.append(QLoraStep(cfg, folder, device, plan.gradient_checkpointing, model,
+                                   rows=[data.dataset[i] for i in range(n)]))
             frames.append(train_points([steps[-1]], [(data.micro_batch, data.grad_accum)],
                                        repeats=1, warmup_steps=1,
                                        desc=f"the {plan.name} step").assign(step=len(frames)))

@@ -25,7 +25,6 @@ from diag.qlora.trainer import frozen_heap
 
 if TYPE_CHECKING:
     import pandas as pd
-
     from diag.config import TrainConfig
     from diag.decision import Decision
     from diag.qlora.data import Data, Split
@@ -89,7 +88,6 @@ def _decide(cfg: TrainConfig, stored: dict[str, Any] | None,
             ) -> tuple[Plan, tuple[Decision, ...], dict[str, Any] | None]:
     """(the plan, the decisions that price it, the token cache's build); a resume's is stored."""
     import pandas as pd
-
     from diag.data import read_meta
     from diag.decision import read
     from diag.qlora.data import job_records
@@ -112,7 +110,6 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
          stored: dict[str, Any], plan_s: float, began: float) -> TrainResult:
     """The timed run: its stages, the ETA before the first step, the adapter at the end."""
     import pandas as pd
-
     from diag.files import scratch_folder
     from diag.machine.device import resolve
     from diag.qlora.data import count_records
@@ -241,7 +238,6 @@ def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, devic
 def _finished(out: Path, stored: dict[str, Any]) -> TrainResult:
     """A resume of a finished run: its summary and losses as it left them, nothing trained."""
     import pandas as pd
-
     from diag.qlora.progress import say
 
     row = stored["finished"] | {"resumed_from_step": stored["finished"]["steps"]}
@@ -256,7 +252,6 @@ def _finished(out: Path, stored: dict[str, Any]) -> TrainResult:
 
 def _save_output(trainer: Any, folder: Path, src: Sources, tmp: Path) -> None:
     """The adapter as PEFT saves it, its base named as given (never diag's cache); the tokenizer."""
-
     from transformers import AutoTokenizer
 
     for config in trainer.model.peft_config.values():

@@ -50,7 +50,6 @@ def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path
                 **more: Any) -> tuple[Any, Any]:
     """(the Trainer, its TimingCallback); more: training_args' overrides, or the datasets."""
     import transformers
-
     from diag.timing.callback import TimingCallback
 
     own = {k: more.pop(k) for k in ("train_dataset", "eval_dataset") if k in more}
@@ -137,7 +136,6 @@ def trainer_class() -> type:
 @functools.cache
 def signals_callback() -> type:
     """SIGINT / SIGTERM into a checkpoint at the step's end and a stop; a second stops at once."""
-
     from transformers import TrainerCallback
 
     class Signals(TrainerCallback):
