@@ -40,8 +40,7 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
 
     if Path(src.model).is_dir():  # a local model: read where it is, in both plans
         return Path(src.model)
-    kwargs = {"allow_patterns": ALLOW_PATTERNS, "endpoint": src.endpoint,
-              "revision": src.revision}
+    kwargs = {"allow_patterns": ALLOW_PATTERNS, "endpoint": src.endpoint, "revision": src.revision}
     if plan.model_cache == "empty":
         return Path(snapshot_download(src.model, cache_dir=work / "hf-cache", **kwargs))
     cache = src.cache_dir or cache_dir_for()  # the one diag.model_load's cached scenarios read
@@ -51,14 +50,14 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
             raise not_in_user_cache(src.model, src.revision, cache)
         return folder
     try:
-        return Path(snapshot_download(src.model, cache_dir=cache, local_files_only=True,
-                                      **kwargs))
+        return Path(snapshot_download(src.model, cache_dir=cache, local_files_only=True, **kwargs))
+
     except LocalEntryNotFoundError:  # diag's own cache: the first start fills it
         return Path(snapshot_download(src.model, cache_dir=cache, **kwargs))
 
 
-# a cheap folder is timed again until settled: at most FOLDER_REPEATS starts, each under
-# FOLDER_CHEAP_S, all under FOLDER_BUDGET_S (a 7B's: once)
+# a folder is re-timed until settled: at most FOLDER_REPEATS starts, while each is cheap, in budget
+
 FOLDER_REPEATS, FOLDER_CHEAP_S, FOLDER_BUDGET_S = 16, 2.0, 3.0
 
 

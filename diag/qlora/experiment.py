@@ -20,8 +20,12 @@ if TYPE_CHECKING:
     from diag.qlora.plans import Plan
 
 
+ADVICE = ["stage", "finding", "seconds_saved", "evidence"]  # QLoraResult.advice's columns
+
+
 @dataclass(frozen=True)
 class QLoraResult:
+
     """What `compare` returns (first field: the main table)."""
 
     frame: pd.DataFrame  # one row per plan: its median round's summary, priced totals, spread
@@ -170,16 +174,13 @@ def _result(plans: list[Plan], before: pd.DataFrame | None, runs: list[PlanRun],
     if len(plans) < 2:
         from diag.forecast.costs import table
 
-        empty = pd.DataFrame(columns=["stage", "finding", "seconds_saved", "evidence"])
+        empty = pd.DataFrame(columns=ADVICE)
         return QLoraResult(**out, costs=table(measured), savings=empty, waterfall=empty,
                            advice=empty)
     told = story.tell(measured, {k.plan: counts(k.summary) for k in kept}, clock, fixes(*plans),
                       {k.plan: k.summary["real_tokens"] for k in kept}, _steps_met(runs, clock))
-    savings = told["savings"]
-    advice = savings[savings["finding"] != "unchanged"].rename(
-        columns={"measured_s": "seconds_saved"})[["stage", "finding", "seconds_saved",
-                                                  "evidence"]]
-    return QLoraResult(**out, advice=advice, **told)
+    advice = told["savings"].rename(columns={"measured_s": "seconds_saved"})
+    return QLoraResult(**out, advice=advice[advice["finding"] != "unchanged"][ADVICE], **told)
 
 
 def _steps_met(runs: list[PlanRun], clock: str) -> list[float]:
@@ -200,5 +201,5 @@ def _median_run(runs: list[PlanRun], plan: str) -> PlanRun:
 
 def _spread(every: pd.DataFrame, plan: str) -> dict[str, float]:
     mine = every[every["plan"] == plan]["seconds"]
-    return {"seconds_min": float(mine.min()), "seconds_max": float(mine.max()),
-            "rounds": len(mine)}
+    return {"seconds_min": float(mine.min()), "seconds_max": float(mine.max()), "rounds": len(mine)}
+

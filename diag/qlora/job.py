@@ -158,6 +158,8 @@ def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases, rnd: int
                    "source_bytes": source_bytes,
                    "resumed_from_step": int(resume.name.split("-")[1]) if resume else 0,
                    **ran(trainer),
+
+
                    "final_loss": float(losses["loss"].iloc[-1]) if not losses.empty else None,
                    "notes": " ".join(plan.notes)}
         costs = _measured(plan.name, rnd, frame, summary, cpu, bases.timed[plan.name])

@@ -146,8 +146,9 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
         eta = check_eta(projected, stages)
         losses = _losses(got["trainer"].state.log_history, got["first_eval"],
                          job.tokens_per_step).assign(run=plan.name)
-        frame = pd.DataFrame([_summary(cfg, plan, job, got, stages, eta, losses, out, files,
-                                       made) | {"plan_s": plan_s}])
+        frame = pd.DataFrame([_summary(cfg, plan, job, got, eta, losses, out, files, made)
+                              | {"plan_s": plan_s}])
+
         record(out, {"finished": json.loads(frame.to_json(orient="records"))[0]})
         say(f"diag train: {after_line(eta)}; the adapter is in {out}")
         return TrainResult(frame, stages, losses, eta, plan.frame())
@@ -307,26 +308,23 @@ def _head(cfg: TrainConfig, plan: Plan, job: _Job) -> str:
             f"{split.train.cache.status}")
 
 
-def _summary(cfg: TrainConfig, plan: Plan, job: _Job, got: dict[str, Any], stages: pd.DataFrame,
-             eta: pd.DataFrame, losses: pd.DataFrame, out: Path, files: list[str],
-             made: Path | None) -> dict[str, Any]:
-    total = eta.set_index("stage").loc["total"]
-    evals = losses[losses["split"] == "eval"]
-    trainer = got["trainer"]
-    return {**job.data.stats, "plan": plan.name, "records": len(job.split.train.indices),
-            "eval_records": len(job.split.eval.indices), "dropped_records": job.split.dropped,
-            "steps": trainer.state.global_step, "steps_per_epoch": job.split.steps_per_epoch,
-            "epochs": job.steps / job.split.steps_per_epoch, "batch_size": cfg.batch_size,
+def _summary(cfg: TrainConfig, plan: Plan, job: _Job, got: dict[str, Any], eta: pd.DataFrame,
+             losses: pd.DataFrame, out: Path, files: list[str], made: Path | None
+             ) -> dict[str, Any]:
+    total, split = eta.set_index("stage").loc["total"], job.split
+    evals, trainer = losses.loc[losses["split"] == "eval", "loss"], got["trainer"]
+    return {**job.data.stats, "plan": plan.name, "records": len(split.train.indices),
+            "eval_records": len(split.eval.indices), "dropped_records": split.dropped,
+            "steps": trainer.state.global_step, "steps_per_epoch": split.steps_per_epoch,
+            "epochs": job.steps / split.steps_per_epoch, "batch_size": cfg.batch_size,
             "resumed_from_step": int(got["resume"].name.split("-")[1]) if got["resume"] else 0,
             "trained_tokens": round(job.tokens_per_step * trainer.state.global_step),
             "seconds": total.measured_s, "predicted_s": total.predicted_s,
             "eta_error": total.error_share, "trainer_wall_s": got["wall"],
             "micro_batch": trainer.args.per_device_train_batch_size,
             "grad_accum": trainer.args.gradient_accumulation_steps,
-            "num_workers": plan.num_workers, "pipeline": plan.pipeline,
-            "gradient_checkpointing": plan.gradient_checkpointing,
-            "first_eval_loss": float(evals["loss"].iloc[0]),
-            "final_eval_loss": float(evals["loss"].iloc[-1]),
+            **{k: getattr(plan, k) for k in ("num_workers", "pipeline", "gradient_checkpointing")},
+            "first_eval_loss": float(evals.iloc[0]), "final_eval_loss": float(evals.iloc[-1]),
             "final_loss": float(losses.loc[losses["split"] == "train", "loss"].iloc[-1]),
             "out_dir": str(out.resolve()), "output": " ".join(files),
             "merged": str(made) if made else "", "notes": " ".join(plan.notes)}

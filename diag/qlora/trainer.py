@@ -56,10 +56,10 @@ def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path
     callback = TimingCallback(timer, warmup_steps=cfg.warmup_steps, device=device)
     callback.setup_from = time.perf_counter()  # the Trainer's set-up is `setup`
     transformers.logging.set_verbosity_error()
-    trainer = trainer_class()(model=model, args=training_args(cfg, plan, data, out_dir, device,
-                                                              **more),
-                              callbacks=[callback, signals_callback()(), *callbacks],
-                              **({"train_dataset": data.dataset} | own))
+    args = training_args(cfg, plan, data, out_dir, device, **more)
+    trainer = trainer_class()(model=model, args=args, callbacks=[
+        callback, signals_callback()(), *callbacks], **({"train_dataset": data.dataset} | own))
+
     trainer.keep, trainer.made_at = keep, callback.setup_from
     callback.trainer = trainer  # under DDP: its wrapped model and its batch fetch are clocked
     # the Trainer prints every log line with tqdm off; a function in diag prints nothing
@@ -151,8 +151,8 @@ def signals_callback() -> type:
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             from diag.timing.distributed import launched
 
-            # under a launcher a signal stops a rank at once: ranks that stopped at the ends of
-            # different steps would wait for each other in the next one's collectives
+            # launched, a rank stops at once: ranks stopped at different steps would deadlock
+
             if threading.current_thread() is threading.main_thread() and not launched():
                 self._old = {s: signal.signal(s, self._caught)
                              for s in (signal.SIGINT, signal.SIGTERM)}
