@@ -201,7 +201,6 @@ def count_records(source: Path, at_most: int | None = None) -> int:
 class ArrowRecords(Sequence):
     """The source's good records at `indices`, memory-mapped from an Arrow file written here."""
 
-
     def __init__(self, source: Path, fields: dict[str, str], folder: Path,
                  indices: Sequence[int]) -> None:
         import pyarrow as pa
