@@ -51,13 +51,11 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
         return folder
     try:
         return Path(snapshot_download(src.model, cache_dir=cache, local_files_only=True, **kwargs))
-
     except LocalEntryNotFoundError:  # diag's own cache: the first start fills it
         return Path(snapshot_download(src.model, cache_dir=cache, **kwargs))
 
 
 # a folder is re-timed until settled: at most FOLDER_REPEATS starts, while each is cheap, in budget
-
 FOLDER_REPEATS, FOLDER_CHEAP_S, FOLDER_BUDGET_S = 16, 2.0, 3.0
 
 
@@ -133,7 +131,6 @@ REUSED = "measured once per plan, as its base first loaded: this round reused th
 class Bases:
     """A comparison's bases, one per plan and device: the first load timed (`timed[plan]`), a
     later one a fresh adapter on the kept base (REUSED); release() unloads the adapters lent."""
-
 
     def __init__(self) -> None:
         self.work = scratch_folder("diag-qlora-bases")  # a killed rank's is swept next time

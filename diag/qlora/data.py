@@ -113,7 +113,6 @@ class WholeSteps:
                 "position_ids": torch.arange(seq)}  # 0..seq_len-1: attending to nothing is NaN
 
 
-
 def build_dataset(cfg: JobConfig, plan: Plan, recs: Records, tokenizer_dir: Path,
                   source: Path, attention: str | None = "sdpa", steps: int | None = None,
                   rows: Sequence[dict[str, Any]] | None = None) -> Data:

@@ -25,7 +25,6 @@ ADVICE = ["stage", "finding", "seconds_saved", "evidence"]  # QLoraResult.advice
 
 @dataclass(frozen=True)
 class QLoraResult:
-
     """What `compare` returns (first field: the main table)."""
 
     frame: pd.DataFrame  # one row per plan: its median round's summary, priced totals, spread
@@ -202,4 +201,3 @@ def _median_run(runs: list[PlanRun], plan: str) -> PlanRun:
 def _spread(every: pd.DataFrame, plan: str) -> dict[str, float]:
     mine = every[every["plan"] == plan]["seconds"]
     return {"seconds_min": float(mine.min()), "seconds_max": float(mine.max()), "rounds": len(mine)}
-

@@ -158,8 +158,6 @@ def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases, rnd: int
                    "source_bytes": source_bytes,
                    "resumed_from_step": int(resume.name.split("-")[1]) if resume else 0,
                    **ran(trainer),
-
-
                    "final_loss": float(losses["loss"].iloc[-1]) if not losses.empty else None,
                    "notes": " ".join(plan.notes)}
         costs = _measured(plan.name, rnd, frame, summary, cpu, bases.timed[plan.name])
@@ -216,7 +214,6 @@ def ran(trainer: Any) -> dict[str, Any]:
 
     loader = trainer.callback_handler.train_dataloader  # the one train() iterated
     served = getattr(loader.dataset, "dataset", loader.dataset)  # under _Slowed
-
     # accelerate's loader batches through its batch sampler (its own batch_size is None)
     return {"micro_batch": loader.batch_size or loader.batch_sampler.batch_size,
             "grad_accum": trainer.args.gradient_accumulation_steps,

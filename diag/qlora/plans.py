@@ -63,7 +63,6 @@ class Plan:
         """A plan whose every setting is its decision's value (one decision per setting)."""
         got = by_setting(decisions)
         if absent := [s for s in SETTINGS if s not in got]:
-
             raise ValueError(f"Plan {name!r}: no decision for {', '.join(absent)}")
         values = {s: got[s].value for s in SETTINGS}
         # persistent workers and prefetching need workers: with none the DataLoader refuses them

@@ -148,7 +148,6 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
                          job.tokens_per_step).assign(run=plan.name)
         frame = pd.DataFrame([_summary(cfg, plan, job, got, eta, losses, out, files, made)
                               | {"plan_s": plan_s}])
-
         record(out, {"finished": json.loads(frame.to_json(orient="records"))[0]})
         say(f"diag train: {after_line(eta)}; the adapter is in {out}")
         return TrainResult(frame, stages, losses, eta, plan.frame())

@@ -59,7 +59,6 @@ def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path
     args = training_args(cfg, plan, data, out_dir, device, **more)
     trainer = trainer_class()(model=model, args=args, callbacks=[
         callback, signals_callback()(), *callbacks], **({"train_dataset": data.dataset} | own))
-
     trainer.keep, trainer.made_at = keep, callback.setup_from
     callback.trainer = trainer  # under DDP: its wrapped model and its batch fetch are clocked
     # the Trainer prints every log line with tqdm off; a function in diag prints nothing
@@ -152,7 +151,6 @@ def signals_callback() -> type:
             from diag.timing.distributed import launched
 
             # launched, a rank stops at once: ranks stopped at different steps would deadlock
-
             if threading.current_thread() is threading.main_thread() and not launched():
                 self._old = {s: signal.signal(s, self._caught)
                              for s in (signal.SIGINT, signal.SIGTERM)}
