@@ -18,7 +18,6 @@ RUN_FILE = "diag-run.json"  # what the run in a folder trains on: a resume must 
 PACKED_ROWS = ("\n\n## Packed rows\n\nTo feed several records in one row, restart `position_ids` "
                "at 0 for each record and pass `use_cache=False`: with a cache, transformers "
                "skips the packed-sequence mask and the records attend to each other.\n")
-_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -98,7 +97,7 @@ def record(out_dir: str | os.PathLike[str], run: dict[str, Any], fresh: bool = F
 def full_disk(err: BaseException) -> bool:
     """A write that failed for want of room (torch's zip writer says it in a RuntimeError)."""
     if isinstance(err, OSError):
-        return err.errno in _FULL
+        return err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
     text = str(err).lower()
     return isinstance(err, RuntimeError) and ("file write failed" in text or
                                               "no space left" in text)
