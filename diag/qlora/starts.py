@@ -19,12 +19,6 @@ if TYPE_CHECKING:
 STARTS = {"fetch": "fetch_data", "model_cache": "download", "pipeline": "preprocess"}
 
 
-def priced(plan: Plan, clock: str) -> set[str]:
-    """The start settings the plan's decisions price on `clock` (`diag run`'s): not timed again."""
-    return {d.setting for d in plan.decisions if d.per == "start" and d.saving_s() is not None
-            and (d.clock or "wall") == clock}
-
-
 def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -> pd.DataFrame:
     """Each plan's start, min(cfg.rounds, 3) times; the model folder in the first round alone."""
     from diag.files import scratch_folder
@@ -33,7 +27,9 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -
     from diag.qlora.data import build_dataset, job_records
     from diag.qlora.job import fetch_data
 
-    known = priced(plans[1], clock)
+    # start settings the optimized plan's decisions price on this clock (diag run's): not re-timed
+    known = {d.setting for d in plans[1].decisions if d.per == "start"
+             and d.saving_s() is not None and (d.clock or "wall") == clock}
 
     def start(plan: Plan, rnd: int) -> list[dict[str, Any]]:
         work = scratch_folder(f"diag-qlora-time-{plan.name}")
