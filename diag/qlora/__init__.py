@@ -1,9 +1,6 @@
-"""The QLoRA fine-tune, naive vs optimized: the diagnosis's last step, proven side by side.
+"""The QLoRA fine-tune, naive vs optimized, proven side by side (`run_qlora`), and the whole
+dataset trained under one plan, its adapter the output (`run_train`)."""
 
-`run_qlora(cfg)` trains the same records with the same seed and schedule under `Plan.naive()` and
-`Plan.optimized(decisions)` and returns where each run's time went, read from one cost table;
-`run_train(cfg)` trains the whole dataset under one plan and leaves the adapter.
-"""
 
 from diag.qlora.experiment import QLoraResult, run_qlora
 from diag.qlora.plans import Plan

@@ -1,8 +1,5 @@
-"""The job's 4-bit base: where its data and model come from (`Sources`), its model folder (a
-download into an empty cache, or the persistent one), its load (nf4 with double quantization,
-`prepare_model_for_kbit_training`, LoRA on every attention and MLP projection) and the bases a
-comparison keeps for its rounds (`Bases`).
-"""
+"""The job's 4-bit base: its `Sources`, its model folder, its nf4 load with LoRA on every
+projection, and the bases a comparison keeps for its rounds (`Bases`)."""
 
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ class Sources:
     model: str  # hub repo id, or a local folder (nothing to download)
     endpoint: str | None  # hub endpoint; None = HF_ENDPOINT or the real hub
     revision: str = "main"  # of a hub model
-    cache_dir: Path | None = None  # the persistent HF cache the optimized plan reads
-                                   # (diag.model_load.cache_dir_for); None = the embedded model's
+    cache_dir: Path | None = None  # the optimized plan's persistent HF cache; None: the default
     read_only: bool = False  # cache_dir is your own HF cache: read, never written
 
 
@@ -40,13 +36,11 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
     """The snapshot folder: downloaded into an empty cache, or read from the persistent one."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
-
     from diag.model_load import ALLOW_PATTERNS, cache_dir_for, not_in_user_cache, snapshot_folder
 
     if Path(src.model).is_dir():  # a local model: read where it is, in both plans
         return Path(src.model)
-    kwargs = {"allow_patterns": ALLOW_PATTERNS, "endpoint": src.endpoint,
-              "revision": src.revision}
+    kwargs = {"allow_patterns": ALLOW_PATTERNS, "endpoint": src.endpoint, "revision": src.revision}
     if plan.model_cache == "empty":
         return Path(snapshot_download(src.model, cache_dir=work / "hf-cache", **kwargs))
     cache = src.cache_dir or cache_dir_for()  # the one diag.model_load's cached scenarios read
@@ -56,23 +50,18 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
             raise not_in_user_cache(src.model, src.revision, cache)
         return folder
     try:
-        return Path(snapshot_download(src.model, cache_dir=cache, local_files_only=True,
-                                      **kwargs))
+        return Path(snapshot_download(src.model, cache_dir=cache, local_files_only=True, **kwargs))
     except LocalEntryNotFoundError:  # diag's own cache: the first start fills it
         return Path(snapshot_download(src.model, cache_dir=cache, **kwargs))
 
 
-# a cheap model folder (the embedded model's) is timed again until settled: at most
-# FOLDER_REPEATS starts, each under FOLDER_CHEAP_S, all under FOLDER_BUDGET_S (a 7B's: once)
+# a folder is re-timed until settled: at most FOLDER_REPEATS starts, while each is cheap, in budget
 FOLDER_REPEATS, FOLDER_CHEAP_S, FOLDER_BUDGET_S = 16, 2.0, 3.0
 
 
 def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, dict[str, float]]:
-    """The plan's model folder (into `work`) and what a start pays for it, by clock ("wall",
-    "CPU"): the medians of starts timed again (each into a folder of its own, then removed)
-    until the wall median settles (diag.noise.unsettled) or a cheap limit is reached."""
+    """The plan's model folder and a start's median seconds for it per clock, until settled."""
     import statistics
-
     from diag.noise import unsettled
 
     folder, samples, cpu = None, [], []
@@ -99,20 +88,18 @@ def load_model(cfg: JobConfig, plan: Plan, folder: Path, device: Any) -> Any:
 
 
 def adapted(cfg: JobConfig, base: Any) -> Any:
-    """base with a fresh LoRA adapter on every projection: the seed's, so the same in both plans
-    and on a base an earlier round used (its adapter unloaded) as on a fresh load."""
+    """base with a fresh LoRA adapter on every projection, seeded: the same in both plans."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    torch.manual_seed(cfg.seed)  # the same LoRA initialisation in both plans
+    torch.manual_seed(cfg.seed)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     return get_peft_model(base, lora)
 
 
 def load_base(plan: Plan, folder: Path, device: Any) -> Any:
-    """The base in nf4 (double quantization), prepared for k-bit training as the job trains it:
-    what `PeftModel.from_pretrained(base, out_dir)` puts a trained adapter on."""
+    """The base in nf4, prepared for k-bit training: what a trained adapter is put on."""
     import torch
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -125,10 +112,9 @@ def load_base(plan: Plan, folder: Path, device: Any) -> Any:
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant,
                                                  device_map={"": str(device)})
     model.config.use_cache = False  # with a cache transformers skips the packed-sequence mask
-    for module in model.modules():  # on an AVX512-BF16 CPU bitsandbytes repacks a Linear4bit in
-        # place at its first no-grad eval forward (absmax rounded to bf16; state_dict() unpacks
-        # it): the frozen base would hang on the process's past (an eval before the first step,
-        # a checkpoint), and a resumed run would train on another base than the run it left
+    # bitsandbytes repacks a Linear4bit in place at its first no-grad forward on an AVX512-BF16
+    # CPU (absmax rounded): a resumed run would train on another base than the one it left
+    for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     # checkpointing by transformers 5's name (peft's own call uses the deprecated one)
@@ -143,22 +129,19 @@ REUSED = "measured once per plan, as its base first loaded: this round reused th
 
 
 class Bases:
-    """The 4-bit bases of one comparison, one per plan (model cache, checkpointing, device), for
-    all its rounds: the first load times the model folder and the load as a start pays them
-    (`timed[plan]`: stage -> clock -> seconds); a later one puts a fresh adapter on the kept
-    base and records the first load's seconds, its row's basis REUSED. release() takes the
-    adapters lent since the last one off (peft's unload())."""
+    """A comparison's bases, one per plan and device: the first load timed (`timed[plan]`), a
+    later one a fresh adapter on the kept base (REUSED); release() unloads the adapters lent."""
 
     def __init__(self) -> None:
         self.work = scratch_folder("diag-qlora-bases")  # a killed rank's is swept next time
         self._held: dict[tuple[Any, ...], tuple[Path, Any, dict[str, dict[str, float]]]] = {}
         self._lent: list[Any] = []  # the peft models on kept bases, until release()
-        self.timed: dict[str, dict[str, dict[str, float]]] = {}  # the base last handed out's
+        self.timed: dict[str, dict[str, dict[str, float]]] = {}
 
     def __enter__(self) -> Bases:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *_: Any) -> None:
         self.release()
         self._held.clear()
         shutil.rmtree(self.work, ignore_errors=True)
@@ -187,5 +170,5 @@ class Bases:
         return folder, self._lent[-1], reused
 
     def release(self) -> None:
-        while self._lent:  # every base lent since the last release (each plan's own step at once)
+        while self._lent:
             self._lent.pop().unload().eval()

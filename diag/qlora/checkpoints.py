@@ -1,10 +1,5 @@
-"""Checkpoints, resume, the adapter as output: one implementation for `diag qlora` and `diag train`.
-
-A checkpoint (the Trainer's: adapter, optimizer, scheduler, RNG, data position) is swapped in
-whole (`save_whole`); the last `keep` stay. `check` refuses an out_dir that does not fit the run
-before any work; a signal ends in `Interrupted`; `publish` puts the finished output in out_dir,
-adapter_config.json last; `merged` writes base and adapter merged in 16-bit.
-"""
+"""Checkpoints written whole, resume checks, and the adapter as output, for `diag qlora` and
+`diag train`: nothing half-written ever looks complete."""
 
 from __future__ import annotations
 
@@ -23,12 +18,10 @@ RUN_FILE = "diag-run.json"  # what the run in a folder trains on: a resume must 
 PACKED_ROWS = ("\n\n## Packed rows\n\nTo feed several records in one row, restart `position_ids` "
                "at 0 for each record and pass `use_cache=False`: with a cache, transformers "
                "skips the packed-sequence mask and the records attend to each other.\n")
-_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
 class Interrupted(KeyboardInterrupt):
-    """Training stopped by a signal after saving its state: str() says how to resume, the exit
-    code is 128 + `signum`."""
+    """Training stopped by a signal after saving its state: str() says how to resume."""
 
     def __init__(self, signum: int, line: str) -> None:
         super().__init__(line)
@@ -36,8 +29,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 def checkpoints(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """The complete checkpoints in folder, by step: a folder whose trainer_state.json is missing
-    or names another step (killed mid-save, or not a checkpoint) is never one."""
+    """The complete checkpoints in folder, by step: trainer_state.json present and naming it."""
     found = []
     for path in Path(folder).glob("checkpoint-*"):
         try:
@@ -64,9 +56,7 @@ def at_end(checkpoint: Path) -> bool:
 
 def check(out_dir: str | os.PathLike[str], run: dict[str, Any], resume: bool,
           folders: Iterable[str] = ("",)) -> dict[str, Any] | None:
-    """Refuse out_dir for this run, writing nothing: checkpoints of another run (in out_dir or
-    its `folders`) unless resuming; a resume with none, or whose settings differ from the run
-    file's (the first that differs named). Returns the run file's record when resuming."""
+    """Refuse an out_dir that does not fit this run, writing nothing; the run file's if resuming."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out-dir={str(out)!r}: is a file; name a new folder or a run's own")
@@ -89,7 +79,7 @@ def check(out_dir: str | os.PathLike[str], run: dict[str, Any], resume: bool,
 
 def claim(out_dir: str | os.PathLike[str], run: dict[str, Any], resume: bool,
           folders: Iterable[str] = ("",)) -> dict[str, Any] | None:
-    """`check`, then (not a resume of a recorded run) `run` written as the folder's run file."""
+    """`check`, then (unless resuming a recorded run) `run` written as the folder's run file."""
     stored = check(out_dir, run, resume, folders)
     if stored is None:
         record(out_dir, run, fresh=True)
@@ -107,15 +97,14 @@ def record(out_dir: str | os.PathLike[str], run: dict[str, Any], fresh: bool = F
 def full_disk(err: BaseException) -> bool:
     """A write that failed for want of room (torch's zip writer says it in a RuntimeError)."""
     if isinstance(err, OSError):
-        return err.errno in _FULL
+        return err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
     text = str(err).lower()
     return isinstance(err, RuntimeError) and ("file write failed" in text or
                                               "no space left" in text)
 
 
 def save_whole(final: Path, write: Callable[[Path], None], keep: int) -> None:
-    """One checkpoint written by `write(tmp)` and swapped in as `final`; the last `keep` kept. Out
-    of room: one line, nothing of it kept, the checkpoints before it intact."""
+    """`write(tmp)` swapped in as `final`, the last `keep` kept; out of room: one line."""
     sweep_orphans(final.parent)  # what a save killed mid-way left
     try:
         with atomic_folder(final) as tmp:
@@ -148,8 +137,7 @@ def interrupted(signum: int, step: int, out_dir: Path | str | None) -> Interrupt
 
 def publish(out_dir: Path, write: Callable[[Path], None], last: str = "adapter_config.json"
             ) -> list[str]:
-    """Put what `write(tmp)` writes into out_dir, fsynced, `last` renamed in last: out_dir holds
-    the whole output or an older one, never a part that loads. Returns the names."""
+    """`write(tmp)`'s files moved into out_dir, fsynced, `last` last: never a part that loads."""
     tmp = temp_path(out_dir / "output")
     tmp.mkdir(parents=True)
     try:
@@ -166,8 +154,7 @@ def publish(out_dir: Path, write: Callable[[Path], None], last: str = "adapter_c
 
 
 def merged(base_folder: Path, adapter_dir: Path, out: Path, dtype: Any = None) -> Path:
-    """The base reloaded in 16-bit with the adapter merged in, saved whole at out (no PEFT needed
-    to load it); its config's use_cache is off, so packed rows stay apart (PACKED_ROWS)."""
+    """The base reloaded in 16-bit with the adapter merged in, saved whole at out."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer

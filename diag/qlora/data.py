@@ -1,8 +1,5 @@
-"""The QLoRA job's data, from diag.data's token cache: the same records for both plans.
-
-`job_records` / `train_records` count the source's good records from the cache; `build_dataset`
-makes a plan's Dataset (padded per sample, or packed into windows) in whole optimizer steps.
-"""
+"""The QLoRA job's records from diag.data's token cache, the same for both plans, and each plan's
+Dataset over them in whole optimizer steps (`build_dataset`)."""
 
 from __future__ import annotations
 
@@ -34,9 +31,6 @@ class Records:
         return Records(self.cache, [self.indices[i] for i in at], [self.lengths[i] for i in at],
                        [self.loss[i] for i in at], self.skipped)
 
-    def first(self, n: int) -> Records:
-        return self.pick(range(n))
-
 
 @dataclass(frozen=True)
 class Data:
@@ -67,14 +61,12 @@ def job_records(cfg: QLoraConfig, source: Path, tokenizer_dir: Path) -> Records:
     if usable < cfg.steps:
         raise ValueError(f"{len(recs.indices)} usable records for QLoraConfig.steps={cfg.steps}: "
                          "each step needs at least one; raise records or lower steps")
-    return recs.first(usable)
+    return recs.pick(range(usable))
 
 
 def counted(cfg: JobConfig, cache: TokenCache) -> Records:
-    """The cache's first cfg.records good records (0: all), counted from its offsets and loss
-    mask; one whose prompt fills seq_len is refused (on_error="raise") or left out, counted."""
+    """The cache's first cfg.records good records (0: all), those with no loss token refused."""
     import numpy as np
-
     from diag.data import loss_counts
 
     n = min(cfg.records, cache.records) if cfg.records else cache.records
@@ -99,14 +91,8 @@ def whole_micro_batches(rows: int, micro: int) -> int:
     return whole if whole - rows <= PAD_ROWS_LIMIT * whole else rows
 
 
-def _split(rows_per_step: int, micro: int) -> tuple[int, int]:
-    micro = max(d for d in range(1, min(micro, rows_per_step) + 1) if rows_per_step % d == 0)
-    return micro, rows_per_step // micro
-
-
 class WholeSteps:
-    """The packed windows padded up to whole optimizer steps, so no tail token is left out.
-    A pad row trains nothing; its positions run 0..seq_len-1 (attending to nothing gives NaN)."""
+    """The packed windows padded to whole optimizer steps with rows that train nothing."""
 
     def __init__(self, packed: Any, rows: int) -> None:
         self.packed, self.rows = packed, rows
@@ -124,16 +110,16 @@ class WholeSteps:
         seq = self.packed.seq_len
         return {"input_ids": torch.full((seq,), self.packed.pad_token_id, dtype=torch.int64),
                 "labels": torch.full((seq,), -100, dtype=torch.int64),
-                "position_ids": torch.arange(seq)}
+                "position_ids": torch.arange(seq)}  # 0..seq_len-1: attending to nothing is NaN
 
 
 def build_dataset(cfg: JobConfig, plan: Plan, recs: Records, tokenizer_dir: Path,
                   source: Path, attention: str | None = "sdpa", steps: int | None = None,
                   rows: Sequence[dict[str, Any]] | None = None) -> Data:
-    """The plan's Dataset over recs in `steps` optimizer steps (None: cfg.steps); rows: the naive
-    plan's records (None: read from source); an `attention` that cannot keep packed records
-    apart gets a window per record, and the stats say why."""
+    """The plan's Dataset over recs in `steps` optimizer steps; rows: the naive plan's records
+    (None: read from source); an `attention` that cannot keep records apart: one per window."""
     from diag.data import NaiveTextDataset, PackedDataset, packing_refused
+    from diag.qlora.plans import fit_micro_batch
 
     seq, steps = cfg.seq_len, steps or cfg.steps
     if plan.pipeline == "naive":
@@ -157,14 +143,13 @@ def build_dataset(cfg: JobConfig, plan: Plan, recs: Records, tokenizer_dir: Path
         how = f"one record per window ({refused})" if refused else \
             "whole records packed by best-fit decreasing, kept apart by position_ids"
         detail = f"token cache {recs.cache.status}, {how}, {used - len(packed)} pad rows"
-    micro, accum = _split(rows_per_step, plan.micro_batch)
+    micro = fit_micro_batch(rows_per_step, plan.micro_batch)
     slots = rows_per_step * steps * seq
     stats = {"records": len(recs.indices), "skipped_records": recs.skipped,
              "rows": rows_per_step * steps, "token_slots": slots, "real_tokens": int(real),
-             "left_out_tokens": int(left_out),
-             "loss_tokens": int(loss), "padding_share": 1 - real / slots if slots else 0.0,
-             "data": detail}
-    return Data(dataset, micro, accum, stats)
+             "left_out_tokens": int(left_out), "loss_tokens": int(loss),
+             "padding_share": 1 - real / slots if slots else 0.0, "data": detail}
+    return Data(dataset, micro, rows_per_step // micro, stats)
 
 
 @dataclass(frozen=True)
@@ -178,8 +163,7 @@ class Split:
 
 
 def train_records(cfg: TrainConfig, source: Path, tokenizer_dir: Path) -> Split:
-    """The cache's good records (or its first cfg.records), counted; the eval share drawn by
-    cfg.seed and held out; the rest in whole steps of cfg.batch_size."""
+    """The cache's good records: the eval share drawn by cfg.seed, the rest in whole steps."""
     import numpy as np
 
     recs = counted(cfg, _cache(cfg, source, tokenizer_dir))
@@ -193,10 +177,8 @@ def train_records(cfg: TrainConfig, source: Path, tokenizer_dir: Path) -> Split:
 
 
 def count_records(source: Path, at_most: int | None = None) -> int:
-    """About the records at source, unparsed: Parquet footers' rows, JSONL lines (a bad one
-    too); stops at `at_most`."""
+    """About the records at source, unparsed (Parquet footers' rows, JSONL lines), up to at_most."""
     import pyarrow.parquet as pq
-
     from diag.data import shard_files
     from diag.data.records import open_records
 
@@ -216,13 +198,11 @@ def count_records(source: Path, at_most: int | None = None) -> int:
 
 
 class ArrowRecords(Sequence):
-    """The source's good records at `indices`, from an Arrow file on disk through a memory map
-    (as datasets keeps one): the naive plan's whole dataset, never held in memory."""
+    """The source's good records at `indices`, memory-mapped from an Arrow file written here."""
 
     def __init__(self, source: Path, fields: dict[str, str], folder: Path,
                  indices: Sequence[int]) -> None:
         import pyarrow as pa
-
         from diag.data.records import plan_chunks, read_chunk
 
         self.path, self.indices = folder / "records.arrow", list(indices)

@@ -1,10 +1,5 @@
-"""Naive vs optimized QLoRA runs on the same records, seed and schedule: where the time went.
-
-`run_qlora(cfg)` checks its inputs, then `compare` runs the plans: what each costs is timed before
-the runs (diag.qlora.starts), the runs go in interleaved rounds until the headline resolves or
-its budget is spent, and every figure a person reads (the savings predicted vs measured, the
-waterfall, the headline) is arithmetic on one cost table (diag.forecast), on one clock.
-"""
+"""Naive vs optimized QLoRA runs on the same records, seed and schedule: where the time went,
+every figure read from one cost table (diag.forecast) of costs timed before and in the runs."""
 
 from __future__ import annotations
 
@@ -18,12 +13,14 @@ from diag.machine.device import on_cpu_threads
 
 if TYPE_CHECKING:
     import pandas as pd
-
     from diag.config import QLoraConfig
     from diag.decision import Decision
     from diag.qlora.base import Bases, Sources
     from diag.qlora.job import PlanRun
     from diag.qlora.plans import Plan
+
+
+ADVICE = ["stage", "finding", "seconds_saved", "evidence"]  # QLoraResult.advice's columns
 
 
 @dataclass(frozen=True)
@@ -48,9 +45,7 @@ class QLoraResult:
 @on_cpu_threads
 def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | None = None,
               budget_s: float | None = None) -> QLoraResult:
-    """`diag qlora`: cfg's inputs checked before any work (preflight, the out_dir's owner,
-    cfg.results' job), then `compare`. decisions: the optimized plan's (None: cfg.results',
-    else measured on the job); budget_s: compare's, for the rounds past cfg.rounds."""
+    """`diag qlora`: cfg's inputs checked before any work, then `compare`."""
     from diag.config import QLoraConfig
     from diag.preflight import preflight
     from diag.qlora.checkpoints import claim
@@ -67,10 +62,7 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
 
 def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
             src: Sources | None = None, budget_s: float | None = None) -> QLoraResult:
-    """The recipe: the plans (the optimized one measured on the job unless given), what each
-    costs timed before the runs, the runs in rounds, each plan's FLOPs counted, the result.
-    src: the job's sources, open (else opened and closed here); budget_s: the seconds the
-    rounds past cfg.rounds may take (None: cfg.decide_budget_s, none for a single round)."""
+    """The plans, their costs timed before the runs, the runs in rounds, their FLOPs, the result."""
     from diag.noise import clock
     from diag.qlora.base import Bases
     from diag.mfu import count_plans
@@ -88,8 +80,7 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
 
 
 def _plans(cfg: QLoraConfig, decisions: Iterable[Decision] | None, src: Sources) -> list[Plan]:
-    """cfg.plan's plans; an optimized start finds the landed data, the cached model and the
-    tokens: the first start fills them (rank 0 first under DDP), apart from what is timed."""
+    """cfg.plan's plans, the optimized one's inputs filled untimed (rank 0 first under DDP)."""
     from diag.qlora.job import prepare
     from diag.qlora.measure import plan_from_job
     from diag.qlora.plans import Plan
@@ -105,23 +96,20 @@ def _plans(cfg: QLoraConfig, decisions: Iterable[Decision] | None, src: Sources)
 
 def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, device: Any
             ) -> pd.DataFrame | None:
-    """Both plans' starts and own steps timed before the runs (the predictions' rows, each
-    step on the base its rounds reuse), then what a start imports, paid here before the rounds
-    (in a process of its own each plan's start pays it alike; here the first alone would)."""
+    """Both plans' starts and own steps timed before the runs (the predictions' rows)."""
     import bitsandbytes  # noqa: F401
     import pandas as pd
     import peft  # noqa: F401
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
+    from diag.noise import clock
     from diag.qlora.starts import time_starts, time_steps
     from diag.qlora.trainer import trainer_class
 
-    get_checkpoint_conversion_mapping("llama")  # a process's first load builds it
+    # what a start imports or builds once per process, paid here: no one plan's start pays it
+    get_checkpoint_conversion_mapping("llama")
     trainer_class()
     if len(plans) < 2:
         return None
-    from diag.noise import clock
-
     got = pd.concat([time_starts(cfg, plans, src, clock(device).name),
                      time_steps(cfg, plans, src, bases, device)], ignore_index=True)
     gc.collect()  # the measurements' models (reference cycles) go before the first start
@@ -130,10 +118,8 @@ def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, dev
 
 def _rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, clock: str,
             budget_s: float | None) -> list[PlanRun]:
-    """cfg.rounds interleaved rounds of every plan, then more (up to 16) while the headline is
-    not resolved on `clock` and `budget_s` allows."""
+    """cfg.rounds interleaved rounds, then up to 16 while the headline is unresolved in budget."""
     from tqdm.auto import tqdm
-
     from diag.forecast.costs import measured
     from diag.forecast.story import headline, rounds_of
     from diag.noise import MIN_SAMPLES, interleave
@@ -169,7 +155,6 @@ def _result(plans: list[Plan], before: pd.DataFrame | None, runs: list[PlanRun],
             counted: dict, clock: str) -> QLoraResult:
     """The runs' own tables, then every figure read from the cost table (diag.forecast.story)."""
     import pandas as pd
-
     from diag.amdahl import shares
     from diag.forecast import story
     from diag.qlora.job import counts
@@ -188,16 +173,13 @@ def _result(plans: list[Plan], before: pd.DataFrame | None, runs: list[PlanRun],
     if len(plans) < 2:
         from diag.forecast.costs import table
 
-        empty = pd.DataFrame(columns=["stage", "finding", "seconds_saved", "evidence"])
+        empty = pd.DataFrame(columns=ADVICE)
         return QLoraResult(**out, costs=table(measured), savings=empty, waterfall=empty,
                            advice=empty)
     told = story.tell(measured, {k.plan: counts(k.summary) for k in kept}, clock, fixes(*plans),
                       {k.plan: k.summary["real_tokens"] for k in kept}, _steps_met(runs, clock))
-    savings = told["savings"]
-    advice = savings[savings["finding"] != "unchanged"].rename(
-        columns={"measured_s": "seconds_saved"})[["stage", "finding", "seconds_saved",
-                                                  "evidence"]]
-    return QLoraResult(**out, advice=advice, **told)
+    advice = told["savings"].rename(columns={"measured_s": "seconds_saved"})
+    return QLoraResult(**out, advice=advice[advice["finding"] != "unchanged"][ADVICE], **told)
 
 
 def _steps_met(runs: list[PlanRun], clock: str) -> list[float]:
@@ -218,5 +200,4 @@ def _median_run(runs: list[PlanRun], plan: str) -> PlanRun:
 
 def _spread(every: pd.DataFrame, plan: str) -> dict[str, float]:
     mine = every[every["plan"] == plan]["seconds"]
-    return {"seconds_min": float(mine.min()), "seconds_max": float(mine.max()),
-            "rounds": len(mine)}
+    return {"seconds_min": float(mine.min()), "seconds_max": float(mine.max()), "rounds": len(mine)}

@@ -1,13 +1,5 @@
-"""One QLoRA run under one plan: fetch the data, load the 4-bit base, tokenize, train, checkpoint.
-
-`run_plan(cfg, plan, sources)` times each run-level stage on one StageTimer (fetch_data,
-load_model, preprocess; warmup, train, checkpoint from TimingCallback inside the Trainer) and
-returns the stage frame, the loss per step and one summary row. The base (diag.qlora.base) is
-nf4 with double quantization, `prepare_model_for_kbit_training`, LoRA on every attention and MLP
-projection; training goes through transformers.Trainer as diag.qlora.trainer makes it (`diag
-train` too), which checkpoints adapter, optimizer, scheduler, RNG and step (the data position)
-every `checkpoint_every` steps, each written whole.
-"""
+"""One QLoRA run under one plan: fetch the data, load the 4-bit base, tokenize, train, checkpoint,
+each stage timed (`run_plan` -> PlanRun: stages, losses, cost rows, what ran)."""
 
 from __future__ import annotations
 
@@ -29,14 +21,12 @@ from diag.timing import StageTimer
 
 if TYPE_CHECKING:
     import pandas as pd
-
     from diag.config import JobConfig, QLoraConfig
 
 @contextlib.contextmanager
 def open_sources(cfg: JobConfig) -> Iterator[Sources]:
-    """The user's bucket and model, or the embedded S3 server and hub (started, then stopped).
-    A hub id the optimized plan would read from your own HF cache, which lacks it, is refused
-    here, before anything starts (as model-load refuses it)."""
+    """The user's bucket and model, or the embedded S3 server and hub (started, then stopped); a
+    hub id the optimized plan would read from your own HF cache, which lacks it, refused first."""
     from diag.model_load import cache_dir_for, not_in_user_cache, snapshot_folder, user_cache
     from diag.storage import source_client
 
@@ -67,31 +57,27 @@ def open_sources(cfg: JobConfig) -> Iterator[Sources]:
 
 
 def fetch_data(plan: Plan, src: Sources, work: Path, records: int = 0) -> tuple[Path, int, int]:
-    """The data the job trains on (diag.storage.fetch: S3, hub or local, landed once or pulled
-    into work per plan.fetch): (its path, bytes fetched, the source's bytes)."""
+    """The data the job trains on, per plan.fetch: (its path, bytes fetched, the source's bytes)."""
     from diag.storage import fetch
 
     return fetch(src.url, src.client, plan.fetch, work, records)
 
 
 def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any]:
-    """A start's inputs under plan, untimed: the data path, the model folder, the built dataset
-    (a copy pulled into the start's temporary folder is gone when it returns)."""
+    """A start's inputs under plan, untimed: the data path, the model folder, the built dataset."""
     from diag.qlora.data import build_dataset, job_records
 
     work = scratch_folder("diag-qlora-prime")  # a killed rank's is swept next time
     try:
         path, folder = fetch_data(plan, src, work, cfg.records)[0], model_folder(plan, src, work)
-        return path, folder, build_dataset(cfg, plan, job_records(cfg, path, folder), folder,
-                                           path)
+        return path, folder, build_dataset(cfg, plan, job_records(cfg, path, folder), folder, path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 @dataclass(frozen=True)
 class PlanRun:
-    """One timed run of a plan: its StageTimer rows, losses, what it measured for the cost table
-    (diag.forecast.costs, when "runs", both clocks on a CPU) and what ran, read back."""
+    """One timed run of a plan: what it measured and what ran, read back."""
 
     plan: str
     round: int
@@ -103,22 +89,19 @@ class PlanRun:
 
 def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases | None = None,
              rnd: int = 0) -> PlanRun:
-    """One timed run (round `rnd`); what was alive before it is frozen out of the garbage
-    collector while it runs (trainer.frozen_heap). bases: the comparison's; None: loaded here."""
+    """One timed run (round `rnd`) in a frozen heap. bases: the comparison's; None: loaded here."""
     with frozen_heap(), contextlib.nullcontext(bases) if bases else Bases() as bases:
         return _run_plan(cfg, plan, src, bases, rnd)
 
 
 def rank_device(cfg: JobConfig) -> tuple[Any, Any]:
-    """(the device this process trains on, its seat): under torchrun / accelerate each DDP
-    rank's own GPU (the group joined here); else cfg's device, and the seat a no-op's."""
+    """(the device this process trains on, its DDP seat, joined here; a no-op's unlaunched)."""
     import torch
-
     from diag.machine.device import resolve
     from diag.timing import distributed
 
     device = resolve(cfg.device)
-    seat = distributed.init_group(device.type)  # torchrun / accelerate: a DDP rank; else a no-op
+    seat = distributed.init_group(device.type)
     if seat.distributed and device.type == "cuda":
         device = torch.device("cuda", seat.local_rank)  # each rank's base on its own GPU
     return device, seat
@@ -127,7 +110,6 @@ def rank_device(cfg: JobConfig) -> tuple[Any, Any]:
 def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases, rnd: int) -> PlanRun:
     import pandas as pd
     import transformers
-
     from diag.qlora.data import build_dataset, job_records
     from diag.timing import distributed
 
@@ -165,8 +147,7 @@ def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases, rnd: int
         frame = distributed.gathered_frame(timer)  # every rank's rows on rank 0
         if reused:  # every rank reused its own base in this round
             frame.loc[frame["stage"] == "load_model", "basis"] = REUSED
-        # end to end: the run-level stages (train holds the steady steps, apart from warmup
-        # and checkpoint, so nothing is counted twice); ranks run side by side: one rank's
+        # the run-level stages, end to end (nothing counted twice), one rank's
         ranks = max(frame["rank"].nunique(), 1)
         seconds = float(frame.loc[frame["step"].isna(), "seconds"].sum()) / ranks
         summary = {**data.stats, "plan": plan.name, "round": rnd, "seconds": seconds,
@@ -209,15 +190,13 @@ def counts(summary: Mapping[str, Any]) -> dict[str, float]:
 
 def _measured(plan: str, rnd: int, frame: pd.DataFrame, summary: Mapping[str, Any],
               cpu: Mapping[str, float], load: Mapping[str, Mapping[str, float]]) -> pd.DataFrame:
-    """The run's cost-table rows: per run-level stage, its unit (counts) and its seconds on the
-    wall clock (one rank's) and on this process's CPU clock."""
+    """The run's cost rows: per run-level stage its unit and seconds, wall (one rank's) and CPU."""
     from diag.forecast.costs import measured, row
 
     ranks = max(frame["rank"].nunique(), 1)
     wall = (frame[frame["step"].isna()].groupby("stage")["seconds"].sum() / ranks).to_dict()
-    wall |= {"load_model": load["load_model"]["wall"], "download": load["download"]["wall"]}
-    cpu = dict(cpu) | {"load_model": load["load_model"]["CPU"],
-                       "download": load["download"]["CPU"]}
+    wall |= {stage: load[stage]["wall"] for stage in ("load_model", "download")}
+    cpu = dict(cpu) | {stage: load[stage]["CPU"] for stage in ("load_model", "download")}
     n = counts(summary)
     units = {"fetch_data": "source", "load_model": "start", "download": "start",
              "preprocess": "record" if plan == "naive" else "start", "setup": "start",
@@ -230,14 +209,11 @@ def _measured(plan: str, rnd: int, frame: pd.DataFrame, summary: Mapping[str, An
 
 
 def ran(trainer: Any) -> dict[str, Any]:
-    """The plan's settings as the run had them, read back from what ran: the DataLoader the
-    Trainer trained from (its batch size, workers, pinning, the dataset it served), the
-    Trainer's accumulation, the model's checkpointing; never copied from the plan."""
+    """The plan's settings read back from what ran, never copied from the plan."""
     from diag.qlora.data import WholeSteps
 
     loader = trainer.callback_handler.train_dataloader  # the one train() iterated
-    served = loader.dataset
-    served = getattr(served, "dataset", served)  # a rank slowed on purpose (_Slowed) wraps it
+    served = getattr(loader.dataset, "dataset", loader.dataset)  # under _Slowed
     # accelerate's loader batches through its batch sampler (its own batch_size is None)
     return {"micro_batch": loader.batch_size or loader.batch_sampler.batch_size,
             "grad_accum": trainer.args.gradient_accumulation_steps,

@@ -1,9 +1,5 @@
-"""The optimized plan's decisions, measured on the QLoRA job's own step on this machine.
-
-`plan_from_job`: the job's inputs (`job_inputs`), then unless given its decisions (`OnJob`:
-micro-batch, checkpointing on/off, the loader sweep, in one order with one budget split), the
-plan fitted to the job. `read_results(cfg)` gives back the decisions a run folder kept.
-"""
+"""The optimized plan's decisions, measured on the QLoRA job's own step on this machine (`OnJob`:
+micro-batch, checkpointing, loader, in one order with one budget), or read back from a run."""
 
 from __future__ import annotations
 
@@ -26,24 +22,21 @@ if TYPE_CHECKING:
 
 
 class QLoraStep:
-    """One optimizer step of the job's model (nf4 base, LoRA adapters), as the Trainer takes it:
-    forward, backward, AdamW on the adapters. A diag.accum harness step, and (called with a
-    batch: one whole step) a loader sweep's consumer."""
+    """One optimizer step of the job's model as the Trainer takes it: a diag.accum step and,
+    called with a batch, a loader sweep's consumer. model: None: loaded from model_dir; rows:
+    one optimizer step of a plan's own rows to train on (None: random batches)."""
 
     def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any,
-                 gradient_checkpointing: bool = False, model: Any = None) -> None:
-        """model: a peft model already loaded as load_model loads it (a kept base's); None:
-        loaded here from model_dir."""
+                 gradient_checkpointing: bool = False, model: Any = None,
+                 rows: list[dict[str, Any]] | None = None) -> None:
         import dataclasses
-
         import torch
         from peft import get_peft_model_state_dict
-
         from diag.qlora.base import load_model
         from diag.qlora.plans import Plan
 
         plan = dataclasses.replace(Plan.naive(), gradient_checkpointing=gradient_checkpointing)
-        self.device, self._lr, self._seq_len = device, cfg.lr, cfg.seq_len
+        self.device, self._lr, self._seq_len, self._rows = device, cfg.lr, cfg.seq_len, rows
         self.model = model if model is not None else load_model(cfg, plan, model_dir, device)
         self.model.train()
         self._initial = {k: v.to("cpu", copy=True)  # the adapters' starting weights
@@ -52,9 +45,15 @@ class QLoraStep:
         self.reset()
 
     def batches(self, micro_batch: int) -> contextlib.AbstractContextManager[Iterator[Any]]:
-        """One random batch of the job's shape, repeated: the sweeps time the step, not data."""
+        """The rows collated as the Trainer does, or one random batch of the job's shape, repeated:
+        the sweeps time the step, not data."""
         import torch
+        from transformers import default_data_collator  # the Trainer's, given no tokenizer
 
+        if self._rows is not None:
+            return contextlib.nullcontext(itertools.cycle(
+                [default_data_collator(self._rows[i:i + micro_batch])
+                 for i in range(0, len(self._rows), micro_batch)]))
         ids = torch.randint(4, self.model.config.vocab_size, (micro_batch, self._seq_len),
                             generator=self._gen)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
@@ -91,20 +90,17 @@ class QLoraStep:
 
 
 class OnJob:
-    """The job's decisions in their one order (micro-batch, then checkpointing and the loader at
-    the micro-batch it chose), sharing one budget split and one loaded QLoraStep per checkpointing
-    setting: accum's rounds may take half of cfg.decide_budget_s, checkpointing's what accum left
-    (the loader's repeats are its screen). close() lets the steps' bases go."""
+    """The job's decisions in one order, one step per checkpointing setting and one budget:
+    accum's rounds take at most half, checkpointing's what accum left. share(decision): its
+    seconds of diag run's budget, past which accum's screen cuts the points left."""
 
     def __init__(self, cfg: QLoraConfig, job: JobInputs,
                  share: Callable[[str], float] | None = None) -> None:
-        """share(decision): its seconds of the run's budget (diag run's), past which its screen
-        cuts the points left; None: every point is screened."""
         self.cfg, self.job, self.left, self.share = cfg, job, cfg.decide_budget_s, share
         self._made: dict[bool, QLoraStep] = {}
 
     def step(self, gradient_checkpointing: bool = False) -> QLoraStep:
-        """The job's step, loaded once per setting, handed out reset (the initial adapters)."""
+        """The job's step, loaded once per setting, handed out reset."""
         if gradient_checkpointing not in self._made:
             self._made[gradient_checkpointing] = QLoraStep(
                 self.cfg, self.job.model_dir, self.job.device, gradient_checkpointing)
@@ -119,8 +115,7 @@ class OnJob:
         return got
 
     def checkpointing(self, micro: int) -> CheckpointingResult:
-        got = checkpointing_on_job(self.cfg, self.job, micro, budget_s=max(0.0, self.left),
-                                   on=self)
+        got = checkpointing_on_job(self.cfg, self.job, micro, max(0.0, self.left), on=self)
         self.left -= got.decisions[0].repeats_s or 0.0
         return got
 
@@ -133,8 +128,7 @@ class OnJob:
 
 @dataclass(frozen=True)
 class JobInputs:
-    """What the measurements on the job need: the landed data, the cached model, the device, the
-    rows per optimizer step the packed job runs (micro_batch x grad_accum must equal it)."""
+    """What the measurements on the job need; rows_per_step: the packed job's per optimizer step."""
 
     rows_per_step: int
     model_dir: Path
@@ -152,11 +146,8 @@ def _on(cfg: QLoraConfig, job: JobInputs, step: str, **more: Any) -> MeasuredOn:
 
 
 def job_inputs(cfg: QLoraConfig, src: Sources | None = None) -> JobInputs:
-    """Land the data, fill the persistent model cache, build the packed dataset once (the token
-    cache every optimized start reuses) and read its rows per step off it. src: sources already
-    open (run_qlora's, which its runs then use); else they are opened and closed here."""
+    """Land the data, fill the model and token caches, read the packed job's rows per step."""
     import dataclasses
-
     from diag.machine.device import resolve
     from diag.qlora.job import open_sources, prepare
     from diag.qlora.plans import Plan
@@ -169,8 +160,7 @@ def job_inputs(cfg: QLoraConfig, src: Sources | None = None) -> JobInputs:
 
 
 def micro_candidates(rows_per_step: int, most: int = 4) -> list[int]:
-    """Micro-batches the job can run (divisors of its rows per step): 1, the largest, and
-    between them up to `most` spread evenly in log scale."""
+    """Up to `most` divisors of rows_per_step, 1 and the largest among them, evenly spread."""
     divisors = [d for d in range(1, rows_per_step + 1) if rows_per_step % d == 0]
     if len(divisors) <= most:
         return divisors
@@ -181,29 +171,23 @@ def micro_candidates(rows_per_step: int, most: int = 4) -> list[int]:
 def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | None = None,
                  budget_s: float | None = None, on: OnJob | None = None,
                  share_s: float | None = None) -> AccumResult:
-    """micro_batch x grad_accum == the job's rows per step, checkpointing off: every point
-    screened (a warm-up and a timed step), then interleaved rounds to cfg.sweep_steps each and
-    on while within noise (diag.accum.retime) until `budget_s` (half the decide budget) is
-    spent. share_s: past it, the points not yet screened are cut (the first two always run;
-    said in the decision) and the rounds get what is left. on: the shared steps (OnJob)."""
+    """micro_batch x grad_accum at the job's rows per step, checkpointing off: every point
+    screened, then rounds while within noise within budget_s (None: half the decide budget).
+    share_s: past it, the points not yet screened are cut (the first two always run)."""
     import dataclasses
     import time
-
     import pandas as pd
-
     from diag.accum import AccumResult, accum_frame, advice, decide, retime, summarize, train_points
     from diag.noise import unresolved
 
     rows_per_step = job.rows_per_step
     micro_batches = micro_batches or cfg.sweep_micro_batches or micro_candidates(rows_per_step)
-    bad = [m for m in micro_batches if rows_per_step % m]
-    if bad:
+    if bad := [m for m in micro_batches if rows_per_step % m]:
         raise ValueError(f"{type(cfg).__name__}.sweep_micro_batches={bad}: must divide the job's "
                          f"{rows_per_step} rows per step; allowed: "
                          + ", ".join(map(str, micro_candidates(rows_per_step, rows_per_step))))
     one = [(on or OnJob(cfg, job)).step()]
-    # a step each, then interleaved rounds (a point's steps one after another let a moving load
-    # resolve micro-batch 4 over 2 in one quick decision and 2 over 4 in the next)
+    # a step each, then interleaved rounds: a point's steps in a row let a moving load decide
     start, frames, cut = time.perf_counter(), [], []
     for i, m in enumerate(micro_batches):
         if share_s is not None and i >= 2 and time.perf_counter() - start > share_s:
@@ -211,13 +195,13 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
             break
         frames.append(train_points(one, [(m, rows_per_step // m)], repeats=1, warmup_steps=1,
                                    desc="accum sweep on the job"))
-    left = _budget(cfg, budget_s)
+    left = cfg.decide_budget_s / 2 if budget_s is None else budget_s
     if share_s is not None:
         left = max(0.0, min(left, share_s - (time.perf_counter() - start)))
     timed, spent = retime(one, pd.concat(frames, ignore_index=True), unresolved, budget_s=left,
                           at_least=cfg.sweep_steps)
     tokens = rows_per_step * cfg.seq_len
-    # no floor or MFU here: the QLoRA step's FLOPs are diag.mfu.qlora's
+    # no floor or MFU here: the QLoRA step's FLOPs are diag.mfu's
     frame = accum_frame(timed, tokens, detail=job_label(cfg))
     summary = summarize(frame, device=str(job.device))
     where = _on(cfg, job, f"the QLoRA step, {rows_per_step} rows per optimizer step "
@@ -230,21 +214,12 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
     return AccumResult(frame, summary, pd.DataFrame(), advice(summary, cfg.steps), (decided,))
 
 
-def _budget(cfg: QLoraConfig, budget_s: float | None) -> float:
-    """The seconds one decision's rounds may take: given, else half the job's decide budget
-    (micro-batch and checkpointing re-time; the loader's repeats are its screen)."""
-    return cfg.decide_budget_s / 2 if budget_s is None else budget_s
-
-
 def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
                          budget_s: float | None = None, on: OnJob | None = None
                          ) -> CheckpointingResult:
-    """Checkpointing on vs off at `micro` and at the naive micro-batch (its own on/off ratio),
-    a step each, then interleaved rounds to cfg.sweep_steps each and on while a gap is
-    unresolved or impossible (checkpointing.pending) within `budget_s`. A point that ran out of
-    memory leaves no row."""
+    """Checkpointing on vs off at `micro` and the naive micro-batch, in rounds while a gap is open
+    or impossible (checkpointing.pending); a point out of memory leaves no row."""
     import pandas as pd
-
     from diag.accum import retime, train_points
     from diag.qlora.checkpointing import COLUMNS, CheckpointingResult, decide, pending
     from diag.qlora.plans import Plan
@@ -253,9 +228,9 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
     pool = on or OnJob(cfg, job)
     pair = [pool.step(ckpt) for ckpt in (True, False)]
     timed = train_points(pair, [(m, 1) for m in sorted({naive, micro})], repeats=1,
-                         warmup_steps=1, desc="checkpointing on/off")  # then rounds, as accum's
-    timed, spent = retime(pair, timed, pending, budget_s=_budget(cfg, budget_s),
-                          at_least=cfg.sweep_steps)
+                         warmup_steps=1, desc="checkpointing on/off")
+    budget_s = cfg.decide_budget_s / 2 if budget_s is None else budget_s
+    timed, spent = retime(pair, timed, pending, budget_s=budget_s, at_least=cfg.sweep_steps)
     ok = timed[timed["status"] == "ok"]
     frame = pd.DataFrame({"gradient_checkpointing": ok["step"] == 0,
                           "micro_batch": ok["micro_batch"], "seq_len": cfg.seq_len,
@@ -269,9 +244,7 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
 
 def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int, on: OnJob | None = None
                   ) -> LoaderResult:
-    """diag.loader's sweep with the job's step as the consumer (its data, its tokenizer, its
-    seq_len, the chosen micro-batch, cfg.sweep_workers); the stall split waits as long as that
-    step measured, the profile is the naive pipeline's. steps: as accum_on_job."""
+    """diag.loader's sweep over the job's records with the job's step at `micro` as consumer."""
     from diag.config import LoaderConfig
     from diag.loader import run_loader
     from diag.noise import MIN_SAMPLES
@@ -295,16 +268,14 @@ def measure_on_job(cfg: QLoraConfig, job: JobInputs) -> tuple[Decision, ...]:
     try:
         accum = on.accum()
         (micro,) = (d.value for d in accum.decisions)  # diag.accum decides micro_batch alone
-        return (*accum.decisions, *on.checkpointing(micro).decisions,
-                *on.loader(micro).decisions)
+        return (*accum.decisions, *on.checkpointing(micro).decisions, *on.loader(micro).decisions)
     finally:
         on.close()
 
 
 def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
                   src: Sources | None = None) -> Plan:
-    """The optimized plan run_qlora runs: the given decisions, else measured on the job; fitted
-    to the job's rows per step. src: open sources to read the job's inputs from (job_inputs)."""
+    """The optimized plan of the decisions (None: measured on the job), fitted to the job."""
     from diag.qlora.plans import Plan
 
     job = job_inputs(cfg, src)
@@ -314,11 +285,8 @@ def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
 
 
 def read_results(cfg: QLoraConfig) -> tuple[Decision, ...]:
-    """The decisions cfg.results (a run folder) kept in its decisions.csv, read back whole
-    (diag.decision.read); what was measured there must be this job's model and seq_len (else
-    ValueError, one line naming both)."""
+    """The decisions cfg.results' decisions.csv kept, refused unless measured on this job."""
     import pandas as pd
-
     from diag.decision import read
 
     table = Path(cfg.results) / "decisions.csv"
@@ -326,8 +294,6 @@ def read_results(cfg: QLoraConfig) -> tuple[Decision, ...]:
         raise ValueError(f"QLoraConfig.results={cfg.results!r}: no run folder with a "
                          "decisions.csv there")
     decisions = read(pd.read_csv(table))
-    # what was measured on the job's step names its seq_len (a model load or a fetch does not,
-    # and names the model by its own id): those must be this job's
     measured = [d.measured_on for d in decisions if d.basis not in ("default", "projected")
                 and d.measured_on.seq_len]
     for name, want in (("model", job_label(cfg)), ("seq_len", cfg.seq_len)):

@@ -1,12 +1,6 @@
-"""The two plans of the QLoRA job: what a newcomer runs, and what the measurements decided.
+"""The two plans of the QLoRA job: the defaults a newcomer runs (`Plan.naive()`), and the
+experiments' decisions collected (`Plan.optimized(decisions)`), each setting saying its why."""
 
-`Plan.naive()` is the defaults a first run gets; `Plan.optimized(decisions)` only collects the
-experiments' decisions (diag.decision.Decision: storage -> fetch, model_load -> model_cache,
-loader -> pipeline, num_workers and its knobs, accum -> micro_batch, checkpointing ->
-gradient_checkpointing); a setting nobody decided takes its owner's labelled default.
-`plan.fit(rows_per_step)` caps the micro-batch to what the job can run, said in the decision.
-`evidence` (setting, line) is derived from the decisions, for the report and the notebooks.
-"""
 
 from __future__ import annotations
 
@@ -57,8 +51,7 @@ class Plan:
 
     @classmethod
     def optimized(cls, decisions: Iterable[Decision] = (), device: str = "cpu") -> Plan:
-        """The experiments' decisions, collected; a setting none decided takes its owner's
-        labelled default (`defaults`)."""
+        """The experiments' decisions; a setting none decided takes its owner's default."""
         decisions = tuple(decisions)
         decided = {d.setting for d in decisions}
         if not decided >= set(SETTINGS):
@@ -69,8 +62,7 @@ class Plan:
     def collect(cls, name: str, decisions: Iterable[Decision]) -> Plan:
         """A plan whose every setting is its decision's value (one decision per setting)."""
         got = by_setting(decisions)
-        absent = [s for s in SETTINGS if s not in got]
-        if absent:
+        if absent := [s for s in SETTINGS if s not in got]:
             raise ValueError(f"Plan {name!r}: no decision for {', '.join(absent)}")
         values = {s: got[s].value for s in SETTINGS}
         # persistent workers and prefetching need workers: with none the DataLoader refuses them
@@ -105,8 +97,7 @@ class Plan:
         return self._capped("pin_memory", False, "no CUDA device", note)
 
     def fit(self, rows_per_step: int) -> Plan:
-        """The micro-batch the job can run: the largest divisor of its rows per step at most the
-        decided one (micro_batch x grad_accum == rows per step exactly), capped out loud."""
+        """The micro-batch capped, out loud, to the largest divisor of the job's rows per step."""
         micro = fit_micro_batch(rows_per_step, self.micro_batch)
         return self._capped("micro_batch", micro, f"the job has {rows_per_step} rows per "
                             f"optimizer step; {micro} is the largest micro-batch <= "
@@ -144,8 +135,7 @@ def fit_micro_batch(rows_per_step: int, micro: int) -> int:
 
 
 def defaults(device: str = "cpu") -> tuple[Decision, ...]:
-    """Each owner's decision without a measurement (its rule given no frame): labelled
-    defaults, the device's where the safe value depends on it (checkpointing)."""
+    """Each owner's labelled default (its rule given no frame), the device's for checkpointing."""
     from diag.accum import decide as accum_decide
     from diag.loader import decide as loader_decide
     from diag.model_load import decide as load_decide

@@ -1,9 +1,5 @@
-"""The live view of a long QLoRA run: a tqdm.auto bar whose remaining time is diag's own model,
-and the stage shares so far every N steps (on stderr: a --json result on stdout stays JSON).
-
-`Progress` re-estimates the time left after every step from the cost table's ETA (`projected`:
-seconds per stage) with the steps' own pace replacing the steps' price: a promise kept honest.
-"""
+"""The live view of a long QLoRA run on stderr: a tqdm.auto bar whose time left is the cost
+table's ETA with the steps' own pace replacing their price, and the stage shares every N steps."""
 
 from __future__ import annotations
 
@@ -15,9 +11,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from diag.runner import say  # stderr beside the bar; text in a kernel
-from diag.timing import StageTimer
-
-STEP_PARTS = ("data_wait", "h2d", "compute", "comm_wait", "other")
+from diag.timing import STEP_STAGES, StageTimer
 
 
 def shares_so_far(timer: StageTimer) -> str:
@@ -33,8 +27,7 @@ def shares_so_far(timer: StageTimer) -> str:
 
 def left_s(projected: dict[str, float], spent: dict[str, float], steps_left: int,
            step_s: float | None) -> float:
-    """Seconds left: the steps left at the pace measured (else the ETA's price of them), and
-    each other stage's ETA less what it spent so far (never below 0)."""
+    """The steps left at the pace measured (else the ETA's), and each later stage's ETA left."""
     steps = steps_left * step_s if step_s else max(
         0.0, projected.get("train", 0.0) + projected.get("warmup", 0.0)
         - spent.get("train", 0.0) - spent.get("warmup", 0.0))
@@ -45,8 +38,8 @@ def left_s(projected: dict[str, float], spent: dict[str, float], steps_left: int
 
 
 class Progress(TrainerCallback):
-    """The bar (optimizer steps, trained tokens/s, data_wait so far, diag's time left) and the
-    periodic stage shares; projected: the ETA's seconds per stage (None: no time left shown)."""
+    """The bar (steps, trained tokens/s, data_wait, diag's time left) and the periodic shares;
+    projected: the ETA's seconds per stage (None: no time left shown)."""
 
     def __init__(self, timer: StageTimer, tokens_per_step: float, every: int,
                  desc: str = "diag train", projected: dict[str, float] | None = None) -> None:
@@ -66,23 +59,22 @@ class Progress(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         from diag.forecast.eta import duration
 
-        done = state.global_step - self._first
+        step = state.global_step
         frame = self.timer.to_frame()
         spent = frame[frame["step"].isna()].groupby("stage")["seconds"].sum().to_dict()
-        stepped = frame[frame["stage"].isin(STEP_PARTS) & frame["step"].notna()]
+        stepped = frame[frame["stage"].isin(STEP_STAGES) & frame["step"].notna()]
         per = stepped.groupby("step")["seconds"].sum()
         wait = stepped.loc[stepped["stage"] == "data_wait", "seconds"].sum()
-        said = (f"{self.tokens_per_step * done / (time.perf_counter() - self._start):,.0f} "
-                f"trained tokens/s, data_wait {wait / per.sum() if per.sum() else 0:.1%}")
+        rate = self.tokens_per_step * (step - self._first) / (time.perf_counter() - self._start)
+        said = f"{rate:,.0f} trained tokens/s, data_wait {wait / per.sum() if per.sum() else 0:.1%}"
         if self.projected is not None:
             step_s = statistics.median(per.tail(20)) if len(per) else None
-            left = left_s(self.projected, spent, state.max_steps - state.global_step, step_s)
+            left = left_s(self.projected, spent, state.max_steps - step, step_s)
             said += f", {duration(left)} left (diag's ETA)"
         self.bar.set_postfix_str(said, refresh=False)
         self.bar.update(1)
-        if self.every and state.global_step % self.every == 0 and state.global_step < \
-                state.max_steps:
-            say(f"step {state.global_step}: stage shares so far: {shares_so_far(self.timer)}")
+        if self.every and step % self.every == 0 and step < state.max_steps:
+            say(f"step {step}: stage shares so far: {shares_so_far(self.timer)}")
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.bar is not None:

@@ -1,9 +1,6 @@
-"""The whole job, projected: what `diag train` would take on every record of the source.
+"""The whole job, projected: what `diag train` would take on every record of the source, priced
+at the wall costs the comparison's runs measured (the rows `diag train --results` prices at)."""
 
-`project_job(train, job, comparison, inputs)` counts the whole job (`train`'s epochs, batch and
-eval share over the source's good records) and prices it at the wall costs the comparison's runs
-measured (diag.forecast.eta.runs_costs): the same rows `diag train --results` prices its ETA at.
-"""
 
 from __future__ import annotations
 
@@ -12,7 +9,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import pandas as pd
-
     from diag.config import QLoraConfig, TrainConfig
     from diag.qlora.experiment import QLoraResult
     from diag.qlora.measure import JobInputs
@@ -31,9 +27,8 @@ def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
     """Each plan of the comparison (of `job`, measured on `inputs`) over the whole job `train`."""
     import numpy as np
     import pandas as pd
-
-    from diag.data import read_meta
-    from diag.forecast.costs import price
+    from diag.data import read_meta, shard_files
+    from diag.forecast.costs import measured, price, row, table
     from diag.forecast.eta import job_counts, runs_costs
     from diag.qlora.data import count_records, counted, job_records
 
@@ -41,7 +36,7 @@ def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
     build = (read_meta(recs.cache.folder) or {}).get("build") or {}
     every = counted(train, recs.cache).indices if recs.cache.complete else None
     records = len(every) if every is not None else count_records(inputs.data_path)
-    landed = sum(f.stat().st_size for f in _shards(inputs.data_path))
+    landed = sum(f.stat().st_size for f in shard_files(inputs.data_path))
     whole = int(comparison.frame["source_bytes"].max())
     built = 0 if recs.cache.complete else landed  # bytes the whole job still has to tokenize
     exact = every is not None
@@ -68,7 +63,11 @@ def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
                             built_bytes=built, records=records)
         costs = runs_costs(comparison.costs, run.plan)
         if build.get("bytes") and build.get("seconds") and run.plan == "optimized":
-            costs = pd.concat([costs, _build_row(run.plan, build)], ignore_index=True)
+            rate = f"{build['bytes'] / build['seconds'] / 1e6:.3g} MB/s"  # a byte tokenized (wall)
+            byte = row(run.plan, "preprocess", "byte", build["seconds"], build["bytes"],
+                       evidence=f"the token cache's recorded build: {rate} with "
+                                f"{build.get('processes', '?')} processes")
+            costs = pd.concat([costs, table(measured([byte]))], ignore_index=True)
         priced.append(costs)
         mine = price(costs, counts)
         total = {"plan": run.plan, "stage": "total", "seconds": float(mine["seconds"].sum()),
@@ -76,21 +75,3 @@ def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
                  "evidence": said}
         frames.append(pd.concat([pd.DataFrame([total]), mine], ignore_index=True))
     return Projection(pd.concat(frames, ignore_index=True), pd.concat(priced, ignore_index=True))
-
-
-def _build_row(plan: str, build: dict) -> pd.DataFrame:
-    """A byte tokenized into the token cache, at its recorded build rate (wall)."""
-    import pandas as pd
-
-    rate = build["bytes"] / build["seconds"]
-    return pd.DataFrame([{"plan": plan, "stage": "preprocess", "unit": "byte",
-                          "seconds": 1 / rate, "low": 1 / rate, "high": 1 / rate, "samples": 1,
-                          "clock": "wall", "when": "runs",
-                          "evidence": f"the token cache's recorded build: {rate / 1e6:.3g} MB/s "
-                                      f"with {build.get('processes', '?')} processes"}])
-
-
-def _shards(path: object) -> list:
-    from diag.data import shard_files
-
-    return shard_files(path)

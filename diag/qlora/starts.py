@@ -1,18 +1,10 @@
-"""What each plan costs, timed before the comparison's runs: the predictions' figures.
-
-`time_starts` times what a start of each plan pays (fetch, the model folder, preprocess) with the
-functions its runs call, `time_steps` each plan's own optimizer step on its own rows; both in
-interleaved rounds (diag.noise.interleave) and both return cost-table measurement rows
-(diag.forecast.costs, when "before") on both clocks.
-"""
+"""What each plan costs, timed before the comparison's runs in interleaved rounds: its start
+(`time_starts`) and its own optimizer step (`time_steps`), as cost rows on both clocks."""
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import shutil
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from diag.forecast.costs import measured, row
@@ -20,7 +12,6 @@ from diag.qlora.measure import QLoraStep
 
 if TYPE_CHECKING:
     import pandas as pd
-
     from diag.config import QLoraConfig
     from diag.qlora.base import Bases, Sources
     from diag.qlora.plans import Plan
@@ -28,25 +19,17 @@ if TYPE_CHECKING:
 STARTS = {"fetch": "fetch_data", "model_cache": "download", "pipeline": "preprocess"}
 
 
-def priced(plan: Plan, clock: str) -> set[str]:
-    """The start settings the plan's decisions already price per start on `clock` (storage's
-    fetch, model_load's model_cache in `diag run`): not timed again, no second download."""
-    return {d.setting for d in plan.decisions if d.per == "start" and d.saving_s() is not None
-            and (d.clock or "wall") == clock}
-
-
 def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -> pd.DataFrame:
-    """Each plan's start, min(cfg.rounds, 3) times interleaved; the model folder by the first
-    round alone (a download is the same bytes each start). A setting the optimized plan's
-    decisions price (`priced`) comes from them instead; the start's other parts still run."""
+    """Each plan's start, min(cfg.rounds, 3) times; the model folder in the first round alone."""
     from diag.files import scratch_folder
+    from diag.noise import interleave
     from diag.qlora.base import timed_folder
     from diag.qlora.data import build_dataset, job_records
     from diag.qlora.job import fetch_data
 
-    from diag.noise import interleave
-
-    known = priced(plans[1], clock)
+    # start settings the optimized plan's decisions price on this clock (diag run's): not re-timed
+    known = {d.setting for d in plans[1].decisions if d.per == "start"
+             and d.saving_s() is not None and (d.clock or "wall") == clock}
 
     def start(plan: Plan, rnd: int) -> list[dict[str, Any]]:
         work = scratch_folder(f"diag-qlora-time-{plan.name}")
@@ -65,10 +48,8 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -
         finally:
             shutil.rmtree(work, ignore_errors=True)
         said = f"a {plan.name} start timed before the runs"
-        return [row(plan.name, stage, "start", s, clock=k, when="before", rnd=rnd,
-                    evidence=said)
-                for stage, pair in spent.items()
-                if next(k for k, v in STARTS.items() if v == stage) not in known
+        return [row(plan.name, stage, "start", s, clock=k, when="before", rnd=rnd, evidence=said)
+                for stage, pair in spent.items() if stage not in {STARTS[k] for k in known}
                 for k, s in zip(("wall", "CPU"), pair)]
 
     n = max(1, min(cfg.rounds, 3))
@@ -77,41 +58,17 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -
     rows = [r for runs in got.values() for rs in runs for r in rs]
     for d in plans[1].decisions:  # what a decision priced: its two sides, per start
         if d.setting in known:
-            on = f"the {d.source} decision's: {d.why}"
-            rows += [row("naive", STARTS[d.setting], "start", d.baseline_s, clock=clock,
-                         when="before", evidence=on),
-                     row("optimized", STARTS[d.setting], "start", d.chosen_s, clock=clock,
-                         when="before", evidence=on)]
+            rows += [row(p, STARTS[d.setting], "start", s, clock=clock, when="before",
+                         evidence=f"the {d.source} decision's: {d.why}")
+                     for p, s in (("naive", d.baseline_s), ("optimized", d.chosen_s))]
     return measured(rows)
-
-
-class RowsStep(QLoraStep):
-    """The job's step on one optimizer step of a plan's own rows (the naive plan's padding and
-    masks), collated as the Trainer collates them, its checkpointing as the plan's."""
-
-    def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any, plan: Plan,
-                 rows: list[dict[str, Any]], model: Any = None) -> None:
-        super().__init__(cfg, model_dir, device, plan.gradient_checkpointing, model)
-        self._rows = rows
-
-    def batches(self, micro_batch: int) -> contextlib.AbstractContextManager[Iterator[Any]]:
-        from transformers import default_data_collator  # the Trainer's, given no tokenizer
-
-        rows = self._rows
-        return contextlib.nullcontext(itertools.cycle(
-            [default_data_collator(rows[i:i + micro_batch])
-             for i in range(0, len(rows), micro_batch)]))
 
 
 def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
                device: Any) -> pd.DataFrame:
-    """Each plan's own optimizer step (its first step's rows, micro-batch x accumulation,
-    checkpointing) on `device`, on the base its rounds reuse: a warm-up and a timed step each,
-    then interleaved rounds to cfg.sweep_steps each and on until each median settles
-    (diag.noise.unsettled) or half of cfg.decide_budget_s is spent. Rows per timed step, both
-    clocks: `step` and `warmup_step` (a warm-up step is predicted as a steady one)."""
+    """Each plan's own first optimizer step on the base its rounds reuse, in rounds until each
+    median settles or half of cfg.decide_budget_s is spent."""
     import pandas as pd
-
     from diag.accum import retime, train_points
     from diag.noise import unsettled
     from diag.qlora.data import build_dataset, job_records
@@ -127,8 +84,8 @@ def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
             n = data.micro_batch * data.grad_accum
             plan = plan.for_device(str(device))  # as run_plan keys its base
             folder, model, _ = bases.load(cfg, plan, src, device, StageTimer(trace=False))
-            steps.append(RowsStep(cfg, folder, device, plan, [data.dataset[i] for i in range(n)],
-                                  model))
+            steps.append(QLoraStep(cfg, folder, device, plan.gradient_checkpointing, model,
+                                   rows=[data.dataset[i] for i in range(n)]))
             frames.append(train_points([steps[-1]], [(data.micro_batch, data.grad_accum)],
                                        repeats=1, warmup_steps=1,
                                        desc=f"the {plan.name} step").assign(step=len(frames)))
@@ -143,10 +100,8 @@ def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
         said = (f"its own step (micro-batch {int(mine['micro_batch'].iloc[0])} x "
                 f"{int(mine['grad_accum'].iloc[0])}) timed {len(mine)}x before the runs, "
                 "interleaved with the other plan's") if len(mine) else ""
-        for n, (wall, cpu) in enumerate(zip(mine["seconds_per_step"], mine["cpu_s"])):
-            for stage, unit in (("train", "step"), ("warmup", "warmup_step")):
-                rows += [row(plan.name, stage, unit, wall, clock="wall", when="before", rnd=n,
-                             evidence=said),
-                         row(plan.name, stage, unit, cpu, clock="CPU", when="before", rnd=n,
-                             evidence=said)]
+        for n, pair in enumerate(zip(mine["seconds_per_step"], mine["cpu_s"])):
+            rows += [row(plan.name, stage, unit, s, clock=k, when="before", rnd=n, evidence=said)
+                     for stage, unit in (("train", "step"), ("warmup", "warmup_step"))
+                     for k, s in zip(("wall", "CPU"), pair)]
     return measured(rows)

@@ -1,9 +1,5 @@
-"""`diag train`: one plan trains the whole dataset, and the adapter it leaves is the output.
-
-`run_train(cfg)` decides the plan as `diag qlora` does (a resume's is its run's), times every
-stage, says the ETA before the first step and how far off it was after the last. out_dir keeps
-the adapter (PEFT's format) and tokenizer, the checkpoints, with --merge the merged model.
-"""
+"""`diag train`: one plan trains the whole dataset, every stage timed, its ETA said before the
+first step and checked after the last; the adapter it leaves in out_dir is the output."""
 
 from __future__ import annotations
 
@@ -30,7 +26,6 @@ from diag.qlora.trainer import frozen_heap
 
 if TYPE_CHECKING:
     import pandas as pd
-
     from diag.config import TrainConfig
     from diag.decision import Decision
     from diag.qlora.data import Data, Split
@@ -50,15 +45,12 @@ class TrainResult:
 
 def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | None = None,
               src: Sources | None = None, costs: pd.DataFrame | None = None) -> TrainResult:
-    """Train cfg.plan on the whole dataset (or its first cfg.records), the adapter left in
-    cfg.out_dir; a resume of a finished run trains nothing. decisions: the optimized plan's
-    (None: cfg.results', else measured on the job); src: the job's sources, open; costs: the
-    ETA's unit costs (None: cfg.results', else the decisions')."""
+    """Train cfg.plan; decisions and the ETA's costs: None: cfg.results', else measured."""
     from diag.config import TrainConfig
     from diag.preflight import preflight
     from diag.qlora.measure import read_results
 
-    cfg, began = cfg or TrainConfig.default(), time.perf_counter()  # the command's ETA counts all
+    cfg, began = cfg or TrainConfig.default(), time.perf_counter()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(cfg.out_dir or f"train/{stamp}")
     stored = check(out, cfg.identity(), cfg.resume)  # before the source is read: writes nothing
@@ -95,38 +87,30 @@ def _start(cfg: TrainConfig, out: Path, stored: dict[str, Any] | None,
 def _decide(cfg: TrainConfig, stored: dict[str, Any] | None,
             decisions: Iterable[Decision] | None, src: Sources
             ) -> tuple[Plan, tuple[Decision, ...], dict[str, Any] | None]:
-    """(the plan, the decisions that price it, the token cache's build): a resume's stored plan,
-    else cfg.plan of the decisions given or measured on the job (the naive ETA rests on them)."""
+    """(the plan, the decisions that price it, the token cache's build); a resume's is stored."""
     import pandas as pd
-
     from diag.data import read_meta
     from diag.decision import read
     from diag.qlora.data import job_records
     from diag.qlora.measure import job_inputs, measure_on_job
 
+    name, build = cfg.plan, None
     if stored and "decisions" in stored:  # a resume: the plan its run started with
-        decided = read(pd.DataFrame({"json": stored["decisions"]}))
-        return _collect(stored["plan"], decided), decided, None
-    build = None
-    if decisions is None:
+        name, decisions = stored["plan"], read(pd.DataFrame({"json": stored["decisions"]}))
+    elif decisions is None:
         job = cfg.job()
         inputs = job_inputs(job, src)
         decisions = measure_on_job(job, inputs)
         cache = job_records(job, inputs.data_path, inputs.model_dir).cache  # a hit
         build = (read_meta(cache.folder) or {}).get("build")
     decided = tuple(decisions)
-    return _collect(cfg.plan, decided), decided, build
-
-
-def _collect(name: str, decided: tuple[Decision, ...]) -> Plan:
-    return Plan.naive() if name == "naive" else Plan.optimized(decided)
+    return Plan.naive() if name == "naive" else Plan.optimized(decided), decided, build
 
 
 def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFrame,
          stored: dict[str, Any], plan_s: float, began: float) -> TrainResult:
     """The timed run: its stages, the ETA before the first step, the adapter at the end."""
     import pandas as pd
-
     from diag.files import scratch_folder
     from diag.machine.device import resolve
     from diag.qlora.data import count_records
@@ -151,8 +135,7 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
             job = _job(cfg, plan, path, folder, work, model.config._attn_implementation)
         _same_source(out, stored, job.split.train.cache)
         plan = plan.fit(job.data.micro_batch * job.data.grad_accum)
-        counts = _counts(cfg, job, out)
-        projected = price(costs, counts)
+        projected = price(costs, _counts(cfg, job, out))
         say(before_line(_head(cfg, plan, job), projected, time.perf_counter() - began,
                         ("fetch_data", "load_model", "preprocess")))
         ahead = dict(zip(projected["stage"], projected["seconds"]))
@@ -164,8 +147,8 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
         eta = check_eta(projected, stages)
         losses = _losses(got["trainer"].state.log_history, got["first_eval"],
                          job.tokens_per_step).assign(run=plan.name)
-        frame = pd.DataFrame([_summary(cfg, plan, job, got, stages, eta, losses, out, files,
-                                       made) | {"plan_s": plan_s}])
+        frame = pd.DataFrame([_summary(cfg, plan, job, got, eta, losses, out, files, made)
+                              | {"plan_s": plan_s}])
         record(out, {"finished": json.loads(frame.to_json(orient="records"))[0]})
         say(f"diag train: {after_line(eta)}; the adapter is in {out}")
         return TrainResult(frame, stages, losses, eta, plan.frame())
@@ -205,8 +188,7 @@ def _job(cfg: TrainConfig, plan: Plan, path: Path, folder: Path, work: Path,
 
 
 def _same_source(out: Path, stored: dict[str, Any], cache: Any) -> None:
-    """A resume trains on its run's records: a source changed since (another cache key) is
-    refused, never mixed."""
+    """A resume trains on its run's records: a source changed since is refused, never mixed."""
     if stored.get("cache") not in (None, cache.key):
         raise ValueError(f"--resume: the source changed since the run in {str(out)!r} started "
                          f"(token cache {stored['cache'][:12]} then, {cache.key[:12]} now): its "
@@ -219,8 +201,7 @@ SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_
 
 def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, device: Any,
            timer: Any, stored: dict[str, Any], projected: dict[str, float]) -> dict[str, Any]:
-    """The Trainer's stages; the held-out loss before a fresh run's first step, then every
-    eval_every steps and at the end."""
+    """The Trainer's stages; the held-out loss before a fresh run's first step, then on cadence."""
     from diag.qlora.progress import Progress
     from diag.qlora.trainer import fit, trainer_for
 
@@ -258,7 +239,6 @@ def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, devic
 def _finished(out: Path, stored: dict[str, Any]) -> TrainResult:
     """A resume of a finished run: its summary and losses as it left them, nothing trained."""
     import pandas as pd
-
     from diag.qlora.progress import say
 
     row = stored["finished"] | {"resumed_from_step": stored["finished"]["steps"]}
@@ -272,8 +252,7 @@ def _finished(out: Path, stored: dict[str, Any]) -> TrainResult:
 
 
 def _save_output(trainer: Any, folder: Path, src: Sources, tmp: Path) -> None:
-    """The adapter as PEFT saves it, its base named as given (hub id and revision, or your
-    folder; never diag's cache) so AutoPeftModelForCausalLM finds it anywhere; the tokenizer."""
+    """The adapter as PEFT saves it, its base named as given (never diag's cache); the tokenizer."""
     from transformers import AutoTokenizer
 
     for config in trainer.model.peft_config.values():
@@ -290,8 +269,7 @@ def _save_output(trainer: Any, folder: Path, src: Sources, tmp: Path) -> None:
 
 def _losses(history: list[dict[str, Any]], first_eval: float, tokens_per_step: float
             ) -> pd.DataFrame:
-    """Each step's train loss and each eval's loss (step 0: before training), against trained
-    tokens (an epoch's spread evenly over its steps: the same in both plans)."""
+    """Each step's train loss and each eval's (step 0: before training), with trained tokens."""
     import pandas as pd
 
     rows = [{"split": "eval", "step": 0, "loss": first_eval, "learning_rate": None}]
@@ -330,26 +308,23 @@ def _head(cfg: TrainConfig, plan: Plan, job: _Job) -> str:
             f"{split.train.cache.status}")
 
 
-def _summary(cfg: TrainConfig, plan: Plan, job: _Job, got: dict[str, Any], stages: pd.DataFrame,
-             eta: pd.DataFrame, losses: pd.DataFrame, out: Path, files: list[str],
-             made: Path | None) -> dict[str, Any]:
-    total = eta.set_index("stage").loc["total"]
-    evals = losses[losses["split"] == "eval"]
-    trainer = got["trainer"]
-    return {**job.data.stats, "plan": plan.name, "records": len(job.split.train.indices),
-            "eval_records": len(job.split.eval.indices), "dropped_records": job.split.dropped,
-            "steps": trainer.state.global_step, "steps_per_epoch": job.split.steps_per_epoch,
-            "epochs": job.steps / job.split.steps_per_epoch, "batch_size": cfg.batch_size,
+def _summary(cfg: TrainConfig, plan: Plan, job: _Job, got: dict[str, Any], eta: pd.DataFrame,
+             losses: pd.DataFrame, out: Path, files: list[str], made: Path | None
+             ) -> dict[str, Any]:
+    total, split = eta.set_index("stage").loc["total"], job.split
+    evals, trainer = losses.loc[losses["split"] == "eval", "loss"], got["trainer"]
+    return {**job.data.stats, "plan": plan.name, "records": len(split.train.indices),
+            "eval_records": len(split.eval.indices), "dropped_records": split.dropped,
+            "steps": trainer.state.global_step, "steps_per_epoch": split.steps_per_epoch,
+            "epochs": job.steps / split.steps_per_epoch, "batch_size": cfg.batch_size,
             "resumed_from_step": int(got["resume"].name.split("-")[1]) if got["resume"] else 0,
             "trained_tokens": round(job.tokens_per_step * trainer.state.global_step),
             "seconds": total.measured_s, "predicted_s": total.predicted_s,
             "eta_error": total.error_share, "trainer_wall_s": got["wall"],
             "micro_batch": trainer.args.per_device_train_batch_size,
             "grad_accum": trainer.args.gradient_accumulation_steps,
-            "num_workers": plan.num_workers, "pipeline": plan.pipeline,
-            "gradient_checkpointing": plan.gradient_checkpointing,
-            "first_eval_loss": float(evals["loss"].iloc[0]),
-            "final_eval_loss": float(evals["loss"].iloc[-1]),
+            **{k: getattr(plan, k) for k in ("num_workers", "pipeline", "gradient_checkpointing")},
+            "first_eval_loss": float(evals.iloc[0]), "final_eval_loss": float(evals.iloc[-1]),
             "final_loss": float(losses.loc[losses["split"] == "train", "loss"].iloc[-1]),
             "out_dir": str(out.resolve()), "output": " ".join(files),
             "merged": str(made) if made else "", "notes": " ".join(plan.notes)}

@@ -1,10 +1,5 @@
 """The Trainer as `diag qlora` and `diag train` run it: its arguments from the plan, checkpoints
-written whole, a signal turned into a checkpoint and a stop, every stage timed.
-
-`trainer_for(...)` makes it (`training_args` from the plan and the caller's overrides,
-`trainer_class()`, `signals_callback()`, the TimingCallback); `fit` trains it, from a checkpoint
-to resume, and raises Interrupted where a signal stopped it.
-"""
+written whole, a signal turned into a checkpoint and a stop, every stage timed."""
 
 from __future__ import annotations
 
@@ -29,8 +24,7 @@ if TYPE_CHECKING:
 
 def training_args(cfg: JobConfig, plan: Plan, data: Any, out_dir: Path, device: Any,
                   **more: Any) -> Any:
-    """The Trainer's arguments for plan over data (its micro-batch x accumulation, its loader
-    settings); `more` sets or overrides any (diag train's epochs, schedule, eval)."""
+    """The Trainer's arguments for plan over data; `more` sets or overrides any."""
     from transformers import TrainingArguments
 
     workers, steps = plan.num_workers, more.get("max_steps", getattr(cfg, "steps", 1))
@@ -46,8 +40,7 @@ def training_args(cfg: JobConfig, plan: Plan, data: Any, out_dir: Path, device: 
         "dataloader_pin_memory": plan.pin_memory,
         "dataloader_persistent_workers": plan.persistent_workers and workers > 0,
         "dataloader_prefetch_factor": plan.prefetch_factor if workers > 0 else None,
-        "ddp_find_unused_parameters": False,  # under DDP every LoRA weight
-                                              # gets a gradient: no graph walk
+        "ddp_find_unused_parameters": False,  # every LoRA weight gets a gradient: no graph walk
         "remove_unused_columns": False,  # checkpointing: as prepare_model_for_kbit_training set
     } | more)
 
@@ -55,20 +48,17 @@ def training_args(cfg: JobConfig, plan: Plan, data: Any, out_dir: Path, device: 
 def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path, device: Any,
                 timer: StageTimer, keep: int = 2, callbacks: tuple[Any, ...] = (),
                 **more: Any) -> tuple[Any, Any]:
-    """(the Trainer, its TimingCallback, whose `setup` is clocked from here); the last `keep`
-    checkpoints kept. more: training_args' overrides, or train_dataset / eval_dataset."""
+    """(the Trainer, its TimingCallback); more: training_args' overrides, or the datasets."""
     import transformers
-
     from diag.timing.callback import TimingCallback
 
     own = {k: more.pop(k) for k in ("train_dataset", "eval_dataset") if k in more}
     callback = TimingCallback(timer, warmup_steps=cfg.warmup_steps, device=device)
     callback.setup_from = time.perf_counter()  # the Trainer's set-up is `setup`
     transformers.logging.set_verbosity_error()
-    trainer = trainer_class()(model=model, args=training_args(cfg, plan, data, out_dir, device,
-                                                              **more),
-                              callbacks=[callback, signals_callback()(), *callbacks],
-                              **({"train_dataset": data.dataset} | own))
+    args = training_args(cfg, plan, data, out_dir, device, **more)
+    trainer = trainer_class()(model=model, args=args, callbacks=[
+        callback, signals_callback()(), *callbacks], **({"train_dataset": data.dataset} | own))
     trainer.keep, trainer.made_at = keep, callback.setup_from
     callback.trainer = trainer  # under DDP: its wrapped model and its batch fetch are clocked
     # the Trainer prints every log line with tqdm off; a function in diag prints nothing
@@ -78,21 +68,17 @@ def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
-    """A start with the objects alive before it frozen out of the garbage collector (gc.freeze):
-    accelerate's full gc.collect() as train() starts then walks only what the start made.
-    Garbage from before stays until the end: collect it first where there is some."""
+    """What is alive frozen out of the garbage collector: train()'s gc.collect() walks the rest."""
     gc.freeze()
     try:
         yield
     finally:
-        gc.collect()  # walks only what the start made: the frozen rest is skipped
+        gc.collect()
         gc.unfreeze()
 
 
 def fit(trainer: Any, callback: Any, resume: Path | None, out_dir: Path | None) -> float:
-    """trainer.train() from `resume` (a checkpoint) or the start; the wall seconds from the
-    Trainer's making to the end. Stopped by a signal (its checkpoint saved): Interrupted, saying
-    how to resume with --out-dir out_dir (None: it cannot)."""
+    """trainer.train() from `resume`: its wall seconds; stopped by a signal: Interrupted."""
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     wall = time.perf_counter() - trainer.made_at
     end_workers(trainer)
@@ -104,8 +90,7 @@ def fit(trainer: Any, callback: Any, resume: Path | None, out_dir: Path | None) 
 
 
 def end_workers(trainer: Any) -> None:
-    """Its DataLoaders' persistent workers shut down now: left to the garbage collector, each
-    can wait out torch's 5 s join timeout in the wall of whatever runs next."""
+    """Shut its loaders' workers down now, not in whatever runs next (torch's 5 s join timeout)."""
     for loader in trainer.accelerator._dataloaders:
         if getattr(loader, "_iterator", None) is not None:
             loader._iterator._shutdown_workers()
@@ -113,8 +98,7 @@ def end_workers(trainer: Any) -> None:
 
 @functools.cache
 def trainer_class() -> type:
-    """transformers.Trainer whose checkpoints are written whole (save_whole): it saves into a
-    staging folder whose files are lifted into the temporary folder swapped in."""
+    """transformers.Trainer whose checkpoints are written whole (save_whole)."""
     import transformers
 
     class Trainer(transformers.Trainer):
@@ -150,9 +134,7 @@ def trainer_class() -> type:
 
 @functools.cache
 def signals_callback() -> type:
-    """A TrainerCallback that turns SIGINT / SIGTERM during training into a checkpoint at the end
-    of the step and a stop; a second signal stops at once (KeyboardInterrupt, nothing saved).
-    One process only."""
+    """SIGINT / SIGTERM into a checkpoint at the step's end and a stop; a second stops at once."""
     from transformers import TrainerCallback
 
     class Signals(TrainerCallback):
@@ -168,8 +150,7 @@ def signals_callback() -> type:
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             from diag.timing.distributed import launched
 
-            # under a launcher a signal stops a rank at once: ranks that stopped at the ends of
-            # different steps would wait for each other in the next one's collectives
+            # launched, a rank stops at once: ranks stopped at different steps would deadlock
             if threading.current_thread() is threading.main_thread() and not launched():
                 self._old = {s: signal.signal(s, self._caught)
                              for s in (signal.SIGINT, signal.SIGTERM)}
