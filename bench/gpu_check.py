@@ -99,7 +99,7 @@ def main() -> int:
         plan = dataclasses.replace(Plan.optimized(device="cuda"), micro_batch=args.micro_batch)
         prepare(cfg, plan, src)
         got = run_plan(cfg, plan, src)
-    summary, stages = got["summary"], got["stages"]
+    summary, stages = got.summary, got.stages
     steps = stages[stages["step"].notna()]
     per_step = float(steps.groupby("step")["seconds"].sum().median())
     tokens_per_step = summary["real_tokens"] / summary["steps"]
@@ -139,7 +139,7 @@ def main() -> int:
           f"one run a side: diag optimized {mine:,.0f}, TRL SFTTrainer packing=True "
           f"{tokens / seconds:,.0f}: {tokens} tokens in {seconds:.3g} s) (goal >= 1.0)")
     print(shares(stages).to_string(index=False))
-    train_check(args, plan, summary, stages, (qshape, executed, counter, peak))
+    train_check(args, plan, got, (qshape, executed, counter, peak))
     print(f"gpu_check_seconds: {time.perf_counter() - start:.0f} (goal < 300)")
     return 0
 
@@ -153,22 +153,22 @@ def print_mfu(name: str, seconds: float, slots: float, counted: tuple) -> None:
         print(f"{name}: {mfu} of {row['flops']} ({row['peak']})")
 
 
-def train_check(args: argparse.Namespace, plan, summary: dict, stages, counted: tuple) -> None:
+def train_check(args: argparse.Namespace, plan, run, counted: tuple) -> None:
     """A short `diag train` of the same plan on the same data (--train-steps steps of the run's
     records per step, 1% held out), its ETA priced by the run above (as --results would):
     the same figures as bench/train.py, and its MFU."""
-    import pandas as pd
-
     from diag.config import TrainConfig, diag_home
+    from diag.forecast.costs import table
+    from diag.forecast.eta import runs_costs
     from diag.qlora import run_train
-    from diag.qlora.eta import from_runs
+
     micro = plan.decision("micro_batch").capped(args.micro_batch, "gpu_check's --micro-batch")
     decided = [micro if d.setting == "micro_batch" else d for d in plan.decisions]
     cfg = TrainConfig(records=args.records, batch_size=args.records // args.steps,
                       seq_len=args.seq_len, max_steps=args.train_steps, device="cuda",
                       out_dir=str(diag_home() / "gpu_check" / f"train-{time.time():.0f}"))
     with sources(args) as src:
-        got = run_train(cfg, decided, src=src, costs=from_runs(pd.DataFrame([summary]), stages))
+        got = run_train(cfg, decided, src=src, costs=runs_costs(table(run.costs), plan.name))
     row, ran = got.frame.iloc[0], got.stages
     train_s = float(ran.loc[ran["step"].isna() & (ran["stage"] == "train"), "seconds"].sum())
     compute = float(ran.loc[ran["stage"] == "compute", "seconds"].sum())

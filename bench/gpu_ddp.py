@@ -12,6 +12,7 @@ runs the same path on CPU with gloo (a dry run of the script, not a GPU figure).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -28,7 +29,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from diag.timing import stragglers
     from diag.mfu import loss_of
-    from diag.accum.model import _autocast, build_model
+    from diag.accum.model import build_model
     from diag.config import AccumConfig
     from diag.data import BatchLoader, ensure_tokens
     from diag.timing.distributed import gathered_frame, init_group, root_first
@@ -41,7 +42,8 @@ def worker(args: argparse.Namespace) -> None:
     with root_first():  # rank 0 tokenizes the synthetic set once; the others read its file
         tokens = ensure_tokens()
     model = build_model(cfg, dev)
-    amp, _ = _autocast(cfg, dev)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else \
+        contextlib.nullcontext()  # as diag accum's dtype "auto"
     ddp = torch.nn.parallel.DistributedDataParallel(model) if seat.distributed else model
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=3e-4,
                                   **({"fused": True} if dev.type == "cuda" else {}))

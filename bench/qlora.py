@@ -34,6 +34,7 @@ import itertools
 import os
 import sys
 import time
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +219,7 @@ def decision_stability(repeats: int = 3) -> str:
 
     step = Slowed(cfg, job.model_dir, job.device)
     # the job's own micro-batch decision, on the slowed step
-    (built,) = accum_on_job(cfg, job, [1, 2], steps=lambda job: step).decisions
+    (built,) = accum_on_job(cfg, job, [1, 2], on=SimpleNamespace(step=lambda: step)).decisions
     gap_s = built.repeats_s or 0.0
     held.append(built.value == 2 and bool(built.resolved))
     print(f"  constructed 2x at micro-batch 1: micro-batch {built.value}: {built.why}")
