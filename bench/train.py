@@ -7,6 +7,8 @@ epoch of --batch-size records per step; 1% held out) under each plan: the same r
 learning rate schedule and steps. Prints:
 - `train_eta_error` (goal <= 0.15): |measured - predicted| / predicted wall of the optimized run
   (>= 200 optimizer steps), predicted before its first stage from the folder's costs;
+- `train_cli_eta_error` (goal <= 0.15): the same against the first ETA `python -m diag train`
+  prints for the whole command, its process timed start to end by an outside clock;
 - `train_eval_loss_parity` (<= 0.1): |optimized - naive| final eval loss over the naive plan's
   eval-loss drop, each plan's drop printed (goal >= 5% each);
 - `train_resume_max_loss_diff` (<= 1e-5): a `python -m diag train` of the optimized run SIGKILLed
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,7 +40,8 @@ import transformers  # noqa: F401  # imported before the clock, as a job's start
 from diag import decision, report
 from diag.config import QLoraConfig, TrainConfig
 from diag.frames import frames_of
-from diag.qlora import run_qlora, run_train
+from diag.qlora import run_train
+from diag.qlora.experiment import compare
 from diag.qlora.checkpoints import last_checkpoint
 from diag.qlora.job import open_sources
 from diag.qlora.measure import job_inputs, measure_on_job
@@ -49,7 +53,7 @@ def comparison_folder(job: QLoraConfig, src, out: Path) -> Path:
     run folder (what `diag run` writes)."""
     inputs = job_inputs(job, src)
     decided = measure_on_job(job, inputs)
-    result = run_qlora(job, decided, src=src)
+    result = compare(job, decided, src)
     print(result.headline)
     projection = project_job(TrainConfig.of_job(job), job, result, inputs)
     frames = frames_of("qlora", result) | frames_of("qlora_projection", projection)
@@ -117,6 +121,25 @@ def _kill(proc: subprocess.Popen, out: Path, how: str) -> str:
     return f"checkpoint-{step()} the last whole one, {writing() or 'no save'} under way"
 
 
+def seconds_of(said: str) -> float:
+    """A duration as diag.forecast.eta.duration writes it ("45 s", "3.5 min", "2 h 40 min")."""
+    h, m, s = (re.search(rf"([\d.]+) {u}\b", said) for u in ("h", "min", "s"))
+    return sum(float(x.group(1)) * k for x, k in ((h, 3600), (m, 60), (s, 1)) if x)
+
+
+def cli_eta(cfg: TrainConfig) -> tuple[float, float]:
+    """(the first ETA `python -m diag train` prints for the whole command, its wall seconds by an
+    outside clock from the start of the process to its end)."""
+    start = time.perf_counter()
+    done = subprocess.run(argv(cfg), capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise RuntimeError(done.stderr[-2000:])
+    said = re.search(r"ETA (.+?) \(wall\) for the whole command", done.stderr + done.stdout)
+    assert said, (done.stderr + done.stdout)[-2000:]
+    return seconds_of(said.group(1)), wall
+
+
 def measure(args: argparse.Namespace, work: Path, begin: float) -> int:
     # the comparison as `diag run` makes it (3 interleaved rounds: the median round's costs)
     job = QLoraConfig(records=8 * args.batch_size, steps=8, seq_len=args.seq_len, lr=args.lr,
@@ -134,6 +157,10 @@ def measure(args: argparse.Namespace, work: Path, begin: float) -> int:
     print(f"train_eta_error: {o['eta_error']:.3g} (predicted {o['predicted_s']:.3g} s before "
           f"the run, measured {o['seconds']:.3g} s over {int(o['steps'])} optimizer steps) "
           "(goal <= 0.15)")
+    eta, wall = cli_eta(cfg.replace(plan="optimized", out_dir=str(work / "cli")))
+    print(f"train_cli_eta_error: {abs(wall - eta) / eta:.3g} (the first ETA of `python -m diag "
+          f"train` {eta:.4g} s, its process {wall:.4g} s start to end by an outside clock, "
+          f"load {os.getloadavg()[0]:.1f}) (goal <= 0.15)")
     drops = {p: (r["first_eval_loss"] - r["final_eval_loss"]) / r["first_eval_loss"]
              for p, r in rows.items()}
     parity = abs(o["final_eval_loss"] - n["final_eval_loss"]) / (
