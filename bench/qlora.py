@@ -97,7 +97,7 @@ def job_runs(cfg: QLoraConfig, optimized: Plan) -> Any:
         "final_loss"]].to_string())
     print(result.savings[["stage", "finding", "predicted_s", "measured_s", "error_share",
                           "flagged"]].to_string())
-    print(result.headline)
+    print(result.comparison["text"].iloc[0])
     return result
 
 

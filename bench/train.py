@@ -54,7 +54,7 @@ def comparison_folder(job: QLoraConfig, src, out: Path) -> Path:
     inputs = job_inputs(job, src)
     decided = measure_on_job(job, inputs)
     result = compare(job, decided, src)
-    print(result.headline)
+    print(result.comparison["text"].iloc[0])
     projection = project_job(TrainConfig.of_job(job), job, result, inputs)
     frames = frames_of("qlora", result) | frames_of("qlora_projection", projection)
     frames.pop("advice", None)
