@@ -191,6 +191,13 @@ def _missing(value: Any) -> bool:
     return isinstance(value, float) and value != value
 
 
+def chosen(frames: Mapping[str, pd.DataFrame], setting: str) -> Decision | None:
+    """The first decision of `setting` in frames["decisions"] (a run folder's, a step's)."""
+    table = frames.get("decisions")
+    return next((d for d in read(table) if d.setting == setting), None) \
+        if table is not None else None
+
+
 def by_setting(decisions: Iterable[Decision]) -> dict[str, Decision]:
     """Decisions keyed by setting; two experiments deciding one setting is a bug, said so."""
     out: dict[str, Decision] = {}

@@ -19,6 +19,7 @@ import pandas as pd
 
 from diag import amdahl, model_load, plots, storage
 from diag.config import DiagnoseConfig, SourceConfig, quick_mode
+from diag.decision import chosen
 from diag.runner import Stopped, quiet
 from diag.secrets import redact, redact_frame
 
@@ -43,10 +44,12 @@ VIEWS: dict[str, View] = {
                           plots.plot_storage(f["storage"])],
     "model_load": lambda f: [model_load.medians(f["model_load"]),
                              plots.plot_model_load(f["model_load"])],
-    "loader": lambda f: [f["loader_recommendation"], plots.plot_loader(f["loader"])],
+    "loader": lambda f: [f["loader_recommendation"],
+                         plots.plot_loader(f["loader"], decision=chosen(f, "num_workers"))],
     "loader_projected": lambda f: [f["loader_projected_recommendation"],
                                    plots.plot_loader(f["loader_projected"])],
-    "accum": lambda f: [f["accum_summary"], plots.plot_accum(f["accum"])],
+    "accum": lambda f: [f["accum_summary"],
+                        plots.plot_accum(f["accum"], chosen(f, "micro_batch"))],
     "checkpointing": lambda f: [f["checkpointing"]],
     "qlora": _runs,
     "qlora_projection": lambda f: [f["qlora_projection"]],

@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 
 from diag import amdahl, plots
-from diag.decision import read
+from diag.decision import chosen
 from diag.files import atomic_file, atomic_folder
 from diag.report.page import page
 from diag.report.units import seconds
@@ -243,13 +243,10 @@ def figures(frames: dict[str, pd.DataFrame],
     ranked = _ranked(frames)
     if ranked is not None:
         out["ranks"] = plots.plot_ranks(stragglers.per_rank(ranked))
-    chose: dict[str, Any] = {}
-    for d in read(frames["decisions"]) if "decisions" in frames else ():
-        chose.setdefault(d.setting, d)  # the measured sweep's, before a projection's
     for name, function in EXPERIMENT_FIGURES.items():
         if name in frames and hasattr(plots, function):
             # a decision's figure: on its clock, its chosen point, default and ties marked
-            mark = {"decision": chose[MARKED[name]]} if MARKED.get(name) in chose else {}
+            mark = {"decision": d} if (d := chosen(frames, MARKED.get(name, ""))) else {}
             out[name] = getattr(plots, function)(frames[name], **mark)
     return out
 
