@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 _FIX = ("run diag as root (sudo), give it CAP_SYS_PTRACE (docker run --cap-add SYS_PTRACE), "
@@ -35,10 +36,16 @@ def _realtime() -> None:
 
 def check(spy: str, pid: int) -> None:
     """One `py-spy dump` of pid: a refusal is one line before any sampling."""
-    done = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"],
-                          capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        refuse(pid, done.stdout + done.stderr)
+    for _ in range(5):  # a nonblocking dump can race the interpreter changing its threads
+        done = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"],
+                              capture_output=True, text=True, timeout=60)
+        said = done.stdout + done.stderr
+        if done.returncode == 0:
+            return
+        if "Failed to get stack traces" not in said:
+            break
+        time.sleep(0.2)
+    refuse(pid, said)
 
 
 def refuse(pid: int, said: str) -> None:
