@@ -26,7 +26,7 @@ from diag.config import LoaderConfig
 from diag.data import build_token_cache
 from diag.embedded import ensure_assets
 from diag.loader import recommend, sweep_workers
-from diag.loader.steps import EmulatedStep, measure_model_step
+from diag.loader.toy import EmulatedStep, measure_model_step
 from diag.loader.sweep import Setting, make_dataset, measure_setting
 
 

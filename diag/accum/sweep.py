@@ -146,32 +146,31 @@ def train_points(steps: Sequence[AccumStep], points: Sequence[tuple[int, int]], 
 def _train_point(steps: Sequence[AccumStep], micro: int, accum: int, repeats: int,
                  warmup_steps: int, memory: PeakMemory) -> list[dict[str, Any]]:
     """One point's timed rows; memory watched over the last warm-up step (none: the first)."""
+    watched = max(warmup_steps - 1, 0)
+
+    def measure(i: int, n: int) -> tuple[float, ...]:
+        with memory.watch(steps[i]) if n == watched else contextlib.nullcontext():
+            timed = _timed(steps[i], batches[i], accum, memory if n == watched else None)
+        return (*timed, memory.last_gb)
+
     with contextlib.ExitStack() as stack:
         for step in steps:
             step.reset()  # every point starts from the same weights
         batches = [stack.enter_context(step.batches(micro)) for step in steps]
-        warm, peak, rows = [0.0] * len(steps), [math.nan] * len(steps), []
-        for n in range(warmup_steps + repeats):  # warm-up (and compile) billed to warm-up
-            for i, step in enumerate(steps):
-                watch = memory if n == max(warmup_steps - 1, 0) else None
-                with memory.watch(step) if watch else contextlib.nullcontext():
-                    seconds, cpu_s, data_s = _timed(step, batches[i], accum, watch)
-                peak[i] = memory.last_gb if watch else peak[i]
-                if n < warmup_steps:
-                    warm[i] += seconds
-                else:
-                    rows.append({"step": i, "micro_batch": micro, "grad_accum": accum,
-                                 "status": "ok", "repeat": n - warmup_steps,
-                                 "seconds_per_step": seconds, "cpu_s": cpu_s, "data_s": data_s})
-    return [{**r, "peak_mem_gb": peak[r["step"]], "warmup_s": warm[r["step"]]} for r in rows]
+        rounds = warmup_steps + repeats  # warm-up (and compile) billed to warm-up
+        got, _ = interleave(range(len(steps)), measure, min_rounds=rounds, max_rounds=rounds)
+    return [row for i, side in got.items() for row in _rows(
+        (i, micro, accum), 0, side[warmup_steps:], side[watched][3],
+        sum(t[0] for t in side[:warmup_steps]))]
 
 
-def samples(timed: pd.DataFrame, column: str = "seconds_per_step"
-            ) -> dict[tuple[int, int, int], list[float]]:
-    """`column` (a clock's) of each (step, micro_batch, grad_accum) that ran, in timed order."""
-    ok = timed[timed["status"] == "ok"]
-    return {(int(i), int(m), int(a)): list(g[column])
-            for (i, m, a), g in ok.groupby(["step", "micro_batch", "grad_accum"], sort=False)}
+def _rows(key: tuple[int, int, int], first: int, timings: Sequence[tuple[float, ...]],
+          peak_gb: float, warmup_s: float) -> list[dict[str, Any]]:
+    """TIMED rows of one step at one point from _timed's triples, repeats from `first`."""
+    return [{"step": key[0], "micro_batch": key[1], "grad_accum": key[2], "status": "ok",
+             "repeat": first + n, "seconds_per_step": t[0], "cpu_s": t[1], "data_s": t[2],
+             "peak_mem_gb": peak_gb, "warmup_s": warmup_s, "detail": ""}
+            for n, t in enumerate(timings)]
 
 
 def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
@@ -181,7 +180,9 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
     `pending` names any, within budget_s: (timed with the rounds' rows, seconds past at_least)."""
     at_least = max(MIN_SAMPLES, at_least or 0)  # fewer can never resolve a gap
     column = clock(steps[0].device.type).col("seconds_per_step")
-    screen = samples(timed, column)
+    ok = timed[timed["status"] == "ok"]
+    screen = {(int(i), int(m), int(a)): list(g[column])  # each step and point's, in timed order
+              for (i, m, a), g in ok.groupby(["step", "micro_batch", "grad_accum"], sort=False)}
     keys = [k for k in dict.fromkeys(pending(screen)) if k in screen]
     fewest = min((len(v) for v in screen.values()), default=0)
     if not keys and fewest >= at_least:
@@ -202,13 +203,9 @@ def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
         timings, rounds = interleave(keys, measure, unsettled, budget_s=budget_s,
                                      min_rounds=max(1, at_least - fewest),
                                      owed=max(0, at_least - fewest))
-    first = timed[timed["status"] == "ok"].groupby(["step", "micro_batch"]).first()
-    rows = [{"step": i, "micro_batch": m, "grad_accum": a, "status": "ok",
-             "repeat": len(screen[(i, m, a)]) + n, "seconds_per_step": seconds, "cpu_s": cpu_s,
-             "data_s": data_s, "peak_mem_gb": first.at[(i, m), "peak_mem_gb"],
-             "warmup_s": first.at[(i, m), "warmup_s"], "detail": ""}
-            for (i, m, a), side in timings.items()
-            for n, (seconds, cpu_s, data_s) in enumerate(side)]
+    first = ok.groupby(["step", "micro_batch"]).first()
+    rows = [row for k, side in timings.items() for row in _rows(
+        k, len(screen[k]), side, *first.loc[k[:2], ["peak_mem_gb", "warmup_s"]])]
     return pd.concat([timed, pd.DataFrame(rows, columns=TIMED)], ignore_index=True), rounds.spent_s
 
 

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from diag.config import LoaderConfig
 from diag.data import NaiveTextDataset, PackedDataset, build_token_cache, read_source
-from diag.loader.steps import consumer
+from diag.loader.toy import consumer
 from diag.machine.device import resolve, sync, usable_cores  # usable: affinity-aware
 from diag.noise import interleave
 
