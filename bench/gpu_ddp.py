@@ -29,7 +29,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from diag.timing import stragglers
     from diag.mfu import loss_of
-    from diag.accum.model import build_model
+    from diag.accum.experiment import build_model
     from diag.config import AccumConfig
     from diag.data import BatchLoader, ensure_tokens
     from diag.timing.distributed import gathered_frame, init_group, root_first

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from diag.accum import sweep
-from diag.accum.model import measure
+from diag.accum.experiment import measure
 from diag.config import AccumConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +79,7 @@ def test_mfu_above_100_percent_is_flagged_not_printed():
 OOM_SCRIPT = textwrap.dedent("""
     import resource, sys
     from diag.accum import sweep
-    from diag.accum.model import measure
+    from diag.accum.experiment import measure
     from diag.config import AccumConfig
     from diag.data import ensure_tokens
 
@@ -130,7 +130,7 @@ def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
 def test_unknown_gpu_in_the_sweep_leaves_mfu_and_floor_empty_with_the_reason(monkeypatch):
     from diag.machine import device
     from diag.accum.experiment import mfu_check
-    from diag.accum.model import measure
+    from diag.accum.experiment import measure
 
     # what peak_flops answers on a GPU diag's table does not know (see test_device)
     unknown = device.Peak(None, "unknown GPU 'Acme Tensor 9000': diag has no dense bf16 peak "
