@@ -65,10 +65,8 @@ class PeakMemory:
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.last_gb = device, math.nan
-        # bytes saved for backward: by the current micro-step, the most by one of the watched step
-        self.saved = self.most_saved = 0
-        self._seen: set[int] = set()  # storages the current micro-step saved
-        self._params: set[int] = set()
+        self.most_saved = 0  # bytes saved for backward by one micro-step of the watched step, most
+        self._params: set[int] = set()  # the model state's storages
 
     @contextlib.contextmanager
     def watch(self, step: AccumStep) -> Iterator[None]:
@@ -101,18 +99,16 @@ class PeakMemory:
         if self.device.type == "cuda":
             yield
             return
-        self.saved, self._seen = 0, set()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-            yield
-        self.most_saved = max(self.most_saved, self.saved)
+        saved: dict[int, int] = {}  # bytes by storage
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self._seen and ptr not in self._params:  # a weight is a parameter's bytes
-            self._seen.add(ptr)
-            self.saved += storage.nbytes()
-        return t
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.most_saved = max(self.most_saved, sum(  # a weight is a parameter's bytes
+            n for ptr, n in saved.items() if ptr not in self._params))
 
 
 def _unique_bytes(tensors: Any) -> int:

@@ -53,12 +53,7 @@ class ModelShape:
                    if isinstance(m, torch.nn.Embedding) and m.weight is not head}
         # parameters() yields a tied tensor once
         params = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
-        c = model.config
-        layers = getattr(c, "num_hidden_layers", None) or c.n_layer
-        heads = getattr(c, "num_attention_heads", None) or c.n_head
-        hidden = getattr(c, "hidden_size", None) or c.n_embd
-        head_dim = getattr(c, "head_dim", None) or hidden // heads
-        return cls(params, layers, heads * head_dim, seq_len, name or type(model).__name__)
+        return cls(params, *depth_width(model.config), seq_len, name or type(model).__name__)
 
     @classmethod
     def named(cls, name: str, seq_len: int = 1024) -> ModelShape:
@@ -73,6 +68,14 @@ class ModelShape:
         with torch.device("meta"):
             model = GPT2LMHeadModel(shapes[name])
         return cls.from_model(model, seq_len, name)
+
+
+def depth_width(c: Any) -> tuple[int, int]:
+    """(L, d) of a transformers config, Llama's names or GPT-2's: blocks, heads x head_dim."""
+    heads = getattr(c, "num_attention_heads", None) or c.n_head
+    hidden = getattr(c, "hidden_size", None) or c.n_embd
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    return getattr(c, "num_hidden_layers", None) or c.n_layer, heads * head_dim
 
 
 def loss_of(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ import pandas as pd
 
 from diag.machine.device import Peak, peak_flops, resolve
 from diag.machine.gpus import _dtype
-from diag.mfu.formula import ModelShape, count_flops, disagreement, judge_mfu, over_ranks
+from diag.mfu.formula import (ModelShape, count_flops, depth_width, disagreement, judge_mfu,
+                              over_ranks)
 from diag.timing import StageTimer
 from diag.timing.distributed import place
 
@@ -60,14 +61,11 @@ def qlora_shape(model: Any, seq_len: int, checkpointing: bool | None = None) -> 
              for name, m in _leaf_linears(model)]
     adapters = sum(n for lora, n in sizes if lora)
     frozen = sum(n for lora, n in sizes if not lora)
-    config = model.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     if checkpointing is None:  # transformers 5 renamed the flag; a plain module may have either
         checkpointing = bool(next((getattr(model, a) for a in (
             "is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(model, a)),
             False))
-    shape = ModelShape(frozen + adapters, config.num_hidden_layers, heads * head_dim, seq_len,
+    shape = ModelShape(frozen + adapters, *depth_width(model.config), seq_len,
                        f"{type(model).__name__} (nf4 + LoRA)")
     return QLoraShape(shape, frozen, adapters, checkpointing)
 
