@@ -20,6 +20,7 @@ from diag.accum.sweep import accum_frame, is_oom, pairs, retime, train_points
 from diag.config import AccumConfig
 from diag.data import BatchLoader, check_tokens, ensure_tokens, token_file
 from diag.decision import Decision, MeasuredOn
+from diag.embedded import ensure_assets
 from diag.machine import device as devices
 from diag.machine.device import Peak, on_cpu_threads
 from diag.mfu import (ModelShape, count_flops, disagreement, floor_impossible, floor_seconds,
@@ -272,8 +273,6 @@ def build_model(cfg: AccumConfig, device: torch.device) -> Any:
     """The embedded tiny Llama, or a GPT-2-small shape (nanoGPT's padded vocab), random init."""
     if cfg.model == "tiny":
         from transformers import LlamaForCausalLM
-
-        from diag.embedded import ensure_assets
 
         model = LlamaForCausalLM.from_pretrained(ensure_assets().model_dir,
                                                  attn_implementation="sdpa", dtype=torch.float32)

@@ -9,6 +9,7 @@ import pandas as pd
 
 from diag.decision import (DATA_WAIT_GOAL, DATA_WAIT_NEAR_BEST, DATA_WAIT_NEAR_BEST_S, FIXES,
                            Decision, MeasuredOn)
+from diag.machine import device
 from diag.noise import compare, spread
 
 COLUMNS = ["pipeline", "recommended_workers", "data_wait_share", "baseline_workers",
@@ -247,9 +248,7 @@ def _knobs(workers: int) -> dict[str, Any]:
 
 def default_workers() -> int:
     """DEFAULT_WORKERS where two cores stay free for the step's threads, else fewer."""
-    from diag.machine.device import usable_cores
-
-    return max(0, min(DEFAULT_WORKERS, usable_cores() - 2))
+    return max(0, min(DEFAULT_WORKERS, device.usable_cores() - 2))
 
 
 def _defaults(why: str) -> tuple[Decision, ...]:

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from diag.config import LoaderConfig
 from diag.data import NaiveTextDataset, PackedDataset, build_token_cache, read_source
+from diag.embedded import ensure_assets
 from diag.loader.toy import consumer
 from diag.machine.device import resolve, sync, usable_cores  # usable: affinity-aware
 from diag.noise import interleave
@@ -72,18 +73,6 @@ def batch_tokens(batch: Any) -> int | None:
     mask, ids = batch.get("attention_mask"), batch.get("input_ids")
     return int(mask.sum()) if isinstance(mask, torch.Tensor) else ids.numel() if isinstance(
         ids, torch.Tensor) else None
-
-
-def check_batch(batch: Any) -> None:
-    """One clear error before the sweep, not one per setting: diag moves and counts tensors."""
-    parts = list(batch.values()) if isinstance(batch, Mapping) else list(batch) \
-        if isinstance(batch, (tuple, list)) else [batch]
-    wrong = [type(p).__name__ for p in parts if not isinstance(p, torch.Tensor)]
-    if wrong or not parts:
-        raise ValueError(f"dataset/collate_fn: a batch is a {type(batch).__name__} holding "
-                         f"{', '.join(wrong) or 'nothing'}; allowed: a tensor, a tuple/list of "
-                         "tensors ((x, y)) or a dict (any Mapping: HF collators' BatchEncoding) of "
-                         "tensors; pass a collate_fn that makes one")
 
 
 def _to(batch: Any, device: torch.device) -> Any:
@@ -198,8 +187,6 @@ def sources(cfg: LoaderConfig) -> tuple[str, str]:
     """(records, tokenizer folder): the user's, or the embedded dataset and tiny model."""
     if cfg.data and cfg.tokenizer:
         return cfg.data, cfg.tokenizer
-    from diag.embedded import ensure_assets
-
     assets = ensure_assets()
     return cfg.data or str(assets.dataset), cfg.tokenizer or str(assets.model_dir)
 
@@ -215,8 +202,17 @@ def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
     if dataset is not None:
         if step is None:
             raise ValueError("sweep_workers(dataset=...): pass step=your_step(batch) too")
-        check_batch(next(iter(DataLoader(dataset, batch_size=cfg.batch_size,
-                                         collate_fn=collate_fn))))
+        # one clear error before the sweep, not one per setting: diag moves and counts tensors
+        batch = next(iter(DataLoader(dataset, batch_size=cfg.batch_size, collate_fn=collate_fn)))
+        parts = list(batch.values()) if isinstance(batch, Mapping) else list(batch) \
+            if isinstance(batch, (tuple, list)) else [batch]
+        wrong = [type(p).__name__ for p in parts if not isinstance(p, torch.Tensor)]
+        if wrong or not parts:
+            raise ValueError(f"dataset/collate_fn: a batch is a {type(batch).__name__} "
+                             f"holding {', '.join(wrong) or 'nothing'}; allowed: a tensor, a "
+                             "tuple/list of tensors ((x, y)) or a dict (any Mapping: HF "
+                             "collators' BatchEncoding) of tensors; pass a collate_fn that makes "
+                             "one")
         datasets = {"yours": (dataset, {"records": len(dataset), "bad_rows": 0})}
     else:
         data, tokenizer_dir = sources(cfg)

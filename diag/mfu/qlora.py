@@ -170,24 +170,20 @@ def step_peak(executed: Executed, device: Any, probe_size: int = 1024,
     dev = resolve(device)
     fast_fp32 = dev.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
     known = {} if known is None else known
-    total = sum(f for _, f in executed.by_dtype)
-    seconds, said, spreads, measured = 0.0, [], [], False
+    total, parts = sum(f for _, f in executed.by_dtype), []
     for precision, flops in executed.by_dtype:
         key = "tf32" if precision == "fp32" and fast_fp32 else precision
-        if key not in known:
-            known[key] = peak_flops(dev, key, probe_size=probe_size)
-        peak = known[key]
+        peak = known[key] = known.get(key) or peak_flops(dev, key, probe_size=probe_size)
         if not peak.flops:
             return Peak(None, f"no {key} peak ({peak.label}), which {flops / total:.0%} "
                         "of the step's FLOPs ran in", peak.source, peak.measured, key)
-        seconds += flops / peak.flops
-        spreads.append(peak.spread)
-        measured |= peak.measured
-        said.append(f"{key} {flops / total:.0%} of the FLOPs at "
-                    f"{peak.flops / 1e12:.4g} TFLOP/s ({peak.label})")
-    label = "the step's precisions weighted by their FLOPs: " + "; ".join(said)
-    return Peak(total / seconds, label, "step_peak", measured, "+".join(
-        p for p, _ in executed.by_dtype), max(spreads, default=0.0))
+        parts.append((key, flops, peak))
+    said = "; ".join(f"{key} {flops / total:.0%} of the FLOPs at {peak.flops / 1e12:.4g} TFLOP/s "
+                     f"({peak.label})" for key, flops, peak in parts)
+    return Peak(total / sum(f / p.flops for _, f, p in parts),
+                "the step's precisions weighted by their FLOPs: " + said, "step_peak",
+                any(p.measured for *_, p in parts), "+".join(p for p, _ in executed.by_dtype),
+                max(p.spread for *_, p in parts))
 
 
 @dataclass(frozen=True)
