@@ -23,6 +23,8 @@ PREDICTION_FLOOR_S = 0.05  # ... and a miss under this many seconds is never fla
 MFU_DISAGREEMENT = 0.10  # formula vs FlopCounterMode FLOPs further apart than this are flagged
 CHECKPOINTING_HEADROOM = 0.5  # checkpointing stays on when the peak without it exceeds this share
 
+ADVICE = ["stage", "finding", "seconds_saved", "evidence"]  # an experiment's advice: its fixes
+
 # What to do about a stage (amdahl's findings) and what changing a Plan setting does, each once
 _LAND = "land the dataset once on the training machine's disk and reuse it (diag.storage.land)"
 _CACHE = "load the base from a persistent HF cache instead of downloading it"

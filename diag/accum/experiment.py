@@ -19,7 +19,7 @@ import torch
 from diag.accum.sweep import accum_frame, is_oom, pairs, retime, train_points
 from diag.config import AccumConfig
 from diag.data import BatchLoader, check_tokens, ensure_tokens, token_file
-from diag.decision import Decision, MeasuredOn
+from diag.decision import ADVICE, Decision, MeasuredOn
 from diag.embedded import ensure_assets
 from diag.machine import device as devices
 from diag.machine.device import Peak, on_cpu_threads
@@ -179,12 +179,11 @@ def mfu_check(setup: Setup) -> pd.DataFrame:
 def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = None
            ) -> pd.DataFrame:
     """The recommended point against the most-accumulating one, per steps_per_run or compute_s."""
-    cols = ["stage", "finding", "seconds_saved", "evidence"]
     ok = summary[summary["status"] == "ok"]
     picked = ok[ok["recommended"].astype(bool)]
     worst = ok.loc[ok["grad_accum"].idxmax()] if len(ok) else None
     if len(ok) < 2 or picked.empty or picked.index[0] == worst.name:
-        return pd.DataFrame(columns=cols)
+        return pd.DataFrame(columns=ADVICE)
     best = picked.iloc[0]
     largest = ok.loc[ok["micro_batch"].idxmax()]
     fraction = 1.0 - best["seconds_per_step"] / worst["seconds_per_step"]
@@ -206,8 +205,7 @@ def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = 
                 f"{note}; floor {best['floor_s']:.3g} s/step at 100% MFU")
     finding = (f"train with micro-batch {int(best['micro_batch'])} x grad_accum "
                f"{int(best['grad_accum'])}: the same tokens per step, fewer accumulation steps")
-    return pd.DataFrame([{"stage": "compute", "finding": finding,
-                          "seconds_saved": max(0.0, saved), "evidence": evidence}], columns=cols)
+    return pd.DataFrame([("compute", finding, max(0.0, saved), evidence)], columns=ADVICE)
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,14 @@ from typing import Any
 
 import pandas as pd
 
-from diag.decision import (DATA_WAIT_GOAL, DATA_WAIT_NEAR_BEST, DATA_WAIT_NEAR_BEST_S, FIXES,
-                           Decision, MeasuredOn)
+from diag.decision import (ADVICE, DATA_WAIT_GOAL, DATA_WAIT_NEAR_BEST, DATA_WAIT_NEAR_BEST_S,
+                           FIXES, Decision, MeasuredOn)
 from diag.machine import device
 from diag.noise import compare, spread
 
 COLUMNS = ["pipeline", "recommended_workers", "data_wait_share", "baseline_workers",
            "baseline_share", "per_sample_ms", "per_batch_ms", "step_ms", "workers_needed",
            "cores", "samples_per_s", "tokens_per_s", "failed_workers", "verdict"]
-ADVICE_COLUMNS = ["stage", "finding", "seconds_saved", "evidence"]
 DEFAULT_WORKERS = 2  # no sweep: the token cache's reads overlap a step (docs/calibration.md)
 
 
@@ -106,15 +105,14 @@ def advice(sweep: pd.DataFrame, recommendation: pd.DataFrame, run_steps: int = 1
                     f"({r.step_ms:.3g} ms step; {run_steps} steps)"
                     + ("" if kept_up else f"; {r.verdict}"))
         if saved > 0:
-            rows.append({"stage": "data_wait", "finding": finding,
-                         "seconds_saved": float(saved) * run_steps, "evidence": evidence})
+            rows.append(("data_wait", finding, float(saved) * run_steps, evidence))
     if {"naive", "packed"} <= set(waits):
         rows += _packing(sweep, waits, run_steps, target_share)
-    return pd.DataFrame(rows, columns=ADVICE_COLUMNS)
+    return pd.DataFrame(rows, columns=ADVICE)
 
 
 def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], run_steps: int,
-             target_share: float) -> list[dict[str, Any]]:
+             target_share: float) -> list[tuple[str, str, float, str]]:
     """Tokenize once and pack: what the naive loop's wait and padding cost, where measured."""
     naive, packed = waits["naive"], waits["packed"]
     w = next((w for w in naive.index if w in packed.index), None)
@@ -130,8 +128,7 @@ def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], run_steps: int
                 f"{ratio:.2f}x the tokens per second" + ("" if math.isnan(fill) else
                 f"; naive batches are {1 - fill:.0%} padding, compute a packed step "
                 "does not waste"))
-    return [{"stage": "data_wait", "finding": FIXES["pipeline"],
-             "seconds_saved": max(float(saved), 0.0), "evidence": evidence}] if saved > 0 else []
+    return [("data_wait", FIXES["pipeline"], max(float(saved), 0.0), evidence)] if saved > 0 else []
 
 
 def choose_workers(by: pd.DataFrame, goal: float = DATA_WAIT_GOAL) -> tuple[int, str]:
