@@ -2,6 +2,7 @@
 the goal, else the per-sample cost and the workers it needs; `advice` prices them as findings."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -15,6 +16,7 @@ from diag.noise import compare, spread
 COLUMNS = ["pipeline", "recommended_workers", "data_wait_share", "baseline_workers",
            "baseline_share", "per_sample_ms", "per_batch_ms", "step_ms", "workers_needed",
            "cores", "samples_per_s", "tokens_per_s", "failed_workers", "verdict"]
+_default = functools.partial(Decision.default, source="loader")  # a labelled loader default
 DEFAULT_WORKERS = 2  # no sweep: the token cache's reads overlap a step (docs/calibration.md)
 
 
@@ -192,8 +194,8 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
                                           f"data_wait at {workers} workers", chosen, **common))
         else:
             ran = f" (every point ran {values[0]})" if len(values) else ""
-            out.append(Decision.default(setting, default, f"not varied by the sweep{ran}: the "
-                                        "documented default", source="loader"))
+            out.append(_default(setting, default, f"not varied by the sweep{ran}: the documented "
+                                "default"))
     return tuple(out)
 
 
@@ -250,9 +252,6 @@ def default_workers() -> int:
 
 def _defaults(why: str) -> tuple[Decision, ...]:
     n = default_workers()
-    return (Decision.default("pipeline", "packed", f"{why}: the packed token cache",
-                             source="loader"),
-            Decision.default("num_workers", n, f"{why}: {n} workers (two cores left to the step)",
-                             source="loader"),
-            *(Decision.default(k, v, f"{why}: the documented default", source="loader")
-              for k, v in _knobs(n).items()))
+    return (_default("pipeline", "packed", f"{why}: the packed token cache"),
+            _default("num_workers", n, f"{why}: {n} workers (two cores left to the step)"),
+            *(_default(k, v, f"{why}: the documented default") for k, v in _knobs(n).items()))
