@@ -124,7 +124,9 @@ def build_parser(experiments: dict[str, Any], description: str, only: str | None
                         version=f"diag {__version__} (python {sys.version.split()[0]})")
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", parser_class=_Parser)
     for name, exp in experiments.items():
-        p = sub.add_parser(name, help=exp.help, description=exp.help + _presets(exp.config))
+        # the config's docstring, less its "`diag name`: " lead
+        about = " ".join((exp.config.__doc__ or "").split()).split("`: ", 1)[-1].rstrip(".")
+        p = sub.add_parser(name, help=about, description=about + _presets(exp.config))
         p.add_argument("--quick", action="store_true",
                        help="the test-sized variant (also DIAG_QUICK=1)")
         if exp.table:  # the others write a run folder with every table instead

@@ -12,7 +12,8 @@ ACCUM_MODELS = {"tiny": 2048, "gpt2-small": 1024}  # model -> context (positions
 
 @dataclass
 class AccumConfig(ExperimentConfig):
-    """`diag accum`: micro_batch x grad_accum at the same tokens per step; tokens/s, MFU, floor."""
+    """`diag accum`: grad accumulation at constant tokens per step: tokens/s, memory, MFU
+    (cross-checked), the floor."""
 
     tokens_per_step: int = 4096  # tokens per optimizer step, the same at every point
     seq_len: int = 128  # tokens per sequence (nanoGPT's block_size); at most the model's context

@@ -15,7 +15,8 @@ ON_ERROR = ("raise", "skip")  # a malformed row: stop, or leave it out and list 
 
 @dataclass
 class LoaderConfig(RecordFields):
-    """`diag loader`: DataLoader settings against a training step, the stall split, hot lines."""
+    """`diag loader`: DataLoader num_workers sweep against a training step, fetch vs prep stalls,
+    the hot lines of the naive preprocessing."""
 
     data: str = ""  # your records: a JSONL or Parquet file or a folder of shards; "" = embedded
     tokenizer: str = ""  # folder with tokenizer.json (and chat template); "" = the embedded one

@@ -19,7 +19,6 @@ from diag.model_load.advice import advice, decide
 from diag.model_load.processes import LoadProcesses
 from diag.model_load.source import (Source, cache_dir_for, failure, job, not_in_user_cache,
                                     offline_env, open_source, overrides, pin_to_cache)
-from diag.model_load.worker import run_worker
 from diag.runner import quietly
 from diag.secrets import redact
 from diag.timing import LOAD_PARTS
@@ -55,8 +54,9 @@ def verify_model_cache(cfg: ModelLoadConfig, repair: bool = False) -> pd.DataFra
 
 def _download(src: Source, cfg: ModelLoadConfig, cache_dir: Path, offline: bool = False) -> dict:
     """src's snapshot into cache_dir, in an interpreter with huggingface_hub only."""
-    return run_worker(job(src, cfg, cache_dir, mode="download"), {
-        **src.env, **overrides(cache_dir, offline, own_xet=not src.user_cache)}, cfg.timeout_s)
+    return LoadProcesses(src.env, "exec", cfg.timeout_s).run(
+        job(src, cfg, cache_dir, mode="download"),
+        overrides(cache_dir, offline, own_xet=not src.user_cache))
 
 
 def _verify(src: Source, cfg: ModelLoadConfig, cache_dir: Path, repair: bool,

@@ -22,7 +22,7 @@ import pytest
 
 from diag.model_load import hfcache
 from diag.config import ModelLoadConfig
-from diag.model_load.worker import run_worker
+from diag.model_load.processes import LoadProcesses
 from diag.model_load import run_model_load, verify_model_cache
 
 REPO = "diag-local/tiny-llama"
@@ -52,7 +52,7 @@ def cfg(cache: Path, **kw) -> ModelLoadConfig:
 def download(cache: Path, endpoint: str) -> dict:
     job = {"mode": "download", "model": REPO, "revision": "main", "cache_dir": str(cache),
            "local_dir": ""}
-    return run_worker(job, {**os.environ, "HF_ENDPOINT": endpoint})
+    return LoadProcesses({**os.environ, "HF_ENDPOINT": endpoint}, "exec").run(job)
 
 
 def test_unknown_model_or_revision_names_it_and_the_endpoint(at_hub, tmp_path, monkeypatch):
@@ -100,8 +100,6 @@ def test_flipped_byte_is_caught_never_loaded_and_repaired(at_hub, tmp_path):
     report = hfcache.verify_cache(REPO, tmp_path).set_index("file")
     assert report.loc["model.safetensors", "status"] == "corrupt"
     assert (report.drop("model.safetensors")["status"] == "ok").all()
-    from diag.model_load.processes import LoadProcesses
-
     def no_load(*args: object, **kwargs: object) -> None:
         raise AssertionError("a load process started before the damaged copy was refused")
 
@@ -281,8 +279,6 @@ def test_an_encoder_is_named_and_its_dropped_weights_are_a_warning(tmp_path):
 
 @pytest.mark.slow
 def test_zygote_children_get_their_own_offline_setting(at_hub, tmp_path):
-    from diag.model_load.processes import LoadProcesses
-
     job = {"mode": "download", "model": REPO, "revision": "main", "cache_dir": str(tmp_path),
            "local_dir": ""}
     with LoadProcesses({**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}) as procs:
