@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from diag.embedded.servers import die_with_parent
-from diag.model_load.hfcache import ALLOW_PATTERNS, weight_files
+from diag.model_load.source import ALLOW_PATTERNS, weight_files
 from diag.secrets import redact
 
 
