@@ -76,11 +76,13 @@ def run(name: str, cfg: config.ExperimentConfig) -> Any:
         return runner(cfg)  # diag train's preflight follows its --out-dir's check
     from diag.preflight import covered, preflight
 
-    job = _job(cfg)
+    # the QLoRA job that trains on cfg's source: its records are checked before the work
+    job = cfg if isinstance(cfg, config.QLoraConfig) else None
     if isinstance(cfg, config.DiagnoseConfig):  # a budget too small for its steps: refused first
+        from diag.diagnose import job_config, steps
         from diag.forecast.budget import of_run
-        from diag.diagnose import steps
 
+        job = job_config(cfg) if cfg.qlora else None
         of_run(cfg, steps(cfg), job)
     # every check that can run before the first experiment, once, before torch is imported
     if job is not None and job.results:  # another job's: refused before anything is written
@@ -90,17 +92,6 @@ def run(name: str, cfg: config.ExperimentConfig) -> Any:
     preflight(cfg, job)
     with covered():
         return runner(cfg)
-
-
-def _job(cfg: config.SourceConfig) -> config.QLoraConfig | None:
-    """The QLoRA job that trains on cfg's source (its records are checked before the work)."""
-    if isinstance(cfg, config.QLoraConfig):
-        return cfg
-    if isinstance(cfg, config.DiagnoseConfig) and cfg.qlora:
-        from diag.diagnose import job_config
-
-        return job_config(cfg)
-    return None
 
 
 def join(name: str, cfg: config.ExperimentConfig) -> None:

@@ -88,9 +88,7 @@ def open_source(cfg: ModelLoadConfig) -> Iterator[Source]:
         weight_files(folder)  # refuse pickle-only folders before any process starts
         yield Source(str(folder.resolve()), "", "", folder.resolve(), base)
         return
-    if cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") > 1:
-        raise ValueError(f"ModelLoadConfig.model={cfg.model!r}: no such folder, and not a hub "
-                         "id ('org/name'); allowed: '' (embedded model), a hub id, a folder")
+    # (config.check_model refused a path that is not a folder)
     yield Source(cfg.model, cfg.revision, hub_endpoint(), None, base, user_cache=not cfg.cache_dir)
 
 

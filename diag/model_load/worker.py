@@ -120,8 +120,8 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
     AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
     t4 = perf()
     token_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("tokenizer"))
-    return {"snapshot": str(folder), "device": device, "load_s": t4 - start,
-            "quantized": bool(job["quantize"]), "warning": _warning(config, model, info),
+    return {"device": device, "load_s": t4 - start, "quantized": bool(job["quantize"]),
+            "warning": _warning(config, model, info),
             "parts": {"download": {"seconds": t1 - t0, "bytes": downloaded},
                       "read": {"seconds": t2 - t1, "bytes": sum(p.stat().st_size for p in weights)},
                       "quantize": quantized,
@@ -195,10 +195,7 @@ def _error_kind(err: BaseException) -> str:
                        (errors.LocalEntryNotFoundError, offline)):
         if isinstance(err, kind):
             return name
-    if "trust_remote_code" in str(err):
-        return "remote_code"
-    return "no_safetensors" if isinstance(err, ValueError) and "safetensors" in str(err) \
-        else "other"
+    return "remote_code" if "trust_remote_code" in str(err) else "other"
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -206,9 +203,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     try:
         if job["mode"] == "download":
             t0 = time.perf_counter()
-            folder, downloaded = _download(job)
-            return {"snapshot": str(folder), "parts": {"download": {
-                "seconds": time.perf_counter() - t0, "bytes": downloaded}}}
+            downloaded = _download(job)[1]
+            return {"parts": {"download": {"seconds": time.perf_counter() - t0,
+                                           "bytes": downloaded}}}
         return {"plain": _plain, "raw_read": _raw_read}.get(job["mode"], _load)(job)
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as err:
         return {"error": _error_kind(err), "type": type(err).__name__,
