@@ -20,9 +20,9 @@ from diag.config import ModelLoadConfig, diag_home
 from diag.decision import Decision, MeasuredOn
 from diag.machine.disks import is_network
 from diag.model_load.processes import LoadProcesses
-from diag.model_load.source import (Source, blob_files, cache_dir_for, failure, job,
-                                    not_in_user_cache, offline_env, open_source, overrides,
-                                    pin_to_cache, problems, snapshot_folder, verify_cache,
+from diag.model_load.source import (Source, blob_files, cache_dir_for, failure,
+                                    not_in_user_cache, offline_env, open_source, pin_to_cache,
+                                    problems, request, snapshot_folder, verify_cache,
                                     weight_files)
 from diag.runner import quietly
 from diag.secrets import redact
@@ -59,9 +59,8 @@ def verify_model_cache(cfg: ModelLoadConfig, repair: bool = False) -> pd.DataFra
 
 def _download(src: Source, cfg: ModelLoadConfig, cache_dir: Path, offline: bool = False) -> dict:
     """src's snapshot into cache_dir, in an interpreter with huggingface_hub only."""
-    return LoadProcesses(src.env, "exec", cfg.timeout_s).run(
-        job(src, cfg, cache_dir, mode="download"),
-        overrides(cache_dir, offline, own_xet=not src.user_cache))
+    return LoadProcesses(src.env, "exec", cfg.timeout_s).run(*request(
+        src, cfg, cache_dir, "download", offline=offline, own_xet=not src.user_cache))
 
 
 def _verify(src: Source, cfg: ModelLoadConfig, cache_dir: Path, repair: bool,
@@ -142,9 +141,9 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
 
             def run(job_cache: Path, offline: bool = False, mode: str = "load") -> dict[str, Any]:
                 pinned = bool(src.files) and job_cache == cache_dir  # the user's, read only
-                result = procs.run(job(src, cfg, job_cache, mode, pinned), overrides(
-                    job_cache, offline or offline_env(), own_xet=job_cache != cache_dir
-                    or not src.user_cache))
+                result = procs.run(*request(
+                    src, cfg, job_cache, mode, pinned, offline or offline_env(),
+                    own_xet=job_cache != cache_dir or not src.user_cache))
                 if "error" in result:
                     raise failure(result, src, job_cache, cfg.timeout_s)
                 return result

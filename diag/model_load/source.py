@@ -148,19 +148,17 @@ def pin_to_cache(src: Source, cache_dir: Path) -> tuple[Source, str]:
                     f"download {src.model}`, updates it)")
 
 
-def job(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load",
-        read_only: bool = False) -> dict[str, Any]:
-    """What a load process is asked to do (JSON); read_only: the user's pinned cache."""
-    return {"mode": mode, "model": src.model, "revision": src.revision or "main",
-            "cache_dir": str(cache_dir), "local_dir": str(src.local_dir or ""),
-            "only": list(src.files), "read_only": read_only, "quantize": cfg.quantize,
-            "device": cfg.device, "trust_remote_code": cfg.trust_remote_code}
-
-
-def overrides(cache_dir: Path, offline: bool, own_xet: bool = True) -> dict[str, str]:
-    """The environment one load adds; own_xet: xet's chunk cache beside the scenario's cache."""
-    return {**({"HF_XET_CACHE": str(cache_dir / ".xet")} if own_xet else {}),
-            **({"HF_HUB_OFFLINE": "1"} if offline else {})}
+def request(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load",
+            read_only: bool = False, offline: bool = False, own_xet: bool = True
+            ) -> tuple[dict[str, Any], dict[str, str]]:
+    """A load process's job (JSON; read_only: the user's pinned cache) and the environment it adds
+    (own_xet: xet's chunk cache beside the scenario's cache)."""
+    return ({"mode": mode, "model": src.model, "revision": src.revision or "main",
+             "cache_dir": str(cache_dir), "local_dir": str(src.local_dir or ""),
+             "only": list(src.files), "read_only": read_only, "quantize": cfg.quantize,
+             "device": cfg.device, "trust_remote_code": cfg.trust_remote_code},
+            {**({"HF_XET_CACHE": str(cache_dir / ".xet")} if own_xet else {}),
+             **({"HF_HUB_OFFLINE": "1"} if offline else {})})
 
 
 def failure(result: dict[str, Any], src: Source, cache_dir: Path, timeout_s: float) -> RuntimeError:
