@@ -85,13 +85,14 @@ class LoadProcesses:
 
     def _reply(self, wait_s: float) -> dict[str, Any]:
         assert self._proc is not None and self._log is not None
-        if select.select([self._proc.stdout], [], [], wait_s)[0] and (
-                line := self._proc.stdout.readline()):
+        ready = select.select([self._proc.stdout], [], [], wait_s)[0]
+        if ready and (line := self._proc.stdout.readline()):
             return json.loads(line)
-        if self._proc.poll() is None:  # out of time: it and any child it forked are killed
+        if not ready:  # out of time: it and any child it forked are killed
             os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait()
             return {"error": "timeout", "type": "timeout", "message": ""}
-        self._log.seek(0)
-        output = self._log.read().decode(errors="replace")
-        return crashed(f"exit code {self._proc.returncode}", output)
+        self._log.seek(0)  # its output ended with no reply: it is exiting
+        who = "zygote " if self.process == "fork" else ""
+        return crashed(f"{who}exit code {self._proc.wait()}",
+                       self._log.read().decode(errors="replace"))
