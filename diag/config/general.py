@@ -190,9 +190,7 @@ class TraceConfig(_Gpus):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.files, (list, tuple)) or not self.files:
-            raise ValueError("TraceConfig.files=[]: name at least one torch.profiler trace "
-                             "(.json or .json.gz)")
-        missing = [f for f in self.files if not Path(f).is_file()]
-        if missing:
+        self._check(("files",), lambda v: isinstance(v, (list, tuple)) and bool(v),
+                    "name at least one torch.profiler trace (.json or .json.gz)")
+        if missing := [f for f in self.files if not Path(f).is_file()]:
             raise ValueError(f"TraceConfig.files: {missing[0]!r} is not a file")
