@@ -29,14 +29,14 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diag.config import ModelLoadConfig, diag_home
 from diag.embedded import HubServer, ensure_assets
-from diag.model_load import SCENARIOS, hfcache, medians, run_model_load
+from diag.model_load import SCENARIOS, medians, run_model_load, snapshot_folder, weight_files
 from diag.model_load.processes import LoadProcesses
 
 
 def raw_rounds(procs: LoadProcesses, repo: str, cache: Path, rounds: int) -> tuple[list, list]:
     """Per round: safetensors' read of the cached files; snapshot_download into an empty cache."""
-    folder = hfcache.snapshot_folder(cache, repo)
-    files = [str(p) for p in hfcache.weight_files(folder)]
+    folder = snapshot_folder(cache, repo)
+    files = [str(p) for p in weight_files(folder)]
     reads, downloads = [], []
     for _ in range(rounds):
         reads.append(procs.run({"mode": "raw_read", "files": files})["seconds"])

@@ -2,11 +2,13 @@
 
 Flags come from each experiment's config dataclass (`--quick`: the test-sized variant); results
 print as tables (`--json`), `--csv FILE` writes the main one, `--report` a run folder. A user error
-prints one line and exits 2 (DIAG_DEBUG=1: the traceback)."""
+prints one line and exits 2 (DIAG_DEBUG=1: the traceback); a run ends without the interpreter's
+teardown, under torchrun once this node's other ranks have said theirs."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -16,59 +18,35 @@ import sys
 import threading
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from diag import config
 from diag.cli.flags import UsageError, build_parser, unrecognized
-from diag.cli.shutdown import exit_now, said
-from diag.cli.show import one_line, show
-from diag.secrets import redact
+from diag.secrets import redact, redact_frame
 
 
 @dataclass(frozen=True)
 class Experiment:
-    config: type[config.ExperimentConfig]
+    config: type[config.ExperimentConfig]  # its docstring is the command's help
     runner: str  # "module:function", imported only when the experiment runs
-    help: str
     table: bool = True  # returns tables (--csv, --json, --report); False: returns a run folder
     ddp: bool = False  # runs as one DDP rank under torchrun / accelerate launch
 
 
 EXPERIMENTS: dict[str, Experiment] = {
-    "info": Experiment(config.InfoConfig, "diag.machine.device:run_info",
-                       "what this machine is: accelerator, dense peak FLOP/s, CPU, RAM, disks"),
-    "toy": Experiment(config.ToyConfig, "diag.loader.toy:run_toy",
-                      "a timed toy training loop: data_wait, h2d and compute per step", ddp=True),
-    "storage": Experiment(config.StorageConfig, "diag.storage:run_storage",
-                          "object-store pull vs local disk read, the re-pull tax, land() miss/hit"),
-    "model-load": Experiment(config.ModelLoadConfig, "diag.model_load:run_model_load",
-                             "fresh vs cached model load: download, read, quantize, to_device, "
-                             "tokenizer"),
-    "loader": Experiment(config.LoaderConfig, "diag.loader:run_loader",
-                         "DataLoader num_workers sweep against a training step, fetch vs prep "
-                         "stalls, the hot lines of the naive preprocessing"),
-    "accum": Experiment(config.AccumConfig, "diag.accum:run_accum",
-                        "grad accumulation at constant tokens per step: tokens/s, memory, "
-                        "MFU (cross-checked), the floor", ddp=True),
-    "qlora": Experiment(config.QLoraConfig, "diag.qlora:run_qlora",
-                        "the QLoRA fine-tune (nf4 + LoRA, Trainer), naive vs optimized plan: "
-                        "stages, loss curves, predicted vs measured saving per fix", ddp=True),
-    "train": Experiment(config.TrainConfig, "diag.qlora:run_train",
-                        "the QLoRA fine-tune of the whole dataset under the optimized (or naive) "
-                        "plan: epochs, held-out eval, checkpoints and resume, an ETA checked "
-                        "after; the adapter (PEFT's format) and tokenizer in --out-dir"),
-    "attach": Experiment(config.AttachConfig, "diag.observe:run_attach",
-                         "sample a running training process (py-spy, NVML, /proc; never paused "
-                         "or signalled): its stages, its workers' hot functions, its GPUs"),
-    "trace": Experiment(config.TraceConfig, "diag.observe:run_trace",
-                        "read torch.profiler traces (Kineto .json or .json.gz, one per rank): "
-                        "stages per rank, GPU idle time, stragglers"),
-    "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_diagnose",
-                      "the whole diagnosis on one source: every experiment, then the report",
-                      table=False),
-    "report": Experiment(config.ReportConfig, "diag.report:run_report",
-                         "re-render a run folder's figures and report.html from its CSVs",
-                         table=False),
+    "info": Experiment(config.InfoConfig, "diag.machine.device:run_info"),
+    "toy": Experiment(config.ToyConfig, "diag.loader.toy:run_toy", ddp=True),
+    "storage": Experiment(config.StorageConfig, "diag.storage:run_storage"),
+    "model-load": Experiment(config.ModelLoadConfig, "diag.model_load:run_model_load"),
+    "loader": Experiment(config.LoaderConfig, "diag.loader:run_loader"),
+    "accum": Experiment(config.AccumConfig, "diag.accum:run_accum", ddp=True),
+    "qlora": Experiment(config.QLoraConfig, "diag.qlora:run_qlora", ddp=True),
+    "train": Experiment(config.TrainConfig, "diag.qlora:run_train"),
+    "attach": Experiment(config.AttachConfig, "diag.observe:run_attach"),
+    "trace": Experiment(config.TraceConfig, "diag.observe:run_trace"),
+    "run": Experiment(config.DiagnoseConfig, "diag.diagnose:run_diagnose", table=False),
+    "report": Experiment(config.ReportConfig, "diag.report:run_report", table=False),
 }
 
 
@@ -98,11 +76,13 @@ def run(name: str, cfg: config.ExperimentConfig) -> Any:
         return runner(cfg)  # diag train's preflight follows its --out-dir's check
     from diag.preflight import covered, preflight
 
-    job = _job(cfg)
+    # the QLoRA job that trains on cfg's source: its records are checked before the work
+    job = cfg if isinstance(cfg, config.QLoraConfig) else None
     if isinstance(cfg, config.DiagnoseConfig):  # a budget too small for its steps: refused first
+        from diag.diagnose import job_config, steps
         from diag.forecast.budget import of_run
-        from diag.diagnose import steps
 
+        job = job_config(cfg) if cfg.qlora else None
         of_run(cfg, steps(cfg), job)
     # every check that can run before the first experiment, once, before torch is imported
     if job is not None and job.results:  # another job's: refused before anything is written
@@ -112,17 +92,6 @@ def run(name: str, cfg: config.ExperimentConfig) -> Any:
     preflight(cfg, job)
     with covered():
         return runner(cfg)
-
-
-def _job(cfg: config.SourceConfig) -> config.QLoraConfig | None:
-    """The QLoRA job that trains on cfg's source (its records are checked before the work)."""
-    if isinstance(cfg, config.QLoraConfig):
-        return cfg
-    if isinstance(cfg, config.DiagnoseConfig) and cfg.qlora:
-        from diag.diagnose import job_config
-
-        return job_config(cfg)
-    return None
 
 
 def join(name: str, cfg: config.ExperimentConfig) -> None:
@@ -172,3 +141,114 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> typing.NoReturn:
     """`python -m diag` and the `diag` script: main(), then an exit without teardown."""
     exit_now(main())
+
+
+def one_line(err: BaseException) -> str:
+    if isinstance(err, UsageError):
+        return str(err)
+    if isinstance(err, ModuleNotFoundError):
+        return (f"diag: this experiment needs the package {err.name!r}, which is not installed; "
+                "install the extras with: pip install -e '.[all]' (or run `make demo`)")
+    text = " ".join(str(err).split()) or type(err).__name__
+    if type(err) is ValueError:  # diag's refusal of a setting: "diag: --flag=value: why; fix"
+        return f"diag: {text}"
+    return f"diag: {type(err).__name__}: {text}"
+
+
+def show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.Namespace) -> None:
+    import json
+
+    import pandas as pd
+
+    from diag.frames import frames_of
+
+    if isinstance(result, Path):  # a run folder: where it is and what it found
+        from diag import report
+        from diag.machine.contention import busy
+
+        summary = report.load_summary(result)
+        head, said = summary.get("headline"), busy(summary.get("machine") or {})
+        print(redact(f"wrote {result / 'report.html'}\n"
+                     + (head["text"] if head else "nothing measured stands out")
+                     + (f"\n{said[0].upper() + said[1:]}" if said else "")))
+        return
+    frames = frames_of(name, result)
+    if getattr(args, "csv", None):
+        redact_frame(next(iter(frames.values()))).to_csv(args.csv, index=False)
+    if getattr(args, "json", False):
+        print(redact(json.dumps({k: json.loads(f.to_json(orient="records"))
+                                 for k, f in frames.items()}, indent=1)))
+    else:
+        with pd.option_context("display.max_rows", 200, "display.width", 160,
+                               "display.max_colwidth", 80):
+            for key, frame in frames.items():
+                if key == "advice":
+                    lines = [f"{a.finding}: saves {a.seconds_saved:.3g} s per start ({a.evidence})"
+                             for a in frame.itertuples()]
+                    print("\n".join(["", "advice:", *lines]) if lines else "")
+                    continue
+                heading = f"\n{key}:\n" if len(frames) > 1 else ""
+                print(redact(heading + frame.to_string(index=False,
+                                                       float_format=lambda v: f"{v:.4g}")))
+    if getattr(args, "report", False):
+        from diag import report
+
+        folder = report.write(frames, config=cfg.to_dict(), advice=frames.pop("advice", None))
+        print(redact(f"wrote {folder / 'report.html'}"),
+              file=sys.stderr if args.json else sys.stdout)
+
+
+def exit_now(code: int) -> typing.NoReturn:
+    """Exit without the interpreter's teardown of torch (seconds), doing what an exit still does."""
+    import atexit
+    import ctypes
+
+    if threading.current_thread() is threading.main_thread():
+        # the code is chosen: a launcher's SIGTERM now must not raise inside an atexit handler
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading._shutdown()  # type: ignore[attr-defined]  # Py_Finalize's order: threads, atexit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing can reach it
+            stream.flush()
+    ctypes.CDLL(None).fflush(None)  # a C library's printf buffer
+    os._exit(code)
+
+
+def said() -> None:
+    """Under torchrun's agent (which stops every rank once one exits), a refusing rank waits up
+    to timeout_s("say") until this node's other ranks have said theirs (a marker each) or ended."""
+    import tempfile
+    import time
+
+    import psutil
+
+    from diag.files import temp_path
+    from diag.timing.distributed import spilled, timeout_s
+
+    if spilled() is not None or not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    try:
+        others = [p for p in psutil.Process(os.getppid()).children() if p.pid != os.getpid()]
+    except psutil.Error:  # no parent left to ask
+        return
+    base = Path(tempfile.gettempdir()) / f"diag-said-{os.getppid()}"
+    mark = temp_path(base)  # its name carries this pid: swept by a later start if left behind
+    mark.touch()
+    deadline = time.monotonic() + timeout_s("say")
+    try:
+        while others and time.monotonic() < deadline:
+            time.sleep(0.1)
+            others = [p for p in others if _running(p) and not any(
+                base.parent.glob(f".{base.name}.tmp-{p.pid}-*"))]
+    finally:
+        mark.unlink(missing_ok=True)
+
+
+def _running(process: Any) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import re
 import sys
 import types
 import typing
@@ -61,37 +62,25 @@ def _list_of(item: type, choices: tuple[Any, ...] = ()) -> Any:
 @functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
     """Each field's trailing comment (and deeper-indented comment lines below), from source."""
-    import ast
     import inspect
-    import io
-    import textwrap
-    import tokenize
 
     docs: dict[str, str] = {}
     names = {f.name for f in dataclasses.fields(cls)}
     for klass in reversed(cls.__mro__):  # a subclass's comment wins over its base's
         try:
-            source = textwrap.dedent(inspect.getsource(klass))
+            lines = inspect.getsource(klass).splitlines()
         except (OSError, TypeError):  # no source (a frozen app, a class made at run time)
             continue
-        lines = source.splitlines()
-        comments = {t.start[0]: t.string.lstrip("#").strip()
-                    for t in tokenize.generate_tokens(io.StringIO(source).readline)
-                    if t.type == tokenize.COMMENT}
-        for node in ast.parse(source).body[0].body:  # type: ignore[attr-defined]
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
-                    and node.target.id in names:
-                end = node.end_lineno or node.lineno
-                text = comments.get(end) or comments.get(node.lineno)
-                if not text:
-                    continue
-                parts = [text]
-                for line in lines[end:]:  # comment-only lines indented deeper go on
-                    body = line.lstrip()
-                    if not body.startswith("#") or len(line) - len(body) <= node.col_offset:
-                        break
-                    parts.append(body.lstrip("#").strip())
-                docs[node.target.id] = " ".join(p for p in parts if p)
+        name, indent = "", 0
+        for line in lines:
+            field = re.match(r"( *)(\w+): [^#]*#(.*)", line)  # no default holds a "#"
+            more = re.match(r"( *)#(.*)", line)
+            if field and field[2] in names:
+                name, indent, docs[field[2]] = field[2], len(field[1]), field[3].strip()
+            elif name and more and len(more[1]) > indent:  # a comment-only line indented deeper
+                docs[name] = f"{docs[name]} {more[2].strip()}".strip()
+            else:
+                name = ""
     return docs
 
 
@@ -124,7 +113,9 @@ def build_parser(experiments: dict[str, Any], description: str, only: str | None
                         version=f"diag {__version__} (python {sys.version.split()[0]})")
     sub = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", parser_class=_Parser)
     for name, exp in experiments.items():
-        p = sub.add_parser(name, help=exp.help, description=exp.help + _presets(exp.config))
+        # the config's docstring, less its "`diag name`: " lead
+        about = " ".join((exp.config.__doc__ or "").split()).split("`: ", 1)[-1].rstrip(".")
+        p = sub.add_parser(name, help=about, description=about + _presets(exp.config))
         p.add_argument("--quick", action="store_true",
                        help="the test-sized variant (also DIAG_QUICK=1)")
         if exp.table:  # the others write a run folder with every table instead

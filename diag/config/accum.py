@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from diag.config.base import ExperimentConfig, parse_list, whole
 
@@ -12,7 +12,8 @@ ACCUM_MODELS = {"tiny": 2048, "gpt2-small": 1024}  # model -> context (positions
 
 @dataclass
 class AccumConfig(ExperimentConfig):
-    """`diag accum`: micro_batch x grad_accum at the same tokens per step; tokens/s, MFU, floor."""
+    """`diag accum`: grad accumulation at constant tokens per step: tokens/s, memory, MFU
+    (cross-checked), the floor."""
 
     tokens_per_step: int = 4096  # tokens per optimizer step, the same at every point
     seq_len: int = 128  # tokens per sequence (nanoGPT's block_size); at most the model's context
@@ -21,7 +22,7 @@ class AccumConfig(ExperimentConfig):
     warmup_steps: int = 1  # untimed first steps per point (allocator, compile): warmup_s
     model: str = "tiny"  # "tiny": the embedded Llama (CPU); "gpt2-small": GPT-2 124M, random init
     compile: bool = False  # torch.compile each point: faster steps, compile time in warmup_s
-    dtype: str = "auto"  # autocast dtype: "auto" = bf16 on CUDA, fp32 on CPU; "bf16", "fp32"
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # autocast dtype; "auto": bf16 CUDA, fp32 CPU
     device: str = "auto"  # "auto", "cpu" or "cuda"
     token_file: str = ""  # a nanoGPT-style train.bin (uint16 ids); "" = the synthetic dataset
     peak_tflops: float = 0.0  # dense peak for MFU; 0 = diag's table (CUDA) or a CPU probe
@@ -48,7 +49,6 @@ class AccumConfig(ExperimentConfig):
             raise ValueError(f"{name}.warmup_steps=0: compile=True needs >= 1 warm-up step, where "
                              "the compile happens (it must not land in the timed steps)")
         self._choice("model", tuple(ACCUM_MODELS))
-        self._choice("dtype", ("auto", "bf16", "fp32"))
         context = ACCUM_MODELS[self.model]
         self._check(("seq_len",), lambda v: v <= context, f"above the context of model "
                     f"{self.model!r} ({context} positions); allowed 1..{context}")

@@ -18,7 +18,6 @@ T = TypeVar("T", bound="ExperimentConfig")
 Scenario = Literal["fresh", "cached", "cached_offline", "cached_cold"]
 MODEL_LOAD_SCENARIOS: tuple[str, ...] = get_args(Scenario)
 LoadProcess = Literal["fork", "exec"]
-MODEL_LOAD_PROCESSES: tuple[str, ...] = get_args(LoadProcess)
 STORAGE_PULLS = ("boto3_default", "boto3_tuned", "s5cmd")
 Verify = Literal["sha256", "size"]
 VERIFY_MODES: tuple[str, ...] = get_args(Verify)
@@ -95,7 +94,9 @@ class ExperimentConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """The fields as JSON-ready values (a Path as str, a tuple as a list)."""
+        return {k: str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v
+                for k, v in ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))}
 
     def _check(self, names: tuple[str, ...], ok: Callable[[Any], bool], rule: str) -> None:
         """Raise `{Config}.{name}={value!r}: {rule}` for the first field whose value is not ok."""
@@ -128,8 +129,3 @@ class ExperimentConfig:
         self._check(("slow_rank",), lambda v: whole(v) and v >= -1, "a rank (0, 1, ...) or -1 "
                     "for none")
         self._non_negative("slow_ms")
-
-
-def _plain(value: Any) -> Any:
-    return str(value) if isinstance(value, Path) else list(value) if isinstance(value, tuple) \
-        else value

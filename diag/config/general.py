@@ -19,7 +19,7 @@ _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\
 
 @dataclass
 class InfoConfig(ExperimentConfig):
-    """`diag info`: what this machine is."""
+    """`diag info`: what this machine is: accelerator, dense peak FLOP/s, CPU, RAM, disks."""
 
     probe: bool = True  # time a matmul on CPU for a measured peak (the table has no CPUs)
     probe_size: int = 1024  # matrix side of the CPU probe; larger is steadier and slower
@@ -32,7 +32,7 @@ class InfoConfig(ExperimentConfig):
 
 @dataclass
 class ToyConfig(ExperimentConfig):
-    """A timed toy training loop: the smallest run that exercises every step-level stage."""
+    """`diag toy`: a timed toy training loop: data_wait, h2d and compute per step."""
 
     steps: int = 50  # optimizer steps timed (after warmup_steps)
     warmup_steps: int = 5  # untimed first steps: allocator, kernel selection
@@ -56,7 +56,7 @@ class ToyConfig(ExperimentConfig):
 
 @dataclass
 class ReportConfig(ExperimentConfig):
-    """`diag report DIR`: re-render a run folder's figures and report.html from its CSVs."""
+    """`diag report`: re-render a run folder's figures and report.html from its CSVs."""
 
     folder: str = ""  # the run folder, e.g. runs/20261130T120000Z
 
@@ -68,7 +68,7 @@ class ReportConfig(ExperimentConfig):
 
 @dataclass
 class DiagnoseConfig(SourceConfig):
-    """`diag run`: every experiment on one source, naive and optimized runs, the report."""
+    """`diag run`: the whole diagnosis on one source: every experiment, then the report."""
 
     out: str = ""  # run folder to write; "" makes runs/<UTC timestamp>/
     storage: bool = True  # run the storage experiment (object store vs local disk)
@@ -160,7 +160,8 @@ class _Gpus(ExperimentConfig):
 
 @dataclass
 class AttachConfig(_Gpus):
-    """Sample a running training process: its stages, its workers, its GPUs, its /proc."""
+    """`diag attach`: sample a running training process (py-spy, NVML, /proc; never paused or
+    signalled): its stages, its workers' hot functions, its GPUs."""
 
     pid: int = 0  # the training process (its DataLoader workers are sampled with it)
     seconds: float = 60.0  # how long to sample; the job runs on, never paused or signalled
@@ -180,7 +181,8 @@ class AttachConfig(_Gpus):
 
 @dataclass
 class TraceConfig(_Gpus):
-    """Read torch.profiler traces (Kineto JSON or .json.gz), one file per rank."""
+    """`diag trace`: read torch.profiler traces (Kineto .json or .json.gz, one per rank): stages
+    per rank, GPU idle time, stragglers."""
 
     files: list[str] = field(default_factory=list)  # the traces, one per rank of one run
 
@@ -188,9 +190,7 @@ class TraceConfig(_Gpus):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.files, (list, tuple)) or not self.files:
-            raise ValueError("TraceConfig.files=[]: name at least one torch.profiler trace "
-                             "(.json or .json.gz)")
-        missing = [f for f in self.files if not Path(f).is_file()]
-        if missing:
+        self._check(("files",), lambda v: isinstance(v, (list, tuple)) and bool(v),
+                    "name at least one torch.profiler trace (.json or .json.gz)")
+        if missing := [f for f in self.files if not Path(f).is_file()]:
             raise ValueError(f"TraceConfig.files: {missing[0]!r} is not a file")

@@ -2,20 +2,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from diag.config.base import number, parse_list, whole
 from diag.config.source import RecordFields
 from diag.decision import DATA_WAIT_GOAL
 
 LOADER_PIPELINES = ("naive", "packed")  # tokenize per sample in the loop; read the token cache
-LOADER_CONSUMERS = ("emulated", "model")  # a step of fixed duration (DLIO style); the tiny model's
 ON_ERROR = ("raise", "skip")  # a malformed row: stop, or leave it out and list it
 
 
 @dataclass
 class LoaderConfig(RecordFields):
-    """`diag loader`: DataLoader settings against a training step, the stall split, hot lines."""
+    """`diag loader`: DataLoader num_workers sweep against a training step, fetch vs prep stalls,
+    the hot lines of the naive preprocessing."""
 
     data: str = ""  # your records: a JSONL or Parquet file or a folder of shards; "" = embedded
     tokenizer: str = ""  # folder with tokenizer.json (and chat template); "" = the embedded one
@@ -23,7 +23,7 @@ class LoaderConfig(RecordFields):
     workers: list[int] = field(default_factory=lambda: [0, 1, 2, 4])  # num_workers; 1st: baseline
     batch_size: int = 16  # sequences per step
     seq_len: int = 512  # tokens per sequence; longer means more tokenizing per sample
-    consumer: str = "emulated"  # "emulated" waits step_ms per step; "model" trains the tiny model
+    consumer: Literal["emulated", "model"] = "emulated"  # a step_ms wait (DLIO); the tiny model
     step_ms: float = 0.0  # emulated step; 0 = estimated for `gpu`, else the tiny model's measured
     gpu: str = ""  # estimate the step for this GPU (6 x params x tokens at `mfu`); "" = measure
     model_params_b: float = 1.1  # model size for the GPU estimate, billions of parameters
@@ -62,7 +62,6 @@ class LoaderConfig(RecordFields):
         self._check(("mfu", "target_share"), lambda v: number(v) and 0 < v < 1,
                     "must be a number in (0, 1)")
         self._non_negative("step_ms", "extra_prep_ms")
-        self._choice("consumer", LOADER_CONSUMERS)
         self._choice("on_error", ON_ERROR)
         self.pipelines = parse_list(self.pipelines)
         self._check(("pipelines",), lambda v: v and set(v) <= set(LOADER_PIPELINES),

@@ -63,7 +63,8 @@ class JobConfig(SourceConfig):
 
 @dataclass
 class QLoraConfig(JobConfig):
-    """`diag qlora`: the QLoRA fine-tune, naive vs optimized."""
+    """`diag qlora`: the QLoRA fine-tune (nf4 + LoRA, Trainer), naive vs optimized plan: stages,
+    loss curves, predicted vs measured saving per fix."""
 
     plan: QLoraPlan = "both"  # "naive" (a newcomer's defaults), "optimized" (the fixes) or both
     records: int = 128  # records both plans train on once (the same tokens)
@@ -93,7 +94,9 @@ class QLoraConfig(JobConfig):
 
 @dataclass
 class TrainConfig(JobConfig):
-    """`diag train`: one plan trains the whole dataset (epochs, eval, checkpoints, resume)."""
+    """`diag train`: the QLoRA fine-tune of the whole dataset under the optimized (or naive)
+    plan: epochs, held-out eval, checkpoints and resume, an ETA checked after; the adapter (PEFT's
+    format) and tokenizer in --out-dir."""
 
     lr: float = 2e-4  # peak learning rate: warmed up over lr_warmup, then lr_schedule
     checkpoint_every: int = 0  # save adapter, optimizer, RNG, data position every N steps; 0: 10x

@@ -3,10 +3,10 @@
 `medians(frame)` is the table to read, `advice(frame)` what a cache, offline mode, a warm page
 cache save per start."""
 
-from diag.model_load.advice import SCENARIOS, advice, decide, medians
-from diag.model_load.experiment import ModelLoadResult, run_model_load, verify_model_cache
-from diag.model_load.hfcache import ALLOW_PATTERNS, snapshot_folder, weight_files
-from diag.model_load.source import cache_dir_for, check_on_hub, not_in_user_cache, user_cache
+from diag.model_load.experiment import (SCENARIOS, ModelLoadResult, advice, decide, medians,
+                                        run_model_load, verify_model_cache)
+from diag.model_load.source import (ALLOW_PATTERNS, cache_dir_for, check_on_hub, not_in_user_cache,
+                                    snapshot_folder, user_cache, weight_files)
 
 __all__ = ["ALLOW_PATTERNS", "ModelLoadResult", "SCENARIOS", "advice", "cache_dir_for",
            "check_on_hub", "decide", "medians", "not_in_user_cache", "run_model_load",

@@ -1,24 +1,24 @@
-"""One timed model load, as a training job does it between its start and step 1.
+"""What runs in a load process: one timed model load, as a training job does it before step 1.
 
-`run_job(job)`: each part's seconds and bytes and `load_s` (one clock around all), or an error
-kind; `python -m diag.model_load.worker JOB` runs one in a fresh interpreter."""
+`python -m diag.model_load.worker JOB` runs one job in this fresh interpreter, or (mode "zygote")
+imports once and forks a clean child per job line on stdin; each reply is one JSON line on stdout:
+each part's seconds and bytes, `load_s` (one clock around all) and `import_s`, or an error kind."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
 import json
-import subprocess
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from diag.embedded.servers import child_env
-from diag.model_load.hfcache import ALLOW_PATTERNS, weight_files
+from diag.embedded.servers import die_with_parent
+from diag.model_load.source import ALLOW_PATTERNS, weight_files
 from diag.secrets import redact
-
-MARK = "DIAG-LOAD-RESULT "  # the stdout line the parent parses
 
 
 def import_libraries(with_cuda_libraries: bool = True) -> None:
@@ -32,23 +32,6 @@ def import_libraries(with_cuda_libraries: bool = True) -> None:
     # fork-safe: the parent sets PYTORCH_NVML_BASED_CUDA_CHECK=1
     if with_cuda_libraries or not torch.cuda.is_available():
         import bitsandbytes.functional  # noqa: F401
-
-
-def run_worker(job: dict[str, Any], env: dict[str, str], timeout_s: float = 1800.0
-               ) -> dict[str, Any]:
-    """Run one job in a fresh interpreter; return its result dict (it may hold "error")."""
-    job = {**job, "spawned_at": time.perf_counter()}  # CLOCK_MONOTONIC: machine-wide
-    try:
-        done = subprocess.run([sys.executable, "-m", "diag.model_load.worker", json.dumps(job)],
-                              capture_output=True, text=True, env=child_env(env),
-                              timeout=timeout_s, stdin=subprocess.DEVNULL,  # no trust prompt
-                              check=False)
-    except subprocess.TimeoutExpired:
-        return {"error": "timeout", "type": "TimeoutExpired", "message": ""}
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    return crashed(f"exit code {done.returncode}", done.stderr or done.stdout)
 
 
 def crashed(why: str, output: str) -> dict[str, Any]:
@@ -137,8 +120,8 @@ def _load(job: dict[str, Any]) -> dict[str, Any]:
     AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)
     t4 = perf()
     token_bytes = sum(p.stat().st_size for p in folder.iterdir() if p.name.startswith("tokenizer"))
-    return {"snapshot": str(folder), "device": device, "load_s": t4 - start,
-            "quantized": bool(job["quantize"]), "warning": _warning(config, model, info),
+    return {"device": device, "load_s": t4 - start, "quantized": bool(job["quantize"]),
+            "warning": _warning(config, model, info),
             "parts": {"download": {"seconds": t1 - t0, "bytes": downloaded},
                       "read": {"seconds": t2 - t1, "bytes": sum(p.stat().st_size for p in weights)},
                       "quantize": quantized,
@@ -212,10 +195,7 @@ def _error_kind(err: BaseException) -> str:
                        (errors.LocalEntryNotFoundError, offline)):
         if isinstance(err, kind):
             return name
-    if "trust_remote_code" in str(err):
-        return "remote_code"
-    return "no_safetensors" if isinstance(err, ValueError) and "safetensors" in str(err) \
-        else "other"
+    return "remote_code" if "trust_remote_code" in str(err) else "other"
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -223,24 +203,104 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     try:
         if job["mode"] == "download":
             t0 = time.perf_counter()
-            folder, downloaded = _download(job)
-            return {"snapshot": str(folder), "parts": {"download": {
-                "seconds": time.perf_counter() - t0, "bytes": downloaded}}}
+            downloaded = _download(job)[1]
+            return {"parts": {"download": {"seconds": time.perf_counter() - t0,
+                                           "bytes": downloaded}}}
         return {"plain": _plain, "raw_read": _raw_read}.get(job["mode"], _load)(job)
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as err:
         return {"error": _error_kind(err), "type": type(err).__name__,
                 "message": redact(str(err))[-2000:]}
 
 
-def main(argv: list[str]) -> int:
-    job = json.loads(argv[0])
-    spawned = job.get("spawned_at", time.perf_counter())
-    if job["mode"] != "download":  # a bare download needs huggingface_hub only
-        import_libraries()
-    import_s = time.perf_counter() - spawned  # interpreter start + imports
-    print(MARK + json.dumps({**run_job(job), "import_s": import_s}), flush=True)
+def _imported_then_run(job: dict[str, Any], spawned_at: float) -> dict[str, Any]:
+    """The job's imports (a bare download: huggingface_hub's only), then the job; `import_s`."""
+    if job["mode"] != "download":
+        import_libraries()  # forked: bitsandbytes where the zygote left it out; else free
+    import_s = time.perf_counter() - spawned_at
+    return {**run_job(job), "import_s": import_s}
+
+
+def _child(request: dict[str, Any], import_s: float, out: Any, log: int) -> None:
+    """A forked child: the job's result to `out`, its output (a traceback) to `log`."""
+    die_with_parent()  # a zygote killed mid-load leaves no orphan
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # no prompt reads the protocol pipe
+    started = time.perf_counter()
+    # the environment a fresh interpreter would have had (docs/calibration.md)
+    from huggingface_hub import constants
+
+    os.environ.update(request["env"])
+    constants.HF_HUB_OFFLINE = constants._is_true(
+        os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE"))
+    constants.HF_XET_CACHE = os.environ.get("HF_XET_CACHE", constants.HF_XET_CACHE)
+    out.send(_imported_then_run(request["job"], started - import_s))
+
+
+def _fork_one(request: dict[str, Any], import_s: float) -> dict[str, Any]:
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    result, out = fork.Pipe(duplex=False)
+    with tempfile.TemporaryFile() as log:
+        child = fork.Process(target=_child, args=(request, import_s, out, log.fileno()))
+        child.start()
+        out.close()
+        try:
+            if not result.poll(request["timeout_s"]):
+                child.kill()
+                return {"error": "timeout", "type": "timeout", "message": ""}
+            return result.recv()
+        except EOFError:  # it ended with no result
+            child.join()
+            log.seek(0)
+            return crashed(f"exit code {child.exitcode}", log.read().decode(errors="replace"))
+        finally:
+            child.join()
+            result.close()
+
+
+def zygote(protocol: IO[str], spawned_at: float) -> int:
+    """Import once, check that forking is safe, then fork a child per request line on stdin."""
+    try:
+        import numpy  # noqa: F401  its OpenBLAS pool: the one thread allowed
+        threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+        baseline = threads()
+        import_libraries(with_cuda_libraries=False)
+        import_s = time.perf_counter() - spawned_at
+        import torch
+
+        # safe to fork: no CUDA, no torch op yet (no OpenMP pool), no HTTP client; OpenBLAS's
+        # threads stop and restart around fork (pthread_atfork). Anything more is refused
+        if torch.cuda.is_initialized() or threads() != baseline:
+            raise RuntimeError(f"unsafe to fork: CUDA initialised={torch.cuda.is_initialized()}, "
+                               f"threads {threads()} (numpy alone: {baseline})")
+    except (ImportError, RuntimeError) as err:
+        _say(protocol, {"error": "zygote", "type": type(err).__name__, "message": str(err)})
+        return 1
+    _say(protocol, {"import_s": import_s})
+    for line in sys.stdin:
+        _say(protocol, _fork_one(json.loads(line), import_s))
+    return 0
+
+
+def _say(protocol: IO[str], reply: dict[str, Any]) -> None:
+    print(json.dumps(reply), file=protocol, flush=True)
+
+
+def main(job: dict[str, Any]) -> int:
+    protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # a library's print goes to the log, never into the protocol
+    spawned_at = job.get("spawned_at", time.perf_counter())  # CLOCK_MONOTONIC: machine-wide
+    if job["mode"] == "zygote":
+        return zygote(protocol, spawned_at)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # no trust prompt waits on stdin
+    _say(protocol, _imported_then_run(job, spawned_at))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(json.loads(sys.argv[1]))
+    sys.stderr.flush()
+    # every reply flushed, no child left: skip the teardown close() would wait for
+    os._exit(code)

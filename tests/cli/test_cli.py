@@ -220,7 +220,7 @@ def test_a_finished_run_exits_without_teardown_but_with_everything_a_normal_exit
     # output reach a pipe, and the exit code is kept
     script = (
         "import atexit, ctypes, threading, time\n"
-        "from diag.cli.shutdown import exit_now\n"
+        "from diag.cli import exit_now\n"
         "def late():\n"
         "    time.sleep(0.3)\n"
         "    print('thread', flush=True)\n"

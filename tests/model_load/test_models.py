@@ -200,7 +200,7 @@ def test_a_budget_repeats_the_loads_until_the_model_cache_gap_resolves():
     interleaved, past `repeats` until the model_cache decision resolves: one load a side never
     can (diag.noise needs MIN_SAMPLES a side); the decision carries its samples and spread."""
     from diag.model_load import run_model_load
-    from diag.model_load.advice import decide
+    from diag.model_load.experiment import decide
     from diag.noise import MIN_SAMPLES
 
     got = run_model_load(ModelLoadConfig(scenarios=["fresh", "cached"], budget_s=120.0))

@@ -17,7 +17,7 @@ import pytest
 from diag.config import ModelLoadConfig
 from diag.embedded import HubServer, ensure_assets
 from diag.embedded.hub import publish_model
-from diag.model_load import hfcache, run_model_load, verify_model_cache
+from diag.model_load import run_model_load, source, verify_model_cache
 from diag.model_load.source import cache_dir_for, user_hub_cache
 
 REPO = "diag-test/tiny-llama"
@@ -116,14 +116,14 @@ def test_the_users_cache_is_byte_identical_after_every_scenario_and_a_moved_ref(
                                             rf"{new_commit[:12]}; diag loaded the cached commit"):
         frame = run_model_load(cfg.replace(scenarios=["cached", "cached_offline"])).frame
     assert tree(user) == before  # not downloaded, no ref moved, no .no_exist marker
-    snapshot = hfcache.snapshot_folder(user, REPO)
+    snapshot = source.snapshot_folder(user, REPO)
     assert snapshot is not None and snapshot.name == cached_commit
     warned = set(frame.loc[frame["part"] == "load_model", "warning"])
     assert len(warned) == 1 and "moved" in warned.pop()
 
     # with --repair-cache the user lets diag write: the cache then follows the hub
     run_model_load(cfg.replace(scenarios=["cached"], repair_cache=True))
-    assert hfcache.snapshot_folder(user, REPO).name == new_commit
+    assert source.snapshot_folder(user, REPO).name == new_commit
 
 
 def test_the_jobs_persistent_cache_is_the_one_model_load_reads(hub, tmp_path, monkeypatch):
@@ -152,7 +152,7 @@ def test_the_jobs_persistent_cache_is_the_one_model_load_reads(hub, tmp_path, mo
     with open_sources(cfg) as src:
         assert src.cache_dir == cache_dir_for(cfg) == user and src.read_only
         folder = model_folder(persistent, src, tmp_path / "work")
-    assert folder == hfcache.snapshot_folder(user, REPO) and tree(user) == before
+    assert folder == source.snapshot_folder(user, REPO) and tree(user) == before
 
 
 def test_a_snapshot_of_part_of_the_repo_is_sound_and_left_as_it_is(hub, tmp_path, monkeypatch):
@@ -186,7 +186,7 @@ def test_a_cached_models_fresh_load_is_estimated_from_one_files_download(hub, tm
                                     ("load_model", 10.0), ("from_pretrained", 1.0))]
     got = {r["part"]: r for r in _fresh_estimate(
         Source(REPO, "main", server.endpoint, None, {}), cache, cached)}
-    total = sum(p.stat().st_size for p in hfcache.blob_files(cache, REPO))
+    total = sum(p.stat().st_size for p in source.blob_files(cache, REPO))
     assert set(got) == {"import", "download", "read", "load_model"}  # from_pretrained is not
     assert got["download"]["bytes"] == total and got["download"]["seconds"] > 0
     assert got["load_model"]["seconds"] == pytest.approx(10.0 - 0.2 + got["download"]["seconds"])

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from diag.model_load import hfcache
+from diag.model_load import source
 from diag.config import ModelLoadConfig
-from diag.model_load.worker import run_worker
+from diag.model_load.processes import LoadProcesses
 from diag.model_load import run_model_load, verify_model_cache
 
 REPO = "diag-local/tiny-llama"
@@ -52,7 +52,7 @@ def cfg(cache: Path, **kw) -> ModelLoadConfig:
 def download(cache: Path, endpoint: str) -> dict:
     job = {"mode": "download", "model": REPO, "revision": "main", "cache_dir": str(cache),
            "local_dir": ""}
-    return run_worker(job, {**os.environ, "HF_ENDPOINT": endpoint})
+    return LoadProcesses({**os.environ, "HF_ENDPOINT": endpoint}, "exec").run(job)
 
 
 def test_unknown_model_or_revision_names_it_and_the_endpoint(at_hub, tmp_path, monkeypatch):
@@ -90,18 +90,16 @@ def test_endpoint_down_with_nothing_cached(tmp_path, monkeypatch):
 
 def test_flipped_byte_is_caught_never_loaded_and_repaired(at_hub, tmp_path):
     assert "error" not in download(tmp_path, at_hub.endpoint)
-    assert (hfcache.verify_cache(REPO, tmp_path)["status"] == "ok").all()
-    weights = hfcache.snapshot_folder(tmp_path, REPO) / "model.safetensors"
+    assert (source.verify_cache(REPO, tmp_path)["status"] == "ok").all()
+    weights = source.snapshot_folder(tmp_path, REPO) / "model.safetensors"
     blob, good = weights.resolve(), weights.read_bytes()
     assert len(blob.name) == 64  # an LFS blob: named by its sha256
     with open(blob, "r+b") as f:  # flip one byte in the middle of the tensors
         f.seek(len(good) // 2)
         f.write(bytes([good[len(good) // 2] ^ 0xFF]))
-    report = hfcache.verify_cache(REPO, tmp_path).set_index("file")
+    report = source.verify_cache(REPO, tmp_path).set_index("file")
     assert report.loc["model.safetensors", "status"] == "corrupt"
     assert (report.drop("model.safetensors")["status"] == "ok").all()
-    from diag.model_load.processes import LoadProcesses
-
     def no_load(*args: object, **kwargs: object) -> None:
         raise AssertionError("a load process started before the damaged copy was refused")
 
@@ -164,7 +162,7 @@ def test_download_killed_halfway_leaves_nothing_that_looks_complete(at_hub, tmp_
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     weights_sha = json.loads(next((at_hub.root / REPO / "commits").glob(
         "*/.diag-manifest.json")).read_text())["files"]["model.safetensors"]["sha256"]
-    blobs = hfcache.repo_folder(tmp_path, REPO) / "blobs"
+    blobs = source.repo_folder(tmp_path, REPO) / "blobs"
     deadline, seen = time.perf_counter() + 60, None
     try:
         # huggingface_hub writes 10 MB chunks, so the partial file may still be empty: kill 1 s
@@ -184,11 +182,11 @@ def test_download_killed_halfway_leaves_nothing_that_looks_complete(at_hub, tmp_
     assert not (blobs / weights_sha).exists()  # only a partial, under a name no load uses
     partial = list(blobs.glob(f"{weights_sha}.*.incomplete"))
     assert partial and partial[0].stat().st_size < 1_478_032
-    snapshot = hfcache.snapshot_folder(tmp_path, REPO)
+    snapshot = source.snapshot_folder(tmp_path, REPO)
     assert snapshot is None or not (snapshot / "model.safetensors").exists()
-    report = hfcache.verify_cache(REPO, tmp_path)
+    report = source.verify_cache(REPO, tmp_path)
     assert "incomplete" in set(report["status"]) and "missing" in set(report["status"])
-    assert hfcache.problems(report)  # diag refuses to load it as it is
+    assert source.problems(report)  # diag refuses to load it as it is
     fixed = verify_model_cache(cfg(tmp_path), repair=True)
     assert (fixed["status"] == "ok").all() and not list(blobs.glob("*.incomplete"))
 
@@ -281,8 +279,6 @@ def test_an_encoder_is_named_and_its_dropped_weights_are_a_warning(tmp_path):
 
 @pytest.mark.slow
 def test_zygote_children_get_their_own_offline_setting(at_hub, tmp_path):
-    from diag.model_load.processes import LoadProcesses
-
     job = {"mode": "download", "model": REPO, "revision": "main", "cache_dir": str(tmp_path),
            "local_dir": ""}
     with LoadProcesses({**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1"}) as procs:
@@ -303,7 +299,7 @@ def test_a_read_only_user_cache_is_reported_and_left_alone(at_hub, tmp_path, mon
         run_model_load(plain)
     assert not user.exists()
     assert "error" not in download(user, at_hub.endpoint)
-    blob = (hfcache.snapshot_folder(user, REPO) / "model.safetensors").resolve()
+    blob = (source.snapshot_folder(user, REPO) / "model.safetensors").resolve()
     with open(blob, "r+b") as f:
         f.seek(1000)
         f.write(b"\x00" * 16)

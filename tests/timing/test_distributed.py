@@ -373,7 +373,7 @@ def test_diags_comm_hook_leaves_the_gradients_bitwise_equal(tmp_path):
 
 def test_a_world_the_sweep_cannot_split_exits_2_on_every_rank_with_one_line(tmp_path):
     # the launcher stops every rank once one exits (it looks every 0.1 s): a rank that refuses
-    # waits for the others to say theirs (diag.cli.shutdown.said)
+    # waits for the others to say theirs (diag.cli.said)
     run = subprocess.run(
         [*TORCHRUN, "--nproc_per_node", "3", "--master_port", str(_port()), "-m", "diag",
          "accum", "--quick", "--device", "cpu", "--micro-batches", "2,4"],
