@@ -134,7 +134,7 @@ def _model_info(repo_id: str, manifest: dict[str, Any]) -> dict[str, Any]:
             "createdAt": stamp, "lastModified": stamp, "siblings": siblings}
 
 
-def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
+def serve(root: Path, host: str, port: int) -> None:
     """Serve the hub download protocol until killed (the HubServer subprocess runs this)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from urllib.parse import parse_qs, unquote, urlsplit
@@ -145,8 +145,7 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
         protocol_version = "HTTP/1.1"  # keep-alive, as the real hub; every reply sets a length
 
         def log_message(self, fmt: str, *args: Any) -> None:
-            if verbose:
-                super().log_message(fmt, *args)
+            pass  # quiet: a download asks hundreds of times
 
         def do_HEAD(self) -> None:
             self._route(body=False)
@@ -232,18 +231,7 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
     Server((host, port), Handler).serve_forever()
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
+if __name__ == "__main__":  # HubServer's subprocess: python -m diag.embedded.hub ROOT HOST PORT
+    import sys
 
-    parser = argparse.ArgumentParser(prog="python -m diag.embedded.hub",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--root", required=True, help="folder laid out by publish_model")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
-    args = parser.parse_args(argv)
-    serve(Path(args.root), args.host, args.port, verbose=args.verbose)
-
-
-if __name__ == "__main__":
-    main()
+    serve(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
