@@ -180,6 +180,23 @@ def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
                         for n, raw in enumerate(lines, start=1) if raw.strip())
 
 
+def split_chunk(chunk: Chunk, fields: dict[str, str] | None = None, stop_after: int | None = None
+                ) -> tuple[int, list[dict[str, Any]], list[tuple[Any, ...]]]:
+    """(lines in the chunk, its good records up to stop_after, its problems as (good records
+    before it, line, problem, detail))."""
+    count, rows = read_chunk(chunk, fields)
+    good: list[dict[str, Any]] = []
+    bad: list[tuple[Any, ...]] = []
+    for number, got in rows:
+        if isinstance(got, tuple):
+            bad.append((len(good), number, *got))
+            continue
+        good.append(got)
+        if stop_after is not None and len(good) >= stop_after:
+            break
+    return count, good, bad
+
+
 _SCAN = json.JSONDecoder().scan_once  # the C scanner under json.loads, without its wrappers
 
 
@@ -285,15 +302,13 @@ def _read(path: str | os.PathLike[str], fields: dict[str, str], on_error: str,
     problems: list[dict[str, Any]] = []
     lines: dict[str, int] = {}  # lines of each file read so far: chunks number from 1
     for chunk in plan_chunks(path, fields):
-        count, rows = read_chunk(chunk, fields)
+        left = None if limit is None else limit - len(records)
+        count, good, bad = split_chunk(chunk, fields, left)
         base = lines.get(chunk.where, 0)
-        for number, got in rows:
-            if isinstance(got, tuple):
-                problems.append(problem(chunk, base + number, got, on_error))
-                continue
-            records.append(got)
-            if limit is not None and len(records) >= limit:
-                return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
+        problems += [problem(chunk, base + n, (kind, why), on_error) for _, n, kind, why in bad]
+        records += good
+        if limit is not None and len(records) >= limit:
+            break
         lines[chunk.where] = base + count
     return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
 
