@@ -42,8 +42,7 @@ def shard_files(path: str | os.PathLike[str]) -> list[Path]:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a source one process reads alone: JSONL lines (bytes start..stop, or `data`), a
-    Parquet row group, records in memory, or another cache's records."""
+    """What one process reads alone: JSONL lines, a Parquet row group, records, a cache's part."""
 
     where: str  # how a problem names the file: its name, or its path under the source folder
     path: Path | None
@@ -182,8 +181,7 @@ def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
 
 def split_chunk(chunk: Chunk, fields: dict[str, str] | None = None, stop_after: int | None = None
                 ) -> tuple[int, list[dict[str, Any]], list[tuple[Any, ...]]]:
-    """(lines in the chunk, its good records up to stop_after, its problems as (good records
-    before it, line, problem, detail))."""
+    """(lines, good records up to stop_after, problems as (good before, line, problem, detail))."""
     count, rows = read_chunk(chunk, fields)
     good: list[dict[str, Any]] = []
     bad: list[tuple[Any, ...]] = []
@@ -263,11 +261,11 @@ def _chat(msgs: Any, name: str) -> tuple[str, str] | dict[str, Any]:
 def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
                 on_error: str = "raise", limit: int | None = None, cached: bool = False
                 ) -> tuple[list[dict[str, str]], Any]:
-    """(records, problems frame) of a file or folder of shards; fields {}: Alpaca; limit: that
-    many good records; cached: reuse this process's parse of unchanged files (never when timed)."""
+    """(records, problems frame) of a file or shards; cached: reuse a parse (never when timed)."""
     check_on_error(on_error)
     fields = dict(fields or {})
-    now = stamps(path) if cached else []
+    now = [(str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in shard_files(path)] \
+        if cached else []  # each file's (name, size, mtime_ns): the parse kept is theirs
     if not cached or sum(s[1] for s in now) > _READ_MAX_BYTES:
         return _read(path, fields, on_error, limit)
     records, problems = _read_once(tuple(now), path, tuple(sorted(fields.items())), on_error, limit)
@@ -281,11 +279,6 @@ def check_on_error(on_error: str) -> None:
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r}: allowed values are "
                          + ", ".join(map(repr, ON_ERROR)))
-
-
-def stamps(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
-    """(file, size, mtime_ns) of each record file at path."""
-    return [(str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in shard_files(path)]
 
 
 @lru_cache(maxsize=4)

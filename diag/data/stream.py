@@ -94,8 +94,7 @@ def encode_chunk(args: tuple[Job, Chunk, int | None]) -> Encoded:
 
 def encoded(chunks: Iterator[Chunk], job: Job, procs: int,
             stop_after: Callable[[], int | None]) -> Iterator[tuple[Chunk, Encoded]]:
-    """(chunk, its arrays) in source order, stop_after() asked per chunk handed out; more than one
-    process and chunk: a forked pool that stops when the caller does."""
+    """(chunk, its arrays) in source order; procs > 1: a forked pool that stops with the caller."""
     head = list(itertools.islice(chunks, 2))
     chunks = itertools.chain(head, chunks)
     if procs == 1 or len(head) < 2:
@@ -151,8 +150,7 @@ def _pool(procs: int) -> Iterator[Any]:
 
 
 def _worker_signals() -> None:
-    """A worker dies at SIGTERM running no Python (the parent's handler would unwind its copied
-    stack and remove the parent's files)."""
+    """A worker dies at SIGTERM running no Python (a copied handler would remove parent files)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 

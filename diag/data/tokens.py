@@ -171,8 +171,7 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
                       fields: dict[str, str] | None = None, cache_dir: Any = None,
                       num_proc: int | None = None, on_error: str = "skip", rebuild: bool = False,
                       limit: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> TokenCache:
-    """The token cache of source (a file, a folder of shards, or records), reused when its key
-    matches; fields, on_error: read_source's; rebuild: every shard again; limit: the first ones."""
+    """source's token cache (a file, shards or records), reused by key; limit: the first ones."""
     from diag.config import diag_home
     from diag.machine.device import usable_cores
 

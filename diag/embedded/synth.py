@@ -6,14 +6,12 @@ both, published into the hub root `HubServer` serves; `embedded_dataset`: any si
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
 import random
 import subprocess
 import sys
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,43 +220,32 @@ def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "t
             last = (run.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"making the embedded assets in {base} failed: {last}")
         return assets
-    with _filling(base):  # the first process of this DIAG_HOME makes them; the others wait
-        if not complete():
-            _make(assets, marker, model)
-    return assets
-
-
-def _make(assets: Assets, marker: Path, model: str) -> None:
-    for folder in (marker.parent, marker.parent / "models"):  # what a killed make left
-        sweep_orphans(folder)
-    if not assets.dataset.is_file():
-        synthetic_dataset(assets.dataset, target_mb=DATASET_MB, seed=0)
-    tiny_model(assets.model_dir, dataset=assets.dataset, **MODEL_SIZES[model])
-    commit = publish_model(assets.model_dir, assets.hub_root, assets.repo_id)
-    with atomic_file(marker) as tmp:
-        tmp.write_text(json.dumps({"commit": commit,
-                                   **{k: str(v) for k, v in vars(assets).items()}}))
-
-
-@contextlib.contextmanager
-def _filling(base: Path) -> Iterator[None]:
-    """Hold base/.fill.lock (flock: released by the kernel if the holder dies)."""
-    import fcntl
+    from filelock import FileLock, Timeout
 
     base.mkdir(parents=True, exist_ok=True)
-    timeout = timeout_s("fill")  # a first make's wait, apart from the collectives' bound
-    deadline = time.monotonic() + timeout
-    with open(base / ".fill.lock", "w") as lock:
-        while True:
-            with contextlib.suppress(BlockingIOError):
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"waited {timeout:g} s for another process to make the "
-                                   f"embedded assets in {base}; raise DIAG_FILL_TIMEOUT_S "
-                                   "if a first make takes longer here")
-            time.sleep(0.2)
-        yield
+    # flock: the first process of this DIAG_HOME makes them, the others wait (the kernel frees it
+    # if the holder dies) up to their own bound, apart from the collectives'
+    lock, timeout = FileLock(base / ".fill.lock"), timeout_s("fill")
+    try:
+        lock.acquire(timeout=timeout)
+    except Timeout:
+        raise TimeoutError(f"waited {timeout:g} s for another process to make the embedded "
+                           f"assets in {base}; raise DIAG_FILL_TIMEOUT_S if a first make takes "
+                           "longer here") from None
+    try:
+        if not complete():
+            for folder in (base, base / "models"):  # what a killed make left
+                sweep_orphans(folder)
+            if not assets.dataset.is_file():
+                synthetic_dataset(assets.dataset, target_mb=DATASET_MB, seed=0)
+            tiny_model(assets.model_dir, dataset=assets.dataset, **MODEL_SIZES[model])
+            commit = publish_model(assets.model_dir, assets.hub_root, assets.repo_id)
+            with atomic_file(marker) as tmp:
+                tmp.write_text(json.dumps({"commit": commit,
+                                           **{k: str(v) for k, v in vars(assets).items()}}))
+    finally:
+        lock.release()
+    return assets
 
 
 def embedded_dataset(size_mb: float, shards: int = 1) -> Path:
