@@ -147,25 +147,22 @@ def serve(root: Path, host: str, port: int) -> None:
         def log_message(self, fmt: str, *args: Any) -> None:
             pass  # quiet: a download asks hundreds of times
 
-        def do_HEAD(self) -> None:
-            self._route(body=False)
-
         def do_GET(self) -> None:
-            self._route(body=True)
+            self._route(body=self.command == "GET")
 
-        def _head(self, status: int, headers: dict[str, str], length: int) -> None:
+        do_HEAD = do_GET
+
+        def _reply(self, status: int, headers: dict[str, str], body: bool, payload: bytes = b"",
+                   length: int | None = None) -> None:
             self.send_response(status)
-            for k, v in {**headers, "Content-Length": str(length)}.items():
+            for k, v in {**headers, "Content-Length": str(length or len(payload))}.items():
                 self.send_header(k, v)
             self.end_headers()
-
-        def _reply(self, status: int, headers: dict[str, str], payload: bytes, body: bool) -> None:
-            self._head(status, headers, len(payload))
             if body:
                 self.wfile.write(payload)
 
         def _json(self, obj: Any, body: bool) -> None:
-            self._reply(200, {"Content-Type": "application/json"}, json.dumps(obj).encode(), body)
+            self._reply(200, {"Content-Type": "application/json"}, body, json.dumps(obj).encode())
 
         def _route(self, body: bool) -> None:
             url = urlsplit(self.path)
@@ -189,12 +186,12 @@ def serve(root: Path, host: str, port: int) -> None:
                 elif segs[:1] == ["api"] or (len(segs) >= 3 and "resolve" in segs[:4]):
                     # spaces, one-segment ids: not served here, so "not found"
                     raise _HubError("RepoNotFound", f"Repository for {url.path} not found")
-                self._reply(404, {"Content-Type": "text/plain"}, b"Not Found", body)
+                self._reply(404, {"Content-Type": "text/plain"}, body, b"Not Found")
             except _HubError as e:
                 headers = {"X-Error-Code": e.code, "X-Error-Message": str(e),
                            "Content-Type": "application/json",
                            **({"X-Repo-Commit": e.commit} if e.commit else {})}
-                self._reply(404, headers, json.dumps({"error": str(e)}).encode(), body)
+                self._reply(404, headers, body, json.dumps({"error": str(e)}).encode())
 
         def _file(self, root: Path, repo_id: str, revision: str, rel: str, body: bool) -> None:
             folder, manifest = _resolve(root, repo_id, revision)
@@ -218,9 +215,9 @@ def serve(root: Path, host: str, port: int) -> None:
                     start = max(size - int(m[2]), 0)
                 if start >= size or start > end:
                     headers["Content-Range"] = f"bytes */{size}"
-                    return self._reply(416, headers, b"", body)
+                    return self._reply(416, headers, body)
                 status, headers["Content-Range"] = 206, f"bytes {start}-{end}/{size}"
-            self._head(status, headers, end - start + 1)
+            self._reply(status, headers, False, length=end - start + 1)
             if body and end >= start:
                 with open(folder / rel, "rb") as f:
                     self.connection.sendfile(f, start, end - start + 1)  # zero-copy
