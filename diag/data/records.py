@@ -64,11 +64,27 @@ def plan_chunks(path: str | os.PathLike[str], fields: dict[str, str] | None = No
     """The chunks of a file or folder of shards in order, Parquet shards checked first."""
     files = shard_files(path)
     wheres = {f: str(f.relative_to(path)) if len(files) > 1 else f.name for f in files}
+    fields = dict(fields or {})
+    wanted = list(fields.values()) or list(ALPACA_FIELDS)
     groups: dict[Path, list[int]] = {}  # a Parquet shard's bytes per row group
     types: dict[str, tuple[Any, Path]] = {}  # column: (its type, the shard that first had it)
-    for file in (f for f in files if f.suffix == ".parquet"):
-        groups[file], schema = _parquet_columns(file, wheres[file], dict(fields or {}))
-        for column, got in schema.items():
+    for file in (f for f in files if f.suffix == ".parquet"):  # footers: refused before any work
+        import pyarrow.parquet as pq
+
+        try:
+            meta = pq.read_metadata(file)
+        except Exception as err:  # noqa: BLE001  pyarrow's errors have no common base
+            raise ValueError(f"--source: {wheres[file]} is not a readable Parquet file "
+                             f"({type(err).__name__}: {err})") from None
+        schema = meta.schema.to_arrow_schema()
+        if missing := [c for c in wanted if c not in schema.names
+                       and not (c == "input" and not fields)]:
+            raise ValueError(_no_field(missing[0], fields, "column", f" in {wheres[file]}",
+                                       schema.names))
+        groups[file] = [file.stat().st_size * meta.row_group(g).num_rows // max(meta.num_rows, 1)
+                        for g in range(meta.num_row_groups)]
+        for column in (c for c in wanted if c in schema.names):
+            got = schema.field(column).type
             want, first = types.setdefault(column, (got, file))
             if got != want:
                 raise ValueError(f"--source: {wheres[file]}: column {column!r} is {got}, "
@@ -124,26 +140,6 @@ def count_records(path: str | os.PathLike[str]) -> int:
         return pq.read_metadata(path).num_rows
     with open_records(path) as f:
         return sum(1 for line in f if line.strip())
-
-
-def _parquet_columns(file: Path, name: str, fields: dict[str, str]
-                     ) -> tuple[list[int], dict[str, Any]]:
-    """(bytes per row group, {column read: its type}) of one shard, from its footer."""
-    import pyarrow.parquet as pq
-
-    try:
-        meta = pq.read_metadata(file)
-    except Exception as err:  # noqa: BLE001  pyarrow's errors have no common base
-        raise ValueError(f"--source: {name} is not a readable Parquet file "
-                         f"({type(err).__name__}: {err})") from None
-    schema = meta.schema.to_arrow_schema()
-    wanted = list(fields.values()) or list(ALPACA_FIELDS)
-    missing = [c for c in wanted if c not in schema.names and not (c == "input" and not fields)]
-    if missing:
-        raise ValueError(_no_field(missing[0], fields, "column", f" in {name}", schema.names))
-    size, rows = file.stat().st_size, max(meta.num_rows, 1)
-    return ([size * meta.row_group(g).num_rows // rows for g in range(meta.num_row_groups)],
-            {c: schema.field(c).type for c in wanted if c in schema.names})
 
 
 def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None

@@ -56,9 +56,6 @@ class LoopbackServer:
         """The argv that serves on `port` (subclasses define it)."""
         raise NotImplementedError
 
-    def on_ready(self) -> None:
-        """Called once the port accepts connections."""
-
     def start(self) -> Self:
         if self.proc is not None:
             return self
@@ -80,11 +77,6 @@ class LoopbackServer:
             except RuntimeError as e:
                 if "Address already in use" not in str(e) or self._requested_port or attempt == 2:
                     raise
-        try:
-            self.on_ready()
-        except BaseException:
-            self.stop()
-            raise
         return self
 
     def _spawn(self) -> None:
@@ -155,10 +147,14 @@ class S3Server(LoopbackServer):
                        if importlib.util.find_spec(m) is None]:
             raise RuntimeError(f"the embedded S3 server needs {', '.join(missing)}: install the "
                                "extra with pip install 'diag[embedded]' (or -e '.[embedded]')")
-        return super().start()
-
-    def on_ready(self) -> None:
-        self.client().create_bucket(Bucket=self.bucket)
+        if self.proc is None:
+            super().start()
+            try:
+                self.client().create_bucket(Bucket=self.bucket)
+            except BaseException:
+                self.stop()
+                raise
+        return self
 
     def env(self) -> dict[str, str]:
         """Standard AWS variables: the default credential chain and boto3 pick these up."""

@@ -122,15 +122,6 @@ def synthetic_dataset(path: str | os.PathLike[str], *, records: int | None = Non
     return path
 
 
-def _training_texts(dataset: str | os.PathLike[str] | None, limit: int, seed: int) -> Iterator[str]:
-    if dataset is None:
-        records: Iterable[dict[str, str]] = synthetic_records(limit, seed)
-    else:
-        with open(dataset, encoding="utf-8") as f:
-            records = [json.loads(line) for line in itertools.islice(f, limit)]
-    return (f"{r['instruction']}\n{r['input']}\n{r['output']}" for r in records)
-
-
 def tiny_model(out_dir: str | os.PathLike[str], *, hidden_size: int = 64, num_layers: int = 2,
                num_heads: int = 4, intermediate_size: int | None = None, vocab_size: int = 2048,
                seed: int = 0, dataset: str | os.PathLike[str] | None = None) -> Path:
@@ -161,8 +152,13 @@ def tiny_model(out_dir: str | os.PathLike[str], *, hidden_size: int = 64, num_la
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                       special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        # 20k records are enough to fill a few thousand merges; more only costs time
-        tok.train_from_iterator(_training_texts(dataset, 20_000, seed), trainer=trainer)
+        if dataset is None:  # 20k records fill a few thousand merges; more only costs time
+            records: Iterable[dict[str, str]] = synthetic_records(20_000, seed)
+        else:
+            with open(dataset, encoding="utf-8") as f:
+                records = [json.loads(line) for line in itertools.islice(f, 20_000)]
+        tok.train_from_iterator((f"{r['instruction']}\n{r['input']}\n{r['output']}"
+                                 for r in records), trainer=trainer)
         bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
         tok.post_processor = processors.TemplateProcessing(  # Llama prepends BOS
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
