@@ -271,11 +271,10 @@ class BatchLoader:
         both = host.to(self.device, non_blocking=self._pin)
         return both[:, :-1], both[:, 1:]
 
+    __next__ = next
+
     def __iter__(self) -> BatchLoader:
         return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.next()
 
     def close(self) -> None:
         if self._pool is not None:

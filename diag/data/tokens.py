@@ -136,13 +136,6 @@ def read_meta(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     return meta
 
 
-def _finished(root: Path) -> list[tuple[Path, dict[str, Any]]]:
-    if not root.is_dir():
-        return []
-    return [(f, m) for f in root.iterdir() if not f.name.startswith(".")
-            and (m := read_meta(f)) is not None]
-
-
 def _serves(meta: dict[str, Any], records: int | None) -> bool:
     """A cache holds every record asked for: all of them, or at least the first `records`."""
     return meta["complete"] or (records is not None and meta["records"] >= records)
@@ -185,7 +178,8 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
     path = str(Path(source).resolve()) if isinstance(source, (str, os.PathLike)) else None
     ids = file_identities(source, root) if path else {}
     parts = key_parts(source, tokenizer_dir, dict(fields or {}), ids)
-    caches = _finished(root)
+    caches = [(f, m) for f in (root.iterdir() if root.is_dir() else ())  # the finished ones
+              if not f.name.startswith(".") and (m := read_meta(f)) is not None]
     serving = [(f, m) for f, m in caches if m["parts"] == parts and _serves(m, limit)]
     if serving and not rebuild:
         return _hit(serving[0], on_error, start, limit)
