@@ -73,9 +73,8 @@ def _arrays(tokenizer: Any, records: list[dict[str, Any]], dtype: str
     return ids, mask, lengths
 
 
-def encode_chunk(args: tuple[Job, Chunk, int | None]) -> Encoded:
+def encode_chunk(job: Job, chunk: Chunk, stop_after: int | None) -> Encoded:
     """One chunk read and tokenized (a copy: from its cache), up to `stop_after` good records."""
-    job, chunk, stop_after = args
     if chunk.copy is not None:
         folder, dtype, first, end, lines, problems = chunk.copy
         folder = Path(folder)
@@ -99,14 +98,13 @@ def encoded(chunks: Iterator[Chunk], job: Job, procs: int,
     chunks = itertools.chain(head, chunks)
     if procs == 1 or len(head) < 2:
         for chunk in chunks:
-            yield chunk, encode_chunk((job, chunk, stop_after()))
+            yield chunk, encode_chunk(job, chunk, stop_after())
         return
     with _pool(procs) as pool:
         window: deque[tuple[Chunk, Any]] = deque()
         try:
             for chunk in chunks:
-                window.append((chunk, pool.apply_async(encode_chunk,
-                                                       ((job, chunk, stop_after()),))))
+                window.append((chunk, pool.apply_async(encode_chunk, (job, chunk, stop_after()))))
                 if len(window) >= 2 * procs:  # the oldest is written before more are handed out
                     chunk, result = window.popleft()
                     yield chunk, result.get()
@@ -201,7 +199,7 @@ def with_copies(chunks: Any, ids: dict[Path, Any], reused: dict[str, Any]) -> An
     """The chunks, each shard held in `reused` replaced by copy chunks of its records."""
     done = set()
     for chunk in chunks:
-        hit = reused.get(ids[chunk.path][1])
+        hit = reused.get(ids[chunk.path][1]) if chunk.path in ids else None  # new: tokenized
         if hit is None:
             yield chunk
             continue
