@@ -4,11 +4,9 @@
 
 from typing import Any
 
-from diag.data.records import (DATA_SUFFIXES, PROBLEM_COLUMNS, count_records, read_source,
-                               shard_files)
+from diag.data.records import count_records, read_source, shard_files
 from diag.data.stream import ARRAYS
-from diag.data.text import (IGNORE_INDEX, PROMPT_TEMPLATE, encode_pairs, format_prompt,
-                            hf_tokenizer, load_tokenizer)
+from diag.data.text import IGNORE_INDEX, encode_pairs, format_prompt, hf_tokenizer, load_tokenizer
 from diag.data.tokens import TokenCache, build_token_cache, read_meta
 
 # diag.data.packing's names, imported when first asked for (it imports torch)
@@ -24,6 +22,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'diag.data' has no attribute {name!r}")
 
 
-__all__ = ["ARRAYS", "DATA_SUFFIXES", "IGNORE_INDEX", "PROBLEM_COLUMNS", "PROMPT_TEMPLATE",
-           "TokenCache", "build_token_cache", "count_records", "encode_pairs", "format_prompt",
-           "hf_tokenizer", "load_tokenizer", "read_meta", "read_source", "shard_files", *_TORCH]
+__all__ = ["ARRAYS", "IGNORE_INDEX", "TokenCache", "build_token_cache", "count_records",
+           "encode_pairs", "format_prompt", "hf_tokenizer", "load_tokenizer", "read_meta",
+           "read_source", "shard_files", *_TORCH]
