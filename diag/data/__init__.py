@@ -4,16 +4,14 @@
 
 from typing import Any
 
-from diag.data.batches import BatchLoader, TokenFile, check_tokens, ensure_tokens, token_file
-from diag.data.records import (DATA_SUFFIXES, PROBLEM_COLUMNS, count_records, read_source,
-                               shard_files)
+from diag.data.records import count_records, read_source, shard_files
 from diag.data.stream import ARRAYS
-from diag.data.text import (IGNORE_INDEX, PROMPT_TEMPLATE, encode_pairs, format_prompt,
-                            hf_tokenizer, load_tokenizer)
+from diag.data.text import IGNORE_INDEX, encode_pairs, format_prompt, hf_tokenizer, load_tokenizer
 from diag.data.tokens import TokenCache, build_token_cache, read_meta
 
-_TORCH = ("NaiveTextDataset", "PackedDataset", "best_fit_decreasing", "loss_counts",
-          "packing_refused")  # diag.data.packing's: imported when first asked for
+# diag.data.packing's names, imported when first asked for (it imports torch)
+_TORCH = ("BatchLoader", "NaiveTextDataset", "PackedDataset", "best_fit_decreasing", "check_tokens",
+          "ensure_tokens", "loss_counts", "packing_refused", "token_file")
 
 
 def __getattr__(name: str) -> Any:
@@ -24,7 +22,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'diag.data' has no attribute {name!r}")
 
 
-__all__ = ["ARRAYS", "BatchLoader", "DATA_SUFFIXES", "IGNORE_INDEX", "PROBLEM_COLUMNS",
-           "PROMPT_TEMPLATE", "TokenCache", "TokenFile", "build_token_cache", "check_tokens",
-           "count_records", "encode_pairs", "ensure_tokens", "format_prompt", "hf_tokenizer",
-           "load_tokenizer", "read_meta", "read_source", "shard_files", "token_file", *_TORCH]
+__all__ = ["ARRAYS", "IGNORE_INDEX", "TokenCache", "build_token_cache", "count_records",
+           "encode_pairs", "format_prompt", "hf_tokenizer", "load_tokenizer", "read_meta",
+           "read_source", "shard_files", *_TORCH]

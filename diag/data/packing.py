@@ -1,6 +1,7 @@
 """The datasets a job trains from: `PackedDataset` (records binned into windows, position_ids
-restarting per record so transformers keeps them apart) or `NaiveTextDataset` (one padded record
-per sample, tokenized in __getitem__, as a newcomer writes it).
+restarting per record so transformers keeps them apart), `NaiveTextDataset` (one padded record per
+sample, tokenized in __getitem__, as a newcomer writes it) and nanoGPT's random windows of a flat
+train.bin (`BatchLoader`: each batch gathered at once, the next prepared in a thread).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import bisect
 import json
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from diag.config import diag_home
+from diag.data.records import read_source
 from diag.data.text import IGNORE_INDEX, format_prompt, hf_tokenizer
+from diag.data.tokens import build_token_cache
 
 PACK_CHUNK = 1000  # records binned together: more fill windows better, binning costs n log n
 
@@ -28,8 +34,7 @@ def check_seq_len(seq_len: int) -> None:
 
 def best_fit_decreasing(lengths: np.ndarray, capacity: int, chunk: int = PACK_CHUNK
                         ) -> tuple[np.ndarray, np.ndarray]:
-    """(order, bounds): window w holds records order[bounds[w]:bounds[w + 1]]; per chunk (as TRL
-    bins per map batch), longest first, each into the fullest window it fits."""
+    """(order, bounds): window w holds order[bounds[w]:bounds[w + 1]]; longest first, per chunk."""
     order: list[int] = []
     sizes: list[int] = []
     for lo in range(0, len(lengths), chunk):
@@ -79,8 +84,7 @@ def packing_refused(attention: str | None) -> str:
 
 
 class PackedDataset(Dataset):
-    """Windows of seq_len tokens holding whole records (a longer one cut: `left_out`), labels -100
-    on prompts, each record's first token and padding; pack=False: a window each."""
+    """seq_len windows of whole records (longer: cut, `left_out`); pack=False: a window each."""
 
     def __init__(self, cache_folder: str | os.PathLike[str], seq_len: int,
                  pad_token_id: int | None = None, records: Sequence[int] | None = None,
@@ -147,8 +151,6 @@ class NaiveTextDataset(Dataset):
                  tokenizer_dir: str | os.PathLike[str], seq_len: int) -> None:
         check_seq_len(seq_len)
         if isinstance(path_or_records, (str, os.PathLike)):
-            from diag.data.records import read_source
-
             path_or_records, _ = read_source(path_or_records, on_error="raise")
         # a Sequence is kept as given: a dataset read item by item from disk stays there
         self.records = path_or_records if isinstance(path_or_records, Sequence) \
@@ -176,3 +178,111 @@ class NaiveTextDataset(Dataset):
         attention_mask = torch.tensor([1] * len(ids) + [0] * pad)
         labels = torch.tensor(labels + [IGNORE_INDEX] * pad)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    """A flat file of token ids and what made it."""
+
+    path: Path  # train.bin: the ids of every document, each followed by the EOS id
+    dtype: str  # "uint16" or "uint32" (numpy name), from the vocabulary size
+    vocab_size: int  # ids are 0 .. vocab_size - 1 (0 when unknown: a user's file without meta)
+    tokens: int  # ids in the file
+
+    def open(self) -> np.memmap:
+        return np.memmap(self.path, dtype=self.dtype, mode="r")
+
+
+def ensure_tokens(tokenizer_dir: str | os.PathLike[str] | None = None,
+                  dataset: str | os.PathLike[str] | None = None,
+                  home: str | os.PathLike[str] | None = None) -> TokenFile:
+    """The dataset's token cache `train.bin`, built once (defaults: the embedded assets)."""
+    if tokenizer_dir is None or dataset is None:
+        from diag.embedded import ensure_assets
+
+        assets = ensure_assets(home)
+        tokenizer_dir = tokenizer_dir or assets.model_dir
+        dataset = dataset or assets.dataset
+    root = (Path(home) if home is not None else diag_home()) / "tokens"
+    cache = build_token_cache(dataset, tokenizer_dir, cache_dir=root)
+    return token_file(cache.folder / "train.bin")
+
+
+def token_file(path: str | os.PathLike[str], dtype: str = "uint16") -> TokenFile:
+    """A user's train.bin: its meta.json beside it when there is one, else nanoGPT's uint16."""
+    path = Path(path)
+    if (path.parent / "meta.json").is_file():  # names the folder's train.bin dtype, vocab, length
+        meta = json.loads((path.parent / "meta.json").read_text())
+        return TokenFile(path.parent / "train.bin", meta["dtype"], int(meta["vocab_size"]),
+                         int(meta["tokens"]))
+    if not path.is_file():
+        raise ValueError(f"AccumConfig.token_file={str(path)!r}: no such file")
+    size = np.dtype(dtype).itemsize
+    if path.stat().st_size % size:
+        raise ValueError(f"AccumConfig.token_file={str(path)!r}: {path.stat().st_size} bytes is "
+                         f"not a whole number of {dtype} ids")
+    return TokenFile(path, np.dtype(dtype).name, 0, path.stat().st_size // size)
+
+
+def check_tokens(tokens: TokenFile, vocab_size: int, who: str = "the model") -> int:
+    """The top id; ValueError naming the file, id and vocabulary when it is >= vocab_size."""
+    data = tokens.open()
+    if data.size < 2:
+        raise ValueError(f"{tokens.path}: holds {data.size} token(s); a training window needs more")
+    top = int(data.max())  # one pass over the map: ~1 ms per million ids
+    for limit, name in ((vocab_size, who), (tokens.vocab_size, "the tokenizer that made it")):
+        if limit and top >= limit:
+            raise ValueError(f"{tokens.path}: holds token id {top}, but {name} has {limit} ids "
+                             f"(0..{limit - 1}): the file was made with another tokenizer; "
+                             "delete its folder to rebuild it, or name the matching model")
+    return top
+
+
+class BatchLoader:
+    """nanoGPT's get_batch: the map opened once, one gather per batch, pinned memory on CUDA."""
+
+    def __init__(self, tokens: TokenFile, batch: int, seq_len: int, device: Any = "cpu",
+                 seed: int = 0, prefetch: bool = True) -> None:
+        self._data = tokens.open()  # kept open: pages stay mapped, no reopen per batch
+        if self._data.size < seq_len + 2:
+            raise ValueError(f"{tokens.path}: {self._data.size} tokens is too few for windows of "
+                             f"seq_len={seq_len} (+1 for the targets)")
+        self.batch, self.seq_len, self.device = batch, seq_len, torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self._rng = np.random.default_rng(seed)  # used by the one worker thread only
+        self._offsets = np.arange(seq_len + 1)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="diag-batches") if prefetch else None
+        self._next: Future | None = self._pool.submit(self._host_batch) if self._pool else None
+
+    def _host_batch(self) -> torch.Tensor:
+        starts = self._rng.integers(0, self._data.size - self.seq_len - 1, size=self.batch)
+        windows = self._data[starts[:, None] + self._offsets].astype(np.int64)  # one gather
+        host = torch.from_numpy(windows)
+        return host.pin_memory() if self._pin else host
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prepared batch on the device; the one after it starts preparing at once."""
+        if self._pool is not None:
+            host = self._next.result()  # type: ignore[union-attr]
+            self._next = self._pool.submit(self._host_batch)  # immediately prefetch the next
+        else:
+            host = self._host_batch()
+        # from pinned memory this copy is queued and returns at once: it overlaps the step
+        both = host.to(self.device, non_blocking=self._pin)
+        return both[:, :-1], both[:, 1:]
+
+    __next__ = next
+
+    def __iter__(self) -> BatchLoader:
+        return self
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> BatchLoader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

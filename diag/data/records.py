@@ -42,8 +42,7 @@ def shard_files(path: str | os.PathLike[str]) -> list[Path]:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A piece of a source one process reads alone: JSONL lines (bytes start..stop, or `data`), a
-    Parquet row group, records in memory, or another cache's records."""
+    """What one process reads alone: JSONL lines, a Parquet row group, records, a cache's part."""
 
     where: str  # how a problem names the file: its name, or its path under the source folder
     path: Path | None
@@ -65,11 +64,27 @@ def plan_chunks(path: str | os.PathLike[str], fields: dict[str, str] | None = No
     """The chunks of a file or folder of shards in order, Parquet shards checked first."""
     files = shard_files(path)
     wheres = {f: str(f.relative_to(path)) if len(files) > 1 else f.name for f in files}
+    fields = dict(fields or {})
+    wanted = list(fields.values()) or list(ALPACA_FIELDS)
     groups: dict[Path, list[int]] = {}  # a Parquet shard's bytes per row group
     types: dict[str, tuple[Any, Path]] = {}  # column: (its type, the shard that first had it)
-    for file in (f for f in files if f.suffix == ".parquet"):
-        groups[file], schema = _parquet_columns(file, wheres[file], dict(fields or {}))
-        for column, got in schema.items():
+    for file in (f for f in files if f.suffix == ".parquet"):  # footers: refused before any work
+        import pyarrow.parquet as pq
+
+        try:
+            meta = pq.read_metadata(file)
+        except Exception as err:  # noqa: BLE001  pyarrow's errors have no common base
+            raise ValueError(f"--source: {wheres[file]} is not a readable Parquet file "
+                             f"({type(err).__name__}: {err})") from None
+        schema = meta.schema.to_arrow_schema()
+        if missing := [c for c in wanted if c not in schema.names
+                       and not (c == "input" and not fields)]:
+            raise ValueError(_no_field(missing[0], fields, "column", f" in {wheres[file]}",
+                                       schema.names))
+        groups[file] = [file.stat().st_size * meta.row_group(g).num_rows // max(meta.num_rows, 1)
+                        for g in range(meta.num_row_groups)]
+        for column in (c for c in wanted if c in schema.names):
+            got = schema.field(column).type
             want, first = types.setdefault(column, (got, file))
             if got != want:
                 raise ValueError(f"--source: {wheres[file]}: column {column!r} is {got}, "
@@ -127,26 +142,6 @@ def count_records(path: str | os.PathLike[str]) -> int:
         return sum(1 for line in f if line.strip())
 
 
-def _parquet_columns(file: Path, name: str, fields: dict[str, str]
-                     ) -> tuple[list[int], dict[str, Any]]:
-    """(bytes per row group, {column read: its type}) of one shard, from its footer."""
-    import pyarrow.parquet as pq
-
-    try:
-        meta = pq.read_metadata(file)
-    except Exception as err:  # noqa: BLE001  pyarrow's errors have no common base
-        raise ValueError(f"--source: {name} is not a readable Parquet file "
-                         f"({type(err).__name__}: {err})") from None
-    schema = meta.schema.to_arrow_schema()
-    wanted = list(fields.values()) or list(ALPACA_FIELDS)
-    missing = [c for c in wanted if c not in schema.names and not (c == "input" and not fields)]
-    if missing:
-        raise ValueError(_no_field(missing[0], fields, "column", f" in {name}", schema.names))
-    size, rows = file.stat().st_size, max(meta.num_rows, 1)
-    return ([size * meta.row_group(g).num_rows // rows for g in range(meta.num_row_groups)],
-            {c: schema.field(c).type for c in wanted if c in schema.names})
-
-
 def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
                ) -> tuple[int, Iterator[tuple[int, dict[str, Any] | tuple[str, str]]]]:
     """(lines or rows in the chunk, its (number from 1, record or (problem, detail)) in order)."""
@@ -178,6 +173,22 @@ def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
         lines.pop()  # the chunk's last newline ends its last line
     return len(lines), ((n, normalise(_json(raw), fields))
                         for n, raw in enumerate(lines, start=1) if raw.strip())
+
+
+def split_chunk(chunk: Chunk, fields: dict[str, str] | None = None, stop_after: int | None = None
+                ) -> tuple[int, list[dict[str, Any]], list[tuple[Any, ...]]]:
+    """(lines, good records up to stop_after, problems as (good before, line, problem, detail))."""
+    count, rows = read_chunk(chunk, fields)
+    good: list[dict[str, Any]] = []
+    bad: list[tuple[Any, ...]] = []
+    for number, got in rows:
+        if isinstance(got, tuple):
+            bad.append((len(good), number, *got))
+            continue
+        good.append(got)
+        if stop_after is not None and len(good) >= stop_after:
+            break
+    return count, good, bad
 
 
 _SCAN = json.JSONDecoder().scan_once  # the C scanner under json.loads, without its wrappers
@@ -246,11 +257,11 @@ def _chat(msgs: Any, name: str) -> tuple[str, str] | dict[str, Any]:
 def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
                 on_error: str = "raise", limit: int | None = None, cached: bool = False
                 ) -> tuple[list[dict[str, str]], Any]:
-    """(records, problems frame) of a file or folder of shards; fields {}: Alpaca; limit: that
-    many good records; cached: reuse this process's parse of unchanged files (never when timed)."""
+    """(records, problems frame) of a file or shards; cached: reuse a parse (never when timed)."""
     check_on_error(on_error)
     fields = dict(fields or {})
-    now = stamps(path) if cached else []
+    now = [(str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in shard_files(path)] \
+        if cached else []  # each file's (name, size, mtime_ns): the parse kept is theirs
     if not cached or sum(s[1] for s in now) > _READ_MAX_BYTES:
         return _read(path, fields, on_error, limit)
     records, problems = _read_once(tuple(now), path, tuple(sorted(fields.items())), on_error, limit)
@@ -264,11 +275,6 @@ def check_on_error(on_error: str) -> None:
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r}: allowed values are "
                          + ", ".join(map(repr, ON_ERROR)))
-
-
-def stamps(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
-    """(file, size, mtime_ns) of each record file at path."""
-    return [(str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in shard_files(path)]
 
 
 @lru_cache(maxsize=4)
@@ -285,15 +291,13 @@ def _read(path: str | os.PathLike[str], fields: dict[str, str], on_error: str,
     problems: list[dict[str, Any]] = []
     lines: dict[str, int] = {}  # lines of each file read so far: chunks number from 1
     for chunk in plan_chunks(path, fields):
-        count, rows = read_chunk(chunk, fields)
+        left = None if limit is None else limit - len(records)
+        count, good, bad = split_chunk(chunk, fields, left)
         base = lines.get(chunk.where, 0)
-        for number, got in rows:
-            if isinstance(got, tuple):
-                problems.append(problem(chunk, base + number, got, on_error))
-                continue
-            records.append(got)
-            if limit is not None and len(records) >= limit:
-                return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
+        problems += [problem(chunk, base + n, (kind, why), on_error) for _, n, kind, why in bad]
+        records += good
+        if limit is not None and len(records) >= limit:
+            break
         lines[chunk.where] = base + count
     return records, pd.DataFrame(problems, columns=PROBLEM_COLUMNS)
 

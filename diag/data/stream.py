@@ -1,5 +1,6 @@
-"""The token cache's build: `encode_chunk` tokenizes one chunk, `encoded` runs them in forked
-processes (two per process in flight) in source order, `Arrays` appends them.
+"""The token cache's build: `encode_chunk` tokenizes one chunk (or copies it from an older cache),
+`encoded` runs them in forked processes (two per process in flight) in source order,
+`write_chunks` appends them (`Arrays`) and keeps meta.json's account, shard by shard.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from diag.data.records import Chunk, read_chunk
+from diag.data.records import Chunk, problem, split_chunk
 from diag.data.text import encode_pairs, load_tokenizer
 
 ENCODE_BATCH = 1000  # records per tokenizer call: amortizes the call, bounds a worker's objects
 ARRAYS = ("train.bin", "loss_mask.npy", "offsets.npy")  # a cache's data files, beside meta.json
+PROBLEMS_KEPT = 1000  # records left out that meta.json lists (all of them are counted)
+COPY_RECORDS = 100_000  # records of an unchanged shard copied from an older cache at once
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,8 @@ def _arrays(tokenizer: Any, records: list[dict[str, Any]], dtype: str
     return ids, mask, lengths
 
 
-def encode_chunk(args: tuple[Job, Chunk, int | None]) -> Encoded:
+def encode_chunk(job: Job, chunk: Chunk, stop_after: int | None) -> Encoded:
     """One chunk read and tokenized (a copy: from its cache), up to `stop_after` good records."""
-    job, chunk, stop_after = args
     if chunk.copy is not None:
         folder, dtype, first, end, lines, problems = chunk.copy
         folder = Path(folder)
@@ -83,42 +85,26 @@ def encode_chunk(args: tuple[Job, Chunk, int | None]) -> Encoded:
         return Encoded(ids, np.array(mask), np.diff(offsets[first:end + 1]),
                        [tuple(p) for p in problems], lines)
     tokenizer = load_tokenizer(job.tokenizer_dir, job.version)
-    lines, rows = read_chunk(chunk, job.fields)
-    parts, problems, batch, good = [], [], [], 0
-    for number, got in rows:
-        if isinstance(got, tuple):
-            problems.append((good, number, *got))
-            continue
-        batch.append(got)
-        good += 1
-        if len(batch) == ENCODE_BATCH or good == stop_after:
-            parts.append(_arrays(tokenizer, batch, job.dtype))
-            batch = []
-        if good == stop_after:
-            break
-    if batch:
-        parts.append(_arrays(tokenizer, batch, job.dtype))
-    if not parts:
-        parts = [(np.zeros(0, job.dtype), np.zeros(0, np.uint8), np.zeros(0, np.int64))]
+    lines, records, problems = split_chunk(chunk, job.fields, stop_after)
+    parts = [_arrays(tokenizer, records[i:i + ENCODE_BATCH], job.dtype)
+             for i in range(0, max(len(records), 1), ENCODE_BATCH)]
     return Encoded(*(np.concatenate(p) for p in zip(*parts)), problems, lines)
 
 
 def encoded(chunks: Iterator[Chunk], job: Job, procs: int,
             stop_after: Callable[[], int | None]) -> Iterator[tuple[Chunk, Encoded]]:
-    """(chunk, its arrays) in source order, stop_after() asked per chunk handed out; more than one
-    process and chunk: a forked pool that stops when the caller does."""
+    """(chunk, its arrays) in source order; procs > 1: a forked pool that stops with the caller."""
     head = list(itertools.islice(chunks, 2))
     chunks = itertools.chain(head, chunks)
     if procs == 1 or len(head) < 2:
         for chunk in chunks:
-            yield chunk, encode_chunk((job, chunk, stop_after()))
+            yield chunk, encode_chunk(job, chunk, stop_after())
         return
     with _pool(procs) as pool:
         window: deque[tuple[Chunk, Any]] = deque()
         try:
             for chunk in chunks:
-                window.append((chunk, pool.apply_async(encode_chunk,
-                                                       ((job, chunk, stop_after()),))))
+                window.append((chunk, pool.apply_async(encode_chunk, (job, chunk, stop_after()))))
                 if len(window) >= 2 * procs:  # the oldest is written before more are handed out
                     chunk, result = window.popleft()
                     yield chunk, result.get()
@@ -162,8 +148,7 @@ def _pool(procs: int) -> Iterator[Any]:
 
 
 def _worker_signals() -> None:
-    """A worker dies at SIGTERM running no Python (the parent's handler would unwind its copied
-    stack and remove the parent's files)."""
+    """A worker dies at SIGTERM running no Python (a copied handler would remove parent files)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
@@ -208,3 +193,67 @@ class Arrays:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
+
+
+def with_copies(chunks: Any, ids: dict[Path, Any], reused: dict[str, Any]) -> Any:
+    """The chunks, each shard held in `reused` replaced by copy chunks of its records."""
+    done = set()
+    for chunk in chunks:
+        hit = reused.get(ids[chunk.path][1]) if chunk.path in ids else None  # new: tokenized
+        if hit is None:
+            yield chunk
+            continue
+        if chunk.where in done:
+            continue
+        done.add(chunk.where)
+        folder, dtype, e = hit
+        first, end = e["first"], e["first"] + e["records"]
+        for a in range(first, max(end, first + 1), COPY_RECORDS):
+            b, last = min(a + COPY_RECORDS, end), a + COPY_RECORDS >= end
+            problems = [(p[0] - a + first, *p[1:]) for p in e["problems"]
+                        if a - first <= p[0] and (last or p[0] < b - first)]
+            yield Chunk(chunk.where, chunk.path, shard=chunk.shard,
+                        copy=(str(folder), dtype, a, b, e["lines"] if last else 0, problems))
+
+
+def write_chunks(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None,
+                 on_error: str, ids: dict[Path, Any]) -> dict[str, Any]:
+    """Every chunk's arrays into tmp, in order; meta.json's account of them, shard by shard."""
+    arrays = Arrays(tmp, job.dtype)
+    shards: dict[str, dict[str, Any]] = {}
+    problems: list[dict[str, Any]] = []
+    skipped = read = 0
+    lines: dict[str, int] = {}  # lines of each file so far: a chunk numbers its own from 1
+    full = False
+    try:
+        remaining = (lambda: None) if limit is None else (lambda: limit - arrays.records)
+        with contextlib.closing(encoded(chunks, job, procs, remaining)) as parts:
+            for chunk, part in parts:  # closed on the way out: a pool's workers stop at once
+                if limit is not None and arrays.records + len(part.lengths) >= limit:
+                    part, full = part.first(limit - arrays.records), True
+                base = lines.get(chunk.where, 0)
+                shard = shards.setdefault(chunk.where, {
+                    "where": chunk.where, "identity": ids.get(chunk.path, ((), ""))[1],
+                    "first": arrays.records, "records": 0, "problems": []})
+                for before, number, *got in part.problems:
+                    shard["problems"].append((arrays.records + before - shard["first"],
+                                              base + number, *got))
+                    row = problem(chunk, base + number, tuple(got), on_error)  # "raise": refused
+                    skipped += 1
+                    if len(problems) < PROBLEMS_KEPT:  # and the good records read before it
+                        problems.append({**row, "record": arrays.records + before})
+                lines[chunk.where] = shard["lines"] = base + part.lines
+                arrays.append(part)
+                shard["records"] += len(part.lengths)
+                read += chunk.size
+                if full:
+                    break
+        arrays.finish()
+    finally:
+        arrays.close()
+    for i, shard in enumerate(shards.values()):  # a limit build's last shard is not whole
+        shard["complete"] = not full or i < len(shards) - 1
+    return {"records": arrays.records, "tokens": arrays.tokens, "dtype": job.dtype,
+            "complete": not full, "problems": problems, "skipped": skipped,
+            "shards": list(shards.values()),
+            "build": {"bytes": read, "processes": procs}}

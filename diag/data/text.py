@@ -120,12 +120,11 @@ def hf_tokenizer(tokenizer_dir: str, version: str = "") -> Any:
 
 def encode_pairs(tokenizer: Any, records: list[dict[str, Any]]
                  ) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompt ids, response ids) of each record, tokenized apart so the loss mask is exact; a
-    chat template's prompt gets no special tokens (it writes its own BOS)."""
+    """(prompt ids, response ids) of each record, apart so the loss mask is exact."""
     pairs = [format_prompt(r, tokenizer) for r in records]
     rust = tokenizer.backend_tokenizer  # the Rust batch call: no BatchEncoding per row
     prompts: list[list[int]] = [[] for _ in records]
-    for special in (True, False):  # one batch per kind: a source's records are all one kind
+    for special in (True, False):  # one batch per kind; a chat template writes its own BOS
         rows = [i for i, r in enumerate(records) if ("messages" not in r) is special]
         if rows:
             encoded = rust.encode_batch_fast([pairs[i][0] for i in rows],

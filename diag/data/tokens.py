@@ -1,14 +1,16 @@
 """The one token cache: tokenize once, keep the tokens on disk, reuse them while nothing changed.
 
 `build_token_cache` streams the records into DIAG_HOME/tokens/<key>/ (arrays, meta.json last),
-keyed by content; a changed shard is tokenized alone, the others copied from an older cache.
+keyed by content: each shard's identity (its landing manifest's, else its sha256, memoized while
+size, mtime, ctime and inode stay), the tokenizer's, the settings. A changed shard is tokenized
+alone, the others copied from an older cache.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -19,19 +21,23 @@ from typing import Any
 
 import numpy as np
 
-from diag.data.identity import FORMAT, file_identities, key_parts, sha256
-from diag.data.records import (PROBLEM_COLUMNS, Chunk, check_on_error, plan_chunks, problem,
-                               refusal, shard_files, stamps)
-from diag.data.stream import Arrays, Job, encoded
-from diag.data.text import load_tokenizer
-from diag.files import atomic_folder, sweep_orphans
+from diag.config.source import MANIFEST_SUFFIX
+from diag.data.records import (PROBLEM_COLUMNS, Chunk, check_on_error, plan_chunks, refusal,
+                               shard_files)
+from diag.data.stream import Job, with_copies, write_chunks
+from diag.data.text import PROMPT_TEMPLATE, PROMPT_TEMPLATE_NO_INPUT, load_tokenizer
+from diag.files import atomic_file, atomic_folder, file_sha256, sweep_orphans
 
+FORMAT = 4  # bump when the arrays' layout or the encoding changes: every old cache goes stale
+# what a tokenizer is saved as; transformers 5 writes the chat template to its own file
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json")
+MEMO = ".identities.json"  # {path: [size, mtime_ns, ctime_ns, inode, identity]} under the caches
 CHUNK_BYTES = 1 << 20  # JSONL bytes a worker reads and tokenizes at once (~25 MB of its memory)
 MEMORY_CHUNK = 1000  # records per chunk of a source given as a list
-PROBLEMS_KEPT = 1000  # records left out that meta.json lists (all of them are counted)
-COPY_RECORDS = 100_000  # records of an unchanged shard copied from an older cache at once
 TOKENS_PER_BYTE = 0.5  # the free-disk estimate's guess (docs/calibration.md, data)
 Source = str | os.PathLike[str] | list[dict[str, Any]]
+Identities = dict[Path, tuple[list[int], str]]  # {shard: ([size, mtime_ns, ctime_ns, inode], id)}
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,71 @@ class TokenCache:
     complete: bool = True  # False: the first records only (a `limit` build)
 
 
+def file_identities(source: str | os.PathLike[str], memo_dir: Path) -> Identities:
+    """Each shard's stamp and identity, in order: the landing manifest's, the memo's, its sha256."""
+    root, found, hashed = Path(source), {}, False
+    landed, memo_path = _landed(root), memo_dir / MEMO
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    for file in shard_files(root):
+        st = file.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        known = landed.get(file.relative_to(root).as_posix() if root.is_dir() else "")
+        if known is not None and known[0] == st.st_size and st.st_mtime_ns <= known[1]:
+            found[file] = stamp, known[2]  # landed and untouched since its manifest was written
+            continue
+        old = memo.get(str(file.resolve()))
+        if old is None or old[:4] != stamp:
+            old = memo[str(file.resolve())] = [*stamp, "sha256:" + file_sha256(file)]
+            hashed = True
+        found[file] = stamp, old[4]
+    if hashed:  # written whole: a lost race costs one more hash
+        with atomic_file(memo_path) as tmp:  # files gone (a run's copies) are forgotten
+            tmp.write_text(json.dumps({k: v for k, v in memo.items() if os.path.exists(k)}))
+    return found
+
+
+def _landed(root: Path) -> dict[str, tuple[int, int, str]]:
+    """{file under root ("": root): (size, mtime_ns, identity)} from land()'s manifest, or {}."""
+    manifest = root.with_name(root.name + MANIFEST_SUFFIX)
+    try:
+        written = manifest.stat().st_mtime_ns
+        got = json.loads(manifest.read_text())
+        prefix = got["url"].split("/", 3)[3] if got["url"].count("/") >= 3 else ""
+        return {obj["key"][len(prefix):].strip("/") if root.is_dir() else "": (
+            obj["size"], written, f"landed:{obj['etag']}:{obj.get('digest') or obj.get('sha256')}:"
+            f"{obj['size']}") for obj in got["objects"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}  # none, or not one this diag wrote: the files are hashed instead
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def key_parts(source: Source, tokenizer_dir: str | os.PathLike[str], fields: dict[str, str],
+              ids: Identities) -> dict[str, str]:
+    """Digests of what the tokens depend on: data (ids: its shards'), tokenizer, settings."""
+    if not isinstance(source, (str, os.PathLike)):
+        data = sha256(json.dumps(list(source), sort_keys=True))
+    elif not Path(source).is_dir():
+        data = next(iter(ids.values()))[1]
+    else:  # a folder: each shard's name under it and identity, in order
+        data = sha256("\n".join(f"{f.relative_to(source).as_posix()}={i}"
+                                for f, (_, i) in ids.items()))
+    tok = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = Path(tokenizer_dir, name)
+        if path.is_file():
+            tok.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    settings = json.dumps({"format": FORMAT, "template": PROMPT_TEMPLATE,
+                           "template_no_input": PROMPT_TEMPLATE_NO_INPUT,
+                           "fields": dict(sorted(fields.items()))})
+    return {"data": data, "tokenizer": tok.hexdigest(), "settings": sha256(settings)}
+
+
 def read_meta(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The meta of a finished cache; None for a torn or foreign folder (arrays disagree)."""
     folder = Path(folder)
@@ -63,13 +134,6 @@ def read_meta(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
             or records != meta.get("records"):
         return None
     return meta
-
-
-def _finished(root: Path) -> list[tuple[Path, dict[str, Any]]]:
-    if not root.is_dir():
-        return []
-    return [(f, m) for f in root.iterdir() if not f.name.startswith(".")
-            and (m := read_meta(f)) is not None]
 
 
 def _serves(meta: dict[str, Any], records: int | None) -> bool:
@@ -100,8 +164,7 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
                       fields: dict[str, str] | None = None, cache_dir: Any = None,
                       num_proc: int | None = None, on_error: str = "skip", rebuild: bool = False,
                       limit: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> TokenCache:
-    """The token cache of source (a file, a folder of shards, or records), reused when its key
-    matches; fields, on_error: read_source's; rebuild: every shard again; limit: the first ones."""
+    """source's token cache (a file, shards or records), reused by key; limit: the first ones."""
     from diag.config import diag_home
     from diag.machine.device import usable_cores
 
@@ -112,14 +175,16 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
     check_on_error(on_error)
     start = time.perf_counter()
     root = Path(cache_dir) if cache_dir else diag_home() / "tokens"
-    parts = key_parts(source, tokenizer_dir, fields, root)
-    caches = _finished(root)
+    path = str(Path(source).resolve()) if isinstance(source, (str, os.PathLike)) else None
+    ids = file_identities(source, root) if path else {}
+    parts = key_parts(source, tokenizer_dir, dict(fields or {}), ids)
+    caches = [(f, m) for f in (root.iterdir() if root.is_dir() else ())  # the finished ones
+              if not f.name.startswith(".") and (m := read_meta(f)) is not None]
     serving = [(f, m) for f, m in caches if m["parts"] == parts and _serves(m, limit)]
     if serving and not rebuild:
         return _hit(serving[0], on_error, start, limit)
-    key = sha256(json.dumps({**parts, "limit": limit}, sort_keys=True).encode())
+    key = sha256(json.dumps({**parts, "limit": limit}, sort_keys=True))
     folder = root / key[:16]  # by content, not path: a landed copy hits the original's cache
-    path = str(Path(source).resolve()) if isinstance(source, (str, os.PathLike)) else None
     stale = [f for f, m in caches if path and m["source"] == path and m["parts"] != parts]
     changed = " and ".join(k for k in parts if any(
         m["parts"][k] != parts[k] for f, m in caches if f in stale))
@@ -127,8 +192,15 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
               if folder.exists() else f"rebuilt: {changed} changed" if changed else "built")
     head = {"format": FORMAT, "key": key, "parts": parts, "limit": limit, "source": path,
             "tokenizer_dir": str(tokenizer_dir), "fields": dict(fields or {})}
+    reused: dict[str, tuple[Path, str, dict[str, Any]]] = {}  # {shard identity: where it is}
+    for old, m in [] if rebuild else caches:  # whole shards in caches of these settings
+        if [m["parts"][k] for k in ("tokenizer", "settings")] == [parts["tokenizer"],
+                                                                     parts["settings"]]:
+            for e in m.get("shards", ()):
+                if e["complete"]:
+                    reused.setdefault(e["identity"], (old, m["dtype"], e))
     meta = _build(source, folder, head, num_proc or usable_cores(), chunk_bytes, on_error,
-                  start, rebuild)
+                  start, ids, reused)
     for old, m in caches:  # replaced, or served by this one from now on: not kept
         if old in stale or (m["parts"] == parts and old != folder
                             and _serves(meta, None if m["complete"] else m["records"])):
@@ -137,27 +209,22 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
 
 
 def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk_bytes: int,
-           on_error: str, start: float, rebuild: bool = False) -> dict[str, Any]:
+           on_error: str, start: float, ids: Identities, reused: dict[str, Any]
+           ) -> dict[str, Any]:
     """Stream source's tokens into atomic_folder(folder), meta.json last; returns that meta."""
     path, limit, root = head["source"], head["limit"], folder.parent
     tok = load_tokenizer(head["tokenizer_dir"], head["parts"]["tokenizer"])
     dtype = "uint16" if len(tok) <= 1 << 16 else "uint32"  # the smallest that holds every id
     job = Job(head["tokenizer_dir"], head["parts"]["tokenizer"], dtype, head["fields"])
-    ids: dict[str, str] = {}
-    if path:  # each shard an older cache of this tokenizer and settings holds: copied, not
-        files = shard_files(source)  # tokenized again
-        ids = {str(f.relative_to(source)) if len(files) > 1 else f.name: i
-               for f, i in zip(files, file_identities(source, root))}
-        chunks = _with_copies(plan_chunks(source, head["fields"], chunk_bytes), ids,
-                              {} if rebuild else _reused(root, head["parts"]))
+    if path:  # each shard an older cache of these settings holds: copied, not tokenized again
+        chunks = with_copies(plan_chunks(source, head["fields"], chunk_bytes), ids, reused)
     else:
         chunks = iter([Chunk("records", None, rows=tuple(source[i:i + MEMORY_CHUNK]))
                        for i in range(0, len(source), MEMORY_CHUNK)])
     root.mkdir(parents=True, exist_ok=True)
     sweep_orphans(root)  # what builds killed mid-way left behind
-    before = stamps(source) if path else None
-    if limit is None and before is not None:  # refused before any work: the free disk's estimate
-        size = sum(s[1] for s in before)
+    if limit is None and path:  # refused before any work: the free disk's estimate
+        size = sum(stamp[0] for stamp, _ in ids.values())
         need = int(size * TOKENS_PER_BYTE * (np.dtype(dtype).itemsize + 1))  # ids + mask byte
         if need > (free := shutil.disk_usage(root).free):
             raise RuntimeError(f"token cache: {size / 1e9:.3g} GB of records needs about "
@@ -165,14 +232,14 @@ def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk
                                "space or point DIAG_HOME at a larger disk")
     try:
         with atomic_folder(folder) as tmp:  # swapped in whole, after every byte is on disk
-            built = _write(tmp, chunks, job, procs, limit, on_error, ids)
+            built = write_chunks(tmp, chunks, job, procs, limit, on_error, ids)
             if not built["records"]:
                 raise ValueError(f"--source: {Path(path).name if path else 'records'} holds no "
                                  f"usable records ({built['skipped']} that do not fit): nothing "
                                  "to tokenize")
-            if before is not None and (changed := _changed(before)):
-                raise ValueError(f"--source: {changed} while its token cache was built; "
-                                 "nothing was kept: build again once it is written")
+            for file, (stamp, _) in ids.items():  # gone (FileNotFoundError) or changed: refused
+                if [(st := file.stat()).st_size, st.st_mtime_ns] != stamp[:2]:
+                    raise _lost(f"{file} changed")
             seconds = time.perf_counter() - start
             meta = {**head, **built, "vocab_size": len(tok), "eos": tok.eos_token_id,
                     "pad_token_id": tok.pad_token_id}
@@ -180,110 +247,18 @@ def _build(source: Source, folder: Path, head: dict[str, Any], procs: int, chunk
                                  mb_per_s=built["build"]["bytes"] / seconds / 1e6)
             # last: a folder without it (or with a mismatched one) is never read as a cache
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    except OSError as err:
-        refused = _refusal_of(err, root, path)
-        if refused is None:
-            raise
-        raise refused from None
+    except OSError as err:  # out of room, or the source lost: one line
+        if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise RuntimeError(f"token cache: writing under {root} failed ({err.strerror}); "
+                               "nothing was kept: free space (or raise the file-size limit) or "
+                               "point DIAG_HOME at a larger disk") from None
+        if isinstance(err, FileNotFoundError) and path and err.filename \
+                and str(Path(err.filename).resolve()).startswith(path):
+            raise _lost(f"{err.filename} disappeared") from None
+        raise
     return meta
 
 
-def _reused(root: Path, parts: dict[str, str]) -> dict[str, tuple[Path, str, dict[str, Any]]]:
-    """{shard identity: (cache folder, dtype, entry)}: whole shards in caches of these settings."""
-    got: dict[str, tuple[Path, str, dict[str, Any]]] = {}
-    for folder, meta in _finished(root):
-        if [meta["parts"][k] for k in ("tokenizer", "settings")] == [parts["tokenizer"],
-                                                                        parts["settings"]]:
-            for e in meta.get("shards", ()):
-                if e["complete"]:
-                    got.setdefault(e["identity"], (folder, meta["dtype"], e))
-    return got
-
-
-def _with_copies(chunks: Any, ids: dict[str, str], reused: dict[str, Any]) -> Any:
-    """The chunks, each shard held in `reused` replaced by copy chunks of its records."""
-    done = set()
-    for chunk in chunks:
-        hit = reused.get(ids.get(chunk.where, ""))
-        if hit is None:
-            yield chunk
-            continue
-        if chunk.where in done:
-            continue
-        done.add(chunk.where)
-        folder, dtype, e = hit
-        first, end = e["first"], e["first"] + e["records"]
-        for a in range(first, max(end, first + 1), COPY_RECORDS):
-            b, last = min(a + COPY_RECORDS, end), a + COPY_RECORDS >= end
-            problems = [(p[0] - a + first, *p[1:]) for p in e["problems"]
-                        if a - first <= p[0] and (last or p[0] < b - first)]
-            yield Chunk(chunk.where, chunk.path, shard=chunk.shard,
-                        copy=(str(folder), dtype, a, b, e["lines"] if last else 0, problems))
-
-
-def _write(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None,
-           on_error: str, ids: dict[str, str]) -> dict[str, Any]:
-    """Every chunk's arrays into tmp, in order; meta.json's account of them, shard by shard."""
-    arrays = Arrays(tmp, job.dtype)
-    shards: dict[str, dict[str, Any]] = {}
-    problems: list[dict[str, Any]] = []
-    skipped = read = 0
-    lines: dict[str, int] = {}  # lines of each file so far: a chunk numbers its own from 1
-    full = False
-    try:
-        remaining = (lambda: None) if limit is None else (lambda: limit - arrays.records)
-        with contextlib.closing(encoded(chunks, job, procs, remaining)) as parts:
-            for chunk, part in parts:  # closed on the way out: a pool's workers stop at once
-                if limit is not None and arrays.records + len(part.lengths) >= limit:
-                    part, full = part.first(limit - arrays.records), True
-                base = lines.get(chunk.where, 0)
-                shard = shards.setdefault(chunk.where, {
-                    "where": chunk.where, "identity": ids.get(chunk.where, ""),
-                    "first": arrays.records, "records": 0, "problems": []})
-                for before, number, *got in part.problems:
-                    shard["problems"].append((arrays.records + before - shard["first"],
-                                              base + number, *got))
-                    row = problem(chunk, base + number, tuple(got), on_error)  # "raise": refused
-                    skipped += 1
-                    if len(problems) < PROBLEMS_KEPT:  # and the good records read before it
-                        problems.append({**row, "record": arrays.records + before})
-                lines[chunk.where] = shard["lines"] = base + part.lines
-                arrays.append(part)
-                shard["records"] += len(part.lengths)
-                read += chunk.size
-                if full:
-                    break
-        arrays.finish()
-    finally:
-        arrays.close()
-    for i, shard in enumerate(shards.values()):  # a limit build's last shard is not whole
-        shard["complete"] = not full or i < len(shards) - 1
-    return {"records": arrays.records, "tokens": arrays.tokens, "dtype": job.dtype,
-            "complete": not full, "problems": problems, "skipped": skipped,
-            "shards": list(shards.values()),
-            "build": {"bytes": read, "processes": procs}}
-
-
-def _changed(before: list[tuple[str, int, int]]) -> str:
-    """What happened to the source's files since `before`: "" where nothing did."""
-    for name, size, mtime in before:
-        try:
-            st = os.stat(name)
-        except FileNotFoundError:
-            return f"{name} disappeared"
-        if (st.st_size, st.st_mtime_ns) != (size, mtime):
-            return f"{name} changed"
-    return ""
-
-
-def _refusal_of(err: OSError, root: Path, path: str | None) -> Exception | None:
-    """One line for a build that ran out of room, or lost its source; None for other errors."""
-    if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-        return RuntimeError(f"token cache: writing under {root} failed ({err.strerror}); nothing "
-                            "was kept: free space (or raise the file-size limit) or point "
-                            "DIAG_HOME at a larger disk")
-    if isinstance(err, FileNotFoundError) and path and err.filename \
-            and str(Path(err.filename).resolve()).startswith(path):
-        return ValueError(f"--source: {err.filename} disappeared while its token cache was "
-                          "built; nothing was kept: build again once it is written")
-    return None
+def _lost(what: str) -> ValueError:
+    return ValueError(f"--source: {what} while its token cache was built; nothing was kept: "
+                      "build again once it is written")

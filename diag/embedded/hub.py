@@ -134,7 +134,7 @@ def _model_info(repo_id: str, manifest: dict[str, Any]) -> dict[str, Any]:
             "createdAt": stamp, "lastModified": stamp, "siblings": siblings}
 
 
-def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
+def serve(root: Path, host: str, port: int) -> None:
     """Serve the hub download protocol until killed (the HubServer subprocess runs this)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from urllib.parse import parse_qs, unquote, urlsplit
@@ -145,28 +145,24 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
         protocol_version = "HTTP/1.1"  # keep-alive, as the real hub; every reply sets a length
 
         def log_message(self, fmt: str, *args: Any) -> None:
-            if verbose:
-                super().log_message(fmt, *args)
-
-        def do_HEAD(self) -> None:
-            self._route(body=False)
+            pass  # quiet: a download asks hundreds of times
 
         def do_GET(self) -> None:
-            self._route(body=True)
+            self._route(body=self.command == "GET")
 
-        def _head(self, status: int, headers: dict[str, str], length: int) -> None:
+        do_HEAD = do_GET
+
+        def _reply(self, status: int, headers: dict[str, str], body: bool, payload: bytes = b"",
+                   length: int | None = None) -> None:
             self.send_response(status)
-            for k, v in {**headers, "Content-Length": str(length)}.items():
+            for k, v in {**headers, "Content-Length": str(length or len(payload))}.items():
                 self.send_header(k, v)
             self.end_headers()
-
-        def _reply(self, status: int, headers: dict[str, str], payload: bytes, body: bool) -> None:
-            self._head(status, headers, len(payload))
             if body:
                 self.wfile.write(payload)
 
         def _json(self, obj: Any, body: bool) -> None:
-            self._reply(200, {"Content-Type": "application/json"}, json.dumps(obj).encode(), body)
+            self._reply(200, {"Content-Type": "application/json"}, body, json.dumps(obj).encode())
 
         def _route(self, body: bool) -> None:
             url = urlsplit(self.path)
@@ -190,12 +186,12 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
                 elif segs[:1] == ["api"] or (len(segs) >= 3 and "resolve" in segs[:4]):
                     # spaces, one-segment ids: not served here, so "not found"
                     raise _HubError("RepoNotFound", f"Repository for {url.path} not found")
-                self._reply(404, {"Content-Type": "text/plain"}, b"Not Found", body)
+                self._reply(404, {"Content-Type": "text/plain"}, body, b"Not Found")
             except _HubError as e:
                 headers = {"X-Error-Code": e.code, "X-Error-Message": str(e),
                            "Content-Type": "application/json",
                            **({"X-Repo-Commit": e.commit} if e.commit else {})}
-                self._reply(404, headers, json.dumps({"error": str(e)}).encode(), body)
+                self._reply(404, headers, body, json.dumps({"error": str(e)}).encode())
 
         def _file(self, root: Path, repo_id: str, revision: str, rel: str, body: bool) -> None:
             folder, manifest = _resolve(root, repo_id, revision)
@@ -219,9 +215,9 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
                     start = max(size - int(m[2]), 0)
                 if start >= size or start > end:
                     headers["Content-Range"] = f"bytes */{size}"
-                    return self._reply(416, headers, b"", body)
+                    return self._reply(416, headers, body)
                 status, headers["Content-Range"] = 206, f"bytes {start}-{end}/{size}"
-            self._head(status, headers, end - start + 1)
+            self._reply(status, headers, False, length=end - start + 1)
             if body and end >= start:
                 with open(folder / rel, "rb") as f:
                     self.connection.sendfile(f, start, end - start + 1)  # zero-copy
@@ -232,18 +228,7 @@ def serve(root: Path, host: str, port: int, *, verbose: bool = False) -> None:
     Server((host, port), Handler).serve_forever()
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
+if __name__ == "__main__":  # HubServer's subprocess: python -m diag.embedded.hub ROOT HOST PORT
+    import sys
 
-    parser = argparse.ArgumentParser(prog="python -m diag.embedded.hub",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--root", required=True, help="folder laid out by publish_model")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
-    args = parser.parse_args(argv)
-    serve(Path(args.root), args.host, args.port, verbose=args.verbose)
-
-
-if __name__ == "__main__":
-    main()
+    serve(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))

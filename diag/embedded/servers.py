@@ -15,10 +15,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self
 
 _HOST = "127.0.0.1"
-_S = TypeVar("_S", bound="LoopbackServer")
 _PKG_PARENT = str(Path(__file__).resolve().parents[2])
 
 
@@ -26,15 +25,6 @@ def child_env(env: dict[str, str]) -> dict[str, str]:
     """env with this diag importable (first on PYTHONPATH), for `python -m diag...` children."""
     return {**env, "PYTHONPATH": os.pathsep.join(p for p in (_PKG_PARENT, env.get("PYTHONPATH"))
                                                  if p)}
-
-
-def _bind(port: int = 0) -> int:
-    """Bind and release 127.0.0.1:port (0: a free one) as the servers do; the port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        # SO_REUSEADDR like the servers themselves: a TIME_WAIT leftover is not "in use"
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((_HOST, port))
-        return s.getsockname()[1]
 
 
 def die_with_parent() -> None:
@@ -66,16 +56,16 @@ class LoopbackServer:
         """The argv that serves on `port` (subclasses define it)."""
         raise NotImplementedError
 
-    def on_ready(self) -> None:
-        """Called once the port accepts connections."""
-
-    def start(self: _S) -> _S:
+    def start(self) -> Self:
         if self.proc is not None:
             return self
         # a free port can be taken between our probe and the server's bind: retry a fresh one
         for attempt in range(3):
-            try:
-                self.port = _bind(self._requested_port or 0)
+            try:  # bound and released as the servers bind (SO_REUSEADDR: TIME_WAIT is not "in use")
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    probe.bind((self.host, self._requested_port or 0))
+                    self.port = probe.getsockname()[1]
             except OSError as e:
                 if e.errno != errno.EADDRINUSE:
                     raise
@@ -87,11 +77,6 @@ class LoopbackServer:
             except RuntimeError as e:
                 if "Address already in use" not in str(e) or self._requested_port or attempt == 2:
                     raise
-        try:
-            self.on_ready()
-        except BaseException:
-            self.stop()
-            raise
         return self
 
     def _spawn(self) -> None:
@@ -132,7 +117,7 @@ class LoopbackServer:
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 
-    def __enter__(self: _S) -> _S:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -154,7 +139,7 @@ class S3Server(LoopbackServer):
     def command(self, port: int) -> list[str]:
         return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(port)]
 
-    def start(self) -> S3Server:
+    def start(self) -> Self:
         import importlib.util
 
         # the server is a subprocess: without this its ImportError would be a log tail
@@ -162,10 +147,14 @@ class S3Server(LoopbackServer):
                        if importlib.util.find_spec(m) is None]:
             raise RuntimeError(f"the embedded S3 server needs {', '.join(missing)}: install the "
                                "extra with pip install 'diag[embedded]' (or -e '.[embedded]')")
-        return super().start()
-
-    def on_ready(self) -> None:
-        self.client().create_bucket(Bucket=self.bucket)
+        if self.proc is None:
+            super().start()
+            try:
+                self.client().create_bucket(Bucket=self.bucket)
+            except BaseException:
+                self.stop()
+                raise
+        return self
 
     def env(self) -> dict[str, str]:
         """Standard AWS variables: the default credential chain and boto3 pick these up."""
@@ -204,8 +193,7 @@ class HubServer(LoopbackServer):
             raise ValueError(f"root={str(self.root)!r}: not a folder (publish_model creates it)")
 
     def command(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "diag.embedded.hub", "--root", str(self.root),
-                "--host", self.host, "--port", str(port)]
+        return [sys.executable, "-m", "diag.embedded.hub", str(self.root), self.host, str(port)]
 
     def env(self) -> dict[str, str]:
         """{"HF_ENDPOINT": ...}: give it to a process before it imports huggingface_hub."""

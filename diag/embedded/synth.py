@@ -1,8 +1,8 @@
-"""Synthetic stand-ins for a real fine-tuning setup: an instruction dataset and a tiny Llama.
+"""Synthetic stand-ins for a real fine-tuning setup, made once under DIAG_HOME and reused whole.
 
-`synthetic_records`: seeded instruction/input/output triples with correct answers (arithmetic,
-sorting, unit conversion, ...); `synthetic_dataset` writes them as JSONL; `tiny_model` a
-random-weight Llama and a byte-level BPE tokenizer trained on that data."""
+`synthetic_records`/`synthetic_dataset`: seeded instruction triples with correct answers, as JSONL;
+`tiny_model`: a random-weight Llama and a BPE tokenizer trained on that data; `ensure_assets()`:
+both, published into the hub root `HubServer` serves; `embedded_dataset`: any size, for storage."""
 
 from __future__ import annotations
 
@@ -10,11 +10,17 @@ import itertools
 import json
 import os
 import random
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diag.files import atomic_file, atomic_folder
+from diag.config import diag_home
+from diag.embedded.hub import publish_model
+from diag.files import atomic_file, atomic_folder, sweep_orphans
+from diag.timing.distributed import timeout_s
 
 _ADJECTIVES = """quick lazy bright quiet heavy small large ancient modern red blue green yellow
     silver golden happy sleepy brave clever gentle noisy calm shiny rough smooth""".split()
@@ -29,6 +35,11 @@ _UNITS = (("kilometers", "meters", 1000.0, 0), ("meters", "centimeters", 100.0, 
           ("minutes", "seconds", 60.0, 0), ("inches", "centimeters", 2.54, 2),
           ("miles", "kilometers", 1.609344, 3), ("liters", "milliliters", 1000.0, 0))
 _MB = 1_000_000  # target_mb counts decimal megabytes, like disk and network rates do
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4},  # ~1.6 MB, about a second
+    "small": {"hidden_size": 1024, "num_layers": 8, "num_heads": 16},  # ~420 MB fp32, ~5 s
+}
+DATASET_MB = 4  # the embedded dataset: big enough to time, small enough to make in a second
 
 
 def _sentence(rng: random.Random) -> str:
@@ -111,15 +122,6 @@ def synthetic_dataset(path: str | os.PathLike[str], *, records: int | None = Non
     return path
 
 
-def _training_texts(dataset: str | os.PathLike[str] | None, limit: int, seed: int) -> Iterator[str]:
-    if dataset is None:
-        records: Iterable[dict[str, str]] = synthetic_records(limit, seed)
-    else:
-        with open(dataset, encoding="utf-8") as f:
-            records = [json.loads(line) for line in itertools.islice(f, limit)]
-    return (f"{r['instruction']}\n{r['input']}\n{r['output']}" for r in records)
-
-
 def tiny_model(out_dir: str | os.PathLike[str], *, hidden_size: int = 64, num_layers: int = 2,
                num_heads: int = 4, intermediate_size: int | None = None, vocab_size: int = 2048,
                seed: int = 0, dataset: str | os.PathLike[str] | None = None) -> Path:
@@ -150,8 +152,13 @@ def tiny_model(out_dir: str | os.PathLike[str], *, hidden_size: int = 64, num_la
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                       special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        # 20k records are enough to fill a few thousand merges; more only costs time
-        tok.train_from_iterator(_training_texts(dataset, 20_000, seed), trainer=trainer)
+        if dataset is None:  # 20k records fill a few thousand merges; more only costs time
+            records: Iterable[dict[str, str]] = synthetic_records(20_000, seed)
+        else:
+            with open(dataset, encoding="utf-8") as f:
+                records = [json.loads(line) for line in itertools.islice(f, 20_000)]
+        tok.train_from_iterator((f"{r['instruction']}\n{r['input']}\n{r['output']}"
+                                 for r in records), trainer=trainer)
         bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
         tok.post_processor = processors.TemplateProcessing(  # Llama prepends BOS
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
@@ -171,3 +178,83 @@ def tiny_model(out_dir: str | os.PathLike[str], *, hidden_size: int = 64, num_la
             model = LlamaForCausalLM(config)
         model.save_pretrained(tmp, safe_serialization=True)
     return out_dir
+
+
+@dataclass(frozen=True)
+class Assets:
+    dataset: Path  # JSONL of synthetic records
+    model_dir: Path  # the model folder as saved (safetensors + tokenizer)
+    hub_root: Path  # what HubServer serves
+    repo_id: str  # the model's id on that hub
+
+
+def ensure_assets(home: str | os.PathLike[str] | None = None, *, model: str = "tiny") -> Assets:
+    """Make (once) the embedded dataset and model, published into a local hub root."""
+    if model not in MODEL_SIZES:
+        raise ValueError(f"model={model!r}: allowed values are {', '.join(map(repr, MODEL_SIZES))}")
+    base = (Path(home) if home is not None else diag_home()) / "assets"
+    assets = Assets(dataset=base / f"dataset-{DATASET_MB}mb-seed0.jsonl",
+                    model_dir=base / "models" / model, hub_root=base / "hub",
+                    repo_id=f"diag-local/{model}-llama")
+    marker = base / f"{model}.complete.json"  # written last: a complete set
+
+    def complete() -> bool:
+        return (marker.is_file() and assets.dataset.is_file()
+                and (assets.model_dir / "model.safetensors").is_file())
+
+    if complete():
+        return assets
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_rank():
+        # transformers 5 writes a model's weights on global rank 0 only once a process group is
+        # up: another rank (another node's) makes them in a process without one
+        code = "import sys; from diag.embedded import ensure_assets; " \
+               "ensure_assets(sys.argv[1], model=sys.argv[2])"
+        run = subprocess.run([sys.executable, "-c", code, str(base.parent), model],
+                             capture_output=True, text=True, check=False)
+        if run.returncode or not complete():
+            last = (run.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"making the embedded assets in {base} failed: {last}")
+        return assets
+    from filelock import FileLock, Timeout
+
+    base.mkdir(parents=True, exist_ok=True)
+    # flock: the first process of this DIAG_HOME makes them, the others wait (the kernel frees it
+    # if the holder dies) up to their own bound, apart from the collectives'
+    lock, timeout = FileLock(base / ".fill.lock"), timeout_s("fill")
+    try:
+        lock.acquire(timeout=timeout)
+    except Timeout:
+        raise TimeoutError(f"waited {timeout:g} s for another process to make the embedded "
+                           f"assets in {base}; raise DIAG_FILL_TIMEOUT_S if a first make takes "
+                           "longer here") from None
+    try:
+        if not complete():
+            for folder in (base, base / "models"):  # what a killed make left
+                sweep_orphans(folder)
+            if not assets.dataset.is_file():
+                synthetic_dataset(assets.dataset, target_mb=DATASET_MB, seed=0)
+            tiny_model(assets.model_dir, dataset=assets.dataset, **MODEL_SIZES[model])
+            commit = publish_model(assets.model_dir, assets.hub_root, assets.repo_id)
+            with atomic_file(marker) as tmp:
+                tmp.write_text(json.dumps({"commit": commit,
+                                           **{k: str(v) for k, v in vars(assets).items()}}))
+    finally:
+        lock.release()
+    return assets
+
+
+def embedded_dataset(size_mb: float, shards: int = 1) -> Path:
+    """A synthetic JSONL dataset of size_mb (one file, or a folder of `shards` files), made once."""
+    base = diag_home() / "storage"
+    name = f"synthetic-{size_mb:g}mb"
+    path = base / (f"{name}.jsonl" if shards == 1 else f"{name}-{shards}shards")
+    if path.exists():
+        return path
+    sweep_orphans(base)  # what a killed make left half-written
+    if shards == 1:
+        return synthetic_dataset(path, target_mb=size_mb, seed=0)
+    with atomic_folder(path, replace=False) as tmp:  # seeded: a concurrent make's is the same
+        for i in range(shards):
+            synthetic_dataset(tmp / f"shard-{i:05d}.jsonl", target_mb=size_mb / shards, seed=i)
+    return path

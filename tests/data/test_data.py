@@ -14,7 +14,7 @@ import torch
 from diag.data import (IGNORE_INDEX, NaiveTextDataset, PackedDataset, best_fit_decreasing,
                        build_token_cache, encode_pairs, format_prompt, load_tokenizer,
                        read_source)
-from diag.data.identity import MEMO
+from diag.data.tokens import MEMO
 from diag.embedded import ensure_assets, synthetic_records
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ import pytest
 
 from diag.config import LoaderConfig, QLoraConfig
 from diag.data import ARRAYS, IGNORE_INDEX, build_token_cache, ensure_tokens
-from diag.data.identity import MEMO
+from diag.data.tokens import MEMO
 from diag.embedded import ensure_assets, synthetic_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,7 +149,7 @@ def test_shards_chunks_and_processes_give_the_same_arrays(tok_dir, tmp_path):
 
 
 def test_a_prefix_reads_a_part_and_the_key_is_not_rehashed(tok_dir, tmp_path, monkeypatch):
-    import diag.data.identity as identity
+    import diag.data.tokens as identity
 
     data = synthetic_dataset(tmp_path / "d.jsonl", target_mb=0.3)
     hashed = []
