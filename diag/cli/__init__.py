@@ -185,7 +185,7 @@ def show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.Na
                 if key == "advice":
                     lines = [f"{a.finding}: saves {a.seconds_saved:.3g} s per start ({a.evidence})"
                              for a in frame.itertuples()]
-                    print("\n".join(["", "advice:", *lines]) if lines else "")
+                    print(redact("\n".join(["", "advice:", *lines])) if lines else "")
                     continue
                 heading = f"\n{key}:\n" if len(frames) > 1 else ""
                 print(redact(heading + frame.to_string(index=False,

@@ -126,6 +126,26 @@ def test_secrets_never_reach_cli_output(monkeypatch):
     assert secret not in out.stderr + out.stdout
 
 
+def test_the_advice_lines_are_redacted_like_the_tables(capsys):
+    # a finding's evidence may quote a source URL with its credentials
+    import argparse
+
+    import pandas as pd
+
+    from diag.cli import show
+    from diag.secrets import register
+
+    secret = "sk-advice-secret-456"
+    register(secret)
+    advice = pd.DataFrame({"stage": ["fetch_data"], "finding": ["land it"],
+                           "seconds_saved": [1.5], "evidence": [f"s3://u:{secret}@host/x"]})
+    result = dataclasses.make_dataclass("Result", ["frame", "advice"])(
+        pd.DataFrame({"method": ["boto3"]}), advice)
+    show("storage", StorageConfig(), result, argparse.Namespace(csv=None, json=False))
+    out = capsys.readouterr().out
+    assert "land it: saves 1.5 s per start" in out and secret not in out
+
+
 def test_csv_only_where_the_result_is_tables():
     out = run_cli("run", "--csv", "x.csv")
     assert out.returncode == 2 and "unrecognized arguments: --csv" in out.stderr
