@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 from diag.config import ToyConfig
 from diag.machine import device as devices
 from diag.machine.device import on_cpu_threads
-from diag.machine.gpu_util import GpuSampler
+from diag.machine.contention import GpuSampler
 from diag.timing import StageTimer, distributed
 
 

@@ -18,7 +18,7 @@ import pandas as pd
 
 from diag.runner import quietly
 from diag.config import AttachConfig
-from diag.machine.gpu_util import NvmlSampler
+from diag.machine.contention import Sampler, family
 from diag.observe import spy
 from diag.observe.rules import classify, parse_frame
 from diag.observe.story import WIDE, interval, story
@@ -30,17 +30,7 @@ GPU_INTERVAL_S = 0.5  # NVML's reading of the job's GPUs
 GPU_COLUMNS = ["gpu", "name", "samples", "util_pct", "memory_util_pct", "job_memory_gb", "note"]
 
 
-def family(pid: int) -> list[Any]:
-    """psutil's process pid and its children (none where pid is gone)."""
-    import psutil
-
-    try:
-        return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-class Watch(NvmlSampler):
+class Watch(Sampler):
     """`with Watch(pid):` NVML samples the GPUs pid's family holds; `frame()`: what, or why not."""
 
     extra, eager = "attach", True
@@ -54,8 +44,8 @@ class Watch(NvmlSampler):
             self._start()
         return self
 
-    def _read(self, nvml: Any) -> None:
-        pids = {self.pid, *(p.pid for p in family(self.pid))}
+    def _read(self) -> None:
+        nvml, pids = self._nvml, {self.pid, *(p.pid for p in family(self.pid))}
         for i in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
             held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid in pids]
