@@ -21,12 +21,13 @@ from diag.config import AttachConfig
 from diag.machine.contention import Sampler, family
 from diag.observe import spy
 from diag.observe.rules import classify, parse_frame
-from diag.observe.story import WIDE, interval, story
+from diag.observe.kineto import story
 
 CHUNK_S = 2.0  # py-spy runs this long per call: the live view's refresh
 _PREP = re.compile(r"torch/utils/data/_utils/fetch\.py")  # a worker making a batch
 _WAITING = "(waiting for work, or handing a batch over)"
 GPU_INTERVAL_S = 0.5  # NVML's reading of the job's GPUs
+WIDE = 0.05  # a sampled share whose 95% interval reaches further than this either side says so
 GPU_COLUMNS = ["gpu", "name", "samples", "util_pct", "memory_util_pct", "job_memory_gb", "note"]
 
 
@@ -95,6 +96,15 @@ def live_line(by: collections.Counter) -> str:
     """The shares so far, largest first: what the live view shows after each chunk."""
     table = _table(by, 1)
     return ", ".join(f"{s} {v:.0%}" for s, v in zip(table["stage"][:4], table["share"][:4]))
+
+
+def interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's 95% interval of a share k/n (samples as independent: long runs are less sure)."""
+    if n <= 0:
+        return float("nan"), float("nan")
+    centre = (k + z * z / 2) / (n + z * z)
+    half = z * math.sqrt(k * (n - k) / n + z * z / 4) / (n + z * z)
+    return max(centre - half, 0.0), min(centre + half, 1.0)
 
 
 def _table(by: collections.Counter, rate: int) -> pd.DataFrame:
