@@ -26,12 +26,6 @@ def _cpu_jiffies() -> tuple[float, float, float]:
     return total - idle - iowait - steal, steal, total
 
 
-def _cores() -> int:
-    """The CPUs /proc/stat counts (the machine's, which the neighbours share)."""
-    with open("/proc/stat") as f:
-        return sum(1 for line in f if line.startswith("cpu") and line[3].isdigit())
-
-
 def family(pid: int) -> list[Any]:
     """psutil's process pid and its children (none where pid is gone)."""
     import psutil
@@ -148,7 +142,8 @@ class Contention(Sampler):
         tick, span = os.sysconf("SC_CLK_TCK"), total - total0  # the window, in CPU jiffies
         others = max(0.0, (busy - busy0) / tick - (own - own0))
         self.rows.append({"t_s": now - self._began[0], "load_1min": os.getloadavg()[0],
-                          "cores": _cores(), "others_share": min(1.0, others * tick / span),
+                          "cores": os.cpu_count() or 1,  # the machine's, which neighbours share
+                          "others_share": min(1.0, others * tick / span),
                           "steal_share": (steal - steal0) / span,
                           "gpu_other_processes": _gpu_others(self.device)})
 

@@ -6,6 +6,7 @@ stage of _ORDER covering a moment takes it; GPU busy, idle, compute, NCCL time a
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import gzip
 import json
@@ -191,10 +192,8 @@ def story(stages: pd.DataFrame, current_gpu: str, target_gpu: str, note: str = "
     projection, upgrade = pd.DataFrame(), "no upgrade projection: " + (
         "name --current-gpu" if not current_gpu else f"{current_gpu} is not in diag's table")
     if current_gpu:
-        try:
+        with contextlib.suppress(ValueError):  # a GPU not in diag's table: no projection
             projection = amdahl.upgrade(stages, current_gpu, target_gpu)
-        except ValueError:
-            projection = pd.DataFrame()
     if not projection.empty:
         total = projection[projection["stage"] == "total"].iloc[0]
         saved = 1 - total["seconds_after"] / total["seconds_before"]

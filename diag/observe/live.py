@@ -38,7 +38,7 @@ class Watch(Sampler):
 
     def __init__(self, pid: int) -> None:
         super().__init__(GPU_INTERVAL_S)
-        self.pid, self._rows = pid, []
+        self.pid, self.rows = pid, []
 
     def __enter__(self) -> Watch:
         if self._nvml_started("no NVIDIA GPU seen (NVML: {})") is not None:
@@ -52,20 +52,16 @@ class Watch(Sampler):
             held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid in pids]
             if held:
                 util = nvml.nvmlDeviceGetUtilizationRates(handle)
-                self._rows.append((i, str(nvml.nvmlDeviceGetName(handle)), float(util.gpu),
+                self.rows.append((i, str(nvml.nvmlDeviceGetName(handle)), float(util.gpu),
                                    float(util.memory),
                                    sum(p.usedGpuMemory or 0 for p in held) / 1e9))
 
-    def known_name(self) -> str:
-        """The name of the first GPU the job held ("" for none), for the upgrade projection."""
-        return self._rows[0][1] if self._rows else ""
-
     def frame(self) -> pd.DataFrame:
-        if not self._rows:
+        if not self.rows:
             return pd.DataFrame([[-1, "", 0, float("nan"), float("nan"), float("nan"),
                                   self.reason or "the job held no GPU NVML could see (in a "
                                   "container, NVML lists the host's PIDs)"]], columns=GPU_COLUMNS)
-        rows = pd.DataFrame(self._rows, columns=["gpu", "name", "util", "memory", "gb"])
+        rows = pd.DataFrame(self.rows, columns=["gpu", "name", "util", "memory", "gb"])
         return rows.groupby(["gpu", "name"], as_index=False).agg(
             samples=("util", "size"), util_pct=("util", "mean"), memory_util_pct=(
                 "memory", "mean"), job_memory_gb=("gb", "max")).assign(note=self.reason)
@@ -90,12 +86,6 @@ def _stages(timeline: collections.Counter) -> collections.Counter:
         if seconds > 0:
             out[classify(list(frames))] += seconds
     return out
-
-
-def live_line(by: collections.Counter) -> str:
-    """The shares so far, largest first: what the live view shows after each chunk."""
-    table = _table(by, 1)
-    return ", ".join(f"{s} {v:.0%}" for s, v in zip(table["stage"][:4], table["share"][:4]))
 
 
 def interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -190,7 +180,9 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
             timeline.update(main)
             counts.update(got)
             bar.update(min(time.perf_counter() - start, cfg.seconds) - bar.n)
-            bar.set_postfix_str(live_line(_stages(timeline)))
+            shares = _table(_stages(timeline), 1)[:4]  # the live view: the largest shares so far
+            bar.set_postfix_str(", ".join(f"{s} {v:.0%}" for s, v in zip(shares["stage"],
+                                                                        shares["share"])))
         window = time.perf_counter() - start
         after = _counters(cfg.pid)
     by = _stages(timeline)
@@ -205,8 +197,9 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     frame = pd.DataFrame({"stage": table["stage"], "seconds": table["seconds"],
                           "step": pd.array([pd.NA] * len(table), dtype="Int64"), "rank": 0,
                           "node": 0, "run": "attach"})
-    verdict, fixes, projection = story(frame, cfg.current_gpu or gpu.known_name(),
-                                       cfg.target_gpu, "; ".join(notes))
+    held = gpu.rows[0][1] if gpu.rows else ""  # the first GPU the job held: the upgrade's
+    verdict, fixes, projection = story(frame, cfg.current_gpu or held, cfg.target_gpu,
+                                       "; ".join(notes))
     return Attached(table, frame, verdict, fixes, _workers(counts, cfg.pid), gpu.frame(),
                     _process(before, {**before, **after}, window), projection)
 
