@@ -1,17 +1,25 @@
 """`diag attach PID`: where a running job's wall clock goes, without touching it. py-spy samples it
-in CHUNK_S chunks; rules.RULES turn the main thread's seconds into a StageTimer frame; the workers'
-samples name their hot function; psutil reads /proc, NVML the job's GPUs (docs/attach.md).
+read-only (never pausing or signalling it) in CHUNK_S chunks, the main thread from its chrome trace
+(each sample weighted by the time to the next); rules.RULES turn its seconds into a StageTimer
+frame; the workers' samples name their hot function; psutil reads /proc, NVML the job's GPUs
+(docs/attach.md).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import math
 import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -19,7 +27,6 @@ import pandas as pd
 from diag.runner import quietly
 from diag.config import AttachConfig
 from diag.machine.contention import Sampler, family
-from diag.observe import spy
 from diag.observe.rules import classify, parse_frame
 from diag.observe.kineto import story
 
@@ -29,6 +36,101 @@ _WAITING = "(waiting for work, or handing a batch over)"
 GPU_INTERVAL_S = 0.5  # NVML's reading of the job's GPUs
 WIDE = 0.05  # a sampled share whose 95% interval reaches further than this either side says so
 GPU_COLUMNS = ["gpu", "name", "samples", "util_pct", "memory_util_pct", "job_memory_gb", "note"]
+_FIX = ("run diag as root (sudo), give it CAP_SYS_PTRACE (docker run --cap-add SYS_PTRACE), "
+        "or allow ptrace: sudo sysctl kernel.yama.ptrace_scope=0 (docs/attach.md)")
+
+
+def _py_spy() -> str:
+    found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if found is None:
+        raise RuntimeError("py-spy is not installed: pip install 'diag[attach]' (py-spy 0.4)")
+    return found
+
+
+def _realtime() -> None:
+    """In py-spy's process: real-time priority where allowed (a busy CPU over-counts waits)."""
+    with contextlib.suppress(OSError, AttributeError):  # not root (or CAP_SYS_NICE), not Linux
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+
+
+def _check(spy: str, pid: int) -> None:
+    """One `py-spy dump` of pid: a refusal is one line before any sampling."""
+    for _ in range(5):  # a nonblocking dump can race the interpreter changing its threads
+        done = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"],
+                              capture_output=True, text=True, timeout=60)
+        said = done.stdout + done.stderr
+        if done.returncode == 0:
+            return
+        if "Failed to get stack traces" not in said:
+            break
+        time.sleep(0.2)
+    _refuse(pid, said)
+
+
+def _refuse(pid: int, said: str) -> None:
+    """py-spy's failure as one line."""
+    if "Permission Denied" in said or "Operation not permitted" in said:
+        raise PermissionError(f"ptrace of process {pid} was refused: {_FIX}")
+    if re.search(r"python version|python interpreter|no python processes", said, re.I):
+        raise ValueError(f"AttachConfig.pid={pid}: not a Python process (py-spy found no "
+                         "interpreter in it): give the PID of the training script")
+    if "No such file" in said or "not running" in said.lower():
+        raise ValueError(f"AttachConfig.pid={pid}: the process ended before it was sampled")
+    last = [line for line in said.splitlines() if line.startswith("Error")] or ["no output"]
+    raise RuntimeError(f"py-spy could not sample process {pid}: {last[0]}")
+
+
+def _sample(spy: str, pid: int, seconds: float, rate: int, children: bool
+           ) -> tuple[collections.Counter, collections.Counter, bool]:
+    """(main thread's seconds by stack, children's counts by (pid, tid, stack), exited?); the
+    children from raw counts (a forked worker shares its parent's pthread id)."""
+    with tempfile.TemporaryDirectory(prefix="diag-attach-") as tmp:
+        main, kids = Path(tmp) / "main.json", Path(tmp) / "kids.txt"
+        runs = [(main, rate, ["--format", "chrometrace"])]
+        if children:
+            runs.append((kids, max(rate // 4, 10), ["--format", "raw", "--subprocesses"]))
+        spies = [subprocess.Popen(
+            [spy, "record", "--pid", str(pid), "--duration", str(max(round(seconds), 1)),
+             "--rate", str(r), "--output", str(out), "--nonblocking", "--idle", "--threads",
+             "--full-filenames", *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, preexec_fn=_realtime) for out, r, options in runs]
+        said = [s.communicate(timeout=seconds + 60)[0] for s in spies]
+        if spies[0].returncode != 0 or not main.exists():
+            _refuse(pid, said[0])
+        timeline = _timeline(json.loads(main.read_text() or "[]"), pid)
+        lines = kids.read_text().splitlines() if kids.exists() else []
+        counts = collections.Counter({_key(x): int(x.rsplit(" ", 1)[1]) for x in lines if x})
+    return timeline, counts, "process exited" in said[0]
+
+
+def _timeline(events: list[dict], pid: int) -> collections.Counter:
+    """Seconds per stack of process pid's main thread, from the chrome trace's B/E events."""
+    stacks: dict[int, list[str]] = collections.defaultdict(list)
+    last: dict[int, float] = {}
+    out: collections.Counter = collections.Counter()
+    for e in events:
+        tid, ts, stack = e["tid"], e["ts"] / 1e6, stacks[e["tid"]]
+        if stack and stack[0].startswith(f"thread ({pid})"):
+            out[tuple(stack[1:])] += ts - last[tid]
+        last[tid] = ts
+        where = e.get("args") or {}
+        if e["ph"] == "B":
+            stack.append(f"{e['name']} ({where['filename']}:{where.get('line', 0)})"
+                         if where.get("filename") else e["name"])
+        elif stack:
+            stack.pop()
+    return out
+
+
+def _key(line: str) -> tuple[int, int, tuple[str, ...]]:
+    """A raw line's (its process, its thread, its frames)."""
+    stack = line.rsplit(" ", 1)[0]
+    cut = stack.find(";thread (") + 1 if not stack.startswith("thread (") else 0
+    pids = re.findall(r'(?:^|;)process (\d+):"', stack[:cut])
+    parts = stack[cut:].split(";")
+    tid = re.match(r"thread \((\d+)\)", parts[0])
+    frames = tuple(p for p in parts if not p.startswith("thread ("))
+    return int(pids[-1]) if pids else 0, int(tid[1]) if tid else 0, frames
 
 
 class Watch(Sampler):
@@ -161,11 +263,11 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     import psutil
     from tqdm.auto import tqdm
 
-    py_spy = spy.py_spy()
+    spy = _py_spy()
     if not psutil.pid_exists(cfg.pid):
         raise ValueError(f"AttachConfig.pid={cfg.pid}: no such process (`ps -ef | grep python`, "
                          "nvidia-smi list the candidates)")
-    spy.check(py_spy, cfg.pid)
+    _check(spy, cfg.pid)
     timeline, counts = collections.Counter(), collections.Counter()
     before, exited = _counters(cfg.pid), False
     with Watch(cfg.pid) as gpu, tqdm(total=cfg.seconds, unit="s", disable=not progress,
@@ -174,7 +276,7 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
         while not exited and (left := cfg.seconds - (time.perf_counter() - start)) >= 0.5:
             try:
                 kids = bool(psutil.Process(cfg.pid).children())
-                main, got, exited = spy.sample(py_spy, cfg.pid, min(CHUNK_S, left), cfg.rate, kids)
+                main, got, exited = _sample(spy, cfg.pid, min(CHUNK_S, left), cfg.rate, kids)
             except (ValueError, psutil.NoSuchProcess):  # gone between two chunks
                 main, got, exited = collections.Counter(), collections.Counter(), True
             timeline.update(main)
