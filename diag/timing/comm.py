@@ -31,7 +31,6 @@ class CommWait:
         self._spans: list[tuple[Any, Any, bool]] = []
         self._events = torch.cuda.Event if next(ddp.parameters()).is_cuda else None
         self.all_reduce_s: list[float] = []  # the first 10 backwards' (as DDP's logging)
-        self._ended: Any = None  # backward's compute ended
         if ddp.will_sync_module_buffers():
             ddp.register_forward_pre_hook(self._before_broadcast)
             ddp.module.register_forward_pre_hook(self._after_broadcast)
@@ -73,11 +72,9 @@ class CommWait:
     def _backward_end(self) -> None:
         from torch.autograd import Variable
 
-        self._ended = self._stamp()
-        Variable._execution_engine.queue_callback(self._all_back)  # runs after DDP's finalize
-
-    def _all_back(self) -> None:
-        self._spans.append((self._ended, self._stamp(), True))
+        ended = self._stamp()  # the callback runs after DDP's finalize: every bucket is back
+        Variable._execution_engine.queue_callback(
+            lambda: self._spans.append((ended, self._stamp(), True)))
 
     def _before_broadcast(self, module: Any, args: Any) -> None:
         self._started = self._stamp() if self._ddp.will_sync_module_buffers() else None
