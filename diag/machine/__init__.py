@@ -1,1 +1,2 @@
-"""What the machine is: accelerator and dense peak (device, gpus), GPU use (gpu_util), disks."""
+"""What the machine is: accelerator and dense peak (device, gpus), its state while diag measures
+(contention: load, steal, GPU use), disks."""

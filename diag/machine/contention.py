@@ -1,10 +1,12 @@
-"""The machine's state while diag measures: load, CPU steal, what other processes took.
-`with Contention() as c:` samples /proc every `interval_s` (NVML's processes on a GPU);
-`busy(c.summary())` says if that could have moved a wall-clock figure. Noisy neighbours: a finding.
+"""The machine's state while diag measures, each a `Sampler` (a daemon thread reading every
+`interval_s` while the `with` block runs): `Contention` samples /proc (load, CPU steal, what other
+processes took; NVML's processes on a GPU), and `busy(c.summary())` says if that could have moved
+a wall-clock figure; `GpuSampler` a GPU's utilisation through NVML (nvidia-ml-py, the `gpu` extra).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import threading
@@ -24,23 +26,24 @@ def _cpu_jiffies() -> tuple[float, float, float]:
     return total - idle - iowait - steal, steal, total
 
 
-def _cores() -> int:
-    """The CPUs /proc/stat counts (the machine's, which the neighbours share)."""
-    with open("/proc/stat") as f:
-        return sum(1 for line in f if line.startswith("cpu") and line[3].isdigit())
+def family(pid: int) -> list[Any]:
+    """psutil's process pid and its children (none where pid is gone)."""
+    import psutil
+
+    try:
+        return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def _own_seconds() -> float:
     """CPU seconds of this process and its children (the embedded servers, loader workers)."""
     import psutil
 
-    me = psutil.Process()
-    total = sum(me.cpu_times()[:2])
-    for child in me.children(recursive=True):
-        try:
-            total += sum(child.cpu_times()[:2])
-        except psutil.Error:  # gone between the listing and the read
-            continue
+    total = 0.0
+    for process in family(os.getpid()):
+        with contextlib.suppress(psutil.Error):  # gone between the listing and the read
+            total += sum(process.cpu_times()[:2])
     return total
 
 
@@ -60,44 +63,87 @@ def _gpu_others(device: Any) -> int | None:
         return None
 
 
-class Contention:
-    """Samples the machine's state while the `with` block runs (a daemon thread)."""
+class Sampler:
+    """A subclass's `_read(*args)` every `interval_s` on a daemon thread while the `with` block
+    runs (the first at once when `eager`); `reason` says why nothing was read."""
 
-    def __init__(self, device: Any = None, interval_s: float = 1.0) -> None:
-        self.device, self.interval_s = device, interval_s
-        self.rows: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+    extra, eager = "gpu", False  # the pip extra that installs nvidia-ml-py; read before waiting
 
-    def __enter__(self) -> Contention:
-        self._began = (time.perf_counter(), time.process_time())
-        self._last = (time.perf_counter(), _own_seconds(), *_cpu_jiffies())
-        self._thread = threading.Thread(target=self._run, daemon=True, name="diag-contention")
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s, self.reason = interval_s, ""
+        self._stop, self._thread, self._nvml = threading.Event(), None, None
+
+    def _nvml_started(self, failed: str = "NVML did not start: {}") -> Any:
+        """pynvml after nvmlInit, else None with `reason` set."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except ImportError:
+            self.reason = f"nvidia-ml-py is not installed: pip install 'diag[{self.extra}]'"
+            return None
+        except pynvml.NVMLError as err:
+            self.reason = failed.format(err)
+            return None
+        self._nvml = pynvml
+        return pynvml
+
+    def _start(self, *args: Any) -> None:
+        self._thread = threading.Thread(target=self._run, args=args, daemon=True,
+                                        name=f"diag-{type(self).__name__.lower()}")
         self._thread.start()
-        return self
+
+    def _run(self, *args: Any) -> None:
+        failed = self._nvml.NVMLError if self._nvml is not None else ()
+        if self.eager or not self._stop.wait(self.interval_s):
+            while True:
+                try:
+                    self._read(*args)
+                except failed as err:  # the GPU fell off the bus: keep what we have
+                    self.reason = f"NVML stopped answering: {err}"
+                    return
+                if self._stop.wait(self.interval_s):
+                    return
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._sample()  # the last part of the block counts too
+            self._thread.join()
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = None
+
+
+class Contention(Sampler):
+    """Samples the machine's state while the `with` block runs."""
+
+    def __init__(self, device: Any = None, interval_s: float = 1.0) -> None:
+        super().__init__(interval_s)
+        self.device, self.rows = device, []
+
+    def __enter__(self) -> Contention:
+        self._began = (time.perf_counter(), time.process_time())
+        self._last = (_own_seconds(), *_cpu_jiffies())
+        self._start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__()
+        self._read()  # the last part of the block counts too
         self.wall_s = time.perf_counter() - self._began[0]
         self.cpu_s = time.process_time() - self._began[1]
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._sample()
-
-    def _sample(self) -> None:
-        now, own, busy, steal, total = time.perf_counter(), _own_seconds(), *_cpu_jiffies()
-        t0, own0, busy0, steal0, total0 = self._last
-        self._last = (now, own, busy, steal, total)
+    def _read(self) -> None:
+        now, (own, busy, steal, total) = time.perf_counter(), (_own_seconds(), *_cpu_jiffies())
+        own0, busy0, steal0, total0 = self._last
+        self._last = (own, busy, steal, total)
         if total <= total0:
             return
         tick, span = os.sysconf("SC_CLK_TCK"), total - total0  # the window, in CPU jiffies
         others = max(0.0, (busy - busy0) / tick - (own - own0))
         self.rows.append({"t_s": now - self._began[0], "load_1min": os.getloadavg()[0],
-                          "cores": _cores(), "others_share": min(1.0, others * tick / span),
+                          "cores": os.cpu_count() or 1,  # the machine's, which neighbours share
+                          "others_share": min(1.0, others * tick / span),
                           "steal_share": (steal - steal0) / span,
                           "gpu_other_processes": _gpu_others(self.device)})
 
@@ -138,3 +184,50 @@ def busy(summary: dict[str, Any]) -> str:
     return said + (f"; diag's wall seconds ran {ratio:.1f}x its CPU seconds" if ratio else "") + (
         f" (busy: others over {BUSY['others_share']:.0%} of the CPU, or steal over "
         f"{BUSY['steal_share']:.0%}): wall-clock figures may have moved with it")
+
+
+class GpuSampler(Sampler):
+    """One CUDA device's utilisation while the `with` block runs; says why when it can't."""
+
+    def __init__(self, device: Any = None, interval_s: float = 0.1) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s={interval_s!r}: must be a number > 0")
+        super().__init__(interval_s)
+        self.device, self.samples = device, []
+
+    def _handle(self) -> Any:
+        """The NVML handle (by UUID: NVML and CUDA number GPUs apart), or None with `reason` set."""
+        import torch
+
+        dev = torch.device("cuda" if self.device in (None, "auto") else self.device)
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            self.reason = f"not a CUDA run (device {dev.type}): no GPU to sample"
+            return None
+        pynvml = self._nvml_started()
+        if pynvml is None:
+            return None
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        uuid = "GPU-" + str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
+        for by, key in (("UUID", uuid), ("Index", index)):  # no UUID match: numbered alike?
+            try:
+                return getattr(pynvml, "nvmlDeviceGetHandleBy" + by)(key)
+            except pynvml.NVMLError as err:
+                self.reason = f"NVML does not know CUDA device {index}: {err}"
+        return None
+
+    def _read(self, handle: Any) -> None:
+        self.samples.append(float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+
+    def __enter__(self) -> GpuSampler:
+        handle = self._handle()
+        if handle is not None:
+            self.reason = ""  # a UUID NVML did not know, found by index
+            self._start(handle)
+        return self
+
+    def columns(self) -> dict[str, Any]:
+        """gpu_util_pct (the samples' mean, NaN if none) and gpu_util_note (why none)."""
+        if not self.samples:
+            note = self.reason or f"no sample: the run was shorter than {self.interval_s} s"
+            return {"gpu_util_pct": float("nan"), "gpu_util_note": note}
+        return {"gpu_util_pct": sum(self.samples) / len(self.samples), "gpu_util_note": ""}

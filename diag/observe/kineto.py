@@ -1,10 +1,12 @@
 """`diag trace FILE...`: the stage table from torch.profiler traces (Kineto JSON, .json.gz), one
 per rank. A step is a ProfilerStep#N span, else DataLoader `__next__` to the next; in it the first
 stage of _ORDER covering a moment takes it; GPU busy, idle, compute, NCCL time as HTA counts them.
+`story()` is what trace and attach say: amdahl's verdict, the fixes, the upgrade.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import gzip
 import json
@@ -17,8 +19,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from diag import amdahl
 from diag.config import TraceConfig
-from diag.observe.story import story
 from diag.timing import STAGES, stragglers
 
 GAP_S = 0.001  # a main-thread gap longer than this, with no collective running, is `other`
@@ -180,6 +182,29 @@ def _one_run(files: list[str], loaded: list[dict[str, Any]], events: list[pd.Dat
             if spans and ended[2] < began[1] else "")
     if said:
         raise ValueError(f"TraceConfig.files: {said}, not the ranks of one run")
+
+
+def story(stages: pd.DataFrame, current_gpu: str, target_gpu: str, note: str = ""
+          ) -> tuple[pd.DataFrame, pd.DataFrame | None, pd.DataFrame | None]:
+    """(verdict: one row; fixes: amdahl.findings; projection: amdahl.upgrade), None for none."""
+    said = amdahl.verdict(amdahl.shares(stages))
+    fixes = amdahl.findings(stages)
+    projection, upgrade = pd.DataFrame(), "no upgrade projection: " + (
+        "name --current-gpu" if not current_gpu else f"{current_gpu} is not in diag's table")
+    if current_gpu:
+        with contextlib.suppress(ValueError):  # a GPU not in diag's table: no projection
+            projection = amdahl.upgrade(stages, current_gpu, target_gpu)
+    if not projection.empty:
+        total = projection[projection["stage"] == "total"].iloc[0]
+        saved = 1 - total["seconds_after"] / total["seconds_before"]
+        upgrade = (f"{target_gpu} instead of {current_gpu}: {total['speedup']:.3g}x, "
+                   f"{saved:.0%} of the wall clock saved (only compute and warm-up shrink)")
+    top = fixes.iloc[0] if not fixes.empty else None
+    verdict = pd.DataFrame([{
+        "verdict": said["verdict"], "share": said["share"], "text": said["text"],
+        "top_fix": "" if top is None else f"{top['finding']} (saves {top['share_of_run']:.0%})",
+        "upgrade": upgrade, "note": note}])
+    return verdict, None if fixes.empty else fixes, None if projection.empty else projection
 
 
 def run_trace(cfg: TraceConfig) -> Traced:

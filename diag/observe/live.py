@@ -1,80 +1,169 @@
 """`diag attach PID`: where a running job's wall clock goes, without touching it. py-spy samples it
-in CHUNK_S chunks; rules.RULES turn the main thread's seconds into a StageTimer frame; the workers'
-samples name their hot function; psutil reads /proc, NVML the job's GPUs (docs/attach.md).
+read-only (never pausing or signalling it) in CHUNK_S chunks, the main thread from its chrome trace
+(each sample weighted by the time to the next); rules.RULES turn its seconds into a StageTimer
+frame; the workers' samples name their hot function; psutil reads /proc, NVML the job's GPUs
+(docs/attach.md).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import math
 import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from diag.runner import quietly
 from diag.config import AttachConfig
-from diag.machine.gpu_util import NvmlSampler
-from diag.observe import spy
+from diag.machine.contention import Sampler, family
 from diag.observe.rules import classify, parse_frame
-from diag.observe.story import WIDE, interval, story
+from diag.observe.kineto import story
 
 CHUNK_S = 2.0  # py-spy runs this long per call: the live view's refresh
 _PREP = re.compile(r"torch/utils/data/_utils/fetch\.py")  # a worker making a batch
 _WAITING = "(waiting for work, or handing a batch over)"
 GPU_INTERVAL_S = 0.5  # NVML's reading of the job's GPUs
+WIDE = 0.05  # a sampled share whose 95% interval reaches further than this either side says so
 GPU_COLUMNS = ["gpu", "name", "samples", "util_pct", "memory_util_pct", "job_memory_gb", "note"]
+_FIX = ("run diag as root (sudo), give it CAP_SYS_PTRACE (docker run --cap-add SYS_PTRACE), "
+        "or allow ptrace: sudo sysctl kernel.yama.ptrace_scope=0 (docs/attach.md)")
 
 
-def family(pid: int) -> list[Any]:
-    """psutil's process pid and its children (none where pid is gone)."""
-    import psutil
-
-    try:
-        return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []
+def _py_spy() -> str:
+    found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if found is None:
+        raise RuntimeError("py-spy is not installed: pip install 'diag[attach]' (py-spy 0.4)")
+    return found
 
 
-class Watch(NvmlSampler):
+def _realtime() -> None:
+    """In py-spy's process: real-time priority where allowed (a busy CPU over-counts waits)."""
+    with contextlib.suppress(OSError, AttributeError):  # not root (or CAP_SYS_NICE), not Linux
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+
+
+def _check(spy: str, pid: int) -> None:
+    """One `py-spy dump` of pid: a refusal is one line before any sampling."""
+    for _ in range(5):  # a nonblocking dump can race the interpreter changing its threads
+        done = subprocess.run([spy, "dump", "--pid", str(pid), "--nonblocking"],
+                              capture_output=True, text=True, timeout=60)
+        said = done.stdout + done.stderr
+        if done.returncode == 0:
+            return
+        if "Failed to get stack traces" not in said:
+            break
+        time.sleep(0.2)
+    _refuse(pid, said)
+
+
+def _refuse(pid: int, said: str) -> None:
+    """py-spy's failure as one line."""
+    if "Permission Denied" in said or "Operation not permitted" in said:
+        raise PermissionError(f"ptrace of process {pid} was refused: {_FIX}")
+    if re.search(r"python version|python interpreter|no python processes", said, re.I):
+        raise ValueError(f"AttachConfig.pid={pid}: not a Python process (py-spy found no "
+                         "interpreter in it): give the PID of the training script")
+    if "No such file" in said or "not running" in said.lower():
+        raise ValueError(f"AttachConfig.pid={pid}: the process ended before it was sampled")
+    last = [line for line in said.splitlines() if line.startswith("Error")] or ["no output"]
+    raise RuntimeError(f"py-spy could not sample process {pid}: {last[0]}")
+
+
+def _sample(spy: str, pid: int, seconds: float, rate: int, children: bool
+           ) -> tuple[collections.Counter, collections.Counter, bool]:
+    """(main thread's seconds by stack, children's counts by (pid, tid, stack), exited?); the
+    children from raw counts (a forked worker shares its parent's pthread id)."""
+    with tempfile.TemporaryDirectory(prefix="diag-attach-") as tmp:
+        main, kids = Path(tmp) / "main.json", Path(tmp) / "kids.txt"
+        runs = [(main, rate, ["--format", "chrometrace"])]
+        if children:
+            runs.append((kids, max(rate // 4, 10), ["--format", "raw", "--subprocesses"]))
+        spies = [subprocess.Popen(
+            [spy, "record", "--pid", str(pid), "--duration", str(max(round(seconds), 1)),
+             "--rate", str(r), "--output", str(out), "--nonblocking", "--idle", "--threads",
+             "--full-filenames", *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, preexec_fn=_realtime) for out, r, options in runs]
+        said = [s.communicate(timeout=seconds + 60)[0] for s in spies]
+        if spies[0].returncode != 0 or not main.exists():
+            _refuse(pid, said[0])
+        timeline = _timeline(json.loads(main.read_text() or "[]"), pid)
+        lines = kids.read_text().splitlines() if kids.exists() else []
+        counts = collections.Counter({_key(x): int(x.rsplit(" ", 1)[1]) for x in lines if x})
+    return timeline, counts, "process exited" in said[0]
+
+
+def _timeline(events: list[dict], pid: int) -> collections.Counter:
+    """Seconds per stack of process pid's main thread, from the chrome trace's B/E events."""
+    stacks: dict[int, list[str]] = collections.defaultdict(list)
+    last: dict[int, float] = {}
+    out: collections.Counter = collections.Counter()
+    for e in events:
+        tid, ts, stack = e["tid"], e["ts"] / 1e6, stacks[e["tid"]]
+        if stack and stack[0].startswith(f"thread ({pid})"):
+            out[tuple(stack[1:])] += ts - last[tid]
+        last[tid] = ts
+        where = e.get("args") or {}
+        if e["ph"] == "B":
+            stack.append(f"{e['name']} ({where['filename']}:{where.get('line', 0)})"
+                         if where.get("filename") else e["name"])
+        elif stack:
+            stack.pop()
+    return out
+
+
+def _key(line: str) -> tuple[int, int, tuple[str, ...]]:
+    """A raw line's (its process, its thread, its frames)."""
+    stack = line.rsplit(" ", 1)[0]
+    cut = stack.find(";thread (") + 1 if not stack.startswith("thread (") else 0
+    pids = re.findall(r'(?:^|;)process (\d+):"', stack[:cut])
+    parts = stack[cut:].split(";")
+    tid = re.match(r"thread \((\d+)\)", parts[0])
+    frames = tuple(p for p in parts if not p.startswith("thread ("))
+    return int(pids[-1]) if pids else 0, int(tid[1]) if tid else 0, frames
+
+
+class Watch(Sampler):
     """`with Watch(pid):` NVML samples the GPUs pid's family holds; `frame()`: what, or why not."""
 
     extra, eager = "attach", True
 
     def __init__(self, pid: int) -> None:
         super().__init__(GPU_INTERVAL_S)
-        self.pid, self._rows = pid, []
+        self.pid, self.rows = pid, []
 
     def __enter__(self) -> Watch:
         if self._nvml_started("no NVIDIA GPU seen (NVML: {})") is not None:
             self._start()
         return self
 
-    def _read(self, nvml: Any) -> None:
-        pids = {self.pid, *(p.pid for p in family(self.pid))}
+    def _read(self) -> None:
+        nvml, pids = self._nvml, {self.pid, *(p.pid for p in family(self.pid))}
         for i in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
             held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid in pids]
             if held:
                 util = nvml.nvmlDeviceGetUtilizationRates(handle)
-                self._rows.append((i, str(nvml.nvmlDeviceGetName(handle)), float(util.gpu),
+                self.rows.append((i, str(nvml.nvmlDeviceGetName(handle)), float(util.gpu),
                                    float(util.memory),
                                    sum(p.usedGpuMemory or 0 for p in held) / 1e9))
 
-    def known_name(self) -> str:
-        """The name of the first GPU the job held ("" for none), for the upgrade projection."""
-        return self._rows[0][1] if self._rows else ""
-
     def frame(self) -> pd.DataFrame:
-        if not self._rows:
+        if not self.rows:
             return pd.DataFrame([[-1, "", 0, float("nan"), float("nan"), float("nan"),
                                   self.reason or "the job held no GPU NVML could see (in a "
                                   "container, NVML lists the host's PIDs)"]], columns=GPU_COLUMNS)
-        rows = pd.DataFrame(self._rows, columns=["gpu", "name", "util", "memory", "gb"])
+        rows = pd.DataFrame(self.rows, columns=["gpu", "name", "util", "memory", "gb"])
         return rows.groupby(["gpu", "name"], as_index=False).agg(
             samples=("util", "size"), util_pct=("util", "mean"), memory_util_pct=(
                 "memory", "mean"), job_memory_gb=("gb", "max")).assign(note=self.reason)
@@ -101,10 +190,13 @@ def _stages(timeline: collections.Counter) -> collections.Counter:
     return out
 
 
-def live_line(by: collections.Counter) -> str:
-    """The shares so far, largest first: what the live view shows after each chunk."""
-    table = _table(by, 1)
-    return ", ".join(f"{s} {v:.0%}" for s, v in zip(table["stage"][:4], table["share"][:4]))
+def interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson's 95% interval of a share k/n (samples as independent: long runs are less sure)."""
+    if n <= 0:
+        return float("nan"), float("nan")
+    centre = (k + z * z / 2) / (n + z * z)
+    half = z * math.sqrt(k * (n - k) / n + z * z / 4) / (n + z * z)
+    return max(centre - half, 0.0), min(centre + half, 1.0)
 
 
 def _table(by: collections.Counter, rate: int) -> pd.DataFrame:
@@ -171,11 +263,11 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     import psutil
     from tqdm.auto import tqdm
 
-    py_spy = spy.py_spy()
+    spy = _py_spy()
     if not psutil.pid_exists(cfg.pid):
         raise ValueError(f"AttachConfig.pid={cfg.pid}: no such process (`ps -ef | grep python`, "
                          "nvidia-smi list the candidates)")
-    spy.check(py_spy, cfg.pid)
+    _check(spy, cfg.pid)
     timeline, counts = collections.Counter(), collections.Counter()
     before, exited = _counters(cfg.pid), False
     with Watch(cfg.pid) as gpu, tqdm(total=cfg.seconds, unit="s", disable=not progress,
@@ -184,13 +276,15 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
         while not exited and (left := cfg.seconds - (time.perf_counter() - start)) >= 0.5:
             try:
                 kids = bool(psutil.Process(cfg.pid).children())
-                main, got, exited = spy.sample(py_spy, cfg.pid, min(CHUNK_S, left), cfg.rate, kids)
+                main, got, exited = _sample(spy, cfg.pid, min(CHUNK_S, left), cfg.rate, kids)
             except (ValueError, psutil.NoSuchProcess):  # gone between two chunks
                 main, got, exited = collections.Counter(), collections.Counter(), True
             timeline.update(main)
             counts.update(got)
             bar.update(min(time.perf_counter() - start, cfg.seconds) - bar.n)
-            bar.set_postfix_str(live_line(_stages(timeline)))
+            shares = _table(_stages(timeline), 1)[:4]  # the live view: the largest shares so far
+            bar.set_postfix_str(", ".join(f"{s} {v:.0%}" for s, v in zip(shares["stage"],
+                                                                        shares["share"])))
         window = time.perf_counter() - start
         after = _counters(cfg.pid)
     by = _stages(timeline)
@@ -205,8 +299,9 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     frame = pd.DataFrame({"stage": table["stage"], "seconds": table["seconds"],
                           "step": pd.array([pd.NA] * len(table), dtype="Int64"), "rank": 0,
                           "node": 0, "run": "attach"})
-    verdict, fixes, projection = story(frame, cfg.current_gpu or gpu.known_name(),
-                                       cfg.target_gpu, "; ".join(notes))
+    held = gpu.rows[0][1] if gpu.rows else ""  # the first GPU the job held: the upgrade's
+    verdict, fixes, projection = story(frame, cfg.current_gpu or held, cfg.target_gpu,
+                                       "; ".join(notes))
     return Attached(table, frame, verdict, fixes, _workers(counts, cfg.pid), gpu.frame(),
                     _process(before, {**before, **after}, window), projection)
 

@@ -287,7 +287,7 @@ def run_report(cfg: Any) -> Path:
     the steps its ranks finished."""
     folder = Path(cfg.folder)
     if not (folder / "summary.json").is_file() and any(folder.glob("rank-*.partial.csv")):
-        from diag.timing.spill import read_spills
+        from diag.timing.distributed import read_spills
 
         return write({STAGE_FRAME: read_spills(folder).assign(run="spilled")},
                      config={"spills": str(folder.resolve())})

@@ -97,11 +97,7 @@ class TimingCallback(TrainerCallback):
                 self._steady_start = now
                 self._cpu_stage("warmup")
         else:
-            inside = min(self.timer.comm.take(), now - self._begin) if self.timer.comm else None
-            self.timer.record("data_wait", self._wait, step=step)
-            if inside is not None:
-                self.timer.record("comm_wait", self._gather + inside, step=step)
-            self.timer.record("compute", now - self._begin - (inside or 0.0), step=step)
+            self.timer.step_done(step, self._wait, now - self._begin, self._gather)
         self.timer.flush()  # under a launcher: the finished step survives a kill
         self.steps += 1
         self._mark = now

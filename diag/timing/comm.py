@@ -26,11 +26,11 @@ class CommWait:
         import torch
 
         self._ddp, self._started = ddp, None
-        self._spans: list[tuple[Any, Any]] = []  # (start, end) of each broadcast since take()
+        # (start, end, an all-reduce?) of each wait since take(): a broadcast, or backward's
+        # compute ended to DDP having every bucket's all-reduce back
+        self._spans: list[tuple[Any, Any, bool]] = []
         self._events = torch.cuda.Event if next(ddp.parameters()).is_cuda else None
         self.all_reduce_s: list[float] = []  # the first 10 backwards' (as DDP's logging)
-        self._ended: Any = None  # backward's compute ended
-        self._waited: Any = None  # DDP had every bucket's all-reduce back
         if ddp.will_sync_module_buffers():
             ddp.register_forward_pre_hook(self._before_broadcast)
             ddp.module.register_forward_pre_hook(self._after_broadcast)
@@ -72,18 +72,16 @@ class CommWait:
     def _backward_end(self) -> None:
         from torch.autograd import Variable
 
-        self._ended = self._stamp()
-        Variable._execution_engine.queue_callback(self._all_back)  # runs after DDP's finalize
-
-    def _all_back(self) -> None:
-        self._waited = self._stamp()
+        ended = self._stamp()  # the callback runs after DDP's finalize: every bucket is back
+        Variable._execution_engine.queue_callback(
+            lambda: self._spans.append((ended, self._stamp(), True)))
 
     def _before_broadcast(self, module: Any, args: Any) -> None:
         self._started = self._stamp() if self._ddp.will_sync_module_buffers() else None
 
     def _after_broadcast(self, module: Any, args: Any) -> None:
         if self._started is not None:
-            self._spans.append((self._started, self._stamp()))
+            self._spans.append((self._started, self._stamp(), False))
             self._started = None
 
     def _stamp(self) -> Any:
@@ -101,15 +99,13 @@ class CommWait:
 
     def take(self) -> float:
         """Seconds waited on the other ranks since the last take (0.0 when nothing ran)."""
-        spans, ended, waited = self._spans, self._ended, self._waited
-        self._spans, self._ended, self._waited = [], None, None
-        seconds = sum(self._seconds(start, end) for start, end in spans)
-        if ended is not None and waited is not None:
-            exposed = self._seconds(ended, waited)
-            if len(self.all_reduce_s) < 10:
-                self.all_reduce_s.append(exposed)
-            seconds += exposed
-        return seconds
+        spans, self._spans, total = self._spans, [], 0.0
+        for start, end, reduce in spans:
+            seconds = self._seconds(start, end)
+            if reduce and len(self.all_reduce_s) < 10:
+                self.all_reduce_s.append(seconds)
+            total += seconds
+        return total
 
 
 def ddp_exposed_s(ddp: Any) -> float | None:

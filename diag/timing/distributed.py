@@ -1,6 +1,7 @@
 """Where this process sits in a torchrun / accelerate job, and how it ends there: `place()` is
 this rank's seat, `gather_to_root` collects each rank's frame on rank 0 once at the end, finished
-steps are spilled as they go, `ending(err)` names the rank a failed collective lost.
+steps are spilled as they go (*.partial.csv, never a complete run; `read_spills` reads them back),
+`ending(err)` names the rank a failed collective lost.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import io
 import os
 import signal
 import sys
@@ -15,9 +17,11 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 ROOT = 0  # the rank that gathers the frames and writes the run folder
+SPILL_COLUMNS = ("stage", "seconds", "step", "rank", "node")  # of a rank's *.partial.csv
 # How long a rank waits, each bound apart (env DIAG_<NAME>_TIMEOUT_S overrides):
 TIMEOUTS_S = {"rendezvous": 300.0,  # to reach MASTER_ADDR:MASTER_PORT and the other ranks
               "collective": 600.0,  # in one collective of the job (a gather, an all-reduce)
@@ -236,8 +240,6 @@ def ending(err: BaseException) -> BaseException:
         return err
     when = "before its first timed step"
     if _spilling is not None:
-        from diag.timing.spill import read_spills
-
         rows = read_spills(_spilling)
         done = rows.loc[rows["rank"] == place().rank, "step"].dropna()
         when = f"during step {int(done.max()) + 1}" if len(done) else when
@@ -270,17 +272,30 @@ def _roll_call(seat: Place) -> list[tuple[int, int]]:
     return gone
 
 
-def spilled() -> Any:  # -> pathlib.Path | None
+def spilled() -> Path | None:
     """The folder of this rank's spill of a run that has not ended (stopped or failed)."""
     return _spilling
+
+
+def read_spills(folder: Any) -> Any:  # -> pandas.DataFrame
+    """Every rank's spilled rows in one frame; a line cut short by a kill is dropped."""
+    import pandas as pd
+
+    frames = []
+    for path in sorted(Path(folder).glob("rank-*.partial.csv")):
+        whole = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+                 if line.endswith("\n") and line.count(",") == len(SPILL_COLUMNS) - 1]
+        if len(whole) > 1:
+            frames.append(pd.read_csv(io.StringIO("".join(whole))))
+    if not frames:
+        return pd.DataFrame(columns=list(SPILL_COLUMNS))
+    return pd.concat(frames, ignore_index=True).astype({"step": "Int64"})
 
 
 def gathered_frame(timer: Any) -> Any:  # -> pandas.DataFrame
     """Every rank's frame on rank 0 (its own elsewhere), once at the end; then the spills go."""
     global _spilling
-    frame = timer.gather(dst=ROOT) if place().distributed else None
-    frame = timer.to_frame() if frame is None else frame
-    path, _spilling = timer.spill_path, None
+    frame, path, _spilling = timer.gather(dst=ROOT), timer.spill_path, None
     timer.close_spill()
     if path is not None:
         with contextlib.suppress(OSError):  # the last rank on each node removes the folder

@@ -69,13 +69,9 @@ class TimedStep:
         self._step.update()
         sync(self.device)  # note: sync point: the step's queued kernels are billed to it
         end = time.perf_counter()
-        timer, step = self.timer, len(self.points)
         seconds = end - (self._start if self._start is not None else end)
-        waited = min(timer.comm.take(), seconds - self._data) if timer.comm is not None else 0.0
-        timer.record("data_wait", self._data, step=step)
-        timer.record("comm_wait", max(waited, 0.0), step=step)
-        timer.record("compute", max(seconds - self._data - waited, 0.0), step=step)
-        timer.flush()  # under a launcher: the finished step survives a kill
+        self.timer.step_done(len(self.points), self._data, max(seconds - self._data, 0.0))
+        self.timer.flush()  # under a launcher: the finished step survives a kill
         self.points.append((self._micro, self._micro_steps))
         self._open()
 

@@ -65,13 +65,6 @@ def per_rank(frame: pd.DataFrame) -> pd.DataFrame:
     return out[COLUMNS].sort_values(["run", "rank"], ignore_index=True)
 
 
-def _slow(work: pd.DataFrame, rule: Rule) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Per step and rank: own work beyond the other ranks' median, and whether that is slow."""
-    base = pd.DataFrame({r: work.drop(columns=r).median(axis=1) for r in work.columns})
-    extra = work - base
-    return extra, extra.gt(base * rule.share) & extra.gt(rule.floor_s)
-
-
 def findings(frame: pd.DataFrame, cores_per_node: int | None = None,
              workers_per_rank: int | None = None, rule: Rule | None = None) -> pd.DataFrame:
     """The stragglers of each run (if any): who, what the others waited, the cause, the fix."""
@@ -84,7 +77,10 @@ def findings(frame: pd.DataFrame, cores_per_node: int | None = None,
         if len(nodes) < 2:
             continue
         work = part["work"].droplevel("node").unstack("rank").dropna()
-        extra, slow = _slow(work, rule)
+        # per step and rank: own work beyond the other ranks' median, and whether that is slow
+        base = pd.DataFrame({r: work.drop(columns=r).median(axis=1) for r in work.columns})
+        extra = work - base
+        slow = extra.gt(base * rule.share) & extra.gt(rule.floor_s)
         named = [r for r in work.columns if slow[r].mean() >= rule.most]
         # several slow ranks on one node: the node is the straggler (its disk, its CPUs)
         for _, ranks in pd.Series(named, dtype=int).groupby(nodes.reindex(named).to_numpy()):

@@ -6,19 +6,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ContextDecorator
 from typing import TYPE_CHECKING, Any
 
+from pathlib import Path
+
 from diag.timing.comm import CommWait
-from diag.timing.distributed import ROOT, _group, gather_to_root, place
-from diag.timing.spill import Spill
+from diag.timing.distributed import ROOT, SPILL_COLUMNS, _group, gather_to_root, place
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     import pandas as pd
 
 # once per training run; once per optimizer step (comm_wait: waiting on other ranks under DDP)
@@ -40,7 +40,7 @@ def check_stage(name: str) -> str:
 
 
 class _Stage(ContextDecorator):
-    """One named interval; reusable as a decorator."""
+    """One named interval (nothing when the timer is off); reusable as a decorator."""
 
     __slots__ = ("_timer", "_name", "_start", "_range")
 
@@ -52,6 +52,8 @@ class _Stage(ContextDecorator):
 
     def __enter__(self) -> _Stage:
         timer = self._timer
+        if not timer.enabled:
+            return self
         if timer._sync is not None:
             timer._sync()  # note: CPU-GPU sync point: the previous stage's kernels are not ours
         if timer.trace:  # opened before the clock starts: not billed to the stage
@@ -61,6 +63,8 @@ class _Stage(ContextDecorator):
 
     def __exit__(self, *exc: Any) -> bool:
         timer = self._timer
+        if not timer.enabled:
+            return False
         if timer._sync is not None:
             timer._sync()  # note: CPU-GPU sync point: this stage's queued kernels are billed to it
         # recorded even when the body raised: a failed stage still spent the time
@@ -75,14 +79,6 @@ class _Stage(ContextDecorator):
         return False
 
 
-class _NullStage(ContextDecorator):
-    def __enter__(self) -> _NullStage:
-        return self
-
-    def __exit__(self, *exc: Any) -> bool:
-        return False
-
-
 class StageTimer:
     """(stage, seconds, step) intervals of one process (rank). device: CUDA syncs at each stage
     boundary (queued kernels billed to the stage that queued them); trace: profiler, NVTX ranges."""
@@ -94,7 +90,8 @@ class StageTimer:
         self.rank = seat.rank if rank is None else rank
         self.node, self.local_rank, self.world_size = seat.node, seat.local_rank, seat.world_size
         self.comm: CommWait | None = None  # set by watch_comm under DDP
-        self._spill: Spill | None = None
+        self._spill: Any = None  # the open spill file (spill_to)
+        self.spill_path: Path | None = None
         self._spilled = 0  # rows written to the spill
         self.step: int | None = None  # set by watch(): tags step-level stages
         self._rows: list[tuple[str, float, int | None]] = []
@@ -127,9 +124,9 @@ class StageTimer:
         if self._nvtx is not None:
             self._nvtx.range_pop()
 
-    def stage(self, name: str) -> _Stage | _NullStage:
+    def stage(self, name: str) -> _Stage:
         """Context manager and decorator timing one stage."""
-        return _Stage(self, check_stage(name)) if self.enabled else _NullStage()
+        return _Stage(self, check_stage(name) if self.enabled else name)
 
     def record(self, name: str, seconds: float, step: int | None = None) -> None:
         """Add an interval measured elsewhere (a worker, a subprocess)."""
@@ -149,23 +146,35 @@ class StageTimer:
     def spill_to(self, path: Any) -> None:
         """Append the rows to path at each `flush()`: a killed process leaves its finished steps."""
         if self.enabled:
-            self._spill = Spill(path, self.rank, self.node)
+            self.spill_path = Path(path)
+            self._spill = open(path, "a", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115
+            self._spill.write(",".join(SPILL_COLUMNS) + "\n")
+            self._spill.flush()
 
     def flush(self) -> None:
-        """Write the rows since the last flush to the spill file (no sync with other ranks)."""
+        """Write the rows since the last flush to the spill, whole CSV lines in one write."""
         if self._spill is not None:
-            self._spill.write(self._rows[self._spilled:])
+            rows = self._rows[self._spilled:]
+            self._spill.write("".join(f"{s},{sec!r},{'' if st is None else st},{self.rank},"
+                                      f"{self.node}\n" for s, sec, st in rows))
+            self._spill.flush()
             self._spilled = len(self._rows)
-
-    @property
-    def spill_path(self) -> Path | None:
-        return self._spill.path if self._spill is not None else None
 
     def close_spill(self) -> None:
         """Stop spilling and remove the file: the whole frame is safe elsewhere."""
         if self._spill is not None:
             self._spill.close()
-            self._spill = None
+            os.unlink(self.spill_path)
+            self._spill = self.spill_path = None
+
+    def step_done(self, step: int, data_wait: float, busy: float, waited: float = 0.0) -> None:
+        """A step's data_wait, then its `busy` seconds as comm_wait (waited, and under watch_comm
+        the waits inside, at most busy) and compute (the rest)."""
+        inside = min(self.comm.take(), busy) if self.comm is not None else None
+        self.record("data_wait", data_wait, step=step)
+        if inside is not None:
+            self.record("comm_wait", waited + inside, step=step)
+        self.record("compute", max(busy - (inside or 0.0), 0.0), step=step)
 
     def watch(self, iterable: Iterable[Any], start_step: int = 0) -> Iterator[Any]:
         """Yield the same items; the time blocked in each `next()` is that step's data_wait."""
@@ -204,8 +213,8 @@ class StageTimer:
         frame = pd.DataFrame(self._rows, columns=["stage", "seconds", "step"])
         return frame.astype({"step": "Int64"}).assign(rank=self.rank, node=self.node)
 
-    def gather(self, dst: int | None = None) -> pd.DataFrame | None:
-        """Every rank's frame on every rank (dst=None) or rank 0 (dst=0; None elsewhere)."""
+    def gather(self, dst: int | None = None) -> pd.DataFrame:
+        """Every rank's frame on every rank (dst=None) or rank 0 (dst=0; its own elsewhere)."""
         import pandas as pd
 
         frame, dist = self.to_frame(), _group()
@@ -217,7 +226,7 @@ class StageTimer:
         else:
             assert dst == ROOT, "frames gather on rank 0, the rank that writes the run folder"
             every = gather_to_root(frame)
-        return None if every is None else pd.concat(every, ignore_index=True)
+        return frame if every is None else pd.concat(every, ignore_index=True)
 
 
 def is_stage_frame(frame: Any) -> bool:

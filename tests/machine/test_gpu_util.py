@@ -1,4 +1,4 @@
-"""diag.machine.gpu_util: NVML utilisation beside data_wait, or an empty column that says why."""
+"""diag.machine.contention.GpuSampler: NVML utilisation beside data_wait, or why not."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from diag.config import ToyConfig
-from diag.machine.gpu_util import GpuSampler
+from diag.machine.contention import GpuSampler
 
 
 def test_cpu_run_has_no_gpu_to_sample():

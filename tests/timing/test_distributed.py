@@ -23,7 +23,7 @@ import pytest
 
 from diag.cli import main
 from diag.timing import stragglers
-from diag.timing.spill import read_spills
+from diag.timing.distributed import read_spills
 
 pytestmark = pytest.mark.slow  # every test starts a launcher's ranks or `python -m diag toy`
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 from diag.timing import stragglers
 from diag.config.accum import check_divides
 from diag.timing.distributed import place
-from diag.timing.spill import read_spills
+from diag.timing.distributed import read_spills
 from diag.timing import StageTimer
 
 
