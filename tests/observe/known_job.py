@@ -3,11 +3,13 @@
 written beside. `python known_job.py OUT.csv '{"steps": 400, ...}' [TRACE.json[.gz]]`: prints
 "ready" once torch is imported (attach from then on), then trains; with TRACE, under
 torch.profiler (CPU), exported there; under torchrun each rank writes OUT.csv's and TRACE's
-rank-N variant."""
+rank-N variant. OUT.csv.waited holds the share of the run's wall the training thread waited for
+a CPU while runnable (/proc/thread-self/schedstat): how much a busy box could move a stage."""
 
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -23,6 +25,14 @@ warm = torch.nn.Linear(2, 1)  # the first step's lazy imports (torch._dynamo) be
 warm(torch.zeros(1, 2)).sum().backward()
 torch.optim.AdamW(warm.parameters()).step()
 print("ready", flush=True)
+
+
+def run_delay_s() -> float:
+    with open("/proc/thread-self/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
+delay0, start = run_delay_s(), time.perf_counter()
 if trace:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         frame = run_toy(cfg)
@@ -31,5 +41,7 @@ else:
     frame = run_toy(cfg)
 if frame is not None and rank in (None, "0"):
     frame.to_csv(out, index=False)
+    with open(out + ".waited", "w") as f:
+        f.write(str((run_delay_s() - delay0) / (time.perf_counter() - start)))
 sys.stdout.flush()
 os._exit(0)  # no interpreter teardown: the job ends when its work does

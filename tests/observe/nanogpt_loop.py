@@ -2,7 +2,8 @@
 GPT on a token memmap, get_batch(), gradient accumulation, a pause in time.sleep outside every
 stage (as a logging call would), timed by itself. `python nanogpt_loop.py TRUTH.json SECONDS`
 prints "ready" once torch is imported, trains for about SECONDS, then writes its own seconds
-of data_wait (get_batch), compute (forward, backward, step, loss.item()) and other."""
+of data_wait (get_batch), compute (forward, backward, step, loss.item()) and other, and the share
+of its wall its thread waited for a CPU while runnable (waited: /proc/thread-self/schedstat)."""
 
 import json
 import os
@@ -60,6 +61,14 @@ model(X, Y)[1].backward()  # the first step's start-up (lazy imports) before the
 optimizer.step()
 optimizer.zero_grad(set_to_none=True)
 print("ready", flush=True)
+
+
+def run_delay_s() -> float:
+    with open("/proc/thread-self/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
+delay0 = run_delay_s()
 t_start = t0 = time.perf_counter()
 while time.perf_counter() - t_start < seconds:
     for _micro_step in range(gradient_accumulation_steps):
@@ -82,6 +91,7 @@ while time.perf_counter() - t_start < seconds:
     time.sleep(pause)  # outside every stage: what a logging call or a throttle costs
 t_end = time.perf_counter()
 spent["other"] = (t_end - t0) - spent["compute"] - spent["data_wait"]
+spent["waited"] = (run_delay_s() - delay0) / (t_end - t0)
 with open(truth_path, "w") as f:
     json.dump(spent, f)
 sys.stdout.flush()

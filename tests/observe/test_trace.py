@@ -39,7 +39,9 @@ def single(tmp_path_factory):
     subprocess.run([sys.executable, str(HERE / "known_job.py"), str(out / "truth.csv"),
                     json.dumps(cfg), str(out / "trace.json")], check=True, timeout=300,
                    stdout=subprocess.DEVNULL)
-    return out / "trace.json", pd.read_csv(out / "truth.csv")
+    frame = pd.read_csv(out / "truth.csv")
+    frame.attrs["waited"] = float((out / "truth.csv.waited").read_text())
+    return out / "trace.json", frame
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +63,11 @@ def test_trace_recovers_the_toys_own_shares(single, tmp_path):
     path, own = single
     got = trace(path)
     shares, truth = step_shares(got.stages), step_shares(own)
+    # 5 points, plus the share of the run the toy's thread waited for a CPU: on a busy box a
+    # preemption inside a step lands in the trace's gaps or in the timer's stage
     for stage in ("data_wait", "compute"):
-        assert abs(shares[stage] - truth[stage]) <= 0.05, (stage, shares.round(3).to_dict(),
-                                                           truth.round(3).to_dict())
+        assert abs(shares[stage] - truth[stage]) <= 0.05 + own.attrs["waited"], (
+            stage, shares.round(3).to_dict(), truth.round(3).to_dict(), own.attrs["waited"])
     assert got.verdict["verdict"].iloc[0] == amdahl.verdict(amdahl.shares(own))["verdict"]
     # the same trace gzipped (as tensorboard_trace_handler writes it) reads the same
     packed = tmp_path / "trace.json.gz"
