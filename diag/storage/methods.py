@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 from diag.config import STORAGE_PULLS
 from diag.storage.objectstore import MB, RemoteObject, S3Url, failure, transfer_plan
-from diag.storage.transfer import describe, download_all
+from diag.storage.landing import describe, download_all
 
 _READ_CHUNK = 1 << 20  # like `dd bs=1M` (8 MiB buffers fall out of the CPU cache)
 RANGED = ("boto3_default", "boto3_tuned")  # the methods that pull a byte range of an object

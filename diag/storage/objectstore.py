@@ -69,11 +69,6 @@ class TransferPlan:
                               multipart_chunksize=self.part_bytes,
                               max_concurrency=self.concurrency, **extra)
 
-    def paste(self) -> str:
-        """The plan as a line of Python for the user's boto3 code."""
-        return (f"TransferConfig(multipart_threshold={self.single_get_below}, "
-                f"multipart_chunksize={self.part_bytes}, max_concurrency={self.concurrency})")
-
 
 def transfer_plan(size: int, cores: int | None = None) -> TransferPlan:
     """Under 32 MB one GET; larger, ~2 parts per core of 8-256 MB each, min(2 x cores, parts)

@@ -174,7 +174,9 @@ def paste_settings(object_bytes: int, cores: int | None = None) -> str:
     """transfer_plan() for objects of this size, to paste: boto3, ~/.aws/config, s5cmd."""
     plan = transfer_plan(object_bytes, cores)
     mib = max(5, round(plan.part_bytes / 2**20))
-    return (f"(diag.storage.transfer_plan): boto3 `{plan.paste()}`; aws CLI, in ~/.aws/config "
+    return (f"(diag.storage.transfer_plan): boto3 `TransferConfig(multipart_threshold="
+            f"{plan.single_get_below}, multipart_chunksize={plan.part_bytes}, max_concurrency="
+            f"{plan.concurrency})`; aws CLI, in ~/.aws/config "
             f"under your profile: `s3 =` / `  max_concurrent_requests = {plan.concurrency}` / "
             f"`  multipart_threshold = {plan.single_get_below // MB}MB` / "
             f"`  multipart_chunksize = {plan.part_bytes // MB}MB`; s5cmd: `s5cmd --numworkers "
