@@ -20,14 +20,14 @@ from diag.config import StorageConfig, diag_home
 from diag.config.source import data_file
 from diag.decision import Decision, MeasuredOn
 from diag.files import scratch_folder
-from diag.machine.disks import disk_kind, evict_page_cache, is_network
+from diag.machine import disks
 from diag.runner import quietly
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
 from diag.storage.methods import (NVME_COLD, PULLS, RANGED, local_reads,  # noqa: F401
-                                  nvme_reads, pull, read_local, resident, row, s5cmd_path, ttfb)
+                                  nvme_reads, pull, read_local, resident, row, s5cmd_path)
 from diag.storage.objectstore import (MB, RemoteObject, S3Url, deadline, deadline_s,
-                                      remote_error, source_client)
+                                      source_client)
 from diag.storage.sample import RANGE_SAMPLE_AT_LEAST, Extrapolation, probe, ranges, spread
 from diag.storage.sources import HubUrl, LocalUrl, list_remote, parse_url
 from diag.storage.tax import advice, cold_reads, over_rounds, storage_tax
@@ -160,8 +160,8 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
                     rows += _landings(cfg, client, source, url, rounds, work, len(objects))
             paths = [Path(o.key) for o in chosen] if local else sorted(
                 p for p in (work / "sample").rglob("*") if p.is_file())
-            kind = disk_kind(paths[0] if local else work / "sample")
-            if is_network(kind):  # the same bytes read from a local NVMe, when the box has one
+            kind = disks.disk_kind(paths[0] if local else work / "sample")
+            if disks.is_network(kind):  # the same bytes read from a local NVMe, if there is one
                 rows += nvme_reads(paths, rounds, len(chosen))
             where = str(url.path.parent if local and not url.is_prefix else url.path if local
                         else local_dir)
@@ -175,20 +175,11 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
     return pd.DataFrame(rows, columns=COLUMNS), sample
 
 
-@contextlib.contextmanager
 def _bounded(client: Any, url: Any, nbytes: int, mb_per_s: float | None, stall_s: float,
-             what: str) -> Iterator[None]:
+             what: str) -> contextlib.AbstractContextManager[None]:
     """An S3 pull within deadline(), its botocore errors named (the hub keeps its own timeouts)."""
-    if not isinstance(url, S3Url):
-        yield
-        return
-    try:
-        with deadline(client, deadline_s(nbytes, mb_per_s, stall_s), what):
-            yield
-    except (RuntimeError, ValueError):
-        raise
-    except Exception as err:  # noqa: BLE001  botocore's and s3transfer's
-        raise remote_error(err, url, client) from None
+    return (deadline(client, deadline_s(nbytes, mb_per_s, stall_s), what, url)
+            if isinstance(url, S3Url) else contextlib.nullcontext())
 
 
 def _probe(cfg: StorageConfig, client: Any, url: Any, objects: list[RemoteObject],
@@ -230,9 +221,11 @@ def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], metho
         for method in (methods if r % 2 == 0 else methods[::-1]):
             what = f"{url}: {len(chosen)} piece(s), {method}"
             with _bounded(client, url, nbytes, rate, cfg.stall_s, what):
-                # s5cmd's requests are not visible from here: its row gets no TTFB
-                first = ttfb(client, url, chosen[0].key) if method in RANGED else float("nan")
-                start = time.perf_counter()
+                start, first = time.perf_counter(), float("nan")
+                if method in RANGED:  # one byte's GET; s5cmd's requests are not visible here
+                    client.get_object(Bucket=url.bucket, Key=chosen[0].key,
+                                      Range="bytes=0-0")["Body"].read()
+                    start, first = time.perf_counter(), time.perf_counter() - start
                 detail = pull(method, client, url, chosen, work / method, env,
                               deadline_s(nbytes, rate, cfg.stall_s), cfg.retries)
                 seconds = time.perf_counter() - start
@@ -253,7 +246,7 @@ def _landings(cfg: StorageConfig, client: Any, source: str, url: S3Url, rounds: 
         landed, _ = local_paths(url, into)
         paths = [landed] if landed.is_file() else sorted(
             p for p in landed.rglob("*") if p.is_file())
-        cache, share = evict_page_cache(paths), resident(paths)
+        cache, share = disks.evict_page_cache(paths), resident(paths)
         hit = land(source, into, client=client, verify=cfg.verify, retries=cfg.retries)
         if r >= 0:
             rows.append(row("land", source, "hit" if miss.hit else "miss", miss.bytes,

