@@ -239,8 +239,7 @@ class _Hashes:
 
 
 class Stream:
-    """One download's check as s3transfer writes into `sink`: a thread hashes the written prefix,
-    the writer the CRCs; after a re-GET's rewrite finish() hashes the file whole."""
+    """One download's check as s3transfer writes into `sink` (the writer computes the CRCs)."""
 
     def __init__(self, fd: int, want: Expected, size: int = 0) -> None:
         self.fd, self.want = fd, want

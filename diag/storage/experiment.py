@@ -9,6 +9,7 @@ import os
 import shutil
 import statistics
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,8 +98,6 @@ def open_source(cfg: StorageConfig) -> Iterator[tuple[str, Any, dict[str, str]]]
             ("AWS_ENDPOINT_URL", cfg.endpoint_url), ("AWS_PROFILE", cfg.profile),
             ("AWS_REGION", cfg.region)) if value}}
         return
-    import warnings
-
     from diag.embedded import S3Server, embedded_dataset
 
     for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
@@ -121,10 +120,9 @@ def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
     """The measurements, the re-pull tax at cfg's dataset size and price, and the advice."""
     cfg = cfg or StorageConfig.default()
     frame, sample = measure(cfg)
-    if not frame["method"].isin(PULLS).any():  # a local source: no pull, no tax, no advice
-        tax = pd.DataFrame(columns=["method", "seconds_per_run"])
-        return StorageResult(frame, tax, advice(tax), decide(frame), sample)
-    tax = storage_tax(frame, cfg.dataset_gb, cfg.runs_per_week, cfg.usd_per_hour)
+    tax = (storage_tax(frame, cfg.dataset_gb, cfg.runs_per_week, cfg.usd_per_hour)
+           if frame["method"].isin(PULLS).any()  # a local source: no pull, no tax, no advice
+           else pd.DataFrame(columns=["method", "seconds_per_run"]))
     return StorageResult(frame, tax, advice(tax, frame), decide(frame), sample)
 
 
@@ -168,11 +166,9 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
             rows += local_reads(paths, rounds, len(chosen), where, kind)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for one in rows:  # what the landing folder is on (EBS, PD, NFS...: tax.advice says so)
-        one.setdefault("local_disk", kind)
-        one.update(dataset_bytes=fit.dataset_bytes, dataset_files=fit.dataset_files,
-                   sampled=fit.label())
-    return pd.DataFrame(rows, columns=COLUMNS), sample
+    frame = pd.DataFrame(rows, columns=COLUMNS).assign(  # local_disk: for tax.advice
+        dataset_bytes=fit.dataset_bytes, dataset_files=fit.dataset_files, sampled=fit.label())
+    return frame.fillna({"local_disk": kind}), sample
 
 
 def _bounded(client: Any, url: Any, nbytes: int, mb_per_s: float | None, stall_s: float,
@@ -185,8 +181,7 @@ def _bounded(client: Any, url: Any, nbytes: int, mb_per_s: float | None, stall_s
 def _probe(cfg: StorageConfig, client: Any, url: Any, objects: list[RemoteObject],
            local_dir: Path, dest: Path, seconds: float
            ) -> tuple[pd.DataFrame, Extrapolation, list[Any]]:
-    """(probe rows, the fit, what each method pulls): pieces spread over the sizes, pulled with
-    the slowest method into dest until `seconds` or cfg.sample_mb (a local source: read)."""
+    """(probe rows, the fit, what each method pulls): pieces pulled by boto3's defaults."""
     done = [0, 0.0]  # bytes and seconds pulled so far: the rate a deadline rests on
 
     def pull_one(obj: RemoteObject, before: int) -> None:

@@ -89,8 +89,7 @@ def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
 
 def land(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, timer: Any = None,
          verify: str = "sha256", retries: int | None = None) -> LandedDataset:
-    """Land s3://bucket/key (or a prefix) in cache_dir once, timed as `fetch_data`: a hit while the
-    manifest matches the listing and the files (size; CRC with verify="sha256")."""
+    """Land s3://bucket/key (or a prefix) in cache_dir once, timed as `fetch_data`."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: allowed values are "
                          + ", ".join(map(repr, VERIFY_MODES)))

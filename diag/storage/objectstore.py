@@ -59,8 +59,7 @@ class TransferPlan:
         return f"{parts} x {self.part_bytes / MB:.0f} MB parts, {self.concurrency} at a time"
 
     def transfer_config(self, retries: int | None = None) -> Any:
-        """land()'s boto3 TransferConfig (retries None: s3transfer's 5 re-GETs); "classic": the
-        engine diag checks while it streams ("auto" may pick the CRT client)."""
+        """land()'s TransferConfig; "classic": the engine diag checks while it streams."""
         from boto3.s3.transfer import TransferConfig
 
         extra = {} if retries is None else {"num_download_attempts": retries + 1}
@@ -71,8 +70,7 @@ class TransferPlan:
 
 
 def transfer_plan(size: int, cores: int | None = None) -> TransferPlan:
-    """Under 32 MB one GET; larger, ~2 parts per core of 8-256 MB each, min(2 x cores, parts)
-    at a time (cores: `usable_cores()`; docs/calibration.md, storage, says why)."""
+    """One GET under 32 MB, else ~2 parts per core (docs/calibration.md, storage, says why)."""
     cores = max(1, cores or usable_cores())
     part = min(256 * MB, max(8 * MB, -(-size // (2 * cores))))
     return TransferPlan(32 * MB, part, max(1, min(2 * cores, -(-size // part))))
@@ -163,8 +161,7 @@ class _Stalled(Exception):
 
 @contextlib.contextmanager
 def deadline(client: Any, seconds: float, what: str, url: object = None) -> Iterator[None]:
-    """After `seconds`, refuse the client's requests and shut its sockets (a blocked read
-    returns): one line naming `what` and the endpoint; with `url`, botocore's errors named."""
+    """After `seconds`, refuse the client's requests and shut its sockets; errors in one line."""
     expired, endpoint = threading.Event(), client.meta.endpoint_url
 
     def refuse(**_: Any) -> None:
