@@ -165,11 +165,10 @@ def download_all(client: Any, bucket: str, targets: list[tuple[RemoteObject, Pat
 
 def describe(objects: list[RemoteObject]) -> str:
     """What download_all runs for these objects, in words (the benchmark rows' detail)."""
-    plans = [transfer_plan(o.size) for o in objects]
-    if len(objects) > 1 and all(o.size < p.single_get_below for o, p in zip(objects, plans)):
-        how = f"one GET per object, {min(2 * usable_cores(), len(objects))} objects at a time"
-    else:
-        how = plans[0].describe(objects[0].size)
+    plan = transfer_plan(objects[0].size)
+    how = (f"one GET per object, {min(2 * usable_cores(), len(objects))} objects at a time"
+           if len(objects) > 1 and all(o.size < plan.single_get_below for o in objects)
+           else plan.describe(objects[0].size))
     return f"land()'s engine: s3transfer, {how} ({usable_cores()} cores), checked, fsynced"
 
 
@@ -187,7 +186,7 @@ def download(client: Any, bucket: str, obj: RemoteObject, dest: Path,
                 return _download_once(client, bucket, obj, dest, plan, retries, want)
             except checks.Mismatch as err:
                 why = str(err)  # a flipped bit in transit is rare: fetch again; three is a pattern
-    except (ClientError, BotoCoreError) as err:  # a HEAD: what to expect, or an MD5's meaning
+    except (ClientError, BotoCoreError) as err:  # a HEAD or a GET
         raise remote_error(err, url, client) from None
     raise failure(url, client, f"the bytes received do not match the object ({why}) in "
                   f"{_ATTEMPTS} downloads: they were corrupted on the way (a proxy or middlebox "
@@ -228,9 +227,9 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
 
 def _transfer(client: Any, bucket: str, obj: RemoteObject, sink: Any, plan: TransferPlan,
               retries: int | None) -> None:
-    """boto3's download_fileobj into `sink`, its failures one line naming the object and fix."""
+    """boto3's download_fileobj into `sink`; its failures one line (botocore's: download's)."""
     from boto3.exceptions import RetriesExceededError
-    from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
+    from botocore.exceptions import FlexibleChecksumError
     from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceeded
     from s3transfer.exceptions import S3DownloadFailedError
 
@@ -245,8 +244,6 @@ def _transfer(client: Any, bucket: str, obj: RemoteObject, sink: Any, plan: Tran
                       "check the network") from None
     except S3DownloadFailedError as err:  # s3transfer's ETag pin: the object changed mid-way
         raise failure(url, client, f"{err}; it changed while it was landing: run again") from None
-    except (ClientError, BotoCoreError) as err:
-        raise remote_error(err, url, client) from None
 
 
 def _verdict(client: Any, bucket: str, obj: RemoteObject, partial: Path,
