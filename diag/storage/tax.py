@@ -5,6 +5,7 @@ week), and the `advice` rows amdahl.findings ranks: land once, the tuned transfe
 from __future__ import annotations
 
 import statistics
+
 import pandas as pd
 
 from diag.decision import FIXES
