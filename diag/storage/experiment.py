@@ -166,9 +166,9 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
             rows += local_reads(paths, rounds, len(chosen), where, kind)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    frame = pd.DataFrame(rows, columns=COLUMNS).assign(  # local_disk: for tax.advice
-        dataset_bytes=fit.dataset_bytes, dataset_files=fit.dataset_files, sampled=fit.label())
-    return frame.fillna({"local_disk": kind}), sample
+    frame = pd.DataFrame([{"local_disk": kind, **one} for one in rows], columns=COLUMNS)
+    return frame.assign(dataset_bytes=fit.dataset_bytes, dataset_files=fit.dataset_files,
+                        sampled=fit.label()), sample  # local_disk: what tax.advice names
 
 
 def _bounded(client: Any, url: Any, nbytes: int, mb_per_s: float | None, stall_s: float,
