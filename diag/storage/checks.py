@@ -14,6 +14,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from diag.storage.objectstore import failure
+
 # The checksums S3 keeps, and the name of each function that computes it
 CRCS = {"ChecksumCRC32": "crc32", "ChecksumCRC32C": "crc32c", "ChecksumCRC64NVME": "crc64nvme"}
 _CHUNK = 8 << 20  # bytes hashed per read-back: large enough that hashing runs without the GIL
@@ -104,8 +106,6 @@ class Expected:
 
 def head(client: Any, bucket: str, key: str, etag: str) -> dict[str, Any]:
     """HEAD with the stored checksum; an ETag moved since the listing is an error of its own."""
-    from diag.storage.objectstore import failure
-
     got = client.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
     if got["ETag"].strip('"') != etag:
         raise failure(f"s3://{bucket}/{key}", client, "the object changed while it was landing; "
