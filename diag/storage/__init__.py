@@ -2,14 +2,13 @@
 `land()` lands an S3 dataset once, verified; `fetch` gives a job its data from any source.
 """
 
-from diag.storage.experiment import PULLS, StorageResult, decide, measure, run_storage
+from diag.storage.experiment import StorageResult, decide, run_storage
+from diag.storage.landing import land
 from diag.storage.methods import pull, read_local
-from diag.storage.landing import LandedDataset, land, local_paths
-from diag.storage.objectstore import make_client, source_client, transfer_plan, usable_cores
+from diag.storage.objectstore import make_client, source_client, transfer_plan
 from diag.storage.sources import fetch, list_remote, parse_url
 from diag.storage.tax import advice, medians, storage_tax
 
-__all__ = ["LandedDataset", "PULLS", "StorageResult", "advice", "decide", "fetch", "land",
-           "list_remote", "local_paths", "make_client", "measure", "medians", "parse_url",
-           "pull", "read_local", "run_storage", "source_client", "storage_tax", "transfer_plan",
-           "usable_cores"]
+__all__ = ["StorageResult", "advice", "decide", "fetch", "land", "list_remote", "make_client",
+           "medians", "parse_url", "pull", "read_local", "run_storage", "source_client",
+           "storage_tax", "transfer_plan"]

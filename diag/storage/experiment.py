@@ -9,30 +9,29 @@ import os
 import shutil
 import statistics
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import pandas as pd
+
+from diag.config import StorageConfig, diag_home
 from diag.config.source import data_file
 from diag.decision import Decision, MeasuredOn
 from diag.files import scratch_folder
+from diag.machine import disks
 from diag.runner import quietly
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
 from diag.storage.methods import (NVME_COLD, PULLS, RANGED, local_reads,  # noqa: F401
-                                  nvme_reads, pull, read_local, resident, row, s5cmd_path, ttfb)
-from diag.storage.objectstore import (MB, RemoteObject, S3Url, deadline, deadline_s,
-                                      remote_error, source_client)
+                                  nvme_reads, pull, read_local, resident, row, s5cmd_path)
+from diag.storage.objectstore import MB, RemoteObject, S3Url, deadline, deadline_s, source_client
 from diag.storage.sample import RANGE_SAMPLE_AT_LEAST, Extrapolation, probe, ranges, spread
 from diag.storage.sources import HubUrl, LocalUrl, list_remote, parse_url
 from diag.storage.tax import advice, cold_reads, over_rounds, storage_tax
 from diag.timing import median_seconds
-
-if TYPE_CHECKING:
-    import pandas as pd
-
-    from diag.config import StorageConfig
 
 COLUMNS = ["method", "source", "cache_state", "bytes", "seconds", "mb_per_s", "ttfb_s", "repeat",
            "files", "detail", "resident_fraction", "extrapolated_s", "dataset_bytes",
@@ -98,8 +97,6 @@ def open_source(cfg: StorageConfig) -> Iterator[tuple[str, Any, dict[str, str]]]
             ("AWS_ENDPOINT_URL", cfg.endpoint_url), ("AWS_PROFILE", cfg.profile),
             ("AWS_REGION", cfg.region)) if value}}
         return
-    import warnings
-
     from diag.embedded import S3Server, embedded_dataset
 
     for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
@@ -120,26 +117,16 @@ def open_source(cfg: StorageConfig) -> Iterator[tuple[str, Any, dict[str, str]]]
 @quietly
 def run_storage(cfg: StorageConfig | None = None) -> StorageResult:
     """The measurements, the re-pull tax at cfg's dataset size and price, and the advice."""
-    import pandas as pd
-
-    from diag.config import StorageConfig
-
     cfg = cfg or StorageConfig.default()
     frame, sample = measure(cfg)
-    if not frame["method"].isin(PULLS).any():  # a local source: no pull, no tax, no advice
-        tax = pd.DataFrame(columns=["method", "seconds_per_run"])
-        return StorageResult(frame, tax, advice(tax), decide(frame), sample)
-    tax = storage_tax(frame, cfg.dataset_gb, cfg.runs_per_week, cfg.usd_per_hour)
+    tax = (storage_tax(frame, cfg.dataset_gb, cfg.runs_per_week, cfg.usd_per_hour)
+           if frame["method"].isin(PULLS).any()  # a local source: no pull, no tax, no advice
+           else pd.DataFrame(columns=["method", "seconds_per_run"]))
     return StorageResult(frame, tax, advice(tax, frame), decide(frame), sample)
 
 
 def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(rows per timed repeat: pulls, cfg.land's land() miss then hit, local reads; the probe)."""
-    import pandas as pd
-
-    from diag.config import diag_home
-    from diag.machine.disks import disk_kind, is_network
-
     local_dir = Path(cfg.local_dir).expanduser() if cfg.local_dir else diag_home() / "storage"
     work = scratch_folder("diag-storage", local_dir)  # a killed run's: swept at the next start
     rounds = range(-cfg.warmup, cfg.repeats)
@@ -170,42 +157,30 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
                     rows += _landings(cfg, client, source, url, rounds, work, len(objects))
             paths = [Path(o.key) for o in chosen] if local else sorted(
                 p for p in (work / "sample").rglob("*") if p.is_file())
-            kind = disk_kind(paths[0] if local else work / "sample")
-            if is_network(kind):  # the same bytes read from a local NVMe, when the box has one
+            kind = disks.disk_kind(paths[0] if local else work / "sample")
+            if disks.is_network(kind):  # the same bytes read from a local NVMe, if there is one
                 rows += nvme_reads(paths, rounds, len(chosen))
             where = str(url.path.parent if local and not url.is_prefix else url.path if local
                         else local_dir)
             rows += local_reads(paths, rounds, len(chosen), where, kind)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for one in rows:  # what the landing folder is on (EBS, PD, NFS...: tax.advice says so)
-        one.setdefault("local_disk", kind)
-        one.update(dataset_bytes=fit.dataset_bytes, dataset_files=fit.dataset_files,
-                   sampled=fit.label())
-    return pd.DataFrame(rows, columns=COLUMNS), sample
+    frame = pd.DataFrame([{"local_disk": kind, **one} for one in rows], columns=COLUMNS)
+    return frame.assign(dataset_bytes=fit.dataset_bytes, dataset_files=fit.dataset_files,
+                        sampled=fit.label()), sample  # local_disk: what tax.advice names
 
 
-@contextlib.contextmanager
 def _bounded(client: Any, url: Any, nbytes: int, mb_per_s: float | None, stall_s: float,
-             what: str) -> Iterator[None]:
+             what: str) -> contextlib.AbstractContextManager[None]:
     """An S3 pull within deadline(), its botocore errors named (the hub keeps its own timeouts)."""
-    if not isinstance(url, S3Url):
-        yield
-        return
-    try:
-        with deadline(client, deadline_s(nbytes, mb_per_s, stall_s), what):
-            yield
-    except (RuntimeError, ValueError):
-        raise
-    except Exception as err:  # noqa: BLE001  botocore's and s3transfer's
-        raise remote_error(err, url, client) from None
+    return (deadline(client, deadline_s(nbytes, mb_per_s, stall_s), what, url)
+            if isinstance(url, S3Url) else contextlib.nullcontext())
 
 
 def _probe(cfg: StorageConfig, client: Any, url: Any, objects: list[RemoteObject],
            local_dir: Path, dest: Path, seconds: float
            ) -> tuple[pd.DataFrame, Extrapolation, list[Any]]:
-    """(probe rows, the fit, what each method pulls): pieces spread over the sizes, pulled with
-    the slowest method into dest until `seconds` or cfg.sample_mb (a local source: read)."""
+    """(probe rows, the fit, what each method pulls): pieces pulled by boto3's defaults."""
     done = [0, 0.0]  # bytes and seconds pulled so far: the rate a deadline rests on
 
     def pull_one(obj: RemoteObject, before: int) -> None:
@@ -240,9 +215,11 @@ def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], metho
         for method in (methods if r % 2 == 0 else methods[::-1]):
             what = f"{url}: {len(chosen)} piece(s), {method}"
             with _bounded(client, url, nbytes, rate, cfg.stall_s, what):
-                # s5cmd's requests are not visible from here: its row gets no TTFB
-                first = ttfb(client, url, chosen[0].key) if method in RANGED else float("nan")
-                start = time.perf_counter()
+                start, first = time.perf_counter(), float("nan")
+                if method in RANGED:  # one byte's GET; s5cmd's requests are not visible here
+                    client.get_object(Bucket=url.bucket, Key=chosen[0].key,
+                                      Range="bytes=0-0")["Body"].read()
+                    start, first = time.perf_counter(), time.perf_counter() - start
                 detail = pull(method, client, url, chosen, work / method, env,
                               deadline_s(nbytes, rate, cfg.stall_s), cfg.retries)
                 seconds = time.perf_counter() - start
@@ -256,8 +233,6 @@ def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], metho
 def _landings(cfg: StorageConfig, client: Any, source: str, url: S3Url, rounds: range,
               work: Path, files: int) -> list[dict[str, Any]]:
     """--land: land() per round, a miss then a hit timed on a copy evicted from the page cache."""
-    from diag.machine.disks import evict_page_cache
-
     rows, into = [], work / "landed"
     for r in rounds:
         shutil.rmtree(into, ignore_errors=True)
@@ -265,7 +240,7 @@ def _landings(cfg: StorageConfig, client: Any, source: str, url: S3Url, rounds: 
         landed, _ = local_paths(url, into)
         paths = [landed] if landed.is_file() else sorted(
             p for p in landed.rglob("*") if p.is_file())
-        cache, share = evict_page_cache(paths), resident(paths)
+        cache, share = disks.evict_page_cache(paths), resident(paths)
         hit = land(source, into, client=client, verify=cfg.verify, retries=cfg.retries)
         if r >= 0:
             rows.append(row("land", source, "hit" if miss.hit else "miss", miss.bytes,

@@ -1,15 +1,19 @@
 """`land()`: a dataset from an object store on local disk once, verified, then reused; complete
-when its manifest is written, last, and a hit while the listing and local files match it.
+when its manifest is written, last, and a hit while the listing and local files match it. Each
+object is downloaded by s3transfer into an atomic file while diag.storage.checks hashes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import fcntl
 import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,9 +21,10 @@ from typing import Any
 from diag.config import VERIFY_MODES
 from diag.config.source import MANIFEST_SUFFIX
 from diag.files import atomic_file, file_sha256, fsync_path, sweep_orphans
-from diag.storage.crc import file_crc
-from diag.storage.objectstore import S3Url, list_s3, make_client, parse_s3, usable_cores
-from diag.storage.transfer import download_all
+from diag.storage import checks
+from diag.storage.objectstore import (RemoteObject, S3Url, TransferPlan, failure, list_s3,
+                                      make_client, md5_checkable, parse_s3, remote_error,
+                                      transfer_plan, usable_cores)
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,15 @@ def check_free(folder: Path, needed: int, url: S3Url) -> None:
                            f"{free:,} free in {probe}; free space or pick another --local-dir")
 
 
+def file_crc(path: str | os.PathLike[str], name: str) -> str:
+    """The base64 CRC (`name`) of a whole file, read once."""
+    crc, buf = checks.Crc(name), bytearray(8 << 20)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc.update(memoryview(buf)[:n])
+    return crc.b64()
+
+
 def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
     try:
         if path.stat().st_size != entry["size"]:
@@ -75,8 +89,7 @@ def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
 
 def land(url: str, cache_dir: str | os.PathLike[str], *, client: Any = None, timer: Any = None,
          verify: str = "sha256", retries: int | None = None) -> LandedDataset:
-    """Land s3://bucket/key (or a prefix) in cache_dir once, timed as `fetch_data`: a hit while the
-    manifest matches the listing and the files (size; CRC with verify="sha256")."""
+    """Land s3://bucket/key (or a prefix) in cache_dir once, timed as `fetch_data`."""
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify={verify!r}: allowed values are "
                          + ", ".join(map(repr, VERIFY_MODES)))
@@ -117,9 +130,9 @@ def _land(u: S3Url, local: Path, manifest_path: Path, client: Any, verify: str,
     for obj in todo:
         dests[obj.key].parent.mkdir(parents=True, exist_ok=True)
     got = download_all(client, u.bucket, [(o, dests[o.key]) for o in todo], retries=retries)
-    for obj, (digest, checks) in zip(todo, got):
+    for obj, (digest, checked) in zip(todo, got):
         entries[obj.key] = {"key": obj.key, "size": obj.size, "etag": obj.etag,
-                            "digest": digest, "checks": checks}
+                            "digest": digest, "checks": checked}
     for key in set(known) - set(dests):  # shards gone from the prefix: drop our old copies
         _dest(u, local, key).unlink(missing_ok=True)
     for folder in {d.parent for d in dests.values()}:
@@ -129,3 +142,144 @@ def _land(u: S3Url, local: Path, manifest_path: Path, client: Any, verify: str,
                                    "objects": [entries[o.key] for o in remote]}, indent=1))
     fsync_path(manifest_path.parent)
     return False, total, needed, len(remote)
+
+
+_ATTEMPTS = 3  # downloads before bytes that keep failing a check are called corrupted on the way
+_NO_MD5 = "SSE-KMS/SSE-C: the ETag is no MD5"
+
+
+def download_all(client: Any, bucket: str, targets: list[tuple[RemoteObject, Path]], *,
+                 retries: int | None = None) -> list[tuple[str, str]]:
+    """download() each target in order: one-GET objects 2 x usable_cores() at a time."""
+    small = [i for i, (o, _) in enumerate(targets)
+             if o.size < transfer_plan(o.size).single_get_below]
+    done: dict[int, tuple[str, str]] = {}
+    if len(small) > 1:
+        with ThreadPoolExecutor(min(2 * usable_cores(), len(small))) as pool:
+            futures = {i: pool.submit(download, client, bucket, *targets[i], retries=retries)
+                       for i in small}
+            done = {i: f.result() for i, f in futures.items()}
+    return [done[i] if i in done else download(client, bucket, o, dest, retries=retries)
+            for i, (o, dest) in enumerate(targets)]
+
+
+def describe(objects: list[RemoteObject]) -> str:
+    """What download_all runs for these objects, in words (the benchmark rows' detail)."""
+    plan = transfer_plan(objects[0].size)
+    how = (f"one GET per object, {min(2 * usable_cores(), len(objects))} objects at a time"
+           if len(objects) > 1 and all(o.size < plan.single_get_below for o in objects)
+           else plan.describe(objects[0].size))
+    return f"land()'s engine: s3transfer, {how} ({usable_cores()} cores), checked, fsynced"
+
+
+def download(client: Any, bucket: str, obj: RemoteObject, dest: Path,
+             retries: int | None = None) -> tuple[str, str]:
+    """(digest, what was checked) of one object downloaded to dest atomically, re-fetched twice."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    url, plan = f"s3://{bucket}/{obj.key}", transfer_plan(obj.size)
+    try:
+        want = checks.expected(client, bucket, obj.key, obj.size, obj.etag,
+                               md5_checkable(obj.etag), obj.size >= plan.single_get_below)
+        for _ in range(_ATTEMPTS):
+            try:
+                return _download_once(client, bucket, obj, dest, plan, retries, want)
+            except checks.Mismatch as err:
+                why = str(err)  # a flipped bit in transit is rare: fetch again; three is a pattern
+    except (ClientError, BotoCoreError) as err:  # a HEAD or a GET
+        raise remote_error(err, url, client) from None
+    raise failure(url, client, f"the bytes received do not match the object ({why}) in "
+                  f"{_ATTEMPTS} downloads: they were corrupted on the way (a proxy or middlebox "
+                  "rewriting data, a faulty NIC or memory); nothing was kept")
+
+
+def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan: TransferPlan,
+                   retries: int | None, want: checks.Expected) -> tuple[str, str]:
+    """s3transfer writes into atomic_file's name while checks.Stream hashes it; fsync beside."""
+    try:
+        with atomic_file(dest) as partial:
+            fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                stream = checks.Stream(fd, want, obj.size)
+                try:
+                    _transfer(client, bucket, obj, stream.sink, plan, retries)
+                    if (size := os.fstat(fd).st_size) != obj.size:
+                        raise failure(f"s3://{bucket}/{obj.key}", client, f"landed {size} bytes,"
+                                      f" the listing says {obj.size}: nothing was kept; run again"
+                                      " (an object replaced since it was listed is listed again)")
+                except BaseException:
+                    stream.abandon()
+                    raise
+                with ThreadPoolExecutor(1) as pool:
+                    synced = pool.submit(os.fsync, fd)
+                    try:
+                        return _verdict(client, bucket, obj, partial, stream.finish())
+                    finally:
+                        synced.result()
+            finally:
+                os.close(fd)
+    except OSError as err:
+        if err.errno == errno.ENOSPC:
+            raise RuntimeError(f"s3://{bucket}/{obj.key}: the disk holding {dest.parent} filled "
+                               "up during the download; nothing partial was kept") from None
+        raise
+
+
+def _transfer(client: Any, bucket: str, obj: RemoteObject, sink: Any, plan: TransferPlan,
+              retries: int | None) -> None:
+    """boto3's download_fileobj into `sink`; its failures one line (botocore's: download's)."""
+    from boto3.exceptions import RetriesExceededError
+    from botocore.exceptions import FlexibleChecksumError
+    from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceeded
+    from s3transfer.exceptions import S3DownloadFailedError
+
+    url, config = f"s3://{bucket}/{obj.key}", plan.transfer_config(retries)
+    try:
+        client.download_fileobj(bucket, obj.key, sink, Config=config)
+    except FlexibleChecksumError as err:  # botocore checked a whole-object GET's stored CRC
+        raise checks.Mismatch(f"the store's checksum: {err}") from None
+    except (RetriesExceededError, TransferRetriesExceeded) as err:  # download_file's, _fileobj's
+        raise failure(url, client, f"the connection dropped {config.num_download_attempts} times"
+                      f" ({type(err.last_exception).__name__}), gave up; raise --retries or "
+                      "check the network") from None
+    except S3DownloadFailedError as err:  # s3transfer's ETag pin: the object changed mid-way
+        raise failure(url, client, f"{err}; it changed while it was landing: run again") from None
+
+
+def _verdict(client: Any, bucket: str, obj: RemoteObject, partial: Path,
+             got: Any) -> tuple[str, str]:
+    """(digest, what was checked) from the streamed hashes; Mismatch if the bytes differ."""
+    def whole(expect: checks.Expected) -> tuple[str, str]:
+        fd = os.open(partial, os.O_RDONLY)
+        try:  # a Stream with no writes hashes the file as it is, whole
+            return checks.Stream(fd, expect).finish().verdict()
+        finally:
+            os.close(fd)
+
+    want = got.want
+    try:
+        digest, checked = got.verdict()  # a stored CRC (full-object or composite) that fails
+    except checks.Mismatch:
+        if want.composite is None:
+            raise
+        # part sizes inferred from part 1: ask for each, and if they differ check at those bounds
+        name, stored, sizes = want.composite
+        exact = checks.part_sizes(client, bucket, obj.key, obj.size, every=True)
+        if exact == sizes:
+            raise
+        digest, checked = whole(dataclasses.replace(want, composite=(name, stored, exact)))
+    if want.composite is not None or not want.md5:  # a multipart ETag is no MD5
+        no_crc = not want.composite and want.encrypted and checked == "size"
+        return digest, f"size ({_NO_MD5}, no checksum stored)" if no_crc else checked
+    md5 = got.md5.hexdigest()
+    if md5 == want.md5:
+        return digest, checked.replace("size", "size, MD5 = ETag", 1)
+    # no HEAD was made before a one-GET object: ask now whether its ETag is an MD5 at all
+    head = checks.head(client, bucket, obj.key, obj.etag)
+    if not checks.encrypted(head):
+        raise checks.Mismatch(f"MD5 {md5}, ETag {obj.etag}")
+    stored = checks.stored_crc(head)  # SSE-KMS / SSE-C: the stored checksum, if any, decides
+    if stored is None or "-" in stored[1]:
+        return digest, f"size ({_NO_MD5}, no checksum stored)"
+    checked = whole(checks.Expected(crc=stored))[1]  # a one-GET object: < 32 MB, read again
+    return digest, f"{checked} ({_NO_MD5})"

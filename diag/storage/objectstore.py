@@ -59,8 +59,7 @@ class TransferPlan:
         return f"{parts} x {self.part_bytes / MB:.0f} MB parts, {self.concurrency} at a time"
 
     def transfer_config(self, retries: int | None = None) -> Any:
-        """land()'s boto3 TransferConfig (retries None: s3transfer's 5 re-GETs); "classic": the
-        engine diag checks while it streams ("auto" may pick the CRT client)."""
+        """land()'s TransferConfig; "classic": the engine diag checks while it streams."""
         from boto3.s3.transfer import TransferConfig
 
         extra = {} if retries is None else {"num_download_attempts": retries + 1}
@@ -69,15 +68,9 @@ class TransferPlan:
                               multipart_chunksize=self.part_bytes,
                               max_concurrency=self.concurrency, **extra)
 
-    def paste(self) -> str:
-        """The plan as a line of Python for the user's boto3 code."""
-        return (f"TransferConfig(multipart_threshold={self.single_get_below}, "
-                f"multipart_chunksize={self.part_bytes}, max_concurrency={self.concurrency})")
-
 
 def transfer_plan(size: int, cores: int | None = None) -> TransferPlan:
-    """Under 32 MB one GET; larger, ~2 parts per core of 8-256 MB each, min(2 x cores, parts)
-    at a time (cores: `usable_cores()`; docs/calibration.md, storage, says why)."""
+    """One GET under 32 MB, else ~2 parts per core (docs/calibration.md, storage, says why)."""
     cores = max(1, cores or usable_cores())
     part = min(256 * MB, max(8 * MB, -(-size // (2 * cores))))
     return TransferPlan(32 * MB, part, max(1, min(2 * cores, -(-size // part))))
@@ -167,9 +160,8 @@ class _Stalled(Exception):
 
 
 @contextlib.contextmanager
-def deadline(client: Any, seconds: float, what: str) -> Iterator[None]:
-    """After `seconds`, refuse the client's requests and shut its sockets (a blocked read
-    returns); the pull inside then raises one line naming `what` and the endpoint."""
+def deadline(client: Any, seconds: float, what: str, url: object = None) -> Iterator[None]:
+    """After `seconds`, refuse the client's requests and shut its sockets; errors in one line."""
     expired, endpoint = threading.Event(), client.meta.endpoint_url
 
     def refuse(**_: Any) -> None:
@@ -187,12 +179,14 @@ def deadline(client: Any, seconds: float, what: str) -> Iterator[None]:
     timer.start()
     try:
         yield
-    except Exception:
-        if not expired.is_set():
+    except Exception as err:
+        if expired.is_set():
+            raise failure(what, client, f"not done within its deadline of {seconds:.3g} s "
+                          "(--stall-s plus 4x its bytes at the rate measured): the endpoint "
+                          "stalled; check it, or raise --stall-s") from None
+        if url is None or isinstance(err, (RuntimeError, ValueError)):
             raise
-        raise failure(what, client, f"not done within its deadline of {seconds:.3g} s (--stall-s"
-                      " plus 4x its bytes at the rate measured): the endpoint stalled; check it, "
-                      "or raise --stall-s") from None
+        raise remote_error(err, url, client) from None  # botocore's and s3transfer's
     finally:
         timer.cancel()
         client.meta.events.unregister("before-send.s3", unique_id=hook)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
+import pandas as pd
 
 from diag.storage.objectstore import MB, RemoteObject, transfer_plan
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 RANGES_AT_LEAST = 8  # a one-object source is cut into at least this many ranges to spread over
 RANGE_SAMPLE_AT_LEAST = 10 * 8 * 2**20  # its sample's least bytes: boto3's 10 parts of 8 MiB
@@ -60,8 +60,6 @@ def spread(objects: list[Any]) -> list[Any]:
 def probe(ordered: list[Any], pull_one: Callable[[Any, int], None],
           seconds: float, cap_bytes: int, least: int = 0) -> pd.DataFrame:
     """pull_one(piece, bytes before) until `seconds` and `least` bytes, or cap_bytes: rows."""
-    import pandas as pd
-
     rows, total, spent = [], 0, 0.0
     for obj in ordered:
         full = cap_bytes and total + obj.size > cap_bytes
@@ -94,8 +92,6 @@ class Extrapolation:
     @classmethod
     def fit(cls, sample: pd.DataFrame, dataset_bytes: int, dataset_files: int,
             range_bytes: int = 0) -> Extrapolation:
-        import numpy as np
-
         size, secs = sample["bytes"].to_numpy(float), sample["seconds"].to_numpy(float)
         overhead, rate = 0.0, size.sum() / max(secs.sum(), 1e-9)
         if len(set(size)) > 1:  # two sizes or more: the intercept is the per-piece overhead

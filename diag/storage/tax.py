@@ -5,14 +5,12 @@ week), and the `advice` rows amdahl.findings ranks: land once, the tuned transfe
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
+
+import pandas as pd
 
 from diag.decision import FIXES
 from diag.storage.methods import NVME_COLD, PULLS
 from diag.storage.objectstore import MB, transfer_plan
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 ADVICE = ["stage", "finding", "seconds_saved", "evidence"]
 _NETWORK_KINDS = {"network_block": "network block storage (EBS, PD, ...)",
@@ -38,8 +36,6 @@ def cold_reads(frame: pd.DataFrame) -> pd.DataFrame:
 def storage_tax(frame: pd.DataFrame, dataset_gb: float | None = None, runs_per_week: float = 20.0,
                 usd_per_hour: float | None = None) -> pd.DataFrame:
     """Each pull method's cost per start (dataset_gb 0: measured size; usd_per_hour 0: no money)."""
-    import pandas as pd
-
     pulls = frame[frame["method"].isin(PULLS)]
     if pulls.empty:
         raise ValueError("frame has no pull rows (method in " + ", ".join(PULLS) + "): "
@@ -89,8 +85,6 @@ def over_rounds(seconds: list[float]) -> str:
 
 def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame:
     """Land once (saving net of a measured hit, else a cold read), and tune the pull."""
-    import pandas as pd
-
     by = tax[tax["seconds_per_run"].notna()].set_index("method")
     if by.empty:  # a local source: nothing pulled
         return pd.DataFrame(columns=ADVICE)
@@ -174,7 +168,9 @@ def paste_settings(object_bytes: int, cores: int | None = None) -> str:
     """transfer_plan() for objects of this size, to paste: boto3, ~/.aws/config, s5cmd."""
     plan = transfer_plan(object_bytes, cores)
     mib = max(5, round(plan.part_bytes / 2**20))
-    return (f"(diag.storage.transfer_plan): boto3 `{plan.paste()}`; aws CLI, in ~/.aws/config "
+    return (f"(diag.storage.transfer_plan): boto3 `TransferConfig(multipart_threshold="
+            f"{plan.single_get_below}, multipart_chunksize={plan.part_bytes}, max_concurrency="
+            f"{plan.concurrency})`; aws CLI, in ~/.aws/config "
             f"under your profile: `s3 =` / `  max_concurrent_requests = {plan.concurrency}` / "
             f"`  multipart_threshold = {plan.single_get_below // MB}MB` / "
             f"`  multipart_chunksize = {plan.part_bytes // MB}MB`; s5cmd: `s5cmd --numworkers "

@@ -14,7 +14,7 @@ import zlib
 import pytest
 
 from diag.embedded import S3Server
-from diag.storage import checks, landing, transfer
+from diag.storage import checks, landing
 from diag.storage.landing import land, local_paths
 from diag.storage import parse_url
 from diag.storage.objectstore import MB, RemoteObject, TransferPlan, make_client
@@ -67,7 +67,7 @@ def test_composite_crc_multipart_object_with_one_flipped_byte_never_lands(s3, tm
     head = s3.client().head_object(Bucket="diag", Key=key, ChecksumMode="ENABLED")
     assert head["ETag"].endswith('-3"') and head.get("ChecksumType") != "FULL_OBJECT"
     if how == "ranged":
-        monkeypatch.setattr(transfer, "transfer_plan",
+        monkeypatch.setattr(landing, "transfer_plan",
                             lambda size, cores=None: TransferPlan(4 * MB, 4 * MB, 2))
     url, cache = f"s3://diag/{key}", tmp_path / "cache"
     final, manifest = local_paths(parse_url(url), cache)
@@ -101,7 +101,7 @@ def test_crc32c_and_crc64nvme_are_computed_and_checked(s3, tmp_path, monkeypatch
         upload(s3, tmp_path, key, data, ChecksumAlgorithm=algorithm)
     else:
         s3.client().put_object(Bucket="diag", Key=key, Body=data, ChecksumAlgorithm=algorithm)
-    monkeypatch.setattr(transfer, "transfer_plan",
+    monkeypatch.setattr(landing, "transfer_plan",
                         lambda size, cores=None: TransferPlan(4 * MB, 4 * MB, 2))
     url, cache = f"s3://diag/{key}", tmp_path / "cache"
     proxy = Proxy(s3.port, flip_at=2 * MB, flips=1000)
@@ -259,9 +259,9 @@ def test_an_sse_kms_object_whose_etag_is_no_md5_is_checked_by_its_stored_crc(s3,
         (tmp_path / "s.bin").unlink(missing_ok=True)
         got = _stream_of(tmp_path, body, [(0, len(body))], want, inline=False)
         if ok:
-            assert transfer._verdict(client, "diag", obj, tmp_path / "s.bin", got) == (
+            assert landing._verdict(client, "diag", obj, tmp_path / "s.bin", got) == (
                 f"crc32:{b64crc(zlib.crc32(data))}",
                 "size, full-object CRC32 (SSE-KMS/SSE-C: the ETag is no MD5)")
         else:
             with pytest.raises(checks.Mismatch, match="full-object CRC32"):
-                transfer._verdict(client, "diag", obj, tmp_path / "s.bin", got)
+                landing._verdict(client, "diag", obj, tmp_path / "s.bin", got)

@@ -1,4 +1,4 @@
-"""land()'s checks on bytes in memory and small files (diag.storage.checks, diag.storage.crc):
+"""land()'s checks on bytes in memory and small files (diag.storage.checks):
 what a HEAD answer is checked against, the CRCs (composite per part, full-object), the streamed
 hashes with writes out of order or rewritten, and each mismatch said. The HEAD answers come from
 a stand-in store that returns what S3 returns (the real-server path is
@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 
-from diag.storage import checks, crc
+from diag.storage import checks, landing
 from diag.storage.checks import Expected, Mismatch
 
 CHECK = b"123456789"  # the CRC catalogue's check input
@@ -57,7 +57,7 @@ class Store:
 
 @pytest.mark.parametrize("name", ["crc32", "crc32c", "crc64nvme"])
 def test_each_crc_gives_the_catalogue_check_value_in_any_number_of_updates(name, tmp_path):
-    c = crc.Crc(name)
+    c = checks.Crc(name)
     c.update(CHECK[:4])
     c.update(memoryview(CHECK)[4:])
     width = 8 if name == "crc64nvme" else 4
@@ -66,31 +66,31 @@ def test_each_crc_gives_the_catalogue_check_value_in_any_number_of_updates(name,
     assert c.b64() == b64(CHECK_VALUES[name], width)
     path = tmp_path / "f"
     path.write_bytes(CHECK * 1000)
-    whole = crc.Crc(name)
+    whole = checks.Crc(name)
     whole.update(CHECK * 1000)
-    assert crc.file_crc(path, name) == whole.b64()
-    assert crc.CRCS == {"ChecksumCRC32": "crc32", "ChecksumCRC32C": "crc32c",
+    assert landing.file_crc(path, name) == whole.b64()
+    assert checks.CRCS == {"ChecksumCRC32": "crc32", "ChecksumCRC32C": "crc32c",
                         "ChecksumCRC64NVME": "crc64nvme"}
 
 
 def test_file_crc_reads_a_file_larger_than_its_buffer(tmp_path):
     data = random.Random(1).randbytes((8 << 20) + 4097)
     (tmp_path / "big").write_bytes(data)
-    assert crc.file_crc(tmp_path / "big", "crc32") == crc32_b64(data)
+    assert landing.file_crc(tmp_path / "big", "crc32") == crc32_b64(data)
     (tmp_path / "empty").write_bytes(b"")
-    assert crc.file_crc(tmp_path / "empty", "crc32") == b64(0)
+    assert landing.file_crc(tmp_path / "empty", "crc32") == b64(0)
 
 
 @pytest.mark.parametrize("name", ["crc32", "crc32c", "crc64nvme"])
 def test_runs_join_bytes_written_out_of_order_per_segment(name):
     data = random.Random(2).randbytes(1000)
     bounds = [300, 700, 1000]
-    runs = crc.Runs(name, bounds)
+    runs = checks.Runs(name, bounds)
     pieces = [(s, min(s + 90, 1000)) for s in range(0, 1000, 90)]
     random.Random(3).shuffle(pieces)
     for s, e in pieces:
         runs.add(s, memoryview(data)[s:e])
-    fn = crc.Crc(name)._fn
+    fn = checks.Crc(name)._fn
     assert runs.segments() == [fn(data[0:300], 0), fn(data[300:700], 0), fn(data[700:1000], 0)]
     runs.add(1000, memoryview(b"past the end"))  # refused by the size check, not counted here
     assert runs.segments()[-1] == fn(data[700:1000], 0)
@@ -98,21 +98,21 @@ def test_runs_join_bytes_written_out_of_order_per_segment(name):
 
 def test_runs_with_a_gap_or_a_run_past_a_bound_give_no_segments():
     data = bytes(range(100))
-    runs = crc.Runs("crc32", [50, 100])
+    runs = checks.Runs("crc32", [50, 100])
     runs.add(0, memoryview(data)[:40])
     runs.add(60, memoryview(data)[60:])
     assert runs.segments() is None  # 40..60 never written
     runs.add(40, memoryview(data)[40:60])
     assert runs.segments() == [zlib.crc32(data[:50]), zlib.crc32(data[50:])]
-    empty = crc.Runs("crc32", [0, 10])
+    empty = checks.Runs("crc32", [0, 10])
     empty.add(0, memoryview(data)[:10])
     assert empty.segments() == [0, zlib.crc32(data[:10])]
-    assert crc.Runs("crc32", [10]).segments() is None
+    assert checks.Runs("crc32", [10]).segments() is None
 
 
 def test_a_run_is_cut_at_each_bound_and_joined_within_a_segment():
     data = bytes(range(200))
-    runs = crc.Runs("crc32", [100, 200])
+    runs = checks.Runs("crc32", [100, 200])
     runs.add(0, memoryview(data)[:150])  # spans the bound: two runs
     assert sorted(runs.runs) == [0, 100]
     assert runs.runs[0] == [100, zlib.crc32(data[:100])]
@@ -296,7 +296,7 @@ def test_a_crc_awscrt_would_compute_is_noted_unchecked_without_it(monkeypatch):
 def test_the_writers_crcs_make_the_whole_files_and_each_parts():
     data = bytes(range(256)) * 4
     sizes = (300, 300, 424)
-    runs = crc.Runs("crc32", [300, 600, 1024])
+    runs = checks.Runs("crc32", [300, 600, 1024])
     runs.add(0, memoryview(data))
     h = checks._Hashes(Expected(composite=("crc32", composite32(data, sizes), sizes)),
                        crcs=False)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from diag.embedded import S3Server
-from diag.storage import transfer
+from diag.storage import landing
 from diag.storage.landing import land, local_paths
 from diag.storage import parse_url
 from diag.storage.objectstore import MB, TransferPlan, make_client
@@ -78,7 +78,7 @@ def test_a_dropped_part_is_fetched_again_whole_and_costs_at_most_one_part(s3, tm
     # the part's first byte. A drop then wastes at most one part (<= 256 MB: ~1-3 s at S3
     # rates), which is why resuming inside a part was not kept.
     part = MB
-    monkeypatch.setattr(transfer, "transfer_plan",
+    monkeypatch.setattr(landing, "transfer_plan",
                         lambda size, cores=None: TransferPlan(part, part, 2))
     url = "s3://diag/data/obj.bin"
     proxy = Proxy(s3.port, cut_after=part // 2, cuts=2)  # two part responses cut half-way
@@ -151,7 +151,7 @@ def test_multipart_object_failing_its_full_object_crc_never_lands(s3, tmp_path, 
                                                   multipart_chunksize=5 << 20))
     head = s3.client().head_object(Bucket="diag", Key=key, ChecksumMode="ENABLED")
     assert head["ETag"].endswith('-3"') and head["ChecksumType"] == "FULL_OBJECT"
-    monkeypatch.setattr(transfer, "transfer_plan",
+    monkeypatch.setattr(landing, "transfer_plan",
                         lambda size, cores=None: TransferPlan(part, part, 2))
     url, cache = f"s3://diag/{key}", tmp_path / "cache"
     final, manifest = local_paths(parse_url(url), cache)
