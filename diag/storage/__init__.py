@@ -6,7 +6,7 @@ from diag.storage.experiment import PULLS, StorageResult, decide, measure, run_s
 from diag.storage.methods import pull, read_local
 from diag.storage.landing import LandedDataset, land, local_paths
 from diag.storage.objectstore import make_client, source_client, transfer_plan, usable_cores
-from diag.storage.sources import fetch, list_remote, parse_url
+from diag.storage.sources import fetch, list_remote, parse_url  # parse_url: diag.config.source's
 from diag.storage.tax import advice, medians, storage_tax
 
 __all__ = ["LandedDataset", "PULLS", "StorageResult", "advice", "decide", "fetch", "land",

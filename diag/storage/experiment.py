@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diag.config.source import data_file
+from diag.config.source import HubUrl, LocalUrl, S3Url, data_file, parse_url
 from diag.decision import Decision, MeasuredOn
 from diag.files import scratch_folder
 from diag.runner import quietly
@@ -22,10 +22,10 @@ from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
 from diag.storage.methods import (NVME_COLD, PULLS, RANGED, local_reads,  # noqa: F401
                                   nvme_reads, pull, read_local, resident, row, s5cmd_path, ttfb)
-from diag.storage.objectstore import (MB, RemoteObject, S3Url, deadline, deadline_s,
-                                      remote_error, source_client)
+from diag.storage.objectstore import (MB, RemoteObject, deadline, deadline_s, remote_error,
+                                      source_client)
 from diag.storage.sample import RANGE_SAMPLE_AT_LEAST, Extrapolation, probe, ranges, spread
-from diag.storage.sources import HubUrl, LocalUrl, list_remote, parse_url
+from diag.storage.sources import list_remote
 from diag.storage.tax import advice, cold_reads, over_rounds, storage_tax
 from diag.timing import median_seconds
 

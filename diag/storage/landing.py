@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from diag.config import VERIFY_MODES
-from diag.config.source import MANIFEST_SUFFIX
+from diag.config.source import MANIFEST_SUFFIX, S3Url, parse_s3
 from diag.files import atomic_file, file_sha256, fsync_path, sweep_orphans
 from diag.storage.crc import file_crc
-from diag.storage.objectstore import S3Url, list_s3, make_client, parse_s3, usable_cores
+from diag.storage.objectstore import list_s3, make_client, usable_cores
 from diag.storage.transfer import download_all
 
 
