@@ -1,5 +1,4 @@
-"""What can be refused before the first experiment, in seconds and leaving nothing behind.
-
+"""What can be refused before the first experiment, in seconds and leaving nothing behind:
 `preflight(cfg, job)` checks, in the order a run meets them, the folders, the model, the source
 and (for `job`) the first shard's records as the job reads them (no torch). A refusal is one line.
 """
@@ -90,8 +89,7 @@ def check_writable(path: Path, setting: str, allowed: str) -> None:
 
 
 def check_source(cfg: SourceConfig, job: QLoraConfig | None = None) -> None:
-    """--source lists its files; for job, record files whose first shard's first records pass
-    the job's rules: no prompt may fill --seq-len, and (the whole source) a record per step."""
+    """--source lists; for job, its first record file's first records pass the job's rules."""
     from diag.config import DiagnoseConfig
     from diag.data.records import read_source
     from diag.data.text import encode_pairs, load_tokenizer
@@ -122,7 +120,8 @@ def check_source(cfg: SourceConfig, job: QLoraConfig | None = None) -> None:
         from diag.model_load import cache_dir_for, snapshot_folder
 
         model = snapshot_folder(cache_dir_for(cfg), cfg.model, cfg.revision)
-    if model is not None:  # (index, tokens) of each prompt (BOS included) filling --seq-len
+    # no prompt (BOS included) may fill --seq-len; the whole source must hold a record per step
+    if model is not None:  # (index, tokens) of each prompt filling --seq-len
         prompts, _ = encode_pairs(load_tokenizer(str(model)), records)
         filled = [(i, len(p)) for i, p in enumerate(prompts) if len(p) >= job.seq_len]
     if filled and job.on_error == "raise":

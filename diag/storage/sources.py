@@ -1,7 +1,6 @@
-"""A --source (s3://, hf://datasets/... or local files): `list_remote` its files, the
-`first_records` of one by ranged reads, and `fetch` the job's data: local files in place, a hub
-dataset landed once in diag's hub cache (the user's HF cache read, never written), an S3 one
-landed or pulled per start.
+"""A --source (s3://, hf://datasets/... or local files): `list_remote`, `first_records` of a file
+by ranged reads, and `fetch`, the job's data: local files in place, a hub dataset landed once in
+diag's hub cache (the user's HF cache read, never written), an S3 one landed or pulled per start.
 """
 from __future__ import annotations
 
@@ -59,9 +58,8 @@ def list_remote(client: Any, url: S3Url | HubUrl | LocalUrl, records: bool = Fal
 
 def fetch(source: str, client: Any, how: str, work: Path, records: int = 0
           ) -> tuple[Path, int, int]:
-    """The data a job trains on, `how` ("land": once, reused; "pull": into `work` per start):
-    (its path, bytes fetched, the source's data bytes); with `records`, a prefix's first files in
-    key order until they hold that many (0: all)."""
+    """(path, bytes fetched, the source's data bytes) of the job's data, landed once or pulled into
+    `work` (`how`); records: a prefix's first files in key order that hold that many (0: all)."""
     from diag.config import diag_home
     from diag.data.records import count_records
 
@@ -120,15 +118,16 @@ def _hub_files(api: Any, url: HubUrl, objects: list[RemoteObject], cache: Path |
     return top / url.path if url.path else top
 
 
-def first_records(client: Any, url: S3Url | HubUrl | LocalUrl, obj: RemoteObject, folder: Path
-           ) -> tuple[Path, bool] | None:
-    """obj's first records, as the job reads them, in a file in folder, and whether that is all
-    of it (None: no record); read by ranged GETs (S3, the hub) or from the file."""
+def first_records(client: Any, url: S3Url | HubUrl | LocalUrl, obj: RemoteObject,
+                  folder: Path) -> tuple[Path, bool] | None:
+    """obj's first records as the job reads them in a file in folder, and if all (None: none)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = folder / Path(obj.key).name
-    shard = io.BufferedReader(_open(client, url, obj), SAMPLE_BYTES)
+    raw = open(obj.key, "rb", buffering=0) if isinstance(url, LocalUrl) else \
+        _Ranges(client, url, obj)
+    shard = io.BufferedReader(raw, SAMPLE_BYTES)
     if path.suffix == ".parquet":
         try:
             parquet = pq.ParquetFile(shard)
@@ -153,34 +152,11 @@ def first_records(client: Any, url: S3Url | HubUrl | LocalUrl, obj: RemoteObject
     return path, whole
 
 
-def _open(client: Any, url: S3Url | HubUrl | LocalUrl, obj: RemoteObject) -> io.RawIOBase:
-    """obj as a seekable binary file: the file itself, or ranged GETs (S3, the hub)."""
-    if isinstance(url, LocalUrl):
-        return open(obj.key, "rb", buffering=0)
-    if isinstance(url, S3Url):
-        return _Ranges(obj, lambda first, last: client.get_object(
-            Bucket=url.bucket, Key=obj.key, Range=f"bytes={first}-{last}")["Body"].read())
-    from huggingface_hub import hf_hub_url
-    from huggingface_hub.utils import build_hf_headers, get_session
-
-    where = hf_hub_url(url.repo_id, obj.key, repo_type="dataset", revision=url.revision,
-                       endpoint=client.endpoint)
-
-    def hub(first: int, last: int) -> bytes:
-        got = get_session().get(where, headers={**build_hf_headers(),
-                                                "Range": f"bytes={first}-{last}"},
-                                follow_redirects=True)
-        got.raise_for_status()
-        return got.content
-
-    return _Ranges(obj, hub)
-
-
 class _Ranges(io.RawIOBase):
-    """A remote file as a seekable file of ranged GETs (`get(first, last)`: those bytes)."""
+    """A record file of S3 or the hub as a seekable file of ranged GETs."""
 
-    def __init__(self, obj: RemoteObject, get: Any) -> None:
-        self.get, self.size, self.pos = get, obj.size, 0
+    def __init__(self, client: Any, url: S3Url | HubUrl, obj: RemoteObject) -> None:
+        self.client, self.url, self.key, self.size, self.pos = client, url, obj.key, obj.size, 0
 
     def readable(self) -> bool:
         return True
@@ -196,7 +172,22 @@ class _Ranges(io.RawIOBase):
         n = min(len(buffer), self.size - self.pos)
         if n <= 0:
             return 0
-        data = self.get(self.pos, self.pos + n - 1)
+        data = self._get(f"bytes={self.pos}-{self.pos + n - 1}")
         buffer[:len(data)] = data
         self.pos += len(data)
         return len(data)
+
+    def _get(self, span: str) -> bytes:
+        if isinstance(self.url, S3Url):
+            return self.client.get_object(Bucket=self.url.bucket, Key=self.key,
+                                          Range=span)["Body"].read()
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session
+
+        got = get_session().get(hf_hub_url(self.url.repo_id, self.key, repo_type="dataset",
+                                           revision=self.url.revision,
+                                           endpoint=self.client.endpoint),
+                                headers={**build_hf_headers(), "Range": span},
+                                follow_redirects=True)
+        got.raise_for_status()
+        return got.content
