@@ -27,7 +27,17 @@ def preflight(cfg: SourceConfig, job: QLoraConfig | None = None) -> None:
     """Every check that applies to cfg (and job's records); a no-op inside `covered()`."""
     if _COVERED.get():
         return
-    check_folders(cfg)
+    # the folders cfg's command writes into: each must be (or be makeable as) a usable folder
+    check_writable(diag_home(), "DIAG_HOME" + ("" if os.environ.get("DIAG_HOME") else " (unset)"),
+                   "diag may keep its caches and assets in")
+    out = getattr(cfg, "out", None)
+    if out is not None:  # new or empty now, not only when the config was made
+        check_out(out)
+        check_writable(Path(out or "runs").expanduser(), "--out", "you can write")
+    for flag, value in (("--local-dir", getattr(cfg, "local_dir", "")),
+                        ("--out-dir", getattr(cfg, "out_dir", "")), ("--cache-dir", cfg.cache_dir)):
+        if value:  # else a folder under DIAG_HOME
+            check_writable(Path(value).expanduser(), flag, "you can write (diag fills it)")
     if "model" in cfg.SOURCE:
         from diag.model_load import check_on_hub, weight_files
 
@@ -50,20 +60,6 @@ def covered() -> Iterator[None]:
         yield
     finally:
         _COVERED.reset(token)
-
-
-def check_folders(cfg: SourceConfig) -> None:
-    """The folders cfg's command writes into: each must be (or be makeable as) a usable folder."""
-    check_writable(diag_home(), "DIAG_HOME" + ("" if os.environ.get("DIAG_HOME") else " (unset)"),
-                   "diag may keep its caches and assets in")
-    out = getattr(cfg, "out", None)
-    if out is not None:  # new or empty now, not only when the config was made
-        check_out(out)
-        check_writable(Path(out or "runs").expanduser(), "--out", "you can write")
-    for flag, value in (("--local-dir", getattr(cfg, "local_dir", "")),
-                        ("--out-dir", getattr(cfg, "out_dir", "")), ("--cache-dir", cfg.cache_dir)):
-        if value:  # else a folder under DIAG_HOME
-            check_writable(Path(value).expanduser(), flag, "you can write (diag fills it)")
 
 
 def check_writable(path: Path, setting: str, allowed: str) -> None:

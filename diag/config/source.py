@@ -1,6 +1,7 @@
-"""Where a run's data and model come from: the same flags in every command, and the experiments
-that read only that (`diag storage`: the bucket; `diag model-load`: the model). A config names the
-groups it reads (`SOURCE`) and refuses a value given to another; no check here needs a network."""
+"""Where a run's data and model come from: the same flags in every command, the source parsed once
+(`cfg.url`: an S3Url, HubUrl or LocalUrl), and the experiments that read only that (`diag storage`:
+the bucket; `diag model-load`: the model). A config names the groups it reads (`SOURCE`) and
+refuses a value given to another; no check here needs a network."""
 from __future__ import annotations
 
 import dataclasses
@@ -69,17 +70,13 @@ class SourceConfig(RecordFields):
 
     SOURCE: ClassVar[tuple[str, ...]] = BUCKET + RECORDS + MODEL  # the fields this config reads
 
-    def validate(self) -> None:
-        self.validate_source()  # first: a field this config does not read is refused as such
-        super().validate()
-
     @classmethod
     def used_fields(cls) -> list[str]:
         """Its own fields and the source fields it reads (SOURCE)."""
         source = set(BUCKET + RECORDS + MODEL) - set(cls.SOURCE)
         return [name for name in super().used_fields() if name not in source]
 
-    def validate_source(self) -> None:
+    def validate(self) -> None:
         from urllib.parse import urlsplit
 
         from diag.secrets import redact, register
@@ -112,6 +109,7 @@ class SourceConfig(RecordFields):
                              f"object with --source s3://bucket/key (or drop {stray[0]})")
         self._check(("revision",), bool, "name a branch, tag or commit (main)")
         check_model(self.model, name)
+        super().validate()  # the record fields last: a field not read here is refused as such
 
     def source_kwargs(self, into: type[SourceConfig] | None = None) -> dict[str, object]:
         """The source fields' values that `into` reads (its SOURCE; None: all), to hand over."""

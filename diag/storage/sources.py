@@ -2,6 +2,7 @@
 by ranged reads, and `fetch`, the job's data: local files in place, a hub dataset landed once in
 diag's hub cache (the user's HF cache read, never written), an S3 one landed or pulled per start.
 """
+
 from __future__ import annotations
 
 import io
@@ -37,11 +38,11 @@ def list_remote(client: Any, url: S3Url | HubUrl | LocalUrl, records: bool = Fal
                 url.path if url.is_prefix else folder).strip("/") or None, recursive=True,
                 repo_type="dataset", revision=url.revision)
             found = [RemoteObject(f.path, f.size, f.lfs.sha256 if f.lfs else f.blob_id)
-                     for f in tree if isinstance(f, RepoFile) and (url.is_prefix or
-                                                                   f.path == url.path)]
+                     for f in tree if isinstance(f, RepoFile)]
         except Exception as err:  # noqa: BLE001  huggingface_hub's errors: named with the URL
             raise failure(url, client, f"{type(err).__name__}: {str(err).splitlines()[0]} "
                           "(check --source and HF_ENDPOINT / HF_TOKEN)") from None
+        found = [o for o in found if url.is_prefix or o.key == url.path]
         if not found:
             raise failure(url, client, "no such file or folder in the dataset repo (check "
                           "--source; a folder may end with '/')")
