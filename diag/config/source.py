@@ -1,6 +1,7 @@
-"""Where a run's data and model come from: the same flags in every command, and the experiments
-that read only that (`diag storage`: the bucket; `diag model-load`: the model). A config names the
-groups it reads (`SOURCE`) and refuses a value given to another; no check here needs a network."""
+"""Where a run's data and model come from: the same flags in every command, the source parsed once
+(`cfg.url`: an S3Url, HubUrl or LocalUrl), and the experiments that read only that (`diag storage`:
+the bucket; `diag model-load`: the model). A config names the groups it reads (`SOURCE`) and
+refuses a value given to another; no check here needs a network."""
 from __future__ import annotations
 
 import dataclasses
@@ -69,17 +70,13 @@ class SourceConfig(RecordFields):
 
     SOURCE: ClassVar[tuple[str, ...]] = BUCKET + RECORDS + MODEL  # the fields this config reads
 
-    def validate(self) -> None:
-        self.validate_source()  # first: a field this config does not read is refused as such
-        super().validate()
-
     @classmethod
     def used_fields(cls) -> list[str]:
         """Its own fields and the source fields it reads (SOURCE)."""
         source = set(BUCKET + RECORDS + MODEL) - set(cls.SOURCE)
         return [name for name in super().used_fields() if name not in source]
 
-    def validate_source(self) -> None:
+    def validate(self) -> None:
         from urllib.parse import urlsplit
 
         from diag.secrets import redact, register
@@ -99,11 +96,12 @@ class SourceConfig(RecordFields):
         if self.retries is not None:
             self._non_negative("retries")
         self._positive("stall_s")
-        kind = source_kind(self.source, f"{name}.source")
+        # parsed once: every reader of the source takes cfg.url
+        self.url: S3Url | HubUrl | LocalUrl | None = parse_url(self.source, f"{name}.source")
         # these reach an S3 store only: with another source they would be silently ignored
         stray = [f"--{f.replace('_', '-')}" for f in ("endpoint_url", "profile", "region")
                  if getattr(self, f)] + ([] if self.sign_request else ["--no-sign-request"])
-        if stray and kind != "s3":
+        if stray and not isinstance(self.url, S3Url):
             where = ("the run would use the embedded server" if not self.source else
                      f"--source={self.source!r} is no s3:// URL")
             raise ValueError(f"{name}.source is {repr(self.source) if self.source else 'empty'} "
@@ -111,6 +109,7 @@ class SourceConfig(RecordFields):
                              f"object with --source s3://bucket/key (or drop {stray[0]})")
         self._check(("revision",), bool, "name a branch, tag or commit (main)")
         check_model(self.model, name)
+        super().validate()  # the record fields last: a field not read here is refused as such
 
     def source_kwargs(self, into: type[SourceConfig] | None = None) -> dict[str, object]:
         """The source fields' values that `into` reads (its SOURCE; None: all), to hand over."""
@@ -125,25 +124,74 @@ def data_file(name: str) -> bool:
     return f".{last}" in DATA_SUFFIXES
 
 
-def source_kind(source: str, flag: str = "--source") -> str:
-    """"embedded" (''), "s3", "hf" or "local" (a path that exists); else ValueError naming flag."""
+@dataclass(frozen=True)
+class S3Url:
+    bucket: str
+    key: str  # "" or ending in "/" = a prefix (many objects), else one object
+
+    @property
+    def is_prefix(self) -> bool:
+        return self.key == "" or self.key.endswith("/")
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+
+@dataclass(frozen=True)
+class HubUrl:
+    repo_id: str
+    revision: str
+    path: str  # one data file, or a folder ("": the repo) of them
+
+    @property
+    def is_prefix(self) -> bool:
+        return not data_file(self.path)
+
+    def __str__(self) -> str:
+        at = "" if self.revision == "main" else f"@{self.revision}"
+        return f"hf://datasets/{self.repo_id}{at}/{self.path}"
+
+
+@dataclass(frozen=True)
+class LocalUrl:
+    path: Path
+
+    @property
+    def is_prefix(self) -> bool:
+        return self.path.is_dir()
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def parse_url(source: str, flag: str = "source") -> S3Url | HubUrl | LocalUrl | None:
+    """The source's kind and parts (None: '', the embedded server); else ValueError naming flag."""
     allowed = ("expected s3://bucket/key or s3://bucket/prefix/, hf://datasets/org/name[@rev]"
                "/path, a local file or folder of shards, or '' for the embedded server")
     if not source:
-        return "embedded"
+        return None
     if source.startswith("s3://"):
         if not source[5:].split("/")[0]:
             raise ValueError(f"{flag}={source!r}: no bucket; {allowed}")
-        return "s3"
+        return parse_s3(source)
     if source.startswith("hf://"):
         repo = source[5:].split("/")
         if len(repo) < 3 or repo[0] != "datasets" or not repo[1] or not repo[2].split("@")[0]:
             raise ValueError(f"{flag}={source!r}: a hub source is hf://datasets/org/name"
                              "[@revision]/path (a dataset repo); " + allowed)
-        return "hf"
+        name, _, revision = repo[2].partition("@")
+        return HubUrl(f"{repo[1]}/{name}", revision or "main", "/".join(repo[3:]))
     if "://" in source or not Path(source).expanduser().exists():
         raise ValueError(f"{flag}={source!r}: no such file or folder; {allowed}")
-    return "local"
+    return LocalUrl(Path(source).expanduser().resolve())
+
+
+def parse_s3(url: str) -> S3Url:
+    if not isinstance(url, str) or not url.startswith("s3://") or not url[5:].split("/")[0]:
+        raise ValueError(f"source={url!r}: expected s3://bucket/key (one object) or "
+                         "s3://bucket/prefix/ (every object under the prefix)")
+    bucket, _, key = url[5:].partition("/")
+    return S3Url(bucket, key)
 
 
 def check_model(model: str, owner: str = "SourceConfig") -> None:

@@ -23,33 +23,30 @@ if TYPE_CHECKING:
     import pandas as pd
     from diag.config import JobConfig, QLoraConfig
 
+
 @contextlib.contextmanager
 def open_sources(cfg: JobConfig) -> Iterator[Sources]:
-    """The user's bucket and model, or the embedded S3 server and hub (started, then stopped); a
-    hub id the optimized plan would read from your own HF cache, which lacks it, refused first."""
+    """The user's source and model, or the embedded S3 server and hub (started, then stopped)."""
+    from diag.embedded import HubServer, S3Server, ensure_assets
     from diag.model_load import cache_dir_for, not_in_user_cache, snapshot_folder, user_cache
     from diag.storage import source_client
 
     cache, read_only = cache_dir_for(cfg), user_cache(cfg) and not cfg.repair_cache
+    # a hub id the optimized plan would read from your own HF cache, which lacks it: refused first
     if read_only and cfg.plan != "naive" and not snapshot_folder(cache, cfg.model, cfg.revision):
         raise not_in_user_cache(cfg.model, cfg.revision, cache)
     with contextlib.ExitStack() as stack:
         if cfg.source:  # every source flag reaches the client (SourceConfig)
             url, client = cfg.source, source_client(cfg)
         else:
-            from diag.embedded import S3Server, ensure_assets
-
             s3 = stack.enter_context(S3Server())
             register(s3.secret_key)
             s3.upload(ensure_assets().dataset, "qlora/dataset.jsonl")
             url, client = f"s3://{s3.bucket}/qlora/dataset.jsonl", source_client(cfg, s3)
-        if cfg.model:
-            model, endpoint = cfg.model, None
-            if Path(cfg.model).expanduser().is_dir():  # checked for weights by SourceConfig
-                model = str(Path(cfg.model).expanduser().resolve())
+        if cfg.model:  # a local folder (checked for weights by SourceConfig) by its whole path
+            local = Path(cfg.model).expanduser()
+            model, endpoint = str(local.resolve()) if local.is_dir() else cfg.model, None
         else:
-            from diag.embedded import HubServer, ensure_assets
-
             assets = ensure_assets()
             hub = stack.enter_context(HubServer(assets.hub_root))
             model, endpoint = assets.repo_id, hub.endpoint
@@ -90,8 +87,67 @@ class PlanRun:
 def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases | None = None,
              rnd: int = 0) -> PlanRun:
     """One timed run (round `rnd`) in a frozen heap. bases: the comparison's; None: loaded here."""
+    import pandas as pd
+    import transformers
+    from diag.qlora.data import build_dataset, job_records
+    from diag.timing import distributed
+
     with frozen_heap(), contextlib.nullcontext(bases) if bases else Bases() as bases:
-        return _run_plan(cfg, plan, src, bases, rnd)
+        device, seat = rank_device(cfg)
+        plan = plan.for_device(str(device))
+        timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
+        distributed.spill_ranks(timer, seat)
+        work = scratch_folder(f"diag-qlora-{plan.name}")  # a killed rank's is swept next time
+        out_dir = Path(cfg.out_dir) / plan.name if cfg.out_dir else work / "out"
+        transformers.logging.set_verbosity_error()
+        cpu: dict[str, float] = {}
+        try:
+            with timer.stage("fetch_data"), _cpu(cpu, "fetch_data"):
+                data_path, fetched, source_bytes = fetch_data(plan, src, work, cfg.records)
+            folder, model, reused = bases.load(cfg, plan, src, device, timer)
+            check = time.perf_counter()  # untimed as a stage (the same in both plans), but shown
+            recs = job_records(cfg, data_path, folder)
+            check_s = time.perf_counter() - check
+            with timer.stage("preprocess"), _cpu(cpu, "preprocess"):
+                data = build_dataset(cfg, plan, recs, folder, data_path,
+                                     model.config._attn_implementation)
+            dataset = data.dataset
+            if seat.rank == cfg.slow_rank:  # a straggler on purpose: slow_ms more per batch
+                dataset = _Slowed(dataset, cfg.slow_ms / 1000 / data.micro_batch)
+            trainer_cpu = time.process_time()
+            trainer, callback = trainer_for(cfg, plan, model, data, out_dir, device, timer,
+                                            train_dataset=dataset)
+            resume = last_checkpoint(out_dir) if cfg.resume else None
+            wall = fit(trainer, callback, resume, cfg.out_dir or None)  # resumed with its --out-dir
+            cpu |= callback.cpu  # the warm-up's and the steady loop's
+            cpu["setup"] = time.process_time() - trainer_cpu - cpu["warmup"] - cpu["train"]
+            losses = pd.DataFrame([{"step": h["step"], "loss": h["loss"],
+                                    "learning_rate": h.get("learning_rate")}
+                                   for h in trainer.state.log_history if "loss" in h])
+            frame = distributed.gathered_frame(timer)  # every rank's rows on rank 0
+            if reused:  # every rank reused its own base in this round
+                frame.loc[frame["stage"] == "load_model", "basis"] = REUSED
+            # the run-level stages, end to end (nothing counted twice), one rank's
+            ranks = max(frame["rank"].nunique(), 1)
+            stages = (frame[frame["step"].isna()].groupby("stage")["seconds"].sum() / ranks)
+            summary = {**data.stats, "plan": plan.name, "round": rnd,
+                       "seconds": float(stages.sum()),
+                       "warmup_steps": int((frame["stage"] == "warmup").sum()) // ranks,
+                       "saves": int((frame["stage"] == "checkpoint").sum()) // ranks,
+                       "ranks": seat.world_size, "steps": trainer.state.global_step,
+                       "trainer_wall_s": wall, "check_s": check_s, "fetched_bytes": fetched,
+                       "source_bytes": source_bytes,
+                       "resumed_from_step": int(resume.name.split("-")[1]) if resume else 0,
+                       **ran(trainer),
+                       "final_loss": float(losses["loss"].iloc[-1]) if not losses.empty else None,
+                       "notes": " ".join(plan.notes)}
+            costs = _measured(plan.name, rnd, stages.to_dict(), summary, cpu,
+                              bases.timed[plan.name])
+            return PlanRun(plan.name, rnd, frame.assign(run=plan.name),
+                           losses.assign(run=plan.name), costs, summary)
+        finally:
+            bases.release()  # the adapter off the kept base: the next round starts from its load
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def rank_device(cfg: JobConfig) -> tuple[Any, Any]:
@@ -105,67 +161,6 @@ def rank_device(cfg: JobConfig) -> tuple[Any, Any]:
     if seat.distributed and device.type == "cuda":
         device = torch.device("cuda", seat.local_rank)  # each rank's base on its own GPU
     return device, seat
-
-
-def _run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases, rnd: int) -> PlanRun:
-    import pandas as pd
-    import transformers
-    from diag.qlora.data import build_dataset, job_records
-    from diag.timing import distributed
-
-    device, seat = rank_device(cfg)
-    plan = plan.for_device(str(device))
-    timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
-    distributed.spill_ranks(timer, seat)
-    work = scratch_folder(f"diag-qlora-{plan.name}")  # a killed rank's is swept next time
-    out_dir = Path(cfg.out_dir) / plan.name if cfg.out_dir else work / "out"
-    transformers.logging.set_verbosity_error()
-    cpu: dict[str, float] = {}
-    try:
-        with timer.stage("fetch_data"), _cpu(cpu, "fetch_data"):
-            data_path, fetched, source_bytes = fetch_data(plan, src, work, cfg.records)
-        folder, model, reused = bases.load(cfg, plan, src, device, timer)
-        check = time.perf_counter()  # untimed as a stage (the same in both plans), but shown
-        recs = job_records(cfg, data_path, folder)
-        check_s = time.perf_counter() - check
-        with timer.stage("preprocess"), _cpu(cpu, "preprocess"):
-            data = build_dataset(cfg, plan, recs, folder, data_path,
-                                 model.config._attn_implementation)
-        dataset = data.dataset
-        if seat.rank == cfg.slow_rank:  # a straggler on purpose: slow_ms more per batch
-            dataset = _Slowed(dataset, cfg.slow_ms / 1000 / data.micro_batch)
-        trainer_cpu = time.process_time()
-        trainer, callback = trainer_for(cfg, plan, model, data, out_dir, device, timer,
-                                        train_dataset=dataset)
-        resume = last_checkpoint(out_dir) if cfg.resume else None
-        wall = fit(trainer, callback, resume, cfg.out_dir or None)  # resumed with its --out-dir
-        cpu |= callback.cpu  # the warm-up's and the steady loop's
-        cpu["setup"] = time.process_time() - trainer_cpu - cpu["warmup"] - cpu["train"]
-        losses = pd.DataFrame([{"step": h["step"], "loss": h["loss"],
-                                "learning_rate": h.get("learning_rate")}
-                               for h in trainer.state.log_history if "loss" in h])
-        frame = distributed.gathered_frame(timer)  # every rank's rows on rank 0
-        if reused:  # every rank reused its own base in this round
-            frame.loc[frame["stage"] == "load_model", "basis"] = REUSED
-        # the run-level stages, end to end (nothing counted twice), one rank's
-        ranks = max(frame["rank"].nunique(), 1)
-        seconds = float(frame.loc[frame["step"].isna(), "seconds"].sum()) / ranks
-        summary = {**data.stats, "plan": plan.name, "round": rnd, "seconds": seconds,
-                   "warmup_steps": int((frame["stage"] == "warmup").sum()) // ranks,
-                   "saves": int((frame["stage"] == "checkpoint").sum()) // ranks,
-                   "ranks": seat.world_size, "steps": trainer.state.global_step,
-                   "trainer_wall_s": wall, "check_s": check_s, "fetched_bytes": fetched,
-                   "source_bytes": source_bytes,
-                   "resumed_from_step": int(resume.name.split("-")[1]) if resume else 0,
-                   **ran(trainer),
-                   "final_loss": float(losses["loss"].iloc[-1]) if not losses.empty else None,
-                   "notes": " ".join(plan.notes)}
-        costs = _measured(plan.name, rnd, frame, summary, cpu, bases.timed[plan.name])
-        return PlanRun(plan.name, rnd, frame.assign(run=plan.name),
-                       losses.assign(run=plan.name), costs, summary)
-    finally:
-        bases.release()  # the adapter off the kept base: the next round starts from its load
-        shutil.rmtree(work, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -188,13 +183,11 @@ def counts(summary: Mapping[str, Any]) -> dict[str, float]:
             "step": summary["steps"] - warm, "save": summary["saves"]}
 
 
-def _measured(plan: str, rnd: int, frame: pd.DataFrame, summary: Mapping[str, Any],
+def _measured(plan: str, rnd: int, wall: dict[str, float], summary: Mapping[str, Any],
               cpu: Mapping[str, float], load: Mapping[str, Mapping[str, float]]) -> pd.DataFrame:
     """The run's cost rows: per run-level stage its unit and seconds, wall (one rank's) and CPU."""
     from diag.forecast.costs import measured, row
 
-    ranks = max(frame["rank"].nunique(), 1)
-    wall = (frame[frame["step"].isna()].groupby("stage")["seconds"].sum() / ranks).to_dict()
     wall |= {stage: load[stage]["wall"] for stage in ("load_model", "download")}
     cpu = dict(cpu) | {stage: load[stage]["CPU"] for stage in ("load_model", "download")}
     n = counts(summary)

@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from diag.config import StorageConfig, diag_home
-from diag.config.source import data_file
+from diag.config.source import HubUrl, LocalUrl, S3Url, data_file, parse_url
 from diag.decision import Decision, MeasuredOn
 from diag.files import scratch_folder
 from diag.machine import disks
@@ -27,9 +27,9 @@ from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
 from diag.storage.methods import (NVME_COLD, PULLS, RANGED, local_reads,  # noqa: F401
                                   nvme_reads, pull, read_local, resident, row, s5cmd_path)
-from diag.storage.objectstore import MB, RemoteObject, S3Url, deadline, deadline_s, source_client
+from diag.storage.objectstore import MB, RemoteObject, deadline, deadline_s, source_client
 from diag.storage.sample import RANGE_SAMPLE_AT_LEAST, Extrapolation, probe, ranges, spread
-from diag.storage.sources import HubUrl, LocalUrl, list_remote, parse_url
+from diag.storage.sources import list_remote
 from diag.storage.tax import advice, cold_reads, over_rounds, storage_tax
 from diag.timing import median_seconds
 

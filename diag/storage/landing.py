@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from diag.config import VERIFY_MODES
-from diag.config.source import MANIFEST_SUFFIX
+from diag.config.source import MANIFEST_SUFFIX, S3Url, parse_s3
 from diag.files import atomic_file, file_sha256, fsync_path, sweep_orphans
 from diag.storage import checks
-from diag.storage.objectstore import (RemoteObject, S3Url, TransferPlan, failure, list_s3,
-                                      make_client, md5_checkable, parse_s3, remote_error,
-                                      transfer_plan, usable_cores)
+from diag.storage.objectstore import (RemoteObject, TransferPlan, failure, list_s3, make_client,
+                                      md5_checkable, remote_error, transfer_plan, usable_cores)
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 from diag.config import STORAGE_PULLS
+from diag.config.source import S3Url
 from diag.machine import disks
-from diag.storage.objectstore import MB, RemoteObject, S3Url, failure, transfer_plan
+from diag.storage.objectstore import MB, RemoteObject, failure, transfer_plan
 from diag.storage.landing import describe, download_all
 
 _READ_CHUNK = 1 << 20  # like `dd bs=1M` (8 MiB buffers fall out of the CPU cache)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from diag.config.source import STALL_S
+from diag.config.source import STALL_S, HubUrl, S3Url
 from diag.machine.device import usable_cores  # noqa: F401  transfer_plan's cores; re-exported
 from diag.secrets import aws_client_made, redact, register
 
@@ -24,19 +24,6 @@ MB = 1_000_000  # decimal megabytes, like network and disk rates
 CONNECT_S = 5  # botocore's connect timeout on every client
 SLACK = 4  # a pull may take this many times the seconds its bytes take at the rate measured
 FLOOR_MB_S = 10.0  # the rate a deadline assumes before one is measured
-
-
-@dataclass(frozen=True)
-class S3Url:
-    bucket: str
-    key: str  # "" or ending in "/" = a prefix (many objects), else one object
-
-    @property
-    def is_prefix(self) -> bool:
-        return self.key == "" or self.key.endswith("/")
-
-    def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.key}"
 
 
 @dataclass(frozen=True)
@@ -74,14 +61,6 @@ def transfer_plan(size: int, cores: int | None = None) -> TransferPlan:
     cores = max(1, cores or usable_cores())
     part = min(256 * MB, max(8 * MB, -(-size // (2 * cores))))
     return TransferPlan(32 * MB, part, max(1, min(2 * cores, -(-size // part))))
-
-
-def parse_s3(url: str) -> S3Url:
-    if not isinstance(url, str) or not url.startswith("s3://") or not url[5:].split("/")[0]:
-        raise ValueError(f"source={url!r}: expected s3://bucket/key (one object) or "
-                         "s3://bucket/prefix/ (every object under the prefix)")
-    bucket, _, key = url[5:].partition("/")
-    return S3Url(bucket, key)
 
 
 def register_url_secret(url: str | None) -> None:
@@ -131,20 +110,18 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
 
 def source_client(cfg: SourceConfig, server: Any = None) -> Any:
     """cfg.source's client: boto3's (or `server`'s), HfApi for hf://, None for local files."""
-    from diag.config.source import source_kind
-
-    pool, kind = 2 * usable_cores(), source_kind(cfg.source)
+    pool, url = 2 * usable_cores(), cfg.url
     if server is not None:
         return make_client(server.endpoint_url, retries=cfg.retries, max_pool=pool,
                            stall_s=cfg.stall_s, credentials={
                                "aws_access_key_id": server.access_key,
                                "aws_secret_access_key": server.secret_key,
                                "region_name": server.region})
-    if kind == "hf":
+    if isinstance(url, HubUrl):
         from huggingface_hub import HfApi
 
         return HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
-    if kind != "s3":
+    if not isinstance(url, S3Url):
         return None
     return make_client(cfg.endpoint_url, retries=cfg.retries, max_pool=pool, profile=cfg.profile,
                        region=cfg.region, unsigned=not cfg.sign_request, stall_s=cfg.stall_s)
