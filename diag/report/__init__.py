@@ -6,8 +6,8 @@ headline and the ranked fixes, then one section per experiment: its conclusion, 
 tables folded and linked; numbers are shown with the unit their column names (units.py).
 """
 
-from diag.report.folder import (EXPERIMENT_FIGURES, capped, figures, gpu_marks, headline, load,
-                                load_summary, render, run_report, versions, write)
+from diag.report.folder import (capped, gpu_marks, headline, load, load_summary, render,
+                                run_report, write)
 
-__all__ = ["EXPERIMENT_FIGURES", "capped", "figures", "gpu_marks", "headline", "load",
-           "load_summary", "render", "run_report", "versions", "write"]
+__all__ = ["capped", "gpu_marks", "headline", "load", "load_summary", "render", "run_report",
+           "write"]
