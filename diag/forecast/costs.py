@@ -46,8 +46,8 @@ def measured(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
 
 
 def table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Costs per unit (COLUMNS) from measurement rows: per plan, stage, unit, clock and when, the
-    median over its rounds of seconds / count, the interval (diag.noise.median_interval)."""
+    """Costs per unit (COLUMNS): per plan, stage, unit, clock and when, the median over rounds of
+    seconds / count and its interval (diag.noise.median_interval)."""
     import pandas as pd
 
     from diag.noise import median_interval
@@ -65,8 +65,7 @@ def table(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def with_eval(costs: pd.DataFrame) -> pd.DataFrame:
-    """The table with an eval_slot row beside each train slot row: forward only, FORWARD_SHARE
-    of it (an eval's records pay their padding too)."""
+    """The table with an eval_slot row (FORWARD_SHARE of it) beside each train slot row."""
     import pandas as pd
 
     slots = costs[(costs["stage"] == "train") & (costs["unit"] == "slot")]
@@ -80,11 +79,11 @@ def with_eval(costs: pd.DataFrame) -> pd.DataFrame:
 
 def price(costs: pd.DataFrame, counts: Mapping[str, Mapping[str, float]] | Mapping[str, float],
           *, clock: str | None = None, when: str | None = None) -> pd.DataFrame:
-    """Each plan's stages priced: seconds (and low, high) = sum over units of cost x count.
-    counts: per unit, or per plan then per unit. Rows: plan, stage, seconds, low, high,
-    evidence ("<unit> x <count> (<its evidence>)"); a stage nothing prices is left out."""
+    """Each plan's stages priced: seconds, low, high = sum over units of cost x count (counts per
+    unit, or per plan then per unit), evidence "<unit> x <count> (<its evidence>)"."""
     import pandas as pd
 
+    nested = any(isinstance(v, Mapping) for v in counts.values())
     part = costs
     if clock is not None:
         part = part[part["clock"] == clock]
@@ -92,7 +91,7 @@ def price(costs: pd.DataFrame, counts: Mapping[str, Mapping[str, float]] | Mappi
         part = part[part["when"] == when]
     out = []
     for (plan, stage), rows in part.groupby(["plan", "stage"], sort=False):
-        mine = counts.get(plan, counts) if _nested(counts) else counts
+        mine = counts.get(plan, counts) if nested else counts
         n = [float(mine.get(u, 0)) for u in rows["unit"]]
         said = "; ".join(f"{u} x {k:,.4g} ({e})" if e else f"{u} x {k:,.4g}"
                          for u, k, e in zip(rows["unit"], n, rows["evidence"]))
@@ -102,10 +101,6 @@ def price(costs: pd.DataFrame, counts: Mapping[str, Mapping[str, float]] | Mappi
                     "high": float(sum(s * k for s, k in zip(rows["high"], n))),
                     "evidence": said})
     return pd.DataFrame(out, columns=["plan", "stage", "seconds", "low", "high", "evidence"])
-
-
-def _nested(counts: Mapping[str, Any]) -> bool:
-    return any(isinstance(v, Mapping) for v in counts.values())
 
 
 def total(priced: pd.DataFrame, plan: str, stages: Iterable[str] | None = None) -> float:
