@@ -186,8 +186,7 @@ def infer_compute_share(t_before: float, t_after: float,
 
 def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
              total_steps: int | None = None, min_share: float = 0.01) -> pd.DataFrame:
-    """Fixes ranked by seconds saved (a stage's fixable seconds; none for UNCHANGED or under
-    min_share of the run), with `advice` rows capped at their stage's."""
+    """Fixes ranked by seconds saved, with `advice` rows capped at their stage's seconds."""
     table = _table(frame, total_steps)
     runs = list(dict.fromkeys(table["run"]))
     extra = advice if advice is not None else pd.DataFrame(columns=["stage"])

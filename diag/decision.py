@@ -165,8 +165,7 @@ COLUMNS = ["setting", "value", "basis", "source", "measured_on", "why",
 
 
 def frame(decisions: Iterable[Decision]) -> pd.DataFrame:
-    """One row per decision (COLUMNS): what it chose, on what, why, and `json`, the whole
-    decision (what `read` gives back; a numpy scalar as its Python number)."""
+    """One row per decision (COLUMNS), `json` the whole decision as `read` gives it back."""
     import pandas as pd
 
     rows = []

@@ -292,8 +292,7 @@ def run_diagnose(cfg: DiagnoseConfig | None = None,
                  on_result: Callable[[Step, dict[str, pd.DataFrame]], None] | None = None,
                  stop: threading.Event | None = None,
                  on_error: Callable[[Step, Exception], None] | None = None) -> Path:
-    """Run the diagnosis, write the report, return its folder; on_result(step, frames so far)
-    after each step, stop checked before each, on_error(step, error) and the rest go on."""
+    """Run the diagnosis and write the report (the panel's hooks after, before, on error)."""
     cfg = cfg or DiagnoseConfig.default()
     job, order = job_config(cfg) if cfg.qlora else None, steps(cfg)
     # a budget too small for the steps is refused before any work (--train: outside it)

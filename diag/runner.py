@@ -37,8 +37,7 @@ class Stopped(BaseException):
 
 @dataclass
 class Runner:
-    """run(result, step, make) -> result with step.field = make(), under quiet(); once `stop`
-    is set the next step raises Stopped; on_error takes a step's error and the run goes on."""
+    """run(result, step, make): result with step.field = make(), under quiet(), stop, on_error."""
 
     bar: Any  # tqdm.auto over the recipe's steps
     on_result: Callable[[Step, Any], None] | None = None
@@ -130,8 +129,7 @@ class Log:
                      "text/plain": _line(bar)})
 
     def kept(self, end: bool = False) -> tuple[dict[str, Any], ...]:
-        """The outputs but closed bars (a reload: "model not found"); end: the open bars, or
-        else the last, as text."""
+        """The outputs but closed bars; end: the open bars, or else the last, as text."""
         out = []
         for o in self.out.outputs:
             bar = self.bars.get(o.get("data", {}).get(VIEW, {}).get("model_id"))

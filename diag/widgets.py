@@ -254,9 +254,7 @@ def request_stop(p: Panel) -> None:
 
 def panel(source: str = "", model: str = "", workers: str = "", micro_batches: str = "",
           plan: str = "both", quick: bool | None = None, **settings: Any) -> Panel:
-    """Build the panel (nothing runs until Run). "" source/model: the embedded ones; workers,
-    micro_batches: comma-separated sweeps; quick None: DIAG_QUICK; settings: other
-    DiagnoseConfig fields (out=, storage=False, ...), checked now."""
+    """Build the panel (nothing runs until Run); settings: other DiagnoseConfig fields."""
     import ipywidgets as w
 
     from diag.diagnose import STEPS

@@ -46,8 +46,7 @@ def measured(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
 
 
 def table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Costs per unit (COLUMNS): per plan, stage, unit, clock and when, the median over rounds of
-    seconds / count and its interval (diag.noise.median_interval)."""
+    """Costs per unit (COLUMNS): the median over rounds of seconds / count and its interval."""
     import pandas as pd
 
     from diag.noise import median_interval
@@ -79,8 +78,7 @@ def with_eval(costs: pd.DataFrame) -> pd.DataFrame:
 
 def price(costs: pd.DataFrame, counts: Mapping[str, Mapping[str, float]] | Mapping[str, float],
           *, clock: str | None = None, when: str | None = None) -> pd.DataFrame:
-    """Each plan's stages priced: seconds, low, high = sum over units of cost x count (counts per
-    unit, or per plan then per unit), evidence "<unit> x <count> (<its evidence>)"."""
+    """Each plan's stages priced: cost x count summed over units (counts per unit or per plan)."""
     import pandas as pd
 
     nested = any(isinstance(v, Mapping) for v in counts.values())

@@ -134,8 +134,7 @@ def duration(seconds: float) -> str:
 
 def before_line(head: str, projected: pd.DataFrame, spent_s: float = 0.0,
                 done: tuple[str, ...] = ()) -> str:
-    """The ETA in one line: head, the whole command (spent_s, then the stages not `done` as
-    priced) in wall seconds, each stage's share of the run."""
+    """The ETA in one line: the whole command in wall seconds, each stage's share."""
     total = float(projected["seconds"].sum())
     if not total:
         return (f"{head}; no ETA: nothing measured before prices this job's stages (decide the "

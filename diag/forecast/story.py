@@ -80,8 +80,7 @@ def _pair(by: Mapping[tuple[str, str], float], stage: str, clock: str) -> str:
 
 def waterfall(runs_priced: pd.DataFrame, clock: str, fixes: Mapping[str, Sequence[str]]
               ) -> pd.DataFrame:
-    """Rows `naive`, one per stage a fix changed (its change, negative when it saves), one
-    residual `unchanged`, `optimized` (exactly the optimized total)."""
+    """Rows naive, one per stage a fix changed (its change), one residual, optimized."""
     import pandas as pd
 
     runs = _by(runs_priced)
@@ -175,8 +174,7 @@ def restated(checked: pd.DataFrame, met: Sequence[float], timed: Sequence[float]
 def tell(measured: pd.DataFrame, counts: Mapping[str, Mapping[str, float]], clock: str,
          fixes: Mapping[str, Sequence[str]], tokens: Mapping[str, float],
          met: Sequence[float] = ()) -> dict[str, pd.DataFrame]:
-    """The cost table, the savings predicted vs measured (restated), the waterfall and the
-    headline's row, from the measurement rows."""
+    """The cost table, the savings predicted vs measured, the waterfall and the headline."""
     import pandas as pd
 
     from diag.forecast.costs import table

@@ -63,8 +63,7 @@ def _new_folder(out: str | os.PathLike[str] | None) -> Path:
 def write(frames: dict[str, pd.DataFrame], out: str | os.PathLike[str] | None = None, *,
           config: dict[str, Any] | None = None, info: pd.DataFrame | None = None,
           advice: pd.DataFrame | None = None, machine: dict[str, Any] | None = None) -> Path:
-    """Write the run folder (frames by name; advice ranked with the stage findings; machine:
-    the contention banner) and render it; return its path."""
+    """Write the run folder and render it; return its path."""
     if not frames:
         raise ValueError("frames is empty: nothing to report")
     final = _new_folder(out)
@@ -130,8 +129,8 @@ def capped(frames: dict[str, pd.DataFrame]) -> bool:
 def headline(stages: pd.DataFrame, found: pd.DataFrame, comparison: pd.DataFrame | None = None,
              flow: pd.DataFrame | None = None, projection: pd.DataFrame | None = None,
              memory_capped: bool = False) -> dict[str, Any]:
-    """The verdict on the naive (or only) run, the comparison with its confidence, the top fix
-    and the whole job projected, read from the folder's frames; `text`: the lines shown first."""
+    """The verdict, the comparison with its confidence, the top fix and the projection, read
+    from the folder's frames; `text`: the lines shown first."""
     runs = list(dict.fromkeys(stages["run"]))
     first = "naive" if "naive" in runs else runs[0]
     out: dict[str, Any] = amdahl.verdict(stages, first, memory_capped)
@@ -231,8 +230,7 @@ def figures(frames: dict[str, pd.DataFrame],
 
 
 def gpu_marks(summary: dict[str, Any]) -> dict[str, float] | None:
-    """Amdahl-curve marks: the current GPU at 1x, the target at its dense-peak ratio; None when
-    either is not in diag's table (a CPU-only machine)."""
+    """Amdahl-curve marks: the current GPU at 1x, the target at its ratio (None: not in table)."""
     from diag.machine.gpus import find_gpu
 
     config, device = summary.get("config", {}), summary.get("device", {})
@@ -261,8 +259,7 @@ def render(folder: str | os.PathLike[str]) -> Path:
 
 
 def run_report(cfg: Any) -> Path:
-    """`diag report DIR`: re-render cfg.folder; a stopped DDP job's spills (<DIAG_HOME>/ranks/
-    <job>) become a new run folder of the steps its ranks finished."""
+    """`diag report DIR`: re-render cfg.folder (a DDP job's spills: a new run folder)."""
     folder = Path(cfg.folder)
     if not (folder / "summary.json").is_file() and any(folder.glob("rank-*.partial.csv")):
         from diag.timing.spill import read_spills

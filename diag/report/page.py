@@ -113,8 +113,7 @@ def page(summary: dict[str, Any], frames: dict[str, pd.DataFrame], images: dict[
 
 
 def sections(frames: dict[str, pd.DataFrame]) -> dict[str, list[str]]:
-    """Section key -> its frames' names, in page order: a frame goes to the longest known key
-    its name extends, else to the shortest frame name it extends (an unknown experiment's)."""
+    """Section key -> its frames' names in page order (the longest known key a name extends)."""
     known = sorted(SECTIONS, key=len, reverse=True)
     names = sorted((n for n in frames if n not in _OWN), key=len)
     out: dict[str, list[str]] = {}
@@ -143,8 +142,7 @@ def _value(value: Any) -> str:
 
 def _conclusion(key: str, names: list[str], summary: dict[str, Any],
                 frames: dict[str, pd.DataFrame]) -> str:
-    """The section's first line: what was decided and on what; for the runs, where their time
-    went; for the QLoRA job, how the plans compared."""
+    """The section's first line: its decisions, else where the time went, else the comparison."""
     mine = _decisions_of(key, frames)
     if mine:
         chosen = [d for d in mine if d.basis != "default"]
@@ -252,8 +250,7 @@ def _opening(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
 
 
 def device_line(summary: dict[str, Any]) -> str:
-    """The machine in words, HTML-escaped ("CPU only (no accelerator), AMD EPYC, 2 cores, ..."),
-    "" without device facts."""
+    """The machine in words, HTML-escaped; "" without device facts."""
     device = summary.get("device")
     if not device:
         return ""
