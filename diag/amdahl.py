@@ -18,8 +18,7 @@ from diag.timing import LOAD_PARTS, RUN_STAGES, STAGES, STEP_STAGES
 GPU_BOUND = ("compute", "warmup")  # what a faster GPU shortens; the rest is floor
 # no fix removes the work itself or the Trainer's set-up (paid once per start whatever the plan)
 UNCHANGED = ("compute", "train", "setup")
-DATA_WAIT_FLAG = 0.10  # data_wait's share of step time above which it is flagged
-DATA_WAIT_NOTE = DATA_WAIT_GOAL  # and above which it is noted
+DATA_WAIT_FLAG = 0.10  # data_wait's share of step time above which it is flagged (noted: GOAL)
 
 
 def _check(frame: pd.DataFrame) -> pd.DataFrame:
@@ -84,8 +83,7 @@ def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any
         rows.append({"stage": stage, "level": "step", "seconds": seconds, "basis": basis})
     if ranks > 1:
         rows = [{**r, "basis": f"{r['basis']}; mean of {ranks} ranks"} for r in rows]
-    # what a fix can remove: a stage's seconds; the warm-up's start-up, less as many mean
-    # steady steps as it had intervals (0 when no steps were measured)
+    # what a fix can remove: a stage's seconds; of the warm-up, its start-up (less steady steps)
     warm = int((frame["stage"] == "warmup").sum()) // ranks
     steady = sum(r["seconds"] for r in rows if r["level"] == "step") / n if n else 0.0
     for r in rows:
@@ -203,7 +201,7 @@ def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
             if r.stage in UNCHANGED or seconds <= 0 or (run, r.stage) in specific:
                 continue
             wait, ratio = r.stage == "data_wait", r.seconds / step_total if step_total else 0.0
-            if ratio <= DATA_WAIT_NOTE if wait else seconds < min_share * total:
+            if ratio <= DATA_WAIT_GOAL if wait else seconds < min_share * total:
                 continue  # data_wait: its own thresholds, on its share of step time
             severity = ("flag" if ratio > DATA_WAIT_FLAG else "note") if wait else "fix"
             rows.append({"run": run, "stage": r.stage, "finding": FIXES[r.stage],

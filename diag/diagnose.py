@@ -125,8 +125,7 @@ def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig,
             d = run(d, LOADER, lambda: on().loader(_micro(d)))
         if d.job is not None:
             on().close()  # their bases go before the runs load theirs
-        # the optimized plan collects the decisions above; rounds past job.rounds take what is
-        # left of its share
+        # the optimized plan collects the decisions above; its extra rounds take its share's rest
         d = run(d, QLORA, lambda: compare(job, _decided(d), src(), max(
             0.0, budget.share(QLORA) - budget.floor(QLORA)) if budget else None))
         # what `diag train` would take on every record of the source for cfg.epochs, per plan

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from diag.secrets import redact
+
 R = TypeVar("R")
 VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -92,8 +94,6 @@ def say(text: str, table: Any = None) -> None:
 
         tqdm.write(text, file=sys.stderr)
         return
-    from diag.secrets import redact
-
     data = {"text/plain": redact(text)}
     if table is not None:
         title = html.escape(text.splitlines()[0].rstrip(":"))

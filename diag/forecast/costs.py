@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from diag.noise import median_interval
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -48,8 +50,6 @@ def measured(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
 def table(rows: pd.DataFrame) -> pd.DataFrame:
     """Costs per unit (COLUMNS): the median over rounds of seconds / count and its interval."""
     import pandas as pd
-
-    from diag.noise import median_interval
 
     keys = ["plan", "stage", "unit", "clock", "when"]
     out = []

@@ -7,11 +7,13 @@ rounds and interval, resolved or not. All on the comparison's clock (diag.noise.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from diag.decision import PREDICTION_FLOOR_S, PREDICTION_TOLERANCE
-from diag.forecast.costs import price
+from diag.forecast.costs import price, table
+from diag.noise import MIN_SAMPLES, compare, median_interval
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -112,8 +114,6 @@ def headline(rounds: Mapping[str, Sequence[float]], tokens: Mapping[str, float],
              totals: Mapping[str, float]) -> dict[str, Any]:
     """naive over optimized per trained token at `totals` (the waterfall's ends), its interval
     from the paired per-round ratios, resolved by diag.noise; `text` says it in words."""
-    from diag.noise import MIN_SAMPLES, compare, median_interval
-
     per = {p: [s / tokens[p] for s in rounds[p]] for p in ("naive", "optimized")}
     ratio = (totals["naive"] / tokens["naive"]) / (totals["optimized"] / tokens["optimized"])
     paired = [n / o for n, o in zip(per["naive"], per["optimized"]) if o > 0]
@@ -147,10 +147,6 @@ def restated(checked: pd.DataFrame, met: Sequence[float], timed: Sequence[float]
              clock: str) -> pd.DataFrame:
     """The step stages' check restated at the runs' speed (x met / timed) when the naive steps
     the runs met resolve apart from those timed before them; said in the evidence either way."""
-    import statistics
-
-    from diag.noise import compare
-
     if not met or not timed:
         return checked
     gap, unit = compare(timed, met), "CPU s" if clock == "CPU" else "s"
@@ -176,8 +172,6 @@ def tell(measured: pd.DataFrame, counts: Mapping[str, Mapping[str, float]], cloc
          met: Sequence[float] = ()) -> dict[str, pd.DataFrame]:
     """The cost table, the savings predicted vs measured, the waterfall and the headline."""
     import pandas as pd
-
-    from diag.forecast.costs import table
 
     costs = table(measured)
     before, runs = (price(costs, counts, clock=clock, when=when) for when in ("before", "runs"))

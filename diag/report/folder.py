@@ -22,10 +22,12 @@ import pandas as pd
 from diag import amdahl, plots
 from diag.decision import chosen
 from diag.files import atomic_file, atomic_folder
+from diag.machine.gpus import find_gpu
 from diag.report.page import page
 from diag.report.units import seconds
 from diag.secrets import redact, redact_frame
 from diag.timing import STAGE_FRAME, stragglers  # STAGE_FRAME: the StageTimer frames' key
+from diag.timing.spill import read_spills
 
 _PACKAGES = ("diag", "torch", "transformers", "peft", "bitsandbytes", "huggingface_hub", "boto3",
              "pandas", "numpy")
@@ -231,8 +233,6 @@ def figures(frames: dict[str, pd.DataFrame],
 
 def gpu_marks(summary: dict[str, Any]) -> dict[str, float] | None:
     """Amdahl-curve marks: the current GPU at 1x, the target at its ratio (None: not in table)."""
-    from diag.machine.gpus import find_gpu
-
     config, device = summary.get("config", {}), summary.get("device", {})
     current = config.get("current_gpu") or str(device.get("accelerator", ""))
     target = config.get("target_gpu") or "H100 SXM"
@@ -262,8 +262,6 @@ def run_report(cfg: Any) -> Path:
     """`diag report DIR`: re-render cfg.folder (a DDP job's spills: a new run folder)."""
     folder = Path(cfg.folder)
     if not (folder / "summary.json").is_file() and any(folder.glob("rank-*.partial.csv")):
-        from diag.timing.spill import read_spills
-
         return write({STAGE_FRAME: read_spills(folder).assign(run="spilled")},
                      config={"spills": str(folder.resolve())})
     render(folder)

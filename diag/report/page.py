@@ -115,11 +115,10 @@ def page(summary: dict[str, Any], frames: dict[str, pd.DataFrame], images: dict[
 def sections(frames: dict[str, pd.DataFrame]) -> dict[str, list[str]]:
     """Section key -> its frames' names in page order (the longest known key a name extends)."""
     known = sorted(SECTIONS, key=len, reverse=True)
-    names = sorted((n for n in frames if n not in _OWN), key=len)
+    mine = [n for n in frames if n not in _OWN]
+    names = sorted(mine, key=len)
     out: dict[str, list[str]] = {}
-    for name in frames:
-        if name in _OWN:
-            continue
+    for name in mine:
         key = next((k for k in [*known, *names] if name == k or name.startswith(f"{k}_")))
         out.setdefault(key, []).append(name)
     decisions = frames.get("decisions")
@@ -230,14 +229,11 @@ def _opening(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
     if head:
         lines = head["text"].split("\n")
         out = f"<h1>{_esc(lines[0][0].upper() + lines[0][1:])}</h1>"
-        for line in lines[1:]:
-            top = line.startswith("top fix: ")
-            text = line.removeprefix("top fix: ")
-            out += (f"<p class=top>Top fix: {_esc(text)}</p>" if top else
-                    f"<p class=head>{_esc(line[0].upper() + line[1:])}</p>")
+        for line in lines[1:]:  # "top fix: ..." stands out
+            kind = "top" if line.startswith("top fix: ") else "head"
+            out += f"<p class={kind}>{_esc(line[0].upper() + line[1:])}</p>"
     else:
-        names = [k for k in sections(frames)]
-        out = f"<h1>diag report: {_esc(', '.join(names) or 'the machine')}</h1>"
+        out = f"<h1>diag report: {_esc(', '.join(sections(frames)) or 'the machine')}</h1>"
         if summary.get("top_finding"):
             out += f"<p class=top>Top finding: {_esc(summary['top_finding'])}</p>"
     said = busy(summary.get("machine") or {})
