@@ -133,7 +133,9 @@ def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig,
                                                    job, _need(d.qlora, QLORA), _need(d.job, JOB)))
     # on a CPU box, also: would this loader keep up with the GPU being considered (projected)
     if cfg.loader and not cfg.quick_experiments and resolve(cfg.device).type == "cpu":
-        d = run(d, LOADER_PROJECTED, lambda: _loader_toy(cfg, _job_records(job, d)))
+        d = run(d, LOADER_PROJECTED, lambda: _loader_toy(cfg, {  # the job's records
+            "data": str(_need(d.job, JOB).data_path), "tokenizer": str(d.job.model_dir),
+            **job.record_fields()}))
     return d
 
 
@@ -195,13 +197,6 @@ def _train(cfg: DiagnoseConfig, d: Diagnosis) -> TrainResult:
     costs = _need(d.qlora_projection, PROJECTION).costs
     train = TrainConfig.of_job(job_config(cfg), quick=_quick(cfg), epochs=cfg.epochs)
     return run_train(train, _decided(d), costs=costs[costs["plan"] == "optimized"])
-
-
-def _job_records(job: QLoraConfig, d: Diagnosis) -> dict[str, Any]:
-    """The job's records as a loader sweep reads them (landed data, tokenizer, fields)."""
-    inputs = _need(d.job, JOB)
-    return {"data": str(inputs.data_path), "tokenizer": str(inputs.model_dir),
-            **job.record_fields()}
 
 
 def _loader_toy(cfg: DiagnoseConfig, records: dict[str, Any] | None = None) -> LoaderResult:

@@ -70,11 +70,8 @@ def write(frames: dict[str, pd.DataFrame], out: str | os.PathLike[str] | None = 
         raise ValueError("frames is empty: nothing to report")
     final = _new_folder(out)
     with atomic_folder(final) as partial:  # the run appears whole or not at all
-        all_frames = dict(frames)
-        if info is not None:
-            all_frames["info"] = info
-        if advice is not None and not advice.empty:
-            all_frames["advice"] = advice
+        all_frames = frames | ({"info": info} if info is not None else {}) | (
+            {"advice": advice} if advice is not None and not advice.empty else {})
         for name, frame in all_frames.items():
             redact_frame(frame).to_csv(partial / f"{name}.csv", index=False)
         summary = _summary(all_frames, config or {}) | ({"machine": machine} if machine else {})
