@@ -69,8 +69,7 @@ def with_eval(costs: pd.DataFrame) -> pd.DataFrame:
 
     slots = costs[(costs["stage"] == "train") & (costs["unit"] == "slot")]
     evals = slots.assign(stage="eval", unit="eval_slot",
-                         seconds=slots["seconds"] * FORWARD_SHARE,
-                         low=slots["low"] * FORWARD_SHARE, high=slots["high"] * FORWARD_SHARE,
+                         **{c: slots[c] * FORWARD_SHARE for c in ("seconds", "low", "high")},
                          evidence=f"{FORWARD_SHARE:.2g} of a trained slot (forward only): "
                                   + slots["evidence"])
     return pd.concat([costs, evals], ignore_index=True)
@@ -94,10 +93,8 @@ def price(costs: pd.DataFrame, counts: Mapping[str, Mapping[str, float]] | Mappi
         said = "; ".join(f"{u} x {k:,.4g} ({e})" if e else f"{u} x {k:,.4g}"
                          for u, k, e in zip(rows["unit"], n, rows["evidence"]))
         out.append({"plan": plan, "stage": stage,
-                    "seconds": float(sum(s * k for s, k in zip(rows["seconds"], n))),
-                    "low": float(sum(s * k for s, k in zip(rows["low"], n))),
-                    "high": float(sum(s * k for s, k in zip(rows["high"], n))),
-                    "evidence": said})
+                    **{c: float(sum(s * k for s, k in zip(rows[c], n)))
+                       for c in ("seconds", "low", "high")}, "evidence": said})
     return pd.DataFrame(out, columns=["plan", "stage", "seconds", "low", "high", "evidence"])
 
 

@@ -283,14 +283,14 @@ def _fixes(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
         found, per = frames["advice"].to_dict("records"), "per start"
     runs = list(dict.fromkeys(f.get("run", "") for f in found))
     last = "optimized" if "optimized" in runs else runs[-1] if runs else ""
-    changed = (summary.get("headline") or {}).get("changed") or ()
-    found = [f for f in found if f.get("run", "") != "optimized" or f["stage"] not in changed]
+    changed = (summary.get("headline") or {}).get("changed") or ()  # fixed in the optimized run
     items = "".join(
         f"<li><b>{_esc(f['finding'])}</b>: saves {seconds(f['seconds_saved'])} {per}"
         + (f" ({share(f['share_of_run'])} of the run)"
            if f.get("share_of_run") is not None and f["share_of_run"] == f["share_of_run"]
            else "") + f"<div class=ev>{_esc(str(f['evidence']))}</div></li>"
-        for f in found if f.get("run", "") == last)
+        for f in found if f.get("run", "") == last and (last != "optimized"
+                                                        or f["stage"] not in changed))
     if items:
         title = ("What is left: fixes the optimized plan did not apply, largest first"
                  if last == "optimized" else "Fixes, largest saving first")
