@@ -18,8 +18,7 @@ from diag.timing import LOAD_PARTS, RUN_STAGES, STAGES, STEP_STAGES
 GPU_BOUND = ("compute", "warmup")  # what a faster GPU shortens; the rest is floor
 # no fix removes the work itself or the Trainer's set-up (paid once per start whatever the plan)
 UNCHANGED = ("compute", "train", "setup")
-DATA_WAIT_FLAG = 0.10  # data_wait's share of step time above which it is flagged
-DATA_WAIT_NOTE = DATA_WAIT_GOAL  # and above which it is noted
+DATA_WAIT_FLAG = 0.10  # data_wait's share of step time above which it is flagged (noted: GOAL)
 
 
 def _check(frame: pd.DataFrame) -> pd.DataFrame:
@@ -84,11 +83,27 @@ def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any
         rows.append({"stage": stage, "level": "step", "seconds": seconds, "basis": basis})
     if ranks > 1:
         rows = [{**r, "basis": f"{r['basis']}; mean of {ranks} ranks"} for r in rows]
+    # what a fix can remove: a stage's seconds; of the warm-up, its start-up (less steady steps)
+    warm = int((frame["stage"] == "warmup").sum()) // ranks
+    steady = sum(r["seconds"] for r in rows if r["level"] == "step") / n if n else 0.0
+    for r in rows:
+        r["fixable_s"], r["fixable"] = r["seconds"], r["basis"]
+        if r["stage"] == "warmup":
+            start_up = r["seconds"] - warm * steady
+            r["fixable_s"], r["fixable"] = (start_up, (
+                f"less {warm} steady step{'s' * (warm != 1)} of {steady:.4g} s (the mean of "
+                f"{measured_steps} measured): {start_up:.4g} s of start-up")) \
+                if warm and measured_steps else (0.0, "")
     return rows
 
 
 def shares(frame: pd.DataFrame, total_steps: int | None = None) -> pd.DataFrame:
     """Seconds and share of the run per stage and `run`; step stages scaled to total_steps."""
+    return _table(frame, total_steps).drop(columns=["fixable_s", "fixable"])
+
+
+def _table(frame: pd.DataFrame, total_steps: int | None) -> pd.DataFrame:
+    """shares() with what a fix can remove of each stage (`fixable_s`) and its basis."""
     if total_steps is not None and (isinstance(total_steps, bool) or total_steps <= 0):
         raise ValueError(f"total_steps={total_steps!r}: must be a whole number > 0")
     frame = _check(frame)
@@ -97,7 +112,8 @@ def shares(frame: pd.DataFrame, total_steps: int | None = None) -> pd.DataFrame:
         rows = _one_run(part, total_steps)
         total = sum(r["seconds"] for r in rows)
         out += [{"run": run, **r, "share": r["seconds"] / total if total else 0.0} for r in rows]
-    return pd.DataFrame(out, columns=["run", "stage", "level", "seconds", "share", "basis"])
+    return pd.DataFrame(out, columns=["run", "stage", "level", "seconds", "share", "basis",
+                                      "fixable_s", "fixable"])
 
 
 def project(frame: pd.DataFrame, speedup: Mapping[str, float],
@@ -168,10 +184,8 @@ def infer_compute_share(t_before: float, t_after: float,
 
 def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
              total_steps: int | None = None, min_share: float = 0.01) -> pd.DataFrame:
-    """Fixes ranked by seconds saved: a stage's seconds (warm-up: its start-up), none for
-    UNCHANGED or under min_share of the run; `advice` rows capped at their stage's seconds."""
-    table = shares(frame, total_steps)
-    start_up = _start_up(_check(frame), table, total_steps)
+    """Fixes ranked by seconds saved, with `advice` rows capped at their stage's seconds."""
+    table = _table(frame, total_steps)
     runs = list(dict.fromkeys(table["run"]))
     extra = advice if advice is not None else pd.DataFrame(columns=["stage"])
     if "run" not in extra.columns:
@@ -182,12 +196,12 @@ def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
         step_total = part.loc[part["level"] == "step", "seconds"].sum()
         total = part["seconds"].sum()
         for r in part.itertuples():
-            seconds, basis = start_up.get((run, r.stage), (r.seconds, r.basis))
+            seconds, basis = r.fixable_s, r.fixable
             # a stage an experiment measured a fix for gets that fix, not the generic one
             if r.stage in UNCHANGED or seconds <= 0 or (run, r.stage) in specific:
                 continue
             wait, ratio = r.stage == "data_wait", r.seconds / step_total if step_total else 0.0
-            if ratio <= DATA_WAIT_NOTE if wait else seconds < min_share * total:
+            if ratio <= DATA_WAIT_GOAL if wait else seconds < min_share * total:
                 continue  # data_wait: its own thresholds, on its share of step time
             severity = ("flag" if ratio > DATA_WAIT_FLAG else "note") if wait else "fix"
             rows.append({"run": run, "stage": r.stage, "finding": FIXES[r.stage],
@@ -195,11 +209,11 @@ def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
                          "severity": severity, "evidence": f"{r.stage}: {r.seconds:.4g} s, "
                          f"{r.share:.1%} of the run; {basis}"})
     totals = table.groupby("run")["seconds"].sum()
-    measured = table.set_index(["run", "stage"])["seconds"]
+    fixable = table.set_index(["run", "stage"])["fixable_s"]
     for r in extra.itertuples():
         total = totals.get(r.run, float("nan"))
         saved, evidence = float(r.seconds_saved), r.evidence
-        cap = start_up.get((r.run, r.stage), (measured.get((r.run, r.stage)),))[0]
+        cap = fixable.get((r.run, r.stage), 0.0 if r.stage == "warmup" else None)
         if cap is not None and saved > cap:  # no fix saves more than the stage took in this run
             saved, evidence = float(cap), f"{evidence} (capped at the run's {r.stage}: {cap:.4g} s)"
         rows.append({"run": r.run, "stage": r.stage, "finding": r.finding, "seconds_saved": saved,
@@ -216,26 +230,6 @@ def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
     return out[cols].reset_index(drop=True)
 
 
-def _start_up(frame: pd.DataFrame, table: pd.DataFrame, total_steps: int | None
-              ) -> dict[tuple[str, str], tuple[float, str]]:
-    """Per run, the start-up in `warmup` (less as many mean steady steps) and its basis."""
-    out = {}
-    for run, part in frame.groupby("run", sort=False):
-        ranks = int(part["rank"].nunique()) if "rank" in part.columns else 1
-        warm = int((part["stage"] == "warmup").sum()) // ranks  # one interval per warm-up step
-        stepped = part.loc[part["stage"].isin(STEP_STAGES), "step"].dropna().nunique()
-        rows = table[table["run"] == run]
-        if not warm or not stepped or "warmup" not in set(rows["stage"]):
-            out[(run, "warmup")] = (0.0, "")
-            continue
-        steady = rows.loc[rows["level"] == "step", "seconds"].sum() / (total_steps or stepped)
-        seconds = float(rows.loc[rows["stage"] == "warmup", "seconds"].sum())
-        out[(run, "warmup")] = (float(seconds - warm * steady), (
-            f"less {warm} steady step{'s' * (warm != 1)} of {steady:.4g} s (the mean of "
-            f"{stepped} measured): {seconds - warm * steady:.4g} s of start-up"))
-    return out
-
-
 # the verdict's groups of stages, the one rule every view reads; checkpoint, eval, other: none
 BOUND = {"input-bound": ("data_wait", "h2d"),
          "start-up-bound": ("fetch_data", "load_model", "preprocess", "setup", "warmup"),
@@ -250,8 +244,7 @@ SAYS = {"input-bound": "waiting for input (data_wait, h2d)",
 
 def verdict(table: pd.DataFrame, run: str | None = None, memory_capped: bool = False
             ) -> dict[str, Any]:
-    """{"verdict", "share", "text"} of one run (None: the first): the BOUND group with the
-    largest share (compute-bound at a memory-capped micro-batch: memory-bound)."""
+    """{"verdict", "share", "text"} of one run (None: the first): its largest BOUND group."""
     part = table[table["run"] == (run if run is not None else table["run"].iloc[0])]
     by = {k: float(part.loc[part["stage"].isin(v), "share"].sum()) for k, v in BOUND.items()}
     kind = max(by, key=by.get)

@@ -167,8 +167,7 @@ COLUMNS = ["setting", "value", "basis", "source", "measured_on", "why",
 
 
 def frame(decisions: Iterable[Decision]) -> pd.DataFrame:
-    """One row per decision (COLUMNS): what it chose, on what, why, and `json`, the whole
-    decision (what `read` gives back; a numpy scalar as its Python number)."""
+    """One row per decision (COLUMNS), `json` the whole decision as `read` gives it back."""
     import pandas as pd
 
     rows = []
@@ -193,11 +192,15 @@ def _missing(value: Any) -> bool:
     return isinstance(value, float) and value != value
 
 
-def chosen(frames: Mapping[str, pd.DataFrame], setting: str) -> Decision | None:
-    """The first decision of `setting` in frames["decisions"] (a run folder's, a step's)."""
+def decided(frames: Mapping[str, pd.DataFrame]) -> tuple[Decision, ...]:
+    """The decisions in frames["decisions"] (a run folder's, a step's); () without one."""
     table = frames.get("decisions")
-    return next((d for d in read(table) if d.setting == setting), None) \
-        if table is not None else None
+    return read(table) if table is not None else ()
+
+
+def chosen(frames: Mapping[str, pd.DataFrame], setting: str) -> Decision | None:
+    """The first decision of `setting` in frames["decisions"]."""
+    return next((d for d in decided(frames) if d.setting == setting), None)
 
 
 def by_setting(decisions: Iterable[Decision]) -> dict[str, Decision]:

@@ -8,9 +8,9 @@ on its own step, the job naive vs optimized, the whole job projected, with --tra
 from __future__ import annotations
 
 import contextlib
-import sys
 import dataclasses
 import functools
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,25 +20,29 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pandas as pd
 from tqdm.auto import tqdm
 
-from diag import report
+from diag import preflight, report, storage
 from diag.config import (AccumConfig, DiagnoseConfig, InfoConfig, LoaderConfig, QLoraConfig,
-                         ToyConfig)
+                         ToyConfig, TrainConfig)
 from diag.decision import Decision, by_setting
+from diag.forecast.budget import Budget, of_run
 from diag.frames import folder_frames
+from diag.machine.contention import Contention, busy
 from diag.machine.device import on_cpu_threads, resolve, run_info
+from diag.model_load import ModelLoadResult, run_model_load
+from diag.qlora import QLoraResult, TrainResult, measure, run_train
+from diag.qlora.checkpointing import CheckpointingResult
+from diag.qlora.experiment import compare
+from diag.qlora.job import open_sources
+from diag.qlora.measure import JobInputs
+from diag.qlora.plans import Plan
+from diag.qlora.projection import Projection, project_job
 from diag.runner import Runner, Step
+from diag.storage import StorageResult
 from diag.timing import StageTimer, median_seconds
 
 if TYPE_CHECKING:
     from diag.accum import AccumResult
-    from diag.forecast.budget import Budget
     from diag.loader import LoaderResult
-    from diag.model_load import ModelLoadResult
-    from diag.qlora import QLoraResult, TrainResult
-    from diag.qlora.checkpointing import CheckpointingResult
-    from diag.qlora.measure import JobInputs
-    from diag.qlora.projection import Projection
-    from diag.storage import StorageResult
 
 RUNS = ("naive", "optimized")
 T = TypeVar("T")
@@ -90,9 +94,10 @@ def _recipe(cfg: DiagnoseConfig, run: Run, budget: Budget | None = None) -> Diag
     share = budget.share if budget else lambda step: 0.0
     d = run(Diagnosis(), INFO, lambda: run_info(InfoConfig.default(quick=_quick(cfg))))
     if cfg.storage:
-        d = run(d, STORAGE, lambda: _storage(cfg, share(STORAGE)))
+        d = run(d, STORAGE, lambda: storage.run_storage(cfg.storage_config(share(STORAGE))))
     if cfg.model_load:
-        d = run(d, MODEL_LOAD, lambda: _model_load(cfg, share(MODEL_LOAD)))
+        d = run(d, MODEL_LOAD, lambda: run_model_load(
+            cfg.model_load_config().replace(budget_s=share(MODEL_LOAD))))
     d = _on_job(cfg, run, d, job_config(cfg, budget), budget) if cfg.qlora else \
         _toy(cfg, run, d)
     if cfg.accum:  # after the runs: its advice is priced on their compute
@@ -105,9 +110,6 @@ def _recipe(cfg: DiagnoseConfig, run: Run, budget: Budget | None = None) -> Diag
 def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig,
             budget: Budget | None) -> Diagnosis:
     """The job's decisions on its step, then its runs (its sources open until they end)."""
-    from diag.qlora import measure
-    from diag.qlora.job import open_sources
-
     with contextlib.ExitStack() as stack:
         # opened once, by the first step that calls src() (a failed open: the next one retries)
         src = functools.cache(lambda: stack.enter_context(open_sources(job)))
@@ -123,18 +125,22 @@ def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig,
             d = run(d, LOADER, lambda: on().loader(_micro(d)))
         if d.job is not None:
             on().close()  # their bases go before the runs load theirs
-        d = run(d, QLORA, lambda: _qlora(job, d, src(), max(
+        # the optimized plan collects the decisions above; its extra rounds take its share's rest
+        d = run(d, QLORA, lambda: compare(job, _decided(d), src(), max(
             0.0, budget.share(QLORA) - budget.floor(QLORA)) if budget else None))
-        d = run(d, PROJECTION, lambda: _projection(cfg, job, d))
+        # what `diag train` would take on every record of the source for cfg.epochs, per plan
+        d = run(d, PROJECTION, lambda: project_job(TrainConfig.of_job(job, epochs=cfg.epochs),
+                                                   job, _need(d.qlora, QLORA), _need(d.job, JOB)))
     # on a CPU box, also: would this loader keep up with the GPU being considered (projected)
     if cfg.loader and not cfg.quick_experiments and resolve(cfg.device).type == "cpu":
-        d = run(d, LOADER_PROJECTED, lambda: _loader_toy(cfg, _job_records(job, d)))
+        d = run(d, LOADER_PROJECTED, lambda: _loader_toy(cfg, {  # the job's records
+            "data": str(_need(d.job, JOB).data_path), "tokenizer": str(d.job.model_dir),
+            **job.record_fields()}))
     return d
 
 
 def _toy(cfg: DiagnoseConfig, run: Run, d: Diagnosis) -> Diagnosis:
-    """qlora=False: the loader against the GPU being considered, the tiny model's grad-accum
-    sweep, and the toy loop's two runs with the measured fetch and load costs on their timers."""
+    """qlora=False: the projected loader, the tiny model's sweep, the toy loop's two runs."""
     if cfg.loader:
         d = run(d, LOADER_TOY, lambda: _loader_toy(cfg))
     if cfg.accum:
@@ -143,8 +149,7 @@ def _toy(cfg: DiagnoseConfig, run: Run, d: Diagnosis) -> Diagnosis:
 
 
 def steps(cfg: DiagnoseConfig) -> list[Step]:
-    """The steps cfg enables, in order: the recipe walked by a runner that runs none of them, so
-    which steps run and in what order is written once, in the recipe."""
+    """The steps cfg enables, in order: the recipe walked by a runner that runs none of them."""
     walked: list[Step] = []
     _recipe(cfg, lambda d, step, make: walked.append(step) or d)
     return walked
@@ -162,8 +167,7 @@ def _quick(cfg: DiagnoseConfig) -> bool | None:
 
 
 def job_config(cfg: DiagnoseConfig, budget: Budget | None = None) -> QLoraConfig:
-    """The QLoRA job the diagnosis measures and runs: the panel's sweep values, its decisions'
-    share of the budget (decide_budget_s)."""
+    """The QLoRA job the diagnosis measures and runs, its decisions' share of the budget."""
     given = {"sweep_workers": list(cfg.workers), "sweep_micro_batches": list(cfg.micro_batches),
              "records": cfg.records, "steps": cfg.job_steps, "seq_len": cfg.seq_len}
     preset = {} if cfg.quick_experiments else QLoraConfig.RUN
@@ -174,20 +178,8 @@ def job_config(cfg: DiagnoseConfig, budget: Budget | None = None) -> QLoraConfig
                                on_error=cfg.on_error, **cfg.source_kwargs(), **given)
 
 
-def _storage(cfg: DiagnoseConfig, budget_s: float) -> StorageResult:
-    from diag.storage import run_storage
-    return run_storage(cfg.storage_config(budget_s))
-
-
-def _model_load(cfg: DiagnoseConfig, budget_s: float) -> ModelLoadResult:
-    from diag.model_load import run_model_load
-    return run_model_load(cfg.model_load_config().replace(budget_s=budget_s))
-
-
 def _micro(d: Diagnosis) -> int:
     """The micro-batch the job's measurements run at: the sweep's choice, else the plan's fit."""
-    from diag.qlora.plans import Plan
-
     if d.accum is not None:
         return int(by_setting(d.accum.decisions)["micro_batch"].value)
     job = _need(d.job, JOB)
@@ -200,47 +192,15 @@ def _decided(d: Diagnosis) -> list[Decision]:
     return [x for r in measured if r is not None for x in r.decisions]
 
 
-def _qlora(job: QLoraConfig, d: Diagnosis, src: Any, budget_s: float | None) -> QLoraResult:
-    """The QLoRA job under both plans; the optimized one collects the decisions above; its
-    rounds past job.rounds take what is left of its share."""
-    from diag.qlora.experiment import compare
-
-    return compare(job, _decided(d), src, budget_s)
-
-
 def _train(cfg: DiagnoseConfig, d: Diagnosis) -> TrainResult:
-    """`diag train` on the whole dataset for cfg.epochs (its sources opened again): the
-    optimized plan of the decisions above, its ETA priced at the projection's costs (so the run
-    checks the headline)."""
-    from diag.config import TrainConfig
-    from diag.qlora import run_train
-
+    """`diag train`: the optimized plan on the whole dataset, its ETA at the projection's costs."""
     costs = _need(d.qlora_projection, PROJECTION).costs
     train = TrainConfig.of_job(job_config(cfg), quick=_quick(cfg), epochs=cfg.epochs)
     return run_train(train, _decided(d), costs=costs[costs["plan"] == "optimized"])
 
 
-def _projection(cfg: DiagnoseConfig, job: QLoraConfig, d: Diagnosis) -> Projection:
-    """What `diag train` would take on every record of the source for cfg.epochs, per plan."""
-    from diag.config import TrainConfig
-    from diag.qlora.projection import project_job
-
-    return project_job(TrainConfig.of_job(job, epochs=cfg.epochs), job, _need(d.qlora, QLORA),
-                       _need(d.job, JOB))
-
-
-def _job_records(job: QLoraConfig, d: Diagnosis) -> dict[str, Any]:
-    """The job's records as a loader sweep reads them: its landed data, its model's tokenizer,
-    its record fields."""
-    inputs = _need(d.job, JOB)
-    return {"data": str(inputs.data_path), "tokenizer": str(inputs.model_dir),
-            **job.record_fields()}
-
-
 def _loader_toy(cfg: DiagnoseConfig, records: dict[str, Any] | None = None) -> LoaderResult:
-    """The loader against the target GPU's estimated step (a CPU box's question: would this
-    loader keep up with the GPU being considered); records: the job's (_job_records), else the
-    embedded dataset."""
+    """The loader against target_gpu's estimated step on records (None: the embedded data)."""
     from diag.loader import run_loader
 
     # an emulated step of that GPU's estimated duration: a projection
@@ -268,8 +228,7 @@ def _accum_toy(cfg: DiagnoseConfig) -> AccumResult:
 
 
 def _accum_advice(cfg: DiagnoseConfig, d: Diagnosis) -> pd.DataFrame:
-    """Ranked beside the other stages as the fraction of the naive run's compute the faster
-    split saves (the sweep's own seconds are for its model, not this run's)."""
+    """The faster split's saving as a fraction of the naive run's compute (not the sweep's)."""
     from diag.accum import advice
 
     ran = _need(d.qlora, QLORA).stages if cfg.qlora else _need(d.runs, TOY_RUNS)
@@ -281,8 +240,7 @@ def _accum_advice(cfg: DiagnoseConfig, d: Diagnosis) -> pd.DataFrame:
 
 def run_level(storage: StorageResult | None, model_load: ModelLoadResult | None
               ) -> dict[str, dict[str, float]]:
-    """Per toy run, the start's seconds the experiments measured: a naive one pulls and downloads,
-    an optimized one finds the landed copy and the warm cache."""
+    """Per toy run, the start's seconds measured: naive pulls and downloads, optimized not."""
     fetch = by_setting(storage.decisions).get("fetch") if storage is not None else None
     loaded = getattr(model_load, "frame", None)
     measured = {
@@ -296,8 +254,7 @@ def run_level(storage: StorageResult | None, model_load: ModelLoadResult | None
 
 def training_runs(cfg: DiagnoseConfig, run_level: dict[str, dict[str, float]] | None = None
                   ) -> pd.DataFrame:
-    """The naive and the optimized toy run in one frame (`run` column); run_level seconds are
-    recorded on each run's timer before its steps."""
+    """Both toy runs in one frame (`run`), run_level's seconds on each timer before its steps."""
     from diag.loader.toy import run_toy
 
     device = resolve(cfg.device)
@@ -329,26 +286,20 @@ def run_diagnose(cfg: DiagnoseConfig | None = None,
                  on_result: Callable[[Step, dict[str, pd.DataFrame]], None] | None = None,
                  stop: threading.Event | None = None,
                  on_error: Callable[[Step, Exception], None] | None = None) -> Path:
-    """Run the diagnosis and write the report; returns the run folder. on_result(step, frames
-    so far): after each step (the panel draws as they arrive); stop: checked before each step
-    (diag.runner.Stopped); on_error(step, error): a failed step is handed to it, the rest go on."""
-    from diag.forecast.budget import of_run
-    from diag.machine.contention import Contention, busy
-    from diag.preflight import covered, preflight
-
+    """Run the diagnosis and write the report (the panel's hooks after, before, on error)."""
     cfg = cfg or DiagnoseConfig.default()
     job, order = job_config(cfg) if cfg.qlora else None, steps(cfg)
     # a budget too small for the steps is refused before any work (--train: outside it)
     budget = of_run(cfg, order, job)
     # everything checkable before the first experiment (the job's config first: its size)
-    preflight(cfg, job)
+    preflight.preflight(cfg, job)
     budget.say()  # the plan, before the first step
 
     def measured(step: Step, d: Diagnosis) -> None:
         # (info is absent only when the device-facts step failed under on_error)
         on_result(step, frames(d, order) | ({"info": d.info} if d.info is not None else {}))
 
-    with covered(), tqdm(total=len(order), desc="diag run", unit="step") as bar, \
+    with preflight.covered(), tqdm(total=len(order), desc="diag run", unit="step") as bar, \
             Contention(resolve(cfg.device)) as machine:
         runner = Runner(bar, measured if on_result else None, stop, on_error)
         d = _recipe(cfg, budget.timed(runner), budget)

@@ -82,8 +82,8 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_folder(path: str | os.PathLike[str], *, replace: bool = True) -> Iterator[Path]:
-    """`with atomic_folder(path) as tmp:` fill tmp; a clean exit fsyncs it and swaps it in (the
-    old one renamed aside first), an error removes it; replace=False keeps one already there."""
+    """`with atomic_folder(path) as tmp:` fill tmp, swapped in whole on a clean exit
+    (replace=False keeps one already there); an error removes it."""
     path = Path(path)
     tmp = temp_path(path)
     tmp.mkdir(parents=True)
@@ -117,8 +117,7 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_orphans(folder: str | os.PathLike[str]) -> None:
-    """Remove folder's temporaries whose writer no longer runs; pids are this machine's, so a
-    folder shared across machines needs a lock (land() holds one)."""
+    """Remove folder's temporaries whose writer (this machine's pid) no longer runs."""
     try:
         entries = list(os.scandir(folder))
     except FileNotFoundError:

@@ -39,8 +39,7 @@ def frames_of(name: str, result: Any) -> dict[str, pd.DataFrame]:
 
 
 def folder_frames(results: Iterable[tuple[str, Any]]) -> dict[str, pd.DataFrame]:
-    """Several named results as one run folder holds them (empty frames and advice left out),
-    every decision in one `decisions` frame."""
+    """Several named results as a run folder holds them, every decision in `decisions`."""
     out: dict[str, pd.DataFrame] = {}
     decided: list[Decision] = []
     for name, result in results:

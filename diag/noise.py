@@ -120,8 +120,7 @@ def unresolved(samples: Mapping[Hashable, Sequence[float]]) -> list[Any]:
 
 @dataclass(frozen=True)
 class Choice:
-    """`choose`'s decision: the value, the fastest side, those within noise of it, and the
-    comparison it rests on (the fastest against `rival`: the default, or the runner-up)."""
+    """`choose`'s decision: the value, the fastest, those tied with it, the comparison to rival."""
     value: Any
     default: Any
     best: Any
@@ -149,8 +148,8 @@ def choose(samples: Mapping[Hashable, Sequence[float]], default: Hashable) -> Ch
 
 
 class Rounds:
-    """Rounds of `round()` (one sample per side): at least `min_rounds`, at most `max_rounds`,
-    until `pending(samples)` is falsy or `budget_s` is spent past the first `owed` rounds."""
+    """Rounds of `round()` (a sample per side) from min_rounds to max_rounds, until not
+    `pending(samples)` or `budget_s` is spent past the first `owed` rounds."""
 
     def __init__(self, round: Callable[[], Sequence[float]],
                  pending: Callable[[list[list[float]]], object], *, budget_s: float,
@@ -183,8 +182,8 @@ def interleave(sides: Sequence[Hashable], measure: Callable[[Any, int], Any],
                pending: Callable[[dict[Any, list[Any]]], object] = lambda got: True, *,
                budget_s: float = math.inf, min_rounds: int = MIN_SAMPLES, max_rounds: int = 16,
                owed: int = 0) -> tuple[dict[Any, list[Any]], Rounds]:
-    """Rounds (Rounds' rules) of `measure(side, round)` for every side, the order turned every
-    round (a moving load hits all sides alike): each call's return, per side, and the Rounds."""
+    """Rounds of `measure(side, round)` on every side, the order turned each round: the
+    returns per side, and the Rounds."""
     got: dict[Any, list[Any]] = {side: [] for side in sides}
     turns = itertools.count()
 

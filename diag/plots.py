@@ -7,7 +7,6 @@ pyplot state), so they render the same in Jupyter, a script and the report.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import pandas as pd
@@ -33,8 +32,7 @@ assert set(STAGE_COLORS) == set(STAGES)
 
 
 def _show_in_notebooks() -> None:
-    """Let Jupyter draw a bare Figure in the user's InlineBackend.figure_formats, as pyplot
-    would; a formatter already there is left alone."""
+    """Let Jupyter draw a bare Figure in the user's figure formats, as pyplot would."""
     shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
     if shell is None or getattr(_show_in_notebooks, "done", False):
         return
@@ -67,28 +65,29 @@ def _time_unit(seconds: float) -> tuple[float, str]:
         (1.0, "seconds")
 
 
-def _stacked(ax: Axes, i: int, parts: Iterable[tuple[str, float]], scale: float, unit: str,
-             longest: float) -> None:
-    """Bar i stacked by stage, its total past its end; a stage too thin to see gets no legend."""
-    left = 0.0
-    for stage, seconds in parts:
-        ax.barh(i, seconds / scale, left=left, color=STAGE_COLORS[stage], edgecolor="white",
-                label=stage if seconds >= 0.01 * longest else f"_{stage}")
-        left += seconds / scale
-    ax.text(left, i, f"  {left:.3g} {unit}", va="center", fontsize=8)
-
-
-def _rows(fig: Figure, ax: Axes, labels: list[str], xlabel: str, title: str) -> None:
-    """One bar per row label, top down, and the stages' legend under the figure."""
+def _bars(table: pd.DataFrame, labels: list[str], xlabel: str, title: str, width: float,
+          height: float, scale_unit: tuple[float, str] | None = None) -> Figure:
+    """One stacked bar per row of `table` (stage columns of seconds), its total past its end."""
+    longest = float(table.sum(axis=1).max())
+    scale, unit = scale_unit or _time_unit(longest)
+    fig, ax = _axes(width, height)
+    for i, (_, parts) in enumerate(table.iterrows()):
+        left = 0.0
+        for stage, seconds in parts.dropna().items():
+            ax.barh(i, seconds / scale, left=left, color=STAGE_COLORS[stage], edgecolor="white",
+                    label=stage if seconds >= 0.01 * longest else f"_{stage}")
+            left += seconds / scale
+        ax.text(left, i, f"  {left:.3g} {unit}", va="center", fontsize=8)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set(xlabel=xlabel, title=title)
+    ax.set(xlabel=xlabel.format(unit=unit), title=title)
     ax.set_xlim(0, ax.dataLim.x1 * 1.15)  # room for the totals (an empty stage's edge sticks)
     handles, names = ax.get_legend_handles_labels()
     unique = dict(zip(names, handles))
     # "outside": constrained layout makes room for it, so it is never clipped
     fig.legend(unique.values(), unique.keys(), loc="outside lower center", fontsize=7,
                ncols=min(len(unique), 6), frameon=False)
+    return fig
 
 
 def plot_stage_shares(shares: pd.DataFrame, title: str = "Where the run's time goes") -> Figure:
@@ -96,20 +95,14 @@ def plot_stage_shares(shares: pd.DataFrame, title: str = "Where the run's time g
     if shares.empty:
         raise ValueError("shares is empty: nothing to plot")
     runs = list(dict.fromkeys(shares["run"]))
-    longest = shares.groupby("run")["seconds"].sum().max()
-    scale, unit = _time_unit(longest)
-    fig, ax = _axes(9, 1.4 + 0.5 * len(runs))
-    for i, run in enumerate(runs):
-        mine = shares[shares["run"] == run]
-        _stacked(ax, i, zip(mine["stage"], mine["seconds"]), scale, unit, longest)
-    _rows(fig, ax, runs, f"wall clock ({unit})", title)
-    return fig
+    table = shares.set_index(["run", "stage"])["seconds"].unstack().reindex(
+        index=runs, columns=[s for s in STAGES if s in set(shares["stage"])])
+    return _bars(table, runs, "wall clock ({unit})", title, 9, 1.4 + 0.5 * len(runs))
 
 
 def plot_amdahl(shares: pd.DataFrame, run: str | None = None, max_speedup: float = 10.0,
                 marks: dict[str, float] | None = None) -> Figure:
-    """End-to-end time vs compute speedup 1..max_speedup x; the floor is what no GPU shortens;
-    marks: {"RTX 4070 (now)": 1.0, "H100 SXM": 17.0} places each GPU on the curve."""
+    """End-to-end time vs compute speedup, the floor no GPU shortens, `marks` GPUs on it."""
     run = run if run is not None else shares["run"].iloc[0]
     part = shares[shares["run"] == run]
     if part.empty:
@@ -138,8 +131,7 @@ def plot_amdahl(shares: pd.DataFrame, run: str | None = None, max_speedup: float
 
 
 def plot_waterfall(flow: pd.DataFrame) -> Figure:
-    """From the naive total through each stage a fix changed (its measured change) and the
-    stages no fix changed to the optimized total (diag.forecast.story.waterfall's rows)."""
+    """diag.forecast.story.waterfall's rows: naive, each fix's change, optimized."""
     if flow.empty or not {"bar", "seconds", "change"} <= set(flow.columns):
         raise ValueError("flow must be diag.forecast.story.waterfall's frame")
     clock = str(flow["clock"].iloc[0]) if "clock" in flow.columns else "wall"
@@ -161,8 +153,7 @@ def plot_waterfall(flow: pd.DataFrame) -> Figure:
 
 
 def plot_storage(frame: pd.DataFrame) -> Figure:
-    """Median MB/s per method and cache state (bars, the median in the row's label), every
-    measured repeat as a dot (log scale)."""
+    """Median MB/s per method and cache state as bars, every repeat as a dot (log scale)."""
     if frame.empty or not {"method", "cache_state", "mb_per_s"} <= set(frame.columns):
         raise ValueError("frame must be run_storage().frame: method, cache_state, mb_per_s rows")
     frame = frame[frame["mb_per_s"].notna()]  # a method that could not pull the sample: no bar
@@ -192,15 +183,10 @@ def plot_model_load(frame: pd.DataFrame) -> Figure:
     table = parts.pivot_table(index="scenario", columns="part", values="seconds", aggfunc="median")
     table = table.reindex(index=[s for s in MODEL_LOAD_SCENARIOS if s in table.index],
                           columns=[p for p in LOAD_PARTS if p in table.columns]).fillna(0.0)
-    longest = float(table.sum(axis=1).max())
-    scale, unit = _time_unit(longest)
     states = frame.groupby("scenario")["cache_state"].first()
-    fig, ax = _axes(8, 1.6 + 0.5 * len(table))
-    for i, scenario in enumerate(table.index):
-        _stacked(ax, i, table.loc[scenario].items(), scale, unit, longest)
-    _rows(fig, ax, [f"{s}\n({states[s]})" if s == "cached_cold" else s for s in table.index],
-          f"median load time ({unit})", "Model load: fresh vs cached, by part")
-    return fig
+    return _bars(table, [f"{s}\n({states[s]})" if s == "cached_cold" else s for s in table.index],
+                 "median load time ({unit})", "Model load: fresh vs cached, by part", 8,
+                 1.6 + 0.5 * len(table))
 
 
 def _marks(fig: Figure, decision: Decision | None) -> None:
@@ -220,10 +206,8 @@ def _marks(fig: Figure, decision: Decision | None) -> None:
 
 
 def plot_accum(frame: pd.DataFrame, decision: Decision | None = None) -> Figure:
-    """Grad-accum sweep on the decision's clock (CPU seconds on a CPU, else wall): tokens/s and
-    seconds per step per micro_batch x grad_accum, medians as bars, the repeats as dots, the
-    floor (100% of the peak) on the wall clock; the chosen point, the default and the points
-    within noise of the fastest marked; an OOM point named in its bar's place."""
+    """Grad-accum sweep on the decision's clock: tokens/s and seconds per step per point
+    (medians as bars, repeats as dots), the chosen, default and tied points marked, OOM named."""
     keys = ["micro_batch", "grad_accum"]
     need = {*keys, "tokens_per_step", "seconds_per_step", "cpu_s", "floor_s", "status"}
     if frame.empty or not need <= set(frame.columns):
@@ -267,9 +251,8 @@ def plot_accum(frame: pd.DataFrame, decision: Decision | None = None) -> Figure:
 
 def plot_loader(frame: pd.DataFrame, target_share: float = DATA_WAIT_GOAL,
                 decision: Decision | None = None) -> Figure:
-    """data_wait share of the step per num_workers, a line of medians per pipeline, the repeats
-    as dots, the target dashed, the chosen num_workers shaded; failed settings are left out
-    (their error is in the table)."""
+    """data_wait share of the step per num_workers per pipeline (medians, repeats as dots),
+    the target dashed, the chosen num_workers shaded."""
     need = {"pipeline", "num_workers", "data_wait_share"}
     if frame.empty or not need <= set(frame.columns):
         raise ValueError("frame must be diag.loader.sweep_workers(): pipeline, num_workers, "
@@ -295,25 +278,19 @@ def plot_loader(frame: pd.DataFrame, target_share: float = DATA_WAIT_GOAL,
 
 
 def plot_ranks(per_rank: pd.DataFrame, title: str = "Per rank: where a step's time goes") -> Figure:
-    """One stacked bar per rank (per run) of each step stage's median seconds per step, from
-    diag.timing.stragglers.per_rank(): the straggler is the longest bar without comm_wait."""
+    """One stacked bar per rank of diag.timing.stragglers.per_rank(): the straggler shows."""
     if per_rank.empty:
         raise ValueError("per_rank is empty: nothing to plot")
-    stages = ("data_wait", "h2d", "compute", "comm_wait", "other")
-    fig, ax = _axes(9, 1.4 + 0.4 * len(per_rank))
-    longest = float(per_rank[[f"{s}_s" for s in stages]].sum(axis=1).max())
-    for i, row in enumerate(per_rank.itertuples()):
-        _stacked(ax, i, ((s, float(getattr(row, f"{s}_s"))) for s in stages), 1e-3, "ms",
-                 longest)
-    _rows(fig, ax, [f"{r.run + ' ' if r.run else ''}rank {r.rank} (node {r.node})"
-                    for r in per_rank.itertuples()],
-          "milliseconds per step (median of each stage)", title)
-    return fig
+    stages = ["data_wait", "h2d", "compute", "comm_wait", "other"]
+    table = per_rank[[f"{s}_s" for s in stages]].set_axis(stages, axis=1)
+    return _bars(table, [f"{r.run + ' ' if r.run else ''}rank {r.rank} (node {r.node})"
+                         for r in per_rank.itertuples()],
+                 "milliseconds per step (median of each stage)", title, 9,
+                 1.4 + 0.4 * len(per_rank), (1e-3, "ms"))
 
 
 def plot_losses(losses: pd.DataFrame) -> Figure:
-    """Train loss (line) and held-out eval loss (dots joined) against trained tokens, one colour
-    per run (diag.qlora.run_train's `losses`; the naive and optimized runs side by side)."""
+    """Train and held-out loss against trained tokens, one colour per run."""
     if "split" not in losses.columns and {"run", "step", "loss"} <= set(losses.columns):
         losses = losses.assign(split="train", trained_tokens=losses["step"])  # a comparison's
     if losses.empty or not {"run", "split", "loss", "trained_tokens"} <= set(losses.columns):
@@ -331,8 +308,7 @@ def plot_losses(losses: pd.DataFrame) -> Figure:
 
 
 def plot_timeline(stages: pd.DataFrame) -> Figure:
-    """Each run's steps over time, each bar stacked by its step-level stages (a StageTimer
-    frame's rows with step numbers; one rank's clock): drift and outliers show."""
+    """Each run's steps over time, stacked by step stage (one rank): drift shows."""
     from matplotlib.ticker import MaxNLocator
 
     stepped = stages[stages["step"].notna() & stages["stage"].isin(STEP_STAGES)]

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from diag.secrets import redact
+
 R = TypeVar("R")
 VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -37,8 +39,7 @@ class Stopped(BaseException):
 
 @dataclass
 class Runner:
-    """run(result, step, make) -> result with step.field = make(), under quiet(); once `stop`
-    is set the next step raises Stopped; on_error takes a step's error and the run goes on."""
+    """run(result, step, make): result with step.field = make(), under quiet(), stop, on_error."""
 
     bar: Any  # tqdm.auto over the recipe's steps
     on_result: Callable[[Step, Any], None] | None = None
@@ -93,8 +94,6 @@ def say(text: str, table: Any = None) -> None:
 
         tqdm.write(text, file=sys.stderr)
         return
-    from diag.secrets import redact
-
     data = {"text/plain": redact(text)}
     if table is not None:
         title = html.escape(text.splitlines()[0].rstrip(":"))
@@ -130,8 +129,7 @@ class Log:
                      "text/plain": _line(bar)})
 
     def kept(self, end: bool = False) -> tuple[dict[str, Any], ...]:
-        """The outputs but closed bars (a reload: "model not found"); end: the open bars, or
-        else the last, as text."""
+        """The outputs but closed bars; end: the open bars, or else the last, as text."""
         out = []
         for o in self.out.outputs:
             bar = self.bars.get(o.get("data", {}).get(VIEW, {}).get("model_id"))

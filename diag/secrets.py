@@ -54,8 +54,7 @@ _aws_clients: str | None = None  # None: no S3 client yet; "given" keys (or unsi
 
 
 def aws_client_made(given: bool) -> None:
-    """Note how an S3 client got its credentials; while every one had given keys, redact()
-    walks no credential chain (never asks the instance metadata service)."""
+    """Note how an S3 client got its credentials (given keys: redact() walks no chain)."""
     global _aws_clients
     _aws_clients = "chain" if not given or _aws_clients == "chain" else "given"
 

@@ -20,6 +20,7 @@ import pandas as pd
 from diag import amdahl, model_load, plots, storage
 from diag.config import DiagnoseConfig, SourceConfig, quick_mode
 from diag.decision import chosen
+from diag.diagnose import STEPS, run_diagnose, steps
 from diag.runner import Stopped, quiet
 from diag.secrets import redact, redact_frame
 
@@ -145,8 +146,6 @@ class Panel:
 
     def clear(self, cfg: DiagnoseConfig) -> None:
         """Empty every output and size the progress bar for cfg's steps."""
-        from diag.diagnose import steps
-
         for widget in [self.log, *self.outputs.values()]:
             widget.outputs = ()
         self.progress.value, self.progress.max = 0, len(steps(cfg))
@@ -204,8 +203,6 @@ def _one_line(what: str, error: BaseException) -> str:
 
 def run_panel(p: Panel) -> None:
     """What Run does (in the calling thread): the diagnosis, each step's view drawn as it comes."""
-    from diag.diagnose import run_diagnose
-
     p.run.disabled, p.stop.disabled = True, False
     try:
         cfg = config_from(p)
@@ -254,12 +251,8 @@ def request_stop(p: Panel) -> None:
 
 def panel(source: str = "", model: str = "", workers: str = "", micro_batches: str = "",
           plan: str = "both", quick: bool | None = None, **settings: Any) -> Panel:
-    """Build the panel (nothing runs until Run). "" source/model: the embedded ones; workers,
-    micro_batches: comma-separated sweeps; quick None: DIAG_QUICK; settings: other
-    DiagnoseConfig fields (out=, storage=False, ...), checked now."""
+    """Build the panel (nothing runs until Run); settings: other DiagnoseConfig fields."""
     import ipywidgets as w
-
-    from diag.diagnose import STEPS
 
     if plan not in PLANS:
         raise ValueError(f"plan={plan!r}: allowed values are " + ", ".join(map(repr, PLANS)))

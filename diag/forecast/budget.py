@@ -11,16 +11,24 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diag.config import duration_s
+import pandas as pd
+
+from diag.config import STORAGE_PULLS, duration_s
 from diag.forecast.eta import duration as clock
+from diag.machine.device import driver_version
+from diag.model_load import cache_dir_for, snapshot_folder, weight_files
+from diag.model_load.experiment import MAX_REPEATS
+from diag.model_load.source import hub_endpoint, reachable
+from diag.runner import Step, say
+from diag.storage import list_remote, parse_url, source_client
+from diag.storage.sample import ranges, spread
 
 if TYPE_CHECKING:
-    import pandas as pd
-
     from diag.config import DiagnoseConfig, ModelLoadConfig, QLoraConfig, StorageConfig
-    from diag.runner import Step
 
 GPU_DEFAULT, CPU_DEFAULT, QUICK_DEFAULT = "15m", "3m", "1m"  # --budget "" on each kind of run
 
@@ -48,8 +56,7 @@ def default(quick: bool, device_type: str) -> str:
 
 @dataclass(frozen=True)
 class Sizes:
-    """What is known before any work: the model's weight bytes (0: the embedded model, or
-    unknown) and where they are, the source's bytes, the storage probe's first piece."""
+    """Sizes known before any work (0: unknown or embedded): the model's, the source's."""
 
     model_bytes: int = 0
     model_at: str = "cached"  # "hub": downloaded once to the cache first; "cached"; "local"
@@ -59,10 +66,7 @@ class Sizes:
 
 
 def floors(sizes: Sizes, cfg: DiagnoseConfig) -> dict[str, tuple[float, str]]:
-    """Each step's floor (seconds, what it rests on): FLOORS, scaled with the job's seq_len and
-    records, plus its pulls, loads and downloads of these sizes at the assumed rates."""
-    from diag.config import STORAGE_PULLS
-
+    """Each step's floor (seconds, basis): FLOORS scaled to the job, plus its transfers."""
     store, load = cfg.storage_config(), cfg.model_load_config()
     rounds = store.warmup + store.repeats
     fresh = "fresh" in load.scenarios and sizes.model_at != "local" and not (
@@ -185,8 +189,6 @@ class Budget:
 
     def plan(self) -> pd.DataFrame:
         """Before the first step: each step, what it will measure, its estimated seconds."""
-        import pandas as pd
-
         return pd.DataFrame([{"step": s.name, "measures": self.measures(s),
                               "estimated_s": self.estimate(s), "floor_s": self.floor(s),
                               "floor": self.floors.get(s.field, (0, ""))[1]
@@ -196,10 +198,7 @@ class Budget:
                              for s in self.steps])
 
     def frame(self) -> pd.DataFrame:
-        """After the run: the plan with each step's share when it started and its spent
-        seconds; a last row for the whole run against the budget."""
-        import pandas as pd
-
+        """After the run: the plan, each step's share and spent seconds, and the whole run."""
         out = self.plan().assign(
             share_s=[self.given.get(s.field) for s in self.steps],
             spent_s=[self.spent.get(s.field) for s in self.steps])
@@ -210,10 +209,7 @@ class Budget:
         return pd.concat([out, pd.DataFrame([whole])], ignore_index=True)
 
     def say(self, spent: bool = False) -> None:
-        """show() on stderr beside the progress bar (a --json result stays JSON); in a Jupyter
-        kernel its table (diag.runner.show)."""
-        from diag.runner import say
-
+        """show() beside the progress bar (stderr: --json stays JSON; a kernel: its table)."""
         say(self.show(spent), self.frame() if spent else self.plan())
 
     def show(self, spent: bool = False) -> str:
@@ -234,10 +230,7 @@ class Budget:
 
 
 def of_run(cfg: DiagnoseConfig, steps: Sequence[Step], job: QLoraConfig | None) -> Budget:
-    """cfg's budget (its default when "") over the steps but --train's fine-tune (its own
-    ETA); refused when under their floors."""
-    from diag.machine.device import driver_version
-
+    """cfg's budget over the steps but --train's, refused under their floors."""
     # its default by the kind of box, asked without torch: refused before preflight imports it
     gpu = cfg.device == "cuda" or (cfg.device == "auto" and driver_version() is not None)
     text = cfg.budget or default(cfg.quick_experiments, "cuda" if gpu else "cpu")
@@ -250,14 +243,9 @@ def of_run(cfg: DiagnoseConfig, steps: Sequence[Step], job: QLoraConfig | None) 
 
 
 def sizes(cfg: DiagnoseConfig) -> Sizes:
-    """The model's weight bytes (local, cached, or the hub's listing: nothing downloaded) and
-    the source's (its listing); a size that cannot be asked is 0 (preflight says why)."""
-    from pathlib import Path
-
+    """The model's and the source's bytes from their listings (0 where one cannot be asked)."""
     model, at, source, piece, said = 0, "cached", 0, 0, []
     if cfg.model and (cfg.model_load or cfg.qlora):
-        from diag.model_load import cache_dir_for, snapshot_folder, weight_files
-
         folder = Path(cfg.model).expanduser()
         local = folder if folder.is_dir() else snapshot_folder(cache_dir_for(cfg), cfg.model,
                                                                 cfg.revision)
@@ -268,9 +256,6 @@ def sizes(cfg: DiagnoseConfig) -> Sizes:
         except Exception as err:  # noqa: BLE001  unknown: the floors stay as measured
             said.append(f"the model's size unknown ({type(err).__name__})")
     if cfg.source and cfg.storage:
-        from diag.storage import list_remote, parse_url, source_client
-        from diag.storage.sample import ranges, spread
-
         try:
             objects = list_remote(source_client(cfg), parse_url(cfg.source))
             source = sum(o.size for o in objects)
@@ -283,11 +268,7 @@ def sizes(cfg: DiagnoseConfig) -> Sizes:
 
 def _hub(cfg: DiagnoseConfig) -> int:
     """The bytes of the model's safetensors weights as the hub lists them (no download)."""
-    from fnmatch import fnmatch
-
     from huggingface_hub import HfApi
-
-    from diag.model_load.source import hub_endpoint, reachable
 
     endpoint = hub_endpoint()
     reachable(endpoint)  # huggingface_hub retries an unreachable host for ~20 s
@@ -299,8 +280,6 @@ def _hub(cfg: DiagnoseConfig) -> int:
 def measures(step: Step, storage: StorageConfig | None, model_load: ModelLoadConfig | None,
              job: QLoraConfig | None) -> str:
     """What the step will measure, in counts: the plan's middle column."""
-    from diag.model_load.experiment import MAX_REPEATS
-
     texts = {
         "info": "the device facts and a CPU matmul probe",
         "storage": storage and f"a sample sized to this share, pulled "

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from diag.noise import median_interval
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -46,11 +48,8 @@ def measured(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
 
 
 def table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Costs per unit (COLUMNS) from measurement rows: per plan, stage, unit, clock and when, the
-    median over its rounds of seconds / count, the interval (diag.noise.median_interval)."""
+    """Costs per unit (COLUMNS): the median over rounds of seconds / count and its interval."""
     import pandas as pd
-
-    from diag.noise import median_interval
 
     keys = ["plan", "stage", "unit", "clock", "when"]
     out = []
@@ -65,14 +64,12 @@ def table(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def with_eval(costs: pd.DataFrame) -> pd.DataFrame:
-    """The table with an eval_slot row beside each train slot row: forward only, FORWARD_SHARE
-    of it (an eval's records pay their padding too)."""
+    """The table with an eval_slot row (FORWARD_SHARE of it) beside each train slot row."""
     import pandas as pd
 
     slots = costs[(costs["stage"] == "train") & (costs["unit"] == "slot")]
     evals = slots.assign(stage="eval", unit="eval_slot",
-                         seconds=slots["seconds"] * FORWARD_SHARE,
-                         low=slots["low"] * FORWARD_SHARE, high=slots["high"] * FORWARD_SHARE,
+                         **{c: slots[c] * FORWARD_SHARE for c in ("seconds", "low", "high")},
                          evidence=f"{FORWARD_SHARE:.2g} of a trained slot (forward only): "
                                   + slots["evidence"])
     return pd.concat([costs, evals], ignore_index=True)
@@ -80,11 +77,10 @@ def with_eval(costs: pd.DataFrame) -> pd.DataFrame:
 
 def price(costs: pd.DataFrame, counts: Mapping[str, Mapping[str, float]] | Mapping[str, float],
           *, clock: str | None = None, when: str | None = None) -> pd.DataFrame:
-    """Each plan's stages priced: seconds (and low, high) = sum over units of cost x count.
-    counts: per unit, or per plan then per unit. Rows: plan, stage, seconds, low, high,
-    evidence ("<unit> x <count> (<its evidence>)"); a stage nothing prices is left out."""
+    """Each plan's stages priced: cost x count summed over units (counts per unit or per plan)."""
     import pandas as pd
 
+    nested = any(isinstance(v, Mapping) for v in counts.values())
     part = costs
     if clock is not None:
         part = part[part["clock"] == clock]
@@ -92,20 +88,14 @@ def price(costs: pd.DataFrame, counts: Mapping[str, Mapping[str, float]] | Mappi
         part = part[part["when"] == when]
     out = []
     for (plan, stage), rows in part.groupby(["plan", "stage"], sort=False):
-        mine = counts.get(plan, counts) if _nested(counts) else counts
+        mine = counts.get(plan, counts) if nested else counts
         n = [float(mine.get(u, 0)) for u in rows["unit"]]
         said = "; ".join(f"{u} x {k:,.4g} ({e})" if e else f"{u} x {k:,.4g}"
                          for u, k, e in zip(rows["unit"], n, rows["evidence"]))
         out.append({"plan": plan, "stage": stage,
-                    "seconds": float(sum(s * k for s, k in zip(rows["seconds"], n))),
-                    "low": float(sum(s * k for s, k in zip(rows["low"], n))),
-                    "high": float(sum(s * k for s, k in zip(rows["high"], n))),
-                    "evidence": said})
+                    **{c: float(sum(s * k for s, k in zip(rows[c], n)))
+                       for c in ("seconds", "low", "high")}, "evidence": said})
     return pd.DataFrame(out, columns=["plan", "stage", "seconds", "low", "high", "evidence"])
-
-
-def _nested(counts: Mapping[str, Any]) -> bool:
-    return any(isinstance(v, Mapping) for v in counts.values())
 
 
 def total(priced: pd.DataFrame, plan: str, stages: Iterable[str] | None = None) -> float:

@@ -1,9 +1,8 @@
 """The ETA: a job's wall seconds said before it runs, from the cost table, then checked.
 
-`job_counts` counts what a run will do in the cost table's units; `price` (diag.forecast.costs)
-prices it; `check_eta` sets each stage's ETA beside what the run measured. Costs come from a run
-folder's comparison (`costs_in`, the rows its whole-job projection priced) or, before any run,
-from the decisions measured on the job (`from_decisions`). Always wall seconds: it is a promise.
+`job_counts` counts a run in the cost table's units, `price` (diag.forecast.costs) prices it,
+`check_eta` sets each stage's ETA beside what the run measured. Costs: a run folder's projection
+(`costs_in`) or, before any run, the job's decisions (`from_decisions`). Always wall seconds.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag.decision import by_setting
-from diag.forecast.costs import COLUMNS, FORWARD_SHARE
+from diag.forecast.costs import COLUMNS, FORWARD_SHARE, with_eval
 from diag.forecast.story import ORDER, judged
 
 if TYPE_CHECKING:
@@ -27,10 +26,9 @@ if TYPE_CHECKING:
 def job_counts(steps: int, warmup: int, tokens_per_step: float, slots_per_step: float,
                every_eval: int, every_save: int, eval_slots: float, done: int = 0,
                built_bytes: float = 0, records: int = 0) -> dict[str, float]:
-    """A run's counts: the steps after `done` (a resume's) in token slots, warm-up apart; the
-    evals (one before the first step of a fresh run, one every every_eval steps, one at the
-    end) of eval_slots each; the saves (every every_save, at the end, the output); the bytes
-    a token cache build reads; the records the naive plan reads; one start, one whole source."""
+    """A run's counts in cost units: the token slots after `done` (warm-up apart); the evals
+    (before a fresh run, every every_eval, at the end); the saves (every every_save, at the end,
+    the output); the bytes a cache build reads; the records naive reads; a start; a source."""
     left, warm = steps - done, min(warmup, steps - done)
     evals = (0 if done else 1) + steps // every_eval - done // every_eval + bool(
         steps % every_eval)
@@ -43,16 +41,13 @@ def job_counts(steps: int, warmup: int, tokens_per_step: float, slots_per_step: 
 
 def runs_costs(costs: pd.DataFrame, plan: str) -> pd.DataFrame:
     """A comparison's wall costs of `plan` as its runs measured them, with the eval row."""
-    from diag.forecast.costs import with_eval
-
     mine = costs[(costs["plan"] == plan) & (costs["when"] == "runs") & (costs["clock"] == "wall")
                  & (costs["stage"] != "download")]
     return with_eval(mine)
 
 
 def costs_in(folder: str | os.PathLike[str], plan: str) -> pd.DataFrame | None:
-    """The costs a run folder's whole-job projection priced for `plan`
-    (qlora_projection_costs.csv: the same rows), None where it holds none."""
+    """The costs a run folder's projection priced for `plan` (None: the folder holds none)."""
     import pandas as pd
 
     path = Path(folder) / "qlora_projection_costs.csv"
@@ -65,10 +60,9 @@ def costs_in(folder: str | os.PathLike[str], plan: str) -> pd.DataFrame | None:
 
 def from_decisions(plan: str, settings: Mapping[str, Any], decisions: Iterable[Decision],
                    build: Mapping[str, Any] | None = None) -> pd.DataFrame:
-    """A plan's wall costs before any run of it: a start's fetch and model folder from their
-    decisions, a token slot from the micro-batch sweep's wall seconds at the plan's micro-batch
-    (x checkpointing's on/off ratio where the plan keeps it on: the sweep ran without), a byte
-    to tokenize from the token cache's recorded build."""
+    """A plan's wall costs before any run: fetch and model folder per start from their decisions,
+    a slot from the micro-batch sweep (x checkpointing's on/off ratio where the plan keeps it
+    on), a byte from the token cache's recorded build."""
     import pandas as pd
 
     got = by_setting(decisions)
@@ -111,8 +105,7 @@ def from_decisions(plan: str, settings: Mapping[str, Any], decisions: Iterable[D
 
 
 def check_eta(projected: pd.DataFrame, stages: pd.DataFrame) -> pd.DataFrame:
-    """Per run-level stage the ETA beside the run's StageTimer seconds (None where nothing
-    priced it), and the whole run as `total` (the unpriced stages named)."""
+    """Per run-level stage the ETA (None: unpriced) beside the run's seconds, and `total`."""
     import pandas as pd
 
     measured = stages[stages["step"].isna()].groupby("stage")["seconds"].sum()
@@ -141,8 +134,7 @@ def duration(seconds: float) -> str:
 
 def before_line(head: str, projected: pd.DataFrame, spent_s: float = 0.0,
                 done: tuple[str, ...] = ()) -> str:
-    """The ETA as one line: the job (head), the whole command in wall seconds (spent_s so far,
-    deciding included, then the stages not `done` as priced), each stage's share of the run."""
+    """The ETA in one line: the whole command in wall seconds, each stage's share."""
     total = float(projected["seconds"].sum())
     if not total:
         return (f"{head}; no ETA: nothing measured before prices this job's stages (decide the "

@@ -1,18 +1,19 @@
 """What a naive vs optimized comparison says, read from the cost table and nothing else.
 
-`check` sets each stage's saving predicted before the runs beside the one the runs measured;
-`waterfall` walks from the naive total through each stage a fix changed to the optimized total,
-the stages no fix changed named as one residual; `headline` is the ratio with its rounds,
-interval and whether it is resolved. All on one clock, the comparison's (diag.noise.clock).
+`check`: each stage's saving predicted before the runs beside the runs' own; `waterfall`: naive
+total, each stage a fix changed, one residual, optimized total; `headline`: the ratio with its
+rounds and interval, resolved or not. All on the comparison's clock (diag.noise.clock).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from diag.decision import PREDICTION_FLOOR_S, PREDICTION_TOLERANCE
-from diag.forecast.costs import price
+from diag.forecast.costs import price, table
+from diag.noise import MIN_SAMPLES, compare, median_interval
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -35,17 +36,10 @@ def judged(stage: str, finding: str, predicted: float | None, measured: float,
             "flagged": bool(err is not None and err > PREDICTION_TOLERANCE), "evidence": evidence}
 
 
-def priced(costs: pd.DataFrame, counts: Mapping[str, Mapping[str, float]], clock: str,
-           when: str) -> pd.DataFrame:
-    """The comparison's stages priced at its own counts on `clock`, from `when`'s costs."""
-    return price(costs, counts, clock=clock, when=when)
-
-
 def check(before_priced: pd.DataFrame, runs_priced: pd.DataFrame, clock: str,
           fixes: Mapping[str, Sequence[str]]) -> pd.DataFrame:
-    """Per run-level stage: the saving predicted from what was timed before the runs, naive
-    minus optimized, beside the runs' own; a stage no fix changes is predicted to save 0 s.
-    load_model is checked on the part a fix sets, its model folder (`download`)."""
+    """Per run-level stage the saving (naive - optimized) predicted before the runs beside the
+    runs' own (no fix: 0 s predicted; load_model: its model folder, `download`)."""
     import pandas as pd
 
     before, runs = _by(before_priced), _by(runs_priced)
@@ -88,10 +82,7 @@ def _pair(by: Mapping[tuple[str, str], float], stage: str, clock: str) -> str:
 
 def waterfall(runs_priced: pd.DataFrame, clock: str, fixes: Mapping[str, Sequence[str]]
               ) -> pd.DataFrame:
-    """Rows from the naive total to the optimized one (runs_priced: plan, stage, seconds):
-    `naive`, one per stage a fix changed (its measured change, negative when it saves; `fixes`
-    names them), one residual for the stages no fix changed, `optimized`, whose `seconds` is
-    the optimized total exactly."""
+    """Rows naive, one per stage a fix changed (its change), one residual, optimized."""
     import pandas as pd
 
     runs = _by(runs_priced)
@@ -121,11 +112,8 @@ def waterfall(runs_priced: pd.DataFrame, clock: str, fixes: Mapping[str, Sequenc
 
 def headline(rounds: Mapping[str, Sequence[float]], tokens: Mapping[str, float], clock: str,
              totals: Mapping[str, float]) -> dict[str, Any]:
-    """naive over optimized per trained token: `totals` (the priced runs: what the waterfall
-    ends at), its interval from the per-round ratios (paired: each round ran both plans),
-    resolved by diag.noise over the rounds' totals per token; `text` says it in words."""
-    from diag.noise import MIN_SAMPLES, compare, median_interval
-
+    """naive over optimized per trained token at `totals` (the waterfall's ends), its interval
+    from the paired per-round ratios, resolved by diag.noise; `text` says it in words."""
     per = {p: [s / tokens[p] for s in rounds[p]] for p in ("naive", "optimized")}
     ratio = (totals["naive"] / tokens["naive"]) / (totals["optimized"] / tokens["optimized"])
     paired = [n / o for n, o in zip(per["naive"], per["optimized"]) if o > 0]
@@ -148,8 +136,7 @@ def headline(rounds: Mapping[str, Sequence[float]], tokens: Mapping[str, float],
 
 
 def rounds_of(rows: pd.DataFrame, clock: str) -> dict[str, list[float]]:
-    """Each plan's per-round total on `clock`, from the runs' measurement rows (no download
-    part: it is inside load_model), in round order."""
+    """Each plan's per-round total on `clock` from the runs' rows (download is in load_model)."""
     runs = rows[(rows["when"] == "runs") & (rows["clock"] == clock)
                 & (rows["stage"] != "download")]
     per = runs.groupby(["plan", "round"], sort=True)["seconds"].sum()
@@ -158,14 +145,8 @@ def rounds_of(rows: pd.DataFrame, clock: str) -> dict[str, list[float]]:
 
 def restated(checked: pd.DataFrame, met: Sequence[float], timed: Sequence[float],
              clock: str) -> pd.DataFrame:
-    """The step stages' check when the naive steps the runs met (`met`, per steady step) are
-    resolved apart from those timed before them (`timed`): the machine ran at another speed, so
-    the predictions are restated at the runs' speed (x met / timed, the fixes' share of the step
-    still the prediction's own); within noise they stand. Said in the evidence either way."""
-    import statistics
-
-    from diag.noise import compare
-
+    """The step stages' check restated at the runs' speed (x met / timed) when the naive steps
+    the runs met resolve apart from those timed before them; said in the evidence either way."""
     if not met or not timed:
         return checked
     gap, unit = compare(timed, met), "CPU s" if clock == "CPU" else "s"
@@ -189,15 +170,11 @@ def restated(checked: pd.DataFrame, met: Sequence[float], timed: Sequence[float]
 def tell(measured: pd.DataFrame, counts: Mapping[str, Mapping[str, float]], clock: str,
          fixes: Mapping[str, Sequence[str]], tokens: Mapping[str, float],
          met: Sequence[float] = ()) -> dict[str, pd.DataFrame]:
-    """The whole story from the measurement rows, in one call: the cost table, the savings
-    predicted vs measured (restated where the naive steps the runs `met` moved from those
-    timed before), the waterfall and the headline's row."""
+    """The cost table, the savings predicted vs measured, the waterfall and the headline."""
     import pandas as pd
 
-    from diag.forecast.costs import table
-
     costs = table(measured)
-    before, runs = (priced(costs, counts, clock, when) for when in ("before", "runs"))
+    before, runs = (price(costs, counts, clock=clock, when=when) for when in ("before", "runs"))
     timed = measured[(measured["when"] == "before") & (measured["plan"] == "naive")
                      & (measured["stage"] == "train") & (measured["clock"] == clock)]
     savings = restated(check(before, runs, clock, fixes), met, list(timed["seconds"]), clock)

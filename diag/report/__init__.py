@@ -1,13 +1,11 @@
 """A run folder a person can open: one CSV per experiment, summary.json, PNG figures, report.html.
 
-`write(frames)` assembles the folder whole (folder.py); `render(DIR)` redraws its figures and
-the page from its CSVs, as `python -m diag report DIR` does. The page (page.py) opens with the
-headline and the ranked fixes, then one section per experiment: its conclusion, its figure, its
-tables folded and linked; numbers are shown with the unit their column names (units.py).
+`write(frames)` assembles the folder whole (folder.py); `render(DIR)` redraws its figures and the
+page (page.py: the headline and the fixes first, then a section per experiment) from its CSVs.
 """
 
-from diag.report.folder import (EXPERIMENT_FIGURES, capped, figures, gpu_marks, headline, load,
-                                load_summary, render, run_report, versions, write)
+from diag.report.folder import (capped, gpu_marks, headline, load, load_summary, render,
+                                run_report, write)
 
-__all__ = ["EXPERIMENT_FIGURES", "capped", "figures", "gpu_marks", "headline", "load",
-           "load_summary", "render", "run_report", "versions", "write"]
+__all__ = ["capped", "gpu_marks", "headline", "load", "load_summary", "render", "run_report",
+           "write"]

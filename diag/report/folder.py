@@ -1,9 +1,8 @@
 """The run folder: one CSV per experiment, summary.json, PNG figures, report.html.
 
-`write(frames)` makes `runs/<UTC timestamp>/` (never overwriting a run: it is assembled in a
-hidden temporary folder and renamed into place only when complete), then `render()` draws the
-figures and the self-contained HTML page from the CSVs, so `python -m diag report DIR` re-renders
-any folder the same way. `load(DIR)` reads the frames back with their dtypes.
+`write(frames)` assembles `runs/<UTC timestamp>/` in a hidden folder and renames it into place
+whole; `render()` draws the figures and the page from the CSVs (as `diag report DIR` does);
+`load(DIR)` reads the frames back with their dtypes.
 """
 
 from __future__ import annotations
@@ -23,20 +22,19 @@ import pandas as pd
 from diag import amdahl, plots
 from diag.decision import chosen
 from diag.files import atomic_file, atomic_folder
+from diag.machine.gpus import find_gpu
 from diag.report.page import page
 from diag.report.units import seconds
-from diag.timing import stragglers
 from diag.secrets import redact, redact_frame
-from diag.timing import STAGE_FRAME  # the key of the StageTimer frames the shares come from
+from diag.timing import STAGE_FRAME, stragglers  # STAGE_FRAME: the StageTimer frames' key
+from diag.timing.distributed import read_spills
 
 _PACKAGES = ("diag", "torch", "transformers", "peft", "bitsandbytes", "huggingface_hub", "boto3",
              "pandas", "numpy")
-# Figures other experiments contribute: plots.<function>(frame) -> Figure, when it exists.
-EXPERIMENT_FIGURES = {"storage": "plot_storage", "model_load": "plot_model_load",
-                      "accum": "plot_accum",
-                      "loader": "plot_loader", "train_losses": "plot_losses",
-                      "qlora_losses": "plot_losses"}
-MARKED = {"accum": "micro_batch", "loader": "num_workers"}  # the decision each figure shows
+# Figures other experiments contribute: name -> (plots function, the decision it marks or "")
+_PLOTS = {"storage": (plots.plot_storage, ""), "model_load": (plots.plot_model_load, ""),
+          "accum": (plots.plot_accum, "micro_batch"), "loader": (plots.plot_loader, "num_workers"),
+          "train_losses": (plots.plot_losses, ""), "qlora_losses": (plots.plot_losses, "")}
 
 
 def versions() -> dict[str, str]:
@@ -67,22 +65,13 @@ def _new_folder(out: str | os.PathLike[str] | None) -> Path:
 def write(frames: dict[str, pd.DataFrame], out: str | os.PathLike[str] | None = None, *,
           config: dict[str, Any] | None = None, info: pd.DataFrame | None = None,
           advice: pd.DataFrame | None = None, machine: dict[str, Any] | None = None) -> Path:
-    """Write the run folder and render it; return its path.
-
-    frames: experiment name -> tidy frame; frames["run"] (StageTimer frames with a `run`
-    column) feeds the stage table, findings and figures. advice: the rows the experiments
-    contributed (stage, finding, seconds_saved, evidence), ranked with the stage findings.
-    machine: how busy the box was (diag.machine.contention: the report's banner).
-    """
+    """Write the run folder and render it; return its path."""
     if not frames:
         raise ValueError("frames is empty: nothing to report")
     final = _new_folder(out)
     with atomic_folder(final) as partial:  # the run appears whole or not at all
-        all_frames = dict(frames)
-        if info is not None:
-            all_frames["info"] = info
-        if advice is not None and not advice.empty:
-            all_frames["advice"] = advice
+        all_frames = frames | ({"info": info} if info is not None else {}) | (
+            {"advice": advice} if advice is not None and not advice.empty else {})
         for name, frame in all_frames.items():
             redact_frame(frame).to_csv(partial / f"{name}.csv", index=False)
         summary = _summary(all_frames, config or {}) | ({"machine": machine} if machine else {})
@@ -118,8 +107,7 @@ def _summary(frames: dict[str, pd.DataFrame], config: dict[str, Any]) -> dict[st
 
 
 def _ranked(frames: dict[str, pd.DataFrame]) -> pd.DataFrame | None:
-    """The StageTimer frame of a run on several ranks (the `run` frame, or an experiment's
-    `*_stages`), None on one process."""
+    """The StageTimer frame of a run on several ranks (`run` or `*_stages`), else None."""
     for name in (STAGE_FRAME, *sorted(n for n in frames if n.endswith("_stages"))):
         frame = frames.get(name)
         if frame is not None and {"stage", "step", "rank"} <= set(frame.columns) \
@@ -140,11 +128,8 @@ def capped(frames: dict[str, pd.DataFrame]) -> bool:
 def headline(stages: pd.DataFrame, found: pd.DataFrame, comparison: pd.DataFrame | None = None,
              flow: pd.DataFrame | None = None, projection: pd.DataFrame | None = None,
              memory_capped: bool = False) -> dict[str, Any]:
-    """What a reader wants first, read from what the folder holds (never recomputed): the
-    verdict on the naive run (or the only one), the comparison with its confidence (a QLoRA
-    comparison's row; else naive and optimized runs' totals, one run each), the top fix (the
-    waterfall's largest saving; else the top finding) and the whole job projected. `text`:
-    the lines the CLI prints and the report leads with."""
+    """The verdict, the comparison with its confidence, the top fix and the projection, read
+    from the folder's frames; `text`: the lines shown first."""
     runs = list(dict.fromkeys(stages["run"]))
     first = "naive" if "naive" in runs else runs[0]
     out: dict[str, Any] = amdahl.verdict(stages, first, memory_capped)
@@ -179,8 +164,7 @@ def headline(stages: pd.DataFrame, found: pd.DataFrame, comparison: pd.DataFrame
 
 
 def _top(flow: pd.DataFrame | None, found: pd.DataFrame, run: str) -> tuple[str | None, float]:
-    """The fix that saved the most in the comparison (the waterfall's largest drop), else the
-    run's top finding; with what it saves."""
+    """The waterfall's largest saving, else the run's top finding; with what it saves."""
     if flow is not None and not flow.empty:
         fixed = flow[~flow["bar"].isin(["naive", "optimized", "unchanged"])]
         if not fixed.empty:
@@ -191,21 +175,14 @@ def _top(flow: pd.DataFrame | None, found: pd.DataFrame, run: str) -> tuple[str 
     mine = found[found["run"] == run] if not found.empty else found
     if mine.empty:
         return None, 0.0
-    r = mine.iloc[0]
+    r, sample = mine.iloc[0], ""
+    evidence = str(r.get("evidence", ""))
+    if "extrapolated" in evidence:  # priced on a sample: said, with its rounds' spread if given
+        rounds = re.search(r"median of \d+ rounds, [^)]*", evidence)
+        sample = f"; extrapolated from a sample{f', {rounds.group(0)}' if rounds else ''} " \
+                 "(see its evidence)"
     return (f"{r['finding']}: saves {r['seconds_saved']:.3g} s per run "
-            f"({r['share_of_run']:.0%} of the {r['run']} run){extrapolated(r)}",
-            float(r["seconds_saved"]))
-
-
-def extrapolated(finding: Any) -> str:
-    """A finding priced on a sample of the data says so where it is headlined, with the spread
-    of its rounds' estimates when its evidence gives one (diag.storage.tax.over_rounds)."""
-    evidence = str(finding.get("evidence", ""))
-    if "extrapolated" not in evidence:
-        return ""
-    rounds = re.search(r"median of \d+ rounds, [^)]*", evidence)
-    spread = f", {rounds.group(0)}" if rounds else ""
-    return f"; extrapolated from a sample{spread} (see its evidence)"
+            f"({r['share_of_run']:.0%} of the {r['run']} run){sample}", float(r["seconds_saved"]))
 
 
 def load(folder: str | os.PathLike[str]) -> dict[str, pd.DataFrame]:
@@ -243,19 +220,16 @@ def figures(frames: dict[str, pd.DataFrame],
     ranked = _ranked(frames)
     if ranked is not None:
         out["ranks"] = plots.plot_ranks(stragglers.per_rank(ranked))
-    for name, function in EXPERIMENT_FIGURES.items():
-        if name in frames and hasattr(plots, function):
+    for name, (plot, setting) in _PLOTS.items():
+        if name in frames:
             # a decision's figure: on its clock, its chosen point, default and ties marked
-            mark = {"decision": d} if (d := chosen(frames, MARKED.get(name, ""))) else {}
-            out[name] = getattr(plots, function)(frames[name], **mark)
+            mark = {"decision": d} if setting and (d := chosen(frames, setting)) else {}
+            out[name] = plot(frames[name], **mark)
     return out
 
 
 def gpu_marks(summary: dict[str, Any]) -> dict[str, float] | None:
-    """Amdahl-curve marks: the current GPU (config, else detected) at 1x, the target at its
-    dense-peak ratio; None when either is not in diag's table (e.g. a CPU-only machine)."""
-    from diag.machine.gpus import find_gpu
-
+    """Amdahl-curve marks: the current GPU at 1x, the target at its ratio (None: not in table)."""
     config, device = summary.get("config", {}), summary.get("device", {})
     current = config.get("current_gpu") or str(device.get("accelerator", ""))
     target = config.get("target_gpu") or "H100 SXM"
@@ -282,13 +256,9 @@ def render(folder: str | os.PathLike[str]) -> Path:
 
 
 def run_report(cfg: Any) -> Path:
-    """`diag report DIR`: re-render cfg.folder (a ReportConfig); returns the run folder. A
-    folder of a stopped DDP job's spills (<DIAG_HOME>/ranks/<job>) becomes a new run folder of
-    the steps its ranks finished."""
+    """`diag report DIR`: re-render cfg.folder (a DDP job's spills: a new run folder)."""
     folder = Path(cfg.folder)
     if not (folder / "summary.json").is_file() and any(folder.glob("rank-*.partial.csv")):
-        from diag.timing.distributed import read_spills
-
         return write({STAGE_FRAME: read_spills(folder).assign(run="spilled")},
                      config={"spills": str(folder.resolve())})
     render(folder)

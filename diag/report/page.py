@@ -1,10 +1,8 @@
 """report.html: the conclusion first, then the figure, then the tables folded away.
 
-`page(summary, frames, images)` lays out what a run folder holds and decides nothing: the
-headline and the ranked fixes (summary.json; the QLoRA runs' predicted vs measured savings), then
-one section per experiment opening with its conclusion (its decisions read back from
-decisions.csv, each in the words of Decision.evidence()), its figure, and its CSVs folded
-(`<details>`) and linked. Numbers carry their units (`units.cell`).
+`page(summary, frames, images)` lays out what a run folder holds and decides nothing: the headline
+and the ranked fixes, then one section per experiment: its conclusion (its decisions' evidence()),
+its figure, its CSVs folded and linked; numbers carry their units (`units.cell`).
 """
 
 from __future__ import annotations
@@ -15,7 +13,8 @@ from typing import Any
 
 import pandas as pd
 
-from diag.decision import Decision, read
+from diag.decision import Decision, decided
+from diag.forecast.story import TOLERANCE
 from diag.machine.contention import busy
 from diag.report.units import cell, seconds, share, sig
 from diag.timing import STAGE_FRAME
@@ -114,15 +113,12 @@ def page(summary: dict[str, Any], frames: dict[str, pd.DataFrame], images: dict[
 
 
 def sections(frames: dict[str, pd.DataFrame]) -> dict[str, list[str]]:
-    """Section key -> its frames' names, in page order (known sections first, then by name).
-    A frame goes to the longest known key its name extends (`loader_projected_lines`: the
-    projected loader), else to the shortest frame name it extends (an unknown experiment's)."""
+    """Section key -> its frames' names in page order (the longest known key a name extends)."""
     known = sorted(SECTIONS, key=len, reverse=True)
-    names = sorted((n for n in frames if n not in _OWN), key=len)
+    mine = [n for n in frames if n not in _OWN]
+    names = sorted(mine, key=len)
     out: dict[str, list[str]] = {}
-    for name in frames:
-        if name in _OWN:
-            continue
+    for name in mine:
         key = next((k for k in [*known, *names] if name == k or name.startswith(f"{k}_")))
         out.setdefault(key, []).append(name)
     decisions = frames.get("decisions")
@@ -134,11 +130,8 @@ def sections(frames: dict[str, pd.DataFrame]) -> dict[str, list[str]]:
 
 
 def _decisions_of(key: str, frames: dict[str, pd.DataFrame]) -> list[Decision]:
-    """The decisions a section speaks for (decisions.csv read back): by source; a projected one
-    goes to the source's projected section where the folder has one."""
-    table = frames.get("decisions")
-    decided = read(table) if table is not None else ()
-    return [d for d in decided if (f"{d.source}_projected" if d.basis == "projected"
+    """The decisions a section speaks for: by source (a projected one: its projected section)."""
+    return [d for d in decided(frames) if (f"{d.source}_projected" if d.basis == "projected"
                                    and f"{d.source}_projected" in frames else d.source) == key]
 
 
@@ -148,13 +141,12 @@ def _value(value: Any) -> str:
 
 def _conclusion(key: str, names: list[str], summary: dict[str, Any],
                 frames: dict[str, pd.DataFrame]) -> str:
-    """The section's first line: what was decided, on what, from which figure (its decisions);
-    for the runs, where their time went; for the QLoRA job, how the plans compared."""
-    decided = _decisions_of(key, frames)
-    if decided:
-        chosen = [d for d in decided if d.basis != "default"]
+    """The section's first line: its decisions, else where the time went, else the comparison."""
+    mine = _decisions_of(key, frames)
+    if mine:
+        chosen = [d for d in mine if d.basis != "default"]
         # the same default may come from two sweeps (the job's loader and the projected one)
-        kept = list({(d.setting, _value(d.value)): d for d in decided
+        kept = list({(d.setting, _value(d.value)): d for d in mine
                      if d.basis == "default"}.values())
         out = "; ".join(f"<b>{_esc(d.setting)} = {_esc(_value(d.value))}</b>, "
                         f"{_esc(d.evidence())}" for d in chosen or kept) + "."
@@ -173,7 +165,8 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
     if key == STAGE_FRAME and summary.get("stages"):
         return _shares(summary["stages"])
     if key == "qlora" and "qlora_comparison" in frames:
-        return _comparison(frames["qlora_comparison"].iloc[0]) + _mfu(frames.get("qlora_mfu"))
+        said = str(frames["qlora_comparison"].iloc[0]["text"])
+        return _esc(said[0].upper() + said[1:]) + "." + _mfu(frames.get("qlora_mfu"))
     if key == "train" and "train" in frames:
         return _trained(frames["train"])
     rows = sum(len(frames[n]) for n in names)
@@ -200,13 +193,8 @@ def _shares(stages: list[dict[str, Any]]) -> str:
     return text[0].upper() + text[1:] + "."
 
 
-def _comparison(r: pd.Series) -> str:
-    return _esc(str(r["text"])[0].upper() + str(r["text"])[1:]) + "."
-
-
 def _mfu(table: pd.DataFrame | None) -> str:
-    """Each plan's MFU in one plain line (executed FLOPs; the convention beside it), the peak
-    and the jargon in the MFU table and the glossary."""
+    """Each plan's MFU in one line: by executed FLOPs, the model-FLOPs convention beside it."""
     if table is None or table.empty:
         return ""
     executed = table.groupby("plan", sort=False).nth(0)  # executed, then model FLOPs (diag.mfu)
@@ -221,8 +209,7 @@ def _mfu(table: pd.DataFrame | None) -> str:
 
 
 def _trained(runs: pd.DataFrame) -> str:
-    """Per plan that trained: what, how long against the ETA made before it, the held-out loss
-    before and after, where the adapter is."""
+    """Per plan that trained: what, how long against its ETA, the held-out loss, the adapter."""
     said = []
     for r in runs.itertuples():
         err = (f" ({(r.seconds - r.predicted_s) / r.predicted_s:+.0%})"
@@ -237,20 +224,16 @@ def _trained(runs: pd.DataFrame) -> str:
 
 
 def _opening(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
-    """The verdict, the comparison with its confidence, the top fix, the whole job projected,
-    and the machine; a folder without stages names what it measured."""
+    """The headline's lines and the machine (no stages: what the folder measured)."""
     head = summary.get("headline")
     if head:
         lines = head["text"].split("\n")
         out = f"<h1>{_esc(lines[0][0].upper() + lines[0][1:])}</h1>"
-        for line in lines[1:]:
-            top = line.startswith("top fix: ")
-            text = line.removeprefix("top fix: ")
-            out += (f"<p class=top>Top fix: {_esc(text)}</p>" if top else
-                    f"<p class=head>{_esc(line[0].upper() + line[1:])}</p>")
+        for line in lines[1:]:  # "top fix: ..." stands out
+            kind = "top" if line.startswith("top fix: ") else "head"
+            out += f"<p class={kind}>{_esc(line[0].upper() + line[1:])}</p>"
     else:
-        names = [k for k in sections(frames)]
-        out = f"<h1>diag report: {_esc(', '.join(names) or 'the machine')}</h1>"
+        out = f"<h1>diag report: {_esc(', '.join(sections(frames)) or 'the machine')}</h1>"
         if summary.get("top_finding"):
             out += f"<p class=top>Top finding: {_esc(summary['top_finding'])}</p>"
     said = busy(summary.get("machine") or {})
@@ -263,8 +246,7 @@ def _opening(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
 
 
 def device_line(summary: dict[str, Any]) -> str:
-    """The machine a run folder was measured on, in words: "CPU only (no accelerator), AMD EPYC,
-    2 cores, 25.3 GB RAM"; HTML-escaped; "" when the folder holds no device facts (info.csv)."""
+    """The machine in words, HTML-escaped; "" without device facts."""
     device = summary.get("device")
     if not device:
         return ""
@@ -281,10 +263,7 @@ def device_line(summary: dict[str, Any]) -> str:
 
 
 def _fixes(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
-    """The comparison's stages, predicted before the runs vs measured (the tolerance rule said
-    once), then what is left: the fixes ranked on the last run, each with its evidence."""
-    from diag.forecast.story import TOLERANCE
-
+    """The comparison's savings predicted vs measured, then the fixes left on the last run."""
     out = []
     savings = frames.get("qlora_savings")
     if savings is not None and not savings.empty:
@@ -304,14 +283,14 @@ def _fixes(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
         found, per = frames["advice"].to_dict("records"), "per start"
     runs = list(dict.fromkeys(f.get("run", "") for f in found))
     last = "optimized" if "optimized" in runs else runs[-1] if runs else ""
-    changed = (summary.get("headline") or {}).get("changed") or ()
-    found = [f for f in found if f.get("run", "") != "optimized" or f["stage"] not in changed]
+    changed = (summary.get("headline") or {}).get("changed") or ()  # fixed in the optimized run
     items = "".join(
         f"<li><b>{_esc(f['finding'])}</b>: saves {seconds(f['seconds_saved'])} {per}"
         + (f" ({share(f['share_of_run'])} of the run)"
            if f.get("share_of_run") is not None and f["share_of_run"] == f["share_of_run"]
            else "") + f"<div class=ev>{_esc(str(f['evidence']))}</div></li>"
-        for f in found if f.get("run", "") == last)
+        for f in found if f.get("run", "") == last and (last != "optimized"
+                                                        or f["stage"] not in changed))
     if items:
         title = ("What is left: fixes the optimized plan did not apply, largest first"
                  if last == "optimized" else "Fixes, largest saving first")
@@ -331,8 +310,7 @@ def _img(name: str, data: str) -> str:
 
 
 def _table(name: str, frame: pd.DataFrame, csv: bool = True) -> str:
-    """A table folded under its name, linked to its CSV in the folder (csv), numbers with their
-    units; the first MAX_ROWS rows."""
+    """The first MAX_ROWS rows folded under the name, linked to its CSV (csv), with units."""
     frame = frame.drop(columns="json", errors="ignore")  # each decision whole: for the CSV only
     shown = frame.head(MAX_ROWS)
     more = (f"<p class=more>{len(frame) - MAX_ROWS} more rows in the CSV</p>"

@@ -65,7 +65,7 @@ def test_a_price_is_cost_times_count_per_plan_on_one_clock():
 
 def test_the_check_predicts_each_fixed_stage_from_before_and_nothing_for_the_others():
     costs = table.table(_rows())
-    before, runs = (story.priced(costs, COUNTS, "CPU", w) for w in ("before", "runs"))
+    before, runs = (table.price(costs, COUNTS, clock="CPU", when=w) for w in ("before", "runs"))
     got = story.check(before, runs, "CPU", FIXES).set_index("stage")
     assert got.at["train", "predicted_s"] == pytest.approx(8 * (0.5 - 0.2))
     assert got.at["train", "measured_s"] == pytest.approx(8 * 0.3)
@@ -91,7 +91,7 @@ def test_a_prediction_is_flagged_past_the_tolerance_both_ways_and_never_under_th
 
 def test_the_waterfall_walks_from_naive_to_the_measured_optimized_total():
     costs = table.table(_rows())
-    runs = story.priced(costs, COUNTS, "CPU", "runs")
+    runs = table.price(costs, COUNTS, clock="CPU", when="runs")
     flow = story.waterfall(runs, "CPU", FIXES)
     assert list(flow["bar"]) == ["naive", "fetch_data", "load_model", "warmup", "train",
                                  "unchanged", "optimized"]
@@ -124,7 +124,7 @@ def test_the_headline_says_its_rounds_and_whether_the_gap_resolved():
 
 def test_step_predictions_are_restated_when_the_runs_met_another_machine_speed():
     costs = table.table(_rows())
-    before, runs = (story.priced(costs, COUNTS, "CPU", w) for w in ("before", "runs"))
+    before, runs = (table.price(costs, COUNTS, clock="CPU", when=w) for w in ("before", "runs"))
     checked = story.check(before, runs, "CPU", FIXES)
     slower = story.restated(checked, [0.75, 0.76, 0.74, 0.75, 0.75],
                             [0.5, 0.51, 0.49, 0.5, 0.5], "CPU").set_index("stage")

@@ -67,7 +67,7 @@ def comparison() -> dict[str, pd.DataFrame]:
 
     rows = _rows()
     costs = table.table(rows)
-    before, runs = (story.priced(costs, COUNTS, "CPU", w) for w in ("before", "runs"))
+    before, runs = (table.price(costs, COUNTS, clock="CPU", when=w) for w in ("before", "runs"))
     flow = story.waterfall(runs, "CPU", FIXES)
     totals = dict(zip(flow["bar"], flow["seconds"]))
     head = story.headline(story.rounds_of(rows, "CPU"), {"naive": 800, "optimized": 800}, "CPU",
