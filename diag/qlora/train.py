@@ -31,7 +31,7 @@ from diag.qlora.data import ArrowRecords, build_dataset, count_records, job_reco
 from diag.qlora.job import fetch_data, open_sources
 from diag.qlora.measure import job_inputs, measure_on_job, read_results
 from diag.qlora.plans import Plan
-from diag.qlora.trainer import fit, frozen_heap, trainer_for
+from diag.qlora.trainer import fit, frozen_heap, progress_callback, trainer_for
 from diag.runner import say
 from diag.timing import StageTimer
 
@@ -108,8 +108,6 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
          stored: dict[str, Any], plan_s: float, began: float) -> TrainResult:
     """The timed run: its stages, the ETA before the first step, the held-out loss before a
     fresh run's first step and on cadence, the adapter at the end."""
-    from diag.qlora.progress import Progress
-
     device = resolve(cfg.device)
     plan = plan.for_device(str(device))
     timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
@@ -131,9 +129,9 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
         projected = price(costs, _counts(cfg, job, done))
         say(before_line(_head(cfg, plan, job), projected, time.perf_counter() - began,
                         ("fetch_data", "load_model", "preprocess")))
-        progress = Progress(timer, job.tokens_per_step, cfg.cadence(cfg.progress_every, job.steps),
-                            f"diag train ({plan.name})",
-                            dict(zip(projected["stage"], projected["seconds"])))
+        progress = progress_callback()(
+            timer, job.tokens_per_step, cfg.cadence(cfg.progress_every, job.steps),
+            f"diag train ({plan.name})", dict(zip(projected["stage"], projected["seconds"])))
         trainer, callback = trainer_for(
             cfg, plan, model, job.data, out, device, timer, keep=cfg.keep_checkpoints,
             callbacks=(progress,), eval_dataset=job.evals, max_steps=job.steps,
