@@ -21,10 +21,15 @@ PACKED_ROWS = ("\n\n## Packed rows\n\nTo feed several records in one row, restar
 
 
 class Interrupted(KeyboardInterrupt):
-    """Training stopped by a signal after saving its state: str() says how to resume."""
+    """Training stopped by signum after saving step's state: str() says how to resume (out_dir
+    None: it cannot)."""
 
-    def __init__(self, signum: int, line: str) -> None:
-        super().__init__(line)
+    def __init__(self, signum: int, step: int, out_dir: Path | str | None) -> None:
+        where = (f"a checkpoint of step {step} is saved: run the same command with --resume "
+                 f"--out-dir {out_dir} to continue" if out_dir else
+                 "its checkpoint was in a temporary folder: name --out-dir to keep one")
+        super().__init__(f"diag: stopped by {signal.Signals(signum).name} after step {step}; "
+                         f"{where}")
         self.signum = signum
 
 
@@ -124,15 +129,6 @@ def keep_last(folder: Path, keep: int) -> None:
     """Remove all but the newest `keep` complete checkpoints in folder."""
     for _, old in checkpoints(folder)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def interrupted(signum: int, step: int, out_dir: Path | str | None) -> Interrupted:
-    """The stop a signal asked for; its line says how to resume (out_dir None: it cannot)."""
-    name = signal.Signals(signum).name
-    where = (f"a checkpoint of step {step} is saved: run the same command with --resume "
-             f"--out-dir {out_dir} to continue" if out_dir else
-             "its checkpoint was in a temporary folder: name --out-dir to keep one")
-    return Interrupted(signum, f"diag: stopped by {name} after step {step}; {where}")
 
 
 def publish(out_dir: Path, write: Callable[[Path], None], last: str = "adapter_config.json"

@@ -133,8 +133,8 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
             timer, job.tokens_per_step, cfg.cadence(cfg.progress_every, job.steps),
             f"diag train ({plan.name})", dict(zip(projected["stage"], projected["seconds"])))
         trainer, callback = trainer_for(
-            cfg, plan, model, job.data, out, device, timer, keep=cfg.keep_checkpoints,
-            callbacks=(progress,), eval_dataset=job.evals, max_steps=job.steps,
+            cfg, plan, model, job.data, out, device, timer, callbacks=(progress,),
+            save_total_limit=cfg.keep_checkpoints, eval_dataset=job.evals, max_steps=job.steps,
             lr_scheduler_type=SCHEDULES[cfg.lr_schedule],
             warmup_steps=round(cfg.lr_warmup * job.steps), eval_strategy="steps",
             eval_steps=cfg.eval_cadence(job.steps, len(job.split.eval.indices)),

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag.forecast.eta import duration
-from diag.qlora.checkpoints import interrupted, keep_last, save_whole
+from diag.qlora.checkpoints import Interrupted, save_whole
 from diag.runner import say  # stderr beside the bar; text in a kernel
 from diag.timing import STEP_STAGES
 
@@ -41,7 +41,7 @@ def training_args(cfg: JobConfig, plan: Plan, data: Any, out_dir: Path, device: 
         "lr_scheduler_type": "linear", "warmup_steps": max(1, round(0.1 * steps)),
         "seed": cfg.seed, "data_seed": cfg.seed, "logging_steps": 1, "report_to": [],
         "disable_tqdm": True, "save_strategy": "steps",
-        "save_steps": cfg.checkpoint_every or steps, "save_total_limit": None,  # checkpoints'
+        "save_steps": cfg.checkpoint_every or steps, "save_total_limit": 2,  # the newest kept
         "use_cpu": device.type == "cpu", "dataloader_num_workers": workers,
         "dataloader_pin_memory": plan.pin_memory,
         "dataloader_persistent_workers": plan.persistent_workers and workers > 0,
@@ -52,7 +52,7 @@ def training_args(cfg: JobConfig, plan: Plan, data: Any, out_dir: Path, device: 
 
 
 def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path, device: Any,
-                timer: StageTimer, keep: int = 2, callbacks: tuple[Any, ...] = (),
+                timer: StageTimer, callbacks: tuple[Any, ...] = (),
                 **more: Any) -> tuple[Any, Any]:
     """(the Trainer, its TimingCallback); more: training_args' overrides, or the datasets."""
     import transformers
@@ -65,7 +65,7 @@ def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path
     args = training_args(cfg, plan, data, out_dir, device, **more)
     trainer = trainer_class()(model=model, args=args, callbacks=[
         callback, signals_callback()(), *callbacks], **({"train_dataset": data.dataset} | own))
-    trainer.keep, trainer.made_at = keep, callback.setup_from
+    trainer.made_at = callback.setup_from
     callback.trainer = trainer  # under DDP: its wrapped model and its batch fetch are clocked
     # the Trainer prints every log line with tqdm off; a function in diag prints nothing
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
@@ -91,7 +91,7 @@ def fit(trainer: Any, callback: Any, resume: Path | None, out_dir: Path | None) 
     signals = next(c for c in trainer.callback_handler.callbacks
                    if isinstance(c, signals_callback()))
     if signals.signum is not None:
-        raise interrupted(signals.signum, trainer.state.global_step, out_dir)
+        raise Interrupted(signals.signum, trainer.state.global_step, out_dir)
     return wall
 
 
@@ -108,7 +108,6 @@ def trainer_class() -> type:
     import transformers
 
     class Trainer(transformers.Trainer):
-        keep = 2  # checkpoints kept (set per instance)
         made_at = 0.0  # time.perf_counter() before it was made: its wall clock starts there
         _staging: Path | None = None
 
@@ -117,11 +116,9 @@ def trainer_class() -> type:
 
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
             name = f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            if self.args.world_size > 1:  # every rank writes its own files into one folder (as
-                super()._save_checkpoint(model, trial)  # the Trainer does): rank 0's
-                if self.args.should_save:  # trainer_state.json, written last, marks it whole
-                    keep_last(Path(super()._get_output_dir(trial)), self.keep)
-                return
+            if self.args.world_size > 1:  # every rank writes its own files into one folder, as
+                # the Trainer does: rank 0's trainer_state.json, written last, marks it whole
+                return super()._save_checkpoint(model, trial)
 
             def write(tmp: Path) -> None:
                 self._staging = tmp
@@ -133,7 +130,8 @@ def trainer_class() -> type:
                     os.replace(part, tmp / part.name)
                 (tmp / name).rmdir()
 
-            save_whole(Path(super()._get_output_dir(trial)) / name, write, self.keep)
+            save_whole(Path(super()._get_output_dir(trial)) / name, write,
+                       self.args.save_total_limit)
 
     return Trainer
 
