@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from diag.qlora import QLoraResult, TrainResult
     from diag.qlora.checkpointing import CheckpointingResult
     from diag.qlora.measure import JobInputs
-    from diag.qlora.projection import Projection
+    from diag.qlora.experiment import Projection
     from diag.storage import StorageResult
 
 RUNS = ("naive", "optimized")
@@ -223,7 +223,7 @@ def _train(cfg: DiagnoseConfig, d: Diagnosis) -> TrainResult:
 def _projection(cfg: DiagnoseConfig, job: QLoraConfig, d: Diagnosis) -> Projection:
     """What `diag train` would take on every record of the source for cfg.epochs, per plan."""
     from diag.config import TrainConfig
-    from diag.qlora.projection import project_job
+    from diag.qlora.experiment import project_job
 
     return project_job(TrainConfig.of_job(job, epochs=cfg.epochs), job, _need(d.qlora, QLORA),
                        _need(d.job, JOB))

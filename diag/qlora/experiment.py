@@ -1,6 +1,7 @@
 """Naive vs optimized QLoRA runs on the same records, seed and schedule: each plan's start and own
 step timed before the runs, the runs in interleaved rounds, every figure read from one cost
-table (diag.forecast) of those costs."""
+table (diag.forecast) of those costs; the whole job projected at the costs the runs measured
+(`project_job`: what `diag train` would take on every record of the source)."""
 
 from __future__ import annotations
 
@@ -12,28 +13,32 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from diag.amdahl import shares
+from diag.data import read_meta, shard_files
 from diag.files import scratch_folder
 from diag.forecast import story
-from diag.forecast.costs import measured, row, table
+from diag.forecast.costs import measured, price, row, table
+from diag.forecast.eta import job_counts, runs_costs
 from diag.machine.device import on_cpu_threads
 from diag.mfu import count_plans, run_mfu
 from diag.noise import MIN_SAMPLES, clock, interleave, unsettled
 from diag.qlora import job
 from diag.qlora.base import Bases, timed_folder
 from diag.qlora.checkpoints import claim
-from diag.qlora.data import build_dataset, job_records
+from diag.qlora.data import build_dataset, count_records, counted, job_records
 from diag.qlora.plans import Plan, fixes
 from diag.timing import StageTimer
 from diag.timing.distributed import root_first
 
 if TYPE_CHECKING:
-    from diag.config import QLoraConfig
+    from diag.config import QLoraConfig, TrainConfig
     from diag.decision import Decision
     from diag.qlora.base import Sources
     from diag.qlora.job import PlanRun
+    from diag.qlora.measure import JobInputs
 
 ADVICE = ["stage", "finding", "seconds_saved", "evidence"]  # QLoraResult.advice's columns
 STARTS = {"fetch": "fetch_data", "model_cache": "download", "pipeline": "preprocess"}
@@ -252,3 +257,58 @@ def _steps_met(runs: list[PlanRun], clock: str) -> list[float]:
         steady = r.summary["steps"] - r.summary["warmup_steps"]
         met += [float(rows["seconds"].iloc[0]) / steady] if len(rows) and steady else []
     return met
+
+
+@dataclass(frozen=True)
+class Projection:
+    """The whole job per plan (first field: the main table) and the costs it priced."""
+
+    frame: pd.DataFrame  # plan, stage, seconds, low, high, evidence; per plan `total` first
+    costs: pd.DataFrame  # the rows priced (diag.forecast.costs.COLUMNS): what an ETA reads
+
+
+def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
+                inputs: JobInputs) -> Projection:
+    """Each plan of the comparison (of `job`, measured on `inputs`) over the whole job `train`."""
+    recs = job_records(job, inputs.data_path, inputs.model_dir)  # the comparison's: a hit
+    build = (read_meta(recs.cache.folder) or {}).get("build") or {}
+    every = counted(train, recs.cache).indices if recs.cache.complete else None
+    records = len(every) if every is not None else count_records(inputs.data_path)
+    landed = sum(f.stat().st_size for f in shard_files(inputs.data_path))
+    whole = int(comparison.frame["source_bytes"].max())
+    built = 0 if recs.cache.complete else landed  # bytes the whole job still has to tokenize
+    exact = every is not None
+    if whole > landed > 0:  # the comparison landed only the shards its records were in
+        records, built, exact = round(records * whole / landed), whole, False
+    per_record = float(np.minimum(recs.lengths, train.seq_len).mean())
+    try:
+        held = train.held_out(records)
+    except ValueError as why:  # a source too small for one step of the whole job: said
+        return Projection(pd.DataFrame([{"plan": p, "stage": "total", "seconds": float("nan"),
+                                         "evidence": f"not projected: {records:,} records; {why}"}
+                                        for p in comparison.frame["plan"]]), comparison.costs)
+    steps = train.total_steps((records - held) // train.batch_size)
+    per_step = train.batch_size * per_record
+    epochs = steps * train.batch_size / (records - held)
+    said = (f"{'' if exact else '~'}{records:,} records, ~{per_step * steps:,.0f} trained "
+            f"tokens, {steps:,} steps of {train.batch_size} records, {epochs:.3g} "
+            f"epoch{'s' * (round(epochs, 3) != 1)}")
+    frames, priced = [], []
+    for run in comparison.frame.itertuples():
+        counts = job_counts(steps, train.warmup_steps, per_step, per_step / (1 - run.padding_share),
+                            train.eval_cadence(steps, held),
+                            train.cadence(train.checkpoint_every, steps), held * train.seq_len,
+                            built_bytes=built, records=records)
+        costs = runs_costs(comparison.costs, run.plan)
+        if build.get("bytes") and build.get("seconds") and run.plan == "optimized":
+            rate = f"{build['bytes'] / build['seconds'] / 1e6:.3g} MB/s"  # a byte tokenized (wall)
+            byte = row(run.plan, "preprocess", "byte", build["seconds"], build["bytes"],
+                       evidence=f"the token cache's recorded build: {rate} with "
+                                f"{build.get('processes', '?')} processes")
+            costs = pd.concat([costs, table(measured([byte]))], ignore_index=True)
+        priced.append(costs)
+        mine = price(costs, counts)
+        total = {"plan": run.plan, "stage": "total",
+                 **mine[["seconds", "low", "high"]].sum().astype(float).to_dict(), "evidence": said}
+        frames.append(pd.concat([pd.DataFrame([total]), mine], ignore_index=True))
+    return Projection(pd.concat(frames, ignore_index=True), pd.concat(priced, ignore_index=True))
