@@ -84,13 +84,6 @@ def counted(cfg: JobConfig, cache: TokenCache) -> Records:
                    len(empty) + cache.skipped)
 
 
-def whole_micro_batches(rows: int, micro: int) -> int:
-    """`rows` rounded up to whole micro-batches where that pads within PAD_ROWS_LIMIT."""
-    micro = min(micro, rows)
-    whole = -(-rows // micro) * micro
-    return whole if whole - rows <= PAD_ROWS_LIMIT * whole else rows
-
-
 class WholeSteps:
     """The packed windows padded to whole optimizer steps with rows that train nothing."""
 
@@ -135,8 +128,12 @@ def build_dataset(cfg: JobConfig, plan: Plan, recs: Records, tokenizer_dir: Path
     else:
         refused = packing_refused(attention)
         packed = PackedDataset(recs.cache.folder, seq, records=recs.indices, pack=not refused)
-        # the tail padded up to whole steps: both plans train the same records' tokens
-        rows_per_step = whole_micro_batches(-(-len(packed) // steps), plan.micro_batch)
+        # the tail padded up to whole steps, and to whole micro-batches where that pads within
+        # PAD_ROWS_LIMIT: both plans train the same records' tokens
+        rows_per_step = -(-len(packed) // steps)
+        micro = min(plan.micro_batch, rows_per_step)
+        whole = -(-rows_per_step // micro) * micro
+        rows_per_step = whole if whole - rows_per_step <= PAD_ROWS_LIMIT * whole else rows_per_step
         used = rows_per_step * steps
         dataset = WholeSteps(packed, used)
         real, loss, left_out = packed.tokens, packed.loss_tokens(), packed.left_out

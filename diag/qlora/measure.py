@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -88,7 +89,6 @@ class QLoraStep:
         self.optimizer.zero_grad(set_to_none=True)
 
     def __call__(self, batch: dict[str, Any]) -> None:
-
         self.backward(batch)
         self.update()
         sync(self.device)  # note: sync point, so the step's kernels are billed to the step
@@ -102,14 +102,11 @@ class OnJob:
     def __init__(self, cfg: QLoraConfig, job: JobInputs,
                  share: Callable[[str], float] | None = None) -> None:
         self.cfg, self.job, self.left, self.share = cfg, job, cfg.decide_budget_s, share
-        self._made: dict[bool, QLoraStep] = {}
+        self._made = functools.cache(lambda ckpt: QLoraStep(cfg, job.model_dir, job.device, ckpt))
 
     def step(self, gradient_checkpointing: bool = False) -> QLoraStep:
         """The job's step, loaded once per setting, handed out reset."""
-        if gradient_checkpointing not in self._made:
-            self._made[gradient_checkpointing] = QLoraStep(
-                self.cfg, self.job.model_dir, self.job.device, gradient_checkpointing)
-        step = self._made[gradient_checkpointing]
+        step = self._made(gradient_checkpointing)
         step.reset()
         return step
 
@@ -128,7 +125,7 @@ class OnJob:
         return loader_on_job(self.cfg, self.job, micro, on=self)
 
     def close(self) -> None:
-        self._made.clear()
+        self._made.cache_clear()
 
 
 @dataclass(frozen=True)
