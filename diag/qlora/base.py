@@ -82,16 +82,13 @@ def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, dict[str, 
     return folder, {"wall": statistics.median(samples), "CPU": statistics.median(cpu)}
 
 
-def load_model(cfg: JobConfig, plan: Plan, folder: Path, device: Any) -> Any:
-    """The nf4 base (double quantization) with LoRA adapters on every projection."""
-    return adapted(cfg, load_base(plan, folder, device))
-
-
-def adapted(cfg: JobConfig, base: Any) -> Any:
-    """base with a fresh LoRA adapter on every projection, seeded: the same in both plans."""
+def load_model(cfg: JobConfig, plan: Plan, folder: Path, device: Any, base: Any = None) -> Any:
+    """The nf4 base (double quantization; `base`: one loaded before) with a fresh LoRA adapter on
+    every projection, seeded: the same in both plans."""
     import torch
     from peft import LoraConfig, get_peft_model
 
+    base = load_base(plan, folder, device) if base is None else base
     torch.manual_seed(cfg.seed)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
@@ -164,7 +161,8 @@ class Bases:
                                {"load_model": load, "download": folder_s})
             self._lent.append(model)
         else:
-            self._lent.append(adapted(cfg, self._held[key][1]))
+            self._lent.append(load_model(cfg, plan, self._held[key][0], device,
+                                         self._held[key][1]))
         folder, _, self.timed[plan.name] = self._held[key]
         timer.record("load_model", self.timed[plan.name]["load_model"]["wall"])
         return folder, self._lent[-1], reused

@@ -99,15 +99,6 @@ def record(out_dir: str | os.PathLike[str], run: dict[str, Any], fresh: bool = F
         tmp.write_text(json.dumps(old | run, indent=1, default=str))
 
 
-def full_disk(err: BaseException) -> bool:
-    """A write that failed for want of room (torch's zip writer says it in a RuntimeError)."""
-    if isinstance(err, OSError):
-        return err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-    text = str(err).lower()
-    return isinstance(err, RuntimeError) and ("file write failed" in text or
-                                              "no space left" in text)
-
-
 def save_whole(final: Path, write: Callable[[Path], None], keep: int) -> None:
     """`write(tmp)` swapped in as `final`, the last `keep` kept; out of room: one line."""
     sweep_orphans(final.parent)  # what a save killed mid-way left
@@ -115,19 +106,17 @@ def save_whole(final: Path, write: Callable[[Path], None], keep: int) -> None:
         with atomic_folder(final) as tmp:
             write(tmp)
     except (OSError, RuntimeError) as err:
-        if not full_disk(err):
+        text = str(err).lower()  # out of room: torch's zip writer says it in a RuntimeError
+        full = err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) if isinstance(
+            err, OSError) else "file write failed" in text or "no space left" in text
+        if not full:
             raise
         before = last_checkpoint(final.parent)
         raise RuntimeError(f"checkpoint {final.name}: writing under {final.parent} failed "
                            f"({getattr(err, 'strerror', None) or err}); nothing of it was kept, "
                            f"{before.name + ' is intact' if before else 'no earlier checkpoint'}"
                            ": free space, then continue with --resume") from None
-    keep_last(final.parent, keep)
-
-
-def keep_last(folder: Path, keep: int) -> None:
-    """Remove all but the newest `keep` complete checkpoints in folder."""
-    for _, old in checkpoints(folder)[:-keep]:
+    for _, old in checkpoints(final.parent)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
