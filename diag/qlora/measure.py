@@ -149,7 +149,6 @@ def _on(cfg: QLoraConfig, job: JobInputs, step: str, **more: Any) -> MeasuredOn:
 
 def job_inputs(cfg: QLoraConfig, src: Sources | None = None) -> JobInputs:
     """Land the data, fill the model and token caches, read the packed job's rows per step."""
-
     plan = dataclasses.replace(Plan.naive(), fetch="land", model_cache="persistent",
                                pipeline="packed")
     with contextlib.nullcontext(src) if src else open_sources(cfg) as src:
@@ -266,7 +265,6 @@ def measure_on_job(cfg: QLoraConfig, job: JobInputs) -> tuple[Decision, ...]:
 def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
                   src: Sources | None = None) -> Plan:
     """The optimized plan of the decisions (None: measured on the job), fitted to the job."""
-
     job = job_inputs(cfg, src)
     if decisions is None:
         decisions = measure_on_job(cfg, job)
@@ -275,7 +273,6 @@ def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
 
 def read_results(cfg: QLoraConfig) -> tuple[Decision, ...]:
     """The decisions cfg.results' decisions.csv kept, refused unless measured on this job."""
-
     table = Path(cfg.results) / "decisions.csv"
     if not table.is_file():
         raise ValueError(f"QLoraConfig.results={cfg.results!r}: no run folder with a "
