@@ -4,12 +4,16 @@ projection, and the bases a comparison keeps for its rounds (`Bases`)."""
 from __future__ import annotations
 
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag.files import scratch_folder
+from diag.machine.device import sync
+from diag.model_load import ALLOW_PATTERNS, cache_dir_for, not_in_user_cache, snapshot_folder
+from diag.noise import unsettled
 
 if TYPE_CHECKING:
     from diag.config import JobConfig
@@ -36,7 +40,6 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
     """The snapshot folder: downloaded into an empty cache, or read from the persistent one."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
-    from diag.model_load import ALLOW_PATTERNS, cache_dir_for, not_in_user_cache, snapshot_folder
 
     if Path(src.model).is_dir():  # a local model: read where it is, in both plans
         return Path(src.model)
@@ -61,9 +64,6 @@ FOLDER_REPEATS, FOLDER_CHEAP_S, FOLDER_BUDGET_S = 16, 2.0, 3.0
 
 def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, dict[str, float]]:
     """The plan's model folder and a start's median seconds for it per clock, until settled."""
-    import statistics
-    from diag.noise import unsettled
-
     folder, samples, cpu = None, [], []
     begun = time.perf_counter()
     for i in range(FOLDER_REPEATS):
@@ -149,8 +149,6 @@ class Bases:
         key = (plan.name, plan.model_cache, plan.gradient_checkpointing, str(device))
         reused = key in self._held
         if not reused:
-            from diag.machine.device import sync
-
             folder, folder_s = timed_folder(plan, src, self.work)
             start, used = time.perf_counter(), time.process_time()
             model = load_model(cfg, plan, folder, device)

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from diag.amdahl import shares
+from diag.config import QLoraConfig
 from diag.data import read_meta, shard_files
 from diag.files import scratch_folder
 from diag.forecast import story
@@ -25,20 +26,20 @@ from diag.forecast.eta import job_counts, runs_costs
 from diag.machine.device import on_cpu_threads
 from diag.mfu import count_plans, run_mfu
 from diag.noise import MIN_SAMPLES, clock, interleave, unsettled
+from diag.preflight import preflight
 from diag.qlora import job
-from diag.qlora.base import Bases, timed_folder
+from diag.qlora.base import Bases, Sources, timed_folder
 from diag.qlora.checkpoints import claim
 from diag.qlora.data import build_dataset, count_records, counted, job_records
+from diag.qlora.measure import JobInputs, QLoraStep, job_inputs, plan_from_job, read_results
 from diag.qlora.plans import Plan, fixes
 from diag.timing import StageTimer
 from diag.timing.distributed import root_first
 
 if TYPE_CHECKING:
-    from diag.config import QLoraConfig, TrainConfig
+    from diag.config import TrainConfig
     from diag.decision import Decision
-    from diag.qlora.base import Sources
     from diag.qlora.job import PlanRun
-    from diag.qlora.measure import JobInputs
 
 ADVICE = ["stage", "finding", "seconds_saved", "evidence"]  # QLoraResult.advice's columns
 STARTS = {"fetch": "fetch_data", "model_cache": "download", "pipeline": "preprocess"}
@@ -67,10 +68,6 @@ class QLoraResult:
 def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | None = None,
               budget_s: float | None = None) -> QLoraResult:
     """`diag qlora`: cfg's inputs checked before any work, then `compare`."""
-    from diag.config import QLoraConfig
-    from diag.preflight import preflight
-    from diag.qlora.measure import read_results
-
     cfg = cfg or QLoraConfig.default()
     if cfg.out_dir:  # another run's checkpoints there: refused unless --resume (same settings)
         claim(cfg.out_dir, cfg.identity(), cfg.resume, folders=("naive", "optimized"))
@@ -83,8 +80,6 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
 def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
             src: Sources | None = None, budget_s: float | None = None) -> QLoraResult:
     """The plans, their costs timed before the runs, the runs in rounds, their FLOPs, the result."""
-    from diag.qlora.measure import plan_from_job
-
     device = job.rank_device(cfg)[0]  # under a launcher: joins before the first barrier
     on = clock(device).name
     with contextlib.nullcontext(src) if src else job.open_sources(cfg) as src:
@@ -184,7 +179,6 @@ def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
     """Each plan's own first optimizer step on the base its rounds reuse, in rounds until each
     median settles or half of cfg.decide_budget_s is spent."""
     from diag.accum import retime, train_points
-    from diag.qlora.measure import QLoraStep, job_inputs
 
     inputs = job_inputs(cfg, src)  # the landed data and the cached model: hits by now
     steps, frames = [], []

@@ -12,34 +12,31 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 
+from diag.config import TrainConfig
 from diag.data import read_meta
+from diag.decision import Decision, read
 from diag.decision import frame as decisions_frame
-from diag.decision import read
 from diag.files import scratch_folder
 from diag.forecast.costs import price
 from diag.forecast.eta import (after_line, before_line, check_eta, costs_in, from_decisions,
                                job_counts)
 from diag.machine.device import on_cpu_threads, resolve
-from diag.qlora.base import load_model, model_folder
+from diag.preflight import preflight
+from diag.qlora.base import Sources, load_model, model_folder
 from diag.qlora.checkpoints import (PACKED_ROWS, at_end, check, last_checkpoint, merged,
                                     publish, record)
-from diag.qlora.data import ArrowRecords, build_dataset, count_records, job_records, train_records
+from diag.qlora.data import (ArrowRecords, Data, Split, build_dataset, count_records, job_records,
+                             train_records)
 from diag.qlora.job import fetch_data, open_sources
 from diag.qlora.measure import job_inputs, measure_on_job, read_results
 from diag.qlora.plans import Plan
 from diag.qlora.trainer import fit, frozen_heap, progress_callback, trainer_for
 from diag.runner import say
 from diag.timing import StageTimer
-
-if TYPE_CHECKING:
-    from diag.config import TrainConfig
-    from diag.decision import Decision
-    from diag.qlora.data import Data, Split
-    from diag.qlora.job import Sources
 
 
 @dataclass(frozen=True)
@@ -56,9 +53,6 @@ class TrainResult:
 def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | None = None,
               src: Sources | None = None, costs: pd.DataFrame | None = None) -> TrainResult:
     """Train cfg.plan; decisions and the ETA's costs: None: cfg.results', else measured."""
-    from diag.config import TrainConfig
-    from diag.preflight import preflight
-
     cfg, began = cfg or TrainConfig.default(), time.perf_counter()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(cfg.out_dir or f"train/{stamp}")
