@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from diag.files import scratch_folder
 from diag.machine.device import sync
 from diag.model_load import ALLOW_PATTERNS, cache_dir_for, not_in_user_cache, snapshot_folder
-from diag.noise import unsettled
+from diag.noise import Rounds, unsettled
 
 if TYPE_CHECKING:
     from diag.config import JobConfig
@@ -64,22 +64,20 @@ FOLDER_REPEATS, FOLDER_CHEAP_S, FOLDER_BUDGET_S = 16, 2.0, 3.0
 
 def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, dict[str, float]]:
     """The plan's model folder and a start's median seconds for it per clock, until settled."""
-    folder, samples, cpu = None, [], []
-    begun = time.perf_counter()
-    for i in range(FOLDER_REPEATS):
-        here = work if i == 0 else work / f"again-{i}"
-        start, used = time.perf_counter(), time.process_time()
-        got = model_folder(plan, src, here)
-        samples.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - used)
-        if folder is None:
-            folder = got
-        else:
+    folders: list[Path] = []
+
+    def start() -> list[float]:
+        here = work / f"again-{len(folders)}" if folders else work
+        wall, cpu = time.perf_counter(), time.process_time()
+        folders.append(model_folder(plan, src, here))
+        took = [time.perf_counter() - wall, time.process_time() - cpu]
+        if len(folders) > 1:
             shutil.rmtree(here, ignore_errors=True)
-        if (samples[-1] >= FOLDER_CHEAP_S or time.perf_counter() - begun >= FOLDER_BUDGET_S
-                or not unsettled({0: samples})):
-            break
-    return folder, {"wall": statistics.median(samples), "CPU": statistics.median(cpu)}
+        return took
+
+    wall, cpu = Rounds(start, lambda got: got[0][-1] < FOLDER_CHEAP_S and unsettled({0: got[0]}),
+                       budget_s=FOLDER_BUDGET_S, max_rounds=FOLDER_REPEATS, min_rounds=1).run()
+    return folders[0], {"wall": statistics.median(wall), "CPU": statistics.median(cpu)}
 
 
 def load_model(cfg: JobConfig, plan: Plan, folder: Path, device: Any, base: Any = None) -> Any:
