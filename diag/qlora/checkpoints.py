@@ -53,12 +53,6 @@ def last_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
-def at_end(checkpoint: Path) -> bool:
-    """Whether checkpoint holds its run's last step: the Trainer resumed there trains one more."""
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    return state["global_step"] >= state.get("max_steps", float("inf"))
-
-
 def check(out_dir: str | os.PathLike[str], run: dict[str, Any], resume: bool,
           folders: Iterable[str] = ("",)) -> dict[str, Any] | None:
     """Refuse an out_dir that does not fit this run, writing nothing; the run file's if resuming."""

@@ -27,8 +27,8 @@ from diag.forecast.eta import (after_line, before_line, check_eta, costs_in, fro
 from diag.machine.device import on_cpu_threads, resolve
 from diag.preflight import preflight
 from diag.qlora.base import Sources, load_model, model_folder
-from diag.qlora.checkpoints import (PACKED_ROWS, at_end, check, last_checkpoint, merged,
-                                    publish, record)
+from diag.qlora.checkpoints import (PACKED_ROWS, check, last_checkpoint, merged, publish,
+                                    record)
 from diag.qlora.data import (ArrowRecords, Data, Split, build_dataset, count_records, job_records,
                              train_records)
 from diag.qlora.job import fetch_data, open_sources
@@ -141,9 +141,11 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
                 first = trainer.evaluate()["eval_loss"]
             callback.setup_from += time.perf_counter() - begin  # `setup`: the Trainer's, not this
             record(out, {"eval_loss_0": first})
-        if resume is not None and at_end(resume):  # trained to the end, stopped before its output:
-            from transformers import TrainerState  # nothing to train (the Trainer would add a step)
+        state = json.loads((resume / "trainer_state.json").read_text()) if resume else {}
+        if state and state["global_step"] >= state.get("max_steps", float("inf")):
+            from transformers import TrainerState  # trained to the end, stopped before its output:
 
+            # nothing to train (the Trainer resumed there would add a step)
             trainer.state = TrainerState.load_from_json(str(resume / "trainer_state.json"))
             trainer._load_from_checkpoint(str(resume))
             wall = 0.0
