@@ -41,11 +41,10 @@ from diag import decision, report
 from diag.config import QLoraConfig, TrainConfig
 from diag.frames import frames_of
 from diag.qlora import run_train
-from diag.qlora.experiment import compare
 from diag.qlora.checkpoints import last_checkpoint
 from diag.qlora.job import open_sources
 from diag.qlora.measure import job_inputs, measure_on_job
-from diag.qlora.projection import project_job
+from diag.qlora.experiment import compare, project_job
 
 
 def comparison_folder(job: QLoraConfig, src, out: Path) -> Path:

@@ -35,7 +35,7 @@ from diag.qlora.experiment import compare
 from diag.qlora.job import open_sources
 from diag.qlora.measure import JobInputs
 from diag.qlora.plans import Plan
-from diag.qlora.projection import Projection, project_job
+from diag.qlora.experiment import Projection, project_job
 from diag.runner import Runner, Step
 from diag.storage import StorageResult
 from diag.timing import StageTimer, median_seconds

@@ -4,12 +4,16 @@ projection, and the bases a comparison keeps for its rounds (`Bases`)."""
 from __future__ import annotations
 
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from diag.files import scratch_folder
+from diag.machine.device import sync
+from diag.model_load import ALLOW_PATTERNS, cache_dir_for, not_in_user_cache, snapshot_folder
+from diag.noise import Rounds, unsettled
 
 if TYPE_CHECKING:
     from diag.config import JobConfig
@@ -36,7 +40,6 @@ def model_folder(plan: Plan, src: Sources, work: Path) -> Path:
     """The snapshot folder: downloaded into an empty cache, or read from the persistent one."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
-    from diag.model_load import ALLOW_PATTERNS, cache_dir_for, not_in_user_cache, snapshot_folder
 
     if Path(src.model).is_dir():  # a local model: read where it is, in both plans
         return Path(src.model)
@@ -61,37 +64,29 @@ FOLDER_REPEATS, FOLDER_CHEAP_S, FOLDER_BUDGET_S = 16, 2.0, 3.0
 
 def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, dict[str, float]]:
     """The plan's model folder and a start's median seconds for it per clock, until settled."""
-    import statistics
-    from diag.noise import unsettled
+    folders: list[Path] = []
 
-    folder, samples, cpu = None, [], []
-    begun = time.perf_counter()
-    for i in range(FOLDER_REPEATS):
-        here = work if i == 0 else work / f"again-{i}"
-        start, used = time.perf_counter(), time.process_time()
-        got = model_folder(plan, src, here)
-        samples.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - used)
-        if folder is None:
-            folder = got
-        else:
+    def start() -> list[float]:
+        here = work / f"again-{len(folders)}" if folders else work
+        wall, cpu = time.perf_counter(), time.process_time()
+        folders.append(model_folder(plan, src, here))
+        took = [time.perf_counter() - wall, time.process_time() - cpu]
+        if len(folders) > 1:
             shutil.rmtree(here, ignore_errors=True)
-        if (samples[-1] >= FOLDER_CHEAP_S or time.perf_counter() - begun >= FOLDER_BUDGET_S
-                or not unsettled({0: samples})):
-            break
-    return folder, {"wall": statistics.median(samples), "CPU": statistics.median(cpu)}
+        return took
+
+    wall, cpu = Rounds(start, lambda got: got[0][-1] < FOLDER_CHEAP_S and unsettled({0: got[0]}),
+                       budget_s=FOLDER_BUDGET_S, max_rounds=FOLDER_REPEATS, min_rounds=1).run()
+    return folders[0], {"wall": statistics.median(wall), "CPU": statistics.median(cpu)}
 
 
-def load_model(cfg: JobConfig, plan: Plan, folder: Path, device: Any) -> Any:
-    """The nf4 base (double quantization) with LoRA adapters on every projection."""
-    return adapted(cfg, load_base(plan, folder, device))
-
-
-def adapted(cfg: JobConfig, base: Any) -> Any:
-    """base with a fresh LoRA adapter on every projection, seeded: the same in both plans."""
+def load_model(cfg: JobConfig, plan: Plan, folder: Path, device: Any, base: Any = None) -> Any:
+    """The nf4 base (double quantization; `base`: one loaded before) with a fresh LoRA adapter on
+    every projection, seeded: the same in both plans."""
     import torch
     from peft import LoraConfig, get_peft_model
 
+    base = load_base(plan, folder, device) if base is None else base
     torch.manual_seed(cfg.seed)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
@@ -152,8 +147,6 @@ class Bases:
         key = (plan.name, plan.model_cache, plan.gradient_checkpointing, str(device))
         reused = key in self._held
         if not reused:
-            from diag.machine.device import sync
-
             folder, folder_s = timed_folder(plan, src, self.work)
             start, used = time.perf_counter(), time.process_time()
             model = load_model(cfg, plan, folder, device)
@@ -164,7 +157,8 @@ class Bases:
                                {"load_model": load, "download": folder_s})
             self._lent.append(model)
         else:
-            self._lent.append(adapted(cfg, self._held[key][1]))
+            self._lent.append(load_model(cfg, plan, self._held[key][0], device,
+                                         self._held[key][1]))
         folder, _, self.timed[plan.name] = self._held[key]
         timer.record("load_model", self.timed[plan.name]["load_model"]["wall"])
         return folder, self._lent[-1], reused

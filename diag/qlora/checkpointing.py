@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from diag.decision import CHECKPOINTING_HEADROOM, Decision, MeasuredOn
+from diag.noise import clock, compare, spread
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -42,8 +43,6 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
            repeats_s: float | None = None) -> tuple[Decision, ...]:
     """`gradient_checkpointing` from the on/off rows at the largest micro-batch, on the device's
     clock; without evidence (or on faster: recomputing cannot be) the device's default."""
-    from diag.noise import clock, compare, spread
-
     cuda = str(device).startswith("cuda")
     fallback = ("on, the safe default on CUDA" if cuda else
                 "off, on CPU activations live in host RAM")
@@ -89,8 +88,6 @@ def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: Measure
 
 def _naive_ratio(naive: pd.DataFrame, micro: int | None, column: str) -> tuple[float | None, str]:
     """On/off at the naive micro-batch (1.0 within noise, None without evidence), and a note."""
-    from diag.noise import compare
-
     if not {True, False} <= set(naive["gradient_checkpointing"].astype(bool)):
         return None, ""
     on, off = _sides(naive, column)
@@ -104,8 +101,6 @@ def _naive_ratio(naive: pd.DataFrame, micro: int | None, column: str) -> tuple[f
 
 def pending(samples: dict[tuple[int, int, int], list[float]]) -> list[tuple[int, int, int]]:
     """The (step, micro_batch, 1) keys to re-time (step 0: on): a gap open, or on faster."""
-    from diag.noise import compare
-
     out = []
     for micro in sorted({m for _, m, _ in samples}):
         on, off = samples.get((0, micro, 1)), samples.get((1, micro, 1))

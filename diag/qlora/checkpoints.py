@@ -21,10 +21,15 @@ PACKED_ROWS = ("\n\n## Packed rows\n\nTo feed several records in one row, restar
 
 
 class Interrupted(KeyboardInterrupt):
-    """Training stopped by a signal after saving its state: str() says how to resume."""
+    """Training stopped by signum after saving step's state: str() says how to resume (out_dir
+    None: it cannot)."""
 
-    def __init__(self, signum: int, line: str) -> None:
-        super().__init__(line)
+    def __init__(self, signum: int, step: int, out_dir: Path | str | None) -> None:
+        where = (f"a checkpoint of step {step} is saved: run the same command with --resume "
+                 f"--out-dir {out_dir} to continue" if out_dir else
+                 "its checkpoint was in a temporary folder: name --out-dir to keep one")
+        super().__init__(f"diag: stopped by {signal.Signals(signum).name} after step {step}; "
+                         f"{where}")
         self.signum = signum
 
 
@@ -46,12 +51,6 @@ def last_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint in folder, or None."""
     found = checkpoints(folder)
     return found[-1][1] if found else None
-
-
-def at_end(checkpoint: Path) -> bool:
-    """Whether checkpoint holds its run's last step: the Trainer resumed there trains one more."""
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    return state["global_step"] >= state.get("max_steps", float("inf"))
 
 
 def check(out_dir: str | os.PathLike[str], run: dict[str, Any], resume: bool,
@@ -94,15 +93,6 @@ def record(out_dir: str | os.PathLike[str], run: dict[str, Any], fresh: bool = F
         tmp.write_text(json.dumps(old | run, indent=1, default=str))
 
 
-def full_disk(err: BaseException) -> bool:
-    """A write that failed for want of room (torch's zip writer says it in a RuntimeError)."""
-    if isinstance(err, OSError):
-        return err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-    text = str(err).lower()
-    return isinstance(err, RuntimeError) and ("file write failed" in text or
-                                              "no space left" in text)
-
-
 def save_whole(final: Path, write: Callable[[Path], None], keep: int) -> None:
     """`write(tmp)` swapped in as `final`, the last `keep` kept; out of room: one line."""
     sweep_orphans(final.parent)  # what a save killed mid-way left
@@ -110,29 +100,18 @@ def save_whole(final: Path, write: Callable[[Path], None], keep: int) -> None:
         with atomic_folder(final) as tmp:
             write(tmp)
     except (OSError, RuntimeError) as err:
-        if not full_disk(err):
+        text = str(err).lower()  # out of room: torch's zip writer says it in a RuntimeError
+        full = err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) if isinstance(
+            err, OSError) else "file write failed" in text or "no space left" in text
+        if not full:
             raise
         before = last_checkpoint(final.parent)
         raise RuntimeError(f"checkpoint {final.name}: writing under {final.parent} failed "
                            f"({getattr(err, 'strerror', None) or err}); nothing of it was kept, "
                            f"{before.name + ' is intact' if before else 'no earlier checkpoint'}"
                            ": free space, then continue with --resume") from None
-    keep_last(final.parent, keep)
-
-
-def keep_last(folder: Path, keep: int) -> None:
-    """Remove all but the newest `keep` complete checkpoints in folder."""
-    for _, old in checkpoints(folder)[:-keep]:
+    for _, old in checkpoints(final.parent)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def interrupted(signum: int, step: int, out_dir: Path | str | None) -> Interrupted:
-    """The stop a signal asked for; its line says how to resume (out_dir None: it cannot)."""
-    name = signal.Signals(signum).name
-    where = (f"a checkpoint of step {step} is saved: run the same command with --resume "
-             f"--out-dir {out_dir} to continue" if out_dir else
-             "its checkpoint was in a temporary folder: name --out-dir to keep one")
-    return Interrupted(signum, f"diag: stopped by {name} after step {step}; {where}")
 
 
 def publish(out_dir: Path, write: Callable[[Path], None], last: str = "adapter_config.json"

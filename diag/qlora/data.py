@@ -8,12 +8,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from diag.data import build_token_cache, read_source, shard_files
+from diag.data.records import open_records, plan_chunks, read_chunk
+from diag.qlora.plans import Plan, fit_micro_batch
+
 PAD_ROWS_LIMIT = 0.25  # share of a step's rows that may be padding to keep the micro-batch
 
 if TYPE_CHECKING:
     from diag.config import JobConfig, QLoraConfig, TrainConfig
     from diag.data import TokenCache
-    from diag.qlora.plans import Plan
 
 
 @dataclass(frozen=True)
@@ -42,14 +47,10 @@ class Data:
 
 def read(cfg: QLoraConfig, path: Path) -> list[dict[str, str]]:
     """The first cfg.records good records at path, with cfg's fields: the naive plan's read."""
-    from diag.data import read_source
-
     return read_source(path, cfg.fields(), on_error=cfg.on_error, limit=cfg.records)[0]
 
 
 def _cache(cfg: JobConfig, source: Path, tokenizer_dir: Path) -> TokenCache:
-    from diag.data import build_token_cache
-
     return build_token_cache(source, tokenizer_dir, fields=cfg.fields(), on_error=cfg.on_error,
                              limit=cfg.records or None)
 
@@ -66,8 +67,7 @@ def job_records(cfg: QLoraConfig, source: Path, tokenizer_dir: Path) -> Records:
 
 def counted(cfg: JobConfig, cache: TokenCache) -> Records:
     """The cache's first cfg.records good records (0: all), those with no loss token refused."""
-    import numpy as np
-    from diag.data import loss_counts
+    from diag.data import loss_counts  # diag.data.packing's: imports torch
 
     n = min(cfg.records, cache.records) if cfg.records else cache.records
     offsets = np.load(cache.folder / "offsets.npy", mmap_mode="r")
@@ -82,13 +82,6 @@ def counted(cfg: JobConfig, cache: TokenCache) -> Records:
     keep = np.flatnonzero(loss > 0)
     return Records(cache, keep.tolist(), lengths[keep].tolist(), loss[keep].tolist(),
                    len(empty) + cache.skipped)
-
-
-def whole_micro_batches(rows: int, micro: int) -> int:
-    """`rows` rounded up to whole micro-batches where that pads within PAD_ROWS_LIMIT."""
-    micro = min(micro, rows)
-    whole = -(-rows // micro) * micro
-    return whole if whole - rows <= PAD_ROWS_LIMIT * whole else rows
 
 
 class WholeSteps:
@@ -119,7 +112,6 @@ def build_dataset(cfg: JobConfig, plan: Plan, recs: Records, tokenizer_dir: Path
     """The plan's Dataset over recs in `steps` optimizer steps; rows: the naive plan's records
     (None: read from source); an `attention` that cannot keep records apart: one per window."""
     from diag.data import NaiveTextDataset, PackedDataset, packing_refused
-    from diag.qlora.plans import fit_micro_batch
 
     seq, steps = cfg.seq_len, steps or cfg.steps
     if plan.pipeline == "naive":
@@ -135,8 +127,12 @@ def build_dataset(cfg: JobConfig, plan: Plan, recs: Records, tokenizer_dir: Path
     else:
         refused = packing_refused(attention)
         packed = PackedDataset(recs.cache.folder, seq, records=recs.indices, pack=not refused)
-        # the tail padded up to whole steps: both plans train the same records' tokens
-        rows_per_step = whole_micro_batches(-(-len(packed) // steps), plan.micro_batch)
+        # the tail padded up to whole steps, and to whole micro-batches where that pads within
+        # PAD_ROWS_LIMIT: both plans train the same records' tokens
+        rows_per_step = -(-len(packed) // steps)
+        micro = min(plan.micro_batch, rows_per_step)
+        whole = -(-rows_per_step // micro) * micro
+        rows_per_step = whole if whole - rows_per_step <= PAD_ROWS_LIMIT * whole else rows_per_step
         used = rows_per_step * steps
         dataset = WholeSteps(packed, used)
         real, loss, left_out = packed.tokens, packed.loss_tokens(), packed.left_out
@@ -164,8 +160,6 @@ class Split:
 
 def train_records(cfg: TrainConfig, source: Path, tokenizer_dir: Path) -> Split:
     """The cache's good records: the eval share drawn by cfg.seed, the rest in whole steps."""
-    import numpy as np
-
     recs = counted(cfg, _cache(cfg, source, tokenizer_dir))
     held = cfg.held_out(len(recs.indices))  # refused where no step or no eval batch is left
     drawn = np.random.default_rng(cfg.seed).permutation(len(recs.indices))
@@ -179,8 +173,6 @@ def train_records(cfg: TrainConfig, source: Path, tokenizer_dir: Path) -> Split:
 def count_records(source: Path, at_most: int | None = None) -> int:
     """About the records at source, unparsed (Parquet footers' rows, JSONL lines), up to at_most."""
     import pyarrow.parquet as pq
-    from diag.data import shard_files
-    from diag.data.records import open_records
 
     total = 0
     for path in shard_files(source):
@@ -203,7 +195,6 @@ class ArrowRecords(Sequence):
     def __init__(self, source: Path, fields: dict[str, str], folder: Path,
                  indices: Sequence[int]) -> None:
         import pyarrow as pa
-        from diag.data.records import plan_chunks, read_chunk
 
         self.path, self.indices = folder / "records.arrow", list(indices)
         last, seen, writer, schema = max(self.indices, default=-1) + 1, 0, None, None

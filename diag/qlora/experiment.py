@@ -1,26 +1,48 @@
-"""Naive vs optimized QLoRA runs on the same records, seed and schedule: where the time went,
-every figure read from one cost table (diag.forecast) of costs timed before and in the runs."""
+"""Naive vs optimized QLoRA runs on the same records, seed and schedule: each plan's start and own
+step timed before the runs, the runs in interleaved rounds, every figure read from one cost
+table (diag.forecast) of those costs; the whole job projected at the costs the runs measured
+(`project_job`: what `diag train` would take on every record of the source)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import shutil
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import pandas as pd
+
+from diag.amdahl import shares
+from diag.config import QLoraConfig
+from diag.data import read_meta, shard_files
+from diag.files import scratch_folder
+from diag.forecast import story
+from diag.forecast.costs import measured, price, row, table
+from diag.forecast.eta import job_counts, runs_costs
 from diag.machine.device import on_cpu_threads
+from diag.mfu import count_plans, run_mfu
+from diag.noise import MIN_SAMPLES, clock, interleave, unsettled
+from diag.preflight import preflight
+from diag.qlora import job
+from diag.qlora.base import Bases, Sources, timed_folder
+from diag.qlora.checkpoints import claim
+from diag.qlora.data import build_dataset, count_records, counted, job_records
+from diag.qlora.measure import JobInputs, QLoraStep, job_inputs, plan_from_job, read_results
+from diag.qlora.plans import Plan, fixes
+from diag.timing import StageTimer
+from diag.timing.distributed import root_first
 
 if TYPE_CHECKING:
-    import pandas as pd
-    from diag.config import QLoraConfig
+    from diag.config import TrainConfig
     from diag.decision import Decision
-    from diag.qlora.base import Bases, Sources
     from diag.qlora.job import PlanRun
-    from diag.qlora.plans import Plan
-
 
 ADVICE = ["stage", "finding", "seconds_saved", "evidence"]  # QLoraResult.advice's columns
+STARTS = {"fetch": "fetch_data", "model_cache": "download", "pipeline": "preprocess"}
 
 
 @dataclass(frozen=True)
@@ -46,11 +68,6 @@ class QLoraResult:
 def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | None = None,
               budget_s: float | None = None) -> QLoraResult:
     """`diag qlora`: cfg's inputs checked before any work, then `compare`."""
-    from diag.config import QLoraConfig
-    from diag.preflight import preflight
-    from diag.qlora.checkpoints import claim
-    from diag.qlora.measure import read_results
-
     cfg = cfg or QLoraConfig.default()
     if cfg.out_dir:  # another run's checkpoints there: refused unless --resume (same settings)
         claim(cfg.out_dir, cfg.identity(), cfg.resume, folders=("naive", "optimized"))
@@ -63,46 +80,47 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
 def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
             src: Sources | None = None, budget_s: float | None = None) -> QLoraResult:
     """The plans, their costs timed before the runs, the runs in rounds, their FLOPs, the result."""
-    from diag.noise import clock
-    from diag.qlora.base import Bases
-    from diag.mfu import count_plans
-    from diag.qlora.job import open_sources, rank_device
-
-    device = rank_device(cfg)[0]  # under a launcher: joins before the first barrier
+    device = job.rank_device(cfg)[0]  # under a launcher: joins before the first barrier
     on = clock(device).name
-    with contextlib.nullcontext(src) if src else open_sources(cfg) as src:
-        plans = [p.for_device(str(device)) for p in _plans(cfg, decisions, src)]  # as they ran
+    with contextlib.nullcontext(src) if src else job.open_sources(cfg) as src:
+        plans = [Plan.naive()] if cfg.plan in ("naive", "both") else []
+        if cfg.plan in ("optimized", "both"):
+            plans.append(plan_from_job(cfg, decisions, src))
+            with root_first():  # its inputs filled untimed, rank 0 first under DDP
+                job.prepare(cfg, plans[-1], src)
+        plans = [p.for_device(str(device)) for p in plans]  # as they ran
         with Bases() as bases:
             before = _before(cfg, plans, src, bases, device)
             runs = _rounds(cfg, plans, src, bases, on, budget_s)
             counted = count_plans(cfg, plans, src, bases)
-    return _result(plans, before, runs, counted, on)
-
-
-def _plans(cfg: QLoraConfig, decisions: Iterable[Decision] | None, src: Sources) -> list[Plan]:
-    """cfg.plan's plans, the optimized one's inputs filled untimed (rank 0 first under DDP)."""
-    from diag.qlora.job import prepare
-    from diag.qlora.measure import plan_from_job
-    from diag.qlora.plans import Plan
-    from diag.timing.distributed import root_first
-
-    plans = [Plan.naive()] if cfg.plan in ("naive", "both") else []
-    if cfg.plan in ("optimized", "both"):
-        plans.append(plan_from_job(cfg, decisions, src))
-        with root_first():
-            prepare(cfg, plans[-1], src)
-    return plans
+    every = pd.DataFrame([r.summary for r in runs])
+    kept = [sorted((r for r in runs if r.plan == p.name), key=lambda r: r.summary["seconds"])
+            for p in plans]
+    kept = [mine[(len(mine) - 1) // 2] for mine in kept]  # lower median: a round that ran
+    spread = every.groupby("plan")["seconds"].agg(seconds_min="min", seconds_max="max",
+                                                  rounds="size")
+    frame = pd.DataFrame([k.summary for k in kept]).join(spread, on="plan")
+    stages = pd.concat([k.stages for k in kept], ignore_index=True)
+    rows = pd.concat([before, *(r.costs for r in runs)], ignore_index=True)
+    out = dict(frame=frame, stages=stages, losses=pd.concat([k.losses for k in kept]),
+               shares=shares(stages), rounds=every, measured=rows,
+               plans=pd.concat([p.frame() for p in plans], ignore_index=True),
+               mfu=run_mfu(frame, stages, counted))
+    if len(plans) < 2:
+        empty = pd.DataFrame(columns=ADVICE)
+        return QLoraResult(**out, costs=table(rows), savings=empty, waterfall=empty, advice=empty)
+    told = story.tell(rows, {k.plan: job.counts(k.summary) for k in kept}, on, fixes(*plans),
+                      {k.plan: k.summary["real_tokens"] for k in kept}, _steps_met(runs, on))
+    advice = told["savings"].rename(columns={"measured_s": "seconds_saved"})
+    return QLoraResult(**out, advice=advice[advice["finding"] != "unchanged"][ADVICE], **told)
 
 
 def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, device: Any
             ) -> pd.DataFrame | None:
     """Both plans' starts and own steps timed before the runs (the predictions' rows)."""
     import bitsandbytes  # noqa: F401
-    import pandas as pd
     import peft  # noqa: F401
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from diag.noise import clock
-    from diag.qlora.starts import time_starts, time_steps
     from diag.qlora.trainer import trainer_class
 
     # what a start imports or builds once per process, paid here: no one plan's start pays it
@@ -116,14 +134,88 @@ def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, dev
     return got
 
 
+def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -> pd.DataFrame:
+    """Each plan's start, min(cfg.rounds, 3) times; the model folder in the first round alone."""
+    # start settings the optimized plan's decisions price on this clock (diag run's): not re-timed
+    known = {d.setting for d in plans[1].decisions if d.per == "start"
+             and d.saving_s() is not None and (d.clock or "wall") == clock}
+
+    def start(plan: Plan, rnd: int) -> list[dict[str, Any]]:
+        work = scratch_folder(f"diag-qlora-time-{plan.name}")
+        try:
+            t, c = time.perf_counter(), time.process_time()
+            path = job.fetch_data(plans[1] if "fetch" in known else plan, src, work,
+                                  cfg.records)[0]
+            spent = {"fetch_data": (time.perf_counter() - t, time.process_time() - c)}
+            again = "model_cache" in known or rnd > 0  # later rounds: the kept cache
+            folder, took = timed_folder(plans[1] if again else plan, src, work)
+            if not again:
+                spent["download"] = (took["wall"], took["CPU"])
+            recs = job_records(cfg, path, folder)  # the run's untimed check_records
+            t, c = time.perf_counter(), time.process_time()
+            build_dataset(cfg, plan, recs, folder, path)
+            spent["preprocess"] = (time.perf_counter() - t, time.process_time() - c)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        said = f"a {plan.name} start timed before the runs"
+        return [row(plan.name, stage, "start", s, clock=k, when="before", rnd=rnd, evidence=said)
+                for stage, pair in spent.items() if stage not in {STARTS[k] for k in known}
+                for k, s in zip(("wall", "CPU"), pair)]
+
+    n = max(1, min(cfg.rounds, 3))
+    got, _ = interleave(range(len(plans)), lambda i, rnd: start(plans[i], rnd), min_rounds=n,
+                        max_rounds=n)
+    rows = [r for runs in got.values() for rs in runs for r in rs]
+    for d in plans[1].decisions:  # what a decision priced: its two sides, per start
+        if d.setting in known:
+            rows += [row(p, STARTS[d.setting], "start", s, clock=clock, when="before",
+                         evidence=f"the {d.source} decision's: {d.why}")
+                     for p, s in (("naive", d.baseline_s), ("optimized", d.chosen_s))]
+    return measured(rows)
+
+
+def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
+               device: Any) -> pd.DataFrame:
+    """Each plan's own first optimizer step on the base its rounds reuse, in rounds until each
+    median settles or half of cfg.decide_budget_s is spent."""
+    from diag.accum import retime, train_points
+
+    inputs = job_inputs(cfg, src)  # the landed data and the cached model: hits by now
+    steps, frames = [], []
+    try:
+        for plan in plans:
+            data = build_dataset(cfg, plan, job_records(cfg, inputs.data_path, inputs.model_dir),
+                                 inputs.model_dir, inputs.data_path)
+            n = data.micro_batch * data.grad_accum
+            plan = plan.for_device(str(device))  # as run_plan keys its base
+            folder, model, _ = bases.load(cfg, plan, src, device, StageTimer(trace=False))
+            steps.append(QLoraStep(cfg, folder, device, plan.gradient_checkpointing, model,
+                                   rows=[data.dataset[i] for i in range(n)]))
+            frames.append(train_points([steps[-1]], [(data.micro_batch, data.grad_accum)],
+                                       repeats=1, warmup_steps=1,
+                                       desc=f"the {plan.name} step").assign(step=len(frames)))
+        timed, _ = retime(steps, pd.concat(frames, ignore_index=True), unsettled,
+                          budget_s=cfg.decide_budget_s / 2, at_least=cfg.sweep_steps)
+    finally:
+        bases.release()  # their adapters off: round 0 starts from a fresh one on each base
+    ok = timed[timed["status"] == "ok"]
+    rows = []
+    for i, plan in enumerate(plans):
+        mine = ok[ok["step"] == i]
+        said = (f"its own step (micro-batch {int(mine['micro_batch'].iloc[0])} x "
+                f"{int(mine['grad_accum'].iloc[0])}) timed {len(mine)}x before the runs, "
+                "interleaved with the other plan's") if len(mine) else ""
+        for n, pair in enumerate(zip(mine["seconds_per_step"], mine["cpu_s"])):
+            rows += [row(plan.name, stage, unit, s, clock=k, when="before", rnd=n, evidence=said)
+                     for stage, unit in (("train", "step"), ("warmup", "warmup_step"))
+                     for k, s in zip(("wall", "CPU"), pair)]
+    return measured(rows)
+
+
 def _rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, clock: str,
             budget_s: float | None) -> list[PlanRun]:
     """cfg.rounds interleaved rounds, then up to 16 while the headline is unresolved in budget."""
     from tqdm.auto import tqdm
-    from diag.forecast.costs import measured
-    from diag.forecast.story import headline, rounds_of
-    from diag.noise import MIN_SAMPLES, interleave
-    from diag.qlora.job import run_plan
 
     # a single round is a quick look: never extended
     budget = 0.0 if cfg.rounds == 1 else cfg.decide_budget_s if budget_s is None else budget_s
@@ -132,7 +224,7 @@ def _rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, clo
 
     def one(name: str, rnd: int) -> PlanRun:
         bar.update()
-        ran.append(run_plan(cfg, by[name], src, bases, rnd))
+        ran.append(job.run_plan(cfg, by[name], src, bases, rnd))
         return ran[-1]
 
     def pending(got: dict[str, list[PlanRun]]) -> bool:
@@ -140,46 +232,15 @@ def _rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, clo
             return len(plans) == 2
         rows = measured(r for runs in got.values() for run in runs
                         for r in run.costs.to_dict("records"))
-        per = rounds_of(rows, clock)
+        per = story.rounds_of(rows, clock)
         totals = {p: sorted(v)[len(v) // 2] for p, v in per.items()}
         tokens = {p: runs[0].summary["real_tokens"] for p, runs in got.items()}
-        return not headline(per, tokens, clock, totals)["resolved"]
+        return not story.headline(per, tokens, clock, totals)["resolved"]
 
     with bar:
         interleave(list(by), one, pending, budget_s=budget, min_rounds=cfg.rounds,
                    max_rounds=max(cfg.rounds, 16 if budget else cfg.rounds))
     return ran  # in the order they ran
-
-
-def _result(plans: list[Plan], before: pd.DataFrame | None, runs: list[PlanRun],
-            counted: dict, clock: str) -> QLoraResult:
-    """The runs' own tables, then every figure read from the cost table (diag.forecast.story)."""
-    import pandas as pd
-    from diag.amdahl import shares
-    from diag.forecast import story
-    from diag.qlora.job import counts
-    from diag.mfu import run_mfu
-    from diag.qlora.plans import fixes
-
-    every = pd.DataFrame([r.summary for r in runs])
-    measured = pd.concat([before, *(r.costs for r in runs)], ignore_index=True)
-    kept = [_median_run(runs, p.name) for p in plans]
-    frame = pd.DataFrame([k.summary | _spread(every, k.plan) for k in kept])
-    stages = pd.concat([k.stages for k in kept], ignore_index=True)
-    out = dict(frame=frame, stages=stages, losses=pd.concat([k.losses for k in kept]),
-               shares=shares(stages), rounds=every, measured=measured,
-               plans=pd.concat([p.frame() for p in plans], ignore_index=True),
-               mfu=run_mfu(frame, stages, counted))
-    if len(plans) < 2:
-        from diag.forecast.costs import table
-
-        empty = pd.DataFrame(columns=ADVICE)
-        return QLoraResult(**out, costs=table(measured), savings=empty, waterfall=empty,
-                           advice=empty)
-    told = story.tell(measured, {k.plan: counts(k.summary) for k in kept}, clock, fixes(*plans),
-                      {k.plan: k.summary["real_tokens"] for k in kept}, _steps_met(runs, clock))
-    advice = told["savings"].rename(columns={"measured_s": "seconds_saved"})
-    return QLoraResult(**out, advice=advice[advice["finding"] != "unchanged"][ADVICE], **told)
 
 
 def _steps_met(runs: list[PlanRun], clock: str) -> list[float]:
@@ -192,12 +253,56 @@ def _steps_met(runs: list[PlanRun], clock: str) -> list[float]:
     return met
 
 
-def _median_run(runs: list[PlanRun], plan: str) -> PlanRun:
-    """The plan's lower-median round by seconds: a round that ran, not a blend of rounds."""
-    mine = sorted((r for r in runs if r.plan == plan), key=lambda r: r.summary["seconds"])
-    return mine[(len(mine) - 1) // 2]
+@dataclass(frozen=True)
+class Projection:
+    """The whole job per plan (first field: the main table) and the costs it priced."""
+
+    frame: pd.DataFrame  # plan, stage, seconds, low, high, evidence; per plan `total` first
+    costs: pd.DataFrame  # the rows priced (diag.forecast.costs.COLUMNS): what an ETA reads
 
 
-def _spread(every: pd.DataFrame, plan: str) -> dict[str, float]:
-    mine = every[every["plan"] == plan]["seconds"]
-    return {"seconds_min": float(mine.min()), "seconds_max": float(mine.max()), "rounds": len(mine)}
+def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
+                inputs: JobInputs) -> Projection:
+    """Each plan of the comparison (of `job`, measured on `inputs`) over the whole job `train`."""
+    recs = job_records(job, inputs.data_path, inputs.model_dir)  # the comparison's: a hit
+    build = (read_meta(recs.cache.folder) or {}).get("build") or {}
+    every = counted(train, recs.cache).indices if recs.cache.complete else None
+    records = len(every) if every is not None else count_records(inputs.data_path)
+    landed = sum(f.stat().st_size for f in shard_files(inputs.data_path))
+    whole = int(comparison.frame["source_bytes"].max())
+    built = 0 if recs.cache.complete else landed  # bytes the whole job still has to tokenize
+    exact = every is not None
+    if whole > landed > 0:  # the comparison landed only the shards its records were in
+        records, built, exact = round(records * whole / landed), whole, False
+    per_record = float(np.minimum(recs.lengths, train.seq_len).mean())
+    try:
+        held = train.held_out(records)
+    except ValueError as why:  # a source too small for one step of the whole job: said
+        return Projection(pd.DataFrame([{"plan": p, "stage": "total", "seconds": float("nan"),
+                                         "evidence": f"not projected: {records:,} records; {why}"}
+                                        for p in comparison.frame["plan"]]), comparison.costs)
+    steps = train.total_steps((records - held) // train.batch_size)
+    per_step = train.batch_size * per_record
+    epochs = steps * train.batch_size / (records - held)
+    said = (f"{'' if exact else '~'}{records:,} records, ~{per_step * steps:,.0f} trained "
+            f"tokens, {steps:,} steps of {train.batch_size} records, {epochs:.3g} "
+            f"epoch{'s' * (round(epochs, 3) != 1)}")
+    frames, priced = [], []
+    for run in comparison.frame.itertuples():
+        counts = job_counts(steps, train.warmup_steps, per_step, per_step / (1 - run.padding_share),
+                            train.eval_cadence(steps, held),
+                            train.cadence(train.checkpoint_every, steps), held * train.seq_len,
+                            built_bytes=built, records=records)
+        costs = runs_costs(comparison.costs, run.plan)
+        if build.get("bytes") and build.get("seconds") and run.plan == "optimized":
+            rate = f"{build['bytes'] / build['seconds'] / 1e6:.3g} MB/s"  # a byte tokenized (wall)
+            byte = row(run.plan, "preprocess", "byte", build["seconds"], build["bytes"],
+                       evidence=f"the token cache's recorded build: {rate} with "
+                                f"{build.get('processes', '?')} processes")
+            costs = pd.concat([costs, table(measured([byte]))], ignore_index=True)
+        priced.append(costs)
+        mine = price(costs, counts)
+        total = {"plan": run.plan, "stage": "total",
+                 **mine[["seconds", "low", "high"]].sum().astype(float).to_dict(), "evidence": said}
+        frames.append(pd.concat([pd.DataFrame([total]), mine], ignore_index=True))
+    return Projection(pd.concat(frames, ignore_index=True), pd.concat(priced, ignore_index=True))

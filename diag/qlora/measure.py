@@ -4,21 +4,31 @@ micro-batch, checkpointing, loader, in one order with one budget), or read back 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import itertools
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diag.decision import Decision, MeasuredOn
+import pandas as pd
+
+from diag.config import LoaderConfig
+from diag.decision import Decision, MeasuredOn, read
+from diag.machine.device import resolve, sync
+from diag.noise import MIN_SAMPLES, unresolved
+from diag.qlora import checkpointing
+from diag.qlora.base import load_model
+from diag.qlora.job import open_sources, prepare
+from diag.qlora.plans import Plan
 
 if TYPE_CHECKING:
     from diag.accum import AccumResult
     from diag.config import QLoraConfig
     from diag.loader import LoaderResult
-    from diag.qlora.checkpointing import CheckpointingResult
     from diag.qlora.job import Sources
-    from diag.qlora.plans import Plan
 
 
 class QLoraStep:
@@ -29,11 +39,8 @@ class QLoraStep:
     def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any,
                  gradient_checkpointing: bool = False, model: Any = None,
                  rows: list[dict[str, Any]] | None = None) -> None:
-        import dataclasses
         import torch
         from peft import get_peft_model_state_dict
-        from diag.qlora.base import load_model
-        from diag.qlora.plans import Plan
 
         plan = dataclasses.replace(Plan.naive(), gradient_checkpointing=gradient_checkpointing)
         self.device, self._lr, self._seq_len, self._rows = device, cfg.lr, cfg.seq_len, rows
@@ -82,8 +89,6 @@ class QLoraStep:
         self.optimizer.zero_grad(set_to_none=True)
 
     def __call__(self, batch: dict[str, Any]) -> None:
-        from diag.machine.device import sync
-
         self.backward(batch)
         self.update()
         sync(self.device)  # note: sync point, so the step's kernels are billed to the step
@@ -97,14 +102,11 @@ class OnJob:
     def __init__(self, cfg: QLoraConfig, job: JobInputs,
                  share: Callable[[str], float] | None = None) -> None:
         self.cfg, self.job, self.left, self.share = cfg, job, cfg.decide_budget_s, share
-        self._made: dict[bool, QLoraStep] = {}
+        self._made = functools.cache(lambda ckpt: QLoraStep(cfg, job.model_dir, job.device, ckpt))
 
     def step(self, gradient_checkpointing: bool = False) -> QLoraStep:
         """The job's step, loaded once per setting, handed out reset."""
-        if gradient_checkpointing not in self._made:
-            self._made[gradient_checkpointing] = QLoraStep(
-                self.cfg, self.job.model_dir, self.job.device, gradient_checkpointing)
-        step = self._made[gradient_checkpointing]
+        step = self._made(gradient_checkpointing)
         step.reset()
         return step
 
@@ -114,7 +116,7 @@ class OnJob:
         self.left -= got.decisions[0].repeats_s or 0.0
         return got
 
-    def checkpointing(self, micro: int) -> CheckpointingResult:
+    def checkpointing(self, micro: int) -> checkpointing.CheckpointingResult:
         got = checkpointing_on_job(self.cfg, self.job, micro, max(0.0, self.left), on=self)
         self.left -= got.decisions[0].repeats_s or 0.0
         return got
@@ -123,7 +125,7 @@ class OnJob:
         return loader_on_job(self.cfg, self.job, micro, on=self)
 
     def close(self) -> None:
-        self._made.clear()
+        self._made.cache_clear()
 
 
 @dataclass(frozen=True)
@@ -147,11 +149,6 @@ def _on(cfg: QLoraConfig, job: JobInputs, step: str, **more: Any) -> MeasuredOn:
 
 def job_inputs(cfg: QLoraConfig, src: Sources | None = None) -> JobInputs:
     """Land the data, fill the model and token caches, read the packed job's rows per step."""
-    import dataclasses
-    from diag.machine.device import resolve
-    from diag.qlora.job import open_sources, prepare
-    from diag.qlora.plans import Plan
-
     plan = dataclasses.replace(Plan.naive(), fetch="land", model_cache="persistent",
                                pipeline="packed")
     with contextlib.nullcontext(src) if src else open_sources(cfg) as src:
@@ -174,11 +171,7 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
     """micro_batch x grad_accum at the job's rows per step, checkpointing off: every point
     screened, then rounds while within noise within budget_s (None: half the decide budget).
     share_s: past it, the points not yet screened are cut (the first two always run)."""
-    import dataclasses
-    import time
-    import pandas as pd
     from diag.accum import AccumResult, accum_frame, advice, decide, retime, summarize, train_points
-    from diag.noise import unresolved
 
     rows_per_step = job.rows_per_step
     micro_batches = micro_batches or cfg.sweep_micro_batches or micro_candidates(rows_per_step)
@@ -216,13 +209,10 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
 
 def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
                          budget_s: float | None = None, on: OnJob | None = None
-                         ) -> CheckpointingResult:
+                         ) -> checkpointing.CheckpointingResult:
     """Checkpointing on vs off at `micro` and the naive micro-batch, in rounds while a gap is open
     or impossible (checkpointing.pending); a point out of memory leaves no row."""
-    import pandas as pd
     from diag.accum import retime, train_points
-    from diag.qlora.checkpointing import COLUMNS, CheckpointingResult, decide, pending
-    from diag.qlora.plans import Plan
 
     naive = Plan.naive().micro_batch
     pool = on or OnJob(cfg, job)
@@ -230,24 +220,23 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
     timed = train_points(pair, [(m, 1) for m in sorted({naive, micro})], repeats=1,
                          warmup_steps=1, desc="checkpointing on/off")
     budget_s = cfg.decide_budget_s / 2 if budget_s is None else budget_s
-    timed, spent = retime(pair, timed, pending, budget_s=budget_s, at_least=cfg.sweep_steps)
+    timed, spent = retime(pair, timed, checkpointing.pending, budget_s=budget_s,
+                          at_least=cfg.sweep_steps)
     ok = timed[timed["status"] == "ok"]
     frame = pd.DataFrame({"gradient_checkpointing": ok["step"] == 0,
                           "micro_batch": ok["micro_batch"], "seq_len": cfg.seq_len,
                           "seconds": ok["seconds_per_step"], "cpu_s": ok["cpu_s"],
-                          "peak_mem_gb": ok["peak_mem_gb"],
-                          "repeat": ok["repeat"]}, columns=COLUMNS).reset_index(drop=True)
+                          "peak_mem_gb": ok["peak_mem_gb"], "repeat": ok["repeat"]},
+                         columns=checkpointing.COLUMNS).reset_index(drop=True)
     where = _on(cfg, job, f"the QLoRA step, micro-batch {micro}")
-    return CheckpointingResult(frame, decide(frame, str(job.device), where,
-                                             naive_micro_batch=naive, repeats_s=spent))
+    return checkpointing.CheckpointingResult(frame, checkpointing.decide(
+        frame, str(job.device), where, naive_micro_batch=naive, repeats_s=spent))
 
 
 def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int, on: OnJob | None = None
                   ) -> LoaderResult:
     """diag.loader's sweep over the job's records with the job's step at `micro` as consumer."""
-    from diag.config import LoaderConfig
     from diag.loader import run_loader
-    from diag.noise import MIN_SAMPLES
 
     step = (on or OnJob(cfg, job)).step()
     label = f"the QLoRA step, micro-batch {micro} x {cfg.seq_len} tokens"
@@ -276,8 +265,6 @@ def measure_on_job(cfg: QLoraConfig, job: JobInputs) -> tuple[Decision, ...]:
 def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
                   src: Sources | None = None) -> Plan:
     """The optimized plan of the decisions (None: measured on the job), fitted to the job."""
-    from diag.qlora.plans import Plan
-
     job = job_inputs(cfg, src)
     if decisions is None:
         decisions = measure_on_job(cfg, job)
@@ -286,9 +273,6 @@ def plan_from_job(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
 
 def read_results(cfg: QLoraConfig) -> tuple[Decision, ...]:
     """The decisions cfg.results' decisions.csv kept, refused unless measured on this job."""
-    import pandas as pd
-    from diag.decision import read
-
     table = Path(cfg.results) / "decisions.csv"
     if not table.is_file():
         raise ValueError(f"QLoraConfig.results={cfg.results!r}: no run folder with a "

@@ -64,14 +64,12 @@ class Plan:
         got = by_setting(decisions)
         if absent := [s for s in SETTINGS if s not in got]:
             raise ValueError(f"Plan {name!r}: no decision for {', '.join(absent)}")
-        values = {s: got[s].value for s in SETTINGS}
         # persistent workers and prefetching need workers: with none the DataLoader refuses them
-        if not values["num_workers"]:
-            for s, off in (("persistent_workers", False), ("prefetch_factor", None)):
-                if values[s] != off:
-                    got[s] = got[s].capped(off, "num_workers=0 (no worker to keep or prefetch)")
-                    values[s] = off
-        return cls(name, **values, decisions=tuple(got[s] for s in SETTINGS))
+        off = {} if got["num_workers"].value else {"persistent_workers": False,
+                                                   "prefetch_factor": None}
+        kept = tuple(got[s].capped(off[s], "num_workers=0 (no worker to keep or prefetch)")
+                     if s in off else got[s] for s in SETTINGS)
+        return cls(name, **{d.setting: d.value for d in kept}, decisions=kept)
 
     @property
     def evidence(self) -> tuple[tuple[str, str], ...]:

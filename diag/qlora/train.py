@@ -12,24 +12,31 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import pandas as pd
+
+from diag.config import TrainConfig
+from diag.data import read_meta
+from diag.decision import Decision, read
 from diag.decision import frame as decisions_frame
-from diag.machine.device import on_cpu_threads
+from diag.files import scratch_folder
 from diag.forecast.costs import price
 from diag.forecast.eta import (after_line, before_line, check_eta, costs_in, from_decisions,
                                job_counts)
-from diag.qlora.checkpoints import (PACKED_ROWS, at_end, check, last_checkpoint, merged,
-                                    publish, record)
+from diag.machine.device import on_cpu_threads, resolve
+from diag.preflight import preflight
+from diag.qlora.base import Sources, load_model, model_folder
+from diag.qlora.checkpoints import (PACKED_ROWS, check, last_checkpoint, merged, publish,
+                                    record)
+from diag.qlora.data import (ArrowRecords, Data, Split, build_dataset, count_records, job_records,
+                             train_records)
+from diag.qlora.job import fetch_data, open_sources
+from diag.qlora.measure import job_inputs, measure_on_job, read_results
 from diag.qlora.plans import Plan
-from diag.qlora.trainer import frozen_heap
-
-if TYPE_CHECKING:
-    import pandas as pd
-    from diag.config import TrainConfig
-    from diag.decision import Decision
-    from diag.qlora.data import Data, Split
-    from diag.qlora.job import Sources
+from diag.qlora.trainer import fit, frozen_heap, progress_callback, trainer_for
+from diag.runner import say
+from diag.timing import StageTimer
 
 
 @dataclass(frozen=True)
@@ -46,10 +53,6 @@ class TrainResult:
 def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | None = None,
               src: Sources | None = None, costs: pd.DataFrame | None = None) -> TrainResult:
     """Train cfg.plan; decisions and the ETA's costs: None: cfg.results', else measured."""
-    from diag.config import TrainConfig
-    from diag.preflight import preflight
-    from diag.qlora.measure import read_results
-
     cfg, began = cfg or TrainConfig.default(), time.perf_counter()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(cfg.out_dir or f"train/{stamp}")
@@ -63,62 +66,42 @@ def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | No
     preflight(cfg, cfg.job())  # folders, model, source and its first records: before torch
     if stored is None:
         record(out, cfg.identity(), fresh=True)
-    return _start(cfg, out, stored, decisions, src, costs, began)
+    return _start(cfg, out, stored or {}, decisions, src, costs, began)
 
 
 @on_cpu_threads
-def _start(cfg: TrainConfig, out: Path, stored: dict[str, Any] | None,
+def _start(cfg: TrainConfig, out: Path, stored: dict[str, Any],
            decisions: Iterable[Decision] | None, src: Sources | None,
            costs: pd.DataFrame | None, began: float) -> TrainResult:
-    from diag.qlora.job import open_sources
-
-    with contextlib.nullcontext(src) if src else open_sources(cfg.job()) as src:
+    """The plan decided (a resume's: the one its run started with), priced, then run."""
+    job, name, build = cfg.job(), cfg.plan, None
+    with contextlib.nullcontext(src) if src else open_sources(job) as src:
         start = time.perf_counter()
-        plan, decided, build = _decide(cfg, stored, decisions, src)
+        if "decisions" in stored:
+            name, decisions = stored["plan"], read(pd.DataFrame({"json": stored["decisions"]}))
+        elif decisions is None:
+            inputs = job_inputs(job, src)
+            decisions = measure_on_job(job, inputs)
+            cache = job_records(job, inputs.data_path, inputs.model_dir).cache  # a hit
+            build = (read_meta(cache.folder) or {}).get("build")
+        decided = tuple(decisions)
+        plan = Plan.naive() if name == "naive" else Plan.optimized(decided)
         plan_s = time.perf_counter() - start  # deciding it: the sweeps on the job, if measured
         record(out, {"plan": plan.name, "decisions": list(decisions_frame(decided)["json"])})
         if costs is None:
             costs = from_decisions(plan.name, plan.settings(), decided, build)
         gc.collect()  # the sweeps' models (reference cycles) go before the start freezes the rest
         with frozen_heap():  # as diag qlora's starts: the Trainer's collection is not its set-up
-            return _run(cfg, plan, src, out, costs, stored or {}, plan_s, began)
+            return _run(cfg, plan, src, out, costs, stored, plan_s, began)
 
 
-def _decide(cfg: TrainConfig, stored: dict[str, Any] | None,
-            decisions: Iterable[Decision] | None, src: Sources
-            ) -> tuple[Plan, tuple[Decision, ...], dict[str, Any] | None]:
-    """(the plan, the decisions that price it, the token cache's build); a resume's is stored."""
-    import pandas as pd
-    from diag.data import read_meta
-    from diag.decision import read
-    from diag.qlora.data import job_records
-    from diag.qlora.measure import job_inputs, measure_on_job
-
-    name, build = cfg.plan, None
-    if stored and "decisions" in stored:  # a resume: the plan its run started with
-        name, decisions = stored["plan"], read(pd.DataFrame({"json": stored["decisions"]}))
-    elif decisions is None:
-        job = cfg.job()
-        inputs = job_inputs(job, src)
-        decisions = measure_on_job(job, inputs)
-        cache = job_records(job, inputs.data_path, inputs.model_dir).cache  # a hit
-        build = (read_meta(cache.folder) or {}).get("build")
-    decided = tuple(decisions)
-    return Plan.naive() if name == "naive" else Plan.optimized(decided), decided, build
+SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
 
 def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFrame,
          stored: dict[str, Any], plan_s: float, began: float) -> TrainResult:
-    """The timed run: its stages, the ETA before the first step, the adapter at the end."""
-    import pandas as pd
-    from diag.files import scratch_folder
-    from diag.machine.device import resolve
-    from diag.qlora.data import count_records
-    from diag.qlora.base import load_model, model_folder
-    from diag.qlora.job import fetch_data
-    from diag.qlora.progress import say
-    from diag.timing import StageTimer
-
+    """The timed run: its stages, the ETA before the first step, the held-out loss before a
+    fresh run's first step and on cadence, the adapter at the end."""
     device = resolve(cfg.device)
     plan = plan.for_device(str(device))
     timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
@@ -135,23 +118,50 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
             job = _job(cfg, plan, path, folder, work, model.config._attn_implementation)
         _same_source(out, stored, job.split.train.cache)
         plan = plan.fit(job.data.micro_batch * job.data.grad_accum)
-        projected = price(costs, _counts(cfg, job, out))
+        resume = last_checkpoint(out) if cfg.resume else None
+        done = int(resume.name.split("-")[1]) if resume else 0
+        projected = price(costs, _counts(cfg, job, done))
         say(before_line(_head(cfg, plan, job), projected, time.perf_counter() - began,
                         ("fetch_data", "load_model", "preprocess")))
-        ahead = dict(zip(projected["stage"], projected["seconds"]))
-        got = _train(cfg, plan, model, job, out, device, timer, stored, ahead)
+        progress = progress_callback()(
+            timer, job.tokens_per_step, cfg.cadence(cfg.progress_every, job.steps),
+            f"diag train ({plan.name})", dict(zip(projected["stage"], projected["seconds"])))
+        trainer, callback = trainer_for(
+            cfg, plan, model, job.data, out, device, timer, callbacks=(progress,),
+            save_total_limit=cfg.keep_checkpoints, eval_dataset=job.evals, max_steps=job.steps,
+            lr_scheduler_type=SCHEDULES[cfg.lr_schedule],
+            warmup_steps=round(cfg.lr_warmup * job.steps), eval_strategy="steps",
+            eval_steps=cfg.eval_cadence(job.steps, len(job.split.eval.indices)),
+            per_device_eval_batch_size=cfg.eval_batch, prediction_loss_only=True,
+            save_steps=cfg.cadence(cfg.checkpoint_every, job.steps))
+        first = stored.get("eval_loss_0")
+        if resume is None:  # the held-out loss before the first step
+            begin = time.perf_counter()
+            with timer.stage("eval"):
+                first = trainer.evaluate()["eval_loss"]
+            callback.setup_from += time.perf_counter() - begin  # `setup`: the Trainer's, not this
+            record(out, {"eval_loss_0": first})
+        state = json.loads((resume / "trainer_state.json").read_text()) if resume else {}
+        if state and state["global_step"] >= state.get("max_steps", float("inf")):
+            from transformers import TrainerState  # trained to the end, stopped before its output:
+
+            # nothing to train (the Trainer resumed there would add a step)
+            trainer.state = TrainerState.load_from_json(str(resume / "trainer_state.json"))
+            trainer._load_from_checkpoint(str(resume))
+            wall = 0.0
+        else:
+            wall = fit(trainer, callback, resume, out)
         with timer.stage("checkpoint"):  # the output: adapter + tokenizer, whole
-            files = publish(out, lambda tmp: _save_output(got["trainer"], folder, src, tmp))
+            files = publish(out, lambda tmp: _save_output(trainer, folder, src, tmp))
             made = merged(folder, out, out / "merged") if cfg.merge else None
         stages = timer.to_frame().assign(run=f"train ({plan.name})")  # beside a comparison's
         eta = check_eta(projected, stages)
-        losses = _losses(got["trainer"].state.log_history, got["first_eval"],
-                         job.tokens_per_step).assign(run=plan.name)
-        frame = pd.DataFrame([_summary(cfg, plan, job, got, eta, losses, out, files, made)
-                              | {"plan_s": plan_s}])
+        losses = _losses(trainer.state.log_history, first, job.tokens_per_step)
+        frame = pd.DataFrame([_summary(cfg, plan, job, trainer, done, wall, eta, losses, out,
+                                       files, made) | {"plan_s": plan_s}])
         record(out, {"finished": json.loads(frame.to_json(orient="records"))[0]})
         say(f"diag train: {after_line(eta)}; the adapter is in {out}")
-        return TrainResult(frame, stages, losses, eta, plan.frame())
+        return TrainResult(frame, stages, losses.assign(run=plan.name), eta, plan.frame())
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -175,7 +185,6 @@ def _job(cfg: TrainConfig, plan: Plan, path: Path, folder: Path, work: Path,
          attention: str | None) -> _Job:
     """The preprocess stage: the whole token cache, the held-out split, the plan's datasets."""
     from diag.data import PackedDataset
-    from diag.qlora.data import ArrowRecords, build_dataset, train_records
 
     split = train_records(cfg, path, folder)
     rows = ArrowRecords(path, cfg.fields(), work, split.train.indices) \
@@ -196,51 +205,8 @@ def _same_source(out: Path, stored: dict[str, Any], cache: Any) -> None:
     record(out, {"cache": cache.key})
 
 
-SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
-
-
-def _train(cfg: TrainConfig, plan: Plan, model: Any, job: _Job, out: Path, device: Any,
-           timer: Any, stored: dict[str, Any], projected: dict[str, float]) -> dict[str, Any]:
-    """The Trainer's stages; the held-out loss before a fresh run's first step, then on cadence."""
-    from diag.qlora.progress import Progress
-    from diag.qlora.trainer import fit, trainer_for
-
-    every = {k: cfg.cadence(getattr(cfg, k), job.steps)
-             for k in ("checkpoint_every", "progress_every")}
-    every["eval_every"] = cfg.eval_cadence(job.steps, len(job.split.eval.indices))
-    progress = Progress(timer, job.tokens_per_step, every["progress_every"],
-                        f"diag train ({plan.name})", projected)
-    trainer, callback = trainer_for(
-        cfg, plan, model, job.data, out, device, timer, keep=cfg.keep_checkpoints,
-        callbacks=(progress,), eval_dataset=job.evals, max_steps=job.steps,
-        lr_scheduler_type=SCHEDULES[cfg.lr_schedule],
-        warmup_steps=round(cfg.lr_warmup * job.steps), eval_strategy="steps",
-        eval_steps=every["eval_every"], per_device_eval_batch_size=cfg.eval_batch,
-        prediction_loss_only=True, save_steps=every["checkpoint_every"])
-    resume = last_checkpoint(out) if cfg.resume else None
-    first = stored.get("eval_loss_0")
-    if resume is None:
-        begin = time.perf_counter()
-        with timer.stage("eval"):
-            first = trainer.evaluate()["eval_loss"]
-        callback.setup_from += time.perf_counter() - begin  # `setup`: the Trainer's, not this
-        record(out, {"eval_loss_0": first})
-    if resume is not None and at_end(resume):  # trained to the end, stopped before its output:
-        from transformers import TrainerState  # nothing to train (the Trainer would add a step)
-
-        trainer.state = TrainerState.load_from_json(str(resume / "trainer_state.json"))
-        trainer._load_from_checkpoint(str(resume))
-        wall = 0.0
-    else:
-        wall = fit(trainer, callback, resume, out)
-    return {"trainer": trainer, "resume": resume, "wall": wall, "first_eval": first}
-
-
 def _finished(out: Path, stored: dict[str, Any]) -> TrainResult:
     """A resume of a finished run: its summary and losses as it left them, nothing trained."""
-    import pandas as pd
-    from diag.qlora.progress import say
-
     row = stored["finished"] | {"resumed_from_step": stored["finished"]["steps"]}
     say(f"diag train: the run in {out} finished at step {row['steps']}: nothing to train, its "
         "adapter is there (name a new --out-dir to train again)")
@@ -270,8 +236,6 @@ def _save_output(trainer: Any, folder: Path, src: Sources, tmp: Path) -> None:
 def _losses(history: list[dict[str, Any]], first_eval: float, tokens_per_step: float
             ) -> pd.DataFrame:
     """Each step's train loss and each eval's (step 0: before training), with trained tokens."""
-    import pandas as pd
-
     rows = [{"split": "eval", "step": 0, "loss": first_eval, "learning_rate": None}]
     rows += [{"split": "train", "step": h["step"], "loss": h["loss"],
               "learning_rate": h.get("learning_rate")} for h in history if "loss" in h]
@@ -281,11 +245,8 @@ def _losses(history: list[dict[str, Any]], first_eval: float, tokens_per_step: f
     return frame.assign(trained_tokens=(frame["step"] * tokens_per_step).round().astype(int))
 
 
-def _counts(cfg: TrainConfig, job: _Job, out: Path) -> dict[str, float]:
-    """What the run does, counted before its first step (eta.job_counts)."""
-    from diag.data import read_meta
-
-    done = int(last.name.split("-")[1]) if cfg.resume and (last := last_checkpoint(out)) else 0
+def _counts(cfg: TrainConfig, job: _Job, done: int) -> dict[str, float]:
+    """What the run does after step `done`, counted before its first step (eta.job_counts)."""
     cache = job.split.train.cache
     return job_counts(
         job.steps, cfg.warmup_steps, job.tokens_per_step,
@@ -308,19 +269,19 @@ def _head(cfg: TrainConfig, plan: Plan, job: _Job) -> str:
             f"{split.train.cache.status}")
 
 
-def _summary(cfg: TrainConfig, plan: Plan, job: _Job, got: dict[str, Any], eta: pd.DataFrame,
-             losses: pd.DataFrame, out: Path, files: list[str], made: Path | None
-             ) -> dict[str, Any]:
+def _summary(cfg: TrainConfig, plan: Plan, job: _Job, trainer: Any, done: int, wall: float,
+             eta: pd.DataFrame, losses: pd.DataFrame, out: Path, files: list[str],
+             made: Path | None) -> dict[str, Any]:
     total, split = eta.set_index("stage").loc["total"], job.split
-    evals, trainer = losses.loc[losses["split"] == "eval", "loss"], got["trainer"]
+    evals = losses.loc[losses["split"] == "eval", "loss"]
     return {**job.data.stats, "plan": plan.name, "records": len(split.train.indices),
             "eval_records": len(split.eval.indices), "dropped_records": split.dropped,
             "steps": trainer.state.global_step, "steps_per_epoch": split.steps_per_epoch,
             "epochs": job.steps / split.steps_per_epoch, "batch_size": cfg.batch_size,
-            "resumed_from_step": int(got["resume"].name.split("-")[1]) if got["resume"] else 0,
+            "resumed_from_step": done,
             "trained_tokens": round(job.tokens_per_step * trainer.state.global_step),
             "seconds": total.measured_s, "predicted_s": total.predicted_s,
-            "eta_error": total.error_share, "trainer_wall_s": got["wall"],
+            "eta_error": total.error_share, "trainer_wall_s": wall,
             "micro_batch": trainer.args.per_device_train_batch_size,
             "grad_accum": trainer.args.gradient_accumulation_steps,
             **{k: getattr(plan, k) for k in ("num_workers", "pipeline", "gradient_checkpointing")},

@@ -1,5 +1,6 @@
 """The Trainer as `diag qlora` and `diag train` run it: its arguments from the plan, checkpoints
-written whole, a signal turned into a checkpoint and a stop, every stage timed."""
+written whole, a signal turned into a checkpoint and a stop, every stage timed, and the live view
+on stderr (`progress_callback`: the ETA left at the steps' own pace, the stage shares)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,18 @@ import functools
 import gc
 import os
 import signal
+import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from diag.qlora.checkpoints import interrupted, keep_last, save_whole
+from diag.forecast.eta import duration
+from diag.qlora.checkpoints import Interrupted, save_whole
+from diag.runner import say  # stderr beside the bar; text in a kernel
+from diag.timing import STEP_STAGES
 
 if TYPE_CHECKING:
     from diag.config import JobConfig
@@ -35,7 +41,7 @@ def training_args(cfg: JobConfig, plan: Plan, data: Any, out_dir: Path, device: 
         "lr_scheduler_type": "linear", "warmup_steps": max(1, round(0.1 * steps)),
         "seed": cfg.seed, "data_seed": cfg.seed, "logging_steps": 1, "report_to": [],
         "disable_tqdm": True, "save_strategy": "steps",
-        "save_steps": cfg.checkpoint_every or steps, "save_total_limit": None,  # checkpoints'
+        "save_steps": cfg.checkpoint_every or steps, "save_total_limit": 2,  # the newest kept
         "use_cpu": device.type == "cpu", "dataloader_num_workers": workers,
         "dataloader_pin_memory": plan.pin_memory,
         "dataloader_persistent_workers": plan.persistent_workers and workers > 0,
@@ -46,7 +52,7 @@ def training_args(cfg: JobConfig, plan: Plan, data: Any, out_dir: Path, device: 
 
 
 def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path, device: Any,
-                timer: StageTimer, keep: int = 2, callbacks: tuple[Any, ...] = (),
+                timer: StageTimer, callbacks: tuple[Any, ...] = (),
                 **more: Any) -> tuple[Any, Any]:
     """(the Trainer, its TimingCallback); more: training_args' overrides, or the datasets."""
     import transformers
@@ -59,7 +65,7 @@ def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path
     args = training_args(cfg, plan, data, out_dir, device, **more)
     trainer = trainer_class()(model=model, args=args, callbacks=[
         callback, signals_callback()(), *callbacks], **({"train_dataset": data.dataset} | own))
-    trainer.keep, trainer.made_at = keep, callback.setup_from
+    trainer.made_at = callback.setup_from
     callback.trainer = trainer  # under DDP: its wrapped model and its batch fetch are clocked
     # the Trainer prints every log line with tqdm off; a function in diag prints nothing
     trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
@@ -85,7 +91,7 @@ def fit(trainer: Any, callback: Any, resume: Path | None, out_dir: Path | None) 
     signals = next(c for c in trainer.callback_handler.callbacks
                    if isinstance(c, signals_callback()))
     if signals.signum is not None:
-        raise interrupted(signals.signum, trainer.state.global_step, out_dir)
+        raise Interrupted(signals.signum, trainer.state.global_step, out_dir)
     return wall
 
 
@@ -102,7 +108,6 @@ def trainer_class() -> type:
     import transformers
 
     class Trainer(transformers.Trainer):
-        keep = 2  # checkpoints kept (set per instance)
         made_at = 0.0  # time.perf_counter() before it was made: its wall clock starts there
         _staging: Path | None = None
 
@@ -111,11 +116,9 @@ def trainer_class() -> type:
 
         def _save_checkpoint(self, model: Any, trial: Any) -> None:
             name = f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            if self.args.world_size > 1:  # every rank writes its own files into one folder (as
-                super()._save_checkpoint(model, trial)  # the Trainer does): rank 0's
-                if self.args.should_save:  # trainer_state.json, written last, marks it whole
-                    keep_last(Path(super()._get_output_dir(trial)), self.keep)
-                return
+            if self.args.world_size > 1:  # every rank writes its own files into one folder, as
+                # the Trainer does: rank 0's trainer_state.json, written last, marks it whole
+                return super()._save_checkpoint(model, trial)
 
             def write(tmp: Path) -> None:
                 self._staging = tmp
@@ -127,7 +130,8 @@ def trainer_class() -> type:
                     os.replace(part, tmp / part.name)
                 (tmp / name).rmdir()
 
-            save_whole(Path(super()._get_output_dir(trial)) / name, write, self.keep)
+            save_whole(Path(super()._get_output_dir(trial)) / name, write,
+                       self.args.save_total_limit)
 
     return Trainer
 
@@ -165,3 +169,71 @@ def signals_callback() -> type:
             self._old = {}
 
     return Signals
+
+
+def shares_so_far(timer: StageTimer) -> str:
+    """Each stage's share of the seconds recorded so far, largest first ("compute 91%, ...")."""
+    frame = timer.to_frame()
+    spent = frame[frame["stage"] != "train"].groupby("stage")["seconds"].sum()
+    total = spent.sum()
+    if not total > 0:
+        return "nothing timed yet"
+    return ", ".join(f"{stage} {seconds / total:.1%}"
+                     for stage, seconds in spent.sort_values(ascending=False).items())
+
+
+def left_s(projected: dict[str, float], spent: dict[str, float], steps_left: int,
+           step_s: float | None) -> float:
+    """The steps left at the pace measured (else the ETA's), and each later stage's ETA left."""
+    steps = steps_left * step_s if step_s else max(
+        0.0, projected.get("train", 0.0) + projected.get("warmup", 0.0)
+        - spent.get("train", 0.0) - spent.get("warmup", 0.0))
+    rest = sum(max(0.0, s - spent.get(stage, 0.0)) for stage, s in projected.items()
+               if stage not in ("train", "warmup", "fetch_data", "load_model", "preprocess",
+                                "setup"))
+    return steps + rest
+
+
+@functools.cache
+def progress_callback() -> type:
+    """The bar (steps, trained tokens/s, data_wait, diag's time left) and the shares every
+    `every` steps; projected: the ETA's seconds per stage."""
+    from tqdm.auto import tqdm
+    from transformers import TrainerCallback
+
+    class Progress(TrainerCallback):
+        def __init__(self, timer: StageTimer, tokens_per_step: float, every: int, desc: str,
+                     projected: dict[str, float]) -> None:
+            self.timer, self.tokens_per_step, self.every = timer, tokens_per_step, every
+            self.desc, self.projected = desc, projected
+            self.bar: Any = None
+            self._start, self._first = 0.0, 0
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, unit="step",
+                            desc=self.desc, dynamic_ncols=True, file=sys.stderr,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+            self._start, self._first = time.perf_counter(), state.global_step
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            step, frame = state.global_step, self.timer.to_frame()
+            spent = frame[frame["step"].isna()].groupby("stage")["seconds"].sum().to_dict()
+            stepped = frame[frame["stage"].isin(STEP_STAGES) & frame["step"].notna()]
+            per = stepped.groupby("step")["seconds"].sum()
+            wait = stepped.loc[stepped["stage"] == "data_wait", "seconds"].sum()
+            rate = self.tokens_per_step * (step - self._first) / (time.perf_counter()
+                                                                   - self._start)
+            step_s = statistics.median(per.tail(20)) if len(per) else None
+            left = left_s(self.projected, spent, state.max_steps - step, step_s)
+            self.bar.set_postfix_str(f"{rate:,.0f} trained tokens/s, data_wait "
+                                     f"{wait / per.sum() if per.sum() else 0:.1%}, "
+                                     f"{duration(left)} left (diag's ETA)", refresh=False)
+            self.bar.update(1)
+            if self.every and step % self.every == 0 and step < state.max_steps:
+                say(f"step {step}: stage shares so far: {shares_so_far(self.timer)}")
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.bar is not None:
+                self.bar.close()
+
+    return Progress

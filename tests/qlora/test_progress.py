@@ -1,6 +1,6 @@
 """diag train's bar: the time left is diag's model, re-estimated from the steps' own pace."""
 
-from diag.qlora.progress import left_s
+from diag.qlora.trainer import left_s
 
 PROJECTED = {"fetch_data": 5.0, "load_model": 20.0, "setup": 2.0, "warmup": 4.0,
              "train": 100.0, "checkpoint": 6.0, "eval": 12.0}

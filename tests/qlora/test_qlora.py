@@ -311,7 +311,7 @@ def test_the_job_times_its_own_starts_only_where_no_decision_priced_them():
 
     from diag.decision import Decision
     from diag.qlora.job import open_sources, prepare
-    from diag.qlora.starts import time_starts
+    from diag.qlora.experiment import time_starts
 
     cfg = QLoraConfig.quick(rounds=2)
     opt = Plan.optimized().for_device("cpu").fit(4)

@@ -79,7 +79,7 @@ def test_ctrl_c_exits_130_with_the_line_on_how_to_resume(monkeypatch, capsys):
     from diag import cli
 
     def stopped(name, cfg):
-        raise checkpoints.interrupted(signal.SIGTERM, 7, cfg_dir)
+        raise checkpoints.Interrupted(signal.SIGTERM, 7, cfg_dir)
 
     cfg_dir = "out/run"
     monkeypatch.setattr(cli, "run", stopped)
@@ -87,7 +87,7 @@ def test_ctrl_c_exits_130_with_the_line_on_how_to_resume(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err == ("diag: stopped by SIGTERM after step 7; a checkpoint of step 7 is saved: run "
                    "the same command with --resume --out-dir out/run to continue\n")
-    assert "name --out-dir to keep one" in str(checkpoints.interrupted(signal.SIGINT, 3, None))
+    assert "name --out-dir to keep one" in str(checkpoints.Interrupted(signal.SIGINT, 3, None))
 
 
 def _checkpoint(folder, step, complete=True):
