@@ -81,6 +81,6 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory, _isolated_home):
 
     out = tmp_path_factory.mktemp("demo") / "run"
     done = subprocess.run([sys.executable, "-m", "diag", "run", "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done
