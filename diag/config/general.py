@@ -11,7 +11,7 @@ from diag.config.base import ExperimentConfig, whole
 from diag.config.loader import ON_ERROR
 from diag.config.qlora import QLoraPlan
 from diag.config.source import ModelLoadConfig, SourceConfig, StorageConfig, check_out
-from diag.machine.gpus import GPUS, dense_peak_flops
+from diag.machine.device import GPUS, dense_peak_flops
 
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?")

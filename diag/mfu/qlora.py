@@ -11,8 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from diag.machine.device import Peak, peak_flops, resolve
-from diag.machine.gpus import _dtype
+from diag.machine.device import Peak, _dtype, peak_flops, resolve
 from diag.mfu.formula import (ModelShape, count_flops, depth_width, disagreement, judge_mfu,
                               over_ranks)
 from diag.timing import StageTimer

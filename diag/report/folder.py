@@ -254,7 +254,7 @@ def figures(frames: dict[str, pd.DataFrame],
 def gpu_marks(summary: dict[str, Any]) -> dict[str, float] | None:
     """Amdahl-curve marks: the current GPU (config, else detected) at 1x, the target at its
     dense-peak ratio; None when either is not in diag's table (e.g. a CPU-only machine)."""
-    from diag.machine.gpus import find_gpu
+    from diag.machine.device import find_gpu
 
     config, device = summary.get("config", {}), summary.get("device", {})
     current = config.get("current_gpu") or str(device.get("accelerator", ""))
