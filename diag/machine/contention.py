@@ -64,8 +64,7 @@ def _gpu_others(device: Any) -> int | None:
 
 
 class Sampler:
-    """A subclass's `_read(*args)` every `interval_s` on a daemon thread while the `with` block
-    runs (the first at once when `eager`); `reason` says why nothing was read."""
+    """`_read(*args)` every `interval_s` on a daemon thread in the `with`; `reason`: why not."""
 
     extra, eager = "gpu", False  # the pip extra that installs nvidia-ml-py; read before waiting
 

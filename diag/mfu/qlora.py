@@ -88,8 +88,7 @@ def _precision(module: Any, x: Any) -> str:
 
 @contextlib.contextmanager
 def tally(model: Any) -> Iterator[tuple[collections.Counter[str], collections.Counter[str]]]:
-    """While open, (parts, by precision): each linear call's FLOPs, forward and (where backward
-    computes them) input_grads / weight_grads."""
+    """While open, (parts, by precision): each linear call's forward and gradient FLOPs."""
     parts: collections.Counter[str] = collections.Counter()
     by_dtype: collections.Counter[str] = collections.Counter()
 
