@@ -59,7 +59,7 @@ def _choices(cls: type) -> dict[str, tuple[Any, ...]]:
 
 @dataclass
 class ExperimentConfig:
-    """Validation, quick variant, dict round-trip; Literal fields and `device` checked first."""
+    """Validation, quick variant, dict round-trip; Literals, device and GPU names checked first."""
 
     QUICK: ClassVar[dict[str, Any]] = {}
 
@@ -69,6 +69,14 @@ class ExperimentConfig:
         if hasattr(self, "device"):
             self._check(("device",), lambda v: bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(v))),
                         "allowed values are 'auto', 'cpu', 'cuda' and 'cuda:N'")
+        for name in ("current_gpu", "target_gpu"):  # "" or a GPU with a dense bf16 peak
+            if gpu := getattr(self, name, ""):
+                from diag.machine.device import GPUS, dense_peak_flops
+
+                if dense_peak_flops(gpu, "bf16") is None:
+                    raise ValueError(f"--{name.replace('_', '-')}={gpu!r}: not a GPU with a dense "
+                                     "bf16 peak in diag's table; allowed: "
+                                     + ", ".join(g.name for g in GPUS if "bf16" in g.peaks))
         self.validate()
 
     def validate(self) -> None:
