@@ -59,7 +59,7 @@ def _choices(cls: type) -> dict[str, tuple[Any, ...]]:
 
 @dataclass
 class ExperimentConfig:
-    """Validation, quick variant, dict round-trip; Literals, device and GPU names checked first."""
+    """Validation, quick variant, dict round-trip; Literals and shared fields checked first."""
 
     QUICK: ClassVar[dict[str, Any]] = {}
 
@@ -69,6 +69,10 @@ class ExperimentConfig:
         if hasattr(self, "device"):
             self._check(("device",), lambda v: bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(v))),
                         "allowed values are 'auto', 'cpu', 'cuda' and 'cuda:N'")
+        if hasattr(self, "slow_rank"):  # a rank slowed on purpose, to see the others' comm_wait
+            self._check(("slow_rank",), lambda v: whole(v) and v >= -1, "a rank (0, 1, ...) or -1 "
+                        "for none")
+            self._non_negative("slow_ms")
         for name in ("current_gpu", "target_gpu"):  # "" or a GPU with a dense bf16 peak
             if gpu := getattr(self, name, ""):
                 from diag.machine.device import GPUS, dense_peak_flops
@@ -131,9 +135,3 @@ class ExperimentConfig:
     def _choice(self, name: str, allowed: tuple[Any, ...]) -> None:
         self._check((name,), lambda v: v in allowed,
                     "allowed values are " + ", ".join(map(repr, allowed)))
-
-    def _straggler(self) -> None:
-        """slow_rank / slow_ms: a rank slowed on purpose, to see the others' comm_wait."""
-        self._check(("slow_rank",), lambda v: whole(v) and v >= -1, "a rank (0, 1, ...) or -1 "
-                    "for none")
-        self._non_negative("slow_ms")

@@ -85,7 +85,6 @@ class QLoraConfig(JobConfig):
         super().validate()
         self._positive("records", "steps")
         self._whole("rounds")
-        self._straggler()
         self._check(("steps",), lambda v: v <= self.records, f"at most records={self.records} "
                     "(each optimizer step needs at least one record)")
         self._check(("warmup_steps",), lambda v: v < self.steps, f"must be below steps="
