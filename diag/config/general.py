@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from diag.config.base import ExperimentConfig, whole
-from diag.config.loader import ON_ERROR
 from diag.config.qlora import QLoraPlan
 from diag.config.source import ModelLoadConfig, SourceConfig, StorageConfig, check_out
 
@@ -108,7 +107,6 @@ class DiagnoseConfig(SourceConfig):
         if self.records and self.job_steps > self.records:
             raise ValueError(f"--job-steps={self.job_steps}: at most --records={self.records} "
                              "(each optimizer step needs at least one record)")
-        self._choice("on_error", ON_ERROR)
         self._wholes("workers", 0, " ([] = the experiment's default)")
         self._wholes("micro_batches", 1, " ([] = the experiment's default)")
 
