@@ -60,7 +60,7 @@ bench: $(STAMP)
 # Mutation testing (mutmut, config in pyproject.toml [tool.mutmut]): slow, so not in make test or
 # CI. Of the larger modules only the decision functions are mutated; one module at a time:
 # make mutate MUTANTS='diag.noise.*'. The embedded assets are made once for all mutants.
-MUTANTS ?= diag.amdahl.* diag.secrets.* diag.timing.timer.* diag.machine.gpus.* diag.config.* \
+MUTANTS ?= diag.amdahl.* diag.secrets.* diag.timing.timer.* diag.machine.device.* diag.config.* \
 	diag.storage.landing.x__local_ok__* diag.decision.* diag.qlora.plans.* diag.loader.advice.* \
 	diag.mfu.formula.* diag.mfu.qlora.* diag.storage.checks.* diag.storage.crc.* \
 	diag.timing.callback.* diag.noise.* diag.qlora.data.x_train_records__* \

@@ -139,8 +139,8 @@ def project(frame: pd.DataFrame, speedup: Mapping[str, float],
 
 
 def compute_ratio(from_device: str, to_device: str, dtype: str = "bf16") -> float:
-    """to_device's dense peak over from_device's (diag.machine.gpus); unknown: ValueError."""
-    from diag.machine.gpus import GPUS, dense_peak_flops, find_gpu
+    """to_device's dense peak over from_device's (diag.machine.device); unknown: ValueError."""
+    from diag.machine.device import GPUS, dense_peak_flops, find_gpu
 
     for name in (from_device, to_device):
         if dense_peak_flops(name, dtype) is None:

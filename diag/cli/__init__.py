@@ -216,8 +216,7 @@ def exit_now(code: int) -> typing.NoReturn:
 
 
 def said() -> None:
-    """Under torchrun's agent (which stops every rank once one exits), a refusing rank waits up
-    to timeout_s("say") until this node's other ranks have said theirs (a marker each) or ended."""
+    """Under torchrun, wait (timeout_s("say")) till the node's other ranks said theirs or ended."""
     import tempfile
     import time
 

@@ -44,7 +44,6 @@ class AccumConfig(ExperimentConfig):
         self._whole("tokens_per_step", "seq_len", "steps", "steps_per_run")
         self._whole("warmup_steps", "seed", low=0)
         self._non_negative("peak_tflops")
-        self._straggler()
         if self.compile and self.warmup_steps < 1:
             raise ValueError(f"{name}.warmup_steps=0: compile=True needs >= 1 warm-up step, where "
                              "the compile happens (it must not land in the timed steps)")

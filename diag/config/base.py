@@ -21,6 +21,7 @@ LoadProcess = Literal["fork", "exec"]
 STORAGE_PULLS = ("boto3_default", "boto3_tuned", "s5cmd")
 Verify = Literal["sha256", "size"]
 VERIFY_MODES: tuple[str, ...] = get_args(Verify)
+ON_ERROR = ("raise", "skip")  # a malformed row: stop, or leave it out and list it
 
 
 def quick_mode() -> bool:
@@ -59,7 +60,7 @@ def _choices(cls: type) -> dict[str, tuple[Any, ...]]:
 
 @dataclass
 class ExperimentConfig:
-    """Validation, quick variant, dict round-trip; Literal fields and `device` checked first."""
+    """Validation, quick variant, dict round-trip; Literals and shared fields checked first."""
 
     QUICK: ClassVar[dict[str, Any]] = {}
 
@@ -69,6 +70,20 @@ class ExperimentConfig:
         if hasattr(self, "device"):
             self._check(("device",), lambda v: bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(v))),
                         "allowed values are 'auto', 'cpu', 'cuda' and 'cuda:N'")
+        if hasattr(self, "on_error"):
+            self._choice("on_error", ON_ERROR)
+        if hasattr(self, "slow_rank"):  # a rank slowed on purpose, to see the others' comm_wait
+            self._check(("slow_rank",), lambda v: whole(v) and v >= -1, "a rank (0, 1, ...) or -1 "
+                        "for none")
+            self._non_negative("slow_ms")
+        for name in ("current_gpu", "target_gpu"):  # "" or a GPU with a dense bf16 peak
+            if gpu := getattr(self, name, ""):
+                from diag.machine.device import GPUS, dense_peak_flops
+
+                if dense_peak_flops(gpu, "bf16") is None:
+                    raise ValueError(f"--{name.replace('_', '-')}={gpu!r}: not a GPU with a dense "
+                                     "bf16 peak in diag's table; allowed: "
+                                     + ", ".join(g.name for g in GPUS if "bf16" in g.peaks))
         self.validate()
 
     def validate(self) -> None:
@@ -123,9 +138,3 @@ class ExperimentConfig:
     def _choice(self, name: str, allowed: tuple[Any, ...]) -> None:
         self._check((name,), lambda v: v in allowed,
                     "allowed values are " + ", ".join(map(repr, allowed)))
-
-    def _straggler(self) -> None:
-        """slow_rank / slow_ms: a rank slowed on purpose, to see the others' comm_wait."""
-        self._check(("slow_rank",), lambda v: whole(v) and v >= -1, "a rank (0, 1, ...) or -1 "
-                    "for none")
-        self._non_negative("slow_ms")

@@ -8,10 +8,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from diag.config.base import ExperimentConfig, whole
-from diag.config.loader import ON_ERROR
 from diag.config.qlora import QLoraPlan
 from diag.config.source import ModelLoadConfig, SourceConfig, StorageConfig, check_out
-from diag.machine.gpus import GPUS, dense_peak_flops
 
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?")
@@ -51,7 +49,6 @@ class ToyConfig(ExperimentConfig):
     def validate(self) -> None:
         self._positive("steps", "batch_size", "width")
         self._non_negative("warmup_steps", "prep_ms", "num_workers")
-        self._straggler()
 
 
 @dataclass
@@ -110,8 +107,6 @@ class DiagnoseConfig(SourceConfig):
         if self.records and self.job_steps > self.records:
             raise ValueError(f"--job-steps={self.job_steps}: at most --records={self.records} "
                              "(each optimizer step needs at least one record)")
-        self._choice("on_error", ON_ERROR)
-        check_gpus(self)
         self._wholes("workers", 0, " ([] = the experiment's default)")
         self._wholes("micro_batches", 1, " ([] = the experiment's default)")
 
@@ -139,23 +134,10 @@ def duration_s(text: str, name: str = "DiagnoseConfig.budget") -> float:
     return total
 
 
-def check_gpus(cfg: ExperimentConfig) -> None:
-    """current_gpu and target_gpu: '' or a GPU with a dense bf16 peak in diag's table."""
-    for name in ("current_gpu", "target_gpu"):
-        gpu = getattr(cfg, name)
-        if gpu and dense_peak_flops(gpu, "bf16") is None:
-            raise ValueError(f"--{name.replace('_', '-')}={gpu!r}: not a GPU with a dense bf16 "
-                             "peak in diag's table; allowed: "
-                             + ", ".join(g.name for g in GPUS if "bf16" in g.peaks))
-
-
 @dataclass
 class _Gpus(ExperimentConfig):
     current_gpu: str = ""  # the job's GPU, for the upgrade projection; "" = what NVML saw (attach)
     target_gpu: str = "H100 SXM"  # the GPU the projection compares it with
-
-    def validate(self) -> None:
-        check_gpus(self)
 
 
 @dataclass
@@ -171,7 +153,6 @@ class AttachConfig(_Gpus):
     QUICK: ClassVar[dict[str, Any]] = {"seconds": 5.0}
 
     def validate(self) -> None:
-        super().validate()
         self._check(("pid",), lambda v: whole(v) and v > 0, "the process id of a running training "
                     "script (a whole number > 0; ps or nvidia-smi shows it)")
         self._positive("seconds")
@@ -189,7 +170,6 @@ class TraceConfig(_Gpus):
     POSITIONAL: ClassVar[tuple[str, ...]] = ("files",)
 
     def validate(self) -> None:
-        super().validate()
         self._check(("files",), lambda v: isinstance(v, (list, tuple)) and bool(v),
                     "name at least one torch.profiler trace (.json or .json.gz)")
         if missing := [f for f in self.files if not Path(f).is_file()]:

@@ -9,7 +9,6 @@ from diag.config.source import RecordFields
 from diag.decision import DATA_WAIT_GOAL
 
 LOADER_PIPELINES = ("naive", "packed")  # tokenize per sample in the loop; read the token cache
-ON_ERROR = ("raise", "skip")  # a malformed row: stop, or leave it out and list it
 
 
 @dataclass
@@ -62,7 +61,6 @@ class LoaderConfig(RecordFields):
         self._check(("mfu", "target_share"), lambda v: number(v) and 0 < v < 1,
                     "must be a number in (0, 1)")
         self._non_negative("step_ms", "extra_prep_ms")
-        self._choice("on_error", ON_ERROR)
         self.pipelines = parse_list(self.pipelines)
         self._check(("pipelines",), lambda v: v and set(v) <= set(LOADER_PIPELINES),
                     "name one or more of " + ", ".join(map(repr, LOADER_PIPELINES)))

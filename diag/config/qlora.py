@@ -7,7 +7,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 from diag.config.base import number, whole
-from diag.config.loader import ON_ERROR
 from diag.config.source import SourceConfig
 
 QLoraPlan = Literal["naive", "optimized", "both"]
@@ -50,7 +49,6 @@ class JobConfig(SourceConfig):
 
     def validate(self) -> None:
         super().validate()  # the source flags
-        self._choice("on_error", ON_ERROR)
         self._positive("seq_len", "lr", "lora_r", "lora_alpha", "sweep_steps")
         self._wholes("sweep_workers", 0)
         self._wholes("sweep_micro_batches", 1)
@@ -85,7 +83,6 @@ class QLoraConfig(JobConfig):
         super().validate()
         self._positive("records", "steps")
         self._whole("rounds")
-        self._straggler()
         self._check(("steps",), lambda v: v <= self.records, f"at most records={self.records} "
                     "(each optimizer step needs at least one record)")
         self._check(("warmup_steps",), lambda v: v < self.steps, f"must be below steps="

@@ -15,7 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from diag.config.loader import ON_ERROR
+from diag.config.base import ON_ERROR
 from diag.config.source import COMPRESSED, DATA_SUFFIXES, MANIFEST_SUFFIX, data_file
 
 PROBLEM_COLUMNS = ["line", "problem", "detail"]  # one row per record left out

@@ -17,7 +17,7 @@ from diag.config import LoaderConfig, ToyConfig
 from diag.machine import device as devices
 from diag.machine.contention import GpuSampler
 from diag.machine.device import on_cpu_threads, sync
-from diag.machine.gpus import GPUS, dense_peak_flops
+from diag.machine.device import GPUS, dense_peak_flops
 from diag.timing import StageTimer, distributed
 
 

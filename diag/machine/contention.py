@@ -17,13 +17,13 @@ from typing import Any
 BUSY = {"others_share": 0.25, "steal_share": 0.05}
 
 
-def _cpu_jiffies() -> tuple[float, float, float]:
-    """(busy, steal, total) jiffies of every core since boot, from /proc/stat."""
-    with open("/proc/stat") as f:
-        user, nice, system, idle, iowait, irq, softirq, steal = map(
-            float, f.readline().split()[1:9])
-    total = user + nice + system + idle + iowait + irq + softirq + steal
-    return total - idle - iowait - steal, steal, total
+def _cpu_seconds() -> tuple[float, float, float]:
+    """(busy, steal, total) CPU seconds of every core since boot (guest time is in user's)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    total = sum(t[:8])  # user, nice, system, idle, iowait, irq, softirq, steal
+    return total - t.idle - t.iowait - t.steal, t.steal, total
 
 
 def family(pid: int) -> list[Any]:
@@ -64,8 +64,7 @@ def _gpu_others(device: Any) -> int | None:
 
 
 class Sampler:
-    """A subclass's `_read(*args)` every `interval_s` on a daemon thread while the `with` block
-    runs (the first at once when `eager`); `reason` says why nothing was read."""
+    """`_read(*args)` every `interval_s` on a daemon thread in the `with`; `reason`: why not."""
 
     extra, eager = "gpu", False  # the pip extra that installs nvidia-ml-py; read before waiting
 
@@ -123,7 +122,7 @@ class Contention(Sampler):
 
     def __enter__(self) -> Contention:
         self._began = (time.perf_counter(), time.process_time())
-        self._last = (_own_seconds(), *_cpu_jiffies())
+        self._last = (_own_seconds(), *_cpu_seconds())
         self._start()
         return self
 
@@ -134,16 +133,16 @@ class Contention(Sampler):
         self.cpu_s = time.process_time() - self._began[1]
 
     def _read(self) -> None:
-        now, (own, busy, steal, total) = time.perf_counter(), (_own_seconds(), *_cpu_jiffies())
+        now, (own, busy, steal, total) = time.perf_counter(), (_own_seconds(), *_cpu_seconds())
         own0, busy0, steal0, total0 = self._last
         self._last = (own, busy, steal, total)
-        if total <= total0:
+        span = total - total0  # the window, in CPU seconds of every core
+        if span <= 0:
             return
-        tick, span = os.sysconf("SC_CLK_TCK"), total - total0  # the window, in CPU jiffies
-        others = max(0.0, (busy - busy0) / tick - (own - own0))
+        others = max(0.0, busy - busy0 - (own - own0))
         self.rows.append({"t_s": now - self._began[0], "load_1min": os.getloadavg()[0],
                           "cores": os.cpu_count() or 1,  # the machine's, which neighbours share
-                          "others_share": min(1.0, others * tick / span),
+                          "others_share": min(1.0, others / span),
                           "steal_share": (steal - steal0) / span,
                           "gpu_other_processes": _gpu_others(self.device)})
 

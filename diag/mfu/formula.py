@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from diag.decision import MFU_DISAGREEMENT
-from diag.machine.device import Peak
-from diag.machine.gpus import dense_peak_flops, find_gpu
+from diag.machine.device import Peak, dense_peak_flops, find_gpu
 
 if TYPE_CHECKING:
     import torch

@@ -11,8 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from diag.machine.device import Peak, peak_flops, resolve
-from diag.machine.gpus import _dtype
+from diag.machine.device import Peak, _dtype, peak_flops, resolve
 from diag.mfu.formula import (ModelShape, count_flops, depth_width, disagreement, judge_mfu,
                               over_ranks)
 from diag.timing import StageTimer
@@ -89,8 +88,7 @@ def _precision(module: Any, x: Any) -> str:
 
 @contextlib.contextmanager
 def tally(model: Any) -> Iterator[tuple[collections.Counter[str], collections.Counter[str]]]:
-    """While open, (parts, by precision): each linear call's FLOPs, forward and (where backward
-    computes them) input_grads / weight_grads."""
+    """While open, (parts, by precision): each linear call's forward and gradient FLOPs."""
     parts: collections.Counter[str] = collections.Counter()
     by_dtype: collections.Counter[str] = collections.Counter()
 

@@ -22,7 +22,7 @@ import pandas as pd
 from diag import amdahl, plots
 from diag.decision import chosen
 from diag.files import atomic_file, atomic_folder
-from diag.machine.gpus import find_gpu
+from diag.machine.device import find_gpu
 from diag.report.page import page
 from diag.report.units import seconds
 from diag.secrets import redact, redact_frame

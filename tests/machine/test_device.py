@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from diag.machine import device as dev
-from diag.machine import gpus
 from diag.config import InfoConfig
 
 T = 1e12
@@ -37,11 +36,11 @@ def test_known_dense_values(name: str, dtype: str, tflops: float) -> None:
 
 
 def test_table_structure() -> None:
-    assert len({s.name for s in gpus.GPUS}) == len(gpus.GPUS)
-    for spec in gpus.GPUS:
+    assert len({s.name for s in dev.GPUS}) == len(dev.GPUS)
+    for spec in dev.GPUS:
         assert spec.source.strip(), spec.name
         assert spec.memory_gb > 0, spec.name
-        assert spec.peaks and set(spec.peaks) <= set(gpus.DTYPES), spec.name
+        assert spec.peaks and set(spec.peaks) <= set(dev.DTYPES), spec.name
         p = spec.peaks
         assert all(v > 1e12 for v in p.values()), spec.name
         assert "fp16" in p and "fp32" in p, spec.name
@@ -60,12 +59,12 @@ def test_dense_tensor_peaks_keep_their_ratios_across_the_whole_table() -> None:
     # bf16 tensor math runs at twice the tf32 rate on every generation here (Ampere to Blackwell);
     # a 2:4-sparse figure slipped into either column breaks the ratio by 2x. fp16 == bf16 on all.
     # The lower bound is 1.97, not 1.98: the L40S datasheet prints 362.05 bf16 / 183 tf32 (1.978).
-    both = [s for s in gpus.GPUS if {"bf16", "tf32"} <= set(s.peaks)]
+    both = [s for s in dev.GPUS if {"bf16", "tf32"} <= set(s.peaks)]
     assert len(both) >= 25, [s.name for s in both]
     for spec in both:
         ratio = spec.peaks["bf16"] / spec.peaks["tf32"]
         assert 1.97 <= ratio <= 2.05, (spec.name, ratio)
-    for spec in gpus.GPUS:
+    for spec in dev.GPUS:
         if "bf16" in spec.peaks and "fp16" in spec.peaks:
             assert spec.peaks["fp16"] == spec.peaks["bf16"], spec.name
         if "fp8" in spec.peaks:  # fp8 is twice bf16 where the card has both
@@ -73,7 +72,7 @@ def test_dense_tensor_peaks_keep_their_ratios_across_the_whole_table() -> None:
 
 
 def test_entries_are_built_from_tflops_with_fp16_defaulting_to_bf16() -> None:
-    from diag.machine.gpus import GpuSpec, _g
+    from diag.machine.device import GpuSpec, _g
 
     spec = _g("X1", ("x1", "x 1"), 24.0, "a datasheet", fp32=10, bf16=40, tf32=20, fp8=80)
     assert isinstance(spec, GpuSpec)
@@ -87,9 +86,9 @@ def test_entries_are_built_from_tflops_with_fp16_defaulting_to_bf16() -> None:
 
 
 def test_every_pattern_finds_its_own_entry() -> None:
-    for spec in gpus.GPUS:
+    for spec in dev.GPUS:
         for pattern in spec.patterns:
-            assert gpus.find_gpu(pattern) is spec, (pattern, spec.name)
+            assert dev.find_gpu(pattern) is spec, (pattern, spec.name)
 
 
 @pytest.mark.parametrize(
@@ -123,7 +122,7 @@ def test_every_pattern_finds_its_own_entry() -> None:
     ],
 )
 def test_device_name_matching(device_name: str, entry: str) -> None:
-    spec = gpus.find_gpu(device_name)
+    spec = dev.find_gpu(device_name)
     assert spec is not None and spec.name == entry
 
 
@@ -132,13 +131,13 @@ def test_device_name_matching(device_name: str, entry: str) -> None:
     ("nvidia-l40s", "L40S"), ("TESLA T4", "T4"),
 ])
 def test_names_match_whatever_separates_or_cases_their_words(device_name: str, entry: str) -> None:
-    spec = gpus.find_gpu(device_name)
+    spec = dev.find_gpu(device_name)
     assert spec is not None and spec.name == entry
 
 
 @pytest.mark.parametrize("name", ["NVIDIA GeForce GTX 1080", "Quadro RTX 6000", "AMD MI300X", ""])
 def test_unknown_gpu_is_none_never_a_guess(name: str) -> None:
-    assert gpus.find_gpu(name) is None
+    assert dev.find_gpu(name) is None
     assert dev.dense_peak_flops(name) is None
 
 
@@ -240,7 +239,7 @@ def test_cuda_lookup_of_running_device() -> None:
     name = torch.cuda.get_device_name(0)
     peak = dev.peak_flops("cuda", "bf16")
     assert not peak.measured
-    if gpus.find_gpu(name) is None:
+    if dev.find_gpu(name) is None:
         assert peak.flops is None and name in peak.label
     else:
         assert peak.flops == dev.dense_peak_flops(name, "bf16") or peak.flops is None

@@ -1,13 +1,13 @@
-"""Every entry of diag.machine.gpus pinned, dtype by dtype, to its datasheet's dense figure (sparse
-figures halved, as the table's sources say): a value taken from the wrong column fails here."""
+"""Every GPUS entry of diag.machine.device pinned, dtype by dtype, to its datasheet's dense figure
+(sparse figures halved, as the table's sources say): a value from the wrong column fails here."""
 
 from __future__ import annotations
 
 import pytest
 
-from diag.machine.gpus import DTYPES, GPUS
+from diag.machine.device import DTYPES, GPUS
 
-# name: dense TFLOP/s per dtype in diag.machine.gpus.DTYPES order (bf16, fp16, tf32, fp32,
+# name: dense TFLOP/s per dtype in diag.machine.device.DTYPES order (bf16, fp16, tf32, fp32,
 # fp8); None: the card has no tensor path for that dtype (MFU against it is left empty, never
 # guessed)
 PINNED = {
