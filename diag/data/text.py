@@ -53,9 +53,8 @@ class TextTokenizer:
         self.chat_template = template.read_text() if template.is_file() else \
             config.get("chat_template")
         if isinstance(self.chat_template, list):  # named templates: the default one
-            self.chat_template = {t["name"]: t["template"] for t in self.chat_template}
-        if isinstance(self.chat_template, dict):
-            self.chat_template = self.chat_template.get("default")
+            self.chat_template = next((t["template"] for t in self.chat_template
+                                       if t["name"] == "default"), None)
         self._render = _compiled(self.chat_template) if self.chat_template else None
 
     def __len__(self) -> int:
