@@ -246,12 +246,12 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
                 ) -> tuple[list[dict[str, str]], Any]:
     """(records, problems frame) of a file or shards; cached: reuse a parse (never when timed)."""
     check_on_error(on_error)
-    items = tuple((fields or {}).items())
-    now = tuple((str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in shard_files(path)) \
-        if cached else ()  # each file's (name, size, mtime_ns): the parse kept is theirs
+    fields = dict(fields or {})
+    now = [(str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in shard_files(path)] \
+        if cached else []  # each file's (name, size, mtime_ns): the parse kept is theirs
     if not cached or sum(s[1] for s in now) > _READ_MAX_BYTES:
-        return _read.__wrapped__(now, path, items, on_error, limit)
-    records, problems = _read(now, path, tuple(sorted(items)), on_error, limit)
+        return _read(path, fields, on_error, limit)
+    records, problems = _read_once(tuple(now), path, tuple(sorted(fields.items())), on_error, limit)
     return list(records), problems.copy()  # the records are never mutated
 
 
@@ -265,15 +265,18 @@ def check_on_error(on_error: str) -> None:
 
 
 @lru_cache(maxsize=4)
-def _read(stamps: tuple[Any, ...], path: Any, items: tuple[Any, ...], on_error: str,
+def _read_once(stamps: tuple[Any, ...], path: Any, fields: tuple[Any, ...], on_error: str,
+               limit: int | None) -> tuple[list[dict[str, str]], Any]:
+    return _read(path, dict(fields), on_error, limit)
+
+
+def _read(path: str | os.PathLike[str], fields: dict[str, str], on_error: str,
           limit: int | None) -> tuple[list[dict[str, str]], Any]:
-    """read_source's parse, kept by the files' stamps (read_source calls it uncached too)."""
     import pandas as pd
 
     records: list[dict[str, str]] = []
     problems: list[dict[str, Any]] = []
     lines: dict[str, int] = {}  # lines of each file read so far: chunks number from 1
-    fields = dict(items)
     for chunk in plan_chunks(path, fields):
         left = None if limit is None else limit - len(records)
         count, good, bad = split_chunk(chunk, fields, left)

@@ -77,7 +77,6 @@ def encode_chunk(job: Job, chunk: Chunk, stop_after: int | None) -> Encoded:
     """One chunk read and tokenized (a copy: from its cache), up to `stop_after` good records."""
     if chunk.copy is not None:
         folder, dtype, first, end, lines, problems = chunk.copy
-        folder = Path(folder)
         offsets = np.load(folder / "offsets.npy", mmap_mode="r")
         a, b = int(offsets[first]), int(offsets[end])
         ids = np.fromfile(folder / "train.bin", dtype, b - a, offset=a * np.dtype(dtype).itemsize)
@@ -213,7 +212,7 @@ def with_copies(chunks: Any, ids: dict[Path, Any], reused: dict[str, Any]) -> An
             problems = [(p[0] - a + first, *p[1:]) for p in e["problems"]
                         if a - first <= p[0] and (last or p[0] < b - first)]
             yield Chunk(chunk.where, chunk.path, shard=chunk.shard,
-                        copy=(str(folder), dtype, a, b, e["lines"] if last else 0, problems))
+                        copy=(folder, dtype, a, b, e["lines"] if last else 0, problems))
 
 
 def write_chunks(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None,
