@@ -6,6 +6,7 @@ listed ("skip").
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Iterator
@@ -105,8 +106,6 @@ def _chunks(files: list[Path], wheres: dict[Path, str], groups: dict[Path, list[
 
 def open_records(path: str | os.PathLike[str], raw: Any = None) -> Any:
     """A record file's bytes (raw: opened already), decompressed where its name says (.gz, .zst)."""
-    import io
-
     import pyarrow as pa
 
     codec = pa.Codec.detect(str(path)).name if Path(path).suffix in COMPRESSED else None

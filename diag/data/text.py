@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -70,8 +71,6 @@ class TextTokenizer:
 @lru_cache(maxsize=4)
 def _compiled(template: str) -> Any:
     """The template's render, in the sandbox and with the helpers transformers gives it."""
-    import datetime as dt
-
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

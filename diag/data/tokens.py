@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from diag.config import diag_home
 from diag.config.source import MANIFEST_SUFFIX
 from diag.data.records import (PROBLEM_COLUMNS, Chunk, check_on_error, plan_chunks, refusal,
                                shard_files)
@@ -159,8 +160,7 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
                       num_proc: int | None = None, on_error: str = "skip", rebuild: bool = False,
                       limit: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> TokenCache:
     """source's token cache (a file, shards or records), reused by key; limit: the first ones."""
-    from diag.config import diag_home
-    from diag.machine.device import usable_cores
+    from diag.machine.device import usable_cores  # its GPU probe: not at import
 
     for name, value in (("num_proc", num_proc), ("limit", limit), ("chunk_bytes", chunk_bytes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)

@@ -9,7 +9,11 @@ import io
 from pathlib import Path
 from typing import Any
 
+from diag.config import diag_home
 from diag.config.source import COMPRESSED, HubUrl, LocalUrl, S3Url, parse_url, record_files
+from diag.data.records import count_records, open_records
+from diag.storage.landing import land, local_paths
+from diag.storage.methods import pull
 from diag.storage.objectstore import RemoteObject, failure, list_s3
 
 SAMPLE_BYTES = 1 << 20  # a JSONL shard's first MiB (whole lines) is sampled
@@ -52,9 +56,6 @@ def fetch(source: str, client: Any, how: str, work: Path, records: int = 0
           ) -> tuple[Path, int, int]:
     """(path, bytes fetched, the source's data bytes) of the job's data, landed once or pulled into
     `work` (`how`); records: a prefix's first files in key order that hold that many (0: all)."""
-    from diag.config import diag_home
-    from diag.data.records import count_records
-
     url = parse_url(source)
     objects = list_remote(client, url, records=True)
     total = sum(o.size for o in objects)
@@ -77,9 +78,6 @@ def _get(url: S3Url | HubUrl, client: Any, how: str, objects: list[RemoteObject]
          work: Path) -> Path:
     """These files landed under root (a hub dataset's: the user's HF cache if it holds them all)
     or pulled into work: the source's path there."""
-    from diag.storage.landing import land, local_paths
-    from diag.storage.methods import pull
-
     if how == "land" and isinstance(url, HubUrl):
         from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
@@ -107,7 +105,6 @@ def first_records(client: Any, url: S3Url | HubUrl | LocalUrl, obj: RemoteObject
     """obj's first records as the job reads them in a file in folder, and if all (None: none)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from diag.data.records import open_records
 
     path = folder / Path(obj.key).name
     raw = open(obj.key, "rb", buffering=0) if isinstance(url, LocalUrl) else \
