@@ -195,11 +195,11 @@ def parse_url(source: str, flag: str = "source") -> S3Url | HubUrl | LocalUrl | 
     return LocalUrl(Path(source).expanduser().resolve())
 
 
-def parse_s3(url: str, flag: str = "source", allowed: str = "expected s3://bucket/key (one "
-             "object) or s3://bucket/prefix/ (every object under the prefix)") -> S3Url:
+def parse_s3(url: str, flag: str = "source", why: str = "") -> S3Url:
     bucket, _, key = url[5:].partition("/") if str(url).startswith("s3://") else ("", "", "")
     if not bucket:
-        raise ValueError(f"{flag}={url!r}: {allowed}")
+        raise ValueError(f"{flag}={url!r}: " + (why or "expected s3://bucket/key (one object) "
+                                                "or s3://bucket/prefix/ (every object under it)"))
     return S3Url(bucket, key)
 
 
