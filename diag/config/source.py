@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -121,7 +122,17 @@ def data_file(name: str) -> bool:
     stem, dot, last = name.rpartition(".")
     if f".{last}" in COMPRESSED and dot:
         return f".{stem.rpartition('.')[2]}" in (".jsonl", ".json")
-    return f".{last}" in DATA_SUFFIXES
+    return f".{last}" in DATA_SUFFIXES and not name.endswith(MANIFEST_SUFFIX)
+
+
+def record_files(found: list[Any], where: object, name: Callable[[Any], str]) -> list[Any]:
+    """The record files among found (in its order), each named by name(); ValueError: none."""
+    if usable := [f for f in found if data_file(name(f))]:
+        return usable
+    raise ValueError(f"--source: no readable shard under {where} (found "
+                     f"{', '.join(Path(name(f)).name for f in found[:3]) or 'no files'}); "
+                     "allowed: " + ", ".join(f"*{s}" for s in DATA_SUFFIXES) + " (JSONL also "
+                     + ", ".join(COMPRESSED) + ")")
 
 
 @dataclass(frozen=True)
@@ -171,9 +182,7 @@ def parse_url(source: str, flag: str = "source") -> S3Url | HubUrl | LocalUrl | 
     if not source:
         return None
     if source.startswith("s3://"):
-        if not source[5:].split("/")[0]:
-            raise ValueError(f"{flag}={source!r}: no bucket; {allowed}")
-        return parse_s3(source)
+        return parse_s3(source, flag, f"no bucket; {allowed}")
     if source.startswith("hf://"):
         repo = source[5:].split("/")
         if len(repo) < 3 or repo[0] != "datasets" or not repo[1] or not repo[2].split("@")[0]:
@@ -186,11 +195,11 @@ def parse_url(source: str, flag: str = "source") -> S3Url | HubUrl | LocalUrl | 
     return LocalUrl(Path(source).expanduser().resolve())
 
 
-def parse_s3(url: str) -> S3Url:
-    if not isinstance(url, str) or not url.startswith("s3://") or not url[5:].split("/")[0]:
-        raise ValueError(f"source={url!r}: expected s3://bucket/key (one object) or "
-                         "s3://bucket/prefix/ (every object under the prefix)")
-    bucket, _, key = url[5:].partition("/")
+def parse_s3(url: str, flag: str = "source", why: str = "") -> S3Url:
+    bucket, _, key = url[5:].partition("/") if str(url).startswith("s3://") else ("", "", "")
+    if not bucket:
+        raise ValueError(f"{flag}={url!r}: " + (why or "expected s3://bucket/key (one object) "
+                                                "or s3://bucket/prefix/ (every object under it)"))
     return S3Url(bucket, key)
 
 

@@ -1,12 +1,12 @@
-"""The user's records as they are: JSONL (plain, .gz, .zst) and Parquet, a file or shards.
-
-Read chunk by chunk (`plan_chunks`, `read_chunk`: whole JSONL lines, Parquet row groups): apart in
-the token cache's processes, in order by `read_source`. A record becomes Alpaca's, {"prompt",
-"response"} or {"messages"}; one that does not fit is refused ("raise") or listed ("skip").
+"""The user's records as they are: JSONL (plain, .gz, .zst) and Parquet, a file or shards, read
+chunk by chunk (`plan_chunks`, `read_chunk`: whole JSONL lines, Parquet row groups). A record
+becomes Alpaca's, {"prompt", "response"} or {"messages"}; one that does not fit is refused, or
+listed ("skip").
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Iterator
@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from diag.config.base import ON_ERROR
-from diag.config.source import COMPRESSED, DATA_SUFFIXES, MANIFEST_SUFFIX, data_file
+from diag.config.source import COMPRESSED, record_files
 
 PROBLEM_COLUMNS = ["line", "problem", "detail"]  # one row per record left out
 ALPACA_FIELDS = ("instruction", "input", "output")
-_ALPACA = {f: f for f in ALPACA_FIELDS}
 _NOT_EMPTY = ("instruction", "output", "text", "response")  # the fields an empty text refuses
 
 
@@ -29,15 +28,7 @@ def shard_files(path: str | os.PathLike[str]) -> list[Path]:
     path = Path(path)
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and data_file(p.name)
-                   and not p.name.endswith(MANIFEST_SUFFIX))  # a landed shard's manifest
-    if not files:
-        others = sorted(p.name for p in path.rglob("*") if p.is_file())[:3]
-        raise ValueError(f"--source: no readable shard under {path} (found "
-                         f"{', '.join(others) or 'no files'}); allowed: "
-                         + ", ".join(f"*{s}" for s in DATA_SUFFIXES) + " (JSONL also "
-                         + ", ".join(COMPRESSED) + ")")
-    return files
+    return record_files(sorted(p for p in path.rglob("*") if p.is_file()), path, lambda p: p.name)
 
 
 @dataclass(frozen=True)
@@ -53,10 +44,6 @@ class Chunk:
     size: int = 0  # bytes of the source it covers (a row group: its share of the file)
     data: bytes | None = None  # whole lines of a compressed file, decompressed
     copy: tuple[Any, ...] | None = None  # a cache's (folder, dtype, first, end, lines, problems)
-
-    @property
-    def parquet(self) -> bool:
-        return self.path is not None and self.path.suffix == ".parquet"
 
 
 def plan_chunks(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
@@ -102,17 +89,11 @@ def _chunks(files: list[Path], wheres: dict[Path, str], groups: dict[Path, list[
                         for g, size in enumerate(groups[file]))
             continue
         step = min(first_bytes, chunk_bytes)
-        if file.suffix in COMPRESSED:  # no byte ranges: decompressed here, cut after whole lines
+        if file.suffix in COMPRESSED:  # no byte ranges: decompressed here, whole lines
             with open_records(file) as f:
-                left = b""
-                while block := f.read(step):
-                    block, step = left + block, min(step * 2, chunk_bytes)
-                    cut = block.rfind(b"\n") + 1
-                    if cut:
-                        yield Chunk(wheres[file], file, shard=shard, size=cut, data=block[:cut])
-                    left = block[cut:]
-                if left:
-                    yield Chunk(wheres[file], file, shard=shard, size=len(left), data=left)
+                while lines := f.readlines(step):
+                    data, step = b"".join(lines), min(step * 2, chunk_bytes)
+                    yield Chunk(wheres[file], file, shard=shard, size=len(data), data=data)
             continue
         size, pos = file.stat().st_size, 0
         with open(file, "rb") as f:
@@ -123,23 +104,31 @@ def _chunks(files: list[Path], wheres: dict[Path, str], groups: dict[Path, list[
                 pos, step = f.tell(), min(step * 2, chunk_bytes)
 
 
-def open_records(path: str | os.PathLike[str]) -> Any:
-    """A record file's bytes, decompressed by pyarrow where its name says (.gz, .zst)."""
-    import io
-
+def open_records(path: str | os.PathLike[str], raw: Any = None) -> Any:
+    """A record file's bytes (raw: opened already), decompressed where its name says (.gz, .zst)."""
     import pyarrow as pa
 
-    return io.BufferedReader(pa.input_stream(str(path), compression="detect"))
+    codec = pa.Codec.detect(str(path)).name if Path(path).suffix in COMPRESSED else None
+    return io.BufferedReader(pa.input_stream(str(path) if raw is None else raw, compression=codec))
 
 
-def count_records(path: str | os.PathLike[str]) -> int:
-    """A Parquet file's rows (its footer), a JSONL file's non-blank lines (bad ones too)."""
-    if Path(path).suffix == ".parquet":
-        import pyarrow.parquet as pq
+def count_records(source: str | os.PathLike[str], at_most: int | None = None) -> int:
+    """About the records at source, unparsed (Parquet footers' rows, JSONL lines), up to at_most."""
+    total = 0
+    for path in shard_files(source):
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
 
-        return pq.read_metadata(path).num_rows
-    with open_records(path) as f:
-        return sum(1 for line in f if line.strip())
+            total += pq.read_metadata(path).num_rows
+        else:
+            with open_records(path) as f:  # a .jsonl.gz / .zst: its lines, decompressed
+                last = b"\n"
+                while (block := f.read(16 << 20)) and (at_most is None or total < at_most):
+                    total, last = total + block.count(b"\n"), block[-1:]
+            total += last != b"\n"  # a last line without its newline
+        if at_most is not None and total >= at_most:
+            return at_most
+    return total
 
 
 def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
@@ -148,7 +137,7 @@ def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
     fields = dict(fields or {})
     if chunk.path is None:
         return len(chunk.rows), enumerate(chunk.rows, start=1)
-    if chunk.parquet:
+    if chunk.path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         pf = pq.ParquetFile(chunk.path)
@@ -218,8 +207,15 @@ def normalise(row: Any, fields: dict[str, str]) -> tuple[str, str] | dict[str, A
     if not isinstance(row, dict):
         return "not_an_object", f"a JSON {type(row).__name__}, expected an object"
     if "messages" in fields:
-        return _chat(row.get(fields["messages"]), fields["messages"])
-    names = fields or _ALPACA
+        msgs, name = row.get(fields["messages"]), fields["messages"]
+        if not (isinstance(msgs, list) and msgs and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in msgs)):
+            return "not_chat", f"{name} must be a list of {{role, content}} strings"
+        if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
+            return "no_answer", f"the last of {name} is not an assistant's answer"
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
+    names = fields or dict(zip(ALPACA_FIELDS, ALPACA_FIELDS))
     values = [row.get(c) for c in names.values()]
     if all(type(v) is str for v in values):  # the common case, checked at once
         got = dict(zip(names, values))
@@ -242,16 +238,6 @@ def _no_field(column: str, fields: dict[str, str], kind: str, where: str, names:
     head = (f"--{flag}-field={column!r}: no such {kind}{where}" if flag else f"--source: no {kind}"
             f" {column!r}{where} (name yours with --text-field or --prompt-field/--response-field)")
     return f"{head}; its {kind}s: {', '.join(map(str, names))}"
-
-
-def _chat(msgs: Any, name: str) -> tuple[str, str] | dict[str, Any]:
-    if not (isinstance(msgs, list) and msgs and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in msgs)):
-        return "not_chat", f"{name} must be a list of {{role, content}} strings"
-    if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"].strip():
-        return "no_answer", f"the last of {name} is not an assistant's answer"
-    return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
 
 
 def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = None,
@@ -305,7 +291,7 @@ def _read(path: str | os.PathLike[str], fields: dict[str, str], on_error: str,
 def problem(chunk: Chunk, number: int, got: tuple[str, str], on_error: str) -> dict[str, Any]:
     """The problems frame's row for a record that does not fit; on_error="raise": its refusal."""
     if on_error == "raise":
-        raise refusal(chunk.where, number, got[0], got[1], chunk.parquet)
+        raise refusal(chunk.where, number, got[0], got[1], str(chunk.path).endswith(".parquet"))
     return {"line": f"{chunk.where}:{number}" if chunk.shard else number, "problem": got[0],
             "detail": got[1]}
 

@@ -77,7 +77,6 @@ def encode_chunk(job: Job, chunk: Chunk, stop_after: int | None) -> Encoded:
     """One chunk read and tokenized (a copy: from its cache), up to `stop_after` good records."""
     if chunk.copy is not None:
         folder, dtype, first, end, lines, problems = chunk.copy
-        folder = Path(folder)
         offsets = np.load(folder / "offsets.npy", mmap_mode="r")
         a, b = int(offsets[first]), int(offsets[end])
         ids = np.fromfile(folder / "train.bin", dtype, b - a, offset=a * np.dtype(dtype).itemsize)
@@ -213,7 +212,7 @@ def with_copies(chunks: Any, ids: dict[Path, Any], reused: dict[str, Any]) -> An
             problems = [(p[0] - a + first, *p[1:]) for p in e["problems"]
                         if a - first <= p[0] and (last or p[0] < b - first)]
             yield Chunk(chunk.where, chunk.path, shard=chunk.shard,
-                        copy=(str(folder), dtype, a, b, e["lines"] if last else 0, problems))
+                        copy=(folder, dtype, a, b, e["lines"] if last else 0, problems))
 
 
 def write_chunks(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None,
@@ -222,27 +221,24 @@ def write_chunks(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None
     arrays = Arrays(tmp, job.dtype)
     shards: dict[str, dict[str, Any]] = {}
     problems: list[dict[str, Any]] = []
-    skipped = read = 0
-    lines: dict[str, int] = {}  # lines of each file so far: a chunk numbers its own from 1
-    full = False
+    read, full = 0, False
     try:
         remaining = (lambda: None) if limit is None else (lambda: limit - arrays.records)
         with contextlib.closing(encoded(chunks, job, procs, remaining)) as parts:
             for chunk, part in parts:  # closed on the way out: a pool's workers stop at once
                 if limit is not None and arrays.records + len(part.lengths) >= limit:
                     part, full = part.first(limit - arrays.records), True
-                base = lines.get(chunk.where, 0)
-                shard = shards.setdefault(chunk.where, {
+                shard = shards.setdefault(chunk.where, {  # "lines": its file's so far
                     "where": chunk.where, "identity": ids.get(chunk.path, ((), ""))[1],
-                    "first": arrays.records, "records": 0, "problems": []})
+                    "first": arrays.records, "records": 0, "problems": [], "lines": 0})
+                base = shard["lines"]  # a chunk numbers its own lines from 1
                 for before, number, *got in part.problems:
                     shard["problems"].append((arrays.records + before - shard["first"],
                                               base + number, *got))
                     row = problem(chunk, base + number, tuple(got), on_error)  # "raise": refused
-                    skipped += 1
                     if len(problems) < PROBLEMS_KEPT:  # and the good records read before it
                         problems.append({**row, "record": arrays.records + before})
-                lines[chunk.where] = shard["lines"] = base + part.lines
+                shard["lines"] = base + part.lines
                 arrays.append(part)
                 shard["records"] += len(part.lengths)
                 read += chunk.size
@@ -254,6 +250,7 @@ def write_chunks(tmp: Path, chunks: Any, job: Job, procs: int, limit: int | None
     for i, shard in enumerate(shards.values()):  # a limit build's last shard is not whole
         shard["complete"] = not full or i < len(shards) - 1
     return {"records": arrays.records, "tokens": arrays.tokens, "dtype": job.dtype,
-            "complete": not full, "problems": problems, "skipped": skipped,
+            "complete": not full, "problems": problems,
+            "skipped": sum(len(shard["problems"]) for shard in shards.values()),
             "shards": list(shards.values()),
             "build": {"bytes": read, "processes": procs}}

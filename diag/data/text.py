@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -53,9 +54,8 @@ class TextTokenizer:
         self.chat_template = template.read_text() if template.is_file() else \
             config.get("chat_template")
         if isinstance(self.chat_template, list):  # named templates: the default one
-            self.chat_template = {t["name"]: t["template"] for t in self.chat_template}
-        if isinstance(self.chat_template, dict):
-            self.chat_template = self.chat_template.get("default")
+            self.chat_template = next((t["template"] for t in self.chat_template
+                                       if t["name"] == "default"), None)
         self._render = _compiled(self.chat_template) if self.chat_template else None
 
     def __len__(self) -> int:
@@ -71,8 +71,6 @@ class TextTokenizer:
 @lru_cache(maxsize=4)
 def _compiled(template: str) -> Any:
     """The template's render, in the sandbox and with the helpers transformers gives it."""
-    import datetime as dt
-
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -1,8 +1,7 @@
 """The one token cache: tokenize once, keep the tokens on disk, reuse them while nothing changed.
 
 `build_token_cache` streams the records into DIAG_HOME/tokens/<key>/ (arrays, meta.json last),
-keyed by content: each shard's identity (its landing manifest's, else its sha256, memoized while
-size, mtime, ctime and inode stay), the tokenizer's, the settings. A changed shard is tokenized
+keyed by each shard's identity, the tokenizer's and the settings; a changed shard is tokenized
 alone, the others copied from an older cache.
 """
 
@@ -21,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from diag.config import diag_home
 from diag.config.source import MANIFEST_SUFFIX
 from diag.data.records import (PROBLEM_COLUMNS, Chunk, check_on_error, plan_chunks, refusal,
                                shard_files)
@@ -56,9 +56,18 @@ class TokenCache:
 
 
 def file_identities(source: str | os.PathLike[str], memo_dir: Path) -> Identities:
-    """Each shard's stamp and identity, in order: the landing manifest's, the memo's, its sha256."""
-    root, found, hashed = Path(source), {}, False
-    landed, memo_path = _landed(root), memo_dir / MEMO
+    """Each shard's stamp and identity, in order: the landing manifest's, else its sha256 (memoized
+    while size, mtime, ctime and inode stay)."""
+    root, found, hashed, memo_path = Path(source), {}, False, memo_dir / MEMO
+    manifest = root.with_name(root.name + MANIFEST_SUFFIX)  # land()'s: {file under root: ...}
+    try:
+        written, got = manifest.stat().st_mtime_ns, json.loads(manifest.read_text())
+        prefix = got["url"].split("/", 3)[3] if got["url"].count("/") >= 3 else ""
+        landed = {obj["key"][len(prefix):].strip("/") if root.is_dir() else "": (
+            obj["size"], written, f"landed:{obj['etag']}:{obj.get('digest') or obj.get('sha256')}:"
+            f"{obj['size']}") for obj in got["objects"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        landed = {}  # none, or not one this diag wrote: the files are hashed instead
     try:
         memo = json.loads(memo_path.read_text())
     except (OSError, ValueError):
@@ -79,20 +88,6 @@ def file_identities(source: str | os.PathLike[str], memo_dir: Path) -> Identitie
         with atomic_file(memo_path) as tmp:  # files gone (a run's copies) are forgotten
             tmp.write_text(json.dumps({k: v for k, v in memo.items() if os.path.exists(k)}))
     return found
-
-
-def _landed(root: Path) -> dict[str, tuple[int, int, str]]:
-    """{file under root ("": root): (size, mtime_ns, identity)} from land()'s manifest, or {}."""
-    manifest = root.with_name(root.name + MANIFEST_SUFFIX)
-    try:
-        written = manifest.stat().st_mtime_ns
-        got = json.loads(manifest.read_text())
-        prefix = got["url"].split("/", 3)[3] if got["url"].count("/") >= 3 else ""
-        return {obj["key"][len(prefix):].strip("/") if root.is_dir() else "": (
-            obj["size"], written, f"landed:{obj['etag']}:{obj.get('digest') or obj.get('sha256')}:"
-            f"{obj['size']}") for obj in got["objects"]}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}  # none, or not one this diag wrote: the files are hashed instead
 
 
 def sha256(text: str) -> str:
@@ -165,8 +160,7 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
                       num_proc: int | None = None, on_error: str = "skip", rebuild: bool = False,
                       limit: int | None = None, chunk_bytes: int = CHUNK_BYTES) -> TokenCache:
     """source's token cache (a file, shards or records), reused by key; limit: the first ones."""
-    from diag.config import diag_home
-    from diag.machine.device import usable_cores
+    from diag.machine.device import usable_cores  # its GPU probe: not at import
 
     for name, value in (("num_proc", num_proc), ("limit", limit), ("chunk_bytes", chunk_bytes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)

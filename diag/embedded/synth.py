@@ -101,12 +101,9 @@ def synthetic_dataset(path: str | os.PathLike[str], *, records: int | None = Non
     """Write JSONL atomically: exactly `records` lines, or the first reaching `target_mb`."""
     if (records is None) == (target_mb is None):
         raise ValueError("give exactly one of records=<lines> or target_mb=<megabytes>")
-    if records is not None:
-        _check_positive("records", records)
-        if not isinstance(records, int):
-            raise ValueError(f"records={records!r}: must be a whole number of lines")
-    if target_mb is not None:
-        _check_positive("target_mb", target_mb)
+    _check_positive(*(("target_mb", target_mb) if records is None else ("records", records)))
+    if records is not None and not isinstance(records, int):
+        raise ValueError(f"records={records!r}: must be a whole number of lines")
     path = Path(path)
     limit = None if target_mb is None else int(target_mb * _MB)
     written = 0
@@ -126,12 +123,12 @@ def tiny_model(out_dir: str | os.PathLike[str], *, hidden_size: int = 64, num_la
                num_heads: int = 4, intermediate_size: int | None = None, vocab_size: int = 2048,
                seed: int = 0, dataset: str | os.PathLike[str] | None = None) -> Path:
     """Save a random-weight Llama and a BPE tokenizer trained on `dataset` (or synthetic)."""
-    for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers),
-                        ("num_heads", num_heads), ("vocab_size", vocab_size)):
-        _check_positive(name, value)
     if intermediate_size is None:
         intermediate_size = -(-(8 * hidden_size // 3) // 64) * 64  # Llama's ~8/3, up to 64s
-    _check_positive("intermediate_size", intermediate_size)
+    for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers),
+                        ("num_heads", num_heads), ("vocab_size", vocab_size),
+                        ("intermediate_size", intermediate_size)):
+        _check_positive(name, value)
     for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
         if value % 64:
             raise ValueError(f"{name}={value}: must be a multiple of 64 "

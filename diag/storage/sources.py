@@ -9,8 +9,11 @@ import io
 from pathlib import Path
 from typing import Any
 
-from diag.config.source import (COMPRESSED, DATA_SUFFIXES, HubUrl, LocalUrl, S3Url, data_file,
-                                parse_url)
+from diag.config import diag_home
+from diag.config.source import COMPRESSED, HubUrl, LocalUrl, S3Url, parse_url, record_files
+from diag.data.records import count_records, open_records
+from diag.storage.landing import land, local_paths
+from diag.storage.methods import pull
 from diag.storage.objectstore import RemoteObject, failure, list_s3
 
 SAMPLE_BYTES = 1 << 20  # a JSONL shard's first MiB (whole lines) is sampled
@@ -19,8 +22,8 @@ SAMPLE_ROWS = 1024  # a Parquet shard's first rows (ranged GETs of its footer an
 
 def list_remote(client: Any, url: S3Url | HubUrl | LocalUrl, records: bool = False
                 ) -> list[RemoteObject]:
-    """Every file of the source, no download (a local file's key: its path; etag: its mtime);
-    records: its record files alone, in key order (ValueError: none)."""
+    """The source's files, no download (local: key, its path; etag, its mtime); records: the record
+    files alone, in key order (ValueError: none)."""
     if isinstance(url, S3Url):
         found = list_s3(client, url)
     elif isinstance(url, LocalUrl):
@@ -32,11 +35,10 @@ def list_remote(client: Any, url: S3Url | HubUrl | LocalUrl, records: bool = Fal
     else:
         from huggingface_hub.hf_api import RepoFile
 
-        folder = url.path.rsplit("/", 1)[0] if "/" in url.path else ""
         try:
             tree = client.list_repo_tree(url.repo_id, path_in_repo=(
-                url.path if url.is_prefix else folder).strip("/") or None, recursive=True,
-                repo_type="dataset", revision=url.revision)
+                url.path if url.is_prefix else url.path.rpartition("/")[0]).strip("/") or None,
+                recursive=True, repo_type="dataset", revision=url.revision)
             found = [RemoteObject(f.path, f.size, f.lfs.sha256 if f.lfs else f.blob_id)
                      for f in tree if isinstance(f, RepoFile)]
         except Exception as err:  # noqa: BLE001  huggingface_hub's errors: named with the URL
@@ -46,24 +48,14 @@ def list_remote(client: Any, url: S3Url | HubUrl | LocalUrl, records: bool = Fal
         if not found:
             raise failure(url, client, "no such file or folder in the dataset repo (check "
                           "--source; a folder may end with '/')")
-    if not records:
-        return found
-    usable = sorted((o for o in found if data_file(o.key)), key=lambda o: o.key)
-    if not usable:
-        raise ValueError(f"--source={str(url)!r}: no readable shard "
-                         f"({', '.join(Path(o.key).name for o in found[:3])}); allowed: "
-                         + ", ".join(f"*{s}" for s in DATA_SUFFIXES) + " (JSONL also "
-                         + ", ".join(COMPRESSED) + ")")
-    return usable
+    return record_files(sorted(found, key=lambda o: o.key), url, lambda o: o.key) if records \
+        else found
 
 
 def fetch(source: str, client: Any, how: str, work: Path, records: int = 0
           ) -> tuple[Path, int, int]:
     """(path, bytes fetched, the source's data bytes) of the job's data, landed once or pulled into
     `work` (`how`); records: a prefix's first files in key order that hold that many (0: all)."""
-    from diag.config import diag_home
-    from diag.data.records import count_records
-
     url = parse_url(source)
     objects = list_remote(client, url, records=True)
     total = sum(o.size for o in objects)
@@ -76,7 +68,7 @@ def fetch(source: str, client: Any, how: str, work: Path, records: int = 0
     for obj in objects:
         path = _get(url, client, how, [obj], root, work)
         rel = obj.key[len(url.path if isinstance(url, HubUrl) else url.key):].lstrip("/")
-        held, fetched = held + count_records(path / rel), fetched + obj.size
+        held, fetched = held + count_records(path / rel, records - held), fetched + obj.size
         if held >= records:
             break
     return path, fetched, total
@@ -84,39 +76,28 @@ def fetch(source: str, client: Any, how: str, work: Path, records: int = 0
 
 def _get(url: S3Url | HubUrl, client: Any, how: str, objects: list[RemoteObject], root: Path,
          work: Path) -> Path:
-    """These files landed under root or pulled into work: the source's path there."""
-    from diag.storage.landing import land, local_paths
-    from diag.storage.methods import pull
+    """These files landed under root (a hub dataset's: the user's HF cache if it holds them all)
+    or pulled into work: the source's path there."""
+    if how == "land" and isinstance(url, HubUrl):
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
-    if isinstance(url, HubUrl):
-        return _hub_files(client, url, objects, root / "hub" if how == "land" else None,
-                          work / "data")
+        where = {"repo_id": url.repo_id, "repo_type": "dataset", "revision": url.revision}
+        got = [try_to_load_from_cache(filename=o.key, **where) for o in objects]
+        if not all(isinstance(p, str) for p in got):
+            got = [hf_hub_download(filename=o.key, endpoint=client.endpoint, cache_dir=root / "hub",
+                                   **where) for o in objects]
+        top = Path(got[0]).parents[objects[0].key.count("/")]  # the repo's root in the cache
+        return top / url.path if url.path else top
     if how == "land":
         if len(objects) == 1 and url.is_prefix:
             land(f"s3://{url.bucket}/{objects[0].key}", root, client=client)
             return local_paths(url, root)[0]
         return land(str(url), root, client=client).path
+    if isinstance(url, HubUrl):  # the repo's paths under work/data
+        pull("hf_hub", client, url, objects, work / "data")
+        return work / "data" / url.path
     pull("boto3_default", client, url, objects, work / "data")
     return work / "data" if url.is_prefix else work / "data" / Path(url.key).name
-
-
-def _hub_files(api: Any, url: HubUrl, objects: list[RemoteObject], cache: Path | None,
-               work: Path) -> Path:
-    """The source's path in the user's HF cache (all held), else `cache` (diag's), else work."""
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
-
-    where = {"repo_id": url.repo_id, "repo_type": "dataset", "revision": url.revision}
-    mine = [try_to_load_from_cache(filename=o.key, **where) for o in objects]
-    if cache is not None and all(isinstance(p, str) for p in mine):
-        got = mine
-    else:
-        into = {"cache_dir": cache} if cache is not None else {"local_dir": work}
-        got = [hf_hub_download(filename=o.key, endpoint=api.endpoint, **into, **where)
-               for o in objects]
-    top = Path(got[0])
-    for _ in objects[0].key.split("/"):  # up to the repo's root, then down to the source's path
-        top = top.parent
-    return top / url.path if url.path else top
 
 
 def first_records(client: Any, url: S3Url | HubUrl | LocalUrl, obj: RemoteObject,
@@ -141,9 +122,7 @@ def first_records(client: Any, url: S3Url | HubUrl | LocalUrl, obj: RemoteObject
         pq.write_table(table, path)
         return path, table.num_rows == parquet.metadata.num_rows
     if path.suffix in COMPRESSED:  # decompressed as it streams, as the job reads it
-        codec = {".gz": "gzip", ".zst": "zstd"}[path.suffix]
-        shard = io.BufferedReader(pa.CompressedInputStream(shard, codec))
-        path = path.with_suffix("")
+        shard, path = open_records(path, shard), path.with_suffix("")
     body = shard.read(SAMPLE_BYTES)
     whole = len(shard.read(1)) == 0
     body = body if whole else body[:body.rfind(b"\n") + 1]
