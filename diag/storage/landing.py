@@ -60,15 +60,6 @@ def check_free(folder: Path, needed: int, url: S3Url) -> None:
                            f"{free:,} free in {probe}; free space or pick another --local-dir")
 
 
-def file_crc(path: str | os.PathLike[str], name: str) -> str:
-    """The base64 CRC (`name`) of a whole file, read once."""
-    crc, buf = checks.Crc(name), bytearray(8 << 20)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            crc.update(memoryview(buf)[:n])
-    return crc.b64()
-
-
 def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
     try:
         if path.stat().st_size != entry["size"]:
@@ -81,7 +72,7 @@ def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
         return file_sha256(path) == entry["sha256"]
     name, value = entry["digest"].split(":", 1)
     try:
-        return file_crc(path, name) == value
+        return checks.file_crc(path, name) == value
     except ImportError:  # recorded with awscrt, which this Python lacks: land it again
         return False
 
@@ -201,7 +192,7 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
             try:
                 stream = checks.Stream(fd, want, obj.size)
                 try:
-                    _transfer(client, bucket, obj, stream.sink, plan, retries)
+                    _transfer(client, bucket, obj, stream, plan, retries)
                     if (size := os.fstat(fd).st_size) != obj.size:
                         raise failure(f"s3://{bucket}/{obj.key}", client, f"landed {size} bytes,"
                                       f" the listing says {obj.size}: nothing was kept; run again"
@@ -246,12 +237,12 @@ def _transfer(client: Any, bucket: str, obj: RemoteObject, sink: Any, plan: Tran
 
 
 def _verdict(client: Any, bucket: str, obj: RemoteObject, partial: Path,
-             got: Any) -> tuple[str, str]:
+             got: checks.Stream) -> tuple[str, str]:
     """(digest, what was checked) from the streamed hashes; Mismatch if the bytes differ."""
     def whole(expect: checks.Expected) -> tuple[str, str]:
         fd = os.open(partial, os.O_RDONLY)
         try:  # a Stream with no writes hashes the file as it is, whole
-            return checks.Stream(fd, expect).finish().verdict()
+            return checks.Stream(fd, expect, obj.size).finish().verdict()
         finally:
             os.close(fd)
 
