@@ -33,20 +33,9 @@ def _fn(name: str) -> Any:
     return getattr(checksums, name)
 
 
-def _combine(name: str) -> Any:
-    """awscrt's CRC(A + B) from CRC(A), CRC(B) and len(B); for CRC32 without it, zlib's."""
-    try:
-        from awscrt import checksums
-
-        return getattr(checksums, f"combine_{name}")
-    except ImportError:
-        if name != "crc32":
-            raise
-    return _crc32_combine
-
-
 def _crc32_combine(a: int, b: int, n: int) -> int:
-    # a CRC is affine in its start value: n zero bytes run from a and from 0 differ by a's share
+    """zlib's crc32_combine: a CRC is affine in its start value, so n zero bytes run from a and
+    from 0 differ by exactly a's share."""
     zeros, x, y = memoryview(bytes(min(n, _CHUNK))), a, 0
     while n > 0:
         k = min(n, len(zeros))
@@ -76,7 +65,13 @@ class Runs:
     end (`bounds`); `overlap` once a byte is written twice (the CRCs are then stale)."""
 
     def __init__(self, name: str, bounds: list[int]) -> None:
-        self.name, self.fn, self.combine = name, _fn(name), _combine(name)
+        self.name, self.fn = name, _fn(name)
+        try:  # CRC(A + B) from CRC(A), CRC(B) and len(B)
+            from awscrt import checksums
+
+            self.combine = getattr(checksums, f"combine_{name}")
+        except ImportError:  # CRC32 only: _fn has refused the others
+            self.combine = _crc32_combine
         self.bounds = bounds  # each part's end offset, ascending
         self.runs: dict[int, list[int]] = {}  # start -> [end, crc]
         self.starts: list[int] = []  # the runs' starts, sorted
@@ -122,13 +117,6 @@ class Runs:
                 pos = run[0]
             out.append(crc or 0)
         return out
-
-    def whole(self, segments: list[int]) -> int:
-        """The whole file's CRC from its parts'."""
-        value, prev = segments[0], self.bounds[0]
-        for crc, end in zip(segments[1:], self.bounds[1:]):
-            value, prev = self.combine(value, crc, end - prev), end
-        return value
 
 
 class Mismatch(Exception):
@@ -252,13 +240,15 @@ class Stream:
                 self.runs.add(self._hashed, view[:n])
             self._hashed += n
 
-    def finish(self) -> Stream:
-        """Hash what the follower has not: the tail, or the whole file after a rewrite or a gap."""
+    def finish(self, want: Expected | None = None) -> Stream:
+        """Hash what the follower has not: the tail, or the whole file after a rewrite, a gap, or
+        to check it against another `want`."""
         self.abandon()
         if self._error is not None:
             raise self._error
         size, crcs = os.fstat(self.fd).st_size, False
-        if self.runs.overlap or self.runs.segments() is None:
+        if want is not None or self.runs.overlap or self.runs.segments() is None:
+            self.want = want or self.want
             self._start(size)  # one pass over the file as it is: every hash
             crcs = True
         self._read(bytearray(_CHUNK), size, crcs)
@@ -277,7 +267,10 @@ class Stream:
         segments = runs.segments()
         if segments is None:  # the part sizes do not add up to the file's
             raise Mismatch(f"parts of {want.composite[2]} bytes, a file of {runs.prefix()}")
-        whole = _b64(runs.whole(segments), runs.name)
+        value = segments[0]
+        for crc, start, end in zip(segments[1:], runs.bounds, runs.bounds[1:]):
+            value = runs.combine(value, crc, end - start)
+        whole = _b64(value, runs.name)
         name = runs.name.upper()
         if self.note:
             checks += f" ({self.note})"

@@ -251,12 +251,17 @@ def test_an_sse_kms_object_whose_etag_is_no_md5_is_checked_by_its_stored_crc(s3,
     # one byte flipped (a byte set to 0 was no change when urandom had made it 0: 1 run in 256)
     flipped = data[:1000] + bytes([data[1000] ^ 0xFF]) + data[1001:]
     for body, ok in ((data, True), (flipped, False)):
-        (tmp_path / "s.bin").unlink(missing_ok=True)
-        got = _stream_of(tmp_path, body, [(0, len(body))], want)
-        if ok:
-            assert landing._verdict(client, "diag", obj, tmp_path / "s.bin", got) == (
-                f"crc32:{b64crc(zlib.crc32(data))}",
-                "size, full-object CRC32 (SSE-KMS/SSE-C: the ETag is no MD5)")
-        else:
-            with pytest.raises(checks.Mismatch, match="full-object CRC32"):
-                landing._verdict(client, "diag", obj, tmp_path / "s.bin", got)
+        fd = os.open(tmp_path / f"{ok}.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        try:
+            got = checks.Stream(fd, want, len(body))
+            got.write(body)
+            got.finish()
+            if ok:
+                assert landing._verdict(client, "diag", obj, got) == (
+                    f"crc32:{b64crc(zlib.crc32(data))}",
+                    "size, full-object CRC32 (SSE-KMS/SSE-C: the ETag is no MD5)")
+            else:
+                with pytest.raises(checks.Mismatch, match="full-object CRC32"):
+                    landing._verdict(client, "diag", obj, got)
+        finally:
+            os.close(fd)
