@@ -1,6 +1,7 @@
 """What a download is checked against (`expected`: an MD5 ETag, a stored full-object or composite
-CRC), the CRCs S3 stores computed in order (`Crc`) or on bytes written in any order (`Runs`, joined
-with awscrt's CRC combination), and the check that runs while s3transfer writes them (`Stream`).
+CRC), and the check that runs while s3transfer writes it (`Stream`): the writer's thread computes
+each uploader part's CRC on the bytes in hand (`Runs`, joined with a CRC combination), a follower
+thread reads the MD5 back in file order and writes the file back early.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import base64
 import bisect
 import hashlib
+import itertools
 import os
 import threading
 import zlib
@@ -31,52 +33,79 @@ def _fn(name: str) -> Any:
     return getattr(checksums, name)
 
 
-class Crc:
-    """A CRC with hashlib's update()."""
+def _crc32_combine(a: int, b: int, n: int) -> int:
+    """zlib's crc32_combine: a CRC is affine in its start value, so n zero bytes run from a and
+    from 0 differ by exactly a's share."""
+    zeros, x, y = memoryview(bytes(min(n, _CHUNK))), a, 0
+    while n > 0:
+        k = min(n, len(zeros))
+        x, y, n = zlib.crc32(zeros[:k], x), zlib.crc32(zeros[:k], y), n - k
+    return x ^ y ^ b
 
-    def __init__(self, name: str) -> None:
-        self.name, self.value, self._fn = name, 0, _fn(name)
-        self.width = 8 if name == "crc64nvme" else 4
 
-    def update(self, data: bytes | memoryview) -> None:
-        self.value = self._fn(data, self.value)
+def _bytes(value: int, name: str) -> bytes:
+    return value.to_bytes(8 if name == "crc64nvme" else 4, "big")
 
-    def digest(self) -> bytes:
-        return self.value.to_bytes(self.width, "big")
 
-    def b64(self) -> str:
-        return base64.b64encode(self.digest()).decode()
+def _b64(value: int, name: str) -> str:
+    return base64.b64encode(_bytes(value, name)).decode()
+
+
+def file_crc(path: str | os.PathLike[str], name: str) -> str:
+    """The base64 CRC (`name`) of a whole file, read once."""
+    fn, value, buf = _fn(name), 0, bytearray(_CHUNK)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            value = fn(memoryview(buf)[:n], value)
+    return _b64(value, name)
 
 
 class Runs:
-    """CRCs of bytes written in any order: a running CRC per contiguous run, cut at bounds."""
+    """CRCs of bytes written in any order: a running CRC per contiguous run, cut at each part's
+    end (`bounds`); `overlap` once a byte is written twice (the CRCs are then stale)."""
 
     def __init__(self, name: str, bounds: list[int]) -> None:
-        from awscrt import checksums  # ImportError: the follower computes the CRCs instead
+        self.name, self.fn = name, _fn(name)
+        try:  # CRC(A + B) from CRC(A), CRC(B) and len(B)
+            from awscrt import checksums
 
-        self.fn, self.combine = _fn(name), getattr(checksums, f"combine_{name}")
-        self.bounds = bounds  # each segment's end offset, ascending
+            self.combine = getattr(checksums, f"combine_{name}")
+        except ImportError:  # CRC32 only: _fn has refused the others
+            self.combine = _crc32_combine
+        self.bounds = bounds  # each part's end offset, ascending
         self.runs: dict[int, list[int]] = {}  # start -> [end, crc]
-        self.ends: dict[int, int] = {}  # end -> start
+        self.starts: list[int] = []  # the runs' starts, sorted
+        self.overlap, self._head = False, 0
 
     def add(self, start: int, view: memoryview) -> None:
-        while len(view):
+        j = bisect.bisect_right(self.starts, start)
+        if (j and self.runs[self.starts[j - 1]][0] > start and len(view)) or (
+                j < len(self.starts) and self.starts[j] < start + len(view)):
+            self.overlap = True
+        while len(view) and not self.overlap:
             i = bisect.bisect_right(self.bounds, start)
             if i == len(self.bounds):
                 return  # bytes past the object's size: the size check refuses them
             take = view[: self.bounds[i] - start]
-            begun = self.ends.pop(start, None)
-            # a segment's first byte starts its own run: segments() cannot cut one spanning two
-            if begun is None or (i and self.bounds[i - 1] == start):
-                begun = start
-                self.runs[start] = [start, 0]
-            run = self.runs[begun]
+            j = bisect.bisect_right(self.starts, start)
+            run = self.runs[self.starts[j - 1]] if j else None
+            # a part's first byte starts its own run: segments() cannot cut one spanning two
+            if run is None or run[0] != start or (i and self.bounds[i - 1] == start):
+                bisect.insort(self.starts, start)
+                run = self.runs[start] = [start, 0]
             run[0], run[1] = start + len(take), self.fn(take, run[1])
-            self.ends[run[0]] = begun
             start, view = start + len(take), view[len(take):]
 
+    def prefix(self) -> int:
+        """Where the bytes written from offset 0 on end."""
+        run = self.runs.get(self._head)
+        while run is not None and run[0] in self.runs:
+            self._head = run[0]
+            run = self.runs[self._head]
+        return 0 if run is None else run[0]
+
     def segments(self) -> list[int] | None:
-        """Each segment's CRC; None unless the runs tile every segment exactly."""
+        """Each part's CRC; None unless the runs tile every part exactly."""
         out, pos = [], 0
         for end in self.bounds:
             crc = None
@@ -155,145 +184,42 @@ def part_sizes(client: Any, bucket: str, key: str, size: int, every: bool = Fals
                               ["ContentLength"]) for n in range(2, count + 1)])
 
 
-def whole_name(want: Expected) -> str:
-    """The CRC the manifest records (what a hit re-checks): the store's, else CRC32."""
-    return (want.crc or want.composite or ("crc32",))[0]
-
-
-class _Hashes:
-    """`want`'s hashes and the whole file's CRC, fed in file order (crcs False: the writer's)."""
-
-    def __init__(self, want: Expected, crcs: bool = True) -> None:
-        self.want, self.pos, self.note, self.crcs = want, 0, "", crcs
-        self.md5 = hashlib.md5(usedforsecurity=False) if want.md5 else None
-        self.crc = self.parts = None
-        name = whole_name(want)
-        try:
-            self.whole = Crc(name)
-            self.crc = self.whole if want.crc else None
-            if want.composite:
-                self.parts, self.part, self.part_end = [], Crc(name), want.composite[2][0]
-        except ImportError:  # CRC32C / CRC64NVME without awscrt: recorded as not checked
-            self.note, self.whole = f"{name} stored, not checked: pip install awscrt", Crc("crc32")
-
-    def update(self, view: memoryview) -> None:
-        if self.md5 is not None:
-            self.md5.update(view)
-        if self.crcs:
-            self.whole.update(view)
-            if self.parts is not None:
-                self._cut(view)
-        self.pos += len(view)
-
-    def _cut(self, view: memoryview) -> None:
-        """Composite: one CRC per uploader part, each cut at its part's bounds."""
-        sizes, at = self.want.composite[2], self.pos
-        while len(view) and len(self.parts) < len(sizes):  # bytes past the last part: the
-            take = view[: self.part_end - at]               # size check has refused them
-            self.part.update(take)
-            at, view = at + len(take), view[len(take):]
-            if at == self.part_end:
-                self.parts.append(self.part.digest())
-                self.part = Crc(self.part.name)
-                if len(self.parts) < len(sizes):
-                    self.part_end += sizes[len(self.parts)]
-
-    def set_crcs(self, runs: Runs) -> None:
-        """The CRCs the writer computed: the whole file's, and one per uploader part."""
-        segments = runs.segments()
-        if self.parts is not None:
-            self.parts = [v.to_bytes(self.part.width, "big") for v in segments]
-        self.whole.value, prev = segments[0], runs.bounds[0]
-        for value, end in zip(segments[1:], runs.bounds[1:]):
-            self.whole.value, prev = runs.combine(self.whole.value, value, end - prev), end
-
-    def digest(self) -> str:
-        """The manifest's record of the file: '<crc name>:<base64>'."""
-        return f"{self.whole.name}:{self.whole.b64()}"
-
-    def composite(self) -> str:
-        """The CRC of the part CRCs' concatenation, "-N"."""
-        crc = Crc(self.part.name)
-        crc.update(b"".join(self.parts))
-        return f"{crc.b64()}-{len(self.parts)}"
-
-    def verdict(self) -> tuple[str, str]:
-        """(digest, what was checked); Mismatch if a stored checksum fails (MD5: the caller's)."""
-        checks = "size"
-        if self.crc is not None:
-            if self.crc.b64() != self.want.crc[1]:
-                raise Mismatch(f"full-object {self.crc.name.upper()} {self.crc.b64()}, the "
-                               f"store has {self.want.crc[1]}")
-            checks += f", full-object {self.crc.name.upper()}"
-        elif self.parts is not None:
-            name, stored, sizes = self.want.composite
-            got = self.composite()
-            # a store may give the value without its "-N" (moto): compare what it gives
-            if got != stored and got.split("-")[0] != stored:
-                raise Mismatch(f"composite {name.upper()} of {len(sizes)} parts {got}, the store "
-                               f"has {stored}")
-            checks += f", {name.upper()} of each of {len(sizes)} parts (composite)"
-        elif self.note:
-            checks += f" ({self.note})"
-        return self.digest(), checks
-
-
 class Stream:
-    """One download's check as s3transfer writes into `sink` (the writer computes the CRCs)."""
+    """One download's check, as s3transfer writes into it (a file object over `fd`, one thread)."""
 
-    def __init__(self, fd: int, want: Expected, size: int = 0) -> None:
-        self.fd, self.want = fd, want
-        self._inline: Runs | None = None
-        if size:
-            sizes = want.composite[2] if want.composite else (size,)
-            try:
-                self._inline = Runs(whole_name(want),
-                                    [sum(sizes[: i + 1]) for i in range(len(sizes))])
-            except ImportError:  # no awscrt: the follower computes them (CRC32 via zlib)
-                pass
-        self.hashes = _Hashes(want, crcs=self._inline is None)
-        self._spans: list[list[int]] = []  # written [start, end), disjoint, sorted
-        self._written = self._synced = 0
+    def __init__(self, fd: int, want: Expected, size: int) -> None:
+        self.fd, self.want, self._pos = fd, want, 0
+        self._start(size)
+        self._prefix = self._written = self._synced = 0
         self._cond = threading.Condition()
-        self._closed = self._overlap = False
+        self._closed = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._follow, daemon=True)
         self._thread.start()
-        self.sink, self._pos = self, 0  # the file object s3transfer seeks and writes, one thread
 
-    def wrote(self, start: int, end: int, data: memoryview | None = None) -> None:
-        if self._inline is not None and data is not None:
-            self._inline.add(start, data)  # in the writer's thread, on the bytes in hand
-        with self._cond:
-            self._written += end - start
-            spans = self._spans
-            i = next((k for k, s in enumerate(spans) if s[0] >= start), len(spans))
-            if (i > 0 and spans[i - 1][1] > start) or (i < len(spans) and spans[i][0] < end):
-                self._overlap = True  # rewritten bytes: the streamed hashes may be stale
-            if i > 0 and spans[i - 1][1] >= start:
-                spans[i - 1][1] = max(spans[i - 1][1], end)
-                i -= 1
-            else:
-                spans.insert(i, [start, end])
-            while i + 1 < len(spans) and spans[i + 1][0] <= spans[i][1]:
-                spans[i][1] = max(spans[i][1], spans.pop(i + 1)[1])
-            if spans[0][0] == 0:  # the prefix may have grown
-                self._cond.notify()
-
-    def _prefix(self) -> int:
-        return self._spans[0][1] if self._spans and self._spans[0][0] == 0 else 0
+    def _start(self, size: int) -> None:
+        name, self.note = (self.want.crc or self.want.composite or ("crc32",))[0], ""
+        sizes = self.want.composite[2] if self.want.composite else (size,)
+        try:
+            self.runs = Runs(name, list(itertools.accumulate(sizes)))
+        except ImportError:  # CRC32C / CRC64NVME without awscrt: recorded as not checked
+            self.note, self.runs = f"{name} stored, not checked: pip install awscrt", Runs(
+                "crc32", [size])
+        self.md5 = hashlib.md5(usedforsecurity=False) if self.want.md5 else None
+        self._hashed = 0  # where the MD5 has read up to
 
     def _follow(self) -> None:
         buf = bytearray(_CHUNK)
         try:
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._closed or self._overlap
-                                        or self._prefix() - self.hashes.pos >= _CHUNK
+                    self._cond.wait_for(lambda: self._closed or self.runs.overlap
+                                        or (self.md5 is not None
+                                            and self._prefix - self._hashed >= _CHUNK)
                                         or self._written - self._synced >= _SYNC)
-                    if self._overlap or self._closed:
+                    if self._closed or self.runs.overlap:
                         return  # finish() hashes the rest (or, after an overlap, all) itself
-                    upto, written = self._prefix(), self._written
+                    upto, written = self._prefix, self._written
                 if written - self._synced >= _SYNC:  # the final fsync then has little to write
                     os.fdatasync(self.fd)
                     self._synced = written
@@ -301,36 +227,65 @@ class Stream:
         except BaseException as err:  # noqa: BLE001  raised again by finish()
             self._error = err
 
-    def _read(self, buf: bytearray, upto: int) -> None:
-        if self.hashes.md5 is None and not self.hashes.crcs:  # the writer computed every CRC
-            self.hashes.pos = max(self.hashes.pos, upto)
-            return
+    def _read(self, buf: bytearray, upto: int, crcs: bool = False) -> None:
+        """Hash the file in order up to `upto`: the MD5, and with crcs the CRCs too."""
         view = memoryview(buf)
-        while self.hashes.pos < upto:
-            n = os.preadv(self.fd, [view[: min(_CHUNK, upto - self.hashes.pos)]], self.hashes.pos)
+        while self._hashed < upto and (self.md5 is not None or crcs):
+            n = os.preadv(self.fd, [view[: min(_CHUNK, upto - self._hashed)]], self._hashed)
             if n <= 0:
                 break
-            self.hashes.update(view[:n])
+            if self.md5 is not None:
+                self.md5.update(view[:n])
+            if crcs:
+                self.runs.add(self._hashed, view[:n])
+            self._hashed += n
 
-    def finish(self) -> _Hashes:
-        """Hash what the thread has not (the tail, or the whole file after a rewrite)."""
+    def finish(self, want: Expected | None = None) -> Stream:
+        """Hash what the follower has not: the tail, or the whole file after a rewrite, a gap, or
+        to check it against another `want`."""
         self.abandon()
         if self._error is not None:
             raise self._error
-        segments = None if self._overlap or self._inline is None else self._inline.segments()
-        if self._overlap or (self._inline is not None and segments is None):
-            self.hashes = _Hashes(self.want)  # one pass over the file as it is: every hash
-            segments = None
-        self._read(bytearray(_CHUNK), os.fstat(self.fd).st_size)
-        if segments is not None:
-            self.hashes.set_crcs(self._inline)
-        return self.hashes
+        size, crcs = os.fstat(self.fd).st_size, False
+        if want is not None or self.runs.overlap or self.runs.segments() is None:
+            self.want = want or self.want
+            self._start(size)  # one pass over the file as it is: every hash
+            crcs = True
+        self._read(bytearray(_CHUNK), size, crcs)
+        return self
 
     def abandon(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify()
         self._thread.join()
+
+    def verdict(self) -> tuple[str, str]:
+        """(the manifest's '<crc>:<base64>', what was checked); Mismatch if a stored CRC fails
+        (the MD5 is the caller's)."""
+        runs, want, checks = self.runs, self.want, "size"
+        segments = runs.segments()
+        if segments is None:  # the part sizes do not add up to the file's
+            raise Mismatch(f"parts of {want.composite[2]} bytes, a file of {runs.prefix()}")
+        value = segments[0]
+        for crc, start, end in zip(segments[1:], runs.bounds, runs.bounds[1:]):
+            value = runs.combine(value, crc, end - start)
+        whole = _b64(value, runs.name)
+        name = runs.name.upper()
+        if self.note:
+            checks += f" ({self.note})"
+        elif want.crc:
+            if whole != want.crc[1]:
+                raise Mismatch(f"full-object {name} {whole}, the store has {want.crc[1]}")
+            checks += f", full-object {name}"
+        elif want.composite:
+            stored, n = want.composite[1], len(segments)
+            got = _b64(runs.fn(b"".join(_bytes(v, runs.name) for v in segments)), runs.name)
+            # a store may give the value without its "-N" (moto): compare what it gives
+            if f"{got}-{n}" != stored and got != stored:
+                raise Mismatch(f"composite {name} of {n} parts {got}-{n}, the store has {stored}")
+            checks += f", {name} of each of {n} parts (composite)"
+        return f"{runs.name}:{whole}", checks
 
     def seekable(self) -> bool:
         return True
@@ -346,6 +301,10 @@ class Stream:
         view, done = memoryview(data), 0
         while done < len(view):  # pwrite may write less than asked
             done += os.pwrite(self.fd, view[done:], self._pos + done)
-        self.wrote(self._pos, self._pos + done, view)
+        self.runs.add(self._pos, view[:done])  # in the writer's thread, on the bytes in hand
+        with self._cond:
+            self._written += done
+            self._prefix = self.runs.prefix()
+            self._cond.notify()
         self._pos += done
         return done

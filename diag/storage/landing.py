@@ -60,15 +60,6 @@ def check_free(folder: Path, needed: int, url: S3Url) -> None:
                            f"{free:,} free in {probe}; free space or pick another --local-dir")
 
 
-def file_crc(path: str | os.PathLike[str], name: str) -> str:
-    """The base64 CRC (`name`) of a whole file, read once."""
-    crc, buf = checks.Crc(name), bytearray(8 << 20)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            crc.update(memoryview(buf)[:n])
-    return crc.b64()
-
-
 def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
     try:
         if path.stat().st_size != entry["size"]:
@@ -81,7 +72,7 @@ def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
         return file_sha256(path) == entry["sha256"]
     name, value = entry["digest"].split(":", 1)
     try:
-        return file_crc(path, name) == value
+        return checks.file_crc(path, name) == value
     except ImportError:  # recorded with awscrt, which this Python lacks: land it again
         return False
 
@@ -201,7 +192,7 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
             try:
                 stream = checks.Stream(fd, want, obj.size)
                 try:
-                    _transfer(client, bucket, obj, stream.sink, plan, retries)
+                    _transfer(client, bucket, obj, stream, plan, retries)
                     if (size := os.fstat(fd).st_size) != obj.size:
                         raise failure(f"s3://{bucket}/{obj.key}", client, f"landed {size} bytes,"
                                       f" the listing says {obj.size}: nothing was kept; run again"
@@ -212,7 +203,7 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
                 with ThreadPoolExecutor(1) as pool:
                     synced = pool.submit(os.fsync, fd)
                     try:
-                        return _verdict(client, bucket, obj, partial, stream.finish())
+                        return _verdict(client, bucket, obj, stream.finish())
                     finally:
                         synced.result()
             finally:
@@ -245,16 +236,8 @@ def _transfer(client: Any, bucket: str, obj: RemoteObject, sink: Any, plan: Tran
         raise failure(url, client, f"{err}; it changed while it was landing: run again") from None
 
 
-def _verdict(client: Any, bucket: str, obj: RemoteObject, partial: Path,
-             got: Any) -> tuple[str, str]:
+def _verdict(client: Any, bucket: str, obj: RemoteObject, got: checks.Stream) -> tuple[str, str]:
     """(digest, what was checked) from the streamed hashes; Mismatch if the bytes differ."""
-    def whole(expect: checks.Expected) -> tuple[str, str]:
-        fd = os.open(partial, os.O_RDONLY)
-        try:  # a Stream with no writes hashes the file as it is, whole
-            return checks.Stream(fd, expect).finish().verdict()
-        finally:
-            os.close(fd)
-
     want = got.want
     try:
         digest, checked = got.verdict()  # a stored CRC (full-object or composite) that fails
@@ -262,11 +245,11 @@ def _verdict(client: Any, bucket: str, obj: RemoteObject, partial: Path,
         if want.composite is None:
             raise
         # part sizes inferred from part 1: ask for each, and if they differ check at those bounds
-        name, stored, sizes = want.composite
         exact = checks.part_sizes(client, bucket, obj.key, obj.size, every=True)
-        if exact == sizes:
+        if exact == want.composite[2]:
             raise
-        digest, checked = whole(dataclasses.replace(want, composite=(name, stored, exact)))
+        digest, checked = got.finish(dataclasses.replace(
+            want, composite=(*want.composite[:2], exact))).verdict()
     if want.composite is not None or not want.md5:  # a multipart ETag is no MD5
         no_crc = not want.composite and want.encrypted and checked == "size"
         return digest, f"size ({_NO_MD5}, no checksum stored)" if no_crc else checked
@@ -280,5 +263,5 @@ def _verdict(client: Any, bucket: str, obj: RemoteObject, partial: Path,
     stored = checks.stored_crc(head)  # SSE-KMS / SSE-C: the stored checksum, if any, decides
     if stored is None or "-" in stored[1]:
         return digest, f"size ({_NO_MD5}, no checksum stored)"
-    checked = whole(checks.Expected(crc=stored))[1]  # a one-GET object: < 32 MB, read again
+    checked = got.finish(checks.Expected(crc=stored)).verdict()[1]  # < 32 MB, read again
     return digest, f"{checked} ({_NO_MD5})"

@@ -324,8 +324,8 @@ def test_a_crc_this_python_cannot_compute_is_recorded_as_not_checked(tmp_path, m
 
     monkeypatch.setitem(sys.modules, "awscrt", None)  # import awscrt raises ImportError
     stream = checks.Stream(os.open(tmp_path / "x.bin", os.O_RDWR | os.O_CREAT), checks.Expected(
-        crc=("crc64nvme", "AAAAAAAAAAA=")))
-    stream.sink.write(b"diag" * 1000)
+        crc=("crc64nvme", "AAAAAAAAAAA=")), 4000)
+    stream.write(b"diag" * 1000)
     digest, checked = stream.finish().verdict()
     crc = base64.b64encode(zlib.crc32(b"diag" * 1000).to_bytes(4, "big")).decode()
     assert digest == f"crc32:{crc}"  # the manifest's digest falls back to CRC32 (zlib)

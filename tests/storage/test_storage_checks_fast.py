@@ -1,8 +1,7 @@
-"""land()'s checks on bytes in memory and small files (diag.storage.checks):
-what a HEAD answer is checked against, the CRCs (composite per part, full-object), the streamed
-hashes with writes out of order or rewritten, and each mismatch said. The HEAD answers come from
-a stand-in store that returns what S3 returns (the real-server path is
-tests/storage/test_storage_checks.py, too slow to run per mutant)."""
+"""land()'s checks on small files (diag.storage.checks), through its public faces: what a HEAD
+answer is checked against, and a Stream written in any order, rewritten, cut at any part layout,
+its verdict and MD5 (each mismatch said). The HEAD answers come from a stand-in store that returns
+what S3 returns (the real-server path is tests/storage/test_storage_checks.py)."""
 
 from __future__ import annotations
 
@@ -10,31 +9,64 @@ import base64
 import hashlib
 import os
 import random
+import sys
+import threading
 import zlib
 
 import pytest
+from awscrt import checksums
 
-from diag.storage import checks, landing
+from diag.storage import checks
 from diag.storage.checks import Expected, Mismatch
 
 CHECK = b"123456789"  # the CRC catalogue's check input
 CHECK_VALUES = {"crc32": 0xCBF43926, "crc32c": 0xE3069283, "crc64nvme": 0xAE8B14860A799888}
+FNS = {"crc32": zlib.crc32, "crc32c": checksums.crc32c, "crc64nvme": checksums.crc64nvme}
 
 
 def b64(value: int, width: int = 4) -> str:
     return base64.b64encode(value.to_bytes(width, "big")).decode()
 
 
+def crc_b64(data: bytes, name: str = "crc32") -> str:
+    return b64(FNS[name](data), 8 if name == "crc64nvme" else 4)
+
+
 def crc32_b64(data: bytes) -> str:
-    return b64(zlib.crc32(data))
+    return crc_b64(data)
+
+
+def composite(data: bytes, sizes, name: str = "crc32", suffix: bool = True) -> str:
+    width, cuts = 8 if name == "crc64nvme" else 4, [0]
+    for s in sizes:
+        cuts.append(cuts[-1] + s)
+    parts = b"".join(FNS[name](data[a:b]).to_bytes(width, "big") for a, b in zip(cuts, cuts[1:]))
+    return crc_b64(parts, name) + (f"-{len(sizes)}" if suffix else "")
 
 
 def composite32(data: bytes, sizes, suffix: bool = True) -> str:
-    cuts = [0]
-    for s in sizes:
-        cuts.append(cuts[-1] + s)
-    parts = b"".join(zlib.crc32(data[a:b]).to_bytes(4, "big") for a, b in zip(cuts, cuts[1:]))
-    return crc32_b64(parts) + (f"-{len(sizes)}" if suffix else "")
+    return composite(data, sizes, "crc32", suffix)
+
+
+def pieces(size: int, step: int, seed: int | None = None) -> list[tuple[int, int]]:
+    """[start, end) writes of `step` bytes covering `size`, shuffled with a seed."""
+    out = [(s, min(s + step, size)) for s in range(0, size, step)]
+    if seed is not None:
+        random.Random(seed).shuffle(out)
+    return out
+
+
+def streamed(tmp_path, data: bytes, writes, want: Expected, size: int | None = None):
+    """A Stream over a new file, written as s3transfer writes (seek, write), finished."""
+    fd = os.open(tmp_path / "s.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        stream = checks.Stream(fd, want, len(data) if size is None else size)
+        for start, end in writes:
+            assert stream.seek(start) == start and stream.tell() == start
+            assert stream.write(data[start:end]) == end - start
+        return stream.finish()
+    finally:
+        os.close(fd)
 
 
 class Store:
@@ -51,74 +83,6 @@ class Store:
         if "PartNumber" in kw:
             return self.parts[kw["PartNumber"]]
         return self.answer
-
-
-# -- crc ---------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("name", ["crc32", "crc32c", "crc64nvme"])
-def test_each_crc_gives_the_catalogue_check_value_in_any_number_of_updates(name, tmp_path):
-    c = checks.Crc(name)
-    c.update(CHECK[:4])
-    c.update(memoryview(CHECK)[4:])
-    width = 8 if name == "crc64nvme" else 4
-    assert (c.name, c.value, c.width) == (name, CHECK_VALUES[name], width)
-    assert c.digest() == CHECK_VALUES[name].to_bytes(width, "big")
-    assert c.b64() == b64(CHECK_VALUES[name], width)
-    path = tmp_path / "f"
-    path.write_bytes(CHECK * 1000)
-    whole = checks.Crc(name)
-    whole.update(CHECK * 1000)
-    assert landing.file_crc(path, name) == whole.b64()
-    assert checks.CRCS == {"ChecksumCRC32": "crc32", "ChecksumCRC32C": "crc32c",
-                        "ChecksumCRC64NVME": "crc64nvme"}
-
-
-def test_file_crc_reads_a_file_larger_than_its_buffer(tmp_path):
-    data = random.Random(1).randbytes((8 << 20) + 4097)
-    (tmp_path / "big").write_bytes(data)
-    assert landing.file_crc(tmp_path / "big", "crc32") == crc32_b64(data)
-    (tmp_path / "empty").write_bytes(b"")
-    assert landing.file_crc(tmp_path / "empty", "crc32") == b64(0)
-
-
-@pytest.mark.parametrize("name", ["crc32", "crc32c", "crc64nvme"])
-def test_runs_join_bytes_written_out_of_order_per_segment(name):
-    data = random.Random(2).randbytes(1000)
-    bounds = [300, 700, 1000]
-    runs = checks.Runs(name, bounds)
-    pieces = [(s, min(s + 90, 1000)) for s in range(0, 1000, 90)]
-    random.Random(3).shuffle(pieces)
-    for s, e in pieces:
-        runs.add(s, memoryview(data)[s:e])
-    fn = checks.Crc(name)._fn
-    assert runs.segments() == [fn(data[0:300], 0), fn(data[300:700], 0), fn(data[700:1000], 0)]
-    runs.add(1000, memoryview(b"past the end"))  # refused by the size check, not counted here
-    assert runs.segments()[-1] == fn(data[700:1000], 0)
-
-
-def test_runs_with_a_gap_or_a_run_past_a_bound_give_no_segments():
-    data = bytes(range(100))
-    runs = checks.Runs("crc32", [50, 100])
-    runs.add(0, memoryview(data)[:40])
-    runs.add(60, memoryview(data)[60:])
-    assert runs.segments() is None  # 40..60 never written
-    runs.add(40, memoryview(data)[40:60])
-    assert runs.segments() == [zlib.crc32(data[:50]), zlib.crc32(data[50:])]
-    empty = checks.Runs("crc32", [0, 10])
-    empty.add(0, memoryview(data)[:10])
-    assert empty.segments() == [0, zlib.crc32(data[:10])]
-    assert checks.Runs("crc32", [10]).segments() is None
-
-
-def test_a_run_is_cut_at_each_bound_and_joined_within_a_segment():
-    data = bytes(range(200))
-    runs = checks.Runs("crc32", [100, 200])
-    runs.add(0, memoryview(data)[:150])  # spans the bound: two runs
-    assert sorted(runs.runs) == [0, 100]
-    assert runs.runs[0] == [100, zlib.crc32(data[:100])]
-    runs.add(150, memoryview(data)[150:])  # continues the run that ended at 150
-    assert runs.runs[100] == [200, zlib.crc32(data[100:])] and 150 not in runs.runs
-    assert runs.ends == {200: 100}  # the run that ended at 100 is not continued past it
 
 
 # -- what to check against: the HEAD answers ---------------------------------------------------
@@ -203,237 +167,279 @@ def test_part_sizes_follow_from_part_one_unless_they_do_not_add_up():
                              7) == (7,)
 
 
-def test_the_whole_files_crc_is_the_stores_algorithm_else_crc32():
-    assert checks.whole_name(Expected(crc=("crc64nvme", "x"))) == "crc64nvme"
-    assert checks.whole_name(Expected(composite=("crc32c", "x", (1,)))) == "crc32c"
-    assert checks.whole_name(Expected(md5="ab")) == "crc32"
+# -- the crcs, through a Stream's verdict ------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["crc32", "crc32c", "crc64nvme"])
+def test_each_crc_gives_the_catalogue_check_value_in_any_order_of_writes(name, tmp_path):
+    width = 8 if name == "crc64nvme" else 4
+    want = Expected(crc=(name, b64(CHECK_VALUES[name], width)))
+    got = streamed(tmp_path, CHECK, [(4, 9), (0, 4)], want)
+    assert got.verdict() == (f"{name}:{b64(CHECK_VALUES[name], width)}",
+                             f"size, full-object {name.upper()}")
+    (tmp_path / "f").write_bytes(CHECK * 1000)
+    assert checks.file_crc(tmp_path / "f", name) == crc_b64(CHECK * 1000, name)
+    assert checks.CRCS == {"ChecksumCRC32": "crc32", "ChecksumCRC32C": "crc32c",
+                           "ChecksumCRC64NVME": "crc64nvme"}
 
 
-# -- the hashes, fed in file order -------------------------------------------------------------
+def test_file_crc_reads_a_file_larger_than_its_buffer(tmp_path):
+    data = random.Random(1).randbytes((8 << 20) + 4097)
+    (tmp_path / "big").write_bytes(data)
+    assert checks.file_crc(tmp_path / "big", "crc32") == crc32_b64(data)
+    (tmp_path / "empty").write_bytes(b"")
+    assert checks.file_crc(tmp_path / "empty", "crc32") == b64(0)
 
-def _hashed(want: Expected, data: bytes, step: int = 7) -> checks._Hashes:
-    h = checks._Hashes(want)
-    for at in range(0, len(data), step):
-        h.update(memoryview(data)[at:at + step])
-    return h
+
+@pytest.mark.parametrize("name", ["crc32", "crc32c", "crc64nvme"])
+def test_a_composite_of_parts_written_out_of_order_is_checked_per_part(name, tmp_path):
+    # 90-byte writes cross the parts' bounds in a shuffled order: each part's CRC is joined from
+    # its runs, and the whole file's from the parts'
+    data = random.Random(2).randbytes(1000)
+    sizes = (300, 400, 300)
+    want = Expected(composite=(name, composite(data, sizes, name), sizes))
+    got = streamed(tmp_path, data, pieces(1000, 90, seed=3), want)
+    assert got.verdict() == (f"{name}:{crc_b64(data, name)}",
+                             f"size, {name.upper()} of each of 3 parts (composite)")
+    bad = bytearray(data)
+    bad[650] ^= 1
+    with pytest.raises(Mismatch, match=f"composite {name.upper()} of 3 parts"):
+        streamed(tmp_path, bytes(bad), pieces(1000, 90, seed=3), want).verdict()
 
 
-def test_a_full_object_crc_passes_or_names_both_values():
+def test_an_empty_object_and_an_untouched_file_are_hashed_whole(tmp_path):
+    assert streamed(tmp_path, b"", [], Expected(md5=hashlib.md5(b"").hexdigest())).verdict() == (
+        f"crc32:{b64(0)}", "size")
+    data = random.Random(12).randbytes(3000)  # no write: the file as it is (land()'s re-check)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        sizes = (1000, 1000, 1000)
+        got = checks.Stream(fd, Expected(md5="x", composite=("crc32", composite32(data, sizes),
+                                                              sizes)), 3000).finish()
+    finally:
+        os.close(fd)
+    assert got.verdict() == (f"crc32:{crc32_b64(data)}", "size, CRC32 of each of 3 parts "
+                             "(composite)")
+    assert got.md5.hexdigest() == hashlib.md5(data).hexdigest()
+
+
+# -- the verdict: full-object, composite, none, without awscrt ----------------------------------
+
+def test_a_full_object_crc_passes_or_names_both_values(tmp_path):
     data = bytes(range(256)) * 3
-    good = _hashed(Expected(md5=hashlib.md5(data).hexdigest(), crc=("crc32", crc32_b64(data))),
-                   data)
-    assert good.pos == len(data) and good.md5.hexdigest() == hashlib.md5(data).hexdigest()
+    want = Expected(md5=hashlib.md5(data).hexdigest(), crc=("crc32", crc32_b64(data)))
+    good = streamed(tmp_path, data, pieces(len(data), 7), want)
+    assert good.md5.hexdigest() == hashlib.md5(data).hexdigest()
     assert good.verdict() == (f"crc32:{crc32_b64(data)}", "size, full-object CRC32")
-    assert good.digest() == f"crc32:{crc32_b64(data)}"
-    bad = _hashed(Expected(crc=("crc32", crc32_b64(data[1:]))), data)
+    bad = streamed(tmp_path, data, pieces(len(data), 7), Expected(crc=("crc32",
+                                                                       crc32_b64(data[1:]))))
     with pytest.raises(Mismatch) as err:
         bad.verdict()
     assert str(err.value) == (f"full-object CRC32 {crc32_b64(data)}, the store has "
                               f"{crc32_b64(data[1:])}")
-    assert _hashed(Expected(), data).md5 is None
+    assert streamed(tmp_path, data, [(0, len(data))], Expected()).md5 is None
 
 
-def test_only_the_size_is_checked_without_a_stored_crc():
+def test_only_the_size_is_checked_without_a_stored_crc(tmp_path):
     data = b"abc" * 10
-    h = _hashed(Expected(md5="x"), data)
-    assert h.verdict() == (f"crc32:{crc32_b64(data)}", "size")  # MD5: the caller's
-    assert h.crc is None and h.parts is None
+    got = streamed(tmp_path, data, pieces(30, 7), Expected(md5="x"))
+    assert got.verdict() == (f"crc32:{crc32_b64(data)}", "size")  # MD5: the caller's
 
 
 @pytest.mark.parametrize("step", [1, 3, 4, 100])
-def test_a_composite_crc_is_cut_at_each_parts_bounds(step):
+def test_a_composite_crc_is_cut_at_each_parts_bounds(tmp_path, step):
     data = bytes(range(250)) * 4
     sizes = (400, 400, 200)
-    h = _hashed(Expected(composite=("crc32", composite32(data, sizes), sizes)), data, step)
-    assert h.parts == [zlib.crc32(data[a:b]).to_bytes(4, "big")
-                       for a, b in ((0, 400), (400, 800), (800, 1000))]
-    assert h.composite() == composite32(data, sizes)
-    assert h.verdict() == (f"crc32:{crc32_b64(data)}", "size, CRC32 of each of 3 parts "
-                           "(composite)")
-    bare = _hashed(Expected(composite=("crc32", composite32(data, sizes, False), sizes)), data)
-    assert bare.verdict()[1].endswith("(composite)")  # a store that omits "-N"
+    want = Expected(composite=("crc32", composite32(data, sizes), sizes))
+    assert streamed(tmp_path, data, pieces(1000, step), want).verdict() == (
+        f"crc32:{crc32_b64(data)}", "size, CRC32 of each of 3 parts (composite)")
+    bare = Expected(composite=("crc32", composite32(data, sizes, False), sizes))
+    assert streamed(tmp_path, data, pieces(1000, step), bare).verdict()[1].endswith(
+        "(composite)")  # a store that omits "-N"
 
 
-def test_a_composite_mismatch_names_the_parts_and_both_values():
+def test_a_composite_mismatch_names_the_parts_and_both_values(tmp_path):
     data = bytes(range(250)) * 4
     stored = composite32(data, (500, 500))
-    h = _hashed(Expected(composite=("crc32", stored, (400, 600))), data)
+    got = streamed(tmp_path, data, pieces(1000, 7), Expected(composite=("crc32", stored,
+                                                                        (400, 600))))
     with pytest.raises(Mismatch) as err:
-        h.verdict()
+        got.verdict()
     assert str(err.value) == (f"composite CRC32 of 2 parts {composite32(data, (400, 600))}, the "
                               f"store has {stored}")
     wrong_count = composite32(data, (400, 600)).split("-")[0] + "-3"
     with pytest.raises(Mismatch):
-        _hashed(Expected(composite=("crc32", wrong_count, (400, 600))), data).verdict()
+        streamed(tmp_path, data, [(0, 1000)], Expected(composite=("crc32", wrong_count,
+                                                                  (400, 600)))).verdict()
+    short = Expected(composite=("crc32", stored, (500, 600)))  # parts longer than the file
+    with pytest.raises(Mismatch):
+        streamed(tmp_path, data, [(0, 1000)], short).verdict()
 
 
-def test_bytes_past_the_last_part_are_left_to_the_size_check():
+def test_bytes_past_the_last_part_are_left_to_the_size_check(tmp_path):
     data = bytes(range(100))
-    h = _hashed(Expected(composite=("crc32", "x", (40, 50))), data, 30)
-    assert h.parts == [zlib.crc32(data[:40]).to_bytes(4, "big"),
-                       zlib.crc32(data[40:90]).to_bytes(4, "big")]
-    assert h.pos == 100
+    want = Expected(composite=("crc32", composite32(data[:90], (40, 50)), (40, 50)))
+    assert streamed(tmp_path, data, pieces(100, 30), want, size=90).verdict()[1] == (
+        "size, CRC32 of each of 2 parts (composite)")
 
 
-def test_a_crc_awscrt_would_compute_is_noted_unchecked_without_it(monkeypatch):
-    real = checks.Crc
-
-    def no_awscrt(name):
-        if name != "crc32":
-            raise ImportError("awscrt")
-        return real(name)
-
-    monkeypatch.setattr(checks, "Crc", no_awscrt)
-    data = b"xyz" * 5
-    h = _hashed(Expected(crc=("crc32c", "whatever")), data)
-    assert h.crc is None and h.whole.name == "crc32"
-    assert h.verdict() == (f"crc32:{crc32_b64(data)}",
-                           "size (crc32c stored, not checked: pip install awscrt)")
-    comp = _hashed(Expected(composite=("crc64nvme", "v", (15,))), data)
-    assert comp.parts is None and comp.note.startswith("crc64nvme stored, not checked")
-
-
-def test_the_writers_crcs_make_the_whole_files_and_each_parts():
-    data = bytes(range(256)) * 4
-    sizes = (300, 300, 424)
-    runs = checks.Runs("crc32", [300, 600, 1024])
-    runs.add(0, memoryview(data))
-    h = checks._Hashes(Expected(composite=("crc32", composite32(data, sizes), sizes)),
-                       crcs=False)
-    h.update(memoryview(data))
-    assert h.whole.value == 0 and h.parts == []  # the writer computes them
-    h.set_crcs(runs)
-    assert h.whole.value == zlib.crc32(data)
-    assert h.verdict()[0] == f"crc32:{crc32_b64(data)}"
-    full = checks._Hashes(Expected(crc=("crc32", crc32_b64(data))), crcs=False)
-    full.set_crcs(runs)
-    assert full.parts is None and full.verdict()[1] == "size, full-object CRC32"
+@pytest.mark.parametrize("order", [None, 5])
+def test_without_awscrt_crc32_is_still_joined_and_the_others_noted_unchecked(tmp_path,
+                                                                             monkeypatch, order):
+    monkeypatch.setitem(sys.modules, "awscrt", None)  # import awscrt raises ImportError
+    data = random.Random(13).randbytes(5000)
+    sizes = (2000, 2000, 1000)
+    want = Expected(composite=("crc32", composite32(data, sizes), sizes))
+    assert streamed(tmp_path, data, pieces(5000, 300, order), want).verdict() == (
+        f"crc32:{crc32_b64(data)}", "size, CRC32 of each of 3 parts (composite)")
+    got = streamed(tmp_path, data, pieces(5000, 300, order), Expected(crc=("crc32c", "x")))
+    assert got.verdict() == (f"crc32:{crc32_b64(data)}",
+                             "size (crc32c stored, not checked: pip install awscrt)")
+    comp = Expected(composite=("crc64nvme", "v", (5000,)))
+    assert streamed(tmp_path, data, [(0, 5000)], comp).verdict()[1] == (
+        "size (crc64nvme stored, not checked: pip install awscrt)")
 
 
 # -- the stream: positioned writes, out of order, rewritten ------------------------------------
 
-@pytest.fixture
-def fd(tmp_path):
-    """A file open for reading and writing, as land() opens its partial file; closed after."""
-    fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-    yield fd
-    os.close(fd)
+def reads_of(monkeypatch) -> list[int]:
+    """The lengths of the Stream's read-backs from here on."""
+    reads, real = [], os.preadv
+    monkeypatch.setattr(checks.os, "preadv", lambda fd, bufs, at: reads.append(
+        len(bufs[0])) or real(fd, bufs, at))
+    return reads
 
 
-def _stream(tmp_path, data: bytes, writes, want: Expected, inline: bool = True):
-    fd = os.open(tmp_path / "s.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-    stream = checks.Stream(fd, want, len(data) if inline else 0)
-    assert (stream._inline is not None) == inline
-    for start, end in writes:
-        assert stream.sink.seek(start) == start and stream.sink.tell() == start
-        assert stream.sink.write(data[start:end]) == end - start
-    try:
-        return stream.finish()
-    finally:
-        os.close(fd)
-
-
-@pytest.mark.parametrize("inline", [True, False])
-def test_streamed_hashes_equal_the_files_in_any_order_and_after_a_rewrite(tmp_path, monkeypatch,
-                                                                         inline):
+def test_streamed_hashes_equal_the_files_in_any_order_and_after_a_rewrite(tmp_path, monkeypatch):
     monkeypatch.setattr(checks, "_CHUNK", 256)  # the follower reads back as the prefix grows
     monkeypatch.setattr(checks, "_SYNC", 1000)
     data = random.Random(4).randbytes(10_000)
     want = Expected(md5=hashlib.md5(data).hexdigest(), crc=("crc32", crc32_b64(data)))
-    writes = [(s, min(s + 300, len(data))) for s in range(0, len(data), 300)]
-    shuffled = writes[:]
-    random.Random(5).shuffle(shuffled)
+    writes, shuffled = pieces(10_000, 300), pieces(10_000, 300, seed=5)
     for order in (writes, shuffled, shuffled + shuffled[:5]):
-        got = _stream(tmp_path, data, order, want, inline)
-        assert got.pos == len(data) and got.md5.hexdigest() == want.md5
+        got = streamed(tmp_path, data, order, want)
+        assert got.md5.hexdigest() == want.md5  # never read past what was written
         assert got.verdict() == (f"crc32:{crc32_b64(data)}", "size, full-object CRC32")
     bad = bytearray(data)
     bad[5000] ^= 1
     with pytest.raises(Mismatch, match="full-object CRC32"):
-        _stream(tmp_path, bytes(bad), shuffled, want, inline).verdict()
+        streamed(tmp_path, bytes(bad), shuffled, want).verdict()
 
 
-@pytest.mark.parametrize("inline", [True, False])
-def test_a_streamed_composite_uses_the_part_sizes_given(tmp_path, inline):
-    sizes = (4000, 4000, 123)
-    data = random.Random(6).randbytes(sum(sizes))
+@pytest.mark.parametrize("first, then, ok", [("bad", "good", True), ("good", "bad", False)])
+def test_a_rewritten_range_is_checked_as_it_ends_up(tmp_path, first, then, ok):
+    # a re-GET rewrites a part: the CRCs streamed on the first bytes are stale, the file decides
+    data = random.Random(14).randbytes(3000)
+    bad = bytearray(data)
+    bad[1500] ^= 1
+    body = {"good": data, "bad": bytes(bad)}
+    sizes = (1000, 1000, 1000)
     want = Expected(composite=("crc32", composite32(data, sizes), sizes))
-    writes = [(s, min(s + 1000, len(data))) for s in range(0, len(data), 1000)]
-    random.Random(7).shuffle(writes)
-    assert _stream(tmp_path, data, writes, want, inline).verdict()[1] == (
-        "size, CRC32 of each of 3 parts (composite)")
-    with pytest.raises(Mismatch, match="composite CRC32"):
-        _stream(tmp_path, data, writes, Expected(composite=("crc32", want.composite[1],
-                                                            (3000, 5000, 123))), inline).verdict()
+    fd = os.open(tmp_path / "r.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        stream = checks.Stream(fd, want, 3000)
+        for source, (start, end) in [(body[first], (0, 3000)), (body[then], (1200, 1800))]:
+            stream.seek(start)
+            stream.write(source[start:end])
+        got = stream.finish()
+    finally:
+        os.close(fd)
+    if ok:
+        assert got.verdict()[1] == "size, CRC32 of each of 3 parts (composite)"
+    else:
+        with pytest.raises(Mismatch, match="composite CRC32"):
+            got.verdict()
+
+
+@pytest.mark.parametrize("writes, reread", [
+    ([(10, 20), (30, 40), (0, 5), (5, 10), (20, 30), (50, 60), (45, 50), (40, 45)], False),
+    ([(0, 5), (10, 20), (10, 10), (5, 10), (20, 60)], False),  # an empty write rewrites nothing
+    ([(0, 40), (35, 41), (41, 60)], True),  # over the end of a run
+    ([(10, 20), (5, 11), (0, 5), (20, 60)], True),  # over the start of the next
+    ([(0, 10), (20, 30), (12, 40), (10, 12), (40, 60)], True),  # over a whole run
+])
+def test_touching_writes_are_never_read_back_and_overlapping_ones_are(tmp_path, monkeypatch,
+                                                                      writes, reread):
+    data = random.Random(15).randbytes(60)
+    reads = reads_of(monkeypatch)
+    want = Expected(crc=("crc32", crc32_b64(data)))
+    assert streamed(tmp_path, data, writes, want).verdict()[1] == "size, full-object CRC32"
+    assert bool(reads) is reread
 
 
 @pytest.mark.parametrize("piece", [1000, 700])
 def test_parts_written_up_to_and_across_their_bounds_are_not_read_back(tmp_path, monkeypatch,
                                                                        piece):
-    # the writer's runs are cut at each part's bound; a run carried past one made segments()
-    # give up, and finish() read the whole file back a second time
-    reads = []
-    real = os.preadv
-    monkeypatch.setattr(checks.os, "preadv", lambda *a: reads.append(a) or real(*a))
+    # the writer's runs are cut at each part's bound; a run carried past one made the parts' CRCs
+    # unknown, and finish() read the whole file back a second time
+    reads = reads_of(monkeypatch)
     sizes = (4000, 4000, 123)
     data = random.Random(8).randbytes(sum(sizes))
     want = Expected(composite=("crc32", composite32(data, sizes), sizes))
-    writes = [(s, min(s + piece, len(data))) for s in range(0, len(data), piece)]
-    got = _stream(tmp_path, data, writes, want)
+    got = streamed(tmp_path, data, pieces(len(data), piece), want)
     assert got.verdict() == (f"crc32:{crc32_b64(data)}", "size, CRC32 of each of 3 parts "
                              "(composite)")
-    assert reads == [] and got.pos == len(data)
+    assert reads == []
 
 
-def test_a_gap_left_by_the_writer_is_hashed_from_the_file(fd):
+def test_a_gap_left_by_the_writer_is_hashed_from_the_file(tmp_path):
     data = bytes(range(200)) * 5
-    want = Expected(crc=("crc32", crc32_b64(data)))
-    os.pwrite(fd, data[:100], 0)  # written outside the sink: the runs do not tile
-    stream = checks.Stream(fd, want, len(data))
-    stream.sink.seek(100)
-    stream.sink.write(data[100:])
-    assert stream.finish().verdict()[1] == "size, full-object CRC32"
+    fd = os.open(tmp_path / "g.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.pwrite(fd, data[:100], 0)  # written outside the stream: the runs do not tile
+        stream = checks.Stream(fd, Expected(crc=("crc32", crc32_b64(data))), len(data))
+        stream.seek(100)
+        stream.write(data[100:])
+        assert stream.finish().verdict()[1] == "size, full-object CRC32"
+    finally:
+        os.close(fd)
 
 
-def test_spans_merge_and_a_rewrite_is_noticed(fd):
-    s = checks.Stream(fd, Expected())
-    for start, end in ((10, 20), (30, 40), (0, 5)):
-        s.wrote(start, end)
-    assert s._spans == [[0, 5], [10, 20], [30, 40]] and s._prefix() == 5
-    s.wrote(5, 10)  # touching on both sides: one span, no overlap
-    assert s._spans == [[0, 20], [30, 40]] and not s._overlap and s._prefix() == 20
-    s.wrote(20, 30)
-    assert s._spans == [[0, 40]] and not s._overlap and s._written == 40
-    s.wrote(50, 60)
-    s.wrote(45, 50)
-    assert s._spans == [[0, 40], [45, 60]] and not s._overlap
-    s.wrote(35, 41)  # over the end of a span
-    assert s._overlap and s._spans == [[0, 41], [45, 60]]
-    s.abandon()
-    t = checks.Stream(fd, Expected())
-    t.wrote(10, 20)
-    t.wrote(5, 11)  # over the start of the next span
-    assert t._overlap and t._spans == [[5, 20]] and t._prefix() == 0
-    t.wrote(0, 30)  # over everything
-    assert t._spans == [[0, 30]]
-    t.abandon()
-    idle = checks.Stream(fd, Expected())
-    idle.abandon()  # nothing written, nothing overlapping: the follower still stops
-    assert not idle._thread.is_alive()
-    u = checks.Stream(fd, Expected())
-    u.wrote(0, 10)
-    u.wrote(20, 30)
-    u.wrote(12, 40)
-    assert u._overlap and u._spans == [[0, 10], [12, 40]]
-    u.abandon()
+def test_the_sink_finishes_a_short_write_at_the_right_offset(tmp_path, monkeypatch):
+    real = os.pwrite
+    monkeypatch.setattr(checks.os, "pwrite", lambda fd, view, at: real(fd, view[:300], at))
+    data = random.Random(10).randbytes(1000)
+    want = Expected(md5=hashlib.md5(data).hexdigest(), crc=("crc32", crc32_b64(data)))
+    got = streamed(tmp_path, data, [(0, 1000)], want)
+    assert (tmp_path / "s.bin").read_bytes() == data
+    assert got.verdict()[1] == "size, full-object CRC32" and got.md5.hexdigest() == want.md5
 
 
-def test_the_follower_writes_back_early_and_its_error_reaches_finish(tmp_path, monkeypatch):
-    import threading
+# -- the follower: reads back whole chunks during the download, writes back early --------------
 
+def test_the_follower_reads_each_whole_chunk_before_the_download_ends(tmp_path, monkeypatch):
+    monkeypatch.setattr(checks, "_CHUNK", 256)
+    reads, real, read = [], os.preadv, threading.Event()
+
+    def spy(fd, bufs, at):
+        reads.append((at, len(bufs[0])))
+        read.set()
+        return real(fd, bufs, at)
+
+    monkeypatch.setattr(checks.os, "preadv", spy)
+    data = random.Random(9).randbytes(1000)
+    fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        stream = checks.Stream(fd, Expected(md5=hashlib.md5(data).hexdigest()), 1000)
+        stream.write(data[:200])  # under a chunk: not read yet
+        stream.seek(600)
+        stream.write(data[600:])  # past a hole: not the prefix
+        stream.seek(200)
+        stream.write(data[200:256])  # exactly one chunk from 0
+        assert read.wait(10)
+        stream.write(data[256:600])
+        got = stream.finish()
+    finally:
+        os.close(fd)
+    assert reads[0] == (0, 256) and got.md5.hexdigest() == hashlib.md5(data).hexdigest()
+    followed = reads[: reads.index((0, 256)) + 1]
+    assert all(n == 256 for _, n in followed)  # whole chunks while following, the tail in finish
+
+
+def test_the_follower_writes_back_early_once_per_due_amount_and_its_error_reaches_finish(
+        tmp_path, monkeypatch):
     monkeypatch.setattr(checks, "_SYNC", 100)
-    synced, done = [], threading.Event()
-    real = os.fdatasync
+    synced, done, real = [], threading.Event(), os.fdatasync
 
     def sync(fd):
         real(fd)
@@ -445,166 +451,57 @@ def test_the_follower_writes_back_early_and_its_error_reaches_finish(tmp_path, m
     fd = os.open(tmp_path / "y.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
     try:
         s = checks.Stream(fd, Expected(md5=hashlib.md5(data).hexdigest()), len(data))
-        s.sink.seek(0)
-        s.sink.write(data[:50])
-        assert not done.is_set()  # 50 bytes: under _SYNC
-        s.sink.seek(500, 0)
-        s.sink.write(data[500:])
-        s.sink.seek(-950, 1)
-        assert s.sink.tell() == 50
-        s.sink.write(data[50:500])
+        s.write(data[:99])
+        s.seek(500, 0)
+        s.write(data[500:501])  # 100 bytes written in all: due
         assert done.wait(10)  # the follower synced before the download ended
+        done.clear()
+        s.seek(-402, 1)
+        assert s.tell() == 99
+        s.write(data[99:150])  # 51 since the write-back: not due again
+        assert not done.wait(0.5)
+        s.write(data[150:500])
+        s.seek(501)
+        s.write(data[501:])
         h = s.finish()
         assert set(synced) == {fd} and h.md5.hexdigest() == hashlib.md5(data).hexdigest()
-        assert s.sink.seekable() is True and s.sink.tell() == 500
+        assert s.seekable() is True and s.tell() == 1000
     finally:
         os.close(fd)
 
+    failed = threading.Event()
+
     def broken(fd):
+        failed.set()
         raise OSError("disk gone")
 
     monkeypatch.setattr(checks.os, "fdatasync", broken)
     fd = os.open(tmp_path / "z.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
     try:
         s = checks.Stream(fd, Expected(), len(data))
-        s.sink.write(data)
-        s._thread.join(10)  # the follower stops at its error
+        s.write(data)
+        assert failed.wait(10)
         with pytest.raises(OSError, match="disk gone"):
             s.finish()
     finally:
         os.close(fd)
 
 
-# -- found by the mutants: the follower's reads, short writes, the default size ----------------
-
-def test_the_follower_is_a_daemon_so_an_abandoned_download_never_blocks_exit(fd):
-    s = checks.Stream(fd, Expected())
-    assert s._thread.daemon is True
-    s.abandon()
-
-
-def test_read_hashes_the_prefix_exactly_up_to_its_end(fd, monkeypatch):
-    monkeypatch.setattr(checks, "_CHUNK", 256)
-    data = random.Random(9).randbytes(1000)
-    os.pwrite(fd, data[:300], 0)
-    os.pwrite(fd, data[600:], 600)  # a hole at 300..600: not yet written
-    s = checks.Stream(fd, Expected(md5="x"))
-    s.abandon()  # the follower stopped: _read is driven here alone
-    buf = bytearray(256)
-    s._read(buf, 300)  # 256 bytes, then the 44 up to the prefix's end, none past it
-    assert s.hashes.pos == 300
-    assert s.hashes.md5.hexdigest() == hashlib.md5(data[:300]).hexdigest()
-    os.pwrite(fd, data[300:600], 300)
-    s._read(buf, 1000)
-    s._read(buf, 1001)  # one byte past the end of the file: stops there
-    assert s.hashes.pos == 1000
-    assert s.hashes.md5.hexdigest() == hashlib.md5(data).hexdigest()
-    t = checks.Stream(fd, Expected(md5="x"))
-    t.abandon()
-    t._read(buf, 257)  # a last read of one byte is hashed too
-    assert t.hashes.pos == 257
-    assert t.hashes.md5.hexdigest() == hashlib.md5(data[:257]).hexdigest()
-
-
-def test_the_sink_finishes_a_short_write_at_the_right_offset(tmp_path, monkeypatch):
-    real = os.pwrite
-    monkeypatch.setattr(checks.os, "pwrite", lambda fd, view, at: real(fd, view[:300], at))
-    data = random.Random(10).randbytes(1000)
-    want = Expected(md5=hashlib.md5(data).hexdigest(), crc=("crc32", crc32_b64(data)))
-    got = _stream(tmp_path, data, [(0, 1000)], want)
-    assert (tmp_path / "s.bin").read_bytes() == data
-    assert got.verdict()[1] == "size, full-object CRC32" and got.md5.hexdigest() == want.md5
-
-
-def test_a_stream_without_a_size_computes_every_hash_itself(fd):
-    data = random.Random(11).randbytes(1000)
-    want = Expected(crc=("crc32", crc32_b64(data)))
-    s = checks.Stream(fd, want)
-    assert s._inline is None and s.hashes.crcs
-    s.sink.seek(0)
-    s.sink.write(data)
-    assert s.finish().verdict() == (f"crc32:{crc32_b64(data)}", "size, full-object CRC32")
-
-
-def test_an_empty_write_at_a_spans_start_is_no_rewrite(fd):
-    # a zero-byte write rewrites nothing: no reason for finish() to hash the file again
-    s = checks.Stream(fd, Expected())
-    s.wrote(0, 5)
-    s.wrote(10, 20)
-    s.wrote(10, 10)
-    assert not s._overlap and s._spans == [[0, 5], [10, 20]]
-    s.abandon()
-
-
-class _Stop(Exception):
-    pass
-
-
-class _Looks:
-    """A Condition stand-in for driving Stream._follow in this thread: each wait_for records
-    what the follower's wake-up rule says, lets it go on `passes` times, then stops it."""
-
-    def __init__(self, passes: int = 0) -> None:
-        self.said, self.passes = [], passes
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def wait_for(self, predicate):
-        self.said.append(bool(predicate()))
-        if len(self.said) > self.passes:
-            raise _Stop
-        return True
-
-
-def _driven(tmp_path, monkeypatch, passes=0, spans=(), pos=0, written=0, synced=0,
-            **flags):
-    monkeypatch.setattr(checks, "_CHUNK", 256)
-    monkeypatch.setattr(checks, "_SYNC", 100)
-    fd = os.open(tmp_path / "f.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+def test_an_abandoned_download_leaves_no_thread_that_blocks_exit(tmp_path):
+    before = set(threading.enumerate())
+    fd = os.open(tmp_path / "a.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
     try:
-        s = checks.Stream(fd, Expected(md5="x"))
-        s.abandon()  # its own follower stopped: _follow runs here, under _Looks
-        s._closed = False
-        s._cond, s._spans, s.hashes.pos = _Looks(passes), [list(x) for x in spans], pos
-        s._written, s._synced = written, synced
-        for name, value in flags.items():
-            setattr(s, name, value)
-        s._follow()
-        assert isinstance(s._error, _Stop)
-        return s
+        s = checks.Stream(fd, Expected(md5="x"), 10)
+        started = set(threading.enumerate()) - before
+        assert started and all(t.daemon for t in started)  # daemons: exit never waits on them
+        s.write(b"x" * 5)
+        s.abandon()
+        assert not any(t.is_alive() for t in started)
     finally:
         os.close(fd)
 
 
-@pytest.mark.parametrize("state, wakes", [
-    ({}, False),
-    ({"_overlap": True}, True),  # a rewrite: stop following now
-    ({"_closed": True}, True),
-    ({"spans": [(0, 300)], "pos": 256}, False),  # 44 bytes past what is hashed: not a chunk
-    ({"spans": [(0, 512)], "pos": 256}, True),  # exactly a chunk
-    ({"written": 60, "synced": 50}, False),  # 10 bytes since the last write-back
-    ({"written": 150, "synced": 50}, True),  # exactly _SYNC since it
-])
-def test_the_follower_wakes_for_a_whole_chunk_a_due_write_back_or_the_end(
-        tmp_path, monkeypatch, state, wakes):
-    assert _driven(tmp_path, monkeypatch, **state)._cond.said == [wakes]
-
-
-def test_the_follower_writes_back_when_due_and_counts_from_there(tmp_path, monkeypatch):
-    synced = []
-    monkeypatch.setattr(checks.os, "fdatasync", synced.append)
-    s = _driven(tmp_path, monkeypatch, passes=1, written=150, synced=50)
-    assert len(synced) == 1 and s._synced == 150
-    synced.clear()
-    s = _driven(tmp_path, monkeypatch, passes=1, written=60, synced=50)  # not due
-    assert synced == [] and s._synced == 50
-
-
-def test_md5_is_asked_for_as_a_non_security_use(monkeypatch):
+def test_md5_is_asked_for_as_a_non_security_use(tmp_path, monkeypatch):
     # a FIPS-restricted OpenSSL refuses MD5 unless it is flagged usedforsecurity=False
     real = hashlib.md5
 
@@ -615,4 +512,5 @@ def test_md5_is_asked_for_as_a_non_security_use(monkeypatch):
 
     monkeypatch.setattr(checks.hashlib, "md5", fips_md5)
     data = b"abc" * 10
-    assert _hashed(Expected(md5="x"), data).md5.hexdigest() == real(data).hexdigest()
+    assert streamed(tmp_path, data, [(0, 30)], Expected(md5="x")).md5.hexdigest() == real(
+        data).hexdigest()
