@@ -152,8 +152,12 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
     """pipeline, num_workers (the baseline's unless a lower wait resolves), knobs (or defaults)."""
     ok = _good(sweep) if sweep is not None else None
     if ok is None or ok.empty:
-        return _defaults("loader frame absent" if sweep is None or sweep.empty
-                         else "every loader sweep point failed: " + str(sweep["error"].iloc[0]))
+        why = ("loader frame absent" if sweep is None or sweep.empty
+               else "every loader sweep point failed: " + str(sweep["error"].iloc[0]))
+        n = default_workers()
+        return (_default("pipeline", "packed", f"{why}: the packed token cache"),
+                _default("num_workers", n, f"{why}: {n} workers (two cores left to the step)"),
+                *(_default(k, v, f"{why}: the documented default") for k, v in _knobs(n).items()))
     ok = ok.reset_index(drop=True)  # sweeps concatenated by a caller repeat index labels
     on = measured_on or MeasuredOn(step=str(ok["consumer"].iloc[0]) if "consumer" in ok else "",
                                    seq_len=int(ok["seq_len"].iloc[0]) if "seq_len" in ok else None)
@@ -238,10 +242,3 @@ def _knobs(workers: int) -> dict[str, Any]:
 def default_workers() -> int:
     """DEFAULT_WORKERS where two cores stay free for the step's threads, else fewer."""
     return max(0, min(DEFAULT_WORKERS, device.usable_cores() - 2))
-
-
-def _defaults(why: str) -> tuple[Decision, ...]:
-    n = default_workers()
-    return (_default("pipeline", "packed", f"{why}: the packed token cache"),
-            _default("num_workers", n, f"{why}: {n} workers (two cores left to the step)"),
-            *(_default(k, v, f"{why}: the documented default") for k, v in _knobs(n).items()))
