@@ -101,6 +101,11 @@ class Comparison:
             return f"resolved ({max(self.ratio, 1 / self.ratio):.2f}x, {figures})"
         return f"within noise ({abs(self.ratio - 1) * 100:.0f}% apart, {figures})"
 
+    def sure(self) -> dict[str, Any]:
+        """A Decision's how-sure fields: samples and spread (a's first), resolved."""
+        return {"samples": (len(self.a), len(self.b)), "spread": (spread(self.a), spread(self.b)),
+                "resolved": self.resolved}
+
 
 def compare(a: Sequence[float], b: Sequence[float]) -> Comparison:
     return Comparison(tuple(a), tuple(b))

@@ -108,21 +108,14 @@ def advice(sweep: pd.DataFrame, recommendation: pd.DataFrame, run_steps: int = 1
                     + ("" if kept_up else f"; {r.verdict}"))
         if saved > 0:
             rows.append(("data_wait", finding, float(saved) * run_steps, evidence))
-    if {"naive", "packed"} <= set(waits):
-        rows += _packing(sweep, waits, run_steps, target_share)
-    return pd.DataFrame(rows, columns=ADVICE)
-
-
-def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], run_steps: int,
-             target_share: float) -> list[tuple[str, str, float, str]]:
-    """Tokenize once and pack: what the naive loop's wait and padding cost, where measured."""
-    naive, packed = waits["naive"], waits["packed"]
+    # tokenize once and pack: what the naive loop's wait and padding cost, where measured
+    naive, packed = waits.get("naive", pd.DataFrame()), waits.get("packed", pd.DataFrame())
     w = next((w for w in naive.index if w in packed.index), None)
     if w is None or naive.loc[w, "data_wait_share"] < target_share:
-        return []
+        return pd.DataFrame(rows, columns=ADVICE)
     saved = (naive.loc[w, "data_wait_s"] - packed.loc[w, "data_wait_s"]) * run_steps
-    rows = _good(sweep[sweep["pipeline"] == "naive"])
-    fill = float(rows["tokens_per_s"].median() / rows["samples_per_s"].median()) / float(
+    ran = _good(sweep[sweep["pipeline"] == "naive"])
+    fill = float(ran["tokens_per_s"].median() / ran["samples_per_s"].median()) / float(
         sweep["seq_len"].iloc[0]) if "seq_len" in sweep else math.nan
     ratio = packed.loc[w, "tokens_per_s"] / naive.loc[w, "tokens_per_s"]
     evidence = (f"at num_workers={w}: data_wait {naive.loc[w, 'data_wait_share']:.1%} (naive) vs "
@@ -130,7 +123,9 @@ def _packing(sweep: pd.DataFrame, waits: dict[str, pd.DataFrame], run_steps: int
                 f"{ratio:.2f}x the tokens per second" + ("" if math.isnan(fill) else
                 f"; naive batches are {1 - fill:.0%} padding, compute a packed step "
                 "does not waste"))
-    return [("data_wait", FIXES["pipeline"], max(float(saved), 0.0), evidence)] if saved > 0 else []
+    if saved > 0:
+        rows.append(("data_wait", FIXES["pipeline"], float(saved), evidence))
+    return pd.DataFrame(rows, columns=ADVICE)
 
 
 def choose_workers(by: pd.DataFrame, goal: float = DATA_WAIT_GOAL) -> tuple[int, str]:
@@ -154,12 +149,15 @@ def choose_workers(by: pd.DataFrame, goal: float = DATA_WAIT_GOAL) -> tuple[int,
 
 def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
            measured_on: MeasuredOn | None = None) -> tuple[Decision, ...]:
-    """pipeline, num_workers (the baseline's unless a lower wait resolves) and the DataLoader
-    knobs; a knob the sweep never varied, or no sweep, gives labelled defaults."""
+    """pipeline, num_workers (the baseline's unless a lower wait resolves), knobs (or defaults)."""
     ok = _good(sweep) if sweep is not None else None
     if ok is None or ok.empty:
-        return _defaults("loader frame absent" if sweep is None or sweep.empty
-                         else "every loader sweep point failed: " + str(sweep["error"].iloc[0]))
+        why = ("loader frame absent" if sweep is None or sweep.empty
+               else "every loader sweep point failed: " + str(sweep["error"].iloc[0]))
+        n = default_workers()
+        return (_default("pipeline", "packed", f"{why}: the packed token cache"),
+                _default("num_workers", n, f"{why}: {n} workers (two cores left to the step)"),
+                *(_default(k, v, f"{why}: the documented default") for k, v in _knobs(n).items()))
     ok = ok.reset_index(drop=True)  # sweeps concatenated by a caller repeat index labels
     on = measured_on or MeasuredOn(step=str(ok["consumer"].iloc[0]) if "consumer" in ok else "",
                                    seq_len=int(ok["seq_len"].iloc[0]) if "seq_len" in ok else None)
@@ -216,10 +214,8 @@ def _pipeline(ok: pd.DataFrame, rates: pd.Series) -> tuple[str, str, dict[str, A
     if w is None:
         return "naive", "", {}
     said = "; ".join(f"{n} worker{'s' * (n != 1)}: {g.describe()}" for n, g in gaps.items())
-    a, b = per[(best, w)], per[("naive", w)]
     return pick, f"; seconds per token, {best} against naive at each worker count: {said}", {
-        "samples": (len(a), len(b)), "spread": (spread(a), spread(b)), "resolved": bool(wins)
-        and pick == best}
+        **gaps[w].sure(), "resolved": bool(wins) and pick == best}
 
 
 def _resolved_workers(rows: pd.DataFrame, base: int, workers: int, why: str
@@ -231,12 +227,10 @@ def _resolved_workers(rows: pd.DataFrame, base: int, workers: int, why: str
         return workers, f"{why} ({len(mine)} samples, spread {spread(mine):.0%})", {
             "samples": (len(mine),), "spread": (spread(mine),)}
     gap = compare(waits[workers], waits[base])
-    sure = {"samples": (len(waits[workers]), len(waits[base])),
-            "spread": (spread(waits[workers]), spread(waits[base])), "resolved": gap.resolved}
     if gap.faster == "a":
-        return workers, f"{why}; against {base} workers' wait: {gap.describe()}", sure
+        return workers, f"{why}; against {base} workers' wait: {gap.describe()}", gap.sure()
     return base, (f"{base} workers kept: {workers} would be picked ({why}), but its wait "
-                  f"against {base} workers' is {gap.describe()}"), {**sure, "resolved": False}
+                  f"against {base} workers' is {gap.describe()}"), {**gap.sure(), "resolved": False}
 
 
 def _knobs(workers: int) -> dict[str, Any]:
@@ -248,10 +242,3 @@ def _knobs(workers: int) -> dict[str, Any]:
 def default_workers() -> int:
     """DEFAULT_WORKERS where two cores stay free for the step's threads, else fewer."""
     return max(0, min(DEFAULT_WORKERS, device.usable_cores() - 2))
-
-
-def _defaults(why: str) -> tuple[Decision, ...]:
-    n = default_workers()
-    return (_default("pipeline", "packed", f"{why}: the packed token cache"),
-            _default("num_workers", n, f"{why}: {n} workers (two cores left to the step)"),
-            *(_default(k, v, f"{why}: the documented default") for k, v in _knobs(n).items()))

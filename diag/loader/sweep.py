@@ -85,8 +85,7 @@ def _to(batch: Any, device: torch.device) -> Any:
 
 @contextlib.contextmanager
 def _one_setting() -> Iterator[None]:
-    """torch's too-many-workers warning silenced (the row's `warning` says it); the heap frozen
-    out of the collection that ends the setting (docs/calibration.md), unless the caller froze."""
+    """Silences torch's too-many-workers warning (rows say it); freezes the heap unless frozen."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="This DataLoader will create")
         frozen = not gc.get_freeze_count()

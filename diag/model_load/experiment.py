@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from diag.config import MODEL_LOAD_SCENARIOS as SCENARIOS
 from diag.config import ModelLoadConfig, diag_home
-from diag.decision import Decision, MeasuredOn
+from diag.decision import ADVICE, Decision, MeasuredOn
 from diag.machine.disks import is_network
 from diag.model_load.processes import LoadProcesses
+from diag.noise import MIN_SAMPLES, compare, interleave
 from diag.model_load.source import (Source, blob_files, cache_dir_for, failure,
                                     not_in_user_cache, offline_env, open_source, pin_to_cache,
                                     problems, request, snapshot_folder, verify_cache,
@@ -101,7 +102,6 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     from tqdm.auto import tqdm
 
     from diag.machine.disks import disk_kind, evict_page_cache, resident_fraction
-    from diag.noise import MIN_SAMPLES, interleave
 
     cfg, began = cfg or ModelLoadConfig.default(), time.perf_counter()
     cache_dir = cache_dir_for(cfg)
@@ -240,9 +240,8 @@ def advice(frame: pd.DataFrame) -> pd.DataFrame:
     """Advice rows (stage, finding, seconds_saved, evidence) for amdahl.findings(advice=...)."""
     import pandas as pd
 
-    cols = ["stage", "finding", "seconds_saved", "evidence"]
     if frame.empty:
-        return pd.DataFrame(columns=cols)
+        return pd.DataFrame(columns=ADVICE)
     med, rows = medians(frame), []
     runs = frame.groupby("scenario")["repeat"].nunique()
 
@@ -282,13 +281,11 @@ def advice(frame: pd.DataFrame) -> pd.DataFrame:
                 "put HF_HUB_CACHE on local NVMe (an upper bound)", float(read["seconds"]),
                 f"cached_cold read median {read['seconds']:.3g} s at {read['mb_per_s']:.4g} MB/s "
                 "from a network filesystem")
-    return pd.DataFrame(rows, columns=cols)
+    return pd.DataFrame(rows, columns=ADVICE)
 
 
 def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
     """`model_cache`: "persistent" unless fresh loads (less their import) resolve faster."""
-    from diag.noise import compare, spread
-
     fresh, cached = _loads(frame, "fresh"), _loads(frame, "cached")
     if not fresh or not cached:
         why = ("model_load frame absent" if frame is None or frame.empty else
@@ -303,7 +300,6 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
     model = str(frame["model"].iloc[0]) if "model" in frame.columns else ""
     device = str(frame["device"].dropna().iloc[0]) if frame["device"].notna().any() else ""
     cached_s, fresh_s = statistics.median(cached), statistics.median(fresh)
-    sides = (cached, fresh) if choice == "persistent" else (fresh, cached)  # the chosen first
     return (Decision.from_rows(
         "model_cache", choice, f"cached load {cached_s:.3g} s vs fresh {fresh_s:.3g} s per "
         f"start, the import ({imported:.3g} s, paid by both) apart: {gap.describe()} -> "
@@ -313,8 +309,8 @@ def decide(frame: pd.DataFrame | None) -> tuple[Decision, ...]:
                                step="a load process's model load (download, read, quantize, "
                                     "to device, tokenizer), its import apart"),
         baseline="empty", stage="load_model", per="start", baseline_s=fresh_s,
-        chosen_s=cached_s if choice == "persistent" else fresh_s, resolved=gap.resolved,
-        samples=tuple(map(len, sides)), spread=tuple(map(spread, sides))),)
+        chosen_s=cached_s if choice == "persistent" else fresh_s,
+        **(gap if choice == "persistent" else compare(fresh, cached)).sure()),)
 
 
 def _loads(frame: pd.DataFrame | None, scenario: str) -> list[float]:

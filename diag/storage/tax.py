@@ -8,11 +8,10 @@ import statistics
 
 import pandas as pd
 
-from diag.decision import FIXES
+from diag.decision import ADVICE, FIXES
 from diag.storage.methods import NVME_COLD, PULLS
 from diag.storage.objectstore import MB, transfer_plan
 
-ADVICE = ["stage", "finding", "seconds_saved", "evidence"]
 _NETWORK_KINDS = {"network_block": "network block storage (EBS, PD, ...)",
                   "network_file": "a network filesystem (NFS, EFS, Filestore, Lustre, FUSE, ...)"}
 # what each disk kind (diag.machine.disks, as `diag info` names it) is called in the advice
@@ -103,8 +102,14 @@ def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame
         rate = statistics.median(cold["mb_per_s"])
         hit_s = gb * 1000 / rate
         hit_note = f"; a verified hit reads it once from local disk at {rate:.0f} MB/s (cold)"
+    disk = ""  # ": measured into <the landing folder>, on <its kind>", from the local reads
+    if frame is not None and "local_disk" in frame:
+        reads = frame[(frame["method"] == "local_read") & ~frame["cache_state"].eq(NVME_COLD)]
+        if not reads.empty:
+            kind = str(reads["local_disk"].iloc[0])
+            disk = f": measured into {reads['source'].iloc[0]}, on {_DISK_WORDS.get(kind, kind)}"
     rows = [{"stage": "fetch_data",
-             "finding": f"{FIXES['fetch_data']}{_measured_disk(frame)}; or with `s5cmd sync` / "
+             "finding": f"{FIXES['fetch_data']}{disk}; or with `s5cmd sync` / "
                         "`aws s3 sync` to that disk, Mountpoint for S3 with its local cache "
                         "`mount-s3 --cache DIR`, FSx for Lustre linked to the bucket",
              "seconds_saved": max(0.0, base["seconds_per_run"] - hit_s),
@@ -122,17 +127,6 @@ def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame
                          "seconds_saved": base["seconds_per_run"] - tuned["seconds_per_run"],
                          "evidence": f"{tuned['evidence']} vs {base['evidence']}"})
     return pd.DataFrame(rows, columns=ADVICE)
-
-
-def _measured_disk(frame: pd.DataFrame | None) -> str:
-    """': measured into <the landing folder>, on <its kind>' ('' without the local reads)."""
-    if frame is None or "local_disk" not in frame:
-        return ""
-    reads = frame[(frame["method"] == "local_read") & ~frame["cache_state"].eq(NVME_COLD)]
-    if reads.empty:
-        return ""
-    kind = str(reads["local_disk"].iloc[0])
-    return f": measured into {reads['source'].iloc[0]}, on {_DISK_WORDS.get(kind, kind)}"
 
 
 def landing_disk_advice(frame: pd.DataFrame, dataset_gb: float) -> list[dict[str, object]]:

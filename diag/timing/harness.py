@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import pandas as pd
+
+from diag.machine.device import sync
 from diag.timing.distributed import gather_to_root, gathered_frame, place
 from diag.timing.timer import StageTimer
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 POINT = ["micro_batch", "grad_accum", "repeat"]  # names a harness row's step
 
@@ -64,8 +64,6 @@ class TimedStep:
         self._step.backward(batch, scale)
 
     def update(self) -> None:
-        from diag.machine.device import sync
-
         self._step.update()
         sync(self.device)  # note: sync point: the step's queued kernels are billed to it
         end = time.perf_counter()
@@ -78,8 +76,6 @@ class TimedStep:
     def gathered(self, rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         """(every rank's harness rows, comm_wait_s taken out of compute_s; their StageTimer rows,
         `run` the point "2 x 4") on rank 0, each rank's own elsewhere: a collective, at the end."""
-        import pandas as pd
-
         seat, stages = place(), gathered_frame(self.timer)
         mine = rows.assign(rank=seat.rank, node=seat.node)
         every = pd.concat(gather_to_root(mine) or [mine], ignore_index=True)
@@ -93,8 +89,6 @@ class TimedStep:
 
     def _timed(self, rows: pd.DataFrame) -> pd.DataFrame:
         """The step of each timed row: a point's last steps (those before are its warm-up)."""
-        import pandas as pd
-
         out = []
         for (micro, accum), part in rows[rows["status"] == "ok"].groupby(
                 ["micro_batch", "grad_accum"], sort=False):
