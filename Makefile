@@ -62,9 +62,9 @@ bench: $(STAMP)
 # make mutate MUTANTS='diag.noise.*'. The embedded assets are made once for all mutants.
 MUTANTS ?= diag.amdahl.* diag.secrets.* diag.timing.timer.* diag.machine.device.* diag.config.* \
 	diag.storage.landing.x__local_ok__* diag.decision.* diag.qlora.plans.* diag.loader.advice.* \
-	diag.mfu.formula.* diag.mfu.qlora.* diag.storage.checks.* diag.storage.crc.* \
+	diag.mfu.formula.* diag.mfu.qlora.* diag.storage.checks.* \
 	diag.timing.callback.* diag.noise.* diag.qlora.data.x_train_records__* \
-	diag.data.tokens.x_file_identities__* diag.data.tokens.x__landed__* diag.data.tokens.x_key_parts__* \
+	diag.data.tokens.x_file_identities__* diag.data.tokens.x_key_parts__* \
 	diag.qlora.checkpointing.* diag.qlora.checkpoints.* diag.forecast.costs.* \
 	diag.forecast.eta.x_job_counts__* diag.forecast.budget.* diag.accum.experiment.x_settle__* \
 	diag.preflight.* diag.storage.sample.x_probe__*

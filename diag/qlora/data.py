@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from diag.data import build_token_cache, read_source, shard_files
-from diag.data.records import open_records, plan_chunks, read_chunk
+from diag.data import build_token_cache, read_source
+from diag.data.records import plan_chunks, read_chunk
 from diag.qlora.plans import Plan, fit_micro_batch
 
 PAD_ROWS_LIMIT = 0.25  # share of a step's rows that may be padding to keep the micro-batch
@@ -168,25 +168,6 @@ def train_records(cfg: TrainConfig, source: Path, tokenizer_dir: Path) -> Split:
     return Split(recs.pick(rest[:steps * cfg.batch_size].tolist()),
                  recs.pick(np.sort(drawn[:held]).tolist()), steps,
                  len(rest) - steps * cfg.batch_size)
-
-
-def count_records(source: Path, at_most: int | None = None) -> int:
-    """About the records at source, unparsed (Parquet footers' rows, JSONL lines), up to at_most."""
-    import pyarrow.parquet as pq
-
-    total = 0
-    for path in shard_files(source):
-        if path.suffix == ".parquet":
-            total += pq.read_metadata(path).num_rows
-        else:
-            with open_records(path) as f:  # a .jsonl.gz / .zst: its lines, decompressed
-                last = b"\n"
-                while (block := f.read(16 << 20)) and (at_most is None or total < at_most):
-                    total, last = total + block.count(b"\n"), block[-1:]
-            total += last != b"\n"  # a last line without its newline
-        if at_most is not None and total >= at_most:
-            return at_most
-    return total
 
 
 class ArrowRecords(Sequence):

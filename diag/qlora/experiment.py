@@ -30,7 +30,8 @@ from diag.preflight import preflight
 from diag.qlora import job
 from diag.qlora.base import Bases, Sources, timed_folder
 from diag.qlora.checkpoints import claim
-from diag.qlora.data import build_dataset, count_records, counted, job_records
+from diag.data import count_records
+from diag.qlora.data import build_dataset, counted, job_records
 from diag.qlora.measure import JobInputs, QLoraStep, job_inputs, plan_from_job, read_results
 from diag.qlora.plans import Plan, fixes
 from diag.timing import StageTimer

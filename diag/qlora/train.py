@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from diag.config import TrainConfig
-from diag.data import read_meta
+from diag.data import count_records, read_meta
 from diag.decision import Decision, read
 from diag.decision import frame as decisions_frame
 from diag.files import scratch_folder
@@ -29,7 +29,7 @@ from diag.preflight import preflight
 from diag.qlora.base import Sources, load_model, model_folder
 from diag.qlora.checkpoints import (PACKED_ROWS, check, last_checkpoint, merged, publish,
                                     record)
-from diag.qlora.data import (ArrowRecords, Data, Split, build_dataset, count_records, job_records,
+from diag.qlora.data import (ArrowRecords, Data, Split, build_dataset, job_records,
                              train_records)
 from diag.qlora.job import fetch_data, open_sources
 from diag.qlora.measure import job_inputs, measure_on_job, read_results

@@ -43,7 +43,7 @@ def test_the_eval_share_is_at_least_one_batch_and_the_steps_follow_epochs_or_max
 
 @pytest.mark.parametrize("batch, held, share", [(16, 8, 0.01), (8, 4, 0.5), (1, 1, 0.9)])
 def test_a_source_counted_to_enough_records_never_fails_the_split(tmp_path, batch, held, share):
-    from diag.qlora.data import count_records
+    from diag.data import count_records
 
     cfg = TrainConfig(batch_size=batch, eval_batch=held, eval_share=share)
     cfg.held_out(cfg.enough())  # the count a check stops at always leaves a step and a batch
