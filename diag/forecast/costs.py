@@ -9,12 +9,11 @@ waterfall, the headline, the projection, the ETA) is `price(costs, counts)`: cos
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import pandas as pd
 
 from diag.noise import median_interval
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 # one round's (or one start's) measurement of a stage
 MEASURED = ["plan", "round", "stage", "unit", "count", "seconds", "clock", "when", "evidence"]
@@ -42,15 +41,11 @@ def row(plan: str, stage: str, unit: str, seconds: float | None, count: float = 
 
 
 def measured(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
-    import pandas as pd
-
     return pd.DataFrame(list(rows), columns=MEASURED)
 
 
 def table(rows: pd.DataFrame) -> pd.DataFrame:
     """Costs per unit (COLUMNS): the median over rounds of seconds / count and its interval."""
-    import pandas as pd
-
     keys = ["plan", "stage", "unit", "clock", "when"]
     out = []
     ok = rows[rows["seconds"].notna() & (rows["count"] > 0)]
@@ -65,8 +60,6 @@ def table(rows: pd.DataFrame) -> pd.DataFrame:
 
 def with_eval(costs: pd.DataFrame) -> pd.DataFrame:
     """The table with an eval_slot row (FORWARD_SHARE of it) beside each train slot row."""
-    import pandas as pd
-
     slots = costs[(costs["stage"] == "train") & (costs["unit"] == "slot")]
     evals = slots.assign(stage="eval", unit="eval_slot",
                          **{c: slots[c] * FORWARD_SHARE for c in ("seconds", "low", "high")},
@@ -78,8 +71,6 @@ def with_eval(costs: pd.DataFrame) -> pd.DataFrame:
 def price(costs: pd.DataFrame, counts: Mapping[str, Mapping[str, float]] | Mapping[str, float],
           *, clock: str | None = None, when: str | None = None) -> pd.DataFrame:
     """Each plan's stages priced: cost x count summed over units (counts per unit or per plan)."""
-    import pandas as pd
-
     nested = any(isinstance(v, Mapping) for v in counts.values())
     part = costs
     if clock is not None:

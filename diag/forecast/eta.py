@@ -13,13 +13,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pandas as pd
+
 from diag.decision import by_setting
 from diag.forecast.costs import COLUMNS, FORWARD_SHARE, with_eval
 from diag.forecast.story import ORDER, judged
 
 if TYPE_CHECKING:
-    import pandas as pd
-
     from diag.decision import Decision
 
 
@@ -48,8 +48,6 @@ def runs_costs(costs: pd.DataFrame, plan: str) -> pd.DataFrame:
 
 def costs_in(folder: str | os.PathLike[str], plan: str) -> pd.DataFrame | None:
     """The costs a run folder's projection priced for `plan` (None: the folder holds none)."""
-    import pandas as pd
-
     path = Path(folder) / "qlora_projection_costs.csv"
     if not path.is_file():
         return None
@@ -63,8 +61,6 @@ def from_decisions(plan: str, settings: Mapping[str, Any], decisions: Iterable[D
     """A plan's wall costs before any run: fetch and model folder per start from their decisions,
     a slot from the micro-batch sweep (x checkpointing's on/off ratio where the plan keeps it
     on), a byte from the token cache's recorded build."""
-    import pandas as pd
-
     got = by_setting(decisions)
 
     def cost(stage: str, unit: str, seconds: float | None, why: str) -> dict[str, Any]:
@@ -106,8 +102,6 @@ def from_decisions(plan: str, settings: Mapping[str, Any], decisions: Iterable[D
 
 def check_eta(projected: pd.DataFrame, stages: pd.DataFrame) -> pd.DataFrame:
     """Per run-level stage the ETA (None: unpriced) beside the run's seconds, and `total`."""
-    import pandas as pd
-
     measured = stages[stages["step"].isna()].groupby("stage")["seconds"].sum()
     priced = projected.set_index("stage")
     rows = [judged(stage, "predicted before the run",

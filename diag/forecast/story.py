@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import pandas as pd
 
 from diag.decision import PREDICTION_FLOOR_S, PREDICTION_TOLERANCE
 from diag.forecast.costs import price, table
 from diag.noise import MIN_SAMPLES, compare, median_interval
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 # the rule every predicted-vs-measured figure is judged by, said once wherever one is shown
 TOLERANCE = (f"a prediction is flagged when it misses by more than {PREDICTION_TOLERANCE:.0%} of "
@@ -40,8 +39,6 @@ def check(before_priced: pd.DataFrame, runs_priced: pd.DataFrame, clock: str,
           fixes: Mapping[str, Sequence[str]]) -> pd.DataFrame:
     """Per run-level stage the saving (naive - optimized) predicted before the runs beside the
     runs' own (no fix: 0 s predicted; load_model: its model folder, `download`)."""
-    import pandas as pd
-
     before, runs = _by(before_priced), _by(runs_priced)
     rows = []
     for stage in ORDER:
@@ -83,8 +80,6 @@ def _pair(by: Mapping[tuple[str, str], float], stage: str, clock: str) -> str:
 def waterfall(runs_priced: pd.DataFrame, clock: str, fixes: Mapping[str, Sequence[str]]
               ) -> pd.DataFrame:
     """Rows naive, one per stage a fix changed (its change), one residual, optimized."""
-    import pandas as pd
-
     runs = _by(runs_priced)
     stages = [s for s in ORDER if (s, "naive") in runs or (s, "optimized") in runs]
     naive = sum(runs.get((s, "naive"), 0.0) for s in stages)
@@ -171,8 +166,6 @@ def tell(measured: pd.DataFrame, counts: Mapping[str, Mapping[str, float]], cloc
          fixes: Mapping[str, Sequence[str]], tokens: Mapping[str, float],
          met: Sequence[float] = ()) -> dict[str, pd.DataFrame]:
     """The cost table, the savings predicted vs measured, the waterfall and the headline."""
-    import pandas as pd
-
     costs = table(measured)
     before, runs = (price(costs, counts, clock=clock, when=when) for when in ("before", "runs"))
     timed = measured[(measured["when"] == "before") & (measured["plan"] == "naive")
