@@ -97,13 +97,9 @@ def _one_run(frame: pd.DataFrame, total_steps: int | None) -> list[dict[str, Any
     return rows
 
 
-def shares(frame: pd.DataFrame, total_steps: int | None = None) -> pd.DataFrame:
-    """Seconds and share of the run per stage and `run`; step stages scaled to total_steps."""
-    return _table(frame, total_steps).drop(columns=["fixable_s", "fixable"])
-
-
-def _table(frame: pd.DataFrame, total_steps: int | None) -> pd.DataFrame:
-    """shares() with what a fix can remove of each stage (`fixable_s`) and its basis."""
+def shares(frame: pd.DataFrame, total_steps: int | None = None, fixable: bool = False
+           ) -> pd.DataFrame:
+    """Seconds and share per stage and `run`, steps scaled to total_steps (fixable: + fixable_s)."""
     if total_steps is not None and (isinstance(total_steps, bool) or total_steps <= 0):
         raise ValueError(f"total_steps={total_steps!r}: must be a whole number > 0")
     frame = _check(frame)
@@ -112,8 +108,9 @@ def _table(frame: pd.DataFrame, total_steps: int | None) -> pd.DataFrame:
         rows = _one_run(part, total_steps)
         total = sum(r["seconds"] for r in rows)
         out += [{"run": run, **r, "share": r["seconds"] / total if total else 0.0} for r in rows]
-    return pd.DataFrame(out, columns=["run", "stage", "level", "seconds", "share", "basis",
-                                      "fixable_s", "fixable"])
+    table = pd.DataFrame(out, columns=["run", "stage", "level", "seconds", "share", "basis",
+                                       "fixable_s", "fixable"])
+    return table if fixable else table.drop(columns=["fixable_s", "fixable"])
 
 
 def project(frame: pd.DataFrame, speedup: Mapping[str, float],
@@ -185,7 +182,7 @@ def infer_compute_share(t_before: float, t_after: float,
 def findings(frame: pd.DataFrame, advice: pd.DataFrame | None = None,
              total_steps: int | None = None, min_share: float = 0.01) -> pd.DataFrame:
     """Fixes ranked by seconds saved, with `advice` rows capped at their stage's seconds."""
-    table = _table(frame, total_steps)
+    table = shares(frame, total_steps, fixable=True)
     runs = list(dict.fromkeys(table["run"]))
     extra = advice if advice is not None else pd.DataFrame(columns=["stage"])
     if "run" not in extra.columns:

@@ -189,25 +189,8 @@ def plot_model_load(frame: pd.DataFrame) -> Figure:
                  1.6 + 0.5 * len(table))
 
 
-def _marks(fig: Figure, decision: Decision | None) -> None:
-    """The legend of a decision's marks: the chosen point, the default, those within noise."""
-    from matplotlib.patches import Patch
-
-    if decision is None:
-        return
-    name = decision.setting.replace("_", "-")
-    chosen = Patch(color=STAGE_COLORS["compute"], label=f"chosen: {name} {decision.value}")
-    fig.legend(handles=[chosen,
-                        Patch(facecolor="white", edgecolor="black", hatch="//",
-                              label=f"default: {name} {decision.baseline}"),
-                        Patch(color=STAGE_COLORS["compute"], alpha=0.45,
-                              label="within noise of the fastest")],
-              fontsize=7, loc="outside lower center", ncols=3, frameon=False)
-
-
 def plot_accum(frame: pd.DataFrame, decision: Decision | None = None) -> Figure:
-    """Grad-accum sweep on the decision's clock: tokens/s and seconds per step per point
-    (medians as bars, repeats as dots), the chosen, default and tied points marked, OOM named."""
+    """Grad-accum sweep on the decision's clock: tokens/s, seconds per step; points marked."""
     keys = ["micro_batch", "grad_accum"]
     need = {*keys, "tokens_per_step", "seconds_per_step", "cpu_s", "floor_s", "status"}
     if frame.empty or not need <= set(frame.columns):
@@ -242,7 +225,16 @@ def plot_accum(frame: pd.DataFrame, decision: Decision | None = None) -> Figure:
     rate.set(ylabel="micro_batch x grad_accum", xlabel=f"tokens per {unit} (median; repeats: dots)")
     step.set_xlabel(f"{unit} per optimizer step" + ("" if cpu else " (black bar: the floor at "
                                                      "100% of the peak)"))
-    _marks(fig, decision)
+    if decision is not None:  # the legend of its marks: chosen, default, within noise
+        from matplotlib.patches import Patch
+
+        name = decision.setting.replace("_", "-")
+        fig.legend(handles=[
+            Patch(color=STAGE_COLORS["compute"], label=f"chosen: {name} {decision.value}"),
+            Patch(facecolor="white", edgecolor="black", hatch="//",
+                  label=f"default: {name} {decision.baseline}"),
+            Patch(color=STAGE_COLORS["compute"], alpha=0.45, label="within noise of the fastest")],
+            fontsize=7, loc="outside lower center", ncols=3, frameon=False)
     tokens = int(frame["tokens_per_step"].iloc[0])
     fig.suptitle(f"Gradient accumulation at {tokens:,} tokens per step, on the "
                  f"{'CPU' if cpu else 'wall'} clock", fontsize=10)
@@ -251,8 +243,7 @@ def plot_accum(frame: pd.DataFrame, decision: Decision | None = None) -> Figure:
 
 def plot_loader(frame: pd.DataFrame, target_share: float = DATA_WAIT_GOAL,
                 decision: Decision | None = None) -> Figure:
-    """data_wait share of the step per num_workers per pipeline (medians, repeats as dots),
-    the target dashed, the chosen num_workers shaded."""
+    """data_wait share of the step per num_workers per pipeline, the target, the choice."""
     need = {"pipeline", "num_workers", "data_wait_share"}
     if frame.empty or not need <= set(frame.columns):
         raise ValueError("frame must be diag.loader.sweep_workers(): pipeline, num_workers, "

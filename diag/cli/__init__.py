@@ -24,6 +24,7 @@ from typing import Any
 from diag import config
 from diag.cli.flags import UsageError, build_parser, unrecognized
 from diag.secrets import redact, redact_frame
+from diag.timing import distributed
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,6 @@ def run(name: str, cfg: config.ExperimentConfig) -> Any:
 
 def join(name: str, cfg: config.ExperimentConfig) -> None:
     """Under a launcher: refuse a one-process command, else join the group; same args on all."""
-    from diag.timing import distributed
-
     if not EXPERIMENTS[name].ddp:
         raise UsageError(
             f"diag: `diag {name}` runs in one process, not under a launcher (WORLD_SIZE="
@@ -114,8 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         # SIGTERM unwinds like Ctrl-C: every `with` block exits (servers stop, partials go)
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    from diag.timing import distributed
-
     try:
         name, cfg, args = parse(sys.argv[1:] if argv is None else argv)
         if distributed.launched():
