@@ -82,8 +82,7 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_folder(path: str | os.PathLike[str], *, replace: bool = True) -> Iterator[Path]:
-    """`with atomic_folder(path) as tmp:` fill tmp, swapped in whole on a clean exit
-    (replace=False keeps one already there); an error removes it."""
+    """The yielded folder, swapped in whole on a clean exit (replace=False keeps one there)."""
     path = Path(path)
     tmp = temp_path(path)
     tmp.mkdir(parents=True)

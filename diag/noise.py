@@ -187,8 +187,7 @@ def interleave(sides: Sequence[Hashable], measure: Callable[[Any, int], Any],
                pending: Callable[[dict[Any, list[Any]]], object] = lambda got: True, *,
                budget_s: float = math.inf, min_rounds: int = MIN_SAMPLES, max_rounds: int = 16,
                owed: int = 0) -> tuple[dict[Any, list[Any]], Rounds]:
-    """Rounds of `measure(side, round)` on every side, the order turned each round: the
-    returns per side, and the Rounds."""
+    """Rounds of `measure(side, round)` on every side, order turned: (returns by side, Rounds)."""
     got: dict[Any, list[Any]] = {side: [] for side in sides}
     turns = itertools.count()
 

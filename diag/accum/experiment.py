@@ -118,8 +118,7 @@ def decide(frame: pd.DataFrame | None, measured_on: MeasuredOn | None = None,
 
 def settle(ok: pd.DataFrame, column: str, baseline: int
            ) -> tuple[dict[int, list[float]], int, Choice]:
-    """(samples by micro-batch, the reference, diag.noise.choose's pick against it); among ties,
-    the largest that resolved faster than the reference (docs/calibration.md)."""
+    """(samples by micro-batch, the reference, diag.noise.choose's pick against it)."""
     times = {int(m): list(g[column]) for m, g in ok.groupby("micro_batch")}
     ref = baseline if baseline in times else min(times)
     pick = choose(times, ref)

@@ -172,8 +172,7 @@ def _rows(key: tuple[int, int, int], first: int, timings: Sequence[tuple[float, 
 def retime(steps: Sequence[AccumStep], timed: pd.DataFrame,
            pending: Callable[[dict[tuple[int, int, int], list[float]]], Sequence[Any]], *,
            budget_s: float, at_least: int | None = None) -> tuple[pd.DataFrame, float]:
-    """Interleaved rounds of one step per finalist until each holds `at_least` samples, then while
-    `pending` names any, within budget_s: (timed with the rounds' rows, seconds past at_least)."""
+    """(timed + rounds while `pending` names a finalist, seconds past at_least) within budget_s."""
     at_least = max(MIN_SAMPLES, at_least or 0)  # fewer can never resolve a gap
     column = clock(steps[0].device.type).col("seconds_per_step")
     ok = timed[timed["status"] == "ok"]

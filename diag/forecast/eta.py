@@ -26,9 +26,7 @@ if TYPE_CHECKING:
 def job_counts(steps: int, warmup: int, tokens_per_step: float, slots_per_step: float,
                every_eval: int, every_save: int, eval_slots: float, done: int = 0,
                built_bytes: float = 0, records: int = 0) -> dict[str, float]:
-    """A run's counts in cost units: the token slots after `done` (warm-up apart); the evals
-    (before a fresh run, every every_eval, at the end); the saves (every every_save, at the end,
-    the output); the bytes a cache build reads; the records naive reads; a start; a source."""
+    """A run's counts in cost units, from step `done` on (evals and saves at their cadence)."""
     left, warm = steps - done, min(warmup, steps - done)
     evals = (0 if done else 1) + steps // every_eval - done // every_eval + bool(
         steps % every_eval)
@@ -58,9 +56,7 @@ def costs_in(folder: str | os.PathLike[str], plan: str) -> pd.DataFrame | None:
 
 def from_decisions(plan: str, settings: Mapping[str, Any], decisions: Iterable[Decision],
                    build: Mapping[str, Any] | None = None) -> pd.DataFrame:
-    """A plan's wall costs before any run: fetch and model folder per start from their decisions,
-    a slot from the micro-batch sweep (x checkpointing's on/off ratio where the plan keeps it
-    on), a byte from the token cache's recorded build."""
+    """A plan's wall costs before any run, from its decisions and the token cache's build."""
     got = by_setting(decisions)
 
     def cost(stage: str, unit: str, seconds: float | None, why: str) -> dict[str, Any]:

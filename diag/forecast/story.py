@@ -37,8 +37,7 @@ def judged(stage: str, finding: str, predicted: float | None, measured: float,
 
 def check(before_priced: pd.DataFrame, runs_priced: pd.DataFrame, clock: str,
           fixes: Mapping[str, Sequence[str]]) -> pd.DataFrame:
-    """Per run-level stage the saving (naive - optimized) predicted before the runs beside the
-    runs' own (no fix: 0 s predicted; load_model: its model folder, `download`)."""
+    """Per run-level stage the saving (naive - optimized) predicted beside the runs' own."""
     before, runs = _by(before_priced), _by(runs_priced)
     rows = []
     for stage in ORDER:
@@ -107,8 +106,7 @@ def waterfall(runs_priced: pd.DataFrame, clock: str, fixes: Mapping[str, Sequenc
 
 def headline(rounds: Mapping[str, Sequence[float]], tokens: Mapping[str, float], clock: str,
              totals: Mapping[str, float]) -> dict[str, Any]:
-    """naive over optimized per trained token at `totals` (the waterfall's ends), its interval
-    from the paired per-round ratios, resolved by diag.noise; `text` says it in words."""
+    """naive over optimized per trained token at `totals`, its paired interval; `text`."""
     per = {p: [s / tokens[p] for s in rounds[p]] for p in ("naive", "optimized")}
     ratio = (totals["naive"] / tokens["naive"]) / (totals["optimized"] / tokens["optimized"])
     paired = [n / o for n, o in zip(per["naive"], per["optimized"]) if o > 0]
@@ -140,8 +138,7 @@ def rounds_of(rows: pd.DataFrame, clock: str) -> dict[str, list[float]]:
 
 def restated(checked: pd.DataFrame, met: Sequence[float], timed: Sequence[float],
              clock: str) -> pd.DataFrame:
-    """The step stages' check restated at the runs' speed (x met / timed) when the naive steps
-    the runs met resolve apart from those timed before them; said in the evidence either way."""
+    """The step stages' check at the runs' speed (x met / timed) where met and timed resolve."""
     if not met or not timed:
         return checked
     gap, unit = compare(timed, met), "CPU s" if clock == "CPU" else "s"

@@ -198,8 +198,7 @@ def decide(sweep: pd.DataFrame | None, goal: float = DATA_WAIT_GOAL,
 
 
 def _pipeline(ok: pd.DataFrame, rates: pd.Series) -> tuple[str, str, dict[str, Any]]:
-    """(pipeline, note, how sure): another than naive only where its seconds per token resolve
-    faster at a worker count both ran and at none slower (each count apart, docs/calibration.md)."""
+    """(pipeline, note, how sure): not naive only where it resolves faster, never slower."""
     per = {(p, int(w)): list(1 / g["tokens_per_s"])
            for (p, w), g in ok.groupby(["pipeline", "num_workers"])}
     other = [p for p in rates.index if p != "naive"]

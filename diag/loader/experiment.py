@@ -40,8 +40,7 @@ class LoaderResult:
 def run_loader(cfg: LoaderConfig | None = None, step: tuple | None = None,
                measured_on: MeasuredOn | None = None, emulate_stalls: bool = False
                ) -> LoaderResult:
-    """Sweep, recommend, split the stalls, profile the naive preprocessing. step: consumer()'s
-    triple (None: cfg's); emulate_stalls: the split sleeps the sweep's median step."""
+    """Sweep, recommend, split the stalls, profile the naive preprocessing (step: consumer()'s)."""
     cfg = cfg or LoaderConfig.default()
     data, tokenizer_dir = sources(cfg)
     step = step or consumer(cfg, tokenizer_dir, resolve(cfg.device))

@@ -192,8 +192,7 @@ def sources(cfg: LoaderConfig) -> tuple[str, str]:
 
 def sweep_workers(cfg: LoaderConfig | None = None, step: Any = None, *,
                   dataset: Dataset | None = None, collate_fn: Any = None) -> pd.DataFrame:
-    """Every pipeline x num_workers against the step, a row per repeat, in interleaved rounds.
-    step: consumer()'s triple, your callable(batch) or None (cfg's); dataset: swept as "yours"."""
+    """Every pipeline x num_workers against the step, a row per repeat, in interleaved rounds."""
     cfg = cfg or LoaderConfig.default()
     device = resolve(cfg.device)
     if callable(step):

@@ -128,8 +128,7 @@ def capped(frames: dict[str, pd.DataFrame]) -> bool:
 def headline(stages: pd.DataFrame, found: pd.DataFrame, comparison: pd.DataFrame | None = None,
              flow: pd.DataFrame | None = None, projection: pd.DataFrame | None = None,
              memory_capped: bool = False) -> dict[str, Any]:
-    """The verdict, the comparison with its confidence, the top fix and the projection, read
-    from the folder's frames; `text`: the lines shown first."""
+    """The verdict, the comparison, the top fix and the projection; `text`: the lines shown."""
     runs = list(dict.fromkeys(stages["run"]))
     first = "naive" if "naive" in runs else runs[0]
     out: dict[str, Any] = amdahl.verdict(stages, first, memory_capped)
