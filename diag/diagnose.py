@@ -31,11 +31,10 @@ from diag.machine.device import on_cpu_threads, resolve, run_info
 from diag.model_load import ModelLoadResult, run_model_load
 from diag.qlora import QLoraResult, TrainResult, measure, run_train
 from diag.qlora.checkpointing import CheckpointingResult
-from diag.qlora.experiment import compare
+from diag.qlora.experiment import Projection, compare, project_job
 from diag.qlora.job import open_sources
 from diag.qlora.measure import JobInputs
 from diag.qlora.plans import Plan
-from diag.qlora.experiment import Projection, project_job
 from diag.runner import Runner, Step
 from diag.storage import StorageResult
 from diag.timing import StageTimer, median_seconds

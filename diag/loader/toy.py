@@ -14,10 +14,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from diag.config import LoaderConfig, ToyConfig
-from diag.machine import device as devices
 from diag.machine.contention import GpuSampler
-from diag.machine.device import on_cpu_threads, sync
-from diag.machine.device import GPUS, dense_peak_flops
+from diag.machine.device import GPUS, dense_peak_flops, on_cpu_threads, resolve, sync
 from diag.timing import StageTimer, distributed
 
 
@@ -127,7 +125,7 @@ class ToyBatches(Dataset):
 def run_toy(cfg: ToyConfig | None = None, timer: StageTimer | None = None):
     """Train the toy MLP for cfg.warmup_steps + cfg.steps; return the timer's frame."""
     cfg = cfg or ToyConfig.default()
-    dev = devices.resolve(cfg.device)
+    dev = resolve(cfg.device)
     seat = distributed.init_group(dev.type)  # a no-op on one process
     if seat.distributed and dev.type == "cuda":
         dev = torch.device("cuda", seat.local_rank)  # one GPU per rank
