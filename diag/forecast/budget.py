@@ -30,7 +30,8 @@ from diag.storage.sample import ranges, spread
 if TYPE_CHECKING:
     from diag.config import DiagnoseConfig, ModelLoadConfig, QLoraConfig, StorageConfig
 
-GPU_DEFAULT, CPU_DEFAULT, QUICK_DEFAULT = "15m", "3m", "1m"  # --budget "" on each kind of run
+# --budget "": a one-off cloud check on a GPU box, the embedded diagnosis on a CPU box
+GPU_DEFAULT, CPU_DEFAULT, QUICK_DEFAULT = "15m", "3m", "1m"
 
 # The least each step takes in `diag run --quick` on the embedded model and data (docs/
 # calibration.md); floors() adds the job's sizes. Keyed by Step.field.
@@ -47,11 +48,6 @@ STEPPED = (*DECISIONS, "qlora", "runs")  # steps that time the job's training st
 HUB_BYTES_PER_S = 200e6  # a model file from the hub (one stream; hf_xet on a cloud box)
 LOAD_BYTES_PER_S = 1e9  # a cached model read, quantized to 4-bit and placed on the device
 PULL_BYTES_PER_S = 200e6  # one method's pull of an object or range from the object store
-
-
-def default(quick: bool, device_type: str) -> str:
-    """--budget "": a one-off cloud check on a GPU box, the embedded diagnosis on a CPU box."""
-    return QUICK_DEFAULT if quick else GPU_DEFAULT if device_type == "cuda" else CPU_DEFAULT
 
 
 @dataclass(frozen=True)
@@ -233,7 +229,8 @@ def of_run(cfg: DiagnoseConfig, steps: Sequence[Step], job: QLoraConfig | None) 
     """cfg's budget over the steps but --train's, refused under their floors."""
     # its default by the kind of box, asked without torch: refused before preflight imports it
     gpu = cfg.device == "cuda" or (cfg.device == "auto" and driver_version() is not None)
-    text = cfg.budget or default(cfg.quick_experiments, "cuda" if gpu else "cpu")
+    text = cfg.budget or (QUICK_DEFAULT if cfg.quick_experiments else GPU_DEFAULT if gpu
+                          else CPU_DEFAULT)
     what = functools.partial(measures, storage=cfg.storage_config(),
                              model_load=cfg.model_load_config(), job=job)
     seconds = duration_s(text)  # a malformed budget is refused before the sizes are asked
