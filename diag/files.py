@@ -15,26 +15,20 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 ALGORITHMS = ("sha256", "md5", "sha1", "git-sha1")
 # temp_path's names, and the scratch folders of diag storage before it used them
 _TEMP = re.compile(r"\..+\.tmp-(?P<pid>\d+)-[0-9a-f]{8}|diag-storage-(?P<old>\d+)")
 
 
-def _new(name: str, size: int) -> Any:
-    if name not in ALGORITHMS:
-        raise ValueError(f"algorithm={name!r}: allowed values are "
-                         + ", ".join(map(repr, ALGORITHMS)))
-    if name == "git-sha1":
-        return hashlib.sha1(b"blob %d\0" % size, usedforsecurity=False)
-    return hashlib.new(name, usedforsecurity=False)
-
-
 def file_digests(path: str | os.PathLike[str], *algorithms: str) -> dict[str, str]:
     """{algorithm: hex digest} of the file's bytes, every algorithm in one read."""
-    size = os.path.getsize(path)
-    hashes = {name: _new(name, size) for name in algorithms or ("sha256",)}
+    if wrong := [a for a in algorithms if a not in ALGORITHMS]:
+        raise ValueError(f"algorithm={wrong[0]!r}: allowed values are "
+                         + ", ".join(map(repr, ALGORITHMS)))
+    size = os.path.getsize(path)  # git-sha1 hashes a "blob <size>" header first
+    hashes = {name: hashlib.sha1(b"blob %d\0" % size, usedforsecurity=False) if name == "git-sha1"
+              else hashlib.new(name, usedforsecurity=False) for name in algorithms or ("sha256",)}
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(1 << 20):
             for h in hashes.values():
@@ -105,25 +99,17 @@ def atomic_folder(path: str | os.PathLike[str], *, replace: bool = True) -> Iter
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        pass
-    return True
-
-
 def sweep_orphans(folder: str | os.PathLike[str]) -> None:
     """Remove folder's temporaries whose writer (this machine's pid) no longer runs."""
+    import psutil
+
     try:
         entries = list(os.scandir(folder))
     except FileNotFoundError:
         return
     for entry in entries:
         found = _TEMP.fullmatch(entry.name)
-        if found is None or _alive(int(found["pid"] or found["old"])):
+        if found is None or psutil.pid_exists(int(found["pid"] or found["old"])):
             continue
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path, ignore_errors=True)

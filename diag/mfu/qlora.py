@@ -79,13 +79,6 @@ def _leaf_linears(model: Any) -> Iterator[tuple[str, Any]]:
             yield name, module
 
 
-def _precision(module: Any, x: Any) -> str:
-    """A 4-bit layer's matmul runs in bitsandbytes' compute dtype, any other in its weight's."""
-    if type(module).__name__ == "Linear4bit":
-        return _dtype(getattr(module, "compute_dtype", None) or x.dtype)
-    return _dtype(module.weight.dtype)
-
-
 @contextlib.contextmanager
 def tally(model: Any) -> Iterator[tuple[collections.Counter[str], collections.Counter[str]]]:
     """While open, (parts, by precision): each linear call's forward and gradient FLOPs."""
@@ -95,7 +88,9 @@ def tally(model: Any) -> Iterator[tuple[collections.Counter[str], collections.Co
     def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
         x = inputs[0]
         flops = 2 * (x.numel() // module.in_features) * module.in_features * module.out_features
-        precision, four_bit = _precision(module, x), type(module).__name__ == "Linear4bit"
+        four_bit = type(module).__name__ == "Linear4bit"  # its matmul: bitsandbytes' dtype
+        precision = _dtype((getattr(module, "compute_dtype", None) or x.dtype) if four_bit
+                           else module.weight.dtype)
         parts.update({"forward": flops, "forward_4bit": flops * four_bit})
         by_dtype[precision] += flops
         if output.requires_grad:

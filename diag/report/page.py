@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from diag.decision import Decision, decided
+from diag.decision import decided
 from diag.forecast.story import TOLERANCE
 from diag.machine.contention import busy
 from diag.report.units import cell, seconds, share, sig
@@ -129,12 +129,6 @@ def sections(frames: dict[str, pd.DataFrame]) -> dict[str, list[str]]:
                                                    else len(order), kv[0])))
 
 
-def _decisions_of(key: str, frames: dict[str, pd.DataFrame]) -> list[Decision]:
-    """The decisions a section speaks for: by source (a projected one: its projected section)."""
-    return [d for d in decided(frames) if (f"{d.source}_projected" if d.basis == "projected"
-                                   and f"{d.source}_projected" in frames else d.source) == key]
-
-
 def _value(value: Any) -> str:
     return "none" if value is None else str(value)
 
@@ -142,7 +136,9 @@ def _value(value: Any) -> str:
 def _conclusion(key: str, names: list[str], summary: dict[str, Any],
                 frames: dict[str, pd.DataFrame]) -> str:
     """The section's first line: its decisions, else where the time went, else the comparison."""
-    mine = _decisions_of(key, frames)
+    # the decisions it speaks for: by source (a projected one: its projected section)
+    mine = [d for d in decided(frames) if (f"{d.source}_projected" if d.basis == "projected"
+                                   and f"{d.source}_projected" in frames else d.source) == key]
     if mine:
         chosen = [d for d in mine if d.basis != "default"]
         # the same default may come from two sweeps (the job's loader and the projected one)
@@ -151,7 +147,10 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
         out = "; ".join(f"<b>{_esc(d.setting)} = {_esc(_value(d.value))}</b>, "
                         f"{_esc(d.evidence())}" for d in chosen or kept) + "."
         if chosen and kept:
-            ran = _ran(frames)
+            plans = frames.get("qlora_plans")  # the optimized plan's settings as they ran
+            plans = plans[plans["run"] == "optimized"] if plans is not None else None
+            ran = {} if plans is None else {s: str(v) if v == v else "none"
+                                            for s, v in zip(plans["setting"], plans["value"])}
             out += ("<br><span class=defaults>Defaults kept: " + ", ".join(
                 f"{_esc(d.setting)} {_esc(_value(d.value))}" + (
                     f" (ran {_esc(ran[d.setting])} on this device)" if ran.get(
@@ -171,15 +170,6 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
         return _trained(frames["train"])
     rows = sum(len(frames[n]) for n in names)
     return f"Measured {rows:,} rows; no setting was decided from them."
-
-
-def _ran(frames: dict[str, pd.DataFrame]) -> dict[str, str]:
-    """The optimized plan's settings as they ran (qlora_plans), by setting."""
-    plans = frames.get("qlora_plans")
-    if plans is None:
-        return {}
-    mine = plans[plans["run"] == "optimized"]
-    return {s: str(v) if v == v else "none" for s, v in zip(mine["setting"], mine["value"])}
 
 
 def _shares(stages: list[dict[str, Any]]) -> str:
