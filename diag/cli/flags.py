@@ -12,6 +12,8 @@ import types
 import typing
 from typing import Any
 
+from diag.config import SourceConfig
+
 
 class UsageError(Exception):
     """A mistake in the command line: reported in one line, exit code 2."""
@@ -129,8 +131,10 @@ def build_parser(experiments: dict[str, Any], description: str, only: str | None
         hints = typing.get_type_hints(exp.config)
         docs = field_docs(exp.config)
         positional = getattr(exp.config, "POSITIONAL", ())
-        used = set(exp.config.used_fields())  # a source field it does not read: no flag
-        for f in [f for f in dataclasses.fields(exp.config) if f.name in used]:
+        # a source field it does not read (not in its SOURCE): no flag
+        every = SourceConfig.SOURCE
+        unread = set(every) - set(getattr(exp.config, "SOURCE", every))
+        for f in [f for f in dataclasses.fields(exp.config) if f.name not in unread]:
             kwargs = _flag_type(hints[f.name])
             doc = docs.get(f.name, "")
             if f.name in positional:

@@ -100,11 +100,6 @@ class ExperimentConfig:
         quick = quick_mode() if quick is None else quick
         return cls.quick(**overrides) if quick else cls(**overrides)
 
-    @classmethod
-    def used_fields(cls) -> list[str]:
-        """The fields this config reads: its command offers a flag for each."""
-        return [f.name for f in dataclasses.fields(cls)]
-
     def replace(self: T, **changes: Any) -> T:
         return dataclasses.replace(self, **changes)
 

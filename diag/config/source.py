@@ -71,12 +71,6 @@ class SourceConfig(RecordFields):
 
     SOURCE: ClassVar[tuple[str, ...]] = BUCKET + RECORDS + MODEL  # the fields this config reads
 
-    @classmethod
-    def used_fields(cls) -> list[str]:
-        """Its own fields and the source fields it reads (SOURCE)."""
-        source = set(BUCKET + RECORDS + MODEL) - set(cls.SOURCE)
-        return [name for name in super().used_fields() if name not in source]
-
     def validate(self) -> None:
         from urllib.parse import urlsplit
 
