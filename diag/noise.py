@@ -153,8 +153,7 @@ def choose(samples: Mapping[Hashable, Sequence[float]], default: Hashable) -> Ch
 
 
 class Rounds:
-    """Rounds of `round()` (a sample per side) from min_rounds to max_rounds, until not
-    `pending(samples)` or `budget_s` is spent past the first `owed` rounds."""
+    """Rounds of `round()` until not `pending(samples)` or budget_s is spent past `owed` rounds."""
 
     def __init__(self, round: Callable[[], Sequence[float]],
                  pending: Callable[[list[list[float]]], object], *, budget_s: float,

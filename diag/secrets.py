@@ -27,17 +27,6 @@ def register(*values: str | None) -> None:
     _registered.update(v for v in values if v and len(v) >= _MIN_LEN)
 
 
-def _hf_token_files() -> set[str]:
-    """HF_TOKEN_PATH, else <HF_HOME>/token, and stored_tokens beside each."""
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
-    paths = {os.path.expanduser(os.environ.get("HF_TOKEN_PATH") or os.path.join(home, "token"))}
-    hub = sys.modules.get("huggingface_hub.constants")  # if imported: its answer too
-    if hub is not None:
-        paths.add(hub.HF_TOKEN_PATH)
-    return paths | {os.path.join(os.path.dirname(p), "stored_tokens") for p in paths}
-
-
 def _read_hf_tokens(path: str) -> set[str]:
     try:
         with open(path, encoding="utf-8") as f:
@@ -77,8 +66,15 @@ def _aws_credentials() -> Any:
 
 def _resolved() -> set[str]:
     """Secrets from the HF token files and boto3, resolved once per state of their inputs."""
+    # the HF token files: HF_TOKEN_PATH, else <HF_HOME>/token, and stored_tokens beside each
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+    paths = {os.path.expanduser(os.environ.get("HF_TOKEN_PATH") or os.path.join(home, "token"))}
+    hub = sys.modules.get("huggingface_hub.constants")  # if imported: its answer too
+    if hub is not None:
+        paths.add(hub.HF_TOKEN_PATH)
     stamps = []
-    for path in sorted(_hf_token_files()):
+    for path in sorted(paths | {os.path.join(os.path.dirname(p), "stored_tokens") for p in paths}):
         try:
             st = os.stat(path)
             stamps.append((path, st.st_mtime_ns, st.st_size))

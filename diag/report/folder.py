@@ -47,28 +47,20 @@ def versions() -> dict[str, str]:
     return out
 
 
-def _new_folder(out: str | os.PathLike[str] | None) -> Path:
-    if out:
-        final = Path(out)
-        if final.exists() and any(final.iterdir()):
-            raise ValueError(f"out={str(final)!r} already holds files; a run is never "
-                             "overwritten: name a new folder")
-        return final
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    final, n = Path("runs") / stamp, 1
-    while final.exists():  # two runs in one second: a new folder each time
-        n += 1
-        final = Path("runs") / f"{stamp}-{n}"
-    return final
-
-
 def write(frames: dict[str, pd.DataFrame], out: str | os.PathLike[str] | None = None, *,
           config: dict[str, Any] | None = None, info: pd.DataFrame | None = None,
           advice: pd.DataFrame | None = None, machine: dict[str, Any] | None = None) -> Path:
     """Write the run folder and render it; return its path."""
     if not frames:
         raise ValueError("frames is empty: nothing to report")
-    final = _new_folder(out)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    final, n = Path(out) if out else Path("runs") / stamp, 1
+    if out and final.exists() and any(final.iterdir()):
+        raise ValueError(f"out={str(final)!r} already holds files; a run is never "
+                         "overwritten: name a new folder")
+    while not out and final.exists():  # two runs in one second: a new folder each time
+        n += 1
+        final = Path("runs") / f"{stamp}-{n}"
     with atomic_folder(final) as partial:  # the run appears whole or not at all
         all_frames = frames | ({"info": info} if info is not None else {}) | (
             {"advice": advice} if advice is not None and not advice.empty else {})
