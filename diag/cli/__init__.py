@@ -157,10 +157,10 @@ def show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.Na
 
     import pandas as pd
 
+    from diag import report
     from diag.frames import frames_of
 
     if isinstance(result, Path):  # a run folder: where it is and what it found
-        from diag import report
         from diag.machine.contention import busy
 
         summary = report.load_summary(result)
@@ -188,8 +188,6 @@ def show(name: str, cfg: config.ExperimentConfig, result: Any, args: argparse.Na
                 print(redact(heading + frame.to_string(index=False,
                                                        float_format=lambda v: f"{v:.4g}")))
     if getattr(args, "report", False):
-        from diag import report
-
         folder = report.write(frames, config=cfg.to_dict(), advice=frames.pop("advice", None))
         print(redact(f"wrote {folder / 'report.html'}"),
               file=sys.stderr if args.json else sys.stdout)

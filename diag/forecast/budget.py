@@ -124,7 +124,7 @@ class Budget:
         if self.total_s < need:
             each = ", ".join(f"{s.name} {clock(self.floor(s))}" for s in self.steps
                              if self.floor(s))
-            scaled = f"; {self.basis()}" if self.scaled() else ""
+            scaled = f"; {basis}" if (basis := self.basis()) else ""
             raise ValueError(f"DiagnoseConfig.budget={self.text or self.total_s!r}: too small "
                              f"for the steps enabled: at least {clock(need)} ({each}{scaled}); "
                              "raise --budget or turn steps off (--no-model-load, ...)")
@@ -134,14 +134,12 @@ class Budget:
         return self.floors.get(step.field, (FLOORS.get(step.field, 0.0), ""))[0]
 
     def basis(self) -> str:
-        """What scaled floors rest on: the sizes, and the rates assumed."""
+        """What scaled floors rest on: the sizes, the rates assumed ("": no floor rose)."""
+        if not any(self.floors.get(s.field, (0, ""))[1] for s in self.steps):
+            return ""
         return (f"floors scaled from {self.sizes} at assumed rates: the hub "
                 f"{HUB_BYTES_PER_S / 1e6:.0f} MB/s, a cached load {LOAD_BYTES_PER_S / 1e9:.0f} "
                 f"GB/s, a pull {PULL_BYTES_PER_S / 1e6:.0f} MB/s")
-
-    def scaled(self) -> bool:
-        """Whether a step's floor rose above FLOORS for the sizes."""
-        return any(self.floors.get(s.field, (0, ""))[1] for s in self.steps)
 
     def estimate(self, step: Step) -> float:
         """The step's share of the whole budget, as planned before the first step."""
@@ -212,8 +210,8 @@ class Budget:
         """The plan before the first step (spent: estimated vs spent after the last), as lines."""
         lines = [f"diag run: budget {self.text}, " + ("estimated vs spent:" if spent else
                                                        "the plan (estimated, what it measures):")]
-        if self.scaled() and not spent:  # what the floors rest on, before the steps
-            lines.append(f"  {self.basis()}")
+        if (scaled := self.basis()) and not spent:  # what the floors rest on, before the steps
+            lines.append(f"  {scaled}")
         for row in (self.frame() if spent else self.plan()).itertuples():
             est = clock(row.estimated_s)
             if spent and row.spent_s == row.spent_s and row.spent_s is not None:
