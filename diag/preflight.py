@@ -89,7 +89,9 @@ def check_source(cfg: SourceConfig, job: QLoraConfig | None = None) -> None:
     from diag.config import DiagnoseConfig
     from diag.data.records import read_source
     from diag.data.text import encode_pairs, load_tokenizer
+    from diag.embedded import ensure_assets
     from diag.files import scratch_folder
+    from diag.model_load import cache_dir_for, snapshot_folder
     from diag.storage import list_remote, source_client
     from diag.storage.sources import first_records
 
@@ -109,12 +111,8 @@ def check_source(cfg: SourceConfig, job: QLoraConfig | None = None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     filled, model = [], Path(cfg.model).expanduser()
     if not cfg.model:
-        from diag.embedded import ensure_assets
-
         model = ensure_assets().model_dir
     elif not model.is_dir():  # a hub id: its tokenizer when it is in the cache (else unchecked)
-        from diag.model_load import cache_dir_for, snapshot_folder
-
         model = snapshot_folder(cache_dir_for(cfg), cfg.model, cfg.revision)
     # no prompt (BOS included) may fill --seq-len; the whole source must hold a record per step
     if model is not None:  # (index, tokens) of each prompt filling --seq-len

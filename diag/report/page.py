@@ -161,8 +161,14 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
         said = frames[f"{key}_verdict"].iloc[0]
         return _esc("; ".join(str(said[c]) for c in ("text", "top_fix", "upgrade", "note")
                               if c in said and pd.notna(said[c]) and str(said[c]))) + "."
-    if key == STAGE_FRAME and summary.get("stages"):
-        return _shares(summary["stages"])
+    if key == STAGE_FRAME and summary.get("stages"):  # each run's length and largest stage
+        said = []
+        for run, part in pd.DataFrame(summary["stages"]).groupby("run", sort=False):
+            big = part.loc[part["seconds"].idxmax()]
+            said.append(f"the {_esc(str(run))} run took {seconds(part['seconds'].sum())}, "
+                        f"{_esc(big['stage'])} its largest stage ({share(big['share'])})")
+        text = "; ".join(said)
+        return text[0].upper() + text[1:] + "."
     if key == "qlora" and "qlora_comparison" in frames:
         said = str(frames["qlora_comparison"].iloc[0]["text"])
         return _esc(said[0].upper() + said[1:]) + "." + _mfu(frames.get("qlora_mfu"))
@@ -170,17 +176,6 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
         return _trained(frames["train"])
     rows = sum(len(frames[n]) for n in names)
     return f"Measured {rows:,} rows; no setting was decided from them."
-
-
-def _shares(stages: list[dict[str, Any]]) -> str:
-    table = pd.DataFrame(stages)
-    said = []
-    for run, part in table.groupby("run", sort=False):
-        big = part.loc[part["seconds"].idxmax()]
-        said.append(f"the {_esc(str(run))} run took {seconds(part['seconds'].sum())}, "
-                    f"{_esc(big['stage'])} its largest stage ({share(big['share'])})")
-    text = "; ".join(said)
-    return text[0].upper() + text[1:] + "."
 
 
 def _mfu(table: pd.DataFrame | None) -> str:
