@@ -161,21 +161,6 @@ def config_from(p: Panel) -> DiagnoseConfig:
         micro_batches=parse_ints(p.micro_batches.value, "micro-batches"))
 
 
-def source_widgets(given: dict[str, Any]) -> dict[str, Any]:
-    """One widget per SourceConfig field but source and model, seeded from `given`."""
-    import ipywidgets as w
-
-    out = {}
-    for f in fields(SourceConfig):
-        if f.name in ("source", "model"):
-            continue
-        value = given.pop(f.name, f.default)
-        label = f.name.replace("_", " ")
-        out[f.name] = (w.Checkbox(bool(value), description=label) if isinstance(f.default, bool)
-                       else w.Text("" if value is None else str(value), description=label))
-    return out
-
-
 # the text fields that are numbers, as their flags take them: (convert, what is allowed)
 _NUMBERS = {"retries": (lambda v: int(v) if v else None,
                         "a whole number >= 0, or '' for your AWS config's"),
@@ -256,7 +241,13 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
 
     if plan not in PLANS:
         raise ValueError(f"plan={plan!r}: allowed values are " + ", ".join(map(repr, PLANS)))
-    wide = w.Layout(width="60%")
+    wide, sources = w.Layout(width="60%"), {}
+    for f in fields(SourceConfig):  # a widget per other source field, seeded from settings
+        if f.name in ("source", "model"):
+            continue
+        value, label = settings.pop(f.name, f.default), f.name.replace("_", " ")
+        sources[f.name] = (w.Checkbox(bool(value), description=label) if isinstance(
+            f.default, bool) else w.Text("" if value is None else str(value), description=label))
     p = Panel(
         box=None,
         source=w.Text(source, description="data", placeholder="s3://bucket/key ('' = embedded)",
@@ -273,7 +264,7 @@ def panel(source: str = "", model: str = "", workers: str = "", micro_batches: s
         run=w.Button(description="Run", button_style="primary", icon="play"),
         stop=w.Button(description="Stop", button_style="warning", icon="stop", disabled=True),
         progress=w.IntProgress(value=0, min=0, max=1, description="steps"),
-        status=w.Label(""), log=w.Output(), sources=source_widgets(settings), settings=settings)
+        status=w.Label(""), log=w.Output(), sources=sources, settings=settings)
     p.clear(config_from(p))  # a bad setting fails here, not on a click
     p.outputs = {s.name: w.Output() for s in STEPS}
     p.run.on_click(lambda _button: start(p))

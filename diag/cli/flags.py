@@ -86,14 +86,6 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _presets(cls: type) -> str:
-    """The sweep presets a config defines (QUICK is --quick), shown in --help."""
-    found = {k: v for k, v in vars(cls).items() if k.isupper() and isinstance(v, dict) and v}
-    return "".join(f"; preset {k}{' (--quick)' if k == 'QUICK' else ''}: "
-                   + ", ".join(f"{f}={v}" for f, v in preset.items())
-                   for k, preset in found.items()).replace("%", "%%")
-
-
 def unrecognized(name: str, config: type, extra: list[str]) -> UsageError:
     """The line for arguments the command does not take (a source flag: which ones it reads)."""
     text = f"python -m diag {name}: unrecognized arguments: {' '.join(extra)}"
@@ -117,7 +109,11 @@ def build_parser(experiments: dict[str, Any], description: str, only: str | None
     for name, exp in experiments.items():
         # the config's docstring, less its "`diag name`: " lead
         about = " ".join((exp.config.__doc__ or "").split()).split("`: ", 1)[-1].rstrip(".")
-        p = sub.add_parser(name, help=about, description=about + _presets(exp.config))
+        presets = "".join(f"; preset {k}{' (--quick)' if k == 'QUICK' else ''}: "  # QUICK: --quick
+                          + ", ".join(f"{f}={v}" for f, v in preset.items())
+                          for k, preset in vars(exp.config).items()
+                          if k.isupper() and isinstance(preset, dict) and preset)
+        p = sub.add_parser(name, help=about, description=about + presets.replace("%", "%%"))
         p.add_argument("--quick", action="store_true",
                        help="the test-sized variant (also DIAG_QUICK=1)")
         if exp.table:  # the others write a run folder with every table instead

@@ -59,13 +59,6 @@ class Setting(NamedTuple):  # one DataLoader configuration
     prefetch_factor: int = 2
 
 
-def _cause(err: BaseException) -> str:
-    """One line: the sample and the message, without the worker's traceback DataLoader adds."""
-    lines = f"{type(err).__name__}: {err}".strip().splitlines()
-    said = [line.split("SampleError: ", 1)[1].strip() for line in lines if "SampleError: " in line]
-    return f"SampleError: {said[-1]}" if said else lines[0]
-
-
 def batch_tokens(batch: Any) -> int | None:
     """Real tokens in a batch: attention_mask's sum, else input_ids' size; None for neither."""
     if not isinstance(batch, Mapping):  # a dict, or HF collators' BatchEncoding (a Mapping)
@@ -142,8 +135,12 @@ def measure_setting(dataset: Dataset, setting: Setting, step: Any, *, pipeline: 
                 start = time.perf_counter()
             del batches
         except Exception as err:  # a worker's error arrives re-raised in this process
+            # one line: the sample and the message, without the worker's traceback DataLoader adds
+            lines = f"{type(err).__name__}: {err}".strip().splitlines()
+            said = [ln.split("SampleError: ", 1)[1] for ln in lines if "SampleError: " in ln]
             rows.append({**base, **dict.fromkeys(COLUMNS[5:10], nan), "first_batch_s": first,
-                         "repeat": repeat, "error": _cause(err)})
+                         "repeat": repeat, "error": f"SampleError: {said[-1].strip()}"
+                         if said else lines[0]})
             break
         total = sum(waits) + sum(computes)
         rows.append({**base, "samples_per_s": len(waits) * batch_size / total,
