@@ -172,8 +172,19 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
     if key == "qlora" and "qlora_comparison" in frames:
         said = str(frames["qlora_comparison"].iloc[0]["text"])
         return _esc(said[0].upper() + said[1:]) + "." + _mfu(frames.get("qlora_mfu"))
-    if key == "train" and "train" in frames:
-        return _trained(frames["train"])
+    if key == "train" and "train" in frames:  # per plan: its run against its ETA, its loss
+        said = []
+        for r in frames["train"].itertuples():
+            err = (f" ({(r.seconds - r.predicted_s) / r.predicted_s:+.0%})"
+                   if r.predicted_s == r.predicted_s and r.predicted_s else "")
+            said.append(f"The {_esc(str(r.plan))} plan trained {cell('records', r.records)} "
+                        f"records ({cell('records', r.eval_records)} held out) for "
+                        f"{sig(r.epochs)} epoch(s), {cell('steps', r.steps)} steps, "
+                        f"{cell('tokens', r.trained_tokens)} tokens, in <b>{seconds(r.seconds)}"
+                        f"</b>; {seconds(r.predicted_s)} predicted before the run{err}; held-out "
+                        f"loss {sig(r.first_eval_loss)} &rarr; <b>{sig(r.final_eval_loss)}</b>; "
+                        f"the adapter is in {_esc(str(r.out_dir))}.")
+        return " ".join(said)
     rows = sum(len(frames[n]) for n in names)
     return f"Measured {rows:,} rows; no setting was decided from them."
 
@@ -191,21 +202,6 @@ def _mfu(table: pd.DataFrame | None) -> str:
         " (none: " + _esc(str(executed["peak"][executed["mfu"].isna()].iloc[0])) + ")")
     return (f" MFU of the steady steps, by the FLOPs they ran: {each}{why}; by the model-FLOPs "
             f"convention {convention} (the glossary says how the two differ).")
-
-
-def _trained(runs: pd.DataFrame) -> str:
-    """Per plan that trained: what, how long against its ETA, the held-out loss, the adapter."""
-    said = []
-    for r in runs.itertuples():
-        err = (f" ({(r.seconds - r.predicted_s) / r.predicted_s:+.0%})"
-               if r.predicted_s == r.predicted_s and r.predicted_s else "")
-        said.append(f"The {_esc(str(r.plan))} plan trained {cell('records', r.records)} records "
-                    f"({cell('records', r.eval_records)} held out) for {sig(r.epochs)} epoch(s), "
-                    f"{cell('steps', r.steps)} steps, {cell('tokens', r.trained_tokens)} tokens, "
-                    f"in <b>{seconds(r.seconds)}</b>; {seconds(r.predicted_s)} predicted before "
-                    f"the run{err}; held-out loss {sig(r.first_eval_loss)} &rarr; <b>"
-                    f"{sig(r.final_eval_loss)}</b>; the adapter is in {_esc(str(r.out_dir))}.")
-    return " ".join(said)
 
 
 def _opening(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
