@@ -170,8 +170,19 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
         text = "; ".join(said)
         return text[0].upper() + text[1:] + "."
     if key == "qlora" and "qlora_comparison" in frames:
-        said = str(frames["qlora_comparison"].iloc[0]["text"])
-        return _esc(said[0].upper() + said[1:]) + "." + _mfu(frames.get("qlora_mfu"))
+        said, table = str(frames["qlora_comparison"].iloc[0]["text"]), frames.get("qlora_mfu")
+        said = _esc(said[0].upper() + said[1:]) + "."
+        if table is not None and not table.empty:  # each plan's MFU, the convention beside it
+            executed = table.groupby("plan", sort=False).nth(0)  # executed, then model FLOPs
+            model = table.groupby("plan", sort=False).nth(1)
+            each = ", ".join(f"{_esc(str(p))} <b>{cell('mfu', m) or 'none'}</b>"
+                             for p, m in zip(executed["plan"], executed["mfu"]))
+            convention = " and ".join(cell("mfu", m) or "none" for m in model["mfu"])
+            why = "" if executed["mfu"].notna().all() else (
+                " (none: " + _esc(str(executed["peak"][executed["mfu"].isna()].iloc[0])) + ")")
+            said += (f" MFU of the steady steps, by the FLOPs they ran: {each}{why}; by the "
+                     f"model-FLOPs convention {convention} (the glossary says how the two differ).")
+        return said
     if key == "train" and "train" in frames:  # per plan: its run against its ETA, its loss
         said = []
         for r in frames["train"].itertuples():
@@ -187,21 +198,6 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
         return " ".join(said)
     rows = sum(len(frames[n]) for n in names)
     return f"Measured {rows:,} rows; no setting was decided from them."
-
-
-def _mfu(table: pd.DataFrame | None) -> str:
-    """Each plan's MFU in one line: by executed FLOPs, the model-FLOPs convention beside it."""
-    if table is None or table.empty:
-        return ""
-    executed = table.groupby("plan", sort=False).nth(0)  # executed, then model FLOPs (diag.mfu)
-    model = table.groupby("plan", sort=False).nth(1)
-    each = ", ".join(f"{_esc(str(p))} <b>{cell('mfu', m) or 'none'}</b>"
-                     for p, m in zip(executed["plan"], executed["mfu"]))
-    convention = " and ".join(cell("mfu", m) or "none" for m in model["mfu"])
-    why = "" if executed["mfu"].notna().all() else (
-        " (none: " + _esc(str(executed["peak"][executed["mfu"].isna()].iloc[0])) + ")")
-    return (f" MFU of the steady steps, by the FLOPs they ran: {each}{why}; by the model-FLOPs "
-            f"convention {convention} (the glossary says how the two differ).")
 
 
 def _opening(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
