@@ -26,7 +26,7 @@ from diag.runner import quietly
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land, local_paths
 from diag.storage.methods import (NVME_COLD, PULLS, RANGED, local_reads,  # noqa: F401
-                                  nvme_reads, pull, read_local, resident, row, s5cmd_path)
+                                  nvme_reads, pull, read_local, row, s5cmd_path)
 from diag.storage.objectstore import MB, RemoteObject, deadline, deadline_s, source_client
 from diag.storage.sample import RANGE_SAMPLE_AT_LEAST, Extrapolation, probe, ranges, spread
 from diag.storage.sources import list_remote
@@ -240,7 +240,7 @@ def _landings(cfg: StorageConfig, client: Any, source: str, url: S3Url, rounds: 
         landed, _ = local_paths(url, into)
         paths = [landed] if landed.is_file() else sorted(
             p for p in landed.rglob("*") if p.is_file())
-        cache, share = disks.evict_page_cache(paths), resident(paths)
+        cache, share = disks.evict_page_cache(paths), max(map(disks.resident_fraction, paths))
         hit = land(source, into, client=client, verify=cfg.verify, retries=cfg.retries)
         if r >= 0:
             rows.append(row("land", source, "hit" if miss.hit else "miss", miss.bytes,

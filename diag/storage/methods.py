@@ -160,11 +160,6 @@ def row(method: str, source: str, state: str, nbytes: int, seconds: float, ttfb_
             "resident_fraction": resident}
 
 
-def resident(paths: list[Path]) -> float:
-    """The largest share of any of these files in the page cache (NaN: mincore unavailable)."""
-    return max(disks.resident_fraction(p) for p in paths)
-
-
 def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: str,
                 cold_only: bool = False) -> list[dict[str, Any]]:
     """The copy read cold and warm, alternating per round (cold_only: NVME_COLD rows only)."""
@@ -177,7 +172,7 @@ def local_reads(paths: list[Path], rounds: range, files: int, where: str, kind: 
                 read_local(paths)  # make sure it is cached, whatever came before
                 cached = min(disks.resident_fraction(p) for p in paths)
                 label = "warm" if not cached < 0.98 else f"warm ({cached:.0%} cached)"
-            share = resident(paths)  # measured, beside the label
+            share = max(map(disks.resident_fraction, paths))  # the page cache's largest share
             got, seconds, first = read_local(paths)
             if r >= 0 and not (cold_only and not label.startswith("cold")):
                 rows.append(row("local_read", where, NVME_COLD if cold_only else label, got,

@@ -110,21 +110,19 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
 
 def source_client(cfg: SourceConfig, server: Any = None) -> Any:
     """cfg.source's client: boto3's (or `server`'s), HfApi for hf://, None for local files."""
-    pool, url = 2 * usable_cores(), cfg.url
-    if server is not None:
-        return make_client(server.endpoint_url, retries=cfg.retries, max_pool=pool,
-                           stall_s=cfg.stall_s, credentials={
-                               "aws_access_key_id": server.access_key,
-                               "aws_secret_access_key": server.secret_key,
-                               "region_name": server.region})
-    if isinstance(url, HubUrl):
+    if server is None and isinstance(cfg.url, HubUrl):
         from huggingface_hub import HfApi
 
         return HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
-    if not isinstance(url, S3Url):
+    if server is None and not isinstance(cfg.url, S3Url):
         return None
-    return make_client(cfg.endpoint_url, retries=cfg.retries, max_pool=pool, profile=cfg.profile,
-                       region=cfg.region, unsigned=not cfg.sign_request, stall_s=cfg.stall_s)
+    where = {"endpoint_url": cfg.endpoint_url, "profile": cfg.profile, "region": cfg.region,
+             "unsigned": not cfg.sign_request} if server is None else {
+        "endpoint_url": server.endpoint_url, "credentials": {
+            "aws_access_key_id": server.access_key, "aws_secret_access_key": server.secret_key,
+            "region_name": server.region}}
+    return make_client(**where, retries=cfg.retries, max_pool=2 * usable_cores(),
+                       stall_s=cfg.stall_s)
 
 
 def deadline_s(nbytes: int, mb_per_s: float | None, stall_s: float) -> float:
