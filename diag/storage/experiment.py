@@ -24,7 +24,7 @@ from diag.files import scratch_folder
 from diag.machine import disks
 from diag.runner import quietly
 from diag.secrets import redact, register
-from diag.storage.landing import check_free, land, local_paths
+from diag.storage.landing import check_free, land
 from diag.storage.methods import (NVME_COLD, PULLS, RANGED, local_reads,  # noqa: F401
                                   nvme_reads, pull, read_local, row, s5cmd_path)
 from diag.storage.objectstore import MB, RemoteObject, deadline, deadline_s, source_client
@@ -154,7 +154,7 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
                 check_free(local_dir, fit.dataset_bytes + 2 * fit.sample_bytes, url)
                 with deadline(client, len(rounds) * 2 * deadline_s(
                         fit.dataset_bytes, fit.bytes_per_s / MB, cfg.stall_s), source):
-                    rows += _landings(cfg, client, source, url, rounds, work, len(objects))
+                    rows += _landings(cfg, client, source, rounds, work)
             paths = [Path(o.key) for o in chosen] if local else sorted(
                 p for p in (work / "sample").rglob("*") if p.is_file())
             kind = disks.disk_kind(paths[0] if local else work / "sample")
@@ -230,25 +230,24 @@ def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], metho
     return rows
 
 
-def _landings(cfg: StorageConfig, client: Any, source: str, url: S3Url, rounds: range,
-              work: Path, files: int) -> list[dict[str, Any]]:
+def _landings(cfg: StorageConfig, client: Any, source: str, rounds: range, work: Path
+              ) -> list[dict[str, Any]]:
     """--land: land() per round, a miss then a hit timed on a copy evicted from the page cache."""
     rows, into = [], work / "landed"
     for r in rounds:
         shutil.rmtree(into, ignore_errors=True)
         miss = land(source, into, client=client, verify=cfg.verify, retries=cfg.retries)
-        landed, _ = local_paths(url, into)
-        paths = [landed] if landed.is_file() else sorted(
-            p for p in landed.rglob("*") if p.is_file())
+        paths = [miss.path] if miss.path.is_file() else sorted(
+            p for p in miss.path.rglob("*") if p.is_file())
         cache, share = disks.evict_page_cache(paths), max(map(disks.resident_fraction, paths))
         hit = land(source, into, client=client, verify=cfg.verify, retries=cfg.retries)
         if r >= 0:
             rows.append(row("land", source, "hit" if miss.hit else "miss", miss.bytes,
-                            miss.seconds, float("nan"), r, files, f"verify={cfg.verify}"))
+                            miss.seconds, float("nan"), r, miss.files, f"verify={cfg.verify}"))
             # "hit" is the cold hit diagnose and tax_advice use; never called cold if not
             state = "hit" if cache.startswith("cold") else "hit (page cache warm)"
             rows.append(row("land", source, state if hit.hit else "miss", hit.bytes,
-                            hit.seconds, float("nan"), r, files,
+                            hit.seconds, float("nan"), r, hit.files,
                             f"verify={cfg.verify}, page cache {cache}", share))
     shutil.rmtree(into, ignore_errors=True)
     return rows

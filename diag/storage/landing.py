@@ -22,7 +22,7 @@ from diag.config import VERIFY_MODES
 from diag.config.source import MANIFEST_SUFFIX, S3Url, parse_s3
 from diag.files import atomic_file, file_sha256, fsync_path, sweep_orphans
 from diag.storage import checks
-from diag.storage.objectstore import (RemoteObject, TransferPlan, failure, list_s3, make_client,
+from diag.storage.objectstore import (MB, RemoteObject, TransferPlan, failure, list_s3, make_client,
                                       md5_checkable, remote_error, transfer_plan, usable_cores)
 
 
@@ -155,10 +155,14 @@ def download_all(client: Any, bucket: str, targets: list[tuple[RemoteObject, Pat
 
 def describe(objects: list[RemoteObject]) -> str:
     """What download_all runs for these objects, in words (the benchmark rows' detail)."""
-    plan = transfer_plan(objects[0].size)
-    how = (f"one GET per object, {min(2 * usable_cores(), len(objects))} objects at a time"
-           if len(objects) > 1 and all(o.size < plan.single_get_below for o in objects)
-           else plan.describe(objects[0].size))
+    size, plan = objects[0].size, transfer_plan(objects[0].size)
+    if len(objects) > 1 and all(o.size < plan.single_get_below for o in objects):
+        how = f"one GET per object, {min(2 * usable_cores(), len(objects))} objects at a time"
+    elif size < plan.single_get_below:
+        how = "one GET"
+    else:
+        how = (f"{-(-size // plan.part_bytes)} x {plan.part_bytes / MB:.0f} MB parts, "
+               f"{plan.concurrency} at a time")
     return f"land()'s engine: s3transfer, {how} ({usable_cores()} cores), checked, fsynced"
 
 

@@ -39,12 +39,6 @@ class TransferPlan:
     part_bytes: int
     concurrency: int
 
-    def describe(self, size: int) -> str:
-        if size < self.single_get_below:
-            return "one GET"
-        parts = -(-size // self.part_bytes)
-        return f"{parts} x {self.part_bytes / MB:.0f} MB parts, {self.concurrency} at a time"
-
     def transfer_config(self, retries: int | None = None) -> Any:
         """land()'s TransferConfig; "classic": the engine diag checks while it streams."""
         from boto3.s3.transfer import TransferConfig
