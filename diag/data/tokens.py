@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from diag.config import diag_home
+from diag.config.base import whole
 from diag.config.source import MANIFEST_SUFFIX
 from diag.data.records import (PROBLEM_COLUMNS, Chunk, check_on_error, plan_chunks, refusal,
                                shard_files)
@@ -163,8 +164,7 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
     from diag.machine.device import usable_cores  # its GPU probe: not at import
 
     for name, value in (("num_proc", num_proc), ("limit", limit), ("chunk_bytes", chunk_bytes)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
+        if value is not None and not (whole(value) and value >= 1):
             raise ValueError(f"{name}={value!r}: must be a whole number >= 1 (or None)")
     check_on_error(on_error)
     start = time.perf_counter()

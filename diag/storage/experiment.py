@@ -170,13 +170,6 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
                         sampled=fit.label()), sample  # local_disk: what tax.advice names
 
 
-def _bounded(client: Any, url: Any, nbytes: int, mb_per_s: float | None, stall_s: float,
-             what: str) -> contextlib.AbstractContextManager[None]:
-    """An S3 pull within deadline(), its botocore errors named (the hub keeps its own timeouts)."""
-    return (deadline(client, deadline_s(nbytes, mb_per_s, stall_s), what, url)
-            if isinstance(url, S3Url) else contextlib.nullcontext())
-
-
 def _probe(cfg: StorageConfig, client: Any, url: Any, objects: list[RemoteObject],
            local_dir: Path, dest: Path, seconds: float
            ) -> tuple[pd.DataFrame, Extrapolation, list[Any]]:
@@ -189,7 +182,7 @@ def _probe(cfg: StorageConfig, client: Any, url: Any, objects: list[RemoteObject
             return
         check_free(local_dir, 2 * (before + obj.size), url)
         start, rate = time.perf_counter(), done[0] / MB / done[1] if done[1] else None
-        with _bounded(client, url, obj.size, rate, cfg.stall_s, f"{url}: {obj.key}"):
+        with deadline(client, deadline_s(obj.size, rate, cfg.stall_s), f"{url}: {obj.key}", url):
             pull("hf_hub" if isinstance(url, HubUrl) else "boto3_default", client, url, [obj], dest)
         done[0], done[1] = done[0] + obj.size, done[1] + time.perf_counter() - start
 
@@ -214,7 +207,7 @@ def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], metho
     for r in tqdm(rounds, desc="storage", unit="round", leave=False):
         for method in (methods if r % 2 == 0 else methods[::-1]):
             what = f"{url}: {len(chosen)} piece(s), {method}"
-            with _bounded(client, url, nbytes, rate, cfg.stall_s, what):
+            with deadline(client, deadline_s(nbytes, rate, cfg.stall_s), what, url):
                 start, first = time.perf_counter(), float("nan")
                 if method in RANGED:  # one byte's GET; s5cmd's requests are not visible here
                     client.get_object(Bucket=url.bucket, Key=chosen[0].key,
