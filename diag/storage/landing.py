@@ -11,6 +11,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from diag.config.source import MANIFEST_SUFFIX, S3Url, parse_s3
 from diag.files import atomic_file, file_sha256, fsync_path, sweep_orphans
 from diag.storage import checks
 from diag.storage.objectstore import (MB, RemoteObject, TransferPlan, failure, list_s3, make_client,
-                                      md5_checkable, remote_error, transfer_plan, usable_cores)
+                                      remote_error, transfer_plan, usable_cores)
 
 
 @dataclass(frozen=True)
@@ -176,8 +177,9 @@ def download(client: Any, bucket: str, obj: RemoteObject, dest: Path,
 
     url, plan = f"s3://{bucket}/{obj.key}", transfer_plan(obj.size)
     try:
-        want = checks.expected(client, bucket, obj.key, obj.size, obj.etag,
-                               md5_checkable(obj.etag), obj.size >= plan.single_get_below)
+        md5 = re.fullmatch("[0-9a-fA-F]{32}", obj.etag) is not None  # no multipart "-N"
+        want = checks.expected(client, bucket, obj.key, obj.size, obj.etag, md5,
+                               obj.size >= plan.single_get_below)
         for _ in range(_ATTEMPTS):
             try:
                 return _download_once(client, bucket, obj, dest, plan, retries, want)

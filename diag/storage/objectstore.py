@@ -265,8 +265,3 @@ def list_s3(client: Any, url: S3Url) -> list[RemoteObject]:
         raise failure(url, client, "no objects under this prefix (check --source; one object "
                       "has no trailing '/')")
     return found
-
-
-def md5_checkable(etag: str) -> bool:
-    """The ETag is the bytes' MD5: 32 hex digits, no multipart "-N"."""
-    return len(etag) == 32 and all(c in "0123456789abcdefABCDEF" for c in etag)
