@@ -57,8 +57,7 @@ class TokenCache:
 
 
 def file_identities(source: str | os.PathLike[str], memo_dir: Path) -> Identities:
-    """Each shard's stamp and identity, in order: the landing manifest's, else its sha256 (memoized
-    while size, mtime, ctime and inode stay)."""
+    """Each shard's stamp and identity: the landing manifest's, else a sha256 memoized by stat."""
     root, found, hashed, memo_path = Path(source), {}, False, memo_dir / MEMO
     manifest = root.with_name(root.name + MANIFEST_SUFFIX)  # land()'s: {file under root: ...}
     try:

@@ -25,10 +25,10 @@ from diag.machine import disks
 from diag.runner import quietly
 from diag.secrets import redact, register
 from diag.storage.landing import check_free, land
-from diag.storage.methods import (NVME_COLD, PULLS, RANGED, local_reads,  # noqa: F401
-                                  nvme_reads, pull, read_local, row, s5cmd_path)
 from diag.storage.objectstore import MB, RemoteObject, deadline, deadline_s, source_client
-from diag.storage.sample import RANGE_SAMPLE_AT_LEAST, Extrapolation, probe, ranges, spread
+from diag.storage.sample import (NVME_COLD, PULLS, RANGE_SAMPLE_AT_LEAST, RANGED,  # noqa: F401
+                                 Extrapolation, local_reads, nvme_reads, probe, pull, ranges,
+                                 read_local, row, s5cmd_path, spread)
 from diag.storage.sources import list_remote
 from diag.storage.tax import advice, cold_reads, over_rounds, storage_tax
 from diag.timing import median_seconds

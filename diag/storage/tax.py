@@ -9,7 +9,7 @@ import statistics
 import pandas as pd
 
 from diag.decision import ADVICE, FIXES
-from diag.storage.methods import NVME_COLD, PULLS
+from diag.storage.sample import NVME_COLD, PULLS
 from diag.storage.objectstore import MB, transfer_plan
 
 _NETWORK_KINDS = {"network_block": "network block storage (EBS, PD, ...)",
