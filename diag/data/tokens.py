@@ -185,13 +185,10 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
               if folder.exists() else f"rebuilt: {changed} changed" if changed else "built")
     head = {"format": FORMAT, "key": key, "parts": parts, "limit": limit, "source": path,
             "tokenizer_dir": str(tokenizer_dir), "fields": dict(fields or {})}
-    reused: dict[str, tuple[Path, str, dict[str, Any]]] = {}  # {shard identity: where it is}
-    for old, m in [] if rebuild else caches:  # whole shards in caches of these settings
-        if [m["parts"][k] for k in ("tokenizer", "settings")] == [parts["tokenizer"],
-                                                                     parts["settings"]]:
-            for e in m.get("shards", ()):
-                if e["complete"]:
-                    reused.setdefault(e["identity"], (old, m["dtype"], e))
+    # {shard identity: where it is}: whole shards in caches of these settings (the first wins)
+    reused = {e["identity"]: (old, m["dtype"], e) for old, m in reversed([] if rebuild else caches)
+              if all(m["parts"][k] == parts[k] for k in ("tokenizer", "settings"))
+              for e in reversed(m.get("shards", ())) if e["complete"]}
     meta = _build(source, folder, head, num_proc or usable_cores(), chunk_bytes, on_error,
                   start, ids, reused)
     for old, m in caches:  # replaced, or served by this one from now on: not kept
