@@ -175,10 +175,9 @@ class NaiveTextDataset(Dataset):
         ids = (prompt_ids + response_ids)[: self.seq_len]
         labels = ([IGNORE_INDEX] * len(prompt_ids) + response_ids)[: self.seq_len]
         pad = self.seq_len - len(ids)
-        input_ids = torch.tensor(ids + [tokenizer.pad_token_id] * pad)
-        attention_mask = torch.tensor([1] * len(ids) + [0] * pad)
-        labels = torch.tensor(labels + [IGNORE_INDEX] * pad)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        return {"input_ids": torch.tensor(ids + [tokenizer.pad_token_id] * pad),
+                "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
+                "labels": torch.tensor(labels + [IGNORE_INDEX] * pad)}
 
 
 @dataclass(frozen=True)
