@@ -7,9 +7,10 @@ train.bin (`BatchLoader`: each batch gathered at once, the next prepared in a th
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,10 +175,9 @@ class NaiveTextDataset(Dataset):
         ids = (prompt_ids + response_ids)[: self.seq_len]
         labels = ([IGNORE_INDEX] * len(prompt_ids) + response_ids)[: self.seq_len]
         pad = self.seq_len - len(ids)
-        input_ids = torch.tensor(ids + [tokenizer.pad_token_id] * pad)
-        attention_mask = torch.tensor([1] * len(ids) + [0] * pad)
-        labels = torch.tensor(labels + [IGNORE_INDEX] * pad)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        return {"input_ids": torch.tensor(ids + [tokenizer.pad_token_id] * pad),
+                "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
+                "labels": torch.tensor(labels + [IGNORE_INDEX] * pad)}
 
 
 @dataclass(frozen=True)
@@ -238,7 +238,7 @@ def check_tokens(tokens: TokenFile, vocab_size: int, who: str = "the model") -> 
     return top
 
 
-class BatchLoader:
+class BatchLoader(Iterator, contextlib.AbstractContextManager):  # their __iter__, __enter__
     """nanoGPT's get_batch: the map opened once, one gather per batch, pinned memory on CUDA."""
 
     def __init__(self, tokens: TokenFile, batch: int, seq_len: int, device: Any = "cpu",
@@ -273,16 +273,10 @@ class BatchLoader:
 
     __next__ = next
 
-    def __iter__(self) -> BatchLoader:
-        return self
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-
-    def __enter__(self) -> BatchLoader:
-        return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()

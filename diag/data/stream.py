@@ -114,15 +114,11 @@ def encoded(chunks: Iterator[Chunk], job: Job, procs: int,
             # stopped early: chunks in flight finish first (a worker killed mid-put keeps a lock)
             for _, result in window:
                 result.wait()
-            _finish(pool)
+            pool.close()  # the workers leave on their own, holding no lock: `with` ends nothing
+            pool.join()
             raise
-        _finish(pool)
-
-
-def _finish(pool: Any) -> None:
-    """The workers leave on their own, holding no lock: the `with` then terminates nothing."""
-    pool.close()
-    pool.join()
+        pool.close()
+        pool.join()
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from diag.config import diag_home
+from diag.config.base import whole
 from diag.config.source import MANIFEST_SUFFIX
 from diag.data.records import (PROBLEM_COLUMNS, Chunk, check_on_error, plan_chunks, refusal,
                                shard_files)
@@ -56,8 +57,7 @@ class TokenCache:
 
 
 def file_identities(source: str | os.PathLike[str], memo_dir: Path) -> Identities:
-    """Each shard's stamp and identity, in order: the landing manifest's, else its sha256 (memoized
-    while size, mtime, ctime and inode stay)."""
+    """Each shard's stamp and identity: the landing manifest's, else a sha256 memoized by stat."""
     root, found, hashed, memo_path = Path(source), {}, False, memo_dir / MEMO
     manifest = root.with_name(root.name + MANIFEST_SUFFIX)  # land()'s: {file under root: ...}
     try:
@@ -163,8 +163,7 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
     from diag.machine.device import usable_cores  # its GPU probe: not at import
 
     for name, value in (("num_proc", num_proc), ("limit", limit), ("chunk_bytes", chunk_bytes)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
+        if value is not None and not (whole(value) and value >= 1):
             raise ValueError(f"{name}={value!r}: must be a whole number >= 1 (or None)")
     check_on_error(on_error)
     start = time.perf_counter()
@@ -186,13 +185,10 @@ def build_token_cache(source: Source, tokenizer_dir: str | os.PathLike[str], *,
               if folder.exists() else f"rebuilt: {changed} changed" if changed else "built")
     head = {"format": FORMAT, "key": key, "parts": parts, "limit": limit, "source": path,
             "tokenizer_dir": str(tokenizer_dir), "fields": dict(fields or {})}
-    reused: dict[str, tuple[Path, str, dict[str, Any]]] = {}  # {shard identity: where it is}
-    for old, m in [] if rebuild else caches:  # whole shards in caches of these settings
-        if [m["parts"][k] for k in ("tokenizer", "settings")] == [parts["tokenizer"],
-                                                                     parts["settings"]]:
-            for e in m.get("shards", ()):
-                if e["complete"]:
-                    reused.setdefault(e["identity"], (old, m["dtype"], e))
+    # {shard identity: where it is}: whole shards in caches of these settings (the first wins)
+    reused = {e["identity"]: (old, m["dtype"], e) for old, m in reversed([] if rebuild else caches)
+              if all(m["parts"][k] == parts[k] for k in ("tokenizer", "settings"))
+              for e in reversed(m.get("shards", ())) if e["complete"]}
     meta = _build(source, folder, head, num_proc or usable_cores(), chunk_bytes, on_error,
                   start, ids, reused)
     for old, m in caches:  # replaced, or served by this one from now on: not kept

@@ -4,7 +4,7 @@
 
 from diag.storage.experiment import StorageResult, decide, run_storage
 from diag.storage.landing import land
-from diag.storage.methods import pull, read_local
+from diag.storage.sample import pull, read_local
 from diag.storage.objectstore import make_client, source_client, transfer_plan
 from diag.storage.sources import fetch, list_remote, parse_url  # parse_url: diag.config.source's
 from diag.storage.tax import advice, medians, storage_tax

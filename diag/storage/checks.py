@@ -34,8 +34,7 @@ def _fn(name: str) -> Any:
 
 
 def _crc32_combine(a: int, b: int, n: int) -> int:
-    """zlib's crc32_combine: a CRC is affine in its start value, so n zero bytes run from a and
-    from 0 differ by exactly a's share."""
+    """zlib's crc32_combine (a CRC is affine in its start: n zeros from a and 0 differ by a's)."""
     zeros, x, y = memoryview(bytes(min(n, _CHUNK))), a, 0
     while n > 0:
         k = min(n, len(zeros))
@@ -241,8 +240,7 @@ class Stream:
             self._hashed += n
 
     def finish(self, want: Expected | None = None) -> Stream:
-        """Hash what the follower has not: the tail, or the whole file after a rewrite, a gap, or
-        to check it against another `want`."""
+        """Hash what the follower has not: the tail; all after a rewrite, a gap or a new `want`."""
         self.abandon()
         if self._error is not None:
             raise self._error
@@ -261,8 +259,7 @@ class Stream:
         self._thread.join()
 
     def verdict(self) -> tuple[str, str]:
-        """(the manifest's '<crc>:<base64>', what was checked); Mismatch if a stored CRC fails
-        (the MD5 is the caller's)."""
+        """('<crc>:<base64>', what was checked); Mismatch if a stored CRC (not the MD5) fails."""
         runs, want, checks = self.runs, self.want, "size"
         segments = runs.segments()
         if segments is None:  # the part sizes do not add up to the file's

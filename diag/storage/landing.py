@@ -11,6 +11,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +23,8 @@ from diag.config import VERIFY_MODES
 from diag.config.source import MANIFEST_SUFFIX, S3Url, parse_s3
 from diag.files import atomic_file, file_sha256, fsync_path, sweep_orphans
 from diag.storage import checks
-from diag.storage.objectstore import (RemoteObject, TransferPlan, failure, list_s3, make_client,
-                                      md5_checkable, remote_error, transfer_plan, usable_cores)
+from diag.storage.objectstore import (MB, RemoteObject, TransferPlan, failure, list_s3, make_client,
+                                      remote_error, transfer_plan, usable_cores)
 
 
 @dataclass(frozen=True)
@@ -155,27 +156,44 @@ def download_all(client: Any, bucket: str, targets: list[tuple[RemoteObject, Pat
 
 def describe(objects: list[RemoteObject]) -> str:
     """What download_all runs for these objects, in words (the benchmark rows' detail)."""
-    plan = transfer_plan(objects[0].size)
-    how = (f"one GET per object, {min(2 * usable_cores(), len(objects))} objects at a time"
-           if len(objects) > 1 and all(o.size < plan.single_get_below for o in objects)
-           else plan.describe(objects[0].size))
+    size, plan = objects[0].size, transfer_plan(objects[0].size)
+    if len(objects) > 1 and all(o.size < plan.single_get_below for o in objects):
+        how = f"one GET per object, {min(2 * usable_cores(), len(objects))} objects at a time"
+    elif size < plan.single_get_below:
+        how = "one GET"
+    else:
+        how = (f"{-(-size // plan.part_bytes)} x {plan.part_bytes / MB:.0f} MB parts, "
+               f"{plan.concurrency} at a time")
     return f"land()'s engine: s3transfer, {how} ({usable_cores()} cores), checked, fsynced"
 
 
 def download(client: Any, bucket: str, obj: RemoteObject, dest: Path,
              retries: int | None = None) -> tuple[str, str]:
     """(digest, what was checked) of one object downloaded to dest atomically, re-fetched twice."""
-    from botocore.exceptions import BotoCoreError, ClientError
+    from boto3.exceptions import RetriesExceededError
+    from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
+    from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceeded
+    from s3transfer.exceptions import S3DownloadFailedError
 
     url, plan = f"s3://{bucket}/{obj.key}", transfer_plan(obj.size)
     try:
-        want = checks.expected(client, bucket, obj.key, obj.size, obj.etag,
-                               md5_checkable(obj.etag), obj.size >= plan.single_get_below)
+        md5 = re.fullmatch("[0-9a-fA-F]{32}", obj.etag) is not None  # no multipart "-N"
+        want = checks.expected(client, bucket, obj.key, obj.size, obj.etag, md5,
+                               obj.size >= plan.single_get_below)
         for _ in range(_ATTEMPTS):
             try:
                 return _download_once(client, bucket, obj, dest, plan, retries, want)
             except checks.Mismatch as err:
                 why = str(err)  # a flipped bit in transit is rare: fetch again; three is a pattern
+            except FlexibleChecksumError as err:  # botocore checked a whole-object GET's stored CRC
+                why = f"the store's checksum: {err}"
+    except (RetriesExceededError, TransferRetriesExceeded) as err:  # download_file's, _fileobj's
+        raise failure(url, client, f"the connection dropped "
+                      f"{plan.transfer_config(retries).num_download_attempts} times "
+                      f"({type(err.last_exception).__name__}), gave up; raise --retries or "
+                      "check the network") from None
+    except S3DownloadFailedError as err:  # s3transfer's ETag pin: the object changed mid-way
+        raise failure(url, client, f"{err}; it changed while it was landing: run again") from None
     except (ClientError, BotoCoreError) as err:  # a HEAD or a GET
         raise remote_error(err, url, client) from None
     raise failure(url, client, f"the bytes received do not match the object ({why}) in "
@@ -192,7 +210,8 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
             try:
                 stream = checks.Stream(fd, want, obj.size)
                 try:
-                    _transfer(client, bucket, obj, stream, plan, retries)
+                    client.download_fileobj(bucket, obj.key, stream,
+                                            Config=plan.transfer_config(retries))
                     if (size := os.fstat(fd).st_size) != obj.size:
                         raise failure(f"s3://{bucket}/{obj.key}", client, f"landed {size} bytes,"
                                       f" the listing says {obj.size}: nothing was kept; run again"
@@ -213,27 +232,6 @@ def _download_once(client: Any, bucket: str, obj: RemoteObject, dest: Path, plan
             raise RuntimeError(f"s3://{bucket}/{obj.key}: the disk holding {dest.parent} filled "
                                "up during the download; nothing partial was kept") from None
         raise
-
-
-def _transfer(client: Any, bucket: str, obj: RemoteObject, sink: Any, plan: TransferPlan,
-              retries: int | None) -> None:
-    """boto3's download_fileobj into `sink`; its failures one line (botocore's: download's)."""
-    from boto3.exceptions import RetriesExceededError
-    from botocore.exceptions import FlexibleChecksumError
-    from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceeded
-    from s3transfer.exceptions import S3DownloadFailedError
-
-    url, config = f"s3://{bucket}/{obj.key}", plan.transfer_config(retries)
-    try:
-        client.download_fileobj(bucket, obj.key, sink, Config=config)
-    except FlexibleChecksumError as err:  # botocore checked a whole-object GET's stored CRC
-        raise checks.Mismatch(f"the store's checksum: {err}") from None
-    except (RetriesExceededError, TransferRetriesExceeded) as err:  # download_file's, _fileobj's
-        raise failure(url, client, f"the connection dropped {config.num_download_attempts} times"
-                      f" ({type(err.last_exception).__name__}), gave up; raise --retries or "
-                      "check the network") from None
-    except S3DownloadFailedError as err:  # s3transfer's ETag pin: the object changed mid-way
-        raise failure(url, client, f"{err}; it changed while it was landing: run again") from None
 
 
 def _verdict(client: Any, bucket: str, obj: RemoteObject, got: checks.Stream) -> tuple[str, str]:

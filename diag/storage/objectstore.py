@@ -39,12 +39,6 @@ class TransferPlan:
     part_bytes: int
     concurrency: int
 
-    def describe(self, size: int) -> str:
-        if size < self.single_get_below:
-            return "one GET"
-        parts = -(-size // self.part_bytes)
-        return f"{parts} x {self.part_bytes / MB:.0f} MB parts, {self.concurrency} at a time"
-
     def transfer_config(self, retries: int | None = None) -> Any:
         """land()'s TransferConfig; "classic": the engine diag checks while it streams."""
         from boto3.s3.transfer import TransferConfig
@@ -110,21 +104,19 @@ def make_client(endpoint_url: str = "", *, credentials: dict[str, str] | None = 
 
 def source_client(cfg: SourceConfig, server: Any = None) -> Any:
     """cfg.source's client: boto3's (or `server`'s), HfApi for hf://, None for local files."""
-    pool, url = 2 * usable_cores(), cfg.url
-    if server is not None:
-        return make_client(server.endpoint_url, retries=cfg.retries, max_pool=pool,
-                           stall_s=cfg.stall_s, credentials={
-                               "aws_access_key_id": server.access_key,
-                               "aws_secret_access_key": server.secret_key,
-                               "region_name": server.region})
-    if isinstance(url, HubUrl):
+    if server is None and isinstance(cfg.url, HubUrl):
         from huggingface_hub import HfApi
 
         return HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
-    if not isinstance(url, S3Url):
+    if server is None and not isinstance(cfg.url, S3Url):
         return None
-    return make_client(cfg.endpoint_url, retries=cfg.retries, max_pool=pool, profile=cfg.profile,
-                       region=cfg.region, unsigned=not cfg.sign_request, stall_s=cfg.stall_s)
+    where = {"endpoint_url": cfg.endpoint_url, "profile": cfg.profile, "region": cfg.region,
+             "unsigned": not cfg.sign_request} if server is None else {
+        "endpoint_url": server.endpoint_url, "credentials": {
+            "aws_access_key_id": server.access_key, "aws_secret_access_key": server.secret_key,
+            "region_name": server.region}}
+    return make_client(**where, retries=cfg.retries, max_pool=2 * usable_cores(),
+                       stall_s=cfg.stall_s)
 
 
 def deadline_s(nbytes: int, mb_per_s: float | None, stall_s: float) -> float:
@@ -139,6 +131,9 @@ class _Stalled(Exception):
 @contextlib.contextmanager
 def deadline(client: Any, seconds: float, what: str, url: object = None) -> Iterator[None]:
     """After `seconds`, refuse the client's requests and shut its sockets; errors in one line."""
+    if not hasattr(client, "meta"):  # not boto3's (HfApi): its own timeouts apply
+        yield
+        return
     expired, endpoint = threading.Event(), client.meta.endpoint_url
 
     def refuse(**_: Any) -> None:
@@ -270,8 +265,3 @@ def list_s3(client: Any, url: S3Url) -> list[RemoteObject]:
         raise failure(url, client, "no objects under this prefix (check --source; one object "
                       "has no trailing '/')")
     return found
-
-
-def md5_checkable(etag: str) -> bool:
-    """The ETag is the bytes' MD5: 32 hex digits, no multipart "-N"."""
-    return len(etag) == 32 and all(c in "0123456789abcdefABCDEF" for c in etag)

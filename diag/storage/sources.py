@@ -13,7 +13,7 @@ from diag.config import diag_home
 from diag.config.source import COMPRESSED, HubUrl, LocalUrl, S3Url, parse_url, record_files
 from diag.data.records import count_records, open_records
 from diag.storage.landing import land, local_paths
-from diag.storage.methods import pull
+from diag.storage.sample import pull
 from diag.storage.objectstore import RemoteObject, failure, list_s3
 
 SAMPLE_BYTES = 1 << 20  # a JSONL shard's first MiB (whole lines) is sampled
@@ -22,8 +22,7 @@ SAMPLE_ROWS = 1024  # a Parquet shard's first rows (ranged GETs of its footer an
 
 def list_remote(client: Any, url: S3Url | HubUrl | LocalUrl, records: bool = False
                 ) -> list[RemoteObject]:
-    """The source's files, no download (local: key, its path; etag, its mtime); records: the record
-    files alone, in key order (ValueError: none)."""
+    """The files, unfetched (local: key = path, etag = mtime); records: the record files, by key."""
     if isinstance(url, S3Url):
         found = list_s3(client, url)
     elif isinstance(url, LocalUrl):
@@ -54,8 +53,7 @@ def list_remote(client: Any, url: S3Url | HubUrl | LocalUrl, records: bool = Fal
 
 def fetch(source: str, client: Any, how: str, work: Path, records: int = 0
           ) -> tuple[Path, int, int]:
-    """(path, bytes fetched, the source's data bytes) of the job's data, landed once or pulled into
-    `work` (`how`); records: a prefix's first files in key order that hold that many (0: all)."""
+    """(path, bytes fetched, data bytes), landed or pulled; records: the first files' (0: all)."""
     url = parse_url(source)
     objects = list_remote(client, url, records=True)
     total = sum(o.size for o in objects)
@@ -76,8 +74,7 @@ def fetch(source: str, client: Any, how: str, work: Path, records: int = 0
 
 def _get(url: S3Url | HubUrl, client: Any, how: str, objects: list[RemoteObject], root: Path,
          work: Path) -> Path:
-    """These files landed under root (a hub dataset's: the user's HF cache if it holds them all)
-    or pulled into work: the source's path there."""
+    """The source's path once these are landed under root (or in the user's HF cache) or pulled."""
     if how == "land" and isinstance(url, HubUrl):
         from huggingface_hub import hf_hub_download, try_to_load_from_cache
 

@@ -9,7 +9,7 @@ import statistics
 import pandas as pd
 
 from diag.decision import ADVICE, FIXES
-from diag.storage.methods import NVME_COLD, PULLS
+from diag.storage.sample import NVME_COLD, PULLS
 from diag.storage.objectstore import MB, transfer_plan
 
 _NETWORK_KINDS = {"network_block": "network block storage (EBS, PD, ...)",
@@ -82,50 +82,54 @@ def over_rounds(seconds: list[float]) -> str:
     return f"median of {len(seconds)} rounds, {low}-{high}"
 
 
-def advice(tax: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.DataFrame:
+def advice(tax: pd.DataFrame, frame: pd.DataFrame) -> pd.DataFrame:
     """Land once (saving net of a measured hit, else a cold read), and tune the pull."""
     by = tax[tax["seconds_per_run"].notna()].set_index("method")
     if by.empty:  # a local source: nothing pulled
         return pd.DataFrame(columns=ADVICE)
     base = by.loc["boto3_default"] if "boto3_default" in by.index else by.iloc[0]
     gb, hit_s, hit_note = base["dataset_gb"], 0.0, ""
-    hits = frame[(frame["method"] == "land") & (frame["cache_state"] == "hit")] \
-        if frame is not None else frame
-    if hits is not None and not hits.empty:
+    hits = frame[(frame["method"] == "land") & (frame["cache_state"] == "hit")]
+    if not hits.empty:
         measured = statistics.median(hits["seconds"])
         hit_s = measured * gb * 1e9 / float(hits["bytes"].max())
         detail = hits["detail"].iloc[0] if "detail" in hits else ""
         detail = f", {detail}" if detail else ""
         hit_note = (f"; a land() hit still takes {_duration(hit_s)} (measured {measured:.3g} s "
                     f"on {hits['bytes'].max() / MB:.0f} MB, median of {len(hits)}{detail})")
-    elif frame is not None and not (cold := cold_reads(frame)).empty:
+    elif not (cold := cold_reads(frame)).empty:
         rate = statistics.median(cold["mb_per_s"])
         hit_s = gb * 1000 / rate
         hit_note = f"; a verified hit reads it once from local disk at {rate:.0f} MB/s (cold)"
     disk = ""  # ": measured into <the landing folder>, on <its kind>", from the local reads
-    if frame is not None and "local_disk" in frame:
-        reads = frame[(frame["method"] == "local_read") & ~frame["cache_state"].eq(NVME_COLD)]
-        if not reads.empty:
-            kind = str(reads["local_disk"].iloc[0])
-            disk = f": measured into {reads['source'].iloc[0]}, on {_DISK_WORDS.get(kind, kind)}"
+    reads = frame[(frame["method"] == "local_read") & ~frame["cache_state"].eq(NVME_COLD)]
+    if "local_disk" in frame and not reads.empty:
+        kind = str(reads["local_disk"].iloc[0])
+        disk = f": measured into {reads['source'].iloc[0]}, on {_DISK_WORDS.get(kind, kind)}"
     rows = [{"stage": "fetch_data",
              "finding": f"{FIXES['fetch_data']}{disk}; or with `s5cmd sync` / "
                         "`aws s3 sync` to that disk, Mountpoint for S3 with its local cache "
                         "`mount-s3 --cache DIR`, FSx for Lustre linked to the bucket",
              "seconds_saved": max(0.0, base["seconds_per_run"] - hit_s),
-             "evidence": base["evidence"] + hit_note}]
-    if frame is not None:
-        rows += landing_disk_advice(frame, gb)
-    if "boto3_tuned" in by.index and base.name != "boto3_tuned":
-        tuned = by.loc["boto3_tuned"]
-        # the dataset's objects: the listing's count (the sample's pieces in an older frame)
-        files = None if frame is None else frame.get("dataset_files", frame.get("files"))
-        files = int(files.max()) if files is not None and files.notna().any() else 1
-        if tuned["seconds_per_run"] < 0.9 * base["seconds_per_run"]:
-            rows.append({"stage": "fetch_data", "finding": "if it must be pulled: tune the "
-                         "transfer " + paste_settings(int(gb * 1e9 / max(1, files))),
-                         "seconds_saved": base["seconds_per_run"] - tuned["seconds_per_run"],
-                         "evidence": f"{tuned['evidence']} vs {base['evidence']}"})
+             "evidence": base["evidence"] + hit_note}, *landing_disk_advice(frame, gb)]
+    # the dataset's objects: the listing's count (the sample's pieces in an older frame)
+    files = frame.get("dataset_files", frame.get("files"))
+    files = int(files.max()) if files is not None and files.notna().any() else 1
+    if "boto3_tuned" in by.index and base.name != "boto3_tuned" and \
+            by.loc["boto3_tuned", "seconds_per_run"] < 0.9 * base["seconds_per_run"]:
+        tuned, plan = by.loc["boto3_tuned"], transfer_plan(int(gb * 1e9 / max(1, files)))
+        mib = max(5, round(plan.part_bytes / 2**20))
+        rows.append({"stage": "fetch_data", "seconds_saved": base["seconds_per_run"]
+                     - tuned["seconds_per_run"], "evidence": f"{tuned['evidence']} vs "
+                     f"{base['evidence']}", "finding": "if it must be pulled: tune the transfer "
+                     f"(diag.storage.transfer_plan): boto3 `TransferConfig(multipart_threshold="
+                     f"{plan.single_get_below}, multipart_chunksize={plan.part_bytes}, "
+                     f"max_concurrency={plan.concurrency})`; aws CLI, in ~/.aws/config under your"
+                     f" profile: `s3 =` / `  max_concurrent_requests = {plan.concurrency}` / "
+                     f"`  multipart_threshold = {plan.single_get_below // MB}MB` / "
+                     f"`  multipart_chunksize = {plan.part_bytes // MB}MB`; s5cmd: `s5cmd "
+                     f"--numworkers {plan.concurrency} cp --concurrency {plan.concurrency} "
+                     f"--part-size {mib}`"})
     return pd.DataFrame(rows, columns=ADVICE)
 
 
@@ -156,19 +160,6 @@ def landing_disk_advice(frame: pd.DataFrame, dataset_gb: float) -> list[dict[str
              "finding": f"the landing folder {folder} is on {_NETWORK_KINDS[kind]}, not local "
                         f"disk: each cold start reads the landed copy over the network; land "
                         f"it on {where} (--local-dir)"}]
-
-
-def paste_settings(object_bytes: int, cores: int | None = None) -> str:
-    """transfer_plan() for objects of this size, to paste: boto3, ~/.aws/config, s5cmd."""
-    plan = transfer_plan(object_bytes, cores)
-    mib = max(5, round(plan.part_bytes / 2**20))
-    return (f"(diag.storage.transfer_plan): boto3 `TransferConfig(multipart_threshold="
-            f"{plan.single_get_below}, multipart_chunksize={plan.part_bytes}, max_concurrency="
-            f"{plan.concurrency})`; aws CLI, in ~/.aws/config "
-            f"under your profile: `s3 =` / `  max_concurrent_requests = {plan.concurrency}` / "
-            f"`  multipart_threshold = {plan.single_get_below // MB}MB` / "
-            f"`  multipart_chunksize = {plan.part_bytes // MB}MB`; s5cmd: `s5cmd --numworkers "
-            f"{plan.concurrency} cp --concurrency {plan.concurrency} --part-size {mib}`")
 
 
 def _duration(seconds: float) -> str:
