@@ -22,7 +22,7 @@ from diag.data import read_meta, shard_files
 from diag.files import scratch_folder
 from diag.forecast import story
 from diag.forecast.costs import measured, price, row, table
-from diag.forecast.eta import job_counts, runs_costs
+from diag.forecast.eta import job_counts, run_counts, runs_costs
 from diag.machine.device import on_cpu_threads
 from diag.mfu import count_plans, run_mfu
 from diag.noise import MIN_SAMPLES, clock, interleave, unsettled
@@ -34,6 +34,7 @@ from diag.data import count_records
 from diag.qlora.data import build_dataset, counted, job_records
 from diag.qlora.measure import JobInputs, QLoraStep, job_inputs, plan_from_job, read_results
 from diag.qlora.plans import Plan, fixes
+from diag.qlora.trainer import trainer_class
 from diag.timing import StageTimer
 from diag.timing.distributed import root_first
 
@@ -90,6 +91,7 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
             with root_first():  # its inputs filled untimed, rank 0 first under DDP
                 job.prepare(cfg, plans[-1], src)
         plans = [p.for_device(str(device)) for p in plans]  # as they ran
+        changes = fixes(*plans) if len(plans) == 2 else {}
         with Bases() as bases:
             before = _before(cfg, plans, src, bases, device)
             runs = _rounds(cfg, plans, src, bases, on, budget_s)
@@ -110,8 +112,13 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
     if len(plans) < 2:
         empty = pd.DataFrame(columns=ADVICE)
         return QLoraResult(**out, costs=table(rows), savings=empty, waterfall=empty, advice=empty)
-    told = story.tell(rows, {k.plan: job.counts(k.summary) for k in kept}, on, fixes(*plans),
-                      {k.plan: k.summary["real_tokens"] for k in kept}, _steps_met(runs, on))
+    met = []  # the naive steady step on `on` as each round met it
+    for r in (r for r in runs if r.plan == "naive"):
+        train = r.costs[(r.costs["stage"] == "train") & (r.costs["clock"] == on)]
+        steady = r.summary["steps"] - r.summary["warmup_steps"]
+        met += [float(train["seconds"].iloc[0]) / steady] if len(train) and steady else []
+    told = story.tell(rows, {k.plan: run_counts(k.summary) for k in kept}, on, changes,
+                      {k.plan: k.summary["real_tokens"] for k in kept}, met)
     advice = told["savings"].rename(columns={"measured_s": "seconds_saved"})
     return QLoraResult(**out, advice=advice[advice["finding"] != "unchanged"][ADVICE], **told)
 
@@ -122,7 +129,6 @@ def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, dev
     import bitsandbytes  # noqa: F401
     import peft  # noqa: F401
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from diag.qlora.trainer import trainer_class
 
     # what a start imports or builds once per process, paid here: no one plan's start pays it
     get_checkpoint_conversion_mapping("llama")
@@ -177,8 +183,7 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -
 
 def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
                device: Any) -> pd.DataFrame:
-    """Each plan's own first optimizer step on the base its rounds reuse, in rounds until each
-    median settles or half of cfg.decide_budget_s is spent."""
+    """Each plan's own step on the base its rounds reuse, settled in half the decide budget."""
     from diag.accum import retime, train_points
 
     inputs = job_inputs(cfg, src)  # the landed data and the cached model: hits by now
@@ -242,16 +247,6 @@ def _rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, clo
         interleave(list(by), one, pending, budget_s=budget, min_rounds=cfg.rounds,
                    max_rounds=max(cfg.rounds, 16 if budget else cfg.rounds))
     return ran  # in the order they ran
-
-
-def _steps_met(runs: list[PlanRun], clock: str) -> list[float]:
-    """The naive steady step on `clock` as each round met it."""
-    met = []
-    for r in (r for r in runs if r.plan == "naive"):
-        rows = r.costs[(r.costs["stage"] == "train") & (r.costs["clock"] == clock)]
-        steady = r.summary["steps"] - r.summary["warmup_steps"]
-        met += [float(rows["seconds"].iloc[0]) / steady] if len(rows) and steady else []
-    return met
 
 
 @dataclass(frozen=True)
