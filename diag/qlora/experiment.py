@@ -262,12 +262,11 @@ def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
     """Each plan of the comparison (of `job`, measured on `inputs`) over the whole job `train`."""
     recs = job_records(job, inputs.data_path, inputs.model_dir)  # the comparison's: a hit
     build = (read_meta(recs.cache.folder) or {}).get("build") or {}
-    every = counted(train, recs.cache).indices if recs.cache.complete else None
-    records = len(every) if every is not None else count_records(inputs.data_path)
+    exact = recs.cache.complete  # every good record in the cache: counted exactly
+    records = len(counted(train, recs.cache).indices) if exact else count_records(inputs.data_path)
     landed = sum(f.stat().st_size for f in shard_files(inputs.data_path))
     whole = int(comparison.frame["source_bytes"].max())
-    built = 0 if recs.cache.complete else landed  # bytes the whole job still has to tokenize
-    exact = every is not None
+    built = 0 if exact else landed  # bytes the whole job still has to tokenize
     if whole > landed > 0:  # the comparison landed only the shards its records were in
         records, built, exact = round(records * whole / landed), whole, False
     per_record = float(np.minimum(recs.lengths, train.seq_len).mean())

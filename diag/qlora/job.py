@@ -16,6 +16,7 @@ import pandas as pd
 from diag.files import scratch_folder
 from diag.forecast.costs import measured, row
 from diag.forecast.eta import run_counts
+from diag.machine.device import resolve
 from diag.qlora.base import REUSED, Bases, Sources, model_folder
 from diag.qlora.checkpoints import last_checkpoint
 from diag.qlora.data import WholeSteps, build_dataset, job_records
@@ -151,7 +152,6 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases | None = N
 def rank_device(cfg: JobConfig) -> tuple[Any, Any]:
     """(the device this process trains on, its DDP seat, joined here; a no-op's unlaunched)."""
     import torch
-    from diag.machine.device import resolve
 
     device = resolve(cfg.device)
     seat = distributed.init_group(device.type)

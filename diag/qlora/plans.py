@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pandas as pd
+
 from diag.decision import CHANGES, Decision, by_setting
 
 # The settings a plan carries, each decided by one experiment (the owner of its default).
@@ -116,8 +118,6 @@ class Plan:
 
     def frame(self) -> Any:
         """One row per setting: run, setting, value, basis, evidence (what is shown and run)."""
-        import pandas as pd
-
         return pd.DataFrame([{"run": self.name, "setting": d.setting,
                               "value": str(getattr(self, d.setting)), "basis": d.basis,
                               "evidence": d.evidence()} for d in self.decisions])

@@ -21,7 +21,7 @@ from diag.forecast.eta import duration
 from diag.qlora.checkpoints import Interrupted, save_whole
 from diag.runner import say  # stderr beside the bar; text in a kernel
 from diag.timing import STEP_STAGES
-from diag.timing.distributed import spill_ranks
+from diag.timing.distributed import launched, spill_ranks
 
 if TYPE_CHECKING:
     from diag.config import JobConfig
@@ -154,8 +154,6 @@ def signals_callback() -> type:
             self.signum = signum
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            from diag.timing.distributed import launched
-
             # launched, a rank stops at once: ranks stopped at different steps would deadlock
             if threading.current_thread() is threading.main_thread() and not launched():
                 self._old = {s: signal.signal(s, self._caught)
