@@ -82,6 +82,10 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
 def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
             src: Sources | None = None, budget_s: float | None = None) -> QLoraResult:
     """The plans, their costs timed before the runs, the runs in rounds, their FLOPs, the result."""
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
     device = job.rank_device(cfg)[0]  # under a launcher: joins before the first barrier
     on = clock(device).name
     with contextlib.nullcontext(src) if src else job.open_sources(cfg) as src:
@@ -92,8 +96,14 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
                 job.prepare(cfg, plans[-1], src)
         plans = [p.for_device(str(device)) for p in plans]  # as they ran
         changes = fixes(*plans) if len(plans) == 2 else {}
-        with Bases() as bases:
-            before = _before(cfg, plans, src, bases, device)
+        # what a start imports or builds once per process, paid here: no one plan's start pays it
+        get_checkpoint_conversion_mapping("llama")
+        trainer_class()
+        with Bases() as bases:  # both plans' starts and own steps timed before the runs
+            before = pd.concat([time_starts(cfg, plans, src, on),
+                                time_steps(cfg, plans, src, bases, device)],
+                               ignore_index=True) if len(plans) == 2 else None
+            gc.collect()  # the measurements' models (reference cycles) go before the first start
             runs = _rounds(cfg, plans, src, bases, on, budget_s)
             counted = count_plans(cfg, plans, src, bases)
     every = pd.DataFrame([r.summary for r in runs])
@@ -121,24 +131,6 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
                       {k.plan: k.summary["real_tokens"] for k in kept}, met)
     advice = told["savings"].rename(columns={"measured_s": "seconds_saved"})
     return QLoraResult(**out, advice=advice[advice["finding"] != "unchanged"][ADVICE], **told)
-
-
-def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, device: Any
-            ) -> pd.DataFrame | None:
-    """Both plans' starts and own steps timed before the runs (the predictions' rows)."""
-    import bitsandbytes  # noqa: F401
-    import peft  # noqa: F401
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    # what a start imports or builds once per process, paid here: no one plan's start pays it
-    get_checkpoint_conversion_mapping("llama")
-    trainer_class()
-    if len(plans) < 2:
-        return None
-    got = pd.concat([time_starts(cfg, plans, src, clock(device).name),
-                     time_steps(cfg, plans, src, bases, device)], ignore_index=True)
-    gc.collect()  # the measurements' models (reference cycles) go before the first start
-    return got
 
 
 def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -> pd.DataFrame:
