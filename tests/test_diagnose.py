@@ -102,10 +102,10 @@ def test_the_story_adds_up_on_one_clock_from_the_cost_table(demo):
     clock = flow["clock"].iloc[0]
     runs = costs[(costs["when"] == "runs") & (costs["clock"] == clock)]
     rounds = frames["qlora_rounds"].set_index("plan")
-    from diag.qlora.job import counts
+    from diag.forecast.eta import run_counts
 
     for plan, total in (("naive", naive), ("optimized", optimized)):  # measured: costs x counts
-        n = counts(rounds.loc[[plan]].iloc[0].to_dict())
+        n = run_counts(rounds.loc[[plan]].iloc[0].to_dict())
         mine = runs[(runs["plan"] == plan) & (runs["stage"] != "download")]
         assert (mine["seconds"] * mine["unit"].map(n)).sum() == pytest.approx(total, rel=0.01)
     summary = report.load_summary(out)

@@ -37,6 +37,17 @@ def job_counts(steps: int, warmup: int, tokens_per_step: float, slots_per_step: 
             "eval_slot": evals * eval_slots}
 
 
+def run_counts(summary: Mapping[str, Any]) -> dict[str, float]:
+    """What one comparison run did (diag.qlora's summary), in the cost table's units."""
+    warm = int(summary["warmup_steps"])
+    per_step = summary["token_slots"] / summary["steps"]
+    whole = summary.get("source_bytes") or 0
+    return {"start": 1, "source": summary["fetched_bytes"] / whole if whole else 1.0,
+            "record": summary["records"], "warmup_slot": warm * per_step,
+            "slot": (summary["steps"] - warm) * per_step, "warmup_step": warm,
+            "step": summary["steps"] - warm, "save": summary["saves"]}
+
+
 def runs_costs(costs: pd.DataFrame, plan: str) -> pd.DataFrame:
     """A comparison's wall costs of `plan` as its runs measured them, with the eval row."""
     mine = costs[(costs["plan"] == plan) & (costs["when"] == "runs") & (costs["clock"] == "wall")

@@ -81,8 +81,7 @@ def timed_folder(plan: Plan, src: Sources, work: Path) -> tuple[Path, dict[str, 
 
 
 def load_model(cfg: JobConfig, plan: Plan, folder: Path, device: Any, base: Any = None) -> Any:
-    """The nf4 base (double quantization; `base`: one loaded before) with a fresh LoRA adapter on
-    every projection, seeded: the same in both plans."""
+    """The nf4 base (or `base`, loaded before) with a fresh seeded LoRA on every projection."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -124,8 +123,7 @@ REUSED = "measured once per plan, as its base first loaded: this round reused th
 
 
 class Bases:
-    """A comparison's bases, one per plan and device: the first load timed (`timed[plan]`), a
-    later one a fresh adapter on the kept base (REUSED); release() unloads the adapters lent."""
+    """A comparison's bases per plan and device: the first load timed, then a fresh adapter."""
 
     def __init__(self) -> None:
         self.work = scratch_folder("diag-qlora-bases")  # a killed rank's is swept next time

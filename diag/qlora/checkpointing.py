@@ -33,16 +33,15 @@ def memory_gb(device: str) -> tuple[float, str]:
 
         total = torch.cuda.get_device_properties(torch.device(device)).total_memory / 1e9
         return total, "device memory"
-    with open("/proc/meminfo") as f:  # MemAvailable: what this process can still grow into
-        info = {line.split(":")[0]: line.split()[1] for line in f}
-    return int(info["MemAvailable"]) / 1e6, "available host memory"
+    import psutil
+
+    return psutil.virtual_memory().available / 1e9, "available host memory"  # what it can grow into
 
 
 def decide(frame: pd.DataFrame | None, device: str = "cpu", measured_on: MeasuredOn | None = None,
            memory: tuple[float, str] | None = None, naive_micro_batch: int | None = None,
            repeats_s: float | None = None) -> tuple[Decision, ...]:
-    """`gradient_checkpointing` from the on/off rows at the largest micro-batch, on the device's
-    clock; without evidence (or on faster: recomputing cannot be) the device's default."""
+    """`gradient_checkpointing` from the on/off rows at the top micro-batch, else the default."""
     cuda = str(device).startswith("cuda")
     fallback = ("on, the safe default on CUDA" if cuda else
                 "off, on CPU activations live in host RAM")

@@ -21,8 +21,7 @@ PACKED_ROWS = ("\n\n## Packed rows\n\nTo feed several records in one row, restar
 
 
 class Interrupted(KeyboardInterrupt):
-    """Training stopped by signum after saving step's state: str() says how to resume (out_dir
-    None: it cannot)."""
+    """Training stopped by signum after saving step's state: str() says how to resume."""
 
     def __init__(self, signum: int, step: int, out_dir: Path | str | None) -> None:
         where = (f"a checkpoint of step {step} is saved: run the same command with --resume "

@@ -45,11 +45,6 @@ class Data:
     stats: dict[str, Any]  # rows, token_slots, real_tokens, padding_share, ...
 
 
-def read(cfg: QLoraConfig, path: Path) -> list[dict[str, str]]:
-    """The first cfg.records good records at path, with cfg's fields: the naive plan's read."""
-    return read_source(path, cfg.fields(), on_error=cfg.on_error, limit=cfg.records)[0]
-
-
 def _cache(cfg: JobConfig, source: Path, tokenizer_dir: Path) -> TokenCache:
     return build_token_cache(source, tokenizer_dir, fields=cfg.fields(), on_error=cfg.on_error,
                              limit=cfg.records or None)
@@ -109,14 +104,13 @@ class WholeSteps:
 def build_dataset(cfg: JobConfig, plan: Plan, recs: Records, tokenizer_dir: Path,
                   source: Path, attention: str | None = "sdpa", steps: int | None = None,
                   rows: Sequence[dict[str, Any]] | None = None) -> Data:
-    """The plan's Dataset over recs in `steps` optimizer steps; rows: the naive plan's records
-    (None: read from source); an `attention` that cannot keep records apart: one per window."""
+    """The plan's Dataset over recs in `steps` optimizer steps (rows: the naive plan's records)."""
     from diag.data import NaiveTextDataset, PackedDataset, packing_refused
 
     seq, steps = cfg.seq_len, steps or cfg.steps
     if plan.pipeline == "naive":
         if rows is None:
-            records = read(cfg, source)
+            records = read_source(source, cfg.fields(), on_error=cfg.on_error, limit=cfg.records)[0]
             rows = [records[i] for i in recs.indices]
         dataset = NaiveTextDataset(rows, tokenizer_dir, seq)
         rows_per_step = len(dataset) // steps

@@ -22,7 +22,7 @@ from diag.data import read_meta, shard_files
 from diag.files import scratch_folder
 from diag.forecast import story
 from diag.forecast.costs import measured, price, row, table
-from diag.forecast.eta import job_counts, runs_costs
+from diag.forecast.eta import job_counts, run_counts, runs_costs
 from diag.machine.device import on_cpu_threads
 from diag.mfu import count_plans, run_mfu
 from diag.noise import MIN_SAMPLES, clock, interleave, unsettled
@@ -34,6 +34,7 @@ from diag.data import count_records
 from diag.qlora.data import build_dataset, counted, job_records
 from diag.qlora.measure import JobInputs, QLoraStep, job_inputs, plan_from_job, read_results
 from diag.qlora.plans import Plan, fixes
+from diag.qlora.trainer import trainer_class
 from diag.timing import StageTimer
 from diag.timing.distributed import root_first
 
@@ -81,6 +82,10 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
 def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
             src: Sources | None = None, budget_s: float | None = None) -> QLoraResult:
     """The plans, their costs timed before the runs, the runs in rounds, their FLOPs, the result."""
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
     device = job.rank_device(cfg)[0]  # under a launcher: joins before the first barrier
     on = clock(device).name
     with contextlib.nullcontext(src) if src else job.open_sources(cfg) as src:
@@ -90,8 +95,15 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
             with root_first():  # its inputs filled untimed, rank 0 first under DDP
                 job.prepare(cfg, plans[-1], src)
         plans = [p.for_device(str(device)) for p in plans]  # as they ran
-        with Bases() as bases:
-            before = _before(cfg, plans, src, bases, device)
+        changes = fixes(*plans) if len(plans) == 2 else {}
+        # what a start imports or builds once per process, paid here: no one plan's start pays it
+        get_checkpoint_conversion_mapping("llama")
+        trainer_class()
+        with Bases() as bases:  # both plans' starts and own steps timed before the runs
+            before = pd.concat([time_starts(cfg, plans, src, on),
+                                time_steps(cfg, plans, src, bases, device)],
+                               ignore_index=True) if len(plans) == 2 else None
+            gc.collect()  # the measurements' models (reference cycles) go before the first start
             runs = _rounds(cfg, plans, src, bases, on, budget_s)
             counted = count_plans(cfg, plans, src, bases)
     every = pd.DataFrame([r.summary for r in runs])
@@ -110,29 +122,15 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
     if len(plans) < 2:
         empty = pd.DataFrame(columns=ADVICE)
         return QLoraResult(**out, costs=table(rows), savings=empty, waterfall=empty, advice=empty)
-    told = story.tell(rows, {k.plan: job.counts(k.summary) for k in kept}, on, fixes(*plans),
-                      {k.plan: k.summary["real_tokens"] for k in kept}, _steps_met(runs, on))
+    met = []  # the naive steady step on `on` as each round met it
+    for r in (r for r in runs if r.plan == "naive"):
+        train = r.costs[(r.costs["stage"] == "train") & (r.costs["clock"] == on)]
+        steady = r.summary["steps"] - r.summary["warmup_steps"]
+        met += [float(train["seconds"].iloc[0]) / steady] if len(train) and steady else []
+    told = story.tell(rows, {k.plan: run_counts(k.summary) for k in kept}, on, changes,
+                      {k.plan: k.summary["real_tokens"] for k in kept}, met)
     advice = told["savings"].rename(columns={"measured_s": "seconds_saved"})
     return QLoraResult(**out, advice=advice[advice["finding"] != "unchanged"][ADVICE], **told)
-
-
-def _before(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, device: Any
-            ) -> pd.DataFrame | None:
-    """Both plans' starts and own steps timed before the runs (the predictions' rows)."""
-    import bitsandbytes  # noqa: F401
-    import peft  # noqa: F401
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from diag.qlora.trainer import trainer_class
-
-    # what a start imports or builds once per process, paid here: no one plan's start pays it
-    get_checkpoint_conversion_mapping("llama")
-    trainer_class()
-    if len(plans) < 2:
-        return None
-    got = pd.concat([time_starts(cfg, plans, src, clock(device).name),
-                     time_steps(cfg, plans, src, bases, device)], ignore_index=True)
-    gc.collect()  # the measurements' models (reference cycles) go before the first start
-    return got
 
 
 def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -> pd.DataFrame:
@@ -177,8 +175,7 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -
 
 def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
                device: Any) -> pd.DataFrame:
-    """Each plan's own first optimizer step on the base its rounds reuse, in rounds until each
-    median settles or half of cfg.decide_budget_s is spent."""
+    """Each plan's own step on the base its rounds reuse, settled in half the decide budget."""
     from diag.accum import retime, train_points
 
     inputs = job_inputs(cfg, src)  # the landed data and the cached model: hits by now
@@ -244,16 +241,6 @@ def _rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, clo
     return ran  # in the order they ran
 
 
-def _steps_met(runs: list[PlanRun], clock: str) -> list[float]:
-    """The naive steady step on `clock` as each round met it."""
-    met = []
-    for r in (r for r in runs if r.plan == "naive"):
-        rows = r.costs[(r.costs["stage"] == "train") & (r.costs["clock"] == clock)]
-        steady = r.summary["steps"] - r.summary["warmup_steps"]
-        met += [float(rows["seconds"].iloc[0]) / steady] if len(rows) and steady else []
-    return met
-
-
 @dataclass(frozen=True)
 class Projection:
     """The whole job per plan (first field: the main table) and the costs it priced."""
@@ -267,12 +254,11 @@ def project_job(train: TrainConfig, job: QLoraConfig, comparison: QLoraResult,
     """Each plan of the comparison (of `job`, measured on `inputs`) over the whole job `train`."""
     recs = job_records(job, inputs.data_path, inputs.model_dir)  # the comparison's: a hit
     build = (read_meta(recs.cache.folder) or {}).get("build") or {}
-    every = counted(train, recs.cache).indices if recs.cache.complete else None
-    records = len(every) if every is not None else count_records(inputs.data_path)
+    exact = recs.cache.complete  # every good record in the cache: counted exactly
+    records = len(counted(train, recs.cache).indices) if exact else count_records(inputs.data_path)
     landed = sum(f.stat().st_size for f in shard_files(inputs.data_path))
     whole = int(comparison.frame["source_bytes"].max())
-    built = 0 if recs.cache.complete else landed  # bytes the whole job still has to tokenize
-    exact = every is not None
+    built = 0 if exact else landed  # bytes the whole job still has to tokenize
     if whole > landed > 0:  # the comparison landed only the shards its records were in
         records, built, exact = round(records * whole / landed), whole, False
     per_record = float(np.minimum(recs.lengths, train.seq_len).mean())

@@ -11,16 +11,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pandas as pd
+
 from diag.files import scratch_folder
+from diag.forecast.costs import measured, row
+from diag.forecast.eta import run_counts
+from diag.machine.device import resolve
 from diag.qlora.base import REUSED, Bases, Sources, model_folder
 from diag.qlora.checkpoints import last_checkpoint
+from diag.qlora.data import WholeSteps, build_dataset, job_records
 from diag.qlora.plans import Plan
 from diag.qlora.trainer import fit, frozen_heap, trainer_for
 from diag.secrets import register
-from diag.timing import StageTimer
+from diag.timing import StageTimer, distributed
 
 if TYPE_CHECKING:
-    import pandas as pd
     from diag.config import JobConfig, QLoraConfig
 
 
@@ -62,8 +67,6 @@ def fetch_data(plan: Plan, src: Sources, work: Path, records: int = 0) -> tuple[
 
 def prepare(cfg: QLoraConfig, plan: Plan, src: Sources) -> tuple[Path, Path, Any]:
     """A start's inputs under plan, untimed: the data path, the model folder, the built dataset."""
-    from diag.qlora.data import build_dataset, job_records
-
     work = scratch_folder("diag-qlora-prime")  # a killed rank's is swept next time
     try:
         path, folder = fetch_data(plan, src, work, cfg.records)[0], model_folder(plan, src, work)
@@ -87,16 +90,12 @@ class PlanRun:
 def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases | None = None,
              rnd: int = 0) -> PlanRun:
     """One timed run (round `rnd`) in a frozen heap. bases: the comparison's; None: loaded here."""
-    import pandas as pd
     import transformers
-    from diag.qlora.data import build_dataset, job_records
-    from diag.timing import distributed
 
     with frozen_heap(), contextlib.nullcontext(bases) if bases else Bases() as bases:
         device, seat = rank_device(cfg)
         plan = plan.for_device(str(device))
         timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
-        distributed.spill_ranks(timer, seat)
         work = scratch_folder(f"diag-qlora-{plan.name}")  # a killed rank's is swept next time
         out_dir = Path(cfg.out_dir) / plan.name if cfg.out_dir else work / "out"
         transformers.logging.set_verbosity_error()
@@ -153,8 +152,6 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases | None = N
 def rank_device(cfg: JobConfig) -> tuple[Any, Any]:
     """(the device this process trains on, its DDP seat, joined here; a no-op's unlaunched)."""
     import torch
-    from diag.machine.device import resolve
-    from diag.timing import distributed
 
     device = resolve(cfg.device)
     seat = distributed.init_group(device.type)
@@ -172,25 +169,12 @@ def _cpu(into: dict[str, float], stage: str) -> Iterator[None]:
         into[stage] = time.process_time() - start
 
 
-def counts(summary: Mapping[str, Any]) -> dict[str, float]:
-    """What one run did, in the cost table's units (diag.forecast.costs.UNITS)."""
-    warm = int(summary["warmup_steps"])
-    per_step = summary["token_slots"] / summary["steps"]
-    whole = summary.get("source_bytes") or 0
-    return {"start": 1, "source": summary["fetched_bytes"] / whole if whole else 1.0,
-            "record": summary["records"], "warmup_slot": warm * per_step,
-            "slot": (summary["steps"] - warm) * per_step, "warmup_step": warm,
-            "step": summary["steps"] - warm, "save": summary["saves"]}
-
-
 def _measured(plan: str, rnd: int, wall: dict[str, float], summary: Mapping[str, Any],
               cpu: Mapping[str, float], load: Mapping[str, Mapping[str, float]]) -> pd.DataFrame:
     """The run's cost rows: per run-level stage its unit and seconds, wall (one rank's) and CPU."""
-    from diag.forecast.costs import measured, row
-
     wall |= {stage: load[stage]["wall"] for stage in ("load_model", "download")}
     cpu = dict(cpu) | {stage: load[stage]["CPU"] for stage in ("load_model", "download")}
-    n = counts(summary)
+    n = run_counts(summary)
     units = {"fetch_data": "source", "load_model": "start", "download": "start",
              "preprocess": "record" if plan == "naive" else "start", "setup": "start",
              "warmup": "warmup_slot", "train": "slot", "checkpoint": "save"}
@@ -203,8 +187,6 @@ def _measured(plan: str, rnd: int, wall: dict[str, float], summary: Mapping[str,
 
 def ran(trainer: Any) -> dict[str, Any]:
     """The plan's settings read back from what ran, never copied from the plan."""
-    from diag.qlora.data import WholeSteps
-
     loader = trainer.callback_handler.train_dataloader  # the one train() iterated
     served = getattr(loader.dataset, "dataset", loader.dataset)  # under _Slowed
     # accelerate's loader batches through its batch sampler (its own batch_size is None)

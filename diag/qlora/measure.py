@@ -32,9 +32,7 @@ if TYPE_CHECKING:
 
 
 class QLoraStep:
-    """One optimizer step of the job's model as the Trainer takes it: a diag.accum step and,
-    called with a batch, a loader sweep's consumer. model: None: loaded from model_dir; rows:
-    one optimizer step of a plan's own rows to train on (None: random batches)."""
+    """The job's optimizer step as the Trainer takes it; rows None: random batches of its shape."""
 
     def __init__(self, cfg: QLoraConfig, model_dir: Any, device: Any,
                  gradient_checkpointing: bool = False, model: Any = None,
@@ -52,8 +50,7 @@ class QLoraStep:
         self.reset()
 
     def batches(self, micro_batch: int) -> contextlib.AbstractContextManager[Iterator[Any]]:
-        """The rows collated as the Trainer does, or one random batch of the job's shape, repeated:
-        the sweeps time the step, not data."""
+        """The rows collated as the Trainer does, else one random batch of the job's shape."""
         import torch
         from transformers import default_data_collator  # the Trainer's, given no tokenizer
 
@@ -95,9 +92,7 @@ class QLoraStep:
 
 
 class OnJob:
-    """The job's decisions in one order, one step per checkpointing setting and one budget:
-    accum's rounds take at most half, checkpointing's what accum left. share(decision): its
-    seconds of diag run's budget, past which accum's screen cuts the points left."""
+    """The job's decisions in one order and budget; share(name): past it accum cuts its screen."""
 
     def __init__(self, cfg: QLoraConfig, job: JobInputs,
                  share: Callable[[str], float] | None = None) -> None:
@@ -122,7 +117,20 @@ class OnJob:
         return got
 
     def loader(self, micro: int) -> LoaderResult:
-        return loader_on_job(self.cfg, self.job, micro, on=self)
+        """diag.loader's sweep over the job's records with the job's step at `micro` as consumer."""
+        from diag.loader import run_loader
+
+        cfg, job = self.cfg, self.job
+        label = f"the QLoRA step, micro-batch {micro} x {cfg.seq_len} tokens"
+        loader_cfg = LoaderConfig.default(
+            quick=True, device=cfg.device, consumer="model", data=str(job.data_path),
+            **cfg.record_fields(),  # the records the job trains on, read with its fields
+            tokenizer=str(job.model_dir), batch_size=micro, seq_len=cfg.seq_len,
+            # MIN_SAMPLES repeats of a short epoch each: the decision compares their waits
+            workers=list(cfg.sweep_workers), steps=2, repeats=max(MIN_SAMPLES, cfg.sweep_steps),
+            run_steps=cfg.steps)
+        return run_loader(loader_cfg, step=(self.step(), float("nan"), label),
+                          measured_on=_on(cfg, job, label), emulate_stalls=True)
 
     def close(self) -> None:
         self._made.cache_clear()
@@ -168,9 +176,7 @@ def micro_candidates(rows_per_step: int, most: int = 4) -> list[int]:
 def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | None = None,
                  budget_s: float | None = None, on: OnJob | None = None,
                  share_s: float | None = None) -> AccumResult:
-    """micro_batch x grad_accum at the job's rows per step, checkpointing off: every point
-    screened, then rounds while within noise within budget_s (None: half the decide budget).
-    share_s: past it, the points not yet screened are cut (the first two always run)."""
+    """micro x accum at the job's rows per step, screened then re-timed within budget_s."""
     from diag.accum import AccumResult, accum_frame, advice, decide, retime, summarize, train_points
 
     rows_per_step = job.rows_per_step
@@ -210,8 +216,7 @@ def accum_on_job(cfg: QLoraConfig, job: JobInputs, micro_batches: list[int] | No
 def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
                          budget_s: float | None = None, on: OnJob | None = None
                          ) -> checkpointing.CheckpointingResult:
-    """Checkpointing on vs off at `micro` and the naive micro-batch, in rounds while a gap is open
-    or impossible (checkpointing.pending); a point out of memory leaves no row."""
+    """Checkpointing on vs off at `micro` and the naive micro-batch, until checkpointing.pending."""
     from diag.accum import retime, train_points
 
     naive = Plan.naive().micro_batch
@@ -231,24 +236,6 @@ def checkpointing_on_job(cfg: QLoraConfig, job: JobInputs, micro: int,
     where = _on(cfg, job, f"the QLoRA step, micro-batch {micro}")
     return checkpointing.CheckpointingResult(frame, checkpointing.decide(
         frame, str(job.device), where, naive_micro_batch=naive, repeats_s=spent))
-
-
-def loader_on_job(cfg: QLoraConfig, job: JobInputs, micro: int, on: OnJob | None = None
-                  ) -> LoaderResult:
-    """diag.loader's sweep over the job's records with the job's step at `micro` as consumer."""
-    from diag.loader import run_loader
-
-    step = (on or OnJob(cfg, job)).step()
-    label = f"the QLoRA step, micro-batch {micro} x {cfg.seq_len} tokens"
-    loader_cfg = LoaderConfig.default(
-        quick=True, device=cfg.device, consumer="model", data=str(job.data_path),
-        **cfg.record_fields(),  # the records the job trains on, read with its fields
-        tokenizer=str(job.model_dir), batch_size=micro, seq_len=cfg.seq_len,
-        # MIN_SAMPLES repeats of a short epoch each: the decision compares their waits
-        workers=list(cfg.sweep_workers), steps=2, repeats=max(MIN_SAMPLES, cfg.sweep_steps),
-        run_steps=cfg.steps)
-    return run_loader(loader_cfg, step=(step, float("nan"), label),
-                      measured_on=_on(cfg, job, label), emulate_stalls=True)
 
 
 def measure_on_job(cfg: QLoraConfig, job: JobInputs) -> tuple[Decision, ...]:

@@ -9,7 +9,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from diag.decision import Decision, by_setting
+import pandas as pd
+
+from diag.decision import CHANGES, Decision, by_setting
 
 # The settings a plan carries, each decided by one experiment (the owner of its default).
 SETTINGS = ("fetch", "model_cache", "pipeline", "num_workers", "pin_memory",
@@ -51,11 +53,20 @@ class Plan:
 
     @classmethod
     def optimized(cls, decisions: Iterable[Decision] = (), device: str = "cpu") -> Plan:
-        """The experiments' decisions; a setting none decided takes its owner's default."""
+        """The experiments' decisions; a setting none decided takes its owner's default (its rule
+        given no frame, the device's for checkpointing)."""
+        from diag.accum import decide as accum
+        from diag.loader import decide as loader
+        from diag.model_load import decide as load
+        from diag.qlora.checkpointing import decide as ckpt
+        from diag.storage import decide as storage
+
         decisions = tuple(decisions)
         decided = {d.setting for d in decisions}
         if not decided >= set(SETTINGS):
-            decisions += tuple(d for d in defaults(device) if d.setting not in decided)
+            defaults = (*storage(None), *load(None), *loader(None), *accum(None),
+                        *ckpt(None, device))
+            decisions += tuple(d for d in defaults if d.setting not in decided)
         return cls.collect("optimized", decisions).for_device(device)
 
     @classmethod
@@ -107,8 +118,6 @@ class Plan:
 
     def frame(self) -> Any:
         """One row per setting: run, setting, value, basis, evidence (what is shown and run)."""
-        import pandas as pd
-
         return pd.DataFrame([{"run": self.name, "setting": d.setting,
                               "value": str(getattr(self, d.setting)), "basis": d.basis,
                               "evidence": d.evidence()} for d in self.decisions])
@@ -116,8 +125,6 @@ class Plan:
 
 def fixes(naive: Plan, optimized: Plan) -> dict[str, list[str]]:
     """Per run-level stage, the changes the optimized plan applied there ("micro_batch 1 -> 4")."""
-    from diag.decision import CHANGES
-
     a, b = naive.settings(), optimized.settings()
     out: dict[str, list[str]] = {}
     for setting, stages in CHANGES.items():
@@ -130,15 +137,3 @@ def fixes(naive: Plan, optimized: Plan) -> dict[str, list[str]]:
 def fit_micro_batch(rows_per_step: int, micro: int) -> int:
     """The largest divisor of rows_per_step that is at most micro (at least 1)."""
     return max(d for d in range(1, max(1, min(micro, rows_per_step)) + 1) if rows_per_step % d == 0)
-
-
-def defaults(device: str = "cpu") -> tuple[Decision, ...]:
-    """Each owner's labelled default (its rule given no frame), the device's for checkpointing."""
-    from diag.accum import decide as accum_decide
-    from diag.loader import decide as loader_decide
-    from diag.model_load import decide as load_decide
-    from diag.qlora.checkpointing import decide as ckpt_decide
-    from diag.storage import decide as storage_decide
-
-    return (*storage_decide(None), *load_decide(None), *loader_decide(None), *accum_decide(None),
-            *ckpt_decide(None, device))

@@ -100,8 +100,7 @@ SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_
 
 def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFrame,
          stored: dict[str, Any], plan_s: float, began: float) -> TrainResult:
-    """The timed run: its stages, the ETA before the first step, the held-out loss before a
-    fresh run's first step and on cadence, the adapter at the end."""
+    """The timed run: its stages, the ETA, the held-out loss (step 0, on cadence), the adapter."""
     device = resolve(cfg.device)
     plan = plan.for_device(str(device))
     timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
@@ -116,12 +115,25 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
             model = load_model(cfg, plan, folder, device)
         with timer.stage("preprocess"):
             job = _job(cfg, plan, path, folder, work, model.config._attn_implementation)
-        _same_source(out, stored, job.split.train.cache)
+        key = job.split.train.cache.key  # a resume trains on its run's records, never mixed
+        if stored.get("cache") not in (None, key):
+            raise ValueError(f"--resume: the source changed since the run in {str(out)!r} started "
+                             f"(token cache {stored['cache'][:12]} then, {key[:12]} now): its "
+                             "data position points into other records; name a new --out-dir")
+        record(out, {"cache": key})
         plan = plan.fit(job.data.micro_batch * job.data.grad_accum)
         resume = last_checkpoint(out) if cfg.resume else None
         done = int(resume.name.split("-")[1]) if resume else 0
         projected = price(costs, _counts(cfg, job, done))
-        say(before_line(_head(cfg, plan, job), projected, time.perf_counter() - began,
+        split = job.split
+        head = (f"diag train: the {plan.name} plan on {len(split.train.indices):,} records "
+                f"({len(split.eval.indices):,} held out for eval"
+                + (f", {split.dropped} past the last whole step" if split.dropped else "")
+                + f"), {job.steps:,} optimizer steps of {cfg.batch_size} records "
+                f"({job.steps / split.steps_per_epoch:.3g} epochs, "
+                f"~{job.tokens_per_step * job.steps:,.0f} trained tokens); token cache "
+                f"{split.train.cache.status}")
+        say(before_line(head, projected, time.perf_counter() - began,
                         ("fetch_data", "load_model", "preprocess")))
         progress = progress_callback()(
             timer, job.tokens_per_step, cfg.cadence(cfg.progress_every, job.steps),
@@ -196,15 +208,6 @@ def _job(cfg: TrainConfig, plan: Plan, path: Path, folder: Path, work: Path,
     return _Job(split, data, evals, cfg.total_steps(split.steps_per_epoch))
 
 
-def _same_source(out: Path, stored: dict[str, Any], cache: Any) -> None:
-    """A resume trains on its run's records: a source changed since is refused, never mixed."""
-    if stored.get("cache") not in (None, cache.key):
-        raise ValueError(f"--resume: the source changed since the run in {str(out)!r} started "
-                         f"(token cache {stored['cache'][:12]} then, {cache.key[:12]} now): its "
-                         "data position points into other records; name a new --out-dir")
-    record(out, {"cache": cache.key})
-
-
 def _finished(out: Path, stored: dict[str, Any]) -> TrainResult:
     """A resume of a finished run: its summary and losses as it left them, nothing trained."""
     row = stored["finished"] | {"resumed_from_step": stored["finished"]["steps"]}
@@ -256,17 +259,6 @@ def _counts(cfg: TrainConfig, job: _Job, done: int) -> dict[str, float]:
         len(job.split.eval.indices) * cfg.seq_len, done,
         0 if cache.status == "hit" else read_meta(cache.folder)["build"]["bytes"],
         max(job.split.train.indices, default=-1) + 1)
-
-
-def _head(cfg: TrainConfig, plan: Plan, job: _Job) -> str:
-    split = job.split
-    return (f"diag train: the {plan.name} plan on {len(split.train.indices):,} records "
-            f"({len(split.eval.indices):,} held out for eval"
-            + (f", {split.dropped} past the last whole step" if split.dropped else "")
-            + f"), {job.steps:,} optimizer steps of {cfg.batch_size} records "
-            f"({job.steps / split.steps_per_epoch:.3g} epochs, "
-            f"~{job.tokens_per_step * job.steps:,.0f} trained tokens); token cache "
-            f"{split.train.cache.status}")
 
 
 def _summary(cfg: TrainConfig, plan: Plan, job: _Job, trainer: Any, done: int, wall: float,

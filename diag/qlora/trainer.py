@@ -21,6 +21,7 @@ from diag.forecast.eta import duration
 from diag.qlora.checkpoints import Interrupted, save_whole
 from diag.runner import say  # stderr beside the bar; text in a kernel
 from diag.timing import STEP_STAGES
+from diag.timing.distributed import launched, spill_ranks
 
 if TYPE_CHECKING:
     from diag.config import JobConfig
@@ -58,6 +59,7 @@ def trainer_for(cfg: JobConfig, plan: Plan, model: Any, data: Any, out_dir: Path
     import transformers
     from diag.timing.callback import TimingCallback
 
+    spill_ranks(timer)  # under a launcher: each finished step on disk until the gather
     own = {k: more.pop(k) for k in ("train_dataset", "eval_dataset") if k in more}
     callback = TimingCallback(timer, warmup_steps=cfg.warmup_steps, device=device)
     callback.setup_from = time.perf_counter()  # the Trainer's set-up is `setup`
@@ -152,8 +154,6 @@ def signals_callback() -> type:
             self.signum = signum
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            from diag.timing.distributed import launched
-
             # launched, a rank stops at once: ranks stopped at different steps would deadlock
             if threading.current_thread() is threading.main_thread() and not launched():
                 self._old = {s: signal.signal(s, self._caught)
@@ -171,17 +171,6 @@ def signals_callback() -> type:
     return Signals
 
 
-def shares_so_far(timer: StageTimer) -> str:
-    """Each stage's share of the seconds recorded so far, largest first ("compute 91%, ...")."""
-    frame = timer.to_frame()
-    spent = frame[frame["stage"] != "train"].groupby("stage")["seconds"].sum()
-    total = spent.sum()
-    if not total > 0:
-        return "nothing timed yet"
-    return ", ".join(f"{stage} {seconds / total:.1%}"
-                     for stage, seconds in spent.sort_values(ascending=False).items())
-
-
 def left_s(projected: dict[str, float], spent: dict[str, float], steps_left: int,
            step_s: float | None) -> float:
     """The steps left at the pace measured (else the ETA's), and each later stage's ETA left."""
@@ -196,8 +185,7 @@ def left_s(projected: dict[str, float], spent: dict[str, float], steps_left: int
 
 @functools.cache
 def progress_callback() -> type:
-    """The bar (steps, trained tokens/s, data_wait, diag's time left) and the shares every
-    `every` steps; projected: the ETA's seconds per stage."""
+    """The bar (steps, tokens/s, data_wait, diag's time left), the shares every `every` steps."""
     from tqdm.auto import tqdm
     from transformers import TrainerCallback
 
@@ -230,7 +218,11 @@ def progress_callback() -> type:
                                      f"{duration(left)} left (diag's ETA)", refresh=False)
             self.bar.update(1)
             if self.every and step % self.every == 0 and step < state.max_steps:
-                say(f"step {step}: stage shares so far: {shares_so_far(self.timer)}")
+                # each stage's share so far, largest first (`train` holds the steps' stages)
+                by = frame[frame["stage"] != "train"].groupby("stage")["seconds"].sum()
+                shares = ", ".join(f"{stage} {s / by.sum():.1%}" for stage, s in
+                                   by.sort_values(ascending=False).items()) if by.sum() > 0 else ""
+                say(f"step {step}: stage shares so far: {shares or 'nothing timed yet'}")
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.bar is not None:

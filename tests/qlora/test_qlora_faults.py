@@ -27,14 +27,15 @@ GOOD = {"instruction": "Sort these words.", "input": "pear apple", "output": "ap
 
 
 def test_row_without_a_response_raises_or_is_counted(tmp_path, tokenizer_dir):
-    from diag.qlora.data import job_records, read
+    from diag.data import read_source
+    from diag.qlora.data import job_records
 
     path = _jsonl(tmp_path / "d.jsonl", [GOOD, {"instruction": "Say hi.", "input": ""}, GOOD,
                                          "{not json", GOOD, GOOD, "{not json either"])
     with pytest.raises(ValueError, match="line 2"):
         job_records(QLoraConfig.quick(steps=1, warmup_steps=0), path, tokenizer_dir)
     cfg = QLoraConfig.quick(records=3, steps=1, warmup_steps=0, on_error="skip")
-    assert len(read(cfg, path)) == 3
+    assert len(read_source(path, cfg.fields(), on_error="skip", limit=3)[0]) == 3  # naive plan's
     recs = job_records(cfg, path, tokenizer_dir)
     assert recs.indices == [0, 1, 2] and recs.skipped == 2  # not line 7: past the 3rd record
     whole = job_records(cfg.replace(records=12), path, tokenizer_dir)

@@ -48,13 +48,13 @@ def test_a_round_fetches_the_shards_its_records_are_in(src, tmp_path, monkeypatc
 
 def test_the_whole_sources_fetch_is_priced_from_the_share_of_it_fetched():
     # a round that fetched 1 MB of a 25 MB source counts 1/25 of a whole fetch: a whole
-    # source costs 25 times that round's fetch (diag.qlora.job.counts' "source" unit)
+    # source costs 25 times that round's fetch (diag.forecast.eta.run_counts' "source" unit)
     from diag.forecast.costs import measured, price, row, table
-    from diag.qlora.job import counts
+    from diag.forecast.eta import run_counts
 
     summary = {"fetched_bytes": 1_000_000, "source_bytes": 25_000_000, "records": 15,
                "warmup_steps": 1, "steps": 4, "token_slots": 400, "saves": 1}
-    n = counts(summary)
+    n = run_counts(summary)
     assert n["source"] == pytest.approx(1 / 25)
     costs = table(measured([row("naive", "fetch_data", "source", 0.2, n["source"])]))
     whole = price(costs, {"source": 1}).set_index("stage")
