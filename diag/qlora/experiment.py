@@ -71,11 +71,11 @@ def run_qlora(cfg: QLoraConfig | None = None, decisions: Iterable[Decision] | No
               budget_s: float | None = None) -> QLoraResult:
     """`diag qlora`: cfg's inputs checked before any work, then `compare`."""
     cfg = cfg or QLoraConfig.default()
+    preflight(cfg, job=cfg)  # before the run file: a refused run writes nothing
     if cfg.out_dir:  # another run's checkpoints there: refused unless --resume (same settings)
         claim(cfg.out_dir, cfg.identity(), cfg.resume, folders=("naive", "optimized"))
     if decisions is None and cfg.results:
         decisions = read_results(cfg)
-    preflight(cfg, job=cfg)
     return compare(cfg, decisions, budget_s=budget_s)
 
 

@@ -71,3 +71,16 @@ def test_too_few_records_for_the_steps(tmp_path, tokenizer_dir):
     with pytest.raises(ValueError, match="steps=3"):
         job_records(QLoraConfig.quick(steps=3), _jsonl(tmp_path / "d.jsonl", [GOOD, GOOD]),
                     tokenizer_dir)
+
+
+def test_a_refused_run_qlora_writes_no_run_file(tmp_path, tokenizer_dir):
+    # the Python API checks before it claims --out-dir, as the CLI does: a refused run leaves no
+    # run file that a later run with fixed settings would be refused by
+    from diag.qlora import run_qlora
+
+    path = _jsonl(tmp_path / "d.jsonl", [GOOD, "{not json", GOOD, GOOD])
+    cfg = QLoraConfig.quick(source=str(path), model=str(tokenizer_dir), records=4, steps=1,
+                            warmup_steps=0, out_dir=str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="line 2"):
+        run_qlora(cfg)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
