@@ -172,15 +172,16 @@ def signals_callback() -> type:
 
 
 def left_s(projected: dict[str, float], spent: dict[str, float], steps_left: int,
-           step_s: float | None) -> float:
-    """The steps left at the pace measured (else the ETA's), and each later stage's ETA left."""
-    steps = steps_left * step_s if step_s else max(
-        0.0, projected.get("train", 0.0) + projected.get("warmup", 0.0)
-        - spent.get("train", 0.0) - spent.get("warmup", 0.0))
-    rest = sum(max(0.0, s - spent.get(stage, 0.0)) for stage, s in projected.items()
-               if stage not in ("train", "warmup", "fetch_data", "load_model", "preprocess",
-                                "setup"))
-    return steps + rest
+           step_s: float | None, steps: int) -> float:
+    """The steps left at the pace measured (else the ETA's), and each later stage's ETA left:
+    the evals (forward passes of the same model) at that pace over the ETA's, saves as priced."""
+    priced = projected.get("train", 0.0) + projected.get("warmup", 0.0)
+    pace = step_s * steps / priced if step_s and priced else 1.0
+    left = steps_left * step_s if step_s else max(
+        0.0, priced - spent.get("train", 0.0) - spent.get("warmup", 0.0))
+    return left + sum(max(0.0, s * (pace if stage == "eval" else 1.0) - spent.get(stage, 0.0))
+                      for stage, s in projected.items() if stage not in (
+                          "train", "warmup", "fetch_data", "load_model", "preprocess", "setup"))
 
 
 @functools.cache
@@ -212,7 +213,7 @@ def progress_callback() -> type:
             rate = self.tokens_per_step * (step - self._first) / (time.perf_counter()
                                                                    - self._start)
             step_s = statistics.median(per.tail(20)) if len(per) else None
-            left = left_s(self.projected, spent, state.max_steps - step, step_s)
+            left = left_s(self.projected, spent, state.max_steps - step, step_s, state.max_steps)
             self.bar.set_postfix_str(f"{rate:,.0f} trained tokens/s, data_wait "
                                      f"{wait / per.sum() if per.sum() else 0:.1%}, "
                                      f"{duration(left)} left (diag's ETA)", refresh=False)
