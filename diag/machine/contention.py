@@ -13,14 +13,14 @@ import threading
 import time
 from typing import Any
 
+import psutil
+
 # the box is called busy when other processes took this share of its CPU, or steal this share
 BUSY = {"others_share": 0.25, "steal_share": 0.05}
 
 
 def _cpu_seconds() -> tuple[float, float, float]:
     """(busy, steal, total) CPU seconds of every core since boot (guest time is in user's)."""
-    import psutil
-
     t = psutil.cpu_times()
     total = sum(t[:8])  # user, nice, system, idle, iowait, irq, softirq, steal
     return total - t.idle - t.iowait - t.steal, t.steal, total
@@ -28,8 +28,6 @@ def _cpu_seconds() -> tuple[float, float, float]:
 
 def family(pid: int) -> list[Any]:
     """psutil's process pid and its children (none where pid is gone)."""
-    import psutil
-
     try:
         return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
@@ -38,8 +36,6 @@ def family(pid: int) -> list[Any]:
 
 def _own_seconds() -> float:
     """CPU seconds of this process and its children (the embedded servers, loader workers)."""
-    import psutil
-
     total = 0.0
     for process in family(os.getpid()):
         with contextlib.suppress(psutil.Error):  # gone between the listing and the read

@@ -76,9 +76,7 @@ def _load_kwargs(job: dict[str, Any], device: str) -> dict[str, Any]:
 
 
 def _load(job: dict[str, Any]) -> dict[str, Any]:
-    """Time the parts back to back: download (cached: a revision check), read (weights into host
-    memory), quantize (bitsandbytes' quantize_4bit), to_device (the rest of from_pretrained),
-    tokenizer; `load_s`: one clock around all."""
+    """Each part's seconds back to back (LOAD_PARTS less import), `load_s` one clock around all."""
     import safetensors.torch
     from transformers import AutoConfig, AutoTokenizer
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import psutil
 
 from diag.runner import quietly
 from diag.config import AttachConfig
@@ -82,8 +83,7 @@ def _refuse(pid: int, said: str) -> None:
 
 def _sample(spy: str, pid: int, seconds: float, rate: int, children: bool
            ) -> tuple[collections.Counter, collections.Counter, bool]:
-    """(main thread's seconds by stack, children's counts by (pid, tid, stack), exited?); the
-    children from raw counts (a forked worker shares its parent's pthread id)."""
+    """(main thread's seconds by stack, children's raw counts by (pid, tid, stack), exited?)."""
     with tempfile.TemporaryDirectory(prefix="diag-attach-") as tmp:
         main, kids = Path(tmp) / "main.json", Path(tmp) / "kids.txt"
         runs = [(main, rate, ["--format", "chrometrace"])]
@@ -233,8 +233,6 @@ def _workers(counts: collections.Counter, pid: int) -> pd.DataFrame | None:
 
 def _counters(pid: int) -> dict[int, tuple[str, float, float, float]]:
     """pid -> (role, CPU s, MB read, MB written) of the job and children (unreadable I/O: NaN)."""
-    import psutil
-
     out = {}
     for p in family(pid):
         with contextlib.suppress(psutil.Error):
@@ -260,7 +258,6 @@ def _process(before: dict, after: dict, window: float) -> pd.DataFrame:
 @quietly
 def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     """Sample process cfg.pid for cfg.seconds (less if it exits: what was sampled is kept)."""
-    import psutil
     from tqdm.auto import tqdm
 
     spy = _py_spy()
