@@ -11,7 +11,7 @@ import os
 import statistics
 import threading
 import time
-from typing import Any
+from typing import Any, Self
 
 import psutil
 
@@ -60,7 +60,8 @@ def _gpu_others(device: Any) -> int | None:
 
 
 class Sampler:
-    """`_read(*args)` every `interval_s` on a daemon thread in the `with`; `reason`: why not."""
+    """`_read(*args)` every `interval_s` on a daemon thread in the `with`, args from `_begin()`
+    (None: no thread; `reason` says why)."""
 
     extra, eager = "gpu", False  # the pip extra that installs nvidia-ml-py; read before waiting
 
@@ -83,10 +84,13 @@ class Sampler:
         self._nvml = pynvml
         return pynvml
 
-    def _start(self, *args: Any) -> None:
-        self._thread = threading.Thread(target=self._run, args=args, daemon=True,
-                                        name=f"diag-{type(self).__name__.lower()}")
-        self._thread.start()
+    def __enter__(self) -> Self:
+        args = self._begin()
+        if args is not None:
+            self._thread = threading.Thread(target=self._run, args=args, daemon=True,
+                                            name=f"diag-{type(self).__name__.lower()}")
+            self._thread.start()
+        return self
 
     def _run(self, *args: Any) -> None:
         failed = self._nvml.NVMLError if self._nvml is not None else ()
@@ -116,11 +120,10 @@ class Contention(Sampler):
         super().__init__(interval_s)
         self.device, self.rows = device, []
 
-    def __enter__(self) -> Contention:
+    def _begin(self) -> tuple:
         self._began = (time.perf_counter(), time.process_time())
         self._last = (_own_seconds(), *_cpu_seconds())
-        self._start()
-        return self
+        return ()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__()
@@ -190,8 +193,8 @@ class GpuSampler(Sampler):
         super().__init__(interval_s)
         self.device, self.samples = device, []
 
-    def _handle(self) -> Any:
-        """The NVML handle (by UUID: NVML and CUDA number GPUs apart), or None with `reason` set."""
+    def _begin(self) -> tuple | None:
+        """(NVML's handle,) by UUID (NVML and CUDA number GPUs apart), or None with `reason` set."""
         import torch
 
         dev = torch.device("cuda" if self.device in (None, "auto") else self.device)
@@ -205,20 +208,16 @@ class GpuSampler(Sampler):
         uuid = "GPU-" + str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
         for by, key in (("UUID", uuid), ("Index", index)):  # no UUID match: numbered alike?
             try:
-                return getattr(pynvml, "nvmlDeviceGetHandleBy" + by)(key)
+                handle = getattr(pynvml, "nvmlDeviceGetHandleBy" + by)(key)
             except pynvml.NVMLError as err:
                 self.reason = f"NVML does not know CUDA device {index}: {err}"
+            else:
+                self.reason = ""  # a UUID NVML did not know, found by index
+                return (handle,)
         return None
 
     def _read(self, handle: Any) -> None:
         self.samples.append(float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
-
-    def __enter__(self) -> GpuSampler:
-        handle = self._handle()
-        if handle is not None:
-            self.reason = ""  # a UUID NVML did not know, found by index
-            self._start(handle)
-        return self
 
     def columns(self) -> dict[str, Any]:
         """gpu_util_pct (the samples' mean, NaN if none) and gpu_util_note (why none)."""

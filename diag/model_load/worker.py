@@ -184,18 +184,6 @@ def _model_class(config: Any, folder: Path, trust: bool) -> Any:
     return get_class_from_dynamic_module(ref, str(folder))
 
 
-def _error_kind(err: BaseException) -> str:
-    from huggingface_hub import constants, errors
-
-    offline = "offline_not_cached" if constants.HF_HUB_OFFLINE else "unreachable_not_cached"
-    for kind, name in ((errors.RevisionNotFoundError, "revision_not_found"),  # before its base
-                       (errors.RepositoryNotFoundError, "repo_not_found"),
-                       (errors.LocalEntryNotFoundError, offline)):
-        if isinstance(err, kind):
-            return name
-    return "remote_code" if "trust_remote_code" in str(err) else "other"
-
-
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """One job in this process (its libraries already imported); failures come back as data."""
     try:
@@ -206,8 +194,15 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                                            "bytes": downloaded}}}
         return {"plain": _plain, "raw_read": _raw_read}.get(job["mode"], _load)(job)
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as err:
-        return {"error": _error_kind(err), "type": type(err).__name__,
-                "message": redact(str(err))[-2000:]}
+        from huggingface_hub import constants, errors
+
+        offline = "offline_not_cached" if constants.HF_HUB_OFFLINE else "unreachable_not_cached"
+        kind = next((name for kind, name in ((errors.RevisionNotFoundError, "revision_not_found"),
+                                            (errors.RepositoryNotFoundError, "repo_not_found"),
+                                            (errors.LocalEntryNotFoundError, offline))
+                     if isinstance(err, kind)),  # RevisionNotFound before its base class
+                    "remote_code" if "trust_remote_code" in str(err) else "other")
+        return {"error": kind, "type": type(err).__name__, "message": redact(str(err))[-2000:]}
 
 
 def _imported_then_run(job: dict[str, Any], spawned_at: float) -> dict[str, Any]:

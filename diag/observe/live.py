@@ -41,13 +41,6 @@ _FIX = ("run diag as root (sudo), give it CAP_SYS_PTRACE (docker run --cap-add S
         "or allow ptrace: sudo sysctl kernel.yama.ptrace_scope=0 (docs/attach.md)")
 
 
-def _py_spy() -> str:
-    found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
-    if found is None:
-        raise RuntimeError("py-spy is not installed: pip install 'diag[attach]' (py-spy 0.4)")
-    return found
-
-
 def _realtime() -> None:
     """In py-spy's process: real-time priority where allowed (a busy CPU over-counts waits)."""
     with contextlib.suppress(OSError, AttributeError):  # not root (or CAP_SYS_NICE), not Linux
@@ -142,10 +135,8 @@ class Watch(Sampler):
         super().__init__(GPU_INTERVAL_S)
         self.pid, self.rows = pid, []
 
-    def __enter__(self) -> Watch:
-        if self._nvml_started("no NVIDIA GPU seen (NVML: {})") is not None:
-            self._start()
-        return self
+    def _begin(self) -> tuple | None:
+        return () if self._nvml_started("no NVIDIA GPU seen (NVML: {})") is not None else None
 
     def _read(self) -> None:
         nvml, pids = self._nvml, {self.pid, *(p.pid for p in family(self.pid))}
@@ -246,21 +237,14 @@ def _counters(pid: int) -> dict[int, tuple[str, float, float, float]]:
     return out
 
 
-def _process(before: dict, after: dict, window: float) -> pd.DataFrame:
-    rows = [{"pid": pid, "role": role, "cpu_s": cpu - was[1], "cpu_cores": (cpu - was[1]) / window,
-             "read_mb": read - was[2], "written_mb": written - was[3]}
-            for pid, (role, cpu, read, written) in after.items()
-            for was in [before.get(pid, (role, 0.0, 0.0, 0.0))]]  # a new child: from zero
-    return pd.DataFrame(rows, columns=["pid", "role", "cpu_s", "cpu_cores", "read_mb",
-                                       "written_mb"])
-
-
 @quietly
 def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     """Sample process cfg.pid for cfg.seconds (less if it exits: what was sampled is kept)."""
     from tqdm.auto import tqdm
 
-    spy = _py_spy()
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy is None:
+        raise RuntimeError("py-spy is not installed: pip install 'diag[attach]' (py-spy 0.4)")
     if not psutil.pid_exists(cfg.pid):
         raise ValueError(f"AttachConfig.pid={cfg.pid}: no such process (`ps -ef | grep python`, "
                          "nvidia-smi list the candidates)")
@@ -283,7 +267,7 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
             bar.set_postfix_str(", ".join(f"{s} {v:.0%}" for s, v in zip(shares["stage"],
                                                                         shares["share"])))
         window = time.perf_counter() - start
-        after = _counters(cfg.pid)
+        after = {**before, **_counters(cfg.pid)}
     by = _stages(timeline)
     if not by:
         raise RuntimeError(f"process {cfg.pid} exited before its main thread was sampled")
@@ -299,8 +283,14 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     held = gpu.rows[0][1] if gpu.rows else ""  # the first GPU the job held: the upgrade's
     verdict, fixes, projection = story(frame, cfg.current_gpu or held, cfg.target_gpu,
                                        "; ".join(notes))
-    return Attached(table, frame, verdict, fixes, _workers(counts, cfg.pid), gpu.frame(),
-                    _process(before, {**before, **after}, window), projection)
+    process = pd.DataFrame([  # per process: what it took in the window (a new child: from zero)
+        {"pid": pid, "role": role, "cpu_s": cpu - was[1], "cpu_cores": (cpu - was[1]) / window,
+         "read_mb": read - was[2], "written_mb": written - was[3]}
+        for pid, (role, cpu, read, written) in after.items()
+        for was in [before.get(pid, (role, 0.0, 0.0, 0.0))]],
+        columns=["pid", "role", "cpu_s", "cpu_cores", "read_mb", "written_mb"])
+    return Attached(table, frame, verdict, fixes, _workers(counts, cfg.pid), gpu.frame(), process,
+                    projection)
 
 
 def attach(pid: int, progress: bool = True, **settings: Any) -> Attached:
