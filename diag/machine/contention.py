@@ -1,7 +1,8 @@
 """The machine's state while diag measures, each a `Sampler` (a daemon thread reading every
 `interval_s` while the `with` block runs): `Contention` samples /proc (load, CPU steal, what other
 processes took; NVML's processes on a GPU), and `busy(c.summary())` says if that could have moved
-a wall-clock figure; `GpuSampler` a GPU's utilisation through NVML (nvidia-ml-py, the `gpu` extra).
+a wall-clock figure; through NVML (nvidia-ml-py): `GpuSampler` a GPU's utilisation, `Watch(pid)`
+the GPUs a job holds.
 """
 
 from __future__ import annotations
@@ -225,3 +226,40 @@ class GpuSampler(Sampler):
             note = self.reason or f"no sample: the run was shorter than {self.interval_s} s"
             return {"gpu_util_pct": float("nan"), "gpu_util_note": note}
         return {"gpu_util_pct": sum(self.samples) / len(self.samples), "gpu_util_note": ""}
+
+
+class Watch(Sampler):
+    """`with Watch(pid):` NVML samples the GPUs pid's family holds; `frame()`: what, or why not."""
+
+    extra, eager = "attach", True
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(0.5)  # NVML's reading of the job's GPUs
+        self.pid, self.rows = pid, []
+
+    def _begin(self) -> tuple | None:
+        return () if self._nvml_started("no NVIDIA GPU seen (NVML: {})") is not None else None
+
+    def _read(self) -> None:
+        nvml, pids = self._nvml, {self.pid, *(p.pid for p in family(self.pid))}
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid in pids]
+            if held:
+                util = nvml.nvmlDeviceGetUtilizationRates(handle)
+                self.rows.append((i, str(nvml.nvmlDeviceGetName(handle)), float(util.gpu),
+                                   float(util.memory),
+                                   sum(p.usedGpuMemory or 0 for p in held) / 1e9))
+
+    def frame(self) -> Any:
+        import pandas as pd
+
+        if not self.rows:
+            return pd.DataFrame([[-1, "", 0, float("nan"), float("nan"), float("nan"),
+                                  self.reason or "the job held no GPU NVML could see (in a "
+                                  "container, NVML lists the host's PIDs)"]], columns=[
+                "gpu", "name", "samples", "util_pct", "memory_util_pct", "job_memory_gb", "note"])
+        rows = pd.DataFrame(self.rows, columns=["gpu", "name", "util", "memory", "gb"])
+        return rows.groupby(["gpu", "name"], as_index=False).agg(
+            samples=("util", "size"), util_pct=("util", "mean"), memory_util_pct=(
+                "memory", "mean"), job_memory_gb=("gb", "max")).assign(note=self.reason)
