@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any, Self
 
+import pandas as pd
 import psutil
 
 # the box is called busy when other processes took this share of its CPU, or steal this share
@@ -146,9 +147,7 @@ class Contention(Sampler):
                           "steal_share": (steal - steal0) / span,
                           "gpu_other_processes": _gpu_others(self.device)})
 
-    def frame(self) -> Any:
-        import pandas as pd
-
+    def frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.rows, columns=["t_s", "load_1min", "cores", "others_share",
                                                 "steal_share", "gpu_other_processes"])
 
@@ -251,9 +250,7 @@ class Watch(Sampler):
                                    float(util.memory),
                                    sum(p.usedGpuMemory or 0 for p in held) / 1e9))
 
-    def frame(self) -> Any:
-        import pandas as pd
-
+    def frame(self) -> pd.DataFrame:
         if not self.rows:
             return pd.DataFrame([[-1, "", 0, float("nan"), float("nan"), float("nan"),
                                   self.reason or "the job held no GPU NVML could see (in a "
