@@ -269,16 +269,13 @@ def zygote(protocol: IO[str], spawned_at: float) -> int:
             raise RuntimeError(f"unsafe to fork: CUDA initialised={torch.cuda.is_initialized()}, "
                                f"threads {threads()} (numpy alone: {baseline})")
     except (ImportError, RuntimeError) as err:
-        _say(protocol, {"error": "zygote", "type": type(err).__name__, "message": str(err)})
+        print(json.dumps({"error": "zygote", "type": type(err).__name__, "message": str(err)}),
+              file=protocol, flush=True)
         return 1
-    _say(protocol, {"import_s": import_s})
+    print(json.dumps({"import_s": import_s}), file=protocol, flush=True)
     for line in sys.stdin:
-        _say(protocol, _fork_one(json.loads(line), import_s))
+        print(json.dumps(_fork_one(json.loads(line), import_s)), file=protocol, flush=True)
     return 0
-
-
-def _say(protocol: IO[str], reply: dict[str, Any]) -> None:
-    print(json.dumps(reply), file=protocol, flush=True)
 
 
 def main(job: dict[str, Any]) -> int:
@@ -288,7 +285,7 @@ def main(job: dict[str, Any]) -> int:
     if job["mode"] == "zygote":
         return zygote(protocol, spawned_at)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # no trust prompt waits on stdin
-    _say(protocol, _imported_then_run(job, spawned_at))
+    print(json.dumps(_imported_then_run(job, spawned_at)), file=protocol, flush=True)
     return 0
 
 
