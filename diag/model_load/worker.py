@@ -197,10 +197,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         from huggingface_hub import constants, errors
 
         offline = "offline_not_cached" if constants.HF_HUB_OFFLINE else "unreachable_not_cached"
-        kind = next((name for kind, name in ((errors.RevisionNotFoundError, "revision_not_found"),
-                                            (errors.RepositoryNotFoundError, "repo_not_found"),
-                                            (errors.LocalEntryNotFoundError, offline))
-                     if isinstance(err, kind)),  # RevisionNotFound before its base class
+        kinds = ((errors.RevisionNotFoundError, "revision_not_found"),  # before its base class
+                 (errors.RepositoryNotFoundError, "repo_not_found"),
+                 (errors.LocalEntryNotFoundError, offline))
+        kind = next((name for cls, name in kinds if isinstance(err, cls)),
                     "remote_code" if "trust_remote_code" in str(err) else "other")
         return {"error": kind, "type": type(err).__name__, "message": redact(str(err))[-2000:]}
 

@@ -74,7 +74,7 @@ class TimedStep:
         self._open()
 
     def gathered(self, rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-        """(every rank's rows, comm_wait_s out of compute_s; their StageTimer rows) on rank 0."""
+        """A collective: (every rank's rows, comm_wait_s out of compute_s; stage rows) on rank 0."""
         seat, stages = place(), gathered_frame(self.timer)
         mine = rows.assign(rank=seat.rank, node=seat.node)
         every = pd.concat(gather_to_root(mine) or [mine], ignore_index=True)

@@ -80,7 +80,7 @@ class _Stage(ContextDecorator):
 
 
 class StageTimer:
-    """(stage, seconds, step) intervals of one rank; device: CUDA syncs, trace: NVTX ranges."""
+    """(stage, seconds, step) intervals of one rank; device: CUDA syncs, trace: profiler ranges."""
 
     def __init__(self, enabled: bool = True, device: Any = None, rank: int | None = None,
                  trace: bool = True) -> None:
