@@ -1,7 +1,8 @@
 """The machine's state while diag measures, each a `Sampler` (a daemon thread reading every
 `interval_s` while the `with` block runs): `Contention` samples /proc (load, CPU steal, what other
 processes took; NVML's processes on a GPU), and `busy(c.summary())` says if that could have moved
-a wall-clock figure; `GpuSampler` a GPU's utilisation through NVML (nvidia-ml-py, the `gpu` extra).
+a wall-clock figure; through NVML (nvidia-ml-py): `GpuSampler` a GPU's utilisation, `Watch(pid)`
+the GPUs a job holds.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import os
 import statistics
 import threading
 import time
-from typing import Any
+from typing import Any, Self
+
+import pandas as pd
+import psutil
 
 # the box is called busy when other processes took this share of its CPU, or steal this share
 BUSY = {"others_share": 0.25, "steal_share": 0.05}
@@ -19,8 +23,6 @@ BUSY = {"others_share": 0.25, "steal_share": 0.05}
 
 def _cpu_seconds() -> tuple[float, float, float]:
     """(busy, steal, total) CPU seconds of every core since boot (guest time is in user's)."""
-    import psutil
-
     t = psutil.cpu_times()
     total = sum(t[:8])  # user, nice, system, idle, iowait, irq, softirq, steal
     return total - t.idle - t.iowait - t.steal, t.steal, total
@@ -28,8 +30,6 @@ def _cpu_seconds() -> tuple[float, float, float]:
 
 def family(pid: int) -> list[Any]:
     """psutil's process pid and its children (none where pid is gone)."""
-    import psutil
-
     try:
         return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
@@ -38,8 +38,6 @@ def family(pid: int) -> list[Any]:
 
 def _own_seconds() -> float:
     """CPU seconds of this process and its children (the embedded servers, loader workers)."""
-    import psutil
-
     total = 0.0
     for process in family(os.getpid()):
         with contextlib.suppress(psutil.Error):  # gone between the listing and the read
@@ -64,7 +62,8 @@ def _gpu_others(device: Any) -> int | None:
 
 
 class Sampler:
-    """`_read(*args)` every `interval_s` on a daemon thread in the `with`; `reason`: why not."""
+    """`_read(*args)` every `interval_s` on a daemon thread in the `with`, args from `_begin()`
+    (None: no thread; `reason` says why)."""
 
     extra, eager = "gpu", False  # the pip extra that installs nvidia-ml-py; read before waiting
 
@@ -87,10 +86,13 @@ class Sampler:
         self._nvml = pynvml
         return pynvml
 
-    def _start(self, *args: Any) -> None:
-        self._thread = threading.Thread(target=self._run, args=args, daemon=True,
-                                        name=f"diag-{type(self).__name__.lower()}")
-        self._thread.start()
+    def __enter__(self) -> Self:
+        args = self._begin()
+        if args is not None:
+            self._thread = threading.Thread(target=self._run, args=args, daemon=True,
+                                            name=f"diag-{type(self).__name__.lower()}")
+            self._thread.start()
+        return self
 
     def _run(self, *args: Any) -> None:
         failed = self._nvml.NVMLError if self._nvml is not None else ()
@@ -120,11 +122,10 @@ class Contention(Sampler):
         super().__init__(interval_s)
         self.device, self.rows = device, []
 
-    def __enter__(self) -> Contention:
+    def _begin(self) -> tuple:
         self._began = (time.perf_counter(), time.process_time())
         self._last = (_own_seconds(), *_cpu_seconds())
-        self._start()
-        return self
+        return ()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__()
@@ -146,9 +147,7 @@ class Contention(Sampler):
                           "steal_share": (steal - steal0) / span,
                           "gpu_other_processes": _gpu_others(self.device)})
 
-    def frame(self) -> Any:
-        import pandas as pd
-
+    def frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.rows, columns=["t_s", "load_1min", "cores", "others_share",
                                                 "steal_share", "gpu_other_processes"])
 
@@ -194,8 +193,8 @@ class GpuSampler(Sampler):
         super().__init__(interval_s)
         self.device, self.samples = device, []
 
-    def _handle(self) -> Any:
-        """The NVML handle (by UUID: NVML and CUDA number GPUs apart), or None with `reason` set."""
+    def _begin(self) -> tuple | None:
+        """(NVML's handle,) by UUID (NVML and CUDA number GPUs apart), or None with `reason` set."""
         import torch
 
         dev = torch.device("cuda" if self.device in (None, "auto") else self.device)
@@ -209,20 +208,16 @@ class GpuSampler(Sampler):
         uuid = "GPU-" + str(torch.cuda.get_device_properties(index).uuid).removeprefix("GPU-")
         for by, key in (("UUID", uuid), ("Index", index)):  # no UUID match: numbered alike?
             try:
-                return getattr(pynvml, "nvmlDeviceGetHandleBy" + by)(key)
+                handle = getattr(pynvml, "nvmlDeviceGetHandleBy" + by)(key)
             except pynvml.NVMLError as err:
                 self.reason = f"NVML does not know CUDA device {index}: {err}"
+            else:
+                self.reason = ""  # a UUID NVML did not know, found by index
+                return (handle,)
         return None
 
     def _read(self, handle: Any) -> None:
         self.samples.append(float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
-
-    def __enter__(self) -> GpuSampler:
-        handle = self._handle()
-        if handle is not None:
-            self.reason = ""  # a UUID NVML did not know, found by index
-            self._start(handle)
-        return self
 
     def columns(self) -> dict[str, Any]:
         """gpu_util_pct (the samples' mean, NaN if none) and gpu_util_note (why none)."""
@@ -230,3 +225,38 @@ class GpuSampler(Sampler):
             note = self.reason or f"no sample: the run was shorter than {self.interval_s} s"
             return {"gpu_util_pct": float("nan"), "gpu_util_note": note}
         return {"gpu_util_pct": sum(self.samples) / len(self.samples), "gpu_util_note": ""}
+
+
+class Watch(Sampler):
+    """`with Watch(pid):` NVML samples the GPUs pid's family holds; `frame()`: what, or why not."""
+
+    extra, eager = "attach", True
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(0.5)  # NVML's reading of the job's GPUs
+        self.pid, self.rows = pid, []
+
+    def _begin(self) -> tuple | None:
+        return () if self._nvml_started("no NVIDIA GPU seen (NVML: {})") is not None else None
+
+    def _read(self) -> None:
+        nvml, pids = self._nvml, {self.pid, *(p.pid for p in family(self.pid))}
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid in pids]
+            if held:
+                util = nvml.nvmlDeviceGetUtilizationRates(handle)
+                self.rows.append((i, str(nvml.nvmlDeviceGetName(handle)), float(util.gpu),
+                                   float(util.memory),
+                                   sum(p.usedGpuMemory or 0 for p in held) / 1e9))
+
+    def frame(self) -> pd.DataFrame:
+        if not self.rows:
+            return pd.DataFrame([[-1, "", 0, float("nan"), float("nan"), float("nan"),
+                                  self.reason or "the job held no GPU NVML could see (in a "
+                                  "container, NVML lists the host's PIDs)"]], columns=[
+                "gpu", "name", "samples", "util_pct", "memory_util_pct", "job_memory_gb", "note"])
+        rows = pd.DataFrame(self.rows, columns=["gpu", "name", "util", "memory", "gb"])
+        return rows.groupby(["gpu", "name"], as_index=False).agg(
+            samples=("util", "size"), util_pct=("util", "mean"), memory_util_pct=(
+                "memory", "mean"), job_memory_gb=("gb", "max")).assign(note=self.reason)

@@ -147,22 +147,17 @@ def usable_cores() -> int:
         else os.cpu_count() or 1
 
 
-def cpu_thread_count() -> int:
-    """DIAG_CPU_THREADS, else 1: the intra-op threads diag's timed steps use on a CPU."""
-    raw = os.environ.get(CPU_THREADS_ENV, "").strip() or str(CPU_THREADS_DEFAULT)
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{CPU_THREADS_ENV}={raw!r}: must be a whole number >= 1")
-    return int(raw)
-
-
 @contextlib.contextmanager
 def cpu_threads(device: Any = "auto") -> Iterator[None]:
-    """On a CPU, run the block with cpu_thread_count() torch threads (docs/calibration.md)."""
+    """On a CPU, run the block with DIAG_CPU_THREADS (default 1) torch threads (calibration.md)."""
     import torch
 
     before = torch.get_num_threads()
     if resolve(device).type == "cpu":
-        torch.set_num_threads(cpu_thread_count())
+        raw = os.environ.get(CPU_THREADS_ENV, "").strip() or str(CPU_THREADS_DEFAULT)
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"{CPU_THREADS_ENV}={raw!r}: must be a whole number >= 1")
+        torch.set_num_threads(int(raw))
     try:
         yield
     finally:

@@ -151,8 +151,7 @@ def pin_to_cache(src: Source, cache_dir: Path) -> tuple[Source, str]:
 def request(src: Source, cfg: ModelLoadConfig, cache_dir: Path, mode: str = "load",
             read_only: bool = False, offline: bool = False, own_xet: bool = True
             ) -> tuple[dict[str, Any], dict[str, str]]:
-    """A load process's job (JSON; read_only: the user's pinned cache) and the environment it adds
-    (own_xet: xet's chunk cache beside the scenario's cache)."""
+    """A load process's job (read_only: the user's pinned cache) and the env it adds."""
     return ({"mode": mode, "model": src.model, "revision": src.revision or "main",
              "cache_dir": str(cache_dir), "local_dir": str(src.local_dir or ""),
              "only": list(src.files), "read_only": read_only, "quantize": cfg.quantize,

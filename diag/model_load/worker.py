@@ -76,9 +76,7 @@ def _load_kwargs(job: dict[str, Any], device: str) -> dict[str, Any]:
 
 
 def _load(job: dict[str, Any]) -> dict[str, Any]:
-    """Time the parts back to back: download (cached: a revision check), read (weights into host
-    memory), quantize (bitsandbytes' quantize_4bit), to_device (the rest of from_pretrained),
-    tokenizer; `load_s`: one clock around all."""
+    """Each part's seconds back to back (LOAD_PARTS less import), `load_s` one clock around all."""
     import safetensors.torch
     from transformers import AutoConfig, AutoTokenizer
 
@@ -186,18 +184,6 @@ def _model_class(config: Any, folder: Path, trust: bool) -> Any:
     return get_class_from_dynamic_module(ref, str(folder))
 
 
-def _error_kind(err: BaseException) -> str:
-    from huggingface_hub import constants, errors
-
-    offline = "offline_not_cached" if constants.HF_HUB_OFFLINE else "unreachable_not_cached"
-    for kind, name in ((errors.RevisionNotFoundError, "revision_not_found"),  # before its base
-                       (errors.RepositoryNotFoundError, "repo_not_found"),
-                       (errors.LocalEntryNotFoundError, offline)):
-        if isinstance(err, kind):
-            return name
-    return "remote_code" if "trust_remote_code" in str(err) else "other"
-
-
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """One job in this process (its libraries already imported); failures come back as data."""
     try:
@@ -208,8 +194,15 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                                            "bytes": downloaded}}}
         return {"plain": _plain, "raw_read": _raw_read}.get(job["mode"], _load)(job)
     except (OSError, ValueError, RuntimeError, KeyError, ImportError) as err:
-        return {"error": _error_kind(err), "type": type(err).__name__,
-                "message": redact(str(err))[-2000:]}
+        from huggingface_hub import constants, errors
+
+        offline = "offline_not_cached" if constants.HF_HUB_OFFLINE else "unreachable_not_cached"
+        kinds = ((errors.RevisionNotFoundError, "revision_not_found"),  # before its base class
+                 (errors.RepositoryNotFoundError, "repo_not_found"),
+                 (errors.LocalEntryNotFoundError, offline))
+        kind = next((name for cls, name in kinds if isinstance(err, cls)),
+                    "remote_code" if "trust_remote_code" in str(err) else "other")
+        return {"error": kind, "type": type(err).__name__, "message": redact(str(err))[-2000:]}
 
 
 def _imported_then_run(job: dict[str, Any], spawned_at: float) -> dict[str, Any]:
@@ -276,16 +269,13 @@ def zygote(protocol: IO[str], spawned_at: float) -> int:
             raise RuntimeError(f"unsafe to fork: CUDA initialised={torch.cuda.is_initialized()}, "
                                f"threads {threads()} (numpy alone: {baseline})")
     except (ImportError, RuntimeError) as err:
-        _say(protocol, {"error": "zygote", "type": type(err).__name__, "message": str(err)})
+        print(json.dumps({"error": "zygote", "type": type(err).__name__, "message": str(err)}),
+              file=protocol, flush=True)
         return 1
-    _say(protocol, {"import_s": import_s})
+    print(json.dumps({"import_s": import_s}), file=protocol, flush=True)
     for line in sys.stdin:
-        _say(protocol, _fork_one(json.loads(line), import_s))
+        print(json.dumps(_fork_one(json.loads(line), import_s)), file=protocol, flush=True)
     return 0
-
-
-def _say(protocol: IO[str], reply: dict[str, Any]) -> None:
-    print(json.dumps(reply), file=protocol, flush=True)
 
 
 def main(job: dict[str, Any]) -> int:
@@ -295,7 +285,7 @@ def main(job: dict[str, Any]) -> int:
     if job["mode"] == "zygote":
         return zygote(protocol, spawned_at)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # no trust prompt waits on stdin
-    _say(protocol, _imported_then_run(job, spawned_at))
+    print(json.dumps(_imported_then_run(job, spawned_at)), file=protocol, flush=True)
     return 0
 
 

@@ -4,7 +4,6 @@ verdict, fixes and upgrade projection. `RULES` names the stages by frame (docs/a
 """
 
 from diag.observe.kineto import run_trace, trace
-from diag.observe.live import attach, run_attach
-from diag.observe.rules import RULES, classify
+from diag.observe.live import RULES, attach, classify, run_attach
 
 __all__ = ["RULES", "attach", "classify", "run_attach", "run_trace", "trace"]

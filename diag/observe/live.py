@@ -1,15 +1,17 @@
 """`diag attach PID`: where a running job's wall clock goes, without touching it. py-spy samples it
 read-only (never pausing or signalling it) in CHUNK_S chunks, the main thread from its chrome trace
-(each sample weighted by the time to the next); rules.RULES turn its seconds into a StageTimer
-frame; the workers' samples name their hot function; psutil reads /proc, NVML the job's GPUs
-(docs/attach.md).
+(each sample weighted by the time to the next); a stack's stage is the first of RULES any frame
+matches (none: `other`); the workers' samples name their hot function; psutil reads /proc, NVML
+the job's GPUs (docs/attach.md).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
+import linecache
 import math
 import os
 import re
@@ -20,31 +22,97 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
+import psutil
 
 from diag.runner import quietly
 from diag.config import AttachConfig
-from diag.machine.contention import Sampler, family
-from diag.observe.rules import classify, parse_frame
+from diag.machine.contention import Watch, family
 from diag.observe.kineto import story
 
 CHUNK_S = 2.0  # py-spy runs this long per call: the live view's refresh
 _PREP = re.compile(r"torch/utils/data/_utils/fetch\.py")  # a worker making a batch
 _WAITING = "(waiting for work, or handing a batch over)"
-GPU_INTERVAL_S = 0.5  # NVML's reading of the job's GPUs
 WIDE = 0.05  # a sampled share whose 95% interval reaches further than this either side says so
-GPU_COLUMNS = ["gpu", "name", "samples", "util_pct", "memory_util_pct", "job_memory_gb", "note"]
 _FIX = ("run diag as root (sudo), give it CAP_SYS_PTRACE (docker run --cap-add SYS_PTRACE), "
         "or allow ptrace: sudo sysctl kernel.yama.ptrace_scope=0 (docs/attach.md)")
 
 
-def _py_spy() -> str:
-    found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
-    if found is None:
-        raise RuntimeError("py-spy is not installed: pip install 'diag[attach]' (py-spy 0.4)")
-    return found
+class Rule(NamedTuple):
+    stage: str
+    file: str  # regex searched in the frame's path ("" = any file)
+    function: str  # regex the frame's function name (its last dotted part) must match whole
+    source: str  # where the rule comes from
+    code: str = ""  # regex searched in the executing line of a leaf frame in the user's own code
+
+
+_PL, _TR, _ACC = "PyTorch Lightning", "transformers Trainer", "accelerate"
+RULES: tuple[Rule, ...] = (
+    Rule("warmup", r"^<frozen importlib|torch/_dynamo/convert_frame\.py"
+         r"|torch/_inductor/compile_fx\.py", ".*", "imports (torch's lazy ones), compile"),
+    Rule("load_model", r"transformers/modeling_utils\.py", "from_pretrained", "transformers"),
+    Rule("eval", r"transformers/trainer\.py", r"evaluate|evaluation_loop|prediction_step", _TR),
+    Rule("eval", r"lightning/pytorch/loops/evaluation_loop\.py", ".*", _PL),
+    Rule("eval", "", "estimate_loss", "nanoGPT train.py estimate_loss()"),
+    Rule("checkpoint", r"torch/serialization\.py|safetensors/", r"save|save_file|save_model",
+         "torch.save, safetensors"),
+    Rule("checkpoint", r"transformers/trainer\.py", "_save_checkpoint|save_model", _TR),
+    Rule("checkpoint", r"accelerate/accelerator\.py", "save_state|save_model", _ACC),
+    Rule("checkpoint", r"lightning/", "save_checkpoint", _PL),
+    Rule("comm_wait", r"torch/distributed/(distributed_c10d|_functional_collectives)\.py", ".*",
+         "torch.distributed"),
+    Rule("comm_wait", r"torch/nn/parallel/distributed\.py", "_sync_buffers|_sync_module_buffers",
+         "DDP's buffer broadcast at forward"),
+    Rule("comm_wait", r"accelerate/", "wait_for_everyone|gather|reduce|broadcast", _ACC),
+    Rule("comm_wait", r"lightning/", "barrier|all_gather|reduce|broadcast", _PL),
+    Rule("h2d", r"accelerate/utils/operations\.py", "send_to_device", _ACC),
+    Rule("h2d", r"transformers/trainer\.py", "_prepare_inputs?", _TR),
+    Rule("h2d", r"lightning/", "batch_to_device|transfer_batch_to_device|move_data_to_device", _PL),
+    Rule("h2d", "", "", "a plain loop's x.to(device) (nanoGPT get_batch)", r"\.(to|cuda)\("),
+    Rule("data_wait", r"torch/utils/data/dataloader\.py", "__next__", "torch DataLoader"),
+    Rule("data_wait", r"accelerate/data_loader\.py", "__iter__|__next__", _ACC),
+    Rule("data_wait", r"transformers/trainer\.py", "get_batch_samples", _TR),
+    Rule("data_wait", r"lightning/pytorch/loops/fetchers\.py", ".*", _PL),
+    Rule("data_wait", "", "get_batch", "nanoGPT train.py get_batch()"),
+    Rule("compute", r"torch/(nn|optim|autograd|amp|_dynamo|_inductor|_functorch)/"
+         r"|torch/_tensor\.py|torch/functional\.py", ".*", "torch forward, backward, step"),
+    Rule("compute", r"transformers/trainer\.py", "training_step|compute_loss", _TR),
+    Rule("compute", r"accelerate/accelerator\.py", "backward", _ACC),
+    Rule("compute", r"lightning/", "training_step|optimizer_step|backward|_run_optimization", _PL),
+    Rule("compute", r"peft/|bitsandbytes/|transformers/models/", ".*", "model code"),
+    Rule("compute", "", "", "a plain loop's loss.backward(), optimizer.step(), loss.item() (a "
+         "device sync)", r"\.(item|backward|step)\("),
+)
+_FRAME = re.compile(r"^(?P<function>.*) \((?P<file>.*?)(?::(?P<line>\d+))?\)$")
+_INSTALLED = re.compile(r"/(site|dist)-packages/|/lib/python3\.\d+/")
+
+
+def parse_frame(frame: str) -> tuple[str, str, int]:
+    """py-spy's `function (file:line)` as (function, file, line); line 0 when absent."""
+    got = _FRAME.match(frame)
+    return (frame, "", 0) if got is None else (
+        got["function"], got["file"].replace("\\", "/"), int(got["line"] or 0))
+
+
+@functools.lru_cache(maxsize=4096)
+def _matches(rule: Rule, frame: str, leaf: bool) -> bool:
+    function, file, line = parse_frame(frame)
+    if rule.code:  # the executing line of the user's own code (a library's is not read)
+        if not leaf or not line or _INSTALLED.search(file):
+            return False
+        return re.search(rule.code, linecache.getline(file, line)) is not None
+    return (re.search(rule.file, file) is not None
+            and re.fullmatch(rule.function, function.rsplit(".", 1)[-1]) is not None)
+
+
+def classify(frames: list[str]) -> tuple[str, str]:
+    """(stage, its rule's source) of one stack, outermost frame first; ("other", "") for none."""
+    for rule in RULES:
+        if any(_matches(rule, f, i == len(frames) - 1) for i, f in enumerate(frames)):
+            return rule.stage, rule.source
+    return "other", ""
 
 
 def _realtime() -> None:
@@ -82,8 +150,7 @@ def _refuse(pid: int, said: str) -> None:
 
 def _sample(spy: str, pid: int, seconds: float, rate: int, children: bool
            ) -> tuple[collections.Counter, collections.Counter, bool]:
-    """(main thread's seconds by stack, children's counts by (pid, tid, stack), exited?); the
-    children from raw counts (a forked worker shares its parent's pthread id)."""
+    """(main thread's seconds by stack, children's raw counts by (pid, tid, stack), exited?)."""
     with tempfile.TemporaryDirectory(prefix="diag-attach-") as tmp:
         main, kids = Path(tmp) / "main.json", Path(tmp) / "kids.txt"
         runs = [(main, rate, ["--format", "chrometrace"])]
@@ -131,42 +198,6 @@ def _key(line: str) -> tuple[int, int, tuple[str, ...]]:
     tid = re.match(r"thread \((\d+)\)", parts[0])
     frames = tuple(p for p in parts if not p.startswith("thread ("))
     return int(pids[-1]) if pids else 0, int(tid[1]) if tid else 0, frames
-
-
-class Watch(Sampler):
-    """`with Watch(pid):` NVML samples the GPUs pid's family holds; `frame()`: what, or why not."""
-
-    extra, eager = "attach", True
-
-    def __init__(self, pid: int) -> None:
-        super().__init__(GPU_INTERVAL_S)
-        self.pid, self.rows = pid, []
-
-    def __enter__(self) -> Watch:
-        if self._nvml_started("no NVIDIA GPU seen (NVML: {})") is not None:
-            self._start()
-        return self
-
-    def _read(self) -> None:
-        nvml, pids = self._nvml, {self.pid, *(p.pid for p in family(self.pid))}
-        for i in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            held = [p for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid in pids]
-            if held:
-                util = nvml.nvmlDeviceGetUtilizationRates(handle)
-                self.rows.append((i, str(nvml.nvmlDeviceGetName(handle)), float(util.gpu),
-                                   float(util.memory),
-                                   sum(p.usedGpuMemory or 0 for p in held) / 1e9))
-
-    def frame(self) -> pd.DataFrame:
-        if not self.rows:
-            return pd.DataFrame([[-1, "", 0, float("nan"), float("nan"), float("nan"),
-                                  self.reason or "the job held no GPU NVML could see (in a "
-                                  "container, NVML lists the host's PIDs)"]], columns=GPU_COLUMNS)
-        rows = pd.DataFrame(self.rows, columns=["gpu", "name", "util", "memory", "gb"])
-        return rows.groupby(["gpu", "name"], as_index=False).agg(
-            samples=("util", "size"), util_pct=("util", "mean"), memory_util_pct=(
-                "memory", "mean"), job_memory_gb=("gb", "max")).assign(note=self.reason)
 
 
 @dataclass
@@ -233,8 +264,6 @@ def _workers(counts: collections.Counter, pid: int) -> pd.DataFrame | None:
 
 def _counters(pid: int) -> dict[int, tuple[str, float, float, float]]:
     """pid -> (role, CPU s, MB read, MB written) of the job and children (unreadable I/O: NaN)."""
-    import psutil
-
     out = {}
     for p in family(pid):
         with contextlib.suppress(psutil.Error):
@@ -248,22 +277,14 @@ def _counters(pid: int) -> dict[int, tuple[str, float, float, float]]:
     return out
 
 
-def _process(before: dict, after: dict, window: float) -> pd.DataFrame:
-    rows = [{"pid": pid, "role": role, "cpu_s": cpu - was[1], "cpu_cores": (cpu - was[1]) / window,
-             "read_mb": read - was[2], "written_mb": written - was[3]}
-            for pid, (role, cpu, read, written) in after.items()
-            for was in [before.get(pid, (role, 0.0, 0.0, 0.0))]]  # a new child: from zero
-    return pd.DataFrame(rows, columns=["pid", "role", "cpu_s", "cpu_cores", "read_mb",
-                                       "written_mb"])
-
-
 @quietly
 def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     """Sample process cfg.pid for cfg.seconds (less if it exits: what was sampled is kept)."""
-    import psutil
     from tqdm.auto import tqdm
 
-    spy = _py_spy()
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if spy is None:
+        raise RuntimeError("py-spy is not installed: pip install 'diag[attach]' (py-spy 0.4)")
     if not psutil.pid_exists(cfg.pid):
         raise ValueError(f"AttachConfig.pid={cfg.pid}: no such process (`ps -ef | grep python`, "
                          "nvidia-smi list the candidates)")
@@ -286,7 +307,7 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
             bar.set_postfix_str(", ".join(f"{s} {v:.0%}" for s, v in zip(shares["stage"],
                                                                         shares["share"])))
         window = time.perf_counter() - start
-        after = _counters(cfg.pid)
+        after = {**before, **_counters(cfg.pid)}
     by = _stages(timeline)
     if not by:
         raise RuntimeError(f"process {cfg.pid} exited before its main thread was sampled")
@@ -302,8 +323,14 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     held = gpu.rows[0][1] if gpu.rows else ""  # the first GPU the job held: the upgrade's
     verdict, fixes, projection = story(frame, cfg.current_gpu or held, cfg.target_gpu,
                                        "; ".join(notes))
-    return Attached(table, frame, verdict, fixes, _workers(counts, cfg.pid), gpu.frame(),
-                    _process(before, {**before, **after}, window), projection)
+    process = pd.DataFrame([  # per process: what it took in the window (a new child: from zero)
+        {"pid": pid, "role": role, "cpu_s": cpu - was[1], "cpu_cores": (cpu - was[1]) / window,
+         "read_mb": read - was[2], "written_mb": written - was[3]}
+        for pid, (role, cpu, read, written) in after.items()
+        for was in [before.get(pid, (role, 0.0, 0.0, 0.0))]],
+        columns=["pid", "role", "cpu_s", "cpu_cores", "read_mb", "written_mb"])
+    return Attached(table, frame, verdict, fixes, _workers(counts, cfg.pid), gpu.frame(), process,
+                    projection)
 
 
 def attach(pid: int, progress: bool = True, **settings: Any) -> Attached:

@@ -18,8 +18,7 @@ if TYPE_CHECKING:
 
 
 class TimingCallback(TrainerCallback):
-    """Times each Trainer step from its hooks (two clock reads, on CUDA two syncs); the first
-    `warmup_steps` are billed to `warmup`; device: None for the Trainer's."""
+    """Times each Trainer step from its hooks, the first `warmup_steps` as `warmup`."""
 
     def __init__(self, timer: StageTimer | None = None, warmup_steps: int = 1,
                  device: Any = None) -> None:

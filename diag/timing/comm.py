@@ -17,13 +17,12 @@ log = logging.getLogger("diag")
 
 
 class CommWait:
-    """The waits on other ranks inside a DDP step, per step by `take()`: the buffer broadcast
-    (DDP's forward pre-hook to its module's), the all-reduce (backward's end to DDP's wait for
-    every bucket) through a comm hook that wraps DDP's average or your `hook` and only times.
-    A hook registered before cannot be wrapped: one line says so, its wait stays in compute."""
+    """Per step (`take()`), the buffer broadcast and all-reduce waits (a comm hook wrapping DDP's
+    average or your `hook`; a hook registered before stays in compute, said once)."""
 
     def __init__(self, ddp: Any, hook: Any = None, state: Any = None) -> None:
         import torch
+        import torch.distributed as dist
 
         self._ddp, self._started = ddp, None
         # (start, end, an all-reduce?) of each wait since take(): a broadcast, or backward's
@@ -34,13 +33,7 @@ class CommWait:
         if ddp.will_sync_module_buffers():
             ddp.register_forward_pre_hook(self._before_broadcast)
             ddp.module.register_forward_pre_hook(self._after_broadcast)
-        self._register(hook, state)
-
-    def _register(self, hook: Any, state: Any) -> None:
-        import torch
-        import torch.distributed as dist
-
-        present = self._ddp._get_ddp_logging_data().get("comm_hook")
+        present = ddp._get_ddp_logging_data().get("comm_hook")
         if present:
             if place().is_root:
                 log.warning(f"diag: DDP already has a communication hook ({present}), which diag "
@@ -49,7 +42,7 @@ class CommWait:
                             "diag instead (StageTimer.watch_comm(ddp, hook=..., state=...))")
             return
         inner = hook if hook is not None else self._average
-        state = state if hook is not None else self._ddp.process_group
+        state = state if hook is not None else ddp.process_group
 
         def timed(state: Any, bucket: Any) -> Any:
             if bucket.is_last():  # queued before DDP's finalize, which waits for the buckets
@@ -60,7 +53,7 @@ class CommWait:
         timed.__annotations__ = {"state": object, "bucket": dist.GradBucket,
                                  "return": torch.futures.Future[torch.Tensor]}
         timed.__qualname__ = f"diag_timed({getattr(inner, '__qualname__', 'hook')})"
-        self._ddp.register_comm_hook(state, timed)
+        ddp.register_comm_hook(state, timed)
 
     @staticmethod
     def _average(group: Any, bucket: Any) -> Any:
@@ -109,8 +102,7 @@ class CommWait:
 
 
 def ddp_exposed_s(ddp: Any) -> float | None:
-    """DDP's own mean exposed all-reduce per sampled iteration (backward comm minus its overlap
-    with backward compute; the first 10 iterations, then one in 100), None before any."""
+    """DDP's own mean exposed all-reduce (comm minus its overlap with backward), None before any."""
     data = ddp._get_ddp_logging_data()
     comm = data.get("avg_backward_comm_time")
     return max(comm - data.get("avg_backward_compute_comm_overlap_time", 0), 0) / 1e9 \

@@ -114,8 +114,7 @@ def timeout_s(name: str) -> float:
 
 
 def init_group(device_type: str = "cpu") -> Place:
-    """Join the launcher's process group (nccl on CUDA, gloo on CPU) unless one is up, bounded by
-    timeout_s("rendezvous") and ("collective"); RendezvousError names an address not reached."""
+    """Join the launcher's process group (nccl on CUDA, gloo on CPU), else RendezvousError."""
     import torch.distributed as dist
 
     global _store
@@ -147,8 +146,7 @@ def init_group(device_type: str = "cpu") -> Place:
 
 
 def agree(cfg: Any) -> None:
-    """Every rank runs the same config (one collective at start-up), else ValueError naming the
-    ranks and fields that differ from rank 0's (they would wait out a timeout)."""
+    """ValueError naming the ranks and fields whose config differs from rank 0's (a collective)."""
     dist = _group()
     if dist is None:
         return
@@ -193,8 +191,7 @@ def gather_to_root(obj: Any) -> list[Any] | None:
 
 
 def spill_ranks(timer: Any, seat: Place | None = None) -> None:
-    """Under a launcher the timer appends each finished step to
-    <DIAG_HOME>/ranks/<job>/rank-<r>.partial.csv; a rank that ends before the gather says where."""
+    """Under a launcher, spill the timer's steps to <DIAG_HOME>/ranks/<job>/rank-<r>.partial.csv."""
     from diag.config import diag_home
 
     global _spilling
@@ -248,8 +245,7 @@ def ending(err: BaseException) -> BaseException:
 
 
 def _roll_call(seat: Place) -> list[tuple[int, int]]:
-    """(rank, node) of the ranks gone: here, its process ended; on another node, it did not say
-    it is here within timeout_s("roll_call")."""
+    """(rank, node) of the ranks whose process ended, or (another node) did not answer in time."""
     import psutil
 
     _store.set(f"diag/here/{seat.rank}", "1")
@@ -305,8 +301,7 @@ def gathered_frame(timer: Any) -> Any:  # -> pandas.DataFrame
 
 @contextlib.contextmanager
 def root_first() -> Iterator[None]:
-    """Rank 0 runs the block first (fills the caches), then the others, waiting up to
-    timeout_s("fill") on the store (else a barrier): start-up work only."""
+    """Rank 0 runs the block first (fills the caches), the others after, up to timeout_s("fill")."""
     global _firsts
     dist, _firsts = _group(), _firsts + 1
     key = f"diag/root_first/{_firsts}"

@@ -74,29 +74,25 @@ class TimedStep:
         self._open()
 
     def gathered(self, rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-        """(every rank's harness rows, comm_wait_s taken out of compute_s; their StageTimer rows,
-        `run` the point "2 x 4") on rank 0, each rank's own elsewhere: a collective, at the end."""
+        """A collective: (every rank's rows, comm_wait_s out of compute_s; stage rows) on rank 0."""
         seat, stages = place(), gathered_frame(self.timer)
         mine = rows.assign(rank=seat.rank, node=seat.node)
         every = pd.concat(gather_to_root(mine) or [mine], ignore_index=True)
-        stages = stages.merge(self._timed(rows), on="step")  # the warm-up steps go
+        timed = []  # the step of each timed row: a point's last steps (those before: its warm-up)
+        for (micro, accum), part in rows[rows["status"] == "ok"].groupby(
+                ["micro_batch", "grad_accum"], sort=False):
+            steps = [i for i, p in enumerate(self.points) if p == (micro, accum)]
+            repeats = sorted(part["repeat"])
+            timed += [{"step": step, "micro_batch": micro, "grad_accum": accum, "repeat": repeat}
+                      for step, repeat in zip(steps[len(steps) - len(repeats):], repeats)]
+        stages = stages.merge(pd.DataFrame(timed, columns=["step", *POINT]).astype(
+            {"step": "Int64"}), on="step")  # the warm-up steps go
         waits = stages.loc[stages["stage"] == "comm_wait", ["rank", *POINT, "seconds"]]
         every = every.merge(waits.rename(columns={"seconds": "comm_wait_s"}), how="left",
                             on=["rank", *POINT])  # an "oom" row ran no step: NaN
         every["compute_s"] -= every["comm_wait_s"]
         stages["run"] = [f"{m} x {a}" for m, a in zip(stages["micro_batch"], stages["grad_accum"])]
         return ranks_first(every), stages.drop(columns=POINT)
-
-    def _timed(self, rows: pd.DataFrame) -> pd.DataFrame:
-        """The step of each timed row: a point's last steps (those before are its warm-up)."""
-        out = []
-        for (micro, accum), part in rows[rows["status"] == "ok"].groupby(
-                ["micro_batch", "grad_accum"], sort=False):
-            steps = [i for i, p in enumerate(self.points) if p == (micro, accum)]
-            repeats = sorted(part["repeat"])
-            out += [{"step": step, "micro_batch": micro, "grad_accum": accum, "repeat": repeat}
-                    for step, repeat in zip(steps[len(steps) - len(repeats):], repeats)]
-        return pd.DataFrame(out, columns=["step", *POINT]).astype({"step": "Int64"})
 
 
 def ranks_first(rows: pd.DataFrame) -> pd.DataFrame:

@@ -19,8 +19,7 @@ FINDING_COLUMNS = ["run", "ranks", "node", "finding", "wait_per_step_s", "second
 
 @dataclass(frozen=True)
 class Rule:
-    """A straggler's own work beats the others' median by `share` of it and `floor_s` in a step,
-    in at least `most` of its steps (a rank slow now and then is noise)."""
+    """A straggler is slower than the others' median by `share` and `floor_s` in `most` steps."""
 
     share: float = 0.10  # slower than the others' median by this share of it ...
     floor_s: float = 0.005  # ... and by at least this (clock and scheduling noise on a 2-6 ms step)

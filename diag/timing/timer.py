@@ -80,8 +80,7 @@ class _Stage(ContextDecorator):
 
 
 class StageTimer:
-    """(stage, seconds, step) intervals of one process (rank). device: CUDA syncs at each stage
-    boundary (queued kernels billed to the stage that queued them); trace: profiler, NVTX ranges."""
+    """(stage, seconds, step) intervals of one rank; device: CUDA syncs, trace: profiler ranges."""
 
     def __init__(self, enabled: bool = True, device: Any = None, rank: int | None = None,
                  trace: bool = True) -> None:
@@ -101,10 +100,8 @@ class StageTimer:
 
             if devices.is_async(device):
                 self._sync = lambda: devices.sync(device)
-                if self.trace:
-                    import torch
-
-                    self._nvtx = torch.cuda.nvtx  # Nsight attaches from outside: always push
+                if self.trace:  # Nsight attaches from outside: always push
+                    self._nvtx = sys.modules["torch"].cuda.nvtx
 
     def _open_range(self, name: str) -> Any:
         torch = sys.modules.get("torch")  # no torch imported: no profiler to show it
@@ -138,8 +135,7 @@ class StageTimer:
                            self._step_for(name) if step is None else step))
 
     def watch_comm(self, ddp_model: Any, hook: Any = None, state: Any = None) -> None:
-        """Split every later `compute` into compute + comm_wait, clocked on ddp_model (call before
-        its first forward); your comm `hook` and `state`, if any, are registered here."""
+        """Split each later `compute` into compute + comm_wait, before ddp_model's first forward."""
         if self.enabled:
             self.comm = CommWait(ddp_model, hook, state)
 
@@ -168,8 +164,7 @@ class StageTimer:
             self._spill = self.spill_path = None
 
     def step_done(self, step: int, data_wait: float, busy: float, waited: float = 0.0) -> None:
-        """A step's data_wait, then its `busy` seconds as comm_wait (waited, and under watch_comm
-        the waits inside, at most busy) and compute (the rest)."""
+        """A step's data_wait, then `busy` as comm_wait (waited + the waits inside) and compute."""
         inside = min(self.comm.take(), busy) if self.comm is not None else None
         self.record("data_wait", data_wait, step=step)
         if inside is not None:

@@ -291,8 +291,9 @@ def test_cpu_threads_sets_diags_count_on_a_cpu_and_restores_the_callers(monkeypa
         assert seen == [(1, 3)] and torch.get_num_threads() == 2
         for bad in ("0", "two", "-1"):
             monkeypatch.setenv(dev.CPU_THREADS_ENV, bad)
-            with pytest.raises(ValueError, match=rf"DIAG_CPU_THREADS='{bad}': must be a whole"):
-                dev.cpu_thread_count()
+            with pytest.raises(ValueError, match=rf"DIAG_CPU_THREADS='{bad}': must be a whole"), \
+                    dev.cpu_threads("cpu"):
+                pass
     finally:
         torch.set_num_threads(before)
 
