@@ -26,7 +26,7 @@ SPILL_COLUMNS = ("stage", "seconds", "step", "rank", "node")  # of a rank's *.pa
 TIMEOUTS_S = {"rendezvous": 300.0,  # to reach MASTER_ADDR:MASTER_PORT and the other ranks
               "collective": 600.0,  # in one collective of the job (a gather, an all-reduce)
               "fill": 1800.0,  # for another rank or process to fill a cache (a first download)
-              "roll_call": 3.0,  # for another node's rank to say it is there, a collective failed
+              "roll_call": 3.0,  # a collective failed: for a rank to answer (this node's: or end)
               "say": 20.0}  # for this node's other ranks to say their refusal before it exits
 _store: Any = None  # the rendezvous store of the group init_group made (root_first waits on it)
 _spilling: Any = None  # the folder this rank spills into until its frame is gathered
@@ -248,21 +248,25 @@ def _roll_call(seat: Place) -> list[tuple[int, int]]:
     """(rank, node) of the ranks whose process ended, or (another node) did not answer in time."""
     import psutil
 
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     _store.set(f"diag/here/{seat.rank}", "1")
     deadline, gone = time.monotonic() + timeout_s("roll_call"), []
     for rank in range(seat.world_size):
         if rank == seat.rank or not _store.check([f"diag/seat/{rank}"]):
             continue
         node, pid = map(int, _store.get(f"diag/seat/{rank}").split())
-        if node == seat.node:
-            try:
-                here = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                here = False
-        else:
-            while not (here := _store.check([f"diag/here/{rank}"])) and \
-                    time.monotonic() < deadline:
-                time.sleep(0.1)
+        # another node's rank: its answer; this node's: its process too, given the roll call's
+        # time to end (a busy box runs a kill late)
+        while time.monotonic() < deadline and not _store.check([f"diag/here/{rank}"]):
+            if node == seat.node and not alive(pid):
+                break
+            time.sleep(0.1)
+        here = _store.check([f"diag/here/{rank}"]) or node == seat.node and alive(pid)
         if not here:
             gone.append((rank, node))
     return gone
