@@ -173,8 +173,11 @@ def train_check(args: argparse.Namespace, plan, run, counted: tuple) -> None:
     train_s = float(ran.loc[ran["step"].isna() & (ran["stage"] == "train"), "seconds"].sum())
     compute = float(ran.loc[ran["stage"] == "compute", "seconds"].sum())
     print(got.eta[["stage", "predicted_s", "measured_s", "error_share"]].to_string(index=False))
-    print(f"train_eta_error: {row['eta_error']:.3g} ({row['predicted_s']:.3g} s predicted, "
-          f"{row['seconds']:.3g} s measured, {int(row['steps'])} steps)")
+    print(f"train_projection_error: {row['eta_error']:.3g} ({row['predicted_s']:.3g} s "
+          f"projected, {row['seconds']:.3g} s measured, {int(row['steps'])} steps)")
+    if row["eta_s"] == row["eta_s"]:  # None (NaN in the frame) when too few steps to pace
+        print(f"train_eta_error: {abs(row['command_s'] - row['eta_s']) / row['eta_s']:.3g} "
+              f"(ETA {row['eta_s']:.3g} s, the command {row['command_s']:.3g} s)")
     print(f"train_steady_compute_share: {compute / train_s:.3g}")
     print(f"train_eval_loss: {row['first_eval_loss']:.4f} -> {row['final_eval_loss']:.4f}")
     steady = row["trained_tokens"] * (row["steps"] - cfg.warmup_steps) / row["steps"]

@@ -1,4 +1,4 @@
-"""The ETA: a job's wall seconds said before it runs, from the cost table, then checked.
+"""The ETA: a job's wall seconds projected before it runs, from the cost table, then checked.
 
 `job_counts` counts a run in the cost table's units, `price` (diag.forecast.costs) prices it,
 `check_eta` sets each stage's ETA beside what the run measured. Costs: a run folder's projection
@@ -135,20 +135,21 @@ def duration(seconds: float) -> str:
 
 def before_line(head: str, projected: pd.DataFrame, spent_s: float = 0.0,
                 done: tuple[str, ...] = ()) -> str:
-    """The ETA in one line: the whole command in wall seconds, each stage's share."""
+    """The projection in one line: the whole command in wall seconds, each stage's share."""
     total = float(projected["seconds"].sum())
     if not total:
-        return (f"{head}; no ETA: nothing measured before prices this job's stages (decide the "
-                "plan on the job, or give --results runs/<id>)")
+        return (f"{head}; no projection: nothing measured before prices this job's stages (decide "
+                "the plan on the job, or give --results runs/<id>)")
     shares = ", ".join(f"{r.stage} {r.seconds / total:.0%}" for r in projected.sort_values(
         "seconds", ascending=False).itertuples() if r.seconds / total >= 0.005)
     left = [s for s in ORDER if s not in set(projected["stage"])]
     whole = spent_s + float(projected.loc[~projected["stage"].isin(done), "seconds"].sum())
-    return (f"{head}; ETA {duration(whole)} (wall) for the whole command"
+    return (f"{head}; projected {duration(whole)} (wall) for the whole command"
             + (f", {duration(spent_s)} of it spent (deciding the plan, fetch, load, "
                "preprocess)" if spent_s else "")
-            + f"; the run from earlier measurements: {shares}"
-            + (f" (not priced: {', '.join(left)})" if left else ""))
+            + f", from earlier measurements: {shares}"
+            + (f" (not priced: {', '.join(left)})" if left else "")
+            + "; the ETA follows once this run's own steps are timed")
 
 
 def after_line(checked: pd.DataFrame) -> str:

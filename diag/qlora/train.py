@@ -1,5 +1,6 @@
-"""`diag train`: one plan trains the whole dataset, every stage timed, its ETA said before the
-first step and checked after the last; the adapter it leaves in out_dir is the output."""
+"""`diag train`: one plan trains the whole dataset, every stage timed, its projection said before
+the first step, its ETA once the steps have a pace, both checked after the last; the adapter it
+leaves in out_dir is the output."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from diag.decision import Decision, read
 from diag.decision import frame as decisions_frame
 from diag.files import scratch_folder
 from diag.forecast.costs import price
-from diag.forecast.eta import (after_line, before_line, check_eta, costs_in, from_decisions,
-                               job_counts)
+from diag.forecast.eta import (after_line, before_line, check_eta, costs_in, duration,
+                               from_decisions, job_counts)
 from diag.machine.device import on_cpu_threads, resolve
 from diag.preflight import preflight
 from diag.qlora.base import Sources, load_model, model_folder
@@ -137,7 +138,8 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
                         ("fetch_data", "load_model", "preprocess")))
         progress = progress_callback()(
             timer, job.tokens_per_step, cfg.cadence(cfg.progress_every, job.steps),
-            f"diag train ({plan.name})", dict(zip(projected["stage"], projected["seconds"])))
+            f"diag train ({plan.name})", dict(zip(projected["stage"], projected["seconds"])),
+            began)
         trainer, callback = trainer_for(
             cfg, plan, model, job.data, out, device, timer, callbacks=(progress,),
             save_total_limit=cfg.keep_checkpoints, eval_dataset=job.evals, max_steps=job.steps,
@@ -169,10 +171,15 @@ def _run(cfg: TrainConfig, plan: Plan, src: Sources, out: Path, costs: pd.DataFr
         stages = timer.to_frame().assign(run=f"train ({plan.name})")  # beside a comparison's
         eta = check_eta(projected, stages)
         losses = _losses(trainer.state.log_history, first, job.tokens_per_step)
+        command_s = time.perf_counter() - began
         frame = pd.DataFrame([_summary(cfg, plan, job, trainer, done, wall, eta, losses, out,
-                                       files, made) | {"plan_s": plan_s}])
+                                       files, made) | {"plan_s": plan_s, "command_s": command_s,
+                                                       "eta_s": progress.promised}])
         record(out, {"finished": json.loads(frame.to_json(orient="records"))[0]})
-        say(f"diag train: {after_line(eta)}; the adapter is in {out}")
+        kept = (f"; the whole command {duration(command_s)} against its ETA of "
+                f"{duration(progress.promised)} ({command_s / progress.promised - 1:+.0%})"
+                if progress.promised else "")
+        say(f"diag train: the run {after_line(eta)}{kept}; the adapter is in {out}")
         return TrainResult(frame, stages, losses.assign(run=plan.name), eta, plan.frame())
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -32,13 +32,14 @@ def test_the_eta_is_cost_times_count_in_wall_seconds_and_says_what_it_cannot_pri
     assert mine.at["train", "seconds"] == pytest.approx(60_000 * 1.5 / 750)
     assert mine.at["eval", "seconds"] == pytest.approx(12 * 900 * 1.5 / 750 / 3)
     line = eta.before_line("head", mine.reset_index())
-    assert line.startswith("head; ETA 2.1 min (wall) for the whole command; ")
+    assert line.startswith("head; projected 2.1 min (wall) for the whole command, from earlier ")
     assert "train 93%, eval 6%" in line
     assert "not priced: fetch_data, load_model, warmup, checkpoint" in line
     # said after the start's stages ran: what was spent so far, deciding included, and then
     # the stages still to run as priced
     later = eta.before_line("head", mine.reset_index(), spent_s=100.0, done=("preprocess",))
-    assert later.startswith("head; ETA 3.8 min (wall) for the whole command, 1.7 min of it spent")
+    assert later.startswith("head; projected 3.8 min (wall) for the whole command, 1.7 min of it "
+                             "spent")
 
 
 def test_the_check_flags_a_stage_past_the_tolerance_and_totals_the_run():

@@ -51,6 +51,8 @@ def test_a_short_run_trains_evaluates_and_leaves_the_adapter(fresh):
     eta = result.eta.set_index("stage")
     assert set(eta.index) == stages | {"total"}
     assert eta.at["total", "measured_s"] == pytest.approx(row["seconds"])
+    # the whole command's ETA, said once the steps had a pace (after step 2 of 6), and its clock
+    assert row["eta_s"] > 0 and row["command_s"] >= row["seconds"]
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
         p.name for p in out.iterdir()}
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-5", "checkpoint-6"]
