@@ -188,11 +188,16 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
         for r in frames["train"].itertuples():
             err = (f" ({(r.seconds - r.predicted_s) / r.predicted_s:+.0%})"
                    if r.predicted_s == r.predicted_s and r.predicted_s else "")
+            eta = getattr(r, "eta_s", None)  # None: too few steps to pace, or an older folder
+            kept = (f"; the whole command {seconds(r.command_s)} against its ETA of "
+                    f"{seconds(eta)}, said once its first steps had a pace "
+                    f"({r.command_s / eta - 1:+.0%})" if eta == eta and eta else "")
             said.append(f"The {_esc(str(r.plan))} plan trained {cell('records', r.records)} "
                         f"records ({cell('records', r.eval_records)} held out) for "
-                        f"{sig(r.epochs)} epoch(s), {cell('steps', r.steps)} steps, "
-                        f"{cell('tokens', r.trained_tokens)} tokens, in <b>{seconds(r.seconds)}"
-                        f"</b>; {seconds(r.predicted_s)} predicted before the run{err}; held-out "
+                        f"{sig(r.epochs)} epoch{'s' * (round(r.epochs, 3) != 1)}, "
+                        f"{cell('steps', r.steps)} steps, {cell('tokens', r.trained_tokens)} "
+                        f"tokens, in <b>{seconds(r.seconds)}</b>; {seconds(r.predicted_s)} "
+                        f"projected before the run{err}{kept}; held-out "
                         f"loss {sig(r.first_eval_loss)} &rarr; <b>{sig(r.final_eval_loss)}</b>; "
                         f"the adapter is in {_esc(str(r.out_dir))}.")
         return " ".join(said)

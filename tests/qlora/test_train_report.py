@@ -24,7 +24,8 @@ def _losses(run: str, drop: float) -> pd.DataFrame:
 def test_a_train_folder_shows_the_run_against_its_eta_and_both_loss_curves(tmp_path):
     row = {"plan": "optimized", "records": 1980, "eval_records": 20, "epochs": 1.0, "steps": 4,
            "trained_tokens": 4000, "seconds": 330.0, "predicted_s": 300.0,
-           "first_eval_loss": 7.7, "final_eval_loss": 6.9, "out_dir": "/data/adapter"}
+           "first_eval_loss": 7.7, "final_eval_loss": 6.9, "out_dir": "/data/adapter",
+           "eta_s": 320.0, "command_s": 352.0}
     eta = pd.DataFrame([{"stage": "train", "finding": "predicted before the run",
                          "predicted_s": 280.0, "measured_s": 300.0, "error_share": 0.07,
                          "flagged": False, "evidence": "token x 4,000"}])
@@ -38,10 +39,11 @@ def test_a_train_folder_shows_the_run_against_its_eta_and_both_loss_curves(tmp_p
     assert found, "no train section"
     said = found.group(1)
     assert "<h2>The fine-tune: the whole dataset under one plan" in said
-    assert ("The optimized plan trained 1,980 records (20 held out) for 1.00 epoch(s), 4 steps, "
-            "4,000 tokens, in <b>5.50\u00a0min</b>; 5.00\u00a0min predicted before the run "
-            "(+10%); held-out loss 7.70 &rarr; <b>6.90</b>; the adapter is in /data/adapter."
-            ) in said
+    assert ("The optimized plan trained 1,980 records (20 held out) for 1.00 epoch, 4 steps, "
+            "4,000 tokens, in <b>5.50\u00a0min</b>; 5.00\u00a0min projected before the run "
+            "(+10%); the whole command 5.87\u00a0min against its ETA of 5.33\u00a0min, said once "
+            "its first steps had a pace (+10%); held-out loss 7.70 &rarr; <b>6.90</b>; the "
+            "adapter is in /data/adapter.") in said
     assert re.search(r'<img alt="train_losses" src="data:image/png;base64,', said)
     assert 'href="train_eta.csv"' in said and 'href="train_losses.csv"' in said
     assert (folder / "train_losses.png").stat().st_size > 1000
