@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pathlib import Path
 
 from diag.timing.comm import CommWait
-from diag.timing.distributed import ROOT, SPILL_COLUMNS, _group, gather_to_root, place
+from diag.timing.distributed import ROOT, SPILL_COLUMNS, gather, place
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -212,15 +212,9 @@ class StageTimer:
         """Every rank's frame on every rank (dst=None) or rank 0 (dst=0; its own elsewhere)."""
         import pandas as pd
 
-        frame, dist = self.to_frame(), _group()
-        if dist is None:
-            return frame
-        if dst is None:
-            every: list[Any] | None = [None] * dist.get_world_size()
-            dist.all_gather_object(every, frame)
-        else:
-            assert dst == ROOT, "frames gather on rank 0, the rank that writes the run folder"
-            every = gather_to_root(frame)
+        assert dst in (None, ROOT), "frames gather on rank 0, the rank that writes the run folder"
+        frame = self.to_frame()
+        every = gather(frame, dst)
         return frame if every is None else pd.concat(every, ignore_index=True)
 
 
