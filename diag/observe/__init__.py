@@ -29,7 +29,7 @@ import psutil
 
 from diag.runner import quietly
 from diag.config import AttachConfig
-from diag.machine.contention import Watch, family
+from diag.machine.contention import Watch, counters
 from diag.observe.kineto import run_trace, story, trace
 
 __all__ = ["RULES", "attach", "classify", "run_attach", "run_trace", "trace"]
@@ -259,21 +259,6 @@ def _workers(counts: collections.Counter, pid: int) -> pd.DataFrame | None:
     return table.sort_values(["pid", "samples"], ascending=[True, False], ignore_index=True)
 
 
-def _counters(pid: int) -> dict[int, tuple[str, float, float, float]]:
-    """pid -> (role, CPU s, MB read, MB written) of the job and children (unreadable I/O: NaN)."""
-    out = {}
-    for p in family(pid):
-        with contextlib.suppress(psutil.Error):
-            cpu = p.cpu_times()
-            try:
-                io = p.io_counters()
-                read, written = io.read_bytes / 1e6, io.write_bytes / 1e6
-            except (psutil.Error, AttributeError):
-                read = written = math.nan
-            out[p.pid] = ("main" if p.pid == pid else "child", cpu.user + cpu.system, read, written)
-    return out
-
-
 @quietly
 def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
     """Sample process cfg.pid for cfg.seconds (less if it exits: what was sampled is kept)."""
@@ -287,7 +272,7 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
                          "nvidia-smi list the candidates)")
     _check(spy, cfg.pid)
     timeline, counts = collections.Counter(), collections.Counter()
-    before, exited = _counters(cfg.pid), False
+    before, exited = counters(cfg.pid), False
     with Watch(cfg.pid) as gpu, tqdm(total=cfg.seconds, unit="s", disable=not progress,
                                          desc=f"attach {cfg.pid}") as bar:
         start = time.perf_counter()
@@ -304,7 +289,7 @@ def run_attach(cfg: AttachConfig, progress: bool = True) -> Attached:
             bar.set_postfix_str(", ".join(f"{s} {v:.0%}" for s, v in zip(shares["stage"],
                                                                         shares["share"])))
         window = time.perf_counter() - start
-        after = {**before, **_counters(cfg.pid)}
+        after = {**before, **counters(cfg.pid)}
     table = _table(timeline, cfg.rate)
     if table.empty:
         raise RuntimeError(f"process {cfg.pid} exited before its main thread was sampled")
