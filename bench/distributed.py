@@ -179,7 +179,7 @@ def cross_check(torch) -> tuple[float, float]:
     import torch.distributed as dist
 
     from diag.timing import StageTimer
-    from diag.timing.comm import ddp_exposed_s
+    from diag.timing.timer import ddp_exposed_s
 
     ddp = torch.nn.parallel.DistributedDataParallel(_model(torch))
     timer = StageTimer(trace=False)

@@ -274,12 +274,6 @@ def frames(d: Diagnosis, order: list[Step]) -> dict[str, pd.DataFrame]:
                          if s not in (INFO, ACCUM_ADVICE) and getattr(d, s.field) is not None)
 
 
-def advice(d: Diagnosis) -> pd.DataFrame | None:
-    rows = [r.advice for r in (d.storage, d.model_load, d.loader) if r is not None]
-    rows = [a for a in [*rows, d.accum_advice] if a is not None and not a.empty]
-    return pd.concat(rows, ignore_index=True) if rows else None
-
-
 @on_cpu_threads
 def run_diagnose(cfg: DiagnoseConfig | None = None,
                  on_result: Callable[[Step, dict[str, pd.DataFrame]], None] | None = None,
@@ -305,6 +299,9 @@ def run_diagnose(cfg: DiagnoseConfig | None = None,
     budget.say(spent=True)
     if said := busy(machine.summary()):  # beside the plan, on stderr: --json stays JSON
         tqdm.write(said[0].upper() + said[1:], file=sys.stderr)
+    advice = [r.advice for r in (d.storage, d.model_load, d.loader) if r is not None]
+    advice = [a for a in [*advice, d.accum_advice] if a is not None and not a.empty]
     return report.write(frames(d, order) | {"budget": budget.frame(), "machine": machine.frame()},
-                        cfg.out or None, config=cfg.to_dict(), info=d.info, advice=advice(d),
+                        cfg.out or None, config=cfg.to_dict(), info=d.info,
+                        advice=pd.concat(advice, ignore_index=True) if advice else None,
                         machine=machine.summary())

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -90,11 +91,9 @@ def _resolved() -> set[str]:
     tokens, creds = _cache[key]
     values = set(tokens)
     if creds is not None:
-        try:
+        with contextlib.suppress(Exception):  # a failed renewal is the caller's error to report
             frozen = creds.get_frozen_credentials()  # cheap unless a role renews
             values |= {frozen.access_key or "", frozen.secret_key or "", frozen.token or ""}
-        except Exception:  # a failed renewal is the caller's error to report
-            pass
     return {v for v in values if len(v) >= _MIN_LEN}
 
 

@@ -152,25 +152,16 @@ class Panel:
         self.failed, self.folder = {}, ""
 
 
-def config_from(p: Panel) -> DiagnoseConfig:
-    """The DiagnoseConfig the panel's fields describe (ValueError names a bad field)."""
-    return DiagnoseConfig.default(
-        quick=p.quick.value, **p.settings, train=p.train.value, budget=p.budget.value.strip(),
-        source=p.source.value.strip(), model=p.model.value.strip(), plan=p.plan.value,
-        **source_values(p.sources), workers=parse_ints(p.workers.value, "num_workers"),
-        micro_batches=parse_ints(p.micro_batches.value, "micro-batches"))
-
-
 # the text fields that are numbers, as their flags take them: (convert, what is allowed)
 _NUMBERS = {"retries": (lambda v: int(v) if v else None,
                         "a whole number >= 0, or '' for your AWS config's"),
             "stall_s": (float, "a number of seconds > 0")}
 
 
-def source_values(widgets: dict[str, Any]) -> dict[str, Any]:
-    """The widgets' values as SourceConfig fields ('' retries = your AWS config's)."""
-    values = {}
-    for name, widget in widgets.items():
+def config_from(p: Panel) -> DiagnoseConfig:
+    """The DiagnoseConfig the panel's fields describe (ValueError names a bad field)."""
+    sources = {}  # the source widgets' values as SourceConfig fields
+    for name, widget in p.sources.items():
         value = widget.value if isinstance(widget.value, bool) else widget.value.strip()
         if name in _NUMBERS:
             convert, allowed = _NUMBERS[name]
@@ -178,8 +169,12 @@ def source_values(widgets: dict[str, Any]) -> dict[str, Any]:
                 value = convert(value)
             except ValueError:
                 raise ValueError(f"{name}={value!r}: {allowed}") from None
-        values[name] = value
-    return values
+        sources[name] = value
+    return DiagnoseConfig.default(
+        quick=p.quick.value, **p.settings, train=p.train.value, budget=p.budget.value.strip(),
+        source=p.source.value.strip(), model=p.model.value.strip(), plan=p.plan.value,
+        **sources, workers=parse_ints(p.workers.value, "num_workers"),
+        micro_batches=parse_ints(p.micro_batches.value, "micro-batches"))
 
 
 def _one_line(what: str, error: BaseException) -> str:

@@ -198,9 +198,7 @@ def exit_now(code: int) -> typing.NoReturn:
     import atexit
     import ctypes
 
-    if threading.current_thread() is threading.main_thread():
-        # the code is chosen: a launcher's SIGTERM now must not raise inside an atexit handler
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    distributed.hold_sigterm()  # the code is chosen: no SIGTERM may raise in an atexit handler
     threading._shutdown()  # type: ignore[attr-defined]  # Py_Finalize's order: threads, atexit
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -218,9 +216,8 @@ def said() -> None:
     import psutil
 
     from diag.files import temp_path
-    from diag.timing.distributed import spilled, timeout_s
 
-    if spilled() is not None or not os.environ.get("TORCHELASTIC_RUN_ID"):
+    if distributed.spilled() is not None or not os.environ.get("TORCHELASTIC_RUN_ID"):
         return
     try:
         others = [p for p in psutil.Process(os.getppid()).children() if p.pid != os.getpid()]
@@ -229,20 +226,11 @@ def said() -> None:
     base = Path(tempfile.gettempdir()) / f"diag-said-{os.getppid()}"
     mark = temp_path(base)  # its name carries this pid: swept by a later start if left behind
     mark.touch()
-    deadline = time.monotonic() + timeout_s("say")
+    deadline = time.monotonic() + distributed.timeout_s("say")
     try:
         while others and time.monotonic() < deadline:
             time.sleep(0.1)
-            others = [p for p in others if _running(p) and not any(
+            others = [p for p in others if distributed.alive(p.pid) and not any(
                 base.parent.glob(f".{base.name}.tmp-{p.pid}-*"))]
     finally:
         mark.unlink(missing_ok=True)
-
-
-def _running(process: Any) -> bool:
-    import psutil
-
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False

@@ -8,6 +8,7 @@ the GPUs a job holds.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import threading
@@ -36,13 +37,24 @@ def family(pid: int) -> list[Any]:
         return []
 
 
+def counters(pid: int) -> dict[int, tuple[str, float, float, float]]:
+    """pid -> (role, CPU s, MB read, MB written) of pid and its children (unreadable I/O: NaN)."""
+    out = {}
+    for p in family(pid):
+        with contextlib.suppress(psutil.Error):  # gone between the listing and the read
+            cpu = p.cpu_times()
+            try:
+                io = p.io_counters()
+                read, written = io.read_bytes / 1e6, io.write_bytes / 1e6
+            except (psutil.Error, AttributeError):
+                read = written = math.nan
+            out[p.pid] = ("main" if p.pid == pid else "child", cpu.user + cpu.system, read, written)
+    return out
+
+
 def _own_seconds() -> float:
     """CPU seconds of this process and its children (the embedded servers, loader workers)."""
-    total = 0.0
-    for process in family(os.getpid()):
-        with contextlib.suppress(psutil.Error):  # gone between the listing and the read
-            total += sum(process.cpu_times()[:2])
-    return total
+    return sum(cpu for _, cpu, _, _ in counters(os.getpid()).values())
 
 
 def _gpu_others(device: Any) -> int | None:

@@ -267,14 +267,6 @@ def peak_flops(device: Any = None, dtype: str = "bf16", *, probe_size: int = 102
     return Peak(max(samples), label, "cpu_matmul_probe", True, key, spread(samples))
 
 
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.lower().startswith(("model name", "hardware", "cpu model")):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown"
-
-
 def driver_version() -> str | None:
     with contextlib.suppress(OSError), open("/proc/driver/nvidia/version") as f:
         return next((w for w in f.readline().split() if w[:1].isdigit() and "." in w), None)
@@ -292,6 +284,10 @@ def facts(probe: bool = True, probe_size: int = 1024) -> dict[str, Any]:
         peak = peak_flops(None, "bf16" if cuda else "fp32", probe_size=probe_size)
     else:
         peak = Peak(None, "not measured: CPU probe disabled (probe=False)", "", False, "fp32")
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.lower().startswith(
+            ("model name", "hardware", "cpu model"))), "")
     return {
         "accelerator": torch.cuda.get_device_name(0) if cuda else "none",
         "accelerator_count": torch.cuda.device_count() if cuda else 0,
@@ -299,7 +295,7 @@ def facts(probe: bool = True, probe_size: int = 1024) -> dict[str, Any]:
         "cuda_version": torch.version.cuda if cuda else None,
         "driver_version": driver_version() if cuda else None,
         "torch_version": torch.__version__,
-        "cpu_model": _cpu_model(),
+        "cpu_model": model or platform.processor() or platform.machine() or "unknown",
         "cpu_cores_physical": psutil.cpu_count(logical=False),
         "cpu_cores_logical": psutil.cpu_count(logical=True),
         "ram_gb": round(psutil.virtual_memory().total / 1e9, 1),

@@ -163,27 +163,6 @@ def gpu_time(events: pd.DataFrame, rank: int) -> dict[str, Any]:
             "idle_share": (span - busy) / span, "note": ""}
 
 
-def _one_run(files: list[str], loaded: list[dict[str, Any]], events: list[pd.DataFrame],
-             ranks: list[int]) -> None:
-    """Refuse in one line traces that cannot be the ranks of one run."""
-    ids = [d.get("trace_id") or i for i, d in enumerate(loaded)]
-    sizes = {(d.get("distributedInfo") or {}).get("world_size") for d in loaded} - {None}
-    spans = [(f, d["baseTimeNanoseconds"] / 1e9 + e["ts"].min(),
-              d["baseTimeNanoseconds"] / 1e9 + e["end"].max())
-             for f, d, e in zip(files, loaded, events) if "baseTimeNanoseconds" in d]
-    ended, began = min(spans, key=lambda x: x[2], default=None), max(
-        spans, key=lambda x: x[1], default=None)
-    at = [dt.datetime.fromtimestamp(x[1], dt.timezone.utc) for x in (ended, began) if x]
-    said = ("a trace given twice (the same trace_id)" if len(set(ids)) < len(ids) else
-            "a rank given twice" if len(set(ranks)) < len(ranks) else
-            f"traces of runs of {sorted(sizes)} ranks" if len(sizes) > 1 else
-            f"{ended[0]} (from {at[0]:%H:%M:%S} UTC) ended before {began[0]} (from "
-            f"{at[1]:%H:%M:%S} UTC) began: traces of different runs"  # ranks of a run overlap
-            if spans and ended[2] < began[1] else "")
-    if said:
-        raise ValueError(f"TraceConfig.files: {said}, not the ranks of one run")
-
-
 def story(stages: pd.DataFrame, current_gpu: str, target_gpu: str, note: str = ""
           ) -> tuple[pd.DataFrame, pd.DataFrame | None, pd.DataFrame | None]:
     """(verdict: one row; fixes: amdahl.findings; projection: amdahl.upgrade), None for none."""
@@ -212,7 +191,23 @@ def run_trace(cfg: TraceConfig) -> Traced:
     loaded = [load(f) for f in cfg.files]
     events = [_events(d) for d in loaded]
     ranks = [(d.get("distributedInfo") or {}).get("rank", i) for i, d in enumerate(loaded)]
-    _one_run(cfg.files, loaded, events, ranks)
+    # traces that cannot be the ranks of one run: refused in one line
+    ids = [d.get("trace_id") or i for i, d in enumerate(loaded)]
+    sizes = {(d.get("distributedInfo") or {}).get("world_size") for d in loaded} - {None}
+    spans = [(f, d["baseTimeNanoseconds"] / 1e9 + e["ts"].min(),
+              d["baseTimeNanoseconds"] / 1e9 + e["end"].max())
+             for f, d, e in zip(cfg.files, loaded, events) if "baseTimeNanoseconds" in d]
+    ended, began = min(spans, key=lambda x: x[2], default=None), max(
+        spans, key=lambda x: x[1], default=None)
+    at = [dt.datetime.fromtimestamp(x[1], dt.timezone.utc) for x in (ended, began) if x]
+    said = ("a trace given twice (the same trace_id)" if len(set(ids)) < len(ids) else
+            "a rank given twice" if len(set(ranks)) < len(ranks) else
+            f"traces of runs of {sorted(sizes)} ranks" if len(sizes) > 1 else
+            f"{ended[0]} (from {at[0]:%H:%M:%S} UTC) ended before {began[0]} (from "
+            f"{at[1]:%H:%M:%S} UTC) began: traces of different runs"  # ranks of a run overlap
+            if spans and ended[2] < began[1] else "")
+    if said:
+        raise ValueError(f"TraceConfig.files: {said}, not the ranks of one run")
     hosts = list(dict.fromkeys(str(d.get("host_name", "")) for d in loaded))
     frame = pd.concat([rank_stages(e, r, hosts.index(str(d.get("host_name", ""))))
                        for d, e, r in zip(loaded, events, ranks)], ignore_index=True)

@@ -85,7 +85,24 @@ STYLE = (
 
 def page(summary: dict[str, Any], frames: dict[str, pd.DataFrame], images: dict[str, str]) -> str:
     """The whole self-contained page (figures inlined as base64 PNG)."""
-    parts = [_opening(summary, frames), _fixes(summary, frames)]
+    head = summary.get("headline")  # its lines, else what the folder measured
+    if head:
+        lines = head["text"].split("\n")
+        top = f"<h1>{_esc(lines[0][0].upper() + lines[0][1:])}</h1>"
+        for line in lines[1:]:  # "top fix: ..." stands out
+            kind = "top" if line.startswith("top fix: ") else "head"
+            top += f"<p class={kind}>{_esc(line[0].upper() + line[1:])}</p>"
+    else:
+        top = f"<h1>diag report: {_esc(', '.join(sections(frames)) or 'the machine')}</h1>"
+        if summary.get("top_finding"):
+            top += f"<p class=top>Top finding: {_esc(summary['top_finding'])}</p>"
+    said = busy(summary.get("machine") or {})
+    if said:
+        top += f"<p class=busy>{_esc(said[0].upper() + said[1:])}.</p>"
+    when = summary["created_utc"].replace("T", " ")[:16] + " UTC"
+    machine = device_line(summary)
+    parts = [f"<header>{top}<p class=device>Run of {when}{f' on {machine}' if machine else ''}."
+             "</p></header>", _fixes(summary, frames)]
     for key, names in sections(frames).items():
         figures = [_img(f, images[f]) for f in FIGURES.get(key, (key,)) if f in images]
         parts.append(_section(SECTIONS.get(key, key.replace("_", " ")), key,
@@ -102,7 +119,6 @@ def page(summary: dict[str, Any], frames: dict[str, pd.DataFrame], images: dict[
         f"<dt><b>{_esc(k)}</b></dt><dd>{_esc(v)}</dd>" for k, v in GLOSSARY.items())
         + "</dl></details>")
     versions = ", ".join(f"{k} {v}" for k, v in summary.get("versions", {}).items())
-    machine = device_line(summary)
     parts.append(_section("The machine and the software", "machine",
                           f"Measured on {machine}." if machine else
                           "The command recorded no device facts; the software it ran:", [],
@@ -203,28 +219,6 @@ def _conclusion(key: str, names: list[str], summary: dict[str, Any],
         return " ".join(said)
     rows = sum(len(frames[n]) for n in names)
     return f"Measured {rows:,} rows; no setting was decided from them."
-
-
-def _opening(summary: dict[str, Any], frames: dict[str, pd.DataFrame]) -> str:
-    """The headline's lines and the machine (no stages: what the folder measured)."""
-    head = summary.get("headline")
-    if head:
-        lines = head["text"].split("\n")
-        out = f"<h1>{_esc(lines[0][0].upper() + lines[0][1:])}</h1>"
-        for line in lines[1:]:  # "top fix: ..." stands out
-            kind = "top" if line.startswith("top fix: ") else "head"
-            out += f"<p class={kind}>{_esc(line[0].upper() + line[1:])}</p>"
-    else:
-        out = f"<h1>diag report: {_esc(', '.join(sections(frames)) or 'the machine')}</h1>"
-        if summary.get("top_finding"):
-            out += f"<p class=top>Top finding: {_esc(summary['top_finding'])}</p>"
-    said = busy(summary.get("machine") or {})
-    if said:
-        out += f"<p class=busy>{_esc(said[0].upper() + said[1:])}.</p>"
-    when = summary["created_utc"].replace("T", " ")[:16] + " UTC"
-    machine = device_line(summary)
-    return (f"<header>{out}<p class=device>Run of {when}{f' on {machine}' if machine else ''}."
-            "</p></header>")
 
 
 def device_line(summary: dict[str, Any]) -> str:

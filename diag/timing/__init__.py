@@ -1,5 +1,5 @@
-"""The stage vocabulary and `StageTimer`; `callback.TimingCallback` (it needs transformers) times a
-Trainer; `distributed`: a rank's seat, `comm`: the comm_wait clock, `stragglers`: per-rank reading.
+"""The stage vocabulary, `StageTimer` and its comm_wait clock; `callback.TimingCallback` (it needs
+transformers) times a Trainer; `distributed`: a rank's seat, `stragglers`: per-rank reading.
 """
 
 from diag.timing.timer import (LOAD_PARTS, RUN_STAGES, STAGE_FRAME, STAGES, STEP_STAGES,

@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback
 
 from diag.machine import device as devices
-from diag.timing import comm
-from diag.timing.timer import StageTimer
+from diag.timing.timer import StageTimer, find_ddp
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -46,7 +45,7 @@ class TimingCallback(TrainerCallback):
         device = self.device if self.device is not None else getattr(args, "device", None)
         if device is not None and devices.is_async(device):
             self._sync = lambda: devices.sync(device)
-        ddp = comm.find_ddp(getattr(self.trainer, "model_wrapped", None), kwargs.get("model"))
+        ddp = find_ddp(getattr(self.trainer, "model_wrapped", None), kwargs.get("model"))
         if ddp is not None and self.timer.comm is None:  # before the first forward
             self.timer.watch_comm(ddp)
             self._clock_fetch(self.trainer)

@@ -1,5 +1,5 @@
 """Where this process sits in a torchrun / accelerate job, and how it ends there: `place()` is
-this rank's seat, `gather_to_root` collects each rank's frame on rank 0 once at the end, finished
+this rank's seat, `gather` collects each rank's frame on rank 0 once at the end, finished
 steps are spilled as they go (*.partial.csv, never a complete run; `read_spills` reads them back),
 `ending(err)` names the rank a failed collective lost.
 """
@@ -147,11 +147,7 @@ def init_group(device_type: str = "cpu") -> Place:
 
 def agree(cfg: Any) -> None:
     """ValueError naming the ranks and fields whose config differs from rank 0's (a collective)."""
-    dist = _group()
-    if dist is None:
-        return
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, {"command": type(cfg).__name__, **cfg.to_dict()})
+    every = gather({"command": type(cfg).__name__, **cfg.to_dict()}, dst=None)
     root = every[ROOT]
     differ = [f"rank {rank}: " + ", ".join(fields) for rank, theirs in enumerate(every)
               if (fields := [f"{k}={theirs.get(k)!r} (rank 0: {root.get(k)!r})"
@@ -180,13 +176,17 @@ def _dial(address: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
-def gather_to_root(obj: Any) -> list[Any] | None:
-    """Every rank's obj on rank 0 in rank order, None on the others, [obj] when alone."""
+def gather(obj: Any, dst: int | None = ROOT) -> list[Any] | None:
+    """Every rank's obj in rank order on rank dst (None on the others; dst None: on every rank)."""
     dist = _group()
     if dist is None:
         return [obj]
-    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == ROOT else None
-    dist.gather_object(obj, out, dst=ROOT)
+    out: list[Any] | None = [None] * dist.get_world_size()
+    if dst is None:
+        dist.all_gather_object(out, obj)
+    else:
+        out = out if dist.get_rank() == dst else None
+        dist.gather_object(obj, out, dst=dst)
     return out
 
 
@@ -209,13 +209,13 @@ def spill_ranks(timer: Any, seat: Place | None = None) -> None:
 
 def _pointer() -> None:
     if _spilling is not None:
-        _quiet()
+        hold_sigterm()
         sys.stderr.write(f"diag: {who()}stopped before the end of the run; the steps it "
                          f"finished are in {_spilling} (`diag report {_spilling}` reads every "
                          "rank's)\n")
 
 
-def _quiet() -> None:
+def hold_sigterm() -> None:
     """The run is over: a launcher's SIGTERM must not cut its last lines."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -225,7 +225,7 @@ def ending(err: BaseException) -> BaseException:
     """err, or RankLost naming the ranks a failed collective lost; SIGTERM ignored from here on."""
     if not launched():
         return err
-    _quiet()
+    hold_sigterm()
     if _store is None or not isinstance(err, RuntimeError) or not any(
             w in str(err).lower() for w in ("connection", "broken pipe", "timed out", "nccl")):
         return err
@@ -246,14 +246,6 @@ def ending(err: BaseException) -> BaseException:
 
 def _roll_call(seat: Place) -> list[tuple[int, int]]:
     """(rank, node) of the ranks whose process ended, or (another node) did not answer in time."""
-    import psutil
-
-    def alive(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
     _store.set(f"diag/here/{seat.rank}", "1")
     deadline, gone = time.monotonic() + timeout_s("roll_call"), []
     for rank in range(seat.world_size):
@@ -270,6 +262,16 @@ def _roll_call(seat: Place) -> list[tuple[int, int]]:
         if not here:
             gone.append((rank, node))
     return gone
+
+
+def alive(pid: int) -> bool:
+    """Whether process pid still runs (a zombie has ended)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def spilled() -> Path | None:

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from diag.machine.device import sync
-from diag.timing.distributed import gather_to_root, gathered_frame, place
+from diag.timing.distributed import gather, gathered_frame, place
 from diag.timing.timer import StageTimer
 
 POINT = ["micro_batch", "grad_accum", "repeat"]  # names a harness row's step
@@ -77,7 +77,7 @@ class TimedStep:
         """A collective: (every rank's rows, comm_wait_s out of compute_s; stage rows) on rank 0."""
         seat, stages = place(), gathered_frame(self.timer)
         mine = rows.assign(rank=seat.rank, node=seat.node)
-        every = pd.concat(gather_to_root(mine) or [mine], ignore_index=True)
+        every = pd.concat(gather(mine) or [mine], ignore_index=True)
         timed = []  # the step of each timed row: a point's last steps (those before: its warm-up)
         for (micro, accum), part in rows[rows["status"] == "ok"].groupby(
                 ["micro_batch", "grad_accum"], sort=False):

@@ -53,11 +53,10 @@ def per_rank(frame: pd.DataFrame) -> pd.DataFrame:
     if wide.empty:
         return pd.DataFrame(columns=COLUMNS)
     wide = wide.assign(step_total=wide["work"] + wide["comm_wait"])
+    medians = {f"{s}_s": (s, "median") for s in (*WORK_STAGES, "comm_wait", "work")}
     out = wide.groupby(level=["run", "rank", "node"]).agg(
-        steps=("work", "size"), data_wait_s=("data_wait", "median"), h2d_s=("h2d", "median"),
-        compute_s=("compute", "median"), comm_wait_s=("comm_wait", "median"),
-        other_s=("other", "median"), work_s=("work", "median"),
-        median_step=("step_total", "median"), best_step=("step_total", "min")).reset_index()
+        steps=("work", "size"), median_step=("step_total", "median"),
+        best_step=("step_total", "min"), **medians).reset_index()
     fastest = out.groupby("run")["work_s"].transform("min")
     out["relative"] = fastest / out["work_s"].where(out["work_s"] > 0)
     out["individual"] = out["best_step"] / out["median_step"].where(out["median_step"] > 0)

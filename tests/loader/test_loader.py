@@ -14,7 +14,7 @@ from diag.config import LoaderConfig
 from diag.data import PackedDataset, build_token_cache
 from diag.embedded import ensure_assets, synthetic_records
 from diag.loader.advice import advice, decide, recommend
-from diag.loader.experiment import profile_lines
+from diag.loader import profile_lines
 from diag.loader.toy import EmulatedStep, gpu_step_seconds, measure_model_step
 from diag.loader.sweep import (Guarded, Setting, measure_setting, records_needed, sweep_workers,
                                usable_cores)
@@ -234,7 +234,7 @@ def test_stall_split_accounts_an_emulated_step_it_cannot_overlap(workers):
     # num_workers=0 makes each batch between steps in this process: a step's length cannot
     # change the wait, so the split accounts the emulated step at its seconds without sleeping
     # it; with a worker the batch is made while the step runs, so the step is really held
-    from diag.loader.experiment import stall_split
+    from diag.loader import stall_split
 
     _Counted.held = 0
     cfg = LoaderConfig.quick(pipelines=["packed"], workers=[workers], steps=2, seq_len=64)

@@ -201,9 +201,9 @@ class DdpTrainer:
 
 
 def test_under_ddp_the_count_gather_broadcast_and_all_reduce_are_comm_wait(clock, monkeypatch):
-    import diag.timing.comm
+    import diag.timing.callback
 
-    monkeypatch.setattr(diag.timing.comm, "find_ddp", lambda *candidates: "ddp")
+    monkeypatch.setattr(diag.timing.callback, "find_ddp", lambda *candidates: "ddp")
     cb = TimingCallback(warmup_steps=1)
     # the waits inside each step (broadcast + exposed all-reduce), taken at its end; those taken
     # at a step's begin (an eval's forward, a warm-up step's) are dropped
@@ -231,7 +231,7 @@ def test_under_ddp_the_count_gather_broadcast_and_all_reduce_are_comm_wait(clock
 
 
 def test_the_comm_hook_is_put_on_the_trainers_ddp_model_once(clock, monkeypatch):
-    import diag.timing.comm
+    import diag.timing.callback
 
     ddp, seen, watched = object(), [], []
 
@@ -239,7 +239,7 @@ def test_the_comm_hook_is_put_on_the_trainers_ddp_model_once(clock, monkeypatch)
         seen.append(candidates)
         return ddp
 
-    monkeypatch.setattr(diag.timing.comm, "find_ddp", find)
+    monkeypatch.setattr(diag.timing.callback, "find_ddp", find)
     cb = TimingCallback()
     monkeypatch.setattr(cb.timer, "watch_comm", watched.append)
     cb.trainer = SimpleNamespace(model_wrapped="wrapped")
@@ -248,7 +248,7 @@ def test_the_comm_hook_is_put_on_the_trainers_ddp_model_once(clock, monkeypatch)
     cb.timer.comm = Comm([])
     Run(cb, clock).call("on_train_begin")
     assert seen[1] == ("wrapped", None) and watched == [ddp]  # already watched
-    monkeypatch.setattr(diag.timing.comm, "find_ddp", lambda *c: None)
+    monkeypatch.setattr(diag.timing.callback, "find_ddp", lambda *c: None)
     other = TimingCallback()
     monkeypatch.setattr(other.timer, "watch_comm", watched.append)
     Run(other, clock).call("on_train_begin")

@@ -1,4 +1,4 @@
-"""diag.timing.comm on a real DDP model (gloo, one process): comm_wait counts the collectives a
+"""timer.CommWait on a real DDP model (gloo, one process): comm_wait counts the collectives a
 step ran, and nothing for a step that ran none."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def ddp():
 def test_comm_wait_is_zero_for_a_step_with_no_collective_and_take_resets(ddp):
     import torch
 
-    from diag.timing.comm import CommWait
+    from diag.timing.timer import CommWait
 
     comm = CommWait(ddp)
     x = torch.ones(4, 8)
