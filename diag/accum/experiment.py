@@ -27,7 +27,7 @@ from diag.mfu import (ModelShape, count_flops, disagreement, floor_impossible, f
                       judge_mfu, loss_of, over_ranks)
 from diag.noise import Choice, choose, clock, compare, spread, unresolved
 from diag.timing import stragglers
-from diag.timing.distributed import init_group, root_first, spill_ranks
+from diag.timing.distributed import rank_device, root_first, spill_ranks
 from diag.timing.harness import TimedStep, ranks_first
 
 DEFAULT_MICRO_BATCH = 8  # no sweep ran: fits the tiny and the 1B model on any 16 GB GPU
@@ -51,16 +51,17 @@ class AccumResult:
 def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
     """The sweep at cfg's tokens per step, then its summary, MFU cross-check and advice."""
     cfg = cfg or AccumConfig.default()
-    frame, setup, ddp = measure(cfg)
+    frame, mfu, ddp = measure(cfg)
     every, stages = ddp.gathered(frame) if ddp else (ranks_first(frame), None)
     # ranks run in lockstep, so theirs are not independent samples: this rank's steps decide
     frame = every[every["rank"] == (ddp.timer.rank if ddp else 0)]
-    summary = summarize(frame, device=setup.device)
-    on = MeasuredOn(model=f"{cfg.model} ({setup.shape.params / 1e6:.3g}M params)",
-                    precision=setup.amp, seq_len=cfg.seq_len,
+    ran = mfu.iloc[0]  # the model, precision and device the sweep ran on
+    summary = summarize(frame, device=ran["device"])
+    on = MeasuredOn(model=f"{cfg.model} ({ran['params'] / 1e6:.3g}M params)",
+                    precision=ran["amp"], seq_len=cfg.seq_len,
                     step=f"{cfg.tokens_per_step:,} tokens per optimizer step",
-                    device=setup.device, tokens_per_step=cfg.tokens_per_step)
-    return AccumResult(every, summary, mfu_check(setup), advice(summary, cfg.steps_per_run),
+                    device=ran["device"], tokens_per_step=cfg.tokens_per_step)
+    return AccumResult(every, summary, mfu, advice(summary, cfg.steps_per_run),
                        decide(frame, on), None if stages is None else stragglers.per_rank(stages),
                        stages)
 
@@ -155,12 +156,12 @@ def summarize(frame: pd.DataFrame, baseline: int = 1, device: str = "") -> pd.Da
     return pd.DataFrame(out[[c for c in cols if c in out.columns]])
 
 
-def mfu_check(setup: Setup) -> pd.DataFrame:
-    """The formula's FLOPs per token beside FlopCounterMode's, and the peak used for MFU."""
-    shape, peak, counted = setup.shape, setup.peak, setup.counted_per_token
+def mfu_check(shape: ModelShape, peak: Peak, counted: float, amp: str, device: str
+              ) -> pd.DataFrame:
+    """The formula's FLOPs per token beside FlopCounterMode's (`counted`), and the MFU peak."""
     formula = shape.flops_per_token
     common = {"params": shape.params, "layers": shape.layers, "d_model": shape.d_model,
-              "seq_len": shape.seq_len, "amp": setup.amp, "device": setup.device,
+              "seq_len": shape.seq_len, "amp": amp, "device": device,
               "peak_tflops": peak.flops / 1e12 if peak.flops else math.nan,
               "peak": peak.label + (f" ({peak.source})" if peak.source and not peak.measured
                                     else "")}
@@ -205,17 +206,6 @@ def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = 
     finding = (f"train with micro-batch {int(best['micro_batch'])} x grad_accum "
                f"{int(best['grad_accum'])}: the same tokens per step, fewer accumulation steps")
     return pd.DataFrame([("compute", finding, max(0.0, saved), evidence)], columns=ADVICE)
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What the sweep was measured with (experiment.mfu_check reads it)."""
-
-    shape: ModelShape
-    peak: Peak  # the dense peak MFU is computed against
-    counted_per_token: float  # FlopCounterMode on one micro-step of the smallest point
-    amp: str  # autocast dtype: "bf16" or "fp32"
-    device: str
 
 
 class LMStep:
@@ -288,12 +278,9 @@ def build_model(cfg: AccumConfig, device: torch.device) -> Any:
     return model.to(device).train()
 
 
-def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
-    """The sweep frame (COLUMNS), its Setup, and under a launcher this rank's TimedStep."""
-    dev = devices.resolve(cfg.device)
-    seat = init_group(dev.type)  # under a launcher: one DDP rank of the sweep
-    if seat.distributed and dev.type == "cuda":
-        dev = torch.device("cuda", seat.local_rank)
+def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, pd.DataFrame, TimedStep | None]:
+    """The sweep frame (COLUMNS), its mfu_check, and under a launcher this rank's TimedStep."""
+    dev, seat = rank_device(cfg.device)  # under a launcher: one DDP rank of the sweep
     points = pairs(cfg, seat.world_size)  # before any work: a world that cannot split the step
     with root_first():  # rank 0 tokenizes the synthetic set once; the others read its file
         tokens = token_file(cfg.token_file) if cfg.token_file else ensure_tokens()
@@ -331,4 +318,4 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
         mfu, _, note = judge_mfu(frame.at[i, "tokens_per_s"], fpt, peak.flops, peak.label)
         # the peak is named once, in the mfu frame; a row says only why it has no MFU
         frame.loc[i, ["mfu", "detail"]] = mfu, "" if mfu == mfu else note
-    return frame, Setup(shape, peak, counted, amp_dtype, str(dev)), ddp
+    return frame, mfu_check(shape, peak, counted, amp_dtype, str(dev)), ddp
