@@ -18,7 +18,8 @@ import pandas as pd
 
 from diag.amdahl import shares
 from diag.config import QLoraConfig
-from diag.data import read_meta, shard_files
+from diag.data import count_records, read_meta, shard_files
+from diag.decision import ADVICE, Decision
 from diag.files import scratch_folder
 from diag.forecast import story
 from diag.forecast.costs import measured, price, row, table
@@ -30,7 +31,6 @@ from diag.preflight import preflight
 from diag.qlora import job
 from diag.qlora.base import Bases, Sources, timed_folder
 from diag.qlora.checkpoints import claim
-from diag.data import count_records
 from diag.qlora.data import build_dataset, counted, job_records
 from diag.qlora.measure import JobInputs, QLoraStep, job_inputs, plan_from_job, read_results
 from diag.qlora.plans import Plan, fixes
@@ -40,10 +40,8 @@ from diag.timing.distributed import rank_device, root_first
 
 if TYPE_CHECKING:
     from diag.config import TrainConfig
-    from diag.decision import Decision
     from diag.qlora.job import PlanRun
 
-ADVICE = ["stage", "finding", "seconds_saved", "evidence"]  # QLoraResult.advice's columns
 STARTS = {"fetch": "fetch_data", "model_cache": "download", "pipeline": "preprocess"}
 
 
