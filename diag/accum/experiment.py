@@ -27,7 +27,7 @@ from diag.mfu import (ModelShape, count_flops, disagreement, floor_impossible, f
                       judge_mfu, loss_of, over_ranks)
 from diag.noise import Choice, choose, clock, compare, spread, unresolved
 from diag.timing import stragglers
-from diag.timing.distributed import rank_device, root_first, spill_ranks
+from diag.timing.distributed import init_group, root_first, spill_ranks
 from diag.timing.harness import TimedStep, ranks_first
 
 DEFAULT_MICRO_BATCH = 8  # no sweep ran: fits the tiny and the 1B model on any 16 GB GPU
@@ -222,10 +222,11 @@ class LMStep:
         self._ddp = self.ddp if self.ddp is not None else model
         self._run, self.optimizer = self._ddp, None
 
-    def batches(self, micro_batch: int) -> Any:
-        loader = BatchLoader(self._tokens, micro_batch, self._cfg.seq_len, self.device,
-                             seed=self._seed)
-        return _slowed(loader, self._slow_s) if self._slow_s else loader
+    @contextlib.contextmanager
+    def batches(self, micro_batch: int) -> Iterator[Any]:
+        with BatchLoader(self._tokens, micro_batch, self._cfg.seq_len, self.device,
+                         seed=self._seed) as loader:  # slow_rank's: slow_ms more per batch
+            yield (time.sleep(self._slow_s) or b for b in loader) if self._slow_s else loader
 
     def reset(self) -> None:
         self.model.load_state_dict(self._initial)
@@ -248,12 +249,6 @@ class LMStep:
     def update(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-
-@contextlib.contextmanager
-def _slowed(loader: BatchLoader, seconds: float) -> Iterator[Any]:
-    with loader:
-        yield (time.sleep(seconds) or batch for batch in loader)
 
 
 def build_model(cfg: AccumConfig, device: torch.device) -> Any:
@@ -280,7 +275,10 @@ def build_model(cfg: AccumConfig, device: torch.device) -> Any:
 
 def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, pd.DataFrame, TimedStep | None]:
     """The sweep frame (COLUMNS), its mfu_check, and under a launcher this rank's TimedStep."""
-    dev, seat = rank_device(cfg.device)  # under a launcher: one DDP rank of the sweep
+    dev = devices.resolve(cfg.device)
+    seat = init_group(dev.type)  # under a launcher: one DDP rank of the sweep
+    if seat.distributed and dev.type == "cuda":
+        dev = torch.device("cuda", seat.local_rank)
     points = pairs(cfg, seat.world_size)  # before any work: a world that cannot split the step
     with root_first():  # rank 0 tokenizes the synthetic set once; the others read its file
         tokens = token_file(cfg.token_file) if cfg.token_file else ensure_tokens()

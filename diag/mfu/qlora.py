@@ -15,7 +15,7 @@ from diag.machine.device import Peak, _dtype, peak_flops, resolve
 from diag.mfu.formula import (ModelShape, count_flops, depth_width, disagreement, judge_mfu,
                               over_ranks)
 from diag.timing import StageTimer
-from diag.timing.distributed import rank_device
+from diag.timing.distributed import place
 
 EXECUTED = "executed (fwd + input grads + LoRA grads + attention)"  # as every table names it
 
@@ -191,7 +191,11 @@ class Counted:
 
 def count_plans(cfg: Any, plans: Iterable[Any], src: Any, bases: Any) -> dict[str, Counted]:
     """Each plan's step counted once, untimed, on one row, on its base (diag.qlora.base.Bases)."""
-    device, known, out = rank_device(cfg.device)[0], {}, {}  # each rank's on its own GPU
+    import torch
+
+    device, known, out = resolve(cfg.device), {}, {}
+    if place().distributed and device.type == "cuda":  # each rank's model on its own GPU
+        device = torch.device("cuda", place().local_rank)
     for plan in plans:
         model = bases.load(cfg, plan, src, device, StageTimer())[1]  # its clock: thrown away
         try:

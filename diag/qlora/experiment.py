@@ -36,7 +36,7 @@ from diag.qlora.measure import JobInputs, QLoraStep, job_inputs, plan_from_job, 
 from diag.qlora.plans import Plan, fixes
 from diag.qlora.trainer import trainer_class
 from diag.timing import StageTimer
-from diag.timing.distributed import rank_device, root_first
+from diag.timing.distributed import root_first
 
 if TYPE_CHECKING:
     from diag.config import TrainConfig
@@ -84,7 +84,7 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
     import peft  # noqa: F401
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-    device = rank_device(cfg.device)[0]  # under a launcher: joins before the first barrier
+    device = job.rank_device(cfg)[0]  # under a launcher: joins before the first barrier
     on = clock(device).name
     with contextlib.nullcontext(src) if src else job.open_sources(cfg) as src:
         plans = [Plan.naive()] if cfg.plan in ("naive", "both") else []

@@ -16,6 +16,7 @@ import pandas as pd
 from diag.files import scratch_folder
 from diag.forecast.costs import measured, row
 from diag.forecast.eta import run_counts
+from diag.machine.device import resolve
 from diag.qlora.base import REUSED, Bases, Sources, model_folder
 from diag.qlora.checkpoints import last_checkpoint
 from diag.qlora.data import WholeSteps, build_dataset, job_records
@@ -92,7 +93,7 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases | None = N
     import transformers
 
     with frozen_heap(), contextlib.nullcontext(bases) if bases else Bases() as bases:
-        device, seat = distributed.rank_device(cfg.device)
+        device, seat = rank_device(cfg)
         plan = plan.for_device(str(device))
         timer = StageTimer(device=device)  # on CUDA every stage boundary is a sync point
         work = scratch_folder(f"diag-qlora-{plan.name}")  # a killed rank's is swept next time
@@ -146,6 +147,17 @@ def run_plan(cfg: QLoraConfig, plan: Plan, src: Sources, bases: Bases | None = N
         finally:
             bases.release()  # the adapter off the kept base: the next round starts from its load
             shutil.rmtree(work, ignore_errors=True)
+
+
+def rank_device(cfg: JobConfig) -> tuple[Any, Any]:
+    """(the device this process trains on, its DDP seat, joined here; a no-op's unlaunched)."""
+    import torch
+
+    device = resolve(cfg.device)
+    seat = distributed.init_group(device.type)
+    if seat.distributed and device.type == "cuda":
+        device = torch.device("cuda", seat.local_rank)  # each rank's base on its own GPU
+    return device, seat
 
 
 @contextlib.contextmanager

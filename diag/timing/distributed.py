@@ -145,19 +145,6 @@ def init_group(device_type: str = "cpu") -> Place:
     return place()
 
 
-def rank_device(name: str) -> tuple[Any, Place]:
-    """(the device this process trains on, its seat, joined here; a no-op's unlaunched)."""
-    import torch
-
-    from diag.machine.device import resolve
-
-    device = resolve(name)
-    seat = init_group(device.type)
-    if seat.distributed and device.type == "cuda":
-        device = torch.device("cuda", seat.local_rank)  # each rank on its own GPU
-    return device, seat
-
-
 def agree(cfg: Any) -> None:
     """ValueError naming the ranks and fields whose config differs from rank 0's (a collective)."""
     dist = _group()
