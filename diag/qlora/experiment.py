@@ -103,7 +103,7 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
                                ignore_index=True) if len(plans) == 2 else None
             gc.collect()  # the measurements' models (reference cycles) go before the first start
             runs = _rounds(cfg, plans, src, bases, on, budget_s)
-            counted = count_plans(cfg, plans, src, bases)
+            counted = count_plans(cfg, plans, src, bases, device)  # this rank's
     every = pd.DataFrame([r.summary for r in runs])
     kept = [sorted((r for r in runs if r.plan == p.name), key=lambda r: r.summary["seconds"])
             for p in plans]
@@ -226,8 +226,7 @@ def _rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, clo
     def pending(got: dict[str, list[PlanRun]]) -> bool:
         if len(plans) < 2 or len(got["naive"]) < MIN_SAMPLES:
             return len(plans) == 2
-        rows = measured(r for runs in got.values() for run in runs
-                        for r in run.costs.to_dict("records"))
+        rows = pd.concat([run.costs for runs in got.values() for run in runs], ignore_index=True)
         per = story.rounds_of(rows, clock)
         totals = {p: sorted(v)[len(v) // 2] for p, v in per.items()}
         tokens = {p: runs[0].summary["real_tokens"] for p, runs in got.items()}
