@@ -134,8 +134,9 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
 def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -> pd.DataFrame:
     """Each plan's start, min(cfg.rounds, 3) times; the model folder in the first round alone."""
     # start settings the optimized plan's decisions price on this clock (diag run's): not re-timed
-    known = {d.setting for d in plans[1].decisions if d.per == "start"
-             and d.saving_s() is not None and (d.clock or "wall") == clock}
+    priced = [d for d in plans[1].decisions if d.per == "start" and d.saving_s() is not None
+              and (d.clock or "wall") == clock]
+    known = {d.setting for d in priced}
 
     def start(plan: Plan, rnd: int) -> list[dict[str, Any]]:
         work = scratch_folder(f"diag-qlora-time-{plan.name}")
@@ -163,11 +164,9 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -
     got, _ = interleave(range(len(plans)), lambda i, rnd: start(plans[i], rnd), min_rounds=n,
                         max_rounds=n)
     rows = [r for runs in got.values() for rs in runs for r in rs]
-    for d in plans[1].decisions:  # what a decision priced: its two sides, per start
-        if d.setting in known:
-            rows += [row(p, STARTS[d.setting], "start", s, clock=clock, when="before",
-                         evidence=f"the {d.source} decision's: {d.why}")
-                     for p, s in (("naive", d.baseline_s), ("optimized", d.chosen_s))]
+    rows += [row(p, STARTS[d.setting], "start", s, clock=clock, when="before",  # its two sides
+                 evidence=f"the {d.source} decision's: {d.why}")
+             for d in priced for p, s in (("naive", d.baseline_s), ("optimized", d.chosen_s))]
     return measured(rows)
 
 
