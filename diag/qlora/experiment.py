@@ -172,7 +172,7 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -
 
 def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
                device: Any) -> pd.DataFrame:
-    """Each plan's own step on the base its rounds reuse, settled in half the decide budget."""
+    """Each plan's own step (plans as run) on the base its rounds reuse, in half decide_budget_s."""
     from diag.accum import retime, train_points
 
     inputs = job_inputs(cfg, src)  # the landed data and the cached model: hits by now
@@ -182,7 +182,6 @@ def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
             data = build_dataset(cfg, plan, job_records(cfg, inputs.data_path, inputs.model_dir),
                                  inputs.model_dir, inputs.data_path)
             n = data.micro_batch * data.grad_accum
-            plan = plan.for_device(str(device))  # as run_plan keys its base
             folder, model, _ = bases.load(cfg, plan, src, device, StageTimer(trace=False))
             steps.append(QLoraStep(cfg, folder, device, plan.gradient_checkpointing, model,
                                    rows=[data.dataset[i] for i in range(n)]))
