@@ -134,7 +134,7 @@ def _on_job(cfg: DiagnoseConfig, run: Run, d: Diagnosis, job: QLoraConfig,
     if cfg.loader and not cfg.quick_experiments and resolve(cfg.device).type == "cpu":
         d = run(d, LOADER_PROJECTED, lambda: _loader_toy(cfg, {  # the job's records
             "data": str(_need(d.job, JOB).data_path), "tokenizer": str(d.job.model_dir),
-            **job.record_fields()}))
+            **job.source_kwargs(LoaderConfig)}))
     return d
 
 

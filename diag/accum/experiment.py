@@ -51,16 +51,17 @@ class AccumResult:
 def run_accum(cfg: AccumConfig | None = None) -> AccumResult:
     """The sweep at cfg's tokens per step, then its summary, MFU cross-check and advice."""
     cfg = cfg or AccumConfig.default()
-    frame, setup, ddp = measure(cfg)
+    frame, mfu, ddp = measure(cfg)
     every, stages = ddp.gathered(frame) if ddp else (ranks_first(frame), None)
     # ranks run in lockstep, so theirs are not independent samples: this rank's steps decide
     frame = every[every["rank"] == (ddp.timer.rank if ddp else 0)]
-    summary = summarize(frame, device=setup.device)
-    on = MeasuredOn(model=f"{cfg.model} ({setup.shape.params / 1e6:.3g}M params)",
-                    precision=setup.amp, seq_len=cfg.seq_len,
+    ran = mfu.iloc[0]  # the model, precision and device the sweep ran on
+    summary = summarize(frame, device=ran["device"])
+    on = MeasuredOn(model=f"{cfg.model} ({ran['params'] / 1e6:.3g}M params)",
+                    precision=ran["amp"], seq_len=cfg.seq_len,
                     step=f"{cfg.tokens_per_step:,} tokens per optimizer step",
-                    device=setup.device, tokens_per_step=cfg.tokens_per_step)
-    return AccumResult(every, summary, mfu_check(setup), advice(summary, cfg.steps_per_run),
+                    device=ran["device"], tokens_per_step=cfg.tokens_per_step)
+    return AccumResult(every, summary, mfu, advice(summary, cfg.steps_per_run),
                        decide(frame, on), None if stages is None else stragglers.per_rank(stages),
                        stages)
 
@@ -155,12 +156,12 @@ def summarize(frame: pd.DataFrame, baseline: int = 1, device: str = "") -> pd.Da
     return pd.DataFrame(out[[c for c in cols if c in out.columns]])
 
 
-def mfu_check(setup: Setup) -> pd.DataFrame:
-    """The formula's FLOPs per token beside FlopCounterMode's, and the peak used for MFU."""
-    shape, peak, counted = setup.shape, setup.peak, setup.counted_per_token
+def mfu_check(shape: ModelShape, peak: Peak, counted: float, amp: str, device: str
+              ) -> pd.DataFrame:
+    """The formula's FLOPs per token beside FlopCounterMode's (`counted`), and the MFU peak."""
     formula = shape.flops_per_token
     common = {"params": shape.params, "layers": shape.layers, "d_model": shape.d_model,
-              "seq_len": shape.seq_len, "amp": setup.amp, "device": setup.device,
+              "seq_len": shape.seq_len, "amp": amp, "device": device,
               "peak_tflops": peak.flops / 1e12 if peak.flops else math.nan,
               "peak": peak.label + (f" ({peak.source})" if peak.source and not peak.measured
                                     else "")}
@@ -207,17 +208,6 @@ def advice(summary: pd.DataFrame, steps_per_run: int, compute_s: float | None = 
     return pd.DataFrame([("compute", finding, max(0.0, saved), evidence)], columns=ADVICE)
 
 
-@dataclass(frozen=True)
-class Setup:
-    """What the sweep was measured with (experiment.mfu_check reads it)."""
-
-    shape: ModelShape
-    peak: Peak  # the dense peak MFU is computed against
-    counted_per_token: float  # FlopCounterMode on one micro-step of the smallest point
-    amp: str  # autocast dtype: "bf16" or "fp32"
-    device: str
-
-
 class LMStep:
     """diag accum's causal LM, trained a micro-step at a time (sweep.AccumStep)."""
 
@@ -232,10 +222,11 @@ class LMStep:
         self._ddp = self.ddp if self.ddp is not None else model
         self._run, self.optimizer = self._ddp, None
 
-    def batches(self, micro_batch: int) -> Any:
-        loader = BatchLoader(self._tokens, micro_batch, self._cfg.seq_len, self.device,
-                             seed=self._seed)
-        return _slowed(loader, self._slow_s) if self._slow_s else loader
+    @contextlib.contextmanager
+    def batches(self, micro_batch: int) -> Iterator[Any]:
+        with BatchLoader(self._tokens, micro_batch, self._cfg.seq_len, self.device,
+                         seed=self._seed) as loader:  # slow_rank's: slow_ms more per batch
+            yield (time.sleep(self._slow_s) or b for b in loader) if self._slow_s else loader
 
     def reset(self) -> None:
         self.model.load_state_dict(self._initial)
@@ -260,12 +251,6 @@ class LMStep:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-@contextlib.contextmanager
-def _slowed(loader: BatchLoader, seconds: float) -> Iterator[Any]:
-    with loader:
-        yield (time.sleep(seconds) or batch for batch in loader)
-
-
 def build_model(cfg: AccumConfig, device: torch.device) -> Any:
     """The embedded tiny Llama, or a GPT-2-small shape (nanoGPT's padded vocab), random init."""
     if cfg.model == "tiny":
@@ -288,8 +273,8 @@ def build_model(cfg: AccumConfig, device: torch.device) -> Any:
     return model.to(device).train()
 
 
-def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
-    """The sweep frame (COLUMNS), its Setup, and under a launcher this rank's TimedStep."""
+def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, pd.DataFrame, TimedStep | None]:
+    """The sweep frame (COLUMNS), its mfu_check, and under a launcher this rank's TimedStep."""
     dev = devices.resolve(cfg.device)
     seat = init_group(dev.type)  # under a launcher: one DDP rank of the sweep
     if seat.distributed and dev.type == "cuda":
@@ -331,4 +316,4 @@ def measure(cfg: AccumConfig) -> tuple[pd.DataFrame, Setup, TimedStep | None]:
         mfu, _, note = judge_mfu(frame.at[i, "tokens_per_s"], fpt, peak.flops, peak.label)
         # the peak is named once, in the mfu frame; a row says only why it has no MFU
         frame.loc[i, ["mfu", "detail"]] = mfu, "" if mfu == mfu else note
-    return frame, Setup(shape, peak, counted, amp_dtype, str(dev)), ddp
+    return frame, mfu_check(shape, peak, counted, amp_dtype, str(dev)), ddp

@@ -51,7 +51,7 @@ class LoaderConfig(RecordFields):
     def validate(self) -> None:
         super().validate()  # the record fields
         if self.fields() and not self.data:  # the embedded records are never renamed
-            name = next(k for k, v in self.record_fields().items() if v)
+            name = next(k for k, v in self.source_kwargs().items() if v)
             raise ValueError(f"LoaderConfig.{name}={getattr(self, name)!r}: names a field of "
                              "--data's records, and --data is empty; give --data (your records)")
         self._whole("batch_size", "steps", "repeats", "prefetch_factor", "run_steps",

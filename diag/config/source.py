@@ -34,6 +34,8 @@ class RecordFields(ExperimentConfig):
     response_field: str = ""  # the records' response field (with --prompt-field)
     messages_field: str = ""  # the records' chat field ([{role, content}]): loss on the last turn
 
+    SOURCE: ClassVar[tuple[str, ...]] = RECORDS  # the source fields this config reads
+
     def validate(self) -> None:
         super().validate()
         if bool(self.prompt_field) != bool(self.response_field) or sum(
@@ -46,11 +48,11 @@ class RecordFields(ExperimentConfig):
 
     def fields(self) -> dict[str, str]:
         """The record fields to read (diag.data.records.normalise's); {} = Alpaca's."""
-        return {k.removesuffix("_field"): v for k, v in self.record_fields().items() if v}
+        return {k.removesuffix("_field"): getattr(self, k) for k in RECORDS if getattr(self, k)}
 
-    def record_fields(self) -> dict[str, str]:
-        """These four flags' values, to hand the same records to another config."""
-        return {name: getattr(self, name) for name in RECORDS}
+    def source_kwargs(self, into: type[RecordFields] | None = None) -> dict[str, object]:
+        """The source fields' values that `into` reads (its SOURCE; None: this config's)."""
+        return {name: getattr(self, name) for name in (into or type(self)).SOURCE}
 
 
 @dataclass
@@ -69,7 +71,7 @@ class SourceConfig(RecordFields):
     cache_dir: str = ""  # HF hub cache for --model; "" = your HF_HUB_CACHE (read only)
     repair_cache: bool = False  # re-download cached files failing their checksum; False: report
 
-    SOURCE: ClassVar[tuple[str, ...]] = BUCKET + RECORDS + MODEL  # the fields this config reads
+    SOURCE: ClassVar[tuple[str, ...]] = BUCKET + RECORDS + MODEL
 
     def validate(self) -> None:
         from urllib.parse import urlsplit
@@ -105,10 +107,6 @@ class SourceConfig(RecordFields):
         self._check(("revision",), bool, "name a branch, tag or commit (main)")
         check_model(self.model, name)
         super().validate()  # the record fields last: a field not read here is refused as such
-
-    def source_kwargs(self, into: type[SourceConfig] | None = None) -> dict[str, object]:
-        """The source fields' values that `into` reads (its SOURCE; None: all), to hand over."""
-        return {name: getattr(self, name) for name in (into or SourceConfig).SOURCE}
 
 
 def data_file(name: str) -> bool:

@@ -73,10 +73,8 @@ def price(costs: pd.DataFrame, counts: Mapping[str, Mapping[str, float]] | Mappi
     """Each plan's stages priced: cost x count summed over units (counts per unit or per plan)."""
     nested = any(isinstance(v, Mapping) for v in counts.values())
     part = costs
-    if clock is not None:
-        part = part[part["clock"] == clock]
-    if when is not None:
-        part = part[part["when"] == when]
+    for column, want in (("clock", clock), ("when", when)):
+        part = part if want is None else part[part[column] == want]
     out = []
     for (plan, stage), rows in part.groupby(["plan", "stage"], sort=False):
         mine = counts.get(plan, counts) if nested else counts

@@ -81,27 +81,20 @@ def waterfall(runs_priced: pd.DataFrame, clock: str, fixes: Mapping[str, Sequenc
     """Rows naive, one per stage a fix changed (its change), one residual, optimized."""
     runs = _by(runs_priced)
     stages = [s for s in ORDER if (s, "naive") in runs or (s, "optimized") in runs]
-    naive = sum(runs.get((s, "naive"), 0.0) for s in stages)
-    rows = [{"bar": "naive", "stage": "", "fixes": "", "seconds": naive, "change": 0.0}]
-    level, rest = naive, []
-    for stage in stages:
-        delta = runs.get((stage, "optimized"), 0.0) - runs.get((stage, "naive"), 0.0)
-        if fixes.get(stage):
-            level += delta
-            rows.append({"bar": stage, "stage": stage, "fixes": "; ".join(fixes[stage]),
-                         "seconds": level, "change": delta})
-        else:
-            rest.append((stage, delta))
+    total = {p: sum(runs.get((s, p), 0.0) for s in stages) for p in ("naive", "optimized")}
+    change = {s: runs.get((s, "optimized"), 0.0) - runs.get((s, "naive"), 0.0) for s in stages}
+    rest = [s for s in stages if not fixes.get(s)]
+    bars = [(s, s, "; ".join(fixes[s]), change[s]) for s in stages if fixes.get(s)]
     if rest:
-        delta = sum(d for _, d in rest)
-        level += delta
-        rows.append({"bar": "unchanged", "stage": ", ".join(s for s, _ in rest),
-                     "fixes": "no fix changes these stages: the difference is noise",
-                     "seconds": level, "change": delta})
-    optimized = sum(runs.get((s, "optimized"), 0.0) for s in stages)
-    rows.append({"bar": "optimized", "stage": "", "fixes": "", "seconds": optimized,
-                 "change": 0.0})
-    return pd.DataFrame(rows).assign(clock=clock)
+        bars.append(("unchanged", ", ".join(rest), "no fix changes these stages: the difference "
+                     "is noise", sum(change[s] for s in rest)))
+    flow = pd.DataFrame([("naive", "", "", 0.0), *bars, ("optimized", "", "", 0.0)],
+                        columns=["bar", "stage", "fixes", "change"])
+    # each bar stands where the changes before it and its own leave the naive total
+    level = (total["naive"] + flow["change"].cumsum()).where(flow["bar"] != "optimized",
+                                                             total["optimized"])
+    return flow.assign(seconds=level, clock=clock)[["bar", "stage", "fixes", "seconds", "change",
+                                                     "clock"]]
 
 
 def headline(rounds: Mapping[str, Sequence[float]], tokens: Mapping[str, float], clock: str,

@@ -15,7 +15,6 @@ from diag.machine.device import Peak, _dtype, peak_flops, resolve
 from diag.mfu.formula import (ModelShape, count_flops, depth_width, disagreement, judge_mfu,
                               over_ranks)
 from diag.timing import StageTimer
-from diag.timing.distributed import place
 
 EXECUTED = "executed (fwd + input grads + LoRA grads + attention)"  # as every table names it
 
@@ -189,13 +188,10 @@ class Counted:
     peak: Peak  # step_peak's
 
 
-def count_plans(cfg: Any, plans: Iterable[Any], src: Any, bases: Any) -> dict[str, Counted]:
+def count_plans(cfg: Any, plans: Iterable[Any], src: Any, bases: Any, device: Any
+                ) -> dict[str, Counted]:
     """Each plan's step counted once, untimed, on one row, on its base (diag.qlora.base.Bases)."""
-    import torch
-
-    device, known, out = resolve(cfg.device), {}, {}
-    if place().distributed and device.type == "cuda":  # each rank's model on its own GPU
-        device = torch.device("cuda", place().local_rank)
+    known, out = {}, {}
     for plan in plans:
         model = bases.load(cfg, plan, src, device, StageTimer())[1]  # its clock: thrown away
         try:

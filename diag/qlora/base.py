@@ -153,11 +153,8 @@ class Bases:
                     "CPU": folder_s["CPU"] + time.process_time() - used}
             self._held[key] = (folder, model.get_base_model(),
                                {"load_model": load, "download": folder_s})
-            self._lent.append(model)
-        else:
-            self._lent.append(load_model(cfg, plan, self._held[key][0], device,
-                                         self._held[key][1]))
-        folder, _, self.timed[plan.name] = self._held[key]
+        folder, base, self.timed[plan.name] = self._held[key]
+        self._lent.append(load_model(cfg, plan, folder, device, base) if reused else model)
         timer.record("load_model", self.timed[plan.name]["load_model"]["wall"])
         return folder, self._lent[-1], reused
 

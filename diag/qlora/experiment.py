@@ -18,7 +18,8 @@ import pandas as pd
 
 from diag.amdahl import shares
 from diag.config import QLoraConfig
-from diag.data import read_meta, shard_files
+from diag.data import count_records, read_meta, shard_files
+from diag.decision import ADVICE, Decision
 from diag.files import scratch_folder
 from diag.forecast import story
 from diag.forecast.costs import measured, price, row, table
@@ -30,7 +31,6 @@ from diag.preflight import preflight
 from diag.qlora import job
 from diag.qlora.base import Bases, Sources, timed_folder
 from diag.qlora.checkpoints import claim
-from diag.data import count_records
 from diag.qlora.data import build_dataset, counted, job_records
 from diag.qlora.measure import JobInputs, QLoraStep, job_inputs, plan_from_job, read_results
 from diag.qlora.plans import Plan, fixes
@@ -40,10 +40,8 @@ from diag.timing.distributed import root_first
 
 if TYPE_CHECKING:
     from diag.config import TrainConfig
-    from diag.decision import Decision
     from diag.qlora.job import PlanRun
 
-ADVICE = ["stage", "finding", "seconds_saved", "evidence"]  # QLoraResult.advice's columns
 STARTS = {"fetch": "fetch_data", "model_cache": "download", "pipeline": "preprocess"}
 
 
@@ -105,7 +103,7 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
                                ignore_index=True) if len(plans) == 2 else None
             gc.collect()  # the measurements' models (reference cycles) go before the first start
             runs = _rounds(cfg, plans, src, bases, on, budget_s)
-            counted = count_plans(cfg, plans, src, bases)
+            counted = count_plans(cfg, plans, src, bases, device)  # this rank's
     every = pd.DataFrame([r.summary for r in runs])
     kept = [sorted((r for r in runs if r.plan == p.name), key=lambda r: r.summary["seconds"])
             for p in plans]
@@ -136,8 +134,9 @@ def compare(cfg: QLoraConfig, decisions: Iterable[Decision] | None = None,
 def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -> pd.DataFrame:
     """Each plan's start, min(cfg.rounds, 3) times; the model folder in the first round alone."""
     # start settings the optimized plan's decisions price on this clock (diag run's): not re-timed
-    known = {d.setting for d in plans[1].decisions if d.per == "start"
-             and d.saving_s() is not None and (d.clock or "wall") == clock}
+    priced = [d for d in plans[1].decisions if d.per == "start" and d.saving_s() is not None
+              and (d.clock or "wall") == clock]
+    known = {d.setting for d in priced}
 
     def start(plan: Plan, rnd: int) -> list[dict[str, Any]]:
         work = scratch_folder(f"diag-qlora-time-{plan.name}")
@@ -165,17 +164,15 @@ def time_starts(cfg: QLoraConfig, plans: list[Plan], src: Sources, clock: str) -
     got, _ = interleave(range(len(plans)), lambda i, rnd: start(plans[i], rnd), min_rounds=n,
                         max_rounds=n)
     rows = [r for runs in got.values() for rs in runs for r in rs]
-    for d in plans[1].decisions:  # what a decision priced: its two sides, per start
-        if d.setting in known:
-            rows += [row(p, STARTS[d.setting], "start", s, clock=clock, when="before",
-                         evidence=f"the {d.source} decision's: {d.why}")
-                     for p, s in (("naive", d.baseline_s), ("optimized", d.chosen_s))]
+    rows += [row(p, STARTS[d.setting], "start", s, clock=clock, when="before",  # its two sides
+                 evidence=f"the {d.source} decision's: {d.why}")
+             for d in priced for p, s in (("naive", d.baseline_s), ("optimized", d.chosen_s))]
     return measured(rows)
 
 
 def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
                device: Any) -> pd.DataFrame:
-    """Each plan's own step on the base its rounds reuse, settled in half the decide budget."""
+    """Each plan's own step (plans as run) on the base its rounds reuse, in half decide_budget_s."""
     from diag.accum import retime, train_points
 
     inputs = job_inputs(cfg, src)  # the landed data and the cached model: hits by now
@@ -185,7 +182,6 @@ def time_steps(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases,
             data = build_dataset(cfg, plan, job_records(cfg, inputs.data_path, inputs.model_dir),
                                  inputs.model_dir, inputs.data_path)
             n = data.micro_batch * data.grad_accum
-            plan = plan.for_device(str(device))  # as run_plan keys its base
             folder, model, _ = bases.load(cfg, plan, src, device, StageTimer(trace=False))
             steps.append(QLoraStep(cfg, folder, device, plan.gradient_checkpointing, model,
                                    rows=[data.dataset[i] for i in range(n)]))
@@ -228,8 +224,7 @@ def _rounds(cfg: QLoraConfig, plans: list[Plan], src: Sources, bases: Bases, clo
     def pending(got: dict[str, list[PlanRun]]) -> bool:
         if len(plans) < 2 or len(got["naive"]) < MIN_SAMPLES:
             return len(plans) == 2
-        rows = measured(r for runs in got.values() for run in runs
-                        for r in run.costs.to_dict("records"))
+        rows = pd.concat([run.costs for runs in got.values() for run in runs], ignore_index=True)
         per = story.rounds_of(rows, clock)
         totals = {p: sorted(v)[len(v) // 2] for p, v in per.items()}
         tokens = {p: runs[0].summary["real_tokens"] for p, runs in got.items()}

@@ -124,7 +124,7 @@ class OnJob:
         label = f"the QLoRA step, micro-batch {micro} x {cfg.seq_len} tokens"
         loader_cfg = LoaderConfig.default(
             quick=True, device=cfg.device, consumer="model", data=str(job.data_path),
-            **cfg.record_fields(),  # the records the job trains on, read with its fields
+            **cfg.source_kwargs(LoaderConfig),  # the job's records, read with its fields
             tokenizer=str(job.model_dir), batch_size=micro, seq_len=cfg.seq_len,
             # MIN_SAMPLES repeats of a short epoch each: the decision compares their waits
             workers=list(cfg.sweep_workers), steps=2, repeats=max(MIN_SAMPLES, cfg.sweep_steps),

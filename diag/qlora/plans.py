@@ -53,8 +53,7 @@ class Plan:
 
     @classmethod
     def optimized(cls, decisions: Iterable[Decision] = (), device: str = "cpu") -> Plan:
-        """The experiments' decisions; a setting none decided takes its owner's default (its rule
-        given no frame, the device's for checkpointing)."""
+        """The decisions; a setting none decided takes its owner's default for `device`."""
         from diag.accum import decide as accum
         from diag.loader import decide as loader
         from diag.model_load import decide as load

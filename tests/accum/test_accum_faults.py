@@ -129,7 +129,6 @@ def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
 
 def test_unknown_gpu_in_the_sweep_leaves_mfu_and_floor_empty_with_the_reason(monkeypatch):
     from diag.machine import device
-    from diag.accum.experiment import mfu_check
     from diag.accum.experiment import measure
 
     # what peak_flops answers on a GPU diag's table does not know (see test_device)
@@ -137,8 +136,8 @@ def test_unknown_gpu_in_the_sweep_leaves_mfu_and_floor_empty_with_the_reason(mon
                           "for it; pass the peak FLOP/s explicitly", "", False)
     monkeypatch.setattr(device, "peak_flops", lambda *a, **k: unknown)
     cfg = AccumConfig.quick(device="cpu", micro_batches=[16], steps=1, warmup_steps=0)
-    frame, info, _ = measure(cfg)
+    frame, mfu, _ = measure(cfg)
     assert (frame["status"] == "ok").all() and (frame["tokens_per_s"] > 0).all()
     assert frame["mfu"].isna().all() and frame["floor_s"].isna().all()
     assert (frame["detail"] == "no MFU: " + unknown.label).all()
-    assert mfu_check(info)["peak_tflops"].isna().all()
+    assert mfu["peak_tflops"].isna().all()
