@@ -1,5 +1,5 @@
 """The user's records as they are: JSONL (plain, .gz, .zst) and Parquet, a file or shards, read
-chunk by chunk (`plan_chunks`, `read_chunk`: whole JSONL lines, Parquet row groups). A record
+chunk by chunk (`plan_chunks`, `split_chunk`: whole JSONL lines, Parquet row groups). A record
 becomes Alpaca's, {"prompt", "response"} or {"messages"}; one that does not fit is refused, or
 listed ("skip").
 """
@@ -131,43 +131,38 @@ def count_records(source: str | os.PathLike[str], at_most: int | None = None) ->
     return total
 
 
-def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
-               ) -> tuple[int, Iterator[tuple[int, dict[str, Any] | tuple[str, str]]]]:
-    """(lines or rows in the chunk, its (number from 1, record or (problem, detail)) in order)."""
+def split_chunk(chunk: Chunk, fields: dict[str, str] | None = None, stop_after: int | None = None
+                ) -> tuple[int, list[dict[str, Any]], list[tuple[Any, ...]]]:
+    """(lines, good records up to stop_after, problems as (good before, line, problem, detail))."""
     fields = dict(fields or {})
     if chunk.path is None:
-        return len(chunk.rows), enumerate(chunk.rows, start=1)
-    if chunk.path.suffix == ".parquet":
+        count, rows = len(chunk.rows), enumerate(chunk.rows, start=1)
+    elif chunk.path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         pf = pq.ParquetFile(chunk.path)
         columns = [c for c in list(fields.values()) or list(ALPACA_FIELDS)
                    if c in pf.schema_arrow.names]
         pad = {} if fields or "input" in columns else {"input": ""}  # Alpaca's optional input
-        rows = (({**pad, **row}) for batch in pf.iter_batches(
+        records = (({**pad, **row}) for batch in pf.iter_batches(
             batch_size=1024, row_groups=[chunk.start], columns=columns)
             for row in batch.to_pylist())
         count = pf.metadata.row_group(chunk.start).num_rows
-        return count, ((n, normalise(row, fields)) for n, row in enumerate(rows, start=1))
-    data = chunk.data
-    if data is None:
-        with open(chunk.path, "rb") as f:  # bytes: a bad UTF-8 line is one problem, not a crash
-            f.seek(chunk.start)
-            data = f.read(chunk.stop - chunk.start)
-    try:  # the chunk decoded at once: it fails only where a line is not UTF-8
-        lines: list[Any] = data.decode("utf-8").split("\n")
-    except UnicodeDecodeError:
-        lines = data.split(b"\n")  # each line decoded alone: the bad one is named
-    if not lines[-1]:
-        lines.pop()  # the chunk's last newline ends its last line
-    return len(lines), ((n, normalise(_json(raw), fields))
-                        for n, raw in enumerate(lines, start=1) if raw.strip())
-
-
-def split_chunk(chunk: Chunk, fields: dict[str, str] | None = None, stop_after: int | None = None
-                ) -> tuple[int, list[dict[str, Any]], list[tuple[Any, ...]]]:
-    """(lines, good records up to stop_after, problems as (good before, line, problem, detail))."""
-    count, rows = read_chunk(chunk, fields)
+        rows = ((n, normalise(row, fields)) for n, row in enumerate(records, start=1))
+    else:
+        data = chunk.data
+        if data is None:
+            with open(chunk.path, "rb") as f:  # bytes: a bad UTF-8 line is one problem, not a crash
+                f.seek(chunk.start)
+                data = f.read(chunk.stop - chunk.start)
+        try:  # the chunk decoded at once: it fails only where a line is not UTF-8
+            lines: list[Any] = data.decode("utf-8").split("\n")
+        except UnicodeDecodeError:
+            lines = data.split(b"\n")  # each line decoded alone: the bad one is named
+        if not lines[-1]:
+            lines.pop()  # the chunk's last newline ends its last line
+        count, rows = len(lines), ((n, normalise(_json(raw), fields))
+                                   for n, raw in enumerate(lines, start=1) if raw.strip())
     good: list[dict[str, Any]] = []
     bad: list[tuple[Any, ...]] = []
     for number, got in rows:
