@@ -6,6 +6,7 @@ listed ("skip").
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -183,12 +184,10 @@ def _json(raw: str | bytes) -> Any:
         text = raw if isinstance(raw, str) else raw.decode("utf-8")
     except UnicodeDecodeError as err:
         return "invalid_utf8", f"byte {err.start}: {err.reason}"
-    try:
+    with contextlib.suppress(StopIteration, json.JSONDecodeError):  # json.loads says what is wrong
         got, end = _SCAN(text, 0)
         if end == len(text) or not text[end:].strip():
             return got
-    except (StopIteration, json.JSONDecodeError):
-        pass  # json.loads says what is wrong (or takes leading whitespace)
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
@@ -240,12 +239,12 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
                 ) -> tuple[list[dict[str, str]], Any]:
     """(records, problems frame) of a file or shards; cached: reuse a parse (never when timed)."""
     check_on_error(on_error)
-    fields = dict(fields or {})
+    key = tuple(sorted(dict(fields or {}).items()))
     now = [(str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in shard_files(path)] \
         if cached else []  # each file's (name, size, mtime_ns): the parse kept is theirs
     if not cached or sum(s[1] for s in now) > _READ_MAX_BYTES:
-        return _read(path, fields, on_error, limit)
-    records, problems = _read_once(tuple(now), path, tuple(sorted(fields.items())), on_error, limit)
+        return _read_once.__wrapped__((), path, key, on_error, limit)  # the parse, not kept
+    records, problems = _read_once(tuple(now), path, key, on_error, limit)
     return list(records), problems.copy()  # the records are never mutated
 
 
@@ -259,17 +258,12 @@ def check_on_error(on_error: str) -> None:
 
 
 @lru_cache(maxsize=4)
-def _read_once(stamps: tuple[Any, ...], path: Any, fields: tuple[Any, ...], on_error: str,
+def _read_once(stamps: tuple[Any, ...], path: Any, key: tuple[Any, ...], on_error: str,
                limit: int | None) -> tuple[list[dict[str, str]], Any]:
-    return _read(path, dict(fields), on_error, limit)
-
-
-def _read(path: str | os.PathLike[str], fields: dict[str, str], on_error: str,
-          limit: int | None) -> tuple[list[dict[str, str]], Any]:
+    """The parse; `stamps` (each file's name, size, mtime_ns) only keys the cache."""
     import pandas as pd
 
-    records: list[dict[str, str]] = []
-    problems: list[dict[str, Any]] = []
+    fields, records, problems = dict(key), [], []
     lines: dict[str, int] = {}  # lines of each file read so far: chunks number from 1
     for chunk in plan_chunks(path, fields):
         left = None if limit is None else limit - len(records)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 from functools import lru_cache
@@ -95,12 +96,10 @@ def load_tokenizer(tokenizer_dir: str, version: str = "") -> Any:
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
         if (folder / name).is_file():
             config.update(json.loads((folder / name).read_text()))
-    try:
+    with contextlib.suppress(Exception):  # jinja's, tokenizers', a file's: transformers' then
         tok = TextTokenizer(folder, config)
         if tok.eos_token_id is not None and tok.pad_token_id is not None:
             return tok
-    except (OSError, ValueError, ImportError, Exception):  # noqa: BLE001  jinja's, tokenizers'
-        pass
     return hf_tokenizer(tokenizer_dir, version)
 
 

@@ -43,8 +43,6 @@ Identities = dict[Path, tuple[list[int], str]]  # {shard: ([size, mtime_ns, ctim
 
 @dataclass(frozen=True)
 class TokenCache:
-    """A finished token cache: where it is, its key, what it holds, how it was had."""
-
     folder: Path
     key: str
     records: int

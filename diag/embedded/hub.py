@@ -11,10 +11,11 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from diag.files import atomic_file, atomic_folder, file_digests, git_blob_sha1
 
@@ -137,7 +138,6 @@ def _model_info(repo_id: str, manifest: dict[str, Any]) -> dict[str, Any]:
 def serve(root: Path, host: str, port: int) -> None:
     """Serve the hub download protocol until killed (the HubServer subprocess runs this)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    from urllib.parse import parse_qs, unquote, urlsplit
 
     roots = {"models": root, "datasets": root / "datasets"}
 
@@ -229,6 +229,4 @@ def serve(root: Path, host: str, port: int) -> None:
 
 
 if __name__ == "__main__":  # HubServer's subprocess: python -m diag.embedded.hub ROOT HOST PORT
-    import sys
-
     serve(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))

@@ -40,8 +40,6 @@ COLUMNS = ["method", "source", "cache_state", "bytes", "seconds", "mb_per_s", "t
 
 @dataclass(frozen=True)
 class StorageResult:
-    """What `run_storage` returns: the measurements, the re-pull tax, the advice rows."""
-
     frame: pd.DataFrame  # one row per timed repeat (COLUMNS)
     tax: pd.DataFrame  # per pull method: seconds, hours and money per start and per week
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence (for amdahl.findings)
