@@ -27,9 +27,8 @@ _NOT_EMPTY = ("instruction", "output", "text", "response")  # the fields an empt
 def shard_files(path: str | os.PathLike[str]) -> list[Path]:
     """The record files at path: the file, or a folder's data files (sorted, recursively)."""
     path = Path(path)
-    if path.is_file():
-        return [path]
-    return record_files(sorted(p for p in path.rglob("*") if p.is_file()), path, lambda p: p.name)
+    return [path] if path.is_file() else record_files(
+        sorted(p for p in path.rglob("*") if p.is_file()), path, lambda p: p.name)
 
 
 @dataclass(frozen=True)
@@ -239,12 +238,12 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
                 ) -> tuple[list[dict[str, str]], Any]:
     """(records, problems frame) of a file or shards; cached: reuse a parse (never when timed)."""
     check_on_error(on_error)
-    key = tuple(sorted(dict(fields or {}).items()))
+    fields = dict(fields or {})
     now = [(str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in shard_files(path)] \
         if cached else []  # each file's (name, size, mtime_ns): the parse kept is theirs
     if not cached or sum(s[1] for s in now) > _READ_MAX_BYTES:
-        return _read_once.__wrapped__((), path, key, on_error, limit)  # the parse, not kept
-    records, problems = _read_once(tuple(now), path, key, on_error, limit)
+        return _read_once.__wrapped__((), path, tuple(fields.items()), on_error, limit)  # not kept
+    records, problems = _read_once(tuple(now), path, tuple(sorted(fields.items())), on_error, limit)
     return list(records), problems.copy()  # the records are never mutated
 
 
@@ -258,12 +257,12 @@ def check_on_error(on_error: str) -> None:
 
 
 @lru_cache(maxsize=4)
-def _read_once(stamps: tuple[Any, ...], path: Any, key: tuple[Any, ...], on_error: str,
+def _read_once(stamps: tuple[Any, ...], path: Any, items: tuple[Any, ...], on_error: str,
                limit: int | None) -> tuple[list[dict[str, str]], Any]:
     """The parse; `stamps` (each file's name, size, mtime_ns) only keys the cache."""
     import pandas as pd
 
-    fields, records, problems = dict(key), [], []
+    fields, records, problems = dict(items), [], []
     lines: dict[str, int] = {}  # lines of each file read so far: chunks number from 1
     for chunk in plan_chunks(path, fields):
         left = None if limit is None else limit - len(records)
