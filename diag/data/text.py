@@ -123,10 +123,8 @@ def encode_pairs(tokenizer: Any, records: list[dict[str, Any]]
     prompts: list[list[int]] = [[] for _ in records]
     for special in (True, False):  # one batch per kind; a chat template writes its own BOS
         rows = [i for i, r in enumerate(records) if ("messages" not in r) is special]
-        if rows:
-            encoded = rust.encode_batch_fast([pairs[i][0] for i in rows],
-                                             add_special_tokens=special)
-            for i, e in zip(rows, encoded):
-                prompts[i] = e.ids
+        encoded = rust.encode_batch_fast([pairs[i][0] for i in rows], add_special_tokens=special)
+        for i, e in zip(rows, encoded):
+            prompts[i] = e.ids
     responses = rust.encode_batch_fast([r for _, r in pairs], add_special_tokens=False)
     return prompts, [e.ids for e in responses]

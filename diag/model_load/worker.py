@@ -54,6 +54,7 @@ def _download(job: dict[str, Any]) -> tuple[Path, int]:
             with contextlib.suppress(DryRunError):  # unreachable: a job reads its cache
                 snapshot_download(job["model"], dry_run=True, **kwargs)
         return Path(snapshot_download(job["model"], local_files_only=True, **kwargs)), 0
+
     def cached() -> int:
         return sum(p.stat().st_size for p in blob_files(job["cache_dir"], job["model"]))
 

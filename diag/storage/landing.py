@@ -147,9 +147,8 @@ def download_all(client: Any, bucket: str, targets: list[tuple[RemoteObject, Pat
     done: dict[int, tuple[str, str]] = {}
     if len(small) > 1:
         with ThreadPoolExecutor(min(2 * usable_cores(), len(small))) as pool:
-            futures = {i: pool.submit(download, client, bucket, *targets[i], retries=retries)
-                       for i in small}
-            done = {i: f.result() for i, f in futures.items()}
+            done = dict(zip(small, pool.map(
+                lambda i: download(client, bucket, *targets[i], retries=retries), small)))
     return [done[i] if i in done else download(client, bucket, o, dest, retries=retries)
             for i, (o, dest) in enumerate(targets)]
 
