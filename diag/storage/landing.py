@@ -62,11 +62,8 @@ def check_free(folder: Path, needed: int, url: S3Url) -> None:
 
 
 def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
-    try:
-        if path.stat().st_size != entry["size"]:
-            return False  # truncated or grown: cheap, always checked
-    except FileNotFoundError:
-        return False
+    if not path.is_file() or path.stat().st_size != entry["size"]:
+        return False  # gone, truncated or grown: cheap, always checked
     if verify == "size":
         return True
     if "digest" not in entry:  # a manifest of an older diag
