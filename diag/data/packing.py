@@ -54,9 +54,8 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int, chunk: int = PACK_CH
             bins[b].append(lo + i)
             if left - n > 0:
                 bisect.insort(room, (left - n, b))
-        for b in bins:
-            order += b
-            sizes.append(len(b))
+        order += [i for b in bins for i in b]
+        sizes += map(len, bins)
     return np.asarray(order, np.int64), np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
 
 

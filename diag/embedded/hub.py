@@ -42,9 +42,8 @@ def _file_entry(path: Path, rel: str) -> dict[str, Any]:
 def _manifest_for(folder: Path, repo_id: str) -> dict[str, Any]:
     files = {p.relative_to(folder).as_posix(): _file_entry(p, p.relative_to(folder).as_posix())
              for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".diag-")}
-    digest = hashlib.sha1(repo_id.encode())  # content-addressed: same files, same commit
-    for rel, e in files.items():
-        digest.update(f"\n{rel} {e['sha256']}".encode())
+    digest = hashlib.sha1(  # content-addressed: same files, same commit
+        (repo_id + "".join(f"\n{rel} {e['sha256']}" for rel, e in files.items())).encode())
     return {"repo_id": repo_id, "commit": digest.hexdigest(), "files": files,
             "last_modified": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())}
 
