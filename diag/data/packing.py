@@ -24,6 +24,7 @@ from diag.config import diag_home
 from diag.data.records import read_source
 from diag.data.text import IGNORE_INDEX, format_prompt, hf_tokenizer
 from diag.data.tokens import build_token_cache
+from diag.embedded import ensure_assets
 
 PACK_CHUNK = 1000  # records binned together: more fill windows better, binning costs n log n
 
@@ -53,9 +54,8 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int, chunk: int = PACK_CH
             bins[b].append(lo + i)
             if left - n > 0:
                 bisect.insort(room, (left - n, b))
-        for b in bins:
-            order += b
-            sizes.append(len(b))
+        order += [i for b in bins for i in b]
+        sizes += map(len, bins)
     return np.asarray(order, np.int64), np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
 
 
@@ -182,8 +182,6 @@ class NaiveTextDataset(Dataset):
 
 @dataclass(frozen=True)
 class TokenFile:
-    """A flat file of token ids and what made it."""
-
     path: Path  # train.bin: the ids of every document, each followed by the EOS id
     dtype: str  # "uint16" or "uint32" (numpy name), from the vocabulary size
     vocab_size: int  # ids are 0 .. vocab_size - 1 (0 when unknown: a user's file without meta)
@@ -198,8 +196,6 @@ def ensure_tokens(tokenizer_dir: str | os.PathLike[str] | None = None,
                   home: str | os.PathLike[str] | None = None) -> TokenFile:
     """The dataset's token cache `train.bin`, built once (defaults: the embedded assets)."""
     if tokenizer_dir is None or dataset is None:
-        from diag.embedded import ensure_assets
-
         assets = ensure_assets(home)
         tokenizer_dir = tokenizer_dir or assets.model_dir
         dataset = dataset or assets.dataset

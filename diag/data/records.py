@@ -1,11 +1,12 @@
 """The user's records as they are: JSONL (plain, .gz, .zst) and Parquet, a file or shards, read
-chunk by chunk (`plan_chunks`, `read_chunk`: whole JSONL lines, Parquet row groups). A record
+chunk by chunk (`plan_chunks`, `split_chunk`: whole JSONL lines, Parquet row groups). A record
 becomes Alpaca's, {"prompt", "response"} or {"messages"}; one that does not fit is refused, or
 listed ("skip").
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -26,9 +27,8 @@ _NOT_EMPTY = ("instruction", "output", "text", "response")  # the fields an empt
 def shard_files(path: str | os.PathLike[str]) -> list[Path]:
     """The record files at path: the file, or a folder's data files (sorted, recursively)."""
     path = Path(path)
-    if path.is_file():
-        return [path]
-    return record_files(sorted(p for p in path.rglob("*") if p.is_file()), path, lambda p: p.name)
+    return [path] if path.is_file() else record_files(
+        sorted(p for p in path.rglob("*") if p.is_file()), path, lambda p: p.name)
 
 
 @dataclass(frozen=True)
@@ -131,43 +131,38 @@ def count_records(source: str | os.PathLike[str], at_most: int | None = None) ->
     return total
 
 
-def read_chunk(chunk: Chunk, fields: dict[str, str] | None = None
-               ) -> tuple[int, Iterator[tuple[int, dict[str, Any] | tuple[str, str]]]]:
-    """(lines or rows in the chunk, its (number from 1, record or (problem, detail)) in order)."""
+def split_chunk(chunk: Chunk, fields: dict[str, str] | None = None, stop_after: int | None = None
+                ) -> tuple[int, list[dict[str, Any]], list[tuple[Any, ...]]]:
+    """(lines, good records up to stop_after, problems as (good before, line, problem, detail))."""
     fields = dict(fields or {})
     if chunk.path is None:
-        return len(chunk.rows), enumerate(chunk.rows, start=1)
-    if chunk.path.suffix == ".parquet":
+        count, rows = len(chunk.rows), enumerate(chunk.rows, start=1)
+    elif chunk.path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         pf = pq.ParquetFile(chunk.path)
         columns = [c for c in list(fields.values()) or list(ALPACA_FIELDS)
                    if c in pf.schema_arrow.names]
         pad = {} if fields or "input" in columns else {"input": ""}  # Alpaca's optional input
-        rows = (({**pad, **row}) for batch in pf.iter_batches(
+        records = (({**pad, **row}) for batch in pf.iter_batches(
             batch_size=1024, row_groups=[chunk.start], columns=columns)
             for row in batch.to_pylist())
         count = pf.metadata.row_group(chunk.start).num_rows
-        return count, ((n, normalise(row, fields)) for n, row in enumerate(rows, start=1))
-    data = chunk.data
-    if data is None:
-        with open(chunk.path, "rb") as f:  # bytes: a bad UTF-8 line is one problem, not a crash
-            f.seek(chunk.start)
-            data = f.read(chunk.stop - chunk.start)
-    try:  # the chunk decoded at once: it fails only where a line is not UTF-8
-        lines: list[Any] = data.decode("utf-8").split("\n")
-    except UnicodeDecodeError:
-        lines = data.split(b"\n")  # each line decoded alone: the bad one is named
-    if not lines[-1]:
-        lines.pop()  # the chunk's last newline ends its last line
-    return len(lines), ((n, normalise(_json(raw), fields))
-                        for n, raw in enumerate(lines, start=1) if raw.strip())
-
-
-def split_chunk(chunk: Chunk, fields: dict[str, str] | None = None, stop_after: int | None = None
-                ) -> tuple[int, list[dict[str, Any]], list[tuple[Any, ...]]]:
-    """(lines, good records up to stop_after, problems as (good before, line, problem, detail))."""
-    count, rows = read_chunk(chunk, fields)
+        rows = ((n, normalise(row, fields)) for n, row in enumerate(records, start=1))
+    else:
+        data = chunk.data
+        if data is None:
+            with open(chunk.path, "rb") as f:  # bytes: a bad UTF-8 line is one problem, not a crash
+                f.seek(chunk.start)
+                data = f.read(chunk.stop - chunk.start)
+        try:  # the chunk decoded at once: it fails only where a line is not UTF-8
+            lines: list[Any] = data.decode("utf-8").split("\n")
+        except UnicodeDecodeError:
+            lines = data.split(b"\n")  # each line decoded alone: the bad one is named
+        if not lines[-1]:
+            lines.pop()  # the chunk's last newline ends its last line
+        count, rows = len(lines), ((n, normalise(_json(raw), fields))
+                                   for n, raw in enumerate(lines, start=1) if raw.strip())
     good: list[dict[str, Any]] = []
     bad: list[tuple[Any, ...]] = []
     for number, got in rows:
@@ -188,12 +183,10 @@ def _json(raw: str | bytes) -> Any:
         text = raw if isinstance(raw, str) else raw.decode("utf-8")
     except UnicodeDecodeError as err:
         return "invalid_utf8", f"byte {err.start}: {err.reason}"
-    try:
+    with contextlib.suppress(StopIteration, json.JSONDecodeError):  # json.loads says what is wrong
         got, end = _SCAN(text, 0)
         if end == len(text) or not text[end:].strip():
             return got
-    except (StopIteration, json.JSONDecodeError):
-        pass  # json.loads says what is wrong (or takes leading whitespace)
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
@@ -249,7 +242,7 @@ def read_source(path: str | os.PathLike[str], fields: dict[str, str] | None = No
     now = [(str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in shard_files(path)] \
         if cached else []  # each file's (name, size, mtime_ns): the parse kept is theirs
     if not cached or sum(s[1] for s in now) > _READ_MAX_BYTES:
-        return _read(path, fields, on_error, limit)
+        return _read_once.__wrapped__((), path, tuple(fields.items()), on_error, limit)  # not kept
     records, problems = _read_once(tuple(now), path, tuple(sorted(fields.items())), on_error, limit)
     return list(records), problems.copy()  # the records are never mutated
 
@@ -264,17 +257,12 @@ def check_on_error(on_error: str) -> None:
 
 
 @lru_cache(maxsize=4)
-def _read_once(stamps: tuple[Any, ...], path: Any, fields: tuple[Any, ...], on_error: str,
+def _read_once(stamps: tuple[Any, ...], path: Any, items: tuple[Any, ...], on_error: str,
                limit: int | None) -> tuple[list[dict[str, str]], Any]:
-    return _read(path, dict(fields), on_error, limit)
-
-
-def _read(path: str | os.PathLike[str], fields: dict[str, str], on_error: str,
-          limit: int | None) -> tuple[list[dict[str, str]], Any]:
+    """The parse; `stamps` (each file's name, size, mtime_ns) only keys the cache."""
     import pandas as pd
 
-    records: list[dict[str, str]] = []
-    problems: list[dict[str, Any]] = []
+    fields, records, problems = dict(items), [], []
     lines: dict[str, int] = {}  # lines of each file read so far: chunks number from 1
     for chunk in plan_chunks(path, fields):
         left = None if limit is None else limit - len(records)

@@ -22,6 +22,7 @@ from diag.data.text import encode_pairs, load_tokenizer
 
 ENCODE_BATCH = 1000  # records per tokenizer call: amortizes the call, bounds a worker's objects
 ARRAYS = ("train.bin", "loss_mask.npy", "offsets.npy")  # a cache's data files, beside meta.json
+_NPY = {"loss_mask.npy": np.uint8, "offsets.npy": np.int64}  # the arrays with a header
 PROBLEMS_KEPT = 1000  # records left out that meta.json lists (all of them are counted)
 COPY_RECORDS = 100_000  # records of an unchanged shard copied from an older cache at once
 
@@ -154,13 +155,12 @@ class Arrays:
     def __init__(self, folder: Path, dtype: str) -> None:
         self.files = {name: open(folder / name, "wb") for name in ARRAYS}
         self.records = self.tokens = 0
-        self._room = {name: self._header(name, dtype, 0)
-                      for name, dtype in (("loss_mask.npy", np.uint8), ("offsets.npy", np.int64))}
+        self._room = {name: self._header(name, 0) for name in _NPY}
         self.files["offsets.npy"].write(np.zeros(1, np.int64).tobytes())
 
-    def _header(self, name: str, dtype: Any, length: int) -> int:
+    def _header(self, name: str, length: int) -> int:
         np.lib.format.write_array_header_1_0(self.files[name], {
-            "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+            "descr": np.lib.format.dtype_to_descr(np.dtype(_NPY[name])), "fortran_order": False,
             "shape": (length,)})
         return self.files[name].tell()
 
@@ -174,13 +174,12 @@ class Arrays:
 
     def finish(self) -> None:
         """Headers with the final lengths, every byte handed to the OS (atomic_folder fsyncs)."""
-        for name, dtype, length in (("loss_mask.npy", np.uint8, self.tokens),
-                                    ("offsets.npy", np.int64, self.records + 1)):
+        for name, length in (("loss_mask.npy", self.tokens), ("offsets.npy", self.records + 1)):
             f = self.files[name]
             f.flush()
             end = f.tell()
             f.seek(0)
-            assert self._header(name, dtype, length) == self._room[name], "header outgrew room"
+            assert self._header(name, length) == self._room[name], "header outgrew room"
             f.seek(end)
         for f in self.files.values():
             f.flush()  # a full disk says so here, inside the build, not at close

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 from functools import lru_cache
@@ -95,12 +96,10 @@ def load_tokenizer(tokenizer_dir: str, version: str = "") -> Any:
     for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
         if (folder / name).is_file():
             config.update(json.loads((folder / name).read_text()))
-    try:
+    with contextlib.suppress(Exception):  # jinja's, tokenizers', a file's: transformers' then
         tok = TextTokenizer(folder, config)
         if tok.eos_token_id is not None and tok.pad_token_id is not None:
             return tok
-    except (OSError, ValueError, ImportError, Exception):  # noqa: BLE001  jinja's, tokenizers'
-        pass
     return hf_tokenizer(tokenizer_dir, version)
 
 
@@ -124,10 +123,8 @@ def encode_pairs(tokenizer: Any, records: list[dict[str, Any]]
     prompts: list[list[int]] = [[] for _ in records]
     for special in (True, False):  # one batch per kind; a chat template writes its own BOS
         rows = [i for i, r in enumerate(records) if ("messages" not in r) is special]
-        if rows:
-            encoded = rust.encode_batch_fast([pairs[i][0] for i in rows],
-                                             add_special_tokens=special)
-            for i, e in zip(rows, encoded):
-                prompts[i] = e.ids
+        encoded = rust.encode_batch_fast([pairs[i][0] for i in rows], add_special_tokens=special)
+        for i, e in zip(rows, encoded):
+            prompts[i] = e.ids
     responses = rust.encode_batch_fast([r for _, r in pairs], add_special_tokens=False)
     return prompts, [e.ids for e in responses]

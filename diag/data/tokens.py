@@ -43,8 +43,6 @@ Identities = dict[Path, tuple[list[int], str]]  # {shard: ([size, mtime_ns, ctim
 
 @dataclass(frozen=True)
 class TokenCache:
-    """A finished token cache: where it is, its key, what it holds, how it was had."""
-
     folder: Path
     key: str
     records: int
@@ -125,10 +123,8 @@ def read_meta(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
         records = np.load(folder / "offsets.npy", mmap_mode="r").shape[0] - 1
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if meta.get("format") != FORMAT or [ids, mask] != [meta.get("tokens")] * 2 \
-            or records != meta.get("records"):
-        return None
-    return meta
+    said = [meta.get(k) for k in ("format", "tokens", "tokens", "records")]
+    return meta if said == [FORMAT, ids, mask, records] else None
 
 
 def _serves(meta: dict[str, Any], records: int | None) -> bool:

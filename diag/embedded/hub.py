@@ -11,10 +11,11 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from diag.files import atomic_file, atomic_folder, file_digests, git_blob_sha1
 
@@ -41,9 +42,8 @@ def _file_entry(path: Path, rel: str) -> dict[str, Any]:
 def _manifest_for(folder: Path, repo_id: str) -> dict[str, Any]:
     files = {p.relative_to(folder).as_posix(): _file_entry(p, p.relative_to(folder).as_posix())
              for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(".diag-")}
-    digest = hashlib.sha1(repo_id.encode())  # content-addressed: same files, same commit
-    for rel, e in files.items():
-        digest.update(f"\n{rel} {e['sha256']}".encode())
+    digest = hashlib.sha1(  # content-addressed: same files, same commit
+        (repo_id + "".join(f"\n{rel} {e['sha256']}" for rel, e in files.items())).encode())
     return {"repo_id": repo_id, "commit": digest.hexdigest(), "files": files,
             "last_modified": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())}
 
@@ -137,7 +137,6 @@ def _model_info(repo_id: str, manifest: dict[str, Any]) -> dict[str, Any]:
 def serve(root: Path, host: str, port: int) -> None:
     """Serve the hub download protocol until killed (the HubServer subprocess runs this)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    from urllib.parse import parse_qs, unquote, urlsplit
 
     roots = {"models": root, "datasets": root / "datasets"}
 
@@ -229,6 +228,4 @@ def serve(root: Path, host: str, port: int) -> None:
 
 
 if __name__ == "__main__":  # HubServer's subprocess: python -m diag.embedded.hub ROOT HOST PORT
-    import sys
-
     serve(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))

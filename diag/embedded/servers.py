@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import os
 import signal
 import socket
@@ -140,8 +141,6 @@ class S3Server(LoopbackServer):
         return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(port)]
 
     def start(self) -> Self:
-        import importlib.util
-
         # the server is a subprocess: without this its ImportError would be a log tail
         if missing := [m for m in ("moto", "flask", "flask_cors")
                        if importlib.util.find_spec(m) is None]:

@@ -129,8 +129,7 @@ def tiny_model(out_dir: str | os.PathLike[str], *, hidden_size: int = 64, num_la
                         ("num_heads", num_heads), ("vocab_size", vocab_size),
                         ("intermediate_size", intermediate_size)):
         _check_positive(name, value)
-    for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-        if value % 64:
+        if name in ("hidden_size", "intermediate_size") and value % 64:
             raise ValueError(f"{name}={value}: must be a multiple of 64 "
                              "(bitsandbytes 4-bit blocks)")
     if hidden_size % num_heads:

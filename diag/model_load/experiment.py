@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from diag.config import MODEL_LOAD_SCENARIOS as SCENARIOS
 from diag.config import ModelLoadConfig, diag_home
 from diag.decision import ADVICE, Decision, MeasuredOn
-from diag.machine.disks import is_network
+from diag.machine.disks import disk_kind, evict_page_cache, is_network, resident_fraction
 from diag.model_load.processes import LoadProcesses
 from diag.noise import MIN_SAMPLES, compare, interleave
 from diag.model_load.source import (Source, blob_files, cache_dir_for, failure,
@@ -100,8 +100,6 @@ def run_model_load(cfg: ModelLoadConfig | None = None) -> ModelLoadResult:
     """Load cfg.model per scenario, interleaved per repeat, after cfg.warmup unreported loads."""
     import pandas as pd
     from tqdm.auto import tqdm
-
-    from diag.machine.disks import disk_kind, evict_page_cache, resident_fraction
 
     cfg, began = cfg or ModelLoadConfig.default(), time.perf_counter()
     cache_dir = cache_dir_for(cfg)

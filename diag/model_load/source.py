@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from diag.config import ModelLoadConfig, SourceConfig, diag_home
 from diag.files import file_digests
@@ -32,9 +34,7 @@ ALLOW_PATTERNS = ["*.json", "model*.safetensors", "tokenizer*", "*.model", "*.ti
 
 
 @dataclass(frozen=True)
-class Source:
-    """Where the model comes from and what a load process needs to reach it."""
-
+class Source:  # where the model comes from and what a load process needs to reach it
     model: str  # the repo id, or the local folder
     revision: str
     endpoint: str  # "" for a local folder
@@ -46,8 +46,6 @@ class Source:
 
 def user_hub_cache() -> Path:
     """The user's HF hub cache by huggingface_hub's rules, run afresh (`constants` froze them)."""
-    import importlib.util
-
     spec = importlib.util.find_spec("huggingface_hub.constants")  # raises without huggingface_hub
     constants = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(constants)  # type: ignore[union-attr]  not in sys.modules: ours only
@@ -201,8 +199,6 @@ def offline_env() -> bool:
 
 def reachable(endpoint: str) -> None:
     """Raise OSError unless endpoint takes a connection in 3 s (huggingface_hub retries ~20 s)."""
-    from urllib.parse import urlsplit
-
     url = urlsplit(endpoint)
     socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
                              timeout=3).close()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from diag.embedded.servers import die_with_parent
-from diag.model_load.source import ALLOW_PATTERNS, weight_files
+from diag.model_load.source import ALLOW_PATTERNS, blob_files, weight_files
 from diag.secrets import redact
 
 
@@ -39,11 +39,6 @@ def crashed(why: str, output: str) -> dict[str, Any]:
     return {"error": "crashed", "type": why, "message": redact(output[-3000:])}
 
 
-def _blob_bytes(cache_dir: str) -> int:
-    return sum(p.stat().st_size for p in Path(cache_dir).glob("models--*/blobs/*")
-               if not p.name.endswith(".incomplete"))
-
-
 def _download(job: dict[str, Any]) -> tuple[Path, int]:
     """The snapshot folder and the bytes written into the cache (never into a read_only one)."""
     if job.get("local_dir"):
@@ -59,8 +54,12 @@ def _download(job: dict[str, Any]) -> tuple[Path, int]:
             with contextlib.suppress(DryRunError):  # unreachable: a job reads its cache
                 snapshot_download(job["model"], dry_run=True, **kwargs)
         return Path(snapshot_download(job["model"], local_files_only=True, **kwargs)), 0
-    before = _blob_bytes(job["cache_dir"])
-    return Path(snapshot_download(job["model"], **kwargs)), _blob_bytes(job["cache_dir"]) - before
+
+    def cached() -> int:
+        return sum(p.stat().st_size for p in blob_files(job["cache_dir"], job["model"]))
+
+    before = cached()
+    return Path(snapshot_download(job["model"], **kwargs)), cached() - before
 
 
 def _load_kwargs(job: dict[str, Any], device: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from diag.data import build_token_cache, read_source
-from diag.data.records import plan_chunks, read_chunk
+from diag.data.records import plan_chunks, split_chunk
 from diag.qlora.plans import Plan, fit_micro_batch
 
 PAD_ROWS_LIMIT = 0.25  # share of a step's rows that may be padding to keep the micro-batch
@@ -177,8 +177,7 @@ class ArrowRecords(Sequence):
             for chunk in plan_chunks(source, fields):
                 if seen >= last:
                     break
-                good = [r for _, r in read_chunk(chunk, fields)[1] if isinstance(r, dict)]
-                good = good[:last - seen]
+                good = split_chunk(chunk, fields, last - seen)[1]
                 if good:
                     batch = pa.RecordBatch.from_pylist(good, schema=schema)  # one schema
                     if writer is None:

@@ -18,7 +18,6 @@ from typing import Any
 
 from diag.storage.objectstore import failure
 
-# The checksums S3 keeps, and the name of each function that computes it
 CRCS = {"ChecksumCRC32": "crc32", "ChecksumCRC32C": "crc32c", "ChecksumCRC64NVME": "crc64nvme"}
 _CHUNK = 8 << 20  # bytes hashed per read-back: large enough that hashing runs without the GIL
 _SYNC = 64 << 20  # bytes written between early write-backs (fdatasync) during a download

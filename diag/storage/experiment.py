@@ -40,8 +40,6 @@ COLUMNS = ["method", "source", "cache_state", "bytes", "seconds", "mb_per_s", "t
 
 @dataclass(frozen=True)
 class StorageResult:
-    """What `run_storage` returns: the measurements, the re-pull tax, the advice rows."""
-
     frame: pd.DataFrame  # one row per timed repeat (COLUMNS)
     tax: pd.DataFrame  # per pull method: seconds, hours and money per start and per week
     advice: pd.DataFrame  # stage, finding, seconds_saved, evidence (for amdahl.findings)
@@ -141,14 +139,13 @@ def measure(cfg: StorageConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
             per_pull = 0.85 * cfg.budget_s / (1 + len(rounds) * (len(methods) + 1))
             sample, fit, chosen = _probe(cfg, client, url, objects, local_dir, work / "sample",
                                          per_pull)
-            rows = []
-            if not isinstance(chosen[0], RemoteObject):  # ranges: s5cmd takes whole objects
-                rows = [row(m, source, "remote", 0, float("nan"), float("nan"), -1, 0,
-                            f"not measured: {m} pulls whole objects only (cp and cat take no "
-                            f"byte range) and the one object's {fit.dataset_bytes / MB:.4g} MB "
-                            "is more than this step's share or --sample-mb allows")
-                        for m in methods if m not in RANGED]
-                methods = [m for m in methods if m in RANGED]
+            whole = isinstance(chosen[0], RemoteObject)  # else ranges: s5cmd takes whole objects
+            rows = [row(m, source, "remote", 0, float("nan"), float("nan"), -1, 0,
+                        f"not measured: {m} pulls whole objects only (cp and cat take no byte "
+                        f"range) and the one object's {fit.dataset_bytes / MB:.4g} MB is more "
+                        "than this step's share or --sample-mb allows")
+                    for m in methods if not whole and m not in RANGED]
+            methods = [m for m in methods if whole or m in RANGED]
             rows += _pulls(client, url, source, chosen, methods, rounds, work, env, fit, cfg)
             if cfg.land and isinstance(url, S3Url):  # one landed copy at a time beside the sample
                 check_free(local_dir, fit.dataset_bytes + 2 * fit.sample_bytes, url)

@@ -62,11 +62,8 @@ def check_free(folder: Path, needed: int, url: S3Url) -> None:
 
 
 def _local_ok(path: Path, entry: dict[str, Any], verify: str) -> bool:
-    try:
-        if path.stat().st_size != entry["size"]:
-            return False  # truncated or grown: cheap, always checked
-    except FileNotFoundError:
-        return False
+    if not path.is_file() or path.stat().st_size != entry["size"]:
+        return False  # gone, truncated or grown: cheap, always checked
     if verify == "size":
         return True
     if "digest" not in entry:  # a manifest of an older diag
@@ -147,9 +144,8 @@ def download_all(client: Any, bucket: str, targets: list[tuple[RemoteObject, Pat
     done: dict[int, tuple[str, str]] = {}
     if len(small) > 1:
         with ThreadPoolExecutor(min(2 * usable_cores(), len(small))) as pool:
-            futures = {i: pool.submit(download, client, bucket, *targets[i], retries=retries)
-                       for i in small}
-            done = {i: f.result() for i, f in futures.items()}
+            done = dict(zip(small, pool.map(
+                lambda i: download(client, bucket, *targets[i], retries=retries), small)))
     return [done[i] if i in done else download(client, bucket, o, dest, retries=retries)
             for i, (o, dest) in enumerate(targets)]
 

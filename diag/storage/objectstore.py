@@ -124,10 +124,6 @@ def deadline_s(nbytes: int, mb_per_s: float | None, stall_s: float) -> float:
     return stall_s + SLACK * nbytes / MB / (mb_per_s or FLOOR_MB_S)
 
 
-class _Stalled(Exception):
-    """A request refused after its pull's deadline passed."""
-
-
 @contextlib.contextmanager
 def deadline(client: Any, seconds: float, what: str, url: object = None) -> Iterator[None]:
     """After `seconds`, refuse the client's requests and shut its sockets; errors in one line."""
@@ -137,8 +133,8 @@ def deadline(client: Any, seconds: float, what: str, url: object = None) -> Iter
     expired, endpoint = threading.Event(), client.meta.endpoint_url
 
     def refuse(**_: Any) -> None:
-        if expired.is_set():
-            raise _Stalled
+        if expired.is_set():  # not an OSError: s3transfer would retry that
+            raise RuntimeError(f"{what}: the deadline passed")
 
     def expire() -> None:
         expired.set()

@@ -197,15 +197,14 @@ def nvme_reads(paths: list[Path], rounds: range, files: int) -> list[dict[str, A
         try:
             if shutil.disk_usage(disk.mountpoint).free < 2 * nbytes:
                 continue
-            scratch = Path(tempfile.mkdtemp(prefix=".diag-nvme-", dir=disk.mountpoint))
+            scratch = tempfile.TemporaryDirectory(prefix=".diag-nvme-", dir=disk.mountpoint,
+                                                  ignore_cleanup_errors=True)
         except OSError:  # not writable here: try the next one
             continue
-        try:
-            copies = [Path(shutil.copy(p, scratch / f"{i}-{p.name}")) for i, p in enumerate(paths)]
+        with scratch as tmp:
+            copies = [Path(shutil.copy(p, Path(tmp, f"{i}-{p.name}"))) for i, p in enumerate(paths)]
             return [{**r, "local_disk": "local_nvme"} for r in local_reads(
                 copies, rounds, files, disk.mountpoint, f"local_nvme ({disk.evidence})", True)]
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
     return []
 
 

@@ -84,17 +84,15 @@ def _get(url: S3Url | HubUrl, client: Any, how: str, objects: list[RemoteObject]
             got = [hf_hub_download(filename=o.key, endpoint=client.endpoint, cache_dir=root / "hub",
                                    **where) for o in objects]
         top = Path(got[0]).parents[objects[0].key.count("/")]  # the repo's root in the cache
-        return top / url.path if url.path else top
+        return top / url.path
     if how == "land":
         if len(objects) == 1 and url.is_prefix:
             land(f"s3://{url.bucket}/{objects[0].key}", root, client=client)
             return local_paths(url, root)[0]
         return land(str(url), root, client=client).path
-    if isinstance(url, HubUrl):  # the repo's paths under work/data
-        pull("hf_hub", client, url, objects, work / "data")
-        return work / "data" / url.path
-    pull("boto3_default", client, url, objects, work / "data")
-    return work / "data" if url.is_prefix else work / "data" / Path(url.key).name
+    hub = isinstance(url, HubUrl)  # a hub's: the repo's paths under work/data
+    pull("hf_hub" if hub else "boto3_default", client, url, objects, work / "data")
+    return work / "data" / (url.path if hub else "" if url.is_prefix else Path(url.key).name)
 
 
 def first_records(client: Any, url: S3Url | HubUrl | LocalUrl, obj: RemoteObject,

@@ -163,6 +163,5 @@ def landing_disk_advice(frame: pd.DataFrame, dataset_gb: float) -> list[dict[str
 
 
 def _duration(seconds: float) -> str:
-    if seconds >= 5400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.2g} s"
+    return (f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.1f} min"
+            if seconds >= 90 else f"{seconds:.2g} s")

@@ -65,8 +65,8 @@ def test_a_file_read_again_is_parsed_once_until_it_changes(tmp_path: Path, monke
 
     path = _bad_jsonl(tmp_path / "bad.jsonl")
     parsed = []
-    real = module._read
-    monkeypatch.setattr(module, "_read", lambda *a: parsed.append(a[0]) or real(*a))
+    real = module.plan_chunks  # called once per parse
+    monkeypatch.setattr(module, "plan_chunks", lambda *a: parsed.append(a[0]) or real(*a))
     first, problems = read_source(path, on_error="skip", cached=True)
     first.append({"prompt": "", "response": "a caller's own list"})
     problems.loc[0, "problem"] = "a caller's own frame"
