@@ -1,9 +1,8 @@
 """The cost table: what one unit of a job costs under each plan, measured, on a named clock.
 
-A measurement row says a plan paid `seconds` on `clock` for `count` units of a stage (one round of
-a run, one start timed before the runs). `table(measured)` turns them into costs per unit: the
-median over rounds, its interval, the samples. Every figure a person reads (a saving, the
-waterfall, the headline, the projection, the ETA) is `price(costs, counts)`: costs x counts.
+A measurement row: a plan paid `seconds` on `clock` for `count` units of a stage. `table(measured)`
+makes costs per unit (the median over rounds, its interval, the samples); every figure a person
+reads (a saving, the waterfall, the headline, the projection, the ETA) is `price(costs, counts)`.
 """
 
 from __future__ import annotations

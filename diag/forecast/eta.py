@@ -1,7 +1,7 @@
-"""The ETA: a job's wall seconds projected before it runs, from the cost table, then checked.
+"""The projection: a job's wall seconds before it runs, from the cost table, then checked.
 
 `job_counts` counts a run in the cost table's units, `price` (diag.forecast.costs) prices it,
-`check_eta` sets each stage's ETA beside what the run measured. Costs: a run folder's projection
+`check_eta` sets each stage beside what the run measured. Costs: a run folder's projection
 (`costs_in`) or, before any run, the job's decisions (`from_decisions`). Always wall seconds.
 """
 

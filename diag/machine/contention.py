@@ -1,8 +1,7 @@
 """The machine's state while diag measures, each a `Sampler` (a daemon thread reading every
-`interval_s` while the `with` block runs): `Contention` samples /proc (load, CPU steal, what other
-processes took; NVML's processes on a GPU), and `busy(c.summary())` says if that could have moved
-a wall-clock figure; through NVML (nvidia-ml-py): `GpuSampler` a GPU's utilisation, `Watch(pid)`
-the GPUs a job holds.
+`interval_s` while its `with` block runs): `Contention` samples /proc (load, CPU steal, other
+processes' CPU; NVML's processes on a GPU) and `busy(c.summary())` says if that could have moved
+a wall-clock figure; through NVML, `GpuSampler` a GPU's utilisation, `Watch(pid)` a job's GPUs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Jobs diag did not start, as the stage table, amdahl's verdict, fixes and upgrade projection:
 `trace(*files)` reads torch.profiler traces (kineto.py); `attach(pid)` samples the process with
-py-spy in CHUNK_S chunks, read-only (never pausing or signalling it), the main thread from its
-chrome trace (each sample weighted by the time to the next); a stack's stage is the first of RULES
-any frame matches (none: `other`); the workers' samples name their hot function; psutil reads
-/proc, NVML the job's GPUs (docs/attach.md)."""
+py-spy, read-only, in CHUNK_S chunks; a stack's stage is the first of RULES any frame matches
+(none: `other`); psutil reads /proc, NVML the job's GPUs (docs/attach.md).
+"""
 
 from __future__ import annotations
 

@@ -81,11 +81,6 @@ class Plan:
                      if s in off else got[s] for s in SETTINGS)
         return cls(name, **{d.setting: d.value for d in kept}, decisions=kept)
 
-    @property
-    def evidence(self) -> tuple[tuple[str, str], ...]:
-        """(setting, one line: basis, what was measured, the figures) per decision."""
-        return tuple((d.setting, d.evidence()) for d in self.decisions)
-
     def decision(self, setting: str) -> Decision:
         return by_setting(self.decisions)[setting]
 

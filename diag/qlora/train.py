@@ -58,8 +58,15 @@ def run_train(cfg: TrainConfig | None = None, decisions: Iterable[Decision] | No
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = Path(cfg.out_dir or f"train/{stamp}")
     stored = check(out, cfg.identity(), cfg.resume)  # before the source is read: writes nothing
-    if stored and "finished" in stored:
-        return _finished(out, stored)
+    if stored and "finished" in stored:  # its summary and losses as it left them
+        row = stored["finished"] | {"resumed_from_step": stored["finished"]["steps"]}
+        say(f"diag train: the run in {out} finished at step {row['steps']}: nothing to train, "
+            "its adapter is there (name a new --out-dir to train again)")
+        history = json.loads((last_checkpoint(out) / "trainer_state.json").read_text())
+        losses = _losses(history["log_history"], stored["eval_loss_0"],
+                         row["real_tokens"] / row["steps_per_epoch"])
+        return TrainResult(pd.DataFrame([row]), pd.DataFrame(), losses.assign(run=row["plan"]),
+                           pd.DataFrame(), pd.DataFrame())
     if decisions is None and cfg.results and not stored:
         decisions = read_results(cfg.job())
     if costs is None and cfg.results:
@@ -213,18 +220,6 @@ def _job(cfg: TrainConfig, plan: Plan, path: Path, folder: Path, work: Path,
     evals = PackedDataset(split.eval.cache.folder, cfg.seq_len, records=split.eval.indices,
                           pack=False)  # one record a row, in both plans: their losses compare
     return _Job(split, data, evals, cfg.total_steps(split.steps_per_epoch))
-
-
-def _finished(out: Path, stored: dict[str, Any]) -> TrainResult:
-    """A resume of a finished run: its summary and losses as it left them, nothing trained."""
-    row = stored["finished"] | {"resumed_from_step": stored["finished"]["steps"]}
-    say(f"diag train: the run in {out} finished at step {row['steps']}: nothing to train, its "
-        "adapter is there (name a new --out-dir to train again)")
-    history = json.loads((last_checkpoint(out) / "trainer_state.json").read_text())
-    losses = _losses(history["log_history"], stored["eval_loss_0"],
-                     row["real_tokens"] / row["steps_per_epoch"])
-    return TrainResult(pd.DataFrame([row]), pd.DataFrame(), losses.assign(run=row["plan"]),
-                       pd.DataFrame(), pd.DataFrame())
 
 
 def _save_output(trainer: Any, folder: Path, src: Sources, tmp: Path) -> None:

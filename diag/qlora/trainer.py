@@ -184,11 +184,6 @@ def left_s(projected: dict[str, float], spent: dict[str, float], steps_left: int
                           "train", "warmup", "fetch_data", "load_model", "preprocess", "setup"))
 
 
-def promise_after(steps: int) -> int:
-    """How many step intervals the first ETA waits for: 10, fewer in a short run."""
-    return min(10, max(1, steps // 5))
-
-
 @functools.cache
 def progress_callback() -> type:
     """The bar (steps, tokens/s, data_wait, diag's time left), the whole command's ETA once the
@@ -204,53 +199,48 @@ def progress_callback() -> type:
             self.bar: Any = None
             self.promised: float | None = None  # the first ETA, the whole command's wall seconds
             self._ends: list[float] = []  # each step's end: the pace is their median gap
-            self._start, self._first, self._shown = 0.0, 0, 0.0
+            self._first, self._shown = 0, 0.0
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.bar = tqdm(total=state.max_steps, initial=state.global_step, unit="step",
                             desc=self.desc, dynamic_ncols=True, file=sys.stderr,
                             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
-            self._start, self._first = time.perf_counter(), state.global_step
+            self._first = state.global_step
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            step, now = state.global_step, time.perf_counter()
+            step, now, last = state.global_step, time.perf_counter(), state.max_steps
             self._ends = [*self._ends[-20:], now]
+            # a step's wall end to end (callbacks, optimizer, the odd eval or save: the median
+            # passes over those) prices the steps left; the first ETA waits for 10 (short: fewer)
             gaps = [b - a for a, b in zip(self._ends, self._ends[1:])]
-            # a step's wall from end to end (callbacks, optimizer, the odd eval or save: the
-            # median passes over those) prices the steps left
             step_s = statistics.median(gaps) if gaps else None
             self.bar.update(1)
-            if self.promised is None and len(gaps) >= promise_after(state.max_steps - self._first):
-                left = left_s(self.projected, self._spent(), state.max_steps - step, step_s,
-                              state.max_steps)
+            due = min(10, max(1, (last - self._first) // 5))
+            promise = self.promised is None and len(gaps) >= due
+            shares = self.every and step % self.every == 0 and step < last
+            if not (promise or shares or now - self._shown >= 1.0 or step == last):
+                return  # the frame costs O(steps): at most once a second
+            self._shown, frame = now, self.timer.to_frame()
+            spent = frame[frame["step"].isna()].groupby("stage")["seconds"].sum().to_dict()
+            left = left_s(self.projected, spent, last - step, step_s, last)
+            stepped = frame[frame["stage"].isin(STEP_STAGES) & frame["step"].notna()]
+            wait, busy = (stepped.loc[stepped["stage"] == "data_wait", "seconds"].sum(),
+                          stepped["seconds"].sum())
+            rate = self.tokens_per_step / step_s if step_s else 0.0  # at the steps' pace now
+            self.bar.set_postfix_str(f"{rate:,.0f} trained tokens/s, data_wait "
+                                     f"{wait / busy if busy else 0:.1%}, {duration(left)} left "
+                                     "(diag's ETA)")
+            if promise:
                 self.promised = now - self.began + left
                 say(f"diag train: ETA {duration(self.promised)} (wall) for the whole command, "
                     f"{duration(now - self.began)} of it spent (deciding the plan, fetch, load, "
                     f"preprocess, the first {step - self._first} steps); this run's steps at "
                     f"{step_s:.3g} s each (median of {len(gaps)})")
-            if now - self._shown >= 1.0 or step == state.max_steps:  # the frame costs O(steps)
-                self._shown = now
-                frame = self.timer.to_frame()
-                stepped = frame[frame["stage"].isin(STEP_STAGES) & frame["step"].notna()]
-                wait = stepped.loc[stepped["stage"] == "data_wait", "seconds"].sum()
-                busy = stepped["seconds"].sum()
-                rate = self.tokens_per_step * (step - self._first) / (now - self._start)
-                left = left_s(self.projected, self._spent(frame), state.max_steps - step, step_s,
-                              state.max_steps)
-                self.bar.set_postfix_str(f"{rate:,.0f} trained tokens/s, data_wait "
-                                         f"{wait / busy if busy else 0:.1%}, "
-                                         f"{duration(left)} left (diag's ETA)")
-            if self.every and step % self.every == 0 and step < state.max_steps:
-                # each stage's share so far, largest first (`train` holds the steps' stages)
-                frame = self.timer.to_frame()
+            if shares:  # each stage's share so far, largest first (`train` holds the steps')
                 by = frame[frame["stage"] != "train"].groupby("stage")["seconds"].sum()
-                shares = ", ".join(f"{stage} {s / by.sum():.1%}" for stage, s in
-                                   by.sort_values(ascending=False).items()) if by.sum() > 0 else ""
-                say(f"step {step}: stage shares so far: {shares or 'nothing timed yet'}")
-
-        def _spent(self, frame: Any = None) -> dict[str, float]:
-            frame = self.timer.to_frame() if frame is None else frame
-            return frame[frame["step"].isna()].groupby("stage")["seconds"].sum().to_dict()
+                said = ", ".join(f"{stage} {s / by.sum():.1%}" for stage, s in
+                                 by.sort_values(ascending=False).items()) if by.sum() > 0 else ""
+                say(f"step {step}: stage shares so far: {said or 'nothing timed yet'}")
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.bar is not None:

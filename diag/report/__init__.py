@@ -1,9 +1,8 @@
 """A run folder a person can open: one CSV per experiment, summary.json, PNG figures, report.html.
 
-`write(frames)` assembles `runs/<UTC timestamp>/` in a hidden folder and renames it into place
-whole; `render(DIR)` redraws its figures and the page (page.py: the headline and the fixes first,
-then a section per experiment) from its CSVs, as `diag report DIR` does; `load(DIR)` reads the
-frames back with their dtypes.
+`write(frames)` assembles `runs/<UTC timestamp>/` hidden and renames it into place whole;
+`render(DIR)` redraws its figures and page (page.py) from its CSVs, as `diag report DIR` does;
+`load(DIR)` reads the frames back with their dtypes.
 """
 
 from __future__ import annotations

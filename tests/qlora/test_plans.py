@@ -206,7 +206,7 @@ def test_a_decision_from_an_absent_frame_is_labelled_default():
     plan = Plan.optimized()
     assert [d.setting for d in plan.decisions] == list(SETTINGS)
     assert {d.basis for d in plan.decisions} == {"default"}
-    assert all(why.startswith("default") for _, why in plan.evidence)
+    assert all(why.startswith("default") for why in plan.frame()["evidence"])
     with pytest.raises(ValueError, match="no decision for micro_batch"):
         Plan.collect("x", [d for d in Plan.naive().decisions if d.setting != "micro_batch"])
     with pytest.raises(ValueError, match="two decisions for 'fetch'"):
