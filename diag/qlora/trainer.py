@@ -198,8 +198,10 @@ def progress_callback() -> type:
             self.desc, self.projected, self.began = desc, projected, began
             self.bar: Any = None
             self.promised: float | None = None  # the first ETA, the whole command's wall seconds
-            self._ends: list[float] = []  # each step's end: the pace is their median gap
+            self._gaps: list[float] = []  # the last 100 steps' walls, end to end
             self._first, self._shown = 0, 0.0
+            self._end: float | None = None  # the last step's end
+            self._aside: float | None = None  # eval + checkpoint seconds then, if it ran either
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.bar = tqdm(total=state.max_steps, initial=state.global_step, unit="step",
@@ -209,14 +211,18 @@ def progress_callback() -> type:
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             step, now, last = state.global_step, time.perf_counter(), state.max_steps
-            self._ends = [*self._ends[-20:], now]
-            # a step's wall end to end (callbacks, optimizer, the odd eval or save: the median
-            # passes over those) prices the steps left; the first ETA waits for 10 (short: fewer)
-            gaps = [b - a for a, b in zip(self._ends, self._ends[1:])]
-            step_s = statistics.median(gaps) if gaps else None
+            if self._end is not None:  # none before step 1 (the warm-up); an eval's or save's off
+                off = self._side() - self._aside if self._aside is not None else 0.0
+                self._gaps = [*self._gaps[-99:], now - self._end - off]
+            self._end = now
+            self._aside = self._side() if control.should_evaluate or control.should_save else None
+            # the mean step, callbacks and optimizer included, prices the steps left; the first
+            # ETA waits for a tenth of the run (at least 10 steps, fewer in a short run) or 2 min
+            gaps, span = self._gaps, last - self._first
+            step_s = statistics.fmean(gaps) if gaps else None
             self.bar.update(1)
-            due = min(10, max(1, (last - self._first) // 5))
-            promise = self.promised is None and len(gaps) >= due
+            promise = self.promised is None and len(gaps) >= min(10, max(1, span // 5)) and (
+                len(gaps) >= span / 10 or sum(gaps) >= 120)
             shares = self.every and step % self.every == 0 and step < last
             if not (promise or shares or now - self._shown >= 1.0 or step == last):
                 return  # the frame costs O(steps): at most once a second
@@ -235,12 +241,15 @@ def progress_callback() -> type:
                 say(f"diag train: ETA {duration(self.promised)} (wall) for the whole command, "
                     f"{duration(now - self.began)} of it spent (deciding the plan, fetch, load, "
                     f"preprocess, the first {step - self._first} steps); this run's steps at "
-                    f"{step_s:.3g} s each (median of {len(gaps)})")
+                    f"{step_s:.3g} s each (mean of {len(gaps)})")
             if shares:  # each stage's share so far, largest first (`train` holds the steps')
                 by = frame[frame["stage"] != "train"].groupby("stage")["seconds"].sum()
                 said = ", ".join(f"{stage} {s / by.sum():.1%}" for stage, s in
                                  by.sort_values(ascending=False).items()) if by.sum() > 0 else ""
                 say(f"step {step}: stage shares so far: {said or 'nothing timed yet'}")
+
+        def _side(self) -> float:
+            return self.timer.total("eval") + self.timer.total("checkpoint")
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.bar is not None:

@@ -221,7 +221,8 @@ def test_default_workers_leave_two_cores_to_the_step(monkeypatch):
     monkeypatch.setattr(device, "usable_cores", lambda: 2)
     plan = Plan.optimized()
     assert plan.num_workers == 0 and plan.prefetch_factor is None
-    assert "two cores left to the step" in dict(plan.evidence)["num_workers"]
+    assert "two cores left to the step" in plan.frame().set_index("setting").at["num_workers",
+                                                                                 "evidence"]
     monkeypatch.setattr(device, "usable_cores", lambda: 16)
     assert Plan.optimized().num_workers == DEFAULT_WORKERS == 2
 
