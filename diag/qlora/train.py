@@ -200,11 +200,7 @@ class _Job:
     data: Data
     evals: Any  # the held-out records, one a row (PackedDataset, pack=False)
     steps: int  # optimizer steps of the run (epochs x steps per epoch, or max_steps)
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Trained tokens per optimizer step: an epoch's, spread evenly over its steps."""
-        return self.data.stats["real_tokens"] / self.split.steps_per_epoch
+    tokens_per_step: float  # trained tokens per optimizer step: an epoch's, spread evenly
 
 
 def _job(cfg: TrainConfig, plan: Plan, path: Path, folder: Path, work: Path,
@@ -219,7 +215,8 @@ def _job(cfg: TrainConfig, plan: Plan, path: Path, folder: Path, work: Path,
                          steps=split.steps_per_epoch, rows=rows)
     evals = PackedDataset(split.eval.cache.folder, cfg.seq_len, records=split.eval.indices,
                           pack=False)  # one record a row, in both plans: their losses compare
-    return _Job(split, data, evals, cfg.total_steps(split.steps_per_epoch))
+    return _Job(split, data, evals, cfg.total_steps(split.steps_per_epoch),
+                data.stats["real_tokens"] / split.steps_per_epoch)
 
 
 def _save_output(trainer: Any, folder: Path, src: Sources, tmp: Path) -> None:

@@ -173,8 +173,7 @@ def signals_callback() -> type:
 
 def left_s(projected: dict[str, float], spent: dict[str, float], steps_left: int,
            step_s: float | None, steps: int) -> float:
-    """The steps left at the pace measured (else the ETA's), and each later stage's ETA left:
-    the evals (forward passes of the same model) at that pace over the ETA's, saves as priced."""
+    """Seconds left: the steps at step_s (None: as priced), evals at that pace, saves as priced."""
     priced = projected.get("train", 0.0) + projected.get("warmup", 0.0)
     pace = step_s * steps / priced if step_s and priced else 1.0
     left = steps_left * step_s if step_s else max(
@@ -186,8 +185,7 @@ def left_s(projected: dict[str, float], spent: dict[str, float], steps_left: int
 
 @functools.cache
 def progress_callback() -> type:
-    """The bar (steps, tokens/s, data_wait, diag's time left), the whole command's ETA once the
-    run's own steps have a pace, the stage shares every `every` steps."""
+    """The bar (tokens/s, data_wait, time left), the command's ETA, the shares every `every`."""
     from tqdm.auto import tqdm
     from transformers import TrainerCallback
 
