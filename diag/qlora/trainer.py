@@ -230,10 +230,9 @@ def progress_callback() -> type:
             stepped = frame[frame["stage"].isin(STEP_STAGES) & frame["step"].notna()]
             wait, busy = (stepped.loc[stepped["stage"] == "data_wait", "seconds"].sum(),
                           stepped["seconds"].sum())
-            rate = self.tokens_per_step / step_s if step_s else 0.0  # at the steps' pace now
-            self.bar.set_postfix_str(f"{rate:,.0f} trained tokens/s, data_wait "
-                                     f"{wait / busy if busy else 0:.1%}, {duration(left)} left "
-                                     "(diag's ETA)")
+            rate = f"{self.tokens_per_step / step_s:,.0f} trained tokens/s, " if step_s else ""
+            self.bar.set_postfix_str(f"{rate}data_wait {wait / busy if busy else 0:.1%}, "
+                                     f"{duration(left)} left (diag's ETA)")
             if promise:
                 self.promised = now - self.began + left
                 say(f"diag train: ETA {duration(self.promised)} (wall) for the whole command, "
