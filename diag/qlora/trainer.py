@@ -197,7 +197,7 @@ def progress_callback() -> type:
             self.bar: Any = None
             self.promised: float | None = None  # the first ETA, the whole command's wall seconds
             self._gaps: list[float] = []  # the last 100 steps' walls, end to end
-            self._first, self._shown = 0, 0.0
+            self._first, self._shown, self._timed, self._timed_s = 0, 0.0, 0, 0.0  # all gaps
             self._end: float | None = None  # the last step's end
             self._aside: float | None = None  # eval + checkpoint seconds then, if it ran either
 
@@ -212,6 +212,7 @@ def progress_callback() -> type:
             if self._end is not None:  # none before step 1 (the warm-up); an eval's or save's off
                 off = self._side() - self._aside if self._aside is not None else 0.0
                 self._gaps = [*self._gaps[-99:], now - self._end - off]
+                self._timed, self._timed_s = self._timed + 1, self._timed_s + self._gaps[-1]
             self._end = now
             self._aside = self._side() if control.should_evaluate or control.should_save else None
             # the mean step, callbacks and optimizer included, prices the steps left; the first
@@ -219,8 +220,8 @@ def progress_callback() -> type:
             gaps, span = self._gaps, last - self._first
             step_s = statistics.fmean(gaps) if gaps else None
             self.bar.update(1)
-            promise = self.promised is None and len(gaps) >= min(10, max(1, span // 5)) and (
-                len(gaps) >= span / 10 or sum(gaps) >= 120)
+            promise = self.promised is None and self._timed >= min(10, max(1, span // 5)) and (
+                self._timed >= span / 10 or self._timed_s >= 120)  # a long run: past the window
             shares = self.every and step % self.every == 0 and step < last
             if not (promise or shares or now - self._shown >= 1.0 or step == last):
                 return  # the frame costs O(steps): at most once a second
